@@ -1,0 +1,61 @@
+"""Shared fixtures: tiny random VAEs saved with save_pretrained, tiny ImageFolder trees."""
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+# Keep CPU tests predictable on the 2-core CI machine.
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def make_tiny_vae(out_dir: Path, latent_channels: int = 4, levels: int = 2, seed: int = 0) -> Path:
+    """Save a random AutoencoderKL (downsample factor 2**(levels-1)) into out_dir and return it."""
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(seed)
+    widths = tuple(8 * 2**i for i in range(levels))
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * levels,
+        up_block_types=("UpDecoderBlock2D",) * levels,
+        block_out_channels=widths,
+        layers_per_block=1,
+        latent_channels=latent_channels,
+        norm_num_groups=8,
+        sample_size=32,
+    )
+    vae.save_pretrained(out_dir)
+    return Path(out_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_vae_dir(tmp_path_factory) -> Path:
+    """A tiny random AutoencoderKL folder: 4 latent channels, downsample factor 2."""
+    return make_tiny_vae(tmp_path_factory.mktemp("vae") / "tiny-vae")
+
+
+def make_image_folder(root: Path, classes=("cat", "dog", "eel"), per_class: int = 3, size=(20, 24), seed: int = 0) -> Path:
+    """Write an ImageFolder tree root/<class>/<i>.png of random RGB images and return root."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    for name in classes:
+        (root / name).mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            pixels = rng.integers(0, 256, size=(size[1], size[0], 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(root / name / f"{i:03d}.png")
+    return root
+
+
+@pytest.fixture
+def image_folder(tmp_path) -> Path:
+    """A 3-class ImageFolder with 3 random 20x24 PNGs per class."""
+    return make_image_folder(tmp_path / "images")
