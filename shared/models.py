@@ -1,0 +1,468 @@
+"""DiT (Peebles & Xie, 2023): the model, its presets, its config, and preset inference from weights.
+
+Parameter names, shapes, initialisation and numerics follow the official release, so the official
+checkpoints (e.g. DiT-XL-2-256x256.pt) load with strict=True and give the same outputs.
+"""
+import functools
+import importlib
+import math
+import re
+from dataclasses import asdict, dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from shared.errors import UserError
+
+ATTENTION_BACKENDS = ("auto", "sdpa", "xformers", "math")
+FREQUENCY_EMBEDDING_SIZE = 256  # sinusoidal timestep features fed to the timestep MLP (DiT Sec. 3.2)
+
+
+def modulate(x, shift, scale):
+    """adaLN modulation x * (1 + scale) + shift, broadcast over tokens."""
+    return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)  # (N, T, D)
+
+
+#################################################################################
+#                     Fixed sine-cosine positional embedding                    #
+#################################################################################
+
+def sincos_1d(dim, positions):
+    """Sine half then cosine half of positions / 10000^(2i/dim) (Transformer positional encoding)."""
+    omega = 1.0 / 10000 ** (torch.arange(dim // 2, dtype=torch.float64) / (dim / 2))  # (dim/2,)
+    angles = positions.reshape(-1, 1).double() * omega  # (M, dim/2)
+    return torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)  # (M, dim)
+
+
+def sincos_2d(dim, grid_size):
+    """(grid_size**2, dim) MAE-style 2-D embedding; first half encodes the column, second the row."""
+    # The official code builds its grid with meshgrid(w, h), so its "emb_h" half actually holds the
+    # column index; we keep that order so official checkpoints see the embedding they were trained with.
+    rows, cols = torch.meshgrid(torch.arange(grid_size), torch.arange(grid_size), indexing="ij")
+    return torch.cat([sincos_1d(dim // 2, cols), sincos_1d(dim // 2, rows)], dim=1)  # (T, dim)
+
+
+#################################################################################
+#                 Embedding layers for patches, timesteps and labels            #
+#################################################################################
+
+class PatchEmbed(nn.Module):
+    """Non-overlapping p x p patches projected to D channels by a strided convolution."""
+
+    def __init__(self, input_size, patch_size, in_channels, hidden_size):
+        super().__init__()
+        self.input_size, self.patch_size = input_size, patch_size
+        self.num_patches = (input_size // patch_size) ** 2
+        self.proj = nn.Conv2d(in_channels, hidden_size, kernel_size=patch_size, stride=patch_size, bias=True)
+
+    def forward(self, x):
+        """(N, C, H, W) latents -> (N, T, D) tokens in row-major patch order."""
+        x = self.proj(x)  # (N, D, H/p, W/p)
+        return x.flatten(2).transpose(1, 2)  # (N, T, D)
+
+
+class TimestepEmbedder(nn.Module):
+    """Sinusoidal timestep features followed by a two-layer SiLU MLP."""
+
+    def __init__(self, hidden_size, frequency_embedding_size=FREQUENCY_EMBEDDING_SIZE):
+        super().__init__()
+        self.mlp = nn.Sequential(
+            nn.Linear(frequency_embedding_size, hidden_size, bias=True),
+            nn.SiLU(),
+            nn.Linear(hidden_size, hidden_size, bias=True),
+        )
+        self.frequency_embedding_size = frequency_embedding_size
+
+    @staticmethod
+    def timestep_embedding(t, dim, max_period=10000):
+        """(N,) possibly fractional timesteps -> (N, dim) features, cosine half first (as GLIDE/ADM)."""
+        half = dim // 2
+        # fp32 on purpose: the official checkpoints were trained with exactly these fp32 features.
+        freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+        args = t[:, None].float() * freqs[None]  # (N, half)
+        embedding = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)  # (N, 2*half)
+        if dim % 2:
+            embedding = F.pad(embedding, (0, 1))  # (N, dim)
+        return embedding
+
+    def forward(self, t):
+        """(N,) timesteps -> (N, D) embeddings."""
+        t_freq = self.timestep_embedding(t, self.frequency_embedding_size)
+        return self.mlp(t_freq.to(self.mlp[0].weight.dtype))  # (N, D)
+
+
+class LabelEmbedder(nn.Module):
+    """Class embedding table; the extra last row is the null class used for classifier-free guidance."""
+
+    def __init__(self, num_classes, hidden_size, dropout_prob):
+        super().__init__()
+        self.has_null = dropout_prob > 0  # as official: no null row when the model never drops labels
+        self.embedding_table = nn.Embedding(num_classes + int(self.has_null), hidden_size)
+        self.num_classes = num_classes
+        self.dropout_prob = dropout_prob
+
+    def token_drop(self, labels, force_drop_ids=None):
+        """Replace labels by the null class with probability dropout_prob (or where force_drop_ids == 1)."""
+        if force_drop_ids is None:
+            # Global torch RNG, so seeding torch reproduces which labels were dropped.
+            drop_ids = torch.rand(labels.shape[0], device=labels.device) < self.dropout_prob
+        else:
+            drop_ids = force_drop_ids.to(labels.device) == 1
+        return torch.where(drop_ids, torch.full_like(labels, self.num_classes), labels)
+
+    def forward(self, labels, train, force_drop_ids=None):
+        """(N,) labels -> (N, D); drops labels during training for CFG (Ho & Salimans, 2022)."""
+        if (train and self.dropout_prob > 0) or force_drop_ids is not None:
+            labels = self.token_drop(labels, force_drop_ids)
+        return self.embedding_table(labels)  # (N, D)
+
+
+#################################################################################
+#                          Attention with swappable kernels                     #
+#################################################################################
+
+def _import_xformers_ops():
+    """Import xformers.ops or raise a UserError naming the fix."""
+    try:
+        return importlib.import_module("xformers.ops")
+    except Exception as err:  # ImportError, or a broken build raising anything at import time
+        raise UserError(
+            f"attention backend 'xformers' was requested but xformers cannot be imported ({err}). "
+            "Install the xformers wheel that matches your torch and CUDA build (see "
+            "requirements-xformers.txt), or choose --attention sdpa, which needs nothing extra."
+        ) from err
+
+
+def resolve_attention(backend):
+    """Check an attention backend name and return the concrete one ("auto" means "sdpa")."""
+    if backend not in ATTENTION_BACKENDS:
+        raise UserError(
+            f"unknown attention backend {backend!r}; choose one of {', '.join(ATTENTION_BACKENDS)} "
+            "('auto' uses torch's scaled_dot_product_attention)."
+        )
+    if backend == "xformers":
+        _import_xformers_ops()
+    return "sdpa" if backend == "auto" else backend
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with a fused qkv projection (names as timm's, as the checkpoints)."""
+
+    def __init__(self, dim, num_heads):
+        super().__init__()
+        if dim % num_heads:
+            raise UserError(f"hidden size {dim} is not divisible by {num_heads} heads; pick a width that is.")
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.qkv = nn.Linear(dim, dim * 3, bias=True)
+        self.proj = nn.Linear(dim, dim, bias=True)
+        self.backend = "sdpa"
+
+    def forward(self, x):
+        """(N, T, D) -> (N, T, D)."""
+        n, t, d = x.shape
+        qkv = self.qkv(x).reshape(n, t, 3, self.num_heads, self.head_dim)  # (N, T, 3, H, d)
+        if self.backend == "xformers":
+            out = self._xformers(*qkv.unbind(2))  # (N, T, H, d)
+        else:
+            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (N, H, T, d)
+            attend = F.scaled_dot_product_attention if self.backend == "sdpa" else math_attention
+            out = attend(q, k, v).transpose(1, 2)  # (N, T, H, d)
+        return self.proj(out.reshape(n, t, d))  # (N, T, D)
+
+    def _xformers(self, q, k, v):
+        """xformers memory-efficient attention on (N, T, H, d); CUDA only, never a silent fallback."""
+        if not q.is_cuda:
+            raise UserError(
+                f"attention backend 'xformers' needs CUDA tensors but the model runs on {q.device}; "
+                "its kernels are not implemented there. Use --attention sdpa (or auto) on this device."
+            )
+        try:
+            return _import_xformers_ops().memory_efficient_attention(q, k, v)  # (N, T, H, d)
+        except NotImplementedError as err:
+            raise UserError(
+                f"xformers has no kernel for this input ({q.dtype}, head dim {q.shape[-1]}, {q.device}): "
+                f"{err}. Use --attention sdpa, or install an xformers build for your GPU."
+            ) from err
+
+
+def math_attention(q, k, v):
+    """softmax(Q K^T / sqrt(d)) V written out (Vaswani et al., 2017, Eq. 1), on (N, H, T, d)."""
+    weights = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)  # (N, H, T, T)
+    return weights.softmax(dim=-1) @ v  # (N, H, T, d)
+
+
+#################################################################################
+#                                  DiT blocks                                   #
+#################################################################################
+
+class Mlp(nn.Module):
+    """Two-layer feed-forward network with tanh-approximated GELU."""
+
+    def __init__(self, dim, hidden_dim):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden_dim, bias=True)
+        self.act = nn.GELU(approximate="tanh")
+        self.fc2 = nn.Linear(hidden_dim, dim, bias=True)
+
+    def forward(self, x):
+        """(N, T, D) -> (N, T, D)."""
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class DiTBlock(nn.Module):
+    """Transformer block with adaLN-Zero conditioning (DiT Sec. 3.2, Fig. 3)."""
+
+    def __init__(self, hidden_size, num_heads, mlp_ratio=4.0):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.attn = Attention(hidden_size, num_heads)
+        self.norm2 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.mlp = Mlp(hidden_size, int(hidden_size * mlp_ratio))
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size, bias=True))
+
+    def forward(self, x, c):
+        """x (N, T, D) tokens, c (N, D) conditioning -> (N, T, D)."""
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c).chunk(6, dim=1)
+        x = x + gate_msa.unsqueeze(1) * self.attn(modulate(self.norm1(x), shift_msa, scale_msa))
+        return x + gate_mlp.unsqueeze(1) * self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp))
+
+
+class FinalLayer(nn.Module):
+    """adaLN-modulated LayerNorm and a linear map from tokens to p*p*out_channels patch values."""
+
+    def __init__(self, hidden_size, patch_size, out_channels):
+        super().__init__()
+        self.norm_final = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.linear = nn.Linear(hidden_size, patch_size * patch_size * out_channels, bias=True)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size, bias=True))
+
+    def forward(self, x, c):
+        """x (N, T, D), c (N, D) -> (N, T, p*p*out_channels)."""
+        shift, scale = self.adaLN_modulation(c).chunk(2, dim=1)
+        return self.linear(modulate(self.norm_final(x), shift, scale))
+
+
+#################################################################################
+#                                     DiT                                       #
+#################################################################################
+
+class DiT(nn.Module):
+    """Diffusion Transformer over latent patches, conditioned on timestep and class."""
+
+    def __init__(self, input_size=32, patch_size=2, in_channels=4, hidden_size=1152, depth=28,
+                 num_heads=16, mlp_ratio=4.0, class_dropout_prob=0.1, num_classes=1000,
+                 learn_sigma=True, attention="auto", grad_checkpoint_every=0):
+        super().__init__()
+        if input_size % patch_size:
+            raise UserError(f"input size {input_size} is not a multiple of patch size {patch_size}; "
+                            "pick a preset whose patch size divides the latent size.")
+        self.input_size, self.patch_size = input_size, patch_size
+        self.in_channels = in_channels
+        self.learn_sigma = learn_sigma
+        self.out_channels = in_channels * 2 if learn_sigma else in_channels
+        self.num_heads = num_heads
+        self.num_classes = num_classes
+        self.null_label = num_classes  # the one owner of the null-class index
+
+        self.x_embedder = PatchEmbed(input_size, patch_size, in_channels, hidden_size)
+        self.t_embedder = TimestepEmbedder(hidden_size)
+        self.y_embedder = LabelEmbedder(num_classes, hidden_size, class_dropout_prob)
+        # Fixed sin-cos embedding, kept as a frozen parameter so it is in the state dict as official.
+        tokens = self.x_embedder.num_patches
+        self.pos_embed = nn.Parameter(torch.zeros(1, tokens, hidden_size), requires_grad=False)  # (1, T, D)
+        self.blocks = nn.ModuleList([DiTBlock(hidden_size, num_heads, mlp_ratio) for _ in range(depth)])
+        self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels)
+        self.initialize_weights()
+        self.set_attention(attention)
+        self.set_grad_checkpointing(grad_checkpoint_every)
+
+    @torch.no_grad()
+    def initialize_weights(self):
+        """Official init: xavier linears, sin-cos positions, N(0, 0.02) embeddings, adaLN-Zero."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                nn.init.zeros_(module.bias)
+        grid = self.input_size // self.patch_size
+        pos = sincos_2d(self.pos_embed.shape[-1], grid).float()  # (T, D), computed on the CPU in float64
+        self.pos_embed.copy_(pos.unsqueeze(0).to(self.pos_embed.device))  # (1, T, D)
+        # Patch embedding initialised like a linear layer over the flattened patch (as official).
+        w = self.x_embedder.proj.weight
+        nn.init.xavier_uniform_(w.view(w.shape[0], -1))
+        nn.init.zeros_(self.x_embedder.proj.bias)
+        nn.init.normal_(self.y_embedder.embedding_table.weight, std=0.02)
+        nn.init.normal_(self.t_embedder.mlp[0].weight, std=0.02)
+        nn.init.normal_(self.t_embedder.mlp[2].weight, std=0.02)
+        # adaLN-Zero (DiT Sec. 3.2): every block starts as the identity, the output as zero.
+        for layer in [b.adaLN_modulation[-1] for b in self.blocks] + [self.final_layer.adaLN_modulation[-1],
+                                                                       self.final_layer.linear]:
+            nn.init.zeros_(layer.weight)
+            nn.init.zeros_(layer.bias)
+
+    def set_attention(self, backend):
+        """Switch every block's attention kernel: "auto"|"sdpa"|"xformers"|"math"; UserError if unusable."""
+        self.attention = resolve_attention(backend)
+        for block in self.blocks:
+            block.attn.backend = self.attention
+
+    def set_grad_checkpointing(self, every):
+        """Recompute every `every`-th block (blocks 0, k, 2k, ...) in backward; 0 turns it off."""
+        if not isinstance(every, int) or isinstance(every, bool) or every < 0:
+            raise UserError(f"gradient checkpointing interval must be a whole number >= 0 (0 = off, 1 = every "
+                            f"block), got {every!r}.")
+        self.grad_checkpoint_every = every
+
+    def _checkpointed(self, index):
+        """Whether block `index` is recomputed in backward instead of storing its activations."""
+        k = self.grad_checkpoint_every
+        return k > 0 and index % k == 0 and torch.is_grad_enabled()
+
+    def unpatchify(self, x):
+        """(N, T, p*p*C) patch values -> (N, C, H, W), the inverse of the patch order of x_embedder."""
+        c, p = self.out_channels, self.patch_size
+        h = w = self.input_size // p
+        x = x.reshape(x.shape[0], h, w, p, p, c)  # (N, h, w, p, p, C)
+        x = x.permute(0, 5, 1, 3, 2, 4)  # (N, C, h, p, w, p)
+        return x.reshape(x.shape[0], c, h * p, w * p)  # (N, C, H, W)
+
+    def _check_input(self, x):
+        """UserError when latents do not have the shape this model was built for."""
+        expected = (self.in_channels, self.input_size, self.input_size)
+        if x.dim() != 4 or tuple(x.shape[1:]) != expected:
+            raise UserError(
+                f"the model expects latents of shape (N, {', '.join(map(str, expected))}) but got "
+                f"{tuple(x.shape)}; the latents' image size or VAE does not match this model's input_size "
+                "and in_channels. Use latents extracted at the size the model was built for."
+            )
+
+    def forward(self, x, t, y):
+        """x (N, C, H, W) latents, t (N,) timesteps, y (N,) labels -> (N, out_channels, H, W)."""
+        self._check_input(x)
+        x = self.x_embedder(x) + self.pos_embed  # (N, T, D), T = H * W / p**2
+        c = self.t_embedder(t) + self.y_embedder(y, self.training)  # (N, D)
+        for i, block in enumerate(self.blocks):
+            if self._checkpointed(i):
+                x = checkpoint(block, x, c, use_reentrant=False)  # (N, T, D)
+            else:
+                x = block(x, c)  # (N, T, D)
+        x = self.final_layer(x, c)  # (N, T, p*p*out_channels)
+        return self.unpatchify(x)  # (N, out_channels, H, W)
+
+    def forward_with_cfg(self, x, t, y, cfg_scale, guide_channels=3):
+        """Classifier-free guidance (Ho & Salimans, 2022, Eq. 6) batched as [cond half; null half]."""
+        # The official sampler guides only the first 3 of 4 latent channels (a reproducibility quirk);
+        # guide_channels=None guides all input channels. Learned-variance channels are never guided.
+        if not self.y_embedder.has_null:
+            raise UserError("this model was built with class_dropout_prob=0, so it has no null class to "
+                            "guide against; sample with cfg scale 1 (no guidance).")
+        half = x[: len(x) // 2]
+        model_out = self.forward(torch.cat([half, half], dim=0), t, y)  # (N, out, H, W)
+        g = self.in_channels if guide_channels is None else guide_channels
+        eps, rest = model_out[:, :g], model_out[:, g:]
+        cond_eps, uncond_eps = torch.split(eps, len(eps) // 2, dim=0)
+        half_eps = uncond_eps + cfg_scale * (cond_eps - uncond_eps)  # (N/2, g, H, W)
+        return torch.cat([torch.cat([half_eps, half_eps], dim=0), rest], dim=1)  # (N, out, H, W)
+
+
+#################################################################################
+#                          Presets, config, inference                           #
+#################################################################################
+
+PRESETS = {
+    f"DiT-{size}/{patch}": dict(depth=depth, hidden_size=width, patch_size=patch, num_heads=heads)
+    for size, depth, width, heads in [("XL", 28, 1152, 16), ("L", 24, 1024, 16), ("B", 12, 768, 12),
+                                      ("S", 12, 384, 6)]
+    for patch in (2, 4, 8)
+}
+# Tiny preset for tests and the CPU demo, not an official size: 4.0M parameters in its 6 blocks,
+# 4.4M in all with 1000 classes at 256x256 (4.2M with 10 classes).
+PRESETS["DiT-T/2"] = dict(depth=6, hidden_size=192, patch_size=2, num_heads=3)
+
+DiT_models = {name: functools.partial(DiT, **arch) for name, arch in PRESETS.items()}
+
+
+@dataclass
+class ModelConfig:
+    """Everything needed to rebuild a DiT; written into every checkpoint and export."""
+
+    model: str
+    input_size: int
+    in_channels: int = 4
+    num_classes: int = 1000
+    learn_sigma: bool = True
+    class_dropout_prob: float = 0.1
+
+    def __post_init__(self):
+        if self.model not in DiT_models:
+            raise UserError(f"unknown model preset {self.model!r}; choose one of {', '.join(DiT_models)}.")
+
+    def build(self, attention="auto", grad_checkpoint_every=0):
+        """Instantiate the DiT this config describes."""
+        kwargs = {k: v for k, v in self.to_dict().items() if k != "model"}
+        return DiT_models[self.model](attention=attention, grad_checkpoint_every=grad_checkpoint_every, **kwargs)
+
+    def to_dict(self):
+        """Plain JSON-serialisable dict."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d):
+        """Rebuild from to_dict() output; UserError on missing or unknown keys."""
+        names = {f.name for f in fields(cls)}
+        unknown, missing = sorted(set(d) - names), sorted({"model", "input_size"} - set(d))
+        if unknown or missing:
+            raise UserError(f"model config {d} has unknown keys {unknown} / lacks keys {missing}; it was "
+                            "written by an incompatible version. Re-export the weights with this version.")
+        return cls(**d)
+
+
+def _shape(state_dict, key):
+    """Shape of a required tensor, or a UserError saying the weights are not a DiT state dict."""
+    if key not in state_dict:
+        raise UserError(f"these weights have no {key!r} tensor, so they are not a DiT state dict (official "
+                        "DiT checkpoint or this project's export). Point --ckpt at a DiT weight file.")
+    return tuple(state_dict[key].shape)
+
+
+def _infer_architecture(state_dict):
+    """Read depth, width, patch, channels, input size, mlp width and label rows from tensor shapes."""
+    width, in_channels, patch, _ = _shape(state_dict, "x_embedder.proj.weight")
+    tokens = _shape(state_dict, "pos_embed")[1]
+    grid = math.isqrt(tokens)
+    depth = len({m.group(1) for k in state_dict if (m := re.match(r"blocks\.(\d+)\.", k))})
+    return dict(
+        depth=depth, hidden_size=width, patch_size=patch, in_channels=in_channels, input_size=grid * patch,
+        square=grid * grid == tokens,
+        mlp_hidden=_shape(state_dict, "blocks.0.mlp.fc1.weight")[0] if depth else 0,
+        out_channels=_shape(state_dict, "final_layer.linear.weight")[0] // (patch * patch),
+        label_rows=_shape(state_dict, "y_embedder.embedding_table.weight")[0],
+    )
+
+
+def infer_model_config(state_dict, class_dropout_prob=0.1):
+    """Recover the ModelConfig of a DiT state dict from its tensor shapes; UserError if no preset fits."""
+    # Shapes cannot tell whether the label table's last row is a null class; like the official
+    # checkpoints we assume it is (num_classes = rows - 1) unless class_dropout_prob is 0.
+    arch = _infer_architecture(state_dict)
+    found = {k: arch[k] for k in ("depth", "hidden_size", "patch_size")}
+    name = next((n for n, p in PRESETS.items() if {k: p[k] for k in found} == found
+                 and arch["mlp_hidden"] == 4 * p["hidden_size"] and arch["square"]), None)
+    if name is None:
+        raise UserError(
+            f"these weights have depth {arch['depth']}, width {arch['hidden_size']}, patch {arch['patch_size']}, "
+            f"MLP width {arch['mlp_hidden']} and input size {arch['input_size']} (latent grid), which match no "
+            f"preset in DiT_models ({', '.join(PRESETS)}). Use weights of a preset model."
+        )
+    if arch["out_channels"] not in (arch["in_channels"], 2 * arch["in_channels"]):
+        raise UserError(f"the final layer predicts {arch['out_channels']} channels for {arch['in_channels']} "
+                        "input channels (expected equal or double); these are not DiT weights.")
+    has_null = class_dropout_prob > 0 and arch["label_rows"] > 1
+    return ModelConfig(
+        model=name, input_size=arch["input_size"], in_channels=arch["in_channels"],
+        num_classes=arch["label_rows"] - int(has_null),
+        learn_sigma=arch["out_channels"] == 2 * arch["in_channels"],
+        class_dropout_prob=class_dropout_prob if has_null else 0.0,
+    )

@@ -1,0 +1,122 @@
+"""Slim weight files: exact round trip, rebuild from metadata, atomic writes, clear errors."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import shared.export as export
+from shared.errors import UserError
+from shared.export import load_weights, save_weights
+from shared.models import ModelConfig
+
+LATENT_META = {"image_size": 16, "scaling_factor": 0.5, "latent_shape": [4, 8, 8],
+               "vae": {"source": "tiny", "config_sha256": "ab"}, "class_names": ["cat", "dog", "eel"]}
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """A tiny DiT with non-trivial weights and its config."""
+    config = ModelConfig(model="DiT-T/2", input_size=8, num_classes=3)
+    torch.manual_seed(0)
+    model = config.build()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return model.eval(), config
+
+
+def test_round_trip_is_exact_and_rebuilds_the_model(tmp_path, trained):
+    model, config = trained
+    path = save_weights(tmp_path / "exports" / "ema-step-0000100.safetensors", model.state_dict(), config,
+                        LATENT_META, 100)
+    state_dict, config2, meta, step = load_weights(path)
+    assert (config2, meta, step) == (config, LATENT_META, 100)
+    assert state_dict.keys() == model.state_dict().keys()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(state_dict[name], tensor), name
+    rebuilt = config2.build()
+    rebuilt.load_state_dict(state_dict, strict=True)
+    x, t, y = torch.randn(2, 4, 8, 8), torch.tensor([3, 900]), torch.tensor([0, 2])
+    with torch.no_grad():
+        assert torch.equal(rebuilt.eval()(x, t, y), model(x, t, y))
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]  # no temp file left behind
+
+
+def test_metadata_is_plain_json_strings(tmp_path, trained):
+    model, config = trained
+    path = save_weights(tmp_path / "w.safetensors", model.state_dict(), config.to_dict(), LATENT_META, 7)
+    from safetensors import safe_open
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata()
+    assert set(metadata) == {"dit_config", "latents", "step"}
+    assert json.loads(metadata["dit_config"]) == config.to_dict() and metadata["step"] == "7"
+    with pytest.raises(UserError, match="unknown model preset"):
+        bad = {"model": "DiT-Q/2", "input_size": 8}
+        save_weights(tmp_path / "x.safetensors", model.state_dict(), bad, None, 0)
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_views_and_shared_storage_are_saved(tmp_path):
+    base = torch.arange(12.0).reshape(3, 4)
+    state = {"a": base.t(), "b": base[1], "c": base}  # non-contiguous view and tensors sharing storage
+    path = save_weights(tmp_path / "v.safetensors", state, ModelConfig("DiT-T/2", 8), None, 0)
+    loaded, _, meta, _ = load_weights(path)
+    assert meta is None and all(torch.equal(loaded[k], v) for k, v in state.items())
+
+
+def test_overwrite_replaces_and_a_failed_write_keeps_the_old_file(tmp_path, trained, monkeypatch):
+    model, config = trained
+    path = tmp_path / "w.safetensors"
+    save_weights(path, model.state_dict(), config, LATENT_META, 1)
+    save_weights(path, model.state_dict(), config, LATENT_META, 2)
+    assert load_weights(path)[3] == 2
+
+    def crash(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(export, "save_file", crash)
+    with pytest.raises(OSError, match="disk full"):
+        save_weights(path, model.state_dict(), config, LATENT_META, 3)
+    assert load_weights(path)[3] == 2  # the old file is intact
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["w.safetensors"]
+
+
+def test_missing_file_is_a_user_error(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        load_weights(tmp_path / "nope.safetensors")
+
+
+@pytest.mark.parametrize("content", [b"", b"not a safetensors file" * 10])
+def test_unreadable_file_is_a_user_error(tmp_path, content):
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(content)
+    with pytest.raises(UserError, match="cannot read"):
+        load_weights(path)
+
+
+def test_truncated_file_is_a_user_error(tmp_path, trained):
+    model, config = trained
+    path = save_weights(tmp_path / "w.safetensors", model.state_dict(), config, LATENT_META, 1)
+    path.write_bytes(path.read_bytes()[:-1000])
+    with pytest.raises(UserError, match="cannot read"):
+        load_weights(path)
+
+
+def test_file_without_dit_config_is_a_user_error(tmp_path):
+    path = tmp_path / "plain.safetensors"
+    save_file({"x": torch.zeros(2)}, str(path), metadata={"step": "3"})
+    with pytest.raises(UserError, match="dit_config"):
+        load_weights(path)
+    save_file({"x": torch.zeros(2)}, str(path))  # no metadata at all
+    with pytest.raises(UserError, match="dit_config"):
+        load_weights(path)
+
+
+def test_corrupt_metadata_is_a_user_error(tmp_path):
+    path = tmp_path / "corrupt.safetensors"
+    save_file({"x": torch.zeros(2)}, str(path), metadata={"dit_config": "{oops", "step": "1"})
+    with pytest.raises(UserError, match="corrupt"):
+        load_weights(path)
