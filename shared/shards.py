@@ -1,0 +1,620 @@
+"""The latent shard format: writer, index, zero-copy reader and a resumable distributed sampler.
+
+Layout of a latent folder (written by `extract`, read by `train`):
+
+    shard-000000.tar ...   webdataset-compatible ustar archives; per sample KEY two members:
+                           KEY.latent.safetensors  tensors "mean" and "std", each (F, C, h, w) fp16/fp32
+                                                   (F=2 with flips: 0 original, 1 mirrored)
+                           KEY.cls                 the class index in ASCII
+    index-arrays.npz       per-sample arrays, concatenated in shard order: "offsets" (int64, byte offset of
+                           each safetensors payload inside its tar) and "labels" (int64)
+    index.json             written LAST (temp + rename): format, version, counts, latent shape, dtype,
+                           flips, image size, classes, VAE identity, the payload layout, per shard
+                           {name, num_samples, size, sha256} and {name, size, sha256} of the sidecar
+
+Why a sidecar: 1.28M samples would be 2.5M JSON integers (seconds to parse); a binary .npz of two int64
+arrays loads in milliseconds, and index.json covers it by size and sha256, so a half-written or swapped
+sidecar is detected. Every payload has the same tensor layout (same shapes, dtype, header bytes), so the
+layout is recorded once and the reader maps each tar with mmap and views tensors in place (np.frombuffer
+at the recorded offset): no tar parsing and no copy per item. A DataLoader batch is gathered at once
+(`__getitems__`) by slicing the mapped bytes straight into one batch tensor, allocated in shared memory
+inside workers, so a batch costs one memcpy per tensor and no per-sample collate.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import mmap
+import os
+import tarfile
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import safetensors.numpy
+import torch
+
+from shared.errors import UserError
+
+FORMAT_NAME = "dit-latent-shards"
+FORMAT_VERSION = 1
+INDEX_NAME = "index.json"
+ARRAYS_NAME = "index-arrays.npz"
+PAYLOAD_EXT = "latent.safetensors"
+LABEL_EXT = "cls"
+TENSOR_NAMES = ("mean", "std")
+BLOCK = 512
+RECORD = 20 * BLOCK  # tar's default record size; the archive is padded to a whole record like GNU tar
+TMP_PREFIX = ".tmp-"
+
+_DTYPES = {"float16": np.float16, "float32": np.float32}
+_TORCH_DTYPES = {"float16": torch.float16, "float32": torch.float32}
+_SAFETENSORS_DTYPES = {"F16": "float16", "F32": "float32"}
+
+
+def shard_name(index: int) -> str:
+    """The file name of shard number `index` (shard-000000.tar, ...)."""
+    return f"shard-{index:06d}.tar"
+
+
+def dtype_name(dtype) -> str:
+    """Normalise a torch/numpy dtype or a string to "float16" or "float32"."""
+    if isinstance(dtype, torch.dtype):
+        name = str(dtype).replace("torch.", "")
+    else:
+        name = np.dtype(dtype).name
+    if name not in _DTYPES:
+        raise ValueError(f"latent dtype must be float16 or float32, got {dtype}")
+    return name
+
+
+def _sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    """Hex sha256 of a file, read in 4 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    """fsync a directory so a rename inside it survives a crash (no-op where unsupported)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write bytes to a temp name in the same folder, fsync, and rename over `path`."""
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Writer
+# ---------------------------------------------------------------------------------------------------------
+
+def _tar_header(name: str, size: int) -> bytes:
+    """A deterministic 512-byte ustar header (mtime 0, root-less ids, mode 0644)."""
+    info = tarfile.TarInfo(name)
+    info.size = size
+    info.mtime = 0
+    info.mode = 0o644
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    info.type = tarfile.REGTYPE
+    return info.tobuf(format=tarfile.USTAR_FORMAT, encoding="ascii", errors="strict")
+
+
+def _padding(size: int, multiple: int = BLOCK) -> bytes:
+    """Zero bytes that pad `size` up to a multiple of `multiple`."""
+    return b"\0" * (-size % multiple)
+
+
+def _payload_layout(payload: bytes) -> dict:
+    """Parse a safetensors payload's header into {dtype, shape, header_size, payload_size, tensors}."""
+    header_len = int.from_bytes(payload[:8], "little")
+    header = json.loads(payload[8 : 8 + header_len])
+    data_start = 8 + header_len
+    specs = [header[name] for name in TENSOR_NAMES]
+    return {
+        "dtype": _SAFETENSORS_DTYPES[specs[0]["dtype"]],
+        "shape": list(specs[0]["shape"]),  # (F, C, h, w)
+        "header_size": data_start,
+        "payload_size": len(payload),
+        # byte offset of each tensor's data relative to the start of the payload
+        "tensors": {name: data_start + header[name]["data_offsets"][0] for name in TENSOR_NAMES},
+    }
+
+
+def _as_array(x, dtype: np.dtype) -> np.ndarray:
+    """A C-contiguous numpy copy of a torch tensor or array in the shard dtype."""
+    if isinstance(x, torch.Tensor):
+        x = x.detach().to("cpu", _TORCH_DTYPES[np.dtype(dtype).name]).numpy()
+    return np.ascontiguousarray(x, dtype=dtype)
+
+
+@dataclass
+class ShardInfo:
+    """What a finished shard holds; JSON-serialisable so extract can keep a per-shard sidecar for resume."""
+
+    name: str
+    num_samples: int
+    size: int
+    sha256: str
+    keys: list[str] = field(default_factory=list)
+    labels: list[int] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)  # byte offset of each safetensors payload in the tar
+    layout: dict = field(default_factory=dict)  # shared tensor layout of every payload (see _payload_layout)
+
+    def to_dict(self) -> dict:
+        """A plain JSON-serialisable dict."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ShardInfo":
+        """Rebuild from `to_dict` output."""
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__})
+
+
+class _HashingFile:
+    """A write-only file wrapper that tracks position and sha256 of everything written."""
+
+    def __init__(self, f):
+        self.f, self.pos, self.digest = f, 0, hashlib.sha256()
+
+    def write(self, data: bytes) -> None:
+        """Write bytes and fold them into the running hash."""
+        self.f.write(data)
+        self.digest.update(data)
+        self.pos += len(data)
+
+
+class ShardWriter:
+    """Context manager writing ONE webdataset-compatible shard, atomically.
+
+    Samples go to `.tmp-NAME` in the same folder; a clean exit pads the archive, fsyncs and renames it to
+    `path`; an exception removes the temp file. The same input always gives byte-identical shards.
+    """
+
+    def __init__(self, path, dtype=torch.float16):
+        self.path = Path(path)
+        self.dtype = np.dtype(_DTYPES[dtype_name(dtype)])
+        self.tmp_path = self.path.with_name(f"{TMP_PREFIX}{self.path.name}")
+        self._file = None
+        self._out: _HashingFile | None = None
+        self._header: bytes | None = None  # the first payload's safetensors header; all must match it
+        self._layout: dict = {}
+        self._keys: list[str] = []
+        self._key_set: set[str] = set()
+        self._labels: list[int] = []
+        self._offsets: list[int] = []
+        self.info: ShardInfo | None = None
+
+    def __enter__(self) -> "ShardWriter":
+        self._file = open(self.tmp_path, "wb")
+        self._out = _HashingFile(self._file)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is None:
+                self._finish()
+        finally:
+            if self.info is None:  # failed inside the block or while finishing (e.g. disk full)
+                self._file.close()
+                self.tmp_path.unlink(missing_ok=True)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def add(self, key: str, mean, std, label: int) -> None:
+        """Append one sample: posterior moments (F, C, h, w) as torch or numpy, and its class index."""
+        if self._out is None:
+            raise RuntimeError("ShardWriter.add called outside its `with` block")
+        self._check_key(key)
+        mean, std = _as_array(mean, self.dtype), _as_array(std, self.dtype)
+        if mean.ndim != 4 or mean.shape != std.shape:
+            raise ValueError(f"mean and std must both be (F, C, h, w); got {mean.shape} and {std.shape}")
+        payload = safetensors.numpy.save({"mean": mean, "std": std})
+        self._check_layout(payload)
+        self._offsets.append(self._out.pos + BLOCK)  # the payload starts right after its tar header
+        self._write_member(f"{key}.{PAYLOAD_EXT}", payload)
+        self._write_member(f"{key}.{LABEL_EXT}", str(int(label)).encode("ascii"))
+        self._keys.append(key)
+        self._key_set.add(key)
+        self._labels.append(int(label))
+
+    def _check_key(self, key: str) -> None:
+        """Keys are short ASCII names without dots or slashes (webdataset splits on the first dot)."""
+        if not key or "." in key or "/" in key or not key.isascii() or len(key) > 80:
+            raise ValueError(f"bad sample key {key!r}: use a short ASCII name without '.' or '/'")
+        if key in self._key_set:  # webdataset would merge the two samples' members
+            raise ValueError(f"sample key {key!r} appears twice in {self.path.name}")
+
+    def _check_layout(self, payload: bytes) -> None:
+        """Every payload must share the first one's header, so one layout describes the whole shard."""
+        header = payload[: int.from_bytes(payload[:8], "little") + 8]
+        if self._header is None:
+            self._header, self._layout = header, _payload_layout(payload)
+        elif header != self._header:
+            got = _payload_layout(payload)
+            raise ValueError(f"sample shape/dtype {got['shape']} {got['dtype']} differs from the shard's "
+                             f"{self._layout['shape']} {self._layout['dtype']}")
+
+    def _write_member(self, name: str, data: bytes) -> None:
+        """Write one tar member: header, data, zero padding to the next 512-byte block."""
+        self._out.write(_tar_header(name, len(data)))
+        self._out.write(data)
+        self._out.write(_padding(len(data)))
+
+    def _finish(self) -> None:
+        """Write the end-of-archive marker, fsync, rename into place and fill `self.info`."""
+        self._out.write(b"\0" * (2 * BLOCK))
+        self._out.write(_padding(self._out.pos, RECORD))
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        os.replace(self.tmp_path, self.path)
+        _fsync_dir(self.path.parent)
+        self.info = ShardInfo(
+            name=self.path.name, num_samples=len(self._keys), size=self._out.pos,
+            sha256=self._out.digest.hexdigest(), keys=list(self._keys), labels=list(self._labels),
+            offsets=list(self._offsets), layout=dict(self._layout),
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Index
+# ---------------------------------------------------------------------------------------------------------
+
+_REQUIRED_META = ("image_size", "num_classes", "class_names", "vae")
+
+
+def _check_meta(meta: dict) -> None:
+    """The caller-supplied metadata must name the image size, classes and the VAE with its scaling factor."""
+    missing = [k for k in _REQUIRED_META if k not in meta]
+    if missing:
+        raise ValueError(f"write_index meta is missing {missing}")
+    if "scaling_factor" not in meta["vae"]:
+        raise ValueError("write_index meta['vae'] must include 'scaling_factor'")
+    if len(meta["class_names"]) != meta["num_classes"]:
+        raise ValueError(f"{len(meta['class_names'])} class names for num_classes={meta['num_classes']}")
+
+
+def _check_shards(out_dir: Path, shards: list[ShardInfo], num_classes: int) -> dict:
+    """All shards must exist with their recorded size and share one layout; returns that layout."""
+    if not shards or all(s.num_samples == 0 for s in shards):
+        raise ValueError("write_index needs at least one non-empty shard")
+    layout = next(s.layout for s in shards if s.num_samples)
+    names = set()
+    for s in shards:
+        if s.name in names:
+            raise ValueError(f"shard {s.name} is listed twice")
+        names.add(s.name)
+        if s.num_samples and s.layout != layout:
+            raise ValueError(f"shard {s.name} has layout {s.layout}, but {shards[0].name} has {layout}")
+        if not (len(s.keys) == len(s.labels) == len(s.offsets) == s.num_samples):
+            raise ValueError(f"shard {s.name}: keys/labels/offsets do not match num_samples={s.num_samples}")
+        size = (out_dir / s.name).stat().st_size if (out_dir / s.name).exists() else None
+        if size != s.size:
+            raise ValueError(f"shard {s.name}: file size {size} in {out_dir}, expected {s.size}")
+        bad = [y for y in s.labels if not 0 <= y < num_classes]
+        if bad:
+            raise ValueError(f"shard {s.name}: label {bad[0]} outside [0, {num_classes})")
+    return layout
+
+
+def _write_arrays(out_dir: Path, shards: list[ShardInfo]) -> dict:
+    """Write the per-sample sidecar (offsets, labels) atomically; return its {name, size, sha256}."""
+    buf = io.BytesIO()
+    offsets = np.array([o for s in shards for o in s.offsets], dtype=np.int64)
+    labels = np.array([y for s in shards for y in s.labels], dtype=np.int64)
+    np.savez(buf, offsets=offsets, labels=labels)
+    data = buf.getvalue()
+    _atomic_write_bytes(out_dir / ARRAYS_NAME, data)
+    return {"name": ARRAYS_NAME, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def write_index(out_dir, shard_infos, meta: dict) -> Path:
+    """Validate the shards, write the per-sample sidecar, then index.json last (atomically); return its path.
+
+    `meta` must hold image_size, num_classes, class_names and vae (the VAE identity incl. scaling_factor);
+    any other keys are stored as given.
+    """
+    out_dir = Path(out_dir)
+    shards = [s if isinstance(s, ShardInfo) else ShardInfo.from_dict(s) for s in shard_infos]
+    _check_meta(meta)
+    layout = _check_shards(out_dir, shards, int(meta["num_classes"]))
+    arrays = _write_arrays(out_dir, shards)
+    flips, *latent_shape = layout["shape"]
+    index = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        **{k: v for k, v in meta.items() if k not in ("format", "version")},
+        "num_samples": sum(s.num_samples for s in shards),
+        "latent_shape": latent_shape,  # [C, h, w]
+        "dtype": layout["dtype"],
+        "flips": flips,
+        "layout": layout,
+        "arrays": arrays,
+        "shards": [{"name": s.name, "num_samples": s.num_samples, "size": s.size, "sha256": s.sha256}
+                   for s in shards],
+    }
+    path = out_dir / INDEX_NAME
+    _atomic_write_bytes(path, (json.dumps(index, indent=1) + "\n").encode())
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Reader
+# ---------------------------------------------------------------------------------------------------------
+
+_RERUN = "rerun the same extract command to finish or repair the folder"
+
+
+def _load_index(root: Path) -> dict:
+    """Read index.json, or explain why the folder is not a finished latent folder."""
+    if not root.is_dir():
+        raise UserError(f"latent folder {root} does not exist. Pass the --out folder of a finished "
+                        f"`python -m extract` run, or run extract first.")
+    path = root / INDEX_NAME
+    if not path.is_file():
+        leftovers = sorted(p.name for p in root.glob("*.tar")) + sorted(p.name for p in root.glob(f"{TMP_PREFIX}*"))
+        if leftovers:
+            raise UserError(f"{root} holds shards ({leftovers[0]}, ...) but no {INDEX_NAME}: extraction did not "
+                            f"finish. Rerun the same extract command; it resumes and writes {INDEX_NAME} last.")
+        raise UserError(f"{root} has no {INDEX_NAME}, so it is not a latent folder. Run `python -m extract` "
+                        f"with --out {root} first.")
+    try:
+        index = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise UserError(f"{path} is not valid JSON ({err}); {_RERUN}.") from None
+    if index.get("format") != FORMAT_NAME or index.get("version") != FORMAT_VERSION:
+        raise UserError(f"{path} has format {index.get('format')!r} version {index.get('version')!r}; this code "
+                        f"reads {FORMAT_NAME!r} version {FORMAT_VERSION}. Re-extract the latents with this "
+                        f"version of `python -m extract` (or use the code version that wrote them).")
+    return index
+
+
+def _check_file(root: Path, entry: dict, verify: bool, what: str) -> None:
+    """A file listed in the index must exist with its recorded size (and sha256 when verifying)."""
+    path = root / entry["name"]
+    if not path.is_file():
+        raise UserError(f"{what} {entry['name']} listed in {root / INDEX_NAME} is missing; {_RERUN}.")
+    size = path.stat().st_size
+    if size != entry["size"]:
+        raise UserError(f"{what} {entry['name']} in {root} is {size} bytes, the index says {entry['size']} "
+                        f"(truncated or overwritten); {_RERUN}.")
+    if verify and _sha256_file(path) != entry["sha256"]:
+        raise UserError(f"{what} {entry['name']} in {root} fails its sha256 check (corrupted); {_RERUN}.")
+
+
+def _load_arrays(root: Path, index: dict) -> tuple[np.ndarray, np.ndarray]:
+    """Load (offsets, labels) from the sidecar, always checking it against index.json (cheap)."""
+    entry = index["arrays"]
+    _check_file(root, entry, verify=False, what="index sidecar")
+    data = (root / entry["name"]).read_bytes()  # read once: hash and parse the same bytes
+    if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        raise UserError(f"index sidecar {entry['name']} in {root} fails its sha256 check; {_RERUN}.")
+    with np.load(io.BytesIO(data)) as z:
+        offsets, labels = z["offsets"].astype(np.int64), z["labels"].astype(np.int64)
+    if len(offsets) != index["num_samples"] or len(labels) != index["num_samples"]:
+        raise UserError(f"index sidecar in {root} has {len(offsets)} entries for {index['num_samples']} "
+                        f"samples; {_RERUN}.")
+    return offsets, labels
+
+
+def _empty_batch(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised batch tensor; inside a DataLoader worker it is allocated in shared memory.
+
+    Why: a worker's batch crosses to the main process through shared memory; allocating it there up
+    front (as torch's default_collate does) saves a full copy of the batch (about 3x faster hand-over).
+    """
+    if torch.utils.data.get_worker_info() is None:
+        return torch.empty(shape, dtype=dtype)
+    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    new_shared = getattr(torch.UntypedStorage, "_new_shared", None)  # what default_collate uses; private
+    if new_shared is None:
+        return torch.empty(shape, dtype=dtype)  # still correct: torch copies it into shared memory on send
+    return torch.empty(0, dtype=dtype).set_(new_shared(nbytes), 0, shape)
+
+
+class LatentDataset(torch.utils.data.Dataset):
+    """Map-style dataset over a latent folder; items are zero-copy views into memory-mapped shards.
+
+    `ds[i]` -> {"mean": (F,C,h,w), "std": (F,C,h,w), "label": int}. The maps are copy-on-write (writing to
+    a returned tensor never touches the file), opened lazily in each process and dropped when pickled, so
+    the dataset works in DataLoader workers under fork or spawn. `verify=True` also checks every shard's
+    sha256 (reads all data once).
+    """
+
+    def __init__(self, root, verify: bool = False):
+        self.root = Path(root)
+        self.meta = _load_index(self.root)
+        for entry in self.meta["shards"]:
+            _check_file(self.root, entry, verify, what="shard")
+        self._offsets, self.labels = _load_arrays(self.root, self.meta)
+        counts = np.array([s["num_samples"] for s in self.meta["shards"]], dtype=np.int64)
+        self._starts = np.concatenate([[0], np.cumsum(counts)])  # global index of each shard's first sample
+        layout = self.meta["layout"]
+        self._np_dtype = np.dtype(_DTYPES[layout["dtype"]])
+        self._shape = tuple(layout["shape"])  # (F, C, h, w)
+        self._count = int(np.prod(self._shape))  # elements per tensor
+        self._tensor_offsets = [layout["tensors"][name] for name in TENSOR_NAMES]  # inside each payload
+        self._maps: dict[int, mmap.mmap] = {}
+        self._bytes: dict[int, memoryview] = {}
+
+    # -- metadata -------------------------------------------------------------------------------------
+    num_classes = property(lambda self: int(self.meta["num_classes"]), doc="Number of classes.")
+    class_names = property(lambda self: list(self.meta["class_names"]), doc="Class names by index.")
+    latent_shape = property(lambda self: tuple(self.meta["latent_shape"]), doc="(C, h, w) of one latent.")
+    flips = property(lambda self: int(self.meta["flips"]), doc="F: 1, or 2 when mirrored copies are stored.")
+    dtype = property(lambda self: _TORCH_DTYPES[self.meta["dtype"]], doc="Storage dtype (torch).")
+    image_size = property(lambda self: int(self.meta["image_size"]), doc="Image side the latents encode.")
+    vae = property(lambda self: dict(self.meta["vae"]), doc="VAE identity dict written by extract.")
+    scaling_factor = property(lambda self: float(self.meta["vae"]["scaling_factor"]), doc="VAE scaling factor.")
+
+    def latent_meta(self) -> dict:
+        """The latent description train stores in checkpoints and exports (shared/export.py's latent_meta)."""
+        return {"image_size": self.image_size, "scaling_factor": self.scaling_factor,
+                "latent_shape": list(self.latent_shape), "vae": self.vae, "class_names": self.class_names}
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    # -- access ---------------------------------------------------------------------------------------
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_maps"], state["_bytes"] = {}, {}  # mmaps do not pickle; each process maps its own
+        return state
+
+    def _map(self, shard: int) -> mmap.mmap:
+        """The copy-on-write mapping of one shard, opened on first use in this process."""
+        if shard not in self._maps:
+            with open(self.root / self.meta["shards"][shard]["name"], "rb") as f:
+                self._maps[shard] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        return self._maps[shard]
+
+    def _shard_bytes(self, shard: int) -> memoryview:
+        """A byte view of one shard's mapping (slicing it copies without numpy overhead)."""
+        if shard not in self._bytes:
+            self._bytes[shard] = memoryview(self._map(shard))
+        return self._bytes[shard]
+
+    def _locate(self, i: int) -> tuple[int, int]:
+        """(shard number, position inside the shard) of global sample i."""
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"sample {i} out of range for {len(self)} samples")
+        i %= len(self)
+        shard = int(np.searchsorted(self._starts, i, side="right")) - 1
+        return shard, i - int(self._starts[shard])
+
+    def __getitem__(self, i: int) -> dict:
+        shard, local = self._locate(int(i))
+        i = int(self._starts[shard]) + local
+        mapping, base = self._map(shard), int(self._offsets[i])
+        out = {name: torch.from_numpy(np.frombuffer(mapping, self._np_dtype, self._count, base + off)
+                                      .reshape(self._shape))  # (F, C, h, w) view, no copy
+               for name, off in zip(TENSOR_NAMES, self._tensor_offsets)}
+        out["label"] = int(self.labels[i])
+        return out
+
+    def gather(self, indices) -> dict:
+        """A batch {"mean": (B,F,C,h,w), "std": (B,F,C,h,w), "label": (B,) int64}, one memcpy per tensor."""
+        idx = np.asarray(indices, dtype=np.int64)  # (B,)
+        if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
+            raise IndexError(f"batch index out of range for {len(self)} samples")
+        shards = (np.searchsorted(self._starts, idx, side="right") - 1).tolist()  # (B,)
+        nbytes = self._count * self._np_dtype.itemsize
+        batch = {name: _empty_batch((len(idx), *self._shape), _TORCH_DTYPES[self._np_dtype.name])
+                 for name in TENSOR_NAMES}  # (B, F, C, h, w)
+        dst = [memoryview(batch[name].numpy().reshape(-1).view(np.uint8)) for name in TENSOR_NAMES]
+        for row, (shard, base) in enumerate(zip(shards, self._offsets[idx].tolist())):
+            src = self._shard_bytes(shard)
+            for out, off in zip(dst, self._tensor_offsets):
+                out[row * nbytes : (row + 1) * nbytes] = src[base + off : base + off + nbytes]
+        batch["label"] = torch.from_numpy(self.labels[idx])
+        return batch
+
+    def __getitems__(self, indices) -> "GatheredBatch":
+        """DataLoader's batched fetch: gather the batch at once; `collate` passes it through untouched."""
+        return GatheredBatch(self.gather(indices))
+
+
+class GatheredBatch(Sequence):
+    """A gathered batch that also reads as a sequence of per-sample dicts (views, built on demand).
+
+    The sequence form keeps torch's default_collate working; `collate` returns `.batch` without a copy.
+    """
+
+    def __init__(self, batch: dict):
+        self.batch = batch
+
+    def __len__(self) -> int:
+        return len(self.batch["label"])
+
+    def __getitem__(self, j: int) -> dict:
+        if not -len(self) <= j < len(self):
+            raise IndexError(j)
+        return {"mean": self.batch["mean"][j], "std": self.batch["std"][j], "label": int(self.batch["label"][j])}
+
+
+def collate(samples) -> dict:
+    """Stack samples into {"mean": (B,F,C,h,w), "std": (B,F,C,h,w), "label": (B,) int64}."""
+    if isinstance(samples, GatheredBatch):
+        return samples.batch
+    return {
+        "mean": torch.stack([s["mean"] for s in samples]),  # (B, F, C, h, w)
+        "std": torch.stack([s["std"] for s in samples]),
+        "label": torch.tensor([int(s["label"]) for s in samples], dtype=torch.int64),
+    }
+
+
+def check_compatible(expected: dict, found: dict, what: str,
+                     keys=("image_size", "latent_shape", "scaling_factor")) -> None:
+    """Raise UserError when two latent descriptions (latent_meta dicts) disagree on `keys`."""
+    diffs = [f"{k}: {expected.get(k)!r} vs {found.get(k)!r}" for k in keys if expected.get(k) != found.get(k)]
+    if diffs:
+        raise UserError(f"{what} does not match the latents ({'; '.join(diffs)}). Use latents extracted with "
+                        f"the same VAE and image size, or start a new run directory.")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sampler
+# ---------------------------------------------------------------------------------------------------------
+
+def epoch_permutation(num_samples: int, seed: int, epoch: int) -> np.ndarray:
+    """The shuffled order of one epoch, a pure function of (seed, epoch) on every rank and machine."""
+    return np.random.default_rng([int(seed), int(epoch)]).permutation(num_samples)
+
+
+class StreamSampler(torch.utils.data.Sampler):
+    """Infinite, resumable, distributed index stream (edm2-style: position depends only on samples seen).
+
+    Global stream = perm(seed, 0) ++ perm(seed, 1) ++ ...; rank r yields the stream positions p >= start
+    with p % world_size == r. `start` counts samples consumed by all ranks together, so resuming at
+    start = step * global_batch continues exactly where the interrupted run stopped.
+    """
+
+    def __init__(self, num_samples: int, rank: int = 0, world_size: int = 1, seed: int = 0,
+                 shuffle: bool = True, start: int = 0):
+        if num_samples <= 0:
+            raise ValueError(f"num_samples must be positive, got {num_samples}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world_size {world_size}")
+        if seed < 0 or start < 0:
+            raise ValueError(f"seed and start must be >= 0, got seed={seed} start={start}")
+        self.num_samples, self.rank, self.world_size = num_samples, rank, world_size
+        self.seed, self.shuffle, self.start = seed, shuffle, start
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The dataset indices of epoch `epoch` in stream order."""
+        if not self.shuffle:
+            return np.arange(self.num_samples)
+        return epoch_permutation(self.num_samples, self.seed, epoch)
+
+    def __iter__(self) -> Iterator[int]:
+        n, ws = self.num_samples, self.world_size
+        epoch = self.start // n
+        while True:
+            base = epoch * n  # global position of this epoch's first element
+            first = max(self.start, base)
+            first += (self.rank - first) % ws  # first position >= start owned by this rank
+            if first < base + n:
+                yield from self.order(epoch)[first - base :: ws].tolist()
+            epoch += 1

@@ -1,0 +1,373 @@
+"""The latent shard format: writer determinism, index-last, webdataset compatibility, reader errors, sampler."""
+import hashlib
+import io
+import json
+import os
+import pickle
+from itertools import islice
+from pathlib import Path
+
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+import webdataset as wds
+
+from shared import shards
+from shared.errors import UserError
+from shared.shards import (
+    GatheredBatch, LatentDataset, ShardInfo, ShardWriter, StreamSampler, check_compatible, collate,
+    epoch_permutation, shard_name, write_index,
+)
+
+META = {"image_size": 16, "num_classes": 3, "class_names": ["cat", "dog", "eel"],
+        "vae": {"source": "tiny", "scaling_factor": 0.25, "latent_channels": 4}}
+
+
+def make_moments(n, flips=2, shape=(4, 4, 4), seed=0):
+    """n random (mean, std, label) triples; mean[0,0,0,0] == sample index so a sample identifies itself."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        mean = rng.standard_normal((flips, *shape)).astype(np.float32)
+        mean[0, 0, 0, 0] = i
+        std = rng.random((flips, *shape)).astype(np.float32)
+        out.append((mean, std, int(rng.integers(0, META["num_classes"]))))
+    return out
+
+
+def write_folder(root: Path, counts=(3, 5, 2), flips=2, dtype=torch.float16, seed=0, index=True):
+    """Write shards of the given sizes (and index.json); return (root, samples, shard infos)."""
+    root.mkdir(parents=True, exist_ok=True)
+    samples = make_moments(sum(counts), flips=flips, seed=seed)
+    infos, k = [], 0
+    for s, n in enumerate(counts):
+        with ShardWriter(root / shard_name(s), dtype=dtype) as writer:
+            for mean, std, label in samples[k : k + n]:
+                # torch input for even keys, numpy for odd: the writer takes both
+                as_t = (lambda a: torch.from_numpy(a)) if k % 2 == 0 else (lambda a: a)
+                writer.add(f"{k:06d}", as_t(mean), as_t(std), label)
+                k += 1
+        infos.append(writer.info)
+    if index:
+        write_index(root, infos, META)
+    return root, samples, infos
+
+
+@pytest.fixture
+def folder(tmp_path):
+    """A finished fp16, F=2 latent folder with uneven shards (3, 5, 2)."""
+    return write_folder(tmp_path / "latents")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Round trip and metadata
+# --------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("flips", [1, 2])
+def test_round_trip(tmp_path, dtype, flips):
+    root, samples, _ = write_folder(tmp_path / "lat", flips=flips, dtype=dtype)
+    ds = LatentDataset(root)
+    np_dtype = np.float16 if dtype == torch.float16 else np.float32
+    assert len(ds) == len(samples) == 10
+    assert ds.dtype == dtype and ds.flips == flips and ds.latent_shape == (4, 4, 4)
+    assert ds.num_classes == 3 and ds.class_names == META["class_names"] and ds.image_size == 16
+    assert ds.scaling_factor == 0.25 and ds.vae == META["vae"]
+    assert ds.labels.dtype == np.int64 and ds.labels.tolist() == [s[2] for s in samples]
+    for i, (mean, std, label) in enumerate(samples):
+        item = ds[i]
+        assert item["mean"].dtype == dtype and item["mean"].shape == (flips, 4, 4, 4)
+        np.testing.assert_array_equal(item["mean"].numpy(), mean.astype(np_dtype))
+        np.testing.assert_array_equal(item["std"].numpy(), std.astype(np_dtype))
+        assert item["label"] == label
+    np.testing.assert_array_equal(ds[-1]["mean"].numpy(), samples[-1][0].astype(np_dtype))
+    with pytest.raises(IndexError):
+        ds[10]
+
+
+def test_gather_matches_items(folder):
+    root, samples, _ = folder
+    ds = LatentDataset(root)
+    idx = [9, 0, 4, 3, 4, 7]  # crosses all three shards, with a repeat
+    batch = ds.gather(idx)
+    assert batch["mean"].shape == (6, 2, 4, 4, 4) and batch["label"].dtype == torch.int64
+    for row, i in enumerate(idx):
+        assert torch.equal(batch["mean"][row], ds[i]["mean"]) and torch.equal(batch["std"][row], ds[i]["std"])
+        assert batch["label"][row] == samples[i][2]
+    assert ds.gather([])["mean"].shape == (0, 2, 4, 4, 4)
+    with pytest.raises(IndexError):
+        ds.gather([0, 10])
+
+
+def test_items_are_views_and_writes_never_reach_the_file(folder):
+    root, samples, _ = folder
+    ds = LatentDataset(root)
+    item = ds[2]
+    item["mean"].fill_(7.0)  # copy-on-write mapping: the file stays intact
+    assert torch.all(ds[2]["mean"] == 7.0)  # same process sees its private copy: it is a view, not a copy
+    np.testing.assert_array_equal(LatentDataset(root)[2]["mean"].numpy(), samples[2][0].astype(np.float16))
+
+
+def test_collate_and_gathered_batch(folder):
+    root, _, _ = folder
+    ds = LatentDataset(root)
+    gathered = ds.__getitems__([1, 8])
+    assert isinstance(gathered, GatheredBatch) and len(gathered) == 2
+    assert collate(gathered) is gathered.batch
+    stacked = collate([ds[1], ds[8]])
+    default = torch.utils.data.default_collate(gathered)  # the sequence form works with torch's collate
+    for k in ("mean", "std", "label"):
+        assert torch.equal(stacked[k], gathered.batch[k]) and torch.equal(default[k], stacked[k])
+
+
+def test_latent_meta_and_check_compatible(folder):
+    ds = LatentDataset(folder[0])
+    meta = ds.latent_meta()
+    assert meta == {"image_size": 16, "scaling_factor": 0.25, "latent_shape": [4, 4, 4], "vae": META["vae"],
+                    "class_names": META["class_names"]}
+    check_compatible(meta, json.loads(json.dumps(meta)), "checkpoint")
+    with pytest.raises(UserError, match="image_size: 16 vs 32"):
+        check_compatible(meta, {**meta, "image_size": 32}, "checkpoint")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Writer: determinism, atomicity, validation
+# --------------------------------------------------------------------------------------------------------
+
+def test_same_input_gives_byte_identical_shards(tmp_path):
+    _, _, a = write_folder(tmp_path / "a")
+    _, _, b = write_folder(tmp_path / "b")
+    for ia, ib in zip(a, b):
+        da, db = (tmp_path / "a" / ia.name).read_bytes(), (tmp_path / "b" / ib.name).read_bytes()
+        assert da == db and len(da) == ia.size and len(da) % 10240 == 0
+        assert ia.sha256 == hashlib.sha256(da).hexdigest()
+        assert ia.to_dict() == ib.to_dict()
+    assert (tmp_path / "a" / "index.json").read_bytes() == (tmp_path / "b" / "index.json").read_bytes()
+    # ShardInfo survives JSON (extract keeps it as a per-shard resume sidecar).
+    assert ShardInfo.from_dict(json.loads(json.dumps(a[1].to_dict()))) == a[1]
+
+
+def test_offsets_point_at_the_payloads(folder):
+    root, samples, infos = folder
+    data = (root / infos[1].name).read_bytes()
+    for key, offset in zip(infos[1].keys, infos[1].offsets):
+        payload = data[offset : offset + infos[1].layout["payload_size"]]
+        tensors = safetensors.torch.load(payload)
+        assert tensors["mean"][0, 0, 0, 0].item() == int(key)
+
+
+def test_writer_uses_temp_name_and_index_comes_last(tmp_path):
+    root = tmp_path / "lat"
+    root.mkdir()
+    (mean, std, label), = make_moments(1)
+    with ShardWriter(root / shard_name(0)) as writer:
+        writer.add("000000", mean, std, label)
+        assert sorted(p.name for p in root.iterdir()) == [".tmp-shard-000000.tar"]
+    assert sorted(p.name for p in root.iterdir()) == ["shard-000000.tar"]
+    with pytest.raises(UserError, match="extraction did not finish.*[Rr]erun the same extract command"):
+        LatentDataset(root)
+    renamed = []
+    real_replace = os.replace
+    def spy(src, dst):
+        renamed.append(Path(dst).name)
+        real_replace(src, dst)
+    shards.os.replace = spy
+    try:
+        write_index(root, [writer.info], META)
+    finally:
+        shards.os.replace = real_replace
+    assert renamed == ["index-arrays.npz", "index.json"]
+    assert sorted(p.name for p in root.iterdir()) == ["index-arrays.npz", "index.json", "shard-000000.tar"]
+
+
+def test_writer_removes_temp_file_on_error(tmp_path):
+    (mean, std, label), = make_moments(1)
+    with pytest.raises(RuntimeError, match="boom"):
+        with ShardWriter(tmp_path / shard_name(0)) as writer:
+            writer.add("000000", mean, std, label)
+            raise RuntimeError("boom")
+    assert list(tmp_path.iterdir()) == [] and writer.info is None
+
+
+def test_writer_rejects_bad_samples(tmp_path):
+    mean, std, _ = make_moments(1)[0]
+    with ShardWriter(tmp_path / shard_name(0)) as writer:
+        writer.add("5", mean, std, 0)
+        for key in ("a.b", "", "x/y"):
+            with pytest.raises(ValueError, match="bad sample key"):
+                writer.add(key, mean, std, 0)
+        with pytest.raises(ValueError, match="appears twice"):
+            writer.add("5", mean, std, 0)
+        with pytest.raises(ValueError, match=r"\(F, C, h, w\)"):
+            writer.add("6", mean[0], std[0], 0)
+        with pytest.raises(ValueError, match="differs from the shard"):
+            writer.add("6", mean[:, :2], std[:, :2], 0)
+    assert writer.info.keys == ["5"]
+
+
+def test_write_index_validates(tmp_path):
+    _, _, infos16 = write_folder(tmp_path / "a", counts=(2,), index=False)
+    _, _, infos32 = write_folder(tmp_path / "a2", counts=(2,), dtype=torch.float32, index=False)
+    mixed = ShardInfo.from_dict({**infos32[0].to_dict(), "name": "shard-000001.tar"})
+    (tmp_path / "a" / mixed.name).write_bytes((tmp_path / "a2" / infos32[0].name).read_bytes())
+    with pytest.raises(ValueError, match="shard-000001.tar has layout"):
+        write_index(tmp_path / "a", [infos16[0], mixed], META)
+    with pytest.raises(ValueError, match="scaling_factor"):
+        write_index(tmp_path / "a", infos16, {**META, "vae": {"source": "x"}})
+    with pytest.raises(ValueError, match="outside"):
+        write_index(tmp_path / "a", infos16, {**META, "num_classes": 1, "class_names": ["x"]})
+    with pytest.raises(ValueError, match="file size"):
+        write_index(tmp_path / "a", [ShardInfo.from_dict({**infos16[0].to_dict(), "size": 1})], META)
+    assert not (tmp_path / "a" / "index.json").exists()
+
+
+# --------------------------------------------------------------------------------------------------------
+# webdataset compatibility
+# --------------------------------------------------------------------------------------------------------
+
+def test_plain_webdataset_streams_the_same_data(folder):
+    root, _, infos = folder
+    ds = LatentDataset(root)
+    urls = [str(root / info.name) for info in infos]
+    seen = 0
+    for i, sample in enumerate(wds.WebDataset(urls, shardshuffle=False)):
+        tensors = safetensors.torch.load(sample["latent.safetensors"])
+        assert sample["__key__"] == f"{i:06d}" and int(sample["cls"]) == ds[i]["label"]
+        assert torch.equal(tensors["mean"], ds[i]["mean"]) and torch.equal(tensors["std"], ds[i]["std"])
+        seen += 1
+    assert seen == len(ds)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Reader failure modes: each names the problem, the file and the fix
+# --------------------------------------------------------------------------------------------------------
+
+def test_missing_folder_and_empty_folder(tmp_path):
+    with pytest.raises(UserError, match="does not exist.*run extract"):
+        LatentDataset(tmp_path / "nope")
+    with pytest.raises(UserError, match="no index.json.*python -m extract"):
+        LatentDataset(tmp_path)
+
+
+def test_missing_shard(folder):
+    root, _, _ = folder
+    (root / "shard-000001.tar").unlink()
+    with pytest.raises(UserError, match="shard-000001.tar.*missing.*rerun the same extract command"):
+        LatentDataset(root)
+
+
+def test_truncated_shard(folder):
+    root, _, _ = folder
+    path = root / "shard-000002.tar"
+    path.write_bytes(path.read_bytes()[:-512])
+    with pytest.raises(UserError, match="shard-000002.tar.*truncated.*rerun the same extract command"):
+        LatentDataset(root)
+
+
+def test_corrupted_shard_caught_by_verify(folder):
+    root, samples, infos = folder
+    path = root / "shard-000001.tar"
+    data = bytearray(path.read_bytes())
+    data[infos[1].offsets[0] + infos[1].layout["tensors"]["std"]] ^= 0xFF
+    path.write_bytes(bytes(data))
+    LatentDataset(root)  # same size: only verify=True reads the data
+    with pytest.raises(UserError, match="shard-000001.tar.*sha256.*rerun the same extract command"):
+        LatentDataset(root, verify=True)
+
+
+def test_unknown_version_and_bad_json(folder):
+    root, _, _ = folder
+    index = json.loads((root / "index.json").read_text())
+    (root / "index.json").write_text(json.dumps({**index, "version": 99}))
+    with pytest.raises(UserError, match="version 99.*Re-extract"):
+        LatentDataset(root)
+    (root / "index.json").write_text("{")
+    with pytest.raises(UserError, match="index.json is not valid JSON"):
+        LatentDataset(root)
+
+
+def test_tampered_sidecar(folder):
+    root, _, _ = folder
+    path = root / "index-arrays.npz"
+    original = path.read_bytes()
+    path.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))  # same size, different bytes
+    with pytest.raises(UserError, match="index-arrays.npz.*sha256"):
+        LatentDataset(root)
+    buf = io.BytesIO()
+    np.savez(buf, offsets=np.zeros(11, np.int64), labels=np.zeros(11, np.int64))
+    (root / "index-arrays.npz").write_bytes(buf.getvalue())
+    with pytest.raises(UserError, match="index-arrays.npz.*bytes"):
+        LatentDataset(root)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Sampler
+# --------------------------------------------------------------------------------------------------------
+
+def test_epoch_permutation_is_a_deterministic_permutation():
+    p = epoch_permutation(50, seed=3, epoch=1)
+    assert sorted(p.tolist()) == list(range(50))
+    assert np.array_equal(p, epoch_permutation(50, 3, 1))
+    assert not np.array_equal(p, epoch_permutation(50, 3, 2)) and not np.array_equal(p, epoch_permutation(50, 4, 1))
+
+
+@pytest.mark.parametrize("n, world", [(10, 1), (10, 3), (7, 2), (5, 8)])
+def test_stream_is_concatenated_epochs_split_by_position(n, world):
+    stream = np.concatenate([epoch_permutation(n, 1, e) for e in range(6)])  # global stream
+    for rank in range(world):
+        got = list(islice(StreamSampler(n, rank, world, seed=1), len(stream[rank::world]) - 1))
+        assert got == stream[rank::world][: len(got)].tolist()
+    first_epoch = sorted(i for r in range(world) for i in islice(StreamSampler(n, r, world, 1), len(range(r, n, world))))
+    assert first_epoch == list(range(n))  # one epoch's positions: every sample exactly once across ranks
+
+
+@pytest.mark.parametrize("start", [0, 1, 9, 10, 11, 23])
+def test_resume_continues_the_exact_stream(start):
+    n, world = 10, 3
+    for rank in range(world):
+        full = list(islice(StreamSampler(n, rank, world, seed=5), 40))
+        positions = [rank + world * j for j in range(40)]
+        expected = [i for p, i in zip(positions, full) if p >= start]
+        resumed = list(islice(StreamSampler(n, rank, world, seed=5, start=start), len(expected)))
+        assert resumed == expected
+
+
+def test_unshuffled_stream_and_argument_checks():
+    assert list(islice(StreamSampler(4, 1, 2, shuffle=False), 5)) == [1, 3, 1, 3, 1]
+    for kwargs in ({"num_samples": 0}, {"num_samples": 4, "rank": 2, "world_size": 2}, {"num_samples": 4, "start": -1}):
+        with pytest.raises(ValueError):
+            StreamSampler(**kwargs)
+
+
+@pytest.mark.parametrize("collate_fn", [collate, None])
+def test_dataloader_workers_ranks_cover_one_epoch_exactly(tmp_path, collate_fn):
+    """Map-style dataset + StreamSampler + 2 workers, 3 ranks on 10 samples in uneven shards: no loss, no dup."""
+    root, samples, _ = write_folder(tmp_path / "lat", counts=(3, 5, 2), dtype=torch.float32)
+    ds, world, seen = LatentDataset(root), 3, []
+    ds.gather([0, 9])  # maps already open in the parent: forked workers inherit them
+    for rank in range(world):
+        sampler = StreamSampler(len(ds), rank, world, seed=2, start=0)
+        per_rank = len(range(rank, len(ds), world))  # this rank's share of one epoch's positions
+        loader = torch.utils.data.DataLoader(ds, batch_size=2, sampler=sampler, num_workers=2,
+                                             collate_fn=collate_fn, persistent_workers=False)
+        got = []
+        for batch in loader:
+            got += batch["mean"][:, 0, 0, 0, 0].long().tolist()
+            assert [samples[i][2] for i in batch["mean"][:, 0, 0, 0, 0].long().tolist()] == batch["label"].tolist()
+            if len(got) >= per_rank:
+                break
+        seen += got[:per_rank]
+    assert sorted(seen) == list(range(len(ds)))
+
+
+def test_pickles_without_maps_and_works_under_spawn(folder):
+    root, samples, _ = folder
+    ds = LatentDataset(root)
+    ds[0], ds.gather([4, 9])  # open some maps first
+    clone = pickle.loads(pickle.dumps(ds))
+    assert clone._maps == {} and torch.equal(clone[4]["mean"], ds[4]["mean"])
+    loader = torch.utils.data.DataLoader(ds, batch_size=4, sampler=StreamSampler(len(ds), shuffle=False),
+                                         num_workers=1, multiprocessing_context="spawn", collate_fn=collate)
+    batch = next(iter(loader))
+    assert batch["mean"][:, 0, 0, 0, 0].tolist() == [0, 1, 2, 3]
