@@ -1,0 +1,253 @@
+"""Gaussian diffusion for DiT: linear schedule, eps + learned-range variance loss, respacing, DDPM/DDIM.
+
+Papers cited below: Ho et al. 2020 (DDPM), Nichol & Dhariwal 2021 (Improved DDPM, "IDDPM"),
+Song et al. 2021 (DDIM). The schedule lives here only; models see nothing but the timestep.
+"""
+import math
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from shared.errors import UserError
+
+NUM_TIMESTEPS = 1000
+
+
+def linear_betas(num_timesteps: int = NUM_TIMESTEPS) -> np.ndarray:
+    """Ho et al. 2020 linear schedule, 1e-4 -> 0.02 at 1000 steps (float64)."""
+    scale = 1000 / num_timesteps  # keeps the total noise level when T differs from 1000
+    return np.linspace(scale * 1e-4, scale * 0.02, num_timesteps, dtype=np.float64)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Closed-form Gaussian pieces
+# ----------------------------------------------------------------------------------------------------
+
+def normal_kl(mean1, logvar1, mean2, logvar2):
+    """Elementwise KL(N(mean1, e^logvar1) || N(mean2, e^logvar2)) in nats."""
+    return 0.5 * (-1.0 + logvar2 - logvar1 + torch.exp(logvar1 - logvar2)
+                  + (mean1 - mean2) ** 2 * torch.exp(-logvar2))
+
+
+def discretized_gaussian_log_likelihood(x, means, log_scales):
+    """Log-probability of data x in [-1, 1] on 256 levels under N(means, e^(2 log_scales)) (Ho et al. Eq. 13).
+
+    Each level is a bin of width 2/255; the two edge bins extend to -inf and +inf.
+    """
+    inv_std = torch.exp(-log_scales)
+    upper = (x - means + 1.0 / 255.0) * inv_std  # standardised bin edges
+    lower = (x - means - 1.0 / 255.0) * inv_std
+    below = torch.special.ndtr(upper)  # P(bin) of the lowest level
+    above = torch.special.ndtr(-lower)  # 1 - Phi(lower), accurate in the right tail
+    prob = torch.where(x < -0.999, below, torch.where(x > 0.999, above, below - torch.special.ndtr(lower)))
+    # Floor at 1e-12 (as ADM) so one far-off pixel costs at most ~27.6 nats and cannot swamp the loss.
+    return torch.log(prob.clamp(min=1e-12))
+
+
+def mean_flat(x):
+    """Mean over all non-batch dimensions: (N, ...) -> (N,)."""
+    return x.mean(dim=tuple(range(1, x.ndim)))
+
+
+# ----------------------------------------------------------------------------------------------------
+# The diffusion process
+# ----------------------------------------------------------------------------------------------------
+
+class GaussianDiffusion:
+    """A discrete Gaussian diffusion over num_timesteps steps, possibly a respaced subset of 1000."""
+
+    def __init__(self, betas: np.ndarray, timestep_map: np.ndarray | None = None):
+        self.betas = betas = np.asarray(betas, dtype=np.float64)
+        if betas.ndim != 1 or not ((betas > 0) & (betas <= 1)).all():
+            raise ValueError("betas must be a 1-D array with values in (0, 1]")
+        self.num_timesteps = len(betas)
+        self.timestep_map = np.arange(len(betas)) if timestep_map is None else np.asarray(timestep_map)
+        self.alphas_cumprod = np.cumprod(1.0 - betas)
+        self.alphas_cumprod_prev = np.append(1.0, self.alphas_cumprod[:-1])
+        self.sqrt_alphas_cumprod = np.sqrt(self.alphas_cumprod)
+        self.sqrt_one_minus_alphas_cumprod = np.sqrt(1.0 - self.alphas_cumprod)
+        self.sqrt_recip_alphas_cumprod = np.sqrt(1.0 / self.alphas_cumprod)
+        self.sqrt_recipm1_alphas_cumprod = np.sqrt(1.0 / self.alphas_cumprod - 1.0)
+        # Posterior q(x_{t-1} | x_t, x_0), Ho et al. Eq. 6-7.
+        denom = 1.0 - self.alphas_cumprod
+        self.posterior_variance = betas * (1.0 - self.alphas_cumprod_prev) / denom
+        self.posterior_mean_coef1 = betas * np.sqrt(self.alphas_cumprod_prev) / denom
+        self.posterior_mean_coef2 = (1.0 - self.alphas_cumprod_prev) * np.sqrt(1.0 - betas) / denom
+        # beta~_0 = 0, so its log is replaced by beta~_1 (ADM's clipping); beta_0 by beta~_1 ("fixed large").
+        first = self.posterior_variance[1] if len(betas) > 1 else betas[0]
+        self.posterior_log_variance_clipped = np.log(np.append(first, self.posterior_variance[1:]))
+        self.fixed_large_log_variance = np.log(np.append(first, betas[1:]))
+        self.log_betas = np.log(betas)
+        self._device_buffers = {}  # (name, device) -> tensor, so each step gathers without host copies
+
+    def buffer(self, name: str, device) -> torch.Tensor:
+        """The float64 schedule array `name` as a float32 tensor on device (timestep_map stays int64), cached."""
+        key = (name, torch.device(device))
+        if key not in self._device_buffers:
+            arr = torch.from_numpy(getattr(self, name))
+            # Cast on the host: the float64 buffers stay exact there, and some devices lack float64.
+            self._device_buffers[key] = (arr.long() if name == "timestep_map" else arr.float()).to(device)
+        return self._device_buffers[key]
+
+    def at(self, name: str, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """Schedule array `name` at indices t (N,), shaped (N, 1, ..., 1) on like's device to broadcast."""
+        vals = self.buffer(name, t.device)[t].to(like.device)  # (N,)
+        return vals.view(-1, *([1] * (like.ndim - 1)))
+
+    def q_sample(self, x0, t, noise):
+        """Draw x_t ~ q(x_t | x_0) = N(sqrt(abar_t) x_0, (1 - abar_t) I) (Ho et al. Eq. 4)."""
+        return (self.at("sqrt_alphas_cumprod", t, x0) * x0
+                + self.at("sqrt_one_minus_alphas_cumprod", t, x0) * noise)
+
+    def q_posterior_mean_variance(self, x0, xt, t):
+        """Mean, variance and clipped log-variance of q(x_{t-1} | x_t, x_0) (Ho et al. Eq. 6-7)."""
+        mean = self.at("posterior_mean_coef1", t, xt) * x0 + self.at("posterior_mean_coef2", t, xt) * xt
+        return mean, self.at("posterior_variance", t, xt), self.at("posterior_log_variance_clipped", t, xt)
+
+    def predict_xstart(self, xt, t, eps):
+        """x_0 from x_t and eps by inverting Ho et al. Eq. 4."""
+        return (self.at("sqrt_recip_alphas_cumprod", t, xt) * xt
+                - self.at("sqrt_recipm1_alphas_cumprod", t, xt) * eps)
+
+    def model_timesteps(self, t):
+        """Map indices into this (respaced) process to the original timesteps the model was trained on."""
+        return self.buffer("timestep_map", t.device)[t]
+
+    def split_output(self, out, x, t):
+        """(eps, log_variance) from a model output of 2C channels (learned range) or C channels (fixed large)."""
+        channels = x.shape[1]
+        out = out.float()  # losses and sampling steps in fp32 even when the model ran under autocast
+        if out.shape[1] == channels:
+            return out, self.at("fixed_large_log_variance", t, x).expand_as(x)
+        if out.shape[1] != 2 * channels:
+            raise ValueError(f"model returned {out.shape[1]} channels for {channels}-channel x; expected C or 2C")
+        eps, v = out.split(channels, dim=1)  # (N, C, H, W) each
+        # IDDPM Eq. 15: log Sigma = f log beta_t + (1 - f) log beta~_t, with f = (v + 1) / 2 in [0, 1].
+        frac = (v + 1) / 2
+        max_log, min_log = self.at("log_betas", t, x), self.at("posterior_log_variance_clipped", t, x)
+        log_var = frac * max_log + (1 - frac) * min_log
+        return eps, log_var
+
+    def p_mean_variance(self, model_fn, x, t, model_kwargs=None):
+        """p(x_{t-1} | x_t): mean, variance, log_variance, pred_xstart (and eps) from one model call."""
+        out = model_fn(x, self.model_timesteps(t), **(model_kwargs or {}))
+        return self._p_from_output(out, x, t)
+
+    def _p_from_output(self, out, x, t):
+        """p(x_{t-1} | x_t) from a model output; the mean is the posterior mean at pred_xstart (= Ho Eq. 11)."""
+        eps, log_var = self.split_output(out, x, t)
+        pred_xstart = self.predict_xstart(x, t, eps)  # no clipping of x_0, as DiT
+        mean, _, _ = self.q_posterior_mean_variance(pred_xstart, x, t)
+        return {"mean": mean, "variance": log_var.exp(), "log_variance": log_var,
+                "pred_xstart": pred_xstart, "eps": eps}
+
+    def vb_terms_bits(self, out, x0, xt, t):
+        """Per-sample L_{t-1} (KL to the true posterior) or, at t = 0, the decoder NLL L_0; in bits (Ho Eq. 5)."""
+        true_mean, _, true_log_var = self.q_posterior_mean_variance(x0, xt, t)
+        p = self._p_from_output(out, xt, t)
+        kl = mean_flat(normal_kl(true_mean, true_log_var, p["mean"], p["log_variance"])) / math.log(2.0)
+        nll = -discretized_gaussian_log_likelihood(x0, p["mean"], 0.5 * p["log_variance"])
+        return torch.where(t == 0, mean_flat(nll) / math.log(2.0), kl)
+
+    def training_losses(self, model_fn, x0, t, model_kwargs=None, noise=None) -> dict:
+        """L_hybrid (IDDPM Eq. 16): MSE on eps plus the VLB term that trains only the variance; each (N,)."""
+        noise = torch.randn_like(x0) if noise is None else noise
+        xt = self.q_sample(x0, t, noise)
+        out = model_fn(xt, self.model_timesteps(t), **(model_kwargs or {}))
+        channels = x0.shape[1]
+        mse = mean_flat((noise - out[:, :channels].float()) ** 2)  # L_simple, Ho et al. Eq. 14
+        if out.shape[1] == channels:
+            return {"loss": mse, "mse": mse, "vb": torch.zeros_like(mse)}
+        # Stop-gradient on the mean: L_vlb trains Sigma only, L_simple trains the mean (IDDPM Sec. 3.1).
+        frozen = torch.cat([out[:, :channels].detach(), out[:, channels:]], dim=1)  # (N, 2C, H, W)
+        # Unscaled per-step vb equals IDDPM's lambda = 0.001 times the T = 1000 sum L_vlb.
+        vb = self.vb_terms_bits(frozen, x0, xt, t)
+        return {"loss": mse + vb, "mse": mse, "vb": vb}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Respacing
+# ----------------------------------------------------------------------------------------------------
+
+def space_timesteps(num_timesteps: int, count: int) -> list[int]:
+    """`count` evenly spaced steps of range(num_timesteps), first and last included (ADM, one section)."""
+    if not 1 <= count <= num_timesteps:
+        raise UserError(f"Cannot take {count} sampling steps from a {num_timesteps}-step diffusion; "
+                        f"pass a step count between 1 and {num_timesteps} (DiT uses 250 for DDPM).")
+    stride = (num_timesteps - 1) / (count - 1) if count > 1 else 1
+    return sorted({round(i * stride) for i in range(count)})
+
+
+def respaced_betas(alphas_cumprod: np.ndarray, kept: list[int]) -> np.ndarray:
+    """Betas whose cumulative products equal alphas_cumprod at the kept steps (IDDPM Sec. 4)."""
+    kept_acp = alphas_cumprod[kept]
+    return 1.0 - kept_acp / np.append(1.0, kept_acp[:-1])
+
+
+def create_diffusion(num_sampling_steps: int | None = None) -> GaussianDiffusion:
+    """The DiT diffusion: linear betas over NUM_TIMESTEPS, optionally respaced to num_sampling_steps."""
+    betas = linear_betas(NUM_TIMESTEPS)
+    if num_sampling_steps is None or num_sampling_steps == NUM_TIMESTEPS:
+        return GaussianDiffusion(betas)
+    kept = space_timesteps(NUM_TIMESTEPS, num_sampling_steps)
+    return GaussianDiffusion(respaced_betas(np.cumprod(1.0 - betas), kept), timestep_map=np.array(kept))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Samplers: one signature, deterministic given generators
+# ----------------------------------------------------------------------------------------------------
+
+def randn_rows(like: torch.Tensor, generator=None) -> torch.Tensor:
+    """Standard normal noise shaped like `like`; with a list of generators row i comes from generator i."""
+    if generator is None:
+        return torch.randn_like(like, dtype=torch.float32)
+    if isinstance(generator, torch.Generator):
+        return torch.randn(like.shape, generator=generator, device=generator.device).to(like.device)
+    if len(generator) != like.shape[0]:
+        raise ValueError(f"{len(generator)} generators for a batch of {like.shape[0]} rows; pass one per row")
+    rows = [torch.randn(like.shape[1:], generator=g, device=g.device).to(like.device) for g in generator]
+    return torch.stack(rows)  # (N, C, H, W)
+
+
+def _steps(diffusion, x, progress, desc):
+    """Yield (index, t) from T-1 down to 0, t a long (N,) tensor on x's device, with an optional bar."""
+    for i in tqdm(range(diffusion.num_timesteps - 1, -1, -1), desc=desc, disable=not progress, leave=False):
+        yield i, torch.full((x.shape[0],), i, device=x.device, dtype=torch.long)
+
+
+@torch.no_grad()
+def ddpm_sample(diffusion, model_fn, noise, model_kwargs=None, generator=None, progress=False, eta=None):
+    """Ancestral sampling x_{t-1} = mean + sigma_t z (Ho et al. Alg. 2) from x_T = noise; returns x_0."""
+    if eta is not None:
+        raise UserError("eta applies only to the DDIM sampler; drop --eta or choose --sampler ddim.")
+    x = noise.float()
+    for i, t in _steps(diffusion, x, progress, "ddpm"):
+        p = diffusion.p_mean_variance(model_fn, x, t, model_kwargs)
+        x = p["mean"]
+        if i > 0:  # the last step returns the mean, no noise
+            x = x + torch.exp(0.5 * p["log_variance"]) * randn_rows(x, generator)
+    return x
+
+
+@torch.no_grad()
+def ddim_sample(diffusion, model_fn, noise, model_kwargs=None, generator=None, progress=False, eta=0.0):
+    """DDIM (Song et al. Eq. 12) from x_T = noise; eta = 0 deterministic, eta = 1 DDPM-like; returns x_0."""
+    eta = 0.0 if eta is None else float(eta)
+    if not 0.0 <= eta <= 1.0:  # eta > 1 makes 1 - abar' - sigma^2 negative at some steps
+        raise UserError(f"DDIM eta must lie in [0, 1] (0 = deterministic, 1 = DDPM-like noise); got {eta}.")
+    # Song et al. Eq. 16: sigma_t(eta) = eta * sqrt(beta~_t), the posterior std; float64 per-step scalars.
+    sigmas = eta * np.sqrt(diffusion.posterior_variance)
+    abar_prev = diffusion.alphas_cumprod_prev
+    x = noise.float()
+    for i, t in _steps(diffusion, x, progress, "ddim"):
+        p = diffusion.p_mean_variance(model_fn, x, t, model_kwargs)
+        # Eq. 12: x_{t-1} = sqrt(abar_{t-1}) x0 + sqrt(1 - abar_{t-1} - sigma_t^2) eps + sigma_t z.
+        direction = math.sqrt(max(1.0 - abar_prev[i] - sigmas[i] ** 2, 0.0))
+        x = math.sqrt(abar_prev[i]) * p["pred_xstart"] + direction * p["eps"]
+        if sigmas[i] > 0:
+            x = x + float(sigmas[i]) * randn_rows(x, generator)
+    return x
+
+
+SAMPLERS = {"ddpm": ddpm_sample, "ddim": ddim_sample}
