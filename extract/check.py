@@ -1,0 +1,53 @@
+"""`python -m extract --check`: validate an ImageFolder without a VAE (counts, first image, bad files)."""
+from __future__ import annotations
+
+import os
+
+from tqdm import tqdm
+
+from extract.folder import ImageFolderScan, scan_image_folder
+from extract.loader import ImageInfoDataset, make_loader
+
+
+def inspect_all(scan: ImageFolderScan, num_workers: int, batch_size: int = 64) -> list[dict]:
+    """Open and fully decode every image (in workers); one record per file in sorted order."""
+    positions = list(range(len(scan)))
+    batches = [positions[i : i + batch_size] for i in range(0, len(positions), batch_size)]
+    loader = make_loader(ImageInfoDataset(scan), batches, num_workers)
+    records = []
+    with tqdm(total=len(scan), unit="img", desc="check", dynamic_ncols=True) as bar:
+        for batch in loader:
+            for k in range(len(batch["pos"])):
+                records.append({key: (value[k].item() if hasattr(value[k], "item") else value[k])
+                                for key, value in batch.items()})
+            bar.update(len(batch["pos"]))
+    return records
+
+
+def check_report(scan: ImageFolderScan, records: list[dict], image_size: int) -> tuple[str, int]:
+    """The text printed by --check and the number of bad files."""
+    lines = [f"{scan.root}: {len(scan.classes)} classes, {len(scan)} images"]
+    width = max(len(name) for name in scan.classes)
+    lines += [f"  {index:>5}  {name:<{width}}  {count} images"
+              for index, (name, count) in enumerate(zip(scan.classes, scan.counts()))]
+    good = [r for r in records if not r["error"]]
+    if good:
+        first = good[0]
+        lines.append(f"first image: {scan.files[first['pos']]} ({first['width']}x{first['height']}, mode {first['mode']})")
+        small = sum(min(r["width"], r["height"]) < image_size for r in good)
+        if small:
+            lines.append(f"{small} images have a short side below --image-size {image_size} (they are upscaled)")
+    bad = [r for r in records if r["error"]]
+    lines.append(f"bad files: {len(bad)}")
+    lines += [f"  {scan.files[r['pos']]}: {r['error']}" for r in bad]
+    return "\n".join(lines), len(bad)
+
+
+def run_check(data_path, image_size: int, num_workers: int | None, limit: int | None = None) -> int:
+    """Print the dataset report; returns the number of bad files."""
+    if num_workers is None:
+        num_workers = max(0, min(8, (os.cpu_count() or 1) - 1))
+    scan = scan_image_folder(data_path).limited(limit)
+    text, num_bad = check_report(scan, inspect_all(scan, num_workers), image_size)
+    print(text)
+    return num_bad

@@ -1,0 +1,461 @@
+"""The extraction job: plan and check before loading anything, encode shard by shard, resume, index last.
+
+Shard j holds the files at sorted positions [j*S, (j+1)*S); process r of W encodes the shards j with
+j % W == r. A shard is finished when its tar and then its sidecar (`shard-NNNNNN.done.json`: ShardInfo, bad
+files, VAE identity) exist; rerunning the same command skips finished shards and redoes the rest. When
+every shard is finished, one process writes the bad-file report and then index.json (last).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from extract.folder import ImageFolderScan, scan_image_folder
+from extract.images import to_model_input
+from extract.loader import ImageFileDataset, ShardBatches, make_loader
+from shared.errors import UserError
+from shared.shards import INDEX_NAME, TMP_PREFIX, ShardInfo, ShardWriter, shard_name, write_index
+
+SETTINGS_NAME = "extract-settings.json"
+BAD_FILES_NAME = "bad-files.jsonl"
+SETTINGS_VERSION = 1
+STORAGE_DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
+FLIP_CHOICES = ("both", "none")
+
+
+@dataclass
+class ExtractConfig:
+    """Everything `python -m extract` was asked to do."""
+
+    data_path: Path
+    out: Path
+    vae: str
+    vae_config: Path | None = None
+    image_size: int = 256
+    flip: str = "both"
+    batch_size: int = 64
+    num_workers: int | None = None   # None: a share of the CPU cores per process
+    dtype: str = "fp16"
+    shard_size: int = 4096
+    limit: int | None = None
+    strict: bool = False
+
+
+@dataclass
+class Plan:
+    """What the checks found before any weights are loaded."""
+
+    scan: ImageFolderScan
+    vae_name: str
+    settings: dict
+    num_shards: int
+
+
+@dataclass
+class Progress:
+    """Counters of this process's work, for the bar and the summary."""
+
+    encoded: int = 0
+    bad: list = field(default_factory=list)
+    shards_written: int = 0
+    chunk: int = 0  # images per encoder call (halved on CUDA out-of-memory)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Planning and checks (no VAE weights)
+# ----------------------------------------------------------------------------------------------------------
+
+def check_numbers(cfg: ExtractConfig) -> None:
+    """Positive sizes and known choices, or a UserError naming the flag."""
+    for flag, value in (("--image-size", cfg.image_size), ("--batch-size", cfg.batch_size),
+                        ("--shard-size", cfg.shard_size)):
+        if value <= 0:
+            raise UserError(f"{flag} must be a positive integer, got {value}.")
+    if cfg.limit is not None and cfg.limit <= 0:
+        raise UserError(f"--limit must be a positive number of images, got {cfg.limit}; omit it to use all.")
+    if cfg.num_workers is not None and cfg.num_workers < 0:
+        raise UserError(f"--num-workers must be 0 (decode in the main process) or more, got {cfg.num_workers}.")
+    if cfg.flip not in FLIP_CHOICES or cfg.dtype not in STORAGE_DTYPES:
+        raise UserError(f"--flip must be one of {FLIP_CHOICES} and --dtype one of {tuple(STORAGE_DTYPES)}.")
+
+
+def check_vae(cfg: ExtractConfig) -> tuple[str, dict]:
+    """Resolve the VAE and check the image size against its downsample factor, from config.json only."""
+    from shared.vae import downsample_factor, read_vae_config, resolve_vae_spec
+
+    name = resolve_vae_spec(cfg.vae, cfg.vae_config)
+    config = read_vae_config(cfg.vae, cfg.vae_config)
+    factor = downsample_factor(config)
+    if cfg.image_size % factor:
+        lower = cfg.image_size // factor * factor
+        raise UserError(
+            f"--image-size {cfg.image_size} is not a multiple of the VAE's downsample factor {factor} (from "
+            f"its config.json): latents would not tile the image. Use {lower or factor} or "
+            f"{lower + factor} (DiT uses 256 or 512)."
+        )
+    return name, config
+
+
+def run_settings(cfg: ExtractConfig, scan: ImageFolderScan, vae_name: str, vae_config: dict) -> dict:
+    """The settings that decide the shard bytes; a rerun must match them to resume into the same --out."""
+    from shared.vae import config_sha256
+
+    return {
+        "version": SETTINGS_VERSION,
+        "dataset": {"num_files": len(scan), "num_classes": len(scan.classes), "files_sha256": scan.fingerprint()},
+        "vae": {"source": vae_name, "config_sha256": config_sha256(vae_config)},
+        "image_size": cfg.image_size,
+        "flip": cfg.flip,
+        "dtype": cfg.dtype,
+        "shard_size": cfg.shard_size,
+        "limit": cfg.limit,
+    }
+
+
+def _settings_diff(old: dict, new: dict) -> list[str]:
+    """Human-readable differences between two settings dicts (nested one level)."""
+    diffs = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            diffs += [f"{key}.{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+        elif a != b:
+            diffs.append(f"{key}: {a!r} -> {b!r}")
+    return diffs
+
+
+def check_out_folder(out: Path, settings: dict) -> None:
+    """Refuse an --out folder that holds another run's shards (different settings or unknown origin)."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file; pass a folder (it is created if missing).")
+    path = out / SETTINGS_NAME
+    if path.is_file():
+        try:
+            old = json.loads(path.read_text())
+        except ValueError:
+            raise UserError(f"{path} is unreadable; delete the --out folder or use a new --out.") from None
+        diffs = _settings_diff(old, settings)
+        if diffs:
+            raise UserError(
+                f"--out {out} holds shards of a different extraction ({'; '.join(diffs[:4])}). Use a new --out "
+                f"folder for these settings, or rerun the original command to resume that extraction."
+            )
+    elif out.is_dir() and (any(out.glob("shard-*.tar")) or (out / INDEX_NAME).exists()):
+        raise UserError(
+            f"--out {out} already holds shards or an index from another tool or an older run ({SETTINGS_NAME} is "
+            f"missing), so they cannot be resumed safely. Use a new --out folder or empty this one."
+        )
+
+
+def plan(cfg: ExtractConfig) -> Plan:
+    """Every check that needs no weights: flags, dataset, VAE config, image size, out folder."""
+    check_numbers(cfg)
+    scan = scan_image_folder(cfg.data_path).limited(cfg.limit)
+    vae_name, vae_config = check_vae(cfg)
+    settings = run_settings(cfg, scan, vae_name, vae_config)
+    check_out_folder(Path(cfg.out), settings)
+    return Plan(scan, vae_name, settings, num_shards=-(-len(scan) // cfg.shard_size))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Files in the out folder
+# ----------------------------------------------------------------------------------------------------------
+
+def _atomic_json(path: Path, data) -> None:
+    """Write JSON to a temp name and rename it into place (readers never see half a file)."""
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def sidecar_path(out: Path, shard: int) -> Path:
+    """The sidecar that marks shard `shard` finished."""
+    return out / shard_name(shard).replace(".tar", ".done.json")
+
+
+def settings_sha256(settings: dict) -> str:
+    """A short identity of the settings, stored in every sidecar."""
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
+
+
+def read_finished(out: Path, shard: int, settings: dict) -> dict | None:
+    """The sidecar of a finished shard, or None when the shard must be (re)done."""
+    path = sidecar_path(out, shard)
+    try:
+        sidecar = json.loads(path.read_text())
+        tar = out / sidecar["shard"]["name"]
+        ok = sidecar["settings_sha256"] == settings_sha256(settings) and tar.stat().st_size == sidecar["shard"]["size"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return sidecar if ok else None
+
+
+def clean_unfinished(out: Path, shards: list[int]) -> None:
+    """Remove temp files and half-written leftovers of the shards this process is about to redo."""
+    for j in shards:
+        for path in (out / f"{TMP_PREFIX}{shard_name(j)}", out / shard_name(j),
+                     sidecar_path(out, j), out / f"{TMP_PREFIX}{sidecar_path(out, j).name}"):
+            path.unlink(missing_ok=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Encoding
+# ----------------------------------------------------------------------------------------------------------
+
+def _encode_chunks(vae, x: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """encode_moments over slices of at most `chunk` images, concatenated."""
+    parts = [vae.encode_moments(x[i : i + chunk]) for i in range(0, len(x), chunk)]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def encode_pixels(vae, pixels: torch.Tensor, flip: bool, progress: Progress) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 (B,3,S,S) -> moments (B,F,C,h,w) fp32; the mirrored copy rides in the same encoder batch."""
+    x = to_model_input(pixels.to(vae.device, non_blocking=True))  # (B, 3, S, S) in [-1, 1]
+    if flip:
+        x = torch.cat([x, x.flip(3)])  # (2B, 3, S, S): originals, then their horizontal mirrors
+    while True:
+        try:
+            mean, std = _encode_chunks(vae, x, progress.chunk or len(x))  # (F*B, C, h, w)
+            break
+        except torch.cuda.OutOfMemoryError:
+            progress.chunk = max(1, (progress.chunk or len(x)) // 2)
+            torch.cuda.empty_cache()
+            tqdm.write(f"extract: out of GPU memory; encoding {progress.chunk} images per call from now on")
+    frames = 2 if flip else 1
+    return (mean.unflatten(0, (frames, -1)).transpose(0, 1),  # (B, F, C, h, w)
+            std.unflatten(0, (frames, -1)).transpose(0, 1))
+
+
+def _bad_file(scan: ImageFolderScan, pos: int, reason: str, strict: bool) -> dict:
+    """Record one unusable file; with --strict it ends the run instead."""
+    path = scan.files[pos]
+    if strict:
+        raise UserError(f"bad image {scan.root / path}: {reason}. --strict stops at the first bad file: fix or "
+                        f"remove it, or run without --strict to skip bad files and list them in {BAD_FILES_NAME}.")
+    return {"path": path, "reason": reason}
+
+
+class ShardSink:
+    """Receives encoded batches in shard order and turns each finished shard into tar + sidecar."""
+
+    def __init__(self, out: Path, cfg: ExtractConfig, plan_: Plan, vae_identity: dict, batches: ShardBatches,
+                 process: dict):
+        self.out, self.cfg, self.plan, self.identity, self.batches = out, cfg, plan_, vae_identity, batches
+        self.process = process  # {"rank", "world_size"}: which process wrote a shard (for debugging)
+        self.shard, self.writer, self.bad, self.seen = None, None, [], 0
+
+    def add(self, positions: list[int], mean, std, bad: list[dict]) -> None:
+        """Write one batch (all positions in one shard, sorted); finish the shard after its last file."""
+        shard = (positions[0] if positions else bad[0]["pos"]) // self.cfg.shard_size
+        if shard != self.shard:
+            self._open(shard)
+        for k, pos in enumerate(positions):
+            self.writer.add(f"{pos:09d}", mean[k], std[k], self.plan.scan.labels[pos])
+        self.bad += [{"path": b["path"], "reason": b["reason"]} for b in bad]
+        self.seen += len(positions) + len(bad)
+        if self.seen == len(self.batches.shard_positions(shard)):
+            self._finish()
+
+    def _open(self, shard: int) -> None:
+        """Start writing a shard (its temp tar is renamed into place only when it is complete)."""
+        if self.writer is not None:
+            raise RuntimeError(f"shard {self.shard} was left unfinished")
+        self.shard, self.bad, self.seen = shard, [], 0
+        self.writer = ShardWriter(self.out / shard_name(shard), dtype=STORAGE_DTYPES[self.cfg.dtype]).__enter__()
+
+    def _finish(self) -> None:
+        """Close the tar (atomic rename), then write the sidecar that marks the shard finished."""
+        self.writer.__exit__(None, None, None)
+        sidecar = {"shard": self.writer.info.to_dict(), "bad_files": self.bad, "vae": self.identity,
+                   "settings_sha256": settings_sha256(self.plan.settings), "written_by": self.process}
+        _atomic_json(sidecar_path(self.out, self.shard), sidecar)
+        self.writer = None
+
+    def abort(self) -> None:
+        """Drop the temp file of a shard interrupted by an exception."""
+        if self.writer is not None:
+            self.writer.__exit__(RuntimeError, RuntimeError("aborted"), None)
+            self.writer = None
+
+
+def _split_batch(batch: dict, scan: ImageFolderScan, strict: bool) -> tuple[list[int], torch.Tensor, list[dict]]:
+    """Separate readable images from bad ones (recorded with their sorted position)."""
+    good, bad = [], []
+    for k, (pos, error) in enumerate(zip(batch["pos"].tolist(), batch["error"])):
+        if error:
+            bad.append({"pos": pos, **_bad_file(scan, pos, error, strict)})
+        else:
+            good.append(k)
+    positions = [int(batch["pos"][k]) for k in good]
+    pixels = batch["pixels"] if not bad else batch["pixels"][good]  # keep the pinned buffer when all are good
+    return positions, pixels, bad
+
+
+def encode_shards(cfg: ExtractConfig, plan_: Plan, shards: list[int], vae, state) -> Progress:
+    """Decode (workers) -> encode (device) -> write, for the given shards; returns this process's counts."""
+    device, show = state.device, state.is_local_main_process
+    batches = ShardBatches(shards, cfg.shard_size, len(plan_.scan), cfg.batch_size)
+    dataset = ImageFileDataset(plan_.scan, cfg.image_size)
+    loader = make_loader(dataset, batches, default_workers(cfg), pin_memory=torch.device(device).type == "cuda")
+    process = {"rank": state.process_index, "world_size": state.num_processes}
+    sink, progress = ShardSink(Path(cfg.out), cfg, plan_, vae.identity, batches, process), Progress()
+    total = sum(len(batches.shard_positions(j)) for j in shards)
+    bar = tqdm(total=total, unit="img", desc="extract", disable=not show, dynamic_ncols=True, smoothing=0.1)
+    try:
+        for batch in loader:
+            positions, pixels, bad = _split_batch(batch, plan_.scan, cfg.strict)
+            mean = std = None
+            if positions:
+                mean, std = encode_pixels(vae, pixels, cfg.flip == "both", progress)
+                # one device->host copy per batch, already in the storage dtype (not one per sample)
+                mean, std = (t.to("cpu", STORAGE_DTYPES[cfg.dtype]) for t in (mean, std))
+            for b in bad:
+                tqdm.write(f"extract: skipped bad image {b['path']}: {b['reason']}")
+            sink.add(positions, mean, std, bad)
+            progress.encoded += len(positions)
+            progress.bad += bad
+            bar.update(len(positions) + len(bad))
+            bar.set_postfix(bad=len(progress.bad), refresh=False)
+    except BaseException:
+        sink.abort()
+        raise
+    finally:
+        bar.close()
+    progress.shards_written = len(shards)
+    return progress
+
+
+def default_workers(cfg: ExtractConfig) -> int:
+    """--num-workers, or up to 8 decoding processes per extract process, leaving one core for the main loop."""
+    if cfg.num_workers is not None:
+        return cfg.num_workers
+    cores = (os.cpu_count() or 1) // max(1, _process_state().num_processes)
+    return max(0, min(8, cores - 1))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Finishing: bad-file report, then index.json last
+# ----------------------------------------------------------------------------------------------------------
+
+def write_outputs(cfg: ExtractConfig, plan_: Plan) -> dict:
+    """Collect every sidecar, write the bad-file report, then the index (last); returns a summary."""
+    out = Path(cfg.out)
+    sidecars = [read_finished(out, j, plan_.settings) for j in range(plan_.num_shards)]
+    missing = [shard_name(j) for j, s in enumerate(sidecars) if s is None]
+    if missing:
+        raise RuntimeError(f"shards not finished: {missing[:5]}; rerun the same command to finish them")
+    bad = [b for s in sidecars for b in s["bad_files"]]
+    infos = [ShardInfo.from_dict(s["shard"]) for s in sidecars]
+    if not any(i.num_samples for i in infos):
+        raise UserError(f"none of the {len(plan_.scan)} images in {plan_.scan.root} could be read; see "
+                        f"{out / BAD_FILES_NAME} for the reasons.")
+    (out / BAD_FILES_NAME).write_text("".join(json.dumps(b) + "\n" for b in bad))
+    write_index(out, infos, index_meta(cfg, plan_, sidecars[0]["vae"], len(bad)))
+    return {"num_samples": sum(i.num_samples for i in infos), "num_bad": len(bad), "num_shards": len(infos)}
+
+
+def index_meta(cfg: ExtractConfig, plan_: Plan, vae_identity: dict, num_bad: int) -> dict:
+    """The metadata index.json carries besides the shard list."""
+    return {
+        "image_size": cfg.image_size,
+        "num_classes": len(plan_.scan.classes),
+        "class_names": plan_.scan.classes,
+        "vae": vae_identity,
+        "flip": cfg.flip,
+        "preprocessing": "adm_center_crop",
+        "dataset": {"path": str(plan_.scan.root), "num_files": len(plan_.scan), "num_bad_files": num_bad,
+                    "files_sha256": plan_.scan.fingerprint()},
+        "extract_settings": plan_.settings,
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The job
+# ----------------------------------------------------------------------------------------------------------
+
+def _pending(out: Path, plan_: Plan, rank: int, world: int) -> list[int]:
+    """This process's shards (j % world == rank) that are not finished yet."""
+    mine = range(rank, plan_.num_shards, world)
+    return [j for j in mine if read_finished(out, j, plan_.settings) is None]
+
+
+def _load_vae(cfg: ExtractConfig, device):
+    """The VAE on the encoding device (fp32 encoder)."""
+    from shared.vae import LatentVAE
+
+    return LatentVAE.load(cfg.vae, device=device, config=cfg.vae_config)
+
+
+def _process_state():
+    """accelerate's PartialState; CPU-only when asked (ACCELERATE_USE_CPU) or when no GPU exists.
+
+    PartialState only forms a CPU (gloo) process group under torchrun when told cpu=True, which
+    `accelerate launch --cpu` says through ACCELERATE_USE_CPU; on a machine without CUDA or MPS we say it too.
+    """
+    from accelerate import PartialState
+    from accelerate.utils import parse_flag_from_env
+
+    mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+    cpu = parse_flag_from_env("ACCELERATE_USE_CPU") or not (torch.cuda.is_available() or mps)
+    return PartialState(cpu=cpu)
+
+
+def run_extract(cfg: ExtractConfig) -> dict:
+    """Plan, encode this process's pending shards, then (one process) write the report and index."""
+    state = _process_state()
+    plan_ = plan(cfg)  # every process runs the same checks, so all fail alike before any weights load
+    out = Path(cfg.out)
+    state.wait_for_everyone()
+    if state.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        _atomic_json(out / SETTINGS_NAME, plan_.settings)
+    state.wait_for_everyone()
+    pending = _pending(out, plan_, state.process_index, state.num_processes)
+    clean_unfinished(out, pending)
+    progress, elapsed = Progress(), 0.0
+    if pending:
+        vae = _load_vae(cfg, state.device)
+        start = time.perf_counter()  # the rate below is decode + encode + write, without the VAE load
+        progress = encode_shards(cfg, plan_, pending, vae, state)
+        elapsed = time.perf_counter() - start
+    state.wait_for_everyone()  # every shard finished before the index
+    summary = {}
+    if state.is_main_process:
+        summary = write_outputs(cfg, plan_)
+        summary.update(encoded_here=progress.encoded, seconds=elapsed, shards_here=len(pending),
+                       out=str(out), processes=state.num_processes)
+    state.wait_for_everyone()
+    return summary
+
+
+def format_summary(summary: dict) -> str:
+    """The lines printed at the end of a run."""
+    rate = summary["encoded_here"] / summary["seconds"] if summary["seconds"] > 0 else 0.0
+    return "\n".join([
+        f"extract: {summary['num_samples']} images in {summary['num_shards']} shards, "
+        f"{summary['num_bad']} bad files skipped (listed in {BAD_FILES_NAME})",
+        f"extract: this run encoded {summary['encoded_here']} images in {summary['seconds']:.1f}s "
+        f"({rate:.1f} images/s on process 0 of {summary['processes']}; {summary['shards_here']} shards)",
+        f"extract: index written: {Path(summary['out']) / INDEX_NAME}",
+    ])
+
+
+def describe_plan(cfg: ExtractConfig) -> str:
+    """What a run would do (--dry-run): every check, nothing loaded or written."""
+    plan_ = plan(cfg)
+    out = Path(cfg.out)
+    done = sum(read_finished(out, j, plan_.settings) is not None for j in range(plan_.num_shards))
+    frames = "original + mirror" if cfg.flip == "both" else "original only"
+    return "\n".join([
+        f"data: {plan_.scan.root}: {len(plan_.scan)} images in {len(plan_.scan.classes)} classes",
+        f"vae: {plan_.vae_name} (encoder fp32); moments stored as {cfg.dtype}, {frames}",
+        f"out: {out}: {plan_.num_shards} shards of {cfg.shard_size} images, {done} already finished",
+        "settings: " + json.dumps(plan_.settings, sort_keys=True),
+    ])

@@ -1,0 +1,115 @@
+"""Extraction throughput: our batched, sharded path vs a batch-size-1, one-.npy-per-image loop (fast-DiT's way).
+
+    .venv/bin/python tests/bench/bench_extract.py                      # tiny random VAE on this machine
+    .venv/bin/python tests/bench/bench_extract.py --vae PATH --image-size 256 --num-images 2048   # a real VAE
+
+Both paths decode with the same preprocessing and the same number of DataLoader workers and include VAE
+loading and writing. The baseline encodes one image per step, draws a posterior sample and saves one .npy
+per image (no mirrored copy); ours encodes --batch-size images per step (x2 with --flip both) into shards.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from extract.folder import scan_image_folder  # noqa: E402
+from extract.images import preprocess  # noqa: E402
+from extract.run import ExtractConfig, run_extract  # noqa: E402
+from shared.vae import LatentVAE  # noqa: E402
+
+
+class _PerImage(Dataset):
+    """The baseline's dataset: one preprocessed image with a random flip frozen at extraction time."""
+
+    def __init__(self, scan, image_size):
+        self.scan, self.image_size = scan, image_size
+
+    def __len__(self):
+        return len(self.scan)
+
+    def __getitem__(self, i):
+        x = preprocess(self.scan.root / self.scan.files[i], self.image_size)  # (3, S, S)
+        if torch.rand(()) < 0.5:
+            x = x.flip(2)
+        return x, self.scan.labels[i]
+
+
+def baseline(data: Path, out: Path, vae_spec: str, image_size: int, workers: int, device) -> float:
+    """Seconds for the batch-size-1 loop writing one features .npy and one labels .npy per image."""
+    start = time.perf_counter()
+    vae = LatentVAE.load(vae_spec, device=device)
+    scan = scan_image_folder(data)
+    loader = DataLoader(_PerImage(scan, image_size), batch_size=1, num_workers=workers)
+    (out / "features").mkdir(parents=True)
+    (out / "labels").mkdir()
+    for i, (x, y) in enumerate(loader):
+        with torch.no_grad():
+            z = vae.vae.encode(x.to(device)).latent_dist.sample() * vae.scaling_factor  # (1, C, h, w)
+        np.save(out / "features" / f"{i}.npy", z.cpu().numpy())
+        np.save(out / "labels" / f"{i}.npy", y.numpy())
+    return time.perf_counter() - start
+
+
+def ours(data: Path, out: Path, vae_spec: str, args, flip: str) -> float:
+    """Seconds for `python -m extract`'s code path (in-process) into shards + index."""
+    start = time.perf_counter()
+    run_extract(ExtractConfig(data_path=data, out=out, vae=vae_spec, image_size=args.image_size, flip=flip,
+                              batch_size=args.batch_size, num_workers=args.workers, shard_size=args.shard_size))
+    return time.perf_counter() - start
+
+
+def make_data(root: Path, args) -> tuple[Path, str]:
+    """Random JPEG-free PNG ImageFolder and (unless --vae) a tiny random VAE."""
+    from tests.conftest import make_image_folder, make_tiny_vae
+
+    per_class = -(-args.num_images // args.classes)
+    data = make_image_folder(root / "data", classes=tuple(f"c{i:03d}" for i in range(args.classes)),
+                             per_class=per_class, size=(args.src_size, args.src_size))
+    vae = args.vae or str(make_tiny_vae(root / "vae", levels=args.levels))
+    return data, vae
+
+
+def main() -> None:
+    """Run both paths on the same images and print images/s side by side with the ratio."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-images", type=int, default=256, help="Images in the generated dataset.")
+    p.add_argument("--classes", type=int, default=4, help="Class folders in the generated dataset.")
+    p.add_argument("--src-size", type=int, default=96, help="Side of the generated source images.")
+    p.add_argument("--image-size", type=int, default=64, help="Extraction --image-size.")
+    p.add_argument("--batch-size", type=int, default=64, help="Our --batch-size.")
+    p.add_argument("--shard-size", type=int, default=4096, help="Our --shard-size.")
+    p.add_argument("--workers", type=int, default=2, help="DataLoader workers for both paths.")
+    p.add_argument("--levels", type=int, default=2, help="Levels of the tiny random VAE (ignored with --vae).")
+    p.add_argument("--vae", default=None, help="A real VAE (folder/file/hub id) instead of the tiny random one.")
+    args = p.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        data, vae = make_data(tmp, args)
+        n = len(scan_image_folder(data))
+        t_base = baseline(data, tmp / "npy", vae, args.image_size, args.workers, device)
+        t_none = ours(data, tmp / "ours-none", vae, args, "none")
+        t_both = ours(data, tmp / "ours-both", vae, args, "both")
+        files = sum(1 for _ in (tmp / "npy").rglob("*.npy"))
+        ours_files = sum(1 for _ in (tmp / "ours-both").iterdir())
+    print(f"device {device}, {n} images {args.src_size}px -> {args.image_size}px, workers {args.workers}")
+    rows = [("baseline: batch 1, one .npy per image", t_base, files),
+            (f"ours: batch {args.batch_size}, shards, --flip none", t_none, ours_files),
+            (f"ours: batch {args.batch_size}, shards, --flip both (2x encodes)", t_both, ours_files)]
+    print(f"{'path':<56}{'images/s':>10}{'vs baseline':>13}{'files':>8}")
+    for name, seconds, count in rows:
+        print(f"{name:<56}{n / seconds:>10.1f}{t_base / seconds:>12.2f}x{count:>8}")
+
+
+if __name__ == "__main__":
+    main()
