@@ -1,0 +1,108 @@
+"""The speed benchmark: matrix construction, error rows, MFU arithmetic and the real CLI."""
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from shared.diffusion import create_diffusion
+from shared.errors import UserError
+from train import bench
+from train.memory import build_model, forward_macs, model_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parse(*flags):
+    args = bench.build_parser().parse_args(list(flags))
+    bench.resolve_defaults(args)
+    return args
+
+
+def test_flag_matrix_is_the_cartesian_product():
+    configs = bench.resolve_matrix(parse("--precisions", "fp32,bf16", "--checkpointing", "0,2",
+                                         "--attention", "sdpa,math", "--compile", "off,on", "--micro-batch-sizes", "2,4"))
+    assert len(configs) == 32 and len(set(configs)) == 32
+    assert configs[0] == bench.BenchConfig("fp32", 0, "sdpa", False, 2)
+
+
+def test_cpu_preset_puts_our_step_first_then_one_change_each():
+    rows = bench.preset_matrix("cpu")
+    ours = rows[0]
+    assert ours.note == "ours" and ours.checkpoint == 1 and ours.precision == "bf16"
+    changes = {r.note: r for r in rows[1:]}
+    assert changes["checkpointing off"].checkpoint == 0
+    assert changes["math attention"].attention == "math"
+    assert changes["torch.compile"].compile
+    assert {r.micro_batch for r in rows if r.note == "micro-batch sweep"} == {4, 16}
+
+
+def test_preset_and_matrix_flags_together_are_refused():
+    with pytest.raises(UserError, match="--precisions"):
+        bench.resolve_matrix(parse("--preset", "cpu", "--precisions", "fp32"))
+    with pytest.raises(UserError, match="fp8"):
+        bench.resolve_matrix(parse("--precisions", "fp8"))
+
+
+def test_a_failing_compile_becomes_an_error_row(monkeypatch):
+    def broken_compile(model, **kwargs):
+        raise RuntimeError("no C++ compiler here\nsecond line")
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    args = parse("--model", "DiT-T/2", "--image-size", "32", "--steps", "1", "--warmup", "0")
+    config = bench.BenchConfig("fp32", 0, "sdpa", True, 2)
+    result = bench.run_config(config, args, torch.device("cpu"), create_diffusion(), 1, None)
+    assert result.error == "RuntimeError: no C++ compiler here" and result.images_s is None
+    assert "error: RuntimeError: no C++ compiler here" in bench.table([result])
+
+
+def test_step_timing_and_mfu():
+    args = parse("--model", "DiT-T/2", "--image-size", "32", "--steps", "2", "--warmup", "1")
+    model = build_model(model_config("DiT-T/2", 32), "meta")
+    flops = 6 * forward_macs(model)["total"]
+    result = bench.run_config(bench.BenchConfig("bf16", 1, "math", False, 2), args, torch.device("cpu"),
+                              create_diffusion(), flops, 1.0)
+    assert result.error is None and result.images_s == pytest.approx(2 * result.step_s)
+    assert result.mfu == pytest.approx(flops * result.images_s / 1e12)
+
+
+@pytest.mark.slow
+def test_bench_cli_tiny(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "train.bench", "--model", "DiT-T/2", "--image-size", "32", "--precisions", "fp32,bf16",
+         "--checkpointing", "0,1", "--attention", "sdpa,math,xformers", "--micro-batch-sizes", "2", "--steps", "1",
+         "--warmup", "1", "--threads", "1", "--peak-tflops", "1", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert any("steps/s" in l and "images/s" in l and "MFU" in l and "vs baseline" in l for l in lines)
+    for precision in ("fp32", "bf16"):
+        for ckpt in (0, 1):
+            for attention in ("sdpa", "math"):
+                row = next(l for l in lines if l.startswith(f"{precision} ckpt={ckpt} {attention} mb=2"))
+                assert "error" not in row and row.rstrip().endswith("x") and "%" in row
+            # xformers cannot run on the CPU: the row says why, the run goes on
+            row = next(l for l in lines if l.startswith(f"{precision} ckpt={ckpt} xformers mb=2"))
+            assert "error: UserError" in row
+    assert next(l for l in lines if l.startswith("fp32 ckpt=0 sdpa")).rstrip().endswith("1.00x")
+    payload = json.loads(out.read_text())
+    assert len(payload["results"]) == 12
+    ok = [r for r in payload["results"] if r["error"] is None]
+    assert len(ok) == 8 and all(r["images_s"] > 0 for r in ok)
+
+
+@pytest.mark.slow
+def test_bench_cli_refuses_bad_input():
+    proc = subprocess.run([sys.executable, "-m", "train.bench", "--preset", "cpu", "--attention", "math"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--attention" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_parser_flags_all_have_help():
+    for action in bench.build_parser()._actions:
+        assert action.help, action.dest
+    assert isinstance(bench.build_parser(), argparse.ArgumentParser)

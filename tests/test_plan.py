@@ -1,0 +1,161 @@
+"""The memory planner: measured activations vs an independent count, FLOPs vs the paper, the CLI."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from shared.diffusion import create_diffusion
+from train.memory import (MiB, ActivationProfile, LinearBytes, build_model, forward_macs, measure_block_fit,
+                          measure_profile,
+                          model_config, parse_size)
+from train.plan import build_parser, fixed_state, largest_micro_batch
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = dict(model="DiT-T/2", image_size=64)  # 8x8 latents, 16 tokens, 6 blocks
+
+
+def independent_saved_bytes(model, batch, dtype):
+    """Bytes autograd saves for one forward + loss, counted directly (written independently of train.memory)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept = []  # keep every saved tensor alive so no address is reused while counting
+
+    def pack(t):
+        kept.append(t)
+        return t
+
+    g = torch.Generator().manual_seed(1)
+    x0 = torch.randn(batch, model.in_channels, model.input_size, model.input_size, generator=g)
+    t = torch.randint(0, 1000, (batch,), generator=g)
+    y = torch.randint(0, model.num_classes, (batch,), generator=g)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=dtype):
+        loss = create_diffusion().training_losses(model, x0, t, {"y": y})["loss"].mean()
+    storages = {s.data_ptr(): s.nbytes() for s in (k.untyped_storage() for k in kept)}
+    del loss
+    return sum(n for ptr, n in storages.items() if ptr not in params)
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    return build_model(model_config(**TINY), device="cpu", init=False)
+
+
+@pytest.fixture(scope="module")
+def block_bf16(tiny_model):
+    return measure_block_fit(tiny_model, torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def profiles(tiny_model, block_bf16):
+    """bf16 profiles for checkpointing off, every block and every 2nd block."""
+    return {k: measure_profile(tiny_model, k, torch.bfloat16, block_bf16) for k in (0, 1, 2)}
+
+
+@pytest.mark.parametrize("every", [0, 1, 2])
+def test_measured_activations_match_an_independent_count(tiny_model, profiles, every):
+    tiny_model.set_grad_checkpointing(every)
+    for batch in (3, 5):  # neither is a batch the planner measured at (1 and 2)
+        assert profiles[every].saved.at(batch) == independent_saved_bytes(tiny_model, batch, torch.bfloat16)
+    assert profiles[every].saved.per_sample > 0 and profiles[every].cast_cache > 0
+
+
+def test_checkpointing_keeps_less_and_recompute_is_one_block(tiny_model, profiles, block_bf16):
+    off, every, second = profiles[0], profiles[1], profiles[2]
+    depth = len(tiny_model.blocks)
+    assert every.saved.per_sample < second.saved.per_sample < off.saved.per_sample
+    assert every.saved.per_sample < off.saved.per_sample / 3
+    assert off.recompute == LinearBytes(0, 0) and every.recompute == block_bf16
+    # Without checkpointing the blocks' saved tensors make up most of the total.
+    assert 0.5 * off.saved.per_sample < depth * block_bf16.per_sample < 1.2 * off.saved.per_sample
+    assert every.peak(7) == max(every.resident.at(7), every.saved.at(7) + block_bf16.at(7))
+
+
+def test_fp32_saves_more_than_bf16_and_casts_nothing(tiny_model, profiles):
+    fp32 = measure_profile(tiny_model, 0, None, LinearBytes(0, 0))
+    assert fp32.cast_cache == 0 and profiles[0].cast_cache > 0
+    assert 1.3 < fp32.saved.per_sample / profiles[0].saved.per_sample < 2.1
+
+
+@pytest.mark.parametrize("name,gmac", [("DiT-S/2", 6.06), ("DiT-XL/2", 118.6), ("DiT-XL/8", 7.4), ("DiT-B/4", 5.57)])
+def test_forward_macs_match_the_paper(name, gmac):
+    model = build_model(model_config(name, 256), device="meta")
+    assert all(p.is_meta for p in model.parameters())  # nothing allocated
+    macs = forward_macs(model)
+    digits = len(str(gmac).split(".")[1])  # as precise as the paper's figure
+    assert round(macs["total"] / 1e9, digits) == gmac
+    assert macs["total"] == sum(v for k, v in macs.items() if k != "total")
+
+
+def test_xl2_at_512_macs():
+    assert round(forward_macs(build_model(model_config("DiT-XL/2", 512), "meta"))["total"] / 1e9, 1) == 524.5
+
+
+def test_fixed_state_of_the_dit_recipe_is_13_5_gb():
+    xl = build_model(model_config("DiT-XL/2", 256), "meta")
+    n_all = sum(p.numel() for p in xl.parameters())
+    n_train = sum(p.numel() for p in xl.parameters() if p.requires_grad)
+    state = fixed_state(n_all, n_train, "adamw", "gpu")
+    assert round(state.total / 1e9, 1) == 13.5
+    assert fixed_state(n_all, n_train, "adamw8bit", "cpu").total == 4 * n_all + 4 * n_train + 2 * n_train
+
+
+def test_largest_micro_batch_divides_the_batch_and_fits():
+    profile = ActivationProfile(
+        every=0, saved=LinearBytes(10, 100), resident=LinearBytes(10, 100), recompute=LinearBytes(0, 0),
+        cast_cache=0)
+    assert largest_micro_batch(profile, fixed=1000, budget=1000 + 10 + 100 * 50, batch=256) == 32
+    assert largest_micro_batch(profile, fixed=1000, budget=1000 + 10 + 100 * 64, batch=256) == 64
+    assert largest_micro_batch(profile, fixed=1000, budget=1000 + 10 + 100 * 64, batch=48) == 48
+    assert largest_micro_batch(profile, fixed=1000, budget=1000 + 10 + 99, batch=8) is None
+
+
+def test_parse_size():
+    assert parse_size("24GiB") == 24 * 2**30 and parse_size("1.5 GiB") == int(1.5 * 2**30)
+    assert parse_size("22GB") == 22 * 10**9 and parse_size("512MiB") == 512 * MiB
+    with pytest.raises(Exception, match="24GiB"):
+        parse_size("lots")
+
+
+def run_plan(*flags):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # one thread is steadier on a shared CI machine
+    return subprocess.run([sys.executable, "-m", "train.plan", *flags], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env=env)
+
+
+def table_row(stdout, label):
+    """Cells of the table line whose checkpointing column is `label`."""
+    line = next(l for l in stdout.splitlines() if l.lstrip("* ").startswith(label + "  "))
+    return line.lstrip("* ")[len(label):].split()
+
+
+@pytest.mark.slow
+def test_plan_cli_tiny():
+    budget = ["--gpu-memory", "200MiB", "--margin", "50MiB", "--global-batch-size", "256"]
+    proc = run_plan("--model", "DiT-T/2", "--image-size", "64", "--mixed-precision", "bf16", "--grad-checkpoint", *budget)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    for text in ("weights (fp32 master)", "gradients (fp32)", "optimizer state (AdamW", "EMA (fp32, on gpu)",
+                 "workspace margin", "* every block", "every 2nd block", "--micro-batch-size"):
+        assert text in out
+    # off: "saved recompute const copies micro accum peak peak+margin" with units split off
+    off, every = table_row(out, "off"), table_row(out, "every block")
+    micro_off, micro_every = int(off[7]), int(every[8])
+    assert 256 % micro_off == 0 and 256 % micro_every == 0 and micro_off < micro_every
+    assert f"--micro-batch-size {micro_every} (gradient accumulation {256 // micro_every}" in out
+
+
+@pytest.mark.slow
+def test_plan_cli_errors():
+    proc = run_plan("--model", "DiT-T/2", "--image-size", "64", "--verify")
+    assert proc.returncode == 2 and "--verify" in proc.stderr and "CUDA" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    proc = run_plan("--model", "DiT-Q/2")
+    assert proc.returncode == 2 and "DiT-XL/2" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run_plan("--gpu-memory", "lots")
+    assert proc.returncode == 2 and "24GiB" in proc.stderr
+
+
+def test_every_plan_flag_has_help():
+    assert all(action.help for action in build_parser()._actions)

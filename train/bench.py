@@ -1,0 +1,368 @@
+"""`python -m train.bench`: time DiT training steps on synthetic latents (no shards, no VAE).
+
+Each configuration gets a fresh model and AdamW; warm-up steps (and torch.compile's compilation) are
+excluded; the reported step time is the median of the timed steps, each bracketed by device syncs.
+MFU = training FLOPs per image (6 x forward MACs, computed from the architecture; recomputation under
+checkpointing not counted) x images/s / device peak FLOP/s.
+"""
+import argparse
+import gc
+import importlib.util
+import itertools
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from shared.diffusion import create_diffusion
+from shared.errors import UserError, exit_with
+from train.memory import (GiB, PRECISIONS, build_model, format_size, forward_macs, make_adamw, model_config,
+                          synthetic_batch, train_flops_per_image, training_step)
+
+PROG = "python -m train.bench"
+# Dense tensor-core peaks in TFLOP/s for 16-bit inputs (vendor datasheets; GeForce figures with fp16
+# accumulation, about half with fp32 accumulation; H100/H200 SXM). First substring of
+# torch.cuda.get_device_name() that matches, in this order (A100 before A10, L40S before L40 before L4).
+KNOWN_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "A10": 125.0, "L40S": 362.0, "L40": 181.0,
+                     "L4": 121.0, "RTX 4090": 165.2, "RTX 3090": 71.0, "V100": 125.0, "T4": 65.0}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One cell of the matrix."""
+    precision: str      # fp32 | fp16 | bf16
+    checkpoint: int     # 0 = off, k = every k-th block
+    attention: str      # sdpa | math | xformers
+    compile: bool
+    micro_batch: int
+    note: str = ""
+
+    def label(self) -> str:
+        """Short row name."""
+        parts = [self.precision, f"ckpt={self.checkpoint}", self.attention, f"mb={self.micro_batch}"]
+        parts += ["compile"] if self.compile else []
+        return " ".join(parts) + (f" ({self.note})" if self.note else "")
+
+
+@dataclass
+class BenchResult:
+    """Measured numbers of one configuration (error set instead when it could not run)."""
+    config: BenchConfig
+    step_s: float | None = None
+    images_s: float | None = None
+    peak_bytes: int | None = None
+    mfu: float | None = None
+    error: str | None = None
+
+
+# ----------------------------------------------------------------------------------------------------
+# The matrix
+# ----------------------------------------------------------------------------------------------------
+
+PRESETS = {
+    # One thread on the CPU: with more, a busy machine stalls every parallel region (we saw 10x swings).
+    "cpu": dict(model="DiT-T/2", image_size=128, steps=8, warmup=2, threads=1),
+    "gpu": dict(model="DiT-XL/2", image_size=256, steps=10, warmup=3, threads=None),
+}
+
+
+def xformers_installed() -> bool:
+    """Whether xformers could be imported (the model still refuses it off CUDA, reported in the row)."""
+    return importlib.util.find_spec("xformers") is not None
+
+
+def variant(base: BenchConfig, note: str, **changes) -> BenchConfig:
+    """`base` with some fields changed, labelled by what changed."""
+    return BenchConfig(**{**asdict(base), **changes, "note": note})
+
+
+def optional_rows(ours: BenchConfig) -> list[BenchConfig]:
+    """Rows that only make sense where the software is present (xformers), then torch.compile."""
+    rows = [variant(ours, "xformers", attention="xformers")] if xformers_installed() else []
+    return rows + [variant(ours, "torch.compile", compile=True)]
+
+
+def preset_matrix(name: str) -> list[BenchConfig]:
+    """cpu: quick ablation of our step on a tiny model; gpu: DiT-XL/2 rows mirroring fast-DiT's README."""
+    if name == "cpu":
+        ours = BenchConfig("bf16", 1, "sdpa", False, 8, "ours")
+        return [ours, variant(ours, "checkpointing off", checkpoint=0),
+                variant(ours, "math attention", attention="math"), variant(ours, "no autocast", precision="fp32"), variant(ours, "fp16 + GradScaler", precision="fp16"),
+                *optional_rows(ours), *(variant(ours, "micro-batch sweep", micro_batch=m) for m in (4, 16))]
+    # fast-DiT README (one A100, batch 128, claimed): "checkpointing only" 0.43 steps/s, then "+ mixed
+    # precision" 0.56; features are always pre-extracted here. Micro-batch 32 so fp32 fits 24 GiB.
+    baseline = BenchConfig("fp32", 1, "sdpa", False, 32, "fast-DiT: checkpointing only")
+    ours = BenchConfig("bf16", 1, "sdpa", False, 32, "ours: + mixed precision")
+    return [baseline, ours, variant(ours, "fp16 + GradScaler", precision="fp16"),
+            variant(ours, "checkpointing every 2nd block", checkpoint=2),
+            variant(ours, "checkpointing off", checkpoint=0),
+            variant(ours, "checkpointing off", checkpoint=0, micro_batch=8),
+            variant(ours, "math attention", attention="math"), *optional_rows(ours),
+            *(variant(ours, "micro-batch sweep", micro_batch=m) for m in (16, 64, 128))]
+
+
+def split_list(text: str, kind=str) -> list:
+    """'a,b,c' -> [a, b, c] converted by kind; UserError on a bad item."""
+    try:
+        return [kind(item.strip()) for item in str(text).split(",") if item.strip()]
+    except ValueError as err:
+        raise UserError(f"cannot read {text!r} as a comma-separated list ({err}); e.g. --micro-batch-sizes 4,8,16.")
+
+
+def parse_compile(item: str) -> bool:
+    """'on'/'off' (also true/false, 1/0) -> bool."""
+    table = {"on": True, "true": True, "1": True, "off": False, "false": False, "0": False}
+    if item.lower() not in table:
+        raise ValueError(f"{item!r} is not on/off")
+    return table[item.lower()]
+
+
+def check_values(precisions, attentions, checkpoints, micros):
+    """UserError for values no configuration could use."""
+    bad = [p for p in precisions if p not in ("fp32", "fp16", "bf16")]
+    bad += [a for a in attentions if a not in ("sdpa", "math", "xformers")]
+    if bad:
+        raise UserError(f"unknown value(s) {bad}: precisions are fp32/fp16/bf16, attention sdpa/math/xformers.")
+    if any(k < 0 for k in checkpoints) or any(m <= 0 for m in micros):
+        raise UserError("checkpoint intervals must be >= 0 (0 = off) and micro-batch sizes >= 1.")
+
+
+MATRIX_FLAGS = ("precisions", "checkpointing", "attention", "compile", "micro_batch_sizes")
+MATRIX_DEFAULTS = dict(precisions="fp32,bf16", checkpointing="0,1", attention="sdpa", compile="off",
+                       micro_batch_sizes="8")
+
+
+def flag_matrix(args) -> list[BenchConfig]:
+    """The cartesian product of the matrix flags (defaults where a flag is absent)."""
+    values = {k: getattr(args, k) or MATRIX_DEFAULTS[k] for k in MATRIX_FLAGS}
+    precisions, attentions = split_list(values["precisions"]), split_list(values["attention"])
+    checkpoints = split_list(values["checkpointing"], int)
+    compiles = split_list(values["compile"], parse_compile)
+    micros = split_list(values["micro_batch_sizes"], int)
+    check_values(precisions, attentions, checkpoints, micros)
+    return [BenchConfig(*combo) for combo in itertools.product(precisions, checkpoints, attentions, compiles, micros)]
+
+
+def resolve_matrix(args) -> list[BenchConfig]:
+    """The preset's rows, or the flags' product; mixing both is refused (no silent precedence)."""
+    if args.preset is None:
+        return flag_matrix(args)
+    given = [f"--{k.replace('_', '-')}" for k in MATRIX_FLAGS if getattr(args, k) is not None]
+    if given:
+        raise UserError(f"--preset {args.preset} defines the matrix itself, so {', '.join(given)} would be "
+                        "ignored; drop --preset to choose the matrix with flags, or drop those flags.")
+    return preset_matrix(args.preset)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Timing
+# ----------------------------------------------------------------------------------------------------
+
+def synchronize(device: torch.device):
+    """Wait for queued device work so wall-clock time covers it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_tflops(args, device: torch.device) -> tuple[float | None, str]:
+    """The device peak used for MFU and where it came from."""
+    if args.peak_tflops:
+        return args.peak_tflops, "from --peak-tflops"
+    if device.type != "cuda":
+        return None, "unknown on CPU (pass --peak-tflops for MFU)"
+    name = torch.cuda.get_device_name(device)
+    for key, value in KNOWN_PEAK_TFLOPS.items():
+        if key in name:
+            return value, f"default for {name} (16-bit tensor cores, dense)"
+    return None, f"unknown for {name} (pass --peak-tflops for MFU)"
+
+
+def prepare(config: BenchConfig, args, device):
+    """Fresh model (optionally compiled), AdamW, scaler and one synthetic micro-batch for a config."""
+    model = build_model(model_config(args.model, args.image_size, num_classes=args.num_classes), device=device,
+                        attention=config.attention, grad_checkpoint_every=config.checkpoint)
+    model.train()
+    optimizer = make_adamw(model.parameters(), device)
+    scaler = torch.amp.GradScaler(device.type, enabled=config.precision == "fp16")
+    batch = synthetic_batch(model, config.micro_batch, device, torch.Generator().manual_seed(0))
+    runner = torch.compile(model) if config.compile else model
+    return runner, optimizer, scaler, batch
+
+
+def time_steps(config: BenchConfig, args, device, diffusion) -> list[float]:
+    """Seconds of each timed step (after warm-up) for one configuration."""
+    runner, optimizer, scaler, batch = prepare(config, args, device)
+    dtype = PRECISIONS[config.precision]
+    times = []
+    for i in range(args.warmup + args.steps):
+        synchronize(device)
+        start = time.perf_counter()
+        training_step(runner, optimizer, scaler, diffusion, batch, dtype)
+        synchronize(device)
+        if i >= args.warmup:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def error_text(err: BaseException) -> str:
+    """One line describing why a configuration could not run."""
+    if isinstance(err, torch.cuda.OutOfMemoryError):
+        return "OOM"
+    first = (str(err).strip().splitlines() or [""])[0].split(". ")[0]  # first sentence
+    return f"{type(err).__name__}: {first}"[:140]
+
+
+def run_config(config: BenchConfig, args, device, diffusion, flops_per_image, peak) -> BenchResult:
+    """Time one configuration; any failure (OOM, unusable backend, compile error) becomes the row's error."""
+    if device.type == "cuda":
+        gc.collect()  # the previous configuration's model and optimizer must not count here
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        step = statistics.median(time_steps(config, args, device, diffusion))
+    except Exception as err:  # reported in the table, the remaining configurations still run
+        return BenchResult(config, error=error_text(err))
+    images = config.micro_batch / step
+    mem = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    mfu = flops_per_image * images / (peak * 1e12) if peak else None
+    return BenchResult(config, 1 / step, images, mem, mfu)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Report
+# ----------------------------------------------------------------------------------------------------
+
+def _cell(value, fmt):
+    return "-" if value is None else fmt.format(value)
+
+
+def table(results: list[BenchResult]) -> str:
+    """Aligned text table; the first successful row is the baseline of the ratio column."""
+    base = next((r.images_s for r in results if r.images_s), None)
+    head = f"{'config':<58} {'steps/s':>8} {'images/s':>9} {'peak mem':>11} {'MFU':>7} {'vs baseline':>11}"
+    lines = [head, "-" * len(head)]
+    for r in results:
+        if r.error:
+            lines.append(f"{r.config.label():<58} error: {r.error}")
+            continue
+        ratio = r.images_s / base if base else None
+        lines.append(f"{r.config.label():<58} {r.step_s:>8.3f} {r.images_s:>9.2f} "
+                     f"{_cell(r.peak_bytes and format_size(r.peak_bytes), '{}'):>11} "
+                     f"{_cell(r.mfu and 100 * r.mfu, '{:.1f}%'):>7} {_cell(ratio, '{:.2f}x'):>11}")
+    return "\n".join(lines)
+
+
+def header(args, device, model, flops, peak_note) -> str:
+    """What ran where, and the FLOP count the MFU uses."""
+    macs = forward_macs(model)["total"]
+    cap = f", memory capped at {args.memory_cap_gib:g} GiB" if device.type == "cuda" and args.memory_cap_gib else ""
+    dev = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+    return (f"{args.model} at {args.image_size}x{args.image_size} on {dev}{cap}; torch {torch.__version__}\n"
+            f"forward {macs / 1e9:.2f} GMAC/image, training {flops / 1e9:.2f} GFLOP/image; peak for MFU: "
+            f"{peak_note}\nwarm-up {args.warmup} steps, median of {args.steps} timed steps; model + AdamW, no EMA"
+            + ("; TF32 matmuls on" if device.type == "cuda" else "; peak memory is measured on CUDA only"))
+
+
+def apply_memory_cap(args, device):
+    """Emulate a smaller card (e.g. a 24 GiB RTX 3090) on a larger one."""
+    if device.type != "cuda" or not args.memory_cap_gib:
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * GiB / total), device)
+
+
+def write_json(path, args, device, results, flops, peak):
+    """Machine-readable results."""
+    payload = {"model": args.model, "image_size": args.image_size, "device": str(device),
+               "torch": torch.__version__, "train_flops_per_image": flops, "peak_tflops": peak,
+               "results": [{**asdict(r.config), **{k: v for k, v in asdict(r).items() if k != "config"}}
+                           for r in results]}
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2)
+
+
+# ----------------------------------------------------------------------------------------------------
+# CLI
+# ----------------------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    """Flags of python -m train.bench."""
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), help="cpu: tiny model, quick ablation of our step; "
+                   "gpu: DiT-XL/2 at 256 mirroring the fast-DiT README table. Sets the matrix and defaults.")
+    p.add_argument("--model", help="DiT preset (default: the preset's, else DiT-T/2)")
+    p.add_argument("--image-size", type=int, help="image size in pixels; latents are 1/8 of it (default 128)")
+    p.add_argument("--num-classes", type=int, default=1000, help="number of classes")
+    p.add_argument("--micro-batch-sizes", help="comma-separated micro-batch sweep, e.g. 4,8,16 (default 8)")
+    p.add_argument("--precisions", help="comma-separated subset of fp32,fp16,bf16 (default fp32,bf16)")
+    p.add_argument("--checkpointing", help="comma-separated checkpoint intervals, 0 = off (default 0,1)")
+    p.add_argument("--attention", help="comma-separated subset of sdpa,math,xformers (default sdpa)")
+    p.add_argument("--compile", help="comma-separated on/off for torch.compile (default off)")
+    p.add_argument("--steps", type=int, help="timed steps per configuration (default 8, gpu preset 10)")
+    p.add_argument("--warmup", type=int, help="untimed warm-up steps per configuration (default 2)")
+    p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice; cpu preset: 1, "
+                   "steadier on a shared machine)")
+    p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu or cuda[:i]")
+    p.add_argument("--memory-cap-gib", type=float, default=24.0,
+                   help="CUDA only: cap this process's memory (emulates a 24 GiB RTX 3090 on a bigger "
+                        "card); 0 = no cap")
+    p.add_argument("--peak-tflops", type=float, help="device peak TFLOP/s for MFU (default: known GPU names)")
+    p.add_argument("--json", metavar="OUT", help="also write the results as JSON to OUT")
+    return p
+
+
+def resolve_defaults(args):
+    """Fill model, size, steps and warm-up from the preset (or the plain defaults)."""
+    preset = PRESETS.get(args.preset, PRESETS["cpu"])
+    for key in ("model", "image_size", "steps", "warmup", "threads"):
+        if getattr(args, key) is None:
+            setattr(args, key, preset[key] if args.preset or key != "threads" else None)
+    if args.steps < 1 or args.warmup < 0 or (args.threads is not None and args.threads < 1):
+        raise UserError("--steps and --threads must be >= 1 and --warmup >= 0.")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+
+def resolve_device(name: str) -> torch.device:
+    """auto -> CUDA if present else CPU; UserError when CUDA is asked for but missing."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {name} was asked for but no CUDA GPU is visible; use --device cpu.")
+    return torch.device(name)
+
+
+def run(args) -> str:
+    """Run the matrix and return the report."""
+    resolve_defaults(args)
+    configs = resolve_matrix(args)
+    device = resolve_device(args.device)
+    model = build_model(model_config(args.model, args.image_size, num_classes=args.num_classes), "meta")
+    flops = train_flops_per_image(model)
+    peak, peak_note = peak_tflops(args, device)
+    apply_memory_cap(args, device)
+    if device.type == "cuda":  # as python -m train and the official DiT train.py: TF32 matmuls
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    diffusion = create_diffusion()
+    results = [run_config(c, args, device, diffusion, flops, peak)
+               for c in tqdm(configs, desc="bench", unit="config", file=sys.stderr)]
+    if args.json:
+        write_json(args.json, args, device, results, flops, peak)
+    return header(args, device, model, flops, peak_note) + "\n\n" + table(results)
+
+
+def main(argv=None):
+    """Entry point of python -m train.bench."""
+    args = build_parser().parse_args(argv)
+    try:
+        print(run(args))
+    except UserError as err:
+        exit_with(err, PROG)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,338 @@
+"""What a DiT training step costs: forward FLOPs from the architecture, and activation bytes MEASURED.
+
+Shared by `python -m train.plan` (memory planner) and `python -m train.bench` (speed benchmark).
+
+Activation memory is measured, not modelled: the real model runs forward + the real diffusion loss
+under the chosen autocast dtype while `torch.autograd.graph.saved_tensors_hooks` records every tensor
+autograd keeps for backward (deduplicated by storage, parameters excluded because the fixed state
+already counts them). A `TorchDispatchMode` also records the low-precision weight copies autocast
+caches until the forward ends. Running at two batch sizes separates the per-sample part from the
+constant part (both are exactly linear in the batch for a DiT).
+
+Why not the meta device: autocast rejects device_type "meta", and on meta tensors
+scaled_dot_product_attention decomposes into the fp32 math path (saving the (N,H,T,T) matrix), so the
+numbers would describe neither CPU nor CUDA. We therefore run on a real device (CUDA when present,
+else the CPU) with weights allocated but zero-filled (skipping the random init, which is slow at XL).
+CPU and CUDA autocast agree on every op a DiT uses with sdpa attention (linear, conv and attention in
+low precision; LayerNorm always sees the fp32 residual stream), so a CPU measurement stands for CUDA.
+"""
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from shared.diffusion import NUM_TIMESTEPS, create_diffusion
+from shared.errors import UserError
+from shared.models import DiT_models, ModelConfig
+
+KiB, MiB, GiB = 2**10, 2**20, 2**30
+PRECISIONS = {"no": None, "fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": KiB, "m": 10**6, "mb": 10**6, "mib": MiB,
+          "g": 10**9, "gb": 10**9, "gib": GiB, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sizes
+# ----------------------------------------------------------------------------------------------------
+
+def parse_size(text: str) -> int:
+    """'24GiB', '22.5GB', '1536MiB', '0' -> bytes; UserError naming the accepted forms."""
+    s = str(text).strip().lower().replace(" ", "")
+    number = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        value = None
+    if value is None or value < 0 or unit not in _UNITS:
+        raise UserError(f"cannot read the memory size {text!r}; write a number with a unit, e.g. 24GiB, "
+                        "22.5GB, 1536MiB (GiB/MiB are powers of 2, GB/MB powers of 10).")
+    return int(value * _UNITS[unit])
+
+
+def format_size(nbytes: float) -> str:
+    """Bytes as a short human string in binary units (GiB/MiB/KiB)."""
+    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{int(nbytes)} B"
+
+
+# ----------------------------------------------------------------------------------------------------
+# Building the model a run would train
+# ----------------------------------------------------------------------------------------------------
+
+def latent_size(image_size: int, vae_factor: int) -> int:
+    """Latent side length; UserError when the image size is not a multiple of the VAE factor."""
+    if image_size <= 0 or vae_factor <= 0 or image_size % vae_factor:
+        raise UserError(f"image size {image_size} is not a positive multiple of the VAE downsample factor "
+                        f"{vae_factor}; use e.g. --image-size 256 with --vae-factor 8 (32x32 latents).")
+    return image_size // vae_factor
+
+
+def model_config(model: str, image_size: int, vae_factor: int = 8, latent_channels: int = 4,
+                 num_classes: int = 1000) -> ModelConfig:
+    """The ModelConfig for a preset at an image size; UserError for unknown presets or bad sizes."""
+    if model not in DiT_models:
+        raise UserError(f"unknown model preset {model!r}; choose one of {', '.join(DiT_models)}.")
+    return ModelConfig(model=model, input_size=latent_size(image_size, vae_factor),
+                       in_channels=latent_channels, num_classes=num_classes)
+
+
+def build_model(config: ModelConfig, device="meta", attention="auto", grad_checkpoint_every=0, init=True):
+    """Build the DiT on `device`; init=False allocates zero-filled weights (fast; for measuring only)."""
+    if init or str(device) == "meta":
+        with torch.device(device):
+            return config.build(attention=attention, grad_checkpoint_every=grad_checkpoint_every)
+    with torch.device("meta"):
+        model = config.build(attention=attention, grad_checkpoint_every=grad_checkpoint_every)
+    model = model.to_empty(device=device)
+    with torch.no_grad():
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            tensor.zero_()
+    return model
+
+
+def count_parameters(model) -> tuple[int, int]:
+    """(all parameters including the frozen pos_embed, trainable parameters)."""
+    params = list(model.parameters())
+    return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Forward cost, computed from the architecture (multiply-accumulates, as the DiT paper reports)
+# ----------------------------------------------------------------------------------------------------
+
+def _linear_macs(linear, rows: int) -> int:
+    """MACs of applying nn.Linear to `rows` vectors."""
+    return rows * linear.in_features * linear.out_features
+
+
+def forward_macs(model) -> dict:
+    """Per-image forward multiply-accumulates of a DiT by part; works on a meta-device model.
+
+    Token-wise layers cost T * in * out; conditioning layers (adaLN, timestep MLP) run once per image;
+    attention adds Q K^T and A V, each T * T * D per block. The label lookup and elementwise ops are
+    not counted (the paper's convention), so XL/2 at 256 gives 118.6 GMAC.
+    """
+    tokens = model.x_embedder.num_patches
+    conv = model.x_embedder.proj
+    parts = {"patch_embed": tokens * conv.in_channels * conv.kernel_size[0] * conv.kernel_size[1] * conv.out_channels,
+             "timestep_mlp": sum(_linear_macs(m, 1) for m in model.t_embedder.mlp if isinstance(m, torch.nn.Linear)),
+             "attention_linears": 0, "attention_matmuls": 0, "mlp": 0, "adaln": 0}
+    for block in model.blocks:
+        width = block.attn.qkv.in_features
+        parts["attention_linears"] += _linear_macs(block.attn.qkv, tokens) + _linear_macs(block.attn.proj, tokens)
+        parts["attention_matmuls"] += 2 * tokens * tokens * width  # Q K^T and A V over all heads
+        parts["mlp"] += _linear_macs(block.mlp.fc1, tokens) + _linear_macs(block.mlp.fc2, tokens)
+        parts["adaln"] += _linear_macs(block.adaLN_modulation[-1], 1)
+    final = model.final_layer
+    parts["final_layer"] = _linear_macs(final.linear, tokens) + _linear_macs(final.adaLN_modulation[-1], 1)
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def train_flops_per_image(model) -> int:
+    """Model FLOPs of one training image: 3 x forward (forward + 2x for backward), 2 FLOPs per MAC.
+
+    Recomputation under gradient checkpointing is deliberately not counted (the MFU convention of
+    Chowdhery et al. 2022, PaLM App. B), so checkpointing shows up as a lower MFU.
+    """
+    return 6 * forward_macs(model)["total"]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Measuring what autograd keeps
+# ----------------------------------------------------------------------------------------------------
+
+def _storage_key(tensor) -> tuple:
+    """Identity of a tensor's memory: views of one buffer share it."""
+    storage = tensor.untyped_storage()
+    return (str(tensor.device), storage.data_ptr())
+
+
+class _Handle:
+    """What the pack hook gives autograd; its lifetime is the lifetime of the saved slot."""
+
+
+class SavedTensorLedger(torch.autograd.graph.saved_tensors_hooks):
+    """Context that records the tensors autograd saves for backward and which are still alive.
+
+    Each saved tensor is swapped for a small handle; when autograd drops the graph node that holds
+    it (e.g. a detached branch), the handle dies and the ledger forgets the tensor, so `live_bytes`
+    is what really stays resident until backward. Parameters are excluded (counted as weights).
+    """
+
+    def __init__(self, exclude_keys=()):
+        self.live: dict[int, torch.Tensor] = {}
+        self.exclude = set(exclude_keys)
+        super().__init__(self._pack, self._unpack)
+
+    def _pack(self, tensor):
+        handle = _Handle()
+        self.live[id(handle)] = tensor
+        weakref.finalize(handle, self.live.pop, id(handle), None)
+        return handle
+
+    def _unpack(self, handle):
+        return self.live[id(handle)]
+
+    def storages(self) -> dict:
+        """{storage key: bytes} of the live saved tensors, deduplicated, parameters excluded."""
+        found = {}
+        for tensor in self.live.values():
+            key = _storage_key(tensor)
+            if key not in self.exclude:
+                found[key] = tensor.untyped_storage().nbytes()
+        return found
+
+
+class CastCacheCounter(TorchDispatchMode):
+    """Records the copies autocast makes of parameters (cached until the autocast region ends)."""
+
+    def __init__(self, param_keys):
+        super().__init__()
+        self.param_keys = set(param_keys)
+        self.copies: dict[tuple, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        source = args[0] if args else None
+        if (func is torch.ops.aten._to_copy.default and isinstance(source, torch.Tensor)
+                and _storage_key(source) in self.param_keys):
+            self.copies[_storage_key(out)] = out.untyped_storage().nbytes()
+        return out
+
+
+def _param_keys(module) -> set:
+    """Storage keys of all parameters and buffers of a module."""
+    return {_storage_key(t) for t in list(module.parameters()) + list(module.buffers())}
+
+
+def synthetic_batch(model, batch: int, device, generator=None) -> tuple:
+    """Random latents x0 (N,C,H,W), timesteps t (N,) and labels y (N,) shaped for the model."""
+    shape = (batch, model.in_channels, model.input_size, model.input_size)
+    x0 = torch.randn(shape, generator=generator).to(device)  # (N, C, H, W)
+    t = torch.randint(0, NUM_TIMESTEPS, (batch,), generator=generator).to(device)
+    y = torch.randint(0, model.num_classes, (batch,), generator=generator).to(device)
+    return x0, t, y
+
+
+def autocast_context(device, dtype):
+    """torch.autocast for a device type and low-precision dtype; a no-op context for fp32."""
+    device_type = torch.device(device).type
+    return torch.autocast(device_type, dtype=dtype, enabled=dtype is not None)
+
+
+def training_loss(model, diffusion, x0, t, y):
+    """The training objective of one micro-batch: mean of the hybrid loss (IDDPM Eq. 16)."""
+    return diffusion.training_losses(model, x0, t, model_kwargs={"y": y})["loss"].mean()
+
+
+@dataclass
+class Residency:
+    """Bytes resident at the end of a forward: saved for backward, cast cache, and their union."""
+    saved: int
+    cast_cache: int
+    resident: int
+
+
+def measure_forward(model, batch: int, dtype, diffusion=None) -> Residency:
+    """Run forward + loss at `batch` under autocast(dtype) and count what it leaves resident."""
+    diffusion = diffusion or create_diffusion()
+    device = next(model.parameters()).device
+    x0, t, y = synthetic_batch(model, batch, device, torch.Generator().manual_seed(0))
+    params = _param_keys(model)
+    ledger, casts = SavedTensorLedger(params), CastCacheCounter(params)
+    model.train()
+    with ledger, casts, autocast_context(device, dtype):
+        loss = training_loss(model, diffusion, x0, t, y)
+        saved = ledger.storages()  # read inside autocast: the cast cache is still alive here
+    del loss
+    return Residency(sum(saved.values()), sum(casts.copies.values()), sum({**casts.copies, **saved}.values()))
+
+
+def measure_block(model, batch: int, dtype) -> int:
+    """Bytes one DiT block saves for backward at `batch`: the peak added when a checkpointed block is recomputed."""
+    block = model.blocks[0]
+    device = next(model.parameters()).device
+    width = block.attn.qkv.in_features
+    tokens = model.x_embedder.num_patches
+    # The block sees the fp32 residual stream x (N, T, D) and the fp32 conditioning c (N, D), as in DiT.forward.
+    x = torch.zeros(batch, tokens, width, device=device, requires_grad=True)
+    c = torch.zeros(batch, width, device=device, requires_grad=True)
+    ledger = SavedTensorLedger(_param_keys(model) | {_storage_key(x), _storage_key(c)})
+    with ledger, autocast_context(device, dtype):
+        out = block(x, c)  # (N, T, D)
+        saved = ledger.storages()
+    del out
+    return sum(saved.values())
+
+
+# ----------------------------------------------------------------------------------------------------
+# Linear fits in the batch size
+# ----------------------------------------------------------------------------------------------------
+
+@dataclass
+class LinearBytes:
+    """bytes(n) = const + per_sample * n, fitted from measurements at batch 1 and 2."""
+    const: int
+    per_sample: int
+
+    @classmethod
+    def fit(cls, at1: int, at2: int) -> "LinearBytes":
+        return cls(const=2 * at1 - at2, per_sample=at2 - at1)
+
+    def at(self, n: int) -> int:
+        return self.const + self.per_sample * n
+
+
+@dataclass
+class ActivationProfile:
+    """Measured activation memory of one checkpointing choice, as functions of the micro-batch."""
+    every: int
+    saved: LinearBytes        # saved for backward by the whole step (checkpointed blocks keep only inputs)
+    resident: LinearBytes     # saved + autocast weight copies, alive until the forward ends
+    recompute: LinearBytes    # one block's saved tensors, re-created in backward (0 without checkpointing)
+    cast_cache: int
+
+    def peak(self, n: int) -> int:
+        """Activation bytes at the worse of forward end and backward start (incl. one recomputed block)."""
+        return max(self.resident.at(n), self.saved.at(n) + self.recompute.at(n))
+
+
+def measure_profile(model, every: int, dtype, block_fit: LinearBytes) -> ActivationProfile:
+    """Measure one checkpointing choice at batch 1 and 2 and fit the batch dependence."""
+    model.set_grad_checkpointing(every)
+    one, two = measure_forward(model, 1, dtype), measure_forward(model, 2, dtype)
+    recompute = block_fit if every else LinearBytes(0, 0)
+    return ActivationProfile(every, LinearBytes.fit(one.saved, two.saved),
+                             LinearBytes.fit(one.resident, two.resident), recompute, one.cast_cache)
+
+
+def measure_block_fit(model, dtype) -> LinearBytes:
+    """One block's saved bytes as a linear function of the batch."""
+    return LinearBytes.fit(measure_block(model, 1, dtype), measure_block(model, 2, dtype))
+
+
+# ----------------------------------------------------------------------------------------------------
+# One training step (the bench times it, the planner's --verify measures its memory)
+# ----------------------------------------------------------------------------------------------------
+
+def make_adamw(params, device):
+    """AdamW of the DiT recipe (lr 1e-4, no weight decay): fused kernels on CUDA, foreach on the CPU."""
+    fused = torch.device(device).type == "cuda"
+    return torch.optim.AdamW(params, lr=1e-4, weight_decay=0, fused=fused, foreach=None if fused else True)
+
+
+def training_step(model, optimizer, scaler, diffusion, batch: tuple, dtype) -> torch.Tensor:
+    """Forward + loss under autocast, (scaled) backward, optimizer step; returns the detached loss."""
+    x0, t, y = batch
+    with autocast_context(x0.device, dtype):
+        loss = training_loss(model, diffusion, x0, t, y)
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)  # fp16: unscales, skips the step on inf/nan gradients
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()

@@ -1,0 +1,328 @@
+"""`python -m train.plan`: how large a micro-batch fits on one GPU, for each checkpointing choice.
+
+Fixed state is arithmetic (bytes per parameter); activation memory is measured on the real model
+(train/memory.py explains how). `--verify` runs a real training step on CUDA at the planned
+micro-batch and prints the predicted next to the measured peak (torch.cuda.max_memory_allocated).
+"""
+import argparse
+import copy
+import gc
+import sys
+import textwrap
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from shared.diffusion import create_diffusion
+from shared.errors import UserError, exit_with
+from train.memory import (PRECISIONS, ActivationProfile, build_model, count_parameters,
+                          format_size, make_adamw, measure_block_fit, measure_profile, model_config,
+                          parse_size, synthetic_batch, training_step)
+
+PROG = "python -m train.plan"
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "adamw8bit": 2}  # AdamW: two fp32 moments; 8-bit: two 1-byte moments
+OPTIMIZER_LABELS = {"adamw": "AdamW, 2 fp32 moments", "adamw8bit": "8-bit AdamW, 2 bytes/param"}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Arithmetic
+# ----------------------------------------------------------------------------------------------------
+
+@dataclass
+class FixedState:
+    """Bytes that do not depend on the batch: fp32 master weights, gradients, optimizer state, EMA."""
+    weights: int
+    grads: int
+    optimizer: int
+    ema: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.optimizer + self.ema
+
+
+def fixed_state(n_params: int, n_trainable: int, optimizer: str, ema_device: str) -> FixedState:
+    """Fixed state of the DiT recipe: fp32 weights + fp32 grads + optimizer moments + fp32 EMA."""
+    return FixedState(weights=4 * n_params, grads=4 * n_trainable,
+                      optimizer=OPTIMIZER_STATE_BYTES[optimizer] * n_trainable,
+                      ema=4 * n_params if ema_device == "gpu" else 0)
+
+
+@dataclass
+class PlanRow:
+    """One checkpointing choice: its measured activations and the micro-batch that fits."""
+    profile: ActivationProfile
+    micro: int | None           # None: not even a micro-batch of 1 fits
+    accumulation: int | None
+    peak: int | None            # predicted peak allocated bytes at `micro` (fixed + activations)
+
+
+def per_process_batch(global_batch: int, processes: int) -> int:
+    """Samples per process per optimizer step; UserError when the global batch does not divide."""
+    if global_batch <= 0 or processes <= 0 or global_batch % processes:
+        raise UserError(f"global batch {global_batch} does not split evenly over {processes} process(es); "
+                        "pick a global batch that is a multiple of the process count.")
+    return global_batch // processes
+
+
+def largest_micro_batch(profile: ActivationProfile, fixed: int, budget: int, batch: int) -> int | None:
+    """Largest divisor m of the per-process batch with fixed + activations(m) <= budget."""
+    for micro in sorted((m for m in range(1, batch + 1) if batch % m == 0), reverse=True):
+        if fixed + profile.peak(micro) <= budget:
+            return micro
+    return None
+
+
+def plan_row(profile: ActivationProfile, fixed: int, budget: int, batch: int) -> PlanRow:
+    """The plan for one checkpointing choice."""
+    micro = largest_micro_batch(profile, fixed, budget, batch)
+    if micro is None:
+        return PlanRow(profile, None, None, None)
+    return PlanRow(profile, micro, batch // micro, fixed + profile.peak(micro))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Measurement
+# ----------------------------------------------------------------------------------------------------
+
+def measure_device(choice: str) -> torch.device:
+    """Where activations are measured: CUDA when present (auto), else the CPU."""
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise UserError("--measure-device cuda was asked for but no CUDA GPU is visible; use "
+                        "--measure-device cpu (the default when no GPU is present).")
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(choice)
+
+
+def checkpoint_choices(requested: int, depth: int) -> list[int]:
+    """Checkpointing intervals to tabulate: off, every block, every 2nd block, and the requested one."""
+    return sorted({0, 1, min(2, depth), requested})
+
+
+def measure_profiles(config, dtype, choices, device) -> tuple[list, int, int]:
+    """Measure every checkpointing choice on one zero-filled model; returns (profiles, params, trainable)."""
+    model = build_model(config, device=device, init=False)
+    n_params, n_trainable = count_parameters(model)
+    bar = tqdm(total=1 + len(choices), desc="measuring activations", unit="pass", leave=False, file=sys.stderr)
+    block_fit = measure_block_fit(model, dtype)
+    bar.update()
+    profiles = []
+    for every in choices:
+        profiles.append(measure_profile(model, every, dtype, block_fit))
+        bar.update()
+    bar.close()
+    return profiles, n_params, n_trainable
+
+
+# ----------------------------------------------------------------------------------------------------
+# Report
+# ----------------------------------------------------------------------------------------------------
+
+def choice_label(every: int) -> str:
+    """Human name of a checkpointing interval."""
+    return {0: "off", 1: "every block"}.get(every, f"every {every}th block" if every > 3 else
+                                           f"every {every}{'nd' if every == 2 else 'rd'} block")
+
+
+def header_lines(args, config, tokens, n_params, n_trainable, dtype, device) -> list[str]:
+    """What was planned and how the activations were measured (wrapped at 100 columns)."""
+    lines = _header_text(args, config, tokens, n_params, n_trainable, dtype, device)
+    return [wrapped for line in lines for wrapped in textwrap.wrap(line, 100, subsequent_indent="  ")]
+
+
+def _header_text(args, config, tokens, n_params, n_trainable, dtype, device) -> list[str]:
+    """Unwrapped header sentences."""
+    policy = f"torch.autocast({device.type}, {dtype})".replace("torch.", "") if dtype else "fp32 (no autocast)"
+    return [
+        f"{args.model} at {args.image_size}x{args.image_size}: latents {config.in_channels}x{config.input_size}x"
+        f"{config.input_size} ({tokens} tokens), {n_params:,} parameters ({n_trainable:,} trainable)",
+        f"GPU memory {format_size(args.gpu_memory)} - margin {format_size(args.margin)} = budget "
+        f"{format_size(args.gpu_memory - args.margin)}; global batch {args.global_batch_size} over "
+        f"{args.num_processes} process(es); mixed precision {args.mixed_precision}",
+        f"activations measured on {device.type}: real forward + diffusion loss at batch 1 and 2 under {policy}, "
+        "counting bytes autograd saves for backward (deduplicated by storage, parameters excluded)",
+    ]
+
+
+def fixed_lines(fixed: FixedState, args) -> list[str]:
+    """The fixed-state breakdown."""
+    rows = [("weights (fp32 master)", fixed.weights), ("gradients (fp32)", fixed.grads),
+            (f"optimizer state ({OPTIMIZER_LABELS[args.optimizer]})", fixed.optimizer),
+            (f"EMA (fp32, on {args.ema_device})", fixed.ema), ("fixed total", fixed.total),
+            ("workspace margin (CUDA context, allocator slack)", args.margin)]
+    return ["", "fixed state"] + [f"  {name:<50}{format_size(n):>12}  ({n / 1e9:.2f} GB)" for name, n in rows]
+
+
+TABLE_COLUMNS = ("checkpointing", "saved/img", "recomp/img", "constant", "w. copies", "micro", "accum",
+                 "peak", "+margin")
+
+
+def table_lines(rows: list[PlanRow], requested: int, margin: int) -> list[str]:
+    """One line per checkpointing choice; the requested one is marked with '*'."""
+    widths = (19, 10, 10, 10, 10, 6, 6, 10, 10)
+    fmt = "  ".join(f"{{:{'<' if i == 0 else '>'}{w}}}" for i, w in enumerate(widths))
+    lines = ["", "activations and plan",
+             "  saved/img: kept for backward per sample; recomp/img: one checkpointed block rebuilt in backward;",
+             "  constant: batch-independent part; w. copies: low-precision weights autocast caches in forward;",
+             "  peak: fixed state + activations at the micro-batch; +margin: what the GPU must hold",
+             "", fmt.format(*TABLE_COLUMNS)]
+    for row in rows:
+        p = row.profile
+        mark = "* " if p.every == requested else "  "
+        fits = row.micro is not None
+        lines.append(fmt.format(
+            mark + choice_label(p.every), format_size(p.saved.per_sample),
+            format_size(p.recompute.per_sample) if p.every else "-",
+            format_size(max(p.resident.const, p.saved.const + p.recompute.const)), format_size(p.cast_cache),
+            row.micro if fits else "none", row.accumulation if fits else "-",
+            format_size(row.peak) if fits else "-", format_size(row.peak + margin) if fits else "-"))
+    return lines
+
+
+def summary_line(row: PlanRow, batch: int) -> str:
+    """The recommendation for the requested checkpointing choice."""
+    label = choice_label(row.profile.every)
+    if row.micro is None:
+        return (f"\nwith checkpointing {label}: not even one sample fits; turn on --grad-checkpoint, use "
+                "--ema-device cpu or --optimizer adamw8bit, or use a larger GPU.")
+    return (f"\nwith checkpointing {label}: --micro-batch-size {row.micro} "
+            f"(gradient accumulation {row.accumulation} to reach {batch} per process)")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Verification on CUDA
+# ----------------------------------------------------------------------------------------------------
+
+def make_optimizer(params, name: str):
+    """AdamW (fused on CUDA) or bitsandbytes 8-bit AdamW; UserError when bitsandbytes is missing."""
+    if name == "adamw":
+        return make_adamw(params, "cuda")
+    try:
+        import bitsandbytes as bnb
+    except ImportError as err:
+        raise UserError("--optimizer adamw8bit needs bitsandbytes (pip install bitsandbytes); "
+                        "or plan with --optimizer adamw.") from err
+    return bnb.optim.AdamW8bit(params, lr=1e-4, weight_decay=0)
+
+
+def real_step(model, ema, optimizer, scaler, diffusion, micro: int, dtype):
+    """One training step on random latents, then the EMA update (DiT decay 0.9999)."""
+    training_step(model, optimizer, scaler, diffusion, synthetic_batch(model, micro, "cuda"), dtype)
+    if ema is not None:
+        with torch.no_grad():
+            torch._foreach_lerp_(list(ema.parameters()), list(model.parameters()), 1 - 0.9999)
+
+
+def verify(config, args, row: PlanRow, dtype) -> int:
+    """Peak allocated bytes of a real CUDA step at the planned micro-batch (second step, steady state)."""
+    model = build_model(config, device="cuda", grad_checkpoint_every=row.profile.every)
+    ema = copy.deepcopy(model).requires_grad_(False) if args.ema_device == "gpu" else None
+    optimizer = make_optimizer(model.parameters(), args.optimizer)
+    scaler = torch.amp.GradScaler("cuda", enabled=dtype is torch.float16)
+    diffusion = create_diffusion()
+    model.train()
+    real_step(model, ema, optimizer, scaler, diffusion, row.micro, dtype)  # allocates optimizer state
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    real_step(model, ema, optimizer, scaler, diffusion, row.micro, dtype)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated()
+
+
+def check_verify_possible(args):
+    """--verify needs CUDA; say so before measuring anything."""
+    if args.verify and not torch.cuda.is_available():
+        raise UserError("--verify runs a real training step on a CUDA GPU and compares its peak memory with "
+                        "the plan, but no CUDA GPU is visible here. Run it on the training machine, or drop "
+                        "--verify to get the plan alone.")
+    if args.verify and args.gpu_memory > torch.cuda.get_device_properties(0).total_memory:
+        print(f"{PROG}: note: planning for {format_size(args.gpu_memory)} on a larger card; --verify checks "
+              "the prediction, not whether it fits a smaller card.", file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------------------------------
+# CLI
+# ----------------------------------------------------------------------------------------------------
+
+def size_arg(text: str) -> int:
+    """argparse type for memory sizes: argparse reports the message as a usage error."""
+    try:
+        return parse_size(text)
+    except UserError as err:
+        raise argparse.ArgumentTypeError(str(err)) from err
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Flags of python -m train.plan (same names as python -m train where they overlap)."""
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="DiT-XL/2", help="DiT preset, e.g. DiT-XL/2, DiT-S/2, DiT-T/2")
+    p.add_argument("--image-size", type=int, default=256, help="training image size in pixels")
+    p.add_argument("--vae-factor", type=int, default=8, help="VAE downsample factor (latent = image / factor)")
+    p.add_argument("--latent-channels", type=int, default=4, help="latent channels of the VAE")
+    p.add_argument("--num-classes", type=int, default=1000, help="number of classes (label table size)")
+    p.add_argument("--mixed-precision", choices=["no", "fp16", "bf16"], default="bf16",
+                   help="autocast dtype of training (as python -m train); no = fp32")
+    p.add_argument("--grad-checkpoint", type=int, nargs="?", const=1, default=0, metavar="K",
+                   help="checkpointing interval to recommend (every K-th block; bare flag = 1; 0 = off); "
+                        "off, every block and every 2nd block are always tabulated")
+    p.add_argument("--gpu-memory", type=size_arg, default="24GiB", help="GPU memory to plan for, e.g. 24GiB")
+    p.add_argument("--margin", type=size_arg, default="1.5GiB",
+                   help="memory kept free for the CUDA context, cuBLAS workspace and allocator slack")
+    p.add_argument("--global-batch-size", type=int, default=256, help="images per optimizer step, all processes")
+    p.add_argument("--num-processes", type=int, default=1, help="data-parallel processes sharing the global batch")
+    p.add_argument("--ema-device", choices=["gpu", "cpu"], default="gpu", help="where the fp32 EMA copy lives")
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATE_BYTES), default="adamw", help="optimizer")
+    p.add_argument("--measure-device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="device for the activation measurement (auto: CUDA if present, else CPU)")
+    p.add_argument("--verify", action="store_true",
+                   help="CUDA only: run real steps at the planned micro-batch and print predicted vs measured peak")
+    return p
+
+
+def check_args(args):
+    """Reject inconsistent numbers before building anything."""
+    if args.margin >= args.gpu_memory:
+        raise UserError(f"the margin {format_size(args.margin)} leaves nothing of {format_size(args.gpu_memory)}; "
+                        "pass a smaller --margin or a larger --gpu-memory.")
+    if args.grad_checkpoint < 0:
+        raise UserError(f"--grad-checkpoint must be 0 (off) or a positive interval, got {args.grad_checkpoint}.")
+
+
+def run(args) -> str:
+    """Measure, plan and (optionally) verify; returns the report text."""
+    check_args(args)
+    check_verify_possible(args)
+    batch = per_process_batch(args.global_batch_size, args.num_processes)
+    config = model_config(args.model, args.image_size, args.vae_factor, args.latent_channels, args.num_classes)
+    dtype, device = PRECISIONS[args.mixed_precision], measure_device(args.measure_device)
+    meta = build_model(config, "meta")  # shapes only, no allocation
+    choices = checkpoint_choices(args.grad_checkpoint, len(meta.blocks))
+    profiles, n_params, n_trainable = measure_profiles(config, dtype, choices, device)
+    fixed = fixed_state(n_params, n_trainable, args.optimizer, args.ema_device)
+    rows = [plan_row(p, fixed.total, args.gpu_memory - args.margin, batch) for p in profiles]
+    chosen = next(r for r in rows if r.profile.every == args.grad_checkpoint)
+    lines = header_lines(args, config, meta.x_embedder.num_patches, n_params, n_trainable, dtype, device)
+    lines += fixed_lines(fixed, args)
+    lines += table_lines(rows, args.grad_checkpoint, args.margin) + [summary_line(chosen, batch)]
+    if args.verify and chosen.micro is not None:
+        gc.collect()  # the measurement model must be gone before CUDA peak memory is read
+        torch.cuda.empty_cache()
+        measured = verify(config, args, chosen, dtype)
+        lines.append(f"verify: predicted peak {format_size(chosen.peak)}, measured max_memory_allocated "
+                     f"{format_size(measured)} (measured/predicted {measured / chosen.peak:.2f})")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    """Entry point of python -m train.plan."""
+    args = build_parser().parse_args(argv)
+    try:
+        print(run(args))
+    except UserError as err:
+        exit_with(err, PROG)
+
+
+if __name__ == "__main__":
+    main()
