@@ -1,0 +1,241 @@
+"""`python -m sample`: class-conditional DiT sampling (CFG, respaced DDPM/DDIM) decoded to PNGs, grid, npz."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from shared.diffusion import NUM_TIMESTEPS, SAMPLERS, create_diffusion
+from shared.errors import UserError
+
+from sample.checkpoint import LoadedWeights, build_model, image_size_of, load_checkpoint
+from sample.guidance import check_guidance, make_model_fn
+from sample.outputs import (GRID_NAME, NPZ_NAME, SETTINGS_NAME, check_out_dir, image_name, missing_indices,
+                            read_png, remove_stale_temps, save_png, to_uint8, write_grid, write_json, write_npz)
+from sample.seeding import LabelPlan, batch_start, image_labels, make_label_plan
+from sample.vae_setup import check_vae, choose_vae, latent_rescale, load_vae
+
+# Settings that change no pixel: a rerun may change them and still resume the same images.
+RUN_ONLY = ("num_samples", "batch_size", "out", "npz", "vae_slicing", "cpu", "tf32")
+
+
+@dataclass
+class SampleOptions:
+    """Everything `python -m sample` accepts (one field per flag)."""
+
+    ckpt: str
+    vae: str | None = None
+    vae_config: str | None = None
+    class_labels: list[int] | None = None
+    random_labels: bool = False
+    num_samples: int | None = None
+    cfg_scale: float = 4.0
+    guide_channels: str = "3"
+    sampler: str = "ddpm"
+    num_sampling_steps: int = 250
+    seed: int = 0
+    batch_size: int = 32
+    precision: str = "fp32"
+    vae_precision: str = "fp32"
+    vae_tiling: bool = False
+    vae_slicing: bool = False
+    out: str | None = None
+    npz: bool = False
+    weights: str = "ema"
+    model: str | None = None
+    image_size: int | None = None
+    cpu: bool = False
+    tf32: bool = True
+
+
+@dataclass
+class Job:
+    """A resolved sampling job: what to draw, from what, and where it goes."""
+
+    options: SampleOptions
+    loaded: LoadedWeights
+    plan: LabelPlan
+    vae_name: str
+    image_size: int
+    num_samples: int
+    out: Path
+    settings: dict
+
+
+def check_numbers(o: SampleOptions) -> None:
+    """UserError for counts and sizes no run can use (before anything is loaded)."""
+    if o.num_samples is not None and o.num_samples < 1:
+        raise UserError(f"--num-samples {o.num_samples} must be at least 1.")
+    if o.batch_size < 1:
+        raise UserError(f"--batch-size {o.batch_size} must be at least 1 (images per forward pass).")
+    if not 1 <= o.num_sampling_steps <= NUM_TIMESTEPS:
+        raise UserError(f"--num-sampling-steps {o.num_sampling_steps} must lie in [1, {NUM_TIMESTEPS}] "
+                        f"(250 as the DiT paper; DDIM often uses 50).")
+    if o.seed < 0:
+        raise UserError(f"--seed {o.seed} must be a whole number >= 0.")
+
+
+def guide_channels_of(o: SampleOptions, in_channels: int) -> int | None:
+    """--guide-channels as forward_with_cfg takes it: an int, or None for all channels."""
+    if o.guide_channels == "all":
+        return None
+    count = int(o.guide_channels)
+    if not 1 <= count <= in_channels:
+        raise UserError(f"--guide-channels {count} must lie in [1, {in_channels}] for this "
+                        f"{in_channels}-channel model, or be 'all'.")
+    return count
+
+
+def ckpt_label(path: Path) -> str:
+    """A short name for a weight file: RUN-ema-step-X for exports, RUN-step-X-model for checkpoints."""
+    path = path.resolve()
+    if path.parent.name == "exports":
+        return f"{path.parent.parent.name}-{path.stem}"
+    if path.stem in ("model", "ema") and path.parent.parent.name == "checkpoints":
+        return f"{path.parent.parent.parent.name}-{path.parent.name}-{path.stem}"
+    return path.stem
+
+
+def default_out(o: SampleOptions, loaded: LoadedWeights) -> Path:
+    """samples/<ckpt>-cfg<s>-<sampler><steps>-seed<seed>, so distinct settings get distinct folders."""
+    name = f"{ckpt_label(loaded.path)}-cfg{o.cfg_scale:g}-{o.sampler}{o.num_sampling_steps}-seed{o.seed}"
+    return Path("samples") / name
+
+
+def make_settings(o: SampleOptions, job_fields: dict) -> dict:
+    """{"identity": what fixes the pixels (compared on resume), "run": the rest}; JSON-normalised."""
+    loaded: LoadedWeights = job_fields["loaded"]
+    options = {k: v for k, v in asdict(o).items() if k not in ("ckpt", "vae", "vae_config", "class_labels",
+                                                                 "random_labels", "model", "image_size")}
+    identity = {
+        "ckpt": str(loaded.path.resolve()), "ckpt_bytes": loaded.path.stat().st_size, "step": loaded.step,
+        "kind": loaded.kind, "model": loaded.config.to_dict(), "image_size": job_fields["image_size"],
+        "vae": job_fields["vae_name"], "labels": job_fields["plan"].describe(),
+        **{k: v for k, v in options.items() if k not in RUN_ONLY},
+    }
+    run = {k: v for k, v in options.items() if k in RUN_ONLY}
+    run.update(num_samples=job_fields["num_samples"], out=str(job_fields["out"]), notes=loaded.notes)
+    return json.loads(json.dumps({"identity": identity, "run": run}))
+
+
+def resolve_job(o: SampleOptions) -> Job:
+    """Check every input and read the weights; loads no VAE and builds no model."""
+    check_numbers(o)
+    loaded = load_checkpoint(o.ckpt, o.weights, o.model)
+    check_guidance(o.cfg_scale, loaded.config.class_dropout_prob)
+    guide_channels_of(o, loaded.config.in_channels)
+    plan = make_label_plan(o.class_labels, loaded.config.num_classes, o.random_labels)
+    spec, how = choose_vae(o.vae, loaded.latent_meta)
+    vae_name, factor = check_vae(spec, o.vae_config, loaded.config.in_channels)
+    loaded.notes.append(f"VAE {vae_name} ({how})")
+    image_size = image_size_of(loaded, factor, o.image_size)
+    # Default count: one image per listed label, else one per class (label i = i % num_classes).
+    num_samples = o.num_samples or len(o.class_labels or []) or plan.num_classes
+    out = Path(o.out) if o.out else default_out(o, loaded)
+    fields = dict(loaded=loaded, plan=plan, vae_name=vae_name, image_size=image_size, num_samples=num_samples,
+                  out=out)
+    settings = make_settings(o, fields)
+    check_out_dir(out, settings)
+    return Job(o, settings=settings, **fields)
+
+
+@dataclass
+class Drawer:
+    """What turns a list of image indices into uint8 pixels."""
+
+    model_fn: object
+    diffusion: object
+    sample_fn: object
+    vae: object
+    rescale: float
+    plan: LabelPlan
+    seed: int
+    latent_shape: tuple
+    device: torch.device
+
+    @torch.inference_mode()
+    def draw(self, indices) -> tuple[list[int], np.ndarray]:
+        """(labels, uint8 (N,H,W,3)) for `indices`; row i depends only on (seed, i)."""
+        noise, labels, generators = batch_start(self.plan, self.seed, indices, self.latent_shape)
+        x = self.sample_fn(self.diffusion, self.model_fn, noise.to(self.device),
+                           model_kwargs={"y": labels.to(self.device)}, generator=generators)  # (N, C, h, w)
+        images = self.vae.decode(x * self.rescale)  # (N, 3, H, W) in [-1, 1]
+        return labels.tolist(), to_uint8(images)  # (N, H, W, 3)
+
+
+def make_drawer(job: Job, device) -> Drawer:
+    """Load the VAE, build the model on `device`, wrap it for the chosen sampler."""
+    o, config = job.options, job.loaded.config
+    vae = load_vae(job.vae_name, o.vae_config, device, o.vae_precision, o.vae_tiling, o.vae_slicing)
+    rescale, note = latent_rescale(vae, job.loaded.latent_meta)
+    if note:
+        print(f"note: {note}")
+    model = build_model(job.loaded, device)
+    job.loaded.state_dict = {}  # the model holds the weights now; free the CPU copy
+    model_fn = make_model_fn(model, o.cfg_scale, guide_channels_of(o, config.in_channels), o.precision, device)
+    latent_shape = (config.in_channels, config.input_size, config.input_size)
+    return Drawer(model_fn, create_diffusion(o.num_sampling_steps), SAMPLERS[o.sampler], vae, rescale,
+                  job.plan, o.seed, latent_shape, torch.device(device))
+
+
+def draw_missing(job: Job, drawer: Drawer, rank: int, world: int, show: bool) -> int:
+    """Draw and save this rank's images (i % world == rank) not yet on disk; returns how many were drawn."""
+    mine = list(range(rank, job.num_samples, world))
+    todo = missing_indices(job.out, mine, image_labels(job.plan, job.options.seed, mine))
+    size = job.options.batch_size
+    with tqdm(total=len(todo), unit="img", desc=f"sampling (rank {rank}/{world})", disable=not show) as bar:
+        for start in range(0, len(todo), size):
+            batch = todo[start:start + size]
+            labels, pixels = drawer.draw(batch)
+            for i, y, p in zip(batch, labels, pixels):
+                save_png(job.out / image_name(i, y), p)
+            bar.update(len(batch))
+    return len(todo)
+
+
+def finish(job: Job) -> None:
+    """Grid and (with --npz) samples.npz, rebuilt from the PNGs on disk."""
+    indices = list(range(job.num_samples))
+    labels = image_labels(job.plan, job.options.seed, indices)
+    paths = [job.out / image_name(i, y) for i, y in zip(indices, labels)]
+    absent = [p.name for p in paths if not p.exists()]
+    if absent:
+        raise UserError(f"{len(absent)} images are missing from {job.out} (e.g. {absent[0]}), probably because "
+                        f"another process stopped early; rerun the same command to draw them.")
+    write_grid(job.out / GRID_NAME, lambda i: read_png(paths[i]), labels)
+    if job.options.npz:
+        write_npz(job.out / NPZ_NAME, paths, labels)
+
+
+def set_tf32(device, allowed: bool) -> None:
+    """TF32 matmuls on Ampere+ GPUs, as the DiT release's sample.py enables (no effect on CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = allowed
+        torch.backends.cudnn.allow_tf32 = allowed
+
+
+def run_sample(o: SampleOptions) -> Path:
+    """The whole command on this process; rank r draws i % world == r, rank 0 writes grid and npz."""
+    from accelerate import PartialState
+
+    state = PartialState(cpu=o.cpu)
+    job = resolve_job(o)  # every rank checks, before anyone writes
+    state.wait_for_everyone()
+    if state.is_main_process:
+        job.out.mkdir(parents=True, exist_ok=True)
+        remove_stale_temps(job.out)
+        write_json(job.out / SETTINGS_NAME, job.settings)
+        print(json.dumps(job.settings, indent=2))
+    state.wait_for_everyone()
+    set_tf32(state.device, o.tf32)
+    drawer = make_drawer(job, state.device)
+    draw_missing(job, drawer, state.process_index, state.num_processes, state.is_main_process)
+    state.wait_for_everyone()
+    if state.is_main_process:
+        finish(job)
+        print(f"wrote {job.num_samples} images, {GRID_NAME}" + (f", {NPZ_NAME}" if o.npz else "") + f" to {job.out}")
+    return job.out

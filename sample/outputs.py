@@ -1,0 +1,167 @@
+"""The --out folder: atomic PNGs, settings.json guarding resume, the grid and the streamed samples.npz."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from shared.errors import UserError
+
+SETTINGS_NAME = "settings.json"
+GRID_NAME = "grid.png"
+NPZ_NAME = "samples.npz"
+# A grid of 50,000 ImageNet samples would be a 57,000-pixel square: show at most this many cells.
+GRID_MAX_ROWS = 16
+GRID_MAX_CELLS = 256
+_PNG_RE = re.compile(r"^(\d{6,})-class(\d+)\.png$")
+
+
+def image_name(index: int, label: int) -> str:
+    """File name of image `index`: `{index:06d}-class{label}.png`."""
+    return f"{index:06d}-class{label}.png"
+
+
+def to_uint8(images: torch.Tensor) -> np.ndarray:
+    """Images (N,3,H,W) in [-1,1] -> uint8 (N,H,W,3), rounded as torchvision's save_image does."""
+    images = ((images.float().clamp(-1, 1) + 1) * 127.5 + 0.5).clamp(0, 255)  # (N, 3, H, W) in [0, 255]
+    return images.to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()  # (N, H, W, 3)
+
+
+def atomic_write(path: Path, write) -> None:
+    """Call write(tmp_path), then rename onto `path`, so a killed run never leaves a half file."""
+    path = Path(path)
+    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def remove_stale_temps(out: Path) -> int:
+    """Delete temp files a killed run left behind (call before any process starts writing)."""
+    stale = list(Path(out).glob(".tmp-*"))
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return len(stale)
+
+
+def save_png(path: Path, pixels: np.ndarray) -> None:
+    """Write one uint8 (H,W,3) image atomically as PNG."""
+    atomic_write(path, lambda tmp: Image.fromarray(pixels).save(tmp, format="PNG"))
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Write indented JSON atomically."""
+    atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(data, indent=2) + "\n"))
+
+
+def check_out_dir(out: Path, settings: dict) -> None:
+    """UserError if `out` holds images of a run whose settings.json identity differs from ours."""
+    out = Path(out)
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise UserError(f"--out {out} is a file, not a folder; pass a folder path to --out.")
+    path = out / SETTINGS_NAME
+    if not path.exists():
+        if any(_PNG_RE.match(p.name) for p in out.iterdir()):
+            raise UserError(
+                f"--out {out} already holds sample PNGs but no {SETTINGS_NAME}, so they cannot be "
+                f"resumed safely; pass a new --out folder or empty this one."
+            )
+        return
+    try:
+        previous = json.loads(path.read_text())["identity"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise UserError(f"{path} is not a settings file written by `python -m sample` ({err}); "
+                        f"pass a new --out folder or delete it.") from err
+    mine = settings["identity"]
+    differ = sorted(k for k in set(previous) | set(mine) if previous.get(k) != mine.get(k))
+    if differ:
+        detail = "; ".join(f"{k}: {previous.get(k)!r} there, {mine.get(k)!r} now" for k in differ[:4])
+        raise UserError(
+            f"--out {out} holds images of another run ({detail}). Resuming would mix two runs' images: "
+            f"pass a new --out folder, or rerun with the settings recorded in {path}."
+        )
+
+
+def missing_indices(out: Path, indices, labels) -> list[int]:
+    """The indices whose PNG is not on disk yet (written PNGs are complete: they were renamed in)."""
+    out = Path(out)
+    return [i for i, y in zip(indices, labels) if not (out / image_name(i, y)).exists()]
+
+
+def grid_layout(labels) -> list[list[int | None]]:
+    """Rows of image indices: one row per class when classes repeat, else a near-square in index order."""
+    labels = list(labels)
+    if len(set(labels)) < len(labels):
+        rows: dict[int, list[int]] = {}
+        for i, y in enumerate(labels):
+            rows.setdefault(y, []).append(i)
+        kept = list(rows.values())[:GRID_MAX_ROWS]
+        width = min(max(len(r) for r in kept), GRID_MAX_CELLS // len(kept))
+        return [r[:width] + [None] * (width - len(r[:width])) for r in kept]
+    count = min(len(labels), GRID_MAX_CELLS)
+    width = math.ceil(math.sqrt(count))
+    cells = list(range(count)) + [None] * (width * math.ceil(count / width) - count)
+    return [cells[r:r + width] for r in range(0, len(cells), width)]
+
+
+def write_grid(path: Path, load_image, labels, pad: int = 2) -> None:
+    """Tile the images named by grid_layout (load_image(i) -> uint8 HxWx3) into one PNG."""
+    layout = grid_layout(labels)
+    first = load_image(next(i for row in layout for i in row if i is not None))
+    h, w = first.shape[:2]
+    canvas = np.zeros((len(layout) * (h + pad) + pad, len(layout[0]) * (w + pad) + pad, 3), np.uint8)
+    for r, row in enumerate(layout):
+        for c, i in enumerate(row):
+            if i is not None:
+                y, x = pad + r * (h + pad), pad + c * (w + pad)
+                canvas[y:y + h, x:x + w] = load_image(i)
+    save_png(Path(path), canvas)
+
+
+def read_png(path: Path) -> np.ndarray:
+    """One PNG as uint8 (H,W,3)."""
+    with Image.open(path) as image:
+        return np.asarray(image.convert("RGB"))
+
+
+def _write_npy_member(archive: zipfile.ZipFile, name: str, shape, dtype, chunks) -> None:
+    """Stream one .npy member into the zip: header, then the raw C-order bytes chunk by chunk."""
+    header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False, "shape": tuple(shape)}
+    with archive.open(name, "w", force_zip64=True) as member:
+        np.lib.format.write_array_header_1_0(member, header)
+        for chunk in chunks:
+            member.write(np.ascontiguousarray(chunk, dtype=dtype).tobytes())
+
+
+def write_npz(path: Path, image_paths, labels) -> None:
+    """samples.npz (arr_0 uint8 N x H x W x 3, labels int64 N), streamed so 50k images fit in memory."""
+    image_paths = list(image_paths)
+    h, w = read_png(image_paths[0]).shape[:2]
+
+    def write(tmp):
+        """arr_0.npy then labels.npy, stored uncompressed as np.savez does."""
+        with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as archive:
+            images = (_checked(read_png(p), (h, w, 3), p) for p in image_paths)
+            _write_npy_member(archive, "arr_0.npy", (len(image_paths), h, w, 3), np.uint8, images)
+            _write_npy_member(archive, "labels.npy", (len(labels),), np.int64, [np.asarray(labels)])
+
+    atomic_write(Path(path), write)
+
+
+def _checked(pixels: np.ndarray, shape, path) -> np.ndarray:
+    """Refuse an image whose size differs from the first one (the npz holds one array)."""
+    if pixels.shape != shape:
+        raise UserError(f"{path} is {pixels.shape}, unlike the other samples {shape}; delete it and rerun.")
+    return pixels

@@ -1,0 +1,80 @@
+"""Per-image randomness: image i's class label and noise depend only on (seed, i).
+
+Every image owns a CPU `torch.Generator` seeded from (seed, i). It draws the image's class label (with
+random labels), then its starting noise, and is then handed to the sampler as that image's row
+generator, so DDPM's per-step noise also comes from it. Results therefore do not depend on the batch
+size, on which process draws the image, or on which images were already on disk when a run resumed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from shared.errors import UserError
+
+
+def image_seed(seed: int, index: int) -> int:
+    """Mix (seed, index) into one 64-bit seed with numpy's SeedSequence (no collisions between runs)."""
+    return int(np.random.SeedSequence([seed, index]).generate_state(1, dtype=np.uint64)[0])
+
+
+@dataclass(frozen=True)
+class LabelPlan:
+    """How image i gets its class: cycle through `class_labels`, or draw it from the image generator."""
+
+    num_classes: int
+    class_labels: tuple[int, ...] | None = None  # None with random=False: all classes round-robin
+    random: bool = False
+
+    def describe(self) -> str:
+        """A short human description for settings.json."""
+        if self.random:
+            return f"random over {self.num_classes} classes from (seed, i)"
+        if self.class_labels is None:
+            return f"round-robin over all {self.num_classes} classes (label = i % {self.num_classes})"
+        return f"cycled over {list(self.class_labels)}"
+
+
+def make_label_plan(class_labels, num_classes: int, random: bool) -> LabelPlan:
+    """Validate --class-labels against the model's classes; UserError names the valid range."""
+    if random and class_labels:
+        raise UserError("--random-labels and --class-labels exclude each other: pass one of them.")
+    if class_labels:
+        bad = [c for c in class_labels if not 0 <= c < num_classes]
+        if bad:
+            raise UserError(
+                f"class labels {bad} are outside this model's classes [0, {num_classes}); pass "
+                f"--class-labels with values from 0 to {num_classes - 1}."
+            )
+        return LabelPlan(num_classes, tuple(int(c) for c in class_labels), False)
+    return LabelPlan(num_classes, None, random)
+
+
+def image_rng(plan: LabelPlan, seed: int, index: int) -> tuple[int, torch.Generator]:
+    """Image `index`'s class label and its generator, positioned after the label draw."""
+    generator = torch.Generator().manual_seed(image_seed(seed, index))
+    if plan.random:
+        label = int(torch.randint(plan.num_classes, (1,), generator=generator))
+    elif plan.class_labels is None:
+        label = index % plan.num_classes
+    else:
+        label = plan.class_labels[index % len(plan.class_labels)]
+    return label, generator
+
+
+def image_labels(plan: LabelPlan, seed: int, indices) -> list[int]:
+    """Class labels of `indices` without drawing any noise (names, grid and npz need them)."""
+    return [image_rng(plan, seed, i)[0] for i in indices]
+
+
+def batch_start(plan: LabelPlan, seed: int, indices, latent_shape) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """Starting noise (N,C,h,w), labels (N,) and per-row generators for one batch, all on the CPU."""
+    labels, generators, noise = [], [], []
+    for i in indices:
+        label, generator = image_rng(plan, seed, i)
+        labels.append(label)
+        generators.append(generator)
+        noise.append(torch.randn(tuple(latent_shape), generator=generator))  # (C, h, w)
+    return torch.stack(noise), torch.tensor(labels, dtype=torch.long), generators  # (N, C, h, w)
