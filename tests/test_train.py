@@ -1,0 +1,336 @@
+"""The train stage end to end on tiny synthetic shards: loss, resume, precision, accumulation, processes, errors."""
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from shared.shards import ShardWriter, shard_name, write_index
+from train.__main__ import main
+from train.config import DEBUG_STEPS, TrainConfig, build_parser, grad_accum_steps
+from train.checkpoint import capture_rng, restore_rng
+from train.loop import TRACE_ENV, lr_at, weights_finite
+
+ROOT = Path(__file__).resolve().parents[1]
+CLASSES = 4
+
+
+def make_latents(root: Path, n=32, shape=(4, 4, 4), flips=2, per_shard=20, scaling_factor=0.5, image_size=8,
+                 poison=False, seed=0) -> Path:
+    """A finished latent folder of class-dependent synthetic moments (shards + index.json)."""
+    root.mkdir(parents=True, exist_ok=True)
+    rng, infos = np.random.default_rng(seed), []
+    for first in range(0, n, per_shard):
+        with ShardWriter(root / shard_name(first // per_shard), dtype=torch.float16) as writer:
+            for i in range(first, min(n, first + per_shard)):
+                mean = rng.normal(size=(flips, *shape)).astype(np.float32) * 0.5 + (i % CLASSES) - 1.5
+                mean = np.full_like(mean, np.nan) if poison else mean
+                writer.add(f"{i:06d}", mean, np.full_like(mean, 0.1), i % CLASSES)
+        infos.append(writer.info)
+    vae = {"source": "synthetic", "scaling_factor": scaling_factor, "latent_channels": shape[0],
+           "downsample_factor": image_size // shape[1]}
+    write_index(root, infos, {"image_size": image_size, "num_classes": CLASSES,
+                              "class_names": [f"c{c}" for c in range(CLASSES)], "vae": vae})
+    return root
+
+
+@pytest.fixture(scope="module")
+def latents(tmp_path_factory) -> Path:
+    return make_latents(tmp_path_factory.mktemp("latents") / "lat")
+
+
+def train_args(latents: Path, run: Path, *extra) -> list[str]:
+    """Flags of a tiny CPU run (DiT-T/2 on 4x4x4 latents, batch 8)."""
+    return ["--model", "DiT-T/2", "--latents", str(latents), "--results-dir", str(run), "--global-batch-size", "8",
+            "--num-workers", "0", "--sample-every", "0", "--log-every", "1", *extra]
+
+
+def run_inprocess(latents, run, *extra):
+    """main() in this process; returns the run folder."""
+    assert main(train_args(latents, run, *extra)) == 0
+    return run
+
+
+def expect_user_error(capsys, argv) -> str:
+    """main(argv) must exit with status 2 and a one-paragraph message; returns it."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "python -m train: error:" in err, err[-2000:]
+    return " ".join(err[err.index("python -m train: error:"):].split())
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def checkpoints(run: Path) -> list[str]:
+    return sorted(p.name for p in (run / "checkpoints").iterdir())
+
+
+def final_tensors(run: Path) -> dict:
+    """Model, EMA and optimizer tensors of a run's newest checkpoint."""
+    ckpt = run / "checkpoints" / checkpoints(run)[-1]
+    out = {f"model.{k}": v for k, v in load_file(ckpt / "model.safetensors").items()}
+    out.update({f"ema.{k}": v for k, v in load_file(ckpt / "ema.safetensors").items()})
+    optim = torch.load(ckpt / "optimizer.pt", weights_only=True)
+    for pid, state in optim["state"].items():
+        out.update({f"opt.{pid}.{k}": v for k, v in state.items()})
+    return out
+
+
+def cli(args, env_extra=None, **kw):
+    """Start `python -m train` (or another launcher when args[0] is not a flag) as a real subprocess."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env_extra or {})}
+    cmd = [sys.executable, "-m", "train", *args] if args[0].startswith("--") else args
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def finish(proc) -> str:
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Training behaviour (in process)
+# ---------------------------------------------------------------------------------------------------------
+
+def test_loss_falls_and_run_folder_layout(latents, tmp_path):
+    run = run_inprocess(latents, tmp_path / "run", "--max-steps", "16", "--lr", "2e-3", "--ckpt-every", "8",
+                        "--sample-every", "16", "--sample-steps", "4")
+    losses = [m["loss"] for m in metrics(run)]
+    assert len(losses) == 16
+    assert np.mean(losses[-4:]) < 0.85 * np.mean(losses[:4]), losses
+    assert checkpoints(run) == ["step-0000008", "step-0000016"]
+    ckpt = run / "checkpoints" / "step-0000016"
+    assert {p.name for p in ckpt.iterdir()} == {"model.safetensors", "ema.safetensors", "optimizer.pt", "scaler.pt",
+                                                "rng-0.pt", "state.json"}
+    state = json.loads((ckpt / "state.json").read_text())
+    assert state["step"] == 16 and state["data_position"] == 16 * 8 and state["config"]["model"] == "DiT-T/2"
+    assert json.loads((run / "config.json").read_text())["grad_accum_steps"] == 1
+    from shared.export import load_weights
+
+    sd, model_config, latent_meta, step = load_weights(run / "exports" / "ema-step-0000016.safetensors")
+    assert step == 16 and model_config.input_size == 4 and latent_meta["scaling_factor"] == 0.5
+    sample = load_file(run / "samples" / "step-0000016.safetensors")
+    assert sample["latents"].shape == (8, 4, 4, 4) and torch.isfinite(sample["latents"]).all()
+    assert sample["labels"].tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert "step 0000016" in (run / "log.txt").read_text()
+
+
+def test_accumulation_matches_one_big_batch(latents, tmp_path):
+    flags = ["--max-steps", "2", "--class-dropout-prob", "0", "--lr", "1e-3"]
+    accumulated = run_inprocess(latents, tmp_path / "acc", *flags, "--micro-batch-size", "2")
+    assert json.loads((accumulated / "config.json").read_text())["grad_accum_steps"] == 4
+    whole = run_inprocess(latents, tmp_path / "whole", *flags)
+    a, b = final_tensors(accumulated), final_tensors(whole)
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=2e-6, rtol=1e-5, msg=key)
+    la, lb = metrics(accumulated)[-1]["loss"], metrics(whole)[-1]["loss"]
+    assert abs(la - lb) < 1e-5
+
+
+def test_keep_last_retention_and_optional_features(latents, tmp_path):
+    run = run_inprocess(latents, tmp_path / "run", "--max-steps", "4", "--ckpt-every", "1", "--keep-last", "2",
+                        "--grad-checkpoint", "--max-grad-norm", "0.5", "--ema-device", "cpu",
+                        "--lr-schedule", "cosine", "--warmup-steps", "2", "--lr", "1e-3")
+    assert checkpoints(run) == ["step-0000003", "step-0000004"]
+    assert [m["lr"] for m in metrics(run)] == pytest.approx([5e-4, 1e-3, 1e-3, 5e-4], abs=1e-12)  # warmup, then cosine
+    assert sorted(p.name for p in (run / "exports").iterdir()) == [f"ema-step-000000{i}.safetensors" for i in (1, 2, 3, 4)]
+
+
+def test_bf16_path_runs(latents, tmp_path):
+    run = run_inprocess(latents, tmp_path / "run", "--max-steps", "2", "--mixed-precision", "bf16",
+                        "--attention", "math", "--grad-checkpoint", "2")
+    assert all(np.isfinite(m["loss"]) for m in metrics(run))
+    assert all(torch.isfinite(v).all() for v in final_tensors(run).values())
+
+
+def test_fp16_scaler_skips_and_nonfinite_guard(latents, tmp_path, capsys):
+    # A huge LR blows the weights up after the first real step; fp16 activations then overflow every step.
+    run = tmp_path / "run"
+    message = expect_user_error(capsys, train_args(latents, run, "--max-steps", "30", "--mixed-precision", "fp16",
+                                                   "--lr", "1e4", "--max-nonfinite", "3", "--ckpt-every", "1"))
+    assert "consecutive" in message and "bf16" in message and "last good checkpoint" in message
+    logged = metrics(run)
+    assert all("loss_scale" in m for m in logged)
+    assert logged[-1]["skipped_total"] >= 2  # scaler skips are counted (the third one stopped the run)
+    assert logged[-1]["loss_scale"] < 65536.0
+    for name in checkpoints(run):  # every checkpoint that was written is finite
+        for value in load_file(run / "checkpoints" / name / "model.safetensors").values():
+            assert torch.isfinite(value).all(), name
+
+
+def test_poisoned_latents_stop_fp32(tmp_path, capsys):
+    bad = make_latents(tmp_path / "bad", n=16, poison=True)
+    message = expect_user_error(capsys, train_args(bad, tmp_path / "run", "--max-steps", "10", "--max-nonfinite", "2"))
+    assert "bad latents" in message and "step 2" in message
+
+
+def test_weights_finite_detects_nan():
+    model = torch.nn.Linear(2, 2)
+    assert weights_finite(model)
+    with torch.no_grad():
+        model.weight[0, 0] = float("nan")
+    assert not weights_finite(model)
+
+
+def test_rng_state_round_trip(tmp_path):
+    state = capture_rng()
+    torch.save(state, tmp_path / "rng.pt")
+    first = (random.random(), np.random.rand(), torch.rand(1).item())
+    restore_rng(torch.load(tmp_path / "rng.pt", weights_only=True))
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == first
+
+
+def test_lr_schedule():
+    cfg = TrainConfig(latents="x", results_dir="y", lr=1.0, warmup_steps=4, lr_schedule="cosine", total_steps=14)
+    assert [lr_at(s, cfg) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_at(9, cfg) == pytest.approx(0.5) and lr_at(14, cfg) == pytest.approx(0.0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Flags, config and bad input
+# ---------------------------------------------------------------------------------------------------------
+
+def test_every_flag_has_help():
+    for action in build_parser()._actions:
+        assert action.help, action.option_strings
+
+
+def test_dry_run_prints_resolved_config(latents, tmp_path, capsys):
+    run = tmp_path / "run"
+    main(train_args(latents, run, "--micro-batch-size", "2", "--epochs", "2", "--dry-run"))
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["grad_accum_steps"] == 4 and printed["total_steps"] == 8  # 2 epochs x 32 samples / 8
+    assert printed["data"]["latent_shape"] == [4, 4, 4] and not run.exists()
+    assert printed["sample_cfg_scale"] == 4.0
+
+
+def test_debug_runs_a_few_steps_and_writes_nothing(latents, tmp_path, capsys):
+    run = tmp_path / "run"
+    main(train_args(latents, run, "--debug", "--max-steps", "100", "--log-every", "50"))
+    out = capsys.readouterr().out
+    assert json.loads(out[: out.index("\n}") + 2])["debug"] is True  # the resolved config comes first
+    assert [line.split()[1] for line in out.splitlines() if line.startswith("step ")] == [
+        f"{s:07d}" for s in range(1, DEBUG_STEPS + 1)]  # per-step logs, then it stops
+    assert not run.exists()
+
+
+def test_accumulation_must_divide():
+    assert grad_accum_steps(256, 32, 2) == (32, 4)
+    assert grad_accum_steps(256, None, 4) == (64, 1)
+
+
+def test_bad_inputs(latents, tmp_path, capsys):
+    run = tmp_path / "run"
+    msg = expect_user_error(capsys, train_args(tmp_path / "nowhere", run))
+    assert "does not exist" in msg
+    half = tmp_path / "half"
+    half.mkdir()
+    (half / "shard-000000.tar").write_bytes(b"\0" * 1024)
+    assert "extraction did not finish" in expect_user_error(capsys, train_args(half, run))
+    msg = expect_user_error(capsys, ["--model", "DiT-Q/2"] + train_args(latents, run)[2:])
+    assert "DiT-XL/2" in msg and "DiT-T/2" in msg
+    msg = expect_user_error(capsys, train_args(latents, run, "--micro-batch-size", "3"))
+    assert "does not divide" in msg and "--micro-batch-size" in msg
+    msg = expect_user_error(capsys, ["--model", "DiT-S/8"] + train_args(latents, run)[2:])
+    assert "patch size 8" in msg
+    msg = expect_user_error(capsys, train_args(latents, run, "--optimizer", "adamw8bit"))
+    assert "--optimizer adamw" in msg
+    msg = expect_user_error(capsys, train_args(latents, run, "--class-dropout-prob", "0", "--sample-cfg-scale", "4"))
+    assert "null class" in msg
+    msg = expect_user_error(capsys, train_args(latents, run, "--attention", "xformers"))
+    assert "xformers" in msg and "sdpa" in msg
+    assert not run.exists()  # nothing was written for any of these
+
+
+def test_resume_refuses_other_experiment(latents, tmp_path, capsys):
+    run = run_inprocess(latents, tmp_path / "run", "--max-steps", "1")
+    msg = expect_user_error(capsys, train_args(latents, run, "--max-steps", "2", "--global-batch-size", "4"))
+    assert "global_batch_size" in msg and "new --results-dir" in msg
+    other_vae = make_latents(tmp_path / "other", scaling_factor=0.25)
+    msg = expect_user_error(capsys, train_args(other_vae, run, "--max-steps", "2"))
+    assert "another VAE or image size" in msg
+    bigger = make_latents(tmp_path / "bigger", shape=(4, 8, 8), image_size=16)
+    assert "another VAE or image size" in expect_user_error(capsys, train_args(bigger, run, "--max-steps", "2"))
+    msg = expect_user_error(capsys, train_args(latents, run, "--max-steps", "2", "--resume", "none"))
+    assert "already holds checkpoints" in msg
+    # Allowed changes (longer run, other LR) resume and are logged.
+    run_inprocess(latents, run, "--max-steps", "2", "--lr", "5e-5")
+    assert checkpoints(run) == ["step-0000001", "step-0000002"]
+    assert "changed on resume: lr" in (run / "log.txt").read_text()
+    # --resume PATH continues from a given checkpoint into another run folder.
+    branch = run_inprocess(latents, tmp_path / "branch", "--max-steps", "2", "--lr", "5e-5",
+                           "--resume", str(run / "checkpoints" / "step-0000001"))
+    assert checkpoints(branch) == ["step-0000002"]
+    assert "resumed from" in (branch / "log.txt").read_text()
+    mine, theirs = final_tensors(branch), final_tensors(run)
+    assert all(torch.equal(mine[k], theirs[k]) for k in theirs)  # the same two steps as the run itself
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Real processes: kill-and-resume, two processes, no diffusers
+# ---------------------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_killed_run_resumes_bitwise(latents, tmp_path):
+    flags = ["--max-steps", "6", "--ckpt-every", "2", "--num-workers", "1"]
+    trace = tmp_path / "trace"
+    reference = cli(train_args(latents, tmp_path / "ref", *flags), {TRACE_ENV: str(trace)})
+    finish(reference)
+    assert json.loads((trace / "rank-0.json").read_text())["diffusers_imported"] is False
+
+    kill_at = random.Random().randint(1, 4)
+    run = tmp_path / "run"
+    victim = cli(train_args(latents, run, *flags), {"PYTHONUNBUFFERED": "1"})  # each log line arrives at once
+    for line in victim.stdout:  # per-step log lines; SIGKILL right after step `kill_at` is logged
+        if line.startswith(f"step {kill_at:07d}"):
+            victim.kill()
+            break
+    victim.wait(timeout=600)
+    assert victim.returncode == -9, f"run ended before step {kill_at} was logged"
+    assert not (run / "checkpoints" / "step-0000006").exists()  # really interrupted mid-run
+    finish(cli(train_args(latents, run, *flags)))
+    if kill_at >= 3:  # the step-2 checkpoint was complete before step 3 started
+        assert "resumed from" in (run / "log.txt").read_text()
+    ref, resumed = final_tensors(tmp_path / "ref"), final_tensors(run)
+    assert ref.keys() == resumed.keys()
+    for key in ref:
+        assert torch.equal(ref[key], resumed[key]), f"{key} differs after a kill at step {kill_at}"
+    assert not list((run / "checkpoints").glob(".tmp-*"))
+    assert [m["step"] for m in metrics(run)] == list(range(1, 7))  # no duplicated lines after the resume
+
+
+@pytest.mark.slow
+def test_two_processes_match_one(latents, tmp_path):
+    trace = tmp_path / "trace"
+    flags = ["--max-steps", "3", "--micro-batch-size", "2", "--lr", "1e-3"]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "train"]
+    finish(cli(launcher + train_args(latents, tmp_path / "two", *flags),
+               {TRACE_ENV: str(trace), "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}))
+    ranks = [json.loads((trace / f"rank-{r}.json").read_text()) for r in (0, 1)]
+    assert [r["world_size"] for r in ranks] == [2, 2]
+    positions = [set(r["positions"]) for r in ranks]
+    assert not positions[0] & positions[1] and positions[0] | positions[1] == set(range(3 * 8))
+    assert all(p % 2 == r for r in (0, 1) for p in positions[r])
+    assert ranks[0]["weights_sha256"] == ranks[1]["weights_sha256"]
+    for r in ranks:  # accumulation 2: micro-step 1 of each step all-reduces nothing (no_sync), micro-step 2 does
+        calls = r["allreduce_calls"]
+        assert len(calls) == 6 and calls[0::2] == [0, 0, 0] and min(calls[1::2]) > 0, calls
+    assert not any(r["diffusers_imported"] for r in ranks)
+    assert json.loads((tmp_path / "two" / "config.json").read_text())["grad_accum_steps"] == 2
+
+    one = run_inprocess(latents, tmp_path / "one", *flags)
+    a, b = final_tensors(tmp_path / "two"), final_tensors(one)
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], atol=2e-6, rtol=1e-5, msg=key)

@@ -1,0 +1,334 @@
+"""TrainConfig: every training setting, the flags that set them, and the checks run before any allocation.
+
+The config is written to RUN/config.json and into every checkpoint's state.json. A rerun of the same
+command compares its config with the checkpoint's: fields that change the experiment (model, data,
+global batch, seed, optimizer, ...) must match; the others (LR, precision, step budget, micro-batch,
+logging) may change on resume and the change is logged.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from shared.errors import UserError
+
+MIXED_PRECISION = ("no", "fp16", "bf16")
+LR_SCHEDULES = ("constant", "cosine")
+OPTIMIZERS = ("adamw", "adamw8bit")
+EMA_DEVICES = ("gpu", "cpu")
+ATTENTION = ("auto", "sdpa", "xformers", "math")
+DEFAULT_MAX_STEPS = 400_000  # the paper's headline training length (DiT Table 4: FID-50K at 400K steps)
+DEBUG_STEPS = 5
+
+# Changing one of these changes the experiment: a resume that differs is refused.
+IDENTITY_FIELDS = ("model", "global_batch_size", "seed", "optimizer", "adam_betas", "weight_decay",
+                   "ema_decay", "class_dropout_prob")
+# Data identity: what a checkpoint's latent folder must share with the one given now.
+DATA_FIELDS = ("num_samples", "latent_shape", "flips", "num_classes", "image_size", "scaling_factor", "vae",
+               "index_sha256")
+
+
+@dataclass
+class TrainConfig:
+    """All settings of one training run (flags plus values resolved from the data and the launcher)."""
+
+    latents: str
+    results_dir: str
+    model: str = "DiT-XL/2"
+    global_batch_size: int = 256
+    micro_batch_size: int | None = None
+    mixed_precision: str = "no"
+    grad_checkpoint: int = 0
+    lr: float = 1e-4
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    adam_betas: tuple = (0.9, 0.999)
+    weight_decay: float = 0.0
+    max_grad_norm: float = 0.0
+    ema_decay: float = 0.9999
+    ema_device: str = "gpu"
+    optimizer: str = "adamw"
+    class_dropout_prob: float = 0.1
+    max_steps: int | None = None
+    epochs: float | None = None
+    ckpt_every: int = 50_000
+    keep_last: int = 2
+    log_every: int = 100
+    sample_every: int = 10_000
+    sample_steps: int = 50
+    sample_cfg_scale: float | None = None  # None: 4.0 with a null class, 1.0 (no guidance) without
+    resume: str = "auto"
+    compile: bool = False
+    attention: str = "auto"
+    num_workers: int = 4
+    seed: int = 0
+    debug: bool = False
+    dry_run: bool = False
+    max_nonfinite: int = 10
+    # Resolved by resolve_config (not flags):
+    world_size: int = 1
+    grad_accum_steps: int = 1
+    total_steps: int = 0
+    data: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        """Plain JSON-serialisable dict (tuples become lists)."""
+        d = asdict(self)
+        d["adam_betas"] = list(self.adam_betas)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        """Rebuild from to_dict output, ignoring keys this version does not know."""
+        names = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in d.items() if k in names}
+        if "adam_betas" in kwargs:
+            kwargs["adam_betas"] = tuple(kwargs["adam_betas"])
+        return cls(**kwargs)
+
+    def to_json(self) -> str:
+        """Indented JSON text of the config."""
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Flags
+# ---------------------------------------------------------------------------------------------------------
+
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
+    """Model, data and run-folder flags."""
+    p.add_argument("--model", default="DiT-XL/2", help="model preset from shared.models.DiT_models (default DiT-XL/2)")
+    p.add_argument("--latents", required=True, help="latent folder written by `python -m extract` (index.json + shards)")
+    p.add_argument("--results-dir", required=True,
+                   help="the run folder; rerunning the same command resumes it (checkpoints, logs, exports)")
+    p.add_argument("--resume", default="auto",
+                   help="auto: continue from the newest checkpoint in --results-dir if any; none: refuse a "
+                        "folder that already has checkpoints; PATH: a checkpoint folder to continue from")
+    p.add_argument("--seed", type=int, default=0, help="seed of the data order and of every per-sample draw")
+
+
+def _add_batch_flags(p: argparse.ArgumentParser) -> None:
+    """Batch, precision and memory flags."""
+    p.add_argument("--global-batch-size", type=int, default=256,
+                   help="images per optimizer step over all processes (DiT: 256)")
+    p.add_argument("--micro-batch-size", type=int, default=None,
+                   help="images per forward pass per process; gradient accumulation = global batch / "
+                        "(micro batch x processes), which must divide exactly (default: no accumulation)")
+    p.add_argument("--mixed-precision", default="no", choices=MIXED_PRECISION,
+                   help="no: fp32; fp16: autocast + dynamic loss scaling (fp32 master weights); bf16: autocast")
+    p.add_argument("--grad-checkpoint", type=int, nargs="?", const=1, default=0, metavar="K",
+                   help="recompute every K-th transformer block in backward to save memory (bare flag: K=1, "
+                        "every block; 0 or absent: off)")
+    p.add_argument("--attention", default="auto", choices=ATTENTION,
+                   help="attention kernel (auto = torch SDPA; xformers needs CUDA and the xformers wheel)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (slow first steps, faster after)")
+    p.add_argument("--num-workers", type=int, default=4, help="DataLoader worker processes per training process")
+
+
+def _add_optim_flags(p: argparse.ArgumentParser) -> None:
+    """Optimizer, schedule, EMA and regularisation flags."""
+    p.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (DiT: 1e-4)")
+    p.add_argument("--lr-schedule", default="constant", choices=LR_SCHEDULES,
+                   help="constant (DiT) or cosine decay to 0 at the last step, after the warmup")
+    p.add_argument("--warmup-steps", type=int, default=0, help="linear LR warmup from 0 over this many steps")
+    p.add_argument("--adam-betas", type=float, nargs=2, default=(0.9, 0.999), metavar=("B1", "B2"),
+                   help="AdamW betas (default 0.9 0.999)")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (DiT: 0)")
+    p.add_argument("--max-grad-norm", type=float, default=0.0, help="clip the global gradient norm to this (0 = off)")
+    p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS,
+                   help="adamw (fused on CUDA) or adamw8bit (bitsandbytes, optional; saves ~4 GB on XL/2)")
+    p.add_argument("--ema-decay", type=float, default=0.9999, help="EMA decay per optimizer step (DiT: 0.9999)")
+    p.add_argument("--ema-device", default="gpu", choices=EMA_DEVICES,
+                   help="where the fp32 EMA copy lives: gpu (the training device) or cpu (saves 2.7 GB for XL/2)")
+    p.add_argument("--class-dropout-prob", type=float, default=0.1,
+                   help="probability of replacing a label by the null class, for classifier-free guidance (DiT: 0.1)")
+
+
+def _add_schedule_flags(p: argparse.ArgumentParser) -> None:
+    """Length, checkpoint, logging and sampling flags."""
+    length = p.add_mutually_exclusive_group()
+    length.add_argument("--max-steps", type=int, default=None,
+                        help=f"optimizer steps to train in total (default {DEFAULT_MAX_STEPS} unless --epochs)")
+    length.add_argument("--epochs", type=float, default=None, help="train this many passes over the latents instead")
+    p.add_argument("--ckpt-every", type=int, default=50_000, help="full checkpoint + EMA export every N steps (and at the end)")
+    p.add_argument("--keep-last", type=int, default=2, help="keep only the newest N full checkpoints (0 = keep all)")
+    p.add_argument("--log-every", type=int, default=100, help="log loss, LR, grad norm, speed every N steps")
+    p.add_argument("--sample-every", type=int, default=10_000,
+                   help="save EMA latent samples of fixed classes and noise every N steps (0 = off)")
+    p.add_argument("--sample-steps", type=int, default=50, help="DDIM steps for the --sample-every previews")
+    p.add_argument("--sample-cfg-scale", type=float, default=None,
+                   help="guidance scale of the previews (default 4.0, or 1 = none when --class-dropout-prob is 0)")
+    p.add_argument("--max-nonfinite", type=int, default=10,
+                   help="stop after this many consecutive non-finite losses or gradient norms (0 = never)")
+    p.add_argument("--debug", action="store_true",
+                   help=f"{DEBUG_STEPS} steps with per-step logs and autograd anomaly detection; prints the "
+                        "config; writes no checkpoint")
+    p.add_argument("--dry-run", action="store_true", help="check the inputs, print the resolved config and exit")
+
+
+def build_parser(prog: str = "python -m train") -> argparse.ArgumentParser:
+    """The `python -m train` argument parser (official DiT flag names where they exist)."""
+    p = argparse.ArgumentParser(prog=prog, description="Train a DiT on cached VAE latents (one GPU, CPU, or "
+                                "`accelerate launch` for several processes).")
+    _add_run_flags(p)
+    _add_batch_flags(p)
+    _add_optim_flags(p)
+    _add_schedule_flags(p)
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """A TrainConfig holding the parsed flags (not yet resolved against the data)."""
+    names = {f.name for f in fields(TrainConfig)}
+    values = {k: v for k, v in vars(args).items() if k in names}
+    values["adam_betas"] = tuple(values["adam_betas"])
+    return TrainConfig(**values)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Checks and resolution (cheap: no model, no tensors)
+# ---------------------------------------------------------------------------------------------------------
+
+def _check_ranges(cfg: TrainConfig) -> None:
+    """UserError for values outside their meaningful range."""
+    rules = [
+        (cfg.global_batch_size > 0, "--global-batch-size must be positive"),
+        (cfg.micro_batch_size is None or cfg.micro_batch_size > 0, "--micro-batch-size must be positive"),
+        (cfg.lr > 0 and math.isfinite(cfg.lr), "--lr must be a positive number"),
+        (0 <= cfg.ema_decay <= 1, "--ema-decay must lie in [0, 1]"),
+        (0 <= cfg.class_dropout_prob < 1, "--class-dropout-prob must lie in [0, 1)"),
+        (all(0 <= b < 1 for b in cfg.adam_betas), "--adam-betas must lie in [0, 1)"),
+        (cfg.grad_checkpoint >= 0, "--grad-checkpoint K must be >= 0 (0 = off)"),
+        (cfg.max_steps is None or cfg.max_steps > 0, "--max-steps must be positive"),
+        (cfg.epochs is None or cfg.epochs > 0, "--epochs must be positive"),
+        (cfg.ckpt_every > 0 and cfg.log_every > 0, "--ckpt-every and --log-every must be positive"),
+        (min(cfg.keep_last, cfg.sample_every, cfg.warmup_steps, cfg.num_workers, cfg.max_nonfinite,
+             cfg.weight_decay, cfg.max_grad_norm, cfg.seed) >= 0,
+         "--keep-last, --sample-every, --warmup-steps, --num-workers, --max-nonfinite, --weight-decay, "
+         "--max-grad-norm and --seed must be >= 0"),
+        (cfg.sample_steps > 0, "--sample-steps must be positive"),
+    ]
+    for ok, message in rules:
+        if not ok:
+            raise UserError(f"{message}; fix the flag and rerun.")
+
+
+def _check_model_name(name: str) -> None:
+    """UserError listing the presets when the model name is unknown."""
+    from shared.models import DiT_models
+
+    if name not in DiT_models:
+        raise UserError(f"unknown --model {name!r}; choose one of the presets: {', '.join(DiT_models)}.")
+
+
+def grad_accum_steps(global_batch: int, micro_batch: int | None, world_size: int) -> tuple[int, int]:
+    """(micro batch, accumulation steps) so micro x steps x processes == global batch exactly, or UserError."""
+    if global_batch % world_size:
+        raise UserError(f"--global-batch-size {global_batch} is not divisible by the {world_size} processes; "
+                        f"pick a multiple of {world_size}.")
+    per_process = global_batch // world_size
+    micro = per_process if micro_batch is None else micro_batch
+    if per_process % micro:
+        options = [m for m in range(1, per_process + 1) if per_process % m == 0]
+        raise UserError(
+            f"--global-batch-size {global_batch} over {world_size} process(es) is {per_process} images per process, "
+            f"which --micro-batch-size {micro} does not divide (gradient accumulation needs a whole number of "
+            f"micro-batches; no rounding). Use a micro batch among {options[-8:]}, or change the global batch.")
+    return micro, per_process // micro
+
+
+def data_identity(dataset) -> dict:
+    """What identifies a latent folder for resume checks (shared.shards.LatentDataset -> JSON dict)."""
+    index_bytes = (Path(dataset.root) / "index.json").read_bytes()
+    return {
+        "num_samples": len(dataset), "latent_shape": list(dataset.latent_shape), "flips": dataset.flips,
+        "num_classes": dataset.num_classes, "image_size": dataset.image_size,
+        "scaling_factor": dataset.scaling_factor, "vae": dataset.vae,
+        "index_sha256": hashlib.sha256(index_bytes).hexdigest(),
+    }
+
+
+def _check_model_fits(cfg: TrainConfig, latent_shape) -> None:
+    """UserError when the preset cannot take latents of this size."""
+    from shared.models import PRESETS
+
+    channels, height, width = latent_shape
+    patch = PRESETS[cfg.model]["patch_size"]
+    if height != width or height % patch:
+        raise UserError(f"the latents are {channels}x{height}x{width} but {cfg.model} needs square latents whose "
+                        f"side is a multiple of its patch size {patch}; extract square images of a size whose "
+                        "latent side the patch divides, or pick a preset with a smaller patch.")
+
+
+def resolve_config(cfg: TrainConfig, dataset, world_size: int | None = None) -> TrainConfig:
+    """Fill the resolved fields from the latent index and the launcher; UserError on any mismatch."""
+    _check_ranges(cfg)
+    _check_model_name(cfg.model)
+    _check_model_fits(cfg, dataset.latent_shape)
+    cfg.world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+    cfg.micro_batch_size, cfg.grad_accum_steps = grad_accum_steps(
+        cfg.global_batch_size, cfg.micro_batch_size, cfg.world_size)
+    cfg.data = data_identity(dataset)
+    if cfg.epochs is not None:
+        cfg.total_steps = math.ceil(cfg.epochs * len(dataset) / cfg.global_batch_size)
+    else:
+        cfg.total_steps = cfg.max_steps or DEFAULT_MAX_STEPS
+    _resolve_preview_guidance(cfg)
+    return cfg
+
+
+def _resolve_preview_guidance(cfg: TrainConfig) -> None:
+    """Default preview guidance 4.0 (DiT's picture setting); none without a null class to guide against."""
+    if cfg.sample_cfg_scale is None:
+        cfg.sample_cfg_scale = 4.0 if cfg.class_dropout_prob > 0 else 1.0
+    elif cfg.sample_cfg_scale != 1 and cfg.class_dropout_prob == 0:
+        raise UserError(f"--sample-cfg-scale {cfg.sample_cfg_scale} needs a null class, but --class-dropout-prob "
+                        "is 0 (no null class is trained); pass --sample-cfg-scale 1, or train with dropout.")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Resume compatibility
+# ---------------------------------------------------------------------------------------------------------
+
+def _data_mismatch(saved: dict, current: dict) -> str | None:
+    """A sentence on how two latent folders differ, or None when they are the same data."""
+    for key in ("vae", "image_size", "latent_shape", "scaling_factor"):
+        if saved.get(key) != current.get(key):
+            return (f"the checkpoint was trained on latents with {key} {saved.get(key)!r}, but --latents has "
+                    f"{current.get(key)!r} (another VAE or image size)")
+    diffs = [k for k in DATA_FIELDS if saved.get(k) != current.get(k)]
+    return f"the latent folder differs from the checkpoint's ({', '.join(diffs)})" if diffs else None
+
+
+def resume_differences(saved: TrainConfig, current: TrainConfig) -> tuple[list[str], list[str]]:
+    """(refused differences, allowed differences) between a checkpoint's config and the current one."""
+    refused = [f"{k}: {getattr(saved, k)!r} -> {getattr(current, k)!r}" for k in IDENTITY_FIELDS
+               if _norm(getattr(saved, k)) != _norm(getattr(current, k))]
+    data = _data_mismatch(saved.data, current.data)
+    if data:
+        refused.append(data)
+    skip = set(IDENTITY_FIELDS) | {"data", "results_dir", "resume", "dry_run", "debug", "latents"}
+    allowed = [f"{f.name}: {getattr(saved, f.name)!r} -> {getattr(current, f.name)!r}" for f in fields(TrainConfig)
+               if f.name not in skip and _norm(getattr(saved, f.name)) != _norm(getattr(current, f.name))]
+    return refused, allowed
+
+
+def _norm(value):
+    """Compare tuples and lists alike (JSON round trips turn one into the other)."""
+    return list(value) if isinstance(value, (tuple, list)) else value
+
+
+def check_resume(saved: TrainConfig, current: TrainConfig, where: Path) -> list[str]:
+    """UserError if the checkpoint at `where` belongs to a different experiment; returns allowed changes."""
+    refused, allowed = resume_differences(saved, current)
+    if refused:
+        raise UserError(
+            f"--results-dir {current.results_dir} holds a run that differs from this command ({'; '.join(refused)}; "
+            f"checkpoint {where}). Rerun with the original settings to resume it, or pass a new --results-dir "
+            "to start a separate run.")
+    return allowed

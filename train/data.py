@@ -1,0 +1,91 @@
+"""The training data stream: resumable positions, and every random draw keyed by the sample's position.
+
+Each sample in the global stream has a position p (samples consumed before it by all processes together,
+see shared.shards.StreamSampler). All of its randomness (timestep, class dropout, flip variant, the fresh
+posterior draw and the diffusion noise) comes from one generator seeded by (seed, p), as edm2 derives its
+randomness from (seed, images seen). So a sample gets the same draws whatever the number of processes,
+micro-batch size, DataLoader workers, or where a run was interrupted and resumed.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from shared.diffusion import NUM_TIMESTEPS
+from shared.shards import LatentDataset, StreamSampler
+from shared.vae import draw_latents
+
+
+def sample_seed(seed: int, position: int) -> int:
+    """A 64-bit generator seed for the sample at stream `position` (well mixed by SeedSequence)."""
+    return int(np.random.SeedSequence([int(seed), int(position)]).generate_state(1, dtype=np.uint64)[0])
+
+
+class PositionedSampler(torch.utils.data.Sampler):
+    """StreamSampler that also yields each index's global stream position: (position, index) pairs."""
+
+    def __init__(self, num_samples: int, rank: int, world_size: int, seed: int, start: int):
+        self.stream = StreamSampler(num_samples, rank=rank, world_size=world_size, seed=seed, start=start)
+        self.rank, self.world_size, self.start = rank, world_size, start
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        # Rank r owns the positions p >= start with p % world_size == r, in order (StreamSampler contract).
+        position = self.start + (self.rank - self.start) % self.world_size
+        for index in self.stream:
+            yield position, index
+            position += self.world_size
+
+
+class TrainingDraws(torch.utils.data.Dataset):
+    """Wraps a LatentDataset: a batch of (position, index) pairs -> the tensors one training micro-step needs.
+
+    Output of `__getitems__` (B samples): x0 (B,C,h,w) fp32 fresh latents scaled by the VAE factor, label
+    (B,) int64, drop (B,) bool (class dropout), t (B,) int64 timesteps, noise (B,C,h,w) fp32, position and
+    index (B,) int64.
+    """
+
+    def __init__(self, dataset: LatentDataset, seed: int, class_dropout_prob: float):
+        self.dataset, self.seed, self.class_dropout_prob = dataset, seed, class_dropout_prob
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, pair):
+        return self.__getitems__([pair])
+
+    def __getitems__(self, pairs) -> dict:
+        positions = torch.tensor([p for p, _ in pairs], dtype=torch.int64)  # (B,)
+        indices = torch.tensor([i for _, i in pairs], dtype=torch.int64)  # (B,)
+        batch = self.dataset.gather(indices.numpy())  # mean/std (B, F, C, h, w)
+        gens = [torch.Generator().manual_seed(sample_seed(self.seed, int(p))) for p in positions]
+        # Draw order per sample is fixed: timestep, dropout coin, flip variant, posterior eps, diffusion noise.
+        t = torch.cat([torch.randint(0, NUM_TIMESTEPS, (1,), generator=g) for g in gens])  # (B,)
+        drop = torch.cat([torch.rand(1, generator=g) for g in gens]) < self.class_dropout_prob  # (B,)
+        flips = batch["mean"].shape[1]
+        variant = torch.cat([torch.randint(0, flips, (1,), generator=g) for g in gens])  # (B,)
+        rows = torch.arange(len(pairs))
+        mean, std = batch["mean"][rows, variant], batch["std"][rows, variant]  # (B, C, h, w)
+        x0 = draw_latents(mean, std, self.dataset.scaling_factor, generator=gens)  # (B, C, h, w) fp32
+        noise = torch.stack([torch.randn(x0.shape[1:], generator=g) for g in gens])  # (B, C, h, w)
+        return {"x0": x0, "label": batch["label"].long(), "drop": drop, "t": t, "noise": noise,
+                "position": positions, "index": indices}
+
+
+def _passthrough(batch):
+    """collate_fn: TrainingDraws already returns a batched dict."""
+    return batch
+
+
+def make_loader(dataset: LatentDataset, *, micro_batch: int, rank: int, world_size: int, seed: int, start: int,
+                class_dropout_prob: float, num_workers: int, pin_memory: bool) -> Iterator[dict]:
+    """An endless iterator of micro-batches for this rank, starting at global stream position `start`."""
+    sampler = PositionedSampler(len(dataset), rank, world_size, seed, start)
+    loader = torch.utils.data.DataLoader(
+        TrainingDraws(dataset, seed, class_dropout_prob), batch_size=micro_batch, sampler=sampler,
+        num_workers=num_workers, pin_memory=pin_memory, collate_fn=_passthrough,
+        # Its own generator, so worker seeding never consumes the global torch RNG.
+        generator=torch.Generator().manual_seed(seed), persistent_workers=False,
+    )
+    return iter(loader)
