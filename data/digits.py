@@ -1,0 +1,60 @@
+"""The demo's dataset: scikit-learn's 8x8 handwritten digits as a 32x32 RGB ImageFolder.
+
+`load_digits` ships inside scikit-learn (1,797 images, values 0-16, 10 classes), so the demo needs no
+download. Images are written as `OUT/<digit>/<i>.png`; the folder names "0".."9" sort so that the
+ImageFolder class index (position in sorted order) equals the digit.
+"""
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from tqdm import tqdm
+
+DIGIT_MAX = 16.0  # load_digits pixel values lie in 0..16
+IMAGE_SIZE = 32
+NUM_CLASSES = 10
+
+
+def load_digit_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """Return the raw digits (N, 8, 8) float in 0..16 and their labels (N,) int64."""
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    return bunch.images.astype(np.float32), bunch.target.astype(np.int64)
+
+
+def upscale(digits: np.ndarray, size: int = IMAGE_SIZE) -> np.ndarray:
+    """Smoothly upscale (N, 8, 8) digits in 0..16 to white-on-black RGB uint8 (N, size, size, 3)."""
+    x = torch.from_numpy(digits / DIGIT_MAX).unsqueeze(1)  # (N, 1, 8, 8) in [0, 1]
+    # Bicubic keeps strokes smooth; it overshoots slightly, so clamp before quantising.
+    x = F.interpolate(x, size=(size, size), mode="bicubic", align_corners=False).clamp(0, 1)  # (N, 1, S, S)
+    gray = (x.squeeze(1).numpy() * 255.0).round().astype(np.uint8)  # (N, S, S)
+    return np.repeat(gray[..., None], 3, axis=-1)  # (N, S, S, 3)
+
+
+def digit_images(size: int = IMAGE_SIZE) -> tuple[np.ndarray, np.ndarray]:
+    """Return every digit as RGB uint8 (N, size, size, 3) and its label (N,), deterministic order."""
+    digits, labels = load_digit_arrays()
+    return upscale(digits, size), labels
+
+
+def image_path(out_dir: Path, label: int, index: int) -> Path:
+    """Where image `index` (position in load_digits) of class `label` lives in the ImageFolder."""
+    return Path(out_dir) / str(label) / f"{index:04d}.png"
+
+
+def build_digits(out_dir, size: int = IMAGE_SIZE, progress: bool = True) -> Path:
+    """Write the ImageFolder OUT/<digit>/<i>.png (skipping files already present) and return OUT."""
+    out_dir = Path(out_dir)
+    images, labels = digit_images(size)
+    for label in range(NUM_CLASSES):
+        (out_dir / str(label)).mkdir(parents=True, exist_ok=True)
+    for i in tqdm(range(len(labels)), desc="digits", unit="img", disable=not progress):
+        path = image_path(out_dir, int(labels[i]), i)
+        if not path.exists():
+            tmp = path.with_name(f".{path.name}.tmp")
+            Image.fromarray(images[i]).save(tmp, format="PNG")
+            tmp.replace(path)  # atomic: an interrupted build never leaves a half-written PNG
+    return out_dir

@@ -1,0 +1,56 @@
+"""A scikit-learn judge for the digits demo: does a generated image show the digit it was asked for?
+
+The classifier sees what the original dataset holds: 8x8 grayscale in the 0..16 range. Any image is
+brought there by averaging to grayscale and box-downsampling to 8x8, which undoes the demo's smooth
+32x32 upscaling almost exactly.
+"""
+from functools import lru_cache
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from data.digits import DIGIT_MAX, digit_images
+
+FEATURE_SIZE = 8  # the judge works at load_digits' native resolution
+
+
+def to_features(images: np.ndarray) -> np.ndarray:
+    """Map uint8 images (N, H, W, 3) to judge features (N, 64) in the digits' 0..16 range."""
+    images = np.asarray(images)
+    if images.ndim != 4 or images.shape[-1] != 3:
+        raise ValueError(f"expected uint8 images (N, H, W, 3), got shape {images.shape}")
+    gray = torch.from_numpy(images.astype(np.float32).mean(axis=-1) / 255.0).unsqueeze(1)  # (N, 1, H, W)
+    # Area averaging is the inverse of the builder's upscaling (up to bicubic overshoot).
+    small = F.adaptive_avg_pool2d(gray, FEATURE_SIZE)  # (N, 1, 8, 8)
+    return (small.flatten(1).numpy() * DIGIT_MAX).astype(np.float64)  # (N, 64)
+
+
+def fit_judge(images: np.ndarray, labels: np.ndarray):
+    """Fit the judge (RBF SVC, the classic load_digits setting) on uint8 images and labels."""
+    from sklearn.svm import SVC
+
+    return SVC(gamma=0.001, C=10.0).fit(to_features(images), labels)
+
+
+@lru_cache(maxsize=1)
+def default_judge():
+    """The judge fitted on all 1,797 real digits as the demo writes them (cached per process)."""
+    images, labels = digit_images()
+    return fit_judge(images, labels)
+
+
+def predict(images: np.ndarray, judge=None) -> np.ndarray:
+    """Predicted digit (N,) for uint8 images (N, H, W, 3)."""
+    judge = default_judge() if judge is None else judge
+    return judge.predict(to_features(images))
+
+
+def class_match(images: np.ndarray, labels, judge=None) -> float:
+    """Share of images (N, H, W, 3) uint8 that the judge classifies as their requested label."""
+    labels = np.asarray(labels).reshape(-1)
+    if len(labels) != len(images):
+        raise ValueError(f"{len(images)} images but {len(labels)} labels")
+    if len(labels) == 0:
+        return float("nan")
+    return float(np.mean(predict(images, judge) == labels))
