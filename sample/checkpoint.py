@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import pickle
-import re
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,11 +10,10 @@ from pathlib import Path
 import torch
 
 from shared.errors import UserError
-from shared.export import load_weights
+from shared.export import CHECKPOINTS, EXPORTS, latest_checkpoint, latest_export, load_weights
 from shared.models import DiT_models, ModelConfig, infer_model_config
 
 OFFICIAL_SUFFIXES = (".pt", ".pth")
-_STEP_RE = re.compile(r"-(\d+)(?:\.safetensors)?$")
 # Wrappers some trainers leave in front of every key (DDP, torch.compile).
 _KEY_PREFIXES = ("module.", "_orig_mod.")
 
@@ -33,20 +31,6 @@ class LoadedWeights:
     notes: list[str] = field(default_factory=list)  # what was inferred; printed for the user
 
 
-def _step_of(path: Path) -> int:
-    """The step number in `ema-step-0000100.safetensors` or `step-0000100` (-1 if none)."""
-    match = _STEP_RE.search(path.name)
-    return int(match.group(1)) if match else -1
-
-
-def _newest(paths, what: str, run: Path, fix: str) -> Path:
-    """The path with the highest step; UserError naming `fix` when there is none."""
-    paths = [p for p in paths if not p.name.startswith(".") and _step_of(p) >= 0]
-    if not paths:
-        raise UserError(f"the run folder {run} has no {what} yet; {fix}")
-    return max(paths, key=_step_of)
-
-
 def resolve_ckpt_file(ckpt, weights: str = "ema") -> Path:
     """--ckpt (run folder, checkpoint folder or file) -> the weight file to read; UserError if none."""
     path = Path(ckpt).expanduser()
@@ -58,12 +42,16 @@ def resolve_ckpt_file(ckpt, weights: str = "ema") -> Path:
     if (path / "model.safetensors").is_file():  # a single RUN/checkpoints/step-* folder
         return path / ("ema.safetensors" if weights == "ema" else "model.safetensors")
     if weights == "raw":
-        step_dir = _newest((path / "checkpoints").glob("step-*"), "checkpoints (checkpoints/step-*/)", path,
-                           "train until the first checkpoint is saved, or pass --weights ema for an export.")
+        step_dir = latest_checkpoint(path)
+        if step_dir is None:
+            raise UserError(f"the run folder {path} has no complete checkpoints ({CHECKPOINTS}/step-*/) yet; train "
+                            "until the first checkpoint is saved, or pass --weights ema for an export.")
         return step_dir / "model.safetensors"
-    return _newest((path / "exports").glob("ema-step-*.safetensors"), "EMA exports (exports/ema-step-*)", path,
-                   "train until the first export is written, or pass --weights raw to use the newest "
-                   "checkpoint's raw weights.")
+    export = latest_export(path)
+    if export is None:
+        raise UserError(f"the run folder {path} has no EMA exports ({EXPORTS}/ema-step-*) yet; train until the first "
+                        "export is written, or pass --weights raw to use the newest checkpoint's raw weights.")
+    return export
 
 
 def _strip_prefixes(state_dict: dict) -> dict:

@@ -120,3 +120,21 @@ def test_corrupt_metadata_is_a_user_error(tmp_path):
     save_file({"x": torch.zeros(2)}, str(path), metadata={"dit_config": "{oops", "step": "1"})
     with pytest.raises(UserError, match="corrupt"):
         load_weights(path)
+
+
+def test_run_layout_finds_newest_complete_checkpoint_and_export(tmp_path):
+    """Steps sort numerically; a checkpoint folder without state.json (half-written) is ignored."""
+    from shared.export import (CHECKPOINTS, STATE_FILE, checkpoint_name, export_path, latest_checkpoint,
+                               latest_export, list_checkpoints)
+
+    assert latest_checkpoint(tmp_path) is None and latest_export(tmp_path) is None
+    for step in (900, 10000, 12000):
+        folder = tmp_path / CHECKPOINTS / checkpoint_name(step)
+        folder.mkdir(parents=True)
+        if step != 12000:
+            (folder / STATE_FILE).write_text("{}")
+        export_path(tmp_path, step).parent.mkdir(exist_ok=True)
+        export_path(tmp_path, step).write_bytes(b"")
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-0000900", "step-0010000"]
+    assert latest_checkpoint(tmp_path).name == "step-0010000"
+    assert latest_export(tmp_path).name == "ema-step-0012000.safetensors"

@@ -50,6 +50,7 @@ def files(tmp_path_factory, tiny_vae_dir):
     save_weights(run / "exports" / "ema-step-0000100.safetensors", older, config, meta, 100)
     save_weights(run / "exports" / "ema-step-0000200.safetensors", state, config, meta, 200)
     save_weights(run / "checkpoints" / "step-0000200" / "model.safetensors", state, config, meta, 200)
+    (run / "checkpoints" / "step-0000200" / "state.json").write_text('{"step": 200}')  # marks it complete
     return {"root": root, "pt": root / "DiT-T-2-16x16.pt", "run": run, "vae": tiny_vae_dir, "state": state,
             "meta": meta}
 

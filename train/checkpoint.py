@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import shutil
 from pathlib import Path
 
@@ -24,38 +23,9 @@ import numpy as np
 import torch
 
 from shared.errors import UserError
-from shared.export import load_weights, save_weights
+from shared.export import CHECKPOINTS, STATE_FILE, checkpoint_name, list_checkpoints, load_weights, save_weights
 
-CHECKPOINTS = "checkpoints"
-EXPORTS = "exports"
-STATE_FILE = "state.json"
 TMP_PREFIX = ".tmp-"
-_NAME = re.compile(r"^step-(\d{7,})$")
-
-
-def checkpoint_name(step: int) -> str:
-    """Folder name of the checkpoint after `step` optimizer steps."""
-    return f"step-{step:07d}"
-
-
-def export_path(run_dir: Path, step: int) -> Path:
-    """RUN/exports/ema-step-XXXXXXX.safetensors."""
-    return Path(run_dir) / EXPORTS / f"ema-{checkpoint_name(step)}.safetensors"
-
-
-def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoint folders of a run, oldest first."""
-    root = Path(run_dir) / CHECKPOINTS
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name)) and (p / STATE_FILE).is_file()]
-    return [p for _, p in sorted(found)]
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint folder, or None."""
-    found = list_checkpoints(run_dir)
-    return found[-1] if found else None
 
 
 def remove_partial(run_dir: Path) -> list[Path]:

@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from shared.diffusion import create_diffusion
 from shared.errors import UserError
+from shared import export as layout
 from shared.export import save_weights
 from shared.models import ModelConfig, resolve_attention
 from shared.shards import LatentDataset
@@ -88,11 +89,11 @@ def resume_source(cfg: TrainConfig) -> tuple[Path | None, list[str]]:
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"--results-dir {run_dir} is a file; pass a folder (it is created if missing).")
     if cfg.resume == "none":
-        if ckpt_io.list_checkpoints(run_dir):
+        if layout.list_checkpoints(run_dir):
             raise UserError(f"--resume none, but {run_dir} already holds checkpoints; pass --resume auto to "
                             "continue that run, or a new --results-dir to start another.")
         return None, []
-    source = ckpt_io.latest_checkpoint(run_dir) if cfg.resume == "auto" else Path(cfg.resume)
+    source = layout.latest_checkpoint(run_dir) if cfg.resume == "auto" else Path(cfg.resume)
     if source is None:
         return None, []
     saved = TrainConfig.from_dict(ckpt_io.read_state(source)["config"])
@@ -383,7 +384,7 @@ def save_checkpoint(run: Run) -> Path | None:
     if run.is_main:
         _write_main(run, tmp, run_dir)
     acc.wait_for_everyone()
-    run.last_checkpoint = run_dir / ckpt_io.CHECKPOINTS / ckpt_io.checkpoint_name(run.step)
+    run.last_checkpoint = run_dir / layout.CHECKPOINTS / layout.checkpoint_name(run.step)
     return run.last_checkpoint
 
 
@@ -399,7 +400,7 @@ def _write_main(run: Run, tmp: Path, run_dir: Path) -> None:
                             optimizer_state=run.optimizer.state_dict(), scaler_state=run.scaler.state_dict(),
                             state=state)
     final = ckpt_io.publish(tmp, run_dir, run.step)
-    save_weights(ckpt_io.export_path(run_dir, run.step), ema_state, run.model_config, latent_meta, run.step)
+    save_weights(layout.export_path(run_dir, run.step), ema_state, run.model_config, latent_meta, run.step)
     pruned = ckpt_io.prune_checkpoints(run_dir, run.cfg.keep_last)
     run.logger.info(f"saved checkpoint {final}" + (f" (removed {', '.join(p.name for p in pruned)})" if pruned else ""))
 
@@ -414,7 +415,7 @@ def save_samples(run: Run) -> None:
                                              run.cfg.sample_cfg_scale, run.device)
         finally:
             ema.to(home)
-        path = Path(run.cfg.results_dir) / "samples" / f"{ckpt_io.checkpoint_name(run.step)}.safetensors"
+        path = Path(run.cfg.results_dir) / "samples" / f"{layout.checkpoint_name(run.step)}.safetensors"
         save_preview(path, latents, labels, run.dataset.latent_meta(), run.step)
         run.logger.info(f"saved samples {path}")
     run.accelerator.wait_for_everyone()
@@ -468,9 +469,9 @@ def start_logs(run: Run, source: Path | None, changes: list[str]) -> None:
         run.logger.truncate_after(run.step)
         for path in removed:
             run.logger.info(f"removed a half-written checkpoint {path.name} left by an interrupted run")
-        if source is not None and not ckpt_io.export_path(run_dir, run.step).is_file():
+        if source is not None and not layout.export_path(run_dir, run.step).is_file():
             # A kill between publishing a checkpoint and writing its export: write the export now.
-            save_weights(ckpt_io.export_path(run_dir, run.step), run.ema.state_dict(), run.model_config,
+            save_weights(layout.export_path(run_dir, run.step), run.ema.state_dict(), run.model_config,
                          run.dataset.latent_meta(), run.step)
     run.accelerator.wait_for_everyone()
     n = run.accelerator.num_processes
