@@ -9,7 +9,7 @@ from shared.models import DiT_models
 
 from sample.decode import DecodeOptions, run_decode
 from sample.generate import SampleOptions, run_sample
-from sample.guidance import PRECISIONS
+from shared.precision import PRECISIONS
 
 PROG = "python -m sample"
 EPILOG = """Resume: rerun the same command; images already in --out are kept and only the missing ones are

@@ -6,8 +6,8 @@ import contextlib
 import torch
 
 from shared.errors import UserError
+from shared.precision import PRECISIONS
 
-PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def autocast(device: torch.device, precision: str):

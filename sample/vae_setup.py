@@ -4,7 +4,7 @@ from __future__ import annotations
 from shared.errors import UserError
 from shared.vae import LatentVAE, downsample_factor, read_vae_config, resolve_vae_spec
 
-from sample.guidance import PRECISIONS
+from shared.precision import PRECISIONS
 
 DEFAULT_VAE = "ema"  # the DiT release samples with sd-vae-ft-ema
 

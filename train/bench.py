@@ -20,7 +20,8 @@ from tqdm.auto import tqdm
 
 from shared.diffusion import create_diffusion
 from shared.errors import UserError, exit_with
-from train.memory import (GiB, PRECISIONS, build_model, format_size, forward_macs, make_adamw, model_config,
+from shared.precision import autocast_dtype
+from train.memory import (GiB, build_model, format_size, forward_macs, make_adamw, model_config,
                           synthetic_batch, train_flops_per_image, training_step)
 
 PROG = "python -m train.bench"
@@ -196,7 +197,7 @@ def prepare(config: BenchConfig, args, device):
 def time_steps(config: BenchConfig, args, device, diffusion) -> list[float]:
     """Seconds of each timed step (after warm-up) for one configuration."""
     runner, optimizer, scaler, batch = prepare(config, args, device)
-    dtype = PRECISIONS[config.precision]
+    dtype = autocast_dtype(config.precision)
     times = []
     for i in range(args.warmup + args.steps):
         synchronize(device)

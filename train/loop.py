@@ -29,6 +29,7 @@ from shared.errors import UserError
 from shared import export as layout
 from shared.export import save_weights
 from shared.models import ModelConfig, resolve_attention
+from shared.precision import autocast_dtype
 from shared.shards import LatentDataset
 from train import checkpoint as ckpt_io
 from train.config import DEBUG_STEPS, TrainConfig, check_resume, resolve_config
@@ -37,7 +38,6 @@ from train.logger import RunLogger
 from train.preview import save_preview, sample_preview
 
 TRACE_ENV = "DIT_TRAIN_TRACE"  # a folder: each rank writes rank-<r>.json (data it saw, modules, weight hash)
-AUTOCAST_DTYPES = {"no": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class NonFiniteError(UserError):
@@ -260,7 +260,7 @@ def forward_loss(run: Run, batch: dict) -> torch.Tensor:
     noise = batch["noise"].to(device, non_blocking=True)
     t = batch["t"].to(device, non_blocking=True)  # (B,)
     y = torch.where(batch["drop"], run.raw.null_label, batch["label"]).to(device, non_blocking=True)  # (B,)
-    dtype = AUTOCAST_DTYPES[run.cfg.mixed_precision]
+    dtype = autocast_dtype(run.cfg.mixed_precision)
     with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
         losses = run.diffusion.training_losses(run.model, x0, t, model_kwargs=dict(y=y), noise=noise)
     return losses["loss"].mean()

@@ -27,7 +27,6 @@ from shared.errors import UserError
 from shared.models import DiT_models, ModelConfig
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
-PRECISIONS = {"no": None, "fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": KiB, "m": 10**6, "mb": 10**6, "mib": MiB,
           "g": 10**9, "gb": 10**9, "gib": GiB, "t": 10**12, "tb": 10**12, "tib": 2**40}
 

@@ -16,7 +16,8 @@ from tqdm.auto import tqdm
 
 from shared.diffusion import create_diffusion
 from shared.errors import UserError, exit_with
-from train.memory import (PRECISIONS, ActivationProfile, build_model, count_parameters,
+from shared.precision import autocast_dtype
+from train.memory import (ActivationProfile, build_model, count_parameters,
                           format_size, make_adamw, measure_block_fit, measure_profile, model_config,
                           parse_size, synthetic_batch, training_step)
 
@@ -296,7 +297,7 @@ def run(args) -> str:
     check_verify_possible(args)
     batch = per_process_batch(args.global_batch_size, args.num_processes)
     config = model_config(args.model, args.image_size, args.vae_factor, args.latent_channels, args.num_classes)
-    dtype, device = PRECISIONS[args.mixed_precision], measure_device(args.measure_device)
+    dtype, device = autocast_dtype(args.mixed_precision), measure_device(args.measure_device)
     meta = build_model(config, "meta")  # shapes only, no allocation
     choices = checkpoint_choices(args.grad_checkpoint, len(meta.blocks))
     profiles, n_params, n_trainable = measure_profiles(config, dtype, choices, device)
