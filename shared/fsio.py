@@ -1,0 +1,87 @@
+"""The one atomic write of the project: temp name in the same folder, fsync, rename, fsync the folder.
+
+A reader (or a rerun after a kill or a power cut) sees either the old file or the whole new one, never a
+part. Temp names start with TMP_PREFIX so a rerun can recognise and remove leftovers.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Callable
+
+TMP_PREFIX = ".tmp-"
+
+
+def tmp_name(path: Path) -> Path:
+    """The temp sibling of `path` used while it is written (unique per process)."""
+    path = Path(path)
+    return path.with_name(f"{TMP_PREFIX}{path.name}-{os.getpid()}")
+
+
+def fsync_dir(folder: Path) -> None:
+    """fsync a folder's entry list, so a rename inside it survives a power cut (no-op where unsupported)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: Path) -> None:
+    """fsync one file's data."""
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def atomic_write(path, write: Callable[[Path], object]) -> Path:
+    """Call write(tmp) to produce the file at a temp name, then fsync and rename it over `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tmp_name(path)
+    try:
+        write(tmp)
+        fsync_file(tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    fsync_dir(path.parent)
+    return path
+
+
+def atomic_write_bytes(path, data: bytes) -> Path:
+    """Write bytes to `path` atomically."""
+    return atomic_write(path, lambda tmp: Path(tmp).write_bytes(data))
+
+
+def atomic_write_text(path, text: str) -> Path:
+    """Write text (UTF-8) to `path` atomically."""
+    return atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+
+
+def publish_dir(staging: Path, final: Path) -> Path:
+    """Make a fully written folder visible under its final name: fsync its files, rename, fsync the parent."""
+    staging, final = Path(staging), Path(final)
+    for entry in staging.iterdir():
+        if entry.is_file():
+            fsync_file(entry)
+    fsync_dir(staging)
+    if final.exists():  # the same name published again (e.g. a rerun of a finished step): replace it
+        shutil.rmtree(final)
+    os.replace(staging, final)
+    fsync_dir(final.parent)
+    return final
+
+
+def remove_tree(path: Path) -> None:
+    """Delete a folder by renaming it to a temp name first, so a kill mid-delete never leaves it half-gone."""
+    path = Path(path)
+    doomed = path.with_name(f"{TMP_PREFIX}del-{path.name}")
+    os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)

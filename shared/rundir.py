@@ -1,0 +1,149 @@
+"""The run folder: every name in it and every lookup, in one place (train writes it, sample reads it).
+
+    RUN/config.json                          the resolved TrainConfig of the latest launch
+    RUN/log.txt  RUN/metrics.jsonl           human log lines; one JSON object per logged step
+    RUN/tensorboard/                         tracker event files (when a tracker is on)
+    RUN/checkpoints/step-0000100/            full training state, published by an atomic rename:
+        model.safetensors ema.safetensors    weights (shared/export.py format)
+        optimizer.pt scaler.pt rng-<rank>.pt torch.load(weights_only=True) files
+        state.json                           written last: its presence marks the checkpoint complete
+    RUN/checkpoints/.tmp-step-0000100/       a checkpoint being assembled (removed on the next start)
+    RUN/exports/ema-step-0000100.safetensors slim EMA weights for sampling (shared/export.py format)
+    RUN/samples/step-0000100.safetensors     preview latents of the EMA model (decode with sample decode)
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from shared.fsio import TMP_PREFIX
+
+CONFIG_FILE = "config.json"
+LOG_FILE = "log.txt"
+METRICS_FILE = "metrics.jsonl"
+TRACKER_DIR = "tensorboard"
+CHECKPOINTS = "checkpoints"
+EXPORTS = "exports"
+SAMPLES = "samples"
+
+# Inside a checkpoint folder.
+MODEL_FILE = "model.safetensors"
+EMA_FILE = "ema.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+SCALER_FILE = "scaler.pt"
+STATE_FILE = "state.json"
+
+_STEP = re.compile(r"^step-(\d{7,})$")
+_EXPORT = re.compile(r"^ema-step-(\d{7,})\.safetensors$")
+_SAMPLE = re.compile(r"^step-(\d{7,})\.safetensors$")
+
+
+def step_name(step: int) -> str:
+    """'step-0000100': the name of what belongs to the state after `step` optimizer steps."""
+    return f"step-{int(step):07d}"
+
+
+def rng_file(rank: int) -> str:
+    """The per-process RNG file inside a checkpoint."""
+    return f"rng-{int(rank)}.pt"
+
+
+def config_path(run_dir) -> Path:
+    return Path(run_dir) / CONFIG_FILE
+
+
+def log_path(run_dir) -> Path:
+    return Path(run_dir) / LOG_FILE
+
+
+def metrics_path(run_dir) -> Path:
+    return Path(run_dir) / METRICS_FILE
+
+
+def tracker_dir(run_dir) -> Path:
+    return Path(run_dir) / TRACKER_DIR
+
+
+def checkpoints_dir(run_dir) -> Path:
+    return Path(run_dir) / CHECKPOINTS
+
+
+def checkpoint_path(run_dir, step: int) -> Path:
+    """RUN/checkpoints/step-XXXXXXX (complete only when its state.json exists)."""
+    return checkpoints_dir(run_dir) / step_name(step)
+
+
+def staging_path(run_dir, step: int) -> Path:
+    """RUN/checkpoints/.tmp-step-XXXXXXX: where the checkpoint of `step` is assembled."""
+    return checkpoints_dir(run_dir) / f"{TMP_PREFIX}{step_name(step)}"
+
+
+def export_path(run_dir, step: int) -> Path:
+    """RUN/exports/ema-step-XXXXXXX.safetensors."""
+    return Path(run_dir) / EXPORTS / f"ema-{step_name(step)}.safetensors"
+
+
+def sample_path(run_dir, step: int) -> Path:
+    """RUN/samples/step-XXXXXXX.safetensors: preview latents."""
+    return Path(run_dir) / SAMPLES / f"{step_name(step)}.safetensors"
+
+
+def is_complete_checkpoint(folder) -> bool:
+    """Whether a folder is a published checkpoint (its state.json exists)."""
+    return (Path(folder) / STATE_FILE).is_file()
+
+
+def _by_step(folder: Path, pattern, keep=lambda p: True) -> list[tuple[int, Path]]:
+    """(step, path) of the entries of folder whose name matches pattern, oldest first."""
+    if not folder.is_dir():
+        return []
+    return sorted((int(m.group(1)), p) for p in folder.iterdir() if (m := pattern.match(p.name)) and keep(p))
+
+
+def step_of(path) -> int | None:
+    """The step a run-folder entry belongs to (checkpoint, export or sample), or None."""
+    name = Path(path).name
+    for pattern in (_STEP, _EXPORT, _SAMPLE):
+        if m := pattern.match(name):
+            return int(m.group(1))
+    return None
+
+
+def list_checkpoints(run_dir) -> list[Path]:
+    """Complete checkpoint folders of a run, oldest first."""
+    return [p for _, p in _by_step(checkpoints_dir(run_dir), _STEP, keep=is_complete_checkpoint)]
+
+
+def latest_checkpoint(run_dir) -> Path | None:
+    """The newest complete checkpoint folder, or None."""
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def list_partial(run_dir) -> list[Path]:
+    """Leftovers of interrupted writes inside RUN/checkpoints (staging folders, half-deleted ones)."""
+    root = checkpoints_dir(run_dir)
+    return sorted(root.glob(f"{TMP_PREFIX}*")) if root.is_dir() else []
+
+
+def list_exports(run_dir) -> list[Path]:
+    """Slim EMA exports of a run, oldest first."""
+    return [p for _, p in _by_step(Path(run_dir) / EXPORTS, _EXPORT)]
+
+
+def latest_export(run_dir) -> Path | None:
+    """The newest slim EMA export of a run, or None."""
+    found = list_exports(run_dir)
+    return found[-1] if found else None
+
+
+def list_samples(run_dir) -> list[Path]:
+    """Preview latent files of a run, oldest first."""
+    return [p for _, p in _by_step(Path(run_dir) / SAMPLES, _SAMPLE)]
+
+
+def looks_like_run(path) -> bool:
+    """Whether a folder is (or is becoming) a training run folder."""
+    path = Path(path)
+    return path.is_dir() and ((path / CHECKPOINTS).is_dir() or (path / EXPORTS).is_dir()
+                              or (path / CONFIG_FILE).is_file())
