@@ -338,11 +338,15 @@ class DiT(nn.Module):
                 "and in_channels. Use latents extracted at the size the model was built for."
             )
 
-    def forward(self, x, t, y):
-        """x (N, C, H, W) latents, t (N,) timesteps, y (N,) labels -> (N, out_channels, H, W)."""
+    def forward(self, x, t, y, force_drop_ids=None):
+        """x (N, C, H, W) latents, t (N,) timesteps, y (N,) labels -> (N, out_channels, H, W).
+
+        force_drop_ids (N,) bool/0-1: which labels become the null class. Training passes the data side's
+        per-sample coin here, so the model's own global-RNG label dropout never runs (train/data.py).
+        """
         self._check_input(x)
         x = self.x_embedder(x) + self.pos_embed  # (N, T, D), T = H * W / p**2
-        c = self.t_embedder(t) + self.y_embedder(y, self.training)  # (N, D)
+        c = self.t_embedder(t) + self.y_embedder(y, self.training, force_drop_ids)  # (N, D)
         for i, block in enumerate(self.blocks):
             if self._checkpointed(i):
                 x = checkpoint(block, x, c, use_reentrant=False)  # (N, T, D)
