@@ -4,6 +4,7 @@
 allowed choices under a domain name ("sampler", "attention", ...). Each stage's `__main__` knows which
 flag sets that name and turns the error into flag advice with `advise`.
 """
+import re
 import sys
 import textwrap
 from typing import NoReturn
@@ -29,10 +30,30 @@ class ChoiceError(UserError):
                          f"{allowed}.")
 
 
+class SettingError(UserError):
+    """A problem whose text names settings by their domain kind, written as `{kind}` fields.
+
+    str(err) writes each field as the kind itself ("use {cfg scale} 1" reads "use cfg scale 1"); `advise`
+    writes the flag of every kind a stage knows instead ("use --cfg-scale 1").
+    """
+
+    _FIELD = re.compile(r"\{([a-z][a-z -]*)\}")
+
+    def __init__(self, template: str):
+        self.template = template
+        super().__init__(self.phrase({}))
+
+    def phrase(self, flags: dict) -> str:
+        """The text with each {kind} replaced by flags[kind], or by the kind where no flag is known."""
+        return self._FIELD.sub(lambda m: flags.get(m.group(1), m.group(1)), self.template)
+
+
 def advise(error: UserError, flags: dict) -> UserError:
-    """Turn a domain ChoiceError into flag advice when this stage knows the flag for its kind."""
+    """Turn a domain ChoiceError or SettingError into flag advice for the kinds this stage has flags for."""
     if isinstance(error, ChoiceError) and error.kind in flags:
         return error.advise(flags[error.kind])
+    if isinstance(error, SettingError):
+        return UserError(error.phrase(flags))
     return error
 
 

@@ -1,0 +1,78 @@
+"""Classifier-free guidance (Ho & Salimans, 2022, Eq. 6): the one implementation, for sampling and previews.
+
+The guided prediction is eps_uncond + s * (eps_cond - eps_uncond). As in the DiT release, the conditional
+and the null-class rows go through ONE forward pass as the batch [x; x] with labels [y; null], and only
+the predicted-noise channels are guided: the learned-variance channels (and the unguided noise channels)
+are the conditional prediction's.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from shared.errors import ChoiceError, SettingError
+from shared.precision import PRECISIONS, autocast_dtype
+
+# "3": the DiT release's quirk, which guides only the first 3 of the 4 latent channels (kept for exact
+# reproduction of its samples); "all": every latent channel, the standard form of guidance.
+GUIDE_CHANNELS = ("3", "all")
+
+
+def guide_channel_count(choice: str, in_channels: int) -> int | None:
+    """The guided latent channels of a GUIDE_CHANNELS choice: an int, or None for all `in_channels`."""
+    if choice not in GUIDE_CHANNELS:
+        raise ChoiceError("guide-channel choice", choice, GUIDE_CHANNELS)
+    if choice == "all":
+        return None
+    count = int(choice)
+    if count > in_channels:
+        raise SettingError(f"{{guide-channel choice}} {choice} needs at least {count} latent channels but this "
+                           f"model has {in_channels}; use {{guide-channel choice}} all.")
+    return count
+
+
+def check_guidance(cfg_scale: float, has_null_class: bool) -> None:
+    """SettingError for a scale below 1, or for guidance of a model that never learned the null class."""
+    if cfg_scale < 1.0:
+        raise SettingError(f"{{cfg scale}} {cfg_scale:g} is below 1; use {{cfg scale}} 1 for no guidance or a "
+                           f"larger value (4.0 for pictures, 1.5 for FID as in the DiT paper).")
+    if cfg_scale > 1.0 and not has_null_class:
+        raise SettingError("this model was trained without class dropout (class_dropout_prob 0), so it has no "
+                           "null class to guide against; use {cfg scale} 1 (no guidance).")
+
+
+def _autocast(device: torch.device, precision: str):
+    """fp16/bf16 autocast on `device` (weights, LayerNorm and softmax stay fp32); nothing for fp32."""
+    if precision not in PRECISIONS:
+        raise ChoiceError("precision", precision, PRECISIONS)
+    dtype = autocast_dtype(precision)
+    return contextlib.nullcontext() if dtype is None else torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def guided_model_fn(model, cfg_scale: float, guide_channels: int | None = None, precision: str = "fp32"):
+    """fn(x (N,C,h,w), t (N,), y (N,)) -> (N, out, h, w) float32: the DiT's guided prediction.
+
+    cfg_scale 1 is the plain conditional forward (no batch doubling). Otherwise the first `guide_channels`
+    latent channels (None: all of them) are guided and the rest, variance included, are the conditional
+    rows'. Autocast follows `precision` (shared.precision.PRECISIONS) on x's device.
+    """
+    check_guidance(cfg_scale, model.y_embedder.has_null)
+    _autocast(torch.device("cpu"), precision)  # an unknown precision fails now, not at the first step
+    guided = model.in_channels if guide_channels is None else guide_channels
+
+    def conditional(x, t, y):
+        """One conditional pass of N rows."""
+        with _autocast(x.device, precision):
+            return model(x, t, y).float()  # (N, out, h, w)
+
+    def classifier_free(x, t, y):
+        """[cond; null] rows in one 2N batch, combined per Eq. 6 on the guided channels."""
+        null = torch.full_like(y, model.null_label)  # (N,)
+        with _autocast(x.device, precision):
+            out = model(torch.cat([x, x]), torch.cat([t, t]), torch.cat([y, null]))  # (2N, out, h, w)
+            cond, uncond = out[: len(x)], out[len(x):]  # (N, out, h, w) each
+            eps = uncond[:, :guided] + cfg_scale * (cond[:, :guided] - uncond[:, :guided])  # (N, g, h, w)
+            return torch.cat([eps, cond[:, guided:]], dim=1).float()  # (N, out, h, w)
+
+    return conditional if cfg_scale == 1.0 else classifier_free
