@@ -3,6 +3,7 @@ import json
 import os
 import random
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -15,7 +16,8 @@ from shared.shards import ShardWriter, shard_name, write_index
 from train.__main__ import main
 from train.config import DEBUG_STEPS, TrainConfig, build_parser, grad_accum_steps
 from train.checkpoint import capture_rng, restore_rng
-from train.loop import TRACE_ENV, lr_at, weights_finite
+from train.loop import weights_finite
+from train.step import lr_at
 
 ROOT = Path(__file__).resolve().parents[1]
 CLASSES = 4
@@ -282,43 +284,85 @@ def test_resume_refuses_other_experiment(latents, tmp_path, capsys):
 # Real processes: kill-and-resume, two processes, no diffusers
 # ---------------------------------------------------------------------------------------------------------
 
-@pytest.mark.slow
-def test_killed_run_resumes_bitwise(latents, tmp_path):
-    flags = ["--max-steps", "6", "--ckpt-every", "2", "--num-workers", "1"]
-    trace = tmp_path / "trace"
-    reference = cli(train_args(latents, tmp_path / "ref", *flags), {TRACE_ENV: str(trace)})
-    finish(reference)
-    assert json.loads((trace / "rank-0.json").read_text())["diffusers_imported"] is False
+LAUNCHER = [sys.executable, str(ROOT / "tests" / "train_launcher.py")]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(ROOT / "tests" / "train_launcher.py")]
+CPU_DIST = {"ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+KILL_FLAGS = ["--max-steps", "6", "--ckpt-every", "2", "--keep-last", "1", "--num-workers", "1"]
 
-    kill_at = random.Random().randint(1, 4)
-    run = tmp_path / "run"
-    victim = cli(train_args(latents, run, *flags), {"PYTHONUNBUFFERED": "1"})  # each log line arrives at once
-    for line in victim.stdout:  # per-step log lines; SIGKILL right after step `kill_at` is logged
-        if line.startswith(f"step {kill_at:07d}"):
-            victim.kill()
-            break
-    victim.wait(timeout=600)
-    assert victim.returncode == -9, f"run ended before step {kill_at} was logged"
+
+def wait_for(path: Path, proc, timeout=300):
+    """Block until `path` exists (the launcher paused there); fail if the process ends first."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, f"the run ended before pausing: {proc.communicate()[1][-3000:]}"
+        assert time.monotonic() < deadline, f"no {path} after {timeout} s"
+        time.sleep(0.05)
+
+
+def trace(folder: Path, rank=0) -> dict:
+    return json.loads((folder / f"rank-{rank}.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def reference(latents, tmp_path_factory):
+    """An uninterrupted run with the kill tests' flags, through the test-side launcher with a trace."""
+    root = tmp_path_factory.mktemp("reference")
+    finish(cli(LAUNCHER + train_args(latents, root / "run", *KILL_FLAGS), {"TRACE_DIR": str(root / "trace")}))
+    return root
+
+
+@pytest.mark.slow
+def test_training_process_never_imports_diffusers(reference):
+    record = trace(reference / "trace")
+    assert record["step"] == 6 and record["diffusers_imported"] is False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pause_at, resumes_from, left_behind", [
+    ("checkpoint:2", "step-0000002", None),  # after the first checkpoint is complete
+    ("export:4", "step-0000004", "exports/ema-step-0000004.safetensors"),  # published, export not yet written
+    ("prune:4", "step-0000004", "checkpoints/.tmp-del-step-0000002"),  # killed in the middle of a prune
+])
+def test_killed_run_resumes_bitwise(latents, tmp_path, reference, pause_at, resumes_from, left_behind):
+    run, pauses = tmp_path / "run", tmp_path / "pause"
+    victim = cli(LAUNCHER + train_args(latents, run, *KILL_FLAGS), {"TRACE_DIR": str(pauses), "PAUSE_AT": pause_at})
+    wait_for(pauses / "paused", victim)
+    victim.kill()
+    victim.communicate(timeout=60)
+    assert victim.returncode == -9
+    assert (run / "checkpoints" / resumes_from / "state.json").is_file()
     assert not (run / "checkpoints" / "step-0000006").exists()  # really interrupted mid-run
-    finish(cli(train_args(latents, run, *flags)))
-    if kill_at >= 3:  # the step-2 checkpoint was complete before step 3 started
-        assert "resumed from" in (run / "log.txt").read_text()
-    ref, resumed = final_tensors(tmp_path / "ref"), final_tensors(run)
+    if pause_at.startswith("export"):
+        assert not (run / left_behind).exists()  # the kill fell between the checkpoint and its export
+    elif left_behind:
+        assert (run / left_behind).exists()  # the half-deleted checkpoint is still there
+
+    finish(cli(train_args(latents, run, *KILL_FLAGS)))
+    log = (run / "log.txt").read_text()
+    assert f"resumed from {run / 'checkpoints' / resumes_from} at step {int(resumes_from[5:])}" in log
+    ref, resumed = final_tensors(reference / "run"), final_tensors(run)
     assert ref.keys() == resumed.keys()
     for key in ref:
-        assert torch.equal(ref[key], resumed[key]), f"{key} differs after a kill at step {kill_at}"
+        assert torch.equal(ref[key], resumed[key]), f"{key} differs after a kill at {pause_at}"
     assert not list((run / "checkpoints").glob(".tmp-*"))
+    assert checkpoints(run) == ["step-0000006"]
     assert [m["step"] for m in metrics(run)] == list(range(1, 7))  # no duplicated lines after the resume
+    assert [m["data_position"] for m in metrics(run)] == [8 * s for s in range(1, 7)]
+    exports = sorted(p.name for p in (run / "exports").iterdir())
+    assert exports == ["ema-step-0000002.safetensors", "ema-step-0000004.safetensors", "ema-step-0000006.safetensors"]
+    if pause_at.startswith("export"):  # the repaired export holds checkpoint 4's EMA
+        assert "wrote the missing EMA export of step 4" in log
+        repaired = load_file(run / left_behind)
+        expected = load_file(reference / "run" / left_behind)
+        assert all(torch.equal(repaired[k], expected[k]) for k in expected)
 
 
 @pytest.mark.slow
 def test_two_processes_match_one(latents, tmp_path):
-    trace = tmp_path / "trace"
     flags = ["--max-steps", "3", "--micro-batch-size", "2", "--lr", "1e-3"]
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "train"]
-    finish(cli(launcher + train_args(latents, tmp_path / "two", *flags),
-               {TRACE_ENV: str(trace), "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}))
-    ranks = [json.loads((trace / f"rank-{r}.json").read_text()) for r in (0, 1)]
+    traces = tmp_path / "trace"
+    finish(cli(TORCHRUN + train_args(latents, tmp_path / "two", *flags), {"TRACE_DIR": str(traces), **CPU_DIST}))
+    ranks = [trace(traces, r) for r in (0, 1)]
     assert [r["world_size"] for r in ranks] == [2, 2]
     positions = [set(r["positions"]) for r in ranks]
     assert not positions[0] & positions[1] and positions[0] | positions[1] == set(range(3 * 8))
@@ -334,3 +378,29 @@ def test_two_processes_match_one(latents, tmp_path):
     a, b = final_tensors(tmp_path / "two"), final_tensors(one)
     for key in a:
         torch.testing.assert_close(a[key], b[key], atol=2e-6, rtol=1e-5, msg=key)
+
+
+@pytest.mark.slow
+def test_resume_on_another_number_of_processes(latents, tmp_path):
+    flags = ["--ckpt-every", "2", "--lr", "1e-3"]
+    straight = run_inprocess(latents, tmp_path / "straight", "--max-steps", "4", *flags)
+    run = run_inprocess(latents, tmp_path / "run", "--max-steps", "2", *flags)
+    finish(cli(TORCHRUN + train_args(latents, run, "--max-steps", "4", *flags), CPU_DIST))
+    log = (run / "log.txt").read_text()
+    assert "resumed from" in log and "2 process(es)" in log and "world_size: 1 -> 2" in log
+    a, b = final_tensors(straight), final_tensors(run)
+    for key in a:  # the same samples and draws (keyed by stream position); only float summation order differs
+        torch.testing.assert_close(a[key], b[key], atol=2e-6, rtol=1e-5, msg=key)
+
+
+@pytest.mark.slow
+def test_ranks_out_of_sync_stop_before_the_checkpoint(latents, tmp_path):
+    run = tmp_path / "run"
+    proc = cli(TORCHRUN + train_args(latents, run, "--max-steps", "2", "--ckpt-every", "2"),
+               {"PERTURB_RANK": "1", **CPU_DIST})
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode != 0
+    assert "process(es) [1] differ from process 0" in " ".join(err.split()), err[-3000:]
+    # torchrun reports the failed children with a traceback of its own; none comes from our code.
+    assert f'File "{ROOT / "train"}' not in err and f'File "{ROOT / "shared"}' not in err
+    assert not (run / "checkpoints" / "step-0000002").exists()

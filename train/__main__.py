@@ -7,15 +7,20 @@ from train.config import build_parser, config_from_args
 PROG = "python -m train"
 
 
-def main(argv=None) -> int:
+# Which flag sets each domain vocabulary that shared/ may report a bad value of.
+FLAGS = {"model preset": "--model", "attention backend": "--attention", "precision": "--mixed-precision",
+         "guide-channel choice": "--sample-guide-channels"}
+
+
+def main(argv=None, callbacks=()) -> int:
     """Parse flags, run training, print UserErrors as one paragraph (exit status 2)."""
     args = build_parser(PROG).parse_args(argv)
     try:
         from train.loop import train
 
-        train(config_from_args(args))
+        train(config_from_args(args), callbacks)
     except UserError as err:
-        exit_with(err, PROG)
+        exit_with(err, PROG, FLAGS)
     return 0
 
 

@@ -1,6 +1,8 @@
 """`python -m train.bench`: time DiT training steps on synthetic latents (no shards, no VAE).
 
-Each configuration gets a fresh model and AdamW; warm-up steps (and torch.compile's compilation) are
+Each configuration gets a fresh learner (model, AdamW, EMA, scaler) from train/step.py and is timed on
+the trainer's own `train_step` (train mode, class-dropout coin, grad-norm pass, EMA update) over
+synthetic micro-batches shaped like the loader's; warm-up steps (and torch.compile's compilation) are
 excluded; the reported step time is the median of the timed steps, each bracketed by device syncs.
 MFU = training FLOPs per image (6 x forward MACs, computed from the architecture; recomputation under
 checkpointing not counted) x images/s / device peak FLOP/s.
@@ -18,11 +20,13 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm.auto import tqdm
 
-from shared.diffusion import create_diffusion
 from shared.errors import UserError, exit_with
-from shared.precision import autocast_dtype
-from train.memory import (GiB, build_model, format_size, forward_macs, make_adamw, model_config,
-                          synthetic_batch, train_flops_per_image, training_step)
+from shared.models import ATTENTION_BACKENDS
+from shared.precision import PRECISIONS
+from train.config import TrainConfig
+from train.data import synthetic_batch
+from train.memory import GiB, build_model, format_size, forward_macs, model_config, train_flops_per_image
+from train.step import make_learner, train_step
 
 PROG = "python -m train.bench"
 # Dense tensor-core peaks in TFLOP/s for 16-bit inputs (vendor datasheets; GeForce figures with fp16
@@ -124,10 +128,11 @@ def parse_compile(item: str) -> bool:
 
 def check_values(precisions, attentions, checkpoints, micros):
     """UserError for values no configuration could use."""
-    bad = [p for p in precisions if p not in ("fp32", "fp16", "bf16")]
-    bad += [a for a in attentions if a not in ("sdpa", "math", "xformers")]
+    bad = [p for p in precisions if p not in PRECISIONS]
+    bad += [a for a in attentions if a not in ATTENTION_BACKENDS]
     if bad:
-        raise UserError(f"unknown value(s) {bad}: precisions are fp32/fp16/bf16, attention sdpa/math/xformers.")
+        raise UserError(f"unknown value(s) {bad}: precisions are {'/'.join(PRECISIONS)}, attention "
+                        f"{'/'.join(ATTENTION_BACKENDS)}.")
     if any(k < 0 for k in checkpoints) or any(m <= 0 for m in micros):
         raise UserError("checkpoint intervals must be >= 0 (0 = off) and micro-batch sizes >= 1.")
 
@@ -182,27 +187,25 @@ def peak_tflops(args, device: torch.device) -> tuple[float | None, str]:
     return None, f"unknown for {name} (pass --peak-tflops for MFU)"
 
 
-def prepare(config: BenchConfig, args, device):
-    """Fresh model (optionally compiled), AdamW, scaler and one synthetic micro-batch for a config."""
-    model = build_model(model_config(args.model, args.image_size, num_classes=args.num_classes), device=device,
-                        attention=config.attention, grad_checkpoint_every=config.checkpoint)
-    model.train()
-    optimizer = make_adamw(model.parameters(), device)
-    scaler = torch.amp.GradScaler(device.type, enabled=config.precision == "fp16")
-    batch = synthetic_batch(model, config.micro_batch, device, torch.Generator().manual_seed(0))
-    runner = torch.compile(model) if config.compile else model
-    return runner, optimizer, scaler, batch
+def bench_train_config(config: BenchConfig, args) -> TrainConfig:
+    """The TrainConfig `python -m train` would run for one cell (one micro-batch per step, no accumulation)."""
+    return TrainConfig(latents="synthetic", results_dir="unused", model=args.model,
+                       global_batch_size=config.micro_batch, micro_batch_size=config.micro_batch, grad_accum_steps=1,
+                       mixed_precision="no" if config.precision == "fp32" else config.precision,
+                       grad_checkpoint=config.checkpoint, attention=config.attention, compile=config.compile)
 
 
-def time_steps(config: BenchConfig, args, device, diffusion) -> list[float]:
-    """Seconds of each timed step (after warm-up) for one configuration."""
-    runner, optimizer, scaler, batch = prepare(config, args, device)
-    dtype = autocast_dtype(config.precision)
+def time_steps(config: BenchConfig, args, device) -> list[float]:
+    """Seconds of each timed trainer step (after warm-up) for one configuration."""
+    cfg = bench_train_config(config, args)
+    model_cfg = model_config(args.model, args.image_size, num_classes=args.num_classes)
+    learner = make_learner(cfg, model_cfg, device=device)
+    batch = synthetic_batch(model_cfg, config.micro_batch, cfg.class_dropout_prob)
     times = []
     for i in range(args.warmup + args.steps):
         synchronize(device)
         start = time.perf_counter()
-        training_step(runner, optimizer, scaler, diffusion, batch, dtype)
+        train_step(learner, [batch])
         synchronize(device)
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
@@ -217,14 +220,14 @@ def error_text(err: BaseException) -> str:
     return f"{type(err).__name__}: {first}"[:140]
 
 
-def run_config(config: BenchConfig, args, device, diffusion, flops_per_image, peak) -> BenchResult:
+def run_config(config: BenchConfig, args, device, flops_per_image, peak) -> BenchResult:
     """Time one configuration; any failure (OOM, unusable backend, compile error) becomes the row's error."""
     if device.type == "cuda":
         gc.collect()  # the previous configuration's model and optimizer must not count here
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     try:
-        step = statistics.median(time_steps(config, args, device, diffusion))
+        step = statistics.median(time_steps(config, args, device))
     except Exception as err:  # reported in the table, the remaining configurations still run
         return BenchResult(config, error=error_text(err))
     images = config.micro_batch / step
@@ -264,7 +267,8 @@ def header(args, device, model, flops, peak_note) -> str:
     dev = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
     return (f"{args.model} at {args.image_size}x{args.image_size} on {dev}{cap}; torch {torch.__version__}\n"
             f"forward {macs / 1e9:.2f} GMAC/image, training {flops / 1e9:.2f} GFLOP/image; peak for MFU: "
-            f"{peak_note}\nwarm-up {args.warmup} steps, median of {args.steps} timed steps; model + AdamW, no EMA"
+            f"{peak_note}\nwarm-up {args.warmup} steps, median of {args.steps} timed steps of the trainer's step "
+            f"(AdamW, grad norm, EMA on the device)"
             + ("; TF32 matmuls on" if device.type == "cuda" else "; peak memory is measured on CUDA only"))
 
 
@@ -348,8 +352,7 @@ def run(args) -> str:
     apply_memory_cap(args, device)
     if device.type == "cuda":  # as python -m train and the official DiT train.py: TF32 matmuls
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    diffusion = create_diffusion()
-    results = [run_config(c, args, device, diffusion, flops, peak)
+    results = [run_config(c, args, device, flops, peak)
                for c in tqdm(configs, desc="bench", unit="config", file=sys.stderr)]
     if args.json:
         write_json(args.json, args, device, results, flops, peak)

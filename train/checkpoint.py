@@ -1,20 +1,14 @@
 """The run folder's full training state: atomic checkpoints, retention, RNG capture, safe loading.
 
-Layout (docs/ARCHITECTURE.md, "Run directory"):
-
-    RUN/checkpoints/step-0000100/   model.safetensors ema.safetensors (shared/export.py), optimizer.pt,
-                                    scaler.pt, rng-<rank>.pt (one per process), state.json (written last)
-    RUN/exports/ema-step-0000100.safetensors   the slim EMA export that `python -m sample` reads
-
-A checkpoint is assembled in RUN/checkpoints/.tmp-step-XXXXXXX/ and renamed into place once complete, so
-a process killed at any moment leaves either no checkpoint or a whole one; leftovers are removed on the
-next start. Every .pt file holds only tensors and plain Python values and is read with
+Names and lookups come from shared/rundir.py (the run folder's one owner); durability from shared/fsio.py.
+A checkpoint is assembled in RUN/checkpoints/.tmp-step-XXXXXXX/ and published by one rename once
+complete, so a process killed at any moment leaves either no checkpoint or a whole one; leftovers are
+removed on the next start. Every .pt file holds only tensors and plain Python values and is read with
 torch.load(weights_only=True): nothing is ever unpickled as an arbitrary object.
 """
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 from pathlib import Path
@@ -22,16 +16,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from shared import rundir
 from shared.errors import UserError
-from shared.export import CHECKPOINTS, STATE_FILE, checkpoint_name, list_checkpoints, load_weights, save_weights
-
-TMP_PREFIX = ".tmp-"
+from shared.export import load_weights, save_weights
+from shared.fsio import atomic_write_text, publish_dir, remove_tree
 
 
 def remove_partial(run_dir: Path) -> list[Path]:
     """Delete half-written checkpoint folders left by a killed run; returns what was removed."""
-    root = Path(run_dir) / CHECKPOINTS
-    stale = sorted(root.glob(f"{TMP_PREFIX}*")) if root.is_dir() else []
+    stale = rundir.list_partial(run_dir)
     for path in stale:
         shutil.rmtree(path, ignore_errors=True)
     return stale
@@ -39,13 +32,10 @@ def remove_partial(run_dir: Path) -> list[Path]:
 
 def prune_checkpoints(run_dir: Path, keep_last: int) -> list[Path]:
     """Delete all but the newest `keep_last` complete checkpoints (0 keeps all); returns the deleted ones."""
-    found = list_checkpoints(run_dir)
+    found = rundir.list_checkpoints(run_dir)
     doomed = found[:-keep_last] if keep_last > 0 else []
     for path in doomed:
-        # Rename first so a kill mid-delete leaves a .tmp- folder (cleaned later), never a damaged step-X.
-        tmp = path.with_name(f"{TMP_PREFIX}del-{path.name}")
-        os.replace(path, tmp)
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_tree(path)  # renamed first: a kill mid-delete leaves a .tmp- folder, never a damaged step-X
     return doomed
 
 
@@ -84,30 +74,9 @@ def restore_rng(state: dict) -> None:
 # Writing
 # ---------------------------------------------------------------------------------------------------------
 
-def _fsync_dir(folder: Path) -> None:
-    """fsync a folder's entry list (so a rename inside it survives a power cut)."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(folder: Path) -> None:
-    """fsync every file in a folder and the folder itself, so the rename publishes durable data."""
-    for path in folder.iterdir():
-        with open(path, "rb") as f:
-            os.fsync(f.fileno())
-    _fsync_dir(folder)
-
-
-def staging_path(run_dir: Path, step: int) -> Path:
-    """The temporary folder the checkpoint of `step` is assembled in."""
-    return Path(run_dir) / CHECKPOINTS / f"{TMP_PREFIX}{checkpoint_name(step)}"
-
-
-def make_staging(tmp: Path) -> Path:
-    """Create a fresh staging folder (any leftover from a killed run is removed first)."""
+def make_staging(run_dir: Path, step: int) -> Path:
+    """A fresh staging folder for the checkpoint of `step` (any leftover from a killed run is removed first)."""
+    tmp = rundir.staging_path(run_dir, step)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     return tmp
@@ -115,29 +84,23 @@ def make_staging(tmp: Path) -> Path:
 
 def save_rank_state(tmp: Path, rank: int) -> None:
     """Each process writes its own RNG state into the staging folder."""
-    torch.save(capture_rng(), tmp / f"rng-{rank}.pt")
+    torch.save(capture_rng(), tmp / rundir.rng_file(rank))
 
 
 def save_main_state(tmp: Path, *, model_state: dict, ema_state: dict, model_config, latent_meta: dict,
                     optimizer_state: dict, scaler_state: dict, state: dict) -> None:
     """Main process: weights via shared/export.py, optimizer and scaler, then state.json last."""
     step = int(state["step"])
-    save_weights(tmp / "model.safetensors", model_state, model_config, latent_meta, step)
-    save_weights(tmp / "ema.safetensors", ema_state, model_config, latent_meta, step)
-    torch.save(optimizer_state, tmp / "optimizer.pt")
-    torch.save(scaler_state, tmp / "scaler.pt")
-    (tmp / STATE_FILE).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
+    save_weights(tmp / rundir.MODEL_FILE, model_state, model_config, latent_meta, step)
+    save_weights(tmp / rundir.EMA_FILE, ema_state, model_config, latent_meta, step)
+    torch.save(optimizer_state, tmp / rundir.OPTIMIZER_FILE)
+    torch.save(scaler_state, tmp / rundir.SCALER_FILE)
+    atomic_write_text(tmp / rundir.STATE_FILE, json.dumps(state, indent=2, sort_keys=True) + "\n")
 
 
 def publish(tmp: Path, run_dir: Path, step: int) -> Path:
-    """Make a staged checkpoint visible under its final name (atomic rename)."""
-    final = Path(run_dir) / CHECKPOINTS / checkpoint_name(step)
-    _fsync_tree(tmp)
-    if final.exists():  # the same step saved again (e.g. a rerun of a finished run): replace it
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync_dir(final.parent)
-    return final
+    """Make a staged checkpoint visible under its final name (fsync, then one atomic rename)."""
+    return publish_dir(tmp, rundir.checkpoint_path(run_dir, step))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -158,9 +121,9 @@ def _load_pt(path: Path) -> dict:
 
 def read_state(ckpt: Path) -> dict:
     """state.json of a checkpoint folder; UserError if it is not one."""
-    path = Path(ckpt) / STATE_FILE
+    path = Path(ckpt) / rundir.STATE_FILE
     if not path.is_file():
-        raise UserError(f"{ckpt} is not a checkpoint folder (no {STATE_FILE}); pass --resume auto, none, or a "
+        raise UserError(f"{ckpt} is not a checkpoint folder (no {rundir.STATE_FILE}); pass --resume auto, none, or a "
                         "RUN/checkpoints/step-XXXXXXX folder.")
     return json.loads(path.read_text())
 
@@ -169,14 +132,14 @@ def load_checkpoint(ckpt: Path, rank: int) -> dict:
     """Everything a checkpoint holds, on the CPU: weights, optimizer, scaler, this rank's RNG, state."""
     ckpt = Path(ckpt)
     state = read_state(ckpt)
-    model_state, _, _, _ = load_weights(ckpt / "model.safetensors")
-    ema_state, _, _, _ = load_weights(ckpt / "ema.safetensors")
-    rng_path = ckpt / f"rng-{rank}.pt"
+    model_state, _, _, _ = load_weights(ckpt / rundir.MODEL_FILE)
+    ema_state, _, _, _ = load_weights(ckpt / rundir.EMA_FILE)
+    rng_path = ckpt / rundir.rng_file(rank)
     return {
         "state": state,
         "model": model_state,
         "ema": ema_state,
-        "optimizer": _load_pt(ckpt / "optimizer.pt"),
-        "scaler": _load_pt(ckpt / "scaler.pt"),
+        "optimizer": _load_pt(ckpt / rundir.OPTIMIZER_FILE),
+        "scaler": _load_pt(ckpt / rundir.SCALER_FILE),
         "rng": _load_pt(rng_path) if rng_path.is_file() else None,  # absent when resuming on more processes
     }

@@ -11,17 +11,17 @@ import argparse
 import hashlib
 import json
 import math
-import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from shared.errors import UserError
+from shared.guidance import GUIDE_CHANNELS
+from shared.models import ATTENTION_BACKENDS, check_preset
+from shared.precision import MIXED_PRECISIONS
 
-MIXED_PRECISION = ("no", "fp16", "bf16")
 LR_SCHEDULES = ("constant", "cosine")
 OPTIMIZERS = ("adamw", "adamw8bit")
 EMA_DEVICES = ("gpu", "cpu")
-ATTENTION = ("auto", "sdpa", "xformers", "math")
 DEFAULT_MAX_STEPS = 400_000  # the paper's headline training length (DiT Table 4: FID-50K at 400K steps)
 DEBUG_STEPS = 5
 
@@ -62,6 +62,7 @@ class TrainConfig:
     sample_every: int = 10_000
     sample_steps: int = 50
     sample_cfg_scale: float | None = None  # None: 4.0 with a null class, 1.0 (no guidance) without
+    sample_guide_channels: str = "all"
     resume: str = "auto"
     compile: bool = False
     attention: str = "auto"
@@ -119,12 +120,12 @@ def _add_batch_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batch-size", type=int, default=None,
                    help="images per forward pass per process; gradient accumulation = global batch / "
                         "(micro batch x processes), which must divide exactly (default: no accumulation)")
-    p.add_argument("--mixed-precision", default="no", choices=MIXED_PRECISION,
+    p.add_argument("--mixed-precision", default="no", choices=MIXED_PRECISIONS,
                    help="no: fp32; fp16: autocast + dynamic loss scaling (fp32 master weights); bf16: autocast")
     p.add_argument("--grad-checkpoint", type=int, nargs="?", const=1, default=0, metavar="K",
                    help="recompute every K-th transformer block in backward to save memory (bare flag: K=1, "
                         "every block; 0 or absent: off)")
-    p.add_argument("--attention", default="auto", choices=ATTENTION,
+    p.add_argument("--attention", default="auto", choices=ATTENTION_BACKENDS,
                    help="attention kernel (auto = torch SDPA; xformers needs CUDA and the xformers wheel)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (slow first steps, faster after)")
     p.add_argument("--num-workers", type=int, default=4, help="DataLoader worker processes per training process")
@@ -163,6 +164,8 @@ def _add_schedule_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sample-steps", type=int, default=50, help="DDIM steps for the --sample-every previews")
     p.add_argument("--sample-cfg-scale", type=float, default=None,
                    help="guidance scale of the previews (default 4.0, or 1 = none when --class-dropout-prob is 0)")
+    p.add_argument("--sample-guide-channels", default="all", choices=GUIDE_CHANNELS,
+                   help="latent channels the previews guide: all (default), or 3 as the official DiT sampler")
     p.add_argument("--max-nonfinite", type=int, default=10,
                    help="stop after this many consecutive non-finite losses or gradient norms (0 = never)")
     p.add_argument("--debug", action="store_true",
@@ -218,14 +221,6 @@ def _check_ranges(cfg: TrainConfig) -> None:
             raise UserError(f"{message}; fix the flag and rerun.")
 
 
-def _check_model_name(name: str) -> None:
-    """UserError listing the presets when the model name is unknown."""
-    from shared.models import DiT_models
-
-    if name not in DiT_models:
-        raise UserError(f"unknown --model {name!r}; choose one of the presets: {', '.join(DiT_models)}.")
-
-
 def grad_accum_steps(global_batch: int, micro_batch: int | None, world_size: int) -> tuple[int, int]:
     """(micro batch, accumulation steps) so micro x steps x processes == global batch exactly, or UserError."""
     if global_batch % world_size:
@@ -265,12 +260,12 @@ def _check_model_fits(cfg: TrainConfig, latent_shape) -> None:
                         "latent side the patch divides, or pick a preset with a smaller patch.")
 
 
-def resolve_config(cfg: TrainConfig, dataset, world_size: int | None = None) -> TrainConfig:
-    """Fill the resolved fields from the latent index and the launcher; UserError on any mismatch."""
+def resolve_config(cfg: TrainConfig, dataset, world_size: int) -> TrainConfig:
+    """Fill the resolved fields from the latent index and the process count; UserError on any mismatch."""
     _check_ranges(cfg)
-    _check_model_name(cfg.model)
+    check_preset(cfg.model)
     _check_model_fits(cfg, dataset.latent_shape)
-    cfg.world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+    cfg.world_size = world_size
     cfg.micro_batch_size, cfg.grad_accum_steps = grad_accum_steps(
         cfg.global_batch_size, cfg.micro_batch_size, cfg.world_size)
     cfg.data = data_identity(dataset)

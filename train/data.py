@@ -14,13 +14,9 @@ import numpy as np
 import torch
 
 from shared.diffusion import NUM_TIMESTEPS
+from shared.seeding import generator_for
 from shared.shards import LatentDataset, StreamSampler
 from shared.vae import draw_latents
-
-
-def sample_seed(seed: int, position: int) -> int:
-    """A 64-bit generator seed for the sample at stream `position` (well mixed by SeedSequence)."""
-    return int(np.random.SeedSequence([int(seed), int(position)]).generate_state(1, dtype=np.uint64)[0])
 
 
 class PositionedSampler(torch.utils.data.Sampler):
@@ -42,8 +38,8 @@ class TrainingDraws(torch.utils.data.Dataset):
     """Wraps a LatentDataset: a batch of (position, index) pairs -> the tensors one training micro-step needs.
 
     Output of `__getitems__` (B samples): x0 (B,C,h,w) fp32 fresh latents scaled by the VAE factor, label
-    (B,) int64, drop (B,) bool (class dropout), t (B,) int64 timesteps, noise (B,C,h,w) fp32, position and
-    index (B,) int64.
+    (B,) int64, drop (B,) bool (class dropout), t (B,) int64 timesteps, noise (B,C,h,w) fp32, position
+    (B,) int64: each sample's global stream position, which keys all of its draws.
     """
 
     def __init__(self, dataset: LatentDataset, seed: int, class_dropout_prob: float):
@@ -57,9 +53,8 @@ class TrainingDraws(torch.utils.data.Dataset):
 
     def __getitems__(self, pairs) -> dict:
         positions = torch.tensor([p for p, _ in pairs], dtype=torch.int64)  # (B,)
-        indices = torch.tensor([i for _, i in pairs], dtype=torch.int64)  # (B,)
-        batch = self.dataset.gather(indices.numpy())  # mean/std (B, F, C, h, w)
-        gens = [torch.Generator().manual_seed(sample_seed(self.seed, int(p))) for p in positions]
+        batch = self.dataset.gather(np.array([i for _, i in pairs], dtype=np.int64))  # mean/std (B, F, C, h, w)
+        gens = [generator_for(self.seed, int(p)) for p in positions]
         # Draw order per sample is fixed: timestep, dropout coin, flip variant, posterior eps, diffusion noise.
         t = torch.cat([torch.randint(0, NUM_TIMESTEPS, (1,), generator=g) for g in gens])  # (B,)
         drop = torch.cat([torch.rand(1, generator=g) for g in gens]) < self.class_dropout_prob  # (B,)
@@ -70,7 +65,7 @@ class TrainingDraws(torch.utils.data.Dataset):
         x0 = draw_latents(mean, std, self.dataset.scaling_factor, generator=gens)  # (B, C, h, w) fp32
         noise = torch.stack([torch.randn(x0.shape[1:], generator=g) for g in gens])  # (B, C, h, w)
         return {"x0": x0, "label": batch["label"].long(), "drop": drop, "t": t, "noise": noise,
-                "position": positions, "index": indices}
+                "position": positions}
 
 
 def _passthrough(batch):
@@ -89,3 +84,18 @@ def make_loader(dataset: LatentDataset, *, micro_batch: int, rank: int, world_si
         generator=torch.Generator().manual_seed(seed), persistent_workers=False,
     )
     return iter(loader)
+
+
+def synthetic_batch(shape_of, micro_batch: int, class_dropout_prob: float, seed: int = 0) -> dict:
+    """A micro-batch of the loader's keys, shapes and dtypes from random latents (bench and plan).
+
+    shape_of: a ModelConfig or a DiT (both carry in_channels, input_size and num_classes).
+    """
+    g = torch.Generator().manual_seed(seed)
+    shape = (micro_batch, shape_of.in_channels, shape_of.input_size, shape_of.input_size)
+    return {"x0": torch.randn(shape, generator=g),  # (B, C, h, w) fp32
+            "label": torch.randint(0, shape_of.num_classes, (micro_batch,), generator=g),  # (B,)
+            "drop": torch.rand(micro_batch, generator=g) < class_dropout_prob,  # (B,)
+            "t": torch.randint(0, NUM_TIMESTEPS, (micro_batch,), generator=g),  # (B,)
+            "noise": torch.randn(shape, generator=g),  # (B, C, h, w)
+            "position": torch.arange(micro_batch, dtype=torch.int64)}  # (B,)

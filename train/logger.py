@@ -10,8 +10,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-LOG_FILE = "log.txt"
-METRICS_FILE = "metrics.jsonl"
+from shared import rundir
+from shared.fsio import atomic_write_text
 
 
 def _format(value) -> str:
@@ -35,7 +35,7 @@ class RunLogger:
             from torch.utils.tensorboard import SummaryWriter
         except Exception:  # tensorboard is optional; log.txt and metrics.jsonl always exist
             return None
-        return SummaryWriter(str(self.run_dir / "tensorboard"))
+        return SummaryWriter(str(rundir.tracker_dir(self.run_dir)))
 
     def info(self, message: str) -> None:
         """Print a line (above any progress bar) and append it to log.txt."""
@@ -44,7 +44,7 @@ class RunLogger:
         tqdm.write(message)
         if self.write_files:
             stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-            with open(self.run_dir / LOG_FILE, "a") as f:
+            with open(rundir.log_path(self.run_dir), "a") as f:
                 f.write(f"[{stamp}] {message}\n")
 
     def metrics(self, step: int, values: dict) -> None:
@@ -54,7 +54,7 @@ class RunLogger:
         self.info(f"step {step:07d} " + " ".join(f"{k}={_format(v)}" for k, v in values.items()))
         if not self.write_files:
             return
-        with open(self.run_dir / METRICS_FILE, "a") as f:
+        with open(rundir.metrics_path(self.run_dir), "a") as f:
             f.write(json.dumps({"step": step, **values}) + "\n")
         if self._tb is not None:
             for key, value in values.items():
@@ -63,11 +63,11 @@ class RunLogger:
 
     def truncate_after(self, step: int) -> None:
         """Drop metrics logged after `step` (a resumed run repeats those steps)."""
-        path = self.run_dir / METRICS_FILE
+        path = rundir.metrics_path(self.run_dir)
         if not self.write_files or not path.is_file():
             return
         kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-        path.write_text("".join(line + "\n" for line in kept))
+        atomic_write_text(path, "".join(line + "\n" for line in kept))
 
     def close(self) -> None:
         """Flush TensorBoard."""

@@ -2,8 +2,8 @@
 
 Shared by `python -m train.plan` (memory planner) and `python -m train.bench` (speed benchmark).
 
-Activation memory is measured, not modelled: the real model runs forward + the real diffusion loss
-under the chosen autocast dtype while `torch.autograd.graph.saved_tensors_hooks` records every tensor
+Activation memory is measured, not modelled: the real model runs the trainer's own forward + loss
+(train.step.forward_loss, on a micro-batch shaped like the loader's) under the chosen precision while `torch.autograd.graph.saved_tensors_hooks` records every tensor
 autograd keeps for backward (deduplicated by storage, parameters excluded because the fixed state
 already counts them). A `TorchDispatchMode` also records the low-precision weight copies autocast
 caches until the forward ends. Running at two batch sizes separates the per-sample part from the
@@ -22,9 +22,12 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shared.diffusion import NUM_TIMESTEPS, create_diffusion
+from shared.diffusion import create_diffusion
 from shared.errors import UserError
-from shared.models import DiT_models, ModelConfig
+from shared.models import ModelConfig, check_preset
+from shared.precision import autocast_dtype
+from train.data import synthetic_batch
+from train.step import forward_loss
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": KiB, "m": 10**6, "mb": 10**6, "mib": MiB,
@@ -73,8 +76,7 @@ def latent_size(image_size: int, vae_factor: int) -> int:
 def model_config(model: str, image_size: int, vae_factor: int = 8, latent_channels: int = 4,
                  num_classes: int = 1000) -> ModelConfig:
     """The ModelConfig for a preset at an image size; UserError for unknown presets or bad sizes."""
-    if model not in DiT_models:
-        raise UserError(f"unknown model preset {model!r}; choose one of {', '.join(DiT_models)}.")
+    check_preset(model)
     return ModelConfig(model=model, input_size=latent_size(image_size, vae_factor),
                        in_channels=latent_channels, num_classes=num_classes)
 
@@ -209,24 +211,10 @@ def _param_keys(module) -> set:
     return {_storage_key(t) for t in list(module.parameters()) + list(module.buffers())}
 
 
-def synthetic_batch(model, batch: int, device, generator=None) -> tuple:
-    """Random latents x0 (N,C,H,W), timesteps t (N,) and labels y (N,) shaped for the model."""
-    shape = (batch, model.in_channels, model.input_size, model.input_size)
-    x0 = torch.randn(shape, generator=generator).to(device)  # (N, C, H, W)
-    t = torch.randint(0, NUM_TIMESTEPS, (batch,), generator=generator).to(device)
-    y = torch.randint(0, model.num_classes, (batch,), generator=generator).to(device)
-    return x0, t, y
-
-
-def autocast_context(device, dtype):
-    """torch.autocast for a device type and low-precision dtype; a no-op context for fp32."""
-    device_type = torch.device(device).type
-    return torch.autocast(device_type, dtype=dtype, enabled=dtype is not None)
-
-
-def training_loss(model, diffusion, x0, t, y):
-    """The training objective of one micro-batch: mean of the hybrid loss (IDDPM Eq. 16)."""
-    return diffusion.training_losses(model, x0, t, model_kwargs={"y": y})["loss"].mean()
+def autocast_context(device, precision: str):
+    """torch.autocast for a device and precision name (shared/precision.py); a no-op context for fp32."""
+    dtype = autocast_dtype(precision)
+    return torch.autocast(torch.device(device).type, dtype=dtype, enabled=dtype is not None)
 
 
 @dataclass
@@ -237,22 +225,22 @@ class Residency:
     resident: int
 
 
-def measure_forward(model, batch: int, dtype, diffusion=None) -> Residency:
-    """Run forward + loss at `batch` under autocast(dtype) and count what it leaves resident."""
+def measure_forward(model, batch: int, precision: str, diffusion=None) -> Residency:
+    """Run the trainer's forward + loss at `batch` under `precision` and count what it leaves resident."""
     diffusion = diffusion or create_diffusion()
     device = next(model.parameters()).device
-    x0, t, y = synthetic_batch(model, batch, device, torch.Generator().manual_seed(0))
+    micro = synthetic_batch(model, batch, class_dropout_prob=0.1)
     params = _param_keys(model)
     ledger, casts = SavedTensorLedger(params), CastCacheCounter(params)
     model.train()
-    with ledger, casts, autocast_context(device, dtype):
-        loss = training_loss(model, diffusion, x0, t, y)
+    with ledger, casts, autocast_context(device, precision):
+        loss = forward_loss(model, diffusion, micro, precision, device)
         saved = ledger.storages()  # read inside autocast: the cast cache is still alive here
     del loss
     return Residency(sum(saved.values()), sum(casts.copies.values()), sum({**casts.copies, **saved}.values()))
 
 
-def measure_block(model, batch: int, dtype) -> int:
+def measure_block(model, batch: int, precision: str) -> int:
     """Bytes one DiT block saves for backward at `batch`: the peak added when a checkpointed block is recomputed."""
     block = model.blocks[0]
     device = next(model.parameters()).device
@@ -262,7 +250,7 @@ def measure_block(model, batch: int, dtype) -> int:
     x = torch.zeros(batch, tokens, width, device=device, requires_grad=True)
     c = torch.zeros(batch, width, device=device, requires_grad=True)
     ledger = SavedTensorLedger(_param_keys(model) | {_storage_key(x), _storage_key(c)})
-    with ledger, autocast_context(device, dtype):
+    with ledger, autocast_context(device, precision):
         out = block(x, c)  # (N, T, D)
         saved = ledger.storages()
     del out
@@ -301,37 +289,15 @@ class ActivationProfile:
         return max(self.resident.at(n), self.saved.at(n) + self.recompute.at(n))
 
 
-def measure_profile(model, every: int, dtype, block_fit: LinearBytes) -> ActivationProfile:
+def measure_profile(model, every: int, precision: str, block_fit: LinearBytes) -> ActivationProfile:
     """Measure one checkpointing choice at batch 1 and 2 and fit the batch dependence."""
     model.set_grad_checkpointing(every)
-    one, two = measure_forward(model, 1, dtype), measure_forward(model, 2, dtype)
+    one, two = measure_forward(model, 1, precision), measure_forward(model, 2, precision)
     recompute = block_fit if every else LinearBytes(0, 0)
     return ActivationProfile(every, LinearBytes.fit(one.saved, two.saved),
                              LinearBytes.fit(one.resident, two.resident), recompute, one.cast_cache)
 
 
-def measure_block_fit(model, dtype) -> LinearBytes:
+def measure_block_fit(model, precision: str) -> LinearBytes:
     """One block's saved bytes as a linear function of the batch."""
-    return LinearBytes.fit(measure_block(model, 1, dtype), measure_block(model, 2, dtype))
-
-
-# ----------------------------------------------------------------------------------------------------
-# One training step (the bench times it, the planner's --verify measures its memory)
-# ----------------------------------------------------------------------------------------------------
-
-def make_adamw(params, device):
-    """AdamW of the DiT recipe (lr 1e-4, no weight decay): fused kernels on CUDA, foreach on the CPU."""
-    fused = torch.device(device).type == "cuda"
-    return torch.optim.AdamW(params, lr=1e-4, weight_decay=0, fused=fused, foreach=None if fused else True)
-
-
-def training_step(model, optimizer, scaler, diffusion, batch: tuple, dtype) -> torch.Tensor:
-    """Forward + loss under autocast, (scaled) backward, optimizer step; returns the detached loss."""
-    x0, t, y = batch
-    with autocast_context(x0.device, dtype):
-        loss = training_loss(model, diffusion, x0, t, y)
-    scaler.scale(loss).backward()
-    scaler.step(optimizer)  # fp16: unscales, skips the step on inf/nan gradients
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-    return loss.detach()
+    return LinearBytes.fit(measure_block(model, 1, precision), measure_block(model, 2, precision))

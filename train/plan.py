@@ -5,7 +5,6 @@ Fixed state is arithmetic (bytes per parameter); activation memory is measured o
 micro-batch and prints the predicted next to the measured peak (torch.cuda.max_memory_allocated).
 """
 import argparse
-import copy
 import gc
 import sys
 import textwrap
@@ -14,12 +13,13 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from shared.diffusion import create_diffusion
 from shared.errors import UserError, exit_with
-from shared.precision import autocast_dtype
-from train.memory import (ActivationProfile, build_model, count_parameters,
-                          format_size, make_adamw, measure_block_fit, measure_profile, model_config,
-                          parse_size, synthetic_batch, training_step)
+from shared.precision import MIXED_PRECISIONS
+from train.config import EMA_DEVICES, OPTIMIZERS, TrainConfig
+from train.data import synthetic_batch
+from train.memory import (ActivationProfile, build_model, count_parameters, format_size, measure_block_fit,
+                          measure_profile, model_config, parse_size)
+from train.step import make_learner, train_step
 
 PROG = "python -m train.plan"
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adamw8bit": 2}  # AdamW: two fp32 moments; 8-bit: two 1-byte moments
@@ -102,16 +102,16 @@ def checkpoint_choices(requested: int, depth: int) -> list[int]:
     return sorted({0, 1, min(2, depth), requested})
 
 
-def measure_profiles(config, dtype, choices, device) -> tuple[list, int, int]:
+def measure_profiles(config, precision: str, choices, device) -> tuple[list, int, int]:
     """Measure every checkpointing choice on one zero-filled model; returns (profiles, params, trainable)."""
     model = build_model(config, device=device, init=False)
     n_params, n_trainable = count_parameters(model)
     bar = tqdm(total=1 + len(choices), desc="measuring activations", unit="pass", leave=False, file=sys.stderr)
-    block_fit = measure_block_fit(model, dtype)
+    block_fit = measure_block_fit(model, precision)
     bar.update()
     profiles = []
     for every in choices:
-        profiles.append(measure_profile(model, every, dtype, block_fit))
+        profiles.append(measure_profile(model, every, precision, block_fit))
         bar.update()
     bar.close()
     return profiles, n_params, n_trainable
@@ -127,22 +127,22 @@ def choice_label(every: int) -> str:
                                            f"every {every}{'nd' if every == 2 else 'rd'} block")
 
 
-def header_lines(args, config, tokens, n_params, n_trainable, dtype, device) -> list[str]:
+def header_lines(args, config, tokens, n_params, n_trainable, device) -> list[str]:
     """What was planned and how the activations were measured (wrapped at 100 columns)."""
-    lines = _header_text(args, config, tokens, n_params, n_trainable, dtype, device)
+    lines = _header_text(args, config, tokens, n_params, n_trainable, device)
     return [wrapped for line in lines for wrapped in textwrap.wrap(line, 100, subsequent_indent="  ")]
 
 
-def _header_text(args, config, tokens, n_params, n_trainable, dtype, device) -> list[str]:
+def _header_text(args, config, tokens, n_params, n_trainable, device) -> list[str]:
     """Unwrapped header sentences."""
-    policy = f"torch.autocast({device.type}, {dtype})".replace("torch.", "") if dtype else "fp32 (no autocast)"
+    policy = f"autocast({device.type}, {args.mixed_precision})" if args.mixed_precision != "no" else "fp32 (no autocast)"
     return [
         f"{args.model} at {args.image_size}x{args.image_size}: latents {config.in_channels}x{config.input_size}x"
         f"{config.input_size} ({tokens} tokens), {n_params:,} parameters ({n_trainable:,} trainable)",
         f"GPU memory {format_size(args.gpu_memory)} - margin {format_size(args.margin)} = budget "
         f"{format_size(args.gpu_memory - args.margin)}; global batch {args.global_batch_size} over "
         f"{args.num_processes} process(es); mixed precision {args.mixed_precision}",
-        f"activations measured on {device.type}: real forward + diffusion loss at batch 1 and 2 under {policy}, "
+        f"activations measured on {device.type}: the trainer's forward + loss at batch 1 and 2 under {policy}, "
         "counting bytes autograd saves for backward (deduplicated by storage, parameters excluded)",
     ]
 
@@ -196,38 +196,24 @@ def summary_line(row: PlanRow, batch: int) -> str:
 # Verification on CUDA
 # ----------------------------------------------------------------------------------------------------
 
-def make_optimizer(params, name: str):
-    """AdamW (fused on CUDA) or bitsandbytes 8-bit AdamW; UserError when bitsandbytes is missing."""
-    if name == "adamw":
-        return make_adamw(params, "cuda")
-    try:
-        import bitsandbytes as bnb
-    except ImportError as err:
-        raise UserError("--optimizer adamw8bit needs bitsandbytes (pip install bitsandbytes); "
-                        "or plan with --optimizer adamw.") from err
-    return bnb.optim.AdamW8bit(params, lr=1e-4, weight_decay=0)
+def verify_config(args, row: PlanRow) -> TrainConfig:
+    """The TrainConfig of the planned run (synthetic data): what `python -m train` would be given."""
+    accumulation = min(row.accumulation, 2)  # a second micro-step runs with the first one's gradients held
+    return TrainConfig(latents="synthetic", results_dir="unused", model=args.model,
+                       global_batch_size=row.micro * accumulation, micro_batch_size=row.micro,
+                       grad_accum_steps=accumulation, mixed_precision=args.mixed_precision,
+                       grad_checkpoint=row.profile.every, optimizer=args.optimizer, ema_device=args.ema_device)
 
 
-def real_step(model, ema, optimizer, scaler, diffusion, micro: int, dtype):
-    """One training step on random latents, then the EMA update (DiT decay 0.9999)."""
-    training_step(model, optimizer, scaler, diffusion, synthetic_batch(model, micro, "cuda"), dtype)
-    if ema is not None:
-        with torch.no_grad():
-            torch._foreach_lerp_(list(ema.parameters()), list(model.parameters()), 1 - 0.9999)
-
-
-def verify(config, args, row: PlanRow, dtype) -> int:
-    """Peak allocated bytes of a real CUDA step at the planned micro-batch (second step, steady state)."""
-    model = build_model(config, device="cuda", grad_checkpoint_every=row.profile.every)
-    ema = copy.deepcopy(model).requires_grad_(False) if args.ema_device == "gpu" else None
-    optimizer = make_optimizer(model.parameters(), args.optimizer)
-    scaler = torch.amp.GradScaler("cuda", enabled=dtype is torch.float16)
-    diffusion = create_diffusion()
-    model.train()
-    real_step(model, ema, optimizer, scaler, diffusion, row.micro, dtype)  # allocates optimizer state
+def verify(config, args, row: PlanRow) -> int:
+    """Peak allocated bytes of the trainer's own step (train/step.py) on CUDA at the planned micro-batch."""
+    cfg = verify_config(args, row)
+    learner = make_learner(cfg, config, device=torch.device("cuda"))
+    batches = [synthetic_batch(config, row.micro, cfg.class_dropout_prob, seed=i) for i in range(cfg.grad_accum_steps)]
+    train_step(learner, batches)  # allocates the optimizer state
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    real_step(model, ema, optimizer, scaler, diffusion, row.micro, dtype)
+    train_step(learner, batches)
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated()
 
@@ -263,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vae-factor", type=int, default=8, help="VAE downsample factor (latent = image / factor)")
     p.add_argument("--latent-channels", type=int, default=4, help="latent channels of the VAE")
     p.add_argument("--num-classes", type=int, default=1000, help="number of classes (label table size)")
-    p.add_argument("--mixed-precision", choices=["no", "fp16", "bf16"], default="bf16",
+    p.add_argument("--mixed-precision", choices=MIXED_PRECISIONS, default="bf16",
                    help="autocast dtype of training (as python -m train); no = fp32")
     p.add_argument("--grad-checkpoint", type=int, nargs="?", const=1, default=0, metavar="K",
                    help="checkpointing interval to recommend (every K-th block; bare flag = 1; 0 = off); "
@@ -273,8 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory kept free for the CUDA context, cuBLAS workspace and allocator slack")
     p.add_argument("--global-batch-size", type=int, default=256, help="images per optimizer step, all processes")
     p.add_argument("--num-processes", type=int, default=1, help="data-parallel processes sharing the global batch")
-    p.add_argument("--ema-device", choices=["gpu", "cpu"], default="gpu", help="where the fp32 EMA copy lives")
-    p.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATE_BYTES), default="adamw", help="optimizer")
+    p.add_argument("--ema-device", choices=EMA_DEVICES, default="gpu", help="where the fp32 EMA copy lives")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="optimizer (as python -m train)")
     p.add_argument("--measure-device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="device for the activation measurement (auto: CUDA if present, else CPU)")
     p.add_argument("--verify", action="store_true",
@@ -297,20 +283,20 @@ def run(args) -> str:
     check_verify_possible(args)
     batch = per_process_batch(args.global_batch_size, args.num_processes)
     config = model_config(args.model, args.image_size, args.vae_factor, args.latent_channels, args.num_classes)
-    dtype, device = autocast_dtype(args.mixed_precision), measure_device(args.measure_device)
+    device = measure_device(args.measure_device)
     meta = build_model(config, "meta")  # shapes only, no allocation
     choices = checkpoint_choices(args.grad_checkpoint, len(meta.blocks))
-    profiles, n_params, n_trainable = measure_profiles(config, dtype, choices, device)
+    profiles, n_params, n_trainable = measure_profiles(config, args.mixed_precision, choices, device)
     fixed = fixed_state(n_params, n_trainable, args.optimizer, args.ema_device)
     rows = [plan_row(p, fixed.total, args.gpu_memory - args.margin, batch) for p in profiles]
     chosen = next(r for r in rows if r.profile.every == args.grad_checkpoint)
-    lines = header_lines(args, config, meta.x_embedder.num_patches, n_params, n_trainable, dtype, device)
+    lines = header_lines(args, config, meta.x_embedder.num_patches, n_params, n_trainable, device)
     lines += fixed_lines(fixed, args)
     lines += table_lines(rows, args.grad_checkpoint, args.margin) + [summary_line(chosen, batch)]
     if args.verify and chosen.micro is not None:
         gc.collect()  # the measurement model must be gone before CUDA peak memory is read
         torch.cuda.empty_cache()
-        measured = verify(config, args, chosen, dtype)
+        measured = verify(config, args, chosen)
         lines.append(f"verify: predicted peak {format_size(chosen.peak)}, measured max_memory_allocated "
                      f"{format_size(measured)} (measured/predicted {measured / chosen.peak:.2f})")
     return "\n".join(lines)

@@ -1,0 +1,204 @@
+"""The one training step: model, optimizer, EMA and the update over a list of micro-batches.
+
+`python -m train`, `python -m train.bench` and `python -m train.plan --verify` all build a `Learner`
+with `make_learner` and advance it with `train_step`, so the benchmark's speed and the planner's memory
+describe the step the trainer runs: train mode, the data side's class-dropout coin passed to the model,
+gradient accumulation with DDP `no_sync` on the non-final micro-steps, the global gradient norm (and
+clipping), the fp16 GradScaler with counted skips, AdamW, and the EMA update.
+
+Precision is handled here rather than by Accelerate's mixed_precision switch: torch.autocast (fp16 or
+bf16) plus, for fp16, a torch.amp.GradScaler with fp32 master weights. Accelerate turns fp16 off on the
+CPU; doing it ourselves makes the fp16 path (scaling, skipped steps) run identically on CPU and CUDA.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+
+from shared.diffusion import GaussianDiffusion, create_diffusion
+from shared.errors import UserError
+from shared.models import ModelConfig
+from shared.precision import autocast_dtype
+from train.config import TrainConfig
+
+
+@dataclass
+class Learner:
+    """What one optimizer step reads and updates."""
+
+    cfg: TrainConfig
+    raw: torch.nn.Module  # the unwrapped DiT (fp32 master weights), in train mode
+    model: torch.nn.Module  # what the step calls: maybe compiled, maybe DDP-wrapped
+    ema: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    model_config: ModelConfig
+    accelerator: object = None  # None: a single process without Accelerate (nothing to synchronise)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    diffusion: GaussianDiffusion = field(default_factory=create_diffusion)
+    step: int = 0
+    skipped_steps: int = 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Building the pieces
+# ---------------------------------------------------------------------------------------------------------
+
+def build_model(cfg: TrainConfig, model_config: ModelConfig) -> torch.nn.Module:
+    """The DiT in train mode, initialised identically on every rank (seeded by --seed)."""
+    torch.manual_seed(cfg.seed)
+    model = model_config.build(attention=cfg.attention, grad_checkpoint_every=cfg.grad_checkpoint)
+    # Train mode: the labels' class-dropout coin comes from the data (force_drop_ids), so the model's own
+    # global-RNG dropout never runs, while any train-mode layer added later is really on.
+    return model.train()
+
+
+def import_bitsandbytes():
+    """bitsandbytes (for --optimizer adamw8bit) on a CUDA machine, or a UserError saying what to do."""
+    if not torch.cuda.is_available():
+        raise UserError("--optimizer adamw8bit needs a CUDA GPU (bitsandbytes kernels); use --optimizer adamw here.")
+    try:
+        import bitsandbytes
+    except ImportError as err:
+        raise UserError("--optimizer adamw8bit needs the optional bitsandbytes package: `pip install "
+                        "bitsandbytes`, or use --optimizer adamw.") from err
+    return bitsandbytes
+
+
+def build_optimizer(cfg: TrainConfig, model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW (fused kernel on CUDA, foreach on CPU) or bitsandbytes' 8-bit AdamW (Dettmers et al., 2022)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    kwargs = dict(lr=cfg.lr, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "adamw8bit":
+        return import_bitsandbytes().optim.AdamW8bit(params, **kwargs)  # ~2 bytes/param of moments, not 8
+    if torch.device(device).type == "cuda":
+        return torch.optim.AdamW(params, fused=True, **kwargs)
+    return torch.optim.AdamW(params, foreach=True, **kwargs)
+
+
+def build_ema(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.nn.Module:
+    """An fp32 copy of the model for the EMA, on the training device or the CPU (--ema-device)."""
+    ema = copy.deepcopy(model).float().requires_grad_(False).eval()
+    return ema.to(device if cfg.ema_device == "gpu" else "cpu")
+
+
+def make_learner(cfg: TrainConfig, model_config: ModelConfig, accelerator=None, device=None) -> Learner:
+    """Model, EMA, optimizer and scaler on `device` (the accelerator's when given), compiled/wrapped as asked."""
+    device = torch.device(accelerator.device if accelerator is not None else (device or "cpu"))
+    raw = build_model(cfg, model_config)
+    ema = build_ema(raw, cfg, device)
+    raw.to(device)
+    learner = Learner(cfg=cfg, raw=raw, model=raw, ema=ema, optimizer=build_optimizer(cfg, raw, device),
+                      scaler=torch.amp.GradScaler(device.type, enabled=cfg.mixed_precision == "fp16"),
+                      model_config=model_config, accelerator=accelerator, device=device)
+    compiled = torch.compile(raw) if cfg.compile else raw
+    learner.model = accelerator.prepare(compiled) if accelerator is not None else compiled
+    return learner
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One optimizer step
+# ---------------------------------------------------------------------------------------------------------
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """LR for the optimizer step after `step` steps: linear warmup, then constant or cosine to 0."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps))
+    return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def forward_loss(model, diffusion: GaussianDiffusion, batch: dict, precision: str, device) -> torch.Tensor:
+    """Mean L_hybrid (IDDPM Eq. 16) of one micro-batch, under autocast when mixed precision is on."""
+    device = torch.device(device)
+    x0 = batch["x0"].to(device, non_blocking=True)  # (B, C, h, w) fp32, already scaled
+    noise = batch["noise"].to(device, non_blocking=True)  # (B, C, h, w)
+    t = batch["t"].to(device, non_blocking=True)  # (B,)
+    kwargs = dict(y=batch["label"].to(device, non_blocking=True),  # (B,)
+                  force_drop_ids=batch["drop"].to(device, non_blocking=True))  # (B,) class-dropout coin
+    dtype = autocast_dtype(precision)
+    with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+        losses = diffusion.training_losses(model, x0, t, model_kwargs=kwargs, noise=noise)
+    return losses["loss"].mean()
+
+
+def _no_sync(learner: Learner):
+    """DDP no_sync for a non-final micro-step: gradients accumulate locally, no all-reduce."""
+    if learner.accelerator is None:
+        return contextlib.nullcontext()
+    return learner.accelerator.no_sync(learner.model)
+
+
+def accumulate_gradients(learner: Learner, batches: Iterable[dict]) -> torch.Tensor:
+    """Forward/backward over the step's micro-batches; returns this rank's mean loss (detached)."""
+    steps = learner.cfg.grad_accum_steps
+    total = torch.zeros((), device=learner.device)
+    count = 0
+    for micro, batch in enumerate(batches):
+        # Only the last micro-step all-reduces gradients; the others accumulate locally (DDP no_sync).
+        with contextlib.nullcontext() if micro == steps - 1 else _no_sync(learner):
+            loss = forward_loss(learner.model, learner.diffusion, batch, learner.cfg.mixed_precision, learner.device)
+            learner.scaler.scale(loss / steps).backward()
+        total += loss.detach().float()
+        count += 1
+    if count != steps:
+        raise ValueError(f"a step needs {steps} micro-batches, got {count}")
+    return total / steps
+
+
+def clip_or_measure(learner: Learner) -> torch.Tensor:
+    """Global gradient norm (after unscaling), clipped to --max-grad-norm when that is > 0."""
+    learner.scaler.unscale_(learner.optimizer)
+    if learner.cfg.max_grad_norm > 0:
+        return torch.nn.utils.clip_grad_norm_(learner.raw.parameters(), learner.cfg.max_grad_norm)
+    norms = [p.grad.detach().float().norm() for p in learner.raw.parameters() if p.grad is not None]
+    return torch.linalg.vector_norm(torch.stack(norms))  # the same global 2-norm, without touching the grads
+
+
+@torch.no_grad()
+def update_ema(ema: torch.nn.Module, model: torch.nn.Module, decay: float) -> None:
+    """ema <- decay * ema + (1 - decay) * weights, in fp32 on the EMA's device (as DiT's update_ema)."""
+    ema_params = list(ema.parameters())
+    device = ema_params[0].device
+    src = [p.detach().to(device, torch.float32) for p in model.parameters()]
+    torch._foreach_mul_(ema_params, decay)
+    torch._foreach_add_(ema_params, src, alpha=1 - decay)
+
+
+def apply_gradients(learner: Learner) -> tuple[float, bool]:
+    """Optimizer step (or a counted skip on non-finite gradients), then the EMA -> (grad norm, skipped)."""
+    for group in learner.optimizer.param_groups:
+        group["lr"] = lr_at(learner.step, learner.cfg)
+    grad_norm = float(clip_or_measure(learner))
+    scaler = learner.scaler
+    if scaler.is_enabled():
+        scale = scaler.get_scale()
+        scaler.step(learner.optimizer)  # skipped inside when the gradients hold inf/NaN
+        scaler.update()
+        skipped = scaler.get_scale() < scale
+    else:
+        skipped = not math.isfinite(grad_norm)
+        if not skipped:
+            learner.optimizer.step()
+    learner.optimizer.zero_grad(set_to_none=True)
+    if not skipped:
+        update_ema(learner.ema, learner.raw, learner.cfg.ema_decay)
+    return grad_norm, skipped
+
+
+def train_step(learner: Learner, batches: Iterable[dict]) -> dict:
+    """One optimizer step over a global batch -> {loss (mean over processes), grad_norm, skipped}."""
+    local = accumulate_gradients(learner, batches)
+    grad_norm, skipped = apply_gradients(learner)
+    acc = learner.accelerator
+    loss = acc.reduce(local, reduction="mean") if acc is not None else local  # the same value on every rank
+    learner.step += 1
+    learner.skipped_steps += int(skipped)
+    return {"loss": float(loss), "grad_norm": grad_norm, "skipped": skipped}
