@@ -4,12 +4,15 @@ from __future__ import annotations
 import argparse
 import sys
 
+from shared.diffusion import SAMPLERS
 from shared.errors import UserError, exit_with
+from shared.guidance import GUIDE_CHANNELS
 from shared.models import DiT_models
+from shared.precision import PRECISIONS
 
+from sample.checkpoint import WEIGHTS
 from sample.decode import DecodeOptions, run_decode
 from sample.generate import SampleOptions, run_sample
-from shared.precision import PRECISIONS
 
 PROG = "python -m sample"
 EPILOG = """Resume: rerun the same command; images already in --out are kept and only the missing ones are
@@ -17,6 +20,10 @@ drawn. Image i's label and noise depend only on --seed and i, not on --batch-siz
 processes (pixels then match exactly wherever the floating-point kernels do: same device and threads).
 Several GPUs: `accelerate launch -m sample ...` (rank r draws images i with i % world == r).
 Decode training's latent samples: `python -m sample decode RUN/samples/step-0000100.safetensors`."""
+# The flag that sets each setting shared/ names in its errors (shared.errors.ChoiceError / SettingError kinds).
+FLAGS = {"model preset": "--model", "weights": "--weights", "cfg scale": "--cfg-scale",
+         "guide-channel choice": "--guide-channels", "sampler": "--sampler", "precision": "--precision",
+         "vae": "--vae", "vae config": "--vae-config"}
 
 
 def add_vae_flags(p: argparse.ArgumentParser) -> None:
@@ -38,7 +45,7 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ckpt", required=True,
                    help="training run folder (newest EMA export), a checkpoints/step-* folder, a .safetensors "
                         "export (config read from it), or an official DiT .pt/.pth state dict")
-    p.add_argument("--weights", choices=("ema", "raw"), default="ema",
+    p.add_argument("--weights", choices=WEIGHTS, default="ema",
                    help="with a run or checkpoint folder: EMA weights (default) or the raw training weights")
     p.add_argument("--model", choices=list(DiT_models), default=None,
                    help="official .pt only: the preset (default: inferred from tensor shapes, and said)")
@@ -56,9 +63,9 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
                    help="images to draw (default: one per --class-labels entry, else one per class)")
     p.add_argument("--cfg-scale", type=float, default=4.0,
                    help="classifier-free guidance scale; 1 = none (4.0 for pictures, 1.5 for FID)")
-    p.add_argument("--guide-channels", choices=("3", "all"), default="3",
+    p.add_argument("--guide-channels", choices=GUIDE_CHANNELS, default="3",
                    help="latent channels guided: 3 as the DiT release (a quirk), or all")
-    p.add_argument("--sampler", choices=("ddpm", "ddim"), default="ddpm", help="respaced sampler")
+    p.add_argument("--sampler", choices=list(SAMPLERS), default="ddpm", help="respaced sampler")
     p.add_argument("--num-sampling-steps", type=int, default=250, help="respaced steps (250 as the paper)")
     p.add_argument("--seed", type=int, default=0, help="image i's label and noise come from (seed, i)")
     p.add_argument("--batch-size", type=int, default=32, help="images per forward pass (per process)")
@@ -104,7 +111,7 @@ def main(argv=None) -> None:
         else:
             run_sample(SampleOptions(**vars(sample_parser().parse_args(argv))))
     except UserError as err:
-        exit_with(err, prog)
+        exit_with(err, prog, FLAGS)
 
 
 if __name__ == "__main__":

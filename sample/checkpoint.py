@@ -9,11 +9,13 @@ from pathlib import Path
 
 import torch
 
-from shared.errors import UserError
-from shared.export import CHECKPOINTS, EXPORTS, latest_checkpoint, latest_export, load_weights
-from shared.models import DiT_models, ModelConfig, infer_model_config
+from shared.errors import ChoiceError, UserError
+from shared.export import load_weights
+from shared.models import ModelConfig, check_preset, infer_model_config
+from shared.rundir import CHECKPOINTS, EMA_FILE, EXPORTS, MODEL_FILE, latest_checkpoint, latest_export
 
 OFFICIAL_SUFFIXES = (".pt", ".pth")
+WEIGHTS = ("ema", "raw")  # which weights of a run or checkpoint: the EMA copy or the raw training weights
 # Wrappers some trainers leave in front of every key (DDP, torch.compile).
 _KEY_PREFIXES = ("module.", "_orig_mod.")
 
@@ -39,14 +41,14 @@ def resolve_ckpt_file(ckpt, weights: str = "ema") -> Path:
                         f"or an official DiT .pt checkpoint.")
     if path.is_file():
         return path
-    if (path / "model.safetensors").is_file():  # a single RUN/checkpoints/step-* folder
-        return path / ("ema.safetensors" if weights == "ema" else "model.safetensors")
+    if (path / MODEL_FILE).is_file():  # a single RUN/checkpoints/step-* folder
+        return path / (EMA_FILE if weights == "ema" else MODEL_FILE)
     if weights == "raw":
         step_dir = latest_checkpoint(path)
         if step_dir is None:
             raise UserError(f"the run folder {path} has no complete checkpoints ({CHECKPOINTS}/step-*/) yet; train "
                             "until the first checkpoint is saved, or pass --weights ema for an export.")
-        return step_dir / "model.safetensors"
+        return step_dir / MODEL_FILE
     export = latest_export(path)
     if export is None:
         raise UserError(f"the run folder {path} has no EMA exports ({EXPORTS}/ema-step-*) yet; train until the first "
@@ -108,8 +110,10 @@ def _load_export(path: Path, model: str | None) -> LoadedWeights:
 
 def load_checkpoint(ckpt, weights: str = "ema", model: str | None = None) -> LoadedWeights:
     """Resolve --ckpt and read its state dict and ModelConfig (no model is built yet)."""
-    if model is not None and model not in DiT_models:
-        raise UserError(f"--model {model} is not a preset; choose one of {', '.join(DiT_models)}.")
+    if weights not in WEIGHTS:
+        raise ChoiceError("weights", weights, WEIGHTS)
+    if model is not None:
+        check_preset(model)
     path = resolve_ckpt_file(ckpt, weights)
     if path.suffix.lower() in OFFICIAL_SUFFIXES:
         return _load_official(path, weights, model)

@@ -9,6 +9,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
+from shared.distributed import process_state
 from shared.errors import UserError
 
 from sample.outputs import GRID_NAME, image_name, save_png, to_uint8, write_grid
@@ -52,8 +53,6 @@ def read_latents(path: Path) -> tuple[torch.Tensor, torch.Tensor, dict]:
 
 def run_decode(o: DecodeOptions) -> Path:
     """Decode every latent to `{index:06d}-class{label}.png` plus grid.png in --out (default: beside the file)."""
-    from accelerate import PartialState
-
     if o.batch_size < 1:
         raise UserError(f"--batch-size {o.batch_size} must be at least 1.")
     path = Path(o.latents).expanduser()
@@ -61,7 +60,7 @@ def run_decode(o: DecodeOptions) -> Path:
     spec, how = choose_vae(o.vae, meta)
     name, _ = check_vae(spec, o.vae_config, latents.shape[1])
     out = Path(o.out) if o.out else path.with_suffix("")
-    device = PartialState(cpu=o.cpu).device
+    device = process_state(o.cpu).device
     vae = load_vae(name, o.vae_config, device, o.vae_precision, o.vae_tiling, o.vae_slicing)
     rescale, note = latent_rescale(vae, meta)
     print(f"decoding {len(latents)} latents from {path} with VAE {name} ({how})" + (f"; note: {note}" if note else ""))

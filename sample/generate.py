@@ -10,10 +10,12 @@ import torch
 from tqdm import tqdm
 
 from shared.diffusion import NUM_TIMESTEPS, SAMPLERS, create_diffusion
-from shared.errors import UserError
+from shared.distributed import process_state
+from shared.errors import ChoiceError, UserError
+from shared.guidance import check_guidance, guide_channel_count, guided_model_fn
+from shared.rundir import CHECKPOINTS, EMA_FILE, EXPORTS, MODEL_FILE
 
 from sample.checkpoint import LoadedWeights, build_model, image_size_of, load_checkpoint
-from sample.guidance import check_guidance, make_model_fn
 from sample.outputs import (GRID_NAME, NPZ_NAME, SETTINGS_NAME, check_out_dir, image_name, missing_indices,
                             read_png, remove_stale_temps, save_png, to_uint8, write_grid, write_json, write_npz)
 from sample.seeding import LabelPlan, batch_start, image_labels, make_label_plan
@@ -77,25 +79,16 @@ def check_numbers(o: SampleOptions) -> None:
                         f"(250 as the DiT paper; DDIM often uses 50).")
     if o.seed < 0:
         raise UserError(f"--seed {o.seed} must be a whole number >= 0.")
-
-
-def guide_channels_of(o: SampleOptions, in_channels: int) -> int | None:
-    """--guide-channels as forward_with_cfg takes it: an int, or None for all channels."""
-    if o.guide_channels == "all":
-        return None
-    count = int(o.guide_channels)
-    if not 1 <= count <= in_channels:
-        raise UserError(f"--guide-channels {count} must lie in [1, {in_channels}] for this "
-                        f"{in_channels}-channel model, or be 'all'.")
-    return count
+    if o.sampler not in SAMPLERS:
+        raise ChoiceError("sampler", o.sampler, SAMPLERS)
 
 
 def ckpt_label(path: Path) -> str:
     """A short name for a weight file: RUN-ema-step-X for exports, RUN-step-X-model for checkpoints."""
     path = path.resolve()
-    if path.parent.name == "exports":
+    if path.parent.name == EXPORTS:
         return f"{path.parent.parent.name}-{path.stem}"
-    if path.stem in ("model", "ema") and path.parent.parent.name == "checkpoints":
+    if path.name in (MODEL_FILE, EMA_FILE) and path.parent.parent.name == CHECKPOINTS:
         return f"{path.parent.parent.parent.name}-{path.parent.name}-{path.stem}"
     return path.stem
 
@@ -126,8 +119,8 @@ def resolve_job(o: SampleOptions) -> Job:
     """Check every input and read the weights; loads no VAE and builds no model."""
     check_numbers(o)
     loaded = load_checkpoint(o.ckpt, o.weights, o.model)
-    check_guidance(o.cfg_scale, loaded.config.class_dropout_prob)
-    guide_channels_of(o, loaded.config.in_channels)
+    check_guidance(o.cfg_scale, loaded.config.has_null_class)
+    guide_channel_count(o.guide_channels, loaded.config.in_channels)
     plan = make_label_plan(o.class_labels, loaded.config.num_classes, o.random_labels)
     spec, how = choose_vae(o.vae, loaded.latent_meta)
     vae_name, factor = check_vae(spec, o.vae_config, loaded.config.in_channels)
@@ -176,7 +169,8 @@ def make_drawer(job: Job, device) -> Drawer:
         print(f"note: {note}")
     model = build_model(job.loaded, device)
     job.loaded.state_dict = {}  # the model holds the weights now; free the CPU copy
-    model_fn = make_model_fn(model, o.cfg_scale, guide_channels_of(o, config.in_channels), o.precision, device)
+    model_fn = guided_model_fn(model, o.cfg_scale, guide_channel_count(o.guide_channels, config.in_channels),
+                               o.precision)
     latent_shape = (config.in_channels, config.input_size, config.input_size)
     return Drawer(model_fn, create_diffusion(o.num_sampling_steps), SAMPLERS[o.sampler], vae, rescale,
                   job.plan, o.seed, latent_shape, torch.device(device))
@@ -220,9 +214,7 @@ def set_tf32(device, allowed: bool) -> None:
 
 def run_sample(o: SampleOptions) -> Path:
     """The whole command on this process; rank r draws i % world == r, rank 0 writes grid and npz."""
-    from accelerate import PartialState
-
-    state = PartialState(cpu=o.cpu)
+    state = process_state(o.cpu)
     job = resolve_job(o)  # every rank checks, before anyone writes
     state.wait_for_everyone()
     if state.is_main_process:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import zipfile
 from pathlib import Path
@@ -13,6 +12,7 @@ import torch
 from PIL import Image
 
 from shared.errors import UserError
+from shared.fsio import TMP_PREFIX, atomic_write, atomic_write_text
 
 SETTINGS_NAME = "settings.json"
 GRID_NAME = "grid.png"
@@ -34,21 +34,9 @@ def to_uint8(images: torch.Tensor) -> np.ndarray:
     return images.to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()  # (N, H, W, 3)
 
 
-def atomic_write(path: Path, write) -> None:
-    """Call write(tmp_path), then rename onto `path`, so a killed run never leaves a half file."""
-    path = Path(path)
-    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
 def remove_stale_temps(out: Path) -> int:
     """Delete temp files a killed run left behind (call before any process starts writing)."""
-    stale = list(Path(out).glob(".tmp-*"))
+    stale = list(Path(out).glob(f"{TMP_PREFIX}*"))
     for path in stale:
         path.unlink(missing_ok=True)
     return len(stale)
@@ -61,7 +49,7 @@ def save_png(path: Path, pixels: np.ndarray) -> None:
 
 def write_json(path: Path, data: dict) -> None:
     """Write indented JSON atomically."""
-    atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(data, indent=2) + "\n"))
+    atomic_write_text(path, json.dumps(data, indent=2) + "\n")
 
 
 def check_out_dir(out: Path, settings: dict) -> None:

@@ -9,15 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from shared.errors import UserError
-
-
-def image_seed(seed: int, index: int) -> int:
-    """Mix (seed, index) into one 64-bit seed with numpy's SeedSequence (no collisions between runs)."""
-    return int(np.random.SeedSequence([seed, index]).generate_state(1, dtype=np.uint64)[0])
+from shared.seeding import generator_for
 
 
 @dataclass(frozen=True)
@@ -54,7 +49,7 @@ def make_label_plan(class_labels, num_classes: int, random: bool) -> LabelPlan:
 
 def image_rng(plan: LabelPlan, seed: int, index: int) -> tuple[int, torch.Generator]:
     """Image `index`'s class label and its generator, positioned after the label draw."""
-    generator = torch.Generator().manual_seed(image_seed(seed, index))
+    generator = generator_for(seed, index)  # mix_seed(seed, index): the project's one seed mixer
     if plan.random:
         label = int(torch.randint(plan.num_classes, (1,), generator=generator))
     elif plan.class_labels is None:

@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from shared.errors import UserError
+from shared.errors import ChoiceError, SettingError, UserError
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "xformers", "math")
 FREQUENCY_EMBEDDING_SIZE = 256  # sinusoidal timestep features fed to the timestep MLP (DiT Sec. 3.2)
@@ -128,20 +128,18 @@ def _import_xformers_ops():
     try:
         return importlib.import_module("xformers.ops")
     except Exception as err:  # ImportError, or a broken build raising anything at import time
-        raise UserError(
+        raise SettingError(
             f"attention backend 'xformers' was requested but xformers cannot be imported ({err}). "
             "Install the xformers wheel that matches your torch and CUDA build (see "
-            "requirements-xformers.txt), or choose --attention sdpa, which needs nothing extra."
+            "requirements-xformers.txt), or use {attention backend} sdpa, which needs nothing extra."
         ) from err
 
 
 def resolve_attention(backend):
     """Check an attention backend name and return the concrete one ("auto" means "sdpa")."""
     if backend not in ATTENTION_BACKENDS:
-        raise UserError(
-            f"unknown attention backend {backend!r}; choose one of {', '.join(ATTENTION_BACKENDS)} "
-            "('auto' uses torch's scaled_dot_product_attention)."
-        )
+        raise ChoiceError("attention backend", backend, ATTENTION_BACKENDS,
+                          "'auto' uses torch's scaled_dot_product_attention")
     if backend == "xformers":
         _import_xformers_ops()
     return "sdpa" if backend == "auto" else backend
@@ -175,16 +173,16 @@ class Attention(nn.Module):
     def _xformers(self, q, k, v):
         """xformers memory-efficient attention on (N, T, H, d); CUDA only, never a silent fallback."""
         if not q.is_cuda:
-            raise UserError(
+            raise SettingError(
                 f"attention backend 'xformers' needs CUDA tensors but the model runs on {q.device}; "
-                "its kernels are not implemented there. Use --attention sdpa (or auto) on this device."
+                "its kernels are not implemented there. Use {attention backend} sdpa (or auto) on this device."
             )
         try:
             return _import_xformers_ops().memory_efficient_attention(q, k, v)  # (N, T, H, d)
         except NotImplementedError as err:
-            raise UserError(
+            raise SettingError(
                 f"xformers has no kernel for this input ({q.dtype}, head dim {q.shape[-1]}, {q.device}): "
-                f"{err}. Use --attention sdpa, or install an xformers build for your GPU."
+                f"{err}. Use {{attention backend}} sdpa, or install an xformers build for your GPU."
             ) from err
 
 
@@ -355,21 +353,6 @@ class DiT(nn.Module):
         x = self.final_layer(x, c)  # (N, T, p*p*out_channels)
         return self.unpatchify(x)  # (N, out_channels, H, W)
 
-    def forward_with_cfg(self, x, t, y, cfg_scale, guide_channels=3):
-        """Classifier-free guidance (Ho & Salimans, 2022, Eq. 6) batched as [cond half; null half]."""
-        # The official sampler guides only the first 3 of 4 latent channels (a reproducibility quirk);
-        # guide_channels=None guides all input channels. Learned-variance channels are never guided.
-        if not self.y_embedder.has_null:
-            raise UserError("this model was built with class_dropout_prob=0, so it has no null class to "
-                            "guide against; sample with cfg scale 1 (no guidance).")
-        half = x[: len(x) // 2]
-        model_out = self.forward(torch.cat([half, half], dim=0), t, y)  # (N, out, H, W)
-        g = self.in_channels if guide_channels is None else guide_channels
-        eps, rest = model_out[:, :g], model_out[:, g:]
-        cond_eps, uncond_eps = torch.split(eps, len(eps) // 2, dim=0)
-        half_eps = uncond_eps + cfg_scale * (cond_eps - uncond_eps)  # (N/2, g, H, W)
-        return torch.cat([torch.cat([half_eps, half_eps], dim=0), rest], dim=1)  # (N, out, H, W)
-
 
 #################################################################################
 #                          Presets, config, inference                           #
@@ -388,6 +371,12 @@ PRESETS["DiT-T/2"] = dict(depth=6, hidden_size=192, patch_size=2, num_heads=3)
 DiT_models = {name: functools.partial(DiT, **arch) for name, arch in PRESETS.items()}
 
 
+def check_preset(name: str) -> None:
+    """ChoiceError unless `name` is a key of DiT_models."""
+    if name not in DiT_models:
+        raise ChoiceError("model preset", name, list(DiT_models))
+
+
 @dataclass
 class ModelConfig:
     """Everything needed to rebuild a DiT; written into every checkpoint and export."""
@@ -400,8 +389,12 @@ class ModelConfig:
     class_dropout_prob: float = 0.1
 
     def __post_init__(self):
-        if self.model not in DiT_models:
-            raise UserError(f"unknown model preset {self.model!r}; choose one of {', '.join(DiT_models)}.")
+        check_preset(self.model)
+
+    @property
+    def has_null_class(self) -> bool:
+        """Whether the model has a null-class embedding to guide against (trained with label dropout)."""
+        return self.class_dropout_prob > 0
 
     def build(self, attention="auto", grad_checkpoint_every=0):
         """Instantiate the DiT this config describes."""
@@ -427,7 +420,7 @@ def _shape(state_dict, key):
     """Shape of a required tensor, or a UserError saying the weights are not a DiT state dict."""
     if key not in state_dict:
         raise UserError(f"these weights have no {key!r} tensor, so they are not a DiT state dict (official "
-                        "DiT checkpoint or this project's export). Point --ckpt at a DiT weight file.")
+                        "DiT checkpoint or this project's export); use a DiT weight file.")
     return tuple(state_dict[key].shape)
 
 

@@ -1,5 +1,5 @@
 """DiT: official names/shapes/counts, numerics against an independent functional re-derivation, init,
-attention backends, gradient checkpointing, class dropout, CFG, config and preset inference."""
+attention backends, gradient checkpointing, class dropout, config and preset inference (CFG: test_guidance.py)."""
 import math
 import sys
 import types
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from shared.errors import UserError
-from shared.models import DiT_models, ModelConfig, PRESETS, infer_model_config
+from shared.errors import ChoiceError, UserError, advise
+from shared.models import ATTENTION_BACKENDS, DiT_models, ModelConfig, PRESETS, check_preset, infer_model_config
 
 
 def tiny(**kwargs):
@@ -269,16 +269,20 @@ def test_sdpa_and_math_attention_agree():
     assert sdpa.abs().mean() > 0.1
 
 
-def test_unknown_attention_backend_is_a_user_error():
-    with pytest.raises(UserError, match="sdpa"):
+def test_unknown_attention_backend_is_a_choice_error():
+    with pytest.raises(ChoiceError, match="sdpa") as caught:
         tiny(attention="flash")
+    assert (caught.value.kind, caught.value.value, caught.value.choices) == ("attention backend", "flash",
+                                                                             list(ATTENTION_BACKENDS))
+    assert "--attention 'flash'" in str(advise(caught.value, {"attention backend": "--attention"}))
 
 
 def test_xformers_not_importable_is_a_user_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "xformers", None)  # makes `import xformers` raise ImportError
     monkeypatch.setitem(sys.modules, "xformers.ops", None)
-    with pytest.raises(UserError, match="xformers cannot be imported"):
+    with pytest.raises(UserError, match="xformers cannot be imported.*attention backend sdpa") as caught:
         tiny(attention="xformers")
+    assert "use --attention sdpa" in str(advise(caught.value, {"attention backend": "--attention"}))
 
 
 def test_xformers_on_cpu_is_a_user_error_not_a_fallback(monkeypatch):
@@ -367,31 +371,6 @@ def test_force_drop_ids_and_eval_never_drops():
     assert no_null.y_embedder.embedding_table.weight.shape[0] == 5 and no_null.null_label == 5
 
 
-@pytest.mark.parametrize("guide_channels", [3, None])
-def test_forward_with_cfg_matches_separate_passes(guide_channels):
-    model = randomize(tiny()).double().eval()
-    x, t, y = inputs(n=3, dtype=torch.float64)
-    xx, tt = torch.cat([x, x]), torch.cat([t, t])
-    yy = torch.cat([y, torch.full_like(y, model.null_label)])
-    with torch.no_grad():
-        out = model.forward_with_cfg(xx, tt, yy, cfg_scale=4.0, guide_channels=guide_channels)
-        cond, uncond = model(x, t, y), model(x, t, torch.full_like(y, model.null_label))
-    g = 4 if guide_channels is None else 3
-    guided = uncond[:, :g] + 4.0 * (cond[:, :g] - uncond[:, :g])
-    assert out.shape == (6, 8, 8, 8)
-    torch.testing.assert_close(out[:3, :g], guided)
-    torch.testing.assert_close(out[3:, :g], guided)
-    torch.testing.assert_close(out[:3, g:], cond[:, g:])  # unguided channels come from each half's own pass
-    torch.testing.assert_close(out[3:, g:], uncond[:, g:])
-
-
-def test_cfg_without_null_class_is_a_user_error():
-    model = tiny(class_dropout_prob=0.0)
-    x, t, y = inputs(n=2)
-    with pytest.raises(UserError, match="no null class"):
-        model.forward_with_cfg(x, t, y, cfg_scale=1.5)
-
-
 def test_wrong_latent_shape_is_a_user_error():
     model = tiny()
     x, t, y = inputs(size=16)
@@ -413,8 +392,12 @@ def test_model_config_round_trip_and_build():
 
 
 def test_model_config_rejects_bad_input():
-    with pytest.raises(UserError, match="DiT-XL/2"):
+    with pytest.raises(ChoiceError, match="DiT-XL/2") as caught:
         ModelConfig(model="DiT-XXL/2", input_size=32)
+    assert caught.value.kind == "model preset" and caught.value.choices == list(DiT_models)
+    check_preset("DiT-T/2")
+    with pytest.raises(ChoiceError, match="unknown model preset 'DiT-Q/2'"):
+        check_preset("DiT-Q/2")
     with pytest.raises(UserError, match="unknown keys"):
         ModelConfig.from_dict({"model": "DiT-T/2", "input_size": 8, "depth": 3})
     with pytest.raises(UserError, match="lacks keys"):

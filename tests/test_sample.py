@@ -14,7 +14,6 @@ from tests.conftest import ROOT, make_tiny_vae
 from sample.__main__ import main
 from sample.checkpoint import resolve_ckpt_file
 from sample.generate import ckpt_label
-from sample.guidance import make_model_fn
 from sample.outputs import grid_layout
 from shared.export import save_weights
 from shared.models import DiT, ModelConfig
@@ -231,22 +230,6 @@ def test_run_folder_resolution(files, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(Exception, match="--weights raw"):
         resolve_ckpt_file(tmp_path / "empty")
-
-
-def test_cfg_scale_one_is_plain_conditional_and_guidance_batches_halves():
-    """cfg 1: one conditional pass of N rows; cfg s: [cond; null] in one 2N batch, guided first 3 channels."""
-    model = _random_dit(ModelConfig("DiT-T/2", input_size=8, num_classes=NUM_CLASSES)).eval()
-    seen = []
-    model.x_embedder.register_forward_pre_hook(lambda m, args: seen.append(len(args[0])))  # rows per pass
-    x, t, y = torch.randn(2, 4, 8, 8), torch.tensor([10, 500]), torch.tensor([1, 2])
-    with torch.no_grad():
-        plain = make_model_fn(model, 1.0, 3, "fp32", "cpu")(x, t, y)
-        guided = make_model_fn(model, 4.0, 3, "fp32", "cpu")(x, t, y)
-        cond, null = model(x, t, y), model(x, t, torch.full_like(y, model.null_label))
-    assert seen[:2] == [2, 4]
-    assert torch.equal(plain, cond)
-    assert torch.allclose(guided[:, :3], null[:, :3] + 4.0 * (cond[:, :3] - null[:, :3]), atol=1e-5)
-    assert torch.allclose(guided[:, 3:], cond[:, 3:], atol=1e-6)
 
 
 def test_every_flag_has_help():

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from sample.guidance import make_model_fn  # noqa: E402
+from shared.guidance import guided_model_fn  # noqa: E402
 from sample.seeding import LabelPlan, batch_start  # noqa: E402
 from sample.vae_setup import load_vae  # noqa: E402
 from shared.diffusion import SAMPLERS, create_diffusion  # noqa: E402
@@ -71,7 +71,7 @@ def sampling_rows(args, device) -> tuple[list, list]:
     def run(sampler, steps, cfg):
         """One batch through the chosen sampler."""
         noise, labels, generators = batch_start(plan, 0, indices, shape)
-        fn = make_model_fn(model, cfg, 3, "fp32", device)
+        fn = guided_model_fn(model, cfg, 3, "fp32")
         with torch.inference_mode():
             SAMPLERS[sampler](create_diffusion(steps), fn, noise.to(device), {"y": labels.to(device)}, generators)
 

@@ -1,0 +1,99 @@
+"""shared/guidance.py: classifier-free guidance against an independent formula, channel handling, errors."""
+import pytest
+import torch
+
+from shared.errors import ChoiceError, SettingError, UserError, advise
+from shared.guidance import GUIDE_CHANNELS, check_guidance, guide_channel_count, guided_model_fn
+from shared.models import DiT_models
+
+
+def tiny(**kwargs):
+    """A 2-block DiT-T/2 on 8x8x4 latents with 5 classes and learned variance (8 output channels)."""
+    return DiT_models["DiT-T/2"](**{"input_size": 8, "num_classes": 5, "depth": 2, **kwargs})
+
+
+def randomize(model, seed=0, scale=0.3):
+    """Random values in every parameter but pos_embed, so no zero-initialised layer hides a channel mix-up."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name != "pos_embed":
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype) * scale)
+    return model.eval()
+
+
+def inputs(n=3, seed=1, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 4, 8, 8, generator=gen, dtype=torch.float64).to(dtype)
+    return x, torch.randint(0, 1000, (n,), generator=gen), torch.randint(0, 5, (n,), generator=gen)
+
+
+@pytest.mark.parametrize("guide_channels", [3, None])
+def test_guided_prediction_matches_separate_passes(guide_channels):
+    """Eq. 6 on the guided channels; the other noise channels and the variance are the conditional pass's."""
+    model = randomize(tiny().double())
+    x, t, y = inputs(dtype=torch.float64)
+    with torch.no_grad():
+        out = guided_model_fn(model, 4.0, guide_channels)(x, t, y)
+        cond, uncond = model(x, t, y), model(x, t, torch.full_like(y, model.null_label))
+    g = 4 if guide_channels is None else 3
+    assert out.shape == (3, 8, 8, 8) and out.dtype == torch.float32
+    torch.testing.assert_close(out[:, :g], (uncond[:, :g] + 4.0 * (cond[:, :g] - uncond[:, :g])).float())
+    torch.testing.assert_close(out[:, g:], cond[:, g:].float())  # channel 3 (with "3") and all variance
+
+
+def test_one_forward_of_cond_and_null_rows_and_plain_pass_at_scale_one():
+    """cfg s: a single 2N-row pass with labels [y; null]; cfg 1: one N-row conditional pass, bit-equal."""
+    model = randomize(tiny())
+    seen = []
+    model.y_embedder.register_forward_pre_hook(lambda m, args: seen.append(args[0].tolist()))
+    x, t, y = inputs()
+    with torch.no_grad():
+        plain = guided_model_fn(model, 1.0, 3)(x, t, y)
+        guided_model_fn(model, 2.5, 3)(x, t, y)
+        cond = model(x, t, y)
+    assert seen[:2] == [y.tolist(), y.tolist() + [model.null_label] * 3]
+    assert torch.equal(plain, cond)
+
+
+def test_rows_do_not_depend_on_the_batch():
+    """Row i's guided output is the same in a batch of 3 as alone (float64, so kernels agree to rounding)."""
+    model = randomize(tiny().double())
+    x, t, y = inputs(dtype=torch.float64)
+    fn = guided_model_fn(model, 4.0, None)
+    with torch.no_grad():
+        batch = fn(x, t, y)
+        alone = torch.cat([fn(x[i:i + 1], t[i:i + 1], y[i:i + 1]) for i in range(3)])
+    torch.testing.assert_close(batch, alone)
+
+
+def test_autocast_precision_follows_the_input_device():
+    model = randomize(tiny(), scale=0.05)  # small weights: bf16 rounding stays small next to the outputs
+    x, t, y = inputs()
+    with torch.no_grad():
+        full = guided_model_fn(model, 4.0, 3, "fp32")(x, t, y)
+        half = guided_model_fn(model, 4.0, 3, "bf16")(x, t, y)
+    assert half.dtype == torch.float32 and not torch.equal(full, half)
+    torch.testing.assert_close(half, full, rtol=0.1, atol=0.1)
+    with pytest.raises(ChoiceError, match="precision"):
+        guided_model_fn(model, 4.0, 3, "fp8")
+
+
+def test_guide_channel_vocabulary():
+    assert GUIDE_CHANNELS == ("3", "all")
+    assert guide_channel_count("3", 4) == 3 and guide_channel_count("all", 4) is None
+    with pytest.raises(ChoiceError) as caught:
+        guide_channel_count("2", 4)
+    assert (caught.value.kind, caught.value.choices) == ("guide-channel choice", list(GUIDE_CHANNELS))
+    with pytest.raises(SettingError, match="has 2; use guide-channel choice all"):
+        guide_channel_count("3", 2)
+
+
+def test_guidance_errors_name_the_setting_and_become_flag_advice():
+    """Below 1, or > 1 on a model without a null class (class_dropout_prob 0): a SettingError."""
+    with pytest.raises(UserError, match="no null class"):
+        guided_model_fn(tiny(class_dropout_prob=0.0), 1.5)
+    guided_model_fn(tiny(class_dropout_prob=0.0), 1.0)  # no guidance needs no null class
+    with pytest.raises(SettingError, match="cfg scale 0.5 is below 1") as caught:
+        check_guidance(0.5, True)
+    assert "use --cfg-scale 1" in str(advise(caught.value, {"cfg scale": "--cfg-scale"}))
