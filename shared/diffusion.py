@@ -2,6 +2,8 @@
 
 Papers cited below: Ho et al. 2020 (DDPM), Nichol & Dhariwal 2021 (Improved DDPM, "IDDPM"),
 Song et al. 2021 (DDIM). The schedule lives here only; models see nothing but the timestep.
+Numerically as the official DiT `diffusion/` package (from ADM): its tanh normal CDF in the t = 0 decoder NLL,
+its accumulated-stride respacing, its respaced betas even for all 1000 steps.
 """
 import math
 
@@ -9,7 +11,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from shared.errors import UserError
+from shared.errors import ChoiceError, UserError
 
 NUM_TIMESTEPS = 1000
 
@@ -30,17 +32,25 @@ def normal_kl(mean1, logvar1, mean2, logvar2):
                   + (mean1 - mean2) ** 2 * torch.exp(-logvar2))
 
 
+def approx_std_normal_cdf(x):
+    """Standard normal CDF by the tanh approximation ADM and DiT use: 0.5 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+
+    Not Phi itself: its largest absolute error is 1.8e-4 (near |x| = 2.6), and it falls off faster than Phi
+    in the tails (half of Phi at x = -4). It is still a CDF (monotone, 0 to 1), so the 256 bins sum to 1.
+    """
+    return 0.5 * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3))))
+
+
 def discretized_gaussian_log_likelihood(x, means, log_scales):
     """Log-probability of data x in [-1, 1] on 256 levels under N(means, e^(2 log_scales)) (Ho et al. Eq. 13).
 
-    Each level is a bin of width 2/255; the two edge bins extend to -inf and +inf.
+    Each level is a bin of width 2/255; the two edge bins (x < -0.999, x > 0.999) extend to -inf and +inf.
+    The CDF is ADM's tanh approximation, as in the official DiT loss; all three shapes like x.
     """
     inv_std = torch.exp(-log_scales)
-    upper = (x - means + 1.0 / 255.0) * inv_std  # standardised bin edges
-    lower = (x - means - 1.0 / 255.0) * inv_std
-    below = torch.special.ndtr(upper)  # P(bin) of the lowest level
-    above = torch.special.ndtr(-lower)  # 1 - Phi(lower), accurate in the right tail
-    prob = torch.where(x < -0.999, below, torch.where(x > 0.999, above, below - torch.special.ndtr(lower)))
+    cdf_upper = approx_std_normal_cdf((x - means + 1.0 / 255.0) * inv_std)  # at the standardised bin edges
+    cdf_lower = approx_std_normal_cdf((x - means - 1.0 / 255.0) * inv_std)
+    prob = torch.where(x < -0.999, cdf_upper, torch.where(x > 0.999, 1.0 - cdf_lower, cdf_upper - cdf_lower))
     # Floor at 1e-12 (as ADM) so one far-off pixel costs at most ~27.6 nats and cannot swamp the loss.
     return torch.log(prob.clamp(min=1e-12))
 
@@ -171,27 +181,80 @@ class GaussianDiffusion:
 # ----------------------------------------------------------------------------------------------------
 
 def space_timesteps(num_timesteps: int, count: int) -> list[int]:
-    """`count` evenly spaced steps of range(num_timesteps), first and last included (ADM, one section)."""
-    if not 1 <= count <= num_timesteps:
-        raise UserError(f"Cannot take {count} sampling steps from a {num_timesteps}-step diffusion; "
-                        f"pass a step count between 1 and {num_timesteps} (DiT uses 250 for DDPM).")
+    """`count` evenly spaced steps of range(num_timesteps), first and last included (ADM, one section).
+
+    As ADM/DiT: a float stride (T - 1) / (count - 1) is summed step by step and each partial sum rounded
+    half to even. This is not round(i * stride): the sums carry float error (21 steps keep 499, not 500).
+    """
+    check_step_count(num_timesteps, count)
     stride = (num_timesteps - 1) / (count - 1) if count > 1 else 1
-    return sorted({round(i * stride) for i in range(count)})
+    kept, position = [], 0.0
+    for _ in range(count):
+        kept.append(round(position))
+        position += stride
+    return sorted(set(kept))
+
+
+def ddim_timesteps(num_timesteps: int, count: int) -> list[int]:
+    """range(0, T, s) with the smallest integer stride s in [1, T) that yields exactly `count` steps (DDIM paper).
+
+    ADM's "ddimN" spacing: the last step is T - s, not T - 1, and only some counts have such a stride.
+    """
+    check_step_count(num_timesteps, count)
+    counts = {}  # attainable count -> smallest stride
+    for stride in range(1, num_timesteps):
+        counts.setdefault(len(range(0, num_timesteps, stride)), stride)
+    if count not in counts:
+        below = max((c for c in counts if c < count), default=None)
+        above = min((c for c in counts if c > count), default=None)
+        near = " or ".join(str(c) for c in (below, above) if c is not None)
+        raise UserError(f"No integer stride takes exactly {count} of {num_timesteps} diffusion steps (DDIM "
+                        f"striding); the nearest step counts that have one are {near}.")
+    return list(range(0, num_timesteps, counts[count]))
+
+
+def check_step_count(num_timesteps: int, count: int) -> None:
+    """Refuse a number of sampling steps outside 1..num_timesteps."""
+    if not 1 <= count <= num_timesteps:
+        raise UserError(f"Cannot take {count} sampling steps from a {num_timesteps}-step diffusion; the number "
+                        f"of sampling steps must be between 1 and {num_timesteps} (DiT uses 250 for DDPM).")
 
 
 def respaced_betas(alphas_cumprod: np.ndarray, kept: list[int]) -> np.ndarray:
-    """Betas whose cumulative products equal alphas_cumprod at the kept steps (IDDPM Sec. 4)."""
+    """Betas whose cumulative products equal alphas_cumprod at the kept steps (IDDPM Sec. 4).
+
+    beta'_i = 1 - abar_{kept[i]} / abar_{kept[i-1]}, with abar before the first kept step = 1.
+    """
     kept_acp = alphas_cumprod[kept]
     return 1.0 - kept_acp / np.append(1.0, kept_acp[:-1])
 
 
-def create_diffusion(num_sampling_steps: int | None = None) -> GaussianDiffusion:
-    """The DiT diffusion: linear betas over NUM_TIMESTEPS, optionally respaced to num_sampling_steps."""
-    betas = linear_betas(NUM_TIMESTEPS)
-    if num_sampling_steps is None or num_sampling_steps == NUM_TIMESTEPS:
-        return GaussianDiffusion(betas)
-    kept = space_timesteps(NUM_TIMESTEPS, num_sampling_steps)
-    return GaussianDiffusion(respaced_betas(np.cumprod(1.0 - betas), kept), timestep_map=np.array(kept))
+def kept_timesteps(spacing: int | str | None, num_timesteps: int = NUM_TIMESTEPS) -> list[int]:
+    """Original timesteps kept for `spacing`: None = all, a count K (int or "K") or "ddimK" (integer stride)."""
+    if spacing is None or spacing == "":
+        return list(range(num_timesteps))
+    if isinstance(spacing, str) and spacing.startswith("ddim"):
+        return ddim_timesteps(num_timesteps, _parse_count(spacing[len("ddim"):], spacing))
+    return space_timesteps(num_timesteps, _parse_count(spacing, spacing))
+
+
+def _parse_count(text, spacing) -> int:
+    """A step count from an int or a decimal string; UserError naming the spacing otherwise."""
+    if isinstance(text, int) or (isinstance(text, str) and text.strip().isdigit()):
+        return int(text)
+    raise UserError(f"Timestep spacing {spacing!r} is neither a number of sampling steps (e.g. 250) nor "
+                    f"'ddim' followed by one (e.g. ddim50).")
+
+
+def create_diffusion(num_sampling_steps: int | str | None = None) -> GaussianDiffusion:
+    """The DiT diffusion: linear betas over NUM_TIMESTEPS, respaced to num_sampling_steps (see kept_timesteps).
+
+    As DiT, even all 1000 steps go through respacing: its betas are 1 - abar_t / abar_{t-1}, which differ
+    from the linear ones by < 4e-13 relative (no float32 schedule value changes).
+    """
+    kept = kept_timesteps(num_sampling_steps)
+    alphas_cumprod = np.cumprod(1.0 - linear_betas(NUM_TIMESTEPS))
+    return GaussianDiffusion(respaced_betas(alphas_cumprod, kept), timestep_map=np.array(kept))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -220,7 +283,8 @@ def _steps(diffusion, x, progress, desc):
 def ddpm_sample(diffusion, model_fn, noise, model_kwargs=None, generator=None, progress=False, eta=None):
     """Ancestral sampling x_{t-1} = mean + sigma_t z (Ho et al. Alg. 2) from x_T = noise; returns x_0."""
     if eta is not None:
-        raise UserError("eta applies only to the DDIM sampler; drop --eta or choose --sampler ddim.")
+        raise UserError("eta (DDIM's noise scale) applies only to the ddim sampler; the ddpm sampler draws its "
+                        "noise from the model's variance. Leave eta unset for ddpm, or sample with ddim.")
     x = noise.float()
     for i, t in _steps(diffusion, x, progress, "ddpm"):
         p = diffusion.p_mean_variance(model_fn, x, t, model_kwargs)
@@ -251,3 +315,11 @@ def ddim_sample(diffusion, model_fn, noise, model_kwargs=None, generator=None, p
 
 
 SAMPLERS = {"ddpm": ddpm_sample, "ddim": ddim_sample}
+SAMPLER_NAMES = tuple(SAMPLERS)  # the sampler vocabulary, for CLI choices and errors
+
+
+def get_sampler(name: str):
+    """The sampler function called `name`; ChoiceError("sampler", ...) for any other name."""
+    if name not in SAMPLERS:
+        raise ChoiceError("sampler", name, SAMPLER_NAMES, detail="respaced ancestral DDPM or DDIM")
+    return SAMPLERS[name]

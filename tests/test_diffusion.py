@@ -5,9 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from shared.diffusion import (NUM_TIMESTEPS, SAMPLERS, GaussianDiffusion, create_diffusion, ddim_sample,
-                              ddpm_sample, discretized_gaussian_log_likelihood, normal_kl)
-from shared.errors import UserError
+from shared.diffusion import (NUM_TIMESTEPS, SAMPLER_NAMES, SAMPLERS, GaussianDiffusion, approx_std_normal_cdf,
+                              create_diffusion, ddim_sample, ddim_timesteps, ddpm_sample,
+                              discretized_gaussian_log_likelihood, get_sampler, normal_kl, space_timesteps)
+from shared.errors import ChoiceError, UserError
 
 BETAS = np.linspace(1e-4, 0.02, 1000)  # the DiT schedule, written out independently
 ABAR = np.cumprod(1 - BETAS)
@@ -18,9 +19,13 @@ def abar_prev(abar, t):
     return 1.0 if t == 0 else abar[t - 1]
 
 
-def kept_steps(k):
-    """ADM's one-section spacing: round(i * 999 / (k - 1)) for i < k."""
-    return [int(v) for v in np.round(np.linspace(0, NUM_TIMESTEPS - 1, k))]
+def kept_steps(k, size=NUM_TIMESTEPS):
+    """ADM's one-section spacing: a running float sum of the stride (size - 1) / (k - 1), each sum rounded."""
+    stride, total, kept = ((size - 1) / (k - 1) if k > 1 else 1), 0.0, []
+    for _ in range(k):
+        kept.append(round(total))  # Python's round: half to even, of the accumulated (inexact) sum
+        total += stride
+    return sorted(set(kept))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -79,22 +84,80 @@ def test_normal_kl_closed_form_and_monte_carlo():
 
 
 def _cdf(z):
-    """Standard normal CDF in float64 via math.erf."""
+    """Exact standard normal CDF in float64 via math.erf."""
     return 0.5 * (1 + math.erf(z / math.sqrt(2)))
 
 
-@pytest.mark.parametrize("mean,log_scale", [(0.1, math.log(0.05)), (-0.97, math.log(0.02)), (0.6, math.log(0.3))])
-def test_discretized_gaussian_matches_cdf_differences(mean, log_scale):
+def _approx_cdf(z):
+    """ADM's tanh approximation of the standard normal CDF, in float64 numpy."""
+    z = np.asarray(z, dtype=np.float64)
+    return 0.5 * (1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z**3)))
+
+
+def _approx_pdf(z):
+    """d/dz of _approx_cdf: 0.5 sech^2(g(z)) g'(z), g(z) = sqrt(2/pi) (z + 0.044715 z^3)."""
+    z = np.asarray(z, dtype=np.float64)
+    g = np.sqrt(2 / np.pi) * (z + 0.044715 * z**3)
+    return 0.5 / np.cosh(g) ** 2 * np.sqrt(2 / np.pi) * (1 + 3 * 0.044715 * z**2)
+
+
+def _bin_log_prob(x, mean, scale):
+    """Float64 reference of ADM's decoder log-likelihood for one value: approximate-CDF bin, floored at 1e-12."""
+    hi, lo = _approx_cdf((x + 1 / 255 - mean) / scale), _approx_cdf((x - 1 / 255 - mean) / scale)
+    prob = hi if x < -0.999 else (1 - lo if x > 0.999 else hi - lo)  # edge bins reach -inf / +inf
+    return math.log(max(prob, 1e-12))
+
+
+def test_approx_cdf_is_the_tanh_formula_and_within_1_8e_4_of_phi():
+    z = torch.linspace(-8, 8, 16001, dtype=torch.float64)
+    approx = approx_std_normal_cdf(z)
+    np.testing.assert_allclose(approx.numpy(), _approx_cdf(z.numpy()), rtol=1e-14, atol=1e-16)
+    # Honest error vs the exact Phi: 1.79e-4 at most (near |z| = 2.6), but 2x too small at z = -4.
+    exact = torch.special.ndtr(z)
+    assert (approx - exact).abs().max().item() == pytest.approx(1.79e-4, abs=0.01e-4)
+    assert approx_std_normal_cdf(torch.tensor(-4.0, dtype=torch.float64)).item() / _cdf(-4) == pytest.approx(
+        0.5545, abs=1e-4)
+    assert (approx.diff() >= 0).all() and approx[0].item() < 1e-20 and approx[-1].item() == 1.0  # still a CDF
+
+
+@pytest.mark.parametrize("mean,log_scale", [(0.1, math.log(0.05)), (-0.97, math.log(0.02)), (0.6, math.log(0.3)),
+                                            (0.0, math.log(0.008))])
+def test_discretized_gaussian_matches_the_approximate_cdf_bins(mean, log_scale):
     levels = torch.arange(256, dtype=torch.float64) / 127.5 - 1  # the 256 pixel levels in [-1, 1]
     means, log_scales = torch.full_like(levels, mean), torch.full_like(levels, log_scale)
     logp = discretized_gaussian_log_likelihood(levels, means, log_scales)
     scale = math.exp(log_scale)
-    for i, x in enumerate(levels.tolist()):
-        hi = 1.0 if i == 255 else _cdf((x + 1 / 255 - mean) / scale)  # edge bins reach +-inf
-        lo = 0.0 if i == 0 else _cdf((x - 1 / 255 - mean) / scale)
-        ref = math.log(max(hi - lo, 1e-12))
-        assert logp[i].item() == pytest.approx(ref, rel=1e-6, abs=1e-9), f"level {i}"
-    assert logp.exp().sum().item() == pytest.approx(1.0, abs=1e-9)
+    ref = np.array([_bin_log_prob(x, mean, scale) for x in levels.tolist()])
+    # Tiny far-tail bins are differences of two CDF values near 1 (cancellation), so compare probabilities there.
+    np.testing.assert_allclose(logp.exp().numpy(), np.exp(ref), rtol=1e-9, atol=1e-15)
+    np.testing.assert_allclose(logp.numpy()[ref > math.log(1e-6)], ref[ref > math.log(1e-6)], rtol=1e-9)
+    assert logp.exp().sum().item() == pytest.approx(1.0, abs=1e-9)  # the approximation is a CDF: bins sum to 1
+    # Against the exact CDF each bin's probability is off by at most twice the CDF error (2 x 1.79e-4).
+    exact = [(1.0 if i == 255 else _cdf((x + 1 / 255 - mean) / scale)) - (0.0 if i == 0 else _cdf((x - 1 / 255 - mean)
+             / scale)) for i, x in enumerate(levels.tolist())]
+    assert np.abs(logp.exp().numpy() - np.array(exact)).max() < 3.6e-4
+    # float32, as training runs it: same values to float32 round-off where the bin is not tiny.
+    logp32 = discretized_gaussian_log_likelihood(levels.float(), means.float(), log_scales.float())
+    big = ref > math.log(1e-4)
+    np.testing.assert_allclose(logp32.numpy()[big], ref[big], rtol=1e-3, atol=1e-4)
+
+
+def test_discretized_gaussian_gradients_match_the_closed_form():
+    """d log P / d mean and d log P / d log_scale of the approximate-CDF bin, against their closed forms."""
+    x = torch.tensor([-1.0, -0.3, 0.0, 0.2, 1.0], dtype=torch.float64)
+    means = torch.tensor([-0.99, -0.31, 0.004, 0.19, 0.995], dtype=torch.float64, requires_grad=True)
+    log_scales = torch.tensor([-4.5, -4.0, -5.0, -3.5, -4.2], dtype=torch.float64, requires_grad=True)
+    discretized_gaussian_log_likelihood(x, means, log_scales).sum().backward()
+    for i, xi in enumerate(x.tolist()):
+        m, s = means[i].item(), math.exp(log_scales[i].item())
+        u, l = (xi + 1 / 255 - m) / s, (xi - 1 / 255 - m) / s  # du/dm = -1/s, du/dlog_s = -u (same for l)
+        fu = 0.0 if xi > 0.999 else _approx_pdf(u)  # an infinite edge contributes no derivative
+        fl = 0.0 if xi < -0.999 else _approx_pdf(l)
+        cu = 1.0 if xi > 0.999 else _approx_cdf(u)
+        cl = 0.0 if xi < -0.999 else _approx_cdf(l)
+        prob = cu - cl
+        assert means.grad[i].item() == pytest.approx(-(fu - fl) / s / prob, rel=1e-8), f"x={xi}"
+        assert log_scales.grad[i].item() == pytest.approx(-(fu * u - fl * l) / prob, rel=1e-8), f"x={xi}"
 
 
 def test_discretized_gaussian_far_tails_are_floored():
@@ -102,7 +165,7 @@ def test_discretized_gaussian_far_tails_are_floored():
     means = torch.tensor([0.9, -0.9, 0.9, 1.2])  # three points far in the tail of the decoder, one not
     logp = discretized_gaussian_log_likelihood(x, means, torch.full_like(x, math.log(0.01)))
     torch.testing.assert_close(logp[:3], torch.full((3,), math.log(1e-12)))
-    assert logp[3].item() == pytest.approx(math.log(1 - _cdf((1 - 1 / 255 - 1.2) / 0.01)), abs=1e-6)
+    assert logp[3].item() == pytest.approx(_bin_log_prob(1.0, 1.2, 0.01), abs=1e-6)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -119,10 +182,65 @@ def test_respacing_keeps_alphas_cumprod_and_map(k):
     assert d.timestep_map[0] == 0 and (k == 1 or d.timestep_map[-1] == NUM_TIMESTEPS - 1)
 
 
+def test_space_timesteps_is_the_accumulated_float_stride_for_every_count():
+    for k in range(1, NUM_TIMESTEPS + 1):
+        assert space_timesteps(NUM_TIMESTEPS, k) == kept_steps(k), f"k={k}"
+    # Not round(i * stride): that rule keeps other steps for 278 of the 1000 counts.
+    naive = lambda k: sorted({round(i * (999 / (k - 1))) for i in range(k)}) if k > 1 else [0]  # noqa: E731
+    assert sum(naive(k) != kept_steps(k) for k in range(1, 1001)) == 278
+
+
+def test_space_timesteps_hand_checked_values():
+    k21 = space_timesteps(1000, 21)  # stride 49.95: ten additions sum to 499.49999999999994, not 499.5
+    assert 499 in k21 and 500 not in k21 and len(k21) == 21
+    assert space_timesteps(1000, 1000) == list(range(1000))
+    k250 = space_timesteps(1000, 250)  # stride 999 / 249 = 4.012...
+    assert k250[:6] == [0, 4, 8, 12, 16, 20] and k250[-1] == 999 and len(k250) == 250
+    assert space_timesteps(1000, 1) == [0] and space_timesteps(1000, 2) == [0, 999]
+
+
+def test_respaced_betas_match_the_sequential_definition():
+    """beta'_i = 1 - abar_{kept[i]} / abar_{kept[i-1]}, built step by step over the kept set, bit for bit."""
+    for spacing in (None, 250, 21, "ddim50"):
+        d = create_diffusion(spacing)
+        kept = set(d.timestep_map.tolist())
+        last, betas, ts = 1.0, [], []
+        for t, abar in enumerate(np.cumprod(1.0 - np.linspace(1e-4, 0.02, 1000, dtype=np.float64))):
+            if t in kept:
+                betas.append(1.0 - abar / last)
+                last = abar
+                ts.append(t)
+        np.testing.assert_array_equal(d.betas, np.array(betas))
+        np.testing.assert_array_equal(d.timestep_map, ts)
+    # All 1000 steps go through the same respacing: within 4e-13 of the linear betas, no float32 change.
+    full = create_diffusion()
+    np.testing.assert_allclose(full.betas, BETAS, rtol=4e-13)
+    assert torch.equal(full.buffer("betas", "cpu"), torch.tensor(BETAS, dtype=torch.float32))
+
+
+def test_ddim_spacing_uses_the_smallest_integer_stride():
+    assert ddim_timesteps(1000, 50) == list(range(0, 1000, 20))
+    assert ddim_timesteps(1000, 250) == list(range(0, 1000, 4))
+    assert ddim_timesteps(1000, 1000) == list(range(1000))
+    assert ddim_timesteps(1000, 3) == [0, 334, 668]  # ceil(1000 / s) = 3 first at s = 334
+    d = create_diffusion("ddim50")
+    assert d.num_timesteps == 50 and d.timestep_map[-1] == 980
+    with pytest.raises(UserError, match="exactly 999 of 1000.*nearest step counts that have one are 500 or 1000"):
+        ddim_timesteps(1000, 999)
+
+
+def test_spacing_strings():
+    assert create_diffusion("250").timestep_map.tolist() == kept_steps(250)
+    assert create_diffusion("").num_timesteps == 1000
+    with pytest.raises(UserError, match="neither a number of sampling steps"):
+        create_diffusion("fast")
+
+
 def test_respacing_rejects_bad_counts():
-    for bad in (0, NUM_TIMESTEPS + 1):
-        with pytest.raises(UserError, match="between 1 and 1000"):
+    for bad in (0, NUM_TIMESTEPS + 1, "ddim0"):
+        with pytest.raises(UserError, match="number of sampling steps must be between 1 and 1000") as err:
             create_diffusion(bad)
+        assert "--" not in str(err.value)  # shared/ names the setting, not a flag
 
 
 @pytest.mark.parametrize("name", ["ddpm", "ddim"])
@@ -167,7 +285,8 @@ def _vb_reference(x0, xt, eps, v, t):
     if t == 0:
         lo = torch.where(x0 < -0.999, -math.inf, (x0 - 1 / 255 - model_mean) * torch.exp(-0.5 * log_var))
         hi = torch.where(x0 > 0.999, math.inf, (x0 + 1 / 255 - model_mean) * torch.exp(-0.5 * log_var))
-        prob = torch.special.ndtr(hi) - torch.special.ndtr(lo)
+        cdf = lambda z: 0.5 * (1 + torch.tanh(math.sqrt(2 / math.pi) * (z + 0.044715 * z**3)))  # noqa: E731 (ADM)
+        prob = (cdf(hi) - cdf(lo)).clamp(min=1e-12)
         return -torch.log(prob).mean().item() / math.log(2)
     true_mean = (math.sqrt(abp) * beta * x0 + math.sqrt(1 - beta) * (1 - abp) * xt) / (1 - ab)
     var2 = torch.exp(log_var)
@@ -321,14 +440,26 @@ def test_last_ddpm_step_adds_no_noise():
 
 def test_sampler_argument_errors():
     d, noise = create_diffusion(5), torch.randn(2, 1, 2, 2)
-    with pytest.raises(UserError, match="only to the DDIM"):
+    with pytest.raises(UserError, match="only to the ddim sampler") as err:
         ddpm_sample(d, oracle(), noise, eta=0.5)
-    with pytest.raises(UserError, match=r"\[0, 1\]"):
+    assert "--" not in str(err.value)
+    with pytest.raises(UserError, match=r"eta must lie in \[0, 1\]") as err:
         ddim_sample(d, oracle(), noise, eta=1.5)
+    assert "--" not in str(err.value)
     with pytest.raises(ValueError, match="one per row"):
         ddpm_sample(d, oracle(), noise, generator=_row_gens([0, 1, 2]))
     with pytest.raises(ValueError, match="expected C or 2C"):
         ddim_sample(d, lambda x, t: torch.cat([x, x, x], 1), noise)
+
+
+def test_sampler_vocabulary():
+    assert SAMPLER_NAMES == ("ddpm", "ddim") == tuple(SAMPLERS)
+    assert get_sampler("ddim") is ddim_sample and get_sampler("ddpm") is ddpm_sample
+    with pytest.raises(ChoiceError) as err:
+        get_sampler("euler")
+    assert (err.value.kind, err.value.value, err.value.choices) == ("sampler", "euler", ["ddpm", "ddim"])
+    assert "--" not in str(err.value) and "ddpm, ddim" in str(err.value)
+    assert "--sampler 'euler'" in str(err.value.advise("--sampler"))  # the CLI turns it into flag advice
 
 
 def test_custom_schedule_runs():
