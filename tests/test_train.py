@@ -150,6 +150,37 @@ def test_keep_last_retention_and_optional_features(latents, tmp_path):
     assert sorted(p.name for p in (run / "exports").iterdir()) == [f"ema-step-000000{i}.safetensors" for i in (1, 2, 3, 4)]
 
 
+def test_previews_with_the_ema_on_the_cpu_follow_the_configured_guidance(latents, tmp_path):
+    from shared.export import load_weights
+    from train.preview import sample_preview
+
+    flags = ["--max-steps", "2", "--sample-every", "2", "--sample-steps", "3", "--lr", "1e-2", "--ema-decay", "0"]
+    runs = {choice: run_inprocess(latents, tmp_path / f"run-{choice}", *flags, "--ema-device", device,
+                                  "--sample-guide-channels", choice)
+            for choice, device in (("all", "cpu"), ("3", "gpu"))}
+    previews = {c: load_file(r / "samples" / "step-0000002.safetensors")["latents"] for c, r in runs.items()}
+    assert not torch.equal(previews["all"], previews["3"])  # the choice reaches the previews
+    for choice, run in runs.items():  # and each preview is the export's EMA sampled with that choice
+        state, config, _, _ = load_weights(run / "exports" / "ema-step-0000002.safetensors")
+        model = config.build().eval()
+        model.load_state_dict(state)
+        latents_, _ = sample_preview(model, (4, 4, 4), 3, 4.0, choice, torch.device("cpu"))
+        torch.testing.assert_close(latents_, previews[choice], atol=1e-5, rtol=1e-5)
+    same_ema = final_tensors(runs["all"]), final_tensors(runs["3"])  # EMA on the CPU or the device: same numbers
+    assert all(torch.equal(same_ema[0][k], same_ema[1][k]) for k in same_ema[0])
+
+
+@pytest.mark.slow
+def test_compiled_training_matches_eager(latents, tmp_path):
+    flags = ["--max-steps", "2", "--lr", "1e-3", "--class-dropout-prob", "0"]
+    compiled = run_inprocess(latents, tmp_path / "compiled", *flags, "--compile")
+    eager = run_inprocess(latents, tmp_path / "eager", *flags)
+    a, b = final_tensors(compiled), final_tensors(eager)
+    assert a.keys() == b.keys()
+    for key in a:  # inductor fuses and reorders float math, so equal within float32 noise, not bitwise
+        torch.testing.assert_close(a[key], b[key], atol=1e-4, rtol=1e-4, msg=key)
+
+
 def test_bf16_path_runs(latents, tmp_path):
     run = run_inprocess(latents, tmp_path / "run", "--max-steps", "2", "--mixed-precision", "bf16",
                         "--attention", "math", "--grad-checkpoint", "2")
