@@ -5,7 +5,6 @@ Metadata keys (all JSON strings, as safetensors metadata must be str -> str):
 """
 import json
 import os
-import re
 from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
@@ -71,49 +70,3 @@ def load_weights(path, device="cpu"):
     state_dict, metadata = _read_file(path, device)
     config, latent_meta, step = _parse_metadata(path, metadata)
     return state_dict, config, latent_meta, step
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The run folder layout (train writes it, sample reads it): one owner for its names
-# ---------------------------------------------------------------------------------------------------------
-
-CHECKPOINTS = "checkpoints"  # RUN/checkpoints/step-XXXXXXX/: full training state
-EXPORTS = "exports"  # RUN/exports/ema-step-XXXXXXX.safetensors: slim EMA weights
-STATE_FILE = "state.json"  # written last into a checkpoint folder: its presence marks it complete
-_CHECKPOINT_NAME = re.compile(r"^step-(\d{7,})$")
-_EXPORT_NAME = re.compile(r"^ema-step-(\d{7,})\.safetensors$")
-
-
-def checkpoint_name(step: int) -> str:
-    """Folder name of the checkpoint after `step` optimizer steps."""
-    return f"step-{step:07d}"
-
-
-def export_path(run_dir, step: int) -> Path:
-    """RUN/exports/ema-step-XXXXXXX.safetensors."""
-    return Path(run_dir) / EXPORTS / f"ema-{checkpoint_name(step)}.safetensors"
-
-
-def _by_step(folder: Path, pattern, keep=lambda p: True) -> list[Path]:
-    """Entries of folder whose name matches pattern (step in group 1), oldest first."""
-    if not folder.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := pattern.match(p.name)) and keep(p)]
-    return [p for _, p in sorted(found)]
-
-
-def list_checkpoints(run_dir) -> list[Path]:
-    """Complete checkpoint folders of a run, oldest first."""
-    return _by_step(Path(run_dir) / CHECKPOINTS, _CHECKPOINT_NAME, keep=lambda p: (p / STATE_FILE).is_file())
-
-
-def latest_checkpoint(run_dir) -> Path | None:
-    """The newest complete checkpoint folder, or None."""
-    found = list_checkpoints(run_dir)
-    return found[-1] if found else None
-
-
-def latest_export(run_dir) -> Path | None:
-    """The newest slim EMA export of a run, or None."""
-    found = _by_step(Path(run_dir) / EXPORTS, _EXPORT_NAME)
-    return found[-1] if found else None

@@ -124,12 +124,12 @@ def test_corrupt_metadata_is_a_user_error(tmp_path):
 
 def test_run_layout_finds_newest_complete_checkpoint_and_export(tmp_path):
     """Steps sort numerically; a checkpoint folder without state.json (half-written) is ignored."""
-    from shared.export import (CHECKPOINTS, STATE_FILE, checkpoint_name, export_path, latest_checkpoint,
-                               latest_export, list_checkpoints)
+    from shared.rundir import (CHECKPOINTS, STATE_FILE, export_path, latest_checkpoint, latest_export,
+                               list_checkpoints, list_partial, staging_path, step_name)
 
     assert latest_checkpoint(tmp_path) is None and latest_export(tmp_path) is None
     for step in (900, 10000, 12000):
-        folder = tmp_path / CHECKPOINTS / checkpoint_name(step)
+        folder = tmp_path / CHECKPOINTS / step_name(step)
         folder.mkdir(parents=True)
         if step != 12000:
             (folder / STATE_FILE).write_text("{}")
@@ -138,3 +138,6 @@ def test_run_layout_finds_newest_complete_checkpoint_and_export(tmp_path):
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step-0000900", "step-0010000"]
     assert latest_checkpoint(tmp_path).name == "step-0010000"
     assert latest_export(tmp_path).name == "ema-step-0012000.safetensors"
+    staging_path(tmp_path, 13000).mkdir()
+    assert [p.name for p in list_partial(tmp_path)] == [".tmp-step-0013000"]
+    assert latest_checkpoint(tmp_path).name == "step-0010000"  # a staging folder is never a checkpoint
