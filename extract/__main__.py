@@ -6,8 +6,11 @@ import sys
 from pathlib import Path
 
 from shared.errors import UserError, exit_with
+from shared.shards import FLIP_MODES, STORAGE_DTYPES
 
 PROG = "python -m extract"
+# The flag that sets each setting shared/ and extract name in their errors (ChoiceError / SettingError kinds).
+FLAGS = {"flip mode": "--flip", "storage dtype": "--dtype", "vae": "--vae", "vae config": "--vae-config"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,14 +31,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--image-size", type=int, default=256,
                    help="Side of the square centre crop (ADM preprocessing); a multiple of the VAE's "
                         "downsample factor (default: 256).")
-    p.add_argument("--flip", choices=("both", "none"), default="both",
+    p.add_argument("--flip", choices=list(FLIP_MODES), default="both",
                    help="both: also store the horizontally mirrored image's moments (train picks one per "
                         "step); none: originals only (default: both).")
     p.add_argument("--batch-size", type=int, default=64,
                    help="Images per encoder batch (x2 with --flip both; default: 64).")
     p.add_argument("--num-workers", type=int, default=None,
                    help="Image-decoding processes per extract process (default: up to 8, from the CPU count).")
-    p.add_argument("--dtype", choices=("fp16", "fp32"), default="fp16",
+    p.add_argument("--dtype", choices=list(STORAGE_DTYPES), default="fp16",
                    help="Storage dtype of the moments; encoding always runs in fp32 (default: fp16).")
     p.add_argument("--shard-size", type=int, default=4096,
                    help="Images per shard, also the unit of resume (default: 4096).")
@@ -53,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _config(args):
-    """ExtractConfig from parsed arguments (imported late so --help stays fast)."""
+    """ExtractConfig from parsed arguments."""
     from extract.run import ExtractConfig
 
     if args.out is None:
@@ -84,7 +87,7 @@ def main(argv=None) -> int:
             print(format_summary(summary))
         return 0
     except UserError as err:
-        exit_with(err, PROG)
+        exit_with(err, PROG, FLAGS)
 
 
 if __name__ == "__main__":

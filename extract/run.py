@@ -20,14 +20,15 @@ from tqdm import tqdm
 from extract.folder import ImageFolderScan, scan_image_folder
 from extract.images import to_model_input
 from extract.loader import ImageFileDataset, ShardBatches, make_loader
-from shared.errors import UserError
-from shared.shards import INDEX_NAME, TMP_PREFIX, ShardInfo, ShardWriter, shard_name, write_index
+from shared.distributed import process_state
+from shared.errors import ChoiceError, UserError
+from shared.fsio import atomic_write_text, stale_tmps
+from shared.shards import (FLIP_MODES, INDEX_NAME, STORAGE_DTYPES, ShardInfo, ShardWriter, shard_name,
+                           write_index)
 
 SETTINGS_NAME = "extract-settings.json"
 BAD_FILES_NAME = "bad-files.jsonl"
 SETTINGS_VERSION = 1
-STORAGE_DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
-FLIP_CHOICES = ("both", "none")
 
 
 @dataclass
@@ -82,8 +83,10 @@ def check_numbers(cfg: ExtractConfig) -> None:
         raise UserError(f"--limit must be a positive number of images, got {cfg.limit}; omit it to use all.")
     if cfg.num_workers is not None and cfg.num_workers < 0:
         raise UserError(f"--num-workers must be 0 (decode in the main process) or more, got {cfg.num_workers}.")
-    if cfg.flip not in FLIP_CHOICES or cfg.dtype not in STORAGE_DTYPES:
-        raise UserError(f"--flip must be one of {FLIP_CHOICES} and --dtype one of {tuple(STORAGE_DTYPES)}.")
+    if cfg.flip not in FLIP_MODES:
+        raise ChoiceError("flip mode", cfg.flip, FLIP_MODES)
+    if cfg.dtype not in STORAGE_DTYPES:
+        raise ChoiceError("storage dtype", cfg.dtype, STORAGE_DTYPES)
 
 
 def check_vae(cfg: ExtractConfig) -> tuple[str, dict]:
@@ -169,10 +172,8 @@ def plan(cfg: ExtractConfig) -> Plan:
 # ----------------------------------------------------------------------------------------------------------
 
 def _atomic_json(path: Path, data) -> None:
-    """Write JSON to a temp name and rename it into place (readers never see half a file)."""
-    tmp = path.with_name(f"{TMP_PREFIX}{path.name}")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(tmp, path)
+    """Write indented JSON atomically (readers never see half a file)."""
+    atomic_write_text(path, json.dumps(data, indent=1) + "\n")
 
 
 def sidecar_path(out: Path, shard: int) -> Path:
@@ -200,9 +201,9 @@ def read_finished(out: Path, shard: int, settings: dict) -> dict | None:
 def clean_unfinished(out: Path, shards: list[int]) -> None:
     """Remove temp files and half-written leftovers of the shards this process is about to redo."""
     for j in shards:
-        for path in (out / f"{TMP_PREFIX}{shard_name(j)}", out / shard_name(j),
-                     sidecar_path(out, j), out / f"{TMP_PREFIX}{sidecar_path(out, j).name}"):
-            path.unlink(missing_ok=True)
+        for path in (out / shard_name(j), sidecar_path(out, j)):
+            for leftover in (*stale_tmps(path), path):
+                leftover.unlink(missing_ok=True)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -228,7 +229,7 @@ def encode_pixels(vae, pixels: torch.Tensor, flip: bool, progress: Progress) -> 
             progress.chunk = max(1, (progress.chunk or len(x)) // 2)
             torch.cuda.empty_cache()
             tqdm.write(f"extract: out of GPU memory; encoding {progress.chunk} images per call from now on")
-    frames = 2 if flip else 1
+    frames = FLIP_MODES["both" if flip else "none"]
     return (mean.unflatten(0, (frames, -1)).transpose(0, 1),  # (B, F, C, h, w)
             std.unflatten(0, (frames, -1)).transpose(0, 1))
 
@@ -303,7 +304,8 @@ def encode_shards(cfg: ExtractConfig, plan_: Plan, shards: list[int], vae, state
     device, show = state.device, state.is_local_main_process
     batches = ShardBatches(shards, cfg.shard_size, len(plan_.scan), cfg.batch_size)
     dataset = ImageFileDataset(plan_.scan, cfg.image_size)
-    loader = make_loader(dataset, batches, default_workers(cfg), pin_memory=torch.device(device).type == "cuda")
+    loader = make_loader(dataset, batches, default_workers(cfg, state.num_processes),
+                         pin_memory=torch.device(device).type == "cuda")
     process = {"rank": state.process_index, "world_size": state.num_processes}
     sink, progress = ShardSink(Path(cfg.out), cfg, plan_, vae.identity, batches, process), Progress()
     total = sum(len(batches.shard_positions(j)) for j in shards)
@@ -332,11 +334,11 @@ def encode_shards(cfg: ExtractConfig, plan_: Plan, shards: list[int], vae, state
     return progress
 
 
-def default_workers(cfg: ExtractConfig) -> int:
+def default_workers(cfg: ExtractConfig, num_processes: int) -> int:
     """--num-workers, or up to 8 decoding processes per extract process, leaving one core for the main loop."""
     if cfg.num_workers is not None:
         return cfg.num_workers
-    cores = (os.cpu_count() or 1) // max(1, _process_state().num_processes)
+    cores = (os.cpu_count() or 1) // max(1, num_processes)
     return max(0, min(8, cores - 1))
 
 
@@ -356,7 +358,7 @@ def write_outputs(cfg: ExtractConfig, plan_: Plan) -> dict:
     if not any(i.num_samples for i in infos):
         raise UserError(f"none of the {len(plan_.scan)} images in {plan_.scan.root} could be read; see "
                         f"{out / BAD_FILES_NAME} for the reasons.")
-    (out / BAD_FILES_NAME).write_text("".join(json.dumps(b) + "\n" for b in bad))
+    atomic_write_text(out / BAD_FILES_NAME, "".join(json.dumps(b) + "\n" for b in bad))
     write_index(out, infos, index_meta(cfg, plan_, sidecars[0]["vae"], len(bad)))
     return {"num_samples": sum(i.num_samples for i in infos), "num_bad": len(bad), "num_shards": len(infos)}
 
@@ -368,7 +370,6 @@ def index_meta(cfg: ExtractConfig, plan_: Plan, vae_identity: dict, num_bad: int
         "num_classes": len(plan_.scan.classes),
         "class_names": plan_.scan.classes,
         "vae": vae_identity,
-        "flip": cfg.flip,
         "preprocessing": "adm_center_crop",
         "dataset": {"path": str(plan_.scan.root), "num_files": len(plan_.scan), "num_bad_files": num_bad,
                     "files_sha256": plan_.scan.fingerprint()},
@@ -393,23 +394,9 @@ def _load_vae(cfg: ExtractConfig, device):
     return LatentVAE.load(cfg.vae, device=device, config=cfg.vae_config)
 
 
-def _process_state():
-    """accelerate's PartialState; CPU-only when asked (ACCELERATE_USE_CPU) or when no GPU exists.
-
-    PartialState only forms a CPU (gloo) process group under torchrun when told cpu=True, which
-    `accelerate launch --cpu` says through ACCELERATE_USE_CPU; on a machine without CUDA or MPS we say it too.
-    """
-    from accelerate import PartialState
-    from accelerate.utils import parse_flag_from_env
-
-    mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
-    cpu = parse_flag_from_env("ACCELERATE_USE_CPU") or not (torch.cuda.is_available() or mps)
-    return PartialState(cpu=cpu)
-
-
 def run_extract(cfg: ExtractConfig) -> dict:
     """Plan, encode this process's pending shards, then (one process) write the report and index."""
-    state = _process_state()
+    state = process_state()
     plan_ = plan(cfg)  # every process runs the same checks, so all fail alike before any weights load
     out = Path(cfg.out)
     state.wait_for_everyone()

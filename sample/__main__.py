@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shared.diffusion import SAMPLERS
+from shared.diffusion import SAMPLER_NAMES
 from shared.errors import UserError, exit_with
 from shared.guidance import GUIDE_CHANNELS
 from shared.models import DiT_models
@@ -65,7 +65,7 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
                    help="classifier-free guidance scale; 1 = none (4.0 for pictures, 1.5 for FID)")
     p.add_argument("--guide-channels", choices=GUIDE_CHANNELS, default="3",
                    help="latent channels guided: 3 as the DiT release (a quirk), or all")
-    p.add_argument("--sampler", choices=list(SAMPLERS), default="ddpm", help="respaced sampler")
+    p.add_argument("--sampler", choices=SAMPLER_NAMES, default="ddpm", help="respaced sampler")
     p.add_argument("--num-sampling-steps", type=int, default=250, help="respaced steps (250 as the paper)")
     p.add_argument("--seed", type=int, default=0, help="image i's label and noise come from (seed, i)")
     p.add_argument("--batch-size", type=int, default=32, help="images per forward pass (per process)")

@@ -9,9 +9,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from shared.diffusion import NUM_TIMESTEPS, SAMPLERS, create_diffusion
+from shared.diffusion import NUM_TIMESTEPS, create_diffusion, get_sampler
 from shared.distributed import process_state
-from shared.errors import ChoiceError, UserError
+from shared.errors import UserError
 from shared.guidance import check_guidance, guide_channel_count, guided_model_fn
 from shared.rundir import CHECKPOINTS, EMA_FILE, EXPORTS, MODEL_FILE
 
@@ -79,8 +79,7 @@ def check_numbers(o: SampleOptions) -> None:
                         f"(250 as the DiT paper; DDIM often uses 50).")
     if o.seed < 0:
         raise UserError(f"--seed {o.seed} must be a whole number >= 0.")
-    if o.sampler not in SAMPLERS:
-        raise ChoiceError("sampler", o.sampler, SAMPLERS)
+    get_sampler(o.sampler)
 
 
 def ckpt_label(path: Path) -> str:
@@ -172,7 +171,7 @@ def make_drawer(job: Job, device) -> Drawer:
     model_fn = guided_model_fn(model, o.cfg_scale, guide_channel_count(o.guide_channels, config.in_channels),
                                o.precision)
     latent_shape = (config.in_channels, config.input_size, config.input_size)
-    return Drawer(model_fn, create_diffusion(o.num_sampling_steps), SAMPLERS[o.sampler], vae, rescale,
+    return Drawer(model_fn, create_diffusion(o.num_sampling_steps), get_sampler(o.sampler), vae, rescale,
                   job.plan, o.seed, latent_shape, torch.device(device))
 
 

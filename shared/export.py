@@ -4,13 +4,13 @@ Metadata keys (all JSON strings, as safetensors metadata must be str -> str):
   "dit_config": ModelConfig.to_dict(), "latents": latent_meta, "step": the optimiser step.
 """
 import json
-import os
 from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from shared.errors import UserError
+from shared.errors import ChoiceError, UserError
+from shared.fsio import atomic_write
 from shared.models import ModelConfig
 
 
@@ -20,20 +20,13 @@ def _plain_tensors(state_dict):
 
 
 def save_weights(path, state_dict, model_config, latent_meta, step):
-    """Write state_dict + metadata to path atomically (temp file in the same folder, then rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write state_dict + metadata to path atomically (shared.fsio.atomic_write); returns the path."""
     if not isinstance(model_config, ModelConfig):
         model_config = ModelConfig.from_dict(dict(model_config))  # fail now, not when someone loads it
     config = model_config.to_dict()
     metadata = {"dit_config": json.dumps(config), "latents": json.dumps(latent_meta), "step": str(int(step))}
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        save_file(_plain_tensors(state_dict), str(tmp), metadata=metadata)
-        os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the whole new one
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    tensors = _plain_tensors(state_dict)
+    return atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
 
 def _read_file(path, device):
@@ -59,6 +52,9 @@ def _parse_metadata(path, metadata):
         config = ModelConfig.from_dict(json.loads(metadata["dit_config"]))
         latent_meta = json.loads(metadata["latents"]) if "latents" in metadata else None
         step = int(metadata.get("step", 0))
+    except ChoiceError as err:  # e.g. a preset this version does not know: the file's fault, not a flag's
+        raise UserError(f"the metadata of {path} describes a model this version cannot build ({err}); use the "
+                        "code version that wrote it, or re-export the weights.") from err
     except (json.JSONDecodeError, TypeError, ValueError) as err:
         raise UserError(f"the metadata of {path} is corrupt ({err}); re-export the weights.") from err
     return config, latent_meta, step

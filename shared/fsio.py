@@ -39,6 +39,24 @@ def fsync_file(path: Path) -> None:
         os.fsync(f.fileno())
 
 
+def stale_tmps(path: Path) -> list[Path]:
+    """Temp siblings of `path` that writers (of any process, any version) left behind when killed mid-write."""
+    path = Path(path)
+    return sorted(path.parent.glob(f"{TMP_PREFIX}{path.name}*"))
+
+
+def publish_file(tmp: Path, path: Path) -> Path:
+    """Make a fully written (and closed) temp file visible as `path`: fsync it, rename, fsync the folder.
+
+    For writers that stream into tmp_name(path) themselves (e.g. a shard); others use atomic_write.
+    """
+    tmp, path = Path(tmp), Path(path)
+    fsync_file(tmp)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+    return path
+
+
 def atomic_write(path, write: Callable[[Path], object]) -> Path:
     """Call write(tmp) to produce the file at a temp name, then fsync and rename it over `path`."""
     path = Path(path)
@@ -46,12 +64,10 @@ def atomic_write(path, write: Callable[[Path], object]) -> Path:
     tmp = tmp_name(path)
     try:
         write(tmp)
-        fsync_file(tmp)
-        os.replace(tmp, path)
+        publish_file(tmp, path)
     finally:
         if tmp.exists():
             tmp.unlink()
-    fsync_dir(path.parent)
     return path
 
 

@@ -8,9 +8,10 @@ Layout of a latent folder (written by `extract`, read by `train`):
                            KEY.cls                 the class index in ASCII
     index-arrays.npz       per-sample arrays, concatenated in shard order: "offsets" (int64, byte offset of
                            each safetensors payload inside its tar) and "labels" (int64)
-    index.json             written LAST (temp + rename): format, version, counts, latent shape, dtype,
-                           flips, image size, classes, VAE identity, the payload layout, per shard
-                           {name, num_samples, size, sha256} and {name, size, sha256} of the sidecar
+    index.json             written LAST (shared.fsio.atomic_write): format, version, counts, latent shape,
+                           dtype, flips (F: 2 = FLIP_MODES["both"], 1 = "none"), image size, classes, VAE
+                           identity, the payload layout, per shard {name, num_samples, size, sha256} and
+                           {name, size, sha256} of the sidecar
 
 Why a sidecar: 1.28M samples would be 2.5M JSON integers (seconds to parse); a binary .npz of two int64
 arrays loads in milliseconds, and index.json covers it by size and sha256, so a half-written or swapped
@@ -26,7 +27,6 @@ import hashlib
 import io
 import json
 import mmap
-import os
 import tarfile
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -37,6 +37,7 @@ import safetensors.numpy
 import torch
 
 from shared.errors import UserError
+from shared.fsio import TMP_PREFIX, atomic_write_bytes, publish_file, tmp_name
 
 FORMAT_NAME = "dit-latent-shards"
 FORMAT_VERSION = 1
@@ -47,7 +48,10 @@ LABEL_EXT = "cls"
 TENSOR_NAMES = ("mean", "std")
 BLOCK = 512
 RECORD = 20 * BLOCK  # tar's default record size; the archive is padded to a whole record like GNU tar
-TMP_PREFIX = ".tmp-"
+# The --flip vocabulary of extract: mode -> F, the moments stored per sample (original, then its mirror).
+FLIP_MODES = {"both": 2, "none": 1}
+# The --dtype vocabulary of extract: how the moments are stored (the encoder always runs in fp32).
+STORAGE_DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
 
 _DTYPES = {"float16": np.float16, "float32": np.float32}
 _TORCH_DTYPES = {"float16": torch.float16, "float32": torch.float32}
@@ -77,31 +81,6 @@ def _sha256_file(path: Path, chunk: int = 1 << 22) -> str:
         while block := f.read(chunk):
             digest.update(block)
     return digest.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    """fsync a directory so a rename inside it survives a crash (no-op where unsupported)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write bytes to a temp name in the same folder, fsync, and rename over `path`."""
-    tmp = path.with_name(f"{TMP_PREFIX}{path.name}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -187,14 +166,15 @@ class _HashingFile:
 class ShardWriter:
     """Context manager writing ONE webdataset-compatible shard, atomically.
 
-    Samples go to `.tmp-NAME` in the same folder; a clean exit pads the archive, fsyncs and renames it to
-    `path`; an exception removes the temp file. The same input always gives byte-identical shards.
+    Samples stream into shared.fsio.tmp_name(path); a clean exit pads the archive and publishes it as
+    `path` (fsio.publish_file: a durable rename); an exception removes the temp file. The
+    same input always gives byte-identical shards.
     """
 
     def __init__(self, path, dtype=torch.float16):
         self.path = Path(path)
         self.dtype = np.dtype(_DTYPES[dtype_name(dtype)])
-        self.tmp_path = self.path.with_name(f"{TMP_PREFIX}{self.path.name}")
+        self.tmp_path = tmp_name(self.path)
         self._file = None
         self._out: _HashingFile | None = None
         self._header: bytes | None = None  # the first payload's safetensors header; all must match it
@@ -263,14 +243,11 @@ class ShardWriter:
         self._out.write(_padding(len(data)))
 
     def _finish(self) -> None:
-        """Write the end-of-archive marker, fsync, rename into place and fill `self.info`."""
+        """Write the end-of-archive marker, publish the file under its name and fill `self.info`."""
         self._out.write(b"\0" * (2 * BLOCK))
         self._out.write(_padding(self._out.pos, RECORD))
-        self._file.flush()
-        os.fsync(self._file.fileno())
         self._file.close()
-        os.replace(self.tmp_path, self.path)
-        _fsync_dir(self.path.parent)
+        publish_file(self.tmp_path, self.path)
         self.info = ShardInfo(
             name=self.path.name, num_samples=len(self._keys), size=self._out.pos,
             sha256=self._out.digest.hexdigest(), keys=list(self._keys), labels=list(self._labels),
@@ -326,7 +303,7 @@ def _write_arrays(out_dir: Path, shards: list[ShardInfo]) -> dict:
     labels = np.array([y for s in shards for y in s.labels], dtype=np.int64)
     np.savez(buf, offsets=offsets, labels=labels)
     data = buf.getvalue()
-    _atomic_write_bytes(out_dir / ARRAYS_NAME, data)
+    atomic_write_bytes(out_dir / ARRAYS_NAME, data)
     return {"name": ARRAYS_NAME, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
@@ -356,7 +333,7 @@ def write_index(out_dir, shard_infos, meta: dict) -> Path:
                    for s in shards],
     }
     path = out_dir / INDEX_NAME
-    _atomic_write_bytes(path, (json.dumps(index, indent=1) + "\n").encode())
+    atomic_write_bytes(path, (json.dumps(index, indent=1) + "\n").encode())
     return path
 
 
@@ -370,8 +347,8 @@ _RERUN = "rerun the same extract command to finish or repair the folder"
 def _load_index(root: Path) -> dict:
     """Read index.json, or explain why the folder is not a finished latent folder."""
     if not root.is_dir():
-        raise UserError(f"latent folder {root} does not exist. Pass the --out folder of a finished "
-                        f"`python -m extract` run, or run extract first.")
+        raise UserError(f"latent folder {root} does not exist. Use the folder a finished `python -m extract` "
+                        f"run wrote, or run extract into it first.")
     path = root / INDEX_NAME
     if not path.is_file():
         leftovers = sorted(p.name for p in root.glob("*.tar")) + sorted(p.name for p in root.glob(f"{TMP_PREFIX}*"))
@@ -379,7 +356,7 @@ def _load_index(root: Path) -> dict:
             raise UserError(f"{root} holds shards ({leftovers[0]}, ...) but no {INDEX_NAME}: extraction did not "
                             f"finish. Rerun the same extract command; it resumes and writes {INDEX_NAME} last.")
         raise UserError(f"{root} has no {INDEX_NAME}, so it is not a latent folder. Run `python -m extract` "
-                        f"with --out {root} first.")
+                        f"into {root} first.")
     try:
         index = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -563,15 +540,6 @@ def collate(samples) -> dict:
         "std": torch.stack([s["std"] for s in samples]),
         "label": torch.tensor([int(s["label"]) for s in samples], dtype=torch.int64),
     }
-
-
-def check_compatible(expected: dict, found: dict, what: str,
-                     keys=("image_size", "latent_shape", "scaling_factor")) -> None:
-    """Raise UserError when two latent descriptions (latent_meta dicts) disagree on `keys`."""
-    diffs = [f"{k}: {expected.get(k)!r} vs {found.get(k)!r}" for k in keys if expected.get(k) != found.get(k)]
-    if diffs:
-        raise UserError(f"{what} does not match the latents ({'; '.join(diffs)}). Use latents extracted with "
-                        f"the same VAE and image size, or start a new run directory.")
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from urllib.parse import urlparse
 
 import torch
 
-from shared.errors import UserError
+from shared.errors import SettingError, UserError
 
 VAE_SHORT_NAMES = {"ema": "stabilityai/sd-vae-ft-ema", "mse": "stabilityai/sd-vae-ft-mse"}
 SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin")
@@ -29,8 +29,8 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _LOCAL_OPTIONS = (
     "Pass a local VAE instead: a diffusers folder (config.json + diffusion_pytorch_model.safetensors), e.g. "
     "downloaded once on a machine with internet by `huggingface-cli download stabilityai/sd-vae-ft-ema "
-    "--local-dir PATH` and then `--vae PATH`; or a single .safetensors/.ckpt/.pt file with a config.json "
-    "beside it (or given by --vae-config)."
+    "--local-dir PATH` and then given as {vae} PATH; or a single .safetensors/.ckpt/.pt file with a config.json "
+    "beside it (or given as {vae config})."
 )
 
 
@@ -53,9 +53,9 @@ def _locate_folder(folder: Path) -> _Located:
     if not (folder / "config.json").is_file() and (folder / "vae" / "config.json").is_file():
         folder = folder / "vae"
     if not (folder / "config.json").is_file():
-        raise UserError(f"The VAE folder {folder} has no config.json. {_LOCAL_OPTIONS}")
+        raise SettingError(f"The VAE folder {folder} has no config.json. {_LOCAL_OPTIONS}")
     if not any((folder / name).is_file() for name in WEIGHT_FILES):
-        raise UserError(
+        raise SettingError(
             f"The VAE folder {folder} has a config.json but no weights ({' or '.join(WEIGHT_FILES)}). "
             f"{_LOCAL_OPTIONS}"
         )
@@ -66,14 +66,14 @@ def _locate_folder(folder: Path) -> _Located:
 def _locate_file(path: Path, config: str | os.PathLike | None) -> _Located:
     """A single weight file whose architecture comes from config.json beside it or from `config`."""
     if path.suffix.lower() not in SINGLE_FILE_SUFFIXES:
-        raise UserError(
+        raise SettingError(
             f"The VAE file {path} is not a weight file ({', '.join(SINGLE_FILE_SUFFIXES)}). {_LOCAL_OPTIONS}"
         )
     config_path = Path(config) if config is not None else path.parent / "config.json"
     if not config_path.is_file():
-        raise UserError(
+        raise SettingError(
             f"The VAE file {path} needs its architecture: put the VAE's diffusers config.json beside it or "
-            f"pass --vae-config PATH/config.json (e.g. the config.json of stabilityai/sd-vae-ft-ema)."
+            f"pass {{vae config}} PATH/config.json (e.g. the config.json of stabilityai/sd-vae-ft-ema)."
         )
     path = path.resolve()
     return _Located(str(path), "file", path, config_path.resolve())
@@ -104,14 +104,14 @@ def _locate_hub(repo_id: str) -> _Located:
     except Exception:  # noqa: BLE001 - any cache miss means "not cached"; the message below says what to do
         pass
     if _hub_offline():
-        raise UserError(
+        raise SettingError(
             f"The VAE {repo_id!r} is not in the local Hugging Face cache and the hub cannot be reached "
             f"(offline). {_LOCAL_OPTIONS}"
         )
     try:
         config_path = Path(hf_hub_download(repo_id, "config.json"))
     except Exception as err:  # noqa: BLE001 - network and missing-repo errors alike become one message
-        raise UserError(
+        raise SettingError(
             f"Could not fetch the VAE {repo_id!r} from the Hugging Face hub ({type(err).__name__}). Check the "
             f"name (short names: {', '.join(VAE_SHORT_NAMES)}). {_LOCAL_OPTIONS}"
         ) from None
@@ -119,7 +119,7 @@ def _locate_hub(repo_id: str) -> _Located:
 
 
 def _locate(spec, config=None) -> _Located:
-    """Turn a --vae value into a _Located without loading weights; UserError when it cannot work."""
+    """Turn a VAE spec into a _Located without loading weights; UserError when it cannot work."""
     text = str(spec).strip()
     if text in VAE_SHORT_NAMES:
         return _locate_hub(VAE_SHORT_NAMES[text])
@@ -130,7 +130,7 @@ def _locate(spec, config=None) -> _Located:
         return _locate_file(path, config)
     if _HUB_ID.match(text) and not text.startswith((".", "/", "~")):
         return _locate_hub(text)
-    raise UserError(
+    raise SettingError(
         f"Unknown VAE {text!r}: it is not a short name ({', '.join(VAE_SHORT_NAMES)}), not an existing folder "
         f"or file, and not a hub id like stabilityai/sd-vae-ft-ema. {_LOCAL_OPTIONS}"
     )
@@ -147,7 +147,7 @@ def read_vae_config(spec, config=None) -> dict:
     try:
         return json.loads(located.config_path.read_text())
     except (OSError, ValueError) as err:
-        raise UserError(f"Cannot read the VAE config {located.config_path}: {err}. {_LOCAL_OPTIONS}") from None
+        raise SettingError(f"Cannot read the VAE config {located.config_path}: {err}. {_LOCAL_OPTIONS}") from None
 
 
 def downsample_factor(config: dict) -> int:
@@ -177,7 +177,7 @@ def _read_state_dict(path: Path) -> dict:
     if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
         state = state["state_dict"]
     if not isinstance(state, dict):
-        raise UserError(f"The VAE file {path} does not hold a state dict. {_LOCAL_OPTIONS}")
+        raise SettingError(f"The VAE file {path} does not hold a state dict. {_LOCAL_OPTIONS}")
     return state
 
 
@@ -197,9 +197,9 @@ def _load_single_file(located: _Located):
         vae.load_state_dict(state, strict=True)
     except RuntimeError as err:
         first = str(err).splitlines()[0]
-        raise UserError(
+        raise SettingError(
             f"The VAE file {located.path} does not match its config {located.config_path} ({first}). Pass the "
-            f"config.json that belongs to these weights with --vae-config."
+            f"config.json that belongs to these weights as {{vae config}}."
         ) from None
     return vae
 

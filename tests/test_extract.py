@@ -18,8 +18,9 @@ from PIL import Image
 from extract.folder import scan_image_folder
 from extract.images import MAX_IMAGE_PIXELS, center_crop_arr, load_image, open_rgb, preprocess
 from extract.run import BAD_FILES_NAME, SETTINGS_NAME, ExtractConfig, run_extract, sidecar_path
-from shared.errors import UserError
-from shared.shards import INDEX_NAME, LatentDataset
+from shared.errors import ChoiceError, UserError, advise
+from shared.fsio import stale_tmps, tmp_name
+from shared.shards import FLIP_MODES, INDEX_NAME, LatentDataset, shard_name
 from tests.conftest import ROOT, make_image_folder, make_tiny_vae
 
 
@@ -334,6 +335,22 @@ def test_flip_none_and_fp16_storage(tmp_path, image_folder, tiny_vae_dir):
     run_extract(_config(image_folder, out, tiny_vae_dir, flip="none", limit=4))
     ds = LatentDataset(out)
     assert len(ds) == 4 and ds.flips == 1 and ds.dtype == torch.float16
+    index = json.loads((out / INDEX_NAME).read_text())
+    assert index["flips"] == FLIP_MODES["none"] and "flip" not in index  # one record of the flip mode: F
+    (out / INDEX_NAME).write_text(json.dumps({**index, "flip": "none"}))  # as the previous version wrote it
+    assert LatentDataset(out).flips == 1
+
+
+def test_unknown_flip_or_dtype_is_a_choice_error_with_flag_advice(tmp_path, image_folder, tiny_vae_dir):
+    from extract.__main__ import FLAGS
+    from extract.run import check_numbers
+
+    for change, kind, flag in (({"flip": "mirror"}, "flip mode", "--flip"), ({"dtype": "bf16"}, "storage dtype",
+                                                                               "--dtype")):
+        with pytest.raises(ChoiceError) as caught:
+            check_numbers(_config(image_folder, tmp_path / "out", tiny_vae_dir, **change))
+        assert caught.value.kind == kind and FLAGS[kind] == flag
+        assert str(advise(caught.value, FLAGS)).startswith(f"{flag} ")
 
 
 def test_rerun_skips_finished_shards_and_redoes_partial_ones(tmp_path, image_folder, tiny_vae_dir):
@@ -342,7 +359,8 @@ def test_rerun_skips_finished_shards_and_redoes_partial_ones(tmp_path, image_fol
     run_extract(_config(image_folder, out, tiny_vae_dir))
     assert _folder_bytes(out) == _folder_bytes(ref)
     sidecar_path(out, 1).unlink()                                  # shard 1: tar written, sidecar missing
-    (out / ".tmp-shard-000002.tar").write_bytes(b"half a shard")  # shard 2: a leftover temp file
+    tmp_name(out / shard_name(2)).write_bytes(b"half a shard")  # shard 2: a leftover temp file
+    (out / ".tmp-shard-000002.tar").write_bytes(b"half a shard")  # ... and one named as older versions did
     sidecar_path(out, 2).unlink()
     (out / INDEX_NAME).unlink()
     before = (out / "shard-000000.tar").stat().st_mtime_ns
@@ -366,10 +384,11 @@ def _cli(data, out, vae, *extra) -> list:
             "16", "--shard-size", "4", "--batch-size", "2", "--num-workers", "0", *extra]
 
 
-def _wait_for(paths, proc, timeout=180.0) -> None:
-    """Poll until every path exists; fail if the process ends first or the time runs out."""
+def _wait_for(conditions, proc, timeout=180.0) -> None:
+    """Poll until every condition holds (a path exists, a callable returns true); fail if the process ends first
+    or the time runs out."""
     deadline = time.monotonic() + timeout
-    while not all(p.exists() for p in paths):
+    while not all(c() if callable(c) else c.exists() for c in conditions):
         assert proc.poll() is None, f"extract exited early: {proc.communicate()}"
         assert time.monotonic() < deadline, "timed out waiting for the first shard"
         time.sleep(0.05)
@@ -416,7 +435,7 @@ def _kill_mid_shard(data, out, vae) -> None:
     proc = subprocess.Popen([sys.executable, *_cli(data, out, vae)], cwd=ROOT, env=_ENV,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        _wait_for([sidecar_path(out, 0), out / ".tmp-shard-000001.tar"], proc)
+        _wait_for([sidecar_path(out, 0), lambda: stale_tmps(out / shard_name(1))], proc)  # shard 1 half written
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.communicate()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.conftest import ROOT, make_tiny_vae
-from shared.errors import UserError
+from shared.errors import SettingError, UserError, advise
 from shared.vae import LatentVAE, downsample_factor, draw_latents, read_vae_config, resolve_vae_spec
 
 
@@ -142,8 +142,9 @@ def test_single_file_with_config_beside_or_given(tmp_path, tiny_vae_dir, suffix)
         save_file(state, weights)
     else:
         torch.save({"state_dict": state}, weights)  # the .ckpt habit of wrapping the tensors
-    with pytest.raises(UserError, match="--vae-config"):
+    with pytest.raises(SettingError, match="pass vae config PATH") as caught:  # shared/ names the setting
         resolve_vae_spec(weights)
+    assert "pass --vae-config PATH" in str(advise(caught.value, {"vae config": "--vae-config"}))  # a CLI, its flag
     given = LatentVAE.load(weights, config=tiny_vae_dir / "config.json")
     shutil.copy(tiny_vae_dir / "config.json", weights.parent / "config.json")
     beside = LatentVAE.load(weights)
