@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from PIL import Image
 from tqdm import tqdm
 
+from shared.fsio import atomic_write
+
 DIGIT_MAX = 16.0  # load_digits pixel values lie in 0..16
 IMAGE_SIZE = 32
 NUM_CLASSES = 10
@@ -53,8 +55,6 @@ def build_digits(out_dir, size: int = IMAGE_SIZE, progress: bool = True) -> Path
         (out_dir / str(label)).mkdir(parents=True, exist_ok=True)
     for i in tqdm(range(len(labels)), desc="digits", unit="img", disable=not progress):
         path = image_path(out_dir, int(labels[i]), i)
-        if not path.exists():
-            tmp = path.with_name(f".{path.name}.tmp")
-            Image.fromarray(images[i]).save(tmp, format="PNG")
-            tmp.replace(path)  # atomic: an interrupted build never leaves a half-written PNG
+        if not path.exists():  # atomic: an interrupted build never leaves a half-written PNG
+            atomic_write(path, lambda tmp: Image.fromarray(images[i]).save(tmp, format="PNG"), durable=False)
     return out_dir
