@@ -4,35 +4,14 @@ import torch
 
 from shared.errors import ChoiceError, SettingError, UserError, advise
 from shared.guidance import GUIDE_CHANNELS, check_guidance, guide_channel_count, guided_model_fn
-from shared.models import DiT_models
-
-
-def tiny(**kwargs):
-    """A 2-block DiT-T/2 on 8x8x4 latents with 5 classes and learned variance (8 output channels)."""
-    return DiT_models["DiT-T/2"](**{"input_size": 8, "num_classes": 5, "depth": 2, **kwargs})
-
-
-def randomize(model, seed=0, scale=0.3):
-    """Random values in every parameter but pos_embed, so no zero-initialised layer hides a channel mix-up."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name != "pos_embed":
-                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype) * scale)
-    return model.eval()
-
-
-def inputs(n=3, seed=1, dtype=torch.float32):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 4, 8, 8, generator=gen, dtype=torch.float64).to(dtype)
-    return x, torch.randint(0, 1000, (n,), generator=gen), torch.randint(0, 5, (n,), generator=gen)
+from tests.test_models import inputs, randomize, tiny  # 2-block DiT-T/2, 8x8x4 latents, 5 classes
 
 
 @pytest.mark.parametrize("guide_channels", [3, None])
 def test_guided_prediction_matches_separate_passes(guide_channels):
     """Eq. 6 on the guided channels; the other noise channels and the variance are the conditional pass's."""
-    model = randomize(tiny().double())
-    x, t, y = inputs(dtype=torch.float64)
+    model = randomize(tiny().double()).eval()
+    x, t, y = inputs(n=3, dtype=torch.float64)
     with torch.no_grad():
         out = guided_model_fn(model, 4.0, guide_channels)(x, t, y)
         cond, uncond = model(x, t, y), model(x, t, torch.full_like(y, model.null_label))
@@ -44,10 +23,10 @@ def test_guided_prediction_matches_separate_passes(guide_channels):
 
 def test_one_forward_of_cond_and_null_rows_and_plain_pass_at_scale_one():
     """cfg s: a single 2N-row pass with labels [y; null]; cfg 1: one N-row conditional pass, bit-equal."""
-    model = randomize(tiny())
+    model = randomize(tiny()).eval()
     seen = []
     model.y_embedder.register_forward_pre_hook(lambda m, args: seen.append(args[0].tolist()))
-    x, t, y = inputs()
+    x, t, y = inputs(n=3)
     with torch.no_grad():
         plain = guided_model_fn(model, 1.0, 3)(x, t, y)
         guided_model_fn(model, 2.5, 3)(x, t, y)
@@ -58,8 +37,8 @@ def test_one_forward_of_cond_and_null_rows_and_plain_pass_at_scale_one():
 
 def test_rows_do_not_depend_on_the_batch():
     """Row i's guided output is the same in a batch of 3 as alone (float64, so kernels agree to rounding)."""
-    model = randomize(tiny().double())
-    x, t, y = inputs(dtype=torch.float64)
+    model = randomize(tiny().double()).eval()
+    x, t, y = inputs(n=3, dtype=torch.float64)
     fn = guided_model_fn(model, 4.0, None)
     with torch.no_grad():
         batch = fn(x, t, y)
@@ -68,8 +47,8 @@ def test_rows_do_not_depend_on_the_batch():
 
 
 def test_autocast_precision_follows_the_input_device():
-    model = randomize(tiny(), scale=0.05)  # small weights: bf16 rounding stays small next to the outputs
-    x, t, y = inputs()
+    model = randomize(tiny(), scale=0.05).eval()  # small weights: bf16 rounding stays small next to the outputs
+    x, t, y = inputs(n=3)
     with torch.no_grad():
         full = guided_model_fn(model, 4.0, 3, "fp32")(x, t, y)
         half = guided_model_fn(model, 4.0, 3, "bf16")(x, t, y)
