@@ -2,7 +2,6 @@
 import hashlib
 import io
 import json
-import os
 import pickle
 from itertools import islice
 from pathlib import Path
