@@ -29,6 +29,7 @@ from train.memory import GiB, build_model, format_size, forward_macs, model_conf
 from train.step import make_learner, train_step
 
 PROG = "python -m train.bench"
+FLAGS = {"model preset": "--model", "attention backend": "--attention", "precision": "--precisions"}
 # Dense tensor-core peaks in TFLOP/s for 16-bit inputs (vendor datasheets; GeForce figures with fp16
 # accumulation, about half with fp32 accumulation; H100/H200 SXM). First substring of
 # torch.cuda.get_device_name() that matches, in this order (A100 before A10, L40S before L40 before L4).
@@ -365,7 +366,7 @@ def main(argv=None):
     try:
         print(run(args))
     except UserError as err:
-        exit_with(err, PROG)
+        exit_with(err, PROG, FLAGS)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from train.memory import (ActivationProfile, build_model, count_parameters, form
 from train.step import make_learner, train_step
 
 PROG = "python -m train.plan"
+FLAGS = {"model preset": "--model", "precision": "--mixed-precision"}  # domain name -> flag
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adamw8bit": 2}  # AdamW: two fp32 moments; 8-bit: two 1-byte moments
 OPTIMIZER_LABELS = {"adamw": "AdamW, 2 fp32 moments", "adamw8bit": "8-bit AdamW, 2 bytes/param"}
 
@@ -308,7 +309,7 @@ def main(argv=None):
     try:
         print(run(args))
     except UserError as err:
-        exit_with(err, PROG)
+        exit_with(err, PROG, FLAGS)
 
 
 if __name__ == "__main__":
