@@ -4,10 +4,14 @@
 allowed choices under a domain name ("sampler", "attention", ...). Each stage's `__main__` knows which
 flag sets that name and turns the error into flag advice with `advise`.
 """
+import contextlib
+import errno
 import re
+import shutil
 import sys
 import textwrap
-from typing import NoReturn
+from pathlib import Path
+from typing import Iterator, NoReturn
 
 
 class UserError(Exception):
@@ -62,3 +66,82 @@ def exit_with(error: UserError, prog: str, flags: dict | None = None) -> NoRetur
     text = " ".join(str(advise(error, flags or {})).split())
     print(textwrap.fill(f"{prog}: error: {text}", width=100), file=sys.stderr)
     sys.exit(2)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# A full disk
+# ----------------------------------------------------------------------------------------------------------
+
+_NO_SPACE = {errno.ENOSPC, errno.EDQUOT}  # disk full; over quota (same fix)
+_NO_SPACE_TEXT = ("No space left on device", "os error 28", "Disk quot")  # Rust (safetensors) and C++ texts
+_NEARLY_FULL = 1 << 20  # bytes free below which a failed write is blamed on space (block + metadata slack)
+
+
+def _bytes(n: int) -> str:
+    """1536 -> '1.5 KiB'."""
+    size = float(n)
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{int(size)} {unit}" if unit == "bytes" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} bytes"
+
+
+def _free_bytes(path) -> int | None:
+    """Free bytes on the filesystem holding `path` (or its nearest existing parent); None if unknown."""
+    path = Path(path)
+    for folder in (path, *path.parents):
+        try:
+            return shutil.disk_usage(folder).free
+        except OSError:
+            continue
+    return None
+
+
+class DiskFullError(UserError):
+    """A write failed because the disk (or the quota) is full; already-finished files are intact."""
+
+    def __init__(self, path=None, written: int | None = None):
+        self.path, self.written = path, written
+        free = _free_bytes(path) if path is not None else None
+        where = f"the disk holding {path}" if path is not None else "the disk"
+        facts = ", ".join(x for x in (f"{_bytes(free)} free" if free is not None else "",
+                                      f"the write stopped after {_bytes(written)}" if written else "") if x)
+        super().__init__(
+            f"no space left on {where}{f' ({facts})' if facts else ''}. Files finished before it are intact; the "
+            f"unfinished one is redone on the rerun. Free some space (or move the output folder to a bigger disk) and rerun "
+            f"the same command: it continues from the last finished file."
+        )
+
+
+def disk_full(err: BaseException, path=None, written: int | None = None) -> DiskFullError | None:
+    """A DiskFullError for a write error caused by a full disk or quota, else None.
+
+    OSError carries errno ENOSPC/EDQUOT; safetensors' Rust errors say "os error 28"; torch.save's C++ writer
+    says neither ("unexpected pos ..."), so with a `path` an error is also blamed on space when the
+    filesystem holding it has under 1 MiB free.
+    """
+    if isinstance(err, DiskFullError):
+        return err
+    text = str(err)
+    if (isinstance(err, OSError) and err.errno in _NO_SPACE) or any(t in text for t in _NO_SPACE_TEXT):
+        return DiskFullError(path if path is not None else getattr(err, "filename", None), written)
+    if path is not None:
+        free = _free_bytes(path)
+        if free is not None and free < _NEARLY_FULL:
+            return DiskFullError(path, written)
+    return None
+
+
+@contextlib.contextmanager
+def cli_errors(prog: str, flags: dict | None = None) -> Iterator[None]:
+    """Turn UserErrors and full-disk write errors raised inside into one paragraph and exit status 2."""
+    try:
+        yield
+    except UserError as err:
+        exit_with(err, prog, flags)
+    except Exception as err:  # noqa: BLE001 - anything else is re-raised untouched
+        full = disk_full(err)
+        if full is None:
+            raise
+        exit_with(full, prog, flags)

@@ -5,10 +5,13 @@ part. Temp names start with TMP_PREFIX so a rerun can recognise and remove lefto
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
+
+from shared.errors import DiskFullError, disk_full
 
 TMP_PREFIX = ".tmp-"
 
@@ -68,15 +71,33 @@ def atomic_write(path, write: Callable[[Path], object], durable: bool = True) ->
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = tmp_name(path)
     try:
-        write(tmp)
-        if durable:
-            publish_file(tmp, path)
-        else:
-            os.replace(tmp, path)
+        with space_guard(path, tmp):
+            write(tmp)
+            if durable:
+                publish_file(tmp, path)
+            else:
+                os.replace(tmp, path)
     finally:
         if tmp.exists():
             tmp.unlink()
     return path
+
+
+@contextlib.contextmanager
+def space_guard(path, partial=None) -> Iterator[None]:
+    """Re-raise a write error inside as DiskFullError (naming `path`) when a full disk caused it.
+
+    torch.save's C++ writer reports a full disk as an opaque RuntimeError, so the test is the free space
+    left on the filesystem of `path` (shared.errors.disk_full). `partial`: the half-written file, whose size
+    says how far the write got.
+    """
+    try:
+        yield
+    except Exception as err:  # noqa: BLE001 - re-raised as is unless the disk is full
+        written = partial.stat().st_size if partial is not None and Path(partial).exists() else None
+        if disk_full(err, Path(path).parent, written) is None:
+            raise
+        raise DiskFullError(path, written) from None
 
 
 def atomic_write_bytes(path, data: bytes) -> Path:
