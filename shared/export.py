@@ -1,15 +1,23 @@
-"""Slim weight files: a safetensors state dict with the model config and latent metadata inside.
+"""Weight files: slim safetensors files with the model config inside, and the checks every weight load needs.
 
 Metadata keys (all JSON strings, as safetensors metadata must be str -> str):
   "dit_config": ModelConfig.to_dict(), "latents": latent_meta, "step": the optimiser step.
+
+Also here, for every reader of weights (DiT checkpoints, VAE files): `load_torch_file`, the one
+`torch.load(weights_only=True)` that turns a refused pickle into a message naming the blocked global,
+`safetensors_problem` (is a file whole, from its header alone) and `first_nonfinite` (NaN/inf weights).
 """
 import json
+import pickle
+import re
+import zipfile
 from pathlib import Path
 
+import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from shared.errors import ChoiceError, UserError
+from shared.errors import ChoiceError, SettingError, UserError
 from shared.fsio import atomic_write
 from shared.models import ModelConfig
 
@@ -38,8 +46,9 @@ def _read_file(path, device):
         with safe_open(str(path), framework="pt", device=str(device)) as f:
             return {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
     except (SafetensorError, OSError, ValueError) as err:
-        raise UserError(f"cannot read {path} as a safetensors weight file ({err}); the file is truncated or "
-                        "not a safetensors file. Re-export it, or pass an official DiT .pt checkpoint.") from err
+        raise UserError(f"cannot read {path} as a safetensors weight file ({err}); the file is truncated (an "
+                        "interrupted copy or download, a full disk) or not a safetensors file. Copy it again from "
+                        "where it was made, or use another weight file.") from err
 
 
 def _parse_metadata(path, metadata):
@@ -54,9 +63,10 @@ def _parse_metadata(path, metadata):
         step = int(metadata.get("step", 0))
     except ChoiceError as err:  # e.g. a preset this version does not know: the file's fault, not a flag's
         raise UserError(f"the metadata of {path} describes a model this version cannot build ({err}); use the "
-                        "code version that wrote it, or re-export the weights.") from err
+                        "code version that wrote it.") from err
     except (json.JSONDecodeError, TypeError, ValueError) as err:
-        raise UserError(f"the metadata of {path} is corrupt ({err}); re-export the weights.") from err
+        raise UserError(f"the metadata of {path} is corrupt ({err}); the file is damaged: copy it again from "
+                        "where it was made, or use another weight file.") from err
     return config, latent_meta, step
 
 
@@ -66,3 +76,76 @@ def load_weights(path, device="cpu"):
     state_dict, metadata = _read_file(path, device)
     config, latent_meta, step = _parse_metadata(path, metadata)
     return state_dict, config, latent_meta, step
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Checks every weight load needs
+# ----------------------------------------------------------------------------------------------------------
+
+def safetensors_problem(path) -> str | None:
+    """Why a safetensors file is not whole (truncated, not safetensors), from its header alone; None if whole."""
+    try:
+        with safe_open(str(path), framework="pt"):  # checks the header and that the data covers the file
+            return None
+    except (SafetensorError, OSError, ValueError) as err:
+        return " ".join(str(err).split()) or type(err).__name__
+
+
+def first_nonfinite(state_dict) -> tuple[str, int, int] | None:
+    """(name, NaN/inf count, size) of the first floating tensor, in key order, that is not all finite; else None."""
+    for name, tensor in state_dict.items():
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
+            bad = int((~torch.isfinite(tensor)).sum())
+            if bad:
+                return name, bad, tensor.numel()
+    return None
+
+
+# torch names what its weights-only unpickler refused as "GLOBAL module.name" ("posix.system", a class...).
+_BLOCKED_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+_REFUSED = "Weights only load failed"  # the first words of every weights-only refusal
+
+
+def load_torch_file(path, fix: str, allowed=()):
+    """torch.load(weights_only=True) on the CPU -> the object; SettingError for a refused or unreadable file.
+
+    `fix` ends every message (it may name settings as {kind} fields); `allowed`: extra safe globals.
+    torch's own text is not repeated: it advises weights_only=False, which would run the file's code.
+    """
+    path = Path(path)
+    try:
+        with torch.serialization.safe_globals(list(allowed)):
+            return torch.load(str(path), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        blocked = _BLOCKED_GLOBAL.search(str(err)) if _REFUSED in str(err) else None
+        if blocked:
+            raise SettingError(_refused_pickle(path, blocked.group(1)) + " " + fix) from None
+        raise SettingError(_unreadable(path, _unpickler_detail(str(err)) or _first_line(err), fix)) from None
+    except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile, OSError) as err:
+        raise SettingError(_unreadable(path, _first_line(err), fix)) from None
+
+
+def _refused_pickle(path: Path, name: str) -> str:
+    """The refusal of a pickle that asks for a global (a function or class): what it wanted, and that nothing ran."""
+    return (f"{path} tried to run code while loading: its pickle asks to import and call `{name}`, which is neither "
+            f"a tensor nor a plain container, so the safe loader (torch.load with weights_only=True) refused the "
+            f"file and nothing in it was run. Weight files never need code: use a file from a source you trust, or "
+            f"a .safetensors copy of the weights.")
+
+
+def _unreadable(path: Path, detail: str, fix: str) -> str:
+    """The refusal of a file that is not a readable PyTorch file of tensors."""
+    return (f"cannot read {path} as a PyTorch weight file ({detail}): it is truncated (an interrupted copy or "
+            f"download), not a PyTorch file, or a pickle of more than plain tensors; nothing in it was run. {fix}")
+
+
+def _unpickler_detail(text: str) -> str:
+    """The one line of a weights-only failure that says what was refused (torch's advice lines dropped)."""
+    skip = ("Weights only load failed", "Please file an issue", "Check the documentation")
+    return next((line.strip() for line in text.splitlines() if line.strip() and not line.startswith(skip)), "")
+
+
+def _first_line(err: BaseException) -> str:
+    """The first sentence of an error's text (or its type name): torch appends paragraphs of advice."""
+    text = str(err).strip()
+    return text.splitlines()[0].split(". ")[0].rstrip(".")[:200] if text else type(err).__name__

@@ -167,13 +167,19 @@ def config_sha256(config: dict) -> str:
 # ----------------------------------------------------------------------------------------------------------
 
 def _read_state_dict(path: Path) -> dict:
-    """Tensors of a single weight file; .ckpt files often wrap them in 'state_dict'."""
+    """Tensors of a single weight file (.safetensors, else a PyTorch file); .ckpt files often wrap them in 'state_dict'."""
+    from shared.export import load_torch_file, safetensors_problem
+
     if path.suffix.lower() == ".safetensors":
         from safetensors.torch import load_file
 
+        problem = safetensors_problem(path)
+        if problem:
+            raise SettingError(f"The VAE file {path} cannot be read ({problem}): it is truncated or not a "
+                               f"safetensors file. Copy it again, or pass another {{vae}}.")
         state = load_file(str(path))
-    else:
-        state = torch.load(str(path), map_location="cpu", weights_only=True)
+    else:  # .ckpt, .pt, .pth, .bin: PyTorch files, read by the weights-only loader
+        state = load_torch_file(path, f"Pass another {{vae}}: {_LOCAL_OPTIONS[len('Pass a local VAE instead: '):]}")
     if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
         state = state["state_dict"]
     if not isinstance(state, dict):
@@ -205,11 +211,45 @@ def _load_single_file(located: _Located):
 
 
 def _load_folder(located: _Located):
-    """from_pretrained on a local folder, or a hub id (downloading the weights when online)."""
+    """from_pretrained on a local folder, or a hub id (downloading the weights when online); every tensor must load."""
     from diffusers import AutoencoderKL
 
+    from diffusers.utils import logging as diffusers_logging
+    from shared.export import safetensors_problem
+
     source = str(located.path) if located.path is not None else located.name
-    return AutoencoderKL.from_pretrained(source, torch_dtype=torch.float32)
+    weights = located.path / WEIGHT_FILES[0] if located.path is not None else None
+    if weights is not None and weights.is_file() and (problem := safetensors_problem(weights)):
+        raise SettingError(f"The VAE weight file {weights} cannot be read ({problem}): it is truncated (an "
+                           f"interrupted download or copy) or damaged. Download the folder again, or pass another "
+                           f"{{vae}}.")
+    verbosity = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_error()  # its missing-weights warning is replaced by the refusal below
+    try:
+        vae, info = AutoencoderKL.from_pretrained(source, torch_dtype=torch.float32, output_loading_info=True)
+    except (ValueError, RuntimeError, OSError) as err:  # shapes that do not fit the config; unreadable files
+        raise SettingError(f"The VAE {source} cannot be loaded: {_loading_problem(err)}. {_FOLDER_FIX}") from None
+    finally:
+        diffusers_logging.set_verbosity(verbosity)
+    # diffusers only warns about missing tensors and leaves them randomly initialised: noise images, no error.
+    missing, unexpected = info.get("missing_keys", []), info.get("unexpected_keys", [])
+    if missing or unexpected:
+        parts = [f"{len(keys)} {what} (e.g. {keys[0]})" for what, keys in
+                 (("tensors its config needs are missing from the weights", missing),
+                  ("tensors in the weights are not in its config", unexpected)) if keys]
+        raise SettingError(f"The VAE {source} does not fit its config.json: {'; '.join(parts)}. {_FOLDER_FIX}")
+    return vae
+
+
+_FOLDER_FIX = ("The weights and config.json of a VAE folder must come from the same VAE (a folder mixed from two "
+               "VAEs, or an interrupted download); download the folder again, or pass another {vae}.")
+
+
+def _loading_problem(err: BaseException) -> str:
+    """diffusers' loading error in one clause, without its advice to overwrite weights randomly."""
+    text = " ".join(str(err).split())
+    text = text.split(" If you want to instead overwrite")[0].replace("Cannot load because ", "")
+    return text.rstrip(". ")[:300] or type(err).__name__
 
 
 class LatentVAE:
