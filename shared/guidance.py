@@ -14,22 +14,39 @@ import torch
 from shared.errors import ChoiceError, SettingError
 from shared.precision import PRECISIONS, autocast_dtype
 
-# "3": the DiT release's quirk, which guides only the first 3 of the 4 latent channels (kept for exact
-# reproduction of its samples); "all": every latent channel, the standard form of guidance.
-GUIDE_CHANNELS = ("3", "all")
+# "3": the DiT release's quirk, which guides only the first 3 of the 4 latent channels of sd-vae-ft-ema
+# latents (kept for exact reproduction of its samples and FID protocol; it means nothing for other channel
+# counts); "all": every latent channel, the standard form of guidance; "auto": "3" for 4-channel latents, as
+# the release, "all" otherwise.
+GUIDE_CHANNELS = ("auto", "3", "all")
+QUIRK_CHANNELS = 4  # the latent channel count the release's quirk was written for
 
 
 def guide_channel_count(choice: str, in_channels: int) -> int | None:
     """The guided latent channels of a GUIDE_CHANNELS choice: an int, or None for all `in_channels`."""
     if choice not in GUIDE_CHANNELS:
         raise ChoiceError("guide-channel choice", choice, GUIDE_CHANNELS)
+    if choice == "auto":
+        choice = "3" if in_channels == QUIRK_CHANNELS else "all"
     if choice == "all":
         return None
-    count = int(choice)
-    if count > in_channels:
-        raise SettingError(f"{{guide-channel choice}} {choice} needs at least {count} latent channels but this "
-                           f"model has {in_channels}; use {{guide-channel choice}} all.")
-    return count
+    if in_channels != QUIRK_CHANNELS:
+        raise SettingError(f"{{guide-channel choice}} 3 is the DiT release's quirk for {QUIRK_CHANNELS}-channel "
+                           f"latents (it guides 3 of their 4 channels) but this model has {in_channels} latent "
+                           f"channels; use {{guide-channel choice}} all (or auto, which guides all of them here).")
+    return int(choice)
+
+
+def describe_guidance(choice: str, in_channels: int, cfg_scale: float) -> str:
+    """One line saying which guidance rule applies, e.g. for the sampling log."""
+    if cfg_scale == 1.0:
+        return "guidance: none (cfg scale 1)"
+    count = guide_channel_count(choice, in_channels)
+    if count is None:
+        return f"guidance: cfg scale {cfg_scale:g} on all {in_channels} latent channels ({choice})"
+    why = "auto: the DiT release's rule for 4-channel latents" if choice == "auto" else "as asked"
+    return (f"guidance: cfg scale {cfg_scale:g} on the first {count} of {in_channels} latent channels ({why}; the "
+            f"last channel and the variance are the conditional prediction's)")
 
 
 def check_guidance(cfg_scale: float, has_null_class: bool) -> None:

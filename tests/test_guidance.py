@@ -59,13 +59,21 @@ def test_autocast_precision_follows_the_input_device():
 
 
 def test_guide_channel_vocabulary():
-    assert GUIDE_CHANNELS == ("3", "all")
+    """auto: the release's 3-channel quirk for 4-channel latents only; '3' is refused for any other count."""
+    from shared.guidance import describe_guidance
+    assert GUIDE_CHANNELS == ("auto", "3", "all")
     assert guide_channel_count("3", 4) == 3 and guide_channel_count("all", 4) is None
+    assert guide_channel_count("auto", 4) == 3 and guide_channel_count("auto", 8) is None
+    assert guide_channel_count("auto", 2) is None and guide_channel_count("all", 8) is None
     with pytest.raises(ChoiceError) as caught:
         guide_channel_count("2", 4)
     assert (caught.value.kind, caught.value.choices) == ("guide-channel choice", list(GUIDE_CHANNELS))
-    with pytest.raises(SettingError, match="has 2; use guide-channel choice all"):
-        guide_channel_count("3", 2)
+    for channels in (2, 8):
+        with pytest.raises(SettingError, match=f"has {channels} latent channels; use guide-channel choice all"):
+            guide_channel_count("3", channels)
+    assert "first 3 of 4" in describe_guidance("auto", 4, 4.0) and "DiT release" in describe_guidance("auto", 4, 4.0)
+    assert "all 8 latent channels" in describe_guidance("auto", 8, 4.0)
+    assert describe_guidance("3", 4, 1.0) == "guidance: none (cfg scale 1)"
 
 
 def test_guidance_errors_name_the_setting_and_become_flag_advice():
