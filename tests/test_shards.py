@@ -2,7 +2,9 @@
 import hashlib
 import io
 import json
+import os
 import pickle
+import shutil
 from itertools import islice
 from pathlib import Path
 
@@ -248,10 +250,13 @@ def test_missing_folder_and_empty_folder(tmp_path):
         LatentDataset(tmp_path)
 
 
+FIX = r"rerun the same `python -m extract` command.*redoes exactly the damaged ones.*--verify --out"
+
+
 def test_missing_shard(folder):
     root, _, _ = folder
     (root / "shard-000001.tar").unlink()
-    with pytest.raises(UserError, match="shard-000001.tar.*missing.*rerun the same extract command"):
+    with pytest.raises(UserError, match=f"shard-000001.tar is missing.*{FIX}"):
         LatentDataset(root)
 
 
@@ -259,19 +264,97 @@ def test_truncated_shard(folder):
     root, _, _ = folder
     path = root / "shard-000002.tar"
     path.write_bytes(path.read_bytes()[:-512])
-    with pytest.raises(UserError, match="shard-000002.tar.*truncated.*rerun the same extract command"):
-        LatentDataset(root)
+    with pytest.raises(UserError, match=f"shard-000002.tar is .* bytes.*truncated.*{FIX}"):
+        LatentDataset(root, verify=False)  # sizes are checked even without hashing
 
 
-def test_corrupted_shard_caught_by_verify(folder):
+def _flip_byte(root: Path, info: ShardInfo) -> None:
+    """Flip one byte inside a stored tensor, keeping the size and (as disk rot does) the mtime."""
+    path = root / info.name
+    st = path.stat()
+    data = bytearray(path.read_bytes())
+    data[info.offsets[0] + info.layout["tensors"]["std"]] ^= 0xFF
+    with open(path, "r+b") as f:  # in place: same inode
+        f.write(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_corrupted_shard_is_refused_by_default(folder):
     root, samples, infos = folder
     path = root / "shard-000001.tar"
     data = bytearray(path.read_bytes())
     data[infos[1].offsets[0] + infos[1].layout["tensors"]["std"]] ^= 0xFF
     path.write_bytes(bytes(data))
-    LatentDataset(root)  # same size: only verify=True reads the data
-    with pytest.raises(UserError, match="shard-000001.tar.*sha256.*rerun the same extract command"):
-        LatentDataset(root, verify=True)
+    LatentDataset(root, verify=False)  # same size: only hashing sees it
+    with pytest.raises(UserError, match=f"damaged: shard-000001.tar fails its sha256 check.*{FIX}") as caught:
+        LatentDataset(root)
+    assert "shard-000000" not in str(caught.value) and "shard-000002" not in str(caught.value)
+
+
+def test_verified_shards_are_not_hashed_again(folder, monkeypatch):
+    root, _, infos = folder
+    hashed = []
+    real = shards._sha256_file
+    monkeypatch.setattr(shards, "_sha256_file", lambda path, *a: hashed.append(Path(path).name) or real(path, *a))
+    LatentDataset(root)
+    assert sorted(hashed) == [i.name for i in infos] and (root / shards.VERIFIED_NAME).is_file()
+    hashed.clear()
+    LatentDataset(root)  # a resume: stats only
+    assert hashed == []
+    path = root / infos[2].name
+    path.write_bytes(path.read_bytes())  # rewritten (new mtime): hashed again, still fine
+    LatentDataset(root)
+    assert hashed == [infos[2].name]
+    assert shards.damaged_files(root, json.loads((root / "index.json").read_text())["shards"], rehash=True) == {}
+    assert sorted(hashed) == sorted([infos[2].name] + [i.name for i in infos])  # rehash reads everything
+
+
+def test_a_copied_folder_is_hashed_again(folder, tmp_path):
+    """rsync -t and cp -p keep size and mtime; the new inode still tells that the bytes were never checked."""
+    root, _, infos = folder
+    LatentDataset(root)
+    copy = tmp_path / "copy"
+    shutil.copytree(root, copy)  # copy2: size and mtime kept, the verification record travels along
+    _flip_byte(copy, infos[0])   # damage in transfer, mtime kept
+    with pytest.raises(UserError, match="shard-000000.tar fails its sha256"):
+        LatentDataset(copy)
+
+
+def test_unwritable_folder_verifies_without_failing(folder, tmp_path, monkeypatch):
+    root, _, infos = folder
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    real = shards.atomic_write_text
+
+    def read_only(path, text):
+        if Path(path).parent == root:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path, text)
+
+    monkeypatch.setattr(shards, "atomic_write_text", read_only)
+    LatentDataset(root)
+    assert not (root / shards.VERIFIED_NAME).exists()
+    assert len(list((tmp_path / "cache").rglob("*.json"))) == 1  # the user cache holds the record instead
+    _flip_byte(root, infos[1])
+    os.utime(root / infos[1].name)  # a real change moves mtime
+    with pytest.raises(UserError, match="shard-000001.tar fails"):
+        LatentDataset(root)
+    monkeypatch.setattr(shards, "atomic_write_text", lambda path, text: (_ for _ in ()).throw(OSError(30, "ro")))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "nowhere"))
+    with pytest.raises(UserError, match="shard-000001.tar fails"):  # no record at all: still checked, no crash
+        LatentDataset(root)
+
+
+def test_a_garbled_verification_record_is_ignored(folder):
+    root, _, infos = folder
+    (root / shards.VERIFIED_NAME).write_text("{not json")
+    LatentDataset(root)
+    record = json.loads((root / shards.VERIFIED_NAME).read_text())
+    assert sorted(record["files"]) == [i.name for i in infos]
+    _flip_byte(root, infos[2])
+    record["files"][infos[2].name]["sha256"] = "0" * 64  # a record that disagrees with the index is not trusted
+    (root / shards.VERIFIED_NAME).write_text(json.dumps(record))
+    with pytest.raises(UserError, match="shard-000002.tar fails"):
+        LatentDataset(root)
 
 
 def test_unknown_version_and_bad_json(folder):
