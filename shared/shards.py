@@ -39,8 +39,8 @@ import safetensors.numpy
 import torch
 from tqdm import tqdm
 
-from shared.errors import UserError
-from shared.fsio import TMP_PREFIX, atomic_write_bytes, atomic_write_text, publish_file, tmp_name
+from shared.errors import UserError, disk_full
+from shared.fsio import TMP_PREFIX, atomic_write_bytes, atomic_write_text, publish_file, space_guard, tmp_name
 
 FORMAT_NAME = "dit-latent-shards"
 FORMAT_VERSION = 1
@@ -159,12 +159,18 @@ class ShardInfo:
 class _HashingFile:
     """A write-only file wrapper that tracks position and sha256 of everything written."""
 
-    def __init__(self, f):
-        self.f, self.pos, self.digest = f, 0, hashlib.sha256()
+    def __init__(self, f, path: Path):
+        self.f, self.path, self.pos, self.digest = f, path, 0, hashlib.sha256()
 
     def write(self, data: bytes) -> None:
-        """Write bytes and fold them into the running hash."""
-        self.f.write(data)
+        """Write bytes and fold them into the running hash; a full disk becomes DiskFullError naming the shard."""
+        try:
+            self.f.write(data)
+        except OSError as err:
+            full = disk_full(err, self.path, self.pos)
+            if full is None:
+                raise
+            raise full from None
         self.digest.update(data)
         self.pos += len(data)
 
@@ -193,17 +199,25 @@ class ShardWriter:
 
     def __enter__(self) -> "ShardWriter":
         self._file = open(self.tmp_path, "wb")
-        self._out = _HashingFile(self._file)
+        self._out = _HashingFile(self._file, self.path)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
             if exc_type is None:
-                self._finish()
+                with space_guard(self.path, self.tmp_path):  # the last buffer, close and fsync can hit a full disk
+                    self._finish()
         finally:
             if self.info is None:  # failed inside the block or while finishing (e.g. disk full)
-                self._file.close()
-                self.tmp_path.unlink(missing_ok=True)
+                self._discard()
+
+    def _discard(self) -> None:
+        """Close and delete the temp file, so a rerun starts the shard afresh and the space is freed."""
+        try:
+            self._file.close()  # flushing the buffer fails again on a full disk; the descriptor still closes
+        except OSError:
+            pass
+        self.tmp_path.unlink(missing_ok=True)
 
     def __len__(self) -> int:
         return len(self._keys)

@@ -1,4 +1,5 @@
 """The latent shard format: writer determinism, index-last, webdataset compatibility, reader errors, sampler."""
+import errno
 import hashlib
 import io
 import json
@@ -187,6 +188,29 @@ def test_writer_removes_temp_file_on_error(tmp_path):
         with ShardWriter(tmp_path / shard_name(0)) as writer:
             writer.add("000000", mean, std, label)
             raise RuntimeError("boom")
+    assert list(tmp_path.iterdir()) == [] and writer.info is None
+
+
+class _FullDisk(io.FileIO):
+    """A real file that runs out of space after `room` bytes, as a full disk does (close fails again too)."""
+
+    room = 3000
+
+    def write(self, data):
+        if self.tell() + len(data) > self.room:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return super().write(data)
+
+
+def test_writer_turns_a_full_disk_into_one_error_and_removes_its_temp_file(tmp_path, monkeypatch):
+    from shared.errors import DiskFullError
+
+    monkeypatch.setattr(shards, "open", lambda path, mode: io.BufferedWriter(_FullDisk(path, "w"), 512),
+                        raising=False)
+    with pytest.raises(DiskFullError, match=r"no space left on the disk holding .*shard-000000\.tar.*rerun"):
+        with ShardWriter(tmp_path / shard_name(0)) as writer:
+            for key, (mean, std, label) in enumerate(make_moments(4)):
+                writer.add(f"{key:06d}", mean, std, label)
     assert list(tmp_path.iterdir()) == [] and writer.info is None
 
 
