@@ -141,3 +141,45 @@ def test_run_layout_finds_newest_complete_checkpoint_and_export(tmp_path):
     staging_path(tmp_path, 13000).mkdir()
     assert [p.name for p in list_partial(tmp_path)] == [".tmp-step-0013000"]
     assert latest_checkpoint(tmp_path).name == "step-0010000"  # a staging folder is never a checkpoint
+
+
+# --------------------------------------------------------------------------------------------------------
+# Checks every weight load needs
+# --------------------------------------------------------------------------------------------------------
+
+class _Evil:
+    """A pickle that would call os.system if it were loaded without weights_only."""
+
+    def __reduce__(self):
+        import os
+        return (os.system, ("echo PWNED",))
+
+
+def test_load_torch_file_names_the_blocked_global_and_never_advises_unsafe_loading(tmp_path):
+    from shared.errors import SettingError, advise
+    from shared.export import load_torch_file
+
+    torch.save({"w": _Evil()}, tmp_path / "evil.pt")
+    with pytest.raises(SettingError) as caught:
+        load_torch_file(tmp_path / "evil.pt", "Pass another {vae}.")
+    text = str(advise(caught.value, {"vae": "--vae"}))
+    assert "tried to run code" in text and "`posix.system`" in text and "nothing in it was run" in text
+    assert text.endswith("Pass another --vae.") and "weights_only=False" not in text and "False" not in text
+    (tmp_path / "junk.pt").write_bytes(b"\x00junk" * 20)
+    with pytest.raises(SettingError, match="cannot read .* as a PyTorch weight file .*truncated"):
+        load_torch_file(tmp_path / "junk.pt", "")
+    torch.save({"w": torch.ones(2)}, tmp_path / "ok.ckpt")
+    assert torch.equal(load_torch_file(tmp_path / "ok.ckpt", "")["w"], torch.ones(2))
+
+
+def test_safetensors_problem_and_first_nonfinite(tmp_path, trained):
+    from shared.export import first_nonfinite, safetensors_problem
+
+    model, config = trained
+    path = save_weights(tmp_path / "w.safetensors", model.state_dict(), config, LATENT_META, 1)
+    assert safetensors_problem(path) is None
+    path.write_bytes(path.read_bytes()[:-10])
+    assert "incomplete" in safetensors_problem(path) or "header" in safetensors_problem(path)
+    state = {"a": torch.ones(3), "i": torch.tensor([1, 2]), "b": torch.tensor([1.0, float("inf"), float("nan")])}
+    assert first_nonfinite(state) == ("b", 2, 3)
+    assert first_nonfinite({"a": torch.ones(2)}) is None

@@ -196,3 +196,37 @@ def test_bad_specs_are_user_errors(tmp_path):
 def test_pipeline_folder_uses_its_vae_subfolder(tmp_path):
     make_tiny_vae(tmp_path / "pipeline" / "vae")
     assert resolve_vae_spec(tmp_path / "pipeline") == str((tmp_path / "pipeline" / "vae").resolve())
+
+
+def test_folder_whose_tensors_do_not_fit_its_config(tmp_path, tiny_vae_dir):
+    """diffusers would only warn and initialise missing tensors randomly; shapes of another VAE; a truncated file."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "missing"
+    shutil.copytree(tiny_vae_dir, folder)
+    weights = folder / "diffusion_pytorch_model.safetensors"
+    save_file({k: v for k, v in load_file(weights).items() if k != "decoder.conv_in.bias"}, weights)
+    with pytest.raises(SettingError, match="1 tensors its config needs are missing .*decoder.conv_in.bias"):
+        LatentVAE.load(folder)
+    shutil.copy(make_tiny_vae(tmp_path / "wide", latent_channels=8) / weights.name, weights)
+    with pytest.raises(SettingError, match="expected shape") as caught:
+        LatentVAE.load(folder)
+    assert "overwrite" not in str(caught.value)
+    weights.write_bytes(weights.read_bytes()[:500])
+    with pytest.raises(SettingError, match="cannot be read .*truncated"):
+        LatentVAE.load(folder)
+
+
+def test_malicious_ckpt_vae_is_refused(tmp_path, tiny_vae_dir):
+    """A single-file .ckpt is read by the weights-only loader; its blocked global is named."""
+    import os
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo PWNED",))
+
+    torch.save({"state_dict": Evil()}, tmp_path / "vae.ckpt")
+    shutil.copy(tiny_vae_dir / "config.json", tmp_path / "config.json")
+    with pytest.raises(SettingError, match="tried to run code.*posix.system") as caught:
+        LatentVAE.load(tmp_path / "vae.ckpt")
+    assert "pass another --vae" in str(advise(caught.value, {"vae": "--vae"})).lower()
