@@ -1,11 +1,11 @@
-"""CLI: `python -m sample --ckpt ...` draws images; `python -m sample decode LATENTS` decodes training samples."""
+"""CLI: `python -m sample --ckpt ...` draws images; `python -m sample decode LATENTS|DIR` decodes training samples."""
 from __future__ import annotations
 
 import argparse
 import sys
 
 from shared.diffusion import SAMPLER_NAMES
-from shared.errors import UserError, exit_with
+from shared.errors import cli_errors
 from shared.guidance import GUIDE_CHANNELS
 from shared.models import DiT_models
 from shared.precision import PRECISIONS
@@ -15,15 +15,34 @@ from sample.decode import DecodeOptions, run_decode
 from sample.generate import SampleOptions, run_sample
 
 PROG = "python -m sample"
+DESCRIPTION = """Class-conditional DiT sampling with classifier-free guidance, decoded by the VAE to PNGs, a grid and
+an optional .npz. Commands:
+  python -m sample --ckpt RUN|FILE [flags]       draw images (the flags below)
+  python -m sample decode LATENTS|DIR [flags]    decode training's preview latents (python -m sample decode -h)
+The DiT release's flag names work too: --global-seed, --per-proc-batch-size, --sample-dir, --num-fid-samples."""
 EPILOG = """Resume: rerun the same command; images already in --out are kept and only the missing ones are
 drawn. Image i's label and noise depend only on --seed and i, not on --batch-size or the number of
 processes (pixels then match exactly wherever the floating-point kernels do: same device and threads).
 Several GPUs: `accelerate launch -m sample ...` (rank r draws images i with i % world == r).
-Decode training's latent samples: `python -m sample decode RUN/samples/step-0000100.safetensors`."""
+Decode training's latent samples: `python -m sample decode RUN/samples/step-0000100.safetensors`, or
+`python -m sample decode RUN` for the newest preview (--all: every one)."""
 # The flag that sets each setting shared/ names in its errors (shared.errors.ChoiceError / SettingError kinds).
 FLAGS = {"model preset": "--model", "weights": "--weights", "cfg scale": "--cfg-scale",
          "guide-channel choice": "--guide-channels", "sampler": "--sampler", "precision": "--precision",
-         "vae": "--vae", "vae config": "--vae-config"}
+         "vae": "--vae", "vae config": "--vae-config", "sample folder": "--out"}
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the description's line breaks and ends every flag's help with its default (unless it says it)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text.lower() or action.required or action.default is argparse.SUPPRESS \
+                or not action.option_strings:
+            return text
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            return f"{text} (default: {'on' if action.default else 'off'})"
+        return f"{text} (default: %(default)s)"
 
 
 def add_vae_flags(p: argparse.ArgumentParser) -> None:
@@ -32,11 +51,15 @@ def add_vae_flags(p: argparse.ArgumentParser) -> None:
                    help="VAE that decodes the latents: ema | mse (stabilityai/sd-vae-ft-*), a hub id, or a local "
                         "diffusers folder / weight file. Default: the VAE recorded in the weights' latent metadata, "
                         "else ema")
-    p.add_argument("--vae-config", default=None, help="config.json for a single-file --vae (default: beside it)")
+    p.add_argument("--vae-config", default=None, help="config.json for a single-file --vae (default: the config.json beside it)")
     p.add_argument("--vae-precision", choices=list(PRECISIONS), default="fp32",
                    help="VAE decoder precision (fp32 default; bf16/fp16 halve its memory)")
     p.add_argument("--vae-tiling", action="store_true", help="decode in overlapping tiles (less memory, faint seams)")
     p.add_argument("--vae-slicing", action="store_true", help="decode one image of a batch at a time (less memory)")
+    p.add_argument("--allow-other-vae", action="store_true",
+                   help="decode with a VAE whose scaling factor or config differs from the one recorded with the "
+                        "latents (a deliberate swap); a VAE with other latent channels or downsample factor is "
+                        "always refused")
     p.add_argument("--cpu", action="store_true", help="run on the CPU even when a GPU is present")
 
 
@@ -45,35 +68,41 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ckpt", required=True,
                    help="training run folder (newest EMA export), a checkpoints/step-* folder, a .safetensors "
                         "export (config read from it), or an official DiT .pt/.pth state dict")
-    p.add_argument("--weights", choices=WEIGHTS, default="ema",
-                   help="with a run or checkpoint folder: EMA weights (default) or the raw training weights")
+    p.add_argument("--weights", choices=WEIGHTS, default=None,
+                   help="with a run or checkpoint folder (or an official training checkpoint holding both): the EMA "
+                        "weights or the raw training weights (default: ema; a file of one set is used as saved, "
+                        "and asking it for the other set is refused)")
     p.add_argument("--model", choices=list(DiT_models), default=None,
                    help="official .pt only: the preset (default: inferred from tensor shapes, and said)")
     p.add_argument("--image-size", type=int, default=None,
-                   help="official .pt only: image size in pixels, checked against latent size x VAE factor")
+                   help="official .pt only: image size in pixels, checked against latent size x VAE factor "
+                        "(default: not checked)")
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     """What to draw and how."""
-    p.add_argument("--class-labels", type=int, nargs="+", default=None,
-                   help="class indices, cycled over --num-samples (default: label i = i %% num_classes)")
+    p.add_argument("--class-labels", nargs="+", default=None, metavar="CLASS",
+                   help="class indices, or class names recorded with the latents (matched exactly, then ignoring "
+                        "case), cycled over --num-samples (default: label i = i %% num_classes)")
     p.add_argument("--random-labels", action="store_true",
                    help="draw each image's class uniformly from its own (seed, i) generator instead")
-    p.add_argument("--num-samples", type=int, default=None,
+    p.add_argument("--num-samples", "--num-fid-samples", type=int, default=None,
                    help="images to draw (default: one per --class-labels entry, else one per class)")
     p.add_argument("--cfg-scale", type=float, default=4.0,
                    help="classifier-free guidance scale; 1 = none (4.0 for pictures, 1.5 for FID)")
-    p.add_argument("--guide-channels", choices=GUIDE_CHANNELS, default="3",
-                   help="latent channels guided: 3 as the DiT release (a quirk), or all")
+    p.add_argument("--guide-channels", choices=GUIDE_CHANNELS, default="auto",
+                   help="latent channels guided: 3 (the DiT release's quirk for 4-channel latents), all, or auto "
+                        "(3 for 4-channel latents, as the release; all otherwise); the rule used is printed")
     p.add_argument("--sampler", choices=SAMPLER_NAMES, default="ddpm", help="respaced sampler")
     p.add_argument("--num-sampling-steps", type=int, default=250, help="respaced steps (250 as the paper)")
-    p.add_argument("--seed", type=int, default=0, help="image i's label and noise come from (seed, i)")
-    p.add_argument("--batch-size", type=int, default=32, help="images per forward pass (per process)")
+    p.add_argument("--seed", "--global-seed", type=int, default=0, help="image i's label and noise come from (seed, i)")
+    p.add_argument("--batch-size", "--per-proc-batch-size", type=int, default=32,
+                   help="images per forward pass (per process)")
     p.add_argument("--precision", choices=list(PRECISIONS), default="fp32",
                    help="DiT precision: fp32, or fp16/bf16 autocast")
     p.add_argument("--no-tf32", dest="tf32", action="store_false",
                    help="disable TF32 matmuls on Ampere+ GPUs (on by default, as the DiT release)")
-    p.add_argument("--out", default=None,
+    p.add_argument("--out", "--sample-dir", default=None,
                    help="output folder (default: samples/<ckpt>-cfg<s>-<sampler><steps>-seed<seed>)")
     p.add_argument("--npz", action="store_true",
                    help="also write samples.npz (arr_0 uint8 N x H x W x 3, labels) for FID tooling")
@@ -81,8 +110,7 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
 
 def sample_parser() -> argparse.ArgumentParser:
     """Parser of the default (sampling) command."""
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__, epilog=EPILOG,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION, epilog=EPILOG, formatter_class=HelpFormatter)
     add_model_flags(p)
     add_sampling_flags(p)
     add_vae_flags(p)
@@ -91,27 +119,30 @@ def sample_parser() -> argparse.ArgumentParser:
 
 def decode_parser() -> argparse.ArgumentParser:
     """Parser of `decode`."""
-    p = argparse.ArgumentParser(prog=f"{PROG} decode",
+    p = argparse.ArgumentParser(prog=f"{PROG} decode", formatter_class=HelpFormatter,
                                 description="Decode RUN/samples/step-*.safetensors latents to PNGs and a grid.")
-    p.add_argument("latents", help="a latents file written by training's --sample-every")
-    p.add_argument("--out", default=None, help="output folder (default: the file's path without .safetensors)")
+    p.add_argument("latents", metavar="LATENTS|DIR",
+                   help="a latents file written by training's --sample-every, or a folder of them (RUN/samples, or "
+                        "RUN itself): its newest file, or every file with --all")
+    p.add_argument("--all", action="store_true", help="with a folder: decode every preview file, not just the newest")
+    p.add_argument("--out", default=None,
+                   help="output folder (default: the file's path without .safetensors; with --all, one subfolder "
+                        "per file)")
     p.add_argument("--batch-size", type=int, default=16, help="latents decoded per VAE call")
     add_vae_flags(p)
     return p
 
 
 def main(argv=None) -> None:
-    """Dispatch `decode` or sampling; print UserErrors as one paragraph."""
+    """Dispatch `decode` or sampling; UserErrors and a full disk are printed as one paragraph (exit status 2)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     decoding = bool(argv) and argv[0] == "decode"
     prog = f"{PROG} decode" if decoding else PROG
-    try:
+    with cli_errors(prog, FLAGS):
         if decoding:
             run_decode(DecodeOptions(**vars(decode_parser().parse_args(argv[1:]))))
         else:
             run_sample(SampleOptions(**vars(sample_parser().parse_args(argv))))
-    except UserError as err:
-        exit_with(err, prog, FLAGS)
 
 
 if __name__ == "__main__":

@@ -2,22 +2,24 @@
 from __future__ import annotations
 
 import argparse
-import pickle
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from shared.errors import ChoiceError, UserError
-from shared.export import load_weights
+from shared.export import first_nonfinite, load_torch_file, load_weights, safetensors_problem
 from shared.models import ModelConfig, check_preset, infer_model_config
-from shared.rundir import CHECKPOINTS, EMA_FILE, EXPORTS, MODEL_FILE, latest_checkpoint, latest_export
+from shared.rundir import (CHECKPOINTS, EMA_FILE, EXPORTS, MODEL_FILE, checkpoint_path, is_complete_checkpoint,
+                           list_checkpoints, list_exports, step_of)
 
-OFFICIAL_SUFFIXES = (".pt", ".pth")
+TORCH_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")  # read with torch.load(weights_only=True); all else safetensors
 WEIGHTS = ("ema", "raw")  # which weights of a run or checkpoint: the EMA copy or the raw training weights
+AS_SAVED = "as saved"     # what settings.json records for a file holding one set of weights of unknown kind
 # Wrappers some trainers leave in front of every key (DDP, torch.compile).
 _KEY_PREFIXES = ("module.", "_orig_mod.")
+_OFFICIAL_FIX = ("Pass an official DiT checkpoint (downloaded from dl.fbaipublicfiles.com/DiT/models/, e.g. "
+                 "DiT-XL-2-256x256.pt) or a .safetensors export of this project.")
 
 
 @dataclass
@@ -31,29 +33,115 @@ class LoadedWeights:
     latent_meta: dict | None = None   # None for official checkpoints
     step: int | None = None
     notes: list[str] = field(default_factory=list)  # what was inferred; printed for the user
+    weights: str = AS_SAVED           # what was loaded: "ema", "raw", or AS_SAVED (a file's only set)
+    warnings: list[str] = field(default_factory=list)  # what the user must see (e.g. a broken newer export skipped)
 
 
-def resolve_ckpt_file(ckpt, weights: str = "ema") -> Path:
-    """--ckpt (run folder, checkpoint folder or file) -> the weight file to read; UserError if none."""
+@dataclass
+class WeightSource:
+    """The file --ckpt resolves to, which weights it holds, and what the resolution had to say."""
+
+    path: Path
+    weights: str | None               # "ema" | "raw" | AS_SAVED; None: chosen inside an official .pt
+    notes: list[str] = field(default_factory=list)
+
+
+def held_weights(path: Path) -> str | None:
+    """Which weights a file holds, from its place in the run folder layout (None: an official .pt decides)."""
+    if path.suffix.lower() in TORCH_SUFFIXES:
+        return None
+    if path.name == MODEL_FILE:
+        return "raw"
+    if path.name == EMA_FILE or path.parent.name == EXPORTS or step_of(path) is not None:
+        return "ema"
+    return AS_SAVED
+
+
+def resolve_ckpt(ckpt, weights: str | None = None) -> WeightSource:
+    """--ckpt (run folder, checkpoint folder or file) and --weights (None: not given) -> the file to read."""
     path = Path(ckpt).expanduser()
     if not path.exists():
         raise UserError(f"--ckpt {path} does not exist; pass a training run folder, a .safetensors export "
                         f"or an official DiT .pt checkpoint.")
     if path.is_file():
-        return path
-    if (path / MODEL_FILE).is_file():  # a single RUN/checkpoints/step-* folder
-        return path / (EMA_FILE if weights == "ema" else MODEL_FILE)
+        held = held_weights(path)
+        if weights is not None and held is not None and weights != held and not (held == AS_SAVED and weights == "ema"):
+            raise _weights_do_not_apply(path, weights, held)
+        return WeightSource(path, held)
+    if (path / MODEL_FILE).is_file() or (path / EMA_FILE).is_file():  # a single RUN/checkpoints/step-* folder
+        chosen = path / (MODEL_FILE if weights == "raw" else EMA_FILE)
+        _check_whole(chosen, "")
+        return WeightSource(chosen, weights or "ema")
+    return _newest_whole(path, weights or "ema")
+
+
+def resolve_ckpt_file(ckpt, weights: str | None = None) -> Path:
+    """The weight file --ckpt and --weights resolve to."""
+    return resolve_ckpt(ckpt, weights).path
+
+
+def _weights_do_not_apply(path: Path, asked: str, held: str) -> UserError:
+    """--weights asked for a set of weights the file does not hold."""
+    if held == "raw":
+        return UserError(f"--weights {asked} does not apply to {path}: a checkpoint's {MODEL_FILE} holds the raw "
+                         f"training weights only. For the EMA weights pass its folder ({path.parent}) or its "
+                         f"{EMA_FILE}; or drop --weights.")
+    folder = f"RUN/{CHECKPOINTS}/step-N"
+    return UserError(f"--weights {asked} does not apply to {path}: an export holds only the EMA weights, so there "
+                     f"are no raw weights in it to choose. For the raw training weights pass a checkpoint folder "
+                     f"({folder}) or the run folder with --weights raw, or {folder}/{MODEL_FILE}; to sample this "
+                     f"file, drop --weights.")
+
+
+def _check_whole(path: Path, advice: str) -> None:
+    """UserError when a safetensors weight file is missing or not whole."""
+    if not path.is_file():
+        raise UserError(f"{path} does not exist; the checkpoint folder is incomplete. {advice}".strip())
+    problem = safetensors_problem(path)
+    if problem:
+        raise UserError(f"{path} is not a whole weight file ({problem}): it was cut short (an interrupted copy or a "
+                        f"full disk) or is damaged. Delete it and use another weight file. {advice}".strip())
+
+
+def _newest_whole(run: Path, weights: str) -> WeightSource:
+    """The newest whole export (or checkpoint weights with --weights raw) of a run; incomplete newer ones are noted."""
     if weights == "raw":
-        step_dir = latest_checkpoint(path)
-        if step_dir is None:
-            raise UserError(f"the run folder {path} has no complete checkpoints ({CHECKPOINTS}/step-*/) yet; train "
-                            "until the first checkpoint is saved, or pass --weights ema for an export.")
-        return step_dir / MODEL_FILE
-    export = latest_export(path)
-    if export is None:
-        raise UserError(f"the run folder {path} has no EMA exports ({EXPORTS}/ema-step-*) yet; train until the first "
-                        "export is written, or pass --weights raw to use the newest checkpoint's raw weights.")
-    return export
+        candidates, what = [c / MODEL_FILE for c in list_checkpoints(run)], f"{CHECKPOINTS}/step-*/{MODEL_FILE}"
+    else:
+        candidates, what = list_exports(run), f"{EXPORTS}/ema-step-*.safetensors"
+    if not candidates:
+        raise _nothing_to_sample(run, weights)
+    skipped = []
+    for path in reversed(candidates):
+        problem = safetensors_problem(path)
+        if problem is None:
+            notes = [f"the newer {p} is not a whole weight file ({why}); sampling {path.name} instead. "
+                     f"{_other_copy(run, p, weights, 'Delete the broken file to stop this note.')}" for p, why in skipped]
+            return WeightSource(path, weights, notes)
+        skipped.append((path, problem))
+    newest, problem = skipped[0]
+    fallback = (f"Delete {newest} and pass another --ckpt; training writes a new one at its next checkpoint "
+                f"(--ckpt-every).")
+    raise UserError(f"no whole {what} in {run}: the newest, {newest}, is not a whole weight file ({problem}), and no "
+                    f"earlier one is whole either. {_other_copy(run, newest, weights, fallback)}")
+
+
+def _other_copy(run: Path, path: Path, weights: str, otherwise: str) -> str:
+    """Where else the EMA weights of a broken export are (its step's checkpoint), else `otherwise`."""
+    step = step_of(path) if weights == "ema" else None
+    folder = checkpoint_path(run, step) if step is not None else None
+    if folder is not None and is_complete_checkpoint(folder) and safetensors_problem(folder / EMA_FILE) is None:
+        return f"Its checkpoint holds the same EMA weights: pass --ckpt {folder} to sample that step."
+    return otherwise
+
+
+def _nothing_to_sample(run: Path, weights: str) -> UserError:
+    """A run folder without the weights asked for."""
+    if weights == "raw":
+        return UserError(f"the run folder {run} has no complete checkpoints ({CHECKPOINTS}/step-*/) yet; train "
+                         "until the first checkpoint is saved, or pass --weights ema for an export.")
+    return UserError(f"the run folder {run} has no EMA exports ({EXPORTS}/ema-step-*) yet; train until the first "
+                     "export is written, or pass --weights raw to use the newest checkpoint's raw weights.")
 
 
 def _strip_prefixes(state_dict: dict) -> dict:
@@ -64,30 +152,26 @@ def _strip_prefixes(state_dict: dict) -> dict:
     return state_dict
 
 
-def _torch_load(path: Path):
-    """torch.load with weights_only=True; official training checkpoints also pickle an argparse Namespace."""
-    try:
-        with torch.serialization.safe_globals([argparse.Namespace]):
-            return torch.load(str(path), map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, zipfile.BadZipFile, OSError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise UserError(f"cannot read {path} as a PyTorch state dict ({first}); the file is truncated or not "
-                        f"a DiT checkpoint. Pass an official DiT .pt file or a .safetensors export.") from err
-
-
-def _pick_state_dict(obj, path: Path, weights: str) -> dict:
-    """A bare state dict, or the 'ema'/'model' entry of a full official training checkpoint."""
+def _pick_state_dict(obj, path: Path, weights: str | None) -> tuple[dict, str]:
+    """(state dict, which) of a bare state dict, or of the 'ema'/'model' entry of a full official training checkpoint."""
+    which = AS_SAVED
     if isinstance(obj, dict) and isinstance(obj.get("ema"), dict) and isinstance(obj.get("model"), dict):
-        obj = obj["ema" if weights == "ema" else "model"]
+        which = weights or "ema"
+        obj = obj["ema" if which == "ema" else "model"]
+    elif weights == "raw":
+        raise UserError(f"--weights raw does not apply to {path}: it is a bare state dict holding one set of weights "
+                        f"(the DiT release's files hold the EMA weights), not a training checkpoint with 'ema' and "
+                        f"'model' entries. Drop --weights to sample it.")
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-        raise UserError(f"{path} does not hold a state dict of tensors; pass an official DiT .pt state dict "
-                        f"or a .safetensors export of this project.")
-    return _strip_prefixes(obj)
+        raise UserError(f"{path} does not hold a state dict of tensors. {_OFFICIAL_FIX}")
+    return _strip_prefixes(obj), which
 
 
-def _load_official(path: Path, weights: str, model: str | None) -> LoadedWeights:
+def _load_official(path: Path, weights: str | None, model: str | None) -> LoadedWeights:
     """A bare state dict: config inferred from tensor shapes, checked against --model if given."""
-    state_dict = _pick_state_dict(_torch_load(path), path, weights)
+    # Official training checkpoints (the DiT release's train.py) also pickle their argparse Namespace.
+    obj = load_torch_file(path, _OFFICIAL_FIX, allowed=[argparse.Namespace])
+    state_dict, which = _pick_state_dict(obj, path, weights)
     config = infer_model_config(state_dict)
     if model is not None and model != config.model:
         raise UserError(f"--model {model} does not fit {path}: its tensor shapes are those of {config.model} "
@@ -95,29 +179,50 @@ def _load_official(path: Path, weights: str, model: str | None) -> LoadedWeights
     how = "checked against --model" if model else "inferred from tensor shapes"
     notes = [f"{config.model}, latent {config.in_channels}x{config.input_size}x{config.input_size}, "
              f"{config.num_classes} classes ({how})"]
-    return LoadedWeights(state_dict, config, path, "official", notes=notes)
+    return LoadedWeights(state_dict, config, path, "official", notes=notes, weights=which)
 
 
-def _load_export(path: Path, model: str | None) -> LoadedWeights:
+def _load_export(path: Path, model: str | None, held: str) -> LoadedWeights:
     """Our safetensors export: config and latent metadata from the file, nothing inferred."""
     state_dict, config, latent_meta, step = load_weights(path)
     if model is not None and model != config.model:
         raise UserError(f"--model {model} contradicts {path}, which holds {config.model} weights (read from "
                         f"its metadata); drop --model, it is only needed for official .pt checkpoints.")
     return LoadedWeights(_strip_prefixes(state_dict), config, path, "export", latent_meta, step,
-                         [f"{config.model} step {step} (config read from the file's metadata)"])
+                         [f"{config.model} step {step} (config read from the file's metadata)"], held)
 
 
-def load_checkpoint(ckpt, weights: str = "ema", model: str | None = None) -> LoadedWeights:
-    """Resolve --ckpt and read its state dict and ModelConfig (no model is built yet)."""
-    if weights not in WEIGHTS:
+def check_finite(loaded: LoadedWeights) -> None:
+    """UserError naming the file and its first tensor with NaN/inf values (they sample black or noise images)."""
+    bad = first_nonfinite(loaded.state_dict)
+    if bad is None:
+        return
+    name, count, size = bad
+    if loaded.kind == "official":
+        fix = ("The file is damaged (e.g. an interrupted download): download it again; the DiT release's "
+               "checkpoints come from dl.fbaipublicfiles.com/DiT/models/.")
+    else:
+        fix = ("Training diverged before these weights were saved, or the file is damaged: pass an earlier export "
+               "or checkpoint with --ckpt (RUN/exports/ema-step-*.safetensors, RUN/checkpoints/step-*).")
+    raise UserError(f"{loaded.path} holds non-finite weights: tensor {name} has {count} NaN/inf values of {size} "
+                    f"(the first such tensor); sampling from it would give black or noise images. {fix}")
+
+
+def load_checkpoint(ckpt, weights: str | None = None, model: str | None = None) -> LoadedWeights:
+    """Resolve --ckpt, read its state dict and ModelConfig, refuse non-finite weights (no model is built yet)."""
+    if weights is not None and weights not in WEIGHTS:
         raise ChoiceError("weights", weights, WEIGHTS)
     if model is not None:
         check_preset(model)
-    path = resolve_ckpt_file(ckpt, weights)
-    if path.suffix.lower() in OFFICIAL_SUFFIXES:
-        return _load_official(path, weights, model)
-    return _load_export(path, model)
+    source = resolve_ckpt(ckpt, weights)
+    if source.path.suffix.lower() in TORCH_SUFFIXES:
+        loaded = _load_official(source.path, weights, model)
+    else:
+        loaded = _load_export(source.path, model, source.weights)
+    loaded.notes.extend(source.notes)
+    loaded.warnings.extend(source.notes)
+    check_finite(loaded)
+    return loaded
 
 
 def image_size_of(loaded: LoadedWeights, vae_factor: int, image_size: int | None) -> int:

@@ -11,9 +11,10 @@ from tqdm import tqdm
 
 from shared.distributed import process_state
 from shared.errors import UserError
+from shared.rundir import SAMPLES, step_of
 
-from sample.outputs import GRID_NAME, image_name, save_png, to_uint8, write_grid
-from sample.vae_setup import check_vae, choose_vae, latent_rescale, load_vae
+from sample.outputs import GRID_NAME, check_out_path, image_name, save_png, to_uint8, write_grid
+from sample.vae_setup import check_loaded_vae, check_vae, choose_vae, load_vae
 
 
 @dataclass
@@ -29,6 +30,8 @@ class DecodeOptions:
     vae_slicing: bool = False
     batch_size: int = 16
     cpu: bool = False
+    all: bool = False
+    allow_other_vae: bool = False
 
 
 def read_latents(path: Path) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -51,18 +54,50 @@ def read_latents(path: Path) -> tuple[torch.Tensor, torch.Tensor, dict]:
     return latents, labels, meta
 
 
-def run_decode(o: DecodeOptions) -> Path:
-    """Decode every latent to `{index:06d}-class{label}.png` plus grid.png in --out (default: beside the file)."""
+def preview_files(folder: Path) -> list[Path]:
+    """Preview files step-*.safetensors of RUN/samples (or of RUN, via its samples/ folder), oldest first."""
+    if (folder / SAMPLES).is_dir():
+        folder = folder / SAMPLES
+    found = [p for p in folder.glob("step-*.safetensors") if step_of(p) is not None]
+    return sorted(found, key=step_of)
+
+
+def decode_jobs(o: DecodeOptions) -> list[tuple[Path, Path]]:
+    """(latents file, output folder) pairs: the file, or the newest (all with --all) previews of a folder."""
+    path = Path(o.latents).expanduser()
+    if o.out:
+        check_out_path(Path(o.out), "decode")
+    if not path.is_dir():
+        return [(path, Path(o.out) if o.out else path.with_suffix(""))]
+    files = preview_files(path)
+    if not files:
+        raise UserError(f"{path} holds no preview files (step-*.safetensors, directly or in {SAMPLES}/); training "
+                        f"writes them to RUN/{SAMPLES}/ when run with --sample-every. Pass such a file or folder.")
+    chosen = files if o.all else files[-1:]
+    if o.out and len(chosen) > 1:  # one subfolder per file, so the images of two steps never mix
+        return [(f, Path(o.out) / f.stem) for f in chosen]
+    return [(f, Path(o.out) if o.out else f.with_suffix("")) for f in chosen]
+
+
+def run_decode(o: DecodeOptions) -> list[Path]:
+    """Decode each chosen file to `{index:06d}-class{label}[-name].png` plus grid.png in its output folder."""
     if o.batch_size < 1:
         raise UserError(f"--batch-size {o.batch_size} must be at least 1.")
-    path = Path(o.latents).expanduser()
-    latents, labels, meta = read_latents(path)
-    spec, how = choose_vae(o.vae, meta)
-    name, _ = check_vae(spec, o.vae_config, latents.shape[1])
-    out = Path(o.out) if o.out else path.with_suffix("")
+    jobs = decode_jobs(o)
+    loaded = [(read_latents(path), path, out) for path, out in jobs]  # every file is checked before any decoding
+    spec, how = choose_vae(o.vae, loaded[-1][0][2])  # the VAE recorded with the newest file
+    for (latents, _, meta), _, _ in loaded:
+        name, _ = check_vae(spec, o.vae_config, latents.shape[1], meta, o.allow_other_vae)
     device = process_state(o.cpu).device
     vae = load_vae(name, o.vae_config, device, o.vae_precision, o.vae_tiling, o.vae_slicing)
-    rescale, note = latent_rescale(vae, meta)
+    return [decode_file(vae, name, how, data, path, out, o) for data, path, out in loaded]
+
+
+def decode_file(vae, name: str, how: str, data, path: Path, out: Path, o: DecodeOptions) -> Path:
+    """Decode one preview file's latents into `out`."""
+    latents, labels, meta = data
+    rescale, note = check_loaded_vae(vae, meta, o.allow_other_vae)
+    names = meta.get("class_names") or []
     print(f"decoding {len(latents)} latents from {path} with VAE {name} ({how})" + (f"; note: {note}" if note else ""))
     out.mkdir(parents=True, exist_ok=True)
     images = []
@@ -70,7 +105,8 @@ def run_decode(o: DecodeOptions) -> Path:
         for start in tqdm(range(0, len(latents), o.batch_size), unit="batch", desc="decoding"):
             pixels = to_uint8(vae.decode(latents[start:start + o.batch_size] * rescale))  # (B, H, W, 3)
             for i, p in enumerate(pixels, start):
-                save_png(out / image_name(i, int(labels[i])), p)
+                y = int(labels[i])
+                save_png(out / image_name(i, y, names[y] if 0 <= y < len(names) else None), p)
                 images.append(p)
     write_grid(out / GRID_NAME, lambda i: images[i], labels.tolist())
     print(f"wrote {len(latents)} images and {GRID_NAME} to {out}")

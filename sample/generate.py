@@ -1,6 +1,7 @@
 """`python -m sample`: class-conditional DiT sampling (CFG, respaced DDPM/DDIM) decoded to PNGs, grid, npz."""
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -12,17 +13,19 @@ from tqdm import tqdm
 from shared.diffusion import NUM_TIMESTEPS, create_diffusion, get_sampler
 from shared.distributed import process_state
 from shared.errors import UserError
-from shared.guidance import check_guidance, guide_channel_count, guided_model_fn
+from shared.guidance import check_guidance, describe_guidance, guide_channel_count, guided_model_fn
+from shared.lock import hold_lock
 from shared.rundir import CHECKPOINTS, EMA_FILE, EXPORTS, MODEL_FILE
 
 from sample.checkpoint import LoadedWeights, build_model, image_size_of, load_checkpoint
-from sample.outputs import (GRID_NAME, NPZ_NAME, SETTINGS_NAME, check_out_dir, image_name, missing_indices,
-                            read_png, remove_stale_temps, save_png, to_uint8, write_grid, write_json, write_npz)
+from sample.outputs import (GRID_NAME, NPZ_NAME, SETTINGS_NAME, check_out_dir, check_out_path, image_name,
+                            missing_indices, read_png, remove_stale_temps, save_png, to_uint8, write_grid, write_json,
+                            write_npz)
 from sample.seeding import LabelPlan, batch_start, image_labels, make_label_plan
-from sample.vae_setup import check_vae, choose_vae, latent_rescale, load_vae
+from sample.vae_setup import check_loaded_vae, check_vae, choose_vae, load_vae
 
 # Settings that change no pixel: a rerun may change them and still resume the same images.
-RUN_ONLY = ("num_samples", "batch_size", "out", "npz", "vae_slicing", "cpu", "tf32")
+RUN_ONLY = ("num_samples", "batch_size", "out", "npz", "vae_slicing", "cpu", "tf32", "allow_other_vae")
 
 
 @dataclass
@@ -32,11 +35,11 @@ class SampleOptions:
     ckpt: str
     vae: str | None = None
     vae_config: str | None = None
-    class_labels: list[int] | None = None
+    class_labels: list[str] | None = None  # class indices or class names of the latent metadata
     random_labels: bool = False
     num_samples: int | None = None
     cfg_scale: float = 4.0
-    guide_channels: str = "3"
+    guide_channels: str = "auto"
     sampler: str = "ddpm"
     num_sampling_steps: int = 250
     seed: int = 0
@@ -47,11 +50,12 @@ class SampleOptions:
     vae_slicing: bool = False
     out: str | None = None
     npz: bool = False
-    weights: str = "ema"
+    weights: str | None = None  # None: not given (EMA for folders; a file's own weights)
     model: str | None = None
     image_size: int | None = None
     cpu: bool = False
     tf32: bool = True
+    allow_other_vae: bool = False
 
 
 @dataclass
@@ -103,6 +107,9 @@ def make_settings(o: SampleOptions, job_fields: dict) -> dict:
     loaded: LoadedWeights = job_fields["loaded"]
     options = {k: v for k, v in asdict(o).items() if k not in ("ckpt", "vae", "vae_config", "class_labels",
                                                                  "random_labels", "model", "image_size")}
+    # What was used, not what was asked: the weights actually read and the guidance rule applied.
+    options.update(weights=loaded.weights,
+                   guide_channels="all" if job_fields["guided"] is None else str(job_fields["guided"]))
     identity = {
         "ckpt": str(loaded.path.resolve()), "ckpt_bytes": loaded.path.stat().st_size, "step": loaded.step,
         "kind": loaded.kind, "model": loaded.config.to_dict(), "image_size": job_fields["image_size"],
@@ -110,19 +117,24 @@ def make_settings(o: SampleOptions, job_fields: dict) -> dict:
         **{k: v for k, v in options.items() if k not in RUN_ONLY},
     }
     run = {k: v for k, v in options.items() if k in RUN_ONLY}
-    run.update(num_samples=job_fields["num_samples"], out=str(job_fields["out"]), notes=loaded.notes)
+    run.update(num_samples=job_fields["num_samples"], out=str(job_fields["out"]), notes=loaded.notes,
+               guidance=describe_guidance(o.guide_channels, loaded.config.in_channels, o.cfg_scale))
     return json.loads(json.dumps({"identity": identity, "run": run}))
 
 
 def resolve_job(o: SampleOptions) -> Job:
     """Check every input and read the weights; loads no VAE and builds no model."""
     check_numbers(o)
+    if o.out:
+        check_out_path(Path(o.out), "sampling")  # a file or an image name as --out: refused before any loading
     loaded = load_checkpoint(o.ckpt, o.weights, o.model)
     check_guidance(o.cfg_scale, loaded.config.has_null_class)
-    guide_channel_count(o.guide_channels, loaded.config.in_channels)
-    plan = make_label_plan(o.class_labels, loaded.config.num_classes, o.random_labels)
+    guided = guide_channel_count(o.guide_channels, loaded.config.in_channels)
+    names = (loaded.latent_meta or {}).get("class_names")
+    plan = make_label_plan(o.class_labels, loaded.config.num_classes, o.random_labels, names)
     spec, how = choose_vae(o.vae, loaded.latent_meta)
-    vae_name, factor = check_vae(spec, o.vae_config, loaded.config.in_channels)
+    vae_name, factor = check_vae(spec, o.vae_config, loaded.config.in_channels, loaded.latent_meta,
+                                 o.allow_other_vae)
     loaded.notes.append(f"VAE {vae_name} ({how})")
     image_size = image_size_of(loaded, factor, o.image_size)
     # Default count: one image per listed label, else one per class (label i = i % num_classes).
@@ -130,7 +142,7 @@ def resolve_job(o: SampleOptions) -> Job:
     out = Path(o.out) if o.out else default_out(o, loaded)
     fields = dict(loaded=loaded, plan=plan, vae_name=vae_name, image_size=image_size, num_samples=num_samples,
                   out=out)
-    settings = make_settings(o, fields)
+    settings = make_settings(o, {**fields, "guided": guided})
     check_out_dir(out, settings)
     return Job(o, settings=settings, **fields)
 
@@ -159,13 +171,20 @@ class Drawer:
         return labels.tolist(), to_uint8(images)  # (N, H, W, 3)
 
 
-def make_drawer(job: Job, device) -> Drawer:
-    """Load the VAE, build the model on `device`, wrap it for the chosen sampler."""
-    o, config = job.options, job.loaded.config
+def load_checked_vae(job: Job, device):
+    """Load the VAE and compare its full identity with the latents' record -> (vae, rescale factor)."""
+    o, meta = job.options, job.loaded.latent_meta
     vae = load_vae(job.vae_name, o.vae_config, device, o.vae_precision, o.vae_tiling, o.vae_slicing)
-    rescale, note = latent_rescale(vae, job.loaded.latent_meta)
+    rescale, note = check_loaded_vae(vae, meta, o.allow_other_vae)
     if note:
+        job.loaded.notes.append(note)
         print(f"note: {note}")
+    return vae, rescale
+
+
+def make_drawer(job: Job, vae, rescale: float, device) -> Drawer:
+    """Build the model on `device` and wrap it for the chosen sampler and guidance."""
+    o, config = job.options, job.loaded.config
     model = build_model(job.loaded, device)
     job.loaded.state_dict = {}  # the model holds the weights now; free the CPU copy
     model_fn = guided_model_fn(model, o.cfg_scale, guide_channel_count(o.guide_channels, config.in_channels),
@@ -175,17 +194,23 @@ def make_drawer(job: Job, device) -> Drawer:
                   job.plan, o.seed, latent_shape, torch.device(device))
 
 
+def file_names(job: Job, indices) -> list[str]:
+    """The PNG names of `indices`: index, label and (when recorded) class name."""
+    labels = image_labels(job.plan, job.options.seed, indices)
+    return [image_name(i, y, job.plan.name_of(y)) for i, y in zip(indices, labels)]
+
+
 def draw_missing(job: Job, drawer: Drawer, rank: int, world: int, show: bool) -> int:
     """Draw and save this rank's images (i % world == rank) not yet on disk; returns how many were drawn."""
     mine = list(range(rank, job.num_samples, world))
-    todo = missing_indices(job.out, mine, image_labels(job.plan, job.options.seed, mine))
+    todo = missing_indices(job.out, mine, file_names(job, mine))
     size = job.options.batch_size
     with tqdm(total=len(todo), unit="img", desc=f"sampling (rank {rank}/{world})", disable=not show) as bar:
         for start in range(0, len(todo), size):
             batch = todo[start:start + size]
             labels, pixels = drawer.draw(batch)
             for i, y, p in zip(batch, labels, pixels):
-                save_png(job.out / image_name(i, y), p)
+                save_png(job.out / image_name(i, y, job.plan.name_of(y)), p)
             bar.update(len(batch))
     return len(todo)
 
@@ -194,7 +219,7 @@ def finish(job: Job) -> None:
     """Grid and (with --npz) samples.npz, rebuilt from the PNGs on disk."""
     indices = list(range(job.num_samples))
     labels = image_labels(job.plan, job.options.seed, indices)
-    paths = [job.out / image_name(i, y) for i, y in zip(indices, labels)]
+    paths = [job.out / name for name in file_names(job, indices)]
     absent = [p.name for p in paths if not p.exists()]
     if absent:
         raise UserError(f"{len(absent)} images are missing from {job.out} (e.g. {absent[0]}), probably because "
@@ -211,22 +236,45 @@ def set_tf32(device, allowed: bool) -> None:
         torch.backends.cudnn.allow_tf32 = allowed
 
 
+def runtime_facts(device) -> dict:
+    """The device really used and the TF32 state really in force, for settings.json."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return {"device": str(device), "tf32": "not used (TF32 is a CUDA matmul mode)"}
+    name = torch.cuda.get_device_name(device)
+    return {"device": f"{device} ({name})", "tf32": "on" if torch.backends.cuda.matmul.allow_tf32 else "off"}
+
+
+def prepare_out(job: Job, device) -> None:
+    """Main process: the folder, leftovers of a killed run removed, settings.json written and printed once."""
+    job.out.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(job.out)
+    job.settings["run"].update(runtime_facts(device), notes=job.loaded.notes)
+    write_json(job.out / SETTINGS_NAME, job.settings)
+    print(json.dumps(job.settings, indent=2))
+
+
 def run_sample(o: SampleOptions) -> Path:
     """The whole command on this process; rank r draws i % world == r, rank 0 writes grid and npz."""
     state = process_state(o.cpu)
     job = resolve_job(o)  # every rank checks, before anyone writes
-    state.wait_for_everyone()
-    if state.is_main_process:
-        job.out.mkdir(parents=True, exist_ok=True)
-        remove_stale_temps(job.out)
-        write_json(job.out / SETTINGS_NAME, job.settings)
-        print(json.dumps(job.settings, indent=2))
-    state.wait_for_everyone()
     set_tf32(state.device, o.tf32)
-    drawer = make_drawer(job, state.device)
-    draw_missing(job, drawer, state.process_index, state.num_processes, state.is_main_process)
-    state.wait_for_everyone()
-    if state.is_main_process:
-        finish(job)
-        print(f"wrote {job.num_samples} images, {GRID_NAME}" + (f", {NPZ_NAME}" if o.npz else "") + f" to {job.out}")
+    vae, rescale = load_checked_vae(job, state.device)  # a VAE that does not fit is refused before any write
+    # One writer per --out: the main process holds the folder's lock until it exits (the OS drops it on a kill).
+    with hold_lock(job.out, "sample folder") if state.is_main_process else contextlib.nullcontext():
+        state.wait_for_everyone()
+        if state.is_main_process:
+            check_out_dir(job.out, job.settings)  # again under the lock: a run that finished meanwhile
+            for warning in job.loaded.warnings:
+                print(f"note: {warning}")
+            print(describe_guidance(o.guide_channels, job.loaded.config.in_channels, o.cfg_scale))
+            prepare_out(job, state.device)
+        state.wait_for_everyone()
+        drawer = make_drawer(job, vae, rescale, state.device)
+        draw_missing(job, drawer, state.process_index, state.num_processes, state.is_main_process)
+        state.wait_for_everyone()
+        if state.is_main_process:
+            finish(job)
+            print(f"wrote {job.num_samples} images, {GRID_NAME}" + (f", {NPZ_NAME}" if o.npz else "")
+                  + f" to {job.out}")
     return job.out

@@ -20,12 +20,20 @@ NPZ_NAME = "samples.npz"
 # A grid of 50,000 ImageNet samples would be a 57,000-pixel square: show at most this many cells.
 GRID_MAX_ROWS = 16
 GRID_MAX_CELLS = 256
-_PNG_RE = re.compile(r"^(\d{6,})-class(\d+)\.png$")
+_PNG_RE = re.compile(r"^(\d{6,})-class(\d+)(-[\w.-]+)?\.png$")
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+NAME_CHARS = 40  # longest class name kept in a file name
 
 
-def image_name(index: int, label: int) -> str:
-    """File name of image `index`: `{index:06d}-class{label}.png`."""
-    return f"{index:06d}-class{label}.png"
+def image_name(index: int, label: int, class_name: str | None = None) -> str:
+    """File name of image `index`: `{index:06d}-class{label}.png`, or `...-class{label}-{name}.png` with a name."""
+    name = safe_name(class_name) if class_name is not None else ""
+    return f"{index:06d}-class{label}-{name}.png" if name and name != str(label) else f"{index:06d}-class{label}.png"
+
+
+def safe_name(text: str) -> str:
+    """A class name usable in a file name on any system: runs of other characters become '_'."""
+    return _UNSAFE.sub("_", str(text)).strip("._-")[:NAME_CHARS].strip("._-")
 
 
 def to_uint8(images: torch.Tensor) -> np.ndarray:
@@ -52,13 +60,27 @@ def write_json(path: Path, data: dict) -> None:
     atomic_write_text(path, json.dumps(data, indent=2) + "\n")
 
 
-def check_out_dir(out: Path, settings: dict) -> None:
-    """UserError if `out` holds images of a run whose settings.json identity differs from ours."""
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
+
+
+def check_out_path(out: Path, what: str) -> None:
+    """UserError unless --out can be a folder: not an existing file, not a name ending like an image file."""
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file, but {what} writes a folder (one PNG per image plus {GRID_NAME}); "
+                        f"pass a folder path to --out, e.g. {out.with_suffix('')}.")
+    if not out.exists() and out.suffix.lower() in IMAGE_SUFFIXES:
+        raise UserError(f"--out {out} names an image file, but {what} writes a folder (one PNG per image plus "
+                        f"{GRID_NAME}, which is the picture of them all); pass a folder path to --out, e.g. "
+                        f"{out.with_suffix('')}, and open {out.with_suffix('') / GRID_NAME}.")
+
+
+def check_out_dir(out: Path, settings: dict) -> None:
+    """UserError if `out` cannot be a folder or holds images of a run whose settings.json identity differs from ours."""
+    out = Path(out)
+    check_out_path(out, "sampling")
     if not out.exists():
         return
-    if not out.is_dir():
-        raise UserError(f"--out {out} is a file, not a folder; pass a folder path to --out.")
     path = out / SETTINGS_NAME
     if not path.exists():
         if any(_PNG_RE.match(p.name) for p in out.iterdir()):
@@ -82,10 +104,10 @@ def check_out_dir(out: Path, settings: dict) -> None:
         )
 
 
-def missing_indices(out: Path, indices, labels) -> list[int]:
-    """The indices whose PNG is not on disk yet (written PNGs are complete: they were renamed in)."""
+def missing_indices(out: Path, indices, names) -> list[int]:
+    """The indices whose PNG (file `names[k]` for `indices[k]`) is not on disk yet (written PNGs are whole: renamed in)."""
     out = Path(out)
-    return [i for i, y in zip(indices, labels) if not (out / image_name(i, y)).exists()]
+    return [i for i, name in zip(indices, names) if not (out / name).exists()]
 
 
 def grid_layout(labels) -> list[list[int | None]]:

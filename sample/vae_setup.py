@@ -1,12 +1,20 @@
-"""Choosing, checking and loading the VAE that turns sampled latents into pixels."""
+"""Choosing, checking and loading the VAE that turns sampled latents into pixels.
+
+The latents were made by one VAE (recorded in the weights' or preview file's latent metadata). Another VAE
+decodes them without any error into wrong pictures, so every difference is refused unless asked for:
+channels and downsample factor always (the decode cannot work or gives the wrong image size), the scaling
+factor and the config hash unless --allow-other-vae.
+"""
 from __future__ import annotations
 
 from shared.errors import UserError
+from shared.precision import PRECISIONS
 from shared.vae import LatentVAE, downsample_factor, read_vae_config, resolve_vae_spec
 
-from shared.precision import PRECISIONS
-
 DEFAULT_VAE = "ema"  # the DiT release samples with sd-vae-ft-ema
+# (identity key, words); the first two make decoding impossible or wrong-sized, so no flag overrides them.
+_HARD = (("latent_channels", "latent channels"), ("downsample_factor", "downsample factor"))
+_SOFT = (("scaling_factor", "scaling factor"), ("config_sha256", "config hash"))
 
 
 def recorded_vae(latent_meta: dict | None) -> str | None:
@@ -17,25 +25,82 @@ def recorded_vae(latent_meta: dict | None) -> str | None:
     return vae if isinstance(vae, str) else None
 
 
+def recorded_identity(latent_meta: dict | None) -> dict:
+    """What the latent metadata says of the VAE that made the latents (only the fields it records)."""
+    meta = latent_meta or {}
+    vae = meta.get("vae")
+    identity = dict(vae) if isinstance(vae, dict) else ({"source": vae} if isinstance(vae, str) else {})
+    shape, size = meta.get("latent_shape"), meta.get("image_size")
+    if meta.get("scaling_factor") is not None:
+        identity.setdefault("scaling_factor", float(meta["scaling_factor"]))
+    if shape:
+        identity.setdefault("latent_channels", int(shape[0]))
+        if size:  # pixels per latent cell, for metadata written before the identity carried it
+            identity.setdefault("downsample_factor", int(size) // int(shape[-1]))
+    return identity
+
+
 def choose_vae(spec: str | None, latent_meta: dict | None) -> tuple[str, str]:
     """(--vae or the recorded VAE or 'ema', how it was chosen)."""
     if spec:
         return spec, "from --vae"
     recorded = recorded_vae(latent_meta)
     if recorded:
-        return recorded, "recorded in the weights' latent metadata"
+        return recorded, "recorded in the latent metadata"
     return DEFAULT_VAE, "default (no --vae, none recorded)"
 
 
-def check_vae(spec: str, vae_config_path, latent_channels: int) -> tuple[str, int]:
-    """Resolve the spec cheaply (config only) -> (name, downsample factor); UserError on a channel mismatch."""
+def check_vae(spec: str, vae_config_path, latent_channels: int, latent_meta: dict | None = None,
+              allow_other: bool = False) -> tuple[str, int]:
+    """Check the VAE from its config.json only -> (name, downsample factor); UserError when it cannot decode."""
     name = resolve_vae_spec(spec, vae_config_path)
     config = read_vae_config(spec, vae_config_path)
-    channels = int(config.get("latent_channels", 4))
-    if channels != latent_channels:
-        raise UserError(f"the VAE {name} has {channels} latent channels but the latents have {latent_channels}; "
-                        f"pass the --vae the latents were extracted with (a {latent_channels}-channel VAE).")
-    return name, downsample_factor(config)
+    cheap = {"source": name, "latent_channels": int(config.get("latent_channels", 4)),
+             "downsample_factor": downsample_factor(config)}
+    if "scaling_factor" in config:  # else diffusers' default fills it in at load time: compared then
+        cheap["scaling_factor"] = float(config["scaling_factor"])
+    recorded = {"latent_channels": latent_channels, **recorded_identity(latent_meta)}
+    compare_vae(recorded, cheap, allow_other)
+    return name, cheap["downsample_factor"]
+
+
+def compare_vae(recorded: dict, actual: dict, allow_other: bool) -> str | None:
+    """Refuse a VAE that differs from the recorded one (see the module doc); a note when a difference is allowed."""
+    hard = _differences(recorded, actual, _HARD)
+    if hard:
+        raise UserError(f"the VAE {actual.get('source')} cannot decode these latents: {hard}. Decoding would fail "
+                        f"or give images of the wrong size, so --allow-other-vae does not apply. Pass the --vae the "
+                        f"latents were made with{_named(recorded)}.")
+    soft = _differences(recorded, actual, _SOFT)
+    if soft and not allow_other:
+        raise UserError(f"the VAE {actual.get('source')} is not the one these latents were made with"
+                        f"{_named(recorded)}: {soft}. Another VAE decodes them without any error into wrong "
+                        f"colours or noise. Pass the --vae the latents were made with (drop --vae to use the "
+                        f"recorded one), or add --allow-other-vae if the swap is deliberate.")
+    if soft:
+        return f"decoding with another VAE than the latents were made with, as --allow-other-vae asks ({soft})"
+    if recorded.get("source") and actual.get("source") and recorded["source"] != actual["source"]:
+        return (f"decoding with {actual['source']}, not {recorded['source']} recorded with the latents (same "
+                f"channels, downsample factor{', scaling factor and config' if 'config_sha256' in actual else ''})")
+    return None
+
+
+def _differences(recorded: dict, actual: dict, fields) -> str:
+    """'scaling factor 0.5 in this VAE, 0.18 for the latents; ...' for the fields both sides know and that differ."""
+    return "; ".join(f"{words} {_short(actual[key])} in this VAE, {_short(recorded[key])} for the latents"
+                     for key, words in fields
+                     if key in recorded and key in actual and recorded[key] != actual[key])
+
+
+def _short(value) -> str:
+    """A hash cut to 12 characters; other values as they are."""
+    text = f"{value:g}" if isinstance(value, float) else str(value)
+    return text[:12] if len(text) == 64 else text
+
+
+def _named(recorded: dict) -> str:
+    """' (SOURCE)' when the metadata names the VAE."""
+    return f" ({recorded['source']})" if recorded.get("source") else ""
 
 
 def load_vae(spec: str, vae_config_path, device, precision: str, tiling: bool, slicing: bool) -> LatentVAE:
@@ -56,3 +121,10 @@ def latent_rescale(vae: LatentVAE, latent_meta: dict | None) -> tuple[float, str
     note = (f"latents were scaled by {trained} in training but this VAE's scaling_factor is "
             f"{vae.scaling_factor}; decoding divides by {trained}")
     return vae.scaling_factor / float(trained), note
+
+
+def check_loaded_vae(vae: LatentVAE, latent_meta: dict | None, allow_other: bool) -> tuple[float, str | None]:
+    """The full identity check once loaded (the hash needs diffusers' filled-in config) -> (rescale, note)."""
+    note = compare_vae(recorded_identity(latent_meta), vae.identity, allow_other)
+    rescale, scale_note = latent_rescale(vae, latent_meta)
+    return rescale, "; ".join(n for n in (note, scale_note) if n) or None

@@ -227,6 +227,7 @@ def test_run_folder_resolution(files, tmp_path):
     run = files["run"]
     assert resolve_ckpt_file(run).name == "ema-step-0000200.safetensors"
     assert resolve_ckpt_file(run, "raw") == run / "checkpoints" / "step-0000200" / "model.safetensors"
+    assert resolve_ckpt_file(run / "checkpoints" / "step-0000200", "raw").name == "model.safetensors"
     (tmp_path / "empty").mkdir()
     with pytest.raises(Exception, match="--weights raw"):
         resolve_ckpt_file(tmp_path / "empty")
@@ -288,7 +289,8 @@ def test_vae_channel_mismatch(files, tmp_path, capsys):
     """An 8-channel VAE for a 4-channel model."""
     wide = make_tiny_vae(tmp_path / "vae8", latent_channels=8)
     code, err = run_cli(["--ckpt", files["pt"], "--vae", wide, "--out", tmp_path / "o", *STEPS], capsys)
-    assert code == 2 and "8 latent channels" in err and "have 4" in err
+    assert code == 2 and "latent channels 8 in this VAE, 4 for the latents" in err
+    assert "--allow-other-vae does not apply" in err and not (tmp_path / "o").exists()
 
 
 def test_image_size_flag_contradicting_weights(files, tmp_path, capsys):
