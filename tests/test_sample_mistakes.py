@@ -451,3 +451,17 @@ def test_full_disk_is_one_paragraph_and_the_rerun_continues(run, tmp_path):
     assert len(pngs(keep / "s")) == 40 and (keep / "s" / "grid.png").exists()
     left = 40 - len(first)
     assert f"{left}/{left}" in err2  # the rerun drew only the images the full disk had stopped
+
+
+def test_runtime_facts_on_cuda_record_the_gpu_and_tf32(monkeypatch):
+    """On a GPU, settings.json names the card and the TF32 state set_tf32 left in force (no GPU needed here)."""
+    from sample.generate import runtime_facts, set_tf32
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA Test GPU")
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32  # flags, settable without a GPU
+    try:
+        for allowed, state in ((True, "on"), (False, "off")):
+            set_tf32("cuda:0", allowed)
+            assert runtime_facts("cuda:0") == {"device": "cuda:0 (NVIDIA Test GPU)", "tf32": state}
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
