@@ -2,14 +2,18 @@
 
 Shard j holds the files at sorted positions [j*S, (j+1)*S); process r of W encodes the shards j with
 j % W == r. A shard is finished when its tar and then its sidecar (`shard-NNNNNN.done.json`: ShardInfo, bad
-files, VAE identity) exist; rerunning the same command skips finished shards and redoes the rest. When
-every shard is finished, one process writes the bad-file report and then index.json (last).
+files, VAE identity) exist and its bytes still match the sidecar's sha256; rerunning the same command skips
+finished shards and redoes the rest, damaged ones included. When every shard is finished, one process hashes
+them all (the index records only verified hashes), writes the bad-file report and then index.json (last).
+The main process holds the folder's lock (shared/lock.py) for the whole run.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,10 +25,12 @@ from extract.folder import ImageFolderScan, scan_image_folder
 from extract.images import to_model_input
 from extract.loader import ImageFileDataset, ShardBatches, make_loader
 from shared.distributed import process_state
+from extract.sizes import check_image_size
 from shared.errors import ChoiceError, UserError
 from shared.fsio import atomic_write_text, stale_tmps
-from shared.shards import (FLIP_MODES, INDEX_NAME, STORAGE_DTYPES, ShardInfo, ShardWriter, shard_name,
-                           write_index)
+from shared.lock import hold_lock
+from shared.shards import (FLIP_MODES, FOLDER_KIND, INDEX_NAME, STORAGE_DTYPES, ShardInfo, ShardWriter,
+                           damaged_error, damaged_files, shard_name, write_index)
 
 SETTINGS_NAME = "extract-settings.json"
 BAD_FILES_NAME = "bad-files.jsonl"
@@ -57,6 +63,7 @@ class Plan:
     vae_name: str
     settings: dict
     num_shards: int
+    warnings: list = field(default_factory=list)  # printed by the main process before it starts
 
 
 @dataclass
@@ -65,6 +72,7 @@ class Progress:
 
     encoded: int = 0
     bad: list = field(default_factory=list)
+    damaged: int = 0  # finished shards whose bytes failed their sha256, encoded again
     shards_written: int = 0
     chunk: int = 0  # images per encoder call (halved on CUDA out-of-memory)
 
@@ -89,21 +97,13 @@ def check_numbers(cfg: ExtractConfig) -> None:
         raise ChoiceError("storage dtype", cfg.dtype, STORAGE_DTYPES)
 
 
-def check_vae(cfg: ExtractConfig) -> tuple[str, dict]:
-    """Resolve the VAE and check the image size against its downsample factor, from config.json only."""
+def check_vae(cfg: ExtractConfig) -> tuple[str, dict, list[str]]:
+    """Resolve the VAE and check the image size against its factor and the DiT patches, from config.json only."""
     from shared.vae import downsample_factor, read_vae_config, resolve_vae_spec
 
     name = resolve_vae_spec(cfg.vae, cfg.vae_config)
     config = read_vae_config(cfg.vae, cfg.vae_config)
-    factor = downsample_factor(config)
-    if cfg.image_size % factor:
-        lower = cfg.image_size // factor * factor
-        raise UserError(
-            f"--image-size {cfg.image_size} is not a multiple of the VAE's downsample factor {factor} (from "
-            f"its config.json): latents would not tile the image. Use {lower or factor} or "
-            f"{lower + factor} (DiT uses 256 or 512)."
-        )
-    return name, config
+    return name, config, check_image_size(cfg.image_size, downsample_factor(config))
 
 
 def run_settings(cfg: ExtractConfig, scan: ImageFolderScan, vae_name: str, vae_config: dict) -> dict:
@@ -134,37 +134,51 @@ def _settings_diff(old: dict, new: dict) -> list[str]:
     return diffs
 
 
-def check_out_folder(out: Path, settings: dict) -> None:
-    """Refuse an --out folder that holds another run's shards (different settings or unknown origin)."""
+def holds_shards(out: Path) -> bool:
+    """True once a shard, a sidecar or the index exists: from then on the settings that made them are fixed."""
+    return out.is_dir() and (any(out.glob("shard-*")) or (out / INDEX_NAME).exists())
+
+
+def check_out_folder(out: Path, settings: dict) -> list[str]:
+    """Refuse an --out folder that holds another run's shards (different settings or unknown origin).
+
+    Settings of a run that wrote no shard yet (e.g. its VAE failed to load) are replaced; returns that note.
+    """
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file; pass a folder (it is created if missing).")
     path = out / SETTINGS_NAME
     if path.is_file():
         try:
-            old = json.loads(path.read_text())
+            diffs = _settings_diff(json.loads(path.read_text()), settings)
         except ValueError:
-            raise UserError(f"{path} is unreadable; delete the --out folder or use a new --out.") from None
-        diffs = _settings_diff(old, settings)
+            diffs = ["unreadable"]
+        if diffs and not holds_shards(out):
+            return [f"--out {out} held the settings of an earlier run that wrote no shard ({'; '.join(diffs[:4])}); "
+                    f"they are replaced by this run's."]
+        if diffs == ["unreadable"]:
+            raise UserError(f"{path} is unreadable; delete the --out folder or use a new --out.")
         if diffs:
             raise UserError(
                 f"--out {out} holds shards of a different extraction ({'; '.join(diffs[:4])}). Use a new --out "
                 f"folder for these settings, or rerun the original command to resume that extraction."
             )
-    elif out.is_dir() and (any(out.glob("shard-*.tar")) or (out / INDEX_NAME).exists()):
+    elif holds_shards(out):
         raise UserError(
             f"--out {out} already holds shards or an index from another tool or an older run ({SETTINGS_NAME} is "
             f"missing), so they cannot be resumed safely. Use a new --out folder or empty this one."
         )
+    return []
 
 
-def plan(cfg: ExtractConfig) -> Plan:
-    """Every check that needs no weights: flags, dataset, VAE config, image size, out folder."""
+def plan(cfg: ExtractConfig, check_out: bool = True) -> Plan:
+    """Every check that needs no weights: flags, dataset, VAE config, image size (and the out folder)."""
     check_numbers(cfg)
     scan = scan_image_folder(cfg.data_path).limited(cfg.limit)
-    vae_name, vae_config = check_vae(cfg)
+    vae_name, vae_config, warnings = check_vae(cfg)
     settings = run_settings(cfg, scan, vae_name, vae_config)
-    check_out_folder(Path(cfg.out), settings)
-    return Plan(scan, vae_name, settings, num_shards=-(-len(scan) // cfg.shard_size))
+    if check_out:
+        warnings += check_out_folder(Path(cfg.out), settings)
+    return Plan(scan, vae_name, settings, -(-len(scan) // cfg.shard_size), warnings)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -353,6 +367,9 @@ def write_outputs(cfg: ExtractConfig, plan_: Plan) -> dict:
     missing = [shard_name(j) for j, s in enumerate(sidecars) if s is None]
     if missing:
         raise RuntimeError(f"shards not finished: {missing[:5]}; rerun the same command to finish them")
+    damaged = damaged_files(out, [s["shard"] for s in sidecars])  # the index records verified hashes only
+    if damaged:
+        raise damaged_error(out, damaged)
     bad = [b for s in sidecars for b in s["bad_files"]]
     infos = [ShardInfo.from_dict(s["shard"]) for s in sidecars]
     if not any(i.num_samples for i in infos):
@@ -381,10 +398,14 @@ def index_meta(cfg: ExtractConfig, plan_: Plan, vae_identity: dict, num_bad: int
 # The job
 # ----------------------------------------------------------------------------------------------------------
 
-def _pending(out: Path, plan_: Plan, rank: int, world: int) -> list[int]:
-    """This process's shards (j % world == rank) that are not finished yet."""
-    mine = range(rank, plan_.num_shards, world)
-    return [j for j in mine if read_finished(out, j, plan_.settings) is None]
+def _pending(out: Path, plan_: Plan, state) -> tuple[list[int], int]:
+    """This process's shards (j % world == rank) not finished or failing their sha256; and how many failed."""
+    mine = range(state.process_index, plan_.num_shards, state.num_processes)
+    sidecars = {j: read_finished(out, j, plan_.settings) for j in mine}
+    damaged = damaged_files(out, [s["shard"] for s in sidecars.values() if s], progress=state.is_local_main_process)
+    for name, problem in sorted(damaged.items()):
+        tqdm.write(f"extract: {name} {problem}: encoding it again")
+    return [j for j in mine if sidecars[j] is None or shard_name(j) in damaged], len(damaged)
 
 
 def _load_vae(cfg: ExtractConfig, device):
@@ -394,30 +415,47 @@ def _load_vae(cfg: ExtractConfig, device):
     return LatentVAE.load(cfg.vae, device=device, config=cfg.vae_config)
 
 
+def _hold_out(out: Path, state):
+    """The lock on --out, taken by the main process (the others write only the shards of its run)."""
+    return hold_lock(out, FOLDER_KIND) if state.is_main_process else contextlib.nullcontext()
+
+
 def run_extract(cfg: ExtractConfig) -> dict:
-    """Plan, encode this process's pending shards, then (one process) write the report and index."""
+    """Plan, lock --out, encode this process's pending shards, then (one process) write the report and index."""
     state = process_state()
-    plan_ = plan(cfg)  # every process runs the same checks, so all fail alike before any weights load
+    plan_ = plan(cfg, check_out=False)  # every process runs the same checks, so all fail alike before any weights load
     out = Path(cfg.out)
+    with _hold_out(out, state):
+        plan_.warnings += check_out_folder(out, plan_.settings)  # under the lock: no other run changes it now
+        return _extract(cfg, plan_, out, state)
+
+
+def _extract(cfg: ExtractConfig, plan_: Plan, out: Path, state) -> dict:
+    """The run itself, once --out is locked and checked."""
+    if state.is_main_process:
+        for warning in plan_.warnings:
+            print(f"extract: warning: {warning}", file=sys.stderr)
     state.wait_for_everyone()
     if state.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         _atomic_json(out / SETTINGS_NAME, plan_.settings)
     state.wait_for_everyone()
-    pending = _pending(out, plan_, state.process_index, state.num_processes)
+    pending, damaged = _pending(out, plan_, state)
     clean_unfinished(out, pending)
-    progress, elapsed = Progress(), 0.0
+    progress, elapsed = Progress(damaged=damaged), 0.0
     if pending:
         vae = _load_vae(cfg, state.device)
         start = time.perf_counter()  # the rate below is decode + encode + write, without the VAE load
         progress = encode_shards(cfg, plan_, pending, vae, state)
+        progress.damaged = damaged
         elapsed = time.perf_counter() - start
     state.wait_for_everyone()  # every shard finished before the index
     summary = {}
     if state.is_main_process:
         summary = write_outputs(cfg, plan_)
         summary.update(encoded_here=progress.encoded, seconds=elapsed, shards_here=len(pending),
-                       out=str(out), processes=state.num_processes)
+                       damaged_here=progress.damaged, skipped=plan_.scan.skipped.describe(), out=str(out),
+                       processes=state.num_processes)
     state.wait_for_everyone()
     return summary
 
@@ -425,12 +463,14 @@ def run_extract(cfg: ExtractConfig) -> dict:
 def format_summary(summary: dict) -> str:
     """The lines printed at the end of a run."""
     rate = summary["encoded_here"] / summary["seconds"] if summary["seconds"] > 0 else 0.0
+    damaged = f", {summary['damaged_here']} of them damaged" if summary.get("damaged_here") else ""
     return "\n".join([
         f"extract: {summary['num_samples']} images in {summary['num_shards']} shards, "
         f"{summary['num_bad']} bad files skipped (listed in {BAD_FILES_NAME})",
+        f"extract: while scanning {summary['skipped']}",
         f"extract: this run encoded {summary['encoded_here']} images in {summary['seconds']:.1f}s "
-        f"({rate:.1f} images/s on process 0 of {summary['processes']}; {summary['shards_here']} shards)",
-        f"extract: index written: {Path(summary['out']) / INDEX_NAME}",
+        f"({rate:.1f} images/s on process 0 of {summary['processes']}; {summary['shards_here']} shards{damaged})",
+        f"extract: every shard verified against its sha256; index written: {Path(summary['out']) / INDEX_NAME}",
     ])
 
 
@@ -442,7 +482,10 @@ def describe_plan(cfg: ExtractConfig) -> str:
     frames = "original + mirror" if cfg.flip == "both" else "original only"
     return "\n".join([
         f"data: {plan_.scan.root}: {len(plan_.scan)} images in {len(plan_.scan.classes)} classes",
+        f"data: {plan_.scan.skipped.describe()}",
         f"vae: {plan_.vae_name} (encoder fp32); moments stored as {cfg.dtype}, {frames}",
-        f"out: {out}: {plan_.num_shards} shards of {cfg.shard_size} images, {done} already finished",
+        f"out: {out}: {plan_.num_shards} shards of {cfg.shard_size} images, {done} already finished "
+        f"(their sha256 is checked when the run starts)",
+        *(f"warning: {w}" for w in plan_.warnings),
         "settings: " + json.dumps(plan_.settings, sort_keys=True),
     ])

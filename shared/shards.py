@@ -51,6 +51,8 @@ LABEL_EXT = "cls"
 TENSOR_NAMES = ("mean", "std")
 BLOCK = 512
 RECORD = 20 * BLOCK  # tar's default record size; the archive is padded to a whole record like GNU tar
+# The domain name of a latent folder in errors (shared.lock's {kind} field): stages map it to their flag.
+FOLDER_KIND = "latent folder"
 # The --flip vocabulary of extract: mode -> F, the moments stored per sample (original, then its mirror).
 FLIP_MODES = {"both": 2, "none": 1}
 # The --dtype vocabulary of extract: how the moments are stored (the encoder always runs in fp32).

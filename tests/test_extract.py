@@ -69,16 +69,18 @@ def test_labels_follow_imagefolder_order(tmp_path):
             _save(pixel, root / rel, format="PNG")  # content format is irrelevant to the scan
     scan = scan_image_folder(root)
     # Classes sorted as strings ("B" < "a" < "a b" < "a_b" < "b"); within a class os.walk order sorted by
-    # directory path, then file names sorted: exactly torchvision's make_dataset.
+    # directory path, then file names sorted: torchvision's make_dataset, minus hidden names.
     assert scan.classes == ["B", "a", "a b", "a_b", "b"]
     assert list(zip(scan.files, scan.labels)) == [
         ("B/q.tif", 0),
-        ("a/.hidden.png", 1), ("a/z.jpeg", 1), ("a/sub/y.bmp", 1),
+        ("a/z.jpeg", 1), ("a/sub/y.bmp", 1),
         ("a b/x.Png", 2),
         ("a_b/p.ppm", 3),
         ("b/10.JPG", 4), ("b/2.png", 4), ("b/nested/1.png", 4), ("b/nested/deeper/0.webp", 4),
     ]
-    assert scan.counts() == [1, 3, 1, 1, 4]
+    assert scan.counts() == [1, 2, 1, 1, 4]
+    # Unlike torchvision, the hidden file is not data; it and the two text files are counted as skipped.
+    assert scan.skipped.counts == {"hidden": 1, "non-image": 2}
 
 
 def test_limit_spreads_over_all_classes(tmp_path):

@@ -1,0 +1,48 @@
+"""--image-size against the VAE and the DiT presets: the latent must tile the image, the patches the latent."""
+from __future__ import annotations
+
+from shared.errors import UserError
+from shared.models import PRESETS
+
+
+def presets_by_patch() -> dict[int, list[str]]:
+    """Patch size -> the DiT presets that use it, smallest patch first."""
+    groups: dict[int, list[str]] = {}
+    for name, arch in PRESETS.items():
+        groups.setdefault(arch["patch_size"], []).append(name)
+    return dict(sorted(groups.items()))
+
+
+def nearest_sizes(image_size: int, unit: int) -> list[int]:
+    """The multiples of `unit` just below and just above image_size (only the one above when below is 0)."""
+    lower = image_size // unit * unit
+    return [s for s in (lower, lower + unit) if 0 < s != image_size]
+
+
+def _suggestion(image_size: int, factor: int, groups: dict) -> str:
+    """'192 or 256: multiples of 64 (...), whose latents every DiT preset can train on (...)'."""
+    patch = max(groups)
+    sizes = " or ".join(str(s) for s in nearest_sizes(image_size, factor * patch))
+    return (f"{sizes}: multiples of {factor * patch} (VAE factor {factor} x the largest DiT patch {patch}), "
+            f"whose latents every DiT preset can train on (DiT itself uses 256 or 512).")
+
+
+def check_image_size(image_size: int, factor: int) -> list[str]:
+    """Warnings for a size only some presets can train on; UserError for one the VAE or no preset can use."""
+    groups = presets_by_patch()
+    if image_size % factor:
+        raise UserError(f"--image-size {image_size} is not a multiple of the VAE's downsample factor {factor} "
+                        f"(from its config.json): latents would not tile the image. "
+                        f"Use {_suggestion(image_size, factor, groups)}")
+    latent = image_size // factor
+    usable = [p for p in groups if latent % p == 0]
+    if not usable:
+        raise UserError(f"--image-size {image_size} gives {latent}x{latent} latents (VAE factor {factor}), which no "
+                        f"DiT preset can train on: the latent side must be a multiple of the patch size "
+                        f"({', '.join(str(p) for p in groups)}). Use {_suggestion(image_size, factor, groups)}")
+    if len(usable) == len(groups):
+        return []
+    names = ", ".join(name for p in usable for name in groups[p])
+    return [f"--image-size {image_size} gives {latent}x{latent} latents (VAE factor {factor}): only DiT presets "
+            f"with patch {' or '.join(str(p) for p in usable)} can train on them ({names}). "
+            f"For any preset use {_suggestion(image_size, factor, groups)}"]
