@@ -1,12 +1,19 @@
-"""Precision names shared by every CLI (--mixed-precision, --precision, --vae-precision) and their dtypes."""
+"""Precision names shared by every CLI (--precision, --vae-precision) and their dtypes."""
 import torch
 
 PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def autocast_dtype(name: str):
-    """The autocast dtype for a precision name; None for full precision ("no" or "fp32": autocast off)."""
-    return None if name in ("no", "fp32") else PRECISIONS[name]
+    """The autocast dtype for a precision name; None for full precision ("fp32": autocast off)."""
+    return None if canonical_precision(name) == "fp32" else PRECISIONS[name]
 
-# Training's --mixed-precision vocabulary ("no" = fp32 weights and math, as Accelerate names it).
-MIXED_PRECISIONS = ("no", "fp16", "bf16")
+
+# The old training spelling (--mixed-precision no, as Accelerate names fp32), still accepted.
+PRECISION_ALIASES = {"no": "fp32"}
+PRECISION_CHOICES = (*PRECISIONS, *PRECISION_ALIASES)  # what the flags accept
+
+
+def canonical_precision(name: str) -> str:
+    """'no' -> 'fp32'; every other name as is."""
+    return PRECISION_ALIASES.get(name, name)

@@ -78,7 +78,7 @@ def test_bench_times_the_trainers_own_step(monkeypatch, tmp_path):
     result = bench.run_config(bench.BenchConfig("bf16", 1, "math", False, 2), args, torch.device("cpu"), flops, 1.0)
     assert result.error is None and len(seen) == 3  # warm-up + timed steps, each one trainer step
     learner, batches = seen[-1]
-    assert learner.step == 3 and learner.raw.training and learner.cfg.mixed_precision == "bf16"
+    assert learner.step == 3 and learner.raw.training and learner.cfg.precision == "bf16"
     assert learner.cfg.grad_checkpoint == 1 and learner.cfg.attention == "math"
     assert not torch.equal(next(learner.ema.parameters()), next(learner.raw.parameters()))  # the EMA moved
     loader_batch = TrainingDraws(LatentDataset(make_latents(tmp_path / "lat")),

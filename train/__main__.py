@@ -1,26 +1,24 @@
 """`python -m train` (or `accelerate launch -m train`): train a DiT on cached latents. Flags: --help."""
 import sys
 
-from shared.errors import UserError, exit_with
+from shared.errors import cli_errors
 from train.config import build_parser, config_from_args
 
 PROG = "python -m train"
 
 
 # Which flag sets each domain vocabulary that shared/ may report a bad value of.
-FLAGS = {"model preset": "--model", "attention backend": "--attention", "precision": "--mixed-precision",
-         "guide-channel choice": "--sample-guide-channels"}
+FLAGS = {"model preset": "--model", "attention backend": "--attention", "precision": "--precision",
+         "guide-channel choice": "--sample-guide-channels", "run folder": "--results-dir"}
 
 
 def main(argv=None, callbacks=()) -> int:
     """Parse flags, run training, print UserErrors as one paragraph (exit status 2)."""
     args = build_parser(PROG).parse_args(argv)
-    try:
+    with cli_errors(PROG, FLAGS):
         from train.loop import train
 
         train(config_from_args(args), callbacks)
-    except UserError as err:
-        exit_with(err, PROG, FLAGS)
     return 0
 
 

@@ -192,7 +192,7 @@ def bench_train_config(config: BenchConfig, args) -> TrainConfig:
     """The TrainConfig `python -m train` would run for one cell (one micro-batch per step, no accumulation)."""
     return TrainConfig(latents="synthetic", results_dir="unused", model=args.model,
                        global_batch_size=config.micro_batch, micro_batch_size=config.micro_batch, grad_accum_steps=1,
-                       mixed_precision="no" if config.precision == "fp32" else config.precision,
+                       precision=config.precision,
                        grad_checkpoint=config.checkpoint, attention=config.attention, compile=config.compile)
 
 

@@ -43,6 +43,15 @@ def prune_checkpoints(run_dir: Path, keep_last: int) -> list[Path]:
 # RNG state as plain values (loadable with weights_only=True)
 # ---------------------------------------------------------------------------------------------------------
 
+def prune_exports(run_dir: Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` slim EMA exports (0 keeps all); returns the deleted ones."""
+    found = rundir.list_exports(run_dir)
+    doomed = found[:-keep] if keep > 0 else []
+    for path in doomed:
+        path.unlink(missing_ok=True)  # one file: its deletion is atomic
+    return doomed
+
+
 def capture_rng() -> dict:
     """Python, numpy, torch CPU and CUDA generator states as tensors and plain values."""
     version, internal, gauss = random.getstate()
@@ -82,6 +91,11 @@ def make_staging(run_dir: Path, step: int) -> Path:
     return tmp
 
 
+def discard_staging(tmp: Path) -> None:
+    """Drop a staging folder whose checkpoint could not be finished (e.g. the disk filled up)."""
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
 def save_rank_state(tmp: Path, rank: int) -> None:
     """Each process writes its own RNG state into the staging folder."""
     torch.save(capture_rng(), tmp / rundir.rng_file(rank))
@@ -112,11 +126,9 @@ def _load_pt(path: Path) -> dict:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError as err:
-        raise UserError(f"checkpoint file {path} is missing; the checkpoint is incomplete. Delete that "
-                        "checkpoint folder to resume from the previous one.") from err
-    except Exception as err:  # a truncated or foreign file: say which one
-        raise UserError(f"cannot read checkpoint file {path} ({err}); delete that checkpoint folder to resume "
-                        "from the previous one.") from err
+        raise UserError(f"its file {path.name} is missing.") from err
+    except Exception as err:  # a truncated or foreign file: say which one (torch's text is one line here)
+        raise UserError(f"its file {path.name} is unreadable ({str(err).splitlines()[0][:200]}).") from err
 
 
 def read_state(ckpt: Path) -> dict:
@@ -125,12 +137,34 @@ def read_state(ckpt: Path) -> dict:
     if not path.is_file():
         raise UserError(f"{ckpt} is not a checkpoint folder (no {rundir.STATE_FILE}); pass --resume auto, none, or a "
                         "RUN/checkpoints/step-XXXXXXX folder.")
-    return json.loads(path.read_text())
+    try:
+        return json.loads(path.read_text())
+    except (ValueError, OSError) as err:
+        raise UserError(f"the checkpoint {ckpt} cannot be resumed: its {rundir.STATE_FILE} is unreadable ({err}). "
+                        f"{damaged_advice(ckpt)}") from None
+
+
+def damaged_advice(ckpt: Path) -> str:
+    """What to do about an unreadable checkpoint: delete it and resume from the previous one, naming both."""
+    ckpt = Path(ckpt)
+    step = rundir.step_of(ckpt)
+    older = [p for p in rundir.list_checkpoints(ckpt.parent.parent) if step is not None and rundir.step_of(p) < step]
+    if older:
+        return (f"Delete {ckpt} to resume from {older[-1].name} (the previous complete checkpoint), or pass "
+                f"--resume {older[-1]}.")
+    return f"No older checkpoint exists: delete {ckpt} and pass --resume none to start the run again."
 
 
 def load_checkpoint(ckpt: Path, rank: int) -> dict:
+    """Everything a checkpoint holds, on the CPU; an unreadable file names the checkpoint to delete."""
+    try:
+        return _load_checkpoint(Path(ckpt), rank)
+    except UserError as err:
+        raise UserError(f"the checkpoint {ckpt} cannot be resumed: {err} {damaged_advice(ckpt)}") from None
+
+
+def _load_checkpoint(ckpt: Path, rank: int) -> dict:
     """Everything a checkpoint holds, on the CPU: weights, optimizer, scaler, this rank's RNG, state."""
-    ckpt = Path(ckpt)
     state = read_state(ckpt)
     model_state, _, _, _ = load_weights(ckpt / rundir.MODEL_FILE)
     ema_state, _, _, _ = load_weights(ckpt / rundir.EMA_FILE)

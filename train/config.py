@@ -17,7 +17,7 @@ from pathlib import Path
 from shared.errors import UserError
 from shared.guidance import GUIDE_CHANNELS
 from shared.models import ATTENTION_BACKENDS, check_preset
-from shared.precision import MIXED_PRECISIONS
+from shared.precision import PRECISION_CHOICES, canonical_precision
 
 LR_SCHEDULES = ("constant", "cosine")
 OPTIMIZERS = ("adamw", "adamw8bit")
@@ -42,7 +42,7 @@ class TrainConfig:
     model: str = "DiT-XL/2"
     global_batch_size: int = 256
     micro_batch_size: int | None = None
-    mixed_precision: str = "no"
+    precision: str = "fp32"
     grad_checkpoint: int = 0
     lr: float = 1e-4
     lr_schedule: str = "constant"
@@ -58,6 +58,8 @@ class TrainConfig:
     epochs: float | None = None
     ckpt_every: int = 50_000
     keep_last: int = 2
+    keep_exports: int = 0
+    image_size: int | None = None  # checked against the latents' image size when given
     log_every: int = 100
     sample_every: int = 10_000
     sample_steps: int = 50
@@ -87,6 +89,9 @@ class TrainConfig:
     def from_dict(cls, d: dict) -> "TrainConfig":
         """Rebuild from to_dict output, ignoring keys this version does not know."""
         names = {f.name for f in fields(cls)}
+        d = dict(d)
+        if "mixed_precision" in d:  # configs written before the flag became --precision
+            d.setdefault("precision", canonical_precision(d.pop("mixed_precision")))
         kwargs = {k: v for k, v in d.items() if k in names}
         if "adam_betas" in kwargs:
             kwargs["adam_betas"] = tuple(kwargs["adam_betas"])
@@ -110,7 +115,11 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", default="auto",
                    help="auto: continue from the newest checkpoint in --results-dir if any; none: refuse a "
                         "folder that already has checkpoints; PATH: a checkpoint folder to continue from")
-    p.add_argument("--seed", type=int, default=0, help="seed of the data order and of every per-sample draw")
+    p.add_argument("--seed", "--global-seed", type=int, default=0,
+                   help="seed of the data order and of every per-sample draw (--global-seed: the official name)")
+    p.add_argument("--image-size", type=int, default=None,
+                   help="image size in pixels the run is meant for; checked against the size the latents were "
+                        "extracted at (default: take it from the latents)")
 
 
 def _add_batch_flags(p: argparse.ArgumentParser) -> None:
@@ -120,8 +129,10 @@ def _add_batch_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batch-size", type=int, default=None,
                    help="images per forward pass per process; gradient accumulation = global batch / "
                         "(micro batch x processes), which must divide exactly (default: no accumulation)")
-    p.add_argument("--mixed-precision", default="no", choices=MIXED_PRECISIONS,
-                   help="no: fp32; fp16: autocast + dynamic loss scaling (fp32 master weights); bf16: autocast")
+    p.add_argument("--precision", "--mixed-precision", dest="precision", default="fp32", choices=PRECISION_CHOICES,
+                   type=canonical_precision,
+                   help="fp32; fp16: autocast + dynamic loss scaling (fp32 master weights); bf16: autocast. The same "
+                        "names as python -m sample --precision (--mixed-precision and 'no' = fp32 still work)")
     p.add_argument("--grad-checkpoint", type=int, nargs="?", const=1, default=0, metavar="K",
                    help="recompute every K-th transformer block in backward to save memory (bare flag: K=1, "
                         "every block; 0 or absent: off)")
@@ -158,6 +169,9 @@ def _add_schedule_flags(p: argparse.ArgumentParser) -> None:
     length.add_argument("--epochs", type=float, default=None, help="train this many passes over the latents instead")
     p.add_argument("--ckpt-every", type=int, default=50_000, help="full checkpoint + EMA export every N steps (and at the end)")
     p.add_argument("--keep-last", type=int, default=2, help="keep only the newest N full checkpoints (0 = keep all)")
+    p.add_argument("--keep-exports", type=int, default=0,
+                   help="keep only the newest N slim EMA exports (0 = keep all, the training history sample and "
+                        "FID read; each DiT-XL/2 export is 2.7 GB)")
     p.add_argument("--log-every", type=int, default=100, help="log loss, LR, grad norm, speed every N steps")
     p.add_argument("--sample-every", type=int, default=10_000,
                    help="save EMA latent samples of fixed classes and noise every N steps (0 = off)")
@@ -174,10 +188,21 @@ def _add_schedule_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true", help="check the inputs, print the resolved config and exit")
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """-h shows every default: appended where the help text does not already state it (or there is none)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text.lower() or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser(prog: str = "python -m train") -> argparse.ArgumentParser:
     """The `python -m train` argument parser (official DiT flag names where they exist)."""
     p = argparse.ArgumentParser(prog=prog, description="Train a DiT on cached VAE latents (one GPU, CPU, or "
-                                "`accelerate launch` for several processes).")
+                                "`accelerate launch` for several processes).",
+                                formatter_class=DefaultsHelpFormatter)
     _add_run_flags(p)
     _add_batch_flags(p)
     _add_optim_flags(p)
@@ -197,24 +222,26 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 # Checks and resolution (cheap: no model, no tensors)
 # ---------------------------------------------------------------------------------------------------------
 
+_POSITIVE = ("global_batch_size", "micro_batch_size", "max_steps", "epochs", "ckpt_every", "log_every",
+             "sample_steps", "image_size")
+_NON_NEGATIVE = ("grad_checkpoint", "keep_last", "keep_exports", "sample_every", "warmup_steps", "num_workers",
+                 "max_nonfinite", "weight_decay", "max_grad_norm", "seed")
+
+
+def _flag(name: str) -> str:
+    """The flag that sets a TrainConfig field ('keep_last' -> '--keep-last')."""
+    return "--" + name.replace("_", "-")
+
+
 def _check_ranges(cfg: TrainConfig) -> None:
-    """UserError for values outside their meaningful range."""
-    rules = [
-        (cfg.global_batch_size > 0, "--global-batch-size must be positive"),
-        (cfg.micro_batch_size is None or cfg.micro_batch_size > 0, "--micro-batch-size must be positive"),
+    """UserError naming the one flag whose value lies outside its meaningful range."""
+    rules = [(getattr(cfg, n) is None or getattr(cfg, n) > 0, f"{_flag(n)} must be positive") for n in _POSITIVE]
+    rules += [(getattr(cfg, n) >= 0, f"{_flag(n)} must be >= 0") for n in _NON_NEGATIVE]
+    rules += [
         (cfg.lr > 0 and math.isfinite(cfg.lr), "--lr must be a positive number"),
         (0 <= cfg.ema_decay <= 1, "--ema-decay must lie in [0, 1]"),
         (0 <= cfg.class_dropout_prob < 1, "--class-dropout-prob must lie in [0, 1)"),
         (all(0 <= b < 1 for b in cfg.adam_betas), "--adam-betas must lie in [0, 1)"),
-        (cfg.grad_checkpoint >= 0, "--grad-checkpoint K must be >= 0 (0 = off)"),
-        (cfg.max_steps is None or cfg.max_steps > 0, "--max-steps must be positive"),
-        (cfg.epochs is None or cfg.epochs > 0, "--epochs must be positive"),
-        (cfg.ckpt_every > 0 and cfg.log_every > 0, "--ckpt-every and --log-every must be positive"),
-        (min(cfg.keep_last, cfg.sample_every, cfg.warmup_steps, cfg.num_workers, cfg.max_nonfinite,
-             cfg.weight_decay, cfg.max_grad_norm, cfg.seed) >= 0,
-         "--keep-last, --sample-every, --warmup-steps, --num-workers, --max-nonfinite, --weight-decay, "
-         "--max-grad-norm and --seed must be >= 0"),
-        (cfg.sample_steps > 0, "--sample-steps must be positive"),
     ]
     for ok, message in rules:
         if not ok:
@@ -260,10 +287,21 @@ def _check_model_fits(cfg: TrainConfig, latent_shape) -> None:
                         "latent side the patch divides, or pick a preset with a smaller patch.")
 
 
+def _check_image_size(cfg: TrainConfig, dataset) -> None:
+    """--image-size, when given, must be the size the latents were extracted at (no silent other resolution)."""
+    if cfg.image_size is not None and cfg.image_size != dataset.image_size:
+        raise UserError(f"--image-size {cfg.image_size}, but the latents in {dataset.root} were extracted at "
+                        f"{dataset.image_size}x{dataset.image_size}. Pass --image-size {dataset.image_size} (or omit "
+                        f"it), or extract the images at {cfg.image_size} into a new folder: `python -m extract "
+                        f"--image-size {cfg.image_size} --out NEW ...`.")
+    cfg.image_size = dataset.image_size
+
+
 def resolve_config(cfg: TrainConfig, dataset, world_size: int) -> TrainConfig:
     """Fill the resolved fields from the latent index and the process count; UserError on any mismatch."""
     _check_ranges(cfg)
     check_preset(cfg.model)
+    _check_image_size(cfg, dataset)
     _check_model_fits(cfg, dataset.latent_shape)
     cfg.world_size = world_size
     cfg.micro_batch_size, cfg.grad_accum_steps = grad_accum_steps(
@@ -307,7 +345,7 @@ def resume_differences(saved: TrainConfig, current: TrainConfig) -> tuple[list[s
     data = _data_mismatch(saved.data, current.data)
     if data:
         refused.append(data)
-    skip = set(IDENTITY_FIELDS) | {"data", "results_dir", "resume", "dry_run", "debug", "latents"}
+    skip = set(IDENTITY_FIELDS) | {"data", "results_dir", "resume", "dry_run", "debug", "latents", "image_size"}
     allowed = [f"{f.name}: {getattr(saved, f.name)!r} -> {getattr(current, f.name)!r}" for f in fields(TrainConfig)
                if f.name not in skip and _norm(getattr(saved, f.name)) != _norm(getattr(current, f.name))]
     return refused, allowed

@@ -20,7 +20,8 @@ from tqdm import tqdm
 from shared import rundir
 from shared.errors import UserError
 from shared.export import save_weights
-from shared.fsio import atomic_write_text
+from shared.fsio import atomic_write_text, space_guard
+from shared.lock import FolderLock, hold_lock
 from shared.models import ModelConfig, resolve_attention
 from shared.shards import LatentDataset
 from train import checkpoint as ckpt_io
@@ -205,12 +206,12 @@ def guard_nonfinite(run: Run, result: dict) -> None:
 def _nonfinite_message(run: Run) -> str:
     """Why the run stopped, likely causes, and where the last good state is."""
     last = run.last_checkpoint or "none yet (the run never reached a checkpoint)"
-    precision = ("fp16 overflow: switch to --mixed-precision bf16, or lower --lr" if run.cfg.mixed_precision == "fp16"
+    precision = ("fp16 overflow: switch to --precision bf16, or lower --lr" if run.cfg.precision == "fp16"
                  else "a learning rate too high for this model/batch: lower --lr or add --warmup-steps / --max-grad-norm")
     return (f"training stopped at step {run.step}: {run.nonfinite_streak} consecutive steps had a non-finite loss or "
             f"gradient norm (weights were not updated on those steps). Likely causes: {precision}; or bad latents "
             f"(NaN/inf moments: re-extract, or check the folder with a verifying reader). The last good checkpoint "
-            f"is {last}; rerun the same command with the changed flags (--mixed-precision, --lr, --warmup-steps, "
+            f"is {last}; rerun the same command with the changed flags (--precision, --lr, --warmup-steps, "
             "--max-grad-norm may change on resume) and it continues from there.")
 
 
@@ -263,7 +264,12 @@ def save_checkpoint(run: Run) -> Path | None:
     ckpt_io.save_rank_state(tmp, acc.process_index)
     acc.wait_for_everyone()
     if run.is_main:
-        _write_main(run, tmp)
+        with space_guard(tmp / rundir.MODEL_FILE):  # torch.save's full-disk error is opaque: name the folder
+            try:
+                _write_main(run, tmp)
+            except BaseException:
+                ckpt_io.discard_staging(tmp)  # give the space back; the rerun resumes from the last checkpoint
+                raise
     acc.wait_for_everyone()
     run.last_checkpoint = rundir.checkpoint_path(run.run_dir, run.step)
     run.callbacks.on_checkpoint(run, run.last_checkpoint)
@@ -283,6 +289,7 @@ def _write_main(run: Run, tmp: Path) -> None:
     final = ckpt_io.publish(tmp, run.run_dir, run.step)
     write_export(run)
     pruned = ckpt_io.prune_checkpoints(run.run_dir, run.cfg.keep_last)
+    pruned += ckpt_io.prune_exports(run.run_dir, run.cfg.keep_exports)
     run.logger.info(f"saved checkpoint {final}" + (f" (removed {', '.join(p.name for p in pruned)})" if pruned else ""))
 
 
@@ -365,7 +372,7 @@ def start_logs(run: Run, source: Path | None, changes: list[str]) -> None:
     run.logger.info(f"{where}: {cfg.model}, {sum(p.numel() for p in run.learner.raw.parameters()):,} parameters, "
                     f"{n} process(es) on {run.device}, global batch {cfg.global_batch_size} = "
                     f"{cfg.micro_batch_size} x {cfg.grad_accum_steps} accumulation x {n}, "
-                    f"precision {cfg.mixed_precision}, {cfg.total_steps} steps")
+                    f"precision {cfg.precision}, {cfg.total_steps} steps")
     for change in changes:
         run.logger.info(f"changed on resume: {change}")
 
@@ -416,16 +423,53 @@ def run_loop(run: Run) -> dict:
     return last
 
 
+def lock_run_folder(cfg: TrainConfig, accelerator) -> FolderLock | None:
+    """Rank 0 takes the run folder's exclusive lock (before reading checkpoints); every rank stops if it is busy.
+
+    Why before anything else: a second launch on a live run would "resume" from it and both would write
+    checkpoints. --dry-run and --debug write nothing and take no lock.
+    """
+    from accelerate.utils import broadcast_object_list
+
+    if cfg.dry_run or cfg.debug:
+        return None
+    lock, error = None, None
+    if accelerator.is_main_process:
+        if Path(cfg.results_dir).exists() and not Path(cfg.results_dir).is_dir():
+            raise UserError(f"--results-dir {cfg.results_dir} is a file; pass a folder (it is created if missing).")
+        try:
+            lock = hold_lock(cfg.results_dir, "run folder")
+        except UserError as err:
+            error = err
+    if accelerator.num_processes > 1:
+        error = broadcast_object_list([error], from_process=0)[0]
+    if error is not None:
+        if accelerator.is_main_process:
+            raise error
+        raise SystemExit(2)  # rank 0 prints the paragraph; the others leave quietly
+    return lock
+
+
 def train(cfg: TrainConfig, callbacks: list[Callback] = ()) -> dict:
     """Run (or resume) a training run described by cfg; returns the last logged metrics."""
     accelerator = make_accelerator()  # the one source of the process count and rank
+    lock = lock_run_folder(cfg, accelerator)
+    try:
+        return _train_locked(cfg, accelerator, list(callbacks))
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train_locked(cfg: TrainConfig, accelerator, callbacks: list[Callback]) -> dict:
+    """train() once the run folder is this launch's."""
     cfg, dataset, source, changes = prepare_config(cfg, accelerator.num_processes)
     if cfg.dry_run or cfg.debug:
         if accelerator.is_main_process:
             print(cfg.to_json())
         if cfg.dry_run:
             return {}
-    run = setup_run(cfg, dataset, source, accelerator, list(callbacks))
+    run = setup_run(cfg, dataset, source, accelerator, callbacks)
     try:
         start_logs(run, source, changes)
         last = run_loop(run)

@@ -14,7 +14,7 @@ import torch
 from tqdm.auto import tqdm
 
 from shared.errors import UserError, exit_with
-from shared.precision import MIXED_PRECISIONS
+from shared.precision import PRECISION_CHOICES, canonical_precision
 from train.config import EMA_DEVICES, OPTIMIZERS, TrainConfig
 from train.data import synthetic_batch
 from train.memory import (ActivationProfile, build_model, count_parameters, format_size, measure_block_fit,
@@ -22,7 +22,7 @@ from train.memory import (ActivationProfile, build_model, count_parameters, form
 from train.step import make_learner, train_step
 
 PROG = "python -m train.plan"
-FLAGS = {"model preset": "--model", "precision": "--mixed-precision"}  # domain name -> flag
+FLAGS = {"model preset": "--model", "precision": "--precision"}  # domain name -> flag
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adamw8bit": 2}  # AdamW: two fp32 moments; 8-bit: two 1-byte moments
 OPTIMIZER_LABELS = {"adamw": "AdamW, 2 fp32 moments", "adamw8bit": "8-bit AdamW, 2 bytes/param"}
 
@@ -136,13 +136,13 @@ def header_lines(args, config, tokens, n_params, n_trainable, device) -> list[st
 
 def _header_text(args, config, tokens, n_params, n_trainable, device) -> list[str]:
     """Unwrapped header sentences."""
-    policy = f"autocast({device.type}, {args.mixed_precision})" if args.mixed_precision != "no" else "fp32 (no autocast)"
+    policy = f"autocast({device.type}, {args.precision})" if args.precision != "fp32" else "fp32 (no autocast)"
     return [
         f"{args.model} at {args.image_size}x{args.image_size}: latents {config.in_channels}x{config.input_size}x"
         f"{config.input_size} ({tokens} tokens), {n_params:,} parameters ({n_trainable:,} trainable)",
         f"GPU memory {format_size(args.gpu_memory)} - margin {format_size(args.margin)} = budget "
         f"{format_size(args.gpu_memory - args.margin)}; global batch {args.global_batch_size} over "
-        f"{args.num_processes} process(es); mixed precision {args.mixed_precision}",
+        f"{args.num_processes} process(es); precision {args.precision}",
         f"activations measured on {device.type}: the trainer's forward + loss at batch 1 and 2 under {policy}, "
         "counting bytes autograd saves for backward (deduplicated by storage, parameters excluded)",
     ]
@@ -202,7 +202,7 @@ def verify_config(args, row: PlanRow) -> TrainConfig:
     accumulation = min(row.accumulation, 2)  # a second micro-step runs with the first one's gradients held
     return TrainConfig(latents="synthetic", results_dir="unused", model=args.model,
                        global_batch_size=row.micro * accumulation, micro_batch_size=row.micro,
-                       grad_accum_steps=accumulation, mixed_precision=args.mixed_precision,
+                       grad_accum_steps=accumulation, precision=args.precision,
                        grad_checkpoint=row.profile.every, optimizer=args.optimizer, ema_device=args.ema_device)
 
 
@@ -250,8 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vae-factor", type=int, default=8, help="VAE downsample factor (latent = image / factor)")
     p.add_argument("--latent-channels", type=int, default=4, help="latent channels of the VAE")
     p.add_argument("--num-classes", type=int, default=1000, help="number of classes (label table size)")
-    p.add_argument("--mixed-precision", choices=MIXED_PRECISIONS, default="bf16",
-                   help="autocast dtype of training (as python -m train); no = fp32")
+    p.add_argument("--precision", "--mixed-precision", dest="precision", choices=PRECISION_CHOICES, default="bf16",
+                   type=canonical_precision, help="training precision (as python -m train --precision; 'no' = fp32)")
     p.add_argument("--grad-checkpoint", type=int, nargs="?", const=1, default=0, metavar="K",
                    help="checkpointing interval to recommend (every K-th block; bare flag = 1; 0 = off); "
                         "off, every block and every 2nd block are always tabulated")
@@ -287,7 +287,7 @@ def run(args) -> str:
     device = measure_device(args.measure_device)
     meta = build_model(config, "meta")  # shapes only, no allocation
     choices = checkpoint_choices(args.grad_checkpoint, len(meta.blocks))
-    profiles, n_params, n_trainable = measure_profiles(config, args.mixed_precision, choices, device)
+    profiles, n_params, n_trainable = measure_profiles(config, args.precision, choices, device)
     fixed = fixed_state(n_params, n_trainable, args.optimizer, args.ema_device)
     rows = [plan_row(p, fixed.total, args.gpu_memory - args.margin, batch) for p in profiles]
     chosen = next(r for r in rows if r.profile.every == args.grad_checkpoint)

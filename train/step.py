@@ -94,7 +94,7 @@ def make_learner(cfg: TrainConfig, model_config: ModelConfig, accelerator=None, 
     ema = build_ema(raw, cfg, device)
     raw.to(device)
     learner = Learner(cfg=cfg, raw=raw, model=raw, ema=ema, optimizer=build_optimizer(cfg, raw, device),
-                      scaler=torch.amp.GradScaler(device.type, enabled=cfg.mixed_precision == "fp16"),
+                      scaler=torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16"),
                       model_config=model_config, accelerator=accelerator, device=device)
     compiled = torch.compile(raw) if cfg.compile else raw
     learner.model = accelerator.prepare(compiled) if accelerator is not None else compiled
@@ -144,7 +144,7 @@ def accumulate_gradients(learner: Learner, batches: Iterable[dict]) -> torch.Ten
     for micro, batch in enumerate(batches):
         # Only the last micro-step all-reduces gradients; the others accumulate locally (DDP no_sync).
         with contextlib.nullcontext() if micro == steps - 1 else _no_sync(learner):
-            loss = forward_loss(learner.model, learner.diffusion, batch, learner.cfg.mixed_precision, learner.device)
+            loss = forward_loss(learner.model, learner.diffusion, batch, learner.cfg.precision, learner.device)
             learner.scaler.scale(loss / steps).backward()
         total += loss.detach().float()
         count += 1

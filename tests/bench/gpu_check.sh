@@ -7,6 +7,6 @@
 set -euo pipefail
 out=${1:-gpu-check}
 mkdir -p "$out"
-python -m train.plan --model DiT-XL/2 --image-size 256 --mixed-precision bf16 --grad-checkpoint \
+python -m train.plan --model DiT-XL/2 --image-size 256 --precision bf16 --grad-checkpoint \
   --gpu-memory 24GiB --global-batch-size 256 --verify 2>&1 | tee "$out/plan-verify.txt"
 python -m train.bench --preset gpu --memory-cap-gib 24 --json "$out/bench-gpu.json" 2>&1 | tee "$out/bench-gpu.txt"
