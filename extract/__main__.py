@@ -5,23 +5,26 @@ import argparse
 import sys
 from pathlib import Path
 
+from shared.cli import HelpFormatter
 from shared.errors import UserError, exit_with
-from shared.shards import FLIP_MODES, STORAGE_DTYPES
+from shared.shards import FLIP_MODES, FOLDER_KIND, STORAGE_DTYPES
 
 PROG = "python -m extract"
 # The flag that sets each setting shared/ and extract name in their errors (ChoiceError / SettingError kinds).
-FLAGS = {"flip mode": "--flip", "storage dtype": "--dtype", "vae": "--vae", "vae config": "--vae-config"}
+FLAGS = {"flip mode": "--flip", "storage dtype": "--dtype", "vae": "--vae", "vae config": "--vae-config",
+         FOLDER_KIND: "--out"}
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line flags; every one has help."""
     p = argparse.ArgumentParser(
-        prog=PROG,
-        description="Encode an ImageFolder (root/<class>/<image>) once with a frozen VAE into resumable latent "
-                    "shards (posterior mean and std, optionally of both flips) for `python -m train`. Rerun the "
+        prog=PROG, formatter_class=HelpFormatter,
+        description="Encode an ImageFolder (root/<class>/<image>) once with a frozen VAE into resumable latent\n"
+                    "shards (posterior mean and std, optionally of both flips) for `python -m train`. Rerun the\n"
                     "same command to resume; run under `accelerate launch` to use several GPUs.",
     )
-    p.add_argument("--data-path", type=Path, required=True, help="ImageFolder root: one sub-folder per class.")
+    p.add_argument("--data-path", type=Path, help="ImageFolder root: one sub-folder per class (required unless "
+                                                  "--verify).")
     p.add_argument("--out", type=Path, help="Output folder for shards and index.json (required unless --check).")
     p.add_argument("--vae", default="ema",
                    help="ema | mse (stabilityai/sd-vae-ft-*), a local diffusers folder, a single weight file "
@@ -43,13 +46,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-size", type=int, default=4096,
                    help="Images per shard, also the unit of resume (default: 4096).")
     p.add_argument("--limit", type=int, default=None,
-                   help="Use only N images, spread evenly over the sorted list (for a quick trial).")
+                   help="Use only N images, spread evenly over the sorted list (for a quick trial; default: all).")
     p.add_argument("--check", action="store_true",
                    help="Validate the dataset without encoding: images per class, first image's size and "
                         "mode, bad files (opens every image; no VAE). Exit status 1 if bad files are found.")
     p.add_argument("--dry-run", action="store_true",
                    help="Run every check and print the plan (images, shards, VAE, settings) without loading "
                         "the VAE or writing anything.")
+    p.add_argument("--verify", action="store_true",
+                   help="Hash every shard of the finished folder --out against its index.json and report damage; "
+                        "changes nothing (a damaged folder: rerun the extraction command, it redoes those shards).")
     p.add_argument("--strict", action="store_true",
                    help="Stop at the first bad image instead of skipping and recording it.")
     return p
@@ -72,6 +78,15 @@ def main(argv=None) -> int:
     """Parse flags and run the check or the extraction; UserError becomes one clear paragraph."""
     args = build_parser().parse_args(argv)
     try:
+        if args.verify:
+            from extract.verify import run_verify
+
+            if args.out is None:
+                raise UserError("--verify needs --out: the latent folder to check.")
+            print(run_verify(args.out))
+            return 0
+        if args.data_path is None:
+            raise UserError("--data-path is required: pass the ImageFolder root (one sub-folder per class).")
         if args.check:
             from extract.check import run_check
 

@@ -26,7 +26,7 @@ def inspect_all(scan: ImageFolderScan, num_workers: int, batch_size: int = 64) -
 
 def check_report(scan: ImageFolderScan, records: list[dict], image_size: int) -> tuple[str, int]:
     """The text printed by --check and the number of bad files."""
-    lines = [f"{scan.root}: {len(scan.classes)} classes, {len(scan)} images"]
+    lines = [f"{scan.root}: {len(scan.classes)} classes, {len(scan)} images; {scan.skipped.describe()}"]
     width = max(len(name) for name in scan.classes)
     lines += [f"  {index:>5}  {name:<{width}}  {count} images"
               for index, (name, count) in enumerate(zip(scan.classes, scan.counts()))]

@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shared.diffusion import SAMPLER_NAMES
+from shared.cli import HelpFormatter
+from shared.diffusion import SAMPLER_HELP, SAMPLER_NAMES
 from shared.errors import cli_errors
 from shared.guidance import GUIDE_CHANNELS
 from shared.models import DiT_models
@@ -29,20 +30,7 @@ Decode training's latent samples: `python -m sample decode RUN/samples/step-0000
 # The flag that sets each setting shared/ names in its errors (shared.errors.ChoiceError / SettingError kinds).
 FLAGS = {"model preset": "--model", "weights": "--weights", "cfg scale": "--cfg-scale",
          "guide-channel choice": "--guide-channels", "sampler": "--sampler", "precision": "--precision",
-         "vae": "--vae", "vae config": "--vae-config", "sample folder": "--out"}
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Keeps the description's line breaks and ends every flag's help with its default (unless it says it)."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        if "default" in text.lower() or action.required or action.default is argparse.SUPPRESS \
-                or not action.option_strings:
-            return text
-        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
-            return f"{text} (default: {'on' if action.default else 'off'})"
-        return f"{text} (default: %(default)s)"
+         "ddim eta": "--ddim-eta", "vae": "--vae", "vae config": "--vae-config", "sample folder": "--out"}
 
 
 def add_vae_flags(p: argparse.ArgumentParser) -> None:
@@ -93,8 +81,16 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--guide-channels", choices=GUIDE_CHANNELS, default="auto",
                    help="latent channels guided: 3 (the DiT release's quirk for 4-channel latents), all, or auto "
                         "(3 for 4-channel latents, as the release; all otherwise); the rule used is printed")
-    p.add_argument("--sampler", choices=SAMPLER_NAMES, default="ddpm", help="respaced sampler")
-    p.add_argument("--num-sampling-steps", type=int, default=250, help="respaced steps (250 as the paper)")
+    p.add_argument("--sampler", choices=SAMPLER_NAMES, default="ddpm",
+                   help="; ".join(f"{name}: {SAMPLER_HELP[name]}" for name in SAMPLER_NAMES)
+                        + ". DiT's respacing calls the model at t = 0 too; the solvers' linspace spacing (diffusers' "
+                          "default) steps from about t = 999/K straight to clean data")
+    p.add_argument("--num-sampling-steps", type=int, default=250,
+                   help="model calls per image (twice the batch with guidance): 250 as the paper for ddpm, ~50 for "
+                        "ddim, 10-25 for dpmpp-2m and unipc")
+    p.add_argument("--ddim-eta", type=float, default=None,
+                   help="DDIM's noise scale eta in [0, 1] (Song et al. Eq. 16): 0 deterministic, 1 DDPM-like; only "
+                        "with --sampler ddim (default 0)")
     p.add_argument("--seed", "--global-seed", type=int, default=0, help="image i's label and noise come from (seed, i)")
     p.add_argument("--batch-size", "--per-proc-batch-size", type=int, default=32,
                    help="images per forward pass (per process)")

@@ -64,7 +64,9 @@ def advise(error: UserError, flags: dict) -> UserError:
 def exit_with(error: UserError, prog: str, flags: dict | None = None) -> NoReturn:
     """Print a UserError as one wrapped paragraph on stderr and exit with status 2."""
     text = " ".join(str(advise(error, flags or {})).split())
-    print(textwrap.fill(f"{prog}: error: {text}", width=100), file=sys.stderr)
+    # Never break inside a word: a path or command cut at a hyphen would not survive copy and paste.
+    print(textwrap.fill(f"{prog}: error: {text}", width=100, break_on_hyphens=False, break_long_words=False),
+          file=sys.stderr)
     sys.exit(2)
 
 

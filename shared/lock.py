@@ -73,6 +73,7 @@ class FolderLock:
 
     def __init__(self, folder: Path, kind: str):
         self.folder, self.path = Path(folder), Path(folder) / LOCK_NAME
+        self.created = not self.folder.exists()  # a folder this lock made is removed again if left empty
         self.folder.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         if not _try_lock(self._fd):
@@ -96,10 +97,24 @@ class FolderLock:
         return self._fd is not None
 
     def release(self) -> None:
-        """Drop the lock (the file stays: an unlocked lock file means free)."""
+        """Drop the lock (the file stays: an unlocked lock file means free).
+
+        A folder the lock itself created and nothing else wrote into is removed, so a launch refused
+        for a bad flag leaves no trace of itself.
+        """
         if self._fd is not None:
+            self._remove_if_untouched()
             os.close(self._fd)  # closing the last descriptor releases flock
             self._fd = None
+
+    def _remove_if_untouched(self) -> None:
+        """Delete the lock file and the folder when the lock made the folder and it holds nothing else."""
+        try:
+            if self.created and [p.name for p in self.folder.iterdir()] == [LOCK_NAME]:
+                self.path.unlink()
+                self.folder.rmdir()
+        except OSError:
+            pass  # someone else is using it after all: leave it
 
     def __enter__(self) -> "FolderLock":
         return self

@@ -66,7 +66,7 @@ def _sample(run, out, *extra, ckpt=None):
 
 
 def says(err: str, text) -> bool:
-    """Whether the wrapped message contains text (whitespace ignored: exit_with wraps long paths at hyphens)."""
+    """Whether the wrapped message contains text (whitespace ignored: exit_with wraps lines between words)."""
     return "".join(str(text).split()) in "".join(err.split())
 
 
@@ -349,7 +349,8 @@ def test_sea_eel_file_name_is_sanitised(run, tmp_path, capsys):
 # --------------------------------------------------------------------------------------------------------
 
 def test_help_shows_every_default_and_the_decode_command():
-    from sample.__main__ import HelpFormatter, decode_parser, sample_parser
+    from sample.__main__ import decode_parser, sample_parser
+    from shared.cli import HelpFormatter
     for parser in (sample_parser(), decode_parser()):
         formatter = HelpFormatter(parser.prog)
         for action in parser._actions:

@@ -14,6 +14,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from shared.cli import HelpFormatter
 from shared.errors import UserError
 from shared.guidance import GUIDE_CHANNELS
 from shared.models import ATTENTION_BACKENDS, check_preset
@@ -188,21 +189,11 @@ def _add_schedule_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true", help="check the inputs, print the resolved config and exit")
 
 
-class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """-h shows every default: appended where the help text does not already state it (or there is none)."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        if "default" in text.lower() or action.default in (None, False, argparse.SUPPRESS):
-            return text
-        return super()._get_help_string(action)
-
-
 def build_parser(prog: str = "python -m train") -> argparse.ArgumentParser:
     """The `python -m train` argument parser (official DiT flag names where they exist)."""
     p = argparse.ArgumentParser(prog=prog, description="Train a DiT on cached VAE latents (one GPU, CPU, or "
                                 "`accelerate launch` for several processes).",
-                                formatter_class=DefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     _add_run_flags(p)
     _add_batch_flags(p)
     _add_optim_flags(p)
