@@ -1,0 +1,235 @@
+"""The digits yardstick: a Fréchet distance in the feature space of a small CNN fitted to scikit-learn's digits.
+
+Inception features are meaningless on 32x32 white-on-black digits, so the demo measures quality with a network
+that knows them: a 3-block CNN trained (fixed seed, one thread, ~5 s on a CPU) to classify the 1,797 real digits
+as `data/digits.py` writes them. Its penultimate layer (64 features, before the ReLU, so no unit is dead) plays the
+role of Inception's pool_3; the reference is the full real set. The fitted weights are cached under the user
+cache folder, keyed by a hash of the recipe and the data, so every process and every run uses the same network.
+
+    from evaluate.digits import digits_fd
+    digits_fd(images)   # images uint8 (N, 32, 32, 3) -> float, lower is better; real digits score ~0
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import threading
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from data.digits import IMAGE_SIZE, NUM_CLASSES, digit_images
+from evaluate.metrics import frechet_distance, mean_cov
+from shared.errors import UserError
+from shared.fsio import atomic_write
+
+FEATURES = "digits"
+
+
+@dataclass(frozen=True)
+class DigitsRecipe:
+    """Everything that decides the fitted weights; its hash names the cache file."""
+
+    version: int = 1
+    widths: tuple = (16, 32, 64)   # conv channels of the three blocks (32 -> 16 -> 8 -> 4 pixels)
+    feature_dim: int = 64          # penultimate width: the feature vector
+    epochs: int = 12
+    batch_size: int = 64
+    lr: float = 2e-3
+    max_shift: int = 2             # random translation in pixels: features tolerate off-centre strokes
+    seed: int = 0
+    image_size: int = IMAGE_SIZE
+
+
+RECIPE = DigitsRecipe()
+
+
+class DigitsNet(nn.Module):
+    """Three conv-ReLU-maxpool blocks, a 64-wide hidden layer (the features) and a 10-way classifier."""
+
+    def __init__(self, recipe: DigitsRecipe = RECIPE):
+        super().__init__()
+        layers, c_in = [], 3
+        for width in recipe.widths:
+            layers += [nn.Conv2d(c_in, width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)]
+            c_in = width
+        self.body = nn.Sequential(*layers)
+        side = recipe.image_size // 2 ** len(recipe.widths)
+        self.hidden = nn.Linear(c_in * side * side, recipe.feature_dim)
+        self.head = nn.Linear(recipe.feature_dim, NUM_CLASSES)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """Images (N, 3, S, S) in [0, 1] -> pre-activation features (N, feature_dim)."""
+        return self.hidden(self.body(x).flatten(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Images (N, 3, S, S) in [0, 1] -> class logits (N, 10)."""
+        return self.head(F.relu(self.features(x)))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Inputs
+# ----------------------------------------------------------------------------------------------------------
+
+def check_images(images, size: int = IMAGE_SIZE) -> np.ndarray:
+    """UserError unless `images` is uint8 (N, size, size, 3) with N >= 2; returns it as an array."""
+    images = np.asarray(images)
+    if images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] != 3:
+        raise UserError(f"the digits features take uint8 RGB images (N, H, W, 3) as `python -m sample --npz` "
+                        f"writes them; got {images.dtype} {images.shape}.")
+    if images.shape[1:3] != (size, size):
+        raise UserError(f"the digits features are fitted to {size}x{size} images (the demo's size); these are "
+                        f"{images.shape[1]}x{images.shape[2]}. Sample at --image-size {size}, or use the Inception "
+                        f"features (--features inception) for other images.")
+    return images
+
+
+def to_input(images: np.ndarray) -> torch.Tensor:
+    """uint8 (N, H, W, 3) -> float (N, 3, H, W) in [0, 1]."""
+    return torch.from_numpy(np.array(images, np.uint8)).permute(0, 3, 1, 2).float() / 255.0  # a copy: npz rows are read-only
+
+
+def shifted(x: torch.Tensor, max_shift: int, generator: torch.Generator) -> torch.Tensor:
+    """Translate each image (N, C, S, S) by its own integer offset in [-max_shift, max_shift], black filled."""
+    n, _, s, _ = x.shape
+    padded = F.pad(x, (max_shift,) * 4)  # (N, C, S + 2m, S + 2m); the background is black
+    offsets = torch.randint(0, 2 * max_shift + 1, (n, 2), generator=generator)
+    return torch.stack([padded[i, :, dy:dy + s, dx:dx + s] for i, (dy, dx) in enumerate(offsets.tolist())])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Fitting and the cache
+# ----------------------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def one_thread():
+    """Run torch on one intra-op thread inside (bitwise-repeatable CPU reductions), restoring the count after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def fit(recipe: DigitsRecipe = RECIPE, images=None, labels=None) -> DigitsNet:
+    """Train the network on the real digits, deterministically: fixed seeds, one thread, a seeded shuffle."""
+    if images is None:
+        images, labels = digit_images(recipe.image_size)
+    x, y = to_input(images), torch.from_numpy(np.asarray(labels, dtype=np.int64))
+    gen = torch.Generator().manual_seed(recipe.seed)
+    with one_thread(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(recipe.seed)  # initial weights
+        net = DigitsNet(recipe)
+        opt = torch.optim.Adam(net.parameters(), lr=recipe.lr)
+        net.train()
+        for _ in range(recipe.epochs):
+            order = torch.randperm(len(x), generator=gen)
+            for start in range(0, len(x), recipe.batch_size):
+                idx = order[start:start + recipe.batch_size]
+                loss = F.cross_entropy(net(shifted(x[idx], recipe.max_shift, gen)), y[idx])
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+    return net.eval()
+
+
+def data_sha256(images: np.ndarray, labels: np.ndarray) -> str:
+    """Hash of the training images and labels (a new scikit-learn or a new upscaling changes the network)."""
+    h = hashlib.sha256(np.ascontiguousarray(images).tobytes())
+    h.update(np.ascontiguousarray(labels, dtype=np.int64).tobytes())
+    return h.hexdigest()
+
+
+def recipe_key(recipe: DigitsRecipe, data_hash: str) -> str:
+    """Short hash of the recipe and the data: the cache file's name and the network's identity."""
+    text = json.dumps({"recipe": asdict(recipe), "data": data_hash}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def cache_dir() -> Path:
+    """The user cache folder of the evaluation stage ($XDG_CACHE_HOME or ~/.cache)."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "dit-latent-pipeline" / "evaluate"
+
+
+def weights_path(key: str) -> Path:
+    """Where the network fitted by recipe `key` is cached."""
+    return cache_dir() / f"digits-{key}.safetensors"
+
+
+def load_or_fit(recipe: DigitsRecipe = RECIPE) -> tuple[DigitsNet, str]:
+    """The fitted network and its key: read from the cache, or fitted and cached (atomic write, safe to race)."""
+    from safetensors.torch import load_file, save_file
+
+    images, labels = digit_images(recipe.image_size)
+    key = recipe_key(recipe, data_sha256(images, labels))
+    path = weights_path(key)
+    net = DigitsNet(recipe)
+    if path.is_file():
+        try:
+            net.load_state_dict(load_file(path))
+            return net.eval(), key
+        except Exception:  # noqa: BLE001 - a damaged cache file is refitted and replaced, never trusted
+            pass
+    net = fit(recipe, images, labels)
+    state = {k: v.contiguous() for k, v in net.state_dict().items()}
+    try:
+        atomic_write(path, lambda tmp: save_file(state, str(tmp), metadata={"recipe": json.dumps(asdict(recipe))}))
+    except OSError:
+        pass  # an unwritable cache only costs the refit next time
+    return net, key
+
+
+_LOCK = threading.Lock()
+_CACHE: dict = {}
+
+
+def network() -> tuple[DigitsNet, str]:
+    """The process-wide fitted network and its key (fitted or loaded once; thread-safe)."""
+    with _LOCK:
+        if "net" not in _CACHE:
+            _CACHE["net"], _CACHE["key"] = load_or_fit(RECIPE)
+        return _CACHE["net"], _CACHE["key"]
+
+
+def identity() -> dict:
+    """The feature network's identity, recorded with every result."""
+    _, key = network()
+    return {"name": FEATURES, "recipe": key, "feature_dim": RECIPE.feature_dim, "image_size": RECIPE.image_size}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Features and the distance
+# ----------------------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def digits_features(images, batch_size: int = 512) -> np.ndarray:
+    """uint8 images (N, 32, 32, 3) -> penultimate features (N, 64) float64."""
+    images = check_images(images)
+    net, _ = network()
+    out = [net.features(to_input(images[i:i + batch_size])).double().numpy()
+           for i in range(0, len(images), batch_size)]
+    return np.concatenate(out) if out else np.zeros((0, RECIPE.feature_dim))
+
+
+def real_stats() -> tuple[np.ndarray, np.ndarray]:
+    """Mean and covariance of the features of all 1,797 real digits (the reference; cached per process)."""
+    with _LOCK:
+        cached = _CACHE.get("real")
+    if cached is None:
+        cached = mean_cov(digits_features(digit_images(RECIPE.image_size)[0]))
+        with _LOCK:
+            _CACHE["real"] = cached
+    return cached
+
+
+def digits_fd(images) -> float:
+    """Fréchet distance between uint8 images (N, 32, 32, 3), N >= 2, and the real digits, in digits features."""
+    return frechet_distance(*mean_cov(digits_features(images)), *real_stats())

@@ -1,0 +1,140 @@
+"""One evaluation: samples npz + reference -> FID, sFID, IS, precision, recall; a table and a JSON line.
+
+Everything a user can get wrong (the npz, the reference, the resolution, the IS split) is checked before the
+feature network is loaded.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from evaluate.features import FEATURE_NETWORKS, check_image_size
+from evaluate.images import open_npz_images
+from evaluate.metrics import IS_SPLIT_SIZE, PR_NEIGHBOURS, check_split_size, frechet_distance, inception_score, \
+    precision_recall
+from evaluate.stats import check_reference, compute_features, open_reference, reference_stats, save_stats, \
+    source_meta, stats_from_features
+from shared.errors import ChoiceError, UserError
+from shared.fsio import atomic_write_text
+
+RESULT_SUFFIX = ".eval.jsonl"  # SAMPLES.npz -> SAMPLES.eval.jsonl, one line per evaluation
+METRICS = ("fid", "sfid", "inception_score", "precision", "recall")
+
+
+@dataclass
+class EvalOptions:
+    """Everything `python -m evaluate SAMPLES.npz` accepts (one field per flag)."""
+
+    samples: str
+    ref: str | None = None
+    features: str = "inception"
+    batch_size: int = 64
+    is_split_size: int = IS_SPLIT_SIZE
+    save_stats: str | None = None
+    inception_weights: str | None = None
+    cpu: bool = False
+    no_save: bool = False
+
+
+def result_path(samples) -> Path:
+    """Where the JSON lines of a samples file's evaluations are appended."""
+    samples = Path(samples)
+    return samples.with_name(samples.name.removesuffix(".npz") + RESULT_SUFFIX)
+
+
+def append_jsonl(path: Path, record: dict) -> None:
+    """Append one JSON line to `path` (rewritten atomically: a kill never leaves half a line)."""
+    old = Path(path).read_text(encoding="utf-8") if Path(path).is_file() else ""
+    if old and not old.endswith("\n"):
+        old += "\n"
+    atomic_write_text(path, old + json.dumps(record) + "\n")
+
+
+def check_options(o: EvalOptions) -> None:
+    """Numbers and choices that need no file."""
+    if o.features not in FEATURE_NETWORKS:
+        raise ChoiceError("feature network", o.features, FEATURE_NETWORKS)
+    if o.batch_size < 1:
+        raise UserError(f"--batch-size must be at least 1; got {o.batch_size}.")
+
+
+def process_info(cpu: bool):
+    """(rank, world, device) from the one source of process state (shared/distributed.py)."""
+    from shared.distributed import process_state
+
+    state = process_state(cpu=cpu)
+    return state.process_index, state.num_processes, state.device
+
+
+def sample_metrics(feats: dict, ref_stats, split_size: int) -> dict:
+    """The five numbers from the samples' features and the reference's statistics (None where not defined)."""
+    out = dict.fromkeys(METRICS)
+    out["fid"] = frechet_distance(*_mean_cov(feats["pool"]), ref_stats.mu, ref_stats.sigma)
+    if "spatial" in feats and ref_stats.mu_s is not None:
+        out["sfid"] = frechet_distance(*_mean_cov(feats["spatial"]), ref_stats.mu_s, ref_stats.sigma_s)
+    if "logits" in feats:
+        out["inception_score"] = inception_score(feats["logits"], split_size)
+    if ref_stats.pool is not None:
+        out["precision"], out["recall"] = precision_recall(ref_stats.pool, feats["pool"], PR_NEIGHBOURS)
+    return out
+
+
+def _mean_cov(x):
+    """Mean and covariance (imported lazily to keep the import list short)."""
+    from evaluate.metrics import mean_cov
+
+    return mean_cov(x)
+
+
+def evaluate_samples(o: EvalOptions, net=None, show: bool = True) -> dict:
+    """Evaluate `o.samples` against `o.ref`; return the result record (also appended beside the samples)."""
+    check_options(o)
+    samples = open_npz_images(o.samples)
+    reference = open_reference(o.ref, o.features)
+    check_reference(reference, o.features, samples.size)
+    check_image_size(o.features, samples.size)
+    if o.features == "inception":
+        check_split_size(samples.count, o.is_split_size)
+    rank, world, device = process_info(o.cpu)
+    start = time.time()
+    if net is None:
+        from evaluate.features import build_features
+
+        net = build_features(o.features, "cpu" if o.cpu else device, o.inception_weights)
+    feats = compute_features(samples, net, o.batch_size, rank, world, "samples")
+    ref_stats = reference_stats(reference, net, o.batch_size, rank, world, need_pool=True)
+    record = {**sample_metrics(feats, ref_stats, o.is_split_size),
+              "num_samples": samples.count, "image_size": list(samples.size), "samples": str(o.samples),
+              "ref": reference.label, "ref_count": ref_stats.meta.get("count"), "features": net.identity(),
+              "pr_k": PR_NEIGHBOURS, "is_split_size": o.is_split_size if "logits" in feats else None,
+              "seconds": round(time.time() - start, 2)}
+    if rank == 0:
+        if o.save_stats:
+            save_stats(o.save_stats, stats_from_features(feats, source_meta(net, samples)))
+        if not o.no_save:
+            append_jsonl(result_path(o.samples), record)
+        if show:
+            print(format_table(record))
+            print(json.dumps(record), flush=True)
+    return record
+
+
+def _fmt(value) -> str:
+    """A metric for the table: 4 significant decimals, '-' when not defined."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:.4f}" if isinstance(value, float) else str(value)
+
+
+def format_table(record: dict) -> str:
+    """The human table of one result."""
+    rows = [("samples", f"{record['samples']} ({record['num_samples']} images, {record['image_size'][1]}x"
+                        f"{record['image_size'][0]})"),
+            ("reference", f"{record['ref']} ({record['ref_count']} images)"),
+            ("features", record["features"]["name"])]
+    rows += [(name, _fmt(record[name])) for name in METRICS]
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)

@@ -1,0 +1,185 @@
+"""Reading the images to evaluate: an npz's `arr_0` (uint8 N x H x W x 3), streamed in batches, or an ImageFolder.
+
+`python -m sample --npz` and the ADM reference batches store `arr_0` uncompressed; it is read member-wise from
+the zip, a batch at a time, so 50,000 ImageNet images never sit in memory at once.
+"""
+from __future__ import annotations
+
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from shared.errors import UserError
+
+IMAGES_KEY = "arr_0"
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+
+
+def npz_keys(path: Path) -> list[str]:
+    """Array names stored in an npz (without reading them); UserError if it is not an npz."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return [n[:-4] for n in archive.namelist() if n.endswith(".npy")]
+    except (zipfile.BadZipFile, OSError) as err:
+        raise UserError(f"{path} is not a readable .npz file ({err}); pass an npz written by `python -m sample "
+                        f"--npz` (or np.savez) with the images as arr_0.") from err
+
+
+def _npy_header(member) -> tuple[tuple, bool, np.dtype]:
+    """Shape, Fortran flag and dtype of an open .npy stream, leaving it at the first data byte."""
+    version = np.lib.format.read_magic(member)
+    if version == (1, 0):
+        return np.lib.format.read_array_header_1_0(member)
+    return np.lib.format.read_array_header_2_0(member)
+
+
+@dataclass
+class NpzImages:
+    """The uint8 (N, H, W, 3) `arr_0` of an npz, read in batches."""
+
+    path: Path
+    shape: tuple
+
+    @property
+    def count(self) -> int:
+        """Number of images."""
+        return self.shape[0]
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """(H, W) of every image."""
+        return self.shape[1], self.shape[2]
+
+    def batches(self, batch_size: int, start: int = 0, stop: int | None = None) -> Iterator[np.ndarray]:
+        """Yield uint8 (b, H, W, 3) batches of images start..stop, reading only those bytes."""
+        stop = self.count if stop is None else min(stop, self.count)
+        row = int(np.prod(self.shape[1:]))
+        with zipfile.ZipFile(self.path) as archive, archive.open(f"{IMAGES_KEY}.npy") as member:
+            _npy_header(member)
+            member.seek(member.tell() + start * row)  # stored members seek directly; deflated ones read forward
+            for lo in range(start, stop, batch_size):
+                n = min(batch_size, stop - lo)
+                data = member.read(n * row)
+                if len(data) != n * row:
+                    raise UserError(f"{self.path} is truncated: {IMAGES_KEY} ends before image {lo + len(data) // row}"
+                                    f" of {self.count}; write it again.")
+                yield np.frombuffer(data, np.uint8).reshape(n, *self.shape[1:])
+
+
+def open_npz_images(path) -> NpzImages:
+    """The images of an npz, checked from its header: arr_0 must be uint8 (N, H, W, 3), C order, N >= 1."""
+    path = Path(path)
+    keys = npz_keys(path)
+    if IMAGES_KEY not in keys:
+        raise UserError(f"{path} holds no `{IMAGES_KEY}` array (it has: {', '.join(keys) or 'nothing'}). Pass an "
+                        f"npz whose images are `{IMAGES_KEY}`, uint8 N x H x W x 3, as `python -m sample --npz` and "
+                        f"the ADM reference batches store them.")
+    with zipfile.ZipFile(path) as archive, archive.open(f"{IMAGES_KEY}.npy") as member:
+        shape, fortran, dtype = _npy_header(member)
+    if dtype != np.uint8 or len(shape) != 4 or shape[-1] != 3 or fortran or shape[0] < 1:
+        raise UserError(f"{path}: `{IMAGES_KEY}` is {dtype} with shape {tuple(shape)}{' (Fortran order)' if fortran else ''}"
+                        f"; the evaluator reads uint8 RGB images N x H x W x 3 (values 0..255, C order) with N >= 1. "
+                        f"Convert them, e.g. np.savez(out, arr_0=np.clip(x, 0, 255).astype(np.uint8)) for an "
+                        f"N x H x W x 3 array x.")
+    return NpzImages(path, tuple(int(s) for s in shape))
+
+
+@dataclass
+class FolderImages:
+    """Every image under a folder (ImageFolder or flat), sorted by path, all of one size, read as RGB."""
+
+    path: Path
+    files: list
+    size: tuple
+
+    @property
+    def count(self) -> int:
+        """Number of images."""
+        return len(self.files)
+
+    @property
+    def shape(self) -> tuple:
+        """(N, H, W, 3), as an npz's arr_0."""
+        return (self.count, *self.size, 3)
+
+    def batches(self, batch_size: int, start: int = 0, stop: int | None = None) -> Iterator[np.ndarray]:
+        """Yield uint8 (b, H, W, 3) batches of images start..stop."""
+        stop = self.count if stop is None else min(stop, self.count)
+        for lo in range(start, stop, batch_size):
+            yield np.stack([self._read(p) for p in self.files[lo:min(lo + batch_size, stop)]])
+
+    def _read(self, path: Path) -> np.ndarray:
+        """One image as uint8 (H, W, 3); UserError if unreadable or of another size."""
+        from PIL import Image
+
+        try:
+            with Image.open(path) as image:
+                pixels = np.asarray(image.convert("RGB"))
+        except OSError as err:
+            raise UserError(f"{path} is not a readable image ({err}); remove it from {self.path}.") from err
+        if pixels.shape[:2] != self.size:
+            raise UserError(f"{path} is {pixels.shape[1]}x{pixels.shape[0]} but the first image of {self.path} is "
+                            f"{self.size[1]}x{self.size[0]}; the evaluator compares images of one size. Resize or "
+                            f"crop the folder's images to one size first (ADM: centre crop to the sample size).")
+        return pixels
+
+
+def open_folder_images(path) -> FolderImages:
+    """The images under a folder, sorted by relative path; UserError if it holds none."""
+    from PIL import Image
+
+    path = Path(path)
+    files = sorted(p for p in path.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file()
+                   and not any(part.startswith(".") for part in p.relative_to(path).parts))
+    if not files:
+        raise UserError(f"{path} holds no images ({', '.join(IMAGE_SUFFIXES)}); pass an ImageFolder or an npz.")
+    with Image.open(files[0]) as first:
+        size = (first.height, first.width)
+    return FolderImages(path, files, size)
+
+
+def open_images(path):
+    """An npz's arr_0 or a folder's images; UserError naming what is wrong with the path."""
+    path = Path(path)
+    if path.is_dir():
+        return open_folder_images(path)
+    if not path.is_file():
+        raise UserError(f"{path} does not exist; pass an .npz of images (arr_0 uint8 N x H x W x 3) or an image folder.")
+    return open_npz_images(path)
+
+
+def read_all(source) -> np.ndarray:
+    """Every image of a source as one uint8 (N, H, W, 3) array (small sets only)."""
+    return np.concatenate(list(source.batches(max(source.count, 1))))
+
+
+@dataclass
+class ArrayImages:
+    """Images already in memory, uint8 (N, H, W, 3), behind the same interface (e.g. the real digits)."""
+
+    array: np.ndarray
+    path: str = "<memory>"
+
+    @property
+    def count(self) -> int:
+        """Number of images."""
+        return len(self.array)
+
+    @property
+    def shape(self) -> tuple:
+        """(N, H, W, 3)."""
+        return tuple(self.array.shape)
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """(H, W)."""
+        return tuple(self.array.shape[1:3])
+
+    def batches(self, batch_size: int, start: int = 0, stop: int | None = None) -> Iterator[np.ndarray]:
+        """Yield uint8 (b, H, W, 3) batches of images start..stop."""
+        stop = self.count if stop is None else min(stop, self.count)
+        for lo in range(start, stop, batch_size):
+            yield self.array[lo:min(lo + batch_size, stop)]

@@ -1,0 +1,154 @@
+"""The metrics, on feature arrays: Fréchet distance, Inception Score, k-NN precision and recall.
+
+Definitions follow the ADM evaluator (guided-diffusion `evaluations/evaluator.py`, used by DiT) and the papers it
+implements; every function takes numpy arrays and knows nothing about networks.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from shared.errors import UserError
+
+IS_SPLIT_SIZE = 5000   # ADM scores IS over consecutive chunks of 5,000 samples (the improved-GAN recipe)
+PR_NEIGHBOURS = 3      # k of the k-NN manifolds (Kynkäänniemi et al. 2019, as ADM)
+PR_BATCH = 10_000      # rows/columns per distance block: a 10k x 10k float32 block is 400 MB
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Fréchet distance (Heusel et al. 2017, Eq. in Sec. 3; Dowson & Landau 1982)
+# ----------------------------------------------------------------------------------------------------------
+
+def mean_cov(features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Mean (D,) and unbiased covariance (D, D) of features (N, D), in float64, as ADM's np.cov(rowvar=False)."""
+    x = np.asarray(features, dtype=np.float64)
+    if x.ndim != 2 or len(x) < 2:
+        raise UserError(f"a covariance needs at least 2 feature vectors (N, D); got shape {x.shape}. "
+                        f"Evaluate at least 2 images.")
+    return x.mean(axis=0), np.cov(x, rowvar=False)
+
+
+def _psd_sqrt(sigma: np.ndarray) -> np.ndarray:
+    """Symmetric square root of a symmetric PSD matrix via its eigendecomposition (tiny negative eigenvalues -> 0)."""
+    vals, vecs = np.linalg.eigh(sigma)
+    return (vecs * np.sqrt(np.clip(vals, 0, None))) @ vecs.T
+
+
+def trace_sqrt_product(sigma1: np.ndarray, sigma2: np.ndarray) -> float:
+    """tr((S1 S2)^1/2) = tr((A S2 A)^1/2) with A = S1^1/2: the same eigenvalues, but of a symmetric PSD matrix.
+
+    Why not scipy's sqrtm(S1 @ S2) as ADM: S1 S2 is not symmetric, and its Schur-based root turns complex or
+    non-finite on near-singular covariances (ADM then adds eps * I); the symmetric form is exact and stable.
+    """
+    a = _psd_sqrt(sigma1)
+    m = a @ sigma2 @ a
+    m = (m + m.T) / 2  # remove rounding asymmetry before eigvalsh
+    return float(np.sqrt(np.clip(np.linalg.eigvalsh(m), 0, None)).sum())
+
+
+def frechet_distance(mu1, sigma1, mu2, sigma2) -> float:
+    """||mu1 - mu2||^2 + tr(S1) + tr(S2) - 2 tr((S1 S2)^1/2): the Fréchet distance of two Gaussians."""
+    mu1, mu2 = np.atleast_1d(np.asarray(mu1, np.float64)), np.atleast_1d(np.asarray(mu2, np.float64))
+    sigma1, sigma2 = np.atleast_2d(np.asarray(sigma1, np.float64)), np.atleast_2d(np.asarray(sigma2, np.float64))
+    if mu1.shape != mu2.shape or sigma1.shape != sigma2.shape or sigma1.shape != (mu1.size, mu1.size):
+        raise UserError(f"the two statistics have different feature sizes (mean {mu1.shape} vs {mu2.shape}, "
+                        f"covariance {sigma1.shape} vs {sigma2.shape}): they come from different feature networks "
+                        f"or layers; compute both with the same --features.")
+    diff = mu1 - mu2
+    value = diff @ diff + np.trace(sigma1) + np.trace(sigma2) - 2 * trace_sqrt_product(sigma1, sigma2)
+    return float(max(value, 0.0))  # the exact value is >= 0; clip float rounding of identical sets
+
+
+def frechet_distance_of(features1: np.ndarray, features2: np.ndarray) -> float:
+    """Fréchet distance between the Gaussians fitted to two feature sets (N1, D) and (N2, D)."""
+    return frechet_distance(*mean_cov(features1), *mean_cov(features2))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Inception Score (Salimans et al. 2016), split as ADM / improved-GAN
+# ----------------------------------------------------------------------------------------------------------
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """Row-wise softmax (N, K) in float64, shifted by the row maximum for stability."""
+    z = np.asarray(logits, np.float64)
+    z = np.exp(z - z.max(axis=1, keepdims=True))
+    return z / z.sum(axis=1, keepdims=True)
+
+
+def check_split_size(count: int, split_size: int = IS_SPLIT_SIZE) -> None:
+    """UserError when `count` samples do not fill one IS split (the score would use a smaller split than asked)."""
+    if split_size < 1:
+        raise UserError(f"the Inception Score split size must be at least 1; got {split_size}.")
+    if count < split_size:
+        raise UserError(
+            f"{count} samples are fewer than one Inception Score split of {split_size} (ADM and DiT score IS over "
+            f"consecutive splits of 5,000 samples, so published IS need at least 5,000). Evaluate at least "
+            f"{split_size} samples, or pass --is-split-size {count} or less (an IS not comparable to published ones).")
+
+
+def inception_score(logits: np.ndarray, split_size: int = IS_SPLIT_SIZE) -> float:
+    """exp(E_x KL(p(y|x) || p(y))) averaged over consecutive splits of `split_size` rows of logits (N, K).
+
+    As ADM: splits are chunks of split_size in order; a shorter last chunk counts as one split.
+    """
+    probs = softmax(logits)
+    check_split_size(len(probs), split_size)
+    scores = []
+    for start in range(0, len(probs), split_size):
+        part = probs[start:start + split_size]  # (n, K)
+        marginal = part.mean(axis=0, keepdims=True)  # p(y) over this split, (1, K)
+        # 0 * log 0 = 0: where p(y|x) underflows to 0 the term vanishes
+        with np.errstate(divide="ignore", invalid="ignore"):
+            kl = np.where(part > 0, part * (np.log(part) - np.log(marginal)), 0.0).sum(axis=1)
+        scores.append(np.exp(kl.mean()))
+    return float(np.mean(scores))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Precision and recall (Kynkäänniemi et al. 2019, "Improved precision and recall metric")
+# ----------------------------------------------------------------------------------------------------------
+
+def _squared_distances(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Pairwise squared Euclidean distances (n, m) of rows of a (n, D) and b (m, D), clipped at 0 (as ADM)."""
+    d = (a * a).sum(1)[:, None] - 2.0 * (a @ b.T) + (b * b).sum(1)[None, :]
+    return np.maximum(d, 0.0)
+
+
+def manifold_radii(features: np.ndarray, k: int = PR_NEIGHBOURS, batch: int = PR_BATCH) -> np.ndarray:
+    """Squared distance (N,) from each point to its k-th nearest other point, in blocks of batch x batch.
+
+    Memory stays O(batch^2): each row keeps its k+1 smallest distances so far (the point itself is the 0th).
+    """
+    x = np.asarray(features, np.float32)
+    if len(x) <= k:
+        raise UserError(f"precision and recall need more than k = {k} feature vectors per set; got {len(x)}.")
+    radii = np.empty(len(x), np.float32)
+    for r0 in range(0, len(x), batch):
+        rows = x[r0:r0 + batch]
+        best = np.full((len(rows), 0), np.inf, np.float32)  # (rows, <= k+1) smallest distances so far
+        for c0 in range(0, len(x), batch):
+            block = np.concatenate([best, _squared_distances(rows, x[c0:c0 + batch])], axis=1)
+            keep = min(k + 1, block.shape[1])
+            best = np.partition(block, keep - 1, axis=1)[:, :keep]
+        radii[r0:r0 + batch] = np.sort(best, axis=1)[:, k]
+    return radii
+
+
+def _covered(points: np.ndarray, centres: np.ndarray, radii: np.ndarray, batch: int) -> np.ndarray:
+    """(N,) bool: is each point within radius (squared, inclusive) of some centre? Blocked over both sets."""
+    inside = np.zeros(len(points), bool)
+    for p0 in range(0, len(points), batch):
+        rows = points[p0:p0 + batch]
+        for c0 in range(0, len(centres), batch):
+            d = _squared_distances(rows, centres[c0:c0 + batch])  # (rows, centres)
+            inside[p0:p0 + batch] |= (d <= radii[None, c0:c0 + batch]).any(axis=1)
+    return inside
+
+
+def precision_recall(real: np.ndarray, fake: np.ndarray, k: int = PR_NEIGHBOURS,
+                     batch: int = PR_BATCH) -> tuple[float, float]:
+    """Precision = share of fake points inside the real k-NN manifold; recall = share of real inside the fake one."""
+    real, fake = np.asarray(real, np.float32), np.asarray(fake, np.float32)
+    real_radii, fake_radii = manifold_radii(real, k, batch), manifold_radii(fake, k, batch)
+    precision = _covered(fake, real, real_radii, batch).mean()
+    recall = _covered(real, fake, fake_radii, batch).mean()
+    return float(precision), float(recall)

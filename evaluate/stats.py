@@ -1,0 +1,219 @@
+"""Feature statistics: computing them over an image source (split over processes), files, ADM reference batches.
+
+A statistics file is an npz in the ADM reference layout (`mu`, `sigma` for FID; `mu_s`, `sigma_s` for sFID) plus
+what the ADM layout leaves implicit: `pool` (N, D) float32, the features precision and recall need (ADM recomputes
+them from the reference images), and `meta`, a JSON string naming the feature network, the image size and count.
+An ADM reference batch as published (e.g. VIRTUAL_imagenet256_labeled.npz: arr_0 images and precomputed
+mu/sigma/mu_s/sigma_s) is read as is: its precomputed statistics for FID and sFID, its images for precision/recall.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from evaluate.images import IMAGES_KEY, ArrayImages, npz_keys, open_images, open_npz_images
+from evaluate.metrics import mean_cov
+from shared.errors import UserError
+from shared.fsio import atomic_write
+
+STATS_VERSION = 1
+ADM_KEYS = ("mu", "sigma", "mu_s", "sigma_s")
+
+
+@dataclass
+class Stats:
+    """Statistics of one image set in one feature space."""
+
+    meta: dict                      # {"features": identity dict, "count": N, "image_size": [H, W] or None, ...}
+    mu: np.ndarray                  # (D,) pool-feature mean
+    sigma: np.ndarray               # (D, D) pool-feature covariance
+    mu_s: np.ndarray | None = None  # (2023,) spatial-feature mean (Inception only)
+    sigma_s: np.ndarray | None = None
+    pool: np.ndarray | None = field(default=None, repr=False)  # (N, D) float32 for precision/recall
+
+    @property
+    def image_size(self):
+        """(H, W) of the images the statistics describe, or None when the file does not say (ADM stats only)."""
+        size = self.meta.get("image_size")
+        return tuple(size) if size else None
+
+
+def stats_from_features(feats: dict, meta: dict) -> Stats:
+    """Stats of gathered features {"pool": (N, D), optionally "spatial": (N, S)}."""
+    mu, sigma = mean_cov(feats["pool"])
+    mu_s, sigma_s = mean_cov(feats["spatial"]) if "spatial" in feats else (None, None)
+    return Stats(meta, mu, sigma, mu_s, sigma_s, np.asarray(feats["pool"], np.float32))
+
+
+def save_stats(path, stats: Stats) -> Path:
+    """Write a statistics file (atomic): ADM keys present, `pool`, and `meta` as a JSON string."""
+    arrays = {k: getattr(stats, k) for k in ADM_KEYS if getattr(stats, k) is not None}
+    if stats.pool is not None:
+        arrays["pool"] = stats.pool
+    arrays["meta"] = np.array(json.dumps({"version": STATS_VERSION, **stats.meta}))
+
+    def write(tmp: Path) -> None:
+        """np.savez into the temp file (an open handle, so numpy adds no .npz suffix)."""
+        with open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+
+    return atomic_write(Path(path), write)
+
+
+def is_stats_file(path) -> bool:
+    """True for an npz holding precomputed statistics (ours or ADM's `mu`/`sigma`)."""
+    path = Path(path)
+    return path.is_file() and {"mu", "sigma"} <= set(npz_keys(path))
+
+
+def load_stats(path) -> Stats:
+    """Read our statistics file or an ADM reference's precomputed statistics (its images are not read here)."""
+    path = Path(path)
+    with np.load(path, allow_pickle=False) as npz:
+        keys = set(npz.files)
+        arrays = {k: np.asarray(npz[k], np.float64) for k in ADM_KEYS if k in keys}
+        pool = np.asarray(npz["pool"], np.float32) if "pool" in keys else None
+        meta = json.loads(str(npz["meta"])) if "meta" in keys else None
+        images_shape = open_npz_images(path).shape if IMAGES_KEY in keys else None
+    if meta is None:  # an ADM reference batch: TF Inception statistics, image size from its images if present
+        meta = {"features": {"name": "inception"}, "source": "ADM reference batch",
+                "count": images_shape[0] if images_shape else None,
+                "image_size": list(images_shape[1:3]) if images_shape else None}
+    if arrays["mu"].ndim != 1 or arrays["sigma"].shape != (arrays["mu"].size,) * 2:
+        raise UserError(f"{path}: `mu` {arrays['mu'].shape} and `sigma` {arrays['sigma'].shape} are not a mean and "
+                        f"its covariance; pass a statistics file written by --save-stats or an ADM reference batch.")
+    return Stats(meta, arrays["mu"], arrays["sigma"], arrays.get("mu_s"), arrays.get("sigma_s"), pool)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Computing features, split over processes
+# ----------------------------------------------------------------------------------------------------------
+
+def shard_range(count: int, rank: int, world: int) -> tuple[int, int]:
+    """Contiguous slice [lo, hi) of `count` items for process `rank` of `world` (sizes differ by at most 1)."""
+    return count * rank // world, count * (rank + 1) // world
+
+
+def gather(feats: dict, world: int) -> dict:
+    """Concatenate every process's feature arrays in rank order (identity on one process)."""
+    if world == 1:
+        return feats
+    import torch.distributed as dist
+
+    parts = [None] * world
+    dist.all_gather_object(parts, feats)  # gloo and NCCL alike; a few hundred MB at 50K x 2048 float32
+    return {k: np.concatenate([p[k] for p in parts]) for k in feats}
+
+
+def compute_features(source, net, batch_size: int, rank: int = 0, world: int = 1, desc: str = "features") -> dict:
+    """Features of every image of `source`: this process does its slice, then all slices are gathered."""
+    lo, hi = shard_range(source.count, rank, world)
+    chunks: dict = {k: [] for k in net.outputs}
+    bar = tqdm(total=hi - lo, desc=desc, unit="img", disable=rank != 0 or hi - lo == 0)
+    for batch in source.batches(batch_size, lo, hi):
+        for k, v in net(batch).items():
+            chunks[k].append(v.astype(np.float32))  # float32 on the wire and in memory, as ADM's activations
+        bar.update(len(batch))
+    bar.close()
+    feats = {k: (np.concatenate(v) if v else np.zeros((0, 0), np.float32)) for k, v in chunks.items()}
+    return gather(feats, world)
+
+
+def source_meta(net, source) -> dict:
+    """The meta of statistics computed by `net` over `source`."""
+    return {"features": net.identity(), "count": source.count, "image_size": list(source.size),
+            "source": str(source.path)}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# References
+# ----------------------------------------------------------------------------------------------------------
+
+def stats_cache_path(path: Path, identity: dict) -> Path:
+    """Cache file of the statistics of an image npz/folder: keyed by path, size, mtime and the feature network."""
+    from evaluate.digits import cache_dir
+
+    st = path.stat()
+    key = json.dumps([str(path.resolve()), st.st_size, st.st_mtime_ns, identity], sort_keys=True)
+    return cache_dir() / "stats" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.npz"
+
+
+@dataclass
+class Reference:
+    """A resolved --ref before any network is loaded: precomputed stats and/or images, and their image size."""
+
+    label: str
+    stats: Stats | None = None
+    images: object = None          # an image source (for statistics or for the pool features of PR)
+
+    @property
+    def image_size(self):
+        """(H, W) of the reference images, or None if unknown."""
+        if self.images is not None:
+            return tuple(self.images.size)
+        return self.stats.image_size if self.stats is not None else None
+
+
+def open_reference(ref, features: str) -> Reference:
+    """Resolve --ref: a statistics file, an ADM reference batch, an images npz or folder; None with digits = real digits."""
+    if ref is None:
+        if features != "digits":
+            raise UserError("--ref is required with the Inception features: pass an ADM reference batch (e.g. "
+                            "VIRTUAL_imagenet256_labeled.npz), a statistics file from --save-stats, or an images npz "
+                            "or folder of real images. (--features digits compares with the real digits by default.)")
+        from data.digits import IMAGE_SIZE, digit_images
+
+        return Reference("real digits (scikit-learn, all 1,797)", images=ArrayImages(digit_images(IMAGE_SIZE)[0],
+                                                                                     "sklearn-digits"))
+    path = Path(ref)
+    if path.is_file() and is_stats_file(path):
+        stats = load_stats(path)
+        images = open_npz_images(path) if IMAGES_KEY in npz_keys(path) else None
+        return Reference(str(path), stats=stats, images=images)
+    return Reference(str(path), images=open_images(path))
+
+
+def check_reference(reference: Reference, features: str, sample_size) -> None:
+    """UserError if the reference was made by another feature network or from images of another size."""
+    if reference.stats is not None:
+        made_by = reference.stats.meta.get("features", {}).get("name")
+        if made_by != features:
+            raise UserError(f"--ref {reference.label} holds statistics of the {made_by} features, but this evaluation "
+                            f"uses --features {features}; pass --features {made_by} or a reference made with "
+                            f"--features {features}.")
+    size = reference.image_size
+    if size is not None and tuple(size) != tuple(sample_size):
+        raise UserError(f"--ref {reference.label} describes {size[1]}x{size[0]} images but the samples are "
+                        f"{sample_size[1]}x{sample_size[0]}: FID across resolutions measures the resize, not the "
+                        f"model. Pass a reference at the samples' resolution (ADM publishes one per size, e.g. "
+                        f"VIRTUAL_imagenet256_labeled.npz for 256x256).")
+
+
+def reference_stats(reference: Reference, net, batch_size: int, rank: int, world: int, need_pool: bool) -> Stats:
+    """The reference's statistics: precomputed ones (plus pool features from its images for PR) or computed, cached."""
+    stats = reference.stats
+    if stats is not None:
+        if need_pool and stats.pool is None and reference.images is not None:
+            stats.pool = compute_features(reference.images, net, batch_size, rank, world, "reference")["pool"]
+        return stats
+    images = reference.images
+    cache = stats_cache_path(Path(images.path), net.identity()) if Path(str(images.path)).exists() else None
+    if cache is not None and cache.is_file():
+        try:
+            return load_stats(cache)
+        except (UserError, OSError, ValueError, KeyError):
+            pass  # a damaged cache entry is recomputed and replaced
+    stats = stats_from_features(compute_features(images, net, batch_size, rank, world, "reference"),
+                                source_meta(net, images))
+    if cache is not None and rank == 0:
+        try:
+            save_stats(cache, stats)
+        except OSError:
+            pass  # an unwritable cache only costs the recomputation next time
+    return stats

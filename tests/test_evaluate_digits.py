@@ -1,0 +1,107 @@
+"""The digits yardstick: deterministic fit, cache, digits_fd, and `python -m evaluate --features digits`."""
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from data.digits import digit_images
+from evaluate import digits
+from evaluate.__main__ import main
+
+
+@pytest.fixture(scope="module", autouse=True)
+def private_cache(tmp_path_factory):
+    """Fit into a private cache folder (never the user's), once for this module."""
+    old = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
+    digits._CACHE.clear()
+    yield
+    digits._CACHE.clear()
+    if old is None:
+        os.environ.pop("XDG_CACHE_HOME")
+    else:
+        os.environ["XDG_CACHE_HOME"] = old
+
+
+@pytest.fixture(scope="module")
+def real():
+    """All real digits, uint8 (1797, 32, 32, 3), and labels."""
+    return digit_images()
+
+
+def test_fit_is_deterministic_whatever_the_thread_count(real):
+    recipe = digits.DigitsRecipe(epochs=1)
+    images, labels = real[0][:256], real[1][:256]
+    before = torch.get_num_threads()
+    first = digits.fit(recipe, images, labels).state_dict()
+    torch.set_num_threads(2)
+    try:
+        second = digits.fit(recipe, images, labels).state_dict()
+    finally:
+        torch.set_num_threads(before)
+    assert torch.get_num_threads() == before
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    third = digits.fit(digits.DigitsRecipe(epochs=1, seed=1), images, labels).state_dict()
+    assert not torch.equal(first["hidden.weight"], third["hidden.weight"])
+
+
+def test_network_is_cached_by_recipe_hash_and_classifies_digits(real):
+    net, key = digits.network()
+    path = digits.weights_path(key)
+    assert path.is_file() and key in path.name
+    with torch.no_grad():
+        accuracy = (net(digits.to_input(real[0])).argmax(1).numpy() == real[1]).mean()
+    assert accuracy > 0.97
+    digits._CACHE.clear()
+    again, key2 = digits.network()  # loaded from the file, not refitted
+    assert key2 == key and all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), again.state_dict().values()))
+    assert digits.recipe_key(digits.DigitsRecipe(epochs=3), "x") != digits.recipe_key(digits.RECIPE, "x")
+
+
+def test_digits_fd_orders_real_subsets_before_noise(real):
+    images = real[0]
+    assert digits.digits_fd(images) == pytest.approx(0.0, abs=1e-6)  # the reference itself
+    rng = np.random.default_rng(0)
+    subset = digits.digits_fd(images[rng.permutation(len(images))[:300]])
+    blurred = images.astype(np.float32)
+    blurred = ((blurred + np.roll(blurred, 1, 1) + np.roll(blurred, 1, 2) + np.roll(blurred, (1, 1), (1, 2))) / 4)
+    blurred_fd = digits.digits_fd(blurred.astype(np.uint8)[:300])
+    noise = digits.digits_fd(rng.integers(0, 256, (300, 32, 32, 3), dtype=np.uint8))
+    assert 0 < subset < blurred_fd < noise
+
+
+def test_digits_fd_refuses_other_sizes_and_dtypes(real):
+    from shared.errors import UserError
+
+    with pytest.raises(UserError, match="32x32"):
+        digits.digits_fd(np.zeros((4, 64, 64, 3), np.uint8))
+    with pytest.raises(UserError, match="uint8"):
+        digits.digits_fd(real[0][:4].astype(np.float32))
+
+
+def test_cli_features_digits_writes_the_result_beside_the_samples(real, tmp_path, capsys):
+    samples = tmp_path / "samples.npz"
+    np.savez(samples, arr_0=real[0][:120], labels=real[1][:120])
+    main([str(samples), "--features", "digits"])
+    out = capsys.readouterr().out
+    record = json.loads(out.strip().splitlines()[-1])
+    saved = [json.loads(line) for line in (tmp_path / "samples.eval.jsonl").read_text().splitlines()]
+    assert saved == [record]
+    assert record["features"]["name"] == "digits" and record["num_samples"] == 120 and record["ref_count"] == 1797
+    assert record["fid"] == pytest.approx(digits.digits_fd(real[0][:120]))
+    assert 0 < record["precision"] <= 1 and 0 < record["recall"] <= 1
+    assert record["sfid"] is None and record["inception_score"] is None
+    assert "fid" in out and "precision" in out
+
+
+def test_cli_digits_refuses_other_resolutions_in_one_paragraph(tmp_path, capsys):
+    samples = tmp_path / "big.npz"
+    np.savez(samples, arr_0=np.zeros((4, 64, 64, 3), np.uint8))
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(samples), "--features", "digits"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "32x32" in err and "Traceback" not in err
+    assert not (tmp_path / "big.eval.jsonl").exists()
