@@ -1,4 +1,4 @@
-"""`python -m sample`: class-conditional DiT sampling (CFG, respaced DDPM/DDIM) decoded to PNGs, grid, npz."""
+"""`python -m sample`: class-conditional DiT sampling (CFG; DDPM, DDIM or an ODE solver) decoded to PNGs, grid, npz."""
 from __future__ import annotations
 
 import contextlib
@@ -10,7 +10,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from shared.diffusion import NUM_TIMESTEPS, create_diffusion, get_sampler
+from shared.diffusion import (NUM_TIMESTEPS, create_sampling_diffusion, get_sampler, kept_timesteps, sampler_eta,
+                              sampling_spacing)
 from shared.distributed import process_state
 from shared.errors import UserError
 from shared.guidance import check_guidance, describe_guidance, guide_channel_count, guided_model_fn
@@ -42,6 +43,7 @@ class SampleOptions:
     guide_channels: str = "auto"
     sampler: str = "ddpm"
     num_sampling_steps: int = 250
+    ddim_eta: float | None = None  # None: not given (0 for ddim; refused with the other samplers)
     seed: int = 0
     batch_size: int = 32
     precision: str = "fp32"
@@ -84,6 +86,8 @@ def check_numbers(o: SampleOptions) -> None:
     if o.seed < 0:
         raise UserError(f"--seed {o.seed} must be a whole number >= 0.")
     get_sampler(o.sampler)
+    sampler_eta(o.sampler, o.ddim_eta)  # --ddim-eta outside [0, 1], or given to another sampler
+    kept_timesteps(sampling_spacing(o.sampler, o.num_sampling_steps))  # e.g. 1000 steps of the solvers' spacing
 
 
 def ckpt_label(path: Path) -> str:
@@ -98,7 +102,9 @@ def ckpt_label(path: Path) -> str:
 
 def default_out(o: SampleOptions, loaded: LoadedWeights) -> Path:
     """samples/<ckpt>-cfg<s>-<sampler><steps>-seed<seed>, so distinct settings get distinct folders."""
-    name = f"{ckpt_label(loaded.path)}-cfg{o.cfg_scale:g}-{o.sampler}{o.num_sampling_steps}-seed{o.seed}"
+    eta = sampler_eta(o.sampler, o.ddim_eta)
+    noisy = f"-eta{eta:g}" if eta else ""  # a stochastic DDIM gets its own folder
+    name = f"{ckpt_label(loaded.path)}-cfg{o.cfg_scale:g}-{o.sampler}{o.num_sampling_steps}{noisy}-seed{o.seed}"
     return Path("samples") / name
 
 
@@ -108,7 +114,7 @@ def make_settings(o: SampleOptions, job_fields: dict) -> dict:
     options = {k: v for k, v in asdict(o).items() if k not in ("ckpt", "vae", "vae_config", "class_labels",
                                                                  "random_labels", "model", "image_size")}
     # What was used, not what was asked: the weights actually read and the guidance rule applied.
-    options.update(weights=loaded.weights,
+    options.update(weights=loaded.weights, ddim_eta=sampler_eta(o.sampler, o.ddim_eta),
                    guide_channels="all" if job_fields["guided"] is None else str(job_fields["guided"]))
     identity = {
         "ckpt": str(loaded.path.resolve()), "ckpt_bytes": loaded.path.stat().st_size, "step": loaded.step,
@@ -154,6 +160,7 @@ class Drawer:
     model_fn: object
     diffusion: object
     sample_fn: object
+    eta: float | None  # DDIM's eta; None for the other samplers
     vae: object
     rescale: float
     plan: LabelPlan
@@ -166,7 +173,8 @@ class Drawer:
         """(labels, uint8 (N,H,W,3)) for `indices`; row i depends only on (seed, i)."""
         noise, labels, generators = batch_start(self.plan, self.seed, indices, self.latent_shape)
         x = self.sample_fn(self.diffusion, self.model_fn, noise.to(self.device),
-                           model_kwargs={"y": labels.to(self.device)}, generator=generators)  # (N, C, h, w)
+                           model_kwargs={"y": labels.to(self.device)}, generator=generators,
+                           eta=self.eta)  # (N, C, h, w)
         images = self.vae.decode(x * self.rescale)  # (N, 3, H, W) in [-1, 1]
         return labels.tolist(), to_uint8(images)  # (N, H, W, 3)
 
@@ -190,8 +198,9 @@ def make_drawer(job: Job, vae, rescale: float, device) -> Drawer:
     model_fn = guided_model_fn(model, o.cfg_scale, guide_channel_count(o.guide_channels, config.in_channels),
                                o.precision)
     latent_shape = (config.in_channels, config.input_size, config.input_size)
-    return Drawer(model_fn, create_diffusion(o.num_sampling_steps), get_sampler(o.sampler), vae, rescale,
-                  job.plan, o.seed, latent_shape, torch.device(device))
+    return Drawer(model_fn, create_sampling_diffusion(o.sampler, o.num_sampling_steps), get_sampler(o.sampler),
+                  sampler_eta(o.sampler, o.ddim_eta), vae, rescale, job.plan, o.seed, latent_shape,
+                  torch.device(device))
 
 
 def file_names(job: Job, indices) -> list[str]:

@@ -1,7 +1,8 @@
-"""Gaussian diffusion for DiT: linear schedule, eps + learned-range variance loss, respacing, DDPM/DDIM.
+"""Gaussian diffusion for DiT: linear schedule, eps + learned-range variance loss, respacing, the samplers.
 
 Papers cited below: Ho et al. 2020 (DDPM), Nichol & Dhariwal 2021 (Improved DDPM, "IDDPM"),
-Song et al. 2021 (DDIM). The schedule lives here only; models see nothing but the timestep.
+Song et al. 2021 (DDIM); the ODE solvers (DPM-Solver++, UniPC) are in shared/solvers.py and registered
+here. The schedule lives here only; models see nothing but the timestep.
 Numerically as the official DiT `diffusion/` package (from ADM): its tanh normal CDF in the t = 0 decoder NLL,
 its accumulated-stride respacing, its respaced betas even for all 1000 steps.
 """
@@ -11,7 +12,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from shared.errors import ChoiceError, UserError
+from shared.errors import ChoiceError, SettingError, UserError
+from shared.solvers import dpmpp_2m_sample, refuse_eta, unipc_sample
 
 NUM_TIMESTEPS = 1000
 
@@ -213,6 +215,22 @@ def ddim_timesteps(num_timesteps: int, count: int) -> list[int]:
     return list(range(0, num_timesteps, counts[count]))
 
 
+def linspace_timesteps(num_timesteps: int, count: int) -> list[int]:
+    """diffusers' "linspace" spacing: round(linspace(0, T - 1, count + 1)) without its 0, i.e. `count` steps.
+
+    The ODE solvers' grid: they step from the smallest kept timestep (about (T - 1) / count) straight to clean
+    data, so no model call is spent at t = 0. The points are those of space_timesteps(T, count + 1) except that
+    numpy rounds exact products where ADM rounds an accumulated float sum (at 20 steps 500, not 499).
+    """
+    check_step_count(num_timesteps, count)
+    if count > num_timesteps - 1:
+        raise UserError(f"The linspace spacing of the ODE solvers has at most {num_timesteps - 1} distinct steps "
+                        f"above t = 0; take at most {num_timesteps - 1} sampling steps with them (20-25 are "
+                        f"typical).")
+    points = np.linspace(0, num_timesteps - 1, count + 1).round().astype(np.int64)  # (count + 1,), numpy's rounding
+    return points[1:].tolist()
+
+
 def check_step_count(num_timesteps: int, count: int) -> None:
     """Refuse a number of sampling steps outside 1..num_timesteps."""
     if not 1 <= count <= num_timesteps:
@@ -230,11 +248,13 @@ def respaced_betas(alphas_cumprod: np.ndarray, kept: list[int]) -> np.ndarray:
 
 
 def kept_timesteps(spacing: int | str | None, num_timesteps: int = NUM_TIMESTEPS) -> list[int]:
-    """Original timesteps kept for `spacing`: None = all, a count K (int or "K") or "ddimK" (integer stride)."""
+    """Original timesteps kept for `spacing`: None = all, a count K (int or "K"), "ddimK" (integer stride) or
+    "linspaceK" (diffusers' linspace spacing, no step at t = 0)."""
     if spacing is None or spacing == "":
         return list(range(num_timesteps))
-    if isinstance(spacing, str) and spacing.startswith("ddim"):
-        return ddim_timesteps(num_timesteps, _parse_count(spacing[len("ddim"):], spacing))
+    for prefix, rule in (("ddim", ddim_timesteps), ("linspace", linspace_timesteps)):
+        if isinstance(spacing, str) and spacing.startswith(prefix):
+            return rule(num_timesteps, _parse_count(spacing[len(prefix):], spacing))
     return space_timesteps(num_timesteps, _parse_count(spacing, spacing))
 
 
@@ -243,7 +263,7 @@ def _parse_count(text, spacing) -> int:
     if isinstance(text, int) or (isinstance(text, str) and text.strip().isdigit()):
         return int(text)
     raise UserError(f"Timestep spacing {spacing!r} is neither a number of sampling steps (e.g. 250) nor "
-                    f"'ddim' followed by one (e.g. ddim50).")
+                    f"'ddim' or 'linspace' followed by one (e.g. ddim50, linspace20).")
 
 
 def create_diffusion(num_sampling_steps: int | str | None = None) -> GaussianDiffusion:
@@ -282,9 +302,7 @@ def _steps(diffusion, x, progress, desc):
 @torch.no_grad()
 def ddpm_sample(diffusion, model_fn, noise, model_kwargs=None, generator=None, progress=False, eta=None):
     """Ancestral sampling x_{t-1} = mean + sigma_t z (Ho et al. Alg. 2) from x_T = noise; returns x_0."""
-    if eta is not None:
-        raise UserError("eta (DDIM's noise scale) applies only to the ddim sampler; the ddpm sampler draws its "
-                        "noise from the model's variance. Leave eta unset for ddpm, or sample with ddim.")
+    sampler_eta("ddpm", eta)  # SettingError for any eta
     x = noise.float()
     for i, t in _steps(diffusion, x, progress, "ddpm"):
         p = diffusion.p_mean_variance(model_fn, x, t, model_kwargs)
@@ -297,9 +315,7 @@ def ddpm_sample(diffusion, model_fn, noise, model_kwargs=None, generator=None, p
 @torch.no_grad()
 def ddim_sample(diffusion, model_fn, noise, model_kwargs=None, generator=None, progress=False, eta=0.0):
     """DDIM (Song et al. Eq. 12) from x_T = noise; eta = 0 deterministic, eta = 1 DDPM-like; returns x_0."""
-    eta = 0.0 if eta is None else float(eta)
-    if not 0.0 <= eta <= 1.0:  # eta > 1 makes 1 - abar' - sigma^2 negative at some steps
-        raise UserError(f"DDIM eta must lie in [0, 1] (0 = deterministic, 1 = DDPM-like noise); got {eta}.")
+    eta = sampler_eta("ddim", eta)  # None -> 0.0; SettingError outside [0, 1]
     # Song et al. Eq. 16: sigma_t(eta) = eta * sqrt(beta~_t), the posterior std; float64 per-step scalars.
     sigmas = eta * np.sqrt(diffusion.posterior_variance)
     abar_prev = diffusion.alphas_cumprod_prev
@@ -314,12 +330,48 @@ def ddim_sample(diffusion, model_fn, noise, model_kwargs=None, generator=None, p
     return x
 
 
-SAMPLERS = {"ddpm": ddpm_sample, "ddim": ddim_sample}
+SAMPLERS = {"ddpm": ddpm_sample, "ddim": ddim_sample, "dpmpp-2m": dpmpp_2m_sample, "unipc": unipc_sample}
 SAMPLER_NAMES = tuple(SAMPLERS)  # the sampler vocabulary, for CLI choices and errors
+# Timestep spacing per sampler (a kept_timesteps prefix; "" = DiT's respacing, a model call at t = 0 included).
+# DDPM and DDIM keep DiT's, so their samples stay the release's. The ODE solvers take diffusers' "linspace"
+# spacing, as their diffusers schedulers do by default, and step from about t = 999/K straight to clean data
+# instead of spending one of their few model calls at t = 0.
+SAMPLER_SPACING = {"ddpm": "", "ddim": "", "dpmpp-2m": "linspace", "unipc": "linspace"}
+SAMPLER_HELP = {"ddpm": "ancestral DDPM, DiT's respacing (250 steps as the paper)",
+                "ddim": "DDIM (eta 0 deterministic), DiT's respacing",
+                "dpmpp-2m": "DPM-Solver++(2M) ODE solver, linspace spacing (10-25 steps)",
+                "unipc": "UniPC-2 (bh2) ODE solver, linspace spacing (10-25 steps)"}
 
 
 def get_sampler(name: str):
     """The sampler function called `name`; ChoiceError("sampler", ...) for any other name."""
     if name not in SAMPLERS:
-        raise ChoiceError("sampler", name, SAMPLER_NAMES, detail="respaced ancestral DDPM or DDIM")
+        raise ChoiceError("sampler", name, SAMPLER_NAMES,
+                          detail="ancestral DDPM, DDIM, or the ODE solvers DPM-Solver++(2M) and UniPC")
     return SAMPLERS[name]
+
+
+def sampler_eta(name: str, eta: float | None) -> float | None:
+    """The eta to pass sampler `name`: DDIM's in [0, 1] (unset = 0.0); None for the others, which refuse one."""
+    get_sampler(name)
+    if name == "ddim":
+        eta = 0.0 if eta is None else float(eta)
+        if not 0.0 <= eta <= 1.0:  # eta > 1 makes 1 - abar' - sigma^2 negative at some steps
+            raise SettingError(f"{{ddim eta}} {eta:g} is outside [0, 1]: DDIM's eta must lie in [0, 1] (0 = "
+                               f"deterministic, 1 = DDPM-like noise); pass a value in that range.")
+        return eta
+    if name == "ddpm":
+        refuse_eta(eta, name, "draws its noise from the model's learned variance")
+    refuse_eta(eta, name)  # the ODE solvers
+    return None
+
+
+def sampling_spacing(name: str, steps: int) -> str:
+    """The kept_timesteps spacing of `steps` steps for sampler `name`, e.g. "250" (ddpm) or "linspace20" (unipc)."""
+    get_sampler(name)
+    return f"{SAMPLER_SPACING[name]}{steps}"
+
+
+def create_sampling_diffusion(name: str, steps: int) -> GaussianDiffusion:
+    """The respaced diffusion sampler `name` walks with `steps` model calls (see SAMPLER_SPACING)."""
+    return create_diffusion(sampling_spacing(name, steps))

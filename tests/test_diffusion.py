@@ -453,12 +453,12 @@ def test_sampler_argument_errors():
 
 
 def test_sampler_vocabulary():
-    assert SAMPLER_NAMES == ("ddpm", "ddim") == tuple(SAMPLERS)
+    assert SAMPLER_NAMES == ("ddpm", "ddim", "dpmpp-2m", "unipc") == tuple(SAMPLERS)
     assert get_sampler("ddim") is ddim_sample and get_sampler("ddpm") is ddpm_sample
     with pytest.raises(ChoiceError) as err:
         get_sampler("euler")
-    assert (err.value.kind, err.value.value, err.value.choices) == ("sampler", "euler", ["ddpm", "ddim"])
-    assert "--" not in str(err.value) and "ddpm, ddim" in str(err.value)
+    assert (err.value.kind, err.value.value, err.value.choices) == ("sampler", "euler", list(SAMPLER_NAMES))
+    assert "--" not in str(err.value) and "ddpm, ddim, dpmpp-2m, unipc" in str(err.value)
     assert "--sampler 'euler'" in str(err.value.advise("--sampler"))  # the CLI turns it into flag advice
 
 
