@@ -13,6 +13,7 @@ from shared.precision import PRECISIONS
 
 from sample.checkpoint import WEIGHTS
 from sample.decode import DecodeOptions, run_decode
+from sample.export import EXPORT_FORMATS, ExportOptions, run_export
 from sample.generate import SampleOptions, run_sample
 
 PROG = "python -m sample"
@@ -20,6 +21,7 @@ DESCRIPTION = """Class-conditional DiT sampling with classifier-free guidance, d
 an optional .npz. Commands:
   python -m sample --ckpt RUN|FILE [flags]       draw images (the flags below)
   python -m sample decode LATENTS|DIR [flags]    decode training's preview latents (python -m sample decode -h)
+  python -m sample export RUN OUT [flags]        write a diffusers DiTPipeline folder (python -m sample export -h)
 The DiT release's flag names work too: --global-seed, --per-proc-batch-size, --sample-dir, --num-fid-samples."""
 EPILOG = """Resume: rerun the same command; images already in --out are kept and only the missing ones are
 drawn. Image i's label and noise depend only on --seed and i, not on --batch-size or the number of
@@ -30,7 +32,8 @@ Decode training's latent samples: `python -m sample decode RUN/samples/step-0000
 # The flag that sets each setting shared/ names in its errors (shared.errors.ChoiceError / SettingError kinds).
 FLAGS = {"model preset": "--model", "weights": "--weights", "cfg scale": "--cfg-scale",
          "guide-channel choice": "--guide-channels", "sampler": "--sampler", "precision": "--precision",
-         "ddim eta": "--ddim-eta", "vae": "--vae", "vae config": "--vae-config", "sample folder": "--out"}
+         "ddim eta": "--ddim-eta", "vae": "--vae", "vae config": "--vae-config", "sample folder": "--out",
+         "export format": "--format"}
 
 
 def add_vae_flags(p: argparse.ArgumentParser) -> None:
@@ -129,9 +132,36 @@ def decode_parser() -> argparse.ArgumentParser:
     return p
 
 
+def export_parser() -> argparse.ArgumentParser:
+    """Parser of `export`."""
+    p = argparse.ArgumentParser(prog=f"{PROG} export", formatter_class=HelpFormatter,
+                                description="Write DiT weights as a folder diffusers' DiTPipeline.from_pretrained "
+                                            "loads: transformer/, a copy of the VAE, a DDIM scheduler with DiT's betas.")
+    p.add_argument("ckpt", metavar="RUN|FILE",
+                   help="the weights, as sampling's --ckpt takes them: a run folder (newest EMA export), a checkpoint "
+                        "folder, a .safetensors export, an official .pt, or a diffusers DiT")
+    p.add_argument("out", metavar="OUT", help="the folder to write; refused if it exists (an empty folder is fine)")
+    p.add_argument("--format", choices=EXPORT_FORMATS, default="diffusers",
+                   help="output layout (diffusers: a DiTPipeline folder)")
+    p.add_argument("--weights", choices=WEIGHTS, default=None,
+                   help="with a run or checkpoint folder: the EMA weights or the raw training weights (default: ema)")
+    p.add_argument("--vae", default=None,
+                   help="VAE copied into OUT/vae (same forms as sampling's --vae). Default: the VAE recorded in the "
+                        "weights' latent metadata, else ema")
+    p.add_argument("--vae-config", default=None, help="config.json for a single-file --vae (default: the one beside it)")
+    p.add_argument("--allow-other-vae", action="store_true",
+                   help="copy a VAE whose scaling factor or config differs from the one recorded with the latents "
+                        "(its configured scaling factor is set to the one used in training)")
+    return p
+
+
 def main(argv=None) -> None:
     """Dispatch `decode` or sampling; UserErrors and a full disk are printed as one paragraph (exit status 2)."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["export"]:
+        with cli_errors(f"{PROG} export", FLAGS):
+            run_export(ExportOptions(**vars(export_parser().parse_args(argv[1:]))))
+        return
     decoding = bool(argv) and argv[0] == "decode"
     prog = f"{PROG} decode" if decoding else PROG
     with cli_errors(prog, FLAGS):

@@ -1,4 +1,5 @@
-"""Find and read the DiT weights --ckpt names: a run folder, a slim export, or an official .pt state dict."""
+"""Find and read the DiT weights --ckpt names: a run folder, a slim export, an official .pt state dict (a released
+one by name, downloaded once), or a diffusers DiT (pipeline folder, transformer folder or file, Hub repo id)."""
 from __future__ import annotations
 
 import argparse
@@ -7,11 +8,16 @@ from pathlib import Path
 
 import torch
 
+from shared.diffusers_dit import NUMERICS_NOTE, check_dit_config, diffusers_to_dit, model_config_of
 from shared.errors import ChoiceError, UserError
 from shared.export import first_nonfinite, load_torch_file, load_weights, safetensors_problem
 from shared.models import ModelConfig, check_preset, infer_model_config
 from shared.rundir import (CHECKPOINTS, EMA_FILE, EXPORTS, MODEL_FILE, checkpoint_path, is_complete_checkpoint,
                            list_checkpoints, list_exports, step_of)
+
+from sample.diffusers_folder import (CONFIG, DiffusersSource, class_names, is_diffusers_file, is_diffusers_folder,
+                                     locate, locate_hub, looks_like_hub_id, read_json, read_weights)
+from sample.official import OFFICIAL_NAMES, checkpoint_url, find_official, is_official_name
 
 TORCH_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")  # read with torch.load(weights_only=True); all else safetensors
 WEIGHTS = ("ema", "raw")  # which weights of a run or checkpoint: the EMA copy or the raw training weights
@@ -20,6 +26,9 @@ AS_SAVED = "as saved"     # what settings.json records for a file holding one se
 _KEY_PREFIXES = ("module.", "_orig_mod.")
 _OFFICIAL_FIX = ("Pass an official DiT checkpoint (downloaded from dl.fbaipublicfiles.com/DiT/models/, e.g. "
                  "DiT-XL-2-256x256.pt) or a .safetensors export of this project.")
+_CKPT_KINDS = ("a training run folder, a .safetensors export, an official DiT .pt checkpoint (or a released one by "
+               f"name: {', '.join(OFFICIAL_NAMES)}), or a diffusers DiT (pipeline folder, transformer folder, or Hub "
+               "repo id such as facebook/DiT-XL-2-256)")
 
 
 @dataclass
@@ -29,12 +38,13 @@ class LoadedWeights:
     state_dict: dict
     config: ModelConfig
     path: Path                        # the file actually read
-    kind: str                         # "export" (config in metadata) or "official" (bare state dict)
+    kind: str                         # "export" (config in metadata), "official" (bare state dict) or "diffusers"
     latent_meta: dict | None = None   # None for official checkpoints
     step: int | None = None
     notes: list[str] = field(default_factory=list)  # what was inferred; printed for the user
     weights: str = AS_SAVED           # what was loaded: "ema", "raw", or AS_SAVED (a file's only set)
     warnings: list[str] = field(default_factory=list)  # what the user must see (e.g. a broken newer export skipped)
+    label: str | None = None          # short name for default output folders (None: from the file's path)
 
 
 @dataclass
@@ -60,9 +70,11 @@ def held_weights(path: Path) -> str | None:
 def resolve_ckpt(ckpt, weights: str | None = None) -> WeightSource:
     """--ckpt (run folder, checkpoint folder or file) and --weights (None: not given) -> the file to read."""
     path = Path(ckpt).expanduser()
+    if not path.exists() and is_official_name(str(ckpt)):
+        found, notes = find_official(str(ckpt))
+        return WeightSource(found, None, notes)
     if not path.exists():
-        raise UserError(f"--ckpt {path} does not exist; pass a training run folder, a .safetensors export "
-                        f"or an official DiT .pt checkpoint.")
+        raise UserError(f"--ckpt {path} does not exist; pass {_CKPT_KINDS}.")
     if path.is_file():
         held = held_weights(path)
         if weights is not None and held is not None and weights != held and not (held == AS_SAVED and weights == "ema"):
@@ -192,6 +204,57 @@ def _load_export(path: Path, model: str | None, held: str) -> LoadedWeights:
                          [f"{config.model} step {step} (config read from the file's metadata)"], held)
 
 
+def find_diffusers(ckpt) -> DiffusersSource | None:
+    """The diffusers DiT --ckpt names (folder, weight file, or Hub id when no such path exists), else None."""
+    path = Path(ckpt).expanduser()
+    if path.is_dir():
+        return locate(path) if is_diffusers_folder(path) else None
+    if path.is_file():
+        return locate(path) if is_diffusers_file(path) else None
+    text = str(ckpt)
+    # owner/name with no folder "owner" here: a Hub id (a mistyped local path gets the same paragraph's advice).
+    if looks_like_hub_id(text) and not is_official_name(text) and not path.parent.exists():
+        return locate_hub(text)
+    return None
+
+
+def _pipeline_latent_meta(source: DiffusersSource, config: ModelConfig) -> dict | None:
+    """What the pipeline says of its latents: its own vae/ (used when --vae is omitted) and class names."""
+    meta = {"latent_shape": [config.in_channels, config.input_size, config.input_size]}
+    if source.vae is not None:
+        meta["vae"] = str(source.vae.resolve())
+        vae_config = read_json(source.vae / CONFIG)
+        if "scaling_factor" in vae_config:
+            meta["scaling_factor"] = float(vae_config["scaling_factor"])
+    names = class_names(source, config.num_classes)
+    if names:
+        meta["class_names"] = names
+    return meta if len(meta) > 1 else None
+
+
+def _load_diffusers(source: DiffusersSource, weights: str | None, model: str | None) -> LoadedWeights:
+    """A diffusers DiT: config checked, per-block embedder copies verified equal, mapped exactly to our names."""
+    if weights == "raw":
+        raise UserError(f"--weights raw does not apply to the diffusers DiT {source.origin}: it holds one set of "
+                        f"weights (the Hub's DiT pipelines hold the EMA weights). Drop --weights to sample it.")
+    where = source.transformer
+    full = check_dit_config(read_json(source.transformer / CONFIG), where)
+    config = model_config_of(full, where)
+    if model is not None and model != config.model:
+        raise UserError(f"--model {model} contradicts {where}, whose config.json describes {config.model}; drop "
+                        f"--model, a diffusers folder says its architecture itself.")
+    state_dict = diffusers_to_dit(read_weights(source.weights), full, where)
+    meta = _pipeline_latent_meta(source, config)
+    vae = f"its pipeline's VAE {source.vae} unless --vae is given" if source.vae else \
+        "no pipeline VAE beside it (pass --vae)"
+    notes = [f"{config.model}, latent {config.in_channels}x{config.input_size}x{config.input_size}, "
+             f"{config.num_classes} classes (read from the diffusers {full['_class_name']} config in {where}; "
+             f"{vae})", f"{NUMERICS_NOTE} Loaded here as the official DiT function, which is what the Hub's DiT "
+                        f"weights were trained as."]
+    return LoadedWeights(state_dict, config, source.weights, "diffusers", meta, None, notes, AS_SAVED,
+                         warnings=[notes[-1]], label=source.label)
+
+
 def check_finite(loaded: LoadedWeights) -> None:
     """UserError naming the file and its first tensor with NaN/inf values (they sample black or noise images)."""
     bad = first_nonfinite(loaded.state_dict)
@@ -199,8 +262,12 @@ def check_finite(loaded: LoadedWeights) -> None:
         return
     name, count, size = bad
     if loaded.kind == "official":
-        fix = ("The file is damaged (e.g. an interrupted download): download it again; the DiT release's "
-               "checkpoints come from dl.fbaipublicfiles.com/DiT/models/.")
+        file = loaded.path.name
+        where = checkpoint_url(file) if is_official_name(file) else "dl.fbaipublicfiles.com/DiT/models/"
+        fix = (f"The file is damaged (e.g. an interrupted download): delete it and download it again (the DiT "
+               f"release's checkpoints come from {where}).")
+    elif loaded.kind == "diffusers":
+        fix = "The folder is damaged or its model diverged: download or export it again."
     else:
         fix = ("Training diverged before these weights were saved, or the file is damaged: pass an earlier export "
                "or checkpoint with --ckpt (RUN/exports/ema-step-*.safetensors, RUN/checkpoints/step-*).")
@@ -214,6 +281,11 @@ def load_checkpoint(ckpt, weights: str | None = None, model: str | None = None) 
         raise ChoiceError("weights", weights, WEIGHTS)
     if model is not None:
         check_preset(model)
+    diffusers = find_diffusers(ckpt)
+    if diffusers is not None:
+        loaded = _load_diffusers(diffusers, weights, model)
+        check_finite(loaded)
+        return loaded
     source = resolve_ckpt(ckpt, weights)
     if source.path.suffix.lower() in TORCH_SUFFIXES:
         loaded = _load_official(source.path, weights, model)

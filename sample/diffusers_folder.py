@@ -1,0 +1,246 @@
+"""Find and read a diffusers DiT: a DiTPipeline folder, its transformer/ folder or weight file, or a Hub repo id.
+
+    PIPELINE/model_index.json               {"_class_name": "DiTPipeline", "transformer": [...], "vae": [...], ...}
+    PIPELINE/transformer/config.json        DiTTransformer2DModel (or the Hub's older Transformer2DModel) config
+    PIPELINE/transformer/diffusion_pytorch_model.safetensors   (or .bin, or a sharded *.index.json)
+    PIPELINE/vae/                           the AutoencoderKL the latents belong to (used when --vae is omitted)
+    PIPELINE/scheduler/scheduler_config.json
+
+A Hub id (e.g. facebook/DiT-XL-2-256) is read from the local Hugging Face cache, and downloaded into it
+(transformer, VAE and configs only) where the network allows.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared.errors import UserError
+from shared.export import load_torch_file, safetensors_problem
+
+MODEL_INDEX = "model_index.json"
+CONFIG = "config.json"
+TRANSFORMER, VAE = "transformer", "vae"
+# diffusers' weight file names, in the order they are preferred (safetensors first: no pickle at all).
+WEIGHT_FILES = ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.safetensors.index.json",
+                "diffusion_pytorch_model.bin", "diffusion_pytorch_model.bin.index.json")
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# What a Hub download fetches: configs and weights of the parts sampling uses, no half-precision variants.
+_HUB_CONFIGS = ["model_index.json", "*config.json"]
+_HUB_SAFETENSORS = ["*.safetensors", "*.safetensors.index.json"]
+_HUB_PICKLES = ["*.bin", "*.bin.index.json"]
+_HUB_SKIP = ["*.fp16.*", "*.ckpt", "*.msgpack", "*.onnx", "*.h5"]
+
+
+@dataclass
+class DiffusersSource:
+    """A diffusers DiT on disk: its transformer folder, the weight file read, and the pipeline's VAE if any."""
+
+    transformer: Path          # folder holding config.json
+    weights: Path              # the weight file (or shard index) read
+    vae: Path | None           # PIPELINE/vae, when the transformer belongs to a pipeline folder that has one
+    label: str                 # short name for output folders
+    origin: str                # what --ckpt said
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object from disk; UserError naming the file when it is unreadable."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise UserError(f"cannot read {path} ({err}); the diffusers folder is damaged or incomplete: download or "
+                        f"export it again.") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path} is not a JSON object; the diffusers folder is damaged: download or export it again.")
+    return data
+
+
+def _has_class_config(folder: Path) -> bool:
+    """Whether a folder holds a diffusers model config (config.json with a _class_name)."""
+    config = folder / CONFIG
+    if not config.is_file():
+        return False
+    try:
+        return "_class_name" in json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+
+
+def is_diffusers_folder(folder: Path) -> bool:
+    """A pipeline folder (model_index.json) or a diffusers model folder (config.json with _class_name)."""
+    return folder.is_dir() and ((folder / MODEL_INDEX).is_file() or _has_class_config(folder))
+
+
+def is_diffusers_file(path: Path) -> bool:
+    """A weight file saved by diffusers: config.json with a _class_name beside it, and none of our metadata."""
+    if not path.is_file() or not _has_class_config(path.parent):
+        return False
+    if path.suffix.lower() != ".safetensors":
+        return path.name.startswith("diffusion_pytorch_model")
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return "dit_config" not in (f.metadata() or {})
+    except Exception:  # noqa: BLE001 - unreadable: the export loader reports it in its own words
+        return False
+
+
+def _weight_file(folder: Path) -> Path:
+    """The weight file of a diffusers model folder; UserError naming the names looked for."""
+    for name in WEIGHT_FILES:
+        if (folder / name).is_file():
+            return folder / name
+    raise UserError(f"the diffusers model folder {folder} has a {CONFIG} but no weights ({', '.join(WEIGHT_FILES)}); "
+                    f"the download or export is incomplete: fetch it again.")
+
+
+def _pipeline_parts(pipeline: Path) -> tuple[Path, Path | None]:
+    """(transformer folder, vae folder or None) of a pipeline folder; UserError when it has no transformer."""
+    index = read_json(pipeline / MODEL_INDEX)
+    if TRANSFORMER not in index or not (pipeline / TRANSFORMER).is_dir():
+        parts = ", ".join(k for k in index if not k.startswith("_")) or "none"
+        raise UserError(f"{pipeline} is a diffusers {index.get('_class_name', 'pipeline')} folder without a "
+                        f"{TRANSFORMER}/ model (its parts: {parts}), so it holds no DiT. Pass a DiTPipeline folder "
+                        f"(transformer/, vae/, scheduler/), its transformer/ folder, or a run folder or weight file "
+                        f"of this project.")
+    vae = pipeline / VAE
+    return pipeline / TRANSFORMER, vae if (vae / CONFIG).is_file() else None
+
+
+def _parent_vae(transformer: Path) -> Path | None:
+    """The VAE of the pipeline a transformer folder sits in (PIPELINE/transformer -> PIPELINE/vae)."""
+    parent = transformer.parent
+    if (parent / MODEL_INDEX).is_file() and (parent / VAE / CONFIG).is_file():
+        return parent / VAE
+    return None
+
+
+def _label(folder: Path, origin: str) -> str:
+    """Output-folder name: the repo name of a Hub id, else the pipeline (or model) folder's name."""
+    if HUB_ID.match(origin) and not Path(origin).exists():
+        return origin.split("/")[-1]
+    return folder.parent.name if folder.name == TRANSFORMER and (folder.parent / MODEL_INDEX).is_file() \
+        else folder.name
+
+
+def locate(path: Path, origin: str | None = None) -> DiffusersSource:
+    """The DiffusersSource of a pipeline folder, a transformer folder, or a transformer weight file."""
+    origin = origin or str(path)
+    if path.is_file():
+        return DiffusersSource(path.parent, path, _parent_vae(path.parent), _label(path.parent, origin), origin)
+    if (path / MODEL_INDEX).is_file():
+        transformer, vae = _pipeline_parts(path)
+    else:
+        transformer, vae = path, _parent_vae(path)
+    return DiffusersSource(transformer, _weight_file(transformer), vae, _label(transformer, origin), origin)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Hub ids
+# ----------------------------------------------------------------------------------------------------------
+
+def looks_like_hub_id(text: str) -> bool:
+    """owner/name with no path markers: what --ckpt means as a Hub repo when no such path exists."""
+    return bool(HUB_ID.match(text)) and not text.startswith((".", "/", "~"))
+
+
+def _cached_snapshot(repo_id: str) -> Path | None:
+    """The snapshot folder of a repo in the local Hub cache, if it holds a model (else None)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        folder = Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception:  # noqa: BLE001 - every cache miss (no repo, no ref, no snapshot) means "not cached"
+        return None
+    return folder if is_diffusers_folder(folder) else None
+
+
+def _not_cached(repo_id: str, why: str) -> UserError:
+    """The one paragraph for a Hub id that cannot be read from the cache nor downloaded."""
+    from huggingface_hub import constants
+
+    return UserError(
+        f"--ckpt {repo_id} is not a local path, and as a Hugging Face Hub repo id it is not in the local Hub cache "
+        f"({constants.HF_HUB_CACHE}) {why}. On a machine with internet run `hf download {repo_id}` (it fills that "
+        f"cache; copy the cache over, or point HF_HUB_CACHE / HF_HOME at it), or `hf download {repo_id} --local-dir "
+        f"PATH` and pass --ckpt PATH. A local path must exist: check its spelling.")
+
+
+def _download(repo_id: str) -> Path:
+    """Fetch a pipeline's configs and safetensors weights (pickled .bin weights only where none exist)."""
+    from huggingface_hub import snapshot_download
+
+    folder = Path(snapshot_download(repo_id, allow_patterns=_HUB_CONFIGS + _HUB_SAFETENSORS,
+                                    ignore_patterns=_HUB_SKIP))
+    try:
+        source = locate(folder, repo_id)
+        if source.vae is None or any((source.vae / n).is_file() for n in WEIGHT_FILES):
+            return folder
+    except UserError:  # no safetensors weights in this repo: take its .bin files (read weights-only)
+        pass
+    return Path(snapshot_download(repo_id, allow_patterns=_HUB_CONFIGS + _HUB_PICKLES, ignore_patterns=_HUB_SKIP))
+
+
+def locate_hub(repo_id: str) -> DiffusersSource:
+    """A Hub id from the local cache, else downloaded into it; UserError when offline and not cached."""
+    from shared.vae import _hub_offline  # the project's one "can the Hub be reached" test
+
+    folder = _cached_snapshot(repo_id)
+    if folder is None:
+        if _hub_offline():
+            raise _not_cached(repo_id, "and the Hub cannot be reached (HF_HUB_OFFLINE is set, or no network)")
+        try:
+            folder = _download(repo_id)
+        except Exception as err:  # noqa: BLE001 - missing repo, gated repo, network: one paragraph
+            raise _not_cached(repo_id, f"and downloading it failed ({type(err).__name__}: "
+                                       f"{' '.join(str(err).split())[:200]})") from None
+    if not is_diffusers_folder(folder):
+        raise UserError(f"the Hub repo {repo_id} (cached at {folder}) holds neither a {MODEL_INDEX} nor a diffusers "
+                        f"model {CONFIG}; it is not a diffusers DiT. Pass a DiTPipeline repo such as "
+                        f"facebook/DiT-XL-2-256.")
+    return locate(folder, repo_id)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reading the weights
+# ----------------------------------------------------------------------------------------------------------
+
+def _read_one(path: Path) -> dict:
+    """Tensors of one safetensors or PyTorch weight file (weights-only), refusing truncated files."""
+    fix = "Download or export the diffusers folder again."
+    if path.suffix.lower() == ".safetensors":
+        problem = safetensors_problem(path)
+        if problem:
+            raise UserError(f"{path} is not a whole weight file ({problem}): it was cut short (an interrupted "
+                            f"download or copy) or is damaged. {fix}")
+        from safetensors.torch import load_file
+
+        return load_file(str(path))
+    state = load_torch_file(path, fix)
+    if not isinstance(state, dict):
+        raise UserError(f"{path} does not hold a state dict of tensors. {fix}")
+    return state
+
+
+def read_weights(path: Path) -> dict:
+    """The state dict of a diffusers weight file, or of every shard its *.index.json names."""
+    if not path.name.endswith(".index.json"):
+        return _read_one(path)
+    weight_map = read_json(path).get("weight_map", {})
+    state = {}
+    for shard in sorted(set(weight_map.values())):
+        state.update(_read_one(path.parent / shard))
+    return state
+
+
+def class_names(source: DiffusersSource, num_classes: int) -> list[str] | None:
+    """Class names from the pipeline's id2label (first synonym of each), when it names every class."""
+    index_path = source.transformer.parent / MODEL_INDEX
+    if source.transformer.name != TRANSFORMER or not index_path.is_file():
+        return None
+    id2label = read_json(index_path).get("id2label") or {}
+    if sorted(id2label, key=lambda k: int(k) if str(k).isdigit() else -1) != [str(i) for i in range(num_classes)]:
+        return None
+    return [str(id2label[str(i)]).split(",")[0].strip() for i in range(num_classes)]

@@ -1,0 +1,163 @@
+"""`python -m sample export RUN --format diffusers OUT`: a DiTPipeline folder that diffusers loads and runs.
+
+    OUT/model_index.json                         DiTPipeline: transformer, vae, scheduler (+ id2label with 1000 names)
+    OUT/transformer/config.json + diffusion_pytorch_model.safetensors   DiTTransformer2DModel
+    OUT/vae/                                     a copy of the VAE the latents were made with
+    OUT/scheduler/scheduler_config.json          DDIMScheduler with DiT's betas (linear 1e-4 -> 0.02, 1000 steps)
+    OUT/README.md                                where the weights came from, and the numerics note
+
+The folder is written under a temp name and renamed when complete. diffusers' DiTPipeline hard-codes what
+it cannot be told: the unconditional label is the literal 1000 (so only 1000-class models with a null-class
+row guide correctly) and guidance applies to every latent channel; the first is refused, the second noted.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared.diffusers_dit import NUMERICS_NOTE, dit_to_diffusers, diffusers_config
+from shared.diffusion import NUM_TIMESTEPS, linear_betas
+from shared.errors import ChoiceError, UserError
+from shared.fsio import TMP_PREFIX, atomic_write_text, publish_dir, remove_tree
+from shared.models import ModelConfig
+
+from sample.checkpoint import LoadedWeights, load_checkpoint
+from sample.vae_setup import check_loaded_vae, check_vae, choose_vae, load_vae
+
+EXPORT_FORMATS = ("diffusers",)
+PIPELINE_NULL_LABEL = 1000  # DiTPipeline.__call__ writes its unconditional label as this literal
+README_NAME = "README.md"
+
+
+@dataclass
+class ExportOptions:
+    """Everything `python -m sample export` accepts (one field per argument)."""
+
+    ckpt: str
+    out: str
+    format: str = "diffusers"
+    weights: str | None = None
+    vae: str | None = None
+    vae_config: str | None = None
+    allow_other_vae: bool = False
+
+
+def check_target(out: Path) -> None:
+    """UserError when OUT exists (an empty folder is fine: nothing in it can be overwritten)."""
+    if out.is_dir() and not any(out.iterdir()):
+        return
+    if out.exists():
+        raise UserError(f"the export target {out} already exists; an export never overwrites. Pass a new folder "
+                        f"name as OUT, or delete {out} first if it is an old export you no longer need.")
+
+
+def check_representable(config: ModelConfig, where) -> None:
+    """UserError for a model DiTPipeline cannot run as trained (its null label is the literal 1000)."""
+    if not config.has_null_class:
+        raise UserError(f"{where} was trained without label dropout, so it has no null-class embedding; diffusers' "
+                        f"DiTTransformer2DModel always has one and DiTPipeline guides against it, so this model "
+                        f"cannot be exported to diffusers. Sample it with `python -m sample --ckpt ... --cfg-scale 1`.")
+    if config.num_classes != PIPELINE_NULL_LABEL:
+        raise UserError(f"{where} has {config.num_classes} classes, so its null class is label "
+                        f"{config.num_classes}, but diffusers' DiTPipeline hard-codes the unconditional label as "
+                        f"{PIPELINE_NULL_LABEL} (ImageNet's): guided sampling would index a class embedding that "
+                        f"does not exist, or the wrong one. Only 1000-class models can be exported to diffusers; "
+                        f"sample this one with `python -m sample --ckpt ...`.")
+
+
+def scheduler_config() -> dict:
+    """A DDIMScheduler config whose betas are DiT's (shared/diffusion.py: linear 1e-4 -> 0.02 over 1000 steps)."""
+    betas = linear_betas(NUM_TIMESTEPS)
+    # clip_sample off and alpha_bar = 1 after the last step, as the DiT release's samplers (clip_denoised=False);
+    # "leading" spacing gives the release's DDIM stride range(0, 1000, 1000 // N).
+    return dict(num_train_timesteps=NUM_TIMESTEPS, beta_start=float(betas[0]), beta_end=float(betas[-1]),
+                beta_schedule="linear", clip_sample=False, set_alpha_to_one=True, steps_offset=0,
+                prediction_type="epsilon", timestep_spacing="leading")
+
+
+def _id2label(loaded: LoadedWeights) -> dict | None:
+    """DiTPipeline's id2label from the class names recorded with the latents (all of them, or none)."""
+    names = (loaded.latent_meta or {}).get("class_names")
+    if not names or len(names) != loaded.config.num_classes:
+        return None
+    return {str(i): str(name) for i, name in enumerate(names)}
+
+
+def _readme(loaded: LoadedWeights, vae_source: str, vae_note: str | None) -> str:
+    """OUT/README.md: provenance, how to load it, and what differs from the official sampler."""
+    step = f" (step {loaded.step})" if loaded.step is not None else ""
+    lines = [
+        f"# {loaded.config.model} as a diffusers DiTPipeline",
+        "",
+        f"Exported by `python -m sample export` from `{loaded.path}`{step}, {loaded.kind} weights "
+        f"({loaded.weights}). VAE: a copy of `{vae_source}`.",
+        "",
+        "```python",
+        "from diffusers import DiTPipeline",
+        "pipe = DiTPipeline.from_pretrained('THIS_FOLDER')",
+        "images = pipe(class_labels=[0, 1], num_inference_steps=50).images",
+        "```",
+        "",
+        f"Model: `{json.dumps(loaded.config.to_dict())}`.",
+        "",
+        "## Numerics",
+        "",
+        NUMERICS_NOTE + " This export sets norm_eps 1e-6, so in diffusers only the timestep features differ "
+        "from the function the weights were trained as; `python -m sample --ckpt THIS_FOLDER` runs them as "
+        "the official DiT.",
+        "",
+        "DiTPipeline also guides every latent channel, where the DiT release guides the first 3 of 4 "
+        "(`python -m sample --guide-channels`), and its scheduler is DDIM with DiT's linear betas (learned "
+        "variance unused); DiT's own results use 250 DDPM steps with the learned variance.",
+    ]
+    if vae_note:
+        lines += ["", f"VAE: {vae_note}."]
+    return "\n".join(lines) + "\n"
+
+
+def _build_pipeline(loaded: LoadedWeights, vae, id2label: dict | None):
+    """A DiTPipeline holding our weights in diffusers' layout (strict load: every tensor placed)."""
+    from diffusers import DDIMScheduler, DiTPipeline, DiTTransformer2DModel
+
+    transformer = DiTTransformer2DModel(**diffusers_config(loaded.config))
+    transformer.load_state_dict(dit_to_diffusers(loaded.state_dict), strict=True)
+    return DiTPipeline(transformer=transformer.eval(), vae=vae, scheduler=DDIMScheduler(**scheduler_config()),
+                       id2label=id2label)
+
+
+def _write(pipeline, out: Path, readme: str) -> Path:
+    """save_pretrained into a temp folder beside OUT, then rename it to OUT."""
+    staging = out.with_name(f"{TMP_PREFIX}{out.name}-{os.getpid()}")
+    if staging.exists():
+        remove_tree(staging)
+    try:
+        pipeline.save_pretrained(staging, safe_serialization=True)
+        atomic_write_text(staging / README_NAME, readme)
+        return publish_dir(staging, out)
+    finally:
+        if staging.exists():
+            remove_tree(staging)
+
+
+def run_export(o: ExportOptions) -> Path:
+    """The whole `export` command: checks first (target, format, model, VAE), then build, write, rename."""
+    if o.format not in EXPORT_FORMATS:
+        raise ChoiceError("export format", o.format, EXPORT_FORMATS)
+    out = Path(o.out).expanduser()
+    check_target(out)
+    loaded = load_checkpoint(o.ckpt, o.weights)
+    check_representable(loaded.config, loaded.path)
+    spec, how = choose_vae(o.vae, loaded.latent_meta)
+    vae_name, _ = check_vae(spec, o.vae_config, loaded.config.in_channels, loaded.latent_meta, o.allow_other_vae)
+    vae = load_vae(vae_name, o.vae_config, "cpu", "fp32", tiling=False, slicing=False)
+    rescale, note = check_loaded_vae(vae, loaded.latent_meta, o.allow_other_vae)
+    if rescale != 1.0:  # DiTPipeline divides by its VAE's configured factor: make it the one used in training
+        vae.vae.register_to_config(scaling_factor=float(loaded.latent_meta["scaling_factor"]))
+    pipeline = _build_pipeline(loaded, vae.vae, _id2label(loaded))
+    written = _write(pipeline, out, _readme(loaded, vae_name, note))
+    for line in loaded.warnings:
+        print(f"note: {line}")
+    print(f"wrote a diffusers DiTPipeline ({loaded.config.model}, VAE {vae_name} {how}) to {written}")
+    return written
