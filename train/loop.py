@@ -152,8 +152,7 @@ def check_finite_state(saved: dict, source: Path) -> None:
         bad = [name for name, t in saved[part].items() if t.is_floating_point() and not bool(t.isfinite().all())]
         if bad:
             raise UserError(f"the checkpoint {source} holds non-finite {part} weights ({', '.join(bad[:3])}); it "
-                            "cannot be resumed. Delete that checkpoint folder to resume from the previous one, or "
-                            "pass --resume with an earlier RUN/checkpoints/step-XXXXXXX folder.")
+                            f"cannot be resumed. {ckpt_io.damaged_advice(source)}")
 
 
 def restore(run: Run, source: Path) -> None:
