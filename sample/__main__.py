@@ -15,6 +15,7 @@ from sample.checkpoint import WEIGHTS
 from sample.decode import DecodeOptions, run_decode
 from sample.export import EXPORT_FORMATS, ExportOptions, run_export
 from sample.generate import SampleOptions, run_sample
+from sample.watch import REPORT_TO as WATCH_REPORT_TO, WatchOptions, run_watch
 
 PROG = "python -m sample"
 DESCRIPTION = """Class-conditional DiT sampling with classifier-free guidance, decoded by the VAE to PNGs, a grid and
@@ -22,6 +23,7 @@ an optional .npz. Commands:
   python -m sample --ckpt RUN|FILE [flags]       draw images (the flags below)
   python -m sample decode LATENTS|DIR [flags]    decode training's preview latents (python -m sample decode -h)
   python -m sample export RUN OUT [flags]        write a diffusers DiTPipeline folder (python -m sample export -h)
+  python -m sample watch RUN [flags]             decode each preview as training writes it (python -m sample watch -h)
 The DiT release's flag names work too: --global-seed, --per-proc-batch-size, --sample-dir, --num-fid-samples."""
 EPILOG = """Resume: rerun the same command; images already in --out are kept and only the missing ones are
 drawn. Image i's label and noise depend only on --seed and i, not on --batch-size or the number of
@@ -132,6 +134,32 @@ def decode_parser() -> argparse.ArgumentParser:
     return p
 
 
+def watch_parser() -> argparse.ArgumentParser:
+    """Parser of `watch`."""
+    p = argparse.ArgumentParser(prog=f"{PROG} watch", formatter_class=HelpFormatter,
+                                description="Beside a training run: decode every RUN/samples/step-*.safetensors "
+                                            "preview as it appears into a labelled grid RUN/samples/step-*.png (and "
+                                            "the images into RUN/samples/step-*/), skipping those already decoded.")
+    p.add_argument("run", metavar="RUN", help="the training run folder (train's --results-dir)")
+    p.add_argument("--interval", type=float, default=5.0, help="seconds between looks for new preview files")
+    p.add_argument("--exit-when-done", action="store_true",
+                   help="stop once no training process holds RUN (finished, stopped or killed), after decoding "
+                        "every preview; without it, run until Ctrl-C or SIGTERM")
+    p.add_argument("--until-step", type=int, default=None, metavar="STEP",
+                   help="stop once the checkpoint of STEP exists, after decoding every preview (train --watch-vae "
+                        "passes its last step)")
+    p.add_argument("--until-pid", type=int, default=None, metavar="PID",
+                   help="stop once process PID has ended, after decoding every preview (train --watch-vae passes "
+                        "its own PID)")
+    p.add_argument("--report-to", choices=WATCH_REPORT_TO, default="auto",
+                   help="log each grid as a TensorBoard image under RUN/tensorboard/previews: auto = when the run "
+                        "was launched with --report-to tensorboard")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for decoding (default: torch's choice)")
+    p.add_argument("--batch-size", type=int, default=16, help="latents decoded per VAE call")
+    add_vae_flags(p)
+    return p
+
+
 def export_parser() -> argparse.ArgumentParser:
     """Parser of `export`."""
     p = argparse.ArgumentParser(prog=f"{PROG} export", formatter_class=HelpFormatter,
@@ -161,6 +189,10 @@ def main(argv=None) -> None:
     if argv[:1] == ["export"]:
         with cli_errors(f"{PROG} export", FLAGS):
             run_export(ExportOptions(**vars(export_parser().parse_args(argv[1:]))))
+        return
+    if argv[:1] == ["watch"]:
+        with cli_errors(f"{PROG} watch", FLAGS):
+            run_watch(WatchOptions(**vars(watch_parser().parse_args(argv[1:]))))
         return
     decoding = bool(argv) and argv[0] == "decode"
     prog = f"{PROG} decode" if decoding else PROG

@@ -2,7 +2,10 @@
 
     RUN/config.json                          the resolved TrainConfig of the latest launch
     RUN/log.txt  RUN/metrics.jsonl           human log lines; one JSON object per logged step
-    RUN/tensorboard/                         tracker event files (when a tracker is on)
+    RUN/eval.jsonl                           quality metrics, one JSON object per evaluated step (evaluation)
+    RUN/curves.png                           loss, LR, grad norm, throughput, quality (python -m train.plot)
+    RUN/tensorboard/train/  .../previews/    --report-to tensorboard: scalars; decoded preview grids
+    RUN/watch.log                            output of the preview watcher started by --watch-vae
     RUN/checkpoints/step-0000100/            full training state, published by an atomic rename:
         model.safetensors ema.safetensors    weights (shared/export.py format)
         optimizer.pt scaler.pt rng-<rank>.pt torch.load(weights_only=True) files
@@ -10,6 +13,7 @@
     RUN/checkpoints/.tmp-step-0000100/       a checkpoint being assembled (removed on the next start)
     RUN/exports/ema-step-0000100.safetensors slim EMA weights for sampling (shared/export.py format)
     RUN/samples/step-0000100.safetensors     preview latents of the EMA model (decode with sample decode)
+    RUN/samples/step-0000100/  ...0100.png   decoded previews (sample decode / sample watch); labelled grid
 """
 from __future__ import annotations
 
@@ -22,6 +26,11 @@ CONFIG_FILE = "config.json"
 LOG_FILE = "log.txt"
 METRICS_FILE = "metrics.jsonl"
 TRACKER_DIR = "tensorboard"
+TRACKER_TRAIN = "train"  # RUN/tensorboard/train: the training scalars (one TensorBoard run)
+TRACKER_PREVIEWS = "previews"  # RUN/tensorboard/previews: decoded preview grids, written by sample watch
+EVAL_FILE = "eval.jsonl"
+CURVES_FILE = "curves.png"
+WATCH_LOG = "watch.log"
 CHECKPOINTS = "checkpoints"
 EXPORTS = "exports"
 SAMPLES = "samples"
@@ -64,6 +73,23 @@ def tracker_dir(run_dir) -> Path:
     return Path(run_dir) / TRACKER_DIR
 
 
+def tracker_run_dir(run_dir, name: str) -> Path:
+    """RUN/tensorboard/<name>: one TensorBoard run (TRACKER_TRAIN or TRACKER_PREVIEWS)."""
+    return tracker_dir(run_dir) / name
+
+
+def eval_path(run_dir) -> Path:
+    return Path(run_dir) / EVAL_FILE
+
+
+def curves_path(run_dir) -> Path:
+    return Path(run_dir) / CURVES_FILE
+
+
+def watch_log_path(run_dir) -> Path:
+    return Path(run_dir) / WATCH_LOG
+
+
 def checkpoints_dir(run_dir) -> Path:
     return Path(run_dir) / CHECKPOINTS
 
@@ -86,6 +112,16 @@ def export_path(run_dir, step: int) -> Path:
 def sample_path(run_dir, step: int) -> Path:
     """RUN/samples/step-XXXXXXX.safetensors: preview latents."""
     return Path(run_dir) / SAMPLES / f"{step_name(step)}.safetensors"
+
+
+def decoded_dir(run_dir, step: int) -> Path:
+    """RUN/samples/step-XXXXXXX/: the decoded previews of `step` (one PNG per image + grid.png, as sample decode)."""
+    return Path(run_dir) / SAMPLES / step_name(step)
+
+
+def preview_grid_path(run_dir, step: int) -> Path:
+    """RUN/samples/step-XXXXXXX.png: the labelled grid of the previews of `step` (sample watch)."""
+    return Path(run_dir) / SAMPLES / f"{step_name(step)}.png"
 
 
 def is_complete_checkpoint(folder) -> bool:

@@ -4,7 +4,9 @@ Everything here belongs to the tests, not to the product: it registers train.cal
 pause points, wraps one product function) according to environment variables:
 
   TRACE_DIR=DIR        each rank writes DIR/rank-<r>.json: stream positions seen, DDP all-reduce calls per
-                       micro-step, a weight hash, and whether diffusers was imported in this process
+                       micro-step, a weight hash, and whether diffusers was imported in this process at any
+                       point it was looked at (setup, every step, every checkpoint after the product's own
+                       callbacks drew curves or started the preview watcher, the end)
   PAUSE_AT=KIND:STEP   write DIR/paused and sleep (for the test to SIGKILL) at a fixed point:
                        checkpoint:S  right after checkpoint S is complete (published, exported, pruned)
                        export:S      after checkpoint S is published, before its EMA export is written
@@ -41,8 +43,16 @@ class Trace(Callback):
 
     def __init__(self):
         self.positions, self.allreduce_calls, self.pending, self.in_step = [], [], 0, False
+        self.diffusers_seen = False
+
+    def _look_for_diffusers(self):
+        self.diffusers_seen = self.diffusers_seen or "diffusers" in sys.modules
+
+    def on_checkpoint(self, run, path):
+        self._look_for_diffusers()
 
     def on_setup(self, run):
+        self._look_for_diffusers()
         model = run.learner.model
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -66,6 +76,7 @@ class Trace(Callback):
     def on_step_end(self, run, result):
         self._close_micro_step()
         self.in_step = False
+        self._look_for_diffusers()
 
     def on_train_end(self, run):
         digest = hashlib.sha256()
@@ -75,7 +86,8 @@ class Trace(Callback):
         rank = run.accelerator.process_index
         record = {"rank": rank, "world_size": run.accelerator.num_processes, "step": run.step,
                   "positions": self.positions, "allreduce_calls": self.allreduce_calls,
-                  "weights_sha256": digest.hexdigest(), "diffusers_imported": "diffusers" in sys.modules}
+                  "weights_sha256": digest.hexdigest(),
+                  "diffusers_imported": self.diffusers_seen or "diffusers" in sys.modules}
         folder = Path(os.environ["TRACE_DIR"])
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"rank-{rank}.json").write_text(json.dumps(record))

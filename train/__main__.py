@@ -9,7 +9,7 @@ PROG = "python -m train"
 
 # Which flag sets each domain vocabulary that shared/ may report a bad value of.
 FLAGS = {"model preset": "--model", "attention backend": "--attention", "precision": "--precision",
-         "guide-channel choice": "--sample-guide-channels", "run folder": "--results-dir"}
+         "guide-channel choice": "--sample-guide-channels", "run folder": "--results-dir", "vae": "--watch-vae"}
 
 
 def main(argv=None, callbacks=()) -> int:

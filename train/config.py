@@ -19,6 +19,7 @@ from shared.errors import UserError
 from shared.guidance import GUIDE_CHANNELS
 from shared.models import ATTENTION_BACKENDS, check_preset
 from shared.precision import PRECISION_CHOICES, canonical_precision
+from train.trackers import DEFAULT_REPORT_TO, REPORT_TO
 
 LR_SCHEDULES = ("constant", "cosine")
 OPTIMIZERS = ("adamw", "adamw8bit")
@@ -66,6 +67,8 @@ class TrainConfig:
     sample_steps: int = 50
     sample_cfg_scale: float | None = None  # None: 4.0 with a null class, 1.0 (no guidance) without
     sample_guide_channels: str = "all"
+    report_to: str = DEFAULT_REPORT_TO
+    watch_vae: str | None = None
     resume: str = "auto"
     compile: bool = False
     attention: str = "auto"
@@ -162,6 +165,18 @@ def _add_optim_flags(p: argparse.ArgumentParser) -> None:
                    help="probability of replacing a label by the null class, for classifier-free guidance (DiT: 0.1)")
 
 
+def _add_watch_flags(p: argparse.ArgumentParser) -> None:
+    """Tracker and preview-watcher flags (train/trackers.py)."""
+    p.add_argument("--report-to", default=DEFAULT_REPORT_TO, choices=REPORT_TO,
+                   help="experiment tracker for loss, LR, grad norm, speed, memory, skipped steps and the fp16 loss "
+                        "scale, through Accelerate: tensorboard (RUN/tensorboard/), wandb (pip install wandb), or none; "
+                        "log.txt and metrics.jsonl are always written")
+    p.add_argument("--watch-vae", default=None, metavar="VAE",
+                   help="start `python -m sample watch RUN --vae VAE` as a separate CPU process that decodes every "
+                        "--sample-every preview into RUN/samples/step-XXXXXXX.png; the VAE never enters training "
+                        "(default: off; decode later with python -m sample watch or decode)")
+
+
 def _add_schedule_flags(p: argparse.ArgumentParser) -> None:
     """Length, checkpoint, logging and sampling flags."""
     length = p.add_mutually_exclusive_group()
@@ -198,6 +213,7 @@ def build_parser(prog: str = "python -m train") -> argparse.ArgumentParser:
     _add_batch_flags(p)
     _add_optim_flags(p)
     _add_schedule_flags(p)
+    _add_watch_flags(p)
     return p
 
 

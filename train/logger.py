@@ -1,6 +1,8 @@
-"""Run logging: RUN/log.txt (human lines), RUN/metrics.jsonl (one JSON per log step), TensorBoard if present.
+"""Run logging: RUN/log.txt (human lines), RUN/metrics.jsonl (one JSON per log step), and the --report-to tracker.
 
-Only the main process writes; the others get a disabled logger, so callers never branch on rank.
+Only the main process writes; the others get a disabled logger, so callers never branch on rank. The
+tracker (TensorBoard or wandb through Accelerate, train/trackers.py) is attached by the training loop
+when one was asked for; log.txt and metrics.jsonl are written whatever --report-to says.
 """
 from __future__ import annotations
 
@@ -27,15 +29,12 @@ class RunLogger:
     def __init__(self, run_dir: Path, enabled: bool, write_files: bool = True):
         self.run_dir, self.enabled = Path(run_dir), enabled
         self.write_files = enabled and write_files
-        self._tb = self._open_tensorboard() if self.write_files else None
+        self.tracker = None  # a train.trackers.Tracker once attached (main process, files written)
 
-    def _open_tensorboard(self):
-        """A SummaryWriter under RUN/tensorboard when tensorboard is installed, else None."""
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except Exception:  # tensorboard is optional; log.txt and metrics.jsonl always exist
-            return None
-        return SummaryWriter(str(rundir.tracker_dir(self.run_dir)))
+    def attach(self, tracker) -> None:
+        """Send every later metrics() call to `tracker` as well (anything with log(step, values) and close())."""
+        if self.write_files:
+            self.tracker = tracker
 
     def info(self, message: str) -> None:
         """Print a line (above any progress bar) and append it to log.txt."""
@@ -56,10 +55,8 @@ class RunLogger:
             return
         with open(rundir.metrics_path(self.run_dir), "a") as f:
             f.write(json.dumps({"step": step, **values}) + "\n")
-        if self._tb is not None:
-            for key, value in values.items():
-                if isinstance(value, (int, float)):
-                    self._tb.add_scalar(f"train/{key}", value, step)
+        if self.tracker is not None:
+            self.tracker.log(step, values)
 
     def truncate_after(self, step: int) -> None:
         """Drop metrics logged after `step` (a resumed run repeats those steps)."""
@@ -70,6 +67,7 @@ class RunLogger:
         atomic_write_text(path, "".join(line + "\n" for line in kept))
 
     def close(self) -> None:
-        """Flush TensorBoard."""
-        if self._tb is not None:
-            self._tb.close()
+        """Flush and close the tracker (its event files are complete afterwards)."""
+        if self.tracker is not None:
+            self.tracker.close()
+            self.tracker = None

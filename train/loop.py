@@ -31,6 +31,7 @@ from train.data import make_loader
 from train.logger import RunLogger
 from train.preview import sample_preview, save_preview
 from train.step import Learner, import_bitsandbytes, lr_at, make_learner, train_step
+from train.trackers import accelerator_kwargs, check_watch, default_callbacks
 
 
 class NonFiniteError(UserError):
@@ -103,6 +104,7 @@ def prepare_config(cfg: TrainConfig, world_size: int) -> tuple[TrainConfig, Late
     """Open the latents, resolve and check the config, find the resume source: all before allocation."""
     dataset = LatentDataset(cfg.latents)  # UserError for missing or half-written folders
     resolve_config(cfg, dataset, world_size)
+    check_watch(cfg, dataset)
     resolve_attention(cfg.attention)
     if cfg.attention == "xformers" and not torch.cuda.is_available():
         raise UserError("--attention xformers needs a CUDA GPU; this machine has none. Use --attention sdpa.")
@@ -117,11 +119,11 @@ def prepare_config(cfg: TrainConfig, world_size: int) -> tuple[TrainConfig, Late
 # Building the run
 # ---------------------------------------------------------------------------------------------------------
 
-def make_accelerator():
-    """One Accelerator per process (DDP, devices, reductions); precision is handled by train/step.py."""
+def make_accelerator(cfg: TrainConfig):
+    """One Accelerator per process (DDP, devices, reductions, --report-to); precision is train/step.py's."""
     from accelerate import Accelerator
 
-    return Accelerator(mixed_precision="no")
+    return Accelerator(mixed_precision="no", **accelerator_kwargs(cfg))
 
 
 def setup_backends(cfg: TrainConfig, device: torch.device) -> None:
@@ -180,7 +182,8 @@ def setup_run(cfg: TrainConfig, dataset: LatentDataset, source: Path | None, acc
     learner = make_learner(cfg, model_config_for(cfg, dataset), accelerator=accelerator)
     seed_globals(cfg.seed, accelerator.process_index)
     logger = RunLogger(Path(cfg.results_dir), enabled=accelerator.is_main_process, write_files=not cfg.debug)
-    run = Run(learner=learner, dataset=dataset, logger=logger, callbacks=CallbackList(callbacks))
+    run = Run(learner=learner, dataset=dataset, logger=logger,
+              callbacks=CallbackList(default_callbacks(cfg) + list(callbacks)))
     if source is not None:
         restore(run, source)  # in place into the parameters the compiled/DDP wrappers share
     run.callbacks.on_setup(run)
@@ -451,7 +454,7 @@ def lock_run_folder(cfg: TrainConfig, accelerator) -> FolderLock | None:
 
 def train(cfg: TrainConfig, callbacks: list[Callback] = ()) -> dict:
     """Run (or resume) a training run described by cfg; returns the last logged metrics."""
-    accelerator = make_accelerator()  # the one source of the process count and rank
+    accelerator = make_accelerator(cfg)  # the one source of the process count and rank
     lock = lock_run_folder(cfg, accelerator)
     try:
         return _train_locked(cfg, accelerator, list(callbacks))

@@ -1,0 +1,361 @@
+"""`python -m sample watch RUN`: decode training's preview latents into labelled grids as they appear.
+
+Runs beside training in its own process (on the CPU, or a GPU training does not use), so the VAE never
+enters the training process. For each RUN/samples/step-XXXXXXX.safetensors whose grid is missing or older
+than it, `sample decode`'s decode_file writes RUN/samples/step-XXXXXXX/ (one PNG per image + grid.png), then
+a labelled grid RUN/samples/step-XXXXXXX.png (run, step, class of each image) is composed from those PNGs
+and, when the run reports to TensorBoard, logged as image "previews" under RUN/tensorboard/previews/.
+
+It stops cleanly (after the file in hand) on SIGINT/SIGTERM; with --exit-when-done once no training process
+holds the run folder; with --until-step once that step's checkpoint exists; with --until-pid once that process
+is gone; every preview already written is decoded first. One watcher per run: RUN/samples/.lock.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw, ImageFont
+
+from shared import rundir
+from shared.distributed import process_state
+from shared.errors import UserError
+from shared.lock import LOCK_NAME, hold_lock
+from shared.vae import read_vae_config
+
+from sample.decode import DecodeOptions, decode_file, read_latents
+from sample.outputs import grid_layout, image_name, read_png, save_png
+from sample.vae_setup import check_vae, choose_vae, load_vae
+
+REPORT_TO = ("auto", "tensorboard", "none")
+MIN_CELL = 96  # pixels: smaller previews (digits: 32) are enlarged by an integer factor so captions fit
+PAD = 4
+
+
+@dataclass
+class WatchOptions:
+    """Everything `python -m sample watch` accepts."""
+
+    run: str
+    vae: str | None = None
+    vae_config: str | None = None
+    vae_precision: str = "fp32"
+    vae_tiling: bool = False
+    vae_slicing: bool = False
+    allow_other_vae: bool = False
+    cpu: bool = False
+    batch_size: int = 16
+    interval: float = 5.0
+    exit_when_done: bool = False
+    until_step: int | None = None
+    until_pid: int | None = None
+    threads: int | None = None
+    report_to: str = "auto"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Stopping: signals, the end of the run
+# ---------------------------------------------------------------------------------------------------------
+
+class StopFlag:
+    """Set by SIGINT/SIGTERM: the watcher finishes the file in hand, then leaves (a second signal leaves now)."""
+
+    def __init__(self):
+        self.requested, self._previous = False, {}
+
+    def __enter__(self) -> "StopFlag":
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise SystemExit(128 + signum)
+        self.requested = True
+        print(f"{signal.Signals(signum).name}: stopping after the file in hand (again to stop now)", flush=True)
+
+    def sleep(self, seconds: float) -> None:
+        """Sleep in short slices so a signal ends the wait at once."""
+        end = time.monotonic() + seconds
+        while not self.requested and time.monotonic() < end:
+            time.sleep(min(0.2, max(end - time.monotonic(), 0)))
+
+
+def run_is_locked(run: Path) -> bool:
+    """Whether a live training process holds RUN/.lock (shared/lock.py's flock; freed by the OS when it dies)."""
+    path = run / LOCK_NAME
+    if not path.is_file():
+        return False
+    try:
+        import fcntl
+    except ImportError:  # Windows: no flock to probe; the run counts as ended once its final checkpoint exists
+        return False
+    with open(path, "rb") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            return True
+        fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+    return False
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` still exists."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def end_reason(run: Path, o: WatchOptions) -> str | None:
+    """Why the watching should end after this round of decoding, or None to go on."""
+    if o.until_pid is not None and not pid_alive(o.until_pid):
+        return f"process {o.until_pid} has ended"
+    if o.until_step is not None:
+        latest = rundir.latest_checkpoint(run)
+        if latest is not None and rundir.step_of(latest) >= o.until_step:
+            return f"the checkpoint of step {o.until_step} exists"
+    if o.exit_when_done and not run_is_locked(run):
+        return "no training process holds the run folder"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# What to decode
+# ---------------------------------------------------------------------------------------------------------
+
+def pending(run: Path) -> list[tuple[int, Path]]:
+    """(step, latents file) of every preview whose labelled grid is missing or older than it, oldest first."""
+    found = []
+    for path in rundir.list_samples(run):
+        step = rundir.step_of(path)
+        grid = rundir.preview_grid_path(run, step)
+        try:
+            if not grid.exists() or grid.stat().st_mtime_ns < path.stat().st_mtime_ns:
+                found.append((step, path))
+        except FileNotFoundError:  # removed while we looked: nothing to decode
+            continue
+    return found
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The labelled grid
+# ---------------------------------------------------------------------------------------------------------
+
+def _font(size: int):
+    """PIL's bundled font at `size` pixels (Pillow >= 10.1); the fixed-size bitmap font on older Pillow."""
+    try:
+        return ImageFont.load_default(size=size)
+    except TypeError:
+        return ImageFont.load_default()
+
+
+def _fit(draw: ImageDraw.ImageDraw, text: str, font, width: int) -> str:
+    """`text`, shortened with an ellipsis until it fits `width` pixels."""
+    if draw.textlength(text, font=font) <= width:
+        return text
+    while text and draw.textlength(text + "…", font=font) > width:
+        text = text[:-1]
+    return text + "…"
+
+
+def labelled_grid(images: np.ndarray, labels, captions: list[str], title: str) -> np.ndarray:
+    """uint8 (N,H,W,3) images in sample decode's grid layout, each captioned, under a title -> uint8 (H',W',3)."""
+    layout = grid_layout(labels)
+    h, w = images.shape[1:3]
+    scale = max(1, math.ceil(MIN_CELL / min(h, w)))
+    cell_w, cell_h = w * scale, h * scale
+    size = min(16, max(10, cell_w // 8))  # caption pixels: readable under a 96 px cell, modest under 256 px
+    font, line = _font(size), size + 6
+    canvas = Image.new("RGB", (PAD + len(layout[0]) * (cell_w + PAD), line + PAD + len(layout) * (cell_h + line + PAD)),
+                       "white")
+    draw = ImageDraw.Draw(canvas)
+    draw.text((PAD, 3), _fit(draw, title, font, canvas.width - 2 * PAD), fill="black", font=font)
+    for r, row in enumerate(layout):
+        for c, i in enumerate(row):
+            if i is None:
+                continue
+            x, y = PAD + c * (cell_w + PAD), line + PAD + r * (cell_h + line + PAD)
+            canvas.paste(Image.fromarray(images[i]).resize((cell_w, cell_h), Image.NEAREST), (x, y))
+            text = _fit(draw, captions[i], font, cell_w)
+            draw.text((x + (cell_w - draw.textlength(text, font=font)) / 2, y + cell_h + 2), text, fill="black",
+                      font=font)
+    return np.asarray(canvas)
+
+
+def captions_for(labels, class_names) -> list[str]:
+    """The caption of each image: its class name when the latents record names, else 'class N'."""
+    names = list(class_names or [])
+    return [names[y] if 0 <= y < len(names) and str(names[y]) else f"class {y}" for y in map(int, labels)]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# TensorBoard
+# ---------------------------------------------------------------------------------------------------------
+
+def run_report_to(run: Path) -> str:
+    """The --report-to the run was launched with (RUN/config.json), 'none' when it says none."""
+    try:
+        return json.loads(rundir.config_path(run).read_text()).get("report_to") or "none"
+    except (OSError, ValueError):
+        return "none"
+
+
+class PreviewTracker:
+    """Writes each labelled grid as image 'previews' into RUN/tensorboard/previews/ (a separate writer)."""
+
+    def __init__(self, run: Path, mode: str):
+        self.run, self.mode, self.writer, self.said = run, mode, None, False
+
+    def _active(self) -> bool:
+        """Whether to write: --report-to tensorboard, or auto and the run's config says tensorboard."""
+        wanted = self.mode if self.mode != "auto" else run_report_to(self.run)
+        if wanted == "wandb" and not self.said:
+            self.said = True
+            print("note: the run reports to wandb; the watcher logs no images there (a second process would open a "
+                  f"second wandb run): the grids are in {self.run / rundir.SAMPLES}", flush=True)
+        if wanted != "tensorboard":
+            return False
+        if importlib.util.find_spec("tensorboard") is None:
+            if not self.said:
+                self.said = True
+                print("note: the run reports to tensorboard, but tensorboard is not installed here (pip install "
+                      "tensorboard): the grids are written, not logged", flush=True)
+            return False
+        return True
+
+    def log(self, step: int, grid: np.ndarray) -> None:
+        """Add the grid at `step` (HWC uint8) and flush, so TensorBoard shows it at once."""
+        if not self._active():
+            return
+        if self.writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(rundir.tracker_run_dir(self.run, rundir.TRACKER_PREVIEWS)))
+        self.writer.add_image("previews", grid, step, dataformats="HWC")
+        self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def check_report_to(mode: str) -> None:
+    """An explicit --report-to tensorboard needs the package; auto only notes its absence."""
+    if mode == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
+        raise UserError("--report-to tensorboard needs the tensorboard package, which is not installed: "
+                        "`pip install tensorboard`, or pass --report-to none (the grids are written either way).")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Decoding one file
+# ---------------------------------------------------------------------------------------------------------
+
+class Decoder:
+    """The VAE, loaded when the first preview arrives (checked against every file's latent metadata)."""
+
+    def __init__(self, o: WatchOptions):
+        self.o, self.vae, self.name, self.how = o, None, None, None
+
+    def options(self, path: Path) -> DecodeOptions:
+        o = self.o
+        return DecodeOptions(latents=str(path), vae=o.vae, vae_config=o.vae_config, vae_precision=o.vae_precision,
+                             vae_tiling=o.vae_tiling, vae_slicing=o.vae_slicing, batch_size=o.batch_size, cpu=o.cpu,
+                             allow_other_vae=o.allow_other_vae)
+
+    def decode(self, run: Path, step: int, path: Path) -> np.ndarray:
+        """`sample decode` of one preview file into RUN/samples/step-X/, then its labelled grid -> the grid."""
+        data = read_latents(path)
+        latents, labels, meta = data
+        spec, how = choose_vae(self.o.vae, meta)
+        name, _ = check_vae(spec, self.o.vae_config, latents.shape[1], meta, self.o.allow_other_vae)
+        if self.vae is None or name != self.name:
+            device = process_state(self.o.cpu).device
+            self.vae = load_vae(name, self.o.vae_config, device, self.o.vae_precision, self.o.vae_tiling,
+                                self.o.vae_slicing)
+            self.name, self.how = name, how
+        out = decode_file(self.vae, name, self.how, data, path, rundir.decoded_dir(run, step), self.options(path))
+        names = meta.get("class_names") or []
+        files = [out / image_name(i, int(y), names[y] if 0 <= y < len(names) else None)
+                 for i, y in enumerate(labels.tolist())]  # the names decode_file gave them
+        images = np.stack([read_png(f) for f in files])  # (N, H, W, 3)
+        return labelled_grid(images, labels.tolist(), captions_for(labels.tolist(), names),
+                             f"{run.name} · step {step:,}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The loop
+# ---------------------------------------------------------------------------------------------------------
+
+def check_options(o: WatchOptions) -> Path:
+    """The run folder, after the cheap checks of every flag (before any waiting)."""
+    run = Path(o.run).expanduser()
+    if not run.is_dir():
+        raise UserError(f"RUN {run} is not a folder; pass the --results-dir of a training run (it may still be "
+                        "starting: the folder exists from the first second of a launch).")
+    for flag, value, low in (("--batch-size", o.batch_size, 1), ("--threads", o.threads, 1),
+                             ("--until-step", o.until_step, 0)):
+        if value is not None and value < low:
+            raise UserError(f"{flag} {value} must be at least {low}.")
+    if not (o.interval > 0 and math.isfinite(o.interval)):
+        raise UserError(f"--interval {o.interval} must be a positive number of seconds.")
+    if o.vae:
+        read_vae_config(o.vae, o.vae_config)  # a bad --vae is said now, not when the first preview arrives
+    check_report_to(o.report_to)
+    return run
+
+
+def run_watch(o: WatchOptions) -> list[Path]:
+    """Decode previews as they appear until told to stop; returns the labelled grids written."""
+    run = check_options(o)
+    if o.threads:
+        torch.set_num_threads(o.threads)
+    lock = hold_lock(run / rundir.SAMPLES, "preview folder")
+    decoder, tracker, written = Decoder(o), PreviewTracker(run, o.report_to), []
+    try:
+        with StopFlag() as stop:  # before the first line: whoever reads it may signal at once
+            if not (rundir.looks_like_run(run) or (run / rundir.SAMPLES).is_dir()):
+                print(f"note: {run} holds no training run yet (no {rundir.CONFIG_FILE}, checkpoints or samples)")
+            print(f"watching {run / rundir.SAMPLES} for preview latents every {o.interval:g} s (Ctrl-C stops)",
+                  flush=True)
+            while True:
+                reason = end_reason(run, o)  # before listing: previews written before the end are still decoded
+                for step, path in pending(run):
+                    if stop.requested:
+                        break
+                    written.append(decode_step(run, step, path, decoder, tracker))
+                if stop.requested or reason:
+                    break
+                stop.sleep(o.interval)
+        print(f"stopped ({reason or 'asked to'}): {len(written)} grid(s) written this time", flush=True)
+    finally:
+        tracker.close()
+        lock.release()
+    return written
+
+
+def decode_step(run: Path, step: int, path: Path, decoder: Decoder, tracker: PreviewTracker) -> Path:
+    """Decode one preview file, write its labelled grid last (its presence marks the step done), log it."""
+    start = time.perf_counter()
+    grid = decoder.decode(run, step, path)
+    out = rundir.preview_grid_path(run, step)
+    save_png(out, grid)  # atomic: a half-written grid would count as decoded
+    tracker.log(step, grid)
+    print(f"step {step}: {out} ({time.perf_counter() - start:.1f} s)", flush=True)
+    return out
+

@@ -1,0 +1,71 @@
+"""`python -m train.plot RUN`: curves of metrics.jsonl and eval.jsonl as one PNG; bad input is one paragraph."""
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from train.plot import main, panels, read_jsonl, smooth
+
+
+def write_jsonl(path: Path, rows, tail: str = "") -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + tail)
+
+
+@pytest.fixture
+def run(tmp_path) -> Path:
+    """A run folder with 40 logged steps (fp16: a loss scale, skipped steps, one NaN loss) and 3 evaluations."""
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"step": s, "loss": 1 / s if s != 7 else math.nan, "lr": 1e-4, "grad_norm": 10.0 / s,
+             "steps_per_s": 2.0, "images_per_s": 16.0, "skipped": int(s == 7), "skipped_total": int(s >= 7),
+             "loss_scale": 65536.0 / (2 if s >= 7 else 1)} for s in range(1, 41)]
+    write_jsonl(run / "metrics.jsonl", rows, tail='{"step": 41, "loss": 0.0')  # a line cut short by a kill
+    evals = [{"step": s, "fid": 100.0 / s, "digits_fd": 5.0 - s / 10, "my_score": s * 1.5, "num_samples": 1000,
+              "cfg_scale": 1.5, "sampler": "ddim"} for s in (10, 20, 40)]
+    write_jsonl(run / "eval.jsonl", evals)
+    return run
+
+
+def test_every_panel_is_drawn_from_what_the_run_logged(run, capsys):
+    assert main([str(run)]) == 0
+    assert f"wrote {run / 'curves.png'}" in capsys.readouterr().out
+    with Image.open(run / "curves.png") as image:
+        pixels = np.asarray(image.convert("RGB"))
+    assert pixels.shape[0] > 500 and pixels.shape[1] > 1000 and pixels.std() > 10  # 3 rows of 3 panels, not blank
+    titles = [p[0] for p in panels(read_jsonl(run / "metrics.jsonl"), read_jsonl(run / "eval.jsonl"))]
+    assert titles == ["training loss", "learning rate", "gradient norm (before clipping)", "throughput (images/s)",
+                      "fp16 loss scale", "skipped steps (total)", "fid (eval.jsonl)", "digits_fd (eval.jsonl)",
+                      "my_score (eval.jsonl)"]  # unknown metric keys too; settings (num_samples, cfg_scale) not
+    assert read_jsonl(run / "metrics.jsonl")[-1]["step"] == 40  # the torn line is skipped
+
+
+def test_out_flag_and_only_eval_metrics(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    write_jsonl(run / "eval.jsonl", [{"step": 5, "fid": 50.0}])
+    assert main([str(run), "--out", str(tmp_path / "c.png"), "--smooth", "0"]) == 0
+    assert (tmp_path / "c.png").is_file() and not (run / "curves.png").exists()
+
+
+def test_smoothing_is_debiased_and_skips_non_finite():
+    assert smooth([2.0, 2.0, 2.0], 0.9) == pytest.approx([2.0, 2.0, 2.0])  # no pull towards 0 at the start
+    assert smooth([1.0, 3.0], 0.0) == [1.0, 3.0]
+    out = smooth([math.nan, 1.0, math.inf, 3.0], 0.5)
+    assert math.isnan(out[0]) and out[1] == 1.0 and out[2] == 1.0 and out[3] == pytest.approx((0.5 * 1 + 3) / 1.5)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["{tmp}/missing"], "is not a folder"),
+    (["{tmp}"], "has no metrics to draw yet"),
+    (["{tmp}", "--smooth", "1"], "--smooth 1.0 must lie in [0, 1)"),
+    (["{tmp}", "--out", "{tmp}/curves.jpg"], "must name a .png file"),
+])
+def test_bad_input_is_one_paragraph(tmp_path, capsys, argv, words):
+    with pytest.raises(SystemExit) as info:
+        main([a.format(tmp=tmp_path) for a in argv])
+    assert info.value.code == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert err.startswith("python -m train.plot: error:") and words in err and "Traceback" not in err

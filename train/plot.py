@@ -1,0 +1,198 @@
+"""`python -m train.plot RUN`: a run's curves as one PNG (RUN/curves.png).
+
+Panels: loss (raw and smoothed), learning rate, gradient norm, throughput (images/s), and when present the
+fp16 loss scale, peak GPU memory, skipped steps, and one panel per quality metric of RUN/eval.jsonl (one JSON
+object per evaluated checkpoint: "step" plus any numeric metric fields, e.g. "fid"). Drawn on matplotlib's
+Agg canvas without pyplot (no display, no global state), so the training loop redraws it after every
+checkpoint (train/trackers.py) at a fraction of a second.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+from shared import rundir
+from shared.errors import UserError, cli_errors
+from shared.fsio import atomic_write
+
+PROG = "python -m train.plot"
+DEFAULT_SMOOTH = 0.9  # TensorBoard's default smoothing weight
+# (metrics.jsonl key, panel title, style, y scale): "smoothed" = raw (faint) + TensorBoard-style smoothing.
+TRAIN_PANELS = (("loss", "training loss", "smoothed", "linear"), ("lr", "learning rate", "line", "linear"),
+                ("grad_norm", "gradient norm (before clipping)", "smoothed", "log"),
+                ("images_per_s", "throughput (images/s)", "smoothed", "linear"),
+                ("loss_scale", "fp16 loss scale", "line", "log"), ("peak_mem_gb", "peak GPU memory (GiB)", "line", "linear"),
+                ("skipped_total", "skipped steps (total)", "line", "linear"))
+# Numeric eval.jsonl fields that describe how a metric was measured rather than being one (python -m evaluate's
+# record has num_samples, ref_count, pr_k, is_split_size, seconds beside its metrics).
+EVAL_SETTINGS = {"step", "seed", "num_samples", "cfg_scale", "num_sampling_steps", "sampling_steps", "batch_size",
+                 "ref_count", "pr_k", "is_split_size", "seconds"}
+COLUMNS = 3
+LOG_RANGE = 20  # a "log" panel switches to a log axis when its values span more than this factor
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Reading
+# ---------------------------------------------------------------------------------------------------------
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The JSON objects of a .jsonl file that carry a step (a line cut short by a kill is skipped), by step."""
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), (int, float)):
+            rows.append(row)
+    return sorted(rows, key=lambda r: r["step"])
+
+
+def is_number(value) -> bool:
+    """True for int/float values (not bools), NaN and inf included."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
+    """(steps, values) of the rows that hold a number under `key`."""
+    pairs = [(r["step"], float(r[key])) for r in rows if is_number(r.get(key))]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def eval_metrics(rows: list[dict]) -> list[str]:
+    """The quality metrics of eval.jsonl: every numeric field that is not a known setting, in first-seen order."""
+    keys: dict[str, None] = {}
+    for row in rows:
+        for key, value in row.items():
+            if key not in EVAL_SETTINGS and is_number(value):
+                keys[key] = None
+    return list(keys)
+
+
+def smooth(values: list[float], weight: float) -> list[float]:
+    """TensorBoard's debiased exponential moving average; non-finite values are skipped (shown as gaps)."""
+    out, avg, seen = [], 0.0, 0
+    for v in values:
+        if math.isfinite(v):
+            avg, seen = avg * weight + (1 - weight) * v, seen + 1
+        out.append(avg / (1 - weight ** seen) if seen else math.nan)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Drawing
+# ---------------------------------------------------------------------------------------------------------
+
+def import_matplotlib():
+    """matplotlib's Figure (Agg canvas, no pyplot); UserError naming the package when it is missing."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as err:
+        raise UserError(f"drawing curves needs matplotlib ({err}); install it with `pip install matplotlib` (it "
+                        "is in requirements.txt).") from None
+    return Figure
+
+
+def panels(train: list[dict], evals: list[dict]) -> list[tuple]:
+    """(title, steps, values, style, y scale) of every panel that has data."""
+    out = []
+    for key, title, style, scale in TRAIN_PANELS:  # a panel is drawn when its key has values
+        steps, values = series(train, key)
+        if steps and not (key == "skipped_total" and not any(values)):
+            out.append((title, steps, values, style, scale))
+    for key in eval_metrics(evals):
+        steps, values = series(evals, key)
+        out.append((f"{key} ({rundir.EVAL_FILE})", steps, values, "points", "linear"))
+    return out
+
+
+def draw_panel(ax, title: str, steps, values, style: str, scale: str, weight: float) -> None:
+    """One panel: raw and smoothed, an eval metric as points, or a plain line."""
+    from matplotlib.ticker import EngFormatter
+
+    if style == "smoothed":
+        ax.plot(steps, values, color="tab:blue", alpha=0.25, linewidth=0.8, label="raw")
+        ax.plot(steps, smooth(values, weight), color="tab:blue", linewidth=1.5, label=f"smoothed ({weight:g})")
+        ax.legend(fontsize="small")
+    elif style == "points":
+        ax.plot(steps, values, marker="o", markersize=3, color="tab:green")
+    else:
+        ax.plot(steps, values, color="tab:orange", linewidth=1.2)
+    finite = [v for v in values if math.isfinite(v)]
+    if scale == "log" and finite and min(finite) > 0 and max(finite) > LOG_RANGE * min(finite):
+        ax.set_yscale("log")  # grad norms and loss scales span decades; a narrow range reads better linear
+    ax.set_title(title, fontsize="medium")
+    ax.set_xlabel("step")
+    ax.xaxis.set_major_formatter(EngFormatter(sep=""))  # 400k, not 400000
+    ax.grid(alpha=0.3)
+
+
+def draw(figure_cls, title: str, chosen: list[tuple], weight: float):
+    """A Figure with one axes per panel, COLUMNS wide."""
+    rows, cols = math.ceil(len(chosen) / COLUMNS), min(COLUMNS, len(chosen))
+    height = 2.9 * rows + 0.5  # inches: the panels plus a title band
+    fig = figure_cls(figsize=(4.2 * cols, height), dpi=90)
+    # Fixed margins rather than a layout engine: constrained layout doubled the drawing time.
+    fig.subplots_adjust(left=0.07, right=0.98, bottom=0.5 / height, top=1 - 0.8 / height, wspace=0.28, hspace=0.6)
+    fig.suptitle(title, y=1 - 0.12 / height)
+    for i, panel in enumerate(chosen):
+        draw_panel(fig.add_subplot(rows, cols, i + 1), *panel, weight)
+    return fig
+
+
+def plot_run(run, out=None, weight: float = DEFAULT_SMOOTH) -> Path:
+    """Draw RUN/metrics.jsonl (and RUN/eval.jsonl) into `out` (default RUN/curves.png); returns the path."""
+    run = Path(run)
+    if not run.is_dir():
+        raise UserError(f"RUN {run} is not a folder; pass a training run folder (train's --results-dir).")
+    train, evals = read_jsonl(rundir.metrics_path(run)), read_jsonl(rundir.eval_path(run))
+    chosen = panels(train, evals)
+    if not chosen:
+        raise UserError(f"{run} has no metrics to draw yet: training appends to {rundir.METRICS_FILE} every "
+                        f"--log-every steps (and evaluation to {rundir.EVAL_FILE}); rerun once some are logged.")
+    figure_cls = import_matplotlib()
+    last = max(r["step"] for r in train + evals)
+    fig = draw(figure_cls, f"{run.resolve().name}: step {last:,}", chosen, weight)
+    out = Path(out) if out else rundir.curves_path(run)
+    atomic_write(out, lambda tmp: fig.savefig(tmp, format="png"), durable=False)  # redrawn at every checkpoint
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `python -m train.plot` argument parser."""
+    p = argparse.ArgumentParser(prog=PROG, description="Draw a training run's curves (loss raw and smoothed, LR, "
+                                "grad norm, throughput, eval.jsonl metrics) into one PNG.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("run", metavar="RUN", help="the training run folder (train's --results-dir)")
+    p.add_argument("--out", default=None, help="PNG to write (default: RUN/curves.png)")
+    p.add_argument("--smooth", type=float, default=DEFAULT_SMOOTH,
+                   help="weight of the loss's exponential moving average, in [0, 1) (TensorBoard's smoothing)")
+    return p
+
+
+def main(argv=None) -> int:
+    """Parse flags, draw, print where the PNG is; UserErrors become one paragraph and exit status 2."""
+    args = build_parser().parse_args(argv)
+    with cli_errors(PROG):
+        if not 0 <= args.smooth < 1:
+            raise UserError(f"--smooth {args.smooth} must lie in [0, 1) (0 = no smoothing).")
+        if args.out and Path(args.out).suffix.lower() != ".png":
+            raise UserError(f"--out {args.out} must name a .png file.")
+        start = time.perf_counter()
+        out = plot_run(args.run, args.out, args.smooth)
+        print(f"wrote {out} ({time.perf_counter() - start:.2f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,237 @@
+"""What watches a run from the training side: the --report-to tracker, curves at checkpoints, the preview watcher.
+
+- Tracker: Accelerate's experiment trackers (`Accelerator(log_with=...)`, `init_trackers`, `accelerator.log`),
+  main process only. TensorBoard writes RUN/tensorboard/train/; wandb a run named after the run folder.
+- CurvesCallback: RUN/curves.png (train/plot.py) redrawn after every checkpoint; a plotting failure is
+  logged and training goes on.
+- WatcherCallback (--watch-vae): starts `python -m sample watch` as a separate CPU process that decodes the
+  --sample-every previews into grids, so pictures appear during training while the VAE (and diffusers)
+  never enter the training process or its GPU memory.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from shared import rundir
+from shared.errors import UserError
+from train.callbacks import Callback
+
+REPORT_TO = ("tensorboard", "wandb", "none")
+DEFAULT_REPORT_TO = "tensorboard"  # what diffusers' training examples default to, and needs no account
+WANDB_PROJECT = "dit"  # wandb project when WANDB_PROJECT is not set; the wandb run is named after RUN
+WATCH_THREADS = 2  # CPU threads of the watcher: decoding a preview must not starve the data loaders
+WATCH_INTERVAL_S = 2  # seconds between the watcher's looks for new previews (a folder listing: nothing)
+WATCH_GRACE_S = 120  # at the end, wait this long for the watcher to decode the last previews
+ROOT = Path(__file__).resolve().parents[1]  # the repository: the watcher runs as `python -m sample` from here
+
+
+# ---------------------------------------------------------------------------------------------------------
+# --report-to: checks and the Accelerate tracker
+# ---------------------------------------------------------------------------------------------------------
+
+def check_report_to(name: str) -> None:
+    """UserError when the tracker asked for is unknown or its package is not installed.
+
+    Why here: Accelerate drops a tracker whose package is missing with only a debug message, so a
+    researcher would find out days later that nothing was recorded.
+    """
+    if name not in REPORT_TO:
+        raise UserError(f"--report-to {name!r} is not a tracker this trainer knows; pass one of: "
+                        f"{', '.join(REPORT_TO)}.")
+    if name != "none" and importlib.util.find_spec(name) is None:
+        raise UserError(f"--report-to {name} needs the {name} package, which is not installed in this Python "
+                        f"environment ({sys.executable}). Install it with `pip install {name}`"
+                        f"{' (it is in requirements.txt)' if name == DEFAULT_REPORT_TO else ''}, or pass "
+                        "--report-to none: log.txt and metrics.jsonl are written either way, and "
+                        "`python -m train.plot RUN` draws their curves.")
+
+
+def tracking(cfg) -> bool:
+    """Whether this launch reports to a tracker (--debug and --dry-run write nothing)."""
+    return cfg.report_to != "none" and not (cfg.debug or cfg.dry_run)
+
+
+def accelerator_kwargs(cfg) -> dict:
+    """Arguments for `Accelerator(...)` that set up --report-to (after checking its package is installed)."""
+    check_report_to(cfg.report_to)
+    if not tracking(cfg):
+        return {}
+    from accelerate.utils import ProjectConfiguration
+
+    project = ProjectConfiguration(project_dir=str(cfg.results_dir),
+                                   logging_dir=str(rundir.tracker_dir(cfg.results_dir)))
+    return {"log_with": cfg.report_to, "project_config": project}
+
+
+def flat_config(cfg) -> dict:
+    """The config as the flat scalar dict trackers accept (lists and dicts as JSON text)."""
+    return {k: v if v is None or isinstance(v, (bool, int, float, str)) else json.dumps(v)
+            for k, v in cfg.to_dict().items()}
+
+
+class Tracker:
+    """The started trackers of the main process: scalars under train/, closed at the end."""
+
+    def __init__(self, accelerator):
+        self.accelerator = accelerator
+
+    @classmethod
+    def start(cls, accelerator, cfg, step: int) -> "Tracker":
+        """init_trackers for --report-to; on resume TensorBoard hides what a killed launch logged after `step`."""
+        run_dir = Path(cfg.results_dir)
+        if cfg.report_to == "wandb":
+            project = os.environ.get("WANDB_PROJECT", WANDB_PROJECT)
+            kwargs = {"wandb": {"dir": str(run_dir), "name": run_dir.name}}
+            accelerator.init_trackers(project, config=flat_config(cfg), init_kwargs=kwargs)
+        else:
+            # No config here: torch's add_hparams makes one extra TensorBoard run per launch; config.json has it.
+            kwargs = {"tensorboard": {"purge_step": step + 1}} if step > 0 else {}
+            accelerator.init_trackers(rundir.TRACKER_TRAIN, init_kwargs=kwargs)
+        return cls(accelerator)
+
+    def log(self, step: int, values: dict) -> None:
+        """Numeric metrics as train/<name> scalars at `step`."""
+        scalars = {f"train/{k}": float(v) for k, v in values.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        self.accelerator.log(scalars, step=step)
+
+    def close(self) -> None:
+        """Finish every tracker (not accelerator.end_training: that also tears down the process group)."""
+        for tracker in self.accelerator.trackers:
+            tracker.finish()
+        self.accelerator.trackers.clear()
+
+
+class TrackerCallback(Callback):
+    """Starts the tracker once the run is restored and attaches it to the run's logger."""
+
+    def on_setup(self, run) -> None:
+        if run.is_main and tracking(run.cfg):
+            run.logger.attach(Tracker.start(run.accelerator, run.cfg, run.step))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Curves at every checkpoint
+# ---------------------------------------------------------------------------------------------------------
+
+class CurvesCallback(Callback):
+    """Redraws RUN/curves.png after each checkpoint (main process); a failure is logged, never raised."""
+
+    def on_checkpoint(self, run, path) -> None:
+        if not run.is_main or run.cfg.debug:
+            return
+        start = time.perf_counter()
+        try:
+            from train.plot import plot_run
+
+            out = plot_run(run.run_dir)
+        except Exception as err:  # noqa: BLE001 - a picture must never end days of training; say why instead
+            run.logger.info(f"could not draw {rundir.CURVES_FILE} ({type(err).__name__}: {err}); training goes "
+                            "on, and `python -m train.plot RUN` draws it later")
+            return
+        run.logger.info(f"drew {out} ({time.perf_counter() - start:.2f} s)")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The preview watcher process
+# ---------------------------------------------------------------------------------------------------------
+
+def check_watch(cfg, dataset) -> None:
+    """--watch-vae needs previews and a VAE that can decode these latents (config.json only: no diffusers)."""
+    if not cfg.watch_vae:
+        return
+    if cfg.sample_every == 0:
+        raise UserError("--watch-vae decodes the --sample-every previews, but --sample-every is 0 (no previews); "
+                        "pass --sample-every N, or drop --watch-vae.")
+    from sample.vae_setup import check_vae
+
+    check_vae(cfg.watch_vae, None, dataset.latent_shape[0], dataset.latent_meta())
+
+
+def _vae_argument(spec: str) -> str:
+    """An existing local VAE path made absolute (the watcher runs from the repository); names kept as given."""
+    path = Path(spec).expanduser()
+    return str(path.resolve()) if path.exists() else spec
+
+
+def watcher_command(run_dir: Path, vae: str, last_step: int, parent_pid: int) -> list[str]:
+    """`python -m sample watch` on the CPU, ending after the last step's checkpoint or with this process.
+
+    Why not --exit-when-done: that waits for the run folder's lock, which this process holds until after
+    the watcher was asked to finish.
+    """
+    return [sys.executable, "-m", "sample", "watch", str(Path(run_dir).resolve()), "--vae", _vae_argument(vae),
+            "--cpu", "--threads", str(WATCH_THREADS), "--interval", str(WATCH_INTERVAL_S), "--until-step", str(last_step),
+            "--until-pid", str(parent_pid)]
+
+
+def start_watcher(run_dir: Path, vae: str, last_step: int) -> subprocess.Popen:
+    """Start the watcher with its output appended to RUN/watch.log and no GPU visible to it."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "",  # the VAE must never take the training GPU's memory
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    with open(rundir.watch_log_path(run_dir), "a") as log:
+        return subprocess.Popen(watcher_command(run_dir, vae, last_step, os.getpid()), cwd=ROOT, env=env,
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _log_tail(run_dir: Path, lines: int = 3) -> str:
+    """The last lines of RUN/watch.log, joined (what the watcher said before it stopped)."""
+    try:
+        text = rundir.watch_log_path(run_dir).read_text(errors="replace")
+    except OSError:
+        return ""
+    return " | ".join(line.strip() for line in text.splitlines()[-lines:] if line.strip())
+
+
+class WatcherCallback(Callback):
+    """--watch-vae: the `python -m sample watch` process beside training (main process only)."""
+
+    def __init__(self, vae: str):
+        self.vae, self.proc, self.reported = vae, None, False
+
+    def on_setup(self, run) -> None:
+        if not run.is_main or run.cfg.debug:
+            return
+        self.proc = start_watcher(run.run_dir, self.vae, run.cfg.total_steps)
+        run.logger.info(f"started the preview watcher (PID {self.proc.pid}): grids appear as "
+                        f"{rundir.SAMPLES}/step-XXXXXXX.png, its output in {rundir.watch_log_path(run.run_dir)}")
+
+    def on_step_end(self, run, result: dict) -> None:
+        if self.proc is not None and not self.reported and self.proc.poll() is not None:
+            self._report(run)  # poll() is a non-blocking waitpid: nothing measurable per step
+
+    def on_train_end(self, run) -> None:
+        if self.proc is None or self.reported:
+            return
+        try:
+            self.proc.wait(timeout=WATCH_GRACE_S)
+        except subprocess.TimeoutExpired:
+            run.logger.info(f"the preview watcher (PID {self.proc.pid}) is still decoding; it stops by itself "
+                            f"when done (see {rundir.watch_log_path(run.run_dir)})")
+            return
+        self._report(run)
+
+    def _report(self, run) -> None:
+        """Say how the watcher ended; a failure names its last words (training itself goes on)."""
+        self.reported = True
+        code = self.proc.returncode
+        if code == 0:
+            run.logger.info(f"the preview watcher finished: grids in {run.run_dir / rundir.SAMPLES}")
+        else:
+            run.logger.info(f"the preview watcher stopped with exit status {code}; no more grids are decoded during "
+                            f"this run. Its last words: {_log_tail(run.run_dir)}. Training goes on; decode later "
+                            f"with `python -m sample watch {run.run_dir} --vae {self.vae} --exit-when-done`.")
+
+
+def default_callbacks(cfg) -> list[Callback]:
+    """The product's own watchers of a run, registered before any caller's callbacks."""
+    callbacks = [TrackerCallback(), CurvesCallback()]
+    if cfg.watch_vae:
+        callbacks.append(WatcherCallback(cfg.watch_vae))
+    return callbacks
