@@ -32,9 +32,9 @@ def eval_parser() -> argparse.ArgumentParser:
                    help="reference: an ADM reference batch (arr_0 and/or mu, sigma, mu_s, sigma_s), a statistics file "
                         "from --save-stats, or an images npz / image folder (its statistics are cached). Default with "
                         "--features digits: the real digits; required otherwise")
-    p.add_argument("--features", choices=FEATURE_NETWORKS, default="digits",
+    p.add_argument("--features", choices=FEATURE_NETWORKS, default="inception",
                    help="feature network: inception (the FID network, 299x299) or digits (the demo's yardstick, "
-                        "32x32 digits only) (default: digits; inception comes next)")
+                        "32x32 digits only) (default: inception)")
     p.add_argument("--batch-size", type=int, default=64, help="images per forward pass per process (default: 64)")
     p.add_argument("--is-split-size", type=int, default=IS_SPLIT_SIZE,
                    help=f"samples per Inception Score split (default: {IS_SPLIT_SIZE}, as ADM; smaller values give IS "
@@ -53,6 +53,10 @@ def eval_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> None:
     """Dispatch `run` or one evaluation; UserErrors are printed as one paragraph (exit status 2)."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "run":
+        from evaluate.curve import main_run
+
+        return main_run(argv[1:])
     with cli_errors(PROG, FLAGS):
         evaluate_samples(EvalOptions(**vars(eval_parser().parse_args(argv))))
 

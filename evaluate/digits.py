@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from data.digits import IMAGE_SIZE, NUM_CLASSES, digit_images
-from evaluate.metrics import frechet_distance, mean_cov
+from evaluate.metrics import frechet_distance_to, mean_cov
 from shared.errors import UserError
 from shared.fsio import atomic_write
 
@@ -232,4 +232,4 @@ def real_stats() -> tuple[np.ndarray, np.ndarray]:
 
 def digits_fd(images) -> float:
     """Fréchet distance between uint8 images (N, 32, 32, 3), N >= 2, and the real digits, in digits features."""
-    return frechet_distance(*mean_cov(digits_features(images)), *real_stats())
+    return frechet_distance_to(digits_features(images), *real_stats())

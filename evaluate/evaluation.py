@@ -13,7 +13,7 @@ from pathlib import Path
 
 from evaluate.features import FEATURE_NETWORKS, check_image_size
 from evaluate.images import open_npz_images
-from evaluate.metrics import IS_SPLIT_SIZE, PR_NEIGHBOURS, check_split_size, frechet_distance, inception_score, \
+from evaluate.metrics import IS_SPLIT_SIZE, PR_NEIGHBOURS, check_split_size, frechet_distance_to, inception_score, \
     precision_recall
 from evaluate.stats import check_reference, compute_features, open_reference, reference_stats, save_stats, \
     source_meta, stats_from_features
@@ -72,21 +72,14 @@ def process_info(cpu: bool):
 def sample_metrics(feats: dict, ref_stats, split_size: int) -> dict:
     """The five numbers from the samples' features and the reference's statistics (None where not defined)."""
     out = dict.fromkeys(METRICS)
-    out["fid"] = frechet_distance(*_mean_cov(feats["pool"]), ref_stats.mu, ref_stats.sigma)
+    out["fid"] = frechet_distance_to(feats["pool"], ref_stats.mu, ref_stats.sigma)
     if "spatial" in feats and ref_stats.mu_s is not None:
-        out["sfid"] = frechet_distance(*_mean_cov(feats["spatial"]), ref_stats.mu_s, ref_stats.sigma_s)
+        out["sfid"] = frechet_distance_to(feats["spatial"], ref_stats.mu_s, ref_stats.sigma_s)
     if "logits" in feats:
         out["inception_score"] = inception_score(feats["logits"], split_size)
     if ref_stats.pool is not None:
         out["precision"], out["recall"] = precision_recall(ref_stats.pool, feats["pool"], PR_NEIGHBOURS)
     return out
-
-
-def _mean_cov(x):
-    """Mean and covariance (imported lazily to keep the import list short)."""
-    from evaluate.metrics import mean_cov
-
-    return mean_cov(x)
 
 
 def evaluate_samples(o: EvalOptions, net=None, show: bool = True) -> dict:

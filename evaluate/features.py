@@ -10,7 +10,7 @@ import torch
 
 from shared.errors import ChoiceError
 
-FEATURE_NETWORKS = ("digits",)
+FEATURE_NETWORKS = ("inception", "digits")
 
 
 class DigitsFeatures:
@@ -46,8 +46,20 @@ def check_image_size(name: str, size) -> None:
         check_images(np.zeros((1, *size, 3), np.uint8))
 
 
+def check_image_size(name: str, size) -> None:
+    """UserError if network `name` cannot take images of `size` (H, W); loads no network."""
+    if name == "digits":
+        from evaluate.digits import check_images
+
+        check_images(np.zeros((1, *size, 3), np.uint8))
+
+
 def build_features(name: str, device="cpu", weights=None):
     """The feature network `name` on `device` (`weights`: the Inception weights file, if given)."""
     if name == "digits":
         return DigitsFeatures(device)
+    if name == "inception":
+        from evaluate.inception import InceptionFeatures
+
+        return InceptionFeatures(device, weights)
     raise ChoiceError("feature network", name, FEATURE_NETWORKS)

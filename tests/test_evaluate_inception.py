@@ -1,0 +1,241 @@
+"""The pure-torch FID Inception: TF-style resize, padding-excluding average pool, max-pool branch, ADM's outputs,
+weights lookup and refusal, and `python -m evaluate` end to end on a random-weight network in the real layout."""
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from evaluate import inception
+from evaluate.__main__ import main
+from evaluate.inception import FIDInceptionV3, InceptionE, tf1_resize_bilinear, tf_avg_pool
+from evaluate.stats import load_stats
+from shared.errors import UserError
+
+
+def random_inception_state(seed: int = 0) -> dict:
+    """A random FID Inception state dict: He-normal convs (activations keep their scale), identity batch norms."""
+    torch.manual_seed(seed)
+    net = FIDInceptionV3()
+    for module in net.modules():
+        if isinstance(module, torch.nn.Conv2d):
+            torch.nn.init.kaiming_normal_(module.weight, nonlinearity="relu")
+    return net.state_dict()
+
+
+@pytest.fixture(scope="module")
+def weights_file(tmp_path_factory):
+    """The random state dict saved as pytorch-fid's file is (torch.save of a plain state dict)."""
+    path = tmp_path_factory.mktemp("weights") / inception.WEIGHTS_NAME
+    torch.save(random_inception_state(), path)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The graph's details, against their definitions
+# ----------------------------------------------------------------------------------------------------------
+
+def tf1_resize_by_definition(image: np.ndarray, size: int) -> np.ndarray:
+    """TF1 ResizeBilinear (align_corners=False, half_pixel_centers=False) for one (H, W) image, pixel by pixel."""
+    h, w = image.shape
+    out = np.zeros((size, size))
+    for i in range(size):
+        for j in range(size):
+            y, x = i * h / size, j * w / size  # source = destination * scale, no half-pixel offset
+            y0, x0 = int(math.floor(y)), int(math.floor(x))
+            y1, x1 = min(y0 + 1, h - 1), min(x0 + 1, w - 1)
+            dy, dx = y - y0, x - x0
+            top = image[y0, x0] + (image[y0, x1] - image[y0, x0]) * dx
+            bottom = image[y1, x0] + (image[y1, x1] - image[y1, x0]) * dx
+            out[i, j] = top + (bottom - top) * dy
+    return out
+
+
+def test_tf1_resize_follows_its_definition_not_half_pixel_centres():
+    ramp = torch.tensor([[0.0, 10.0]]).expand(2, 2)[None, None]  # (1, 1, 2, 2): columns 0 and 10
+    # Sources 0, 0.5, 1, 1.5 (clamped): 0, 5, 10, 10. Half-pixel centres (torch's default) would give 0, 2.5, 7.5, 10.
+    assert tf1_resize_bilinear(ramp, 4)[0, 0, 0].tolist() == [0.0, 5.0, 10.0, 10.0]
+    rng = np.random.default_rng(0)
+    image = rng.uniform(0, 255, (5, 7))
+    got = tf1_resize_bilinear(torch.from_numpy(image).float()[None, None], 11)[0, 0].double().numpy()
+    np.testing.assert_allclose(got, tf1_resize_by_definition(image, 11), rtol=1e-5, atol=1e-3)
+
+
+def test_preprocess_maps_pixels_like_the_graph():
+    images = torch.tensor([0, 128, 255], dtype=torch.uint8).view(1, 1, 3, 1).expand(1, 1, 3, 3).contiguous()
+    x = inception.preprocess(images.view(1, 1, 3, 3).permute(0, 2, 3, 1).expand(1, 3, 3, 3).contiguous(), 3)
+    assert x.shape == (1, 3, 3, 3)
+    assert sorted(set(x.flatten().tolist())) == pytest.approx([-1.0, 0.0, 127 / 128])  # (x - 128) / 128
+
+
+def test_average_pool_excludes_the_padding_from_border_averages():
+    x = torch.arange(16.0).view(1, 1, 4, 4)
+    pooled = tf_avg_pool(x)
+    assert pooled[0, 0, 0, 0] == pytest.approx((0 + 1 + 4 + 5) / 4)  # 4 real neighbours, not / 9
+    assert pooled[0, 0, 0, 1] == pytest.approx((0 + 1 + 2 + 4 + 5 + 6) / 6)
+    assert pooled[0, 0, 1, 1] == pytest.approx(x[0, 0, :3, :3].mean())
+    assert tf_avg_pool(torch.ones(1, 1, 5, 5)).eq(1).all()  # zero padding never dilutes a constant
+
+
+def test_the_last_block_pools_with_max_and_the_one_before_with_the_tf_average():
+    net = FIDInceptionV3()
+    assert net.Mixed_7c.max_pool and not net.Mixed_7b.max_pool
+    torch.manual_seed(0)
+    block = InceptionE(4, max_pool=True).eval()
+    x = torch.randn(1, 4, 5, 5)
+    with torch.no_grad():
+        out = block(x)
+        pooled_branch = out[:, -192:]  # the pool branch is the last 192 channels
+        assert torch.allclose(pooled_branch, block.branch_pool(F.max_pool2d(x, 3, 1, 1)))
+        block.max_pool = False
+        assert torch.allclose(block(x)[:, -192:], block.branch_pool(tf_avg_pool(x)))
+
+
+def test_outputs_are_adm_s_pool_spatial_and_bias_free_logits(weights_file):
+    net = inception.load_inception(weights_file)
+    seen = {}
+    net.Mixed_6d.branch1x1.register_forward_hook(lambda m, i, o: seen.setdefault("mixed_6/conv", o))
+    with torch.no_grad():
+        net.fc.bias.fill_(100.0)  # ADM multiplies by the softmax weight only: the bias must not matter
+        images = torch.randint(0, 256, (2, 40, 40, 3), dtype=torch.uint8)
+        out = net(inception.preprocess(images))
+    assert out["pool"].shape == (2, 2048) and out["logits"].shape == (2, 1008)
+    conv = seen["mixed_6/conv"]
+    assert conv.shape == (2, 192, 17, 17)
+    expected = conv[:, :7].permute(0, 2, 3, 1).reshape(2, -1)  # NHWC order, 17 * 17 * 7 = 2023
+    assert out["spatial"].shape == (2, 2023) and torch.equal(out["spatial"], expected)
+    assert torch.allclose(out["logits"], out["pool"] @ net.fc.weight.T)
+    assert out["pool"].abs().mean() > 1e-3  # the random network keeps a usable scale
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Weights: the file, the hub cache, offline, another network
+# ----------------------------------------------------------------------------------------------------------
+
+def test_weights_are_found_in_the_torch_hub_cache(weights_file, tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    cached = inception.hub_checkpoints() / inception.WEIGHTS_NAME
+    cached.parent.mkdir(parents=True)
+    cached.symlink_to(weights_file)
+    assert inception.resolve_weights() == cached
+
+
+def test_offline_without_weights_is_one_paragraph_naming_file_url_and_place(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    monkeypatch.setattr(inception, "WEIGHTS_URL", (tmp_path / "offline" / inception.WEIGHTS_NAME).as_uri())
+    with pytest.raises(UserError) as info:
+        inception.resolve_weights()
+    text = str(info.value)
+    assert inception.WEIGHTS_NAME in text and "--inception-weights" in text
+    assert str(inception.hub_checkpoints() / inception.WEIGHTS_NAME) in text and "offline" in text
+    assert not list(inception.hub_checkpoints().glob("*"))  # no partial file left in the cache
+
+
+def test_a_download_with_the_wrong_hash_is_refused_and_not_kept(tmp_path, monkeypatch):
+    page = tmp_path / "page.html"
+    page.write_text("<html>a captive portal</html>")
+    target = tmp_path / "cache" / inception.WEIGHTS_NAME
+    with pytest.raises(UserError, match="not .*6726825d"):
+        inception.download_weights(target, page.as_uri())
+    assert not target.exists() and not list(target.parent.glob("*"))
+
+
+def test_a_state_dict_of_another_network_is_refused(tmp_path):
+    from evaluate.digits import DigitsNet
+
+    other = tmp_path / "digits.pth"
+    torch.save(DigitsNet().state_dict(), other)
+    with pytest.raises(UserError, match="not the FID Inception state dict.*missing.*unexpected"):
+        inception.load_inception(other)
+    imagenet_like = tmp_path / "inception_v3_google.pth"
+    state = FIDInceptionV3().state_dict()
+    state["fc.weight"], state["fc.bias"] = torch.zeros(1000, 2048), torch.zeros(1000)
+    state["AuxLogits.fc.weight"] = torch.zeros(1000, 768)
+    torch.save(state, imagenet_like)
+    with pytest.raises(UserError, match="torchvision's ImageNet inception_v3"):
+        inception.load_inception(imagenet_like)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The CLI end to end, and its clear errors
+# ----------------------------------------------------------------------------------------------------------
+
+def write_images(path, n, size=32, seed=0, dtype=np.uint8, key="arr_0"):
+    """An npz of n random images under `key`."""
+    rng = np.random.default_rng(seed)
+    np.savez(path, **{key: rng.integers(0, 256, (n, size, size, 3)).astype(dtype)}, labels=np.arange(n) % 10)
+    return path
+
+
+def run_cli(argv, capsys):
+    """main(argv) -> (exit code, stdout, stderr)."""
+    try:
+        main([str(a) for a in argv])
+        code = 0
+    except SystemExit as stop:
+        code = stop.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_cli_end_to_end_on_a_random_weight_network(weights_file, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    samples = write_images(tmp_path / "samples.npz", 5, seed=1)
+    ref = write_images(tmp_path / "ref.npz", 6, seed=2)
+    code, out, err = run_cli([samples, "--ref", ref, "--inception-weights", weights_file, "--is-split-size", 2,
+                              "--batch-size", 4, "--save-stats", tmp_path / "samples-stats.npz"], capsys)
+    assert code == 0, err
+    record = json.loads(out.strip().splitlines()[-1])
+    assert all(math.isfinite(record[k]) for k in ("fid", "sfid", "inception_score", "precision", "recall"))
+    assert record["fid"] > 0 and record["inception_score"] >= 1 and record["num_samples"] == 5
+    assert record["features"]["name"] == "inception" and record["features"]["weights_sha256"]
+    assert json.loads((tmp_path / "samples.eval.jsonl").read_text()) == record
+    stats = load_stats(tmp_path / "samples-stats.npz")
+    assert stats.mu.shape == (2048,) and stats.mu_s.shape == (2023,) and stats.pool.shape == (5, 2048)
+    assert list(tmp_path.joinpath("cache").rglob("*.npz"))  # the reference's statistics were cached
+    # The samples against their own statistics file: FID and sFID 0, precision and recall 1.
+    code, out, err = run_cli([samples, "--ref", tmp_path / "samples-stats.npz", "--inception-weights", weights_file,
+                              "--is-split-size", 2, "--no-save"], capsys)
+    again = json.loads(out.strip().splitlines()[-1])
+    assert code == 0 and again["fid"] == pytest.approx(0, abs=1e-3) and again["sfid"] == pytest.approx(0, abs=1e-3)
+    assert again["precision"] == 1.0 and again["recall"] == 1.0
+    assert again["inception_score"] == pytest.approx(record["inception_score"])
+    assert len((tmp_path / "samples.eval.jsonl").read_text().splitlines()) == 1  # --no-save appended nothing
+
+
+@pytest.mark.parametrize("case, needle", [
+    ("no_arr_0", "holds no `arr_0` array (it has: images"),
+    ("float", "`arr_0` is float32"),
+    ("gray", "with shape (4, 32, 32)"),
+    ("few", "4 samples are fewer than one Inception Score split of 5000"),
+    ("other_resolution", "describes 64x64 images but the samples are 32x32"),
+    ("other_network", "is not the FID Inception state dict"),
+])
+def test_cli_mistakes_are_one_paragraph_and_leave_nothing(case, needle, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    samples = tmp_path / "samples.npz"
+    ref = write_images(tmp_path / "ref.npz", 4)
+    extra = ["--is-split-size", 2]
+    if case == "no_arr_0":
+        write_images(samples, 4, key="images")
+    elif case == "float":
+        write_images(samples, 4, dtype=np.float32)
+    elif case == "gray":
+        np.savez(samples, arr_0=np.zeros((4, 32, 32), np.uint8))
+    elif case == "few":
+        write_images(samples, 4)
+        extra = []
+    elif case == "other_resolution":
+        write_images(samples, 4)
+        ref = write_images(tmp_path / "ref64.npz", 4, size=64)
+    elif case == "other_network":
+        write_images(samples, 4)
+        torch.save({"conv.weight": torch.zeros(3, 3)}, tmp_path / "other.pth")
+        extra += ["--inception-weights", tmp_path / "other.pth"]
+    code, out, err = run_cli([samples, "--ref", ref, *extra], capsys)
+    assert code == 2 and "Traceback" not in err
+    assert needle in " ".join(err.split())
+    assert not (tmp_path / "samples.eval.jsonl").exists()
+    assert not (tmp_path / "torch").exists()  # refused before any weights were looked for or downloaded
