@@ -3,6 +3,8 @@
     RUN/config.json                          the resolved TrainConfig of the latest launch
     RUN/log.txt  RUN/metrics.jsonl           human log lines; one JSON object per logged step
     RUN/eval.jsonl                           quality metrics, one JSON object per evaluated step (evaluation)
+    RUN/eval.png                             quality against training step (python -m evaluate run)
+    RUN/eval-samples/step-0000100-<tag>/     images drawn to evaluate an export (kept with --keep-samples)
     RUN/curves.png                           loss, LR, grad norm, throughput, quality (python -m train.plot)
     RUN/tensorboard/train/  .../previews/    --report-to tensorboard: scalars; decoded preview grids
     RUN/watch.log                            output of the preview watcher started by --watch-vae
@@ -29,6 +31,8 @@ TRACKER_DIR = "tensorboard"
 TRACKER_TRAIN = "train"  # RUN/tensorboard/train: the training scalars (one TensorBoard run)
 TRACKER_PREVIEWS = "previews"  # RUN/tensorboard/previews: decoded preview grids, written by sample watch
 EVAL_FILE = "eval.jsonl"
+EVAL_PLOT_FILE = "eval.png"
+EVAL_SAMPLES = "eval-samples"
 CURVES_FILE = "curves.png"
 WATCH_LOG = "watch.log"
 CHECKPOINTS = "checkpoints"
@@ -80,6 +84,15 @@ def tracker_run_dir(run_dir, name: str) -> Path:
 
 def eval_path(run_dir) -> Path:
     return Path(run_dir) / EVAL_FILE
+
+
+def eval_plot_path(run_dir) -> Path:
+    return Path(run_dir) / EVAL_PLOT_FILE
+
+
+def eval_samples_dir(run_dir, step: int, tag: str) -> Path:
+    """RUN/eval-samples/step-XXXXXXX-<tag>: the images drawn to evaluate the export of `step` with settings `tag`."""
+    return Path(run_dir) / EVAL_SAMPLES / f"{step_name(step)}-{tag}"
 
 
 def curves_path(run_dir) -> Path:

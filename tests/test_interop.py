@@ -18,7 +18,7 @@ from shared.export import load_weights, save_weights
 from shared.models import DiT, ModelConfig
 from shared.vae import LatentVAE
 
-STEPS = ["--num-sampling-steps", "4", "--cpu", "--num-samples", "2"]
+STEPS = ["--num-sampling-steps", "2", "--cpu", "--num-samples", "2"]
 HUB_ID = "tiny-org/tiny-dit-pipe"
 SNAPSHOT = "0123456789abcdef0123456789abcdef01234567"  # any 40-hex commit name
 
@@ -82,6 +82,16 @@ def made(tmp_path_factory, tiny_vae_dir):
     pipe = save_pipeline(root / "pipe", state, config, tiny_vae_dir)
     return {"root": root, "state": state, "config": config, "pt": root / "weights.pt", "run": root / "run",
             "pipe": pipe, "vae": tiny_vae_dir}
+
+
+@pytest.fixture(scope="module")
+def reference(made, tmp_path_factory) -> dict:
+    """PNGs of the original .pt decoded by the pipeline's VAE: what every diffusers form of it must give."""
+    out = tmp_path_factory.mktemp("reference") / "pt"
+    main([str(a) for a in ["--ckpt", made["pt"], "--vae", made["pipe"] / "vae", "--out", out, *STEPS]])
+    images = pngs(out)
+    assert len(images) == 2
+    return images
 
 
 def run_cli(argv, capsys):
@@ -169,24 +179,25 @@ def test_unequal_copies_through_the_cli(made, tmp_path, capsys):
 # --ckpt on diffusers folders, files and Hub ids
 # --------------------------------------------------------------------------------------------------------
 
-def test_pipeline_folder_samples_like_the_original_weights(made, tmp_path, capsys):
-    """--ckpt PIPELINE (its own vae/ used), its transformer/ folder and its safetensors file: the .pt's pixels."""
+def test_pipeline_folder_samples_like_the_original_weights(made, reference, tmp_path, capsys):
+    """--ckpt PIPELINE (its own vae/ used) and its safetensors file: the .pt's pixels; its transformer/ folder: the
+    .pt's weights."""
+    from sample.checkpoint import load_checkpoint
+
     code, out, err = run_cli(["--ckpt", made["pipe"], "--out", tmp_path / "pipe", *STEPS], capsys)
     assert code == 0, err
     settings = json.loads((tmp_path / "pipe" / "settings.json").read_text())
     assert settings["identity"]["kind"] == "diffusers"
     assert settings["identity"]["vae"] == str((made["pipe"] / "vae").resolve())  # no --vae: the pipeline's own
     assert "downscale_freq_shift=1" in out  # the numerics note is printed
-    code, _, err = run_cli(["--ckpt", made["pt"], "--vae", made["pipe"] / "vae", "--out", tmp_path / "pt", *STEPS],
-                           capsys)
+    assert pngs(tmp_path / "pipe") == reference
+    file = made["pipe"] / "transformer" / "diffusion_pytorch_model.safetensors"
+    code, _, err = run_cli(["--ckpt", file, "--out", tmp_path / "file", *STEPS], capsys)  # the VAE beside it, too
     assert code == 0, err
-    reference = pngs(tmp_path / "pt")
-    assert len(reference) == 2 and pngs(tmp_path / "pipe") == reference
-    for name, ckpt in [("folder", made["pipe"] / "transformer"),
-                       ("file", made["pipe"] / "transformer" / "diffusion_pytorch_model.safetensors")]:
-        code, _, err = run_cli(["--ckpt", ckpt, "--out", tmp_path / name, *STEPS], capsys)
-        assert code == 0, err
-        assert pngs(tmp_path / name) == reference, name
+    assert pngs(tmp_path / "file") == reference
+    loaded = load_checkpoint(made["pipe"] / "transformer")
+    assert loaded.latent_meta["vae"] == str((made["pipe"] / "vae").resolve()) and loaded.label == "pipe"
+    assert all(torch.equal(loaded.state_dict[k], v) for k, v in made["state"].items())
 
 
 def fake_hub_cache(cache: Path, pipe: Path) -> Path:
@@ -199,20 +210,18 @@ def fake_hub_cache(cache: Path, pipe: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_hub_id_from_the_local_cache_offline(made, tmp_path):
+def test_hub_id_from_the_local_cache_offline(made, reference, tmp_path):
     """`python -m sample --ckpt owner/name` with HF_HUB_OFFLINE=1 reads the snapshot in HF_HUB_CACHE."""
     cache = fake_hub_cache(tmp_path / "hub", made["pipe"])
-    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"),
+           "OMP_NUM_THREADS": str(torch.get_num_threads())}  # the reference's threads: identical float sums
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "sample", "--ckpt", HUB_ID, "--out", str(out), *STEPS]
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     settings = json.loads((out / "settings.json").read_text())
     assert settings["identity"]["ckpt"].startswith(str(cache.resolve())) and "snapshots" in settings["identity"]["vae"]
-    sampled = subprocess.run([sys.executable, "-m", "sample", "--ckpt", str(made["pipe"]), "--out",
-                              str(tmp_path / "local"), *STEPS], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert sampled.returncode == 0, sampled.stderr
-    assert len(pngs(out)) == 2 and pngs(out) == pngs(tmp_path / "local")
+    assert pngs(out) == reference
 
 
 def test_hub_id_not_cached_while_offline(tmp_path, capsys, monkeypatch):

@@ -25,6 +25,8 @@ def parser_for(module, args):
     """The argparse parser behind `python -m module`, and the arguments it receives."""
     if module == "sample" and args[:1] == ["watch"]:
         return importlib.import_module("sample.__main__").watch_parser(), args[1:]
+    if module == "sample" and args[:1] == ["export"]:
+        return importlib.import_module("sample.__main__").export_parser(), args[1:]
     if module == "sample" and args[:1] == ["decode"]:
         return importlib.import_module("sample.__main__").decode_parser(), args[1:]
     if module == "sample":

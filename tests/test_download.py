@@ -1,0 +1,174 @@
+"""--ckpt DiT-XL-2-256x256.pt by name: downloaded from a local HTTP server on 127.0.0.1 into the checkpoint cache
+(temp name, then rename), an interrupted download, a truncated cached file, and no server at all."""
+import http.server
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from sample.__main__ import main
+from sample.official import CACHE_ENV, URL_ENV
+from shared.models import ModelConfig
+
+NAME = "DiT-XL-2-256x256.pt"
+STEPS = ["--num-sampling-steps", "2", "--cpu", "--num-samples", "2"]
+
+
+class FileServer(http.server.ThreadingHTTPServer):
+    """Serves `files` (name -> bytes); `cut_next` > 0 sends only half the body of that many responses and closes."""
+
+    daemon_threads = True
+
+    def __init__(self, files: dict):
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.files, self.cut_next, self.requests = files, 0, []
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    """GET of a served name: a Content-Length announcing the whole file, then all of it (or half when cut)."""
+
+    timeout = 10  # a stuck client cannot hold a server thread for longer
+
+    def do_GET(self):  # noqa: N802 - http.server's name
+        server = self.server
+        server.requests.append(self.path)
+        body = server.files.get(self.path.lstrip("/"))
+        if body is None:
+            self.send_error(404)
+            return
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if server.cut_next > 0:
+            server.cut_next -= 1
+            self.wfile.write(body[:len(body) // 2])
+            self.close_connection = True  # the connection drops mid-body
+            return
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        """Quiet: pytest shows the test's own output only."""
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    """A small checkpoint in the release's layout (a bare state dict of DiT-T/2, 10 classes) and its bytes."""
+    root = tmp_path_factory.mktemp("release")
+    torch.manual_seed(0)
+    model = ModelConfig("DiT-T/2", input_size=8, num_classes=10).build()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn_like(p))
+    path = root / "original.pt"
+    torch.save(model.state_dict(), path)
+    return {"path": path, "bytes": path.read_bytes()}
+
+
+@pytest.fixture
+def server(release, tmp_path, monkeypatch):
+    """The file server on 127.0.0.1 in a daemon thread (shut down after the test); cache and cwd in tmp."""
+    httpd = FileServer({NAME: release["bytes"]})
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
+    thread.start()
+    monkeypatch.setenv(URL_ENV, f"http://127.0.0.1:{httpd.server_address[1]}/")
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)  # no ./DiT-XL-2-256x256.pt, no ./pretrained_models/ here
+    try:
+        yield httpd
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(timeout=10)
+
+
+def run_cli(argv, capsys):
+    """The CLI in-process -> (exit code, stdout, stderr as one line)."""
+    try:
+        main([str(a) for a in argv])
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code
+    captured = capsys.readouterr()
+    return code, captured.out, " ".join(captured.err.split())
+
+
+def sample_by_name(out: Path, vae: Path, capsys):
+    """`python -m sample --ckpt DiT-XL-2-256x256.pt ...` (the name, no such file here)."""
+    return run_cli(["--ckpt", NAME, "--vae", vae, "--out", out, *STEPS], capsys)
+
+
+def pngs(folder: Path) -> dict:
+    """Name -> bytes of every sample PNG."""
+    return {p.name: p.read_bytes() for p in sorted(Path(folder).glob("0*.png"))}
+
+
+def leftovers(folder: Path) -> list:
+    """Temp files a download left in the cache."""
+    return sorted(p.name for p in folder.glob(".tmp-*")) if folder.exists() else []
+
+
+def test_download_by_name_then_cached(server, release, tiny_vae_dir, tmp_path, capsys):
+    """First run downloads into the cache and samples; the second reads the cache; pixels = the original file's."""
+    code, out, err = sample_by_name(tmp_path / "a", tiny_vae_dir, capsys)
+    assert code == 0, err
+    cached = tmp_path / "cache" / NAME
+    assert cached.read_bytes() == release["bytes"] and leftovers(cached.parent) == []
+    assert server.requests == [f"/{NAME}"] and "downloaded from http://127.0.0.1" in out
+    code, out, err = sample_by_name(tmp_path / "b", tiny_vae_dir, capsys)
+    assert code == 0, err
+    assert server.requests == [f"/{NAME}"] and "read from the checkpoint cache" in out  # no second download
+    code, _, err = run_cli(["--ckpt", release["path"], "--vae", tiny_vae_dir, "--out", tmp_path / "c", *STEPS], capsys)
+    assert code == 0, err
+    assert len(pngs(tmp_path / "a")) == 2 and pngs(tmp_path / "a") == pngs(tmp_path / "b") == pngs(tmp_path / "c")
+
+
+def test_interrupted_download_leaves_nothing_and_rerun_succeeds(server, release, tiny_vae_dir, tmp_path, capsys):
+    """The server closes mid-body: a clear error, no final file, no temp file; the same command then works."""
+    server.cut_next = 1
+    code, _, err = sample_by_name(tmp_path / "out", tiny_vae_dir, capsys)
+    half = len(release["bytes"]) // 2
+    assert code == 2 and f"stopped after {half:,} of {len(release['bytes']):,} bytes" in err
+    assert "Rerun the same command" in err and "Traceback" not in err
+    assert not (tmp_path / "cache" / NAME).exists() and leftovers(tmp_path / "cache") == []
+    assert not (tmp_path / "out").exists()
+    code, _, err = sample_by_name(tmp_path / "out", tiny_vae_dir, capsys)
+    assert code == 0, err
+    assert (tmp_path / "cache" / NAME).read_bytes() == release["bytes"] and len(pngs(tmp_path / "out")) == 2
+
+
+def test_truncated_cached_file_is_fetched_again(server, release, tiny_vae_dir, tmp_path, capsys):
+    """A cached copy cut short is detected (its zip directory is missing), deleted and downloaded again."""
+    cached = tmp_path / "cache" / NAME
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(release["bytes"][: len(release["bytes"]) * 3 // 4])
+    code, out, err = sample_by_name(tmp_path / "out", tiny_vae_dir, capsys)
+    assert code == 0, err
+    assert "is not a whole checkpoint" in out and "downloaded again" in out
+    assert cached.read_bytes() == release["bytes"] and server.requests == [f"/{NAME}"]
+
+
+def test_truncated_cached_file_while_offline(server, release, tiny_vae_dir, tmp_path, capsys, monkeypatch):
+    """Truncated in the cache and the server unreachable: one paragraph with the URL and where to put the file."""
+    cached = tmp_path / "cache" / NAME
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(release["bytes"][:1000])
+    with socket.socket() as probe:  # a port on 127.0.0.1 where nothing listens
+        probe.bind(("127.0.0.1", 0))
+        dead = probe.getsockname()[1]
+    monkeypatch.setenv(URL_ENV, f"http://127.0.0.1:{dead}/")
+    code, _, err = sample_by_name(tmp_path / "out", tiny_vae_dir, capsys)
+    assert code == 2 and f"could not be downloaded from http://127.0.0.1:{dead}/{NAME}" in err
+    assert "damaged cached copy was deleted" in err and f"put it at {cached}" in err and "Traceback" not in err
+    assert not cached.exists() and server.requests == []
+
+
+def test_release_folder_copy_is_used_without_download(server, release, tiny_vae_dir, tmp_path, capsys):
+    """./pretrained_models/NAME (where the release's scripts download) is read as is."""
+    (tmp_path / "pretrained_models").mkdir()
+    (tmp_path / "pretrained_models" / NAME).write_bytes(release["bytes"])
+    code, out, err = sample_by_name(tmp_path / "out", tiny_vae_dir, capsys)
+    assert code == 0, err
+    assert server.requests == [] and "pretrained_models" in out and not (tmp_path / "cache" / NAME).exists()
