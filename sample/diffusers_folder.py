@@ -168,19 +168,24 @@ def _not_cached(repo_id: str, why: str) -> UserError:
         f"PATH` and pass --ckpt PATH. A local path must exist: check its spelling.")
 
 
+def _without_weights(folder: Path) -> list[str]:
+    """The model folders of a snapshot ("" for the root, "transformer", "vae") that have a config but no weights."""
+    parts = [TRANSFORMER, VAE] if (folder / MODEL_INDEX).is_file() else [""]
+    return [part for part in parts if (folder / part / CONFIG).is_file()
+            and not any((folder / part / name).is_file() for name in WEIGHT_FILES)]
+
+
 def _download(repo_id: str) -> Path:
-    """Fetch a pipeline's configs and safetensors weights (pickled .bin weights only where none exist)."""
+    """Fetch a pipeline's configs and safetensors weights; pickled .bin weights only for a part that has none."""
     from huggingface_hub import snapshot_download
 
     folder = Path(snapshot_download(repo_id, allow_patterns=_HUB_CONFIGS + _HUB_SAFETENSORS,
                                     ignore_patterns=_HUB_SKIP))
-    try:
-        source = locate(folder, repo_id)
-        if source.vae is None or any((source.vae / n).is_file() for n in WEIGHT_FILES):
-            return folder
-    except UserError:  # no safetensors weights in this repo: take its .bin files (read weights-only)
-        pass
-    return Path(snapshot_download(repo_id, allow_patterns=_HUB_CONFIGS + _HUB_PICKLES, ignore_patterns=_HUB_SKIP))
+    missing = _without_weights(folder)
+    if missing:  # read weights-only (shared.export.load_torch_file), never as a general pickle
+        patterns = [f"{part}/{p}" if part else p for part in missing for p in _HUB_PICKLES]
+        folder = Path(snapshot_download(repo_id, allow_patterns=patterns, ignore_patterns=_HUB_SKIP))
+    return folder
 
 
 def locate_hub(repo_id: str) -> DiffusersSource:

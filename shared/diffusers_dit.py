@@ -79,8 +79,13 @@ def _class_defaults(class_name: str) -> dict:
 
 
 def full_config(config: dict) -> dict:
-    """A diffusers DiT config with every absent key filled by its class default."""
-    return {**_class_defaults(config["_class_name"]), **config}
+    """A diffusers DiT config with every absent key filled by the default of the class diffusers builds from it."""
+    name = config["_class_name"]
+    if name == "Transformer2DModel" and config.get("norm_type") == "ada_norm_zero":
+        # diffusers builds this legacy config as a DiTTransformer2DModel (its _CLASS_REMAPPING_DICT), so an
+        # absent key means that class's default (e.g. norm_elementwise_affine False, not Transformer2DModel's True).
+        name = "DiTTransformer2DModel"
+    return {**_class_defaults(name), **config}
 
 
 def is_dit_class(config: dict) -> bool:
