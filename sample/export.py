@@ -119,10 +119,12 @@ def _readme(loaded: LoadedWeights, vae_source: str, vae_note: str | None) -> str
 
 def _build_pipeline(loaded: LoadedWeights, vae, id2label: dict | None):
     """A DiTPipeline holding our weights in diffusers' layout (strict load: every tensor placed)."""
+    from accelerate import init_empty_weights
     from diffusers import DDIMScheduler, DiTPipeline, DiTTransformer2DModel
 
-    transformer = DiTTransformer2DModel(**diffusers_config(loaded.config))
-    transformer.load_state_dict(dit_to_diffusers(loaded.state_dict), strict=True)
+    with init_empty_weights():  # no random init of parameters that are replaced anyway (675M for XL/2)
+        transformer = DiTTransformer2DModel(**diffusers_config(loaded.config))
+    transformer.load_state_dict(dit_to_diffusers(loaded.state_dict), strict=True, assign=True)
     return DiTPipeline(transformer=transformer.eval(), vae=vae, scheduler=DDIMScheduler(**scheduler_config()),
                        id2label=id2label)
 
