@@ -15,7 +15,7 @@ from evaluate.__main__ import main
 def private_cache(tmp_path_factory):
     """Fit into a private cache folder (never the user's), once for this module."""
     old = os.environ.get("XDG_CACHE_HOME")
-    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.getbasetemp() / "evaluate-cache")  # one fit per session
     digits._CACHE.clear()
     yield
     digits._CACHE.clear()

@@ -1,0 +1,100 @@
+"""`python -m evaluate run RUN`: every EMA export sampled through python -m sample's code path, evaluated with the
+digits features, appended to RUN/eval.jsonl, the curve drawn; a rerun continues where it stopped."""
+import json
+import os
+from dataclasses import replace
+
+import pytest
+import torch
+
+from evaluate import digits
+from evaluate.__main__ import main
+from evaluate.curve import RunEvalOptions, matching, read_rows, settings_of
+from shared import rundir
+from shared.export import save_weights
+from shared.models import ModelConfig
+from shared.vae import LatentVAE
+
+FLAGS = ["--features", "digits", "--num-samples", 6, "--sampler", "ddim", "--num-sampling-steps", 2,
+         "--cfg-scale", 1, "--batch-size", 6, "--cpu"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def private_cache(tmp_path_factory):
+    """The digits network is fitted into a private cache folder (never the user's)."""
+    old = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.getbasetemp() / "evaluate-cache")  # one fit per session
+    digits._CACHE.clear()
+    yield
+    digits._CACHE.clear()
+    if old is None:
+        os.environ.pop("XDG_CACHE_HOME")
+    else:
+        os.environ["XDG_CACHE_HOME"] = old
+
+
+def export(run, step, vae, seed):
+    """Write RUN/exports/ema-step-<step> of a random DiT-T/2 drawing 32x32 images through the tiny VAE."""
+    config = ModelConfig("DiT-T/2", input_size=16, in_channels=4, num_classes=10)
+    torch.manual_seed(seed)
+    model = config.build()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))  # adaLN-Zero layers start at 0: perturb so outputs differ
+    meta = {"image_size": 32, "scaling_factor": vae.scaling_factor, "latent_shape": [4, 16, 16],
+            "vae": vae.identity, "class_names": [str(c) for c in range(10)]}
+    save_weights(rundir.export_path(run, step), model.state_dict(), config, meta, step)
+
+
+def run_cli(argv, capsys):
+    """main(["run", ...]) -> (exit code, stdout, stderr as one line)."""
+    try:
+        main(["run", *map(str, argv)])
+        code = 0
+    except SystemExit as stop:
+        code = stop.code
+    captured = capsys.readouterr()
+    return code, captured.out, " ".join(captured.err.split())
+
+
+def test_run_evaluates_every_export_draws_the_curve_and_continues(tiny_vae_dir, tmp_path, capsys):
+    run = tmp_path / "run"
+    vae = LatentVAE.load(tiny_vae_dir)
+    export(run, 100, vae, seed=0)
+    export(run, 200, vae, seed=1)
+    code, out, err = run_cli([run, "--vae", tiny_vae_dir, *FLAGS], capsys)
+    assert code == 0, err
+    rows = [json.loads(line) for line in rundir.eval_path(run).read_text().splitlines()]
+    assert [r["step"] for r in rows] == [100, 200]
+    assert all(r["fid"] > 0 and r["num_samples"] == 6 and r["features"]["name"] == "digits" for r in rows)
+    assert rows[0]["fid"] != rows[1]["fid"]  # two different networks were sampled
+    assert rows[0]["sampler"] == "ddim" and rows[0]["num_sampling_steps"] == 2 and rows[0]["export"].endswith(".safetensors")
+    assert rundir.eval_plot_path(run).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not any((run / rundir.EVAL_SAMPLES).iterdir())  # sample folders removed once recorded
+
+    export(run, 300, vae, seed=2)
+    code, out, err = run_cli([run, "--vae", tiny_vae_dir, "--keep-samples", *FLAGS], capsys)
+    assert code == 0, err
+    assert "2 already evaluated with these settings, 1 to go" in out
+    again = [json.loads(line) for line in rundir.eval_path(run).read_text().splitlines()]
+    assert again[:2] == rows and [r["step"] for r in again] == [100, 200, 300]
+    kept = list((run / rundir.EVAL_SAMPLES).iterdir())
+    assert len(kept) == 1 and kept[0].name.startswith("step-0000300-ddim2-cfg1-n6-") and (kept[0] / "samples.npz").is_file()
+
+    # Other settings make another curve: none of these points would be skipped for them.
+    other = RunEvalOptions(run=str(run), num_samples=6, features="digits", sampler="ddim", num_sampling_steps=2,
+                           cfg_scale=1.0, seed=1)
+    assert matching(read_rows(run), settings_of(other)) == []
+    assert len(matching(read_rows(run), settings_of(replace(other, seed=0)))) == 3
+
+
+def test_run_mistakes_are_refused_before_sampling(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    code, _, err = run_cli([tmp_path / "empty", *FLAGS], capsys)
+    assert code == 2 and "holds no EMA exports" in err
+    run = tmp_path / "run"
+    rundir.export_path(run, 100).parent.mkdir(parents=True)
+    rundir.export_path(run, 100).write_bytes(b"not read")  # refused before the export is opened
+    code, _, err = run_cli([run, "--num-samples", 100, "--ref", tmp_path / "ref.npz"], capsys)
+    assert code == 2 and "100 samples are fewer than one Inception Score split of 5000" in err
+    assert not rundir.eval_path(run).exists() and not (run / rundir.EVAL_SAMPLES).exists()
