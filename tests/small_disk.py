@@ -16,9 +16,12 @@ from pathlib import Path
 
 @dataclass
 class Result:
+    """One command's exit status, output, and the paths on the tmpfs after it (relative, sorted)."""
+
     returncode: int
     stdout: str
     stderr: str
+    files: list
 
 
 def available() -> bool:
@@ -44,9 +47,11 @@ def run(mount: Path, steps: list[tuple[int, list[str]]], logs: Path, snapshot: P
         target = f"tmpfs {shlex.quote(str(mount))}" if i == 0 else shlex.quote(str(mount))
         lines.append(f"{verb} -o size={size}k {target} || exit 99")
         lines.append(f"{shlex.join(argv)} >{logs}/{i}.out 2>{logs}/{i}.err; echo $? >{logs}/{i}.rc")
+        lines.append(f"find {shlex.quote(str(mount))} -mindepth 1 -printf '%P\\n' | sort >{logs}/{i}.files")
     lines.append(f"cp -a {shlex.quote(str(mount))}/. {shlex.quote(str(snapshot))}/")
     done = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", "\n".join(lines)],
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr
     return [Result(int((logs / f"{i}.rc").read_text()), (logs / f"{i}.out").read_text(),
-                   (logs / f"{i}.err").read_text()) for i in range(len(steps))]
+                   (logs / f"{i}.err").read_text(), (logs / f"{i}.files").read_text().split("\n")[:-1])
+            for i in range(len(steps))]

@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from tests import small_disk
 from tests.conftest import ROOT, make_tiny_vae
 from tests.test_sample import _random_dit, pngs, run_cli
 from shared.export import save_weights
@@ -415,43 +416,24 @@ def test_second_launch_on_the_same_out_exits_naming_the_pid(run, tmp_path):
     hold_lock(out, "sample folder").release()  # the OS dropped the killed holder's lock
 
 
-def _tmpfs_works(probe: Path) -> bool:
-    """Whether this machine lets an unprivileged user namespace mount a tmpfs (the disk-full test needs it)."""
-    probe.mkdir()
-    cmd = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {probe}"]
-    try:
-        return subprocess.run(cmd, capture_output=True, timeout=30).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
 @pytest.mark.slow
+@pytest.mark.skipif(not small_disk.available(), reason="needs unshare + an unprivileged tmpfs mount (Linux)")
 def test_full_disk_is_one_paragraph_and_the_rerun_continues(run, tmp_path):
     """--out on a 64 KiB tmpfs: exit 2 naming the disk, no traceback; grown to 8 MiB, the rerun keeps and adds."""
-    mount, keep = tmp_path / "mnt", tmp_path / "keep"
-    keep.mkdir()
-    argv = " ".join(map(str, ["--ckpt", run["run"], "--out", mount / "s", "--num-samples", 40, "--batch-size", 8,
-                              *STEPS]))
-    python = f"{sys.executable} -m sample {argv}"
-    if _tmpfs_works(tmp_path / "probe"):
-        script = (f"mount -t tmpfs -o size=64k tmpfs {mount} && {python} >{keep}/out1 2>{keep}/err1; "
-                  f"echo $? >{keep}/rc1; ls {mount}/s >{keep}/first; mount -o remount,size=8m {mount} && "
-                  f"{python} >{keep}/out2 2>{keep}/err2; echo $? >{keep}/rc2; cp -a {mount}/s {keep}/s")
-        mount.mkdir()
-        subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script], cwd=ROOT,
-                       timeout=600, check=True)
-    else:
-        pytest.skip("no unprivileged tmpfs here (unshare --user --mount refused)")
-    err1 = " ".join((keep / "err1").read_text().split())
-    assert (keep / "rc1").read_text().strip() == "2", err1
+    mount = tmp_path / "mnt"
+    argv = [sys.executable, "-m", "sample", *map(str, ["--ckpt", run["run"], "--out", mount / "s", "--num-samples", 40,
+                                                      "--batch-size", 8, *STEPS])]
+    full, rerun = small_disk.run(mount, [(64, argv), (8192, argv)], tmp_path / "logs", tmp_path / "keep",
+                                 dict(os.environ), ROOT)
+    err1 = " ".join(full.stderr.split())
+    assert full.returncode == 2, err1
     assert "Traceback" not in err1 and "no space left on the disk holding" in err1 and "rerun the same command" in err1
-    first = [n for n in (keep / "first").read_text().split() if n.endswith(".png") and n[0].isdigit()]
-    assert 0 < len(first) < 40 and not [n for n in (keep / "first").read_text().split() if n.startswith(".tmp-")]
-    err2 = (keep / "err2").read_text()
-    assert (keep / "rc2").read_text().strip() == "0", err2[-2000:]
-    assert len(pngs(keep / "s")) == 40 and (keep / "s" / "grid.png").exists()
+    first = [n for n in full.files if n.startswith("s/") and n.endswith(".png") and n[2].isdigit()]
+    assert 0 < len(first) < 40 and not [n for n in full.files if ".tmp-" in n]
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert len(pngs(tmp_path / "keep" / "s")) == 40 and (tmp_path / "keep" / "s" / "grid.png").exists()
     left = 40 - len(first)
-    assert f"{left}/{left}" in err2  # the rerun drew only the images the full disk had stopped
+    assert f"{left}/{left}" in rerun.stderr  # the rerun drew only the images the full disk had stopped
 
 
 def test_runtime_facts_on_cuda_record_the_gpu_and_tf32(monkeypatch):
