@@ -125,8 +125,11 @@ def _build_pipeline(loaded: LoadedWeights, vae, id2label: dict | None):
     with init_empty_weights():  # no random init of parameters that are replaced anyway (675M for XL/2)
         transformer = DiTTransformer2DModel(**diffusers_config(loaded.config))
     transformer.load_state_dict(dit_to_diffusers(loaded.state_dict), strict=True, assign=True)
-    return DiTPipeline(transformer=transformer.eval(), vae=vae, scheduler=DDIMScheduler(**scheduler_config()),
-                       id2label=id2label)
+    pipeline = DiTPipeline(transformer=transformer.eval(), vae=vae, scheduler=DDIMScheduler(**scheduler_config()),
+                           id2label=id2label)
+    if id2label:  # DiTPipeline reads id2label from model_index.json but does not record it there itself
+        pipeline.register_to_config(id2label=id2label)
+    return pipeline
 
 
 def _write(pipeline, out: Path, readme: str) -> Path:

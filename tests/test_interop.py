@@ -77,7 +77,8 @@ def made(tmp_path_factory, tiny_vae_dir):
     state = perturbed(config.build()).state_dict()
     torch.save(state, root / "weights.pt")
     vae = LatentVAE.load(tiny_vae_dir)
-    meta = {"image_size": 16, "scaling_factor": vae.scaling_factor, "latent_shape": [4, 8, 8], "vae": vae.identity}
+    meta = {"image_size": 16, "scaling_factor": vae.scaling_factor, "latent_shape": [4, 8, 8], "vae": vae.identity,
+            "class_names": [f"thing{i}, alias{i}" for i in range(1000)]}
     save_weights(root / "run" / "exports" / "ema-step-0000300.safetensors", state, config, meta, 300)
     pipe = save_pipeline(root / "pipe", state, config, tiny_vae_dir)
     return {"root": root, "state": state, "config": config, "pt": root / "weights.pt", "run": root / "run",
@@ -291,11 +292,13 @@ def test_export_loads_and_runs_in_diffusers(made, tmp_path, capsys):
     images = pipe(class_labels=[3, 999], num_inference_steps=2, generator=torch.Generator().manual_seed(0),
                   output_type="np").images
     assert images.shape == (2, 16, 16, 3) and float(images.std()) > 0
+    assert pipe.get_label_ids(["thing7", "alias999"]) == [7, 999]  # class names travel as DiTPipeline's id2label
     from sample.checkpoint import load_checkpoint
 
     loaded = load_checkpoint(out)
     state, _, _, _ = load_weights(made["run"] / "exports" / "ema-step-0000300.safetensors")
     assert loaded.config == made["config"] and sorted(loaded.state_dict) == sorted(state)
+    assert loaded.latent_meta["class_names"][7] == "thing7"  # and back, first synonym of each
     assert all(torch.equal(loaded.state_dict[k], state[k]) for k in state)
 
 
