@@ -17,6 +17,7 @@ import numpy as np
 
 from data.digits import IMAGE_SIZE, NUM_CLASSES, build_digits
 from data.make_vae import DEFAULT_OUT as VAE_DIR
+from shared import rundir
 from shared.errors import UserError, exit_with
 
 PROG = "python -m data.demo"
@@ -81,12 +82,14 @@ def extract_args(dirs: dict) -> list:
 
 
 def train_args(dirs: dict, recipe: Recipe, seed: int) -> list:
-    """Flags of the train stage: DiT-T/2 on the CPU, checkpoint and EMA export at the end."""
+    """Flags of the train stage: DiT-T/2 on the CPU, checkpoints, EMA export, previews decoded beside it."""
     return ["--model", "DiT-T/2", "--latents", dirs["latents"], "--results-dir", dirs["run"],
             "--global-batch-size", recipe.batch_size, "--lr", recipe.lr, "--warmup-steps", recipe.warmup_steps,
             "--ema-decay", recipe.ema_decay, "--max-steps", recipe.train_steps,
             "--ckpt-every", max(recipe.train_steps // 4, 1), "--keep-last", 1,
-            "--log-every", max(recipe.train_steps // 20, 1), "--sample-every", 0, "--num-workers", 0, "--seed", seed]
+            "--log-every", max(recipe.train_steps // 20, 1), "--num-workers", 0, "--seed", seed,
+            "--sample-every", max(recipe.train_steps // 4, 1), "--sample-steps", recipe.sampling_steps,
+            "--watch-vae", VAE_DIR]  # the watcher process decodes each preview into run/samples/step-*.png
 
 
 def sample_args(dirs: dict, recipe: Recipe, seed: int) -> list:
@@ -121,6 +124,9 @@ def run_demo(out: Path, recipe: Recipe, seed: int) -> None:
     spent = ", ".join(f"{name} {secs:.0f}s" for name, secs in times.items())
     print(f"\n== done in {time.time() - start:.0f}s ({spent})")
     print(f"grid: {(dirs['samples'] / 'grid.png').resolve()}")
+    previews = sorted((dirs["run"] / rundir.SAMPLES).glob("step-*.png"))  # labelled grids by the watcher
+    print(f"preview grid: {previews[-1].resolve() if previews else 'none decoded (see run/watch.log)'}")
+    print(f"curves: {rundir.curves_path(dirs['run']).resolve()}")
     print(f"class match: {100 * match:.1f}% ({count} images, cfg {recipe.cfg_scale:g})")
 
 

@@ -113,6 +113,9 @@ def test_quick_demo_runs_every_stage_and_resumes(tmp_path):
     proc = run_quick_demo(out)
     grid = re.search(r"^grid: (.+\.png)$", proc.stdout, re.MULTILINE)
     assert grid and Path(grid.group(1)).is_file(), proc.stdout[-3000:]
+    for line in ("preview grid", "curves"):  # the decoded training preview and the curves it points to
+        picture = re.search(rf"^{line}: (.+\.png)$", proc.stdout, re.MULTILINE)
+        assert picture and Path(picture.group(1)).is_file(), proc.stdout[-3000:]
     match = re.search(r"^class match: (\d+\.\d)% \((\d+) images, cfg ([\d.]+)\)$", proc.stdout, re.MULTILINE)
     assert match, proc.stdout[-3000:]
     # The printed verdict is the judge's reading of the images on disk (recomputed here from the npz).
