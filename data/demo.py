@@ -2,7 +2,9 @@
 
 digits ImageFolder -> `python -m extract` (the committed tiny VAE, no flips: a mirrored 3 is not a 3)
 -> `python -m train` (DiT-T/2) -> `python -m sample` (one grid row per class, with guidance) -> a
-scikit-learn judge reports the share of samples showing the digit they were asked for. Every stage runs
+scikit-learn judge reports the share of samples showing the digit they were asked for, and the digits Fréchet
+distance (evaluate/digits.py) their distance from the real digits -> `python -m evaluate run` draws that distance
+over the run's EMA exports (few samples each, so its points are noisy). Every stage runs
 as a real subprocess of the real CLI, so the demo exercises exactly what users run. Rerunning the same
 command resumes: each stage skips the work already on disk.
 """
@@ -38,6 +40,8 @@ class Recipe:
     cfg_scale: float
     sampling_steps: int   # respaced DDIM steps
     guide_channels: str = "all"  # the DiT release guides 3 of 4 channels; all 4 lift class match (cfg 4: 97% -> 100%)
+    curve_per_class: int = 3     # samples per class and EMA export for the quality curve (python -m evaluate run)
+    curve_steps: int = 10        # its DDIM steps: the curve costs about a third of the sample stage
 
 
 # Measured on 2 shared CPU cores: ~5 minutes, class match 100% (EMA export at step 1000: 48%, 1500: 93%;
@@ -47,7 +51,7 @@ FULL = Recipe("full", train_steps=2000, batch_size=64, lr=1e-3, warmup_steps=100
               per_class=10, cfg_scale=4.0, sampling_steps=50)
 # Smoke run for tests: every stage end to end, no quality expected.
 QUICK = Recipe("quick", train_steps=20, batch_size=32, lr=1e-3, warmup_steps=5, ema_decay=0.9,
-               per_class=2, cfg_scale=4.0, sampling_steps=5)
+               per_class=2, cfg_scale=4.0, sampling_steps=5, curve_per_class=1, curve_steps=2)
 
 
 def stage_dirs(out: Path, recipe: Recipe) -> dict:
@@ -100,6 +104,30 @@ def sample_args(dirs: dict, recipe: Recipe, seed: int) -> list:
             "--batch-size", recipe.per_class * NUM_CLASSES, "--seed", seed, "--out", dirs["samples"], "--npz"]
 
 
+def curve_args(dirs: dict, recipe: Recipe, seed: int) -> list:
+    """Flags of `python -m evaluate run`: the digits distance of every EMA export, a few DDIM samples each."""
+    count = recipe.curve_per_class * NUM_CLASSES
+    return ["run", dirs["run"], "--features", "digits", "--num-samples", count, "--vae", VAE_DIR,
+            "--sampler", "ddim", "--num-sampling-steps", recipe.curve_steps, "--cfg-scale", recipe.cfg_scale,
+            "--guide-channels", recipe.guide_channels, "--batch-size", count, "--seed", seed, "--cpu"]
+
+
+def digits_distance(samples_dir: Path) -> tuple[float, float]:
+    """Digits Fréchet distance of samples.npz and of as many real digits (the floor at that count)."""
+    from evaluate.digits import digits_fd, real_floor
+
+    with np.load(samples_dir / "samples.npz") as npz:
+        images = npz["arr_0"]
+    return digits_fd(images), real_floor(len(images))
+
+
+def curve_png(run: Path) -> Path:
+    """The quality-curve PNG that `python -m evaluate run` draws in the run folder."""
+    from shared.rundir import eval_plot_path
+
+    return eval_plot_path(run).resolve()
+
+
 def judge_samples(samples_dir: Path) -> tuple[float, int]:
     """Class match of samples.npz (arr_0 uint8 N x H x W x 3, labels) and the number of images judged."""
     from data.judge import class_match
@@ -119,8 +147,10 @@ def run_demo(out: Path, recipe: Recipe, seed: int) -> None:
         "extract": run_stage("extract", extract_args(dirs)),
         "train": run_stage("train", train_args(dirs, recipe, seed)),
         "sample": run_stage("sample", sample_args(dirs, recipe, seed)),
+        "evaluate": run_stage("evaluate", curve_args(dirs, recipe, seed)),
     }
     match, count = judge_samples(dirs["samples"])
+    distance, floor = digits_distance(dirs["samples"])
     spent = ", ".join(f"{name} {secs:.0f}s" for name, secs in times.items())
     print(f"\n== done in {time.time() - start:.0f}s ({spent})")
     print(f"grid: {(dirs['samples'] / 'grid.png').resolve()}")
@@ -128,6 +158,8 @@ def run_demo(out: Path, recipe: Recipe, seed: int) -> None:
     print(f"preview grid: {previews[-1].resolve() if previews else 'none decoded (see run/watch.log)'}")
     print(f"curves: {rundir.curves_path(dirs['run']).resolve()}")
     print(f"class match: {100 * match:.1f}% ({count} images, cfg {recipe.cfg_scale:g})")
+    print(f"digits FD: {distance:.1f} (real digits, {count} of them: {floor:.1f}; lower is better)")
+    print(f"quality curve: {curve_png(dirs['run'])}")
 
 
 def parse_args(argv=None) -> argparse.Namespace:

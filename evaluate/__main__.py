@@ -15,7 +15,9 @@ on Inception pool features, sFID on mixed_6/conv spatial features, IS on the 100
 JSON line, and appends that line to SAMPLES.eval.jsonl beside the samples.
   python -m evaluate SAMPLES.npz --ref REF          Inception features (REF: ADM reference batch, stats file,
                                                     images npz or folder)
-  python -m evaluate SAMPLES.npz --features digits  the digits yardstick (reference: the real digits)"""
+  python -m evaluate SAMPLES.npz --features digits  the digits yardstick (reference: the real digits)
+  python -m evaluate run RUN --num-samples N [...]  every EMA export of a training run -> RUN/eval.jsonl and
+                                                    RUN/eval.png (python -m evaluate run -h)"""
 EPILOG = """Several processes: `accelerate launch -m evaluate ...` splits the images over processes.
 Inception weights: pytorch-fid's pt_inception-2015-12-05-6726825d.pth, from --inception-weights or the torch hub
 checkpoints folder (downloaded there on first use where the network allows)."""
@@ -50,10 +52,28 @@ def eval_parser() -> argparse.ArgumentParser:
     return p
 
 
+class CommandParser:
+    """The two commands' parsers behind one parse_args: `run ...` goes to the run parser, anything else to eval's."""
+
+    def parse_args(self, argv=None) -> argparse.Namespace:
+        """Parse argv with the parser of its command; the namespace's `command` says which."""
+        argv = sys.argv[1:] if argv is None else list(argv)
+        if argv[:1] == ["run"]:
+            from evaluate.curve import run_parser
+
+            return argparse.Namespace(command="run", **vars(run_parser().parse_args(argv[1:])))
+        return argparse.Namespace(command="evaluate", **vars(eval_parser().parse_args(argv)))
+
+
+def build_parser() -> CommandParser:
+    """The CLI's parser (both commands)."""
+    return CommandParser()
+
+
 def main(argv=None) -> None:
     """Dispatch `run` or one evaluation; UserErrors are printed as one paragraph (exit status 2)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] == "run":
+    if argv[:1] == ["run"]:
         from evaluate.curve import main_run
 
         return main_run(argv[1:])

@@ -213,7 +213,8 @@ def draw_curve(run: Path, settings: dict) -> Path | None:
 
 def run_parser() -> argparse.ArgumentParser:
     """Parser of `python -m evaluate run`."""
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0].split(": ", 1)[1],
+    p = argparse.ArgumentParser(prog=PROG, description="Quality over training: one point per EMA export of RUN, "
+                                "appended to RUN/eval.jsonl, and the curve RUN/eval.png.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("run", metavar="RUN", help="training run folder (its exports/ema-step-*.safetensors are evaluated)")
     p.add_argument("--num-samples", type=int, required=True,

@@ -124,7 +124,8 @@ def fit(recipe: DigitsRecipe = RECIPE, images=None, labels=None) -> DigitsNet:
         images, labels = digit_images(recipe.image_size)
     x, y = to_input(images), torch.from_numpy(np.asarray(labels, dtype=np.int64))
     gen = torch.Generator().manual_seed(recipe.seed)
-    with one_thread(), torch.random.fork_rng(devices=[]):
+    # enable_grad: the first call may come from inside a no_grad feature pass
+    with one_thread(), torch.random.fork_rng(devices=[]), torch.enable_grad():
         torch.manual_seed(recipe.seed)  # initial weights
         net = DigitsNet(recipe)
         opt = torch.optim.Adam(net.parameters(), lr=recipe.lr)
@@ -219,17 +220,34 @@ def digits_features(images, batch_size: int = 512) -> np.ndarray:
     return np.concatenate(out) if out else np.zeros((0, RECIPE.feature_dim))
 
 
-def real_stats() -> tuple[np.ndarray, np.ndarray]:
-    """Mean and covariance of the features of all 1,797 real digits (the reference; cached per process)."""
+def real_features() -> np.ndarray:
+    """Features (1797, 64) of all real digits, the reference (computed once per process)."""
     with _LOCK:
         cached = _CACHE.get("real")
     if cached is None:
-        cached = mean_cov(digits_features(digit_images(RECIPE.image_size)[0]))
+        cached = digits_features(digit_images(RECIPE.image_size)[0])
         with _LOCK:
             _CACHE["real"] = cached
     return cached
 
 
+def real_stats() -> tuple[np.ndarray, np.ndarray]:
+    """Mean and covariance of the real digits' features."""
+    return mean_cov(real_features())
+
+
 def digits_fd(images) -> float:
     """Fréchet distance between uint8 images (N, 32, 32, 3), N >= 2, and the real digits, in digits features."""
     return frechet_distance_to(digits_features(images), *real_stats())
+
+
+def real_floor(count: int, draws: int = 5, seed: int = 0) -> float:
+    """Mean digits FD of `draws` random sets of `count` real digits: what a perfect model scores at that count.
+
+    The Fréchet distance of a finite sample is biased upwards (its covariance is noisy), so a sampler's FD is read
+    against this floor at the same count, not against 0.
+    """
+    images = digit_images(RECIPE.image_size)[0]
+    count = min(int(count), len(images))
+    rng = np.random.default_rng(seed)
+    return float(np.mean([digits_fd(images[rng.permutation(len(images))[:count]]) for _ in range(draws)]))

@@ -24,6 +24,7 @@ from shared.fsio import atomic_write
 
 STATS_VERSION = 1
 ADM_KEYS = ("mu", "sigma", "mu_s", "sigma_s")
+REAL_DIGITS = "sklearn-digits"  # the source name of the default --features digits reference
 
 
 @dataclass
@@ -169,8 +170,8 @@ def open_reference(ref, features: str) -> Reference:
                             "or folder of real images. (--features digits compares with the real digits by default.)")
         from data.digits import IMAGE_SIZE, digit_images
 
-        return Reference("real digits (scikit-learn, all 1,797)", images=ArrayImages(digit_images(IMAGE_SIZE)[0],
-                                                                                     "sklearn-digits"))
+        return Reference("real digits (scikit-learn, all 1,797)",
+                         images=ArrayImages(digit_images(IMAGE_SIZE)[0], REAL_DIGITS))
     path = Path(ref)
     if path.is_file() and is_stats_file(path):
         stats = load_stats(path)
@@ -203,6 +204,10 @@ def reference_stats(reference: Reference, net, batch_size: int, rank: int, world
             stats.pool = compute_features(reference.images, net, batch_size, rank, world, "reference")["pool"]
         return stats
     images = reference.images
+    if images.path == REAL_DIGITS and net.name == "digits":  # computed once per process by evaluate/digits.py
+        from evaluate.digits import real_features
+
+        return stats_from_features({"pool": real_features()}, source_meta(net, images))
     cache = stats_cache_path(Path(images.path), net.identity()) if Path(str(images.path)).exists() else None
     if cache is not None and cache.is_file():
         try:

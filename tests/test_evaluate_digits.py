@@ -105,3 +105,29 @@ def test_cli_digits_refuses_other_resolutions_in_one_paragraph(tmp_path, capsys)
     err = capsys.readouterr().err
     assert "32x32" in err and "Traceback" not in err
     assert not (tmp_path / "big.eval.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_two_processes_split_the_images_and_agree_with_one(real, tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    digits.network()  # fitted into the private cache before the processes start
+    samples = tmp_path / "samples.npz"
+    np.savez(samples, arr_0=real[0][::7][:101])  # 101 images: ranks take 50 and 51
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_port", str(port), "-m", "evaluate", str(samples), "--features", "digits",
+                           "--cpu"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = (tmp_path / "samples.eval.jsonl").read_text().splitlines()
+    assert len(lines) == 1  # written once, by the main process
+    record = json.loads(lines[0])
+    assert record["num_samples"] == 101
+    assert record["fid"] == pytest.approx(digits.digits_fd(real[0][::7][:101]), rel=1e-6)

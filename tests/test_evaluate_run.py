@@ -4,6 +4,7 @@ import json
 import os
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -98,3 +99,20 @@ def test_run_mistakes_are_refused_before_sampling(tmp_path, capsys):
     code, _, err = run_cli([run, "--num-samples", 100, "--ref", tmp_path / "ref.npz"], capsys)
     assert code == 2 and "100 samples are fewer than one Inception Score split of 5000" in err
     assert not rundir.eval_path(run).exists() and not (run / rundir.EVAL_SAMPLES).exists()
+
+
+def test_the_demo_asks_evaluate_run_for_its_curve_and_reports_the_digits_distance(tmp_path):
+    from data import demo
+    from data.digits import digit_images
+    from evaluate.curve import run_parser
+
+    dirs = demo.stage_dirs(tmp_path, demo.QUICK)
+    args = run_parser().parse_args([str(a) for a in demo.curve_args(dirs, demo.QUICK, seed=0)][1:])
+    assert args.run == str(dirs["run"]) and args.features == "digits" and args.num_samples == 10
+    assert args.sampler == "ddim" and args.num_sampling_steps == demo.QUICK.curve_steps
+    images, labels = digit_images()
+    (tmp_path / "samples").mkdir()
+    np.savez(tmp_path / "samples" / "samples.npz", arr_0=images[:100], labels=labels[:100])
+    distance, floor = demo.digits_distance(tmp_path / "samples")
+    assert distance == pytest.approx(digits.digits_fd(images[:100])) and floor == pytest.approx(digits.real_floor(100))
+    assert demo.curve_png(dirs["run"]) == rundir.eval_plot_path(dirs["run"]).resolve()
