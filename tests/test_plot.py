@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from train.plot import main, panels, read_jsonl, smooth
+from train.plot import auto_weight, main, panels, read_jsonl, smooth
 
 
 def write_jsonl(path: Path, rows, tail: str = "") -> None:
@@ -53,6 +53,7 @@ def test_out_flag_and_only_eval_metrics(tmp_path):
 def test_smoothing_is_debiased_and_skips_non_finite():
     assert smooth([2.0, 2.0, 2.0], 0.9) == pytest.approx([2.0, 2.0, 2.0])  # no pull towards 0 at the start
     assert smooth([1.0, 3.0], 0.0) == [1.0, 3.0]
+    assert auto_weight(20) == 0.5 and auto_weight(4000) == pytest.approx(0.995)  # ~1/20 of the points
     out = smooth([math.nan, 1.0, math.inf, 3.0], 0.5)
     assert math.isnan(out[0]) and out[1] == 1.0 and out[2] == 1.0 and out[3] == pytest.approx((0.5 * 1 + 3) / 1.5)
 

@@ -20,7 +20,8 @@ from shared.errors import UserError, cli_errors
 from shared.fsio import atomic_write
 
 PROG = "python -m train.plot"
-DEFAULT_SMOOTH = 0.9  # TensorBoard's default smoothing weight
+SMOOTH_SHARE = 20  # default smoothing: an EMA over about 1/20 of the logged points (TensorBoard's fixed 0.9
+#                    flattens a 20-point demo run and barely smooths 4,000 points of a long one)
 # (metrics.jsonl key, panel title, style, y scale): "smoothed" = raw (faint) + TensorBoard-style smoothing.
 TRAIN_PANELS = (("loss", "training loss", "smoothed", "linear"), ("lr", "learning rate", "line", "linear"),
                 ("grad_norm", "gradient norm (before clipping)", "smoothed", "log"),
@@ -75,6 +76,12 @@ def eval_metrics(rows: list[dict]) -> list[str]:
     return list(keys)
 
 
+def auto_weight(count: int) -> float:
+    """EMA weight averaging about count/SMOOTH_SHARE points (at least 2: 0.5), up to 0.999."""
+    window = max(2.0, count / SMOOTH_SHARE)
+    return min(1 - 1 / window, 0.999)
+
+
 def smooth(values: list[float], weight: float) -> list[float]:
     """TensorBoard's debiased exponential moving average; non-finite values are skipped (shown as gaps)."""
     out, avg, seen = [], 0.0, 0
@@ -112,13 +119,14 @@ def panels(train: list[dict], evals: list[dict]) -> list[tuple]:
     return out
 
 
-def draw_panel(ax, title: str, steps, values, style: str, scale: str, weight: float) -> None:
-    """One panel: raw and smoothed, an eval metric as points, or a plain line."""
+def draw_panel(ax, title: str, steps, values, style: str, scale: str, weight: float | None) -> None:
+    """One panel: raw and smoothed (weight None: auto_weight), an eval metric as points, or a plain line."""
     from matplotlib.ticker import EngFormatter
 
     if style == "smoothed":
+        weight = auto_weight(len(values)) if weight is None else weight
         ax.plot(steps, values, color="tab:blue", alpha=0.25, linewidth=0.8, label="raw")
-        ax.plot(steps, smooth(values, weight), color="tab:blue", linewidth=1.5, label=f"smoothed ({weight:g})")
+        ax.plot(steps, smooth(values, weight), color="tab:blue", linewidth=1.5, label=f"smoothed ({weight:.3g})")
         ax.legend(fontsize="small")
     elif style == "points":
         ax.plot(steps, values, marker="o", markersize=3, color="tab:green")
@@ -133,7 +141,7 @@ def draw_panel(ax, title: str, steps, values, style: str, scale: str, weight: fl
     ax.grid(alpha=0.3)
 
 
-def draw(figure_cls, title: str, chosen: list[tuple], weight: float):
+def draw(figure_cls, title: str, chosen: list[tuple], weight: float | None):
     """A Figure with one axes per panel, COLUMNS wide."""
     rows, cols = math.ceil(len(chosen) / COLUMNS), min(COLUMNS, len(chosen))
     height = 2.9 * rows + 0.5  # inches: the panels plus a title band
@@ -146,7 +154,7 @@ def draw(figure_cls, title: str, chosen: list[tuple], weight: float):
     return fig
 
 
-def plot_run(run, out=None, weight: float = DEFAULT_SMOOTH) -> Path:
+def plot_run(run, out=None, weight: float | None = None) -> Path:
     """Draw RUN/metrics.jsonl (and RUN/eval.jsonl) into `out` (default RUN/curves.png); returns the path."""
     run = Path(run)
     if not run.is_dir():
@@ -175,8 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("run", metavar="RUN", help="the training run folder (train's --results-dir)")
     p.add_argument("--out", default=None, help="PNG to write (default: RUN/curves.png)")
-    p.add_argument("--smooth", type=float, default=DEFAULT_SMOOTH,
-                   help="weight of the loss's exponential moving average, in [0, 1) (TensorBoard's smoothing)")
+    p.add_argument("--smooth", type=float, default=None,
+                   help="weight in [0, 1) of the exponential moving average drawn over loss, grad norm and throughput "
+                        "(TensorBoard's smoothing; 0 = none). Default: about 1/20 of the logged points")
     return p
 
 
@@ -184,7 +193,7 @@ def main(argv=None) -> int:
     """Parse flags, draw, print where the PNG is; UserErrors become one paragraph and exit status 2."""
     args = build_parser().parse_args(argv)
     with cli_errors(PROG):
-        if not 0 <= args.smooth < 1:
+        if args.smooth is not None and not 0 <= args.smooth < 1:
             raise UserError(f"--smooth {args.smooth} must lie in [0, 1) (0 = no smoothing).")
         if args.out and Path(args.out).suffix.lower() != ".png":
             raise UserError(f"--out {args.out} must name a .png file.")
