@@ -28,7 +28,7 @@ from PIL import Image, ImageDraw, ImageFont
 from shared import rundir
 from shared.distributed import process_state
 from shared.errors import UserError
-from shared.lock import LOCK_NAME, hold_lock
+from shared.lock import LOCK_NAME, FolderBusyError, hold_lock
 from shared.vae import read_vae_config
 
 from sample.decode import DecodeOptions, decode_file, read_latents
@@ -320,12 +320,28 @@ def check_options(o: WatchOptions) -> Path:
     return run
 
 
+def take_lock(run: Path, o: WatchOptions):
+    """RUN/samples/.lock, or FolderBusyError naming the other watcher.
+
+    Started by training (--until-pid), it waits instead: after a killed launch is restarted, the old
+    launch's watcher may still be decoding its last file, and it leaves once it sees its launch gone.
+    """
+    while True:
+        try:
+            return hold_lock(run / rundir.SAMPLES, "preview folder")
+        except FolderBusyError as err:
+            if o.until_pid is None or end_reason(run, o):
+                raise
+            print(f"waiting: {err}", flush=True)
+            time.sleep(o.interval)
+
+
 def run_watch(o: WatchOptions) -> list[Path]:
     """Decode previews as they appear until told to stop; returns the labelled grids written."""
     run = check_options(o)
     if o.threads:
         torch.set_num_threads(o.threads)
-    lock = hold_lock(run / rundir.SAMPLES, "preview folder")
+    lock = take_lock(run, o)
     decoder, tracker, written = Decoder(o), PreviewTracker(run, o.report_to), []
     try:
         with StopFlag() as stop:  # before the first line: whoever reads it may signal at once

@@ -53,7 +53,8 @@ def test_report_to_none_writes_no_event_files(latents, tmp_path):
 @pytest.mark.parametrize("package", ["tensorboard", "wandb"])
 def test_a_tracker_that_is_not_installed_is_named(latents, tmp_path, capsys, monkeypatch, package):
     monkeypatch.setitem(sys.modules, package, None)  # importlib.util.find_spec now reports it missing
-    message = expect_user_error(capsys, train_args(latents, tmp_path / "run", "--max-steps", "1", "--report-to", package))
+    argv = train_args(latents, tmp_path / "run", "--max-steps", "1", "--report-to", package)
+    message = expect_user_error(capsys, argv)
     assert f"--report-to {package} needs the {package} package" in message
     assert f"pip install {package}" in message and "--report-to none" in message
     assert not (tmp_path / "run").exists()  # refused before the run folder was made

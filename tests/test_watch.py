@@ -89,7 +89,8 @@ def test_the_end_of_a_run_is_seen_three_ways(run, tmp_path):
     assert run_is_locked(run)
     assert end_reason(run, WatchOptions(run=str(run), exit_when_done=True)) is None
     lock.release()
-    assert end_reason(run, WatchOptions(run=str(run), exit_when_done=True)) == "no training process holds the run folder"
+    ended = end_reason(run, WatchOptions(run=str(run), exit_when_done=True))
+    assert ended == "no training process holds the run folder"
     (run / "checkpoints" / "step-0000004").mkdir(parents=True)
     (run / "checkpoints" / "step-0000004" / "state.json").write_text("{}")
     assert end_reason(run, WatchOptions(run=str(run), until_step=6)) is None
@@ -114,16 +115,27 @@ def test_mistakes_are_one_paragraph(run, tmp_path, tiny_vae_dir, capsys):
 
 
 @pytest.mark.slow
-def test_sigterm_stops_a_waiting_watcher_cleanly(run, tiny_vae_dir):
+def test_a_launch_watcher_waits_for_the_last_one_and_sigterm_stops_it_cleanly(run, tiny_vae_dir):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "sample", "watch", str(run), "--vae", str(tiny_vae_dir), "--cpu"],
+    launch = subprocess.Popen(["sleep", "120"])  # stands in for the training process that started the watcher
+    old = hold_lock(run / "samples", "preview folder")  # the previous launch's watcher, still decoding
+    proc = subprocess.Popen([sys.executable, "-m", "sample", "watch", str(run), "--vae", str(tiny_vae_dir), "--cpu",
+                             "--until-pid", str(launch.pid), "--interval", "0.2"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().startswith("watching ")  # started, nothing to decode, waiting
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=60)
+    try:
+        assert proc.stdout.readline().startswith("waiting: "), proc.stderr.read()[-2000:]
+        old.release()
+        line = proc.stdout.readline()
+        while line.startswith("waiting: "):
+            line = proc.stdout.readline()
+        assert line.startswith("watching ")  # took the lock; nothing to decode; waiting for previews
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        launch.kill()
+        launch.wait()
     assert proc.returncode == 0, err[-2000:]
     assert "stopped (asked to): 0 grid(s) written" in out
-    assert not (run / "samples").exists()  # the lock it made in an empty folder is gone again
 
 
 @pytest.mark.slow

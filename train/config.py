@@ -169,8 +169,8 @@ def _add_watch_flags(p: argparse.ArgumentParser) -> None:
     """Tracker and preview-watcher flags (train/trackers.py)."""
     p.add_argument("--report-to", default=DEFAULT_REPORT_TO, choices=REPORT_TO,
                    help="experiment tracker for loss, LR, grad norm, speed, memory, skipped steps and the fp16 loss "
-                        "scale, through Accelerate: tensorboard (RUN/tensorboard/), wandb (pip install wandb), or none; "
-                        "log.txt and metrics.jsonl are always written")
+                        "scale, through Accelerate: tensorboard (RUN/tensorboard/), wandb (pip install wandb), or "
+                        "none; log.txt and metrics.jsonl are always written")
     p.add_argument("--watch-vae", default=None, metavar="VAE",
                    help="start `python -m sample watch RUN --vae VAE` as a separate CPU process that decodes every "
                         "--sample-every preview into RUN/samples/step-XXXXXXX.png; the VAE never enters training "

@@ -26,7 +26,8 @@ SMOOTH_SHARE = 20  # default smoothing: an EMA over about 1/20 of the logged poi
 TRAIN_PANELS = (("loss", "training loss", "smoothed", "linear"), ("lr", "learning rate", "line", "linear"),
                 ("grad_norm", "gradient norm (before clipping)", "smoothed", "log"),
                 ("images_per_s", "throughput (images/s)", "smoothed", "linear"),
-                ("loss_scale", "fp16 loss scale", "line", "log"), ("peak_mem_gb", "peak GPU memory (GiB)", "line", "linear"),
+                ("loss_scale", "fp16 loss scale", "line", "log"),
+                ("peak_mem_gb", "peak GPU memory (GiB)", "line", "linear"),
                 ("skipped_total", "skipped steps (total)", "line", "linear"))
 # Numeric eval.jsonl fields that describe how a metric was measured rather than being one (python -m evaluate's
 # record has num_samples, ref_count, pr_k, is_split_size, seconds beside its metrics).

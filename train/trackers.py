@@ -167,8 +167,8 @@ def watcher_command(run_dir: Path, vae: str, last_step: int, parent_pid: int) ->
     the watcher was asked to finish.
     """
     return [sys.executable, "-m", "sample", "watch", str(Path(run_dir).resolve()), "--vae", _vae_argument(vae),
-            "--cpu", "--threads", str(WATCH_THREADS), "--interval", str(WATCH_INTERVAL_S), "--until-step", str(last_step),
-            "--until-pid", str(parent_pid)]
+            "--cpu", "--threads", str(WATCH_THREADS), "--interval", str(WATCH_INTERVAL_S),
+            "--until-step", str(last_step), "--until-pid", str(parent_pid)]
 
 
 def start_watcher(run_dir: Path, vae: str, last_step: int) -> subprocess.Popen:
