@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from train.plot import auto_weight, main, panels, read_jsonl, smooth
+from train.plot import auto_weight, eval_lines, main, panels, read_jsonl, smooth
 
 
 def write_jsonl(path: Path, rows, tail: str = "") -> None:
@@ -42,6 +42,13 @@ def test_every_panel_is_drawn_from_what_the_run_logged(run, capsys):
     assert read_jsonl(run / "metrics.jsonl")[-1]["step"] == 40  # the torn line is skipped
 
 
+def test_evaluations_made_two_ways_are_two_labelled_lines():
+    rows = [{"step": s, "fid": 10.0 / s, "cfg_scale": cfg, "sampler": "ddim", "seconds": 3.0}
+            for s in (1, 2) for cfg in (1.5, 4.0)]
+    assert eval_lines(rows, "fid") == [("cfg_scale 1.5", [1, 2], [10.0, 5.0]), ("cfg_scale 4.0", [1, 2], [10.0, 5.0])]
+    assert eval_lines(rows[:1], "fid") == [(None, [1], [10.0])]
+
+
 def test_out_flag_and_only_eval_metrics(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
@@ -53,7 +60,7 @@ def test_out_flag_and_only_eval_metrics(tmp_path):
 def test_smoothing_is_debiased_and_skips_non_finite():
     assert smooth([2.0, 2.0, 2.0], 0.9) == pytest.approx([2.0, 2.0, 2.0])  # no pull towards 0 at the start
     assert smooth([1.0, 3.0], 0.0) == [1.0, 3.0]
-    assert auto_weight(20) == 0.5 and auto_weight(4000) == pytest.approx(0.995)  # ~1/20 of the points
+    assert auto_weight(20) == 0.5 and auto_weight(4000) == pytest.approx(0.9875)  # ~1/50 of the points
     out = smooth([math.nan, 1.0, math.inf, 3.0], 0.5)
     assert math.isnan(out[0]) and out[1] == 1.0 and out[2] == 1.0 and out[3] == pytest.approx((0.5 * 1 + 3) / 1.5)
 

@@ -20,7 +20,7 @@ from shared.errors import UserError, cli_errors
 from shared.fsio import atomic_write
 
 PROG = "python -m train.plot"
-SMOOTH_SHARE = 20  # default smoothing: an EMA over about 1/20 of the logged points (TensorBoard's fixed 0.9
+SMOOTH_SHARE = 50  # default smoothing: an EMA over about 1/50 of the logged points (TensorBoard's fixed 0.9
 #                    flattens a 20-point demo run and barely smooths 4,000 points of a long one)
 # (metrics.jsonl key, panel title, style, y scale): "smoothed" = raw (faint) + TensorBoard-style smoothing.
 TRAIN_PANELS = (("loss", "training loss", "smoothed", "linear"), ("lr", "learning rate", "line", "linear"),
@@ -33,6 +33,9 @@ TRAIN_PANELS = (("loss", "training loss", "smoothed", "linear"), ("lr", "learnin
 # record has num_samples, ref_count, pr_k, is_split_size, seconds beside its metrics).
 EVAL_SETTINGS = {"step", "seed", "num_samples", "cfg_scale", "num_sampling_steps", "sampling_steps", "batch_size",
                  "ref_count", "pr_k", "is_split_size", "seconds"}
+# Fields of an eval.jsonl line that say how it was measured: lines that differ in one are separate curves.
+SERIES_KEYS = ("feature_network", "ref", "sampler", "num_sampling_steps", "cfg_scale", "guide_channels",
+               "num_samples", "seed")
 COLUMNS = 3
 LOG_RANGE = 20  # a "log" panel switches to a log axis when its values span more than this factor
 
@@ -107,33 +110,46 @@ def import_matplotlib():
     return Figure
 
 
+def eval_lines(rows: list[dict], key: str) -> list[tuple]:
+    """(label, steps, values) per evaluation setting (sampler, cfg, count, ...): one line each, labelled by
+    what differs, so points measured two ways never join into one zigzag."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        if is_number(row.get(key)):
+            groups.setdefault(tuple((k, str(row.get(k))) for k in SERIES_KEYS), []).append(row)
+    differ = [i for i, k in enumerate(SERIES_KEYS) if len({tag[i][1] for tag in groups}) > 1]
+    return [(", ".join(f"{tag[i][0]} {tag[i][1]}" for i in differ) or None, *series(group, key))
+            for tag, group in groups.items()]
+
+
 def panels(train: list[dict], evals: list[dict]) -> list[tuple]:
-    """(title, steps, values, style, y scale) of every panel that has data."""
+    """(title, [(label, steps, values)], style, y scale) of every panel that has data."""
     out = []
     for key, title, style, scale in TRAIN_PANELS:  # a panel is drawn when its key has values
         steps, values = series(train, key)
         if steps and not (key == "skipped_total" and not any(values)):
-            out.append((title, steps, values, style, scale))
+            out.append((title, [(None, steps, values)], style, scale))
     for key in eval_metrics(evals):
-        steps, values = series(evals, key)
-        out.append((f"{key} ({rundir.EVAL_FILE})", steps, values, "points", "linear"))
+        out.append((f"{key} ({rundir.EVAL_FILE})", eval_lines(evals, key), "points", "linear"))
     return out
 
 
-def draw_panel(ax, title: str, steps, values, style: str, scale: str, weight: float | None) -> None:
-    """One panel: raw and smoothed (weight None: auto_weight), an eval metric as points, or a plain line."""
+def draw_panel(ax, title: str, lines: list[tuple], style: str, scale: str, weight: float | None) -> None:
+    """One panel: raw and smoothed (weight None: auto_weight), eval metrics as points, or a plain line."""
     from matplotlib.ticker import EngFormatter
 
-    if style == "smoothed":
-        weight = auto_weight(len(values)) if weight is None else weight
-        ax.plot(steps, values, color="tab:blue", alpha=0.25, linewidth=0.8, label="raw")
-        ax.plot(steps, smooth(values, weight), color="tab:blue", linewidth=1.5, label=f"smoothed ({weight:.3g})")
+    for label, steps, values in lines:
+        if style == "smoothed":
+            weight = auto_weight(len(values)) if weight is None else weight
+            ax.plot(steps, values, color="tab:blue", alpha=0.25, linewidth=0.8, label="raw")
+            ax.plot(steps, smooth(values, weight), color="tab:blue", linewidth=1.5, label=f"smoothed ({weight:.3g})")
+        elif style == "points":
+            ax.plot(steps, values, marker="o", markersize=3, label=label)
+        else:
+            ax.plot(steps, values, color="tab:orange", linewidth=1.2)
+    if style == "smoothed" or len(lines) > 1:
         ax.legend(fontsize="small")
-    elif style == "points":
-        ax.plot(steps, values, marker="o", markersize=3, color="tab:green")
-    else:
-        ax.plot(steps, values, color="tab:orange", linewidth=1.2)
-    finite = [v for v in values if math.isfinite(v)]
+    finite = [v for _, _, values in lines for v in values if math.isfinite(v)]
     if scale == "log" and finite and min(finite) > 0 and max(finite) > LOG_RANGE * min(finite):
         ax.set_yscale("log")  # grad norms and loss scales span decades; a narrow range reads better linear
     ax.set_title(title, fontsize="medium")
@@ -186,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="PNG to write (default: RUN/curves.png)")
     p.add_argument("--smooth", type=float, default=None,
                    help="weight in [0, 1) of the exponential moving average drawn over loss, grad norm and throughput "
-                        "(TensorBoard's smoothing; 0 = none). Default: about 1/20 of the logged points")
+                        "(TensorBoard's smoothing; 0 = none). Default: about 1/50 of the logged points")
     return p
 
 
