@@ -148,6 +148,7 @@ def run_demo(out: Path, recipe: Recipe, seed: int) -> None:
         "train": run_stage("train", train_args(dirs, recipe, seed)),
         "sample": run_stage("sample", sample_args(dirs, recipe, seed)),
         "evaluate": run_stage("evaluate", curve_args(dirs, recipe, seed)),
+        "curves": run_stage("train.plot", [dirs["run"]]),  # redrawn: training's last one had no eval.jsonl yet
     }
     match, count = judge_samples(dirs["samples"])
     distance, floor = digits_distance(dirs["samples"])
