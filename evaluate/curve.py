@@ -198,7 +198,8 @@ def draw_curve(run: Path, settings: dict) -> Path | None:
         ax = fig.add_subplot(1, len(panels), i + 1)
         points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", color="tab:green")
-        ax.set_title(title, fontsize="medium")
+        digits_fd = key == "fid" and settings["feature_network"] == "digits"
+        ax.set_title("digits FD" if digits_fd else title, fontsize="medium")
         ax.set_xlabel("training step")
         ax.grid(alpha=0.3)
     fig.suptitle(curve_title(settings), fontsize="small")

@@ -131,3 +131,26 @@ def test_two_processes_split_the_images_and_agree_with_one(real, tmp_path):
     record = json.loads(lines[0])
     assert record["num_samples"] == 101
     assert record["fid"] == pytest.approx(digits.digits_fd(real[0][::7][:101]), rel=1e-6)
+
+
+def test_floor_prints_real_digit_distances_and_refuses_impossible_counts(real, capsys):
+    from evaluate.floor import main as floor_main
+
+    floor_main(["--counts", "50", "1000", "--draws", "2"])
+    rows = {line.split(" digits FD ")[0].strip(): float(line.split(" digits FD ")[1].split()[0])
+            for line in capsys.readouterr().out.splitlines()}
+    assert set(rows) == {"50 real vs all 1797", "1000 real vs all 1797", "half vs half (898 / 899)"}
+    assert rows["50 real vs all 1797"] > rows["1000 real vs all 1797"] > 0  # the small-sample bias
+    with pytest.raises(SystemExit) as info:
+        floor_main(["--counts", "5000"])
+    assert info.value.code == 2 and "2..1797" in capsys.readouterr().err
+
+
+def test_vae_round_trip_keeps_the_digits(real):
+    from data.make_vae import DEFAULT_OUT
+    from evaluate.floor import vae_round_trip
+
+    images = real[0][:16]
+    back = vae_round_trip(images, str(DEFAULT_OUT), batch_size=5)
+    assert back.dtype == np.uint8 and back.shape == images.shape
+    assert np.abs(back.astype(int) - images.astype(int)).mean() < 12  # of 255: a faithful reconstruction

@@ -1,0 +1,104 @@
+"""`python -m evaluate.floor`: the digits Fréchet distance of real digits, the floor a perfect model would score.
+
+A Fréchet distance estimated from N images is biased upwards by the noise of the N-image covariance, so a
+sampler's digits FD is read against real digits at the same N. Prints, for each count, the mean and spread over
+random draws of N real digits against all 1,797, and two disjoint random halves against each other. With --vae,
+also the real digits encoded and decoded by that VAE: the floor of any DiT trained on its latents.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+from shared.errors import UserError, cli_errors
+
+PROG = "python -m evaluate.floor"
+
+
+def floor_table(counts, draws: int, seed: int) -> list[tuple[str, float, float]]:
+    """(what, mean FD, std FD) rows: N real digits vs all for each count, then half vs half."""
+    from data.digits import digit_images
+    from evaluate.digits import RECIPE, digits_features, real_stats
+    from evaluate.metrics import frechet_distance_of, frechet_distance_to
+
+    features = digits_features(digit_images(RECIPE.image_size)[0])  # (1797, 64)
+    mu, sigma = real_stats()
+    rng = np.random.default_rng(seed)
+    rows = []
+    for count in counts:
+        if not 2 <= count <= len(features):
+            raise UserError(f"--counts {count}: each count must lie in 2..{len(features)} (the real digits).")
+        values = [frechet_distance_to(features[rng.permutation(len(features))[:count]], mu, sigma)
+                  for _ in range(draws)]
+        rows.append((f"{count} real vs all {len(features)}", float(np.mean(values)), float(np.std(values))))
+    halves = []
+    for _ in range(draws):
+        order = rng.permutation(len(features))
+        halves.append(frechet_distance_of(features[order[:len(order) // 2]], features[order[len(order) // 2:]]))
+    rows.append((f"half vs half ({len(features) // 2} / {len(features) - len(features) // 2})",
+                 float(np.mean(halves)), float(np.std(halves))))
+    return rows
+
+
+def vae_round_trip(images: np.ndarray, vae_spec: str, batch_size: int = 256) -> np.ndarray:
+    """uint8 images (N, H, W, 3) encoded to their posterior mean and decoded by the VAE: uint8 (N, H, W, 3)."""
+    import torch
+
+    from sample.outputs import to_uint8
+    from shared.vae import LatentVAE
+
+    vae = LatentVAE.load(vae_spec)
+    out = []
+    with torch.no_grad():
+        for start in range(0, len(images), batch_size):
+            x = torch.from_numpy(images[start:start + batch_size]).permute(0, 3, 1, 2).float() / 127.5 - 1  # [-1, 1]
+            mean, _ = vae.encode_moments(x)  # (b, C, h, w), unscaled
+            out.append(to_uint8(vae.decode(mean * vae.scaling_factor)))
+    return np.concatenate(out)
+
+
+def vae_rows(counts, draws: int, seed: int, vae_spec: str) -> list[tuple[str, float, float]]:
+    """(what, mean FD, std FD) of N real digits after the VAE round trip, against all real digits."""
+    from data.digits import digit_images
+    from evaluate.digits import RECIPE, digits_fd
+
+    decoded = vae_round_trip(digit_images(RECIPE.image_size)[0], vae_spec)
+    rng = np.random.default_rng(seed)
+    rows = []
+    for count in counts:
+        values = [digits_fd(decoded[rng.permutation(len(decoded))[:count]]) for _ in range(draws)]
+        rows.append((f"{count} via VAE vs all", float(np.mean(values)), float(np.std(values))))
+    return rows
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Command-line flags."""
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0].split(": ", 1)[1],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--counts", type=int, nargs="+", default=[30, 100, 200, 500, 1000],
+                   help="sample counts N to measure the floor at")
+    p.add_argument("--draws", type=int, default=10, help="random draws per count (mean and std are printed)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the draws")
+    p.add_argument("--vae", default=None,
+                   help="also measure real digits after this VAE's encode/decode round trip, e.g. data/vae-digits "
+                        "(default: not measured)")
+    return p
+
+
+def main(argv=None) -> None:
+    """Print the floor table."""
+    args = build_parser().parse_args(argv)
+    with cli_errors(PROG):
+        if args.draws < 1:
+            raise UserError(f"--draws must be at least 1; got {args.draws}.")
+        rows = floor_table(args.counts, args.draws, args.seed)
+        if args.vae:
+            rows += vae_rows(args.counts, args.draws, args.seed, args.vae)
+        for what, mean, std in rows:
+            print(f"{what:<28} digits FD {mean:8.2f} ± {std:.2f}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
