@@ -154,3 +154,32 @@ def test_vae_round_trip_keeps_the_digits(real):
     back = vae_round_trip(images, str(DEFAULT_OUT), batch_size=5)
     assert back.dtype == np.uint8 and back.shape == images.shape
     assert np.abs(back.astype(int) - images.astype(int)).mean() < 12  # of 255: a faithful reconstruction
+
+
+def test_an_image_folder_reference_matches_the_same_images_as_npz_and_is_cached(real, tmp_path, capsys):
+    from PIL import Image
+
+    images = real[0][:60]
+    folder = tmp_path / "ref"
+    for i, pixels in enumerate(images):
+        (folder / str(real[1][i])).mkdir(parents=True, exist_ok=True)
+        Image.fromarray(pixels).save(folder / str(real[1][i]) / f"{i:03d}.png")
+    order = sorted(range(60), key=lambda i: f"{real[1][i]}/{i:03d}.png")  # the folder is read in path order
+    np.savez(tmp_path / "ref.npz", arr_0=images[order])
+    np.savez(tmp_path / "samples.npz", arr_0=real[0][100:140])
+    results = []
+    for ref in (folder, tmp_path / "ref.npz", folder):
+        main([str(tmp_path / "samples.npz"), "--features", "digits", "--ref", str(ref), "--no-save"])
+        results.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    assert results[0]["fid"] == pytest.approx(results[1]["fid"], rel=1e-9) and results[0]["ref_count"] == 60
+    assert results[2] == {**results[0], "seconds": results[2]["seconds"]}
+    assert len(list(digits.cache_dir().joinpath("stats").glob("*.npz"))) >= 2  # folder and npz statistics cached
+
+
+def test_inception_statistics_are_refused_as_a_digits_reference(tmp_path, capsys):
+    np.savez(tmp_path / "samples.npz", arr_0=np.zeros((4, 32, 32, 3), np.uint8))
+    np.savez(tmp_path / "VIRTUAL.npz", mu=np.zeros(2048), sigma=np.eye(2048))  # an ADM batch: Inception statistics
+    with pytest.raises(SystemExit) as info:
+        main([str(tmp_path / "samples.npz"), "--features", "digits", "--ref", str(tmp_path / "VIRTUAL.npz")])
+    err = " ".join(capsys.readouterr().err.split())
+    assert info.value.code == 2 and "statistics of the inception features" in err and "--features inception" in err
