@@ -15,7 +15,6 @@ import numpy as np
 from shared.errors import UserError
 
 IMAGES_KEY = "arr_0"
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 
 
 def npz_keys(path: Path) -> list[str]:
@@ -131,11 +130,13 @@ def open_folder_images(path) -> FolderImages:
     """The images under a folder, sorted by relative path; UserError if it holds none."""
     from PIL import Image
 
+    from extract.folder import IMAGE_EXTENSIONS, is_hidden, is_image_file  # the extract stage's notion of an image
+
     path = Path(path)
-    files = sorted(p for p in path.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file()
-                   and not any(part.startswith(".") for part in p.relative_to(path).parts))
+    files = sorted(p for p in path.rglob("*") if is_image_file(p.name) and p.is_file()
+                   and not any(is_hidden(part) for part in p.relative_to(path).parts))
     if not files:
-        raise UserError(f"{path} holds no images ({', '.join(IMAGE_SUFFIXES)}); pass an ImageFolder or an npz.")
+        raise UserError(f"{path} holds no images ({' '.join(IMAGE_EXTENSIONS)}); pass an image folder or an npz.")
     with Image.open(files[0]) as first:
         size = (first.height, first.width)
     return FolderImages(path, files, size)

@@ -137,3 +137,17 @@ def test_adm_reference_batch_is_read_as_inception_statistics(tmp_path):
     stats = load_stats(path)
     assert stats.meta["features"]["name"] == "inception" and stats.image_size == (16, 16)
     assert stats.meta["count"] == 6 and stats.pool is None
+
+
+def test_an_image_source_that_holds_nothing_usable_is_one_clear_error(tmp_path):
+    from evaluate.images import open_images
+
+    (tmp_path / "empty" / ".ipynb_checkpoints").mkdir(parents=True)
+    (tmp_path / "empty" / ".ipynb_checkpoints" / "x.png").write_bytes(b"")  # hidden: never data
+    with pytest.raises(UserError, match="holds no images"):
+        open_images(tmp_path / "empty")
+    with pytest.raises(UserError, match="does not exist"):
+        open_images(tmp_path / "missing.npz")
+    (tmp_path / "text.npz").write_text("not a zip")
+    with pytest.raises(UserError, match="not a readable .npz"):
+        open_images(tmp_path / "text.npz")
