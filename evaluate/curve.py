@@ -104,7 +104,21 @@ def check_run(o: RunEvalOptions) -> list[Path]:
         raise UserError(f"--batch-size must be at least 1; got {o.batch_size}.")
     if o.features == "inception":
         check_split_size(o.num_samples, o.is_split_size)
+    size = export_image_size(exports[-1])
+    if size is not None:
+        check_image_size(o.features, (size, size))  # e.g. digits features on a 256x256 run: before any sampling
     return exports
+
+
+def export_image_size(path: Path) -> int | None:
+    """The image size recorded in an export's latent metadata (header only), or None when it does not say."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return int(json.loads((f.metadata() or {})["latents"])["image_size"])
+    except Exception:  # noqa: BLE001 - an unreadable header is reported by the sampling step, in its own words
+        return None
 
 
 def sample_export(export: Path, out: Path, o: RunEvalOptions) -> Path:

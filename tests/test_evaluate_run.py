@@ -98,6 +98,10 @@ def test_run_mistakes_are_refused_before_sampling(tmp_path, capsys):
     rundir.export_path(run, 100).write_bytes(b"not read")  # refused before the export is opened
     code, _, err = run_cli([run, "--num-samples", 100, "--ref", tmp_path / "ref.npz"], capsys)
     assert code == 2 and "100 samples are fewer than one Inception Score split of 5000" in err
+    config = ModelConfig("DiT-T/2", input_size=8, in_channels=4, num_classes=10)
+    save_weights(rundir.export_path(run, 100), config.build().state_dict(), config, {"image_size": 64}, 100)
+    code, _, err = run_cli([run, *FLAGS], capsys)
+    assert code == 2 and "fitted to 32x32 images" in err and "64x64" in err
     assert not rundir.eval_path(run).exists() and not (run / rundir.EVAL_SAMPLES).exists()
 
 
