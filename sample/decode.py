@@ -50,6 +50,11 @@ def read_latents(path: Path) -> tuple[torch.Tensor, torch.Tensor, dict]:
     if "latents" not in tensors or tensors["latents"].dim() != 4:
         raise UserError(f"{path} has no (N, C, h, w) 'latents' tensor; pass a RUN/samples/step-*.safetensors file.")
     latents = tensors["latents"].float()
+    shape = meta.get("latent_shape")
+    if shape and list(latents.shape[1:]) != [int(n) for n in shape]:  # the VAE checks trust the metadata
+        raise UserError(f"{path} holds latents of shape {tuple(latents.shape[1:])} but its metadata describes "
+                        f"{tuple(shape)}: the file was altered or not written by training. Pass an unmodified "
+                        f"RUN/samples/step-*.safetensors file.")
     labels = tensors.get("labels", torch.zeros(len(latents), dtype=torch.long)).long()
     return latents, labels, meta
 

@@ -296,6 +296,15 @@ def _preview(folder: Path, step: int, meta: dict, labels=(1, 3)) -> Path:
     return path
 
 
+def test_decode_refuses_a_preview_whose_tensor_contradicts_its_metadata(run, tmp_path, capsys):
+    """Metadata saying 4 channels over an 8-channel tensor: one paragraph, not a traceback from the VAE."""
+    path = tmp_path / "step-0000001.safetensors"
+    save_file({"latents": torch.randn(2, 8, 8, 8), "labels": torch.tensor([1, 3])}, str(path),
+              metadata={"latents": json.dumps(run["meta"]), "step": "1"})
+    code, err = run_cli(["decode", path, "--cpu", "--vae", run["vae"]], capsys)
+    assert code == 2 and says(err, f"{path} holds latents of shape (8, 8, 8) but its metadata describes (4, 8, 8)")
+
+
 def test_decode_folder_newest_or_all(run, tmp_path, capsys):
     samples = tmp_path / "run" / "samples"
     for step in (100, 900, 1000):
