@@ -126,7 +126,7 @@ def format_table(record: dict) -> str:
     """The human table of one result."""
     rows = [("samples", f"{record['samples']} ({record['num_samples']} images, {record['image_size'][1]}x"
                         f"{record['image_size'][0]})"),
-            ("reference", f"{record['ref']} ({record['ref_count']} images)"),
+            ("reference", record["ref"] + (f" ({record['ref_count']} images)" if record["ref_count"] else "")),
             ("features", record["features"]["name"])]
     rows += [(name, _fmt(record[name])) for name in METRICS]
     width = max(len(name) for name, _ in rows)
