@@ -17,7 +17,6 @@ first 7 channels, flattened in TF's NHWC order (N, 17*17*7 = 2023); `logits` = p
 from __future__ import annotations
 
 import hashlib
-import os
 import urllib.request
 from pathlib import Path
 

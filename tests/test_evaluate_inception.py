@@ -239,3 +239,27 @@ def test_cli_mistakes_are_one_paragraph_and_leave_nothing(case, needle, tmp_path
     assert needle in " ".join(err.split())
     assert not (tmp_path / "samples.eval.jsonl").exists()
     assert not (tmp_path / "torch").exists()  # refused before any weights were looked for or downloaded
+
+
+def test_an_adm_reference_batch_uses_its_statistics_and_its_images(weights_file, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    samples = write_images(tmp_path / "samples.npz", 5, seed=3)
+    ref = write_images(tmp_path / "ref.npz", 6, seed=4)
+    common = ["--inception-weights", weights_file, "--is-split-size", 5, "--no-save"]
+    code, out, err = run_cli([ref, "--ref", samples, "--save-stats", tmp_path / "ref-stats.npz", *common], capsys)
+    assert code == 0, err
+    direct = json.loads(run_cli([samples, "--ref", ref, *common], capsys)[1].strip().splitlines()[-1])
+    # The ADM layout: the images as arr_0 beside precomputed statistics, and nothing else (no meta, no pool).
+    stats = load_stats(tmp_path / "ref-stats.npz")
+    with np.load(ref) as npz:
+        images = npz["arr_0"]
+    adm = tmp_path / "VIRTUAL_tiny.npz"
+    np.savez(adm, arr_0=images, mu=stats.mu, sigma=stats.sigma, mu_s=stats.mu_s, sigma_s=stats.sigma_s)
+    via_adm = json.loads(run_cli([samples, "--ref", adm, *common], capsys)[1].strip().splitlines()[-1])
+    for key in ("fid", "sfid", "inception_score", "precision", "recall"):
+        assert via_adm[key] == pytest.approx(direct[key], rel=1e-5, abs=1e-6), key
+    assert via_adm["ref_count"] == 6
+    np.savez(adm, mu=stats.mu, sigma=stats.sigma, mu_s=stats.mu_s, sigma_s=stats.sigma_s)  # statistics only
+    stats_only = json.loads(run_cli([samples, "--ref", adm, *common], capsys)[1].strip().splitlines()[-1])
+    assert stats_only["fid"] == pytest.approx(direct["fid"], rel=1e-5)
+    assert stats_only["precision"] is None and stats_only["recall"] is None  # PR needs the reference's images
