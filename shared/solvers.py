@@ -86,7 +86,7 @@ def multistep_predict(x, m_now, m_prev, j: int, grid: SolverGrid) -> torch.Tenso
 
     DPM-Solver++ Alg. 2: x_{j+1} = (sigma_{j+1} / sigma_j) x_j + alpha_{j+1} (1 - e^{-h}) D, h = lambda_{j+1} -
     lambda_j, with D = m_now (first order) or m_now + (m_now - m_prev) / (2 r), r = h_prev / h (second order).
-    UniP-2 with B(h) = e^h - 1 and its a_1 = 1/2 is the same update (Zhao et al. Sec. 3.2). The step into clean
+    UniP-2 with B(h) = e^h - 1 and a_1 = 1/2 (the authors' choice for p = 2) is the same update. The step into clean
     data (h = +inf, so r = 0) is first order and returns m_now exactly.
     """
     h = grid.lam[j + 1] - grid.lam[j]
@@ -124,7 +124,8 @@ def unic_weights(h: float, r: float | None) -> tuple[float, ...]:
 
     Zhao et al. solve R_p a = g_p / B(h) with R_p[i, k] = r_k^i (r_p = 1 for the new point) and g_i = i! h phi_{i+1}(h),
     in the solver's variable hh = -h; hh phi_2(hh) = (e^hh - 1) / hh - 1 and hh phi_3(hh) = hh phi_2(hh) / hh - 1/2.
-    p = 1 has the closed form a = 1/2 (the trapezoidal rule in x0 space).
+    p = 1 takes a = 1/2 (the trapezoidal rule in x0 space), as the authors' code and diffusers do; the 1 x 1 solve
+    would give hh phi_2(hh) / B(h), which tends to 1/2 as h -> 0.
     """
     if r is None:
         return (0.5,)

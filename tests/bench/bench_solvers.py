@@ -6,10 +6,17 @@ Run (after `python -m data.demo` has trained demo-out/run):
 Each setting is one real `python -m sample ... --npz` run (the demo's cfg 4 with all channels guided) of
 --num-samples images in one batch, scored by the Fréchet distance in the digits feature space
 (evaluate.digits.digits_fd, issue 12; lower is better). The table prints each distance with its ratio to the
-reference (DDPM 250) side by side, then the fewest steps at which each sampler is within --tolerance of it.
-The noise floor is the same settings drawn again from other seeds (--floor): a ratio closer to 1 than the
-floor's spread cannot be told apart from the reference. Rerunning resumes: `python -m sample` keeps the images
-already in each folder, so finished settings cost only their scoring.
+reference (DDPM 250) side by side, then the fewest steps at which each sampler is within --tolerance of it
+(either side). The noise floor is the same settings drawn again from other seeds (--floor): a ratio closer to 1
+than the floor's spread cannot be told apart from the reference.
+
+Under strong guidance the deterministic samplers (DDIM at eta 0 and the ODE solvers) converge to another
+distribution than ancestral DDPM, so their FD need not fall with more steps. The second table therefore
+measures convergence itself: DDIM and the solvers integrate the same probability-flow ODE from the same noise
+(image i's noise depends only on the seed and i), so each image is compared with the same image from
+--ode-reference (a many-step solve): the RMS pixel difference in grey levels (0-255).
+Rerunning resumes: `python -m sample` keeps the images already in each folder, so finished settings cost only
+their scoring.
 """
 import argparse
 import json
@@ -28,6 +35,7 @@ from shared.diffusion import SAMPLER_NAMES  # noqa: E402
 # (two rows), and DDPM 250 is half of the total.
 DEFAULT_SETTINGS = "ddpm:25,50,250 ddim:10,20,50 dpmpp-2m:5,10,15,20 unipc:5,10,15,20"
 DEFAULT_FLOOR = "ddim:10 unipc:20"  # drawn again with --floor-seed: the seed-to-seed spread of the distance
+DETERMINISTIC = ("ddim", "dpmpp-2m", "unipc")  # ODE samplers (DDIM at eta 0): same noise, same limit
 
 
 def parse_settings(text: str) -> list[tuple[str, int]]:
@@ -51,13 +59,16 @@ def parse_args(argv=None):
     p.add_argument("--settings", default=DEFAULT_SETTINGS, help="SAMPLER:STEPS,... groups, space separated")
     p.add_argument("--reference", default="ddpm:250", help="the setting the others are compared with")
     p.add_argument("--floor", default=DEFAULT_FLOOR, help="settings drawn again from --floor-seed (noise floor)")
+    p.add_argument("--ode-reference", default="dpmpp-2m:100",
+                   help="many-step ODE solve the deterministic samplers' images are compared with")
     p.add_argument("--num-samples", type=int, default=200,
                    help="images per setting (FD is biased upward at small N: compare at one N only)")
     p.add_argument("--batch-size", type=int, default=200, help="images per forward pass")
     p.add_argument("--cfg-scale", type=float, default=4.0, help="guidance scale (the demo's)")
     p.add_argument("--seed", type=int, default=0, help="seed of the main settings")
     p.add_argument("--floor-seed", type=int, default=1, help="seed of the noise-floor repeats")
-    p.add_argument("--tolerance", type=float, default=0.05, help="'as good as the reference': FD <= (1 + tol) x")
+    p.add_argument("--tolerance", type=float, default=0.05,
+                   help="'within' the reference: |FD / FD_ref - 1| <= tolerance")
     p.add_argument("--plot", default=None, help="write FD against model calls to this PNG")
     return p.parse_args(argv)
 
@@ -68,19 +79,21 @@ def sample_dir(args, name: str, steps: int, seed: int) -> Path:
 
 
 def draw(args, name: str, steps: int, seed: int) -> tuple[Path, float]:
-    """Run `python -m sample` for one setting (resumes if already there); returns (npz path, seconds)."""
+    """Run `python -m sample` for one setting (resumed if already there); returns (npz path, seconds it took)."""
     out = sample_dir(args, name, steps, seed)
     cmd = [sys.executable, "-m", "sample", "--ckpt", args.ckpt, "--vae", args.vae, "--out", str(out), "--npz",
            "--sampler", name, "--num-sampling-steps", str(steps), "--cfg-scale", str(args.cfg_scale),
            "--guide-channels", "all", "--num-samples", str(args.num_samples), "--batch-size", str(args.batch_size),
            "--seed", str(seed), "--cpu"]
-    start = time.perf_counter()
-    done = (out / "samples.npz").exists()
-    if not done:
+    timing = out / "bench-seconds.json"  # kept beside the samples, so a resumed run still reports the time
+    if not (out / "samples.npz").exists():
+        start = time.perf_counter()
         result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         if result.returncode != 0:
             raise SystemExit(f"{' '.join(cmd)} failed:\n{result.stderr[-3000:]}")
-    return out / "samples.npz", (None if done else time.perf_counter() - start)
+        timing.write_text(json.dumps({"seconds": time.perf_counter() - start}))
+    seconds = json.loads(timing.read_text())["seconds"] if timing.exists() else None
+    return out / "samples.npz", seconds
 
 
 def score(npz: Path) -> float:
@@ -91,15 +104,27 @@ def score(npz: Path) -> float:
         return float(digits_fd(data["arr_0"]))
 
 
+def pixel_gap(npz: Path, reference: Path) -> float:
+    """RMS difference in grey levels between the same images (same seed and index) of two samples.npz."""
+    with np.load(npz) as a, np.load(reference) as b:
+        if not np.array_equal(a["labels"], b["labels"]):
+            raise SystemExit(f"{npz} and {reference} hold different labels: not the same images")
+        return float(np.sqrt(np.mean((a["arr_0"].astype(np.float64) - b["arr_0"].astype(np.float64)) ** 2)))
+
+
 def measure(args) -> dict:
-    """{"rows": [...], "floor": [...]} with sampler, steps, seed, fd, seconds; cached in OUT/results.json."""
+    """Every setting drawn (or resumed) and scored; the results are also written to OUT/results.json."""
     rows, floor = [], []
-    main = parse_settings(args.settings)
     ref = parse_settings(args.reference)[0]
-    for name, steps in ([ref] + [s for s in main if s != ref]):
+    ode = parse_settings(args.ode_reference)[0]
+    ode_npz, _ = draw(args, *ode, args.seed)
+    for name, steps in ([ref] + [s for s in parse_settings(args.settings) if s != ref]):
         npz, seconds = draw(args, name, steps, args.seed)
-        rows.append({"sampler": name, "steps": steps, "seed": args.seed, "fd": score(npz), "seconds": seconds})
-        print(f"  {name:>9} {steps:>4} steps: FD {rows[-1]['fd']:.2f}", flush=True)
+        gap = pixel_gap(npz, ode_npz) if name in DETERMINISTIC else None
+        rows.append({"sampler": name, "steps": steps, "seed": args.seed, "fd": score(npz), "ode_gap": gap,
+                     "seconds": seconds})
+        print(f"  {name:>9} {steps:>4} steps: FD {rows[-1]['fd']:.2f}"
+              + (f", {gap:.2f} grey levels from {ode[0]}-{ode[1]}" if gap is not None else ""), flush=True)
     for name, steps in parse_settings(args.floor):
         npz, seconds = draw(args, name, steps, args.floor_seed)
         again = next(r["fd"] for r in rows if (r["sampler"], r["steps"]) == (name, steps))
@@ -107,6 +132,7 @@ def measure(args) -> dict:
         floor.append({"sampler": name, "steps": steps, "seeds": [args.seed, args.floor_seed], "fd": [again, fd],
                       "spread": abs(fd - again) / min(fd, again)})
     results = {"reference": {"sampler": ref[0], "steps": ref[1]}, "rows": rows, "floor": floor,
+               "ode_reference": {"sampler": ode[0], "steps": ode[1], "fd": score(ode_npz)},
                "num_samples": args.num_samples, "cfg_scale": args.cfg_scale, "tolerance": args.tolerance}
     (Path(args.out) / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     return results
@@ -118,55 +144,82 @@ def reference_fd(results: dict) -> float:
     return next(r["fd"] for r in results["rows"] if (r["sampler"], r["steps"]) == (ref["sampler"], ref["steps"]))
 
 
-def fewest_steps(results: dict) -> dict:
-    """Sampler -> the fewest steps whose FD <= (1 + tolerance) x the reference's (None if none is)."""
-    limit = (1 + results["tolerance"]) * reference_fd(results)
-    names = dict.fromkeys(r["sampler"] for r in results["rows"])
-    return {name: min((r["steps"] for r in results["rows"] if r["sampler"] == name and r["fd"] <= limit),
-                      default=None) for name in names}
+def fewest_steps(results: dict, ref: float, names) -> dict:
+    """Sampler -> the fewest steps whose FD is within the tolerance of `ref`, either side (None: never)."""
+    tol = results["tolerance"]
+    return {name: min((r["steps"] for r in results["rows"] if r["sampler"] == name
+                       and abs(r["fd"] / ref - 1) <= tol), default=None) for name in names}
 
 
 def print_table(results: dict) -> None:
-    """FD and its ratio to the reference, one column per sampler, rows = model calls; then the floor and verdicts."""
-    ref = reference_fd(results)
+    """FD with its ratio to the reference and the gap to the ODE solution, one column per sampler; floor, verdicts."""
+    ref, ode = reference_fd(results), results["ode_reference"]
     names = list(dict.fromkeys(r["sampler"] for r in results["rows"]))
-    by = {(r["sampler"], r["steps"]): r["fd"] for r in results["rows"]}
+    by = {(r["sampler"], r["steps"]): r for r in results["rows"]}
+    all_steps = sorted({r["steps"] for r in results["rows"]})
     print(f"\nFD (digits features, {results['num_samples']} images, cfg {results['cfg_scale']:g}) and ratio to "
           f"{results['reference']['sampler']}-{results['reference']['steps']} (FD {ref:.2f})")
     print(f"{'model calls':>11}" + "".join(f"{name:>20}" for name in names))
-    for steps in sorted({r["steps"] for r in results["rows"]}):
-        cells = [f"{by[n, steps]:9.2f} ({by[n, steps] / ref:4.2f}x)" if (n, steps) in by else "" for n in names]
+    for steps in all_steps:
+        cells = [f"{by[n, steps]['fd']:9.2f} ({by[n, steps]['fd'] / ref:4.2f}x)" if (n, steps) in by else ""
+                 for n in names]
         print(f"{steps:>11}" + "".join(f"{c:>20}" for c in cells))
+    ode_names = [n for n in names if n in DETERMINISTIC]
+    print(f"\nRMS difference (grey levels, 0-255) to the same images from {ode['sampler']}-{ode['steps']} "
+          f"(FD {ode['fd']:.2f})")
+    print(f"{'model calls':>11}" + "".join(f"{name:>12}" for name in ode_names))
+    for steps in all_steps:
+        cells = [f"{by[n, steps]['ode_gap']:.2f}" if (n, steps) in by else "" for n in ode_names]
+        if any(cells):
+            print(f"{steps:>11}" + "".join(f"{c:>12}" for c in cells))
     for f in results["floor"]:
         print(f"noise floor: {f['sampler']}-{f['steps']} seeds {f['seeds']}: FD {f['fd'][0]:.2f} vs {f['fd'][1]:.2f} "
               f"({100 * f['spread']:.1f}% apart)")
     tol = results["tolerance"]
-    for name, steps in fewest_steps(results).items():
-        verdict = f"{steps} steps" if steps else "not reached in the steps tried"
-        print(f"fewest steps within {100 * tol:.0f}% of the reference: {name:>9}: {verdict}")
+    targets = [(f"{results['reference']['sampler']}-{results['reference']['steps']}", ref, names),
+               (f"the ODE solution ({ode['sampler']}-{ode['steps']})", ode["fd"], ode_names)]
+    for target, value, which in targets:
+        print(f"fewest steps with FD within {100 * tol:.0f}% of {target}, FD {value:.2f}:")
+        for name, steps in fewest_steps(results, value, which).items():
+            print(f"  {name:>9}: {f'{steps} steps' if steps else 'not reached in the steps tried'}")
 
 
 def plot(results: dict, path: str) -> None:
-    """FD against model calls (log x), one line per sampler, the reference and its tolerance band."""
+    """Two panels against model calls (log x): FD with the reference band, and the gap to the ODE solution."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
 
-    ref = reference_fd(results)
-    fig = Figure(figsize=(6.4, 4.0), dpi=100)
-    ax = fig.add_subplot()
-    for name in dict.fromkeys(r["sampler"] for r in results["rows"]):
-        pts = sorted((r["steps"], r["fd"]) for r in results["rows"] if r["sampler"] == name)
-        ax.plot(*zip(*pts), marker="o", label=name)
-    ax.axhline(ref, color="k", lw=0.8, ls="--", label=f"{results['reference']['sampler']}-"
-               f"{results['reference']['steps']}")
-    ax.axhspan(ref, ref * (1 + results["tolerance"]), color="0.85", label=f"within {100 * results['tolerance']:.0f}%")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("model calls per image (guided: each is one doubled batch)")
-    ax.set_ylabel("Fréchet distance (digits features)")
-    ax.set_title(f"digits demo, {results['num_samples']} images per point, cfg {results['cfg_scale']:g}")
-    ax.legend(fontsize=8)
-    ax.grid(True, which="both", lw=0.3)
+    ref, tol, ode = reference_fd(results), results["tolerance"], results["ode_reference"]
+    names = list(dict.fromkeys(r["sampler"] for r in results["rows"]))
+    fig = Figure(figsize=(10, 3.8), dpi=90)
+    left, right = fig.subplots(1, 2)
+    for i, name in enumerate(names):
+        rows = sorted((r for r in results["rows"] if r["sampler"] == name), key=lambda r: r["steps"])
+        style = dict(marker="o", label=name, color=f"C{i}")
+        left.plot([r["steps"] for r in rows], [r["fd"] for r in rows], **style)
+        if name in DETERMINISTIC:
+            right.plot([r["steps"] for r in rows], [r["ode_gap"] for r in rows], **style)
+    label = f"{results['reference']['sampler']}-{results['reference']['steps']}"
+    left.axhline(ref, color="k", lw=0.8, ls="--", label=label)
+    left.axhspan(ref * (1 - tol), ref * (1 + tol), color="0.88", label=f"{label} ± {100 * tol:.0f}%")
+    left.axhline(ode["fd"], color="0.3", lw=0.8, ls=":", label=f"{ode['sampler']}-{ode['steps']} (ODE solution)")
+    left.set_ylabel("Fréchet distance (digits features)")
+    left.set_title(f"FD, {results['num_samples']} images per point, cfg {results['cfg_scale']:g}", fontsize=10)
+    right.set_yscale("log")
+    right.yaxis.set_major_formatter(ScalarFormatter())
+    right.yaxis.set_minor_formatter(NullFormatter())
+    right.set_ylabel("RMS pixel difference (grey levels)")
+    right.set_title(f"distance to the same images from {ode['sampler']}-{ode['steps']}", fontsize=10)
+    right.set_yticks([1, 2, 5, 10])
+    for ax in (left, right):
+        ax.set_xscale("log")
+        ax.set_xticks(sorted({r["steps"] for r in results["rows"]}))
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel("model calls per image (each one doubled batch with guidance)")
+        ax.legend(fontsize=7, loc="lower center" if ax is left else "upper right")
+        ax.grid(True, which="both", lw=0.3)
     fig.tight_layout()
     FigureCanvasAgg(fig).print_png(path)
 
