@@ -104,7 +104,8 @@ def default_out(o: SampleOptions, loaded: LoadedWeights) -> Path:
     """samples/<ckpt>-cfg<s>-<sampler><steps>-seed<seed>, so distinct settings get distinct folders."""
     eta = sampler_eta(o.sampler, o.ddim_eta)
     noisy = f"-eta{eta:g}" if eta else ""  # a stochastic DDIM gets its own folder
-    name = f"{loaded.label or ckpt_label(loaded.path)}-cfg{o.cfg_scale:g}-{o.sampler}{o.num_sampling_steps}{noisy}-seed{o.seed}"
+    label = loaded.label or ckpt_label(loaded.path)
+    name = f"{label}-cfg{o.cfg_scale:g}-{o.sampler}{o.num_sampling_steps}{noisy}-seed{o.seed}"
     return Path("samples") / name
 
 
