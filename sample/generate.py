@@ -101,7 +101,7 @@ def ckpt_label(path: Path) -> str:
 
 
 def default_out(o: SampleOptions, loaded: LoadedWeights) -> Path:
-    """samples/<ckpt>-cfg<s>-<sampler><steps>-seed<seed>, so distinct settings get distinct folders."""
+    """samples/<ckpt>-cfg<s>-<sampler><steps>[-eta<e>]-seed<seed>, so distinct settings get distinct folders."""
     eta = sampler_eta(o.sampler, o.ddim_eta)
     noisy = f"-eta{eta:g}" if eta else ""  # a stochastic DDIM gets its own folder
     label = loaded.label or ckpt_label(loaded.path)
