@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from shared.diffusion import SAMPLER_NAMES, sampler_eta
 from shared.errors import UserError
 from shared.fsio import TMP_PREFIX, atomic_write, atomic_write_text
 
@@ -95,6 +96,9 @@ def check_out_dir(out: Path, settings: dict) -> None:
         raise UserError(f"{path} is not a settings file written by `python -m sample` ({err}); "
                         f"pass a new --out folder or delete it.") from err
     mine = settings["identity"]
+    if "ddim_eta" not in previous and previous.get("sampler") in SAMPLER_NAMES:
+        # Folders written before --ddim-eta existed ran DDIM deterministically (eta 0), the others with none.
+        previous["ddim_eta"] = sampler_eta(previous["sampler"], None)
     differ = sorted(k for k in set(previous) | set(mine) if previous.get(k) != mine.get(k))
     if differ:
         detail = "; ".join(f"{k}: {previous.get(k)!r} there, {mine.get(k)!r} now" for k in differ[:4])

@@ -238,6 +238,19 @@ def test_cli_ddim_eta_is_recorded_and_guards_resume(run_dir, tmp_path, capsys, m
         "run-ema-step-0000010-cfg4-ddim3-eta0.5-seed0", "run-ema-step-0000010-cfg4-ddim3-seed0"]
 
 
+def test_cli_resumes_a_ddim_folder_written_before_ddim_eta_existed(run_dir, tmp_path, capsys):
+    """Such a folder ran DDIM with eta 0: it resumes without --ddim-eta, and is refused with another eta."""
+    out = tmp_path / "old"
+    assert run_cli(sample_argv(run_dir, out, "--sampler", "ddim", "--num-samples", 1), capsys)[0] == 0
+    settings = json.loads((out / "settings.json").read_text())
+    del settings["identity"]["ddim_eta"]  # as written before the flag
+    (out / "settings.json").write_text(json.dumps(settings))
+    assert run_cli(sample_argv(run_dir, out, "--sampler", "ddim", "--num-samples", 2), capsys)[0] == 0
+    assert len(pngs(out)) == 2
+    code, err = run_cli(sample_argv(run_dir, out, "--sampler", "ddim", "--ddim-eta", 1, "--num-samples", 3), capsys)
+    assert code == 2 and "ddim_eta: 0.0 there, 1.0 now" in err
+
+
 @pytest.mark.parametrize("extra,message", [
     (("--sampler", "unipc", "--ddim-eta", 0), "--ddim-eta 0 is DDIM's noise scale and applies only to the ddim "
                                                "sampler (--sampler ddim); the unipc sampler is a deterministic ODE"),
