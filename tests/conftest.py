@@ -59,3 +59,19 @@ def make_image_folder(root: Path, classes=("cat", "dog", "eel"), per_class: int 
 def image_folder(tmp_path) -> Path:
     """A 3-class ImageFolder with 3 random 20x24 PNGs per class."""
     return make_image_folder(tmp_path / "images")
+
+
+@pytest.fixture(scope="module")
+def private_digits_cache(tmp_path_factory):
+    """The digits yardstick is fitted into a private cache folder (never the user's), once per session."""
+    from evaluate import digits
+
+    old = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.getbasetemp() / "evaluate-cache")
+    digits._CACHE.clear()
+    yield
+    digits._CACHE.clear()
+    if old is None:
+        os.environ.pop("XDG_CACHE_HOME")
+    else:
+        os.environ["XDG_CACHE_HOME"] = old

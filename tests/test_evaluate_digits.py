@@ -11,18 +11,7 @@ from evaluate import digits
 from evaluate.__main__ import main
 
 
-@pytest.fixture(scope="module", autouse=True)
-def private_cache(tmp_path_factory):
-    """Fit into a private cache folder (never the user's), once for this module."""
-    old = os.environ.get("XDG_CACHE_HOME")
-    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.getbasetemp() / "evaluate-cache")  # one fit per session
-    digits._CACHE.clear()
-    yield
-    digits._CACHE.clear()
-    if old is None:
-        os.environ.pop("XDG_CACHE_HOME")
-    else:
-        os.environ["XDG_CACHE_HOME"] = old
+pytestmark = pytest.mark.usefixtures("private_digits_cache")
 
 
 @pytest.fixture(scope="module")

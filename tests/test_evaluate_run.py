@@ -1,7 +1,6 @@
 """`python -m evaluate run RUN`: every EMA export sampled through python -m sample's code path, evaluated with the
 digits features, appended to RUN/eval.jsonl, the curve drawn; a rerun continues where it stopped."""
 import json
-import os
 from dataclasses import replace
 
 import numpy as np
@@ -20,18 +19,7 @@ FLAGS = ["--features", "digits", "--num-samples", 6, "--sampler", "ddim", "--num
          "--cfg-scale", 1, "--batch-size", 6, "--cpu"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def private_cache(tmp_path_factory):
-    """The digits network is fitted into a private cache folder (never the user's)."""
-    old = os.environ.get("XDG_CACHE_HOME")
-    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.getbasetemp() / "evaluate-cache")  # one fit per session
-    digits._CACHE.clear()
-    yield
-    digits._CACHE.clear()
-    if old is None:
-        os.environ.pop("XDG_CACHE_HOME")
-    else:
-        os.environ["XDG_CACHE_HOME"] = old
+pytestmark = pytest.mark.usefixtures("private_digits_cache")
 
 
 def export(run, step, vae, seed):
