@@ -5,13 +5,15 @@ Metadata keys (all JSON strings, as safetensors metadata must be str -> str):
 
 Also here, for every reader of weights (DiT checkpoints, VAE files): `load_torch_file`, the one
 `torch.load(weights_only=True)` that turns a refused pickle into a message naming the blocked global,
-`safetensors_problem` (is a file whole, from its header alone) and `first_nonfinite` (NaN/inf weights).
+`safetensors_problem` (is a file whole, from its header alone) and `nonfinite_tensors` / `first_nonfinite`
+(NaN/inf weights: sample's loads, train's checkpoint writes and resumes).
 """
 import json
 import pickle
 import re
 import zipfile
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -91,14 +93,18 @@ def safetensors_problem(path) -> str | None:
         return " ".join(str(err).split()) or type(err).__name__
 
 
-def first_nonfinite(state_dict) -> tuple[str, int, int] | None:
-    """(name, NaN/inf count, size) of the first floating tensor, in key order, that is not all finite; else None."""
+def nonfinite_tensors(state_dict) -> Iterator[tuple[str, int, int]]:
+    """(name, NaN/inf count, size) of each floating tensor, in key order, that is not all finite (lazily)."""
     for name, tensor in state_dict.items():
         if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
             bad = int((~torch.isfinite(tensor)).sum())
             if bad:
-                return name, bad, tensor.numel()
-    return None
+                yield name, bad, tensor.numel()
+
+
+def first_nonfinite(state_dict) -> tuple[str, int, int] | None:
+    """(name, NaN/inf count, size) of the first floating tensor, in key order, that is not all finite; else None."""
+    return next(nonfinite_tensors(state_dict), None)
 
 
 # torch names what its weights-only unpickler refused as "GLOBAL module.name" ("posix.system", a class...).

@@ -10,6 +10,7 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 from typing import Iterator
 
@@ -19,7 +20,7 @@ from tqdm import tqdm
 
 from shared import rundir
 from shared.errors import UserError
-from shared.export import save_weights
+from shared.export import first_nonfinite, nonfinite_tensors, save_weights
 from shared.fsio import atomic_write_text, space_guard
 from shared.lock import FolderLock, hold_lock
 from shared.models import ModelConfig, resolve_attention
@@ -151,9 +152,9 @@ def model_config_for(cfg: TrainConfig, dataset: LatentDataset) -> ModelConfig:
 def check_finite_state(saved: dict, source: Path) -> None:
     """Refuse to resume from weights holding NaN/inf (they would train on silently as NaN)."""
     for part in ("model", "ema"):
-        bad = [name for name, t in saved[part].items() if t.is_floating_point() and not bool(t.isfinite().all())]
+        bad = [name for name, _, _ in islice(nonfinite_tensors(saved[part]), 3)]
         if bad:
-            raise UserError(f"the checkpoint {source} holds non-finite {part} weights ({', '.join(bad[:3])}); it "
+            raise UserError(f"the checkpoint {source} holds non-finite {part} weights ({', '.join(bad)}); it "
                             f"cannot be resumed. {ckpt_io.damaged_advice(source)}")
 
 
@@ -219,7 +220,7 @@ def _nonfinite_message(run: Run) -> str:
 
 def weights_finite(model: torch.nn.Module) -> bool:
     """Whether every parameter is finite (a non-finite checkpoint is never written)."""
-    return bool(torch.stack([p.isfinite().all() for p in model.parameters()]).all())
+    return first_nonfinite(dict(model.named_parameters())) is None
 
 
 @torch.no_grad()
