@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from shared.diffusion import create_diffusion
-from train.memory import (MiB, ActivationProfile, LinearBytes, build_model, forward_macs, measure_block_fit,
+from train.memory import (ActivationProfile, LinearBytes, build_model, forward_macs, measure_block_fit,
                           measure_profile,
-                          model_config, parse_size)
+                          model_config)
 from train.plan import build_parser, fixed_state, largest_micro_batch
+from train.units import MiB, parse_size
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(model="DiT-T/2", image_size=64)  # 8x8 latents, 16 tokens, 6 blocks

@@ -25,8 +25,9 @@ from shared.models import ATTENTION_BACKENDS
 from shared.precision import PRECISIONS
 from train.config import TrainConfig
 from train.data import synthetic_batch
-from train.memory import GiB, build_model, format_size, forward_macs, model_config, train_flops_per_image
+from train.memory import build_model, forward_macs, model_config, train_flops_per_image
 from train.step import make_learner, train_step
+from train.units import GiB, format_size
 
 PROG = "python -m train.bench"
 FLAGS = {"model preset": "--model", "attention backend": "--attention", "precision": "--precisions"}

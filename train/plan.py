@@ -17,9 +17,10 @@ from shared.errors import UserError, exit_with
 from shared.precision import PRECISION_CHOICES, canonical_precision
 from train.config import EMA_DEVICES, OPTIMIZERS, TrainConfig
 from train.data import synthetic_batch
-from train.memory import (ActivationProfile, build_model, count_parameters, format_size, measure_block_fit,
-                          measure_profile, model_config, parse_size)
+from train.memory import (ActivationProfile, build_model, count_parameters, measure_block_fit, measure_profile,
+                          model_config)
 from train.step import make_learner, train_step
+from train.units import format_size, parse_size
 
 PROG = "python -m train.plan"
 FLAGS = {"model preset": "--model", "precision": "--precision"}  # domain name -> flag
