@@ -218,7 +218,7 @@ def plot(results: dict, path: str) -> None:
         ax.xaxis.set_major_formatter(ScalarFormatter())
         ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("model calls per image (each one doubled batch with guidance)")
-        ax.legend(fontsize=7, loc="lower center" if ax is left else "upper right")
+        ax.legend(fontsize=7, loc="best" if ax is left else "upper right")  # FD curves move with cfg
         ax.grid(True, which="both", lw=0.3)
     fig.tight_layout()
     FigureCanvasAgg(fig).print_png(path)
