@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from sample.__main__ import main
 from sample.official import CACHE_ENV, URL_ENV
 from shared.models import ModelConfig
+from tests.test_interop import run_cli
 
 NAME = "DiT-XL-2-256x256.pt"
 STEPS = ["--num-sampling-steps", "2", "--cpu", "--num-samples", "2"]
@@ -82,17 +82,6 @@ def server(release, tmp_path, monkeypatch):
         httpd.shutdown()
         httpd.server_close()
         thread.join(timeout=10)
-
-
-def run_cli(argv, capsys):
-    """The CLI in-process -> (exit code, stdout, stderr as one line)."""
-    try:
-        main([str(a) for a in argv])
-        code = 0
-    except SystemExit as exit_:
-        code = exit_.code
-    captured = capsys.readouterr()
-    return code, captured.out, " ".join(captured.err.split())
 
 
 def sample_by_name(out: Path, vae: Path, capsys):
