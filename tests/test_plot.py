@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from train.plot import auto_weight, eval_lines, main, panels, read_jsonl, smooth
+from train.plot import auto_weight, eval_lines, eval_title, main, panels, read_jsonl, smooth
 
 
 def write_jsonl(path: Path, rows, tail: str = "") -> None:
@@ -47,6 +47,9 @@ def test_evaluations_made_two_ways_are_two_labelled_lines():
             for s in (1, 2) for cfg in (1.5, 4.0)]
     assert eval_lines(rows, "fid") == [("cfg_scale 1.5", [1, 2], [10.0, 5.0]), ("cfg_scale 4.0", [1, 2], [10.0, 5.0])]
     assert eval_lines(rows[:1], "fid") == [(None, [1], [10.0])]
+    digits = [{**row, "feature_network": "digits"} for row in rows]
+    assert eval_title(digits, "fid") == "digits FD" and eval_title(rows, "fid") == "fid"
+    assert eval_title([*digits, {"step": 3, "fid": 1.0, "feature_network": "inception"}], "fid") == "fid"
 
 
 def test_out_flag_and_only_eval_metrics(tmp_path):

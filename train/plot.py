@@ -130,8 +130,14 @@ def panels(train: list[dict], evals: list[dict]) -> list[tuple]:
         if steps and not (key == "skipped_total" and not any(values)):
             out.append((title, [(None, steps, values)], style, scale))
     for key in eval_metrics(evals):
-        out.append((f"{key} ({rundir.EVAL_FILE})", eval_lines(evals, key), "points", "linear"))
+        out.append((f"{eval_title(evals, key)} ({rundir.EVAL_FILE})", eval_lines(evals, key), "points", "linear"))
     return out
+
+
+def eval_title(rows: list[dict], key: str) -> str:
+    """A metric's panel title: 'fid' measured only in the digits feature space is the digits FD, not an FID."""
+    networks = {row.get("feature_network") for row in rows if key in row}
+    return "digits FD" if key == "fid" and networks == {"digits"} else key
 
 
 def draw_panel(ax, title: str, lines: list[tuple], style: str, scale: str, weight: float | None) -> None:
