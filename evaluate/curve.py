@@ -8,6 +8,7 @@ exports already in eval.jsonl with the same settings are skipped. RUN/eval.png i
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import math
@@ -19,7 +20,7 @@ from evaluate.evaluation import EvalOptions, append_jsonl, check_options, evalua
 from evaluate.features import FEATURE_NETWORKS, check_image_size
 from evaluate.metrics import IS_SPLIT_SIZE, check_split_size
 from shared import rundir
-from shared.diffusion import SAMPLER_NAMES
+from shared.samplers import SAMPLER_NAMES
 from shared.errors import UserError, cli_errors
 from shared.fsio import atomic_write
 from shared.guidance import GUIDE_CHANNELS
@@ -27,6 +28,7 @@ from shared.guidance import GUIDE_CHANNELS
 PROG = "python -m evaluate run"
 # The flag that sets each setting shared/ and sample/ name in their errors.
 FLAGS = {"feature network": "--features", "sampler": "--sampler", "vae": "--vae", "cfg scale": "--cfg-scale",
+         "cfg interval": "--cfg-interval", "sampling steps": "--num-sampling-steps",
          "guide-channel choice": "--guide-channels"}
 CURVE_METRICS = (("fid", "FID"), ("sfid", "sFID"), ("inception_score", "Inception Score"),
                  ("precision", "precision"), ("recall", "recall"))
@@ -40,9 +42,10 @@ class RunEvalOptions:
     num_samples: int
     ref: str | None = None
     features: str = "inception"
-    sampler: str = "ddim"
+    sampler: str | None = None  # None: the export's objective's fast deterministic sampler (ddim / euler)
     num_sampling_steps: int = 50
     cfg_scale: float = 1.5
+    cfg_interval: tuple | None = None
     guide_channels: str = "auto"
     seed: int = 0
     batch_size: int = 32
@@ -58,7 +61,9 @@ def settings_of(o: RunEvalOptions) -> dict:
     """The settings that make eval.jsonl lines comparable (one curve; an export with a line of these is skipped)."""
     return {"feature_network": o.features, "ref": o.ref or "real digits", "num_samples": o.num_samples,
             "sampler": o.sampler, "num_sampling_steps": o.num_sampling_steps, "cfg_scale": o.cfg_scale,
-            "guide_channels": o.guide_channels, "seed": o.seed}
+            "guide_channels": o.guide_channels, "seed": o.seed,
+            # Only when set, so points measured before the flag existed keep matching.
+            **({"cfg_interval": list(o.cfg_interval)} if o.cfg_interval else {})}
 
 
 def settings_tag(settings: dict) -> str:
@@ -127,7 +132,7 @@ def sample_export(export: Path, out: Path, o: RunEvalOptions) -> Path:
     from sample.outputs import NPZ_NAME
 
     options = SampleOptions(ckpt=str(export), vae=o.vae, num_samples=o.num_samples, cfg_scale=o.cfg_scale,
-                            guide_channels=o.guide_channels, sampler=o.sampler,
+                            guide_channels=o.guide_channels, sampler=o.sampler, cfg_interval=o.cfg_interval,
                             num_sampling_steps=o.num_sampling_steps, seed=o.seed, batch_size=o.batch_size,
                             out=str(out), npz=True, cpu=o.cpu)
     return run_sample(options) / NPZ_NAME
@@ -164,6 +169,11 @@ def run_evaluation(o: RunEvalOptions) -> list[dict]:
     from shared.distributed import process_state
 
     exports = check_run(o)
+    if o.sampler is None and exports:
+        from shared.export import read_config
+        from shared.objectives import objective_of
+
+        o = dataclasses.replace(o, sampler=objective_of(read_config(exports[-1])).fast_sampler)
     settings = settings_of(o)
     done = {r["step"] for r in matching(read_rows(Path(o.run)), settings)}
     todo = [e for e in exports if rundir.step_of(e) not in done]
@@ -238,7 +248,11 @@ def run_parser() -> argparse.ArgumentParser:
                    help="reference as for `python -m evaluate` (ADM batch, stats file, images npz/folder); "
                         "with --features digits: the real digits when not given")
     p.add_argument("--features", choices=FEATURE_NETWORKS, default="inception", help="feature network")
-    p.add_argument("--sampler", choices=SAMPLER_NAMES, default="ddim", help="respaced sampler of python -m sample")
+    p.add_argument("--sampler", choices=SAMPLER_NAMES, default=None,
+                   help="sampler of python -m sample (default: the objective's fast deterministic one: ddim for "
+                        "ddpm models, euler for flow models)")
+    p.add_argument("--cfg-interval", type=float, nargs=2, default=None, metavar=("LO", "HI"),
+                   help="guide only at these noise levels, as python -m sample --cfg-interval (default: every level)")
     p.add_argument("--num-sampling-steps", type=int, default=50, help="sampling steps")
     p.add_argument("--cfg-scale", type=float, default=1.5, help="classifier-free guidance (1.5: DiT's FID setting)")
     p.add_argument("--guide-channels", choices=GUIDE_CHANNELS, default="auto",

@@ -5,7 +5,7 @@ import argparse
 import sys
 
 from shared.cli import HelpFormatter
-from shared.diffusion import SAMPLER_HELP, SAMPLER_NAMES
+from shared.samplers import SAMPLER_NAMES, SAMPLERS
 from shared.errors import cli_errors
 from shared.guidance import GUIDE_CHANNELS
 from shared.models import DiT_models
@@ -35,7 +35,9 @@ Decode training's latent samples: `python -m sample decode RUN/samples/step-0000
 FLAGS = {"model preset": "--model", "weights": "--weights", "cfg scale": "--cfg-scale",
          "guide-channel choice": "--guide-channels", "sampler": "--sampler", "precision": "--precision",
          "ddim eta": "--ddim-eta", "vae": "--vae", "vae config": "--vae-config", "sample folder": "--out",
-         "export format": "--format"}
+         "export format": "--format", "cfg interval": "--cfg-interval", "time shift": "--time-shift",
+         "last step size": "--last-step-size", "sampling steps": "--num-sampling-steps",
+         "flow time convention": "--flow-convention"}
 
 
 def add_vae_flags(p: argparse.ArgumentParser) -> None:
@@ -86,13 +88,23 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--guide-channels", choices=GUIDE_CHANNELS, default="auto",
                    help="latent channels guided: 3 (the DiT release's quirk for 4-channel latents), all, or auto "
                         "(3 for 4-channel latents, as the release; all otherwise); the rule used is printed")
-    p.add_argument("--sampler", choices=SAMPLER_NAMES, default="ddpm",
-                   help="; ".join(f"{name}: {SAMPLER_HELP[name]}" for name in SAMPLER_NAMES)
+    p.add_argument("--sampler", choices=SAMPLER_NAMES, default=None,
+                   help="; ".join(f"{s.name} [{'/'.join(s.objectives)}]: {s.help}" for s in SAMPLERS.values())
                         + ". DiT's respacing calls the model at t = 0 too; the solvers' linspace spacing (diffusers' "
-                          "default) steps from about t = 999/K straight to clean data")
+                          "default) steps from about t = 999/K straight to clean data. Default: the objective's own "
+                          "(ddpm for DDPM models, sde for flow models); a sampler of another objective is refused")
     p.add_argument("--num-sampling-steps", type=int, default=250,
-                   help="model calls per image (twice the batch with guidance): 250 as the paper for ddpm, ~50 for "
-                        "ddim, 10-25 for dpmpp-2m and unipc")
+                   help="steps per image (model calls, twice the batch with guidance; heun: 2 calls per step): 250 "
+                        "as the paper for ddpm and SiT's sde, ~50 for ddim, 10-25 for dpmpp-2m and unipc")
+    p.add_argument("--cfg-interval", type=float, nargs=2, default=None, metavar=("LO", "HI"),
+                   help="guide only at noise levels in [LO, HI] (Kynkaanniemi et al. 2024); elsewhere one conditional "
+                        "call (half the work). Levels are the objective's: DiT timesteps 0-1000 for ddpm, the flow's "
+                        "noise level 0-1 (REPA's time; 0 = data) for flow. REPA: 0 0.7; LightningDiT: 0 0.89 (default: guide at every level)")
+    p.add_argument("--time-shift", type=float, default=None,
+                   help="flow samplers (euler, heun, sde): LightningDiT's timestep shift s, tau' = s tau / (1 + (s-1) "
+                        "tau); s < 1 puts more steps near noise (LightningDiT: 0.3; default 1 = none)")
+    p.add_argument("--last-step-size", type=float, default=None,
+                   help="sde only: the size of SiT's final deterministic Mean step (default 0.04, as SiT)")
     p.add_argument("--ddim-eta", type=float, default=None,
                    help="DDIM's noise scale eta in [0, 1] (Song et al. Eq. 16): 0 deterministic, 1 DDPM-like; only "
                         "with --sampler ddim (default 0)")

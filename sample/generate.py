@@ -10,11 +10,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from shared.diffusion import (NUM_TIMESTEPS, create_sampling_diffusion, get_sampler, kept_timesteps, sampler_eta,
-                              sampling_spacing)
+from shared.objectives import objective_of
+from shared.samplers import SAMPLER_OPTIONS, get_sampler, sampler_options
 from shared.distributed import process_state
 from shared.errors import UserError
-from shared.guidance import check_guidance, describe_guidance, guide_channel_count, guided_model_fn
+from shared.guidance import check_guidance, check_interval, describe_guidance, guide_channel_count, guided_model_fn
 from shared.lock import hold_lock
 from shared.rundir import CHECKPOINTS, EMA_FILE, EXPORTS, MODEL_FILE
 
@@ -41,9 +41,12 @@ class SampleOptions:
     num_samples: int | None = None
     cfg_scale: float = 4.0
     guide_channels: str = "auto"
-    sampler: str = "ddpm"
+    sampler: str | None = None  # None: the objective's own (ddpm for DDPM models, sde for flow models)
     num_sampling_steps: int = 250
     ddim_eta: float | None = None  # None: not given (0 for ddim; refused with the other samplers)
+    time_shift: float | None = None  # flow samplers' timestep shift (None: 1, no shift; refused elsewhere)
+    last_step_size: float | None = None  # the flow SDE's last Mean step (None: SiT's 0.04; refused elsewhere)
+    cfg_interval: tuple | None = None  # (lo, hi) noise levels where guidance applies (None: everywhere)
     seed: int = 0
     batch_size: int = 32
     precision: str = "fp32"
@@ -66,6 +69,9 @@ class Job:
 
     options: SampleOptions
     loaded: LoadedWeights
+    objective: object  # shared/objectives.py, as the weights record it
+    sampler: str  # the sampler used (the objective's default when --sampler is not given)
+    sampler_options: dict  # that sampler's options, defaulted
     plan: LabelPlan
     vae_name: str
     image_size: int
@@ -75,19 +81,35 @@ class Job:
 
 
 def check_numbers(o: SampleOptions) -> None:
-    """UserError for counts and sizes no run can use (before anything is loaded)."""
+    """UserError for counts, sizes and sampler options no run can use (before anything is loaded)."""
     if o.num_samples is not None and o.num_samples < 1:
         raise UserError(f"--num-samples {o.num_samples} must be at least 1.")
     if o.batch_size < 1:
         raise UserError(f"--batch-size {o.batch_size} must be at least 1 (images per forward pass).")
-    if not 1 <= o.num_sampling_steps <= NUM_TIMESTEPS:
-        raise UserError(f"--num-sampling-steps {o.num_sampling_steps} must lie in [1, {NUM_TIMESTEPS}] "
-                        f"(250 as the DiT paper; DDIM often uses 50).")
+    if o.num_sampling_steps < 1:
+        raise UserError(f"--num-sampling-steps {o.num_sampling_steps} must be at least 1 (250 as the DiT paper; DDIM "
+                        f"often uses 50).")
     if o.seed < 0:
         raise UserError(f"--seed {o.seed} must be a whole number >= 0.")
-    get_sampler(o.sampler)
-    sampler_eta(o.sampler, o.ddim_eta)  # --ddim-eta outside [0, 1], or given to another sampler
-    kept_timesteps(sampling_spacing(o.sampler, o.num_sampling_steps))  # e.g. 1000 steps of the solvers' spacing
+    if o.sampler is not None:
+        sampler_options(o.sampler, given_options(o))  # an unknown sampler, or an option it does not take
+    if o.cfg_interval is not None and o.cfg_scale == 1.0:
+        raise UserError("--cfg-interval limits guidance to a range of noise levels, but --cfg-scale is 1 (no "
+                        "guidance); pass a --cfg-scale above 1, or drop --cfg-interval.")
+
+
+def given_options(o: SampleOptions) -> dict:
+    """The sampler options as given on the command line (None = not given)."""
+    return {name: getattr(o, name) for name in SAMPLER_OPTIONS}
+
+
+def resolve_sampler(o: SampleOptions, objective) -> tuple[str, dict]:
+    """(sampler, its options) for the weights' objective; SettingError for a sampler or steps it cannot take."""
+    sampler = o.sampler or objective.default_sampler
+    get_sampler(sampler, objective.name)  # e.g. --sampler ddpm for a flow model: refused by name
+    options = sampler_options(sampler, given_options(o))
+    objective.process(sampler, o.num_sampling_steps, options)  # e.g. 1000 steps of the solvers' linspace spacing
+    return sampler, options
 
 
 def ckpt_label(path: Path) -> str:
@@ -100,12 +122,14 @@ def ckpt_label(path: Path) -> str:
     return path.stem
 
 
-def default_out(o: SampleOptions, loaded: LoadedWeights) -> Path:
-    """samples/<ckpt>-cfg<s>-<sampler><steps>[-eta<e>]-seed<seed>, so distinct settings get distinct folders."""
-    eta = sampler_eta(o.sampler, o.ddim_eta)
-    noisy = f"-eta{eta:g}" if eta else ""  # a stochastic DDIM gets its own folder
+def default_out(o: SampleOptions, loaded: LoadedWeights, sampler: str, options: dict) -> Path:
+    """samples/<ckpt>-cfg<s>[-int<lo>-<hi>]-<sampler><steps>[-eta<e>][-shift<s>]-seed<seed>: one folder per setting."""
+    extra = "".join(f"-{tag}{options[key]:g}" for key, tag, plain in
+                    (("ddim_eta", "eta", 0.0), ("time_shift", "shift", 1.0), ("last_step_size", "last", 0.04))
+                    if key in options and options[key] != plain)  # non-default options get their own folder
+    interval = f"-int{o.cfg_interval[0]:g}-{o.cfg_interval[1]:g}" if o.cfg_interval else ""
     label = loaded.label or ckpt_label(loaded.path)
-    name = f"{label}-cfg{o.cfg_scale:g}-{o.sampler}{o.num_sampling_steps}{noisy}-seed{o.seed}"
+    name = f"{label}-cfg{o.cfg_scale:g}{interval}-{sampler}{o.num_sampling_steps}{extra}-seed{o.seed}"
     return Path("samples") / name
 
 
@@ -114,8 +138,11 @@ def make_settings(o: SampleOptions, job_fields: dict) -> dict:
     loaded: LoadedWeights = job_fields["loaded"]
     options = {k: v for k, v in asdict(o).items() if k not in ("ckpt", "vae", "vae_config", "class_labels",
                                                                  "random_labels", "model", "image_size")}
-    # What was used, not what was asked: the weights actually read and the guidance rule applied.
-    options.update(weights=loaded.weights, ddim_eta=sampler_eta(o.sampler, o.ddim_eta),
+    # What was used, not what was asked: the weights, sampler and options actually used and the guidance rule.
+    # An option the sampler does not take is None (as folders written before that option existed read).
+    options.update(weights=loaded.weights, sampler=job_fields["sampler"],
+                   **{k: job_fields["sampler_options"].get(k) for k in SAMPLER_OPTIONS},
+                   cfg_interval=list(o.cfg_interval) if o.cfg_interval else None,
                    guide_channels="all" if job_fields["guided"] is None else str(job_fields["guided"]))
     identity = {
         "ckpt": str(loaded.path.resolve()), "ckpt_bytes": loaded.path.stat().st_size, "step": loaded.step,
@@ -125,7 +152,8 @@ def make_settings(o: SampleOptions, job_fields: dict) -> dict:
     }
     run = {k: v for k, v in options.items() if k in RUN_ONLY}
     run.update(num_samples=job_fields["num_samples"], out=str(job_fields["out"]), notes=loaded.notes,
-               guidance=describe_guidance(o.guide_channels, loaded.config.in_channels, o.cfg_scale))
+               guidance=describe_guidance(o.guide_channels, loaded.config.in_channels, o.cfg_scale, o.cfg_interval,
+                                          job_fields["objective"].level_unit))
     return json.loads(json.dumps({"identity": identity, "run": run}))
 
 
@@ -135,6 +163,9 @@ def resolve_job(o: SampleOptions) -> Job:
     if o.out:
         check_out_path(Path(o.out), "sampling")  # a file or an image name as --out: refused before any loading
     loaded = load_checkpoint(o.ckpt, o.weights, o.model)
+    objective = objective_of(loaded.config)
+    sampler, options = resolve_sampler(o, objective)
+    check_interval(o.cfg_interval, objective.level_range, objective.level_unit, objective.name)
     check_guidance(o.cfg_scale, loaded.config.has_null_class)
     guided = guide_channel_count(o.guide_channels, loaded.config.in_channels)
     names = (loaded.latent_meta or {}).get("class_names")
@@ -146,8 +177,8 @@ def resolve_job(o: SampleOptions) -> Job:
     image_size = image_size_of(loaded, factor, o.image_size)
     # Default count: one image per listed label, else one per class (label i = i % num_classes).
     num_samples = o.num_samples or len(o.class_labels or []) or plan.num_classes
-    out = Path(o.out) if o.out else default_out(o, loaded)
-    fields = dict(loaded=loaded, plan=plan, vae_name=vae_name, image_size=image_size, num_samples=num_samples,
+    out = Path(o.out) if o.out else default_out(o, loaded, sampler, options)
+    fields = dict(loaded=loaded, objective=objective, sampler=sampler, sampler_options=options, plan=plan, vae_name=vae_name, image_size=image_size, num_samples=num_samples,
                   out=out)
     settings = make_settings(o, {**fields, "guided": guided})
     check_out_dir(out, settings)
@@ -159,9 +190,10 @@ class Drawer:
     """What turns a list of image indices into uint8 pixels."""
 
     model_fn: object
-    diffusion: object
-    sample_fn: object
-    eta: float | None  # DDIM's eta; None for the other samplers
+    objective: object
+    sampler: str
+    options: dict  # the sampler's options
+    steps: int
     vae: object
     rescale: float
     plan: LabelPlan
@@ -173,9 +205,8 @@ class Drawer:
     def draw(self, indices) -> tuple[list[int], np.ndarray]:
         """(labels, uint8 (N,H,W,3)) for `indices`; row i depends only on (seed, i)."""
         noise, labels, generators = batch_start(self.plan, self.seed, indices, self.latent_shape)
-        x = self.sample_fn(self.diffusion, self.model_fn, noise.to(self.device),
-                           model_kwargs={"y": labels.to(self.device)}, generator=generators,
-                           eta=self.eta)  # (N, C, h, w)
+        x = self.objective.sample(self.sampler, self.model_fn, noise.to(self.device), self.steps, self.options,
+                                  model_kwargs={"y": labels.to(self.device)}, generator=generators)  # (N, C, h, w)
         images = self.vae.decode(x * self.rescale)  # (N, 3, H, W) in [-1, 1]
         return labels.tolist(), to_uint8(images)  # (N, H, W, 3)
 
@@ -197,11 +228,10 @@ def make_drawer(job: Job, vae, rescale: float, device) -> Drawer:
     model = build_model(job.loaded, device)
     job.loaded.state_dict = {}  # the model holds the weights now; free the CPU copy
     model_fn = guided_model_fn(model, o.cfg_scale, guide_channel_count(o.guide_channels, config.in_channels),
-                               o.precision)
+                               o.precision, o.cfg_interval, job.objective.noise_level)
     latent_shape = (config.in_channels, config.input_size, config.input_size)
-    return Drawer(model_fn, create_sampling_diffusion(o.sampler, o.num_sampling_steps), get_sampler(o.sampler),
-                  sampler_eta(o.sampler, o.ddim_eta), vae, rescale, job.plan, o.seed, latent_shape,
-                  torch.device(device))
+    return Drawer(model_fn, job.objective, job.sampler, job.sampler_options, o.num_sampling_steps, vae, rescale,
+                  job.plan, o.seed, latent_shape, torch.device(device))
 
 
 def file_names(job: Job, indices) -> list[str]:
@@ -277,7 +307,7 @@ def run_sample(o: SampleOptions) -> Path:
             check_out_dir(job.out, job.settings)  # again under the lock: a run that finished meanwhile
             for warning in job.loaded.warnings:
                 print(f"note: {warning}")
-            print(describe_guidance(o.guide_channels, job.loaded.config.in_channels, o.cfg_scale))
+            print(job.settings["run"]["guidance"])
             prepare_out(job, state.device)
         state.wait_for_everyone()
         drawer = make_drawer(job, vae, rescale, state.device)

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from shared.diffusion import SAMPLER_NAMES, sampler_eta
+from shared.samplers import SAMPLER_NAMES, SAMPLER_OPTIONS, sampler_options
 from shared.errors import UserError
 from shared.fsio import TMP_PREFIX, atomic_write, atomic_write_text
 
@@ -96,9 +96,7 @@ def check_out_dir(out: Path, settings: dict) -> None:
         raise UserError(f"{path} is not a settings file written by `python -m sample` ({err}); "
                         f"pass a new --out folder or delete it.") from err
     mine = settings["identity"]
-    if "ddim_eta" not in previous and previous.get("sampler") in SAMPLER_NAMES:
-        # Folders written before --ddim-eta existed ran DDIM deterministically (eta 0), the others with none.
-        previous["ddim_eta"] = sampler_eta(previous["sampler"], None)
+    upgrade_identity(previous)
     differ = sorted(k for k in set(previous) | set(mine) if previous.get(k) != mine.get(k))
     if differ:
         detail = "; ".join(f"{k}: {previous.get(k)!r} there, {mine.get(k)!r} now" for k in differ[:4])
@@ -106,6 +104,22 @@ def check_out_dir(out: Path, settings: dict) -> None:
             f"--out {out} holds images of another run ({detail}). Resuming would mix two runs' images: "
             f"pass a new --out folder, or rerun with the settings recorded in {path}."
         )
+
+
+def upgrade_identity(previous: dict) -> None:
+    """Read a settings identity written by an older version as today's (options it predates held their defaults)."""
+    if previous.get("sampler") in SAMPLER_NAMES:
+        # Folders written before an option existed ran with its default where the sampler takes it (DDIM: eta 0).
+        defaults = sampler_options(previous["sampler"], {})
+        for option in SAMPLER_OPTIONS:
+            previous.setdefault(option, defaults.get(option))
+    previous.setdefault("cfg_interval", None)
+    if isinstance(previous.get("model"), dict):  # model configs written before a field existed read with its default
+        from shared.models import ModelConfig
+        try:
+            previous["model"] = ModelConfig.from_dict(previous["model"]).to_dict()
+        except UserError:
+            pass  # not a config of this version: the comparison below names the difference
 
 
 def missing_indices(out: Path, indices, names) -> list[int]:

@@ -1,8 +1,8 @@
 """Gaussian diffusion for DiT: linear schedule, eps + learned-range variance loss, respacing, the samplers.
 
 Papers cited below: Ho et al. 2020 (DDPM), Nichol & Dhariwal 2021 (Improved DDPM, "IDDPM"),
-Song et al. 2021 (DDIM); the ODE solvers (DPM-Solver++, UniPC) are in shared/solvers.py and registered
-here. The schedule lives here only; models see nothing but the timestep.
+Song et al. 2021 (DDIM); the ODE solvers (DPM-Solver++, UniPC) are in shared/solvers.py; all samplers are
+registered in shared/samplers.py and driven through shared/objectives.py. The schedule lives here only; models see nothing but the timestep.
 Numerically as the official DiT `diffusion/` package (from ADM): its tanh normal CDF in the t = 0 decoder NLL,
 its accumulated-stride respacing, its respaced betas even for all 1000 steps.
 """
@@ -12,8 +12,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from shared.errors import ChoiceError, SettingError, UserError
-from shared.solvers import dpmpp_2m_sample, refuse_eta, unipc_sample
+from shared.errors import SettingError, UserError
+from shared.solvers import refuse_eta
 
 NUM_TIMESTEPS = 1000
 
@@ -302,7 +302,7 @@ def _steps(diffusion, x, progress, desc):
 @torch.no_grad()
 def ddpm_sample(diffusion, model_fn, noise, model_kwargs=None, generator=None, progress=False, eta=None):
     """Ancestral sampling x_{t-1} = mean + sigma_t z (Ho et al. Alg. 2) from x_T = noise; returns x_0."""
-    sampler_eta("ddpm", eta)  # SettingError for any eta
+    refuse_eta(eta, "ddpm", "draws its noise from the model's learned variance")
     x = noise.float()
     for i, t in _steps(diffusion, x, progress, "ddpm"):
         p = diffusion.p_mean_variance(model_fn, x, t, model_kwargs)
@@ -315,7 +315,7 @@ def ddpm_sample(diffusion, model_fn, noise, model_kwargs=None, generator=None, p
 @torch.no_grad()
 def ddim_sample(diffusion, model_fn, noise, model_kwargs=None, generator=None, progress=False, eta=0.0):
     """DDIM (Song et al. Eq. 12) from x_T = noise; eta = 0 deterministic, eta = 1 DDPM-like; returns x_0."""
-    eta = sampler_eta("ddim", eta)  # None -> 0.0; SettingError outside [0, 1]
+    eta = check_ddim_eta(0.0 if eta is None else eta)
     # Song et al. Eq. 16: sigma_t(eta) = eta * sqrt(beta~_t), the posterior std; float64 per-step scalars.
     sigmas = eta * np.sqrt(diffusion.posterior_variance)
     abar_prev = diffusion.alphas_cumprod_prev
@@ -330,48 +330,10 @@ def ddim_sample(diffusion, model_fn, noise, model_kwargs=None, generator=None, p
     return x
 
 
-SAMPLERS = {"ddpm": ddpm_sample, "ddim": ddim_sample, "dpmpp-2m": dpmpp_2m_sample, "unipc": unipc_sample}
-SAMPLER_NAMES = tuple(SAMPLERS)  # the sampler vocabulary, for CLI choices and errors
-# Timestep spacing per sampler (a kept_timesteps prefix; "" = DiT's respacing, a model call at t = 0 included).
-# DDPM and DDIM keep DiT's, so their samples stay the release's. The ODE solvers take diffusers' "linspace"
-# spacing, as their diffusers schedulers do by default, and step from about t = 999/K straight to clean data
-# instead of spending one of their few model calls at t = 0.
-SAMPLER_SPACING = {"ddpm": "", "ddim": "", "dpmpp-2m": "linspace", "unipc": "linspace"}
-SAMPLER_HELP = {"ddpm": "ancestral DDPM, DiT's respacing (250 steps as the paper)",
-                "ddim": "DDIM (eta 0 deterministic), DiT's respacing",
-                "dpmpp-2m": "DPM-Solver++(2M) ODE solver, linspace spacing (10-25 steps)",
-                "unipc": "UniPC-2 (bh2) ODE solver, linspace spacing (10-25 steps)"}
-
-
-def get_sampler(name: str):
-    """The sampler function called `name`; ChoiceError("sampler", ...) for any other name."""
-    if name not in SAMPLERS:
-        raise ChoiceError("sampler", name, SAMPLER_NAMES,
-                          detail="ancestral DDPM, DDIM, or the ODE solvers DPM-Solver++(2M) and UniPC")
-    return SAMPLERS[name]
-
-
-def sampler_eta(name: str, eta: float | None) -> float | None:
-    """The eta to pass sampler `name`: DDIM's in [0, 1] (unset = 0.0); None for the others, which refuse one."""
-    get_sampler(name)
-    if name == "ddim":
-        eta = 0.0 if eta is None else float(eta)
-        if not 0.0 <= eta <= 1.0:  # eta > 1 makes 1 - abar' - sigma^2 negative at some steps
-            raise SettingError(f"{{ddim eta}} {eta:g} is outside [0, 1]: DDIM's eta must lie in [0, 1] (0 = "
-                               f"deterministic, 1 = DDPM-like noise); pass a value in that range.")
-        return eta
-    if name == "ddpm":
-        refuse_eta(eta, name, "draws its noise from the model's learned variance")
-    refuse_eta(eta, name)  # the ODE solvers
-    return None
-
-
-def sampling_spacing(name: str, steps: int) -> str:
-    """The kept_timesteps spacing of `steps` steps for sampler `name`, e.g. "250" (ddpm) or "linspace20" (unipc)."""
-    get_sampler(name)
-    return f"{SAMPLER_SPACING[name]}{steps}"
-
-
-def create_sampling_diffusion(name: str, steps: int) -> GaussianDiffusion:
-    """The respaced diffusion sampler `name` walks with `steps` model calls (see SAMPLER_SPACING)."""
-    return create_diffusion(sampling_spacing(name, steps))
+def check_ddim_eta(eta: float) -> float:
+    """DDIM's eta as a float in [0, 1], or a SettingError (eta > 1 makes 1 - abar' - sigma^2 negative)."""
+    eta = float(eta)
+    if not 0.0 <= eta <= 1.0:
+        raise SettingError(f"{{ddim eta}} {eta:g} is outside [0, 1]: DDIM's eta must lie in [0, 1] (0 = "
+                           f"deterministic, 1 = DDPM-like noise); pass a value in that range.")
+    return eta

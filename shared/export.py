@@ -72,6 +72,18 @@ def _parse_metadata(path, metadata):
     return config, latent_meta, step
 
 
+def read_config(path) -> ModelConfig:
+    """The ModelConfig of a save_weights file from its header alone (no tensor is read)."""
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+    except (SafetensorError, OSError, ValueError):
+        _read_file(path, "cpu")  # raises the one paragraph about a missing or unreadable file
+        raise
+    return _parse_metadata(path, metadata)[0]
+
+
 def load_weights(path, device="cpu"):
     """Read a file written by save_weights -> (state_dict, ModelConfig, latent_meta, step)."""
     path = Path(path)

@@ -37,16 +37,17 @@ def guide_channel_count(choice: str, in_channels: int) -> int | None:
     return int(choice)
 
 
-def describe_guidance(choice: str, in_channels: int, cfg_scale: float) -> str:
+def describe_guidance(choice: str, in_channels: int, cfg_scale: float, interval=None, unit: str = "") -> str:
     """One line saying which guidance rule applies, e.g. for the sampling log."""
     if cfg_scale == 1.0:
         return "guidance: none (cfg scale 1)"
+    where = f" at noise levels {interval[0]:g} to {interval[1]:g} ({unit}; conditional only elsewhere)" if interval else ""
     count = guide_channel_count(choice, in_channels)
     if count is None:
-        return f"guidance: cfg scale {cfg_scale:g} on all {in_channels} latent channels ({choice})"
+        return f"guidance: cfg scale {cfg_scale:g} on all {in_channels} latent channels ({choice}){where}"
     why = "auto: the DiT release's rule for 4-channel latents" if choice == "auto" else "as asked"
     return (f"guidance: cfg scale {cfg_scale:g} on the first {count} of {in_channels} latent channels ({why}; the "
-            f"last channel and the variance are the conditional prediction's)")
+            f"last channel and the variance are the conditional prediction's){where}")
 
 
 def check_guidance(cfg_scale: float, has_null_class: bool) -> None:
@@ -67,29 +68,82 @@ def _autocast(device: torch.device, precision: str):
     return contextlib.nullcontext() if dtype is None else torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def guided_model_fn(model, cfg_scale: float, guide_channels: int | None = None, precision: str = "fp32"):
-    """fn(x (N,C,h,w), t (N,), y (N,)) -> (N, out, h, w) float32: the DiT's guided prediction.
+class GuidedModelFn:
+    """fn(x (N,C,h,w), t (N,), y (N,)) -> (N, out, h, w) float32: the DiT's guided prediction; counts network rows.
 
     cfg_scale 1 is the plain conditional forward (no batch doubling). Otherwise the first `guide_channels`
     latent channels (None: all of them) are guided and the rest, variance included, are the conditional
-    rows'. Autocast follows `precision` (shared.precision.PRECISIONS) on x's device.
+    rows'. With `interval` (lo, hi) and `noise_level` (network t -> level), guidance applies only where
+    lo <= level <= hi (Kynkaanniemi et al. 2024, Sec. 3); elsewhere the step is the conditional prediction
+    alone, one batch of N rows instead of 2N. Autocast follows `precision` on x's device.
     """
-    check_guidance(cfg_scale, model.y_embedder.has_null)
-    _autocast(torch.device("cpu"), precision)  # an unknown precision fails now, not at the first step
-    guided = model.in_channels if guide_channels is None else guide_channels
 
-    def conditional(x, t, y):
+    def __init__(self, model, cfg_scale: float, guide_channels: int | None = None, precision: str = "fp32",
+                 interval: tuple[float, float] | None = None, noise_level=None):
+        check_guidance(cfg_scale, model.y_embedder.has_null)
+        _autocast(torch.device("cpu"), precision)  # an unknown precision fails now, not at the first step
+        if interval is not None and noise_level is None:
+            raise ValueError("a guidance interval needs the objective's noise_level function")
+        self.model, self.cfg_scale, self.precision = model, cfg_scale, precision
+        self.guided = model.in_channels if guide_channels is None else guide_channels
+        self.interval, self.noise_level = interval, noise_level
+        self.rows = 0  # network rows evaluated so far (a guided row costs 2)
+        self.calls = {"guided": 0, "conditional": 0}  # sampler calls of each kind
+
+    def _inside(self, t) -> torch.Tensor:
+        """(N,) bool: which rows' noise levels lie in the guidance interval."""
+        if self.interval is None:
+            return torch.ones(t.shape, dtype=torch.bool, device=t.device)
+        level = self.noise_level(t)
+        lo, hi = self.interval
+        return (level >= lo) & (level <= hi)
+
+    def conditional(self, x, t, y):
         """One conditional pass of N rows."""
-        with _autocast(x.device, precision):
-            return model(x, t, y).float()  # (N, out, h, w)
+        self.rows += len(x)
+        with _autocast(x.device, self.precision):
+            return self.model(x, t, y).float()  # (N, out, h, w)
 
-    def classifier_free(x, t, y):
+    def classifier_free(self, x, t, y):
         """[cond; null] rows in one 2N batch, combined per Eq. 6 on the guided channels."""
-        null = torch.full_like(y, model.null_label)  # (N,)
-        with _autocast(x.device, precision):
-            out = model(torch.cat([x, x]), torch.cat([t, t]), torch.cat([y, null]))  # (2N, out, h, w)
+        self.rows += 2 * len(x)
+        null = torch.full_like(y, self.model.null_label)  # (N,)
+        g = self.guided
+        with _autocast(x.device, self.precision):
+            out = self.model(torch.cat([x, x]), torch.cat([t, t]), torch.cat([y, null]))  # (2N, out, h, w)
             cond, uncond = out[: len(x)], out[len(x):]  # (N, out, h, w) each
-            eps = uncond[:, :guided] + cfg_scale * (cond[:, :guided] - uncond[:, :guided])  # (N, g, h, w)
-            return torch.cat([eps, cond[:, guided:]], dim=1).float()  # (N, out, h, w)
+            eps = uncond[:, :g] + self.cfg_scale * (cond[:, :g] - uncond[:, :g])  # (N, g, h, w)
+            return torch.cat([eps, cond[:, g:]], dim=1).float(), cond.float()  # (N, out, h, w) each
 
-    return conditional if cfg_scale == 1.0 else classifier_free
+    def __call__(self, x, t, y):
+        if self.cfg_scale == 1.0:
+            self.calls["conditional"] += 1
+            return self.conditional(x, t, y)
+        inside = self._inside(t)
+        if not bool(inside.any()):
+            self.calls["conditional"] += 1
+            return self.conditional(x, t, y)
+        self.calls["guided"] += 1
+        guided, cond = self.classifier_free(x, t, y)
+        if bool(inside.all()):
+            return guided
+        return torch.where(inside.view(-1, 1, 1, 1), guided, cond)  # rows at different levels (rare)
+
+
+def guided_model_fn(model, cfg_scale: float, guide_channels: int | None = None, precision: str = "fp32",
+                    interval: tuple[float, float] | None = None, noise_level=None) -> GuidedModelFn:
+    """The guided prediction function of `model` (see GuidedModelFn)."""
+    return GuidedModelFn(model, cfg_scale, guide_channels, precision, interval, noise_level)
+
+
+def check_interval(interval, level_range: tuple[float, float], unit: str, objective: str) -> tuple | None:
+    """The (lo, hi) guidance interval, or None; SettingError when it is empty or outside the objective's levels."""
+    if interval is None:
+        return None
+    lo, hi = (float(v) for v in interval)
+    low, high = level_range
+    if not (low <= lo < hi <= high):
+        raise SettingError(f"{{cfg interval}} {lo:g} {hi:g} is not a range inside [{low:g}, {high:g}], the noise "
+                           f"levels of a {objective} model ({unit}); pass LO HI with {low:g} <= LO < HI <= {high:g} "
+                           f"(e.g. {0.0:g} {0.7 * high:g} guides the lower 70% of the noise levels).")
+    return lo, hi

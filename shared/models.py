@@ -377,6 +377,9 @@ def check_preset(name: str) -> None:
         raise ChoiceError("model preset", name, list(DiT_models))
 
 
+OBJECTIVE_FIELDS = ("objective", "flow_convention")  # ModelConfig fields that describe training, not the network
+
+
 @dataclass
 class ModelConfig:
     """Everything needed to rebuild a DiT; written into every checkpoint and export."""
@@ -387,9 +390,20 @@ class ModelConfig:
     num_classes: int = 1000
     learn_sigma: bool = True
     class_dropout_prob: float = 0.1
+    # What the network was trained to predict (shared/objectives.py): "ddpm" (DiT) or "flow" (SiT), and for flow
+    # the direction of its time input ("sit": 0 = noise; "repa": 0 = data). Not architecture: build() ignores them.
+    objective: str = "ddpm"
+    flow_convention: str = "sit"
 
     def __post_init__(self):
         check_preset(self.model)
+        from shared.objectives import check_objective  # late: objectives imports the samplers, not the model
+        from shared.flow import check_convention
+        check_objective(self.objective)
+        check_convention(self.flow_convention)
+        if self.objective != "flow" and self.flow_convention != "sit":
+            raise SettingError(f"a flow time convention ({self.flow_convention}) is recorded for a {self.objective} "
+                               "model; only flow models have one. Leave the {flow time convention} at sit.")
 
     @property
     def has_null_class(self) -> bool:
@@ -398,7 +412,7 @@ class ModelConfig:
 
     def build(self, attention="auto", grad_checkpoint_every=0):
         """Instantiate the DiT this config describes."""
-        kwargs = {k: v for k, v in self.to_dict().items() if k != "model"}
+        kwargs = {k: v for k, v in self.to_dict().items() if k not in ("model", *OBJECTIVE_FIELDS)}
         return DiT_models[self.model](attention=attention, grad_checkpoint_every=grad_checkpoint_every, **kwargs)
 
     def to_dict(self):

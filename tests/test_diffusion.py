@@ -5,10 +5,11 @@ import numpy as np
 import pytest
 import torch
 
-from shared.diffusion import (NUM_TIMESTEPS, SAMPLER_NAMES, SAMPLERS, GaussianDiffusion, approx_std_normal_cdf,
-                              create_diffusion, ddim_sample, ddim_timesteps, ddpm_sample,
-                              discretized_gaussian_log_likelihood, get_sampler, normal_kl, space_timesteps)
-from shared.errors import ChoiceError, UserError
+from shared.diffusion import (NUM_TIMESTEPS, GaussianDiffusion, approx_std_normal_cdf, create_diffusion, ddim_sample,
+                              ddim_timesteps, ddpm_sample, discretized_gaussian_log_likelihood, normal_kl,
+                              space_timesteps)
+from shared.errors import ChoiceError, SettingError, UserError
+from shared.samplers import SAMPLER_NAMES, SAMPLERS, get_sampler
 
 BETAS = np.linspace(1e-4, 0.02, 1000)  # the DiT schedule, written out independently
 ABAR = np.cumprod(1 - BETAS)
@@ -251,7 +252,7 @@ def test_model_receives_original_timesteps(name):
         seen.append(t.clone())
         return torch.zeros_like(x)
 
-    SAMPLERS[name](create_diffusion(10), model_fn, torch.randn(2, 1, 2, 2))
+    SAMPLERS[name].fn(create_diffusion(10), model_fn, torch.randn(2, 1, 2, 2))
     assert all(t.dtype == torch.long and t.shape == (2,) for t in seen)
     assert [int(t[0]) for t in seen] == kept_steps(10)[::-1]
 
@@ -390,7 +391,7 @@ def linear_gaussian_reference(k, sampler, v=None, eta=0.0):
 def test_oracle_sampling_recovers_the_data_distribution(sampler, k, v, eta, std_rel):
     g = torch.Generator().manual_seed(0)
     noise = torch.randn(4000, 1, 2, 2, generator=g)  # 16,000 independent coordinates
-    x = SAMPLERS[sampler](create_diffusion(k), oracle(v), noise, generator=g, eta=eta)
+    x = SAMPLERS[sampler].fn(create_diffusion(k), oracle(v), noise, generator=g, eta=eta)
     ref_mean, ref_std = linear_gaussian_reference(k, sampler, v, eta or 0.0)
     # Exact propagation: only Monte Carlo error (std/sqrt(n) = 0.004 on the mean, 0.003 on the std).
     assert x.mean().item() == pytest.approx(ref_mean, abs=0.015)
@@ -453,13 +454,19 @@ def test_sampler_argument_errors():
 
 
 def test_sampler_vocabulary():
-    assert SAMPLER_NAMES == ("ddpm", "ddim", "dpmpp-2m", "unipc") == tuple(SAMPLERS)
-    assert get_sampler("ddim") is ddim_sample and get_sampler("ddpm") is ddpm_sample
+    """One registry of records: each sampler's function and the objectives it serves; others refused by name."""
+    assert SAMPLER_NAMES == ("ddpm", "ddim", "dpmpp-2m", "unipc", "euler", "heun", "sde", "dopri5") == tuple(SAMPLERS)
+    assert get_sampler("ddim").fn is ddim_sample and get_sampler("ddpm").fn is ddpm_sample
+    assert [n for n in SAMPLER_NAMES if "ddpm" in SAMPLERS[n].objectives] == ["ddpm", "ddim", "dpmpp-2m", "unipc"]
     with pytest.raises(ChoiceError) as err:
-        get_sampler("euler")
-    assert (err.value.kind, err.value.value, err.value.choices) == ("sampler", "euler", list(SAMPLER_NAMES))
-    assert "--" not in str(err.value) and "ddpm, ddim, dpmpp-2m, unipc" in str(err.value)
-    assert "--sampler 'euler'" in str(err.value.advise("--sampler"))  # the CLI turns it into flag advice
+        get_sampler("bogus")
+    assert (err.value.kind, err.value.value, err.value.choices) == ("sampler", "bogus", list(SAMPLER_NAMES))
+    assert "--" not in str(err.value) and "ddpm, ddim, dpmpp-2m, unipc, euler" in str(err.value)
+    assert "--sampler 'bogus'" in str(err.value.advise("--sampler"))  # the CLI turns it into flag advice
+    with pytest.raises(SettingError) as err:
+        get_sampler("euler", "ddpm")  # a flow sampler for a DDPM model
+    advice = err.value.phrase({"sampler": "--sampler"})
+    assert "--sampler euler samples flow models" in advice and "ddpm, ddim, dpmpp-2m, unipc" in advice
 
 
 def test_custom_schedule_runs():

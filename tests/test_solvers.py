@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from shared.diffusion import (NUM_TIMESTEPS, SAMPLERS, create_diffusion, create_sampling_diffusion,
-                              kept_timesteps, sampler_eta, space_timesteps)
+from shared.diffusion import NUM_TIMESTEPS, create_diffusion, kept_timesteps, space_timesteps
 from shared.errors import SettingError, UserError
+from shared.objectives import DDPMObjective
+from shared.samplers import SAMPLERS, sampler_options
 from shared.export import save_weights
 from shared.models import ModelConfig
 from shared.vae import LatentVAE
@@ -18,6 +19,16 @@ from tests.conftest import ROOT
 from tests.test_sample import NUM_CLASSES, _random_dit, pngs, run_cli
 
 SOLVERS = ("dpmpp-2m", "unipc")
+
+
+def create_sampling_diffusion(name, steps):
+    """The respaced diffusion the DDPM objective builds for sampler `name` (its registry spacing)."""
+    return DDPMObjective().process(name, steps, {})
+
+
+def sampler_eta(name, eta):
+    """DDIM's eta as the registry resolves it (None for samplers that take none)."""
+    return sampler_options(name, {"ddim_eta": eta}).get("ddim_eta")
 BETAS = np.linspace(1e-4, 0.02, NUM_TIMESTEPS)  # the DiT schedule, written out independently
 ABAR = np.cumprod(1 - BETAS)
 ABAR_F32 = torch.tensor(ABAR, dtype=torch.float32)
@@ -78,7 +89,7 @@ def test_linspace_spacing_is_diffusers_and_differs_from_dit_respacing_only_by_ro
 def _flow_error(name, k, noise):
     """(sampler output, exact ODE x_0) for k model calls of sampler `name` with the oracle."""
     d = create_sampling_diffusion(name, k)
-    return SAMPLERS[name](d, oracle, noise, eta=sampler_eta(name, None)), exact_flow(noise).float()
+    return SAMPLERS[name].fn(d, oracle, noise, eta=sampler_eta(name, None)), exact_flow(noise).float()
 
 
 @pytest.mark.parametrize("name", SOLVERS)
@@ -140,7 +151,7 @@ def test_solvers_match_diffusers_schedulers(name, k):
             calls.append(int(t[0]))
             return torch.cat([eps_fn(x, t), torch.randn_like(x)], dim=1)  # the variance half is ignored
 
-        ours = SAMPLERS[name](create_sampling_diffusion(name, k), model_fn, noise)
+        ours = SAMPLERS[name].fn(create_sampling_diffusion(name, k), model_fn, noise)
         assert calls == their_steps and len(calls) == k
         # float32 both sides; diffusers' schedule is float32, ours float64 (x0 predictions amplify by 1/alpha).
         torch.testing.assert_close(ours, ref, rtol=1e-4, atol=2e-5)
@@ -149,8 +160,8 @@ def test_solvers_match_diffusers_schedulers(name, k):
 def test_unipc_corrector_changes_the_result():
     """UniPC is not DPM-Solver++ under another name: with >= 3 steps the corrector moves the samples."""
     noise = torch.randn(4, 3, 4, 4, generator=torch.Generator().manual_seed(1))
-    a = SAMPLERS["unipc"](create_sampling_diffusion("unipc", 6), lambda x, t: nonlinear_eps(x, t), noise)
-    b = SAMPLERS["dpmpp-2m"](create_sampling_diffusion("dpmpp-2m", 6), lambda x, t: nonlinear_eps(x, t), noise)
+    a = SAMPLERS["unipc"].fn(create_sampling_diffusion("unipc", 6), lambda x, t: nonlinear_eps(x, t), noise)
+    b = SAMPLERS["dpmpp-2m"].fn(create_sampling_diffusion("dpmpp-2m", 6), lambda x, t: nonlinear_eps(x, t), noise)
     assert (a - b).abs().max().item() > 1e-3
 
 
@@ -164,8 +175,8 @@ def test_rows_do_not_depend_on_the_batch(name):
     noise = torch.randn(4, 2, 2, 2, generator=torch.Generator().manual_seed(3))
     d = create_sampling_diffusion(name, 8)
     gens = [torch.Generator().manual_seed(s) for s in range(4)]
-    whole = SAMPLERS[name](d, oracle, noise, generator=gens)
-    parts = torch.cat([SAMPLERS[name](d, oracle, noise[i:i + 2]) for i in (0, 2)])
+    whole = SAMPLERS[name].fn(d, oracle, noise, generator=gens)
+    parts = torch.cat([SAMPLERS[name].fn(d, oracle, noise[i:i + 2]) for i in (0, 2)])
     torch.testing.assert_close(whole, parts, rtol=0, atol=1e-6)
     assert [g.initial_seed() for g in gens] == list(range(4))
     assert torch.equal(torch.randn(1, generator=gens[0]), torch.randn(1, generator=torch.Generator().manual_seed(0)))
@@ -180,8 +191,9 @@ def test_eta_is_ddim_only():
             sampler_eta(name, 0.3)
         advice = err.value.phrase({"ddim eta": "--ddim-eta", "sampler": "--sampler"})
         assert f"the {name} sampler" in advice and "--sampler ddim" in advice and "--ddim-eta 0.3" in advice
+        assert DDPMObjective().sample(name, oracle, torch.zeros(1, 1, 2, 2), 3, sampler_options(name, {})).shape
         with pytest.raises(SettingError):
-            SAMPLERS[name](create_sampling_diffusion(name, 3), oracle, torch.zeros(1, 1, 2, 2), eta=0.0)
+            SAMPLERS[name].fn(create_sampling_diffusion(name, 3), oracle, torch.zeros(1, 1, 2, 2), eta=0.0)
     with pytest.raises(SettingError, match=r"must lie in \[0, 1\]"):
         sampler_eta("ddim", 1.5)
 
@@ -252,9 +264,10 @@ def test_cli_resumes_a_ddim_folder_written_before_ddim_eta_existed(run_dir, tmp_
 
 
 @pytest.mark.parametrize("extra,message", [
-    (("--sampler", "unipc", "--ddim-eta", 0), "--ddim-eta 0 is DDIM's noise scale and applies only to the ddim "
-                                               "sampler (--sampler ddim); the unipc sampler is a deterministic ODE"),
-    (("--ddim-eta", 0.2), "the ddpm sampler draws its noise from the model's learned variance"),
+    (("--sampler", "unipc", "--ddim-eta", 0), "--ddim-eta 0 sets DDIM's eta in [0, 1] (0 = deterministic), which "
+                                               "the unipc sampler does not take (only ddim); drop it, or pass "
+                                               "--sampler ddim"),
+    (("--ddim-eta", 0.2), "which the ddpm sampler does not take"),
     (("--sampler", "ddim", "--ddim-eta", 1.5), "--ddim-eta 1.5 is outside [0, 1]"),
     (("--sampler", "dpmpp-2m", "--num-sampling-steps", 1000), "at most 999 sampling steps"),
 ])

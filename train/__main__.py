@@ -9,7 +9,9 @@ PROG = "python -m train"
 
 # Which flag sets each domain vocabulary that shared/ may report a bad value of.
 FLAGS = {"model preset": "--model", "attention backend": "--attention", "precision": "--precision",
-         "guide-channel choice": "--sample-guide-channels", "run folder": "--results-dir", "vae": "--watch-vae"}
+         "guide-channel choice": "--sample-guide-channels", "run folder": "--results-dir", "vae": "--watch-vae",
+         "objective": "--objective", "time sampling": "--time-sampling", "time loc": "--time-loc",
+         "time scale": "--time-scale", "cos weight": "--cos-weight"}
 
 
 def main(argv=None, callbacks=()) -> int:

@@ -17,7 +17,9 @@ from pathlib import Path
 from shared.cli import HelpFormatter
 from shared.errors import UserError
 from shared.guidance import GUIDE_CHANNELS
+from shared.flow import TIME_SAMPLINGS
 from shared.models import ATTENTION_BACKENDS, check_preset
+from shared.objectives import OBJECTIVE_HELP, OBJECTIVE_NAMES
 from shared.precision import PRECISION_CHOICES, canonical_precision
 from train.trackers import DEFAULT_REPORT_TO, REPORT_TO
 
@@ -28,7 +30,7 @@ DEFAULT_MAX_STEPS = 400_000  # the paper's headline training length (DiT Table 4
 DEBUG_STEPS = 5
 
 # Changing one of these changes the experiment: a resume that differs is refused.
-IDENTITY_FIELDS = ("model", "global_batch_size", "seed", "optimizer", "adam_betas", "weight_decay",
+IDENTITY_FIELDS = ("model", "objective", "time_sampling", "time_loc", "time_scale", "cos_weight", "global_batch_size", "seed", "optimizer", "adam_betas", "weight_decay",
                    "ema_decay", "class_dropout_prob")
 # Data identity: what a checkpoint's latent folder must share with the one given now.
 DATA_FIELDS = ("num_samples", "latent_shape", "flips", "num_classes", "image_size", "scaling_factor", "vae",
@@ -42,6 +44,11 @@ class TrainConfig:
     latents: str
     results_dir: str
     model: str = "DiT-XL/2"
+    objective: str = "ddpm"
+    time_sampling: str = "uniform"
+    time_loc: float = 0.0
+    time_scale: float = 1.0
+    cos_weight: float = 0.0
     global_batch_size: int = 256
     micro_batch_size: int | None = None
     precision: str = "fp32"
@@ -113,6 +120,15 @@ class TrainConfig:
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
     """Model, data and run-folder flags."""
     p.add_argument("--model", default="DiT-XL/2", help="model preset from shared.models.DiT_models (default DiT-XL/2)")
+    p.add_argument("--objective", default="ddpm", choices=OBJECTIVE_NAMES,
+                   help="what the model learns: " + "; ".join(f"{k}: {v}" for k, v in OBJECTIVE_HELP.items()))
+    p.add_argument("--time-sampling", default="uniform", choices=TIME_SAMPLINGS,
+                   help="flow only: how training draws the time: uniform (SiT) or lognormal, sigmoid of a normal "
+                        "(SD3, LightningDiT)")
+    p.add_argument("--time-loc", type=float, default=0.0, help="flow only: location of the lognormal time draw")
+    p.add_argument("--time-scale", type=float, default=1.0, help="flow only: scale of the lognormal time draw")
+    p.add_argument("--cos-weight", type=float, default=0.0,
+                   help="flow only: weight of LightningDiT's cosine velocity-direction loss (its recipe: 1)")
     p.add_argument("--latents", required=True, help="latent folder written by `python -m extract` (index.json + shards)")
     p.add_argument("--results-dir", required=True,
                    help="the run folder; rerunning the same command resumes it (checkpoints, logs, exports)")
@@ -229,9 +245,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 # Checks and resolution (cheap: no model, no tensors)
 # ---------------------------------------------------------------------------------------------------------
 
-_POSITIVE = ("global_batch_size", "micro_batch_size", "max_steps", "epochs", "ckpt_every", "log_every",
+_POSITIVE = ("time_scale", "global_batch_size", "micro_batch_size", "max_steps", "epochs", "ckpt_every", "log_every",
              "sample_steps", "image_size")
-_NON_NEGATIVE = ("grad_checkpoint", "keep_last", "keep_exports", "sample_every", "warmup_steps", "num_workers",
+_NON_NEGATIVE = ("cos_weight", "grad_checkpoint", "keep_last", "keep_exports", "sample_every", "warmup_steps", "num_workers",
                  "max_nonfinite", "weight_decay", "max_grad_norm", "seed")
 
 
@@ -319,7 +335,16 @@ def resolve_config(cfg: TrainConfig, dataset, world_size: int) -> TrainConfig:
     else:
         cfg.total_steps = cfg.max_steps or DEFAULT_MAX_STEPS
     _resolve_preview_guidance(cfg)
+    _check_objective(cfg)
     return cfg
+
+
+def _check_objective(cfg: TrainConfig) -> None:
+    """The objective and its training settings build (e.g. no flow-only setting on a ddpm run); cheap."""
+    from shared.objectives import make_objective
+
+    make_objective(cfg.objective, time_sampling=cfg.time_sampling,
+                   time_loc=cfg.time_loc, time_scale=cfg.time_scale, cos_weight=cfg.cos_weight)
 
 
 def _resolve_preview_guidance(cfg: TrainConfig) -> None:

@@ -1,6 +1,7 @@
 """The training data stream: resumable positions, and every random draw keyed by the sample's position.
 
-Each sample in the global stream has a position p (samples consumed before it by all processes together,
+The objective (shared/objectives.py) decides how the time is drawn: DiT's integer timestep, or SiT's
+flow time. Each sample in the global stream has a position p (samples consumed before it by all processes together,
 see shared.shards.StreamSampler). All of its randomness (timestep, class dropout, flip variant, the fresh
 posterior draw and the diffusion noise) comes from one generator seeded by (seed, p), as edm2 derives its
 randomness from (seed, images seen). So a sample gets the same draws whatever the number of processes,
@@ -13,7 +14,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from shared.diffusion import NUM_TIMESTEPS
+from shared.objectives import DDPMObjective
 from shared.seeding import generator_for
 from shared.shards import LatentDataset, StreamSampler
 from shared.vae import draw_latents
@@ -38,12 +39,14 @@ class TrainingDraws(torch.utils.data.Dataset):
     """Wraps a LatentDataset: a batch of (position, index) pairs -> the tensors one training micro-step needs.
 
     Output of `__getitems__` (B samples): x0 (B,C,h,w) fp32 fresh latents scaled by the VAE factor, label
-    (B,) int64, drop (B,) bool (class dropout), t (B,) int64 timesteps, noise (B,C,h,w) fp32, position
+    (B,) int64, drop (B,) bool (class dropout), t (B,) the objective's times (int64 DiT timesteps, or float32
+    flow times), noise (B,C,h,w) fp32, position
     (B,) int64: each sample's global stream position, which keys all of its draws.
     """
 
-    def __init__(self, dataset: LatentDataset, seed: int, class_dropout_prob: float):
+    def __init__(self, dataset: LatentDataset, seed: int, class_dropout_prob: float, objective=None):
         self.dataset, self.seed, self.class_dropout_prob = dataset, seed, class_dropout_prob
+        self.objective = objective or DDPMObjective()
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -56,7 +59,7 @@ class TrainingDraws(torch.utils.data.Dataset):
         batch = self.dataset.gather(np.array([i for _, i in pairs], dtype=np.int64))  # mean/std (B, F, C, h, w)
         gens = [generator_for(self.seed, int(p)) for p in positions]
         # Draw order per sample is fixed: timestep, dropout coin, flip variant, posterior eps, diffusion noise.
-        t = torch.cat([torch.randint(0, NUM_TIMESTEPS, (1,), generator=g) for g in gens])  # (B,)
+        t = torch.cat([self.objective.draw_time(g) for g in gens])  # (B,)
         drop = torch.cat([torch.rand(1, generator=g) for g in gens]) < self.class_dropout_prob  # (B,)
         flips = batch["mean"].shape[1]
         variant = torch.cat([torch.randint(0, flips, (1,), generator=g) for g in gens])  # (B,)
@@ -74,11 +77,11 @@ def _passthrough(batch):
 
 
 def make_loader(dataset: LatentDataset, *, micro_batch: int, rank: int, world_size: int, seed: int, start: int,
-                class_dropout_prob: float, num_workers: int, pin_memory: bool) -> Iterator[dict]:
+                class_dropout_prob: float, num_workers: int, pin_memory: bool, objective=None) -> Iterator[dict]:
     """An endless iterator of micro-batches for this rank, starting at global stream position `start`."""
     sampler = PositionedSampler(len(dataset), rank, world_size, seed, start)
     loader = torch.utils.data.DataLoader(
-        TrainingDraws(dataset, seed, class_dropout_prob), batch_size=micro_batch, sampler=sampler,
+        TrainingDraws(dataset, seed, class_dropout_prob, objective), batch_size=micro_batch, sampler=sampler,
         num_workers=num_workers, pin_memory=pin_memory, collate_fn=_passthrough,
         # Its own generator, so worker seeding never consumes the global torch RNG.
         generator=torch.Generator().manual_seed(seed), persistent_workers=False,
@@ -86,7 +89,7 @@ def make_loader(dataset: LatentDataset, *, micro_batch: int, rank: int, world_si
     return iter(loader)
 
 
-def synthetic_batch(shape_of, micro_batch: int, class_dropout_prob: float, seed: int = 0) -> dict:
+def synthetic_batch(shape_of, micro_batch: int, class_dropout_prob: float, seed: int = 0, objective=None) -> dict:
     """A micro-batch of the loader's keys, shapes and dtypes from random latents (bench and plan).
 
     shape_of: a ModelConfig or a DiT (both carry in_channels, input_size and num_classes).
@@ -96,6 +99,6 @@ def synthetic_batch(shape_of, micro_batch: int, class_dropout_prob: float, seed:
     return {"x0": torch.randn(shape, generator=g),  # (B, C, h, w) fp32
             "label": torch.randint(0, shape_of.num_classes, (micro_batch,), generator=g),  # (B,)
             "drop": torch.rand(micro_batch, generator=g) < class_dropout_prob,  # (B,)
-            "t": torch.randint(0, NUM_TIMESTEPS, (micro_batch,), generator=g),  # (B,)
+            "t": torch.cat([(objective or DDPMObjective()).draw_time(g) for _ in range(micro_batch)]),  # (B,)
             "noise": torch.randn(shape, generator=g),  # (B, C, h, w)
             "position": torch.arange(micro_batch, dtype=torch.int64)}  # (B,)

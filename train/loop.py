@@ -146,7 +146,7 @@ def model_config_for(cfg: TrainConfig, dataset: LatentDataset) -> ModelConfig:
     """The DiT config for these latents."""
     channels, size, _ = dataset.latent_shape
     return ModelConfig(model=cfg.model, input_size=size, in_channels=channels, num_classes=dataset.num_classes,
-                       class_dropout_prob=cfg.class_dropout_prob)
+                       class_dropout_prob=cfg.class_dropout_prob, objective=cfg.objective)
 
 
 def check_finite_state(saved: dict, source: Path) -> None:
@@ -309,7 +309,8 @@ def save_samples(run: Run) -> None:
         ema.to(run.device)  # an EMA kept on the CPU visits the GPU for sampling (exact fp32 round trip)
         try:
             latents, labels = sample_preview(ema, run.dataset.latent_shape, run.cfg.sample_steps,
-                                             run.cfg.sample_cfg_scale, run.cfg.sample_guide_channels, run.device)
+                                             run.cfg.sample_cfg_scale, run.cfg.sample_guide_channels, run.device,
+                                             run.learner.objective)
         finally:
             ema.to(home)
         path = save_preview(rundir.sample_path(run.run_dir, run.step), latents, labels, run.dataset.latent_meta(),
@@ -404,7 +405,7 @@ def run_loop(run: Run) -> dict:
     loader = make_loader(run.dataset, micro_batch=cfg.micro_batch_size, rank=run.accelerator.process_index,
                          world_size=run.accelerator.num_processes, seed=cfg.seed, start=run.data_position,
                          class_dropout_prob=cfg.class_dropout_prob, num_workers=cfg.num_workers,
-                         pin_memory=run.device.type == "cuda")
+                         pin_memory=run.device.type == "cuda", objective=run.learner.objective)
     meter, last = Meter(), {}
     bar = tqdm(total=total, initial=run.step, desc="train", unit="step", disable=not run.is_main, dynamic_ncols=True)
     with bar:

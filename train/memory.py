@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shared.diffusion import create_diffusion
+from shared.objectives import DDPMObjective
 from shared.errors import UserError
 from shared.models import ModelConfig, check_preset
 from shared.precision import autocast_dtype
@@ -194,16 +194,16 @@ class Residency:
     resident: int
 
 
-def measure_forward(model, batch: int, precision: str, diffusion=None) -> Residency:
+def measure_forward(model, batch: int, precision: str, objective=None) -> Residency:
     """Run the trainer's forward + loss at `batch` under `precision` and count what it leaves resident."""
-    diffusion = diffusion or create_diffusion()
+    objective = objective or DDPMObjective()
     device = next(model.parameters()).device
-    micro = synthetic_batch(model, batch, class_dropout_prob=0.1)
+    micro = synthetic_batch(model, batch, class_dropout_prob=0.1, objective=objective)
     params = _param_keys(model)
     ledger, casts = SavedTensorLedger(params), CastCacheCounter(params)
     model.train()
     with ledger, casts, autocast_context(device, precision):
-        loss = forward_loss(model, diffusion, micro, precision, device)
+        loss = forward_loss(model, objective, micro, precision, device)
         saved = ledger.storages()  # read inside autocast: the cast cache is still alive here
     del loss
     return Residency(sum(saved.values()), sum(casts.copies.values()), sum({**casts.copies, **saved}.values()))

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from shared.diffusion import create_diffusion, ddim_sample
+from shared.objectives import DDPMObjective, run_sampler
 from shared.fsio import atomic_write
 from shared.guidance import guide_channel_count, guided_model_fn
 from shared.seeding import generator_for
@@ -35,12 +35,14 @@ def preview_noise(latent_shape, count: int = PREVIEW_COUNT) -> torch.Tensor:
 
 @torch.no_grad()
 def sample_preview(model, latent_shape, num_steps: int, cfg_scale: float, guide_channels: str,
-                   device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Deterministic DDIM latents of the EMA model for the preview classes -> (latents, labels) on the CPU."""
+                   device, objective=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """EMA latents for the preview classes by the objective's deterministic sampler (DDIM / Euler) -> CPU tensors."""
+    objective = objective or DDPMObjective()
     labels = preview_labels(model.num_classes).to(device)  # (N,)
     noise = preview_noise(latent_shape).to(device)  # (N, C, h, w)
     model_fn = guided_model_fn(model, cfg_scale, guide_channel_count(guide_channels, model.in_channels))
-    x = ddim_sample(create_diffusion(num_steps), model_fn, noise, dict(y=labels))  # (N, C, h, w)
+    x = run_sampler(objective, objective.fast_sampler, model_fn, noise, num_steps, {},
+                    model_kwargs=dict(y=labels))  # (N, C, h, w)
     return x.float().cpu(), labels.cpu()
 
 

@@ -20,7 +20,7 @@ from typing import Iterable
 
 import torch
 
-from shared.diffusion import GaussianDiffusion, create_diffusion
+from shared.objectives import DDPMObjective, objective_of
 from shared.errors import UserError
 from shared.models import ModelConfig
 from shared.precision import autocast_dtype
@@ -40,7 +40,7 @@ class Learner:
     model_config: ModelConfig
     accelerator: object = None  # None: a single process without Accelerate (nothing to synchronise)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    diffusion: GaussianDiffusion = field(default_factory=create_diffusion)
+    objective: object = field(default_factory=DDPMObjective)  # shared/objectives.py: time draws and the loss
     step: int = 0
     skipped_steps: int = 0
 
@@ -87,6 +87,12 @@ def build_ema(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) ->
     return ema.to(device if cfg.ema_device == "gpu" else "cpu")
 
 
+def objective_for(cfg: TrainConfig, model_config: ModelConfig):
+    """The run's objective: the one its ModelConfig records, with the config's training-time settings."""
+    return objective_of(model_config, time_sampling=cfg.time_sampling, time_loc=cfg.time_loc,
+                          time_scale=cfg.time_scale, cos_weight=cfg.cos_weight)
+
+
 def make_learner(cfg: TrainConfig, model_config: ModelConfig, accelerator=None, device=None) -> Learner:
     """Model, EMA, optimizer and scaler on `device` (the accelerator's when given), compiled/wrapped as asked."""
     device = torch.device(accelerator.device if accelerator is not None else (device or "cpu"))
@@ -95,7 +101,8 @@ def make_learner(cfg: TrainConfig, model_config: ModelConfig, accelerator=None, 
     raw.to(device)
     learner = Learner(cfg=cfg, raw=raw, model=raw, ema=ema, optimizer=build_optimizer(cfg, raw, device),
                       scaler=torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16"),
-                      model_config=model_config, accelerator=accelerator, device=device)
+                      model_config=model_config, accelerator=accelerator, device=device,
+                      objective=objective_for(cfg, model_config))
     compiled = torch.compile(raw) if cfg.compile else raw
     learner.model = accelerator.prepare(compiled) if accelerator is not None else compiled
     return learner
@@ -115,17 +122,17 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def forward_loss(model, diffusion: GaussianDiffusion, batch: dict, precision: str, device) -> torch.Tensor:
-    """Mean L_hybrid (IDDPM Eq. 16) of one micro-batch, under autocast when mixed precision is on."""
+def forward_loss(model, objective, batch: dict, precision: str, device) -> torch.Tensor:
+    """The objective's mean loss over one micro-batch, under autocast when mixed precision is on."""
     device = torch.device(device)
     x0 = batch["x0"].to(device, non_blocking=True)  # (B, C, h, w) fp32, already scaled
     noise = batch["noise"].to(device, non_blocking=True)  # (B, C, h, w)
-    t = batch["t"].to(device, non_blocking=True)  # (B,)
+    t = batch["t"].to(device, non_blocking=True)  # (B,) the objective's times
     kwargs = dict(y=batch["label"].to(device, non_blocking=True),  # (B,)
                   force_drop_ids=batch["drop"].to(device, non_blocking=True))  # (B,) class-dropout coin
     dtype = autocast_dtype(precision)
     with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-        losses = diffusion.training_losses(model, x0, t, model_kwargs=kwargs, noise=noise)
+        losses = objective.training_losses(model, x0, t, noise, model_kwargs=kwargs)
     return losses["loss"].mean()
 
 
@@ -144,7 +151,7 @@ def accumulate_gradients(learner: Learner, batches: Iterable[dict]) -> torch.Ten
     for micro, batch in enumerate(batches):
         # Only the last micro-step all-reduces gradients; the others accumulate locally (DDP no_sync).
         with contextlib.nullcontext() if micro == steps - 1 else _no_sync(learner):
-            loss = forward_loss(learner.model, learner.diffusion, batch, learner.cfg.precision, learner.device)
+            loss = forward_loss(learner.model, learner.objective, batch, learner.cfg.precision, learner.device)
             learner.scaler.scale(loss / steps).backward()
         total += loss.detach().float()
         count += 1

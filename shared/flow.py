@@ -1,0 +1,201 @@
+"""Flow matching on the linear path, as SiT defines it: the path, the loss, time draws, and its samplers.
+
+Papers: Ma et al. 2024, "SiT: Exploring Flow and Diffusion-based Generative Models with Scalable
+Interpolant Transformers" (the linear interpolant, velocity prediction, the Euler-Maruyama sampler with
+w_t = sigma_t and its "Mean" last step); Lipman et al. 2023 (flow matching); Esser et al. 2024 (SD3:
+logit-normal time sampling); Yao et al. 2025 (LightningDiT: timestep shift and the cosine velocity loss).
+
+Time here is SiT's: tau in [0, 1], tau = 0 is pure noise and tau = 1 is data,
+    x_tau = tau x1 + (1 - tau) eps,   velocity v = dx/dtau = x1 - eps            (SiT Eq. 1-2, linear path)
+and the noise level of x_tau is sigma = 1 - tau. What the network receives as its timestep input is the
+model's convention (FLOW_CONVENTIONS): SiT feeds tau and predicts v; REPA's code runs time the other way
+(t = 1 - tau, t = 0 data) and predicts eps - x1 = -v. Everything below works in SiT time and converts only
+at the model call, so one set of samplers serves both conventions.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from shared.diffusion import mean_flat, randn_rows
+from shared.errors import ChoiceError, SettingError
+
+# "sit": the network gets tau (0 = noise) and predicts x1 - eps; "repa": it gets 1 - tau and predicts eps - x1.
+FLOW_CONVENTIONS = ("sit", "repa")
+TIME_SAMPLINGS = ("uniform", "lognormal")  # training-time tau draws (SiT: uniform; SD3/LightningDiT: logit-normal)
+SDE_LAST_STEP = 0.04  # SiT's default size of the final "Mean" step (its sample.py --last-step-size)
+
+
+def check_convention(convention: str) -> str:
+    """ChoiceError unless `convention` is one of FLOW_CONVENTIONS."""
+    if convention not in FLOW_CONVENTIONS:
+        raise ChoiceError("flow time convention", convention, FLOW_CONVENTIONS,
+                          "sit: time 0 = noise (SiT, LightningDiT); repa: time 0 = data (REPA)")
+    return convention
+
+
+def shift_time(tau: torch.Tensor, shift: float) -> torch.Tensor:
+    """LightningDiT's timestep shift tau' = s tau / (1 + (s - 1) tau); s < 1 spends more steps near noise, 1 = none."""
+    return shift * tau / (1 + (shift - 1) * tau)
+
+
+@dataclass(frozen=True)
+class FlowPath:
+    """The linear path of one model convention: the model-call conversion and the training loss."""
+
+    convention: str = "sit"
+
+    def __post_init__(self):
+        check_convention(self.convention)
+
+    def model_time(self, tau: torch.Tensor) -> torch.Tensor:
+        """The timestep input the network was trained with, from SiT time tau (N,)."""
+        return tau if self.convention == "sit" else 1 - tau
+
+    def noise_level(self, model_t: torch.Tensor) -> torch.Tensor:
+        """sigma = 1 - tau of a network timestep input (for the guidance interval)."""
+        return 1 - model_t if self.convention == "sit" else model_t
+
+    def velocity(self, out: torch.Tensor, channels: int) -> torch.Tensor:
+        """SiT's velocity x1 - eps from a network output (N, C or 2C, h, w); extra channels are ignored (as SiT)."""
+        v = out[:, :channels].float()  # (N, C, h, w)
+        return v if self.convention == "sit" else -v
+
+    def call(self, model_fn, x: torch.Tensor, tau: torch.Tensor, model_kwargs: dict | None) -> torch.Tensor:
+        """The velocity field at (x, tau): one network call, converted to SiT's convention."""
+        return self.velocity(model_fn(x, self.model_time(tau), **(model_kwargs or {})), x.shape[1])
+
+    def training_losses(self, model_fn, x1, tau, noise, model_kwargs=None, cos_weight: float = 0.0) -> dict:
+        """Velocity MSE (SiT Eq. 5) plus, with cos_weight > 0, LightningDiT's 1 - cos(v_hat, v) over channels; each (N,)."""
+        t = tau.view(-1, *([1] * (x1.ndim - 1))).to(x1.dtype)  # (N, 1, 1, 1)
+        xt = t * x1 + (1 - t) * noise  # (N, C, h, w)
+        target = x1 - noise  # (N, C, h, w): d x_tau / d tau
+        pred = self.call(model_fn, xt, tau, model_kwargs)
+        mse = mean_flat((pred - target) ** 2)
+        if cos_weight <= 0:
+            return {"loss": mse, "mse": mse}
+        cos = mean_flat(1 - torch.nn.functional.cosine_similarity(pred, target, dim=1))  # (N,), per-pixel over C
+        return {"loss": mse + cos_weight * cos, "mse": mse, "cos": cos}
+
+
+def draw_time(generator: torch.Generator, sampling: str = "uniform", loc: float = 0.0, scale: float = 1.0,
+              shift: float = 1.0) -> torch.Tensor:
+    """One training time tau (1,) from `generator`: uniform on [0, 1), or sigmoid(N(loc, scale)) (SD3 Eq. 19)."""
+    if sampling == "uniform":
+        tau = torch.rand(1, generator=generator)
+    elif sampling == "lognormal":
+        tau = torch.sigmoid(loc + scale * torch.randn(1, generator=generator))
+    else:
+        raise ChoiceError("time sampling", sampling, TIME_SAMPLINGS)
+    return tau if shift == 1.0 else shift_time(tau, shift)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sampling: one process description, three solvers sharing one signature
+# ----------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class FlowProcess:
+    """What a flow sampler walks: the path and the SiT-time grid (float64, from noise at 0 towards data at 1)."""
+
+    path: FlowPath
+    times: torch.Tensor  # (K + 1,) float64: the K steps' start and end points; the last is the end time
+    last_step: float = 0.0  # SDE only: the final "Mean" step from times[-1] to times[-1] + last_step
+
+
+def flow_grid(steps: int, shift: float = 1.0, end: float = 1.0) -> torch.Tensor:
+    """steps + 1 SiT times from 0 to `end`, evenly spaced, then shifted (LightningDiT); float64."""
+    return shift_time(torch.linspace(0.0, end, steps + 1, dtype=torch.float64), shift)
+
+
+def make_process(path: FlowPath, sampler: str, steps: int, shift: float = 1.0,
+                 last_step: float = SDE_LAST_STEP) -> FlowProcess:
+    """The grid sampler `sampler` walks with `steps` model calls (ODE) or steps (SDE, the last one a Mean step)."""
+    if sampler == "sde":
+        # SiT: linspace(0, 1 - h, N) gives N - 1 Euler-Maruyama steps, then one Mean step of size h: N in all.
+        if not 0.0 < last_step < 1.0:
+            raise SettingError(f"{{last step}} {last_step:g} is outside (0, 1); SiT's SDE sampler ends with a "
+                               f"deterministic step of this size (default {SDE_LAST_STEP}).")
+        if steps < 2:
+            raise SettingError("the SDE sampler takes at least 2 steps (Euler-Maruyama steps, then SiT's last "
+                               "Mean step); pass {sampling steps} 2 or more (SiT uses 250).")
+        times = shift_time(torch.linspace(0.0, 1.0 - last_step, steps, dtype=torch.float64), shift)  # (N,)
+        return FlowProcess(path, times, last_step)
+    return FlowProcess(path, flow_grid(steps, shift))
+
+
+def _tau(value, x) -> torch.Tensor:
+    """A (N,) float32 time vector on x's device."""
+    return torch.full((x.shape[0],), float(value), device=x.device, dtype=torch.float32)
+
+
+def _pairs(process: FlowProcess, progress: bool, desc: str):
+    """(tau_i, tau_{i+1}) as float64 scalars, with an optional progress bar."""
+    times = process.times.tolist()
+    for i in tqdm(range(len(times) - 1), desc=desc, disable=not progress, leave=False):
+        yield times[i], times[i + 1]
+
+
+@torch.no_grad()
+def euler_sample(process: FlowProcess, model_fn, noise, model_kwargs=None, generator=None, progress=False):
+    """Euler's method on the probability-flow ODE dx/dtau = v(x, tau), noise -> data; one call per step."""
+    x = noise.float()
+    for t0, t1 in _pairs(process, progress, "euler"):
+        x = x + (t1 - t0) * process.path.call(model_fn, x, _tau(t0, x), model_kwargs)
+    return x
+
+
+@torch.no_grad()
+def heun_sample(process: FlowProcess, model_fn, noise, model_kwargs=None, generator=None, progress=False):
+    """Heun's (explicit trapezoidal) method on the ODE, two calls per step (torchdiffeq's 'heun2', SiT's ODE)."""
+    x = noise.float()
+    for t0, t1 in _pairs(process, progress, "heun"):
+        h = t1 - t0
+        k1 = process.path.call(model_fn, x, _tau(t0, x), model_kwargs)
+        k2 = process.path.call(model_fn, x + h * k1, _tau(t1, x), model_kwargs)
+        x = x + 0.5 * h * (k1 + k2)
+    return x
+
+
+def score_from_velocity(v, x, tau):
+    """grad log p_tau(x) from the velocity on the linear path: (tau v - x) / (1 - tau) (SiT App. A, ICPlan)."""
+    t = tau.view(-1, *([1] * (x.ndim - 1)))  # (N, 1, 1, 1)
+    return (t * v - x) / (1 - t)
+
+
+@torch.no_grad()
+def sde_sample(process: FlowProcess, model_fn, noise, model_kwargs=None, generator=None, progress=False):
+    """SiT's reverse SDE by Euler-Maruyama with w_tau = sigma_tau = 1 - tau, then its deterministic "Mean" step.
+
+    dx = [v + w score] dtau + sqrt(2 w) dW (SiT Eq. 8 with the "sigma" diffusion). Drift and score come from
+    ONE network call per step (SiT's code makes two). Row i's noise comes from generator i.
+    """
+    x = noise.float()
+    for t0, t1 in _pairs(process, progress, "sde"):
+        tau = _tau(t0, x)
+        w = 1.0 - t0
+        v = process.path.call(model_fn, x, tau, model_kwargs)
+        dt = t1 - t0
+        z = randn_rows(x, generator)  # (N, C, h, w)
+        x = x + (v + w * score_from_velocity(v, x, tau)) * dt + math.sqrt(2 * w) * math.sqrt(dt) * z
+    t_last = float(process.times[-1])
+    tau = _tau(t_last, x)
+    v = process.path.call(model_fn, x, tau, model_kwargs)
+    return x + (v + (1.0 - t_last) * score_from_velocity(v, x, tau)) * process.last_step
+
+
+@torch.no_grad()
+def dopri5_sample(process: FlowProcess, model_fn, noise, model_kwargs=None, generator=None, progress=False,
+                  atol: float = 1e-6, rtol: float = 1e-3):
+    """Adaptive Dormand-Prince 5(4) on the ODE from tau = 0 to 1 (torchdiffeq, SiT's default ODE solver)."""
+    from torchdiffeq import odeint  # lazy: only this solver needs it
+
+    def field(tau, x):
+        """dx/dtau at a scalar tau."""
+        return process.path.call(model_fn, x, _tau(tau, x), model_kwargs)
+
+    ends = torch.tensor([0.0, 1.0], dtype=torch.float32, device=noise.device)
+    return odeint(field, noise.float(), ends, method="dopri5", atol=atol, rtol=rtol)[-1]

@@ -1,0 +1,97 @@
+"""The one registry of samplers: each a record of its function, the objectives it serves, its spacing and options.
+
+Every sampler function has one signature, `fn(process, model_fn, noise, model_kwargs=None, generator=None,
+progress=False, **options) -> x_data`, where `process` is what the objective builds for it from the step count
+(a respaced GaussianDiffusion for DDPM, a FlowProcess time grid for flow matching; see shared/objectives.py).
+A new sampler is one SamplerSpec here; a new objective names the samplers it serves by listing them in
+`objectives` of their records.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from shared.diffusion import check_ddim_eta, ddim_sample, ddpm_sample
+from shared.errors import ChoiceError, SettingError
+from shared.flow import SDE_LAST_STEP, dopri5_sample, euler_sample, heun_sample, sde_sample
+from shared.solvers import dpmpp_2m_sample, unipc_sample
+
+# Options a sampler may take, with the flag-free description used in errors: name -> (default, meaning).
+SAMPLER_OPTIONS = {
+    "ddim_eta": (0.0, "DDIM's eta in [0, 1] (0 = deterministic)"),
+    "time_shift": (1.0, "LightningDiT's timestep shift of the flow time grid (1 = none, LightningDiT uses 0.3)"),
+    "last_step_size": (SDE_LAST_STEP, "the size of the SDE's final deterministic Mean step (SiT: 0.04)"),
+}
+
+
+@dataclass(frozen=True)
+class SamplerSpec:
+    """One sampler: its function, the objectives it serves, its DDPM spacing prefix, the options it takes."""
+
+    name: str
+    fn: Callable
+    objectives: tuple[str, ...]
+    help: str
+    spacing: str = ""  # DDPM only: a kept_timesteps prefix ("" = DiT's respacing, "linspace" = diffusers')
+    options: tuple[str, ...] = ()
+    calls_per_step: int = 1  # network evaluations per step (Heun: 2); adaptive solvers: 0 (not known ahead)
+    deterministic: bool = True
+
+
+SAMPLERS = {spec.name: spec for spec in (
+    SamplerSpec("ddpm", ddpm_sample, ("ddpm",), "ancestral DDPM, DiT's respacing (250 steps as the paper)",
+                deterministic=False),
+    SamplerSpec("ddim", ddim_sample, ("ddpm",), "DDIM (eta 0 deterministic), DiT's respacing", options=("ddim_eta",)),
+    SamplerSpec("dpmpp-2m", dpmpp_2m_sample, ("ddpm",), "DPM-Solver++(2M) ODE solver, linspace spacing (10-25 steps)",
+                spacing="linspace"),
+    SamplerSpec("unipc", unipc_sample, ("ddpm",), "UniPC-2 (bh2) ODE solver, linspace spacing (10-25 steps)",
+                spacing="linspace"),
+    SamplerSpec("euler", euler_sample, ("flow",), "Euler ODE solver on the flow, one call per step",
+                options=("time_shift",)),
+    SamplerSpec("heun", heun_sample, ("flow",), "Heun ODE solver on the flow, two calls per step",
+                options=("time_shift",), calls_per_step=2),
+    SamplerSpec("sde", sde_sample, ("flow",), "SiT's Euler-Maruyama SDE (w = sigma, last step Mean; 250 steps "
+                "for its best FID)", options=("time_shift", "last_step_size"), deterministic=False),
+    SamplerSpec("dopri5", dopri5_sample, ("flow",), "adaptive Dormand-Prince ODE solver (torchdiffeq; atol 1e-6, "
+                "rtol 1e-3 as SiT); the step count is not used", calls_per_step=0),
+)}
+SAMPLER_NAMES = tuple(SAMPLERS)  # the sampler vocabulary, for CLI choices and errors
+
+
+def get_sampler(name: str, objective: str | None = None) -> SamplerSpec:
+    """The record of sampler `name`; ChoiceError for an unknown name, SettingError when it does not serve `objective`."""
+    if name not in SAMPLERS:
+        raise ChoiceError("sampler", name, SAMPLER_NAMES,
+                          detail="; ".join(f"{s.name} ({'/'.join(s.objectives)})" for s in SAMPLERS.values()))
+    spec = SAMPLERS[name]
+    if objective is not None and objective not in spec.objectives:
+        serving = [s.name for s in SAMPLERS.values() if objective in s.objectives]
+        raise SettingError(f"{{sampler}} {name} samples {'/'.join(spec.objectives)} models, but these weights were "
+                           f"trained with the {objective} objective (recorded with the model); use one of its "
+                           f"samplers: {', '.join(serving)}.")
+    return spec
+
+
+def samplers_for(objective: str) -> list[str]:
+    """The names of the samplers that serve `objective`, in registry order."""
+    return [s.name for s in SAMPLERS.values() if objective in s.objectives]
+
+
+def sampler_options(name: str, given: dict) -> dict:
+    """The options sampler `name` runs with: its own, defaulted; SettingError for a given option it does not take."""
+    spec = get_sampler(name)
+    for option, value in given.items():
+        if option not in SAMPLER_OPTIONS:
+            raise ValueError(f"unknown sampler option {option!r}")
+        if value is not None and option not in spec.options:
+            takers = [s.name for s in SAMPLERS.values() if option in s.options]
+            raise SettingError(f"{{{option.replace('_', ' ')}}} {value:g} sets {SAMPLER_OPTIONS[option][1]}, which "
+                               f"the {name} sampler does not take (only {', '.join(takers)}); drop it, or pass "
+                               f"{{sampler}} {takers[0]}.")
+    options = {o: given.get(o) if given.get(o) is not None else SAMPLER_OPTIONS[o][0] for o in spec.options}
+    if "ddim_eta" in options:
+        options["ddim_eta"] = check_ddim_eta(options["ddim_eta"])
+    if "time_shift" in options and not float(options["time_shift"]) > 0:
+        raise SettingError(f"{{time shift}} {options['time_shift']:g} must be positive (1 = no shift; LightningDiT "
+                           f"uses 0.3, which puts more steps near noise).")
+    return options
