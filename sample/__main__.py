@@ -5,6 +5,7 @@ import argparse
 import sys
 
 from shared.cli import HelpFormatter
+from shared.objectives import OBJECTIVE_NAMES
 from shared.samplers import SAMPLER_NAMES, SAMPLERS
 from shared.errors import cli_errors
 from shared.guidance import GUIDE_CHANNELS
@@ -32,7 +33,7 @@ Several GPUs: `accelerate launch -m sample ...` (rank r draws images i with i % 
 Decode training's latent samples: `python -m sample decode RUN/samples/step-0000100.safetensors`, or
 `python -m sample decode RUN` for the newest preview (--all: every one)."""
 # The flag that sets each setting shared/ names in its errors (shared.errors.ChoiceError / SettingError kinds).
-FLAGS = {"model preset": "--model", "weights": "--weights", "cfg scale": "--cfg-scale",
+FLAGS = {"model preset": "--model", "objective": "--objective", "weights": "--weights", "cfg scale": "--cfg-scale",
          "guide-channel choice": "--guide-channels", "sampler": "--sampler", "precision": "--precision",
          "ddim eta": "--ddim-eta", "vae": "--vae", "vae config": "--vae-config", "sample folder": "--out",
          "export format": "--format", "cfg interval": "--cfg-interval", "time shift": "--time-shift",
@@ -69,6 +70,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                         "and asking it for the other set is refused)")
     p.add_argument("--model", choices=list(DiT_models), default=None,
                    help="official .pt only: the preset (default: inferred from tensor shapes, and said)")
+    p.add_argument("--objective", choices=OBJECTIVE_NAMES, default=None,
+                   help="official .pt only: the objective the weights were trained with (default: the release's for "
+                        "a released name such as SiT-XL-2-256x256.pt, else ddpm); exports record their own")
     p.add_argument("--image-size", type=int, default=None,
                    help="official .pt only: image size in pixels, checked against latent size x VAE factor "
                         "(default: not checked)")

@@ -3,6 +3,7 @@ one by name, downloaded once), or a diffusers DiT (pipeline folder, transformer 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from shared.rundir import (CHECKPOINTS, EMA_FILE, EXPORTS, MODEL_FILE, checkpoin
 
 from sample.diffusers_folder import (CONFIG, DiffusersSource, class_names, is_diffusers_file, is_diffusers_folder,
                                      locate, locate_hub, looks_like_hub_id, read_json, read_weights)
-from sample.official import OFFICIAL_NAMES, checkpoint_url, find_official, is_official_name
+from sample.official import OFFICIAL_NAMES, RELEASES, checkpoint_url, find_official, is_official_name
 
 TORCH_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")  # read with torch.load(weights_only=True); all else safetensors
 WEIGHTS = ("ema", "raw")  # which weights of a run or checkpoint: the EMA copy or the raw training weights
@@ -179,18 +180,33 @@ def _pick_state_dict(obj, path: Path, weights: str | None) -> tuple[dict, str]:
     return _strip_prefixes(obj), which
 
 
-def _load_official(path: Path, weights: str | None, model: str | None) -> LoadedWeights:
-    """A bare state dict: config inferred from tensor shapes, checked against --model if given."""
+def _objective_of_release(path: Path, objective: str | None) -> tuple[str, str]:
+    """(objective, how it was chosen) of a bare state dict: --objective, else its release's, else ddpm (DiT's)."""
+    release = RELEASES.get(path.name)
+    if objective is not None:
+        if release is not None and objective != release.objective:
+            raise UserError(f"--objective {objective} contradicts {path.name}, a {release.paper} release trained with "
+                            f"the {release.objective} objective; drop --objective.")
+        return objective, "as --objective says"
+    if release is not None:
+        return release.objective, f"the {release.paper} release"
+    return "ddpm", "a bare state dict is taken as DiT's DDPM unless --objective says otherwise"
+
+
+def _load_official(path: Path, weights: str | None, model: str | None, objective: str | None = None) -> LoadedWeights:
+    """A bare state dict: config inferred from tensor shapes (checked against --model), objective by release."""
     # Official training checkpoints (the DiT release's train.py) also pickle their argparse Namespace.
     obj = load_torch_file(path, _OFFICIAL_FIX, allowed=[argparse.Namespace])
     state_dict, which = _pick_state_dict(obj, path, weights)
     config = infer_model_config(state_dict)
+    name, why = _objective_of_release(path, objective)
+    config = dataclasses.replace(config, objective=name)
     if model is not None and model != config.model:
         raise UserError(f"--model {model} does not fit {path}: its tensor shapes are those of {config.model} "
                         f"(latent input {config.input_size}). Pass --model {config.model} or drop --model.")
     how = "checked against --model" if model else "inferred from tensor shapes"
     notes = [f"{config.model}, latent {config.in_channels}x{config.input_size}x{config.input_size}, "
-             f"{config.num_classes} classes ({how})"]
+             f"{config.num_classes} classes ({how})", f"objective {name} ({why})"]
     return LoadedWeights(state_dict, config, path, "official", notes=notes, weights=which)
 
 
@@ -275,7 +291,8 @@ def check_finite(loaded: LoadedWeights) -> None:
                     f"(the first such tensor); sampling from it would give black or noise images. {fix}")
 
 
-def load_checkpoint(ckpt, weights: str | None = None, model: str | None = None) -> LoadedWeights:
+def load_checkpoint(ckpt, weights: str | None = None, model: str | None = None,
+                    objective: str | None = None) -> LoadedWeights:
     """Resolve --ckpt, read its state dict and ModelConfig, refuse non-finite weights (no model is built yet)."""
     if weights is not None and weights not in WEIGHTS:
         raise ChoiceError("weights", weights, WEIGHTS)
@@ -288,7 +305,7 @@ def load_checkpoint(ckpt, weights: str | None = None, model: str | None = None) 
         return loaded
     source = resolve_ckpt(ckpt, weights)
     if source.path.suffix.lower() in TORCH_SUFFIXES:
-        loaded = _load_official(source.path, weights, model)
+        loaded = _load_official(source.path, weights, model, objective)
     else:
         loaded = _load_export(source.path, model, source.weights)
     loaded.notes.extend(source.notes)

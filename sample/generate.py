@@ -57,6 +57,7 @@ class SampleOptions:
     npz: bool = False
     weights: str | None = None  # None: not given (EMA for folders; a file's own weights)
     model: str | None = None
+    objective: str | None = None  # official .pt only (None: the release's, else ddpm)
     image_size: int | None = None
     cpu: bool = False
     tf32: bool = True
@@ -137,7 +138,7 @@ def make_settings(o: SampleOptions, job_fields: dict) -> dict:
     """{"identity": what fixes the pixels (compared on resume), "run": the rest}; JSON-normalised."""
     loaded: LoadedWeights = job_fields["loaded"]
     options = {k: v for k, v in asdict(o).items() if k not in ("ckpt", "vae", "vae_config", "class_labels",
-                                                                 "random_labels", "model", "image_size")}
+                                                                 "random_labels", "model", "objective", "image_size")}
     # What was used, not what was asked: the weights, sampler and options actually used and the guidance rule.
     # An option the sampler does not take is None (as folders written before that option existed read).
     options.update(weights=loaded.weights, sampler=job_fields["sampler"],
@@ -162,7 +163,7 @@ def resolve_job(o: SampleOptions) -> Job:
     check_numbers(o)
     if o.out:
         check_out_path(Path(o.out), "sampling")  # a file or an image name as --out: refused before any loading
-    loaded = load_checkpoint(o.ckpt, o.weights, o.model)
+    loaded = load_checkpoint(o.ckpt, o.weights, o.model, o.objective)
     objective = objective_of(loaded.config)
     sampler, options = resolve_sampler(o, objective)
     check_interval(o.cfg_interval, objective.level_range, objective.level_unit, objective.name)

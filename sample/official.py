@@ -1,10 +1,13 @@
-"""The DiT release's checkpoints by name: `--ckpt DiT-XL-2-256x256.pt` downloads it once into a cache.
+"""Released checkpoints by name: `--ckpt DiT-XL-2-256x256.pt` (or SiT-XL-2-256x256.pt) downloads it once into a cache.
+
+Each release records what its bare state dict cannot say: the objective it was trained with (SiT's file has
+DiT's layout but is a flow-matching velocity model).
 
 Where the file is looked for, in order: the path as given (handled by the caller), ./pretrained_models/NAME
 (where the release's own scripts put it), then the cache: $DIT_CHECKPOINT_DIR if set, else torch's hub
 folder `torch.hub.get_dir()/checkpoints` ($TORCH_HOME/hub/checkpoints, by default ~/.cache/torch/hub/checkpoints).
-The URL is the release's (its download.py): https://dl.fbaipublicfiles.com/DiT/models/NAME; $DIT_DOWNLOAD_URL
-replaces the base (a mirror, or the tests' local server).
+The URL is the release's (its download.py): https://dl.fbaipublicfiles.com/DiT/models/NAME for DiT, SiT's README
+link for SiT; $DIT_DOWNLOAD_URL replaces them all by BASE/NAME (a mirror, or the tests' local server).
 
 A download streams into a temp name beside the final one and is renamed only once every byte announced by the
 server has arrived and the file's zip directory (torch's format) is intact; a cached file without one (a copy
@@ -19,6 +22,7 @@ import socket
 import urllib.error
 import urllib.request
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -32,8 +36,28 @@ try:  # POSIX: a waiting lock, released by the OS when its holder dies
 except ImportError:  # Windows: no lock; two simultaneous downloads still never publish a partial file
     fcntl = None
 
-OFFICIAL_NAMES = ("DiT-XL-2-256x256.pt", "DiT-XL-2-512x512.pt")
 BASE_URL = "https://dl.fbaipublicfiles.com/DiT/models/"
+
+
+@dataclass(frozen=True)
+class Release:
+    """A released checkpoint: where it downloads from and the objective its weights were trained with."""
+
+    url: str
+    objective: str = "ddpm"
+    flow_convention: str = "sit"
+    paper: str = "DiT (Peebles & Xie 2023)"
+
+
+RELEASES = {
+    "DiT-XL-2-256x256.pt": Release(BASE_URL + "DiT-XL-2-256x256.pt"),
+    "DiT-XL-2-512x512.pt": Release(BASE_URL + "DiT-XL-2-512x512.pt"),
+    # SiT's README link (its download.py); DiT-XL/2's layout with 8 output channels, of which SiT uses the first 4.
+    "SiT-XL-2-256x256.pt": Release("https://www.dl.dropboxusercontent.com/scl/fi/as9oeomcbub47de5g4be0/SiT-XL-2-256.pt"
+                                   "?rlkey=uxzxmpicu46coq3msb17b9ofa&dl=0", objective="flow",
+                                   paper="SiT (Ma et al. 2024)"),
+}
+OFFICIAL_NAMES = tuple(RELEASES)
 URL_ENV = "DIT_DOWNLOAD_URL"
 CACHE_ENV = "DIT_CHECKPOINT_DIR"
 RELEASE_DIR = "pretrained_models"  # the release's scripts download into ./pretrained_models/
@@ -56,8 +80,10 @@ def cache_dir() -> Path:
 
 
 def checkpoint_url(name: str) -> str:
-    """The release's URL of `name` ($DIT_DOWNLOAD_URL replaces the base)."""
-    return os.environ.get(URL_ENV, BASE_URL).rstrip("/") + "/" + name
+    """The release's URL of `name` ($DIT_DOWNLOAD_URL/NAME when that is set)."""
+    if os.environ.get(URL_ENV):
+        return os.environ[URL_ENV].rstrip("/") + "/" + name
+    return RELEASES[name].url if name in RELEASES else BASE_URL + name
 
 
 def zip_problem(path: Path) -> str | None:

@@ -161,3 +161,32 @@ def test_release_folder_copy_is_used_without_download(server, release, tiny_vae_
     code, out, err = sample_by_name(tmp_path / "out", tiny_vae_dir, capsys)
     assert code == 0, err
     assert server.requests == [] and "pretrained_models" in out and not (tmp_path / "cache" / NAME).exists()
+
+
+def test_sit_release_by_name_is_a_flow_model(release, tiny_vae_dir, tmp_path, monkeypatch, capsys):
+    """SiT-XL-2-256x256.pt (DiT's layout) is recorded as a flow model: SiT's SDE by default, DDPM refused by name."""
+    import json
+
+    name = "SiT-XL-2-256x256.pt"
+    httpd = FileServer({name: release["bytes"]})
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
+    thread.start()
+    monkeypatch.setenv(URL_ENV, f"http://127.0.0.1:{httpd.server_address[1]}/")
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    try:
+        code, _, err = run_cli(["--ckpt", name, "--vae", tiny_vae_dir, "--out", tmp_path / "ddpm", "--sampler", "ddpm",
+                                *STEPS], capsys)
+        assert code == 2 and "trained with the flow objective" in err and not (tmp_path / "ddpm").exists()
+        code, out, err = run_cli(["--ckpt", name, "--vae", tiny_vae_dir, "--out", tmp_path / "o", *STEPS], capsys)
+        assert code == 0, err
+        identity = json.loads((tmp_path / "o" / "settings.json").read_text())["identity"]
+        assert identity["sampler"] == "sde" and identity["model"]["objective"] == "flow"
+        assert "objective flow (the SiT (Ma et al. 2024) release)" in out
+        code, _, err = run_cli(["--ckpt", name, "--vae", tiny_vae_dir, "--out", tmp_path / "x", "--objective", "ddpm",
+                                *STEPS], capsys)
+        assert code == 2 and "contradicts SiT-XL-2-256x256.pt" in err
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(timeout=10)
