@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 
 import numpy as np
 
+from shared.cli import HelpFormatter, add_flags, from_args, option
 from shared.errors import UserError, cli_errors
 
 PROG = "python -m evaluate.floor"
@@ -73,23 +75,27 @@ def vae_rows(counts, draws: int, seed: int, vae_spec: str) -> list[tuple[str, fl
     return rows
 
 
+@dataclass
+class FloorOptions:
+    """Everything `python -m evaluate.floor` accepts (one field per flag: its default and help)."""
+
+    counts: tuple = option((30, 100, 200, 500, 1000), "sample counts N to measure the floor at", type=int, nargs="+")
+    draws: int = option(10, "random draws per count (mean and std are printed)")
+    seed: int = option(0, "seed of the draws")
+    vae: str | None = option(None, "also measure real digits after this VAE's encode/decode round trip, e.g. "
+                                   "data/vae-digits (default: not measured)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Command-line flags."""
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0].split(": ", 1)[1],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--counts", type=int, nargs="+", default=[30, 100, 200, 500, 1000],
-                   help="sample counts N to measure the floor at")
-    p.add_argument("--draws", type=int, default=10, help="random draws per count (mean and std are printed)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the draws")
-    p.add_argument("--vae", default=None,
-                   help="also measure real digits after this VAE's encode/decode round trip, e.g. data/vae-digits "
-                        "(default: not measured)")
-    return p
+                                formatter_class=HelpFormatter)
+    return add_flags(p, FloorOptions)
 
 
 def main(argv=None) -> None:
     """Print the floor table."""
-    args = build_parser().parse_args(argv)
+    args = from_args(FloorOptions, build_parser().parse_args(argv))
     with cli_errors(PROG):
         if args.draws < 1:
             raise UserError(f"--draws must be at least 1; got {args.draws}.")

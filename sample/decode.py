@@ -9,8 +9,10 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
+from shared.cli import option
 from shared.distributed import process_state
 from shared.errors import UserError
+from shared.flags import ALLOW_OTHER_VAE, CPU, VAE, VAE_CONFIG, VAE_PRECISION, VAE_SLICING, VAE_TILING
 from shared.rundir import SAMPLES, step_of
 
 from sample.outputs import GRID_NAME, check_out_path, image_name, save_png, to_uint8, write_grid
@@ -19,19 +21,22 @@ from sample.vae_setup import check_loaded_vae, check_vae, choose_vae, load_vae
 
 @dataclass
 class DecodeOptions:
-    """Everything `python -m sample decode` accepts."""
+    """Everything `python -m sample decode` accepts (one field per flag: its default and help)."""
 
-    latents: str
-    vae: str | None = None
-    vae_config: str | None = None
-    out: str | None = None
-    vae_precision: str = "fp32"
-    vae_tiling: bool = False
-    vae_slicing: bool = False
-    batch_size: int = 16
-    cpu: bool = False
-    all: bool = False
-    allow_other_vae: bool = False
+    latents: str = option(help="a latents file written by training's --sample-every, or a folder of them "
+                               "(RUN/samples, or RUN itself): its newest file, or every file with --all",
+                          positional=True, metavar="LATENTS|DIR")
+    all: bool = option(False, "with a folder: decode every preview file, not just the newest")
+    out: str | None = option(None, "output folder (default: the file's path without .safetensors; with --all, one "
+                                   "subfolder per file)")
+    batch_size: int = option(16, "latents decoded per VAE call")
+    vae: str | None = VAE.field()
+    vae_config: str | None = VAE_CONFIG.field()
+    vae_precision: str = VAE_PRECISION.field()
+    vae_tiling: bool = VAE_TILING.field()
+    vae_slicing: bool = VAE_SLICING.field()
+    allow_other_vae: bool = ALLOW_OTHER_VAE.field()
+    cpu: bool = CPU.field()
 
 
 def read_latents(path: Path) -> tuple[torch.Tensor, torch.Tensor, dict]:

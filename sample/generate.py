@@ -10,15 +10,20 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from shared.cli import option
 from shared.diffusion import (NUM_TIMESTEPS, create_sampling_diffusion, get_sampler, kept_timesteps, sampler_eta,
                               sampling_spacing)
 from shared.distributed import process_state
 from shared.errors import UserError
+from shared.flags import (ALLOW_OTHER_VAE, BATCH_SIZE, CFG_SCALE, CPU, GUIDE, NUM_SAMPLING_STEPS, SAMPLER, SEED, VAE,
+                          VAE_CONFIG, VAE_PRECISION, VAE_SLICING, VAE_TILING)
 from shared.guidance import check_guidance, describe_guidance, guide_channel_count, guided_model_fn
 from shared.lock import hold_lock
+from shared.models import DiT_models
+from shared.precision import PRECISIONS
 from shared.rundir import CHECKPOINTS, EMA_FILE, EXPORTS, MODEL_FILE
 
-from sample.checkpoint import LoadedWeights, build_model, image_size_of, load_checkpoint
+from sample.checkpoint import WEIGHTS, LoadedWeights, build_model, image_size_of, load_checkpoint
 from sample.outputs import (GRID_NAME, NPZ_NAME, SETTINGS_NAME, check_out_dir, check_out_path, image_name,
                             missing_indices, read_png, remove_stale_temps, save_png, to_uint8, write_grid, write_json,
                             write_npz)
@@ -31,33 +36,46 @@ RUN_ONLY = ("num_samples", "batch_size", "out", "npz", "vae_slicing", "cpu", "tf
 
 @dataclass
 class SampleOptions:
-    """Everything `python -m sample` accepts (one field per flag)."""
+    """Everything `python -m sample` accepts (one field per flag: its default and help)."""
 
-    ckpt: str
-    vae: str | None = None
-    vae_config: str | None = None
-    class_labels: list[str] | None = None  # class indices or class names of the latent metadata
-    random_labels: bool = False
-    num_samples: int | None = None
-    cfg_scale: float = 4.0
-    guide_channels: str = "auto"
-    sampler: str = "ddpm"
-    num_sampling_steps: int = 250
-    ddim_eta: float | None = None  # None: not given (0 for ddim; refused with the other samplers)
-    seed: int = 0
-    batch_size: int = 32
-    precision: str = "fp32"
-    vae_precision: str = "fp32"
-    vae_tiling: bool = False
-    vae_slicing: bool = False
-    out: str | None = None
-    npz: bool = False
-    weights: str | None = None  # None: not given (EMA for folders; a file's own weights)
-    model: str | None = None
-    image_size: int | None = None
-    cpu: bool = False
-    tf32: bool = True
-    allow_other_vae: bool = False
+    ckpt: str = option(help="training run folder (newest EMA export), a checkpoints/step-* folder, a .safetensors "
+                            "export (config read from it), or an official DiT .pt/.pth state dict")
+    weights: str | None = option(  # None: not given (EMA for folders; a file's own weights)
+        None, "with a run or checkpoint folder (or an official training checkpoint holding both): the EMA weights or "
+              "the raw training weights (default: ema; a file of one set is used as saved, and asking it for the "
+              "other set is refused)", choices=WEIGHTS)
+    model: str | None = option(None, "official .pt only: the preset (default: inferred from tensor shapes, and said)",
+                               choices=tuple(DiT_models))
+    image_size: int | None = option(None, "official .pt only: image size in pixels, checked against latent size x "
+                                          "VAE factor (default: not checked)")
+    class_labels: list[str] | None = option(  # class indices or class names of the latent metadata
+        None, "class indices, or class names recorded with the latents (matched exactly, then ignoring case), "
+              "cycled over --num-samples (default: label i = i %% num_classes)", nargs="+", metavar="CLASS")
+    random_labels: bool = option(False, "draw each image's class uniformly from its own (seed, i) generator instead")
+    num_samples: int | None = option(None, "images to draw (default: one per --class-labels entry, else one per "
+                                           "class)", aliases=("--num-fid-samples",))
+    cfg_scale: float = CFG_SCALE.field()
+    guide_channels: str = GUIDE.field()
+    sampler: str = SAMPLER.field()
+    num_sampling_steps: int = NUM_SAMPLING_STEPS.field()
+    ddim_eta: float | None = option(  # None: not given (0 for ddim; refused with the other samplers)
+        None, "DDIM's noise scale eta in [0, 1] (Song et al. Eq. 16): 0 deterministic, 1 DDPM-like; only with "
+              "--sampler ddim (default 0)")
+    seed: int = SEED.field()
+    batch_size: int = BATCH_SIZE.field(aliases=("--per-proc-batch-size",))
+    precision: str = option("fp32", "DiT precision: fp32, or fp16/bf16 autocast", choices=tuple(PRECISIONS))
+    tf32: bool = option(True, "disable TF32 matmuls on Ampere+ GPUs (on by default, as the DiT release)",
+                        name="--no-tf32")
+    out: str | None = option(None, "output folder (default: samples/<ckpt>-cfg<s>-<sampler><steps>-seed<seed>)",
+                             aliases=("--sample-dir",))
+    npz: bool = option(False, "also write samples.npz (arr_0 uint8 N x H x W x 3, labels) for FID tooling")
+    vae: str | None = VAE.field()
+    vae_config: str | None = VAE_CONFIG.field()
+    vae_precision: str = VAE_PRECISION.field()
+    vae_tiling: bool = VAE_TILING.field()
+    vae_slicing: bool = VAE_SLICING.field()
+    allow_other_vae: bool = ALLOW_OTHER_VAE.field()
+    cpu: bool = CPU.field()
 
 
 @dataclass

@@ -26,8 +26,10 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 
 from shared import rundir
+from shared.cli import option
 from shared.distributed import process_state
 from shared.errors import UserError
+from shared.flags import ALLOW_OTHER_VAE, CPU, VAE, VAE_CONFIG, VAE_PRECISION, VAE_SLICING, VAE_TILING
 from shared.lock import LOCK_NAME, FolderBusyError, hold_lock
 from shared.vae import read_vae_config
 
@@ -42,23 +44,27 @@ PAD = 4
 
 @dataclass
 class WatchOptions:
-    """Everything `python -m sample watch` accepts."""
+    """Everything `python -m sample watch` accepts (one field per flag: its default and help)."""
 
-    run: str
-    vae: str | None = None
-    vae_config: str | None = None
-    vae_precision: str = "fp32"
-    vae_tiling: bool = False
-    vae_slicing: bool = False
-    allow_other_vae: bool = False
-    cpu: bool = False
-    batch_size: int = 16
-    interval: float = 5.0
-    exit_when_done: bool = False
-    until_step: int | None = None
-    until_pid: int | None = None
-    threads: int | None = None
-    report_to: str = "auto"
+    run: str = option(help="the training run folder (train's --results-dir)", positional=True, metavar="RUN")
+    interval: float = option(5.0, "seconds between looks for new preview files")
+    exit_when_done: bool = option(False, "stop once no training process holds RUN (finished, stopped or killed), "
+                                         "after decoding every preview; without it, run until Ctrl-C or SIGTERM")
+    until_step: int | None = option(None, "stop once the checkpoint of STEP exists, after decoding every preview "
+                                          "(train --watch-vae passes its last step)", metavar="STEP")
+    until_pid: int | None = option(None, "stop once process PID has ended, after decoding every preview (train "
+                                         "--watch-vae passes its own PID)", metavar="PID")
+    report_to: str = option("auto", "log each grid as a TensorBoard image under RUN/tensorboard/previews: auto = when "
+                                    "the run was launched with --report-to tensorboard", choices=REPORT_TO)
+    threads: int | None = option(None, "CPU threads for decoding (default: torch's choice)")
+    batch_size: int = option(16, "latents decoded per VAE call")
+    vae: str | None = VAE.field()
+    vae_config: str | None = VAE_CONFIG.field()
+    vae_precision: str = VAE_PRECISION.field()
+    vae_tiling: bool = VAE_TILING.field()
+    vae_slicing: bool = VAE_SLICING.field()
+    allow_other_vae: bool = ALLOW_OTHER_VAE.field()
+    cpu: bool = CPU.field()
 
 
 # ---------------------------------------------------------------------------------------------------------
