@@ -21,7 +21,7 @@ PROG = "python -m evaluate.floor"
 
 def floor_table(counts, draws: int, seed: int) -> list[tuple[str, float, float]]:
     """(what, mean FD, std FD) rows: N real digits vs all for each count, then half vs half."""
-    from data.digits import digit_images
+    from shared.digits import digit_images
     from evaluate.digits import RECIPE, digits_features, real_stats
     from evaluate.metrics import frechet_distance_of, frechet_distance_to
 
@@ -48,14 +48,14 @@ def vae_round_trip(images: np.ndarray, vae_spec: str, batch_size: int = 256) -> 
     """uint8 images (N, H, W, 3) encoded to their posterior mean and decoded by the VAE: uint8 (N, H, W, 3)."""
     import torch
 
-    from sample.outputs import to_uint8
+    from shared.pixels import channels_first, to_uint8
     from shared.vae import LatentVAE
 
     vae = LatentVAE.load(vae_spec)
     out = []
     with torch.no_grad():
         for start in range(0, len(images), batch_size):
-            x = torch.from_numpy(images[start:start + batch_size]).permute(0, 3, 1, 2).float() / 127.5 - 1  # [-1, 1]
+            x = channels_first(images[start:start + batch_size])  # (b, 3, H, W) in [-1, 1]
             mean, _ = vae.encode_moments(x)  # (b, C, h, w), unscaled
             out.append(to_uint8(vae.decode(mean * vae.scaling_factor)))
     return np.concatenate(out)
@@ -63,7 +63,7 @@ def vae_round_trip(images: np.ndarray, vae_spec: str, batch_size: int = 256) -> 
 
 def vae_rows(counts, draws: int, seed: int, vae_spec: str) -> list[tuple[str, float, float]]:
     """(what, mean FD, std FD) of N real digits after the VAE round trip, against all real digits."""
-    from data.digits import digit_images
+    from shared.digits import digit_images
     from evaluate.digits import RECIPE, digits_fd
 
     decoded = vae_round_trip(digit_images(RECIPE.image_size)[0], vae_spec)

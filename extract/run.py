@@ -117,7 +117,7 @@ def check_numbers(cfg: ExtractConfig) -> None:
         raise ChoiceError("storage dtype", cfg.dtype, STORAGE_DTYPES)
 
 
-def check_vae(cfg: ExtractConfig) -> tuple[str, dict, list[str]]:
+def check_encoder_vae(cfg: ExtractConfig) -> tuple[str, dict, list[str]]:
     """Resolve the VAE and check the image size against its factor and the DiT patches, from config.json only."""
     from shared.vae import downsample_factor, read_vae_config, resolve_vae_spec
 
@@ -194,7 +194,7 @@ def plan(cfg: ExtractConfig, check_out: bool = True) -> Plan:
     """Every check that needs no weights: flags, dataset, VAE config, image size (and the out folder)."""
     check_numbers(cfg)
     scan = scan_image_folder(cfg.data_path).limited(cfg.limit)
-    vae_name, vae_config, warnings = check_vae(cfg)
+    vae_name, vae_config, warnings = check_encoder_vae(cfg)
     settings = run_settings(cfg, scan, vae_name, vae_config)
     if check_out:
         warnings += check_out_folder(Path(cfg.out), settings)

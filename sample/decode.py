@@ -13,10 +13,11 @@ from shared.cli import option
 from shared.distributed import process_state
 from shared.errors import UserError
 from shared.flags import ALLOW_OTHER_VAE, CPU, VAE, VAE_CONFIG, VAE_PRECISION, VAE_SLICING, VAE_TILING
+from shared.pixels import to_uint8
 from shared.rundir import SAMPLES, step_of
+from shared.vae_match import check_loaded_vae, check_vae_matches, choose_vae, load_vae
 
-from sample.outputs import GRID_NAME, check_out_path, image_name, save_png, to_uint8, write_grid
-from sample.vae_setup import check_loaded_vae, check_vae, choose_vae, load_vae
+from sample.outputs import GRID_NAME, check_out_path, image_name, save_png, write_grid
 
 
 @dataclass
@@ -97,7 +98,7 @@ def run_decode(o: DecodeOptions) -> list[Path]:
     loaded = [(read_latents(path), path, out) for path, out in jobs]  # every file is checked before any decoding
     spec, how = choose_vae(o.vae, loaded[-1][0][2])  # the VAE recorded with the newest file
     for (latents, _, meta), _, _ in loaded:
-        name, _ = check_vae(spec, o.vae_config, latents.shape[1], meta, o.allow_other_vae)
+        name, _ = check_vae_matches(spec, o.vae_config, latents.shape[1], meta, o.allow_other_vae)
     device = process_state(o.cpu).device
     vae = load_vae(name, o.vae_config, device, o.vae_precision, o.vae_tiling, o.vae_slicing)
     return [decode_file(vae, name, how, data, path, out, o) for data, path, out in loaded]

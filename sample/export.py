@@ -24,9 +24,9 @@ from shared.errors import ChoiceError, UserError
 from shared.flags import ALLOW_OTHER_VAE, VAE, VAE_CONFIG
 from shared.fsio import TMP_PREFIX, atomic_write_text, publish_dir, remove_tree
 from shared.models import ModelConfig
+from shared.vae_match import check_loaded_vae, check_vae_matches, choose_vae, load_vae
 
 from sample.checkpoint import WEIGHTS, LoadedWeights, load_checkpoint
-from sample.vae_setup import check_loaded_vae, check_vae, choose_vae, load_vae
 
 EXPORT_FORMATS = ("diffusers",)
 PIPELINE_NULL_LABEL = 1000  # DiTPipeline.__call__ writes its unconditional label as this literal
@@ -164,7 +164,8 @@ def run_export(o: ExportOptions) -> Path:
     loaded = load_checkpoint(o.ckpt, o.weights)
     check_representable(loaded.config, loaded.path)
     spec, how = choose_vae(o.vae, loaded.latent_meta)
-    vae_name, _ = check_vae(spec, o.vae_config, loaded.config.in_channels, loaded.latent_meta, o.allow_other_vae)
+    vae_name, _ = check_vae_matches(spec, o.vae_config, loaded.config.in_channels, loaded.latent_meta,
+                                    o.allow_other_vae)
     vae = load_vae(vae_name, o.vae_config, "cpu", "fp32", tiling=False, slicing=False)
     rescale, note = check_loaded_vae(vae, loaded.latent_meta, o.allow_other_vae)
     if rescale != 1.0:  # DiTPipeline divides by its VAE's configured factor: make it the one used in training

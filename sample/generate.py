@@ -20,15 +20,15 @@ from shared.flags import (ALLOW_OTHER_VAE, BATCH_SIZE, CFG_SCALE, CPU, GUIDE, NU
 from shared.guidance import check_guidance, describe_guidance, guide_channel_count, guided_model_fn
 from shared.lock import hold_lock
 from shared.models import DiT_models
+from shared.pixels import to_uint8
 from shared.precision import PRECISIONS
 from shared.rundir import CHECKPOINTS, EMA_FILE, EXPORTS, MODEL_FILE
+from shared.vae_match import check_loaded_vae, check_vae_matches, choose_vae, load_vae
 
 from sample.checkpoint import WEIGHTS, LoadedWeights, build_model, image_size_of, load_checkpoint
 from sample.outputs import (GRID_NAME, NPZ_NAME, SETTINGS_NAME, check_out_dir, check_out_path, image_name,
-                            missing_indices, read_png, remove_stale_temps, save_png, to_uint8, write_grid, write_json,
-                            write_npz)
+                            missing_indices, read_png, remove_stale_temps, save_png, write_grid, write_json, write_npz)
 from sample.seeding import LabelPlan, batch_start, image_labels, make_label_plan
-from sample.vae_setup import check_loaded_vae, check_vae, choose_vae, load_vae
 
 # Settings that change no pixel: a rerun may change them and still resume the same images.
 RUN_ONLY = ("num_samples", "batch_size", "out", "npz", "vae_slicing", "cpu", "tf32", "allow_other_vae")
@@ -158,7 +158,7 @@ def resolve_job(o: SampleOptions) -> Job:
     names = (loaded.latent_meta or {}).get("class_names")
     plan = make_label_plan(o.class_labels, loaded.config.num_classes, o.random_labels, names)
     spec, how = choose_vae(o.vae, loaded.latent_meta)
-    vae_name, factor = check_vae(spec, o.vae_config, loaded.config.in_channels, loaded.latent_meta,
+    vae_name, factor = check_vae_matches(spec, o.vae_config, loaded.config.in_channels, loaded.latent_meta,
                                  o.allow_other_vae)
     loaded.notes.append(f"VAE {vae_name} ({how})")
     image_size = image_size_of(loaded, factor, o.image_size)

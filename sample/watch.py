@@ -32,10 +32,10 @@ from shared.errors import UserError
 from shared.flags import ALLOW_OTHER_VAE, CPU, VAE, VAE_CONFIG, VAE_PRECISION, VAE_SLICING, VAE_TILING
 from shared.lock import LOCK_NAME, FolderBusyError, hold_lock
 from shared.vae import read_vae_config
+from shared.vae_match import check_vae_matches, choose_vae, load_vae
 
 from sample.decode import DecodeOptions, decode_file, read_latents
 from sample.outputs import grid_layout, image_name, read_png, save_png
-from sample.vae_setup import check_vae, choose_vae, load_vae
 
 REPORT_TO = ("auto", "tensorboard", "none")
 MIN_CELL = 96  # pixels: smaller previews (digits: 32) are enlarged by an integer factor so captions fit
@@ -289,7 +289,7 @@ class Decoder:
         data = read_latents(path)
         latents, labels, meta = data
         spec, how = choose_vae(self.o.vae, meta)
-        name, _ = check_vae(spec, self.o.vae_config, latents.shape[1], meta, self.o.allow_other_vae)
+        name, _ = check_vae_matches(spec, self.o.vae_config, latents.shape[1], meta, self.o.allow_other_vae)
         if self.vae is None or name != self.name:
             device = process_state(self.o.cpu).device
             self.vae = load_vae(name, self.o.vae_config, device, self.o.vae_precision, self.o.vae_tiling,

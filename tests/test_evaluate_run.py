@@ -95,7 +95,7 @@ def test_run_mistakes_are_refused_before_sampling(tmp_path, capsys):
 
 def test_the_demo_asks_evaluate_run_for_its_curve_and_reports_the_digits_distance(tmp_path):
     from data import demo
-    from data.digits import digit_images
+    from shared.digits import digit_images
     from evaluate.curve import run_parser
 
     dirs = demo.stage_dirs(tmp_path, demo.QUICK)
