@@ -73,18 +73,8 @@ def settings_tag(settings: dict) -> str:
 
 
 def read_rows(run: Path) -> list[dict]:
-    """The JSON objects of RUN/eval.jsonl (a line cut short by a kill is skipped)."""
-    path = rundir.eval_path(run)
-    rows = []
-    if path.is_file():
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(row, dict) and isinstance(row.get("step"), int):
-                rows.append(row)
-    return rows
+    """The JSON objects of RUN/eval.jsonl with a whole step (a line cut short by a kill is skipped)."""
+    return [r for r in rundir.read_step_rows(rundir.eval_path(run)) if isinstance(r["step"], int)]
 
 
 def matching(rows: list[dict], settings: dict) -> list[dict]:

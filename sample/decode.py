@@ -12,7 +12,7 @@ from tqdm import tqdm
 from shared.cli import option
 from shared.distributed import process_state
 from shared.errors import UserError
-from shared.flags import ALLOW_OTHER_VAE, CPU, VAE, VAE_CONFIG, VAE_PRECISION, VAE_SLICING, VAE_TILING
+from shared.flags import DecodeFlags
 from shared.pixels import to_uint8
 from shared.rundir import SAMPLES, step_of
 from shared.vae_match import check_loaded_vae, check_vae_matches, choose_vae, load_vae
@@ -21,8 +21,8 @@ from sample.outputs import GRID_NAME, check_out_path, image_name, save_png, writ
 
 
 @dataclass
-class DecodeOptions:
-    """Everything `python -m sample decode` accepts (one field per flag: its default and help)."""
+class DecodeOptions(DecodeFlags):
+    """Everything `python -m sample decode` accepts (one field per flag: its default and help; the VAE flags too)."""
 
     latents: str = option(help="a latents file written by training's --sample-every, or a folder of them "
                                "(RUN/samples, or RUN itself): its newest file, or every file with --all",
@@ -31,13 +31,6 @@ class DecodeOptions:
     out: str | None = option(None, "output folder (default: the file's path without .safetensors; with --all, one "
                                    "subfolder per file)")
     batch_size: int = option(16, "latents decoded per VAE call")
-    vae: str | None = VAE.field()
-    vae_config: str | None = VAE_CONFIG.field()
-    vae_precision: str = VAE_PRECISION.field()
-    vae_tiling: bool = VAE_TILING.field()
-    vae_slicing: bool = VAE_SLICING.field()
-    allow_other_vae: bool = ALLOW_OTHER_VAE.field()
-    cpu: bool = CPU.field()
 
 
 def read_latents(path: Path) -> tuple[torch.Tensor, torch.Tensor, dict]:

@@ -15,13 +15,12 @@ from shared.diffusion import (NUM_TIMESTEPS, create_sampling_diffusion, get_samp
                               sampling_spacing)
 from shared.distributed import process_state
 from shared.errors import UserError
-from shared.flags import (ALLOW_OTHER_VAE, BATCH_SIZE, CFG_SCALE, CPU, GUIDE, NUM_SAMPLING_STEPS, SAMPLER, SEED, VAE,
-                          VAE_CONFIG, VAE_PRECISION, VAE_SLICING, VAE_TILING)
+from shared.flags import BATCH_SIZE, CFG_SCALE, GUIDE, NUM_SAMPLING_STEPS, SAMPLER, SEED, DecodeFlags
 from shared.guidance import check_guidance, describe_guidance, guide_channel_count, guided_model_fn
 from shared.lock import hold_lock
 from shared.models import DiT_models
 from shared.pixels import to_uint8
-from shared.precision import PRECISIONS
+from shared.precision import PRECISIONS, set_tf32
 from shared.rundir import CHECKPOINTS, EMA_FILE, EXPORTS, MODEL_FILE
 from shared.vae_match import check_loaded_vae, check_vae_matches, choose_vae, load_vae
 
@@ -35,8 +34,8 @@ RUN_ONLY = ("num_samples", "batch_size", "out", "npz", "vae_slicing", "cpu", "tf
 
 
 @dataclass
-class SampleOptions:
-    """Everything `python -m sample` accepts (one field per flag: its default and help)."""
+class SampleOptions(DecodeFlags):
+    """Everything `python -m sample` accepts (one field per flag: its default and help; the VAE flags too)."""
 
     ckpt: str = option(help="training run folder (newest EMA export), a checkpoints/step-* folder, a .safetensors "
                             "export (config read from it), or an official DiT .pt/.pth state dict")
@@ -69,13 +68,6 @@ class SampleOptions:
     out: str | None = option(None, "output folder (default: samples/<ckpt>-cfg<s>-<sampler><steps>-seed<seed>)",
                              aliases=("--sample-dir",))
     npz: bool = option(False, "also write samples.npz (arr_0 uint8 N x H x W x 3, labels) for FID tooling")
-    vae: str | None = VAE.field()
-    vae_config: str | None = VAE_CONFIG.field()
-    vae_precision: str = VAE_PRECISION.field()
-    vae_tiling: bool = VAE_TILING.field()
-    vae_slicing: bool = VAE_SLICING.field()
-    allow_other_vae: bool = ALLOW_OTHER_VAE.field()
-    cpu: bool = CPU.field()
 
 
 @dataclass
@@ -255,13 +247,6 @@ def finish(job: Job) -> None:
     write_grid(job.out / GRID_NAME, lambda i: read_png(paths[i]), labels)
     if job.options.npz:
         write_npz(job.out / NPZ_NAME, paths, labels)
-
-
-def set_tf32(device, allowed: bool) -> None:
-    """TF32 matmuls on Ampere+ GPUs, as the DiT release's sample.py enables (no effect on CPU)."""
-    if torch.device(device).type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = allowed
-        torch.backends.cudnn.allow_tf32 = allowed
 
 
 def runtime_facts(device) -> dict:

@@ -29,7 +29,7 @@ from shared import rundir
 from shared.cli import option
 from shared.distributed import process_state
 from shared.errors import UserError
-from shared.flags import ALLOW_OTHER_VAE, CPU, VAE, VAE_CONFIG, VAE_PRECISION, VAE_SLICING, VAE_TILING
+from shared.flags import DecodeFlags
 from shared.lock import LOCK_NAME, FolderBusyError, hold_lock
 from shared.vae import read_vae_config
 from shared.vae_match import check_vae_matches, choose_vae, load_vae
@@ -43,8 +43,8 @@ PAD = 4
 
 
 @dataclass
-class WatchOptions:
-    """Everything `python -m sample watch` accepts (one field per flag: its default and help)."""
+class WatchOptions(DecodeFlags):
+    """Everything `python -m sample watch` accepts (one field per flag: its default and help; the VAE flags too)."""
 
     run: str = option(help="the training run folder (train's --results-dir)", positional=True, metavar="RUN")
     interval: float = option(5.0, "seconds between looks for new preview files")
@@ -58,13 +58,6 @@ class WatchOptions:
                                     "the run was launched with --report-to tensorboard", choices=REPORT_TO)
     threads: int | None = option(None, "CPU threads for decoding (default: torch's choice)")
     batch_size: int = option(16, "latents decoded per VAE call")
-    vae: str | None = VAE.field()
-    vae_config: str | None = VAE_CONFIG.field()
-    vae_precision: str = VAE_PRECISION.field()
-    vae_tiling: bool = VAE_TILING.field()
-    vae_slicing: bool = VAE_SLICING.field()
-    allow_other_vae: bool = ALLOW_OTHER_VAE.field()
-    cpu: bool = CPU.field()
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -67,8 +67,10 @@ def option(default: Any = dataclasses.MISSING, help: str = "", **details) -> Any
 
 
 def flag_fields(cls) -> list[dataclasses.Field]:
-    """The fields of an options dataclass that are flags, in declaration order."""
-    return [f for f in dataclasses.fields(cls) if FLAG_KEY in f.metadata]
+    """The fields of an options dataclass that are flags: its own first, then those of its flag families."""
+    own = cls.__dict__.get("__annotations__", {})
+    flags = [f for f in dataclasses.fields(cls) if FLAG_KEY in f.metadata]
+    return [f for f in flags if f.name in own] + [f for f in flags if f.name not in own]
 
 
 def flag_name(field_name: str) -> str:

@@ -5,6 +5,8 @@ change what differs for it (`SAMPLER.field(default="ddim")` where evaluate draws
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from shared.cli import Flag
 from shared.diffusion import SAMPLER_HELP, SAMPLER_NAMES
 from shared.guidance import GUIDE_CHANNELS
@@ -22,6 +24,19 @@ ALLOW_OTHER_VAE = Flag("decode with a VAE whose scaling factor or config differs
                        "latents (a deliberate swap); a VAE with other latent channels or downsample factor is always "
                        "refused", False)
 CPU = Flag("run on the CPU even when a GPU is present", False)
+
+
+@dataclass(kw_only=True)
+class DecodeFlags:
+    """The flags of every command that decodes latents with a VAE: its options dataclass derives from this."""
+
+    vae: str | None = VAE.field()
+    vae_config: str | None = VAE_CONFIG.field()
+    vae_precision: str = VAE_PRECISION.field()
+    vae_tiling: bool = VAE_TILING.field()
+    vae_slicing: bool = VAE_SLICING.field()
+    allow_other_vae: bool = ALLOW_OTHER_VAE.field()
+    cpu: bool = CPU.field()
 
 # ---- drawing images from a DiT (sample, evaluate run) ------------------------------------------------------
 CFG_SCALE = Flag("classifier-free guidance scale; 1 = none (4.0 for pictures, 1.5 for FID)", 4.0)
