@@ -26,7 +26,7 @@ from shared.fsio import TMP_PREFIX, atomic_write_text, publish_dir, remove_tree
 from shared.models import ModelConfig
 from shared.vae_match import check_loaded_vae, check_vae_matches, choose_vae, load_vae
 
-from sample.checkpoint import WEIGHTS, LoadedWeights, load_checkpoint
+from sample.checkpoint import WEIGHTS, LoadedWeights, load_sampling_weights
 
 EXPORT_FORMATS = ("diffusers",)
 PIPELINE_NULL_LABEL = 1000  # DiTPipeline.__call__ writes its unconditional label as this literal
@@ -161,7 +161,7 @@ def run_export(o: ExportOptions) -> Path:
         raise ChoiceError("export format", o.format, EXPORT_FORMATS)
     out = Path(o.out).expanduser()
     check_target(out)
-    loaded = load_checkpoint(o.ckpt, o.weights)
+    loaded = load_sampling_weights(o.ckpt, o.weights)
     check_representable(loaded.config, loaded.path)
     spec, how = choose_vae(o.vae, loaded.latent_meta)
     vae_name, _ = check_vae_matches(spec, o.vae_config, loaded.config.in_channels, loaded.latent_meta,

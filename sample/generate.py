@@ -24,10 +24,10 @@ from shared.precision import PRECISIONS, set_tf32
 from shared.rundir import CHECKPOINTS, EMA_FILE, EXPORTS, MODEL_FILE
 from shared.vae_match import check_loaded_vae, check_vae_matches, choose_vae, load_vae
 
-from sample.checkpoint import WEIGHTS, LoadedWeights, build_model, image_size_of, load_checkpoint
+from sample.checkpoint import WEIGHTS, LoadedWeights, build_sampling_model, image_size_of, load_sampling_weights
 from sample.outputs import (GRID_NAME, NPZ_NAME, SETTINGS_NAME, check_out_dir, check_out_path, image_name,
                             missing_indices, read_png, remove_stale_temps, save_png, write_grid, write_json, write_npz)
-from sample.seeding import LabelPlan, batch_start, image_labels, make_label_plan
+from sample.image_draws import LabelPlan, batch_start, image_labels, make_label_plan
 
 # Settings that change no pixel: a rerun may change them and still resume the same images.
 RUN_ONLY = ("num_samples", "batch_size", "out", "npz", "vae_slicing", "cpu", "tf32", "allow_other_vae")
@@ -144,7 +144,7 @@ def resolve_job(o: SampleOptions) -> Job:
     check_numbers(o)
     if o.out:
         check_out_path(Path(o.out), "sampling")  # a file or an image name as --out: refused before any loading
-    loaded = load_checkpoint(o.ckpt, o.weights, o.model)
+    loaded = load_sampling_weights(o.ckpt, o.weights, o.model)
     check_guidance(o.cfg_scale, loaded.config.has_null_class)
     guided = guide_channel_count(o.guide_channels, loaded.config.in_channels)
     names = (loaded.latent_meta or {}).get("class_names")
@@ -204,7 +204,7 @@ def load_checked_vae(job: Job, device):
 def make_drawer(job: Job, vae, rescale: float, device) -> Drawer:
     """Build the model on `device` and wrap it for the chosen sampler and guidance."""
     o, config = job.options, job.loaded.config
-    model = build_model(job.loaded, device)
+    model = build_sampling_model(job.loaded, device)
     job.loaded.state_dict = {}  # the model holds the weights now; free the CPU copy
     model_fn = guided_model_fn(model, o.cfg_scale, guide_channel_count(o.guide_channels, config.in_channels),
                                o.precision)

@@ -183,7 +183,7 @@ def test_unequal_copies_through_the_cli(made, tmp_path, capsys):
 def test_pipeline_folder_samples_like_the_original_weights(made, reference, tmp_path, capsys):
     """--ckpt PIPELINE (its own vae/ used) and its safetensors file: the .pt's pixels; its transformer/ folder: the
     .pt's weights."""
-    from sample.checkpoint import load_checkpoint
+    from sample.checkpoint import load_sampling_weights
 
     code, out, err = run_cli(["--ckpt", made["pipe"], "--out", tmp_path / "pipe", *STEPS], capsys)
     assert code == 0, err
@@ -196,7 +196,7 @@ def test_pipeline_folder_samples_like_the_original_weights(made, reference, tmp_
     code, _, err = run_cli(["--ckpt", file, "--out", tmp_path / "file", *STEPS], capsys)  # the VAE beside it, too
     assert code == 0, err
     assert pngs(tmp_path / "file") == reference
-    loaded = load_checkpoint(made["pipe"] / "transformer")
+    loaded = load_sampling_weights(made["pipe"] / "transformer")
     assert loaded.latent_meta["vae"] == str((made["pipe"] / "vae").resolve()) and loaded.label == "pipe"
     assert all(torch.equal(loaded.state_dict[k], v) for k, v in made["state"].items())
 
@@ -256,7 +256,7 @@ def test_other_diffusers_architectures_are_refused(tmp_path, capsys):
 
 def test_legacy_transformer2d_config_loads(made, tmp_path):
     """The Hub's older config (Transformer2DModel, norm_type ada_norm_zero, defaults spelled out) maps the same."""
-    from sample.checkpoint import load_checkpoint
+    from sample.checkpoint import load_sampling_weights
 
     pipe = tmp_path / "pipe"
     shutil.copytree(made["pipe"], pipe)
@@ -267,7 +267,7 @@ def test_legacy_transformer2d_config_loads(made, tmp_path):
     for key in ("attention_bias", "norm_elementwise_affine"):  # absent: DiTTransformer2DModel's defaults apply,
         config.pop(key)                                         # as diffusers builds this config as that class
     config_path.write_text(json.dumps(config))
-    loaded = load_checkpoint(pipe)
+    loaded = load_sampling_weights(pipe)
     assert loaded.config == made["config"]
     assert all(torch.equal(loaded.state_dict[k], v) for k, v in made["state"].items())
 
@@ -293,9 +293,9 @@ def test_export_loads_and_runs_in_diffusers(made, tmp_path, capsys):
                   output_type="np").images
     assert images.shape == (2, 16, 16, 3) and float(images.std()) > 0
     assert pipe.get_label_ids(["thing7", "alias999"]) == [7, 999]  # class names travel as DiTPipeline's id2label
-    from sample.checkpoint import load_checkpoint
+    from sample.checkpoint import load_sampling_weights
 
-    loaded = load_checkpoint(out)
+    loaded = load_sampling_weights(out)
     state, _, _, _ = load_weights(made["run"] / "exports" / "ema-step-0000300.safetensors")
     assert loaded.config == made["config"] and sorted(loaded.state_dict) == sorted(state)
     assert loaded.latent_meta["class_names"][7] == "thing7"  # and back, first synonym of each
