@@ -29,24 +29,6 @@ def eval_parser() -> argparse.ArgumentParser:
                                              formatter_class=HelpFormatter), EvalOptions)
 
 
-class CommandParser:
-    """The two commands' parsers behind one parse_args: `run ...` goes to the run parser, anything else to eval's."""
-
-    def parse_args(self, argv=None) -> argparse.Namespace:
-        """Parse argv with the parser of its command; the namespace's `command` says which."""
-        argv = sys.argv[1:] if argv is None else list(argv)
-        if argv[:1] == ["run"]:
-            from evaluate.curve import run_parser
-
-            return argparse.Namespace(command="run", **vars(run_parser().parse_args(argv[1:])))
-        return argparse.Namespace(command="evaluate", **vars(eval_parser().parse_args(argv)))
-
-
-def build_parser() -> CommandParser:
-    """The CLI's parser (both commands)."""
-    return CommandParser()
-
-
 def main(argv=None) -> None:
     """Dispatch `run` or one evaluation; UserErrors are printed as one paragraph (exit status 2)."""
     argv = sys.argv[1:] if argv is None else list(argv)

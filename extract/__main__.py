@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from shared.cli import HelpFormatter, add_flags, from_args
 from shared.errors import UserError, exit_with
