@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data.digits import IMAGE_SIZE, NUM_CLASSES, build_digits
+from shared.digits import IMAGE_SIZE, NUM_CLASSES, build_digits
 from data.make_vae import DEFAULT_OUT as VAE_DIR
 from shared import rundir
 from shared.errors import UserError, exit_with

@@ -15,8 +15,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from data.digits import digit_images
+from shared.digits import digit_images
 from shared.errors import UserError, exit_with
+from shared.pixels import channels_first, to_uint8
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "vae-digits"
 WIDTHS = (16, 32, 32)  # three levels -> downsample factor 4 (32x32 -> 8x8)
@@ -40,17 +41,6 @@ def build_vae(seed: int = 0):
         norm_num_groups=8,
         sample_size=32,
     )
-
-
-def to_tensor(images: np.ndarray) -> torch.Tensor:
-    """uint8 (N, H, W, 3) -> float (N, 3, H, W) in [-1, 1], the range LatentVAE encodes."""
-    return torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1.0
-
-
-def to_uint8(images: torch.Tensor) -> np.ndarray:
-    """float (N, 3, H, W) in [-1, 1] -> uint8 (N, H, W, 3)."""
-    x = ((images.clamp(-1, 1) + 1.0) * 127.5).round().to(torch.uint8)
-    return x.permute(0, 2, 3, 1).numpy()
 
 
 def vae_loss(vae, x: torch.Tensor, kl_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,7 +110,7 @@ def report(vae, x: torch.Tensor, images: np.ndarray, labels: np.ndarray) -> dict
 def make_vae(out: Path, steps: int, batch_size: int, lr: float, kl_weight: float, seed: int) -> dict:
     """Train, calibrate the scaling factor, save_pretrained to `out`, and return the measured numbers."""
     images, labels = digit_images()
-    x = to_tensor(images)  # (N, 3, 32, 32)
+    x = channels_first(images)  # (N, 3, 32, 32) in [-1, 1]
     vae = train_vae(build_vae(seed), x, steps, batch_size, lr, kl_weight, seed)
     mean, std = posterior_moments(vae, x)
     factor = scaling_factor(mean, std, seed)

@@ -16,14 +16,15 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from evaluate.evaluation import EvalOptions, append_jsonl, check_options, evaluate_samples, process_info
-from evaluate.features import FEATURE_NETWORKS, check_image_size
-from evaluate.metrics import IS_SPLIT_SIZE, check_split_size
+from evaluate.evaluation import (FEATURES, INCEPTION_WEIGHTS, IS_SPLIT, REF, EvalOptions, append_jsonl, check_options,
+                                 evaluate_samples, process_info)
+from evaluate.features import check_image_size
+from evaluate.metrics import check_split_size
 from shared import rundir
-from shared.samplers import SAMPLER_NAMES
+from shared.cli import HelpFormatter, add_flags, from_args, option
 from shared.errors import UserError, cli_errors
+from shared.flags import BATCH_SIZE, CFG_INTERVAL, CFG_SCALE, CPU, GUIDE, NUM_SAMPLING_STEPS, SAMPLER, SEED, VAE
 from shared.fsio import atomic_write
-from shared.guidance import GUIDE_CHANNELS
 
 PROG = "python -m evaluate run"
 # The flag that sets each setting shared/ and sample/ name in their errors.
@@ -36,25 +37,30 @@ CURVE_METRICS = (("fid", "FID"), ("sfid", "sFID"), ("inception_score", "Inceptio
 
 @dataclass
 class RunEvalOptions:
-    """Everything `python -m evaluate run` accepts (one field per flag)."""
+    """Everything `python -m evaluate run` accepts (one field per flag: its default and help)."""
 
-    run: str
-    num_samples: int
-    ref: str | None = None
-    features: str = "inception"
-    sampler: str | None = None  # None: the export's objective's fast deterministic sampler (ddim / euler)
-    num_sampling_steps: int = 50
-    cfg_scale: float = 1.5
-    cfg_interval: tuple | None = None
-    guide_channels: str = "auto"
-    seed: int = 0
-    batch_size: int = 32
-    eval_batch_size: int = 64
-    is_split_size: int = IS_SPLIT_SIZE
-    vae: str | None = None
-    inception_weights: str | None = None
-    keep_samples: bool = False
-    cpu: bool = False
+    run: str = option(help="training run folder (its exports/ema-step-*.safetensors are evaluated)", positional=True,
+                      metavar="RUN")
+    num_samples: int = option(help="images drawn per export (published FID: 50000; fewer give a higher, noisier FID)")
+    ref: str | None = REF.field(help="reference as for `python -m evaluate` (ADM batch, stats file, images npz/folder); "
+                                     "with --features digits: the real digits when not given")
+    features: str = FEATURES.field()
+    sampler: str | None = SAMPLER.field(  # None: the export's objective's fast deterministic sampler
+        help="sampler of python -m sample (default: the objective's fast deterministic one: ddim for ddpm models, "
+             "euler for flow models)")
+    num_sampling_steps: int = NUM_SAMPLING_STEPS.field(default=50)
+    cfg_scale: float = CFG_SCALE.field(default=1.5)
+    cfg_interval: tuple | None = CFG_INTERVAL.field()
+    guide_channels: str = GUIDE.field()
+    seed: int = SEED.field(help="sampling seed (the same images' noise for every export)")
+    batch_size: int = BATCH_SIZE.field()
+    eval_batch_size: int = option(64, "images per feature-network pass per process")
+    is_split_size: int = IS_SPLIT.field()
+    vae: str | None = VAE.field()
+    inception_weights: str | None = INCEPTION_WEIGHTS.field()
+    keep_samples: bool = option(False, "keep RUN/eval-samples/<step>-<settings>/ after evaluating (default: removed "
+                                       "once recorded)")
+    cpu: bool = CPU.field()
 
 
 def settings_of(o: RunEvalOptions) -> dict:
@@ -74,18 +80,8 @@ def settings_tag(settings: dict) -> str:
 
 
 def read_rows(run: Path) -> list[dict]:
-    """The JSON objects of RUN/eval.jsonl (a line cut short by a kill is skipped)."""
-    path = rundir.eval_path(run)
-    rows = []
-    if path.is_file():
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(row, dict) and isinstance(row.get("step"), int):
-                rows.append(row)
-    return rows
+    """The JSON objects of RUN/eval.jsonl with a whole step (a line cut short by a kill is skipped)."""
+    return [r for r in rundir.read_step_rows(rundir.eval_path(run)) if isinstance(r["step"], int)]
 
 
 def matching(rows: list[dict], settings: dict) -> list[dict]:
@@ -238,42 +234,15 @@ def draw_curve(run: Path, settings: dict) -> Path | None:
 
 def run_parser() -> argparse.ArgumentParser:
     """Parser of `python -m evaluate run`."""
-    p = argparse.ArgumentParser(prog=PROG, description="Quality over training: one point per EMA export of RUN, "
-                                "appended to RUN/eval.jsonl, and the curve RUN/eval.png.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("run", metavar="RUN", help="training run folder (its exports/ema-step-*.safetensors are evaluated)")
-    p.add_argument("--num-samples", type=int, required=True,
-                   help="images drawn per export (published FID: 50000; fewer give a higher, noisier FID)")
-    p.add_argument("--ref", default=None,
-                   help="reference as for `python -m evaluate` (ADM batch, stats file, images npz/folder); "
-                        "with --features digits: the real digits when not given")
-    p.add_argument("--features", choices=FEATURE_NETWORKS, default="inception", help="feature network")
-    p.add_argument("--sampler", choices=SAMPLER_NAMES, default=None,
-                   help="sampler of python -m sample (default: the objective's fast deterministic one: ddim for "
-                        "ddpm models, euler for flow models)")
-    p.add_argument("--cfg-interval", type=float, nargs=2, default=None, metavar=("LO", "HI"),
-                   help="guide only at these noise levels, as python -m sample --cfg-interval (default: every level)")
-    p.add_argument("--num-sampling-steps", type=int, default=50, help="sampling steps")
-    p.add_argument("--cfg-scale", type=float, default=1.5, help="classifier-free guidance (1.5: DiT's FID setting)")
-    p.add_argument("--guide-channels", choices=GUIDE_CHANNELS, default="auto",
-                   help="latent channels guided, as python -m sample")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (the same images' noise for every export)")
-    p.add_argument("--batch-size", type=int, default=32, help="images per sampling forward pass per process")
-    p.add_argument("--eval-batch-size", type=int, default=64, help="images per feature-network pass per process")
-    p.add_argument("--is-split-size", type=int, default=IS_SPLIT_SIZE, help="samples per Inception Score split")
-    p.add_argument("--vae", default=None, help="VAE that decodes the samples (default: the one recorded in the export)")
-    p.add_argument("--inception-weights", default=None, metavar="FILE", help="pytorch-fid's FID Inception state dict "
-                   "(default: the torch hub checkpoints folder)")
-    p.add_argument("--keep-samples", action="store_true",
-                   help="keep RUN/eval-samples/<step>-<settings>/ after evaluating (default: removed once recorded)")
-    p.add_argument("--cpu", action="store_true", help="run on the CPU even when a GPU is present")
-    return p
+    return add_flags(argparse.ArgumentParser(prog=PROG, description="Quality over training: one point per EMA export "
+                                             "of RUN, appended to RUN/eval.jsonl, and the curve RUN/eval.png.",
+                                             formatter_class=HelpFormatter), RunEvalOptions)
 
 
 def main_run(argv) -> None:
     """Entry point of `python -m evaluate run`: UserErrors become one paragraph (exit status 2)."""
     with cli_errors(PROG, FLAGS):
-        options = RunEvalOptions(**vars(run_parser().parse_args(argv)))
+        options = from_args(RunEvalOptions, run_parser().parse_args(argv))
         rows = run_evaluation(options)
         if rows:
             print(f"{len(rows)} points in {rundir.eval_path(options.run)}; curve: {rundir.eval_plot_path(options.run)}")

@@ -17,26 +17,43 @@ from evaluate.metrics import IS_SPLIT_SIZE, PR_NEIGHBOURS, check_split_size, fre
     precision_recall
 from evaluate.stats import check_reference, compute_features, open_reference, reference_stats, save_stats, \
     source_meta, stats_from_features
+from shared.cli import Flag, option
 from shared.errors import ChoiceError, UserError
+from shared.flags import CPU
 from shared.fsio import atomic_write_text
 
 RESULT_SUFFIX = ".eval.jsonl"  # SAMPLES.npz -> SAMPLES.eval.jsonl, one line per evaluation
 METRICS = ("fid", "sfid", "inception_score", "precision", "recall")
 
 
+# Flags both evaluate commands take (one samples file, and `run` over a training run's exports).
+REF = Flag("reference: an ADM reference batch (arr_0 and/or mu, sigma, mu_s, sigma_s), a statistics file from "
+           "--save-stats, or an images npz / image folder (its statistics are cached). Default with --features "
+           "digits: the real digits; required otherwise", None)
+FEATURES = Flag("feature network: inception (the FID network, 299x299) or digits (the demo's yardstick, 32x32 digits "
+                "only)", "inception", choices=FEATURE_NETWORKS)
+IS_SPLIT = Flag("samples per Inception Score split (ADM's; smaller values give IS not comparable to published ones)",
+                IS_SPLIT_SIZE)
+INCEPTION_WEIGHTS = Flag("pytorch-fid's FID Inception state dict (default: the torch hub checkpoints folder)", None,
+                         metavar="FILE")
+
+
 @dataclass
 class EvalOptions:
-    """Everything `python -m evaluate SAMPLES.npz` accepts (one field per flag)."""
+    """Everything `python -m evaluate SAMPLES.npz` accepts (one field per flag: its default and help)."""
 
-    samples: str
-    ref: str | None = None
-    features: str = "inception"
-    batch_size: int = 64
-    is_split_size: int = IS_SPLIT_SIZE
-    save_stats: str | None = None
-    inception_weights: str | None = None
-    cpu: bool = False
-    no_save: bool = False
+    samples: str = option(help="images to evaluate: npz with arr_0 uint8 N x H x W x 3 (as `python -m sample --npz` "
+                               "writes)", positional=True, metavar="SAMPLES.npz")
+    ref: str | None = REF.field()
+    features: str = FEATURES.field()
+    batch_size: int = option(64, "images per forward pass per process")
+    is_split_size: int = IS_SPLIT.field()
+    save_stats: str | None = option(None, "also write the samples' statistics (mu, sigma, mu_s, sigma_s, pool "
+                                          "features) to OUT.npz, usable as --ref later (default: not written)",
+                                    metavar="OUT.npz")
+    inception_weights: str | None = INCEPTION_WEIGHTS.field()
+    cpu: bool = CPU.field()
+    no_save: bool = option(False, "print only; do not append the result to SAMPLES.eval.jsonl")
 
 
 def result_path(samples) -> Path:

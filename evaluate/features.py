@@ -46,14 +46,6 @@ def check_image_size(name: str, size) -> None:
         check_images(np.zeros((1, *size, 3), np.uint8))
 
 
-def check_image_size(name: str, size) -> None:
-    """UserError if network `name` cannot take images of `size` (H, W); loads no network."""
-    if name == "digits":
-        from evaluate.digits import check_images
-
-        check_images(np.zeros((1, *size, 3), np.uint8))
-
-
 def build_features(name: str, device="cpu", weights=None):
     """The feature network `name` on `device` (`weights`: the Inception weights file, if given)."""
     if name == "digits":

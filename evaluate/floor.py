@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 
 import numpy as np
 
+from shared.cli import HelpFormatter, add_flags, from_args, option
 from shared.errors import UserError, cli_errors
 
 PROG = "python -m evaluate.floor"
@@ -19,7 +21,7 @@ PROG = "python -m evaluate.floor"
 
 def floor_table(counts, draws: int, seed: int) -> list[tuple[str, float, float]]:
     """(what, mean FD, std FD) rows: N real digits vs all for each count, then half vs half."""
-    from data.digits import digit_images
+    from shared.digits import digit_images
     from evaluate.digits import RECIPE, digits_features, real_stats
     from evaluate.metrics import frechet_distance_of, frechet_distance_to
 
@@ -46,14 +48,14 @@ def vae_round_trip(images: np.ndarray, vae_spec: str, batch_size: int = 256) -> 
     """uint8 images (N, H, W, 3) encoded to their posterior mean and decoded by the VAE: uint8 (N, H, W, 3)."""
     import torch
 
-    from sample.outputs import to_uint8
+    from shared.pixels import channels_first, to_uint8
     from shared.vae import LatentVAE
 
     vae = LatentVAE.load(vae_spec)
     out = []
     with torch.no_grad():
         for start in range(0, len(images), batch_size):
-            x = torch.from_numpy(images[start:start + batch_size]).permute(0, 3, 1, 2).float() / 127.5 - 1  # [-1, 1]
+            x = channels_first(images[start:start + batch_size])  # (b, 3, H, W) in [-1, 1]
             mean, _ = vae.encode_moments(x)  # (b, C, h, w), unscaled
             out.append(to_uint8(vae.decode(mean * vae.scaling_factor)))
     return np.concatenate(out)
@@ -61,7 +63,7 @@ def vae_round_trip(images: np.ndarray, vae_spec: str, batch_size: int = 256) -> 
 
 def vae_rows(counts, draws: int, seed: int, vae_spec: str) -> list[tuple[str, float, float]]:
     """(what, mean FD, std FD) of N real digits after the VAE round trip, against all real digits."""
-    from data.digits import digit_images
+    from shared.digits import digit_images
     from evaluate.digits import RECIPE, digits_fd
 
     decoded = vae_round_trip(digit_images(RECIPE.image_size)[0], vae_spec)
@@ -73,23 +75,27 @@ def vae_rows(counts, draws: int, seed: int, vae_spec: str) -> list[tuple[str, fl
     return rows
 
 
+@dataclass
+class FloorOptions:
+    """Everything `python -m evaluate.floor` accepts (one field per flag: its default and help)."""
+
+    counts: tuple = option((30, 100, 200, 500, 1000), "sample counts N to measure the floor at", type=int, nargs="+")
+    draws: int = option(10, "random draws per count (mean and std are printed)")
+    seed: int = option(0, "seed of the draws")
+    vae: str | None = option(None, "also measure real digits after this VAE's encode/decode round trip, e.g. "
+                                   "data/vae-digits (default: not measured)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Command-line flags."""
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0].split(": ", 1)[1],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--counts", type=int, nargs="+", default=[30, 100, 200, 500, 1000],
-                   help="sample counts N to measure the floor at")
-    p.add_argument("--draws", type=int, default=10, help="random draws per count (mean and std are printed)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the draws")
-    p.add_argument("--vae", default=None,
-                   help="also measure real digits after this VAE's encode/decode round trip, e.g. data/vae-digits "
-                        "(default: not measured)")
-    return p
+                                formatter_class=HelpFormatter)
+    return add_flags(p, FloorOptions)
 
 
 def main(argv=None) -> None:
     """Print the floor table."""
-    args = build_parser().parse_args(argv)
+    args = from_args(FloorOptions, build_parser().parse_args(argv))
     with cli_errors(PROG):
         if args.draws < 1:
             raise UserError(f"--draws must be at least 1; got {args.draws}.")

@@ -130,7 +130,7 @@ def open_folder_images(path) -> FolderImages:
     """The images under a folder, sorted by relative path; UserError if it holds none."""
     from PIL import Image
 
-    from extract.folder import IMAGE_EXTENSIONS, is_hidden, is_image_file  # the extract stage's notion of an image
+    from shared.imagefiles import IMAGE_EXTENSIONS, is_hidden, is_image_file  # the rule extract scans with
 
     path = Path(path)
     files = sorted(p for p in path.rglob("*") if is_image_file(p.name) and p.is_file()

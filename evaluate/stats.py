@@ -167,7 +167,7 @@ def open_reference(ref, features: str) -> Reference:
             raise UserError("--ref is required with the Inception features: pass an ADM reference batch (e.g. "
                             "VIRTUAL_imagenet256_labeled.npz), a statistics file from --save-stats, or an images npz "
                             "or folder of real images. (--features digits compares with the real digits by default.)")
-        from data.digits import IMAGE_SIZE, digit_images
+        from shared.digits import IMAGE_SIZE, digit_images
 
         return Reference("real digits (scikit-learn, all 1,797)",
                          images=ArrayImages(digit_images(IMAGE_SIZE)[0], REAL_DIGITS))

@@ -1,2 +1,7 @@
-"""`python -m extract`: ImageFolder scan (folder.py), ADM preprocessing (images.py), worker decoding
-(loader.py), batched fp32 encoding into resumable shards (run.py) and the dataset check (check.py)."""
+"""The extract stage, `python -m extract`: an ImageFolder encoded once by a frozen VAE into latent shards.
+
+Modules: folder.py (ImageFolder scan), images.py (ADM preprocessing), loader.py (worker decoding, batches
+within a shard), sizes.py (--image-size against the VAE and the DiT presets), run.py (the resumable job:
+plan, encode, index last), check.py (`--check`: the dataset without a VAE), verify.py (`--verify`: hash a
+finished folder).
+"""

@@ -15,9 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from shared.errors import UserError
-
-# The extensions torchvision's ImageFolder accepts, matched case-insensitively as it does.
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+from shared.imagefiles import IMAGE_EXTENSIONS, is_hidden, is_image_file
 
 # Why each kind of entry was left out, as the reports phrase it (singular, plural).
 SKIP_REASONS = {
@@ -80,16 +78,6 @@ class ImageFolderScan:
         keep = np.unique(np.linspace(0, len(self.files) - 1, num=limit).round().astype(np.int64))
         return ImageFolderScan(self.root, self.classes, [self.files[i] for i in keep],
                                [self.labels[i] for i in keep], self.skipped)
-
-
-def is_image_file(name: str) -> bool:
-    """True for names ending in one of IMAGE_EXTENSIONS, case-insensitively."""
-    return name.lower().endswith(IMAGE_EXTENSIONS)
-
-
-def is_hidden(name: str) -> bool:
-    """Names starting with a dot are tool or OS metadata (.ipynb_checkpoints, .DS_Store, ._x.jpg), never data."""
-    return name.startswith(".")
 
 
 def _entries(folder: Path) -> list[os.DirEntry]:

@@ -7,6 +7,8 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
+from shared.pixels import to_unit_range
+
 # Anything above 100 megapixels (300 MB as decoded RGB, per DataLoader worker) is treated as a
 # decompression bomb. PIL warns above MAX_IMAGE_PIXELS and raises above twice that; load_image turns the
 # warning into an error too, so the limit is exactly this number.
@@ -105,7 +107,7 @@ def load_image(path, image_size: int) -> np.ndarray:
 
 def to_model_input(pixels: torch.Tensor) -> torch.Tensor:
     """uint8 (N,3,S,S) -> float32 in [-1, 1] (ToTensor then Normalize(0.5, 0.5), as DiT does)."""
-    return pixels.float().div_(127.5).sub_(1.0)
+    return to_unit_range(pixels)
 
 
 def preprocess(path, image_size: int) -> torch.Tensor:

@@ -24,6 +24,7 @@ from tqdm import tqdm
 from extract.folder import ImageFolderScan, scan_image_folder
 from extract.images import to_model_input
 from extract.loader import ImageFileDataset, ShardBatches, make_loader
+from shared.cli import option
 from shared.distributed import process_state
 from extract.sizes import check_image_size
 from shared.errors import ChoiceError, UserError
@@ -39,20 +40,39 @@ SETTINGS_VERSION = 1
 
 @dataclass
 class ExtractConfig:
-    """Everything `python -m extract` was asked to do."""
+    """Everything `python -m extract` can be asked to do (one field per flag: its default and help)."""
 
-    data_path: Path
-    out: Path
-    vae: str
-    vae_config: Path | None = None
-    image_size: int = 256
-    flip: str = "both"
-    batch_size: int = 64
-    num_workers: int | None = None   # None: a share of the CPU cores per process
-    dtype: str = "fp16"
-    shard_size: int = 4096
-    limit: int | None = None
-    strict: bool = False
+    data_path: Path | None = option(None, "ImageFolder root: one sub-folder per class (required unless --verify).")
+    out: Path | None = option(None, "Output folder for shards and index.json (required unless --check).")
+    vae: str = option("ema", "ema | mse (stabilityai/sd-vae-ft-*), a local diffusers folder, a single weight file "
+                             "(.safetensors/.ckpt/.pt) or a hub id")
+    vae_config: Path | None = option(None, "config.json for a single-file --vae when none sits beside the file.")
+    image_size: int = option(256, "Side of the square centre crop (ADM preprocessing); a multiple of the VAE's "
+                                  "downsample factor")
+    flip: str = option("both", "both: also store the horizontally mirrored image's moments (train picks one per "
+                               "step); none: originals only", choices=tuple(FLIP_MODES))
+    batch_size: int = option(64, "Images per encoder batch (x2 with --flip both)")
+    num_workers: int | None = option(None, "Image-decoding processes per extract process (default: up to 8, from the "
+                                           "CPU count).")
+    dtype: str = option("fp16", "Storage dtype of the moments; encoding always runs in fp32",
+                        choices=tuple(STORAGE_DTYPES))
+    shard_size: int = option(4096, "Images per shard, also the unit of resume")
+    limit: int | None = option(None, "Use only N images, spread evenly over the sorted list (for a quick trial; "
+                                     "default: all).")
+    strict: bool = option(False, "Stop at the first bad image instead of skipping and recording it.")
+
+
+@dataclass
+class ExtractModes:
+    """The flags that pick another job than extracting (none: extract)."""
+
+    check: bool = option(False, "Validate the dataset without encoding: images per class, first image's size and "
+                                "mode, bad files (opens every image; no VAE). Exit status 1 if bad files are found.")
+    dry_run: bool = option(False, "Run every check and print the plan (images, shards, VAE, settings) without loading "
+                                  "the VAE or writing anything.")
+    verify: bool = option(False, "Hash every shard of the finished folder --out against its index.json and report "
+                                 "damage; changes nothing (a damaged folder: rerun the extraction command, it redoes "
+                                 "those shards).")
 
 
 @dataclass
@@ -97,7 +117,7 @@ def check_numbers(cfg: ExtractConfig) -> None:
         raise ChoiceError("storage dtype", cfg.dtype, STORAGE_DTYPES)
 
 
-def check_vae(cfg: ExtractConfig) -> tuple[str, dict, list[str]]:
+def check_encoder_vae(cfg: ExtractConfig) -> tuple[str, dict, list[str]]:
     """Resolve the VAE and check the image size against its factor and the DiT patches, from config.json only."""
     from shared.vae import downsample_factor, read_vae_config, resolve_vae_spec
 
@@ -174,7 +194,7 @@ def plan(cfg: ExtractConfig, check_out: bool = True) -> Plan:
     """Every check that needs no weights: flags, dataset, VAE config, image size (and the out folder)."""
     check_numbers(cfg)
     scan = scan_image_folder(cfg.data_path).limited(cfg.limit)
-    vae_name, vae_config, warnings = check_vae(cfg)
+    vae_name, vae_config, warnings = check_encoder_vae(cfg)
     settings = run_settings(cfg, scan, vae_name, vae_config)
     if check_out:
         warnings += check_out_folder(Path(cfg.out), settings)

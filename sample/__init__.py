@@ -1,5 +1,8 @@
-"""The sample stage: DiT weights (run folder, export or official .pt) -> CFG DDPM/DDIM -> VAE -> PNGs, grid, npz.
+"""The sample stage: DiT weights (run folder, export, official .pt or diffusers DiT) -> CFG sampling -> VAE -> PNGs.
 
-Entry points: `python -m sample` (sample.generate.run_sample) and `python -m sample decode`
-(sample.decode.run_decode). Image i's label and noise depend only on (--seed, i).
+Modules: generate.py (`python -m sample`: sample.generate.run_sample), image_draws.py (image i's label and
+noise from (--seed, i)), checkpoint.py (the weights --ckpt names), official.py (the release's checkpoints by
+name), diffusers_folder.py (diffusers DiTs), outputs.py (the --out folder: PNGs, settings.json, grid, npz),
+decode.py (`python -m sample decode`), watch.py (`python -m sample watch`), export.py (`python -m sample
+export`: a diffusers DiTPipeline folder).
 """

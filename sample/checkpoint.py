@@ -291,8 +291,8 @@ def check_finite(loaded: LoadedWeights) -> None:
                     f"(the first such tensor); sampling from it would give black or noise images. {fix}")
 
 
-def load_checkpoint(ckpt, weights: str | None = None, model: str | None = None,
-                    objective: str | None = None) -> LoadedWeights:
+def load_sampling_weights(ckpt, weights: str | None = None, model: str | None = None,
+                          objective: str | None = None) -> LoadedWeights:
     """Resolve --ckpt, read its state dict and ModelConfig, refuse non-finite weights (no model is built yet)."""
     if weights is not None and weights not in WEIGHTS:
         raise ChoiceError("weights", weights, WEIGHTS)
@@ -324,7 +324,7 @@ def image_size_of(loaded: LoadedWeights, vae_factor: int, image_size: int | None
     return size
 
 
-def build_model(loaded: LoadedWeights, device) -> torch.nn.Module:
+def build_sampling_model(loaded: LoadedWeights, device) -> torch.nn.Module:
     """Instantiate the DiT, load the weights strictly, and move it to `device` in eval mode."""
     model = loaded.config.build()
     try:

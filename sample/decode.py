@@ -9,29 +9,28 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
+from shared.cli import option
 from shared.distributed import process_state
 from shared.errors import UserError
+from shared.flags import DecodeFlags
+from shared.pixels import to_uint8
 from shared.rundir import SAMPLES, step_of
+from shared.vae_match import check_loaded_vae, check_vae_matches, choose_vae, load_vae
 
-from sample.outputs import GRID_NAME, check_out_path, image_name, save_png, to_uint8, write_grid
-from sample.vae_setup import check_loaded_vae, check_vae, choose_vae, load_vae
+from sample.outputs import GRID_NAME, check_out_path, image_name, save_png, write_grid
 
 
 @dataclass
-class DecodeOptions:
-    """Everything `python -m sample decode` accepts."""
+class DecodeOptions(DecodeFlags):
+    """Everything `python -m sample decode` accepts (one field per flag: its default and help; the VAE flags too)."""
 
-    latents: str
-    vae: str | None = None
-    vae_config: str | None = None
-    out: str | None = None
-    vae_precision: str = "fp32"
-    vae_tiling: bool = False
-    vae_slicing: bool = False
-    batch_size: int = 16
-    cpu: bool = False
-    all: bool = False
-    allow_other_vae: bool = False
+    latents: str = option(help="a latents file written by training's --sample-every, or a folder of them "
+                               "(RUN/samples, or RUN itself): its newest file, or every file with --all",
+                          positional=True, metavar="LATENTS|DIR")
+    all: bool = option(False, "with a folder: decode every preview file, not just the newest")
+    out: str | None = option(None, "output folder (default: the file's path without .safetensors; with --all, one "
+                                   "subfolder per file)")
+    batch_size: int = option(16, "latents decoded per VAE call")
 
 
 def read_latents(path: Path) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -92,7 +91,7 @@ def run_decode(o: DecodeOptions) -> list[Path]:
     loaded = [(read_latents(path), path, out) for path, out in jobs]  # every file is checked before any decoding
     spec, how = choose_vae(o.vae, loaded[-1][0][2])  # the VAE recorded with the newest file
     for (latents, _, meta), _, _ in loaded:
-        name, _ = check_vae(spec, o.vae_config, latents.shape[1], meta, o.allow_other_vae)
+        name, _ = check_vae_matches(spec, o.vae_config, latents.shape[1], meta, o.allow_other_vae)
     device = process_state(o.cpu).device
     vae = load_vae(name, o.vae_config, device, o.vae_precision, o.vae_tiling, o.vae_slicing)
     return [decode_file(vae, name, how, data, path, out, o) for data, path, out in loaded]

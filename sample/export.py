@@ -17,14 +17,16 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from shared.cli import option
 from shared.diffusers_dit import NUMERICS_NOTE, dit_to_diffusers, diffusers_config
 from shared.diffusion import NUM_TIMESTEPS, linear_betas
 from shared.errors import ChoiceError, UserError
+from shared.flags import ALLOW_OTHER_VAE, VAE, VAE_CONFIG
 from shared.fsio import TMP_PREFIX, atomic_write_text, publish_dir, remove_tree
 from shared.models import ModelConfig
+from shared.vae_match import check_loaded_vae, check_vae_matches, choose_vae, load_vae
 
-from sample.checkpoint import LoadedWeights, load_checkpoint
-from sample.vae_setup import check_loaded_vae, check_vae, choose_vae, load_vae
+from sample.checkpoint import WEIGHTS, LoadedWeights, load_sampling_weights
 
 EXPORT_FORMATS = ("diffusers",)
 PIPELINE_NULL_LABEL = 1000  # DiTPipeline.__call__ writes its unconditional label as this literal
@@ -33,15 +35,22 @@ README_NAME = "README.md"
 
 @dataclass
 class ExportOptions:
-    """Everything `python -m sample export` accepts (one field per argument)."""
+    """Everything `python -m sample export` accepts (one field per argument: its default and help)."""
 
-    ckpt: str
-    out: str
-    format: str = "diffusers"
-    weights: str | None = None
-    vae: str | None = None
-    vae_config: str | None = None
-    allow_other_vae: bool = False
+    ckpt: str = option(help="the weights, as sampling's --ckpt takes them: a run folder (newest EMA export), a "
+                            "checkpoint folder, a .safetensors export, an official .pt, or a diffusers DiT",
+                       positional=True, metavar="RUN|FILE")
+    out: str = option(help="the folder to write; refused if it exists (an empty folder is fine)", positional=True,
+                      metavar="OUT")
+    format: str = option("diffusers", "output layout (diffusers: a DiTPipeline folder)", choices=EXPORT_FORMATS)
+    weights: str | None = option(None, "with a run or checkpoint folder: the EMA weights or the raw training weights "
+                                       "(default: ema)", choices=WEIGHTS)
+    vae: str | None = VAE.field(help="VAE copied into OUT/vae (same forms as sampling's --vae). Default: the VAE "
+                                     "recorded in the weights' latent metadata, else ema")
+    vae_config: str | None = VAE_CONFIG.field()
+    allow_other_vae: bool = ALLOW_OTHER_VAE.field(help="copy a VAE whose scaling factor or config differs from the "
+                                                       "one recorded with the latents (its configured scaling factor "
+                                                       "is set to the one used in training)")
 
 
 def check_target(out: Path) -> None:
@@ -157,10 +166,11 @@ def run_export(o: ExportOptions) -> Path:
         raise ChoiceError("export format", o.format, EXPORT_FORMATS)
     out = Path(o.out).expanduser()
     check_target(out)
-    loaded = load_checkpoint(o.ckpt, o.weights)
+    loaded = load_sampling_weights(o.ckpt, o.weights)
     check_representable(loaded.config, loaded.path)
     spec, how = choose_vae(o.vae, loaded.latent_meta)
-    vae_name, _ = check_vae(spec, o.vae_config, loaded.config.in_channels, loaded.latent_meta, o.allow_other_vae)
+    vae_name, _ = check_vae_matches(spec, o.vae_config, loaded.config.in_channels, loaded.latent_meta,
+                                    o.allow_other_vae)
     vae = load_vae(vae_name, o.vae_config, "cpu", "fp32", tiling=False, slicing=False)
     rescale, note = check_loaded_vae(vae, loaded.latent_meta, o.allow_other_vae)
     if rescale != 1.0:  # DiTPipeline divides by its VAE's configured factor: make it the one used in training

@@ -10,58 +10,74 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from shared.objectives import objective_of
-from shared.samplers import SAMPLER_OPTIONS, get_sampler, sampler_options
+from shared.cli import option
 from shared.distributed import process_state
 from shared.errors import UserError
+from shared.flags import BATCH_SIZE, CFG_INTERVAL, CFG_SCALE, GUIDE, NUM_SAMPLING_STEPS, SAMPLER, SEED, DecodeFlags
 from shared.guidance import check_guidance, check_interval, describe_guidance, guide_channel_count, guided_model_fn
+from shared.objectives import OBJECTIVE_NAMES, objective_of
+from shared.samplers import SAMPLER_OPTIONS, get_sampler, sampler_options
 from shared.lock import hold_lock
+from shared.models import DiT_models
+from shared.pixels import to_uint8
+from shared.precision import PRECISIONS, set_tf32
 from shared.rundir import CHECKPOINTS, EMA_FILE, EXPORTS, MODEL_FILE
+from shared.vae_match import check_loaded_vae, check_vae_matches, choose_vae, load_vae
 
-from sample.checkpoint import LoadedWeights, build_model, image_size_of, load_checkpoint
+from sample.checkpoint import WEIGHTS, LoadedWeights, build_sampling_model, image_size_of, load_sampling_weights
 from sample.outputs import (GRID_NAME, NPZ_NAME, SETTINGS_NAME, check_out_dir, check_out_path, image_name,
-                            missing_indices, read_png, remove_stale_temps, save_png, to_uint8, write_grid, write_json,
-                            write_npz)
-from sample.seeding import LabelPlan, batch_start, image_labels, make_label_plan
-from sample.vae_setup import check_loaded_vae, check_vae, choose_vae, load_vae
+                            missing_indices, read_png, remove_stale_temps, save_png, write_grid, write_json, write_npz)
+from sample.image_draws import LabelPlan, batch_start, image_labels, make_label_plan
 
 # Settings that change no pixel: a rerun may change them and still resume the same images.
 RUN_ONLY = ("num_samples", "batch_size", "out", "npz", "vae_slicing", "cpu", "tf32", "allow_other_vae")
 
 
 @dataclass
-class SampleOptions:
-    """Everything `python -m sample` accepts (one field per flag)."""
+class SampleOptions(DecodeFlags):
+    """Everything `python -m sample` accepts (one field per flag: its default and help; the VAE flags too)."""
 
-    ckpt: str
-    vae: str | None = None
-    vae_config: str | None = None
-    class_labels: list[str] | None = None  # class indices or class names of the latent metadata
-    random_labels: bool = False
-    num_samples: int | None = None
-    cfg_scale: float = 4.0
-    guide_channels: str = "auto"
-    sampler: str | None = None  # None: the objective's own (ddpm for DDPM models, sde for flow models)
-    num_sampling_steps: int = 250
-    ddim_eta: float | None = None  # None: not given (0 for ddim; refused with the other samplers)
-    time_shift: float | None = None  # flow samplers' timestep shift (None: 1, no shift; refused elsewhere)
-    last_step_size: float | None = None  # the flow SDE's last Mean step (None: SiT's 0.04; refused elsewhere)
-    cfg_interval: tuple | None = None  # (lo, hi) noise levels where guidance applies (None: everywhere)
-    seed: int = 0
-    batch_size: int = 32
-    precision: str = "fp32"
-    vae_precision: str = "fp32"
-    vae_tiling: bool = False
-    vae_slicing: bool = False
-    out: str | None = None
-    npz: bool = False
-    weights: str | None = None  # None: not given (EMA for folders; a file's own weights)
-    model: str | None = None
-    objective: str | None = None  # official .pt only (None: the release's, else ddpm)
-    image_size: int | None = None
-    cpu: bool = False
-    tf32: bool = True
-    allow_other_vae: bool = False
+    ckpt: str = option(help="training run folder (newest EMA export), a checkpoints/step-* folder, a .safetensors "
+                            "export (config read from it), or an official DiT .pt/.pth state dict")
+    weights: str | None = option(  # None: not given (EMA for folders; a file's own weights)
+        None, "with a run or checkpoint folder (or an official training checkpoint holding both): the EMA weights or "
+              "the raw training weights (default: ema; a file of one set is used as saved, and asking it for the "
+              "other set is refused)", choices=WEIGHTS)
+    model: str | None = option(None, "official .pt only: the preset (default: inferred from tensor shapes, and said)",
+                               choices=tuple(DiT_models))
+    objective: str | None = option(  # None: the release's objective, else ddpm
+        None, "official .pt only: the objective the weights were trained with (default: the release's for a "
+              "released name such as SiT-XL-2-256x256.pt, else ddpm); exports record their own",
+        choices=OBJECTIVE_NAMES)
+    image_size: int | None = option(None, "official .pt only: image size in pixels, checked against latent size x "
+                                          "VAE factor (default: not checked)")
+    class_labels: list[str] | None = option(  # class indices or class names of the latent metadata
+        None, "class indices, or class names recorded with the latents (matched exactly, then ignoring case), "
+              "cycled over --num-samples (default: label i = i %% num_classes)", nargs="+", metavar="CLASS")
+    random_labels: bool = option(False, "draw each image's class uniformly from its own (seed, i) generator instead")
+    num_samples: int | None = option(None, "images to draw (default: one per --class-labels entry, else one per "
+                                           "class)", aliases=("--num-fid-samples",))
+    cfg_scale: float = CFG_SCALE.field()
+    guide_channels: str = GUIDE.field()
+    sampler: str | None = SAMPLER.field()  # None: the objective's own (ddpm for DDPM models, sde for flow models)
+    num_sampling_steps: int = NUM_SAMPLING_STEPS.field()
+    cfg_interval: tuple | None = CFG_INTERVAL.field()  # (lo, hi) noise levels where guidance applies
+    ddim_eta: float | None = option(  # None: not given (0 for ddim; refused with the other samplers)
+        None, "DDIM's noise scale eta in [0, 1] (Song et al. Eq. 16): 0 deterministic, 1 DDPM-like; only with "
+              "--sampler ddim (default 0)")
+    time_shift: float | None = option(  # None: 1, no shift (refused with samplers that take none)
+        None, "flow samplers (euler, heun, sde): LightningDiT's timestep shift s, tau' = s tau / (1 + (s-1) tau); "
+              "s < 1 puts more steps near noise (LightningDiT: 0.3; default 1 = none)")
+    last_step_size: float | None = option(  # None: SiT's 0.04
+        None, "sde only: the size of SiT's final deterministic Mean step (default 0.04, as SiT)")
+    seed: int = SEED.field()
+    batch_size: int = BATCH_SIZE.field(aliases=("--per-proc-batch-size",))
+    precision: str = option("fp32", "DiT precision: fp32, or fp16/bf16 autocast", choices=tuple(PRECISIONS))
+    tf32: bool = option(True, "disable TF32 matmuls on Ampere+ GPUs (on by default, as the DiT release)",
+                        name="--no-tf32")
+    out: str | None = option(None, "output folder (default: samples/<ckpt>-cfg<s>-<sampler><steps>-seed<seed>)",
+                             aliases=("--sample-dir",))
+    npz: bool = option(False, "also write samples.npz (arr_0 uint8 N x H x W x 3, labels) for FID tooling")
 
 
 @dataclass
@@ -163,7 +179,7 @@ def resolve_job(o: SampleOptions) -> Job:
     check_numbers(o)
     if o.out:
         check_out_path(Path(o.out), "sampling")  # a file or an image name as --out: refused before any loading
-    loaded = load_checkpoint(o.ckpt, o.weights, o.model, o.objective)
+    loaded = load_sampling_weights(o.ckpt, o.weights, o.model, o.objective)
     objective = objective_of(loaded.config)
     sampler, options = resolve_sampler(o, objective)
     check_interval(o.cfg_interval, objective.level_range, objective.level_unit, objective.name)
@@ -172,7 +188,7 @@ def resolve_job(o: SampleOptions) -> Job:
     names = (loaded.latent_meta or {}).get("class_names")
     plan = make_label_plan(o.class_labels, loaded.config.num_classes, o.random_labels, names)
     spec, how = choose_vae(o.vae, loaded.latent_meta)
-    vae_name, factor = check_vae(spec, o.vae_config, loaded.config.in_channels, loaded.latent_meta,
+    vae_name, factor = check_vae_matches(spec, o.vae_config, loaded.config.in_channels, loaded.latent_meta,
                                  o.allow_other_vae)
     loaded.notes.append(f"VAE {vae_name} ({how})")
     image_size = image_size_of(loaded, factor, o.image_size)
@@ -226,7 +242,7 @@ def load_checked_vae(job: Job, device):
 def make_drawer(job: Job, vae, rescale: float, device) -> Drawer:
     """Build the model on `device` and wrap it for the chosen sampler and guidance."""
     o, config = job.options, job.loaded.config
-    model = build_model(job.loaded, device)
+    model = build_sampling_model(job.loaded, device)
     job.loaded.state_dict = {}  # the model holds the weights now; free the CPU copy
     model_fn = guided_model_fn(model, o.cfg_scale, guide_channel_count(o.guide_channels, config.in_channels),
                                o.precision, o.cfg_interval, job.objective.noise_level)
@@ -268,13 +284,6 @@ def finish(job: Job) -> None:
     write_grid(job.out / GRID_NAME, lambda i: read_png(paths[i]), labels)
     if job.options.npz:
         write_npz(job.out / NPZ_NAME, paths, labels)
-
-
-def set_tf32(device, allowed: bool) -> None:
-    """TF32 matmuls on Ampere+ GPUs, as the DiT release's sample.py enables (no effect on CPU)."""
-    if torch.device(device).type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = allowed
-        torch.backends.cudnn.allow_tf32 = allowed
 
 
 def runtime_facts(device) -> dict:

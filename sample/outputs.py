@@ -8,7 +8,6 @@ import zipfile
 from pathlib import Path
 
 import numpy as np
-import torch
 from PIL import Image
 
 from shared.samplers import SAMPLER_NAMES, SAMPLER_OPTIONS, sampler_options
@@ -35,12 +34,6 @@ def image_name(index: int, label: int, class_name: str | None = None) -> str:
 def safe_name(text: str) -> str:
     """A class name usable in a file name on any system: runs of other characters become '_'."""
     return _UNSAFE.sub("_", str(text)).strip("._-")[:NAME_CHARS].strip("._-")
-
-
-def to_uint8(images: torch.Tensor) -> np.ndarray:
-    """Images (N,3,H,W) in [-1,1] -> uint8 (N,H,W,3), rounded as torchvision's save_image does."""
-    images = ((images.float().clamp(-1, 1) + 1) * 127.5 + 0.5).clamp(0, 255)  # (N, 3, H, W) in [0, 255]
-    return images.to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()  # (N, H, W, 3)
 
 
 def remove_stale_temps(out: Path) -> int:

@@ -26,14 +26,16 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 
 from shared import rundir
+from shared.cli import option
 from shared.distributed import process_state
 from shared.errors import UserError
+from shared.flags import DecodeFlags
 from shared.lock import LOCK_NAME, FolderBusyError, hold_lock
 from shared.vae import read_vae_config
+from shared.vae_match import check_vae_matches, choose_vae, load_vae
 
 from sample.decode import DecodeOptions, decode_file, read_latents
 from sample.outputs import grid_layout, image_name, read_png, save_png
-from sample.vae_setup import check_vae, choose_vae, load_vae
 
 REPORT_TO = ("auto", "tensorboard", "none")
 MIN_CELL = 96  # pixels: smaller previews (digits: 32) are enlarged by an integer factor so captions fit
@@ -41,24 +43,21 @@ PAD = 4
 
 
 @dataclass
-class WatchOptions:
-    """Everything `python -m sample watch` accepts."""
+class WatchOptions(DecodeFlags):
+    """Everything `python -m sample watch` accepts (one field per flag: its default and help; the VAE flags too)."""
 
-    run: str
-    vae: str | None = None
-    vae_config: str | None = None
-    vae_precision: str = "fp32"
-    vae_tiling: bool = False
-    vae_slicing: bool = False
-    allow_other_vae: bool = False
-    cpu: bool = False
-    batch_size: int = 16
-    interval: float = 5.0
-    exit_when_done: bool = False
-    until_step: int | None = None
-    until_pid: int | None = None
-    threads: int | None = None
-    report_to: str = "auto"
+    run: str = option(help="the training run folder (train's --results-dir)", positional=True, metavar="RUN")
+    interval: float = option(5.0, "seconds between looks for new preview files")
+    exit_when_done: bool = option(False, "stop once no training process holds RUN (finished, stopped or killed), "
+                                         "after decoding every preview; without it, run until Ctrl-C or SIGTERM")
+    until_step: int | None = option(None, "stop once the checkpoint of STEP exists, after decoding every preview "
+                                          "(train --watch-vae passes its last step)", metavar="STEP")
+    until_pid: int | None = option(None, "stop once process PID has ended, after decoding every preview (train "
+                                         "--watch-vae passes its own PID)", metavar="PID")
+    report_to: str = option("auto", "log each grid as a TensorBoard image under RUN/tensorboard/previews: auto = when "
+                                    "the run was launched with --report-to tensorboard", choices=REPORT_TO)
+    threads: int | None = option(None, "CPU threads for decoding (default: torch's choice)")
+    batch_size: int = option(16, "latents decoded per VAE call")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -283,7 +282,7 @@ class Decoder:
         data = read_latents(path)
         latents, labels, meta = data
         spec, how = choose_vae(self.o.vae, meta)
-        name, _ = check_vae(spec, self.o.vae_config, latents.shape[1], meta, self.o.allow_other_vae)
+        name, _ = check_vae_matches(spec, self.o.vae_config, latents.shape[1], meta, self.o.allow_other_vae)
         if self.vae is None or name != self.name:
             device = process_state(self.o.cpu).device
             self.vae = load_vae(name, self.o.vae_config, device, self.o.vae_precision, self.o.vae_tiling,

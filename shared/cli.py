@@ -1,5 +1,21 @@
-"""What every stage's command line shares: the help formatter that shows each flag's default."""
+"""What every stage's command line shares: flags declared once on option dataclasses, and the help formatter.
+
+A command's options are a dataclass; each field that is a flag is declared with `option(...)` (or a shared
+`Flag` of shared/flags.py), which holds its default and its help text once. `add_flags` derives the
+argparse arguments from the fields and `from_args` turns the parsed namespace back into the dataclass, so
+adding a flag is adding one field:
+
+    lr: float = option(1e-4, "peak learning rate (DiT: 1e-4)")
+"""
+from __future__ import annotations
+
 import argparse
+import dataclasses
+import typing
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+FLAG_KEY = "flag"  # the field-metadata key that holds a field's Flag
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -13,4 +29,115 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
             return text
         if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
             return f"{text} (default: {'on' if action.default else 'off'})"
+        if isinstance(action.default, (tuple, list)):  # as typed on the command line: "0.9 0.999"
+            return f"{text} (default: {' '.join(map(str, action.default))})"
         return f"{text} (default: %(default)s)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    """One command-line flag: default, help and argparse details, stated once; `.field()` is its dataclass field.
+
+    No default (MISSING) makes a required flag; a bool field is a switch (default False: `--name`; default
+    True: `name` must say the switch that turns it off, e.g. "--no-tf32"). The argparse type comes from the
+    field's annotation (int, float, Path; `X | None` is X) unless `type` is given.
+    """
+
+    help: str
+    default: Any = dataclasses.MISSING
+    aliases: tuple[str, ...] = ()       # other spellings, e.g. the official DiT names ("--global-seed")
+    choices: Sequence | None = None
+    type: Callable | None = None        # argparse type when the annotation does not say it (or says it wrong)
+    metavar: Any = None
+    nargs: Any = None
+    const: Any = None
+    name: str | None = None             # the flag when it is not --field-name
+    positional: bool = False
+    exclusive: str | None = None        # flags sharing this key are mutually exclusive
+
+    def field(self, **changes) -> Any:
+        """A fresh dataclass field for this flag (changes: e.g. another default or help for one command)."""
+        spec = dataclasses.replace(self, **changes)
+        return dataclasses.field(default=spec.default, metadata={FLAG_KEY: spec})
+
+
+def option(default: Any = dataclasses.MISSING, help: str = "", **details) -> Any:
+    """A dataclass field that is also a flag: `x: int = option(3, "what x does")` (see Flag for details)."""
+    return Flag(help, default, **details).field()
+
+
+def flag_fields(cls) -> list[dataclasses.Field]:
+    """The fields of an options dataclass that are flags: its own first, then those of its flag families."""
+    own = cls.__dict__.get("__annotations__", {})
+    flags = [f for f in dataclasses.fields(cls) if FLAG_KEY in f.metadata]
+    return [f for f in flags if f.name in own] + [f for f in flags if f.name not in own]
+
+
+def flag_name(field_name: str) -> str:
+    """The flag that sets a field ('keep_last' -> '--keep-last')."""
+    return "--" + field_name.replace("_", "-")
+
+
+def add_flags(parser: argparse.ArgumentParser, cls, only: Sequence[str] | None = None, skip: Sequence[str] = (),
+              changes: dict[str, dict] | None = None) -> argparse.ArgumentParser:
+    """Add one argparse argument per flag field of `cls` (or of the fields named in `only`, in that order).
+
+    `changes` maps a field name to Flag changes for this parser only (another command's wording of its help).
+    """
+    hints = typing.get_type_hints(cls)
+    by_name = {f.name: f for f in flag_fields(cls)}
+    chosen = [by_name[n] for n in only] if only is not None else list(by_name.values())
+    groups: dict[str, Any] = {}
+    for f in chosen:
+        if f.name in skip:
+            continue
+        spec: Flag = dataclasses.replace(f.metadata[FLAG_KEY], **(changes or {}).get(f.name, {}))
+        target = parser
+        if spec.exclusive:
+            if spec.exclusive not in groups:
+                groups[spec.exclusive] = parser.add_mutually_exclusive_group()
+            target = groups[spec.exclusive]
+        names, kwargs = _argument(f.name, spec, hints.get(f.name))
+        target.add_argument(*names, **kwargs)
+    return parser
+
+
+def from_args(cls, args: argparse.Namespace, **extra):
+    """The options dataclass holding the parsed flags (lists become tuples where the default is a tuple)."""
+    values = {}
+    for f in flag_fields(cls):
+        if hasattr(args, f.name):
+            value = getattr(args, f.name)
+            if isinstance(f.default, tuple) and isinstance(value, list):
+                value = tuple(value)
+            values[f.name] = value
+    return cls(**values, **extra)
+
+
+def _argument(name: str, spec: Flag, hint) -> tuple[list[str], dict]:
+    """(names, add_argument keywords) of one flag field."""
+    kwargs: dict[str, Any] = {"help": spec.help}
+    for key in ("choices", "metavar", "nargs", "const"):
+        if getattr(spec, key) is not None:
+            kwargs[key] = list(spec.choices) if key == "choices" else getattr(spec, key)
+    if spec.positional:
+        return [name], kwargs
+    names = [spec.name or flag_name(name), *spec.aliases]
+    kwargs["dest"] = name
+    if spec.default is dataclasses.MISSING:
+        kwargs["required"] = True
+    else:
+        kwargs["default"] = spec.default
+    if isinstance(spec.default, bool):
+        kwargs["action"] = "store_false" if spec.default else "store_true"
+        return names, kwargs
+    kind = spec.type or _scalar_type(hint)
+    if kind is not None:
+        kwargs["type"] = kind
+    return names, kwargs
+
+
+def _scalar_type(hint) -> Callable | None:
+    """int, float or Path from an annotation (`X | None` is X); None for str and anything else."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)] if typing.get_args(hint) else [hint]
+    return args[0] if len(args) == 1 and args[0] in (int, float, Path) else None

@@ -14,6 +14,14 @@ PRECISION_ALIASES = {"no": "fp32"}
 PRECISION_CHOICES = (*PRECISIONS, *PRECISION_ALIASES)  # what the flags accept
 
 
+def set_tf32(device, allowed: bool = True) -> None:
+    """TF32 matmuls and convolutions on Ampere+ GPUs, as the DiT release's train.py and sample.py enable (DiT
+    issue #22: 0.51 -> 0.81 training steps/s on A100); no effect off CUDA."""
+    if torch.device(device).type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = allowed
+        torch.backends.cudnn.allow_tf32 = allowed
+
+
 def canonical_precision(name: str) -> str:
     """'no' -> 'fp32'; every other name as is."""
     return PRECISION_ALIASES.get(name, name)

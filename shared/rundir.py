@@ -19,6 +19,7 @@
 """
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -196,3 +197,20 @@ def looks_like_run(path) -> bool:
     path = Path(path)
     return path.is_dir() and ((path / CHECKPOINTS).is_dir() or (path / EXPORTS).is_dir()
                               or (path / CONFIG_FILE).is_file())
+
+
+def read_step_rows(path: Path) -> list[dict]:
+    """The JSON objects of a run's .jsonl file (metrics, eval) that carry a step, by step; a line cut short by a
+    kill is skipped."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), (int, float)) and not isinstance(row["step"], bool):
+            rows.append(row)
+    return sorted(rows, key=lambda r: r["step"])

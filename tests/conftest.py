@@ -75,3 +75,11 @@ def private_digits_cache(tmp_path_factory):
         os.environ.pop("XDG_CACHE_HOME")
     else:
         os.environ["XDG_CACHE_HOME"] = old
+
+
+@pytest.fixture(scope="module")
+def latents(tmp_path_factory) -> Path:
+    """A finished latent folder of 32 synthetic 4x4x4 samples in 4 classes (tests.helpers.make_latents)."""
+    from tests.helpers import make_latents
+
+    return make_latents(tmp_path_factory.mktemp("latents") / "lat")

@@ -59,7 +59,7 @@ def test_a_failing_compile_becomes_an_error_row(monkeypatch):
 
 def test_bench_times_the_trainers_own_step(monkeypatch, tmp_path):
     """Each timed step is train.step.train_step on a learner and micro-batch shaped as python -m train builds them."""
-    from tests.test_train import make_latents
+    from tests.helpers import make_latents
     from shared.shards import LatentDataset
     from train.data import TrainingDraws
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from data.digits import NUM_CLASSES, build_digits, digit_images, load_digit_arrays
+from shared.digits import NUM_CLASSES, build_digits, digit_images, load_digit_arrays
 from data.judge import class_match, fit_judge
 from data.make_vae import DEFAULT_OUT as VAE_DIR
 

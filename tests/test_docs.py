@@ -1,6 +1,9 @@
-"""The docs describe the code as it is: every path, module, name and file they mention exists."""
+"""The docs describe the code as it is: every path, module, name, signature and file they mention exists, and the
+module lists (ARCHITECTURE's table of shared/, each stage package's docstring) name every module."""
+import ast
 import importlib
 import importlib.util
+import inspect
 import re
 from pathlib import Path
 
@@ -8,8 +11,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ("README.md", "docs/ARCHITECTURE.md")
-REPO_PATH = re.compile(r"^(shared|train|sample|extract|data|tests|docs|\.ci)/[\w./-]*$|^requirements[\w-]*\.txt$")
-DOTTED = re.compile(r"^(shared|train|sample|extract|data)(\.\w+)+$")
+STAGES = ("extract", "train", "sample", "evaluate", "data")
+REPO_PATH = re.compile(r"^(shared|train|sample|extract|evaluate|data|tests|docs|\.ci)/[\w./-]*$|^requirements[\w-]*\.txt$")
+DOTTED = re.compile(r"^(shared|train|sample|extract|evaluate|data)(\.\w+)+$")
 FILE_NAME = re.compile(r"^(?!requirements)[a-z][\w-]*\.(json|jsonl|npz|safetensors|pt|txt)$")
 
 
@@ -36,7 +40,7 @@ def mentions(pattern) -> list[tuple[str, str]]:
 
 def python_sources() -> str:
     """All project Python code (where the names of written files must appear)."""
-    return "\n".join(p.read_text() for d in ("shared", "train", "sample", "extract", "data")
+    return "\n".join(p.read_text() for d in ("shared", *STAGES)
                      for p in (ROOT / d).rglob("*.py"))
 
 
@@ -74,3 +78,91 @@ def test_every_python_m_module_exists():
 @pytest.mark.parametrize("doc, name", mentions(FILE_NAME))
 def test_every_file_the_docs_describe_is_written_by_the_code(doc, name):
     assert f'"{name}"' in python_sources(), f"{doc} describes {name}, but no code names that file"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Signatures: every `def` in a ```python block under a "## pkg/module.py" heading is the code's signature
+# ---------------------------------------------------------------------------------------------------------
+
+def documented_signatures() -> list[tuple[str, str | None, str, str]]:
+    """(module, class or None, function name, parameter text) of each def in ARCHITECTURE's python blocks."""
+    text = (ROOT / "docs/ARCHITECTURE.md").read_text()
+    found = []
+    for section in re.finditer(r"^## (\w+/\w+)\.py[^\n]*\n(.*?)(?=^## |\Z)", text, flags=re.S | re.M):
+        module = section.group(1).replace("/", ".")
+        for block in re.findall(r"```python\n(.*?)```", section.group(2), flags=re.S):
+            owner, lines = None, [line.split("  #")[0].rstrip() for line in block.splitlines()]
+            for i, code in enumerate(lines):
+                if re.match(r"^class (\w+)", code):
+                    owner = re.match(r"^class (\w+)", code).group(1)
+                elif re.match(r"^\s*def \w+\(", code):
+                    while code.count("(") > code.count(")"):  # a signature over several lines
+                        i += 1
+                        code += " " + lines[i].strip()
+                    indent, name = re.match(r"^(\s*)def (\w+)\(", code).groups()
+                    found.append((module, owner if indent else None, name, _inside_parentheses(code)))
+                elif code and not code.startswith((" ", "@")):
+                    owner = None
+    return found
+
+
+def _inside_parentheses(code: str) -> str:
+    """The text between a def's opening parenthesis and the one that closes it."""
+    start = code.index("(")
+    depth = 0
+    for i in range(start, len(code)):
+        depth += {"(": 1, ")": -1}.get(code[i], 0)
+        if depth == 0:
+            return code[start + 1:i]
+    raise AssertionError(f"unbalanced signature in docs/ARCHITECTURE.md: {code}")
+
+
+def test_the_docs_show_signatures():
+    """The parser of the check finds the signatures the doc shows (so the next test cannot pass vacuously)."""
+    names = {(m, o, n) for m, o, n, _ in documented_signatures()}
+    assert ("shared.shards", "LatentDataset", "__init__") in names and ("shared.vae", None, "draw_latents") in names
+    assert len(names) >= 20
+
+
+@pytest.mark.parametrize("module, owner, name, params", documented_signatures())
+def test_documented_signature_is_the_code(module, owner, name, params):
+    """Same parameters in the same order, and the same defaults, as the function the doc names."""
+    mod = importlib.import_module(module)
+    target = getattr(getattr(mod, owner), name) if owner else getattr(mod, name)
+    doc = ast.parse(f"def f({params}): pass").body[0].args
+    positional = doc.posonlyargs + doc.args
+    shown = [a.arg for a in positional + doc.kwonlyargs if a.arg not in ("self", "cls")]
+    defaults = {a.arg: d for a, d in zip(positional[::-1], doc.defaults[::-1])}
+    defaults.update({a.arg: d for a, d in zip(doc.kwonlyargs, doc.kw_defaults) if d is not None})
+    real = inspect.signature(target).parameters
+    named = [p for p in real if p not in ("self", "cls")
+             and real[p].kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)]
+    where = f"docs/ARCHITECTURE.md shows {module}.{owner + '.' if owner else ''}{name}({params})"
+    assert shown == named, f"{where}; the code takes {named}"
+    for arg, expr in defaults.items():
+        value = eval(ast.unparse(expr), vars(mod))  # names such as torch.float32 resolve in the module
+        assert real[arg].default == value, f"{where}; the code's default of {arg} is {real[arg].default!r}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Module lists
+# ---------------------------------------------------------------------------------------------------------
+
+def modules_of(package: str) -> set[str]:
+    """The module files of a package, without __init__ and __main__."""
+    return {p.stem for p in (ROOT / package).glob("*.py")} - {"__init__", "__main__"}
+
+
+def test_architecture_table_names_every_shared_module():
+    """Each shared/ module has its row in ARCHITECTURE's table of owners, and each stage package its own."""
+    rows = re.findall(r"^\| `([\w/.]+)` \|", (ROOT / "docs/ARCHITECTURE.md").read_text(), flags=re.M)
+    assert {f"shared/{m}.py" for m in modules_of("shared")} <= set(rows)
+    assert {f"{stage}/" for stage in STAGES} <= set(rows)
+
+
+@pytest.mark.parametrize("package", STAGES)
+def test_package_docstring_lists_every_module(package):
+    """A stage's package docstring lists its modules: all of them, and none that is gone."""
+    doc = importlib.import_module(package).__doc__ or ""
+    listed = set(re.findall(r"\b(\w+)\.py\b", doc.split("Modules:", 1)[-1]))
+    assert listed == modules_of(package), f"{package}/__init__.py lists {sorted(listed)}"

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from sample.__main__ import main
 from sample.official import CACHE_ENV, URL_ENV
 from shared.models import ModelConfig
-from tests.test_interop import run_cli
+from tests.helpers import run_main
 
 NAME = "DiT-XL-2-256x256.pt"
 STEPS = ["--num-sampling-steps", "2", "--cpu", "--num-samples", "2"]
@@ -86,7 +87,7 @@ def server(release, tmp_path, monkeypatch):
 
 def sample_by_name(out: Path, vae: Path, capsys):
     """`python -m sample --ckpt DiT-XL-2-256x256.pt ...` (the name, no such file here)."""
-    return run_cli(["--ckpt", NAME, "--vae", vae, "--out", out, *STEPS], capsys)
+    return run_main(main, ["--ckpt", NAME, "--vae", vae, "--out", out, *STEPS], capsys)
 
 
 def pngs(folder: Path) -> dict:
@@ -109,7 +110,7 @@ def test_download_by_name_then_cached(server, release, tiny_vae_dir, tmp_path, c
     code, out, err = sample_by_name(tmp_path / "b", tiny_vae_dir, capsys)
     assert code == 0, err
     assert server.requests == [f"/{NAME}"] and "read from the checkpoint cache" in out  # no second download
-    code, _, err = run_cli(["--ckpt", release["path"], "--vae", tiny_vae_dir, "--out", tmp_path / "c", *STEPS], capsys)
+    code, _, err = run_main(main, ["--ckpt", release["path"], "--vae", tiny_vae_dir, "--out", tmp_path / "c", *STEPS], capsys)
     assert code == 0, err
     assert len(pngs(tmp_path / "a")) == 2 and pngs(tmp_path / "a") == pngs(tmp_path / "b") == pngs(tmp_path / "c")
 
@@ -175,15 +176,15 @@ def test_sit_release_by_name_is_a_flow_model(release, tiny_vae_dir, tmp_path, mo
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
     try:
-        code, _, err = run_cli(["--ckpt", name, "--vae", tiny_vae_dir, "--out", tmp_path / "ddpm", "--sampler", "ddpm",
+        code, _, err = run_main(main, ["--ckpt", name, "--vae", tiny_vae_dir, "--out", tmp_path / "ddpm", "--sampler", "ddpm",
                                 *STEPS], capsys)
         assert code == 2 and "trained with the flow objective" in err and not (tmp_path / "ddpm").exists()
-        code, out, err = run_cli(["--ckpt", name, "--vae", tiny_vae_dir, "--out", tmp_path / "o", *STEPS], capsys)
+        code, out, err = run_main(main, ["--ckpt", name, "--vae", tiny_vae_dir, "--out", tmp_path / "o", *STEPS], capsys)
         assert code == 0, err
         identity = json.loads((tmp_path / "o" / "settings.json").read_text())["identity"]
         assert identity["sampler"] == "sde" and identity["model"]["objective"] == "flow"
         assert "objective flow (the SiT (Ma et al. 2024) release)" in out
-        code, _, err = run_cli(["--ckpt", name, "--vae", tiny_vae_dir, "--out", tmp_path / "x", "--objective", "ddpm",
+        code, _, err = run_main(main, ["--ckpt", name, "--vae", tiny_vae_dir, "--out", tmp_path / "x", "--objective", "ddpm",
                                 *STEPS], capsys)
         assert code == 2 and "contradicts SiT-XL-2-256x256.pt" in err
     finally:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from data.digits import digit_images
+from shared.digits import digit_images
 from evaluate import digits
 from evaluate.__main__ import main
 

@@ -13,6 +13,7 @@ from evaluate.__main__ import main
 from evaluate.inception import FIDInceptionV3, InceptionE, tf1_resize_bilinear, tf_avg_pool
 from evaluate.stats import load_stats
 from shared.errors import UserError
+from tests.helpers import run_main
 
 
 def random_inception_state(seed: int = 0) -> dict:
@@ -169,22 +170,11 @@ def write_images(path, n, size=32, seed=0, dtype=np.uint8, key="arr_0"):
     return path
 
 
-def run_cli(argv, capsys):
-    """main(argv) -> (exit code, stdout, stderr)."""
-    try:
-        main([str(a) for a in argv])
-        code = 0
-    except SystemExit as stop:
-        code = stop.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
 def test_cli_end_to_end_on_a_random_weight_network(weights_file, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     samples = write_images(tmp_path / "samples.npz", 5, seed=1)
     ref = write_images(tmp_path / "ref.npz", 6, seed=2)
-    code, out, err = run_cli([samples, "--ref", ref, "--inception-weights", weights_file, "--is-split-size", 2,
+    code, out, err = run_main(main, [samples, "--ref", ref, "--inception-weights", weights_file, "--is-split-size", 2,
                               "--batch-size", 4, "--save-stats", tmp_path / "samples-stats.npz"], capsys)
     assert code == 0, err
     record = json.loads(out.strip().splitlines()[-1])
@@ -196,7 +186,7 @@ def test_cli_end_to_end_on_a_random_weight_network(weights_file, tmp_path, capsy
     assert stats.mu.shape == (2048,) and stats.mu_s.shape == (2023,) and stats.pool.shape == (5, 2048)
     assert list(tmp_path.joinpath("cache").rglob("*.npz"))  # the reference's statistics were cached
     # The samples against their own statistics file: FID and sFID 0, precision and recall 1.
-    code, out, err = run_cli([samples, "--ref", tmp_path / "samples-stats.npz", "--inception-weights", weights_file,
+    code, out, err = run_main(main, [samples, "--ref", tmp_path / "samples-stats.npz", "--inception-weights", weights_file,
                               "--is-split-size", 2, "--no-save"], capsys)
     again = json.loads(out.strip().splitlines()[-1])
     assert code == 0 and again["fid"] == pytest.approx(0, abs=1e-3) and again["sfid"] == pytest.approx(0, abs=1e-3)
@@ -234,7 +224,7 @@ def test_cli_mistakes_are_one_paragraph_and_leave_nothing(case, needle, tmp_path
         write_images(samples, 4)
         torch.save({"conv.weight": torch.zeros(3, 3)}, tmp_path / "other.pth")
         extra += ["--inception-weights", tmp_path / "other.pth"]
-    code, out, err = run_cli([samples, "--ref", ref, *extra], capsys)
+    code, out, err = run_main(main, [samples, "--ref", ref, *extra], capsys)
     assert code == 2 and "Traceback" not in err
     assert needle in " ".join(err.split())
     assert not (tmp_path / "samples.eval.jsonl").exists()
@@ -246,20 +236,20 @@ def test_an_adm_reference_batch_uses_its_statistics_and_its_images(weights_file,
     samples = write_images(tmp_path / "samples.npz", 5, seed=3)
     ref = write_images(tmp_path / "ref.npz", 6, seed=4)
     common = ["--inception-weights", weights_file, "--is-split-size", 5, "--no-save"]
-    code, out, err = run_cli([ref, "--ref", samples, "--save-stats", tmp_path / "ref-stats.npz", *common], capsys)
+    code, out, err = run_main(main, [ref, "--ref", samples, "--save-stats", tmp_path / "ref-stats.npz", *common], capsys)
     assert code == 0, err
-    direct = json.loads(run_cli([samples, "--ref", ref, *common], capsys)[1].strip().splitlines()[-1])
+    direct = json.loads(run_main(main, [samples, "--ref", ref, *common], capsys)[1].strip().splitlines()[-1])
     # The ADM layout: the images as arr_0 beside precomputed statistics, and nothing else (no meta, no pool).
     stats = load_stats(tmp_path / "ref-stats.npz")
     with np.load(ref) as npz:
         images = npz["arr_0"]
     adm = tmp_path / "VIRTUAL_tiny.npz"
     np.savez(adm, arr_0=images, mu=stats.mu, sigma=stats.sigma, mu_s=stats.mu_s, sigma_s=stats.sigma_s)
-    via_adm = json.loads(run_cli([samples, "--ref", adm, *common], capsys)[1].strip().splitlines()[-1])
+    via_adm = json.loads(run_main(main, [samples, "--ref", adm, *common], capsys)[1].strip().splitlines()[-1])
     for key in ("fid", "sfid", "inception_score", "precision", "recall"):
         assert via_adm[key] == pytest.approx(direct[key], rel=1e-5, abs=1e-6), key
     assert via_adm["ref_count"] == 6
     np.savez(adm, mu=stats.mu, sigma=stats.sigma, mu_s=stats.mu_s, sigma_s=stats.sigma_s)  # statistics only
-    stats_only = json.loads(run_cli([samples, "--ref", adm, *common], capsys)[1].strip().splitlines()[-1])
+    stats_only = json.loads(run_main(main, [samples, "--ref", adm, *common], capsys)[1].strip().splitlines()[-1])
     assert stats_only["fid"] == pytest.approx(direct["fid"], rel=1e-5)
     assert stats_only["precision"] is None and stats_only["recall"] is None  # PR needs the reference's images

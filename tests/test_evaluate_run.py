@@ -14,6 +14,7 @@ from shared import rundir
 from shared.export import save_weights
 from shared.models import ModelConfig
 from shared.vae import LatentVAE
+from tests.helpers import run_main
 
 FLAGS = ["--features", "digits", "--num-samples", 6, "--sampler", "ddim", "--num-sampling-steps", 2,
          "--cfg-scale", 1, "--batch-size", 6, "--cpu"]
@@ -35,23 +36,12 @@ def export(run, step, vae, seed):
     save_weights(rundir.export_path(run, step), model.state_dict(), config, meta, step)
 
 
-def run_cli(argv, capsys):
-    """main(["run", ...]) -> (exit code, stdout, stderr as one line)."""
-    try:
-        main(["run", *map(str, argv)])
-        code = 0
-    except SystemExit as stop:
-        code = stop.code
-    captured = capsys.readouterr()
-    return code, captured.out, " ".join(captured.err.split())
-
-
 def test_run_evaluates_every_export_draws_the_curve_and_continues(tiny_vae_dir, tmp_path, capsys):
     run = tmp_path / "run"
     vae = LatentVAE.load(tiny_vae_dir)
     export(run, 100, vae, seed=0)
     export(run, 200, vae, seed=1)
-    code, out, err = run_cli([run, "--vae", tiny_vae_dir, *FLAGS], capsys)
+    code, out, err = run_main(main, ["run", run, "--vae", tiny_vae_dir, *FLAGS], capsys)
     assert code == 0, err
     rows = [json.loads(line) for line in rundir.eval_path(run).read_text().splitlines()]
     assert [r["step"] for r in rows] == [100, 200]
@@ -62,7 +52,7 @@ def test_run_evaluates_every_export_draws_the_curve_and_continues(tiny_vae_dir, 
     assert not any((run / rundir.EVAL_SAMPLES).iterdir())  # sample folders removed once recorded
 
     export(run, 300, vae, seed=2)
-    code, out, err = run_cli([run, "--vae", tiny_vae_dir, "--keep-samples", *FLAGS], capsys)
+    code, out, err = run_main(main, ["run", run, "--vae", tiny_vae_dir, "--keep-samples", *FLAGS], capsys)
     assert code == 0, err
     assert "2 already evaluated with these settings, 1 to go" in out
     again = [json.loads(line) for line in rundir.eval_path(run).read_text().splitlines()]
@@ -79,23 +69,23 @@ def test_run_evaluates_every_export_draws_the_curve_and_continues(tiny_vae_dir, 
 
 def test_run_mistakes_are_refused_before_sampling(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
-    code, _, err = run_cli([tmp_path / "empty", *FLAGS], capsys)
+    code, _, err = run_main(main, ["run", tmp_path / "empty", *FLAGS], capsys)
     assert code == 2 and "holds no EMA exports" in err
     run = tmp_path / "run"
     rundir.export_path(run, 100).parent.mkdir(parents=True)
     rundir.export_path(run, 100).write_bytes(b"not read")  # refused before the export is opened
-    code, _, err = run_cli([run, "--num-samples", 100, "--ref", tmp_path / "ref.npz"], capsys)
+    code, _, err = run_main(main, ["run", run, "--num-samples", 100, "--ref", tmp_path / "ref.npz"], capsys)
     assert code == 2 and "100 samples are fewer than one Inception Score split of 5000" in err
     config = ModelConfig("DiT-T/2", input_size=8, in_channels=4, num_classes=10)
     save_weights(rundir.export_path(run, 100), config.build().state_dict(), config, {"image_size": 64}, 100)
-    code, _, err = run_cli([run, *FLAGS], capsys)
+    code, _, err = run_main(main, ["run", run, *FLAGS], capsys)
     assert code == 2 and "fitted to 32x32 images" in err and "64x64" in err
     assert not rundir.eval_path(run).exists() and not (run / rundir.EVAL_SAMPLES).exists()
 
 
 def test_the_demo_asks_evaluate_run_for_its_curve_and_reports_the_digits_distance(tmp_path):
     from data import demo
-    from data.digits import digit_images
+    from shared.digits import digit_images
     from evaluate.curve import run_parser
 
     dirs = demo.stage_dirs(tmp_path, demo.QUICK)

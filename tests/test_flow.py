@@ -190,7 +190,7 @@ def test_guidance_interval_guides_inside_and_saves_calls_outside(objective, inte
 @pytest.fixture(scope="module")
 def flow_run(tmp_path_factory):
     """A tiny flow-matching run (logit-normal times, cosine loss) trained by python -m train."""
-    from tests.test_train import make_latents, run_inprocess
+    from tests.helpers import make_latents, run_inprocess
 
     root = tmp_path_factory.mktemp("flow")
     latents = make_latents(root / "lat")
@@ -205,7 +205,7 @@ def test_flow_training_records_its_objective(flow_run):
     import json
 
     from shared.export import read_config
-    from tests.test_train import metrics
+    from tests.helpers import metrics
 
     run = flow_run["run"]
     losses = [m["loss"] for m in metrics(run)]
@@ -217,7 +217,7 @@ def test_flow_training_records_its_objective(flow_run):
 
 
 def test_flow_resume_with_another_objective_is_refused(flow_run, capsys):
-    from tests.test_train import expect_user_error, train_args
+    from tests.helpers import expect_user_error, train_args
 
     err = expect_user_error(capsys, train_args(flow_run["latents"], flow_run["run"], "--max-steps", "14"))
     assert "objective: 'flow' -> 'ddpm'" in err and "Rerun with the original settings" in err
@@ -231,7 +231,7 @@ def flow_export(tmp_path_factory, tiny_vae_dir):
     """A flow-objective export whose latents metadata names the tiny test VAE (so sample can decode)."""
     from shared.export import save_weights
     from shared.vae import LatentVAE
-    from tests.test_sample import _random_dit
+    from tests.helpers import random_dit as _random_dit
 
     config = ModelConfig("DiT-T/2", input_size=8, num_classes=10, objective="flow")
     vae = LatentVAE.load(tiny_vae_dir)
@@ -246,7 +246,7 @@ def test_flow_export_samples_with_its_own_sampler_and_no_flags(flow_export, tmp_
     """No --sampler: the objective's SDE; the settings record it; the guidance interval is applied and said."""
     import json
 
-    from tests.test_sample import pngs, run_cli
+    from tests.helpers import pngs, run_sample as run_cli
 
     out = tmp_path / "o"
     code, err = run_cli(["--ckpt", flow_export, "--num-samples", "3", "--num-sampling-steps", "4", "--cpu", "--out",
@@ -271,7 +271,7 @@ def test_flow_export_samples_with_its_own_sampler_and_no_flags(flow_export, tmp_
     (("--cfg-interval", "0", "0.5", "--cfg-scale", "1"), "but --cfg-scale is 1 (no guidance)"),
 ])
 def test_flow_sampling_refusals_write_nothing(flow_export, tmp_path, capsys, extra, message):
-    from tests.test_sample import run_cli
+    from tests.helpers import run_sample as run_cli
 
     out = tmp_path / "o"
     code, err = run_cli(["--ckpt", flow_export, "--num-samples", "2", "--cpu", "--out", out, *extra], capsys)
@@ -280,7 +280,7 @@ def test_flow_sampling_refusals_write_nothing(flow_export, tmp_path, capsys, ext
 
 
 def test_flow_export_to_diffusers_is_refused(flow_export, tmp_path, capsys):
-    from tests.test_sample import run_cli
+    from tests.helpers import run_sample as run_cli
 
     code, err = run_cli(["export", flow_export, tmp_path / "pipe"], capsys)
     assert code == 2 and "trained with the flow objective" in err and "cannot be exported as a DiTPipeline" in err
@@ -291,7 +291,7 @@ def test_ddpm_export_refuses_an_interval_outside_dit_timesteps(tmp_path, capsys,
     """A DDPM model's noise levels are DiT timesteps in [0, 1000]: 0 2000 is refused, 0 500 accepted."""
     from shared.export import save_weights
     from shared.vae import LatentVAE
-    from tests.test_sample import _random_dit, run_cli
+    from tests.helpers import random_dit as _random_dit, run_sample as run_cli
 
     config = ModelConfig("DiT-T/2", input_size=8, num_classes=10)
     vae = LatentVAE.load(tiny_vae_dir)

@@ -4,7 +4,7 @@ import torch
 
 from shared.errors import ChoiceError, SettingError, UserError, advise
 from shared.guidance import GUIDE_CHANNELS, check_guidance, guide_channel_count, guided_model_fn
-from tests.test_models import inputs, randomize, tiny  # 2-block DiT-T/2, 8x8x4 latents, 5 classes
+from tests.helpers import inputs, randomize, tiny  # 2-block DiT-T/2, 8x8x4 latents, 5 classes
 
 
 @pytest.mark.parametrize("guide_channels", [3, None])

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.conftest import ROOT
+from tests.helpers import run_main
 from sample.__main__ import main
 from shared.diffusers_dit import (check_dit_config, diffusers_config, diffusers_to_dit, dit_kwargs, dit_to_diffusers)
 from shared.errors import UserError
@@ -95,17 +96,6 @@ def reference(made, tmp_path_factory) -> dict:
     return images
 
 
-def run_cli(argv, capsys):
-    """The CLI in-process -> (exit code, stdout, stderr as one line)."""
-    try:
-        main([str(a) for a in argv])
-        code = 0
-    except SystemExit as exit_:
-        code = exit_.code
-    captured = capsys.readouterr()
-    return code, captured.out, " ".join(captured.err.split())
-
-
 def pngs(folder: Path) -> dict:
     """Name -> bytes of every sample PNG."""
     return {p.name: p.read_bytes() for p in sorted(Path(folder).glob("0*.png"))}
@@ -171,7 +161,7 @@ def test_unequal_copies_through_the_cli(made, tmp_path, capsys):
     state = load_file(weights)
     state["transformer_blocks.3.norm1.emb.class_embedder.embedding_table.weight"][5] *= 2
     save_file(state, weights, metadata={"format": "pt"})
-    code, _, err = run_cli(["--ckpt", pipe, "--out", tmp_path / "out", *STEPS], capsys)
+    code, _, err = run_main(main, ["--ckpt", pipe, "--out", tmp_path / "out", *STEPS], capsys)
     assert code == 2 and "unequal per-block copies of its class embedder" in err and "transformer_blocks.3" in err
     assert not (tmp_path / "out").exists()
 
@@ -183,9 +173,9 @@ def test_unequal_copies_through_the_cli(made, tmp_path, capsys):
 def test_pipeline_folder_samples_like_the_original_weights(made, reference, tmp_path, capsys):
     """--ckpt PIPELINE (its own vae/ used) and its safetensors file: the .pt's pixels; its transformer/ folder: the
     .pt's weights."""
-    from sample.checkpoint import load_checkpoint
+    from sample.checkpoint import load_sampling_weights
 
-    code, out, err = run_cli(["--ckpt", made["pipe"], "--out", tmp_path / "pipe", *STEPS], capsys)
+    code, out, err = run_main(main, ["--ckpt", made["pipe"], "--out", tmp_path / "pipe", *STEPS], capsys)
     assert code == 0, err
     settings = json.loads((tmp_path / "pipe" / "settings.json").read_text())
     assert settings["identity"]["kind"] == "diffusers"
@@ -193,10 +183,10 @@ def test_pipeline_folder_samples_like_the_original_weights(made, reference, tmp_
     assert "downscale_freq_shift=1" in out  # the numerics note is printed
     assert pngs(tmp_path / "pipe") == reference
     file = made["pipe"] / "transformer" / "diffusion_pytorch_model.safetensors"
-    code, _, err = run_cli(["--ckpt", file, "--out", tmp_path / "file", *STEPS], capsys)  # the VAE beside it, too
+    code, _, err = run_main(main, ["--ckpt", file, "--out", tmp_path / "file", *STEPS], capsys)  # the VAE beside it, too
     assert code == 0, err
     assert pngs(tmp_path / "file") == reference
-    loaded = load_checkpoint(made["pipe"] / "transformer")
+    loaded = load_sampling_weights(made["pipe"] / "transformer")
     assert loaded.latent_meta["vae"] == str((made["pipe"] / "vae").resolve()) and loaded.label == "pipe"
     assert all(torch.equal(loaded.state_dict[k], v) for k, v in made["state"].items())
 
@@ -232,7 +222,7 @@ def test_hub_id_not_cached_while_offline(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     monkeypatch.chdir(tmp_path)
-    code, _, err = run_cli(["--ckpt", "facebook/DiT-XL-2-256", "--cpu"], capsys)
+    code, _, err = run_main(main, ["--ckpt", "facebook/DiT-XL-2-256", "--cpu"], capsys)
     assert code == 2
     assert "not in the local Hub cache" in err and str(tmp_path / "empty-cache") in err
     assert "hf download facebook/DiT-XL-2-256" in err and "Traceback" not in err
@@ -245,18 +235,18 @@ def test_other_diffusers_architectures_are_refused(tmp_path, capsys):
     UNet2DModel(sample_size=8, in_channels=4, out_channels=4, block_out_channels=(8, 8), norm_num_groups=4,
                 down_block_types=("DownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "UpBlock2D"),
                 layers_per_block=1).save_pretrained(tmp_path / "unet")
-    code, _, err = run_cli(["--ckpt", tmp_path / "unet", "--vae", "ema", *STEPS], capsys)
+    code, _, err = run_main(main, ["--ckpt", tmp_path / "unet", "--vae", "ema", *STEPS], capsys)
     assert code == 2 and "holds a diffusers UNet2DModel, not a DiT transformer" in err
     Transformer2DModel(in_channels=8, num_attention_heads=2, attention_head_dim=8, num_layers=1,
                        norm_num_groups=8).save_pretrained(tmp_path / "t2d")
-    code, _, err = run_cli(["--ckpt", tmp_path / "t2d", "--vae", "ema", *STEPS], capsys)
+    code, _, err = run_main(main, ["--ckpt", tmp_path / "t2d", "--vae", "ema", *STEPS], capsys)
     assert code == 2 and "is a diffusers Transformer2DModel but not a DiT" in err
     assert "norm_type='layer_norm'" in err and "patch_size=None" in err
 
 
 def test_legacy_transformer2d_config_loads(made, tmp_path):
     """The Hub's older config (Transformer2DModel, norm_type ada_norm_zero, defaults spelled out) maps the same."""
-    from sample.checkpoint import load_checkpoint
+    from sample.checkpoint import load_sampling_weights
 
     pipe = tmp_path / "pipe"
     shutil.copytree(made["pipe"], pipe)
@@ -267,7 +257,7 @@ def test_legacy_transformer2d_config_loads(made, tmp_path):
     for key in ("attention_bias", "norm_elementwise_affine"):  # absent: DiTTransformer2DModel's defaults apply,
         config.pop(key)                                         # as diffusers builds this config as that class
     config_path.write_text(json.dumps(config))
-    loaded = load_checkpoint(pipe)
+    loaded = load_sampling_weights(pipe)
     assert loaded.config == made["config"]
     assert all(torch.equal(loaded.state_dict[k], v) for k, v in made["state"].items())
 
@@ -282,7 +272,7 @@ def test_export_loads_and_runs_in_diffusers(made, tmp_path, capsys):
     from diffusers import DiTPipeline
 
     out = tmp_path / "exported"
-    code, _, err = run_cli(["export", made["run"], "--format", "diffusers", out], capsys)
+    code, _, err = run_main(main, ["export", made["run"], "--format", "diffusers", out], capsys)
     assert code == 0, err
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "model_index.json", "scheduler", "transformer", "vae"]
     assert "downscale_freq_shift=1" in (out / "README.md").read_text()
@@ -293,9 +283,9 @@ def test_export_loads_and_runs_in_diffusers(made, tmp_path, capsys):
                   output_type="np").images
     assert images.shape == (2, 16, 16, 3) and float(images.std()) > 0
     assert pipe.get_label_ids(["thing7", "alias999"]) == [7, 999]  # class names travel as DiTPipeline's id2label
-    from sample.checkpoint import load_checkpoint
+    from sample.checkpoint import load_sampling_weights
 
-    loaded = load_checkpoint(out)
+    loaded = load_sampling_weights(out)
     state, _, _, _ = load_weights(made["run"] / "exports" / "ema-step-0000300.safetensors")
     assert loaded.config == made["config"] and sorted(loaded.state_dict) == sorted(state)
     assert loaded.latent_meta["class_names"][7] == "thing7"  # and back, first synonym of each
@@ -307,7 +297,7 @@ def test_export_refuses_an_existing_target(made, tmp_path, capsys):
     out = tmp_path / "taken"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    code, _, err = run_cli(["export", made["run"], "--format", "diffusers", out], capsys)
+    code, _, err = run_main(main, ["export", made["run"], "--format", "diffusers", out], capsys)
     assert code == 2 and "already exists" in err and "never overwrites" in err
     assert sorted(p.name for p in out.iterdir()) == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
 
@@ -317,12 +307,12 @@ def test_export_refuses_what_ditpipeline_cannot_run(made, tmp_path, capsys):
     config = ModelConfig("DiT-T/2", input_size=8, in_channels=4, num_classes=10)
     path = tmp_path / "ten.pt"
     torch.save(config.build().state_dict(), path)
-    code, _, err = run_cli(["export", path, "--vae", made["vae"], tmp_path / "out"], capsys)
+    code, _, err = run_main(main, ["export", path, "--vae", made["vae"], tmp_path / "out"], capsys)
     assert code == 2 and "10 classes" in err and "hard-codes the unconditional label as 1000" in err
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".tmp-*"))
     no_null = ModelConfig("DiT-T/2", input_size=8, num_classes=1000, class_dropout_prob=0.0)  # trained unguided
     export = save_weights(tmp_path / "no-null.safetensors", no_null.build().state_dict(), no_null, None, 1)
-    code, _, err = run_cli(["export", export, "--vae", made["vae"], tmp_path / "out"], capsys)
+    code, _, err = run_main(main, ["export", export, "--vae", made["vae"], tmp_path / "out"], capsys)
     assert code == 2 and "no null-class embedding" in err
 
 

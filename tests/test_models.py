@@ -10,32 +10,7 @@ import torch
 
 from shared.errors import ChoiceError, UserError, advise
 from shared.models import ATTENTION_BACKENDS, DiT_models, ModelConfig, PRESETS, check_preset, infer_model_config
-
-
-def tiny(**kwargs):
-    """DiT-T/2 cut to 2 blocks, on a 8x8x4 latent with 5 classes (kwargs override); keeps CPU tests fast."""
-    args = dict(input_size=8, num_classes=5, depth=2)
-    args.update(kwargs)
-    return DiT_models["DiT-T/2"](**args)
-
-
-def randomize(model, seed=0, scale=0.3):
-    """Fill every parameter except the fixed pos_embed with random values (incl. zero-init ones)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name != "pos_embed":
-                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype) * scale)
-    return model
-
-
-def inputs(n=4, c=4, size=8, classes=5, seed=1, dtype=torch.float32):
-    """Random latents, integer timesteps in [0, 1000) and labels."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, c, size, size, generator=gen, dtype=torch.float64).to(dtype)
-    t = torch.randint(0, 1000, (n,), generator=gen)
-    y = torch.randint(0, classes, (n,), generator=gen)
-    return x, t, y
+from tests.helpers import inputs, randomize, tiny
 
 
 # ----------------------------------------------------------------------------------------------

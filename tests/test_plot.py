@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from train.plot import auto_weight, eval_lines, eval_title, main, panels, read_jsonl, smooth
+from shared.rundir import read_step_rows
+from train.plot import auto_weight, eval_lines, eval_title, main, panels, smooth
 
 
 def write_jsonl(path: Path, rows, tail: str = "") -> None:
@@ -35,11 +36,11 @@ def test_every_panel_is_drawn_from_what_the_run_logged(run, capsys):
     with Image.open(run / "curves.png") as image:
         pixels = np.asarray(image.convert("RGB"))
     assert pixels.shape[0] > 500 and pixels.shape[1] > 1000 and pixels.std() > 10  # 3 rows of 3 panels, not blank
-    titles = [p[0] for p in panels(read_jsonl(run / "metrics.jsonl"), read_jsonl(run / "eval.jsonl"))]
+    titles = [p[0] for p in panels(read_step_rows(run / "metrics.jsonl"), read_step_rows(run / "eval.jsonl"))]
     assert titles == ["training loss", "learning rate", "gradient norm (before clipping)", "throughput (images/s)",
                       "fp16 loss scale", "skipped steps (total)", "fid (eval.jsonl)", "digits_fd (eval.jsonl)",
                       "my_score (eval.jsonl)"]  # unknown metric keys too; settings (num_samples, cfg_scale) not
-    assert read_jsonl(run / "metrics.jsonl")[-1]["step"] == 40  # the torn line is skipped
+    assert read_step_rows(run / "metrics.jsonl")[-1]["step"] == 40  # the torn line is skipped
 
 
 def test_evaluations_made_two_ways_are_two_labelled_lines():

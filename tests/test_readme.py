@@ -33,6 +33,10 @@ def parser_for(module, args):
         return importlib.import_module("sample.__main__").sample_parser(), args
     if module == "train":
         return importlib.import_module("train.config").build_parser(), args
+    if module == "evaluate" and args[:1] == ["run"]:
+        return importlib.import_module("evaluate.curve").run_parser(), args[1:]
+    if module == "evaluate":
+        return importlib.import_module("evaluate.__main__").eval_parser(), args
     return importlib.import_module(f"{module}.__main__" if "." not in module else module).build_parser(), args
 
 

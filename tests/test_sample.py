@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from tests.conftest import ROOT, make_tiny_vae
-from sample.__main__ import main
+from tests.helpers import NUM_CLASSES, pngs, random_dit, run_sample
 from sample.checkpoint import resolve_ckpt_file
 from sample.generate import ckpt_label
 from sample.outputs import grid_layout
@@ -19,19 +19,7 @@ from shared.export import save_weights
 from shared.models import DiT, ModelConfig
 from shared.vae import LatentVAE
 
-NUM_CLASSES = 10
 STEPS = ["--num-sampling-steps", "4", "--cpu"]
-
-
-def _random_dit(config: ModelConfig, seed: int = 0) -> DiT:
-    """A DiT whose zero-initialised (adaLN-Zero) layers are perturbed, so samples depend on the weights."""
-    torch.manual_seed(seed)
-    model = config.build()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.add_(0.05 * torch.randn_like(p))
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +27,7 @@ def files(tmp_path_factory, tiny_vae_dir):
     """An official-layout .pt, a run folder with two exports and a checkpoint, and the VAE."""
     root = tmp_path_factory.mktemp("sample")
     config = ModelConfig("DiT-T/2", input_size=8, in_channels=4, num_classes=NUM_CLASSES)
-    state = _random_dit(config).state_dict()
+    state = random_dit(config).state_dict()
     torch.save(state, root / "DiT-T-2-16x16.pt")
     vae = LatentVAE.load(tiny_vae_dir)
     meta = {"image_size": 16, "scaling_factor": vae.scaling_factor, "latent_shape": [4, 8, 8],
@@ -52,22 +40,6 @@ def files(tmp_path_factory, tiny_vae_dir):
     (run / "checkpoints" / "step-0000200" / "state.json").write_text('{"step": 200}')  # marks it complete
     return {"root": root, "pt": root / "DiT-T-2-16x16.pt", "run": run, "vae": tiny_vae_dir, "state": state,
             "meta": meta}
-
-
-def run_cli(argv, capsys=None):
-    """Call the CLI in-process; returns the exit code (0 on success) and stderr."""
-    try:
-        main([str(a) for a in argv])
-        code = 0
-    except SystemExit as exit_:
-        code = exit_.code
-    err = capsys.readouterr().err if capsys is not None else ""
-    return code, " ".join(err.split())
-
-
-def pngs(folder: Path) -> dict:
-    """Name -> bytes of every sample PNG in folder."""
-    return {p.name: p.read_bytes() for p in sorted(folder.glob("0*.png"))}
 
 
 def official(files, out, *extra):
@@ -105,7 +77,7 @@ def test_official_pt_through_real_command(files, tmp_path):
 def test_run_folder_export_needs_no_model_or_vae_flags(files, tmp_path, capsys):
     """--ckpt RUN picks the newest EMA export; config and VAE come from its metadata."""
     out = tmp_path / "out"
-    code, err = run_cli(["--ckpt", files["run"], "--out", out, "--num-samples", 3, "--cfg-scale", 1.5, *STEPS], capsys)
+    code, err = run_sample(["--ckpt", files["run"], "--out", out, "--num-samples", 3, "--cfg-scale", 1.5, *STEPS], capsys)
     assert code == 0, err
     settings = json.loads((out / "settings.json").read_text())
     assert settings["identity"]["ckpt"].endswith("ema-step-0000200.safetensors")
@@ -116,17 +88,17 @@ def test_run_folder_export_needs_no_model_or_vae_flags(files, tmp_path, capsys):
 
 def test_export_file_matches_official_pt_with_same_weights(files, tmp_path, capsys):
     """The same weights as an export and as a .pt give the same pixels."""
-    code, err = run_cli(["--ckpt", files["run"] / "exports" / "ema-step-0000200.safetensors", "--out",
+    code, err = run_sample(["--ckpt", files["run"] / "exports" / "ema-step-0000200.safetensors", "--out",
                          tmp_path / "a", "--num-samples", 2, *STEPS], capsys)
     assert code == 0, err
-    assert run_cli(official(files, tmp_path / "b", "--num-samples", 2), capsys)[0] == 0
+    assert run_sample(official(files, tmp_path / "b", "--num-samples", 2), capsys)[0] == 0
     assert pngs(tmp_path / "a") == pngs(tmp_path / "b")
 
 
 def test_seed_reproducible_across_batch_sizes(files, tmp_path, capsys):
     """Batch 1 and batch 3 give byte-identical PNGs (random labels too); images differ from each other."""
     for name, batch in (("b1", 1), ("b3", 3)):
-        assert run_cli(official(files, tmp_path / name, "--num-samples", 4, "--batch-size", batch,
+        assert run_sample(official(files, tmp_path / name, "--num-samples", 4, "--batch-size", batch,
                                 "--random-labels", "--seed", 3), capsys)[0] == 0
     assert pngs(tmp_path / "b1") == pngs(tmp_path / "b3")
     assert len(set(pngs(tmp_path / "b1").values())) == 4
@@ -135,7 +107,7 @@ def test_seed_reproducible_across_batch_sizes(files, tmp_path, capsys):
 def test_resume_after_interrupted_run_matches_uninterrupted(files, tmp_path, capsys, monkeypatch):
     """Kill a 2-batch job after its first batch; the rerun draws only the rest; files equal a clean run."""
     args = ("--num-samples", 4, "--batch-size", 2, "--npz")
-    assert run_cli(official(files, tmp_path / "clean", *args), capsys)[0] == 0
+    assert run_sample(official(files, tmp_path / "clean", *args), capsys)[0] == 0
 
     import sample.generate as generate
     real_draw, drawn = generate.Drawer.draw, []
@@ -148,7 +120,7 @@ def test_resume_after_interrupted_run_matches_uninterrupted(files, tmp_path, cap
 
     monkeypatch.setattr(generate.Drawer, "draw", draw_then_die)
     with pytest.raises(KeyboardInterrupt):
-        run_cli(official(files, tmp_path / "resumed", *args), capsys)
+        run_sample(official(files, tmp_path / "resumed", *args), capsys)
     assert sorted(pngs(tmp_path / "resumed")) == ["000000-class0.png", "000001-class1.png"]
     assert not (tmp_path / "resumed" / "samples.npz").exists()
     (tmp_path / "resumed" / ".tmp-999-000002-class2.png").write_bytes(b"half")  # what kill -9 can leave
@@ -158,7 +130,7 @@ def test_resume_after_interrupted_run_matches_uninterrupted(files, tmp_path, cap
         return real_draw(self, indices)
 
     monkeypatch.setattr(generate.Drawer, "draw", record)
-    assert run_cli(official(files, tmp_path / "resumed", *args), capsys)[0] == 0
+    assert run_sample(official(files, tmp_path / "resumed", *args), capsys)[0] == 0
     assert drawn == [[0, 1], [2, 3]]  # the rerun drew only images 2 and 3
     assert pngs(tmp_path / "resumed") == pngs(tmp_path / "clean")
     assert not list((tmp_path / "resumed").glob(".tmp-*"))
@@ -169,7 +141,7 @@ def test_resume_after_interrupted_run_matches_uninterrupted(files, tmp_path, cap
 def test_bf16_ddim_all_channel_guidance_and_vae_switches(files, tmp_path, capsys):
     """The non-default paths run: bf16 autocast DiT, bf16 VAE with tiling and slicing, DDIM, guide all."""
     out = tmp_path / "o"
-    code, err = run_cli(official(files, out, "--num-samples", 2, "--precision", "bf16", "--vae-precision", "bf16",
+    code, err = run_sample(official(files, out, "--num-samples", 2, "--precision", "bf16", "--vae-precision", "bf16",
                                  "--vae-tiling", "--vae-slicing", "--sampler", "ddim", "--guide-channels", "all"),
                         capsys)
     assert code == 0, err
@@ -192,7 +164,7 @@ def test_two_processes_split_images_and_match_one(files, tmp_path, capsys):
     torch.set_num_threads(1)
     try:
         one = official(files, tmp_path / "one", "--num-samples", 3, "--batch-size", 2, "--npz")
-        assert run_cli(one, capsys)[0] == 0
+        assert run_sample(one, capsys)[0] == 0
     finally:
         torch.set_num_threads(threads)
     assert len(pngs(tmp_path / "two")) == 3 and pngs(tmp_path / "two") == pngs(tmp_path / "one")
@@ -207,7 +179,7 @@ def test_decode_training_latents(files, tmp_path, capsys):
     path.parent.mkdir()
     save_file({"latents": latents, "labels": torch.tensor([5, 1, 5])}, str(path),
               metadata={"latents": json.dumps(files["meta"])})
-    code, err = run_cli(["decode", path, "--cpu"], capsys)
+    code, err = run_sample(["decode", path, "--cpu"], capsys)
     assert code == 0, err
     out = tmp_path / "samples" / "step-0000100"
     assert sorted(pngs(out)) == ["000000-class5.png", "000001-class1.png", "000002-class5.png"]
@@ -252,7 +224,7 @@ def test_grid_layout_rows_per_class_or_square():
 
 def test_missing_ckpt(files, tmp_path, capsys):
     """A --ckpt path that does not exist."""
-    code, err = run_cli(["--ckpt", tmp_path / "nope.pt", "--vae", files["vae"], *STEPS], capsys)
+    code, err = run_sample(["--ckpt", tmp_path / "nope.pt", "--vae", files["vae"], *STEPS], capsys)
     assert code == 2 and "does not exist" in err and "--ckpt" in err
 
 
@@ -260,7 +232,7 @@ def test_missing_ckpt(files, tmp_path, capsys):
 def test_unreadable_ckpt(files, tmp_path, capsys, name):
     """Garbage bytes named .pt or .safetensors."""
     (tmp_path / name).write_bytes(b"\x00not a checkpoint" * 10)
-    code, err = run_cli(["--ckpt", tmp_path / name, "--vae", files["vae"], *STEPS], capsys)
+    code, err = run_sample(["--ckpt", tmp_path / name, "--vae", files["vae"], *STEPS], capsys)
     assert code == 2 and "cannot read" in err and "truncated" in err
 
 
@@ -268,19 +240,19 @@ def test_state_dict_fitting_no_preset(files, tmp_path, capsys):
     """A DiT of a non-preset size: the message says what the weights are."""
     odd = DiT(input_size=8, patch_size=2, hidden_size=96, depth=3, num_heads=3, num_classes=NUM_CLASSES)
     torch.save(odd.state_dict(), tmp_path / "odd.pt")
-    code, err = run_cli(["--ckpt", tmp_path / "odd.pt", "--vae", files["vae"], *STEPS], capsys)
+    code, err = run_sample(["--ckpt", tmp_path / "odd.pt", "--vae", files["vae"], *STEPS], capsys)
     assert code == 2 and "depth 3, width 96, patch 2" in err and "match no preset" in err
 
 
 def test_model_flag_contradicting_weights(files, capsys, tmp_path):
     """--model is checked against the shapes, never trusted over them."""
-    code, err = run_cli(official(files, tmp_path / "o", "--model", "DiT-S/2"), capsys)
+    code, err = run_sample(official(files, tmp_path / "o", "--model", "DiT-S/2"), capsys)
     assert code == 2 and "DiT-T/2" in err
 
 
 def test_labels_out_of_range(files, tmp_path, capsys):
     """A label equal to num_classes (the null class) is refused before anything is written."""
-    code, err = run_cli(official(files, tmp_path / "o", "--class-labels", 2, NUM_CLASSES), capsys)
+    code, err = run_sample(official(files, tmp_path / "o", "--class-labels", 2, NUM_CLASSES), capsys)
     assert code == 2 and f"[{NUM_CLASSES}]" in err and f"0 to {NUM_CLASSES - 1}" in err
     assert not (tmp_path / "o").exists()
 
@@ -288,24 +260,24 @@ def test_labels_out_of_range(files, tmp_path, capsys):
 def test_vae_channel_mismatch(files, tmp_path, capsys):
     """An 8-channel VAE for a 4-channel model."""
     wide = make_tiny_vae(tmp_path / "vae8", latent_channels=8)
-    code, err = run_cli(["--ckpt", files["pt"], "--vae", wide, "--out", tmp_path / "o", *STEPS], capsys)
+    code, err = run_sample(["--ckpt", files["pt"], "--vae", wide, "--out", tmp_path / "o", *STEPS], capsys)
     assert code == 2 and "latent channels 8 in this VAE, 4 for the latents" in err
     assert "--allow-other-vae does not apply" in err and not (tmp_path / "o").exists()
 
 
 def test_image_size_flag_contradicting_weights(files, tmp_path, capsys):
     """--image-size must equal latent size x VAE factor."""
-    code, err = run_cli(official(files, tmp_path / "o", "--image-size", 256), capsys)
+    code, err = run_sample(official(files, tmp_path / "o", "--image-size", 256), capsys)
     assert code == 2 and "--image-size 16" in err
 
 
 def test_out_folder_of_another_run(files, tmp_path, capsys):
     """Another seed into the same --out is refused; more images with the same settings are not."""
-    assert run_cli(official(files, tmp_path / "o", "--num-samples", 1), capsys)[0] == 0
-    code, err = run_cli(official(files, tmp_path / "o", "--num-samples", 1, "--seed", 5), capsys)
+    assert run_sample(official(files, tmp_path / "o", "--num-samples", 1), capsys)[0] == 0
+    code, err = run_sample(official(files, tmp_path / "o", "--num-samples", 1, "--seed", 5), capsys)
     assert code == 2 and "another run" in err and "seed" in err and "new --out" in err
     # More images with the same settings extend the run instead.
-    assert run_cli(official(files, tmp_path / "o", "--num-samples", 2), capsys)[0] == 0
+    assert run_sample(official(files, tmp_path / "o", "--num-samples", 2), capsys)[0] == 0
     assert len(pngs(tmp_path / "o")) == 2
 
 
@@ -313,5 +285,5 @@ def test_guidance_on_model_without_null_class(files, tmp_path, capsys):
     """cfg > 1 needs a null-class row, which class_dropout_prob=0 models lack."""
     config = ModelConfig("DiT-T/2", input_size=8, num_classes=NUM_CLASSES, class_dropout_prob=0.0)
     save_weights(tmp_path / "nodrop.safetensors", config.build().state_dict(), config, files["meta"], 1)
-    code, err = run_cli(["--ckpt", tmp_path / "nodrop.safetensors", "--out", tmp_path / "o", *STEPS], capsys)
+    code, err = run_sample(["--ckpt", tmp_path / "nodrop.safetensors", "--out", tmp_path / "o", *STEPS], capsys)
     assert code == 2 and "--cfg-scale 1" in err

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from tests import small_disk
 from tests.conftest import ROOT, make_tiny_vae
-from tests.test_sample import _random_dit, pngs, run_cli
+from tests.helpers import pngs, random_dit, run_sample
 from shared.export import save_weights
 from shared.models import ModelConfig
 from shared.vae import LatentVAE
@@ -47,7 +47,7 @@ def run(tmp_path_factory, tiny_vae_dir):
     """A run folder (two exports, one checkpoint) of a 5-class model whose latents carry class names."""
     root = tmp_path_factory.mktemp("mistakes")
     config = ModelConfig("DiT-T/2", input_size=8, in_channels=4, num_classes=len(NAMES))
-    state = _random_dit(config).state_dict()
+    state = random_dit(config).state_dict()
     meta = _meta(tiny_vae_dir)
     folder = root / "run"
     for step in (100, 200):
@@ -87,11 +87,11 @@ def _copy_run(run, dst: Path) -> Path:
 def test_vae_with_other_scaling_factor_is_refused_unless_allowed(run, tmp_path, capsys):
     """Both VAEs named, the difference said; --allow-other-vae decodes and says so in the log and settings."""
     other = _copy_vae(run["vae"], tmp_path / "other-vae", scaling_factor=0.5)
-    code, err = run_cli(_sample(run, tmp_path / "o", "--vae", other), capsys)
+    code, err = run_sample(_sample(run, tmp_path / "o", "--vae", other), capsys)
     assert code == 2 and says(err, other.resolve()) and says(err, Path(run["vae"]).resolve())
     assert "scaling factor 0.5 in this VAE" in err and "--allow-other-vae" in err
     assert not (tmp_path / "o").exists()
-    code, err = run_cli(_sample(run, tmp_path / "o", "--vae", other, "--allow-other-vae"), capsys)
+    code, err = run_sample(_sample(run, tmp_path / "o", "--vae", other, "--allow-other-vae"), capsys)
     assert code == 0, err
     assert len(pngs(tmp_path / "o")) == 2
     assert any("--allow-other-vae" in n for n in _settings(tmp_path / "o")["run"]["notes"])
@@ -100,7 +100,7 @@ def test_vae_with_other_scaling_factor_is_refused_unless_allowed(run, tmp_path, 
 def test_vae_with_other_config_hash_is_refused(run, tmp_path, capsys):
     """Same channels, factor and scale but another config: refused after loading, before any file is written."""
     other = _copy_vae(run["vae"], tmp_path / "v2", sample_size=64)
-    code, err = run_cli(_sample(run, tmp_path / "o", "--vae", other), capsys)
+    code, err = run_sample(_sample(run, tmp_path / "o", "--vae", other), capsys)
     assert code == 2 and "config hash" in err and "Traceback" not in err
     assert not (tmp_path / "o").exists()
 
@@ -108,7 +108,7 @@ def test_vae_with_other_config_hash_is_refused(run, tmp_path, capsys):
 def test_vae_with_other_downsample_factor_is_refused_even_when_allowed(run, tmp_path, capsys):
     """A x4 VAE for x2 latents would give images of the wrong size: no flag overrides that."""
     deeper = make_tiny_vae(tmp_path / "x4", levels=3)
-    code, err = run_cli(_sample(run, tmp_path / "o", "--vae", deeper, "--allow-other-vae"), capsys)
+    code, err = run_sample(_sample(run, tmp_path / "o", "--vae", deeper, "--allow-other-vae"), capsys)
     assert code == 2 and "downsample factor 4 in this VAE, 2 for the latents" in err
     assert "--allow-other-vae does not apply" in err
 
@@ -117,9 +117,9 @@ def test_decode_with_other_vae_is_refused(run, tmp_path, capsys):
     """`sample decode` checks the preview file's recorded VAE the same way."""
     path = _preview(tmp_path / "run" / "samples", 100, run["meta"])
     other = _copy_vae(run["vae"], tmp_path / "other", scaling_factor=0.5)
-    code, err = run_cli(["decode", path, "--cpu", "--vae", other], capsys)
+    code, err = run_sample(["decode", path, "--cpu", "--vae", other], capsys)
     assert code == 2 and "scaling factor 0.5" in err and "--allow-other-vae" in err
-    assert run_cli(["decode", path, "--cpu", "--vae", other, "--allow-other-vae"], capsys)[0] == 0
+    assert run_sample(["decode", path, "--cpu", "--vae", other, "--allow-other-vae"], capsys)[0] == 0
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -137,7 +137,7 @@ def test_nonfinite_weights_are_refused_at_load(run, tmp_path, capsys, kind):
     else:
         path = tmp_path / "bad.pt"
         torch.save(state, path)
-    code, err = run_cli(_sample(run, tmp_path / "o", "--vae", run["vae"], ckpt=path), capsys)
+    code, err = run_sample(_sample(run, tmp_path / "o", "--vae", run["vae"], ckpt=path), capsys)
     assert code == 2 and says(err, path) and f"tensor {name} has 2 NaN/inf values" in err
     assert "black or noise images" in err and not (tmp_path / "o").exists()
 
@@ -147,10 +147,10 @@ def test_nonfinite_weights_are_refused_at_load(run, tmp_path, capsys, kind):
 # --------------------------------------------------------------------------------------------------------
 
 def test_weights_raw_for_an_export_file_is_refused(run, tmp_path, capsys):
-    code, err = run_cli(_sample(run, tmp_path / "o", "--weights", "raw",
+    code, err = run_sample(_sample(run, tmp_path / "o", "--weights", "raw",
                                 ckpt=run["run"] / "exports" / "ema-step-0000200.safetensors"), capsys)
     assert code == 2 and "holds only the EMA weights" in err and "--weights raw" in err
-    code, err = run_cli(_sample(run, tmp_path / "o", "--weights", "raw", "--vae", run["vae"], ckpt=run["pt"]),
+    code, err = run_sample(_sample(run, tmp_path / "o", "--weights", "raw", "--vae", run["vae"], ckpt=run["pt"]),
                         capsys)
     assert code == 2 and "bare state dict" in err and not (tmp_path / "o").exists()
 
@@ -161,7 +161,7 @@ def test_settings_record_the_weights_actually_loaded(run, tmp_path, capsys, ckpt
     path = {"run": run["run"], "model": run["run"] / "checkpoints" / "step-0000200" / "model.safetensors",
             "pt": run["pt"]}[ckpt]
     extra = (["--weights", asked] if asked else []) + (["--vae", run["vae"]] if ckpt == "pt" else [])
-    code, err = run_cli(_sample(run, tmp_path / "o", *extra, ckpt=path), capsys)
+    code, err = run_sample(_sample(run, tmp_path / "o", *extra, ckpt=path), capsys)
     assert code == 0, err
     assert _settings(tmp_path / "o")["identity"]["weights"] == recorded
 
@@ -172,24 +172,24 @@ def test_settings_record_the_weights_actually_loaded(run, tmp_path, capsys, ckpt
 
 def test_guidance_rule_follows_the_latent_channels(run, tmp_path, capsys):
     """4 channels: auto guides 3 as the release and says so; 8 channels: all, and '3' is refused."""
-    code, err = run_cli(_sample(run, tmp_path / "four"), capsys)
+    code, err = run_sample(_sample(run, tmp_path / "four"), capsys)
     assert code == 0, err
     assert _settings(tmp_path / "four")["identity"]["guide_channels"] == "3"
     wide_vae = make_tiny_vae(tmp_path / "vae8", latent_channels=8)
     config = ModelConfig("DiT-T/2", input_size=8, in_channels=8, num_classes=len(NAMES))
-    path = save_weights(tmp_path / "wide.safetensors", _random_dit(config).state_dict(), config,
+    path = save_weights(tmp_path / "wide.safetensors", random_dit(config).state_dict(), config,
                         _meta(wide_vae, channels=8), 1)
-    code, err = run_cli(_sample(run, tmp_path / "eight", ckpt=path), capsys)
+    code, err = run_sample(_sample(run, tmp_path / "eight", ckpt=path), capsys)
     assert code == 0, err
     settings = _settings(tmp_path / "eight")
     assert settings["identity"]["guide_channels"] == "all"
     assert settings["run"]["guidance"].startswith("guidance: cfg scale 4 on all 8 latent channels")
-    code, err = run_cli(_sample(run, tmp_path / "three", "--guide-channels", "3", ckpt=path), capsys)
+    code, err = run_sample(_sample(run, tmp_path / "three", "--guide-channels", "3", ckpt=path), capsys)
     assert code == 2 and "--guide-channels 3 is the DiT release's quirk for 4-channel latents" in err
 
 
 def test_guidance_rule_is_printed(run, tmp_path, capsys):
-    code = run_cli(_sample(run, tmp_path / "o"), None)[0]
+    code = run_sample(_sample(run, tmp_path / "o"), None)[0]
     out = capsys.readouterr().out
     assert code == 0 and "guidance: cfg scale 4 on the first 3 of 4 latent channels (auto" in out
 
@@ -205,16 +205,16 @@ def test_vae_folder_with_missing_tensors_or_weights(run, tmp_path, capsys):
     weights = broken / "diffusion_pytorch_model.safetensors"
     state = load_file(weights)
     save_file({k: v for k, v in state.items() if k != "decoder.conv_in.bias"}, weights)
-    code, err = run_cli(_sample(run, tmp_path / "o", "--vae", broken), capsys)
+    code, err = run_sample(_sample(run, tmp_path / "o", "--vae", broken), capsys)
     assert code == 2 and "decoder.conv_in.bias" in err and "does not fit its config.json" in err
     assert "TRAIN this model" not in err
     weights.unlink()
-    code, err = run_cli(_sample(run, tmp_path / "o", "--vae", broken), capsys)
+    code, err = run_sample(_sample(run, tmp_path / "o", "--vae", broken), capsys)
     assert code == 2 and "no weights (diffusion_pytorch_model.safetensors" in err
     mixed = Path(shutil.copytree(run["vae"], tmp_path / "mixed"))
     wide = make_tiny_vae(tmp_path / "wide", latent_channels=8)
     shutil.copy(wide / "diffusion_pytorch_model.safetensors", mixed)
-    code, err = run_cli(_sample(run, tmp_path / "o", "--vae", mixed), capsys)
+    code, err = run_sample(_sample(run, tmp_path / "o", "--vae", mixed), capsys)
     assert code == 2 and "expected shape" in err and "same VAE" in err and "overwrite" not in err
 
 
@@ -247,7 +247,7 @@ def test_malicious_pickle_is_refused_naming_the_global(run, tmp_path, where):
 
 def test_ckpt_file_is_read_as_pytorch(run, tmp_path, capsys):
     shutil.copy(run["pt"], tmp_path / "official.ckpt")
-    code, err = run_cli(_sample(run, tmp_path / "o", "--vae", run["vae"], ckpt=tmp_path / "official.ckpt"), capsys)
+    code, err = run_sample(_sample(run, tmp_path / "o", "--vae", run["vae"], ckpt=tmp_path / "official.ckpt"), capsys)
     assert code == 0, err
 
 
@@ -258,7 +258,7 @@ def test_decode_and_sample_out_that_is_a_file(run, tmp_path, capsys, out):
     if out == "existing-file":
         target.write_text("keep me")
     for argv in (["decode", path, "--cpu", "--out", target], _sample(run, target)):
-        code, err = run_cli(argv, capsys)
+        code, err = run_sample(argv, capsys)
         assert code == 2 and "writes a folder" in err and "pass a folder path to --out" in err
     assert not target.exists() or target.read_text() == "keep me"
 
@@ -271,14 +271,14 @@ def test_truncated_newest_export_falls_back_saying_so(run, tmp_path, capsys):
     folder = _copy_run(run, tmp_path / "run")
     newest = folder / "exports" / "ema-step-0000200.safetensors"
     newest.write_bytes(newest.read_bytes()[:5000])
-    code, err = run_cli(_sample(run, tmp_path / "o", ckpt=folder), None)
+    code, err = run_sample(_sample(run, tmp_path / "o", ckpt=folder), None)
     out = capsys.readouterr().out
     assert code == 0
     assert f"note: the newer {newest} is not a whole weight file" in out and "sampling ema-step-0000100" in out
     assert f"pass --ckpt {folder / 'checkpoints' / 'step-0000200'}" in out
     assert _settings(tmp_path / "o")["identity"]["ckpt"].endswith("ema-step-0000100.safetensors")
     (folder / "exports" / "ema-step-0000100.safetensors").write_bytes(b"\x00" * 10)
-    code, err = run_cli(_sample(run, tmp_path / "o2", ckpt=folder), capsys)
+    code, err = run_sample(_sample(run, tmp_path / "o2", ckpt=folder), capsys)
     assert code == 2 and "no whole exports/ema-step-*.safetensors" in err
     assert says(err, f"pass --ckpt {folder / 'checkpoints' / 'step-0000200'}") and "re-export" not in err.lower()
 
@@ -301,7 +301,7 @@ def test_decode_refuses_a_preview_whose_tensor_contradicts_its_metadata(run, tmp
     path = tmp_path / "step-0000001.safetensors"
     save_file({"latents": torch.randn(2, 8, 8, 8), "labels": torch.tensor([1, 3])}, str(path),
               metadata={"latents": json.dumps(run["meta"]), "step": "1"})
-    code, err = run_cli(["decode", path, "--cpu", "--vae", run["vae"]], capsys)
+    code, err = run_sample(["decode", path, "--cpu", "--vae", run["vae"]], capsys)
     assert code == 2 and says(err, f"{path} holds latents of shape (8, 8, 8) but its metadata describes (4, 8, 8)")
 
 
@@ -309,14 +309,14 @@ def test_decode_folder_newest_or_all(run, tmp_path, capsys):
     samples = tmp_path / "run" / "samples"
     for step in (100, 900, 1000):
         _preview(samples, step, run["meta"])
-    assert run_cli(["decode", samples, "--cpu"], capsys)[0] == 0
+    assert run_sample(["decode", samples, "--cpu"], capsys)[0] == 0
     assert sorted(p.name for p in samples.iterdir() if p.is_dir()) == ["step-0001000"]
     assert sorted(pngs(samples / "step-0001000")) == ["000000-class1-Dog.png", "000001-class3-ant.png"]
-    assert run_cli(["decode", tmp_path / "run", "--cpu", "--all", "--out", tmp_path / "all"], capsys)[0] == 0
+    assert run_sample(["decode", tmp_path / "run", "--cpu", "--all", "--out", tmp_path / "all"], capsys)[0] == 0
     assert sorted(p.name for p in (tmp_path / "all").iterdir()) == ["step-0000100", "step-0000900", "step-0001000"]
     assert (tmp_path / "all" / "step-0000900" / "grid.png").exists()
     (tmp_path / "empty").mkdir()
-    code, err = run_cli(["decode", tmp_path / "empty", "--cpu"], capsys)
+    code, err = run_sample(["decode", tmp_path / "empty", "--cpu"], capsys)
     assert code == 2 and "holds no preview files" in err
 
 
@@ -328,28 +328,28 @@ def test_official_flag_names_are_aliases(run, tmp_path, capsys):
     official = ["--ckpt", run["run"], "--sample-dir", tmp_path / "a", "--num-fid-samples", 3, "--global-seed", 4,
                 "--per-proc-batch-size", 2, *STEPS]
     ours = ["--ckpt", run["run"], "--out", tmp_path / "b", "--num-samples", 3, "--seed", 4, "--batch-size", 2, *STEPS]
-    assert run_cli(official, capsys)[0] == 0 and run_cli(ours, capsys)[0] == 0
+    assert run_sample(official, capsys)[0] == 0 and run_sample(ours, capsys)[0] == 0
     assert pngs(tmp_path / "a") == pngs(tmp_path / "b") and len(pngs(tmp_path / "a")) == 3
     assert _settings(tmp_path / "a")["run"]["batch_size"] == 2 and _settings(tmp_path / "a")["identity"]["seed"] == 4
 
 
 def test_class_labels_by_name(run, tmp_path, capsys):
     """Exact, then case-insensitive; names sanitised into the file names; an unknown name lists valid ones."""
-    code, err = run_cli(_sample(run, tmp_path / "o", "--class-labels", "cat", "dog", "Sea EEL", "4"), capsys)
+    code, err = run_sample(_sample(run, tmp_path / "o", "--class-labels", "cat", "dog", "Sea EEL", "4"), capsys)
     assert code == 0, err
     assert sorted(pngs(tmp_path / "o")) == ["000000-class0-cat.png", "000001-class1-Dog.png"]
     assert _settings(tmp_path / "o")["identity"]["labels"] == "cycled over [0, 1, 2, 4]"
-    code, err = run_cli(_sample(run, tmp_path / "p", "--class-labels", "cat", "--num-samples", 1), capsys)
+    code, err = run_sample(_sample(run, tmp_path / "p", "--class-labels", "cat", "--num-samples", 1), capsys)
     assert code == 0
-    code, err = run_cli(_sample(run, tmp_path / "q", "--class-labels", "zebra"), capsys)
+    code, err = run_sample(_sample(run, tmp_path / "q", "--class-labels", "zebra"), capsys)
     assert code == 2 and "'zebra' is not a class name" in err and "'cat'" in err and "0 to 4" in err
-    code, err = run_cli(_sample(run, tmp_path / "q", "--class-labels", "cat", "--vae", run["vae"], ckpt=run["pt"]),
+    code, err = run_sample(_sample(run, tmp_path / "q", "--class-labels", "cat", "--vae", run["vae"], ckpt=run["pt"]),
                         capsys)
     assert code == 2 and "record no class names" in err
 
 
 def test_sea_eel_file_name_is_sanitised(run, tmp_path, capsys):
-    code, err = run_cli(_sample(run, tmp_path / "o", "--class-labels", "sea eel", "--num-samples", 1), capsys)
+    code, err = run_sample(_sample(run, tmp_path / "o", "--class-labels", "sea eel", "--num-samples", 1), capsys)
     assert code == 0, err
     assert sorted(pngs(tmp_path / "o")) == ["000000-class2-sea_eel.png"]
 
@@ -447,7 +447,8 @@ def test_full_disk_is_one_paragraph_and_the_rerun_continues(run, tmp_path):
 
 def test_runtime_facts_on_cuda_record_the_gpu_and_tf32(monkeypatch):
     """On a GPU, settings.json names the card and the TF32 state set_tf32 left in force (no GPU needed here)."""
-    from sample.generate import runtime_facts, set_tf32
+    from sample.generate import runtime_facts
+    from shared.precision import set_tf32
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA Test GPU")
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32  # flags, settable without a GPU

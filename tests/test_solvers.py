@@ -16,7 +16,7 @@ from shared.export import save_weights
 from shared.models import ModelConfig
 from shared.vae import LatentVAE
 from tests.conftest import ROOT
-from tests.test_sample import NUM_CLASSES, _random_dit, pngs, run_cli
+from tests.helpers import NUM_CLASSES, pngs, random_dit, run_sample
 
 SOLVERS = ("dpmpp-2m", "unipc")
 
@@ -210,7 +210,7 @@ def run_dir(tmp_path_factory, tiny_vae_dir):
     vae = LatentVAE.load(tiny_vae_dir)
     meta = {"image_size": 16, "scaling_factor": vae.scaling_factor, "latent_shape": [4, 8, 8],
             "vae": vae.identity, "class_names": [str(c) for c in range(NUM_CLASSES)]}
-    save_weights(root / "run" / "exports" / "ema-step-0000010.safetensors", _random_dit(config).state_dict(),
+    save_weights(root / "run" / "exports" / "ema-step-0000010.safetensors", random_dit(config).state_dict(),
                  config, meta, 10)
     return root / "run"
 
@@ -224,7 +224,7 @@ def sample_argv(run_dir, out, *extra):
 def test_cli_solver_images_do_not_depend_on_batch_size(run_dir, tmp_path, capsys, name):
     """--sampler NAME: batch 1 and batch 3 give byte-identical PNGs; settings.json records the sampler, no eta."""
     for batch in (1, 3):
-        code, err = run_cli(sample_argv(run_dir, tmp_path / f"b{batch}", "--sampler", name, "--num-samples", 4,
+        code, err = run_sample(sample_argv(run_dir, tmp_path / f"b{batch}", "--sampler", name, "--num-samples", 4,
                                         "--batch-size", batch, "--random-labels", "--seed", 5), capsys)
         assert code == 0, err
     assert pngs(tmp_path / "b1") == pngs(tmp_path / "b3") and len(set(pngs(tmp_path / "b1").values())) == 4
@@ -235,17 +235,17 @@ def test_cli_solver_images_do_not_depend_on_batch_size(run_dir, tmp_path, capsys
 def test_cli_ddim_eta_is_recorded_and_guards_resume(run_dir, tmp_path, capsys, monkeypatch):
     """--ddim-eta changes the pixels, is recorded, names the default folder, and a resume with another is refused."""
     out = tmp_path / "eta"
-    assert run_cli(sample_argv(run_dir, out, "--sampler", "ddim", "--ddim-eta", 1, "--num-samples", 2), capsys)[0] == 0
-    assert run_cli(sample_argv(run_dir, tmp_path / "det", "--sampler", "ddim", "--num-samples", 2), capsys)[0] == 0
+    assert run_sample(sample_argv(run_dir, out, "--sampler", "ddim", "--ddim-eta", 1, "--num-samples", 2), capsys)[0] == 0
+    assert run_sample(sample_argv(run_dir, tmp_path / "det", "--sampler", "ddim", "--num-samples", 2), capsys)[0] == 0
     assert json.loads((out / "settings.json").read_text())["identity"]["ddim_eta"] == 1.0
     assert json.loads((tmp_path / "det" / "settings.json").read_text())["identity"]["ddim_eta"] == 0.0
     assert pngs(out) != pngs(tmp_path / "det")
-    code, err = run_cli(sample_argv(run_dir, out, "--sampler", "ddim", "--ddim-eta", 0.5, "--num-samples", 2), capsys)
+    code, err = run_sample(sample_argv(run_dir, out, "--sampler", "ddim", "--ddim-eta", 0.5, "--num-samples", 2), capsys)
     assert code == 2 and "ddim_eta: 1.0 there, 0.5 now" in err
     monkeypatch.chdir(tmp_path)
     argv = ["--ckpt", run_dir, "--num-sampling-steps", 3, "--cpu", "--sampler", "ddim", "--num-samples", 1]
-    assert run_cli([*argv, "--ddim-eta", 0.5], capsys)[0] == 0
-    assert run_cli(argv, capsys)[0] == 0
+    assert run_sample([*argv, "--ddim-eta", 0.5], capsys)[0] == 0
+    assert run_sample(argv, capsys)[0] == 0
     assert sorted(p.name for p in (tmp_path / "samples").iterdir()) == [
         "run-ema-step-0000010-cfg4-ddim3-eta0.5-seed0", "run-ema-step-0000010-cfg4-ddim3-seed0"]
 
@@ -253,13 +253,13 @@ def test_cli_ddim_eta_is_recorded_and_guards_resume(run_dir, tmp_path, capsys, m
 def test_cli_resumes_a_ddim_folder_written_before_ddim_eta_existed(run_dir, tmp_path, capsys):
     """Such a folder ran DDIM with eta 0: it resumes without --ddim-eta, and is refused with another eta."""
     out = tmp_path / "old"
-    assert run_cli(sample_argv(run_dir, out, "--sampler", "ddim", "--num-samples", 1), capsys)[0] == 0
+    assert run_sample(sample_argv(run_dir, out, "--sampler", "ddim", "--num-samples", 1), capsys)[0] == 0
     settings = json.loads((out / "settings.json").read_text())
     del settings["identity"]["ddim_eta"]  # as written before the flag
     (out / "settings.json").write_text(json.dumps(settings))
-    assert run_cli(sample_argv(run_dir, out, "--sampler", "ddim", "--num-samples", 2), capsys)[0] == 0
+    assert run_sample(sample_argv(run_dir, out, "--sampler", "ddim", "--num-samples", 2), capsys)[0] == 0
     assert len(pngs(out)) == 2
-    code, err = run_cli(sample_argv(run_dir, out, "--sampler", "ddim", "--ddim-eta", 1, "--num-samples", 3), capsys)
+    code, err = run_sample(sample_argv(run_dir, out, "--sampler", "ddim", "--ddim-eta", 1, "--num-samples", 3), capsys)
     assert code == 2 and "ddim_eta: 0.0 there, 1.0 now" in err
 
 
@@ -273,7 +273,7 @@ def test_cli_resumes_a_ddim_folder_written_before_ddim_eta_existed(run_dir, tmp_
 ])
 def test_cli_refuses_eta_elsewhere_and_solver_step_counts(run_dir, tmp_path, capsys, extra, message):
     """One paragraph, exit status 2, nothing written."""
-    code, err = run_cli(sample_argv(run_dir, tmp_path / "o", *extra), capsys)
+    code, err = run_sample(sample_argv(run_dir, tmp_path / "o", *extra), capsys)
     assert code == 2 and message in err, err
     assert not (tmp_path / "o").exists()
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_train import expect_user_error, make_latents, metrics, run_inprocess, train_args
+from tests.helpers import expect_user_error, make_latents, metrics, run_inprocess, train_args
 
 
 @pytest.fixture(scope="module")

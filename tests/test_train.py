@@ -1,9 +1,6 @@
 """The train stage end to end on tiny synthetic shards: loss, resume, precision, accumulation, processes, errors."""
 import json
-import os
 import random
-import subprocess
-import time
 import sys
 from pathlib import Path
 
@@ -12,69 +9,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from shared.shards import ShardWriter, shard_name, write_index
 from train.__main__ import main
 from train.config import DEBUG_STEPS, TrainConfig, build_parser, grad_accum_steps
 from train.checkpoint import capture_rng, restore_rng
 from train.loop import weights_finite
 from train.step import lr_at
+from tests.helpers import (LAUNCHER, checkpoints, cli, expect_user_error, finish, make_latents, metrics, run_inprocess,
+                           trace, train_args, wait_for)
 
 ROOT = Path(__file__).resolve().parents[1]
-CLASSES = 4
-
-
-def make_latents(root: Path, n=32, shape=(4, 4, 4), flips=2, per_shard=20, scaling_factor=0.5, image_size=8,
-                 poison=False, seed=0) -> Path:
-    """A finished latent folder of class-dependent synthetic moments (shards + index.json)."""
-    root.mkdir(parents=True, exist_ok=True)
-    rng, infos = np.random.default_rng(seed), []
-    for first in range(0, n, per_shard):
-        with ShardWriter(root / shard_name(first // per_shard), dtype=torch.float16) as writer:
-            for i in range(first, min(n, first + per_shard)):
-                mean = rng.normal(size=(flips, *shape)).astype(np.float32) * 0.5 + (i % CLASSES) - 1.5
-                mean = np.full_like(mean, np.nan) if poison else mean
-                writer.add(f"{i:06d}", mean, np.full_like(mean, 0.1), i % CLASSES)
-        infos.append(writer.info)
-    vae = {"source": "synthetic", "scaling_factor": scaling_factor, "latent_channels": shape[0],
-           "downsample_factor": image_size // shape[1]}
-    write_index(root, infos, {"image_size": image_size, "num_classes": CLASSES,
-                              "class_names": [f"c{c}" for c in range(CLASSES)], "vae": vae})
-    return root
-
-
-@pytest.fixture(scope="module")
-def latents(tmp_path_factory) -> Path:
-    return make_latents(tmp_path_factory.mktemp("latents") / "lat")
-
-
-def train_args(latents: Path, run: Path, *extra) -> list[str]:
-    """Flags of a tiny CPU run (DiT-T/2 on 4x4x4 latents, batch 8)."""
-    return ["--model", "DiT-T/2", "--latents", str(latents), "--results-dir", str(run), "--global-batch-size", "8",
-            "--num-workers", "0", "--sample-every", "0", "--log-every", "1", *extra]
-
-
-def run_inprocess(latents, run, *extra):
-    """main() in this process; returns the run folder."""
-    assert main(train_args(latents, run, *extra)) == 0
-    return run
-
-
-def expect_user_error(capsys, argv) -> str:
-    """main(argv) must exit with status 2 and a one-paragraph message; returns it."""
-    with pytest.raises(SystemExit) as info:
-        main(argv)
-    assert info.value.code == 2
-    err = capsys.readouterr().err
-    assert "python -m train: error:" in err, err[-2000:]
-    return " ".join(err[err.index("python -m train: error:"):].split())
-
-
-def metrics(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
-def checkpoints(run: Path) -> list[str]:
-    return sorted(p.name for p in (run / "checkpoints").iterdir())
 
 
 def final_tensors(run: Path) -> dict:
@@ -85,19 +28,6 @@ def final_tensors(run: Path) -> dict:
     optim = torch.load(ckpt / "optimizer.pt", weights_only=True)
     for pid, state in optim["state"].items():
         out.update({f"opt.{pid}.{k}": v for k, v in state.items()})
-    return out
-
-
-def cli(args, env_extra=None, **kw):
-    """Start `python -m train` (or another launcher when args[0] is not a flag) as a real subprocess."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env_extra or {})}
-    cmd = [sys.executable, "-m", "train", *args] if args[0].startswith("--") else args
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
-
-
-def finish(proc) -> str:
-    out, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, err[-3000:]
     return out
 
 
@@ -315,23 +245,9 @@ def test_resume_refuses_other_experiment(latents, tmp_path, capsys):
 # Real processes: kill-and-resume, two processes, no diffusers
 # ---------------------------------------------------------------------------------------------------------
 
-LAUNCHER = [sys.executable, str(ROOT / "tests" / "train_launcher.py")]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(ROOT / "tests" / "train_launcher.py")]
 CPU_DIST = {"ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
 KILL_FLAGS = ["--max-steps", "6", "--ckpt-every", "2", "--keep-last", "1", "--num-workers", "1"]
-
-
-def wait_for(path: Path, proc, timeout=300):
-    """Block until `path` exists (the launcher paused there); fail if the process ends first."""
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert proc.poll() is None, f"the run ended before pausing: {proc.communicate()[1][-3000:]}"
-        assert time.monotonic() < deadline, f"no {path} after {timeout} s"
-        time.sleep(0.05)
-
-
-def trace(folder: Path, rank=0) -> dict:
-    return json.loads((folder / f"rank-{rank}.json").read_text())
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from shared import rundir
 from tests import small_disk
-from tests.test_train import (LAUNCHER, ROOT, checkpoints, cli, expect_user_error, finish, latents,  # noqa: F401
-                              run_inprocess, train_args, wait_for)
+from tests.conftest import ROOT
+from tests.helpers import LAUNCHER, checkpoints, cli, expect_user_error, finish, run_inprocess, train_args, wait_for
 
 
 def _ckpt(run, step: int):

@@ -17,7 +17,7 @@ from sample.__main__ import main
 from sample.outputs import read_png
 from sample.watch import WatchOptions, end_reason, run_is_locked
 from shared.lock import hold_lock
-from tests.test_train import LAUNCHER, cli, finish, make_latents, trace, train_args
+from tests.helpers import LAUNCHER, cli, finish, make_latents, trace, train_args
 from train.preview import preview_labels, save_preview
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,5 +1,8 @@
-"""The train stage: `python -m train` streams cached latents into a DiT under Accelerate.
+"""The train stage: `python -m train` streams cached latents into a DiT under Accelerate. Never imports diffusers.
 
-Modules: config (TrainConfig, flags, checks), data (position-keyed draws), loop (the training loop),
-checkpoint (run-folder state), logger, preview (--sample-every latents). Never imports diffusers.
+Modules: config.py (TrainConfig: every flag, the checks), data.py (position-keyed draws), step.py (the one
+training step), loop.py (setup, resume, guards, checkpoints), checkpoint.py (run-folder state), callbacks.py
+(hooks), logger.py (log.txt, metrics.jsonl), preview.py (--sample-every latents), trackers.py (--report-to,
+curves at checkpoints, --watch-vae), plot.py (`python -m train.plot`), memory.py and units.py (the step's
+cost and memory sizes), plan.py (`python -m train.plan`), bench.py (`python -m train.bench`).
 """

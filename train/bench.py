@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from shared.errors import UserError, exit_with
 from shared.models import ATTENTION_BACKENDS
-from shared.precision import PRECISIONS
+from shared.precision import PRECISIONS, set_tf32
 from train.config import TrainConfig
 from train.data import synthetic_batch
 from train.memory import build_model, forward_macs, model_config, train_flops_per_image
@@ -352,8 +352,7 @@ def run(args) -> str:
     flops = train_flops_per_image(model)
     peak, peak_note = peak_tflops(args, device)
     apply_memory_cap(args, device)
-    if device.type == "cuda":  # as python -m train and the official DiT train.py: TF32 matmuls
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    set_tf32(device)  # as python -m train and the official DiT train.py
     results = [run_config(c, args, device, flops, peak)
                for c in tqdm(configs, desc="bench", unit="config", file=sys.stderr)]
     if args.json:

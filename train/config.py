@@ -14,7 +14,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from shared.cli import HelpFormatter
+from shared.cli import HelpFormatter, add_flags, flag_name, from_args, option
 from shared.errors import UserError
 from shared.guidance import GUIDE_CHANNELS
 from shared.flow import TIME_SAMPLINGS
@@ -39,51 +39,85 @@ DATA_FIELDS = ("num_samples", "latent_shape", "flips", "num_classes", "image_siz
 
 @dataclass
 class TrainConfig:
-    """All settings of one training run (flags plus values resolved from the data and the launcher)."""
+    """All settings of one training run: each flag's default and help (shared.cli.option), then resolved values."""
 
-    latents: str
-    results_dir: str
-    model: str = "DiT-XL/2"
-    objective: str = "ddpm"
-    time_sampling: str = "uniform"
-    time_loc: float = 0.0
-    time_scale: float = 1.0
-    cos_weight: float = 0.0
-    global_batch_size: int = 256
-    micro_batch_size: int | None = None
-    precision: str = "fp32"
-    grad_checkpoint: int = 0
-    lr: float = 1e-4
-    lr_schedule: str = "constant"
-    warmup_steps: int = 0
-    adam_betas: tuple = (0.9, 0.999)
-    weight_decay: float = 0.0
-    max_grad_norm: float = 0.0
-    ema_decay: float = 0.9999
-    ema_device: str = "gpu"
-    optimizer: str = "adamw"
-    class_dropout_prob: float = 0.1
-    max_steps: int | None = None
-    epochs: float | None = None
-    ckpt_every: int = 50_000
-    keep_last: int = 2
-    keep_exports: int = 0
-    image_size: int | None = None  # checked against the latents' image size when given
-    log_every: int = 100
-    sample_every: int = 10_000
-    sample_steps: int = 50
-    sample_cfg_scale: float | None = None  # None: 4.0 with a null class, 1.0 (no guidance) without
-    sample_guide_channels: str = "all"
-    report_to: str = DEFAULT_REPORT_TO
-    watch_vae: str | None = None
-    resume: str = "auto"
-    compile: bool = False
-    attention: str = "auto"
-    num_workers: int = 4
-    seed: int = 0
-    debug: bool = False
-    dry_run: bool = False
-    max_nonfinite: int = 10
+    latents: str = option(help="latent folder written by `python -m extract` (index.json + shards)")
+    results_dir: str = option(help="the run folder; rerunning the same command resumes it (checkpoints, logs, exports)")
+    model: str = option("DiT-XL/2", "model preset from shared.models.DiT_models")
+    objective: str = option("ddpm", "what the model learns: " + "; ".join(f"{k}: {v}" for k, v in OBJECTIVE_HELP.items()),
+                            choices=OBJECTIVE_NAMES)
+    time_sampling: str = option("uniform", "flow only: how training draws the time: uniform (SiT) or lognormal, the "
+                                           "sigmoid of a normal (SD3, LightningDiT)", choices=TIME_SAMPLINGS)
+    time_loc: float = option(0.0, "flow only: location of the lognormal time draw")
+    time_scale: float = option(1.0, "flow only: scale of the lognormal time draw")
+    cos_weight: float = option(0.0, "flow only: weight of LightningDiT's cosine velocity-direction loss (its recipe: 1)")
+    global_batch_size: int = option(256, "images per optimizer step over all processes (DiT: 256)")
+    micro_batch_size: int | None = option(
+        None, "images per forward pass per process; gradient accumulation = global batch / (micro batch x "
+              "processes), which must divide exactly (default: no accumulation)")
+    precision: str = option(
+        "fp32", "fp32; fp16: autocast + dynamic loss scaling (fp32 master weights); bf16: autocast. The same names "
+                "as python -m sample --precision (--mixed-precision and 'no' = fp32 still work)",
+        aliases=("--mixed-precision",), choices=PRECISION_CHOICES, type=canonical_precision)
+    grad_checkpoint: int = option(
+        0, "recompute every K-th transformer block in backward to save memory (bare flag: K=1, every block; 0 or "
+           "absent: off)", nargs="?", const=1, metavar="K")
+    lr: float = option(1e-4, "peak learning rate (DiT: 1e-4)")
+    lr_schedule: str = option("constant", "constant (DiT) or cosine decay to 0 at the last step, after the warmup",
+                              choices=LR_SCHEDULES)
+    warmup_steps: int = option(0, "linear LR warmup from 0 over this many steps")
+    adam_betas: tuple = option((0.9, 0.999), "AdamW betas", type=float, nargs=2,
+                               metavar=("B1", "B2"))
+    weight_decay: float = option(0.0, "AdamW weight decay (DiT: 0)")
+    max_grad_norm: float = option(0.0, "clip the global gradient norm to this (0 = off)")
+    ema_decay: float = option(0.9999, "EMA decay per optimizer step (DiT: 0.9999)")
+    ema_device: str = option("gpu", "where the fp32 EMA copy lives: gpu (the training device) or cpu (saves 2.7 GB "
+                                    "for XL/2)", choices=EMA_DEVICES)
+    optimizer: str = option("adamw", "adamw (fused on CUDA) or adamw8bit (bitsandbytes, optional; saves ~4 GB on "
+                                     "XL/2)", choices=OPTIMIZERS)
+    class_dropout_prob: float = option(
+        0.1, "probability of replacing a label by the null class, for classifier-free guidance (DiT: 0.1)")
+    max_steps: int | None = option(
+        None, f"optimizer steps to train in total (default {DEFAULT_MAX_STEPS} unless --epochs)", exclusive="length")
+    epochs: float | None = option(None, "train this many passes over the latents instead", exclusive="length")
+    ckpt_every: int = option(50_000, "full checkpoint + EMA export every N steps (and at the end)")
+    keep_last: int = option(2, "keep only the newest N full checkpoints (0 = keep all)")
+    keep_exports: int = option(
+        0, "keep only the newest N slim EMA exports (0 = keep all, the training history sample and FID read; each "
+           "DiT-XL/2 export is 2.7 GB)")
+    image_size: int | None = option(
+        None, "image size in pixels the run is meant for; checked against the size the latents were extracted at "
+              "(default: take it from the latents)")
+    log_every: int = option(100, "log loss, LR, grad norm, speed every N steps")
+    sample_every: int = option(10_000, "save EMA latent samples of fixed classes and noise every N steps (0 = off)")
+    sample_steps: int = option(50, "DDIM steps for the --sample-every previews")
+    sample_cfg_scale: float | None = option(
+        None, "guidance scale of the previews (default 4.0, or 1 = none when --class-dropout-prob is 0)")
+    sample_guide_channels: str = option(
+        "all", "latent channels the previews guide: all (default), or 3 as the official DiT sampler",
+        choices=GUIDE_CHANNELS)
+    report_to: str = option(
+        DEFAULT_REPORT_TO, "experiment tracker for loss, LR, grad norm, speed, memory, skipped steps and the fp16 "
+                           "loss scale, through Accelerate: tensorboard (RUN/tensorboard/), wandb (pip install "
+                           "wandb), or none; log.txt and metrics.jsonl are always written", choices=REPORT_TO)
+    watch_vae: str | None = option(
+        None, "start `python -m sample watch RUN --vae VAE` as a separate CPU process that decodes every "
+              "--sample-every preview into RUN/samples/step-XXXXXXX.png; the VAE never enters training (default: "
+              "off; decode later with python -m sample watch or decode)", metavar="VAE")
+    resume: str = option(
+        "auto", "auto: continue from the newest checkpoint in --results-dir if any; none: refuse a folder that "
+                "already has checkpoints; PATH: a checkpoint folder to continue from")
+    compile: bool = option(False, "torch.compile the model (slow first steps, faster after)")
+    attention: str = option("auto", "attention kernel (auto = torch SDPA; xformers needs CUDA and the xformers "
+                                    "wheel)", choices=ATTENTION_BACKENDS)
+    num_workers: int = option(4, "DataLoader worker processes per training process")
+    seed: int = option(0, "seed of the data order and of every per-sample draw (--global-seed: the official name)",
+                       aliases=("--global-seed",))
+    debug: bool = option(False, f"{DEBUG_STEPS} steps with per-step logs and autograd anomaly detection; prints the "
+                                "config; writes no checkpoint")
+    dry_run: bool = option(False, "check the inputs, print the resolved config and exit")
+    max_nonfinite: int = option(
+        10, "stop after this many consecutive non-finite losses or gradient norms (0 = never)")
     # Resolved by resolve_config (not flags):
     world_size: int = 1
     grad_accum_steps: int = 1
@@ -117,128 +151,17 @@ class TrainConfig:
 # Flags
 # ---------------------------------------------------------------------------------------------------------
 
-def _add_run_flags(p: argparse.ArgumentParser) -> None:
-    """Model, data and run-folder flags."""
-    p.add_argument("--model", default="DiT-XL/2", help="model preset from shared.models.DiT_models (default DiT-XL/2)")
-    p.add_argument("--objective", default="ddpm", choices=OBJECTIVE_NAMES,
-                   help="what the model learns: " + "; ".join(f"{k}: {v}" for k, v in OBJECTIVE_HELP.items()))
-    p.add_argument("--time-sampling", default="uniform", choices=TIME_SAMPLINGS,
-                   help="flow only: how training draws the time: uniform (SiT) or lognormal, sigmoid of a normal "
-                        "(SD3, LightningDiT)")
-    p.add_argument("--time-loc", type=float, default=0.0, help="flow only: location of the lognormal time draw")
-    p.add_argument("--time-scale", type=float, default=1.0, help="flow only: scale of the lognormal time draw")
-    p.add_argument("--cos-weight", type=float, default=0.0,
-                   help="flow only: weight of LightningDiT's cosine velocity-direction loss (its recipe: 1)")
-    p.add_argument("--latents", required=True, help="latent folder written by `python -m extract` (index.json + shards)")
-    p.add_argument("--results-dir", required=True,
-                   help="the run folder; rerunning the same command resumes it (checkpoints, logs, exports)")
-    p.add_argument("--resume", default="auto",
-                   help="auto: continue from the newest checkpoint in --results-dir if any; none: refuse a "
-                        "folder that already has checkpoints; PATH: a checkpoint folder to continue from")
-    p.add_argument("--seed", "--global-seed", type=int, default=0,
-                   help="seed of the data order and of every per-sample draw (--global-seed: the official name)")
-    p.add_argument("--image-size", type=int, default=None,
-                   help="image size in pixels the run is meant for; checked against the size the latents were "
-                        "extracted at (default: take it from the latents)")
-
-
-def _add_batch_flags(p: argparse.ArgumentParser) -> None:
-    """Batch, precision and memory flags."""
-    p.add_argument("--global-batch-size", type=int, default=256,
-                   help="images per optimizer step over all processes (DiT: 256)")
-    p.add_argument("--micro-batch-size", type=int, default=None,
-                   help="images per forward pass per process; gradient accumulation = global batch / "
-                        "(micro batch x processes), which must divide exactly (default: no accumulation)")
-    p.add_argument("--precision", "--mixed-precision", dest="precision", default="fp32", choices=PRECISION_CHOICES,
-                   type=canonical_precision,
-                   help="fp32; fp16: autocast + dynamic loss scaling (fp32 master weights); bf16: autocast. The same "
-                        "names as python -m sample --precision (--mixed-precision and 'no' = fp32 still work)")
-    p.add_argument("--grad-checkpoint", type=int, nargs="?", const=1, default=0, metavar="K",
-                   help="recompute every K-th transformer block in backward to save memory (bare flag: K=1, "
-                        "every block; 0 or absent: off)")
-    p.add_argument("--attention", default="auto", choices=ATTENTION_BACKENDS,
-                   help="attention kernel (auto = torch SDPA; xformers needs CUDA and the xformers wheel)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model (slow first steps, faster after)")
-    p.add_argument("--num-workers", type=int, default=4, help="DataLoader worker processes per training process")
-
-
-def _add_optim_flags(p: argparse.ArgumentParser) -> None:
-    """Optimizer, schedule, EMA and regularisation flags."""
-    p.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (DiT: 1e-4)")
-    p.add_argument("--lr-schedule", default="constant", choices=LR_SCHEDULES,
-                   help="constant (DiT) or cosine decay to 0 at the last step, after the warmup")
-    p.add_argument("--warmup-steps", type=int, default=0, help="linear LR warmup from 0 over this many steps")
-    p.add_argument("--adam-betas", type=float, nargs=2, default=(0.9, 0.999), metavar=("B1", "B2"),
-                   help="AdamW betas (default 0.9 0.999)")
-    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (DiT: 0)")
-    p.add_argument("--max-grad-norm", type=float, default=0.0, help="clip the global gradient norm to this (0 = off)")
-    p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS,
-                   help="adamw (fused on CUDA) or adamw8bit (bitsandbytes, optional; saves ~4 GB on XL/2)")
-    p.add_argument("--ema-decay", type=float, default=0.9999, help="EMA decay per optimizer step (DiT: 0.9999)")
-    p.add_argument("--ema-device", default="gpu", choices=EMA_DEVICES,
-                   help="where the fp32 EMA copy lives: gpu (the training device) or cpu (saves 2.7 GB for XL/2)")
-    p.add_argument("--class-dropout-prob", type=float, default=0.1,
-                   help="probability of replacing a label by the null class, for classifier-free guidance (DiT: 0.1)")
-
-
-def _add_watch_flags(p: argparse.ArgumentParser) -> None:
-    """Tracker and preview-watcher flags (train/trackers.py)."""
-    p.add_argument("--report-to", default=DEFAULT_REPORT_TO, choices=REPORT_TO,
-                   help="experiment tracker for loss, LR, grad norm, speed, memory, skipped steps and the fp16 loss "
-                        "scale, through Accelerate: tensorboard (RUN/tensorboard/), wandb (pip install wandb), or "
-                        "none; log.txt and metrics.jsonl are always written")
-    p.add_argument("--watch-vae", default=None, metavar="VAE",
-                   help="start `python -m sample watch RUN --vae VAE` as a separate CPU process that decodes every "
-                        "--sample-every preview into RUN/samples/step-XXXXXXX.png; the VAE never enters training "
-                        "(default: off; decode later with python -m sample watch or decode)")
-
-
-def _add_schedule_flags(p: argparse.ArgumentParser) -> None:
-    """Length, checkpoint, logging and sampling flags."""
-    length = p.add_mutually_exclusive_group()
-    length.add_argument("--max-steps", type=int, default=None,
-                        help=f"optimizer steps to train in total (default {DEFAULT_MAX_STEPS} unless --epochs)")
-    length.add_argument("--epochs", type=float, default=None, help="train this many passes over the latents instead")
-    p.add_argument("--ckpt-every", type=int, default=50_000, help="full checkpoint + EMA export every N steps (and at the end)")
-    p.add_argument("--keep-last", type=int, default=2, help="keep only the newest N full checkpoints (0 = keep all)")
-    p.add_argument("--keep-exports", type=int, default=0,
-                   help="keep only the newest N slim EMA exports (0 = keep all, the training history sample and "
-                        "FID read; each DiT-XL/2 export is 2.7 GB)")
-    p.add_argument("--log-every", type=int, default=100, help="log loss, LR, grad norm, speed every N steps")
-    p.add_argument("--sample-every", type=int, default=10_000,
-                   help="save EMA latent samples of fixed classes and noise every N steps (0 = off)")
-    p.add_argument("--sample-steps", type=int, default=50, help="DDIM steps for the --sample-every previews")
-    p.add_argument("--sample-cfg-scale", type=float, default=None,
-                   help="guidance scale of the previews (default 4.0, or 1 = none when --class-dropout-prob is 0)")
-    p.add_argument("--sample-guide-channels", default="all", choices=GUIDE_CHANNELS,
-                   help="latent channels the previews guide: all (default), or 3 as the official DiT sampler")
-    p.add_argument("--max-nonfinite", type=int, default=10,
-                   help="stop after this many consecutive non-finite losses or gradient norms (0 = never)")
-    p.add_argument("--debug", action="store_true",
-                   help=f"{DEBUG_STEPS} steps with per-step logs and autograd anomaly detection; prints the "
-                        "config; writes no checkpoint")
-    p.add_argument("--dry-run", action="store_true", help="check the inputs, print the resolved config and exit")
-
-
 def build_parser(prog: str = "python -m train") -> argparse.ArgumentParser:
     """The `python -m train` argument parser (official DiT flag names where they exist)."""
     p = argparse.ArgumentParser(prog=prog, description="Train a DiT on cached VAE latents (one GPU, CPU, or "
                                 "`accelerate launch` for several processes).",
                                 formatter_class=HelpFormatter)
-    _add_run_flags(p)
-    _add_batch_flags(p)
-    _add_optim_flags(p)
-    _add_schedule_flags(p)
-    _add_watch_flags(p)
-    return p
+    return add_flags(p, TrainConfig)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """A TrainConfig holding the parsed flags (not yet resolved against the data)."""
-    names = {f.name for f in fields(TrainConfig)}
-    values = {k: v for k, v in vars(args).items() if k in names}
-    values["adam_betas"] = tuple(values["adam_betas"])
-    return TrainConfig(**values)
+    return from_args(TrainConfig, args)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -251,15 +174,10 @@ _NON_NEGATIVE = ("cos_weight", "grad_checkpoint", "keep_last", "keep_exports", "
                  "max_nonfinite", "weight_decay", "max_grad_norm", "seed")
 
 
-def _flag(name: str) -> str:
-    """The flag that sets a TrainConfig field ('keep_last' -> '--keep-last')."""
-    return "--" + name.replace("_", "-")
-
-
 def _check_ranges(cfg: TrainConfig) -> None:
     """UserError naming the one flag whose value lies outside its meaningful range."""
-    rules = [(getattr(cfg, n) is None or getattr(cfg, n) > 0, f"{_flag(n)} must be positive") for n in _POSITIVE]
-    rules += [(getattr(cfg, n) >= 0, f"{_flag(n)} must be >= 0") for n in _NON_NEGATIVE]
+    rules = [(getattr(cfg, n) is None or getattr(cfg, n) > 0, f"{flag_name(n)} must be positive") for n in _POSITIVE]
+    rules += [(getattr(cfg, n) >= 0, f"{flag_name(n)} must be >= 0") for n in _NON_NEGATIVE]
     rules += [
         (cfg.lr > 0 and math.isfinite(cfg.lr), "--lr must be a positive number"),
         (0 <= cfg.ema_decay <= 1, "--ema-decay must lie in [0, 1]"),

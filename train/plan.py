@@ -13,9 +13,10 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from shared.cli import HelpFormatter, add_flags
 from shared.errors import UserError, exit_with
 from shared.precision import PRECISION_CHOICES, canonical_precision
-from train.config import EMA_DEVICES, OPTIMIZERS, TrainConfig
+from train.config import TrainConfig
 from train.data import synthetic_batch
 from train.memory import (ActivationProfile, build_model, count_parameters, measure_block_fit, measure_profile,
                           model_config)
@@ -245,24 +246,22 @@ def size_arg(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """Flags of python -m train.plan (same names as python -m train where they overlap)."""
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="DiT-XL/2", help="DiT preset, e.g. DiT-XL/2, DiT-S/2, DiT-T/2")
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
+    # The flags python -m train also has: its defaults and help (TrainConfig), reworded where plan means more.
+    add_flags(p, TrainConfig, only=("model", "global_batch_size", "grad_checkpoint", "ema_device", "optimizer"),
+              changes={"grad_checkpoint": {"help": "checkpointing interval to recommend (every K-th block; bare flag "
+                                                   "= 1; 0 = off); off, every block and every 2nd block are always "
+                                                   "tabulated"}})
     p.add_argument("--image-size", type=int, default=256, help="training image size in pixels")
     p.add_argument("--vae-factor", type=int, default=8, help="VAE downsample factor (latent = image / factor)")
     p.add_argument("--latent-channels", type=int, default=4, help="latent channels of the VAE")
     p.add_argument("--num-classes", type=int, default=1000, help="number of classes (label table size)")
     p.add_argument("--precision", "--mixed-precision", dest="precision", choices=PRECISION_CHOICES, default="bf16",
                    type=canonical_precision, help="training precision (as python -m train --precision; 'no' = fp32)")
-    p.add_argument("--grad-checkpoint", type=int, nargs="?", const=1, default=0, metavar="K",
-                   help="checkpointing interval to recommend (every K-th block; bare flag = 1; 0 = off); "
-                        "off, every block and every 2nd block are always tabulated")
     p.add_argument("--gpu-memory", type=size_arg, default="24GiB", help="GPU memory to plan for, e.g. 24GiB")
     p.add_argument("--margin", type=size_arg, default="1.5GiB",
                    help="memory kept free for the CUDA context, cuBLAS workspace and allocator slack")
-    p.add_argument("--global-batch-size", type=int, default=256, help="images per optimizer step, all processes")
     p.add_argument("--num-processes", type=int, default=1, help="data-parallel processes sharing the global batch")
-    p.add_argument("--ema-device", choices=EMA_DEVICES, default="gpu", help="where the fp32 EMA copy lives")
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="optimizer (as python -m train)")
     p.add_argument("--measure-device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="device for the activation measurement (auto: CUDA if present, else CPU)")
     p.add_argument("--verify", action="store_true",

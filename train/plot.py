@@ -9,7 +9,6 @@ checkpoint (train/trackers.py) at a fraction of a second.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -43,21 +42,6 @@ LOG_RANGE = 20  # a "log" panel switches to a log axis when its values span more
 # ---------------------------------------------------------------------------------------------------------
 # Reading
 # ---------------------------------------------------------------------------------------------------------
-
-def read_jsonl(path: Path) -> list[dict]:
-    """The JSON objects of a .jsonl file that carry a step (a line cut short by a kill is skipped), by step."""
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict) and isinstance(row.get("step"), (int, float)):
-            rows.append(row)
-    return sorted(rows, key=lambda r: r["step"])
-
 
 def is_number(value) -> bool:
     """True for int/float values (not bools), NaN and inf included."""
@@ -182,7 +166,7 @@ def plot_run(run, out=None, weight: float | None = None) -> Path:
     run = Path(run)
     if not run.is_dir():
         raise UserError(f"RUN {run} is not a folder; pass a training run folder (train's --results-dir).")
-    train, evals = read_jsonl(rundir.metrics_path(run)), read_jsonl(rundir.eval_path(run))
+    train, evals = rundir.read_step_rows(rundir.metrics_path(run)), rundir.read_step_rows(rundir.eval_path(run))
     chosen = panels(train, evals)
     if not chosen:
         raise UserError(f"{run} has no metrics to draw yet: training appends to {rundir.METRICS_FILE} every "

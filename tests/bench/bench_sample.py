@@ -14,9 +14,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from shared.guidance import guided_model_fn  # noqa: E402
-from sample.seeding import LabelPlan, batch_start  # noqa: E402
-from sample.vae_setup import load_vae  # noqa: E402
-from shared.diffusion import SAMPLERS, create_diffusion  # noqa: E402
+from sample.image_draws import LabelPlan, batch_start  # noqa: E402
+from shared.vae_match import load_vae  # noqa: E402
+from shared.objectives import DDPMObjective  # noqa: E402
 from shared.models import DiT_models, ModelConfig  # noqa: E402
 from tests.conftest import make_tiny_vae  # noqa: E402
 
@@ -73,7 +73,8 @@ def sampling_rows(args, device) -> tuple[list, list]:
         noise, labels, generators = batch_start(plan, 0, indices, shape)
         fn = guided_model_fn(model, cfg, 3, "fp32")
         with torch.inference_mode():
-            SAMPLERS[sampler](create_diffusion(steps), fn, noise.to(device), {"y": labels.to(device)}, generators)
+            DDPMObjective().sample(sampler, fn, noise.to(device), steps, {}, model_kwargs={"y": labels.to(device)},
+                                   generator=generators)
 
     def rate(sampler, steps, cfg):
         """images/s of run(...)."""

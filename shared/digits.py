@@ -1,4 +1,4 @@
-"""The demo's dataset: scikit-learn's 8x8 handwritten digits as a 32x32 RGB ImageFolder.
+"""The digits dataset, scikit-learn's 8x8 handwritten digits as 32x32 RGB: the demo's data and the digits FD reference.
 
 `load_digits` ships inside scikit-learn (1,797 images, values 0-16, 10 classes), so the demo needs no
 download. Images are written as `OUT/<digit>/<i>.png`; the folder names "0".."9" sort so that the

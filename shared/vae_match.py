@@ -50,7 +50,7 @@ def choose_vae(spec: str | None, latent_meta: dict | None) -> tuple[str, str]:
     return DEFAULT_VAE, "default (no --vae, none recorded)"
 
 
-def check_vae(spec: str, vae_config_path, latent_channels: int, latent_meta: dict | None = None,
+def check_vae_matches(spec: str, vae_config_path, latent_channels: int, latent_meta: dict | None = None,
               allow_other: bool = False) -> tuple[str, int]:
     """Check the VAE from its config.json only -> (name, downsample factor); UserError when it cannot decode."""
     name = resolve_vae_spec(spec, vae_config_path)

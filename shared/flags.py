@@ -1,0 +1,58 @@
+"""Flag families several commands share, each stated once (default and help): the VAE that decodes, sampling.
+
+A command's options dataclass takes a family member as a field, `vae: str | None = VAE.field()`, and may
+change what differs for it (`SAMPLER.field(default="ddim")` where evaluate draws with DDIM).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.cli import Flag
+from shared.samplers import SAMPLER_NAMES, SAMPLERS
+from shared.guidance import GUIDE_CHANNELS
+from shared.precision import PRECISIONS
+
+# ---- the VAE that turns latents into pixels (sample, decode, watch, export, evaluate run) -----------------
+VAE = Flag("VAE that decodes the latents: ema | mse (stabilityai/sd-vae-ft-*), a hub id, or a local diffusers "
+           "folder / weight file. Default: the VAE recorded in the weights' latent metadata, else ema", None)
+VAE_CONFIG = Flag("config.json for a single-file --vae (default: the config.json beside it)", None)
+VAE_PRECISION = Flag("VAE decoder precision (fp32 default; bf16/fp16 halve its memory)", "fp32",
+                     choices=tuple(PRECISIONS))
+VAE_TILING = Flag("decode in overlapping tiles (less memory, faint seams)", False)
+VAE_SLICING = Flag("decode one image of a batch at a time (less memory)", False)
+ALLOW_OTHER_VAE = Flag("decode with a VAE whose scaling factor or config differs from the one recorded with the "
+                       "latents (a deliberate swap); a VAE with other latent channels or downsample factor is always "
+                       "refused", False)
+CPU = Flag("run on the CPU even when a GPU is present", False)
+
+
+@dataclass(kw_only=True)
+class DecodeFlags:
+    """The flags of every command that decodes latents with a VAE: its options dataclass derives from this."""
+
+    vae: str | None = VAE.field()
+    vae_config: str | None = VAE_CONFIG.field()
+    vae_precision: str = VAE_PRECISION.field()
+    vae_tiling: bool = VAE_TILING.field()
+    vae_slicing: bool = VAE_SLICING.field()
+    allow_other_vae: bool = ALLOW_OTHER_VAE.field()
+    cpu: bool = CPU.field()
+
+# ---- drawing images from a DiT (sample, evaluate run) ------------------------------------------------------
+CFG_SCALE = Flag("classifier-free guidance scale; 1 = none (4.0 for pictures, 1.5 for FID)", 4.0)
+GUIDE = Flag("latent channels guided: 3 (the DiT release's quirk for 4-channel latents), all, or auto (3 for "
+             "4-channel latents, as the release; all otherwise); the rule used is printed", "auto",
+             choices=GUIDE_CHANNELS)
+SAMPLER = Flag("; ".join(f"{s.name} [{'/'.join(s.objectives)}]: {s.help}" for s in SAMPLERS.values())
+               + ". DiT's respacing calls the model at t = 0 too; the solvers' linspace spacing (diffusers' default) "
+                 "steps from about t = 999/K straight to clean data. Default: the objective's own (ddpm for DDPM "
+                 "models, sde for flow models); a sampler of another objective is refused", None,
+               choices=SAMPLER_NAMES)
+CFG_INTERVAL = Flag("guide only at noise levels in [LO, HI] (Kynkaanniemi et al. 2024); elsewhere one conditional "
+                    "call (half the work). Levels are the objective's: DiT timesteps 0-1000 for ddpm, the flow's noise "
+                    "level 0-1 (REPA's time; 0 = data) for flow. REPA: 0 0.7; LightningDiT: 0 0.89 (default: guide "
+                    "at every level)", None, type=float, nargs=2, metavar=("LO", "HI"))
+NUM_SAMPLING_STEPS = Flag("steps per image (model calls, twice the batch with guidance; heun: 2 calls per step): 250 "
+                          "as the paper for ddpm and SiT's sde, ~50 for ddim, 10-25 for dpmpp-2m and unipc", 250)
+SEED = Flag("image i's label and noise come from (seed, i)", 0, aliases=("--global-seed",))
+BATCH_SIZE = Flag("images per forward pass (per process)", 32)

@@ -1,0 +1,174 @@
+"""Helpers several test modules share: the CLIs called in-process, tiny synthetic latents and runs, tiny DiTs.
+
+Fixtures live in conftest.py; this module holds plain functions and constants, imported by name.
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from shared.models import DiT, DiT_models, ModelConfig
+from shared.shards import ShardWriter, shard_name, write_index
+from tests.conftest import ROOT
+from train.__main__ import main as train_main
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Any CLI in-process
+# ---------------------------------------------------------------------------------------------------------
+
+def run_main(main, argv, capsys=None) -> tuple[int, str, str]:
+    """A CLI's main(argv) in-process -> (exit code, 0 on success; stdout; stderr joined into one line)."""
+    try:
+        main([str(a) for a in argv])
+        code = 0
+    except SystemExit as stop:
+        code = stop.code
+    captured = capsys.readouterr() if capsys is not None else None
+    return code, captured.out if captured else "", " ".join(captured.err.split()) if captured else ""
+
+
+def run_sample(argv, capsys=None) -> tuple[int, str]:
+    """`python -m sample` in-process -> (exit code, stderr on one line)."""
+    from sample.__main__ import main
+
+    code, _, err = run_main(main, argv, capsys)
+    return code, err
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Training on tiny synthetic latents
+# ---------------------------------------------------------------------------------------------------------
+
+CLASSES = 4
+LAUNCHER = [sys.executable, str(ROOT / "tests" / "train_launcher.py")]
+
+
+def make_latents(root: Path, n=32, shape=(4, 4, 4), flips=2, per_shard=20, scaling_factor=0.5, image_size=8,
+                 poison=False, seed=0) -> Path:
+    """A finished latent folder of class-dependent synthetic moments (shards + index.json)."""
+    root.mkdir(parents=True, exist_ok=True)
+    rng, infos = np.random.default_rng(seed), []
+    for first in range(0, n, per_shard):
+        with ShardWriter(root / shard_name(first // per_shard), dtype=torch.float16) as writer:
+            for i in range(first, min(n, first + per_shard)):
+                mean = rng.normal(size=(flips, *shape)).astype(np.float32) * 0.5 + (i % CLASSES) - 1.5
+                mean = np.full_like(mean, np.nan) if poison else mean
+                writer.add(f"{i:06d}", mean, np.full_like(mean, 0.1), i % CLASSES)
+        infos.append(writer.info)
+    vae = {"source": "synthetic", "scaling_factor": scaling_factor, "latent_channels": shape[0],
+           "downsample_factor": image_size // shape[1]}
+    write_index(root, infos, {"image_size": image_size, "num_classes": CLASSES,
+                              "class_names": [f"c{c}" for c in range(CLASSES)], "vae": vae})
+    return root
+
+
+def train_args(latents: Path, run: Path, *extra) -> list[str]:
+    """Flags of a tiny CPU run (DiT-T/2 on 4x4x4 latents, batch 8)."""
+    return ["--model", "DiT-T/2", "--latents", str(latents), "--results-dir", str(run), "--global-batch-size", "8",
+            "--num-workers", "0", "--sample-every", "0", "--log-every", "1", *extra]
+
+
+def run_inprocess(latents, run, *extra):
+    """main() in this process; returns the run folder."""
+    assert train_main(train_args(latents, run, *extra)) == 0
+    return run
+
+
+def expect_user_error(capsys, argv) -> str:
+    """main(argv) must exit with status 2 and a one-paragraph message; returns it."""
+    with pytest.raises(SystemExit) as info:
+        train_main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "python -m train: error:" in err, err[-2000:]
+    return " ".join(err[err.index("python -m train: error:"):].split())
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def checkpoints(run: Path) -> list[str]:
+    return sorted(p.name for p in (run / "checkpoints").iterdir())
+
+
+def cli(args, env_extra=None, **kw):
+    """Start `python -m train` (or another launcher when args[0] is not a flag) as a real subprocess."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env_extra or {})}
+    cmd = [sys.executable, "-m", "train", *args] if args[0].startswith("--") else args
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def finish(proc) -> str:
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    return out
+
+
+def wait_for(path: Path, proc, timeout=300):
+    """Block until `path` exists (the launcher paused there); fail if the process ends first."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, f"the run ended before pausing: {proc.communicate()[1][-3000:]}"
+        assert time.monotonic() < deadline, f"no {path} after {timeout} s"
+        time.sleep(0.05)
+
+
+def trace(folder: Path, rank=0) -> dict:
+    return json.loads((folder / f"rank-{rank}.json").read_text())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tiny DiTs
+# ---------------------------------------------------------------------------------------------------------
+
+NUM_CLASSES = 10  # classes of the sampling tests' random DiTs
+
+
+def random_dit(config: ModelConfig, seed: int = 0) -> DiT:
+    """A DiT whose zero-initialised (adaLN-Zero) layers are perturbed, so samples depend on the weights."""
+    torch.manual_seed(seed)
+    model = config.build()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+def pngs(folder: Path) -> dict:
+    """Name -> bytes of every sample PNG in folder."""
+    return {p.name: p.read_bytes() for p in sorted(folder.glob("0*.png"))}
+
+
+def tiny(**kwargs):
+    """DiT-T/2 cut to 2 blocks, on a 8x8x4 latent with 5 classes (kwargs override); keeps CPU tests fast."""
+    args = dict(input_size=8, num_classes=5, depth=2)
+    args.update(kwargs)
+    return DiT_models["DiT-T/2"](**args)
+
+
+def randomize(model, seed=0, scale=0.3):
+    """Fill every parameter except the fixed pos_embed with random values (incl. zero-init ones)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name != "pos_embed":
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype) * scale)
+    return model
+
+
+def inputs(n=4, c=4, size=8, classes=5, seed=1, dtype=torch.float32):
+    """Random latents, integer timesteps in [0, 1000) and labels."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, c, size, size, generator=gen, dtype=torch.float64).to(dtype)
+    t = torch.randint(0, 1000, (n,), generator=gen)
+    y = torch.randint(0, classes, (n,), generator=gen)
+    return x, t, y

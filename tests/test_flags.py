@@ -1,0 +1,199 @@
+"""Each flag's default and help live once, on its options dataclass; parsers are derived from the fields."""
+import argparse
+import ast
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from shared.cli import FLAG_KEY, Flag, HelpFormatter, add_flags, flag_fields, from_args, option
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("data", "evaluate", "extract", "sample", "shared", "train")
+
+
+def _options_classes():
+    """Every options dataclass of the CLIs, imported (their modules register nothing else on import)."""
+    from evaluate.curve import RunEvalOptions
+    from evaluate.evaluation import EvalOptions
+    from evaluate.floor import FloorOptions
+    from extract.run import ExtractConfig, ExtractModes
+    from sample.decode import DecodeOptions
+    from sample.export import ExportOptions
+    from sample.generate import SampleOptions
+    from sample.watch import WatchOptions
+    from train.config import TrainConfig
+
+    return (TrainConfig, SampleOptions, DecodeOptions, WatchOptions, ExportOptions, EvalOptions, RunEvalOptions,
+            FloorOptions, ExtractConfig, ExtractModes)
+
+
+def _parsers():
+    """(parser, options dataclass) of every command whose flags are derived from a dataclass."""
+    import evaluate.__main__ as evaluate_main
+    import extract.__main__ as extract_main
+    import sample.__main__ as sample_main
+    from evaluate.curve import RunEvalOptions, run_parser
+    from evaluate.evaluation import EvalOptions
+    from evaluate.floor import FloorOptions, build_parser as floor_parser
+    from extract.run import ExtractConfig
+    from sample.decode import DecodeOptions
+    from sample.export import ExportOptions
+    from sample.generate import SampleOptions
+    from sample.watch import WatchOptions
+    from train.config import TrainConfig, build_parser
+
+    return [(build_parser(), TrainConfig), (sample_main.sample_parser(), SampleOptions),
+            (sample_main.decode_parser(), DecodeOptions), (sample_main.watch_parser(), WatchOptions),
+            (sample_main.export_parser(), ExportOptions), (evaluate_main.eval_parser(), EvalOptions),
+            (run_parser(), RunEvalOptions), (floor_parser(), FloorOptions), (extract_main.build_parser(), ExtractConfig)]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Defaults stated twice: counted in the source
+# ---------------------------------------------------------------------------------------------------------
+
+def _dest(call: ast.Call) -> str | None:
+    """The namespace name an add_argument call writes (dest=, else its first long flag, else its name)."""
+    for kw in call.keywords:
+        if kw.arg == "dest" and isinstance(kw.value, ast.Constant):
+            return kw.value.value
+    names = [a.value for a in call.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+    longs = [n for n in names if n.startswith("--")]
+    return longs[0][2:].replace("-", "_") if longs else (names[0] if names else None)
+
+
+def _field_default(value: ast.expr) -> ast.expr | None:
+    """The default expression of a dataclass field: `x = 3`, `x = option(3, ...)`, `x = F.field(default=3)`."""
+    if not isinstance(value, ast.Call):
+        return value
+    for kw in value.keywords:
+        if kw.arg == "default":
+            return kw.value
+    if isinstance(value.func, ast.Name) and value.func.id == "option" and value.args:
+        return value.args[0]
+    return None
+
+
+def defaults_stated_twice(root: Path = ROOT) -> list[str]:
+    """`add_argument(..., default=X)` calls whose dest is a field of an options dataclass (a class named
+    *Options or *Config) of the same package with the same default X: the knowledge written twice."""
+    fields, calls = {}, []
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.ClassDef) and node.name.endswith(("Options", "Config")):
+                    for stmt in node.body:
+                        if isinstance(stmt, ast.AnnAssign) and stmt.value is not None:
+                            default = _field_default(stmt.value)
+                            if default is not None:
+                                fields.setdefault((package, stmt.target.id), set()).add(ast.dump(default))
+                elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
+                    for kw in node.keywords:
+                        if kw.arg == "default":
+                            calls.append((package, _dest(node), ast.dump(kw.value), f"{path.relative_to(root)}"))
+    return [f"{where}: --{dest}" for package, dest, dump, where in calls if dump in fields.get((package, dest), ())]
+
+
+def test_no_default_is_stated_twice():
+    """0: every default of an options dataclass reaches its parser from the field, never copied by hand."""
+    assert defaults_stated_twice() == []
+
+
+def test_the_counter_finds_a_copied_default(tmp_path):
+    """The counter is not blind: a hand-written parser copying a field's default is found (and only that)."""
+    pkg = tmp_path / "train"
+    pkg.mkdir()
+    (pkg / "config.py").write_text(
+        "from dataclasses import dataclass\n"
+        "@dataclass\nclass TrainConfig:\n    lr: float = option(1e-4, 'lr')\n    seed: int = 0\n"
+        "def parser(p):\n"
+        "    p.add_argument('--lr', type=float, default=1e-4, help='lr')\n"
+        "    p.add_argument('--seed', '--global-seed', type=int, default=1, help='another default: not a copy')\n")
+    for package in PACKAGES:
+        (tmp_path / package).mkdir(exist_ok=True)
+    assert defaults_stated_twice(tmp_path) == ["train/config.py: --lr"]
+
+
+@pytest.mark.parametrize("index", range(10))
+def test_help_does_not_restate_the_default(index):
+    """The formatter prints each default from the field; a help text that also spells it out would drift."""
+    cls = _options_classes()[index]
+    for f in flag_fields(cls):
+        spec = f.metadata[FLAG_KEY]
+        assert spec.help, f"{cls.__name__}.{f.name} has no help"
+        if spec.default not in (dataclasses.MISSING, None) and not isinstance(spec.default, bool):
+            shown = " ".join(map(str, spec.default)) if isinstance(spec.default, tuple) else str(spec.default)
+            assert f"default: {shown}" not in spec.help and f"default {shown}" not in spec.help, (cls, f.name)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Parsers derived from the fields
+# ---------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("index", range(9))
+def test_parser_defaults_are_the_fields(index):
+    """Parsing only the required arguments gives exactly the dataclass built with only those."""
+    parser, cls = _parsers()[index]
+    required = {}
+    argv = []
+    for f in flag_fields(cls):
+        spec = f.metadata[FLAG_KEY]
+        if spec.default is dataclasses.MISSING:
+            value = "7" if f.type in ("int", int) else f"given-{f.name}"
+            required[f.name] = int(value) if value == "7" else value
+            argv += [value] if spec.positional else [spec.name or "--" + f.name.replace("_", "-"), value]
+    assert from_args(cls, parser.parse_args(argv)) == cls(**required)
+    dests = {a.dest for a in parser._actions if a.dest != "help"}
+    assert dests <= {f.name for f in dataclasses.fields(cls)} | {"check", "dry_run", "verify"}
+
+
+def test_train_flags_keep_their_official_names_and_choices():
+    """The names DiT users type still work: --global-seed, --mixed-precision no, a bare --grad-checkpoint."""
+    from train.config import TrainConfig, build_parser, config_from_args
+
+    args = build_parser().parse_args(["--latents", "L", "--results-dir", "R", "--global-seed", "3",
+                                      "--mixed-precision", "no", "--grad-checkpoint", "--adam-betas", "0.5", "0.6"])
+    cfg = config_from_args(args)
+    assert (cfg.seed, cfg.precision, cfg.grad_checkpoint, cfg.adam_betas) == (3, "fp32", 1, (0.5, 0.6))
+    assert cfg == TrainConfig(latents="L", results_dir="R", seed=3, grad_checkpoint=1, adam_betas=(0.5, 0.6))
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--latents", "L", "--results-dir", "R", "--max-steps", "1", "--epochs", "1"])
+
+
+def test_one_field_is_one_flag():
+    """What a new setting needs: one field. Switches, aliases, choices, types and exclusive groups follow."""
+    @dataclasses.dataclass
+    class Options:
+        path: str = option(help="where", positional=True, metavar="PATH")
+        size: int | None = option(None, "how big", aliases=("--official-size",))
+        ratio: float = option(0.5, "how much", exclusive="amount")
+        count: int = option(2, "how many", exclusive="amount")
+        mode: str = option("a", "which", choices=("a", "b"))
+        fast: bool = option(False, "go fast")
+        tf32: bool = option(True, "no TF32", name="--no-tf32")
+        pair: tuple = option((1, 2), "two numbers", type=int, nargs=2)
+
+    parser = add_flags(argparse.ArgumentParser(formatter_class=HelpFormatter), Options)
+    got = from_args(Options, parser.parse_args(["P", "--official-size", "3", "--ratio", "0.25", "--mode", "b",
+                                                "--fast", "--no-tf32", "--pair", "3", "4"]))
+    assert got == Options("P", 3, 0.25, 2, "b", True, False, (3, 4))
+    assert from_args(Options, parser.parse_args(["P"])) == Options("P")
+    for bad in (["P", "--ratio", "1", "--count", "1"], ["P", "--mode", "c"], ["P", "--size", "x"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(bad)
+    text = parser.format_help()
+    assert "(default: 0.5)" in text and "(default: 1 2)" in text and "(default: off)" in text
+
+
+def test_a_family_flag_changes_per_command():
+    """A shared Flag keeps its help where a command changes only its default (evaluate draws with DDIM)."""
+    from evaluate.curve import RunEvalOptions
+    from sample.generate import SampleOptions
+    from shared.flags import SAMPLER
+
+    assert isinstance(SAMPLER, Flag)
+    sample_field = {f.name: f for f in dataclasses.fields(SampleOptions)}["sampler"]
+    eval_field = {f.name: f for f in dataclasses.fields(RunEvalOptions)}["sampler"]
+    assert (sample_field.default, eval_field.default) == ("ddpm", "ddim")
+    assert sample_field.metadata[FLAG_KEY].help == eval_field.metadata[FLAG_KEY].help == SAMPLER.help
