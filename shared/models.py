@@ -95,9 +95,10 @@ def block_norm(kind, dim):
 
 
 def qk_norm_layer(kind, head_dim):
-    """Per-head QK-norm (Dehghani et al. 2023): RMSNorm with the rmsnorm block, else timm's LayerNorm (affine, eps 1e-5).
+    """Per-head QK-norm (Dehghani et al. 2023): RMSNorm with the rmsnorm block, else LayerNorm (affine, eps 1e-5).
 
-    As LightningDiT's Attention, whose q_norm/k_norm is RMSNorm(head_dim) when use_rmsnorm, else nn.LayerNorm.
+    As LightningDiT's Attention, whose q_norm/k_norm is RMSNorm(head_dim) when use_rmsnorm, else timm's
+    default nn.LayerNorm.
     """
     return RMSNorm(head_dim) if kind == "rmsnorm" else nn.LayerNorm(head_dim)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from shared.cli import HelpFormatter
 from shared.errors import UserError
 from shared.guidance import GUIDE_CHANNELS
-from shared.models import ATTENTION_BACKENDS, check_preset
+from shared.models import ATTENTION_BACKENDS, BLOCK_FIELDS, BLOCKS, MLPS, NORMS, block_options, check_preset
 from shared.precision import PRECISION_CHOICES, canonical_precision
 from train.trackers import DEFAULT_REPORT_TO, REPORT_TO
 
@@ -29,7 +29,7 @@ DEBUG_STEPS = 5
 
 # Changing one of these changes the experiment: a resume that differs is refused.
 IDENTITY_FIELDS = ("model", "global_batch_size", "seed", "optimizer", "adam_betas", "weight_decay",
-                   "ema_decay", "class_dropout_prob")
+                   "ema_decay", "class_dropout_prob") + BLOCK_FIELDS
 # Data identity: what a checkpoint's latent folder must share with the one given now.
 DATA_FIELDS = ("num_samples", "latent_shape", "flips", "num_classes", "image_size", "scaling_factor", "vae",
                "index_sha256")
@@ -42,6 +42,12 @@ class TrainConfig:
     latents: str
     results_dir: str
     model: str = "DiT-XL/2"
+    # Block options (shared.models.BLOCKS): None until resolve_block fills them from --block (default "dit").
+    block: str | None = None
+    norm: str | None = None
+    mlp: str | None = None
+    rope: bool | None = None
+    qk_norm: bool | None = None
     global_batch_size: int = 256
     micro_batch_size: int | None = None
     precision: str = "fp32"
@@ -99,7 +105,7 @@ class TrainConfig:
         kwargs = {k: v for k, v in d.items() if k in names}
         if "adam_betas" in kwargs:
             kwargs["adam_betas"] = tuple(kwargs["adam_betas"])
-        return cls(**kwargs)
+        return resolve_block(cls(**kwargs))  # configs written before the block options hold the DiT block
 
     def to_json(self) -> str:
         """Indented JSON text of the config."""
@@ -124,6 +130,42 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--image-size", type=int, default=None,
                    help="image size in pixels the run is meant for; checked against the size the latents were "
                         "extracted at (default: take it from the latents)")
+
+
+def add_block_flags(p: argparse.ArgumentParser) -> None:
+    """Block-option flags (LightningDiT's; shared.models.BLOCKS); python -m train.plan and train.bench share them."""
+    g = p.add_argument_group("block options", "the transformer block (default: the official DiT block); "
+                             "--block picks a preset, the other flags override single options of it")
+    g.add_argument("--block", default=None, choices=list(BLOCKS),
+                   help="dit: LayerNorm + GELU MLP, absolute positions only (DiT); lightning: RMSNorm + SwiGLU + "
+                        "2-D RoPE, the block of LightningDiT's released configs; lightning-qknorm: that plus "
+                        "QK-norm (LightningDiT's advice against NaN losses). Default dit")
+    g.add_argument("--norm", default=None, choices=NORMS,
+                   help="normalisation before attention, MLP and output: layernorm (affine-free, DiT) or rmsnorm "
+                        "(learned gain, eps 1e-6, LightningDiT)")
+    g.add_argument("--mlp", default=None, choices=MLPS,
+                   help="feed-forward: gelu (tanh GELU, 4x width, DiT) or swiglu (SiLU-gated, 2/3 of 4x width, "
+                        "as many weights; LightningDiT)")
+    g.add_argument("--rope", default=None, action=argparse.BooleanOptionalAction,
+                   help="2-D rotary position embedding on queries and keys (half the head by row, half by column, "
+                        "theta 10000), added to the absolute sin-cos embedding as LightningDiT; the model then "
+                        "runs only at the latent size it was built for")
+    g.add_argument("--qk-norm", default=None, action=argparse.BooleanOptionalAction,
+                   help="normalise queries and keys per head before attention (RMSNorm with --norm rmsnorm, else "
+                        "LayerNorm); steadies fp16/bf16 training")
+
+
+def block_from_args(args: argparse.Namespace) -> dict:
+    """{norm, mlp, rope, qk_norm} the block flags ask for (preset, then overrides)."""
+    return block_options(args.block or "dit", **{k: getattr(args, k) for k in BLOCK_FIELDS})
+
+
+def resolve_block(cfg: TrainConfig) -> TrainConfig:
+    """Fill the unset block options from cfg.block's preset (default dit); returns cfg."""
+    cfg.block = cfg.block or "dit"
+    for key, value in block_options(cfg.block, **{k: getattr(cfg, k) for k in BLOCK_FIELDS}).items():
+        setattr(cfg, key, value)
+    return cfg
 
 
 def _add_batch_flags(p: argparse.ArgumentParser) -> None:
@@ -210,6 +252,7 @@ def build_parser(prog: str = "python -m train") -> argparse.ArgumentParser:
                                 "`accelerate launch` for several processes).",
                                 formatter_class=HelpFormatter)
     _add_run_flags(p)
+    add_block_flags(p)
     _add_batch_flags(p)
     _add_optim_flags(p)
     _add_schedule_flags(p)
@@ -308,6 +351,7 @@ def resolve_config(cfg: TrainConfig, dataset, world_size: int) -> TrainConfig:
     """Fill the resolved fields from the latent index and the process count; UserError on any mismatch."""
     _check_ranges(cfg)
     check_preset(cfg.model)
+    resolve_block(cfg)
     _check_image_size(cfg, dataset)
     _check_model_fits(cfg, dataset.latent_shape)
     cfg.world_size = world_size
@@ -352,7 +396,9 @@ def resume_differences(saved: TrainConfig, current: TrainConfig) -> tuple[list[s
     data = _data_mismatch(saved.data, current.data)
     if data:
         refused.append(data)
-    skip = set(IDENTITY_FIELDS) | {"data", "results_dir", "resume", "dry_run", "debug", "latents", "image_size"}
+    # "block" only names a preset; the options it resolves to are identity fields.
+    skip = set(IDENTITY_FIELDS) | {"data", "results_dir", "resume", "dry_run", "debug", "latents", "image_size",
+                                   "block"}
     allowed = [f"{f.name}: {getattr(saved, f.name)!r} -> {getattr(current, f.name)!r}" for f in fields(TrainConfig)
                if f.name not in skip and _norm(getattr(saved, f.name)) != _norm(getattr(current, f.name))]
     return refused, allowed
