@@ -12,7 +12,7 @@ import torch
 from shared.diffusers_dit import NUMERICS_NOTE, check_dit_config, diffusers_to_dit, model_config_of
 from shared.errors import ChoiceError, UserError
 from shared.export import first_nonfinite, load_torch_file, load_weights, safetensors_problem
-from shared.models import ModelConfig, check_preset, infer_model_config
+from shared.models import PRESETS, ModelConfig, check_preset, infer_model_config
 from shared.rundir import (CHECKPOINTS, EMA_FILE, EXPORTS, MODEL_FILE, checkpoint_path, is_complete_checkpoint,
                            list_checkpoints, list_exports, step_of)
 
@@ -318,8 +318,11 @@ def image_size_of(loaded: LoadedWeights, vae_factor: int, image_size: int | None
     """Pixels per side the samples will have; UserError when --image-size disagrees with the weights."""
     size = loaded.config.input_size * vae_factor
     if image_size is not None and image_size != size:
+        grid = loaded.config.input_size // PRESETS[loaded.config.model]["patch_size"]
+        rope = (f" Its rotary position tables (block option rope) are built for that {grid}x{grid} token grid, so "
+                "it cannot sample at another size.") if loaded.config.rope else ""
         raise UserError(f"--image-size {image_size} does not fit {loaded.path}: a latent input of "
-                        f"{loaded.config.input_size} decoded by this VAE (x{vae_factor}) gives {size} pixels. "
+                        f"{loaded.config.input_size} decoded by this VAE (x{vae_factor}) gives {size} pixels.{rope} "
                         f"Pass --image-size {size} or drop it.")
     return size
 

@@ -63,12 +63,17 @@ def check_target(out: Path) -> None:
 
 
 def check_representable(config: ModelConfig, where) -> None:
-    """UserError for a model DiTPipeline cannot run as trained (DDPM only; its null label is the literal 1000)."""
+    """UserError for a model DiTPipeline cannot run as trained (DDPM, the DiT block, the null label 1000)."""
     if config.objective != "ddpm":
         raise UserError(f"{where} was trained with the {config.objective} objective, but diffusers' DiTPipeline "
                         f"runs a DDPM noise-prediction model (its schedulers step on predicted noise at DiT's "
                         f"1000 timesteps), so this model cannot be exported as a DiTPipeline: it would produce noise, "
                         f"not images. Sample it with `python -m sample --ckpt ...`, which reads its objective.")
+    if config.block != "dit":
+        raise UserError(f"{where} uses the {config.block} block ({config.block_options}), but diffusers' "
+                        f"DiTTransformer2DModel only has the official DiT block (LayerNorm, GELU MLP, no RoPE or "
+                        f"QK-norm), so it would run a different function. Sample it with `python -m sample --ckpt "
+                        f"...`, or train with --block dit to export to diffusers.")
     if not config.has_null_class:
         raise UserError(f"{where} was trained without label dropout, so it has no null-class embedding; diffusers' "
                         f"DiTTransformer2DModel always has one and DiTPipeline guides against it, so this model "

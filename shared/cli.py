@@ -54,6 +54,7 @@ class Flag:
     name: str | None = None             # the flag when it is not --field-name
     positional: bool = False
     exclusive: str | None = None        # flags sharing this key are mutually exclusive
+    action: Any = None                  # an argparse action class, e.g. BooleanOptionalAction for --x/--no-x
 
     def field(self, **changes) -> Any:
         """A fresh dataclass field for this flag (changes: e.g. another default or help for one command)."""
@@ -102,6 +103,16 @@ def add_flags(parser: argparse.ArgumentParser, cls, only: Sequence[str] | None =
     return parser
 
 
+def given_flags(parser: argparse.ArgumentParser, argv) -> set[str]:
+    """The field names the command line set explicitly (parses argv again with every default suppressed).
+
+    Call it after the real parse: it leaves the parser's defaults suppressed.
+    """
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_args(argv)))
+
+
 def from_args(cls, args: argparse.Namespace, **extra):
     """The options dataclass holding the parsed flags (lists become tuples where the default is a tuple)."""
     values = {}
@@ -128,6 +139,9 @@ def _argument(name: str, spec: Flag, hint) -> tuple[list[str], dict]:
         kwargs["required"] = True
     else:
         kwargs["default"] = spec.default
+    if spec.action is not None:
+        kwargs["action"] = spec.action
+        return names, kwargs
     if isinstance(spec.default, bool):
         kwargs["action"] = "store_false" if spec.default else "store_true"
         return names, kwargs

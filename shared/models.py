@@ -2,6 +2,11 @@
 
 Parameter names, shapes, initialisation and numerics follow the official release, so the official
 checkpoints (e.g. DiT-XL-2-256x256.pt) load with strict=True and give the same outputs.
+
+Block options (LightningDiT, Yao et al. 2025, github hustvl/LightningDiT, MIT): RMSNorm, a SwiGLU MLP,
+2-D rotary position embedding and QK-norm, each a ModelConfig field whose default is the official
+block; BLOCKS names the combinations. Their tensor names follow LightningDiT's (mlp.w12/w3, norm1.weight,
+attn.q_norm, feat_rope.freqs_cos/sin), so inference from a state dict can tell the layouts apart.
 """
 import functools
 import importlib
@@ -18,11 +23,84 @@ from shared.errors import ChoiceError, SettingError, UserError
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "xformers", "math")
 FREQUENCY_EMBEDDING_SIZE = 256  # sinusoidal timestep features fed to the timestep MLP (DiT Sec. 3.2)
+NORM_EPS = 1e-6  # DiT's LayerNorms and LightningDiT's RMSNorms alike
+ROPE_THETA = 10000  # rotary base period, as LightningDiT (EVA-02's VisionRotaryEmbeddingFast)
+
+NORMS = ("layernorm", "rmsnorm")
+MLPS = ("gelu", "swiglu")
+BLOCK_FIELDS = ("norm", "mlp", "rope", "qk_norm")
+# Block presets. "lightning" is the block of LightningDiT's released configs (configs/*.yaml: use_rmsnorm,
+# use_swiglu, use_rope true; use_qknorm false); its README recommends adding QK-norm when large runs hit
+# NaN losses (at a slight cost in convergence speed), which is "lightning-qknorm".
+BLOCKS = {
+    "dit": dict(norm="layernorm", mlp="gelu", rope=False, qk_norm=False),
+    "lightning": dict(norm="rmsnorm", mlp="swiglu", rope=True, qk_norm=False),
+    "lightning-qknorm": dict(norm="rmsnorm", mlp="swiglu", rope=True, qk_norm=True),
+}
+
+
+def block_options(preset="dit", **overrides):
+    """{norm, mlp, rope, qk_norm} of a BLOCKS preset with the non-None overrides applied; ChoiceError/UserError."""
+    if preset not in BLOCKS:
+        raise ChoiceError("block preset", preset, list(BLOCKS))
+    options = dict(BLOCKS[preset])
+    unknown = sorted(set(overrides) - set(BLOCK_FIELDS))
+    if unknown:
+        raise UserError(f"unknown block options {unknown}; the block options are {', '.join(BLOCK_FIELDS)}.")
+    options.update({k: v for k, v in overrides.items() if v is not None})
+    check_block_options(**options)
+    return options
+
+
+def check_block_options(norm, mlp, rope, qk_norm):
+    """ChoiceError/UserError unless the four block options are known values."""
+    if norm not in NORMS:
+        raise ChoiceError("block norm", norm, NORMS, "layernorm is DiT's, rmsnorm LightningDiT's")
+    if mlp not in MLPS:
+        raise ChoiceError("block mlp", mlp, MLPS, "gelu is DiT's, swiglu LightningDiT's")
+    for name, value in (("rope", rope), ("qk_norm", qk_norm)):
+        if not isinstance(value, bool):
+            raise UserError(f"block option {name} must be true or false, got {value!r}; fix the config or flag.")
+
+
+def block_name(options):
+    """The BLOCKS preset these options are, or "custom"."""
+    chosen = {k: options[k] for k in BLOCK_FIELDS}
+    return next((name for name, preset in BLOCKS.items() if preset == chosen), "custom")
 
 
 def modulate(x, shift, scale):
     """adaLN modulation x * (1 + scale) + shift, broadcast over tokens."""
     return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)  # (N, T, D)
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * gain over the last dim (Zhang & Sennrich, 2019), normalised in fp32."""
+
+    def __init__(self, dim, eps=NORM_EPS):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))  # learned gain, as LightningDiT's (DiT's LayerNorms have none)
+
+    def forward(self, x):
+        """(..., dim) -> (..., dim); the normalised value is cast back to x's dtype before the gain."""
+        return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight
+
+
+def block_norm(kind, dim):
+    """The pre-attention/pre-MLP/final normaliser: affine-free LayerNorm (DiT) or RMSNorm (LightningDiT)."""
+    if kind == "rmsnorm":
+        return RMSNorm(dim)
+    return nn.LayerNorm(dim, elementwise_affine=False, eps=NORM_EPS)
+
+
+def qk_norm_layer(kind, head_dim):
+    """Per-head QK-norm (Dehghani et al. 2023): RMSNorm with the rmsnorm block, else LayerNorm (affine, eps 1e-5).
+
+    As LightningDiT's Attention, whose q_norm/k_norm is RMSNorm(head_dim) when use_rmsnorm, else timm's
+    default nn.LayerNorm.
+    """
+    return RMSNorm(head_dim) if kind == "rmsnorm" else nn.LayerNorm(head_dim)
 
 
 #################################################################################
@@ -120,6 +198,57 @@ class LabelEmbedder(nn.Module):
 
 
 #################################################################################
+#                        2-D rotary position embedding                          #
+#################################################################################
+
+def rope_angles(head_dim, grid_size, theta=ROPE_THETA):
+    """(T, head_dim) rotation angles: first half of a head turned by the token's row, second half by its column.
+
+    RoFormer (Su et al. 2021, Eq. 15) per axis with head_dim/4 frequencies theta^(-j / (head_dim/4)); each
+    frequency turns one interleaved channel pair (2i, 2i+1), so it appears twice. Tokens in row-major patch
+    order. This is LightningDiT's VisionRotaryEmbeddingFast(dim=head_dim/2, pt_seq_len=grid) table.
+    """
+    quarter = head_dim // 4
+    freqs = theta ** -(torch.arange(quarter, dtype=torch.float64) / quarter)  # (head_dim/4,)
+    rows, cols = torch.meshgrid(torch.arange(grid_size), torch.arange(grid_size), indexing="ij")
+    angles = torch.cat([rows.reshape(-1, 1) * freqs, cols.reshape(-1, 1) * freqs], dim=1)  # (T, head_dim/2)
+    return angles.repeat_interleave(2, dim=1)  # (T, head_dim)
+
+
+def rotate_pairs(x):
+    """(x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...): multiplication by i of each channel pair."""
+    pairs = x.unflatten(-1, (-1, 2))  # (..., d/2, 2)
+    return torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)  # (..., d)
+
+
+class RotaryEmbedding2d(nn.Module):
+    """Rotates queries/keys (N, H, T, d) by their token's grid position; tables built for one grid size."""
+
+    def __init__(self, head_dim, grid_size):
+        super().__init__()
+        if head_dim % 4:
+            raise UserError(f"2-D RoPE needs a head dimension divisible by 4 (a channel pair per frequency, rows "
+                            f"and columns), but heads have {head_dim} channels; pick a preset whose width / heads "
+                            "is a multiple of 4, or train without --rope.")
+        self.head_dim, self.grid_size = head_dim, grid_size
+        # Persistent, as LightningDiT's feat_rope buffers: they mark a RoPE state dict and pin its grid.
+        # Filled by DiT.initialize_weights (like pos_embed), so building on the meta device stays cheap.
+        self.register_buffer("freqs_cos", torch.zeros(grid_size * grid_size, head_dim))  # (T, d)
+        self.register_buffer("freqs_sin", torch.zeros(grid_size * grid_size, head_dim))  # (T, d)
+
+    @torch.no_grad()
+    def reset_tables(self):
+        """Write cos/sin of rope_angles (computed on the CPU in float64) into the buffers."""
+        angles = rope_angles(self.head_dim, self.grid_size)
+        self.freqs_cos.copy_(angles.cos().float().to(self.freqs_cos.device))
+        self.freqs_sin.copy_(angles.sin().float().to(self.freqs_sin.device))
+
+    def forward(self, x):
+        """(N, H, T, d) -> (N, H, T, d) in fp32 (the fp32 tables promote; Attention casts back)."""
+        return x * self.freqs_cos + rotate_pairs(x) * self.freqs_sin
+
+
+#################################################################################
 #                          Attention with swappable kernels                     #
 #################################################################################
 
@@ -146,29 +275,47 @@ def resolve_attention(backend):
 
 
 class Attention(nn.Module):
-    """Multi-head self-attention with a fused qkv projection (names as timm's, as the checkpoints)."""
+    """Multi-head self-attention with a fused qkv projection (names as timm's, as the checkpoints).
 
-    def __init__(self, dim, num_heads):
+    Optional QK-norm and rotary positions act on q and k before whichever kernel runs, so every backend
+    sees the same inputs.
+    """
+
+    def __init__(self, dim, num_heads, qk_norm=False, norm="layernorm"):
         super().__init__()
         if dim % num_heads:
             raise UserError(f"hidden size {dim} is not divisible by {num_heads} heads; pick a width that is.")
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
         self.qkv = nn.Linear(dim, dim * 3, bias=True)
+        self.qk_norm = qk_norm
+        # nn.Identity has no tensors, so the official block's state dict is unchanged.
+        self.q_norm = qk_norm_layer(norm, self.head_dim) if qk_norm else nn.Identity()
+        self.k_norm = qk_norm_layer(norm, self.head_dim) if qk_norm else nn.Identity()
         self.proj = nn.Linear(dim, dim, bias=True)
         self.backend = "sdpa"
 
-    def forward(self, x):
-        """(N, T, D) -> (N, T, D)."""
+    def forward(self, x, rope=None):
+        """(N, T, D) -> (N, T, D); rope: a RotaryEmbedding2d for this token grid, or None."""
         n, t, d = x.shape
         qkv = self.qkv(x).reshape(n, t, 3, self.num_heads, self.head_dim)  # (N, T, 3, H, d)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (N, H, T, d)
+        q, k = self._position_and_norm(q, k, v.dtype, rope)
         if self.backend == "xformers":
-            out = self._xformers(*qkv.unbind(2))  # (N, T, H, d)
+            out = self._xformers(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # (N, T, H, d)
         else:
-            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (N, H, T, d)
             attend = F.scaled_dot_product_attention if self.backend == "sdpa" else math_attention
             out = attend(q, k, v).transpose(1, 2)  # (N, T, H, d)
         return self.proj(out.reshape(n, t, d))  # (N, T, D)
+
+    def _position_and_norm(self, q, k, dtype, rope):
+        """QK-norm then RoPE on (N, H, T, d), as LightningDiT; cast back to v's dtype for the kernels."""
+        if not self.qk_norm and rope is None:
+            return q, k  # the official block: untouched
+        q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = rope(q), rope(k)
+        return q.to(dtype), k.to(dtype)
 
     def _xformers(self, q, k, v):
         """xformers memory-efficient attention on (N, T, H, d); CUDA only, never a silent fallback."""
@@ -210,30 +357,59 @@ class Mlp(nn.Module):
         return self.fc2(self.act(self.fc1(x)))
 
 
-class DiTBlock(nn.Module):
-    """Transformer block with adaLN-Zero conditioning (DiT Sec. 3.2, Fig. 3)."""
+def swiglu_hidden(dim, mlp_ratio=4.0):
+    """SwiGLU hidden width: 2/3 of the GELU MLP's, so the three matrices hold as many weights as its two.
 
-    def __init__(self, hidden_size, num_heads, mlp_ratio=4.0):
+    LightningDiT's rule, int(2/3 * int(dim * mlp_ratio)), no rounding: 3072 for XL's 1152, 512 for T's 192.
+    """
+    return int(2 / 3 * int(dim * mlp_ratio))
+
+
+class SwiGLU(nn.Module):
+    """SiLU-gated feed-forward (Shazeer 2020, "GLU Variants", Eq. 6 FFN_SwiGLU) with biases, names as LightningDiT."""
+
+    def __init__(self, dim, hidden_dim):
         super().__init__()
-        self.norm1 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
-        self.attn = Attention(hidden_size, num_heads)
-        self.norm2 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
-        self.mlp = Mlp(hidden_size, int(hidden_size * mlp_ratio))
+        self.w12 = nn.Linear(dim, 2 * hidden_dim, bias=True)  # gate and value projections, fused
+        self.w3 = nn.Linear(hidden_dim, dim, bias=True)
+
+    def forward(self, x):
+        """(N, T, D) -> (N, T, D)."""
+        gate, value = self.w12(x).chunk(2, dim=-1)  # 2 x (N, T, hidden)
+        return self.w3(F.silu(gate) * value)
+
+
+def block_mlp(kind, dim, mlp_ratio):
+    """The block's feed-forward: DiT's GELU MLP or LightningDiT's SwiGLU of equal weight count."""
+    if kind == "swiglu":
+        return SwiGLU(dim, swiglu_hidden(dim, mlp_ratio))
+    return Mlp(dim, int(dim * mlp_ratio))
+
+
+class DiTBlock(nn.Module):
+    """Transformer block with adaLN-Zero conditioning (DiT Sec. 3.2, Fig. 3); block options as LightningDiT."""
+
+    def __init__(self, hidden_size, num_heads, mlp_ratio=4.0, norm="layernorm", mlp="gelu", qk_norm=False):
+        super().__init__()
+        self.norm1 = block_norm(norm, hidden_size)
+        self.attn = Attention(hidden_size, num_heads, qk_norm=qk_norm, norm=norm)
+        self.norm2 = block_norm(norm, hidden_size)
+        self.mlp = block_mlp(mlp, hidden_size, mlp_ratio)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size, bias=True))
 
-    def forward(self, x, c):
-        """x (N, T, D) tokens, c (N, D) conditioning -> (N, T, D)."""
+    def forward(self, x, c, rope=None):
+        """x (N, T, D) tokens, c (N, D) conditioning, rope RotaryEmbedding2d or None -> (N, T, D)."""
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c).chunk(6, dim=1)
-        x = x + gate_msa.unsqueeze(1) * self.attn(modulate(self.norm1(x), shift_msa, scale_msa))
+        x = x + gate_msa.unsqueeze(1) * self.attn(modulate(self.norm1(x), shift_msa, scale_msa), rope)
         return x + gate_mlp.unsqueeze(1) * self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp))
 
 
 class FinalLayer(nn.Module):
-    """adaLN-modulated LayerNorm and a linear map from tokens to p*p*out_channels patch values."""
+    """adaLN-modulated norm and a linear map from tokens to p*p*out_channels patch values."""
 
-    def __init__(self, hidden_size, patch_size, out_channels):
+    def __init__(self, hidden_size, patch_size, out_channels, norm="layernorm"):
         super().__init__()
-        self.norm_final = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.norm_final = block_norm(norm, hidden_size)
         self.linear = nn.Linear(hidden_size, patch_size * patch_size * out_channels, bias=True)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size, bias=True))
 
@@ -252,8 +428,10 @@ class DiT(nn.Module):
 
     def __init__(self, input_size=32, patch_size=2, in_channels=4, hidden_size=1152, depth=28,
                  num_heads=16, mlp_ratio=4.0, class_dropout_prob=0.1, num_classes=1000,
-                 learn_sigma=True, attention="auto", grad_checkpoint_every=0):
+                 learn_sigma=True, attention="auto", grad_checkpoint_every=0, norm="layernorm", mlp="gelu",
+                 rope=False, qk_norm=False):
         super().__init__()
+        check_block_options(norm, mlp, rope, qk_norm)
         if input_size % patch_size:
             raise UserError(f"input size {input_size} is not a multiple of patch size {patch_size}; "
                             "pick a preset whose patch size divides the latent size.")
@@ -264,6 +442,7 @@ class DiT(nn.Module):
         self.num_heads = num_heads
         self.num_classes = num_classes
         self.null_label = num_classes  # the one owner of the null-class index
+        self.block_options = dict(norm=norm, mlp=mlp, rope=rope, qk_norm=qk_norm)
 
         self.x_embedder = PatchEmbed(input_size, patch_size, in_channels, hidden_size)
         self.t_embedder = TimestepEmbedder(hidden_size)
@@ -271,15 +450,18 @@ class DiT(nn.Module):
         # Fixed sin-cos embedding, kept as a frozen parameter so it is in the state dict as official.
         tokens = self.x_embedder.num_patches
         self.pos_embed = nn.Parameter(torch.zeros(1, tokens, hidden_size), requires_grad=False)  # (1, T, D)
-        self.blocks = nn.ModuleList([DiTBlock(hidden_size, num_heads, mlp_ratio) for _ in range(depth)])
-        self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels)
+        # LightningDiT keeps the absolute sin-cos embedding above and adds RoPE inside attention.
+        self.feat_rope = RotaryEmbedding2d(hidden_size // num_heads, input_size // patch_size) if rope else None
+        self.blocks = nn.ModuleList([DiTBlock(hidden_size, num_heads, mlp_ratio, norm=norm, mlp=mlp, qk_norm=qk_norm)
+                                     for _ in range(depth)])
+        self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels, norm=norm)
         self.initialize_weights()
         self.set_attention(attention)
         self.set_grad_checkpointing(grad_checkpoint_every)
 
     @torch.no_grad()
     def initialize_weights(self):
-        """Official init: xavier linears, sin-cos positions, N(0, 0.02) embeddings, adaLN-Zero."""
+        """Official init: xavier linears, sin-cos positions, N(0, 0.02) embeddings, adaLN-Zero (norm gains 1)."""
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.xavier_uniform_(module.weight)
@@ -287,6 +469,8 @@ class DiT(nn.Module):
         grid = self.input_size // self.patch_size
         pos = sincos_2d(self.pos_embed.shape[-1], grid).float()  # (T, D), computed on the CPU in float64
         self.pos_embed.copy_(pos.unsqueeze(0).to(self.pos_embed.device))  # (1, T, D)
+        if self.feat_rope is not None:
+            self.feat_rope.reset_tables()
         # Patch embedding initialised like a linear layer over the flattened patch (as official).
         w = self.x_embedder.proj.weight
         nn.init.xavier_uniform_(w.view(w.shape[0], -1))
@@ -330,10 +514,13 @@ class DiT(nn.Module):
         """UserError when latents do not have the shape this model was built for."""
         expected = (self.in_channels, self.input_size, self.input_size)
         if x.dim() != 4 or tuple(x.shape[1:]) != expected:
+            grid = self.input_size // self.patch_size
+            rope = (f" Its rotary position tables are built for a {grid}x{grid} token grid, so it cannot run at "
+                    "another size either.") if self.feat_rope is not None else ""
             raise UserError(
                 f"the model expects latents of shape (N, {', '.join(map(str, expected))}) but got "
                 f"{tuple(x.shape)}; the latents' image size or VAE does not match this model's input_size "
-                "and in_channels. Use latents extracted at the size the model was built for."
+                f"and in_channels.{rope} Use latents extracted at the size the model was built for."
             )
 
     def forward(self, x, t, y, force_drop_ids=None):
@@ -347,9 +534,9 @@ class DiT(nn.Module):
         c = self.t_embedder(t) + self.y_embedder(y, self.training, force_drop_ids)  # (N, D)
         for i, block in enumerate(self.blocks):
             if self._checkpointed(i):
-                x = checkpoint(block, x, c, use_reentrant=False)  # (N, T, D)
+                x = checkpoint(block, x, c, self.feat_rope, use_reentrant=False)  # (N, T, D)
             else:
-                x = block(x, c)  # (N, T, D)
+                x = block(x, c, self.feat_rope)  # (N, T, D)
         x = self.final_layer(x, c)  # (N, T, p*p*out_channels)
         return self.unpatchify(x)  # (N, out_channels, H, W)
 
@@ -382,7 +569,10 @@ OBJECTIVE_FIELDS = ("objective", "flow_convention")  # ModelConfig fields that d
 
 @dataclass
 class ModelConfig:
-    """Everything needed to rebuild a DiT; written into every checkpoint and export."""
+    """Everything needed to rebuild a DiT; written into every checkpoint and export.
+
+    The block options default to the official DiT block, so configs written before they existed load as DiT.
+    """
 
     model: str
     input_size: int
@@ -390,6 +580,10 @@ class ModelConfig:
     num_classes: int = 1000
     learn_sigma: bool = True
     class_dropout_prob: float = 0.1
+    norm: str = "layernorm"
+    mlp: str = "gelu"
+    rope: bool = False
+    qk_norm: bool = False
     # What the network was trained to predict (shared/objectives.py): "ddpm" (DiT) or "flow" (SiT), and for flow
     # the direction of its time input ("sit": 0 = noise; "repa": 0 = data). Not architecture: build() ignores them.
     objective: str = "ddpm"
@@ -397,6 +591,7 @@ class ModelConfig:
 
     def __post_init__(self):
         check_preset(self.model)
+        check_block_options(self.norm, self.mlp, self.rope, self.qk_norm)
         from shared.objectives import check_objective  # late: objectives imports the samplers, not the model
         from shared.flow import check_convention
         check_objective(self.objective)
@@ -410,6 +605,16 @@ class ModelConfig:
         """Whether the model has a null-class embedding to guide against (trained with label dropout)."""
         return self.class_dropout_prob > 0
 
+    @property
+    def block(self) -> str:
+        """The BLOCKS preset of this config's block options, or "custom"."""
+        return block_name(self.to_dict())
+
+    @property
+    def block_options(self) -> dict:
+        """{norm, mlp, rope, qk_norm}."""
+        return {k: getattr(self, k) for k in BLOCK_FIELDS}
+
     def build(self, attention="auto", grad_checkpoint_every=0):
         """Instantiate the DiT this config describes."""
         kwargs = {k: v for k, v in self.to_dict().items() if k not in ("model", *OBJECTIVE_FIELDS)}
@@ -421,7 +626,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d):
-        """Rebuild from to_dict() output; UserError on missing or unknown keys."""
+        """Rebuild from to_dict() output; UserError on missing or unknown keys (absent block options are DiT's)."""
         names = {f.name for f in fields(cls)}
         unknown, missing = sorted(set(d) - names), sorted({"model", "input_size"} - set(d))
         if unknown or missing:
@@ -438,19 +643,40 @@ def _shape(state_dict, key):
     return tuple(state_dict[key].shape)
 
 
+def _infer_block(state_dict):
+    """Block options read from which tensors exist (LightningDiT's names); unknown MLP layouts refused."""
+    if "blocks.0.mlp.w12.weight" in state_dict:
+        mlp, mlp_hidden = "swiglu", _shape(state_dict, "blocks.0.mlp.w12.weight")[0] // 2
+    elif "blocks.0.mlp.fc1.weight" in state_dict:
+        mlp, mlp_hidden = "gelu", _shape(state_dict, "blocks.0.mlp.fc1.weight")[0]
+    else:
+        names = sorted(k for k in state_dict if k.startswith("blocks.0.mlp."))
+        raise UserError(f"these weights' MLP has tensors {names or 'none'}, neither DiT's GELU MLP (mlp.fc1/fc2) "
+                        "nor the SwiGLU of the block options (mlp.w12/w3); this version cannot rebuild that "
+                        "block. Use weights of a DiT_models preset with the block options of shared.models.BLOCKS.")
+    return dict(norm="rmsnorm" if "blocks.0.norm1.weight" in state_dict else "layernorm", mlp=mlp,
+                rope="feat_rope.freqs_cos" in state_dict, qk_norm="blocks.0.attn.q_norm.weight" in state_dict,
+                mlp_hidden=mlp_hidden)
+
+
 def _infer_architecture(state_dict):
-    """Read depth, width, patch, channels, input size, mlp width and label rows from tensor shapes."""
+    """Read depth, width, patch, channels, input size, block options, mlp width and label rows from tensors."""
     width, in_channels, patch, _ = _shape(state_dict, "x_embedder.proj.weight")
     tokens = _shape(state_dict, "pos_embed")[1]
     grid = math.isqrt(tokens)
     depth = len({m.group(1) for k in state_dict if (m := re.match(r"blocks\.(\d+)\.", k))})
+    block = _infer_block(state_dict) if depth else dict(BLOCKS["dit"], mlp_hidden=0)
     return dict(
         depth=depth, hidden_size=width, patch_size=patch, in_channels=in_channels, input_size=grid * patch,
-        square=grid * grid == tokens,
-        mlp_hidden=_shape(state_dict, "blocks.0.mlp.fc1.weight")[0] if depth else 0,
+        square=grid * grid == tokens, **block,
         out_channels=_shape(state_dict, "final_layer.linear.weight")[0] // (patch * patch),
         label_rows=_shape(state_dict, "y_embedder.embedding_table.weight")[0],
     )
+
+
+def _mlp_width(mlp, width):
+    """Hidden width a preset's MLP has with this MLP option (mlp_ratio 4 throughout DiT_models)."""
+    return swiglu_hidden(width) if mlp == "swiglu" else 4 * width
 
 
 def infer_model_config(state_dict, class_dropout_prob=0.1):
@@ -460,20 +686,37 @@ def infer_model_config(state_dict, class_dropout_prob=0.1):
     arch = _infer_architecture(state_dict)
     found = {k: arch[k] for k in ("depth", "hidden_size", "patch_size")}
     name = next((n for n, p in PRESETS.items() if {k: p[k] for k in found} == found
-                 and arch["mlp_hidden"] == 4 * p["hidden_size"] and arch["square"]), None)
+                 and arch["mlp_hidden"] == _mlp_width(arch["mlp"], p["hidden_size"]) and arch["square"]), None)
     if name is None:
         raise UserError(
             f"these weights have depth {arch['depth']}, width {arch['hidden_size']}, patch {arch['patch_size']}, "
-            f"MLP width {arch['mlp_hidden']} and input size {arch['input_size']} (latent grid), which match no "
-            f"preset in DiT_models ({', '.join(PRESETS)}). Use weights of a preset model."
+            f"MLP width {arch['mlp_hidden']} ({arch['mlp']}) and input size {arch['input_size']} (latent grid), "
+            f"which match no preset in DiT_models ({', '.join(PRESETS)}). Use weights of a preset model."
         )
     if arch["out_channels"] not in (arch["in_channels"], 2 * arch["in_channels"]):
         raise UserError(f"the final layer predicts {arch['out_channels']} channels for {arch['in_channels']} "
                         "input channels (expected equal or double); these are not DiT weights.")
     has_null = class_dropout_prob > 0 and arch["label_rows"] > 1
-    return ModelConfig(
+    config = ModelConfig(
         model=name, input_size=arch["input_size"], in_channels=arch["in_channels"],
         num_classes=arch["label_rows"] - int(has_null),
         learn_sigma=arch["out_channels"] == 2 * arch["in_channels"],
         class_dropout_prob=class_dropout_prob if has_null else 0.0,
+        **{k: arch[k] for k in BLOCK_FIELDS},
     )
+    _check_layout(state_dict, config)
+    return config
+
+
+def _check_layout(state_dict, config):
+    """UserError when the tensor names differ from those of the model the inferred config builds."""
+    with torch.device("meta"):
+        expected = set(config.build().state_dict())
+    extra, missing = sorted(set(state_dict) - expected), sorted(expected - set(state_dict))
+    if extra or missing:
+        raise UserError(
+            f"these weights look like {config.model} with block options {config.block_options}, but their tensor "
+            f"names differ from that model's (unexpected {extra[:4]}{' ...' if len(extra) > 4 else ''}, missing "
+            f"{missing[:4]}{' ...' if len(missing) > 4 else ''}), so this version cannot rebuild their block. Use "
+            "a DiT checkpoint or one of this project's exports (which carry their config)."
+        )

@@ -187,13 +187,13 @@ def test_one_field_is_one_flag():
 
 
 def test_a_family_flag_changes_per_command():
-    """A shared Flag keeps its help where a command changes only its default (evaluate draws with DDIM)."""
+    """A shared Flag keeps its help where a command changes only its default (evaluate draws 50 steps, not 250)."""
     from evaluate.curve import RunEvalOptions
     from sample.generate import SampleOptions
-    from shared.flags import SAMPLER
+    from shared.flags import NUM_SAMPLING_STEPS
 
-    assert isinstance(SAMPLER, Flag)
-    sample_field = {f.name: f for f in dataclasses.fields(SampleOptions)}["sampler"]
-    eval_field = {f.name: f for f in dataclasses.fields(RunEvalOptions)}["sampler"]
-    assert (sample_field.default, eval_field.default) == ("ddpm", "ddim")
-    assert sample_field.metadata[FLAG_KEY].help == eval_field.metadata[FLAG_KEY].help == SAMPLER.help
+    assert isinstance(NUM_SAMPLING_STEPS, Flag)
+    sample_field = {f.name: f for f in dataclasses.fields(SampleOptions)}["num_sampling_steps"]
+    eval_field = {f.name: f for f in dataclasses.fields(RunEvalOptions)}["num_sampling_steps"]
+    assert (sample_field.default, eval_field.default) == (250, 50)
+    assert sample_field.metadata[FLAG_KEY].help == eval_field.metadata[FLAG_KEY].help == NUM_SAMPLING_STEPS.help

@@ -305,3 +305,37 @@ def test_ddpm_export_refuses_an_interval_outside_dit_timesteps(tmp_path, capsys,
     code, err = run_cli(["--ckpt", path, "--num-samples", "1", "--cpu", "--out", tmp_path / "ok", "--sampler", "ddim",
                          "--num-sampling-steps", "4", "--cfg-interval", "0", "500"], capsys)
     assert code == 0, err
+
+
+# --------------------------------------------------------------------------------------------------
+# --recipe: one word, every explicit flag wins
+# --------------------------------------------------------------------------------------------------
+
+def _dry_run(latents, run, capsys, *extra) -> dict:
+    """The resolved config `python -m train --dry-run` prints."""
+    import json
+
+    from tests.helpers import train_args
+    from train.__main__ import main
+
+    assert main(train_args(latents, run, "--dry-run", *extra)) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_recipes_set_their_settings_and_explicit_flags_win(latents, tmp_path, capsys):
+    dit = _dry_run(latents, tmp_path / "a", capsys)
+    assert (dit["recipe"], dit["objective"], dit["block"], dit["lr"], dit["adam_betas"]) == (
+        "dit", "ddpm", "dit", 1e-4, [0.9, 0.999])
+    sit = _dry_run(latents, tmp_path / "b", capsys, "--recipe", "sit")
+    assert (sit["objective"], sit["time_sampling"], sit["block"], sit["lr"]) == ("flow", "uniform", "dit", 1e-4)
+    light = _dry_run(latents, tmp_path / "c", capsys, "--recipe", "lightning")
+    assert (light["objective"], light["time_sampling"], light["cos_weight"], light["lr"], light["adam_betas"]) == (
+        "flow", "lognormal", 1.0, 2e-4, [0.9, 0.95])
+    assert (light["block"], light["norm"], light["mlp"], light["rope"], light["qk_norm"]) == (
+        "lightning", "rmsnorm", "swiglu", True, False)
+    mixed = _dry_run(latents, tmp_path / "d", capsys, "--recipe", "lightning", "--lr", "1e-4", "--no-rope",
+                     "--adam-betas", "0.9", "0.99", "--time-sampling", "uniform")
+    assert (mixed["lr"], mixed["rope"], mixed["adam_betas"], mixed["time_sampling"]) == (1e-4, False, [0.9, 0.99],
+                                                                                        "uniform")
+    assert (mixed["norm"], mixed["cos_weight"], mixed["objective"]) == ("rmsnorm", 1.0, "flow")  # the rest: recipe's
+    assert not (tmp_path / "d").exists()

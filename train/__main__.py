@@ -1,6 +1,7 @@
 """`python -m train` (or `accelerate launch -m train`): train a DiT on cached latents. Flags: --help."""
 import sys
 
+from shared.cli import given_flags
 from shared.errors import cli_errors
 from train.config import build_parser, config_from_args
 
@@ -16,11 +17,13 @@ FLAGS = {"model preset": "--model", "attention backend": "--attention", "precisi
 
 def main(argv=None, callbacks=()) -> int:
     """Parse flags, run training, print UserErrors as one paragraph (exit status 2)."""
-    args = build_parser(PROG).parse_args(argv)
+    parser = build_parser(PROG)
+    args = parser.parse_args(argv)
+    explicit = given_flags(parser, argv)  # a --recipe never overrides a flag given on the command line
     with cli_errors(PROG, FLAGS):
         from train.loop import train
 
-        train(config_from_args(args), callbacks)
+        train(config_from_args(args, explicit), callbacks)
     return 0
 
 

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from shared.errors import UserError, exit_with
 from shared.models import ATTENTION_BACKENDS
 from shared.precision import PRECISIONS, set_tf32
-from train.config import TrainConfig
+from train.config import TrainConfig, add_block_flags, block_from_args
 from train.data import synthetic_batch
 from train.memory import build_model, forward_macs, model_config, train_flops_per_image
 from train.step import make_learner, train_step
@@ -191,7 +191,7 @@ def peak_tflops(args, device: torch.device) -> tuple[float | None, str]:
 
 def bench_train_config(config: BenchConfig, args) -> TrainConfig:
     """The TrainConfig `python -m train` would run for one cell (one micro-batch per step, no accumulation)."""
-    return TrainConfig(latents="synthetic", results_dir="unused", model=args.model,
+    return TrainConfig(latents="synthetic", results_dir="unused", model=args.model, **block_from_args(args),
                        global_batch_size=config.micro_batch, micro_batch_size=config.micro_batch, grad_accum_steps=1,
                        precision=config.precision,
                        grad_checkpoint=config.checkpoint, attention=config.attention, compile=config.compile)
@@ -200,7 +200,7 @@ def bench_train_config(config: BenchConfig, args) -> TrainConfig:
 def time_steps(config: BenchConfig, args, device) -> list[float]:
     """Seconds of each timed trainer step (after warm-up) for one configuration."""
     cfg = bench_train_config(config, args)
-    model_cfg = model_config(args.model, args.image_size, num_classes=args.num_classes)
+    model_cfg = model_config(args.model, args.image_size, num_classes=args.num_classes, block=block_from_args(args))
     learner = make_learner(cfg, model_cfg, device=device)
     batch = synthetic_batch(model_cfg, config.micro_batch, cfg.class_dropout_prob)
     times = []
@@ -304,6 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="DiT preset (default: the preset's, else DiT-T/2)")
     p.add_argument("--image-size", type=int, help="image size in pixels; latents are 1/8 of it (default 128)")
     p.add_argument("--num-classes", type=int, default=1000, help="number of classes")
+    add_block_flags(p)
     p.add_argument("--micro-batch-sizes", help="comma-separated micro-batch sweep, e.g. 4,8,16 (default 8)")
     p.add_argument("--precisions", help="comma-separated subset of fp32,fp16,bf16 (default fp32,bf16)")
     p.add_argument("--checkpointing", help="comma-separated checkpoint intervals, 0 = off (default 0,1)")
@@ -348,7 +349,8 @@ def run(args) -> str:
     resolve_defaults(args)
     configs = resolve_matrix(args)
     device = resolve_device(args.device)
-    model = build_model(model_config(args.model, args.image_size, num_classes=args.num_classes), "meta")
+    model = build_model(model_config(args.model, args.image_size, num_classes=args.num_classes,
+                                     block=block_from_args(args)), "meta")
     flops = train_flops_per_image(model)
     peak, peak_note = peak_tflops(args, device)
     apply_memory_cap(args, device)

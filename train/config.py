@@ -18,8 +18,9 @@ from shared.cli import HelpFormatter, add_flags, flag_name, from_args, option
 from shared.errors import UserError
 from shared.guidance import GUIDE_CHANNELS
 from shared.flow import TIME_SAMPLINGS
-from shared.models import ATTENTION_BACKENDS, check_preset
+from shared.models import ATTENTION_BACKENDS, BLOCK_FIELDS, BLOCKS, MLPS, NORMS, block_options, check_preset
 from shared.objectives import OBJECTIVE_HELP, OBJECTIVE_NAMES
+from train.recipes import RECIPE_HELP, RECIPES, apply_recipe
 from shared.precision import PRECISION_CHOICES, canonical_precision
 from train.trackers import DEFAULT_REPORT_TO, REPORT_TO
 
@@ -30,8 +31,8 @@ DEFAULT_MAX_STEPS = 400_000  # the paper's headline training length (DiT Table 4
 DEBUG_STEPS = 5
 
 # Changing one of these changes the experiment: a resume that differs is refused.
-IDENTITY_FIELDS = ("model", "objective", "time_sampling", "time_loc", "time_scale", "cos_weight", "global_batch_size", "seed", "optimizer", "adam_betas", "weight_decay",
-                   "ema_decay", "class_dropout_prob")
+IDENTITY_FIELDS = ("model", "objective", "time_sampling", "time_loc", "time_scale", "cos_weight", "global_batch_size",
+                   "seed", "optimizer", "adam_betas", "weight_decay", "ema_decay", "class_dropout_prob") + BLOCK_FIELDS
 # Data identity: what a checkpoint's latent folder must share with the one given now.
 DATA_FIELDS = ("num_samples", "latent_shape", "flips", "num_classes", "image_size", "scaling_factor", "vae",
                "index_sha256")
@@ -44,6 +45,9 @@ class TrainConfig:
     latents: str = option(help="latent folder written by `python -m extract` (index.json + shards)")
     results_dir: str = option(help="the run folder; rerunning the same command resumes it (checkpoints, logs, exports)")
     model: str = option("DiT-XL/2", "model preset from shared.models.DiT_models")
+    recipe: str = option("dit", "one word for a published recipe's objective, time sampling, block and optimizer "
+                                "settings (train/recipes.py); any flag given explicitly wins: "
+                         + "; ".join(f"{k}: {v}" for k, v in RECIPE_HELP.items()), choices=tuple(RECIPES))
     objective: str = option("ddpm", "what the model learns: " + "; ".join(f"{k}: {v}" for k, v in OBJECTIVE_HELP.items()),
                             choices=OBJECTIVE_NAMES)
     time_sampling: str = option("uniform", "flow only: how training draws the time: uniform (SiT) or lognormal, the "
@@ -51,6 +55,24 @@ class TrainConfig:
     time_loc: float = option(0.0, "flow only: location of the lognormal time draw")
     time_scale: float = option(1.0, "flow only: scale of the lognormal time draw")
     cos_weight: float = option(0.0, "flow only: weight of LightningDiT's cosine velocity-direction loss (its recipe: 1)")
+    # Block options (shared.models.BLOCKS): None until resolve_block fills them from --block (default "dit").
+    block: str | None = option(
+        None, "the transformer block preset: dit: LayerNorm + GELU MLP, absolute positions only (DiT); lightning: "
+              "RMSNorm + SwiGLU + 2-D RoPE, the block of LightningDiT's released configs; lightning-qknorm: that plus "
+              "QK-norm (LightningDiT's advice against NaN losses); --norm/--mlp/--rope/--qk-norm override single "
+              "options of it (default: dit)", choices=tuple(BLOCKS))
+    norm: str | None = option(None, "normalisation before attention, MLP and output: layernorm (affine-free, DiT) or "
+                                    "rmsnorm (learned gain, eps 1e-6, LightningDiT) (default: the --block's)",
+                              choices=tuple(NORMS))
+    mlp: str | None = option(None, "feed-forward: gelu (tanh GELU, 4x width, DiT) or swiglu (SiLU-gated, 2/3 of 4x "
+                                   "width, as many weights; LightningDiT) (default: the --block's)", choices=tuple(MLPS))
+    rope: bool | None = option(
+        None, "2-D rotary position embedding on queries and keys (half the head by row, half by column, theta 10000), "
+              "added to the absolute sin-cos embedding as LightningDiT; the model then runs only at the latent size "
+              "it was built for (default: the --block's)", action=argparse.BooleanOptionalAction)
+    qk_norm: bool | None = option(
+        None, "normalise queries and keys per head before attention (RMSNorm with --norm rmsnorm, else LayerNorm); "
+              "steadies fp16/bf16 training (default: the --block's)", action=argparse.BooleanOptionalAction)
     global_batch_size: int = option(256, "images per optimizer step over all processes (DiT: 256)")
     micro_batch_size: int | None = option(
         None, "images per forward pass per process; gradient accumulation = global batch / (micro batch x "
@@ -140,7 +162,7 @@ class TrainConfig:
         kwargs = {k: v for k, v in d.items() if k in names}
         if "adam_betas" in kwargs:
             kwargs["adam_betas"] = tuple(kwargs["adam_betas"])
-        return cls(**kwargs)
+        return resolve_block(cls(**kwargs))  # configs written before the block options hold the DiT block
 
     def to_json(self) -> str:
         """Indented JSON text of the config."""
@@ -151,6 +173,24 @@ class TrainConfig:
 # Flags
 # ---------------------------------------------------------------------------------------------------------
 
+def add_block_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The block-option flags alone (python -m train.plan and train.bench share them)."""
+    return add_flags(p, TrainConfig, only=("block", *BLOCK_FIELDS))
+
+
+def block_from_args(args: argparse.Namespace) -> dict:
+    """{norm, mlp, rope, qk_norm} the block flags ask for (preset, then overrides)."""
+    return block_options(args.block or "dit", **{k: getattr(args, k) for k in BLOCK_FIELDS})
+
+
+def resolve_block(cfg: TrainConfig) -> TrainConfig:
+    """Fill the unset block options from cfg.block's preset (default dit); returns cfg."""
+    cfg.block = cfg.block or "dit"
+    for key, value in block_options(cfg.block, **{k: getattr(cfg, k) for k in BLOCK_FIELDS}).items():
+        setattr(cfg, key, value)
+    return cfg
+
+
 def build_parser(prog: str = "python -m train") -> argparse.ArgumentParser:
     """The `python -m train` argument parser (official DiT flag names where they exist)."""
     p = argparse.ArgumentParser(prog=prog, description="Train a DiT on cached VAE latents (one GPU, CPU, or "
@@ -159,9 +199,9 @@ def build_parser(prog: str = "python -m train") -> argparse.ArgumentParser:
     return add_flags(p, TrainConfig)
 
 
-def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """A TrainConfig holding the parsed flags (not yet resolved against the data)."""
-    return from_args(TrainConfig, args)
+def config_from_args(args: argparse.Namespace, explicit=frozenset()) -> TrainConfig:
+    """A TrainConfig holding the parsed flags, the --recipe applied to those not in `explicit` (not yet resolved)."""
+    return apply_recipe(from_args(TrainConfig, args), set(explicit))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -242,6 +282,7 @@ def resolve_config(cfg: TrainConfig, dataset, world_size: int) -> TrainConfig:
     """Fill the resolved fields from the latent index and the process count; UserError on any mismatch."""
     _check_ranges(cfg)
     check_preset(cfg.model)
+    resolve_block(cfg)
     _check_image_size(cfg, dataset)
     _check_model_fits(cfg, dataset.latent_shape)
     cfg.world_size = world_size
@@ -295,7 +336,9 @@ def resume_differences(saved: TrainConfig, current: TrainConfig) -> tuple[list[s
     data = _data_mismatch(saved.data, current.data)
     if data:
         refused.append(data)
-    skip = set(IDENTITY_FIELDS) | {"data", "results_dir", "resume", "dry_run", "debug", "latents", "image_size"}
+    # "block" only names a preset; the options it resolves to are identity fields.
+    skip = set(IDENTITY_FIELDS) | {"data", "results_dir", "resume", "dry_run", "debug", "latents", "image_size",
+                                   "block"}
     allowed = [f"{f.name}: {getattr(saved, f.name)!r} -> {getattr(current, f.name)!r}" for f in fields(TrainConfig)
                if f.name not in skip and _norm(getattr(saved, f.name)) != _norm(getattr(current, f.name))]
     return refused, allowed

@@ -145,6 +145,7 @@ def model_config_for(cfg: TrainConfig, dataset: LatentDataset) -> ModelConfig:
     """The DiT config for these latents."""
     channels, size, _ = dataset.latent_shape
     return ModelConfig(model=cfg.model, input_size=size, in_channels=channels, num_classes=dataset.num_classes,
+                       norm=cfg.norm, mlp=cfg.mlp, rope=cfg.rope, qk_norm=cfg.qk_norm,
                        class_dropout_prob=cfg.class_dropout_prob, objective=cfg.objective)
 
 
@@ -372,7 +373,8 @@ def start_logs(run: Run, source: Path | None, changes: list[str]) -> None:
     run.accelerator.wait_for_everyone()
     cfg, n = run.cfg, run.accelerator.num_processes
     where = f"resumed from {source} at step {run.step}" if source else "starting a new run"
-    run.logger.info(f"{where}: {cfg.model}, {sum(p.numel() for p in run.learner.raw.parameters()):,} parameters, "
+    run.logger.info(f"{where}: {cfg.model} ({cfg.block} block: {cfg.norm}, {cfg.mlp} MLP, RoPE {cfg.rope}, QK-norm "
+                    f"{cfg.qk_norm}), {sum(p.numel() for p in run.learner.raw.parameters()):,} parameters, "
                     f"{n} process(es) on {run.device}, global batch {cfg.global_batch_size} = "
                     f"{cfg.micro_batch_size} x {cfg.grad_accum_steps} accumulation x {n}, "
                     f"precision {cfg.precision}, {cfg.total_steps} steps")

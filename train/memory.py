@@ -1,4 +1,4 @@
-"""What a DiT training step costs: forward FLOPs from the architecture, and activation bytes MEASURED.
+"""What a DiT training step costs: forward MACs counted from the modules, and activation bytes MEASURED.
 
 Shared by `python -m train.plan` (memory planner) and `python -m train.bench` (speed benchmark).
 
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
 
 from shared.objectives import DDPMObjective
 from shared.errors import UserError
@@ -43,11 +44,11 @@ def latent_size(image_size: int, vae_factor: int) -> int:
 
 
 def model_config(model: str, image_size: int, vae_factor: int = 8, latent_channels: int = 4,
-                 num_classes: int = 1000) -> ModelConfig:
-    """The ModelConfig for a preset at an image size; UserError for unknown presets or bad sizes."""
+                 num_classes: int = 1000, block: dict | None = None) -> ModelConfig:
+    """The ModelConfig for a preset at an image size and block options; UserError for unknown presets or bad sizes."""
     check_preset(model)
     return ModelConfig(model=model, input_size=latent_size(image_size, vae_factor),
-                       in_channels=latent_channels, num_classes=num_classes)
+                       in_channels=latent_channels, num_classes=num_classes, **(block or {}))
 
 
 def build_model(config: ModelConfig, device="meta", attention="auto", grad_checkpoint_every=0, init=True):
@@ -71,35 +72,69 @@ def count_parameters(model) -> tuple[int, int]:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Forward cost, computed from the architecture (multiply-accumulates, as the DiT paper reports)
+# Forward cost, counted from the modules (multiply-accumulates, as the DiT paper reports)
 # ----------------------------------------------------------------------------------------------------
 
-def _linear_macs(linear, rows: int) -> int:
-    """MACs of applying nn.Linear to `rows` vectors."""
-    return rows * linear.in_features * linear.out_features
+# Which part of a DiT a module's matrix products belong to: (part, module path pattern), first match wins.
+# Attention modules split further by op: their linear layers (addmm/mm) versus Q K^T and A V (bmm).
+_PARTS = (("patch_embed", "x_embedder"), ("timestep_mlp", "t_embedder"), ("adaln", "blocks.*.adaLN_modulation"),
+          ("attention", "blocks.*.attn"), ("mlp", "blocks.*.mlp"), ("final_layer", "final_layer"))
+_LINEAR_OPS = ("aten.addmm", "aten.mm")
+
+
+def _part_of(path: str) -> str | None:
+    """The _PARTS name of a module path like 'blocks.3.attn', or None (e.g. the model itself)."""
+    parts = path.split(".")
+    for name, pattern in _PARTS:
+        want = pattern.split(".")
+        if len(parts) == len(want) and all(w in ("*", p) for w, p in zip(want, parts)):
+            return name
+    return None
+
+
+def _count_flops(model) -> FlopCounterMode:
+    """Run one batch-1 forward of `model` (any device, meta included) under a FlopCounterMode."""
+    device = model.x_embedder.proj.weight.device
+    size = model.input_size
+    x = torch.zeros(1, model.in_channels, size, size, device=device)  # (1, C, H, W)
+    t = torch.zeros(1, device=device)
+    y = torch.zeros(1, dtype=torch.long, device=device)
+    backend, training = model.attention, model.training
+    model.set_attention("math")  # plain matmuls, which the counter sees on every device (xformers' it would not)
+    model.eval()
+    try:
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            model(x, t, y)
+    finally:
+        model.set_attention(backend)
+        model.train(training)
+    return counter
 
 
 def forward_macs(model) -> dict:
-    """Per-image forward multiply-accumulates of a DiT by part; works on a meta-device model.
+    """Per-image forward multiply-accumulates of a DiT by part, counted from a real forward; meta works.
 
-    Token-wise layers cost T * in * out; conditioning layers (adaLN, timestep MLP) run once per image;
-    attention adds Q K^T and A V, each T * T * D per block. The label lookup and elementwise ops are
-    not counted (the paper's convention), so XL/2 at 256 gives 118.6 GMAC.
+    torch's FlopCounterMode records every matrix product and convolution as it runs (2 FLOPs per MAC), so
+    the count follows whatever the block is built of (a SwiGLU's three matrices, RoPE's elementwise
+    rotation adds none). Label lookup and elementwise ops are not counted (the paper's convention), so
+    XL/2 at 256 gives 118.6 GMAC. Products outside the known parts land in "other" rather than vanish.
     """
-    tokens = model.x_embedder.num_patches
-    conv = model.x_embedder.proj
-    parts = {"patch_embed": tokens * conv.in_channels * conv.kernel_size[0] * conv.kernel_size[1] * conv.out_channels,
-             "timestep_mlp": sum(_linear_macs(m, 1) for m in model.t_embedder.mlp if isinstance(m, torch.nn.Linear)),
-             "attention_linears": 0, "attention_matmuls": 0, "mlp": 0, "adaln": 0}
-    for block in model.blocks:
-        width = block.attn.qkv.in_features
-        parts["attention_linears"] += _linear_macs(block.attn.qkv, tokens) + _linear_macs(block.attn.proj, tokens)
-        parts["attention_matmuls"] += 2 * tokens * tokens * width  # Q K^T and A V over all heads
-        parts["mlp"] += _linear_macs(block.mlp.fc1, tokens) + _linear_macs(block.mlp.fc2, tokens)
-        parts["adaln"] += _linear_macs(block.adaLN_modulation[-1], 1)
-    final = model.final_layer
-    parts["final_layer"] = _linear_macs(final.linear, tokens) + _linear_macs(final.adaLN_modulation[-1], 1)
-    parts["total"] = sum(parts.values())
+    counts = _count_flops(model).get_flop_counts()
+    root = type(model).__name__
+    parts = dict.fromkeys(("patch_embed", "timestep_mlp", "attention_linears", "attention_matmuls", "mlp",
+                           "adaln", "final_layer"), 0)
+    for path, ops in counts.items():
+        part = _part_of(path[len(root) + 1:]) if path.startswith(root + ".") else None
+        for op, flops in ops.items():
+            if part == "attention":
+                parts["attention_linears" if str(op) in _LINEAR_OPS else "attention_matmuls"] += flops // 2
+            elif part is not None:
+                parts[part] += flops // 2
+    total = sum(counts["Global"].values()) // 2
+    other = total - sum(parts.values())
+    if other:
+        parts["other"] = other
+    parts["total"] = total
     return parts
 
 
@@ -220,7 +255,7 @@ def measure_block(model, batch: int, precision: str) -> int:
     c = torch.zeros(batch, width, device=device, requires_grad=True)
     ledger = SavedTensorLedger(_param_keys(model) | {_storage_key(x), _storage_key(c)})
     with ledger, autocast_context(device, precision):
-        out = block(x, c)  # (N, T, D)
+        out = block(x, c, model.feat_rope)  # (N, T, D); RoPE, when built, as in DiT.forward
         saved = ledger.storages()
     del out
     return sum(saved.values())

@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 from shared.cli import HelpFormatter, add_flags
 from shared.errors import UserError, exit_with
 from shared.precision import PRECISION_CHOICES, canonical_precision
-from train.config import TrainConfig
+from train.config import EMA_DEVICES, OPTIMIZERS, TrainConfig, add_block_flags, block_from_args
 from train.data import synthetic_batch
 from train.memory import (ActivationProfile, build_model, count_parameters, measure_block_fit, measure_profile,
                           model_config)
@@ -140,7 +140,8 @@ def _header_text(args, config, tokens, n_params, n_trainable, device) -> list[st
     """Unwrapped header sentences."""
     policy = f"autocast({device.type}, {args.precision})" if args.precision != "fp32" else "fp32 (no autocast)"
     return [
-        f"{args.model} at {args.image_size}x{args.image_size}: latents {config.in_channels}x{config.input_size}x"
+        f"{args.model} ({config.block} block) at {args.image_size}x{args.image_size}: latents "
+        f"{config.in_channels}x{config.input_size}x"
         f"{config.input_size} ({tokens} tokens), {n_params:,} parameters ({n_trainable:,} trainable)",
         f"GPU memory {format_size(args.gpu_memory)} - margin {format_size(args.margin)} = budget "
         f"{format_size(args.gpu_memory - args.margin)}; global batch {args.global_batch_size} over "
@@ -202,7 +203,7 @@ def summary_line(row: PlanRow, batch: int) -> str:
 def verify_config(args, row: PlanRow) -> TrainConfig:
     """The TrainConfig of the planned run (synthetic data): what `python -m train` would be given."""
     accumulation = min(row.accumulation, 2)  # a second micro-step runs with the first one's gradients held
-    return TrainConfig(latents="synthetic", results_dir="unused", model=args.model,
+    return TrainConfig(latents="synthetic", results_dir="unused", model=args.model, **block_from_args(args),
                        global_batch_size=row.micro * accumulation, micro_batch_size=row.micro,
                        grad_accum_steps=accumulation, precision=args.precision,
                        grad_checkpoint=row.profile.every, optimizer=args.optimizer, ema_device=args.ema_device)
@@ -253,6 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "= 1; 0 = off); off, every block and every 2nd block are always "
                                                    "tabulated"}})
     p.add_argument("--image-size", type=int, default=256, help="training image size in pixels")
+    add_block_flags(p)
     p.add_argument("--vae-factor", type=int, default=8, help="VAE downsample factor (latent = image / factor)")
     p.add_argument("--latent-channels", type=int, default=4, help="latent channels of the VAE")
     p.add_argument("--num-classes", type=int, default=1000, help="number of classes (label table size)")
@@ -283,7 +285,8 @@ def run(args) -> str:
     check_args(args)
     check_verify_possible(args)
     batch = per_process_batch(args.global_batch_size, args.num_processes)
-    config = model_config(args.model, args.image_size, args.vae_factor, args.latent_channels, args.num_classes)
+    config = model_config(args.model, args.image_size, args.vae_factor, args.latent_channels, args.num_classes,
+                          block_from_args(args))
     device = measure_device(args.measure_device)
     meta = build_model(config, "meta")  # shapes only, no allocation
     choices = checkpoint_choices(args.grad_checkpoint, len(meta.blocks))
