@@ -39,8 +39,8 @@ def eval_parser() -> argparse.ArgumentParser:
                         "32x32 digits only) (default: inception)")
     p.add_argument("--batch-size", type=int, default=64, help="images per forward pass per process (default: 64)")
     p.add_argument("--is-split-size", type=int, default=IS_SPLIT_SIZE,
-                   help=f"samples per Inception Score split (default: {IS_SPLIT_SIZE}, as ADM; smaller values give IS "
-                        f"not comparable to published ones)")
+                   help=f"samples per Inception Score split (default: {IS_SPLIT_SIZE}, as ADM; other values, or fewer "
+                        f"samples than one split, give an IS marked not comparable to published ones)")
     p.add_argument("--save-stats", default=None, metavar="OUT.npz",
                    help="also write the samples' statistics (mu, sigma, mu_s, sigma_s, pool features) to OUT.npz, "
                         "usable as --ref later (default: not written)")

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from evaluate.features import FEATURE_NETWORKS, check_image_size
 from evaluate.images import open_npz_images
-from evaluate.metrics import IS_SPLIT_SIZE, PR_NEIGHBOURS, check_split_size, frechet_distance_to, inception_score, \
-    precision_recall
+from evaluate.metrics import IS_SPLIT_SIZE, PR_NEIGHBOURS, check_split_size, comparability_note, \
+    frechet_distance_to, inception_score, is_comparable, precision_recall
 from evaluate.stats import check_reference, compute_features, open_reference, reference_stats, save_stats, \
     source_meta, stats_from_features
 from shared.errors import ChoiceError, UserError
@@ -90,7 +90,7 @@ def evaluate_samples(o: EvalOptions, net=None, show: bool = True) -> dict:
     check_reference(reference, o.features, samples.size)
     check_image_size(o.features, samples.size)
     if o.features == "inception":
-        check_split_size(samples.count, o.is_split_size)
+        check_split_size(o.is_split_size)  # fewer samples than one split: IS computed, marked not comparable
     rank, world, device = process_info(o.cpu)
     start = time.time()
     if net is None:
@@ -103,6 +103,7 @@ def evaluate_samples(o: EvalOptions, net=None, show: bool = True) -> dict:
               "num_samples": samples.count, "image_size": list(samples.size), "samples": str(o.samples),
               "ref": reference.label, "ref_count": ref_stats.meta.get("count"), "features": net.identity(),
               "pr_k": PR_NEIGHBOURS, "is_split_size": o.is_split_size if "logits" in feats else None,
+              "is_comparable": is_comparable(samples.count, o.is_split_size) if "logits" in feats else None,
               "seconds": round(time.time() - start, 2)}
     if rank == 0:
         if o.save_stats:
@@ -129,5 +130,8 @@ def format_table(record: dict) -> str:
             ("reference", record["ref"] + (f" ({record['ref_count']} images)" if record["ref_count"] else "")),
             ("features", record["features"]["name"])]
     rows += [(name, _fmt(record[name])) for name in METRICS]
+    if record.get("is_comparable") is False and record["inception_score"] is not None:
+        note = comparability_note(record["num_samples"], record["is_split_size"])
+        rows = [(n, f"{v}  ({note})" if n == "inception_score" else v) for n, v in rows]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
