@@ -43,9 +43,9 @@ class TrainConfig:
     results_dir: str
     model: str = "DiT-XL/2"
     global_batch_size: int = 256
-    micro_batch_size: int | None = None
-    precision: str = "fp32"
-    grad_checkpoint: int = 0
+    micro_batch_size: int | str | None = "auto"  # "auto": train/autotune.py (None: the whole per-process batch)
+    precision: str = "auto"
+    grad_checkpoint: int | str = "auto"
     lr: float = 1e-4
     lr_schedule: str = "constant"
     warmup_steps: int = 0
@@ -82,6 +82,7 @@ class TrainConfig:
     grad_accum_steps: int = 1
     total_steps: int = 0
     data: dict = field(default_factory=dict)
+    autotune: dict = field(default_factory=dict)  # what each "auto" resolved to, and why (train/autotune.py)
 
     def to_dict(self) -> dict:
         """Plain JSON-serialisable dict (tuples become lists)."""
@@ -126,20 +127,34 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
                         "extracted at (default: take it from the latents)")
 
 
+def int_or_auto(text: str):
+    """argparse type: a whole number, or 'auto' (resolved for the device by train/autotune.py)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number or auto, got {text!r}") from None
+
+
 def _add_batch_flags(p: argparse.ArgumentParser) -> None:
     """Batch, precision and memory flags."""
     p.add_argument("--global-batch-size", type=int, default=256,
                    help="images per optimizer step over all processes (DiT: 256)")
-    p.add_argument("--micro-batch-size", type=int, default=None,
+    p.add_argument("--micro-batch-size", type=int_or_auto, default="auto",
                    help="images per forward pass per process; gradient accumulation = global batch / "
-                        "(micro batch x processes), which must divide exactly (default: no accumulation)")
-    p.add_argument("--precision", "--mixed-precision", dest="precision", default="fp32", choices=PRECISION_CHOICES,
-                   type=canonical_precision,
-                   help="fp32; fp16: autocast + dynamic loss scaling (fp32 master weights); bf16: autocast. The same "
-                        "names as python -m sample --precision (--mixed-precision and 'no' = fp32 still work)")
-    p.add_argument("--grad-checkpoint", type=int, nargs="?", const=1, default=0, metavar="K",
+                        "(micro batch x processes), which must divide exactly. auto (default): on a GPU the "
+                        "largest that fits its free memory (python -m train.plan's answer, confirmed by a real "
+                        "step); on the CPU the whole per-process batch")
+    p.add_argument("--precision", "--mixed-precision", dest="precision", default="auto",
+                   choices=("auto", *PRECISION_CHOICES), type=canonical_precision,
+                   help="auto (default): the accelerate config's mixed_precision if set, else bf16 on GPUs that "
+                        "have it, fp16 on older GPUs, fp32 on the CPU; fp32; fp16: autocast + dynamic loss scaling "
+                        "(fp32 master weights); bf16: autocast. The same names as python -m sample --precision "
+                        "(--mixed-precision and 'no' = fp32 still work)")
+    p.add_argument("--grad-checkpoint", type=int_or_auto, nargs="?", const=1, default="auto", metavar="K",
                    help="recompute every K-th transformer block in backward to save memory (bare flag: K=1, "
-                        "every block; 0 or absent: off)")
+                        "every block; 0: off). auto (default): on a GPU only as much as memory needs; off on the CPU")
     p.add_argument("--attention", default="auto", choices=ATTENTION_BACKENDS,
                    help="attention kernel (auto = torch SDPA; xformers needs CUDA and the xformers wheel)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (slow first steps, faster after)")
@@ -242,8 +257,9 @@ def _flag(name: str) -> str:
 
 def _check_ranges(cfg: TrainConfig) -> None:
     """UserError naming the one flag whose value lies outside its meaningful range."""
-    rules = [(getattr(cfg, n) is None or getattr(cfg, n) > 0, f"{_flag(n)} must be positive") for n in _POSITIVE]
-    rules += [(getattr(cfg, n) >= 0, f"{_flag(n)} must be >= 0") for n in _NON_NEGATIVE]
+    unset = (None, "auto")
+    rules = [(getattr(cfg, n) in unset or getattr(cfg, n) > 0, f"{_flag(n)} must be positive") for n in _POSITIVE]
+    rules += [(getattr(cfg, n) in unset or getattr(cfg, n) >= 0, f"{_flag(n)} must be >= 0") for n in _NON_NEGATIVE]
     rules += [
         (cfg.lr > 0 and math.isfinite(cfg.lr), "--lr must be a positive number"),
         (0 <= cfg.ema_decay <= 1, "--ema-decay must lie in [0, 1]"),
@@ -304,6 +320,14 @@ def _check_image_size(cfg: TrainConfig, dataset) -> None:
     cfg.image_size = dataset.image_size
 
 
+def check_config(cfg: TrainConfig, dataset) -> None:
+    """The checks that need only the flags and the latents (run before train/autotune.py's planning)."""
+    _check_ranges(cfg)
+    check_preset(cfg.model)
+    _check_image_size(cfg, dataset)
+    _check_model_fits(cfg, dataset.latent_shape)
+
+
 def resolve_config(cfg: TrainConfig, dataset, world_size: int) -> TrainConfig:
     """Fill the resolved fields from the latent index and the process count; UserError on any mismatch."""
     _check_ranges(cfg)
@@ -352,7 +376,8 @@ def resume_differences(saved: TrainConfig, current: TrainConfig) -> tuple[list[s
     data = _data_mismatch(saved.data, current.data)
     if data:
         refused.append(data)
-    skip = set(IDENTITY_FIELDS) | {"data", "results_dir", "resume", "dry_run", "debug", "latents", "image_size"}
+    skip = set(IDENTITY_FIELDS) | {"data", "results_dir", "resume", "dry_run", "debug", "latents", "image_size",
+                                   "autotune"}
     allowed = [f"{f.name}: {getattr(saved, f.name)!r} -> {getattr(current, f.name)!r}" for f in fields(TrainConfig)
                if f.name not in skip and _norm(getattr(saved, f.name)) != _norm(getattr(current, f.name))]
     return refused, allowed

@@ -26,6 +26,7 @@ PROG = "python -m train.plan"
 FLAGS = {"model preset": "--model", "precision": "--precision"}  # domain name -> flag
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adamw8bit": 2}  # AdamW: two fp32 moments; 8-bit: two 1-byte moments
 OPTIMIZER_LABELS = {"adamw": "AdamW, 2 fp32 moments", "adamw8bit": "8-bit AdamW, 2 bytes/param"}
+DEFAULT_MARGIN = "1.5GiB"  # CUDA context, cuBLAS workspace, allocator slack (also train/autotune.py's margin)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -257,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="checkpointing interval to recommend (every K-th block; bare flag = 1; 0 = off); "
                         "off, every block and every 2nd block are always tabulated")
     p.add_argument("--gpu-memory", type=size_arg, default="24GiB", help="GPU memory to plan for, e.g. 24GiB")
-    p.add_argument("--margin", type=size_arg, default="1.5GiB",
+    p.add_argument("--margin", type=size_arg, default=DEFAULT_MARGIN,
                    help="memory kept free for the CUDA context, cuBLAS workspace and allocator slack")
     p.add_argument("--global-batch-size", type=int, default=256, help="images per optimizer step, all processes")
     p.add_argument("--num-processes", type=int, default=1, help="data-parallel processes sharing the global batch")
