@@ -30,6 +30,7 @@ from train.callbacks import Callback, CallbackList
 from train.autotune import describe as describe_auto, resolve_auto_for
 from train.config import DEBUG_STEPS, TrainConfig, check_config, check_resume, resolve_config
 from train.data import make_loader
+from train.latents import open_latents
 from train.launcher import check_strategy, resolve_precision_with_launcher
 from train.logger import RunLogger
 from train.preview import sample_preview, save_preview
@@ -105,7 +106,7 @@ def resume_source(cfg: TrainConfig) -> tuple[Path | None, list[str]]:
 
 def prepare_config(cfg: TrainConfig, accelerator) -> tuple[TrainConfig, LatentDataset, Path | None, list[str]]:
     """Open the latents, resolve 'auto' and check the config, find the resume source: before the run's model."""
-    dataset = LatentDataset(cfg.latents)  # UserError for missing or half-written folders
+    dataset = open_latents(cfg.latents, accelerator)  # URL -> local cache; verified once per node
     check_config(cfg, dataset)
     resolve_auto_for(cfg, model_config_for(cfg, dataset), accelerator)  # train/autotune.py
     resolve_config(cfg, dataset, accelerator.num_processes)
@@ -163,7 +164,24 @@ def check_finite_state(saved: dict, source: Path) -> None:
 
 
 def restore(run: Run, source: Path) -> None:
-    """Load weights, EMA, optimizer, scaler, this rank's RNG, the step and the data position."""
+    """Resume from `source`; the processes of one machine take turns, so one node holds one CPU copy at a time.
+
+    Why: every process reads the whole state (weights, EMA, optimizer: ~11 GB for XL/2) into CPU memory
+    before moving it to its device; eight at once is ~90 GB of host memory on one node.
+    """
+    acc = run.accelerator
+    if acc.num_processes == 1:
+        return _restore_from(run, source)
+    local = torch.tensor([acc.local_process_index], device=run.device)
+    turns = int(acc.gather(local).max()) + 1  # the largest node's process count (nodes may differ)
+    for turn in range(turns):
+        if acc.local_process_index == turn:
+            _restore_from(run, source)
+        acc.wait_for_everyone()
+
+
+def _restore_from(run: Run, source: Path) -> None:
+    """Load weights, EMA, optimizer, scaler, this rank's RNG, the step and the data position (CPU copy freed)."""
     learner = run.learner
     saved = ckpt_io.load_checkpoint(source, run.accelerator.process_index)
     check_finite_state(saved, source)
