@@ -104,7 +104,7 @@ def check_run(o: RunEvalOptions) -> list[Path]:
     if o.batch_size < 1:
         raise UserError(f"--batch-size must be at least 1; got {o.batch_size}.")
     if o.features == "inception":
-        check_split_size(o.num_samples, o.is_split_size)
+        check_split_size(o.is_split_size)
     size = export_image_size(exports[-1])
     if size is not None:
         check_image_size(o.features, (size, size))  # e.g. digits features on a 256x256 run: before any sampling

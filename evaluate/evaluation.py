@@ -13,8 +13,8 @@ from pathlib import Path
 
 from evaluate.features import FEATURE_NETWORKS, check_image_size
 from evaluate.images import open_npz_images
-from evaluate.metrics import IS_SPLIT_SIZE, PR_NEIGHBOURS, check_split_size, frechet_distance_to, inception_score, \
-    precision_recall
+from evaluate.metrics import IS_SPLIT_SIZE, PR_NEIGHBOURS, check_split_size, comparability_note, \
+    frechet_distance_to, inception_score, is_comparable, precision_recall
 from evaluate.stats import check_reference, compute_features, open_reference, reference_stats, save_stats, \
     source_meta, stats_from_features
 from shared.cli import Flag, option
@@ -32,7 +32,8 @@ REF = Flag("reference: an ADM reference batch (arr_0 and/or mu, sigma, mu_s, sig
            "digits: the real digits; required otherwise", None)
 FEATURES = Flag("feature network: inception (the FID network, 299x299) or digits (the demo's yardstick, 32x32 digits "
                 "only)", "inception", choices=FEATURE_NETWORKS)
-IS_SPLIT = Flag("samples per Inception Score split (ADM's; smaller values give IS not comparable to published ones)",
+IS_SPLIT = Flag("samples per Inception Score split (ADM's; other values, or fewer samples than one split, give an IS "
+                "marked not comparable to published ones)",
                 IS_SPLIT_SIZE)
 INCEPTION_WEIGHTS = Flag("pytorch-fid's FID Inception state dict (default: the torch hub checkpoints folder)", None,
                          metavar="FILE")
@@ -107,7 +108,7 @@ def evaluate_samples(o: EvalOptions, net=None, show: bool = True) -> dict:
     check_reference(reference, o.features, samples.size)
     check_image_size(o.features, samples.size)
     if o.features == "inception":
-        check_split_size(samples.count, o.is_split_size)
+        check_split_size(o.is_split_size)  # fewer samples than one split: IS computed, marked not comparable
     rank, world, device = process_info(o.cpu)
     start = time.time()
     if net is None:
@@ -120,6 +121,7 @@ def evaluate_samples(o: EvalOptions, net=None, show: bool = True) -> dict:
               "num_samples": samples.count, "image_size": list(samples.size), "samples": str(o.samples),
               "ref": reference.label, "ref_count": ref_stats.meta.get("count"), "features": net.identity(),
               "pr_k": PR_NEIGHBOURS, "is_split_size": o.is_split_size if "logits" in feats else None,
+              "is_comparable": is_comparable(samples.count, o.is_split_size) if "logits" in feats else None,
               "seconds": round(time.time() - start, 2)}
     if rank == 0:
         if o.save_stats:
@@ -146,5 +148,8 @@ def format_table(record: dict) -> str:
             ("reference", record["ref"] + (f" ({record['ref_count']} images)" if record["ref_count"] else "")),
             ("features", record["features"]["name"])]
     rows += [(name, _fmt(record[name])) for name in METRICS]
+    if record.get("is_comparable") is False and record["inception_score"] is not None:
+        note = comparability_note(record["num_samples"], record["is_split_size"])
+        rows = [(n, f"{v}  ({note})" if n == "inception_score" else v) for n, v in rows]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)

@@ -113,24 +113,38 @@ def softmax(logits: np.ndarray) -> np.ndarray:
     return z / z.sum(axis=1, keepdims=True)
 
 
-def check_split_size(count: int, split_size: int = IS_SPLIT_SIZE) -> None:
-    """UserError when `count` samples do not fill one IS split (the score would use a smaller split than asked)."""
+def check_split_size(split_size: int = IS_SPLIT_SIZE) -> None:
+    """UserError for a split size below 1."""
     if split_size < 1:
         raise UserError(f"the Inception Score split size must be at least 1; got {split_size}.")
+
+
+def is_comparable(count: int, split_size: int = IS_SPLIT_SIZE) -> bool:
+    """Whether an IS over `count` samples in splits of `split_size` compares with published ones.
+
+    ADM and DiT score consecutive splits of 5,000, so a published IS has at least one full split of 5,000;
+    fewer samples (one short split) or another split size give a number of another scale.
+    """
+    return split_size == IS_SPLIT_SIZE and count >= split_size
+
+
+def comparability_note(count: int, split_size: int) -> str:
+    """Why an IS is not comparable, for the table (empty when it is)."""
+    if is_comparable(count, split_size):
+        return ""
     if count < split_size:
-        raise UserError(
-            f"{count} samples are fewer than one Inception Score split of {split_size} (ADM and DiT score IS over "
-            f"consecutive splits of 5,000 samples, so published IS need at least 5,000). Evaluate at least "
-            f"{split_size} samples, or pass --is-split-size {count} or less (an IS not comparable to published ones).")
+        return f"not comparable: {count} samples, fewer than one split of {split_size}; published IS use 5,000+"
+    return f"not comparable: splits of {split_size}; published IS use splits of {IS_SPLIT_SIZE}"
 
 
 def inception_score(logits: np.ndarray, split_size: int = IS_SPLIT_SIZE) -> float:
     """exp(E_x KL(p(y|x) || p(y))) averaged over consecutive splits of `split_size` rows of logits (N, K).
 
-    As ADM: splits are chunks of split_size in order; a shorter last chunk counts as one split.
+    As ADM: splits are chunks of split_size in order; a shorter last chunk counts as one split (so fewer
+    samples than split_size are one split: see is_comparable).
     """
     probs = softmax(logits)
-    check_split_size(len(probs), split_size)
+    check_split_size(split_size)
     scores = []
     for start in range(0, len(probs), split_size):
         part = probs[start:start + split_size]  # (n, K)

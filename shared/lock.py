@@ -7,10 +7,22 @@ locked simply means "free". The file also records who holds it (PID, host, comma
 second launch to name the holder. flock works on local disks and on NFSv4 (Linux maps it to a byte-range
 lock there).
 
-    FOLDER/.lock    {"pid": 1234, "host": "...", "command": "python -m train ...", "since": "..."}
+Forked children: flock belongs to the open file *description*, which fork() shares, so a DataLoader worker
+would keep the lock alive for seconds after its trainer was SIGKILLed (issue 21: workers notice the dead
+parent only at their next 5 s watchdog poll). Every forked child therefore closes its copy of the
+descriptor first thing (os.register_at_fork); closing a copy never releases the parent's lock.
+
+File systems without flock (some NFS mounts without a lock manager, Lustre without `-o flock`) answer
+ENOLCK / ENOSYS / EOPNOTSUPP. There the lock falls back to a file created exclusively (O_EXCL, atomic on
+NFSv3+ and Lustre): FOLDER/.lock.owner. Such a file outlives a SIGKILL, so a launch on the same host takes
+it over when its PID is no longer running; from another host it names the file to delete.
+
+    FOLDER/.lock         {"pid": 1234, "host": "...", "command": "python -m train ...", "since": "..."}
+    FOLDER/.lock.owner   the same record, only on file systems without flock
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -21,6 +33,9 @@ from pathlib import Path
 from shared.errors import SettingError
 
 LOCK_NAME = ".lock"
+OWNER_NAME = ".lock.owner"  # the exclusive-create fallback where the file system has no flock
+# errno values meaning "this file system cannot lock", as opposed to "someone else holds the lock"
+NO_LOCKING = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}
 
 try:  # POSIX (Linux, macOS)
     import fcntl
@@ -33,16 +48,45 @@ class FolderBusyError(SettingError):
     """Another live process holds the folder's lock."""
 
 
+class NoLockingError(OSError):
+    """The folder's file system does not support flock."""
+
+
+def _os_lock(fd: int) -> None:
+    """The OS call: an exclusive, non-blocking lock on the open file (the seam tests simulate errors at)."""
+    if fcntl is not None:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    else:
+        msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+
+
 def _try_lock(fd: int) -> bool:
-    """Take the exclusive lock without waiting; False if another process holds it."""
+    """Take the exclusive lock without waiting; False if another process holds it.
+
+    Raises NoLockingError where the file system cannot lock at all (any other OSError means "held").
+    """
     try:
-        if fcntl is not None:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        else:
-            msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
-    except OSError:
+        _os_lock(fd)
+    except OSError as err:
+        if err.errno in NO_LOCKING:
+            raise NoLockingError(err.errno, os.strerror(err.errno)) from err
         return False
     return True
+
+
+# Locks held by this process, closed in every forked child (see the module docstring).
+_HELD: dict[int, "FolderLock"] = {}
+
+
+def _forget_in_child() -> None:
+    """In a freshly forked child: close the inherited lock descriptors; the child holds no lock."""
+    for lock in list(_HELD.values()):
+        lock._disown()
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX; Windows has no fork
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _holder(path: Path) -> dict:
@@ -53,8 +97,8 @@ def _holder(path: Path) -> dict:
         return {}
 
 
-def _busy(folder: Path, kind: str, holder: dict) -> FolderBusyError:
-    """The one-paragraph refusal naming the holder."""
+def _busy(folder: Path, kind: str, holder: dict, owner_file: Path | None = None) -> FolderBusyError:
+    """The one-paragraph refusal naming the holder (and the file to delete for the no-flock fallback)."""
     pid = holder.get("pid", "unknown")
     where = f" on {holder['host']}" if holder.get("host") and holder["host"] != socket.gethostname() else ""
     command = holder.get("command", "")
@@ -63,38 +107,69 @@ def _busy(folder: Path, kind: str, holder: dict) -> FolderBusyError:
     return FolderBusyError(
         f"{{{kind}}} {folder} is in use by another process: PID {pid}{where}{what}. Two processes writing one "
         f"folder would overwrite each other's files. Wait for it to finish, stop it (kill {pid}), or pass a "
-        f"different {{{kind}}}. The lock is released automatically when that process exits, even if it is "
-        f"killed."
+        + (f"different {{{kind}}}. The lock is released automatically when that process exits, even if it is "
+           f"killed." if owner_file is None else
+           f"different {{{kind}}}. This file system does not support flock, so the lock is the file {owner_file}: "
+           f"if that process is no longer running (a kill leaves the file behind), delete the file and rerun.")
     )
 
 
 class FolderLock:
-    """An exclusive lock on FOLDER/.lock, held until release() or the end of the process."""
+    """An exclusive lock on FOLDER/.lock (or FOLDER/.lock.owner without flock), held until release() or exit."""
 
     def __init__(self, folder: Path, kind: str):
         self.folder, self.path = Path(folder), Path(folder) / LOCK_NAME
+        self.kind, self.owner_file = kind, None  # owner_file: set when the no-flock fallback is in use
         self.created = not self.folder.exists()  # a folder this lock made is removed again if left empty
         self.folder.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        if not _try_lock(self._fd):
-            os.close(self._fd)
-            self._fd = None
-            raise _busy(self.folder, kind, _holder(self.path))
-        self._write_holder()
+        try:
+            locked = _try_lock(self._fd)
+        except NoLockingError:
+            self._take_owner_file()
+        else:
+            if not locked:
+                os.close(self._fd)
+                self._fd = None
+                raise _busy(self.folder, kind, _holder(self.path))
+            _write_holder(self._fd)
+        _HELD[id(self)] = self
 
-    def _write_holder(self) -> None:
-        """Record this process as the holder (in place: the lock belongs to this open file)."""
-        command = " ".join(getattr(sys, "orig_argv", sys.argv))  # orig_argv (3.10+): as typed, with -m
-        info = {"pid": os.getpid(), "host": socket.gethostname(), "command": command,
-                "since": time.strftime("%Y-%m-%d %H:%M:%S")}
-        data = (json.dumps(info) + "\n").encode("utf-8")
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, data, 0) if hasattr(os, "pwrite") else os.write(self._fd, data)
+    def _take_owner_file(self) -> None:
+        """The no-flock fallback: create FOLDER/.lock.owner exclusively; take over one left by a dead local PID."""
+        os.close(self._fd)  # the unlockable .lock is not used
+        owner = self.folder / OWNER_NAME
+        for _ in range(2):
+            try:
+                self._fd = os.open(owner, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                holder = _holder(owner)
+                if not _stale(holder):
+                    self._fd = None
+                    raise _busy(self.folder, self.kind, holder, owner_file=owner) from None
+                owner.unlink(missing_ok=True)  # its process is gone (a kill): take the folder over
+                continue
+            self.owner_file = owner
+            _write_holder(self._fd)
+            print(f"note: the file system of {self.folder} does not support flock; the lock is the file {owner}, "
+                  "which a killed run leaves behind (a later launch on this host removes it).", file=sys.stderr)
+            return
+        self._fd = None
+        raise _busy(self.folder, self.kind, _holder(owner), owner_file=owner)
 
     @property
     def held(self) -> bool:
         """True until release()."""
         return self._fd is not None
+
+    def _disown(self) -> None:
+        """Forget the lock without releasing it (a forked child's inherited copy; the parent still holds it)."""
+        if self._fd is not None:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = None
 
     def release(self) -> None:
         """Drop the lock (the file stays: an unlocked lock file means free).
@@ -103,6 +178,9 @@ class FolderLock:
         for a bad flag leaves no trace of itself.
         """
         if self._fd is not None:
+            _HELD.pop(id(self), None)
+            if self.owner_file is not None:
+                self.owner_file.unlink(missing_ok=True)  # the fallback's lock is the file's existence
             self._remove_if_untouched()
             os.close(self._fd)  # closing the last descriptor releases flock
             self._fd = None
@@ -121,6 +199,29 @@ class FolderLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def _write_holder(fd: int) -> None:
+    """Record this process as the holder (in place: the lock belongs to this open file)."""
+    command = " ".join(getattr(sys, "orig_argv", sys.argv))  # orig_argv (3.10+): as typed, with -m
+    info = {"pid": os.getpid(), "host": socket.gethostname(), "command": command,
+            "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+    data = (json.dumps(info) + "\n").encode("utf-8")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, data, 0) if hasattr(os, "pwrite") else os.write(fd, data)
+
+
+def _stale(holder: dict) -> bool:
+    """Whether a fallback owner file was left by a process of this host that no longer runs."""
+    if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
+        return False  # another host's process cannot be checked from here; an unreadable file is not ours
+    try:
+        os.kill(holder["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False  # it exists, owned by another user
+    return False
 
 
 def hold_lock(folder, kind: str) -> FolderLock:

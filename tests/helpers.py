@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from shared.models import DiT, DiT_models, ModelConfig
 from shared.shards import ShardWriter, shard_name, write_index
@@ -48,6 +49,19 @@ def run_sample(argv, capsys=None) -> tuple[int, str]:
 
 CLASSES = 4
 LAUNCHER = [sys.executable, str(ROOT / "tests" / "train_launcher.py")]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(ROOT / "tests" / "train_launcher.py")]
+CPU_DIST = {"ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+
+
+def final_tensors(run: Path) -> dict:
+    """Model, EMA and optimizer tensors of a run's newest checkpoint."""
+    ckpt = run / "checkpoints" / checkpoints(run)[-1]
+    out = {f"model.{k}": v for k, v in load_file(ckpt / "model.safetensors").items()}
+    out.update({f"ema.{k}": v for k, v in load_file(ckpt / "ema.safetensors").items()})
+    optim = torch.load(ckpt / "optimizer.pt", weights_only=True)
+    for pid, state in optim["state"].items():
+        out.update({f"opt.{pid}.{k}": v for k, v in state.items()})
+    return out
 
 
 def make_latents(root: Path, n=32, shape=(4, 4, 4), flips=2, per_shard=20, scaling_factor=0.5, image_size=8,

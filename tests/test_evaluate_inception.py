@@ -195,11 +195,29 @@ def test_cli_end_to_end_on_a_random_weight_network(weights_file, tmp_path, capsy
     assert len((tmp_path / "samples.eval.jsonl").read_text().splitlines()) == 1  # --no-save appended nothing
 
 
+def test_fewer_samples_than_one_is_split_compute_everything_and_mark_is(weights_file, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    samples = write_images(tmp_path / "samples.npz", 5, seed=1)
+    ref = write_images(tmp_path / "ref.npz", 6, seed=2)
+    code, out, err = run_main(main, [samples, "--ref", ref, "--inception-weights", weights_file, "--no-save"], capsys)
+    assert code == 0, err
+    record = json.loads(out.strip().splitlines()[-1])
+    assert all(math.isfinite(record[k]) for k in ("fid", "sfid", "inception_score", "precision", "recall"))
+    assert record["is_comparable"] is False and record["is_split_size"] == 5000
+    table = out.strip().splitlines()[:-1]
+    assert any(line.startswith("inception_score") and "not comparable: 5 samples, fewer than one split of 5000"
+               in line for line in table), table
+    # One short split is the whole set: the same IS as a split of exactly 5.
+    code, out, _ = run_main(main, [samples, "--ref", ref, "--inception-weights", weights_file, "--no-save",
+                            "--is-split-size", 5], capsys)
+    assert json.loads(out.strip().splitlines()[-1])["inception_score"] == pytest.approx(record["inception_score"])
+
+
 @pytest.mark.parametrize("case, needle", [
     ("no_arr_0", "holds no `arr_0` array (it has: images"),
     ("float", "`arr_0` is float32"),
     ("gray", "with shape (4, 32, 32)"),
-    ("few", "4 samples are fewer than one Inception Score split of 5000"),
+    ("split_zero", "the Inception Score split size must be at least 1; got 0"),
     ("other_resolution", "describes 64x64 images but the samples are 32x32"),
     ("other_network", "is not the FID Inception state dict"),
 ])
@@ -214,9 +232,9 @@ def test_cli_mistakes_are_one_paragraph_and_leave_nothing(case, needle, tmp_path
         write_images(samples, 4, dtype=np.float32)
     elif case == "gray":
         np.savez(samples, arr_0=np.zeros((4, 32, 32), np.uint8))
-    elif case == "few":
+    elif case == "split_zero":
         write_images(samples, 4)
-        extra = []
+        extra = ["--is-split-size", 0]
     elif case == "other_resolution":
         write_images(samples, 4)
         ref = write_images(tmp_path / "ref64.npz", 4, size=64)

@@ -6,7 +6,7 @@ import pytest
 import scipy.linalg
 
 from evaluate.metrics import _psd_sqrt, _sum_sqrt_eigvals, frechet_distance, frechet_distance_of, frechet_distance_to, \
-    inception_score, manifold_radii, mean_cov, precision_recall, trace_sqrt_product
+    comparability_note, inception_score, is_comparable, manifold_radii, mean_cov, precision_recall, trace_sqrt_product
 from evaluate.stats import Stats, is_stats_file, load_stats, save_stats
 from shared.errors import UserError
 
@@ -78,9 +78,14 @@ def test_inception_score_of_constructed_logits():
     assert inception_score(onehot_logits(classes), split_size=40) == pytest.approx(3.0, rel=1e-6)
 
 
-def test_inception_score_refuses_fewer_samples_than_one_split():
-    with pytest.raises(UserError, match="fewer than one Inception Score split of 5000.*--is-split-size 30"):
-        inception_score(np.zeros((30, 1008)))
+def test_fewer_samples_than_one_split_score_one_split_marked_not_comparable():
+    logits = onehot_logits(np.arange(30) % 3)
+    assert inception_score(logits) == pytest.approx(3.0, rel=1e-6) == inception_score(logits, split_size=30)
+    assert not is_comparable(30) and not is_comparable(10000, split_size=1000) and is_comparable(5000)
+    assert "30 samples, fewer than one split of 5000" in comparability_note(30, 5000)
+    assert comparability_note(5000, 5000) == ""
+    with pytest.raises(UserError, match="split size must be at least 1; got 0"):
+        inception_score(logits, split_size=0)
 
 
 def brute_force_pr(real, fake, k=3):

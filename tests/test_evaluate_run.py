@@ -74,8 +74,9 @@ def test_run_mistakes_are_refused_before_sampling(tmp_path, capsys):
     run = tmp_path / "run"
     rundir.export_path(run, 100).parent.mkdir(parents=True)
     rundir.export_path(run, 100).write_bytes(b"not read")  # refused before the export is opened
-    code, _, err = run_main(main, ["run", run, "--num-samples", 100, "--ref", tmp_path / "ref.npz"], capsys)
-    assert code == 2 and "100 samples are fewer than one Inception Score split of 5000" in err
+    code, _, err = run_main(main, ["run", run, "--num-samples", 100, "--ref", tmp_path / "ref.npz", "--is-split-size", 0],
+                            capsys)
+    assert code == 2 and "the Inception Score split size must be at least 1; got 0" in err
     config = ModelConfig("DiT-T/2", input_size=8, in_channels=4, num_classes=10)
     save_weights(rundir.export_path(run, 100), config.build().state_dict(), config, {"image_size": 64}, 100)
     code, _, err = run_main(main, ["run", run, *FLAGS], capsys)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shared.errors import SettingError
-from shared.flow import FlowPath, draw_time, flow_grid, shift_time
+from shared.flow import draw_time, flow_grid, shift_time
 from shared.guidance import guided_model_fn
 from shared.models import ModelConfig
 from shared.objectives import DDPMObjective, FlowObjective, make_objective, objective_of, run_sampler

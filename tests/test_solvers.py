@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from shared.diffusion import NUM_TIMESTEPS, create_diffusion, kept_timesteps, space_timesteps
+from shared.diffusion import NUM_TIMESTEPS, kept_timesteps, space_timesteps
 from shared.errors import SettingError, UserError
 from shared.objectives import DDPMObjective
 from shared.samplers import SAMPLERS, sampler_options

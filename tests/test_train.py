@@ -1,7 +1,6 @@
 """The train stage end to end on tiny synthetic shards: loss, resume, precision, accumulation, processes, errors."""
 import json
 import random
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,21 +13,10 @@ from train.config import DEBUG_STEPS, TrainConfig, build_parser, grad_accum_step
 from train.checkpoint import capture_rng, restore_rng
 from train.loop import weights_finite
 from train.step import lr_at
-from tests.helpers import (LAUNCHER, checkpoints, cli, expect_user_error, finish, make_latents, metrics, run_inprocess,
-                           trace, train_args, wait_for)
+from tests.helpers import (CPU_DIST, LAUNCHER, TORCHRUN, checkpoints, cli, expect_user_error, final_tensors, finish,
+                           make_latents, metrics, run_inprocess, trace, train_args, wait_for)
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def final_tensors(run: Path) -> dict:
-    """Model, EMA and optimizer tensors of a run's newest checkpoint."""
-    ckpt = run / "checkpoints" / checkpoints(run)[-1]
-    out = {f"model.{k}": v for k, v in load_file(ckpt / "model.safetensors").items()}
-    out.update({f"ema.{k}": v for k, v in load_file(ckpt / "ema.safetensors").items()})
-    optim = torch.load(ckpt / "optimizer.pt", weights_only=True)
-    for pid, state in optim["state"].items():
-        out.update({f"opt.{pid}.{k}": v for k, v in state.items()})
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -245,8 +233,6 @@ def test_resume_refuses_other_experiment(latents, tmp_path, capsys):
 # Real processes: kill-and-resume, two processes, no diffusers
 # ---------------------------------------------------------------------------------------------------------
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(ROOT / "tests" / "train_launcher.py")]
-CPU_DIST = {"ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
 KILL_FLAGS = ["--max-steps", "6", "--ckpt-every", "2", "--keep-last", "1", "--num-workers", "1"]
 
 

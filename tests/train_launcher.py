@@ -12,6 +12,9 @@ pause points, wraps one product function) according to environment variables:
                        export:S      after checkpoint S is published, before its EMA export is written
                        prune:S       in the middle of deleting an old checkpoint at step S (renamed, not gone)
   PERTURB_RANK=R       after the first step, rank R nudges one weight (the cross-rank check must catch it)
+
+The trace also lists the shard files this process sha256-hashed, and when it read a checkpoint for resume
+(monotonic start and end: processes of one machine must take turns).
 """
 import hashlib
 import json
@@ -24,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from shared import shards  # noqa: E402
 from train import checkpoint as ckpt_io  # noqa: E402
 from train import loop  # noqa: E402
 from train.__main__ import main  # noqa: E402
@@ -36,6 +40,27 @@ def pause(where: str) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "paused").write_text(where)
     time.sleep(3600)
+
+
+HASHED, LOADS = [], []  # shard names this process hashed; (start, end) of each checkpoint read
+
+
+def _record_io() -> None:
+    """Wrap the shard hasher and the checkpoint reader to note what this process did and when."""
+    real_hash, real_load = shards._hash_files, ckpt_io.load_checkpoint
+
+    def hash_files(root, entries, progress):
+        HASHED.extend(e["name"] for e in entries)
+        return real_hash(root, entries, progress)
+
+    def load_checkpoint(ckpt, rank):
+        start = time.monotonic()
+        try:
+            return real_load(ckpt, rank)
+        finally:
+            LOADS.append((start, time.monotonic()))
+
+    shards._hash_files, ckpt_io.load_checkpoint = hash_files, load_checkpoint
 
 
 class Trace(Callback):
@@ -87,7 +112,8 @@ class Trace(Callback):
         record = {"rank": rank, "world_size": run.accelerator.num_processes, "step": run.step,
                   "positions": self.positions, "allreduce_calls": self.allreduce_calls,
                   "weights_sha256": digest.hexdigest(),
-                  "diffusers_imported": self.diffusers_seen or "diffusers" in sys.modules}
+                  "diffusers_imported": self.diffusers_seen or "diffusers" in sys.modules,
+                  "hashed": HASHED, "checkpoint_loads": LOADS}
         folder = Path(os.environ["TRACE_DIR"])
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"rank-{rank}.json").write_text(json.dumps(record))
@@ -138,6 +164,8 @@ def install_pause(kind: str, step: int, callbacks: list) -> None:
 def launch(argv) -> int:
     """Register the callbacks asked for by the environment and run python -m train."""
     callbacks = [Trace()] if os.environ.get("TRACE_DIR") else []
+    if callbacks:
+        _record_io()
     if os.environ.get("PAUSE_AT"):
         kind, step = os.environ["PAUSE_AT"].split(":")
         install_pause(kind, int(step), callbacks)

@@ -38,6 +38,16 @@ DATA_FIELDS = ("num_samples", "latent_shape", "flips", "num_classes", "image_siz
                "index_sha256")
 
 
+def int_or_auto(text: str):
+    """argparse type: a whole number, or 'auto' (resolved for the device by train/autotune.py)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number or auto, got {text!r}") from None
+
+
 @dataclass
 class TrainConfig:
     """All settings of one training run: each flag's default and help (shared.cli.option), then resolved values."""
@@ -74,16 +84,21 @@ class TrainConfig:
         None, "normalise queries and keys per head before attention (RMSNorm with --norm rmsnorm, else LayerNorm); "
               "steadies fp16/bf16 training (default: the --block's)", action=argparse.BooleanOptionalAction)
     global_batch_size: int = option(256, "images per optimizer step over all processes (DiT: 256)")
-    micro_batch_size: int | None = option(
-        None, "images per forward pass per process; gradient accumulation = global batch / (micro batch x "
-              "processes), which must divide exactly (default: no accumulation)")
+    micro_batch_size: int | str | None = option(  # "auto": train/autotune.py (None: the whole per-process batch)
+        "auto", "images per forward pass per process; gradient accumulation = global batch / (micro batch x "
+                "processes), which must divide exactly. auto (default): on a GPU the largest that fits its free "
+                "memory (python -m train.plan's answer, confirmed by a real step); on the CPU the whole per-process "
+                "batch", type=int_or_auto)
     precision: str = option(
-        "fp32", "fp32; fp16: autocast + dynamic loss scaling (fp32 master weights); bf16: autocast. The same names "
-                "as python -m sample --precision (--mixed-precision and 'no' = fp32 still work)",
-        aliases=("--mixed-precision",), choices=PRECISION_CHOICES, type=canonical_precision)
-    grad_checkpoint: int = option(
-        0, "recompute every K-th transformer block in backward to save memory (bare flag: K=1, every block; 0 or "
-           "absent: off)", nargs="?", const=1, metavar="K")
+        "auto", "auto (default): the accelerate config's mixed_precision if set, else bf16 on GPUs that have it, fp16 "
+                "on older GPUs, fp32 on the CPU; fp32; fp16: autocast + dynamic loss scaling (fp32 master weights); "
+                "bf16: autocast. The same names as python -m sample --precision (--mixed-precision and 'no' = fp32 "
+                "still work)", aliases=("--mixed-precision",), choices=("auto", *PRECISION_CHOICES),
+        type=canonical_precision)
+    grad_checkpoint: int | str = option(
+        "auto", "recompute every K-th transformer block in backward to save memory (bare flag: K=1, every block; 0: "
+                "off). auto (default): on a GPU only as much as memory needs; off on the CPU", nargs="?", const=1,
+        metavar="K", type=int_or_auto)
     lr: float = option(1e-4, "peak learning rate (DiT: 1e-4)")
     lr_schedule: str = option("constant", "constant (DiT) or cosine decay to 0 at the last step, after the warmup",
                               choices=LR_SCHEDULES)
@@ -145,6 +160,7 @@ class TrainConfig:
     grad_accum_steps: int = 1
     total_steps: int = 0
     data: dict = field(default_factory=dict)
+    autotune: dict = field(default_factory=dict)  # what each "auto" resolved to, and why (train/autotune.py)
 
     def to_dict(self) -> dict:
         """Plain JSON-serialisable dict (tuples become lists)."""
@@ -216,8 +232,9 @@ _NON_NEGATIVE = ("cos_weight", "grad_checkpoint", "keep_last", "keep_exports", "
 
 def _check_ranges(cfg: TrainConfig) -> None:
     """UserError naming the one flag whose value lies outside its meaningful range."""
-    rules = [(getattr(cfg, n) is None or getattr(cfg, n) > 0, f"{flag_name(n)} must be positive") for n in _POSITIVE]
-    rules += [(getattr(cfg, n) >= 0, f"{flag_name(n)} must be >= 0") for n in _NON_NEGATIVE]
+    unset = (None, "auto")  # resolved later (train/autotune.py), nothing to check yet
+    rules = [(getattr(cfg, n) in unset or getattr(cfg, n) > 0, f"{flag_name(n)} must be positive") for n in _POSITIVE]
+    rules += [(getattr(cfg, n) in unset or getattr(cfg, n) >= 0, f"{flag_name(n)} must be >= 0") for n in _NON_NEGATIVE]
     rules += [
         (cfg.lr > 0 and math.isfinite(cfg.lr), "--lr must be a positive number"),
         (0 <= cfg.ema_decay <= 1, "--ema-decay must lie in [0, 1]"),
@@ -278,13 +295,19 @@ def _check_image_size(cfg: TrainConfig, dataset) -> None:
     cfg.image_size = dataset.image_size
 
 
-def resolve_config(cfg: TrainConfig, dataset, world_size: int) -> TrainConfig:
-    """Fill the resolved fields from the latent index and the process count; UserError on any mismatch."""
+def check_config(cfg: TrainConfig, dataset) -> None:
+    """The checks that need only the flags and the latents (run before train/autotune.py's planning)."""
     _check_ranges(cfg)
     check_preset(cfg.model)
     resolve_block(cfg)
+    _check_objective(cfg)
     _check_image_size(cfg, dataset)
     _check_model_fits(cfg, dataset.latent_shape)
+
+
+def resolve_config(cfg: TrainConfig, dataset, world_size: int) -> TrainConfig:
+    """Fill the resolved fields from the latent index and the process count; UserError on any mismatch."""
+    check_config(cfg, dataset)
     cfg.world_size = world_size
     cfg.micro_batch_size, cfg.grad_accum_steps = grad_accum_steps(
         cfg.global_batch_size, cfg.micro_batch_size, cfg.world_size)
@@ -294,7 +317,6 @@ def resolve_config(cfg: TrainConfig, dataset, world_size: int) -> TrainConfig:
     else:
         cfg.total_steps = cfg.max_steps or DEFAULT_MAX_STEPS
     _resolve_preview_guidance(cfg)
-    _check_objective(cfg)
     return cfg
 
 

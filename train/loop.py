@@ -28,8 +28,11 @@ from shared.precision import set_tf32
 from shared.shards import LatentDataset
 from train import checkpoint as ckpt_io
 from train.callbacks import Callback, CallbackList
-from train.config import DEBUG_STEPS, TrainConfig, check_resume, resolve_config
+from train.autotune import describe as describe_auto, resolve_auto_for
+from train.config import DEBUG_STEPS, TrainConfig, check_config, check_resume, resolve_config
 from train.data import make_loader
+from train.latents import open_latents
+from train.launcher import check_strategy, resolve_precision_with_launcher
 from train.logger import RunLogger
 from train.preview import sample_preview, save_preview
 from train.step import Learner, import_bitsandbytes, lr_at, make_learner, train_step
@@ -102,10 +105,12 @@ def resume_source(cfg: TrainConfig) -> tuple[Path | None, list[str]]:
     return source, check_resume(saved, cfg, source)
 
 
-def prepare_config(cfg: TrainConfig, world_size: int) -> tuple[TrainConfig, LatentDataset, Path | None, list[str]]:
-    """Open the latents, resolve and check the config, find the resume source: all before allocation."""
-    dataset = LatentDataset(cfg.latents)  # UserError for missing or half-written folders
-    resolve_config(cfg, dataset, world_size)
+def prepare_config(cfg: TrainConfig, accelerator) -> tuple[TrainConfig, LatentDataset, Path | None, list[str]]:
+    """Open the latents, resolve 'auto' and check the config, find the resume source: before the run's model."""
+    dataset = open_latents(cfg.latents, accelerator)  # URL -> local cache; verified once per node
+    check_config(cfg, dataset)
+    resolve_auto_for(cfg, model_config_for(cfg, dataset), accelerator)  # train/autotune.py
+    resolve_config(cfg, dataset, accelerator.num_processes)
     check_watch(cfg, dataset)
     resolve_attention(cfg.attention)
     if cfg.attention == "xformers" and not torch.cuda.is_available():
@@ -159,7 +164,24 @@ def check_finite_state(saved: dict, source: Path) -> None:
 
 
 def restore(run: Run, source: Path) -> None:
-    """Load weights, EMA, optimizer, scaler, this rank's RNG, the step and the data position."""
+    """Resume from `source`; the processes of one machine take turns, so one node holds one CPU copy at a time.
+
+    Why: every process reads the whole state (weights, EMA, optimizer: ~11 GB for XL/2) into CPU memory
+    before moving it to its device; eight at once is ~90 GB of host memory on one node.
+    """
+    acc = run.accelerator
+    if acc.num_processes == 1:
+        return _restore_from(run, source)
+    local = torch.tensor([acc.local_process_index], device=run.device)
+    turns = int(acc.gather(local).max()) + 1  # the largest node's process count (nodes may differ)
+    for turn in range(turns):
+        if acc.local_process_index == turn:
+            _restore_from(run, source)
+        acc.wait_for_everyone()
+
+
+def _restore_from(run: Run, source: Path) -> None:
+    """Load weights, EMA, optimizer, scaler, this rank's RNG, the step and the data position (CPU copy freed)."""
     learner = run.learner
     saved = ckpt_io.load_checkpoint(source, run.accelerator.process_index)
     check_finite_state(saved, source)
@@ -378,6 +400,8 @@ def start_logs(run: Run, source: Path | None, changes: list[str]) -> None:
                     f"{n} process(es) on {run.device}, global batch {cfg.global_batch_size} = "
                     f"{cfg.micro_batch_size} x {cfg.grad_accum_steps} accumulation x {n}, "
                     f"precision {cfg.precision}, {cfg.total_steps} steps")
+    if cfg.autotune:
+        run.logger.info(describe_auto(cfg.autotune))
     for change in changes:
         run.logger.info(f"changed on resume: {change}")
 
@@ -457,6 +481,8 @@ def lock_run_folder(cfg: TrainConfig, accelerator) -> FolderLock | None:
 
 def train(cfg: TrainConfig, callbacks: list[Callback] = ()) -> dict:
     """Run (or resume) a training run described by cfg; returns the last logged metrics."""
+    check_strategy()  # FSDP / DeepSpeed launcher configs: refused before anything exists
+    resolve_precision_with_launcher(cfg.precision)  # a contradicting --precision: refused before anything exists
     accelerator = make_accelerator(cfg)  # the one source of the process count and rank
     lock = lock_run_folder(cfg, accelerator)
     try:
@@ -468,7 +494,7 @@ def train(cfg: TrainConfig, callbacks: list[Callback] = ()) -> dict:
 
 def _train_locked(cfg: TrainConfig, accelerator, callbacks: list[Callback]) -> dict:
     """train() once the run folder is this launch's."""
-    cfg, dataset, source, changes = prepare_config(cfg, accelerator.num_processes)
+    cfg, dataset, source, changes = prepare_config(cfg, accelerator)
     if cfg.dry_run or cfg.debug:
         if accelerator.is_main_process:
             print(cfg.to_json())

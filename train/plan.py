@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 from shared.cli import HelpFormatter, add_flags
 from shared.errors import UserError, exit_with
 from shared.precision import PRECISION_CHOICES, canonical_precision
-from train.config import EMA_DEVICES, OPTIMIZERS, TrainConfig, add_block_flags, block_from_args
+from train.config import TrainConfig, add_block_flags, block_from_args
 from train.data import synthetic_batch
 from train.memory import (ActivationProfile, build_model, count_parameters, measure_block_fit, measure_profile,
                           model_config)
@@ -27,6 +27,7 @@ PROG = "python -m train.plan"
 FLAGS = {"model preset": "--model", "precision": "--precision"}  # domain name -> flag
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adamw8bit": 2}  # AdamW: two fp32 moments; 8-bit: two 1-byte moments
 OPTIMIZER_LABELS = {"adamw": "AdamW, 2 fp32 moments", "adamw8bit": "8-bit AdamW, 2 bytes/param"}
+DEFAULT_MARGIN = "1.5GiB"  # CUDA context, cuBLAS workspace, allocator slack (also train/autotune.py's margin)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -261,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", "--mixed-precision", dest="precision", choices=PRECISION_CHOICES, default="bf16",
                    type=canonical_precision, help="training precision (as python -m train --precision; 'no' = fp32)")
     p.add_argument("--gpu-memory", type=size_arg, default="24GiB", help="GPU memory to plan for, e.g. 24GiB")
-    p.add_argument("--margin", type=size_arg, default="1.5GiB",
+    p.add_argument("--margin", type=size_arg, default=DEFAULT_MARGIN,
                    help="memory kept free for the CUDA context, cuBLAS workspace and allocator slack")
     p.add_argument("--num-processes", type=int, default=1, help="data-parallel processes sharing the global batch")
     p.add_argument("--measure-device", choices=["auto", "cpu", "cuda"], default="auto",

@@ -10,3 +10,11 @@ mkdir -p "$out"
 python -m train.plan --model DiT-XL/2 --image-size 256 --precision bf16 --grad-checkpoint \
   --gpu-memory 24GiB --global-batch-size 256 --verify 2>&1 | tee "$out/plan-verify.txt"
 python -m train.bench --preset gpu --memory-cap-gib 24 --json "$out/bench-gpu.json" 2>&1 | tee "$out/bench-gpu.txt"
+# 3) the same step matrix with LightningDiT's block (RMSNorm + SwiGLU + RoPE; --recipe lightning trains it)
+python -m train.bench --preset gpu --memory-cap-gib 24 --block lightning --json "$out/bench-gpu-lightning.json" \
+  2>&1 | tee "$out/bench-gpu-lightning.txt"
+# 4) SiT parity at XL/2 size on the GPU, when a SiT checkout is given as SIT_REPO (loss and trajectories)
+if [ -n "${SIT_REPO:-}" ]; then
+  python tests/bench/check_sit_parity.py --sit-repo "$SIT_REPO" --model DiT-XL/2 --input-size 32 --batch 4 \
+    2>&1 | tee "$out/sit-parity.txt"
+fi

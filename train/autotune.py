@@ -1,0 +1,273 @@
+"""`auto` for --micro-batch-size, --precision and --grad-checkpoint: the fastest setting that fits this device.
+
+- precision: the accelerate config's when it set one (train/launcher.py); else bf16 on CUDA GPUs that
+  have it, fp16 + GradScaler on older ones, fp32 on the CPU.
+- micro-batch and checkpointing: train.plan's answer for the free memory of this GPU (fixed state by
+  arithmetic, activations measured on the real model), preferring the least recomputation that still
+  runs micro-batches of FAST_MICRO or the whole per-process batch; then one real training step at that
+  micro-batch (train.plan.verify, on a throwaway model) must peak below free memory minus the margin,
+  else the next smaller micro-batch is tried. Accumulation keeps the global batch, so the result does
+  not depend on the choice (train/config.py: grad_accum_steps).
+- On the CPU there is no memory to plan against: the whole per-process batch at once, no checkpointing.
+
+What was asked, the device, the plan and the measured peak are recorded in the run config (`autotune`).
+The device is read through one seam, probe_device, so a test can describe a GPU the machine lacks.
+"""
+from __future__ import annotations
+
+import gc
+from dataclasses import asdict, dataclass
+from types import SimpleNamespace
+from typing import Callable
+
+import torch
+
+from shared.errors import UserError
+from shared.models import ModelConfig
+from train.launcher import resolve_precision_with_launcher
+from train.units import format_size, parse_size
+
+AUTO = "auto"
+# Checkpointing intervals tried, least recomputation first (0 = off, k = every k-th block).
+CHECKPOINT_ORDER = (0, 4, 2, 1)
+# A micro-batch this large keeps a GPU's matmuls busy; a smaller one is taken only when nothing larger fits.
+FAST_MICRO = 16
+CONFIRM_TRIES = 4  # smaller micro-batches tried when the real step does not fit
+
+
+@dataclass
+class DeviceInfo:
+    """What auto needs to know of the training device."""
+
+    type: str                        # "cuda", "cpu", ...
+    name: str = ""
+    free_memory: int | None = None   # bytes free now (torch.cuda.mem_get_info), None off CUDA
+    total_memory: int | None = None
+    bf16: bool = False               # bf16 tensor cores (Ampere and newer)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def probe_device(device) -> DeviceInfo:
+    """The training device's type, free memory and bf16 support (the seam tests replace)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return DeviceInfo(type=device.type, name=device.type)
+    free, total = torch.cuda.mem_get_info(device)
+    return DeviceInfo(type="cuda", name=torch.cuda.get_device_name(device), free_memory=int(free),
+                      total_memory=int(total), bf16=bool(torch.cuda.is_bf16_supported()))
+
+
+def auto_precision(info: DeviceInfo) -> str:
+    """bf16 where the GPU has it, fp16 (with GradScaler) on older GPUs, fp32 elsewhere."""
+    if info.type != "cuda":
+        return "fp32"
+    return "bf16" if info.bf16 else "fp16"
+
+
+def default_margin() -> int:
+    """Bytes kept free for the CUDA context, cuBLAS workspace and allocator slack (train.plan's default)."""
+    from train.plan import DEFAULT_MARGIN
+
+    return parse_size(DEFAULT_MARGIN)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Planning (train/plan.py's measurement and arithmetic)
+# ---------------------------------------------------------------------------------------------------------
+
+def plan_rows(cfg, model_config: ModelConfig, budget: int, per_process: int, choices) -> list:
+    """train.plan's PlanRow for each checkpointing interval in `choices`, measured where plan measures."""
+    from train import plan
+
+    profiles, n_params, n_trainable = plan.measure_profiles(model_config, cfg.precision, choices,
+                                                            plan.measure_device("auto"))
+    fixed = plan.fixed_state(n_params, n_trainable, cfg.optimizer, cfg.ema_device)
+    return [plan.plan_row(p, fixed.total, budget, per_process) for p in profiles]
+
+
+def checkpoint_candidates(requested, depth: int) -> list[int]:
+    """The intervals auto may pick from: the requested one, or CHECKPOINT_ORDER within the model's depth."""
+    if requested != AUTO:
+        return [int(requested)]
+    return [k for k in CHECKPOINT_ORDER if k <= depth]
+
+
+def pick_row(rows: list, per_process: int):
+    """The least recomputation whose micro-batch is fast enough; else the largest micro-batch; None if none fits."""
+    fitting = [r for r in rows if r.micro is not None]
+    if not fitting:
+        return None
+    enough = min(per_process, FAST_MICRO)
+    for row in fitting:  # rows come least recomputation first
+        if row.micro >= enough:
+            return row
+    return max(fitting, key=lambda r: (r.micro, -r.profile.every))
+
+
+def smaller_micro(micro: int, per_process: int) -> int | None:
+    """The next smaller divisor of the per-process batch, or None below 1."""
+    below = [m for m in range(micro - 1, 0, -1) if per_process % m == 0]
+    return below[0] if below else None
+
+
+def measure_peak(cfg, model_config: ModelConfig, micro: int, every: int, accumulation: int) -> int | None:
+    """Peak CUDA bytes of real training steps at this micro-batch (train.plan.verify); None off CUDA or on OOM."""
+    if not torch.cuda.is_available():
+        return None
+    from train import plan
+
+    args = SimpleNamespace(model=cfg.model, precision=cfg.precision, optimizer=cfg.optimizer,
+                           ema_device=cfg.ema_device)
+    row = SimpleNamespace(micro=micro, accumulation=accumulation, profile=SimpleNamespace(every=every))
+    try:
+        return plan.verify(model_config, args, row)
+    except torch.cuda.OutOfMemoryError:
+        return -1  # did not fit at all
+    finally:
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def confirm(cfg, model_config, row, per_process: int, budget: int, measure: Callable) -> tuple[int, int | None, list]:
+    """(micro-batch, measured peak or None, tries) after real steps: step down while the peak exceeds the budget."""
+    micro, tries = row.micro, []
+    for _ in range(CONFIRM_TRIES):
+        peak = measure(cfg, model_config, micro, row.profile.every, per_process // micro)
+        tries.append({"micro": micro, "peak": peak})
+        if peak is None or 0 <= peak <= budget:
+            return micro, peak, tries
+        micro = smaller_micro(micro, per_process)
+        if micro is None:
+            break
+    raise UserError(
+        f"even micro-batch {tries[-1]['micro']} of {cfg.model} with checkpointing every {row.profile.every} "
+        f"block(s) did not fit the {format_size(budget)} left on this GPU after the margin (real steps measured: "
+        f"{_tries_text(tries)}). "
+        "Free the GPU (another process may hold memory), or pass --grad-checkpoint 1, --optimizer adamw8bit or "
+        "--ema-device cpu, or an explicit --micro-batch-size.")
+
+
+def _tries_text(tries: list) -> str:
+    """'8: 23.1 GiB, 4: out of memory' for the refusal."""
+    return ", ".join(f"{t['micro']}: " + (format_size(t["peak"]) if t["peak"] >= 0 else "out of memory") for t in tries)
+
+
+def _no_fit_error(cfg, info: DeviceInfo, budget: int) -> UserError:
+    return UserError(
+        f"{cfg.model} does not fit on {info.name or 'this GPU'} with {format_size(info.free_memory)} free "
+        f"({format_size(budget)} after the margin) at any micro-batch, even with checkpointing every block: the "
+        "weights, gradients, AdamW moments and EMA alone are too large. Pass --optimizer adamw8bit and/or "
+        "--ema-device cpu, free the GPU, or use a smaller preset (`python -m train.plan` shows the budget).")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Resolution
+# ---------------------------------------------------------------------------------------------------------
+
+def resolve_auto(cfg, model_config: ModelConfig, info: DeviceInfo, world_size: int,
+                 measure: Callable = measure_peak) -> dict:
+    """Replace every 'auto' in cfg by a value for this device; returns (and stores in cfg.autotune) the record."""
+    requested = {"micro_batch_size": cfg.micro_batch_size, "precision": cfg.precision,
+                 "grad_checkpoint": cfg.grad_checkpoint}
+    cfg.precision = resolve_precision_with_launcher(cfg.precision)
+    if cfg.precision == AUTO:
+        cfg.precision = auto_precision(info)
+    record = {"requested": requested, "device": info.to_dict()}
+    if AUTO in (cfg.micro_batch_size, cfg.grad_checkpoint):
+        if info.type == "cuda" and info.free_memory is not None:
+            record.update(_plan_on_gpu(cfg, model_config, info, world_size, measure))
+        else:  # nothing to plan against: the per-process batch at once, no recomputation (as on any CPU run)
+            cfg.micro_batch_size = None if cfg.micro_batch_size == AUTO else cfg.micro_batch_size
+            cfg.grad_checkpoint = 0 if cfg.grad_checkpoint == AUTO else cfg.grad_checkpoint
+    record["resolved"] = {"micro_batch_size": cfg.micro_batch_size, "precision": cfg.precision,
+                          "grad_checkpoint": cfg.grad_checkpoint}
+    cfg.autotune = record if requested != record["resolved"] else {}
+    return cfg.autotune
+
+
+def _plan_on_gpu(cfg, model_config, info: DeviceInfo, world_size: int, measure: Callable) -> dict:
+    """Plan (and confirm) micro-batch and checkpointing on a GPU; sets them on cfg; returns what to record."""
+    per_process = cfg.global_batch_size // world_size  # divisibility is checked by resolve_config
+    margin = default_margin()
+    budget = info.free_memory - margin
+    choices = checkpoint_candidates(cfg.grad_checkpoint, _depth(model_config))
+    rows = plan_rows(cfg, model_config, budget, per_process, choices)
+    if cfg.micro_batch_size != AUTO:  # explicit micro-batch: the least recomputation that fits it
+        fixed_micro = int(cfg.micro_batch_size)
+        rows = [r for r in rows if r.micro is not None and r.micro >= fixed_micro]
+        row = rows[0] if rows else None
+        if row is None:
+            raise _no_fit_error(cfg, info, budget)
+        cfg.grad_checkpoint = row.profile.every
+        return {"margin": margin, "budget": budget, "plan": _rows_record(rows)}
+    row = pick_row(rows, per_process)
+    if row is None:
+        raise _no_fit_error(cfg, info, budget)
+    micro, peak, tries = confirm(cfg, model_config, row, per_process, budget, measure)
+    cfg.micro_batch_size, cfg.grad_checkpoint = micro, row.profile.every
+    return {"margin": margin, "budget": budget, "plan": _rows_record(rows),
+            "predicted_peak": row.peak, "confirmed": tries}
+
+
+def _depth(model_config: ModelConfig) -> int:
+    """Transformer blocks of the preset (built on the meta device: shapes only)."""
+    with torch.device("meta"):
+        return len(model_config.build().blocks)
+
+
+def _rows_record(rows) -> list[dict]:
+    return [{"grad_checkpoint": r.profile.every, "micro": r.micro, "predicted_peak": r.peak} for r in rows]
+
+
+def describe(record: dict) -> str:
+    """One log line: what auto chose and why."""
+    if not record:
+        return ""
+    r, device = record["resolved"], record["device"]
+    where = device["name"] or device["type"]
+    if device.get("free_memory") is not None:
+        where += f", {format_size(device['free_memory'])} free"
+    text = (f"auto ({where}): precision {r['precision']}, micro-batch {r['micro_batch_size'] or 'whole batch'}, "
+            f"grad checkpoint {r['grad_checkpoint']}")
+    if record.get("predicted_peak") is not None:
+        measured = record["confirmed"][-1]["peak"]
+        text += (f" (planned peak {format_size(record['predicted_peak'])}, budget {format_size(record['budget'])}"
+                 + (f", measured {format_size(measured)})" if measured and measured > 0 else ")"))
+    return text
+
+
+def no_measurement(*_args) -> None:
+    """measure for --dry-run: the plan alone, no real step."""
+    return None
+
+
+def resolve_auto_for(cfg, model_config: ModelConfig, accelerator) -> dict:
+    """resolve_auto on this launch's processes: rank 0 decides for the smallest free memory, everyone follows.
+
+    Every rank must run the same micro-batch (DDP all-reduces once per optimizer step) and precision.
+    """
+    info = probe_device(accelerator.device)
+    measure = no_measurement if cfg.dry_run else measure_peak
+    if accelerator.num_processes == 1:
+        return resolve_auto(cfg, model_config, info, 1, measure)
+    from accelerate.utils import broadcast_object_list, gather_object
+
+    frees = [f for f in gather_object([info.free_memory]) if f is not None]
+    if info.free_memory is not None and frees:
+        info.free_memory = min(frees)  # the tightest card decides
+    outcome = [None]
+    if accelerator.is_main_process:
+        try:
+            resolve_auto(cfg, model_config, info, accelerator.num_processes, measure)
+            outcome = [(cfg.micro_batch_size, cfg.precision, cfg.grad_checkpoint, cfg.autotune, None)]
+        except UserError as err:
+            outcome = [(None, None, None, None, err)]
+    outcome = broadcast_object_list(outcome, from_process=0)[0]
+    if outcome[4] is not None:
+        if accelerator.is_main_process:
+            raise outcome[4]
+        raise SystemExit(2)  # rank 0 prints the paragraph
+    cfg.micro_batch_size, cfg.precision, cfg.grad_checkpoint, cfg.autotune = outcome[:4]
+    return cfg.autotune

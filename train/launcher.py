@@ -1,0 +1,77 @@
+"""What `accelerate launch` (or `accelerate config`) asked for, read before any Accelerator or file exists.
+
+`accelerate launch` passes its config to the script through environment variables
+(accelerate/utils/launch.py): ACCELERATE_MIXED_PRECISION (no / fp16 / bf16 / fp8), ACCELERATE_USE_FSDP,
+ACCELERATE_USE_DEEPSPEED, ACCELERATE_USE_MEGATRON_LM. The trainer applies precision itself
+(train/step.py: autocast + its own GradScaler, fp32 master weights) and builds
+`Accelerator(mixed_precision="no")`, which would silently override a launcher's bf16; so the launcher's
+precision is read here and either becomes the run's precision (--precision auto) or, when it contradicts
+an explicit --precision, stops the launch. Sharded strategies are refused: the trainer's checkpoints,
+EMA and cross-rank consistency check assume every process holds the whole model (DDP).
+"""
+from __future__ import annotations
+
+import os
+
+from shared.errors import UserError
+
+# Accelerate's precision names -> ours (shared/precision.py); fp8 has no counterpart here.
+LAUNCHER_PRECISION = {"fp16": "fp16", "bf16": "bf16"}
+# Environment flags of the sharded / model-parallel strategies, with the name a user sees in `accelerate config`.
+SHARDED = {"ACCELERATE_USE_FSDP": "FSDP", "ACCELERATE_USE_DEEPSPEED": "DeepSpeed",
+           "ACCELERATE_USE_MEGATRON_LM": "Megatron-LM"}
+
+
+def _true(value: str | None) -> bool:
+    return str(value).strip().lower() in ("1", "true", "yes")
+
+
+def launcher_precision(environ=None) -> str | None:
+    """The precision the accelerate config asks for (our name), or None when it asks for none.
+
+    "no" counts as none: `accelerate launch` writes it whenever no precision was configured, so it cannot
+    tell "fp32 on purpose" from "not set"; an explicit --precision then applies.
+    """
+    environ = os.environ if environ is None else environ
+    value = environ.get("ACCELERATE_MIXED_PRECISION")
+    if value is None or value.strip().lower() == "no":
+        return None
+    value = value.strip().lower()
+    if value not in LAUNCHER_PRECISION:
+        raise UserError(f"the accelerate config asks for mixed_precision {value}, which this trainer does not "
+                        f"implement (it supports no, fp16 and bf16). Run `accelerate config` and pick one of those, or "
+                        "launch with --mixed_precision bf16.")
+    return LAUNCHER_PRECISION[value]
+
+
+def check_strategy(environ=None) -> None:
+    """UserError for FSDP / DeepSpeed / Megatron-LM launcher configs (refused before anything is written)."""
+    environ = os.environ if environ is None else environ
+    asked = [name for var, name in SHARDED.items() if _true(environ.get(var))]
+    if asked:
+        raise UserError(
+            f"the accelerate config asks for {asked[0]}, which this trainer does not support: it trains with "
+            "plain data parallelism (DDP), every process holding the whole model, and its checkpoints, EMA and "
+            "cross-process consistency check rely on that. Run `accelerate config` and choose multi-GPU (or "
+            "pass --config_file with distributed_type MULTI_GPU), or launch with `accelerate launch "
+            "--multi_gpu --num_processes N -m train ...`. To fit DiT-XL/2 on 24 GB cards without sharding, "
+            "keep --micro-batch-size/--grad-checkpoint auto, or add --optimizer adamw8bit or --ema-device cpu.")
+
+
+def resolve_precision_with_launcher(requested: str, environ=None) -> str:
+    """The precision this run uses given the launcher's: 'auto' follows it; an explicit contradiction stops.
+
+    Returns the launcher's precision, the requested one, or 'auto' (left to the device: train/autotune.py).
+    """
+    launcher = launcher_precision(environ)
+    if launcher is None:
+        return requested  # the launcher has no opinion: the flag (or, for auto, the device) decides
+    if requested == "auto":
+        return launcher
+    if requested != launcher:
+        raise UserError(
+            f"--precision {requested}, but the accelerate config asks for mixed_precision "
+            f"{launcher}; one of them would be silently ignored. Pass --precision {launcher} (or --precision auto, "
+            f"which follows the launcher), or change the accelerate config (`accelerate config`, or `accelerate "
+            f"launch --mixed_precision {'no' if requested == 'fp32' else requested}`).")
+    return requested
