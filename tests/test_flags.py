@@ -197,3 +197,14 @@ def test_a_family_flag_changes_per_command():
     eval_field = {f.name: f for f in dataclasses.fields(RunEvalOptions)}["num_sampling_steps"]
     assert (sample_field.default, eval_field.default) == (250, 50)
     assert sample_field.metadata[FLAG_KEY].help == eval_field.metadata[FLAG_KEY].help == NUM_SAMPLING_STEPS.help
+
+
+def test_a_flag_family_dataclass_lists_after_the_commands_own_flags():
+    """Commands deriving from DecodeFlags get every VAE flag, after their own (the help reads command first)."""
+    from sample.__main__ import decode_parser, sample_parser, watch_parser
+    from shared.flags import DecodeFlags
+
+    family = [f.name for f in dataclasses.fields(DecodeFlags)]
+    for parser in (sample_parser(), decode_parser(), watch_parser()):
+        dests = [a.dest for a in parser._actions if a.dest != "help"]
+        assert dests[-len(family):] == family, parser.prog

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm.auto import tqdm
 
-from shared.errors import UserError, exit_with
+from shared.errors import UserError, cli_errors
 from shared.models import ATTENTION_BACKENDS
 from shared.precision import PRECISIONS, set_tf32
 from train.config import TrainConfig, add_block_flags, block_from_args
@@ -365,10 +365,8 @@ def run(args) -> str:
 def main(argv=None):
     """Entry point of python -m train.bench."""
     args = build_parser().parse_args(argv)
-    try:
+    with cli_errors(PROG, FLAGS):
         print(run(args))
-    except UserError as err:
-        exit_with(err, PROG, FLAGS)
 
 
 if __name__ == "__main__":

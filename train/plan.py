@@ -14,7 +14,7 @@ import torch
 from tqdm.auto import tqdm
 
 from shared.cli import HelpFormatter, add_flags
-from shared.errors import UserError, exit_with
+from shared.errors import UserError, cli_errors
 from shared.precision import PRECISION_CHOICES, canonical_precision
 from train.config import TrainConfig, add_block_flags, block_from_args
 from train.data import synthetic_batch
@@ -310,10 +310,8 @@ def run(args) -> str:
 def main(argv=None):
     """Entry point of python -m train.plan."""
     args = build_parser().parse_args(argv)
-    try:
+    with cli_errors(PROG, FLAGS):
         print(run(args))
-    except UserError as err:
-        exit_with(err, PROG, FLAGS)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,529 @@
+"""Time to quality of the training recipes (dit, sit, lightning) on the digits yardstick (issue 19).
+
+Run (a few hours on 2 CPU cores, most of it in the evaluations; see the report of the session that wrote it):
+  .venv/bin/python tests/bench/bench_recipes.py --out /tmp/bench-recipes --plot docs/recipes.png \
+      --json /tmp/bench-recipes/results.json
+Smoke run (minutes): add --steps 40 --every 20 --seeds 0 --num-samples 100 --num-sampling-steps 4.
+
+1. Data: the digits ImageFolder (shared.digits.build_digits) and `python -m extract` with the committed digits VAE,
+   exactly as the demo does (data.demo.extract_args), into OUT/latents once.
+2. Training: `python -m train --recipe R` for every recipe and seed, DiT-T/2 with the demo's explicit settings
+   (batch 64, lr 1e-3, warmup 100, EMA 0.995) given to every recipe. Explicit flags win over a recipe, so the lr
+   is the same for all (lightning's own 2e-4 is for batch 1024): what differs is each recipe's objective (DDPM or
+   flow), time sampling (uniform or logit-normal), cosine loss, block (DiT or RMSNorm+SwiGLU+RoPE) and AdamW betas.
+   An EMA export is written every --every steps.
+3. Seconds: the training loop's wall clock up to each export, summed from the run's metrics.jsonl (every logged
+   window lasted steps / steps_per_s seconds). It counts the steps and the checkpoint writes, not process start-up
+   or model building, and stays right across a resumed run (metrics are truncated to the resumed step).
+4. Evaluation: `python -m evaluate run` on every export at each --cfg-scales, the same sampling seed for all: the
+   digits Fréchet distance (evaluate/digits.py, lower is better) of --num-samples images drawn with the
+   objective's fast deterministic sampler (ddim for ddpm, euler for flow) in --num-sampling-steps steps.
+5. Noise floor: each recipe's final export of the first seed drawn again with --floor-seed (a folder holding only
+   that export, so one evaluation): |FD(seed) - FD(floor seed)| is the sampling noise of one point. The real floor
+   is N real digits against all of them (evaluate.digits.real_floor), what a perfect model scores at N.
+6. Guidance interval (Kynkaenniemi et al. 2024): the final export of --interval-recipes' first seed at
+   --interval-cfg with and without --cfg-interval (--ddpm-interval in DiT timesteps, --flow-interval in flow noise
+   level), with the network rows per image: counted by running the sampler's own loop with a zero network
+   through shared.guidance's GuidedModelFn (a guided step costs 2 rows, one outside the interval 1).
+7. Tables: FD per export step with its seconds, per recipe (mean over seeds and each seed); the first step and
+   second at which each recipe's mean FD reaches the dit recipe's final mean FD (linear interpolation between the
+   two exports around the crossing; an export already at or below the target counts as reaching it there), with
+   the ratios dit / recipe (> 1: the recipe is faster); each recipe's seconds per step (the blocks cost
+   differently). Timings on a shared machine are noisy: they are printed, never asserted.
+Every stage resumes: rerunning skips finished extraction, training and evaluated exports.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+RECIPE_NAMES = ("dit", "sit", "lightning")
+DEMO_TRAIN = {"--model": "DiT-T/2", "--global-batch-size": 64, "--lr": 1e-3, "--warmup-steps": 100,
+              "--ema-decay": 0.995}  # data/demo.py's FULL recipe, given explicitly so every recipe trains alike
+LOG_EVERY = 50
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Pure helpers (tested in tests/test_bench_recipes.py)
+# ---------------------------------------------------------------------------------------------------------
+
+def cumulative_seconds(metrics: list[dict]) -> dict[int, float]:
+    """Step -> training seconds up to it, from metrics.jsonl rows (each window: its steps / steps_per_s)."""
+    out, last_step, total = {}, 0, 0.0
+    for row in sorted(metrics, key=lambda r: r["step"]):
+        steps = row["step"] - last_step
+        if steps <= 0 or not row.get("steps_per_s"):
+            continue
+        total += steps / row["steps_per_s"]
+        out[row["step"]] = total
+        last_step = row["step"]
+    return out
+
+
+def seconds_at(seconds: dict[int, float], step: float) -> float | None:
+    """Training seconds at a (fractional) step, linearly interpolated between logged steps; None past the end."""
+    points = sorted([(0, 0.0)] + list(seconds.items()))
+    for (s0, t0), (s1, t1) in zip(points, points[1:]):
+        if s0 <= step <= s1:
+            return t0 + (t1 - t0) * (step - s0) / (s1 - s0)
+    return None
+
+
+def mean_curve(curves: list[list[float]]) -> list[float]:
+    """Pointwise mean of equally long curves (one per seed)."""
+    return [sum(values) / len(values) for values in zip(*curves)]
+
+
+def first_reach(steps: list[float], fds: list[float], target: float) -> float | None:
+    """First (fractional) step at which the FD curve falls to `target`, linear between exports; None if never."""
+    for i, (step, fd) in enumerate(zip(steps, fds)):
+        if fd <= target:
+            if i == 0:
+                return float(step)  # no point before the first export: count it as reached there
+            s0, f0 = steps[i - 1], fds[i - 1]
+            return s0 + (step - s0) * (f0 - target) / (f0 - fd)
+    return None
+
+
+def last(points: dict[int, float]) -> float:
+    """The value at the highest step."""
+    return points[max(points)]
+
+
+def reach_table(curves: dict[str, dict], reference: str = "dit") -> dict[str, dict]:
+    """Recipe -> {step, seconds, step_ratio, seconds_ratio} to reach the reference's final mean FD.
+
+    `curves` maps recipe -> {"steps": [...], "fd": mean FD per step, "seconds": mean seconds per step}.
+    """
+    ref = curves[reference]
+    target = ref["fd"][-1]
+    reached = {}
+    for name, curve in curves.items():
+        step = first_reach(curve["steps"], curve["fd"], target)
+        secs = None if step is None else seconds_at(dict(zip(curve["steps"], curve["seconds"])), step)
+        reached[name] = {"target": target, "step": step, "seconds": secs}
+    base = reached[reference]
+    for row in reached.values():
+        row["step_ratio"] = base["step"] / row["step"] if row["step"] else None
+        row["seconds_ratio"] = base["seconds"] / row["seconds"] if row["seconds"] else None
+    return reached
+
+
+def cfg_key(cfg: float) -> str:
+    """JSON key of a guidance scale: '1', '1.5'."""
+    return f"{cfg:g}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Stages (real subprocesses of the real CLIs, each resumable)
+# ---------------------------------------------------------------------------------------------------------
+
+def run_cli(args, name: str, argv: list, log: str) -> float:
+    """`python -m name argv` from the repository root, its output to OUT/logs/LOG; seconds it took."""
+    logs = Path(args.out) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", name, *map(str, argv)]
+    start = time.perf_counter()
+    with open(logs / log, "a") as f:
+        f.write(f"\n$ {' '.join(cmd)}\n")
+        f.flush()
+        rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        tail = (logs / log).read_text()[-3000:]
+        raise SystemExit(f"{' '.join(cmd)} failed with exit status {rc}; its log {logs / log} ends:\n{tail}\n"
+                         f"Fix what it says and rerun the same command: finished work is kept.")
+    return time.perf_counter() - start
+
+
+def prepare_data(args) -> Path:
+    """The digits latents in OUT/latents (built once, as the demo builds them)."""
+    from data.demo import extract_args
+    from shared.digits import build_digits
+    from shared.shards import INDEX_NAME
+
+    dirs = {"images": Path(args.out) / "images", "latents": Path(args.out) / "latents"}
+    if not (dirs["latents"] / INDEX_NAME).is_file():
+        build_digits(dirs["images"], progress=False)
+        seconds = run_cli(args, "extract", extract_args(dirs), "extract.log")
+        print(f"extracted the digits latents in {seconds:.0f}s", flush=True)
+    return dirs["latents"]
+
+
+def run_dir(args, recipe: str, seed: int) -> Path:
+    """OUT/runs/RECIPE-seedS."""
+    return Path(args.out) / "runs" / f"{recipe}-seed{seed}"
+
+
+def train_argv(args, recipe: str, seed: int, latents: Path) -> list:
+    """Flags of one training run: the recipe plus the demo's explicit settings, an export every --every steps."""
+    fixed = [x for pair in DEMO_TRAIN.items() for x in pair]
+    return ["--recipe", recipe, *fixed, "--latents", latents, "--results-dir", run_dir(args, recipe, seed),
+            "--max-steps", args.steps, "--ckpt-every", args.every, "--keep-last", 1, "--num-workers", 0,
+            "--seed", seed, "--sample-every", 0, "--log-every", math.gcd(LOG_EVERY, args.every),
+            "--report-to", "none"]  # log steps include every export step, so its seconds need no guess
+
+
+def train(args, recipe: str, seed: int, latents: Path) -> Path:
+    """Train (or resume) one run unless its final export exists; returns the run folder."""
+    from shared import rundir
+
+    run = run_dir(args, recipe, seed)
+    if not rundir.export_path(run, args.steps).is_file():
+        seconds = run_cli(args, "train", train_argv(args, recipe, seed, latents), f"train-{run.name}.log")
+        print(f"trained {run.name} ({args.steps} steps) in {seconds:.0f}s", flush=True)
+    return run
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The JSON rows of a .jsonl file (none when it is missing)."""
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def export_seconds(run: Path) -> dict[int, float]:
+    """Export step -> training seconds when it was written (from RUN/metrics.jsonl)."""
+    from shared import rundir
+
+    seconds = cumulative_seconds(read_jsonl(rundir.metrics_path(run)))
+    return {rundir.step_of(e): seconds[rundir.step_of(e)] for e in rundir.list_exports(run)
+            if rundir.step_of(e) in seconds}
+
+
+def eval_options(args, run: Path, cfg: float, seed: int, interval=None):
+    """The RunEvalOptions of one curve, the sampler resolved as `evaluate run` resolves it."""
+    from evaluate.curve import RunEvalOptions
+    from shared import rundir
+    from shared.export import read_config
+    from shared.objectives import objective_of
+
+    sampler = objective_of(read_config(rundir.list_exports(run)[-1])).fast_sampler
+    return RunEvalOptions(run=str(run), num_samples=args.num_samples, features="digits", sampler=sampler,
+                          num_sampling_steps=args.num_sampling_steps, cfg_scale=cfg,
+                          cfg_interval=tuple(interval) if interval else None, guide_channels=args.guide_channels,
+                          seed=seed, batch_size=args.batch_size)
+
+
+def curve(args, run: Path, cfg: float, seed: int, interval=None) -> dict[int, float]:
+    """Step -> digits FD of every export of `run` with these settings (evaluating those not yet done)."""
+    from evaluate.curve import matching, read_rows, settings_of
+    from shared import rundir
+
+    o = eval_options(args, run, cfg, seed, interval)
+    argv = ["run", run, "--features", "digits", "--num-samples", o.num_samples, "--num-sampling-steps",
+            o.num_sampling_steps, "--cfg-scale", cfg, "--guide-channels", o.guide_channels, "--seed", seed,
+            "--batch-size", o.batch_size, "--vae", args.vae, "--cpu",
+            *(["--cfg-interval", *interval] if interval else [])]
+    before = len(matching(read_rows(run), settings_of(o)))
+    if before == len(rundir.list_exports(run)):  # all done: no process start-up
+        return {r["step"]: r["fid"] for r in matching(read_rows(run), settings_of(o))}
+    seconds = run_cli(args, "evaluate", argv, f"evaluate-{run.name}.log")
+    rows = matching(read_rows(run), settings_of(o))
+    if len(rows) > before:
+        print(f"evaluated {len(rows) - before} export(s) of {run.name} at cfg {cfg:g}, seed {seed}"
+              f"{f', interval {interval}' if interval else ''} in {seconds:.0f}s "
+              f"({seconds / (len(rows) - before):.0f}s each)", flush=True)
+    return {r["step"]: r["fid"] for r in rows}
+
+
+def final_only(args, run: Path) -> Path:
+    """OUT/final/RUN-stepN/exports/ holding only the run's last export (hard link, else a copy)."""
+    from shared import rundir
+
+    export = rundir.list_exports(run)[-1]
+    folder = Path(args.out) / "final" / f"{run.name}-step{rundir.step_of(export)}"
+    target = folder / rundir.EXPORTS / export.name
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(export, target)
+        except OSError:
+            shutil.copy2(export, target)
+    return folder
+
+
+class _ZeroNet:
+    """Stand-in network for counting rows: zeros of the export's output shape, the DiT attributes guidance reads."""
+
+    def __init__(self, config):
+        self.in_channels, self.null_label = config.in_channels, config.num_classes
+        self.out_channels = config.in_channels * (2 if config.learn_sigma else 1)
+        self.y_embedder = type("Labels", (), {"has_null": True})()
+
+    def __call__(self, x, t, y):
+        import torch
+
+        return torch.zeros(x.shape[0], self.out_channels, *x.shape[2:])  # (N, out, h, w)
+
+
+def model_rows(export: Path, sampler: str, steps: int, cfg: float, interval=None) -> int:
+    """Network rows per image of one sampling run: the sampler's own loop on a zero network, rows counted."""
+    import torch
+
+    from shared.export import read_config
+    from shared.guidance import guided_model_fn
+    from shared.objectives import objective_of, run_sampler
+
+    config = read_config(export)
+    objective = objective_of(config)
+    fn = guided_model_fn(_ZeroNet(config), cfg, None, "fp32", tuple(interval) if interval else None,
+                         objective.noise_level)
+    noise = torch.zeros(1, config.in_channels, 2, 2)  # (1, C, h, w): the count does not depend on the size
+    run_sampler(objective, sampler, fn, noise, steps, {}, model_kwargs={"y": torch.zeros(1, dtype=torch.long)})
+    return fn.rows
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Measure
+# ---------------------------------------------------------------------------------------------------------
+
+def measure_runs(args, latents: Path) -> list[dict]:
+    """Train and evaluate every recipe x seed; one record per run (steps, seconds, FD per cfg)."""
+    records = []
+    for recipe in args.recipes:
+        for seed in args.seeds:
+            run = train(args, recipe, seed, latents)
+            seconds = export_seconds(run)
+            fds = {cfg_key(c): curve(args, run, c, args.sample_seed) for c in args.cfg_scales}
+            steps = sorted(set(seconds).intersection(*fds.values()))
+            records.append({"recipe": recipe, "seed": seed, "run": str(run), "steps": steps,
+                            "seconds": [seconds[s] for s in steps],
+                            "seconds_per_step": seconds[steps[-1]] / steps[-1],
+                            "fd": {k: [v[s] for s in steps] for k, v in fds.items()}})
+    return records
+
+
+def measure_floor(args, records: list[dict]) -> dict:
+    """The final export of each recipe's first seed drawn again with --floor-seed, and the real-digits floor."""
+    from evaluate.digits import real_floor
+
+    rows = []
+    for rec in (r for r in records if r["seed"] == args.seeds[0]):
+        folder = final_only(args, Path(rec["run"]))
+        for cfg in args.cfg_scales:
+            first, again = rec["fd"][cfg_key(cfg)][-1], last(curve(args, folder, cfg, args.floor_seed))
+            rows.append({"recipe": rec["recipe"], "step": rec["steps"][-1], "cfg": cfg,
+                         "seeds": [args.sample_seed, args.floor_seed], "fd": [first, again],
+                         "gap": abs(first - again)})
+    return {"real": real_floor(args.num_samples), "repeats": rows}
+
+
+def measure_interval(args, records: list[dict]) -> list[dict]:
+    """FD and network rows per image with and without the guidance interval, final export of each first seed."""
+    from shared import rundir
+
+    rows = []
+    for rec in (r for r in records if r["seed"] == args.seeds[0] and r["recipe"] in args.interval_recipes):
+        run = Path(rec["run"])
+        folder, export = final_only(args, run), rundir.list_exports(run)[-1]
+        o = eval_options(args, run, args.interval_cfg, args.sample_seed)
+        interval = args.ddpm_interval if _objective(export) == "ddpm" else args.flow_interval
+        key = cfg_key(args.interval_cfg)  # the curve's last point when the curves have this cfg: not drawn twice
+        without = rec["fd"][key][-1] if key in rec["fd"] else last(curve(args, folder, args.interval_cfg,
+                                                                          args.sample_seed))
+        within = last(curve(args, folder, args.interval_cfg, args.sample_seed, interval))
+        rows.append({"recipe": rec["recipe"], "step": rec["steps"][-1], "cfg": args.interval_cfg,
+                     "interval": list(interval), "sampler": o.sampler, "steps": args.num_sampling_steps,
+                     "fd_without": without, "fd_with": within,
+                     "rows_without": model_rows(export, o.sampler, args.num_sampling_steps, args.interval_cfg),
+                     "rows_with": model_rows(export, o.sampler, args.num_sampling_steps, args.interval_cfg,
+                                             interval)})
+    return rows
+
+
+def _objective(export: Path) -> str:
+    """The objective name an export records."""
+    from shared.export import read_config
+
+    return read_config(export).objective
+
+
+def summarise(records: list[dict], cfg_scales) -> dict:
+    """Per cfg: each recipe's mean curve over seeds and its reach of the dit recipe's final mean FD."""
+    out = {}
+    for cfg in map(cfg_key, cfg_scales):
+        curves = {}
+        for recipe in dict.fromkeys(r["recipe"] for r in records):
+            runs = [r for r in records if r["recipe"] == recipe]
+            curves[recipe] = {"steps": runs[0]["steps"], "fd": mean_curve([r["fd"][cfg] for r in runs]),
+                              "seconds": mean_curve([r["seconds"] for r in runs]),
+                              "seeds": {r["seed"]: r["fd"][cfg] for r in runs}}
+        out[cfg] = {"curves": curves, "reach": reach_table(curves) if "dit" in curves else {}}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Print and plot
+# ---------------------------------------------------------------------------------------------------------
+
+def print_curves(results: dict) -> None:
+    """FD per export step for each recipe: mean [each seed] @ mean training seconds, one table per cfg."""
+    s = results["settings"]
+    for cfg, summary in results["summary"].items():
+        curves = summary["curves"]
+        print(f"\ndigits FD at cfg {cfg} ({s['num_samples']} images, {s['num_sampling_steps']} sampling steps of the "
+              f"objective's fast sampler, sampling seed {s['sample_seed']}): mean [per seed] @ training seconds")
+        print(f"{'step':>6}" + "".join(f"{name:>30}" for name in curves))
+        steps = next(iter(curves.values()))["steps"]
+        for i, step in enumerate(steps):
+            cells = [f"{c['fd'][i]:.2f} [{' '.join(f'{v[i]:.1f}' for v in c['seeds'].values())}] "
+                     f"@{c['seconds'][i]:.0f}s" for c in curves.values()]
+            print(f"{step:>6}" + "".join(f"{cell:>30}" for cell in cells))
+
+
+def print_reach(results: dict) -> None:
+    """Steps and seconds to reach the dit recipe's final mean FD, with the ratios dit / recipe."""
+    for cfg, summary in results["summary"].items():
+        reach = summary["reach"]
+        if not reach:
+            continue
+        target = next(iter(reach.values()))["target"]
+        print(f"\nreaching the dit recipe's final mean FD at cfg {cfg} ({target:.2f}), linear between exports "
+              f"(ratio > 1: faster than dit)")
+        print(f"{'recipe':>10}{'step':>9}{'seconds':>10}{'dit/steps':>11}{'dit/seconds':>13}")
+        for name, row in reach.items():
+            if row["step"] is None:
+                print(f"{name:>10}{'not reached in the steps trained':>53}")
+                continue
+            print(f"{name:>10}{row['step']:>9.0f}{row['seconds']:>10.0f}{row['step_ratio']:>10.2f}x"
+                  f"{row['seconds_ratio']:>12.2f}x")
+
+
+def print_costs(results: dict) -> None:
+    """Training seconds per step of each run and of each recipe (mean over seeds), with the ratio to dit."""
+    per = {}
+    for rec in results["runs"]:
+        per.setdefault(rec["recipe"], []).append(rec["seconds_per_step"])
+    base = sum(per["dit"]) / len(per["dit"]) if "dit" in per else None
+    print("\ntraining wall clock per step (checkpoint writes included; a busy machine inflates it)")
+    for name, values in per.items():
+        mean = sum(values) / len(values)
+        ratio = f", {mean / base:.2f}x dit's" if base else ""
+        print(f"  {name:>10}: {1000 * mean:.0f} ms/step [{' '.join(f'{1000 * v:.0f}' for v in values)}]{ratio}")
+
+
+def print_floor(results: dict) -> None:
+    """The sampling noise of one point and the real-digits floor."""
+    floor = results["floor"]
+    print(f"\nnoise floor: {results['settings']['num_samples']} real digits vs all score {floor['real']:.2f}; "
+          f"the same export drawn from two sampling seeds:")
+    for row in floor["repeats"]:
+        print(f"  {row['recipe']:>10} step {row['step']} cfg {row['cfg']:g} seeds {row['seeds']}: FD "
+              f"{row['fd'][0]:.2f} vs {row['fd'][1]:.2f}, |difference| {row['gap']:.2f}")
+
+
+def print_interval(results: dict) -> None:
+    """FD and network rows per image with and without the guidance interval."""
+    if not results["interval"]:
+        return
+    print("\nguidance interval (final export, first seed): FD and network rows per image")
+    print(f"{'recipe':>10}{'cfg':>5}{'interval':>14}{'FD without':>12}{'FD with':>9}{'rows without':>14}"
+          f"{'rows with':>11}")
+    for row in results["interval"]:
+        interval = f"{row['interval'][0]:g}-{row['interval'][1]:g}"
+        print(f"{row['recipe']:>10}{row['cfg']:>5g}{interval:>14}{row['fd_without']:>12.2f}{row['fd_with']:>9.2f}"
+              f"{row['rows_without']:>14}{row['rows_with']:>11} ({row['rows_with'] / row['rows_without']:.2f}x)")
+
+
+def plot(results: dict, path: str) -> None:
+    """FD against training steps and seconds, one line per recipe (mean, band over seeds), one row per cfg."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    summary = results["summary"]
+    fig = Figure(figsize=(10, 3.6 * len(summary)), dpi=90)
+    axes = fig.subplots(len(summary), 2, squeeze=False)
+    for (cfg, s), (by_step, by_time) in zip(summary.items(), axes):
+        for i, (name, c) in enumerate(s["curves"].items()):
+            low = [min(v) for v in zip(*c["seeds"].values())]
+            high = [max(v) for v in zip(*c["seeds"].values())]
+            for ax, x in ((by_step, c["steps"]), (by_time, c["seconds"])):
+                ax.plot(x, c["fd"], marker="o", color=f"C{i}", label=f"{name} ({len(c['seeds'])} seeds)")
+                ax.fill_between(x, low, high, color=f"C{i}", alpha=0.2, lw=0)
+        if s["reach"]:
+            for ax in (by_step, by_time):
+                ax.axhline(next(iter(s["reach"].values()))["target"], color="k", lw=0.8, ls="--",
+                           label="dit's final FD")
+        by_step.set_xlabel("training step")
+        by_time.set_xlabel("training seconds")
+        for ax in (by_step, by_time):
+            ax.set_ylabel("digits FD")
+            ax.set_title(f"cfg {cfg}, {results['settings']['num_samples']} images per point", fontsize=10)
+            ax.grid(True, lw=0.3)
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    FigureCanvasAgg(fig).print_png(path)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------------------
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Benchmark options."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="/tmp/bench-recipes", help="folder for the latents, runs, logs and results")
+    p.add_argument("--recipes", nargs="+", default=list(RECIPE_NAMES), choices=RECIPE_NAMES,
+                   help="recipes to train (dit is the reference of the reach table)")
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1], help="training seeds (at least two for a spread)")
+    p.add_argument("--steps", type=int, default=1500, help="training steps of every run")
+    p.add_argument("--every", type=int, default=250, help="an EMA export (one point of the curves) every N steps")
+    p.add_argument("--num-samples", type=int, default=1000,
+                   help="images per point (FD is biased upward at small N: compare at one N only)")
+    p.add_argument("--num-sampling-steps", type=int, default=20, help="steps of the objective's fast sampler")
+    p.add_argument("--cfg-scales", nargs="+", type=float, default=[1.0, 1.5], help="guidance scales of the curves")
+    p.add_argument("--guide-channels", default="all", help="latent channels guided (the demo's: all)")
+    p.add_argument("--sample-seed", type=int, default=0, help="sampling seed of every curve")
+    p.add_argument("--floor-seed", type=int, default=1, help="sampling seed of the noise-floor repeat")
+    p.add_argument("--batch-size", type=int, default=500, help="images per sampling forward pass")
+    p.add_argument("--interval-recipes", nargs="*", default=["dit", "sit"], choices=RECIPE_NAMES,
+                   help="recipes whose final export is sampled with and without the guidance interval")
+    p.add_argument("--interval-cfg", type=float, default=1.5, help="guidance scale of the interval comparison")
+    p.add_argument("--ddpm-interval", nargs=2, type=float, default=[0.0, 700.0], metavar=("LO", "HI"),
+                   help="guidance interval of ddpm models in DiT timesteps (0 = data)")
+    p.add_argument("--flow-interval", nargs=2, type=float, default=[0.0, 0.7], metavar=("LO", "HI"),
+                   help="guidance interval of flow models in noise level sigma = 1 - tau (0 = data)")
+    p.add_argument("--vae", default=str(ROOT / "data" / "vae-digits"), help="the digits VAE (the demo's)")
+    p.add_argument("--plot", default=None, help="write FD against steps and seconds to this PNG")
+    p.add_argument("--json", default=None, help="write every number to this JSON file")
+    args = p.parse_args(argv)
+    if args.steps % args.every:
+        p.error(f"--steps {args.steps} is not a multiple of --every {args.every}: every run must end on an export")
+    return args
+
+
+def main(argv=None) -> None:
+    """Measure (or resume), print the tables, optionally plot and dump JSON."""
+    args = parse_args(argv)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    latents = prepare_data(args)
+    records = measure_runs(args, latents)
+    settings = {k: v for k, v in vars(args).items() if k not in ("plot", "json")}
+    results = {"settings": settings, "train": {k.lstrip("-"): v for k, v in DEMO_TRAIN.items()}, "runs": records,
+               "summary": summarise(records, args.cfg_scales), "floor": measure_floor(args, records),
+               "interval": measure_interval(args, records)}
+    print_curves(results)
+    print_reach(results)
+    print_costs(results)
+    print_floor(results)
+    print_interval(results)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot(results, args.plot)
+        print(f"wrote {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
