@@ -156,7 +156,8 @@ def test_train_flags_keep_their_official_names_and_choices():
                                       "--mixed-precision", "no", "--grad-checkpoint", "--adam-betas", "0.5", "0.6"])
     cfg = config_from_args(args)
     assert (cfg.seed, cfg.precision, cfg.grad_checkpoint, cfg.adam_betas) == (3, "fp32", 1, (0.5, 0.6))
-    assert cfg == TrainConfig(latents="L", results_dir="R", seed=3, grad_checkpoint=1, adam_betas=(0.5, 0.6))
+    assert cfg == TrainConfig(latents="L", results_dir="R", seed=3, precision="fp32", grad_checkpoint=1,
+                              adam_betas=(0.5, 0.6))
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--latents", "L", "--results-dir", "R", "--max-steps", "1", "--epochs", "1"])
 
