@@ -7,12 +7,13 @@ from pathlib import Path
 
 from shared.cli import HelpFormatter
 from shared.errors import UserError, exit_with
+from shared.shard_schema import EXTRA_STORAGE_DTYPES
 from shared.shards import FLIP_MODES, FOLDER_KIND, STORAGE_DTYPES
 
 PROG = "python -m extract"
 # The flag that sets each setting shared/ and extract name in their errors (ChoiceError / SettingError kinds).
 FLAGS = {"flip mode": "--flip", "storage dtype": "--dtype", "vae": "--vae", "vae config": "--vae-config",
-         FOLDER_KIND: "--out"}
+         FOLDER_KIND: "--out", "feature storage dtype": "--repr-dtype"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,6 +48,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Images per shard, also the unit of resume (default: 4096).")
     p.add_argument("--limit", type=int, default=None,
                    help="Use only N images, spread evenly over the sorted list (for a quick trial; default: all).")
+    p.add_argument("--repr-encoder", default=None,
+                   help="Also store a frozen encoder's patch tokens for REPA (train --repa-weight): a DINOv2 "
+                        "folder saved by transformers' save_pretrained or a Hub id such as facebook/dinov2-base; "
+                        "run once per image and stored flip, fp32 (default: none). The dry run prints the storage.")
+    p.add_argument("--repr-image-size", type=int, default=None,
+                   help="Pixels per side the encoder sees, a multiple of its patch size (default: REPA's, "
+                        "image-size / 16 patches: 224 for DINOv2/14 at 256 px).")
+    p.add_argument("--repr-dtype", choices=list(EXTRA_STORAGE_DTYPES), default="fp16",
+                   help="Storage dtype of the encoder tokens (default: fp16; DINOv2-B at 256 px: ~384 KiB per "
+                        "image and flip).")
     p.add_argument("--check", action="store_true",
                    help="Validate the dataset without encoding: images per class, first image's size and "
                         "mode, bad files (opens every image; no VAE). Exit status 1 if bad files are found.")
@@ -71,6 +82,7 @@ def _config(args):
         data_path=args.data_path, out=args.out, vae=args.vae, vae_config=args.vae_config,
         image_size=args.image_size, flip=args.flip, batch_size=args.batch_size, num_workers=args.num_workers,
         dtype=args.dtype, shard_size=args.shard_size, limit=args.limit, strict=args.strict,
+        repr_encoder=args.repr_encoder, repr_image_size=args.repr_image_size, repr_dtype=args.repr_dtype,
     )
 
 
