@@ -12,6 +12,7 @@ from shared.diffusers_dit import NUMERICS_NOTE, check_dit_config, diffusers_to_d
 from shared.errors import ChoiceError, UserError
 from shared.export import first_nonfinite, load_torch_file, load_weights, safetensors_problem
 from shared.models import ModelConfig, check_preset, infer_model_config
+from shared.repa import repa_release_config, split_repa_release
 from shared.rundir import (CHECKPOINTS, EMA_FILE, EXPORTS, MODEL_FILE, checkpoint_path, is_complete_checkpoint,
                            list_checkpoints, list_exports, step_of)
 
@@ -184,13 +185,16 @@ def _load_official(path: Path, weights: str | None, model: str | None) -> Loaded
     # Official training checkpoints (the DiT release's train.py) also pickle their argparse Namespace.
     obj = load_torch_file(path, _OFFICIAL_FIX, allowed=[argparse.Namespace])
     state_dict, which = _pick_state_dict(obj, path, weights)
+    state_dict, repa_notes = split_repa_release(state_dict)  # REPA's layout: projector dropped
     config = infer_model_config(state_dict)
+    if repa_notes:
+        config = repa_release_config(config)
     if model is not None and model != config.model:
         raise UserError(f"--model {model} does not fit {path}: its tensor shapes are those of {config.model} "
                         f"(latent input {config.input_size}). Pass --model {config.model} or drop --model.")
     how = "checked against --model" if model else "inferred from tensor shapes"
     notes = [f"{config.model}, latent {config.in_channels}x{config.input_size}x{config.input_size}, "
-             f"{config.num_classes} classes ({how})"]
+             f"{config.num_classes} classes ({how})", *repa_notes]
     return LoadedWeights(state_dict, config, path, "official", notes=notes, weights=which)
 
 

@@ -1,4 +1,8 @@
-"""The DiT release's checkpoints by name: `--ckpt DiT-XL-2-256x256.pt` downloads it once into a cache.
+"""Released checkpoints by name: `--ckpt DiT-XL-2-256x256.pt` downloads it once into a cache.
+
+Named here: the DiT release's two files, and REPA's SiT-XL/2 at 4M iterations (the FID 1.42 model; sihyun-yu/REPA,
+MIT: its generate.py downloads this file as last.pt, a bare EMA state dict including its projector; we name it
+REPA-SiT-XL-2-256x256.pt). The REPA file is recognised by its layout (shared/repa.py), not by its name.
 
 Where the file is looked for, in order: the path as given (handled by the caller), ./pretrained_models/NAME
 (where the release's own scripts put it), then the cache: $DIT_CHECKPOINT_DIR if set, else torch's hub
@@ -32,8 +36,13 @@ try:  # POSIX: a waiting lock, released by the OS when its holder dies
 except ImportError:  # Windows: no lock; two simultaneous downloads still never publish a partial file
     fcntl = None
 
-OFFICIAL_NAMES = ("DiT-XL-2-256x256.pt", "DiT-XL-2-512x512.pt")
 BASE_URL = "https://dl.fbaipublicfiles.com/DiT/models/"
+# Releases hosted elsewhere than BASE_URL: name -> full URL (REPA's README / utils.download_model).
+OTHER_URLS = {
+    "REPA-SiT-XL-2-256x256.pt": "https://www.dl.dropboxusercontent.com/scl/fi/cxedbs4da5ugjq5wg3zrg/last.pt"
+                                "?rlkey=8otgrdkno0nd89po3dpwngwcc&st=apcc645o&dl=0",
+}
+OFFICIAL_NAMES = ("DiT-XL-2-256x256.pt", "DiT-XL-2-512x512.pt", *OTHER_URLS)
 URL_ENV = "DIT_DOWNLOAD_URL"
 CACHE_ENV = "DIT_CHECKPOINT_DIR"
 RELEASE_DIR = "pretrained_models"  # the release's scripts download into ./pretrained_models/
@@ -56,7 +65,9 @@ def cache_dir() -> Path:
 
 
 def checkpoint_url(name: str) -> str:
-    """The release's URL of `name` ($DIT_DOWNLOAD_URL replaces the base)."""
+    """The release's URL of `name` ($DIT_DOWNLOAD_URL replaces the base, for every name: a mirror holds them all)."""
+    if name in OTHER_URLS and not os.environ.get(URL_ENV):
+        return OTHER_URLS[name]
     return os.environ.get(URL_ENV, BASE_URL).rstrip("/") + "/" + name
 
 

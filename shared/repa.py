@@ -8,8 +8,9 @@ h_phi: D -> P -> P -> E (SiLU; REPA's build_mlp) and are pulled towards a frozen
 
 REPA's setting: depth 8 of 28 for SiT-XL/2, P = 2048, lambda = 0.5, DINOv2-B/14 at 224 px (E = 768). Its token
 grids match (256 px, patch 2: 16 x 16 DiT tokens; 224 px / 14: 16 x 16 encoder tokens). At other sizes the
-encoder's token grid is resized to the DiT's (`match_tokens`): bilinearly with antialiasing, as an image of
-E channels, so each DiT token is aligned with the encoder features of the same image region.
+encoder's token grid (an image of E channels) is resized to the DiT's (`match_tokens`): a coarser DiT grid
+takes the mean of the encoder tokens over each DiT token's region (adaptive average pooling), a finer one
+interpolates them bilinearly, so each DiT token is aligned with encoder features of the same image region.
 The encoder never runs in training here: its tokens are read from the latent folder ("repr", written by
 `python -m extract --repr-encoder`).
 """
@@ -55,7 +56,10 @@ def match_tokens(features: torch.Tensor, tokens: int) -> torch.Tensor:
         return features
     src, dst = math.isqrt(count), math.isqrt(tokens)
     grid = features.transpose(1, 2).reshape(n, dim, src, src).float()  # (N, E, g_e, g_e), row-major like ViT
-    grid = F.interpolate(grid, size=(dst, dst), mode="bilinear", align_corners=False, antialias=dst < src)
+    if dst < src:  # each DiT token gets the mean of the encoder tokens over its image region
+        grid = F.adaptive_avg_pool2d(grid, dst)  # (N, E, g, g)
+    else:  # finer DiT grid: bilinear, pixel-centre aligned
+        grid = F.interpolate(grid, size=(dst, dst), mode="bilinear", align_corners=False)  # (N, E, g, g)
     return grid.flatten(2).transpose(1, 2)  # (N, tokens, E)
 
 
@@ -95,3 +99,30 @@ def same_features(saved: dict, current: dict) -> list[str]:
     """What differs between the encoder a run started with and the folder's (ignoring where it was read from)."""
     keys = ("model_type", "config_sha256", "input_size", "patch_size", "tokens", "dim", "normalisation", "dtype")
     return [f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in keys if saved.get(k) != current.get(k)]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# REPA's released SiT-XL/2 (sihyun-yu/REPA models/sit.py): DiT's key names, 4 output channels (no learned
+# variance), plus `projectors.0.{0,2,4}.{weight,bias}` (its build_mlp), trained as flow matching with time
+# t = 0 at data and velocity eps - x (shared/flow.py's "repa" convention).
+# ----------------------------------------------------------------------------------------------------------
+
+REPA_PROJECTOR_PREFIX = "projectors."
+
+
+def split_repa_release(state_dict: dict) -> tuple[dict, list[str]]:
+    """(the DiT's state dict, notes): REPA's projector keys are dropped (sampling never uses them)."""
+    projector = [k for k in state_dict if k.startswith(REPA_PROJECTOR_PREFIX)]
+    if not projector:
+        return state_dict, []
+    kept = {k: v for k, v in state_dict.items() if not k.startswith(REPA_PROJECTOR_PREFIX)}
+    count = sum(state_dict[k].numel() for k in projector)
+    return kept, [f"REPA layout: its projector ({len(projector)} tensors, {count:,} parameters) is dropped; "
+                  f"sampled as flow matching in REPA's time convention (t = 0 at data)"]
+
+
+def repa_release_config(config):
+    """A ModelConfig inferred from a REPA state dict, recording its objective: flow in REPA's convention."""
+    from dataclasses import replace
+
+    return replace(config, objective="flow", flow_convention="repa")

@@ -1,0 +1,200 @@
+"""REPA: shard tensors, extraction with a tiny DINOv2, training with alignment, REPA's released layout."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from shared.repa import Projector, alignment_loss, match_tokens
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# REPA's key layout (sihyun-yu/REPA models/sit.py, SiT_models + build_mlp), written out by name at tiny size
+# ---------------------------------------------------------------------------------------------------------
+
+def repa_state_dict(depth=6, width=192, patch=2, channels=4, grid=4, classes=10, proj=32, feat=16, seed=0):
+    """Random tensors under REPA SiT's key names and shapes (4 output channels, one projector to `feat`)."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = {
+        "pos_embed": (1, grid * grid, width),
+        "x_embedder.proj.weight": (width, channels, patch, patch), "x_embedder.proj.bias": (width,),
+        "t_embedder.mlp.0.weight": (width, 256), "t_embedder.mlp.0.bias": (width,),
+        "t_embedder.mlp.2.weight": (width, width), "t_embedder.mlp.2.bias": (width,),
+        "y_embedder.embedding_table.weight": (classes + 1, width),
+        "final_layer.linear.weight": (patch * patch * channels, width),
+        "final_layer.linear.bias": (patch * patch * channels,),
+        "final_layer.adaLN_modulation.1.weight": (2 * width, width),
+        "final_layer.adaLN_modulation.1.bias": (2 * width,),
+        "projectors.0.0.weight": (proj, width), "projectors.0.0.bias": (proj,),
+        "projectors.0.2.weight": (proj, proj), "projectors.0.2.bias": (proj,),
+        "projectors.0.4.weight": (feat, proj), "projectors.0.4.bias": (feat,),
+    }
+    for i in range(depth):
+        shapes.update({
+            f"blocks.{i}.attn.qkv.weight": (3 * width, width), f"blocks.{i}.attn.qkv.bias": (3 * width,),
+            f"blocks.{i}.attn.proj.weight": (width, width), f"blocks.{i}.attn.proj.bias": (width,),
+            f"blocks.{i}.mlp.fc1.weight": (4 * width, width), f"blocks.{i}.mlp.fc1.bias": (4 * width,),
+            f"blocks.{i}.mlp.fc2.weight": (width, 4 * width), f"blocks.{i}.mlp.fc2.bias": (width,),
+            f"blocks.{i}.adaLN_modulation.1.weight": (6 * width, width),
+            f"blocks.{i}.adaLN_modulation.1.bias": (6 * width,),
+        })
+    return {k: 0.02 * torch.randn(s, generator=g) for k, s in shapes.items()}
+
+
+def make_feature_latents(root: Path, n=24, flips=2, tokens=16, dim=8, encoder="enc-a", seed=0) -> Path:
+    """A finished latent folder whose samples also store "repr" (F, T, E) tokens and the encoder's identity."""
+    from shared.shards import ShardWriter, shard_name, write_index
+
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    with ShardWriter(root / shard_name(0), dtype=torch.float16) as writer:
+        for i in range(n):
+            mean = rng.normal(size=(flips, 4, 4, 4)).astype(np.float32) * 0.5 + (i % 4) - 1.5
+            feats = torch.from_numpy(rng.normal(size=(flips, tokens, dim)).astype(np.float32)).half()
+            writer.add(f"{i:06d}", mean, np.full_like(mean, 0.1), i % 4, extra={"repr": feats})
+    identity = {"source": encoder, "model_type": "dinov2", "config_sha256": encoder * 4, "input_size": 16,
+                "patch_size": 4, "grid": 4, "tokens": tokens, "dim": dim, "dtype": "fp16",
+                "normalisation": {"mean": [0.5] * 3, "std": [0.5] * 3}}
+    vae = {"source": "synthetic", "scaling_factor": 0.5, "latent_channels": 4, "downsample_factor": 2}
+    write_index(root, [writer.info], {"image_size": 8, "num_classes": 4, "class_names": list("abcd"), "vae": vae,
+                                      "repr_encoder": identity})
+    return root
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Shards with named tensors
+# ---------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_shards_store_extra_named_tensors_and_describe_them(tmp_path, dtype):
+    from shared.shards import LatentDataset, ShardWriter, collate, shard_name, write_index
+
+    g = torch.Generator().manual_seed(0)
+    means = torch.randn(5, 2, 4, 2, 2, generator=g)
+    feats = torch.randn(5, 2, 9, 3, generator=g).to(dtype)
+    with ShardWriter(tmp_path / shard_name(0)) as writer:
+        for i in range(5):
+            writer.add(f"k{i}", means[i], means[i].abs(), i % 2, extra={"repr": feats[i]})
+    write_index(tmp_path, [writer.info], {"image_size": 4, "num_classes": 2, "class_names": ["a", "b"],
+                                          "vae": {"scaling_factor": 1.0}})
+    index = json.loads((tmp_path / "index.json").read_text())
+    name = str(dtype).replace("torch.", "")
+    assert index["tensors"] == [{"name": "mean", "dtype": "float16", "shape": [2, 4, 2, 2]},
+                                {"name": "std", "dtype": "float16", "shape": [2, 4, 2, 2]},
+                                {"name": "repr", "dtype": name, "shape": [2, 9, 3]}]
+    ds = LatentDataset(tmp_path, progress=False)
+    assert ds.tensor_names == ("mean", "std", "repr")
+    batch = ds.gather([4, 1, 1])
+    assert batch["repr"].dtype == dtype and torch.equal(batch["repr"], feats[[4, 1, 1]])
+    assert torch.equal(batch["mean"], means[[4, 1, 1]].half())
+    assert torch.equal(ds[3]["repr"], feats[3])
+    assert "repr" not in ds.gather([0], extra=())  # moments only: the features are not read
+    assert torch.equal(collate([ds[2], ds[0]])["repr"], feats[[2, 0]])
+    assert torch.equal(collate(ds.__getitems__([2, 0]))["repr"], feats[[2, 0]])
+
+
+def test_moment_only_shards_keep_the_first_versions_bytes_and_layout(tmp_path):
+    """A folder without extra tensors is byte-identical to the format before them (old folders read unchanged)."""
+    import safetensors.numpy
+
+    from shared.shards import LatentDataset, ShardWriter, shard_name
+
+    mean = np.arange(32, dtype=np.float16).reshape(2, 4, 2, 2)
+    with ShardWriter(tmp_path / shard_name(0)) as writer:
+        writer.add("k0", mean, mean, 1)
+    payload = safetensors.numpy.save({"mean": mean, "std": mean})  # what the first version wrote
+    assert payload in (tmp_path / shard_name(0)).read_bytes()
+    assert set(writer.info.layout) == {"dtype", "shape", "header_size", "payload_size", "tensors"}
+    assert set(writer.info.layout["tensors"]) == {"mean", "std"}
+    # An index written before "tensors" existed still reads.
+    from shared.shards import write_index
+    write_index(tmp_path, [writer.info], {"image_size": 4, "num_classes": 2, "class_names": ["a", "b"],
+                                          "vae": {"scaling_factor": 1.0}})
+    index = json.loads((tmp_path / "index.json").read_text())
+    del index["tensors"]
+    (tmp_path / "index.json").write_text(json.dumps(index))
+    ds = LatentDataset(tmp_path, progress=False)
+    assert ds.tensor_names == ("mean", "std") and ds.gather([0])["mean"].shape == (1, 2, 4, 2, 2)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The pieces: tokens, loss, the model's hidden tokens, the flow convention
+# ---------------------------------------------------------------------------------------------------------
+
+def test_alignment_loss_and_token_matching():
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(3, 16, 5, generator=g)
+    assert torch.allclose(alignment_loss(z, 2 * z), torch.full((3,), -1.0), atol=1e-6)  # cosine ignores scale
+    assert torch.allclose(alignment_loss(-z, z), torch.full((3,), 1.0), atol=1e-6)
+    assert match_tokens(z, 16) is z
+    # 4x4 -> 2x2: each DiT token sees the mean of its 2x2 block of encoder tokens (antialiased bilinear, factor 2)
+    grid = torch.arange(16.0).view(1, 16, 1)
+    pooled = match_tokens(grid, 4).view(-1)
+    assert torch.allclose(pooled, torch.tensor([2.5, 4.5, 10.5, 12.5]))
+    up = match_tokens(torch.ones(2, 4, 3), 16)  # 2x2 -> 4x4 (upsampling keeps a constant field)
+    assert up.shape == (2, 16, 3) and torch.allclose(up, torch.ones_like(up))
+
+
+@pytest.mark.parametrize("every", [0, 1])
+def test_model_returns_block_k_tokens_from_the_same_forward(every):
+    from shared.models import DiT_models
+
+    torch.manual_seed(0)
+    model = DiT_models["DiT-T/2"](input_size=8, num_classes=4, grad_checkpoint_every=every)
+    for p in model.parameters():  # leave adaLN-Zero's identity start so the blocks do something
+        torch.nn.init.normal_(p, std=0.05)
+    x, t, y = torch.randn(2, 4, 8, 8), torch.tensor([3.0, 700.0]), torch.tensor([1, 2])
+    out, hidden = model(x, t, y, return_hidden_at=3)
+    assert torch.equal(out, model(x, t, y))
+    h = model.x_embedder(x) + model.pos_embed
+    c = model.t_embedder(t) + model.y_embedder(y, model.training)
+    for block in model.blocks[:3]:
+        h = block(h, c)
+    assert torch.allclose(hidden, h, atol=1e-6)
+    hidden.sum().backward()  # gradients reach the early blocks through the returned tokens
+    assert model.blocks[0].attn.qkv.weight.grad.abs().sum() > 0 and model.blocks[5].attn.qkv.weight.grad is None
+
+
+def test_repa_convention_loss_is_repas():
+    """REPA's loss.py: input (1 - t) x + t eps at time t (0 = data), target eps - x (d/dt of its path)."""
+    from shared.flow import FlowPath
+
+    g = torch.Generator().manual_seed(0)
+    x, eps, tau = torch.randn(4, 3, 2, 2, generator=g), torch.randn(4, 3, 2, 2, generator=g), torch.rand(4, generator=g)
+    seen = {}
+
+    def model_fn(xt, t):
+        seen.update(xt=xt, t=t)
+        return 0.3 * xt
+
+    loss = FlowPath("repa").training_losses(model_fn, x, tau, eps)["loss"]
+    t = seen["t"].view(-1, 1, 1, 1)
+    assert torch.allclose(seen["t"], 1 - tau)
+    assert torch.allclose(seen["xt"], (1 - t) * x + t * eps, atol=1e-6)
+    assert torch.allclose(loss, ((0.3 * seen["xt"] - (eps - x)) ** 2).mean(dim=(1, 2, 3)), atol=1e-6)
+
+
+def test_training_features_follow_the_latents_flip_variant(tmp_path):
+    """With std 0 the latent is the stored mean, so its value names the flip each sample drew."""
+    from shared.objectives import make_objective
+    from shared.shards import LatentDataset, ShardWriter, shard_name, write_index
+    from train.data import TrainingDraws
+
+    with ShardWriter(tmp_path / shard_name(0)) as writer:
+        for i in range(16):
+            mean = np.stack([np.full((4, 2, 2), f + 10 * i, np.float32) for f in range(2)])  # (F=2, C, h, w)
+            feats = torch.stack([torch.full((4, 3), float(f + 10 * i)) for f in range(2)])  # (F, T, E)
+            writer.add(f"k{i}", mean, np.zeros_like(mean), 0, extra={"repr": feats})
+    write_index(tmp_path, [writer.info], {"image_size": 4, "num_classes": 1, "class_names": ["a"],
+                                          "vae": {"scaling_factor": 1.0}})
+    draws = TrainingDraws(LatentDataset(tmp_path, progress=False), seed=3, class_dropout_prob=0.0,
+                          objective=make_objective("flow"), features=True)
+    batch = draws.__getitems__([(p, p) for p in range(16)])
+    assert torch.equal(batch["repr"][:, 0, 0], batch["x0"][:, 0, 0, 0])
+    assert set((batch["x0"][:, 0, 0, 0] % 10).tolist()) == {0.0, 1.0}  # both flips were drawn
+    assert "repr" not in TrainingDraws(draws.dataset, 3, 0.0).__getitems__([(0, 0)])
