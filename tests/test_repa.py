@@ -198,3 +198,181 @@ def test_training_features_follow_the_latents_flip_variant(tmp_path):
     assert torch.equal(batch["repr"][:, 0, 0], batch["x0"][:, 0, 0, 0])
     assert set((batch["x0"][:, 0, 0, 0] % 10).tolist()) == {0.0, 1.0}  # both flips were drawn
     assert "repr" not in TrainingDraws(draws.dataset, 3, 0.0).__getitems__([(0, 0)])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Extraction with a tiny DINOv2 (loaded through the real loading code), through the real CLI
+# ---------------------------------------------------------------------------------------------------------
+
+def _extract(data, out, vae, encoder, *extra) -> list:
+    features = ["--repr-encoder", str(encoder), "--repr-image-size", "16"] if encoder else []
+    return ["--data-path", str(data), "--out", str(out), "--vae", str(vae), "--image-size", "16", "--shard-size", "4",
+            "--batch-size", "3", "--num-workers", "0", *features, *extra]
+
+
+def _user_error(capsys, main, argv, prog) -> str:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{prog}: error:" in err and "Traceback" not in err, err[-2000:]
+    return " ".join(err[err.index(f"{prog}: error:"):].split())
+
+
+def test_extract_stores_the_encoders_tokens_of_each_flip(image_folder, tiny_vae_dir, tiny_dinov2_dir, tmp_path,
+                                                          capsys):
+    from extract.__main__ import main
+    from extract.folder import scan_image_folder
+    from shared.repr_encoder import ReprEncoder, plan_identity
+    from shared.shards import LatentDataset
+
+    out = tmp_path / "lat"
+    assert main(_extract(image_folder, out, tiny_vae_dir, tiny_dinov2_dir, "--dry-run")) == 0
+    plan = capsys.readouterr().out
+    assert "storage: encoder tokens 1 KiB per image (2 flip(s) x 16 tokens x 16 fp16; 4x4 patches of 4 px at 16 px)" \
+        in plan, plan
+    assert "at ImageNet's 1,281,167 images" in plan and not out.exists()  # the dry run writes nothing
+    assert main(_extract(image_folder, out, tiny_vae_dir, tiny_dinov2_dir, "--repr-dtype", "fp32")) == 0
+    ds = LatentDataset(out, progress=False)
+    assert ds.tensor_spec("repr")["shape"] == [2, 16, 16] and ds.meta["repr_encoder"]["dim"] == 16
+    # The stored tokens are the encoder's on the stage's own crop, and on its mirror for flip 1.
+    from extract.loader import ImageFileDataset as Files
+    scan = scan_image_folder(image_folder)
+    pixels = torch.stack([Files(scan, 16)[i]["pixels"] for i in range(2)])  # (2, 3, 16, 16) uint8
+    encoder = ReprEncoder.load(str(tiny_dinov2_dir), plan_identity(str(tiny_dinov2_dir), 16, 16), "cpu")
+    stored = ds.gather([0, 1])["repr"]  # (2, F, T, E)
+    assert torch.allclose(stored[:, 0], encoder.encode(pixels), atol=1e-5)
+    assert torch.allclose(stored[:, 1], encoder.encode(pixels.flip(3)), atol=1e-5)
+    assert not torch.allclose(stored[:, 0], stored[:, 1], atol=1e-3)
+
+
+def test_adding_an_encoder_to_a_half_extracted_folder_is_refused(image_folder, tiny_vae_dir, tiny_dinov2_dir,
+                                                                  tmp_path, capsys):
+    from extract.__main__ import main
+
+    out = tmp_path / "lat"
+    assert main(_extract(image_folder, out, tiny_vae_dir, None, "--limit", "4")) == 0
+    (out / "index.json").unlink()  # as if stopped before the index: shards without features exist
+    before = sorted(p.name for p in out.iterdir())
+    message = _user_error(capsys, main, _extract(image_folder, out, tiny_vae_dir, tiny_dinov2_dir, "--limit", "4"),
+                          "python -m extract")
+    assert f"--out {out} holds shards of a different extraction (repr_encoder: None ->" in message
+    assert "Use a new --out folder for these settings" in message
+    assert sorted(p.name for p in out.iterdir()) == before  # nothing lost or added
+
+
+def test_not_a_dinov2_encoder_is_one_paragraph(image_folder, tiny_vae_dir, tmp_path, capsys):
+    from extract.__main__ import main
+
+    message = _user_error(capsys, main, _extract(image_folder, tmp_path / "lat", tiny_vae_dir, tmp_path / "nothing"),
+                          "python -m extract")
+    assert "--repr-encoder" in message and "is neither a folder holding a transformers encoder" in message
+    assert not (tmp_path / "lat").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Training with REPA through the real entry point
+# ---------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def feature_latents(tmp_path_factory) -> Path:
+    return make_feature_latents(tmp_path_factory.mktemp("flat") / "lat")
+
+
+def _train(latents, run, *extra) -> list:
+    return ["--model", "DiT-T/2", "--latents", str(latents), "--results-dir", str(run), "--global-batch-size", "4",
+            "--num-workers", "0", "--sample-every", "0", "--log-every", "1", "--objective", "flow",
+            "--repa-weight", "0.5", "--repa-depth", "2", "--repa-projector-dim", "32", "--report-to", "none", *extra]
+
+
+def test_repa_trains_checkpoints_its_projector_resumes_and_exports_without_it(feature_latents, tmp_path):
+    from safetensors import safe_open
+
+    from shared import rundir
+    from train.__main__ import main
+
+    run = tmp_path / "run"
+    assert main(_train(feature_latents, run, "--max-steps", "2", "--ckpt-every", "2")) == 0
+    ckpt = run / "checkpoints" / "step-0000002"
+    projector = ckpt / rundir.PROJECTOR_FILE
+    with safe_open(projector, "pt") as f:
+        assert f.get_tensor("mlp.4.weight").shape == (8, 32)  # E = 8 from the folder, P = 32
+    export = sorted((run / "exports").iterdir())[-1]
+    with safe_open(export, "pt") as f:
+        assert not any("mlp.4" in k or "projector" in k for k in f.keys())  # sampling never needs it
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all({"diffusion_loss", "repa_loss"} <= set(m) for m in lines)
+    assert all(abs(m["loss"] - m["diffusion_loss"] - 0.5 * m["repa_loss"]) < 1e-4 for m in lines)
+    saved = torch.load(ckpt / rundir.OPTIMIZER_FILE, weights_only=True)
+    before = {k: v.clone() for k, v in __import__("safetensors.torch").torch.load_file(projector).items()}
+    assert main(_train(feature_latents, run, "--max-steps", "3", "--ckpt-every", "3")) == 0
+    after = __import__("safetensors.torch").torch.load_file(run / "checkpoints" / "step-0000003" / rundir.PROJECTOR_FILE)
+    assert "resumed from" in (run / "log.txt").read_text()
+    assert any(not torch.equal(before[k], after[k]) for k in before)  # the projector kept training
+    assert len(saved["state"]) > 0
+
+
+def test_repa_mistakes_are_one_paragraph_each(feature_latents, tmp_path, capsys):
+    from tests.test_train import make_latents
+    from train.__main__ import main
+
+    def refused(latents, run, *extra):
+        message = _user_error(capsys, main, _train(latents, run, "--max-steps", "2", *extra), "python -m train")
+        assert not (run / "checkpoints").exists()
+        return message
+
+    plain = make_latents(tmp_path / "plain")
+    message = refused(plain, tmp_path / "r1")
+    assert "holds no encoder features" in message and "--repr-encoder" in message and "drop --repa-weight" in message
+    message = refused(feature_latents, tmp_path / "r2", "--repa-depth", "7")
+    assert "--repa-depth 7 is outside the 6 blocks of DiT-T/2" in message
+    message = refused(feature_latents, tmp_path / "r3", "--repa-feature-dim", "768")
+    assert "--repa-feature-dim 768 does not match the features stored" in message and "width 8" in message
+    # Resuming on features of another encoder (same latents otherwise) is refused, nothing written.
+    run = tmp_path / "r4"
+    assert main(_train(feature_latents, run, "--max-steps", "1", "--ckpt-every", "1")) == 0
+    other = make_feature_latents(tmp_path / "other", encoder="enc-b")
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    with pytest.raises(SystemExit) as info:
+        main(_train(other, run, "--max-steps", "2"))
+    assert info.value.code == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "the checkpoint was trained with features of the encoder enc-a" in err and "config_sha256" in err
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+
+
+# ---------------------------------------------------------------------------------------------------------
+# REPA's released checkpoint layout, sampled through the real CLI
+# ---------------------------------------------------------------------------------------------------------
+
+def test_a_repa_layout_state_dict_loads_strictly_and_samples_with_the_sde(tiny_vae_dir, tmp_path, capsys):
+    from sample.__main__ import main
+    from sample.checkpoint import build_model, load_checkpoint
+
+    path = tmp_path / "repa.pt"
+    state = repa_state_dict()
+    torch.save(state, path)
+    loaded = load_checkpoint(path)
+    assert (loaded.config.objective, loaded.config.flow_convention, loaded.config.learn_sigma) == ("flow", "repa", False)
+    model = build_model(loaded, "cpu")  # strict
+    assert torch.equal(model.blocks[5].mlp.fc2.weight, state["blocks.5.mlp.fc2.weight"])
+    assert any("REPA layout: its projector (6 tensors" in n for n in loaded.notes)
+    out = tmp_path / "samples"
+    main(["--ckpt", str(path), "--vae", str(tiny_vae_dir), "--num-samples", "2", "--batch-size", "2",
+          "--sampler", "sde", "--num-sampling-steps", "3", "--cfg-scale", "1.8", "--cfg-interval", "0", "0.7",
+          "--guide-channels", "all", "--out", str(out)])
+    settings = json.loads((out / "settings.json").read_text())
+    assert len(list(out.glob("0*.png"))) == 2 and "sde" in json.dumps(settings)
+    del state["blocks.2.attn.qkv.bias"]
+    torch.save(state, path)
+    with pytest.raises(Exception) as info:  # strict: a missing tensor is refused, not silently zero
+        build_model(load_checkpoint(path), "cpu")
+    assert "do not fit" in str(info.value)
+
+
+def test_repa_release_is_named_with_its_url():
+    from sample.official import OFFICIAL_NAMES, checkpoint_url
+
+    assert "REPA-SiT-XL-2-256x256.pt" in OFFICIAL_NAMES
+    assert checkpoint_url("REPA-SiT-XL-2-256x256.pt").startswith(
+        "https://www.dl.dropboxusercontent.com/scl/fi/cxedbs4da5ugjq5wg3zrg/last.pt")
