@@ -632,10 +632,12 @@ class LatentDataset(torch.utils.data.Dataset):
         out["label"] = int(self.labels[i])
         return out
 
-    def gather(self, indices, extra: Sequence[str] | None = None) -> dict:
+    def gather(self, indices, extra: Sequence[str] | None = None, frames=None) -> dict:
         """A batch {"mean": (B,F,C,h,w), "std": (B,F,C,h,w), "label": (B,) int64}, one memcpy per tensor.
 
         extra: names of further stored tensors to read too (None: all of them; () reads the moments only).
+        frames (B,) ints: read only flip frames[b] of each extra tensor, (B, ...) without the F axis (REPA needs
+        the drawn flip's tokens only, and they are most of the bytes).
         """
         idx = np.asarray(indices, dtype=np.int64)  # (B,)
         if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
@@ -650,17 +652,23 @@ class LatentDataset(torch.utils.data.Dataset):
             for out, off in zip(dst, self._tensor_offsets):
                 out[row * nbytes : (row + 1) * nbytes] = src[base + off : base + off + nbytes]
         for name in self.tensor_names[len(TENSOR_NAMES):] if extra is None else extra:
-            batch[name] = self._gather_extra(name, shards, idx)
+            batch[name] = self._gather_extra(name, shards, idx, frames)
         batch["label"] = torch.from_numpy(self.labels[idx])
         return batch
 
-    def _gather_extra(self, name: str, shards: list, idx: np.ndarray) -> torch.Tensor:
-        """(B, *shape) of the stored tensor `name`, one memcpy per sample (any dtype, bf16 included)."""
+    def _gather_extra(self, name: str, shards: list, idx: np.ndarray, frames=None) -> torch.Tensor:
+        """(B, *shape) of the stored tensor `name`, or (B, *shape[1:]) of frame frames[b] per row; one memcpy each."""
         spec, nbytes = self._specs[name], spec_nbytes(self._specs[name])
-        out = _empty_batch((len(idx), *spec["shape"]), _SCHEMA_TORCH_DTYPES[spec["dtype"]])
+        shape = spec["shape"] if frames is None else spec["shape"][1:]
+        if frames is not None:
+            nbytes //= spec["shape"][0]  # one frame of (F, ...)
+            frames = [int(f) for f in frames]
+            if any(not 0 <= f < spec["shape"][0] for f in frames):
+                raise IndexError(f"frame outside the {spec['shape'][0]} stored for {name!r}")
+        out = _empty_batch((len(idx), *shape), _SCHEMA_TORCH_DTYPES[spec["dtype"]])
         dst = memoryview(out.view(-1).view(torch.uint8).numpy())
         for row, (shard, base) in enumerate(zip(shards, self._offsets[idx].tolist())):
-            start = base + spec["offset"]
+            start = base + spec["offset"] + (0 if frames is None else frames[row] * nbytes)
             dst[row * nbytes : (row + 1) * nbytes] = self._shard_bytes(shard)[start : start + nbytes]
         return out
 

@@ -94,6 +94,8 @@ def test_shards_store_extra_named_tensors_and_describe_them(tmp_path, dtype):
     assert torch.equal(batch["mean"], means[[4, 1, 1]].half())
     assert torch.equal(ds[3]["repr"], feats[3])
     assert "repr" not in ds.gather([0], extra=())  # moments only: the features are not read
+    one = ds.gather([4, 1, 1], extra=("repr",), frames=[1, 0, 1])["repr"]  # only the drawn flip's tokens
+    assert torch.equal(one, feats[[4, 1, 1], [1, 0, 1]])
     assert torch.equal(collate([ds[2], ds[0]])["repr"], feats[[2, 0]])
     assert torch.equal(collate(ds.__getitems__([2, 0]))["repr"], feats[[2, 0]])
 

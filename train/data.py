@@ -60,20 +60,22 @@ class TrainingDraws(torch.utils.data.Dataset):
 
     def __getitems__(self, pairs) -> dict:
         positions = torch.tensor([p for p, _ in pairs], dtype=torch.int64)  # (B,)
-        batch = self.dataset.gather(np.array([i for _, i in pairs], dtype=np.int64), self.extra)  # (B, F, ...)
         gens = [generator_for(self.seed, int(p)) for p in positions]
         # Draw order per sample is fixed: timestep, dropout coin, flip variant, posterior eps, diffusion noise.
         t = torch.cat([self.objective.draw_time(g) for g in gens])  # (B,)
         drop = torch.cat([torch.rand(1, generator=g) for g in gens]) < self.class_dropout_prob  # (B,)
-        flips = batch["mean"].shape[1]
+        flips = self.dataset.flips
         variant = torch.cat([torch.randint(0, flips, (1,), generator=g) for g in gens])  # (B,)
+        # Encoder tokens: only the drawn flip's are read (they are most of a sample's bytes).
+        batch = self.dataset.gather(np.array([i for _, i in pairs], dtype=np.int64), self.extra,
+                                    variant.tolist() if self.extra else None)  # mean/std (B, F, C, h, w)
         rows = torch.arange(len(pairs))
         mean, std = batch["mean"][rows, variant], batch["std"][rows, variant]  # (B, C, h, w)
         x0 = draw_latents(mean, std, self.dataset.scaling_factor, generator=gens)  # (B, C, h, w) fp32
         noise = torch.stack([torch.randn(x0.shape[1:], generator=g) for g in gens])  # (B, C, h, w)
         out = {"x0": x0, "label": batch["label"].long(), "drop": drop, "t": t, "noise": noise, "position": positions}
         if self.extra:  # the encoder saw the same flip as the latent's (REPA aligns the same image)
-            out[REPR_TENSOR] = batch[REPR_TENSOR][rows, variant].float()  # (B, T, E)
+            out[REPR_TENSOR] = batch[REPR_TENSOR].float()  # (B, T, E), of flip `variant`
         return out
 
 
