@@ -378,3 +378,31 @@ def test_repa_release_is_named_with_its_url():
     assert "REPA-SiT-XL-2-256x256.pt" in OFFICIAL_NAMES
     assert checkpoint_url("REPA-SiT-XL-2-256x256.pt").startswith(
         "https://www.dl.dropboxusercontent.com/scl/fi/cxedbs4da5ugjq5wg3zrg/last.pt")
+
+
+def test_sde_in_repas_convention_is_repas_euler_maruyama():
+    """Our SDE on a REPA-convention model equals REPA's sampler written in its own time (t = 0 data, 1 noise):
+    grid linspace(1, 0.04, N), drift u - 0.5 * 2t * score with score = (-(1 - t) u - x) / t, noise sqrt(2t |dt|),
+    then a noise-free step to t = 0 (REPA samplers.py euler_maruyama_sampler, linear path)."""
+    from shared.objectives import make_objective
+
+    g = torch.Generator().manual_seed(0)
+    w = 0.3 * torch.randn(3, 3, generator=g)
+
+    def model_fn(x, t, y=None):  # a smooth stand-in network: u(x, t) = W x + t
+        return torch.einsum("ij,njhw->nihw", w, x) + t.view(-1, 1, 1, 1)
+
+    noise, steps = torch.randn(2, 3, 4, 4, generator=g), 6
+    ours = make_objective("flow", "repa").sample("sde", model_fn, noise, steps, {"last_step_size": 0.04},
+                                                 generator=torch.Generator().manual_seed(5))
+    z = torch.Generator().manual_seed(5)
+    x = noise.double()
+    times = torch.linspace(1.0, 0.04, steps, dtype=torch.float64).tolist() + [0.0]
+    for i, (t0, t1) in enumerate(zip(times[:-1], times[1:])):
+        u = model_fn(x.float(), torch.full((2,), t0)).double()
+        score = (-(1 - t0) * u - x) / t0
+        drift = u - 0.5 * (2 * t0) * score
+        x = x + drift * (t1 - t0)
+        if i < steps - 1:
+            x = x + (2 * t0) ** 0.5 * abs(t1 - t0) ** 0.5 * torch.randn(x.shape, generator=z).double()
+    assert torch.allclose(ours.double(), x, atol=1e-4), (ours.double() - x).abs().max()
