@@ -35,6 +35,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("bench-repa"), help="work folder (kept: rerun resumes)")
     p.add_argument("--steps", type=int, default=600, help="training steps per digits arm")
+    p.add_argument("--batch", type=int, default=64, help="global batch of the digits arms (the demo's: 64)")
+    p.add_argument("--fd-steps", type=int, default=20, help="Euler sampling steps per FD sample")
     p.add_argument("--exports", type=int, default=4, help="EMA exports (FD points) per arm")
     p.add_argument("--fd-samples", type=int, default=200, help="samples per FD point")
     p.add_argument("--step-repeats", type=int, default=5, help="timed steps per step-cost setting (median kept)")
@@ -129,24 +131,42 @@ def extraction_cost(args, images: Path, encoder: Path) -> None:
     print(f"ratio (time with encoder / without): {rates['vae'] / rates['vae+encoder']:.2f}")
 
 
-def train_arm(args, latents: Path, run_dir: Path, repa: bool) -> float:
-    """Train one arm (resumes if already there); seconds of the training subprocess."""
+def train_arm(args, latents: Path, run_dir: Path, repa: bool) -> list:
+    """The command line of one arm (a rerun resumes it)."""
     every = max(args.steps // args.exports, 1)
     flags = ["-m", "train", "--model", "DiT-T/2", "--latents", latents, "--results-dir", run_dir, "--objective",
-             "flow", "--global-batch-size", 64, "--lr", 1e-3, "--warmup-steps", 50, "--ema-decay", 0.995,
+             "flow", "--global-batch-size", args.batch, "--lr", 1e-3, "--warmup-steps", 50, "--ema-decay", 0.995,
              "--max-steps", args.steps, "--ckpt-every", every, "--keep-last", 1, "--keep-exports", 0,
              "--log-every", every, "--num-workers", 0, "--seed", 0, "--sample-every", 0, "--report-to", "none"]
     if repa:
         flags += ["--repa-weight", 0.5, "--repa-depth", 2]
-    seconds, _ = run(flags, run_dir.with_suffix(".log"))
+    return flags
+
+
+def parallel(commands: list[list]) -> list[float]:
+    """Run the commands side by side (each its own process), wait for all; seconds each; fails loudly."""
+    procs = [(time.perf_counter(), subprocess.Popen([sys.executable, *map(str, c)], cwd=ROOT, stdout=subprocess.PIPE,
+                                                    stderr=subprocess.STDOUT, text=True)) for c in commands]
+    seconds = []
+    for (start, proc), command in zip(procs, commands):
+        out, _ = proc.communicate()
+        seconds.append(time.perf_counter() - start)
+        if proc.returncode != 0:
+            raise SystemExit(f"failed ({proc.returncode}): {' '.join(map(str, command))}\n{out[-3000:]}")
     return seconds
 
 
-def evaluate_arm(args, run_dir: Path, seed: int = 0) -> list[dict]:
-    """digits FD of every export of run_dir (python -m evaluate run); rows of eval.jsonl with this seed."""
-    run(["-m", "evaluate", "run", run_dir, "--features", "digits", "--num-samples", args.fd_samples, "--vae", VAE_DIR,
-         "--sampler", "euler", "--num-sampling-steps", 20, "--cfg-scale", 1.0, "--seed", seed,
-         "--batch-size", 100, "--cpu"])
+def evaluate_command(args, run_dir: Path, seed: int = 0) -> list:
+    """python -m evaluate run: digits FD of every export of run_dir."""
+    return ["-m", "evaluate", "run", run_dir, "--features", "digits", "--num-samples", args.fd_samples, "--vae",
+            VAE_DIR, "--sampler", "euler", "--num-sampling-steps", args.fd_steps, "--cfg-scale", 1.0, "--seed", seed,
+            "--batch-size", 100, "--cpu"]
+
+
+def evaluate_arm(args, run_dir: Path, seed: int = 0, ran: bool = False) -> list[dict]:
+    """Rows of run_dir/eval.jsonl with this seed (evaluated first unless `ran`)."""
+    if not ran:
+        run(evaluate_command(args, run_dir, seed))
     rows = [json.loads(x) for x in (run_dir / "eval.jsonl").read_text().splitlines()]
     return [r for r in rows if r.get("seed", r.get("settings", {}).get("seed")) == seed] or rows
 
@@ -158,11 +178,13 @@ def fd_of(row: dict) -> float:
 
 def noise_floor(args, run_dir: Path, seed0: float) -> list[float]:
     """FD of the final export with sampling seeds 0 (given), 1 and 2: the spread a difference must exceed."""
-    floor = args.out / f"floor-{run_dir.name}"
-    (floor / "exports").mkdir(parents=True, exist_ok=True)
     final = sorted((run_dir / "exports").iterdir())[-1]
-    shutil.copy2(final, floor / "exports" / final.name)
-    return [seed0] + [fd_of(evaluate_arm(args, floor, seed)[-1]) for seed in (1, 2)]
+    floors = {seed: args.out / f"floor-{run_dir.name}-seed{seed}" for seed in (1, 2)}
+    for floor in floors.values():
+        (floor / "exports").mkdir(parents=True, exist_ok=True)
+        shutil.copy2(final, floor / "exports" / final.name)
+    parallel([evaluate_command(args, floor, seed) for seed, floor in floors.items()])
+    return [seed0] + [fd_of(evaluate_arm(args, floor, seed, ran=True)[-1]) for seed, floor in floors.items()]
 
 
 def digits(args, images: Path, encoder: Path) -> None:
@@ -170,20 +192,22 @@ def digits(args, images: Path, encoder: Path) -> None:
     latents = args.out / "latents"
     if not (latents / "index.json").exists():
         run(extract_args(images, latents, encoder, None))
-    arms = {}
-    for name, repa in (("flow", False), ("flow+repa", True)):
-        run_dir = args.out / f"run-{name}"
-        seconds = train_arm(args, latents, run_dir, repa)
-        rows = evaluate_arm(args, run_dir)
-        arms[name] = (seconds, {int(r["step"]): fd_of(r) for r in rows})
-    print(f"\n== digits FD ({args.fd_samples} samples, Euler 20 steps, no guidance) vs training steps, "
-          "same seeds ==")
+    names = {"flow": False, "flow+repa": True}
+    dirs = {name: args.out / f"run-{name}" for name in names}
+    # Both arms side by side (two processes: on a shared machine each gets its share; the ratio stays fair).
+    seconds = parallel([train_arm(args, latents, dirs[n], repa) for n, repa in names.items()])
+    parallel([evaluate_command(args, dirs[n]) for n in names])
+    arms = {n: (sec, {int(r["step"]): fd_of(r) for r in evaluate_arm(args, dirs[n], ran=True)})
+            for n, sec in zip(names, seconds)}
+    print(f"\n== digits FD ({args.fd_samples} samples, Euler {args.fd_steps} steps, no guidance) vs training steps, "
+          f"batch {args.batch}, same seeds ==")
     steps = sorted(set().union(*(fd.keys() for _, fd in arms.values())))
     print("step    " + "".join(f"{name:>14}" for name in arms))
     for step in steps:
         print(f"{step:<8}" + "".join(f"{fd.get(step, float('nan')):>14.1f}" for _, fd in arms.values()))
     for name, (seconds, fd) in arms.items():
-        print(f"{name}: {args.steps} steps in {seconds:.0f} s of training subprocess (incl. checkpoints, exports)")
+        print(f"{name}: {args.steps} steps in {seconds:.0f} s of training subprocess (incl. checkpoints, exports; "
+              f"both arms ran side by side)")
     base = arms["flow"][1][max(arms["flow"][1])]
     reached = [s for s, v in sorted(arms["flow+repa"][1].items()) if v <= base]
     print(f"flow's final FD {base:.1f}: flow+repa reaches it at step "
