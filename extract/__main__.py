@@ -11,7 +11,7 @@ from shared.shards import FOLDER_KIND
 PROG = "python -m extract"
 # The flag that sets each setting shared/ and extract name in their errors (ChoiceError / SettingError kinds).
 FLAGS = {"flip mode": "--flip", "storage dtype": "--dtype", "vae": "--vae", "vae config": "--vae-config",
-         FOLDER_KIND: "--out"}
+         FOLDER_KIND: "--out", "feature storage dtype": "--repr-dtype"}
 
 
 def build_parser() -> argparse.ArgumentParser:

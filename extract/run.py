@@ -30,6 +30,8 @@ from extract.sizes import check_image_size
 from shared.errors import ChoiceError, UserError
 from shared.fsio import atomic_write_text, stale_tmps
 from shared.lock import hold_lock
+from shared.shard_schema import EXTRA_STORAGE_DTYPES
+from shared.repa import REPR_TENSOR
 from shared.shards import (FLIP_MODES, FOLDER_KIND, INDEX_NAME, STORAGE_DTYPES, ShardInfo, ShardWriter,
                            damaged_error, damaged_files, shard_name, write_index)
 
@@ -59,6 +61,15 @@ class ExtractConfig:
     shard_size: int = option(4096, "Images per shard, also the unit of resume")
     limit: int | None = option(None, "Use only N images, spread evenly over the sorted list (for a quick trial; "
                                      "default: all).")
+    repr_encoder: str | None = option(  # REPA's frozen encoder: its patch tokens are stored beside the moments
+        None, "Also store a frozen encoder's patch tokens for REPA (train --repa-weight): a DINOv2 folder saved by "
+              "transformers' save_pretrained or a Hub id such as facebook/dinov2-base; run once per image and stored "
+              "flip, fp32 (default: none). The dry run prints the storage.")
+    repr_image_size: int | None = option(
+        None, "Pixels per side the encoder sees, a multiple of its patch size (default: REPA's, image-size / 16 "
+              "patches: 224 for DINOv2/14 at 256 px).")
+    repr_dtype: str = option("fp16", "Storage dtype of the encoder tokens (DINOv2-B at 256 px: ~384 KiB per image and "
+                                     "flip in fp16)", choices=tuple(EXTRA_STORAGE_DTYPES))
     strict: bool = option(False, "Stop at the first bad image instead of skipping and recording it.")
 
 
@@ -84,6 +95,8 @@ class Plan:
     settings: dict
     num_shards: int
     warnings: list = field(default_factory=list)  # printed by the main process before it starts
+    encoder: dict | None = None  # the representation encoder's identity (shared/repr_encoder.py), if any
+    vae_config: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -115,6 +128,11 @@ def check_numbers(cfg: ExtractConfig) -> None:
         raise ChoiceError("flip mode", cfg.flip, FLIP_MODES)
     if cfg.dtype not in STORAGE_DTYPES:
         raise ChoiceError("storage dtype", cfg.dtype, STORAGE_DTYPES)
+    if cfg.repr_dtype not in EXTRA_STORAGE_DTYPES:
+        raise ChoiceError("feature storage dtype", cfg.repr_dtype, EXTRA_STORAGE_DTYPES)
+    if cfg.repr_encoder is None and cfg.repr_image_size is not None:
+        raise UserError("--repr-image-size applies to the representation encoder; pass --repr-encoder too, or "
+                        "drop --repr-image-size.")
 
 
 def check_encoder_vae(cfg: ExtractConfig) -> tuple[str, dict, list[str]]:
@@ -126,11 +144,13 @@ def check_encoder_vae(cfg: ExtractConfig) -> tuple[str, dict, list[str]]:
     return name, config, check_image_size(cfg.image_size, downsample_factor(config))
 
 
-def run_settings(cfg: ExtractConfig, scan: ImageFolderScan, vae_name: str, vae_config: dict) -> dict:
+def run_settings(cfg: ExtractConfig, scan: ImageFolderScan, vae_name: str, vae_config: dict,
+                 encoder: dict | None = None) -> dict:
     """The settings that decide the shard bytes; a rerun must match them to resume into the same --out."""
     from shared.vae import config_sha256
 
-    return {
+    extra = {"repr_encoder": {**encoder, "dtype": cfg.repr_dtype}} if encoder else {}  # absent: the old settings
+    return {**extra,
         "version": SETTINGS_VERSION,
         "dataset": {"num_files": len(scan), "num_classes": len(scan.classes), "files_sha256": scan.fingerprint()},
         "vae": {"source": vae_name, "config_sha256": config_sha256(vae_config)},
@@ -195,10 +215,15 @@ def plan(cfg: ExtractConfig, check_out: bool = True) -> Plan:
     check_numbers(cfg)
     scan = scan_image_folder(cfg.data_path).limited(cfg.limit)
     vae_name, vae_config, warnings = check_encoder_vae(cfg)
-    settings = run_settings(cfg, scan, vae_name, vae_config)
+    encoder = None
+    if cfg.repr_encoder is not None:
+        from shared.repr_encoder import plan_identity
+
+        encoder = plan_identity(cfg.repr_encoder, cfg.image_size, cfg.repr_image_size)  # config only, no weights
+    settings = run_settings(cfg, scan, vae_name, vae_config, encoder)
     if check_out:
         warnings += check_out_folder(Path(cfg.out), settings)
-    return Plan(scan, vae_name, settings, -(-len(scan) // cfg.shard_size), warnings)
+    return Plan(scan, vae_name, settings, -(-len(scan) // cfg.shard_size), warnings, encoder, vae_config)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -268,6 +293,16 @@ def encode_pixels(vae, pixels: torch.Tensor, flip: bool, progress: Progress) -> 
             std.unflatten(0, (frames, -1)).transpose(0, 1))
 
 
+def encode_repr(encoder, pixels: torch.Tensor, flip: bool, chunk: int) -> torch.Tensor:
+    """uint8 (B,3,S,S) -> the encoder's patch tokens (B,F,T,D) fp32, of the same flips as the moments."""
+    x = pixels.to(encoder.device, non_blocking=True)
+    if flip:
+        x = torch.cat([x, x.flip(3)])  # (2B, 3, S, S): originals, then mirrors (as encode_pixels)
+    step = chunk or len(x)
+    tokens = torch.cat([encoder.encode(x[i : i + step]) for i in range(0, len(x), step)])  # (F*B, T, D)
+    return tokens.unflatten(0, (FLIP_MODES["both" if flip else "none"], -1)).transpose(0, 1)  # (B, F, T, D)
+
+
 def _bad_file(scan: ImageFolderScan, pos: int, reason: str, strict: bool) -> dict:
     """Record one unusable file; with --strict it ends the run instead."""
     path = scan.files[pos]
@@ -286,13 +321,17 @@ class ShardSink:
         self.process = process  # {"rank", "world_size"}: which process wrote a shard (for debugging)
         self.shard, self.writer, self.bad, self.seen = None, None, [], 0
 
-    def add(self, positions: list[int], mean, std, bad: list[dict]) -> None:
-        """Write one batch (all positions in one shard, sorted); finish the shard after its last file."""
+    def add(self, positions: list[int], mean, std, bad: list[dict], extra: dict | None = None) -> None:
+        """Write one batch (all positions in one shard, sorted); finish the shard after its last file.
+
+        extra: named per-sample tensors (B, ...) stored beside the moments (e.g. "repr" (B, F, T, D)).
+        """
         shard = (positions[0] if positions else bad[0]["pos"]) // self.cfg.shard_size
         if shard != self.shard:
             self._open(shard)
         for k, pos in enumerate(positions):
-            self.writer.add(f"{pos:09d}", mean[k], std[k], self.plan.scan.labels[pos])
+            self.writer.add(f"{pos:09d}", mean[k], std[k], self.plan.scan.labels[pos],
+                            extra={name: t[k] for name, t in (extra or {}).items()} or None)
         self.bad += [{"path": b["path"], "reason": b["reason"]} for b in bad]
         self.seen += len(positions) + len(bad)
         if self.seen == len(self.batches.shard_positions(shard)):
@@ -333,7 +372,7 @@ def _split_batch(batch: dict, scan: ImageFolderScan, strict: bool) -> tuple[list
     return positions, pixels, bad
 
 
-def encode_shards(cfg: ExtractConfig, plan_: Plan, shards: list[int], vae, state) -> Progress:
+def encode_shards(cfg: ExtractConfig, plan_: Plan, shards: list[int], vae, state, encoder=None) -> Progress:
     """Decode (workers) -> encode (device) -> write, for the given shards; returns this process's counts."""
     device, show = state.device, state.is_local_main_process
     batches = ShardBatches(shards, cfg.shard_size, len(plan_.scan), cfg.batch_size)
@@ -348,13 +387,17 @@ def encode_shards(cfg: ExtractConfig, plan_: Plan, shards: list[int], vae, state
         for batch in loader:
             positions, pixels, bad = _split_batch(batch, plan_.scan, cfg.strict)
             mean = std = None
+            extra = {}
             if positions:
                 mean, std = encode_pixels(vae, pixels, cfg.flip == "both", progress)
                 # one device->host copy per batch, already in the storage dtype (not one per sample)
                 mean, std = (t.to("cpu", STORAGE_DTYPES[cfg.dtype]) for t in (mean, std))
+                if encoder is not None:
+                    tokens = encode_repr(encoder, pixels, cfg.flip == "both", progress.chunk)  # (B, F, T, D)
+                    extra[REPR_TENSOR] = tokens.to("cpu", EXTRA_STORAGE_DTYPES[cfg.repr_dtype])
             for b in bad:
                 tqdm.write(f"extract: skipped bad image {b['path']}: {b['reason']}")
-            sink.add(positions, mean, std, bad)
+            sink.add(positions, mean, std, bad, extra)
             progress.encoded += len(positions)
             progress.bad += bad
             bar.update(len(positions) + len(bad))
@@ -411,6 +454,7 @@ def index_meta(cfg: ExtractConfig, plan_: Plan, vae_identity: dict, num_bad: int
         "dataset": {"path": str(plan_.scan.root), "num_files": len(plan_.scan), "num_bad_files": num_bad,
                     "files_sha256": plan_.scan.fingerprint()},
         "extract_settings": plan_.settings,
+        **({"repr_encoder": plan_.settings["repr_encoder"]} if plan_.encoder else {}),
     }
 
 
@@ -433,6 +477,15 @@ def _load_vae(cfg: ExtractConfig, device):
     from shared.vae import LatentVAE
 
     return LatentVAE.load(cfg.vae, device=device, config=cfg.vae_config)
+
+
+def _load_encoder(cfg: ExtractConfig, plan_: Plan, device):
+    """The frozen representation encoder (fp32), or None without --repr-encoder."""
+    if plan_.encoder is None:
+        return None
+    from shared.repr_encoder import ReprEncoder
+
+    return ReprEncoder.load(cfg.repr_encoder, plan_.encoder, device)
 
 
 def _hold_out(out: Path, state):
@@ -465,8 +518,9 @@ def _extract(cfg: ExtractConfig, plan_: Plan, out: Path, state) -> dict:
     progress, elapsed = Progress(damaged=damaged), 0.0
     if pending:
         vae = _load_vae(cfg, state.device)
+        encoder = _load_encoder(cfg, plan_, state.device)
         start = time.perf_counter()  # the rate below is decode + encode + write, without the VAE load
-        progress = encode_shards(cfg, plan_, pending, vae, state)
+        progress = encode_shards(cfg, plan_, pending, vae, state, encoder)
         progress.damaged = damaged
         elapsed = time.perf_counter() - start
     state.wait_for_everyone()  # every shard finished before the index
@@ -506,6 +560,45 @@ def describe_plan(cfg: ExtractConfig) -> str:
         f"vae: {plan_.vae_name} (encoder fp32); moments stored as {cfg.dtype}, {frames}",
         f"out: {out}: {plan_.num_shards} shards of {cfg.shard_size} images, {done} already finished "
         f"(their sha256 is checked when the run starts)",
+        *describe_storage(cfg, plan_),
         *(f"warning: {w}" for w in plan_.warnings),
         "settings: " + json.dumps(plan_.settings, sort_keys=True),
     ])
+
+
+def _size(n: float) -> str:
+    """Bytes in binary units (KiB .. TiB), three significant figures."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.3g} {unit}"
+        n /= 1024
+    return f"{n:.3g} TiB"
+
+
+IMAGENET_TRAIN_IMAGES = 1_281_167  # for the dry run's "at ImageNet scale" line
+
+
+def describe_storage(cfg: ExtractConfig, plan_: Plan) -> list[str]:
+    """What the shards will take: per image (moments, encoder tokens) and for the folder (payloads only)."""
+    from shared.vae import downsample_factor
+
+    frames = FLIP_MODES[cfg.flip]
+    side = cfg.image_size // downsample_factor(plan_.vae_config)
+    channels = int(plan_.vae_config.get("latent_channels", 4))
+    moments = 2 * frames * channels * side * side * STORAGE_DTYPES[cfg.dtype].itemsize
+    lines = [f"storage: moments {_size(moments)} per image ({frames} flip(s) x mean+std {channels}x{side}x{side} "
+             f"{cfg.dtype})"]
+    per_image = moments
+    if plan_.encoder is not None:
+        from shared.repr_encoder import storage_bytes
+
+        enc = plan_.encoder
+        tokens = storage_bytes(enc, frames, EXTRA_STORAGE_DTYPES[cfg.repr_dtype])
+        per_image += tokens
+        lines.append(f"storage: encoder tokens {_size(tokens)} per image ({frames} flip(s) x {enc['tokens']} tokens "
+                     f"x {enc['dim']} {cfg.repr_dtype}; {enc['grid']}x{enc['grid']} patches of {enc['patch_size']} "
+                     f"px at {enc['input_size']} px); --repr-dtype bf16 or fp16 halves fp32")
+    lines.append(f"storage: {_size(per_image)} per image, {_size(per_image * len(plan_.scan))} for these "
+                 f"{len(plan_.scan)} images (+ tar headers, ~1 KiB per image); at ImageNet's "
+                 f"{IMAGENET_TRAIN_IMAGES:,} images: {_size(per_image * IMAGENET_TRAIN_IMAGES)}")
+    return lines

@@ -13,6 +13,7 @@ from shared.diffusers_dit import NUMERICS_NOTE, check_dit_config, diffusers_to_d
 from shared.errors import ChoiceError, UserError
 from shared.export import first_nonfinite, load_torch_file, load_weights, safetensors_problem
 from shared.models import PRESETS, ModelConfig, check_preset, infer_model_config
+from shared.repa import repa_release_config, split_repa_release
 from shared.rundir import (CHECKPOINTS, EMA_FILE, EXPORTS, MODEL_FILE, checkpoint_path, is_complete_checkpoint,
                            list_checkpoints, list_exports, step_of)
 
@@ -198,15 +199,19 @@ def _load_official(path: Path, weights: str | None, model: str | None, objective
     # Official training checkpoints (the DiT release's train.py) also pickle their argparse Namespace.
     obj = load_torch_file(path, _OFFICIAL_FIX, allowed=[argparse.Namespace])
     state_dict, which = _pick_state_dict(obj, path, weights)
+    state_dict, repa_notes = split_repa_release(state_dict)  # REPA's layout: projector dropped
     config = infer_model_config(state_dict)
-    name, why = _objective_of_release(path, objective)
-    config = dataclasses.replace(config, objective=name)
+    if repa_notes:  # REPA's layout says what it is: flow in REPA's time convention
+        config, name, why = repa_release_config(config), "flow", "REPA's layout (its projector)"
+    else:
+        name, why = _objective_of_release(path, objective)
+        config = dataclasses.replace(config, objective=name)
     if model is not None and model != config.model:
         raise UserError(f"--model {model} does not fit {path}: its tensor shapes are those of {config.model} "
                         f"(latent input {config.input_size}). Pass --model {config.model} or drop --model.")
     how = "checked against --model" if model else "inferred from tensor shapes"
     notes = [f"{config.model}, latent {config.in_channels}x{config.input_size}x{config.input_size}, "
-             f"{config.num_classes} classes ({how})", f"objective {name} ({why})"]
+             f"{config.num_classes} classes ({how})", f"objective {name} ({why})", *repa_notes]
     return LoadedWeights(state_dict, config, path, "official", notes=notes, weights=which)
 
 

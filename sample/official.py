@@ -1,7 +1,10 @@
 """Released checkpoints by name: `--ckpt DiT-XL-2-256x256.pt` (or SiT-XL-2-256x256.pt) downloads it once into a cache.
 
 Each release records what its bare state dict cannot say: the objective it was trained with (SiT's file has
-DiT's layout but is a flow-matching velocity model).
+DiT's layout but is a flow-matching velocity model). Named here: the DiT release's two files, SiT-XL/2, and
+REPA's SiT-XL/2 at 4M iterations (the FID 1.42 model; sihyun-yu/REPA, MIT: its generate.py downloads this file as
+last.pt, a bare EMA state dict including its projector; we name it REPA-SiT-XL-2-256x256.pt). The REPA file is
+recognised by its layout (shared/repa.py), not by its name.
 
 Where the file is looked for, in order: the path as given (handled by the caller), ./pretrained_models/NAME
 (where the release's own scripts put it), then the cache: $DIT_CHECKPOINT_DIR if set, else torch's hub
@@ -56,6 +59,10 @@ RELEASES = {
     "SiT-XL-2-256x256.pt": Release("https://www.dl.dropboxusercontent.com/scl/fi/as9oeomcbub47de5g4be0/SiT-XL-2-256.pt"
                                    "?rlkey=uxzxmpicu46coq3msb17b9ofa&dl=0", objective="flow",
                                    paper="SiT (Ma et al. 2024)"),
+    # REPA's README / utils.download_model: a SiT-XL/2 with its projector, time 0 = data.
+    "REPA-SiT-XL-2-256x256.pt": Release("https://www.dl.dropboxusercontent.com/scl/fi/cxedbs4da5ugjq5wg3zrg/last.pt"
+                                        "?rlkey=8otgrdkno0nd89po3dpwngwcc&st=apcc645o&dl=0", objective="flow",
+                                        flow_convention="repa", paper="REPA (Yu et al. 2024)"),
 }
 OFFICIAL_NAMES = tuple(RELEASES)
 URL_ENV = "DIT_DOWNLOAD_URL"

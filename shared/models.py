@@ -523,22 +523,27 @@ class DiT(nn.Module):
                 f"and in_channels.{rope} Use latents extracted at the size the model was built for."
             )
 
-    def forward(self, x, t, y, force_drop_ids=None):
+    def forward(self, x, t, y, force_drop_ids=None, return_hidden_at=None):
         """x (N, C, H, W) latents, t (N,) timesteps, y (N,) labels -> (N, out_channels, H, W).
 
         force_drop_ids (N,) bool/0-1: which labels become the null class. Training passes the data side's
         per-sample coin here, so the model's own global-RNG label dropout never runs (train/data.py).
+        return_hidden_at k (1..depth): also return block k's output tokens (N, T, D), from the same forward
+        (REPA aligns them; shared/repa.py): the result is then (output, tokens).
         """
         self._check_input(x)
         x = self.x_embedder(x) + self.pos_embed  # (N, T, D), T = H * W / p**2
         c = self.t_embedder(t) + self.y_embedder(y, self.training, force_drop_ids)  # (N, D)
+        hidden = None
         for i, block in enumerate(self.blocks):
             if self._checkpointed(i):
                 x = checkpoint(block, x, c, self.feat_rope, use_reentrant=False)  # (N, T, D)
             else:
                 x = block(x, c, self.feat_rope)  # (N, T, D)
-        x = self.final_layer(x, c)  # (N, T, p*p*out_channels)
-        return self.unpatchify(x)  # (N, out_channels, H, W)
+            if i + 1 == return_hidden_at:
+                hidden = x  # (N, T, D)
+        x = self.unpatchify(self.final_layer(x, c))  # (N, out_channels, H, W)
+        return x if return_hidden_at is None else (x, hidden)
 
 
 #################################################################################

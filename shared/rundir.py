@@ -45,6 +45,7 @@ MODEL_FILE = "model.safetensors"
 EMA_FILE = "ema.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 SCALER_FILE = "scaler.pt"
+PROJECTOR_FILE = "projector.safetensors"  # REPA runs only: the projector (shared/repa.py), never exported
 STATE_FILE = "state.json"
 
 _STEP = re.compile(r"^step-(\d{7,})$")

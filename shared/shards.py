@@ -4,7 +4,9 @@ Layout of a latent folder (written by `extract`, read by `train`):
 
     shard-000000.tar ...   webdataset-compatible ustar archives; per sample KEY two members:
                            KEY.latent.safetensors  tensors "mean" and "std", each (F, C, h, w) fp16/fp32
-                                                   (F=2 with flips: 0 original, 1 mirrored)
+                                                   (F=2 with flips: 0 original, 1 mirrored), and optionally
+                                                   more named tensors (shared/shard_schema.py), e.g. "repr"
+                                                   (F, T, D): an encoder's patch tokens for REPA
                            KEY.cls                 the class index in ASCII
     index-arrays.npz       per-sample arrays, concatenated in shard order: "offsets" (int64, byte offset of
                            each safetensors payload inside its tar) and "labels" (int64)
@@ -41,6 +43,8 @@ from tqdm import tqdm
 
 from shared.errors import UserError, disk_full
 from shared.fsio import TMP_PREFIX, atomic_write_bytes, atomic_write_text, publish_file, space_guard, tmp_name
+from shared.shard_schema import TORCH_DTYPES as _SCHEMA_TORCH_DTYPES
+from shared.shard_schema import describe, payload_layout, serialise, spec_nbytes, tensor_specs
 
 FORMAT_NAME = "dit-latent-shards"
 FORMAT_VERSION = 1
@@ -60,7 +64,6 @@ STORAGE_DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
 
 _DTYPES = {"float16": np.float16, "float32": np.float32}
 _TORCH_DTYPES = {"float16": torch.float16, "float32": torch.float32}
-_SAFETENSORS_DTYPES = {"F16": "float16", "F32": "float32"}
 
 
 def shard_name(index: int) -> str:
@@ -113,19 +116,8 @@ def _padding(size: int, multiple: int = BLOCK) -> bytes:
 
 
 def _payload_layout(payload: bytes) -> dict:
-    """Parse a safetensors payload's header into {dtype, shape, header_size, payload_size, tensors}."""
-    header_len = int.from_bytes(payload[:8], "little")
-    header = json.loads(payload[8 : 8 + header_len])
-    data_start = 8 + header_len
-    specs = [header[name] for name in TENSOR_NAMES]
-    return {
-        "dtype": _SAFETENSORS_DTYPES[specs[0]["dtype"]],
-        "shape": list(specs[0]["shape"]),  # (F, C, h, w)
-        "header_size": data_start,
-        "payload_size": len(payload),
-        # byte offset of each tensor's data relative to the start of the payload
-        "tensors": {name: data_start + header[name]["data_offsets"][0] for name in TENSOR_NAMES},
-    }
+    """Parse a safetensors payload's header into its layout (shared/shard_schema.py)."""
+    return payload_layout(payload)
 
 
 def _as_array(x, dtype: np.dtype) -> np.ndarray:
@@ -224,15 +216,21 @@ class ShardWriter:
     def __len__(self) -> int:
         return len(self._keys)
 
-    def add(self, key: str, mean, std, label: int) -> None:
-        """Append one sample: posterior moments (F, C, h, w) as torch or numpy, and its class index."""
+    def add(self, key: str, mean, std, label: int, extra: dict | None = None) -> None:
+        """Append one sample: posterior moments (F, C, h, w) as torch or numpy, its class index, and optional
+        extra named torch tensors stored in their own dtype (e.g. "repr": encoder tokens (F, T, D))."""
         if self._out is None:
             raise RuntimeError("ShardWriter.add called outside its `with` block")
         self._check_key(key)
         mean, std = _as_array(mean, self.dtype), _as_array(std, self.dtype)
         if mean.ndim != 4 or mean.shape != std.shape:
             raise ValueError(f"mean and std must both be (F, C, h, w); got {mean.shape} and {std.shape}")
-        payload = safetensors.numpy.save({"mean": mean, "std": std})
+        if extra:
+            if set(extra) & {"mean", "std"}:
+                raise ValueError("extra tensors cannot be named 'mean' or 'std'")
+            payload = serialise({"mean": torch.from_numpy(mean), "std": torch.from_numpy(std), **extra})
+        else:  # the first version's bytes exactly
+            payload = safetensors.numpy.save({"mean": mean, "std": std})
         self._check_layout(payload)
         self._offsets.append(self._out.pos + BLOCK)  # the payload starts right after its tar header
         self._write_member(f"{key}.{PAYLOAD_EXT}", payload)
@@ -350,6 +348,7 @@ def write_index(out_dir, shard_infos, meta: dict) -> Path:
         "dtype": layout["dtype"],
         "flips": flips,
         "layout": layout,
+        "tensors": describe(layout),  # every per-sample tensor: name, dtype, shape
         "arrays": arrays,
         "shards": [{"name": s.name, "num_samples": s.num_samples, "size": s.size, "sha256": s.sha256}
                    for s in shards],
@@ -563,6 +562,7 @@ class LatentDataset(torch.utils.data.Dataset):
         self._shape = tuple(layout["shape"])  # (F, C, h, w)
         self._count = int(np.prod(self._shape))  # elements per tensor
         self._tensor_offsets = [layout["tensors"][name] for name in TENSOR_NAMES]  # inside each payload
+        self._specs = tensor_specs(layout)  # every stored tensor, moments first (shared/shard_schema.py)
         self._maps: dict[int, mmap.mmap] = {}
         self._bytes: dict[int, memoryview] = {}
 
@@ -575,6 +575,12 @@ class LatentDataset(torch.utils.data.Dataset):
     image_size = property(lambda self: int(self.meta["image_size"]), doc="Image side the latents encode.")
     vae = property(lambda self: dict(self.meta["vae"]), doc="VAE identity dict written by extract.")
     scaling_factor = property(lambda self: float(self.meta["vae"]["scaling_factor"]), doc="VAE scaling factor.")
+
+    tensor_names = property(lambda self: tuple(self._specs), doc="Names of the per-sample tensors stored.")
+
+    def tensor_spec(self, name: str) -> dict:
+        """{"dtype", "shape", "offset"} of a stored per-sample tensor (KeyError if absent)."""
+        return dict(self._specs[name])
 
     def latent_meta(self) -> dict:
         """The latent description train stores in checkpoints and exports (shared/export.py's latent_meta)."""
@@ -618,11 +624,21 @@ class LatentDataset(torch.utils.data.Dataset):
         out = {name: torch.from_numpy(np.frombuffer(mapping, self._np_dtype, self._count, base + off)
                                       .reshape(self._shape))  # (F, C, h, w) view, no copy
                for name, off in zip(TENSOR_NAMES, self._tensor_offsets)}
+        for name in self.tensor_names[len(TENSOR_NAMES):]:
+            spec = self._specs[name]
+            out[name] = torch.frombuffer(mapping, dtype=_SCHEMA_TORCH_DTYPES[spec["dtype"]],
+                                         count=int(np.prod(spec["shape"])),
+                                         offset=base + spec["offset"]).view(spec["shape"])  # (F, ...) view
         out["label"] = int(self.labels[i])
         return out
 
-    def gather(self, indices) -> dict:
-        """A batch {"mean": (B,F,C,h,w), "std": (B,F,C,h,w), "label": (B,) int64}, one memcpy per tensor."""
+    def gather(self, indices, extra: Sequence[str] | None = None, frames=None) -> dict:
+        """A batch {"mean": (B,F,C,h,w), "std": (B,F,C,h,w), "label": (B,) int64}, one memcpy per tensor.
+
+        extra: names of further stored tensors to read too (None: all of them; () reads the moments only).
+        frames (B,) ints: read only flip frames[b] of each extra tensor, (B, ...) without the F axis (REPA needs
+        the drawn flip's tokens only, and they are most of the bytes).
+        """
         idx = np.asarray(indices, dtype=np.int64)  # (B,)
         if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
             raise IndexError(f"batch index out of range for {len(self)} samples")
@@ -635,8 +651,26 @@ class LatentDataset(torch.utils.data.Dataset):
             src = self._shard_bytes(shard)
             for out, off in zip(dst, self._tensor_offsets):
                 out[row * nbytes : (row + 1) * nbytes] = src[base + off : base + off + nbytes]
+        for name in self.tensor_names[len(TENSOR_NAMES):] if extra is None else extra:
+            batch[name] = self._gather_extra(name, shards, idx, frames)
         batch["label"] = torch.from_numpy(self.labels[idx])
         return batch
+
+    def _gather_extra(self, name: str, shards: list, idx: np.ndarray, frames=None) -> torch.Tensor:
+        """(B, *shape) of the stored tensor `name`, or (B, *shape[1:]) of frame frames[b] per row; one memcpy each."""
+        spec, nbytes = self._specs[name], spec_nbytes(self._specs[name])
+        shape = spec["shape"] if frames is None else spec["shape"][1:]
+        if frames is not None:
+            nbytes //= spec["shape"][0]  # one frame of (F, ...)
+            frames = [int(f) for f in frames]
+            if any(not 0 <= f < spec["shape"][0] for f in frames):
+                raise IndexError(f"frame outside the {spec['shape'][0]} stored for {name!r}")
+        out = _empty_batch((len(idx), *shape), _SCHEMA_TORCH_DTYPES[spec["dtype"]])
+        dst = memoryview(out.view(-1).view(torch.uint8).numpy())
+        for row, (shard, base) in enumerate(zip(shards, self._offsets[idx].tolist())):
+            start = base + spec["offset"] + (0 if frames is None else frames[row] * nbytes)
+            dst[row * nbytes : (row + 1) * nbytes] = self._shard_bytes(shard)[start : start + nbytes]
+        return out
 
     def __getitems__(self, indices) -> "GatheredBatch":
         """DataLoader's batched fetch: gather the batch at once; `collate` passes it through untouched."""
@@ -658,7 +692,7 @@ class GatheredBatch(Sequence):
     def __getitem__(self, j: int) -> dict:
         if not -len(self) <= j < len(self):
             raise IndexError(j)
-        return {"mean": self.batch["mean"][j], "std": self.batch["std"][j], "label": int(self.batch["label"][j])}
+        return {**{k: v[j] for k, v in self.batch.items() if k != "label"}, "label": int(self.batch["label"][j])}
 
 
 def collate(samples) -> dict:
@@ -666,8 +700,7 @@ def collate(samples) -> dict:
     if isinstance(samples, GatheredBatch):
         return samples.batch
     return {
-        "mean": torch.stack([s["mean"] for s in samples]),  # (B, F, C, h, w)
-        "std": torch.stack([s["std"] for s in samples]),
+        **{k: torch.stack([s[k] for s in samples]) for k in samples[0] if k != "label"},  # (B, F, ...)
         "label": torch.tensor([int(s["label"]) for s in samples], dtype=torch.int64),
     }
 

@@ -42,6 +42,24 @@ def tiny_vae_dir(tmp_path_factory) -> Path:
     return make_tiny_vae(tmp_path_factory.mktemp("vae") / "tiny-vae")
 
 
+def make_tiny_dinov2(out_dir: Path, patch_size: int = 4, hidden_size: int = 16, image_size: int = 16,
+                     seed: int = 0) -> Path:
+    """Save a random transformers Dinov2Model (2 layers) into out_dir, as REPA's encoder, and return it."""
+    from transformers import Dinov2Config, Dinov2Model
+
+    torch.manual_seed(seed)
+    config = Dinov2Config(hidden_size=hidden_size, num_hidden_layers=2, num_attention_heads=2, mlp_ratio=2,
+                          patch_size=patch_size, image_size=image_size)
+    Dinov2Model(config).save_pretrained(out_dir)
+    return Path(out_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_dinov2_dir(tmp_path_factory) -> Path:
+    """A tiny random DINOv2 folder: patch 4, 16 channels."""
+    return make_tiny_dinov2(tmp_path_factory.mktemp("dinov2") / "tiny-dinov2")
+
+
 def make_image_folder(root: Path, classes=("cat", "dog", "eel"), per_class: int = 3, size=(20, 24), seed: int = 0) -> Path:
     """Write an ImageFolder tree root/<class>/<i>.png of random RGB images and return root."""
     from PIL import Image

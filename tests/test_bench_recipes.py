@@ -63,3 +63,19 @@ def test_steps_must_end_on_an_export(capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(["--steps", "100", "--every", "30"])
     assert "multiple of --every" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("objective,sampler,interval", [("ddpm", "ddim", (0.0, 700.0)), ("flow", "euler", (0.0, 0.7))])
+def test_model_rows_count_the_samplers_own_calls(tmp_path, objective, sampler, interval):
+    from shared import rundir
+    from shared.export import save_weights
+    from shared.models import ModelConfig
+
+    config = ModelConfig(model="DiT-T/2", input_size=4, num_classes=5, objective=objective)
+    export = save_weights(rundir.export_path(tmp_path, 10), config.build().state_dict(), config, {"image_size": 32},
+                          10)
+    assert bench.model_rows(export, sampler, 20, 1.0) == 20  # no guidance: one row per step
+    assert bench.model_rows(export, sampler, 20, 1.5) == 40  # guided: [cond; null] every step
+    # 20 steps visit noise levels 999..0 in DiT timesteps (ddim: 0, 53, ..., 684 are <= 700) or sigma 1.0..0.05
+    # (flow: 0.7, 0.65, ..., 0.05 are <= 0.7): 14 guided steps (2 rows) and 6 conditional ones (1 row).
+    assert bench.model_rows(export, sampler, 20, 1.5, interval) == 2 * 14 + 6

@@ -33,6 +33,9 @@ DEBUG_STEPS = 5
 # Changing one of these changes the experiment: a resume that differs is refused.
 IDENTITY_FIELDS = ("model", "objective", "time_sampling", "time_loc", "time_scale", "cos_weight", "global_batch_size",
                    "seed", "optimizer", "adam_betas", "weight_decay", "ema_decay", "class_dropout_prob") + BLOCK_FIELDS
+# REPA (shared/repa.py): its settings change the experiment too.
+REPA_FIELDS = ("repa_weight", "repa_depth", "repa_projector_dim", "repa_feature_dim")
+IDENTITY_FIELDS += REPA_FIELDS
 # Data identity: what a checkpoint's latent folder must share with the one given now.
 DATA_FIELDS = ("num_samples", "latent_shape", "flips", "num_classes", "image_size", "scaling_factor", "vae",
                "index_sha256")
@@ -155,6 +158,15 @@ class TrainConfig:
     dry_run: bool = option(False, "check the inputs, print the resolved config and exit")
     max_nonfinite: int = option(
         10, "stop after this many consecutive non-finite losses or gradient norms (0 = never)")
+    # REPA (Yu et al. 2024; shared/repa.py): align block `repa_depth`'s tokens, through an MLP D -> P -> P -> E,
+    # with the encoder tokens stored in the latent folder; 0 weight = off. E comes from the folder when None.
+    repa_weight: float = option(0.0, "REPA: weight lambda of the alignment loss (REPA: 0.5); 0 turns REPA off "
+                                     "(default). Needs a latent folder extracted with --repr-encoder")
+    repa_depth: int = option(8, "REPA: align the output of this block, counted from 1 (REPA: 8 of SiT-XL's 28)")
+    repa_projector_dim: int = option(2048, "REPA: hidden width P of the projector MLP D -> P -> P -> E (REPA: 2048)")
+    repa_feature_dim: int | None = option(
+        None, "REPA: the projector's output E, which must equal the stored features' width (REPA's "
+              "--projector-embed-dims, 768 for DINOv2-B); default: read from the latent folder")
     # Resolved by resolve_config (not flags):
     world_size: int = 1
     grad_accum_steps: int = 1
@@ -226,7 +238,7 @@ def config_from_args(args: argparse.Namespace, explicit=frozenset()) -> TrainCon
 
 _POSITIVE = ("time_scale", "global_batch_size", "micro_batch_size", "max_steps", "epochs", "ckpt_every", "log_every",
              "sample_steps", "image_size")
-_NON_NEGATIVE = ("cos_weight", "grad_checkpoint", "keep_last", "keep_exports", "sample_every", "warmup_steps", "num_workers",
+_NON_NEGATIVE = ("repa_weight", "cos_weight", "grad_checkpoint", "keep_last", "keep_exports", "sample_every", "warmup_steps", "num_workers",
                  "max_nonfinite", "weight_decay", "max_grad_norm", "seed")
 
 
@@ -270,6 +282,7 @@ def data_identity(dataset) -> dict:
         "num_classes": dataset.num_classes, "image_size": dataset.image_size,
         "scaling_factor": dataset.scaling_factor, "vae": dataset.vae,
         "index_sha256": hashlib.sha256(index_bytes).hexdigest(),
+        **({"repr_encoder": dataset.meta["repr_encoder"]} if "repr_encoder" in dataset.meta else {}),
     }
 
 
@@ -303,6 +316,7 @@ def check_config(cfg: TrainConfig, dataset) -> None:
     _check_objective(cfg)
     _check_image_size(cfg, dataset)
     _check_model_fits(cfg, dataset.latent_shape)
+    _resolve_repa(cfg, dataset)
 
 
 def resolve_config(cfg: TrainConfig, dataset, world_size: int) -> TrainConfig:
@@ -318,6 +332,28 @@ def resolve_config(cfg: TrainConfig, dataset, world_size: int) -> TrainConfig:
         cfg.total_steps = cfg.max_steps or DEFAULT_MAX_STEPS
     _resolve_preview_guidance(cfg)
     return cfg
+
+
+def _resolve_repa(cfg: TrainConfig, dataset) -> None:
+    """With REPA on: the folder's features exist, the depth fits the model, E matches them (one paragraph each)."""
+    from shared.models import PRESETS
+    from shared.repa import REPR_TENSOR, check_depth, check_grid, features_of
+
+    if cfg.repa_weight <= 0:
+        return
+    encoder = features_of(dataset.meta, dataset.root, dataset.tensor_names)
+    check_depth(cfg.repa_depth, PRESETS[cfg.model]["depth"], cfg.model)
+    if cfg.repa_projector_dim <= 0:
+        raise UserError(f"--repa-projector-dim must be positive (REPA: 2048), got {cfg.repa_projector_dim}.")
+    flips, tokens, dim = dataset.tensor_spec(REPR_TENSOR)["shape"]  # (F, T, E)
+    if cfg.repa_feature_dim is not None and cfg.repa_feature_dim != dim:
+        raise UserError(f"--repa-feature-dim {cfg.repa_feature_dim} does not match the features stored in "
+                        f"{dataset.root}: {tokens} tokens of width {dim} from {encoder.get('source')}. The projector's "
+                        f"output must have the features' width: pass --repa-feature-dim {dim} (or omit it), or "
+                        f"extract features of width {cfg.repa_feature_dim} with another --repr-encoder into a new "
+                        f"folder.")
+    check_grid(tokens, f"the encoder features in {dataset.root}")
+    cfg.repa_feature_dim = dim
 
 
 def _check_objective(cfg: TrainConfig) -> None:
@@ -343,6 +379,14 @@ def _resolve_preview_guidance(cfg: TrainConfig) -> None:
 
 def _data_mismatch(saved: dict, current: dict) -> str | None:
     """A sentence on how two latent folders differ, or None when they are the same data."""
+    if saved.get("repr_encoder") != current.get("repr_encoder") and saved.get("repr_encoder"):
+        from shared.repa import same_features
+
+        diffs = same_features(saved["repr_encoder"], current.get("repr_encoder") or {})
+        return (f"the checkpoint was trained with features of the encoder {saved['repr_encoder'].get('source')}, but "
+                f"--latents holds {'none' if not current.get('repr_encoder') else 'another encoder or size'} "
+                f"({'; '.join(diffs[:4]) or 'another source'}); REPA cannot change its target mid-run. Pass the "
+                f"original latent folder")
     for key in ("vae", "image_size", "latent_shape", "scaling_factor"):
         if saved.get(key) != current.get(key):
             return (f"the checkpoint was trained on latents with {key} {saved.get(key)!r}, but --latents has "

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from shared.objectives import DDPMObjective
+from shared.repa import REPR_TENSOR
 from shared.seeding import generator_for
 from shared.shards import LatentDataset, StreamSampler
 from shared.vae import draw_latents
@@ -41,12 +42,15 @@ class TrainingDraws(torch.utils.data.Dataset):
     Output of `__getitems__` (B samples): x0 (B,C,h,w) fp32 fresh latents scaled by the VAE factor, label
     (B,) int64, drop (B,) bool (class dropout), t (B,) the objective's times (int64 DiT timesteps, or float32
     flow times), noise (B,C,h,w) fp32, position
-    (B,) int64: each sample's global stream position, which keys all of its draws.
+    (B,) int64: each sample's global stream position, which keys all of its draws. With `features` (REPA), also
+    repr (B,T,E): the stored encoder tokens of the same flip variant as the latent.
     """
 
-    def __init__(self, dataset: LatentDataset, seed: int, class_dropout_prob: float, objective=None):
+    def __init__(self, dataset: LatentDataset, seed: int, class_dropout_prob: float, objective=None,
+                 features: bool = False):
         self.dataset, self.seed, self.class_dropout_prob = dataset, seed, class_dropout_prob
         self.objective = objective or DDPMObjective()
+        self.extra = (REPR_TENSOR,) if features else ()  # other stored tensors are never read
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -56,19 +60,23 @@ class TrainingDraws(torch.utils.data.Dataset):
 
     def __getitems__(self, pairs) -> dict:
         positions = torch.tensor([p for p, _ in pairs], dtype=torch.int64)  # (B,)
-        batch = self.dataset.gather(np.array([i for _, i in pairs], dtype=np.int64))  # mean/std (B, F, C, h, w)
         gens = [generator_for(self.seed, int(p)) for p in positions]
         # Draw order per sample is fixed: timestep, dropout coin, flip variant, posterior eps, diffusion noise.
         t = torch.cat([self.objective.draw_time(g) for g in gens])  # (B,)
         drop = torch.cat([torch.rand(1, generator=g) for g in gens]) < self.class_dropout_prob  # (B,)
-        flips = batch["mean"].shape[1]
+        flips = self.dataset.flips
         variant = torch.cat([torch.randint(0, flips, (1,), generator=g) for g in gens])  # (B,)
+        # Encoder tokens: only the drawn flip's are read (they are most of a sample's bytes).
+        batch = self.dataset.gather(np.array([i for _, i in pairs], dtype=np.int64), self.extra,
+                                    variant.tolist() if self.extra else None)  # mean/std (B, F, C, h, w)
         rows = torch.arange(len(pairs))
         mean, std = batch["mean"][rows, variant], batch["std"][rows, variant]  # (B, C, h, w)
         x0 = draw_latents(mean, std, self.dataset.scaling_factor, generator=gens)  # (B, C, h, w) fp32
         noise = torch.stack([torch.randn(x0.shape[1:], generator=g) for g in gens])  # (B, C, h, w)
-        return {"x0": x0, "label": batch["label"].long(), "drop": drop, "t": t, "noise": noise,
-                "position": positions}
+        out = {"x0": x0, "label": batch["label"].long(), "drop": drop, "t": t, "noise": noise, "position": positions}
+        if self.extra:  # the encoder saw the same flip as the latent's (REPA aligns the same image)
+            out[REPR_TENSOR] = batch[REPR_TENSOR].float()  # (B, T, E), of flip `variant`
+        return out
 
 
 def _passthrough(batch):
@@ -77,11 +85,12 @@ def _passthrough(batch):
 
 
 def make_loader(dataset: LatentDataset, *, micro_batch: int, rank: int, world_size: int, seed: int, start: int,
-                class_dropout_prob: float, num_workers: int, pin_memory: bool, objective=None) -> Iterator[dict]:
+                class_dropout_prob: float, num_workers: int, pin_memory: bool, objective=None,
+                features: bool = False) -> Iterator[dict]:
     """An endless iterator of micro-batches for this rank, starting at global stream position `start`."""
     sampler = PositionedSampler(len(dataset), rank, world_size, seed, start)
     loader = torch.utils.data.DataLoader(
-        TrainingDraws(dataset, seed, class_dropout_prob, objective), batch_size=micro_batch, sampler=sampler,
+        TrainingDraws(dataset, seed, class_dropout_prob, objective, features), batch_size=micro_batch, sampler=sampler,
         num_workers=num_workers, pin_memory=pin_memory, collate_fn=_passthrough,
         # Its own generator, so worker seeding never consumes the global torch RNG.
         generator=torch.Generator().manual_seed(seed), persistent_workers=False,
@@ -89,10 +98,12 @@ def make_loader(dataset: LatentDataset, *, micro_batch: int, rank: int, world_si
     return iter(loader)
 
 
-def synthetic_batch(shape_of, micro_batch: int, class_dropout_prob: float, seed: int = 0, objective=None) -> dict:
+def synthetic_batch(shape_of, micro_batch: int, class_dropout_prob: float, seed: int = 0, objective=None,
+                    features: tuple | None = None) -> dict:
     """A micro-batch of the loader's keys, shapes and dtypes from random latents (bench and plan).
 
-    shape_of: a ModelConfig or a DiT (both carry in_channels, input_size and num_classes).
+    shape_of: a ModelConfig or a DiT (both carry in_channels, input_size and num_classes). features (T, E): also
+    random REPA encoder tokens of that shape.
     """
     g = torch.Generator().manual_seed(seed)
     shape = (micro_batch, shape_of.in_channels, shape_of.input_size, shape_of.input_size)
@@ -101,4 +112,5 @@ def synthetic_batch(shape_of, micro_batch: int, class_dropout_prob: float, seed:
             "drop": torch.rand(micro_batch, generator=g) < class_dropout_prob,  # (B,)
             "t": torch.cat([(objective or DDPMObjective()).draw_time(g) for _ in range(micro_batch)]),  # (B,)
             "noise": torch.randn(shape, generator=g),  # (B, C, h, w)
-            "position": torch.arange(micro_batch, dtype=torch.int64)}  # (B,)
+            "position": torch.arange(micro_batch, dtype=torch.int64),  # (B,)
+            **({REPR_TENSOR: torch.randn((micro_batch, *features), generator=g)} if features else {})}  # (B, T, E)

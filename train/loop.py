@@ -187,6 +187,7 @@ def _restore_from(run: Run, source: Path) -> None:
     check_finite_state(saved, source)
     learner.raw.load_state_dict(saved["model"], strict=True)
     learner.ema.load_state_dict(saved["ema"], strict=True)
+    restore_projector(learner, saved.get("projector"), source)
     learner.optimizer.load_state_dict(saved["optimizer"])
     if learner.scaler.is_enabled() and saved["scaler"]:
         learner.scaler.load_state_dict(saved["scaler"])
@@ -196,6 +197,25 @@ def _restore_from(run: Run, source: Path) -> None:
     learner.step, learner.skipped_steps = int(state["step"]), int(state.get("skipped_steps", 0))
     run.data_position = int(state.get("data_position", learner.step * run.cfg.global_batch_size))
     run.last_checkpoint = source
+
+
+def restore_projector(learner: Learner, state: dict | None, source: Path) -> None:
+    """Load REPA's projector from a checkpoint; a missing one or one of another width is one paragraph."""
+    if learner.projector is None:
+        return
+    if state is None:
+        raise UserError(f"the checkpoint {source} has no REPA projector ({rundir.PROJECTOR_FILE}): it was not trained "
+                        f"with REPA, so it cannot be resumed with --repa-weight. Resume without the --repa-* flags, "
+                        f"or start a new --results-dir.")
+    mine = {k: tuple(v.shape) for k, v in learner.projector.state_dict().items()}
+    saved = {k: tuple(v.shape) for k, v in state.items()}
+    if mine != saved:
+        last = sorted(k for k in saved if k.endswith("weight"))[-1:]
+        raise UserError(f"the REPA projector in {source} has shapes {[saved[k] for k in last]} (output width x "
+                        f"input) where this run builds {[mine.get(k) for k in last]}: the projector dimension does not "
+                        f"match the stored features or --repa-projector-dim. Resume with the latent folder and "
+                        f"--repa-* flags the run was started with, or start a new --results-dir.")
+    learner.projector.load_state_dict(state, strict=True)
 
 
 def setup_run(cfg: TrainConfig, dataset: LatentDataset, source: Path | None, accelerator,
@@ -310,7 +330,8 @@ def _write_main(run: Run, tmp: Path) -> None:
     ckpt_io.save_main_state(tmp, model_state=learner.raw.state_dict(), ema_state=ema_state,
                             model_config=learner.model_config, latent_meta=latent_meta,
                             optimizer_state=learner.optimizer.state_dict(),
-                            scaler_state=learner.scaler.state_dict(), state=state)
+                            scaler_state=learner.scaler.state_dict(), state=state,
+                            projector_state=learner.projector.state_dict() if learner.projector is not None else None)
     final = ckpt_io.publish(tmp, run.run_dir, run.step)
     write_export(run)
     pruned = ckpt_io.prune_checkpoints(run.run_dir, run.cfg.keep_last)
@@ -354,9 +375,13 @@ class Meter:
     def reset(self) -> None:
         """Start a new window."""
         self.losses, self.norms, self.skipped, self.start = [], [], 0, time.perf_counter()
+        self.parts: dict[str, list] = {}  # REPA: diffusion_loss and repa_loss, logged beside the total
 
     def add(self, result: dict) -> None:
         """Record one step's result."""
+        for name in ("diffusion_loss", "repa_loss"):
+            if name in result:
+                self.parts.setdefault(name, []).append(result[name])
         self.losses.append(result["loss"])
         self.norms.append(result["grad_norm"])
         self.skipped += int(result["skipped"])
@@ -371,6 +396,7 @@ class Meter:
             "images_per_s": steps * cfg.global_batch_size / seconds, "skipped": self.skipped,
             "skipped_total": learner.skipped_steps, "data_position": run.data_position,
             "epoch": run.data_position / len(run.dataset),
+            **{name: float(np.mean(values)) for name, values in self.parts.items()},
         }
         if learner.scaler.is_enabled():
             values["loss_scale"] = learner.scaler.get_scale()
@@ -430,7 +456,8 @@ def run_loop(run: Run) -> dict:
     loader = make_loader(run.dataset, micro_batch=cfg.micro_batch_size, rank=run.accelerator.process_index,
                          world_size=run.accelerator.num_processes, seed=cfg.seed, start=run.data_position,
                          class_dropout_prob=cfg.class_dropout_prob, num_workers=cfg.num_workers,
-                         pin_memory=run.device.type == "cuda", objective=run.learner.objective)
+                         pin_memory=run.device.type == "cuda", objective=run.learner.objective,
+                         features=run.learner.projector is not None)
     meter, last = Meter(), {}
     bar = tqdm(total=total, initial=run.step, desc="train", unit="step", disable=not run.is_main, dynamic_ncols=True)
     with bar:

@@ -41,8 +41,29 @@ class Learner:
     accelerator: object = None  # None: a single process without Accelerate (nothing to synchronise)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     objective: object = field(default_factory=DDPMObjective)  # shared/objectives.py: time draws and the loss
+    projector: torch.nn.Module | None = None  # REPA's projector (shared/repa.py), trained with the model; no EMA
     step: int = 0
     skipped_steps: int = 0
+
+    def trained_parameters(self) -> list[torch.nn.Parameter]:
+        """What the optimizer updates and the gradient norm covers: the DiT, then the REPA projector if any."""
+        extra = list(self.projector.parameters()) if self.projector is not None else []
+        return list(self.raw.parameters()) + extra
+
+
+class AlignedDiT(torch.nn.Module):
+    """The DiT and REPA's projector as one module, so compile and DDP see (and all-reduce) both.
+
+    forward(x, t, y, force_drop_ids) -> (DiT output (N, C', H, W), projected block-`depth` tokens (N, T, E)).
+    """
+
+    def __init__(self, dit: torch.nn.Module, projector: torch.nn.Module, depth: int):
+        super().__init__()
+        self.dit, self.projector, self.depth = dit, projector, depth
+
+    def forward(self, x, t, y, force_drop_ids=None):
+        out, hidden = self.dit(x, t, y, force_drop_ids=force_drop_ids, return_hidden_at=self.depth)
+        return out, self.projector(hidden)  # (N, C', H, W), (N, T, E)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -70,9 +91,12 @@ def import_bitsandbytes():
     return bitsandbytes
 
 
-def build_optimizer(cfg: TrainConfig, model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW (fused kernel on CUDA, foreach on CPU) or bitsandbytes' 8-bit AdamW (Dettmers et al., 2022)."""
-    params = [p for p in model.parameters() if p.requires_grad]
+def build_optimizer(cfg: TrainConfig, model, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW (fused kernel on CUDA, foreach on CPU) or bitsandbytes' 8-bit AdamW (Dettmers et al., 2022).
+
+    model: a module, or the list of parameters to train (the DiT's, then the REPA projector's).
+    """
+    params = [p for p in (model.parameters() if isinstance(model, torch.nn.Module) else model) if p.requires_grad]
     kwargs = dict(lr=cfg.lr, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay)
     if cfg.optimizer == "adamw8bit":
         return import_bitsandbytes().optim.AdamW8bit(params, **kwargs)  # ~2 bytes/param of moments, not 8
@@ -93,17 +117,31 @@ def objective_for(cfg: TrainConfig, model_config: ModelConfig):
                           time_scale=cfg.time_scale, cos_weight=cfg.cos_weight)
 
 
+def build_projector(cfg: TrainConfig, raw: torch.nn.Module) -> torch.nn.Module | None:
+    """REPA's projector D -> P -> P -> E (after the DiT's init, from the same seeded stream), or None without REPA."""
+    if cfg.repa_weight <= 0:
+        return None
+    from shared.repa import Projector
+
+    return Projector(raw.pos_embed.shape[-1], cfg.repa_projector_dim, cfg.repa_feature_dim).train()
+
+
 def make_learner(cfg: TrainConfig, model_config: ModelConfig, accelerator=None, device=None) -> Learner:
     """Model, EMA, optimizer and scaler on `device` (the accelerator's when given), compiled/wrapped as asked."""
     device = torch.device(accelerator.device if accelerator is not None else (device or "cpu"))
     raw = build_model(cfg, model_config)
+    projector = build_projector(cfg, raw)
     ema = build_ema(raw, cfg, device)
     raw.to(device)
-    learner = Learner(cfg=cfg, raw=raw, model=raw, ema=ema, optimizer=build_optimizer(cfg, raw, device),
+    if projector is not None:
+        projector.to(device)
+    learner = Learner(cfg=cfg, raw=raw, model=raw, ema=ema, optimizer=None,
                       scaler=torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16"),
                       model_config=model_config, accelerator=accelerator, device=device,
-                      objective=objective_for(cfg, model_config))
-    compiled = torch.compile(raw) if cfg.compile else raw
+                      objective=objective_for(cfg, model_config), projector=projector)
+    learner.optimizer = build_optimizer(cfg, learner.trained_parameters(), device)
+    trained = raw if projector is None else AlignedDiT(raw, projector, cfg.repa_depth)
+    compiled = torch.compile(trained) if cfg.compile else trained
     learner.model = accelerator.prepare(compiled) if accelerator is not None else compiled
     return learner
 
@@ -124,6 +162,15 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 def forward_loss(model, objective, batch: dict, precision: str, device) -> torch.Tensor:
     """The objective's mean loss over one micro-batch, under autocast when mixed precision is on."""
+    return forward_losses(model, objective, batch, precision, device)["loss"]
+
+
+def forward_losses(model, objective, batch: dict, precision: str, device, repa_weight: float = 0.0) -> dict:
+    """{"loss"} (mean over the micro-batch) and, with REPA, {"diffusion", "repa"}: loss = diffusion + w * repa.
+
+    With REPA, `model` is an AlignedDiT: one forward gives the output and the projected block tokens, which are
+    aligned with the batch's stored encoder tokens batch["repr"] (N, T_e, E) (REPA Eq. 8, shared/repa.py).
+    """
     device = torch.device(device)
     x0 = batch["x0"].to(device, non_blocking=True)  # (B, C, h, w) fp32, already scaled
     noise = batch["noise"].to(device, non_blocking=True)  # (B, C, h, w)
@@ -131,9 +178,25 @@ def forward_loss(model, objective, batch: dict, precision: str, device) -> torch
     kwargs = dict(y=batch["label"].to(device, non_blocking=True),  # (B,)
                   force_drop_ids=batch["drop"].to(device, non_blocking=True))  # (B,) class-dropout coin
     dtype = autocast_dtype(precision)
+    if repa_weight <= 0:
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            losses = objective.training_losses(model, x0, t, noise, model_kwargs=kwargs)
+        return {"loss": losses["loss"].mean()}
+    from shared.repa import alignment_loss, match_tokens
+
+    captured = {}
+
+    def model_fn(x, t, **kw):
+        """The objective's view of the model: the output; the projected tokens are kept aside."""
+        out, captured["tokens"] = model(x, t, **kw)  # (N, C', H, W), (N, T, E)
+        return out
+
     with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-        losses = objective.training_losses(model, x0, t, noise, model_kwargs=kwargs)
-    return losses["loss"].mean()
+        diffusion = objective.training_losses(model_fn, x0, t, noise, model_kwargs=kwargs)["loss"].mean()
+        projected = captured["tokens"]
+    target = match_tokens(batch["repr"].to(device, non_blocking=True), projected.shape[1])  # (N, T, E)
+    align = alignment_loss(projected, target).mean()  # fp32
+    return {"loss": diffusion + repa_weight * align, "diffusion": diffusion.detach(), "repa": align.detach()}
 
 
 def _no_sync(learner: Learner):
@@ -143,29 +206,32 @@ def _no_sync(learner: Learner):
     return learner.accelerator.no_sync(learner.model)
 
 
-def accumulate_gradients(learner: Learner, batches: Iterable[dict]) -> torch.Tensor:
-    """Forward/backward over the step's micro-batches; returns this rank's mean loss (detached)."""
+def accumulate_gradients(learner: Learner, batches: Iterable[dict]) -> dict:
+    """Forward/backward over the step's micro-batches; this rank's mean losses (detached): "loss"[, "repa"]."""
     steps = learner.cfg.grad_accum_steps
-    total = torch.zeros((), device=learner.device)
+    weight = learner.cfg.repa_weight if learner.projector is not None else 0.0
+    totals: dict[str, torch.Tensor] = {}
     count = 0
     for micro, batch in enumerate(batches):
         # Only the last micro-step all-reduces gradients; the others accumulate locally (DDP no_sync).
         with contextlib.nullcontext() if micro == steps - 1 else _no_sync(learner):
-            loss = forward_loss(learner.model, learner.objective, batch, learner.cfg.precision, learner.device)
-            learner.scaler.scale(loss / steps).backward()
-        total += loss.detach().float()
+            losses = forward_losses(learner.model, learner.objective, batch, learner.cfg.precision, learner.device,
+                                    weight)
+            learner.scaler.scale(losses["loss"] / steps).backward()
+        for name, value in losses.items():
+            totals[name] = totals.get(name, 0) + value.detach().float()
         count += 1
     if count != steps:
         raise ValueError(f"a step needs {steps} micro-batches, got {count}")
-    return total / steps
+    return {name: value / steps for name, value in totals.items()}
 
 
 def clip_or_measure(learner: Learner) -> torch.Tensor:
     """Global gradient norm (after unscaling), clipped to --max-grad-norm when that is > 0."""
     learner.scaler.unscale_(learner.optimizer)
     if learner.cfg.max_grad_norm > 0:
-        return torch.nn.utils.clip_grad_norm_(learner.raw.parameters(), learner.cfg.max_grad_norm)
-    norms = [p.grad.detach().float().norm() for p in learner.raw.parameters() if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(learner.trained_parameters(), learner.cfg.max_grad_norm)
+    norms = [p.grad.detach().float().norm() for p in learner.trained_parameters() if p.grad is not None]
     return torch.linalg.vector_norm(torch.stack(norms))  # the same global 2-norm, without touching the grads
 
 
@@ -205,7 +271,11 @@ def train_step(learner: Learner, batches: Iterable[dict]) -> dict:
     local = accumulate_gradients(learner, batches)
     grad_norm, skipped = apply_gradients(learner)
     acc = learner.accelerator
-    loss = acc.reduce(local, reduction="mean") if acc is not None else local  # the same value on every rank
+    # the same values on every rank
+    losses = {k: acc.reduce(v, reduction="mean") if acc is not None else v for k, v in local.items()}
     learner.step += 1
     learner.skipped_steps += int(skipped)
-    return {"loss": float(loss), "grad_norm": grad_norm, "skipped": skipped}
+    result = {"loss": float(losses["loss"]), "grad_norm": grad_norm, "skipped": skipped}
+    if "repa" in losses:  # logged beside the diffusion loss
+        result.update(diffusion_loss=float(losses["diffusion"]), repa_loss=float(losses["repa"]))
+    return result

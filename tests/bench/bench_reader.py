@@ -1,6 +1,8 @@
 """Reader throughput: our mmap'd shards vs one .npy per latent (fast-DiT's layout) vs plain webdataset.
 
-Run: .venv/bin/python tests/bench/bench_reader.py [--num 20000] [--workers 0 1 2]
+Run: .venv/bin/python tests/bench/bench_reader.py [--num 20000] [--workers 0 1 2] [--feature-num 512]
+--feature-num N also compares, side by side, a folder whose samples carry REPA encoder tokens (DINOv2-B at 256 px:
+(F, 256, 768) fp16) with the moments-only folder (0 skips it).
 All files are written fresh into a temp folder, so every method reads from a warm page cache.
 """
 import argparse
@@ -18,8 +20,10 @@ import webdataset as wds
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from shared.shards import (  # noqa: E402
-    LatentDataset, ShardInfo, ShardWriter, StreamSampler, collate, shard_name, write_index,
+    GatheredBatch, LatentDataset, ShardInfo, ShardWriter, StreamSampler, collate, shard_name, write_index,
 )
+
+FEATURES = (256, 768)  # REPA's DINOv2-B/14 tokens at 256 px: (T, E)
 
 SHAPE = (2, 4, 32, 32)  # (F, C, h, w): flips stored, 256x256 images through an f8 VAE
 NUM_CLASSES = 1000
@@ -37,6 +41,8 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=3, help="passes per measurement; the best is kept (noisy CPUs)")
     p.add_argument("--index-samples", type=int, default=1_281_167,
                    help="size of the synthetic index for the time-to-first-batch test (0 skips it)")
+    p.add_argument("--feature-num", type=int, default=512,
+                   help="samples in the with-features comparison (each ~768 KiB with 2 flips; 0 skips it)")
     p.add_argument("--dir", type=Path, default=None, help="work folder (default: a temp folder, removed)")
     return p.parse_args(argv)
 
@@ -155,6 +161,56 @@ def throughput(args, work: Path, infos: list[ShardInfo], labels: np.ndarray) -> 
           f"streaming + safetensors decode per sample; ours (per item): __getitem__ + default_collate)")
 
 
+class Reading(torch.utils.data.Dataset):
+    """A LatentDataset batch fetch reading only the named extra tensors (() = moments only, as non-REPA runs)."""
+
+    def __init__(self, ds: LatentDataset, extra: tuple, one_frame: bool = True):
+        self.ds, self.extra, self.one_frame = ds, extra, one_frame
+
+    def __len__(self):
+        return len(self.ds)
+
+    def __getitems__(self, indices):
+        frames = [i % SHAPE[0] for i in indices] if self.extra and self.one_frame else None  # as train's draw
+        return GatheredBatch(self.ds.gather(indices, self.extra, frames))
+
+
+def write_feature_shards(root: Path, num: int, per_shard: int, features: bool) -> None:
+    """`num` samples of the throughput data, with or without (F, T, E) fp16 encoder tokens beside the moments."""
+    root.mkdir(parents=True)
+    infos = []
+    for s, first in enumerate(range(0, num, per_shard)):
+        with ShardWriter(root / shard_name(s)) as writer:
+            for i in range(first, min(first + per_shard, num)):
+                extra = {"repr": torch.randn((SHAPE[0], *FEATURES), dtype=torch.float16)} if features else None
+                writer.add(f"{i:07d}", *synthetic(i), extra=extra)
+        infos.append(writer.info)
+    write_index(root, infos, META)
+
+
+def with_features(args, work: Path) -> None:
+    """Samples/s and MB/s: moments only, moments + tokens, and moments only from the folder holding tokens."""
+    plain, feats = work / "plain", work / "features"
+    write_feature_shards(plain, args.feature_num, 256, False)
+    write_feature_shards(feats, args.feature_num, 256, True)
+    a, b = LatentDataset(plain, progress=False), LatentDataset(feats, progress=False)
+    small = argparse.Namespace(**{**vars(args), "num": args.feature_num, "batch": min(args.batch, 64)})
+    moment_bytes = 2 * int(np.prod(SHAPE)) * 2
+    token_bytes = int(np.prod(FEATURES)) * 2  # one flip's tokens are read per sample
+    print(f"\n{args.feature_num} samples, batch {small.batch}: moments {moment_bytes / 1024:.0f} KiB + tokens "
+          f"{SHAPE[0] * token_bytes / 1024:.0f} KiB stored per sample ({SHAPE[0]} flips x {FEATURES[0]}x{FEATURES[1]} fp16)")
+    print(f"{'num_workers':>11} | {'moments only':>12} | {'+ tokens':>9} {'ratio':>6} {'MB/s':>7} | "
+          f"{'moments from the token folder':>29} {'ratio':>6}")
+    for w in args.workers:
+        base = time_loader(lambda: map_loader(Reading(a, ()), small, w, collate), small)
+        both = time_loader(lambda: map_loader(Reading(b, ("repr",)), small, w, collate), small)
+        skip = time_loader(lambda: map_loader(Reading(b, ()), small, w, collate), small)
+        print(f"{w:>11} | {base:>12.0f} | {both:>9.0f} {both / base:>5.2f}x {both * (moment_bytes + token_bytes) / 1e6:>7.0f}"
+              f" | {skip:>29.0f} {skip / base:>5.2f}x")
+    print("(samples/s, best of the repeats, warm page cache; '+ tokens' reads the drawn flip's tokens only, as "
+          "train does; MB/s counts the moments of both flips and one flip's tokens)")
+
+
 def first_batch(args, work: Path, base: ShardInfo) -> None:
     """Time LatentDataset(root) + first shuffled batch on an index of args.index_samples real entries."""
     root = work / "big"
@@ -190,6 +246,8 @@ def main(argv=None) -> None:
         labels = write_npy(work / "npy", args.num)
         print(f"wrote {args.num} latents {SHAPE} fp16 twice (shards + .npy files) in {time.perf_counter() - t0:.1f}s")
         throughput(args, work, infos, labels)
+        if args.feature_num:
+            with_features(args, work)
         if args.index_samples:
             first_batch(args, work, infos[0])
     finally:

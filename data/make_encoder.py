@@ -1,0 +1,79 @@
+"""A tiny DINOv2-architecture encoder for REPA on the digits demo: `python -m data.make_encoder --out DIR`.
+
+REPA needs a frozen encoder with meaningful patch features; DINOv2-B (ImageNet) knows nothing of 32x32 digits.
+So this trains a transformers Dinov2Model (4 layers, width 64, patch 8: 4x4 = 16 patch tokens at 32 px, the
+DiT-T/2 token grid of the demo's 8x8 latents) for 150 steps of 64 images to classify the digits from its mean
+patch token (light random shifts as augmentation), then saves it with save_pretrained, so extract loads it
+exactly as it loads a released DINOv2. It is deliberately NOT the digits FD network (evaluate/digits.py: a
+3-block CNN fitted with another seed and recipe): a transformer, other weights, other training. Caveat: both
+learn from the digit labels, so its features are class-aware, as DINOv2's are semantic on ImageNet.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from data.digits import IMAGE_SIZE, NUM_CLASSES, digit_images
+from shared.repr_encoder import IMAGENET_MEAN, IMAGENET_STD
+
+DEFAULT_OUT = Path("demo-out/encoder-digits")
+SEED = 1234  # not the digits FD network's seed
+
+
+def build(seed: int = SEED):
+    """A random Dinov2Model sized for 32x32 digits, and a linear class head on its mean patch token."""
+    from transformers import Dinov2Config, Dinov2Model
+
+    torch.manual_seed(seed)
+    config = Dinov2Config(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, mlp_ratio=2, patch_size=8,
+                          image_size=IMAGE_SIZE)
+    return Dinov2Model(config), torch.nn.Linear(64, NUM_CLASSES)
+
+
+def normalise(pixels: torch.Tensor) -> torch.Tensor:
+    """uint8 (N, S, S, 3) -> (N, 3, S, S) normalised as the extract stage feeds the encoder."""
+    x = pixels.permute(0, 3, 1, 2).float() / 255.0
+    return (x - torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)) / torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+
+
+def train(steps: int = 150, batch: int = 64, seed: int = SEED):
+    """Fit the encoder + head on all digits; returns (encoder, final training accuracy)."""
+    images, labels = digit_images()
+    x_all, y_all = normalise(torch.from_numpy(images)), torch.from_numpy(labels)
+    encoder, head = build(seed)
+    params = list(encoder.parameters()) + list(head.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        idx = torch.randint(0, len(x_all), (batch,), generator=g)
+        dx, dy = (int(v) for v in torch.randint(-2, 3, (2,), generator=g))
+        x = torch.roll(x_all[idx], shifts=(dy, dx), dims=(2, 3))  # a small random shift
+        tokens = encoder(pixel_values=x).last_hidden_state[:, 1:]  # (B, 16, 64)
+        loss = F.cross_entropy(head(tokens.mean(1)), y_all[idx])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        logits = head(encoder(pixel_values=x_all).last_hidden_state[:, 1:].mean(1))
+    return encoder.eval(), float((logits.argmax(1) == y_all).float().mean())
+
+
+def main(argv=None) -> None:
+    """Train and save the encoder."""
+    p = argparse.ArgumentParser(prog="python -m data.make_encoder", description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"folder to save it in (default: {DEFAULT_OUT})")
+    p.add_argument("--steps", type=int, default=150, help="training steps of batch 64 (default: 150)")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)  # a tiny model: one thread wastes nothing on a shared machine
+    np.random.seed(SEED)
+    encoder, accuracy = train(args.steps)
+    encoder.save_pretrained(args.out)
+    print(f"encoder saved to {args.out} (training accuracy {accuracy:.1%})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""The frozen representation encoder REPA aligns to, run once at extraction: DINOv2 through `transformers`.
+
+REPA (Yu et al. 2024, Sec. 3.3 and its code's preprocess_raw_image) feeds DINOv2 the image in [0, 1],
+normalised with ImageNet's mean and std and resized bicubically to 224 * (resolution / 256), i.e. a token grid
+of resolution / 16 patches per side (256 px -> 224 px -> 16 x 16 = 256 tokens of DINOv2-B/14), and aligns
+the encoder's normalised patch tokens (x_norm_patchtokens; the last hidden state after the final LayerNorm
+without the class token). We do exactly that, once per image and per stored flip, in fp32, and store the
+tokens (F, T, D) beside the VAE moments. `transformers`' Dinov2Model needs no torchvision.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from shared.errors import UserError
+
+# DINOv2's normalisation (its own transforms: ImageNet statistics); a preprocessor_config.json overrides them.
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+REPA_GRID_DIVISOR = 16  # REPA: the encoder sees resolution / 16 patches per side (224 px for 256 px, /14)
+
+
+def import_transformers():
+    """`transformers`, or a UserError saying how to install it."""
+    try:
+        import transformers
+    except ImportError as err:
+        raise UserError("--repr-encoder needs the `transformers` package (DINOv2 without torchvision): "
+                        "`pip install transformers`, or extract without --repr-encoder.") from err
+    return transformers
+
+
+def read_encoder_config(source: str) -> dict:
+    """config.json of a local encoder folder or a Hub id already in the local cache (no weights are read)."""
+    transformers = import_transformers()
+    try:
+        config = transformers.AutoConfig.from_pretrained(source)
+    except (OSError, ValueError) as err:
+        raise UserError(f"--repr-encoder {source} is neither a folder holding a transformers encoder "
+                        f"(config.json + weights, e.g. saved with save_pretrained) nor a Hub id such as "
+                        f"facebook/dinov2-base that can be loaded here ({' '.join(str(err).split())[:200]}). "
+                        f"Pass a local DINOv2 folder or a reachable Hub id.") from None
+    if config.model_type != "dinov2":
+        raise UserError(f"--repr-encoder {source} is a {config.model_type!r} model; REPA's encoder here is "
+                        f"DINOv2 (transformers' Dinov2Model, e.g. facebook/dinov2-base). Pass a DINOv2 folder or id.")
+    return config.to_dict()
+
+
+def encoder_input_size(config: dict, image_size: int, requested: int | None) -> int:
+    """Pixels per side the encoder sees: --repr-image-size, else REPA's (image_size / 16) patches of its size."""
+    patch = int(config["patch_size"])
+    size = requested or patch * max(1, image_size // REPA_GRID_DIVISOR)
+    if size % patch:
+        raise UserError(f"--repr-image-size {size} is not a multiple of the encoder's patch size {patch}; use "
+                        f"{size // patch * patch or patch} or {(size // patch + 1) * patch}.")
+    return size
+
+
+def encoder_identity(source: str, config: dict, input_size: int, normalisation: dict) -> dict:
+    """What decides the stored features: recorded in index.json and checked by training runs on resume."""
+    text = json.dumps({k: v for k, v in config.items() if not k.startswith("_") and k != "transformers_version"},
+                      sort_keys=True)
+    patch = int(config["patch_size"])
+    return {"source": str(source), "model_type": config["model_type"],
+            "config_sha256": hashlib.sha256(text.encode()).hexdigest(), "input_size": input_size,
+            "patch_size": patch, "grid": input_size // patch, "tokens": (input_size // patch) ** 2,
+            "dim": int(config["hidden_size"]), "normalisation": normalisation,
+            "tokens_taken": "last_hidden_state[:, 1:] (LayerNorm-ed patch tokens, REPA's x_norm_patchtokens)"}
+
+
+def plan_identity(source: str, image_size: int, requested_size: int | None) -> dict:
+    """The encoder's identity from its config alone (no weights): what the dry run and the settings need."""
+    config = read_encoder_config(source)
+    size = encoder_input_size(config, image_size, requested_size)
+    return encoder_identity(source, config, size, read_normalisation(source))
+
+
+def read_normalisation(source: str) -> dict:
+    """{"mean", "std"} from the encoder's preprocessor_config.json when a local folder has one, else ImageNet's."""
+    path = Path(source) / "preprocessor_config.json"
+    if path.is_file():
+        try:
+            pre = json.loads(path.read_text())
+            return {"mean": list(pre["image_mean"]), "std": list(pre["image_std"])}
+        except (ValueError, KeyError):
+            pass
+    return {"mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD)}
+
+
+@dataclass
+class ReprEncoder:
+    """A frozen DINOv2 in fp32 that maps uint8 images to its patch tokens."""
+
+    model: torch.nn.Module
+    identity: dict
+
+    @classmethod
+    def load(cls, source: str, identity: dict, device) -> "ReprEncoder":
+        """Load the encoder `identity` (from `plan_identity`) describes, frozen, in eval mode on `device`."""
+        transformers = import_transformers()
+        try:
+            model = transformers.Dinov2Model.from_pretrained(source, torch_dtype=torch.float32)
+        except (OSError, ValueError) as err:
+            raise UserError(f"the weights of --repr-encoder {source} could not be read "
+                            f"({' '.join(str(err).split())[:200]}); pass a complete save_pretrained folder.") from None
+        return cls(model.eval().requires_grad_(False).to(device), identity)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @torch.no_grad()
+    def encode(self, pixels: torch.Tensor) -> torch.Tensor:
+        """uint8 (B, 3, S, S) -> patch tokens (B, T, D) fp32 (REPA's preprocessing, see the module docstring)."""
+        norm = self.identity["normalisation"]
+        x = pixels.to(self.device, torch.float32) / 255.0  # (B, 3, S, S) in [0, 1]
+        mean = torch.tensor(norm["mean"], device=x.device).view(1, 3, 1, 1)
+        std = torch.tensor(norm["std"], device=x.device).view(1, 3, 1, 1)
+        x = (x - mean) / std
+        size = self.identity["input_size"]
+        if x.shape[-1] != size:
+            x = F.interpolate(x, size=(size, size), mode="bicubic", align_corners=False)  # (B, 3, s, s)
+        hidden = self.model(pixel_values=x).last_hidden_state  # (B, 1 + T, D), after the final LayerNorm
+        return hidden[:, 1:]  # (B, T, D): drop the class token
+
+
+def storage_bytes(identity: dict, flips: int, dtype: torch.dtype) -> int:
+    """Bytes of one image's stored tokens: F x T x D x itemsize."""
+    return flips * identity["tokens"] * identity["dim"] * torch.empty((), dtype=dtype).element_size()
