@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from shared.errors import UserError
 from shared.repa import alignment_loss, match_tokens
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -365,9 +366,9 @@ def test_a_repa_layout_state_dict_loads_strictly_and_samples_with_the_sde(tiny_v
     assert len(list(out.glob("0*.png"))) == 2 and "sde" in json.dumps(settings)
     del state["blocks.2.attn.qkv.bias"]
     torch.save(state, path)
-    with pytest.raises(Exception) as info:  # strict: a missing tensor is refused, not silently zero
+    with pytest.raises(UserError) as info:  # strict: a missing tensor is refused, not silently zero
         build_model(load_checkpoint(path), "cpu")
-    assert "do not fit" in str(info.value)
+    assert "these weights look like DiT-T/2" in str(info.value)  # refused by the layout check before any build
 
 
 def test_repa_release_is_named_with_its_url():
