@@ -38,6 +38,8 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=600, help="training steps per digits arm")
     p.add_argument("--batch", type=int, default=64, help="global batch of the digits arms (the demo's: 64)")
     p.add_argument("--fd-steps", type=int, default=20, help="Euler sampling steps per FD sample")
+    p.add_argument("--projector-dim", type=int, default=256,
+                   help="REPA projector width P of the digits arm (REPA's 2048 would double DiT-T/2's step)")
     p.add_argument("--exports", type=int, default=4, help="EMA exports (FD points) per arm")
     p.add_argument("--fd-samples", type=int, default=200, help="samples per FD point")
     p.add_argument("--step-repeats", type=int, default=5, help="timed steps per step-cost setting (median kept)")
@@ -141,7 +143,7 @@ def train_arm(args, latents: Path, run_dir: Path, repa: bool) -> list:
              "--max-steps", args.steps, "--ckpt-every", every, "--keep-last", 1, "--keep-exports", 0,
              "--log-every", every, "--num-workers", 0, "--seed", 0, "--sample-every", 0, "--report-to", "none"]
     if repa:
-        flags += ["--repa-weight", 0.5, "--repa-depth", 2]
+        flags += ["--repa-weight", 0.5, "--repa-depth", 2, "--repa-projector-dim", args.projector_dim]
     return flags
 
 
