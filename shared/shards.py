@@ -700,7 +700,8 @@ def collate(samples) -> dict:
     if isinstance(samples, GatheredBatch):
         return samples.batch
     return {
-        **{k: torch.stack([s[k] for s in samples]) for k in samples[0] if k != "label"},  # (B, F, ...)
+        **{k: torch.stack([s[k] for s in samples]) for k, v in samples[0].items()
+           if k != "label" and isinstance(v, torch.Tensor)},  # (B, F, ...); names, keys and the like are dropped
         "label": torch.tensor([int(s["label"]) for s in samples], dtype=torch.int64),
     }
 

@@ -198,7 +198,8 @@ def with_features(args, work: Path) -> None:
     moment_bytes = 2 * int(np.prod(SHAPE)) * 2
     token_bytes = int(np.prod(FEATURES)) * 2  # one flip's tokens are read per sample
     print(f"\n{args.feature_num} samples, batch {small.batch}: moments {moment_bytes / 1024:.0f} KiB + tokens "
-          f"{SHAPE[0] * token_bytes / 1024:.0f} KiB stored per sample ({SHAPE[0]} flips x {FEATURES[0]}x{FEATURES[1]} fp16)")
+          f"{SHAPE[0] * token_bytes / 1024:.0f} KiB stored per sample ({SHAPE[0]} flips x {FEATURES[0]}x{FEATURES[1]} "
+          f"fp16)")
     print(f"{'num_workers':>11} | {'moments only':>12} | {'+ tokens':>9} {'ratio':>6} {'MB/s':>7} | "
           f"{'moments from the token folder':>29} {'ratio':>6}")
     for w in args.workers:

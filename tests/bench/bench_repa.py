@@ -18,6 +18,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -37,11 +38,14 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=600, help="training steps per digits arm")
     p.add_argument("--batch", type=int, default=64, help="global batch of the digits arms (the demo's: 64)")
     p.add_argument("--fd-steps", type=int, default=20, help="Euler sampling steps per FD sample")
+    p.add_argument("--projector-dim", type=int, default=256,
+                   help="REPA projector width P of the digits arm (REPA's 2048 would double DiT-T/2's step)")
     p.add_argument("--exports", type=int, default=4, help="EMA exports (FD points) per arm")
     p.add_argument("--fd-samples", type=int, default=200, help="samples per FD point")
     p.add_argument("--step-repeats", type=int, default=5, help="timed steps per step-cost setting (median kept)")
     p.add_argument("--extract-limit", type=int, default=500, help="images for the extraction-cost comparison")
     p.add_argument("--skip-digits", action="store_true", help="only the step and extraction costs")
+    p.add_argument("--only-digits", action="store_true", help="only the digits FD comparison")
     return p.parse_args(argv)
 
 
@@ -88,8 +92,8 @@ def step_cost(args) -> None:
     print("\n== training step cost, REPA on vs off (CPU, fp32, median of "
           f"{args.step_repeats}; features already in memory: reading them is bench_reader's) ==")
     rows = [("DiT-T/2 digits: 8x8 latents, 16 tokens, E 64, P 2048, batch 64", "DiT-T/2", 8, 64, (16, 64), 2),
-            ("DiT-S/2 256 px: 32x32 latents, 256 tokens, E 768 (DINOv2-B), P 2048, batch 4", "DiT-S/2", 32, 4,
-             (256, 768), 4)]
+            ("DiT-S/2 128 px: 16x16 latents, 64 tokens, E 768 (DINOv2-B), P 2048, batch 4", "DiT-S/2", 16, 4,
+             (64, 768), 4)]  # the projector's share is per token: 128 px keeps the CPU time down
     for label, model, latent, batch, features, depth in rows:
         off = step_seconds(model, latent, batch, None, depth, args.step_repeats)
         on = step_seconds(model, latent, batch, features, depth, args.step_repeats)
@@ -139,20 +143,23 @@ def train_arm(args, latents: Path, run_dir: Path, repa: bool) -> list:
              "--max-steps", args.steps, "--ckpt-every", every, "--keep-last", 1, "--keep-exports", 0,
              "--log-every", every, "--num-workers", 0, "--seed", 0, "--sample-every", 0, "--report-to", "none"]
     if repa:
-        flags += ["--repa-weight", 0.5, "--repa-depth", 2]
+        flags += ["--repa-weight", 0.5, "--repa-depth", 2, "--repa-projector-dim", args.projector_dim]
     return flags
 
 
 def parallel(commands: list[list]) -> list[float]:
     """Run the commands side by side (each its own process), wait for all; seconds each; fails loudly."""
-    procs = [(time.perf_counter(), subprocess.Popen([sys.executable, *map(str, c)], cwd=ROOT, stdout=subprocess.PIPE,
-                                                    stderr=subprocess.STDOUT, text=True)) for c in commands]
+    logs = [Path(tempfile.mkstemp(prefix="bench-repa-", suffix=".log")[1]) for _ in commands]
+    # Output goes to files, not pipes: a child outlives an interrupted benchmark instead of dying on a broken pipe.
+    procs = [(time.perf_counter(), subprocess.Popen([sys.executable, *map(str, c)], cwd=ROOT, stdout=log.open("w"),
+                                                    stderr=subprocess.STDOUT)) for c, log in zip(commands, logs)]
     seconds = []
-    for (start, proc), command in zip(procs, commands):
-        out, _ = proc.communicate()
+    for (start, proc), command, log in zip(procs, commands, logs):
+        proc.wait()
         seconds.append(time.perf_counter() - start)
         if proc.returncode != 0:
-            raise SystemExit(f"failed ({proc.returncode}): {' '.join(map(str, command))}\n{out[-3000:]}")
+            raise SystemExit(f"failed ({proc.returncode}): {' '.join(map(str, command))}\n{log.read_text()[-3000:]}")
+        log.unlink()
     return seconds
 
 
@@ -232,8 +239,9 @@ def main(argv=None) -> None:
         run(["-m", "data.make_encoder", "--out", encoder])
     if not args.skip_digits:
         digits(args, images, encoder)
-    extraction_cost(args, images, encoder)
-    step_cost(args)
+    if not args.only_digits:
+        extraction_cost(args, images, encoder)
+        step_cost(args)
 
 
 if __name__ == "__main__":
