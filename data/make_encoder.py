@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from data.digits import IMAGE_SIZE, NUM_CLASSES, digit_images
+from shared.digits import IMAGE_SIZE, NUM_CLASSES, digit_images
 from shared.repr_encoder import IMAGENET_MEAN, IMAGENET_STD
 
 DEFAULT_OUT = Path("demo-out/encoder-digits")

@@ -4,5 +4,7 @@ Modules: config.py (TrainConfig: every flag, the checks), recipes.py (--recipe d
 training step), loop.py (setup, resume, guards, checkpoints), checkpoint.py (run-folder state), callbacks.py
 (hooks), logger.py (log.txt, metrics.jsonl), preview.py (--sample-every latents), trackers.py (--report-to,
 curves at checkpoints, --watch-vae), plot.py (`python -m train.plot`), memory.py and units.py (the step's
-cost and memory sizes), plan.py (`python -m train.plan`), bench.py (`python -m train.bench`).
+cost and memory sizes), plan.py (`python -m train.plan`), bench.py (`python -m train.bench`), autotune.py (the `auto` micro-batch,
+precision and checkpointing), launcher.py (the accelerate config: followed or refused), latents.py (--latents
+URLs copied to a local cache).
 """

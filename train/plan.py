@@ -253,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(p, TrainConfig, only=("model", "global_batch_size", "grad_checkpoint", "ema_device", "optimizer"),
               changes={"grad_checkpoint": {"help": "checkpointing interval to recommend (every K-th block; bare flag "
                                                    "= 1; 0 = off); off, every block and every 2nd block are always "
-                                                   "tabulated"}})
+                                                   "tabulated", "default": 0, "type": int}})
     p.add_argument("--image-size", type=int, default=256, help="training image size in pixels")
     add_block_flags(p)
     p.add_argument("--vae-factor", type=int, default=8, help="VAE downsample factor (latent = image / factor)")

@@ -27,7 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from data.digits import build_digits  # noqa: E402
+from shared.digits import build_digits  # noqa: E402
 from data.make_vae import DEFAULT_OUT as VAE_DIR  # noqa: E402
 
 
