@@ -22,7 +22,7 @@ import torch
 
 from shared.diffusion import NUM_TIMESTEPS, GaussianDiffusion, create_diffusion
 from shared.errors import ChoiceError, SettingError
-from shared.flow import TIME_SAMPLINGS, FlowPath, check_convention, draw_time, make_process
+from shared.flow import SDE_LAST_STEP, TIME_SAMPLINGS, FlowPath, check_convention, draw_time, make_process
 from shared.samplers import get_sampler, sampler_options
 
 
@@ -106,7 +106,7 @@ class FlowObjective:
         if steps < 1:
             raise SettingError(f"{{sampling steps}} {steps} must be at least 1.")
         return make_process(self.path, sampler, steps, options.get("time_shift", 1.0),
-                            options.get("last_step_size", 0.04))
+                            options.get("last_step_size", SDE_LAST_STEP))
 
     def sample(self, sampler: str, model_fn, noise, steps: int, options: dict, model_kwargs=None, generator=None,
                progress=False):
