@@ -1,4 +1,4 @@
-"""The digits demo: the whole pipeline on scikit-learn's handwritten digits, on the CPU (the dataset: shared/digits.py).
+"""The digits demo: the whole pipeline on scikit-learn's handwritten digits, on the CPU (the dataset: shared/datasets/digits.py).
 
 Modules: demo.py (`python -m data.demo`), make_vae.py (the demo's tiny AutoencoderKL), judge.py (does an image
 show the digit it was asked for?), make_encoder.py (a tiny DINOv2-shaped encoder fitted to the digits, for the

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
-from shared.digits import IMAGE_SIZE, NUM_CLASSES, build_digits
+from shared.datasets.digits import IMAGE_SIZE, NUM_CLASSES, build_digits
 from data.make_vae import DEFAULT_OUT as VAE_DIR
-from shared import rundir
-from shared.errors import UserError, exit_with
+from shared.runtime import rundir
+from shared.runtime.errors import UserError, exit_with
 
 PROG = "python -m data.demo"
 ROOT = Path(__file__).resolve().parents[1]  # the repository: stages run as `python -m <stage>` from here
@@ -123,7 +123,7 @@ def digits_distance(samples_dir: Path) -> tuple[float, float]:
 
 def curve_png(run: Path) -> Path:
     """The quality-curve PNG that `python -m evaluate run` draws in the run folder."""
-    from shared.rundir import eval_plot_path
+    from shared.runtime.rundir import eval_plot_path
 
     return eval_plot_path(run).resolve()
 

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from shared.digits import DIGIT_MAX, digit_images
+from shared.datasets.digits import DIGIT_MAX, digit_images
 
 FEATURE_SIZE = 8  # the judge works at load_digits' native resolution
 

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from shared.digits import IMAGE_SIZE, NUM_CLASSES, digit_images
-from shared.repr_encoder import IMAGENET_MEAN, IMAGENET_STD
+from shared.datasets.digits import IMAGE_SIZE, NUM_CLASSES, digit_images
+from shared.tokenizers.repr_encoder import IMAGENET_MEAN, IMAGENET_STD
 
 DEFAULT_OUT = Path("demo-out/encoder-digits")
 SEED = 1234  # not the digits FD network's seed

@@ -15,9 +15,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from shared.digits import digit_images
-from shared.errors import UserError, exit_with
-from shared.pixels import channels_first, to_uint8
+from shared.datasets.digits import digit_images
+from shared.runtime.errors import UserError, exit_with
+from shared.tokenizers.pixels import channels_first, to_uint8
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "vae-digits"
 WIDTHS = (16, 32, 32)  # three levels -> downsample factor 4 (32x32 -> 8x8)

@@ -5,8 +5,8 @@ import argparse
 import sys
 
 from evaluate.evaluation import EvalOptions, evaluate_samples
-from shared.cli import HelpFormatter, add_flags, from_args
-from shared.errors import cli_errors
+from shared.runtime.cli import HelpFormatter, add_flags, from_args
+from shared.runtime.errors import cli_errors
 
 PROG = "python -m evaluate"
 DESCRIPTION = """Sample quality as DiT papers report it (the ADM evaluator's definitions): FID and precision/recall

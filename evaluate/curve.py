@@ -20,11 +20,11 @@ from evaluate.evaluation import (FEATURES, INCEPTION_WEIGHTS, IS_SPLIT, REF, Eva
                                  evaluate_samples, process_info)
 from evaluate.features import check_image_size
 from evaluate.metrics import check_split_size
-from shared import rundir
-from shared.cli import HelpFormatter, add_flags, from_args, option
-from shared.errors import UserError, cli_errors
-from shared.flags import BATCH_SIZE, CFG_INTERVAL, CFG_SCALE, CPU, GUIDE, NUM_SAMPLING_STEPS, SAMPLER, SEED, VAE
-from shared.fsio import atomic_write
+from shared.runtime import rundir
+from shared.runtime.cli import HelpFormatter, add_flags, from_args, option
+from shared.runtime.errors import UserError, cli_errors
+from shared.runtime.flags import BATCH_SIZE, CFG_INTERVAL, CFG_SCALE, CPU, GUIDE, NUM_SAMPLING_STEPS, SAMPLER, SEED, VAE
+from shared.runtime.fsio import atomic_write
 
 PROG = "python -m evaluate run"
 # The flag that sets each setting shared/ and sample/ name in their errors.
@@ -162,12 +162,12 @@ def _image_size(npz: Path):
 
 def run_evaluation(o: RunEvalOptions) -> list[dict]:
     """Evaluate every export not yet in RUN/eval.jsonl with these settings; draw RUN/eval.png; return the curve."""
-    from shared.distributed import process_state
+    from shared.runtime.distributed import process_state
 
     exports = check_run(o)
     if o.sampler is None and exports:
-        from shared.export import read_config
-        from shared.objectives import objective_of
+        from shared.runtime.export import read_config
+        from shared.generative.objectives import objective_of
 
         o = dataclasses.replace(o, sampler=objective_of(read_config(exports[-1])).fast_sampler)
     settings = settings_of(o)

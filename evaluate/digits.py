@@ -2,7 +2,7 @@
 
 Inception features are meaningless on 32x32 white-on-black digits, so the demo measures quality with a network
 that knows them: a 3-block CNN trained (fixed seed, one thread, ~5 s on a CPU) to classify the 1,797 real digits
-as `shared/digits.py` writes them. Its penultimate layer (64 features, before the ReLU, so no unit is dead) plays the
+as `shared/datasets/digits.py` writes them. Its penultimate layer (64 features, before the ReLU, so no unit is dead) plays the
 role of Inception's pool_3; the reference is the full real set. The fitted weights are cached under the user
 cache folder, keyed by a hash of the recipe and the data, so every process and every run uses the same network.
 
@@ -24,10 +24,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from shared.digits import IMAGE_SIZE, NUM_CLASSES, digit_images
+from shared.datasets.digits import IMAGE_SIZE, NUM_CLASSES, digit_images
 from evaluate.metrics import frechet_distance_to, mean_cov
-from shared.errors import UserError
-from shared.fsio import atomic_write
+from shared.runtime.errors import UserError
+from shared.runtime.fsio import atomic_write
 
 FEATURES = "digits"
 

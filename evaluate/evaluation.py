@@ -17,10 +17,10 @@ from evaluate.metrics import IS_SPLIT_SIZE, PR_NEIGHBOURS, check_split_size, com
     frechet_distance_to, inception_score, is_comparable, precision_recall
 from evaluate.stats import check_reference, compute_features, open_reference, reference_stats, save_stats, \
     source_meta, stats_from_features
-from shared.cli import Flag, option
-from shared.errors import ChoiceError, UserError
-from shared.flags import CPU
-from shared.fsio import atomic_write_text
+from shared.runtime.cli import Flag, option
+from shared.runtime.errors import ChoiceError, UserError
+from shared.runtime.flags import CPU
+from shared.runtime.fsio import atomic_write_text
 
 RESULT_SUFFIX = ".eval.jsonl"  # SAMPLES.npz -> SAMPLES.eval.jsonl, one line per evaluation
 METRICS = ("fid", "sfid", "inception_score", "precision", "recall")
@@ -80,8 +80,8 @@ def check_options(o: EvalOptions) -> None:
 
 
 def process_info(cpu: bool):
-    """(rank, world, device) from the one source of process state (shared/distributed.py)."""
-    from shared.distributed import process_state
+    """(rank, world, device) from the one source of process state (shared/runtime/distributed.py)."""
+    from shared.runtime.distributed import process_state
 
     state = process_state(cpu=cpu)
     return state.process_index, state.num_processes, state.device

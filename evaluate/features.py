@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from shared.errors import ChoiceError
+from shared.runtime.errors import ChoiceError
 
 FEATURE_NETWORKS = ("inception", "digits")
 

@@ -13,15 +13,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shared.cli import HelpFormatter, add_flags, from_args, option
-from shared.errors import UserError, cli_errors
+from shared.runtime.cli import HelpFormatter, add_flags, from_args, option
+from shared.runtime.errors import UserError, cli_errors
 
 PROG = "python -m evaluate.floor"
 
 
 def floor_table(counts, draws: int, seed: int) -> list[tuple[str, float, float]]:
     """(what, mean FD, std FD) rows: N real digits vs all for each count, then half vs half."""
-    from shared.digits import digit_images
+    from shared.datasets.digits import digit_images
     from evaluate.digits import RECIPE, digits_features, real_stats
     from evaluate.metrics import frechet_distance_of, frechet_distance_to
 
@@ -48,8 +48,8 @@ def vae_round_trip(images: np.ndarray, vae_spec: str, batch_size: int = 256) -> 
     """uint8 images (N, H, W, 3) encoded to their posterior mean and decoded by the VAE: uint8 (N, H, W, 3)."""
     import torch
 
-    from shared.pixels import channels_first, to_uint8
-    from shared.vae import LatentVAE
+    from shared.tokenizers.pixels import channels_first, to_uint8
+    from shared.tokenizers.vae import LatentVAE
 
     vae = LatentVAE.load(vae_spec)
     out = []
@@ -63,7 +63,7 @@ def vae_round_trip(images: np.ndarray, vae_spec: str, batch_size: int = 256) -> 
 
 def vae_rows(counts, draws: int, seed: int, vae_spec: str) -> list[tuple[str, float, float]]:
     """(what, mean FD, std FD) of N real digits after the VAE round trip, against all real digits."""
-    from shared.digits import digit_images
+    from shared.datasets.digits import digit_images
     from evaluate.digits import RECIPE, digits_fd
 
     decoded = vae_round_trip(digit_images(RECIPE.image_size)[0], vae_spec)

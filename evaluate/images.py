@@ -12,7 +12,7 @@ from typing import Iterator
 
 import numpy as np
 
-from shared.errors import UserError
+from shared.runtime.errors import UserError
 
 IMAGES_KEY = "arr_0"
 
@@ -130,7 +130,7 @@ def open_folder_images(path) -> FolderImages:
     """The images under a folder, sorted by relative path; UserError if it holds none."""
     from PIL import Image
 
-    from shared.imagefiles import IMAGE_EXTENSIONS, is_hidden, is_image_file  # the rule extract scans with
+    from shared.datasets.imagefiles import IMAGE_EXTENSIONS, is_hidden, is_image_file  # the rule extract scans with
 
     path = Path(path)
     files = sorted(p for p in path.rglob("*") if is_image_file(p.name) and p.is_file()

@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from shared.errors import SettingError, UserError
+from shared.runtime.errors import SettingError, UserError
 
 WEIGHTS_NAME = "pt_inception-2015-12-05-6726825d.pth"
 WEIGHTS_SHA256_PREFIX = "6726825d"  # torch hub's convention: the file name carries its hash's first 8 hex digits
@@ -254,7 +254,7 @@ def missing_weights_text(path: Path, reason: str) -> str:
 
 def download_weights(path: Path, url: str | None = None, timeout: float = 30.0) -> Path:
     """Fetch the weights into `path` under a temp name, check the hash prefix, rename; UserError when offline."""
-    from shared.fsio import atomic_write
+    from shared.runtime.fsio import atomic_write
 
     url = url or WEIGHTS_URL
     def fetch(tmp: Path) -> None:
@@ -313,7 +313,7 @@ def check_state_dict(state: object, path: Path) -> dict:
 
 def load_inception(weights=None, device="cpu") -> FIDInceptionV3:
     """The FID Inception with its weights (weights-only load, layout checked), in eval mode on `device`."""
-    from shared.export import load_torch_file
+    from shared.runtime.export import load_torch_file
 
     path = resolve_weights(weights)
     try:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from shared.errors import UserError
+from shared.runtime.errors import UserError
 
 IS_SPLIT_SIZE = 5000   # ADM scores IS over consecutive chunks of 5,000 samples (the improved-GAN recipe)
 PR_NEIGHBOURS = 3      # k of the k-NN manifolds (Kynkäänniemi et al. 2019, as ADM)

@@ -18,8 +18,8 @@ from tqdm import tqdm
 
 from evaluate.images import IMAGES_KEY, ArrayImages, npz_keys, open_images, open_npz_images
 from evaluate.metrics import mean_cov
-from shared.errors import UserError
-from shared.fsio import atomic_write
+from shared.runtime.errors import UserError
+from shared.runtime.fsio import atomic_write
 
 STATS_VERSION = 1
 ADM_KEYS = ("mu", "sigma", "mu_s", "sigma_s")
@@ -167,7 +167,7 @@ def open_reference(ref, features: str) -> Reference:
             raise UserError("--ref is required with the Inception features: pass an ADM reference batch (e.g. "
                             "VIRTUAL_imagenet256_labeled.npz), a statistics file from --save-stats, or an images npz "
                             "or folder of real images. (--features digits compares with the real digits by default.)")
-        from shared.digits import IMAGE_SIZE, digit_images
+        from shared.datasets.digits import IMAGE_SIZE, digit_images
 
         return Reference("real digits (scikit-learn, all 1,797)",
                          images=ArrayImages(digit_images(IMAGE_SIZE)[0], REAL_DIGITS))

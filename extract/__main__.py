@@ -4,9 +4,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shared.cli import HelpFormatter, add_flags, from_args
-from shared.errors import UserError, exit_with
-from shared.shards import FOLDER_KIND
+from shared.runtime.cli import HelpFormatter, add_flags, from_args
+from shared.runtime.errors import UserError, exit_with
+from shared.datasets.shards import FOLDER_KIND
 
 PROG = "python -m extract"
 # The flag that sets each setting shared/ and extract name in their errors (ChoiceError / SettingError kinds).

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from shared.errors import UserError
-from shared.imagefiles import IMAGE_EXTENSIONS, is_hidden, is_image_file
+from shared.runtime.errors import UserError
+from shared.datasets.imagefiles import IMAGE_EXTENSIONS, is_hidden, is_image_file
 
 # Why each kind of entry was left out, as the reports phrase it (singular, plural).
 SKIP_REASONS = {

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
-from shared.pixels import to_unit_range
+from shared.tokenizers.pixels import to_unit_range
 
 # Anything above 100 megapixels (300 MB as decoded RGB, per DataLoader worker) is treated as a
 # decompression bomb. PIL warns above MAX_IMAGE_PIXELS and raises above twice that; load_image turns the

@@ -5,7 +5,7 @@ j % W == r. A shard is finished when its tar and then its sidecar (`shard-NNNNNN
 files, VAE identity) exist and its bytes still match the sidecar's sha256; rerunning the same command skips
 finished shards and redoes the rest, damaged ones included. When every shard is finished, one process hashes
 them all (the index records only verified hashes), writes the bad-file report and then index.json (last).
-The main process holds the folder's lock (shared/lock.py) for the whole run.
+The main process holds the folder's lock (shared/runtime/lock.py) for the whole run.
 """
 from __future__ import annotations
 
@@ -24,15 +24,15 @@ from tqdm import tqdm
 from extract.folder import ImageFolderScan, scan_image_folder
 from extract.images import to_model_input
 from extract.loader import ImageFileDataset, ShardBatches, make_loader
-from shared.cli import option
-from shared.distributed import process_state
+from shared.runtime.cli import option
+from shared.runtime.distributed import process_state
 from extract.sizes import check_image_size
-from shared.errors import ChoiceError, UserError
-from shared.fsio import atomic_write_text, stale_tmps
-from shared.lock import hold_lock
-from shared.shard_schema import EXTRA_STORAGE_DTYPES
-from shared.repa import REPR_TENSOR
-from shared.shards import (FLIP_MODES, FOLDER_KIND, INDEX_NAME, STORAGE_DTYPES, ShardInfo, ShardWriter,
+from shared.runtime.errors import ChoiceError, UserError
+from shared.runtime.fsio import atomic_write_text, stale_tmps
+from shared.runtime.lock import hold_lock
+from shared.datasets.shard_schema import EXTRA_STORAGE_DTYPES
+from shared.network.repa import REPR_TENSOR
+from shared.datasets.shards import (FLIP_MODES, FOLDER_KIND, INDEX_NAME, STORAGE_DTYPES, ShardInfo, ShardWriter,
                            damaged_error, damaged_files, shard_name, write_index)
 
 SETTINGS_NAME = "extract-settings.json"
@@ -95,7 +95,7 @@ class Plan:
     settings: dict
     num_shards: int
     warnings: list = field(default_factory=list)  # printed by the main process before it starts
-    encoder: dict | None = None  # the representation encoder's identity (shared/repr_encoder.py), if any
+    encoder: dict | None = None  # the representation encoder's identity (shared/tokenizers/repr_encoder.py), if any
     vae_config: dict = field(default_factory=dict)
 
 
@@ -137,7 +137,7 @@ def check_numbers(cfg: ExtractConfig) -> None:
 
 def check_encoder_vae(cfg: ExtractConfig) -> tuple[str, dict, list[str]]:
     """Resolve the VAE and check the image size against its factor and the DiT patches, from config.json only."""
-    from shared.vae import downsample_factor, read_vae_config, resolve_vae_spec
+    from shared.tokenizers.vae import downsample_factor, read_vae_config, resolve_vae_spec
 
     name = resolve_vae_spec(cfg.vae, cfg.vae_config)
     config = read_vae_config(cfg.vae, cfg.vae_config)
@@ -147,7 +147,7 @@ def check_encoder_vae(cfg: ExtractConfig) -> tuple[str, dict, list[str]]:
 def run_settings(cfg: ExtractConfig, scan: ImageFolderScan, vae_name: str, vae_config: dict,
                  encoder: dict | None = None) -> dict:
     """The settings that decide the shard bytes; a rerun must match them to resume into the same --out."""
-    from shared.vae import config_sha256
+    from shared.tokenizers.vae import config_sha256
 
     extra = {"repr_encoder": {**encoder, "dtype": cfg.repr_dtype}} if encoder else {}  # absent: the old settings
     return {**extra,
@@ -217,7 +217,7 @@ def plan(cfg: ExtractConfig, check_out: bool = True) -> Plan:
     vae_name, vae_config, warnings = check_encoder_vae(cfg)
     encoder = None
     if cfg.repr_encoder is not None:
-        from shared.repr_encoder import plan_identity
+        from shared.tokenizers.repr_encoder import plan_identity
 
         encoder = plan_identity(cfg.repr_encoder, cfg.image_size, cfg.repr_image_size)  # config only, no weights
     settings = run_settings(cfg, scan, vae_name, vae_config, encoder)
@@ -474,7 +474,7 @@ def _pending(out: Path, plan_: Plan, state) -> tuple[list[int], int]:
 
 def _load_vae(cfg: ExtractConfig, device):
     """The VAE on the encoding device (fp32 encoder)."""
-    from shared.vae import LatentVAE
+    from shared.tokenizers.vae import LatentVAE
 
     return LatentVAE.load(cfg.vae, device=device, config=cfg.vae_config)
 
@@ -483,7 +483,7 @@ def _load_encoder(cfg: ExtractConfig, plan_: Plan, device):
     """The frozen representation encoder (fp32), or None without --repr-encoder."""
     if plan_.encoder is None:
         return None
-    from shared.repr_encoder import ReprEncoder
+    from shared.tokenizers.repr_encoder import ReprEncoder
 
     return ReprEncoder.load(cfg.repr_encoder, plan_.encoder, device)
 
@@ -580,7 +580,7 @@ IMAGENET_TRAIN_IMAGES = 1_281_167  # for the dry run's "at ImageNet scale" line
 
 def describe_storage(cfg: ExtractConfig, plan_: Plan) -> list[str]:
     """What the shards will take: per image (moments, encoder tokens) and for the folder (payloads only)."""
-    from shared.vae import downsample_factor
+    from shared.tokenizers.vae import downsample_factor
 
     frames = FLIP_MODES[cfg.flip]
     side = cfg.image_size // downsample_factor(plan_.vae_config)
@@ -590,7 +590,7 @@ def describe_storage(cfg: ExtractConfig, plan_: Plan) -> list[str]:
              f"{cfg.dtype})"]
     per_image = moments
     if plan_.encoder is not None:
-        from shared.repr_encoder import storage_bytes
+        from shared.tokenizers.repr_encoder import storage_bytes
 
         enc = plan_.encoder
         tokens = storage_bytes(enc, frames, EXTRA_STORAGE_DTYPES[cfg.repr_dtype])

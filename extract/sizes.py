@@ -1,8 +1,8 @@
 """--image-size against the VAE and the DiT presets: the latent must tile the image, the patches the latent."""
 from __future__ import annotations
 
-from shared.errors import UserError
-from shared.models import PRESETS
+from shared.runtime.errors import UserError
+from shared.network.models import PRESETS
 
 
 def presets_by_patch() -> dict[int, list[str]]:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shared.shards import INDEX_NAME, damaged_error, damaged_files, load_index
+from shared.datasets.shards import INDEX_NAME, damaged_error, damaged_files, load_index
 
 
 def run_verify(out) -> str:

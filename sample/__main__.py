@@ -4,8 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shared.cli import HelpFormatter, add_flags, from_args
-from shared.errors import cli_errors
+from shared.runtime.cli import HelpFormatter, add_flags, from_args
+from shared.runtime.errors import cli_errors
 
 from sample.decode import DecodeOptions, run_decode
 from sample.export import ExportOptions, run_export
@@ -26,7 +26,7 @@ processes (pixels then match exactly wherever the floating-point kernels do: sam
 Several GPUs: `accelerate launch -m sample ...` (rank r draws images i with i % world == r).
 Decode training's latent samples: `python -m sample decode RUN/samples/step-0000100.safetensors`, or
 `python -m sample decode RUN` for the newest preview (--all: every one)."""
-# The flag that sets each setting shared/ names in its errors (shared.errors.ChoiceError / SettingError kinds).
+# The flag that sets each setting shared/ names in its errors (shared.runtime.errors.ChoiceError / SettingError kinds).
 FLAGS = {"model preset": "--model", "objective": "--objective", "weights": "--weights", "cfg scale": "--cfg-scale",
          "guide-channel choice": "--guide-channels", "sampler": "--sampler", "precision": "--precision",
          "ddim eta": "--ddim-eta", "vae": "--vae", "vae config": "--vae-config", "sample folder": "--out",

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import torch
 
-from shared.diffusers_dit import NUMERICS_NOTE, check_dit_config, diffusers_to_dit, model_config_of
-from shared.errors import ChoiceError, UserError
-from shared.export import first_nonfinite, load_torch_file, load_weights, safetensors_problem
-from shared.models import PRESETS, ModelConfig, check_preset, infer_model_config
-from shared.repa import repa_release_config, split_repa_release
-from shared.rundir import (CHECKPOINTS, EMA_FILE, EXPORTS, MODEL_FILE, checkpoint_path, is_complete_checkpoint,
+from shared.network.diffusers_dit import NUMERICS_NOTE, check_dit_config, diffusers_to_dit, model_config_of
+from shared.runtime.errors import ChoiceError, UserError
+from shared.runtime.export import first_nonfinite, load_torch_file, load_weights, safetensors_problem
+from shared.network.models import PRESETS, ModelConfig, check_preset, infer_model_config
+from shared.network.repa import repa_release_config, split_repa_release
+from shared.runtime.rundir import (CHECKPOINTS, EMA_FILE, EXPORTS, MODEL_FILE, checkpoint_path, is_complete_checkpoint,
                            list_checkpoints, list_exports, step_of)
 
 from sample.diffusers_folder import (CONFIG, DiffusersSource, class_names, is_diffusers_file, is_diffusers_folder,

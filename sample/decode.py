@@ -9,13 +9,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from shared.cli import option
-from shared.distributed import process_state
-from shared.errors import UserError
-from shared.flags import DecodeFlags
-from shared.pixels import to_uint8
-from shared.rundir import SAMPLES, step_of
-from shared.vae_match import check_loaded_vae, check_vae_matches, choose_vae, load_vae
+from shared.runtime.cli import option
+from shared.runtime.distributed import process_state
+from shared.runtime.errors import UserError
+from shared.runtime.flags import DecodeFlags
+from shared.tokenizers.pixels import to_uint8
+from shared.runtime.rundir import SAMPLES, step_of
+from shared.tokenizers.vae_match import check_loaded_vae, check_vae_matches, choose_vae, load_vae
 
 from sample.outputs import GRID_NAME, check_out_path, image_name, save_png, write_grid
 

@@ -16,8 +16,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.errors import UserError
-from shared.export import load_torch_file, safetensors_problem
+from shared.runtime.errors import UserError
+from shared.runtime.export import load_torch_file, safetensors_problem
 
 MODEL_INDEX = "model_index.json"
 CONFIG = "config.json"
@@ -182,7 +182,7 @@ def _download(repo_id: str) -> Path:
     folder = Path(snapshot_download(repo_id, allow_patterns=_HUB_CONFIGS + _HUB_SAFETENSORS,
                                     ignore_patterns=_HUB_SKIP))
     missing = _without_weights(folder)
-    if missing:  # read weights-only (shared.export.load_torch_file), never as a general pickle
+    if missing:  # read weights-only (shared.runtime.export.load_torch_file), never as a general pickle
         patterns = [f"{part}/{p}" if part else p for part in missing for p in _HUB_PICKLES]
         folder = Path(snapshot_download(repo_id, allow_patterns=patterns, ignore_patterns=_HUB_SKIP))
     return folder
@@ -190,7 +190,7 @@ def _download(repo_id: str) -> Path:
 
 def locate_hub(repo_id: str) -> DiffusersSource:
     """A Hub id from the local cache, else downloaded into it; UserError when offline and not cached."""
-    from shared.vae import _hub_offline  # the project's one "can the Hub be reached" test
+    from shared.tokenizers.vae import _hub_offline  # the project's one "can the Hub be reached" test
 
     folder = _cached_snapshot(repo_id)
     if folder is None:

@@ -17,14 +17,14 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.cli import option
-from shared.diffusers_dit import NUMERICS_NOTE, dit_to_diffusers, diffusers_config
-from shared.diffusion import NUM_TIMESTEPS, linear_betas
-from shared.errors import ChoiceError, UserError
-from shared.flags import ALLOW_OTHER_VAE, VAE, VAE_CONFIG
-from shared.fsio import TMP_PREFIX, atomic_write_text, publish_dir, remove_tree
-from shared.models import ModelConfig
-from shared.vae_match import check_loaded_vae, check_vae_matches, choose_vae, load_vae
+from shared.runtime.cli import option
+from shared.network.diffusers_dit import NUMERICS_NOTE, dit_to_diffusers, diffusers_config
+from shared.generative.diffusion import NUM_TIMESTEPS, linear_betas
+from shared.runtime.errors import ChoiceError, UserError
+from shared.runtime.flags import ALLOW_OTHER_VAE, VAE, VAE_CONFIG
+from shared.runtime.fsio import TMP_PREFIX, atomic_write_text, publish_dir, remove_tree
+from shared.network.models import ModelConfig
+from shared.tokenizers.vae_match import check_loaded_vae, check_vae_matches, choose_vae, load_vae
 
 from sample.checkpoint import WEIGHTS, LoadedWeights, load_sampling_weights
 
@@ -87,7 +87,7 @@ def check_representable(config: ModelConfig, where) -> None:
 
 
 def scheduler_config() -> dict:
-    """A DDIMScheduler config whose betas are DiT's (shared/diffusion.py: linear 1e-4 -> 0.02 over 1000 steps)."""
+    """A DDIMScheduler config whose betas are DiT's (shared/generative/diffusion.py: linear 1e-4 -> 0.02 over 1000 steps)."""
     betas = linear_betas(NUM_TIMESTEPS)
     # clip_sample off and alpha_bar = 1 after the last step, as the DiT release's samplers (clip_denoised=False);
     # "leading" spacing gives the release's DDIM stride range(0, 1000, 1000 // N).

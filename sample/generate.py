@@ -10,19 +10,19 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from shared.cli import option
-from shared.distributed import process_state
-from shared.errors import UserError
-from shared.flags import BATCH_SIZE, CFG_INTERVAL, CFG_SCALE, GUIDE, NUM_SAMPLING_STEPS, SAMPLER, SEED, DecodeFlags
-from shared.guidance import check_guidance, check_interval, describe_guidance, guide_channel_count, guided_model_fn
-from shared.objectives import OBJECTIVE_NAMES, objective_of
-from shared.samplers import SAMPLER_OPTIONS, get_sampler, sampler_options
-from shared.lock import hold_lock
-from shared.models import DiT_models
-from shared.pixels import to_uint8
-from shared.precision import PRECISIONS, set_tf32
-from shared.rundir import CHECKPOINTS, EMA_FILE, EXPORTS, MODEL_FILE
-from shared.vae_match import check_loaded_vae, check_vae_matches, choose_vae, load_vae
+from shared.runtime.cli import option
+from shared.runtime.distributed import process_state
+from shared.runtime.errors import UserError
+from shared.runtime.flags import BATCH_SIZE, CFG_INTERVAL, CFG_SCALE, GUIDE, NUM_SAMPLING_STEPS, SAMPLER, SEED, DecodeFlags
+from shared.generative.guidance import check_guidance, check_interval, describe_guidance, guide_channel_count, guided_model_fn
+from shared.generative.objectives import OBJECTIVE_NAMES, objective_of
+from shared.generative.samplers import SAMPLER_OPTIONS, get_sampler, sampler_options
+from shared.runtime.lock import hold_lock
+from shared.network.models import DiT_models
+from shared.tokenizers.pixels import to_uint8
+from shared.runtime.precision import PRECISIONS, set_tf32
+from shared.runtime.rundir import CHECKPOINTS, EMA_FILE, EXPORTS, MODEL_FILE
+from shared.tokenizers.vae_match import check_loaded_vae, check_vae_matches, choose_vae, load_vae
 
 from sample.checkpoint import WEIGHTS, LoadedWeights, build_sampling_model, image_size_of, load_sampling_weights
 from sample.outputs import (GRID_NAME, NPZ_NAME, SETTINGS_NAME, check_out_dir, check_out_path, image_name,
@@ -86,7 +86,7 @@ class Job:
 
     options: SampleOptions
     loaded: LoadedWeights
-    objective: object  # shared/objectives.py, as the weights record it
+    objective: object  # shared/generative/objectives.py, as the weights record it
     sampler: str  # the sampler used (the objective's default when --sampler is not given)
     sampler_options: dict  # that sampler's options, defaulted
     plan: LabelPlan

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.errors import UserError
-from shared.seeding import generator_for
+from shared.runtime.errors import UserError
+from shared.runtime.seeding import generator_for
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ Each release records what its bare state dict cannot say: the objective it was t
 DiT's layout but is a flow-matching velocity model). Named here: the DiT release's two files, SiT-XL/2, and
 REPA's SiT-XL/2 at 4M iterations (the FID 1.42 model; sihyun-yu/REPA, MIT: its generate.py downloads this file as
 last.pt, a bare EMA state dict including its projector; we name it REPA-SiT-XL-2-256x256.pt). The REPA file is
-recognised by its layout (shared/repa.py), not by its name.
+recognised by its layout (shared/network/repa.py), not by its name.
 
 Where the file is looked for, in order: the path as given (handled by the caller), ./pretrained_models/NAME
 (where the release's own scripts put it), then the cache: $DIT_CHECKPOINT_DIR if set, else torch's hub
@@ -31,8 +31,8 @@ from typing import Iterator
 
 from tqdm import tqdm
 
-from shared.errors import UserError, disk_full
-from shared.fsio import publish_file, stale_tmps, tmp_name
+from shared.runtime.errors import UserError, disk_full
+from shared.runtime.fsio import publish_file, stale_tmps, tmp_name
 
 try:  # POSIX: a waiting lock, released by the OS when its holder dies
     import fcntl

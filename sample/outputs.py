@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from shared.samplers import SAMPLER_NAMES, SAMPLER_OPTIONS, sampler_options
-from shared.errors import UserError
-from shared.fsio import TMP_PREFIX, atomic_write, atomic_write_text
+from shared.generative.samplers import SAMPLER_NAMES, SAMPLER_OPTIONS, sampler_options
+from shared.runtime.errors import UserError
+from shared.runtime.fsio import TMP_PREFIX, atomic_write, atomic_write_text
 
 SETTINGS_NAME = "settings.json"
 GRID_NAME = "grid.png"
@@ -108,7 +108,7 @@ def upgrade_identity(previous: dict) -> None:
             previous.setdefault(option, defaults.get(option))
     previous.setdefault("cfg_interval", None)
     if isinstance(previous.get("model"), dict):  # model configs written before a field existed read with its default
-        from shared.models import ModelConfig
+        from shared.network.models import ModelConfig
         try:
             previous["model"] = ModelConfig.from_dict(previous["model"]).to_dict()
         except UserError:

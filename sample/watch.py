@@ -25,14 +25,14 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-from shared import rundir
-from shared.cli import option
-from shared.distributed import process_state
-from shared.errors import UserError
-from shared.flags import DecodeFlags
-from shared.lock import LOCK_NAME, FolderBusyError, hold_lock
-from shared.vae import read_vae_config
-from shared.vae_match import check_vae_matches, choose_vae, load_vae
+from shared.runtime import rundir
+from shared.runtime.cli import option
+from shared.runtime.distributed import process_state
+from shared.runtime.errors import UserError
+from shared.runtime.flags import DecodeFlags
+from shared.runtime.lock import LOCK_NAME, FolderBusyError, hold_lock
+from shared.tokenizers.vae import read_vae_config
+from shared.tokenizers.vae_match import check_vae_matches, choose_vae, load_vae
 
 from sample.decode import DecodeOptions, decode_file, read_latents
 from sample.outputs import grid_layout, image_name, read_png, save_png
@@ -93,7 +93,7 @@ class StopFlag:
 
 
 def run_is_locked(run: Path) -> bool:
-    """Whether a live training process holds RUN/.lock (shared/lock.py's flock; freed by the OS when it dies)."""
+    """Whether a live training process holds RUN/.lock (shared/runtime/lock.py's flock; freed by the OS when it dies)."""
     path = run / LOCK_NAME
     if not path.is_file():
         return False

@@ -1,0 +1,1 @@
+"""What every stage stands on, by concern: tokenizers/ (images <-> latents), datasets/ (images and latent shards on disk), network/ (the DiT), generative/ (objectives, samplers, guidance), runtime/ (flags, errors, run folders, locks, weight files)."""

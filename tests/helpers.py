@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from shared.models import DiT, DiT_models, ModelConfig
-from shared.shards import ShardWriter, shard_name, write_index
+from shared.network.models import DiT, DiT_models, ModelConfig
+from shared.datasets.shards import ShardWriter, shard_name, write_index
 from tests.conftest import ROOT
 from train.__main__ import main as train_main
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from shared.models import ModelConfig
+from shared.network.models import ModelConfig
 from train import autotune, plan
 from train.autotune import DeviceInfo
 from train.config import TrainConfig

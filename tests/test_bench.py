@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.errors import UserError
+from shared.runtime.errors import UserError
 from train import bench
 from train.memory import build_model, forward_macs, model_config
 
@@ -60,7 +60,7 @@ def test_a_failing_compile_becomes_an_error_row(monkeypatch):
 def test_bench_times_the_trainers_own_step(monkeypatch, tmp_path):
     """Each timed step is train.step.train_step on a learner and micro-batch shaped as python -m train builds them."""
     from tests.helpers import make_latents
-    from shared.shards import LatentDataset
+    from shared.datasets.shards import LatentDataset
     from train.data import TrainingDraws
 
     seen = []

@@ -67,9 +67,9 @@ def test_steps_must_end_on_an_export(capsys):
 
 @pytest.mark.parametrize("objective,sampler,interval", [("ddpm", "ddim", (0.0, 700.0)), ("flow", "euler", (0.0, 0.7))])
 def test_model_rows_count_the_samplers_own_calls(tmp_path, objective, sampler, interval):
-    from shared import rundir
-    from shared.export import save_weights
-    from shared.models import ModelConfig
+    from shared.runtime import rundir
+    from shared.runtime.export import save_weights
+    from shared.network.models import ModelConfig
 
     config = ModelConfig(model="DiT-T/2", input_size=4, num_classes=5, objective=objective)
     export = save_weights(rundir.export_path(tmp_path, 10), config.build().state_dict(), config, {"image_size": 32},

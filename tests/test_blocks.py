@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shared.errors import ChoiceError, UserError
-from shared.export import load_weights, save_weights
-from shared.models import (BLOCKS, PRESETS, DiTBlock, ModelConfig, RMSNorm, RotaryEmbedding2d, block_options,
+from shared.runtime.errors import ChoiceError, UserError
+from shared.runtime.export import load_weights, save_weights
+from shared.network.models import (BLOCKS, PRESETS, DiTBlock, ModelConfig, RMSNorm, RotaryEmbedding2d, block_options,
                            infer_model_config, rotate_pairs, swiglu_hidden)
 from train.memory import build_model, forward_macs, model_config
 from tests.helpers import inputs, randomize, tiny
@@ -319,7 +319,7 @@ def test_resume_of_a_run_written_before_block_options(latents, tmp_path):
 @pytest.fixture(scope="module")
 def lightning_export(tmp_path_factory, tiny_vae_dir):
     """A run folder holding one export of a randomised lightning-qknorm DiT-T/2 on the tiny VAE's 4x8x8 latents."""
-    from shared.vae import LatentVAE
+    from shared.tokenizers.vae import LatentVAE
     from tests.helpers import random_dit
 
     config = ModelConfig("DiT-T/2", input_size=8, in_channels=4, num_classes=5, **BLOCKS["lightning-qknorm"])

@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from shared.digits import NUM_CLASSES, build_digits, digit_images, load_digit_arrays
+from shared.datasets.digits import NUM_CLASSES, build_digits, digit_images, load_digit_arrays
 from data.judge import class_match, fit_judge
 from data.make_vae import DEFAULT_OUT as VAE_DIR
 
@@ -76,7 +76,7 @@ def test_judge_works_at_other_resolutions(digits):
 
 
 def test_committed_vae_loads_and_reconstructs_recognisable_digits(digits):
-    from shared.vae import LatentVAE, draw_latents
+    from shared.tokenizers.vae import LatentVAE, draw_latents
 
     images, labels = digits
     images, labels = images[:300], labels[:300]

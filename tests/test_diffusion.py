@@ -1,15 +1,15 @@
-"""shared/diffusion.py against float64 references written here, independently of the module's algebra."""
+"""shared/generative/diffusion.py against float64 references written here, independently of the module's algebra."""
 import math
 
 import numpy as np
 import pytest
 import torch
 
-from shared.diffusion import (NUM_TIMESTEPS, GaussianDiffusion, approx_std_normal_cdf, create_diffusion, ddim_sample,
+from shared.generative.diffusion import (NUM_TIMESTEPS, GaussianDiffusion, approx_std_normal_cdf, create_diffusion, ddim_sample,
                               ddim_timesteps, ddpm_sample, discretized_gaussian_log_likelihood, normal_kl,
                               space_timesteps)
-from shared.errors import ChoiceError, SettingError, UserError
-from shared.samplers import SAMPLER_NAMES, SAMPLERS, get_sampler
+from shared.runtime.errors import ChoiceError, SettingError, UserError
+from shared.generative.samplers import SAMPLER_NAMES, SAMPLERS, get_sampler
 
 BETAS = np.linspace(1e-4, 0.02, 1000)  # the DiT schedule, written out independently
 ABAR = np.cumprod(1 - BETAS)

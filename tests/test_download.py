@@ -10,7 +10,7 @@ import torch
 
 from sample.__main__ import main
 from sample.official import CACHE_ENV, URL_ENV
-from shared.models import ModelConfig
+from shared.network.models import ModelConfig
 from tests.helpers import run_main
 
 NAME = "DiT-XL-2-256x256.pt"

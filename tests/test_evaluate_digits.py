@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from shared.digits import digit_images
+from shared.datasets.digits import digit_images
 from evaluate import digits
 from evaluate.__main__ import main
 
@@ -62,7 +62,7 @@ def test_digits_fd_orders_real_subsets_before_noise(real):
 
 
 def test_digits_fd_refuses_other_sizes_and_dtypes(real):
-    from shared.errors import UserError
+    from shared.runtime.errors import UserError
 
     with pytest.raises(UserError, match="32x32"):
         digits.digits_fd(np.zeros((4, 64, 64, 3), np.uint8))

@@ -12,7 +12,7 @@ from evaluate import inception
 from evaluate.__main__ import main
 from evaluate.inception import FIDInceptionV3, InceptionE, tf1_resize_bilinear, tf_avg_pool
 from evaluate.stats import load_stats
-from shared.errors import UserError
+from shared.runtime.errors import UserError
 from tests.helpers import run_main
 
 

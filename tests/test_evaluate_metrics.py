@@ -8,7 +8,7 @@ import scipy.linalg
 from evaluate.metrics import _psd_sqrt, _sum_sqrt_eigvals, frechet_distance, frechet_distance_of, frechet_distance_to, \
     comparability_note, inception_score, is_comparable, manifold_radii, mean_cov, precision_recall, trace_sqrt_product
 from evaluate.stats import Stats, is_stats_file, load_stats, save_stats
-from shared.errors import UserError
+from shared.runtime.errors import UserError
 
 
 def test_frechet_distance_of_diagonal_gaussians_is_the_closed_form():

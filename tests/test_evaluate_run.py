@@ -10,10 +10,10 @@ import torch
 from evaluate import digits
 from evaluate.__main__ import main
 from evaluate.curve import RunEvalOptions, matching, read_rows, settings_of
-from shared import rundir
-from shared.export import save_weights
-from shared.models import ModelConfig
-from shared.vae import LatentVAE
+from shared.runtime import rundir
+from shared.runtime.export import save_weights
+from shared.network.models import ModelConfig
+from shared.tokenizers.vae import LatentVAE
 from tests.helpers import run_main
 
 FLAGS = ["--features", "digits", "--num-samples", 6, "--sampler", "ddim", "--num-sampling-steps", 2,
@@ -86,7 +86,7 @@ def test_run_mistakes_are_refused_before_sampling(tmp_path, capsys):
 
 def test_the_demo_asks_evaluate_run_for_its_curve_and_reports_the_digits_distance(tmp_path):
     from data import demo
-    from shared.digits import digit_images
+    from shared.datasets.digits import digit_images
     from evaluate.curve import run_parser
 
     dirs = demo.stage_dirs(tmp_path, demo.QUICK)

@@ -5,10 +5,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import shared.export as export
-from shared.errors import UserError
-from shared.export import load_weights, save_weights
-from shared.models import ModelConfig
+import shared.runtime.export as export
+from shared.runtime.errors import UserError
+from shared.runtime.export import load_weights, save_weights
+from shared.network.models import ModelConfig
 
 LATENT_META = {"image_size": 16, "scaling_factor": 0.5, "latent_shape": [4, 8, 8],
                "vae": {"source": "tiny", "config_sha256": "ab"}, "class_names": ["cat", "dog", "eel"]}
@@ -124,7 +124,7 @@ def test_corrupt_metadata_is_a_user_error(tmp_path):
 
 def test_run_layout_finds_newest_complete_checkpoint_and_export(tmp_path):
     """Steps sort numerically; a checkpoint folder without state.json (half-written) is ignored."""
-    from shared.rundir import (CHECKPOINTS, STATE_FILE, export_path, latest_checkpoint, latest_export,
+    from shared.runtime.rundir import (CHECKPOINTS, STATE_FILE, export_path, latest_checkpoint, latest_export,
                                list_checkpoints, list_partial, staging_path, step_name)
 
     assert latest_checkpoint(tmp_path) is None and latest_export(tmp_path) is None
@@ -156,8 +156,8 @@ class _Evil:
 
 
 def test_load_torch_file_names_the_blocked_global_and_never_advises_unsafe_loading(tmp_path):
-    from shared.errors import SettingError, advise
-    from shared.export import load_torch_file
+    from shared.runtime.errors import SettingError, advise
+    from shared.runtime.export import load_torch_file
 
     torch.save({"w": _Evil()}, tmp_path / "evil.pt")
     with pytest.raises(SettingError) as caught:
@@ -173,7 +173,7 @@ def test_load_torch_file_names_the_blocked_global_and_never_advises_unsafe_loadi
 
 
 def test_safetensors_problem_and_first_nonfinite(tmp_path, trained):
-    from shared.export import first_nonfinite, safetensors_problem
+    from shared.runtime.export import first_nonfinite, safetensors_problem
 
     model, config = trained
     path = save_weights(tmp_path / "w.safetensors", model.state_dict(), config, LATENT_META, 1)

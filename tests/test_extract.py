@@ -18,9 +18,9 @@ from PIL import Image
 from extract.folder import scan_image_folder
 from extract.images import MAX_IMAGE_PIXELS, center_crop_arr, load_image, open_rgb, preprocess
 from extract.run import BAD_FILES_NAME, SETTINGS_NAME, ExtractConfig, run_extract, sidecar_path
-from shared.errors import ChoiceError, UserError, advise
-from shared.fsio import stale_tmps, tmp_name
-from shared.shards import FLIP_MODES, INDEX_NAME, LatentDataset, shard_name
+from shared.runtime.errors import ChoiceError, UserError, advise
+from shared.runtime.fsio import stale_tmps, tmp_name
+from shared.datasets.shards import FLIP_MODES, INDEX_NAME, LatentDataset, shard_name
 from tests.conftest import ROOT, make_image_folder, make_tiny_vae
 
 
@@ -304,7 +304,7 @@ def test_check_counts_and_finds_bad_files(tmp_path, image_folder, capsys):
 # ----------------------------------------------------------------------------------------------------------
 
 def test_stored_moments_equal_direct_encoding(tmp_path, image_folder, tiny_vae_dir):
-    from shared.vae import LatentVAE
+    from shared.tokenizers.vae import LatentVAE
 
     out = tmp_path / "out"
     run_extract(_config(image_folder, out, tiny_vae_dir, dtype="fp32"))
@@ -323,7 +323,7 @@ def test_stored_moments_equal_direct_encoding(tmp_path, image_folder, tiny_vae_d
 
 def test_out_of_memory_halves_the_encoder_batch(tiny_vae_dir):
     from extract.run import Progress, encode_pixels
-    from shared.vae import LatentVAE
+    from shared.tokenizers.vae import LatentVAE
 
     vae = LatentVAE.load(tiny_vae_dir)
     pixels = torch.randint(0, 256, (3, 3, 16, 16), dtype=torch.uint8)

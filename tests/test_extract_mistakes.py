@@ -15,7 +15,7 @@ import pytest
 from extract.__main__ import main as extract_main
 from extract.folder import scan_image_folder
 from extract.run import SETTINGS_NAME, sidecar_path
-from shared.shards import INDEX_NAME, LatentDataset, shard_name
+from shared.datasets.shards import INDEX_NAME, LatentDataset, shard_name
 from tests import small_disk
 from tests.conftest import ROOT, make_image_folder, make_tiny_vae
 

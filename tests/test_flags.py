@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.cli import FLAG_KEY, Flag, HelpFormatter, add_flags, flag_fields, from_args, option
+from shared.runtime.cli import FLAG_KEY, Flag, HelpFormatter, add_flags, flag_fields, from_args, option
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("data", "evaluate", "extract", "sample", "shared", "train")
@@ -191,7 +191,7 @@ def test_a_family_flag_changes_per_command():
     """A shared Flag keeps its help where a command changes only its default (evaluate draws 50 steps, not 250)."""
     from evaluate.curve import RunEvalOptions
     from sample.generate import SampleOptions
-    from shared.flags import NUM_SAMPLING_STEPS
+    from shared.runtime.flags import NUM_SAMPLING_STEPS
 
     assert isinstance(NUM_SAMPLING_STEPS, Flag)
     sample_field = {f.name: f for f in dataclasses.fields(SampleOptions)}["num_sampling_steps"]
@@ -203,7 +203,7 @@ def test_a_family_flag_changes_per_command():
 def test_a_flag_family_dataclass_lists_after_the_commands_own_flags():
     """Commands deriving from DecodeFlags get every VAE flag, after their own (the help reads command first)."""
     from sample.__main__ import decode_parser, sample_parser, watch_parser
-    from shared.flags import DecodeFlags
+    from shared.runtime.flags import DecodeFlags
 
     family = [f.name for f in dataclasses.fields(DecodeFlags)]
     for parser in (sample_parser(), decode_parser(), watch_parser()):

@@ -1,4 +1,4 @@
-"""Flow matching (shared/flow.py) and the objective seam, against references written here from SiT's equations.
+"""Flow matching (shared/generative/flow.py) and the objective seam, against references written here from SiT's equations.
 
 The official SiT code itself is compared by tests/bench/check_sit_parity.py (it needs a SiT checkout).
 """
@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
-from shared.errors import SettingError
-from shared.flow import draw_time, flow_grid, shift_time
-from shared.guidance import guided_model_fn
-from shared.models import ModelConfig
-from shared.objectives import DDPMObjective, FlowObjective, make_objective, objective_of, run_sampler
-from shared.samplers import sampler_options
+from shared.runtime.errors import SettingError
+from shared.generative.flow import draw_time, flow_grid, shift_time
+from shared.generative.guidance import guided_model_fn
+from shared.network.models import ModelConfig
+from shared.generative.objectives import DDPMObjective, FlowObjective, make_objective, objective_of, run_sampler
+from shared.generative.samplers import sampler_options
 
 MU, S = 0.7, 0.5  # Gaussian data N(MU, S^2) per coordinate: its exact velocity field is known
 
@@ -204,7 +204,7 @@ def test_flow_training_records_its_objective(flow_run):
     """The loss falls; config, checkpoint and export all say flow; previews come from the Euler sampler."""
     import json
 
-    from shared.export import read_config
+    from shared.runtime.export import read_config
     from tests.helpers import metrics
 
     run = flow_run["run"]
@@ -229,8 +229,8 @@ def test_flow_resume_with_another_objective_is_refused(flow_run, capsys):
 @pytest.fixture(scope="module")
 def flow_export(tmp_path_factory, tiny_vae_dir):
     """A flow-objective export whose latents metadata names the tiny test VAE (so sample can decode)."""
-    from shared.export import save_weights
-    from shared.vae import LatentVAE
+    from shared.runtime.export import save_weights
+    from shared.tokenizers.vae import LatentVAE
     from tests.helpers import random_dit as _random_dit
 
     config = ModelConfig("DiT-T/2", input_size=8, num_classes=10, objective="flow")
@@ -289,8 +289,8 @@ def test_flow_export_to_diffusers_is_refused(flow_export, tmp_path, capsys):
 
 def test_ddpm_export_refuses_an_interval_outside_dit_timesteps(tmp_path, capsys, tiny_vae_dir):
     """A DDPM model's noise levels are DiT timesteps in [0, 1000]: 0 2000 is refused, 0 500 accepted."""
-    from shared.export import save_weights
-    from shared.vae import LatentVAE
+    from shared.runtime.export import save_weights
+    from shared.tokenizers.vae import LatentVAE
     from tests.helpers import random_dit as _random_dit, run_sample as run_cli
 
     config = ModelConfig("DiT-T/2", input_size=8, num_classes=10)

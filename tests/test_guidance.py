@@ -1,9 +1,9 @@
-"""shared/guidance.py: classifier-free guidance against an independent formula, channel handling, errors."""
+"""shared/generative/guidance.py: classifier-free guidance against an independent formula, channel handling, errors."""
 import pytest
 import torch
 
-from shared.errors import ChoiceError, SettingError, UserError, advise
-from shared.guidance import GUIDE_CHANNELS, check_guidance, guide_channel_count, guided_model_fn
+from shared.runtime.errors import ChoiceError, SettingError, UserError, advise
+from shared.generative.guidance import GUIDE_CHANNELS, check_guidance, guide_channel_count, guided_model_fn
 from tests.helpers import inputs, randomize, tiny  # 2-block DiT-T/2, 8x8x4 latents, 5 classes
 
 
@@ -60,7 +60,7 @@ def test_autocast_precision_follows_the_input_device():
 
 def test_guide_channel_vocabulary():
     """auto: the release's 3-channel quirk for 4-channel latents only; '3' is refused for any other count."""
-    from shared.guidance import describe_guidance
+    from shared.generative.guidance import describe_guidance
     assert GUIDE_CHANNELS == ("auto", "3", "all")
     assert guide_channel_count("3", 4) == 3 and guide_channel_count("all", 4) is None
     assert guide_channel_count("auto", 4) == 3 and guide_channel_count("auto", 8) is None

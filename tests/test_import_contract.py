@@ -58,7 +58,7 @@ def test_the_contract_catches_a_crossing(tmp_path):
     """The scan sees imports at the top and inside functions, `import x.y` and `from x.y import z` alike."""
     for package in (*STAGES, COMMON):
         (tmp_path / package).mkdir()
-    (tmp_path / "evaluate" / "ok.py").write_text("import numpy\nfrom shared.vae import VAE\nfrom evaluate import x\n")
+    (tmp_path / "evaluate" / "ok.py").write_text("import numpy\nfrom shared.tokenizers.vae import VAE\nfrom evaluate import x\n")
     (tmp_path / "train" / "bad.py").write_text("def f():\n    from sample.outputs import write_npz\n")
     (tmp_path / "shared" / "bad.py").write_text("import extract.folder\n")
     assert violations(tmp_path) == ["train/bad.py:2 imports sample", "shared/bad.py:1 imports extract"]

@@ -13,11 +13,11 @@ import torch
 from tests.conftest import ROOT
 from tests.helpers import run_main
 from sample.__main__ import main
-from shared.diffusers_dit import (check_dit_config, diffusers_config, diffusers_to_dit, dit_kwargs, dit_to_diffusers)
-from shared.errors import UserError
-from shared.export import load_weights, save_weights
-from shared.models import DiT, ModelConfig
-from shared.vae import LatentVAE
+from shared.network.diffusers_dit import (check_dit_config, diffusers_config, diffusers_to_dit, dit_kwargs, dit_to_diffusers)
+from shared.runtime.errors import UserError
+from shared.runtime.export import load_weights, save_weights
+from shared.network.models import DiT, ModelConfig
+from shared.tokenizers.vae import LatentVAE
 
 STEPS = ["--num-sampling-steps", "2", "--cpu", "--num-samples", "2"]
 HUB_ID = "tiny-org/tiny-dit-pipe"

@@ -1,4 +1,4 @@
-"""The run lock (shared/lock.py) with real processes: a SIGKILL with DataLoader workers on, file systems without flock.
+"""The run lock (shared/runtime/lock.py) with real processes: a SIGKILL with DataLoader workers on, file systems without flock.
 
 Issue 21: a trainer killed with `kill -9` while its default 4 DataLoader workers were alive left the lock
 held by those workers for seconds, so rerunning the same command at once was refused. And where the file
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from shared import lock
+from shared.runtime import lock
 from tests.helpers import LAUNCHER, checkpoints, cli, finish, train_args, wait_for
 
 
@@ -123,7 +123,7 @@ def test_other_errors_still_mean_busy(tmp_path, monkeypatch):
 
 
 # The real command, with flock answering ENOLCK (as on a Lustre mount without -o flock).
-NO_FLOCK_TRAIN = ("import errno, os, sys; import shared.lock as lock\n"
+NO_FLOCK_TRAIN = ("import errno, os, sys; import shared.runtime.lock as lock\n"
                   "def refuse(fd): raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))\n"
                   "lock._os_lock = refuse\n"
                   "from train.__main__ import main; sys.exit(main())")

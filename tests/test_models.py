@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from shared.errors import ChoiceError, UserError, advise
-from shared.models import ATTENTION_BACKENDS, DiT_models, ModelConfig, PRESETS, check_preset, infer_model_config
+from shared.runtime.errors import ChoiceError, UserError, advise
+from shared.network.models import ATTENTION_BACKENDS, DiT_models, ModelConfig, PRESETS, check_preset, infer_model_config
 from tests.helpers import inputs, randomize, tiny
 
 

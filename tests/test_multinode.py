@@ -10,7 +10,7 @@ import fsspec
 import pytest
 import torch
 
-from shared.shards import INDEX_NAME
+from shared.datasets.shards import INDEX_NAME
 from train import latents as remote
 from tests.helpers import (CPU_DIST, TORCHRUN, checkpoints, cli, final_tensors, finish, make_latents, run_inprocess,
                            trace, train_args)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.diffusion import create_diffusion
+from shared.generative.diffusion import create_diffusion
 from train.memory import (ActivationProfile, LinearBytes, build_model, forward_macs, measure_block_fit,
                           measure_profile,
                           model_config)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from shared.rundir import read_step_rows
+from shared.runtime.rundir import read_step_rows
 from train.plot import auto_weight, eval_lines, eval_title, main, panels, smooth
 
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from shared.errors import UserError
-from shared.repa import alignment_loss, match_tokens
+from shared.runtime.errors import UserError
+from shared.network.repa import alignment_loss, match_tokens
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,7 +47,7 @@ def repa_state_dict(depth=6, width=192, patch=2, channels=4, grid=4, classes=10,
 
 def make_feature_latents(root: Path, n=24, flips=2, tokens=16, dim=8, encoder="enc-a", seed=0) -> Path:
     """A finished latent folder whose samples also store "repr" (F, T, E) tokens and the encoder's identity."""
-    from shared.shards import ShardWriter, shard_name, write_index
+    from shared.datasets.shards import ShardWriter, shard_name, write_index
 
     root.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -71,7 +71,7 @@ def make_feature_latents(root: Path, n=24, flips=2, tokens=16, dim=8, encoder="e
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_shards_store_extra_named_tensors_and_describe_them(tmp_path, dtype):
-    from shared.shards import LatentDataset, ShardWriter, collate, shard_name, write_index
+    from shared.datasets.shards import LatentDataset, ShardWriter, collate, shard_name, write_index
 
     g = torch.Generator().manual_seed(0)
     means = torch.randn(5, 2, 4, 2, 2, generator=g)
@@ -103,7 +103,7 @@ def test_moment_only_shards_keep_the_first_versions_bytes_and_layout(tmp_path):
     """A folder without extra tensors is byte-identical to the format before them (old folders read unchanged)."""
     import safetensors.numpy
 
-    from shared.shards import LatentDataset, ShardWriter, shard_name
+    from shared.datasets.shards import LatentDataset, ShardWriter, shard_name
 
     mean = np.arange(32, dtype=np.float16).reshape(2, 4, 2, 2)
     with ShardWriter(tmp_path / shard_name(0)) as writer:
@@ -113,7 +113,7 @@ def test_moment_only_shards_keep_the_first_versions_bytes_and_layout(tmp_path):
     assert set(writer.info.layout) == {"dtype", "shape", "header_size", "payload_size", "tensors"}
     assert set(writer.info.layout["tensors"]) == {"mean", "std"}
     # An index written before "tensors" existed still reads.
-    from shared.shards import write_index
+    from shared.datasets.shards import write_index
     write_index(tmp_path, [writer.info], {"image_size": 4, "num_classes": 2, "class_names": ["a", "b"],
                                           "vae": {"scaling_factor": 1.0}})
     index = json.loads((tmp_path / "index.json").read_text())
@@ -143,7 +143,7 @@ def test_alignment_loss_and_token_matching():
 
 @pytest.mark.parametrize("every", [0, 1])
 def test_model_returns_block_k_tokens_from_the_same_forward(every):
-    from shared.models import DiT_models
+    from shared.network.models import DiT_models
 
     torch.manual_seed(0)
     model = DiT_models["DiT-T/2"](input_size=8, num_classes=4, grad_checkpoint_every=every)
@@ -163,7 +163,7 @@ def test_model_returns_block_k_tokens_from_the_same_forward(every):
 
 def test_repa_convention_loss_is_repas():
     """REPA's loss.py: input (1 - t) x + t eps at time t (0 = data), target eps - x (d/dt of its path)."""
-    from shared.flow import FlowPath
+    from shared.generative.flow import FlowPath
 
     g = torch.Generator().manual_seed(0)
     x, eps, tau = torch.randn(4, 3, 2, 2, generator=g), torch.randn(4, 3, 2, 2, generator=g), torch.rand(4, generator=g)
@@ -182,8 +182,8 @@ def test_repa_convention_loss_is_repas():
 
 def test_training_features_follow_the_latents_flip_variant(tmp_path):
     """With std 0 the latent is the stored mean, so its value names the flip each sample drew."""
-    from shared.objectives import make_objective
-    from shared.shards import LatentDataset, ShardWriter, shard_name, write_index
+    from shared.generative.objectives import make_objective
+    from shared.datasets.shards import LatentDataset, ShardWriter, shard_name, write_index
     from train.data import TrainingDraws
 
     with ShardWriter(tmp_path / shard_name(0)) as writer:
@@ -224,8 +224,8 @@ def test_extract_stores_the_encoders_tokens_of_each_flip(image_folder, tiny_vae_
                                                           capsys):
     from extract.__main__ import main
     from extract.folder import scan_image_folder
-    from shared.repr_encoder import ReprEncoder, plan_identity
-    from shared.shards import LatentDataset
+    from shared.tokenizers.repr_encoder import ReprEncoder, plan_identity
+    from shared.datasets.shards import LatentDataset
 
     out = tmp_path / "lat"
     assert main(_extract(image_folder, out, tiny_vae_dir, tiny_dinov2_dir, "--dry-run")) == 0
@@ -289,7 +289,7 @@ def _train(latents, run, *extra) -> list:
 def test_repa_trains_checkpoints_its_projector_resumes_and_exports_without_it(feature_latents, tmp_path):
     from safetensors import safe_open
 
-    from shared import rundir
+    from shared.runtime import rundir
     from train.__main__ import main
 
     run = tmp_path / "run"
@@ -383,7 +383,7 @@ def test_sde_in_repas_convention_is_repas_euler_maruyama():
     """Our SDE on a REPA-convention model equals REPA's sampler written in its own time (t = 0 data, 1 noise):
     grid linspace(1, 0.04, N), drift u - 0.5 * 2t * score with score = (-(1 - t) u - x) / t, noise sqrt(2t |dt|),
     then a noise-free step to t = 0 (REPA samplers.py euler_maruyama_sampler, linear path)."""
-    from shared.objectives import make_objective
+    from shared.generative.objectives import make_objective
 
     g = torch.Generator().manual_seed(0)
     w = 0.3 * torch.randn(3, 3, generator=g)

@@ -15,9 +15,9 @@ from tests.helpers import NUM_CLASSES, pngs, random_dit, run_sample
 from sample.checkpoint import resolve_ckpt_file
 from sample.generate import ckpt_label
 from sample.outputs import grid_layout
-from shared.export import save_weights
-from shared.models import DiT, ModelConfig
-from shared.vae import LatentVAE
+from shared.runtime.export import save_weights
+from shared.network.models import DiT, ModelConfig
+from shared.tokenizers.vae import LatentVAE
 
 STEPS = ["--num-sampling-steps", "4", "--cpu"]
 

@@ -18,9 +18,9 @@ from safetensors.torch import save_file
 from tests import small_disk
 from tests.conftest import ROOT, make_tiny_vae
 from tests.helpers import pngs, random_dit, run_sample
-from shared.export import save_weights
-from shared.models import ModelConfig
-from shared.vae import LatentVAE
+from shared.runtime.export import save_weights
+from shared.network.models import ModelConfig
+from shared.tokenizers.vae import LatentVAE
 
 NAMES = ["cat", "Dog", "sea eel", "ant", "bee"]
 STEPS = ["--num-sampling-steps", "2", "--cpu"]
@@ -360,7 +360,7 @@ def test_sea_eel_file_name_is_sanitised(run, tmp_path, capsys):
 
 def test_help_shows_every_default_and_the_decode_command():
     from sample.__main__ import decode_parser, sample_parser
-    from shared.cli import HelpFormatter
+    from shared.runtime.cli import HelpFormatter
     for parser in (sample_parser(), decode_parser()):
         formatter = HelpFormatter(parser.prog)
         for action in parser._actions:
@@ -421,7 +421,7 @@ def test_second_launch_on_the_same_out_exits_naming_the_pid(run, tmp_path):
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait()
-    from shared.lock import hold_lock
+    from shared.runtime.lock import hold_lock
     hold_lock(out, "sample folder").release()  # the OS dropped the killed holder's lock
 
 
@@ -448,7 +448,7 @@ def test_full_disk_is_one_paragraph_and_the_rerun_continues(run, tmp_path):
 def test_runtime_facts_on_cuda_record_the_gpu_and_tf32(monkeypatch):
     """On a GPU, settings.json names the card and the TF32 state set_tf32 left in force (no GPU needed here)."""
     from sample.generate import runtime_facts
-    from shared.precision import set_tf32
+    from shared.runtime.precision import set_tf32
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA Test GPU")
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32  # flags, settable without a GPU

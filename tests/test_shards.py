@@ -15,13 +15,13 @@ import safetensors.torch
 import torch
 import webdataset as wds
 
-from shared import shards
-from shared.errors import UserError
-from shared.shards import (
+from shared.datasets import shards
+from shared.runtime.errors import UserError
+from shared.datasets.shards import (
     GatheredBatch, LatentDataset, ShardInfo, ShardWriter, StreamSampler, collate, epoch_permutation, shard_name,
     write_index,
 )
-from shared.fsio import tmp_name
+from shared.runtime.fsio import tmp_name
 
 META = {"image_size": 16, "num_classes": 3, "class_names": ["cat", "dog", "eel"],
         "vae": {"source": "tiny", "scaling_factor": 0.25, "latent_channels": 4}}
@@ -203,7 +203,7 @@ class _FullDisk(io.FileIO):
 
 
 def test_writer_turns_a_full_disk_into_one_error_and_removes_its_temp_file(tmp_path, monkeypatch):
-    from shared.errors import DiskFullError
+    from shared.runtime.errors import DiskFullError
 
     monkeypatch.setattr(shards, "open", lambda path, mode: io.BufferedWriter(_FullDisk(path, "w"), 512),
                         raising=False)

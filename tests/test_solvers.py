@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from shared.diffusion import NUM_TIMESTEPS, kept_timesteps, space_timesteps
-from shared.errors import SettingError, UserError
-from shared.objectives import DDPMObjective
-from shared.samplers import SAMPLERS, sampler_options
-from shared.export import save_weights
-from shared.models import ModelConfig
-from shared.vae import LatentVAE
+from shared.generative.diffusion import NUM_TIMESTEPS, kept_timesteps, space_timesteps
+from shared.runtime.errors import SettingError, UserError
+from shared.generative.objectives import DDPMObjective
+from shared.generative.samplers import SAMPLERS, sampler_options
+from shared.runtime.export import save_weights
+from shared.network.models import ModelConfig
+from shared.tokenizers.vae import LatentVAE
 from tests.conftest import ROOT
 from tests.helpers import NUM_CLASSES, pngs, random_dit, run_sample
 

@@ -36,7 +36,7 @@ def test_loss_falls_and_run_folder_layout(latents, tmp_path):
     state = json.loads((ckpt / "state.json").read_text())
     assert state["step"] == 16 and state["data_position"] == 16 * 8 and state["config"]["model"] == "DiT-T/2"
     assert json.loads((run / "config.json").read_text())["grad_accum_steps"] == 1
-    from shared.export import load_weights
+    from shared.runtime.export import load_weights
 
     sd, model_config, latent_meta, step = load_weights(run / "exports" / "ema-step-0000016.safetensors")
     assert step == 16 and model_config.input_size == 4 and latent_meta["scaling_factor"] == 0.5
@@ -69,7 +69,7 @@ def test_keep_last_retention_and_optional_features(latents, tmp_path):
 
 
 def test_previews_with_the_ema_on_the_cpu_follow_the_configured_guidance(latents, tmp_path):
-    from shared.export import load_weights
+    from shared.runtime.export import load_weights
     from train.preview import sample_preview
 
     flags = ["--max-steps", "2", "--sample-every", "2", "--sample-steps", "3", "--lr", "1e-2", "--ema-decay", "0"]

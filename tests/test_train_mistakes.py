@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from shared import rundir
+from shared.runtime import rundir
 from tests import small_disk
 from tests.conftest import ROOT
 from tests.helpers import LAUNCHER, checkpoints, cli, expect_user_error, finish, run_inprocess, train_args, wait_for

@@ -1,4 +1,4 @@
-"""shared/vae.py: locating specs, fp32 moments equal diffusers', decode with the config's scale, draws."""
+"""shared/tokenizers/vae.py: locating specs, fp32 moments equal diffusers', decode with the config's scale, draws."""
 import json
 import shutil
 import subprocess
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tests.conftest import ROOT, make_tiny_vae
-from shared.errors import SettingError, UserError, advise
-from shared.vae import LatentVAE, downsample_factor, draw_latents, read_vae_config, resolve_vae_spec
+from shared.runtime.errors import SettingError, UserError, advise
+from shared.tokenizers.vae import LatentVAE, downsample_factor, draw_latents, read_vae_config, resolve_vae_spec
 
 
 def _images(n=2, size=16, seed=0):
@@ -26,7 +26,7 @@ def _diffusers_vae(folder):
 
 
 def test_import_does_not_pull_diffusers():
-    code = "import sys, shared.vae; assert 'diffusers' not in sys.modules, 'diffusers imported'; print('ok')"
+    code = "import sys, shared.tokenizers.vae; assert 'diffusers' not in sys.modules, 'diffusers imported'; print('ok')"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"

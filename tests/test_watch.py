@@ -16,7 +16,7 @@ import torch
 from sample.__main__ import main
 from sample.outputs import read_png
 from sample.watch import WatchOptions, end_reason, run_is_locked
-from shared.lock import hold_lock
+from shared.runtime.lock import hold_lock
 from tests.helpers import LAUNCHER, cli, finish, make_latents, trace, train_args
 from train.preview import preview_labels, save_preview
 

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from shared import shards  # noqa: E402
+from shared.datasets import shards
 from train import checkpoint as ckpt_io  # noqa: E402
 from train import loop  # noqa: E402
 from train.__main__ import main  # noqa: E402

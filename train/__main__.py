@@ -1,8 +1,8 @@
 """`python -m train` (or `accelerate launch -m train`): train a DiT on cached latents. Flags: --help."""
 import sys
 
-from shared.cli import given_flags
-from shared.errors import cli_errors
+from shared.runtime.cli import given_flags
+from shared.runtime.errors import cli_errors
 from train.config import build_parser, config_from_args
 
 PROG = "python -m train"

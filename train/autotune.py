@@ -22,8 +22,8 @@ from typing import Callable
 
 import torch
 
-from shared.errors import UserError
-from shared.models import ModelConfig
+from shared.runtime.errors import UserError
+from shared.network.models import ModelConfig
 from train.launcher import resolve_precision_with_launcher
 from train.units import format_size, parse_size
 

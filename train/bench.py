@@ -20,9 +20,9 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm.auto import tqdm
 
-from shared.errors import UserError, cli_errors
-from shared.models import ATTENTION_BACKENDS
-from shared.precision import PRECISIONS, set_tf32
+from shared.runtime.errors import UserError, cli_errors
+from shared.network.models import ATTENTION_BACKENDS
+from shared.runtime.precision import PRECISIONS, set_tf32
 from train.config import TrainConfig, add_block_flags, block_from_args
 from train.data import synthetic_batch
 from train.memory import build_model, forward_macs, model_config, train_flops_per_image

@@ -1,6 +1,6 @@
 """The run folder's full training state: atomic checkpoints, retention, RNG capture, safe loading.
 
-Names and lookups come from shared/rundir.py (the run folder's one owner); durability from shared/fsio.py.
+Names and lookups come from shared/runtime/rundir.py (the run folder's one owner); durability from shared/runtime/fsio.py.
 A checkpoint is assembled in RUN/checkpoints/.tmp-step-XXXXXXX/ and published by one rename once
 complete, so a process killed at any moment leaves either no checkpoint or a whole one; leftovers are
 removed on the next start. Every .pt file holds only tensors and plain Python values and is read with
@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shared import rundir
-from shared.errors import UserError
-from shared.export import load_weights, save_weights
-from shared.fsio import atomic_write_text, publish_dir, remove_tree
+from shared.runtime import rundir
+from shared.runtime.errors import UserError
+from shared.runtime.export import load_weights, save_weights
+from shared.runtime.fsio import atomic_write_text, publish_dir, remove_tree
 
 
 def remove_partial(run_dir: Path) -> list[Path]:
@@ -103,7 +103,7 @@ def save_rank_state(tmp: Path, rank: int) -> None:
 
 def save_main_state(tmp: Path, *, model_state: dict, ema_state: dict, model_config, latent_meta: dict,
                     optimizer_state: dict, scaler_state: dict, state: dict, projector_state: dict | None = None) -> None:
-    """Main process: weights via shared/export.py, optimizer and scaler (and REPA's projector), then state.json last."""
+    """Main process: weights via shared/runtime/export.py, optimizer and scaler (and REPA's projector), then state.json last."""
     step = int(state["step"])
     if projector_state is not None:
         from safetensors.torch import save_file

@@ -14,14 +14,14 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from shared.cli import HelpFormatter, add_flags, flag_name, from_args, option
-from shared.errors import UserError
-from shared.guidance import GUIDE_CHANNELS
-from shared.flow import TIME_SAMPLINGS
-from shared.models import ATTENTION_BACKENDS, BLOCK_FIELDS, BLOCKS, MLPS, NORMS, block_options, check_preset
-from shared.objectives import OBJECTIVE_HELP, OBJECTIVE_NAMES
+from shared.runtime.cli import HelpFormatter, add_flags, flag_name, from_args, option
+from shared.runtime.errors import UserError
+from shared.generative.guidance import GUIDE_CHANNELS
+from shared.generative.flow import TIME_SAMPLINGS
+from shared.network.models import ATTENTION_BACKENDS, BLOCK_FIELDS, BLOCKS, MLPS, NORMS, block_options, check_preset
+from shared.generative.objectives import OBJECTIVE_HELP, OBJECTIVE_NAMES
 from train.recipes import RECIPE_HELP, RECIPES, apply_recipe
-from shared.precision import PRECISION_CHOICES, canonical_precision
+from shared.runtime.precision import PRECISION_CHOICES, canonical_precision
 from train.trackers import DEFAULT_REPORT_TO, REPORT_TO
 
 LR_SCHEDULES = ("constant", "cosine")
@@ -33,7 +33,7 @@ DEBUG_STEPS = 5
 # Changing one of these changes the experiment: a resume that differs is refused.
 IDENTITY_FIELDS = ("model", "objective", "time_sampling", "time_loc", "time_scale", "cos_weight", "global_batch_size",
                    "seed", "optimizer", "adam_betas", "weight_decay", "ema_decay", "class_dropout_prob") + BLOCK_FIELDS
-# REPA (shared/repa.py): its settings change the experiment too.
+# REPA (shared/network/repa.py): its settings change the experiment too.
 REPA_FIELDS = ("repa_weight", "repa_depth", "repa_projector_dim", "repa_feature_dim")
 IDENTITY_FIELDS += REPA_FIELDS
 # Data identity: what a checkpoint's latent folder must share with the one given now.
@@ -53,11 +53,11 @@ def int_or_auto(text: str):
 
 @dataclass
 class TrainConfig:
-    """All settings of one training run: each flag's default and help (shared.cli.option), then resolved values."""
+    """All settings of one training run: each flag's default and help (shared.runtime.cli.option), then resolved values."""
 
     latents: str = option(help="latent folder written by `python -m extract` (index.json + shards)")
     results_dir: str = option(help="the run folder; rerunning the same command resumes it (checkpoints, logs, exports)")
-    model: str = option("DiT-XL/2", "model preset from shared.models.DiT_models")
+    model: str = option("DiT-XL/2", "model preset from shared.network.models.DiT_models")
     recipe: str = option("dit", "one word for a published recipe's objective, time sampling, block and optimizer "
                                 "settings (train/recipes.py); any flag given explicitly wins: "
                          + "; ".join(f"{k}: {v}" for k, v in RECIPE_HELP.items()), choices=tuple(RECIPES))
@@ -68,7 +68,7 @@ class TrainConfig:
     time_loc: float = option(0.0, "flow only: location of the lognormal time draw")
     time_scale: float = option(1.0, "flow only: scale of the lognormal time draw")
     cos_weight: float = option(0.0, "flow only: weight of LightningDiT's cosine velocity-direction loss (its recipe: 1)")
-    # Block options (shared.models.BLOCKS): None until resolve_block fills them from --block (default "dit").
+    # Block options (shared.network.models.BLOCKS): None until resolve_block fills them from --block (default "dit").
     block: str | None = option(
         None, "the transformer block preset: dit: LayerNorm + GELU MLP, absolute positions only (DiT); lightning: "
               "RMSNorm + SwiGLU + 2-D RoPE, the block of LightningDiT's released configs; lightning-qknorm: that plus "
@@ -158,7 +158,7 @@ class TrainConfig:
     dry_run: bool = option(False, "check the inputs, print the resolved config and exit")
     max_nonfinite: int = option(
         10, "stop after this many consecutive non-finite losses or gradient norms (0 = never)")
-    # REPA (Yu et al. 2024; shared/repa.py): align block `repa_depth`'s tokens, through an MLP D -> P -> P -> E,
+    # REPA (Yu et al. 2024; shared/network/repa.py): align block `repa_depth`'s tokens, through an MLP D -> P -> P -> E,
     # with the encoder tokens stored in the latent folder; 0 weight = off. E comes from the folder when None.
     repa_weight: float = option(0.0, "REPA: weight lambda of the alignment loss (REPA: 0.5); 0 turns REPA off "
                                      "(default). Needs a latent folder extracted with --repr-encoder")
@@ -275,7 +275,7 @@ def grad_accum_steps(global_batch: int, micro_batch: int | None, world_size: int
 
 
 def data_identity(dataset) -> dict:
-    """What identifies a latent folder for resume checks (shared.shards.LatentDataset -> JSON dict)."""
+    """What identifies a latent folder for resume checks (shared.datasets.shards.LatentDataset -> JSON dict)."""
     index_bytes = (Path(dataset.root) / "index.json").read_bytes()
     return {
         "num_samples": len(dataset), "latent_shape": list(dataset.latent_shape), "flips": dataset.flips,
@@ -288,7 +288,7 @@ def data_identity(dataset) -> dict:
 
 def _check_model_fits(cfg: TrainConfig, latent_shape) -> None:
     """UserError when the preset cannot take latents of this size."""
-    from shared.models import PRESETS
+    from shared.network.models import PRESETS
 
     channels, height, width = latent_shape
     patch = PRESETS[cfg.model]["patch_size"]
@@ -336,8 +336,8 @@ def resolve_config(cfg: TrainConfig, dataset, world_size: int) -> TrainConfig:
 
 def _resolve_repa(cfg: TrainConfig, dataset) -> None:
     """With REPA on: the folder's features exist, the depth fits the model, E matches them (one paragraph each)."""
-    from shared.models import PRESETS
-    from shared.repa import REPR_TENSOR, check_depth, check_grid, features_of
+    from shared.network.models import PRESETS
+    from shared.network.repa import REPR_TENSOR, check_depth, check_grid, features_of
 
     if cfg.repa_weight <= 0:
         return
@@ -358,7 +358,7 @@ def _resolve_repa(cfg: TrainConfig, dataset) -> None:
 
 def _check_objective(cfg: TrainConfig) -> None:
     """The objective and its training settings build (e.g. no flow-only setting on a ddpm run); cheap."""
-    from shared.objectives import make_objective
+    from shared.generative.objectives import make_objective
 
     make_objective(cfg.objective, time_sampling=cfg.time_sampling,
                    time_loc=cfg.time_loc, time_scale=cfg.time_scale, cos_weight=cfg.cos_weight)
@@ -380,7 +380,7 @@ def _resolve_preview_guidance(cfg: TrainConfig) -> None:
 def _data_mismatch(saved: dict, current: dict) -> str | None:
     """A sentence on how two latent folders differ, or None when they are the same data."""
     if saved.get("repr_encoder") != current.get("repr_encoder") and saved.get("repr_encoder"):
-        from shared.repa import same_features
+        from shared.network.repa import same_features
 
         diffs = same_features(saved["repr_encoder"], current.get("repr_encoder") or {})
         return (f"the checkpoint was trained with features of the encoder {saved['repr_encoder'].get('source')}, but "

@@ -1,8 +1,8 @@
 """The training data stream: resumable positions, and every random draw keyed by the sample's position.
 
-The objective (shared/objectives.py) decides how the time is drawn: DiT's integer timestep, or SiT's
+The objective (shared/generative/objectives.py) decides how the time is drawn: DiT's integer timestep, or SiT's
 flow time. Each sample in the global stream has a position p (samples consumed before it by all processes together,
-see shared.shards.StreamSampler). All of its randomness (timestep, class dropout, flip variant, the fresh
+see shared.datasets.shards.StreamSampler). All of its randomness (timestep, class dropout, flip variant, the fresh
 posterior draw and the diffusion noise) comes from one generator seeded by (seed, p), as edm2 derives its
 randomness from (seed, images seen). So a sample gets the same draws whatever the number of processes,
 micro-batch size, DataLoader workers, or where a run was interrupted and resumed.
@@ -14,11 +14,11 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from shared.objectives import DDPMObjective
-from shared.repa import REPR_TENSOR
-from shared.seeding import generator_for
-from shared.shards import LatentDataset, StreamSampler
-from shared.vae import draw_latents
+from shared.generative.objectives import DDPMObjective
+from shared.network.repa import REPR_TENSOR
+from shared.runtime.seeding import generator_for
+from shared.datasets.shards import LatentDataset, StreamSampler
+from shared.tokenizers.vae import draw_latents
 
 
 class PositionedSampler(torch.utils.data.Sampler):

@@ -21,9 +21,9 @@ import json
 import os
 from pathlib import Path
 
-from shared.errors import UserError
-from shared.fsio import atomic_write_bytes
-from shared.shards import INDEX_NAME, LatentDataset
+from shared.runtime.errors import UserError
+from shared.runtime.fsio import atomic_write_bytes
+from shared.datasets.shards import INDEX_NAME, LatentDataset
 
 CACHE_ENV = "DIT_LATENT_CACHE"  # overrides the cache root (a fast local disk, per node)
 _CHUNK = 16 << 20

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import os
 
-from shared.errors import UserError
+from shared.runtime.errors import UserError
 
-# Accelerate's precision names -> ours (shared/precision.py); fp8 has no counterpart here.
+# Accelerate's precision names -> ours (shared/runtime/precision.py); fp8 has no counterpart here.
 LAUNCHER_PRECISION = {"fp16": "fp16", "bf16": "bf16"}
 # Environment flags of the sharded / model-parallel strategies, with the name a user sees in `accelerate config`.
 SHARDED = {"ACCELERATE_USE_FSDP": "FSDP", "ACCELERATE_USE_DEEPSPEED": "DeepSpeed",

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from shared import rundir
-from shared.fsio import atomic_write_text
+from shared.runtime import rundir
+from shared.runtime.fsio import atomic_write_text
 
 
 def _format(value) -> str:

@@ -2,7 +2,7 @@
 
 The optimizer step itself is train/step.py's (shared with train.bench and train.plan --verify).
 Accelerate provides the processes, DDP wrapping, `no_sync` for the non-final micro-steps of gradient
-accumulation, and the cross-process reductions. The run folder's names come from shared/rundir.py.
+accumulation, and the cross-process reductions. The run folder's names come from shared/runtime/rundir.py.
 """
 from __future__ import annotations
 
@@ -18,14 +18,14 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from shared import rundir
-from shared.errors import UserError
-from shared.export import first_nonfinite, nonfinite_tensors, save_weights
-from shared.fsio import atomic_write_text, space_guard
-from shared.lock import FolderLock, hold_lock
-from shared.models import ModelConfig, resolve_attention
-from shared.precision import set_tf32
-from shared.shards import LatentDataset
+from shared.runtime import rundir
+from shared.runtime.errors import UserError
+from shared.runtime.export import first_nonfinite, nonfinite_tensors, save_weights
+from shared.runtime.fsio import atomic_write_text, space_guard
+from shared.runtime.lock import FolderLock, hold_lock
+from shared.network.models import ModelConfig, resolve_attention
+from shared.runtime.precision import set_tf32
+from shared.datasets.shards import LatentDataset
 from train import checkpoint as ckpt_io
 from train.callbacks import Callback, CallbackList
 from train.autotune import describe as describe_auto, resolve_auto_for
@@ -134,7 +134,7 @@ def make_accelerator(cfg: TrainConfig):
 
 
 def setup_backends(cfg: TrainConfig, device: torch.device) -> None:
-    """TF32 matmuls on CUDA (shared.precision.set_tf32); anomaly detection in --debug."""
+    """TF32 matmuls on CUDA (shared.runtime.precision.set_tf32); anomaly detection in --debug."""
     set_tf32(device)
     torch.autograd.set_detect_anomaly(cfg.debug)
 

@@ -23,10 +23,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from shared.objectives import DDPMObjective
-from shared.errors import UserError
-from shared.models import ModelConfig, check_preset
-from shared.precision import autocast_dtype
+from shared.generative.objectives import DDPMObjective
+from shared.runtime.errors import UserError
+from shared.network.models import ModelConfig, check_preset
+from shared.runtime.precision import autocast_dtype
 from train.data import synthetic_batch
 from train.step import forward_loss
 
@@ -216,7 +216,7 @@ def _param_keys(module) -> set:
 
 
 def autocast_context(device, precision: str):
-    """torch.autocast for a device and precision name (shared/precision.py); a no-op context for fp32."""
+    """torch.autocast for a device and precision name (shared/runtime/precision.py); a no-op context for fp32."""
     dtype = autocast_dtype(precision)
     return torch.autocast(torch.device(device).type, dtype=dtype, enabled=dtype is not None)
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from shared.cli import HelpFormatter, add_flags
-from shared.errors import UserError, cli_errors
-from shared.precision import PRECISION_CHOICES, canonical_precision
+from shared.runtime.cli import HelpFormatter, add_flags
+from shared.runtime.errors import UserError, cli_errors
+from shared.runtime.precision import PRECISION_CHOICES, canonical_precision
 from train.config import TrainConfig, add_block_flags, block_from_args
 from train.data import synthetic_batch
 from train.memory import (ActivationProfile, build_model, count_parameters, measure_block_fit, measure_profile,

@@ -14,9 +14,9 @@ import sys
 import time
 from pathlib import Path
 
-from shared import rundir
-from shared.errors import UserError, cli_errors
-from shared.fsio import atomic_write
+from shared.runtime import rundir
+from shared.runtime.errors import UserError, cli_errors
+from shared.runtime.fsio import atomic_write
 
 PROG = "python -m train.plot"
 SMOOTH_SHARE = 50  # default smoothing: an EMA over about 1/50 of the logged points (TensorBoard's fixed 0.9

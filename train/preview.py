@@ -1,8 +1,8 @@
 """--sample-every previews: EMA latents for fixed classes and fixed noise, saved without any VAE.
 
-RUN/samples/step-XXXXXXX.safetensors (name from shared/rundir.py) holds "latents" (N,C,h,w), already
+RUN/samples/step-XXXXXXX.safetensors (name from shared/runtime/rundir.py) holds "latents" (N,C,h,w), already
 scaled by the VAE factor, and "labels" (N,), with metadata "latents" (the latent description) and "step";
-`python -m sample decode` turns it into images. Guidance is shared/guidance.py's, the sampler's own.
+`python -m sample decode` turns it into images. Guidance is shared/generative/guidance.py's, the sampler's own.
 """
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from shared.objectives import DDPMObjective, run_sampler
-from shared.fsio import atomic_write
-from shared.guidance import guide_channel_count, guided_model_fn
-from shared.seeding import generator_for
+from shared.generative.objectives import DDPMObjective, run_sampler
+from shared.runtime.fsio import atomic_write
+from shared.generative.guidance import guide_channel_count, guided_model_fn
+from shared.runtime.seeding import generator_for
 
 PREVIEW_COUNT = 8
 PREVIEW_SEED = 0  # fixed noise: the same starting points at every preview, so images are comparable

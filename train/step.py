@@ -20,10 +20,10 @@ from typing import Iterable
 
 import torch
 
-from shared.objectives import DDPMObjective, objective_of
-from shared.errors import UserError
-from shared.models import ModelConfig
-from shared.precision import autocast_dtype
+from shared.generative.objectives import DDPMObjective, objective_of
+from shared.runtime.errors import UserError
+from shared.network.models import ModelConfig
+from shared.runtime.precision import autocast_dtype
 from train.config import TrainConfig
 
 
@@ -40,8 +40,8 @@ class Learner:
     model_config: ModelConfig
     accelerator: object = None  # None: a single process without Accelerate (nothing to synchronise)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    objective: object = field(default_factory=DDPMObjective)  # shared/objectives.py: time draws and the loss
-    projector: torch.nn.Module | None = None  # REPA's projector (shared/repa.py), trained with the model; no EMA
+    objective: object = field(default_factory=DDPMObjective)  # shared/generative/objectives.py: time draws and the loss
+    projector: torch.nn.Module | None = None  # REPA's projector (shared/network/repa.py), trained with the model; no EMA
     step: int = 0
     skipped_steps: int = 0
 
@@ -121,7 +121,7 @@ def build_projector(cfg: TrainConfig, raw: torch.nn.Module) -> torch.nn.Module |
     """REPA's projector D -> P -> P -> E (after the DiT's init, from the same seeded stream), or None without REPA."""
     if cfg.repa_weight <= 0:
         return None
-    from shared.repa import Projector
+    from shared.network.repa import Projector
 
     return Projector(raw.pos_embed.shape[-1], cfg.repa_projector_dim, cfg.repa_feature_dim).train()
 
@@ -169,7 +169,7 @@ def forward_losses(model, objective, batch: dict, precision: str, device, repa_w
     """{"loss"} (mean over the micro-batch) and, with REPA, {"diffusion", "repa"}: loss = diffusion + w * repa.
 
     With REPA, `model` is an AlignedDiT: one forward gives the output and the projected block tokens, which are
-    aligned with the batch's stored encoder tokens batch["repr"] (N, T_e, E) (REPA Eq. 8, shared/repa.py).
+    aligned with the batch's stored encoder tokens batch["repr"] (N, T_e, E) (REPA Eq. 8, shared/network/repa.py).
     """
     device = torch.device(device)
     x0 = batch["x0"].to(device, non_blocking=True)  # (B, C, h, w) fp32, already scaled
@@ -182,7 +182,7 @@ def forward_losses(model, objective, batch: dict, precision: str, device, repa_w
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
             losses = objective.training_losses(model, x0, t, noise, model_kwargs=kwargs)
         return {"loss": losses["loss"].mean()}
-    from shared.repa import alignment_loss, match_tokens
+    from shared.network.repa import alignment_loss, match_tokens
 
     captured = {}
 

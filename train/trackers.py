@@ -18,8 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-from shared import rundir
-from shared.errors import UserError
+from shared.runtime import rundir
+from shared.runtime.errors import UserError
 from train.callbacks import Callback
 
 REPORT_TO = ("tensorboard", "wandb", "none")
@@ -149,7 +149,7 @@ def check_watch(cfg, dataset) -> None:
     if cfg.sample_every == 0:
         raise UserError("--watch-vae decodes the --sample-every previews, but --sample-every is 0 (no previews); "
                         "pass --sample-every N, or drop --watch-vae.")
-    from shared.vae_match import check_vae_matches
+    from shared.tokenizers.vae_match import check_vae_matches
 
     check_vae_matches(cfg.watch_vae, None, dataset.latent_shape[0], dataset.latent_meta())
 

@@ -1,5 +1,5 @@
 """Memory sizes: parsing what a user types ('24GiB', '22.5GB') and printing bytes (train.plan, train.bench)."""
-from shared.errors import UserError
+from shared.runtime.errors import UserError
 
 KiB, MiB, GiB = 2**10, 2**20, 2**30
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": KiB, "m": 10**6, "mb": 10**6, "mib": MiB,

@@ -2,7 +2,7 @@
 
 Run: .venv/bin/python tests/bench/bench_diffusers_numerics.py [--model DiT-S/2 --input-size 32 --batch 2]
 Random weights of a preset (official init, every trainable tensor perturbed by N(0, 0.05^2) so adaLN-Zero
-layers are not zero), mapped exactly into a DiTTransformer2DModel (shared/diffusers_dit.py). Prints the
+layers are not zero), mapped exactly into a DiTTransformer2DModel (shared/network/diffusers_dit.py). Prints the
 relative L2 difference ||ours - diffusers|| / ||ours|| of the model output at a few timesteps for:
 diffusers as the Hub's configs build it (norm_eps 1e-5), as `python -m sample export` writes it
 (norm_eps 1e-6), and with the official timestep features switched in too (must print 0 or float noise).
@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from shared.diffusers_dit import diffusers_config, dit_to_diffusers  # noqa: E402
-from shared.models import DiT_models, ModelConfig  # noqa: E402
+from shared.network.diffusers_dit import diffusers_config, dit_to_diffusers  # noqa: E402
+from shared.network.models import DiT_models, ModelConfig  # noqa: E402
 
 
 def parse_args(argv=None):

@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 from extract.folder import scan_image_folder  # noqa: E402
 from extract.images import preprocess  # noqa: E402
 from extract.run import ExtractConfig, run_extract  # noqa: E402
-from shared.vae import LatentVAE  # noqa: E402
+from shared.tokenizers.vae import LatentVAE  # noqa: E402
 
 
 class _PerImage(Dataset):

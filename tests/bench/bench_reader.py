@@ -19,7 +19,7 @@ import torch
 import webdataset as wds
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from shared.shards import (  # noqa: E402
+from shared.datasets.shards import (  # noqa: E402
     GatheredBatch, LatentDataset, ShardInfo, ShardWriter, StreamSampler, collate, shard_name, write_index,
 )
 

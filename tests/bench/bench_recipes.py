@@ -5,7 +5,7 @@ Run (a few hours on 2 CPU cores, most of it in the evaluations; see the report o
       --json /tmp/bench-recipes/results.json
 Smoke run (minutes): add --steps 40 --every 20 --seeds 0 --num-samples 100 --num-sampling-steps 4.
 
-1. Data: the digits ImageFolder (shared.digits.build_digits) and `python -m extract` with the committed digits VAE,
+1. Data: the digits ImageFolder (shared.datasets.digits.build_digits) and `python -m extract` with the committed digits VAE,
    exactly as the demo does (data.demo.extract_args), into OUT/latents once.
 2. Training: `python -m train --recipe R` for every recipe and seed, DiT-T/2 with the demo's explicit settings
    (batch 64, lr 1e-3, warmup 100, EMA 0.995) given to every recipe. Explicit flags win over a recipe, so the lr
@@ -24,7 +24,7 @@ Smoke run (minutes): add --steps 40 --every 20 --seeds 0 --num-samples 100 --num
 6. Guidance interval (Kynkaenniemi et al. 2024): the final export of --interval-recipes' first seed at
    --interval-cfg with and without --cfg-interval (--ddpm-interval in DiT timesteps, --flow-interval in flow noise
    level), with the network rows per image: counted by running the sampler's own loop with a zero network
-   through shared.guidance's GuidedModelFn (a guided step costs 2 rows, one outside the interval 1).
+   through shared.generative.guidance's GuidedModelFn (a guided step costs 2 rows, one outside the interval 1).
 7. Tables: FD per export step with its seconds, per recipe (mean over seeds and each seed); the first step and
    second at which each recipe's mean FD reaches the dit recipe's final mean FD (linear interpolation between the
    two exports around the crossing; an export already at or below the target counts as reaching it there), with
@@ -148,8 +148,8 @@ def run_cli(args, name: str, argv: list, log: str) -> float:
 def prepare_data(args) -> Path:
     """The digits latents in OUT/latents (built once, as the demo builds them)."""
     from data.demo import extract_args
-    from shared.digits import build_digits
-    from shared.shards import INDEX_NAME
+    from shared.datasets.digits import build_digits
+    from shared.datasets.shards import INDEX_NAME
 
     dirs = {"images": Path(args.out) / "images", "latents": Path(args.out) / "latents"}
     if not (dirs["latents"] / INDEX_NAME).is_file():
@@ -175,7 +175,7 @@ def train_argv(args, recipe: str, seed: int, latents: Path) -> list:
 
 def train(args, recipe: str, seed: int, latents: Path) -> Path:
     """Train (or resume) one run unless its final export exists; returns the run folder."""
-    from shared import rundir
+    from shared.runtime import rundir
 
     run = run_dir(args, recipe, seed)
     if not rundir.export_path(run, args.steps).is_file():
@@ -193,7 +193,7 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def export_seconds(run: Path) -> dict[int, float]:
     """Export step -> training seconds when it was written (from RUN/metrics.jsonl)."""
-    from shared import rundir
+    from shared.runtime import rundir
 
     seconds = cumulative_seconds(read_jsonl(rundir.metrics_path(run)))
     return {rundir.step_of(e): seconds[rundir.step_of(e)] for e in rundir.list_exports(run)
@@ -203,9 +203,9 @@ def export_seconds(run: Path) -> dict[int, float]:
 def eval_options(args, run: Path, cfg: float, seed: int, interval=None):
     """The RunEvalOptions of one curve, the sampler resolved as `evaluate run` resolves it."""
     from evaluate.curve import RunEvalOptions
-    from shared import rundir
-    from shared.export import read_config
-    from shared.objectives import objective_of
+    from shared.runtime import rundir
+    from shared.runtime.export import read_config
+    from shared.generative.objectives import objective_of
 
     sampler = objective_of(read_config(rundir.list_exports(run)[-1])).fast_sampler
     return RunEvalOptions(run=str(run), num_samples=args.num_samples, features="digits", sampler=sampler,
@@ -217,7 +217,7 @@ def eval_options(args, run: Path, cfg: float, seed: int, interval=None):
 def curve(args, run: Path, cfg: float, seed: int, interval=None) -> dict[int, float]:
     """Step -> digits FD of every export of `run` with these settings (evaluating those not yet done)."""
     from evaluate.curve import matching, read_rows, settings_of
-    from shared import rundir
+    from shared.runtime import rundir
 
     o = eval_options(args, run, cfg, seed, interval)
     argv = ["run", run, "--features", "digits", "--num-samples", o.num_samples, "--num-sampling-steps",
@@ -238,7 +238,7 @@ def curve(args, run: Path, cfg: float, seed: int, interval=None) -> dict[int, fl
 
 def final_only(args, run: Path) -> Path:
     """OUT/final/RUN-stepN/exports/ holding only the run's last export (hard link, else a copy)."""
-    from shared import rundir
+    from shared.runtime import rundir
 
     export = rundir.list_exports(run)[-1]
     folder = Path(args.out) / "final" / f"{run.name}-step{rundir.step_of(export)}"
@@ -270,9 +270,9 @@ def model_rows(export: Path, sampler: str, steps: int, cfg: float, interval=None
     """Network rows per image of one sampling run: the sampler's own loop on a zero network, rows counted."""
     import torch
 
-    from shared.export import read_config
-    from shared.guidance import guided_model_fn
-    from shared.objectives import objective_of, run_sampler
+    from shared.runtime.export import read_config
+    from shared.generative.guidance import guided_model_fn
+    from shared.generative.objectives import objective_of, run_sampler
 
     config = read_config(export)
     objective = objective_of(config)
@@ -320,7 +320,7 @@ def measure_floor(args, records: list[dict]) -> dict:
 
 def measure_interval(args, records: list[dict]) -> list[dict]:
     """FD and network rows per image with and without the guidance interval, final export of each first seed."""
-    from shared import rundir
+    from shared.runtime import rundir
 
     rows = []
     for rec in (r for r in records if r["seed"] == args.seeds[0] and r["recipe"] in args.interval_recipes):
@@ -343,7 +343,7 @@ def measure_interval(args, records: list[dict]) -> list[dict]:
 
 def _objective(export: Path) -> str:
     """The objective name an export records."""
-    from shared.export import read_config
+    from shared.runtime.export import read_config
 
     return read_config(export).objective
 

@@ -27,7 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from shared.digits import build_digits  # noqa: E402
+from shared.datasets.digits import build_digits  # noqa: E402
 from data.make_vae import DEFAULT_OUT as VAE_DIR  # noqa: E402
 
 
@@ -67,7 +67,7 @@ def run(args: list, log: Path | None = None) -> tuple[float, str]:
 
 def step_seconds(model: str, latent: int, batch: int, features: tuple | None, depth: int, repeats: int) -> float:
     """Median seconds of one train_step of `model` on latents (4, latent, latent), with REPA when features=(T, E)."""
-    from shared.models import ModelConfig
+    from shared.network.models import ModelConfig
     from train.config import TrainConfig
     from train.data import synthetic_batch
     from train.step import make_learner, train_step

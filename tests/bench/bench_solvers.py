@@ -29,7 +29,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from shared.samplers import SAMPLER_NAMES  # noqa: E402
+from shared.generative.samplers import SAMPLER_NAMES  # noqa: E402
 
 # ~16 min on 2 shared CPU cores at 200 images: the digits DiT-T/2 costs ~8.6 ms per image per guided call
 # (two rows), and DDPM 250 is half of the total.

@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from shared.guidance import guided_model_fn  # noqa: E402
-from shared.models import DiT_models, ModelConfig  # noqa: E402
-from shared.objectives import make_objective  # noqa: E402
+from shared.generative.guidance import guided_model_fn  # noqa: E402
+from shared.network.models import DiT_models, ModelConfig  # noqa: E402
+from shared.generative.objectives import make_objective  # noqa: E402
 
 
 def parse_args(argv=None):

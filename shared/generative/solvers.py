@@ -14,7 +14,7 @@ random, so the result is a function of the starting noise alone (image i depends
 Time grid: the solver calls the model once at each of the diffusion's K steps (noisiest first, at the
 original timesteps of `diffusion.timestep_map`) and its last step lands on clean data (sigma = 0, lambda =
 +inf), where a first-order step returns the last data prediction. This is diffusers'
-`final_sigmas_type="zero"`; which K timesteps are used is the diffusion's spacing (shared/diffusion.py
+`final_sigmas_type="zero"`; which K timesteps are used is the diffusion's spacing (shared/generative/diffusion.py
 chooses diffusers' "linspace" spacing for these solvers, see SAMPLER_SPACING there).
 
 The schedule scalars are float64 numpy values; the tensors stay float32 (the model output is cast to float32
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from shared.errors import SettingError
+from shared.runtime.errors import SettingError
 
 
 @dataclass(frozen=True)

@@ -5,12 +5,12 @@ Layout of a latent folder (written by `extract`, read by `train`):
     shard-000000.tar ...   webdataset-compatible ustar archives; per sample KEY two members:
                            KEY.latent.safetensors  tensors "mean" and "std", each (F, C, h, w) fp16/fp32
                                                    (F=2 with flips: 0 original, 1 mirrored), and optionally
-                                                   more named tensors (shared/shard_schema.py), e.g. "repr"
+                                                   more named tensors (shared/datasets/shard_schema.py), e.g. "repr"
                                                    (F, T, D): an encoder's patch tokens for REPA
                            KEY.cls                 the class index in ASCII
     index-arrays.npz       per-sample arrays, concatenated in shard order: "offsets" (int64, byte offset of
                            each safetensors payload inside its tar) and "labels" (int64)
-    index.json             written LAST (shared.fsio.atomic_write): format, version, counts, latent shape,
+    index.json             written LAST (shared.runtime.fsio.atomic_write): format, version, counts, latent shape,
                            dtype, flips (F: 2 = FLIP_MODES["both"], 1 = "none"), image size, classes, VAE
                            identity, the payload layout, per shard {name, num_samples, size, sha256} and
                            {name, size, sha256} of the sidecar
@@ -41,10 +41,10 @@ import safetensors.numpy
 import torch
 from tqdm import tqdm
 
-from shared.errors import UserError, disk_full
-from shared.fsio import TMP_PREFIX, atomic_write_bytes, atomic_write_text, publish_file, space_guard, tmp_name
-from shared.shard_schema import TORCH_DTYPES as _SCHEMA_TORCH_DTYPES
-from shared.shard_schema import describe, payload_layout, serialise, spec_nbytes, tensor_specs
+from shared.runtime.errors import UserError, disk_full
+from shared.runtime.fsio import TMP_PREFIX, atomic_write_bytes, atomic_write_text, publish_file, space_guard, tmp_name
+from shared.datasets.shard_schema import TORCH_DTYPES as _SCHEMA_TORCH_DTYPES
+from shared.datasets.shard_schema import describe, payload_layout, serialise, spec_nbytes, tensor_specs
 
 FORMAT_NAME = "dit-latent-shards"
 FORMAT_VERSION = 1
@@ -55,7 +55,7 @@ LABEL_EXT = "cls"
 TENSOR_NAMES = ("mean", "std")
 BLOCK = 512
 RECORD = 20 * BLOCK  # tar's default record size; the archive is padded to a whole record like GNU tar
-# The domain name of a latent folder in errors (shared.lock's {kind} field): stages map it to their flag.
+# The domain name of a latent folder in errors (shared.runtime.lock's {kind} field): stages map it to their flag.
 FOLDER_KIND = "latent folder"
 # The --flip vocabulary of extract: mode -> F, the moments stored per sample (original, then its mirror).
 FLIP_MODES = {"both": 2, "none": 1}
@@ -116,7 +116,7 @@ def _padding(size: int, multiple: int = BLOCK) -> bytes:
 
 
 def _payload_layout(payload: bytes) -> dict:
-    """Parse a safetensors payload's header into its layout (shared/shard_schema.py)."""
+    """Parse a safetensors payload's header into its layout (shared/datasets/shard_schema.py)."""
     return payload_layout(payload)
 
 
@@ -172,7 +172,7 @@ class _HashingFile:
 class ShardWriter:
     """Context manager writing ONE webdataset-compatible shard, atomically.
 
-    Samples stream into shared.fsio.tmp_name(path); a clean exit pads the archive and publishes it as
+    Samples stream into shared.runtime.fsio.tmp_name(path); a clean exit pads the archive and publishes it as
     `path` (fsio.publish_file: a durable rename); an exception removes the temp file. The
     same input always gives byte-identical shards.
     """
@@ -562,7 +562,7 @@ class LatentDataset(torch.utils.data.Dataset):
         self._shape = tuple(layout["shape"])  # (F, C, h, w)
         self._count = int(np.prod(self._shape))  # elements per tensor
         self._tensor_offsets = [layout["tensors"][name] for name in TENSOR_NAMES]  # inside each payload
-        self._specs = tensor_specs(layout)  # every stored tensor, moments first (shared/shard_schema.py)
+        self._specs = tensor_specs(layout)  # every stored tensor, moments first (shared/datasets/shard_schema.py)
         self._maps: dict[int, mmap.mmap] = {}
         self._bytes: dict[int, memoryview] = {}
 
@@ -583,7 +583,7 @@ class LatentDataset(torch.utils.data.Dataset):
         return dict(self._specs[name])
 
     def latent_meta(self) -> dict:
-        """The latent description train stores in checkpoints and exports (shared/export.py's latent_meta)."""
+        """The latent description train stores in checkpoints and exports (shared/runtime/export.py's latent_meta)."""
         return {"image_size": self.image_size, "scaling_factor": self.scaling_factor,
                 "latent_shape": list(self.latent_shape), "vae": self.vae, "class_names": self.class_names}
 

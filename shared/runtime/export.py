@@ -19,9 +19,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from shared.errors import ChoiceError, SettingError, UserError
-from shared.fsio import atomic_write
-from shared.models import ModelConfig
+from shared.runtime.errors import ChoiceError, SettingError, UserError
+from shared.runtime.fsio import atomic_write
+from shared.network.models import ModelConfig
 
 
 def _plain_tensors(state_dict):
@@ -30,7 +30,7 @@ def _plain_tensors(state_dict):
 
 
 def save_weights(path, state_dict, model_config, latent_meta, step):
-    """Write state_dict + metadata to path atomically (shared.fsio.atomic_write); returns the path."""
+    """Write state_dict + metadata to path atomically (shared.runtime.fsio.atomic_write); returns the path."""
     if not isinstance(model_config, ModelConfig):
         model_config = ModelConfig.from_dict(dict(model_config))  # fail now, not when someone loads it
     config = model_config.to_dict()

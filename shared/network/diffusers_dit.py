@@ -27,11 +27,11 @@ import inspect
 
 import torch
 
-from shared.errors import UserError
-from shared.models import PRESETS, ModelConfig, sincos_2d
+from shared.runtime.errors import UserError
+from shared.network.models import PRESETS, ModelConfig, sincos_2d
 
 DIFFUSERS_DIT_CLASSES = ("DiTTransformer2DModel", "Transformer2DModel")
-OFFICIAL_NORM_EPS = 1e-6  # every LayerNorm of the official DiT (shared/models.py DiTBlock)
+OFFICIAL_NORM_EPS = 1e-6  # every LayerNorm of the official DiT (shared/network/models.py DiTBlock)
 
 NUMERICS_NOTE = (
     "diffusers' DiT forward is not the official DiT function on the same weights: its timestep features use "

@@ -7,9 +7,9 @@ factor and the config hash unless --allow-other-vae.
 """
 from __future__ import annotations
 
-from shared.errors import UserError
-from shared.precision import PRECISIONS
-from shared.vae import LatentVAE, downsample_factor, read_vae_config, resolve_vae_spec
+from shared.runtime.errors import UserError
+from shared.runtime.precision import PRECISIONS
+from shared.tokenizers.vae import LatentVAE, downsample_factor, read_vae_config, resolve_vae_spec
 
 DEFAULT_VAE = "ema"  # the DiT release samples with sd-vae-ft-ema
 # (identity key, words); the first two make decoding impossible or wrong-sized, so no flag overrides them.

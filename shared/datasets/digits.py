@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from PIL import Image
 from tqdm import tqdm
 
-from shared.fsio import atomic_write
+from shared.runtime.fsio import atomic_write
 
 DIGIT_MAX = 16.0  # load_digits pixel values lie in 0..16
 IMAGE_SIZE = 32

@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 from typing import Callable, Iterator
 
-from shared.errors import DiskFullError, disk_full
+from shared.runtime.errors import DiskFullError, disk_full
 
 TMP_PREFIX = ".tmp-"
 
@@ -88,7 +88,7 @@ def space_guard(path, partial=None) -> Iterator[None]:
     """Re-raise a write error inside as DiskFullError (naming `path`) when a full disk caused it.
 
     torch.save's C++ writer reports a full disk as an opaque RuntimeError, so the test is the free space
-    left on the filesystem of `path` (shared.errors.disk_full). `partial`: the half-written file, whose size
+    left on the filesystem of `path` (shared.runtime.errors.disk_full). `partial`: the half-written file, whose size
     says how far the write got.
     """
     try:

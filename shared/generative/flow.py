@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from shared.diffusion import mean_flat, randn_rows
-from shared.errors import ChoiceError, SettingError
+from shared.generative.diffusion import mean_flat, randn_rows
+from shared.runtime.errors import ChoiceError, SettingError
 
 # "sit": the network gets tau (0 = noise) and predicts x1 - eps; "repa": it gets 1 - tau and predicts eps - x1.
 FLOW_CONVENTIONS = ("sit", "repa")

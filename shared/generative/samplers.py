@@ -2,7 +2,7 @@
 
 Every sampler function has one signature, `fn(process, model_fn, noise, model_kwargs=None, generator=None,
 progress=False, **options) -> x_data`, where `process` is what the objective builds for it from the step count
-(a respaced GaussianDiffusion for DDPM, a FlowProcess time grid for flow matching; see shared/objectives.py).
+(a respaced GaussianDiffusion for DDPM, a FlowProcess time grid for flow matching; see shared/generative/objectives.py).
 A new sampler is one SamplerSpec here; a new objective names the samplers it serves by listing them in
 `objectives` of their records.
 """
@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from shared.diffusion import check_ddim_eta, ddim_sample, ddpm_sample
-from shared.errors import ChoiceError, SettingError
-from shared.flow import SDE_LAST_STEP, dopri5_sample, euler_sample, heun_sample, sde_sample
-from shared.solvers import dpmpp_2m_sample, unipc_sample
+from shared.generative.diffusion import check_ddim_eta, ddim_sample, ddpm_sample
+from shared.runtime.errors import ChoiceError, SettingError
+from shared.generative.flow import SDE_LAST_STEP, dopri5_sample, euler_sample, heun_sample, sde_sample
+from shared.generative.solvers import dpmpp_2m_sample, unipc_sample
 
 # Options a sampler may take, with the flag-free description used in errors: name -> (default, meaning).
 SAMPLER_OPTIONS = {

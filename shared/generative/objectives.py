@@ -7,12 +7,12 @@ sampler walks). The stages only call `make_objective(model_config, ...)` and the
 only ever called as `model(x, t, **kwargs)`.
 
 - "ddpm": DiT's recipe (Peebles & Xie 2023): 1000-step linear-beta diffusion, eps + learned variance,
-  L_hybrid, uniform integer timesteps. Bitwise the official code (shared/diffusion.py).
-- "flow": SiT's flow matching (Ma et al. 2024) on the linear path, velocity prediction (shared/flow.py), with
+  L_hybrid, uniform integer timesteps. Bitwise the official code (shared/generative/diffusion.py).
+- "flow": SiT's flow matching (Ma et al. 2024) on the linear path, velocity prediction (shared/generative/flow.py), with
   uniform or logit-normal time draws and LightningDiT's optional cosine velocity loss.
 
 A third objective is one class here plus its entry in OBJECTIVES, and its samplers' records in
-shared/samplers.py.
+shared/generative/samplers.py.
 """
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared.diffusion import NUM_TIMESTEPS, GaussianDiffusion, create_diffusion
-from shared.errors import ChoiceError, SettingError
-from shared.flow import SDE_LAST_STEP, TIME_SAMPLINGS, FlowPath, check_convention, draw_time, make_process
-from shared.samplers import get_sampler, sampler_options
+from shared.generative.diffusion import NUM_TIMESTEPS, GaussianDiffusion, create_diffusion
+from shared.runtime.errors import ChoiceError, SettingError
+from shared.generative.flow import SDE_LAST_STEP, TIME_SAMPLINGS, FlowPath, check_convention, draw_time, make_process
+from shared.generative.samplers import get_sampler, sampler_options
 
 
 @dataclass
@@ -68,7 +68,7 @@ class DDPMObjective:
 
 @dataclass
 class FlowObjective:
-    """SiT's flow matching: linear path, velocity prediction, uniform or logit-normal times (shared/flow.py)."""
+    """SiT's flow matching: linear path, velocity prediction, uniform or logit-normal times (shared/generative/flow.py)."""
 
     convention: str = "sit"
     time_sampling: str = "uniform"
@@ -143,7 +143,7 @@ def make_objective(name: str, convention: str = "sit", **training) -> DDPMObject
 
 
 def objective_of(model_config, **training) -> DDPMObjective | FlowObjective:
-    """The objective a ModelConfig records (shared.models.ModelConfig.objective / flow_convention)."""
+    """The objective a ModelConfig records (shared.network.models.ModelConfig.objective / flow_convention)."""
     return make_objective(model_config.objective, model_config.flow_convention, **training)
 
 

@@ -17,7 +17,7 @@ from urllib.parse import urlparse
 
 import torch
 
-from shared.errors import SettingError, UserError
+from shared.runtime.errors import SettingError, UserError
 
 VAE_SHORT_NAMES = {"ema": "stabilityai/sd-vae-ft-ema", "mse": "stabilityai/sd-vae-ft-mse"}
 SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin")
@@ -168,7 +168,7 @@ def config_sha256(config: dict) -> str:
 
 def _read_state_dict(path: Path) -> dict:
     """Tensors of a single weight file (.safetensors, else a PyTorch file); .ckpt files often wrap them in 'state_dict'."""
-    from shared.export import load_torch_file, safetensors_problem
+    from shared.runtime.export import load_torch_file, safetensors_problem
 
     if path.suffix.lower() == ".safetensors":
         from safetensors.torch import load_file
@@ -215,7 +215,7 @@ def _load_folder(located: _Located):
     from diffusers import AutoencoderKL
 
     from diffusers.utils import logging as diffusers_logging
-    from shared.export import safetensors_problem
+    from shared.runtime.export import safetensors_problem
 
     source = str(located.path) if located.path is not None else located.name
     weights = located.path / WEIGHT_FILES[0] if located.path is not None else None

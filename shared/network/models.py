@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from shared.errors import ChoiceError, SettingError, UserError
+from shared.runtime.errors import ChoiceError, SettingError, UserError
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "xformers", "math")
 FREQUENCY_EMBEDDING_SIZE = 256  # sinusoidal timestep features fed to the timestep MLP (DiT Sec. 3.2)
@@ -529,7 +529,7 @@ class DiT(nn.Module):
         force_drop_ids (N,) bool/0-1: which labels become the null class. Training passes the data side's
         per-sample coin here, so the model's own global-RNG label dropout never runs (train/data.py).
         return_hidden_at k (1..depth): also return block k's output tokens (N, T, D), from the same forward
-        (REPA aligns them; shared/repa.py): the result is then (output, tokens).
+        (REPA aligns them; shared/network/repa.py): the result is then (output, tokens).
         """
         self._check_input(x)
         x = self.x_embedder(x) + self.pos_embed  # (N, T, D), T = H * W / p**2
@@ -589,7 +589,7 @@ class ModelConfig:
     mlp: str = "gelu"
     rope: bool = False
     qk_norm: bool = False
-    # What the network was trained to predict (shared/objectives.py): "ddpm" (DiT) or "flow" (SiT), and for flow
+    # What the network was trained to predict (shared/generative/objectives.py): "ddpm" (DiT) or "flow" (SiT), and for flow
     # the direction of its time input ("sit": 0 = noise; "repa": 0 = data). Not architecture: build() ignores them.
     objective: str = "ddpm"
     flow_convention: str = "sit"
@@ -597,8 +597,8 @@ class ModelConfig:
     def __post_init__(self):
         check_preset(self.model)
         check_block_options(self.norm, self.mlp, self.rope, self.qk_norm)
-        from shared.objectives import check_objective  # late: objectives imports the samplers, not the model
-        from shared.flow import check_convention
+        from shared.generative.objectives import check_objective  # late: objectives imports the samplers, not the model
+        from shared.generative.flow import check_convention
         check_objective(self.objective)
         check_convention(self.flow_convention)
         if self.objective != "flow" and self.flow_convention != "sit":
@@ -658,7 +658,7 @@ def _infer_block(state_dict):
         names = sorted(k for k in state_dict if k.startswith("blocks.0.mlp."))
         raise UserError(f"these weights' MLP has tensors {names or 'none'}, neither DiT's GELU MLP (mlp.fc1/fc2) "
                         "nor the SwiGLU of the block options (mlp.w12/w3); this version cannot rebuild that "
-                        "block. Use weights of a DiT_models preset with the block options of shared.models.BLOCKS.")
+                        "block. Use weights of a DiT_models preset with the block options of shared.network.models.BLOCKS.")
     return dict(norm="rmsnorm" if "blocks.0.norm1.weight" in state_dict else "layernorm", mlp=mlp,
                 rope="feat_rope.freqs_cos" in state_dict, qk_norm="blocks.0.attn.q_norm.weight" in state_dict,
                 mlp_hidden=mlp_hidden)

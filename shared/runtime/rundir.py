@@ -9,11 +9,11 @@
     RUN/tensorboard/train/  .../previews/    --report-to tensorboard: scalars; decoded preview grids
     RUN/watch.log                            output of the preview watcher started by --watch-vae
     RUN/checkpoints/step-0000100/            full training state, published by an atomic rename:
-        model.safetensors ema.safetensors    weights (shared/export.py format)
+        model.safetensors ema.safetensors    weights (shared/runtime/export.py format)
         optimizer.pt scaler.pt rng-<rank>.pt torch.load(weights_only=True) files
         state.json                           written last: its presence marks the checkpoint complete
     RUN/checkpoints/.tmp-step-0000100/       a checkpoint being assembled (removed on the next start)
-    RUN/exports/ema-step-0000100.safetensors slim EMA weights for sampling (shared/export.py format)
+    RUN/exports/ema-step-0000100.safetensors slim EMA weights for sampling (shared/runtime/export.py format)
     RUN/samples/step-0000100.safetensors     preview latents of the EMA model (decode with sample decode)
     RUN/samples/step-0000100/  ...0100.png   decoded previews (sample decode / sample watch); labelled grid
 """
@@ -23,7 +23,7 @@ import json
 import re
 from pathlib import Path
 
-from shared.fsio import TMP_PREFIX
+from shared.runtime.fsio import TMP_PREFIX
 
 CONFIG_FILE = "config.json"
 LOG_FILE = "log.txt"
@@ -45,7 +45,7 @@ MODEL_FILE = "model.safetensors"
 EMA_FILE = "ema.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 SCALER_FILE = "scaler.pt"
-PROJECTOR_FILE = "projector.safetensors"  # REPA runs only: the projector (shared/repa.py), never exported
+PROJECTOR_FILE = "projector.safetensors"  # REPA runs only: the projector (shared/network/repa.py), never exported
 STATE_FILE = "state.json"
 
 _STEP = re.compile(r"^step-(\d{7,})$")

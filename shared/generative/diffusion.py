@@ -1,8 +1,8 @@
 """Gaussian diffusion for DiT: linear schedule, eps + learned-range variance loss, respacing, the samplers.
 
 Papers cited below: Ho et al. 2020 (DDPM), Nichol & Dhariwal 2021 (Improved DDPM, "IDDPM"),
-Song et al. 2021 (DDIM); the ODE solvers (DPM-Solver++, UniPC) are in shared/solvers.py; all samplers are
-registered in shared/samplers.py and driven through shared/objectives.py. The schedule lives here only; models see nothing but the timestep.
+Song et al. 2021 (DDIM); the ODE solvers (DPM-Solver++, UniPC) are in shared/generative/solvers.py; all samplers are
+registered in shared/generative/samplers.py and driven through shared/generative/objectives.py. The schedule lives here only; models see nothing but the timestep.
 Numerically as the official DiT `diffusion/` package (from ADM): its tanh normal CDF in the t = 0 decoder NLL,
 its accumulated-stride respacing, its respaced betas even for all 1000 steps.
 """
@@ -12,8 +12,8 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from shared.errors import SettingError, UserError
-from shared.solvers import refuse_eta
+from shared.runtime.errors import SettingError, UserError
+from shared.generative.solvers import refuse_eta
 
 NUM_TIMESTEPS = 1000
 

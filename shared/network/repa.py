@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from shared.errors import UserError
+from shared.runtime.errors import UserError
 
 REPR_TENSOR = "repr"  # the shard tensor holding an encoder's patch tokens (F, T, E)
 
@@ -104,7 +104,7 @@ def same_features(saved: dict, current: dict) -> list[str]:
 # ----------------------------------------------------------------------------------------------------------
 # REPA's released SiT-XL/2 (sihyun-yu/REPA models/sit.py): DiT's key names, 4 output channels (no learned
 # variance), plus `projectors.0.{0,2,4}.{weight,bias}` (its build_mlp), trained as flow matching with time
-# t = 0 at data and velocity eps - x (shared/flow.py's "repa" convention).
+# t = 0 at data and velocity eps - x (shared/generative/flow.py's "repa" convention).
 # ----------------------------------------------------------------------------------------------------------
 
 REPA_PROJECTOR_PREFIX = "projectors."

@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from shared.errors import SettingError
+from shared.runtime.errors import SettingError
 
 LOCK_NAME = ".lock"
 OWNER_NAME = ".lock.owner"  # the exclusive-create fallback where the file system has no flock

@@ -11,8 +11,8 @@ import contextlib
 
 import torch
 
-from shared.errors import ChoiceError, SettingError
-from shared.precision import PRECISIONS, autocast_dtype
+from shared.runtime.errors import ChoiceError, SettingError
+from shared.runtime.precision import PRECISIONS, autocast_dtype
 
 # "3": the DiT release's quirk, which guides only the first 3 of the 4 latent channels of sd-vae-ft-ema
 # latents (kept for exact reproduction of its samples and FID protocol; it means nothing for other channel

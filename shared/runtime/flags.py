@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.cli import Flag
-from shared.samplers import SAMPLER_NAMES, SAMPLERS
-from shared.guidance import GUIDE_CHANNELS
-from shared.precision import PRECISIONS
+from shared.runtime.cli import Flag
+from shared.generative.samplers import SAMPLER_NAMES, SAMPLERS
+from shared.generative.guidance import GUIDE_CHANNELS
+from shared.runtime.precision import PRECISIONS
 
 # ---- the VAE that turns latents into pixels (sample, decode, watch, export, evaluate run) -----------------
 VAE = Flag("VAE that decodes the latents: ema | mse (stabilityai/sd-vae-ft-*), a hub id, or a local diffusers "

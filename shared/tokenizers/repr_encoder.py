@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from shared.errors import UserError
+from shared.runtime.errors import UserError
 
 # DINOv2's normalisation (its own transforms: ImageNet statistics); a preprocessor_config.json overrides them.
 IMAGENET_MEAN = (0.485, 0.456, 0.406)

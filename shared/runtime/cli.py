@@ -1,7 +1,7 @@
 """What every stage's command line shares: flags declared once on option dataclasses, and the help formatter.
 
 A command's options are a dataclass; each field that is a flag is declared with `option(...)` (or a shared
-`Flag` of shared/flags.py), which holds its default and its help text once. `add_flags` derives the
+`Flag` of shared/runtime/flags.py), which holds its default and its help text once. `add_flags` derives the
 argparse arguments from the fields and `from_args` turns the parsed namespace back into the dataclass, so
 adding a flag is adding one field:
 

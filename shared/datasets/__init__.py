@@ -1,0 +1,1 @@
+"""Data on disk: which files are images, the digits dataset, and the latent shard format (writer, index, reader, payload schema)."""
