@@ -79,7 +79,7 @@ def test_preset_table_is_official():
         for patch in (2, 4, 8):
             assert PRESETS[f"DiT-{size}/{patch}"] == dict(depth=depth, hidden_size=width, patch_size=patch,
                                                           num_heads=heads)
-    assert len(DiT_models) == 13 and "DiT-T/2" in DiT_models
+    assert len(DiT_models) == 18 and "DiT-T/2" in DiT_models and "DiT-XL/1" in DiT_models and "DiT-T/1" in DiT_models
 
 
 # ----------------------------------------------------------------------------------------------

@@ -39,7 +39,8 @@ class PositionedSampler(torch.utils.data.Sampler):
 class TrainingDraws(torch.utils.data.Dataset):
     """Wraps a LatentDataset: a batch of (position, index) pairs -> the tensors one training micro-step needs.
 
-    Output of `__getitems__` (B samples): x0 (B,C,h,w) fp32 fresh latents scaled by the VAE factor, label
+    Output of `__getitems__` (B samples): x0 (B,C,h,w) fp32 fresh latents normalised by `norm` (the run's
+    shared/tokenizers/norm.py record; default: the tokenizer's own convention), label
     (B,) int64, drop (B,) bool (class dropout), t (B,) the objective's times (int64 DiT timesteps, or float32
     flow times), noise (B,C,h,w) fp32, position
     (B,) int64: each sample's global stream position, which keys all of its draws. With `features` (REPA), also
@@ -47,8 +48,9 @@ class TrainingDraws(torch.utils.data.Dataset):
     """
 
     def __init__(self, dataset: LatentDataset, seed: int, class_dropout_prob: float, objective=None,
-                 features: bool = False):
+                 features: bool = False, norm=None):
         self.dataset, self.seed, self.class_dropout_prob = dataset, seed, class_dropout_prob
+        self.norm = norm or dataset.native_norm
         self.objective = objective or DDPMObjective()
         self.extra = (REPR_TENSOR,) if features else ()  # other stored tensors are never read
 
@@ -70,8 +72,9 @@ class TrainingDraws(torch.utils.data.Dataset):
         batch = self.dataset.gather(np.array([i for _, i in pairs], dtype=np.int64), self.extra,
                                     variant.tolist() if self.extra else None)  # mean/std (B, F, C, h, w)
         rows = torch.arange(len(pairs))
-        mean, std = batch["mean"][rows, variant], batch["std"][rows, variant]  # (B, C, h, w)
-        x0 = draw_latents(mean, std, self.dataset.scaling_factor, generator=gens)  # (B, C, h, w) fp32
+        mean = batch["mean"][rows, variant]  # (B, C, h, w)
+        std = batch["std"][rows, variant] if "std" in batch else None  # None: a deterministic tokenizer's latent
+        x0 = draw_latents(mean, std, self.norm, generator=gens)  # (B, C, h, w) fp32, normalised
         noise = torch.stack([torch.randn(x0.shape[1:], generator=g) for g in gens])  # (B, C, h, w)
         out = {"x0": x0, "label": batch["label"].long(), "drop": drop, "t": t, "noise": noise, "position": positions}
         if self.extra:  # the encoder saw the same flip as the latent's (REPA aligns the same image)
@@ -86,11 +89,12 @@ def _passthrough(batch):
 
 def make_loader(dataset: LatentDataset, *, micro_batch: int, rank: int, world_size: int, seed: int, start: int,
                 class_dropout_prob: float, num_workers: int, pin_memory: bool, objective=None,
-                features: bool = False) -> Iterator[dict]:
+                features: bool = False, norm=None) -> Iterator[dict]:
     """An endless iterator of micro-batches for this rank, starting at global stream position `start`."""
     sampler = PositionedSampler(len(dataset), rank, world_size, seed, start)
     loader = torch.utils.data.DataLoader(
-        TrainingDraws(dataset, seed, class_dropout_prob, objective, features), batch_size=micro_batch, sampler=sampler,
+        TrainingDraws(dataset, seed, class_dropout_prob, objective, features, norm), batch_size=micro_batch,
+        sampler=sampler,
         num_workers=num_workers, pin_memory=pin_memory, collate_fn=_passthrough,
         # Its own generator, so worker seeding never consumes the global torch RNG.
         generator=torch.Generator().manual_seed(seed), persistent_workers=False,
