@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from extract.duplicates import DUPLICATE_POLICIES, apply_duplicates
 from extract.folder import ImageFolderScan, scan_image_folder
-from extract.images import BOMB_REASON, MAX_IMAGE_PIXELS, pixel_limit, to_model_input
+from shared.datasets.images import BOMB_REASON, MAX_IMAGE_PIXELS, pixel_limit, to_model_input
 from extract.loader import ImageFileDataset, ShardBatches, make_loader
 from shared.runtime.cli import option
 from shared.runtime.distributed import process_state
