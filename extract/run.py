@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -23,10 +22,10 @@ from tqdm import tqdm
 
 from extract.duplicates import DUPLICATE_POLICIES, apply_duplicates
 from extract.folder import ImageFolderScan, scan_image_folder
-from extract.images import BOMB_REASON, MAX_IMAGE_PIXELS, pixel_limit, to_model_input
+from shared.datasets.images import BOMB_REASON, MAX_IMAGE_PIXELS, pixel_limit, to_model_input
 from extract.loader import ImageFileDataset, ShardBatches, make_loader
 from shared.runtime.cli import option
-from shared.runtime.distributed import process_state
+from shared.runtime.distributed import default_workers as shared_default_workers, process_state
 from extract.sizes import check_image_size
 from shared.runtime.errors import ChoiceError, UserError
 from shared.runtime.fsio import atomic_write_text, stale_tmps
@@ -450,8 +449,7 @@ def default_workers(cfg: ExtractConfig, num_processes: int) -> int:
     """--num-workers, or up to 8 decoding processes per extract process, leaving one core for the main loop."""
     if cfg.num_workers is not None:
         return cfg.num_workers
-    cores = (os.cpu_count() or 1) // max(1, num_processes)
-    return max(0, min(8, cores - 1))
+    return shared_default_workers(8, num_processes)
 
 
 # ----------------------------------------------------------------------------------------------------------
