@@ -321,8 +321,8 @@ def check_config(cfg: TrainConfig, dataset) -> None:
 
 
 def resolve_config(cfg: TrainConfig, dataset, world_size: int) -> TrainConfig:
-    """Fill the resolved fields from the latent index and the process count; UserError on any mismatch."""
-    check_config(cfg, dataset)
+    """Fill the resolved fields from the latent index and the process count (after check_config and autotune's
+    planning); UserError on any mismatch."""
     cfg.world_size = world_size
     cfg.micro_batch_size, cfg.grad_accum_steps = grad_accum_steps(
         cfg.global_batch_size, cfg.micro_batch_size, cfg.world_size)
