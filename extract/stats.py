@@ -22,11 +22,12 @@ BATCH = 256  # samples per gather while reading the moments
 
 def folder_stats(dataset: LatentDataset, progress: bool = True) -> dict:
     """index.json's "latent_stats" of a folder, computed from every stored sample and flip."""
-    deterministic = bool(dataset.vae.get("deterministic"))
+    deterministic = dataset.deterministic
+    columns = ("mean",) if deterministic else ("mean", "std")
     stats = ChannelStats()
     for start in tqdm(range(0, len(dataset), BATCH), unit="batch", desc="stats", disable=not progress):
-        batch = dataset.gather(np.arange(start, min(start + BATCH, len(dataset))), ())  # (B, F, C, h, w) moments
-        stats.add(batch["mean"], None if deterministic else batch["std"])
+        batch = dataset.gather(np.arange(start, min(start + BATCH, len(dataset))), columns)  # (B, F, C, h, w) each
+        stats.add(batch["mean"], batch.get("std"))
     return stats.summary(len(dataset), dataset.flips, deterministic)
 
 
