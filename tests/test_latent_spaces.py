@@ -257,3 +257,97 @@ def test_export_of_a_non_scale_norm_to_dit_pipeline_is_refused(extracted, tmp_pa
     code, _, err = run_main(sample_main, ["export", run, tmp_path / "pipe", "--format", "diffusers"], capsys)
     assert code == 2 and "shift-scale" in err and "DiTPipeline" in err and "--latent-norm scale" in err, err
     assert not (tmp_path / "pipe").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Released tokenizers and DiTs by name, through the local caches (no network in tests)
+# ---------------------------------------------------------------------------------------------------------
+
+def _hub_cache(monkeypatch, tmp_path, repo_id: str, files: dict) -> None:
+    """Put `files` {name: writer(path)} into a private Hugging Face cache as repo_id's snapshot; go offline."""
+    import huggingface_hub.constants as constants
+
+    cache = tmp_path / "hf-cache"
+    revision = "0" * 40
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / "main").write_text(revision)
+    snapshot = repo / "snapshots" / revision
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for name, write in files.items():
+        write(snapshot / name)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+
+
+def test_dc_ae_release_by_name_from_the_hub_cache(monkeypatch, tmp_path, tokenizers):
+    folder = tokenizers["dc-ae"]
+    _hub_cache(monkeypatch, tmp_path, "mit-han-lab/dc-ae-f32c32-in-1.0-diffusers",
+               {name: (lambda dst, src=folder / name: shutil.copy(src, dst)) for name in
+                ("config.json", "diffusion_pytorch_model.safetensors")})
+    vae = LatentVAE.load("dc-ae-f32c32")
+    assert vae.identity["source"] == "mit-han-lab/dc-ae-f32c32-in-1.0-diffusers"
+    assert vae.deterministic and vae.norm == LatentNorm.scale_only(0.3189)
+
+
+def test_vavae_by_name_converts_the_ldm_checkpoint_with_its_statistics(monkeypatch, tmp_path):
+    from tests.tiny_tokenizers import vavae_ldm_state_dict
+
+    checkpoint, reference = vavae_ldm_state_dict(seed=3)
+    g = torch.Generator().manual_seed(4)
+    stats = {"mean": torch.randn(1, 32, 1, 1, generator=g), "std": torch.rand(1, 32, 1, 1, generator=g) + 0.5}
+    _hub_cache(monkeypatch, tmp_path, "hustvl/vavae-imagenet256-f16d32-dinov2",
+               {"vavae-imagenet256-f16d32-dinov2.pt": lambda p: torch.save(checkpoint, p),
+                "latents_stats.pt": lambda p: torch.save(stats, p)})
+    vae = LatentVAE.load("vavae")
+    assert vae.identity["source"] == "hustvl/vavae-imagenet256-f16d32-dinov2"
+    assert (vae.latent_channels, vae.downsample_factor) == (32, 16)
+    # LightningDiT's normalisation: (z - mean_c) / std_c, latent_multiplier 1
+    assert vae.norm == LatentNorm.channel(stats["mean"].flatten().tolist(), stats["std"].flatten().tolist(), 1.0)
+    for ours, theirs in zip(vae.vae.state_dict().values(), reference.state_dict().values()):
+        assert torch.equal(ours, theirs)  # every tensor where the conversion puts it
+    converted = list((tmp_path / "xdg" / "dit-latent-pipeline" / "tokenizers").iterdir())
+    assert len(converted) == 1 and (converted[0] / "config.json").is_file()  # converted once, reused
+
+
+def test_lightningdit_release_by_name_loads_into_the_lightning_block(monkeypatch, tmp_path):
+    from sample.checkpoint import build_sampling_model, load_sampling_weights
+    from shared.network.models import BLOCKS, ModelConfig
+
+    monkeypatch.setenv("DIT_CHECKPOINT_DIR", str(tmp_path / "ckpts"))
+    (tmp_path / "ckpts").mkdir()
+    # A random model of LightningDiT's layout (its tensor names are the lightning block's; the parity check in
+    # tests/bench/check_lightningdit_parity.py compares with its own code), saved as its train.py does.
+    torch.manual_seed(0)
+    model = ModelConfig("DiT-T/1", input_size=16, in_channels=32, learn_sigma=False, **BLOCKS["lightning"]).build()
+    state = {f"module.{k}": v for k, v in model.state_dict().items()}
+    torch.save({"model": state, "ema": state}, tmp_path / "ckpts" / "lightningdit-xl-imagenet256-64ep.pt")
+    loaded = load_sampling_weights("lightningdit-xl-imagenet256-64ep.pt")
+    assert loaded.config.block == "lightning" and loaded.config.objective == "flow"
+    assert loaded.config.flow_convention == "sit" and not loaded.config.learn_sigma
+    assert loaded.latent_meta["vae"] == "vavae" and loaded.latent_meta["latent_shape"] == [32, 16, 16]
+    assert any("--cfg-scale 10" in note for note in loaded.notes)
+    built = build_sampling_model(loaded, "cpu")
+    x, t, y = torch.randn(2, 32, 16, 16), torch.rand(2), torch.tensor([3, 1000])
+    with torch.no_grad():
+        torch.testing.assert_close(built(x, t, y), model.eval()(x, t, y), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Patch-1 presets: planner, MACs, RoPE grid
+# ---------------------------------------------------------------------------------------------------------
+
+def test_patch_one_presets_follow_lightningdit_xl1():
+    from shared.network.models import PRESETS, BLOCKS, ModelConfig, infer_model_config
+    from train.memory import forward_macs
+
+    assert PRESETS["DiT-XL/1"] == dict(depth=28, hidden_size=1152, patch_size=1, num_heads=16)  # LightningDiT-XL/1
+    config = ModelConfig("DiT-XL/1", input_size=16, in_channels=32, learn_sigma=False, **BLOCKS["lightning"])
+    with torch.device("meta"):
+        model = config.build()
+    assert model.x_embedder.num_patches == 256 and tuple(model.feat_rope.freqs_cos.shape) == (256, 72)
+    assert infer_model_config(model.state_dict()).model == "DiT-XL/1"
+    macs = forward_macs(model)
+    # 256 tokens as XL/2 at 32x32x4: the same transformer cost; only the patch embedding and output differ
+    assert 110e9 < macs["total"] < 125e9
