@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from shared.runtime.errors import UserError
-from shared.network.models import ModelConfig
+from shared.network.models import BLOCK_FIELDS, ModelConfig
 from train.launcher import resolve_precision_with_launcher
 from train.units import format_size, parse_size
 
@@ -81,8 +81,9 @@ def plan_rows(cfg, model_config: ModelConfig, budget: int, per_process: int, cho
     """train.plan's PlanRow for each checkpointing interval in `choices`, measured where plan measures."""
     from train import plan
 
+    route = (cfg.route_ratio, cfg.route_start, cfg.route_end) if cfg.route_ratio > 0 else None
     profiles, n_params, n_trainable = plan.measure_profiles(model_config, cfg.precision, choices,
-                                                            plan.measure_device("auto"))
+                                                            plan.measure_device("auto"), route)
     fixed = plan.fixed_state(n_params, n_trainable, cfg.optimizer, cfg.ema_device)
     return [plan.plan_row(p, fixed.total, budget, per_process) for p in profiles]
 
@@ -119,7 +120,9 @@ def measure_peak(cfg, model_config: ModelConfig, micro: int, every: int, accumul
     from train import plan
 
     args = SimpleNamespace(model=cfg.model, precision=cfg.precision, optimizer=cfg.optimizer,
-                           ema_device=cfg.ema_device)
+                           ema_device=cfg.ema_device, block=cfg.block, **{k: getattr(cfg, k) for k in BLOCK_FIELDS},
+                           route_ratio=cfg.route_ratio, route_start=cfg.route_start,
+                           route_end=cfg.route_end)
     row = SimpleNamespace(micro=micro, accumulation=accumulation, profile=SimpleNamespace(every=every))
     try:
         return plan.verify(model_config, args, row)

@@ -92,34 +92,42 @@ def _part_of(path: str) -> str | None:
     return None
 
 
-def _count_flops(model) -> FlopCounterMode:
-    """Run one batch-1 forward of `model` (any device, meta included) under a FlopCounterMode."""
+def _count_flops(model, kept: int | None = None) -> FlopCounterMode:
+    """Run one batch-1 forward of `model` (any device, meta included) under a FlopCounterMode.
+
+    kept: with token routing set on the model (DiT.set_routing), the forward of a training step that routes all
+    but `kept` tokens past the routed blocks (which tokens does not change the count); None: all tokens (sampling).
+    """
     device = model.x_embedder.proj.weight.device
     size = model.input_size
     x = torch.zeros(1, model.in_channels, size, size, device=device)  # (1, C, H, W)
     t = torch.zeros(1, device=device)
     y = torch.zeros(1, dtype=torch.long, device=device)
+    routing = {} if kept is None else {"force_drop_ids": torch.zeros(1, dtype=torch.bool, device=device),
+                                       "route_keep": torch.arange(kept, device=device).unsqueeze(0)}  # (1, K)
     backend, training = model.attention, model.training
     model.set_attention("math")  # plain matmuls, which the counter sees on every device (xformers' it would not)
-    model.eval()
+    model.train(kept is not None)  # routing acts in train mode only; train mode adds no FLOPs to a DiT
     try:
         with torch.no_grad(), FlopCounterMode(display=False) as counter:
-            model(x, t, y)
+            model(x, t, y, **routing)
     finally:
         model.set_attention(backend)
         model.train(training)
     return counter
 
 
-def forward_macs(model) -> dict:
+def forward_macs(model, kept: int | None = None) -> dict:
     """Per-image forward multiply-accumulates of a DiT by part, counted from a real forward; meta works.
+
+    kept: count a routed training forward (_count_flops), all but `kept` tokens skipping the routed blocks.
 
     torch's FlopCounterMode records every matrix product and convolution as it runs (2 FLOPs per MAC), so
     the count follows whatever the block is built of (a SwiGLU's three matrices, RoPE's elementwise
     rotation adds none). Label lookup and elementwise ops are not counted (the paper's convention), so
     XL/2 at 256 gives 118.6 GMAC. Products outside the known parts land in "other" rather than vanish.
     """
-    counts = _count_flops(model).get_flop_counts()
+    counts = _count_flops(model, kept).get_flop_counts()
     root = type(model).__name__
     parts = dict.fromkeys(("patch_embed", "timestep_mlp", "attention_linears", "attention_matmuls", "mlp",
                            "adaln", "final_layer"), 0)
@@ -138,13 +146,13 @@ def forward_macs(model) -> dict:
     return parts
 
 
-def train_flops_per_image(model) -> int:
+def train_flops_per_image(model, kept: int | None = None) -> int:
     """Model FLOPs of one training image: 3 x forward (forward + 2x for backward), 2 FLOPs per MAC.
 
     Recomputation under gradient checkpointing is deliberately not counted (the MFU convention of
     Chowdhery et al. 2022, PaLM App. B), so checkpointing shows up as a lower MFU.
     """
-    return 6 * forward_macs(model)["total"]
+    return 6 * forward_macs(model, kept)["total"]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -229,11 +237,15 @@ class Residency:
     resident: int
 
 
-def measure_forward(model, batch: int, precision: str, objective=None) -> Residency:
-    """Run the trainer's forward + loss at `batch` under `precision` and count what it leaves resident."""
+def measure_forward(model, batch: int, precision: str, objective=None, route=None) -> Residency:
+    """Run the trainer's forward + loss at `batch` under `precision` and count what it leaves resident.
+
+    route (tokens, kept): token routing, as set on the model (DiT.set_routing); the routed blocks then save
+    activations for the kept tokens only, because that is what they see.
+    """
     objective = objective or DDPMObjective()
     device = next(model.parameters()).device
-    micro = synthetic_batch(model, batch, class_dropout_prob=0.1, objective=objective)
+    micro = synthetic_batch(model, batch, class_dropout_prob=0.1, objective=objective, route=route)
     params = _param_keys(model)
     ledger, casts = SavedTensorLedger(params), CastCacheCounter(params)
     model.train()
@@ -293,10 +305,10 @@ class ActivationProfile:
         return max(self.resident.at(n), self.saved.at(n) + self.recompute.at(n))
 
 
-def measure_profile(model, every: int, precision: str, block_fit: LinearBytes) -> ActivationProfile:
-    """Measure one checkpointing choice at batch 1 and 2 and fit the batch dependence."""
+def measure_profile(model, every: int, precision: str, block_fit: LinearBytes, route=None) -> ActivationProfile:
+    """Measure one checkpointing choice at batch 1 and 2 and fit the batch dependence (route: measure_forward's)."""
     model.set_grad_checkpointing(every)
-    one, two = measure_forward(model, 1, precision), measure_forward(model, 2, precision)
+    one, two = measure_forward(model, 1, precision, route=route), measure_forward(model, 2, precision, route=route)
     recompute = block_fit if every else LinearBytes(0, 0)
     return ActivationProfile(every, LinearBytes.fit(one.saved, two.saved),
                              LinearBytes.fit(one.resident, two.resident), recompute, one.cast_cache)

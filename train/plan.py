@@ -13,10 +13,11 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from shared.network.routing import kept_tokens
 from shared.runtime.cli import HelpFormatter, add_flags
 from shared.runtime.errors import UserError, cli_errors
 from shared.runtime.precision import PRECISION_CHOICES, canonical_precision
-from train.config import TrainConfig, add_block_flags, block_from_args
+from train.config import TrainConfig, add_block_flags, block_from_args, route_span
 from train.data import synthetic_batch
 from train.memory import (ActivationProfile, build_model, count_parameters, measure_block_fit, measure_profile,
                           model_config)
@@ -106,16 +107,24 @@ def checkpoint_choices(requested: int, depth: int) -> list[int]:
     return sorted({0, 1, min(2, depth), requested})
 
 
-def measure_profiles(config, precision: str, choices, device) -> tuple[list, int, int]:
-    """Measure every checkpointing choice on one zero-filled model; returns (profiles, params, trainable)."""
+def measure_profiles(config, precision: str, choices, device, route=None) -> tuple[list, int, int]:
+    """Measure every checkpointing choice on one zero-filled model; returns (profiles, params, trainable).
+
+    route (ratio, start, end): token routing on, so the routed blocks' activations are those of the kept tokens.
+    """
     model = build_model(config, device=device, init=False)
     n_params, n_trainable = count_parameters(model)
     bar = tqdm(total=1 + len(choices), desc="measuring activations", unit="pass", leave=False, file=sys.stderr)
-    block_fit = measure_block_fit(model, precision)
+    block_fit = measure_block_fit(model, precision)  # a full-token block: the largest one a backward recomputes
     bar.update()
+    shape = None
+    if route is not None:
+        ratio, start, end = route
+        model.set_routing(start, end)
+        shape = (model.x_embedder.num_patches, kept_tokens(model.x_embedder.num_patches, ratio))
     profiles = []
     for every in choices:
-        profiles.append(measure_profile(model, every, precision, block_fit))
+        profiles.append(measure_profile(model, every, precision, block_fit, shape))
         bar.update()
     bar.close()
     return profiles, n_params, n_trainable
@@ -149,7 +158,9 @@ def _header_text(args, config, tokens, n_params, n_trainable, device) -> list[st
         f"{args.num_processes} process(es); precision {args.precision}",
         f"activations measured on {device.type}: the trainer's forward + loss at batch 1 and 2 under {policy}, "
         "counting bytes autograd saves for backward (deduplicated by storage, parameters excluded)",
-    ]
+    ] + ([f"token routing (TREAD): {tokens - kept_tokens(tokens, args.route_ratio)} of {tokens} tokens skip blocks "
+          f"{args.route_start}..{args.route_end}; those blocks' activations are counted for the kept tokens"]
+         if args.route_ratio else [])
 
 
 def fixed_lines(fixed: FixedState, args) -> list[str]:
@@ -204,17 +215,20 @@ def summary_line(row: PlanRow, batch: int) -> str:
 def verify_config(args, row: PlanRow) -> TrainConfig:
     """The TrainConfig of the planned run (synthetic data): what `python -m train` would be given."""
     accumulation = min(row.accumulation, 2)  # a second micro-step runs with the first one's gradients held
+    route = {k: getattr(args, k, None) for k in ("route_ratio", "route_start", "route_end")}
     return TrainConfig(latents="synthetic", results_dir="unused", model=args.model, **block_from_args(args),
                        global_batch_size=row.micro * accumulation, micro_batch_size=row.micro,
                        grad_accum_steps=accumulation, precision=args.precision,
-                       grad_checkpoint=row.profile.every, optimizer=args.optimizer, ema_device=args.ema_device)
+                       grad_checkpoint=row.profile.every, optimizer=args.optimizer, ema_device=args.ema_device,
+                       **{k: v for k, v in route.items() if v is not None})
 
 
 def verify(config, args, row: PlanRow) -> int:
     """Peak allocated bytes of the trainer's own step (train/step.py) on CUDA at the planned micro-batch."""
     cfg = verify_config(args, row)
     learner = make_learner(cfg, config, device=torch.device("cuda"))
-    batches = [synthetic_batch(config, row.micro, cfg.class_dropout_prob, seed=i) for i in range(cfg.grad_accum_steps)]
+    batches = [synthetic_batch(config, row.micro, cfg.class_dropout_prob, seed=i, route=learner.route)
+               for i in range(cfg.grad_accum_steps)]
     train_step(learner, batches)  # allocates the optimizer state
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -250,7 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     """Flags of python -m train.plan (same names as python -m train where they overlap)."""
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
     # The flags python -m train also has: its defaults and help (TrainConfig), reworded where plan means more.
-    add_flags(p, TrainConfig, only=("model", "global_batch_size", "grad_checkpoint", "ema_device", "optimizer"),
+    add_flags(p, TrainConfig, only=("model", "global_batch_size", "grad_checkpoint", "ema_device", "optimizer",
+                                    "route_ratio", "route_start", "route_end"),
               changes={"grad_checkpoint": {"help": "checkpointing interval to recommend (every K-th block; bare flag "
                                                    "= 1; 0 = off); off, every block and every 2nd block are always "
                                                    "tabulated", "default": 0, "type": int}})
@@ -281,6 +296,15 @@ def check_args(args):
         raise UserError(f"--grad-checkpoint must be 0 (off) or a positive interval, got {args.grad_checkpoint}.")
 
 
+def plan_route(args, config) -> tuple[float, int, int] | None:
+    """(ratio, start, end) of the token route the flags ask for (TREAD's span by default), or None; UserError."""
+    if not args.route_ratio:
+        return None
+    start, end = route_span(args.model, config.input_size, args.route_ratio, args.route_start, args.route_end)
+    args.route_start, args.route_end = start, end  # the header and --verify show and use the resolved span
+    return args.route_ratio, start, end
+
+
 def run(args) -> str:
     """Measure, plan and (optionally) verify; returns the report text."""
     check_args(args)
@@ -291,7 +315,8 @@ def run(args) -> str:
     device = measure_device(args.measure_device)
     meta = build_model(config, "meta")  # shapes only, no allocation
     choices = checkpoint_choices(args.grad_checkpoint, len(meta.blocks))
-    profiles, n_params, n_trainable = measure_profiles(config, args.precision, choices, device)
+    route = plan_route(args, config)
+    profiles, n_params, n_trainable = measure_profiles(config, args.precision, choices, device, route)
     fixed = fixed_state(n_params, n_trainable, args.optimizer, args.ema_device)
     rows = [plan_row(p, fixed.total, args.gpu_memory - args.margin, batch) for p in profiles]
     chosen = next(r for r in rows if r.profile.every == args.grad_checkpoint)
