@@ -7,7 +7,7 @@ from tqdm import tqdm
 
 from extract.duplicates import apply_duplicates
 from extract.folder import ImageFolderScan, scan_image_folder
-from extract.images import MAX_IMAGE_PIXELS, describe_limit
+from shared.datasets.images import MAX_IMAGE_PIXELS, describe_limit
 from extract.loader import ImageInfoDataset, make_loader
 
 

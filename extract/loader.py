@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from extract.folder import ImageFolderScan
-from extract.images import MAX_IMAGE_PIXELS, BadImage, TooLarge, image_header_size, load_image, open_image
+from shared.datasets.images import MAX_IMAGE_PIXELS, BadImage, TooLarge, image_header_size, load_image, open_image
 
 
 class ImageFileDataset(Dataset):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-import extract.images as images
+import shared.datasets.images as images
 from extract.__main__ import main as extract_main
 from extract.duplicates import find_duplicates
 from extract.folder import scan_image_folder

@@ -1,4 +1,7 @@
-"""Image decoding and ADM/DiT preprocessing: every PIL mode to RGB, box-then-bicubic resize, centre crop."""
+"""Image decoding and ADM/DiT preprocessing: every PIL mode to RGB, box-then-bicubic resize, centre crop.
+
+extract encodes what this produces; `python -m evaluate reference` crops real images the same way.
+"""
 from __future__ import annotations
 
 import argparse
