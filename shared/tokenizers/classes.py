@@ -36,6 +36,9 @@ class TokenizerClass:
     native_norm: Callable
     deterministic: bool = False
     decoder_parts: tuple = ("decoder", "post_quant_conv")
+    # The latent's channels as its config declares them, for checks in processes without diffusers (train's
+    # --watch-vae); everywhere else the shape is measured (shared.tokenizers.vae.measure_latent).
+    declared_channels: Callable = lambda config: int(config.get("latent_channels", 4))
 
     def diffusers_class(self):
         """The diffusers model class (imported here, lazily)."""
@@ -174,4 +177,5 @@ def _flux2_native_norm(config: dict, module=None) -> LatentNorm:
 
 register_tokenizer(TokenizerClass(
     "AutoencoderKLFlux2", "FLUX.2's VAE: posterior patchified 2x2 into 4x the channels, per-channel BatchNorm "
-                          "statistics", _flux2_encode, _flux2_decode, _flux2_native_norm))
+                          "statistics", _flux2_encode, _flux2_decode, _flux2_native_norm,
+    declared_channels=lambda config: int(config.get("latent_channels", 32)) * _patch(config)[0] * _patch(config)[1]))

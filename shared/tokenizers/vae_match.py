@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from shared.runtime.errors import UserError
 from shared.runtime.precision import PRECISIONS
+from shared.tokenizers.classes import tokenizer_class
 from shared.tokenizers.norm import LatentNorm, norm_of_meta
 from shared.tokenizers.vae import LatentVAE, downsample_factor, read_vae_config, resolve_vae_spec
 from shared.tokenizers.vae import latent_channels as measured_channels
@@ -56,17 +57,24 @@ def choose_vae(spec: str | None, latent_meta: dict | None) -> tuple[str, str]:
 
 
 def check_vae_matches(spec: str, vae_config_path, latent_channels: int, latent_meta: dict | None = None,
-              allow_other: bool = False) -> tuple[str, int]:
-    """Check the VAE from its config.json only -> (name, downsample factor); UserError when it cannot decode."""
+              allow_other: bool = False, measure: bool = True) -> tuple[str, int | None]:
+    """Check the VAE from its config.json only -> (name, downsample factor); UserError when it cannot decode.
+
+    measure=False (a process that must not import diffusers: train's --watch-vae check) compares the channels the
+    config declares and no factor (None); the watcher measures both when it loads the VAE.
+    """
     name = resolve_vae_spec(spec, vae_config_path)
     config = read_vae_config(spec, vae_config_path)
-    cheap = {"source": name, "latent_channels": measured_channels(config),  # measured (meta device), not read
-             "downsample_factor": downsample_factor(config)}
+    if measure:  # the encoder run on the meta device: what it really gives
+        cheap = {"source": name, "latent_channels": measured_channels(config),
+                 "downsample_factor": downsample_factor(config)}
+    else:
+        cheap = {"source": name, "latent_channels": tokenizer_class(config, name).declared_channels(config)}
     if "scaling_factor" in config:  # else diffusers' default fills it in at load time: compared then
         cheap["scaling_factor"] = float(config["scaling_factor"])
     recorded = {"latent_channels": latent_channels, **recorded_identity(latent_meta)}
     compare_vae(recorded, cheap, allow_other)
-    return name, cheap["downsample_factor"]
+    return name, cheap.get("downsample_factor")
 
 
 def compare_vae(recorded: dict, actual: dict, allow_other: bool) -> str | None:
