@@ -12,7 +12,8 @@ PROG = "python -m train"
 FLAGS = {"model preset": "--model", "attention backend": "--attention", "precision": "--precision",
          "guide-channel choice": "--sample-guide-channels", "run folder": "--results-dir", "vae": "--watch-vae",
          "objective": "--objective", "time sampling": "--time-sampling", "time loc": "--time-loc",
-         "time scale": "--time-scale", "cos weight": "--cos-weight"}
+         "time scale": "--time-scale", "cos weight": "--cos-weight", "time dist shift": "--time-dist-shift",
+         "head depth": "--head-depth", "head width": "--head-width", "head heads": "--head-heads"}
 
 
 def main(argv=None, callbacks=()) -> int:

@@ -15,30 +15,42 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from shared.runtime.cli import HelpFormatter, add_flags, flag_name, from_args, option
-from shared.runtime.errors import UserError
+from shared.runtime.errors import SettingError, UserError
 from shared.generative.guidance import GUIDE_CHANNELS
-from shared.generative.flow import TIME_SAMPLINGS
-from shared.network.models import ATTENTION_BACKENDS, BLOCK_FIELDS, BLOCKS, MLPS, NORMS, block_options, check_preset
+from shared.generative.flow import TIME_SAMPLINGS, auto_shift, check_shift
+from shared.network.models import (ATTENTION_BACKENDS, BLOCK_FIELDS, BLOCKS, HEAD_FIELDS, MLPS, NORMS, block_options,
+                                   check_preset, default_block, preset_head)
 from shared.generative.objectives import OBJECTIVE_HELP, OBJECTIVE_NAMES
 from train.recipes import RECIPE_HELP, RECIPES, apply_recipe
 from shared.runtime.precision import PRECISION_CHOICES, canonical_precision
 from train.trackers import DEFAULT_REPORT_TO, REPORT_TO
 
-LR_SCHEDULES = ("constant", "cosine")
+LR_SCHEDULES = ("constant", "cosine", "linear")
 OPTIMIZERS = ("adamw", "adamw8bit")
 EMA_DEVICES = ("gpu", "cpu")
 DEFAULT_MAX_STEPS = 400_000  # the paper's headline training length (DiT Table 4: FID-50K at 400K steps)
 DEBUG_STEPS = 5
 
 # Changing one of these changes the experiment: a resume that differs is refused.
-IDENTITY_FIELDS = ("model", "objective", "time_sampling", "time_loc", "time_scale", "cos_weight", "global_batch_size",
-                   "seed", "optimizer", "adam_betas", "weight_decay", "ema_decay", "class_dropout_prob") + BLOCK_FIELDS
+IDENTITY_FIELDS = ("model", "objective", "time_sampling", "time_loc", "time_scale", "cos_weight", "time_dist_shift",
+                   "global_batch_size", "seed", "optimizer", "adam_betas", "weight_decay", "ema_decay",
+                   "class_dropout_prob") + BLOCK_FIELDS + HEAD_FIELDS
 # REPA (shared/network/repa.py): its settings change the experiment too.
 REPA_FIELDS = ("repa_weight", "repa_depth", "repa_projector_dim", "repa_feature_dim")
 IDENTITY_FIELDS += REPA_FIELDS
 # Data identity: what a checkpoint's latent folder must share with the one given now.
 DATA_FIELDS = ("num_samples", "latent_shape", "flips", "num_classes", "image_size", "scaling_factor", "vae",
                "index_sha256")
+
+
+def float_or_auto(text: str):
+    """argparse type: a number, or 'auto' (resolved from the latent shape)."""
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or auto, got {text!r}") from None
 
 
 def int_or_auto(text: str):
@@ -68,6 +80,11 @@ class TrainConfig:
     time_loc: float = option(0.0, "flow only: location of the lognormal time draw")
     time_scale: float = option(1.0, "flow only: scale of the lognormal time draw")
     cos_weight: float = option(0.0, "flow only: weight of LightningDiT's cosine velocity-direction loss (its recipe: 1)")
+    time_dist_shift: float | str = option(
+        1.0, "flow only: RAE's shift s of the training times towards noise, t' = s t / (1 + (s-1) t) in RAE's time "
+             "(1 = noise), recorded with the model so sampling shifts its grid the same way; auto: sqrt(C*H*W / "
+             "4096) of the latent shape (RAE: 6.93 for 768x16x16 tokens; 1 for SD-VAE's 4x32x32) (default 1 = "
+             "none)", type=float_or_auto, metavar="S|auto")
     # Block options (shared.network.models.BLOCKS): None until resolve_block fills them from --block (default "dit").
     block: str | None = option(
         None, "the transformer block preset: dit: LayerNorm + GELU MLP, absolute positions only (DiT); lightning: "
@@ -86,6 +103,11 @@ class TrainConfig:
     qk_norm: bool | None = option(
         None, "normalise queries and keys per head before attention (RMSNorm with --norm rmsnorm, else LayerNorm); "
               "steadies fp16/bf16 training (default: the --block's)", action=argparse.BooleanOptionalAction)
+    head_depth: int | None = option(
+        None, "blocks of the wide shallow DiT^DH head after the body (RAE: 2), conditioned per token on the body's "
+              "output; 0 = none (default: the --model preset's: 2 for DiTDH-*, 0 for DiT-*)")
+    head_width: int | None = option(None, "width of the DiT^DH head (RAE: 2048; default: the preset's)")
+    head_heads: int | None = option(None, "attention heads of the DiT^DH head (RAE: 16; default: the preset's)")
     global_batch_size: int = option(256, "images per optimizer step over all processes (DiT: 256)")
     micro_batch_size: int | str | None = option(  # "auto": train/autotune.py (None: the whole per-process batch)
         "auto", "images per forward pass per process; gradient accumulation = global batch / (micro batch x "
@@ -103,8 +125,9 @@ class TrainConfig:
                 "off). auto (default): on a GPU only as much as memory needs; off on the CPU", nargs="?", const=1,
         metavar="K", type=int_or_auto)
     lr: float = option(1e-4, "peak learning rate (DiT: 1e-4)")
-    lr_schedule: str = option("constant", "constant (DiT) or cosine decay to 0 at the last step, after the warmup",
-                              choices=LR_SCHEDULES)
+    lr_schedule: str = option("constant", "constant (DiT), or cosine or linear decay to --final-lr at the last step, "
+                                          "after the warmup (RAE: linear)", choices=LR_SCHEDULES)
+    final_lr: float = option(0.0, "cosine/linear schedules: the LR reached at the last step (RAE: 2e-5)")
     warmup_steps: int = option(0, "linear LR warmup from 0 over this many steps")
     adam_betas: tuple = option((0.9, 0.999), "AdamW betas", type=float, nargs=2,
                                metavar=("B1", "B2"))
@@ -206,16 +229,20 @@ def add_block_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return add_flags(p, TrainConfig, only=("block", *BLOCK_FIELDS))
 
 
-def block_from_args(args: argparse.Namespace) -> dict:
-    """{norm, mlp, rope, qk_norm} the block flags ask for (preset, then overrides)."""
-    return block_options(args.block or "dit", **{k: getattr(args, k) for k in BLOCK_FIELDS})
+def block_from_args(args: argparse.Namespace, model: str = "DiT-XL/2") -> dict:
+    """{norm, mlp, rope, qk_norm} the block flags ask for (preset, then overrides; default: the model's block)."""
+    return block_options(args.block or default_block(model), **{k: getattr(args, k) for k in BLOCK_FIELDS})
 
 
 def resolve_block(cfg: TrainConfig) -> TrainConfig:
-    """Fill the unset block options from cfg.block's preset (default dit); returns cfg."""
-    cfg.block = cfg.block or "dit"
+    """Fill the unset block options from cfg.block's preset (default: the model's) and the head from the model."""
+    check_preset(cfg.model)
+    cfg.block = cfg.block or default_block(cfg.model)
     for key, value in block_options(cfg.block, **{k: getattr(cfg, k) for k in BLOCK_FIELDS}).items():
         setattr(cfg, key, value)
+    for key, value in preset_head(cfg.model).items():
+        if getattr(cfg, key) is None:
+            setattr(cfg, key, value)
     return cfg
 
 
@@ -238,7 +265,7 @@ def config_from_args(args: argparse.Namespace, explicit=frozenset()) -> TrainCon
 
 _POSITIVE = ("time_scale", "global_batch_size", "micro_batch_size", "max_steps", "epochs", "ckpt_every", "log_every",
              "sample_steps", "image_size")
-_NON_NEGATIVE = ("repa_weight", "cos_weight", "grad_checkpoint", "keep_last", "keep_exports", "sample_every", "warmup_steps", "num_workers",
+_NON_NEGATIVE = ("repa_weight", "cos_weight", "final_lr", "grad_checkpoint", "keep_last", "keep_exports", "sample_every", "warmup_steps", "num_workers",
                  "max_nonfinite", "weight_decay", "max_grad_norm", "seed")
 
 
@@ -287,8 +314,9 @@ def data_identity(dataset) -> dict:
 
 
 def _check_model_fits(cfg: TrainConfig, latent_shape) -> None:
-    """UserError when the preset cannot take latents of this size."""
-    from shared.network.models import PRESETS
+    """UserError when the preset cannot take latents of this size, or is too narrow for their tokens (RAE)."""
+    from shared.network.ddt import check_head
+    from shared.network.models import PRESETS, token_width_problem
 
     channels, height, width = latent_shape
     patch = PRESETS[cfg.model]["patch_size"]
@@ -296,6 +324,11 @@ def _check_model_fits(cfg: TrainConfig, latent_shape) -> None:
         raise UserError(f"the latents are {channels}x{height}x{width} but {cfg.model} needs square latents whose "
                         f"side is a multiple of its patch size {patch}; extract square images of a size whose "
                         "latent side the patch divides, or pick a preset with a smaller patch.")
+    head = {k: getattr(cfg, k) for k in HEAD_FIELDS}
+    check_head(**head)
+    problem = token_width_problem(cfg.model, channels, head)
+    if problem:
+        raise SettingError(f"the latents are {channels}x{height}x{width}, and {problem}")
 
 
 def _check_image_size(cfg: TrainConfig, dataset) -> None:
@@ -313,6 +346,7 @@ def check_config(cfg: TrainConfig, dataset) -> None:
     _check_ranges(cfg)
     check_preset(cfg.model)
     resolve_block(cfg)
+    _resolve_shift(cfg, dataset.latent_shape)
     _check_objective(cfg)
     _check_image_size(cfg, dataset)
     _check_model_fits(cfg, dataset.latent_shape)
@@ -356,12 +390,19 @@ def _resolve_repa(cfg: TrainConfig, dataset) -> None:
     cfg.repa_feature_dim = dim
 
 
+def _resolve_shift(cfg: TrainConfig, latent_shape) -> None:
+    """--time-dist-shift auto: RAE's sqrt(C H W / 4096) of these latents; a number is checked as it is."""
+    if cfg.time_dist_shift == "auto":
+        cfg.time_dist_shift = round(auto_shift(latent_shape), 6)  # recorded; 6 digits keep resume comparisons exact
+    check_shift(cfg.time_dist_shift)
+
+
 def _check_objective(cfg: TrainConfig) -> None:
     """The objective and its training settings build (e.g. no flow-only setting on a ddpm run); cheap."""
     from shared.generative.objectives import make_objective
 
-    make_objective(cfg.objective, time_sampling=cfg.time_sampling,
-                   time_loc=cfg.time_loc, time_scale=cfg.time_scale, cos_weight=cfg.cos_weight)
+    make_objective(cfg.objective, time_sampling=cfg.time_sampling, time_loc=cfg.time_loc, time_scale=cfg.time_scale,
+                   cos_weight=cfg.cos_weight, time_dist_shift=cfg.time_dist_shift)
 
 
 def _resolve_preview_guidance(cfg: TrainConfig) -> None:

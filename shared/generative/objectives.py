@@ -22,7 +22,8 @@ import torch
 
 from shared.generative.diffusion import NUM_TIMESTEPS, GaussianDiffusion, create_diffusion
 from shared.runtime.errors import ChoiceError, SettingError
-from shared.generative.flow import SDE_LAST_STEP, TIME_SAMPLINGS, FlowPath, check_convention, draw_time, make_process
+from shared.generative.flow import (SDE_LAST_STEP, TIME_SAMPLINGS, FlowPath, check_convention, check_shift, draw_time,
+                                   make_process, rae_shift)
 from shared.generative.samplers import get_sampler, sampler_options
 
 
@@ -75,6 +76,7 @@ class FlowObjective:
     time_loc: float = 0.0  # logit-normal location (SD3 / LightningDiT: 0)
     time_scale: float = 1.0  # logit-normal scale (1)
     cos_weight: float = 0.0  # LightningDiT's cosine velocity-direction loss weight (its recipe: 1)
+    time_dist_shift: float = 1.0  # RAE's shift of the training times and the sampling grid (1 = none; flow.rae_shift)
 
     name = "flow"
     default_sampler = "sde"  # SiT's sampler for its reported FID
@@ -86,11 +88,12 @@ class FlowObjective:
         check_convention(self.convention)
         if self.time_sampling not in TIME_SAMPLINGS:
             raise ChoiceError("time sampling", self.time_sampling, TIME_SAMPLINGS)
+        self.time_dist_shift = check_shift(self.time_dist_shift)
         self.path = FlowPath(self.convention)
 
     def draw_time(self, generator: torch.Generator) -> torch.Tensor:
-        """One training time tau (1,) float32 in SiT's convention (0 = noise)."""
-        return draw_time(generator, self.time_sampling, self.time_loc, self.time_scale)
+        """One training time tau (1,) float32 in SiT's convention (0 = noise), RAE's shift applied (RAE transport.sample)."""
+        return rae_shift(draw_time(generator, self.time_sampling, self.time_loc, self.time_scale), self.time_dist_shift)
 
     def training_losses(self, model_fn, x0, t, noise, model_kwargs=None) -> dict:
         """{"loss", "mse"[, "cos"]}, each (N,): x0 (N,C,h,w) clean latents, t (N,) SiT times, noise like x0."""
@@ -105,8 +108,10 @@ class FlowObjective:
         get_sampler(sampler, self.name)
         if steps < 1:
             raise SettingError(f"{{sampling steps}} {steps} must be at least 1.")
-        return make_process(self.path, sampler, steps, options.get("time_shift", 1.0),
-                            options.get("last_step_size", SDE_LAST_STEP))
+        # The recorded RAE shift s shapes the grid as in training (RAE's ode/sde grids); a sampler --time-shift a
+        # multiplies onto it (shifts compose by multiplying the odds: a / s in SiT time).
+        grid_shift = options.get("time_shift", 1.0) / self.time_dist_shift
+        return make_process(self.path, sampler, steps, grid_shift, options.get("last_step_size", SDE_LAST_STEP))
 
     def sample(self, sampler: str, model_fn, noise, steps: int, options: dict, model_kwargs=None, generator=None,
                progress=False):
@@ -143,8 +148,10 @@ def make_objective(name: str, convention: str = "sit", **training) -> DDPMObject
 
 
 def objective_of(model_config, **training) -> DDPMObjective | FlowObjective:
-    """The objective a ModelConfig records (shared.network.models.ModelConfig.objective / flow_convention)."""
-    return make_objective(model_config.objective, model_config.flow_convention, **training)
+    """The objective a ModelConfig records (its objective, flow_convention and time_dist_shift)."""
+    shift = getattr(model_config, "time_dist_shift", 1.0)
+    return make_objective(model_config.objective, model_config.flow_convention,
+                          **({"time_dist_shift": shift} if shift != 1.0 else {}), **training)
 
 
 def run_sampler(objective, sampler: str, model_fn, noise, steps: int, given_options: dict, **kwargs):
