@@ -192,7 +192,8 @@ def check_reference(reference: Reference, features: str, sample_size) -> None:
         raise UserError(f"--ref {reference.label} describes {size[1]}x{size[0]} images but the samples are "
                         f"{sample_size[1]}x{sample_size[0]}: FID across resolutions measures the resize, not the "
                         f"model. Pass a reference at the samples' resolution (ADM publishes one per size, e.g. "
-                        f"VIRTUAL_imagenet256_labeled.npz for 256x256).")
+                        f"VIRTUAL_imagenet256_labeled.npz for 256x256), or write one from real images: "
+                        f"`python -m evaluate reference IMAGES --image-size {sample_size[0]} --out REF.npz`.")
 
 
 def reference_stats(reference: Reference, net, batch_size: int, rank: int, world: int, need_pool: bool) -> Stats:

@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from extract.duplicates import DUPLICATE_POLICIES, apply_duplicates
 from extract.folder import ImageFolderScan, scan_image_folder
-from extract.images import to_model_input
+from shared.datasets.images import BOMB_REASON, MAX_IMAGE_PIXELS, pixel_limit, to_model_input
 from extract.loader import ImageFileDataset, ShardBatches, make_loader
 from shared.runtime.cli import option
 from shared.runtime.distributed import process_state
@@ -70,6 +71,16 @@ class ExtractConfig:
               "patches: 224 for DINOv2/14 at 256 px).")
     repr_dtype: str = option("fp16", "Storage dtype of the encoder tokens (DINOv2-B at 256 px: ~384 KiB per image and "
                                      "flip in fp16)", choices=tuple(EXTRA_STORAGE_DTYPES))
+    max_image_pixels: int | None = option(
+        MAX_IMAGE_PIXELS, "Images with more pixels are skipped as possible decompression bombs (listed as bad "
+                          "files); 'none' admits any size. Images above the default are decoded at reduced size "
+                          "where the format allows (JPEG), else whole and reduced at once (memory: ~3-4 bytes per "
+                          "pixel per worker)", type=pixel_limit, metavar="N|none")
+    duplicates: str = option(
+        "first", "Files that are one picture (symlinks or hard links to one file, identical bytes): first keeps "
+                 "each picture once, under its first path's label in sorted order; all keeps every copy under its "
+                 "own label (one picture in two classes); none drops pictures whose copies disagree on the label. "
+                 "--check and the summary list them", choices=tuple(DUPLICATE_POLICIES))
     strict: bool = option(False, "Stop at the first bad image instead of skipping and recording it.")
 
 
@@ -126,6 +137,8 @@ def check_numbers(cfg: ExtractConfig) -> None:
         raise UserError(f"--num-workers must be 0 (decode in the main process) or more, got {cfg.num_workers}.")
     if cfg.flip not in FLIP_MODES:
         raise ChoiceError("flip mode", cfg.flip, FLIP_MODES)
+    if cfg.duplicates not in DUPLICATE_POLICIES:
+        raise ChoiceError("duplicate policy", cfg.duplicates, DUPLICATE_POLICIES)
     if cfg.dtype not in STORAGE_DTYPES:
         raise ChoiceError("storage dtype", cfg.dtype, STORAGE_DTYPES)
     if cfg.repr_dtype not in EXTRA_STORAGE_DTYPES:
@@ -150,6 +163,8 @@ def run_settings(cfg: ExtractConfig, scan: ImageFolderScan, vae_name: str, vae_c
     from shared.tokenizers.vae import config_sha256
 
     extra = {"repr_encoder": {**encoder, "dtype": cfg.repr_dtype}} if encoder else {}  # absent: the old settings
+    if cfg.max_image_pixels != MAX_IMAGE_PIXELS:  # decides which files are skipped; absent at the default
+        extra["max_image_pixels"] = "none" if cfg.max_image_pixels is None else cfg.max_image_pixels
     return {**extra,
         "version": SETTINGS_VERSION,
         "dataset": {"num_files": len(scan), "num_classes": len(scan.classes), "files_sha256": scan.fingerprint()},
@@ -210,10 +225,24 @@ def check_out_folder(out: Path, settings: dict) -> list[str]:
     return []
 
 
+def check_separate_folders(data_path: Path, out: Path) -> None:
+    """Refuse an --out equal to, inside, or holding --data-path: shards written among the images become data."""
+    images, latents = Path(data_path).expanduser().resolve(), Path(out).expanduser().resolve()
+    if latents == images or images in latents.parents or latents in images.parents:
+        where = ("is" if latents == images else "is inside" if images in latents.parents else "holds")
+        raise UserError(
+            f"--out {out} {where} --data-path {data_path}: the shards, index and lock would be written among the "
+            f"images (and a later scan would take them for a class folder), or the images among the shards. Pass "
+            f"a separate output folder beside the images, e.g. --out {images.parent / (images.name + '-latents')}."
+        )
+
+
 def plan(cfg: ExtractConfig, check_out: bool = True) -> Plan:
     """Every check that needs no weights: flags, dataset, VAE config, image size (and the out folder)."""
     check_numbers(cfg)
-    scan = scan_image_folder(cfg.data_path).limited(cfg.limit)
+    if cfg.out is not None:
+        check_separate_folders(cfg.data_path, cfg.out)
+    scan = apply_duplicates(scan_image_folder(cfg.data_path).limited(cfg.limit), cfg.duplicates)
     vae_name, vae_config, warnings = check_encoder_vae(cfg)
     encoder = None
     if cfg.repr_encoder is not None:
@@ -376,7 +405,7 @@ def encode_shards(cfg: ExtractConfig, plan_: Plan, shards: list[int], vae, state
     """Decode (workers) -> encode (device) -> write, for the given shards; returns this process's counts."""
     device, show = state.device, state.is_local_main_process
     batches = ShardBatches(shards, cfg.shard_size, len(plan_.scan), cfg.batch_size)
-    dataset = ImageFileDataset(plan_.scan, cfg.image_size)
+    dataset = ImageFileDataset(plan_.scan, cfg.image_size, cfg.max_image_pixels)
     loader = make_loader(dataset, batches, default_workers(cfg, state.num_processes),
                          pin_memory=torch.device(device).type == "cuda")
     process = {"rank": state.process_index, "world_size": state.num_processes}
@@ -434,13 +463,15 @@ def write_outputs(cfg: ExtractConfig, plan_: Plan) -> dict:
     if damaged:
         raise damaged_error(out, damaged)
     bad = [b for s in sidecars for b in s["bad_files"]]
+    too_large = sum(b["reason"].startswith(BOMB_REASON) for b in bad)
     infos = [ShardInfo.from_dict(s["shard"]) for s in sidecars]
     if not any(i.num_samples for i in infos):
         raise UserError(f"none of the {len(plan_.scan)} images in {plan_.scan.root} could be read; see "
                         f"{out / BAD_FILES_NAME} for the reasons.")
     atomic_write_text(out / BAD_FILES_NAME, "".join(json.dumps(b) + "\n" for b in bad))
     write_index(out, infos, index_meta(cfg, plan_, sidecars[0]["vae"], len(bad)))
-    return {"num_samples": sum(i.num_samples for i in infos), "num_bad": len(bad), "num_shards": len(infos)}
+    return {"num_samples": sum(i.num_samples for i in infos), "num_bad": len(bad), "num_shards": len(infos),
+            "too_large": too_large}
 
 
 def index_meta(cfg: ExtractConfig, plan_: Plan, vae_identity: dict, num_bad: int) -> dict:
@@ -529,6 +560,7 @@ def _extract(cfg: ExtractConfig, plan_: Plan, out: Path, state) -> dict:
         summary = write_outputs(cfg, plan_)
         summary.update(encoded_here=progress.encoded, seconds=elapsed, shards_here=len(pending),
                        damaged_here=progress.damaged, skipped=plan_.scan.skipped.describe(), out=str(out),
+                       notes=list(plan_.scan.notes),
                        processes=state.num_processes)
     state.wait_for_everyone()
     return summary
@@ -541,7 +573,11 @@ def format_summary(summary: dict) -> str:
     return "\n".join([
         f"extract: {summary['num_samples']} images in {summary['num_shards']} shards, "
         f"{summary['num_bad']} bad files skipped (listed in {BAD_FILES_NAME})",
+        *([f"extract: {summary['too_large']} of them have more pixels than --max-image-pixels allows; if you trust "
+           f"the folder, rerun with a larger --max-image-pixels (or none) into a new --out to include them"]
+          if summary.get("too_large") else []),
         f"extract: while scanning {summary['skipped']}",
+        *(f"extract: {note}" for note in summary.get("notes", ())),
         f"extract: this run encoded {summary['encoded_here']} images in {summary['seconds']:.1f}s "
         f"({rate:.1f} images/s on process 0 of {summary['processes']}; {summary['shards_here']} shards{damaged})",
         f"extract: every shard verified against its sha256; index written: {Path(summary['out']) / INDEX_NAME}",
@@ -557,6 +593,7 @@ def describe_plan(cfg: ExtractConfig) -> str:
     return "\n".join([
         f"data: {plan_.scan.root}: {len(plan_.scan)} images in {len(plan_.scan.classes)} classes",
         f"data: {plan_.scan.skipped.describe()}",
+        *(f"data: {note}" for note in plan_.scan.notes),
         f"vae: {plan_.vae_name} (encoder fp32); moments stored as {cfg.dtype}, {frames}",
         f"out: {out}: {plan_.num_shards} shards of {cfg.shard_size} images, {done} already finished "
         f"(their sha256 is checked when the run starts)",

@@ -482,6 +482,26 @@ def damaged_error(root, problems: dict) -> UserError:
 _RERUN = "rerun the same extract command to finish or repair the folder"
 
 
+def _holds_images(root: Path) -> bool:
+    """True when root or one of its sub-folders holds an image file (an ImageFolder, not a latent folder)."""
+    from shared.datasets.imagefiles import is_image_file
+
+    folders = [root, *(p for p in root.iterdir() if p.is_dir())]
+    return any(is_image_file(f.name) for folder in folders for f in folder.iterdir())
+
+
+def _not_latent_folder(root: Path) -> UserError:
+    """The refusal for a folder without index.json; an image folder is told to extract into a separate folder."""
+    out = root.parent / f"{root.name}-latents"
+    if _holds_images(root):
+        return UserError(f"{root} holds images, not latents (it has no {INDEX_NAME}). Extract them into a separate "
+                         f"folder first, never into the images themselves: `python -m extract --data-path {root} "
+                         f"--out {out}`, then pass --latents {out}.")
+    return UserError(f"{root} has no {INDEX_NAME}, so it is not a latent folder. Pass the --out folder of a finished "
+                     f"`python -m extract` run (`python -m extract --data-path <images> --out {root}` writes one "
+                     f"here; keep it apart from the images).")
+
+
 def load_index(root: Path) -> dict:
     """Read index.json, or explain why the folder is not a finished latent folder (no file is hashed)."""
     if not root.is_dir():
@@ -493,8 +513,7 @@ def load_index(root: Path) -> dict:
         if leftovers:
             raise UserError(f"{root} holds shards ({leftovers[0]}, ...) but no {INDEX_NAME}: extraction did not "
                             f"finish. Rerun the same extract command; it resumes and writes {INDEX_NAME} last.")
-        raise UserError(f"{root} has no {INDEX_NAME}, so it is not a latent folder. Run `python -m extract` "
-                        f"into {root} first.")
+        raise _not_latent_folder(root)
     try:
         index = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
