@@ -14,9 +14,12 @@ Checks, printing each number:
 2. training times: RAE's Transport.sample with time_dist_shift s, uniform and logit-normal(0, 1): its shifted
    times against ours (shared.generative.flow.rae_shift) applied to the same base draws (in SiT time, 1 - t).
    And the distributions: quantiles of 200k of our FlowObjective.draw_time draws against 200k of RAE's.
-3. sampling grids: RAE's ode (euler, num_steps 50) and sde (num_steps 50, last step 0.04) time grids against
-   ours with the same shift: the SDE grid is our make_process('sde', 50); RAE's ODE grid stops at t = 0.001
-   before the shift (its check_interval's t1 = 1 - 1/1000), which is our flow_grid(49, end=0.999).
+3. sampling grids: RAE's ode (euler, num_steps 50) time grid against ours with the same shift: RAE's ODE grid
+   stops at t = 0.001 before the shift (its check_interval's t1 = 1 - 1/1000), which is our
+   flow_grid(49, end=0.999); our euler sampler itself walks to t = 0 (both ends printed). RAE's sde grid
+   (num_steps 50, last step 0.04) shifts SiT's points, so with s = 6.93 its Euler-Maruyama steps stop at
+   t = 0.224 before the 0.04 Mean step; ours (make_process('sde', 50)) shifts the grid within [0, 0.96] so the
+   Mean step ends at the data: the gap and both last points are printed, not expected to be 0.
 4. a full Euler trajectory: RAE's ode solver on its model against our euler_sample on ours (flow convention
    'repa': RAE's time, 1 = noise, and its velocity noise - data) over that grid, same starting noise.
 """
@@ -48,6 +51,7 @@ def parse_args(argv=None):
     p.add_argument("--shift", type=float, default=(768 * 16 * 16 / 4096) ** 0.5,
                    help="time distribution shift (RAE asserts >= 1; default RAE's sqrt(768*16*16 / 4096) = 6.93)")
     p.add_argument("--seed", type=int, default=0, help="seed of weights, data and noise")
+    p.add_argument("--float64", action="store_true", help="also compare both models in float64 (rounding vs maths)")
     return p.parse_args(argv)
 
 
@@ -96,11 +100,11 @@ def build_pair(ddt, args):
     return theirs, ours
 
 
-def check_forward(theirs, ours, args) -> tuple[float, float]:
+def check_forward(theirs, ours, args, dtype=torch.float32) -> tuple[float, float]:
     """(max |ours - RAE|, that over the RAE output's largest magnitude) for one batch."""
     g = torch.Generator().manual_seed(args.seed + 1)
-    x = torch.randn(args.batch, args.in_channels, args.input_size, args.input_size, generator=g)
-    t, y = torch.rand(args.batch, generator=g), torch.arange(args.batch) % 10
+    x = torch.randn(args.batch, args.in_channels, args.input_size, args.input_size, generator=g).to(dtype)
+    t, y = torch.rand(args.batch, generator=g).to(dtype), torch.arange(args.batch) % 10
     with torch.no_grad():
         a, b = theirs(x, t, y), ours(x, t, y)
     return float((a - b).abs().max()), float((a - b).abs().max() / a.abs().max())
@@ -146,7 +150,8 @@ def check_grids(integrators, shift) -> dict:
     ours_ode = 1 - flow_grid(49, 1 / shift, end=1 - 1 / 1000)
     full = 1 - objective.process("euler", 49, {"time_shift": 1.0}).times  # what `sample` walks: to t = 0
     return {"ode": float((ours_ode - ode.t.double()).abs().max()), "sde": float((ours_sde - sde.t.double()).abs().max()),
-            "ode_end_rae": float(ode.t[-1]), "ode_end_ours": abs(float(full[-1]))}
+            "ode_end_rae": float(ode.t[-1]), "ode_end_ours": abs(float(full[-1])), "sde_end_rae": float(sde.t[-1]),
+            "sde_end_ours": float(ours_sde[-1])}
 
 
 def check_trajectory(integrators, theirs, ours, shift, args) -> float:
@@ -173,13 +178,17 @@ def main(argv=None):
     abs_gap, rel_gap = check_forward(theirs, ours, args)
     print(f"forward {args.model} ({args.in_channels}x{args.input_size}x{args.input_size}, strict load): max |ours - "
           f"RAE| {abs_gap:.2e} ({rel_gap:.2e} of the output's largest magnitude)")
+    if args.float64:  # both RMSNorms still normalise in float32, as RAE's and ours do in every dtype
+        abs64, rel64 = check_forward(theirs.double(), ours.double(), args, torch.float64)
+        print(f"forward in float64: max |ours - RAE| {abs64:.2e} ({rel64:.2e} of the output's largest magnitude)")
     for kind, (same, quant) in check_times(transport_mod, shift).items():
         print(f"training times {kind}, shift {shift:.4f}: same draws max gap {same:.2e}; 99 quantiles of 200k "
               f"independent draws max gap {quant:.2e}")
     grids = check_grids(integrators, shift)
-    print(f"sampling grids, shift {shift:.4f}: ode (50 points) max gap {grids['ode']:.2e}; sde (50 steps, last "
-          f"0.04) max gap {grids['sde']:.2e}; RAE's ode ends at t = {grids['ode_end_rae']:.5f}, our euler at "
-          f"t = {grids['ode_end_ours']:.5f}")
+    print(f"sampling grids, shift {shift:.4f}: ode (50 points) max gap {grids['ode']:.2e}; RAE's ode ends at t = "
+          f"{grids['ode_end_rae']:.5f}, our euler at t = {grids['ode_end_ours']:.5f}; sde (50 steps, last 0.04, not "
+          f"meant to match) max gap {grids['sde']:.2e}, last Euler-Maruyama point RAE t = {grids['sde_end_rae']:.4f}, "
+          f"ours t = {grids['sde_end_ours']:.4f}")
     print(f"euler trajectory over RAE's grid (49 steps): relative L2 gap {check_trajectory(integrators, theirs, ours, shift, args):.2e}")
 
 
