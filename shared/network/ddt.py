@@ -86,6 +86,7 @@ class DiTDH(DiT):
         self.num_heads, self.num_classes, self.null_label = num_heads, num_classes, num_classes
         self.depth, self.head_depth = depth, head_depth
         self.block_options = dict(norm=norm, mlp=mlp, rope=rope, qk_norm=qk_norm)
+        self.route = None  # token routing (DiT.set_routing) is refused for this model
         grid = input_size // patch_size
 
         self.s_embedder = PatchEmbed(input_size, patch_size, in_channels, hidden_size)  # the body's input
@@ -138,8 +139,10 @@ class DiTDH(DiT):
             return checkpoint(self.blocks[i], x, c, rope, use_reentrant=False)
         return self.blocks[i](x, c, rope)
 
-    def forward(self, x, t, y, force_drop_ids=None, return_hidden_at=None):
+    def forward(self, x, t, y, force_drop_ids=None, return_hidden_at=None, route_keep=None):
         """x (N, C, H, W), t (N,) in [0, 1], y (N,) -> (N, out_channels, H, W); return_hidden_at k <= depth as DiT's."""
+        if self.route is not None and route_keep is not None:  # train/config.py refuses it first, in flag words
+            raise SettingError("token routing is not implemented for the DiT^DH head model; drop {route ratio}.")
         self._check_input(x)
         t_emb = self.t_embedder(t)  # (N, D)
         c = F.silu(t_emb + self.y_embedder(y, self.training, force_drop_ids))  # (N, D)
