@@ -23,7 +23,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from shared.generative.objectives import DDPMObjective
 from shared.runtime.errors import UserError
 from shared.network.models import ModelConfig, check_preset
 from shared.runtime.precision import autocast_dtype
@@ -229,11 +228,10 @@ class Residency:
     resident: int
 
 
-def measure_forward(model, batch: int, precision: str, objective=None) -> Residency:
+def measure_forward(model, batch: int, precision: str, objective) -> Residency:
     """Run the trainer's forward + loss at `batch` under `precision` and count what it leaves resident."""
-    objective = objective or DDPMObjective()
     device = next(model.parameters()).device
-    micro = synthetic_batch(model, batch, class_dropout_prob=0.1, objective=objective)
+    micro = synthetic_batch(model, batch, 0.1, objective)
     params = _param_keys(model)
     ledger, casts = SavedTensorLedger(params), CastCacheCounter(params)
     model.train()
@@ -293,10 +291,10 @@ class ActivationProfile:
         return max(self.resident.at(n), self.saved.at(n) + self.recompute.at(n))
 
 
-def measure_profile(model, every: int, precision: str, block_fit: LinearBytes) -> ActivationProfile:
-    """Measure one checkpointing choice at batch 1 and 2 and fit the batch dependence."""
+def measure_profile(model, every: int, precision: str, block_fit: LinearBytes, objective) -> ActivationProfile:
+    """Measure one checkpointing choice at batch 1 and 2 (the objective's forward and loss); fit the batch dependence."""
     model.set_grad_checkpointing(every)
-    one, two = measure_forward(model, 1, precision), measure_forward(model, 2, precision)
+    one, two = measure_forward(model, 1, precision, objective), measure_forward(model, 2, precision, objective)
     recompute = block_fit if every else LinearBytes(0, 0)
     return ActivationProfile(every, LinearBytes.fit(one.saved, two.saved),
                              LinearBytes.fit(one.resident, two.resident), recompute, one.cast_cache)

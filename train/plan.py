@@ -17,6 +17,7 @@ from shared.runtime.cli import HelpFormatter, add_flags
 from shared.runtime.errors import UserError, cli_errors
 from shared.runtime.precision import PRECISION_CHOICES, canonical_precision
 from train.config import TrainConfig, add_block_flags, block_from_args
+from shared.generative.objectives import objective_of
 from train.data import synthetic_batch
 from train.memory import (ActivationProfile, build_model, count_parameters, measure_block_fit, measure_profile,
                           model_config)
@@ -115,7 +116,7 @@ def measure_profiles(config, precision: str, choices, device) -> tuple[list, int
     bar.update()
     profiles = []
     for every in choices:
-        profiles.append(measure_profile(model, every, precision, block_fit))
+        profiles.append(measure_profile(model, every, precision, block_fit, objective_of(config)))
         bar.update()
     bar.close()
     return profiles, n_params, n_trainable
@@ -214,7 +215,8 @@ def verify(config, args, row: PlanRow) -> int:
     """Peak allocated bytes of the trainer's own step (train/step.py) on CUDA at the planned micro-batch."""
     cfg = verify_config(args, row)
     learner = make_learner(cfg, config, device=torch.device("cuda"))
-    batches = [synthetic_batch(config, row.micro, cfg.class_dropout_prob, seed=i) for i in range(cfg.grad_accum_steps)]
+    batches = [synthetic_batch(config, row.micro, cfg.class_dropout_prob, learner.objective, seed=i)
+               for i in range(cfg.grad_accum_steps)]
     train_step(learner, batches)  # allocates the optimizer state
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
