@@ -16,7 +16,7 @@ from shared.runtime.precision import PRECISIONS
 # ---- code of the user's: objectives registered outside the package (train, sample, evaluate run) ----------
 PLUGIN = Flag("import MODULE first (a dotted module path, e.g. myproject.objectives), so the objectives it registers "
               "with shared.generative.objectives.register_objective can be trained and sampled; repeatable "
-              "(docs/objectives.md). A model trained with one records the module and asks for it", None,
+              "(docs/objectives.md). A model trained with one records the module and asks for it (default: none)", None,
               action="append", metavar="MODULE")
 
 
