@@ -16,7 +16,9 @@ JSON line, and appends that line to SAMPLES.eval.jsonl beside the samples.
                                                     images npz or folder)
   python -m evaluate SAMPLES.npz --features digits  the digits yardstick (reference: the real digits)
   python -m evaluate run RUN --num-samples N [...]  every EMA export of a training run -> RUN/eval.jsonl and
-                                                    RUN/eval.png (python -m evaluate run -h)"""
+                                                    RUN/eval.png (python -m evaluate run -h)
+  python -m evaluate reference IMAGES --image-size S --out REF.npz
+                                                    real images centre-cropped to S (as extract) into a --ref"""
 EPILOG = """Several processes: `accelerate launch -m evaluate ...` splits the images over processes.
 Inception weights: pytorch-fid's pt_inception-2015-12-05-6726825d.pth, from --inception-weights or the torch hub
 checkpoints folder (downloaded there on first use where the network allows)."""
@@ -36,6 +38,10 @@ def main(argv=None) -> None:
         from evaluate.curve import main_run
 
         return main_run(argv[1:])
+    if argv[:1] == ["reference"]:
+        from evaluate.reference import main_reference
+
+        return main_reference(argv[1:])
     with cli_errors(PROG, FLAGS):
         evaluate_samples(from_args(EvalOptions, eval_parser().parse_args(argv)))
 

@@ -20,6 +20,7 @@ from evaluate.evaluation import (FEATURES, INCEPTION_WEIGHTS, IS_SPLIT, REF, Eva
                                  evaluate_samples, process_info)
 from evaluate.features import check_image_size
 from evaluate.metrics import check_split_size
+from evaluate.stats import check_reference, open_reference
 from shared.runtime import rundir
 from shared.runtime.cli import HelpFormatter, add_flags, from_args, option
 from shared.runtime.errors import UserError, cli_errors
@@ -110,6 +111,9 @@ def check_run(o: RunEvalOptions) -> list[Path]:
     size = export_image_size(exports[-1])
     if size is not None:
         check_image_size(o.features, (size, size))  # e.g. digits features on a 256x256 run: before any sampling
+    reference = open_reference(o.ref, o.features)  # a missing or mixed-size reference: before any sampling
+    if size is not None:
+        check_reference(reference, o.features, (size, size))
     return exports
 
 

@@ -126,20 +126,46 @@ class FolderImages:
         return pixels
 
 
-def open_folder_images(path) -> FolderImages:
-    """The images under a folder, sorted by relative path; UserError if it holds none."""
-    from PIL import Image
+def image_files(folder: Path) -> list[Path]:
+    """Every image file below folder, sorted by relative path, hidden entries left out (extract's rule)."""
+    from shared.datasets.imagefiles import is_hidden, is_image_file
 
-    from shared.datasets.imagefiles import IMAGE_EXTENSIONS, is_hidden, is_image_file  # the rule extract scans with
+    return sorted(p for p in folder.rglob("*") if is_image_file(p.name) and p.is_file()
+                  and not any(is_hidden(part) for part in p.relative_to(folder).parts))
+
+
+def open_folder_images(path) -> FolderImages:
+    """The images under a folder, sorted by relative path; UserError if it holds none or several sizes."""
+    from shared.datasets.imagefiles import IMAGE_EXTENSIONS
 
     path = Path(path)
-    files = sorted(p for p in path.rglob("*") if is_image_file(p.name) and p.is_file()
-                   and not any(is_hidden(part) for part in p.relative_to(path).parts))
+    files = image_files(path)
     if not files:
         raise UserError(f"{path} holds no images ({' '.join(IMAGE_EXTENSIONS)}); pass an image folder or an npz.")
-    with Image.open(files[0]) as first:
-        size = (first.height, first.width)
-    return FolderImages(path, files, size)
+    return FolderImages(path, files, folder_size(path, files))
+
+
+def folder_size(path: Path, files: list) -> tuple[int, int]:
+    """(H, W) shared by every image of a folder, from the headers; UserError naming the sizes when they differ."""
+    from collections import Counter
+
+    from PIL import Image
+
+    sizes = Counter()
+    for file in files:
+        try:
+            with Image.open(file) as image:
+                sizes[(image.height, image.width)] += 1
+        except (OSError, Image.DecompressionBombError) as err:
+            raise UserError(f"{file} is not a readable image ({err}); remove it from {path}.") from err
+    if len(sizes) == 1:
+        return next(iter(sizes))
+    common = ", ".join(f"{w}x{h}: {n}" for (h, w), n in sizes.most_common(3))
+    raise UserError(f"{path} holds {len(files)} images of {len(sizes)} different sizes ({common}"
+                    f"{', ...' if len(sizes) > 3 else ''}); the evaluator compares images of one size. Write a "
+                    f"reference at the samples' size from it: `python -m evaluate reference {path} --image-size S "
+                    f"--out {path.resolve().parent / 'reference.npz'}` (ADM's centre crop, as extract), and pass that "
+                    f"npz as --ref.")
 
 
 def open_images(path):

@@ -11,7 +11,8 @@ from shared.datasets.shards import FOLDER_KIND
 PROG = "python -m extract"
 # The flag that sets each setting shared/ and extract name in their errors (ChoiceError / SettingError kinds).
 FLAGS = {"flip mode": "--flip", "storage dtype": "--dtype", "vae": "--vae", "vae config": "--vae-config",
-         FOLDER_KIND: "--out", "feature storage dtype": "--repr-dtype"}
+         FOLDER_KIND: "--out", "feature storage dtype": "--repr-dtype",
+         "duplicate policy": "--duplicates"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,7 +55,8 @@ def main(argv=None) -> int:
         if args.check:
             from extract.check import run_check
 
-            num_bad = run_check(args.data_path, args.image_size, args.num_workers, args.limit)
+            num_bad = run_check(args.data_path, args.image_size, args.num_workers, args.limit,
+                                args.max_image_pixels, args.duplicates)
             return 1 if num_bad else 0
         from extract.run import describe_plan, format_summary, run_extract
 

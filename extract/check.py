@@ -5,15 +5,18 @@ import os
 
 from tqdm import tqdm
 
+from extract.duplicates import apply_duplicates
 from extract.folder import ImageFolderScan, scan_image_folder
+from shared.datasets.images import MAX_IMAGE_PIXELS, describe_limit
 from extract.loader import ImageInfoDataset, make_loader
 
 
-def inspect_all(scan: ImageFolderScan, num_workers: int, batch_size: int = 64) -> list[dict]:
-    """Open and fully decode every image (in workers); one record per file in sorted order."""
+def inspect_all(scan: ImageFolderScan, num_workers: int, batch_size: int = 64, image_size: int | None = None,
+                max_pixels: int | None = MAX_IMAGE_PIXELS) -> list[dict]:
+    """Open and decode every image as extraction would (in workers); one record per file in sorted order."""
     positions = list(range(len(scan)))
     batches = [positions[i : i + batch_size] for i in range(0, len(positions), batch_size)]
-    loader = make_loader(ImageInfoDataset(scan), batches, num_workers)
+    loader = make_loader(ImageInfoDataset(scan, image_size, max_pixels), batches, num_workers)
     records = []
     with tqdm(total=len(scan), unit="img", desc="check", dynamic_ncols=True) as bar:
         for batch in loader:
@@ -24,9 +27,19 @@ def inspect_all(scan: ImageFolderScan, num_workers: int, batch_size: int = 64) -
     return records
 
 
-def check_report(scan: ImageFolderScan, records: list[dict], image_size: int) -> tuple[str, int]:
+def too_large_advice(count: int, largest: int, max_pixels: int | None) -> str:
+    """The line naming --max-image-pixels when images were refused for their size."""
+    return (f"{count} image(s) have more pixels than --max-image-pixels allows ({describe_limit(max_pixels)}; the "
+            f"largest has {largest:,}) and are skipped as possible decompression bombs. If you trust this folder, "
+            f"pass --max-image-pixels {largest} (or none) to admit them; they are decoded at reduced size where "
+            f"the format allows (JPEG), else whole and reduced at once.")
+
+
+def check_report(scan: ImageFolderScan, records: list[dict], image_size: int,
+                 max_pixels: int | None = MAX_IMAGE_PIXELS) -> tuple[str, int]:
     """The text printed by --check and the number of bad files."""
-    lines = [f"{scan.root}: {len(scan.classes)} classes, {len(scan)} images; {scan.skipped.describe()}"]
+    lines = [f"{scan.root}: {len(scan.classes)} classes, {len(scan)} images; {scan.skipped.describe()}",
+             *scan.notes]
     width = max(len(name) for name in scan.classes)
     lines += [f"  {index:>5}  {name:<{width}}  {count} images"
               for index, (name, count) in enumerate(zip(scan.classes, scan.counts()))]
@@ -40,14 +53,19 @@ def check_report(scan: ImageFolderScan, records: list[dict], image_size: int) ->
     bad = [r for r in records if r["error"]]
     lines.append(f"bad files: {len(bad)}")
     lines += [f"  {scan.files[r['pos']]}: {r['error']}" for r in bad]
+    large = [r["width"] * r["height"] for r in bad if r.get("too_large")]
+    if large:
+        lines.append(too_large_advice(len(large), max(large), max_pixels))
     return "\n".join(lines), len(bad)
 
 
-def run_check(data_path, image_size: int, num_workers: int | None, limit: int | None = None) -> int:
+def run_check(data_path, image_size: int, num_workers: int | None, limit: int | None, max_pixels: int | None,
+              duplicates: str) -> int:
     """Print the dataset report; returns the number of bad files."""
     if num_workers is None:
         num_workers = max(0, min(8, (os.cpu_count() or 1) - 1))
-    scan = scan_image_folder(data_path).limited(limit)
-    text, num_bad = check_report(scan, inspect_all(scan, num_workers), image_size)
+    scan = apply_duplicates(scan_image_folder(data_path).limited(limit), duplicates)
+    records = inspect_all(scan, num_workers, image_size=image_size, max_pixels=max_pixels)
+    text, num_bad = check_report(scan, records, image_size, max_pixels)
     print(text)
     return num_bad

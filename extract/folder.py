@@ -23,6 +23,7 @@ SKIP_REASONS = {
     "non-image": ("non-image file", "non-image files"),
     "outside classes": ("file beside the class folders", "files beside the class folders"),
     "loop": ("folder loop or duplicate via a symlink", "folder loops or duplicates via symlinks"),
+    "duplicate": ("copy of a picture found under another path", "copies of pictures found under other paths"),
 }
 
 
@@ -54,6 +55,7 @@ class ImageFolderScan:
     files: list[str]    # paths relative to root, POSIX separators, in sample order
     labels: list[int]   # class index of each file
     skipped: Skipped = field(default_factory=Skipped, compare=False)
+    notes: tuple = field(default=(), compare=False)  # lines the reports print (e.g. extract/duplicates.py's)
 
     def __len__(self) -> int:
         return len(self.files)
@@ -77,7 +79,7 @@ class ImageFolderScan:
             return self
         keep = np.unique(np.linspace(0, len(self.files) - 1, num=limit).round().astype(np.int64))
         return ImageFolderScan(self.root, self.classes, [self.files[i] for i in keep],
-                               [self.labels[i] for i in keep], self.skipped)
+                               [self.labels[i] for i in keep], self.skipped, self.notes)
 
 
 def _entries(folder: Path) -> list[os.DirEntry]:

@@ -8,22 +8,22 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from extract.folder import ImageFolderScan
-from extract.images import BadImage, load_image, open_image
+from shared.datasets.images import MAX_IMAGE_PIXELS, BadImage, TooLarge, image_header_size, load_image, open_image
 
 
 class ImageFileDataset(Dataset):
     """Item i = the preprocessed image at sorted position i, or a zero image plus the reason it is bad."""
 
-    def __init__(self, scan: ImageFolderScan, image_size: int):
+    def __init__(self, scan: ImageFolderScan, image_size: int, max_pixels: int | None = MAX_IMAGE_PIXELS):
         self.root, self.files, self.labels = Path(scan.root), scan.files, scan.labels
-        self.image_size = image_size
+        self.image_size, self.max_pixels = image_size, max_pixels
 
     def __len__(self) -> int:
         return len(self.files)
 
     def __getitem__(self, pos: int) -> dict:
         try:
-            pixels, error = load_image(self.root / self.files[pos], self.image_size), ""
+            pixels, error = load_image(self.root / self.files[pos], self.image_size, self.max_pixels), ""
         except BadImage as err:
             pixels, error = np.zeros((3, self.image_size, self.image_size), np.uint8), str(err)
         # uint8 crosses the worker pipe (4x less than float32); scaling to [-1, 1] happens on the device.
@@ -31,21 +31,26 @@ class ImageFileDataset(Dataset):
 
 
 class ImageInfoDataset(Dataset):
-    """Item i = size and mode of the image at position i after a full decode (for --check)."""
+    """Item i = size and mode of the image at position i after a decode as extraction does it (for --check)."""
 
-    def __init__(self, scan: ImageFolderScan):
+    def __init__(self, scan: ImageFolderScan, image_size: int | None = None, max_pixels: int | None = MAX_IMAGE_PIXELS):
         self.root, self.files = Path(scan.root), scan.files
+        self.image_size, self.max_pixels = image_size, max_pixels
 
     def __len__(self) -> int:
         return len(self.files)
 
     def __getitem__(self, pos: int) -> dict:
+        path, too_large = self.root / self.files[pos], False
         try:
-            _, mode, size = open_image(self.root / self.files[pos])
+            _, mode, size = open_image(path, self.max_pixels, self.image_size)
             error = ""
+        except TooLarge as err:  # the size is known from the header: reported, so the user can pick a limit
+            mode, size, error, too_large = "", image_header_size(path), str(err), True
         except BadImage as err:
             mode, size, error = "", (0, 0), str(err)
-        return {"pos": pos, "width": size[0], "height": size[1], "mode": mode, "error": error}
+        return {"pos": pos, "width": size[0], "height": size[1], "mode": mode, "error": error,
+                "too_large": too_large}
 
 
 class ShardBatches(Sampler):

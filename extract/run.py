@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -21,16 +20,17 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from extract.duplicates import DUPLICATE_POLICIES, apply_duplicates
 from extract.folder import ImageFolderScan, scan_image_folder
-from extract.images import to_model_input
+from shared.datasets.images import BOMB_REASON, MAX_IMAGE_PIXELS, pixel_limit, to_model_input
 from extract.loader import ImageFileDataset, ShardBatches, make_loader
 from shared.runtime.cli import option
-from shared.runtime.distributed import process_state
+from shared.runtime.distributed import default_workers as shared_default_workers, process_state
 from extract.sizes import check_image_size
 from shared.runtime.errors import ChoiceError, UserError
 from shared.runtime.fsio import atomic_write_text, stale_tmps
 from shared.runtime.lock import hold_lock
-from shared.datasets.shard_schema import EXTRA_STORAGE_DTYPES
+from shared.datasets.shard_schema import FLAG_DTYPES
 from shared.network.repa import REPR_TENSOR
 from shared.datasets.shards import (FLIP_MODES, FOLDER_KIND, INDEX_NAME, STORAGE_DTYPES, ShardInfo, ShardWriter,
                            damaged_error, damaged_files, shard_name, write_index)
@@ -69,7 +69,17 @@ class ExtractConfig:
         None, "Pixels per side the encoder sees, a multiple of its patch size (default: REPA's, image-size / 16 "
               "patches: 224 for DINOv2/14 at 256 px).")
     repr_dtype: str = option("fp16", "Storage dtype of the encoder tokens (DINOv2-B at 256 px: ~384 KiB per image and "
-                                     "flip in fp16)", choices=tuple(EXTRA_STORAGE_DTYPES))
+                                     "flip in fp16)", choices=tuple(FLAG_DTYPES))
+    max_image_pixels: int | None = option(
+        MAX_IMAGE_PIXELS, "Images with more pixels are skipped as possible decompression bombs (listed as bad "
+                          "files); 'none' admits any size. Images above the default are decoded at reduced size "
+                          "where the format allows (JPEG), else whole and reduced at once (memory: ~3-4 bytes per "
+                          "pixel per worker)", type=pixel_limit, metavar="N|none")
+    duplicates: str = option(
+        "first", "Files that are one picture (symlinks or hard links to one file, identical bytes): first keeps "
+                 "each picture once, under its first path's label in sorted order; all keeps every copy under its "
+                 "own label (one picture in two classes); none drops pictures whose copies disagree on the label. "
+                 "--check and the summary list them", choices=tuple(DUPLICATE_POLICIES))
     strict: bool = option(False, "Stop at the first bad image instead of skipping and recording it.")
 
 
@@ -126,10 +136,12 @@ def check_numbers(cfg: ExtractConfig) -> None:
         raise UserError(f"--num-workers must be 0 (decode in the main process) or more, got {cfg.num_workers}.")
     if cfg.flip not in FLIP_MODES:
         raise ChoiceError("flip mode", cfg.flip, FLIP_MODES)
+    if cfg.duplicates not in DUPLICATE_POLICIES:
+        raise ChoiceError("duplicate policy", cfg.duplicates, DUPLICATE_POLICIES)
     if cfg.dtype not in STORAGE_DTYPES:
         raise ChoiceError("storage dtype", cfg.dtype, STORAGE_DTYPES)
-    if cfg.repr_dtype not in EXTRA_STORAGE_DTYPES:
-        raise ChoiceError("feature storage dtype", cfg.repr_dtype, EXTRA_STORAGE_DTYPES)
+    if cfg.repr_dtype not in FLAG_DTYPES:
+        raise ChoiceError("feature storage dtype", cfg.repr_dtype, FLAG_DTYPES)
     if cfg.repr_encoder is None and cfg.repr_image_size is not None:
         raise UserError("--repr-image-size applies to the representation encoder; pass --repr-encoder too, or "
                         "drop --repr-image-size.")
@@ -150,6 +162,8 @@ def run_settings(cfg: ExtractConfig, scan: ImageFolderScan, vae_name: str, vae_c
     from shared.tokenizers.vae import config_sha256
 
     extra = {"repr_encoder": {**encoder, "dtype": cfg.repr_dtype}} if encoder else {}  # absent: the old settings
+    if cfg.max_image_pixels != MAX_IMAGE_PIXELS:  # decides which files are skipped; absent at the default
+        extra["max_image_pixels"] = "none" if cfg.max_image_pixels is None else cfg.max_image_pixels
     return {**extra,
         "version": SETTINGS_VERSION,
         "dataset": {"num_files": len(scan), "num_classes": len(scan.classes), "files_sha256": scan.fingerprint()},
@@ -210,10 +224,24 @@ def check_out_folder(out: Path, settings: dict) -> list[str]:
     return []
 
 
+def check_separate_folders(data_path: Path, out: Path) -> None:
+    """Refuse an --out equal to, inside, or holding --data-path: shards written among the images become data."""
+    images, latents = Path(data_path).expanduser().resolve(), Path(out).expanduser().resolve()
+    if latents == images or images in latents.parents or latents in images.parents:
+        where = ("is" if latents == images else "is inside" if images in latents.parents else "holds")
+        raise UserError(
+            f"--out {out} {where} --data-path {data_path}: the shards, index and lock would be written among the "
+            f"images (and a later scan would take them for a class folder), or the images among the shards. Pass "
+            f"a separate output folder beside the images, e.g. --out {images.parent / (images.name + '-latents')}."
+        )
+
+
 def plan(cfg: ExtractConfig, check_out: bool = True) -> Plan:
     """Every check that needs no weights: flags, dataset, VAE config, image size (and the out folder)."""
     check_numbers(cfg)
-    scan = scan_image_folder(cfg.data_path).limited(cfg.limit)
+    if cfg.out is not None:
+        check_separate_folders(cfg.data_path, cfg.out)
+    scan = apply_duplicates(scan_image_folder(cfg.data_path).limited(cfg.limit), cfg.duplicates)
     vae_name, vae_config, warnings = check_encoder_vae(cfg)
     encoder = None
     if cfg.repr_encoder is not None:
@@ -312,6 +340,12 @@ def _bad_file(scan: ImageFolderScan, pos: int, reason: str, strict: bool) -> dic
     return {"path": path, "reason": reason}
 
 
+def shard_columns(cfg: ExtractConfig, encoder: dict | None) -> dict:
+    """The shards' columns {name: torch dtype}: the posterior moments, and the encoder tokens when REPA's are stored."""
+    moments = STORAGE_DTYPES[cfg.dtype]
+    return {"mean": moments, "std": moments, **({REPR_TENSOR: FLAG_DTYPES[cfg.repr_dtype]} if encoder else {})}
+
+
 class ShardSink:
     """Receives encoded batches in shard order and turns each finished shard into tar + sidecar."""
 
@@ -321,17 +355,16 @@ class ShardSink:
         self.process = process  # {"rank", "world_size"}: which process wrote a shard (for debugging)
         self.shard, self.writer, self.bad, self.seen = None, None, [], 0
 
-    def add(self, positions: list[int], mean, std, bad: list[dict], extra: dict | None = None) -> None:
+    def add(self, positions: list[int], columns: dict, bad: list[dict]) -> None:
         """Write one batch (all positions in one shard, sorted); finish the shard after its last file.
 
-        extra: named per-sample tensors (B, ...) stored beside the moments (e.g. "repr" (B, F, T, D)).
+        columns: the shard's named tensors (B, F, ...) of the good images, e.g. "mean", "std" and "repr".
         """
         shard = (positions[0] if positions else bad[0]["pos"]) // self.cfg.shard_size
         if shard != self.shard:
             self._open(shard)
         for k, pos in enumerate(positions):
-            self.writer.add(f"{pos:09d}", mean[k], std[k], self.plan.scan.labels[pos],
-                            extra={name: t[k] for name, t in (extra or {}).items()} or None)
+            self.writer.add(f"{pos:09d}", {name: t[k] for name, t in columns.items()}, self.plan.scan.labels[pos])
         self.bad += [{"path": b["path"], "reason": b["reason"]} for b in bad]
         self.seen += len(positions) + len(bad)
         if self.seen == len(self.batches.shard_positions(shard)):
@@ -342,7 +375,8 @@ class ShardSink:
         if self.writer is not None:
             raise RuntimeError(f"shard {self.shard} was left unfinished")
         self.shard, self.bad, self.seen = shard, [], 0
-        self.writer = ShardWriter(self.out / shard_name(shard), dtype=STORAGE_DTYPES[self.cfg.dtype]).__enter__()
+        self.writer = ShardWriter(self.out / shard_name(shard), columns=shard_columns(self.cfg, self.plan.encoder)
+                                  ).__enter__()
 
     def _finish(self) -> None:
         """Close the tar (atomic rename), then write the sidecar that marks the shard finished."""
@@ -376,7 +410,7 @@ def encode_shards(cfg: ExtractConfig, plan_: Plan, shards: list[int], vae, state
     """Decode (workers) -> encode (device) -> write, for the given shards; returns this process's counts."""
     device, show = state.device, state.is_local_main_process
     batches = ShardBatches(shards, cfg.shard_size, len(plan_.scan), cfg.batch_size)
-    dataset = ImageFileDataset(plan_.scan, cfg.image_size)
+    dataset = ImageFileDataset(plan_.scan, cfg.image_size, cfg.max_image_pixels)
     loader = make_loader(dataset, batches, default_workers(cfg, state.num_processes),
                          pin_memory=torch.device(device).type == "cuda")
     process = {"rank": state.process_index, "world_size": state.num_processes}
@@ -386,18 +420,18 @@ def encode_shards(cfg: ExtractConfig, plan_: Plan, shards: list[int], vae, state
     try:
         for batch in loader:
             positions, pixels, bad = _split_batch(batch, plan_.scan, cfg.strict)
-            mean = std = None
-            extra = {}
+            columns = {}
             if positions:
-                mean, std = encode_pixels(vae, pixels, cfg.flip == "both", progress)
-                # one device->host copy per batch, already in the storage dtype (not one per sample)
-                mean, std = (t.to("cpu", STORAGE_DTYPES[cfg.dtype]) for t in (mean, std))
+                dtypes = shard_columns(cfg, plan_.encoder)
+                mean, std = encode_pixels(vae, pixels, cfg.flip == "both", progress)  # (B, F, C, h, w) each
                 if encoder is not None:
                     tokens = encode_repr(encoder, pixels, cfg.flip == "both", progress.chunk)  # (B, F, T, D)
-                    extra[REPR_TENSOR] = tokens.to("cpu", EXTRA_STORAGE_DTYPES[cfg.repr_dtype])
+                    columns[REPR_TENSOR] = tokens
+                # one device->host copy per batch, already in the storage dtype (not one per sample)
+                columns = {name: t.to("cpu", dtypes[name]) for name, t in {"mean": mean, "std": std, **columns}.items()}
             for b in bad:
                 tqdm.write(f"extract: skipped bad image {b['path']}: {b['reason']}")
-            sink.add(positions, mean, std, bad, extra)
+            sink.add(positions, columns, bad)
             progress.encoded += len(positions)
             progress.bad += bad
             bar.update(len(positions) + len(bad))
@@ -415,8 +449,7 @@ def default_workers(cfg: ExtractConfig, num_processes: int) -> int:
     """--num-workers, or up to 8 decoding processes per extract process, leaving one core for the main loop."""
     if cfg.num_workers is not None:
         return cfg.num_workers
-    cores = (os.cpu_count() or 1) // max(1, num_processes)
-    return max(0, min(8, cores - 1))
+    return shared_default_workers(8, num_processes)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -434,13 +467,15 @@ def write_outputs(cfg: ExtractConfig, plan_: Plan) -> dict:
     if damaged:
         raise damaged_error(out, damaged)
     bad = [b for s in sidecars for b in s["bad_files"]]
+    too_large = sum(b["reason"].startswith(BOMB_REASON) for b in bad)
     infos = [ShardInfo.from_dict(s["shard"]) for s in sidecars]
     if not any(i.num_samples for i in infos):
         raise UserError(f"none of the {len(plan_.scan)} images in {plan_.scan.root} could be read; see "
                         f"{out / BAD_FILES_NAME} for the reasons.")
     atomic_write_text(out / BAD_FILES_NAME, "".join(json.dumps(b) + "\n" for b in bad))
     write_index(out, infos, index_meta(cfg, plan_, sidecars[0]["vae"], len(bad)))
-    return {"num_samples": sum(i.num_samples for i in infos), "num_bad": len(bad), "num_shards": len(infos)}
+    return {"num_samples": sum(i.num_samples for i in infos), "num_bad": len(bad), "num_shards": len(infos),
+            "too_large": too_large}
 
 
 def index_meta(cfg: ExtractConfig, plan_: Plan, vae_identity: dict, num_bad: int) -> dict:
@@ -529,6 +564,7 @@ def _extract(cfg: ExtractConfig, plan_: Plan, out: Path, state) -> dict:
         summary = write_outputs(cfg, plan_)
         summary.update(encoded_here=progress.encoded, seconds=elapsed, shards_here=len(pending),
                        damaged_here=progress.damaged, skipped=plan_.scan.skipped.describe(), out=str(out),
+                       notes=list(plan_.scan.notes),
                        processes=state.num_processes)
     state.wait_for_everyone()
     return summary
@@ -541,7 +577,11 @@ def format_summary(summary: dict) -> str:
     return "\n".join([
         f"extract: {summary['num_samples']} images in {summary['num_shards']} shards, "
         f"{summary['num_bad']} bad files skipped (listed in {BAD_FILES_NAME})",
+        *([f"extract: {summary['too_large']} of them have more pixels than --max-image-pixels allows; if you trust "
+           f"the folder, rerun with a larger --max-image-pixels (or none) into a new --out to include them"]
+          if summary.get("too_large") else []),
         f"extract: while scanning {summary['skipped']}",
+        *(f"extract: {note}" for note in summary.get("notes", ())),
         f"extract: this run encoded {summary['encoded_here']} images in {summary['seconds']:.1f}s "
         f"({rate:.1f} images/s on process 0 of {summary['processes']}; {summary['shards_here']} shards{damaged})",
         f"extract: every shard verified against its sha256; index written: {Path(summary['out']) / INDEX_NAME}",
@@ -557,6 +597,7 @@ def describe_plan(cfg: ExtractConfig) -> str:
     return "\n".join([
         f"data: {plan_.scan.root}: {len(plan_.scan)} images in {len(plan_.scan.classes)} classes",
         f"data: {plan_.scan.skipped.describe()}",
+        *(f"data: {note}" for note in plan_.scan.notes),
         f"vae: {plan_.vae_name} (encoder fp32); moments stored as {cfg.dtype}, {frames}",
         f"out: {out}: {plan_.num_shards} shards of {cfg.shard_size} images, {done} already finished "
         f"(their sha256 is checked when the run starts)",
@@ -593,7 +634,7 @@ def describe_storage(cfg: ExtractConfig, plan_: Plan) -> list[str]:
         from shared.tokenizers.repr_encoder import storage_bytes
 
         enc = plan_.encoder
-        tokens = storage_bytes(enc, frames, EXTRA_STORAGE_DTYPES[cfg.repr_dtype])
+        tokens = storage_bytes(enc, frames, FLAG_DTYPES[cfg.repr_dtype])
         per_image += tokens
         lines.append(f"storage: encoder tokens {_size(tokens)} per image ({frames} flip(s) x {enc['tokens']} tokens "
                      f"x {enc['dim']} {cfg.repr_dtype}; {enc['grid']}x{enc['grid']} patches of {enc['patch_size']} "

@@ -17,7 +17,7 @@ from shared.tokenizers.pixels import to_uint8
 from shared.runtime.rundir import SAMPLES, step_of
 from shared.tokenizers.vae_match import check_loaded_vae, check_vae_matches, choose_vae, load_vae
 
-from sample.outputs import GRID_NAME, check_out_path, image_name, save_png, write_grid
+from sample.outputs import GRID_NAME, captions_for, check_out_path, image_name, save_png, write_grid
 
 
 @dataclass
@@ -112,6 +112,6 @@ def decode_file(vae, name: str, how: str, data, path: Path, out: Path, o: Decode
                 y = int(labels[i])
                 save_png(out / image_name(i, y, names[y] if 0 <= y < len(names) else None), p)
                 images.append(p)
-    write_grid(out / GRID_NAME, lambda i: images[i], labels.tolist())
+    write_grid(out / GRID_NAME, lambda i: images[i], labels.tolist(), captions_for(labels.tolist(), names), path.name)
     print(f"wrote {len(latents)} images and {GRID_NAME} to {out}")
     return out

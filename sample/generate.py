@@ -26,7 +26,7 @@ from shared.runtime.rundir import CHECKPOINTS, EMA_FILE, EXPORTS, MODEL_FILE
 from shared.tokenizers.vae_match import check_loaded_vae, check_vae_matches, choose_vae, load_vae
 
 from sample.checkpoint import WEIGHTS, LoadedWeights, build_sampling_model, image_size_of, load_sampling_weights
-from sample.outputs import (GRID_NAME, NPZ_NAME, SETTINGS_NAME, check_out_dir, check_out_path, image_name,
+from sample.outputs import (GRID_NAME, captions_for, NPZ_NAME, SETTINGS_NAME, check_out_dir, check_out_path, image_name,
                             missing_indices, read_png, remove_stale_temps, save_png, write_grid, write_json, write_npz)
 from sample.image_draws import LabelPlan, batch_start, image_labels, make_label_plan
 
@@ -218,13 +218,15 @@ class Drawer:
     seed: int
     latent_shape: tuple
     device: torch.device
+    progress: bool = False  # a bar per batch over its sampling steps (a 250-step batch takes a while)
 
     @torch.inference_mode()
     def draw(self, indices) -> tuple[list[int], np.ndarray]:
         """(labels, uint8 (N,H,W,3)) for `indices`; row i depends only on (seed, i)."""
         noise, labels, generators = batch_start(self.plan, self.seed, indices, self.latent_shape)
         x = self.objective.sample(self.sampler, self.model_fn, noise.to(self.device), self.steps, self.options,
-                                  model_kwargs={"y": labels.to(self.device)}, generator=generators)  # (N, C, h, w)
+                                  model_kwargs={"y": labels.to(self.device)}, generator=generators,
+                                  progress=self.progress)  # (N, C, h, w)
         images = self.vae.decode(x * self.rescale)  # (N, 3, H, W) in [-1, 1]
         return labels.tolist(), to_uint8(images)  # (N, H, W, 3)
 
@@ -260,6 +262,7 @@ def file_names(job: Job, indices) -> list[str]:
 
 def draw_missing(job: Job, drawer: Drawer, rank: int, world: int, show: bool) -> int:
     """Draw and save this rank's images (i % world == rank) not yet on disk; returns how many were drawn."""
+    drawer.progress = show
     mine = list(range(rank, job.num_samples, world))
     todo = missing_indices(job.out, mine, file_names(job, mine))
     size = job.options.batch_size
@@ -273,6 +276,13 @@ def draw_missing(job: Job, drawer: Drawer, rank: int, world: int, show: bool) ->
     return len(todo)
 
 
+def grid_title(job: Job) -> str:
+    """The line above the grid: which weights, sampler, steps, guidance and seed drew it."""
+    o = job.options
+    label = job.loaded.label or ckpt_label(job.loaded.path)
+    return f"{label} · {job.sampler} {o.num_sampling_steps} steps · cfg {o.cfg_scale:g} · seed {o.seed}"
+
+
 def finish(job: Job) -> None:
     """Grid and (with --npz) samples.npz, rebuilt from the PNGs on disk."""
     indices = list(range(job.num_samples))
@@ -282,7 +292,8 @@ def finish(job: Job) -> None:
     if absent:
         raise UserError(f"{len(absent)} images are missing from {job.out} (e.g. {absent[0]}), probably because "
                         f"another process stopped early; rerun the same command to draw them.")
-    write_grid(job.out / GRID_NAME, lambda i: read_png(paths[i]), labels)
+    names = (job.loaded.latent_meta or {}).get("class_names")
+    write_grid(job.out / GRID_NAME, lambda i: read_png(paths[i]), labels, captions_for(labels, names), grid_title(job))
     if job.options.npz:
         write_npz(job.out / NPZ_NAME, paths, labels)
 

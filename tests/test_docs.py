@@ -1,5 +1,6 @@
-"""The docs describe the code as it is: every path, module, name, signature and file they mention exists, and the
-module lists (ARCHITECTURE's table of shared/, each stage package's docstring) name every module."""
+"""The docs describe the code as it is: every path, module, name, signature and file they mention exists, every
+link between them lands on a file and heading that exist, and the module lists (ARCHITECTURE's table of shared/,
+each stage package's docstring) name every module. "The docs" are README.md and every docs/*.md."""
 import ast
 import importlib
 import importlib.util
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ("README.md", "docs/ARCHITECTURE.md")
+DOCS = ("README.md", *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md")))
 STAGES = ("extract", "train", "sample", "evaluate", "data")
 REPO_PATH = re.compile(r"^(shared|train|sample|extract|evaluate|data|tests|docs|\.ci)/[\w./-]*$|^requirements[\w-]*\.txt$")
 DOTTED = re.compile(r"^(shared|train|sample|extract|evaluate|data)(\.\w+)+$")
@@ -78,6 +79,128 @@ def test_every_python_m_module_exists():
 @pytest.mark.parametrize("doc, name", mentions(FILE_NAME))
 def test_every_file_the_docs_describe_is_written_by_the_code(doc, name):
     assert f'"{name}"' in python_sources(), f"{doc} describes {name}, but no code names that file"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Links: README.md and docs/*.md form one set of pages; every relative link lands on a file and a heading
+# ---------------------------------------------------------------------------------------------------------
+
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def without_code_blocks(text: str) -> str:
+    """The text with ``` blocks removed (a shell comment inside one is no heading)."""
+    return re.sub(r"```.*?```", "", text, flags=re.S)
+
+
+def without_code(text: str) -> str:
+    """The text with ``` blocks and `code spans` removed (links inside code are not links)."""
+    return re.sub(r"`[^`\n]*`", "", without_code_blocks(text))
+
+
+def heading_anchors(doc: str) -> set[str]:
+    """The anchors GitHub makes for a page's headings: lower case, punctuation dropped, spaces to hyphens."""
+    anchors = set()
+    for title in re.findall(r"^#{1,6} (.+)$", without_code_blocks((ROOT / doc).read_text()), flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+        anchors.add(slug)
+    return anchors
+
+
+def relative_links() -> list[tuple[str, str]]:
+    """(doc, link) for every link of the docs that is not a URL."""
+    out = []
+    for doc in DOCS:
+        for link in LINK.findall(without_code((ROOT / doc).read_text())):
+            if not re.match(r"^[a-z]+:", link):
+                out.append((doc, link))
+    return sorted(set(out))
+
+
+def test_the_docs_have_links():
+    """The link check below sees the README's links to the topic files (so it cannot pass vacuously)."""
+    assert ("README.md", "docs/ARCHITECTURE.md") in relative_links()
+    assert len(relative_links()) >= 20
+
+
+@pytest.mark.parametrize("doc, link", relative_links())
+def test_every_link_lands(doc, link):
+    """The file exists (relative to the linking page) and so does the heading its #anchor names."""
+    path, _, anchor = link.partition("#")
+    target = (ROOT / doc).parent / path if path else ROOT / doc
+    assert target.exists(), f"{doc} links to {link}: no file {path}"
+    if anchor:
+        page = target.resolve().relative_to(ROOT).as_posix()
+        assert anchor in heading_anchors(page), f"{doc} links to {link}: {page} has no heading #{anchor}"
+
+
+def test_every_topic_file_is_linked_from_the_readme():
+    """A newcomer finds every docs/*.md from the README."""
+    linked = {link.partition("#")[0] for doc, link in relative_links() if doc == "README.md"}
+    for doc in DOCS[1:]:
+        assert doc in linked, f"README.md does not link to {doc}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The walk of one image (ARCHITECTURE): its steps name real files and functions, and its counts are its own
+# ---------------------------------------------------------------------------------------------------------
+
+def walk_steps() -> list[tuple[list[str], list[str]]]:
+    """(files, dotted names) named by each numbered step of ARCHITECTURE's walk of one image, in order."""
+    text = (ROOT / "docs/ARCHITECTURE.md").read_text()
+    section = re.search(r"^## The walk of one image\n(.*?)(?=^## )", text, flags=re.S | re.M).group(1)
+    steps = re.findall(r"^\d+\. (.*?)(?=^\d+\. |^\*\*|^The walk opens|\Z)", section, flags=re.S | re.M)
+    out = []
+    for step in steps:
+        words = re.findall(r"`([^`\n]+)`", step)
+        out.append(([w for w in words if REPO_PATH.match(w) and w.endswith(".py")],
+                    [w for w in words if DOTTED.match(w)]))
+    return out
+
+
+def module_file(name: str) -> str:
+    """The repository path of the file that defines what a dotted name names (not one that only imports it)."""
+    parts = name.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            spec = importlib.util.find_spec(".".join(parts[:cut]))
+        except ModuleNotFoundError:
+            spec = None
+        if spec is not None and spec.origin:
+            obj = importlib.import_module(".".join(parts[:cut]))
+            for attr in parts[cut:]:
+                obj = getattr(obj, attr)
+            defined_in = getattr(obj, "__module__", None) if cut < len(parts) else None
+            origin = importlib.util.find_spec(defined_in).origin if defined_in else spec.origin
+            return Path(origin).resolve().relative_to(ROOT).as_posix()
+    raise AssertionError(f"{name} is no module")
+
+
+def walk_counts() -> tuple[int, int]:
+    """(files the walk opens, files it comes back to after a step that does not name them)."""
+    seen, back, previous = set(), set(), set()
+    for files, _ in walk_steps():
+        back |= {f for f in files if f in seen and f not in previous}
+        seen |= set(files)
+        previous = set(files)
+    return len(seen), len(back)
+
+
+def test_walk_names_the_file_of_every_function():
+    """Each step names the file of every function it names, so the file count is the files a reader opens."""
+    steps = walk_steps()
+    assert len(steps) >= 20
+    for files, names in steps:
+        assert files and names
+        for name in names:
+            assert module_file(name) in files, f"the walk names {name} without its file {module_file(name)}"
+
+
+def test_walk_states_its_own_counts():
+    text = (ROOT / "docs/ARCHITECTURE.md").read_text()
+    stated = re.search(r"The walk opens \*\*(\d+) files\*\* and comes back to \*\*(\d+) of them\*\*", text)
+    assert stated, "docs/ARCHITECTURE.md states no file count for the walk of one image"
+    assert tuple(map(int, stated.groups())) == walk_counts()
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 
 from extract.folder import scan_image_folder
-from extract.images import MAX_IMAGE_PIXELS, center_crop_arr, load_image, open_rgb, preprocess
+from shared.datasets.images import MAX_IMAGE_PIXELS, center_crop_arr, load_image, open_rgb, preprocess
 from extract.run import BAD_FILES_NAME, SETTINGS_NAME, ExtractConfig, run_extract, sidecar_path
 from shared.runtime.errors import ChoiceError, UserError, advise
 from shared.runtime.fsio import stale_tmps, tmp_name

@@ -18,6 +18,7 @@ def _options_classes():
     from evaluate.curve import RunEvalOptions
     from evaluate.evaluation import EvalOptions
     from evaluate.floor import FloorOptions
+    from evaluate.reference import ReferenceOptions
     from extract.run import ExtractConfig, ExtractModes
     from sample.decode import DecodeOptions
     from sample.export import ExportOptions
@@ -26,7 +27,7 @@ def _options_classes():
     from train.config import TrainConfig
 
     return (TrainConfig, SampleOptions, DecodeOptions, WatchOptions, ExportOptions, EvalOptions, RunEvalOptions,
-            FloorOptions, ExtractConfig, ExtractModes)
+            FloorOptions, ReferenceOptions, ExtractConfig, ExtractModes)
 
 
 def _parsers():
@@ -37,6 +38,7 @@ def _parsers():
     from evaluate.curve import RunEvalOptions, run_parser
     from evaluate.evaluation import EvalOptions
     from evaluate.floor import FloorOptions, build_parser as floor_parser
+    from evaluate.reference import ReferenceOptions, reference_parser
     from extract.run import ExtractConfig
     from sample.decode import DecodeOptions
     from sample.export import ExportOptions
@@ -47,7 +49,7 @@ def _parsers():
     return [(build_parser(), TrainConfig), (sample_main.sample_parser(), SampleOptions),
             (sample_main.decode_parser(), DecodeOptions), (sample_main.watch_parser(), WatchOptions),
             (sample_main.export_parser(), ExportOptions), (evaluate_main.eval_parser(), EvalOptions),
-            (run_parser(), RunEvalOptions), (floor_parser(), FloorOptions), (extract_main.build_parser(), ExtractConfig)]
+            (run_parser(), RunEvalOptions), (floor_parser(), FloorOptions), (reference_parser(), ReferenceOptions), (extract_main.build_parser(), ExtractConfig)]
 
 
 # ---------------------------------------------------------------------------------------------------------

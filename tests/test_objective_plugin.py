@@ -32,11 +32,11 @@ class XPredictionPath(FlowPath):
 
     clamp: float = 0.05  # floor of 1 - tau in v = (x1_hat - x_tau) / (1 - tau): finite at tau = 1
 
-    def call(self, model_fn, x, tau, model_kwargs):
-        """SiT's velocity at (x, tau) from the predicted x1 (N,C,h,w): v = (x1_hat - x) / (1 - tau)."""
-        x1_hat = model_fn(x, self.model_time(tau), **(model_kwargs or {}))[:, :x.shape[1]].float()
-        gap = (1 - tau).clamp_min(self.clamp).view(-1, *([1] * (x.ndim - 1)))  # (N, 1, 1, 1)
-        return (x1_hat - x) / gap
+    def field(self, model_fn, x, model_t, model_kwargs):
+        """SiT's velocity at x from the predicted x1 (N,C,h,w): v = (x1_hat - x) / (1 - tau)."""
+        x1_hat = model_fn(x, model_t, **(model_kwargs or {}))[:, :x.shape[1]].float()
+        gap = (1 - self.tau_of(model_t)).clamp_min(self.clamp).view(-1, *([1] * (x.ndim - 1)))  # (N, 1, 1, 1)
+        return ((x1_hat - x) / gap).float()
 
     def losses(self, model_fn, x1, tau, noise, model_kwargs, space: str) -> dict:
         """MSE on x1 itself (space "x") or on the velocity it implies (space "v"), each (N,)."""

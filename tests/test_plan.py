@@ -12,7 +12,8 @@ from shared.generative.objectives import DDPMObjective
 from train.memory import (ActivationProfile, LinearBytes, build_model, forward_macs, measure_block_fit,
                           measure_profile,
                           model_config)
-from train.plan import build_parser, fixed_state, largest_micro_batch
+from train.memory import fixed_state, largest_micro_batch
+from train.plan import build_parser
 from train.units import MiB, parse_size
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -149,7 +149,8 @@ class TrainConfig:
     compile: bool = option(False, "torch.compile the model (slow first steps, faster after)")
     attention: str = option("auto", "attention kernel (auto = torch SDPA; xformers needs CUDA and the xformers "
                                     "wheel)", choices=ATTENTION_BACKENDS)
-    num_workers: int = option(4, "DataLoader worker processes per training process")
+    num_workers: int | None = option(None, "DataLoader worker processes per training process (default: up to 4, "
+                                           "one core per process left for training: 1 on a 2-core machine)")
     seed: int = option(0, "seed of the data order and of every per-sample draw (--global-seed: the official name)",
                        aliases=("--global-seed",))
     debug: bool = option(False, f"{DEBUG_STEPS} steps with per-step logs and autograd anomaly detection; prints the "
@@ -344,8 +345,8 @@ def check_config(cfg: TrainConfig, dataset) -> None:
 
 
 def resolve_config(cfg: TrainConfig, dataset, world_size: int) -> TrainConfig:
-    """Fill the resolved fields from the latent index and the process count; UserError on any mismatch."""
-    check_config(cfg, dataset)
+    """Fill the resolved fields from the latent index and the process count (after check_config and autotune's
+    planning); UserError on any mismatch."""
     cfg.world_size = world_size
     cfg.micro_batch_size, cfg.grad_accum_steps = grad_accum_steps(
         cfg.global_batch_size, cfg.micro_batch_size, cfg.world_size)
@@ -414,8 +415,14 @@ def _data_mismatch(saved: dict, current: dict) -> str | None:
         if saved.get(key) != current.get(key):
             return (f"the checkpoint was trained on latents with {key} {saved.get(key)!r}, but --latents has "
                     f"{current.get(key)!r} (another VAE or image size)")
-    diffs = [k for k in DATA_FIELDS if saved.get(k) != current.get(k)]
+    diffs = [f"{k} {_short(saved.get(k))} vs {_short(current.get(k))} now" for k in DATA_FIELDS
+             if saved.get(k) != current.get(k)]
     return f"the latent folder differs from the checkpoint's ({', '.join(diffs)})" if diffs else None
+
+
+def _short(value):
+    """A value as a refusal shows it: hashes cut to 12 characters (enough to tell two folders apart)."""
+    return value[:12] if isinstance(value, str) and len(value) == 64 else value
 
 
 def resume_differences(saved: TrainConfig, current: TrainConfig) -> tuple[list[str], list[str]]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 from itertools import islice
@@ -451,13 +452,21 @@ def micro_batches(run: Run, loader) -> Iterator[dict]:
         yield batch
 
 
+def loader_workers(run: Run) -> int:
+    """--num-workers, or up to 4 per process where the cores allow (shared.runtime.distributed.default_workers)."""
+    from shared.runtime.distributed import default_workers
+
+    given = run.cfg.num_workers
+    return given if given is not None else default_workers(4, run.accelerator.num_processes)
+
+
 def run_loop(run: Run) -> dict:
     """Train until total_steps; checkpoint, preview and log along the way; return the last metrics."""
     cfg = run.cfg
     total = min(cfg.total_steps, run.step + DEBUG_STEPS) if cfg.debug else cfg.total_steps
     loader = make_loader(run.dataset, micro_batch=cfg.micro_batch_size, rank=run.accelerator.process_index,
                          world_size=run.accelerator.num_processes, seed=cfg.seed, start=run.data_position,
-                         class_dropout_prob=cfg.class_dropout_prob, num_workers=cfg.num_workers,
+                         class_dropout_prob=cfg.class_dropout_prob, num_workers=loader_workers(run),
                          pin_memory=run.device.type == "cuda", objective=run.learner.objective,
                          features=run.learner.projector is not None)
     meter, last = Meter(), {}
@@ -524,6 +533,11 @@ def train(cfg: TrainConfig, callbacks: list[Callback] = ()) -> dict:
 def _train_locked(cfg: TrainConfig, accelerator, callbacks: list[Callback]) -> dict:
     """train() once the run folder is this launch's."""
     cfg, dataset, source, changes = prepare_config(cfg, accelerator)
+    if accelerator.device.type == "cpu" and accelerator.is_main_process:
+        from train.estimate import describe_cpu_step
+
+        print(f"train: {describe_cpu_step(model_config_for(cfg, dataset), cfg.global_batch_size, cfg.total_steps)}",
+              file=sys.stderr, flush=True)
     if cfg.dry_run or cfg.debug:
         if accelerator.is_main_process:
             print(cfg.to_json())

@@ -64,9 +64,18 @@ class FlowPath:
         v = out[:, :channels].float()  # (N, C, h, w)
         return v if self.convention == "sit" else -v
 
+    def tau_of(self, model_t: torch.Tensor) -> torch.Tensor:
+        """SiT time tau of a network timestep input (N,)."""
+        return model_t if self.convention == "sit" else 1 - model_t
+
+    def field(self, model_fn, x: torch.Tensor, model_t: torch.Tensor, model_kwargs: dict | None) -> torch.Tensor:
+        """SiT's velocity at x (N,C,h,w) from one network call at network time model_t (N,): every sampler's only
+        way to the network, so a path whose network predicts something else (x1, eps) converts here."""
+        return self.velocity(model_fn(x, model_t, **(model_kwargs or {})), x.shape[1])
+
     def call(self, model_fn, x: torch.Tensor, tau: torch.Tensor, model_kwargs: dict | None) -> torch.Tensor:
         """The velocity field at (x, tau): one network call, converted to SiT's convention."""
-        return self.velocity(model_fn(x, self.model_time(tau), **(model_kwargs or {})), x.shape[1])
+        return self.field(model_fn, x, self.model_time(tau), model_kwargs)
 
     def training_losses(self, model_fn, x1, tau, noise, model_kwargs=None, cos_weight: float = 0.0) -> dict:
         """Velocity MSE (SiT Eq. 5) plus, with cos_weight > 0, LightningDiT's 1 - cos(v_hat, v) over channels; each (N,)."""
@@ -103,12 +112,43 @@ class FlowProcess:
 
     path: FlowPath
     times: torch.Tensor  # (K + 1,) float64: the K steps' start and end points; the last is the end time
-    last_step: float = 0.0  # SDE only: the final "Mean" step from times[-1] to times[-1] + last_step
+    last_step: float = 0.0  # SDE only: the final "Mean" step from times[-1] = 1 - last_step to tau = 1
+    # (K + 1,) float64 network times at the grid points, computed as the convention's own release computes its
+    # grid (REPA: linspace(1, 0, K + 1) itself, not 1 - tau, which differs by an ulp and moves interval edges)
+    model_times: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.model_times is None:
+            object.__setattr__(self, "model_times", self.path.model_time(self.times))
 
 
 def flow_grid(steps: int, shift: float = 1.0, end: float = 1.0) -> torch.Tensor:
     """steps + 1 SiT times from 0 to `end`, evenly spaced, then shifted (LightningDiT); float64."""
     return shift_time(torch.linspace(0.0, end, steps + 1, dtype=torch.float64), shift)
+
+
+def sde_grid(steps: int, shift: float, last_step: float) -> torch.Tensor:
+    """The N start times (float64) of the SDE's N - 1 Euler-Maruyama steps and its Mean step, ending at 1 - h.
+
+    SiT's grid is linspace(0, 1 - h, N). With a time shift the whole grid is shifted within [0, 1 - h]: the
+    uniform grid ends where the shift maps to 1 - h (the inverse of shift s is shift 1/s), so the Mean step
+    keeps its size h and the sampler still ends at tau = 1 (data). Shifting SiT's points instead would leave
+    the last one at shift(1 - h) < 1 - h, and the walk would stop short of the data (shift 0.3: tau 0.918).
+    """
+    end = 1.0 - last_step
+    if shift == 1.0:
+        return torch.linspace(0.0, end, steps, dtype=torch.float64)  # (N,) SiT's, bitwise
+    uniform_end = float(shift_time(torch.tensor(end, dtype=torch.float64), 1.0 / shift))
+    times = shift_time(torch.linspace(0.0, uniform_end, steps, dtype=torch.float64), shift)  # (N,)
+    times[-1] = end  # exactly, not shift(shift^-1(end)) with its rounding
+    return times
+
+
+def repa_model_times(steps: int, sampler: str, last_step: float) -> torch.Tensor:
+    """REPA's own float64 time grid (time 0 = data): linspace(1, 0, K + 1) for its ODE, linspace(1, h, N) for its SDE."""
+    if sampler == "sde":
+        return torch.linspace(1.0, last_step, steps, dtype=torch.float64)
+    return torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64)
 
 
 def make_process(path: FlowPath, sampler: str, steps: int, shift: float = 1.0,
@@ -122,47 +162,61 @@ def make_process(path: FlowPath, sampler: str, steps: int, shift: float = 1.0,
         if steps < 2:
             raise SettingError("the SDE sampler takes at least 2 steps (Euler-Maruyama steps, then SiT's last "
                                "Mean step); pass {sampling steps} 2 or more (SiT uses 250).")
-        times = shift_time(torch.linspace(0.0, 1.0 - last_step, steps, dtype=torch.float64), shift)  # (N,)
-        return FlowProcess(path, times, last_step)
-    return FlowProcess(path, flow_grid(steps, shift))
+        times = sde_grid(steps, shift, last_step)
+    else:
+        times = flow_grid(steps, shift)
+    # REPA's network times are its own grid where it has one (no shift): guidance edges fall as in its sampler.
+    model_times = repa_model_times(steps, sampler, last_step) if path.convention == "repa" and shift == 1.0 else None
+    return FlowProcess(path, times, last_step if sampler == "sde" else 0.0, model_times)
 
 
 def _tau(value, x) -> torch.Tensor:
-    """A (N,) float32 time vector on x's device."""
-    return torch.full((x.shape[0],), float(value), device=x.device, dtype=torch.float32)
+    """A (N,) float64 time vector on x's device: the grid's own value, so that guidance decides its interval
+    on it (REPA compares its float64 grid times); the network gets it rounded once to float32 (guidance.py)."""
+    return torch.full((x.shape[0],), float(value), device=x.device, dtype=torch.float64)
 
 
-def _pairs(process: FlowProcess, progress: bool, desc: str):
-    """(tau_i, tau_{i+1}) as float64 scalars, with an optional progress bar."""
+def _points(process: FlowProcess, progress: bool, desc: str):
+    """(i, tau_i, tau_{i+1}) for each step, taus as float64 scalars, with an optional progress bar."""
     times = process.times.tolist()
     for i in tqdm(range(len(times) - 1), desc=desc, disable=not progress, leave=False):
-        yield times[i], times[i + 1]
+        yield i, times[i], times[i + 1]
+
+
+def _velocity(process: FlowProcess, model_fn, x, i: int, model_kwargs) -> torch.Tensor:
+    """The velocity at grid point i: the network called at that point's float64 network time."""
+    t = _tau(process.model_times[i], x)  # (N,) float64
+    return process.path.field(model_fn, x, t, model_kwargs)
 
 
 @torch.no_grad()
 def euler_sample(process: FlowProcess, model_fn, noise, model_kwargs=None, generator=None, progress=False):
     """Euler's method on the probability-flow ODE dx/dtau = v(x, tau), noise -> data; one call per step."""
     x = noise.float()
-    for t0, t1 in _pairs(process, progress, "euler"):
-        x = x + (t1 - t0) * process.path.call(model_fn, x, _tau(t0, x), model_kwargs)
+    for i, t0, t1 in _points(process, progress, "euler"):
+        x = x + (t1 - t0) * _velocity(process, model_fn, x, i, model_kwargs)
     return x
 
 
 @torch.no_grad()
 def heun_sample(process: FlowProcess, model_fn, noise, model_kwargs=None, generator=None, progress=False):
-    """Heun's (explicit trapezoidal) method on the ODE, two calls per step (torchdiffeq's 'heun2', SiT's ODE)."""
+    """Heun's (explicit trapezoidal) method on the ODE, two calls per step (torchdiffeq's 'heun2', SiT's ODE).
+
+    The corrector runs on the last step too (at tau = 1, as SiT's heun2) and is guided by its own time's
+    level; REPA's --heun does neither (docs/sampling.md).
+    """
     x = noise.float()
-    for t0, t1 in _pairs(process, progress, "heun"):
+    for i, t0, t1 in _points(process, progress, "heun"):
         h = t1 - t0
-        k1 = process.path.call(model_fn, x, _tau(t0, x), model_kwargs)
-        k2 = process.path.call(model_fn, x + h * k1, _tau(t1, x), model_kwargs)
+        k1 = _velocity(process, model_fn, x, i, model_kwargs)
+        k2 = _velocity(process, model_fn, x + h * k1, i + 1, model_kwargs)
         x = x + 0.5 * h * (k1 + k2)
     return x
 
 
 def score_from_velocity(v, x, tau):
     """grad log p_tau(x) from the velocity on the linear path: (tau v - x) / (1 - tau) (SiT App. A, ICPlan)."""
-    t = tau.view(-1, *([1] * (x.ndim - 1)))  # (N, 1, 1, 1)
+    t = tau.view(-1, *([1] * (x.ndim - 1))).to(x.dtype)  # (N, 1, 1, 1), in x's precision
     return (t * v - x) / (1 - t)
 
 
@@ -171,31 +225,38 @@ def sde_sample(process: FlowProcess, model_fn, noise, model_kwargs=None, generat
     """SiT's reverse SDE by Euler-Maruyama with w_tau = sigma_tau = 1 - tau, then its deterministic "Mean" step.
 
     dx = [v + w score] dtau + sqrt(2 w) dW (SiT Eq. 8 with the "sigma" diffusion). Drift and score come from
-    ONE network call per step (SiT's code makes two). Row i's noise comes from generator i.
+    ONE network call per step (SiT's code makes two). Row i's noise comes from generator i. The Mean step
+    runs from times[-1] = 1 - last_step to tau = 1, so the walk ends at the data for any grid.
     """
     x = noise.float()
-    for t0, t1 in _pairs(process, progress, "sde"):
+    for i, t0, t1 in _points(process, progress, "sde"):
         tau = _tau(t0, x)
         w = 1.0 - t0
-        v = process.path.call(model_fn, x, tau, model_kwargs)
+        v = _velocity(process, model_fn, x, i, model_kwargs)
         dt = t1 - t0
         z = randn_rows(x, generator)  # (N, C, h, w)
         x = x + (v + w * score_from_velocity(v, x, tau)) * dt + math.sqrt(2 * w) * math.sqrt(dt) * z
-    t_last = float(process.times[-1])
+    last = len(process.times) - 1
+    t_last = float(process.times[last])
     tau = _tau(t_last, x)
-    v = process.path.call(model_fn, x, tau, model_kwargs)
+    v = _velocity(process, model_fn, x, last, model_kwargs)
     return x + (v + (1.0 - t_last) * score_from_velocity(v, x, tau)) * process.last_step
 
 
 @torch.no_grad()
 def dopri5_sample(process: FlowProcess, model_fn, noise, model_kwargs=None, generator=None, progress=False,
                   atol: float = 1e-6, rtol: float = 1e-3):
-    """Adaptive Dormand-Prince 5(4) on the ODE from tau = 0 to 1 (torchdiffeq, SiT's default ODE solver)."""
-    from torchdiffeq import odeint  # lazy: only this solver needs it
+    """Adaptive Dormand-Prince 5(4) on the ODE from tau = 0 to 1 (SiT's default ODE solver), one step size per row.
 
-    def field(tau, x):
-        """dx/dtau at a scalar tau."""
-        return process.path.call(model_fn, x, _tau(tau, x), model_kwargs)
+    torchdiffeq's controller (SiT's solver) chooses one step size for the whole batch, so an image would depend
+    on the others in its batch; here every row runs torchdiffeq's algorithm on its own (shared/generative/odeint.py),
+    so image i depends only on its noise, in any batch, and the batch still goes through the network together.
+    """
+    from shared.generative.odeint import dopri5_rows  # here: keeps flow.py's import graph as it was
 
-    ends = torch.tensor([0.0, 1.0], dtype=torch.float32, device=noise.device)
-    return odeint(field, noise.float(), ends, method="dopri5", atol=atol, rtol=rtol)[-1]
+    def field(tau, x, rows):
+        """dx/dtau of the rows `rows` (M,) at their own times tau (M,) float64."""
+        kwargs = {k: v[rows] for k, v in (model_kwargs or {}).items()}
+        return process.path.field(model_fn, x, process.path.model_time(tau), kwargs)
+
+    return dopri5_rows(field, noise.float(), atol=atol, rtol=rtol)

@@ -91,7 +91,7 @@ class GuidedModelFn:
         self.calls = {"guided": 0, "conditional": 0}  # sampler calls of each kind
 
     def _inside(self, t) -> torch.Tensor:
-        """(N,) bool: which rows' noise levels lie in the guidance interval."""
+        """(N,) bool: which rows' noise levels lie in the guidance interval (edges included, as REPA's)."""
         if self.interval is None:
             return torch.ones(t.shape, dtype=torch.bool, device=t.device)
         level = self.noise_level(t)
@@ -116,10 +116,12 @@ class GuidedModelFn:
             return torch.cat([eps, cond[:, g:]], dim=1).float(), cond.float()  # (N, out, h, w) each
 
     def __call__(self, x, t, y):
+        inside = self._inside(t)  # decided on t as the sampler gave it (flow: its float64 grid time)
+        if t.dtype == torch.float64:
+            t = t.float()  # the network's time: the grid time rounded once, as REPA's sampler hands it over
         if self.cfg_scale == 1.0:
             self.calls["conditional"] += 1
             return self.conditional(x, t, y)
-        inside = self._inside(t)
         if not bool(inside.any()):
             self.calls["conditional"] += 1
             return self.conditional(x, t, y)

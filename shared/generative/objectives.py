@@ -302,8 +302,8 @@ class FlowObjective:
         return self.path.training_losses(model_fn, x0, t, noise, model_kwargs, self.cos_weight)
 
     def noise_level(self, model_t: torch.Tensor) -> torch.Tensor:
-        """sigma = 1 - tau of a network input."""
-        return self.path.noise_level(model_t.float())
+        """sigma = 1 - tau of a network input, in float64 (the samplers hand over their float64 grid times)."""
+        return self.path.noise_level(model_t.double())
 
     def process(self, sampler: str, steps: int, options: dict):
         """The time grid `sampler` walks (time shift and SDE last step from its options)."""

@@ -1,0 +1,121 @@
+"""`python -m evaluate reference IMAGES --image-size S --out REF.npz`: the user's own real images as a reference.
+
+Every image below IMAGES (sorted by path, hidden entries left out, as extract scans) is decoded and centre-cropped
+to S x S exactly as extraction preprocesses it (ADM's crop, shared.datasets.images), and written as an images npz
+(`arr_0` uint8 N x S x S x 3): a --ref for `python -m evaluate` and `python -m evaluate run` at the training size
+(its Inception statistics are computed on first use and cached). Unreadable files are skipped and listed.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from evaluate.images import image_files
+from shared.datasets.images import MAX_IMAGE_PIXELS, BadImage, load_image, pixel_limit
+from shared.runtime.cli import HelpFormatter, add_flags, from_args, option
+from shared.runtime.errors import UserError, cli_errors
+from shared.runtime.fsio import atomic_write
+
+PROG = "python -m evaluate reference"
+
+
+@dataclass
+class ReferenceOptions:
+    """Everything `python -m evaluate reference` accepts (one field per flag: its default and help)."""
+
+    images: str = option(help="folder of real images: an ImageFolder or a flat folder (every image below it)",
+                         positional=True, metavar="IMAGES")
+    image_size: int = option(help="side of the square centre crop, as extract's --image-size: the size of the "
+                                  "samples the reference is compared with")
+    out: str = option(help="the reference to write: an npz of arr_0 uint8 N x S x S x 3, usable as --ref",
+                      metavar="REF.npz")
+    limit: int | None = option(None, "use only N images, spread evenly over the sorted list (default: all)")
+    max_image_pixels: int | None = option(MAX_IMAGE_PIXELS, "images with more pixels are skipped as possible "
+                                                            "decompression bombs; 'none' admits any size",
+                                          type=pixel_limit, metavar="N|none")
+
+
+def _chosen(files: list[Path], limit: int | None) -> list[Path]:
+    """`limit` files spread evenly over the sorted list (all without a limit)."""
+    if limit is None or limit >= len(files):
+        return files
+    keep = np.unique(np.linspace(0, len(files) - 1, num=limit).round().astype(np.int64))
+    return [files[i] for i in keep]
+
+
+def check_options(o: ReferenceOptions) -> list[Path]:
+    """The files to crop; UserError for a missing folder, no images or bad numbers."""
+    folder = Path(o.images)
+    if not folder.is_dir():
+        raise UserError(f"{folder} is not a folder; pass the folder of real images to crop into a reference.")
+    if o.image_size < 1:
+        raise UserError(f"--image-size must be a positive number of pixels; got {o.image_size}.")
+    if o.limit is not None and o.limit < 2:
+        raise UserError(f"--limit must be at least 2 (FID needs a covariance); got {o.limit}.")
+    if not str(o.out).endswith(".npz"):
+        raise UserError(f"--out {o.out} must end in .npz (the reference is an images npz).")
+    if Path(o.out).resolve().is_relative_to(folder.resolve()):
+        raise UserError(f"--out {o.out} is inside {folder}: a later run would read it as one of the images. "
+                        f"Write the reference beside the folder, e.g. --out {folder.resolve().parent / 'reference.npz'}.")
+    files = _chosen(image_files(folder), o.limit)
+    if len(files) < 2:
+        raise UserError(f"{folder} holds {len(files)} image(s); a reference needs at least 2.")
+    return files
+
+
+def crop_all(files: list[Path], o: ReferenceOptions, rows: np.ndarray) -> tuple[int, list[str]]:
+    """Fill rows[:n] with the cropped readable images, in order; returns (n, 'path: reason' of the bad ones)."""
+    n, bad = 0, []
+    for path in tqdm(files, unit="img", desc="reference", dynamic_ncols=True):
+        try:
+            rows[n] = load_image(path, o.image_size, o.max_image_pixels).transpose(1, 2, 0)  # (S, S, 3)
+            n += 1
+        except BadImage as err:
+            bad.append(f"{path}: {err}")
+    return n, bad
+
+
+def _savez(path: Path, images: np.ndarray) -> None:
+    """images as arr_0 of an uncompressed npz (the reader seeks into it), streamed from the scratch file."""
+    with open(path, "wb") as f:
+        np.savez(f, arr_0=images)
+
+
+def write_reference(o: ReferenceOptions) -> tuple[int, list[str]]:
+    """Crop every image into o.out (atomic); returns (images written, bad files)."""
+    files = check_options(o)
+    out = Path(o.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    scratch = out.with_name(f".tmp-{out.stem}-rows.npy")  # on disk: a big folder never sits in memory
+    rows = np.lib.format.open_memmap(scratch, mode="w+", dtype=np.uint8,
+                                     shape=(len(files), o.image_size, o.image_size, 3))
+    try:
+        n, bad = crop_all(files, o, rows)
+        if n < 2:
+            raise UserError(f"only {n} of the {len(files)} images in {o.images} could be read ({'; '.join(bad[:3])}).")
+        atomic_write(out, lambda tmp: _savez(tmp, rows[:n]))
+    finally:
+        del rows
+        scratch.unlink(missing_ok=True)
+    return n, bad
+
+
+def reference_parser() -> argparse.ArgumentParser:
+    """Parser of `python -m evaluate reference`."""
+    return add_flags(argparse.ArgumentParser(
+        prog=PROG, formatter_class=HelpFormatter,
+        description="Write a reference npz from a folder of real images at the samples' size (ADM's centre crop, "
+                    "as extract), for --ref of `python -m evaluate` and `python -m evaluate run`."), ReferenceOptions)
+
+
+def main_reference(argv) -> None:
+    """Entry point of `python -m evaluate reference`: UserErrors become one paragraph (exit status 2)."""
+    with cli_errors(PROG):
+        o = from_args(ReferenceOptions, reference_parser().parse_args(argv))
+        n, bad = write_reference(o)
+        print(f"{o.out}: {n} images, {o.image_size}x{o.image_size} (ADM centre crop); {len(bad)} unreadable "
+              f"file(s) skipped{': ' + '; '.join(bad[:5]) if bad else ''}. Pass it as --ref.")

@@ -1,0 +1,213 @@
+"""Image decoding and ADM/DiT preprocessing: every PIL mode to RGB, box-then-bicubic resize, centre crop.
+
+extract encodes what this produces; `python -m evaluate reference` crops real images the same way.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps
+
+from shared.tokenizers.pixels import to_unit_range
+
+# Anything above 100 megapixels (300 MB as decoded RGB, per DataLoader worker) is treated as a possible
+# decompression bomb unless `--max-image-pixels` says otherwise. This is the one limit: PIL's own check (a
+# warning above its MAX_IMAGE_PIXELS, an error above twice that) is switched off while a file is opened here,
+# and open_image applies this number instead, so every refusal states the same limit.
+MAX_IMAGE_PIXELS = 100_000_000
+BOMB_REASON = "decompression bomb guard"  # the start of the reason recorded for a file above the limit
+Image.MAX_IMAGE_PIXELS = MAX_IMAGE_PIXELS  # other PIL users in the process keep a guard of the same size
+
+_ALPHA_MODES = ("RGBA", "RGBa", "LA", "La", "PA")
+_HIGH_DEPTH_MODES = ("I", "F")  # plus every "I;16..." variant
+
+
+class BadImage(Exception):
+    """An image file that cannot be used (corrupt, truncated, not an image, too large)."""
+
+
+def _has_alpha(img: Image.Image) -> bool:
+    """True for modes with an alpha band, and for P/L/RGB images carrying a tRNS transparency entry."""
+    return img.mode in _ALPHA_MODES or (img.mode in ("P", "L", "RGB") and "transparency" in img.info)
+
+
+def _composite_on_white(img: Image.Image) -> Image.Image:
+    """Flatten transparency onto a white background (transparent pixels must not turn black)."""
+    rgba = img.convert("RGBA")
+    background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+    return Image.alpha_composite(background, rgba).convert("RGB")
+
+
+def _high_depth_to_rgb(img: Image.Image) -> Image.Image:
+    """16-bit, 32-bit integer and float images scaled (not clipped) into 8 bits, then grey -> RGB."""
+    arr = np.asarray(img).astype(np.float64)  # (H, W)
+    if img.mode.startswith("I;16"):
+        arr = arr * (255.0 / 65535.0)
+    elif img.mode == "I" and arr.min() >= 0 and arr.max() <= 65535:
+        arr = arr * (255.0 / 65535.0)  # 16-bit PNGs often open as mode I
+    elif img.mode == "F" and arr.min() >= 0 and arr.max() <= 1:
+        arr = arr * 255.0
+    else:  # values outside the usual range: stretch the image's own range instead of clipping it
+        lo, hi = float(arr.min()), float(arr.max())
+        arr = (arr - lo) * (255.0 / (hi - lo)) if hi > lo else np.zeros_like(arr)
+    grey = np.clip(np.rint(arr), 0, 255).astype(np.uint8)
+    return Image.fromarray(np.stack([grey] * 3, axis=-1))  # (H, W, 3)
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    """Apply the EXIF orientation, then convert any PIL mode to 8-bit RGB deliberately."""
+    img = ImageOps.exif_transpose(img)
+    if img.mode == "RGB" and "transparency" not in img.info:
+        return img
+    if img.mode.startswith("I;16") or img.mode in _HIGH_DEPTH_MODES:
+        return _high_depth_to_rgb(img)
+    if _has_alpha(img):
+        return _composite_on_white(img)
+    # L, 1, P, CMYK, YCbCr, LAB, HSV, RGBX: PIL's own conversions are the right ones here.
+    return img.convert("RGB")
+
+
+def center_crop_arr(img: Image.Image, image_size: int) -> np.ndarray:
+    """ADM's centre crop (used by DiT): box-halve while the short side >= 2x target, bicubic, crop."""
+    while min(img.size) >= 2 * image_size:
+        img = img.resize(tuple(side // 2 for side in img.size), resample=Image.BOX)
+    scale = image_size / min(img.size)
+    img = img.resize(tuple(round(side * scale) for side in img.size), resample=Image.BICUBIC)
+    arr = np.asarray(img)  # (H, W, 3) uint8
+    top, left = (arr.shape[0] - image_size) // 2, (arr.shape[1] - image_size) // 2
+    return arr[top : top + image_size, left : left + image_size]  # (S, S, 3)
+
+
+class TooLarge(BadImage):
+    """An image whose header claims more pixels than the limit (a possible decompression bomb)."""
+
+
+def pixel_limit(text: str) -> int | None:
+    """--max-image-pixels: a positive pixel count (underscores and commas allowed) or 'none' (no limit)."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        value = int(text.replace(",", "").replace("_", ""))
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of pixels or 'none', got {text!r}")
+    return value
+
+
+def describe_limit(limit: int | None) -> str:
+    """'100,000,000 pixels' or 'no limit'."""
+    return "no limit" if limit is None else f"{limit:,} pixels"
+
+
+@contextlib.contextmanager
+def _own_pixel_limit():
+    """PIL's decompression-bomb check off while opening (open_image applies MAX_IMAGE_PIXELS or the flag's)."""
+    saved, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
+    try:
+        yield
+    finally:
+        Image.MAX_IMAGE_PIXELS = saved
+
+
+def reduce_factor(size: tuple[int, int], image_size: int) -> int:
+    """The largest power of two f with min(size) / f >= 2 * image_size: what ADM's box-halving would reach."""
+    factor = 1
+    while min(size) >= 4 * factor * image_size:
+        factor *= 2
+    return factor
+
+
+def _decode(img: Image.Image, image_size: int | None, large: bool) -> Image.Image:
+    """Decode the pixels; an image above the default limit is decoded at reduced size where PIL can.
+
+    JPEG decodes at 1/2, 1/4 or 1/8 scale (draft: DCT scaling, memory of the reduced image only); other
+    formats decode whole and are reduced at once (Image.reduce, a box filter) before any mode conversion.
+    Images under the default limit take the unchanged path (ADM's box-halving in center_crop_arr).
+    """
+    factor = reduce_factor(img.size, image_size) if (large and image_size) else 1
+    if factor > 1:
+        img.draft(None, (-(-img.size[0] // factor), -(-img.size[1] // factor)))
+    img.load()  # decode now: truncated or corrupt data fails here, inside the caller's try
+    factor = reduce_factor(img.size, image_size) if (large and image_size) else 1
+    return _reduce(img, factor) if factor > 1 else img
+
+
+# Modes Image.reduce refuses, and the mode each is widened to (strip by strip) before reducing.
+_WIDER_MODE = {"1": "L", "I;16": "I", "I;16L": "I", "I;16B": "I", "I;16N": "I"}
+_STRIP_ROWS = 256  # rows per strip, times the factor: a few MB of widened pixels at a time
+
+
+def _reduce(img: Image.Image, factor: int) -> Image.Image:
+    """Image.reduce(factor); palette, bilevel and 16-bit images are widened strip by strip, then reduced."""
+    try:
+        return img.reduce(factor)
+    except ValueError:
+        pass
+    mode = ("RGBA" if "transparency" in img.info else "RGB") if img.mode == "P" else _WIDER_MODE.get(img.mode, "RGB")
+    width, height = img.size
+    out = Image.new(mode, (-(-width // factor), -(-height // factor)))
+    step = _STRIP_ROWS * factor  # a multiple of the factor: the strips reduce exactly as the whole image would
+    for top in range(0, height, step):
+        strip = img.crop((0, top, width, min(top + step, height))).convert(mode).reduce(factor)
+        out.paste(strip, (0, top // factor))
+    out.info = {k: v for k, v in img.info.items() if k != "transparency"}  # EXIF orientation and the like
+    return out
+
+
+def _open(path, max_pixels: int | None, image_size: int | None) -> tuple[Image.Image, str, tuple[int, int]]:
+    """Open and decode one file: (RGB image, original mode, original size); TooLarge above max_pixels."""
+    with _own_pixel_limit():
+        img = Image.open(path)  # reads the header only
+    with img:
+        size, mode = img.size, img.mode
+        pixels = size[0] * size[1]
+        if max_pixels is not None and pixels > max_pixels:
+            raise TooLarge(f"{BOMB_REASON}: {size[0]}x{size[1]} = {pixels:,} pixels, above the limit of "
+                           f"{max_pixels:,} (--max-image-pixels)")
+        return to_rgb(_decode(img, image_size, pixels > MAX_IMAGE_PIXELS)), mode, size
+
+
+def open_image(path, max_pixels: int | None = MAX_IMAGE_PIXELS,
+               image_size: int | None = None) -> tuple[Image.Image, str, tuple[int, int]]:
+    """(RGB image, original mode, original size) of the file; BadImage with a short reason if unusable.
+
+    With image_size, an image above the default limit (admitted by a larger max_pixels) comes back reduced by
+    a power of two that keeps its short side at least 2 x image_size.
+    """
+    try:
+        return _open(path, max_pixels, image_size)
+    except BadImage:
+        raise
+    except Exception as err:  # noqa: BLE001 - PIL raises many types (OSError, SyntaxError, ValueError...)
+        raise BadImage(f"{type(err).__name__}: {err}") from None
+
+
+def image_header_size(path) -> tuple[int, int]:
+    """(width, height) from the header only, whatever the limit (for reports on files above it)."""
+    with _own_pixel_limit(), Image.open(path) as img:
+        return img.size
+
+
+def open_rgb(path, max_pixels: int | None = MAX_IMAGE_PIXELS) -> Image.Image:
+    """The image at path as RGB; BadImage with a short reason when it cannot be used."""
+    return open_image(path, max_pixels)[0]
+
+
+def load_image(path, image_size: int, max_pixels: int | None = MAX_IMAGE_PIXELS) -> np.ndarray:
+    """Preprocessed pixels (3, S, S) uint8 of the image at path; BadImage when it cannot be used."""
+    rgb = open_image(path, max_pixels, image_size)[0]
+    return np.ascontiguousarray(center_crop_arr(rgb, image_size).transpose(2, 0, 1))  # (3, S, S)
+
+
+def to_model_input(pixels: torch.Tensor) -> torch.Tensor:
+    """uint8 (N,3,S,S) -> float32 in [-1, 1] (ToTensor then Normalize(0.5, 0.5), as DiT does)."""
+    return to_unit_range(pixels)
+
+
+def preprocess(path, image_size: int) -> torch.Tensor:
+    """One image as the VAE sees it: (3, S, S) float32 in [-1, 1]."""
+    return to_model_input(torch.from_numpy(load_image(path, image_size)))
