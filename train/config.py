@@ -37,6 +37,9 @@ IDENTITY_FIELDS = ("model", "objective", "objective_options", "global_batch_size
 # REPA (shared/network/repa.py): its settings change the experiment too.
 REPA_FIELDS = ("repa_weight", "repa_depth", "repa_projector_dim", "repa_feature_dim")
 IDENTITY_FIELDS += REPA_FIELDS
+# Token routing (shared/network/routing.py) changes which tokens every step trains on: part of the experiment.
+ROUTE_FIELDS = ("route_ratio", "route_start", "route_end")
+IDENTITY_FIELDS += ROUTE_FIELDS
 # Data identity: what a checkpoint's latent folder must share with the one given now.
 DATA_FIELDS = ("num_samples", "latent_shape", "flips", "num_classes", "image_size", "scaling_factor", "vae",
                "index_sha256")
@@ -167,6 +170,15 @@ class TrainConfig:
     repa_feature_dim: int | None = option(
         None, "REPA: the projector's output E, which must equal the stored features' width (REPA's "
               "--projector-embed-dims, 768 for DINOv2-B); default: read from the latent folder")
+    # Token routing (TREAD, Krause et al. 2025; shared/network/routing.py): in training only, a random share of each
+    # sample's tokens skips blocks route_start..route_end; 0 ratio = off. start/end resolve to TREAD's 2 and depth-4.
+    route_ratio: float = option(0.0, "token routing (TREAD): the share of each sample's tokens that skip the routed "
+                                     "blocks in training, drawn per sample; sampling still runs every token through "
+                                     "every block. 0 turns routing off (default); TREAD: 0.5")
+    route_start: int | None = option(None, "token routing: the first routed block, counted from 0 as blocks.N "
+                                           "(default with --route-ratio: 2, TREAD's)")
+    route_end: int | None = option(None, "token routing: the last routed block, counted from 0 and included (default "
+                                         "with --route-ratio: depth - 4, TREAD's: 8 of DiT-B's 12, 24 of XL's 28)")
     # Resolved by resolve_config (not flags):
     world_size: int = 1
     grad_accum_steps: int = 1
@@ -342,6 +354,7 @@ def check_config(cfg: TrainConfig, dataset) -> None:
     _check_image_size(cfg, dataset)
     _check_model_fits(cfg, dataset.latent_shape)
     _resolve_repa(cfg, dataset)
+    _resolve_route(cfg, dataset.latent_shape)
 
 
 def resolve_config(cfg: TrainConfig, dataset, world_size: int) -> TrainConfig:
@@ -379,6 +392,37 @@ def _resolve_repa(cfg: TrainConfig, dataset) -> None:
                         f"folder.")
     check_grid(tokens, f"the encoder features in {dataset.root}")
     cfg.repa_feature_dim = dim
+
+
+def route_span(model: str, latent_side: int, ratio: float, start: int | None, end: int | None) -> tuple[int, int]:
+    """The route's (start, end) blocks, TREAD's where not given (2, depth - 4), checked against the preset; UserError."""
+    from shared.network.models import PRESETS
+    from shared.network.routing import PAPER_START, check_route, paper_end
+
+    arch = PRESETS[model]
+    depth, tokens = arch["depth"], (latent_side // arch["patch_size"]) ** 2
+    start = PAPER_START if start is None else start
+    end = paper_end(depth) if end is None else end
+    check_route(ratio, start, end, depth, tokens, model)
+    return start, end
+
+
+def _resolve_route(cfg: TrainConfig, latent_shape) -> None:
+    """With routing on: TREAD's span filled in, the route checked against the model and REPA; off: no route flags."""
+    if cfg.route_ratio == 0:
+        given = [flag_name(n) for n in ("route_start", "route_end") if getattr(cfg, n) is not None]
+        if given:
+            raise UserError(f"{' and '.join(given)} place a token route, but routing is off (--route-ratio 0); pass "
+                            "--route-ratio (TREAD: 0.5) to route tokens, or drop the flag.")
+        return
+    cfg.route_start, cfg.route_end = route_span(cfg.model, latent_shape[-1], cfg.route_ratio, cfg.route_start,
+                                                cfg.route_end)
+    if cfg.repa_weight > 0 and cfg.repa_depth > cfg.route_start:
+        raise UserError(f"--repa-depth {cfg.repa_depth} aligns the output of block {cfg.repa_depth - 1} (counted from "
+                        f"0), which lies inside or after the token route {cfg.route_start}..{cfg.route_end}: there "
+                        "some tokens are missing or carry an early block's values, so their alignment would be "
+                        f"meaningless. REPA's block must come before the route: pass --repa-depth {cfg.route_start} or "
+                        f"less, or start the route later (--route-start {cfg.repa_depth}).")
 
 
 def _check_objective(cfg: TrainConfig) -> None:

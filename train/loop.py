@@ -429,6 +429,10 @@ def start_logs(run: Run, source: Path | None, changes: list[str]) -> None:
                     f"{n} process(es) on {run.device}, global batch {cfg.global_batch_size} = "
                     f"{cfg.micro_batch_size} x {cfg.grad_accum_steps} accumulation x {n}, "
                     f"precision {cfg.precision}, {cfg.total_steps} steps")
+    if run.learner.route:
+        tokens, kept = run.learner.route
+        run.logger.info(f"token routing (TREAD): {tokens - kept} of {tokens} tokens per sample skip blocks "
+                        f"{cfg.route_start}..{cfg.route_end} in training; sampling uses every token")
     if cfg.autotune:
         run.logger.info(describe_auto(cfg.autotune))
     for change in changes:
@@ -468,7 +472,7 @@ def run_loop(run: Run) -> dict:
                          world_size=run.accelerator.num_processes, seed=cfg.seed, start=run.data_position,
                          class_dropout_prob=cfg.class_dropout_prob, num_workers=loader_workers(run),
                          pin_memory=run.device.type == "cuda", objective=run.learner.objective,
-                         features=run.learner.projector is not None)
+                         features=run.learner.projector is not None, route=run.learner.route)
     meter, last = Meter(), {}
     bar = tqdm(total=total, initial=run.step, desc="train", unit="step", disable=not run.is_main, dynamic_ncols=True)
     with bar:

@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from shared.network.routing import gather_tokens, scatter_tokens
 from shared.runtime.errors import ChoiceError, SettingError, UserError
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "xformers", "math")
@@ -248,6 +249,19 @@ class RotaryEmbedding2d(nn.Module):
         return x * self.freqs_cos + rotate_pairs(x) * self.freqs_sin
 
 
+class RoutedRope(nn.Module):
+    """A RotaryEmbedding2d's rotation for the tokens a route keeps: each keeps its own grid position's angles."""
+
+    def __init__(self, rope: RotaryEmbedding2d, keep: torch.Tensor):
+        super().__init__()
+        self.freqs_cos = rope.freqs_cos[keep].unsqueeze(1)  # (N, 1, K, d), broadcast over heads
+        self.freqs_sin = rope.freqs_sin[keep].unsqueeze(1)  # (N, 1, K, d)
+
+    def forward(self, x):
+        """(N, H, K, d) -> (N, H, K, d): RotaryEmbedding2d's rotation with per-sample tables."""
+        return RotaryEmbedding2d.forward(self, x)
+
+
 #################################################################################
 #                          Attention with swappable kernels                     #
 #################################################################################
@@ -458,6 +472,7 @@ class DiT(nn.Module):
         self.initialize_weights()
         self.set_attention(attention)
         self.set_grad_checkpointing(grad_checkpoint_every)
+        self.route = None  # (start, end): blocks that see only the kept tokens in training (set_routing)
 
     @torch.no_grad()
     def initialize_weights(self):
@@ -497,6 +512,19 @@ class DiT(nn.Module):
                             f"block), got {every!r}.")
         self.grad_checkpoint_every = every
 
+    def set_routing(self, start=None, end=None):
+        """Token routing in training (shared/network/routing.py): blocks start..end see only the kept tokens; None: off.
+
+        A training setting like checkpointing, not architecture: no weights, not in ModelConfig or exports.
+        """
+        if start is None:
+            self.route = None
+            return
+        if not 0 <= start <= end < len(self.blocks):
+            raise UserError(f"a route over blocks {start}..{end} does not fit this model's {len(self.blocks)} blocks "
+                            f"(0 <= start <= end <= {len(self.blocks) - 1}).")
+        self.route = (start, end)
+
     def _checkpointed(self, index):
         """Whether block `index` is recomputed in backward instead of storing its activations."""
         k = self.grad_checkpoint_every
@@ -523,23 +551,34 @@ class DiT(nn.Module):
                 f"and in_channels.{rope} Use latents extracted at the size the model was built for."
             )
 
-    def forward(self, x, t, y, force_drop_ids=None, return_hidden_at=None):
+    def forward(self, x, t, y, force_drop_ids=None, return_hidden_at=None, route_keep=None):
         """x (N, C, H, W) latents, t (N,) timesteps, y (N,) labels -> (N, out_channels, H, W).
 
         force_drop_ids (N,) bool/0-1: which labels become the null class. Training passes the data side's
         per-sample coin here, so the model's own global-RNG label dropout never runs (train/data.py).
         return_hidden_at k (1..depth): also return block k's output tokens (N, T, D), from the same forward
         (REPA aligns them; shared/network/repa.py): the result is then (output, tokens).
+        route_keep (N, K) int64: in train mode with set_routing on, only these tokens pass the routed blocks
+        (TREAD); in eval mode every token passes every block, as sampling does.
         """
         self._check_input(x)
         x = self.x_embedder(x) + self.pos_embed  # (N, T, D), T = H * W / p**2
         c = self.t_embedder(t) + self.y_embedder(y, self.training, force_drop_ids)  # (N, D)
-        hidden = None
+        start, end = self.route if self.training and self.route and route_keep is not None else (-1, -1)
+        if return_hidden_at is not None and start <= return_hidden_at - 1 <= end:
+            raise SettingError(f"block {return_hidden_at}'s output is inside the token route (blocks {start}.."
+                               f"{end}), where only some tokens are present; align a block before the route.")
+        hidden, rope = None, self.feat_rope
         for i, block in enumerate(self.blocks):
+            if i == start:  # TREAD's route starts: the skipped tokens wait in `full` (N, T, D)
+                full, x = x, gather_tokens(x, route_keep)  # (N, K, D)
+                rope = RoutedRope(rope, route_keep) if rope is not None else None
             if self._checkpointed(i):
-                x = checkpoint(block, x, c, self.feat_rope, use_reentrant=False)  # (N, T, D)
+                x = checkpoint(block, x, c, rope, use_reentrant=False)  # (N, T or K, D)
             else:
-                x = block(x, c, self.feat_rope)  # (N, T, D)
+                x = block(x, c, rope)  # (N, T or K, D)
+            if i == end:  # ... and ends: the kept tokens' new values rejoin the skipped ones
+                x, rope = scatter_tokens(full, route_keep, x), self.feat_rope  # (N, T, D)
             if i + 1 == return_hidden_at:
                 hidden = x  # (N, T, D)
         x = self.unpatchify(self.final_layer(x, c))  # (N, out_channels, H, W)
