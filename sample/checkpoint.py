@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from shared.generative.objectives import check_objective, plugin_of
 from shared.network.diffusers_dit import NUMERICS_NOTE, check_dit_config, diffusers_to_dit, model_config_of
 from shared.runtime.errors import ChoiceError, UserError
 from shared.runtime.export import first_nonfinite, load_torch_file, load_weights, safetensors_problem
@@ -187,6 +188,7 @@ def _objective_of_release(path: Path, objective: str | None) -> tuple[str, str]:
     """(objective, how it was chosen) of a bare state dict: --objective, else its release's, else ddpm (DiT's)."""
     release = RELEASES.get(path.name)
     if objective is not None:
+        check_objective(objective)
         if release is not None and objective != release.objective:
             raise UserError(f"--objective {objective} contradicts {path.name}, a {release.paper} release trained with "
                             f"the {release.objective} objective; drop --objective.")
@@ -206,7 +208,7 @@ def _rae_config(config, path: Path, objective: str | None):
     release = RELEASES.get(path.name)
     shape = (config.in_channels, config.input_size, config.input_size)
     shift = release.time_dist_shift if release is not None else round(auto_shift(shape), 6)
-    return dataclasses.replace(config, objective="flow", flow_convention="repa", time_dist_shift=shift)
+    return dataclasses.replace(config, objective="flow", objective_args={"convention": "repa", "time_dist_shift": shift})
 
 
 def _load_official(path: Path, weights: str | None, model: str | None, objective: str | None = None) -> LoadedWeights:
@@ -222,7 +224,7 @@ def _load_official(path: Path, weights: str | None, model: str | None, objective
         config, name, why = _rae_config(config, path, objective), "flow", "RAE's DiT^DH layout"
     else:
         name, why = _objective_of_release(path, objective)
-        config = dataclasses.replace(config, objective=name)
+        config = dataclasses.replace(config, objective=name, objective_plugin=plugin_of(name))
     if model is not None and model != config.model:
         raise UserError(f"--model {model} does not fit {path}: its tensor shapes are those of {config.model} "
                         f"(latent input {config.input_size}). Pass --model {config.model} or drop --model.")
@@ -231,7 +233,8 @@ def _load_official(path: Path, weights: str | None, model: str | None, objective
              f"{config.num_classes} classes ({how})", f"objective {name} ({why})", *repa_notes]
     if config.head_depth:
         notes.append(f"DiT^DH head {config.head_depth} x {config.head_width} wide; flow time convention "
-                     f"{config.flow_convention}, time shift {config.time_dist_shift:g} (shared/generative/flow.py)")
+                     f"{config.objective_args['convention']}, time shift {config.objective_args['time_dist_shift']:g} "
+                     "(shared/generative/flow.py)")
     return LoadedWeights(state_dict, config, path, "official", notes=notes, weights=which)
 
 

@@ -46,7 +46,7 @@ def test_rae_shift_is_the_written_formula_in_either_time():
 
 def test_training_times_are_the_unshifted_draws_shifted():
     """draw_time with a shift = the same generator's draw without it, shifted; mostly near noise (tau < 0.5)."""
-    shifted = make_objective("flow", time_sampling="lognormal", time_dist_shift=SHIFT)
+    shifted = make_objective("flow", {"time_dist_shift": SHIFT}, time_sampling="lognormal")
     plain = make_objective("flow", time_sampling="lognormal")
     a, b = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
     draws = torch.cat([shifted.draw_time(a) for _ in range(400)])
@@ -57,7 +57,7 @@ def test_training_times_are_the_unshifted_draws_shifted():
 
 def test_sampling_grid_follows_the_recorded_shift_and_time_shift_composes():
     config = ModelConfig("DiTDH-T", input_size=4, in_channels=16, learn_sigma=False, objective="flow",
-                         time_dist_shift=SHIFT)
+                         objective_args={"time_dist_shift": SHIFT})
     objective = objective_of(config)
     assert objective.time_dist_shift == SHIFT
     grid = objective.process("euler", 10, {"time_shift": 1.0}).times
@@ -69,12 +69,10 @@ def test_sampling_grid_follows_the_recorded_shift_and_time_shift_composes():
 
 
 def test_shift_refused_on_ddpm_and_when_not_positive():
-    with pytest.raises(UserError, match="only flow models shift their times"):
-        ModelConfig("DiT-T/2", input_size=8, time_dist_shift=2.0)
-    with pytest.raises(UserError, match="time dist shift .* applies to the flow objective only"):
-        make_objective("ddpm", time_dist_shift=2.0)
+    with pytest.raises(UserError, match="records time_dist_shift for the ddpm objective"):
+        ModelConfig("DiT-T/2", input_size=8, objective_args={"time_dist_shift": 2.0})
     with pytest.raises(UserError, match="must be a positive number"):
-        make_objective("flow", time_dist_shift=0.0)
+        make_objective("flow", {"time_dist_shift": 0.0})
 
 
 def test_dit_dh_layout_is_raes_and_round_trips():
@@ -164,7 +162,7 @@ def test_recipe_rae_trains_a_dit_dh_that_samples_with_no_flags(wide_latents, tmp
     args[args.index("--model") + 1] = "DiTDH-T"
     assert main([*args, "--dry-run"]) == 0
     dry = json.loads(capsys.readouterr().out)
-    assert (dry["objective"], dry["time_sampling"], dry["time_dist_shift"], dry["block"], dry["lr"],
+    assert (dry["objective"], dry["objective_options"]["time_sampling"], dry["time_dist_shift"], dry["block"], dry["lr"],
             dry["adam_betas"], dry["lr_schedule"], dry["final_lr"], dry["ema_decay"], dry["max_grad_norm"]) == (
         "flow", "lognormal", round(math.sqrt(64 * 16 / 4096), 6), "lightning", 2e-4, [0.9, 0.95], "linear", 2e-5,
         0.9995, 1.0)
@@ -172,11 +170,19 @@ def test_recipe_rae_trains_a_dit_dh_that_samples_with_no_flags(wide_latents, tmp
     capsys.readouterr()
     export = sorted((run / "exports").glob("*.safetensors"))[-1]
     config = read_config(export)
-    assert (config.model, config.head_depth, config.time_dist_shift, config.learn_sigma) == ("DiTDH-T", 2, 0.5, False)
+    assert (config.model, config.head_depth, config.objective_args, config.learn_sigma) == (
+        "DiTDH-T", 2, {"convention": "sit", "time_dist_shift": 0.5}, False)
     err = expect_user_error(capsys, [*args[:-4], "--max-steps", "6", "--time-dist-shift", "1"])
     assert "time_dist_shift: 0.5 -> 1.0" in err
     err = expect_user_error(capsys, [*args[:-4], "--max-steps", "6", "--head-width", "192", "--head-heads", "3"])
     assert "head_width: 384 -> 192" in err
+
+
+def test_a_shift_on_ddpm_is_refused_naming_the_flag(wide_latents, tmp_path, capsys):
+    err = expect_user_error(capsys, train_args(wide_latents, tmp_path / "run", "--model", "DiTDH-T", "--time-dist-shift",
+                                               "2", "--max-steps", "1"))
+    assert "--time-dist-shift 2 applies to the flow objective only" in err and "--objective flow" in err
+    assert not (tmp_path / "run").exists()
 
 
 def test_routing_with_the_head_is_refused(wide_latents, tmp_path, capsys):
@@ -213,8 +219,8 @@ def test_rae_release_by_name_loads_strictly_with_its_time_and_shift(tiny_vae_dir
         assert code == 0, err
         identity = json.loads((tmp_path / "o" / "settings.json").read_text())["identity"]
         model = identity["model"]
-        assert (model["model"], model["objective"], model["flow_convention"], model["time_dist_shift"]) == (
-            "DiTDH-T", "flow", "repa", RAE_SHIFT)
+        assert (model["model"], model["objective"], model["objective_args"]) == (
+            "DiTDH-T", "flow", {"convention": "repa", "time_dist_shift": RAE_SHIFT})
         assert "RAE's DiT^DH layout" in out and (tmp_path / "cache" / name).is_file()
         code, _, err = run_main(main, ["--ckpt", name, "--vae", tiny_vae_dir, "--out", tmp_path / "x", "--objective",
                                        "ddpm", "--cpu"], capsys)

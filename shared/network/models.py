@@ -12,7 +12,7 @@ import functools
 import importlib
 import math
 import re
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 import torch.nn as nn
@@ -671,8 +671,7 @@ def check_preset(name: str) -> None:
         raise ChoiceError("model preset", name, list(DiT_models))
 
 
-# ModelConfig fields that describe training, not the network.
-OBJECTIVE_FIELDS = ("objective", "flow_convention", "time_dist_shift")
+OBJECTIVE_FIELDS = ("objective", "objective_args", "objective_plugin")  # ModelConfig fields of training, not the network
 
 
 @dataclass
@@ -697,13 +696,13 @@ class ModelConfig:
     head_depth: int | None = None
     head_width: int | None = None
     head_heads: int | None = None
-    # What the network was trained to predict (shared/generative/objectives.py): "ddpm" (DiT) or "flow" (SiT), and for flow
-    # the direction of its time input ("sit": 0 = noise; "repa": 0 = data). Not architecture: build() ignores them.
+    # What the network was trained to predict (shared/generative/objectives.py): the registered objective's name,
+    # its recorded fields (e.g. flow: {"convention": "sit", "time_dist_shift": 1.0}: the direction of its time
+    # input, RAE's shift), and the --plugin module that registers it ("" for a built-in). Not architecture:
+    # build() ignores them.
     objective: str = "ddpm"
-    flow_convention: str = "sit"
-    # RAE's shift of the training times and the sampling grid towards noise (1 = none; flow only), recorded so
-    # sampling walks the grid the model was trained for (shared/generative/flow.py rae_shift).
-    time_dist_shift: float = 1.0
+    objective_args: dict = field(default_factory=dict)
+    objective_plugin: str = ""
 
     def __post_init__(self):
         check_preset(self.model)
@@ -717,18 +716,9 @@ class ModelConfig:
         if self.model in DEFAULT_BLOCKS and not self.head_depth:
             raise SettingError(f"{self.model} is a DiT^DH preset but {{head depth}} is 0; use a DiT preset for a "
                                "model without the head.")
-        from shared.generative.objectives import check_objective  # late: objectives imports the samplers, not the model
-        from shared.generative.flow import check_convention, check_shift
-        check_objective(self.objective)
-        check_convention(self.flow_convention)
-        check_shift(self.time_dist_shift)
-        if self.objective != "flow" and self.flow_convention != "sit":
-            raise SettingError(f"a flow time convention ({self.flow_convention}) is recorded for a {self.objective} "
-                               "model; only flow models have one. Leave the {flow time convention} at sit.")
-        if self.objective != "flow" and self.time_dist_shift != 1.0:
-            raise SettingError(f"a time distribution shift ({self.time_dist_shift:g}) is recorded for a "
-                               f"{self.objective} model; only flow models shift their times. Leave the {{time dist "
-                               "shift}} at 1, or train with {objective} flow.")
+        from shared.generative.objectives import objective_of, recorded_args  # late: objectives imports samplers
+        # Every recorded field written out (defaults too), so equal models have equal configs.
+        self.objective_args = recorded_args(objective_of(self))
 
     @property
     def has_null_class(self) -> bool:
@@ -762,12 +752,26 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d):
         """Rebuild from to_dict() output; UserError on missing or unknown keys (absent block options are DiT's)."""
+        d = upgrade_objective(dict(d))
         names = {f.name for f in fields(cls)}
         unknown, missing = sorted(set(d) - names), sorted({"model", "input_size"} - set(d))
         if unknown or missing:
             raise UserError(f"model config {d} has unknown keys {unknown} / lacks keys {missing}; it was "
                             "written by an incompatible version. Re-export the weights with this version.")
         return cls(**d)
+
+
+def upgrade_objective(d: dict) -> dict:
+    """A config written before objectives recorded their own fields: its `flow_convention` becomes objective_args."""
+    if "flow_convention" not in d:
+        return d
+    convention = d.pop("flow_convention")
+    if d.get("objective", "ddpm") == "flow":
+        d.setdefault("objective_args", {"convention": convention})
+    elif convention != "sit":
+        raise SettingError(f"a flow time convention ({convention}) is recorded for a {d.get('objective', 'ddpm')} "
+                           "model; only flow models have one. Leave the {flow time convention} at sit.")
+    return d
 
 
 def _shape(state_dict, key):

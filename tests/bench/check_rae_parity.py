@@ -95,7 +95,8 @@ def build_pair(ddt, args):
             if p.requires_grad:
                 p.add_(0.05 * torch.randn_like(p))
     ours = ModelConfig(args.model, input_size=args.input_size, in_channels=args.in_channels, num_classes=10,
-                       learn_sigma=False, objective="flow", flow_convention="repa").build().eval()
+                       learn_sigma=False, objective="flow",
+                       objective_args={"convention": "repa"}).build().eval()
     ours.load_state_dict(theirs.state_dict(), strict=True)
     return theirs, ours
 
@@ -122,7 +123,7 @@ def check_times(transport_mod, shift, n=200_000) -> dict:
         torch.manual_seed(1)
         base = shift_free(transport_mod, kind, n)  # the same draws before the shift
         ours_same = 1 - rae_shift(1 - base, shift)  # our shift in SiT time, read back in RAE's
-        objective = make_objective("flow", time_sampling=ours_name, time_dist_shift=shift)
+        objective = make_objective("flow", {"time_dist_shift": shift}, time_sampling=ours_name)
         g = torch.Generator().manual_seed(2)
         ours_draws = 1 - torch.cat([objective.draw_time(g) for _ in range(n)])  # RAE's time
         q = torch.linspace(0.01, 0.99, 99)
@@ -145,7 +146,7 @@ def check_grids(integrators, shift) -> dict:
     ode = integrators.ode(drift=None, t0=0, t1=1 - 1 / 1000, sampler_type="euler", num_steps=50, atol=1e-6,
                           rtol=1e-3, time_dist_shift=shift)
     sde = integrators.sde(None, None, t0=0, t1=1 - 0.04, num_steps=50, sampler_type="euler", time_dist_shift=shift)
-    objective = make_objective("flow", time_dist_shift=shift)
+    objective = make_objective("flow", {"time_dist_shift": shift})
     ours_sde = 1 - objective.process("sde", 50, {"time_shift": 1.0, "last_step_size": 0.04}).times
     ours_ode = 1 - flow_grid(49, 1 / shift, end=1 - 1 / 1000)
     full = 1 - objective.process("euler", 49, {"time_shift": 1.0}).times  # what `sample` walks: to t = 0
