@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from shared.generative.objectives import check_objective, plugin_of
 from shared.network.diffusers_dit import NUMERICS_NOTE, check_dit_config, diffusers_to_dit, model_config_of
 from shared.runtime.errors import ChoiceError, UserError
 from shared.runtime.export import first_nonfinite, load_torch_file, load_weights, safetensors_problem
@@ -185,6 +186,7 @@ def _objective_of_release(path: Path, objective: str | None) -> tuple[str, str]:
     """(objective, how it was chosen) of a bare state dict: --objective, else its release's, else ddpm (DiT's)."""
     release = RELEASES.get(path.name)
     if objective is not None:
+        check_objective(objective)
         if release is not None and objective != release.objective:
             raise UserError(f"--objective {objective} contradicts {path.name}, a {release.paper} release trained with "
                             f"the {release.objective} objective; drop --objective.")
@@ -205,7 +207,7 @@ def _load_official(path: Path, weights: str | None, model: str | None, objective
         config, name, why = repa_release_config(config), "flow", "REPA's layout (its projector)"
     else:
         name, why = _objective_of_release(path, objective)
-        config = dataclasses.replace(config, objective=name)
+        config = dataclasses.replace(config, objective=name, objective_plugin=plugin_of(name))
     if model is not None and model != config.model:
         raise UserError(f"--model {model} does not fit {path}: its tensor shapes are those of {config.model} "
                         f"(latent input {config.input_size}). Pass --model {config.model} or drop --model.")

@@ -14,12 +14,12 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from shared.runtime.cli import HelpFormatter, add_flags, flag_name, from_args, option
+from shared.runtime.cli import HelpFormatter, argument_of, add_flags, flag_name, from_args, option
+from shared.runtime.flags import PLUGIN
 from shared.runtime.errors import UserError
 from shared.generative.guidance import GUIDE_CHANNELS
-from shared.generative.flow import TIME_SAMPLINGS
 from shared.network.models import ATTENTION_BACKENDS, BLOCK_FIELDS, BLOCKS, MLPS, NORMS, block_options, check_preset
-from shared.generative.objectives import OBJECTIVE_HELP, OBJECTIVE_NAMES
+from shared.generative.objectives import objective_help, training_flags
 from train.recipes import RECIPE_HELP, RECIPES, apply_recipe
 from shared.runtime.precision import PRECISION_CHOICES, canonical_precision
 from train.trackers import DEFAULT_REPORT_TO, REPORT_TO
@@ -29,9 +29,10 @@ OPTIMIZERS = ("adamw", "adamw8bit")
 EMA_DEVICES = ("gpu", "cpu")
 DEFAULT_MAX_STEPS = 400_000  # the paper's headline training length (DiT Table 4: FID-50K at 400K steps)
 DEBUG_STEPS = 5
+LEGACY_OBJECTIVE_FIELDS = ("time_sampling", "time_loc", "time_scale", "cos_weight")  # top-level keys of old configs
 
 # Changing one of these changes the experiment: a resume that differs is refused.
-IDENTITY_FIELDS = ("model", "objective", "time_sampling", "time_loc", "time_scale", "cos_weight", "global_batch_size",
+IDENTITY_FIELDS = ("model", "objective", "objective_options", "global_batch_size",
                    "seed", "optimizer", "adam_betas", "weight_decay", "ema_decay", "class_dropout_prob") + BLOCK_FIELDS
 # REPA (shared/network/repa.py): its settings change the experiment too.
 REPA_FIELDS = ("repa_weight", "repa_depth", "repa_projector_dim", "repa_feature_dim")
@@ -64,13 +65,11 @@ class TrainConfig:
     recipe: str = option("dit", "one word for a published recipe's objective, time sampling, block and optimizer "
                                 "settings (train/recipes.py); any flag given explicitly wins: "
                          + "; ".join(f"{k}: {v}" for k, v in RECIPE_HELP.items()), choices=tuple(RECIPES))
-    objective: str = option("ddpm", "what the model learns: " + "; ".join(f"{k}: {v}" for k, v in OBJECTIVE_HELP.items()),
-                            choices=OBJECTIVE_NAMES)
-    time_sampling: str = option("uniform", "flow only: how training draws the time: uniform (SiT) or lognormal, the "
-                                           "sigmoid of a normal (SD3, LightningDiT)", choices=TIME_SAMPLINGS)
-    time_loc: float = option(0.0, "flow only: location of the lognormal time draw")
-    time_scale: float = option(1.0, "flow only: scale of the lognormal time draw")
-    cos_weight: float = option(0.0, "flow only: weight of LightningDiT's cosine velocity-direction loss (its recipe: 1)")
+    objective: str = option("ddpm", "what the model learns, a registered objective (shared/generative/objectives.py; "
+                                    "--plugin MODULE adds one): " + objective_help())
+    plugin: list | None = PLUGIN.field()
+    # The objective's training fields (--time-sampling, ... derived from the registry): those given, then resolved.
+    objective_options: dict = field(default_factory=dict)
     # Block options (shared.network.models.BLOCKS): None until resolve_block fills them from --block (default "dit").
     block: str | None = option(
         None, "the transformer block preset: dit: LayerNorm + GELU MLP, absolute positions only (DiT); lightning: "
@@ -200,6 +199,9 @@ class TrainConfig:
         d = dict(d)
         if "mixed_precision" in d:  # configs written before the flag became --precision
             d.setdefault("precision", canonical_precision(d.pop("mixed_precision")))
+        old = {k: d.pop(k) for k in LEGACY_OBJECTIVE_FIELDS if k in d}  # written before objectives had options
+        if old and "objective_options" not in d:
+            d["objective_options"] = old if d.get("objective") == "flow" else {}
         kwargs = {k: v for k, v in d.items() if k in names}
         if "adam_betas" in kwargs:
             kwargs["adam_betas"] = tuple(kwargs["adam_betas"])
@@ -237,21 +239,43 @@ def build_parser(prog: str = "python -m train") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Train a DiT on cached VAE latents (one GPU, CPU, or "
                                 "`accelerate launch` for several processes).",
                                 formatter_class=HelpFormatter)
-    return add_flags(p, TrainConfig)
+    add_flags(p, TrainConfig)
+    return add_objective_flags(p)
+
+
+def add_objective_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """One flag per training field of the registered objectives (shared/generative/objectives.py).
+
+    Not given, a flag is absent from the namespace (the objective's own default applies), so a setting of
+    another objective is refused only when it was asked for.
+    """
+    for name, (spec, takers) in training_flags().items():
+        names, kwargs = argument_of(name, spec, type(spec.default))
+        kwargs.update(default=argparse.SUPPRESS,
+                      help=f"{'/'.join(takers)} only: {spec.help} (default: {spec.default})")
+        p.add_argument(*names, **kwargs)
+    return p
+
+
+def objective_flag_names() -> tuple[str, ...]:
+    """The namespace names of the objectives' training flags."""
+    return tuple(training_flags())
 
 
 def config_from_args(args: argparse.Namespace, explicit=frozenset()) -> TrainConfig:
     """A TrainConfig holding the parsed flags, the --recipe applied to those not in `explicit` (not yet resolved)."""
-    return apply_recipe(from_args(TrainConfig, args), set(explicit))
+    cfg = from_args(TrainConfig, args)
+    cfg.objective_options = {k: getattr(args, k) for k in objective_flag_names() if hasattr(args, k)}
+    return apply_recipe(cfg, set(explicit))
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Checks and resolution (cheap: no model, no tensors)
 # ---------------------------------------------------------------------------------------------------------
 
-_POSITIVE = ("time_scale", "global_batch_size", "micro_batch_size", "max_steps", "epochs", "ckpt_every", "log_every",
+_POSITIVE = ("global_batch_size", "micro_batch_size", "max_steps", "epochs", "ckpt_every", "log_every",
              "sample_steps", "image_size")
-_NON_NEGATIVE = ("repa_weight", "cos_weight", "grad_checkpoint", "keep_last", "keep_exports", "sample_every", "warmup_steps", "num_workers",
+_NON_NEGATIVE = ("repa_weight", "grad_checkpoint", "keep_last", "keep_exports", "sample_every", "warmup_steps", "num_workers",
                  "max_nonfinite", "weight_decay", "max_grad_norm", "seed")
 
 
@@ -402,11 +426,10 @@ def _resolve_route(cfg: TrainConfig, latent_shape) -> None:
 
 
 def _check_objective(cfg: TrainConfig) -> None:
-    """The objective and its training settings build (e.g. no flow-only setting on a ddpm run); cheap."""
-    from shared.generative.objectives import make_objective
+    """The objective and its training settings build (e.g. no flow-only setting on a ddpm run); fills them in."""
+    from shared.generative.objectives import make_objective, training_args
 
-    make_objective(cfg.objective, time_sampling=cfg.time_sampling,
-                   time_loc=cfg.time_loc, time_scale=cfg.time_scale, cos_weight=cfg.cos_weight)
+    cfg.objective_options = training_args(make_objective(cfg.objective, **cfg.objective_options))
 
 
 def _resolve_preview_guidance(cfg: TrainConfig) -> None:

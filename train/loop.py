@@ -24,6 +24,7 @@ from shared.runtime.errors import UserError
 from shared.runtime.export import first_nonfinite, nonfinite_tensors, save_weights
 from shared.runtime.fsio import atomic_write_text, space_guard
 from shared.runtime.lock import FolderLock, hold_lock
+from shared.generative.objectives import plugin_of
 from shared.network.models import ModelConfig, resolve_attention
 from shared.runtime.precision import set_tf32
 from shared.datasets.shards import LatentDataset
@@ -152,7 +153,8 @@ def model_config_for(cfg: TrainConfig, dataset: LatentDataset) -> ModelConfig:
     channels, size, _ = dataset.latent_shape
     return ModelConfig(model=cfg.model, input_size=size, in_channels=channels, num_classes=dataset.num_classes,
                        norm=cfg.norm, mlp=cfg.mlp, rope=cfg.rope, qk_norm=cfg.qk_norm,
-                       class_dropout_prob=cfg.class_dropout_prob, objective=cfg.objective)
+                       class_dropout_prob=cfg.class_dropout_prob, objective=cfg.objective,
+                       objective_plugin=plugin_of(cfg.objective))
 
 
 def check_finite_state(saved: dict, source: Path) -> None:

@@ -16,6 +16,8 @@ which stay the user's:
 """
 from __future__ import annotations
 
+import dataclasses
+
 RECIPES = {
     "dit": {},
     "sit": {"objective": "flow", "time_sampling": "uniform"},
@@ -29,9 +31,16 @@ RECIPE_HELP = {"dit": "DiT: DDPM, DiT block, AdamW lr 1e-4",
 
 
 def apply_recipe(cfg, explicit: set[str]):
-    """Set the recipe's values on `cfg` for every field not in `explicit` (the flags given); returns cfg."""
-    for name, value in RECIPES[cfg.recipe].items():
-        if name not in explicit:
-            setattr(cfg, name, value)
-    return cfg
+    """Set the recipe's values on `cfg` for every field not in `explicit` (the flags given); returns cfg.
 
+    A name that is no TrainConfig field is a training field of the objective (cfg.objective_options).
+    """
+    own = {f.name for f in dataclasses.fields(cfg)}
+    for name, value in RECIPES[cfg.recipe].items():
+        if name in explicit:
+            continue
+        if name in own:
+            setattr(cfg, name, value)
+        else:
+            cfg.objective_options[name] = value
+    return cfg

@@ -20,7 +20,7 @@ from typing import Iterable
 
 import torch
 
-from shared.generative.objectives import DDPMObjective, objective_of
+from shared.generative.objectives import Objective, objective_of
 from shared.runtime.errors import UserError
 from shared.network.models import ModelConfig
 from shared.runtime.precision import autocast_dtype
@@ -38,9 +38,9 @@ class Learner:
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     model_config: ModelConfig
+    objective: Objective  # shared/generative/objectives.py: time draws and the loss
     accelerator: object = None  # None: a single process without Accelerate (nothing to synchronise)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    objective: object = field(default_factory=DDPMObjective)  # shared/generative/objectives.py: time draws and the loss
     projector: torch.nn.Module | None = None  # REPA's projector (shared/network/repa.py), trained with the model; no EMA
     route: tuple[int, int] | None = None  # token routing: (tokens T, kept K) per sample, drawn by the data side
     step: int = 0
@@ -117,8 +117,7 @@ def build_ema(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) ->
 
 def objective_for(cfg: TrainConfig, model_config: ModelConfig):
     """The run's objective: the one its ModelConfig records, with the config's training-time settings."""
-    return objective_of(model_config, time_sampling=cfg.time_sampling, time_loc=cfg.time_loc,
-                          time_scale=cfg.time_scale, cos_weight=cfg.cos_weight)
+    return objective_of(model_config, **cfg.objective_options)
 
 
 def build_projector(cfg: TrainConfig, raw: torch.nn.Module) -> torch.nn.Module | None:

@@ -64,9 +64,18 @@ class FlowPath:
         v = out[:, :channels].float()  # (N, C, h, w)
         return v if self.convention == "sit" else -v
 
+    def tau_of(self, model_t: torch.Tensor) -> torch.Tensor:
+        """SiT time tau of a network timestep input (N,)."""
+        return model_t if self.convention == "sit" else 1 - model_t
+
+    def field(self, model_fn, x: torch.Tensor, model_t: torch.Tensor, model_kwargs: dict | None) -> torch.Tensor:
+        """SiT's velocity at x (N,C,h,w) from one network call at network time model_t (N,): every sampler's only
+        way to the network, so a path whose network predicts something else (x1, eps) converts here."""
+        return self.velocity(model_fn(x, model_t, **(model_kwargs or {})), x.shape[1])
+
     def call(self, model_fn, x: torch.Tensor, tau: torch.Tensor, model_kwargs: dict | None) -> torch.Tensor:
         """The velocity field at (x, tau): one network call, converted to SiT's convention."""
-        return self.velocity(model_fn(x, self.model_time(tau), **(model_kwargs or {})), x.shape[1])
+        return self.field(model_fn, x, self.model_time(tau), model_kwargs)
 
     def training_losses(self, model_fn, x1, tau, noise, model_kwargs=None, cos_weight: float = 0.0) -> dict:
         """Velocity MSE (SiT Eq. 5) plus, with cos_weight > 0, LightningDiT's 1 - cos(v_hat, v) over channels; each (N,)."""
@@ -177,7 +186,7 @@ def _points(process: FlowProcess, progress: bool, desc: str):
 def _velocity(process: FlowProcess, model_fn, x, i: int, model_kwargs) -> torch.Tensor:
     """The velocity at grid point i: the network called at that point's float64 network time."""
     t = _tau(process.model_times[i], x)  # (N,) float64
-    return process.path.velocity(model_fn(x, t, **(model_kwargs or {})), x.shape[1])
+    return process.path.field(model_fn, x, t, model_kwargs)
 
 
 @torch.no_grad()
@@ -248,6 +257,6 @@ def dopri5_sample(process: FlowProcess, model_fn, noise, model_kwargs=None, gene
     def field(tau, x, rows):
         """dx/dtau of the rows `rows` (M,) at their own times tau (M,) float64."""
         kwargs = {k: v[rows] for k, v in (model_kwargs or {}).items()}
-        return process.path.velocity(model_fn(x, process.path.model_time(tau), **kwargs), x.shape[1])
+        return process.path.field(model_fn, x, process.path.model_time(tau), kwargs)
 
     return dopri5_rows(field, noise.float(), atol=atol, rtol=rtol)

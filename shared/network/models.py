@@ -12,7 +12,7 @@ import functools
 import importlib
 import math
 import re
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 import torch.nn as nn
@@ -608,7 +608,7 @@ def check_preset(name: str) -> None:
         raise ChoiceError("model preset", name, list(DiT_models))
 
 
-OBJECTIVE_FIELDS = ("objective", "flow_convention")  # ModelConfig fields that describe training, not the network
+OBJECTIVE_FIELDS = ("objective", "objective_args", "objective_plugin")  # ModelConfig fields of training, not the network
 
 
 @dataclass
@@ -628,21 +628,19 @@ class ModelConfig:
     mlp: str = "gelu"
     rope: bool = False
     qk_norm: bool = False
-    # What the network was trained to predict (shared/generative/objectives.py): "ddpm" (DiT) or "flow" (SiT), and for flow
-    # the direction of its time input ("sit": 0 = noise; "repa": 0 = data). Not architecture: build() ignores them.
+    # What the network was trained to predict (shared/generative/objectives.py): the registered objective's name,
+    # its recorded fields (e.g. flow: {"convention": "sit"}, the direction of its time input), and the --plugin
+    # module that registers it ("" for a built-in). Not architecture: build() ignores them.
     objective: str = "ddpm"
-    flow_convention: str = "sit"
+    objective_args: dict = field(default_factory=dict)
+    objective_plugin: str = ""
 
     def __post_init__(self):
         check_preset(self.model)
         check_block_options(self.norm, self.mlp, self.rope, self.qk_norm)
-        from shared.generative.objectives import check_objective  # late: objectives imports the samplers, not the model
-        from shared.generative.flow import check_convention
-        check_objective(self.objective)
-        check_convention(self.flow_convention)
-        if self.objective != "flow" and self.flow_convention != "sit":
-            raise SettingError(f"a flow time convention ({self.flow_convention}) is recorded for a {self.objective} "
-                               "model; only flow models have one. Leave the {flow time convention} at sit.")
+        from shared.generative.objectives import objective_of, recorded_args  # late: objectives imports samplers
+        # Every recorded field written out (defaults too), so equal models have equal configs.
+        self.objective_args = recorded_args(objective_of(self))
 
     @property
     def has_null_class(self) -> bool:
@@ -671,12 +669,26 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d):
         """Rebuild from to_dict() output; UserError on missing or unknown keys (absent block options are DiT's)."""
+        d = upgrade_objective(dict(d))
         names = {f.name for f in fields(cls)}
         unknown, missing = sorted(set(d) - names), sorted({"model", "input_size"} - set(d))
         if unknown or missing:
             raise UserError(f"model config {d} has unknown keys {unknown} / lacks keys {missing}; it was "
                             "written by an incompatible version. Re-export the weights with this version.")
         return cls(**d)
+
+
+def upgrade_objective(d: dict) -> dict:
+    """A config written before objectives recorded their own fields: its `flow_convention` becomes objective_args."""
+    if "flow_convention" not in d:
+        return d
+    convention = d.pop("flow_convention")
+    if d.get("objective", "ddpm") == "flow":
+        d.setdefault("objective_args", {"convention": convention})
+    elif convention != "sit":
+        raise SettingError(f"a flow time convention ({convention}) is recorded for a {d.get('objective', 'ddpm')} "
+                           "model; only flow models have one. Leave the {flow time convention} at sit.")
+    return d
 
 
 def _shape(state_dict, key):
