@@ -164,13 +164,16 @@ def make_learner(cfg: TrainConfig, model_config: ModelConfig, accelerator=None, 
 # ---------------------------------------------------------------------------------------------------------
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """LR for the optimizer step after `step` steps: linear warmup, then constant or cosine to 0."""
+    """LR for the optimizer step after `step` steps: linear warmup, then constant, or cosine/linear to final_lr."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     if cfg.lr_schedule == "constant":
         return cfg.lr
     progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps))
-    return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+    final = cfg.final_lr
+    if cfg.lr_schedule == "linear":  # RAE's scheduler type linear: base_lr -> final_lr
+        return cfg.lr + (final - cfg.lr) * progress
+    return final + (cfg.lr - final) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def forward_loss(model, objective, batch: dict, precision: str, device) -> torch.Tensor:
