@@ -105,17 +105,18 @@ def test_repa_hidden_inside_the_route_is_refused_by_the_model():
 
 def test_route_draws_come_last_from_the_samples_generator(tmp_path):
     from shared.datasets.shards import LatentDataset
+    from shared.generative.objectives import DDPMObjective
     from train.data import TrainingDraws
 
     dataset = LatentDataset(make_latents(tmp_path / "lat"), progress=False)
     pairs = [(5, 3), (6, 9), (40, 3)]
-    plain = TrainingDraws(dataset, 3, 0.1).__getitems__(pairs)
-    routed = TrainingDraws(dataset, 3, 0.1, route=(16, 8)).__getitems__(pairs)
+    plain = TrainingDraws(dataset, 3, 0.1, DDPMObjective()).__getitems__(pairs)
+    routed = TrainingDraws(dataset, 3, 0.1, DDPMObjective(), route=(16, 8)).__getitems__(pairs)
     assert all(torch.equal(plain[k], routed[k]) for k in plain)  # every other draw unchanged
     keep = routed["route_keep"]
     assert keep.shape == (3, 8) and keep.dtype == torch.int64
     assert all(len(set(row.tolist())) == 8 and row.tolist() == sorted(row.tolist()) for row in keep)
-    again = TrainingDraws(dataset, 3, 0.1, route=(16, 8)).__getitems__(pairs[::-1])["route_keep"]
+    again = TrainingDraws(dataset, 3, 0.1, DDPMObjective(), route=(16, 8)).__getitems__(pairs[::-1])["route_keep"]
     assert torch.equal(again.flip(0), keep)  # keyed by stream position, not by batch order
     assert not torch.equal(keep[0], keep[2])  # same image at another position: another route
 

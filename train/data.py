@@ -14,7 +14,6 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from shared.generative.objectives import DDPMObjective
 from shared.network.repa import REPR_TENSOR
 from shared.network.routing import draw_kept
 from shared.runtime.seeding import generator_for
@@ -49,11 +48,11 @@ class TrainingDraws(torch.utils.data.Dataset):
     also route_keep (B,K) int64: the tokens that pass the routed blocks (shared/network/routing.py).
     """
 
-    def __init__(self, dataset: LatentDataset, seed: int, class_dropout_prob: float, objective=None,
+    def __init__(self, dataset: LatentDataset, seed: int, class_dropout_prob: float, objective,
                  features: bool = False, route: tuple[int, int] | None = None, norm=None):
         self.dataset, self.seed, self.class_dropout_prob = dataset, seed, class_dropout_prob
         self.norm = norm or dataset.native_norm
-        self.objective = objective or DDPMObjective()
+        self.objective = objective  # shared.generative.objectives.Objective: draws each sample's time
         spread = () if dataset.deterministic else ("std",)  # a deterministic tokenizer's latent has no std
         self.columns = ("mean", *spread, *((REPR_TENSOR,) if features else ()))  # other columns are never read
         self.route = route
@@ -91,7 +90,7 @@ def _passthrough(batch):
 
 
 def make_loader(dataset: LatentDataset, *, micro_batch: int, rank: int, world_size: int, seed: int, start: int,
-                class_dropout_prob: float, num_workers: int, pin_memory: bool, objective=None,
+                class_dropout_prob: float, num_workers: int, pin_memory: bool, objective,
                 features: bool = False, route: tuple[int, int] | None = None, norm=None) -> Iterator[dict]:
     """An endless iterator of micro-batches for this rank, starting at global stream position `start`."""
     sampler = PositionedSampler(len(dataset), rank, world_size, seed, start)
@@ -105,7 +104,7 @@ def make_loader(dataset: LatentDataset, *, micro_batch: int, rank: int, world_si
     return iter(loader)
 
 
-def synthetic_batch(shape_of, micro_batch: int, class_dropout_prob: float, seed: int = 0, objective=None,
+def synthetic_batch(shape_of, micro_batch: int, class_dropout_prob: float, objective, seed: int = 0,
                     features: tuple | None = None, route: tuple[int, int] | None = None) -> dict:
     """A micro-batch of the loader's keys, shapes and dtypes from random latents (bench and plan).
 
@@ -117,7 +116,7 @@ def synthetic_batch(shape_of, micro_batch: int, class_dropout_prob: float, seed:
     return {"x0": torch.randn(shape, generator=g),  # (B, C, h, w) fp32
             "label": torch.randint(0, shape_of.num_classes, (micro_batch,), generator=g),  # (B,)
             "drop": torch.rand(micro_batch, generator=g) < class_dropout_prob,  # (B,)
-            "t": torch.cat([(objective or DDPMObjective()).draw_time(g) for _ in range(micro_batch)]),  # (B,)
+            "t": torch.cat([objective.draw_time(g) for _ in range(micro_batch)]),  # (B,)
             "noise": torch.randn(shape, generator=g),  # (B, C, h, w)
             "position": torch.arange(micro_batch, dtype=torch.int64),  # (B,)
             **({REPR_TENSOR: torch.randn((micro_batch, *features), generator=g)} if features else {}),  # (B, T, E)

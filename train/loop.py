@@ -24,6 +24,7 @@ from shared.runtime.errors import UserError
 from shared.runtime.export import first_nonfinite, nonfinite_tensors, save_weights
 from shared.runtime.fsio import atomic_write_text, space_guard
 from shared.runtime.lock import FolderLock, hold_lock
+from shared.generative.objectives import plugin_of
 from shared.network.models import ModelConfig, resolve_attention
 from shared.runtime.precision import set_tf32
 from shared.datasets.shards import LatentDataset
@@ -151,9 +152,16 @@ def seed_globals(seed: int, rank: int) -> None:
 def model_config_for(cfg: TrainConfig, dataset: LatentDataset) -> ModelConfig:
     """The DiT config for these latents."""
     channels, size, _ = dataset.latent_shape
+    # DDPM needs its learned variance; a flow model with the DiT^DH head predicts the velocity alone, as RAE's
+    # (out = in channels), while the plain presets keep DiT's/SiT's 2C outputs so their layouts stay the releases'.
+    learn_sigma = cfg.objective == "ddpm" or not cfg.head_depth
     return ModelConfig(model=cfg.model, input_size=size, in_channels=channels, num_classes=dataset.num_classes,
-                       norm=cfg.norm, mlp=cfg.mlp, rope=cfg.rope, qk_norm=cfg.qk_norm,
-                       class_dropout_prob=cfg.class_dropout_prob, objective=cfg.objective)
+                       learn_sigma=learn_sigma,
+                       norm=cfg.norm, mlp=cfg.mlp, rope=cfg.rope, qk_norm=cfg.qk_norm, head_depth=cfg.head_depth,
+                       head_width=cfg.head_width, head_heads=cfg.head_heads,
+                       class_dropout_prob=cfg.class_dropout_prob, objective=cfg.objective,
+                       objective_args={"time_dist_shift": cfg.time_dist_shift} if cfg.time_dist_shift != 1.0 else {},
+                       objective_plugin=plugin_of(cfg.objective))
 
 
 def check_finite_state(saved: dict, source: Path) -> None:

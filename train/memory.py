@@ -26,12 +26,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm.auto import tqdm
 
-from shared.generative.objectives import DDPMObjective
 from shared.network.routing import kept_tokens
 from shared.runtime.errors import UserError
 from shared.network.models import BLOCK_FIELDS, ModelConfig, check_preset
 from shared.runtime.precision import autocast_dtype
 from train.config import TrainConfig
+from shared.generative.objectives import objective_of
 from train.data import synthetic_batch
 from train.step import forward_loss, make_learner, train_step
 
@@ -242,15 +242,14 @@ class Residency:
     resident: int
 
 
-def measure_forward(model, batch: int, precision: str, objective=None, route=None) -> Residency:
+def measure_forward(model, batch: int, precision: str, objective, route=None) -> Residency:
     """Run the trainer's forward + loss at `batch` under `precision` and count what it leaves resident.
 
     route (tokens, kept): token routing, as set on the model (DiT.set_routing); the routed blocks then save
     activations for the kept tokens only, because that is what they see.
     """
-    objective = objective or DDPMObjective()
     device = next(model.parameters()).device
-    micro = synthetic_batch(model, batch, class_dropout_prob=0.1, objective=objective, route=route)
+    micro = synthetic_batch(model, batch, 0.1, objective, route=route)
     params = _param_keys(model)
     ledger, casts = SavedTensorLedger(params), CastCacheCounter(params)
     model.train()
@@ -310,10 +309,12 @@ class ActivationProfile:
         return max(self.resident.at(n), self.saved.at(n) + self.recompute.at(n))
 
 
-def measure_profile(model, every: int, precision: str, block_fit: LinearBytes, route=None) -> ActivationProfile:
-    """Measure one checkpointing choice at batch 1 and 2 and fit the batch dependence (route: measure_forward's)."""
+def measure_profile(model, every: int, precision: str, block_fit: LinearBytes, objective,
+                    route=None) -> ActivationProfile:
+    """Measure one checkpointing choice at batch 1 and 2 (the objective's forward and loss) and fit the batch
+    dependence (route: measure_forward's)."""
     model.set_grad_checkpointing(every)
-    one, two = measure_forward(model, 1, precision, route=route), measure_forward(model, 2, precision, route=route)
+    one, two = (measure_forward(model, n, precision, objective, route=route) for n in (1, 2))
     recompute = block_fit if every else LinearBytes(0, 0)
     return ActivationProfile(every, LinearBytes.fit(one.saved, two.saved),
                              LinearBytes.fit(one.resident, two.resident), recompute, one.cast_cache)
@@ -411,7 +412,7 @@ def measure_profiles(config, precision: str, choices, device, route=None) -> tup
         shape = (model.x_embedder.num_patches, kept_tokens(model.x_embedder.num_patches, ratio))
     profiles = []
     for every in choices:
-        profiles.append(measure_profile(model, every, precision, block_fit, shape))
+        profiles.append(measure_profile(model, every, precision, block_fit, objective_of(config), shape))
         bar.update()
     bar.close()
     return profiles, n_params, n_trainable
@@ -441,7 +442,8 @@ def verify(config, args, row: PlanRow) -> int:
     """Peak allocated bytes of the trainer's own step (train/step.py) on CUDA at the planned micro-batch."""
     cfg = verify_config(config, args, row)
     learner = make_learner(cfg, config, device=torch.device("cuda"))
-    batches = [synthetic_batch(config, row.micro, cfg.class_dropout_prob, seed=i, route=learner.route)
+    batches = [synthetic_batch(config, row.micro, cfg.class_dropout_prob, learner.objective, seed=i,
+                               route=learner.route)
                for i in range(cfg.grad_accum_steps)]
     train_step(learner, batches)  # allocates the optimizer state
     torch.cuda.synchronize()

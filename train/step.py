@@ -20,7 +20,7 @@ from typing import Iterable
 
 import torch
 
-from shared.generative.objectives import DDPMObjective, objective_of
+from shared.generative.objectives import Objective, objective_of
 from shared.runtime.errors import UserError
 from shared.network.models import ModelConfig
 from shared.runtime.precision import autocast_dtype
@@ -38,9 +38,9 @@ class Learner:
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     model_config: ModelConfig
+    objective: Objective  # shared/generative/objectives.py: time draws and the loss
     accelerator: object = None  # None: a single process without Accelerate (nothing to synchronise)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    objective: object = field(default_factory=DDPMObjective)  # shared/generative/objectives.py: time draws and the loss
     projector: torch.nn.Module | None = None  # REPA's projector (shared/network/repa.py), trained with the model; no EMA
     route: tuple[int, int] | None = None  # token routing: (tokens T, kept K) per sample, drawn by the data side
     step: int = 0
@@ -117,8 +117,7 @@ def build_ema(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) ->
 
 def objective_for(cfg: TrainConfig, model_config: ModelConfig):
     """The run's objective: the one its ModelConfig records, with the config's training-time settings."""
-    return objective_of(model_config, time_sampling=cfg.time_sampling, time_loc=cfg.time_loc,
-                          time_scale=cfg.time_scale, cos_weight=cfg.cos_weight)
+    return objective_of(model_config, **cfg.objective_options)
 
 
 def build_projector(cfg: TrainConfig, raw: torch.nn.Module) -> torch.nn.Module | None:
@@ -165,13 +164,16 @@ def make_learner(cfg: TrainConfig, model_config: ModelConfig, accelerator=None, 
 # ---------------------------------------------------------------------------------------------------------
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """LR for the optimizer step after `step` steps: linear warmup, then constant or cosine to 0."""
+    """LR for the optimizer step after `step` steps: linear warmup, then constant, or cosine/linear to final_lr."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     if cfg.lr_schedule == "constant":
         return cfg.lr
     progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps))
-    return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+    final = cfg.final_lr
+    if cfg.lr_schedule == "linear":  # RAE's scheduler type linear: base_lr -> final_lr
+        return cfg.lr + (final - cfg.lr) * progress
+    return final + (cfg.lr - final) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def forward_loss(model, objective, batch: dict, precision: str, device) -> torch.Tensor:
