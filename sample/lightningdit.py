@@ -45,4 +45,4 @@ def release_model_config(state: dict, where) -> ModelConfig:
         raise UserError(f"{where} is not a LightningDiT release: its tensors describe the {config.block} block"
                         f"{' with learned sigma' if config.learn_sigma else ''}, LightningDiT's released models use "
                         f"the lightning block (RMSNorm, SwiGLU, RoPE) without learned sigma.")
-    return dataclasses.replace(config, objective="flow", flow_convention="sit")
+    return dataclasses.replace(config, objective="flow", objective_args={"convention": "sit"})

@@ -325,7 +325,7 @@ def test_lightningdit_release_by_name_loads_into_the_lightning_block(monkeypatch
     torch.save({"model": state, "ema": state}, tmp_path / "ckpts" / "lightningdit-xl-imagenet256-64ep.pt")
     loaded = load_sampling_weights("lightningdit-xl-imagenet256-64ep.pt")
     assert loaded.config.block == "lightning" and loaded.config.objective == "flow"
-    assert loaded.config.flow_convention == "sit" and not loaded.config.learn_sigma
+    assert loaded.config.objective_args["convention"] == "sit" and not loaded.config.learn_sigma
     assert loaded.latent_meta["vae"] == "vavae" and loaded.latent_meta["latent_shape"] == [32, 16, 16]
     assert any("--cfg-scale 10" in note for note in loaded.notes)
     built = build_sampling_model(loaded, "cpu")
