@@ -334,6 +334,7 @@ def _write_main(run: Run, tmp: Path) -> None:
                             scaler_state=learner.scaler.state_dict(), state=state,
                             projector_state=learner.projector.state_dict() if learner.projector is not None else None)
     final = ckpt_io.publish(tmp, run.run_dir, run.step)
+    run.callbacks.on_publish(run, final)
     write_export(run)
     pruned = ckpt_io.prune_checkpoints(run.run_dir, run.cfg.keep_last)
     pruned += ckpt_io.prune_exports(run.run_dir, run.cfg.keep_exports)
