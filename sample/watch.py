@@ -30,11 +30,12 @@ from shared.runtime.distributed import process_state
 from shared.runtime.errors import UserError
 from shared.runtime.flags import DecodeFlags
 from shared.runtime.lock import LOCK_NAME, FolderBusyError, hold_lock
+from shared.runtime.previews import read_preview
 from shared.runtime.trackers import check_report_to
 from shared.tokenizers.vae import read_vae_config
 from shared.tokenizers.vae_match import check_vae_matches, choose_vae, load_vae
 
-from sample.decode import DecodeOptions, decode_file, read_latents
+from sample.decode import DecodeOptions, decode_file
 from sample.outputs import captions_for, image_name, labelled_grid, read_png, save_png
 
 REPORT_TO = ("auto", "tensorboard", "none")
@@ -219,7 +220,7 @@ class Decoder:
 
     def decode(self, run: Path, step: int, path: Path) -> np.ndarray:
         """`sample decode` of one preview file into RUN/samples/step-X/, then its labelled grid -> the grid."""
-        data = read_latents(path)
+        data = read_preview(path)
         latents, labels, meta = data
         spec, how = choose_vae(self.o.vae, meta)
         name, _ = check_vae_matches(spec, self.o.vae_config, latents.shape[1], meta, self.o.allow_other_vae)

@@ -23,6 +23,7 @@ from shared.runtime import rundir
 from shared.runtime.errors import UserError
 from shared.runtime.export import first_nonfinite, nonfinite_tensors, save_weights
 from shared.runtime.fsio import atomic_write_text, space_guard
+from shared.runtime.previews import write_preview
 from shared.runtime.lock import FolderLock, hold_lock
 from shared.network.models import ModelConfig, resolve_attention
 from shared.runtime.precision import set_tf32
@@ -35,7 +36,7 @@ from train.data import make_loader
 from train.latents import open_latents
 from train.launcher import check_strategy, resolve_precision_with_launcher
 from train.logger import RunLogger
-from train.preview import sample_preview, save_preview
+from train.preview import sample_preview
 from train.step import Learner, import_bitsandbytes, lr_at, make_learner, train_step
 from train.trackers import accelerator_kwargs, check_watch, default_callbacks
 
@@ -358,7 +359,7 @@ def save_samples(run: Run) -> None:
                                              run.learner.objective)
         finally:
             ema.to(home)
-        path = save_preview(rundir.sample_path(run.run_dir, run.step), latents, labels, run.dataset.latent_meta(),
+        path = write_preview(rundir.sample_path(run.run_dir, run.step), latents, labels, run.dataset.latent_meta(),
                             run.step)
         run.logger.info(f"saved samples {path}")
     run.accelerator.wait_for_everyone()
