@@ -22,7 +22,7 @@ from tqdm import tqdm
 from shared.runtime import rundir
 from shared.runtime.errors import UserError
 from shared.runtime.export import first_nonfinite, nonfinite_tensors, save_weights
-from shared.runtime.fsio import atomic_write_text, space_guard
+from shared.runtime.fsio import atomic_write_text, link_file, space_guard
 from shared.runtime.previews import write_preview
 from shared.runtime.lock import FolderLock, hold_lock
 from shared.network.models import ModelConfig, resolve_attention
@@ -343,9 +343,18 @@ def _write_main(run: Run, tmp: Path) -> None:
 
 
 def write_export(run: Run) -> Path:
-    """The slim EMA export of the current step (what `python -m sample --ckpt RUN` reads)."""
-    return save_weights(rundir.export_path(run.run_dir, run.step), run.learner.ema.state_dict(),
-                        run.learner.model_config, run.dataset.latent_meta(), run.step)
+    """The slim EMA export of the current step (what `python -m sample --ckpt RUN` reads).
+
+    The checkpoint of this step already holds these bytes (its EMA file is written by the same save_weights with
+    the same metadata), so the export is a hard link to it: the EMA is stored once (2.7 GB at XL/2), and pruning
+    the checkpoint leaves the export whole. A fresh write where there is no such checkpoint or no hard link.
+    """
+    path = rundir.export_path(run.run_dir, run.step)
+    stored = rundir.checkpoint_path(run.run_dir, run.step) / rundir.EMA_FILE
+    if stored.is_file() and link_file(stored, path):
+        return path
+    return save_weights(path, run.learner.ema.state_dict(), run.learner.model_config, run.dataset.latent_meta(),
+                        run.step)
 
 
 def save_samples(run: Run) -> None:
