@@ -24,7 +24,8 @@ from shared.runtime import rundir
 from shared.runtime.cli import HelpFormatter, add_flags, from_args, option
 from shared.runtime.errors import UserError, cli_errors
 from shared.runtime.evalcurve import draw_metric, finite_values, metric_lines, metric_title, same_series
-from shared.runtime.flags import BATCH_SIZE, CFG_INTERVAL, CFG_SCALE, CPU, GUIDE, NUM_SAMPLING_STEPS, SAMPLER, SEED, VAE
+from shared.runtime.flags import (BATCH_SIZE, CFG_INTERVAL, CFG_SCALE, CPU, GUIDE, NUM_SAMPLING_STEPS, PLUGIN, SAMPLER,
+                                  SEED, VAE)
 from shared.runtime.fsio import atomic_write
 
 PROG = "python -m evaluate run"
@@ -59,6 +60,7 @@ class RunEvalOptions:
     is_split_size: int = IS_SPLIT.field()
     vae: str | None = VAE.field()
     inception_weights: str | None = INCEPTION_WEIGHTS.field()
+    plugin: list | None = PLUGIN.field()
     keep_samples: bool = option(False, "keep RUN/eval-samples/<step>-<settings>/ after evaluating (default: removed "
                                        "once recorded)")
     cpu: bool = CPU.field()
@@ -246,6 +248,9 @@ def main_run(argv) -> None:
     """Entry point of `python -m evaluate run`: UserErrors become one paragraph (exit status 2)."""
     with cli_errors(PROG, FLAGS):
         options = from_args(RunEvalOptions, run_parser().parse_args(argv))
+        from shared.generative.objectives import import_plugins
+
+        import_plugins(options.plugin)  # before the exports' objective is looked up
         rows = run_evaluation(options)
         if rows:
             print(f"{len(rows)} points in {rundir.eval_path(options.run)}; curve: {rundir.eval_plot_path(options.run)}")

@@ -13,9 +13,10 @@ from tqdm import tqdm
 from shared.runtime.cli import option
 from shared.runtime.distributed import process_state
 from shared.runtime.errors import UserError
-from shared.runtime.flags import BATCH_SIZE, CFG_INTERVAL, CFG_SCALE, GUIDE, NUM_SAMPLING_STEPS, SAMPLER, SEED, DecodeFlags
+from shared.runtime.flags import (BATCH_SIZE, CFG_INTERVAL, CFG_SCALE, GUIDE, NUM_SAMPLING_STEPS, PLUGIN, SAMPLER, SEED,
+                                  DecodeFlags)
 from shared.generative.guidance import check_guidance, check_interval, describe_guidance, guide_channel_count, guided_model_fn
-from shared.generative.objectives import OBJECTIVE_NAMES, objective_of
+from shared.generative.objectives import objective_of
 from shared.generative.samplers import SAMPLER_OPTIONS, get_sampler, sampler_options
 from shared.runtime.lock import hold_lock
 from shared.network.models import DiT_models
@@ -47,8 +48,8 @@ class SampleOptions(DecodeFlags):
                                choices=tuple(DiT_models))
     objective: str | None = option(  # None: the release's objective, else ddpm
         None, "official .pt only: the objective the weights were trained with (default: the release's for a "
-              "released name such as SiT-XL-2-256x256.pt, else ddpm); exports record their own",
-        choices=OBJECTIVE_NAMES)
+              "released name such as SiT-XL-2-256x256.pt, else ddpm); exports record their own")
+    plugin: list | None = PLUGIN.field()
     image_size: int | None = option(None, "official .pt only: image size in pixels, checked against latent size x "
                                           "VAE factor (default: not checked)")
     class_labels: list[str] | None = option(  # class indices or class names of the latent metadata
@@ -123,7 +124,7 @@ def given_options(o: SampleOptions) -> dict:
 def resolve_sampler(o: SampleOptions, objective) -> tuple[str, dict]:
     """(sampler, its options) for the weights' objective; SettingError for a sampler or steps it cannot take."""
     sampler = o.sampler or objective.default_sampler
-    get_sampler(sampler, objective.name)  # e.g. --sampler ddpm for a flow model: refused by name
+    get_sampler(sampler, objective)  # e.g. --sampler ddpm for a flow model: refused by name
     options = sampler_options(sampler, given_options(o))
     objective.process(sampler, o.num_sampling_steps, options)  # e.g. 1000 steps of the solvers' linspace spacing
     return sampler, options
@@ -154,7 +155,7 @@ def make_settings(o: SampleOptions, job_fields: dict) -> dict:
     """{"identity": what fixes the pixels (compared on resume), "run": the rest}; JSON-normalised."""
     loaded: LoadedWeights = job_fields["loaded"]
     options = {k: v for k, v in asdict(o).items() if k not in ("ckpt", "vae", "vae_config", "class_labels",
-                                                                 "random_labels", "model", "objective", "image_size")}
+                                                                 "random_labels", "model", "objective", "image_size", "plugin")}
     # What was used, not what was asked: the weights, sampler and options actually used and the guidance rule.
     # An option the sampler does not take is None (as folders written before that option existed read).
     options.update(weights=loaded.weights, sampler=job_fields["sampler"],

@@ -77,6 +77,7 @@ def test_keep_last_retention_and_optional_features(latents, tmp_path):
 
 def test_previews_with_the_ema_on_the_cpu_follow_the_configured_guidance(latents, tmp_path):
     from shared.runtime.export import load_weights
+    from shared.generative.objectives import objective_of
     from train.preview import sample_preview
 
     flags = ["--max-steps", "2", "--sample-every", "2", "--sample-steps", "3", "--lr", "1e-2", "--ema-decay", "0"]
@@ -89,7 +90,8 @@ def test_previews_with_the_ema_on_the_cpu_follow_the_configured_guidance(latents
         state, config, _, _ = load_weights(run / "exports" / "ema-step-0000002.safetensors")
         model = config.build().eval()
         model.load_state_dict(state)
-        latents_, _ = sample_preview(model, (4, 4, 4), 3, 4.0, choice, torch.device("cpu"))
+        latents_, _ = sample_preview(model, (4, 4, 4), 3, 4.0, choice, torch.device("cpu"),
+                                     objective_of(config))
         torch.testing.assert_close(latents_, previews[choice], atol=1e-5, rtol=1e-5)
     same_ema = final_tensors(runs["all"]), final_tensors(runs["3"])  # EMA on the CPU or the device: same numbers
     assert all(torch.equal(same_ema[0][k], same_ema[1][k]) for k in same_ema[0])

@@ -81,8 +81,9 @@ def plan_rows(cfg, model_config: ModelConfig, budget: int, per_process: int, cho
     """train.memory's PlanRow for each checkpointing interval in `choices`, measured where plan measures."""
     from train import memory
 
+    route = (cfg.route_ratio, cfg.route_start, cfg.route_end) if cfg.route_ratio > 0 else None
     profiles, n_params, n_trainable = memory.measure_profiles(model_config, cfg.precision, choices,
-                                                              memory.measure_device("auto"))
+                                                              memory.measure_device("auto"), route)
     fixed = memory.fixed_state(n_params, n_trainable, cfg.optimizer, cfg.ema_device)
     return [memory.plan_row(p, fixed.total, budget, per_process) for p in profiles]
 
@@ -119,7 +120,8 @@ def measure_peak(cfg, model_config: ModelConfig, micro: int, every: int, accumul
     from train import memory
 
     args = SimpleNamespace(model=cfg.model, precision=cfg.precision, optimizer=cfg.optimizer,
-                           ema_device=cfg.ema_device)
+                           ema_device=cfg.ema_device, route_ratio=cfg.route_ratio, route_start=cfg.route_start,
+                           route_end=cfg.route_end)
     row = SimpleNamespace(micro=micro, accumulation=accumulation, profile=SimpleNamespace(every=every))
     try:
         return memory.verify(model_config, args, row)

@@ -24,11 +24,12 @@ def matmul_rate(size: int = 512, repeats: int = 4) -> float:
 
 
 def duration(seconds: float) -> str:
-    """'0.4 s', '12 min', '3.5 h', '41 days'."""
-    for unit, size in (("days", 86400), ("h", 3600), ("min", 60)):
+    """'under 0.01 s', '0.4 s', '12 min', '3.5 h', '41 days', '140 years', '1,240 years'."""
+    for unit, size in (("years", 365 * 86400), ("days", 86400), ("h", 3600), ("min", 60)):
         if seconds >= 2 * size:
-            return f"{seconds / size:.3g} {unit}"
-    return f"{seconds:.2g} s"
+            value = seconds / size
+            return f"{value:,.0f} {unit}" if value >= 1000 else f"{value:.3g} {unit}"
+    return f"{seconds:.2g} s" if seconds >= 0.01 else "under 0.01 s"
 
 
 def step_seconds(model_config, global_batch: int, rate: float) -> tuple[float, float]:

@@ -25,6 +25,7 @@ from shared.runtime.export import first_nonfinite, nonfinite_tensors, save_weigh
 from shared.runtime.fsio import atomic_write_text, link_file, space_guard
 from shared.runtime.previews import write_preview
 from shared.runtime.lock import FolderLock, hold_lock
+from shared.generative.objectives import plugin_of
 from shared.network.models import ModelConfig, resolve_attention
 from shared.runtime.precision import set_tf32
 from shared.datasets.shards import LatentDataset
@@ -151,9 +152,16 @@ def seed_globals(seed: int, rank: int) -> None:
 def model_config_for(cfg: TrainConfig, dataset: LatentDataset) -> ModelConfig:
     """The DiT config for these latents."""
     channels, size, _ = dataset.latent_shape
+    # DDPM needs its learned variance; a flow model with the DiT^DH head predicts the velocity alone, as RAE's
+    # (out = in channels), while the plain presets keep DiT's/SiT's 2C outputs so their layouts stay the releases'.
+    learn_sigma = cfg.objective == "ddpm" or not cfg.head_depth
     return ModelConfig(model=cfg.model, input_size=size, in_channels=channels, num_classes=dataset.num_classes,
-                       norm=cfg.norm, mlp=cfg.mlp, rope=cfg.rope, qk_norm=cfg.qk_norm,
-                       class_dropout_prob=cfg.class_dropout_prob, objective=cfg.objective)
+                       learn_sigma=learn_sigma,
+                       norm=cfg.norm, mlp=cfg.mlp, rope=cfg.rope, qk_norm=cfg.qk_norm, head_depth=cfg.head_depth,
+                       head_width=cfg.head_width, head_heads=cfg.head_heads,
+                       class_dropout_prob=cfg.class_dropout_prob, objective=cfg.objective,
+                       objective_args={"time_dist_shift": cfg.time_dist_shift} if cfg.time_dist_shift != 1.0 else {},
+                       objective_plugin=plugin_of(cfg.objective))
 
 
 def check_finite_state(saved: dict, source: Path) -> None:
@@ -438,6 +446,10 @@ def start_logs(run: Run, source: Path | None, changes: list[str]) -> None:
                     f"{n} process(es) on {run.device}, global batch {cfg.global_batch_size} = "
                     f"{cfg.micro_batch_size} x {cfg.grad_accum_steps} accumulation x {n}, "
                     f"precision {cfg.precision}, {cfg.total_steps} steps")
+    if run.learner.route:
+        tokens, kept = run.learner.route
+        run.logger.info(f"token routing (TREAD): {tokens - kept} of {tokens} tokens per sample skip blocks "
+                        f"{cfg.route_start}..{cfg.route_end} in training; sampling uses every token")
     if cfg.autotune:
         run.logger.info(describe_auto(cfg.autotune))
     for change in changes:
@@ -477,7 +489,7 @@ def run_loop(run: Run) -> dict:
                          world_size=run.accelerator.num_processes, seed=cfg.seed, start=run.data_position,
                          class_dropout_prob=cfg.class_dropout_prob, num_workers=loader_workers(run),
                          pin_memory=run.device.type == "cuda", objective=run.learner.objective,
-                         features=run.learner.projector is not None)
+                         features=run.learner.projector is not None, route=run.learner.route)
     meter, last = Meter(), {}
     bar = tqdm(total=total, initial=run.step, desc="train", unit="step", disable=not run.is_main, dynamic_ncols=True)
     with bar:

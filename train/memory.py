@@ -26,11 +26,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm.auto import tqdm
 
-from shared.generative.objectives import DDPMObjective
+from shared.network.routing import kept_tokens
 from shared.runtime.errors import UserError
 from shared.network.models import BLOCK_FIELDS, ModelConfig, check_preset
 from shared.runtime.precision import autocast_dtype
 from train.config import TrainConfig
+from shared.generative.objectives import objective_of
 from train.data import synthetic_batch
 from train.step import build_model, forward_loss, make_learner, train_step  # noqa: F401 (build_model: plan, bench)
 
@@ -82,34 +83,42 @@ def _part_of(path: str) -> str | None:
     return None
 
 
-def _count_flops(model) -> FlopCounterMode:
-    """Run one batch-1 forward of `model` (any device, meta included) under a FlopCounterMode."""
+def _count_flops(model, kept: int | None = None) -> FlopCounterMode:
+    """Run one batch-1 forward of `model` (any device, meta included) under a FlopCounterMode.
+
+    kept: with token routing set on the model (DiT.set_routing), the forward of a training step that routes all
+    but `kept` tokens past the routed blocks (which tokens does not change the count); None: all tokens (sampling).
+    """
     device = model.x_embedder.proj.weight.device
     size = model.input_size
     x = torch.zeros(1, model.in_channels, size, size, device=device)  # (1, C, H, W)
     t = torch.zeros(1, device=device)
     y = torch.zeros(1, dtype=torch.long, device=device)
+    routing = {} if kept is None else {"force_drop_ids": torch.zeros(1, dtype=torch.bool, device=device),
+                                       "route_keep": torch.arange(kept, device=device).unsqueeze(0)}  # (1, K)
     backend, training = model.attention, model.training
     model.set_attention("math")  # plain matmuls, which the counter sees on every device (xformers' it would not)
-    model.eval()
+    model.train(kept is not None)  # routing acts in train mode only; train mode adds no FLOPs to a DiT
     try:
         with torch.no_grad(), FlopCounterMode(display=False) as counter:
-            model(x, t, y)
+            model(x, t, y, **routing)
     finally:
         model.set_attention(backend)
         model.train(training)
     return counter
 
 
-def forward_macs(model) -> dict:
+def forward_macs(model, kept: int | None = None) -> dict:
     """Per-image forward multiply-accumulates of a DiT by part, counted from a real forward; meta works.
+
+    kept: count a routed training forward (_count_flops), all but `kept` tokens skipping the routed blocks.
 
     torch's FlopCounterMode records every matrix product and convolution as it runs (2 FLOPs per MAC), so
     the count follows whatever the block is built of (a SwiGLU's three matrices, RoPE's elementwise
     rotation adds none). Label lookup and elementwise ops are not counted (the paper's convention), so
     XL/2 at 256 gives 118.6 GMAC. Products outside the known parts land in "other" rather than vanish.
     """
-    counts = _count_flops(model).get_flop_counts()
+    counts = _count_flops(model, kept).get_flop_counts()
     root = type(model).__name__
     parts = dict.fromkeys(("patch_embed", "timestep_mlp", "attention_linears", "attention_matmuls", "mlp",
                            "adaln", "final_layer"), 0)
@@ -128,13 +137,13 @@ def forward_macs(model) -> dict:
     return parts
 
 
-def train_flops_per_image(model) -> int:
+def train_flops_per_image(model, kept: int | None = None) -> int:
     """Model FLOPs of one training image: 3 x forward (forward + 2x for backward), 2 FLOPs per MAC.
 
     Recomputation under gradient checkpointing is deliberately not counted (the MFU convention of
     Chowdhery et al. 2022, PaLM App. B), so checkpointing shows up as a lower MFU.
     """
-    return 6 * forward_macs(model)["total"]
+    return 6 * forward_macs(model, kept)["total"]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -219,11 +228,14 @@ class Residency:
     resident: int
 
 
-def measure_forward(model, batch: int, precision: str, objective=None) -> Residency:
-    """Run the trainer's forward + loss at `batch` under `precision` and count what it leaves resident."""
-    objective = objective or DDPMObjective()
+def measure_forward(model, batch: int, precision: str, objective, route=None) -> Residency:
+    """Run the trainer's forward + loss at `batch` under `precision` and count what it leaves resident.
+
+    route (tokens, kept): token routing, as set on the model (DiT.set_routing); the routed blocks then save
+    activations for the kept tokens only, because that is what they see.
+    """
     device = next(model.parameters()).device
-    micro = synthetic_batch(model, batch, class_dropout_prob=0.1, objective=objective)
+    micro = synthetic_batch(model, batch, 0.1, objective, route=route)
     params = _param_keys(model)
     ledger, casts = SavedTensorLedger(params), CastCacheCounter(params)
     model.train()
@@ -283,10 +295,12 @@ class ActivationProfile:
         return max(self.resident.at(n), self.saved.at(n) + self.recompute.at(n))
 
 
-def measure_profile(model, every: int, precision: str, block_fit: LinearBytes) -> ActivationProfile:
-    """Measure one checkpointing choice at batch 1 and 2 and fit the batch dependence."""
+def measure_profile(model, every: int, precision: str, block_fit: LinearBytes, objective,
+                    route=None) -> ActivationProfile:
+    """Measure one checkpointing choice at batch 1 and 2 (the objective's forward and loss) and fit the batch
+    dependence (route: measure_forward's)."""
     model.set_grad_checkpointing(every)
-    one, two = measure_forward(model, 1, precision), measure_forward(model, 2, precision)
+    one, two = (measure_forward(model, n, precision, objective, route=route) for n in (1, 2))
     recompute = block_fit if every else LinearBytes(0, 0)
     return ActivationProfile(every, LinearBytes.fit(one.saved, two.saved),
                              LinearBytes.fit(one.resident, two.resident), recompute, one.cast_cache)
@@ -367,16 +381,24 @@ def measure_device(choice: str) -> torch.device:
     return torch.device(choice)
 
 
-def measure_profiles(config, precision: str, choices, device) -> tuple[list, int, int]:
-    """Measure every checkpointing choice on one zero-filled model; returns (profiles, params, trainable)."""
+def measure_profiles(config, precision: str, choices, device, route=None) -> tuple[list, int, int]:
+    """Measure every checkpointing choice on one zero-filled model; returns (profiles, params, trainable).
+
+    route (ratio, start, end): token routing on, so the routed blocks' activations are those of the kept tokens.
+    """
     model = build_model(config, device=device, init=False)
     n_params, n_trainable = count_parameters(model)
     bar = tqdm(total=1 + len(choices), desc="measuring activations", unit="pass", leave=False, file=sys.stderr)
-    block_fit = measure_block_fit(model, precision)
+    block_fit = measure_block_fit(model, precision)  # a full-token block: the largest one a backward recomputes
     bar.update()
+    shape = None
+    if route is not None:
+        ratio, start, end = route
+        model.set_routing(start, end)
+        shape = (model.x_embedder.num_patches, kept_tokens(model.x_embedder.num_patches, ratio))
     profiles = []
     for every in choices:
-        profiles.append(measure_profile(model, every, precision, block_fit))
+        profiles.append(measure_profile(model, every, precision, block_fit, objective_of(config), shape))
         bar.update()
     bar.close()
     return profiles, n_params, n_trainable
@@ -389,21 +411,26 @@ def measure_profiles(config, precision: str, choices, device) -> tuple[list, int
 def verify_config(config: ModelConfig, args, row: PlanRow) -> TrainConfig:
     """The TrainConfig of the planned run (synthetic data): what `python -m train` would be given.
 
-    args: model, precision, optimizer, ema_device (train.plan's flags, or autotune's run config).
+    args: model, precision, optimizer, ema_device (train.plan's flags, or autotune's run config), and the
+    token route if any (route_ratio, route_start, route_end).
     """
     accumulation = min(row.accumulation, 2)  # a second micro-step runs with the first one's gradients held
+    route = {k: getattr(args, k, None) for k in ("route_ratio", "route_start", "route_end")}
     return TrainConfig(latents="synthetic", results_dir="unused", model=args.model,
                        **{k: getattr(config, k) for k in BLOCK_FIELDS},
                        global_batch_size=row.micro * accumulation, micro_batch_size=row.micro,
                        grad_accum_steps=accumulation, precision=args.precision,
-                       grad_checkpoint=row.profile.every, optimizer=args.optimizer, ema_device=args.ema_device)
+                       grad_checkpoint=row.profile.every, optimizer=args.optimizer, ema_device=args.ema_device,
+                       **{k: v for k, v in route.items() if v is not None})
 
 
 def verify(config, args, row: PlanRow) -> int:
     """Peak allocated bytes of the trainer's own step (train/step.py) on CUDA at the planned micro-batch."""
     cfg = verify_config(config, args, row)
     learner = make_learner(cfg, config, device=torch.device("cuda"))
-    batches = [synthetic_batch(config, row.micro, cfg.class_dropout_prob, seed=i) for i in range(cfg.grad_accum_steps)]
+    batches = [synthetic_batch(config, row.micro, cfg.class_dropout_prob, learner.objective, seed=i,
+                               route=learner.route)
+               for i in range(cfg.grad_accum_steps)]
     train_step(learner, batches)  # allocates the optimizer state
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()

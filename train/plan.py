@@ -13,7 +13,8 @@ import torch
 from shared.runtime.cli import HelpFormatter, add_flags
 from shared.runtime.errors import UserError, cli_errors
 from shared.runtime.precision import PRECISION_CHOICES, canonical_precision
-from train.config import TrainConfig, add_block_flags, block_from_args
+from shared.network.routing import kept_tokens
+from train.config import TrainConfig, add_block_flags, block_from_args, route_span
 from train.memory import (DEFAULT_MARGIN, FixedState, PlanRow, build_model, count_parameters, fixed_state,
                           measure_device, measure_profiles, model_config, per_process_batch, plan_row, verify)
 from train.units import format_size, parse_size
@@ -60,7 +61,9 @@ def _header_text(args, config, tokens, n_params, n_trainable, device) -> list[st
         f"{args.num_processes} process(es); precision {args.precision}",
         f"activations measured on {device.type}: the trainer's forward + loss at batch 1 and 2 under {policy}, "
         "counting bytes autograd saves for backward (deduplicated by storage, parameters excluded)",
-    ]
+    ] + ([f"token routing (TREAD): {tokens - kept_tokens(tokens, args.route_ratio)} of {tokens} tokens skip blocks "
+          f"{args.route_start}..{args.route_end}; those blocks' activations are counted for the kept tokens"]
+         if args.route_ratio else [])
 
 
 def fixed_lines(fixed: FixedState, args) -> list[str]:
@@ -139,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     """Flags of python -m train.plan (same names as python -m train where they overlap)."""
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
     # The flags python -m train also has: its defaults and help (TrainConfig), reworded where plan means more.
-    add_flags(p, TrainConfig, only=("model", "global_batch_size", "grad_checkpoint", "ema_device", "optimizer"),
+    add_flags(p, TrainConfig, only=("model", "global_batch_size", "grad_checkpoint", "ema_device", "optimizer",
+                                    "route_ratio", "route_start", "route_end"),
               changes={"grad_checkpoint": {"help": "checkpointing interval to recommend (every K-th block; bare flag "
                                                    "= 1; 0 = off); off, every block and every 2nd block are always "
                                                    "tabulated", "default": 0, "type": int}})
@@ -170,6 +174,15 @@ def check_args(args):
         raise UserError(f"--grad-checkpoint must be 0 (off) or a positive interval, got {args.grad_checkpoint}.")
 
 
+def plan_route(args, config) -> tuple[float, int, int] | None:
+    """(ratio, start, end) of the token route the flags ask for (TREAD's span by default), or None; UserError."""
+    if not args.route_ratio:
+        return None
+    start, end = route_span(args.model, config.input_size, args.route_ratio, args.route_start, args.route_end)
+    args.route_start, args.route_end = start, end  # the header and --verify show and use the resolved span
+    return args.route_ratio, start, end
+
+
 def run(args) -> str:
     """Measure, plan and (optionally) verify; returns the report text."""
     check_args(args)
@@ -180,7 +193,8 @@ def run(args) -> str:
     device = measure_device(args.measure_device)
     meta = build_model(config, "meta")  # shapes only, no allocation
     choices = checkpoint_choices(args.grad_checkpoint, len(meta.blocks))
-    profiles, n_params, n_trainable = measure_profiles(config, args.precision, choices, device)
+    route = plan_route(args, config)
+    profiles, n_params, n_trainable = measure_profiles(config, args.precision, choices, device, route)
     fixed = fixed_state(n_params, n_trainable, args.optimizer, args.ema_device)
     rows = [plan_row(p, fixed.total, args.gpu_memory - args.margin, batch) for p in profiles]
     chosen = next(r for r in rows if r.profile.every == args.grad_checkpoint)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from shared.generative.objectives import DDPMObjective, run_sampler
+from shared.generative.objectives import run_sampler
 from shared.generative.guidance import guide_channel_count, guided_model_fn
 from shared.runtime.seeding import generator_for
 
@@ -29,9 +29,8 @@ def preview_noise(latent_shape, count: int = PREVIEW_COUNT) -> torch.Tensor:
 
 @torch.no_grad()
 def sample_preview(model, latent_shape, num_steps: int, cfg_scale: float, guide_channels: str,
-                   device, objective=None) -> tuple[torch.Tensor, torch.Tensor]:
+                   device, objective) -> tuple[torch.Tensor, torch.Tensor]:
     """EMA latents for the preview classes by the objective's deterministic sampler (DDIM / Euler) -> CPU tensors."""
-    objective = objective or DDPMObjective()
     labels = preview_labels(model.num_classes).to(device)  # (N,)
     noise = preview_noise(latent_shape).to(device)  # (N, C, h, w)
     model_fn = guided_model_fn(model, cfg_scale, guide_channel_count(guide_channels, model.in_channels))
