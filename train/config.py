@@ -17,6 +17,7 @@ from pathlib import Path
 from shared.runtime.cli import HelpFormatter, argument_of, add_flags, flag_name, from_args, option
 from shared.runtime.flags import PLUGIN
 from shared.runtime.errors import SettingError, UserError
+from shared.runtime.rerun import differences
 from shared.generative.guidance import GUIDE_CHANNELS
 from shared.generative.flow import auto_shift, check_shift
 from shared.network.models import (ATTENTION_BACKENDS, BLOCK_FIELDS, BLOCKS, HEAD_FIELDS, MLPS, NORMS, block_options,
@@ -24,7 +25,7 @@ from shared.network.models import (ATTENTION_BACKENDS, BLOCK_FIELDS, BLOCKS, HEA
 from shared.generative.objectives import objective_help, training_flags
 from train.recipes import RECIPE_HELP, RECIPES, apply_recipe
 from shared.runtime.precision import PRECISION_CHOICES, canonical_precision
-from train.trackers import DEFAULT_REPORT_TO, REPORT_TO
+from shared.runtime.trackers import DEFAULT_REPORT_TO, REPORT_TO
 
 LR_SCHEDULES = ("constant", "cosine", "linear")
 OPTIMIZERS = ("adamw", "adamw8bit")
@@ -510,34 +511,22 @@ def _data_mismatch(saved: dict, current: dict) -> str | None:
         if saved.get(key) != current.get(key):
             return (f"the checkpoint was trained on latents with {key} {saved.get(key)!r}, but --latents has "
                     f"{current.get(key)!r} (another VAE or image size)")
-    diffs = [f"{k} {_short(saved.get(k))} vs {_short(current.get(k))} now" for k in DATA_FIELDS
-             if saved.get(k) != current.get(k)]
+    diffs = differences(saved, current, DATA_FIELDS, nested=False)
     return f"the latent folder differs from the checkpoint's ({', '.join(diffs)})" if diffs else None
-
-
-def _short(value):
-    """A value as a refusal shows it: hashes cut to 12 characters (enough to tell two folders apart)."""
-    return value[:12] if isinstance(value, str) and len(value) == 64 else value
 
 
 def resume_differences(saved: TrainConfig, current: TrainConfig) -> tuple[list[str], list[str]]:
     """(refused differences, allowed differences) between a checkpoint's config and the current one."""
-    refused = [f"{k}: {getattr(saved, k)!r} -> {getattr(current, k)!r}" for k in IDENTITY_FIELDS
-               if _norm(getattr(saved, k)) != _norm(getattr(current, k))]
+    recorded, now = vars(saved), vars(current)
+    refused = differences(recorded, now, IDENTITY_FIELDS, nested=False)
     data = _data_mismatch(saved.data, current.data)
     if data:
         refused.append(data)
     # "block" only names a preset; the options it resolves to are identity fields.
     skip = set(IDENTITY_FIELDS) | {"data", "results_dir", "resume", "dry_run", "debug", "latents", "image_size",
                                    "block"}
-    allowed = [f"{f.name}: {getattr(saved, f.name)!r} -> {getattr(current, f.name)!r}" for f in fields(TrainConfig)
-               if f.name not in skip and _norm(getattr(saved, f.name)) != _norm(getattr(current, f.name))]
+    allowed = differences(recorded, now, [f.name for f in fields(TrainConfig) if f.name not in skip], nested=False)
     return refused, allowed
-
-
-def _norm(value):
-    """Compare tuples and lists alike (JSON round trips turn one into the other)."""
-    return list(value) if isinstance(value, (tuple, list)) else value
 
 
 def check_resume(saved: TrainConfig, current: TrainConfig, where: Path) -> list[str]:
