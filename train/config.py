@@ -70,6 +70,8 @@ class TrainConfig:
     plugin: list | None = PLUGIN.field()
     # The objective's training fields (--time-sampling, ... derived from the registry): those given, then resolved.
     objective_options: dict = field(default_factory=dict)
+    # The recipe's sampling half, recorded with the model (ModelConfig.sampling) for sample, evaluate run, previews.
+    sampling: dict = field(default_factory=dict)
     # Block options (shared.network.models.BLOCKS): None until resolve_block fills them from --block (default "dit").
     block: str | None = option(
         None, "the transformer block preset: dit: LayerNorm + GELU MLP, absolute positions only (DiT); lightning: "
@@ -428,8 +430,11 @@ def _resolve_route(cfg: TrainConfig, latent_shape) -> None:
 def _check_objective(cfg: TrainConfig) -> None:
     """The objective and its training settings build (e.g. no flow-only setting on a ddpm run); fills them in."""
     from shared.generative.objectives import make_objective, training_args
+    from shared.generative.samplers import check_recorded
 
-    cfg.objective_options = training_args(make_objective(cfg.objective, **cfg.objective_options))
+    objective = make_objective(cfg.objective, **cfg.objective_options)
+    cfg.objective_options = training_args(objective)
+    check_recorded(cfg.sampling, objective.family, f"--recipe {cfg.recipe}")
 
 
 def _resolve_preview_guidance(cfg: TrainConfig) -> None:

@@ -154,7 +154,7 @@ def model_config_for(cfg: TrainConfig, dataset: LatentDataset) -> ModelConfig:
     return ModelConfig(model=cfg.model, input_size=size, in_channels=channels, num_classes=dataset.num_classes,
                        norm=cfg.norm, mlp=cfg.mlp, rope=cfg.rope, qk_norm=cfg.qk_norm,
                        class_dropout_prob=cfg.class_dropout_prob, objective=cfg.objective,
-                       objective_plugin=plugin_of(cfg.objective))
+                       objective_plugin=plugin_of(cfg.objective), sampling=dict(cfg.sampling))
 
 
 def check_finite_state(saved: dict, source: Path) -> None:
@@ -356,7 +356,7 @@ def save_samples(run: Run) -> None:
         try:
             latents, labels = sample_preview(ema, run.dataset.latent_shape, run.cfg.sample_steps,
                                              run.cfg.sample_cfg_scale, run.cfg.sample_guide_channels, run.device,
-                                             run.learner.objective)
+                                             run.learner.objective, run.learner.model_config.sampling)
         finally:
             ema.to(home)
         path = save_preview(rundir.sample_path(run.run_dir, run.step), latents, labels, run.dataset.latent_meta(),

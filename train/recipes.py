@@ -11,7 +11,11 @@ which stay the user's:
 - lightning (Yao et al. 2025, hustvl/LightningDiT `configs/lightningdit_xl_vavae_f16d32.yaml`): flow
   matching with logit-normal times (loc 0, scale 1) and the cosine velocity-direction loss (weight 1);
   RMSNorm + SwiGLU + 2-D RoPE blocks; AdamW beta2 0.95 at lr 2e-4 (tuned for its batch 1024). Sample with
-  `--sampler euler --num-sampling-steps 250 --time-shift 0.3 --cfg-interval 0 0.89` as its config does.
+  `--sampler euler --num-sampling-steps 250 --time-shift 0.3 --cfg-interval 0 0.89` as its config does
+  (`sample:` in that file: euler, timestep_shift 0.3, cfg_interval_start 0.11 in its time, where 0 = noise:
+  noise levels 0 to 0.89 in ours); the model records that sampling half, so python -m sample, evaluate run and
+  the previews use it when no sampling flag says otherwise (LightningDiT's cfg scale, 6.7 or 10 for VA-VAE
+  latents, and its 250 steps stay the commands' own defaults).
   Its VA-VAE latents and their per-channel normalisation are not part of the recipe here (SD-VAE latents).
 """
 from __future__ import annotations
@@ -22,7 +26,9 @@ RECIPES = {
     "dit": {},
     "sit": {"objective": "flow", "time_sampling": "uniform"},
     "lightning": {"objective": "flow", "time_sampling": "lognormal", "time_loc": 0.0, "time_scale": 1.0,
-                  "cos_weight": 1.0, "block": "lightning", "lr": 2e-4, "adam_betas": (0.9, 0.95)},
+                  "cos_weight": 1.0, "block": "lightning", "lr": 2e-4, "adam_betas": (0.9, 0.95),
+                  # The sampling half, in the names of the sampling flags (shared/runtime/flags.py SamplingFlags).
+                  "sampling": {"sampler": "euler", "time_shift": 0.3, "cfg_interval": [0.0, 0.89]}},
 }
 RECIPE_HELP = {"dit": "DiT: DDPM, DiT block, AdamW lr 1e-4",
                "sit": "SiT: flow matching, uniform times, DiT block, AdamW lr 1e-4",
@@ -40,7 +46,7 @@ def apply_recipe(cfg, explicit: set[str]):
         if name in explicit:
             continue
         if name in own:
-            setattr(cfg, name, value)
+            setattr(cfg, name, dict(value) if isinstance(value, dict) else value)
         else:
             cfg.objective_options[name] = value
     return cfg

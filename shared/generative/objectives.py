@@ -33,8 +33,8 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from shared.generative.diffusion import NUM_TIMESTEPS, GaussianDiffusion, create_diffusion
-from shared.generative.flow import SDE_LAST_STEP, TIME_SAMPLINGS, FlowPath, check_convention, draw_time, make_process
-from shared.generative.samplers import get_sampler, sampler_options
+from shared.generative.flow import TIME_SAMPLINGS, FlowPath, check_convention, draw_time, make_process
+from shared.generative.samplers import LAST_STEP_SIZE, TIME_SHIFT, get_sampler, sampler_options
 from shared.runtime.cli import FLAG_KEY, Flag, option
 from shared.runtime.errors import ChoiceError, SettingError, UserError
 
@@ -310,8 +310,9 @@ class FlowObjective:
         get_sampler(sampler, self)
         if steps < 1:
             raise SettingError(f"{{sampling steps}} {steps} must be at least 1.")
-        return make_process(self.path, sampler, steps, options.get("time_shift", 1.0),
-                            options.get("last_step_size", SDE_LAST_STEP))
+        # A sampler without the option (dopri5) walks no grid: its default only fills the argument.
+        return make_process(self.path, sampler, steps, options.get(TIME_SHIFT.name, TIME_SHIFT.default),
+                            options.get(LAST_STEP_SIZE.name, LAST_STEP_SIZE.default))
 
     def sample(self, sampler: str, model_fn, noise, steps: int, options: dict, model_kwargs=None, generator=None,
                progress=False):
