@@ -44,7 +44,7 @@ def test_each_option_flag_comes_from_its_sampler_records():
         flag = {f.name: f for f in dataclasses.fields(SamplingFlags)}[name].metadata[FLAG_KEY]
         takers = [s.name for s in SAMPLERS.values() if option in s.options]
         assert flag.default is None and flag.help.startswith("/".join(takers) + " only: " + option.help)
-        assert f"(default {option.default:g};" in flag.help
+        assert f"(default {option.default:g}, or the model's recorded value)" in flag.help
 
 
 def test_recipes_record_their_sampling_half_in_the_family_names():
@@ -101,7 +101,7 @@ def test_a_lightning_model_samples_with_its_recipe_unless_told(tiny_vae_dir, tmp
     identity = json.loads((tmp_path / "b" / "settings.json").read_text())["identity"]
     assert (identity["sampler"], identity["time_shift"], identity["cfg_interval"]) == ("heun", 0.5, [0.0, 1.0])
     code, out, err = run_main(main, [*common[:-1], "--ddim-eta", 0.5], capsys)  # a flag the recorded euler lacks
-    assert code == 2 and "--ddim-eta 0.5 sets DDIM's noise scale" in err and "--sampler ddim" in err
+    assert code == 2 and "--ddim-eta 0.5 sets DDIM's eta in [0, 1]" in err and "--sampler ddim" in err
 
 
 @pytest.mark.usefixtures("private_digits_cache")

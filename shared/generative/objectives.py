@@ -187,9 +187,12 @@ def make_objective(name: str, recorded: dict | None = None, plugin: str = "", **
             raise ValueError(f"no registered objective has a training field {key!r}")
         spec, takers = flags[key]
         if value != spec.default:
-            raise SettingError(f"{{{key.replace('_', ' ')}}} {value} applies to the {'/'.join(takers)} objective "
-                               f"only; the {name} objective ({cls.help}) does not take it. Drop it, or train with "
-                               f"{{objective}} {takers[0]}.")
+            owners = [t for t in takers if key in OBJECTIVES[t].__dict__.get("__annotations__", {})] or list(takers)
+            built_on = [t for t in takers if t not in owners]
+            also = f" (and {', '.join(built_on)}, built on it)" if built_on else ""
+            raise SettingError(f"{{{key.replace('_', ' ')}}} {value} applies to the {'/'.join(owners)} objective "
+                               f"only{also}; the {name} objective ({cls.help}) does not take it. Drop it, or train "
+                               f"with {{objective}} {owners[0]}.")
     chosen = {k: v for k, v in training.items() if k in own_training and v is not None}
     return cls(**recorded, **chosen)
 

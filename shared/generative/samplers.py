@@ -23,17 +23,18 @@ class SamplerOption:
 
     name: str
     default: float
-    help: str
+    help: str  # what it sets, in a phrase (errors say "{flag} X sets <help>")
     tag: str  # python -m sample's default folder names a value other than the default: -<tag><value>
+    detail: str = ""  # more for the flag's help
 
 
-DDIM_ETA = SamplerOption("ddim_eta", 0.0, "DDIM's noise scale eta in [0, 1] (Song et al. Eq. 16): 0 deterministic, 1 "
-                                          "DDPM-like", "eta")
-TIME_SHIFT = SamplerOption("time_shift", 1.0, "LightningDiT's timestep shift s of the flow time grid, tau' = s tau / "
-                                              "(1 + (s-1) tau); s < 1 puts more steps near noise (1 = none; "
-                                              "LightningDiT: 0.3)", "shift")
-LAST_STEP_SIZE = SamplerOption("last_step_size", SDE_LAST_STEP, "the size of SiT's final deterministic Mean step of "
-                                                                "the SDE", "last")
+DDIM_ETA = SamplerOption("ddim_eta", 0.0, "DDIM's eta in [0, 1] (0 = deterministic)", "eta",
+                         "Song et al. Eq. 16: 1 is DDPM-like")
+TIME_SHIFT = SamplerOption("time_shift", 1.0, "LightningDiT's timestep shift of the flow time grid (1 = none, "
+                                              "LightningDiT uses 0.3)", "shift",
+                           "tau' = s tau / (1 + (s-1) tau); s < 1 puts more steps near noise")
+LAST_STEP_SIZE = SamplerOption("last_step_size", SDE_LAST_STEP, "the size of the SDE's final deterministic Mean step "
+                                                                "(SiT: 0.04)", "last")
 
 
 @dataclass(frozen=True)

@@ -88,8 +88,9 @@ BATCH_SIZE = Flag("images per forward pass (per process)", 32)
 def sampler_option_flag(option: SamplerOption) -> Flag:
     """The flag of a sampler option, from its record in shared/generative/samplers.py (None = not given)."""
     takers = takers_of(option.name)
-    return Flag(f"{'/'.join(takers)} only: {option.help} (default {option.default:g}; the model's recorded value, "
-                f"if any)", None, type=float)
+    detail = f"; {option.detail}" if option.detail else ""
+    return Flag(f"{'/'.join(takers)} only: {option.help}{detail} (default {option.default:g}, or the model's recorded "
+                f"value)", None, type=float)
 
 
 @dataclass(kw_only=True)
