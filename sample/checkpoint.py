@@ -173,6 +173,8 @@ def _pick_state_dict(obj, path: Path, weights: str | None) -> tuple[dict, str]:
     if isinstance(obj, dict) and isinstance(obj.get("ema"), dict) and isinstance(obj.get("model"), dict):
         which = weights or "ema"
         obj = obj["ema" if which == "ema" else "model"]
+    elif isinstance(obj, dict) and isinstance(obj.get("ema"), dict) and weights != "raw":
+        obj = obj["ema"]  # RAE's training checkpoints as its instantiate_from_config reads them
     elif weights == "raw":
         raise UserError(f"--weights raw does not apply to {path}: it is a bare state dict holding one set of weights "
                         f"(the DiT release's files hold the EMA weights), not a training checkpoint with 'ema' and "
@@ -196,6 +198,19 @@ def _objective_of_release(path: Path, objective: str | None) -> tuple[str, str]:
     return "ddpm", "a bare state dict is taken as DiT's DDPM unless --objective says otherwise"
 
 
+def _rae_config(config, path: Path, objective: str | None):
+    """A DiT^DH state dict's objective: flow, RAE's time (REPA's convention), the release's or RAE's auto shift."""
+    from shared.generative.flow import auto_shift
+
+    if objective not in (None, "flow"):
+        raise UserError(f"--objective {objective} contradicts {path.name}: weights in RAE's DiT^DH layout are flow "
+                        "models (RAE's transport); drop --objective.")
+    release = RELEASES.get(path.name)
+    shape = (config.in_channels, config.input_size, config.input_size)
+    shift = release.time_dist_shift if release is not None else round(auto_shift(shape), 6)
+    return dataclasses.replace(config, objective="flow", objective_args={"convention": "repa", "time_dist_shift": shift})
+
+
 def _load_official(path: Path, weights: str | None, model: str | None, objective: str | None = None) -> LoadedWeights:
     """A bare state dict: config inferred from tensor shapes (checked against --model), objective by release."""
     # Official training checkpoints (the DiT release's train.py) also pickle their argparse Namespace.
@@ -205,6 +220,8 @@ def _load_official(path: Path, weights: str | None, model: str | None, objective
     config = infer_model_config(state_dict)
     if repa_notes:  # REPA's layout says what it is: flow in REPA's time convention
         config, name, why = repa_release_config(config), "flow", "REPA's layout (its projector)"
+    elif config.head_depth:  # RAE's DiTwDDTHead layout: its transport, flow in RAE's time (1 = noise) and its shift
+        config, name, why = _rae_config(config, path, objective), "flow", "RAE's DiT^DH layout"
     else:
         name, why = _objective_of_release(path, objective)
         config = dataclasses.replace(config, objective=name, objective_plugin=plugin_of(name))
@@ -214,6 +231,10 @@ def _load_official(path: Path, weights: str | None, model: str | None, objective
     how = "checked against --model" if model else "inferred from tensor shapes"
     notes = [f"{config.model}, latent {config.in_channels}x{config.input_size}x{config.input_size}, "
              f"{config.num_classes} classes ({how})", f"objective {name} ({why})", *repa_notes]
+    if config.head_depth:
+        notes.append(f"DiT^DH head {config.head_depth} x {config.head_width} wide; flow time convention "
+                     f"{config.objective_args['convention']}, time shift {config.objective_args['time_dist_shift']:g} "
+                     "(shared/generative/flow.py)")
     return LoadedWeights(state_dict, config, path, "official", notes=notes, weights=which)
 
 

@@ -16,15 +16,18 @@ from pathlib import Path
 
 from shared.runtime.cli import HelpFormatter, argument_of, add_flags, flag_name, from_args, option
 from shared.runtime.flags import PLUGIN
-from shared.runtime.errors import UserError
+from shared.runtime.errors import SettingError, UserError
+from shared.runtime.rerun import differences
 from shared.generative.guidance import GUIDE_CHANNELS
-from shared.network.models import ATTENTION_BACKENDS, BLOCK_FIELDS, BLOCKS, MLPS, NORMS, block_options, check_preset
+from shared.generative.flow import auto_shift, check_shift
+from shared.network.models import (ATTENTION_BACKENDS, BLOCK_FIELDS, BLOCKS, HEAD_FIELDS, MLPS, NORMS, block_options,
+                                   check_preset, default_block, preset_head)
 from shared.generative.objectives import objective_help, training_flags
 from train.recipes import RECIPE_HELP, RECIPES, apply_recipe
 from shared.runtime.precision import PRECISION_CHOICES, canonical_precision
-from train.trackers import DEFAULT_REPORT_TO, REPORT_TO
+from shared.runtime.trackers import DEFAULT_REPORT_TO, REPORT_TO
 
-LR_SCHEDULES = ("constant", "cosine")
+LR_SCHEDULES = ("constant", "cosine", "linear")
 OPTIMIZERS = ("adamw", "adamw8bit")
 EMA_DEVICES = ("gpu", "cpu")
 DEFAULT_MAX_STEPS = 400_000  # the paper's headline training length (DiT Table 4: FID-50K at 400K steps)
@@ -32,8 +35,9 @@ DEBUG_STEPS = 5
 LEGACY_OBJECTIVE_FIELDS = ("time_sampling", "time_loc", "time_scale", "cos_weight")  # top-level keys of old configs
 
 # Changing one of these changes the experiment: a resume that differs is refused.
-IDENTITY_FIELDS = ("model", "objective", "objective_options", "global_batch_size",
+IDENTITY_FIELDS = ("model", "objective", "objective_options", "time_dist_shift", "global_batch_size",
                    "seed", "optimizer", "adam_betas", "weight_decay", "ema_decay", "class_dropout_prob") + BLOCK_FIELDS
+IDENTITY_FIELDS += HEAD_FIELDS
 # REPA (shared/network/repa.py): its settings change the experiment too.
 REPA_FIELDS = ("repa_weight", "repa_depth", "repa_projector_dim", "repa_feature_dim")
 IDENTITY_FIELDS += REPA_FIELDS
@@ -43,6 +47,16 @@ IDENTITY_FIELDS += ROUTE_FIELDS
 # Data identity: what a checkpoint's latent folder must share with the one given now.
 DATA_FIELDS = ("num_samples", "latent_shape", "flips", "num_classes", "image_size", "scaling_factor", "vae",
                "index_sha256")
+
+
+def float_or_auto(text: str):
+    """argparse type: a number, or 'auto' (resolved from the latent shape)."""
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or auto, got {text!r}") from None
 
 
 def int_or_auto(text: str):
@@ -72,6 +86,11 @@ class TrainConfig:
     objective_options: dict = field(default_factory=dict)
     # The recipe's sampling half, recorded with the model (ModelConfig.sampling) for sample, evaluate run, previews.
     sampling: dict = field(default_factory=dict)
+    time_dist_shift: float | str = option(
+        1.0, "flow only: RAE's shift s of the training times towards noise, t' = s t / (1 + (s-1) t) in RAE's time "
+             "(1 = noise), recorded with the model so sampling shifts its grid the same way; auto: sqrt(C*H*W / "
+             "4096) of the latent shape (RAE: 6.93 for 768x16x16 tokens; 1 for SD-VAE's 4x32x32) (default 1 = "
+             "none)", type=float_or_auto, metavar="S|auto")
     # Block options (shared.network.models.BLOCKS): None until resolve_block fills them from --block (default "dit").
     block: str | None = option(
         None, "the transformer block preset: dit: LayerNorm + GELU MLP, absolute positions only (DiT); lightning: "
@@ -90,6 +109,11 @@ class TrainConfig:
     qk_norm: bool | None = option(
         None, "normalise queries and keys per head before attention (RMSNorm with --norm rmsnorm, else LayerNorm); "
               "steadies fp16/bf16 training (default: the --block's)", action=argparse.BooleanOptionalAction)
+    head_depth: int | None = option(
+        None, "blocks of the wide shallow DiT^DH head after the body (RAE: 2), conditioned per token on the body's "
+              "output; 0 = none (default: the --model preset's: 2 for DiTDH-*, 0 for DiT-*)")
+    head_width: int | None = option(None, "width of the DiT^DH head (RAE: 2048; default: the preset's)")
+    head_heads: int | None = option(None, "attention heads of the DiT^DH head (RAE: 16; default: the preset's)")
     global_batch_size: int = option(256, "images per optimizer step over all processes (DiT: 256)")
     micro_batch_size: int | str | None = option(  # "auto": train/autotune.py (None: the whole per-process batch)
         "auto", "images per forward pass per process; gradient accumulation = global batch / (micro batch x "
@@ -107,8 +131,9 @@ class TrainConfig:
                 "off). auto (default): on a GPU only as much as memory needs; off on the CPU", nargs="?", const=1,
         metavar="K", type=int_or_auto)
     lr: float = option(1e-4, "peak learning rate (DiT: 1e-4)")
-    lr_schedule: str = option("constant", "constant (DiT) or cosine decay to 0 at the last step, after the warmup",
-                              choices=LR_SCHEDULES)
+    lr_schedule: str = option("constant", "constant (DiT), or cosine or linear decay to --final-lr at the last step, "
+                                          "after the warmup (RAE: linear)", choices=LR_SCHEDULES)
+    final_lr: float = option(0.0, "cosine/linear schedules: the LR reached at the last step (RAE: 2e-5)")
     warmup_steps: int = option(0, "linear LR warmup from 0 over this many steps")
     adam_betas: tuple = option((0.9, 0.999), "AdamW betas", type=float, nargs=2,
                                metavar=("B1", "B2"))
@@ -223,16 +248,20 @@ def add_block_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return add_flags(p, TrainConfig, only=("block", *BLOCK_FIELDS))
 
 
-def block_from_args(args: argparse.Namespace) -> dict:
-    """{norm, mlp, rope, qk_norm} the block flags ask for (preset, then overrides)."""
-    return block_options(args.block or "dit", **{k: getattr(args, k) for k in BLOCK_FIELDS})
+def block_from_args(args: argparse.Namespace, model: str = "DiT-XL/2") -> dict:
+    """{norm, mlp, rope, qk_norm} the block flags ask for (preset, then overrides; default: the model's block)."""
+    return block_options(args.block or default_block(model), **{k: getattr(args, k) for k in BLOCK_FIELDS})
 
 
 def resolve_block(cfg: TrainConfig) -> TrainConfig:
-    """Fill the unset block options from cfg.block's preset (default dit); returns cfg."""
-    cfg.block = cfg.block or "dit"
+    """Fill the unset block options from cfg.block's preset (default: the model's) and the head from the model."""
+    check_preset(cfg.model)
+    cfg.block = cfg.block or default_block(cfg.model)
     for key, value in block_options(cfg.block, **{k: getattr(cfg, k) for k in BLOCK_FIELDS}).items():
         setattr(cfg, key, value)
+    for key, value in preset_head(cfg.model).items():
+        if getattr(cfg, key) is None:
+            setattr(cfg, key, value)
     return cfg
 
 
@@ -277,7 +306,7 @@ def config_from_args(args: argparse.Namespace, explicit=frozenset()) -> TrainCon
 
 _POSITIVE = ("global_batch_size", "micro_batch_size", "max_steps", "epochs", "ckpt_every", "log_every",
              "sample_steps", "image_size")
-_NON_NEGATIVE = ("repa_weight", "grad_checkpoint", "keep_last", "keep_exports", "sample_every", "warmup_steps", "num_workers",
+_NON_NEGATIVE = ("repa_weight", "final_lr", "grad_checkpoint", "keep_last", "keep_exports", "sample_every", "warmup_steps", "num_workers",
                  "max_nonfinite", "weight_decay", "max_grad_norm", "seed")
 
 
@@ -326,8 +355,9 @@ def data_identity(dataset) -> dict:
 
 
 def _check_model_fits(cfg: TrainConfig, latent_shape) -> None:
-    """UserError when the preset cannot take latents of this size."""
-    from shared.network.models import PRESETS
+    """UserError when the preset cannot take latents of this size, or is too narrow for their tokens (RAE)."""
+    from shared.network.ddt import check_head
+    from shared.network.models import PRESETS, token_width_problem
 
     channels, height, width = latent_shape
     patch = PRESETS[cfg.model]["patch_size"]
@@ -335,6 +365,11 @@ def _check_model_fits(cfg: TrainConfig, latent_shape) -> None:
         raise UserError(f"the latents are {channels}x{height}x{width} but {cfg.model} needs square latents whose "
                         f"side is a multiple of its patch size {patch}; extract square images of a size whose "
                         "latent side the patch divides, or pick a preset with a smaller patch.")
+    head = {k: getattr(cfg, k) for k in HEAD_FIELDS}
+    check_head(**head)
+    problem = token_width_problem(cfg.model, channels, head)
+    if problem:
+        raise SettingError(f"the latents are {channels}x{height}x{width}, and {problem}")
 
 
 def _check_image_size(cfg: TrainConfig, dataset) -> None:
@@ -352,6 +387,7 @@ def check_config(cfg: TrainConfig, dataset) -> None:
     _check_ranges(cfg)
     check_preset(cfg.model)
     resolve_block(cfg)
+    _resolve_shift(cfg, dataset.latent_shape)
     _check_objective(cfg)
     _check_image_size(cfg, dataset)
     _check_model_fits(cfg, dataset.latent_shape)
@@ -396,6 +432,13 @@ def _resolve_repa(cfg: TrainConfig, dataset) -> None:
     cfg.repa_feature_dim = dim
 
 
+def _resolve_shift(cfg: TrainConfig, latent_shape) -> None:
+    """--time-dist-shift auto: RAE's sqrt(C H W / 4096) of these latents; a number is checked as it is."""
+    if cfg.time_dist_shift == "auto":
+        cfg.time_dist_shift = round(auto_shift(latent_shape), 6)  # recorded; 6 digits keep resume comparisons exact
+    check_shift(cfg.time_dist_shift)
+
+
 def route_span(model: str, latent_side: int, ratio: float, start: int | None, end: int | None) -> tuple[int, int]:
     """The route's (start, end) blocks, TREAD's where not given (2, depth - 4), checked against the preset; UserError."""
     from shared.network.models import PRESETS
@@ -417,6 +460,10 @@ def _resolve_route(cfg: TrainConfig, latent_shape) -> None:
             raise UserError(f"{' and '.join(given)} place a token route, but routing is off (--route-ratio 0); pass "
                             "--route-ratio (TREAD: 0.5) to route tokens, or drop the flag.")
         return
+    if cfg.head_depth:
+        raise UserError(f"token routing (--route-ratio {cfg.route_ratio}) is not implemented for a model with the "
+                        "DiT^DH head (--head-depth, the DiTDH presets): drop --route-ratio, or train a DiT preset "
+                        "without the head.")
     cfg.route_start, cfg.route_end = route_span(cfg.model, latent_shape[-1], cfg.route_ratio, cfg.route_start,
                                                 cfg.route_end)
     if cfg.repa_weight > 0 and cfg.repa_depth > cfg.route_start:
@@ -429,12 +476,17 @@ def _resolve_route(cfg: TrainConfig, latent_shape) -> None:
 
 def _check_objective(cfg: TrainConfig) -> None:
     """The objective and its training settings build (e.g. no flow-only setting on a ddpm run); fills them in."""
-    from shared.generative.objectives import make_objective, training_args
+    from shared.generative.objectives import OBJECTIVES, make_objective, recorded_fields, training_args
     from shared.generative.samplers import check_recorded
 
     objective = make_objective(cfg.objective, **cfg.objective_options)
     cfg.objective_options = training_args(objective)
     check_recorded(cfg.sampling, objective.family, f"--recipe {cfg.recipe}")
+    recorded = {f.name for f in recorded_fields(OBJECTIVES[cfg.objective])}
+    if cfg.time_dist_shift != 1.0 and "time_dist_shift" not in recorded:
+        raise SettingError(f"{{time dist shift}} {cfg.time_dist_shift:g} applies to the flow objective only (it shifts "
+                           f"its training times and sampling grid); the {cfg.objective} objective has no such shift. "
+                           "Drop it, or train with {objective} flow.")
 
 
 def _resolve_preview_guidance(cfg: TrainConfig) -> None:
@@ -464,34 +516,22 @@ def _data_mismatch(saved: dict, current: dict) -> str | None:
         if saved.get(key) != current.get(key):
             return (f"the checkpoint was trained on latents with {key} {saved.get(key)!r}, but --latents has "
                     f"{current.get(key)!r} (another VAE or image size)")
-    diffs = [f"{k} {_short(saved.get(k))} vs {_short(current.get(k))} now" for k in DATA_FIELDS
-             if saved.get(k) != current.get(k)]
+    diffs = differences(saved, current, DATA_FIELDS, nested=False)
     return f"the latent folder differs from the checkpoint's ({', '.join(diffs)})" if diffs else None
-
-
-def _short(value):
-    """A value as a refusal shows it: hashes cut to 12 characters (enough to tell two folders apart)."""
-    return value[:12] if isinstance(value, str) and len(value) == 64 else value
 
 
 def resume_differences(saved: TrainConfig, current: TrainConfig) -> tuple[list[str], list[str]]:
     """(refused differences, allowed differences) between a checkpoint's config and the current one."""
-    refused = [f"{k}: {getattr(saved, k)!r} -> {getattr(current, k)!r}" for k in IDENTITY_FIELDS
-               if _norm(getattr(saved, k)) != _norm(getattr(current, k))]
+    recorded, now = vars(saved), vars(current)
+    refused = differences(recorded, now, IDENTITY_FIELDS, nested=False)
     data = _data_mismatch(saved.data, current.data)
     if data:
         refused.append(data)
     # "block" only names a preset; the options it resolves to are identity fields.
     skip = set(IDENTITY_FIELDS) | {"data", "results_dir", "resume", "dry_run", "debug", "latents", "image_size",
                                    "block"}
-    allowed = [f"{f.name}: {getattr(saved, f.name)!r} -> {getattr(current, f.name)!r}" for f in fields(TrainConfig)
-               if f.name not in skip and _norm(getattr(saved, f.name)) != _norm(getattr(current, f.name))]
+    allowed = differences(recorded, now, [f.name for f in fields(TrainConfig) if f.name not in skip], nested=False)
     return refused, allowed
-
-
-def _norm(value):
-    """Compare tuples and lists alike (JSON round trips turn one into the other)."""
-    return list(value) if isinstance(value, (tuple, list)) else value
 
 
 def check_resume(saved: TrainConfig, current: TrainConfig, where: Path) -> list[str]:
