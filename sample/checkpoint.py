@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from shared.generative.guidance import AUTO_DIFFUSERS, AUTO_DIT, AUTO_OWN, AUTO_REPA, AUTO_SIT, AutoGuide
 from shared.network.diffusers_dit import NUMERICS_NOTE, check_dit_config, diffusers_to_dit, model_config_of
 from shared.runtime.errors import ChoiceError, UserError
 from shared.runtime.export import first_nonfinite, load_torch_file, load_weights, safetensors_problem
@@ -19,7 +20,7 @@ from shared.runtime.rundir import (CHECKPOINTS, EMA_FILE, EXPORTS, MODEL_FILE, c
 
 from sample.diffusers_folder import (CONFIG, DiffusersSource, class_names, is_diffusers_file, is_diffusers_folder,
                                      locate, locate_hub, looks_like_hub_id, read_json, read_weights)
-from sample.official import OFFICIAL_NAMES, RELEASES, checkpoint_url, find_official, is_official_name
+from sample.official import OFFICIAL_NAMES, RELEASES, checkpoint_url, find_official, is_official_name, release_name
 
 TORCH_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")  # read with torch.load(weights_only=True); all else safetensors
 WEIGHTS = ("ema", "raw")  # which weights of a run or checkpoint: the EMA copy or the raw training weights
@@ -28,6 +29,8 @@ AS_SAVED = "as saved"     # what settings.json records for a file holding one se
 _KEY_PREFIXES = ("module.", "_orig_mod.")
 _OFFICIAL_FIX = ("Pass an official DiT checkpoint (downloaded from dl.fbaipublicfiles.com/DiT/models/, e.g. "
                  "DiT-XL-2-256x256.pt) or a .safetensors export of this project.")
+# A bare state dict records no objective: unless its name or layout says, it is taken as DiT's, and said once.
+ASSUMED_DDPM = "assumed: a bare state dict of no known release is taken as DiT's DDPM"
 _CKPT_KINDS = ("a training run folder, a .safetensors export, an official DiT .pt checkpoint (or a released one by "
                f"name: {', '.join(OFFICIAL_NAMES)}), or a diffusers DiT (pipeline folder, transformer folder, or Hub "
                "repo id such as facebook/DiT-XL-2-256)")
@@ -47,6 +50,7 @@ class LoadedWeights:
     weights: str = AS_SAVED           # what was loaded: "ema", "raw", or AS_SAVED (a file's only set)
     warnings: list[str] = field(default_factory=list)  # what the user must see (e.g. a broken newer export skipped)
     label: str | None = None          # short name for default output folders (None: from the file's path)
+    auto_guide: AutoGuide = AUTO_OWN  # what --guide-channels auto means: what these weights' own sampler does
 
 
 @dataclass
@@ -183,15 +187,17 @@ def _pick_state_dict(obj, path: Path, weights: str | None) -> tuple[dict, str]:
 
 def _objective_of_release(path: Path, objective: str | None) -> tuple[str, str]:
     """(objective, how it was chosen) of a bare state dict: --objective, else its release's, else ddpm (DiT's)."""
-    release = RELEASES.get(path.name)
+    known = release_name(path.name)
+    release = RELEASES[known] if known else None
     if objective is not None:
         if release is not None and objective != release.objective:
             raise UserError(f"--objective {objective} contradicts {path.name}, a {release.paper} release trained with "
                             f"the {release.objective} objective; drop --objective.")
         return objective, "as --objective says"
     if release is not None:
-        return release.objective, f"the {release.paper} release"
-    return "ddpm", "a bare state dict is taken as DiT's DDPM unless --objective says otherwise"
+        named = "" if known == path.name else f", under the name its URL writes (ours: {known})"
+        return release.objective, f"the {release.paper} release{named}"
+    return "ddpm", ASSUMED_DDPM
 
 
 def _load_official(path: Path, weights: str | None, model: str | None, objective: str | None = None) -> LoadedWeights:
@@ -212,7 +218,18 @@ def _load_official(path: Path, weights: str | None, model: str | None, objective
     how = "checked against --model" if model else "inferred from tensor shapes"
     notes = [f"{config.model}, latent {config.in_channels}x{config.input_size}x{config.input_size}, "
              f"{config.num_classes} classes ({how})", f"objective {name} ({why})", *repa_notes]
-    return LoadedWeights(state_dict, config, path, "official", notes=notes, weights=which)
+    warnings = [] if why != ASSUMED_DDPM else [
+        f"{path.name} records no objective and is no known release: sampled as DiT's ddpm objective (noise "
+        f"prediction); if it was trained with flow matching (SiT), pass --objective flow."]
+    return LoadedWeights(state_dict, config, path, "official", notes=notes, weights=which, warnings=warnings,
+                         auto_guide=_auto_guide_of_release(config))
+
+
+def _auto_guide_of_release(config: ModelConfig) -> AutoGuide:
+    """What the sampler of a bare state dict's origin guides: REPA's all channels, DiT's and SiT's the first 3."""
+    if config.objective == "flow":
+        return AUTO_REPA if config.flow_convention == "repa" else AUTO_SIT
+    return AUTO_DIT
 
 
 def _load_export(path: Path, model: str | None, held: str) -> LoadedWeights:
@@ -273,7 +290,7 @@ def _load_diffusers(source: DiffusersSource, weights: str | None, model: str | N
              f"{vae})", f"{NUMERICS_NOTE} Loaded here as the official DiT function, which is what the Hub's DiT "
                         f"weights were trained as."]
     return LoadedWeights(state_dict, config, source.weights, "diffusers", meta, None, notes, AS_SAVED,
-                         warnings=[notes[-1]], label=source.label)
+                         warnings=[notes[-1]], label=source.label, auto_guide=AUTO_DIFFUSERS)
 
 
 def check_finite(loaded: LoadedWeights) -> None:

@@ -361,9 +361,11 @@ def test_a_repa_layout_state_dict_loads_strictly_and_samples_with_the_sde(tiny_v
     out = tmp_path / "samples"
     main(["--ckpt", str(path), "--vae", str(tiny_vae_dir), "--num-samples", "2", "--batch-size", "2",
           "--sampler", "sde", "--num-sampling-steps", "3", "--cfg-scale", "1.8", "--cfg-interval", "0", "0.7",
-          "--guide-channels", "all", "--out", str(out)])
+          "--out", str(out)])
     settings = json.loads((out / "settings.json").read_text())
     assert len(list(out.glob("0*.png"))) == 2 and "sde" in json.dumps(settings)
+    assert settings["identity"]["guide_channels"] == "all"  # auto: what REPA's sampler guides
+    assert "(auto: REPA's sampler guides all channels)" in settings["run"]["guidance"]
     del state["blocks.2.attn.qkv.bias"]
     torch.save(state, path)
     with pytest.raises(UserError) as info:  # strict: a missing tensor is refused, not silently zero
