@@ -31,7 +31,7 @@ from extract.sizes import check_image_size
 from shared.runtime.errors import ChoiceError, UserError
 from shared.runtime.fsio import atomic_write_text, stale_tmps
 from shared.runtime.lock import hold_lock
-from shared.datasets.shard_schema import EXTRA_STORAGE_DTYPES
+from shared.datasets.shard_schema import FLAG_DTYPES
 from shared.network.repa import REPR_TENSOR
 from shared.datasets.shards import (FLIP_MODES, FOLDER_KIND, INDEX_NAME, STORAGE_DTYPES, ShardInfo, ShardWriter,
                            damaged_error, damaged_files, shard_name, write_index)
@@ -70,7 +70,7 @@ class ExtractConfig:
         None, "Pixels per side the encoder sees, a multiple of its patch size (default: REPA's, image-size / 16 "
               "patches: 224 for DINOv2/14 at 256 px).")
     repr_dtype: str = option("fp16", "Storage dtype of the encoder tokens (DINOv2-B at 256 px: ~384 KiB per image and "
-                                     "flip in fp16)", choices=tuple(EXTRA_STORAGE_DTYPES))
+                                     "flip in fp16)", choices=tuple(FLAG_DTYPES))
     max_image_pixels: int | None = option(
         MAX_IMAGE_PIXELS, "Images with more pixels are skipped as possible decompression bombs (listed as bad "
                           "files); 'none' admits any size. Images above the default are decoded at reduced size "
@@ -141,8 +141,8 @@ def check_numbers(cfg: ExtractConfig) -> None:
         raise ChoiceError("duplicate policy", cfg.duplicates, DUPLICATE_POLICIES)
     if cfg.dtype not in STORAGE_DTYPES:
         raise ChoiceError("storage dtype", cfg.dtype, STORAGE_DTYPES)
-    if cfg.repr_dtype not in EXTRA_STORAGE_DTYPES:
-        raise ChoiceError("feature storage dtype", cfg.repr_dtype, EXTRA_STORAGE_DTYPES)
+    if cfg.repr_dtype not in FLAG_DTYPES:
+        raise ChoiceError("feature storage dtype", cfg.repr_dtype, FLAG_DTYPES)
     if cfg.repr_encoder is None and cfg.repr_image_size is not None:
         raise UserError("--repr-image-size applies to the representation encoder; pass --repr-encoder too, or "
                         "drop --repr-image-size.")
@@ -341,6 +341,12 @@ def _bad_file(scan: ImageFolderScan, pos: int, reason: str, strict: bool) -> dic
     return {"path": path, "reason": reason}
 
 
+def shard_columns(cfg: ExtractConfig, encoder: dict | None) -> dict:
+    """The shards' columns {name: torch dtype}: the posterior moments, and the encoder tokens when REPA's are stored."""
+    moments = STORAGE_DTYPES[cfg.dtype]
+    return {"mean": moments, "std": moments, **({REPR_TENSOR: FLAG_DTYPES[cfg.repr_dtype]} if encoder else {})}
+
+
 class ShardSink:
     """Receives encoded batches in shard order and turns each finished shard into tar + sidecar."""
 
@@ -350,17 +356,16 @@ class ShardSink:
         self.process = process  # {"rank", "world_size"}: which process wrote a shard (for debugging)
         self.shard, self.writer, self.bad, self.seen = None, None, [], 0
 
-    def add(self, positions: list[int], mean, std, bad: list[dict], extra: dict | None = None) -> None:
+    def add(self, positions: list[int], columns: dict, bad: list[dict]) -> None:
         """Write one batch (all positions in one shard, sorted); finish the shard after its last file.
 
-        extra: named per-sample tensors (B, ...) stored beside the moments (e.g. "repr" (B, F, T, D)).
+        columns: the shard's named tensors (B, F, ...) of the good images, e.g. "mean", "std" and "repr".
         """
         shard = (positions[0] if positions else bad[0]["pos"]) // self.cfg.shard_size
         if shard != self.shard:
             self._open(shard)
         for k, pos in enumerate(positions):
-            self.writer.add(f"{pos:09d}", mean[k], std[k], self.plan.scan.labels[pos],
-                            extra={name: t[k] for name, t in (extra or {}).items()} or None)
+            self.writer.add(f"{pos:09d}", {name: t[k] for name, t in columns.items()}, self.plan.scan.labels[pos])
         self.bad += [{"path": b["path"], "reason": b["reason"]} for b in bad]
         self.seen += len(positions) + len(bad)
         if self.seen == len(self.batches.shard_positions(shard)):
@@ -371,7 +376,8 @@ class ShardSink:
         if self.writer is not None:
             raise RuntimeError(f"shard {self.shard} was left unfinished")
         self.shard, self.bad, self.seen = shard, [], 0
-        self.writer = ShardWriter(self.out / shard_name(shard), dtype=STORAGE_DTYPES[self.cfg.dtype]).__enter__()
+        self.writer = ShardWriter(self.out / shard_name(shard), columns=shard_columns(self.cfg, self.plan.encoder)
+                                  ).__enter__()
 
     def _finish(self) -> None:
         """Close the tar (atomic rename), then write the sidecar that marks the shard finished."""
@@ -415,18 +421,18 @@ def encode_shards(cfg: ExtractConfig, plan_: Plan, shards: list[int], vae, state
     try:
         for batch in loader:
             positions, pixels, bad = _split_batch(batch, plan_.scan, cfg.strict)
-            mean = std = None
-            extra = {}
+            columns = {}
             if positions:
-                mean, std = encode_pixels(vae, pixels, cfg.flip == "both", progress)
-                # one device->host copy per batch, already in the storage dtype (not one per sample)
-                mean, std = (t.to("cpu", STORAGE_DTYPES[cfg.dtype]) for t in (mean, std))
+                dtypes = shard_columns(cfg, plan_.encoder)
+                mean, std = encode_pixels(vae, pixels, cfg.flip == "both", progress)  # (B, F, C, h, w) each
                 if encoder is not None:
                     tokens = encode_repr(encoder, pixels, cfg.flip == "both", progress.chunk)  # (B, F, T, D)
-                    extra[REPR_TENSOR] = tokens.to("cpu", EXTRA_STORAGE_DTYPES[cfg.repr_dtype])
+                    columns[REPR_TENSOR] = tokens
+                # one device->host copy per batch, already in the storage dtype (not one per sample)
+                columns = {name: t.to("cpu", dtypes[name]) for name, t in {"mean": mean, "std": std, **columns}.items()}
             for b in bad:
                 tqdm.write(f"extract: skipped bad image {b['path']}: {b['reason']}")
-            sink.add(positions, mean, std, bad, extra)
+            sink.add(positions, columns, bad)
             progress.encoded += len(positions)
             progress.bad += bad
             bar.update(len(positions) + len(bad))
@@ -630,7 +636,7 @@ def describe_storage(cfg: ExtractConfig, plan_: Plan) -> list[str]:
         from shared.tokenizers.repr_encoder import storage_bytes
 
         enc = plan_.encoder
-        tokens = storage_bytes(enc, frames, EXTRA_STORAGE_DTYPES[cfg.repr_dtype])
+        tokens = storage_bytes(enc, frames, FLAG_DTYPES[cfg.repr_dtype])
         per_image += tokens
         lines.append(f"storage: encoder tokens {_size(tokens)} per image ({frames} flip(s) x {enc['tokens']} tokens "
                      f"x {enc['dim']} {cfg.repr_dtype}; {enc['grid']}x{enc['grid']} patches of {enc['patch_size']} "

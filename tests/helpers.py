@@ -64,17 +64,20 @@ def final_tensors(run: Path) -> dict:
     return out
 
 
+MOMENTS_FP16 = {"mean": torch.float16, "std": torch.float16}  # the columns extract writes by default
+
+
 def make_latents(root: Path, n=32, shape=(4, 4, 4), flips=2, per_shard=20, scaling_factor=0.5, image_size=8,
                  poison=False, seed=0) -> Path:
     """A finished latent folder of class-dependent synthetic moments (shards + index.json)."""
     root.mkdir(parents=True, exist_ok=True)
     rng, infos = np.random.default_rng(seed), []
     for first in range(0, n, per_shard):
-        with ShardWriter(root / shard_name(first // per_shard), dtype=torch.float16) as writer:
+        with ShardWriter(root / shard_name(first // per_shard), columns=MOMENTS_FP16) as writer:
             for i in range(first, min(n, first + per_shard)):
                 mean = rng.normal(size=(flips, *shape)).astype(np.float32) * 0.5 + (i % CLASSES) - 1.5
                 mean = np.full_like(mean, np.nan) if poison else mean
-                writer.add(f"{i:06d}", mean, np.full_like(mean, 0.1), i % CLASSES)
+                writer.add(f"{i:06d}", {"mean": mean, "std": np.full_like(mean, 0.1)}, i % CLASSES)
         infos.append(writer.info)
     vae = {"source": "synthetic", "scaling_factor": scaling_factor, "latent_channels": shape[0],
            "downsample_factor": image_size // shape[1]}

@@ -159,7 +159,7 @@ def walk_steps() -> list[tuple[list[str], list[str]]]:
 
 
 def module_file(name: str) -> str:
-    """The repository path of the module a dotted name lives in (its longest importable prefix)."""
+    """The repository path of the file that defines what a dotted name names (not one that only imports it)."""
     parts = name.split(".")
     for cut in range(len(parts), 0, -1):
         try:
@@ -167,7 +167,12 @@ def module_file(name: str) -> str:
         except ModuleNotFoundError:
             spec = None
         if spec is not None and spec.origin:
-            return Path(spec.origin).resolve().relative_to(ROOT).as_posix()
+            obj = importlib.import_module(".".join(parts[:cut]))
+            for attr in parts[cut:]:
+                obj = getattr(obj, attr)
+            defined_in = getattr(obj, "__module__", None) if cut < len(parts) else None
+            origin = importlib.util.find_spec(defined_in).origin if defined_in else spec.origin
+            return Path(origin).resolve().relative_to(ROOT).as_posix()
     raise AssertionError(f"{name} is no module")
 
 

@@ -51,11 +51,12 @@ def make_feature_latents(root: Path, n=24, flips=2, tokens=16, dim=8, encoder="e
 
     root.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
-    with ShardWriter(root / shard_name(0), dtype=torch.float16) as writer:
+    with ShardWriter(root / shard_name(0), columns={"mean": torch.float16, "std": torch.float16, "repr": torch.float16}
+                     ) as writer:
         for i in range(n):
             mean = rng.normal(size=(flips, 4, 4, 4)).astype(np.float32) * 0.5 + (i % 4) - 1.5
             feats = torch.from_numpy(rng.normal(size=(flips, tokens, dim)).astype(np.float32)).half()
-            writer.add(f"{i:06d}", mean, np.full_like(mean, 0.1), i % 4, extra={"repr": feats})
+            writer.add(f"{i:06d}", {"mean": mean, "std": np.full_like(mean, 0.1), "repr": feats}, i % 4)
     identity = {"source": encoder, "model_type": "dinov2", "config_sha256": encoder * 4, "input_size": 16,
                 "patch_size": 4, "grid": 4, "tokens": tokens, "dim": dim, "dtype": "fp16",
                 "normalisation": {"mean": [0.5] * 3, "std": [0.5] * 3}}
@@ -76,9 +77,9 @@ def test_shards_store_extra_named_tensors_and_describe_them(tmp_path, dtype):
     g = torch.Generator().manual_seed(0)
     means = torch.randn(5, 2, 4, 2, 2, generator=g)
     feats = torch.randn(5, 2, 9, 3, generator=g).to(dtype)
-    with ShardWriter(tmp_path / shard_name(0)) as writer:
+    with ShardWriter(tmp_path / shard_name(0), columns={"mean": "fp16", "std": "fp16", "repr": dtype}) as writer:
         for i in range(5):
-            writer.add(f"k{i}", means[i], means[i].abs(), i % 2, extra={"repr": feats[i]})
+            writer.add(f"k{i}", {"mean": means[i], "std": means[i].abs(), "repr": feats[i]}, i % 2)
     write_index(tmp_path, [writer.info], {"image_size": 4, "num_classes": 2, "class_names": ["a", "b"],
                                           "vae": {"scaling_factor": 1.0}})
     index = json.loads((tmp_path / "index.json").read_text())
@@ -92,9 +93,12 @@ def test_shards_store_extra_named_tensors_and_describe_them(tmp_path, dtype):
     assert batch["repr"].dtype == dtype and torch.equal(batch["repr"], feats[[4, 1, 1]])
     assert torch.equal(batch["mean"], means[[4, 1, 1]].half())
     assert torch.equal(ds[3]["repr"], feats[3])
-    assert "repr" not in ds.gather([0], extra=())  # moments only: the features are not read
-    one = ds.gather([4, 1, 1], extra=("repr",), frames=[1, 0, 1])["repr"]  # only the drawn flip's tokens
-    assert torch.equal(one, feats[[4, 1, 1], [1, 0, 1]])
+    assert set(ds.gather([0], ("mean", "std"))) == {"mean", "std", "label"}  # the features are not read
+    one = ds.gather([4, 1, 1], ("repr", "mean"), frames=[1, 0, 1])  # only the drawn flip of each column
+    assert torch.equal(one["repr"], feats[[4, 1, 1], [1, 0, 1]])
+    assert torch.equal(one["mean"], means[[4, 1, 1], [1, 0, 1]].half()) and set(one) == {"repr", "mean", "label"}
+    with pytest.raises(IndexError, match="frame outside the 2"):
+        ds.gather([0], frames=[2])
     assert torch.equal(collate([ds[2], ds[0]])["repr"], feats[[2, 0]])
     assert torch.equal(collate(ds.__getitems__([2, 0]))["repr"], feats[[2, 0]])
 
@@ -106,8 +110,8 @@ def test_moment_only_shards_keep_the_first_versions_bytes_and_layout(tmp_path):
     from shared.datasets.shards import LatentDataset, ShardWriter, shard_name
 
     mean = np.arange(32, dtype=np.float16).reshape(2, 4, 2, 2)
-    with ShardWriter(tmp_path / shard_name(0)) as writer:
-        writer.add("k0", mean, mean, 1)
+    with ShardWriter(tmp_path / shard_name(0), columns={"mean": torch.float16, "std": torch.float16}) as writer:
+        writer.add("k0", {"mean": mean, "std": mean}, 1)
     payload = safetensors.numpy.save({"mean": mean, "std": mean})  # what the first version wrote
     assert payload in (tmp_path / shard_name(0)).read_bytes()
     assert set(writer.info.layout) == {"dtype", "shape", "header_size", "payload_size", "tensors"}
@@ -186,11 +190,11 @@ def test_training_features_follow_the_latents_flip_variant(tmp_path):
     from shared.datasets.shards import LatentDataset, ShardWriter, shard_name, write_index
     from train.data import TrainingDraws
 
-    with ShardWriter(tmp_path / shard_name(0)) as writer:
+    with ShardWriter(tmp_path / shard_name(0), columns={"mean": "fp16", "std": "fp16", "repr": "fp32"}) as writer:
         for i in range(16):
             mean = np.stack([np.full((4, 2, 2), f + 10 * i, np.float32) for f in range(2)])  # (F=2, C, h, w)
             feats = torch.stack([torch.full((4, 3), float(f + 10 * i)) for f in range(2)])  # (F, T, E)
-            writer.add(f"k{i}", mean, np.zeros_like(mean), 0, extra={"repr": feats})
+            writer.add(f"k{i}", {"mean": mean, "std": np.zeros_like(mean), "repr": feats}, 0)
     write_index(tmp_path, [writer.info], {"image_size": 4, "num_classes": 1, "class_names": ["a"],
                                           "vae": {"scaling_factor": 1.0}})
     draws = TrainingDraws(LatentDataset(tmp_path, progress=False), seed=3, class_dropout_prob=0.0,

@@ -23,6 +23,10 @@ from shared.datasets.shards import (
 )
 from shared.runtime.fsio import tmp_name
 
+# sha256[:16] of the folder test_folder_bytes_are_pinned writes (moments fp16 + a bf16 column, 3 samples)
+PINNED_DIGESTS = {"index-arrays.npz": "d0cc18593469dea2", "index.json": "763bc2bf14642bd0",
+                  "shard-000000.tar": "0feb622c0ebf82a7"}  # as the writer before named columns wrote it
+MOMENTS = {"mean": torch.float16, "std": torch.float16}  # the columns extract writes by default
 META = {"image_size": 16, "num_classes": 3, "class_names": ["cat", "dog", "eel"],
         "vae": {"source": "tiny", "scaling_factor": 0.25, "latent_channels": 4}}
 
@@ -45,11 +49,11 @@ def write_folder(root: Path, counts=(3, 5, 2), flips=2, dtype=torch.float16, see
     samples = make_moments(sum(counts), flips=flips, seed=seed)
     infos, k = [], 0
     for s, n in enumerate(counts):
-        with ShardWriter(root / shard_name(s), dtype=dtype) as writer:
+        with ShardWriter(root / shard_name(s), columns={"mean": dtype, "std": dtype}) as writer:
             for mean, std, label in samples[k : k + n]:
                 # torch input for even keys, numpy for odd: the writer takes both
                 as_t = (lambda a: torch.from_numpy(a)) if k % 2 == 0 else (lambda a: a)
-                writer.add(f"{k:06d}", as_t(mean), as_t(std), label)
+                writer.add(f"{k:06d}", {"mean": as_t(mean), "std": as_t(std)}, label)
                 k += 1
         infos.append(writer.info)
     if index:
@@ -162,8 +166,8 @@ def test_writer_uses_temp_name_and_index_comes_last(tmp_path):
     root = tmp_path / "lat"
     root.mkdir()
     (mean, std, label), = make_moments(1)
-    with ShardWriter(root / shard_name(0)) as writer:
-        writer.add("000000", mean, std, label)
+    with ShardWriter(root / shard_name(0), columns=MOMENTS) as writer:
+        writer.add("000000", {"mean": mean, "std": std}, label)
         assert sorted(p.name for p in root.iterdir()) == [tmp_name(root / shard_name(0)).name]
     assert sorted(p.name for p in root.iterdir()) == ["shard-000000.tar"]
     with pytest.raises(UserError, match="extraction did not finish.*[Rr]erun the same extract command"):
@@ -185,8 +189,8 @@ def test_writer_uses_temp_name_and_index_comes_last(tmp_path):
 def test_writer_removes_temp_file_on_error(tmp_path):
     (mean, std, label), = make_moments(1)
     with pytest.raises(RuntimeError, match="boom"):
-        with ShardWriter(tmp_path / shard_name(0)) as writer:
-            writer.add("000000", mean, std, label)
+        with ShardWriter(tmp_path / shard_name(0), columns=MOMENTS) as writer:
+            writer.add("000000", {"mean": mean, "std": std}, label)
             raise RuntimeError("boom")
     assert list(tmp_path.iterdir()) == [] and writer.info is None
 
@@ -208,26 +212,83 @@ def test_writer_turns_a_full_disk_into_one_error_and_removes_its_temp_file(tmp_p
     monkeypatch.setattr(shards, "open", lambda path, mode: io.BufferedWriter(_FullDisk(path, "w"), 512),
                         raising=False)
     with pytest.raises(DiskFullError, match=r"no space left on the disk holding .*shard-000000\.tar.*rerun"):
-        with ShardWriter(tmp_path / shard_name(0)) as writer:
+        with ShardWriter(tmp_path / shard_name(0), columns=MOMENTS) as writer:
             for key, (mean, std, label) in enumerate(make_moments(4)):
-                writer.add(f"{key:06d}", mean, std, label)
+                writer.add(f"{key:06d}", {"mean": mean, "std": std}, label)
     assert list(tmp_path.iterdir()) == [] and writer.info is None
 
 
 def test_writer_rejects_bad_samples(tmp_path):
     mean, std, _ = make_moments(1)[0]
-    with ShardWriter(tmp_path / shard_name(0)) as writer:
-        writer.add("5", mean, std, 0)
+    with ShardWriter(tmp_path / shard_name(0), columns=MOMENTS) as writer:
+        writer.add("5", {"mean": mean, "std": std}, 0)
         for key in ("a.b", "", "x/y"):
             with pytest.raises(ValueError, match="bad sample key"):
-                writer.add(key, mean, std, 0)
+                writer.add(key, {"mean": mean, "std": std}, 0)
         with pytest.raises(ValueError, match="appears twice"):
-            writer.add("5", mean, std, 0)
+            writer.add("5", {"mean": mean, "std": std}, 0)
         with pytest.raises(ValueError, match=r"\(F, C, h, w\)"):
-            writer.add("6", mean[0], std[0], 0)
+            writer.add("6", {"mean": mean[0], "std": std[0]}, 0)
         with pytest.raises(ValueError, match="differs from the shard"):
-            writer.add("6", mean[:, :2], std[:, :2], 0)
+            writer.add("6", {"mean": mean[:, :2], "std": std[:, :2]}, 0)
+        with pytest.raises(ValueError, match=r"holds columns \['mean'\], the shard declares \['mean', 'std'\]"):
+            writer.add("6", {"mean": mean}, 0)
+        with pytest.raises(ValueError, match=r"holds columns \['mean', 'repr', 'std'\]"):
+            writer.add("6", {"mean": mean, "std": std, "repr": mean}, 0)
     assert writer.info.keys == ["5"]
+
+
+def test_writer_checks_its_column_set(tmp_path):
+    with pytest.raises(ValueError, match="stores a 'mean' column"):
+        ShardWriter(tmp_path / shard_name(0), columns={"std": torch.float16})
+    with pytest.raises(ValueError, match="'std' must be stored in the dtype of 'mean' \\(float16\\)"):
+        ShardWriter(tmp_path / shard_name(0), columns={"mean": torch.float16, "std": torch.float32})
+    with pytest.raises(ValueError, match="storage dtype must be one of"):
+        ShardWriter(tmp_path / shard_name(0), columns={"mean": torch.int8})
+    mean, std, _ = make_moments(1)[0]
+    with ShardWriter(tmp_path / shard_name(0), columns={**MOMENTS, "repr": "bf16"}) as writer:
+        with pytest.raises(ValueError, match="column 'repr' \\(3, 5\\) must lead with the latent's 2 flip"):
+            writer.add("0", {"mean": mean, "std": std, "repr": torch.zeros(3, 5)}, 0)
+    assert writer.info.keys == []
+
+
+def test_folder_bytes_are_pinned(tmp_path):
+    """The bytes of a folder are the format: a writer change that moves one byte fails here (old folders must
+    keep reading, and re-extracting must reproduce them)."""
+    root = tmp_path / "lat"
+    root.mkdir()
+    with ShardWriter(root / shard_name(0), columns={**MOMENTS, "repr": torch.bfloat16}) as writer:
+        for i in range(3):
+            mean = torch.arange(2 * 4 * 2 * 2, dtype=torch.float32).reshape(2, 4, 2, 2) / (i + 1)
+            writer.add(f"{i:06d}", {"mean": mean, "std": mean.numpy() / 7, "repr": mean[:, :2, :, 0] - i}, i)
+    write_index(root, [writer.info], META)
+    digest = {p.name: hashlib.sha256(p.read_bytes()).hexdigest()[:16] for p in sorted(root.iterdir())}
+    assert digest == PINNED_DIGESTS
+
+
+def test_deterministic_latents_store_the_latent_alone(tmp_path):
+    """A deterministic tokenizer (AutoencoderDC, RAE) stores "mean" with no "std": read back, in one loop."""
+    root = tmp_path / "lat"
+    root.mkdir()
+    latents = torch.randn(4, 1, 4, 2, 2, generator=torch.Generator().manual_seed(0))
+    with ShardWriter(root / shard_name(0), columns={"mean": "bf16"}) as writer:
+        for i in range(4):
+            writer.add(f"{i:06d}", {"mean": latents[i]}, i % 3)
+    write_index(root, [writer.info], META)
+    index = json.loads((root / "index.json").read_text())
+    assert index["version"] == shards.DETERMINISTIC_VERSION and index["dtype"] == "bfloat16"
+    assert index["tensors"] == [{"name": "mean", "dtype": "bfloat16", "shape": [1, 4, 2, 2]}]
+    ds = LatentDataset(root)
+    assert ds.deterministic and ds.tensor_names == ("mean",) and ds.dtype == torch.bfloat16
+    assert not LatentDataset(write_folder(tmp_path / "vae")[0]).deterministic
+    assert set(ds[1]) == {"mean", "label"} and torch.equal(ds[1]["mean"], latents[1].bfloat16())
+    batch = ds.gather([3, 0], frames=[0, 0])
+    assert torch.equal(batch["mean"], latents[[3, 0], 0].bfloat16()) and batch["label"].tolist() == [0, 0]
+    # Readers of version 1 only would look for "std": the version tells them to refuse the folder instead.
+    index["version"] = 3
+    (root / "index.json").write_text(json.dumps(index))
+    with pytest.raises(UserError, match="version 3; this code reads 'dit-latent-shards' versions 1, 2"):
+        LatentDataset(root)
 
 
 def test_write_index_validates(tmp_path):

@@ -50,7 +50,7 @@ class TrainingDraws(torch.utils.data.Dataset):
                  features: bool = False):
         self.dataset, self.seed, self.class_dropout_prob = dataset, seed, class_dropout_prob
         self.objective = objective or DDPMObjective()
-        self.extra = (REPR_TENSOR,) if features else ()  # other stored tensors are never read
+        self.columns = ("mean", "std", *((REPR_TENSOR,) if features else ()))  # other columns are never read
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -66,15 +66,13 @@ class TrainingDraws(torch.utils.data.Dataset):
         drop = torch.cat([torch.rand(1, generator=g) for g in gens]) < self.class_dropout_prob  # (B,)
         flips = self.dataset.flips
         variant = torch.cat([torch.randint(0, flips, (1,), generator=g) for g in gens])  # (B,)
-        # Encoder tokens: only the drawn flip's are read (they are most of a sample's bytes).
-        batch = self.dataset.gather(np.array([i for _, i in pairs], dtype=np.int64), self.extra,
-                                    variant.tolist() if self.extra else None)  # mean/std (B, F, C, h, w)
-        rows = torch.arange(len(pairs))
-        mean, std = batch["mean"][rows, variant], batch["std"][rows, variant]  # (B, C, h, w)
-        x0 = draw_latents(mean, std, self.dataset.scaling_factor, generator=gens)  # (B, C, h, w) fp32
+        # Only the drawn flip of each column is read (the other frames' bytes stay on disk).
+        batch = self.dataset.gather(np.array([i for _, i in pairs], dtype=np.int64), self.columns,
+                                    variant.tolist())  # mean/std (B, C, h, w)
+        x0 = draw_latents(batch["mean"], batch["std"], self.dataset.scaling_factor, generator=gens)  # (B, C, h, w) fp32
         noise = torch.stack([torch.randn(x0.shape[1:], generator=g) for g in gens])  # (B, C, h, w)
         out = {"x0": x0, "label": batch["label"].long(), "drop": drop, "t": t, "noise": noise, "position": positions}
-        if self.extra:  # the encoder saw the same flip as the latent's (REPA aligns the same image)
+        if REPR_TENSOR in self.columns:  # the encoder saw the same flip as the latent's (REPA aligns the same image)
             out[REPR_TENSOR] = batch[REPR_TENSOR].float()  # (B, T, E), of flip `variant`
         return out
 

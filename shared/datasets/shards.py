@@ -3,10 +3,10 @@
 Layout of a latent folder (written by `extract`, read by `train`):
 
     shard-000000.tar ...   webdataset-compatible ustar archives; per sample KEY two members:
-                           KEY.latent.safetensors  tensors "mean" and "std", each (F, C, h, w) fp16/fp32
-                                                   (F=2 with flips: 0 original, 1 mirrored), and optionally
-                                                   more named tensors (shared/datasets/shard_schema.py), e.g. "repr"
-                                                   (F, T, D): an encoder's patch tokens for REPA
+                           KEY.latent.safetensors  the folder's columns (shared/datasets/shard_schema.py): "mean"
+                                                   and "std" (F, C, h, w) (F=2 with flips: 0 original, 1
+                                                   mirrored; "mean" alone from a deterministic tokenizer), and
+                                                   any others, e.g. "repr" (F, T, D): encoder tokens for REPA
                            KEY.cls                 the class index in ASCII
     index-arrays.npz       per-sample arrays, concatenated in shard order: "offsets" (int64, byte offset of
                            each safetensors payload inside its tar) and "labels" (int64)
@@ -37,22 +37,25 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
-import safetensors.numpy
 import torch
 from tqdm import tqdm
 
 from shared.runtime.errors import UserError, disk_full
 from shared.runtime.fsio import TMP_PREFIX, atomic_write_bytes, atomic_write_text, publish_file, space_guard, tmp_name
-from shared.datasets.shard_schema import TORCH_DTYPES as _SCHEMA_TORCH_DTYPES
-from shared.datasets.shard_schema import describe, payload_layout, serialise, spec_nbytes, tensor_specs
+from shared.datasets.shard_schema import (FLAG_DTYPES, STD, as_column, check_columns, check_sample, deterministic,
+                                          describe, payload_layout, serialise, spec_nbytes, storage_dtype,
+                                          tensor_specs)
 
 FORMAT_NAME = "dit-latent-shards"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # every folder whose payloads hold "mean" and "std": what the first readers read
+# A folder with no "std" column (a deterministic tokenizer's latents): readers of version 1 only would look for
+# "std", so such a folder says version 2 and they refuse it by its version, naming the fix.
+DETERMINISTIC_VERSION = 2
+READ_VERSIONS = (FORMAT_VERSION, DETERMINISTIC_VERSION)
 INDEX_NAME = "index.json"
 ARRAYS_NAME = "index-arrays.npz"
 PAYLOAD_EXT = "latent.safetensors"
 LABEL_EXT = "cls"
-TENSOR_NAMES = ("mean", "std")
 BLOCK = 512
 RECORD = 20 * BLOCK  # tar's default record size; the archive is padded to a whole record like GNU tar
 # The domain name of a latent folder in errors (shared.runtime.lock's {kind} field): stages map it to their flag.
@@ -60,26 +63,12 @@ FOLDER_KIND = "latent folder"
 # The --flip vocabulary of extract: mode -> F, the moments stored per sample (original, then its mirror).
 FLIP_MODES = {"both": 2, "none": 1}
 # The --dtype vocabulary of extract: how the moments are stored (the encoder always runs in fp32).
-STORAGE_DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
-
-_DTYPES = {"float16": np.float16, "float32": np.float32}
-_TORCH_DTYPES = {"float16": torch.float16, "float32": torch.float32}
+STORAGE_DTYPES = {flag: FLAG_DTYPES[flag] for flag in ("fp16", "fp32")}
 
 
 def shard_name(index: int) -> str:
     """The file name of shard number `index` (shard-000000.tar, ...)."""
     return f"shard-{index:06d}.tar"
-
-
-def dtype_name(dtype) -> str:
-    """Normalise a torch/numpy dtype or a string to "float16" or "float32"."""
-    if isinstance(dtype, torch.dtype):
-        name = str(dtype).replace("torch.", "")
-    else:
-        name = np.dtype(dtype).name
-    if name not in _DTYPES:
-        raise ValueError(f"latent dtype must be float16 or float32, got {dtype}")
-    return name
 
 
 def _sha256_file(path: Path, on_bytes=None, chunk: int = 1 << 22) -> str:
@@ -115,18 +104,6 @@ def _padding(size: int, multiple: int = BLOCK) -> bytes:
     return b"\0" * (-size % multiple)
 
 
-def _payload_layout(payload: bytes) -> dict:
-    """Parse a safetensors payload's header into its layout (shared/datasets/shard_schema.py)."""
-    return payload_layout(payload)
-
-
-def _as_array(x, dtype: np.dtype) -> np.ndarray:
-    """A C-contiguous numpy copy of a torch tensor or array in the shard dtype."""
-    if isinstance(x, torch.Tensor):
-        x = x.detach().to("cpu", _TORCH_DTYPES[np.dtype(dtype).name]).numpy()
-    return np.ascontiguousarray(x, dtype=dtype)
-
-
 @dataclass
 class ShardInfo:
     """What a finished shard holds; JSON-serialisable so extract can keep a per-shard sidecar for resume."""
@@ -138,7 +115,7 @@ class ShardInfo:
     keys: list[str] = field(default_factory=list)
     labels: list[int] = field(default_factory=list)
     offsets: list[int] = field(default_factory=list)  # byte offset of each safetensors payload in the tar
-    layout: dict = field(default_factory=dict)  # shared tensor layout of every payload (see _payload_layout)
+    layout: dict = field(default_factory=dict)  # shared layout of every payload (shard_schema.payload_layout)
 
     def to_dict(self) -> dict:
         """A plain JSON-serialisable dict."""
@@ -170,16 +147,19 @@ class _HashingFile:
 
 
 class ShardWriter:
-    """Context manager writing ONE webdataset-compatible shard, atomically.
+    """Context manager writing ONE webdataset-compatible shard of the declared columns, atomically.
 
+    `columns` {name: dtype (torch, or a vocabulary word)}: every payload's named tensors, e.g.
+    {"mean": torch.float16, "std": torch.float16} for a VAE's posterior moments, {"mean": torch.float16} alone
+    for a deterministic tokenizer's latent, plus any others such as "repr" (shared/datasets/shard_schema.py).
     Samples stream into shared.runtime.fsio.tmp_name(path); a clean exit pads the archive and publishes it as
     `path` (fsio.publish_file: a durable rename); an exception removes the temp file. The
     same input always gives byte-identical shards.
     """
 
-    def __init__(self, path, dtype=torch.float16):
+    def __init__(self, path, *, columns: dict):
         self.path = Path(path)
-        self.dtype = np.dtype(_DTYPES[dtype_name(dtype)])
+        self.columns = check_columns(columns)  # name -> StorageDtype
         self.tmp_path = tmp_name(self.path)
         self._file = None
         self._out: _HashingFile | None = None
@@ -216,21 +196,16 @@ class ShardWriter:
     def __len__(self) -> int:
         return len(self._keys)
 
-    def add(self, key: str, mean, std, label: int, extra: dict | None = None) -> None:
-        """Append one sample: posterior moments (F, C, h, w) as torch or numpy, its class index, and optional
-        extra named torch tensors stored in their own dtype (e.g. "repr": encoder tokens (F, T, D))."""
+    def add(self, key: str, tensors: dict, label: int) -> None:
+        """Append one sample: {column: torch or numpy tensor (F, ...)}, each cast to its column's dtype, and
+        its class index."""
         if self._out is None:
             raise RuntimeError("ShardWriter.add called outside its `with` block")
         self._check_key(key)
-        mean, std = _as_array(mean, self.dtype), _as_array(std, self.dtype)
-        if mean.ndim != 4 or mean.shape != std.shape:
-            raise ValueError(f"mean and std must both be (F, C, h, w); got {mean.shape} and {std.shape}")
-        if extra:
-            if set(extra) & {"mean", "std"}:
-                raise ValueError("extra tensors cannot be named 'mean' or 'std'")
-            payload = serialise({"mean": torch.from_numpy(mean), "std": torch.from_numpy(std), **extra})
-        else:  # the first version's bytes exactly
-            payload = safetensors.numpy.save({"mean": mean, "std": std})
+        tensors = {name: as_column(x, self.columns[name]) if name in self.columns else torch.as_tensor(x)
+                   for name, x in tensors.items()}
+        check_sample(tensors, self.columns)
+        payload = serialise(tensors)
         self._check_layout(payload)
         self._offsets.append(self._out.pos + BLOCK)  # the payload starts right after its tar header
         self._write_member(f"{key}.{PAYLOAD_EXT}", payload)
@@ -250,9 +225,9 @@ class ShardWriter:
         """Every payload must share the first one's header, so one layout describes the whole shard."""
         header = payload[: int.from_bytes(payload[:8], "little") + 8]
         if self._header is None:
-            self._header, self._layout = header, _payload_layout(payload)
+            self._header, self._layout = header, payload_layout(payload)
         elif header != self._header:
-            got = _payload_layout(payload)
+            got = payload_layout(payload)
             raise ValueError(f"sample shape/dtype {got['shape']} {got['dtype']} differs from the shard's "
                              f"{self._layout['shape']} {self._layout['dtype']}")
 
@@ -341,7 +316,7 @@ def write_index(out_dir, shard_infos, meta: dict) -> Path:
     flips, *latent_shape = layout["shape"]
     index = {
         "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
+        "version": DETERMINISTIC_VERSION if deterministic(layout) else FORMAT_VERSION,
         **{k: v for k, v in meta.items() if k not in ("format", "version")},
         "num_samples": sum(s.num_samples for s in shards),
         "latent_shape": latent_shape,  # [C, h, w]
@@ -518,9 +493,9 @@ def load_index(root: Path) -> dict:
         index = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise UserError(f"{path} is not valid JSON ({err}); {_RERUN}.") from None
-    if index.get("format") != FORMAT_NAME or index.get("version") != FORMAT_VERSION:
+    if index.get("format") != FORMAT_NAME or index.get("version") not in READ_VERSIONS:
         raise UserError(f"{path} has format {index.get('format')!r} version {index.get('version')!r}; this code "
-                        f"reads {FORMAT_NAME!r} version {FORMAT_VERSION}. Re-extract the latents with this "
+                        f"reads {FORMAT_NAME!r} versions {', '.join(map(str, READ_VERSIONS))}. Re-extract the latents with this "
                         f"version of `python -m extract` (or use the code version that wrote them).")
     return index
 
@@ -560,7 +535,8 @@ def _empty_batch(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
 class LatentDataset(torch.utils.data.Dataset):
     """Map-style dataset over a latent folder; items are zero-copy views into memory-mapped shards.
 
-    `ds[i]` -> {"mean": (F,C,h,w), "std": (F,C,h,w), "label": int}. The maps are copy-on-write (writing to
+    `ds[i]` -> {column: (F, ...) for every stored column, "label": int}, e.g. {"mean": (F,C,h,w), "std":
+    (F,C,h,w), "label"} (no "std" from a deterministic tokenizer, see `deterministic`). The maps are copy-on-write (writing to
     a returned tensor never touches the file), opened lazily in each process and dropped when pickled, so
     the dataset works in DataLoader workers under fork or spawn. Opening checks every shard's sha256
     against index.json (a progress bar while hashing), remembering what was verified (VERIFIED_NAME) so
@@ -576,12 +552,9 @@ class LatentDataset(torch.utils.data.Dataset):
         self._offsets, self.labels = _load_arrays(self.root, self.meta)
         counts = np.array([s["num_samples"] for s in self.meta["shards"]], dtype=np.int64)
         self._starts = np.concatenate([[0], np.cumsum(counts)])  # global index of each shard's first sample
-        layout = self.meta["layout"]
-        self._np_dtype = np.dtype(_DTYPES[layout["dtype"]])
-        self._shape = tuple(layout["shape"])  # (F, C, h, w)
-        self._count = int(np.prod(self._shape))  # elements per tensor
-        self._tensor_offsets = [layout["tensors"][name] for name in TENSOR_NAMES]  # inside each payload
-        self._specs = tensor_specs(layout)  # every stored tensor, moments first (shared/datasets/shard_schema.py)
+        # every stored column, "mean" and "std" first (shared/datasets/shard_schema.py), with its torch dtype
+        self._specs = {name: {**spec, "torch": storage_dtype(spec["dtype"]).torch, "nbytes": spec_nbytes(spec)}
+                       for name, spec in tensor_specs(self.meta["layout"]).items()}
         self._maps: dict[int, mmap.mmap] = {}
         self._bytes: dict[int, memoryview] = {}
 
@@ -590,16 +563,18 @@ class LatentDataset(torch.utils.data.Dataset):
     class_names = property(lambda self: list(self.meta["class_names"]), doc="Class names by index.")
     latent_shape = property(lambda self: tuple(self.meta["latent_shape"]), doc="(C, h, w) of one latent.")
     flips = property(lambda self: int(self.meta["flips"]), doc="F: 1, or 2 when mirrored copies are stored.")
-    dtype = property(lambda self: _TORCH_DTYPES[self.meta["dtype"]], doc="Storage dtype (torch).")
+    dtype = property(lambda self: storage_dtype(self.meta["dtype"]).torch, doc="The latent's storage dtype (torch).")
     image_size = property(lambda self: int(self.meta["image_size"]), doc="Image side the latents encode.")
     vae = property(lambda self: dict(self.meta["vae"]), doc="VAE identity dict written by extract.")
     scaling_factor = property(lambda self: float(self.meta["vae"]["scaling_factor"]), doc="VAE scaling factor.")
 
-    tensor_names = property(lambda self: tuple(self._specs), doc="Names of the per-sample tensors stored.")
+    tensor_names = property(lambda self: tuple(self._specs), doc="Names of the stored columns.")
+    deterministic = property(lambda self: STD not in self._specs,
+                             doc="True when the latent is stored alone (no \"std\": a deterministic tokenizer).")
 
     def tensor_spec(self, name: str) -> dict:
-        """{"dtype", "shape", "offset"} of a stored per-sample tensor (KeyError if absent)."""
-        return dict(self._specs[name])
+        """{"dtype", "shape", "offset"} of a stored column (KeyError if absent)."""
+        return {k: self._specs[name][k] for k in ("dtype", "shape", "offset")}
 
     def latent_meta(self) -> dict:
         """The latent description train stores in checkpoints and exports (shared/runtime/export.py's latent_meta)."""
@@ -640,53 +615,41 @@ class LatentDataset(torch.utils.data.Dataset):
         shard, local = self._locate(int(i))
         i = int(self._starts[shard]) + local
         mapping, base = self._map(shard), int(self._offsets[i])
-        out = {name: torch.from_numpy(np.frombuffer(mapping, self._np_dtype, self._count, base + off)
-                                      .reshape(self._shape))  # (F, C, h, w) view, no copy
-               for name, off in zip(TENSOR_NAMES, self._tensor_offsets)}
-        for name in self.tensor_names[len(TENSOR_NAMES):]:
-            spec = self._specs[name]
-            out[name] = torch.frombuffer(mapping, dtype=_SCHEMA_TORCH_DTYPES[spec["dtype"]],
-                                         count=int(np.prod(spec["shape"])),
-                                         offset=base + spec["offset"]).view(spec["shape"])  # (F, ...) view
+        out = {name: torch.frombuffer(mapping, dtype=spec["torch"], count=spec["nbytes"] // spec["torch"].itemsize,
+                                      offset=base + spec["offset"]).view(spec["shape"])  # (F, ...) view, no copy
+               for name, spec in self._specs.items()}
         out["label"] = int(self.labels[i])
         return out
 
-    def gather(self, indices, extra: Sequence[str] | None = None, frames=None) -> dict:
-        """A batch {"mean": (B,F,C,h,w), "std": (B,F,C,h,w), "label": (B,) int64}, one memcpy per tensor.
+    def gather(self, indices, columns: Sequence[str] | None = None, frames=None) -> dict:
+        """A batch {column: (B, F, ...), "label": (B,) int64} of the named columns (None: all), one memcpy each.
 
-        extra: names of further stored tensors to read too (None: all of them; () reads the moments only).
-        frames (B,) ints: read only flip frames[b] of each extra tensor, (B, ...) without the F axis (REPA needs
-        the drawn flip's tokens only, and they are most of the bytes).
+        frames (B,) ints: read only flip frames[b] of every column, (B, ...) without the F axis (training draws
+        one flip per sample, so the other frames' bytes, most of them encoder tokens under REPA, stay unread).
         """
         idx = np.asarray(indices, dtype=np.int64)  # (B,)
         if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
             raise IndexError(f"batch index out of range for {len(self)} samples")
+        flips = self.flips
+        if frames is not None:
+            frames = [int(f) for f in frames]
+            if any(not 0 <= f < flips for f in frames):
+                raise IndexError(f"frame outside the {flips} stored per sample")
         shards = (np.searchsorted(self._starts, idx, side="right") - 1).tolist()  # (B,)
-        nbytes = self._count * self._np_dtype.itemsize
-        batch = {name: _empty_batch((len(idx), *self._shape), _TORCH_DTYPES[self._np_dtype.name])
-                 for name in TENSOR_NAMES}  # (B, F, C, h, w)
-        dst = [memoryview(batch[name].numpy().reshape(-1).view(np.uint8)) for name in TENSOR_NAMES]
-        for row, (shard, base) in enumerate(zip(shards, self._offsets[idx].tolist())):
-            src = self._shard_bytes(shard)
-            for out, off in zip(dst, self._tensor_offsets):
-                out[row * nbytes : (row + 1) * nbytes] = src[base + off : base + off + nbytes]
-        for name in self.tensor_names[len(TENSOR_NAMES):] if extra is None else extra:
-            batch[name] = self._gather_extra(name, shards, idx, frames)
+        bases = self._offsets[idx].tolist()  # (B,) payload offsets inside their shards
+        batch = {name: self._gather_column(self._specs[name], shards, bases, frames)
+                 for name in (self.tensor_names if columns is None else columns)}
         batch["label"] = torch.from_numpy(self.labels[idx])
         return batch
 
-    def _gather_extra(self, name: str, shards: list, idx: np.ndarray, frames=None) -> torch.Tensor:
-        """(B, *shape) of the stored tensor `name`, or (B, *shape[1:]) of frame frames[b] per row; one memcpy each."""
-        spec, nbytes = self._specs[name], spec_nbytes(self._specs[name])
-        shape = spec["shape"] if frames is None else spec["shape"][1:]
+    def _gather_column(self, spec: dict, shards: list, bases: list, frames) -> torch.Tensor:
+        """(B, *shape) of one column, or (B, *shape[1:]) of frame frames[b] per row; one memcpy per row."""
+        nbytes, shape = spec["nbytes"], spec["shape"]
         if frames is not None:
-            nbytes //= spec["shape"][0]  # one frame of (F, ...)
-            frames = [int(f) for f in frames]
-            if any(not 0 <= f < spec["shape"][0] for f in frames):
-                raise IndexError(f"frame outside the {spec['shape'][0]} stored for {name!r}")
-        out = _empty_batch((len(idx), *shape), _SCHEMA_TORCH_DTYPES[spec["dtype"]])
+            nbytes, shape = nbytes // shape[0], shape[1:]  # one frame of (F, ...)
+        out = _empty_batch((len(bases), *shape), spec["torch"])
         dst = memoryview(out.view(-1).view(torch.uint8).numpy())
-        for row, (shard, base) in enumerate(zip(shards, self._offsets[idx].tolist())):
+        for row, (shard, base) in enumerate(zip(shards, bases)):
             start = base + spec["offset"] + (0 if frames is None else frames[row] * nbytes)
             dst[row * nbytes : (row + 1) * nbytes] = self._shard_bytes(shard)[start : start + nbytes]
         return out
@@ -715,7 +678,7 @@ class GatheredBatch(Sequence):
 
 
 def collate(samples) -> dict:
-    """Stack samples into {"mean": (B,F,C,h,w), "std": (B,F,C,h,w), "label": (B,) int64}."""
+    """Stack samples into {column: (B, F, ...), "label": (B,) int64}."""
     if isinstance(samples, GatheredBatch):
         return samples.batch
     return {

@@ -26,6 +26,7 @@ from shared.datasets.shards import (  # noqa: E402
 FEATURES = (256, 768)  # REPA's DINOv2-B/14 tokens at 256 px: (T, E)
 
 SHAPE = (2, 4, 32, 32)  # (F, C, h, w): flips stored, 256x256 images through an f8 VAE
+COLUMNS = {"mean": torch.float16, "std": torch.float16}  # the posterior moments, as extract stores them
 NUM_CLASSES = 1000
 META = {"image_size": 256, "num_classes": NUM_CLASSES, "class_names": [f"c{i}" for i in range(NUM_CLASSES)],
         "vae": {"source": "synthetic", "scaling_factor": 0.5}}
@@ -62,9 +63,10 @@ def write_shards(root: Path, num: int, per_shard: int) -> list[ShardInfo]:
     root.mkdir(parents=True)
     infos = []
     for s, first in enumerate(range(0, num, per_shard)):
-        with ShardWriter(root / shard_name(s)) as writer:
+        with ShardWriter(root / shard_name(s), columns=COLUMNS) as writer:
             for i in range(first, min(first + per_shard, num)):
-                writer.add(f"{i:07d}", *synthetic(i))
+                mean, std, label = synthetic(i)
+                writer.add(f"{i:07d}", {"mean": mean, "std": std}, label)
         infos.append(writer.info)
     write_index(root, infos, META)
     return infos
@@ -162,17 +164,18 @@ def throughput(args, work: Path, infos: list[ShardInfo], labels: np.ndarray) -> 
 
 
 class Reading(torch.utils.data.Dataset):
-    """A LatentDataset batch fetch reading only the named extra tensors (() = moments only, as non-REPA runs)."""
+    """A LatentDataset batch fetch reading the moments and the named extra columns (() = moments only, as
+    non-REPA runs), of the drawn flip only, as train does."""
 
     def __init__(self, ds: LatentDataset, extra: tuple, one_frame: bool = True):
-        self.ds, self.extra, self.one_frame = ds, extra, one_frame
+        self.ds, self.columns, self.one_frame = ds, ("mean", "std", *extra), one_frame
 
     def __len__(self):
         return len(self.ds)
 
     def __getitems__(self, indices):
-        frames = [i % SHAPE[0] for i in indices] if self.extra and self.one_frame else None  # as train's draw
-        return GatheredBatch(self.ds.gather(indices, self.extra, frames))
+        frames = [i % SHAPE[0] for i in indices] if self.one_frame else None  # as train's draw
+        return GatheredBatch(self.ds.gather(indices, self.columns, frames))
 
 
 def write_feature_shards(root: Path, num: int, per_shard: int, features: bool) -> None:
@@ -180,10 +183,11 @@ def write_feature_shards(root: Path, num: int, per_shard: int, features: bool) -
     root.mkdir(parents=True)
     infos = []
     for s, first in enumerate(range(0, num, per_shard)):
-        with ShardWriter(root / shard_name(s)) as writer:
+        with ShardWriter(root / shard_name(s), columns=COLUMNS | ({"repr": torch.float16} if features else {})) as writer:
             for i in range(first, min(first + per_shard, num)):
-                extra = {"repr": torch.randn((SHAPE[0], *FEATURES), dtype=torch.float16)} if features else None
-                writer.add(f"{i:07d}", *synthetic(i), extra=extra)
+                mean, std, label = synthetic(i)
+                extra = {"repr": torch.randn((SHAPE[0], *FEATURES), dtype=torch.float16)} if features else {}
+                writer.add(f"{i:07d}", {"mean": mean, "std": std, **extra}, label)
         infos.append(writer.info)
     write_index(root, infos, META)
 
@@ -195,9 +199,9 @@ def with_features(args, work: Path) -> None:
     write_feature_shards(feats, args.feature_num, 256, True)
     a, b = LatentDataset(plain, progress=False), LatentDataset(feats, progress=False)
     small = argparse.Namespace(**{**vars(args), "num": args.feature_num, "batch": min(args.batch, 64)})
-    moment_bytes = 2 * int(np.prod(SHAPE)) * 2
+    moment_bytes = 2 * int(np.prod(SHAPE[1:])) * 2  # one flip's mean and std are read per sample
     token_bytes = int(np.prod(FEATURES)) * 2  # one flip's tokens are read per sample
-    print(f"\n{args.feature_num} samples, batch {small.batch}: moments {moment_bytes / 1024:.0f} KiB + tokens "
+    print(f"\n{args.feature_num} samples, batch {small.batch}: moments {SHAPE[0] * moment_bytes / 1024:.0f} KiB + tokens "
           f"{SHAPE[0] * token_bytes / 1024:.0f} KiB stored per sample ({SHAPE[0]} flips x {FEATURES[0]}x{FEATURES[1]} "
           f"fp16)")
     print(f"{'num_workers':>11} | {'moments only':>12} | {'+ tokens':>9} {'ratio':>6} {'MB/s':>7} | "
@@ -209,7 +213,7 @@ def with_features(args, work: Path) -> None:
         print(f"{w:>11} | {base:>12.0f} | {both:>9.0f} {both / base:>5.2f}x {both * (moment_bytes + token_bytes) / 1e6:>7.0f}"
               f" | {skip:>29.0f} {skip / base:>5.2f}x")
     print("(samples/s, best of the repeats, warm page cache; '+ tokens' reads the drawn flip's tokens only, as "
-          "train does; MB/s counts the moments of both flips and one flip's tokens)")
+          "train does; MB/s counts one flip's moments and tokens)")
 
 
 def first_batch(args, work: Path, base: ShardInfo) -> None:
