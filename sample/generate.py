@@ -69,7 +69,8 @@ class SampleOptions(DecodeFlags):
         None, "flow samplers (euler, heun, sde): LightningDiT's timestep shift s, tau' = s tau / (1 + (s-1) tau); "
               "s < 1 puts more steps near noise (LightningDiT: 0.3; default 1 = none)")
     last_step_size: float | None = option(  # None: SiT's 0.04
-        None, "sde only: the size of SiT's final deterministic Mean step (default 0.04, as SiT)")
+        None, "sde only: the size of SiT's final deterministic Mean step, which ends at the data (default 0.04, "
+              "as SiT; with --time-shift the shifted grid ends at 1 - this size)")
     seed: int = SEED.field()
     batch_size: int = BATCH_SIZE.field(aliases=("--per-proc-batch-size",))
     precision: str = option("fp32", "DiT precision: fp32, or fp16/bf16 autocast", choices=tuple(PRECISIONS))
