@@ -156,7 +156,7 @@ def folder_size(path: Path, files: list) -> tuple[int, int]:
         try:
             with Image.open(file) as image:
                 sizes[(image.height, image.width)] += 1
-        except OSError as err:
+        except (OSError, Image.DecompressionBombError) as err:
             raise UserError(f"{file} is not a readable image ({err}); remove it from {path}.") from err
     if len(sizes) == 1:
         return next(iter(sizes))

@@ -135,12 +135,23 @@ def source_meta(net, source) -> dict:
 # References
 # ----------------------------------------------------------------------------------------------------------
 
+def _contents_stamp(path: Path) -> tuple:
+    """(bytes, newest mtime) of a file, or of every image below a folder (a folder's own stat misses its files)."""
+    if not path.is_dir():
+        st = path.stat()
+        return st.st_size, st.st_mtime_ns
+    from evaluate.images import image_files
+
+    stats = [(f.relative_to(path).as_posix(), f.stat()) for f in image_files(path)]
+    listing = hashlib.sha256("".join(f"{name}\t{st.st_size}\t{st.st_mtime_ns}\n" for name, st in stats).encode())
+    return len(stats), listing.hexdigest()
+
+
 def stats_cache_path(path: Path, identity: dict) -> Path:
-    """Cache file of the statistics of an image npz/folder: keyed by path, size, mtime and the feature network."""
+    """Cache file of the statistics of an image npz/folder: keyed by path, its contents stamp and the feature network."""
     from evaluate.digits import cache_dir
 
-    st = path.stat()
-    key = json.dumps([str(path.resolve()), st.st_size, st.st_mtime_ns, identity], sort_keys=True)
+    key = json.dumps([str(path.resolve()), *_contents_stamp(path), identity], sort_keys=True)
     return cache_dir() / "stats" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.npz"
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -26,11 +25,12 @@ from extract.folder import ImageFolderScan, scan_image_folder
 from shared.datasets.images import BOMB_REASON, MAX_IMAGE_PIXELS, pixel_limit, to_model_input
 from extract.loader import ImageFileDataset, ShardBatches, make_loader
 from shared.runtime.cli import option
-from shared.runtime.distributed import process_state
+from shared.runtime.distributed import default_workers as shared_default_workers, process_state
 from extract.sizes import check_image_size
 from shared.runtime.errors import ChoiceError, UserError
 from shared.runtime.fsio import atomic_write_text, stale_tmps
 from shared.runtime.lock import hold_lock
+from shared.runtime.rerun import differences, listed
 from shared.datasets.shard_schema import FLAG_DTYPES
 from shared.network.repa import REPR_TENSOR
 from shared.datasets.shards import (FLIP_MODES, FOLDER_KIND, INDEX_NAME, STORAGE_DTYPES, ShardInfo, ShardWriter,
@@ -177,18 +177,6 @@ def run_settings(cfg: ExtractConfig, scan: ImageFolderScan, vae_name: str, vae_c
     }
 
 
-def _settings_diff(old: dict, new: dict) -> list[str]:
-    """Human-readable differences between two settings dicts (nested one level)."""
-    diffs = []
-    for key in sorted(set(old) | set(new)):
-        a, b = old.get(key), new.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            diffs += [f"{key}.{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
-        elif a != b:
-            diffs.append(f"{key}: {a!r} -> {b!r}")
-    return diffs
-
-
 def holds_shards(out: Path) -> bool:
     """True once a shard, a sidecar or the index exists: from then on the settings that made them are fixed."""
     return out.is_dir() and (any(out.glob("shard-*")) or (out / INDEX_NAME).exists())
@@ -204,17 +192,17 @@ def check_out_folder(out: Path, settings: dict) -> list[str]:
     path = out / SETTINGS_NAME
     if path.is_file():
         try:
-            diffs = _settings_diff(json.loads(path.read_text()), settings)
+            diffs = differences(json.loads(path.read_text()), settings)
         except ValueError:
             diffs = ["unreadable"]
         if diffs and not holds_shards(out):
-            return [f"--out {out} held the settings of an earlier run that wrote no shard ({'; '.join(diffs[:4])}); "
+            return [f"--out {out} held the settings of an earlier run that wrote no shard ({listed(diffs)}); "
                     f"they are replaced by this run's."]
         if diffs == ["unreadable"]:
             raise UserError(f"{path} is unreadable; delete the --out folder or use a new --out.")
         if diffs:
             raise UserError(
-                f"--out {out} holds shards of a different extraction ({'; '.join(diffs[:4])}). Use a new --out "
+                f"--out {out} holds shards of a different extraction ({listed(diffs)}). Use a new --out "
                 f"folder for these settings, or rerun the original command to resume that extraction."
             )
     elif holds_shards(out):
@@ -450,8 +438,7 @@ def default_workers(cfg: ExtractConfig, num_processes: int) -> int:
     """--num-workers, or up to 8 decoding processes per extract process, leaving one core for the main loop."""
     if cfg.num_workers is not None:
         return cfg.num_workers
-    cores = (os.cpu_count() or 1) // max(1, num_processes)
-    return max(0, min(8, cores - 1))
+    return shared_default_workers(8, num_processes)
 
 
 # ----------------------------------------------------------------------------------------------------------

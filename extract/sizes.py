@@ -9,6 +9,8 @@ def presets_by_patch() -> dict[int, list[str]]:
     """Patch size -> the DiT presets that use it, smallest patch first."""
     groups: dict[int, list[str]] = {}
     for name, arch in PRESETS.items():
+        if arch.get("head_depth"):  # DiT^DH (RAE): patch 1 on representation tokens, not a VAE-latent preset
+            continue
         groups.setdefault(arch["patch_size"], []).append(name)
     return dict(sorted(groups.items()))
 

@@ -6,6 +6,7 @@ import sys
 
 from shared.runtime.cli import HelpFormatter, add_flags, from_args
 from shared.runtime.errors import cli_errors
+from shared.generative.objectives import import_plugins
 
 from sample.decode import DecodeOptions, run_decode
 from sample.export import ExportOptions, run_export
@@ -83,7 +84,9 @@ def main(argv=None) -> None:
         if decoding:
             run_decode(from_args(DecodeOptions, decode_parser().parse_args(argv[1:])))
         else:
-            run_sample(from_args(SampleOptions, sample_parser().parse_args(argv)))
+            options = from_args(SampleOptions, sample_parser().parse_args(argv))
+            import_plugins(options.plugin)  # before the weights' objective is looked up
+            run_sample(options)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from shared.generative.guidance import AUTO_DIFFUSERS, AUTO_DIT, AUTO_OWN, AUTO_REPA, AUTO_SIT, AutoGuide
+from shared.generative.objectives import check_objective, plugin_of
 from shared.network.diffusers_dit import NUMERICS_NOTE, check_dit_config, diffusers_to_dit, model_config_of
 from shared.runtime.errors import ChoiceError, UserError
 from shared.runtime.export import first_nonfinite, load_torch_file, load_weights, safetensors_problem
@@ -176,6 +177,8 @@ def _pick_state_dict(obj, path: Path, weights: str | None) -> tuple[dict, str]:
     if isinstance(obj, dict) and isinstance(obj.get("ema"), dict) and isinstance(obj.get("model"), dict):
         which = weights or "ema"
         obj = obj["ema" if which == "ema" else "model"]
+    elif isinstance(obj, dict) and isinstance(obj.get("ema"), dict) and weights != "raw":
+        obj = obj["ema"]  # RAE's training checkpoints as its instantiate_from_config reads them
     elif weights == "raw":
         raise UserError(f"--weights raw does not apply to {path}: it is a bare state dict holding one set of weights "
                         f"(the DiT release's files hold the EMA weights), not a training checkpoint with 'ema' and "
@@ -190,6 +193,7 @@ def _objective_of_release(path: Path, objective: str | None) -> tuple[str, str]:
     known = release_name(path.name)
     release = RELEASES[known] if known else None
     if objective is not None:
+        check_objective(objective)
         if release is not None and objective != release.objective:
             raise UserError(f"--objective {objective} contradicts {path.name}, a {release.paper} release trained with "
                             f"the {release.objective} objective; drop --objective.")
@@ -198,6 +202,19 @@ def _objective_of_release(path: Path, objective: str | None) -> tuple[str, str]:
         named = "" if known == path.name else f", under the name its URL writes (ours: {known})"
         return release.objective, f"the {release.paper} release{named}"
     return "ddpm", ASSUMED_DDPM
+
+
+def _rae_config(config, path: Path, objective: str | None):
+    """A DiT^DH state dict's objective: flow, RAE's time (REPA's convention), the release's or RAE's auto shift."""
+    from shared.generative.flow import auto_shift
+
+    if objective not in (None, "flow"):
+        raise UserError(f"--objective {objective} contradicts {path.name}: weights in RAE's DiT^DH layout are flow "
+                        "models (RAE's transport); drop --objective.")
+    release = RELEASES.get(path.name)
+    shape = (config.in_channels, config.input_size, config.input_size)
+    shift = release.time_dist_shift if release is not None else round(auto_shift(shape), 6)
+    return dataclasses.replace(config, objective="flow", objective_args={"convention": "repa", "time_dist_shift": shift})
 
 
 def _load_official(path: Path, weights: str | None, model: str | None, objective: str | None = None) -> LoadedWeights:
@@ -209,15 +226,21 @@ def _load_official(path: Path, weights: str | None, model: str | None, objective
     config = infer_model_config(state_dict)
     if repa_notes:  # REPA's layout says what it is: flow in REPA's time convention
         config, name, why = repa_release_config(config), "flow", "REPA's layout (its projector)"
+    elif config.head_depth:  # RAE's DiTwDDTHead layout: its transport, flow in RAE's time (1 = noise) and its shift
+        config, name, why = _rae_config(config, path, objective), "flow", "RAE's DiT^DH layout"
     else:
         name, why = _objective_of_release(path, objective)
-        config = dataclasses.replace(config, objective=name)
+        config = dataclasses.replace(config, objective=name, objective_plugin=plugin_of(name))
     if model is not None and model != config.model:
         raise UserError(f"--model {model} does not fit {path}: its tensor shapes are those of {config.model} "
                         f"(latent input {config.input_size}). Pass --model {config.model} or drop --model.")
     how = "checked against --model" if model else "inferred from tensor shapes"
     notes = [f"{config.model}, latent {config.in_channels}x{config.input_size}x{config.input_size}, "
              f"{config.num_classes} classes ({how})", f"objective {name} ({why})", *repa_notes]
+    if config.head_depth:
+        notes.append(f"DiT^DH head {config.head_depth} x {config.head_width} wide; flow time convention "
+                     f"{config.objective_args['convention']}, time shift {config.objective_args['time_dist_shift']:g} "
+                     "(shared/generative/flow.py)")
     warnings = [] if why != ASSUMED_DDPM else [
         f"{path.name} records no objective and is no known release: sampled as DiT's ddpm objective (noise "
         f"prediction); if it was trained with flow matching (SiT), pass --objective flow."]
@@ -228,7 +251,7 @@ def _load_official(path: Path, weights: str | None, model: str | None, objective
 def _auto_guide_of_release(config: ModelConfig) -> AutoGuide:
     """What the sampler of a bare state dict's origin guides: REPA's all channels, DiT's and SiT's the first 3."""
     if config.objective == "flow":
-        return AUTO_REPA if config.flow_convention == "repa" else AUTO_SIT
+        return AUTO_REPA if config.objective_args.get("convention") == "repa" else AUTO_SIT
     return AUTO_DIT
 
 

@@ -13,9 +13,10 @@ from tqdm import tqdm
 from shared.runtime.cli import option
 from shared.runtime.distributed import process_state
 from shared.runtime.errors import UserError
-from shared.runtime.flags import BATCH_SIZE, CFG_INTERVAL, CFG_SCALE, GUIDE, NUM_SAMPLING_STEPS, SAMPLER, SEED, DecodeFlags
+from shared.runtime.flags import (BATCH_SIZE, CFG_INTERVAL, CFG_SCALE, GUIDE, NUM_SAMPLING_STEPS, PLUGIN, SAMPLER, SEED,
+                                  DecodeFlags)
 from shared.generative.guidance import check_guidance, check_interval, describe_guidance, guide_channel_count, guided_model_fn
-from shared.generative.objectives import OBJECTIVE_NAMES, objective_of
+from shared.generative.objectives import objective_of
 from shared.generative.samplers import SAMPLER_OPTIONS, get_sampler, sampler_options
 from shared.runtime.lock import hold_lock
 from shared.network.models import DiT_models
@@ -25,7 +26,7 @@ from shared.runtime.rundir import CHECKPOINTS, EMA_FILE, EXPORTS, MODEL_FILE
 from shared.tokenizers.vae_match import check_loaded_vae, check_vae_matches, choose_vae, load_vae
 
 from sample.checkpoint import WEIGHTS, LoadedWeights, build_sampling_model, image_size_of, load_sampling_weights
-from sample.outputs import (GRID_NAME, NPZ_NAME, SETTINGS_NAME, check_out_dir, check_out_path, image_name,
+from sample.outputs import (GRID_NAME, captions_for, NPZ_NAME, SETTINGS_NAME, check_out_dir, check_out_path, image_name,
                             missing_indices, read_png, remove_stale_temps, save_png, write_grid, write_json, write_npz)
 from sample.image_draws import LabelPlan, batch_start, image_labels, make_label_plan
 
@@ -47,8 +48,8 @@ class SampleOptions(DecodeFlags):
                                choices=tuple(DiT_models))
     objective: str | None = option(  # None: the release's objective, else ddpm
         None, "official .pt only: the objective the weights were trained with (default: the release's for a "
-              "released name such as SiT-XL-2-256x256.pt, else ddpm); exports record their own",
-        choices=OBJECTIVE_NAMES)
+              "released name such as SiT-XL-2-256x256.pt, else ddpm); exports record their own")
+    plugin: list | None = PLUGIN.field()
     image_size: int | None = option(None, "official .pt only: image size in pixels, checked against latent size x "
                                           "VAE factor (default: not checked)")
     class_labels: list[str] | None = option(  # class indices or class names of the latent metadata
@@ -124,7 +125,7 @@ def given_options(o: SampleOptions) -> dict:
 def resolve_sampler(o: SampleOptions, objective) -> tuple[str, dict]:
     """(sampler, its options) for the weights' objective; SettingError for a sampler or steps it cannot take."""
     sampler = o.sampler or objective.default_sampler
-    get_sampler(sampler, objective.name)  # e.g. --sampler ddpm for a flow model: refused by name
+    get_sampler(sampler, objective)  # e.g. --sampler ddpm for a flow model: refused by name
     options = sampler_options(sampler, given_options(o))
     objective.process(sampler, o.num_sampling_steps, options)  # e.g. 1000 steps of the solvers' linspace spacing
     return sampler, options
@@ -155,7 +156,7 @@ def make_settings(o: SampleOptions, job_fields: dict) -> dict:
     """{"identity": what fixes the pixels (compared on resume), "run": the rest}; JSON-normalised."""
     loaded: LoadedWeights = job_fields["loaded"]
     options = {k: v for k, v in asdict(o).items() if k not in ("ckpt", "vae", "vae_config", "class_labels",
-                                                                 "random_labels", "model", "objective", "image_size")}
+                                                                 "random_labels", "model", "objective", "image_size", "plugin")}
     # What was used, not what was asked: the weights, sampler and options actually used and the guidance rule.
     # An option the sampler does not take is None (as folders written before that option existed read).
     options.update(weights=loaded.weights, sampler=job_fields["sampler"],
@@ -218,13 +219,15 @@ class Drawer:
     seed: int
     latent_shape: tuple
     device: torch.device
+    progress: bool = False  # a bar per batch over its sampling steps (a 250-step batch takes a while)
 
     @torch.inference_mode()
     def draw(self, indices) -> tuple[list[int], np.ndarray]:
         """(labels, uint8 (N,H,W,3)) for `indices`; row i depends only on (seed, i)."""
         noise, labels, generators = batch_start(self.plan, self.seed, indices, self.latent_shape)
         x = self.objective.sample(self.sampler, self.model_fn, noise.to(self.device), self.steps, self.options,
-                                  model_kwargs={"y": labels.to(self.device)}, generator=generators)  # (N, C, h, w)
+                                  model_kwargs={"y": labels.to(self.device)}, generator=generators,
+                                  progress=self.progress)  # (N, C, h, w)
         images = self.vae.decode(x * self.rescale)  # (N, 3, H, W) in [-1, 1]
         return labels.tolist(), to_uint8(images)  # (N, H, W, 3)
 
@@ -261,6 +264,7 @@ def file_names(job: Job, indices) -> list[str]:
 
 def draw_missing(job: Job, drawer: Drawer, rank: int, world: int, show: bool) -> int:
     """Draw and save this rank's images (i % world == rank) not yet on disk; returns how many were drawn."""
+    drawer.progress = show
     mine = list(range(rank, job.num_samples, world))
     todo = missing_indices(job.out, mine, file_names(job, mine))
     size = job.options.batch_size
@@ -274,6 +278,13 @@ def draw_missing(job: Job, drawer: Drawer, rank: int, world: int, show: bool) ->
     return len(todo)
 
 
+def grid_title(job: Job) -> str:
+    """The line above the grid: which weights, sampler, steps, guidance and seed drew it."""
+    o = job.options
+    label = job.loaded.label or ckpt_label(job.loaded.path)
+    return f"{label} · {job.sampler} {o.num_sampling_steps} steps · cfg {o.cfg_scale:g} · seed {o.seed}"
+
+
 def finish(job: Job) -> None:
     """Grid and (with --npz) samples.npz, rebuilt from the PNGs on disk."""
     indices = list(range(job.num_samples))
@@ -283,7 +294,8 @@ def finish(job: Job) -> None:
     if absent:
         raise UserError(f"{len(absent)} images are missing from {job.out} (e.g. {absent[0]}), probably because "
                         f"another process stopped early; rerun the same command to draw them.")
-    write_grid(job.out / GRID_NAME, lambda i: read_png(paths[i]), labels)
+    names = (job.loaded.latent_meta or {}).get("class_names")
+    write_grid(job.out / GRID_NAME, lambda i: read_png(paths[i]), labels, captions_for(labels, names), grid_title(job))
     if job.options.npz:
         write_npz(job.out / NPZ_NAME, paths, labels)
 

@@ -4,7 +4,7 @@ A release is recognised by its name here or by the file name its URL writes (`wg
 SiT-XL-2-256.pt), so a file under either name loads with the release's objective.
 
 Each release records what its bare state dict cannot say: the objective it was trained with (SiT's file has
-DiT's layout but is a flow-matching velocity model). Named here: the DiT release's two files, SiT-XL/2, and
+DiT's layout but is a flow-matching velocity model), and for RAE's DiT^DH-XL its time convention and shift. Named here: the DiT release's two files, SiT-XL/2, and
 REPA's SiT-XL/2 at 4M iterations (the FID 1.42 model; sihyun-yu/REPA, MIT: its generate.py downloads this file as
 last.pt, a bare EMA state dict including its projector; we name it REPA-SiT-XL-2-256x256.pt). The REPA file is
 recognised by its layout (shared/network/repa.py), not by its name.
@@ -44,6 +44,8 @@ except ImportError:  # Windows: no lock; two simultaneous downloads still never 
     fcntl = None
 
 BASE_URL = "https://dl.fbaipublicfiles.com/DiT/models/"
+HF_RAE = "https://huggingface.co/nyu-visionx/RAE-collections/resolve/main/"  # RAE's README: hf download this repo
+RAE_SHIFT = round((768 * 16 * 16 / 4096) ** 0.5, 6)  # as --time-dist-shift auto rounds it (train/config.py)
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,7 @@ class Release:
     objective: str = "ddpm"
     flow_convention: str = "sit"
     paper: str = "DiT (Peebles & Xie 2023)"
+    time_dist_shift: float = 1.0  # RAE's shift of the times (shared/generative/flow.py), recorded with the model
 
 
 RELEASES = {
@@ -67,6 +70,12 @@ RELEASES = {
     "REPA-SiT-XL-2-256x256.pt": Release("https://www.dl.dropboxusercontent.com/scl/fi/cxedbs4da5ugjq5wg3zrg/last.pt"
                                         "?rlkey=8otgrdkno0nd89po3dpwngwcc&st=apcc645o&dl=0", objective="flow",
                                         flow_convention="repa", paper="REPA (Yu et al. 2024)"),
+    # RAE's DiT^DH-XL on DINOv2-B (with registers) tokens, ImageNet 256 (nyu-visionx/RAE-collections, the path its
+    # configs/stage2/sampling/ImageNet256/DiTDHXL-DINOv2-B.yaml loads): RAE's DiTwDDTHead layout, flow in RAE's time
+    # (1 = noise, REPA's convention), its shift sqrt(768 * 16 * 16 / 4096) recorded; decoded by RAE's decoder.
+    "RAE-DiTDH-XL-DINOv2-B-256.pt": Release(HF_RAE + "DiTs/Dinov2/wReg_base/ImageNet256/DiTDH-XL/stage2_model.pt",
+                                            objective="flow", flow_convention="repa", paper="RAE (Zheng et al. 2025)",
+                                            time_dist_shift=RAE_SHIFT),
 }
 OFFICIAL_NAMES = tuple(RELEASES)
 # Too generic to say which release a file is: REPA's URL writes last.pt, the name of any training checkpoint

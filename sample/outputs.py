@@ -8,10 +8,11 @@ import zipfile
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageDraw, ImageFont
 
 from shared.generative.samplers import SAMPLER_NAMES, SAMPLER_OPTIONS, sampler_options
 from shared.runtime.errors import UserError
+from shared.runtime.rerun import differences, listed
 from shared.runtime.fsio import TMP_PREFIX, atomic_write, atomic_write_text
 
 SETTINGS_NAME = "settings.json"
@@ -23,6 +24,8 @@ GRID_MAX_CELLS = 256
 _PNG_RE = re.compile(r"^(\d{6,})-class(\d+)(-[\w.-]+)?\.png$")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 NAME_CHARS = 40  # longest class name kept in a file name
+MIN_CELL = 96  # grid pixels: smaller images (digits: 32) are enlarged by an integer factor so captions fit
+PAD = 4
 
 
 def image_name(index: int, label: int, class_name: str | None = None) -> str:
@@ -90,11 +93,10 @@ def check_out_dir(out: Path, settings: dict) -> None:
                         f"pass a new --out folder or delete it.") from err
     mine = settings["identity"]
     upgrade_identity(previous)
-    differ = sorted(k for k in set(previous) | set(mine) if previous.get(k) != mine.get(k))
+    differ = differences(previous, mine, nested=False)
     if differ:
-        detail = "; ".join(f"{k}: {previous.get(k)!r} there, {mine.get(k)!r} now" for k in differ[:4])
         raise UserError(
-            f"--out {out} holds images of another run ({detail}). Resuming would mix two runs' images: "
+            f"--out {out} holds images of another run ({listed(differ)}). Resuming would mix two runs' images: "
             f"pass a new --out folder, or rerun with the settings recorded in {path}."
         )
 
@@ -137,18 +139,56 @@ def grid_layout(labels) -> list[list[int | None]]:
     return [cells[r:r + width] for r in range(0, len(cells), width)]
 
 
-def write_grid(path: Path, load_image, labels, pad: int = 2) -> None:
-    """Tile the images named by grid_layout (load_image(i) -> uint8 HxWx3) into one PNG."""
+def _font(size: int):
+    """PIL's bundled font at `size` pixels (Pillow >= 10.1); the fixed-size bitmap font on older Pillow."""
+    try:
+        return ImageFont.load_default(size=size)
+    except TypeError:
+        return ImageFont.load_default()
+
+
+def _fit(draw: ImageDraw.ImageDraw, text: str, font, width: int) -> str:
+    """`text`, shortened with an ellipsis until it fits `width` pixels."""
+    if draw.textlength(text, font=font) <= width:
+        return text
+    while text and draw.textlength(text + "…", font=font) > width:
+        text = text[:-1]
+    return text + "…"
+
+
+def labelled_grid(load_image, labels, captions: list[str], title: str) -> np.ndarray:
+    """The images of grid_layout (load_image(i) -> uint8 HxWx3), each captioned, under a title -> uint8 (H',W',3)."""
     layout = grid_layout(labels)
-    first = load_image(next(i for row in layout for i in row if i is not None))
-    h, w = first.shape[:2]
-    canvas = np.zeros((len(layout) * (h + pad) + pad, len(layout[0]) * (w + pad) + pad, 3), np.uint8)
+    h, w = load_image(next(i for row in layout for i in row if i is not None)).shape[:2]
+    scale = max(1, math.ceil(MIN_CELL / min(h, w)))
+    cell_w, cell_h = w * scale, h * scale
+    size = min(16, max(10, cell_w // 8))  # caption pixels: readable under a 96 px cell, modest under 256 px
+    font, line = _font(size), size + 6
+    canvas = Image.new("RGB", (PAD + len(layout[0]) * (cell_w + PAD), line + PAD + len(layout) * (cell_h + line + PAD)),
+                       "white")
+    draw = ImageDraw.Draw(canvas)
+    draw.text((PAD, 3), _fit(draw, title, font, canvas.width - 2 * PAD), fill="black", font=font)
     for r, row in enumerate(layout):
         for c, i in enumerate(row):
-            if i is not None:
-                y, x = pad + r * (h + pad), pad + c * (w + pad)
-                canvas[y:y + h, x:x + w] = load_image(i)
-    save_png(Path(path), canvas)
+            if i is None:
+                continue
+            x, y = PAD + c * (cell_w + PAD), line + PAD + r * (cell_h + line + PAD)
+            canvas.paste(Image.fromarray(load_image(i)).resize((cell_w, cell_h), Image.NEAREST), (x, y))
+            text = _fit(draw, captions[i], font, cell_w)
+            draw.text((x + (cell_w - draw.textlength(text, font=font)) / 2, y + cell_h + 2), text, fill="black",
+                      font=font)
+    return np.asarray(canvas)
+
+
+def captions_for(labels, class_names) -> list[str]:
+    """The caption of each image: its class name when the latents record names, else 'class N'."""
+    names = list(class_names or [])
+    return [names[y] if 0 <= y < len(names) and str(names[y]) else f"class {y}" for y in map(int, labels)]
+
+
+def write_grid(path: Path, load_image, labels, captions: list[str], title: str) -> None:
+    """The labelled grid of the images (load_image(i) -> uint8 HxWx3) as one PNG: the same picture as the previews'."""
+    save_png(Path(path), labelled_grid(load_image, labels, captions, title))
 
 
 def read_png(path: Path) -> np.ndarray:

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image, ImageDraw, ImageFont
 
 from shared.runtime import rundir
 from shared.runtime.cli import option
@@ -31,15 +30,15 @@ from shared.runtime.distributed import process_state
 from shared.runtime.errors import UserError
 from shared.runtime.flags import DecodeFlags
 from shared.runtime.lock import LOCK_NAME, FolderBusyError, hold_lock
+from shared.runtime.previews import read_preview
+from shared.runtime.trackers import check_report_to
 from shared.tokenizers.vae import read_vae_config
 from shared.tokenizers.vae_match import check_vae_matches, choose_vae, load_vae
 
-from sample.decode import DecodeOptions, decode_file, read_latents
-from sample.outputs import grid_layout, image_name, read_png, save_png
+from sample.decode import DecodeOptions, decode_file
+from sample.outputs import captions_for, image_name, labelled_grid, read_png, save_png
 
 REPORT_TO = ("auto", "tensorboard", "none")
-MIN_CELL = 96  # pixels: smaller previews (digits: 32) are enlarged by an integer factor so captions fit
-PAD = 4
 
 
 @dataclass
@@ -153,57 +152,6 @@ def pending(run: Path) -> list[tuple[int, Path]]:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The labelled grid
-# ---------------------------------------------------------------------------------------------------------
-
-def _font(size: int):
-    """PIL's bundled font at `size` pixels (Pillow >= 10.1); the fixed-size bitmap font on older Pillow."""
-    try:
-        return ImageFont.load_default(size=size)
-    except TypeError:
-        return ImageFont.load_default()
-
-
-def _fit(draw: ImageDraw.ImageDraw, text: str, font, width: int) -> str:
-    """`text`, shortened with an ellipsis until it fits `width` pixels."""
-    if draw.textlength(text, font=font) <= width:
-        return text
-    while text and draw.textlength(text + "…", font=font) > width:
-        text = text[:-1]
-    return text + "…"
-
-
-def labelled_grid(images: np.ndarray, labels, captions: list[str], title: str) -> np.ndarray:
-    """uint8 (N,H,W,3) images in sample decode's grid layout, each captioned, under a title -> uint8 (H',W',3)."""
-    layout = grid_layout(labels)
-    h, w = images.shape[1:3]
-    scale = max(1, math.ceil(MIN_CELL / min(h, w)))
-    cell_w, cell_h = w * scale, h * scale
-    size = min(16, max(10, cell_w // 8))  # caption pixels: readable under a 96 px cell, modest under 256 px
-    font, line = _font(size), size + 6
-    canvas = Image.new("RGB", (PAD + len(layout[0]) * (cell_w + PAD), line + PAD + len(layout) * (cell_h + line + PAD)),
-                       "white")
-    draw = ImageDraw.Draw(canvas)
-    draw.text((PAD, 3), _fit(draw, title, font, canvas.width - 2 * PAD), fill="black", font=font)
-    for r, row in enumerate(layout):
-        for c, i in enumerate(row):
-            if i is None:
-                continue
-            x, y = PAD + c * (cell_w + PAD), line + PAD + r * (cell_h + line + PAD)
-            canvas.paste(Image.fromarray(images[i]).resize((cell_w, cell_h), Image.NEAREST), (x, y))
-            text = _fit(draw, captions[i], font, cell_w)
-            draw.text((x + (cell_w - draw.textlength(text, font=font)) / 2, y + cell_h + 2), text, fill="black",
-                      font=font)
-    return np.asarray(canvas)
-
-
-def captions_for(labels, class_names) -> list[str]:
-    """The caption of each image: its class name when the latents record names, else 'class N'."""
-    names = list(class_names or [])
-    return [names[y] if 0 <= y < len(names) and str(names[y]) else f"class {y}" for y in map(int, labels)]
-
-
-# ---------------------------------------------------------------------------------------------------------
 # TensorBoard
 # ---------------------------------------------------------------------------------------------------------
 
@@ -254,13 +202,6 @@ class PreviewTracker:
             self.writer.close()
 
 
-def check_report_to(mode: str) -> None:
-    """An explicit --report-to tensorboard needs the package; auto only notes its absence."""
-    if mode == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
-        raise UserError("--report-to tensorboard needs the tensorboard package, which is not installed: "
-                        "`pip install tensorboard`, or pass --report-to none (the grids are written either way).")
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Decoding one file
 # ---------------------------------------------------------------------------------------------------------
@@ -279,7 +220,7 @@ class Decoder:
 
     def decode(self, run: Path, step: int, path: Path) -> np.ndarray:
         """`sample decode` of one preview file into RUN/samples/step-X/, then its labelled grid -> the grid."""
-        data = read_latents(path)
+        data = read_preview(path)
         latents, labels, meta = data
         spec, how = choose_vae(self.o.vae, meta)
         name, _ = check_vae_matches(spec, self.o.vae_config, latents.shape[1], meta, self.o.allow_other_vae)
@@ -292,8 +233,7 @@ class Decoder:
         names = meta.get("class_names") or []
         files = [out / image_name(i, int(y), names[y] if 0 <= y < len(names) else None)
                  for i, y in enumerate(labels.tolist())]  # the names decode_file gave them
-        images = np.stack([read_png(f) for f in files])  # (N, H, W, 3)
-        return labelled_grid(images, labels.tolist(), captions_for(labels.tolist(), names),
+        return labelled_grid(lambda i: read_png(files[i]), labels.tolist(), captions_for(labels.tolist(), names),
                              f"{run.name} · step {step:,}")
 
 
@@ -315,7 +255,7 @@ def check_options(o: WatchOptions) -> Path:
         raise UserError(f"--interval {o.interval} must be a positive number of seconds.")
     if o.vae:
         read_vae_config(o.vae, o.vae_config)  # a bad --vae is said now, not when the first preview arrives
-    check_report_to(o.report_to)
+    check_report_to(o.report_to, "the grids are written either way", REPORT_TO)  # auto only notes an absence
     return run
 
 

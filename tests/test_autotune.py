@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from shared.network.models import ModelConfig
-from train import autotune, plan
+from train import autotune, memory
 from train.autotune import DeviceInfo
 from train.config import TrainConfig
 from train.units import parse_size
@@ -22,16 +22,16 @@ MODEL = ModelConfig(model="DiT-T/2", input_size=4, in_channels=4, num_classes=4)
 
 
 def _planner(precision: str, budget: int) -> dict:
-    """train.plan's rows for auto's checkpointing choices at this budget: {interval: PlanRow}."""
-    profiles, n_params, n_trainable = plan.measure_profiles(MODEL, precision, autotune.CHECKPOINT_ORDER,
-                                                            plan.measure_device("cpu"))
-    fixed = plan.fixed_state(n_params, n_trainable, "adamw", "gpu")
-    return {p.every: plan.plan_row(p, fixed.total, budget, PER_PROCESS) for p in profiles}
+    """train.memory's rows (as python -m train.plan's) for auto's checkpointing choices at this budget: {interval: PlanRow}."""
+    profiles, n_params, n_trainable = memory.measure_profiles(MODEL, precision, autotune.CHECKPOINT_ORDER,
+                                                              memory.measure_device("cpu"))
+    fixed = memory.fixed_state(n_params, n_trainable, "adamw", "gpu")
+    return {p.every: memory.plan_row(p, fixed.total, budget, PER_PROCESS) for p in profiles}
 
 
 def _tight_gpu(precision="bf16") -> tuple[DeviceInfo, dict]:
     """A fake GPU whose free memory fits the whole batch of 8 only with some checkpointing."""
-    margin = parse_size(plan.DEFAULT_MARGIN)
+    margin = parse_size(memory.DEFAULT_MARGIN)
     rows = _planner(precision, budget=10**15)
     off, every = rows[0].profile, rows[1].profile
     fixed = rows[0].peak - off.peak(PER_PROCESS)
@@ -65,7 +65,7 @@ def test_auto_resolves_to_the_planners_answer_and_the_run_config_records_it(late
 def test_a_smaller_gpu_gets_a_smaller_micro_batch_and_the_same_global_batch(latents, tmp_path, monkeypatch):
     info, rows = _tight_gpu()
     info.free_memory -= 1  # one byte less: every block checkpointed no longer runs 8 at once
-    rows = _planner("bf16", info.free_memory - parse_size(plan.DEFAULT_MARGIN))
+    rows = _planner("bf16", info.free_memory - parse_size(memory.DEFAULT_MARGIN))
     best = max(r.micro for r in rows.values() if r.micro)
     assert best < PER_PROCESS
     monkeypatch.setattr(autotune, "probe_device", lambda device: info)
@@ -77,10 +77,10 @@ def test_a_smaller_gpu_gets_a_smaller_micro_batch_and_the_same_global_batch(late
 def test_the_real_step_steps_the_micro_batch_down_when_it_does_not_fit():
     info, rows = _tight_gpu()
     cfg = TrainConfig(latents="x", results_dir="y", model="DiT-T/2", global_batch_size=PER_PROCESS)
-    budget = info.free_memory - parse_size(plan.DEFAULT_MARGIN)
+    budget = info.free_memory - parse_size(memory.DEFAULT_MARGIN)
     seen = []
 
-    def measure(cfg, model_config, micro, every, accumulation):  # as train.plan.verify would report on CUDA
+    def measure(cfg, model_config, micro, every, accumulation):  # as train.memory.verify would report on CUDA
         seen.append((micro, every, accumulation))
         return budget + 1 if micro > 2 else budget - 1  # the allocator needs more than planned above 2
 
@@ -90,7 +90,7 @@ def test_the_real_step_steps_the_micro_batch_down_when_it_does_not_fit():
 
 
 def test_nothing_fits_is_one_paragraph(latents, capsys, monkeypatch, tmp_path):
-    free = parse_size(plan.DEFAULT_MARGIN) + parse_size("10MiB")  # DiT-T/2's fixed state alone is ~80 MiB
+    free = parse_size(memory.DEFAULT_MARGIN) + parse_size("10MiB")  # DiT-T/2's fixed state alone is ~80 MiB
     monkeypatch.setattr(autotune, "probe_device", lambda d: DeviceInfo("cuda", "tiny GPU", free, 2**31, True))
     message = expect_user_error(capsys, train_args(latents, tmp_path / "run", "--max-steps", "1"))
     assert "DiT-T/2 does not fit on tiny GPU" in message and "--optimizer adamw8bit" in message
@@ -178,3 +178,19 @@ def test_deepspeed_and_megatron_environments_are_refused(latents, tmp_path, vari
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 2 and f"the accelerate config asks for {name}" in " ".join(err.split())
     assert not run.exists()
+
+
+def test_the_confirming_step_trains_the_runs_block():
+    """autotune's real-step confirmation (CUDA only) builds its TrainConfig from the run's settings and model
+    config: the block options come from the ModelConfig, so a lightning run is confirmed on a lightning step."""
+    from types import SimpleNamespace
+
+    from shared.network.models import BLOCKS
+
+    config = ModelConfig(model="DiT-T/2", input_size=4, in_channels=4, num_classes=4, **BLOCKS["lightning"])
+    args = SimpleNamespace(model="DiT-T/2", precision="bf16", optimizer="adamw", ema_device="cpu")  # as measure_peak
+    row = SimpleNamespace(micro=4, accumulation=3, profile=SimpleNamespace(every=1))
+    cfg = memory.verify_config(config, args, row)
+    assert {k: getattr(cfg, k) for k in BLOCKS["lightning"]} == BLOCKS["lightning"]
+    assert (cfg.micro_batch_size, cfg.grad_accum_steps, cfg.global_batch_size, cfg.grad_checkpoint) == (4, 2, 8, 1)
+    assert (cfg.precision, cfg.ema_device) == ("bf16", "cpu")

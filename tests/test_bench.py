@@ -82,7 +82,7 @@ def test_bench_times_the_trainers_own_step(monkeypatch, tmp_path):
     assert learner.cfg.grad_checkpoint == 1 and learner.cfg.attention == "math"
     assert not torch.equal(next(learner.ema.parameters()), next(learner.raw.parameters()))  # the EMA moved
     loader_batch = TrainingDraws(LatentDataset(make_latents(tmp_path / "lat")),
-                                 0, 0.1).__getitems__([(0, 0), (1, 1)])
+                                 0, 0.1, learner.objective).__getitems__([(0, 0), (1, 1)])
     assert len(batches) == 1 and batches[0].keys() == loader_batch.keys()
     assert all(batches[0][k].dtype == loader_batch[k].dtype for k in loader_batch)
     assert result.mfu == pytest.approx(flops * result.images_s / 1e12)

@@ -79,3 +79,45 @@ def test_model_rows_count_the_samplers_own_calls(tmp_path, objective, sampler, i
     # 20 steps visit noise levels 999..0 in DiT timesteps (ddim: 0, 53, ..., 684 are <= 700) or sigma 1.0..0.05
     # (flow: 0.7, 0.65, ..., 0.05 are <= 0.7): 14 guided steps (2 rows) and 6 conditional ones (1 row).
     assert bench.model_rows(export, sampler, 20, 1.5, interval) == 2 * 14 + 6
+
+
+def test_arms_and_the_combined_arm_join_the_options_of_one_recipe():
+    assert bench.ARMS["sit-route"][:2] == ["--recipe", "sit"] and "--route-ratio" in bench.ARMS["sit-route"]
+    joined = bench.combined_flags(["sit-repa", "sit-route"])
+    assert joined[:2] == ["--recipe", "sit"] and joined.count("--recipe") == 1
+    assert joined[2:] == bench.REPA + bench.ROUTE  # each option once, in the arms' order
+    with pytest.raises(SystemExit, match="mixes the recipes"):
+        bench.combined_flags(["dit", "sit-route"])
+    # The route of the routing arms starts after REPA's depth, as train refuses otherwise.
+    assert bench.ROUTE[bench.ROUTE.index("--route-start") + 1] >= bench.REPA[bench.REPA.index("--repa-depth") + 1]
+
+
+def test_verdicts_call_a_gain_only_beyond_the_noise_floor():
+    def arm(finals):  # two seeds whose last FDs are `finals`
+        return {"fd": [20.0, sum(finals) / 2], "seeds": {0: [21.0, finals[0]], 1: [19.0, finals[1]]}}
+
+    curves = {"dit": arm([10.0, 11.0]), "sit": arm([7.0, 8.0]), "close": arm([9.0, 10.4]), "bad": arm([14.0, 14.0])}
+    out = bench.verdicts(curves, sampling_gap=0.5)
+    assert set(out) == {"sit", "close", "bad"}
+    assert out["sit"]["gain"] == pytest.approx(3.0) and out["sit"]["noise"] == pytest.approx(1.0)
+    assert out["sit"]["verdict"] == "better"
+    assert out["close"]["noise"] == pytest.approx(1.4)  # its own seed spread is the largest
+    assert out["close"]["verdict"] == "within the noise floor"  # gain 0.8 < 1.4
+    assert out["bad"]["verdict"] == "worse"
+    assert bench.verdicts(curves, sampling_gap=5.0)["sit"]["verdict"] == "within the noise floor"
+
+
+def test_step_timing_leaves_out_the_first_steps_and_the_checkpoint_step():
+    rows = [{"step": s, "steps_per_s": r} for s, r in enumerate([0.1, 0.5, 2.0, 4.0, 1.0, 0.05], start=1)]
+    t = bench.step_timing(rows)
+    assert t["count"] == 3 and t["median"] == pytest.approx(0.5)
+    assert t["min"] == pytest.approx(0.25) and t["max"] == pytest.approx(1.0)
+    assert bench.step_timing(rows[:3])["median"] is None
+
+
+def test_fewest_rows_and_solver_settings():
+    assert bench.parse_solvers("euler:5,10 dopri5:1") == [("euler", 5), ("euler", 10), ("dopri5", 1)]
+    rows = [{"arm": "sit", "sampler": "euler", "rows": r, "fd": fd} for r, fd in ((10, 9.0), (20, 6.0), (40, 5.0))]
+    rows += [{"arm": "dit", "sampler": "ddpm", "rows": 500, "fd": 6.5}, {"arm": "sit", "sampler": "sde", "rows": 40,
+                                                                           "fd": 8.0}]
+    assert bench.fewest_rows(rows, 6.5) == {"sit euler": 20, "dit ddpm": 500, "sit sde": None}

@@ -84,3 +84,12 @@ def test_reference_command_refusals(tmp_path, capsys):
         code, _, err = run_main(main, argv, capsys)
         assert code == 2 and expected in err, err
     assert not (tmp_path / "r.npz").exists()
+
+
+def test_a_folder_reference_cache_follows_the_images_inside_it(tmp_path):
+    from evaluate.stats import stats_cache_path
+
+    root = make_image_folder(tmp_path / "real", classes=("a",), per_class=2)
+    before = stats_cache_path(root, {"name": "inception"})
+    Image.new("RGB", (20, 24), (1, 2, 3)).save(root / "a" / "001.png")  # replaced inside a sub-folder
+    assert stats_cache_path(root, {"name": "inception"}) != before  # the folder's own stat did not change

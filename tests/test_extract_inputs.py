@@ -176,3 +176,16 @@ def test_train_names_a_separate_folder_for_an_image_folder(tmp_path, tiny_vae_di
     rc, out, err = _run(["--data-path", root, "--out", tmp_path / "drawings-latents", "--vae", tiny_vae_dir,
                         "--image-size", "16", "--dry-run"], capsys)
     assert rc == 0 and "2 images in 2 classes" in out, err
+
+
+def test_an_admitted_huge_palette_drawing_is_reduced_in_strips(tmp_path, monkeypatch):
+    # Drawings are often palette PNGs, which Image.reduce refuses: widened strip by strip, then reduced.
+    rng = np.random.default_rng(2)
+    drawing = Image.fromarray(rng.integers(0, 3, (700, 520), dtype=np.uint8), "L").convert("P")
+    drawing.putpalette([0, 0, 0, 255, 255, 255, 200, 30, 30] + [0] * 759)
+    drawing.save(tmp_path / "drawing.png", transparency=1)  # palette entry 1 is transparent: white after flattening
+    monkeypatch.setattr(images, "MAX_IMAGE_PIXELS", 1000)
+    rgb, mode, size = images.open_image(tmp_path / "drawing.png", None, 16)
+    assert (mode, size, rgb.size) == ("P", (520, 700), (33, 44))  # reduced by 16: short side 33 >= 2 x 16
+    whole = images.to_rgb(Image.open(tmp_path / "drawing.png").convert("RGBA").reduce(16))
+    assert np.array_equal(np.asarray(rgb), np.asarray(whole))

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from shared.generative.objectives import OBJECTIVES, training_fields, training_flags
 from shared.runtime.cli import FLAG_KEY, Flag, HelpFormatter, add_flags, flag_fields, from_args, option
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,6 +130,18 @@ def test_help_does_not_restate_the_default(index):
             assert f"default: {shown}" not in spec.help and f"default {shown}" not in spec.help, (cls, f.name)
 
 
+@pytest.mark.parametrize("name", sorted(OBJECTIVES))
+def test_objective_training_fields_are_flags_of_train(name):
+    """Each registered objective's training fields are python -m train flags, with the field's default and help."""
+    from train.config import build_parser
+
+    actions = {a.dest: a for a in build_parser()._actions}
+    for f in training_fields(OBJECTIVES[name]):
+        spec = f.metadata[FLAG_KEY]
+        assert f.name in actions and spec.help in actions[f.name].help, (name, f.name)
+        assert f"(default: {spec.default})" in actions[f.name].help and f"default: {spec.default}" not in spec.help
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Parsers derived from the fields
 # ---------------------------------------------------------------------------------------------------------
@@ -147,7 +160,8 @@ def test_parser_defaults_are_the_fields(index):
             argv += [value] if spec.positional else [spec.name or "--" + f.name.replace("_", "-"), value]
     assert from_args(cls, parser.parse_args(argv)) == cls(**required)
     dests = {a.dest for a in parser._actions if a.dest != "help"}
-    assert dests <= {f.name for f in dataclasses.fields(cls)} | {"check", "dry_run", "verify"}
+    objective_flags = set(training_flags()) if cls.__name__ == "TrainConfig" else set()  # from the registry
+    assert dests <= {f.name for f in dataclasses.fields(cls)} | {"check", "dry_run", "verify"} | objective_flags
 
 
 def test_train_flags_keep_their_official_names_and_choices():

@@ -140,9 +140,14 @@ def test_objective_settings_refused_where_they_cannot_apply():
     with pytest.raises(SettingError, match="applies to the flow objective only"):
         make_objective("ddpm", time_sampling="lognormal")
     assert isinstance(make_objective("ddpm", time_sampling="uniform", cos_weight=0.0), DDPMObjective)
-    assert objective_of(ModelConfig("DiT-T/2", 8, objective="flow", flow_convention="repa")).path.convention == "repa"
-    with pytest.raises(SettingError, match="only flow models have one"):
-        ModelConfig("DiT-T/2", 8, flow_convention="repa")
+    repa = ModelConfig("DiT-T/2", 8, objective="flow", objective_args={"convention": "repa"})
+    assert objective_of(repa).path.convention == "repa"
+    with pytest.raises(SettingError, match="only flow models have one"):  # a config written before objective_args
+        ModelConfig.from_dict({"model": "DiT-T/2", "input_size": 8, "flow_convention": "repa"})
+    old = {"model": "DiT-T/2", "input_size": 8, "objective": "flow", "flow_convention": "repa"}
+    assert ModelConfig.from_dict(old) == repa  # upgraded on read
+    with pytest.raises(SettingError, match="records only nothing"):
+        ModelConfig("DiT-T/2", 8, objective_args={"convention": "repa"})  # ddpm records no convention
 
 
 class _Tiny(torch.nn.Module):
@@ -212,7 +217,8 @@ def test_flow_training_records_its_objective(flow_run):
     assert all(math.isfinite(v) for v in losses) and sum(losses[-3:]) < sum(losses[:3])
     assert json.loads((run / "config.json").read_text())["objective"] == "flow"
     export = sorted((run / "exports").glob("*.safetensors"))[-1]
-    assert read_config(export).objective == "flow" and read_config(export).flow_convention == "sit"
+    assert read_config(export).objective == "flow"
+    assert read_config(export).objective_args == {"convention": "sit", "time_dist_shift": 1.0}
     assert (run / "samples" / "step-0000012.safetensors").is_file()
 
 
@@ -327,15 +333,18 @@ def test_recipes_set_their_settings_and_explicit_flags_win(latents, tmp_path, ca
     assert (dit["recipe"], dit["objective"], dit["block"], dit["lr"], dit["adam_betas"]) == (
         "dit", "ddpm", "dit", 1e-4, [0.9, 0.999])
     sit = _dry_run(latents, tmp_path / "b", capsys, "--recipe", "sit")
-    assert (sit["objective"], sit["time_sampling"], sit["block"], sit["lr"]) == ("flow", "uniform", "dit", 1e-4)
+    assert (sit["objective"], sit["objective_options"]["time_sampling"], sit["block"], sit["lr"]) == (
+        "flow", "uniform", "dit", 1e-4)
     light = _dry_run(latents, tmp_path / "c", capsys, "--recipe", "lightning")
-    assert (light["objective"], light["time_sampling"], light["cos_weight"], light["lr"], light["adam_betas"]) == (
+    light_objective = light["objective_options"]
+    assert (light["objective"], light_objective["time_sampling"], light_objective["cos_weight"], light["lr"],
+            light["adam_betas"]) == (
         "flow", "lognormal", 1.0, 2e-4, [0.9, 0.95])
     assert (light["block"], light["norm"], light["mlp"], light["rope"], light["qk_norm"]) == (
         "lightning", "rmsnorm", "swiglu", True, False)
     mixed = _dry_run(latents, tmp_path / "d", capsys, "--recipe", "lightning", "--lr", "1e-4", "--no-rope",
                      "--adam-betas", "0.9", "0.99", "--time-sampling", "uniform")
-    assert (mixed["lr"], mixed["rope"], mixed["adam_betas"], mixed["time_sampling"]) == (1e-4, False, [0.9, 0.99],
-                                                                                        "uniform")
-    assert (mixed["norm"], mixed["cos_weight"], mixed["objective"]) == ("rmsnorm", 1.0, "flow")  # the rest: recipe's
+    assert (mixed["lr"], mixed["rope"], mixed["adam_betas"], mixed["objective_options"]["time_sampling"]) == (
+        1e-4, False, [0.9, 0.99], "uniform")
+    assert (mixed["norm"], mixed["objective_options"]["cos_weight"], mixed["objective"]) == ("rmsnorm", 1.0, "flow")  # the rest: recipe's
     assert not (tmp_path / "d").exists()

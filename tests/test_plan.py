@@ -8,10 +8,12 @@ import pytest
 import torch
 
 from shared.generative.diffusion import create_diffusion
+from shared.generative.objectives import DDPMObjective
 from train.memory import (ActivationProfile, LinearBytes, build_model, forward_macs, measure_block_fit,
                           measure_profile,
                           model_config)
-from train.plan import build_parser, fixed_state, largest_micro_batch
+from train.memory import fixed_state, largest_micro_batch
+from train.plan import build_parser
 from train.units import MiB, parse_size
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,7 +53,7 @@ def block_bf16(tiny_model):
 @pytest.fixture(scope="module")
 def profiles(tiny_model, block_bf16):
     """bf16 profiles for checkpointing off, every block and every 2nd block."""
-    return {k: measure_profile(tiny_model, k, "bf16", block_bf16) for k in (0, 1, 2)}
+    return {k: measure_profile(tiny_model, k, "bf16", block_bf16, DDPMObjective()) for k in (0, 1, 2)}
 
 
 @pytest.mark.parametrize("every", [0, 1, 2])
@@ -74,7 +76,7 @@ def test_checkpointing_keeps_less_and_recompute_is_one_block(tiny_model, profile
 
 
 def test_fp32_saves_more_than_bf16_and_casts_nothing(tiny_model, profiles):
-    fp32 = measure_profile(tiny_model, 0, "no", LinearBytes(0, 0))
+    fp32 = measure_profile(tiny_model, 0, "no", LinearBytes(0, 0), DDPMObjective())
     assert fp32.cast_cache == 0 and profiles[0].cast_cache > 0
     assert 1.3 < fp32.saved.per_sample / profiles[0].saved.per_sample < 2.1
 

@@ -46,6 +46,8 @@ def parser_for(module, args):
         return importlib.import_module("sample.__main__").sample_parser(), args
     if module == "train":
         return importlib.import_module("train.config").build_parser(), args
+    if module == "evaluate" and args[:1] == ["reference"]:
+        return importlib.import_module("evaluate.reference").reference_parser(), args[1:]
     if module == "evaluate" and args[:1] == ["run"]:
         return importlib.import_module("evaluate.curve").run_parser(), args[1:]
     if module == "evaluate":

@@ -202,7 +202,7 @@ def test_training_features_follow_the_latents_flip_variant(tmp_path):
     batch = draws.__getitems__([(p, p) for p in range(16)])
     assert torch.equal(batch["repr"][:, 0, 0], batch["x0"][:, 0, 0, 0])
     assert set((batch["x0"][:, 0, 0, 0] % 10).tolist()) == {0.0, 1.0}  # both flips were drawn
-    assert "repr" not in TrainingDraws(draws.dataset, 3, 0.0).__getitems__([(0, 0)])
+    assert "repr" not in TrainingDraws(draws.dataset, 3, 0.0, draws.objective).__getitems__([(0, 0)])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -398,7 +398,7 @@ def test_sde_in_repas_convention_is_repas_euler_maruyama():
         return torch.einsum("ij,njhw->nihw", w, x) + t.view(-1, 1, 1, 1)
 
     noise, steps = torch.randn(2, 3, 4, 4, generator=g), 6
-    ours = make_objective("flow", "repa").sample("sde", model_fn, noise, steps, {"last_step_size": 0.04},
+    ours = make_objective("flow", {"convention": "repa"}).sample("sde", model_fn, noise, steps, {"last_step_size": 0.04},
                                                  generator=torch.Generator().manual_seed(5))
     z = torch.Generator().manual_seed(5)
     x = noise.double()

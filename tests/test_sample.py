@@ -69,9 +69,10 @@ def test_official_pt_through_real_command(files, tmp_path):
         assert npz["arr_0"].std() > 0  # real pictures, not a constant
     settings = json.loads((out / "settings.json").read_text())
     assert settings["identity"]["model"]["model"] == "DiT-T/2" and settings["identity"]["image_size"] == 16
-    # one row per class: 2 rows of 2 cells of 16 px with 2 px padding
+    # one row per class: 2 rows of 2 cells, 16 px enlarged 6x to 96 px, 4 px padding, an 18 px caption line under
+    # each row and the title line on top (the preview grid's layout)
     from PIL import Image
-    assert Image.open(out / "grid.png").size == (2 * 18 + 2, 2 * 18 + 2)
+    assert Image.open(out / "grid.png").size == (4 + 2 * (96 + 4), 18 + 4 + 2 * (96 + 18 + 4))
 
 
 def test_run_folder_export_needs_no_model_or_vae_flags(files, tmp_path, capsys):

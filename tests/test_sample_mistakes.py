@@ -416,7 +416,9 @@ def test_second_launch_on_the_same_out_exits_naming_the_pid(run, tmp_path):
     # Many images and all 1000 steps keep the first process busy while the second starts.
     busy = ["--ckpt", run["run"], "--out", out, "--num-samples", 64, "--batch-size", 64,
             "--num-sampling-steps", 1000, "--cpu"]
+    # The holder runs at the lowest priority on one thread: busy, yet the second launch is not starved of the CPU.
     first = subprocess.Popen([sys.executable, "-m", "sample", *map(str, busy)], cwd=ROOT,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"}, preexec_fn=lambda: os.nice(19),
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         pid = _holder_pid(out)

@@ -6,5 +6,5 @@ training step), loop.py (setup, resume, guards, checkpoints), checkpoint.py (run
 curves at checkpoints, --watch-vae), plot.py (`python -m train.plot`), memory.py and units.py (the step's
 cost and memory sizes), plan.py (`python -m train.plan`), bench.py (`python -m train.bench`), autotune.py (the `auto` micro-batch,
 precision and checkpointing), launcher.py (the accelerate config: followed or refused), latents.py (--latents
-URLs copied to a local cache).
+URLs copied to a local cache), estimate.py (a step's duration on a CPU, said before the model is built).
 """

@@ -5,7 +5,7 @@
 - micro-batch and checkpointing: train.plan's answer for the free memory of this GPU (fixed state by
   arithmetic, activations measured on the real model), preferring the least recomputation that still
   runs micro-batches of FAST_MICRO or the whole per-process batch; then one real training step at that
-  micro-batch (train.plan.verify, on a throwaway model) must peak below free memory minus the margin,
+  micro-batch (train.memory.verify, on a throwaway model) must peak below free memory minus the margin,
   else the next smaller micro-batch is tried. Accumulation keeps the global batch, so the result does
   not depend on the choice (train/config.py: grad_accum_steps).
 - On the CPU there is no memory to plan against: the whole per-process batch at once, no checkpointing.
@@ -68,23 +68,24 @@ def auto_precision(info: DeviceInfo) -> str:
 
 def default_margin() -> int:
     """Bytes kept free for the CUDA context, cuBLAS workspace and allocator slack (train.plan's default)."""
-    from train.plan import DEFAULT_MARGIN
+    from train.memory import DEFAULT_MARGIN
 
     return parse_size(DEFAULT_MARGIN)
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Planning (train/plan.py's measurement and arithmetic)
+# Planning (train/memory.py's measurement and arithmetic, as python -m train.plan)
 # ---------------------------------------------------------------------------------------------------------
 
 def plan_rows(cfg, model_config: ModelConfig, budget: int, per_process: int, choices) -> list:
-    """train.plan's PlanRow for each checkpointing interval in `choices`, measured where plan measures."""
-    from train import plan
+    """train.memory's PlanRow for each checkpointing interval in `choices`, measured where plan measures."""
+    from train import memory
 
-    profiles, n_params, n_trainable = plan.measure_profiles(model_config, cfg.precision, choices,
-                                                            plan.measure_device("auto"))
-    fixed = plan.fixed_state(n_params, n_trainable, cfg.optimizer, cfg.ema_device)
-    return [plan.plan_row(p, fixed.total, budget, per_process) for p in profiles]
+    route = (cfg.route_ratio, cfg.route_start, cfg.route_end) if cfg.route_ratio > 0 else None
+    profiles, n_params, n_trainable = memory.measure_profiles(model_config, cfg.precision, choices,
+                                                              memory.measure_device("auto"), route)
+    fixed = memory.fixed_state(n_params, n_trainable, cfg.optimizer, cfg.ema_device)
+    return [memory.plan_row(p, fixed.total, budget, per_process) for p in profiles]
 
 
 def checkpoint_candidates(requested, depth: int) -> list[int]:
@@ -113,16 +114,17 @@ def smaller_micro(micro: int, per_process: int) -> int | None:
 
 
 def measure_peak(cfg, model_config: ModelConfig, micro: int, every: int, accumulation: int) -> int | None:
-    """Peak CUDA bytes of real training steps at this micro-batch (train.plan.verify); None off CUDA or on OOM."""
+    """Peak CUDA bytes of real training steps at this micro-batch (train.memory.verify); None off CUDA or on OOM."""
     if not torch.cuda.is_available():
         return None
-    from train import plan
+    from train import memory
 
     args = SimpleNamespace(model=cfg.model, precision=cfg.precision, optimizer=cfg.optimizer,
-                           ema_device=cfg.ema_device)
+                           ema_device=cfg.ema_device, route_ratio=cfg.route_ratio, route_start=cfg.route_start,
+                           route_end=cfg.route_end)
     row = SimpleNamespace(micro=micro, accumulation=accumulation, profile=SimpleNamespace(every=every))
     try:
-        return plan.verify(model_config, args, row)
+        return memory.verify(model_config, args, row)
     except torch.cuda.OutOfMemoryError:
         return -1  # did not fit at all
     finally:

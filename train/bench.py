@@ -202,7 +202,7 @@ def time_steps(config: BenchConfig, args, device) -> list[float]:
     cfg = bench_train_config(config, args)
     model_cfg = model_config(args.model, args.image_size, num_classes=args.num_classes, block=block_from_args(args))
     learner = make_learner(cfg, model_cfg, device=device)
-    batch = synthetic_batch(model_cfg, config.micro_batch, cfg.class_dropout_prob)
+    batch = synthetic_batch(model_cfg, config.micro_batch, cfg.class_dropout_prob, learner.objective)
     times = []
     for i in range(args.warmup + args.steps):
         synchronize(device)

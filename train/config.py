@@ -14,31 +14,49 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from shared.runtime.cli import HelpFormatter, add_flags, flag_name, from_args, option
-from shared.runtime.errors import UserError
+from shared.runtime.cli import HelpFormatter, argument_of, add_flags, flag_name, from_args, option
+from shared.runtime.flags import PLUGIN
+from shared.runtime.errors import SettingError, UserError
+from shared.runtime.rerun import differences
 from shared.generative.guidance import GUIDE_CHANNELS
-from shared.generative.flow import TIME_SAMPLINGS
-from shared.network.models import ATTENTION_BACKENDS, BLOCK_FIELDS, BLOCKS, MLPS, NORMS, block_options, check_preset
-from shared.generative.objectives import OBJECTIVE_HELP, OBJECTIVE_NAMES
+from shared.generative.flow import auto_shift, check_shift
+from shared.network.models import (ATTENTION_BACKENDS, BLOCK_FIELDS, BLOCKS, HEAD_FIELDS, MLPS, NORMS, block_options,
+                                   check_preset, default_block, preset_head)
+from shared.generative.objectives import objective_help, training_flags
 from train.recipes import RECIPE_HELP, RECIPES, apply_recipe
 from shared.runtime.precision import PRECISION_CHOICES, canonical_precision
-from train.trackers import DEFAULT_REPORT_TO, REPORT_TO
+from shared.runtime.trackers import DEFAULT_REPORT_TO, REPORT_TO
 
-LR_SCHEDULES = ("constant", "cosine")
+LR_SCHEDULES = ("constant", "cosine", "linear")
 OPTIMIZERS = ("adamw", "adamw8bit")
 EMA_DEVICES = ("gpu", "cpu")
 DEFAULT_MAX_STEPS = 400_000  # the paper's headline training length (DiT Table 4: FID-50K at 400K steps)
 DEBUG_STEPS = 5
+LEGACY_OBJECTIVE_FIELDS = ("time_sampling", "time_loc", "time_scale", "cos_weight")  # top-level keys of old configs
 
 # Changing one of these changes the experiment: a resume that differs is refused.
-IDENTITY_FIELDS = ("model", "objective", "time_sampling", "time_loc", "time_scale", "cos_weight", "global_batch_size",
+IDENTITY_FIELDS = ("model", "objective", "objective_options", "time_dist_shift", "global_batch_size",
                    "seed", "optimizer", "adam_betas", "weight_decay", "ema_decay", "class_dropout_prob") + BLOCK_FIELDS
+IDENTITY_FIELDS += HEAD_FIELDS
 # REPA (shared/network/repa.py): its settings change the experiment too.
 REPA_FIELDS = ("repa_weight", "repa_depth", "repa_projector_dim", "repa_feature_dim")
 IDENTITY_FIELDS += REPA_FIELDS
+# Token routing (shared/network/routing.py) changes which tokens every step trains on: part of the experiment.
+ROUTE_FIELDS = ("route_ratio", "route_start", "route_end")
+IDENTITY_FIELDS += ROUTE_FIELDS
 # Data identity: what a checkpoint's latent folder must share with the one given now.
 DATA_FIELDS = ("num_samples", "latent_shape", "flips", "num_classes", "image_size", "scaling_factor", "vae",
                "index_sha256")
+
+
+def float_or_auto(text: str):
+    """argparse type: a number, or 'auto' (resolved from the latent shape)."""
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or auto, got {text!r}") from None
 
 
 def int_or_auto(text: str):
@@ -61,13 +79,16 @@ class TrainConfig:
     recipe: str = option("dit", "one word for a published recipe's objective, time sampling, block and optimizer "
                                 "settings (train/recipes.py); any flag given explicitly wins: "
                          + "; ".join(f"{k}: {v}" for k, v in RECIPE_HELP.items()), choices=tuple(RECIPES))
-    objective: str = option("ddpm", "what the model learns: " + "; ".join(f"{k}: {v}" for k, v in OBJECTIVE_HELP.items()),
-                            choices=OBJECTIVE_NAMES)
-    time_sampling: str = option("uniform", "flow only: how training draws the time: uniform (SiT) or lognormal, the "
-                                           "sigmoid of a normal (SD3, LightningDiT)", choices=TIME_SAMPLINGS)
-    time_loc: float = option(0.0, "flow only: location of the lognormal time draw")
-    time_scale: float = option(1.0, "flow only: scale of the lognormal time draw")
-    cos_weight: float = option(0.0, "flow only: weight of LightningDiT's cosine velocity-direction loss (its recipe: 1)")
+    objective: str = option("ddpm", "what the model learns, a registered objective (shared/generative/objectives.py; "
+                                    "--plugin MODULE adds one): " + objective_help())
+    plugin: list | None = PLUGIN.field()
+    # The objective's training fields (--time-sampling, ... derived from the registry): those given, then resolved.
+    objective_options: dict = field(default_factory=dict)
+    time_dist_shift: float | str = option(
+        1.0, "flow only: RAE's shift s of the training times towards noise, t' = s t / (1 + (s-1) t) in RAE's time "
+             "(1 = noise), recorded with the model so sampling shifts its grid the same way; auto: sqrt(C*H*W / "
+             "4096) of the latent shape (RAE: 6.93 for 768x16x16 tokens; 1 for SD-VAE's 4x32x32) (default 1 = "
+             "none)", type=float_or_auto, metavar="S|auto")
     # Block options (shared.network.models.BLOCKS): None until resolve_block fills them from --block (default "dit").
     block: str | None = option(
         None, "the transformer block preset: dit: LayerNorm + GELU MLP, absolute positions only (DiT); lightning: "
@@ -86,6 +107,11 @@ class TrainConfig:
     qk_norm: bool | None = option(
         None, "normalise queries and keys per head before attention (RMSNorm with --norm rmsnorm, else LayerNorm); "
               "steadies fp16/bf16 training (default: the --block's)", action=argparse.BooleanOptionalAction)
+    head_depth: int | None = option(
+        None, "blocks of the wide shallow DiT^DH head after the body (RAE: 2), conditioned per token on the body's "
+              "output; 0 = none (default: the --model preset's: 2 for DiTDH-*, 0 for DiT-*)")
+    head_width: int | None = option(None, "width of the DiT^DH head (RAE: 2048; default: the preset's)")
+    head_heads: int | None = option(None, "attention heads of the DiT^DH head (RAE: 16; default: the preset's)")
     global_batch_size: int = option(256, "images per optimizer step over all processes (DiT: 256)")
     micro_batch_size: int | str | None = option(  # "auto": train/autotune.py (None: the whole per-process batch)
         "auto", "images per forward pass per process; gradient accumulation = global batch / (micro batch x "
@@ -103,8 +129,9 @@ class TrainConfig:
                 "off). auto (default): on a GPU only as much as memory needs; off on the CPU", nargs="?", const=1,
         metavar="K", type=int_or_auto)
     lr: float = option(1e-4, "peak learning rate (DiT: 1e-4)")
-    lr_schedule: str = option("constant", "constant (DiT) or cosine decay to 0 at the last step, after the warmup",
-                              choices=LR_SCHEDULES)
+    lr_schedule: str = option("constant", "constant (DiT), or cosine or linear decay to --final-lr at the last step, "
+                                          "after the warmup (RAE: linear)", choices=LR_SCHEDULES)
+    final_lr: float = option(0.0, "cosine/linear schedules: the LR reached at the last step (RAE: 2e-5)")
     warmup_steps: int = option(0, "linear LR warmup from 0 over this many steps")
     adam_betas: tuple = option((0.9, 0.999), "AdamW betas", type=float, nargs=2,
                                metavar=("B1", "B2"))
@@ -151,7 +178,8 @@ class TrainConfig:
     compile: bool = option(False, "torch.compile the model (slow first steps, faster after)")
     attention: str = option("auto", "attention kernel (auto = torch SDPA; xformers needs CUDA and the xformers "
                                     "wheel)", choices=ATTENTION_BACKENDS)
-    num_workers: int = option(4, "DataLoader worker processes per training process")
+    num_workers: int | None = option(None, "DataLoader worker processes per training process (default: up to 4, "
+                                           "one core per process left for training: 1 on a 2-core machine)")
     seed: int = option(0, "seed of the data order and of every per-sample draw (--global-seed: the official name)",
                        aliases=("--global-seed",))
     debug: bool = option(False, f"{DEBUG_STEPS} steps with per-step logs and autograd anomaly detection; prints the "
@@ -168,6 +196,15 @@ class TrainConfig:
     repa_feature_dim: int | None = option(
         None, "REPA: the projector's output E, which must equal the stored features' width (REPA's "
               "--projector-embed-dims, 768 for DINOv2-B); default: read from the latent folder")
+    # Token routing (TREAD, Krause et al. 2025; shared/network/routing.py): in training only, a random share of each
+    # sample's tokens skips blocks route_start..route_end; 0 ratio = off. start/end resolve to TREAD's 2 and depth-4.
+    route_ratio: float = option(0.0, "token routing (TREAD): the share of each sample's tokens that skip the routed "
+                                     "blocks in training, drawn per sample; sampling still runs every token through "
+                                     "every block. 0 turns routing off (default); TREAD: 0.5")
+    route_start: int | None = option(None, "token routing: the first routed block, counted from 0 as blocks.N "
+                                           "(default with --route-ratio: 2, TREAD's)")
+    route_end: int | None = option(None, "token routing: the last routed block, counted from 0 and included (default "
+                                         "with --route-ratio: depth - 4, TREAD's: 8 of DiT-B's 12, 24 of XL's 28)")
     # Resolved by resolve_config (not flags):
     world_size: int = 1
     grad_accum_steps: int = 1
@@ -188,6 +225,9 @@ class TrainConfig:
         d = dict(d)
         if "mixed_precision" in d:  # configs written before the flag became --precision
             d.setdefault("precision", canonical_precision(d.pop("mixed_precision")))
+        old = {k: d.pop(k) for k in LEGACY_OBJECTIVE_FIELDS if k in d}  # written before objectives had options
+        if old and "objective_options" not in d:
+            d["objective_options"] = old if d.get("objective") == "flow" else {}
         kwargs = {k: v for k, v in d.items() if k in names}
         if "adam_betas" in kwargs:
             kwargs["adam_betas"] = tuple(kwargs["adam_betas"])
@@ -207,16 +247,20 @@ def add_block_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return add_flags(p, TrainConfig, only=("block", *BLOCK_FIELDS))
 
 
-def block_from_args(args: argparse.Namespace) -> dict:
-    """{norm, mlp, rope, qk_norm} the block flags ask for (preset, then overrides)."""
-    return block_options(args.block or "dit", **{k: getattr(args, k) for k in BLOCK_FIELDS})
+def block_from_args(args: argparse.Namespace, model: str = "DiT-XL/2") -> dict:
+    """{norm, mlp, rope, qk_norm} the block flags ask for (preset, then overrides; default: the model's block)."""
+    return block_options(args.block or default_block(model), **{k: getattr(args, k) for k in BLOCK_FIELDS})
 
 
 def resolve_block(cfg: TrainConfig) -> TrainConfig:
-    """Fill the unset block options from cfg.block's preset (default dit); returns cfg."""
-    cfg.block = cfg.block or "dit"
+    """Fill the unset block options from cfg.block's preset (default: the model's) and the head from the model."""
+    check_preset(cfg.model)
+    cfg.block = cfg.block or default_block(cfg.model)
     for key, value in block_options(cfg.block, **{k: getattr(cfg, k) for k in BLOCK_FIELDS}).items():
         setattr(cfg, key, value)
+    for key, value in preset_head(cfg.model).items():
+        if getattr(cfg, key) is None:
+            setattr(cfg, key, value)
     return cfg
 
 
@@ -225,21 +269,43 @@ def build_parser(prog: str = "python -m train") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Train a DiT on cached VAE latents (one GPU, CPU, or "
                                 "`accelerate launch` for several processes).",
                                 formatter_class=HelpFormatter)
-    return add_flags(p, TrainConfig)
+    add_flags(p, TrainConfig)
+    return add_objective_flags(p)
+
+
+def add_objective_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """One flag per training field of the registered objectives (shared/generative/objectives.py).
+
+    Not given, a flag is absent from the namespace (the objective's own default applies), so a setting of
+    another objective is refused only when it was asked for.
+    """
+    for name, (spec, takers) in training_flags().items():
+        names, kwargs = argument_of(name, spec, type(spec.default))
+        kwargs.update(default=argparse.SUPPRESS,
+                      help=f"{'/'.join(takers)} only: {spec.help} (default: {spec.default})")
+        p.add_argument(*names, **kwargs)
+    return p
+
+
+def objective_flag_names() -> tuple[str, ...]:
+    """The namespace names of the objectives' training flags."""
+    return tuple(training_flags())
 
 
 def config_from_args(args: argparse.Namespace, explicit=frozenset()) -> TrainConfig:
     """A TrainConfig holding the parsed flags, the --recipe applied to those not in `explicit` (not yet resolved)."""
-    return apply_recipe(from_args(TrainConfig, args), set(explicit))
+    cfg = from_args(TrainConfig, args)
+    cfg.objective_options = {k: getattr(args, k) for k in objective_flag_names() if hasattr(args, k)}
+    return apply_recipe(cfg, set(explicit))
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Checks and resolution (cheap: no model, no tensors)
 # ---------------------------------------------------------------------------------------------------------
 
-_POSITIVE = ("time_scale", "global_batch_size", "micro_batch_size", "max_steps", "epochs", "ckpt_every", "log_every",
+_POSITIVE = ("global_batch_size", "micro_batch_size", "max_steps", "epochs", "ckpt_every", "log_every",
              "sample_steps", "image_size")
-_NON_NEGATIVE = ("repa_weight", "cos_weight", "grad_checkpoint", "keep_last", "keep_exports", "sample_every", "warmup_steps", "num_workers",
+_NON_NEGATIVE = ("repa_weight", "final_lr", "grad_checkpoint", "keep_last", "keep_exports", "sample_every", "warmup_steps", "num_workers",
                  "max_nonfinite", "weight_decay", "max_grad_norm", "seed")
 
 
@@ -288,8 +354,9 @@ def data_identity(dataset) -> dict:
 
 
 def _check_model_fits(cfg: TrainConfig, latent_shape) -> None:
-    """UserError when the preset cannot take latents of this size."""
-    from shared.network.models import PRESETS
+    """UserError when the preset cannot take latents of this size, or is too narrow for their tokens (RAE)."""
+    from shared.network.ddt import check_head
+    from shared.network.models import PRESETS, token_width_problem
 
     channels, height, width = latent_shape
     patch = PRESETS[cfg.model]["patch_size"]
@@ -297,6 +364,11 @@ def _check_model_fits(cfg: TrainConfig, latent_shape) -> None:
         raise UserError(f"the latents are {channels}x{height}x{width} but {cfg.model} needs square latents whose "
                         f"side is a multiple of its patch size {patch}; extract square images of a size whose "
                         "latent side the patch divides, or pick a preset with a smaller patch.")
+    head = {k: getattr(cfg, k) for k in HEAD_FIELDS}
+    check_head(**head)
+    problem = token_width_problem(cfg.model, channels, head)
+    if problem:
+        raise SettingError(f"the latents are {channels}x{height}x{width}, and {problem}")
 
 
 def _check_image_size(cfg: TrainConfig, dataset) -> None:
@@ -314,15 +386,17 @@ def check_config(cfg: TrainConfig, dataset) -> None:
     _check_ranges(cfg)
     check_preset(cfg.model)
     resolve_block(cfg)
+    _resolve_shift(cfg, dataset.latent_shape)
     _check_objective(cfg)
     _check_image_size(cfg, dataset)
     _check_model_fits(cfg, dataset.latent_shape)
     _resolve_repa(cfg, dataset)
+    _resolve_route(cfg, dataset.latent_shape)
 
 
 def resolve_config(cfg: TrainConfig, dataset, world_size: int) -> TrainConfig:
-    """Fill the resolved fields from the latent index and the process count; UserError on any mismatch."""
-    check_config(cfg, dataset)
+    """Fill the resolved fields from the latent index and the process count (after check_config and autotune's
+    planning); UserError on any mismatch."""
     cfg.world_size = world_size
     cfg.micro_batch_size, cfg.grad_accum_steps = grad_accum_steps(
         cfg.global_batch_size, cfg.micro_batch_size, cfg.world_size)
@@ -357,12 +431,58 @@ def _resolve_repa(cfg: TrainConfig, dataset) -> None:
     cfg.repa_feature_dim = dim
 
 
-def _check_objective(cfg: TrainConfig) -> None:
-    """The objective and its training settings build (e.g. no flow-only setting on a ddpm run); cheap."""
-    from shared.generative.objectives import make_objective
+def _resolve_shift(cfg: TrainConfig, latent_shape) -> None:
+    """--time-dist-shift auto: RAE's sqrt(C H W / 4096) of these latents; a number is checked as it is."""
+    if cfg.time_dist_shift == "auto":
+        cfg.time_dist_shift = round(auto_shift(latent_shape), 6)  # recorded; 6 digits keep resume comparisons exact
+    check_shift(cfg.time_dist_shift)
 
-    make_objective(cfg.objective, time_sampling=cfg.time_sampling,
-                   time_loc=cfg.time_loc, time_scale=cfg.time_scale, cos_weight=cfg.cos_weight)
+
+def route_span(model: str, latent_side: int, ratio: float, start: int | None, end: int | None) -> tuple[int, int]:
+    """The route's (start, end) blocks, TREAD's where not given (2, depth - 4), checked against the preset; UserError."""
+    from shared.network.models import PRESETS
+    from shared.network.routing import PAPER_START, check_route, paper_end
+
+    arch = PRESETS[model]
+    depth, tokens = arch["depth"], (latent_side // arch["patch_size"]) ** 2
+    start = PAPER_START if start is None else start
+    end = paper_end(depth) if end is None else end
+    check_route(ratio, start, end, depth, tokens, model)
+    return start, end
+
+
+def _resolve_route(cfg: TrainConfig, latent_shape) -> None:
+    """With routing on: TREAD's span filled in, the route checked against the model and REPA; off: no route flags."""
+    if cfg.route_ratio == 0:
+        given = [flag_name(n) for n in ("route_start", "route_end") if getattr(cfg, n) is not None]
+        if given:
+            raise UserError(f"{' and '.join(given)} place a token route, but routing is off (--route-ratio 0); pass "
+                            "--route-ratio (TREAD: 0.5) to route tokens, or drop the flag.")
+        return
+    if cfg.head_depth:
+        raise UserError(f"token routing (--route-ratio {cfg.route_ratio}) is not implemented for a model with the "
+                        "DiT^DH head (--head-depth, the DiTDH presets): drop --route-ratio, or train a DiT preset "
+                        "without the head.")
+    cfg.route_start, cfg.route_end = route_span(cfg.model, latent_shape[-1], cfg.route_ratio, cfg.route_start,
+                                                cfg.route_end)
+    if cfg.repa_weight > 0 and cfg.repa_depth > cfg.route_start:
+        raise UserError(f"--repa-depth {cfg.repa_depth} aligns the output of block {cfg.repa_depth - 1} (counted from "
+                        f"0), which lies inside or after the token route {cfg.route_start}..{cfg.route_end}: there "
+                        "some tokens are missing or carry an early block's values, so their alignment would be "
+                        f"meaningless. REPA's block must come before the route: pass --repa-depth {cfg.route_start} or "
+                        f"less, or start the route later (--route-start {cfg.repa_depth}).")
+
+
+def _check_objective(cfg: TrainConfig) -> None:
+    """The objective and its training settings build (e.g. no flow-only setting on a ddpm run); fills them in."""
+    from shared.generative.objectives import OBJECTIVES, make_objective, recorded_fields, training_args
+
+    cfg.objective_options = training_args(make_objective(cfg.objective, **cfg.objective_options))
+    recorded = {f.name for f in recorded_fields(OBJECTIVES[cfg.objective])}
+    if cfg.time_dist_shift != 1.0 and "time_dist_shift" not in recorded:
+        raise SettingError(f"{{time dist shift}} {cfg.time_dist_shift:g} applies to the flow objective only (it shifts "
+                           f"its training times and sampling grid); the {cfg.objective} objective has no such shift. "
+                           "Drop it, or train with {objective} flow.")
 
 
 def _resolve_preview_guidance(cfg: TrainConfig) -> None:
@@ -392,28 +512,22 @@ def _data_mismatch(saved: dict, current: dict) -> str | None:
         if saved.get(key) != current.get(key):
             return (f"the checkpoint was trained on latents with {key} {saved.get(key)!r}, but --latents has "
                     f"{current.get(key)!r} (another VAE or image size)")
-    diffs = [k for k in DATA_FIELDS if saved.get(k) != current.get(k)]
+    diffs = differences(saved, current, DATA_FIELDS, nested=False)
     return f"the latent folder differs from the checkpoint's ({', '.join(diffs)})" if diffs else None
 
 
 def resume_differences(saved: TrainConfig, current: TrainConfig) -> tuple[list[str], list[str]]:
     """(refused differences, allowed differences) between a checkpoint's config and the current one."""
-    refused = [f"{k}: {getattr(saved, k)!r} -> {getattr(current, k)!r}" for k in IDENTITY_FIELDS
-               if _norm(getattr(saved, k)) != _norm(getattr(current, k))]
+    recorded, now = vars(saved), vars(current)
+    refused = differences(recorded, now, IDENTITY_FIELDS, nested=False)
     data = _data_mismatch(saved.data, current.data)
     if data:
         refused.append(data)
     # "block" only names a preset; the options it resolves to are identity fields.
     skip = set(IDENTITY_FIELDS) | {"data", "results_dir", "resume", "dry_run", "debug", "latents", "image_size",
                                    "block"}
-    allowed = [f"{f.name}: {getattr(saved, f.name)!r} -> {getattr(current, f.name)!r}" for f in fields(TrainConfig)
-               if f.name not in skip and _norm(getattr(saved, f.name)) != _norm(getattr(current, f.name))]
+    allowed = differences(recorded, now, [f.name for f in fields(TrainConfig) if f.name not in skip], nested=False)
     return refused, allowed
-
-
-def _norm(value):
-    """Compare tuples and lists alike (JSON round trips turn one into the other)."""
-    return list(value) if isinstance(value, (tuple, list)) else value
 
 
 def check_resume(saved: TrainConfig, current: TrainConfig, where: Path) -> list[str]:

@@ -3,7 +3,7 @@
 The objective (shared/generative/objectives.py) decides how the time is drawn: DiT's integer timestep, or SiT's
 flow time. Each sample in the global stream has a position p (samples consumed before it by all processes together,
 see shared.datasets.shards.StreamSampler). All of its randomness (timestep, class dropout, flip variant, the fresh
-posterior draw and the diffusion noise) comes from one generator seeded by (seed, p), as edm2 derives its
+posterior draw, the diffusion noise and, with token routing, the tokens it routes) comes from one generator seeded by (seed, p), as edm2 derives its
 randomness from (seed, images seen). So a sample gets the same draws whatever the number of processes,
 micro-batch size, DataLoader workers, or where a run was interrupted and resumed.
 """
@@ -14,8 +14,8 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from shared.generative.objectives import DDPMObjective
 from shared.network.repa import REPR_TENSOR
+from shared.network.routing import draw_kept
 from shared.runtime.seeding import generator_for
 from shared.datasets.shards import LatentDataset, StreamSampler
 from shared.tokenizers.vae import draw_latents
@@ -43,14 +43,16 @@ class TrainingDraws(torch.utils.data.Dataset):
     (B,) int64, drop (B,) bool (class dropout), t (B,) the objective's times (int64 DiT timesteps, or float32
     flow times), noise (B,C,h,w) fp32, position
     (B,) int64: each sample's global stream position, which keys all of its draws. With `features` (REPA), also
-    repr (B,T,E): the stored encoder tokens of the same flip variant as the latent.
+    repr (B,T,E): the stored encoder tokens of the same flip variant as the latent. With `route` (tokens T, kept K),
+    also route_keep (B,K) int64: the tokens that pass the routed blocks (shared/network/routing.py).
     """
 
-    def __init__(self, dataset: LatentDataset, seed: int, class_dropout_prob: float, objective=None,
-                 features: bool = False):
+    def __init__(self, dataset: LatentDataset, seed: int, class_dropout_prob: float, objective,
+                 features: bool = False, route: tuple[int, int] | None = None):
         self.dataset, self.seed, self.class_dropout_prob = dataset, seed, class_dropout_prob
-        self.objective = objective or DDPMObjective()
+        self.objective = objective  # shared.generative.objectives.Objective: draws each sample's time
         self.columns = ("mean", "std", *((REPR_TENSOR,) if features else ()))  # other columns are never read
+        self.route = route
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -72,6 +74,8 @@ class TrainingDraws(torch.utils.data.Dataset):
         x0 = draw_latents(batch["mean"], batch["std"], self.dataset.scaling_factor, generator=gens)  # (B, C, h, w) fp32
         noise = torch.stack([torch.randn(x0.shape[1:], generator=g) for g in gens])  # (B, C, h, w)
         out = {"x0": x0, "label": batch["label"].long(), "drop": drop, "t": t, "noise": noise, "position": positions}
+        if self.route:  # drawn last, so the draws above are the same with routing on or off
+            out["route_keep"] = torch.stack([draw_kept(g, *self.route) for g in gens])  # (B, K)
         if REPR_TENSOR in self.columns:  # the encoder saw the same flip as the latent's (REPA aligns the same image)
             out[REPR_TENSOR] = batch[REPR_TENSOR].float()  # (B, T, E), of flip `variant`
         return out
@@ -83,12 +87,13 @@ def _passthrough(batch):
 
 
 def make_loader(dataset: LatentDataset, *, micro_batch: int, rank: int, world_size: int, seed: int, start: int,
-                class_dropout_prob: float, num_workers: int, pin_memory: bool, objective=None,
-                features: bool = False) -> Iterator[dict]:
+                class_dropout_prob: float, num_workers: int, pin_memory: bool, objective,
+                features: bool = False, route: tuple[int, int] | None = None) -> Iterator[dict]:
     """An endless iterator of micro-batches for this rank, starting at global stream position `start`."""
     sampler = PositionedSampler(len(dataset), rank, world_size, seed, start)
     loader = torch.utils.data.DataLoader(
-        TrainingDraws(dataset, seed, class_dropout_prob, objective, features), batch_size=micro_batch, sampler=sampler,
+        TrainingDraws(dataset, seed, class_dropout_prob, objective, features, route), batch_size=micro_batch,
+        sampler=sampler,
         num_workers=num_workers, pin_memory=pin_memory, collate_fn=_passthrough,
         # Its own generator, so worker seeding never consumes the global torch RNG.
         generator=torch.Generator().manual_seed(seed), persistent_workers=False,
@@ -96,19 +101,20 @@ def make_loader(dataset: LatentDataset, *, micro_batch: int, rank: int, world_si
     return iter(loader)
 
 
-def synthetic_batch(shape_of, micro_batch: int, class_dropout_prob: float, seed: int = 0, objective=None,
-                    features: tuple | None = None) -> dict:
+def synthetic_batch(shape_of, micro_batch: int, class_dropout_prob: float, objective, seed: int = 0,
+                    features: tuple | None = None, route: tuple[int, int] | None = None) -> dict:
     """A micro-batch of the loader's keys, shapes and dtypes from random latents (bench and plan).
 
     shape_of: a ModelConfig or a DiT (both carry in_channels, input_size and num_classes). features (T, E): also
-    random REPA encoder tokens of that shape.
+    random REPA encoder tokens of that shape. route (T, K): also the routed tokens' indices, as the loader's.
     """
     g = torch.Generator().manual_seed(seed)
     shape = (micro_batch, shape_of.in_channels, shape_of.input_size, shape_of.input_size)
     return {"x0": torch.randn(shape, generator=g),  # (B, C, h, w) fp32
             "label": torch.randint(0, shape_of.num_classes, (micro_batch,), generator=g),  # (B,)
             "drop": torch.rand(micro_batch, generator=g) < class_dropout_prob,  # (B,)
-            "t": torch.cat([(objective or DDPMObjective()).draw_time(g) for _ in range(micro_batch)]),  # (B,)
+            "t": torch.cat([objective.draw_time(g) for _ in range(micro_batch)]),  # (B,)
             "noise": torch.randn(shape, generator=g),  # (B, C, h, w)
             "position": torch.arange(micro_batch, dtype=torch.int64),  # (B,)
-            **({REPR_TENSOR: torch.randn((micro_batch, *features), generator=g)} if features else {})}  # (B, T, E)
+            **({REPR_TENSOR: torch.randn((micro_batch, *features), generator=g)} if features else {}),  # (B, T, E)
+            **({"route_keep": torch.stack([draw_kept(g, *route) for _ in range(micro_batch)])} if route else {})}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 from itertools import islice
@@ -21,8 +22,10 @@ from tqdm import tqdm
 from shared.runtime import rundir
 from shared.runtime.errors import UserError
 from shared.runtime.export import first_nonfinite, nonfinite_tensors, save_weights
-from shared.runtime.fsio import atomic_write_text, space_guard
+from shared.runtime.fsio import atomic_write_text, link_file, space_guard
+from shared.runtime.previews import write_preview
 from shared.runtime.lock import FolderLock, hold_lock
+from shared.generative.objectives import plugin_of
 from shared.network.models import ModelConfig, resolve_attention
 from shared.runtime.precision import set_tf32
 from shared.datasets.shards import LatentDataset
@@ -34,7 +37,7 @@ from train.data import make_loader
 from train.latents import open_latents
 from train.launcher import check_strategy, resolve_precision_with_launcher
 from train.logger import RunLogger
-from train.preview import sample_preview, save_preview
+from train.preview import sample_preview
 from train.step import Learner, import_bitsandbytes, lr_at, make_learner, train_step
 from train.trackers import accelerator_kwargs, check_watch, default_callbacks
 
@@ -149,9 +152,16 @@ def seed_globals(seed: int, rank: int) -> None:
 def model_config_for(cfg: TrainConfig, dataset: LatentDataset) -> ModelConfig:
     """The DiT config for these latents."""
     channels, size, _ = dataset.latent_shape
+    # DDPM needs its learned variance; a flow model with the DiT^DH head predicts the velocity alone, as RAE's
+    # (out = in channels), while the plain presets keep DiT's/SiT's 2C outputs so their layouts stay the releases'.
+    learn_sigma = cfg.objective == "ddpm" or not cfg.head_depth
     return ModelConfig(model=cfg.model, input_size=size, in_channels=channels, num_classes=dataset.num_classes,
-                       norm=cfg.norm, mlp=cfg.mlp, rope=cfg.rope, qk_norm=cfg.qk_norm,
-                       class_dropout_prob=cfg.class_dropout_prob, objective=cfg.objective)
+                       learn_sigma=learn_sigma,
+                       norm=cfg.norm, mlp=cfg.mlp, rope=cfg.rope, qk_norm=cfg.qk_norm, head_depth=cfg.head_depth,
+                       head_width=cfg.head_width, head_heads=cfg.head_heads,
+                       class_dropout_prob=cfg.class_dropout_prob, objective=cfg.objective,
+                       objective_args={"time_dist_shift": cfg.time_dist_shift} if cfg.time_dist_shift != 1.0 else {},
+                       objective_plugin=plugin_of(cfg.objective))
 
 
 def check_finite_state(saved: dict, source: Path) -> None:
@@ -333,6 +343,7 @@ def _write_main(run: Run, tmp: Path) -> None:
                             scaler_state=learner.scaler.state_dict(), state=state,
                             projector_state=learner.projector.state_dict() if learner.projector is not None else None)
     final = ckpt_io.publish(tmp, run.run_dir, run.step)
+    run.callbacks.on_publish(run, final)
     write_export(run)
     pruned = ckpt_io.prune_checkpoints(run.run_dir, run.cfg.keep_last)
     pruned += ckpt_io.prune_exports(run.run_dir, run.cfg.keep_exports)
@@ -340,9 +351,18 @@ def _write_main(run: Run, tmp: Path) -> None:
 
 
 def write_export(run: Run) -> Path:
-    """The slim EMA export of the current step (what `python -m sample --ckpt RUN` reads)."""
-    return save_weights(rundir.export_path(run.run_dir, run.step), run.learner.ema.state_dict(),
-                        run.learner.model_config, run.dataset.latent_meta(), run.step)
+    """The slim EMA export of the current step (what `python -m sample --ckpt RUN` reads).
+
+    The checkpoint of this step already holds these bytes (its EMA file is written by the same save_weights with
+    the same metadata), so the export is a hard link to it: the EMA is stored once (2.7 GB at XL/2), and pruning
+    the checkpoint leaves the export whole. A fresh write where there is no such checkpoint or no hard link.
+    """
+    path = rundir.export_path(run.run_dir, run.step)
+    stored = rundir.checkpoint_path(run.run_dir, run.step) / rundir.EMA_FILE
+    if stored.is_file() and link_file(stored, path):
+        return path
+    return save_weights(path, run.learner.ema.state_dict(), run.learner.model_config, run.dataset.latent_meta(),
+                        run.step)
 
 
 def save_samples(run: Run) -> None:
@@ -356,7 +376,7 @@ def save_samples(run: Run) -> None:
                                              run.learner.objective)
         finally:
             ema.to(home)
-        path = save_preview(rundir.sample_path(run.run_dir, run.step), latents, labels, run.dataset.latent_meta(),
+        path = write_preview(rundir.sample_path(run.run_dir, run.step), latents, labels, run.dataset.latent_meta(),
                             run.step)
         run.logger.info(f"saved samples {path}")
     run.accelerator.wait_for_everyone()
@@ -426,6 +446,10 @@ def start_logs(run: Run, source: Path | None, changes: list[str]) -> None:
                     f"{n} process(es) on {run.device}, global batch {cfg.global_batch_size} = "
                     f"{cfg.micro_batch_size} x {cfg.grad_accum_steps} accumulation x {n}, "
                     f"precision {cfg.precision}, {cfg.total_steps} steps")
+    if run.learner.route:
+        tokens, kept = run.learner.route
+        run.logger.info(f"token routing (TREAD): {tokens - kept} of {tokens} tokens per sample skip blocks "
+                        f"{cfg.route_start}..{cfg.route_end} in training; sampling uses every token")
     if cfg.autotune:
         run.logger.info(describe_auto(cfg.autotune))
     for change in changes:
@@ -449,15 +473,23 @@ def micro_batches(run: Run, loader) -> Iterator[dict]:
         yield batch
 
 
+def loader_workers(run: Run) -> int:
+    """--num-workers, or up to 4 per process where the cores allow (shared.runtime.distributed.default_workers)."""
+    from shared.runtime.distributed import default_workers
+
+    given = run.cfg.num_workers
+    return given if given is not None else default_workers(4, run.accelerator.num_processes)
+
+
 def run_loop(run: Run) -> dict:
     """Train until total_steps; checkpoint, preview and log along the way; return the last metrics."""
     cfg = run.cfg
     total = min(cfg.total_steps, run.step + DEBUG_STEPS) if cfg.debug else cfg.total_steps
     loader = make_loader(run.dataset, micro_batch=cfg.micro_batch_size, rank=run.accelerator.process_index,
                          world_size=run.accelerator.num_processes, seed=cfg.seed, start=run.data_position,
-                         class_dropout_prob=cfg.class_dropout_prob, num_workers=cfg.num_workers,
+                         class_dropout_prob=cfg.class_dropout_prob, num_workers=loader_workers(run),
                          pin_memory=run.device.type == "cuda", objective=run.learner.objective,
-                         features=run.learner.projector is not None)
+                         features=run.learner.projector is not None, route=run.learner.route)
     meter, last = Meter(), {}
     bar = tqdm(total=total, initial=run.step, desc="train", unit="step", disable=not run.is_main, dynamic_ncols=True)
     with bar:
@@ -522,6 +554,11 @@ def train(cfg: TrainConfig, callbacks: list[Callback] = ()) -> dict:
 def _train_locked(cfg: TrainConfig, accelerator, callbacks: list[Callback]) -> dict:
     """train() once the run folder is this launch's."""
     cfg, dataset, source, changes = prepare_config(cfg, accelerator)
+    if accelerator.device.type == "cpu" and accelerator.is_main_process:
+        from train.estimate import describe_cpu_step
+
+        print(f"train: {describe_cpu_step(model_config_for(cfg, dataset), cfg.global_batch_size, cfg.total_steps)}",
+              file=sys.stderr, flush=True)
     if cfg.dry_run or cfg.debug:
         if accelerator.is_main_process:
             print(cfg.to_json())

@@ -1,6 +1,7 @@
 """What a DiT training step costs: forward MACs counted from the modules, and activation bytes MEASURED.
 
-Shared by `python -m train.plan` (memory planner) and `python -m train.bench` (speed benchmark).
+Shared by `python -m train.plan` (memory planner: its arithmetic and measurement live here, below, so
+train/autotune.py plans without importing the CLI) and `python -m train.bench` (speed benchmark).
 
 Activation memory is measured, not modelled: the real model runs the trainer's own forward + loss
 (train.step.forward_loss, on a micro-batch shaped like the loader's) under the chosen precision while `torch.autograd.graph.saved_tensors_hooks` records every tensor
@@ -16,19 +17,23 @@ else the CPU) with weights allocated but zero-filled (skipping the random init, 
 CPU and CUDA autocast agree on every op a DiT uses with sdpa attention (linear, conv and attention in
 low precision; LayerNorm always sees the fp32 residual stream), so a CPU measurement stands for CUDA.
 """
+import sys
 import weakref
 from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
+from tqdm.auto import tqdm
 
-from shared.generative.objectives import DDPMObjective
+from shared.network.routing import kept_tokens
 from shared.runtime.errors import UserError
-from shared.network.models import ModelConfig, check_preset
+from shared.network.models import BLOCK_FIELDS, ModelConfig, check_preset
 from shared.runtime.precision import autocast_dtype
+from train.config import TrainConfig
+from shared.generative.objectives import objective_of
 from train.data import synthetic_batch
-from train.step import forward_loss
+from train.step import build_model, forward_loss, make_learner, train_step  # noqa: F401 (build_model: plan, bench)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -49,20 +54,6 @@ def model_config(model: str, image_size: int, vae_factor: int = 8, latent_channe
     check_preset(model)
     return ModelConfig(model=model, input_size=latent_size(image_size, vae_factor),
                        in_channels=latent_channels, num_classes=num_classes, **(block or {}))
-
-
-def build_model(config: ModelConfig, device="meta", attention="auto", grad_checkpoint_every=0, init=True):
-    """Build the DiT on `device`; init=False allocates zero-filled weights (fast; for measuring only)."""
-    if init or str(device) == "meta":
-        with torch.device(device):
-            return config.build(attention=attention, grad_checkpoint_every=grad_checkpoint_every)
-    with torch.device("meta"):
-        model = config.build(attention=attention, grad_checkpoint_every=grad_checkpoint_every)
-    model = model.to_empty(device=device)
-    with torch.no_grad():
-        for tensor in list(model.parameters()) + list(model.buffers()):
-            tensor.zero_()
-    return model
 
 
 def count_parameters(model) -> tuple[int, int]:
@@ -92,34 +83,42 @@ def _part_of(path: str) -> str | None:
     return None
 
 
-def _count_flops(model) -> FlopCounterMode:
-    """Run one batch-1 forward of `model` (any device, meta included) under a FlopCounterMode."""
+def _count_flops(model, kept: int | None = None) -> FlopCounterMode:
+    """Run one batch-1 forward of `model` (any device, meta included) under a FlopCounterMode.
+
+    kept: with token routing set on the model (DiT.set_routing), the forward of a training step that routes all
+    but `kept` tokens past the routed blocks (which tokens does not change the count); None: all tokens (sampling).
+    """
     device = model.x_embedder.proj.weight.device
     size = model.input_size
     x = torch.zeros(1, model.in_channels, size, size, device=device)  # (1, C, H, W)
     t = torch.zeros(1, device=device)
     y = torch.zeros(1, dtype=torch.long, device=device)
+    routing = {} if kept is None else {"force_drop_ids": torch.zeros(1, dtype=torch.bool, device=device),
+                                       "route_keep": torch.arange(kept, device=device).unsqueeze(0)}  # (1, K)
     backend, training = model.attention, model.training
     model.set_attention("math")  # plain matmuls, which the counter sees on every device (xformers' it would not)
-    model.eval()
+    model.train(kept is not None)  # routing acts in train mode only; train mode adds no FLOPs to a DiT
     try:
         with torch.no_grad(), FlopCounterMode(display=False) as counter:
-            model(x, t, y)
+            model(x, t, y, **routing)
     finally:
         model.set_attention(backend)
         model.train(training)
     return counter
 
 
-def forward_macs(model) -> dict:
+def forward_macs(model, kept: int | None = None) -> dict:
     """Per-image forward multiply-accumulates of a DiT by part, counted from a real forward; meta works.
+
+    kept: count a routed training forward (_count_flops), all but `kept` tokens skipping the routed blocks.
 
     torch's FlopCounterMode records every matrix product and convolution as it runs (2 FLOPs per MAC), so
     the count follows whatever the block is built of (a SwiGLU's three matrices, RoPE's elementwise
     rotation adds none). Label lookup and elementwise ops are not counted (the paper's convention), so
     XL/2 at 256 gives 118.6 GMAC. Products outside the known parts land in "other" rather than vanish.
     """
-    counts = _count_flops(model).get_flop_counts()
+    counts = _count_flops(model, kept).get_flop_counts()
     root = type(model).__name__
     parts = dict.fromkeys(("patch_embed", "timestep_mlp", "attention_linears", "attention_matmuls", "mlp",
                            "adaln", "final_layer"), 0)
@@ -138,13 +137,13 @@ def forward_macs(model) -> dict:
     return parts
 
 
-def train_flops_per_image(model) -> int:
+def train_flops_per_image(model, kept: int | None = None) -> int:
     """Model FLOPs of one training image: 3 x forward (forward + 2x for backward), 2 FLOPs per MAC.
 
     Recomputation under gradient checkpointing is deliberately not counted (the MFU convention of
     Chowdhery et al. 2022, PaLM App. B), so checkpointing shows up as a lower MFU.
     """
-    return 6 * forward_macs(model)["total"]
+    return 6 * forward_macs(model, kept)["total"]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -229,11 +228,14 @@ class Residency:
     resident: int
 
 
-def measure_forward(model, batch: int, precision: str, objective=None) -> Residency:
-    """Run the trainer's forward + loss at `batch` under `precision` and count what it leaves resident."""
-    objective = objective or DDPMObjective()
+def measure_forward(model, batch: int, precision: str, objective, route=None) -> Residency:
+    """Run the trainer's forward + loss at `batch` under `precision` and count what it leaves resident.
+
+    route (tokens, kept): token routing, as set on the model (DiT.set_routing); the routed blocks then save
+    activations for the kept tokens only, because that is what they see.
+    """
     device = next(model.parameters()).device
-    micro = synthetic_batch(model, batch, class_dropout_prob=0.1, objective=objective)
+    micro = synthetic_batch(model, batch, 0.1, objective, route=route)
     params = _param_keys(model)
     ledger, casts = SavedTensorLedger(params), CastCacheCounter(params)
     model.train()
@@ -293,10 +295,12 @@ class ActivationProfile:
         return max(self.resident.at(n), self.saved.at(n) + self.recompute.at(n))
 
 
-def measure_profile(model, every: int, precision: str, block_fit: LinearBytes) -> ActivationProfile:
-    """Measure one checkpointing choice at batch 1 and 2 and fit the batch dependence."""
+def measure_profile(model, every: int, precision: str, block_fit: LinearBytes, objective,
+                    route=None) -> ActivationProfile:
+    """Measure one checkpointing choice at batch 1 and 2 (the objective's forward and loss) and fit the batch
+    dependence (route: measure_forward's)."""
     model.set_grad_checkpointing(every)
-    one, two = measure_forward(model, 1, precision), measure_forward(model, 2, precision)
+    one, two = (measure_forward(model, n, precision, objective, route=route) for n in (1, 2))
     recompute = block_fit if every else LinearBytes(0, 0)
     return ActivationProfile(every, LinearBytes.fit(one.saved, two.saved),
                              LinearBytes.fit(one.resident, two.resident), recompute, one.cast_cache)
@@ -305,3 +309,131 @@ def measure_profile(model, every: int, precision: str, block_fit: LinearBytes) -
 def measure_block_fit(model, precision: str) -> LinearBytes:
     """One block's saved bytes as a linear function of the batch."""
     return LinearBytes.fit(measure_block(model, 1, precision), measure_block(model, 2, precision))
+
+# ----------------------------------------------------------------------------------------------------
+# Planning: fixed state + measured activations -> the micro-batch that fits (python -m train.plan, autotune)
+# ----------------------------------------------------------------------------------------------------
+
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "adamw8bit": 2}  # AdamW: two fp32 moments; 8-bit: two 1-byte moments
+DEFAULT_MARGIN = "1.5GiB"  # CUDA context, cuBLAS workspace, allocator slack (train.plan's --margin, autotune's)
+
+
+@dataclass
+class FixedState:
+    """Bytes that do not depend on the batch: fp32 master weights, gradients, optimizer state, EMA."""
+    weights: int
+    grads: int
+    optimizer: int
+    ema: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.optimizer + self.ema
+
+
+def fixed_state(n_params: int, n_trainable: int, optimizer: str, ema_device: str) -> FixedState:
+    """Fixed state of the DiT recipe: fp32 weights + fp32 grads + optimizer moments + fp32 EMA."""
+    return FixedState(weights=4 * n_params, grads=4 * n_trainable,
+                      optimizer=OPTIMIZER_STATE_BYTES[optimizer] * n_trainable,
+                      ema=4 * n_params if ema_device == "gpu" else 0)
+
+
+@dataclass
+class PlanRow:
+    """One checkpointing choice: its measured activations and the micro-batch that fits."""
+    profile: ActivationProfile
+    micro: int | None           # None: not even a micro-batch of 1 fits
+    accumulation: int | None
+    peak: int | None            # predicted peak allocated bytes at `micro` (fixed + activations)
+
+
+def per_process_batch(global_batch: int, processes: int) -> int:
+    """Samples per process per optimizer step; UserError when the global batch does not divide."""
+    if global_batch <= 0 or processes <= 0 or global_batch % processes:
+        raise UserError(f"global batch {global_batch} does not split evenly over {processes} process(es); "
+                        "pick a global batch that is a multiple of the process count.")
+    return global_batch // processes
+
+
+def largest_micro_batch(profile: ActivationProfile, fixed: int, budget: int, batch: int) -> int | None:
+    """Largest divisor m of the per-process batch with fixed + activations(m) <= budget."""
+    for micro in sorted((m for m in range(1, batch + 1) if batch % m == 0), reverse=True):
+        if fixed + profile.peak(micro) <= budget:
+            return micro
+    return None
+
+
+def plan_row(profile: ActivationProfile, fixed: int, budget: int, batch: int) -> PlanRow:
+    """The plan for one checkpointing choice."""
+    micro = largest_micro_batch(profile, fixed, budget, batch)
+    if micro is None:
+        return PlanRow(profile, None, None, None)
+    return PlanRow(profile, micro, batch // micro, fixed + profile.peak(micro))
+
+
+def measure_device(choice: str) -> torch.device:
+    """Where activations are measured: CUDA when present (auto), else the CPU."""
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise UserError("--measure-device cuda was asked for but no CUDA GPU is visible; use "
+                        "--measure-device cpu (the default when no GPU is present).")
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(choice)
+
+
+def measure_profiles(config, precision: str, choices, device, route=None) -> tuple[list, int, int]:
+    """Measure every checkpointing choice on one zero-filled model; returns (profiles, params, trainable).
+
+    route (ratio, start, end): token routing on, so the routed blocks' activations are those of the kept tokens.
+    """
+    model = build_model(config, device=device, init=False)
+    n_params, n_trainable = count_parameters(model)
+    bar = tqdm(total=1 + len(choices), desc="measuring activations", unit="pass", leave=False, file=sys.stderr)
+    block_fit = measure_block_fit(model, precision)  # a full-token block: the largest one a backward recomputes
+    bar.update()
+    shape = None
+    if route is not None:
+        ratio, start, end = route
+        model.set_routing(start, end)
+        shape = (model.x_embedder.num_patches, kept_tokens(model.x_embedder.num_patches, ratio))
+    profiles = []
+    for every in choices:
+        profiles.append(measure_profile(model, every, precision, block_fit, objective_of(config), shape))
+        bar.update()
+    bar.close()
+    return profiles, n_params, n_trainable
+
+
+# ----------------------------------------------------------------------------------------------------
+# Verification on CUDA: the trainer's own step at the planned micro-batch
+# ----------------------------------------------------------------------------------------------------
+
+def verify_config(config: ModelConfig, args, row: PlanRow) -> TrainConfig:
+    """The TrainConfig of the planned run (synthetic data): what `python -m train` would be given.
+
+    args: model, precision, optimizer, ema_device (train.plan's flags, or autotune's run config), and the
+    token route if any (route_ratio, route_start, route_end).
+    """
+    accumulation = min(row.accumulation, 2)  # a second micro-step runs with the first one's gradients held
+    route = {k: getattr(args, k, None) for k in ("route_ratio", "route_start", "route_end")}
+    return TrainConfig(latents="synthetic", results_dir="unused", model=args.model,
+                       **{k: getattr(config, k) for k in BLOCK_FIELDS},
+                       global_batch_size=row.micro * accumulation, micro_batch_size=row.micro,
+                       grad_accum_steps=accumulation, precision=args.precision,
+                       grad_checkpoint=row.profile.every, optimizer=args.optimizer, ema_device=args.ema_device,
+                       **{k: v for k, v in route.items() if v is not None})
+
+
+def verify(config, args, row: PlanRow) -> int:
+    """Peak allocated bytes of the trainer's own step (train/step.py) on CUDA at the planned micro-batch."""
+    cfg = verify_config(config, args, row)
+    learner = make_learner(cfg, config, device=torch.device("cuda"))
+    batches = [synthetic_batch(config, row.micro, cfg.class_dropout_prob, learner.objective, seed=i,
+                               route=learner.route)
+               for i in range(cfg.grad_accum_steps)]
+    train_step(learner, batches)  # allocates the optimizer state
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    train_step(learner, batches)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated()

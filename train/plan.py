@@ -8,117 +8,29 @@ import argparse
 import gc
 import sys
 import textwrap
-from dataclasses import dataclass
-
 import torch
-from tqdm.auto import tqdm
 
 from shared.runtime.cli import HelpFormatter, add_flags
 from shared.runtime.errors import UserError, cli_errors
 from shared.runtime.precision import PRECISION_CHOICES, canonical_precision
-from train.config import TrainConfig, add_block_flags, block_from_args
-from train.data import synthetic_batch
-from train.memory import (ActivationProfile, build_model, count_parameters, measure_block_fit, measure_profile,
-                          model_config)
-from train.step import make_learner, train_step
+from shared.network.routing import kept_tokens
+from train.config import TrainConfig, add_block_flags, block_from_args, route_span
+from train.memory import (DEFAULT_MARGIN, FixedState, PlanRow, build_model, count_parameters, fixed_state,
+                          measure_device, measure_profiles, model_config, per_process_batch, plan_row, verify)
 from train.units import format_size, parse_size
 
 PROG = "python -m train.plan"
 FLAGS = {"model preset": "--model", "precision": "--precision"}  # domain name -> flag
-OPTIMIZER_STATE_BYTES = {"adamw": 8, "adamw8bit": 2}  # AdamW: two fp32 moments; 8-bit: two 1-byte moments
 OPTIMIZER_LABELS = {"adamw": "AdamW, 2 fp32 moments", "adamw8bit": "8-bit AdamW, 2 bytes/param"}
-DEFAULT_MARGIN = "1.5GiB"  # CUDA context, cuBLAS workspace, allocator slack (also train/autotune.py's margin)
 
 
 # ----------------------------------------------------------------------------------------------------
-# Arithmetic
+# What to tabulate
 # ----------------------------------------------------------------------------------------------------
-
-@dataclass
-class FixedState:
-    """Bytes that do not depend on the batch: fp32 master weights, gradients, optimizer state, EMA."""
-    weights: int
-    grads: int
-    optimizer: int
-    ema: int
-
-    @property
-    def total(self) -> int:
-        return self.weights + self.grads + self.optimizer + self.ema
-
-
-def fixed_state(n_params: int, n_trainable: int, optimizer: str, ema_device: str) -> FixedState:
-    """Fixed state of the DiT recipe: fp32 weights + fp32 grads + optimizer moments + fp32 EMA."""
-    return FixedState(weights=4 * n_params, grads=4 * n_trainable,
-                      optimizer=OPTIMIZER_STATE_BYTES[optimizer] * n_trainable,
-                      ema=4 * n_params if ema_device == "gpu" else 0)
-
-
-@dataclass
-class PlanRow:
-    """One checkpointing choice: its measured activations and the micro-batch that fits."""
-    profile: ActivationProfile
-    micro: int | None           # None: not even a micro-batch of 1 fits
-    accumulation: int | None
-    peak: int | None            # predicted peak allocated bytes at `micro` (fixed + activations)
-
-
-def per_process_batch(global_batch: int, processes: int) -> int:
-    """Samples per process per optimizer step; UserError when the global batch does not divide."""
-    if global_batch <= 0 or processes <= 0 or global_batch % processes:
-        raise UserError(f"global batch {global_batch} does not split evenly over {processes} process(es); "
-                        "pick a global batch that is a multiple of the process count.")
-    return global_batch // processes
-
-
-def largest_micro_batch(profile: ActivationProfile, fixed: int, budget: int, batch: int) -> int | None:
-    """Largest divisor m of the per-process batch with fixed + activations(m) <= budget."""
-    for micro in sorted((m for m in range(1, batch + 1) if batch % m == 0), reverse=True):
-        if fixed + profile.peak(micro) <= budget:
-            return micro
-    return None
-
-
-def plan_row(profile: ActivationProfile, fixed: int, budget: int, batch: int) -> PlanRow:
-    """The plan for one checkpointing choice."""
-    micro = largest_micro_batch(profile, fixed, budget, batch)
-    if micro is None:
-        return PlanRow(profile, None, None, None)
-    return PlanRow(profile, micro, batch // micro, fixed + profile.peak(micro))
-
-
-# ----------------------------------------------------------------------------------------------------
-# Measurement
-# ----------------------------------------------------------------------------------------------------
-
-def measure_device(choice: str) -> torch.device:
-    """Where activations are measured: CUDA when present (auto), else the CPU."""
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise UserError("--measure-device cuda was asked for but no CUDA GPU is visible; use "
-                        "--measure-device cpu (the default when no GPU is present).")
-    if choice == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(choice)
-
 
 def checkpoint_choices(requested: int, depth: int) -> list[int]:
     """Checkpointing intervals to tabulate: off, every block, every 2nd block, and the requested one."""
     return sorted({0, 1, min(2, depth), requested})
-
-
-def measure_profiles(config, precision: str, choices, device) -> tuple[list, int, int]:
-    """Measure every checkpointing choice on one zero-filled model; returns (profiles, params, trainable)."""
-    model = build_model(config, device=device, init=False)
-    n_params, n_trainable = count_parameters(model)
-    bar = tqdm(total=1 + len(choices), desc="measuring activations", unit="pass", leave=False, file=sys.stderr)
-    block_fit = measure_block_fit(model, precision)
-    bar.update()
-    profiles = []
-    for every in choices:
-        profiles.append(measure_profile(model, every, precision, block_fit))
-        bar.update()
-    bar.close()
-    return profiles, n_params, n_trainable
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -149,7 +61,9 @@ def _header_text(args, config, tokens, n_params, n_trainable, device) -> list[st
         f"{args.num_processes} process(es); precision {args.precision}",
         f"activations measured on {device.type}: the trainer's forward + loss at batch 1 and 2 under {policy}, "
         "counting bytes autograd saves for backward (deduplicated by storage, parameters excluded)",
-    ]
+    ] + ([f"token routing (TREAD): {tokens - kept_tokens(tokens, args.route_ratio)} of {tokens} tokens skip blocks "
+          f"{args.route_start}..{args.route_end}; those blocks' activations are counted for the kept tokens"]
+         if args.route_ratio else [])
 
 
 def fixed_lines(fixed: FixedState, args) -> list[str]:
@@ -201,28 +115,6 @@ def summary_line(row: PlanRow, batch: int) -> str:
 # Verification on CUDA
 # ----------------------------------------------------------------------------------------------------
 
-def verify_config(args, row: PlanRow) -> TrainConfig:
-    """The TrainConfig of the planned run (synthetic data): what `python -m train` would be given."""
-    accumulation = min(row.accumulation, 2)  # a second micro-step runs with the first one's gradients held
-    return TrainConfig(latents="synthetic", results_dir="unused", model=args.model, **block_from_args(args),
-                       global_batch_size=row.micro * accumulation, micro_batch_size=row.micro,
-                       grad_accum_steps=accumulation, precision=args.precision,
-                       grad_checkpoint=row.profile.every, optimizer=args.optimizer, ema_device=args.ema_device)
-
-
-def verify(config, args, row: PlanRow) -> int:
-    """Peak allocated bytes of the trainer's own step (train/step.py) on CUDA at the planned micro-batch."""
-    cfg = verify_config(args, row)
-    learner = make_learner(cfg, config, device=torch.device("cuda"))
-    batches = [synthetic_batch(config, row.micro, cfg.class_dropout_prob, seed=i) for i in range(cfg.grad_accum_steps)]
-    train_step(learner, batches)  # allocates the optimizer state
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    train_step(learner, batches)
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated()
-
-
 def check_verify_possible(args):
     """--verify needs CUDA; say so before measuring anything."""
     if args.verify and not torch.cuda.is_available():
@@ -250,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     """Flags of python -m train.plan (same names as python -m train where they overlap)."""
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
     # The flags python -m train also has: its defaults and help (TrainConfig), reworded where plan means more.
-    add_flags(p, TrainConfig, only=("model", "global_batch_size", "grad_checkpoint", "ema_device", "optimizer"),
+    add_flags(p, TrainConfig, only=("model", "global_batch_size", "grad_checkpoint", "ema_device", "optimizer",
+                                    "route_ratio", "route_start", "route_end"),
               changes={"grad_checkpoint": {"help": "checkpointing interval to recommend (every K-th block; bare flag "
                                                    "= 1; 0 = off); off, every block and every 2nd block are always "
                                                    "tabulated", "default": 0, "type": int}})
@@ -281,6 +174,15 @@ def check_args(args):
         raise UserError(f"--grad-checkpoint must be 0 (off) or a positive interval, got {args.grad_checkpoint}.")
 
 
+def plan_route(args, config) -> tuple[float, int, int] | None:
+    """(ratio, start, end) of the token route the flags ask for (TREAD's span by default), or None; UserError."""
+    if not args.route_ratio:
+        return None
+    start, end = route_span(args.model, config.input_size, args.route_ratio, args.route_start, args.route_end)
+    args.route_start, args.route_end = start, end  # the header and --verify show and use the resolved span
+    return args.route_ratio, start, end
+
+
 def run(args) -> str:
     """Measure, plan and (optionally) verify; returns the report text."""
     check_args(args)
@@ -291,7 +193,8 @@ def run(args) -> str:
     device = measure_device(args.measure_device)
     meta = build_model(config, "meta")  # shapes only, no allocation
     choices = checkpoint_choices(args.grad_checkpoint, len(meta.blocks))
-    profiles, n_params, n_trainable = measure_profiles(config, args.precision, choices, device)
+    route = plan_route(args, config)
+    profiles, n_params, n_trainable = measure_profiles(config, args.precision, choices, device, route)
     fixed = fixed_state(n_params, n_trainable, args.optimizer, args.ema_device)
     rows = [plan_row(p, fixed.total, args.gpu_memory - args.margin, batch) for p in profiles]
     chosen = next(r for r in rows if r.profile.every == args.grad_checkpoint)

@@ -20,7 +20,7 @@ from typing import Iterable
 
 import torch
 
-from shared.generative.objectives import DDPMObjective, objective_of
+from shared.generative.objectives import Objective, objective_of
 from shared.runtime.errors import UserError
 from shared.network.models import ModelConfig
 from shared.runtime.precision import autocast_dtype
@@ -38,10 +38,11 @@ class Learner:
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     model_config: ModelConfig
+    objective: Objective  # shared/generative/objectives.py: time draws and the loss
     accelerator: object = None  # None: a single process without Accelerate (nothing to synchronise)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    objective: object = field(default_factory=DDPMObjective)  # shared/generative/objectives.py: time draws and the loss
     projector: torch.nn.Module | None = None  # REPA's projector (shared/network/repa.py), trained with the model; no EMA
+    route: tuple[int, int] | None = None  # token routing: (tokens T, kept K) per sample, drawn by the data side
     step: int = 0
     skipped_steps: int = 0
 
@@ -61,8 +62,9 @@ class AlignedDiT(torch.nn.Module):
         super().__init__()
         self.dit, self.projector, self.depth = dit, projector, depth
 
-    def forward(self, x, t, y, force_drop_ids=None):
-        out, hidden = self.dit(x, t, y, force_drop_ids=force_drop_ids, return_hidden_at=self.depth)
+    def forward(self, x, t, y, force_drop_ids=None, route_keep=None):
+        out, hidden = self.dit(x, t, y, force_drop_ids=force_drop_ids, return_hidden_at=self.depth,
+                               route_keep=route_keep)
         return out, self.projector(hidden)  # (N, C', H, W), (N, T, E)
 
 
@@ -70,13 +72,21 @@ class AlignedDiT(torch.nn.Module):
 # Building the pieces
 # ---------------------------------------------------------------------------------------------------------
 
-def build_model(cfg: TrainConfig, model_config: ModelConfig) -> torch.nn.Module:
-    """The DiT in train mode, initialised identically on every rank (seeded by --seed)."""
-    torch.manual_seed(cfg.seed)
-    model = model_config.build(attention=cfg.attention, grad_checkpoint_every=cfg.grad_checkpoint)
-    # Train mode: the labels' class-dropout coin comes from the data (force_drop_ids), so the model's own
-    # global-RNG dropout never runs, while any train-mode layer added later is really on.
-    return model.train()
+def build_model(config: ModelConfig, device="cpu", attention="auto", grad_checkpoint_every=0, init=True):
+    """The DiT of `config` on `device`; init=False allocates zero-filled weights (fast; for measuring only).
+
+    The one builder: training (make_learner, seeded), the planner and the benchmark (train/memory.py) use it.
+    """
+    if init or str(device) == "meta":
+        with torch.device(device):
+            return config.build(attention=attention, grad_checkpoint_every=grad_checkpoint_every)
+    with torch.device("meta"):
+        model = config.build(attention=attention, grad_checkpoint_every=grad_checkpoint_every)
+    model = model.to_empty(device=device)
+    with torch.no_grad():
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            tensor.zero_()
+    return model
 
 
 def import_bitsandbytes():
@@ -113,8 +123,7 @@ def build_ema(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) ->
 
 def objective_for(cfg: TrainConfig, model_config: ModelConfig):
     """The run's objective: the one its ModelConfig records, with the config's training-time settings."""
-    return objective_of(model_config, time_sampling=cfg.time_sampling, time_loc=cfg.time_loc,
-                          time_scale=cfg.time_scale, cos_weight=cfg.cos_weight)
+    return objective_of(model_config, **cfg.objective_options)
 
 
 def build_projector(cfg: TrainConfig, raw: torch.nn.Module) -> torch.nn.Module | None:
@@ -126,10 +135,25 @@ def build_projector(cfg: TrainConfig, raw: torch.nn.Module) -> torch.nn.Module |
     return Projector(raw.pos_embed.shape[-1], cfg.repa_projector_dim, cfg.repa_feature_dim).train()
 
 
+def route_of(cfg: TrainConfig, raw: torch.nn.Module) -> tuple[int, int] | None:
+    """(tokens, kept tokens) per sample the data side draws for token routing, or None without routing."""
+    if cfg.route_ratio <= 0:
+        return None
+    from shared.network.routing import kept_tokens
+
+    tokens = raw.x_embedder.num_patches
+    return tokens, kept_tokens(tokens, cfg.route_ratio)
+
+
 def make_learner(cfg: TrainConfig, model_config: ModelConfig, accelerator=None, device=None) -> Learner:
     """Model, EMA, optimizer and scaler on `device` (the accelerator's when given), compiled/wrapped as asked."""
     device = torch.device(accelerator.device if accelerator is not None else (device or "cpu"))
-    raw = build_model(cfg, model_config)
+    torch.manual_seed(cfg.seed)  # initialised identically on every rank
+    # Train mode: the labels' class-dropout coin comes from the data (force_drop_ids), so the model's own
+    # global-RNG dropout never runs, while any train-mode layer added later is really on.
+    raw = build_model(model_config, attention=cfg.attention, grad_checkpoint_every=cfg.grad_checkpoint).train()
+    if cfg.route_ratio > 0:  # TREAD: blocks route_start..route_end see only the kept tokens in training
+        raw.set_routing(cfg.route_start, cfg.route_end)
     projector = build_projector(cfg, raw)
     ema = build_ema(raw, cfg, device)
     raw.to(device)
@@ -138,7 +162,7 @@ def make_learner(cfg: TrainConfig, model_config: ModelConfig, accelerator=None, 
     learner = Learner(cfg=cfg, raw=raw, model=raw, ema=ema, optimizer=None,
                       scaler=torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16"),
                       model_config=model_config, accelerator=accelerator, device=device,
-                      objective=objective_for(cfg, model_config), projector=projector)
+                      objective=objective_for(cfg, model_config), projector=projector, route=route_of(cfg, raw))
     learner.optimizer = build_optimizer(cfg, learner.trained_parameters(), device)
     trained = raw if projector is None else AlignedDiT(raw, projector, cfg.repa_depth)
     compiled = torch.compile(trained) if cfg.compile else trained
@@ -151,13 +175,16 @@ def make_learner(cfg: TrainConfig, model_config: ModelConfig, accelerator=None, 
 # ---------------------------------------------------------------------------------------------------------
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """LR for the optimizer step after `step` steps: linear warmup, then constant or cosine to 0."""
+    """LR for the optimizer step after `step` steps: linear warmup, then constant, or cosine/linear to final_lr."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     if cfg.lr_schedule == "constant":
         return cfg.lr
     progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps))
-    return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+    final = cfg.final_lr
+    if cfg.lr_schedule == "linear":  # RAE's scheduler type linear: base_lr -> final_lr
+        return cfg.lr + (final - cfg.lr) * progress
+    return final + (cfg.lr - final) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def forward_loss(model, objective, batch: dict, precision: str, device) -> torch.Tensor:
@@ -177,6 +204,8 @@ def forward_losses(model, objective, batch: dict, precision: str, device, repa_w
     t = batch["t"].to(device, non_blocking=True)  # (B,) the objective's times
     kwargs = dict(y=batch["label"].to(device, non_blocking=True),  # (B,)
                   force_drop_ids=batch["drop"].to(device, non_blocking=True))  # (B,) class-dropout coin
+    if "route_keep" in batch:  # token routing: every row routes, label-dropped ones too (as TREAD)
+        kwargs["route_keep"] = batch["route_keep"].to(device, non_blocking=True)  # (B, K)
     dtype = autocast_dtype(precision)
     if repa_weight <= 0:
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):

@@ -133,12 +133,29 @@ def _decode(img: Image.Image, image_size: int | None, large: bool) -> Image.Imag
         img.draft(None, (-(-img.size[0] // factor), -(-img.size[1] // factor)))
     img.load()  # decode now: truncated or corrupt data fails here, inside the caller's try
     factor = reduce_factor(img.size, image_size) if (large and image_size) else 1
-    if factor > 1:
-        try:
-            img = img.reduce(factor)
-        except ValueError:  # modes reduce does not support (P, 1, I;16...): the full decode is kept
-            pass
-    return img
+    return _reduce(img, factor) if factor > 1 else img
+
+
+# Modes Image.reduce refuses, and the mode each is widened to (strip by strip) before reducing.
+_WIDER_MODE = {"1": "L", "I;16": "I", "I;16L": "I", "I;16B": "I", "I;16N": "I"}
+_STRIP_ROWS = 256  # rows per strip, times the factor: a few MB of widened pixels at a time
+
+
+def _reduce(img: Image.Image, factor: int) -> Image.Image:
+    """Image.reduce(factor); palette, bilevel and 16-bit images are widened strip by strip, then reduced."""
+    try:
+        return img.reduce(factor)
+    except ValueError:
+        pass
+    mode = ("RGBA" if "transparency" in img.info else "RGB") if img.mode == "P" else _WIDER_MODE.get(img.mode, "RGB")
+    width, height = img.size
+    out = Image.new(mode, (-(-width // factor), -(-height // factor)))
+    step = _STRIP_ROWS * factor  # a multiple of the factor: the strips reduce exactly as the whole image would
+    for top in range(0, height, step):
+        strip = img.crop((0, top, width, min(top + step, height))).convert(mode).reduce(factor)
+        out.paste(strip, (0, top // factor))
+    out.info = {k: v for k, v in img.info.items() if k != "transparency"}  # EXIF orientation and the like
+    return out
 
 
 def _open(path, max_pixels: int | None, image_size: int | None) -> tuple[Image.Image, str, tuple[int, int]]:

@@ -42,6 +42,32 @@ def shift_time(tau: torch.Tensor, shift: float) -> torch.Tensor:
     return shift * tau / (1 + (shift - 1) * tau)
 
 
+# RAE's dimension-dependent shift (Zheng et al. 2025, Sec. 4.2; bytetriper/RAE transport.py and its stage-2
+# configs' time_dist_shift_dim / time_dist_shift_base): s = sqrt(C H W / 4096), applied in RAE's time t (1 =
+# noise) as t' = s t / (1 + (s - 1) t) to every training time and to the sampling grid. Both shifts scale the
+# odds of their time, so in SiT time (tau = 1 - t) RAE's s is shift_time(tau, 1 / s); and two shifts compose by
+# multiplying: shift_time(shift_time(tau, a), b) = shift_time(tau, a b).
+SHIFT_BASE_DIM = 4096  # RAE's time_dist_shift_base: the dimension at which no shift is needed (64x64x1)
+
+
+def auto_shift(latent_shape) -> float:
+    """RAE's s = sqrt(C * H * W / 4096) for a latent (C, H, W): 6.93 for 768x16x16, 1 for 4x32x32."""
+    return math.sqrt(math.prod(int(n) for n in latent_shape) / SHIFT_BASE_DIM)
+
+
+def check_shift(shift: float) -> float:
+    """SettingError unless the recorded time distribution shift is a positive finite number."""
+    if not (isinstance(shift, (int, float)) and not isinstance(shift, bool) and math.isfinite(shift) and shift > 0):
+        raise SettingError(f"{{time dist shift}} {shift!r} must be a positive number (1 = none; RAE's auto = sqrt(C H "
+                           f"W / {SHIFT_BASE_DIM}), 6.93 for 768x16x16 tokens).")
+    return float(shift)
+
+
+def rae_shift(tau: torch.Tensor, shift: float) -> torch.Tensor:
+    """RAE's shift s (towards noise for s > 1) of SiT times tau (0 = noise): tau / (s - (s - 1) tau)."""
+    return tau if shift == 1.0 else shift_time(tau, 1.0 / shift)
+
+
 @dataclass(frozen=True)
 class FlowPath:
     """The linear path of one model convention: the model-call conversion and the training loss."""
@@ -64,9 +90,18 @@ class FlowPath:
         v = out[:, :channels].float()  # (N, C, h, w)
         return v if self.convention == "sit" else -v
 
+    def tau_of(self, model_t: torch.Tensor) -> torch.Tensor:
+        """SiT time tau of a network timestep input (N,)."""
+        return model_t if self.convention == "sit" else 1 - model_t
+
+    def field(self, model_fn, x: torch.Tensor, model_t: torch.Tensor, model_kwargs: dict | None) -> torch.Tensor:
+        """SiT's velocity at x (N,C,h,w) from one network call at network time model_t (N,): every sampler's only
+        way to the network, so a path whose network predicts something else (x1, eps) converts here."""
+        return self.velocity(model_fn(x, model_t, **(model_kwargs or {})), x.shape[1])
+
     def call(self, model_fn, x: torch.Tensor, tau: torch.Tensor, model_kwargs: dict | None) -> torch.Tensor:
         """The velocity field at (x, tau): one network call, converted to SiT's convention."""
-        return self.velocity(model_fn(x, self.model_time(tau), **(model_kwargs or {})), x.shape[1])
+        return self.field(model_fn, x, self.model_time(tau), model_kwargs)
 
     def training_losses(self, model_fn, x1, tau, noise, model_kwargs=None, cos_weight: float = 0.0) -> dict:
         """Velocity MSE (SiT Eq. 5) plus, with cos_weight > 0, LightningDiT's 1 - cos(v_hat, v) over channels; each (N,)."""
@@ -177,7 +212,7 @@ def _points(process: FlowProcess, progress: bool, desc: str):
 def _velocity(process: FlowProcess, model_fn, x, i: int, model_kwargs) -> torch.Tensor:
     """The velocity at grid point i: the network called at that point's float64 network time."""
     t = _tau(process.model_times[i], x)  # (N,) float64
-    return process.path.velocity(model_fn(x, t, **(model_kwargs or {})), x.shape[1])
+    return process.path.field(model_fn, x, t, model_kwargs)
 
 
 @torch.no_grad()
@@ -248,6 +283,6 @@ def dopri5_sample(process: FlowProcess, model_fn, noise, model_kwargs=None, gene
     def field(tau, x, rows):
         """dx/dtau of the rows `rows` (M,) at their own times tau (M,) float64."""
         kwargs = {k: v[rows] for k, v in (model_kwargs or {}).items()}
-        return process.path.velocity(model_fn(x, process.path.model_time(tau), **kwargs), x.shape[1])
+        return process.path.field(model_fn, x, process.path.model_time(tau), kwargs)
 
     return dopri5_rows(field, noise.float(), atol=atol, rtol=rtol)

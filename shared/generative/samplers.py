@@ -3,8 +3,9 @@
 Every sampler function has one signature, `fn(process, model_fn, noise, model_kwargs=None, generator=None,
 progress=False, **options) -> x_data`, where `process` is what the objective builds for it from the step count
 (a respaced GaussianDiffusion for DDPM, a FlowProcess time grid for flow matching; see shared/generative/objectives.py).
-A new sampler is one SamplerSpec here; a new objective names the samplers it serves by listing them in
-`objectives` of their records.
+A new sampler is one SamplerSpec here. A sampler serves every objective of its `family`, the kind of process it
+walks ("ddpm": a respaced GaussianDiffusion; "flow": a FlowProcess), so a new objective that builds one of
+these processes (e.g. x-prediction flow) is served with no record changed.
 """
 from __future__ import annotations
 
@@ -26,11 +27,11 @@ SAMPLER_OPTIONS = {
 
 @dataclass(frozen=True)
 class SamplerSpec:
-    """One sampler: its function, the objectives it serves, its DDPM spacing prefix, the options it takes."""
+    """One sampler: its function, the family of objectives it serves, its DDPM spacing prefix, its options."""
 
     name: str
     fn: Callable
-    objectives: tuple[str, ...]
+    family: str  # the process it walks, Objective.family: "ddpm" or "flow"
     help: str
     spacing: str = ""  # DDPM only: a kept_timesteps prefix ("" = DiT's respacing, "linspace" = diffusers')
     options: tuple[str, ...] = ()
@@ -39,42 +40,45 @@ class SamplerSpec:
 
 
 SAMPLERS = {spec.name: spec for spec in (
-    SamplerSpec("ddpm", ddpm_sample, ("ddpm",), "ancestral DDPM, DiT's respacing (250 steps as the paper)",
+    SamplerSpec("ddpm", ddpm_sample, "ddpm", "ancestral DDPM, DiT's respacing (250 steps as the paper)",
                 deterministic=False),
-    SamplerSpec("ddim", ddim_sample, ("ddpm",), "DDIM (eta 0 deterministic), DiT's respacing", options=("ddim_eta",)),
-    SamplerSpec("dpmpp-2m", dpmpp_2m_sample, ("ddpm",), "DPM-Solver++(2M) ODE solver, linspace spacing (10-25 steps)",
+    SamplerSpec("ddim", ddim_sample, "ddpm", "DDIM (eta 0 deterministic), DiT's respacing", options=("ddim_eta",)),
+    SamplerSpec("dpmpp-2m", dpmpp_2m_sample, "ddpm", "DPM-Solver++(2M) ODE solver, linspace spacing (10-25 steps)",
                 spacing="linspace"),
-    SamplerSpec("unipc", unipc_sample, ("ddpm",), "UniPC-2 (bh2) ODE solver, linspace spacing (10-25 steps)",
+    SamplerSpec("unipc", unipc_sample, "ddpm", "UniPC-2 (bh2) ODE solver, linspace spacing (10-25 steps)",
                 spacing="linspace"),
-    SamplerSpec("euler", euler_sample, ("flow",), "Euler ODE solver on the flow, one call per step",
+    SamplerSpec("euler", euler_sample, "flow", "Euler ODE solver on the flow, one call per step",
                 options=("time_shift",)),
-    SamplerSpec("heun", heun_sample, ("flow",), "Heun ODE solver on the flow, two calls per step",
+    SamplerSpec("heun", heun_sample, "flow", "Heun ODE solver on the flow, two calls per step",
                 options=("time_shift",), calls_per_step=2),
-    SamplerSpec("sde", sde_sample, ("flow",), "SiT's Euler-Maruyama SDE (w = sigma, last step Mean; 250 steps "
+    SamplerSpec("sde", sde_sample, "flow", "SiT's Euler-Maruyama SDE (w = sigma, last step Mean; 250 steps "
                 "for its best FID)", options=("time_shift", "last_step_size"), deterministic=False),
-    SamplerSpec("dopri5", dopri5_sample, ("flow",), "adaptive Dormand-Prince ODE solver (torchdiffeq; atol 1e-6, "
+    SamplerSpec("dopri5", dopri5_sample, "flow", "adaptive Dormand-Prince ODE solver (torchdiffeq; atol 1e-6, "
                 "rtol 1e-3 as SiT); the step count is not used", calls_per_step=0),
 )}
 SAMPLER_NAMES = tuple(SAMPLERS)  # the sampler vocabulary, for CLI choices and errors
 
 
-def get_sampler(name: str, objective: str | None = None) -> SamplerSpec:
-    """The record of sampler `name`; ChoiceError for an unknown name, SettingError when it does not serve `objective`."""
+def get_sampler(name: str, objective=None) -> SamplerSpec:
+    """The record of sampler `name`; ChoiceError for an unknown name, SettingError when it does not serve
+    `objective` (an Objective, or a family name)."""
     if name not in SAMPLERS:
         raise ChoiceError("sampler", name, SAMPLER_NAMES,
-                          detail="; ".join(f"{s.name} ({'/'.join(s.objectives)})" for s in SAMPLERS.values()))
+                          detail="; ".join(f"{s.name} ({s.family})" for s in SAMPLERS.values()))
     spec = SAMPLERS[name]
-    if objective is not None and objective not in spec.objectives:
-        serving = [s.name for s in SAMPLERS.values() if objective in s.objectives]
-        raise SettingError(f"{{sampler}} {name} samples {'/'.join(spec.objectives)} models, but these weights were "
-                           f"trained with the {objective} objective (recorded with the model); use one of its "
-                           f"samplers: {', '.join(serving)}.")
+    if objective is None:
+        return spec
+    family, called = (objective, objective) if isinstance(objective, str) else (objective.family, objective.name)
+    if spec.family != family:
+        raise SettingError(f"{{sampler}} {name} samples {spec.family} models, but these weights were trained with "
+                           f"the {called} objective (recorded with the model); use one of its samplers: "
+                           f"{', '.join(samplers_for(family))}.")
     return spec
 
 
-def samplers_for(objective: str) -> list[str]:
-    """The names of the samplers that serve `objective`, in registry order."""
-    return [s.name for s in SAMPLERS.values() if objective in s.objectives]
+def samplers_for(family: str) -> list[str]:
+    """The names of the samplers of an objective family ("ddpm" | "flow"), in registry order."""
+    return [s.name for s in SAMPLERS.values() if s.family == family]
 
 
 def sampler_options(name: str, given: dict) -> dict:

@@ -1,1 +1,1 @@
-"""The diffusion transformer: DiT and its presets and config, the REPA projector, the diffusers DiT layout mapping."""
+"""The diffusion transformer: DiT and its presets and config, the REPA projector, token routing (TREAD), the diffusers DiT layout mapping."""

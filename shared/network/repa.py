@@ -125,4 +125,4 @@ def repa_release_config(config):
     """A ModelConfig inferred from a REPA state dict, recording its objective: flow in REPA's convention."""
     from dataclasses import replace
 
-    return replace(config, objective="flow", flow_convention="repa")
+    return replace(config, objective="flow", objective_args={"convention": "repa"})

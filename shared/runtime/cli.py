@@ -98,7 +98,7 @@ def add_flags(parser: argparse.ArgumentParser, cls, only: Sequence[str] | None =
             if spec.exclusive not in groups:
                 groups[spec.exclusive] = parser.add_mutually_exclusive_group()
             target = groups[spec.exclusive]
-        names, kwargs = _argument(f.name, spec, hints.get(f.name))
+        names, kwargs = argument_of(f.name, spec, hints.get(f.name))
         target.add_argument(*names, **kwargs)
     return parser
 
@@ -125,7 +125,7 @@ def from_args(cls, args: argparse.Namespace, **extra):
     return cls(**values, **extra)
 
 
-def _argument(name: str, spec: Flag, hint) -> tuple[list[str], dict]:
+def argument_of(name: str, spec: Flag, hint) -> tuple[list[str], dict]:
     """(names, add_argument keywords) of one flag field."""
     kwargs: dict[str, Any] = {"help": spec.help}
     for key in ("choices", "metavar", "nargs", "const"):

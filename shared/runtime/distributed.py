@@ -20,3 +20,22 @@ def process_state(cpu: bool = False):
     mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
     cpu = cpu or parse_flag_from_env("ACCELERATE_USE_CPU") or not (torch.cuda.is_available() or mps)
     return PartialState(cpu=cpu)
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity where the OS says it, else the machine's count)."""
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+def default_workers(cap: int, num_processes: int = 1) -> int:
+    """DataLoader workers per process: up to `cap`, one core per process left for its main loop.
+
+    Why: on a 2-core machine 4 workers per process only contend with the main process (PyTorch warns); 0
+    means the main process loads its own batches.
+    """
+    return max(0, min(cap, usable_cores() // max(1, num_processes) - 1))

@@ -5,12 +5,36 @@ change what differs for it (`SAMPLER.field(default="ddim")` where evaluate draws
 """
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
-from shared.runtime.cli import Flag
+from shared.runtime.cli import Flag, add_flags
 from shared.generative.samplers import SAMPLER_NAMES, SAMPLERS
 from shared.generative.guidance import GUIDE_CHANNELS, GUIDE_HELP
 from shared.runtime.precision import PRECISIONS
+
+# ---- code of the user's: objectives registered outside the package (train, sample, evaluate run) ----------
+PLUGIN = Flag("import MODULE first (a dotted module path, e.g. myproject.objectives), so the objectives it registers "
+              "with shared.generative.objectives.register_objective can be trained and sampled; repeatable "
+              "(docs/objectives.md). A model trained with one records the module and asks for it (default: none)", None,
+              action="append", metavar="MODULE")
+
+
+@dataclass(kw_only=True)
+class PluginFlags:
+    """The --plugin flag alone: read before a command's parser is built (a plugin's objective adds flags)."""
+
+    plugin: list | None = PLUGIN.field()
+
+
+def load_plugins(argv) -> list[str]:
+    """Import the --plugin modules named in `argv` (UserError for one not found); returns their names."""
+    from shared.generative.objectives import import_plugins  # late: objectives imports this package's cli
+
+    known, _ = add_flags(argparse.ArgumentParser(add_help=False), PluginFlags).parse_known_args(argv)
+    import_plugins(known.plugin)
+    return list(known.plugin or ())
+
 
 # ---- the VAE that turns latents into pixels (sample, decode, watch, export, evaluate run) -----------------
 VAE = Flag("VAE that decodes the latents: ema | mse (stabilityai/sd-vae-ft-*), a hub id, or a local diffusers "
@@ -41,7 +65,7 @@ class DecodeFlags:
 # ---- drawing images from a DiT (sample, evaluate run) ------------------------------------------------------
 CFG_SCALE = Flag("classifier-free guidance scale; 1 = none (4.0 for pictures, 1.5 for FID)", 4.0)
 GUIDE = Flag(GUIDE_HELP, "auto", choices=GUIDE_CHANNELS)
-SAMPLER = Flag("; ".join(f"{s.name} [{'/'.join(s.objectives)}]: {s.help}" for s in SAMPLERS.values())
+SAMPLER = Flag("; ".join(f"{s.name} [{s.family}]: {s.help}" for s in SAMPLERS.values())
                + ". DiT's respacing calls the model at t = 0 too; the solvers' linspace spacing (diffusers' default) "
                  "steps from about t = 999/K straight to clean data. Default: the objective's own (ddpm for DDPM "
                  "models, sde for flow models); a sampler of another objective is refused", None,

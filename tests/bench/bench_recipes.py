@@ -1,36 +1,51 @@
-"""Time to quality of the training recipes (dit, sit, lightning) on the digits yardstick (issue 19).
+"""Time to quality of the training recipes and options on the digits yardstick (issues 19, 27).
 
-Run (a few hours on 2 CPU cores, most of it in the evaluations; see the report of the session that wrote it):
-  .venv/bin/python tests/bench/bench_recipes.py --out /tmp/bench-recipes --plot docs/recipes.png \
-      --json /tmp/bench-recipes/results.json
+Arms (ARMS): dit, sit, lightning (the --recipe presets), sit-repa (sit + REPA with the digits encoder), sit-route
+(sit + token routing, TREAD) and combined (the flags of the --combine arms together; default sit-repa + sit-route).
+
+Run (the full budget: 4,000+ steps per run, hours, alone on a quiet machine):
+  .venv/bin/python tests/bench/bench_recipes.py --out /tmp/bench-recipes --steps 4000 --every 500 \
+      --timing-steps 30 --solvers --plot docs/recipes.png --json /tmp/bench-recipes/results.json
 Smoke run (minutes): add --steps 40 --every 20 --seeds 0 --num-samples 100 --num-sampling-steps 4.
 
-1. Data: the digits ImageFolder (shared.datasets.digits.build_digits) and `python -m extract` with the committed digits VAE,
-   exactly as the demo does (data.demo.extract_args), into OUT/latents once.
-2. Training: `python -m train --recipe R` for every recipe and seed, DiT-T/2 with the demo's explicit settings
-   (batch 64, lr 1e-3, warmup 100, EMA 0.995) given to every recipe. Explicit flags win over a recipe, so the lr
+1. Data: the digits ImageFolder (shared.datasets.digits.build_digits), the digits encoder (`python -m
+   data.make_encoder`) and `python -m extract` with the committed digits VAE, exactly as the demo does
+   (data.demo.extract_args) plus the encoder's tokens (--repr-encoder), into OUT/latents once. Every arm trains on
+   this folder; only the REPA arms read the tokens.
+2. Training: `python -m train` with each arm's flags for every seed, DiT-T/2 with the demo's explicit settings
+   (batch 64, lr 1e-3, warmup 100, EMA 0.995) given to every arm. Explicit flags win over a recipe, so the lr
    is the same for all (lightning's own 2e-4 is for batch 1024): what differs is each recipe's objective (DDPM or
-   flow), time sampling (uniform or logit-normal), cosine loss, block (DiT or RMSNorm+SwiGLU+RoPE) and AdamW betas.
-   An EMA export is written every --every steps.
+   flow), time sampling (uniform or logit-normal), cosine loss, block (DiT or RMSNorm+SwiGLU+RoPE), AdamW betas,
+   and the options: REPA (weight 0.5 at depth 2 of 6, REPA's 8 of 28 scaled; projector 256 wide) and routing
+   (half the tokens skip blocks 2..3 of 6: TREAD's B/2 route 2..8 of 12 scaled to six blocks, two full blocks
+   after it, and REPA's depth 2 before it). An EMA export is written every --every steps.
 3. Seconds: the training loop's wall clock up to each export, summed from the run's metrics.jsonl (every logged
    window lasted steps / steps_per_s seconds). It counts the steps and the checkpoint writes, not process start-up
    or model building, and stays right across a resumed run (metrics are truncated to the resumed step).
+   --timing-steps K: a separate short run of K logged steps per arm (OUT/timing) for seconds per step with their
+   spread (median, min..max over the steps, the first two and the last left out); run it alone on the machine.
 4. Evaluation: `python -m evaluate run` on every export at each --cfg-scales, the same sampling seed for all: the
    digits Fréchet distance (evaluate/digits.py, lower is better) of --num-samples images drawn with the
    objective's fast deterministic sampler (ddim for ddpm, euler for flow) in --num-sampling-steps steps.
-5. Noise floor: each recipe's final export of the first seed drawn again with --floor-seed (a folder holding only
+5. Noise floor: each arm's final export of the first seed drawn again with --floor-seed (a folder holding only
    that export, so one evaluation): |FD(seed) - FD(floor seed)| is the sampling noise of one point. The real floor
-   is N real digits against all of them (evaluate.digits.real_floor), what a perfect model scores at N.
+   is N real digits against all of them (evaluate.digits.real_floor), what a perfect model scores at N. The verdict
+   (`verdicts`) calls an arm better or worse than dit only when the gap of their final mean FDs exceeds the noise
+   floor: the largest of the sampling gap and the training-seed spread (max - min) of either arm's final FD.
 6. Guidance interval (Kynkaenniemi et al. 2024): the final export of --interval-recipes' first seed at
    --interval-cfg with and without --cfg-interval (--ddpm-interval in DiT timesteps, --flow-interval in flow noise
    level), with the network rows per image: counted by running the sampler's own loop with a zero network
    through shared.generative.guidance's GuidedModelFn (a guided step costs 2 rows, one outside the interval 1).
-7. Tables: FD per export step with its seconds, per recipe (mean over seeds and each seed); the first step and
-   second at which each recipe's mean FD reaches the dit recipe's final mean FD (linear interpolation between the
+7. Tables: FD per export step with its seconds, per arm (mean over seeds and each seed); the first step and
+   second at which each arm's mean FD reaches the dit recipe's final mean FD (linear interpolation between the
    two exports around the crossing; an export already at or below the target counts as reaching it there), with
-   the ratios dit / recipe (> 1: the recipe is faster); each recipe's seconds per step (the blocks cost
-   differently). Timings on a shared machine are noisy: they are printed, never asserted.
-Every stage resumes: rerunning skips finished extraction, training and evaluated exports.
+   the ratios dit / arm (> 1: the arm is faster); each arm's seconds per step. Timings on a shared machine are
+   noisy: they are printed, never asserted.
+8. --solvers: the samplers on the same trained models, first seed's final exports: the flow samplers (euler,
+   heun, sde, dopri5) at several step counts on the sit model, DDPM-250 and DPM-Solver++(2M) on the dit model,
+   each at --solver-cfg with --solver-samples images; network rows per image counted on the real model (dopri5
+   is adaptive); and the fewest rows at which each sampler reaches the FD of DDPM-250 on the dit model.
+Every stage resumes: rerunning skips finished extraction, training, evaluated exports and drawn sample folders.
 """
 from __future__ import annotations
 
@@ -48,6 +63,11 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 RECIPE_NAMES = ("dit", "sit", "lightning")
+REPA = ["--repa-weight", 0.5, "--repa-depth", 2, "--repa-projector-dim", 256]  # bench_repa's digits arm
+ROUTE = ["--route-ratio", 0.5, "--route-start", 2, "--route-end", 3]  # half the tokens skip blocks 2..3 of 6
+ARMS = {"dit": ["--recipe", "dit"], "sit": ["--recipe", "sit"], "lightning": ["--recipe", "lightning"],
+        "sit-repa": ["--recipe", "sit", *REPA], "sit-route": ["--recipe", "sit", *ROUTE]}
+ARM_NAMES = (*ARMS, "combined")
 DEMO_TRAIN = {"--model": "DiT-T/2", "--global-batch-size": 64, "--lr": 1e-3, "--warmup-steps": 100,
               "--ema-decay": 0.995}  # data/demo.py's FULL recipe, given explicitly so every recipe trains alike
 LOG_EVERY = 50
@@ -119,6 +139,65 @@ def reach_table(curves: dict[str, dict], reference: str = "dit") -> dict[str, di
     return reached
 
 
+def combined_flags(arms: list[str]) -> list:
+    """The flags of several arms of one recipe together (each option once): the combined arm."""
+    recipes = {ARMS[a][1] for a in arms}
+    if len(recipes) != 1:
+        raise SystemExit(f"--combine {' '.join(arms)} mixes the recipes {sorted(recipes)}; combine arms of one recipe")
+    flags = ["--recipe", recipes.pop()]
+    for arm in arms:
+        options = ARMS[arm][2:]
+        for flag, value in zip(options[::2], options[1::2]):
+            if flag not in flags:
+                flags += [flag, value]
+    return flags
+
+
+def final_spread(curve: dict) -> float:
+    """max - min over training seeds of the final FD of one arm's curve (0 with one seed)."""
+    finals = [fds[-1] for fds in curve["seeds"].values()]
+    return max(finals) - min(finals)
+
+
+def verdicts(curves: dict, sampling_gap: float, reference: str = "dit") -> dict:
+    """Arm -> {gain, noise, verdict}: the reference's final mean FD minus the arm's, against the noise floor.
+
+    noise = the largest of the sampling gap (one export drawn from two sampling seeds) and the training-seed
+    spread of either arm's final FD; only a gain beyond it is called better (or a loss beyond it worse).
+    """
+    ref = curves[reference]
+    out = {}
+    for name, curve in curves.items():
+        if name == reference:
+            continue
+        gain = ref["fd"][-1] - curve["fd"][-1]  # > 0: lower FD than the reference
+        noise = max(sampling_gap, final_spread(ref), final_spread(curve))
+        verdict = "better" if gain > noise else "worse" if -gain > noise else "within the noise floor"
+        out[name] = {"gain": gain, "noise": noise, "verdict": verdict}
+    return out
+
+
+def step_timing(metrics: list[dict], skip_first: int = 2) -> dict:
+    """Seconds per step from a --log-every 1 run: median, min, max, count (first steps and the last left out)."""
+    steps = [1 / r["steps_per_s"] for r in sorted(metrics, key=lambda r: r["step"]) if r.get("steps_per_s")]
+    kept = sorted(steps[skip_first:-1])
+    if not kept:
+        return {"median": None, "min": None, "max": None, "count": 0}
+    middle = len(kept) // 2
+    median = kept[middle] if len(kept) % 2 else (kept[middle - 1] + kept[middle]) / 2
+    return {"median": median, "min": kept[0], "max": kept[-1], "count": len(kept)}
+
+
+def fewest_rows(rows: list[dict], target: float) -> dict:
+    """(model, sampler) -> the fewest network rows per image whose FD is at or below `target` (None: never)."""
+    out = {}
+    for row in sorted(rows, key=lambda r: r["rows"]):
+        key = f"{row['arm']} {row['sampler']}"
+        if key not in out or out[key] is None:
+            out[key] = row["rows"] if row["fd"] <= target else None
+    return out
+
+
 def cfg_key(cfg: float) -> str:
     """JSON key of a guidance scale: '1', '1.5'."""
     return f"{cfg:g}"
@@ -146,30 +225,41 @@ def run_cli(args, name: str, argv: list, log: str) -> float:
 
 
 def prepare_data(args) -> Path:
-    """The digits latents in OUT/latents (built once, as the demo builds them)."""
+    """The digits latents with the digits encoder's tokens in OUT/latents (built once, as the demo builds them)."""
     from data.demo import extract_args
-    from shared.datasets.digits import build_digits
+    from shared.datasets.digits import IMAGE_SIZE, build_digits
     from shared.datasets.shards import INDEX_NAME
 
     dirs = {"images": Path(args.out) / "images", "latents": Path(args.out) / "latents"}
+    encoder = Path(args.out) / "encoder-digits"
     if not (dirs["latents"] / INDEX_NAME).is_file():
         build_digits(dirs["images"], progress=False)
-        seconds = run_cli(args, "extract", extract_args(dirs), "extract.log")
-        print(f"extracted the digits latents in {seconds:.0f}s", flush=True)
+        if not (encoder / "config.json").is_file():
+            run_cli(args, "data.make_encoder", ["--out", encoder], "encoder.log")
+        seconds = run_cli(args, "extract", [*extract_args(dirs), "--repr-encoder", encoder, "--repr-image-size",
+                                            IMAGE_SIZE], "extract.log")
+        print(f"extracted the digits latents and encoder tokens in {seconds:.0f}s", flush=True)
     return dirs["latents"]
 
 
+def arm_flags(args, arm: str) -> list:
+    """The train flags that make an arm what it is (its recipe and options)."""
+    return combined_flags(args.combine) if arm == "combined" else ARMS[arm]
+
+
 def run_dir(args, recipe: str, seed: int) -> Path:
-    """OUT/runs/RECIPE-seedS."""
+    """OUT/runs/ARM-seedS."""
     return Path(args.out) / "runs" / f"{recipe}-seed{seed}"
 
 
-def train_argv(args, recipe: str, seed: int, latents: Path) -> list:
-    """Flags of one training run: the recipe plus the demo's explicit settings, an export every --every steps."""
+def train_argv(args, recipe: str, seed: int, latents: Path, run: Path | None = None, steps: int | None = None,
+               every: int | None = None) -> list:
+    """Flags of one training run: the arm's flags plus the demo's explicit settings, an export every --every steps."""
     fixed = [x for pair in DEMO_TRAIN.items() for x in pair]
-    return ["--recipe", recipe, *fixed, "--latents", latents, "--results-dir", run_dir(args, recipe, seed),
-            "--max-steps", args.steps, "--ckpt-every", args.every, "--keep-last", 1, "--num-workers", 0,
-            "--seed", seed, "--sample-every", 0, "--log-every", math.gcd(LOG_EVERY, args.every),
+    steps, every = steps or args.steps, every or args.every
+    return [*arm_flags(args, recipe), *fixed, "--latents", latents, "--results-dir", run or run_dir(args, recipe, seed),
+            "--max-steps", steps, "--ckpt-every", every, "--keep-last", 1, "--num-workers", 0,
+            "--seed", seed, "--sample-every", 0, "--log-every", math.gcd(LOG_EVERY, every),
             "--report-to", "none"]  # log steps include every export step, so its seconds need no guess
 
 
@@ -182,6 +272,21 @@ def train(args, recipe: str, seed: int, latents: Path) -> Path:
         seconds = run_cli(args, "train", train_argv(args, recipe, seed, latents), f"train-{run.name}.log")
         print(f"trained {run.name} ({args.steps} steps) in {seconds:.0f}s", flush=True)
     return run
+
+
+def measure_timing(args, latents: Path) -> dict:
+    """Arm -> seconds per step (step_timing) from a short separate run of each arm, every step logged."""
+    from shared.runtime import rundir
+
+    out = {}
+    for arm in args.recipes:
+        run = Path(args.out) / "timing" / arm
+        steps = args.timing_steps + 3  # the first two steps and the last (checkpoint write) are left out
+        if not rundir.export_path(run, steps).is_file():
+            argv = train_argv(args, arm, args.seeds[0], latents, run, steps, steps)
+            run_cli(args, "train", [*argv[:-4], "--log-every", 1, "--report-to", "none"], f"timing-{arm}.log")
+        out[arm] = step_timing(read_jsonl(rundir.metrics_path(run)))
+    return out
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -341,6 +446,68 @@ def measure_interval(args, records: list[dict]) -> list[dict]:
     return rows
 
 
+def parse_solvers(text: str) -> list[tuple[str, int]]:
+    """'euler:5,10 sde:250' -> [("euler", 5), ("euler", 10), ("sde", 250)]."""
+    return [(name, int(k)) for group in text.split() for name, _, steps in [group.partition(":")]
+            for k in steps.split(",")]
+
+
+def network_rows(export: Path, sampler: str, steps: int, cfg: float, count: int = 8) -> float:
+    """Network rows per image of one sampling run, counted on the real model (adaptive dopri5 included)."""
+    import torch
+
+    from shared.generative.guidance import guided_model_fn
+    from shared.generative.objectives import objective_of, run_sampler
+    from shared.runtime.export import load_weights
+
+    state, config, _, _ = load_weights(export)
+    model = config.build().eval()
+    model.load_state_dict(state)
+    objective = objective_of(config)
+    fn = guided_model_fn(model, cfg, None, "fp32", None, objective.noise_level)
+    g = torch.Generator().manual_seed(0)
+    noise = torch.randn(count, config.in_channels, config.input_size, config.input_size, generator=g)
+    with torch.no_grad():
+        run_sampler(objective, sampler, fn, noise, steps, {}, generator=g,
+                    model_kwargs={"y": torch.arange(count) % config.num_classes})
+    return fn.rows / count
+
+
+def draw_solver(args, folder: Path, arm: str, sampler: str, steps: int) -> float:
+    """Digits FD of --solver-samples images of `folder`'s export with one sampler setting (resumable)."""
+    import numpy as np
+
+    from evaluate.digits import digits_fd
+
+    out = Path(args.out) / "solvers" / f"{arm}-{sampler}-{steps}-n{args.solver_samples}"
+    if not (out / "samples.npz").is_file():
+        run_cli(args, "sample", ["--ckpt", folder, "--vae", args.vae, "--out", out, "--npz", "--sampler", sampler,
+                                 "--num-sampling-steps", steps, "--cfg-scale", args.solver_cfg, "--guide-channels",
+                                 args.guide_channels, "--num-samples", args.solver_samples, "--batch-size",
+                                 args.batch_size, "--seed", args.sample_seed, "--cpu"], f"solvers-{arm}.log")
+    with np.load(out / "samples.npz") as data:
+        return float(digits_fd(data["arr_0"]))
+
+
+def measure_solvers(args, records: list[dict]) -> list[dict]:
+    """FD and network rows of each sampler setting on the first seed's final exports of sit (flow) and dit (ddpm)."""
+    from shared.runtime import rundir
+
+    rows = []
+    for arm, settings in (("dit", args.ddpm_solvers), ("sit", args.flow_solvers)):
+        rec = next((r for r in records if r["recipe"] == arm and r["seed"] == args.seeds[0]), None)
+        if rec is None:
+            continue
+        folder = final_only(args, Path(rec["run"]))
+        export = rundir.list_exports(folder)[-1]
+        for sampler, steps in parse_solvers(settings):
+            fd = draw_solver(args, folder, arm, sampler, steps)
+            rows.append({"arm": arm, "step": rec["steps"][-1], "sampler": sampler, "steps": steps, "fd": fd,
+                         "rows": network_rows(export, sampler, steps, args.solver_cfg)})
+            print(f"solvers: {arm} {sampler} {steps} steps: FD {fd:.2f}, {rows[-1]['rows']:g} rows/image", flush=True)
+    return rows
+
+
 def _objective(export: Path) -> str:
     """The objective name an export records."""
     from shared.runtime.export import read_config
@@ -348,8 +515,8 @@ def _objective(export: Path) -> str:
     return read_config(export).objective
 
 
-def summarise(records: list[dict], cfg_scales) -> dict:
-    """Per cfg: each recipe's mean curve over seeds and its reach of the dit recipe's final mean FD."""
+def summarise(records: list[dict], cfg_scales, floor: dict | None = None) -> dict:
+    """Per cfg: each arm's mean curve over seeds, its reach of dit's final mean FD, and the verdicts (with a floor)."""
     out = {}
     for cfg in map(cfg_key, cfg_scales):
         curves = {}
@@ -359,6 +526,8 @@ def summarise(records: list[dict], cfg_scales) -> dict:
                               "seconds": mean_curve([r["seconds"] for r in runs]),
                               "seeds": {r["seed"]: r["fd"][cfg] for r in runs}}
         out[cfg] = {"curves": curves, "reach": reach_table(curves) if "dit" in curves else {}}
+        gaps = [r["gap"] for r in (floor or {}).get("repeats", []) if cfg_key(r["cfg"]) == cfg]
+        out[cfg]["verdicts"] = verdicts(curves, max(gaps, default=0.0)) if "dit" in curves else {}
     return out
 
 
@@ -410,6 +579,51 @@ def print_costs(results: dict) -> None:
         mean = sum(values) / len(values)
         ratio = f", {mean / base:.2f}x dit's" if base else ""
         print(f"  {name:>10}: {1000 * mean:.0f} ms/step [{' '.join(f'{1000 * v:.0f}' for v in values)}]{ratio}")
+
+
+def print_verdicts(results: dict) -> None:
+    """Each arm's final mean FD against dit's, and whether the difference exceeds the noise floor."""
+    for cfg, summary in results["summary"].items():
+        if not summary.get("verdicts"):
+            continue
+        print(f"\nfinal mean FD at cfg {cfg} against dit's (gain > 0: lower FD); noise = max(sampling gap, training-"
+              "seed spread of either arm)")
+        for name, row in summary["verdicts"].items():
+            print(f"  {name:>10}: gain {row['gain']:+.2f}, noise {row['noise']:.2f}: {row['verdict']}")
+
+
+def print_timing(results: dict) -> None:
+    """Seconds per step of each arm from the separate short runs, with their spread."""
+    timing = results.get("timing") or {}
+    if not timing:
+        return
+    base = (timing.get("dit") or {}).get("median")
+    print("\nseconds per step, separate short runs (median, min..max of the logged steps; a busy machine inflates "
+          "and spreads them)")
+    for name, t in timing.items():
+        if t["median"] is None:
+            continue
+        ratio = f", {t['median'] / base:.2f}x dit's" if base else ""
+        print(f"  {name:>10}: {1000 * t['median']:.0f} ms ({1000 * t['min']:.0f}..{1000 * t['max']:.0f}, "
+              f"{t['count']} steps){ratio}")
+
+
+def print_solvers(results: dict) -> None:
+    """FD and network rows of each sampler setting, and the fewest rows reaching DDPM-250's FD on dit."""
+    rows = results.get("solvers") or []
+    if not rows:
+        return
+    s = results["settings"]
+    print(f"\nsamplers on the final exports (first seed), cfg {s['solver_cfg']:g}, {s['solver_samples']} images: "
+          "FD and network rows per image")
+    for row in rows:
+        print(f"  {row['arm']:>4} {row['sampler']:>9} {row['steps']:>4} steps: FD {row['fd']:7.2f}, "
+              f"{row['rows']:g} rows")
+    target = next((r["fd"] for r in rows if (r["arm"], r["sampler"], r["steps"]) == ("dit", "ddpm", 250)), None)
+    if target is not None:
+        print(f"fewest rows per image reaching DDPM-250's FD on dit ({target:.2f}):")
+        for key, needed in fewest_rows(rows, target).items():
+            print(f"  {key:>14}: {needed:g}" if needed is not None else f"  {key:>14}: not reached")
 
 
 def print_floor(results: dict) -> None:
@@ -473,8 +687,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     """Benchmark options."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="/tmp/bench-recipes", help="folder for the latents, runs, logs and results")
-    p.add_argument("--recipes", nargs="+", default=list(RECIPE_NAMES), choices=RECIPE_NAMES,
-                   help="recipes to train (dit is the reference of the reach table)")
+    p.add_argument("--arms", "--recipes", dest="recipes", nargs="+", default=list(ARM_NAMES), choices=ARM_NAMES,
+                   help="arms to train (dit is the reference of the reach table): the recipes, sit-repa, sit-route, "
+                        "combined")
+    p.add_argument("--combine", nargs="+", default=["sit-repa", "sit-route"], choices=tuple(ARMS),
+                   help="arms of one recipe whose flags the combined arm joins")
+    p.add_argument("--timing-steps", type=int, default=0,
+                   help="also time this many steps of each arm in a separate short run (0: off); run alone")
+    p.add_argument("--solvers", action="store_true", help="also the sampler table on the sit and dit final exports")
+    p.add_argument("--flow-solvers", default="euler:5,10,20,50 heun:5,10,20 sde:20,50,250 dopri5:1",
+                   help="flow sampler settings SAMPLER:STEPS,... (dopri5 is adaptive: its count is unused)")
+    p.add_argument("--ddpm-solvers", default="ddpm:250 dpmpp-2m:5,10,20", help="ddpm sampler settings")
+    p.add_argument("--solver-samples", type=int, default=500, help="images per sampler setting")
+    p.add_argument("--solver-cfg", type=float, default=1.5, help="guidance scale of the sampler table")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1], help="training seeds (at least two for a spread)")
     p.add_argument("--steps", type=int, default=1500, help="training steps of every run")
     p.add_argument("--every", type=int, default=250, help="an EMA export (one point of the curves) every N steps")
@@ -486,7 +711,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sample-seed", type=int, default=0, help="sampling seed of every curve")
     p.add_argument("--floor-seed", type=int, default=1, help="sampling seed of the noise-floor repeat")
     p.add_argument("--batch-size", type=int, default=500, help="images per sampling forward pass")
-    p.add_argument("--interval-recipes", nargs="*", default=["dit", "sit"], choices=RECIPE_NAMES,
+    p.add_argument("--interval-recipes", nargs="*", default=["dit", "sit"], choices=ARM_NAMES,
                    help="recipes whose final export is sampled with and without the guidance interval")
     p.add_argument("--interval-cfg", type=float, default=1.5, help="guidance scale of the interval comparison")
     p.add_argument("--ddpm-interval", nargs=2, type=float, default=[0.0, 700.0], metavar=("LO", "HI"),
@@ -509,14 +734,21 @@ def main(argv=None) -> None:
     latents = prepare_data(args)
     records = measure_runs(args, latents)
     settings = {k: v for k, v in vars(args).items() if k not in ("plot", "json")}
-    results = {"settings": settings, "train": {k.lstrip("-"): v for k, v in DEMO_TRAIN.items()}, "runs": records,
-               "summary": summarise(records, args.cfg_scales), "floor": measure_floor(args, records),
-               "interval": measure_interval(args, records)}
+    floor = measure_floor(args, records)
+    results = {"settings": settings, "train": {k.lstrip("-"): v for k, v in DEMO_TRAIN.items()},
+               "arms": {arm: [str(f) for f in arm_flags(args, arm)] for arm in args.recipes}, "runs": records,
+               "summary": summarise(records, args.cfg_scales, floor), "floor": floor,
+               "interval": measure_interval(args, records),
+               "timing": measure_timing(args, latents) if args.timing_steps else {},
+               "solvers": measure_solvers(args, records) if args.solvers else []}
     print_curves(results)
     print_reach(results)
     print_costs(results)
     print_floor(results)
+    print_verdicts(results)
+    print_timing(results)
     print_interval(results)
+    print_solvers(results)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
         print(f"wrote {args.json}")
