@@ -358,7 +358,8 @@ def test_a_repa_layout_state_dict_loads_strictly_and_samples_with_the_sde(tiny_v
     state = repa_state_dict()
     torch.save(state, path)
     loaded = load_checkpoint(path)
-    assert (loaded.config.objective, loaded.config.flow_convention, loaded.config.learn_sigma) == ("flow", "repa", False)
+    config = loaded.config
+    assert (config.objective, config.objective_args["convention"], config.learn_sigma) == ("flow", "repa", False)
     model = build_model(loaded, "cpu")  # strict
     assert torch.equal(model.blocks[5].mlp.fc2.weight, state["blocks.5.mlp.fc2.weight"])
     assert any("REPA layout: its projector (6 tensors" in n for n in loaded.notes)

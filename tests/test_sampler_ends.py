@@ -41,8 +41,8 @@ def _sample(sampler, mu, steps, options, convention="sit", noise=None):
     """A flow sampler's end point from fixed noise and fixed SDE increments."""
     noise = torch.randn(3, 2, 4, 4, generator=torch.Generator().manual_seed(0)) if noise is None else noise
     gens = [torch.Generator().manual_seed(100 + i) for i in range(len(noise))]
-    return run_sampler(make_objective("flow", convention), sampler, flow_model(mu, convention), noise, steps, options,
-                       generator=gens)
+    objective = make_objective("flow", {"convention": convention})
+    return run_sampler(objective, sampler, flow_model(mu, convention), noise, steps, options, generator=gens)
 
 
 @pytest.mark.parametrize("steps", [2, 5, 16])
@@ -186,7 +186,7 @@ def repa_guided_steps(sampler: str, steps: int, lo: float, hi: float) -> int:
 def test_guidance_interval_edges_as_repa_decides_them(sampler, steps):
     """REPA-convention models: guided steps exactly REPA's at the listed edge cases, and its float32 times."""
     net = _Net()
-    objective = make_objective("flow", "repa")
+    objective = make_objective("flow", {"convention": "repa"})
     fn = guided_model_fn(net, 1.8, None, "fp32", (0.0, 0.7), objective.noise_level)
     gens = [torch.Generator().manual_seed(0)]
     run_sampler(objective, sampler, fn, torch.ones(1, 2, 1, 1), steps, {}, model_kwargs={"y": torch.tensor([0])},
