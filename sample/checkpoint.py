@@ -221,6 +221,9 @@ def _load_official(path: Path, weights: str | None, model: str | None, objective
     """A bare state dict: config inferred from tensor shapes (checked against --model), objective by release."""
     # Official training checkpoints (the DiT release's train.py) also pickle their argparse Namespace.
     obj = load_torch_file(path, _OFFICIAL_FIX, allowed=[argparse.Namespace])
+    release = RELEASES.get(path.name)
+    if release is not None and release.layout == "lightningdit":
+        return _load_lightningdit(obj, path, release, model)
     state_dict, which = _pick_state_dict(obj, path, weights)
     state_dict, repa_notes = split_repa_release(state_dict)  # REPA's layout: projector dropped
     config = infer_model_config(state_dict)
@@ -253,6 +256,23 @@ def _auto_guide_of_release(config: ModelConfig) -> AutoGuide:
     if config.objective == "flow":
         return AUTO_REPA if config.objective_args.get("convention") == "repa" else AUTO_SIT
     return AUTO_DIT
+
+
+def _load_lightningdit(obj, path: Path, release, model: str | None) -> LoadedWeights:
+    """A LightningDiT release: its EMA weights in our lightning block, decoded by VA-VAE (sample/lightningdit.py)."""
+    from sample.lightningdit import CFG_SCALES, SAMPLING_FLAGS, lightningdit_state_dict, release_model_config
+
+    state_dict = lightningdit_state_dict(obj, path)
+    config = release_model_config(state_dict, path)
+    if model is not None and model != config.model:
+        raise UserError(f"--model {model} does not fit {path}: its tensor shapes are those of {config.model}. Pass "
+                        f"--model {config.model} or drop --model.")
+    notes = [f"{config.model} ({config.block} block), latent {config.in_channels}x{config.input_size}x"
+             f"{config.input_size}, {config.num_classes} classes: a {release.paper} release (flow, time 0 = noise), "
+             f"decoded by VA-VAE with its per-channel statistics",
+             f"LightningDiT samples it with {SAMPLING_FLAGS} --cfg-scale {CFG_SCALES.get(path.name, 6.7):g}"]
+    return LoadedWeights(state_dict, config, path, "official", dict(release.latent_meta), notes=notes,
+                         weights="ema")
 
 
 def _load_export(path: Path, model: str | None, held: str) -> LoadedWeights:

@@ -56,6 +56,8 @@ class Release:
     objective: str = "ddpm"
     flow_convention: str = "sit"
     paper: str = "DiT (Peebles & Xie 2023)"
+    latent_meta: dict | None = None  # what the bare file cannot say about its latents (None: SD-VAE's, DiT's)
+    layout: str = "dit"  # "lightningdit": sample/lightningdit.py unwraps and checks it
     time_dist_shift: float = 1.0  # RAE's shift of the times (shared/generative/flow.py), recorded with the model
 
 
@@ -77,6 +79,14 @@ RELEASES = {
                                             objective="flow", flow_convention="repa", paper="RAE (Zheng et al. 2025)",
                                             time_dist_shift=RAE_SHIFT),
 }
+# LightningDiT's releases (hustvl/LightningDiT, MIT; its README's links): LightningDiT-XL/1 on VA-VAE f16d32 latents,
+# decoded by VA-VAE with its own per-channel normalisation (latents_stats.pt), SiT's flow (time 0 = noise).
+_HF = "https://huggingface.co/hustvl/{0}/resolve/main/{0}.pt"
+_VAVAE_LATENTS = {"vae": "vavae", "image_size": 256, "latent_shape": [32, 16, 16]}
+for _epochs in ("800ep", "64ep"):
+    RELEASES[f"lightningdit-xl-imagenet256-{_epochs}.pt"] = Release(
+        _HF.format(f"lightningdit-xl-imagenet256-{_epochs}"), objective="flow", paper="LightningDiT (Yao et al. 2025)",
+        latent_meta=_VAVAE_LATENTS, layout="lightningdit")
 OFFICIAL_NAMES = tuple(RELEASES)
 # Too generic to say which release a file is: REPA's URL writes last.pt, the name of any training checkpoint
 # (REPA's file is recognised by its layout instead).
