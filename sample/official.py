@@ -88,9 +88,9 @@ for _epochs in ("800ep", "64ep"):
         _HF.format(f"lightningdit-xl-imagenet256-{_epochs}"), objective="flow", paper="LightningDiT (Yao et al. 2025)",
         latent_meta=_VAVAE_LATENTS, layout="lightningdit")
 OFFICIAL_NAMES = tuple(RELEASES)
-# Too generic to say which release a file is: REPA's URL writes last.pt, the name of any training checkpoint
-# (REPA's file is recognised by its layout instead).
-GENERIC_NAMES = ("last.pt",)
+# Too generic to say which release a file is: REPA's URL writes last.pt and RAE's stage2_model.pt, names any
+# training run may write (both files are recognised by their layouts instead).
+GENERIC_NAMES = ("last.pt", "stage2_model.pt")
 
 
 def url_file_name(url: str) -> str:
