@@ -228,6 +228,9 @@ def test_sit_release_under_its_url_file_name_is_recognised(release, tiny_vae_dir
 
 def test_unrecognised_bare_state_dict_says_which_objective_it_assumed(release, tiny_vae_dir, tmp_path, capsys):
     """A bare .pt of no known name or layout: sampled as DDPM, and one line says so and names --objective flow."""
+    from sample.official import release_name
+
+    assert release_name("last.pt") is None and release_name("stage2_model.pt") is None  # generic URL names
     path = tmp_path / "renamed.pt"
     path.write_bytes(release["bytes"])
     code, out, err = run_main(main, ["--ckpt", path, "--vae", tiny_vae_dir, "--out", tmp_path / "a", *STEPS], capsys)
