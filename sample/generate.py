@@ -70,7 +70,8 @@ class SampleOptions(DecodeFlags):
         None, "flow samplers (euler, heun, sde): LightningDiT's timestep shift s, tau' = s tau / (1 + (s-1) tau); "
               "s < 1 puts more steps near noise (LightningDiT: 0.3; default 1 = none)")
     last_step_size: float | None = option(  # None: SiT's 0.04
-        None, "sde only: the size of SiT's final deterministic Mean step (default 0.04, as SiT)")
+        None, "sde only: the size of SiT's final deterministic Mean step, which ends at the data (default 0.04, "
+              "as SiT; with --time-shift the shifted grid ends at 1 - this size)")
     seed: int = SEED.field()
     batch_size: int = BATCH_SIZE.field(aliases=("--per-proc-batch-size",))
     precision: str = option("fp32", "DiT precision: fp32, or fp16/bf16 autocast", choices=tuple(PRECISIONS))
@@ -171,7 +172,7 @@ def make_settings(o: SampleOptions, job_fields: dict) -> dict:
     run = {k: v for k, v in options.items() if k in RUN_ONLY}
     run.update(num_samples=job_fields["num_samples"], out=str(job_fields["out"]), notes=loaded.notes,
                guidance=describe_guidance(o.guide_channels, loaded.config.in_channels, o.cfg_scale, o.cfg_interval,
-                                          job_fields["objective"].level_unit))
+                                          job_fields["objective"].level_unit, loaded.auto_guide))
     return json.loads(json.dumps({"identity": identity, "run": run}))
 
 
@@ -185,7 +186,7 @@ def resolve_job(o: SampleOptions) -> Job:
     sampler, options = resolve_sampler(o, objective)
     check_interval(o.cfg_interval, objective.level_range, objective.level_unit, objective.name)
     check_guidance(o.cfg_scale, loaded.config.has_null_class)
-    guided = guide_channel_count(o.guide_channels, loaded.config.in_channels)
+    guided = guide_channel_count(o.guide_channels, loaded.config.in_channels, loaded.auto_guide)
     names = (loaded.latent_meta or {}).get("class_names")
     plan = make_label_plan(o.class_labels, loaded.config.num_classes, o.random_labels, names)
     spec, how = choose_vae(o.vae, loaded.latent_meta)
@@ -247,7 +248,8 @@ def make_drawer(job: Job, vae, norm, device) -> Drawer:
     o, config = job.options, job.loaded.config
     model = build_sampling_model(job.loaded, device)
     job.loaded.state_dict = {}  # the model holds the weights now; free the CPU copy
-    model_fn = guided_model_fn(model, o.cfg_scale, guide_channel_count(o.guide_channels, config.in_channels),
+    guided = guide_channel_count(o.guide_channels, config.in_channels, job.loaded.auto_guide)
+    model_fn = guided_model_fn(model, o.cfg_scale, guided,
                                o.precision, o.cfg_interval, job.objective.noise_level)
     latent_shape = (config.in_channels, config.input_size, config.input_size)
     return Drawer(model_fn, job.objective, job.sampler, job.sampler_options, o.num_sampling_steps, vae, norm,

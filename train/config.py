@@ -166,7 +166,8 @@ class TrainConfig:
     sample_cfg_scale: float | None = option(
         None, "guidance scale of the previews (default 4.0, or 1 = none when --class-dropout-prob is 0)")
     sample_guide_channels: str = option(
-        "all", "latent channels the previews guide: all (default), or 3 as the official DiT sampler",
+        "all", "latent channels the previews guide: all (default; what sample and evaluate run guide for this run "
+               "with --guide-channels auto), or 3 as the official DiT sampler",
         choices=GUIDE_CHANNELS)
     report_to: str = option(
         DEFAULT_REPORT_TO, "experiment tracker for loss, LR, grad norm, speed, memory, skipped steps and the fp16 "
