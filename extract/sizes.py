@@ -34,7 +34,7 @@ def check_image_size(image_size: int, factor: int) -> list[str]:
     groups = presets_by_patch()
     if image_size % factor:
         raise UserError(f"--image-size {image_size} is not a multiple of the VAE's downsample factor {factor} "
-                        f"(from its config.json): latents would not tile the image. "
+                        f"(measured by encoding a probe image): latents would not tile the image. "
                         f"Use {_suggestion(image_size, factor, groups)}")
     latent = image_size // factor
     usable = [p for p in groups if latent % p == 0]

@@ -74,14 +74,14 @@ def run_decode(o: DecodeOptions) -> list[Path]:
 def decode_file(vae, name: str, how: str, data, path: Path, out: Path, o: DecodeOptions) -> Path:
     """Decode one preview file's latents into `out`."""
     latents, labels, meta = data
-    rescale, note = check_loaded_vae(vae, meta, o.allow_other_vae)
+    norm, note = check_loaded_vae(vae, meta, o.allow_other_vae)
     names = meta.get("class_names") or []
     print(f"decoding {len(latents)} latents from {path} with VAE {name} ({how})" + (f"; note: {note}" if note else ""))
     out.mkdir(parents=True, exist_ok=True)
     images = []
     with torch.inference_mode():
         for start in tqdm(range(0, len(latents), o.batch_size), unit="batch", desc="decoding"):
-            pixels = to_uint8(vae.decode(latents[start:start + o.batch_size] * rescale))  # (B, H, W, 3)
+            pixels = to_uint8(vae.decode(latents[start:start + o.batch_size], norm))  # (B, H, W, 3)
             for i, p in enumerate(pixels, start):
                 y = int(labels[i])
                 save_png(out / image_name(i, y, names[y] if 0 <= y < len(names) else None), p)

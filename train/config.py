@@ -25,6 +25,7 @@ from shared.network.models import (ATTENTION_BACKENDS, BLOCK_FIELDS, BLOCKS, HEA
 from shared.generative.objectives import objective_help, training_flags
 from train.recipes import RECIPE_HELP, RECIPES, apply_recipe
 from shared.runtime.precision import PRECISION_CHOICES, canonical_precision
+from shared.tokenizers.norm import NORM_CHOICES, NORM_HELP, LatentNorm
 from shared.runtime.trackers import DEFAULT_REPORT_TO, REPORT_TO
 
 LR_SCHEDULES = ("constant", "cosine", "linear")
@@ -46,7 +47,7 @@ ROUTE_FIELDS = ("route_ratio", "route_start", "route_end")
 IDENTITY_FIELDS += ROUTE_FIELDS
 # Data identity: what a checkpoint's latent folder must share with the one given now.
 DATA_FIELDS = ("num_samples", "latent_shape", "flips", "num_classes", "image_size", "scaling_factor", "vae",
-               "index_sha256")
+               "index_sha256", "latent_norm")
 
 
 def float_or_auto(text: str):
@@ -109,6 +110,10 @@ class TrainConfig:
     qk_norm: bool | None = option(
         None, "normalise queries and keys per head before attention (RMSNorm with --norm rmsnorm, else LayerNorm); "
               "steadies fp16/bf16 training (default: the --block's)", action=argparse.BooleanOptionalAction)
+    latent_norm: str = option(
+        "auto", "how latents are normalised before the DiT sees them (recorded in every checkpoint and export, "
+                "inverted by every decode): " + "; ".join(f"{k}: {v}" for k, v in NORM_HELP.items()),
+        choices=NORM_CHOICES)
     head_depth: int | None = option(
         None, "blocks of the wide shallow DiT^DH head after the body (RAE: 2), conditioned per token on the body's "
               "output; 0 = none (default: the --model preset's: 2 for DiTDH-*, 0 for DiT-*)")
@@ -163,7 +168,8 @@ class TrainConfig:
     sample_cfg_scale: float | None = option(
         None, "guidance scale of the previews (default 4.0, or 1 = none when --class-dropout-prob is 0)")
     sample_guide_channels: str = option(
-        "all", "latent channels the previews guide: all (default), or 3 as the official DiT sampler",
+        "all", "latent channels the previews guide: all (default; what sample and evaluate run guide for this run "
+               "with --guide-channels auto), or 3 as the official DiT sampler",
         choices=GUIDE_CHANNELS)
     report_to: str = option(
         DEFAULT_REPORT_TO, "experiment tracker for loss, LR, grad norm, speed, memory, skipped steps and the fp16 "
@@ -342,14 +348,14 @@ def grad_accum_steps(global_batch: int, micro_batch: int | None, world_size: int
     return micro, per_process // micro
 
 
-def data_identity(dataset) -> dict:
-    """What identifies a latent folder for resume checks (shared.datasets.shards.LatentDataset -> JSON dict)."""
+def data_identity(dataset, norm: LatentNorm) -> dict:
+    """What identifies a latent folder and its normalisation for resume checks (LatentDataset -> JSON dict)."""
     index_bytes = (Path(dataset.root) / "index.json").read_bytes()
     return {
         "num_samples": len(dataset), "latent_shape": list(dataset.latent_shape), "flips": dataset.flips,
         "num_classes": dataset.num_classes, "image_size": dataset.image_size,
-        "scaling_factor": dataset.scaling_factor, "vae": dataset.vae,
-        "index_sha256": hashlib.sha256(index_bytes).hexdigest(),
+        "scaling_factor": dataset.vae.get("scaling_factor"), "vae": dataset.vae,
+        "index_sha256": hashlib.sha256(index_bytes).hexdigest(), "latent_norm": norm.to_dict(),
         **({"repr_encoder": dataset.meta["repr_encoder"]} if "repr_encoder" in dataset.meta else {}),
     }
 
@@ -362,14 +368,49 @@ def _check_model_fits(cfg: TrainConfig, latent_shape) -> None:
     channels, height, width = latent_shape
     patch = PRESETS[cfg.model]["patch_size"]
     if height != width or height % patch:
+        fits = [name for name, arch in PRESETS.items() if height == width and height % arch["patch_size"] == 0
+                and arch["hidden_size"] >= channels * arch["patch_size"] ** 2]
         raise UserError(f"the latents are {channels}x{height}x{width} but {cfg.model} needs square latents whose "
                         f"side is a multiple of its patch size {patch}; extract square images of a size whose "
-                        "latent side the patch divides, or pick a preset with a smaller patch.")
+                        f"latent side the patch divides, or pick a preset with a smaller patch"
+                        f"{' (' + ', '.join(fits) + ')' if fits else ''}.")
     head = {k: getattr(cfg, k) for k in HEAD_FIELDS}
     check_head(**head)
     problem = token_width_problem(cfg.model, channels, head)
     if problem:
         raise SettingError(f"the latents are {channels}x{height}x{width}, and {problem}")
+
+
+def resolve_latent_norm(choice: str, dataset) -> LatentNorm:
+    """The normalisation `--latent-norm` asks for on this folder, or a UserError naming the fix."""
+    native = dataset.native_norm
+    root = dataset.root
+    if choice == "auto":
+        if native is None:
+            raise UserError(f"{root}/index.json records no normalisation for its tokenizer; pass --latent-norm "
+                            f"channel (after `python -m extract --stats --out {root}`) or none.")
+        return native
+    if choice == "none":
+        return LatentNorm.none()
+    if choice == "channel":
+        stats = dataset.latent_stats
+        if not stats:
+            raise UserError(f"--latent-norm channel needs the per-channel statistics of {root}, which was extracted "
+                            f"without them. Add them from the stored moments, without encoding again: `python -m "
+                            f"extract --stats --out {root}` (then rerun this command), or pick --latent-norm auto.")
+        return LatentNorm.channel(stats["mean"], stats["std"], 1.0, source=f"the per-channel statistics of {root}")
+    scale = dataset.vae.get("scaling_factor")
+    if choice == "scale":
+        if scale is None:
+            raise UserError(f"--latent-norm scale needs the tokenizer's scaling_factor, but {dataset.vae.get('source')} "
+                            f"({dataset.vae.get('class')}) has none; pass --latent-norm auto (its own convention: "
+                            f"{native.describe() if native else 'none recorded'}) or channel.")
+        return LatentNorm.scale_only(scale, source="the VAE config's scaling_factor")
+    if native is None or native.kind != "shift-scale":
+        raise UserError(f"--latent-norm shift-scale needs a tokenizer with a shift_factor (SD3, FLUX.1), but the one "
+                        f"of {root} ({dataset.vae.get('source')}) has none: its own convention is "
+                        f"{native.describe() if native else 'unrecorded'}. Pass --latent-norm auto, scale or channel.")
+    return native
 
 
 def _check_image_size(cfg: TrainConfig, dataset) -> None:
@@ -391,6 +432,7 @@ def check_config(cfg: TrainConfig, dataset) -> None:
     _check_objective(cfg)
     _check_image_size(cfg, dataset)
     _check_model_fits(cfg, dataset.latent_shape)
+    resolve_latent_norm(cfg.latent_norm, dataset)
     _resolve_repa(cfg, dataset)
     _resolve_route(cfg, dataset.latent_shape)
 
@@ -401,7 +443,7 @@ def resolve_config(cfg: TrainConfig, dataset, world_size: int) -> TrainConfig:
     cfg.world_size = world_size
     cfg.micro_batch_size, cfg.grad_accum_steps = grad_accum_steps(
         cfg.global_batch_size, cfg.micro_batch_size, cfg.world_size)
-    cfg.data = data_identity(dataset)
+    cfg.data = data_identity(dataset, resolve_latent_norm(cfg.latent_norm, dataset))
     if cfg.epochs is not None:
         cfg.total_steps = math.ceil(cfg.epochs * len(dataset) / cfg.global_batch_size)
     else:
@@ -516,8 +558,35 @@ def _data_mismatch(saved: dict, current: dict) -> str | None:
         if saved.get(key) != current.get(key):
             return (f"the checkpoint was trained on latents with {key} {saved.get(key)!r}, but --latents has "
                     f"{current.get(key)!r} (another VAE or image size)")
-    diffs = differences(saved, current, DATA_FIELDS, nested=False)
+    norm = _norm_mismatch(saved, current)
+    if norm:
+        return norm
+    diffs = differences(saved, current, tuple(k for k in DATA_FIELDS if k != "latent_norm"), nested=False)
     return f"the latent folder differs from the checkpoint's ({', '.join(diffs)})" if diffs else None
+
+
+def trained_norm(data: dict) -> LatentNorm | None:
+    """The normalisation a run's data identity records (runs from before the record: a plain scale)."""
+    if isinstance(data.get("latent_norm"), dict):
+        return LatentNorm.from_dict(data["latent_norm"])
+    scale = data.get("scaling_factor")
+    return LatentNorm.scale_only(float(scale)) if scale is not None else None
+
+
+def _norm_mismatch(saved: dict, current: dict) -> str | None:
+    """A sentence when the resumed run's normalisation (kind or numbers) differs from the one resolved now."""
+    before, now = trained_norm(saved), trained_norm(current)
+    if before is None or now is None or before == now:
+        return None
+    return (f"the checkpoint was trained on latents normalised as {before.describe()} ({before.source or 'recorded'}), "
+            f"but this command gives {now.describe()} ({now.source}); the network learned the first scale, so the "
+            f"run cannot continue on another. Pass the --latent-norm it was started with, and the latent folder "
+            f"whose statistics it used")
+
+
+def latent_meta_of(cfg: TrainConfig, dataset) -> dict:
+    """The latent metadata of this run's checkpoints, exports and previews: the folder's, plus the normalisation."""
+    return {**dataset.latent_meta(), "latent_norm": cfg.data["latent_norm"]}
 
 
 def resume_differences(saved: TrainConfig, current: TrainConfig) -> tuple[list[str], list[str]]:

@@ -32,7 +32,8 @@ from shared.datasets.shards import LatentDataset
 from train import checkpoint as ckpt_io
 from train.callbacks import Callback, CallbackList
 from train.autotune import describe as describe_auto, resolve_auto_for
-from train.config import DEBUG_STEPS, TrainConfig, check_config, check_resume, resolve_config
+from train.config import (DEBUG_STEPS, TrainConfig, check_config, check_resume, latent_meta_of, resolve_config,
+                          trained_norm)
 from train.data import make_loader
 from train.latents import open_latents
 from train.launcher import check_strategy, resolve_precision_with_launcher
@@ -333,7 +334,7 @@ def save_checkpoint(run: Run) -> Path | None:
 
 def _write_main(run: Run, tmp: Path) -> None:
     """Main process part of a checkpoint: weights, optimizer, scaler, state.json, publish, export, prune."""
-    learner, latent_meta = run.learner, run.dataset.latent_meta()
+    learner, latent_meta = run.learner, latent_meta_of(run.cfg, run.dataset)
     state = {"step": run.step, "data_position": run.data_position, "world_size": run.cfg.world_size,
              "skipped_steps": learner.skipped_steps, "config": run.cfg.to_dict()}
     ema_state = learner.ema.state_dict()
@@ -361,8 +362,8 @@ def write_export(run: Run) -> Path:
     stored = rundir.checkpoint_path(run.run_dir, run.step) / rundir.EMA_FILE
     if stored.is_file() and link_file(stored, path):
         return path
-    return save_weights(path, run.learner.ema.state_dict(), run.learner.model_config, run.dataset.latent_meta(),
-                        run.step)
+    return save_weights(path, run.learner.ema.state_dict(), run.learner.model_config,
+                        latent_meta_of(run.cfg, run.dataset), run.step)
 
 
 def save_samples(run: Run) -> None:
@@ -376,8 +377,8 @@ def save_samples(run: Run) -> None:
                                              run.learner.objective, run.learner.model_config.sampling)
         finally:
             ema.to(home)
-        path = write_preview(rundir.sample_path(run.run_dir, run.step), latents, labels, run.dataset.latent_meta(),
-                            run.step)
+        path = write_preview(rundir.sample_path(run.run_dir, run.step), latents, labels,
+                             latent_meta_of(run.cfg, run.dataset), run.step)
         run.logger.info(f"saved samples {path}")
     run.accelerator.wait_for_everyone()
 
@@ -489,7 +490,8 @@ def run_loop(run: Run) -> dict:
                          world_size=run.accelerator.num_processes, seed=cfg.seed, start=run.data_position,
                          class_dropout_prob=cfg.class_dropout_prob, num_workers=loader_workers(run),
                          pin_memory=run.device.type == "cuda", objective=run.learner.objective,
-                         features=run.learner.projector is not None, route=run.learner.route)
+                         features=run.learner.projector is not None, route=run.learner.route,
+                         norm=trained_norm(cfg.data))
     meter, last = Meter(), {}
     bar = tqdm(total=total, initial=run.step, desc="train", unit="step", disable=not run.is_main, dynamic_ncols=True)
     with bar:

@@ -133,7 +133,7 @@ def check_watch(cfg, dataset) -> None:
                         "pass --sample-every N, or drop --watch-vae.")
     from shared.tokenizers.vae_match import check_vae_matches
 
-    check_vae_matches(cfg.watch_vae, None, dataset.latent_shape[0], dataset.latent_meta())
+    check_vae_matches(cfg.watch_vae, None, dataset.latent_shape[0], dataset.latent_meta(), measure=False)
 
 
 def _vae_argument(spec: str) -> str:

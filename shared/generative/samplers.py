@@ -34,7 +34,8 @@ TIME_SHIFT = SamplerOption("time_shift", 1.0, "LightningDiT's timestep shift of 
                                               "LightningDiT uses 0.3)", "shift",
                            "tau' = s tau / (1 + (s-1) tau); s < 1 puts more steps near noise")
 LAST_STEP_SIZE = SamplerOption("last_step_size", SDE_LAST_STEP, "the size of the SDE's final deterministic Mean step "
-                                                                "(SiT: 0.04)", "last")
+                                                                "(SiT: 0.04)", "last",
+                               "it ends at the data; with a time shift the shifted grid ends at 1 - this size")
 
 
 @dataclass(frozen=True)

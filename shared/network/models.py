@@ -598,11 +598,13 @@ PRESETS = {
     f"DiT-{size}/{patch}": dict(depth=depth, hidden_size=width, patch_size=patch, num_heads=heads)
     for size, depth, width, heads in [("XL", 28, 1152, 16), ("L", 24, 1024, 16), ("B", 12, 768, 12),
                                       ("S", 12, 384, 6)]
-    for patch in (2, 4, 8)
+    # Patch 1 for latents of 16x16 or smaller (f16 / f32 tokenizers); LightningDiT-XL/1 is DiT-XL's shape at patch 1
+    for patch in (1, 2, 4, 8)
 }
 # Tiny preset for tests and the CPU demo, not an official size: 4.0M parameters in its 6 blocks,
 # 4.4M in all with 1000 classes at 256x256 (4.2M with 10 classes).
 PRESETS["DiT-T/2"] = dict(depth=6, hidden_size=192, patch_size=2, num_heads=3)
+PRESETS["DiT-T/1"] = dict(depth=6, hidden_size=192, patch_size=1, num_heads=3)
 
 # DiT^DH (RAE, bytetriper/RAE configs/stage2/training/ImageNet256/DiTDH-{S,XL}_DINOv2-B.yaml): a DiT-S or
 # DiT-XL body at patch 1, then 2 head blocks of width 2048 with 16 heads; RAE's block (RMSNorm, SwiGLU, 2-D

@@ -1,7 +1,7 @@
 """The preview file: training's --sample-every latents, written by train and read by `sample decode` / `watch`.
 
 RUN/samples/step-XXXXXXX.safetensors (the name is shared/runtime/rundir.py's) holds
-    "latents"  (N, C, h, w) fp32, already scaled by the VAE factor (decode divides by it)
+    "latents"  (N, C, h, w) fp32, normalised as the run trained (decode inverts metadata["latents"]["latent_norm"])
     "labels"   (N,) int64 class indices
 and metadata "latents" (the latent description, shared/runtime/export.py's latent_meta, as JSON) and "step".
 No VAE is involved in writing one: training never loads the VAE.
@@ -22,14 +22,14 @@ LATENTS_KEY, LABELS_KEY = "latents", "labels"
 
 
 def write_preview(path: Path, latents: torch.Tensor, labels: torch.Tensor, latent_meta: dict, step: int) -> Path:
-    """Write a preview file atomically: latents (N, C, h, w) scaled, labels (N,)."""
+    """Write a preview file atomically: latents (N, C, h, w) normalised, labels (N,)."""
     metadata = {"latents": json.dumps(latent_meta), "step": str(int(step))}
     tensors = {LATENTS_KEY: latents.contiguous(), LABELS_KEY: labels.contiguous()}
     return atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
 
 def read_preview(path: Path) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """(latents (N,C,h,w) scaled, labels (N,), latent meta) from a preview file; UserError if unusable."""
+    """(latents (N,C,h,w) normalised, labels (N,), latent meta) from a preview file; UserError if unusable."""
     if not path.is_file():
         raise UserError(f"latents file {path} does not exist; training writes them to RUN/samples/step-*.safetensors "
                         f"when run with --sample-every.")
