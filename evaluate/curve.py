@@ -11,7 +11,6 @@ import argparse
 import dataclasses
 import hashlib
 import json
-import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from evaluate.stats import check_reference, open_reference
 from shared.runtime import rundir
 from shared.runtime.cli import HelpFormatter, add_flags, from_args, option
 from shared.runtime.errors import UserError, cli_errors
+from shared.runtime.evalcurve import draw_metric, finite_values, metric_lines, metric_title, same_series
 from shared.runtime.flags import (BATCH_SIZE, CFG_INTERVAL, CFG_SCALE, CPU, GUIDE, NUM_SAMPLING_STEPS, PLUGIN, SAMPLER,
                                   SEED, VAE)
 from shared.runtime.fsio import atomic_write
@@ -88,8 +88,9 @@ def read_rows(run: Path) -> list[dict]:
 
 
 def matching(rows: list[dict], settings: dict) -> list[dict]:
-    """The rows measured with exactly these settings, by step."""
-    return sorted((r for r in rows if all(r.get(k) == v for k, v in settings.items())), key=lambda r: r["step"])
+    """The rows measured with exactly these settings, by step (one series of shared/runtime/evalcurve.py: a row
+    with a --cfg-interval never matches settings without one, and the reverse)."""
+    return same_series(rows, settings)
 
 
 def check_run(o: RunEvalOptions) -> list[Path]:
@@ -215,17 +216,15 @@ def draw_curve(run: Path, settings: dict) -> Path | None:
     from matplotlib.figure import Figure
 
     rows = matching(read_rows(run), settings)
-    panels = [(key, title) for key, title in CURVE_METRICS
-              if any(isinstance(r.get(key), (int, float)) and math.isfinite(r[key]) for r in rows)]
+    panels = [(key, title, metric_lines(rows, key)) for key, title in CURVE_METRICS]
+    panels = [(key, title, lines) for key, title, lines in panels if finite_values(lines)]
     if not panels:
         return None
     fig = Figure(figsize=(4.2 * len(panels), 3.4), layout="constrained")
-    for i, (key, title) in enumerate(panels):
+    for i, (key, title, lines) in enumerate(panels):
         ax = fig.add_subplot(1, len(panels), i + 1)
-        points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", color="tab:green")
-        digits_fd = key == "fid" and settings["feature_network"] == "digits"
-        ax.set_title("digits FD" if digits_fd else title, fontsize="medium")
+        draw_metric(ax, lines)  # one series: these settings' points (shared/runtime/evalcurve.py, as curves.png)
+        ax.set_title("digits FD" if metric_title(rows, key) == "digits FD" else title, fontsize="medium")
         ax.set_xlabel("training step")
         ax.grid(alpha=0.3)
     fig.suptitle(curve_title(settings), fontsize="small")

@@ -56,8 +56,8 @@ def vae_round_trip(images: np.ndarray, vae_spec: str, batch_size: int = 256) -> 
     with torch.no_grad():
         for start in range(0, len(images), batch_size):
             x = channels_first(images[start:start + batch_size])  # (b, 3, H, W) in [-1, 1]
-            mean, _ = vae.encode_moments(x)  # (b, C, h, w), unscaled
-            out.append(to_uint8(vae.decode(mean * vae.scaling_factor)))
+            mean, _ = vae.encode_moments(x)  # (b, C, h, w), raw
+            out.append(to_uint8(vae.decode_raw(mean)))
     return np.concatenate(out)
 
 

@@ -4,5 +4,6 @@ Decoding and ADM preprocessing live in shared.datasets.images (evaluate's refere
 Modules: folder.py (ImageFolder scan), duplicates.py (one picture under several paths), loader.py (worker
 decoding, batches within a shard), sizes.py (--image-size against the VAE and the DiT presets), run.py (the
 resumable job: plan, encode, index last), check.py (`--check`: the dataset without a VAE), verify.py
-(`--verify`: hash a finished folder).
+(`--verify`: hash a finished folder), stats.py (`--stats`: the per-channel latent statistics of a finished
+folder, from its stored moments).
 """

@@ -50,6 +50,13 @@ def main(argv=None) -> int:
                 raise UserError("--verify needs --out: the latent folder to check.")
             print(run_verify(args.out))
             return 0
+        if args.stats:
+            from extract.stats import run_stats
+
+            if args.out is None:
+                raise UserError("--stats needs --out: the finished latent folder to add the statistics to.")
+            print(run_stats(args.out))
+            return 0
         if args.data_path is None:
             raise UserError("--data-path is required: pass the ImageFolder root (one sub-folder per class).")
         if args.check:

@@ -30,8 +30,11 @@ from extract.sizes import check_image_size
 from shared.runtime.errors import ChoiceError, UserError
 from shared.runtime.fsio import atomic_write_text, stale_tmps
 from shared.runtime.lock import hold_lock
+from shared.runtime.rerun import differences, listed
 from shared.datasets.shard_schema import FLAG_DTYPES
 from shared.network.repa import REPR_TENSOR
+from shared.tokenizers.classes import tokenizer_class
+from shared.tokenizers.norm import ChannelStats
 from shared.datasets.shards import (FLIP_MODES, FOLDER_KIND, INDEX_NAME, STORAGE_DTYPES, ShardInfo, ShardWriter,
                            damaged_error, damaged_files, shard_name, write_index)
 
@@ -91,6 +94,9 @@ class ExtractModes:
                                 "mode, bad files (opens every image; no VAE). Exit status 1 if bad files are found.")
     dry_run: bool = option(False, "Run every check and print the plan (images, shards, VAE, settings) without loading "
                                   "the VAE or writing anything.")
+    stats: bool = option(False, "Compute the per-channel latent statistics of the finished folder --out from its stored "
+                                "moments (float64) and add them to its index.json, without encoding again (folders "
+                                "extracted before the statistics existed; train --latent-norm channel needs them).")
     verify: bool = option(False, "Hash every shard of the finished folder --out against its index.json and report "
                                  "damage; changes nothing (a damaged folder: rerun the extraction command, it redoes "
                                  "those shards).")
@@ -107,6 +113,8 @@ class Plan:
     warnings: list = field(default_factory=list)  # printed by the main process before it starts
     encoder: dict | None = None  # the representation encoder's identity (shared/tokenizers/repr_encoder.py), if any
     vae_config: dict = field(default_factory=dict)
+    deterministic: bool = False  # the tokenizer gives one latent, no posterior spread (AutoencoderDC)
+    latent_shape: tuple = ()  # (C, h, w) measured by encoding one image of --image-size (meta device, no weights)
 
 
 @dataclass
@@ -147,13 +155,15 @@ def check_numbers(cfg: ExtractConfig) -> None:
                         "drop --repr-image-size.")
 
 
-def check_encoder_vae(cfg: ExtractConfig) -> tuple[str, dict, list[str]]:
-    """Resolve the VAE and check the image size against its factor and the DiT patches, from config.json only."""
-    from shared.tokenizers.vae import downsample_factor, read_vae_config, resolve_vae_spec
+def check_encoder_vae(cfg: ExtractConfig) -> tuple[str, dict, list[str], tuple]:
+    """Resolve the tokenizer, measure its factor and latent, check the size against the DiT patches (no weights)."""
+    from shared.tokenizers.vae import downsample_factor, measure_latent, read_vae_config, resolve_vae_spec
 
     name = resolve_vae_spec(cfg.vae, cfg.vae_config)
     config = read_vae_config(cfg.vae, cfg.vae_config)
-    return name, config, check_image_size(cfg.image_size, downsample_factor(config))
+    warnings = check_image_size(cfg.image_size, downsample_factor(config))  # factor measured at a probe size
+    shape = measure_latent(config, cfg.image_size, name)  # (C, h, w): one image of --image-size, meta device
+    return name, config, warnings, shape
 
 
 def run_settings(cfg: ExtractConfig, scan: ImageFolderScan, vae_name: str, vae_config: dict,
@@ -176,18 +186,6 @@ def run_settings(cfg: ExtractConfig, scan: ImageFolderScan, vae_name: str, vae_c
     }
 
 
-def _settings_diff(old: dict, new: dict) -> list[str]:
-    """Human-readable differences between two settings dicts (nested one level)."""
-    diffs = []
-    for key in sorted(set(old) | set(new)):
-        a, b = old.get(key), new.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            diffs += [f"{key}.{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
-        elif a != b:
-            diffs.append(f"{key}: {a!r} -> {b!r}")
-    return diffs
-
-
 def holds_shards(out: Path) -> bool:
     """True once a shard, a sidecar or the index exists: from then on the settings that made them are fixed."""
     return out.is_dir() and (any(out.glob("shard-*")) or (out / INDEX_NAME).exists())
@@ -203,17 +201,17 @@ def check_out_folder(out: Path, settings: dict) -> list[str]:
     path = out / SETTINGS_NAME
     if path.is_file():
         try:
-            diffs = _settings_diff(json.loads(path.read_text()), settings)
+            diffs = differences(json.loads(path.read_text()), settings)
         except ValueError:
             diffs = ["unreadable"]
         if diffs and not holds_shards(out):
-            return [f"--out {out} held the settings of an earlier run that wrote no shard ({'; '.join(diffs[:4])}); "
+            return [f"--out {out} held the settings of an earlier run that wrote no shard ({listed(diffs)}); "
                     f"they are replaced by this run's."]
         if diffs == ["unreadable"]:
             raise UserError(f"{path} is unreadable; delete the --out folder or use a new --out.")
         if diffs:
             raise UserError(
-                f"--out {out} holds shards of a different extraction ({'; '.join(diffs[:4])}). Use a new --out "
+                f"--out {out} holds shards of a different extraction ({listed(diffs)}). Use a new --out "
                 f"folder for these settings, or rerun the original command to resume that extraction."
             )
     elif holds_shards(out):
@@ -242,7 +240,7 @@ def plan(cfg: ExtractConfig, check_out: bool = True) -> Plan:
     if cfg.out is not None:
         check_separate_folders(cfg.data_path, cfg.out)
     scan = apply_duplicates(scan_image_folder(cfg.data_path).limited(cfg.limit), cfg.duplicates)
-    vae_name, vae_config, warnings = check_encoder_vae(cfg)
+    vae_name, vae_config, warnings, shape = check_encoder_vae(cfg)
     encoder = None
     if cfg.repr_encoder is not None:
         from shared.tokenizers.repr_encoder import plan_identity
@@ -251,7 +249,9 @@ def plan(cfg: ExtractConfig, check_out: bool = True) -> Plan:
     settings = run_settings(cfg, scan, vae_name, vae_config, encoder)
     if check_out:
         warnings += check_out_folder(Path(cfg.out), settings)
-    return Plan(scan, vae_name, settings, -(-len(scan) // cfg.shard_size), warnings, encoder, vae_config)
+    deterministic = tokenizer_class(vae_config, vae_name).deterministic
+    return Plan(scan, vae_name, settings, -(-len(scan) // cfg.shard_size), warnings, encoder, vae_config,
+                deterministic, shape)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -280,6 +280,7 @@ def read_finished(out: Path, shard: int, settings: dict) -> dict | None:
         sidecar = json.loads(path.read_text())
         tar = out / sidecar["shard"]["name"]
         ok = sidecar["settings_sha256"] == settings_sha256(settings) and tar.stat().st_size == sidecar["shard"]["size"]
+        ok = ok and "latent_stats" in sidecar  # a shard from before the statistics: encoded again
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return sidecar if ok else None
@@ -297,10 +298,11 @@ def clean_unfinished(out: Path, shards: list[int]) -> None:
 # Encoding
 # ----------------------------------------------------------------------------------------------------------
 
-def _encode_chunks(vae, x: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """encode_moments over slices of at most `chunk` images, concatenated."""
+def _encode_chunks(vae, x: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """encode_moments over slices of at most `chunk` images, concatenated (std None: a deterministic tokenizer)."""
     parts = [vae.encode_moments(x[i : i + chunk]) for i in range(0, len(x), chunk)]
-    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    std = None if parts[0][1] is None else torch.cat([p[1] for p in parts])
+    return torch.cat([p[0] for p in parts]), std
 
 
 def encode_pixels(vae, pixels: torch.Tensor, flip: bool, progress: Progress) -> tuple[torch.Tensor, torch.Tensor]:
@@ -318,7 +320,7 @@ def encode_pixels(vae, pixels: torch.Tensor, flip: bool, progress: Progress) -> 
             tqdm.write(f"extract: out of GPU memory; encoding {progress.chunk} images per call from now on")
     frames = FLIP_MODES["both" if flip else "none"]
     return (mean.unflatten(0, (frames, -1)).transpose(0, 1),  # (B, F, C, h, w)
-            std.unflatten(0, (frames, -1)).transpose(0, 1))
+            None if std is None else std.unflatten(0, (frames, -1)).transpose(0, 1))  # None: deterministic
 
 
 def encode_repr(encoder, pixels: torch.Tensor, flip: bool, chunk: int) -> torch.Tensor:
@@ -340,10 +342,12 @@ def _bad_file(scan: ImageFolderScan, pos: int, reason: str, strict: bool) -> dic
     return {"path": path, "reason": reason}
 
 
-def shard_columns(cfg: ExtractConfig, encoder: dict | None) -> dict:
-    """The shards' columns {name: torch dtype}: the posterior moments, and the encoder tokens when REPA's are stored."""
+def shard_columns(cfg: ExtractConfig, plan_: Plan) -> dict:
+    """The shards' columns {name: torch dtype}: the posterior moments (the latent alone from a deterministic
+    tokenizer: no "std"), and the encoder tokens when REPA's are stored."""
     moments = STORAGE_DTYPES[cfg.dtype]
-    return {"mean": moments, "std": moments, **({REPR_TENSOR: FLAG_DTYPES[cfg.repr_dtype]} if encoder else {})}
+    spread = {} if plan_.deterministic else {"std": moments}
+    return {"mean": moments, **spread, **({REPR_TENSOR: FLAG_DTYPES[cfg.repr_dtype]} if plan_.encoder else {})}
 
 
 class ShardSink:
@@ -354,6 +358,7 @@ class ShardSink:
         self.out, self.cfg, self.plan, self.identity, self.batches = out, cfg, plan_, vae_identity, batches
         self.process = process  # {"rank", "world_size"}: which process wrote a shard (for debugging)
         self.shard, self.writer, self.bad, self.seen = None, None, [], 0
+        self.stats = ChannelStats()  # of the shard being written, from the moments as stored
 
     def add(self, positions: list[int], columns: dict, bad: list[dict]) -> None:
         """Write one batch (all positions in one shard, sorted); finish the shard after its last file.
@@ -363,6 +368,8 @@ class ShardSink:
         shard = (positions[0] if positions else bad[0]["pos"]) // self.cfg.shard_size
         if shard != self.shard:
             self._open(shard)
+        if positions:
+            self.stats.add(columns["mean"], columns.get("std"))  # (B, F, C, h, w), as stored
         for k, pos in enumerate(positions):
             self.writer.add(f"{pos:09d}", {name: t[k] for name, t in columns.items()}, self.plan.scan.labels[pos])
         self.bad += [{"path": b["path"], "reason": b["reason"]} for b in bad]
@@ -374,15 +381,15 @@ class ShardSink:
         """Start writing a shard (its temp tar is renamed into place only when it is complete)."""
         if self.writer is not None:
             raise RuntimeError(f"shard {self.shard} was left unfinished")
-        self.shard, self.bad, self.seen = shard, [], 0
-        self.writer = ShardWriter(self.out / shard_name(shard), columns=shard_columns(self.cfg, self.plan.encoder)
-                                  ).__enter__()
+        self.shard, self.bad, self.seen, self.stats = shard, [], 0, ChannelStats()
+        self.writer = ShardWriter(self.out / shard_name(shard), columns=shard_columns(self.cfg, self.plan)).__enter__()
 
     def _finish(self) -> None:
         """Close the tar (atomic rename), then write the sidecar that marks the shard finished."""
         self.writer.__exit__(None, None, None)
         sidecar = {"shard": self.writer.info.to_dict(), "bad_files": self.bad, "vae": self.identity,
-                   "settings_sha256": settings_sha256(self.plan.settings), "written_by": self.process}
+                   "settings_sha256": settings_sha256(self.plan.settings), "written_by": self.process,
+                   "latent_stats": self.stats.to_dict()}
         _atomic_json(sidecar_path(self.out, self.shard), sidecar)
         self.writer = None
 
@@ -422,13 +429,14 @@ def encode_shards(cfg: ExtractConfig, plan_: Plan, shards: list[int], vae, state
             positions, pixels, bad = _split_batch(batch, plan_.scan, cfg.strict)
             columns = {}
             if positions:
-                dtypes = shard_columns(cfg, plan_.encoder)
+                dtypes = shard_columns(cfg, plan_)
                 mean, std = encode_pixels(vae, pixels, cfg.flip == "both", progress)  # (B, F, C, h, w) each
                 if encoder is not None:
                     tokens = encode_repr(encoder, pixels, cfg.flip == "both", progress.chunk)  # (B, F, T, D)
                     columns[REPR_TENSOR] = tokens
                 # one device->host copy per batch, already in the storage dtype (not one per sample)
-                columns = {name: t.to("cpu", dtypes[name]) for name, t in {"mean": mean, "std": std, **columns}.items()}
+                moments = {"mean": mean, **({"std": std} if std is not None else {})}
+                columns = {name: t.to("cpu", dtypes[name]) for name, t in {**moments, **columns}.items()}
             for b in bad:
                 tqdm.write(f"extract: skipped bad image {b['path']}: {b['reason']}")
             sink.add(positions, columns, bad)
@@ -473,7 +481,13 @@ def write_outputs(cfg: ExtractConfig, plan_: Plan) -> dict:
         raise UserError(f"none of the {len(plan_.scan)} images in {plan_.scan.root} could be read; see "
                         f"{out / BAD_FILES_NAME} for the reasons.")
     atomic_write_text(out / BAD_FILES_NAME, "".join(json.dumps(b) + "\n" for b in bad))
-    write_index(out, infos, index_meta(cfg, plan_, sidecars[0]["vae"], len(bad)))
+    stats = ChannelStats()
+    for sidecar in sidecars:
+        stats.merge(ChannelStats.from_dict(sidecar["latent_stats"]))
+    meta = index_meta(cfg, plan_, sidecars[0]["vae"], len(bad))
+    meta["latent_stats"] = stats.summary(sum(i.num_samples for i in infos), FLIP_MODES[cfg.flip],
+                                         bool(sidecars[0]["vae"].get("deterministic")))
+    write_index(out, infos, meta)
     return {"num_samples": sum(i.num_samples for i in infos), "num_bad": len(bad), "num_shards": len(infos),
             "too_large": too_large}
 
@@ -599,12 +613,25 @@ def describe_plan(cfg: ExtractConfig) -> str:
         f"data: {plan_.scan.skipped.describe()}",
         *(f"data: {note}" for note in plan_.scan.notes),
         f"vae: {plan_.vae_name} (encoder fp32); moments stored as {cfg.dtype}, {frames}",
+        describe_tokenizer(cfg, plan_),
         f"out: {out}: {plan_.num_shards} shards of {cfg.shard_size} images, {done} already finished "
         f"(their sha256 is checked when the run starts)",
         *describe_storage(cfg, plan_),
         *(f"warning: {w}" for w in plan_.warnings),
         "settings: " + json.dumps(plan_.settings, sort_keys=True),
     ])
+
+
+def describe_tokenizer(cfg: ExtractConfig, plan_: Plan) -> str:
+    """The dry run's tokenizer line: class, measured latent and factor, its own normalisation."""
+    kind = tokenizer_class(plan_.vae_config, plan_.vae_name)
+    channels, side, _ = plan_.latent_shape
+    norm = kind.native_norm(plan_.vae_config, None)
+    own = norm.describe() if norm is not None else "read from its weights when loaded"
+    return (f"tokenizer: {kind.name}{' (deterministic)' if kind.deterministic else ''}: latent {channels}x{side}x{side} "
+            f"at {cfg.image_size} px (f{cfg.image_size // side}, measured by encoding one {cfg.image_size}x"
+            f"{cfg.image_size} image on the meta device); own normalisation {own}; per-channel statistics of the "
+            f"folder are written to index.json")
 
 
 def _size(n: float) -> str:
@@ -620,14 +647,13 @@ IMAGENET_TRAIN_IMAGES = 1_281_167  # for the dry run's "at ImageNet scale" line
 
 
 def describe_storage(cfg: ExtractConfig, plan_: Plan) -> list[str]:
-    """What the shards will take: per image (moments, encoder tokens) and for the folder (payloads only)."""
-    from shared.tokenizers.vae import downsample_factor
-
+    """What the shards will take: per image (latent moments, encoder tokens) and for the folder (payloads only)."""
     frames = FLIP_MODES[cfg.flip]
-    side = cfg.image_size // downsample_factor(plan_.vae_config)
-    channels = int(plan_.vae_config.get("latent_channels", 4))
-    moments = 2 * frames * channels * side * side * STORAGE_DTYPES[cfg.dtype].itemsize
-    lines = [f"storage: moments {_size(moments)} per image ({frames} flip(s) x mean+std {channels}x{side}x{side} "
+    channels, side, _ = plan_.latent_shape
+    tensors = 1 if plan_.deterministic else 2
+    moments = tensors * frames * channels * side * side * STORAGE_DTYPES[cfg.dtype].itemsize
+    what = "latent (deterministic tokenizer, no std)" if plan_.deterministic else "mean+std"
+    lines = [f"storage: moments {_size(moments)} per image ({frames} flip(s) x {what} {channels}x{side}x{side} "
              f"{cfg.dtype})"]
     per_image = moments
     if plan_.encoder is not None:

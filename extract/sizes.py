@@ -9,6 +9,8 @@ def presets_by_patch() -> dict[int, list[str]]:
     """Patch size -> the DiT presets that use it, smallest patch first."""
     groups: dict[int, list[str]] = {}
     for name, arch in PRESETS.items():
+        if arch.get("head_depth"):  # DiT^DH (RAE): patch 1 on representation tokens, not a VAE-latent preset
+            continue
         groups.setdefault(arch["patch_size"], []).append(name)
     return dict(sorted(groups.items()))
 
@@ -32,7 +34,7 @@ def check_image_size(image_size: int, factor: int) -> list[str]:
     groups = presets_by_patch()
     if image_size % factor:
         raise UserError(f"--image-size {image_size} is not a multiple of the VAE's downsample factor {factor} "
-                        f"(from its config.json): latents would not tile the image. "
+                        f"(measured by encoding a probe image): latents would not tile the image. "
                         f"Use {_suggestion(image_size, factor, groups)}")
     latent = image_size // factor
     usable = [p for p in groups if latent % p == 0]

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from shared.generative.guidance import AUTO_DIFFUSERS, AUTO_DIT, AUTO_OWN, AUTO_REPA, AUTO_SIT, AutoGuide
 from shared.generative.objectives import check_objective, plugin_of
 from shared.network.diffusers_dit import NUMERICS_NOTE, check_dit_config, diffusers_to_dit, model_config_of
 from shared.runtime.errors import ChoiceError, UserError
@@ -20,7 +21,7 @@ from shared.runtime.rundir import (CHECKPOINTS, EMA_FILE, EXPORTS, MODEL_FILE, c
 
 from sample.diffusers_folder import (CONFIG, DiffusersSource, class_names, is_diffusers_file, is_diffusers_folder,
                                      locate, locate_hub, looks_like_hub_id, read_json, read_weights)
-from sample.official import OFFICIAL_NAMES, RELEASES, checkpoint_url, find_official, is_official_name
+from sample.official import OFFICIAL_NAMES, RELEASES, checkpoint_url, find_official, is_official_name, release_name
 
 TORCH_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")  # read with torch.load(weights_only=True); all else safetensors
 WEIGHTS = ("ema", "raw")  # which weights of a run or checkpoint: the EMA copy or the raw training weights
@@ -29,6 +30,8 @@ AS_SAVED = "as saved"     # what settings.json records for a file holding one se
 _KEY_PREFIXES = ("module.", "_orig_mod.")
 _OFFICIAL_FIX = ("Pass an official DiT checkpoint (downloaded from dl.fbaipublicfiles.com/DiT/models/, e.g. "
                  "DiT-XL-2-256x256.pt) or a .safetensors export of this project.")
+# A bare state dict records no objective: unless its name or layout says, it is taken as DiT's, and said once.
+ASSUMED_DDPM = "assumed: a bare state dict of no known release is taken as DiT's DDPM"
 _CKPT_KINDS = ("a training run folder, a .safetensors export, an official DiT .pt checkpoint (or a released one by "
                f"name: {', '.join(OFFICIAL_NAMES)}), or a diffusers DiT (pipeline folder, transformer folder, or Hub "
                "repo id such as facebook/DiT-XL-2-256)")
@@ -48,6 +51,7 @@ class LoadedWeights:
     weights: str = AS_SAVED           # what was loaded: "ema", "raw", or AS_SAVED (a file's only set)
     warnings: list[str] = field(default_factory=list)  # what the user must see (e.g. a broken newer export skipped)
     label: str | None = None          # short name for default output folders (None: from the file's path)
+    auto_guide: AutoGuide = AUTO_OWN  # what --guide-channels auto means: what these weights' own sampler does
 
 
 @dataclass
@@ -173,6 +177,8 @@ def _pick_state_dict(obj, path: Path, weights: str | None) -> tuple[dict, str]:
     if isinstance(obj, dict) and isinstance(obj.get("ema"), dict) and isinstance(obj.get("model"), dict):
         which = weights or "ema"
         obj = obj["ema" if which == "ema" else "model"]
+    elif isinstance(obj, dict) and isinstance(obj.get("ema"), dict) and weights != "raw":
+        obj = obj["ema"]  # RAE's training checkpoints as its instantiate_from_config reads them
     elif weights == "raw":
         raise UserError(f"--weights raw does not apply to {path}: it is a bare state dict holding one set of weights "
                         f"(the DiT release's files hold the EMA weights), not a training checkpoint with 'ema' and "
@@ -184,7 +190,8 @@ def _pick_state_dict(obj, path: Path, weights: str | None) -> tuple[dict, str]:
 
 def _objective_of_release(path: Path, objective: str | None) -> tuple[str, str]:
     """(objective, how it was chosen) of a bare state dict: --objective, else its release's, else ddpm (DiT's)."""
-    release = RELEASES.get(path.name)
+    known = release_name(path.name)
+    release = RELEASES[known] if known else None
     if objective is not None:
         check_objective(objective)
         if release is not None and objective != release.objective:
@@ -192,19 +199,38 @@ def _objective_of_release(path: Path, objective: str | None) -> tuple[str, str]:
                             f"the {release.objective} objective; drop --objective.")
         return objective, "as --objective says"
     if release is not None:
-        return release.objective, f"the {release.paper} release"
-    return "ddpm", "a bare state dict is taken as DiT's DDPM unless --objective says otherwise"
+        named = "" if known == path.name else f", under the name its URL writes (ours: {known})"
+        return release.objective, f"the {release.paper} release{named}"
+    return "ddpm", ASSUMED_DDPM
+
+
+def _rae_config(config, path: Path, objective: str | None):
+    """A DiT^DH state dict's objective: flow, RAE's time (REPA's convention), the release's or RAE's auto shift."""
+    from shared.generative.flow import auto_shift
+
+    if objective not in (None, "flow"):
+        raise UserError(f"--objective {objective} contradicts {path.name}: weights in RAE's DiT^DH layout are flow "
+                        "models (RAE's transport); drop --objective.")
+    release = RELEASES.get(path.name)
+    shape = (config.in_channels, config.input_size, config.input_size)
+    shift = release.time_dist_shift if release is not None else round(auto_shift(shape), 6)
+    return dataclasses.replace(config, objective="flow", objective_args={"convention": "repa", "time_dist_shift": shift})
 
 
 def _load_official(path: Path, weights: str | None, model: str | None, objective: str | None = None) -> LoadedWeights:
     """A bare state dict: config inferred from tensor shapes (checked against --model), objective by release."""
     # Official training checkpoints (the DiT release's train.py) also pickle their argparse Namespace.
     obj = load_torch_file(path, _OFFICIAL_FIX, allowed=[argparse.Namespace])
+    release = RELEASES.get(path.name)
+    if release is not None and release.layout == "lightningdit":
+        return _load_lightningdit(obj, path, release, model)
     state_dict, which = _pick_state_dict(obj, path, weights)
     state_dict, repa_notes = split_repa_release(state_dict)  # REPA's layout: projector dropped
     config = infer_model_config(state_dict)
     if repa_notes:  # REPA's layout says what it is: flow in REPA's time convention
         config, name, why = repa_release_config(config), "flow", "REPA's layout (its projector)"
+    elif config.head_depth:  # RAE's DiTwDDTHead layout: its transport, flow in RAE's time (1 = noise) and its shift
+        config, name, why = _rae_config(config, path, objective), "flow", "RAE's DiT^DH layout"
     else:
         name, why = _objective_of_release(path, objective)
         config = dataclasses.replace(config, objective=name, objective_plugin=plugin_of(name))
@@ -214,7 +240,39 @@ def _load_official(path: Path, weights: str | None, model: str | None, objective
     how = "checked against --model" if model else "inferred from tensor shapes"
     notes = [f"{config.model}, latent {config.in_channels}x{config.input_size}x{config.input_size}, "
              f"{config.num_classes} classes ({how})", f"objective {name} ({why})", *repa_notes]
-    return LoadedWeights(state_dict, config, path, "official", notes=notes, weights=which)
+    if config.head_depth:
+        notes.append(f"DiT^DH head {config.head_depth} x {config.head_width} wide; flow time convention "
+                     f"{config.objective_args['convention']}, time shift {config.objective_args['time_dist_shift']:g} "
+                     "(shared/generative/flow.py)")
+    warnings = [] if why != ASSUMED_DDPM else [
+        f"{path.name} records no objective and is no known release: sampled as DiT's ddpm objective (noise "
+        f"prediction); if it was trained with flow matching (SiT), pass --objective flow."]
+    return LoadedWeights(state_dict, config, path, "official", notes=notes, weights=which, warnings=warnings,
+                         auto_guide=_auto_guide_of_release(config))
+
+
+def _auto_guide_of_release(config: ModelConfig) -> AutoGuide:
+    """What the sampler of a bare state dict's origin guides: REPA's all channels, DiT's and SiT's the first 3."""
+    if config.objective == "flow":
+        return AUTO_REPA if config.objective_args.get("convention") == "repa" else AUTO_SIT
+    return AUTO_DIT
+
+
+def _load_lightningdit(obj, path: Path, release, model: str | None) -> LoadedWeights:
+    """A LightningDiT release: its EMA weights in our lightning block, decoded by VA-VAE (sample/lightningdit.py)."""
+    from sample.lightningdit import CFG_SCALES, SAMPLING_FLAGS, lightningdit_state_dict, release_model_config
+
+    state_dict = lightningdit_state_dict(obj, path)
+    config = release_model_config(state_dict, path)
+    if model is not None and model != config.model:
+        raise UserError(f"--model {model} does not fit {path}: its tensor shapes are those of {config.model}. Pass "
+                        f"--model {config.model} or drop --model.")
+    notes = [f"{config.model} ({config.block} block), latent {config.in_channels}x{config.input_size}x"
+             f"{config.input_size}, {config.num_classes} classes: a {release.paper} release (flow, time 0 = noise), "
+             f"decoded by VA-VAE with its per-channel statistics",
+             f"LightningDiT samples it with {SAMPLING_FLAGS} --cfg-scale {CFG_SCALES.get(path.name, 6.7):g}"]
+    return LoadedWeights(state_dict, config, path, "official", dict(release.latent_meta), notes=notes,
+                         weights="ema")
 
 
 def _load_export(path: Path, model: str | None, held: str) -> LoadedWeights:
@@ -275,7 +333,7 @@ def _load_diffusers(source: DiffusersSource, weights: str | None, model: str | N
              f"{vae})", f"{NUMERICS_NOTE} Loaded here as the official DiT function, which is what the Hub's DiT "
                         f"weights were trained as."]
     return LoadedWeights(state_dict, config, source.weights, "diffusers", meta, None, notes, AS_SAVED,
-                         warnings=[notes[-1]], label=source.label)
+                         warnings=[notes[-1]], label=source.label, auto_guide=AUTO_DIFFUSERS)
 
 
 def check_finite(loaded: LoadedWeights) -> None:

@@ -1,18 +1,17 @@
 """`python -m sample decode`: turn training's --sample-every latents (RUN/samples/step-*.safetensors) into PNGs."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
 from shared.runtime.cli import option
 from shared.runtime.distributed import process_state
 from shared.runtime.errors import UserError
 from shared.runtime.flags import DecodeFlags
+from shared.runtime.previews import read_preview
 from shared.tokenizers.pixels import to_uint8
 from shared.runtime.rundir import SAMPLES, step_of
 from shared.tokenizers.vae_match import check_loaded_vae, check_vae_matches, choose_vae, load_vae
@@ -31,31 +30,6 @@ class DecodeOptions(DecodeFlags):
     out: str | None = option(None, "output folder (default: the file's path without .safetensors; with --all, one "
                                    "subfolder per file)")
     batch_size: int = option(16, "latents decoded per VAE call")
-
-
-def read_latents(path: Path) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """(latents (N,C,h,w) scaled, labels (N,), latent meta) from a training samples file; UserError if unusable."""
-    if not path.is_file():
-        raise UserError(f"latents file {path} does not exist; training writes them to RUN/samples/step-*.safetensors "
-                        f"when run with --sample-every.")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-            metadata = f.metadata() or {}
-        meta = json.loads(metadata.get("latents", "{}"))
-    except (SafetensorError, OSError, ValueError) as err:
-        raise UserError(f"cannot read {path} as a latents file ({err}); pass a RUN/samples/step-*.safetensors "
-                        f"file written by training.") from err
-    if "latents" not in tensors or tensors["latents"].dim() != 4:
-        raise UserError(f"{path} has no (N, C, h, w) 'latents' tensor; pass a RUN/samples/step-*.safetensors file.")
-    latents = tensors["latents"].float()
-    shape = meta.get("latent_shape")
-    if shape and list(latents.shape[1:]) != [int(n) for n in shape]:  # the VAE checks trust the metadata
-        raise UserError(f"{path} holds latents of shape {tuple(latents.shape[1:])} but its metadata describes "
-                        f"{tuple(shape)}: the file was altered or not written by training. Pass an unmodified "
-                        f"RUN/samples/step-*.safetensors file.")
-    labels = tensors.get("labels", torch.zeros(len(latents), dtype=torch.long)).long()
-    return latents, labels, meta
 
 
 def preview_files(folder: Path) -> list[Path]:
@@ -88,7 +62,7 @@ def run_decode(o: DecodeOptions) -> list[Path]:
     if o.batch_size < 1:
         raise UserError(f"--batch-size {o.batch_size} must be at least 1.")
     jobs = decode_jobs(o)
-    loaded = [(read_latents(path), path, out) for path, out in jobs]  # every file is checked before any decoding
+    loaded = [(read_preview(path), path, out) for path, out in jobs]  # every file is checked before any decoding
     spec, how = choose_vae(o.vae, loaded[-1][0][2])  # the VAE recorded with the newest file
     for (latents, _, meta), _, _ in loaded:
         name, _ = check_vae_matches(spec, o.vae_config, latents.shape[1], meta, o.allow_other_vae)
@@ -100,14 +74,14 @@ def run_decode(o: DecodeOptions) -> list[Path]:
 def decode_file(vae, name: str, how: str, data, path: Path, out: Path, o: DecodeOptions) -> Path:
     """Decode one preview file's latents into `out`."""
     latents, labels, meta = data
-    rescale, note = check_loaded_vae(vae, meta, o.allow_other_vae)
+    norm, note = check_loaded_vae(vae, meta, o.allow_other_vae)
     names = meta.get("class_names") or []
     print(f"decoding {len(latents)} latents from {path} with VAE {name} ({how})" + (f"; note: {note}" if note else ""))
     out.mkdir(parents=True, exist_ok=True)
     images = []
     with torch.inference_mode():
         for start in tqdm(range(0, len(latents), o.batch_size), unit="batch", desc="decoding"):
-            pixels = to_uint8(vae.decode(latents[start:start + o.batch_size] * rescale))  # (B, H, W, 3)
+            pixels = to_uint8(vae.decode(latents[start:start + o.batch_size], norm))  # (B, H, W, 3)
             for i, p in enumerate(pixels, start):
                 y = int(labels[i])
                 save_png(out / image_name(i, y, names[y] if 0 <= y < len(names) else None), p)

@@ -24,6 +24,7 @@ from shared.runtime.errors import ChoiceError, UserError
 from shared.runtime.flags import ALLOW_OTHER_VAE, VAE, VAE_CONFIG
 from shared.runtime.fsio import TMP_PREFIX, atomic_write_text, publish_dir, remove_tree
 from shared.network.models import ModelConfig
+from shared.tokenizers.norm import norm_of_meta
 from shared.tokenizers.vae_match import check_loaded_vae, check_vae_matches, choose_vae, load_vae
 
 from sample.checkpoint import WEIGHTS, LoadedWeights, load_sampling_weights
@@ -84,6 +85,18 @@ def check_representable(config: ModelConfig, where) -> None:
                         f"{PIPELINE_NULL_LABEL} (ImageNet's): guided sampling would index a class embedding that "
                         f"does not exist, or the wrong one. Only 1000-class models can be exported to diffusers; "
                         f"sample this one with `python -m sample --ckpt ...`.")
+
+
+def check_norm_exportable(latent_meta: dict | None, where) -> None:
+    """UserError unless the latents were trained with a plain scale: DiTPipeline only divides by scaling_factor."""
+    norm = norm_of_meta(latent_meta)
+    if norm is None or norm.kind == "scale":
+        return
+    raise UserError(f"{where} was trained on latents normalised as {norm.describe()} (train --latent-norm), but "
+                    f"diffusers' DiTPipeline only divides its latents by the VAE's scaling_factor before decoding, so "
+                    f"the exported pipeline would decode wrongly shifted or scaled latents into wrong colours or "
+                    f"noise. Sample this model with `python -m sample --ckpt ...`, which inverts the recorded "
+                    f"normalisation, or train with --latent-norm scale to export to diffusers.")
 
 
 def scheduler_config() -> dict:
@@ -172,14 +185,15 @@ def run_export(o: ExportOptions) -> Path:
     out = Path(o.out).expanduser()
     check_target(out)
     loaded = load_sampling_weights(o.ckpt, o.weights)
+    check_norm_exportable(loaded.latent_meta, loaded.path)
     check_representable(loaded.config, loaded.path)
     spec, how = choose_vae(o.vae, loaded.latent_meta)
     vae_name, _ = check_vae_matches(spec, o.vae_config, loaded.config.in_channels, loaded.latent_meta,
                                     o.allow_other_vae)
     vae = load_vae(vae_name, o.vae_config, "cpu", "fp32", tiling=False, slicing=False)
-    rescale, note = check_loaded_vae(vae, loaded.latent_meta, o.allow_other_vae)
-    if rescale != 1.0:  # DiTPipeline divides by its VAE's configured factor: make it the one used in training
-        vae.vae.register_to_config(scaling_factor=float(loaded.latent_meta["scaling_factor"]))
+    norm, note = check_loaded_vae(vae, loaded.latent_meta, o.allow_other_vae)
+    if norm.scale != vae.scaling_factor:  # DiTPipeline divides by its VAE's configured factor: the training one
+        vae.vae.register_to_config(scaling_factor=norm.scale)
     pipeline = _build_pipeline(loaded, vae.vae, _id2label(loaded))
     written = _write(pipeline, out, _readme(loaded, vae_name, note))
     for line in loaded.warnings:

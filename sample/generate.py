@@ -70,7 +70,8 @@ class SampleOptions(DecodeFlags):
         None, "flow samplers (euler, heun, sde): LightningDiT's timestep shift s, tau' = s tau / (1 + (s-1) tau); "
               "s < 1 puts more steps near noise (LightningDiT: 0.3; default 1 = none)")
     last_step_size: float | None = option(  # None: SiT's 0.04
-        None, "sde only: the size of SiT's final deterministic Mean step (default 0.04, as SiT)")
+        None, "sde only: the size of SiT's final deterministic Mean step, which ends at the data (default 0.04, "
+              "as SiT; with --time-shift the shifted grid ends at 1 - this size)")
     seed: int = SEED.field()
     batch_size: int = BATCH_SIZE.field(aliases=("--per-proc-batch-size",))
     precision: str = option("fp32", "DiT precision: fp32, or fp16/bf16 autocast", choices=tuple(PRECISIONS))
@@ -171,7 +172,7 @@ def make_settings(o: SampleOptions, job_fields: dict) -> dict:
     run = {k: v for k, v in options.items() if k in RUN_ONLY}
     run.update(num_samples=job_fields["num_samples"], out=str(job_fields["out"]), notes=loaded.notes,
                guidance=describe_guidance(o.guide_channels, loaded.config.in_channels, o.cfg_scale, o.cfg_interval,
-                                          job_fields["objective"].level_unit))
+                                          job_fields["objective"].level_unit, loaded.auto_guide))
     return json.loads(json.dumps({"identity": identity, "run": run}))
 
 
@@ -185,7 +186,7 @@ def resolve_job(o: SampleOptions) -> Job:
     sampler, options = resolve_sampler(o, objective)
     check_interval(o.cfg_interval, objective.level_range, objective.level_unit, objective.name)
     check_guidance(o.cfg_scale, loaded.config.has_null_class)
-    guided = guide_channel_count(o.guide_channels, loaded.config.in_channels)
+    guided = guide_channel_count(o.guide_channels, loaded.config.in_channels, loaded.auto_guide)
     names = (loaded.latent_meta or {}).get("class_names")
     plan = make_label_plan(o.class_labels, loaded.config.num_classes, o.random_labels, names)
     spec, how = choose_vae(o.vae, loaded.latent_meta)
@@ -213,7 +214,7 @@ class Drawer:
     options: dict  # the sampler's options
     steps: int
     vae: object
-    rescale: float
+    norm: object  # the LatentNorm training applied (shared/tokenizers/norm.py), inverted before decoding
     plan: LabelPlan
     seed: int
     latent_shape: tuple
@@ -227,30 +228,31 @@ class Drawer:
         x = self.objective.sample(self.sampler, self.model_fn, noise.to(self.device), self.steps, self.options,
                                   model_kwargs={"y": labels.to(self.device)}, generator=generators,
                                   progress=self.progress)  # (N, C, h, w)
-        images = self.vae.decode(x * self.rescale)  # (N, 3, H, W) in [-1, 1]
+        images = self.vae.decode(x, self.norm)  # (N, 3, H, W) in [-1, 1]
         return labels.tolist(), to_uint8(images)  # (N, H, W, 3)
 
 
 def load_checked_vae(job: Job, device):
-    """Load the VAE and compare its full identity with the latents' record -> (vae, rescale factor)."""
+    """Load the VAE and compare its full identity with the latents' record -> (vae, normalisation to invert)."""
     o, meta = job.options, job.loaded.latent_meta
     vae = load_vae(job.vae_name, o.vae_config, device, o.vae_precision, o.vae_tiling, o.vae_slicing)
-    rescale, note = check_loaded_vae(vae, meta, o.allow_other_vae)
+    norm, note = check_loaded_vae(vae, meta, o.allow_other_vae)
     if note:
         job.loaded.notes.append(note)
         print(f"note: {note}")
-    return vae, rescale
+    return vae, norm
 
 
-def make_drawer(job: Job, vae, rescale: float, device) -> Drawer:
+def make_drawer(job: Job, vae, norm, device) -> Drawer:
     """Build the model on `device` and wrap it for the chosen sampler and guidance."""
     o, config = job.options, job.loaded.config
     model = build_sampling_model(job.loaded, device)
     job.loaded.state_dict = {}  # the model holds the weights now; free the CPU copy
-    model_fn = guided_model_fn(model, o.cfg_scale, guide_channel_count(o.guide_channels, config.in_channels),
+    guided = guide_channel_count(o.guide_channels, config.in_channels, job.loaded.auto_guide)
+    model_fn = guided_model_fn(model, o.cfg_scale, guided,
                                o.precision, o.cfg_interval, job.objective.noise_level)
     latent_shape = (config.in_channels, config.input_size, config.input_size)
-    return Drawer(model_fn, job.objective, job.sampler, job.sampler_options, o.num_sampling_steps, vae, rescale,
+    return Drawer(model_fn, job.objective, job.sampler, job.sampler_options, o.num_sampling_steps, vae, norm,
                   job.plan, o.seed, latent_shape, torch.device(device))
 
 
@@ -321,7 +323,7 @@ def run_sample(o: SampleOptions) -> Path:
     state = process_state(o.cpu)
     job = resolve_job(o)  # every rank checks, before anyone writes
     set_tf32(state.device, o.tf32)
-    vae, rescale = load_checked_vae(job, state.device)  # a VAE that does not fit is refused before any write
+    vae, norm = load_checked_vae(job, state.device)  # a VAE that does not fit is refused before any write
     # One writer per --out: the main process holds the folder's lock until it exits (the OS drops it on a kill).
     with hold_lock(job.out, "sample folder") if state.is_main_process else contextlib.nullcontext():
         state.wait_for_everyone()
@@ -332,7 +334,7 @@ def run_sample(o: SampleOptions) -> Path:
             print(job.settings["run"]["guidance"])
             prepare_out(job, state.device)
         state.wait_for_everyone()
-        drawer = make_drawer(job, vae, rescale, state.device)
+        drawer = make_drawer(job, vae, norm, state.device)
         draw_missing(job, drawer, state.process_index, state.num_processes, state.is_main_process)
         state.wait_for_everyone()
         if state.is_main_process:

@@ -12,6 +12,7 @@ from PIL import Image, ImageDraw, ImageFont
 
 from shared.generative.samplers import SAMPLER_NAMES, SAMPLER_OPTIONS, sampler_options
 from shared.runtime.errors import UserError
+from shared.runtime.rerun import differences, listed
 from shared.runtime.fsio import TMP_PREFIX, atomic_write, atomic_write_text
 
 SETTINGS_NAME = "settings.json"
@@ -92,11 +93,10 @@ def check_out_dir(out: Path, settings: dict) -> None:
                         f"pass a new --out folder or delete it.") from err
     mine = settings["identity"]
     upgrade_identity(previous)
-    differ = sorted(k for k in set(previous) | set(mine) if previous.get(k) != mine.get(k))
+    differ = differences(previous, mine, nested=False)
     if differ:
-        detail = "; ".join(f"{k}: {previous.get(k)!r} there, {mine.get(k)!r} now" for k in differ[:4])
         raise UserError(
-            f"--out {out} holds images of another run ({detail}). Resuming would mix two runs' images: "
+            f"--out {out} holds images of another run ({listed(differ)}). Resuming would mix two runs' images: "
             f"pass a new --out folder, or rerun with the settings recorded in {path}."
         )
 

@@ -30,10 +30,12 @@ from shared.runtime.distributed import process_state
 from shared.runtime.errors import UserError
 from shared.runtime.flags import DecodeFlags
 from shared.runtime.lock import LOCK_NAME, FolderBusyError, hold_lock
+from shared.runtime.previews import read_preview
+from shared.runtime.trackers import check_report_to
 from shared.tokenizers.vae import read_vae_config
 from shared.tokenizers.vae_match import check_vae_matches, choose_vae, load_vae
 
-from sample.decode import DecodeOptions, decode_file, read_latents
+from sample.decode import DecodeOptions, decode_file
 from sample.outputs import captions_for, image_name, labelled_grid, read_png, save_png
 
 REPORT_TO = ("auto", "tensorboard", "none")
@@ -200,13 +202,6 @@ class PreviewTracker:
             self.writer.close()
 
 
-def check_report_to(mode: str) -> None:
-    """An explicit --report-to tensorboard needs the package; auto only notes its absence."""
-    if mode == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
-        raise UserError("--report-to tensorboard needs the tensorboard package, which is not installed: "
-                        "`pip install tensorboard`, or pass --report-to none (the grids are written either way).")
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Decoding one file
 # ---------------------------------------------------------------------------------------------------------
@@ -225,7 +220,7 @@ class Decoder:
 
     def decode(self, run: Path, step: int, path: Path) -> np.ndarray:
         """`sample decode` of one preview file into RUN/samples/step-X/, then its labelled grid -> the grid."""
-        data = read_latents(path)
+        data = read_preview(path)
         latents, labels, meta = data
         spec, how = choose_vae(self.o.vae, meta)
         name, _ = check_vae_matches(spec, self.o.vae_config, latents.shape[1], meta, self.o.allow_other_vae)
@@ -260,7 +255,7 @@ def check_options(o: WatchOptions) -> Path:
         raise UserError(f"--interval {o.interval} must be a positive number of seconds.")
     if o.vae:
         read_vae_config(o.vae, o.vae_config)  # a bad --vae is said now, not when the first preview arrives
-    check_report_to(o.report_to)
+    check_report_to(o.report_to, "the grids are written either way", REPORT_TO)  # auto only notes an absence
     return run
 
 

@@ -100,5 +100,5 @@ def test_a_refused_resume_shows_the_values_that_differ(tmp_path, capsys):
     run = tmp_path / "run"
     assert train_main(train_args(first, run, "--max-steps", "1")) == 0
     message = expect_user_error(capsys, train_args(other, run, "--max-steps", "2"))
-    assert "num_samples 32 vs 40 now" in message and re.search(r"index_sha256 [0-9a-f]{12} vs [0-9a-f]{12} now",
-                                                                message), message
+    assert "num_samples: 32 -> 40" in message and re.search(r"index_sha256: '[0-9a-f]{12}' -> '[0-9a-f]{12}'",
+                                                             message), message

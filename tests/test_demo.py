@@ -88,10 +88,10 @@ def test_committed_vae_loads_and_reconstructs_recognisable_digits(digits):
     with torch.no_grad():
         mean, std = vae.encode_moments(x)  # (N, 4, 8, 8)
         assert mean.shape == (300, 4, 8, 8)
-        z = draw_latents(mean, std, vae.scaling_factor, generator=torch.Generator().manual_seed(0))
+        z = draw_latents(mean, std, vae.norm, generator=torch.Generator().manual_seed(0))
         # The committed scaling factor gives the DiT latents of about unit spread.
         assert 0.8 < float(z.std()) < 1.25
-        recon = vae.decode(mean * vae.scaling_factor)  # (N, 3, 32, 32)
+        recon = vae.decode(vae.norm.apply(mean))  # (N, 3, 32, 32)
     pixels = ((recon.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
     assert class_match(pixels, labels) > 0.95
     assert float(torch.mean((recon.clamp(-1, 1) - x) ** 2)) < 0.05

@@ -217,7 +217,8 @@ def test_flow_training_records_its_objective(flow_run):
     assert all(math.isfinite(v) for v in losses) and sum(losses[-3:]) < sum(losses[:3])
     assert json.loads((run / "config.json").read_text())["objective"] == "flow"
     export = sorted((run / "exports").glob("*.safetensors"))[-1]
-    assert read_config(export).objective == "flow" and read_config(export).objective_args == {"convention": "sit"}
+    assert read_config(export).objective == "flow"
+    assert read_config(export).objective_args == {"convention": "sit", "time_dist_shift": 1.0}
     assert (run / "samples" / "step-0000012.safetensors").is_file()
 
 

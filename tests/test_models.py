@@ -59,7 +59,7 @@ def closed_form_params(depth, width, patch, tokens, channels=4, classes=1000):
     return embed + cond + depth * block + final
 
 
-@pytest.mark.parametrize("name", [n for n in PRESETS if n != "DiT-T/2"])
+@pytest.mark.parametrize("name", [n for n in PRESETS if n != "DiT-T/2" and not PRESETS[n].get("head_depth")])
 def test_official_presets_parameter_counts(name):
     arch = PRESETS[name]
     with torch.device("meta"):
@@ -79,7 +79,9 @@ def test_preset_table_is_official():
         for patch in (2, 4, 8):
             assert PRESETS[f"DiT-{size}/{patch}"] == dict(depth=depth, hidden_size=width, patch_size=patch,
                                                           num_heads=heads)
-    assert len(DiT_models) == 13 and "DiT-T/2" in DiT_models
+    assert len([n for n in DiT_models if not n.startswith("DiTDH-")]) == 18 and "DiT-T/2" in DiT_models
+    assert {n for n in DiT_models if n.startswith("DiTDH-")} == {"DiTDH-S", "DiTDH-XL", "DiTDH-T"}  # RAE's (+ tiny)
+    assert "DiT-XL/1" in DiT_models and "DiT-T/1" in DiT_models
 
 
 # ----------------------------------------------------------------------------------------------

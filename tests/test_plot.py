@@ -8,7 +8,8 @@ import pytest
 from PIL import Image
 
 from shared.runtime.rundir import read_step_rows
-from train.plot import auto_weight, eval_lines, eval_title, main, panels, smooth
+from shared.runtime.evalcurve import SERIES_KEYS, metric_lines, metric_title, same_series
+from train.plot import auto_weight, main, panels, smooth
 
 
 def write_jsonl(path: Path, rows, tail: str = "") -> None:
@@ -46,11 +47,25 @@ def test_every_panel_is_drawn_from_what_the_run_logged(run, capsys):
 def test_evaluations_made_two_ways_are_two_labelled_lines():
     rows = [{"step": s, "fid": 10.0 / s, "cfg_scale": cfg, "sampler": "ddim", "seconds": 3.0}
             for s in (1, 2) for cfg in (1.5, 4.0)]
-    assert eval_lines(rows, "fid") == [("cfg_scale 1.5", [1, 2], [10.0, 5.0]), ("cfg_scale 4.0", [1, 2], [10.0, 5.0])]
-    assert eval_lines(rows[:1], "fid") == [(None, [1], [10.0])]
+    assert metric_lines(rows, "fid") == [("cfg_scale 1.5", [1, 2], [10.0, 5.0]), ("cfg_scale 4.0", [1, 2], [10.0, 5.0])]
+    assert metric_lines(rows[:1], "fid") == [(None, [1], [10.0])]
     digits = [{**row, "feature_network": "digits"} for row in rows]
-    assert eval_title(digits, "fid") == "digits FD" and eval_title(rows, "fid") == "fid"
-    assert eval_title([*digits, {"step": 3, "fid": 1.0, "feature_network": "inception"}], "fid") == "fid"
+    assert metric_title(digits, "fid") == "digits FD" and metric_title(rows, "fid") == "fid"
+    assert metric_title([*digits, {"step": 3, "fid": 1.0, "feature_network": "inception"}], "fid") == "fid"
+
+
+def test_a_guidance_interval_is_its_own_series_in_both_pictures():
+    """curves.png (train.plot) and eval.png (evaluate run) group points by the same settings: a point measured
+    with a guidance interval never joins the line of one measured without, nor counts as already evaluated."""
+    from evaluate.curve import RunEvalOptions, settings_of
+
+    plain = {"step": 1, "fid": 9.0, "cfg_scale": 4.0, "sampler": "ddim"}
+    rows = [plain, {**plain, "step": 2, "fid": 7.0, "cfg_interval": [0.0, 0.89]}]
+    assert metric_lines(rows, "fid") == [("cfg_interval None", [1], [9.0]), ("cfg_interval (0.0, 0.89)", [2], [7.0])]
+    settings = {"cfg_scale": 4.0, "sampler": "ddim"}
+    assert same_series(rows, settings) == [plain] and same_series(rows, {**settings, "cfg_interval": (0, 0.89)}) == rows[1:]
+    options = RunEvalOptions(run="r", num_samples=2, cfg_interval=(0.0, 0.89))
+    assert set(settings_of(options)) <= set(SERIES_KEYS)  # every setting evaluate records separates series
 
 
 def test_out_flag_and_only_eval_metrics(tmp_path):

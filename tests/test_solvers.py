@@ -241,7 +241,7 @@ def test_cli_ddim_eta_is_recorded_and_guards_resume(run_dir, tmp_path, capsys, m
     assert json.loads((tmp_path / "det" / "settings.json").read_text())["identity"]["ddim_eta"] == 0.0
     assert pngs(out) != pngs(tmp_path / "det")
     code, err = run_sample(sample_argv(run_dir, out, "--sampler", "ddim", "--ddim-eta", 0.5, "--num-samples", 2), capsys)
-    assert code == 2 and "ddim_eta: 1.0 there, 0.5 now" in err
+    assert code == 2 and "ddim_eta: 1.0 -> 0.5" in err
     monkeypatch.chdir(tmp_path)
     argv = ["--ckpt", run_dir, "--num-sampling-steps", 3, "--cpu", "--sampler", "ddim", "--num-samples", 1]
     assert run_sample([*argv, "--ddim-eta", 0.5], capsys)[0] == 0
@@ -260,7 +260,7 @@ def test_cli_resumes_a_ddim_folder_written_before_ddim_eta_existed(run_dir, tmp_
     assert run_sample(sample_argv(run_dir, out, "--sampler", "ddim", "--num-samples", 2), capsys)[0] == 0
     assert len(pngs(out)) == 2
     code, err = run_sample(sample_argv(run_dir, out, "--sampler", "ddim", "--ddim-eta", 1, "--num-samples", 3), capsys)
-    assert code == 2 and "ddim_eta: 0.0 there, 1.0 now" in err
+    assert code == 2 and "ddim_eta: 0.0 -> 1.0" in err
 
 
 @pytest.mark.parametrize("extra,message", [

@@ -1,5 +1,6 @@
 """The train stage end to end on tiny synthetic shards: loss, resume, precision, accumulation, processes, errors."""
 import json
+import os
 import random
 from pathlib import Path
 
@@ -38,7 +39,9 @@ def test_loss_falls_and_run_folder_layout(latents, tmp_path):
     assert json.loads((run / "config.json").read_text())["grad_accum_steps"] == 1
     from shared.runtime.export import load_weights
 
-    sd, model_config, latent_meta, step = load_weights(run / "exports" / "ema-step-0000016.safetensors")
+    export = run / "exports" / "ema-step-0000016.safetensors"
+    sd, model_config, latent_meta, step = load_weights(export)
+    assert os.path.samefile(export, ckpt / "ema.safetensors")  # the EMA is stored once: the export is a hard link
     assert step == 16 and model_config.input_size == 4 and latent_meta["scaling_factor"] == 0.5
     sample = load_file(run / "samples" / "step-0000016.safetensors")
     assert sample["latents"].shape == (8, 4, 4, 4) and torch.isfinite(sample["latents"]).all()
@@ -66,6 +69,10 @@ def test_keep_last_retention_and_optional_features(latents, tmp_path):
     assert checkpoints(run) == ["step-0000003", "step-0000004"]
     assert [m["lr"] for m in metrics(run)] == pytest.approx([5e-4, 1e-3, 1e-3, 5e-4], abs=1e-12)  # warmup, then cosine
     assert sorted(p.name for p in (run / "exports").iterdir()) == [f"ema-step-000000{i}.safetensors" for i in (1, 2, 3, 4)]
+    # Exports are hard links to their checkpoints' EMA: pruning a checkpoint leaves its export whole and alone.
+    assert [os.stat(run / "exports" / f"ema-step-000000{i}.safetensors").st_nlink for i in (1, 2, 3, 4)] == [1, 1, 2, 2]
+    assert load_file(run / "exports" / "ema-step-0000001.safetensors").keys() == load_file(
+        run / "checkpoints" / "step-0000004" / "ema.safetensors").keys()
 
 
 def test_previews_with_the_ema_on_the_cpu_follow_the_configured_guidance(latents, tmp_path):

@@ -9,6 +9,7 @@ import torch
 
 from tests.conftest import ROOT, make_tiny_vae
 from shared.runtime.errors import SettingError, UserError, advise
+from shared.tokenizers.norm import LatentNorm
 from shared.tokenizers.vae import LatentVAE, downsample_factor, draw_latents, read_vae_config, resolve_vae_spec
 
 
@@ -37,13 +38,16 @@ def test_round_trip_shapes_and_identity(tmp_path):
     vae = LatentVAE.load(folder)
     mean, std = vae.encode_moments(_images(size=16))
     assert mean.shape == std.shape == (2, 4, 4, 4) and mean.dtype == torch.float32
-    images = vae.decode(draw_latents(mean, std, vae.scaling_factor))
+    images = vae.decode(draw_latents(mean, std, vae.norm))
     assert images.shape == (2, 3, 16, 16) and images.dtype == torch.float32
     assert images.min() >= -1 and images.max() <= 1
     config = json.loads((folder / "config.json").read_text())
     assert vae.identity == {
         "source": str(folder.resolve()),
+        "class": "AutoencoderKL",
         "scaling_factor": config["scaling_factor"],
+        "norm": LatentNorm.scale_only(config["scaling_factor"], "the VAE config's scaling_factor").to_dict(),
+        "deterministic": False,
         "latent_channels": 4,
         "downsample_factor": 4,
         "config_sha256": vae.identity["config_sha256"],
@@ -115,7 +119,7 @@ def test_draws_have_the_stored_mean_and_std():
     std = torch.tensor([[[[0.5, 2.0]], [[1e-3, 1.0]]]])
     scale = 0.25
     g = torch.Generator().manual_seed(0)
-    draws = torch.cat([draw_latents(mean, std, scale, generator=g) for _ in range(20000)])
+    draws = torch.cat([draw_latents(mean, std, LatentNorm.scale_only(scale), generator=g) for _ in range(20000)])
     torch.testing.assert_close(draws.mean(0), (mean * scale)[0], atol=0.03 * scale * 2.0, rtol=0)
     torch.testing.assert_close(draws.std(0), (std * scale)[0], atol=0.02 * scale * 2.0, rtol=0.02)
 
@@ -123,11 +127,11 @@ def test_draws_have_the_stored_mean_and_std():
 def test_draws_with_one_generator_per_row_do_not_depend_on_the_batch():
     mean, std = torch.randn(3, 4, 2, 2), torch.rand(3, 4, 2, 2)
     gens = [torch.Generator().manual_seed(10 + i) for i in range(3)]
-    batch = draw_latents(mean, std, 0.5, generator=gens)
-    alone = draw_latents(mean[1:2], std[1:2], 0.5, generator=[torch.Generator().manual_seed(11)])
+    batch = draw_latents(mean, std, LatentNorm.scale_only(0.5), generator=gens)
+    alone = draw_latents(mean[1:2], std[1:2], LatentNorm.scale_only(0.5), generator=[torch.Generator().manual_seed(11)])
     torch.testing.assert_close(batch[1:2], alone)
-    same = draw_latents(mean, std, 0.5, generator=torch.Generator().manual_seed(3))
-    again = draw_latents(mean, std, 0.5, generator=torch.Generator().manual_seed(3))
+    same = draw_latents(mean, std, LatentNorm.scale_only(0.5), generator=torch.Generator().manual_seed(3))
+    again = draw_latents(mean, std, LatentNorm.scale_only(0.5), generator=torch.Generator().manual_seed(3))
     torch.testing.assert_close(same, again)
 
 

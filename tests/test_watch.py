@@ -18,7 +18,8 @@ from sample.outputs import read_png
 from sample.watch import WatchOptions, end_reason, run_is_locked
 from shared.runtime.lock import hold_lock
 from tests.helpers import LAUNCHER, cli, finish, make_latents, trace, train_args
-from train.preview import preview_labels, save_preview
+from shared.runtime.previews import write_preview as write_preview_file
+from train.preview import preview_labels
 
 ROOT = Path(__file__).resolve().parents[1]
 SCALE = 0.18215  # the tiny test VAE's scaling factor (diffusers' default), recorded with the latents
@@ -30,7 +31,7 @@ def write_preview(run: Path, step: int, channels: int = 4) -> Path:
     """RUN/samples/step-X.safetensors as training writes it: 8 latents of 4 classes."""
     latents = torch.randn(8, channels, 4, 4, generator=torch.Generator().manual_seed(step))
     meta = {**META, "latent_shape": [channels, 4, 4], "vae": {**META["vae"], "latent_channels": channels}}
-    return save_preview(run / "samples" / f"step-{step:07d}.safetensors", latents, preview_labels(4), meta, step)
+    return write_preview_file(run / "samples" / f"step-{step:07d}.safetensors", latents, preview_labels(4), meta, step)
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """Test-side launcher: `python tests/train_launcher.py <train flags>` runs python -m train with callbacks.
 
 Everything here belongs to the tests, not to the product: it registers train.callbacks hooks (and, for
-pause points, wraps one product function) according to environment variables:
+the prune pause point, wraps one product function) according to environment variables:
 
   TRACE_DIR=DIR        each rank writes DIR/rank-<r>.json: stream positions seen, DDP all-reduce calls per
                        micro-step, a weight hash, and whether diffusers was imported in this process at any
@@ -29,7 +29,6 @@ import torch  # noqa: E402
 
 from shared.datasets import shards
 from train import checkpoint as ckpt_io  # noqa: E402
-from train import loop  # noqa: E402
 from train.__main__ import main  # noqa: E402
 from train.callbacks import Callback  # noqa: E402
 
@@ -128,6 +127,15 @@ class PauseAfterCheckpoint(Callback):
             pause(f"checkpoint:{self.step}")
 
 
+class PauseBeforeExport(Callback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_publish(self, run, path):
+        if run.step == self.step:
+            pause(f"export:{self.step}")
+
+
 class Perturb(Callback):
     def __init__(self, rank):
         self.rank = rank
@@ -143,14 +151,7 @@ def install_pause(kind: str, step: int, callbacks: list) -> None:
     if kind == "checkpoint":
         callbacks.append(PauseAfterCheckpoint(step))
     elif kind == "export":
-        real = loop.write_export
-
-        def write_export(run):
-            if run.step == step:
-                pause(f"export:{step}")
-            return real(run)
-
-        loop.write_export = write_export
+        callbacks.append(PauseBeforeExport(step))
     elif kind == "prune":
         def remove_tree(path):
             os.replace(path, path.with_name(f".tmp-del-{path.name}"))  # renamed, not deleted: a kill mid-prune

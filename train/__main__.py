@@ -12,7 +12,8 @@ PROG = "python -m train"
 # Which flag sets each domain vocabulary that shared/ may report a bad value of.
 FLAGS = {"model preset": "--model", "attention backend": "--attention", "precision": "--precision",
          "guide-channel choice": "--sample-guide-channels", "run folder": "--results-dir", "vae": "--watch-vae",
-         "objective": "--objective"}
+         "objective": "--objective", "time dist shift": "--time-dist-shift", "head depth": "--head-depth",
+         "head width": "--head-width", "head heads": "--head-heads"}
 
 
 def objective_flags() -> dict:

@@ -18,8 +18,12 @@ class Callback:
     def on_step_end(self, run, result: dict) -> None:
         """After an optimizer step: result = {loss, grad_norm, skipped}; run.step is already advanced."""
 
+    def on_publish(self, run, path) -> None:
+        """Main process only: the checkpoint folder `path` was just renamed into place, and its EMA export is not
+        written yet (the moment a kill leaves a checkpoint without its export)."""
+
     def on_checkpoint(self, run, path) -> None:
-        """After a checkpoint was published (all processes)."""
+        """After a checkpoint was published and exported (all processes)."""
 
     def on_train_end(self, run) -> None:
         """After the last step and its checkpoint."""
@@ -43,6 +47,9 @@ class CallbackList(Callback):
 
     def on_step_end(self, run, result: dict) -> None:
         self._each("on_step_end", run, result)
+
+    def on_publish(self, run, path) -> None:
+        self._each("on_publish", run, path)
 
     def on_checkpoint(self, run, path) -> None:
         self._each("on_checkpoint", run, path)

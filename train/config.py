@@ -16,15 +16,19 @@ from pathlib import Path
 
 from shared.runtime.cli import HelpFormatter, argument_of, add_flags, flag_name, from_args, option
 from shared.runtime.flags import PLUGIN
-from shared.runtime.errors import UserError
+from shared.runtime.errors import SettingError, UserError
+from shared.runtime.rerun import differences
 from shared.generative.guidance import GUIDE_CHANNELS
-from shared.network.models import ATTENTION_BACKENDS, BLOCK_FIELDS, BLOCKS, MLPS, NORMS, block_options, check_preset
+from shared.generative.flow import auto_shift, check_shift
+from shared.network.models import (ATTENTION_BACKENDS, BLOCK_FIELDS, BLOCKS, HEAD_FIELDS, MLPS, NORMS, block_options,
+                                   check_preset, default_block, preset_head)
 from shared.generative.objectives import objective_help, training_flags
 from train.recipes import RECIPE_HELP, RECIPES, apply_recipe
 from shared.runtime.precision import PRECISION_CHOICES, canonical_precision
-from train.trackers import DEFAULT_REPORT_TO, REPORT_TO
+from shared.tokenizers.norm import NORM_CHOICES, NORM_HELP, LatentNorm
+from shared.runtime.trackers import DEFAULT_REPORT_TO, REPORT_TO
 
-LR_SCHEDULES = ("constant", "cosine")
+LR_SCHEDULES = ("constant", "cosine", "linear")
 OPTIMIZERS = ("adamw", "adamw8bit")
 EMA_DEVICES = ("gpu", "cpu")
 DEFAULT_MAX_STEPS = 400_000  # the paper's headline training length (DiT Table 4: FID-50K at 400K steps)
@@ -32,8 +36,9 @@ DEBUG_STEPS = 5
 LEGACY_OBJECTIVE_FIELDS = ("time_sampling", "time_loc", "time_scale", "cos_weight")  # top-level keys of old configs
 
 # Changing one of these changes the experiment: a resume that differs is refused.
-IDENTITY_FIELDS = ("model", "objective", "objective_options", "global_batch_size",
+IDENTITY_FIELDS = ("model", "objective", "objective_options", "time_dist_shift", "global_batch_size",
                    "seed", "optimizer", "adam_betas", "weight_decay", "ema_decay", "class_dropout_prob") + BLOCK_FIELDS
+IDENTITY_FIELDS += HEAD_FIELDS
 # REPA (shared/network/repa.py): its settings change the experiment too.
 REPA_FIELDS = ("repa_weight", "repa_depth", "repa_projector_dim", "repa_feature_dim")
 IDENTITY_FIELDS += REPA_FIELDS
@@ -42,7 +47,17 @@ ROUTE_FIELDS = ("route_ratio", "route_start", "route_end")
 IDENTITY_FIELDS += ROUTE_FIELDS
 # Data identity: what a checkpoint's latent folder must share with the one given now.
 DATA_FIELDS = ("num_samples", "latent_shape", "flips", "num_classes", "image_size", "scaling_factor", "vae",
-               "index_sha256")
+               "index_sha256", "latent_norm")
+
+
+def float_or_auto(text: str):
+    """argparse type: a number, or 'auto' (resolved from the latent shape)."""
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or auto, got {text!r}") from None
 
 
 def int_or_auto(text: str):
@@ -70,6 +85,11 @@ class TrainConfig:
     plugin: list | None = PLUGIN.field()
     # The objective's training fields (--time-sampling, ... derived from the registry): those given, then resolved.
     objective_options: dict = field(default_factory=dict)
+    time_dist_shift: float | str = option(
+        1.0, "flow only: RAE's shift s of the training times towards noise, t' = s t / (1 + (s-1) t) in RAE's time "
+             "(1 = noise), recorded with the model so sampling shifts its grid the same way; auto: sqrt(C*H*W / "
+             "4096) of the latent shape (RAE: 6.93 for 768x16x16 tokens; 1 for SD-VAE's 4x32x32) (default 1 = "
+             "none)", type=float_or_auto, metavar="S|auto")
     # Block options (shared.network.models.BLOCKS): None until resolve_block fills them from --block (default "dit").
     block: str | None = option(
         None, "the transformer block preset: dit: LayerNorm + GELU MLP, absolute positions only (DiT); lightning: "
@@ -88,6 +108,15 @@ class TrainConfig:
     qk_norm: bool | None = option(
         None, "normalise queries and keys per head before attention (RMSNorm with --norm rmsnorm, else LayerNorm); "
               "steadies fp16/bf16 training (default: the --block's)", action=argparse.BooleanOptionalAction)
+    latent_norm: str = option(
+        "auto", "how latents are normalised before the DiT sees them (recorded in every checkpoint and export, "
+                "inverted by every decode): " + "; ".join(f"{k}: {v}" for k, v in NORM_HELP.items()),
+        choices=NORM_CHOICES)
+    head_depth: int | None = option(
+        None, "blocks of the wide shallow DiT^DH head after the body (RAE: 2), conditioned per token on the body's "
+              "output; 0 = none (default: the --model preset's: 2 for DiTDH-*, 0 for DiT-*)")
+    head_width: int | None = option(None, "width of the DiT^DH head (RAE: 2048; default: the preset's)")
+    head_heads: int | None = option(None, "attention heads of the DiT^DH head (RAE: 16; default: the preset's)")
     global_batch_size: int = option(256, "images per optimizer step over all processes (DiT: 256)")
     micro_batch_size: int | str | None = option(  # "auto": train/autotune.py (None: the whole per-process batch)
         "auto", "images per forward pass per process; gradient accumulation = global batch / (micro batch x "
@@ -105,8 +134,9 @@ class TrainConfig:
                 "off). auto (default): on a GPU only as much as memory needs; off on the CPU", nargs="?", const=1,
         metavar="K", type=int_or_auto)
     lr: float = option(1e-4, "peak learning rate (DiT: 1e-4)")
-    lr_schedule: str = option("constant", "constant (DiT) or cosine decay to 0 at the last step, after the warmup",
-                              choices=LR_SCHEDULES)
+    lr_schedule: str = option("constant", "constant (DiT), or cosine or linear decay to --final-lr at the last step, "
+                                          "after the warmup (RAE: linear)", choices=LR_SCHEDULES)
+    final_lr: float = option(0.0, "cosine/linear schedules: the LR reached at the last step (RAE: 2e-5)")
     warmup_steps: int = option(0, "linear LR warmup from 0 over this many steps")
     adam_betas: tuple = option((0.9, 0.999), "AdamW betas", type=float, nargs=2,
                                metavar=("B1", "B2"))
@@ -136,7 +166,8 @@ class TrainConfig:
     sample_cfg_scale: float | None = option(
         None, "guidance scale of the previews (default 4.0, or 1 = none when --class-dropout-prob is 0)")
     sample_guide_channels: str = option(
-        "all", "latent channels the previews guide: all (default), or 3 as the official DiT sampler",
+        "all", "latent channels the previews guide: all (default; what sample and evaluate run guide for this run "
+               "with --guide-channels auto), or 3 as the official DiT sampler",
         choices=GUIDE_CHANNELS)
     report_to: str = option(
         DEFAULT_REPORT_TO, "experiment tracker for loss, LR, grad norm, speed, memory, skipped steps and the fp16 "
@@ -221,16 +252,20 @@ def add_block_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return add_flags(p, TrainConfig, only=("block", *BLOCK_FIELDS))
 
 
-def block_from_args(args: argparse.Namespace) -> dict:
-    """{norm, mlp, rope, qk_norm} the block flags ask for (preset, then overrides)."""
-    return block_options(args.block or "dit", **{k: getattr(args, k) for k in BLOCK_FIELDS})
+def block_from_args(args: argparse.Namespace, model: str = "DiT-XL/2") -> dict:
+    """{norm, mlp, rope, qk_norm} the block flags ask for (preset, then overrides; default: the model's block)."""
+    return block_options(args.block or default_block(model), **{k: getattr(args, k) for k in BLOCK_FIELDS})
 
 
 def resolve_block(cfg: TrainConfig) -> TrainConfig:
-    """Fill the unset block options from cfg.block's preset (default dit); returns cfg."""
-    cfg.block = cfg.block or "dit"
+    """Fill the unset block options from cfg.block's preset (default: the model's) and the head from the model."""
+    check_preset(cfg.model)
+    cfg.block = cfg.block or default_block(cfg.model)
     for key, value in block_options(cfg.block, **{k: getattr(cfg, k) for k in BLOCK_FIELDS}).items():
         setattr(cfg, key, value)
+    for key, value in preset_head(cfg.model).items():
+        if getattr(cfg, key) is None:
+            setattr(cfg, key, value)
     return cfg
 
 
@@ -275,7 +310,7 @@ def config_from_args(args: argparse.Namespace, explicit=frozenset()) -> TrainCon
 
 _POSITIVE = ("global_batch_size", "micro_batch_size", "max_steps", "epochs", "ckpt_every", "log_every",
              "sample_steps", "image_size")
-_NON_NEGATIVE = ("repa_weight", "grad_checkpoint", "keep_last", "keep_exports", "sample_every", "warmup_steps", "num_workers",
+_NON_NEGATIVE = ("repa_weight", "final_lr", "grad_checkpoint", "keep_last", "keep_exports", "sample_every", "warmup_steps", "num_workers",
                  "max_nonfinite", "weight_decay", "max_grad_norm", "seed")
 
 
@@ -311,28 +346,69 @@ def grad_accum_steps(global_batch: int, micro_batch: int | None, world_size: int
     return micro, per_process // micro
 
 
-def data_identity(dataset) -> dict:
-    """What identifies a latent folder for resume checks (shared.datasets.shards.LatentDataset -> JSON dict)."""
+def data_identity(dataset, norm: LatentNorm) -> dict:
+    """What identifies a latent folder and its normalisation for resume checks (LatentDataset -> JSON dict)."""
     index_bytes = (Path(dataset.root) / "index.json").read_bytes()
     return {
         "num_samples": len(dataset), "latent_shape": list(dataset.latent_shape), "flips": dataset.flips,
         "num_classes": dataset.num_classes, "image_size": dataset.image_size,
-        "scaling_factor": dataset.scaling_factor, "vae": dataset.vae,
-        "index_sha256": hashlib.sha256(index_bytes).hexdigest(),
+        "scaling_factor": dataset.vae.get("scaling_factor"), "vae": dataset.vae,
+        "index_sha256": hashlib.sha256(index_bytes).hexdigest(), "latent_norm": norm.to_dict(),
         **({"repr_encoder": dataset.meta["repr_encoder"]} if "repr_encoder" in dataset.meta else {}),
     }
 
 
 def _check_model_fits(cfg: TrainConfig, latent_shape) -> None:
-    """UserError when the preset cannot take latents of this size."""
-    from shared.network.models import PRESETS
+    """UserError when the preset cannot take latents of this size, or is too narrow for their tokens (RAE)."""
+    from shared.network.ddt import check_head
+    from shared.network.models import PRESETS, token_width_problem
 
     channels, height, width = latent_shape
     patch = PRESETS[cfg.model]["patch_size"]
     if height != width or height % patch:
+        fits = [name for name, arch in PRESETS.items() if height == width and height % arch["patch_size"] == 0
+                and arch["hidden_size"] >= channels * arch["patch_size"] ** 2]
         raise UserError(f"the latents are {channels}x{height}x{width} but {cfg.model} needs square latents whose "
                         f"side is a multiple of its patch size {patch}; extract square images of a size whose "
-                        "latent side the patch divides, or pick a preset with a smaller patch.")
+                        f"latent side the patch divides, or pick a preset with a smaller patch"
+                        f"{' (' + ', '.join(fits) + ')' if fits else ''}.")
+    head = {k: getattr(cfg, k) for k in HEAD_FIELDS}
+    check_head(**head)
+    problem = token_width_problem(cfg.model, channels, head)
+    if problem:
+        raise SettingError(f"the latents are {channels}x{height}x{width}, and {problem}")
+
+
+def resolve_latent_norm(choice: str, dataset) -> LatentNorm:
+    """The normalisation `--latent-norm` asks for on this folder, or a UserError naming the fix."""
+    native = dataset.native_norm
+    root = dataset.root
+    if choice == "auto":
+        if native is None:
+            raise UserError(f"{root}/index.json records no normalisation for its tokenizer; pass --latent-norm "
+                            f"channel (after `python -m extract --stats --out {root}`) or none.")
+        return native
+    if choice == "none":
+        return LatentNorm.none()
+    if choice == "channel":
+        stats = dataset.latent_stats
+        if not stats:
+            raise UserError(f"--latent-norm channel needs the per-channel statistics of {root}, which was extracted "
+                            f"without them. Add them from the stored moments, without encoding again: `python -m "
+                            f"extract --stats --out {root}` (then rerun this command), or pick --latent-norm auto.")
+        return LatentNorm.channel(stats["mean"], stats["std"], 1.0, source=f"the per-channel statistics of {root}")
+    scale = dataset.vae.get("scaling_factor")
+    if choice == "scale":
+        if scale is None:
+            raise UserError(f"--latent-norm scale needs the tokenizer's scaling_factor, but {dataset.vae.get('source')} "
+                            f"({dataset.vae.get('class')}) has none; pass --latent-norm auto (its own convention: "
+                            f"{native.describe() if native else 'none recorded'}) or channel.")
+        return LatentNorm.scale_only(scale, source="the VAE config's scaling_factor")
+    if native is None or native.kind != "shift-scale":
+        raise UserError(f"--latent-norm shift-scale needs a tokenizer with a shift_factor (SD3, FLUX.1), but the one "
+                        f"of {root} ({dataset.vae.get('source')}) has none: its own convention is "
+                        f"{native.describe() if native else 'unrecorded'}. Pass --latent-norm auto, scale or channel.")
+    return native
 
 
 def _check_image_size(cfg: TrainConfig, dataset) -> None:
@@ -350,9 +426,11 @@ def check_config(cfg: TrainConfig, dataset) -> None:
     _check_ranges(cfg)
     check_preset(cfg.model)
     resolve_block(cfg)
+    _resolve_shift(cfg, dataset.latent_shape)
     _check_objective(cfg)
     _check_image_size(cfg, dataset)
     _check_model_fits(cfg, dataset.latent_shape)
+    resolve_latent_norm(cfg.latent_norm, dataset)
     _resolve_repa(cfg, dataset)
     _resolve_route(cfg, dataset.latent_shape)
 
@@ -363,7 +441,7 @@ def resolve_config(cfg: TrainConfig, dataset, world_size: int) -> TrainConfig:
     cfg.world_size = world_size
     cfg.micro_batch_size, cfg.grad_accum_steps = grad_accum_steps(
         cfg.global_batch_size, cfg.micro_batch_size, cfg.world_size)
-    cfg.data = data_identity(dataset)
+    cfg.data = data_identity(dataset, resolve_latent_norm(cfg.latent_norm, dataset))
     if cfg.epochs is not None:
         cfg.total_steps = math.ceil(cfg.epochs * len(dataset) / cfg.global_batch_size)
     else:
@@ -394,6 +472,13 @@ def _resolve_repa(cfg: TrainConfig, dataset) -> None:
     cfg.repa_feature_dim = dim
 
 
+def _resolve_shift(cfg: TrainConfig, latent_shape) -> None:
+    """--time-dist-shift auto: RAE's sqrt(C H W / 4096) of these latents; a number is checked as it is."""
+    if cfg.time_dist_shift == "auto":
+        cfg.time_dist_shift = round(auto_shift(latent_shape), 6)  # recorded; 6 digits keep resume comparisons exact
+    check_shift(cfg.time_dist_shift)
+
+
 def route_span(model: str, latent_side: int, ratio: float, start: int | None, end: int | None) -> tuple[int, int]:
     """The route's (start, end) blocks, TREAD's where not given (2, depth - 4), checked against the preset; UserError."""
     from shared.network.models import PRESETS
@@ -415,6 +500,10 @@ def _resolve_route(cfg: TrainConfig, latent_shape) -> None:
             raise UserError(f"{' and '.join(given)} place a token route, but routing is off (--route-ratio 0); pass "
                             "--route-ratio (TREAD: 0.5) to route tokens, or drop the flag.")
         return
+    if cfg.head_depth:
+        raise UserError(f"token routing (--route-ratio {cfg.route_ratio}) is not implemented for a model with the "
+                        "DiT^DH head (--head-depth, the DiTDH presets): drop --route-ratio, or train a DiT preset "
+                        "without the head.")
     cfg.route_start, cfg.route_end = route_span(cfg.model, latent_shape[-1], cfg.route_ratio, cfg.route_start,
                                                 cfg.route_end)
     if cfg.repa_weight > 0 and cfg.repa_depth > cfg.route_start:
@@ -427,9 +516,14 @@ def _resolve_route(cfg: TrainConfig, latent_shape) -> None:
 
 def _check_objective(cfg: TrainConfig) -> None:
     """The objective and its training settings build (e.g. no flow-only setting on a ddpm run); fills them in."""
-    from shared.generative.objectives import make_objective, training_args
+    from shared.generative.objectives import OBJECTIVES, make_objective, recorded_fields, training_args
 
     cfg.objective_options = training_args(make_objective(cfg.objective, **cfg.objective_options))
+    recorded = {f.name for f in recorded_fields(OBJECTIVES[cfg.objective])}
+    if cfg.time_dist_shift != 1.0 and "time_dist_shift" not in recorded:
+        raise SettingError(f"{{time dist shift}} {cfg.time_dist_shift:g} applies to the flow objective only (it shifts "
+                           f"its training times and sampling grid); the {cfg.objective} objective has no such shift. "
+                           "Drop it, or train with {objective} flow.")
 
 
 def _resolve_preview_guidance(cfg: TrainConfig) -> None:
@@ -459,34 +553,49 @@ def _data_mismatch(saved: dict, current: dict) -> str | None:
         if saved.get(key) != current.get(key):
             return (f"the checkpoint was trained on latents with {key} {saved.get(key)!r}, but --latents has "
                     f"{current.get(key)!r} (another VAE or image size)")
-    diffs = [f"{k} {_short(saved.get(k))} vs {_short(current.get(k))} now" for k in DATA_FIELDS
-             if saved.get(k) != current.get(k)]
+    norm = _norm_mismatch(saved, current)
+    if norm:
+        return norm
+    diffs = differences(saved, current, tuple(k for k in DATA_FIELDS if k != "latent_norm"), nested=False)
     return f"the latent folder differs from the checkpoint's ({', '.join(diffs)})" if diffs else None
 
 
-def _short(value):
-    """A value as a refusal shows it: hashes cut to 12 characters (enough to tell two folders apart)."""
-    return value[:12] if isinstance(value, str) and len(value) == 64 else value
+def trained_norm(data: dict) -> LatentNorm | None:
+    """The normalisation a run's data identity records (runs from before the record: a plain scale)."""
+    if isinstance(data.get("latent_norm"), dict):
+        return LatentNorm.from_dict(data["latent_norm"])
+    scale = data.get("scaling_factor")
+    return LatentNorm.scale_only(float(scale)) if scale is not None else None
+
+
+def _norm_mismatch(saved: dict, current: dict) -> str | None:
+    """A sentence when the resumed run's normalisation (kind or numbers) differs from the one resolved now."""
+    before, now = trained_norm(saved), trained_norm(current)
+    if before is None or now is None or before == now:
+        return None
+    return (f"the checkpoint was trained on latents normalised as {before.describe()} ({before.source or 'recorded'}), "
+            f"but this command gives {now.describe()} ({now.source}); the network learned the first scale, so the "
+            f"run cannot continue on another. Pass the --latent-norm it was started with, and the latent folder "
+            f"whose statistics it used")
+
+
+def latent_meta_of(cfg: TrainConfig, dataset) -> dict:
+    """The latent metadata of this run's checkpoints, exports and previews: the folder's, plus the normalisation."""
+    return {**dataset.latent_meta(), "latent_norm": cfg.data["latent_norm"]}
 
 
 def resume_differences(saved: TrainConfig, current: TrainConfig) -> tuple[list[str], list[str]]:
     """(refused differences, allowed differences) between a checkpoint's config and the current one."""
-    refused = [f"{k}: {getattr(saved, k)!r} -> {getattr(current, k)!r}" for k in IDENTITY_FIELDS
-               if _norm(getattr(saved, k)) != _norm(getattr(current, k))]
+    recorded, now = vars(saved), vars(current)
+    refused = differences(recorded, now, IDENTITY_FIELDS, nested=False)
     data = _data_mismatch(saved.data, current.data)
     if data:
         refused.append(data)
     # "block" only names a preset; the options it resolves to are identity fields.
     skip = set(IDENTITY_FIELDS) | {"data", "results_dir", "resume", "dry_run", "debug", "latents", "image_size",
                                    "block"}
-    allowed = [f"{f.name}: {getattr(saved, f.name)!r} -> {getattr(current, f.name)!r}" for f in fields(TrainConfig)
-               if f.name not in skip and _norm(getattr(saved, f.name)) != _norm(getattr(current, f.name))]
+    allowed = differences(recorded, now, [f.name for f in fields(TrainConfig) if f.name not in skip], nested=False)
     return refused, allowed
-
-
-def _norm(value):
-    """Compare tuples and lists alike (JSON round trips turn one into the other)."""
-    return list(value) if isinstance(value, (tuple, list)) else value
 
 
 def check_resume(saved: TrainConfig, current: TrainConfig, where: Path) -> list[str]:

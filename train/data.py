@@ -39,7 +39,8 @@ class PositionedSampler(torch.utils.data.Sampler):
 class TrainingDraws(torch.utils.data.Dataset):
     """Wraps a LatentDataset: a batch of (position, index) pairs -> the tensors one training micro-step needs.
 
-    Output of `__getitems__` (B samples): x0 (B,C,h,w) fp32 fresh latents scaled by the VAE factor, label
+    Output of `__getitems__` (B samples): x0 (B,C,h,w) fp32 fresh latents normalised by `norm` (the run's
+    shared/tokenizers/norm.py record; default: the tokenizer's own convention), label
     (B,) int64, drop (B,) bool (class dropout), t (B,) the objective's times (int64 DiT timesteps, or float32
     flow times), noise (B,C,h,w) fp32, position
     (B,) int64: each sample's global stream position, which keys all of its draws. With `features` (REPA), also
@@ -48,10 +49,12 @@ class TrainingDraws(torch.utils.data.Dataset):
     """
 
     def __init__(self, dataset: LatentDataset, seed: int, class_dropout_prob: float, objective,
-                 features: bool = False, route: tuple[int, int] | None = None):
+                 features: bool = False, route: tuple[int, int] | None = None, norm=None):
         self.dataset, self.seed, self.class_dropout_prob = dataset, seed, class_dropout_prob
+        self.norm = norm or dataset.native_norm
         self.objective = objective  # shared.generative.objectives.Objective: draws each sample's time
-        self.columns = ("mean", "std", *((REPR_TENSOR,) if features else ()))  # other columns are never read
+        spread = () if dataset.deterministic else ("std",)  # a deterministic tokenizer's latent has no std
+        self.columns = ("mean", *spread, *((REPR_TENSOR,) if features else ()))  # other columns are never read
         self.route = route
 
     def __len__(self) -> int:
@@ -70,8 +73,8 @@ class TrainingDraws(torch.utils.data.Dataset):
         variant = torch.cat([torch.randint(0, flips, (1,), generator=g) for g in gens])  # (B,)
         # Only the drawn flip of each column is read (the other frames' bytes stay on disk).
         batch = self.dataset.gather(np.array([i for _, i in pairs], dtype=np.int64), self.columns,
-                                    variant.tolist())  # mean/std (B, C, h, w)
-        x0 = draw_latents(batch["mean"], batch["std"], self.dataset.scaling_factor, generator=gens)  # (B, C, h, w) fp32
+                                    variant.tolist())  # mean/std (B, C, h, w); no std from a deterministic tokenizer
+        x0 = draw_latents(batch["mean"], batch.get("std"), self.norm, generator=gens)  # (B, C, h, w) fp32, normalised
         noise = torch.stack([torch.randn(x0.shape[1:], generator=g) for g in gens])  # (B, C, h, w)
         out = {"x0": x0, "label": batch["label"].long(), "drop": drop, "t": t, "noise": noise, "position": positions}
         if self.route:  # drawn last, so the draws above are the same with routing on or off
@@ -88,11 +91,11 @@ def _passthrough(batch):
 
 def make_loader(dataset: LatentDataset, *, micro_batch: int, rank: int, world_size: int, seed: int, start: int,
                 class_dropout_prob: float, num_workers: int, pin_memory: bool, objective,
-                features: bool = False, route: tuple[int, int] | None = None) -> Iterator[dict]:
+                features: bool = False, route: tuple[int, int] | None = None, norm=None) -> Iterator[dict]:
     """An endless iterator of micro-batches for this rank, starting at global stream position `start`."""
     sampler = PositionedSampler(len(dataset), rank, world_size, seed, start)
     loader = torch.utils.data.DataLoader(
-        TrainingDraws(dataset, seed, class_dropout_prob, objective, features, route), batch_size=micro_batch,
+        TrainingDraws(dataset, seed, class_dropout_prob, objective, features, route, norm), batch_size=micro_batch,
         sampler=sampler,
         num_workers=num_workers, pin_memory=pin_memory, collate_fn=_passthrough,
         # Its own generator, so worker seeding never consumes the global torch RNG.

@@ -22,7 +22,8 @@ from tqdm import tqdm
 from shared.runtime import rundir
 from shared.runtime.errors import UserError
 from shared.runtime.export import first_nonfinite, nonfinite_tensors, save_weights
-from shared.runtime.fsio import atomic_write_text, space_guard
+from shared.runtime.fsio import atomic_write_text, link_file, space_guard
+from shared.runtime.previews import write_preview
 from shared.runtime.lock import FolderLock, hold_lock
 from shared.generative.objectives import plugin_of
 from shared.network.models import ModelConfig, resolve_attention
@@ -31,12 +32,13 @@ from shared.datasets.shards import LatentDataset
 from train import checkpoint as ckpt_io
 from train.callbacks import Callback, CallbackList
 from train.autotune import describe as describe_auto, resolve_auto_for
-from train.config import DEBUG_STEPS, TrainConfig, check_config, check_resume, resolve_config
+from train.config import (DEBUG_STEPS, TrainConfig, check_config, check_resume, latent_meta_of, resolve_config,
+                          trained_norm)
 from train.data import make_loader
 from train.latents import open_latents
 from train.launcher import check_strategy, resolve_precision_with_launcher
 from train.logger import RunLogger
-from train.preview import sample_preview, save_preview
+from train.preview import sample_preview
 from train.step import Learner, import_bitsandbytes, lr_at, make_learner, train_step
 from train.trackers import accelerator_kwargs, check_watch, default_callbacks
 
@@ -151,9 +153,15 @@ def seed_globals(seed: int, rank: int) -> None:
 def model_config_for(cfg: TrainConfig, dataset: LatentDataset) -> ModelConfig:
     """The DiT config for these latents."""
     channels, size, _ = dataset.latent_shape
+    # DDPM needs its learned variance; a flow model with the DiT^DH head predicts the velocity alone, as RAE's
+    # (out = in channels), while the plain presets keep DiT's/SiT's 2C outputs so their layouts stay the releases'.
+    learn_sigma = cfg.objective == "ddpm" or not cfg.head_depth
     return ModelConfig(model=cfg.model, input_size=size, in_channels=channels, num_classes=dataset.num_classes,
-                       norm=cfg.norm, mlp=cfg.mlp, rope=cfg.rope, qk_norm=cfg.qk_norm,
+                       learn_sigma=learn_sigma,
+                       norm=cfg.norm, mlp=cfg.mlp, rope=cfg.rope, qk_norm=cfg.qk_norm, head_depth=cfg.head_depth,
+                       head_width=cfg.head_width, head_heads=cfg.head_heads,
                        class_dropout_prob=cfg.class_dropout_prob, objective=cfg.objective,
+                       objective_args={"time_dist_shift": cfg.time_dist_shift} if cfg.time_dist_shift != 1.0 else {},
                        objective_plugin=plugin_of(cfg.objective))
 
 
@@ -326,7 +334,7 @@ def save_checkpoint(run: Run) -> Path | None:
 
 def _write_main(run: Run, tmp: Path) -> None:
     """Main process part of a checkpoint: weights, optimizer, scaler, state.json, publish, export, prune."""
-    learner, latent_meta = run.learner, run.dataset.latent_meta()
+    learner, latent_meta = run.learner, latent_meta_of(run.cfg, run.dataset)
     state = {"step": run.step, "data_position": run.data_position, "world_size": run.cfg.world_size,
              "skipped_steps": learner.skipped_steps, "config": run.cfg.to_dict()}
     ema_state = learner.ema.state_dict()
@@ -336,6 +344,7 @@ def _write_main(run: Run, tmp: Path) -> None:
                             scaler_state=learner.scaler.state_dict(), state=state,
                             projector_state=learner.projector.state_dict() if learner.projector is not None else None)
     final = ckpt_io.publish(tmp, run.run_dir, run.step)
+    run.callbacks.on_publish(run, final)
     write_export(run)
     pruned = ckpt_io.prune_checkpoints(run.run_dir, run.cfg.keep_last)
     pruned += ckpt_io.prune_exports(run.run_dir, run.cfg.keep_exports)
@@ -343,9 +352,18 @@ def _write_main(run: Run, tmp: Path) -> None:
 
 
 def write_export(run: Run) -> Path:
-    """The slim EMA export of the current step (what `python -m sample --ckpt RUN` reads)."""
-    return save_weights(rundir.export_path(run.run_dir, run.step), run.learner.ema.state_dict(),
-                        run.learner.model_config, run.dataset.latent_meta(), run.step)
+    """The slim EMA export of the current step (what `python -m sample --ckpt RUN` reads).
+
+    The checkpoint of this step already holds these bytes (its EMA file is written by the same save_weights with
+    the same metadata), so the export is a hard link to it: the EMA is stored once (2.7 GB at XL/2), and pruning
+    the checkpoint leaves the export whole. A fresh write where there is no such checkpoint or no hard link.
+    """
+    path = rundir.export_path(run.run_dir, run.step)
+    stored = rundir.checkpoint_path(run.run_dir, run.step) / rundir.EMA_FILE
+    if stored.is_file() and link_file(stored, path):
+        return path
+    return save_weights(path, run.learner.ema.state_dict(), run.learner.model_config,
+                        latent_meta_of(run.cfg, run.dataset), run.step)
 
 
 def save_samples(run: Run) -> None:
@@ -359,8 +377,8 @@ def save_samples(run: Run) -> None:
                                              run.learner.objective)
         finally:
             ema.to(home)
-        path = save_preview(rundir.sample_path(run.run_dir, run.step), latents, labels, run.dataset.latent_meta(),
-                            run.step)
+        path = write_preview(rundir.sample_path(run.run_dir, run.step), latents, labels,
+                             latent_meta_of(run.cfg, run.dataset), run.step)
         run.logger.info(f"saved samples {path}")
     run.accelerator.wait_for_everyone()
 
@@ -472,7 +490,8 @@ def run_loop(run: Run) -> dict:
                          world_size=run.accelerator.num_processes, seed=cfg.seed, start=run.data_position,
                          class_dropout_prob=cfg.class_dropout_prob, num_workers=loader_workers(run),
                          pin_memory=run.device.type == "cuda", objective=run.learner.objective,
-                         features=run.learner.projector is not None, route=run.learner.route)
+                         features=run.learner.projector is not None, route=run.learner.route,
+                         norm=trained_norm(cfg.data))
     meter, last = Meter(), {}
     bar = tqdm(total=total, initial=run.step, desc="train", unit="step", disable=not run.is_main, dynamic_ncols=True)
     with bar:

@@ -33,7 +33,7 @@ from shared.runtime.precision import autocast_dtype
 from train.config import TrainConfig
 from shared.generative.objectives import objective_of
 from train.data import synthetic_batch
-from train.step import forward_loss, make_learner, train_step
+from train.step import build_model, forward_loss, make_learner, train_step  # noqa: F401 (build_model: plan, bench)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -54,20 +54,6 @@ def model_config(model: str, image_size: int, vae_factor: int = 8, latent_channe
     check_preset(model)
     return ModelConfig(model=model, input_size=latent_size(image_size, vae_factor),
                        in_channels=latent_channels, num_classes=num_classes, **(block or {}))
-
-
-def build_model(config: ModelConfig, device="meta", attention="auto", grad_checkpoint_every=0, init=True):
-    """Build the DiT on `device`; init=False allocates zero-filled weights (fast; for measuring only)."""
-    if init or str(device) == "meta":
-        with torch.device(device):
-            return config.build(attention=attention, grad_checkpoint_every=grad_checkpoint_every)
-    with torch.device("meta"):
-        model = config.build(attention=attention, grad_checkpoint_every=grad_checkpoint_every)
-    model = model.to_empty(device=device)
-    with torch.no_grad():
-        for tensor in list(model.parameters()) + list(model.buffers()):
-            tensor.zero_()
-    return model
 
 
 def count_parameters(model) -> tuple[int, int]:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from shared.runtime import rundir
 from shared.runtime.errors import UserError, cli_errors
+from shared.runtime.evalcurve import draw_metric, is_number, metric_lines, metric_title, metrics_of
 from shared.runtime.fsio import atomic_write
 
 PROG = "python -m train.plot"
@@ -28,13 +29,6 @@ TRAIN_PANELS = (("loss", "training loss", "smoothed", "linear"), ("lr", "learnin
                 ("loss_scale", "fp16 loss scale", "line", "log"),
                 ("peak_mem_gb", "peak GPU memory (GiB)", "line", "linear"),
                 ("skipped_total", "skipped steps (total)", "line", "linear"))
-# Numeric eval.jsonl fields that describe how a metric was measured rather than being one (python -m evaluate's
-# record has num_samples, ref_count, pr_k, is_split_size, seconds beside its metrics).
-EVAL_SETTINGS = {"step", "seed", "num_samples", "cfg_scale", "num_sampling_steps", "sampling_steps", "batch_size",
-                 "ref_count", "pr_k", "is_split_size", "seconds"}
-# Fields of an eval.jsonl line that say how it was measured: lines that differ in one are separate curves.
-SERIES_KEYS = ("feature_network", "ref", "sampler", "num_sampling_steps", "cfg_scale", "guide_channels",
-               "num_samples", "seed")
 COLUMNS = 3
 LOG_RANGE = 20  # a "log" panel switches to a log axis when its values span more than this factor
 
@@ -43,25 +37,10 @@ LOG_RANGE = 20  # a "log" panel switches to a log axis when its values span more
 # Reading
 # ---------------------------------------------------------------------------------------------------------
 
-def is_number(value) -> bool:
-    """True for int/float values (not bools), NaN and inf included."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
     """(steps, values) of the rows that hold a number under `key`."""
     pairs = [(r["step"], float(r[key])) for r in rows if is_number(r.get(key))]
     return [p[0] for p in pairs], [p[1] for p in pairs]
-
-
-def eval_metrics(rows: list[dict]) -> list[str]:
-    """The quality metrics of eval.jsonl: every numeric field that is not a known setting, in first-seen order."""
-    keys: dict[str, None] = {}
-    for row in rows:
-        for key, value in row.items():
-            if key not in EVAL_SETTINGS and is_number(value):
-                keys[key] = None
-    return list(keys)
 
 
 def auto_weight(count: int) -> float:
@@ -94,18 +73,6 @@ def import_matplotlib():
     return Figure
 
 
-def eval_lines(rows: list[dict], key: str) -> list[tuple]:
-    """(label, steps, values) per evaluation setting (sampler, cfg, count, ...): one line each, labelled by
-    what differs, so points measured two ways never join into one zigzag."""
-    groups: dict[tuple, list[dict]] = {}
-    for row in rows:
-        if is_number(row.get(key)):
-            groups.setdefault(tuple((k, str(row.get(k))) for k in SERIES_KEYS), []).append(row)
-    differ = [i for i, k in enumerate(SERIES_KEYS) if len({tag[i][1] for tag in groups}) > 1]
-    return [(", ".join(f"{tag[i][0]} {tag[i][1]}" for i in differ) or None, *series(group, key))
-            for tag, group in groups.items()]
-
-
 def panels(train: list[dict], evals: list[dict]) -> list[tuple]:
     """(title, [(label, steps, values)], style, y scale) of every panel that has data."""
     out = []
@@ -113,15 +80,9 @@ def panels(train: list[dict], evals: list[dict]) -> list[tuple]:
         steps, values = series(train, key)
         if steps and not (key == "skipped_total" and not any(values)):
             out.append((title, [(None, steps, values)], style, scale))
-    for key in eval_metrics(evals):
-        out.append((f"{eval_title(evals, key)} ({rundir.EVAL_FILE})", eval_lines(evals, key), "points", "linear"))
+    for key in metrics_of(evals):  # one line per evaluation setting (shared/runtime/evalcurve.py), as in eval.png
+        out.append((f"{metric_title(evals, key)} ({rundir.EVAL_FILE})", metric_lines(evals, key), "points", "linear"))
     return out
-
-
-def eval_title(rows: list[dict], key: str) -> str:
-    """A metric's panel title: 'fid' measured only in the digits feature space is the digits FD, not an FID."""
-    networks = {row.get("feature_network") for row in rows if key in row}
-    return "digits FD" if key == "fid" and networks == {"digits"} else key
 
 
 def draw_panel(ax, title: str, lines: list[tuple], style: str, scale: str, weight: float | None) -> None:
@@ -133,11 +94,11 @@ def draw_panel(ax, title: str, lines: list[tuple], style: str, scale: str, weigh
             weight = auto_weight(len(values)) if weight is None else weight
             ax.plot(steps, values, color="tab:blue", alpha=0.25, linewidth=0.8, label="raw")
             ax.plot(steps, smooth(values, weight), color="tab:blue", linewidth=1.5, label=f"smoothed ({weight:.3g})")
-        elif style == "points":
-            ax.plot(steps, values, marker="o", markersize=3, label=label)
-        else:
+        elif style == "line":
             ax.plot(steps, values, color="tab:orange", linewidth=1.2)
-    if style == "smoothed" or len(lines) > 1:
+    if style == "points":
+        draw_metric(ax, lines)
+    elif style == "smoothed":
         ax.legend(fontsize="small")
     finite = [v for _, _, values in lines for v in values if math.isfinite(v)]
     if scale == "log" and finite and min(finite) > 0 and max(finite) > LOG_RANGE * min(finite):

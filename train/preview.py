@@ -1,20 +1,14 @@
 """--sample-every previews: EMA latents for fixed classes and fixed noise, saved without any VAE.
 
-RUN/samples/step-XXXXXXX.safetensors (name from shared/runtime/rundir.py) holds "latents" (N,C,h,w), already
-scaled by the VAE factor, and "labels" (N,), with metadata "latents" (the latent description) and "step";
-`python -m sample decode` turns it into images. Guidance is shared/generative/guidance.py's, the sampler's own.
+The file (RUN/samples/step-XXXXXXX.safetensors) is shared/runtime/previews.py's; `python -m sample decode`
+turns it into images. Guidance is shared/generative/guidance.py's, the sampler's own.
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import numpy as np
 import torch
-from safetensors.torch import save_file
 
 from shared.generative.objectives import run_sampler
-from shared.runtime.fsio import atomic_write
 from shared.generative.guidance import guide_channel_count, guided_model_fn
 from shared.runtime.seeding import generator_for
 
@@ -43,10 +37,3 @@ def sample_preview(model, latent_shape, num_steps: int, cfg_scale: float, guide_
     x = run_sampler(objective, objective.fast_sampler, model_fn, noise, num_steps, {},
                     model_kwargs=dict(y=labels))  # (N, C, h, w)
     return x.float().cpu(), labels.cpu()
-
-
-def save_preview(path: Path, latents: torch.Tensor, labels: torch.Tensor, latent_meta: dict, step: int) -> Path:
-    """Write a preview file atomically."""
-    metadata = {"latents": json.dumps(latent_meta), "step": str(int(step))}
-    tensors = {"latents": latents.contiguous(), "labels": labels.contiguous()}
-    return atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))

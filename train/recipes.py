@@ -13,6 +13,15 @@ which stay the user's:
   RMSNorm + SwiGLU + 2-D RoPE blocks; AdamW beta2 0.95 at lr 2e-4 (tuned for its batch 1024). Sample with
   `--sampler euler --num-sampling-steps 250 --time-shift 0.3 --cfg-interval 0 0.89` as its config does.
   Its VA-VAE latents and their per-channel normalisation are not part of the recipe here (SD-VAE latents).
+- rae (Zheng et al. 2025, bytetriper/RAE `configs/stage2/training/ImageNet256/DiTDH-XL_DINOv2-B.yaml`): flow
+  matching with logit-normal times (`time_dist_type: logit-normal_0_1`) shifted by sqrt(C*H*W / 4096)
+  (`time_dist_shift_dim` / `time_dist_shift_base`; --time-dist-shift auto), RMSNorm + SwiGLU + RoPE blocks
+  (`use_rmsnorm`, `use_swiglu`, `use_rope`), AdamW lr 2e-4 betas (0.9, 0.95) no weight decay (`optimizer`),
+  linear decay to 2e-5 (`scheduler`), EMA 0.9995 (`ema_decay`), gradient clipping 1.0 (`clip_grad`). Its
+  sampler (`sampler`: ODE, euler, num_steps 50) is `--sampler euler --num-sampling-steps 50`; the shift is
+  recorded with the model, so sampling applies it with no flag. The model (DiTDH-XL) and the tokenizer stay
+  the user's flags. See docs/rae.md for what differs (RAE holds the LR for 40 epochs and ends its decay at
+  epoch 800 of 1400; here the decay runs over the whole --max-steps).
 """
 from __future__ import annotations
 
@@ -23,11 +32,17 @@ RECIPES = {
     "sit": {"objective": "flow", "time_sampling": "uniform"},
     "lightning": {"objective": "flow", "time_sampling": "lognormal", "time_loc": 0.0, "time_scale": 1.0,
                   "cos_weight": 1.0, "block": "lightning", "lr": 2e-4, "adam_betas": (0.9, 0.95)},
+    "rae": {"objective": "flow", "time_sampling": "lognormal", "time_loc": 0.0, "time_scale": 1.0,
+            "time_dist_shift": "auto", "block": "lightning", "lr": 2e-4, "adam_betas": (0.9, 0.95),
+            "weight_decay": 0.0, "lr_schedule": "linear", "final_lr": 2e-5, "ema_decay": 0.9995,
+            "max_grad_norm": 1.0},
 }
 RECIPE_HELP = {"dit": "DiT: DDPM, DiT block, AdamW lr 1e-4",
                "sit": "SiT: flow matching, uniform times, DiT block, AdamW lr 1e-4",
                "lightning": "LightningDiT: flow, logit-normal times, cosine loss, RMSNorm+SwiGLU+RoPE, AdamW lr 2e-4 "
-                            "beta2 0.95"}
+                            "beta2 0.95",
+               "rae": "RAE stage 2: flow, logit-normal times shifted by sqrt(CHW/4096), RMSNorm+SwiGLU+RoPE, AdamW lr "
+                      "2e-4 beta2 0.95 linear to 2e-5, EMA 0.9995, clip 1"}
 
 
 def apply_recipe(cfg, explicit: set[str]):

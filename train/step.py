@@ -72,15 +72,21 @@ class AlignedDiT(torch.nn.Module):
 # Building the pieces
 # ---------------------------------------------------------------------------------------------------------
 
-def build_model(cfg: TrainConfig, model_config: ModelConfig) -> torch.nn.Module:
-    """The DiT in train mode, initialised identically on every rank (seeded by --seed)."""
-    torch.manual_seed(cfg.seed)
-    model = model_config.build(attention=cfg.attention, grad_checkpoint_every=cfg.grad_checkpoint)
-    if cfg.route_ratio > 0:  # TREAD: blocks route_start..route_end see only the kept tokens in training
-        model.set_routing(cfg.route_start, cfg.route_end)
-    # Train mode: the labels' class-dropout coin comes from the data (force_drop_ids), so the model's own
-    # global-RNG dropout never runs, while any train-mode layer added later is really on.
-    return model.train()
+def build_model(config: ModelConfig, device="cpu", attention="auto", grad_checkpoint_every=0, init=True):
+    """The DiT of `config` on `device`; init=False allocates zero-filled weights (fast; for measuring only).
+
+    The one builder: training (make_learner, seeded), the planner and the benchmark (train/memory.py) use it.
+    """
+    if init or str(device) == "meta":
+        with torch.device(device):
+            return config.build(attention=attention, grad_checkpoint_every=grad_checkpoint_every)
+    with torch.device("meta"):
+        model = config.build(attention=attention, grad_checkpoint_every=grad_checkpoint_every)
+    model = model.to_empty(device=device)
+    with torch.no_grad():
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            tensor.zero_()
+    return model
 
 
 def import_bitsandbytes():
@@ -142,7 +148,12 @@ def route_of(cfg: TrainConfig, raw: torch.nn.Module) -> tuple[int, int] | None:
 def make_learner(cfg: TrainConfig, model_config: ModelConfig, accelerator=None, device=None) -> Learner:
     """Model, EMA, optimizer and scaler on `device` (the accelerator's when given), compiled/wrapped as asked."""
     device = torch.device(accelerator.device if accelerator is not None else (device or "cpu"))
-    raw = build_model(cfg, model_config)
+    torch.manual_seed(cfg.seed)  # initialised identically on every rank
+    # Train mode: the labels' class-dropout coin comes from the data (force_drop_ids), so the model's own
+    # global-RNG dropout never runs, while any train-mode layer added later is really on.
+    raw = build_model(model_config, attention=cfg.attention, grad_checkpoint_every=cfg.grad_checkpoint).train()
+    if cfg.route_ratio > 0:  # TREAD: blocks route_start..route_end see only the kept tokens in training
+        raw.set_routing(cfg.route_start, cfg.route_end)
     projector = build_projector(cfg, raw)
     ema = build_ema(raw, cfg, device)
     raw.to(device)
@@ -164,13 +175,16 @@ def make_learner(cfg: TrainConfig, model_config: ModelConfig, accelerator=None, 
 # ---------------------------------------------------------------------------------------------------------
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """LR for the optimizer step after `step` steps: linear warmup, then constant or cosine to 0."""
+    """LR for the optimizer step after `step` steps: linear warmup, then constant, or cosine/linear to final_lr."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     if cfg.lr_schedule == "constant":
         return cfg.lr
     progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps))
-    return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+    final = cfg.final_lr
+    if cfg.lr_schedule == "linear":  # RAE's scheduler type linear: base_lr -> final_lr
+        return cfg.lr + (final - cfg.lr) * progress
+    return final + (cfg.lr - final) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def forward_loss(model, objective, batch: dict, precision: str, device) -> torch.Tensor:

@@ -10,7 +10,6 @@
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -20,10 +19,9 @@ from pathlib import Path
 
 from shared.runtime import rundir
 from shared.runtime.errors import UserError
+from shared.runtime.trackers import check_report_to
 from train.callbacks import Callback
 
-REPORT_TO = ("tensorboard", "wandb", "none")
-DEFAULT_REPORT_TO = "tensorboard"  # what diffusers' training examples default to, and needs no account
 WANDB_PROJECT = "dit"  # wandb project when WANDB_PROJECT is not set; the wandb run is named after RUN
 WATCH_THREADS = 2  # CPU threads of the watcher: decoding a preview must not starve the data loaders
 WATCH_INTERVAL_S = 2  # seconds between the watcher's looks for new previews (a folder listing: nothing)
@@ -35,23 +33,6 @@ ROOT = Path(__file__).resolve().parents[1]  # the repository: the watcher runs a
 # --report-to: checks and the Accelerate tracker
 # ---------------------------------------------------------------------------------------------------------
 
-def check_report_to(name: str) -> None:
-    """UserError when the tracker asked for is unknown or its package is not installed.
-
-    Why here: Accelerate drops a tracker whose package is missing with only a debug message, so a
-    researcher would find out days later that nothing was recorded.
-    """
-    if name not in REPORT_TO:
-        raise UserError(f"--report-to {name!r} is not a tracker this trainer knows; pass one of: "
-                        f"{', '.join(REPORT_TO)}.")
-    if name != "none" and importlib.util.find_spec(name) is None:
-        raise UserError(f"--report-to {name} needs the {name} package, which is not installed in this Python "
-                        f"environment ({sys.executable}). Install it with `pip install {name}`"
-                        f"{' (it is in requirements.txt)' if name == DEFAULT_REPORT_TO else ''}, or pass "
-                        "--report-to none: log.txt and metrics.jsonl are written either way, and "
-                        "`python -m train.plot RUN` draws their curves.")
-
-
 def tracking(cfg) -> bool:
     """Whether this launch reports to a tracker (--debug and --dry-run write nothing)."""
     return cfg.report_to != "none" and not (cfg.debug or cfg.dry_run)
@@ -59,7 +40,8 @@ def tracking(cfg) -> bool:
 
 def accelerator_kwargs(cfg) -> dict:
     """Arguments for `Accelerator(...)` that set up --report-to (after checking its package is installed)."""
-    check_report_to(cfg.report_to)
+    check_report_to(cfg.report_to, "log.txt and metrics.jsonl are written either way, and `python -m train.plot "
+                                    "RUN` draws their curves")
     if not tracking(cfg):
         return {}
     from accelerate.utils import ProjectConfiguration
@@ -151,7 +133,7 @@ def check_watch(cfg, dataset) -> None:
                         "pass --sample-every N, or drop --watch-vae.")
     from shared.tokenizers.vae_match import check_vae_matches
 
-    check_vae_matches(cfg.watch_vae, None, dataset.latent_shape[0], dataset.latent_meta())
+    check_vae_matches(cfg.watch_vae, None, dataset.latent_shape[0], dataset.latent_meta(), measure=False)
 
 
 def _vae_argument(spec: str) -> str:

@@ -262,8 +262,8 @@ def _check_meta(meta: dict) -> None:
     missing = [k for k in _REQUIRED_META if k not in meta]
     if missing:
         raise ValueError(f"write_index meta is missing {missing}")
-    if "scaling_factor" not in meta["vae"]:
-        raise ValueError("write_index meta['vae'] must include 'scaling_factor'")
+    if "scaling_factor" not in meta["vae"] and "norm" not in meta["vae"]:
+        raise ValueError("write_index meta['vae'] must include its normalisation ('norm' or 'scaling_factor')")
     if len(meta["class_names"]) != meta["num_classes"]:
         raise ValueError(f"{len(meta['class_names'])} class names for num_classes={meta['num_classes']}")
 
@@ -305,7 +305,7 @@ def _write_arrays(out_dir: Path, shards: list[ShardInfo]) -> dict:
 def write_index(out_dir, shard_infos, meta: dict) -> Path:
     """Validate the shards, write the per-sample sidecar, then index.json last (atomically); return its path.
 
-    `meta` must hold image_size, num_classes, class_names and vae (the VAE identity incl. scaling_factor);
+    `meta` must hold image_size, num_classes, class_names and vae (the VAE identity incl. its normalisation);
     any other keys are stored as given.
     """
     out_dir = Path(out_dir)
@@ -566,7 +566,17 @@ class LatentDataset(torch.utils.data.Dataset):
     dtype = property(lambda self: storage_dtype(self.meta["dtype"]).torch, doc="The latent's storage dtype (torch).")
     image_size = property(lambda self: int(self.meta["image_size"]), doc="Image side the latents encode.")
     vae = property(lambda self: dict(self.meta["vae"]), doc="VAE identity dict written by extract.")
-    scaling_factor = property(lambda self: float(self.meta["vae"]["scaling_factor"]), doc="VAE scaling factor.")
+    scaling_factor = property(lambda self: self.meta["vae"].get("scaling_factor"),
+                              doc="The tokenizer's scaling_factor if it has one (its normalisation: native_norm).")
+    latent_stats = property(lambda self: self.meta.get("latent_stats"),
+                            doc="The folder's per-channel statistics (index.json 'latent_stats'), or None.")
+
+    @property
+    def native_norm(self):
+        """The tokenizer's own normalisation (shared/tokenizers/norm.py LatentNorm) recorded in its identity."""
+        from shared.tokenizers.norm import native_norm_of_identity
+
+        return native_norm_of_identity(self.meta["vae"])
 
     tensor_names = property(lambda self: tuple(self._specs), doc="Names of the stored columns.")
     deterministic = property(lambda self: STD not in self._specs,
@@ -578,8 +588,9 @@ class LatentDataset(torch.utils.data.Dataset):
 
     def latent_meta(self) -> dict:
         """The latent description train stores in checkpoints and exports (shared/runtime/export.py's latent_meta)."""
-        return {"image_size": self.image_size, "scaling_factor": self.scaling_factor,
-                "latent_shape": list(self.latent_shape), "vae": self.vae, "class_names": self.class_names}
+        scale = {"scaling_factor": float(self.vae["scaling_factor"])} if "scaling_factor" in self.vae else {}
+        return {"image_size": self.image_size, **scale, "latent_shape": list(self.latent_shape), "vae": self.vae,
+                "class_names": self.class_names}
 
     def __len__(self) -> int:
         return int(self._starts[-1])

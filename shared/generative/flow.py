@@ -42,6 +42,32 @@ def shift_time(tau: torch.Tensor, shift: float) -> torch.Tensor:
     return shift * tau / (1 + (shift - 1) * tau)
 
 
+# RAE's dimension-dependent shift (Zheng et al. 2025, Sec. 4.2; bytetriper/RAE transport.py and its stage-2
+# configs' time_dist_shift_dim / time_dist_shift_base): s = sqrt(C H W / 4096), applied in RAE's time t (1 =
+# noise) as t' = s t / (1 + (s - 1) t) to every training time and to the sampling grid. Both shifts scale the
+# odds of their time, so in SiT time (tau = 1 - t) RAE's s is shift_time(tau, 1 / s); and two shifts compose by
+# multiplying: shift_time(shift_time(tau, a), b) = shift_time(tau, a b).
+SHIFT_BASE_DIM = 4096  # RAE's time_dist_shift_base: the dimension at which no shift is needed (64x64x1)
+
+
+def auto_shift(latent_shape) -> float:
+    """RAE's s = sqrt(C * H * W / 4096) for a latent (C, H, W): 6.93 for 768x16x16, 1 for 4x32x32."""
+    return math.sqrt(math.prod(int(n) for n in latent_shape) / SHIFT_BASE_DIM)
+
+
+def check_shift(shift: float) -> float:
+    """SettingError unless the recorded time distribution shift is a positive finite number."""
+    if not (isinstance(shift, (int, float)) and not isinstance(shift, bool) and math.isfinite(shift) and shift > 0):
+        raise SettingError(f"{{time dist shift}} {shift!r} must be a positive number (1 = none; RAE's auto = sqrt(C H "
+                           f"W / {SHIFT_BASE_DIM}), 6.93 for 768x16x16 tokens).")
+    return float(shift)
+
+
+def rae_shift(tau: torch.Tensor, shift: float) -> torch.Tensor:
+    """RAE's shift s (towards noise for s > 1) of SiT times tau (0 = noise): tau / (s - (s - 1) tau)."""
+    return tau if shift == 1.0 else shift_time(tau, 1.0 / shift)
+
+
 @dataclass(frozen=True)
 class FlowPath:
     """The linear path of one model convention: the model-call conversion and the training loss."""

@@ -33,7 +33,8 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from shared.generative.diffusion import NUM_TIMESTEPS, GaussianDiffusion, create_diffusion
-from shared.generative.flow import SDE_LAST_STEP, TIME_SAMPLINGS, FlowPath, check_convention, draw_time, make_process
+from shared.generative.flow import (SDE_LAST_STEP, TIME_SAMPLINGS, FlowPath, check_convention, check_shift, draw_time,
+                                   make_process, rae_shift)
 from shared.generative.samplers import get_sampler, sampler_options
 from shared.runtime.cli import FLAG_KEY, Flag, option
 from shared.runtime.errors import ChoiceError, SettingError, UserError
@@ -264,6 +265,9 @@ class FlowObjective:
 
     # Recorded: the direction of the network's time input ("sit": 0 = noise; "repa": 0 = data).
     convention: str = "sit"
+    # Recorded: RAE's dimension-dependent shift of the training times and the sampling grid (1 = none; flow.rae_shift;
+    # python -m train --time-dist-shift auto|S sets it, docs/rae.md).
+    time_dist_shift: float = 1.0
     # Training only (flags of python -m train):
     time_sampling: str = option("uniform", "how training draws the time: uniform (SiT) or lognormal, the sigmoid of "
                                            "a normal (SD3, LightningDiT)", choices=TIME_SAMPLINGS)
@@ -281,6 +285,7 @@ class FlowObjective:
 
     def __post_init__(self):
         check_convention(self.convention)
+        self.time_dist_shift = check_shift(self.time_dist_shift)
         if self.time_sampling not in TIME_SAMPLINGS:
             raise ChoiceError("time sampling", self.time_sampling, TIME_SAMPLINGS)
         if not self.time_scale > 0:
@@ -294,8 +299,8 @@ class FlowObjective:
         return FlowPath(self.convention)
 
     def draw_time(self, generator: torch.Generator) -> torch.Tensor:
-        """One training time tau (1,) float32 in SiT's convention (0 = noise)."""
-        return draw_time(generator, self.time_sampling, self.time_loc, self.time_scale)
+        """One training time tau (1,) float32 in SiT's convention (0 = noise), RAE's shift applied (RAE transport.sample)."""
+        return rae_shift(draw_time(generator, self.time_sampling, self.time_loc, self.time_scale), self.time_dist_shift)
 
     def training_losses(self, model_fn, x0, t, noise, model_kwargs=None) -> dict:
         """{"loss", "mse"[, "cos"]}, each (N,): x0 (N,C,h,w) clean latents, t (N,) SiT times, noise like x0."""
@@ -310,8 +315,10 @@ class FlowObjective:
         get_sampler(sampler, self)
         if steps < 1:
             raise SettingError(f"{{sampling steps}} {steps} must be at least 1.")
-        return make_process(self.path, sampler, steps, options.get("time_shift", 1.0),
-                            options.get("last_step_size", SDE_LAST_STEP))
+        # The recorded RAE shift s shapes the grid as in training (RAE's ode/sde grids); a sampler --time-shift a
+        # multiplies onto it (shifts compose by multiplying the odds: a / s in SiT time).
+        grid_shift = options.get("time_shift", 1.0) / self.time_dist_shift
+        return make_process(self.path, sampler, steps, grid_shift, options.get("last_step_size", SDE_LAST_STEP))
 
     def sample(self, sampler: str, model_fn, noise, steps: int, options: dict, model_kwargs=None, generator=None,
                progress=False):

@@ -70,9 +70,14 @@ def block_name(options):
     return next((name for name, preset in BLOCKS.items() if preset == chosen), "custom")
 
 
+def per_token(v):
+    """A modulation vector (N, D) broadcast over tokens as (N, 1, D); a per-token one (N, T, D) as it is."""
+    return v.unsqueeze(1) if v.dim() == 2 else v
+
+
 def modulate(x, shift, scale):
-    """adaLN modulation x * (1 + scale) + shift, broadcast over tokens."""
-    return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)  # (N, T, D)
+    """adaLN modulation x * (1 + scale) + shift: one (N, D) vector per image, or (N, T, D) per token (DiT^DH head)."""
+    return x * (1 + per_token(scale)) + per_token(shift)  # (N, T, D)
 
 
 class RMSNorm(nn.Module):
@@ -412,10 +417,10 @@ class DiTBlock(nn.Module):
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size, bias=True))
 
     def forward(self, x, c, rope=None):
-        """x (N, T, D) tokens, c (N, D) conditioning, rope RotaryEmbedding2d or None -> (N, T, D)."""
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c).chunk(6, dim=1)
-        x = x + gate_msa.unsqueeze(1) * self.attn(modulate(self.norm1(x), shift_msa, scale_msa), rope)
-        return x + gate_mlp.unsqueeze(1) * self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp))
+        """x (N, T, D) tokens, c (N, D) or per-token (N, T, D) conditioning, rope RotaryEmbedding2d or None -> (N, T, D)."""
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c).chunk(6, dim=-1)
+        x = x + per_token(gate_msa) * self.attn(modulate(self.norm1(x), shift_msa, scale_msa), rope)
+        return x + per_token(gate_mlp) * self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp))
 
 
 class FinalLayer(nn.Module):
@@ -428,8 +433,8 @@ class FinalLayer(nn.Module):
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size, bias=True))
 
     def forward(self, x, c):
-        """x (N, T, D), c (N, D) -> (N, T, p*p*out_channels)."""
-        shift, scale = self.adaLN_modulation(c).chunk(2, dim=1)
+        """x (N, T, D), c (N, D) or per-token (N, T, D) -> (N, T, p*p*out_channels)."""
+        shift, scale = self.adaLN_modulation(c).chunk(2, dim=-1)
         return self.linear(modulate(self.norm_final(x), shift, scale))
 
 
@@ -593,13 +598,73 @@ PRESETS = {
     f"DiT-{size}/{patch}": dict(depth=depth, hidden_size=width, patch_size=patch, num_heads=heads)
     for size, depth, width, heads in [("XL", 28, 1152, 16), ("L", 24, 1024, 16), ("B", 12, 768, 12),
                                       ("S", 12, 384, 6)]
-    for patch in (2, 4, 8)
+    # Patch 1 for latents of 16x16 or smaller (f16 / f32 tokenizers); LightningDiT-XL/1 is DiT-XL's shape at patch 1
+    for patch in (1, 2, 4, 8)
 }
 # Tiny preset for tests and the CPU demo, not an official size: 4.0M parameters in its 6 blocks,
 # 4.4M in all with 1000 classes at 256x256 (4.2M with 10 classes).
 PRESETS["DiT-T/2"] = dict(depth=6, hidden_size=192, patch_size=2, num_heads=3)
+PRESETS["DiT-T/1"] = dict(depth=6, hidden_size=192, patch_size=1, num_heads=3)
 
-DiT_models = {name: functools.partial(DiT, **arch) for name, arch in PRESETS.items()}
+# DiT^DH (RAE, bytetriper/RAE configs/stage2/training/ImageNet256/DiTDH-{S,XL}_DINOv2-B.yaml): a DiT-S or
+# DiT-XL body at patch 1, then 2 head blocks of width 2048 with 16 heads; RAE's block (RMSNorm, SwiGLU, 2-D
+# RoPE, no QK-norm) is the presets' default (DEFAULT_BLOCKS). DiTDH-T is ours: a tiny one for tests and the CPU.
+HEAD_FIELDS = ("head_depth", "head_width", "head_heads")
+RAE_HEAD = dict(head_depth=2, head_width=2048, head_heads=16)
+PRESETS["DiTDH-S"] = dict(depth=12, hidden_size=384, patch_size=1, num_heads=6, **RAE_HEAD)
+PRESETS["DiTDH-XL"] = dict(depth=28, hidden_size=1152, patch_size=1, num_heads=16, **RAE_HEAD)
+PRESETS["DiTDH-T"] = dict(depth=4, hidden_size=192, patch_size=1, num_heads=3, head_depth=2, head_width=384,
+                          head_heads=6)
+DEFAULT_BLOCKS = {name: "lightning" for name in PRESETS if name.startswith("DiTDH-")}  # else "dit"
+
+
+def _build_dit_dh(**kwargs):
+    """A DiT^DH (shared/network/ddt.py; imported late: it builds on this module)."""
+    from shared.network.ddt import DiTDH
+
+    return DiTDH(**kwargs)
+
+
+def preset_head(name: str) -> dict:
+    """{head_depth, head_width, head_heads} of a preset (all 0 for the plain DiT presets)."""
+    return {k: PRESETS[name].get(k, 0) for k in HEAD_FIELDS}
+
+
+def default_block(name: str) -> str:
+    """The BLOCKS name a preset is built with when no block option is given (DiT's, RAE's for DiTDH-*)."""
+    return DEFAULT_BLOCKS.get(name, "dit")
+
+
+def build_model(name: str, **kwargs):
+    """Preset `name` with `kwargs` overriding its architecture; a head (head_depth > 0) makes it a DiT^DH."""
+    arch = {**PRESETS[name], **kwargs}
+    if arch.get("head_depth", 0):
+        return _build_dit_dh(**arch)
+    return DiT(**{k: v for k, v in arch.items() if k not in HEAD_FIELDS})
+
+
+DiT_models = {name: functools.partial(build_model, name) for name in PRESETS}
+
+
+def token_width_problem(model: str, in_channels: int, head: dict | None = None) -> str | None:
+    """Why the preset (with `head`) is too narrow for tokens of in_channels x patch^2 values, or None.
+
+    RAE Sec. 4.1: a transformer whose width is below the token dimension cannot fit high-dimensional latents
+    (DINOv2-B: 768 per token); the fix is a wider model or the DiT^DH head. The stage that predicts the output
+    (the head when there is one) must be at least as wide as a token.
+    """
+    arch = PRESETS[model]
+    head = head or preset_head(model)
+    token = in_channels * arch["patch_size"] ** 2
+    width = head["head_width"] if head.get("head_depth") else arch["hidden_size"]
+    if width >= token:
+        return None
+    where = f"its head of width {width}" if head.get("head_depth") else f"width {width}"
+    return (f"{model} with {where} is narrower than the tokens it would predict: {in_channels} latent channels x "
+            f"patch {arch['patch_size']}^2 = {token} values per token. RAE (Zheng et al. 2025, Sec. 4.1) shows such "
+            f"a transformer cannot fit the latents; add the wide shallow DiT^DH head ({{head depth}} 2 "
+            f"{{head width}} 2048 {{head heads}} 16, as RAE), or use a DiTDH preset (DiTDH-S, DiTDH-XL), or a preset "
+            f"at least {token} wide.")
 
 
 def check_preset(name: str) -> None:
@@ -615,7 +680,8 @@ OBJECTIVE_FIELDS = ("objective", "objective_args", "objective_plugin")  # ModelC
 class ModelConfig:
     """Everything needed to rebuild a DiT; written into every checkpoint and export.
 
-    The block options default to the official DiT block, so configs written before they existed load as DiT.
+    The block options and the head default to the preset's (DiT's block and no head for the DiT presets, RAE's
+    block and head for DiTDH-*), so configs written before they existed load as they were trained.
     """
 
     model: str
@@ -624,20 +690,34 @@ class ModelConfig:
     num_classes: int = 1000
     learn_sigma: bool = True
     class_dropout_prob: float = 0.1
-    norm: str = "layernorm"
-    mlp: str = "gelu"
-    rope: bool = False
-    qk_norm: bool = False
+    norm: str | None = None  # None: the preset's block (default_block)
+    mlp: str | None = None
+    rope: bool | None = None
+    qk_norm: bool | None = None
+    # The DiT^DH head (shared/network/ddt.py): blocks, width and attention heads; None: the preset's (0 = none).
+    head_depth: int | None = None
+    head_width: int | None = None
+    head_heads: int | None = None
     # What the network was trained to predict (shared/generative/objectives.py): the registered objective's name,
-    # its recorded fields (e.g. flow: {"convention": "sit"}, the direction of its time input), and the --plugin
-    # module that registers it ("" for a built-in). Not architecture: build() ignores them.
+    # its recorded fields (e.g. flow: {"convention": "sit", "time_dist_shift": 1.0}: the direction of its time
+    # input, RAE's shift), and the --plugin module that registers it ("" for a built-in). Not architecture:
+    # build() ignores them.
     objective: str = "ddpm"
     objective_args: dict = field(default_factory=dict)
     objective_plugin: str = ""
 
     def __post_init__(self):
         check_preset(self.model)
+        preset = {**BLOCKS[default_block(self.model)], **preset_head(self.model)}
+        for name in (*BLOCK_FIELDS, *HEAD_FIELDS):
+            if getattr(self, name) is None:
+                setattr(self, name, preset[name])
         check_block_options(self.norm, self.mlp, self.rope, self.qk_norm)
+        from shared.network.ddt import check_head  # late: ddt builds on this module
+        check_head(self.head_depth, self.head_width, self.head_heads)
+        if self.model in DEFAULT_BLOCKS and not self.head_depth:
+            raise SettingError(f"{self.model} is a DiT^DH preset but {{head depth}} is 0; use a DiT preset for a "
+                               "model without the head.")
         from shared.generative.objectives import objective_of, recorded_args  # late: objectives imports samplers
         # Every recorded field written out (defaults too), so equal models have equal configs.
         self.objective_args = recorded_args(objective_of(self))
@@ -657,10 +737,15 @@ class ModelConfig:
         """{norm, mlp, rope, qk_norm}."""
         return {k: getattr(self, k) for k in BLOCK_FIELDS}
 
+    @property
+    def head(self) -> dict:
+        """{head_depth, head_width, head_heads} (all 0 without the DiT^DH head)."""
+        return {k: getattr(self, k) for k in HEAD_FIELDS}
+
     def build(self, attention="auto", grad_checkpoint_every=0):
-        """Instantiate the DiT this config describes."""
+        """Instantiate the DiT (a DiT^DH when it has a head) this config describes."""
         kwargs = {k: v for k, v in self.to_dict().items() if k not in ("model", *OBJECTIVE_FIELDS)}
-        return DiT_models[self.model](attention=attention, grad_checkpoint_every=grad_checkpoint_every, **kwargs)
+        return build_model(self.model, attention=attention, grad_checkpoint_every=grad_checkpoint_every, **kwargs)
 
     def to_dict(self):
         """Plain JSON-serialisable dict."""
@@ -735,13 +820,55 @@ def _mlp_width(mlp, width):
     return swiglu_hidden(width) if mlp == "swiglu" else 4 * width
 
 
+def _infer_head(state_dict, arch):
+    """The DiT^DH part of a state dict in RAE's layout (s_embedder = body, x_embedder = head): depths, head width."""
+    body_width = arch["hidden_size"]
+    widths = {int(m.group(1)): state_dict[k].shape[1] for k in state_dict
+              if (m := re.match(r"blocks\.(\d+)\.attn\.qkv\.weight$", k))}
+    depth = sum(1 for w in widths.values() if w == body_width)
+    head_width = _shape(state_dict, "x_embedder.proj.weight")[0]
+    return dict(depth=depth, head_depth=len(widths) - depth, head_width=head_width)
+
+
+def _heads_from_rope(state_dict, key, width):
+    """Attention heads read from a RoPE table (T, head_dim), or None without one."""
+    return width // state_dict[key].shape[1] if key in state_dict else None
+
+
+def _infer_dit_dh(state_dict, class_dropout_prob):
+    """ModelConfig of a DiT^DH state dict (RAE's DiTwDDTHead layout); UserError if no DiTDH preset fits."""
+    renamed = {("x_embedder" + k[len("s_embedder"):] if k.startswith("s_embedder") else k): v
+               for k, v in state_dict.items() if not k.startswith("x_embedder")}
+    arch = _infer_architecture(renamed)
+    arch.update(_infer_head(state_dict, arch), rope="enc_feat_rope.freqs_cos" in state_dict)
+    found = {k: arch[k] for k in ("depth", "hidden_size", "patch_size", "head_depth", "head_width")}
+    name = next((n for n, p in PRESETS.items() if p.get("head_depth") and {k: p[k] for k in found} == found), None)
+    if name is None:
+        raise UserError(f"these DiT^DH weights have body depth {arch['depth']} width {arch['hidden_size']}, head depth "
+                        f"{arch['head_depth']} width {arch['head_width']}, patch {arch['patch_size']}, which match no "
+                        f"DiTDH preset ({', '.join(n for n, p in PRESETS.items() if p.get('head_depth'))}). Use weights "
+                        "of a preset model.")
+    head_heads = _heads_from_rope(state_dict, "dec_feat_rope.freqs_cos", arch["head_width"]) or PRESETS[name]["head_heads"]
+    has_null = class_dropout_prob > 0 and arch["label_rows"] > 1
+    config = ModelConfig(
+        model=name, input_size=arch["input_size"], in_channels=arch["in_channels"],
+        num_classes=arch["label_rows"] - int(has_null), learn_sigma=arch["out_channels"] == 2 * arch["in_channels"],
+        class_dropout_prob=class_dropout_prob if has_null else 0.0, **{k: arch[k] for k in BLOCK_FIELDS},
+        head_depth=arch["head_depth"], head_width=arch["head_width"], head_heads=head_heads, objective="flow",
+    )
+    _check_layout(state_dict, config)
+    return config
+
+
 def infer_model_config(state_dict, class_dropout_prob=0.1):
-    """Recover the ModelConfig of a DiT state dict from its tensor shapes; UserError if no preset fits."""
+    """Recover the ModelConfig of a DiT (or DiT^DH) state dict from its tensor shapes; UserError if no preset fits."""
     # Shapes cannot tell whether the label table's last row is a null class; like the official
     # checkpoints we assume it is (num_classes = rows - 1) unless class_dropout_prob is 0.
+    if "s_embedder.proj.weight" in state_dict:  # RAE's DiTwDDTHead layout
+        return _infer_dit_dh(state_dict, class_dropout_prob)
     arch = _infer_architecture(state_dict)
     found = {k: arch[k] for k in ("depth", "hidden_size", "patch_size")}
-    name = next((n for n, p in PRESETS.items() if {k: p[k] for k in found} == found
+    name = next((n for n, p in PRESETS.items() if {k: p[k] for k in found} == found and not p.get("head_depth")
                  and arch["mlp_hidden"] == _mlp_width(arch["mlp"], p["hidden_size"]) and arch["square"]), None)
     if name is None:
         raise UserError(

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from shared.runtime.cli import Flag, add_flags
 from shared.generative.samplers import SAMPLER_NAMES, SAMPLERS
-from shared.generative.guidance import GUIDE_CHANNELS
+from shared.generative.guidance import GUIDE_CHANNELS, GUIDE_HELP
 from shared.runtime.precision import PRECISIONS
 
 # ---- code of the user's: objectives registered outside the package (train, sample, evaluate run) ----------
@@ -64,9 +64,7 @@ class DecodeFlags:
 
 # ---- drawing images from a DiT (sample, evaluate run) ------------------------------------------------------
 CFG_SCALE = Flag("classifier-free guidance scale; 1 = none (4.0 for pictures, 1.5 for FID)", 4.0)
-GUIDE = Flag("latent channels guided: 3 (the DiT release's quirk for 4-channel latents), all, or auto (3 for "
-             "4-channel latents, as the release; all otherwise); the rule used is printed", "auto",
-             choices=GUIDE_CHANNELS)
+GUIDE = Flag(GUIDE_HELP, "auto", choices=GUIDE_CHANNELS)
 SAMPLER = Flag("; ".join(f"{s.name} [{s.family}]: {s.help}" for s in SAMPLERS.values())
                + ". DiT's respacing calls the model at t = 0 too; the solvers' linspace spacing (diffusers' default) "
                  "steps from about t = 999/K straight to clean data. Default: the objective's own (ddpm for DDPM "

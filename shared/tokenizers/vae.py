@@ -1,11 +1,17 @@
-"""The VAE wrapper: locate and load an AutoencoderKL, encode to posterior moments, decode, draw latents.
+"""The tokenizer wrapper: locate and load a diffusers tokenizer by its class, encode, decode, draw latents.
 
-This module is the one owner of the latent scaling factor: it is read from the VAE's config (diffusers'
-`scaling_factor`), never written as a number. diffusers is imported lazily inside the functions that load
-weights, so `draw_latents` and the cheap checks are usable from `train/` without it.
+This module is the one place a latent is scaled: the normalisation record (shared/tokenizers/norm.py,
+`LatentNorm`) is applied by `draw_latents` (training's fresh draw) and inverted by `LatentVAE.decode`; its numbers
+come from the tokenizer's config or weights (`scaling_factor`, `shift_factor`, `latents_mean`/`latents_std`) or
+from a folder's statistics, never written as literals. The tokenizer's class (config.json `_class_name`) picks its
+record in shared/tokenizers/classes.py. The latent shape is measured by running the encoder on one image of the
+extraction size on the meta device (no weights, no memory), never inferred from block counts. diffusers is
+imported lazily inside the functions that load weights, so `draw_latents` and the cheap checks are usable from
+`train/` without it.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -18,8 +24,14 @@ from urllib.parse import urlparse
 import torch
 
 from shared.runtime.errors import SettingError, UserError
+from shared.tokenizers.classes import TokenizerClass, tokenizer_class
+from shared.tokenizers.norm import LatentNorm
 
-VAE_SHORT_NAMES = {"ema": "stabilityai/sd-vae-ft-ema", "mse": "stabilityai/sd-vae-ft-mse"}
+VAE_SHORT_NAMES = {"ema": "stabilityai/sd-vae-ft-ema", "mse": "stabilityai/sd-vae-ft-mse",
+                   # DC-AE's ImageNet releases (Chen et al. 2024, mit-han-lab), diffusers folders on the Hub
+                   "dc-ae-f32c32": "mit-han-lab/dc-ae-f32c32-in-1.0-diffusers",
+                   "dc-ae-f64c128": "mit-han-lab/dc-ae-f64c128-in-1.0-diffusers"}
+VAVAE_NAMES = ("vavae", "hustvl/vavae-imagenet256-f16d32-dinov2")  # converted once (shared/tokenizers/vavae.py)
 SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin")
 WEIGHT_FILES = ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.bin")
 DECODE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -118,9 +130,54 @@ def _locate_hub(repo_id: str) -> _Located:
     return _Located(repo_id, "hub", None, config_path)
 
 
+def converted_dir() -> Path:
+    """Where tokenizers converted to diffusers folders are kept: $XDG_CACHE_HOME (else ~/.cache)/dit-latent-pipeline."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "dit-latent-pipeline" / "tokenizers"
+
+
+def _hub_file(repo_id: str, filename: str) -> Path:
+    """A file of a Hub repository from the local Hugging Face cache, downloaded into it when online."""
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return Path(hf_hub_download(repo_id, filename, local_files_only=_hub_offline()))
+    except Exception as err:  # noqa: BLE001 - a cache miss offline, a network or missing-file error: one message
+        raise SettingError(
+            f"{filename} of {repo_id} is not in the local Hugging Face cache and could not be downloaded "
+            f"({type(err).__name__}). On a machine with internet run `huggingface-cli download {repo_id} {filename}` "
+            f"(the cache folder can then be copied here), or pass a diffusers folder as {{vae}}.") from None
+
+
+def _locate_vavae() -> _Located:
+    """VA-VAE by name: its released LDM checkpoint and latents_stats.pt, converted once into a diffusers folder."""
+    from shared.runtime.fsio import publish_dir, remove_tree
+    from shared.tokenizers.vavae import VAVAE_REPO, VAVAE_STATS, VAVAE_WEIGHTS, build_vavae
+
+    weights, stats = _hub_file(VAVAE_REPO, VAVAE_WEIGHTS), _hub_file(VAVAE_REPO, VAVAE_STATS)
+    stamp = hashlib.sha256(f"{weights.resolve()}:{weights.stat().st_size}:{stats.resolve()}:{stats.stat().st_size}"
+                           .encode()).hexdigest()[:16]
+    folder = converted_dir() / f"vavae-imagenet256-f16d32-dinov2-{stamp}"
+    if not (folder / "config.json").is_file():
+        staging = folder.with_name(f".tmp-{folder.name}-{os.getpid()}")
+        try:
+            vae = build_vavae(weights, stats)  # strict: every tensor of the conversion must load
+        except RuntimeError as err:
+            raise SettingError(f"{weights} is not VA-VAE f16d32's checkpoint ({' '.join(str(err).split())[:200]}); "
+                               f"download it again (`huggingface-cli download {VAVAE_REPO} {VAVAE_WEIGHTS}`).") from None
+        vae.save_pretrained(staging, safe_serialization=True)
+        if folder.exists():  # another process converted it meanwhile
+            remove_tree(staging)
+        else:
+            publish_dir(staging, folder)
+    return _Located(VAVAE_REPO, "folder", folder, folder / "config.json")
+
+
 def _locate(spec, config=None) -> _Located:
     """Turn a VAE spec into a _Located without loading weights; UserError when it cannot work."""
     text = str(spec).strip()
+    if text in VAVAE_NAMES:
+        return _locate_vavae()
     if text in VAE_SHORT_NAMES:
         return _locate_hub(VAE_SHORT_NAMES[text])
     path = Path(text).expanduser()
@@ -150,10 +207,47 @@ def read_vae_config(spec, config=None) -> dict:
         raise SettingError(f"Cannot read the VAE config {located.config_path}: {err}. {_LOCAL_OPTIONS}") from None
 
 
-def downsample_factor(config: dict) -> int:
-    """Pixels per latent cell: each encoder level after the first halves the resolution."""
-    # diffusers' AutoencoderKL default block_out_channels is (64,): one level, no downsampling.
-    return 2 ** (len(config.get("block_out_channels", (64,))) - 1)
+PROBE_SIZE = 1024  # pixels per side of the probe image when no extraction size is given (any f <= 1024 divides it)
+
+
+def measure_latent(config: dict, image_size: int | None = None, where: str = "the VAE") -> tuple[int, int, int]:
+    """(C, h, w) of one image of `image_size` encoded by the tokenizer of `config`, run on the meta device.
+
+    The architecture is built without weights and the encoder runs on a meta tensor, so the shape is what the
+    real encoder gives (after any patchifying the class does), measured and not inferred from block counts.
+    """
+    size = int(image_size or PROBE_SIZE)
+    return _measure(json.dumps(config, sort_keys=True, default=list), size, str(where))
+
+
+@functools.lru_cache(maxsize=32)
+def _measure(config_json: str, size: int, where: str) -> tuple[int, int, int]:
+    """measure_latent's work, cached per (config, size)."""
+    config = json.loads(config_json)
+    kind = tokenizer_class(config, where)
+    cls = kind.diffusers_class()
+    public = {k: v for k, v in config.items() if not k.startswith("_")}
+    try:
+        with torch.device("meta"):
+            module = cls.from_config(public)
+            mean, _ = kind.encode(module, torch.empty(1, 3, size, size))
+    except Exception as err:  # noqa: BLE001 - an architecture that cannot take this size: said in one paragraph
+        raise SettingError(f"{where} ({kind.name}) cannot encode a {size}x{size} image ({type(err).__name__}: "
+                           f"{' '.join(str(err).split())[:200]}). Pick an image size its encoder accepts (a multiple "
+                           f"of its downsampling factor), or pass another {{vae}}.") from None
+    return tuple(int(n) for n in mean.shape[1:])  # (C, h, w)
+
+
+def downsample_factor(config: dict, image_size: int | None = None) -> int:
+    """Pixels per latent cell, measured (`measure_latent`): image side / latent side."""
+    size = int(image_size or PROBE_SIZE)
+    _, h, _ = measure_latent(config, size)
+    return size // h
+
+
+def latent_channels(config: dict) -> int:
+    """Channels of the latent the DiT sees, measured (FLUX.2's are 4x its config's latent_channels)."""
+    return measure_latent(config)[0]
 
 
 def config_sha256(config: dict) -> str:
@@ -188,13 +282,12 @@ def _read_state_dict(path: Path) -> dict:
 
 
 def _load_single_file(located: _Located):
-    """Build AutoencoderKL from the config and load a single file (diffusers or original LDM key names)."""
-    from diffusers import AutoencoderKL
-
+    """Build the config's class and load a single file (diffusers or, for AutoencoderKL, original LDM key names)."""
     config = json.loads(located.config_path.read_text())
-    vae = AutoencoderKL.from_config(config)
+    kind = tokenizer_class(config, located.config_path)
+    vae = kind.diffusers_class().from_config(config)
     state = _read_state_dict(located.path)
-    if not set(vae.state_dict()) <= set(state):
+    if not set(vae.state_dict()) <= set(state) and kind.name == "AutoencoderKL":
         # Original (CompVis/LDM) names such as encoder.down.0.block.0..., possibly under first_stage_model.
         from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
 
@@ -212,8 +305,6 @@ def _load_single_file(located: _Located):
 
 def _load_folder(located: _Located):
     """from_pretrained on a local folder, or a hub id (downloading the weights when online); every tensor must load."""
-    from diffusers import AutoencoderKL
-
     from diffusers.utils import logging as diffusers_logging
     from shared.runtime.export import safetensors_problem
 
@@ -223,10 +314,11 @@ def _load_folder(located: _Located):
         raise SettingError(f"The VAE weight file {weights} cannot be read ({problem}): it is truncated (an "
                            f"interrupted download or copy) or damaged. Download the folder again, or pass another "
                            f"{{vae}}.")
+    cls = tokenizer_class(json.loads(located.config_path.read_text()), source).diffusers_class()
     verbosity = diffusers_logging.get_verbosity()
     diffusers_logging.set_verbosity_error()  # its missing-weights warning is replaced by the refusal below
     try:
-        vae, info = AutoencoderKL.from_pretrained(source, torch_dtype=torch.float32, output_loading_info=True)
+        vae, info = cls.from_pretrained(source, torch_dtype=torch.float32, output_loading_info=True)
     except (ValueError, RuntimeError, OSError) as err:  # shapes that do not fit the config; unreadable files
         raise SettingError(f"The VAE {source} cannot be loaded: {_loading_problem(err)}. {_FOLDER_FIX}") from None
     finally:
@@ -253,26 +345,33 @@ def _loading_problem(err: BaseException) -> str:
 
 
 class LatentVAE:
-    """An AutoencoderKL whose encoder runs in fp32 and whose decoder runs in the requested dtype."""
+    """A tokenizer of a supported class (shared/tokenizers/classes.py): fp32 encoder, decoder in the requested dtype."""
 
     def __init__(self, vae, source: str, device, dtype=torch.float32):
-        """Wrap a loaded diffusers AutoencoderKL (use `LatentVAE.load` to build one from a spec)."""
+        """Wrap a loaded diffusers tokenizer (use `LatentVAE.load` to build one from a spec)."""
         if dtype not in DECODE_DTYPES:
             raise UserError(f"VAE decode dtype {dtype} is not supported; use float32, float16 or bfloat16.")
+        config = dict(vae.config)
+        self.kind: TokenizerClass = tokenizer_class({**config, "_class_name": type(vae).__name__}, source)
         self.vae = vae.eval().requires_grad_(False).to(device)  # loaded in fp32
         self.device = torch.device(device)
         self.dtype = dtype
         # Only the decoder side is cast: the moments must come from an fp32 encoder (they are stored).
-        for part in (self.vae.decoder, self.vae.post_quant_conv):
+        for name in self.kind.decoder_parts:
+            part = getattr(self.vae, name, None)
             if part is not None:
                 part.to(dtype)
-        config = dict(self.vae.config)
-        self.scaling_factor = float(config["scaling_factor"])
-        self.latent_channels = int(config["latent_channels"])
-        self.downsample_factor = downsample_factor(config)
+        self.deterministic = self.kind.deterministic
+        self.norm: LatentNorm = self.kind.native_norm(config, self.vae)  # the tokenizer's own convention
+        self.latent_channels, h, _ = measure_latent(config, where=source)
+        self.downsample_factor = PROBE_SIZE // h
+        self.scaling_factor = float(config["scaling_factor"]) if config.get("scaling_factor") is not None else None
         self.identity = {
             "source": source,
-            "scaling_factor": self.scaling_factor,
+            "class": self.kind.name,
+            **({"scaling_factor": self.scaling_factor} if self.scaling_factor is not None else {}),
+            "norm": self.norm.to_dict(),
+            "deterministic": self.deterministic,
             "latent_channels": self.latent_channels,
             "downsample_factor": self.downsample_factor,
             "config_sha256": config_sha256(config),
@@ -280,27 +379,31 @@ class LatentVAE:
 
     @classmethod
     def load(cls, spec, device="cpu", dtype=torch.float32, config=None) -> "LatentVAE":
-        """Load the VAE named by spec (short name, folder, single file + config, or hub id) onto device."""
+        """Load the tokenizer named by spec (short name, folder, single file + config, or hub id) onto device."""
         located = _locate(spec, config)
         vae = _load_single_file(located) if located.kind == "file" else _load_folder(located)
         return cls(vae, located.name, device, dtype)
 
     @torch.no_grad()
-    def encode_moments(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Posterior mean and std of images (N,3,H,W) in [-1,1]; fp32, unscaled, each (N,C,H/f,W/f)."""
+    def encode_moments(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Raw latents of images (N,3,H,W) in [-1,1]: (mean, std) each (N,C,h,w) fp32; std None if deterministic."""
         x = images.to(self.device, torch.float32, non_blocking=True)
         # Autocast from a caller must not turn the stored moments into half precision.
         with torch.autocast(self.device.type, enabled=False):
-            posterior = self.vae.encode(x).latent_dist
-        # diffusers clamps logvar to [-30, 20] and returns std = exp(0.5 * logvar).
-        return posterior.mean.float(), posterior.std.float()  # (N, C, h, w) each
+            return self.kind.encode(self.vae, x)
 
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Images (N,3,H,W) in [-1,1], fp32, from latents (N,C,h,w) scaled by `scaling_factor`."""
-        z = latents.to(self.device, self.dtype) / self.scaling_factor
+    def decode(self, latents: torch.Tensor, norm: LatentNorm | None = None) -> torch.Tensor:
+        """Images (N,3,H,W) in [-1,1], fp32, from normalised latents (N,C,h,w): `norm` (default: own) inverted."""
+        z = (norm or self.norm).invert(latents.to(self.device))  # (N, C, h, w) raw, fp32
+        return self.decode_raw(z)
+
+    @torch.no_grad()
+    def decode_raw(self, z: torch.Tensor) -> torch.Tensor:
+        """Images (N,3,H,W) in [-1,1], fp32, from raw latents (N,C,h,w) as the encoder gives them."""
+        z = z.to(self.device, self.dtype)
         with torch.autocast(self.device.type, enabled=False):
-            images = self.vae.decode(z).sample  # (N, 3, H, W)
+            images = self.kind.decode(self.vae, z)  # (N, 3, H, W)
         return images.float().clamp_(-1.0, 1.0)
 
     def enable_tiling(self):
@@ -312,20 +415,24 @@ class LatentVAE:
         self.vae.enable_slicing()
 
 
-def draw_latents(mean, std, scaling_factor, generator=None) -> torch.Tensor:
-    """A fresh posterior sample z = (mean + std * eps) * scaling_factor, in fp32 on mean's device.
+def draw_latents(mean, std, norm: LatentNorm, generator=None) -> torch.Tensor:
+    """A fresh posterior sample, normalised: norm.apply(mean + std * eps), fp32 on mean's device.
 
-    `generator` is None, one torch.Generator, or a list with one generator per batch row (so a row's
-    draw does not depend on the batch it is in). Noise is drawn on the generator's device.
+    std None (a deterministic tokenizer): norm.apply(mean), no noise drawn. `generator` is None, one
+    torch.Generator, or a list with one generator per batch row (so a row's draw does not depend on the batch it
+    is in). Noise is drawn on the generator's device.
     """
-    mean, std = mean.float(), std.float()
+    mean = mean.float()
+    if std is None:
+        return norm.apply(mean)
+    std = std.float()
     if isinstance(generator, (list, tuple)):
         if len(generator) != mean.shape[0]:
             raise ValueError(f"{len(generator)} generators for a batch of {mean.shape[0]}")
         eps = torch.stack([_randn(mean.shape[1:], g, mean.device) for g in generator])  # (N, C, h, w)
     else:
         eps = _randn(mean.shape, generator, mean.device)
-    return (mean + std * eps) * scaling_factor
+    return norm.apply(mean + std * eps)
 
 
 def _randn(shape, generator, device) -> torch.Tensor:

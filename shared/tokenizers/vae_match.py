@@ -2,19 +2,25 @@
 
 The latents were made by one VAE (recorded in the weights' or preview file's latent metadata). Another VAE
 decodes them without any error into wrong pictures, so every difference is refused unless asked for:
-channels and downsample factor always (the decode cannot work or gives the wrong image size), the scaling
-factor and the config hash unless --allow-other-vae.
+channels and downsample factor always (the decode cannot work or gives the wrong image size), the tokenizer's own
+normalisation record (its scaling factor, shift, per-channel statistics) and the config hash unless
+--allow-other-vae. Decoding always inverts the normalisation the latents were trained with (`decode_norm`), so an
+allowed swap changes the tokenizer, never the scaling.
 """
 from __future__ import annotations
 
 from shared.runtime.errors import UserError
 from shared.runtime.precision import PRECISIONS
+from shared.tokenizers.classes import tokenizer_class
+from shared.tokenizers.norm import LatentNorm, norm_of_meta
 from shared.tokenizers.vae import LatentVAE, downsample_factor, read_vae_config, resolve_vae_spec
+from shared.tokenizers.vae import latent_channels as measured_channels
 
 DEFAULT_VAE = "ema"  # the DiT release samples with sd-vae-ft-ema
 # (identity key, words); the first two make decoding impossible or wrong-sized, so no flag overrides them.
 _HARD = (("latent_channels", "latent channels"), ("downsample_factor", "downsample factor"))
-_SOFT = (("scaling_factor", "scaling factor"), ("config_sha256", "config hash"))
+_SOFT = (("class", "class"), ("scaling_factor", "scaling factor"), ("norm", "own normalisation"),
+         ("config_sha256", "config hash"))
 
 
 def recorded_vae(latent_meta: dict | None) -> str | None:
@@ -51,17 +57,24 @@ def choose_vae(spec: str | None, latent_meta: dict | None) -> tuple[str, str]:
 
 
 def check_vae_matches(spec: str, vae_config_path, latent_channels: int, latent_meta: dict | None = None,
-              allow_other: bool = False) -> tuple[str, int]:
-    """Check the VAE from its config.json only -> (name, downsample factor); UserError when it cannot decode."""
+              allow_other: bool = False, measure: bool = True) -> tuple[str, int | None]:
+    """Check the VAE from its config.json only -> (name, downsample factor); UserError when it cannot decode.
+
+    measure=False (a process that must not import diffusers: train's --watch-vae check) compares the channels the
+    config declares and no factor (None); the watcher measures both when it loads the VAE.
+    """
     name = resolve_vae_spec(spec, vae_config_path)
     config = read_vae_config(spec, vae_config_path)
-    cheap = {"source": name, "latent_channels": int(config.get("latent_channels", 4)),
-             "downsample_factor": downsample_factor(config)}
+    if measure:  # the encoder run on the meta device: what it really gives
+        cheap = {"source": name, "latent_channels": measured_channels(config),
+                 "downsample_factor": downsample_factor(config)}
+    else:
+        cheap = {"source": name, "latent_channels": tokenizer_class(config, name).declared_channels(config)}
     if "scaling_factor" in config:  # else diffusers' default fills it in at load time: compared then
         cheap["scaling_factor"] = float(config["scaling_factor"])
     recorded = {"latent_channels": latent_channels, **recorded_identity(latent_meta)}
     compare_vae(recorded, cheap, allow_other)
-    return name, cheap["downsample_factor"]
+    return name, cheap.get("downsample_factor")
 
 
 def compare_vae(recorded: dict, actual: dict, allow_other: bool) -> str | None:
@@ -94,6 +107,8 @@ def _differences(recorded: dict, actual: dict, fields) -> str:
 
 def _short(value) -> str:
     """A hash cut to 12 characters; other values as they are."""
+    if isinstance(value, dict) and "kind" in value:  # a normalisation record
+        return LatentNorm.from_dict(value).describe()
     text = f"{value:g}" if isinstance(value, float) else str(value)
     return text[:12] if len(text) == 64 else text
 
@@ -113,18 +128,20 @@ def load_vae(spec: str, vae_config_path, device, precision: str, tiling: bool, s
     return vae
 
 
-def latent_rescale(vae: LatentVAE, latent_meta: dict | None) -> tuple[float, str | None]:
-    """Factor taking latents in the training scale to this VAE's scale, and a note when it is not 1."""
-    trained = (latent_meta or {}).get("scaling_factor")
-    if trained is None or float(trained) == vae.scaling_factor:
-        return 1.0, None
-    note = (f"latents were scaled by {trained} in training but this VAE's scaling_factor is "
-            f"{vae.scaling_factor}; decoding divides by {trained}")
-    return vae.scaling_factor / float(trained), note
+def decode_norm(vae: LatentVAE, latent_meta: dict | None) -> tuple[LatentNorm, str | None]:
+    """The normalisation to invert before decoding: the one the latents were trained with, else the VAE's own."""
+    trained = norm_of_meta(latent_meta)
+    if trained is None:
+        return vae.norm, None
+    trained.check_channels(vae.latent_channels, f"the VAE {vae.identity['source']}")
+    if trained == vae.norm:
+        return trained, None
+    return trained, (f"latents were normalised as {trained.describe()} in training, the VAE's own convention is "
+                     f"{vae.norm.describe()}; decoding inverts the training one")
 
 
-def check_loaded_vae(vae: LatentVAE, latent_meta: dict | None, allow_other: bool) -> tuple[float, str | None]:
-    """The full identity check once loaded (the hash needs diffusers' filled-in config) -> (rescale, note)."""
+def check_loaded_vae(vae: LatentVAE, latent_meta: dict | None, allow_other: bool) -> tuple[LatentNorm, str | None]:
+    """The full identity check once loaded (the hash needs diffusers' filled-in config) -> (norm to invert, note)."""
     note = compare_vae(recorded_identity(latent_meta), vae.identity, allow_other)
-    rescale, scale_note = latent_rescale(vae, latent_meta)
-    return rescale, "; ".join(n for n in (note, scale_note) if n) or None
+    norm, norm_note = decode_norm(vae, latent_meta)
+    return norm, "; ".join(n for n in (note, norm_note) if n) or None

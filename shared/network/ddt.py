@@ -1,0 +1,160 @@
+"""DiT^DH: a DiT body with a wide, shallow head (RAE: Zheng, Ma, Tong, Xie 2025, "Diffusion Transformers with
+Representation Autoencoders", Sec. 4; github bytetriper/RAE `src/stage2/models/DDT.py`, MIT; our own code).
+
+RAE diffuses 16x16x768 DINOv2 tokens. A transformer narrower than the token dimension cannot fit them (its
+Sec. 4.1), so after the usual body (DiT-XL: 28 blocks of width 1152) it adds a head: 2 blocks of width 2048
+that see the noisy tokens again, embedded afresh, and are conditioned *per token* on the body's output
+(adaLN with one modulation vector per token instead of one per image). The head's idea is DDT's (Wang et al.
+2025, "DDT: Decoupled Diffusion Transformer"). Differences from our DiT, each as RAE's DiTwDDTHead:
+
+- time features: Gaussian Fourier features sin/cos(2 pi t W) of fixed random W ~ N(0, 1) (Tancik et al. 2020),
+  512 of them, then DiT's two-layer SiLU MLP (`t_embedder.W`, `t_embedder.mlp`), instead of DiT's sinusoids;
+- the body's conditioning is c = SiLU(t_emb + y_emb) (each block's adaLN applies SiLU once more);
+- the head's conditioning is s = Linear(SiLU(t_emb + body tokens)) (N, T, D_head), and the final layer is
+  modulated per token by s as well;
+- the absolute sin-cos embedding is added to the body's input only; each stage has its own 2-D RoPE table
+  (`enc_feat_rope`, `dec_feat_rope`) when rope is on;
+- no learned variance by default (velocity prediction): out_channels = in_channels.
+
+Tensor names are RAE's (`s_embedder` the body's patch embedding, `x_embedder` the head's, `s_projector`,
+`blocks.0..depth-1` the body and `blocks.depth..` the head), so its released DiT^DH-XL loads with strict=True.
+Only patch size 1 is what RAE runs (its unpatchify assumes it); larger patches work here with DiT's patch
+order. Initialisation follows RAE's default (torch's Linear init, patch embeddings as linears, N(0, 0.02) label
+table and time MLP weights, adaLN-Zero in every block, a zero output layer).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from shared.network.models import (DiT, DiTBlock, FinalLayer, LabelEmbedder, PatchEmbed, RotaryEmbedding2d,
+                                   check_block_options, sincos_2d)
+from shared.runtime.errors import SettingError, UserError
+
+FOURIER_FEATURES = 256  # RAE's GaussianFourierEmbedding(embedding_size=256): 512 sin/cos features
+
+
+class FourierTimestepEmbedder(nn.Module):
+    """sin/cos(2 pi t W) for fixed W ~ N(0, 1), then a two-layer SiLU MLP (RAE's GaussianFourierEmbedding)."""
+
+    def __init__(self, hidden_size, features=FOURIER_FEATURES):
+        super().__init__()
+        # A frozen parameter, as RAE's (so `t_embedder.W` is in the state dict and the EMA copies it).
+        self.W = nn.Parameter(torch.zeros(features), requires_grad=False)  # (F,)
+        self.mlp = nn.Sequential(nn.Linear(2 * features, hidden_size, bias=True), nn.SiLU(),
+                                 nn.Linear(hidden_size, hidden_size, bias=True))
+
+    def forward(self, t):
+        """(N,) times in [0, 1] -> (N, D); features computed in fp32 in RAE's order (t W) 2 pi."""
+        angles = t[:, None].float() * self.W[None, :].float() * 2 * math.pi  # (N, F)
+        features = torch.cat([torch.sin(angles), torch.cos(angles)], dim=-1)  # (N, 2F), sine half first
+        return self.mlp(features.to(self.mlp[0].weight.dtype))  # (N, D)
+
+
+def check_head(head_depth, head_width, head_heads):
+    """UserError unless the head is off (all 0) or a whole shape: depth >= 1, width divisible by heads."""
+    if head_depth == 0:
+        return
+    if head_depth < 0 or head_width <= 0 or head_heads <= 0 or head_width % head_heads:
+        raise SettingError(f"the DiT^DH head needs depth >= 1 and a width divisible by its attention heads, got depth "
+                        f"{head_depth}, width {head_width}, heads {head_heads} (RAE: 2 blocks, width 2048, 16 heads); "
+                        "fix {head depth}/{head width}/{head heads}, or use a DiTDH preset as it is.")
+
+
+class DiTDH(DiT):
+    """A DiT body of `depth` blocks at `hidden_size`, then `head_depth` blocks at `head_width` conditioned per token."""
+
+    def __init__(self, input_size=16, patch_size=1, in_channels=768, hidden_size=1152, depth=28, num_heads=16,
+                 head_depth=2, head_width=2048, head_heads=16, mlp_ratio=4.0, class_dropout_prob=0.1,
+                 num_classes=1000, learn_sigma=False, attention="auto", grad_checkpoint_every=0, norm="rmsnorm",
+                 mlp="swiglu", rope=True, qk_norm=False):
+        nn.Module.__init__(self)  # DiT's attributes are set here, with RAE's tensor names
+        check_block_options(norm, mlp, rope, qk_norm)
+        check_head(head_depth, head_width, head_heads)
+        if head_depth == 0:
+            raise UserError("a DiT^DH model needs a head (head depth >= 1); for no head, use a DiT preset.")
+        if input_size % patch_size:
+            raise UserError(f"input size {input_size} is not a multiple of patch size {patch_size}; "
+                            "pick a preset whose patch size divides the latent size.")
+        self.input_size, self.patch_size, self.in_channels = input_size, patch_size, in_channels
+        self.learn_sigma = learn_sigma
+        self.out_channels = in_channels * 2 if learn_sigma else in_channels
+        self.num_heads, self.num_classes, self.null_label = num_heads, num_classes, num_classes
+        self.depth, self.head_depth = depth, head_depth
+        self.block_options = dict(norm=norm, mlp=mlp, rope=rope, qk_norm=qk_norm)
+        self.route = None  # token routing (DiT.set_routing) is refused for this model
+        grid = input_size // patch_size
+
+        self.s_embedder = PatchEmbed(input_size, patch_size, in_channels, hidden_size)  # the body's input
+        self.x_embedder = PatchEmbed(input_size, patch_size, in_channels, head_width)  # the head's input
+        self.s_projector = nn.Linear(hidden_size, head_width) if hidden_size != head_width else nn.Identity()
+        self.t_embedder = FourierTimestepEmbedder(hidden_size)
+        self.y_embedder = LabelEmbedder(num_classes, hidden_size, class_dropout_prob)
+        self.final_layer = FinalLayer(head_width, patch_size, self.out_channels, norm=norm)
+        self.pos_embed = nn.Parameter(torch.zeros(1, grid * grid, hidden_size), requires_grad=False)  # (1, T, D)
+        self.enc_feat_rope = RotaryEmbedding2d(hidden_size // num_heads, grid) if rope else None
+        self.dec_feat_rope = RotaryEmbedding2d(head_width // head_heads, grid) if rope else None
+        self.blocks = nn.ModuleList(
+            [DiTBlock(hidden_size, num_heads, mlp_ratio, norm=norm, mlp=mlp, qk_norm=qk_norm) for _ in range(depth)]
+            + [DiTBlock(head_width, head_heads, mlp_ratio, norm=norm, mlp=mlp, qk_norm=qk_norm)
+               for _ in range(head_depth)])
+        self.initialize_weights()
+        self.set_attention(attention)
+        self.set_grad_checkpointing(grad_checkpoint_every)
+
+    @property
+    def feat_rope(self):
+        """The body's rotary table (what the planner and the input check ask DiT for)."""
+        return self.enc_feat_rope
+
+    @torch.no_grad()
+    def initialize_weights(self):
+        """RAE's init: torch's Linear init kept; patch embeddings as linears; adaLN-Zero; zero output; W ~ N(0, 1)."""
+        for embedder in (self.s_embedder, self.x_embedder):
+            w = embedder.proj.weight
+            nn.init.xavier_uniform_(w.view(w.shape[0], -1))
+            nn.init.zeros_(embedder.proj.bias)
+        nn.init.normal_(self.y_embedder.embedding_table.weight, std=0.02)
+        grid = self.input_size // self.patch_size
+        pos = sincos_2d(self.pos_embed.shape[-1], grid).float()  # (T, D), as DiT's (RAE uses the same table)
+        self.pos_embed.copy_(pos.unsqueeze(0).to(self.pos_embed.device))
+        for rope in (self.enc_feat_rope, self.dec_feat_rope):
+            if rope is not None:
+                rope.reset_tables()
+        nn.init.normal_(self.t_embedder.W, std=1.0)
+        nn.init.normal_(self.t_embedder.mlp[0].weight, std=0.02)
+        nn.init.normal_(self.t_embedder.mlp[2].weight, std=0.02)
+        for layer in [b.adaLN_modulation[-1] for b in self.blocks] + [self.final_layer.adaLN_modulation[-1],
+                                                                       self.final_layer.linear]:
+            nn.init.zeros_(layer.weight)
+            nn.init.zeros_(layer.bias)
+
+    def _run(self, i, x, c, rope):
+        """Block i on tokens x with conditioning c, recomputed in backward when checkpointed."""
+        if self._checkpointed(i):
+            return checkpoint(self.blocks[i], x, c, rope, use_reentrant=False)
+        return self.blocks[i](x, c, rope)
+
+    def forward(self, x, t, y, force_drop_ids=None, return_hidden_at=None, route_keep=None):
+        """x (N, C, H, W), t (N,) in [0, 1], y (N,) -> (N, out_channels, H, W); return_hidden_at k <= depth as DiT's."""
+        if self.route is not None and route_keep is not None:  # train/config.py refuses it first, in flag words
+            raise SettingError("token routing is not implemented for the DiT^DH head model; drop {route ratio}.")
+        self._check_input(x)
+        t_emb = self.t_embedder(t)  # (N, D)
+        c = F.silu(t_emb + self.y_embedder(y, self.training, force_drop_ids))  # (N, D)
+        s = self.s_embedder(x) + self.pos_embed  # (N, T, D)
+        hidden = None
+        for i in range(self.depth):
+            s = self._run(i, s, c, self.enc_feat_rope)  # (N, T, D)
+            if i + 1 == return_hidden_at:
+                hidden = s
+        s = self.s_projector(F.silu(t_emb.unsqueeze(1) + s))  # (N, T, D_head): the head's per-token condition
+        h = self.x_embedder(x)  # (N, T, D_head): the noisy input again, no absolute positions (as RAE)
+        for i in range(self.depth, self.depth + self.head_depth):
+            h = self._run(i, h, s, self.dec_feat_rope)  # (N, T, D_head)
+        out = self.unpatchify(self.final_layer(h, s))  # (N, out_channels, H, W)
+        return out if return_hidden_at is None else (out, hidden)

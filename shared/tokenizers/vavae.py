@@ -1,0 +1,96 @@
+"""VA-VAE (Yao et al. 2025, hustvl/LightningDiT, MIT), the tokenizer of LightningDiT's records, as a diffusers AutoencoderKL.
+
+VA-VAE is LDM's KL autoencoder (LightningDiT's tokenizer/autoencoder.py) with ch 128, ch_mult (1, 1, 2, 2, 4),
+two residual blocks per level, z 32 channels (f16d32), and self-attention at "resolution 16": LDM places attention
+by a resolution counted from the configured 256, so the encoder's last level (2 attention blocks, one after each
+residual block) and the decoder's first level (3) hold it whatever the input size, plus the mid-block attention of
+both. Every part has an exact diffusers counterpart: `AttnDownEncoderBlock2D` / `AttnUpDecoderBlock2D` at those
+levels (single-head attention of width C with GroupNorm(32, 1e-6), residual), LDM's asymmetric (0, 1, 0, 1)
+padding before each stride-2 convolution (diffusers' Encoder uses downsample_padding 0, the same), nearest x2 then
+a 3x3 convolution to upsample, and quant/post-quant 1x1 convolutions. So the released checkpoint converts exactly:
+`tests/bench/check_lightningdit_parity.py` runs LightningDiT's own tokenizer code on a random state dict of its
+layout and compares encode and decode with the converted diffusers model.
+
+The checkpoint also holds training-only parts (the DINOv2 foundation model and the VF-loss projection, the
+LPIPS/discriminator loss): they are dropped. Its channel statistics (`latents_stats.pt` beside the weights on the
+Hub: {"mean", "std"} each (1, 32, 1, 1), computed by LightningDiT over ImageNet latents) become the config's
+`latents_mean` / `latents_std` with scaling_factor 1, LightningDiT's `latent_multiplier` 1.0, so `--latent-norm auto`
+trains exactly as LightningDiT does: (z - mean_c) / std_c.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+
+VAVAE_REPO = "hustvl/vavae-imagenet256-f16d32-dinov2"
+VAVAE_WEIGHTS = "vavae-imagenet256-f16d32-dinov2.pt"
+VAVAE_STATS = "latents_stats.pt"
+LEVELS = 5  # ch_mult (1, 1, 2, 2, 4)
+ATTENTION_LEVEL = LEVELS - 1  # the level at LDM's "resolution 16" of 256
+
+
+def vavae_config(mean, std) -> dict:
+    """The diffusers AutoencoderKL config of VA-VAE f16d32, its normalisation from latents_stats.pt."""
+    return {
+        "_class_name": "AutoencoderKL",
+        "in_channels": 3, "out_channels": 3,
+        "down_block_types": ["DownEncoderBlock2D"] * (LEVELS - 1) + ["AttnDownEncoderBlock2D"],
+        "up_block_types": ["AttnUpDecoderBlock2D"] + ["UpDecoderBlock2D"] * (LEVELS - 1),
+        "block_out_channels": [128, 128, 256, 256, 512],
+        "layers_per_block": 2, "act_fn": "silu", "latent_channels": 32, "norm_num_groups": 32, "sample_size": 256,
+        "scaling_factor": 1.0, "shift_factor": None,  # LightningDiT's latent_multiplier 1.0
+        "latents_mean": [float(v) for v in mean], "latents_std": [float(v) for v in std],
+        "force_upcast": True, "use_quant_conv": True, "use_post_quant_conv": True, "mid_block_add_attention": True,
+    }
+
+
+def read_stats(path) -> tuple[list[float], list[float]]:
+    """(mean, std) per channel from LightningDiT's latents_stats.pt ({"mean", "std"} each (1, C, 1, 1))."""
+    from shared.runtime.export import load_torch_file
+
+    stats = load_torch_file(path, "Download latents_stats.pt of hustvl/vavae-imagenet256-f16d32-dinov2 again.")
+    return stats["mean"].flatten().double().tolist(), stats["std"].flatten().double().tolist()
+
+
+_ATTN_PARTS = {"norm": "group_norm", "q": "to_q", "k": "to_k", "v": "to_v", "proj_out": "to_out.0"}
+
+
+def _attention_key(key: str) -> str | None:
+    """diffusers' name of an LDM attention tensor inside a down or up level, else None."""
+    m = re.match(r"(encoder|decoder)\.(down|up)\.(\d+)\.attn\.(\d+)\.(norm|q|k|v|proj_out)\.(weight|bias)$", key)
+    if m is None:
+        return None
+    part, kind, level, j, name, tensor = m.groups()
+    block = int(level) if kind == "down" else LEVELS - 1 - int(level)  # diffusers' up blocks run low res first
+    return f"{part}.{kind}_blocks.{block}.attentions.{j}.{_ATTN_PARTS[name]}.{tensor}"
+
+
+def convert_vavae(state_dict: dict) -> dict:
+    """LDM (VA-VAE) tensor names -> diffusers AutoencoderKL names; training-only tensors dropped."""
+    from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
+
+    if isinstance(state_dict.get("state_dict"), dict):
+        state_dict = state_dict["state_dict"]
+    kept = {k: v for k, v in state_dict.items()
+            if k.startswith(("encoder.", "decoder.", "quant_conv.", "post_quant_conv."))}
+    attention = {k: v for k, v in kept.items() if _attention_key(k)}
+    config = vavae_config([0.0] * 32, [1.0] * 32)
+    converted = convert_ldm_vae_checkpoint({k: v for k, v in kept.items() if k not in attention}, config)
+    for key, value in attention.items():
+        # LDM's 1x1 convolutions become diffusers' linear layers: (C, C, 1, 1) -> (C, C)
+        converted[_attention_key(key)] = value[:, :, 0, 0] if value.dim() == 4 else value
+    return converted
+
+
+def build_vavae(weights_path, stats_path):
+    """A diffusers AutoencoderKL holding the released VA-VAE weights and its statistics (strict load)."""
+    from diffusers import AutoencoderKL
+
+    from shared.runtime.export import load_torch_file
+
+    mean, std = read_stats(stats_path)
+    state = load_torch_file(weights_path, "Download vavae-imagenet256-f16d32-dinov2.pt again.")
+    vae = AutoencoderKL.from_config(vavae_config(mean, std))
+    vae.load_state_dict(convert_vavae(state), strict=True)
+    return vae
