@@ -23,23 +23,23 @@ from evaluate.stats import check_reference, open_reference
 from shared.runtime import rundir
 from shared.runtime.cli import HelpFormatter, add_flags, from_args, option
 from shared.runtime.errors import UserError, cli_errors
+from shared.generative.samplers import SAMPLER_OPTIONS, resolve_sampling
 from shared.runtime.evalcurve import draw_metric, finite_values, metric_lines, metric_title, same_series
-from shared.runtime.flags import (BATCH_SIZE, CFG_INTERVAL, CFG_SCALE, CPU, GUIDE, NUM_SAMPLING_STEPS, PLUGIN, SAMPLER,
-                                  SEED, VAE)
+from shared.runtime.flags import (BATCH_SIZE, CFG_SCALE, CPU, NUM_SAMPLING_STEPS, PLUGIN, SAMPLER, SAMPLING_KINDS,
+                                  SEED, VAE, SamplingFlags, given_sampler_options)
 from shared.runtime.fsio import atomic_write
 
 PROG = "python -m evaluate run"
 # The flag that sets each setting shared/ and sample/ name in their errors.
-FLAGS = {"feature network": "--features", "sampler": "--sampler", "vae": "--vae", "cfg scale": "--cfg-scale",
-         "cfg interval": "--cfg-interval", "sampling steps": "--num-sampling-steps",
-         "guide-channel choice": "--guide-channels"}
+FLAGS = {"feature network": "--features", "vae": "--vae", **SAMPLING_KINDS}
 CURVE_METRICS = (("fid", "FID"), ("sfid", "sFID"), ("inception_score", "Inception Score"),
                  ("precision", "precision"), ("recall", "recall"))
 
 
-@dataclass
-class RunEvalOptions:
-    """Everything `python -m evaluate run` accepts (one field per flag: its default and help)."""
+@dataclass(kw_only=True)
+class RunEvalOptions(SamplingFlags):
+    """Everything `python -m evaluate run` accepts (one field per flag: its default and help; the sampling flags are
+    python -m sample's, with cheaper defaults for a curve)."""
 
     run: str = option(help="training run folder (its exports/ema-step-*.safetensors are evaluated)", positional=True,
                       metavar="RUN")
@@ -47,13 +47,11 @@ class RunEvalOptions:
     ref: str | None = REF.field(help="reference as for `python -m evaluate` (ADM batch, stats file, images npz/folder); "
                                      "with --features digits: the real digits when not given")
     features: str = FEATURES.field()
-    sampler: str | None = SAMPLER.field(  # None: the export's objective's fast deterministic sampler
-        help="sampler of python -m sample (default: the objective's fast deterministic one: ddim for ddpm models, "
-             "euler for flow models)")
+    sampler: str | None = SAMPLER.field(  # None: the recorded sampler, else the objective's fast deterministic one
+        help="sampler of python -m sample (default: the one the model's recipe records, else the objective's fast "
+             "deterministic one: ddim for ddpm models, euler for flow models)")
     num_sampling_steps: int = NUM_SAMPLING_STEPS.field(default=50)
     cfg_scale: float = CFG_SCALE.field(default=1.5)
-    cfg_interval: tuple | None = CFG_INTERVAL.field()
-    guide_channels: str = GUIDE.field()
     seed: int = SEED.field(help="sampling seed (the same images' noise for every export)")
     batch_size: int = BATCH_SIZE.field()
     eval_batch_size: int = option(64, "images per feature-network pass per process")
@@ -71,8 +69,13 @@ def settings_of(o: RunEvalOptions) -> dict:
     return {"feature_network": o.features, "ref": o.ref or "real digits", "num_samples": o.num_samples,
             "sampler": o.sampler, "num_sampling_steps": o.num_sampling_steps, "cfg_scale": o.cfg_scale,
             "guide_channels": o.guide_channels, "seed": o.seed,
-            # Only when set, so points measured before the flag existed keep matching.
-            **({"cfg_interval": list(o.cfg_interval)} if o.cfg_interval else {})}
+            # Only when set (an option only away from its default), so points measured before a flag existed
+            # keep matching.
+            **({"cfg_interval": list(o.cfg_interval)} if o.cfg_interval else {}),
+            **{name: getattr(o, name) for name, spec in SAMPLER_OPTIONS.items()
+               if getattr(o, name) is not None and getattr(o, name) != spec.default},
+            # "precision" is a metric of the record (precision/recall): the DiT's precision goes under its own name.
+            **({"dit_precision": o.precision} if o.precision != SamplingFlags.precision else {})}
 
 
 def settings_tag(settings: dict) -> str:
@@ -134,11 +137,23 @@ def sample_export(export: Path, out: Path, o: RunEvalOptions) -> Path:
     from sample.generate import SampleOptions, run_sample
     from sample.outputs import NPZ_NAME
 
-    options = SampleOptions(ckpt=str(export), vae=o.vae, num_samples=o.num_samples, cfg_scale=o.cfg_scale,
-                            guide_channels=o.guide_channels, sampler=o.sampler, cfg_interval=o.cfg_interval,
-                            num_sampling_steps=o.num_sampling_steps, seed=o.seed, batch_size=o.batch_size,
-                            out=str(out), npz=True, cpu=o.cpu)
+    drawing = {f.name: getattr(o, f.name) for f in dataclasses.fields(SamplingFlags)}  # the one flag family
+    options = SampleOptions(ckpt=str(export), vae=o.vae, num_samples=o.num_samples, seed=o.seed,
+                            batch_size=o.batch_size, out=str(out), npz=True, cpu=o.cpu, **drawing)
     return run_sample(options) / NPZ_NAME
+
+
+def resolve_run_sampling(o: RunEvalOptions, export: Path) -> RunEvalOptions:
+    """o with what the exports sample with: the flags given, else the model's recorded sampling half (its recipe's),
+    else the objective's fast deterministic sampler; every export of a run records the same."""
+    from shared.generative.objectives import objective_of
+    from shared.runtime.export import read_config
+
+    config = read_config(export)
+    plan = resolve_sampling(objective_of(config), o.sampler, given_sampler_options(o), o.cfg_interval, config.sampling,
+                            guided=o.cfg_scale != 1.0, fast=True)
+    return dataclasses.replace(o, sampler=plan.sampler, cfg_interval=plan.cfg_interval,
+                               **{k: v for k, v in plan.options.items()})
 
 
 def evaluate_export(export: Path, o: RunEvalOptions, settings: dict, net, state) -> dict | None:
@@ -172,11 +187,7 @@ def run_evaluation(o: RunEvalOptions) -> list[dict]:
     from shared.runtime.distributed import process_state
 
     exports = check_run(o)
-    if o.sampler is None and exports:
-        from shared.runtime.export import read_config
-        from shared.generative.objectives import objective_of
-
-        o = dataclasses.replace(o, sampler=objective_of(read_config(exports[-1])).fast_sampler)
+    o = resolve_run_sampling(o, exports[-1])
     settings = settings_of(o)
     done = {r["step"] for r in matching(read_rows(Path(o.run)), settings)}
     todo = [e for e in exports if rundir.step_of(e) not in done]

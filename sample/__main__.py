@@ -6,6 +6,7 @@ import sys
 
 from shared.runtime.cli import HelpFormatter, add_flags, from_args
 from shared.runtime.errors import cli_errors
+from shared.runtime.flags import SAMPLING_KINDS
 from shared.generative.objectives import import_plugins
 
 from sample.decode import DecodeOptions, run_decode
@@ -28,12 +29,8 @@ Several GPUs: `accelerate launch -m sample ...` (rank r draws images i with i % 
 Decode training's latent samples: `python -m sample decode RUN/samples/step-0000100.safetensors`, or
 `python -m sample decode RUN` for the newest preview (--all: every one)."""
 # The flag that sets each setting shared/ names in its errors (shared.runtime.errors.ChoiceError / SettingError kinds).
-FLAGS = {"model preset": "--model", "objective": "--objective", "weights": "--weights", "cfg scale": "--cfg-scale",
-         "guide-channel choice": "--guide-channels", "sampler": "--sampler", "precision": "--precision",
-         "ddim eta": "--ddim-eta", "vae": "--vae", "vae config": "--vae-config", "sample folder": "--out",
-         "export format": "--format", "cfg interval": "--cfg-interval", "time shift": "--time-shift",
-         "last step size": "--last-step-size", "sampling steps": "--num-sampling-steps",
-         "flow time convention": "--flow-convention"}
+FLAGS = {"model preset": "--model", "objective": "--objective", "weights": "--weights", "vae": "--vae",
+         "vae config": "--vae-config", "sample folder": "--out", "export format": "--format", **SAMPLING_KINDS}
 
 
 def _parser(prog: str, options, **kwargs) -> argparse.ArgumentParser:

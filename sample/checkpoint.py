@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from shared.generative.guidance import AUTO_DIFFUSERS, AUTO_DIT, AUTO_OWN, AUTO_REPA, AUTO_SIT, AutoGuide
 from shared.generative.objectives import check_objective, plugin_of
 from shared.network.diffusers_dit import NUMERICS_NOTE, check_dit_config, diffusers_to_dit, model_config_of
 from shared.runtime.errors import ChoiceError, UserError
@@ -20,7 +21,7 @@ from shared.runtime.rundir import (CHECKPOINTS, EMA_FILE, EXPORTS, MODEL_FILE, c
 
 from sample.diffusers_folder import (CONFIG, DiffusersSource, class_names, is_diffusers_file, is_diffusers_folder,
                                      locate, locate_hub, looks_like_hub_id, read_json, read_weights)
-from sample.official import OFFICIAL_NAMES, RELEASES, checkpoint_url, find_official, is_official_name
+from sample.official import OFFICIAL_NAMES, RELEASES, checkpoint_url, find_official, is_official_name, release_name
 
 TORCH_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")  # read with torch.load(weights_only=True); all else safetensors
 WEIGHTS = ("ema", "raw")  # which weights of a run or checkpoint: the EMA copy or the raw training weights
@@ -29,6 +30,8 @@ AS_SAVED = "as saved"     # what settings.json records for a file holding one se
 _KEY_PREFIXES = ("module.", "_orig_mod.")
 _OFFICIAL_FIX = ("Pass an official DiT checkpoint (downloaded from dl.fbaipublicfiles.com/DiT/models/, e.g. "
                  "DiT-XL-2-256x256.pt) or a .safetensors export of this project.")
+# A bare state dict records no objective: unless its name or layout says, it is taken as DiT's, and said once.
+ASSUMED_DDPM = "assumed: a bare state dict of no known release is taken as DiT's DDPM"
 _CKPT_KINDS = ("a training run folder, a .safetensors export, an official DiT .pt checkpoint (or a released one by "
                f"name: {', '.join(OFFICIAL_NAMES)}), or a diffusers DiT (pipeline folder, transformer folder, or Hub "
                "repo id such as facebook/DiT-XL-2-256)")
@@ -48,6 +51,7 @@ class LoadedWeights:
     weights: str = AS_SAVED           # what was loaded: "ema", "raw", or AS_SAVED (a file's only set)
     warnings: list[str] = field(default_factory=list)  # what the user must see (e.g. a broken newer export skipped)
     label: str | None = None          # short name for default output folders (None: from the file's path)
+    auto_guide: AutoGuide = AUTO_OWN  # what --guide-channels auto means: what these weights' own sampler does
 
 
 @dataclass
@@ -186,7 +190,8 @@ def _pick_state_dict(obj, path: Path, weights: str | None) -> tuple[dict, str]:
 
 def _objective_of_release(path: Path, objective: str | None) -> tuple[str, str]:
     """(objective, how it was chosen) of a bare state dict: --objective, else its release's, else ddpm (DiT's)."""
-    release = RELEASES.get(path.name)
+    known = release_name(path.name)
+    release = RELEASES[known] if known else None
     if objective is not None:
         check_objective(objective)
         if release is not None and objective != release.objective:
@@ -194,8 +199,9 @@ def _objective_of_release(path: Path, objective: str | None) -> tuple[str, str]:
                             f"the {release.objective} objective; drop --objective.")
         return objective, "as --objective says"
     if release is not None:
-        return release.objective, f"the {release.paper} release"
-    return "ddpm", "a bare state dict is taken as DiT's DDPM unless --objective says otherwise"
+        named = "" if known == path.name else f", under the name its URL writes (ours: {known})"
+        return release.objective, f"the {release.paper} release{named}"
+    return "ddpm", ASSUMED_DDPM
 
 
 def _rae_config(config, path: Path, objective: str | None):
@@ -238,7 +244,18 @@ def _load_official(path: Path, weights: str | None, model: str | None, objective
         notes.append(f"DiT^DH head {config.head_depth} x {config.head_width} wide; flow time convention "
                      f"{config.objective_args['convention']}, time shift {config.objective_args['time_dist_shift']:g} "
                      "(shared/generative/flow.py)")
-    return LoadedWeights(state_dict, config, path, "official", notes=notes, weights=which)
+    warnings = [] if why != ASSUMED_DDPM else [
+        f"{path.name} records no objective and is no known release: sampled as DiT's ddpm objective (noise "
+        f"prediction); if it was trained with flow matching (SiT), pass --objective flow."]
+    return LoadedWeights(state_dict, config, path, "official", notes=notes, weights=which, warnings=warnings,
+                         auto_guide=_auto_guide_of_release(config))
+
+
+def _auto_guide_of_release(config: ModelConfig) -> AutoGuide:
+    """What the sampler of a bare state dict's origin guides: REPA's all channels, DiT's and SiT's the first 3."""
+    if config.objective == "flow":
+        return AUTO_REPA if config.objective_args.get("convention") == "repa" else AUTO_SIT
+    return AUTO_DIT
 
 
 def _load_lightningdit(obj, path: Path, release, model: str | None) -> LoadedWeights:
@@ -316,7 +333,7 @@ def _load_diffusers(source: DiffusersSource, weights: str | None, model: str | N
              f"{vae})", f"{NUMERICS_NOTE} Loaded here as the official DiT function, which is what the Hub's DiT "
                         f"weights were trained as."]
     return LoadedWeights(state_dict, config, source.weights, "diffusers", meta, None, notes, AS_SAVED,
-                         warnings=[notes[-1]], label=source.label)
+                         warnings=[notes[-1]], label=source.label, auto_guide=AUTO_DIFFUSERS)
 
 
 def check_finite(loaded: LoadedWeights) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -13,15 +14,14 @@ from tqdm import tqdm
 from shared.runtime.cli import option
 from shared.runtime.distributed import process_state
 from shared.runtime.errors import UserError
-from shared.runtime.flags import (BATCH_SIZE, CFG_INTERVAL, CFG_SCALE, GUIDE, NUM_SAMPLING_STEPS, PLUGIN, SAMPLER, SEED,
-                                  DecodeFlags)
+from shared.runtime.flags import BATCH_SIZE, PLUGIN, SEED, DecodeFlags, SamplingFlags, given_sampler_options
 from shared.generative.guidance import check_guidance, check_interval, describe_guidance, guide_channel_count, guided_model_fn
 from shared.generative.objectives import objective_of
-from shared.generative.samplers import SAMPLER_OPTIONS, get_sampler, sampler_options
+from shared.generative.samplers import SAMPLER_OPTIONS, resolve_sampling, sampler_options
 from shared.runtime.lock import hold_lock
 from shared.network.models import DiT_models
 from shared.tokenizers.pixels import to_uint8
-from shared.runtime.precision import PRECISIONS, set_tf32
+from shared.runtime.precision import set_tf32
 from shared.runtime.rundir import CHECKPOINTS, EMA_FILE, EXPORTS, MODEL_FILE
 from shared.tokenizers.vae_match import check_loaded_vae, check_vae_matches, choose_vae, load_vae
 
@@ -35,8 +35,9 @@ RUN_ONLY = ("num_samples", "batch_size", "out", "npz", "vae_slicing", "cpu", "tf
 
 
 @dataclass
-class SampleOptions(DecodeFlags):
-    """Everything `python -m sample` accepts (one field per flag: its default and help; the VAE flags too)."""
+class SampleOptions(DecodeFlags, SamplingFlags):
+    """Everything `python -m sample` accepts (one field per flag: its default and help; the sampling and VAE flags
+    too)."""
 
     ckpt: str = option(help="training run folder (newest EMA export), a checkpoints/step-* folder, a .safetensors "
                             "export (config read from it), or an official DiT .pt/.pth state dict")
@@ -58,22 +59,8 @@ class SampleOptions(DecodeFlags):
     random_labels: bool = option(False, "draw each image's class uniformly from its own (seed, i) generator instead")
     num_samples: int | None = option(None, "images to draw (default: one per --class-labels entry, else one per "
                                            "class)", aliases=("--num-fid-samples",))
-    cfg_scale: float = CFG_SCALE.field()
-    guide_channels: str = GUIDE.field()
-    sampler: str | None = SAMPLER.field()  # None: the objective's own (ddpm for DDPM models, sde for flow models)
-    num_sampling_steps: int = NUM_SAMPLING_STEPS.field()
-    cfg_interval: tuple | None = CFG_INTERVAL.field()  # (lo, hi) noise levels where guidance applies
-    ddim_eta: float | None = option(  # None: not given (0 for ddim; refused with the other samplers)
-        None, "DDIM's noise scale eta in [0, 1] (Song et al. Eq. 16): 0 deterministic, 1 DDPM-like; only with "
-              "--sampler ddim (default 0)")
-    time_shift: float | None = option(  # None: 1, no shift (refused with samplers that take none)
-        None, "flow samplers (euler, heun, sde): LightningDiT's timestep shift s, tau' = s tau / (1 + (s-1) tau); "
-              "s < 1 puts more steps near noise (LightningDiT: 0.3; default 1 = none)")
-    last_step_size: float | None = option(  # None: SiT's 0.04
-        None, "sde only: the size of SiT's final deterministic Mean step (default 0.04, as SiT)")
     seed: int = SEED.field()
     batch_size: int = BATCH_SIZE.field(aliases=("--per-proc-batch-size",))
-    precision: str = option("fp32", "DiT precision: fp32, or fp16/bf16 autocast", choices=tuple(PRECISIONS))
     tf32: bool = option(True, "disable TF32 matmuls on Ampere+ GPUs (on by default, as the DiT release)",
                         name="--no-tf32")
     out: str | None = option(None, "output folder (default: samples/<ckpt>-cfg<s>-<sampler><steps>-seed<seed>)",
@@ -110,24 +97,19 @@ def check_numbers(o: SampleOptions) -> None:
     if o.seed < 0:
         raise UserError(f"--seed {o.seed} must be a whole number >= 0.")
     if o.sampler is not None:
-        sampler_options(o.sampler, given_options(o))  # an unknown sampler, or an option it does not take
+        sampler_options(o.sampler, given_sampler_options(o))  # an unknown sampler, or an option it does not take
     if o.cfg_interval is not None and o.cfg_scale == 1.0:
         raise UserError("--cfg-interval limits guidance to a range of noise levels, but --cfg-scale is 1 (no "
                         "guidance); pass a --cfg-scale above 1, or drop --cfg-interval.")
 
 
-def given_options(o: SampleOptions) -> dict:
-    """The sampler options as given on the command line (None = not given)."""
-    return {name: getattr(o, name) for name in SAMPLER_OPTIONS}
-
-
-def resolve_sampler(o: SampleOptions, objective) -> tuple[str, dict]:
-    """(sampler, its options) for the weights' objective; SettingError for a sampler or steps it cannot take."""
-    sampler = o.sampler or objective.default_sampler
-    get_sampler(sampler, objective)  # e.g. --sampler ddpm for a flow model: refused by name
-    options = sampler_options(sampler, given_options(o))
-    objective.process(sampler, o.num_sampling_steps, options)  # e.g. 1000 steps of the solvers' linspace spacing
-    return sampler, options
+def resolve_sampler(o: SampleOptions, objective, recorded: dict) -> tuple[SampleOptions, dict, tuple]:
+    """(o with the sampler and interval used, that sampler's options, notes): flags given, else the model's
+    recorded sampling half, else the objective's; SettingError for a sampler or steps it cannot take."""
+    plan = resolve_sampling(objective, o.sampler, given_sampler_options(o), o.cfg_interval, recorded,
+                            guided=o.cfg_scale != 1.0)
+    objective.process(plan.sampler, o.num_sampling_steps, plan.options)  # e.g. 1000 steps of the linspace spacing
+    return dataclasses.replace(o, sampler=plan.sampler, cfg_interval=plan.cfg_interval), plan.options, plan.notes
 
 
 def ckpt_label(path: Path) -> str:
@@ -141,10 +123,10 @@ def ckpt_label(path: Path) -> str:
 
 
 def default_out(o: SampleOptions, loaded: LoadedWeights, sampler: str, options: dict) -> Path:
-    """samples/<ckpt>-cfg<s>[-int<lo>-<hi>]-<sampler><steps>[-eta<e>][-shift<s>]-seed<seed>: one folder per setting."""
-    extra = "".join(f"-{tag}{options[key]:g}" for key, tag, plain in
-                    (("ddim_eta", "eta", 0.0), ("time_shift", "shift", 1.0), ("last_step_size", "last", 0.04))
-                    if key in options and options[key] != plain)  # non-default options get their own folder
+    """samples/<ckpt>-cfg<s>[-int<lo>-<hi>]-<sampler><steps>[-eta<e>][-shift<s>][-last<h>]-seed<seed>: one folder per
+    setting (an option at its default adds nothing, so folders named before it existed still match)."""
+    extra = "".join(f"-{spec.tag}{options[name]:g}" for name, spec in SAMPLER_OPTIONS.items()
+                    if name in options and options[name] != spec.default)
     interval = f"-int{o.cfg_interval[0]:g}-{o.cfg_interval[1]:g}" if o.cfg_interval else ""
     label = loaded.label or ckpt_label(loaded.path)
     name = f"{label}-cfg{o.cfg_scale:g}{interval}-{sampler}{o.num_sampling_steps}{extra}-seed{o.seed}"
@@ -171,7 +153,7 @@ def make_settings(o: SampleOptions, job_fields: dict) -> dict:
     run = {k: v for k, v in options.items() if k in RUN_ONLY}
     run.update(num_samples=job_fields["num_samples"], out=str(job_fields["out"]), notes=loaded.notes,
                guidance=describe_guidance(o.guide_channels, loaded.config.in_channels, o.cfg_scale, o.cfg_interval,
-                                          job_fields["objective"].level_unit))
+                                          job_fields["objective"].level_unit, loaded.auto_guide))
     return json.loads(json.dumps({"identity": identity, "run": run}))
 
 
@@ -182,10 +164,12 @@ def resolve_job(o: SampleOptions) -> Job:
         check_out_path(Path(o.out), "sampling")  # a file or an image name as --out: refused before any loading
     loaded = load_sampling_weights(o.ckpt, o.weights, o.model, o.objective)
     objective = objective_of(loaded.config)
-    sampler, options = resolve_sampler(o, objective)
+    o, options, notes = resolve_sampler(o, objective, loaded.config.sampling)
+    loaded.notes.extend(notes)
+    sampler = o.sampler
     check_interval(o.cfg_interval, objective.level_range, objective.level_unit, objective.name)
     check_guidance(o.cfg_scale, loaded.config.has_null_class)
-    guided = guide_channel_count(o.guide_channels, loaded.config.in_channels)
+    guided = guide_channel_count(o.guide_channels, loaded.config.in_channels, loaded.auto_guide)
     names = (loaded.latent_meta or {}).get("class_names")
     plan = make_label_plan(o.class_labels, loaded.config.num_classes, o.random_labels, names)
     spec, how = choose_vae(o.vae, loaded.latent_meta)
@@ -247,7 +231,8 @@ def make_drawer(job: Job, vae, norm, device) -> Drawer:
     o, config = job.options, job.loaded.config
     model = build_sampling_model(job.loaded, device)
     job.loaded.state_dict = {}  # the model holds the weights now; free the CPU copy
-    model_fn = guided_model_fn(model, o.cfg_scale, guide_channel_count(o.guide_channels, config.in_channels),
+    guided = guide_channel_count(o.guide_channels, config.in_channels, job.loaded.auto_guide)
+    model_fn = guided_model_fn(model, o.cfg_scale, guided,
                                o.precision, o.cfg_interval, job.objective.noise_level)
     latent_shape = (config.in_channels, config.input_size, config.input_size)
     return Drawer(model_fn, job.objective, job.sampler, job.sampler_options, o.num_sampling_steps, vae, norm,

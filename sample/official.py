@@ -1,5 +1,8 @@
 """Released checkpoints by name: `--ckpt DiT-XL-2-256x256.pt` (or SiT-XL-2-256x256.pt) downloads it once into a cache.
 
+A release is recognised by its name here or by the file name its URL writes (`wget` of SiT's link saves
+SiT-XL-2-256.pt), so a file under either name loads with the release's objective.
+
 Each release records what its bare state dict cannot say: the objective it was trained with (SiT's file has
 DiT's layout but is a flow-matching velocity model), and for RAE's DiT^DH-XL its time convention and shift. Named here: the DiT release's two files, SiT-XL/2, and
 REPA's SiT-XL/2 at 4M iterations (the FID 1.42 model; sihyun-yu/REPA, MIT: its generate.py downloads this file as
@@ -23,6 +26,7 @@ import http.client
 import os
 import socket
 import urllib.error
+import urllib.parse
 import urllib.request
 import zipfile
 from dataclasses import dataclass
@@ -84,6 +88,26 @@ for _epochs in ("800ep", "64ep"):
         _HF.format(f"lightningdit-xl-imagenet256-{_epochs}"), objective="flow", paper="LightningDiT (Yao et al. 2025)",
         latent_meta=_VAVAE_LATENTS, layout="lightningdit")
 OFFICIAL_NAMES = tuple(RELEASES)
+# Too generic to say which release a file is: REPA's URL writes last.pt and RAE's stage2_model.pt, names any
+# training run may write (both files are recognised by their layouts instead).
+GENERIC_NAMES = ("last.pt", "stage2_model.pt")
+
+
+def url_file_name(url: str) -> str:
+    """The file name `wget URL` writes: the last segment of the URL's path (its query dropped)."""
+    return Path(urllib.parse.urlparse(url).path).name
+
+
+# Each release also under the name its URL writes (SiT's link saves SiT-XL-2-256.pt), unless that is generic.
+URL_NAMES = {url_file_name(r.url): name for name, r in RELEASES.items()
+             if url_file_name(r.url) not in RELEASES and url_file_name(r.url) not in GENERIC_NAMES}
+
+
+def release_name(file_name: str) -> str | None:
+    """The release a file name identifies (its name here, or the one its URL writes), else None."""
+    if file_name in RELEASES:
+        return file_name
+    return URL_NAMES.get(file_name)
 URL_ENV = "DIT_DOWNLOAD_URL"
 CACHE_ENV = "DIT_CHECKPOINT_DIR"
 RELEASE_DIR = "pretrained_models"  # the release's scripts download into ./pretrained_models/
@@ -92,8 +116,8 @@ TIMEOUT_S = 30  # per socket operation: a stalled server ends the download inste
 
 
 def is_official_name(text: str) -> bool:
-    """Whether --ckpt is the bare file name of a released checkpoint."""
-    return str(text) in OFFICIAL_NAMES
+    """Whether --ckpt is the bare file name of a released checkpoint (ours or its URL's)."""
+    return release_name(str(text)) is not None
 
 
 def cache_dir() -> Path:
@@ -107,6 +131,7 @@ def cache_dir() -> Path:
 
 def checkpoint_url(name: str) -> str:
     """The release's URL of `name` ($DIT_DOWNLOAD_URL/NAME when that is set)."""
+    name = release_name(name) or name  # a release under its URL's file name downloads as itself
     if os.environ.get(URL_ENV):
         return os.environ[URL_ENV].rstrip("/") + "/" + name
     return RELEASES[name].url if name in RELEASES else BASE_URL + name
@@ -143,9 +168,11 @@ def _one_downloader(dest: Path) -> Iterator[None]:
 
 def find_official(name: str) -> tuple[Path, list[str]]:
     """(path, notes) of a released checkpoint: ./pretrained_models/, else the cache, else downloaded into it."""
-    release = Path(RELEASE_DIR) / name
-    if release.is_file():
-        return release, [f"{name} found in ./{RELEASE_DIR}/ (where the DiT release's scripts put it)"]
+    for local in dict.fromkeys((name, release_name(name))):  # as asked, then under the release's name here
+        release = Path(RELEASE_DIR) / local
+        if release.is_file():
+            return release, [f"{local} found in ./{RELEASE_DIR}/ (where the DiT release's scripts put it)"]
+    name = release_name(name)  # the cache and the download use the release's name here
     dest = cache_dir() / name
     notes = []
     with _one_downloader(dest):

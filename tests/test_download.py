@@ -191,3 +191,53 @@ def test_sit_release_by_name_is_a_flow_model(release, tiny_vae_dir, tmp_path, mo
         httpd.shutdown()
         httpd.server_close()
         thread.join(timeout=10)
+
+
+def test_sit_release_under_its_url_file_name_is_recognised(release, tiny_vae_dir, tmp_path, monkeypatch, capsys):
+    """`wget` of SiT's link writes SiT-XL-2-256.pt: as a file or as a name to download, it is SiT's flow model."""
+    import json
+
+    from sample.official import RELEASES, url_file_name
+
+    assert url_file_name(RELEASES["SiT-XL-2-256x256.pt"].url) == "SiT-XL-2-256.pt"
+    httpd = FileServer({"SiT-XL-2-256x256.pt": release["bytes"]})
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
+    thread.start()
+    monkeypatch.setenv(URL_ENV, f"http://127.0.0.1:{httpd.server_address[1]}/")
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    try:
+        code, out, err = run_main(main, ["--ckpt", "SiT-XL-2-256.pt", "--vae", tiny_vae_dir, "--out", tmp_path / "n",
+                                         *STEPS], capsys)  # no such file here: downloaded as the release
+        assert code == 0, err
+        assert httpd.requests == ["/SiT-XL-2-256x256.pt"] and (tmp_path / "cache" / "SiT-XL-2-256x256.pt").is_file()
+        local = tmp_path / "SiT-XL-2-256.pt"
+        local.write_bytes(release["bytes"])
+        code, out, err = run_main(main, ["--ckpt", local, "--vae", tiny_vae_dir, "--out", tmp_path / "f", *STEPS], capsys)
+        assert code == 0, err
+        settings = json.loads((tmp_path / "f" / "settings.json").read_text())
+        assert settings["identity"]["model"]["objective"] == "flow" and settings["identity"]["sampler"] == "sde"
+        assert "under the name its URL writes (ours: SiT-XL-2-256x256.pt)" in out
+        assert settings["identity"]["guide_channels"] == "3"  # auto: SiT's sampler keeps DiT's 3-of-4 rule
+        assert "records no objective" not in out
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(timeout=10)
+
+
+def test_unrecognised_bare_state_dict_says_which_objective_it_assumed(release, tiny_vae_dir, tmp_path, capsys):
+    """A bare .pt of no known name or layout: sampled as DDPM, and one line says so and names --objective flow."""
+    from sample.official import release_name
+
+    assert release_name("last.pt") is None and release_name("stage2_model.pt") is None  # generic URL names
+    path = tmp_path / "renamed.pt"
+    path.write_bytes(release["bytes"])
+    code, out, err = run_main(main, ["--ckpt", path, "--vae", tiny_vae_dir, "--out", tmp_path / "a", *STEPS], capsys)
+    assert code == 0, err
+    lines = [line for line in out.splitlines() if "records no objective" in line]
+    assert lines == ["note: renamed.pt records no objective and is no known release: sampled as DiT's ddpm objective "
+                     "(noise prediction); if it was trained with flow matching (SiT), pass --objective flow."]
+    code, out, err = run_main(main, ["--ckpt", path, "--vae", tiny_vae_dir, "--out", tmp_path / "b", "--objective",
+                                     "flow", *STEPS], capsys)
+    assert code == 0 and "records no objective" not in out

@@ -118,6 +118,53 @@ def test_the_counter_finds_a_copied_default(tmp_path):
     assert defaults_stated_twice(tmp_path) == ["train/config.py: --lr"]
 
 
+def sampler_defaults_stated_twice(root: Path = ROOT) -> list[str]:
+    """Places that restate a sampler option's default instead of reading its record (shared/generative/samplers.py):
+    a flag field named after the option with a default other than None (not given), `x.get("<option>", <number>)`,
+    or a literal tuple pairing the option's name with a number (as default_out once held ("time_shift", ..., 1.0))."""
+    from shared.generative.samplers import SAMPLER_OPTIONS
+
+    found = []
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            where = path.relative_to(root).as_posix()
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) in SAMPLER_OPTIONS \
+                        and node.value is not None:
+                    default = _field_default(node.value)
+                    if isinstance(default, ast.Constant) and default.value is not None:
+                        found.append(f"{where}: field {node.target.id}")
+                elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "get" and len(node.args) == 2 \
+                        and isinstance(node.args[0], ast.Constant) and node.args[0].value in SAMPLER_OPTIONS \
+                        and isinstance(node.args[1], ast.Constant):
+                    found.append(f"{where}: .get({node.args[0].value!r}, {node.args[1].value!r})")
+                elif isinstance(node, ast.Tuple):
+                    names = [e.value for e in node.elts if isinstance(e, ast.Constant) and e.value in SAMPLER_OPTIONS]
+                    numbers = [e for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, (int, float))
+                               and not isinstance(e.value, bool)]
+                    if names and numbers:
+                        found.append(f"{where}: tuple with {names[0]}")
+    return found
+
+
+def test_no_sampler_option_default_is_stated_outside_its_record():
+    """0: the sampler options' defaults live in their records; flags, folder names and processes read them."""
+    assert sampler_defaults_stated_twice() == []
+
+
+def test_the_sampler_counter_finds_restated_defaults(tmp_path):
+    """The counter is not blind: the three ways a default used to be restated are each found."""
+    for package in PACKAGES:
+        (tmp_path / package).mkdir()
+    (tmp_path / "sample" / "generate.py").write_text(
+        "class SampleOptions:\n    time_shift: float | None = option(None, 'shift')\n"
+        "    ddim_eta: float = option(0.0, 'eta')\n"
+        "def f(o):\n    return o.get('last_step_size', 0.04), (('time_shift', 'shift', 1.0),)\n")
+    assert sampler_defaults_stated_twice(tmp_path) == [
+        "sample/generate.py: field ddim_eta", "sample/generate.py: .get('last_step_size', 0.04)",
+        "sample/generate.py: tuple with time_shift"]
+
+
 @pytest.mark.parametrize("index", range(10))
 def test_help_does_not_restate_the_default(index):
     """The formatter prints each default from the field; a help text that also spells it out would drift."""

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from shared.runtime.errors import ChoiceError, SettingError, UserError, advise
-from shared.generative.guidance import GUIDE_CHANNELS, check_guidance, guide_channel_count, guided_model_fn
+from shared.generative.guidance import (AUTO_DIFFUSERS, AUTO_DIT, AUTO_REPA, AUTO_SIT, GUIDE_CHANNELS, check_guidance,
+                                        guide_channel_count, guided_model_fn)
 from tests.helpers import inputs, randomize, tiny  # 2-block DiT-T/2, 8x8x4 latents, 5 classes
 
 
@@ -59,11 +60,12 @@ def test_autocast_precision_follows_the_input_device():
 
 
 def test_guide_channel_vocabulary():
-    """auto: the release's 3-channel quirk for 4-channel latents only; '3' is refused for any other count."""
+    """auto: what the weights' own sampler does (DiT/SiT releases: 3 of 4; REPA, diffusers, our runs: all); '3' is
+    refused for any channel count but 4."""
     from shared.generative.guidance import describe_guidance
     assert GUIDE_CHANNELS == ("auto", "3", "all")
     assert guide_channel_count("3", 4) == 3 and guide_channel_count("all", 4) is None
-    assert guide_channel_count("auto", 4) == 3 and guide_channel_count("auto", 8) is None
+    assert guide_channel_count("auto", 4) is None and guide_channel_count("auto", 8) is None  # our own runs
     assert guide_channel_count("auto", 2) is None and guide_channel_count("all", 8) is None
     with pytest.raises(ChoiceError) as caught:
         guide_channel_count("2", 4)
@@ -71,8 +73,13 @@ def test_guide_channel_vocabulary():
     for channels in (2, 8):
         with pytest.raises(SettingError, match=f"has {channels} latent channels; use guide-channel choice all"):
             guide_channel_count("3", channels)
-    assert "first 3 of 4" in describe_guidance("auto", 4, 4.0) and "DiT release" in describe_guidance("auto", 4, 4.0)
-    assert "all 8 latent channels" in describe_guidance("auto", 8, 4.0)
+    assert guide_channel_count("auto", 4, AUTO_DIT) == 3 and guide_channel_count("auto", 8, AUTO_DIT) is None
+    assert guide_channel_count("auto", 4, AUTO_SIT) == 3 and guide_channel_count("auto", 4, AUTO_REPA) is None
+    assert guide_channel_count("auto", 4, AUTO_DIFFUSERS) is None and guide_channel_count("3", 4, AUTO_REPA) == 3
+    dit = describe_guidance("auto", 4, 4.0, auto=AUTO_DIT)
+    assert "first 3 of 4" in dit and "DiT release" in dit
+    assert "all 4 latent channels (auto: trained by this project" in describe_guidance("auto", 4, 4.0)
+    assert "all 8 latent channels" in describe_guidance("auto", 8, 4.0, auto=AUTO_DIT)
     assert describe_guidance("3", 4, 1.0) == "guidance: none (cfg scale 1)"
 
 

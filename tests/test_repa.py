@@ -358,16 +358,19 @@ def test_a_repa_layout_state_dict_loads_strictly_and_samples_with_the_sde(tiny_v
     state = repa_state_dict()
     torch.save(state, path)
     loaded = load_checkpoint(path)
-    assert (loaded.config.objective, loaded.config.flow_convention, loaded.config.learn_sigma) == ("flow", "repa", False)
+    config = loaded.config
+    assert (config.objective, config.objective_args["convention"], config.learn_sigma) == ("flow", "repa", False)
     model = build_model(loaded, "cpu")  # strict
     assert torch.equal(model.blocks[5].mlp.fc2.weight, state["blocks.5.mlp.fc2.weight"])
     assert any("REPA layout: its projector (6 tensors" in n for n in loaded.notes)
     out = tmp_path / "samples"
     main(["--ckpt", str(path), "--vae", str(tiny_vae_dir), "--num-samples", "2", "--batch-size", "2",
           "--sampler", "sde", "--num-sampling-steps", "3", "--cfg-scale", "1.8", "--cfg-interval", "0", "0.7",
-          "--guide-channels", "all", "--out", str(out)])
+          "--out", str(out)])
     settings = json.loads((out / "settings.json").read_text())
     assert len(list(out.glob("0*.png"))) == 2 and "sde" in json.dumps(settings)
+    assert settings["identity"]["guide_channels"] == "all"  # auto: what REPA's sampler guides
+    assert "(auto: REPA's sampler guides all channels)" in settings["run"]["guidance"]
     del state["blocks.2.attn.qkv.bias"]
     torch.save(state, path)
     with pytest.raises(UserError) as info:  # strict: a missing tensor is refused, not silently zero

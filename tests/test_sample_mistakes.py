@@ -170,11 +170,19 @@ def test_settings_record_the_weights_actually_loaded(run, tmp_path, capsys, ckpt
 # Item 7: the 3-channel guidance quirk
 # --------------------------------------------------------------------------------------------------------
 
-def test_guidance_rule_follows_the_latent_channels(run, tmp_path, capsys):
-    """4 channels: auto guides 3 as the release and says so; 8 channels: all, and '3' is refused."""
+def test_guidance_rule_follows_the_weights_and_the_latent_channels(run, tmp_path, capsys):
+    """auto is what the weights' own sampler does: all 4 for this project's runs (as their training previews),
+    3 of 4 for a bare DiT-layout .pt (the DiT release's sampler); 8 channels: all, and '3' is refused."""
+    from train.config import TrainConfig
+
     code, err = run_sample(_sample(run, tmp_path / "four"), capsys)
     assert code == 0, err
-    assert _settings(tmp_path / "four")["identity"]["guide_channels"] == "3"
+    assert _settings(tmp_path / "four")["identity"]["guide_channels"] == "all"
+    assert TrainConfig.sample_guide_channels == "all"  # the previews of the same run: the same channels
+    code, err = run_sample(_sample(run, tmp_path / "pt", "--vae", run["vae"], ckpt=run["pt"]), capsys)
+    assert code == 0, err
+    assert _settings(tmp_path / "pt")["identity"]["guide_channels"] == "3"
+    assert "first 3 of 4 latent channels (auto: the DiT release's sampler" in _settings(tmp_path / "pt")["run"]["guidance"]
     wide_vae = make_tiny_vae(tmp_path / "vae8", latent_channels=8)
     config = ModelConfig("DiT-T/2", input_size=8, in_channels=8, num_classes=len(NAMES))
     path = save_weights(tmp_path / "wide.safetensors", random_dit(config).state_dict(), config,
@@ -191,7 +199,10 @@ def test_guidance_rule_follows_the_latent_channels(run, tmp_path, capsys):
 def test_guidance_rule_is_printed(run, tmp_path, capsys):
     code = run_sample(_sample(run, tmp_path / "o"), None)[0]
     out = capsys.readouterr().out
-    assert code == 0 and "guidance: cfg scale 4 on the first 3 of 4 latent channels (auto" in out
+    assert code == 0 and "guidance: cfg scale 4 on all 4 latent channels (auto: trained by this project" in out
+    code = run_sample(_sample(run, tmp_path / "q", "--guide-channels", "3"), None)[0]
+    out = capsys.readouterr().out
+    assert code == 0 and "guidance: cfg scale 4 on the first 3 of 4 latent channels (as asked" in out
 
 
 # --------------------------------------------------------------------------------------------------------

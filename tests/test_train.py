@@ -91,7 +91,7 @@ def test_previews_with_the_ema_on_the_cpu_follow_the_configured_guidance(latents
         model = config.build().eval()
         model.load_state_dict(state)
         latents_, _ = sample_preview(model, (4, 4, 4), 3, 4.0, choice, torch.device("cpu"),
-                                     objective_of(config))
+                                     objective_of(config), config.sampling)
         torch.testing.assert_close(latents_, previews[choice], atol=1e-5, rtol=1e-5)
     same_ema = final_tensors(runs["all"]), final_tensors(runs["3"])  # EMA on the CPU or the device: same numbers
     assert all(torch.equal(same_ema[0][k], same_ema[1][k]) for k in same_ema[0])

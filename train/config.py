@@ -85,6 +85,8 @@ class TrainConfig:
     plugin: list | None = PLUGIN.field()
     # The objective's training fields (--time-sampling, ... derived from the registry): those given, then resolved.
     objective_options: dict = field(default_factory=dict)
+    # The recipe's sampling half, recorded with the model (ModelConfig.sampling) for sample, evaluate run, previews.
+    sampling: dict = field(default_factory=dict)
     time_dist_shift: float | str = option(
         1.0, "flow only: RAE's shift s of the training times towards noise, t' = s t / (1 + (s-1) t) in RAE's time "
              "(1 = noise), recorded with the model so sampling shifts its grid the same way; auto: sqrt(C*H*W / "
@@ -166,7 +168,8 @@ class TrainConfig:
     sample_cfg_scale: float | None = option(
         None, "guidance scale of the previews (default 4.0, or 1 = none when --class-dropout-prob is 0)")
     sample_guide_channels: str = option(
-        "all", "latent channels the previews guide: all (default), or 3 as the official DiT sampler",
+        "all", "latent channels the previews guide: all (default; what sample and evaluate run guide for this run "
+               "with --guide-channels auto), or 3 as the official DiT sampler",
         choices=GUIDE_CHANNELS)
     report_to: str = option(
         DEFAULT_REPORT_TO, "experiment tracker for loss, LR, grad norm, speed, memory, skipped steps and the fp16 "
@@ -516,8 +519,11 @@ def _resolve_route(cfg: TrainConfig, latent_shape) -> None:
 def _check_objective(cfg: TrainConfig) -> None:
     """The objective and its training settings build (e.g. no flow-only setting on a ddpm run); fills them in."""
     from shared.generative.objectives import OBJECTIVES, make_objective, recorded_fields, training_args
+    from shared.generative.samplers import check_recorded
 
-    cfg.objective_options = training_args(make_objective(cfg.objective, **cfg.objective_options))
+    objective = make_objective(cfg.objective, **cfg.objective_options)
+    cfg.objective_options = training_args(objective)
+    check_recorded(cfg.sampling, objective.family, f"--recipe {cfg.recipe}")
     recorded = {f.name for f in recorded_fields(OBJECTIVES[cfg.objective])}
     if cfg.time_dist_shift != 1.0 and "time_dist_shift" not in recorded:
         raise SettingError(f"{{time dist shift}} {cfg.time_dist_shift:g} applies to the flow objective only (it shifts "

@@ -162,7 +162,7 @@ def model_config_for(cfg: TrainConfig, dataset: LatentDataset) -> ModelConfig:
                        head_width=cfg.head_width, head_heads=cfg.head_heads,
                        class_dropout_prob=cfg.class_dropout_prob, objective=cfg.objective,
                        objective_args={"time_dist_shift": cfg.time_dist_shift} if cfg.time_dist_shift != 1.0 else {},
-                       objective_plugin=plugin_of(cfg.objective))
+                       objective_plugin=plugin_of(cfg.objective), sampling=dict(cfg.sampling))
 
 
 def check_finite_state(saved: dict, source: Path) -> None:
@@ -374,7 +374,7 @@ def save_samples(run: Run) -> None:
         try:
             latents, labels = sample_preview(ema, run.dataset.latent_shape, run.cfg.sample_steps,
                                              run.cfg.sample_cfg_scale, run.cfg.sample_guide_channels, run.device,
-                                             run.learner.objective)
+                                             run.learner.objective, run.learner.model_config.sampling)
         finally:
             ema.to(home)
         path = write_preview(rundir.sample_path(run.run_dir, run.step), latents, labels,

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from shared.generative.objectives import run_sampler
+from shared.generative.samplers import resolve_sampling
 from shared.generative.guidance import guide_channel_count, guided_model_fn
 from shared.runtime.seeding import generator_for
 
@@ -29,11 +30,14 @@ def preview_noise(latent_shape, count: int = PREVIEW_COUNT) -> torch.Tensor:
 
 @torch.no_grad()
 def sample_preview(model, latent_shape, num_steps: int, cfg_scale: float, guide_channels: str,
-                   device, objective) -> tuple[torch.Tensor, torch.Tensor]:
-    """EMA latents for the preview classes by the objective's deterministic sampler (DDIM / Euler) -> CPU tensors."""
+                   device, objective, recorded: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """EMA latents for the preview classes by a deterministic sampler -> CPU tensors: the model's recorded one with
+    its options and guidance interval (a recipe's sampling half), else the objective's fast one (DDIM / Euler)."""
     labels = preview_labels(model.num_classes).to(device)  # (N,)
     noise = preview_noise(latent_shape).to(device)  # (N, C, h, w)
-    model_fn = guided_model_fn(model, cfg_scale, guide_channel_count(guide_channels, model.in_channels))
-    x = run_sampler(objective, objective.fast_sampler, model_fn, noise, num_steps, {},
+    plan = resolve_sampling(objective, None, {}, None, recorded, guided=cfg_scale != 1.0, fast=True)
+    model_fn = guided_model_fn(model, cfg_scale, guide_channel_count(guide_channels, model.in_channels),
+                               interval=plan.cfg_interval, noise_level=objective.noise_level)
+    x = run_sampler(objective, plan.sampler, model_fn, noise, num_steps, plan.options,
                     model_kwargs=dict(y=labels))  # (N, C, h, w)
     return x.float().cpu(), labels.cpu()

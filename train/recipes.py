@@ -11,15 +11,20 @@ which stay the user's:
 - lightning (Yao et al. 2025, hustvl/LightningDiT `configs/lightningdit_xl_vavae_f16d32.yaml`): flow
   matching with logit-normal times (loc 0, scale 1) and the cosine velocity-direction loss (weight 1);
   RMSNorm + SwiGLU + 2-D RoPE blocks; AdamW beta2 0.95 at lr 2e-4 (tuned for its batch 1024). Sample with
-  `--sampler euler --num-sampling-steps 250 --time-shift 0.3 --cfg-interval 0 0.89` as its config does.
+  `--sampler euler --num-sampling-steps 250 --time-shift 0.3 --cfg-interval 0 0.89` as its config does
+  (`sample:` in that file: euler, timestep_shift 0.3, cfg_interval_start 0.11 in its time, where 0 = noise:
+  noise levels 0 to 0.89 in ours); the model records that sampling half, so python -m sample, evaluate run and
+  the previews use it when no sampling flag says otherwise (LightningDiT's cfg scale, 6.7 or 10 for VA-VAE
+  latents, and its 250 steps stay the commands' own defaults).
   Its VA-VAE latents and their per-channel normalisation are not part of the recipe here (SD-VAE latents).
 - rae (Zheng et al. 2025, bytetriper/RAE `configs/stage2/training/ImageNet256/DiTDH-XL_DINOv2-B.yaml`): flow
   matching with logit-normal times (`time_dist_type: logit-normal_0_1`) shifted by sqrt(C*H*W / 4096)
   (`time_dist_shift_dim` / `time_dist_shift_base`; --time-dist-shift auto), RMSNorm + SwiGLU + RoPE blocks
   (`use_rmsnorm`, `use_swiglu`, `use_rope`), AdamW lr 2e-4 betas (0.9, 0.95) no weight decay (`optimizer`),
   linear decay to 2e-5 (`scheduler`), EMA 0.9995 (`ema_decay`), gradient clipping 1.0 (`clip_grad`). Its
-  sampler (`sampler`: ODE, euler, num_steps 50) is `--sampler euler --num-sampling-steps 50`; the shift is
-  recorded with the model, so sampling applies it with no flag. The model (DiTDH-XL) and the tokenizer stay
+  sampler (`sampler`: ODE, euler, num_steps 50) is `--sampler euler --num-sampling-steps 50`; euler is recorded
+  as its sampling half and the shift with the model, so sampling applies both with no flag (the 50 steps stay
+  a flag). The model (DiTDH-XL) and the tokenizer stay
   the user's flags. See docs/rae.md for what differs (RAE holds the LR for 40 epochs and ends its decay at
   epoch 800 of 1400; here the decay runs over the whole --max-steps).
 """
@@ -31,11 +36,13 @@ RECIPES = {
     "dit": {},
     "sit": {"objective": "flow", "time_sampling": "uniform"},
     "lightning": {"objective": "flow", "time_sampling": "lognormal", "time_loc": 0.0, "time_scale": 1.0,
-                  "cos_weight": 1.0, "block": "lightning", "lr": 2e-4, "adam_betas": (0.9, 0.95)},
+                  "cos_weight": 1.0, "block": "lightning", "lr": 2e-4, "adam_betas": (0.9, 0.95),
+                  # The sampling half, in the names of the sampling flags (shared/runtime/flags.py SamplingFlags).
+                  "sampling": {"sampler": "euler", "time_shift": 0.3, "cfg_interval": [0.0, 0.89]}},
     "rae": {"objective": "flow", "time_sampling": "lognormal", "time_loc": 0.0, "time_scale": 1.0,
             "time_dist_shift": "auto", "block": "lightning", "lr": 2e-4, "adam_betas": (0.9, 0.95),
             "weight_decay": 0.0, "lr_schedule": "linear", "final_lr": 2e-5, "ema_decay": 0.9995,
-            "max_grad_norm": 1.0},
+            "max_grad_norm": 1.0, "sampling": {"sampler": "euler"}},  # RAE's `sampler`: ODE, euler
 }
 RECIPE_HELP = {"dit": "DiT: DDPM, DiT block, AdamW lr 1e-4",
                "sit": "SiT: flow matching, uniform times, DiT block, AdamW lr 1e-4",
@@ -55,7 +62,7 @@ def apply_recipe(cfg, explicit: set[str]):
         if name in explicit:
             continue
         if name in own:
-            setattr(cfg, name, value)
+            setattr(cfg, name, dict(value) if isinstance(value, dict) else value)
         else:
             cfg.objective_options[name] = value
     return cfg

@@ -8,6 +8,7 @@ are the conditional prediction's.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 
@@ -16,18 +17,39 @@ from shared.runtime.precision import PRECISIONS, autocast_dtype
 
 # "3": the DiT release's quirk, which guides only the first 3 of the 4 latent channels of sd-vae-ft-ema
 # latents (kept for exact reproduction of its samples and FID protocol; it means nothing for other channel
-# counts); "all": every latent channel, the standard form of guidance; "auto": "3" for 4-channel latents, as
-# the release, "all" otherwise.
+# counts); "all": every latent channel, the standard form of guidance; "auto": what the weights' own sampler
+# does (AutoGuide below), and "all" for any channel count but 4.
 GUIDE_CHANNELS = ("auto", "3", "all")
 QUIRK_CHANNELS = 4  # the latent channel count the release's quirk was written for
 
 
-def guide_channel_count(choice: str, in_channels: int) -> int | None:
+@dataclass(frozen=True)
+class AutoGuide:
+    """What --guide-channels auto means for one origin of weights: what that origin's own sampler guides."""
+
+    channels: str  # "3" or "all" (for 4-channel latents; any other count is always "all")
+    why: str
+
+
+# The DiT and SiT releases' forward_with_cfg guide eps[:, :3]; REPA's samplers.py and diffusers' DiTPipeline
+# guide every latent channel, and so do this project's training previews for the models it trains.
+AUTO_OWN = AutoGuide("all", "trained by this project, whose training previews guide all channels")
+AUTO_DIT = AutoGuide("3", "the DiT release's sampler guides the first 3 of 4 channels")
+AUTO_SIT = AutoGuide("3", "SiT's sampler keeps the DiT release's rule: the first 3 of 4 channels")
+AUTO_REPA = AutoGuide("all", "REPA's sampler guides all channels")
+AUTO_DIFFUSERS = AutoGuide("all", "diffusers' DiTPipeline guides all channels")
+GUIDE_HELP = ("latent channels guided: 3 (the DiT release's quirk for 4-channel latents), all, or auto: what the "
+              "weights' own sampler does (3 of 4 for the DiT and SiT releases and other bare .pt state dicts of "
+              "their layout; all for REPA's release, diffusers pipelines and models this project trains, whose "
+              "previews guide all); the rule used is printed")
+
+
+def guide_channel_count(choice: str, in_channels: int, auto: AutoGuide = AUTO_OWN) -> int | None:
     """The guided latent channels of a GUIDE_CHANNELS choice: an int, or None for all `in_channels`."""
     if choice not in GUIDE_CHANNELS:
         raise ChoiceError("guide-channel choice", choice, GUIDE_CHANNELS)
     if choice == "auto":
-        choice = "3" if in_channels == QUIRK_CHANNELS else "all"
+        choice = auto.channels if in_channels == QUIRK_CHANNELS else "all"
     if choice == "all":
         return None
     if in_channels != QUIRK_CHANNELS:
@@ -37,15 +59,17 @@ def guide_channel_count(choice: str, in_channels: int) -> int | None:
     return int(choice)
 
 
-def describe_guidance(choice: str, in_channels: int, cfg_scale: float, interval=None, unit: str = "") -> str:
+def describe_guidance(choice: str, in_channels: int, cfg_scale: float, interval=None, unit: str = "",
+                      auto: AutoGuide = AUTO_OWN) -> str:
     """One line saying which guidance rule applies, e.g. for the sampling log."""
     if cfg_scale == 1.0:
         return "guidance: none (cfg scale 1)"
     where = f" at noise levels {interval[0]:g} to {interval[1]:g} ({unit}; conditional only elsewhere)" if interval else ""
-    count = guide_channel_count(choice, in_channels)
+    count = guide_channel_count(choice, in_channels, auto)
+    why = f"auto: {auto.why}" if choice == "auto" and in_channels == QUIRK_CHANNELS else choice
     if count is None:
-        return f"guidance: cfg scale {cfg_scale:g} on all {in_channels} latent channels ({choice}){where}"
-    why = "auto: the DiT release's rule for 4-channel latents" if choice == "auto" else "as asked"
+        return f"guidance: cfg scale {cfg_scale:g} on all {in_channels} latent channels ({why}){where}"
+    why = why if choice == "auto" else "as asked"
     return (f"guidance: cfg scale {cfg_scale:g} on the first {count} of {in_channels} latent channels ({why}; the "
             f"last channel and the variance are the conditional prediction's){where}")
 

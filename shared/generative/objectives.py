@@ -33,9 +33,9 @@ from typing import Any, ClassVar, Protocol
 import torch
 
 from shared.generative.diffusion import NUM_TIMESTEPS, GaussianDiffusion, create_diffusion
-from shared.generative.flow import (SDE_LAST_STEP, TIME_SAMPLINGS, FlowPath, check_convention, check_shift, draw_time,
-                                   make_process, rae_shift)
-from shared.generative.samplers import get_sampler, sampler_options
+from shared.generative.flow import (TIME_SAMPLINGS, FlowPath, check_convention, check_shift, draw_time, make_process,
+                                   rae_shift)
+from shared.generative.samplers import LAST_STEP_SIZE, TIME_SHIFT, get_sampler, sampler_options
 from shared.runtime.cli import FLAG_KEY, Flag, option
 from shared.runtime.errors import ChoiceError, SettingError, UserError
 
@@ -188,9 +188,12 @@ def make_objective(name: str, recorded: dict | None = None, plugin: str = "", **
             raise ValueError(f"no registered objective has a training field {key!r}")
         spec, takers = flags[key]
         if value != spec.default:
-            raise SettingError(f"{{{key.replace('_', ' ')}}} {value} applies to the {'/'.join(takers)} objective "
-                               f"only; the {name} objective ({cls.help}) does not take it. Drop it, or train with "
-                               f"{{objective}} {takers[0]}.")
+            owners = [t for t in takers if key in OBJECTIVES[t].__dict__.get("__annotations__", {})] or list(takers)
+            built_on = [t for t in takers if t not in owners]
+            also = f" (and {', '.join(built_on)}, built on it)" if built_on else ""
+            raise SettingError(f"{{{key.replace('_', ' ')}}} {value} applies to the {'/'.join(owners)} objective "
+                               f"only{also}; the {name} objective ({cls.help}) does not take it. Drop it, or train "
+                               f"with {{objective}} {owners[0]}.")
     chosen = {k: v for k, v in training.items() if k in own_training and v is not None}
     return cls(**recorded, **chosen)
 
@@ -316,9 +319,11 @@ class FlowObjective:
         if steps < 1:
             raise SettingError(f"{{sampling steps}} {steps} must be at least 1.")
         # The recorded RAE shift s shapes the grid as in training (RAE's ode/sde grids); a sampler --time-shift a
-        # multiplies onto it (shifts compose by multiplying the odds: a / s in SiT time).
-        grid_shift = options.get("time_shift", 1.0) / self.time_dist_shift
-        return make_process(self.path, sampler, steps, grid_shift, options.get("last_step_size", SDE_LAST_STEP))
+        # multiplies onto it (shifts compose by multiplying the odds: a / s in SiT time). A sampler without an
+        # option (dopri5) walks no grid: the option's default only fills the argument.
+        grid_shift = options.get(TIME_SHIFT.name, TIME_SHIFT.default) / self.time_dist_shift
+        return make_process(self.path, sampler, steps, grid_shift,
+                            options.get(LAST_STEP_SIZE.name, LAST_STEP_SIZE.default))
 
     def sample(self, sampler: str, model_fn, noise, steps: int, options: dict, model_kwargs=None, generator=None,
                progress=False):

@@ -10,7 +10,9 @@ Reproduced from torchdiffeq (rk_common.py, misc.py, interp.py; Hairer, Norsett &
 Sec. II.4 and II.6): the Dormand-Prince tableau with Shampine's mid-point for dense output, the initial step
 selection, the error ratio RMS(err / (atol + rtol max(|y0|, |y1|))), the controller (safety 0.9, growth at most
 10x, shrink at most 0.2x on rejection, exponent 1/5), state arithmetic in the state's dtype with float32 step
-sizes inside a stage, and the end value read from the last step's quartic interpolant at t = 1.
+sizes inside a stage, and the end value read from the last step's quartic interpolant at t = 1. Tolerances
+are float64 tensors as in SiT's call (it passes atol=[atol], rtol=[rtol], which makes torchdiffeq weigh the
+errors in float64; plain float tolerances would weigh them in float32 and choose slightly other steps).
 """
 from __future__ import annotations
 
@@ -61,16 +63,16 @@ def _combine(y0: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, dt: torch
 
 
 def initial_step(field, t0, y0, f0, rows, atol: float, rtol: float) -> torch.Tensor:
-    """(M,) first step sizes (Hairer et al. II.4; torchdiffeq's _select_initial_step, order 4, in y0's precision)."""
-    scale = atol + y0.abs() * rtol  # (M, ...)
+    """(M,) float64 first step sizes (Hairer et al. II.4; torchdiffeq's _select_initial_step, order 4)."""
+    scale = atol + y0.abs().double() * rtol  # (M, ...) float64, as SiT's list-valued tolerances make it
     d0, d1 = _rms(y0 / scale), _rms(f0 / scale)  # (M,)
     h0 = torch.where((d0 < 1e-5) | (d1 < 1e-5), torch.full_like(d0, 1e-6), 0.01 * d0 / d1).abs()
-    f1 = field(t0 + h0.double(), y0 + _rows(h0, y0) * f0, rows)
+    f1 = field(t0 + h0, y0 + _rows(h0, y0).to(y0.dtype) * f0, rows)
     d2 = (_rms((f1 - f0) / scale) / h0).abs()
     flat = (d1 <= 1e-15) & (d2 <= 1e-15)
     h1 = torch.where(flat, torch.clamp(h0 * 1e-3, min=1e-6),
                      (0.01 / torch.maximum(d1, d2)) ** (1.0 / ORDER)).abs()
-    return torch.minimum(100 * h0, h1).double()
+    return torch.minimum(100 * h0, h1)
 
 
 def next_step(dt: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
@@ -135,8 +137,8 @@ def dopri5_rows(field, y0: torch.Tensor, atol: float = 1e-6, rtol: float = 1e-3,
             raise FloatingPointError(f"dopri5: the step size underflowed at t = {float(t.min()):g}")
         t1 = t + dt
         y1, f1, error, k = rk_step(field, t, dt, y, f, rows)
-        tol = atol + rtol * torch.maximum(y.abs(), y1.abs())  # in y's precision, as torchdiffeq
-        ratio = _rms(error / tol).double()  # (M,)
+        tol = atol + rtol * torch.maximum(y.abs(), y1.abs()).double()  # float64, as in SiT's call
+        ratio = _rms(error / tol)  # (M,) float64
         accept = ratio <= 1
         done = accept & (t1 >= t_end)
         if bool(done.any()):

@@ -17,12 +17,25 @@ from shared.runtime.errors import ChoiceError, SettingError
 from shared.generative.flow import SDE_LAST_STEP, dopri5_sample, euler_sample, heun_sample, sde_sample
 from shared.generative.solvers import dpmpp_2m_sample, unipc_sample
 
-# Options a sampler may take, with the flag-free description used in errors: name -> (default, meaning).
-SAMPLER_OPTIONS = {
-    "ddim_eta": (0.0, "DDIM's eta in [0, 1] (0 = deterministic)"),
-    "time_shift": (1.0, "LightningDiT's timestep shift of the flow time grid (1 = none, LightningDiT uses 0.3)"),
-    "last_step_size": (SDE_LAST_STEP, "the size of the SDE's final deterministic Mean step (SiT: 0.04)"),
-}
+@dataclass(frozen=True)
+class SamplerOption:
+    """An option a sampler takes, stated once: its default, what it sets (flag help and errors), its folder tag."""
+
+    name: str
+    default: float
+    help: str  # what it sets, in a phrase (errors say "{flag} X sets <help>")
+    tag: str  # python -m sample's default folder names a value other than the default: -<tag><value>
+    detail: str = ""  # more for the flag's help
+
+
+DDIM_ETA = SamplerOption("ddim_eta", 0.0, "DDIM's eta in [0, 1] (0 = deterministic)", "eta",
+                         "Song et al. Eq. 16: 1 is DDPM-like")
+TIME_SHIFT = SamplerOption("time_shift", 1.0, "LightningDiT's timestep shift of the flow time grid (1 = none, "
+                                              "LightningDiT uses 0.3)", "shift",
+                           "tau' = s tau / (1 + (s-1) tau); s < 1 puts more steps near noise")
+LAST_STEP_SIZE = SamplerOption("last_step_size", SDE_LAST_STEP, "the size of the SDE's final deterministic Mean step "
+                                                                "(SiT: 0.04)", "last",
+                               "it ends at the data; with a time shift the shifted grid ends at 1 - this size")
 
 
 @dataclass(frozen=True)
@@ -34,7 +47,7 @@ class SamplerSpec:
     family: str  # the process it walks, Objective.family: "ddpm" or "flow"
     help: str
     spacing: str = ""  # DDPM only: a kept_timesteps prefix ("" = DiT's respacing, "linspace" = diffusers')
-    options: tuple[str, ...] = ()
+    options: tuple[SamplerOption, ...] = ()
     calls_per_step: int = 1  # network evaluations per step (Heun: 2); adaptive solvers: 0 (not known ahead)
     deterministic: bool = True
 
@@ -42,21 +55,22 @@ class SamplerSpec:
 SAMPLERS = {spec.name: spec for spec in (
     SamplerSpec("ddpm", ddpm_sample, "ddpm", "ancestral DDPM, DiT's respacing (250 steps as the paper)",
                 deterministic=False),
-    SamplerSpec("ddim", ddim_sample, "ddpm", "DDIM (eta 0 deterministic), DiT's respacing", options=("ddim_eta",)),
+    SamplerSpec("ddim", ddim_sample, "ddpm", "DDIM (eta 0 deterministic), DiT's respacing", options=(DDIM_ETA,)),
     SamplerSpec("dpmpp-2m", dpmpp_2m_sample, "ddpm", "DPM-Solver++(2M) ODE solver, linspace spacing (10-25 steps)",
                 spacing="linspace"),
     SamplerSpec("unipc", unipc_sample, "ddpm", "UniPC-2 (bh2) ODE solver, linspace spacing (10-25 steps)",
                 spacing="linspace"),
     SamplerSpec("euler", euler_sample, "flow", "Euler ODE solver on the flow, one call per step",
-                options=("time_shift",)),
+                options=(TIME_SHIFT,)),
     SamplerSpec("heun", heun_sample, "flow", "Heun ODE solver on the flow, two calls per step",
-                options=("time_shift",), calls_per_step=2),
+                options=(TIME_SHIFT,), calls_per_step=2),
     SamplerSpec("sde", sde_sample, "flow", "SiT's Euler-Maruyama SDE (w = sigma, last step Mean; 250 steps "
-                "for its best FID)", options=("time_shift", "last_step_size"), deterministic=False),
+                "for its best FID)", options=(TIME_SHIFT, LAST_STEP_SIZE), deterministic=False),
     SamplerSpec("dopri5", dopri5_sample, "flow", "adaptive Dormand-Prince ODE solver (torchdiffeq; atol 1e-6, "
                 "rtol 1e-3 as SiT); the step count is not used", calls_per_step=0),
 )}
 SAMPLER_NAMES = tuple(SAMPLERS)  # the sampler vocabulary, for CLI choices and errors
+SAMPLER_OPTIONS = {o.name: o for s in SAMPLERS.values() for o in s.options}  # every option, from the records
 
 
 def get_sampler(name: str, objective=None) -> SamplerSpec:
@@ -81,21 +95,88 @@ def samplers_for(family: str) -> list[str]:
     return [s.name for s in SAMPLERS.values() if s.family == family]
 
 
+def option_names(spec: SamplerSpec) -> tuple[str, ...]:
+    """The names of the options sampler `spec` takes."""
+    return tuple(o.name for o in spec.options)
+
+
+def takers_of(option: str) -> list[str]:
+    """The samplers that take `option`, in registry order."""
+    return [s.name for s in SAMPLERS.values() if option in option_names(s)]
+
+
 def sampler_options(name: str, given: dict) -> dict:
     """The options sampler `name` runs with: its own, defaulted; SettingError for a given option it does not take."""
     spec = get_sampler(name)
     for option, value in given.items():
         if option not in SAMPLER_OPTIONS:
             raise ValueError(f"unknown sampler option {option!r}")
-        if value is not None and option not in spec.options:
-            takers = [s.name for s in SAMPLERS.values() if option in s.options]
-            raise SettingError(f"{{{option.replace('_', ' ')}}} {value:g} sets {SAMPLER_OPTIONS[option][1]}, which "
+        if value is not None and option not in option_names(spec):
+            takers = takers_of(option)
+            raise SettingError(f"{{{option.replace('_', ' ')}}} {value:g} sets {SAMPLER_OPTIONS[option].help}, which "
                                f"the {name} sampler does not take (only {', '.join(takers)}); drop it, or pass "
                                f"{{sampler}} {takers[0]}.")
-    options = {o: given.get(o) if given.get(o) is not None else SAMPLER_OPTIONS[o][0] for o in spec.options}
+    options = {o.name: given.get(o.name) if given.get(o.name) is not None else o.default for o in spec.options}
     if "ddim_eta" in options:
         options["ddim_eta"] = check_ddim_eta(options["ddim_eta"])
     if "time_shift" in options and not float(options["time_shift"]) > 0:
         raise SettingError(f"{{time shift}} {options['time_shift']:g} must be positive (1 = no shift; LightningDiT "
                            f"uses 0.3, which puts more steps near noise).")
     return options
+
+
+# ----------------------------------------------------------------------------------------------------------
+# What a command samples with: the flags given, else the model's recorded sampling half, else the defaults
+# ----------------------------------------------------------------------------------------------------------
+
+SAMPLING_KEYS = ("sampler", "cfg_interval", *SAMPLER_OPTIONS)  # what a recipe may record (ModelConfig.sampling)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """A resolved sampler, its options and guidance interval, and where each came from (for settings.json)."""
+
+    sampler: str
+    options: dict
+    cfg_interval: tuple | None
+    notes: tuple[str, ...] = ()
+
+
+def check_recorded(recorded: dict, family: str, where: str) -> dict:
+    """SettingError unless a recorded sampling half names only known keys, a sampler of `family`, options it takes."""
+    unknown = sorted(set(recorded) - set(SAMPLING_KEYS))
+    if unknown:
+        raise SettingError(f"{where} records sampling settings {unknown}, which this version does not know (it knows "
+                           f"{', '.join(SAMPLING_KEYS)}); re-export the weights with this version.")
+    if "sampler" in recorded:
+        spec = get_sampler(recorded["sampler"], family)
+        sampler_options(spec.name, {k: v for k, v in recorded.items() if k in SAMPLER_OPTIONS})
+    return recorded
+
+
+def resolve_sampling(objective, sampler: str | None, given: dict, cfg_interval, recorded: dict, guided: bool,
+                     fast: bool = False) -> Sampling:
+    """The sampling settings a command uses: each flag given wins; else what the model records (its recipe's
+    sampling half, e.g. LightningDiT's euler, time shift 0.3, interval 0 0.89); else the objective's default
+    sampler (`fast`: its deterministic one) and each option's default. A recorded option the chosen sampler does
+    not take is left out; a recorded interval applies only with guidance (`guided`)."""
+    notes = []
+    if sampler is None and recorded.get("sampler"):
+        sampler = recorded["sampler"]
+        if fast and not get_sampler(sampler).deterministic:
+            sampler = None
+        else:
+            notes.append(f"sampler {sampler} (recorded with the model)")
+    sampler = sampler or (objective.fast_sampler if fast else objective.default_sampler)
+    get_sampler(sampler, objective)
+    taken = option_names(SAMPLERS[sampler])
+    chosen = dict(given)
+    for name in taken:
+        if chosen.get(name) is None and recorded.get(name) is not None:
+            chosen[name] = recorded[name]
+            notes.append(f"{name.replace('_', ' ')} {recorded[name]:g} (recorded with the model)")
+    options = sampler_options(sampler, {k: v for k, v in chosen.items() if k in taken or given.get(k) is not None})
+    if cfg_interval is None and guided and recorded.get("cfg_interval"):
+        cfg_interval = tuple(recorded["cfg_interval"])
+        notes.append(f"cfg interval {cfg_interval[0]:g} {cfg_interval[1]:g} (recorded with the model)")
+    return Sampling(sampler, options, tuple(cfg_interval) if cfg_interval else None, tuple(notes))

@@ -673,7 +673,7 @@ def check_preset(name: str) -> None:
         raise ChoiceError("model preset", name, list(DiT_models))
 
 
-OBJECTIVE_FIELDS = ("objective", "objective_args", "objective_plugin")  # ModelConfig fields of training, not the network
+OBJECTIVE_FIELDS = ("objective", "objective_args", "objective_plugin", "sampling")  # not the network: build() skips them
 
 
 @dataclass
@@ -705,6 +705,9 @@ class ModelConfig:
     objective: str = "ddpm"
     objective_args: dict = field(default_factory=dict)
     objective_plugin: str = ""
+    # How it samples unless told otherwise: its recipe's sampling half in python -m sample's flag names (e.g.
+    # LightningDiT: {"sampler": "euler", "time_shift": 0.3, "cfg_interval": [0.0, 0.89]}); {} = the objective's own.
+    sampling: dict = field(default_factory=dict)
 
     def __post_init__(self):
         check_preset(self.model)
@@ -719,8 +722,12 @@ class ModelConfig:
             raise SettingError(f"{self.model} is a DiT^DH preset but {{head depth}} is 0; use a DiT preset for a "
                                "model without the head.")
         from shared.generative.objectives import objective_of, recorded_args  # late: objectives imports samplers
-        # Every recorded field written out (defaults too), so equal models have equal configs.
-        self.objective_args = recorded_args(objective_of(self))
+        from shared.generative.samplers import check_recorded
+
+        objective = objective_of(self)
+        self.objective_args = recorded_args(objective)  # every recorded field (defaults too): equal models, equal configs
+        self.sampling = {k: list(v) if isinstance(v, tuple) else v for k, v in self.sampling.items()}  # as JSON reads
+        check_recorded(self.sampling, objective.family, "the model config")
 
     @property
     def has_null_class(self) -> bool:

@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import math
 
+from shared.generative.samplers import SAMPLER_OPTIONS
+
 # The settings of an eval.jsonl line that say how it was measured (evaluate.curve.settings_of writes them);
 # a setting a line lacks reads as None (lines written before it existed, or a flag left unset).
+# The sampler's options (time shift, DDIM eta, SDE last step) and the DiT's precision are written only away from
+# their defaults, so a line without them reads as the default.
 SERIES_KEYS = ("feature_network", "ref", "sampler", "num_sampling_steps", "cfg_scale", "cfg_interval",
-               "guide_channels", "num_samples", "seed")
+               "guide_channels", "num_samples", "seed", *SAMPLER_OPTIONS, "dit_precision")
 # Numeric fields beside the metrics that describe the measurement rather than being one.
 EVAL_SETTINGS = {"step", "seed", "num_samples", "cfg_scale", "num_sampling_steps", "sampling_steps", "batch_size",
-                 "ref_count", "pr_k", "is_split_size", "seconds"}
+                 "ref_count", "pr_k", "is_split_size", "seconds", *SAMPLER_OPTIONS}
 
 
 def is_number(value) -> bool:

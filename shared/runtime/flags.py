@@ -1,16 +1,17 @@
 """Flag families several commands share, each stated once (default and help): the VAE that decodes, sampling.
 
-A command's options dataclass takes a family member as a field, `vae: str | None = VAE.field()`, and may
-change what differs for it (`SAMPLER.field(default="ddim")` where evaluate draws with DDIM).
+A command's options dataclass derives from a family (`class SampleOptions(SamplingFlags, DecodeFlags)`) or
+takes one member as a field, `vae: str | None = VAE.field()`, and may change what differs for it (evaluate
+run redeclares `num_sampling_steps: int = NUM_SAMPLING_STEPS.field(default=50)`).
 """
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
 
-from shared.runtime.cli import Flag, add_flags
-from shared.generative.samplers import SAMPLER_NAMES, SAMPLERS
-from shared.generative.guidance import GUIDE_CHANNELS
+from shared.runtime.cli import Flag, add_flags, flag_name
+from shared.generative.samplers import SAMPLER_NAMES, SAMPLER_OPTIONS, SAMPLERS, SamplerOption, takers_of
+from shared.generative.guidance import GUIDE_CHANNELS, GUIDE_HELP
 from shared.runtime.precision import PRECISIONS
 
 # ---- code of the user's: objectives registered outside the package (train, sample, evaluate run) ----------
@@ -64,19 +65,55 @@ class DecodeFlags:
 
 # ---- drawing images from a DiT (sample, evaluate run) ------------------------------------------------------
 CFG_SCALE = Flag("classifier-free guidance scale; 1 = none (4.0 for pictures, 1.5 for FID)", 4.0)
-GUIDE = Flag("latent channels guided: 3 (the DiT release's quirk for 4-channel latents), all, or auto (3 for "
-             "4-channel latents, as the release; all otherwise); the rule used is printed", "auto",
-             choices=GUIDE_CHANNELS)
+GUIDE = Flag(GUIDE_HELP, "auto", choices=GUIDE_CHANNELS)
 SAMPLER = Flag("; ".join(f"{s.name} [{s.family}]: {s.help}" for s in SAMPLERS.values())
                + ". DiT's respacing calls the model at t = 0 too; the solvers' linspace spacing (diffusers' default) "
-                 "steps from about t = 999/K straight to clean data. Default: the objective's own (ddpm for DDPM "
-                 "models, sde for flow models); a sampler of another objective is refused", None,
+                 "steps from about t = 999/K straight to clean data. Default: the one the model's recipe records "
+                 "(lightning: euler), else the objective's own (ddpm for DDPM models, sde for flow models); a sampler "
+                 "of another objective is refused", None,
                choices=SAMPLER_NAMES)
 CFG_INTERVAL = Flag("guide only at noise levels in [LO, HI] (Kynkaanniemi et al. 2024); elsewhere one conditional "
                     "call (half the work). Levels are the objective's: DiT timesteps 0-1000 for ddpm, the flow's noise "
-                    "level 0-1 (REPA's time; 0 = data) for flow. REPA: 0 0.7; LightningDiT: 0 0.89 (default: guide "
-                    "at every level)", None, type=float, nargs=2, metavar=("LO", "HI"))
+                    "level 0-1 (REPA's time; 0 = data) for flow. REPA: 0 0.7; LightningDiT: 0 0.89 (default: the "
+                    "interval the model's recipe records, e.g. lightning's 0 0.89, else every level)", None, type=float, nargs=2, metavar=("LO", "HI"))
 NUM_SAMPLING_STEPS = Flag("steps per image (model calls, twice the batch with guidance; heun: 2 calls per step): 250 "
                           "as the paper for ddpm and SiT's sde, ~50 for ddim, 10-25 for dpmpp-2m and unipc", 250)
+PRECISION = Flag("DiT precision: fp32, or fp16/bf16 autocast", "fp32", choices=tuple(PRECISIONS))
 SEED = Flag("image i's label and noise come from (seed, i)", 0, aliases=("--global-seed",))
 BATCH_SIZE = Flag("images per forward pass (per process)", 32)
+
+
+def sampler_option_flag(option: SamplerOption) -> Flag:
+    """The flag of a sampler option, from its record in shared/generative/samplers.py (None = not given)."""
+    takers = takers_of(option.name)
+    detail = f"; {option.detail}" if option.detail else ""
+    return Flag(f"{'/'.join(takers)} only: {option.help}{detail} (default {option.default:g}, or the model's recorded "
+                f"value)", None, type=float)
+
+
+@dataclass(kw_only=True)
+class SamplingFlags:
+    """The flags of every command that draws images from a DiT (sample, evaluate run); the previews and the recipes'
+    sampling half (ModelConfig.sampling) use the same names. A setting left unset takes the model's recorded one."""
+
+    sampler: str | None = SAMPLER.field()  # None: the recorded sampler, else the objective's own
+    num_sampling_steps: int = NUM_SAMPLING_STEPS.field()
+    cfg_scale: float = CFG_SCALE.field()
+    cfg_interval: tuple | None = CFG_INTERVAL.field()  # (lo, hi) noise levels where guidance applies
+    guide_channels: str = GUIDE.field()
+    ddim_eta: float | None = sampler_option_flag(SAMPLER_OPTIONS["ddim_eta"]).field()
+    time_shift: float | None = sampler_option_flag(SAMPLER_OPTIONS["time_shift"]).field()
+    last_step_size: float | None = sampler_option_flag(SAMPLER_OPTIONS["last_step_size"]).field()
+    precision: str = PRECISION.field()
+
+
+def given_sampler_options(o) -> dict:
+    """The sampler options of a SamplingFlags as given on the command line (None = not given)."""
+    return {name: getattr(o, name) for name in SAMPLER_OPTIONS}
+
+
+# The flag of each setting shared/ names in its errors (SettingError / ChoiceError kinds), for the commands above.
+SAMPLING_KINDS = {"sampler": "--sampler", "sampling steps": "--num-sampling-steps", "cfg scale": "--cfg-scale",
+                  "cfg interval": "--cfg-interval", "guide-channel choice": "--guide-channels", "precision": "--precision",
+                  "last step": flag_name("last_step_size"),
+                  **{name.replace("_", " "): flag_name(name) for name in SAMPLER_OPTIONS}}
