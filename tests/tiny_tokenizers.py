@@ -16,11 +16,12 @@ KL_BLOCKS = dict(down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("
 
 
 def flux_like(out: Path, seed: int = 0) -> Path:
-    """AutoencoderKL, 16 channels, f4, FLUX.1's convention (z - shift_factor) * scaling_factor."""
+    """AutoencoderKL, 16 channels, f4, no quant convs, FLUX.1's convention (z - shift_factor) * scaling_factor."""
     from diffusers import AutoencoderKL
 
     torch.manual_seed(seed)
-    AutoencoderKL(latent_channels=16, shift_factor=0.1159, scaling_factor=0.3611, **KL_BLOCKS).save_pretrained(out)
+    AutoencoderKL(latent_channels=16, shift_factor=0.1159, scaling_factor=0.3611, use_quant_conv=False,
+                  use_post_quant_conv=False, **KL_BLOCKS).save_pretrained(out)
     return Path(out)
 
 

@@ -1,6 +1,6 @@
 """Per tokenizer class, on tiny random models: extraction images/s, bytes per image, the normalisation round trip.
 
-Run: .venv/bin/python tests/bench/bench_latent_spaces.py [--images 96] [--image-size 32]
+Run: python tests/bench/bench_latent_spaces.py [--images 96] [--image-size 32]
 
 For each tiny tokenizer of tests/tiny_tokenizers.py (made by diffusers' own class and save_pretrained) this runs the
 real `python -m extract` (in this process, fp16 storage, both flips) on a random ImageFolder, then reads back:
