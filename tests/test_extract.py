@@ -188,19 +188,23 @@ def test_image_size_must_match_the_vae_downsample(tmp_path, image_folder, no_vae
     vae = make_tiny_vae(tmp_path / "vae4", levels=3)  # downsample factor 4, read from config.json only
     with pytest.raises(UserError, match="not a multiple of the VAE's downsample factor 4.*Use 32: multiples of 32"):
         run_extract(_config(image_folder, tmp_path / "out", vae, image_size=18))
-    # 20 px -> 5x5 latents: a multiple of the factor, but no DiT patch (2, 4, 8) divides 5.
-    with pytest.raises(UserError, match="5x5 latents .* no DiT preset can train on.*Use 32"):
-        run_extract(_config(image_folder, tmp_path / "out", vae, image_size=20))
+    assert not (tmp_path / "out").exists()
+    # 20 px -> 5x5 latents: a multiple of the factor that only the patch-1 presets divide: a warning, not a refusal.
+    from extract.run import describe_plan
+    text = describe_plan(_config(image_folder, tmp_path / "out", vae, image_size=20))
+    warning = next(line for line in text.splitlines() if line.startswith("warning:"))
+    assert "5x5 latents" in warning and "only DiT presets with patch 1" in warning and "DiT-XL/1" in warning
+    assert "DiT-XL/2" not in warning.split("For any preset")[0] and "use 32" in warning
     assert not (tmp_path / "out").exists()
 
 
 def test_image_size_that_only_some_presets_fit_is_a_warning(tmp_path, image_folder, no_vae_load, capsys):
     from extract.run import describe_plan
     vae = make_tiny_vae(tmp_path / "vae4", levels=3)
-    # 40 px -> 10x10 latents: patch 2 divides 10, patch 4 and 8 do not; every suggestion must fit patch 8.
+    # 40 px -> 10x10 latents: patches 1 and 2 divide 10, patch 4 and 8 do not; every suggestion must fit patch 8.
     text = describe_plan(_config(image_folder, tmp_path / "out", vae, image_size=40))
     warning = next(line for line in text.splitlines() if line.startswith("warning:"))
-    assert "only DiT presets with patch 2" in warning and "DiT-XL/2" in warning and "DiT-XL/4" not in warning
+    assert "only DiT presets with patch 1 or 2" in warning and "DiT-XL/2" in warning and "DiT-XL/4" not in warning
     assert "32 or 64: multiples of 32" in warning
     assert "warning:" not in describe_plan(_config(image_folder, tmp_path / "out", vae, image_size=32))
 
