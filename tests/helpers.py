@@ -2,10 +2,13 @@
 
 Fixtures live in conftest.py; this module holds plain functions and constants, imported by name.
 """
+import contextlib
+import http.server
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -189,3 +192,62 @@ def inputs(n=4, c=4, size=8, classes=5, seed=1, dtype=torch.float32):
     t = torch.randint(0, 1000, (n,), generator=gen)
     y = torch.randint(0, classes, (n,), generator=gen)
     return x, t, y
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Releases served from 127.0.0.1 (no download leaves the machine)
+# ---------------------------------------------------------------------------------------------------------
+
+class FileServer(http.server.ThreadingHTTPServer):
+    """Serves `files` (name -> bytes); `cut_next` > 0 sends only half the body of that many responses and closes."""
+
+    daemon_threads = True
+
+    def __init__(self, files: dict):
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.files, self.cut_next, self.requests = files, 0, []
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    """GET of a served name: a Content-Length announcing the whole file, then all of it (or half when cut)."""
+
+    timeout = 10  # a stuck client cannot hold a server thread for longer
+
+    def do_GET(self):  # noqa: N802 - http.server's name
+        server = self.server
+        server.requests.append(self.path)
+        body = server.files.get(self.path.lstrip("/"))
+        if body is None:
+            self.send_error(404)
+            return
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if server.cut_next > 0:
+            server.cut_next -= 1
+            self.wfile.write(body[:len(body) // 2])
+            self.close_connection = True  # the connection drops mid-body
+            return
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        """Quiet: pytest shows the test's own output only."""
+
+
+@contextlib.contextmanager
+def serve_releases(files: dict, tmp_path, monkeypatch):
+    """Serve `files` (name -> bytes) on 127.0.0.1 as the release URL base; download cache and cwd in tmp_path."""
+    from sample.official import CACHE_ENV, URL_ENV
+
+    httpd = FileServer(files)
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
+    thread.start()
+    monkeypatch.setenv(URL_ENV, f"http://127.0.0.1:{httpd.server_address[1]}/")
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)  # no release file of the same name in the working folder
+    try:
+        yield httpd
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join(timeout=10)

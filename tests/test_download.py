@@ -1,56 +1,18 @@
 """--ckpt DiT-XL-2-256x256.pt by name: downloaded from a local HTTP server on 127.0.0.1 into the checkpoint cache
 (temp name, then rename), an interrupted download, a truncated cached file, and no server at all."""
-import http.server
 import socket
-import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 from sample.__main__ import main
-from sample.official import CACHE_ENV, URL_ENV
+from sample.official import URL_ENV
 from shared.network.models import ModelConfig
-from tests.helpers import run_main
+from tests.helpers import run_main, serve_releases
 
 NAME = "DiT-XL-2-256x256.pt"
 STEPS = ["--num-sampling-steps", "2", "--cpu", "--num-samples", "2"]
-
-
-class FileServer(http.server.ThreadingHTTPServer):
-    """Serves `files` (name -> bytes); `cut_next` > 0 sends only half the body of that many responses and closes."""
-
-    daemon_threads = True
-
-    def __init__(self, files: dict):
-        super().__init__(("127.0.0.1", 0), Handler)
-        self.files, self.cut_next, self.requests = files, 0, []
-
-
-class Handler(http.server.BaseHTTPRequestHandler):
-    """GET of a served name: a Content-Length announcing the whole file, then all of it (or half when cut)."""
-
-    timeout = 10  # a stuck client cannot hold a server thread for longer
-
-    def do_GET(self):  # noqa: N802 - http.server's name
-        server = self.server
-        server.requests.append(self.path)
-        body = server.files.get(self.path.lstrip("/"))
-        if body is None:
-            self.send_error(404)
-            return
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        if server.cut_next > 0:
-            server.cut_next -= 1
-            self.wfile.write(body[:len(body) // 2])
-            self.close_connection = True  # the connection drops mid-body
-            return
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        """Quiet: pytest shows the test's own output only."""
 
 
 @pytest.fixture(scope="module")
@@ -70,19 +32,9 @@ def release(tmp_path_factory):
 
 @pytest.fixture
 def server(release, tmp_path, monkeypatch):
-    """The file server on 127.0.0.1 in a daemon thread (shut down after the test); cache and cwd in tmp."""
-    httpd = FileServer({NAME: release["bytes"]})
-    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
-    thread.start()
-    monkeypatch.setenv(URL_ENV, f"http://127.0.0.1:{httpd.server_address[1]}/")
-    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
-    monkeypatch.chdir(tmp_path)  # no ./DiT-XL-2-256x256.pt, no ./pretrained_models/ here
-    try:
+    """The file server on 127.0.0.1 serving the release (shut down after the test); cache and cwd in tmp."""
+    with serve_releases({NAME: release["bytes"]}, tmp_path, monkeypatch) as httpd:
         yield httpd
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
-        thread.join(timeout=10)
 
 
 def sample_by_name(out: Path, vae: Path, capsys):
@@ -169,13 +121,7 @@ def test_sit_release_by_name_is_a_flow_model(release, tiny_vae_dir, tmp_path, mo
     import json
 
     name = "SiT-XL-2-256x256.pt"
-    httpd = FileServer({name: release["bytes"]})
-    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
-    thread.start()
-    monkeypatch.setenv(URL_ENV, f"http://127.0.0.1:{httpd.server_address[1]}/")
-    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
-    monkeypatch.chdir(tmp_path)
-    try:
+    with serve_releases({name: release["bytes"]}, tmp_path, monkeypatch) as httpd:
         code, _, err = run_main(main, ["--ckpt", name, "--vae", tiny_vae_dir, "--out", tmp_path / "ddpm", "--sampler", "ddpm",
                                 *STEPS], capsys)
         assert code == 2 and "trained with the flow objective" in err and not (tmp_path / "ddpm").exists()
@@ -187,10 +133,6 @@ def test_sit_release_by_name_is_a_flow_model(release, tiny_vae_dir, tmp_path, mo
         code, _, err = run_main(main, ["--ckpt", name, "--vae", tiny_vae_dir, "--out", tmp_path / "x", "--objective", "ddpm",
                                 *STEPS], capsys)
         assert code == 2 and "contradicts SiT-XL-2-256x256.pt" in err
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
-        thread.join(timeout=10)
 
 
 def test_sit_release_under_its_url_file_name_is_recognised(release, tiny_vae_dir, tmp_path, monkeypatch, capsys):
@@ -200,13 +142,7 @@ def test_sit_release_under_its_url_file_name_is_recognised(release, tiny_vae_dir
     from sample.official import RELEASES, url_file_name
 
     assert url_file_name(RELEASES["SiT-XL-2-256x256.pt"].url) == "SiT-XL-2-256.pt"
-    httpd = FileServer({"SiT-XL-2-256x256.pt": release["bytes"]})
-    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
-    thread.start()
-    monkeypatch.setenv(URL_ENV, f"http://127.0.0.1:{httpd.server_address[1]}/")
-    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
-    monkeypatch.chdir(tmp_path)
-    try:
+    with serve_releases({"SiT-XL-2-256x256.pt": release["bytes"]}, tmp_path, monkeypatch) as httpd:
         code, out, err = run_main(main, ["--ckpt", "SiT-XL-2-256.pt", "--vae", tiny_vae_dir, "--out", tmp_path / "n",
                                          *STEPS], capsys)  # no such file here: downloaded as the release
         assert code == 0, err
@@ -220,10 +156,6 @@ def test_sit_release_under_its_url_file_name_is_recognised(release, tiny_vae_dir
         assert "under the name its URL writes (ours: SiT-XL-2-256x256.pt)" in out
         assert settings["identity"]["guide_channels"] == "3"  # auto: SiT's sampler keeps DiT's 3-of-4 rule
         assert "records no objective" not in out
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
-        thread.join(timeout=10)
 
 
 def test_unrecognised_bare_state_dict_says_which_objective_it_assumed(release, tiny_vae_dir, tmp_path, capsys):

@@ -195,25 +195,16 @@ def test_rae_release_by_name_loads_strictly_with_its_time_and_shift(tiny_vae_dir
     """RAE-DiTDH-XL-DINOv2-B-256.pt served from 127.0.0.1 (a DiTDH-T in RAE's layout under the release's name, its
     EMA under 'ema' as RAE's checkpoints): loaded strictly, recorded as flow in RAE's time with RAE's shift, and
     sampled with no flags but the VAE."""
-    import threading
-
     from sample.__main__ import main
-    from sample.official import CACHE_ENV, RAE_SHIFT, URL_ENV
-    from tests.helpers import run_main
-    from tests.test_download import FileServer
+    from sample.official import RAE_SHIFT
+    from tests.helpers import run_main, serve_releases
 
     name = "RAE-DiTDH-XL-DINOv2-B-256.pt"
     config = ModelConfig("DiTDH-T", input_size=8, in_channels=4, num_classes=10, learn_sigma=False, objective="flow")
     torch.manual_seed(0)
     path = tmp_path / "theirs.pt"
     torch.save({"ema": config.build().state_dict()}, path)
-    httpd = FileServer({name: path.read_bytes()})
-    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
-    thread.start()
-    monkeypatch.setenv(URL_ENV, f"http://127.0.0.1:{httpd.server_address[1]}/")
-    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
-    monkeypatch.chdir(tmp_path)
-    try:
+    with serve_releases({name: path.read_bytes()}, tmp_path, monkeypatch) as httpd:
         code, out, err = run_main(main, ["--ckpt", name, "--vae", tiny_vae_dir, "--out", tmp_path / "o", "--sampler",
                                          "euler", "--num-sampling-steps", "3", "--cpu", "--num-samples", "2"], capsys)
         assert code == 0, err
@@ -225,7 +216,3 @@ def test_rae_release_by_name_loads_strictly_with_its_time_and_shift(tiny_vae_dir
         code, _, err = run_main(main, ["--ckpt", name, "--vae", tiny_vae_dir, "--out", tmp_path / "x", "--objective",
                                        "ddpm", "--cpu"], capsys)
         assert code == 2 and "RAE's DiT^DH layout are flow models" in err and not (tmp_path / "x").exists()
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
-        thread.join(timeout=10)
