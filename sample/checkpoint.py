@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from shared.generative.guidance import AUTO_DIFFUSERS, AUTO_DIT, AUTO_OWN, AUTO_REPA, AUTO_SIT, AutoGuide
+from shared.generative.guidance import (AUTO_DIFFUSERS, AUTO_DIT, AUTO_LIGHTNINGDIT, AUTO_OWN, AUTO_REPA,
+                                       AUTO_SIT, AutoGuide)
 from shared.generative.objectives import check_objective, plugin_of
 from shared.network.diffusers_dit import NUMERICS_NOTE, check_dit_config, diffusers_to_dit, model_config_of
 from shared.runtime.errors import ChoiceError, UserError
@@ -260,7 +261,7 @@ def _auto_guide_of_release(config: ModelConfig) -> AutoGuide:
 
 def _load_lightningdit(obj, path: Path, release, model: str | None) -> LoadedWeights:
     """A LightningDiT release: its EMA weights in our lightning block, decoded by VA-VAE (sample/lightningdit.py)."""
-    from sample.lightningdit import CFG_SCALES, SAMPLING_FLAGS, lightningdit_state_dict, release_model_config
+    from sample.lightningdit import CFG_SCALES, lightningdit_state_dict, release_model_config
 
     state_dict = lightningdit_state_dict(obj, path)
     config = release_model_config(state_dict, path)
@@ -270,9 +271,12 @@ def _load_lightningdit(obj, path: Path, release, model: str | None) -> LoadedWei
     notes = [f"{config.model} ({config.block} block), latent {config.in_channels}x{config.input_size}x"
              f"{config.input_size}, {config.num_classes} classes: a {release.paper} release (flow, time 0 = noise), "
              f"decoded by VA-VAE with its per-channel statistics",
-             f"LightningDiT samples it with {SAMPLING_FLAGS} --cfg-scale {CFG_SCALES.get(path.name, 6.7):g}"]
+             f"sampled as LightningDiT's config does unless a flag says otherwise (euler, time shift 0.3, guidance "
+             f"interval 0 {config.sampling['cfg_interval'][1]:g}, the first 3 channels guided); its guidance scale "
+             f"is --cfg-scale {CFG_SCALES.get(path.name, 6.7):g}"]
+    # LightningDiT's forward_with_cfg keeps DiT's quirk: only the first 3 channels (of 32) are guided.
     return LoadedWeights(state_dict, config, path, "official", dict(release.latent_meta), notes=notes,
-                         weights="ema")
+                         weights="ema", auto_guide=AUTO_LIGHTNINGDIT)
 
 
 def _load_export(path: Path, model: str | None, held: str) -> LoadedWeights:

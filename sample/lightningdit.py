@@ -18,9 +18,18 @@ import dataclasses
 from shared.network.models import ModelConfig, infer_model_config
 from shared.runtime.errors import UserError
 
-# LightningDiT's sampling settings, as `python -m sample` flags (printed with the loading notes).
-SAMPLING_FLAGS = "--sampler euler --num-sampling-steps 250 --time-shift 0.3 --guide-channels 3 --cfg-interval 0 0.875"
+# LightningDiT's sampling settings (configs/reproductions/*.yaml), recorded with the release's ModelConfig so
+# python -m sample and evaluate run use them with no flags (a flag given still wins): Euler (250 steps is sample's
+# own default), timestep shift 0.3, guidance only where LightningDiT's time (0 = noise) is at least
+# cfg_interval_start, i.e. our noise levels 0 .. 1 - start. The scale stays a flag: it is printed.
+CFG_INTERVAL_START = {"lightningdit-xl-imagenet256-800ep.pt": 0.125, "lightningdit-xl-imagenet256-64ep.pt": 0.10}
 CFG_SCALES = {"lightningdit-xl-imagenet256-800ep.pt": 6.7, "lightningdit-xl-imagenet256-64ep.pt": 10.0}
+
+
+def release_sampling(name: str) -> dict:
+    """The sampling half LightningDiT's config gives release `name`, in python -m sample's flag names."""
+    start = CFG_INTERVAL_START.get(name, CFG_INTERVAL_START["lightningdit-xl-imagenet256-800ep.pt"])
+    return {"sampler": "euler", "time_shift": 0.3, "cfg_interval": [0.0, round(1.0 - start, 6)]}
 
 
 def lightningdit_state_dict(obj, where) -> dict:
@@ -39,10 +48,11 @@ def lightningdit_state_dict(obj, where) -> dict:
 
 
 def release_model_config(state: dict, where) -> ModelConfig:
-    """Our ModelConfig of LightningDiT weights: shapes inferred, the flow objective in SiT's time direction."""
+    """Our ModelConfig of LightningDiT weights: shapes inferred, flow in SiT's time direction, its sampling half."""
     config = infer_model_config(state)
     if config.block != "lightning" or config.learn_sigma:
         raise UserError(f"{where} is not a LightningDiT release: its tensors describe the {config.block} block"
                         f"{' with learned sigma' if config.learn_sigma else ''}, LightningDiT's released models use "
                         f"the lightning block (RMSNorm, SwiGLU, RoPE) without learned sigma.")
-    return dataclasses.replace(config, objective="flow", objective_args={"convention": "sit"})
+    return dataclasses.replace(config, objective="flow", objective_args={"convention": "sit"},
+                               sampling=release_sampling(getattr(where, "name", str(where))))

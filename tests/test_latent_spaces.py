@@ -328,6 +328,13 @@ def test_lightningdit_release_by_name_loads_into_the_lightning_block(monkeypatch
     assert loaded.config.objective_args["convention"] == "sit" and not loaded.config.learn_sigma
     assert loaded.latent_meta["vae"] == "vavae" and loaded.latent_meta["latent_shape"] == [32, 16, 16]
     assert any("--cfg-scale 10" in note for note in loaded.notes)
+    # LightningDiT's own sampling (its 64ep config: euler, shift 0.3, guided where its time >= 0.10) is recorded, so
+    # sample and evaluate run use it with no flags; auto guidance is its forward_with_cfg's first 3 channels.
+    assert loaded.config.sampling == {"sampler": "euler", "time_shift": 0.3, "cfg_interval": [0.0, 0.9]}
+    from shared.generative.guidance import describe_guidance, guide_channel_count
+    assert guide_channel_count("auto", 32, loaded.auto_guide) == 3  # LightningDiT guides 3 of 32
+    assert "first 3 of 32" in describe_guidance("auto", 32, 10.0, auto=loaded.auto_guide)
+    assert guide_channel_count("auto", 32) is None  # our own 32-channel runs guide all
     built = build_sampling_model(loaded, "cpu")
     x, t, y = torch.randn(2, 32, 16, 16), torch.rand(2), torch.tensor([3, 1000])
     with torch.no_grad():

@@ -27,8 +27,9 @@ QUIRK_CHANNELS = 4  # the latent channel count the release's quirk was written f
 class AutoGuide:
     """What --guide-channels auto means for one origin of weights: what that origin's own sampler guides."""
 
-    channels: str  # "3" or "all" (for 4-channel latents; any other count is always "all")
+    channels: str  # "3" or "all" (for 4-channel latents; any other count is "all" unless every_width)
     why: str
+    every_width: bool = False  # the origin guides the first 3 channels at any latent width (LightningDiT: 3 of 32)
 
 
 # The DiT and SiT releases' forward_with_cfg guide eps[:, :3]; REPA's samplers.py and diffusers' DiTPipeline
@@ -37,10 +38,12 @@ AUTO_OWN = AutoGuide("all", "trained by this project, whose training previews gu
 AUTO_DIT = AutoGuide("3", "the DiT release's sampler guides the first 3 of 4 channels")
 AUTO_SIT = AutoGuide("3", "SiT's sampler keeps the DiT release's rule: the first 3 of 4 channels")
 AUTO_REPA = AutoGuide("all", "REPA's sampler guides all channels")
+AUTO_LIGHTNINGDIT = AutoGuide("3", "LightningDiT's sampler keeps the DiT release's rule: the first 3 channels",
+                              every_width=True)
 AUTO_DIFFUSERS = AutoGuide("all", "diffusers' DiTPipeline guides all channels")
 GUIDE_HELP = ("latent channels guided: 3 (the DiT release's quirk for 4-channel latents), all, or auto: what the "
-              "weights' own sampler does (3 of 4 for the DiT and SiT releases and other bare .pt state dicts of "
-              "their layout; all for REPA's release, diffusers pipelines and models this project trains, whose "
+              "weights' own sampler does (the first 3 for the DiT, SiT and LightningDiT releases and other bare .pt "
+              "state dicts of their layout; all for REPA's release, diffusers pipelines and models this project trains, whose "
               "previews guide all); the rule used is printed")
 
 
@@ -49,6 +52,8 @@ def guide_channel_count(choice: str, in_channels: int, auto: AutoGuide = AUTO_OW
     if choice not in GUIDE_CHANNELS:
         raise ChoiceError("guide-channel choice", choice, GUIDE_CHANNELS)
     if choice == "auto":
+        if auto.every_width and auto.channels != "all":
+            return int(auto.channels)
         choice = auto.channels if in_channels == QUIRK_CHANNELS else "all"
     if choice == "all":
         return None
@@ -66,7 +71,7 @@ def describe_guidance(choice: str, in_channels: int, cfg_scale: float, interval=
         return "guidance: none (cfg scale 1)"
     where = f" at noise levels {interval[0]:g} to {interval[1]:g} ({unit}; conditional only elsewhere)" if interval else ""
     count = guide_channel_count(choice, in_channels, auto)
-    why = f"auto: {auto.why}" if choice == "auto" and in_channels == QUIRK_CHANNELS else choice
+    why = f"auto: {auto.why}" if choice == "auto" and (in_channels == QUIRK_CHANNELS or auto.every_width) else choice
     if count is None:
         return f"guidance: cfg scale {cfg_scale:g} on all {in_channels} latent channels ({why}){where}"
     why = why if choice == "auto" else "as asked"
