@@ -19,7 +19,8 @@ from shared.runtime.export import load_weights, save_weights
 from shared.network.models import DiT, ModelConfig
 from shared.tokenizers.vae import LatentVAE
 
-STEPS = ["--num-sampling-steps", "2", "--cpu", "--num-samples", "2"]
+# One guidance rule for every form of the weights: auto differs by origin (the .pt: DiT's 3 of 4 channels; diffusers: all).
+STEPS = ["--num-sampling-steps", "2", "--cpu", "--num-samples", "2", "--guide-channels", "all"]
 HUB_ID = "tiny-org/tiny-dit-pipe"
 SNAPSHOT = "0123456789abcdef0123456789abcdef01234567"  # any 40-hex commit name
 

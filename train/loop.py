@@ -320,12 +320,14 @@ def save_checkpoint(run: Run) -> Path | None:
     ckpt_io.save_rank_state(tmp, acc.process_index)
     acc.wait_for_everyone()
     if run.is_main:
-        with space_guard(tmp / rundir.MODEL_FILE):  # torch.save's full-disk error is opaque: name the folder
-            try:
+        try:
+            # torch.save's full-disk error is opaque: the guard judges it by the free space left, so it must look
+            # before the staging folder is discarded (which gives that space back).
+            with space_guard(tmp / rundir.MODEL_FILE):
                 _write_main(run, tmp)
-            except BaseException:
-                ckpt_io.discard_staging(tmp)  # give the space back; the rerun resumes from the last checkpoint
-                raise
+        except BaseException:
+            ckpt_io.discard_staging(tmp)  # give the space back; the rerun resumes from the last checkpoint
+            raise
     acc.wait_for_everyone()
     run.last_checkpoint = rundir.checkpoint_path(run.run_dir, run.step)
     run.callbacks.on_checkpoint(run, run.last_checkpoint)
@@ -474,12 +476,15 @@ def micro_batches(run: Run, loader) -> Iterator[dict]:
         yield batch
 
 
+WORKER_CAP = 4  # DataLoader workers per process by default, where the cores allow
+
+
 def loader_workers(run: Run) -> int:
-    """--num-workers, or up to 4 per process where the cores allow (shared.runtime.distributed.default_workers)."""
+    """--num-workers, or up to WORKER_CAP per process where the cores allow (shared.runtime.distributed)."""
     from shared.runtime.distributed import default_workers
 
     given = run.cfg.num_workers
-    return given if given is not None else default_workers(4, run.accelerator.num_processes)
+    return given if given is not None else default_workers(WORKER_CAP, run.accelerator.num_processes)
 
 
 def run_loop(run: Run) -> dict:
