@@ -32,8 +32,8 @@ from shared.datasets.shards import LatentDataset
 from train import checkpoint as ckpt_io
 from train.callbacks import Callback, CallbackList
 from train.autotune import describe as describe_auto, resolve_auto_for
-from train.config import (DEBUG_STEPS, TrainConfig, check_config, check_resume, latent_meta_of, resolve_config,
-                          trained_norm)
+from train.config import (DEBUG_STEPS, TrainConfig, check_config, check_resume, latent_meta_of, learns_sigma,
+                          resolve_config, trained_norm)
 from train.data import make_loader
 from train.latents import open_latents
 from train.launcher import check_strategy, resolve_precision_with_launcher
@@ -153,11 +153,8 @@ def seed_globals(seed: int, rank: int) -> None:
 def model_config_for(cfg: TrainConfig, dataset: LatentDataset) -> ModelConfig:
     """The DiT config for these latents."""
     channels, size, _ = dataset.latent_shape
-    # DDPM needs its learned variance; a flow model with the DiT^DH head predicts the velocity alone, as RAE's
-    # (out = in channels), while the plain presets keep DiT's/SiT's 2C outputs so their layouts stay the releases'.
-    learn_sigma = cfg.objective == "ddpm" or not cfg.head_depth
     return ModelConfig(model=cfg.model, input_size=size, in_channels=channels, num_classes=dataset.num_classes,
-                       learn_sigma=learn_sigma,
+                       learn_sigma=learns_sigma(cfg.objective, cfg.head_depth),
                        norm=cfg.norm, mlp=cfg.mlp, rope=cfg.rope, qk_norm=cfg.qk_norm, head_depth=cfg.head_depth,
                        head_width=cfg.head_width, head_heads=cfg.head_heads,
                        class_dropout_prob=cfg.class_dropout_prob, objective=cfg.objective,

@@ -51,7 +51,8 @@ def parse_args(argv=None):
     p.add_argument("--shift", type=float, default=(768 * 16 * 16 / 4096) ** 0.5,
                    help="time distribution shift (RAE asserts >= 1; default RAE's sqrt(768*16*16 / 4096) = 6.93)")
     p.add_argument("--seed", type=int, default=0, help="seed of weights, data and noise")
-    p.add_argument("--float64", action="store_true", help="also compare both models in float64 (rounding vs maths)")
+    p.add_argument("--float64", action="store_true",
+                   help="also compare both models in float64 (rounding vs maths), and each float32 output with that")
     return p.parse_args(argv)
 
 
@@ -101,14 +102,48 @@ def build_pair(ddt, args):
     return theirs, ours
 
 
-def check_forward(theirs, ours, args, dtype=torch.float32) -> tuple[float, float]:
-    """(max |ours - RAE|, that over the RAE output's largest magnitude) for one batch."""
+def forward_pair(theirs, ours, args, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RAE's output, ours) for one batch of (x, t, y) drawn from the seed, in `dtype`."""
     g = torch.Generator().manual_seed(args.seed + 1)
     x = torch.randn(args.batch, args.in_channels, args.input_size, args.input_size, generator=g).to(dtype)
     t, y = torch.rand(args.batch, generator=g).to(dtype), torch.arange(args.batch) % 10
     with torch.no_grad():
-        a, b = theirs(x, t, y), ours(x, t, y)
-    return float((a - b).abs().max()), float((a - b).abs().max() / a.abs().max())
+        return theirs(x, t, y), ours(x, t, y)
+
+
+def gap(a, b, scale) -> tuple[float, float]:
+    """(max |a - b|, that over scale's largest magnitude)."""
+    worst = float((a.double() - b.double()).abs().max())
+    return worst, worst / float(scale.abs().max())
+
+
+def check_forward(theirs, ours, args, dtype=torch.float32) -> tuple[float, float]:
+    """(max |ours - RAE|, that over the RAE output's largest magnitude) for one batch."""
+    a, b = forward_pair(theirs, ours, args, dtype)
+    return gap(a, b, a)
+
+
+def rae_norm_in_its_dtype(model_utils):
+    """RAE's RMSNorm with its x.float() widened to float64 for float64 inputs (its formula unchanged).
+
+    RAE's RMSNorm always normalises in float32 (x.float()), ours in float32 at least; without this a float64
+    comparison would still round every normalisation to float32 on RAE's side.
+    """
+    def forward(self, x):
+        wide = x.to(torch.promote_types(x.dtype, torch.float32))
+        return self._norm(wide).type_as(x) * self.weight
+
+    model_utils.RMSNorm.forward = forward
+
+
+def check_float64(theirs, ours, args, model_utils) -> dict:
+    """The same forward in float64 (both RMSNorms too), and each float32 model's error against that reference."""
+    rae32, ours32 = forward_pair(theirs, ours, args)
+    rae_norm_in_its_dtype(model_utils)
+    rae64, ours64 = forward_pair(theirs.double(), ours.double(), args, torch.float64)
+    theirs.float(), ours.float()
+    return {"float64": gap(rae64, ours64, rae64), "rae32_vs_64": gap(rae32, rae64, rae64),
+            "ours32_vs_64": gap(ours32, rae64, rae64), "float32": gap(rae32, ours32, rae32)}
 
 
 def check_times(transport_mod, shift, n=200_000) -> dict:
@@ -179,9 +214,12 @@ def main(argv=None):
     abs_gap, rel_gap = check_forward(theirs, ours, args)
     print(f"forward {args.model} ({args.in_channels}x{args.input_size}x{args.input_size}, strict load): max |ours - "
           f"RAE| {abs_gap:.2e} ({rel_gap:.2e} of the output's largest magnitude)")
-    if args.float64:  # both RMSNorms still normalise in float32, as RAE's and ours do in every dtype
-        abs64, rel64 = check_forward(theirs.double(), ours.double(), args, torch.float64)
-        print(f"forward in float64: max |ours - RAE| {abs64:.2e} ({rel64:.2e} of the output's largest magnitude)")
+    if args.float64:  # rounding or maths? both models in float64 (RAE's RMSNorm widened to float64 as ours)
+        f64 = check_float64(theirs, ours, args, sys.modules["stage2.models.model_utils"])
+        print(f"forward in float64: max |ours - RAE| {f64['float64'][0]:.2e} ({f64['float64'][1]:.2e} of the output's "
+              f"largest magnitude)")
+        print(f"float32 against the float64 output: RAE's {f64['rae32_vs_64'][0]:.2e} ({f64['rae32_vs_64'][1]:.2e}), "
+              f"ours {f64['ours32_vs_64'][0]:.2e} ({f64['ours32_vs_64'][1]:.2e})")
     for kind, (same, quant) in check_times(transport_mod, shift).items():
         print(f"training times {kind}, shift {shift:.4f}: same draws max gap {same:.2e}; 99 quantiles of 200k "
               f"independent draws max gap {quant:.2e}")
