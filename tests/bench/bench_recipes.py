@@ -395,17 +395,18 @@ def model_rows(export: Path, sampler: str, steps: int, cfg: float, interval=None
 def measure_runs(args, latents: Path) -> list[dict]:
     """Train and evaluate every recipe x seed; one record per run (steps, seconds, FD per cfg)."""
     records = []
-    for recipe in args.recipes:
-        for seed in args.seeds:
-            run = train(args, recipe, seed, latents)
-            seconds = export_seconds(run)
-            fds = {cfg_key(c): curve(args, run, c, args.sample_seed) for c in args.cfg_scales}
-            steps = sorted(set(seconds).intersection(*fds.values()))
-            records.append({"recipe": recipe, "seed": seed, "run": str(run), "steps": steps,
-                            "seconds": [seconds[s] for s in steps],
-                            "seconds_per_step": seconds[steps[-1]] / steps[-1],
-                            "fd": {k: [v[s] for s in steps] for k, v in fds.items()}})
-    return records
+    # Seed-major: every arm's first seed finishes before any second seed starts, so a run stopped part-way
+    # still compares every arm (issue 27: "report what finished").
+    for seed, recipe in ((seed, arm) for seed in args.seeds for arm in args.recipes):
+        run = train(args, recipe, seed, latents)
+        seconds = export_seconds(run)
+        fds = {cfg_key(c): curve(args, run, c, args.sample_seed) for c in args.cfg_scales}
+        steps = sorted(set(seconds).intersection(*fds.values()))
+        records.append({"recipe": recipe, "seed": seed, "run": str(run), "steps": steps,
+                        "seconds": [seconds[s] for s in steps],
+                        "seconds_per_step": seconds[steps[-1]] / steps[-1],
+                        "fd": {k: [v[s] for s in steps] for k, v in fds.items()}})
+    return sorted(records, key=lambda r: (args.recipes.index(r["recipe"]), r["seed"]))
 
 
 def measure_floor(args, records: list[dict]) -> dict:
@@ -694,6 +695,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="arms of one recipe whose flags the combined arm joins")
     p.add_argument("--timing-steps", type=int, default=0,
                    help="also time this many steps of each arm in a separate short run (0: off); run alone")
+    p.add_argument("--timing-only", action="store_true",
+                   help="only the --timing-steps runs (do them first, alone on a quiet machine), then stop")
     p.add_argument("--solvers", action="store_true", help="also the sampler table on the sit and dit final exports")
     p.add_argument("--flow-solvers", default="euler:5,10,20,50 heun:5,10,20 sde:20,50,250 dopri5:1",
                    help="flow sampler settings SAMPLER:STEPS,... (dopri5 is adaptive: its count is unused)")
@@ -732,6 +735,9 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     latents = prepare_data(args)
+    if args.timing_only:
+        print_timing({"timing": measure_timing(args, latents)})
+        return
     records = measure_runs(args, latents)
     settings = {k: v for k, v in vars(args).items() if k not in ("plot", "json")}
     floor = measure_floor(args, records)
