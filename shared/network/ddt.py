@@ -50,8 +50,8 @@ class FourierTimestepEmbedder(nn.Module):
                                  nn.Linear(hidden_size, hidden_size, bias=True))
 
     def forward(self, t):
-        """(N,) times in [0, 1] -> (N, D); features in RAE's order (t W) 2 pi, in fp32 at least (float64 stays)."""
-        dtype = torch.promote_types(torch.promote_types(t.dtype, self.W.dtype), torch.float32)
+        """(N,) times in [0, 1] -> (N, D); features in RAE's order (t W) 2 pi, in fp32 (a float64 model: float64)."""
+        dtype = torch.promote_types(self.W.dtype, torch.float32)  # the model's precision, whatever t arrives in
         angles = t[:, None].to(dtype) * self.W[None, :].to(dtype) * 2 * math.pi  # (N, F)
         features = torch.cat([torch.sin(angles), torch.cos(angles)], dim=-1)  # (N, 2F), sine half first
         return self.mlp(features.to(self.mlp[0].weight.dtype))  # (N, D)

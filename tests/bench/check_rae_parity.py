@@ -21,7 +21,8 @@ Checks, printing each number:
    t = 0.224 before the 0.04 Mean step; ours (make_process('sde', 50)) shifts the grid within [0, 0.96] so the
    Mean step ends at the data: the gap and both last points are printed, not expected to be 0.
 4. a full Euler trajectory: RAE's ode solver on its model against our euler_sample on ours (flow convention
-   'repa': RAE's time, 1 = noise, and its velocity noise - data) over that grid, same starting noise.
+   'repa': RAE's time, 1 = noise, and its velocity noise - data) over RAE's grid points, same starting noise;
+   with --float64 also in float64 (a random network this deep can amplify float32 rounding along 49 steps).
 """
 import argparse
 import importlib
@@ -190,18 +191,21 @@ def check_grids(integrators, shift) -> dict:
             "sde_end_ours": float(ours_sde[-1])}
 
 
-def check_trajectory(integrators, theirs, ours, shift, args) -> float:
-    """Relative L2 gap of the final Euler samples (RAE's ode sampler vs our euler_sample, same grid and noise)."""
+def check_trajectory(integrators, theirs, ours, shift, args, dtype=torch.float32) -> tuple[float, float]:
+    """(relative L2 gap of the final Euler samples, RAE's final sample's RMS): RAE's ode sampler vs our euler_sample,
+    same grid and noise, in `dtype`."""
     g = torch.Generator().manual_seed(args.seed + 2)
-    noise = torch.randn(args.batch, args.in_channels, args.input_size, args.input_size, generator=g)
+    noise = torch.randn(args.batch, args.in_channels, args.input_size, args.input_size, generator=g).to(dtype)
     y = torch.arange(args.batch) % 10
     ode = integrators.ode(drift=lambda x, t, model, **kw: model(x, t, **kw), t0=0, t1=1 - 1 / 1000,
                           sampler_type="euler", num_steps=50, atol=1e-6, rtol=1e-3, time_dist_shift=shift)
     with torch.no_grad():
         a = ode.sample(noise, theirs, y=y)[-1]
-        process = FlowProcess(FlowPath("repa"), flow_grid(49, 1 / shift, end=1 - 1 / 1000))
+        # RAE's own grid points (float32, read in SiT time as float64): only the models and the steps differ here;
+        # the grids themselves are compared in check_grids.
+        process = FlowProcess(FlowPath("repa"), 1 - ode.t.double(), model_times=ode.t.double())
         b = euler_sample(process, lambda x, t, **kw: ours(x, t, **kw), noise, {"y": y})
-    return float((a - b).norm() / a.norm())
+    return float((a - b).norm() / a.norm()), float(a.double().square().mean().sqrt())
 
 
 def main(argv=None):
@@ -228,7 +232,11 @@ def main(argv=None):
           f"{grids['ode_end_rae']:.5f}, our euler at t = {grids['ode_end_ours']:.5f}; sde (50 steps, last 0.04, not "
           f"meant to match) max gap {grids['sde']:.2e}, last Euler-Maruyama point RAE t = {grids['sde_end_rae']:.4f}, "
           f"ours t = {grids['sde_end_ours']:.4f}")
-    print(f"euler trajectory over RAE's grid (49 steps): relative L2 gap {check_trajectory(integrators, theirs, ours, shift, args):.2e}")
+    rel, rms = check_trajectory(integrators, theirs, ours, shift, args)
+    print(f"euler trajectory over RAE's grid (49 steps): relative L2 gap {rel:.2e} (RAE's final sample RMS {rms:.3g})")
+    if args.float64:  # the same trajectory in float64: does a float32 gap grow from rounding, or from the maths?
+        rel, rms = check_trajectory(integrators, theirs.double(), ours.double(), shift, args, torch.float64)
+        print(f"euler trajectory in float64: relative L2 gap {rel:.2e} (RAE's final sample RMS {rms:.3g})")
 
 
 if __name__ == "__main__":
