@@ -216,8 +216,20 @@ def measure_latent(config: dict, image_size: int | None = None, where: str = "th
     The architecture is built without weights and the encoder runs on a meta tensor, so the shape is what the
     real encoder gives (after any patchifying the class does), measured and not inferred from block counts.
     """
-    size = int(image_size or PROBE_SIZE)
+    native = tokenizer_class(config, where).native_size(config)
+    if native and image_size and int(image_size) != native:
+        raise SettingError(
+            f"{where} ({config.get('_class_name')}) encodes and decodes {native}x{native} images only (its encoder "
+            f"resizes any input to its own size, and its decoder draws {native} px), so latents of {image_size}x"
+            f"{image_size} images would decode at another size. Extract with --image-size {native}, or pass a "
+            f"tokenizer made for {image_size} px.")
+    size = int(image_size or probe_size(config))
     return _measure(json.dumps(config, sort_keys=True, default=list), size, str(where))
+
+
+def probe_size(config: dict) -> int:
+    """The image side a tokenizer is measured at when no size is given: its one size (RAE), else PROBE_SIZE."""
+    return int(tokenizer_class(config, "the VAE").native_size(config) or PROBE_SIZE)
 
 
 @functools.lru_cache(maxsize=32)
@@ -240,7 +252,7 @@ def _measure(config_json: str, size: int, where: str) -> tuple[int, int, int]:
 
 def downsample_factor(config: dict, image_size: int | None = None) -> int:
     """Pixels per latent cell, measured (`measure_latent`): image side / latent side."""
-    size = int(image_size or PROBE_SIZE)
+    size = int(image_size or probe_size(config))
     _, h, _ = measure_latent(config, size)
     return size // h
 
@@ -362,15 +374,18 @@ class LatentVAE:
             if part is not None:
                 part.to(dtype)
         self.deterministic = self.kind.deterministic
-        self.norm: LatentNorm = self.kind.native_norm(config, self.vae)  # the tokenizer's own convention
+        # the tokenizer's own convention; None: it has none (an RAE without statistics: the folder's are used)
+        self.norm: LatentNorm | None = self.kind.native_norm(config, self.vae)
+        self.family = self.kind.family
         self.latent_channels, h, _ = measure_latent(config, where=source)
-        self.downsample_factor = PROBE_SIZE // h
+        self.downsample_factor = probe_size(config) // h
         self.scaling_factor = float(config["scaling_factor"]) if config.get("scaling_factor") is not None else None
         self.identity = {
             "source": source,
             "class": self.kind.name,
             **({"scaling_factor": self.scaling_factor} if self.scaling_factor is not None else {}),
-            "norm": self.norm.to_dict(),
+            "norm": self.norm.to_dict() if self.norm is not None else None,
+            **({"family": self.family} if self.family != "vae" else {}),  # absent: a VAE (older records too)
             "deterministic": self.deterministic,
             "latent_channels": self.latent_channels,
             "downsample_factor": self.downsample_factor,
@@ -395,7 +410,12 @@ class LatentVAE:
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, norm: LatentNorm | None = None) -> torch.Tensor:
         """Images (N,3,H,W) in [-1,1], fp32, from normalised latents (N,C,h,w): `norm` (default: own) inverted."""
-        z = (norm or self.norm).invert(latents.to(self.device))  # (N, C, h, w) raw, fp32
+        norm = norm or self.norm
+        if norm is None:
+            raise UserError(f"{self.identity['source']} has no normalisation of its own (no latents_mean / latents_std "
+                            f"in its config) and these latents record none; decode latents written by training "
+                            f"(their metadata records the normalisation the run trained with).")
+        z = norm.invert(latents.to(self.device))  # (N, C, h, w) raw, fp32
         return self.decode_raw(z)
 
     @torch.no_grad()
