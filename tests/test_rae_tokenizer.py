@@ -4,10 +4,12 @@ The tokenizer is a tiny random AutoencoderRAE (tests/tiny_tokenizers.py `rae`: 6
 saved with save_pretrained and loaded back through the real loading code; the commands are the real ones.
 """
 import json
+import shutil
 
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from extract.__main__ import main as extract_main
 from sample.__main__ import main as sample_main
@@ -16,8 +18,8 @@ from shared.runtime.export import load_weights
 from shared.tokenizers.norm import ElementStats, LatentNorm
 from shared.tokenizers.vae import LatentVAE, measure_latent, read_vae_config
 from tests.conftest import make_image_folder
-from tests.helpers import run_main
-from tests.tiny_tokenizers import RAE_TINY, rae
+from tests.helpers import make_latents, run_main
+from tests.tiny_tokenizers import rae, vavae_like
 from train.__main__ import main as train_main
 
 IMAGE_SIZE = 32  # the tiny RAE's decoder size (4x4 tokens x patch 8)
@@ -152,11 +154,19 @@ def test_dry_run_prints_the_token_storage(images, raes, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, extracted):
+    """name -> a two-step DiTDH-T run on that folder's tokens (checkpoint, export and preview at step 2)."""
+    root = tmp_path_factory.mktemp("runs")
+    for name, folder in extracted.items():
+        code, _, err = _train(folder, root / name)
+        assert code == 0, err
+    return {name: root / name for name in extracted}
+
+
 @pytest.mark.parametrize("name", ["stats", "nostats"])
-def test_train_sample_and_preview_decode_through_the_rae_decoder(extracted, raes, tmp_path, name):
-    run = tmp_path / "run"
-    code, _, err = _train(extracted[name], run)
-    assert code == 0, err
+def test_train_sample_and_preview_decode_through_the_rae_decoder(extracted, raes, runs, tmp_path, name):
+    run = runs[name]
     _, config, meta, _ = load_weights(sorted((run / "exports").glob("*.safetensors"))[-1])
     record = LatentNorm.from_dict(meta["latent_norm"])
     ds = LatentDataset(extracted[name], progress=False)
@@ -169,13 +179,102 @@ def test_train_sample_and_preview_decode_through_the_rae_decoder(extracted, raes
                                           tmp_path / "samples", "--cpu"])
     assert code == 0, err
     pngs = sorted((tmp_path / "samples").glob("0*.png"))
-    from PIL import Image
-
     assert len(pngs) == 2 and Image.open(pngs[0]).size == (IMAGE_SIZE, IMAGE_SIZE)
-    code, _, err = run_main(sample_main, ["decode", run, "--cpu"])
-    assert code == 0, err
-    assert (run / "samples" / "step-0000002" / "grid.png").is_file()
     # what sampling decodes: a stored token grid normalised as training did comes back as the RAE's own decode
     vae = LatentVAE.load(raes[name])
     stored = ds.gather(np.arange(2), ("mean",))["mean"][:, 0]  # (2, 64, 4, 4) raw, flip 0
     torch.testing.assert_close(vae.decode(record.apply(stored), record), vae.decode_raw(stored), rtol=0, atol=2e-6)
+
+
+def test_previews_decode_and_watch_through_the_rae_decoder(runs, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(runs["nostats"], run)
+    code, _, err = run_main(sample_main, ["decode", run, "--cpu"])
+    assert code == 0, err
+    grid = run / "samples" / "step-0000002" / "grid.png"
+    assert grid.is_file()
+    shutil.rmtree(grid.parent)
+    code, _, err = run_main(sample_main, ["watch", run, "--cpu", "--interval", "0.1", "--exit-when-done",
+                                          "--report-to", "none"])
+    assert code == 0, err
+    assert grid.is_file()
+
+
+def test_the_evaluation_floor_round_trips_digits_through_the_rae(raes, capsys):
+    from evaluate.floor import main as floor_main
+
+    code, out, err = run_main(floor_main, ["--vae", raes["stats"], "--counts", 30, "--draws", 1], capsys)
+    assert code == 0, err
+    assert "30 via VAE vs all" in out, out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Bad input: one paragraph, exit 2, nothing written
+# ---------------------------------------------------------------------------------------------------------
+
+def _one_paragraph(err: str) -> str:
+    assert "Traceback" not in err and err.count("error:") == 1, err
+    return " ".join(err.split())
+
+
+def test_an_rae_whose_decoder_was_trained_on_another_encoder_is_refused(images, tmp_path, capsys):
+    folder = rae(tmp_path / "mixed")
+    other = rae(tmp_path / "wide", encoder_hidden_size=128, stats=False)  # a decoder of 128-channel tokens
+    shutil.copy(other / "diffusion_pytorch_model.safetensors", folder / "diffusion_pytorch_model.safetensors")
+    code, _, err = _extract(images, folder, tmp_path / "out", capsys=capsys)
+    err = _one_paragraph(err)
+    assert code == 2 and "its decoder reads tokens of 128 channels, its encoder gives 64" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_statistics_of_another_shape_than_the_tokens_are_refused(images, tmp_path, capsys):
+    folder = rae(tmp_path / "rae")
+    config = json.loads((folder / "config.json").read_text())
+    config["latents_mean"] = torch.zeros(64, 2, 2).tolist()
+    (folder / "config.json").write_text(json.dumps(config))
+    code, _, err = _extract(images, folder, tmp_path / "out", capsys=capsys)
+    err = _one_paragraph(err)
+    assert code == 2 and "latents_mean has shape (64, 2, 2)" in err and "(64, 4, 4)" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_extraction_at_another_size_than_the_decoder_draws_is_refused(images, raes, tmp_path, capsys):
+    code, _, err = run_main(extract_main, ["--data-path", images, "--out", tmp_path / "out", "--vae", raes["stats"],
+                                           "--image-size", 64], capsys)
+    err = _one_paragraph(err)
+    assert code == 2 and "32x32 images only" in err and "--image-size 32" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_rae_tokens_never_decode_with_a_vae(runs, tmp_path, capsys):
+    vae = vavae_like(tmp_path / "vae")
+    code, _, err = run_main(sample_main, ["--ckpt", runs["stats"], "--vae", vae, "--allow-other-vae", "--num-samples",
+                                          2, "--num-sampling-steps", 2, "--out", tmp_path / "o", "--cpu"], capsys)
+    err = _one_paragraph(err)
+    assert code == 2 and "these latents are RAE tokens" in err and "--allow-other-vae does not apply" in err, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_vae_latents_never_decode_with_an_rae(raes, tmp_path, capsys):
+    latents = make_latents(tmp_path / "lat", shape=SHAPE, n=8, image_size=IMAGE_SIZE)  # the RAE's very shape
+    index = json.loads((latents / "index.json").read_text())
+    index["vae"]["class"] = "AutoencoderKL"  # a VAE's latents, as extract records them
+    (latents / "index.json").write_text(json.dumps(index))
+    code, _, err = run_main(train_main, ["--model", "DiTDH-T", "--latents", latents, "--results-dir", tmp_path / "run",
+                                         "--global-batch-size", 4, "--num-workers", 0, "--max-steps", 1])
+    assert code == 0, err
+    code, _, err = run_main(sample_main, ["--ckpt", tmp_path / "run", "--vae", raes["stats"], "--allow-other-vae",
+                                          "--num-samples", 2, "--num-sampling-steps", 2, "--out", tmp_path / "o",
+                                          "--cpu"], capsys)
+    err = _one_paragraph(err)
+    assert code == 2 and "these latents are a VAE's latents" in err and "AutoencoderRAE" in err, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_element_norm_of_a_folder_without_element_statistics_is_refused(tmp_path, capsys):
+    latents = make_latents(tmp_path / "lat", n=8)
+    code, _, err = run_main(train_main, ["--model", "DiT-T/1", "--latents", latents, "--results-dir", tmp_path / "run",
+                                         "--latent-norm", "element", "--dry-run"], capsys)
+    err = _one_paragraph(err)
+    assert code == 2 and "per-element statistics" in err and "--latent-norm auto or channel" in err, err
+    assert not (tmp_path / "run").exists()

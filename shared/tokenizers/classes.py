@@ -222,9 +222,12 @@ def _rae_stats_problem(config: dict, geo: dict) -> str | None:
             continue
         try:
             shape = tuple(torch.as_tensor(value, dtype=torch.float32).shape)
-            fits = torch.broadcast_shapes(shape, (1, *latent)) == (1, *latent)
-        except (ValueError, TypeError, RuntimeError):
-            shape, fits = "unreadable", False
+        except (ValueError, TypeError, RuntimeError):  # ragged lists, strings
+            shape = "unreadable (not a list of numbers)"
+        try:
+            fits = not isinstance(shape, str) and torch.broadcast_shapes(shape, (1, *latent)) == (1, *latent)
+        except RuntimeError:  # shapes that do not broadcast
+            fits = False
         if not fits:
             return (f"its {key} has shape {shape}, which is not the (C, h, w) = {latent} of its encoder's tokens "
                     f"(encoder_hidden_size {latent[0]}, {geo['encoder_input_size']} px / patch "
