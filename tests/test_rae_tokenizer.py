@@ -366,7 +366,7 @@ def test_the_real_release_record_makes_rae_s_tokens_and_names_its_dit():
 
     config = {"_class_name": "AutoencoderRAE", **RAE_TOKENIZERS["rae-dinov2-b"].config}
     assert measure_latent(config, 256) == (768, 16, 16) == tuple(RAE_DIT_LATENTS["latent_shape"])
-    with pytest.raises(Exception, match="--image-size 256"):
+    with pytest.raises(Exception, match="256x256 images only"):
         measure_latent(config, 224)
 
 
