@@ -8,6 +8,7 @@ Block options (LightningDiT, Yao et al. 2025, github hustvl/LightningDiT, MIT): 
 block; BLOCKS names the combinations. Their tensor names follow LightningDiT's (mlp.w12/w3, norm1.weight,
 attn.q_norm, feat_rope.freqs_cos/sin), so inference from a state dict can tell the layouts apart.
 """
+import contextlib
 import functools
 import importlib
 import math
@@ -749,10 +750,25 @@ class ModelConfig:
         """{head_depth, head_width, head_heads} (all 0 without the DiT^DH head)."""
         return {k: getattr(self, k) for k in HEAD_FIELDS}
 
-    def build(self, attention="auto", grad_checkpoint_every=0):
-        """Instantiate the DiT (a DiT^DH when it has a head) this config describes."""
+    def build(self, attention="auto", grad_checkpoint_every=0, device=None, init=True):
+        """The DiT (a DiT^DH when it has a head) this config describes, on `device` (default: torch's current).
+
+        init=False allocates zero-filled weights without running the initialisation (fast; for measuring only);
+        on the meta device nothing is allocated either way.
+        """
         kwargs = {k: v for k, v in self.to_dict().items() if k not in ("model", *OBJECTIVE_FIELDS)}
-        return build_model(self.model, attention=attention, grad_checkpoint_every=grad_checkpoint_every, **kwargs)
+        kwargs.update(attention=attention, grad_checkpoint_every=grad_checkpoint_every)
+        if init or str(device) == "meta":
+            with torch.device(device) if device is not None else contextlib.nullcontext():
+                return build_model(self.model, **kwargs)
+        with torch.device("meta"):
+            model = build_model(self.model, **kwargs)
+        model = model.to_empty(device=device or "cpu")
+        with torch.no_grad():
+            for tensor in list(model.parameters()) + list(model.buffers()):
+                tensor.zero_()
+        return model
+
 
     def to_dict(self):
         """Plain JSON-serialisable dict."""
