@@ -17,6 +17,7 @@ from shared.runtime.errors import ChoiceError, UserError
 from shared.runtime.export import first_nonfinite, load_torch_file, load_weights, safetensors_problem
 from shared.network.models import PRESETS, ModelConfig, check_preset, infer_model_config
 from shared.network.repa import repa_release_config, split_repa_release
+from shared.tokenizers.rae_release import RAE_DIT_LATENTS
 from shared.runtime.rundir import (CHECKPOINTS, EMA_FILE, EXPORTS, MODEL_FILE, checkpoint_path, is_complete_checkpoint,
                            list_checkpoints, list_exports, step_of)
 
@@ -257,11 +258,17 @@ def _load_official(path: Path, weights: str | None, model: str | None, objective
         notes.append(f"DiT^DH head {config.head_depth} x {config.head_width} wide; flow time convention "
                      f"{config.objective_args['convention']}, time shift {config.objective_args['time_dist_shift']:g} "
                      "(shared/generative/flow.py)")
+    latent_meta = None  # DiT's, SiT's and REPA's: SD-VAE latents
+    if config.head_depth and [config.in_channels, config.input_size, config.input_size] == \
+            RAE_DIT_LATENTS["latent_shape"]:  # RAE's DINOv2-B tokens: decoded by RAE's released tokenizer
+        latent_meta = dict(RAE_DIT_LATENTS)
+        notes.append(f"tokens of RAE's {latent_meta['vae']} tokenizer (DINOv2-B with registers): decoded by its ViT-XL "
+                     f"decoder after its ImageNet statistics unless --vae says otherwise")
     warnings = [] if why != ASSUMED_DDPM else [
         f"{path.name} records no objective and is no known release: sampled as DiT's ddpm objective (noise "
         f"prediction); if it was trained with flow matching (SiT), pass --objective flow."]
-    return LoadedWeights(state_dict, config, path, "official", notes=notes, weights=which, warnings=warnings,
-                         auto_guide=_auto_guide_of_release(config))
+    return LoadedWeights(state_dict, config, path, "official", latent_meta, notes=notes, weights=which,
+                         warnings=warnings, auto_guide=_auto_guide_of_release(config))
 
 
 def _auto_guide_of_release(config: ModelConfig) -> AutoGuide:
