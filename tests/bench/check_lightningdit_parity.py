@@ -14,7 +14,7 @@ decorators are switched off while its files load.)
    same input compared.
 2. LightningDiT: models/lightningdit.py LightningDiT at patch 1 with the released configuration (SwiGLU, RoPE,
    RMSNorm, no QK-norm, learn_sigma False, 32 channels) and random weights -> its state dict loaded strictly by
-   sample/lightningdit.py's mapping into our DiT with the `lightning` block -> forward(x, t, y) compared.
+   shared/weights/lightningdit.py's mapping into our DiT with the `lightning` block -> forward(x, t, y) compared.
 Prints the largest absolute and relative differences.
 """
 import argparse
@@ -85,7 +85,7 @@ def check_vavae(repo: Path, args) -> float:
 
 def check_dit(repo: Path, args) -> float:
     """LightningDiT's model vs ours with the lightning block, on LightningDiT's random weights."""
-    from sample.lightningdit import lightningdit_state_dict, release_model_config
+    from shared.weights.lightningdit import lightningdit_state_dict, release_model_config
     from shared.network.models import PRESETS
 
     lightningdit = load_file(repo, "models/lightningdit.py", "lightningdit_models")

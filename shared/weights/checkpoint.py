@@ -21,9 +21,11 @@ from shared.tokenizers.rae_release import RAE_DIT_LATENTS
 from shared.runtime.rundir import (CHECKPOINTS, EMA_FILE, EXPORTS, MODEL_FILE, checkpoint_path, is_complete_checkpoint,
                            list_checkpoints, list_exports, step_of)
 
-from sample.diffusers_folder import (CONFIG, DiffusersSource, class_names, is_diffusers_file, is_diffusers_folder,
-                                     locate, locate_hub, looks_like_hub_id, read_json, read_weights)
-from sample.official import OFFICIAL_NAMES, RELEASES, checkpoint_url, find_official, is_official_name, release_name
+from shared.weights.diffusers_folder import (CONFIG, DiffusersSource, class_names, is_diffusers_file,
+                                             is_diffusers_folder, locate, locate_hub, looks_like_hub_id, read_json,
+                                             read_weights)
+from shared.weights.official import (OFFICIAL_NAMES, RELEASES, checkpoint_url, find_official, is_official_name,
+                                     release_name)
 
 TORCH_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")  # read with torch.load(weights_only=True); all else safetensors
 WEIGHTS = ("ema", "raw")  # which weights of a run or checkpoint: the EMA copy or the raw training weights
@@ -277,8 +279,8 @@ def _auto_guide_of_release(config: ModelConfig) -> AutoGuide:
 
 
 def _load_lightningdit(obj, path: Path, release, model: str | None) -> LoadedWeights:
-    """A LightningDiT release: its EMA weights in our lightning block, decoded by VA-VAE (sample/lightningdit.py)."""
-    from sample.lightningdit import CFG_SCALES, lightningdit_state_dict, release_model_config
+    """A LightningDiT release: its EMA weights in our lightning block, decoded by VA-VAE (lightningdit.py beside)."""
+    from shared.weights.lightningdit import CFG_SCALES, lightningdit_state_dict, release_model_config
 
     state_dict = lightningdit_state_dict(obj, path)
     config = release_model_config(state_dict, path)
