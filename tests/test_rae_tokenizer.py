@@ -371,7 +371,7 @@ def test_the_real_release_record_makes_rae_s_tokens_and_names_its_dit():
 
 
 def test_a_dit_dh_on_768x16x16_tokens_is_decoded_by_the_released_tokenizer(tmp_path, monkeypatch):
-    from sample.checkpoint import load_sampling_weights
+    from shared.weights.checkpoint import load_sampling_weights
     from shared.network.models import ModelConfig
     from shared.tokenizers.rae_release import RAE_DIT_LATENTS
 

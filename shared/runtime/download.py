@@ -1,4 +1,4 @@
-"""Released files by name, downloaded once into one cache: the DiTs' checkpoints (sample/official.py) and RAE's
+"""Released files by name, downloaded once into one cache: the DiTs' checkpoints (shared/weights/official.py) and RAE's
 tokenizer files (shared/tokenizers/rae_release.py) alike.
 
 The cache is $DIT_CHECKPOINT_DIR if set, else torch's hub folder `torch.hub.get_dir()/checkpoints`

@@ -59,7 +59,7 @@ RAE_TOKENIZERS = {
 }
 
 # The latents RAE's released DiT^DH-XL (ImageNet 256) was trained on: this tokenizer's normalised tokens. A state
-# dict of RAE's layout on tokens of this shape is decoded by it (sample/checkpoint.py), with its own statistics.
+# dict of RAE's layout on tokens of this shape is decoded by it (shared/weights/checkpoint.py), with its own statistics.
 RAE_DIT_LATENTS = {"vae": "rae-dinov2-b", "image_size": 256, "latent_shape": [768, 16, 16]}
 
 # RAE's decoder block names (transformers' ViT-MAE) -> diffusers' RAEDecoder (its Attention's q/k/v/out).

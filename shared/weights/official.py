@@ -41,7 +41,7 @@ class Release:
     flow_convention: str = "sit"
     paper: str = "DiT (Peebles & Xie 2023)"
     latent_meta: dict | None = None  # what the bare file cannot say about its latents (None: SD-VAE's, DiT's)
-    layout: str = "dit"  # "lightningdit": sample/lightningdit.py unwraps and checks it
+    layout: str = "dit"  # "lightningdit": shared/weights/lightningdit.py unwraps and checks it
     time_dist_shift: float = 1.0  # RAE's shift of the times (shared/generative/flow.py), recorded with the model
 
 
