@@ -366,7 +366,7 @@ def test_the_real_release_record_makes_rae_s_tokens_and_names_its_dit():
 
     config = {"_class_name": "AutoencoderRAE", **RAE_TOKENIZERS["rae-dinov2-b"].config}
     assert measure_latent(config, 256) == (768, 16, 16) == tuple(RAE_DIT_LATENTS["latent_shape"])
-    with pytest.raises(Exception, match="--image-size 256"):
+    with pytest.raises(Exception, match="256x256 images only"):
         measure_latent(config, 224)
 
 
@@ -381,3 +381,36 @@ def test_a_dit_dh_on_768x16x16_tokens_is_decoded_by_the_released_tokenizer(tmp_p
     torch.save({"ema": config.build().state_dict()}, tmp_path / "stage2_model.pt")
     loaded = load_sampling_weights(tmp_path / "stage2_model.pt")
     assert loaded.latent_meta == RAE_DIT_LATENTS and any("rae-dinov2-b" in n for n in loaded.notes)
+
+
+def test_stats_command_recomputes_the_per_element_statistics(extracted, tmp_path, capsys):
+    folder = tmp_path / "copy"
+    shutil.copytree(extracted["nostats"], folder)
+    index = json.loads((folder / "index.json").read_text())
+    written = index.pop("latent_stats")
+    (folder / "index.json").write_text(json.dumps(index, indent=1) + "\n")
+    code, out, err = run_main(extract_main, ["--stats", "--out", folder], capsys)
+    assert code == 0 and "per-channel and per element" in out, err
+    again = json.loads((folder / "index.json").read_text())["latent_stats"]["element"]
+    assert ElementStats.norm_of_summary(again, "") == ElementStats.norm_of_summary(written["element"], "")
+
+
+def test_train_dry_run_prints_the_statistics_by_their_count(extracted, tmp_path, capsys):
+    code, out, err = run_main(train_main, ["--model", "DiTDH-T", "--latents", extracted["nostats"], "--results-dir",
+                                           tmp_path / "run", "--dry-run"], capsys)
+    assert code == 0, err
+    assert '"<1024 float32 values>"' in out and '"kind": "element"' in out, out
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_an_rae_by_hub_id_from_the_local_cache(raes, monkeypatch, tmp_path):
+    import huggingface_hub.constants as constants
+
+    repo = tmp_path / "hf-cache" / "models--someone--tiny-rae"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    shutil.copytree(raes["stats"], repo / "snapshots" / ("0" * 40))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    vae = LatentVAE.load("someone/tiny-rae")
+    assert vae.identity["source"] == "someone/tiny-rae" and vae.norm == LatentVAE.load(raes["stats"]).norm

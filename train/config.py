@@ -25,7 +25,7 @@ from shared.network.models import (ATTENTION_BACKENDS, BLOCK_FIELDS, BLOCKS, HEA
 from shared.generative.objectives import objective_help, plugin_of, training_flags
 from train.recipes import RECIPE_HELP, RECIPES, apply_recipe
 from shared.runtime.precision import PRECISION_CHOICES, canonical_precision
-from shared.tokenizers.norm import NORM_CHOICES, NORM_HELP, ElementStats, LatentNorm
+from shared.tokenizers.norm import NORM_CHOICES, NORM_HELP, ElementStats, LatentNorm, abbreviated
 from shared.runtime.trackers import DEFAULT_REPORT_TO, REPORT_TO
 
 LR_SCHEDULES = ("constant", "cosine", "linear")
@@ -243,6 +243,10 @@ class TrainConfig:
     def to_json(self) -> str:
         """Indented JSON text of the config."""
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    def to_display(self) -> str:
+        """`to_json` for the terminal: per-element statistics (196,608 numbers for RAE tokens) shown by their count."""
+        return json.dumps(abbreviated(self.to_dict()), indent=2, sort_keys=True)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -555,7 +555,7 @@ def _train_locked(cfg: TrainConfig, accelerator, callbacks: list[Callback]) -> d
               flush=True)
     if cfg.dry_run or cfg.debug:
         if accelerator.is_main_process:
-            print(cfg.to_json())
+            print(cfg.to_display())
         if cfg.dry_run:
             return {}
     run = setup_run(cfg, dataset, source, accelerator, callbacks)

@@ -225,8 +225,8 @@ def _locate(spec, config=None) -> _Located:
     if _HUB_ID.match(text) and not text.startswith((".", "/", "~")):
         return _locate_hub(text)
     raise SettingError(
-        f"Unknown VAE {text!r}: it is not a short name ({', '.join([*VAE_SHORT_NAMES, VAVAE_NAMES[0], *RAE_TOKENIZERS])}), not an existing folder "
-        f"or file, and not a hub id like stabilityai/sd-vae-ft-ema. {_LOCAL_OPTIONS}"
+        f"Unknown VAE {text!r}: it is not a short name ({', '.join([*VAE_SHORT_NAMES, VAVAE_NAMES[0], *RAE_TOKENIZERS])}"
+        f"), not an existing folder or file, and not a hub id like stabilityai/sd-vae-ft-ema. {_LOCAL_OPTIONS}"
     )
 
 
@@ -316,7 +316,7 @@ def measure_latent(config: dict, image_size: int | None = None, where: str = "th
         raise SettingError(
             f"{where} ({config.get('_class_name')}) encodes and decodes {native}x{native} images only (its encoder "
             f"resizes any input to its own size, and its decoder draws {native} px), so latents of {image_size}x"
-            f"{image_size} images would decode at another size. Extract with --image-size {native}, or pass a "
+            f"{image_size} images would decode at another size. Extract with {{image size}} {native}, or pass a "
             f"tokenizer made for {image_size} px.")
     size = int(image_size or probe_size(config))
     return _measure(json.dumps(config, sort_keys=True, default=list), size, str(where))
