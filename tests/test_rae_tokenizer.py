@@ -150,7 +150,8 @@ def test_dry_run_prints_the_token_storage(images, raes, tmp_path, capsys):
     assert code == 0, err
     assert "AutoencoderRAE (deterministic): latent 64x4x4 at 32 px" in out, out
     # 64 x 4 x 4 values x 2 bytes, one frame, the tokens alone
-    assert "moments 2 KiB per image (1 flip(s) x latent (deterministic tokenizer, no std) 64x4x4 bf16)" in out, out
+    assert "moments 2 KiB per image (1 flip(s) x latent (deterministic tokenizer, no std) 64x4x4 bf16) = 2,048 bytes" \
+        in out, out
     assert not (tmp_path / "out").exists()
 
 
