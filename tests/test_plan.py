@@ -9,11 +9,11 @@ import torch
 
 from shared.generative.diffusion import create_diffusion
 from shared.generative.objectives import DDPMObjective
-from train.memory import (ActivationProfile, LinearBytes, build_model, forward_macs, measure_block_fit,
-                          measure_profile,
-                          model_config)
+from shared.network.models import ModelConfig
+from train.memory import ActivationProfile, LinearBytes, forward_macs, measure_block_fit, measure_profile
 from train.memory import fixed_state, largest_micro_batch
-from train.plan import build_parser
+from tests.helpers import run_main
+from train.plan import build_parser, main as plan_main
 from train.units import MiB, parse_size
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,7 +43,7 @@ def independent_saved_bytes(model, batch, dtype):
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    return build_model(model_config(**TINY), device="cpu", init=False)
+    return ModelConfig(TINY["model"], TINY["image_size"] // 8).build(device="cpu", init=False)
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,7 @@ def test_fp32_saves_more_than_bf16_and_casts_nothing(tiny_model, profiles):
 
 @pytest.mark.parametrize("name,gmac", [("DiT-S/2", 6.06), ("DiT-XL/2", 118.6), ("DiT-XL/8", 7.4), ("DiT-B/4", 5.57)])
 def test_forward_macs_match_the_paper(name, gmac):
-    model = build_model(model_config(name, 256), device="meta")
+    model = ModelConfig(name, 32).build(device="meta")
     assert all(p.is_meta for p in model.parameters())  # nothing allocated
     macs = forward_macs(model)
     digits = len(str(gmac).split(".")[1])  # as precise as the paper's figure
@@ -92,14 +92,14 @@ def test_forward_macs_match_the_paper(name, gmac):
     assert macs["total"] == sum(v for k, v in macs.items() if k != "total")
 
 
-DH_TINY = dict(model="DiTDH-T", image_size=32, vae_factor=8, latent_channels=16)  # 16x4x4 tokens, 4 + 2 blocks
+DH_TINY = dict(model="DiTDH-T", input_size=4, in_channels=16)  # 16x4x4 tokens, 4 body + 2 head blocks
 
 
 def test_dit_dh_xl_parameters_and_head_macs_are_counted_from_the_modules():
     """DiTDH-XL on RAE's 768x16x16 tokens: parameters as RAE's paper (839M), head MACs as the arithmetic."""
     from train.memory import count_parameters, head_macs
 
-    model = build_model(model_config("DiTDH-XL", 224, 14, 768, objective="flow"), "meta")
+    model = ModelConfig("DiTDH-XL", 16, in_channels=768, learn_sigma=False, objective="flow").build(device="meta")
     assert count_parameters(model)[0] == 838_675_796 and not model.learn_sigma
     tokens, width, hidden = 256, 2048, 5461  # head: SwiGLU hidden int(2/3 * 4 * 2048)
     per_token = 4 * width**2 + 3 * width * hidden + 6 * width**2 + 2 * tokens * width  # attn, mlp, per-token adaLN, QK/AV
@@ -111,7 +111,7 @@ def test_dit_dh_xl_parameters_and_head_macs_are_counted_from_the_modules():
 
 @pytest.fixture(scope="module")
 def dh_tiny():
-    return build_model(model_config(**DH_TINY), device="cpu", init=False)
+    return ModelConfig(**DH_TINY).build(device="cpu", init=False)
 
 
 def test_dit_dh_head_blocks_are_measured_as_themselves(dh_tiny):
@@ -132,11 +132,11 @@ def test_dit_dh_head_blocks_are_measured_as_themselves(dh_tiny):
 
 
 def test_xl2_at_512_macs():
-    assert round(forward_macs(build_model(model_config("DiT-XL/2", 512), "meta"))["total"] / 1e9, 1) == 524.5
+    assert round(forward_macs(ModelConfig("DiT-XL/2", 64).build(device="meta"))["total"] / 1e9, 1) == 524.5
 
 
 def test_fixed_state_of_the_dit_recipe_is_13_5_gb():
-    xl = build_model(model_config("DiT-XL/2", 256), "meta")
+    xl = ModelConfig("DiT-XL/2", 32).build(device="meta")
     n_all = sum(p.numel() for p in xl.parameters())
     n_train = sum(p.numel() for p in xl.parameters() if p.requires_grad)
     state = fixed_state(n_all, n_train, "adamw", "gpu")
@@ -195,22 +195,24 @@ def test_plan_cli_dit_dh():
     proc = run_plan("--model", "DiTDH-T", "--image-size", "32", "--latent-channels", "16", "--objective", "flow",
                     "--gpu-memory", "200MiB", "--margin", "50MiB", "--global-batch-size", "8")
     assert proc.returncode == 0, proc.stderr
-    config = model_config(**DH_TINY, objective="flow")
-    params = sum(p.numel() for p in build_model(config, "meta").parameters())
+    config = ModelConfig(**DH_TINY, learn_sigma=False, objective="flow")
+    params = sum(p.numel() for p in config.build(device="meta").parameters())
     assert f"(lightning block, DiT^DH head of 2 blocks at width 384)" in proc.stdout and f"{params:,} parameters" in proc.stdout
-    macs = forward_macs(build_model(config, "meta"))["total"]
+    macs = forward_macs(config.build(device="meta"))["total"]
     assert f"compute: forward {macs / 1e9:.1f} GMAC per image" in " ".join(proc.stdout.split())
 
 
 @pytest.mark.slow
-def test_plan_cli_errors():
+def test_plan_cli_errors(capsys):
+    # As a user runs it: exit status 2 and the paragraph, no traceback.
     proc = run_plan("--model", "DiT-T/2", "--image-size", "64", "--verify")
     assert proc.returncode == 2 and "--verify" in proc.stderr and "CUDA" in proc.stderr
     assert "Traceback" not in proc.stderr
-    proc = run_plan("--model", "DiT-Q/2")
-    assert proc.returncode == 2 and "DiT-XL/2" in proc.stderr and "Traceback" not in proc.stderr
-    proc = run_plan("--gpu-memory", "lots")
-    assert proc.returncode == 2 and "24GiB" in proc.stderr
+    # The other refusals through the same main() in-process (a process each would only add an interpreter).
+    code, _, err = run_main(plan_main, ["--model", "DiT-Q/2"], capsys)
+    assert code == 2 and "DiT-XL/2" in err and "Traceback" not in err
+    code, _, err = run_main(plan_main, ["--gpu-memory", "lots"], capsys)
+    assert code == 2 and "24GiB" in err
 
 
 def test_every_plan_flag_has_help():

@@ -29,34 +29,32 @@ from tqdm.auto import tqdm
 
 from shared.network.routing import kept_tokens
 from shared.runtime.errors import UserError
-from shared.network.models import BLOCK_FIELDS, ModelConfig, check_preset, preset_head
+from shared.network.models import BLOCK_FIELDS, ModelConfig, check_preset
 from shared.runtime.precision import autocast_dtype
-from train.config import TrainConfig, learns_sigma
+from train.config import TrainConfig, resolve_block
 from shared.generative.objectives import objective_of
 from train.data import synthetic_batch
-from train.step import build_model, forward_loss, make_learner, train_step  # noqa: F401 (build_model: plan, bench)
+from train.step import forward_loss, make_learner, train_step
 
 
 # ----------------------------------------------------------------------------------------------------
 # Building the model a run would train
 # ----------------------------------------------------------------------------------------------------
 
-def latent_size(image_size: int, vae_factor: int) -> int:
-    """Latent side length; UserError when the image size is not a multiple of the VAE factor."""
+def latent_shape(image_size: int, vae_factor: int = 8, channels: int = 4) -> tuple[int, int, int]:
+    """(C, h, w) of the latents of an image size; UserError when it is not a multiple of the VAE factor."""
     if image_size <= 0 or vae_factor <= 0 or image_size % vae_factor:
         raise UserError(f"image size {image_size} is not a positive multiple of the VAE downsample factor "
                         f"{vae_factor}; use e.g. --image-size 256 with --vae-factor 8 (32x32 latents).")
-    return image_size // vae_factor
+    return channels, image_size // vae_factor, image_size // vae_factor
 
 
-def model_config(model: str, image_size: int, vae_factor: int = 8, latent_channels: int = 4,
-                 num_classes: int = 1000, block: dict | None = None, objective: str = "ddpm") -> ModelConfig:
-    """The ModelConfig `python -m train` would build for a preset at an image size, block options and objective
-    (learned variance as train.config.learns_sigma); UserError for unknown presets or bad sizes."""
-    check_preset(model)
-    return ModelConfig(model=model, input_size=latent_size(image_size, vae_factor), in_channels=latent_channels,
-                       num_classes=num_classes, objective=objective,
-                       learn_sigma=learns_sigma(objective, preset_head(model)["head_depth"]), **(block or {}))
+def measured_config(model: str, block: dict | None = None, **settings) -> TrainConfig:
+    """The TrainConfig of a synthetic run of preset `model` (the planner's, the benchmark's, --verify's)."""
+    check_preset(model)  # ChoiceError naming the presets
+    # Resolved as train resolves it: a DiTDH preset's head filled in, so its flow model has no learned variance.
+    return resolve_block(TrainConfig(latents="synthetic", results_dir="unused", model=model, **(block or {}),
+                                     **settings))
 
 
 def count_parameters(model) -> tuple[int, int]:
@@ -427,7 +425,7 @@ def measure_profiles(config, precision: str, choices, device, route=None) -> tup
 
     route (ratio, start, end): token routing on, so the routed blocks' activations are those of the kept tokens.
     """
-    model = build_model(config, device=device, init=False)
+    model = config.build(device=device, init=False)
     n_params, n_trainable = count_parameters(model)
     bar = tqdm(total=1 + len(choices), desc="measuring activations", unit="pass", leave=False, file=sys.stderr)
     fits = measure_block_fits(model, precision)  # full-token blocks of each kind (a DiT^DH's head is the larger)
@@ -458,12 +456,11 @@ def verify_config(config: ModelConfig, args, row: PlanRow) -> TrainConfig:
     """
     accumulation = min(row.accumulation, 2)  # a second micro-step runs with the first one's gradients held
     route = {k: getattr(args, k, None) for k in ("route_ratio", "route_start", "route_end")}
-    return TrainConfig(latents="synthetic", results_dir="unused", model=args.model,
-                       **{k: getattr(config, k) for k in BLOCK_FIELDS},
-                       global_batch_size=row.micro * accumulation, micro_batch_size=row.micro,
-                       grad_accum_steps=accumulation, precision=args.precision,
-                       grad_checkpoint=row.profile.every, optimizer=args.optimizer, ema_device=args.ema_device,
-                       **{k: v for k, v in route.items() if v is not None})
+    return measured_config(args.model, {k: getattr(config, k) for k in BLOCK_FIELDS},
+                           global_batch_size=row.micro * accumulation, micro_batch_size=row.micro,
+                           grad_accum_steps=accumulation, precision=args.precision,
+                           grad_checkpoint=row.profile.every, optimizer=args.optimizer, ema_device=args.ema_device,
+                           **{k: v for k, v in route.items() if v is not None})
 
 
 @dataclass
