@@ -795,11 +795,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--flow-interval", nargs=2, type=float, default=[0.0, 0.7], metavar=("LO", "HI"),
                    help="guidance interval of flow models in noise level sigma = 1 - tau (0 = data)")
     p.add_argument("--vae", default=str(ROOT / "data" / "vae-digits"), help="the digits VAE (the demo's)")
-    p.add_argument("--rae", default=str(ROOT / "data" / "rae-digits"),
-                   help="the digits RAE of the sit-rae arm (made by python -m data.make_rae when missing)")
+    p.add_argument("--rae", default=None,
+                   help="the digits RAE (an AutoencoderRAE folder) of the sit-rae arm (default: OUT/rae-digits, made by "
+                        "python -m data.make_rae when missing)")
     p.add_argument("--plot", default=None, help="write FD against steps and seconds to this PNG")
     p.add_argument("--json", default=None, help="write every number to this JSON file")
     args = p.parse_args(argv)
+    args.rae = args.rae or str(Path(args.out) / "rae-digits")
     if args.steps % args.every:
         p.error(f"--steps {args.steps} is not a multiple of --every {args.every}: every run must end on an export")
     return args
