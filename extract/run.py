@@ -34,7 +34,7 @@ from shared.runtime.rerun import differences, listed
 from shared.datasets.shard_schema import FLAG_DTYPES
 from shared.network.repa import REPR_TENSOR
 from shared.tokenizers.classes import tokenizer_class
-from shared.tokenizers.norm import ChannelStats
+from shared.tokenizers.norm import ChannelStats, ElementStats
 from shared.datasets.shards import (FLIP_MODES, FOLDER_KIND, INDEX_NAME, STORAGE_DTYPES, ShardInfo, ShardWriter,
                            damaged_error, damaged_files, shard_name, write_index)
 
@@ -59,7 +59,9 @@ class ExtractConfig:
     batch_size: int = option(64, "Images per encoder batch (x2 with --flip both)")
     num_workers: int | None = option(None, "Image-decoding processes per extract process (default: up to 8, from the "
                                            "CPU count).")
-    dtype: str = option("fp16", "Storage dtype of the moments; encoding always runs in fp32",
+    dtype: str = option("fp16", "Storage dtype of the moments (bf16: fp32's range, fewer digits than fp16; RAE's "
+                                "768x16x16 tokens: 384 KiB per image and flip in fp16 or bf16, 768 KiB in fp32); "
+                                "encoding always runs in fp32",
                         choices=tuple(STORAGE_DTYPES))
     shard_size: int = option(4096, "Images per shard, also the unit of resume")
     limit: int | None = option(None, "Use only N images, spread evenly over the sorted list (for a quick trial; "
@@ -114,6 +116,7 @@ class Plan:
     encoder: dict | None = None  # the representation encoder's identity (shared/tokenizers/repr_encoder.py), if any
     vae_config: dict = field(default_factory=dict)
     deterministic: bool = False  # the tokenizer gives one latent, no posterior spread (AutoencoderDC)
+    element_stats: bool = False  # per-element statistics are computed too (RAE: its normalisation is per element)
     latent_shape: tuple = ()  # (C, h, w) measured by encoding one image of --image-size (meta device, no weights)
 
 
@@ -249,9 +252,9 @@ def plan(cfg: ExtractConfig, check_out: bool = True) -> Plan:
     settings = run_settings(cfg, scan, vae_name, vae_config, encoder)
     if check_out:
         warnings += check_out_folder(Path(cfg.out), settings)
-    deterministic = tokenizer_class(vae_config, vae_name).deterministic
+    kind = tokenizer_class(vae_config, vae_name)
     return Plan(scan, vae_name, settings, -(-len(scan) // cfg.shard_size), warnings, encoder, vae_config,
-                deterministic, shape)
+                kind.deterministic, kind.element_stats, shape)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -359,6 +362,7 @@ class ShardSink:
         self.process = process  # {"rank", "world_size"}: which process wrote a shard (for debugging)
         self.shard, self.writer, self.bad, self.seen = None, None, [], 0
         self.stats = ChannelStats()  # of the shard being written, from the moments as stored
+        self.elements = ElementStats() if plan_.element_stats else None  # per element (C, h, w): RAE tokens
 
     def add(self, positions: list[int], columns: dict, bad: list[dict]) -> None:
         """Write one batch (all positions in one shard, sorted); finish the shard after its last file.
@@ -370,6 +374,8 @@ class ShardSink:
             self._open(shard)
         if positions:
             self.stats.add(columns["mean"], columns.get("std"))  # (B, F, C, h, w), as stored
+            if self.elements is not None:
+                self.elements.add(columns["mean"])
         for k, pos in enumerate(positions):
             self.writer.add(f"{pos:09d}", {name: t[k] for name, t in columns.items()}, self.plan.scan.labels[pos])
         self.bad += [{"path": b["path"], "reason": b["reason"]} for b in bad]
@@ -382,6 +388,7 @@ class ShardSink:
         if self.writer is not None:
             raise RuntimeError(f"shard {self.shard} was left unfinished")
         self.shard, self.bad, self.seen, self.stats = shard, [], 0, ChannelStats()
+        self.elements = ElementStats() if self.plan.element_stats else None
         self.writer = ShardWriter(self.out / shard_name(shard), columns=shard_columns(self.cfg, self.plan)).__enter__()
 
     def _finish(self) -> None:
@@ -389,7 +396,8 @@ class ShardSink:
         self.writer.__exit__(None, None, None)
         sidecar = {"shard": self.writer.info.to_dict(), "bad_files": self.bad, "vae": self.identity,
                    "settings_sha256": settings_sha256(self.plan.settings), "written_by": self.process,
-                   "latent_stats": self.stats.to_dict()}
+                   "latent_stats": self.stats.to_dict(),
+                   **({"element_stats": self.elements.to_dict()} if self.elements is not None else {})}
         _atomic_json(sidecar_path(self.out, self.shard), sidecar)
         self.writer = None
 
@@ -487,6 +495,11 @@ def write_outputs(cfg: ExtractConfig, plan_: Plan) -> dict:
     meta = index_meta(cfg, plan_, sidecars[0]["vae"], len(bad))
     meta["latent_stats"] = stats.summary(sum(i.num_samples for i in infos), FLIP_MODES[cfg.flip],
                                          bool(sidecars[0]["vae"].get("deterministic")))
+    if plan_.element_stats:  # the per-element statistics RAE normalises with, merged the same way
+        elements = ElementStats()
+        for sidecar in sidecars:
+            elements.merge(ElementStats.from_dict(sidecar["element_stats"]))
+        meta["latent_stats"]["element"] = elements.summary(sum(i.num_samples for i in infos), FLIP_MODES[cfg.flip])
     write_index(out, infos, meta)
     return {"num_samples": sum(i.num_samples for i in infos), "num_bad": len(bad), "num_shards": len(infos),
             "too_large": too_large}
@@ -627,10 +640,16 @@ def describe_tokenizer(cfg: ExtractConfig, plan_: Plan) -> str:
     kind = tokenizer_class(plan_.vae_config, plan_.vae_name)
     channels, side, _ = plan_.latent_shape
     norm = kind.native_norm(plan_.vae_config, None)
-    own = norm.describe() if norm is not None else "read from its weights when loaded"
+    if norm is not None:
+        own = norm.describe()
+    elif kind.element_stats:
+        own = "none in its config: the folder's per-element statistics (train --latent-norm auto uses them)"
+    else:
+        own = "read from its weights when loaded"
+    stats = "per-channel and per-element" if kind.element_stats else "per-channel"
     return (f"tokenizer: {kind.name}{' (deterministic)' if kind.deterministic else ''}: latent {channels}x{side}x{side} "
             f"at {cfg.image_size} px (f{cfg.image_size // side}, measured by encoding one {cfg.image_size}x"
-            f"{cfg.image_size} image on the meta device); own normalisation {own}; per-channel statistics of the "
+            f"{cfg.image_size} image on the meta device); own normalisation {own}; {stats} statistics of the "
             f"folder are written to index.json")
 
 

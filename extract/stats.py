@@ -15,7 +15,8 @@ from tqdm import tqdm
 from shared.datasets.shards import FOLDER_KIND, INDEX_NAME, LatentDataset, load_index
 from shared.runtime.fsio import atomic_write_text
 from shared.runtime.lock import hold_lock
-from shared.tokenizers.norm import ChannelStats
+from shared.tokenizers.classes import TOKENIZER_CLASSES
+from shared.tokenizers.norm import ChannelStats, ElementStats
 
 BATCH = 256  # samples per gather while reading the moments
 
@@ -24,11 +25,17 @@ def folder_stats(dataset: LatentDataset, progress: bool = True) -> dict:
     """index.json's "latent_stats" of a folder, computed from every stored sample and flip."""
     deterministic = dataset.deterministic
     columns = ("mean",) if deterministic else ("mean", "std")
-    stats = ChannelStats()
+    kind = TOKENIZER_CLASSES.get(dataset.vae.get("class"))
+    stats, elements = ChannelStats(), ElementStats() if kind is not None and kind.element_stats else None
     for start in tqdm(range(0, len(dataset), BATCH), unit="batch", desc="stats", disable=not progress):
         batch = dataset.gather(np.arange(start, min(start + BATCH, len(dataset))), columns)  # (B, F, C, h, w) each
         stats.add(batch["mean"], batch.get("std"))
-    return stats.summary(len(dataset), dataset.flips, deterministic)
+        if elements is not None:  # RAE tokens: also per element (C, h, w)
+            elements.add(batch["mean"])
+    summary = stats.summary(len(dataset), dataset.flips, deterministic)
+    if elements is not None:
+        summary["element"] = elements.summary(len(dataset), dataset.flips)
+    return summary
 
 
 def run_stats(out) -> str:
@@ -43,5 +50,7 @@ def run_stats(out) -> str:
         index["latent_stats"] = summary
         atomic_write_text(out / INDEX_NAME, json.dumps(index, indent=1) + "\n")
     change = "unchanged" if before == summary else ("replaced" if before else "added")
-    return (f"stats: {out}: per-channel statistics of {len(dataset)} samples x {dataset.flips} flip(s), "
-            f"{len(summary['mean'])} channels ({change} in {INDEX_NAME}); train with --latent-norm channel")
+    element = " and per element" if "element" in summary else ""
+    return (f"stats: {out}: per-channel{element} statistics of {len(dataset)} samples x {dataset.flips} flip(s), "
+            f"{len(summary['mean'])} channels ({change} in {INDEX_NAME}); train with --latent-norm channel"
+            f"{' or element' if element else ''}")

@@ -79,6 +79,33 @@ def unsupported(out: Path, seed: int = 4) -> Path:
     return Path(out)
 
 
+# A tiny RAE: a 1-layer DINOv2-with-registers encoder of width 64 (patch 4 at 16 px: 4x4 tokens of 64 channels) and
+# a 1-layer ViT decoder of patch 8 (32 px images), a few hundred thousand parameters.
+RAE_TINY = dict(encoder_type="dinov2", encoder_hidden_size=64, encoder_patch_size=4, encoder_num_hidden_layers=1,
+                encoder_input_size=16, decoder_hidden_size=32, decoder_num_hidden_layers=1,
+                decoder_num_attention_heads=2, decoder_intermediate_size=64, patch_size=8)
+
+
+def rae(out: Path, seed: int = 5, stats: bool = True, scaling_factor: float = 1.0, perturb: float = 0.2,
+        **overrides) -> Path:
+    """AutoencoderRAE (diffusers), deterministic 64x4x4 tokens of 32 px images; with per-element latents_mean /
+    latents_std (64, 4, 4) in its config when `stats`, else none (extraction computes the folder's)."""
+    from diffusers import AutoencoderRAE
+
+    torch.manual_seed(seed)
+    config = {**RAE_TINY, **overrides}
+    if stats:
+        c, g = config["encoder_hidden_size"], config["encoder_input_size"] // config["encoder_patch_size"]
+        config["latents_mean"] = (torch.randn(c, g, g) * 0.3).tolist()
+        config["latents_std"] = (torch.rand(c, g, g) + 0.5).tolist()
+    model = AutoencoderRAE(scaling_factor=scaling_factor, **config)
+    with torch.no_grad():  # the decoder's zero-initialised parts made live, so decoded pixels depend on the tokens
+        for p in model.decoder.parameters():
+            p.add_(perturb * torch.randn_like(p))
+    model.save_pretrained(out)
+    return Path(out)
+
+
 def vavae_ldm_state_dict(seed: int = 0) -> dict:
     """A random state dict in VA-VAE's LDM layout (tests/bench/check_lightningdit_parity.py checks these names against
     LightningDiT's own module), plus training-only tensors of its checkpoint that the conversion must drop."""

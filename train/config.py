@@ -25,7 +25,7 @@ from shared.network.models import (ATTENTION_BACKENDS, BLOCK_FIELDS, BLOCKS, HEA
 from shared.generative.objectives import objective_help, training_flags
 from train.recipes import RECIPE_HELP, RECIPES, apply_recipe
 from shared.runtime.precision import PRECISION_CHOICES, canonical_precision
-from shared.tokenizers.norm import NORM_CHOICES, NORM_HELP, LatentNorm
+from shared.tokenizers.norm import NORM_CHOICES, NORM_HELP, ElementStats, LatentNorm
 from shared.runtime.trackers import DEFAULT_REPORT_TO, REPORT_TO
 
 LR_SCHEDULES = ("constant", "cosine", "linear")
@@ -385,13 +385,22 @@ def resolve_latent_norm(choice: str, dataset) -> LatentNorm:
     """The normalisation `--latent-norm` asks for on this folder, or a UserError naming the fix."""
     native = dataset.native_norm
     root = dataset.root
+    element = (dataset.latent_stats or {}).get("element")
     if choice == "auto":
+        if native is None and element and "norm" in dataset.vae:  # a tokenizer whose numbers are the folder's (RAE)
+            return ElementStats.norm_of_summary(element, f"the per-element statistics of {root}")
         if native is None:
             raise UserError(f"{root}/index.json records no normalisation for its tokenizer; pass --latent-norm "
                             f"channel (after `python -m extract --stats --out {root}`) or none.")
         return native
     if choice == "none":
         return LatentNorm.none()
+    if choice == "element":
+        if not element:
+            raise UserError(f"--latent-norm element needs the per-element statistics of {root}, which extraction "
+                            f"computes for RAE tokens only ({dataset.vae.get('class')} made these latents). Pick "
+                            f"--latent-norm auto or channel.")
+        return ElementStats.norm_of_summary(element, f"the per-element statistics of {root}")
     if choice == "channel":
         stats = dataset.latent_stats
         if not stats:

@@ -63,7 +63,9 @@ FOLDER_KIND = "latent folder"
 # The --flip vocabulary of extract: mode -> F, the moments stored per sample (original, then its mirror).
 FLIP_MODES = {"both": 2, "none": 1}
 # The --dtype vocabulary of extract: how the moments are stored (the encoder always runs in fp32).
-STORAGE_DTYPES = {flag: FLAG_DTYPES[flag] for flag in ("fp16", "fp32")}
+# bf16 keeps fp32's range with 8 bits of mantissa (fp16 has 11), for tokens of large magnitude; fp16 is the finer
+# of the two for values within its range (a VAE's posterior moments).
+STORAGE_DTYPES = {flag: FLAG_DTYPES[flag] for flag in ("fp16", "bf16", "fp32")}
 
 
 def shard_name(index: int) -> str:

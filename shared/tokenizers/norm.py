@@ -1,32 +1,38 @@
 """Latent normalisation: one record for how a tokenizer's raw latent z becomes what the DiT sees, and back.
 
-Every convention in use is one formula, x = (z - mean) / std * scale, with mean and std one number or one per
-channel:
+Every convention in use is one formula, x = (z - mean) / std * scale, with mean and std one number, one per
+channel, or one per element of the latent (C, h, w):
 
     kind         mean, std                     scale              used by
     scale        0, 1                          scaling_factor     SD-VAE (0.18215), DC-AE (0.3189), MAR KL-16
     shift-scale  shift_factor, 1               scaling_factor     SD3 (0.0609, 1.5305), FLUX.1 (0.1159, 0.3611)
     channel      per-channel mean, std         1 (or the config's) VA-VAE / LightningDiT, FLUX.2, diffusers'
                                                                   latents_mean / latents_std configs
+    element      per-element mean, std (C,h,w) 1 (or the config's) RAE (DINOv2 tokens; its stat.pt or the folder's)
     none         0, 1                          1                  raw latents
 
 The record travels as a JSON dict (`to_dict` / `from_dict`) in index.json (the tokenizer's own convention, in
 the VAE identity), in every checkpoint and export (`latent_meta["latent_norm"]`, what the run trained on) and
-in preview files. Training applies it to each fresh draw (`shared.tokenizers.vae.draw_latents`); every decode
+in preview files; per-element numbers travel as base64 float32 (768x16x16 RAE tokens: 1 MiB per array, where a
+JSON list of floats would take 4). Training applies it to each fresh draw (`shared.tokenizers.vae.draw_latents`); every decode
 inverts it (`LatentVAE.decode(x, norm)`). Nothing else scales a latent.
 
-`ChannelStats` is the float64 accumulator of a folder's per-channel statistics from stored posterior moments:
+`ChannelStats` is the float64 accumulator of a folder's per-channel statistics from stored posterior moments
+(`ElementStats` the same per element, for deterministic tokens):
 mean = mean of the means; variance = variance of the means + mean of the variances (the law of total variance
 over images, positions and posterior noise). Shards are combined with Chan et al.'s parallel update.
 """
 from __future__ import annotations
 
+import base64
+import functools
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-NORM_KINDS = ("scale", "shift-scale", "channel", "none")
+NORM_KINDS = ("scale", "shift-scale", "channel", "element", "none")
 NORM_CHOICES = ("auto", *NORM_KINDS)  # train --latent-norm: auto = the tokenizer's own convention
 NORM_HELP = {
     "auto": "the tokenizer's own convention (its config's latents_mean/latents_std, else shift_factor, else "
@@ -34,25 +40,35 @@ NORM_HELP = {
     "scale": "z x scaling_factor (SD-VAE, DC-AE)",
     "shift-scale": "(z - shift_factor) x scaling_factor (SD3, FLUX.1); needs a shift_factor",
     "channel": "(z - mean_c) / std_c with the folder's per-channel statistics (LightningDiT's way)",
+    "element": "(z - mean) / std per element (C, h, w) with the folder's per-element statistics (RAE's way)",
     "none": "the raw latent",
 }
 
 
 @dataclass(frozen=True)
 class LatentNorm:
-    """x = (z - mean) / std * scale; mean and std are one value or one per channel (see the module doc)."""
+    """x = (z - mean) / std * scale; mean and std one value, one per channel or one per element (module doc)."""
 
     kind: str
     mean: tuple = (0.0,)
     std: tuple = (1.0,)
     scale: float = 1.0
     source: str = field(default="", compare=False)  # where the numbers come from (for messages only)
+    shape: tuple = ()  # (C, h, w) of an "element" record (mean and std are flattened in C, h, w order)
 
     def __post_init__(self):
         if self.kind not in NORM_KINDS:
             raise ValueError(f"latent normalisation kind {self.kind!r} is not one of {NORM_KINDS}")
-        if len(self.mean) != len(self.std) or not all(s > 0 for s in self.std) or not self.scale > 0:
-            raise ValueError(f"latent normalisation needs matching mean/std and positive std and scale: {self}")
+        if len(self.mean) != len(self.std) or not self.scale > 0 or not min(self.std) > 0:
+            raise ValueError(f"latent normalisation needs matching mean/std and positive std and scale "
+                             f"({self.describe()})")
+        if (self.kind == "element") != bool(self.shape) or (self.shape and math.prod(self.shape) != len(self.mean)):
+            raise ValueError(f"a per-element normalisation needs a (C, h, w) shape of {len(self.mean)} values, "
+                             f"got {self.shape}")
+
+    def __repr__(self) -> str:
+        """Short: per-element records hold hundreds of thousands of numbers."""
+        return f"LatentNorm({self.describe()})"
 
     # -- constructors -------------------------------------------------------------------------------------
     @classmethod
@@ -71,6 +87,17 @@ class LatentNorm:
         return cls("channel", tuple(float(m) for m in mean), tuple(float(s) for s in std), float(scale), source)
 
     @classmethod
+    def element(cls, mean, std, scale: float = 1.0, source: str = "") -> "LatentNorm":
+        """(z - mean) / std x scale with one mean and std per element: tensors or nested lists of shape (C, h, w)."""
+        mean32 = torch.as_tensor(mean, dtype=torch.float32)
+        std32 = torch.as_tensor(std, dtype=torch.float32)
+        if mean32.dim() != 3 or std32.shape != mean32.shape:
+            raise ValueError(f"per-element statistics must both be (C, h, w), got {tuple(mean32.shape)} and "
+                             f"{tuple(std32.shape)}")
+        return cls("element", tuple(mean32.flatten().tolist()), tuple(std32.flatten().tolist()), float(scale),
+                   source, tuple(int(n) for n in mean32.shape))
+
+    @classmethod
     def none(cls, source: str = "") -> "LatentNorm":
         """The identity: the DiT sees raw latents."""
         return cls("none", source=source)
@@ -78,40 +105,66 @@ class LatentNorm:
     # -- use ------------------------------------------------------------------------------------------------
     @property
     def channels(self) -> int | None:
-        """Channels of a per-channel record, None for a scalar one."""
+        """Channels of a per-channel or per-element record, None for a scalar one."""
+        if self.kind == "element":
+            return self.shape[0]
         return len(self.mean) if self.kind == "channel" else None
 
-    def _view(self, values, like: torch.Tensor) -> torch.Tensor:
-        """(C,) or (1,) values as a (1, C, 1, 1) tensor on like's device, fp32."""
-        return torch.tensor(values, dtype=torch.float32, device=like.device).view(1, -1, 1, 1)
+    @functools.cached_property
+    def _tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean, std) as fp32 CPU tensors (1, C, 1, 1), (1, C, h, w) or (1, 1, 1, 1), built once per record."""
+        shape = (1, *self.shape) if self.kind == "element" else (1, -1, 1, 1)
+        return (torch.tensor(self.mean, dtype=torch.float32).view(shape),
+                torch.tensor(self.std, dtype=torch.float32).view(shape))
 
     def check_channels(self, channels: int, where: str = "these latents") -> None:
-        """ValueError when a per-channel record does not have `channels` entries."""
+        """ValueError when a per-channel or per-element record does not have `channels` channels."""
         if self.channels is not None and self.channels != channels:
-            raise ValueError(f"a per-channel normalisation of {self.channels} channels cannot apply to {where} "
+            what = "per-element" if self.kind == "element" else "per-channel"
+            raise ValueError(f"a {what} normalisation of {self.channels} channels cannot apply to {where} "
                              f"with {channels} channels")
+
+    def check_shape(self, shape, where: str = "these latents") -> None:
+        """ValueError when latents of shape (C, h, w) cannot take this record (channels; an element record's grid)."""
+        self.check_channels(int(shape[0]), where)
+        if self.kind == "element" and tuple(int(n) for n in shape) != self.shape:
+            raise ValueError(f"a per-element normalisation of shape {'x'.join(map(str, self.shape))} cannot apply "
+                             f"to {where} of shape {'x'.join(str(int(n)) for n in shape)}")
+
+    def _on(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean, std) on like's device, fp32."""
+        mean, std = self._tensors
+        return mean.to(like.device), std.to(like.device)
 
     def apply(self, z: torch.Tensor) -> torch.Tensor:
         """Raw latents (N,C,h,w) -> normalised, fp32."""
-        self.check_channels(z.shape[1])
+        self.check_shape(z.shape[1:])
         z = z.float()
-        return (z - self._view(self.mean, z)) / self._view(self.std, z) * self.scale
+        mean, std = self._on(z)
+        return (z - mean) / std * self.scale
 
     def invert(self, x: torch.Tensor) -> torch.Tensor:
         """Normalised latents (N,C,h,w) -> raw, fp32 (the inverse of `apply`)."""
-        self.check_channels(x.shape[1])
+        self.check_shape(x.shape[1:])
         x = x.float()
-        return x / self.scale * self._view(self.std, x) + self._view(self.mean, x)
+        mean, std = self._on(x)
+        return x / self.scale * std + mean
 
     # -- records --------------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
         """The JSON form written to index.json, checkpoints, exports and preview files."""
+        if self.kind == "element":
+            return {"kind": self.kind, "shape": list(self.shape), "mean": pack_floats(self.mean),
+                    "std": pack_floats(self.std), "scale": self.scale, "source": self.source}
         return {"kind": self.kind, "mean": list(self.mean), "std": list(self.std), "scale": self.scale,
                 "source": self.source}
 
     @classmethod
     def from_dict(cls, d: dict) -> "LatentNorm":
         """The record back from its JSON form."""
+        if d["kind"] == "element":
+            return cls("element", unpack_floats(d["mean"]), unpack_floats(d["std"]), float(d.get("scale", 1.0)),
+                       d.get("source", ""), tuple(int(n) for n in d["shape"]))
         return cls(d["kind"], tuple(float(v) for v in d.get("mean", (0.0,))),
                    tuple(float(v) for v in d.get("std", (1.0,))), float(d.get("scale", 1.0)), d.get("source", ""))
 
@@ -124,7 +177,38 @@ class LatentNorm:
         if self.kind == "channel":
             extra = f" x{self.scale:g}" if self.scale != 1 else ""
             return f"channel ((z - mean_c) / std_c{extra}, {len(self.mean)} channels)"
+        if self.kind == "element":
+            extra = f" x{self.scale:g}" if self.scale != 1 else ""
+            return f"element ((z - mean) / std per element{extra}, {'x'.join(map(str, self.shape))})"
         return "none (raw latents)"
+
+
+# How many numbers travel in JSON: little-endian float bytes in base64 (exact for values of that precision).
+FLOAT_ENCODINGS = {"float32-le-base64": "<f4", "float64-le-base64": "<f8"}
+
+
+def pack_floats(values, encoding: str = "float32-le-base64") -> dict:
+    """Float values (any shape, flattened) as {"encoding", "count", "data"}."""
+    array = np.asarray(values.numpy() if isinstance(values, torch.Tensor) else values,
+                       dtype=FLOAT_ENCODINGS[encoding]).reshape(-1)
+    return {"encoding": encoding, "count": int(array.size), "data": base64.b64encode(array.tobytes()).decode("ascii")}
+
+
+def unpack_floats(packed) -> tuple:
+    """The values `pack_floats` packed, as Python floats (a plain list is taken as it is)."""
+    if isinstance(packed, (list, tuple)):
+        return tuple(float(v) for v in packed)
+    if packed.get("encoding") not in FLOAT_ENCODINGS:
+        raise ValueError(f"unknown float encoding {packed.get('encoding')!r}")
+    array = np.frombuffer(base64.b64decode(packed["data"]), dtype=FLOAT_ENCODINGS[packed["encoding"]])
+    if array.size != int(packed["count"]):
+        raise ValueError(f"{array.size} packed floats, {packed['count']} recorded")
+    return tuple(array.astype(np.float64).tolist())
+
+
+def unpack_tensor(packed, shape) -> torch.Tensor:
+    """Packed floats as a float64 tensor of `shape`."""
+    return torch.tensor(unpack_floats(packed), dtype=torch.float64).view(*shape)
 
 
 def norm_of_meta(latent_meta: dict | None) -> LatentNorm | None:
@@ -138,9 +222,15 @@ def norm_of_meta(latent_meta: dict | None) -> LatentNorm | None:
 
 
 def native_norm_of_identity(identity: dict) -> LatentNorm | None:
-    """The tokenizer's own convention recorded in a VAE identity (older identities: only scaling_factor)."""
+    """The tokenizer's own convention recorded in a VAE identity (older identities: only scaling_factor).
+
+    None also when the identity records "norm": null, a tokenizer whose numbers are the folder's statistics (an RAE
+    without latents_mean / latents_std).
+    """
     if isinstance(identity.get("norm"), dict):
         return LatentNorm.from_dict(identity["norm"])
+    if "norm" in identity:
+        return None
     if identity.get("scaling_factor") is not None:
         return LatentNorm.scale_only(float(identity["scaling_factor"]), source="the VAE's scaling_factor")
     return None
@@ -206,3 +296,75 @@ class ChannelStats:
                                                   "mean of the variances)"
         return {"mean": mean, "std": std, "values_per_channel": self.count, "images": images, "flips": flips,
                 "computed_from": f"the stored {moments} of every image and flip, float64"}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Per-element statistics of a folder of deterministic tokens (RAE), in float64
+# ----------------------------------------------------------------------------------------------------------
+
+# RAE's eps (bytetriper/RAE src/stage1/rae.py: (z - mean) / sqrt(var + eps), eps 1e-5): the per-element std of a
+# folder is sqrt(var + ELEMENT_EPS), so an element that never varies (a border token, a tiny folder) stays finite.
+ELEMENT_EPS = 1e-5
+
+
+@dataclass
+class ElementStats:
+    """Running count, mean and sum of squared deviations of every element (C, h, w) of deterministic latents."""
+
+    count: int = 0
+    mean: torch.Tensor | None = None  # (C, h, w) float64
+    m2: torch.Tensor | None = None    # (C, h, w) float64
+
+    def add(self, latents: torch.Tensor) -> None:
+        """Fold in latents (..., C, h, w) (any leading dims: images, flips)."""
+        z = latents.double().reshape(-1, *latents.shape[-3:])  # (n, C, h, w)
+        part_mean = z.mean(dim=0)
+        self.merge(ElementStats(z.shape[0], part_mean, ((z - part_mean) ** 2).sum(dim=0)))
+
+    def merge(self, other: "ElementStats") -> None:
+        """Chan et al.'s pairwise update, element by element."""
+        if other.count == 0:
+            return
+        if self.count == 0:
+            self.count, self.mean, self.m2 = other.count, other.mean.clone(), other.m2.clone()
+            return
+        if other.mean.shape != self.mean.shape:
+            raise ValueError(f"per-element statistics of shapes {tuple(self.mean.shape)} and "
+                             f"{tuple(other.mean.shape)} cannot be merged")
+        n = self.count + other.count
+        delta = other.mean - self.mean
+        self.mean = self.mean + delta * other.count / n
+        self.m2 = self.m2 + other.m2 + delta ** 2 * self.count * other.count / n
+        self.count = n
+
+    def to_dict(self) -> dict:
+        """The partial sums (written in each shard's sidecar), float64 exact."""
+        if self.count == 0:
+            return {"count": 0}
+        return {"count": self.count, "shape": list(self.mean.shape),
+                "mean": pack_floats(self.mean, "float64-le-base64"), "m2": pack_floats(self.m2, "float64-le-base64")}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ElementStats":
+        if not int(d["count"]):
+            return cls()
+        return cls(int(d["count"]), unpack_tensor(d["mean"], d["shape"]), unpack_tensor(d["m2"], d["shape"]))
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean, std) (C, h, w) float64: std = sqrt(population variance + ELEMENT_EPS), RAE's convention."""
+        return self.mean, torch.sqrt(self.m2 / self.count + ELEMENT_EPS)
+
+    def summary(self, images: int, flips: int) -> dict:
+        """index.json's "latent_stats"["element"]: the per-element mean and std (float32) and their origin."""
+        mean, std = self.result()
+        return {"shape": list(mean.shape), "mean": pack_floats(mean), "std": pack_floats(std), "eps": ELEMENT_EPS,
+                "values_per_element": self.count, "images": images, "flips": flips,
+                "computed_from": f"the stored latents of every image and flip, float64; std = sqrt(variance + "
+                                 f"{ELEMENT_EPS:g}) as RAE's stat.pt is used"}
+
+    @staticmethod
+    def norm_of_summary(summary: dict, source: str) -> LatentNorm:
+        """The "element" normalisation record of a folder's summary."""
+        shape = summary["shape"]
+        return LatentNorm.element(unpack_tensor(summary["mean"], shape), unpack_tensor(summary["std"], shape), 1.0,
+                                  source)

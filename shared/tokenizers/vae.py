@@ -202,9 +202,67 @@ def read_vae_config(spec, config=None) -> dict:
     """The VAE's diffusers config.json as a dict, read without loading any weights."""
     located = _locate(spec, config)
     try:
-        return json.loads(located.config_path.read_text())
+        data = json.loads(located.config_path.read_text())
     except (OSError, ValueError) as err:
         raise SettingError(f"Cannot read the VAE config {located.config_path}: {err}. {_LOCAL_OPTIONS}") from None
+    if tokenizer_class(data, located.name).family == "rae" and located.path is not None and located.kind == "folder":
+        weights = located.path / WEIGHT_FILES[0]
+        if weights.is_file():
+            stat = weights.stat()
+            _check_rae_weights(str(weights), stat.st_size, stat.st_mtime_ns, json.dumps(data, sort_keys=True),
+                               located.name)
+    return data
+
+
+@functools.lru_cache(maxsize=16)
+def _check_rae_weights(weights: str, size: int, mtime_ns: int, config_json: str, where: str) -> None:
+    """An RAE folder's tensors against the shapes its config builds, from the safetensors header (no weights read).
+
+    An RAE's decoder is trained on one encoder's tokens: a decoder of another width, patch or token count in the
+    folder fails here, in one paragraph, before extraction or sampling writes anything. (size, mtime_ns): the cache
+    key of the file's version.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    from shared.tokenizers.classes import rae_geometry
+
+    config = json.loads(config_json)
+    kind = tokenizer_class(config, where)
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in kind.diffusers_class().from_config(
+            {k: v for k, v in config.items() if not k.startswith("_")}).state_dict().items()}
+    try:
+        with safe_open(weights, framework="pt") as f:
+            found = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except (SafetensorError, OSError) as err:
+        raise SettingError(f"The RAE weights {weights} cannot be read ({err}); download or save the folder again, or "
+                           f"pass another {{vae}}.") from None
+    wrong = [k for k in expected if k in found and found[k] != expected[k]]
+    missing = [k for k in expected if k not in found]
+    unexpected = [k for k in found if k not in expected]
+    if not (wrong or missing or unexpected):
+        return
+    geo = rae_geometry(config)
+    parts = []
+    embed = "decoder.decoder_embed.weight"
+    if embed in wrong:  # (decoder width, token channels)
+        parts.append(f"its decoder reads tokens of {found[embed][1]} channels, its encoder gives {geo['channels']} "
+                     f"(encoder_hidden_size)")
+    pred = "decoder.decoder_pred.weight"
+    if pred in wrong:  # (patch^2 x 3, decoder width)
+        parts.append(f"its decoder draws {found[pred][0]} values per token, its config's decoder patch "
+                     f"{geo['patch']} needs {expected[pred][0]}")
+    if wrong:
+        parts.append(f"{len(wrong)} tensors of other shapes than its config builds (e.g. {wrong[0]}: "
+                     f"{list(found[wrong[0]])} in the weights, {list(expected[wrong[0]])} for the config)")
+    if missing:
+        parts.append(f"{len(missing)} tensors its config needs are missing (e.g. {missing[0]})")
+    if unexpected:
+        parts.append(f"{len(unexpected)} tensors are not in its config (e.g. {unexpected[0]})")
+    raise SettingError(
+        f"The RAE tokenizer {where} does not fit together: {'; '.join(parts)}. An RAE's decoder works only on the "
+        f"tokens of the encoder it was trained on, with the statistics computed from them; pass a folder saved "
+        f"from one AutoencoderRAE (save_pretrained), or fix its config.json to the weights' encoder and decoder.")
 
 
 PROBE_SIZE = 1024  # pixels per side of the probe image when no extraction size is given (any f <= 1024 divides it)
@@ -216,8 +274,20 @@ def measure_latent(config: dict, image_size: int | None = None, where: str = "th
     The architecture is built without weights and the encoder runs on a meta tensor, so the shape is what the
     real encoder gives (after any patchifying the class does), measured and not inferred from block counts.
     """
-    size = int(image_size or PROBE_SIZE)
+    native = tokenizer_class(config, where).native_size(config)
+    if native and image_size and int(image_size) != native:
+        raise SettingError(
+            f"{where} ({config.get('_class_name')}) encodes and decodes {native}x{native} images only (its encoder "
+            f"resizes any input to its own size, and its decoder draws {native} px), so latents of {image_size}x"
+            f"{image_size} images would decode at another size. Extract with --image-size {native}, or pass a "
+            f"tokenizer made for {image_size} px.")
+    size = int(image_size or probe_size(config))
     return _measure(json.dumps(config, sort_keys=True, default=list), size, str(where))
+
+
+def probe_size(config: dict) -> int:
+    """The image side a tokenizer is measured at when no size is given: its one size (RAE), else PROBE_SIZE."""
+    return int(tokenizer_class(config, "the VAE").native_size(config) or PROBE_SIZE)
 
 
 @functools.lru_cache(maxsize=32)
@@ -240,7 +310,7 @@ def _measure(config_json: str, size: int, where: str) -> tuple[int, int, int]:
 
 def downsample_factor(config: dict, image_size: int | None = None) -> int:
     """Pixels per latent cell, measured (`measure_latent`): image side / latent side."""
-    size = int(image_size or PROBE_SIZE)
+    size = int(image_size or probe_size(config))
     _, h, _ = measure_latent(config, size)
     return size // h
 
@@ -362,15 +432,19 @@ class LatentVAE:
             if part is not None:
                 part.to(dtype)
         self.deterministic = self.kind.deterministic
-        self.norm: LatentNorm = self.kind.native_norm(config, self.vae)  # the tokenizer's own convention
+        # the tokenizer's own convention; None: it has none (an RAE without statistics: the folder's are used)
+        self.norm: LatentNorm | None = self.kind.native_norm(config, self.vae)
+        self.family = self.kind.family
         self.latent_channels, h, _ = measure_latent(config, where=source)
-        self.downsample_factor = PROBE_SIZE // h
+        self.downsample_factor = probe_size(config) // h
+        self.image_size: int | None = self.kind.native_size(config)  # its one image size (RAE), else None
         self.scaling_factor = float(config["scaling_factor"]) if config.get("scaling_factor") is not None else None
         self.identity = {
             "source": source,
             "class": self.kind.name,
             **({"scaling_factor": self.scaling_factor} if self.scaling_factor is not None else {}),
-            "norm": self.norm.to_dict(),
+            "norm": self.norm.to_dict() if self.norm is not None else None,
+            **({"family": self.family} if self.family != "vae" else {}),  # absent: a VAE (older records too)
             "deterministic": self.deterministic,
             "latent_channels": self.latent_channels,
             "downsample_factor": self.downsample_factor,
@@ -395,7 +469,12 @@ class LatentVAE:
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, norm: LatentNorm | None = None) -> torch.Tensor:
         """Images (N,3,H,W) in [-1,1], fp32, from normalised latents (N,C,h,w): `norm` (default: own) inverted."""
-        z = (norm or self.norm).invert(latents.to(self.device))  # (N, C, h, w) raw, fp32
+        norm = norm or self.norm
+        if norm is None:
+            raise UserError(f"{self.identity['source']} has no normalisation of its own (no latents_mean / latents_std "
+                            f"in its config) and these latents record none; decode latents written by training "
+                            f"(their metadata records the normalisation the run trained with).")
+        z = norm.invert(latents.to(self.device))  # (N, C, h, w) raw, fp32
         return self.decode_raw(z)
 
     @torch.no_grad()

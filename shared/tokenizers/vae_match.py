@@ -65,11 +65,13 @@ def check_vae_matches(spec: str, vae_config_path, latent_channels: int, latent_m
     """
     name = resolve_vae_spec(spec, vae_config_path)
     config = read_vae_config(spec, vae_config_path)
+    kind = tokenizer_class(config, name)
     if measure:  # the encoder run on the meta device: what it really gives
         cheap = {"source": name, "latent_channels": measured_channels(config),
                  "downsample_factor": downsample_factor(config)}
     else:
-        cheap = {"source": name, "latent_channels": tokenizer_class(config, name).declared_channels(config)}
+        cheap = {"source": name, "latent_channels": kind.declared_channels(config)}
+    cheap.update({"class": kind.name, **({"family": kind.family} if kind.family != "vae" else {})})
     if "scaling_factor" in config:  # else diffusers' default fills it in at load time: compared then
         cheap["scaling_factor"] = float(config["scaling_factor"])
     recorded = {"latent_channels": latent_channels, **recorded_identity(latent_meta)}
@@ -79,6 +81,7 @@ def check_vae_matches(spec: str, vae_config_path, latent_channels: int, latent_m
 
 def compare_vae(recorded: dict, actual: dict, allow_other: bool) -> str | None:
     """Refuse a VAE that differs from the recorded one (see the module doc); a note when a difference is allowed."""
+    family_problem(recorded, actual)
     hard = _differences(recorded, actual, _HARD)
     if hard:
         raise UserError(f"the VAE {actual.get('source')} cannot decode these latents: {hard}. Decoding would fail "
@@ -96,6 +99,28 @@ def compare_vae(recorded: dict, actual: dict, allow_other: bool) -> str | None:
         return (f"decoding with {actual['source']}, not {recorded['source']} recorded with the latents (same "
                 f"channels, downsample factor{', scaling factor and config' if 'config_sha256' in actual else ''})")
     return None
+
+
+FAMILY_WORDS = {"vae": "a VAE's latents", "rae": "RAE tokens (a frozen representation encoder's patch tokens)"}
+
+
+def _family(identity: dict) -> str | None:
+    """"rae" or "vae" for an identity that names its class; None for older metadata that names only a source."""
+    if "class" not in identity:
+        return None
+    return identity.get("family", "vae")
+
+
+def family_problem(recorded: dict, actual: dict) -> None:
+    """Refuse RAE tokens decoded by a VAE and a VAE's latents decoded by an RAE decoder (no flag overrides it)."""
+    made, decoder = _family(recorded), _family(actual)
+    if made is None or decoder is None or made == decoder:
+        return
+    raise UserError(f"these latents are {FAMILY_WORDS[made]}, made by {recorded.get('source')} "
+                    f"({recorded.get('class')}), but {actual.get('source')} is a {actual.get('class')}, whose "
+                    f"decoder expects {FAMILY_WORDS[decoder]}: it would draw noise from them, so --allow-other-vae "
+                    f"does not apply. Pass the --vae the latents were made with (drop --vae to use the recorded "
+                    f"one).")
 
 
 def _differences(recorded: dict, actual: dict, fields) -> str:
@@ -134,6 +159,8 @@ def decode_norm(vae: LatentVAE, latent_meta: dict | None) -> tuple[LatentNorm, s
     if trained is None:
         return vae.norm, None
     trained.check_channels(vae.latent_channels, f"the VAE {vae.identity['source']}")
+    if vae.norm is None:  # a tokenizer without numbers of its own (an RAE without statistics): the training one
+        return trained, None
     if trained == vae.norm:
         return trained, None
     return trained, (f"latents were normalised as {trained.describe()} in training, the VAE's own convention is "

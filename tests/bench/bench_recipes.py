@@ -50,6 +50,8 @@ Smoke run (minutes): add --steps 40 --every 20 --seeds 0 --num-samples 100 --num
    each at --solver-cfg with --solver-samples images; network rows per image counted on the real model (dopri5
    is adaptive); and the fewest rows at which each sampler reaches the FD of DDPM-250 on the dit model.
 Every stage resumes: rerunning skips finished extraction, training, evaluated exports and drawn sample folders.
+Runs go seed-major (every arm's first seed, then the second seeds), and --report prints the tables from what has
+finished so far without starting anything, so a run stopped part-way still reports every finished arm.
 """
 from __future__ import annotations
 
@@ -242,8 +244,14 @@ def cfg_key(cfg: float) -> str:
 # Stages (real subprocesses of the real CLIs, each resumable)
 # ---------------------------------------------------------------------------------------------------------
 
+class Unfinished(Exception):
+    """--report met work that is not done yet (a training, evaluation or sampling run it would have to start)."""
+
+
 def run_cli(args, name: str, argv: list, log: str) -> float:
     """`python -m name argv` from the repository root, its output to OUT/logs/LOG; seconds it took."""
+    if getattr(args, "report", False):
+        raise Unfinished(f"{name} {' '.join(map(str, argv[:2]))}")
     logs = Path(args.out) / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", name, *map(str, argv)]
@@ -337,6 +345,8 @@ def measure_timing(args, latents: Path) -> dict:
         run = Path(args.out) / "timing" / arm
         steps = args.timing_steps + 3  # the first two steps and the last (checkpoint write) are left out
         if not rundir.export_path(run, steps).is_file():
+            if args.report:
+                continue
             argv = train_argv(args, arm, args.seeds[0], latents, run, steps, steps)
             run_cli(args, "train", [*argv[:-4], "--log-every", 1, "--report-to", "none"], f"timing-{arm}.log")
         out[arm] = step_timing(read_jsonl(rundir.metrics_path(run)))
@@ -449,17 +459,22 @@ def model_rows(export: Path, sampler: str, steps: int, cfg: float, interval=None
 def measure_runs(args, latents: Path) -> list[dict]:
     """Train and evaluate every recipe x seed; one record per run (steps, seconds, FD per cfg)."""
     records = []
-    for recipe in args.recipes:
-        for seed in args.seeds:
+    # Seed-major: every arm's first seed finishes before any second seed starts, so a run stopped part-way
+    # still compares every arm (issue 27: "report what finished").
+    for seed, recipe in ((seed, arm) for seed in args.seeds for arm in args.recipes):
+        try:
             run = train(args, recipe, seed, latents)
             seconds = export_seconds(run)
             fds = {cfg_key(c): curve(args, run, c, args.sample_seed) for c in args.cfg_scales}
-            steps = sorted(set(seconds).intersection(*fds.values()))
-            records.append({"recipe": recipe, "seed": seed, "run": str(run), "steps": steps,
-                            "seconds": [seconds[s] for s in steps],
-                            "seconds_per_step": seconds[steps[-1]] / steps[-1],
-                            "fd": {k: [v[s] for s in steps] for k, v in fds.items()}})
-    return records
+        except Unfinished as e:
+            print(f"--report: {recipe} seed {seed} left out, not finished ({e})", flush=True)
+            continue
+        steps = sorted(set(seconds).intersection(*fds.values()))
+        records.append({"recipe": recipe, "seed": seed, "run": str(run), "steps": steps,
+                        "seconds": [seconds[s] for s in steps],
+                        "seconds_per_step": seconds[steps[-1]] / steps[-1],
+                        "fd": {k: [v[s] for s in steps] for k, v in fds.items()}})
+    return sorted(records, key=lambda r: (args.recipes.index(r["recipe"]), r["seed"]))
 
 
 def measure_floor(args, records: list[dict]) -> dict:
@@ -470,7 +485,10 @@ def measure_floor(args, records: list[dict]) -> dict:
     for rec in (r for r in records if r["seed"] == args.seeds[0]):
         folder = final_only(args, Path(rec["run"]))
         for cfg in args.cfg_scales:
-            first, again = rec["fd"][cfg_key(cfg)][-1], last(curve(args, folder, cfg, args.floor_seed))
+            try:
+                first, again = rec["fd"][cfg_key(cfg)][-1], last(curve(args, folder, cfg, args.floor_seed))
+            except Unfinished:
+                continue
             rows.append({"recipe": rec["recipe"], "step": rec["steps"][-1], "cfg": cfg,
                          "seeds": [args.sample_seed, args.floor_seed], "fd": [first, again],
                          "gap": abs(first - again)})
@@ -488,9 +506,12 @@ def measure_interval(args, records: list[dict]) -> list[dict]:
         o = eval_options(args, run, args.interval_cfg, args.sample_seed)
         interval = args.ddpm_interval if _objective(export) == "ddpm" else args.flow_interval
         key = cfg_key(args.interval_cfg)  # the curve's last point when the curves have this cfg: not drawn twice
-        without = rec["fd"][key][-1] if key in rec["fd"] else last(curve(args, folder, args.interval_cfg,
-                                                                          args.sample_seed))
-        within = last(curve(args, folder, args.interval_cfg, args.sample_seed, interval))
+        try:
+            without = rec["fd"][key][-1] if key in rec["fd"] else last(curve(args, folder, args.interval_cfg,
+                                                                              args.sample_seed))
+            within = last(curve(args, folder, args.interval_cfg, args.sample_seed, interval))
+        except Unfinished:
+            continue
         rows.append({"recipe": rec["recipe"], "step": rec["steps"][-1], "cfg": args.interval_cfg,
                      "interval": list(interval), "sampler": o.sampler, "steps": args.num_sampling_steps,
                      "fd_without": without, "fd_with": within,
@@ -555,7 +576,10 @@ def measure_solvers(args, records: list[dict]) -> list[dict]:
         folder = final_only(args, Path(rec["run"]))
         export = rundir.list_exports(folder)[-1]
         for sampler, steps in parse_solvers(settings):
-            fd = draw_solver(args, folder, arm, sampler, steps)
+            try:
+                fd = draw_solver(args, folder, arm, sampler, steps)
+            except Unfinished:
+                continue
             rows.append({"arm": arm, "step": rec["steps"][-1], "sampler": sampler, "steps": steps, "fd": fd,
                          "rows": network_rows(export, sampler, steps, args.solver_cfg)})
             print(f"solvers: {arm} {sampler} {steps} steps: FD {fd:.2f}, {rows[-1]['rows']:g} rows/image", flush=True)
@@ -770,6 +794,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="arms of one recipe whose flags the combined arm joins")
     p.add_argument("--timing-steps", type=int, default=0,
                    help="also time this many steps of each arm in a separate short run (0: off); run alone")
+    p.add_argument("--report", action="store_true",
+                   help="start nothing: print the tables from what is finished in --out (a run still going may write "
+                        "there meanwhile), leaving out every unfinished run, evaluation or sampler setting")
+    p.add_argument("--timing-only", action="store_true",
+                   help="only the --timing-steps runs (do them first, alone on a quiet machine), then stop")
     p.add_argument("--solvers", action="store_true", help="also the sampler table on the sit and dit final exports")
     p.add_argument("--flow-solvers", default="euler:5,10,20,50 heun:5,10,20 sde:20,50,250 dopri5:1",
                    help="flow sampler settings SAMPLER:STEPS,... (dopri5 is adaptive: its count is unused)")
@@ -811,8 +840,17 @@ def main(argv=None) -> None:
     """Measure (or resume), print the tables, optionally plot and dump JSON."""
     args = parse_args(argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    latents = prepare_data(args)
+    try:
+        latents = prepare_data(args)
+    except Unfinished:
+        raise SystemExit(f"--report: {args.out} holds no extracted latents yet; run the command without --report "
+                         f"first (it resumes), then --report prints what has finished.")
+    if args.timing_only:
+        print_timing({"timing": measure_timing(args, latents)})
+        return
     records = measure_runs(args, latents)
+    if not records:
+        raise SystemExit(f"--report: no run in {args.out} has finished and been evaluated yet; rerun later.")
     settings = {k: v for k, v in vars(args).items() if k not in ("plot", "json")}
     floor = measure_floor(args, records)
     results = {"settings": settings, "train": {k.lstrip("-"): v for k, v in DEMO_TRAIN.items()},
