@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +33,7 @@ import torch.nn.functional as F
 
 from data.make_encoder import fit, normalise, accuracy
 from shared.datasets.digits import IMAGE_SIZE, NUM_CLASSES, digit_images
-from shared.runtime.cli import HelpFormatter, add_flags, from_args, option
+from shared.runtime.cli import HelpFormatter
 from shared.runtime.errors import UserError, cli_errors
 from shared.tokenizers.repr_encoder import IMAGENET_MEAN, IMAGENET_STD
 
@@ -48,21 +47,6 @@ ENCODER = dict(encoder_type="dinov2", encoder_hidden_size=64, encoder_num_hidden
 # The decoder: RAE's ViT-MAE blocks, small; decoder patch 8 on the 4x4 token grid gives 32 px back.
 DECODER = dict(decoder_hidden_size=128, decoder_num_hidden_layers=2, decoder_num_attention_heads=4,
                decoder_intermediate_size=512, patch_size=8)
-
-
-@dataclass
-class RAEOptions:
-    """Everything `python -m data.make_rae` accepts (one field per flag: its default and help)."""
-
-    out: Path = option(DEFAULT_OUT, "folder to save_pretrained the AutoencoderRAE into")
-    encoder_steps: int = option(400, "steps of batch 64 fitting the encoder (make_encoder's recipe; one head of 64 "
-                                      "learns slower than its four of 16, hence more steps)")
-    decoder_steps: int = option(1500, "steps fitting the decoder on the frozen tokens")
-    batch_size: int = option(64, "images per decoder step")
-    lr: float = option(2e-3, "peak AdamW learning rate of the decoder (cosine decay to 5% of it)")
-    noise_tau: float = option(0.8, "largest std of the noise added to the raw tokens in decoder training "
-                                   "(RAE's noise augmentation; 0: none)")
-    seed: int = option(0, "seed of the initialisation, batches and noise")
 
 
 def split(count: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,7 +134,7 @@ def vae_psnr(x: torch.Tensor) -> float:
     return psnr((reconstruct(vae, x * 2 - 1) + 1) / 2, x)  # the VAE works in [-1, 1]
 
 
-def make_rae(o: RAEOptions) -> dict:
+def make_rae(o: argparse.Namespace) -> dict:
     """Build, fit and save the digits RAE to o.out; return the measured numbers."""
     images, labels = digit_images()
     pixels, labels = torch.from_numpy(images), torch.from_numpy(labels)
@@ -170,7 +154,7 @@ def make_rae(o: RAEOptions) -> dict:
             "parameters": sum(p.numel() for p in rae.parameters())}
 
 
-def check(o: RAEOptions) -> None:
+def check(o: argparse.Namespace) -> None:
     """Refuse settings that cannot train, in one paragraph."""
     if min(o.encoder_steps, o.decoder_steps, o.batch_size) < 1:
         raise UserError(f"--encoder-steps, --decoder-steps and --batch-size must be positive integers; got "
@@ -182,15 +166,27 @@ def check(o: RAEOptions) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Command-line flags."""
+    """Command-line flags (argparse, as the other data/ scripts)."""
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0].split(": ", 1)[0],
                                 formatter_class=HelpFormatter)
-    return add_flags(p, RAEOptions)
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder to save_pretrained the AutoencoderRAE into")
+    p.add_argument("--encoder-steps", type=int, default=400,
+                   help="steps of batch 64 fitting the encoder (make_encoder's recipe; one head of 64 learns slower "
+                        "than its four of 16, hence more steps)")
+    p.add_argument("--decoder-steps", type=int, default=1500, help="steps fitting the decoder on the frozen tokens")
+    p.add_argument("--batch-size", type=int, default=64, help="images per decoder step")
+    p.add_argument("--lr", type=float, default=2e-3, help="peak AdamW learning rate of the decoder (cosine decay to "
+                                                          "5%% of it)")
+    p.add_argument("--noise-tau", type=float, default=0.8,
+                   help="largest std of the noise added to the raw tokens in decoder training (RAE's noise "
+                        "augmentation; 0: none)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the initialisation, batches and noise")
+    return p
 
 
 def main(argv=None) -> None:
     """Entry point: train, save and print the numbers."""
-    o = from_args(RAEOptions, build_parser().parse_args(argv))
+    o = build_parser().parse_args(argv)
     with cli_errors(PROG):
         check(o)
         # One thread: the same float reductions, hence the same saved weights, on every machine; and a tiny model.
