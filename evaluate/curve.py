@@ -1,8 +1,8 @@
 """`python -m evaluate run RUN --num-samples N`: quality over training, one point per EMA export, and its PNG.
 
 Each export not yet evaluated with these settings is sampled through `python -m sample`'s own code path
-(sample.generate.run_sample: same seeds, same decoding, same rank split under `accelerate launch`), evaluated
-against the reference, and appended to RUN/eval.jsonl ("step" + the metrics + the settings). A rerun continues:
+(shared.sampling.generate.run_sample: same seeds, same decoding, same rank split under `accelerate launch`),
+evaluated against the reference, and appended to RUN/eval.jsonl ("step" + the metrics + the settings). A rerun continues:
 exports already in eval.jsonl with the same settings are skipped. RUN/eval.png is redrawn after every export.
 """
 from __future__ import annotations
@@ -134,8 +134,8 @@ def export_image_size(path: Path) -> int | None:
 
 def sample_export(export: Path, out: Path, o: RunEvalOptions) -> Path:
     """Draw o.num_samples images of `export` into `out` with python -m sample's code path; return samples.npz."""
-    from sample.generate import SampleOptions, run_sample
-    from sample.outputs import NPZ_NAME
+    from shared.sampling.generate import SampleOptions, run_sample
+    from shared.sampling.outputs import NPZ_NAME
 
     drawing = {f.name: getattr(o, f.name) for f in dataclasses.fields(SamplingFlags)}  # the one flag family
     options = SampleOptions(ckpt=str(export), vae=o.vae, num_samples=o.num_samples, seed=o.seed,

@@ -12,7 +12,7 @@ PROG = "python -m extract"
 # The flag that sets each setting shared/ and extract name in their errors (ChoiceError / SettingError kinds).
 FLAGS = {"flip mode": "--flip", "storage dtype": "--dtype", "vae": "--vae", "vae config": "--vae-config",
          FOLDER_KIND: "--out", "feature storage dtype": "--repr-dtype",
-         "duplicate policy": "--duplicates"}
+         "duplicate policy": "--duplicates", "image size": "--image-size"}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -673,7 +673,7 @@ def describe_storage(cfg: ExtractConfig, plan_: Plan) -> list[str]:
     moments = tensors * frames * channels * side * side * STORAGE_DTYPES[cfg.dtype].itemsize
     what = "latent (deterministic tokenizer, no std)" if plan_.deterministic else "mean+std"
     lines = [f"storage: moments {_size(moments)} per image ({frames} flip(s) x {what} {channels}x{side}x{side} "
-             f"{cfg.dtype})"]
+             f"{cfg.dtype}) = {moments:,} bytes"]
     per_image = moments
     if plan_.encoder is not None:
         from shared.tokenizers.repr_encoder import storage_bytes

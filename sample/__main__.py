@@ -11,7 +11,7 @@ from shared.generative.objectives import import_plugins
 
 from sample.decode import DecodeOptions, run_decode
 from sample.export import ExportOptions, run_export
-from sample.generate import SampleOptions, run_sample
+from shared.sampling.generate import SampleOptions, run_sample
 from sample.watch import WatchOptions, run_watch
 
 PROG = "python -m sample"

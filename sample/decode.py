@@ -16,7 +16,7 @@ from shared.tokenizers.pixels import to_uint8
 from shared.runtime.rundir import SAMPLES, step_of
 from shared.tokenizers.vae_match import check_loaded_vae, check_vae_matches, choose_vae, load_vae
 
-from sample.outputs import GRID_NAME, captions_for, check_out_path, image_name, save_png, write_grid
+from shared.sampling.outputs import GRID_NAME, captions_for, check_out_path, image_name, save_png, write_grid
 
 
 @dataclass

@@ -27,7 +27,7 @@ from shared.network.models import ModelConfig
 from shared.tokenizers.norm import norm_of_meta
 from shared.tokenizers.vae_match import check_loaded_vae, check_vae_matches, choose_vae, load_vae
 
-from sample.checkpoint import WEIGHTS, LoadedWeights, load_sampling_weights
+from shared.weights.checkpoint import WEIGHTS, LoadedWeights, load_sampling_weights
 
 EXPORT_FORMATS = ("diffusers",)
 PIPELINE_NULL_LABEL = 1000  # DiTPipeline.__call__ writes its unconditional label as this literal

@@ -36,7 +36,7 @@ from shared.tokenizers.vae import read_vae_config
 from shared.tokenizers.vae_match import check_vae_matches, choose_vae, load_vae
 
 from sample.decode import DecodeOptions, decode_file
-from sample.outputs import captions_for, image_name, labelled_grid, read_png, save_png
+from shared.sampling.outputs import captions_for, image_name, labelled_grid, read_png, save_png
 
 REPORT_TO = ("auto", "tensorboard", "none")
 

@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from shared.network.models import ModelConfig
 from shared.runtime.errors import UserError
 from train import bench
-from train.memory import build_model, forward_macs, model_config
+from train.memory import forward_macs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -73,14 +74,14 @@ def test_bench_times_the_trainers_own_step(monkeypatch, tmp_path):
     real = bench.train_step
     monkeypatch.setattr(bench, "train_step", spy)
     args = parse("--model", "DiT-T/2", "--image-size", "32", "--steps", "2", "--warmup", "1")
-    model = build_model(model_config("DiT-T/2", 32), "meta")
+    model = ModelConfig("DiT-T/2", 4).build(device="meta")
     flops = 6 * forward_macs(model)["total"]
     result = bench.run_config(bench.BenchConfig("bf16", 1, "math", False, 2), args, torch.device("cpu"), flops, 1.0)
     assert result.error is None and len(seen) == 3  # warm-up + timed steps, each one trainer step
     learner, batches = seen[-1]
-    assert learner.step == 3 and learner.raw.training and learner.cfg.precision == "bf16"
+    assert learner.step == 3 and learner.dit.training and learner.cfg.precision == "bf16"
     assert learner.cfg.grad_checkpoint == 1 and learner.cfg.attention == "math"
-    assert not torch.equal(next(learner.ema.parameters()), next(learner.raw.parameters()))  # the EMA moved
+    assert not torch.equal(next(learner.ema.parameters()), next(learner.dit.parameters()))  # the EMA moved
     loader_batch = TrainingDraws(LatentDataset(make_latents(tmp_path / "lat")),
                                  0, 0.1, learner.objective).__getitems__([(0, 0), (1, 1)])
     assert len(batches) == 1 and batches[0].keys() == loader_batch.keys()

@@ -15,7 +15,7 @@ from shared.runtime.errors import ChoiceError, UserError
 from shared.runtime.export import load_weights, save_weights
 from shared.network.models import (BLOCKS, PRESETS, DiTBlock, ModelConfig, RMSNorm, RotaryEmbedding2d, block_options,
                            infer_model_config, rotate_pairs, swiglu_hidden)
-from train.memory import build_model, forward_macs, model_config
+from train.memory import forward_macs
 from tests.helpers import inputs, randomize, tiny
 
 ALL_ON = dict(norm="rmsnorm", mlp="swiglu", rope=True, qk_norm=True)
@@ -255,7 +255,7 @@ def architecture_macs(name, image_size=256):
 
 @pytest.mark.parametrize("name", ["DiT-XL/2", "DiT-L/4", "DiT-B/8", "DiT-S/2"])
 def test_module_count_equals_the_architecture_arithmetic(name):
-    macs = forward_macs(build_model(model_config(name, 256), "meta"))
+    macs = forward_macs(ModelConfig(name, 32).build(device="meta"))
     expected = architecture_macs(name)
     assert {k: v for k, v in macs.items() if k != "total"} == expected
     assert macs["total"] == sum(expected.values())
@@ -263,13 +263,13 @@ def test_module_count_equals_the_architecture_arithmetic(name):
 
 def test_macs_follow_the_block():
     """L's SwiGLU width rounds down (2730 < 8/3 * 1024), so its MLP costs less; norms and RoPE add no MACs."""
-    dit = forward_macs(build_model(model_config("DiT-L/2", 256), "meta"))
-    lightning = forward_macs(build_model(model_config("DiT-L/2", 256, block=BLOCKS["lightning-qknorm"]), "meta"))
+    dit = forward_macs(ModelConfig("DiT-L/2", 32).build(device="meta"))
+    lightning = forward_macs(ModelConfig("DiT-L/2", 32, **BLOCKS["lightning-qknorm"]).build(device="meta"))
     tokens = 256
     assert lightning["mlp"] == 24 * tokens * 3 * 1024 * 2730 < dit["mlp"]
     assert {k: v for k, v in lightning.items() if k not in ("mlp", "total")} == \
            {k: v for k, v in dit.items() if k not in ("mlp", "total")}
-    assert round(forward_macs(build_model(model_config("DiT-XL/2", 256, block=BLOCKS["lightning"]), "meta"))
+    assert round(forward_macs(ModelConfig("DiT-XL/2", 32, **BLOCKS["lightning"]).build(device="meta"))
                  ["total"] / 1e9, 1) == 118.6  # XL's SwiGLU is exactly as wide in weights as its GELU MLP
 
 

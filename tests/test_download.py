@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sample.__main__ import main
-from sample.official import URL_ENV
+from shared.weights.official import URL_ENV
 from shared.network.models import ModelConfig
 from tests.helpers import run_main, serve_releases
 
@@ -139,7 +139,7 @@ def test_sit_release_under_its_url_file_name_is_recognised(release, tiny_vae_dir
     """`wget` of SiT's link writes SiT-XL-2-256.pt: as a file or as a name to download, it is SiT's flow model."""
     import json
 
-    from sample.official import RELEASES, url_file_name
+    from shared.weights.official import RELEASES, url_file_name
 
     assert url_file_name(RELEASES["SiT-XL-2-256x256.pt"].url) == "SiT-XL-2-256.pt"
     with serve_releases({"SiT-XL-2-256x256.pt": release["bytes"]}, tmp_path, monkeypatch) as httpd:
@@ -160,7 +160,7 @@ def test_sit_release_under_its_url_file_name_is_recognised(release, tiny_vae_dir
 
 def test_unrecognised_bare_state_dict_says_which_objective_it_assumed(release, tiny_vae_dir, tmp_path, capsys):
     """A bare .pt of no known name or layout: sampled as DDPM, and one line says so and names --objective flow."""
-    from sample.official import release_name
+    from shared.weights.official import release_name
 
     assert release_name("last.pt") is None and release_name("stage2_model.pt") is None  # generic URL names
     path = tmp_path / "renamed.pt"

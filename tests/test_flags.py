@@ -22,7 +22,7 @@ def _options_classes():
     from extract.run import ExtractConfig, ExtractModes
     from sample.decode import DecodeOptions
     from sample.export import ExportOptions
-    from sample.generate import SampleOptions
+    from shared.sampling.generate import SampleOptions
     from sample.watch import WatchOptions
     from train.config import TrainConfig
 
@@ -42,7 +42,7 @@ def _parsers():
     from extract.run import ExtractConfig
     from sample.decode import DecodeOptions
     from sample.export import ExportOptions
-    from sample.generate import SampleOptions
+    from shared.sampling.generate import SampleOptions
     from sample.watch import WatchOptions
     from train.config import TrainConfig, build_parser
 
@@ -161,8 +161,8 @@ def test_the_sampler_counter_finds_restated_defaults(tmp_path):
         "    ddim_eta: float = option(0.0, 'eta')\n"
         "def f(o):\n    return o.get('last_step_size', 0.04), (('time_shift', 'shift', 1.0),)\n")
     assert sampler_defaults_stated_twice(tmp_path) == [
-        "sample/generate.py: field ddim_eta", "sample/generate.py: .get('last_step_size', 0.04)",
-        "sample/generate.py: tuple with time_shift"]
+        "shared/sampling/generate.py: field ddim_eta", "shared/sampling/generate.py: .get('last_step_size', 0.04)",
+        "shared/sampling/generate.py: tuple with time_shift"]
 
 
 @pytest.mark.parametrize("index", range(10))
@@ -253,7 +253,7 @@ def test_one_field_is_one_flag():
 def test_a_family_flag_changes_per_command():
     """A shared Flag keeps its help where a command changes only its default (evaluate draws 50 steps, not 250)."""
     from evaluate.curve import RunEvalOptions
-    from sample.generate import SampleOptions
+    from shared.sampling.generate import SampleOptions
     from shared.runtime.flags import NUM_SAMPLING_STEPS
 
     assert isinstance(NUM_SAMPLING_STEPS, Flag)

@@ -14,9 +14,6 @@ COMMON = "shared"
 # Modules that chain stages on purpose, and the stages each may import.
 ORCHESTRATORS = {
     "data/demo.py": {"evaluate"},  # the demo runs the stages as commands and reads the curve's rows
-    # `python -m evaluate run` samples every export through `python -m sample`'s own code path (same seeds,
-    # decoding and rank split), so a point on the curve is exactly what sample would draw.
-    "evaluate/curve.py": {"sample"},
 }
 
 
@@ -59,6 +56,6 @@ def test_the_contract_catches_a_crossing(tmp_path):
     for package in (*STAGES, COMMON):
         (tmp_path / package).mkdir()
     (tmp_path / "evaluate" / "ok.py").write_text("import numpy\nfrom shared.tokenizers.vae import VAE\nfrom evaluate import x\n")
-    (tmp_path / "train" / "bad.py").write_text("def f():\n    from sample.outputs import write_npz\n")
+    (tmp_path / "train" / "bad.py").write_text("def f():\n    from sample.decode import run_decode\n")
     (tmp_path / "shared" / "bad.py").write_text("import extract.folder\n")
     assert violations(tmp_path) == ["train/bad.py:2 imports sample", "shared/bad.py:1 imports extract"]

@@ -174,7 +174,7 @@ def test_unequal_copies_through_the_cli(made, tmp_path, capsys):
 def test_pipeline_folder_samples_like_the_original_weights(made, reference, tmp_path, capsys):
     """--ckpt PIPELINE (its own vae/ used) and its safetensors file: the .pt's pixels; its transformer/ folder: the
     .pt's weights."""
-    from sample.checkpoint import load_sampling_weights
+    from shared.weights.checkpoint import load_sampling_weights
 
     code, out, err = run_main(main, ["--ckpt", made["pipe"], "--out", tmp_path / "pipe", *STEPS], capsys)
     assert code == 0, err
@@ -247,7 +247,7 @@ def test_other_diffusers_architectures_are_refused(tmp_path, capsys):
 
 def test_legacy_transformer2d_config_loads(made, tmp_path):
     """The Hub's older config (Transformer2DModel, norm_type ada_norm_zero, defaults spelled out) maps the same."""
-    from sample.checkpoint import load_sampling_weights
+    from shared.weights.checkpoint import load_sampling_weights
 
     pipe = tmp_path / "pipe"
     shutil.copytree(made["pipe"], pipe)
@@ -284,7 +284,7 @@ def test_export_loads_and_runs_in_diffusers(made, tmp_path, capsys):
                   output_type="np").images
     assert images.shape == (2, 16, 16, 3) and float(images.std()) > 0
     assert pipe.get_label_ids(["thing7", "alias999"]) == [7, 999]  # class names travel as DiTPipeline's id2label
-    from sample.checkpoint import load_sampling_weights
+    from shared.weights.checkpoint import load_sampling_weights
 
     loaded = load_sampling_weights(out)
     state, _, _, _ = load_weights(made["run"] / "exports" / "ema-step-0000300.safetensors")

@@ -312,7 +312,7 @@ def test_vavae_by_name_converts_the_ldm_checkpoint_with_its_statistics(monkeypat
 
 
 def test_lightningdit_release_by_name_loads_into_the_lightning_block(monkeypatch, tmp_path):
-    from sample.checkpoint import build_sampling_model, load_sampling_weights
+    from shared.weights.checkpoint import build_sampling_model, load_sampling_weights
     from shared.network.models import BLOCKS, ModelConfig
 
     monkeypatch.setenv("DIT_CHECKPOINT_DIR", str(tmp_path / "ckpts"))

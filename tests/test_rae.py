@@ -200,7 +200,7 @@ def test_rae_release_by_name_loads_strictly_with_its_time_and_shift(tiny_vae_dir
     EMA under 'ema' as RAE's checkpoints): loaded strictly, recorded as flow in RAE's time with RAE's shift, and
     sampled with no flags but the VAE."""
     from sample.__main__ import main
-    from sample.official import RAE_SHIFT
+    from shared.weights.official import RAE_SHIFT
     from tests.helpers import run_main, serve_releases
 
     name = "RAE-DiTDH-XL-DINOv2-B-256.pt"

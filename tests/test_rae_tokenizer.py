@@ -19,7 +19,7 @@ from shared.tokenizers.norm import ElementStats, LatentNorm
 from shared.tokenizers.vae import LatentVAE, measure_latent, read_vae_config
 from tests.conftest import make_image_folder
 from tests.helpers import make_latents, run_main
-from tests.tiny_tokenizers import rae, vavae_like
+from tests.tiny_tokenizers import RAE_TINY, rae, vavae_like
 from train.__main__ import main as train_main
 
 IMAGE_SIZE = 32  # the tiny RAE's decoder size (4x4 tokens x patch 8)
@@ -150,7 +150,8 @@ def test_dry_run_prints_the_token_storage(images, raes, tmp_path, capsys):
     assert code == 0, err
     assert "AutoencoderRAE (deterministic): latent 64x4x4 at 32 px" in out, out
     # 64 x 4 x 4 values x 2 bytes, one frame, the tokens alone
-    assert "moments 2 KiB per image (1 flip(s) x latent (deterministic tokenizer, no std) 64x4x4 bf16)" in out, out
+    assert "moments 2 KiB per image (1 flip(s) x latent (deterministic tokenizer, no std) 64x4x4 bf16) = 2,048 bytes" \
+        in out, out
     assert not (tmp_path / "out").exists()
 
 
@@ -278,3 +279,139 @@ def test_element_norm_of_a_folder_without_element_statistics_is_refused(tmp_path
     err = _one_paragraph(err)
     assert code == 2 and "per-element statistics" in err and "--latent-norm auto or channel" in err, err
     assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# RAE's released tokenizer by name, served from 127.0.0.1 through the release cache (no network in tests)
+# ---------------------------------------------------------------------------------------------------------
+
+def _rae_files(tmp_path, extra_decoder_tensor=False):
+    """A tiny RAE's three files in RAE's own layouts -> (name -> bytes, the module, stat mean, stat var)."""
+    import io
+
+    from diffusers import AutoencoderRAE
+    from safetensors.torch import save as save_safetensors
+
+    from shared.tokenizers.rae_release import RAE_TOKENIZERS, rae_decoder_key
+
+    module = AutoencoderRAE.from_pretrained(rae(tmp_path / "src", stats=False))
+    state = module.state_dict()
+    decoder = {rae_decoder_key(k): v for k, v in state.items() if k.startswith("decoder.")}
+    decoder["decoder_pos_embed"] = module.decoder.decoder_pos_embed.clone()  # RAE keeps its sin-cos table
+    if extra_decoder_tensor:
+        decoder["decoder_layers.0.extra.weight"] = torch.zeros(3)
+    encoder = {k.removeprefix("encoder."): v.contiguous() for k, v in state.items() if k.startswith("encoder.")}
+    encoder.update({"layernorm.weight": torch.ones(64), "layernorm.bias": torch.zeros(64)})  # RAE drops these
+    g = torch.Generator().manual_seed(7)
+    stats = {"mean": torch.randn(1, *SHAPE, generator=g), "var": torch.rand(1, *SHAPE, generator=g) + 0.3}
+    release = RAE_TOKENIZERS["rae-dinov2-b"]
+    files = {}
+    for (name, _), obj in ((release.decoder, decoder), (release.stats, stats)):
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        files[name] = buffer.getvalue()
+    files[release.encoder[0]] = save_safetensors(encoder)
+    return files, module, stats
+
+
+@pytest.fixture
+def tiny_release(monkeypatch, tmp_path):
+    """The rae-dinov2-b record with the tiny RAE's geometry (its names and URLs unchanged)."""
+    import dataclasses
+
+    from shared.tokenizers.rae_release import RAE_TOKENIZERS
+
+    monkeypatch.setitem(RAE_TOKENIZERS, "rae-dinov2-b", dataclasses.replace(
+        RAE_TOKENIZERS["rae-dinov2-b"], config={**RAE_TINY, "image_size": IMAGE_SIZE, "scaling_factor": 1.0}))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+
+
+def test_the_released_tokenizer_by_name_converts_rae_files_strictly(tiny_release, images, tmp_path, monkeypatch,
+                                                                    capsys):
+    from shared.tokenizers.classes import _rae_tokens
+    from tests.helpers import serve_releases
+
+    files, module, stats = _rae_files(tmp_path)
+    with serve_releases(files, tmp_path, monkeypatch):
+        vae = LatentVAE.load("rae-dinov2-b")
+        assert vae.identity["source"] == "rae-dinov2-b" and all((tmp_path / "cache" / n).is_file() for n in files)
+        x = torch.rand(2, 3, IMAGE_SIZE, IMAGE_SIZE, generator=torch.Generator().manual_seed(3)) * 2 - 1
+        tokens, _ = vae.encode_moments(x)
+        assert torch.equal(tokens, _rae_tokens(module.eval(), x))  # the DINOv2 weights where RAE's encoder has them
+        # RAE's normalisation (z - mean) / sqrt(var + 1e-5), to float32 rounding
+        torch.testing.assert_close(torch.tensor(vae.norm.std).view(SHAPE), (stats["var"][0] + 1e-5).sqrt(),
+                                   rtol=2e-7, atol=0)
+        assert torch.equal(torch.tensor(vae.norm.mean, dtype=torch.float32).view(SHAPE), stats["mean"][0])
+        torch.testing.assert_close(vae.decode_raw(tokens), module.decode(tokens / (1 + 1e-5)).sample.clamp(0, 1) * 2 - 1,
+                                   rtol=0, atol=2e-6)
+        # by name on the command line; the converted folder is reused
+        code, out, err = _extract(images, "rae-dinov2-b", tmp_path / "out", "--dry-run", capsys=capsys)
+        assert code == 0 and "AutoencoderRAE (deterministic): latent 64x4x4" in out, err
+    assert len(list((tmp_path / "xdg" / "dit-latent-pipeline" / "tokenizers").iterdir())) == 1
+
+
+def test_a_released_decoder_with_tensors_not_rae_s_is_refused(tiny_release, images, tmp_path, monkeypatch, capsys):
+    from tests.helpers import serve_releases
+
+    files, _, _ = _rae_files(tmp_path, extra_decoder_tensor=True)
+    with serve_releases(files, tmp_path, monkeypatch):
+        code, _, err = _extract(images, "rae-dinov2-b", tmp_path / "out", capsys=capsys)
+    err = _one_paragraph(err)
+    assert code == 2 and "1 tensors are not the RAE's (e.g. decoder.decoder_layers.0.extra.weight)" in err, err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "xdg" / "dit-latent-pipeline").exists()
+
+
+def test_the_real_release_record_makes_rae_s_tokens_and_names_its_dit():
+    """rae-dinov2-b's config (meta device): 768x16x16 tokens of 256 px images, as RAE's DiT^DH-XL reads them."""
+    from shared.tokenizers.rae_release import RAE_DIT_LATENTS, RAE_TOKENIZERS
+
+    config = {"_class_name": "AutoencoderRAE", **RAE_TOKENIZERS["rae-dinov2-b"].config}
+    assert measure_latent(config, 256) == (768, 16, 16) == tuple(RAE_DIT_LATENTS["latent_shape"])
+    with pytest.raises(Exception, match="256x256 images only"):
+        measure_latent(config, 224)
+
+
+def test_a_dit_dh_on_768x16x16_tokens_is_decoded_by_the_released_tokenizer(tmp_path, monkeypatch):
+    from shared.weights.checkpoint import load_sampling_weights
+    from shared.network.models import ModelConfig
+    from shared.tokenizers.rae_release import RAE_DIT_LATENTS
+
+    monkeypatch.chdir(tmp_path)
+    config = ModelConfig("DiTDH-T", input_size=16, in_channels=768, num_classes=10, learn_sigma=False,
+                         objective="flow")
+    torch.save({"ema": config.build().state_dict()}, tmp_path / "stage2_model.pt")
+    loaded = load_sampling_weights(tmp_path / "stage2_model.pt")
+    assert loaded.latent_meta == RAE_DIT_LATENTS and any("rae-dinov2-b" in n for n in loaded.notes)
+
+
+def test_stats_command_recomputes_the_per_element_statistics(extracted, tmp_path, capsys):
+    folder = tmp_path / "copy"
+    shutil.copytree(extracted["nostats"], folder)
+    index = json.loads((folder / "index.json").read_text())
+    written = index.pop("latent_stats")
+    (folder / "index.json").write_text(json.dumps(index, indent=1) + "\n")
+    code, out, err = run_main(extract_main, ["--stats", "--out", folder], capsys)
+    assert code == 0 and "per-channel and per element" in out, err
+    again = json.loads((folder / "index.json").read_text())["latent_stats"]["element"]
+    assert ElementStats.norm_of_summary(again, "") == ElementStats.norm_of_summary(written["element"], "")
+
+
+def test_train_dry_run_prints_the_statistics_by_their_count(extracted, tmp_path, capsys):
+    code, out, err = run_main(train_main, ["--model", "DiTDH-T", "--latents", extracted["nostats"], "--results-dir",
+                                           tmp_path / "run", "--dry-run"], capsys)
+    assert code == 0, err
+    assert '"<1024 float32 values>"' in out and '"kind": "element"' in out, out
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_an_rae_by_hub_id_from_the_local_cache(raes, monkeypatch, tmp_path):
+    import huggingface_hub.constants as constants
+
+    repo = tmp_path / "hf-cache" / "models--someone--tiny-rae"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    shutil.copytree(raes["stats"], repo / "snapshots" / ("0" * 40))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    vae = LatentVAE.load("someone/tiny-rae")
+    assert vae.identity["source"] == "someone/tiny-rae" and vae.norm == LatentVAE.load(raes["stats"]).norm

@@ -352,7 +352,7 @@ def test_repa_mistakes_are_one_paragraph_each(feature_latents, tmp_path, capsys)
 
 def test_a_repa_layout_state_dict_loads_strictly_and_samples_with_the_sde(tiny_vae_dir, tmp_path, capsys):
     from sample.__main__ import main
-    from sample.checkpoint import build_sampling_model as build_model, load_sampling_weights as load_checkpoint
+    from shared.weights.checkpoint import build_sampling_model as build_model, load_sampling_weights as load_checkpoint
 
     path = tmp_path / "repa.pt"
     state = repa_state_dict()
@@ -379,7 +379,7 @@ def test_a_repa_layout_state_dict_loads_strictly_and_samples_with_the_sde(tiny_v
 
 
 def test_repa_release_is_named_with_its_url():
-    from sample.official import OFFICIAL_NAMES, checkpoint_url
+    from shared.weights.official import OFFICIAL_NAMES, checkpoint_url
 
     assert "REPA-SiT-XL-2-256x256.pt" in OFFICIAL_NAMES
     assert checkpoint_url("REPA-SiT-XL-2-256x256.pt").startswith(

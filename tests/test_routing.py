@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from shared.network.models import DiT_models
+from shared.network.models import DiT_models, ModelConfig
 from shared.network.routing import draw_kept, kept_tokens
 from tests.helpers import (LAUNCHER, checkpoints, cli, expect_user_error, final_tensors, finish, make_latents, metrics,
                            randomize, run_inprocess, train_args, wait_for)
@@ -122,10 +122,10 @@ def test_route_draws_come_last_from_the_samples_generator(tmp_path):
 
 
 def test_kept_count_and_flops_follow_the_route():
-    from train.memory import build_model, forward_macs, model_config
+    from train.memory import forward_macs
 
     assert kept_tokens(256, 0.5) == 128 and kept_tokens(16, 0.3) == 12  # TREAD: T - int(T * ratio) kept
-    model = build_model(model_config("DiT-XL/2", 256), "meta")
+    model = ModelConfig("DiT-XL/2", 32).build(device="meta")
     plain = forward_macs(model)["total"]
     model.set_routing(2, 24)
     routed = forward_macs(model, kept=128)["total"]

@@ -12,9 +12,9 @@ from safetensors.torch import save_file
 
 from tests.conftest import ROOT, make_tiny_vae
 from tests.helpers import NUM_CLASSES, pngs, random_dit, run_sample
-from sample.checkpoint import resolve_ckpt_file
-from sample.generate import ckpt_label
-from sample.outputs import grid_layout
+from shared.weights.checkpoint import resolve_ckpt_file
+from shared.sampling.generate import ckpt_label
+from shared.sampling.outputs import grid_layout
 from shared.runtime.export import save_weights
 from shared.network.models import DiT, ModelConfig
 from shared.tokenizers.vae import LatentVAE
@@ -111,7 +111,7 @@ def test_resume_after_interrupted_run_matches_uninterrupted(files, tmp_path, cap
     args = ("--num-samples", 4, "--batch-size", 2, "--npz")
     assert run_sample(official(files, tmp_path / "clean", *args), capsys)[0] == 0
 
-    import sample.generate as generate
+    import shared.sampling.generate as generate
     real_draw, drawn = generate.Drawer.draw, []
 
     def draw_then_die(self, indices):

@@ -460,7 +460,7 @@ def test_full_disk_is_one_paragraph_and_the_rerun_continues(run, tmp_path):
 
 def test_runtime_facts_on_cuda_record_the_gpu_and_tf32(monkeypatch):
     """On a GPU, settings.json names the card and the TF32 state set_tf32 left in force (no GPU needed here)."""
-    from sample.generate import runtime_facts
+    from shared.sampling.generate import runtime_facts
     from shared.runtime.precision import set_tf32
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA Test GPU")

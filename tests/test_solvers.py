@@ -16,7 +16,8 @@ from shared.runtime.export import save_weights
 from shared.network.models import ModelConfig
 from shared.tokenizers.vae import LatentVAE
 from tests.conftest import ROOT
-from tests.helpers import NUM_CLASSES, pngs, random_dit, run_sample
+from sample.__main__ import main as sample_main
+from tests.helpers import NUM_CLASSES, pngs, random_dit, run_main, run_sample
 
 SOLVERS = ("dpmpp-2m", "unipc")
 
@@ -279,7 +280,7 @@ def test_cli_refuses_eta_elsewhere_and_solver_step_counts(run_dir, tmp_path, cap
 
 
 @pytest.mark.slow
-def test_cli_unipc_end_to_end_subprocess(run_dir, tmp_path):
+def test_cli_unipc_end_to_end_subprocess(run_dir, tmp_path, capsys):
     """`python -m sample --sampler unipc` as a user runs it: guided, PNGs + grid + npz, sampler in -h."""
     out = tmp_path / "u"
     cmd = [sys.executable, "-m", "sample", *map(str, sample_argv(run_dir, out, "--sampler", "unipc", "--num-samples",
@@ -289,7 +290,7 @@ def test_cli_unipc_end_to_end_subprocess(run_dir, tmp_path):
     with np.load(out / "samples.npz") as npz:
         assert npz["arr_0"].shape == (3, 16, 16, 3) and npz["arr_0"].std() > 0
     assert (out / "grid.png").exists() and len(pngs(out)) == 3
-    help_text = subprocess.run([sys.executable, "-m", "sample", "-h"], cwd=ROOT, capture_output=True, text=True,
-                               timeout=120).stdout
+    code, help_text, _ = run_main(sample_main, ["-h"], capsys)  # the same parser in-process
+    assert code == 0
     assert "dpmpp-2m" in help_text and "unipc" in help_text and "--ddim-eta" in help_text
     assert "linspace" in help_text

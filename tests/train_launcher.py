@@ -104,7 +104,7 @@ class Trace(Callback):
 
     def on_train_end(self, run):
         digest = hashlib.sha256()
-        for name, tensor in sorted(run.learner.raw.state_dict().items()):
+        for name, tensor in sorted(run.learner.dit.state_dict().items()):
             digest.update(name.encode())
             digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
         rank = run.accelerator.process_index
@@ -143,7 +143,7 @@ class Perturb(Callback):
     def on_step_end(self, run, result):
         if run.accelerator.process_index == self.rank and run.step == 1:
             with torch.no_grad():
-                next(run.learner.raw.parameters()).view(-1)[0] += 1e-3
+                next(run.learner.dit.parameters()).view(-1)[0] += 1e-3
 
 
 def install_pause(kind: str, step: int, callbacks: list) -> None:

@@ -23,9 +23,9 @@ from tqdm.auto import tqdm
 from shared.runtime.errors import UserError, cli_errors
 from shared.network.models import ATTENTION_BACKENDS
 from shared.runtime.precision import PRECISIONS, set_tf32
-from train.config import TrainConfig, add_block_flags, block_from_args
+from train.config import TrainConfig, add_block_flags, block_from_args, model_config_for
 from train.data import synthetic_batch
-from train.memory import build_model, forward_macs, model_config, train_flops_per_image
+from train.memory import forward_macs, latent_shape, measured_config, train_flops_per_image
 from train.step import make_learner, train_step
 from train.units import GiB, format_size
 
@@ -191,16 +191,15 @@ def peak_tflops(args, device: torch.device) -> tuple[float | None, str]:
 
 def bench_train_config(config: BenchConfig, args) -> TrainConfig:
     """The TrainConfig `python -m train` would run for one cell (one micro-batch per step, no accumulation)."""
-    return TrainConfig(latents="synthetic", results_dir="unused", model=args.model, **block_from_args(args),
-                       global_batch_size=config.micro_batch, micro_batch_size=config.micro_batch, grad_accum_steps=1,
-                       precision=config.precision,
-                       grad_checkpoint=config.checkpoint, attention=config.attention, compile=config.compile)
+    return measured_config(args.model, block_from_args(args), global_batch_size=config.micro_batch,
+                           micro_batch_size=config.micro_batch, grad_accum_steps=1, precision=config.precision,
+                           grad_checkpoint=config.checkpoint, attention=config.attention, compile=config.compile)
 
 
 def time_steps(config: BenchConfig, args, device) -> list[float]:
     """Seconds of each timed trainer step (after warm-up) for one configuration."""
     cfg = bench_train_config(config, args)
-    model_cfg = model_config(args.model, args.image_size, num_classes=args.num_classes, block=block_from_args(args))
+    model_cfg = model_config_for(cfg, latent_shape(args.image_size), args.num_classes)
     learner = make_learner(cfg, model_cfg, device=device)
     batch = synthetic_batch(model_cfg, config.micro_batch, cfg.class_dropout_prob, learner.objective)
     times = []
@@ -349,8 +348,8 @@ def run(args) -> str:
     resolve_defaults(args)
     configs = resolve_matrix(args)
     device = resolve_device(args.device)
-    model = build_model(model_config(args.model, args.image_size, num_classes=args.num_classes,
-                                     block=block_from_args(args)), "meta")
+    model = model_config_for(measured_config(args.model, block_from_args(args)), latent_shape(args.image_size),
+                             args.num_classes).build(device="meta")
     flops = train_flops_per_image(model)
     peak, peak_note = peak_tflops(args, device)
     apply_memory_cap(args, device)

@@ -20,12 +20,12 @@ from shared.runtime.errors import SettingError, UserError
 from shared.runtime.rerun import differences
 from shared.generative.guidance import GUIDE_CHANNELS
 from shared.generative.flow import auto_shift, check_shift
-from shared.network.models import (ATTENTION_BACKENDS, BLOCK_FIELDS, BLOCKS, HEAD_FIELDS, MLPS, NORMS, block_options,
-                                   check_preset, default_block, preset_head)
-from shared.generative.objectives import objective_help, training_flags
+from shared.network.models import (ATTENTION_BACKENDS, BLOCK_FIELDS, BLOCKS, HEAD_FIELDS, MLPS, NORMS, ModelConfig,
+                                   block_options, check_preset, default_block, preset_head)
+from shared.generative.objectives import objective_help, plugin_of, training_flags
 from train.recipes import RECIPE_HELP, RECIPES, apply_recipe
 from shared.runtime.precision import PRECISION_CHOICES, canonical_precision
-from shared.tokenizers.norm import NORM_CHOICES, NORM_HELP, ElementStats, LatentNorm
+from shared.tokenizers.norm import NORM_CHOICES, NORM_HELP, ElementStats, LatentNorm, abbreviated
 from shared.runtime.trackers import DEFAULT_REPORT_TO, REPORT_TO
 
 LR_SCHEDULES = ("constant", "cosine", "linear")
@@ -244,6 +244,10 @@ class TrainConfig:
         """Indented JSON text of the config."""
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
+    def to_display(self) -> str:
+        """`to_json` for the terminal: per-element statistics (196,608 numbers for RAE tokens) shown by their count."""
+        return json.dumps(abbreviated(self.to_dict()), indent=2, sort_keys=True)
+
 
 # ---------------------------------------------------------------------------------------------------------
 # Flags
@@ -297,6 +301,25 @@ def add_objective_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def objective_flag_names() -> tuple[str, ...]:
     """The namespace names of the objectives' training flags."""
     return tuple(training_flags())
+
+
+def model_config_for(cfg: TrainConfig, latent_shape: tuple, num_classes: int) -> ModelConfig:
+    """The DiT config a run of `cfg` trains on latents of latent_shape (C, h, w) with `num_classes` classes.
+
+    The one factory: `python -m train` (the latent folder's shape), `python -m train.plan` and `python -m
+    train.bench` (the shape their flags give) all build their model from it.
+    """
+    # DDPM needs its learned variance; a flow model with the DiT^DH head predicts the velocity alone, as RAE's
+    # (out = in channels), while the plain presets keep DiT's/SiT's 2C outputs so their layouts stay the releases'.
+    learn_sigma = cfg.objective == "ddpm" or not cfg.head_depth
+    channels, size, _ = latent_shape
+    return ModelConfig(model=cfg.model, input_size=size, in_channels=channels, num_classes=num_classes,
+                       learn_sigma=learn_sigma,
+                       norm=cfg.norm, mlp=cfg.mlp, rope=cfg.rope, qk_norm=cfg.qk_norm, head_depth=cfg.head_depth,
+                       head_width=cfg.head_width, head_heads=cfg.head_heads,
+                       class_dropout_prob=cfg.class_dropout_prob, objective=cfg.objective,
+                       objective_args={"time_dist_shift": cfg.time_dist_shift} if cfg.time_dist_shift != 1.0 else {},
+                       objective_plugin=plugin_of(cfg.objective), sampling=dict(cfg.sampling))
 
 
 def config_from_args(args: argparse.Namespace, explicit=frozenset()) -> TrainConfig:

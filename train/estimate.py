@@ -34,9 +34,9 @@ def duration(seconds: float) -> str:
 
 def step_seconds(model_config, global_batch: int, rate: float) -> tuple[float, float]:
     """(seconds per step, per-image forward GMAC) of a model config at a global batch on a `rate` FLOP/s device."""
-    from train.memory import build_model, forward_macs
+    from train.memory import forward_macs
 
-    macs = forward_macs(build_model(model_config, device="meta"))["total"]
+    macs = forward_macs(model_config.build(device="meta"))["total"]
     return 6 * macs * global_batch / rate, macs / 1e9  # training ~ 3 x forward, 2 FLOPs per multiply-accumulate
 
 

@@ -25,15 +25,14 @@ from shared.runtime.export import first_nonfinite, nonfinite_tensors, save_weigh
 from shared.runtime.fsio import atomic_write_text, link_file, space_guard
 from shared.runtime.previews import write_preview
 from shared.runtime.lock import FolderLock, hold_lock
-from shared.generative.objectives import plugin_of
-from shared.network.models import ModelConfig, resolve_attention
+from shared.network.models import resolve_attention
 from shared.runtime.precision import set_tf32
 from shared.datasets.shards import LatentDataset
 from train import checkpoint as ckpt_io
 from train.callbacks import Callback, CallbackList
 from train.autotune import describe as describe_auto, resolve_auto_for
-from train.config import (DEBUG_STEPS, TrainConfig, check_config, check_resume, latent_meta_of, resolve_config,
-                          trained_norm)
+from train.config import (DEBUG_STEPS, TrainConfig, check_config, check_resume, latent_meta_of, model_config_for,
+                          resolve_config, trained_norm)
 from train.data import make_loader
 from train.latents import open_latents
 from train.launcher import check_strategy, resolve_precision_with_launcher
@@ -113,7 +112,8 @@ def prepare_config(cfg: TrainConfig, accelerator) -> tuple[TrainConfig, LatentDa
     """Open the latents, resolve 'auto' and check the config, find the resume source: before the run's model."""
     dataset = open_latents(cfg.latents, accelerator)  # URL -> local cache; verified once per node
     check_config(cfg, dataset)
-    resolve_auto_for(cfg, model_config_for(cfg, dataset), accelerator)  # train/autotune.py
+    # train/autotune.py
+    resolve_auto_for(cfg, model_config_for(cfg, dataset.latent_shape, dataset.num_classes), accelerator)
     resolve_config(cfg, dataset, accelerator.num_processes)
     check_watch(cfg, dataset)
     resolve_attention(cfg.attention)
@@ -150,21 +150,6 @@ def seed_globals(seed: int, rank: int) -> None:
     torch.manual_seed(seed * 1009 + rank)
 
 
-def model_config_for(cfg: TrainConfig, dataset: LatentDataset) -> ModelConfig:
-    """The DiT config for these latents."""
-    channels, size, _ = dataset.latent_shape
-    # DDPM needs its learned variance; a flow model with the DiT^DH head predicts the velocity alone, as RAE's
-    # (out = in channels), while the plain presets keep DiT's/SiT's 2C outputs so their layouts stay the releases'.
-    learn_sigma = cfg.objective == "ddpm" or not cfg.head_depth
-    return ModelConfig(model=cfg.model, input_size=size, in_channels=channels, num_classes=dataset.num_classes,
-                       learn_sigma=learn_sigma,
-                       norm=cfg.norm, mlp=cfg.mlp, rope=cfg.rope, qk_norm=cfg.qk_norm, head_depth=cfg.head_depth,
-                       head_width=cfg.head_width, head_heads=cfg.head_heads,
-                       class_dropout_prob=cfg.class_dropout_prob, objective=cfg.objective,
-                       objective_args={"time_dist_shift": cfg.time_dist_shift} if cfg.time_dist_shift != 1.0 else {},
-                       objective_plugin=plugin_of(cfg.objective), sampling=dict(cfg.sampling))
-
-
 def check_finite_state(saved: dict, source: Path) -> None:
     """Refuse to resume from weights holding NaN/inf (they would train on silently as NaN)."""
     for part in ("model", "ema"):
@@ -196,7 +181,7 @@ def _restore_from(run: Run, source: Path) -> None:
     learner = run.learner
     saved = ckpt_io.load_checkpoint(source, run.accelerator.process_index)
     check_finite_state(saved, source)
-    learner.raw.load_state_dict(saved["model"], strict=True)
+    learner.dit.load_state_dict(saved["model"], strict=True)
     learner.ema.load_state_dict(saved["ema"], strict=True)
     restore_projector(learner, saved.get("projector"), source)
     learner.optimizer.load_state_dict(saved["optimizer"])
@@ -233,7 +218,8 @@ def setup_run(cfg: TrainConfig, dataset: LatentDataset, source: Path | None, acc
               callbacks: list[Callback]) -> Run:
     """Build the learner on this process's device and restore from `source` if given."""
     setup_backends(cfg, accelerator.device)
-    learner = make_learner(cfg, model_config_for(cfg, dataset), accelerator=accelerator)
+    learner = make_learner(cfg, model_config_for(cfg, dataset.latent_shape, dataset.num_classes),
+                           accelerator=accelerator)
     seed_globals(cfg.seed, accelerator.process_index)
     logger = RunLogger(Path(cfg.results_dir), enabled=accelerator.is_main_process, write_files=not cfg.debug)
     run = Run(learner=learner, dataset=dataset, logger=logger,
@@ -287,9 +273,9 @@ def check_consistency(run: Run) -> None:
     acc = run.accelerator
     if acc.num_processes == 1:
         return
-    names = [f"model.{n}" for n, _ in run.learner.raw.named_parameters()]
+    names = [f"model.{n}" for n, _ in run.learner.dit.named_parameters()]
     names += [f"ema.{n}" for n, _ in run.learner.ema.named_parameters()]
-    mine = torch.cat([weights_fingerprint(run.learner.raw), weights_fingerprint(run.learner.ema).to(run.device)])
+    mine = torch.cat([weights_fingerprint(run.learner.dit), weights_fingerprint(run.learner.ema).to(run.device)])
     everyone = acc.gather(mine.to(run.device)[None]).cpu()  # (world, P, 2)
     differ = ~(everyone == everyone[:1]).all(dim=2)  # (world, P): NaN also counts as a difference
     if bool(differ.any()):
@@ -308,7 +294,7 @@ def save_checkpoint(run: Run) -> Path | None:
     if run.cfg.debug:
         return None
     learner = run.learner
-    if not (weights_finite(learner.raw) and weights_finite(learner.ema)):
+    if not (weights_finite(learner.dit) and weights_finite(learner.ema)):
         raise NonFiniteError(f"the weights became non-finite at step {run.step}; no checkpoint was written. "
                              + _nonfinite_message(run))
     check_consistency(run)
@@ -340,7 +326,7 @@ def _write_main(run: Run, tmp: Path) -> None:
     state = {"step": run.step, "data_position": run.data_position, "world_size": run.cfg.world_size,
              "skipped_steps": learner.skipped_steps, "config": run.cfg.to_dict()}
     ema_state = learner.ema.state_dict()
-    ckpt_io.save_main_state(tmp, model_state=learner.raw.state_dict(), ema_state=ema_state,
+    ckpt_io.save_main_state(tmp, model_state=learner.dit.state_dict(), ema_state=ema_state,
                             model_config=learner.model_config, latent_meta=latent_meta,
                             optimizer_state=learner.optimizer.state_dict(),
                             scaler_state=learner.scaler.state_dict(), state=state,
@@ -445,7 +431,7 @@ def start_logs(run: Run, source: Path | None, changes: list[str]) -> None:
     cfg, n = run.cfg, run.accelerator.num_processes
     where = f"resumed from {source} at step {run.step}" if source else "starting a new run"
     run.logger.info(f"{where}: {cfg.model} ({cfg.block} block: {cfg.norm}, {cfg.mlp} MLP, RoPE {cfg.rope}, QK-norm "
-                    f"{cfg.qk_norm}), {sum(p.numel() for p in run.learner.raw.parameters()):,} parameters, "
+                    f"{cfg.qk_norm}), {sum(p.numel() for p in run.learner.dit.parameters()):,} parameters, "
                     f"{n} process(es) on {run.device}, global batch {cfg.global_batch_size} = "
                     f"{cfg.micro_batch_size} x {cfg.grad_accum_steps} accumulation x {n}, "
                     f"precision {cfg.precision}, {cfg.total_steps} steps")
@@ -564,11 +550,12 @@ def _train_locked(cfg: TrainConfig, accelerator, callbacks: list[Callback]) -> d
     if accelerator.device.type == "cpu" and accelerator.is_main_process:
         from train.estimate import describe_cpu_step
 
-        print(f"train: {describe_cpu_step(model_config_for(cfg, dataset), cfg.global_batch_size, cfg.total_steps)}",
-              file=sys.stderr, flush=True)
+        config = model_config_for(cfg, dataset.latent_shape, dataset.num_classes)
+        print(f"train: {describe_cpu_step(config, cfg.global_batch_size, cfg.total_steps)}", file=sys.stderr,
+              flush=True)
     if cfg.dry_run or cfg.debug:
         if accelerator.is_main_process:
-            print(cfg.to_json())
+            print(cfg.to_display())
         if cfg.dry_run:
             return {}
     run = setup_run(cfg, dataset, source, accelerator, callbacks)

@@ -33,27 +33,25 @@ from shared.runtime.precision import autocast_dtype
 from train.config import TrainConfig
 from shared.generative.objectives import objective_of
 from train.data import synthetic_batch
-from train.step import build_model, forward_loss, make_learner, train_step  # noqa: F401 (build_model: plan, bench)
+from train.step import forward_loss, make_learner, train_step
 
 
 # ----------------------------------------------------------------------------------------------------
 # Building the model a run would train
 # ----------------------------------------------------------------------------------------------------
 
-def latent_size(image_size: int, vae_factor: int) -> int:
-    """Latent side length; UserError when the image size is not a multiple of the VAE factor."""
+def latent_shape(image_size: int, vae_factor: int = 8, channels: int = 4) -> tuple[int, int, int]:
+    """(C, h, w) of the latents of an image size; UserError when it is not a multiple of the VAE factor."""
     if image_size <= 0 or vae_factor <= 0 or image_size % vae_factor:
         raise UserError(f"image size {image_size} is not a positive multiple of the VAE downsample factor "
                         f"{vae_factor}; use e.g. --image-size 256 with --vae-factor 8 (32x32 latents).")
-    return image_size // vae_factor
+    return channels, image_size // vae_factor, image_size // vae_factor
 
 
-def model_config(model: str, image_size: int, vae_factor: int = 8, latent_channels: int = 4,
-                 num_classes: int = 1000, block: dict | None = None) -> ModelConfig:
-    """The ModelConfig for a preset at an image size and block options; UserError for unknown presets or bad sizes."""
-    check_preset(model)
-    return ModelConfig(model=model, input_size=latent_size(image_size, vae_factor),
-                       in_channels=latent_channels, num_classes=num_classes, **(block or {}))
+def measured_config(model: str, block: dict | None = None, **settings) -> TrainConfig:
+    """The TrainConfig of a synthetic run of preset `model` (the planner's, the benchmark's, --verify's)."""
+    check_preset(model)  # ChoiceError naming the presets
+    return TrainConfig(latents="synthetic", results_dir="unused", model=model, **(block or {}), **settings)
 
 
 def count_parameters(model) -> tuple[int, int]:
@@ -386,7 +384,7 @@ def measure_profiles(config, precision: str, choices, device, route=None) -> tup
 
     route (ratio, start, end): token routing on, so the routed blocks' activations are those of the kept tokens.
     """
-    model = build_model(config, device=device, init=False)
+    model = config.build(device=device, init=False)
     n_params, n_trainable = count_parameters(model)
     bar = tqdm(total=1 + len(choices), desc="measuring activations", unit="pass", leave=False, file=sys.stderr)
     block_fit = measure_block_fit(model, precision)  # a full-token block: the largest one a backward recomputes
@@ -416,12 +414,11 @@ def verify_config(config: ModelConfig, args, row: PlanRow) -> TrainConfig:
     """
     accumulation = min(row.accumulation, 2)  # a second micro-step runs with the first one's gradients held
     route = {k: getattr(args, k, None) for k in ("route_ratio", "route_start", "route_end")}
-    return TrainConfig(latents="synthetic", results_dir="unused", model=args.model,
-                       **{k: getattr(config, k) for k in BLOCK_FIELDS},
-                       global_batch_size=row.micro * accumulation, micro_batch_size=row.micro,
-                       grad_accum_steps=accumulation, precision=args.precision,
-                       grad_checkpoint=row.profile.every, optimizer=args.optimizer, ema_device=args.ema_device,
-                       **{k: v for k, v in route.items() if v is not None})
+    return measured_config(args.model, {k: getattr(config, k) for k in BLOCK_FIELDS},
+                           global_batch_size=row.micro * accumulation, micro_batch_size=row.micro,
+                           grad_accum_steps=accumulation, precision=args.precision,
+                           grad_checkpoint=row.profile.every, optimizer=args.optimizer, ema_device=args.ema_device,
+                           **{k: v for k, v in route.items() if v is not None})
 
 
 def verify(config, args, row: PlanRow) -> int:

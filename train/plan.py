@@ -14,9 +14,9 @@ from shared.runtime.cli import HelpFormatter, add_flags
 from shared.runtime.errors import UserError, cli_errors
 from shared.runtime.precision import PRECISION_CHOICES, canonical_precision
 from shared.network.routing import kept_tokens
-from train.config import TrainConfig, add_block_flags, block_from_args, route_span
-from train.memory import (DEFAULT_MARGIN, FixedState, PlanRow, build_model, count_parameters, fixed_state,
-                          measure_device, measure_profiles, model_config, per_process_batch, plan_row, verify)
+from train.config import TrainConfig, add_block_flags, block_from_args, model_config_for, route_span
+from train.memory import (DEFAULT_MARGIN, FixedState, PlanRow, count_parameters, fixed_state, latent_shape,
+                          measure_device, measure_profiles, measured_config, per_process_batch, plan_row, verify)
 from train.units import format_size, parse_size
 
 PROG = "python -m train.plan"
@@ -188,10 +188,10 @@ def run(args) -> str:
     check_args(args)
     check_verify_possible(args)
     batch = per_process_batch(args.global_batch_size, args.num_processes)
-    config = model_config(args.model, args.image_size, args.vae_factor, args.latent_channels, args.num_classes,
-                          block_from_args(args))
+    config = model_config_for(measured_config(args.model, block_from_args(args)),
+                              latent_shape(args.image_size, args.vae_factor, args.latent_channels), args.num_classes)
     device = measure_device(args.measure_device)
-    meta = build_model(config, "meta")  # shapes only, no allocation
+    meta = config.build(device="meta")  # shapes only, no allocation
     choices = checkpoint_choices(args.grad_checkpoint, len(meta.blocks))
     route = plan_route(args, config)
     profiles, n_params, n_trainable = measure_profiles(config, args.precision, choices, device, route)

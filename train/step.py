@@ -32,8 +32,9 @@ class Learner:
     """What one optimizer step reads and updates."""
 
     cfg: TrainConfig
-    raw: torch.nn.Module  # the unwrapped DiT (fp32 master weights), in train mode
-    model: torch.nn.Module  # what the step calls: maybe compiled, maybe DDP-wrapped
+    # What the step calls: the DiT (fp32 master weights, train mode), with REPA inside an AlignedDiT beside its
+    # projector, maybe compiled, maybe DDP-wrapped. The one handle: `dit` and `projector` are read out of it.
+    model: torch.nn.Module
     ema: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
@@ -41,15 +42,37 @@ class Learner:
     objective: Objective  # shared/generative/objectives.py: time draws and the loss
     accelerator: object = None  # None: a single process without Accelerate (nothing to synchronise)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    projector: torch.nn.Module | None = None  # REPA's projector (shared/network/repa.py), trained with the model; no EMA
     route: tuple[int, int] | None = None  # token routing: (tokens T, kept K) per sample, drawn by the data side
     step: int = 0
     skipped_steps: int = 0
 
+    @property
+    def dit(self) -> torch.nn.Module:
+        """The DiT in `model`, unwrapped: what checkpoints save, resume loads and the EMA follows."""
+        inner = unwrap(self.model)
+        return inner.dit if isinstance(inner, AlignedDiT) else inner
+
+    @property
+    def projector(self) -> torch.nn.Module | None:
+        """REPA's projector (shared/network/repa.py), trained with the model (no EMA); None without REPA."""
+        inner = unwrap(self.model)
+        return inner.projector if isinstance(inner, AlignedDiT) else None
+
     def trained_parameters(self) -> list[torch.nn.Parameter]:
         """What the optimizer updates and the gradient norm covers: the DiT, then the REPA projector if any."""
         extra = list(self.projector.parameters()) if self.projector is not None else []
-        return list(self.raw.parameters()) + extra
+        return list(self.dit.parameters()) + extra
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module under the DDP (`.module`) and torch.compile (`._orig_mod`) wrappers, in either order."""
+    while True:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif "_orig_mod" in model._modules:  # torch.compile's OptimizedModule
+            model = model._orig_mod
+        else:
+            return model
 
 
 class AlignedDiT(torch.nn.Module):
@@ -71,23 +94,6 @@ class AlignedDiT(torch.nn.Module):
 # ---------------------------------------------------------------------------------------------------------
 # Building the pieces
 # ---------------------------------------------------------------------------------------------------------
-
-def build_model(config: ModelConfig, device="cpu", attention="auto", grad_checkpoint_every=0, init=True):
-    """The DiT of `config` on `device`; init=False allocates zero-filled weights (fast; for measuring only).
-
-    The one builder: training (make_learner, seeded), the planner and the benchmark (train/memory.py) use it.
-    """
-    if init or str(device) == "meta":
-        with torch.device(device):
-            return config.build(attention=attention, grad_checkpoint_every=grad_checkpoint_every)
-    with torch.device("meta"):
-        model = config.build(attention=attention, grad_checkpoint_every=grad_checkpoint_every)
-    model = model.to_empty(device=device)
-    with torch.no_grad():
-        for tensor in list(model.parameters()) + list(model.buffers()):
-            tensor.zero_()
-    return model
-
 
 def import_bitsandbytes():
     """bitsandbytes (for --optimizer adamw8bit) on a CUDA machine, or a UserError saying what to do."""
@@ -151,7 +157,7 @@ def make_learner(cfg: TrainConfig, model_config: ModelConfig, accelerator=None, 
     torch.manual_seed(cfg.seed)  # initialised identically on every rank
     # Train mode: the labels' class-dropout coin comes from the data (force_drop_ids), so the model's own
     # global-RNG dropout never runs, while any train-mode layer added later is really on.
-    raw = build_model(model_config, attention=cfg.attention, grad_checkpoint_every=cfg.grad_checkpoint).train()
+    raw = model_config.build(attention=cfg.attention, grad_checkpoint_every=cfg.grad_checkpoint).train()
     if cfg.route_ratio > 0:  # TREAD: blocks route_start..route_end see only the kept tokens in training
         raw.set_routing(cfg.route_start, cfg.route_end)
     projector = build_projector(cfg, raw)
@@ -159,14 +165,13 @@ def make_learner(cfg: TrainConfig, model_config: ModelConfig, accelerator=None, 
     raw.to(device)
     if projector is not None:
         projector.to(device)
-    learner = Learner(cfg=cfg, raw=raw, model=raw, ema=ema, optimizer=None,
-                      scaler=torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16"),
-                      model_config=model_config, accelerator=accelerator, device=device,
-                      objective=objective_for(cfg, model_config), projector=projector, route=route_of(cfg, raw))
-    learner.optimizer = build_optimizer(cfg, learner.trained_parameters(), device)
     trained = raw if projector is None else AlignedDiT(raw, projector, cfg.repa_depth)
     compiled = torch.compile(trained) if cfg.compile else trained
-    learner.model = accelerator.prepare(compiled) if accelerator is not None else compiled
+    learner = Learner(cfg=cfg, model=accelerator.prepare(compiled) if accelerator is not None else compiled,
+                      ema=ema, optimizer=None, scaler=torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16"),
+                      model_config=model_config, accelerator=accelerator, device=device,
+                      objective=objective_for(cfg, model_config), route=route_of(cfg, raw))
+    learner.optimizer = build_optimizer(cfg, learner.trained_parameters(), device)
     return learner
 
 
@@ -291,7 +296,7 @@ def apply_gradients(learner: Learner) -> tuple[float, bool]:
             learner.optimizer.step()
     learner.optimizer.zero_grad(set_to_none=True)
     if not skipped:
-        update_ema(learner.ema, learner.raw, learner.cfg.ema_decay)
+        update_ema(learner.ema, learner.dit, learner.cfg.ema_decay)
     return grad_norm, skipped
 
 

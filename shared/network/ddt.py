@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from shared.network.models import (DiT, DiTBlock, FinalLayer, LabelEmbedder, PatchEmbed, RotaryEmbedding2d,
-                                   check_block_options, sincos_2d)
+                                   adaln_zero_, check_block_options, init_condition_mlp_, init_patch_embed_,
+                                   set_positions_)
 from shared.runtime.errors import SettingError, UserError
 
 FOURIER_FEATURES = 256  # RAE's GaussianFourierEmbedding(embedding_size=256): 512 sin/cos features
@@ -114,24 +115,14 @@ class DiTDH(DiT):
     @torch.no_grad()
     def initialize_weights(self):
         """RAE's init: torch's Linear init kept; patch embeddings as linears; adaLN-Zero; zero output; W ~ N(0, 1)."""
-        for embedder in (self.s_embedder, self.x_embedder):
-            w = embedder.proj.weight
-            nn.init.xavier_uniform_(w.view(w.shape[0], -1))
-            nn.init.zeros_(embedder.proj.bias)
+        init_patch_embed_(self.s_embedder)
+        init_patch_embed_(self.x_embedder)
         nn.init.normal_(self.y_embedder.embedding_table.weight, std=0.02)
-        grid = self.input_size // self.patch_size
-        pos = sincos_2d(self.pos_embed.shape[-1], grid).float()  # (T, D), as DiT's (RAE uses the same table)
-        self.pos_embed.copy_(pos.unsqueeze(0).to(self.pos_embed.device))
-        for rope in (self.enc_feat_rope, self.dec_feat_rope):
-            if rope is not None:
-                rope.reset_tables()
+        # DiT's sin-cos table (RAE uses the same one)
+        set_positions_(self.pos_embed, self.input_size // self.patch_size, [self.enc_feat_rope, self.dec_feat_rope])
         nn.init.normal_(self.t_embedder.W, std=1.0)
-        nn.init.normal_(self.t_embedder.mlp[0].weight, std=0.02)
-        nn.init.normal_(self.t_embedder.mlp[2].weight, std=0.02)
-        for layer in [b.adaLN_modulation[-1] for b in self.blocks] + [self.final_layer.adaLN_modulation[-1],
-                                                                       self.final_layer.linear]:
-            nn.init.zeros_(layer.weight)
-            nn.init.zeros_(layer.bias)
+        init_condition_mlp_(self.t_embedder.mlp)
+        adaln_zero_(self.blocks, self.final_layer)
 
     def _run(self, i, x, c, rope):
         """Block i on tokens x with conditioning c, recomputed in backward when checkpointed."""

@@ -8,6 +8,7 @@ Block options (LightningDiT, Yao et al. 2025, github hustvl/LightningDiT, MIT): 
 block; BLOCKS names the combinations. Their tensor names follow LightningDiT's (mlp.w12/w3, norm1.weight,
 attn.q_norm, feat_rope.freqs_cos/sin), so inference from a state dict can tell the layouts apart.
 """
+import contextlib
 import functools
 import importlib
 import math
@@ -439,6 +440,41 @@ class FinalLayer(nn.Module):
 
 
 #################################################################################
+#                         Initialisation shared by DiT and DiT^DH               #
+#################################################################################
+# Pieces of the init both models run in their own RNG draw order (initialize_weights of each). The ones that
+# draw (init_patch_embed_, init_condition_mlp_) are called where the draw falls; the others draw nothing.
+
+def init_patch_embed_(embedder: PatchEmbed) -> None:
+    """The patch embedding initialised as a linear layer over the flattened patch (as official DiT), zero bias."""
+    w = embedder.proj.weight  # (D, C, p, p)
+    nn.init.xavier_uniform_(w.view(w.shape[0], -1))
+    nn.init.zeros_(embedder.proj.bias)
+
+
+def init_condition_mlp_(mlp: nn.Sequential) -> None:
+    """The timestep MLP's two linears ~ N(0, 0.02) (DiT's init; RAE keeps it)."""
+    nn.init.normal_(mlp[0].weight, std=0.02)
+    nn.init.normal_(mlp[2].weight, std=0.02)
+
+
+def set_positions_(pos_embed: torch.Tensor, grid: int, ropes=()) -> None:
+    """The fixed sin-cos table into pos_embed (1, T, D) and the rotary tables recomputed; no RNG draw."""
+    pos = sincos_2d(pos_embed.shape[-1], grid).float()  # (T, D), computed on the CPU in float64
+    pos_embed.copy_(pos.unsqueeze(0).to(pos_embed.device))  # (1, T, D)
+    for rope in ropes:
+        if rope is not None:
+            rope.reset_tables()
+
+
+def adaln_zero_(blocks, final_layer: FinalLayer) -> None:
+    """adaLN-Zero (DiT Sec. 3.2): every block starts as the identity, the output as zero; no RNG draw."""
+    for layer in [b.adaLN_modulation[-1] for b in blocks] + [final_layer.adaLN_modulation[-1], final_layer.linear]:
+        nn.init.zeros_(layer.weight)
+        nn.init.zeros_(layer.bias)
+
+
+#################################################################################
 #                                     DiT                                       #
 #################################################################################
 
@@ -486,23 +522,11 @@ class DiT(nn.Module):
             if isinstance(module, nn.Linear):
                 nn.init.xavier_uniform_(module.weight)
                 nn.init.zeros_(module.bias)
-        grid = self.input_size // self.patch_size
-        pos = sincos_2d(self.pos_embed.shape[-1], grid).float()  # (T, D), computed on the CPU in float64
-        self.pos_embed.copy_(pos.unsqueeze(0).to(self.pos_embed.device))  # (1, T, D)
-        if self.feat_rope is not None:
-            self.feat_rope.reset_tables()
-        # Patch embedding initialised like a linear layer over the flattened patch (as official).
-        w = self.x_embedder.proj.weight
-        nn.init.xavier_uniform_(w.view(w.shape[0], -1))
-        nn.init.zeros_(self.x_embedder.proj.bias)
+        set_positions_(self.pos_embed, self.input_size // self.patch_size, [self.feat_rope])
+        init_patch_embed_(self.x_embedder)
         nn.init.normal_(self.y_embedder.embedding_table.weight, std=0.02)
-        nn.init.normal_(self.t_embedder.mlp[0].weight, std=0.02)
-        nn.init.normal_(self.t_embedder.mlp[2].weight, std=0.02)
-        # adaLN-Zero (DiT Sec. 3.2): every block starts as the identity, the output as zero.
-        for layer in [b.adaLN_modulation[-1] for b in self.blocks] + [self.final_layer.adaLN_modulation[-1],
-                                                                       self.final_layer.linear]:
-            nn.init.zeros_(layer.weight)
-            nn.init.zeros_(layer.bias)
+        init_condition_mlp_(self.t_embedder.mlp)
+        adaln_zero_(self.blocks, self.final_layer)
 
     def set_attention(self, backend):
         """Switch every block's attention kernel: "auto"|"sdpa"|"xformers"|"math"; UserError if unusable."""
@@ -749,10 +773,24 @@ class ModelConfig:
         """{head_depth, head_width, head_heads} (all 0 without the DiT^DH head)."""
         return {k: getattr(self, k) for k in HEAD_FIELDS}
 
-    def build(self, attention="auto", grad_checkpoint_every=0):
-        """Instantiate the DiT (a DiT^DH when it has a head) this config describes."""
+    def build(self, attention="auto", grad_checkpoint_every=0, device=None, init=True):
+        """The DiT (a DiT^DH when it has a head) this config describes, on `device` (default: torch's current).
+
+        init=False allocates zero-filled weights without running the initialisation (fast; for measuring only);
+        on the meta device nothing is allocated either way.
+        """
         kwargs = {k: v for k, v in self.to_dict().items() if k not in ("model", *OBJECTIVE_FIELDS)}
-        return build_model(self.model, attention=attention, grad_checkpoint_every=grad_checkpoint_every, **kwargs)
+        kwargs.update(attention=attention, grad_checkpoint_every=grad_checkpoint_every)
+        if init or str(device) == "meta":
+            with torch.device(device) if device is not None else contextlib.nullcontext():
+                return build_model(self.model, **kwargs)
+        with torch.device("meta"):
+            model = build_model(self.model, **kwargs)
+        model = model.to_empty(device=device or "cpu")
+        with torch.no_grad():
+            for tensor in list(model.parameters()) + list(model.buffers()):
+                tensor.zero_()
+        return model
 
     def to_dict(self):
         """Plain JSON-serialisable dict."""

@@ -194,6 +194,17 @@ def pack_floats(values, encoding: str = "float32-le-base64") -> dict:
     return {"encoding": encoding, "count": int(array.size), "data": base64.b64encode(array.tobytes()).decode("ascii")}
 
 
+def abbreviated(obj):
+    """A copy of a JSON-able structure with every packed float array shown as '<N float32 values>' (for printing)."""
+    if isinstance(obj, dict):
+        if set(obj) == {"encoding", "count", "data"} and obj["encoding"] in FLOAT_ENCODINGS:
+            return f"<{obj['count']} {obj['encoding'].split('-')[0]} values>"
+        return {k: abbreviated(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [abbreviated(v) for v in obj]
+    return obj
+
+
 def unpack_floats(packed) -> tuple:
     """The values `pack_floats` packed, as Python floats (a plain list is taken as it is)."""
     if isinstance(packed, (list, tuple)):

@@ -173,11 +173,48 @@ def _locate_vavae() -> _Located:
     return _Located(VAVAE_REPO, "folder", folder, folder / "config.json")
 
 
+def _locate_rae_release(name: str) -> _Located:
+    """RAE's released tokenizer by name: its three files through the release cache, converted once into a folder."""
+    from shared.runtime.download import fetch, release_url
+    from shared.runtime.export import load_torch_file, safetensors_problem
+    from shared.runtime.fsio import publish_dir, remove_tree
+    from shared.tokenizers.rae_release import RAE_TOKENIZERS, build_rae
+
+    release = RAE_TOKENIZERS[name]
+    instead = "or pass a local AutoencoderRAE folder instead of the name"
+    paths = [fetch(file, release_url(file, url), instead)[0] for file, url in release.files()]
+    stamp = hashlib.sha256(json.dumps([release.config, *[f"{p.resolve()}:{p.stat().st_size}" for p in paths]],
+                                      sort_keys=True).encode()).hexdigest()[:16]
+    folder = converted_dir() / f"{name}-{stamp}"
+    if not (folder / "config.json").is_file():
+        decoder, stats, encoder = paths
+        fix = ("Delete it from the checkpoint cache and run again to download it, or pass an AutoencoderRAE folder "
+               "as {vae}.")
+        problem = safetensors_problem(encoder)
+        if problem:
+            raise SettingError(f"The DINOv2 encoder weights {encoder} cannot be read ({problem}). {fix}")
+        from safetensors.torch import load_file
+
+        model = build_rae(release, load_torch_file(decoder, fix), load_torch_file(stats, fix), load_file(str(encoder)),
+                          {"decoder": decoder, "stats": stats, "encoder": encoder})
+        staging = folder.with_name(f".tmp-{folder.name}-{os.getpid()}")
+        model.save_pretrained(staging, safe_serialization=True)
+        if folder.exists():  # another process converted it meanwhile
+            remove_tree(staging)
+        else:
+            publish_dir(staging, folder)
+    return _Located(name, "folder", folder, folder / "config.json")
+
+
 def _locate(spec, config=None) -> _Located:
     """Turn a VAE spec into a _Located without loading weights; UserError when it cannot work."""
+    from shared.tokenizers.rae_release import RAE_TOKENIZERS
+
     text = str(spec).strip()
     if text in VAVAE_NAMES:
         return _locate_vavae()
+    if text in RAE_TOKENIZERS:
+        return _locate_rae_release(text)
     if text in VAE_SHORT_NAMES:
         return _locate_hub(VAE_SHORT_NAMES[text])
     path = Path(text).expanduser()
@@ -188,8 +225,8 @@ def _locate(spec, config=None) -> _Located:
     if _HUB_ID.match(text) and not text.startswith((".", "/", "~")):
         return _locate_hub(text)
     raise SettingError(
-        f"Unknown VAE {text!r}: it is not a short name ({', '.join(VAE_SHORT_NAMES)}), not an existing folder "
-        f"or file, and not a hub id like stabilityai/sd-vae-ft-ema. {_LOCAL_OPTIONS}"
+        f"Unknown VAE {text!r}: it is not a short name ({', '.join([*VAE_SHORT_NAMES, VAVAE_NAMES[0], *RAE_TOKENIZERS])}"
+        f"), not an existing folder or file, and not a hub id like stabilityai/sd-vae-ft-ema. {_LOCAL_OPTIONS}"
     )
 
 
@@ -279,7 +316,7 @@ def measure_latent(config: dict, image_size: int | None = None, where: str = "th
         raise SettingError(
             f"{where} ({config.get('_class_name')}) encodes and decodes {native}x{native} images only (its encoder "
             f"resizes any input to its own size, and its decoder draws {native} px), so latents of {image_size}x"
-            f"{image_size} images would decode at another size. Extract with --image-size {native}, or pass a "
+            f"{image_size} images would decode at another size. Extract with {{image size}} {native}, or pass a "
             f"tokenizer made for {image_size} px.")
     size = int(image_size or probe_size(config))
     return _measure(json.dumps(config, sort_keys=True, default=list), size, str(where))

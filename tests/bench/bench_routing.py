@@ -46,11 +46,12 @@ def parse_args(argv=None):
 
 def counted_flops(ratio: float) -> list[str]:
     """Per-image training GFLOPs (3x forward) plain vs routed, counted from the modules on the meta device."""
-    from train.memory import build_model, forward_macs, model_config
+    from shared.network.models import ModelConfig
+    from train.memory import forward_macs
 
     lines = ["== forward FLOPs counted from the modules (x3 for a training step), per image =="]
     for name, latent, start, end in COUNTED:
-        model = build_model(model_config(name, latent * 8), "meta")
+        model = ModelConfig(name, latent).build(device="meta")
         plain = forward_macs(model)["total"]
         tokens = model.x_embedder.num_patches
         model.set_routing(start, end)

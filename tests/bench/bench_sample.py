@@ -14,7 +14,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from shared.generative.guidance import guided_model_fn  # noqa: E402
-from sample.image_draws import LabelPlan, batch_start  # noqa: E402
+from shared.sampling.image_draws import LabelPlan, batch_start  # noqa: E402
 from shared.tokenizers.vae_match import load_vae  # noqa: E402
 from shared.generative.objectives import DDPMObjective  # noqa: E402
 from shared.network.models import DiT_models, ModelConfig  # noqa: E402

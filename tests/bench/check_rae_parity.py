@@ -3,9 +3,9 @@
 Run: PYTHONPATH=DIR_WITH_EINOPS .venv/bin/python tests/bench/check_rae_parity.py --rae-repo PATH_TO_AN_RAE_CHECKOUT
 (RAE's code is not part of this project and is never copied into it: point --rae-repo at a checkout. Its
 models import einops, which our requirements do not bring (`pip install --target DIR einops` and put DIR on
-PYTHONPATH), and timm, which cannot be imported here: timm's PatchEmbed and Mlp are replaced by a minimal
-stand-in below (a strided Conv2d, flattened row-major, as timm's with its default flatten and no norm), the
-only two timm classes RAE's DiTwDDTHead touches. RAE's sampler needs torchdiffeq, which our requirements bring.)
+PYTHONPATH), and timm, which cannot be imported here: timm's PatchEmbed and Mlp are replaced by minimal
+stand-ins in tests/bench/reference_code.py (a strided Conv2d, flattened row-major, as timm's with its default
+flatten and no norm), the only two timm classes RAE's DiTwDDTHead touches. RAE's sampler needs torchdiffeq, which our requirements bring.)
 
 Checks, printing each number:
 1. forward: RAE's DiTwDDTHead built with a preset's shape; every tensor perturbed so adaLN-Zero layers are
@@ -26,7 +26,6 @@ Checks, printing each number:
 import argparse
 import importlib
 import sys
-import types
 from pathlib import Path
 
 import torch
@@ -36,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from shared.generative.flow import FlowPath, FlowProcess, euler_sample, flow_grid, rae_shift  # noqa: E402
 from shared.generative.objectives import make_objective  # noqa: E402
 from shared.network.models import PRESETS, ModelConfig  # noqa: E402
+from tests.bench.reference_code import perturb_, stand_in_timm  # noqa: E402
 
 DDT_PRESETS = [name for name, arch in PRESETS.items() if arch.get("head_depth")]
 
@@ -55,28 +55,9 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-class _PatchEmbed(nn.Module):
-    """timm's PatchEmbed as RAE uses it: Conv2d(k = s = p), flattened to (N, T, D) row-major; no norm."""
-
-    def __init__(self, img_size, patch_size, in_chans, embed_dim, bias=True):
-        super().__init__()
-        self.patch_size = (patch_size, patch_size)
-        self.num_patches = (img_size // patch_size) ** 2
-        self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size, bias=bias)
-
-    def forward(self, x):
-        """(N, C, H, W) -> (N, T, D)."""
-        return self.proj(x).flatten(2).transpose(1, 2)
-
-
 def import_rae(repo: Path):
     """RAE's stage2 package, with timm's two classes stood in for (see the module docstring)."""
-    vit = types.ModuleType("timm.models.vision_transformer")
-    vit.PatchEmbed, vit.Mlp, vit.Attention = _PatchEmbed, nn.Identity, nn.Identity  # Mlp/Attention: unused here
-    timm = types.ModuleType("timm")
-    timm.models = types.ModuleType("timm.models")
-    timm.models.vision_transformer = vit
-    sys.modules.update({"timm": timm, "timm.models": timm.models, "timm.models.vision_transformer": vit})
+    stand_in_timm(mlp=nn.Identity, attention=nn.Identity)  # Mlp/Attention: unused by DiTwDDTHead
     sys.path.insert(0, str(repo / "src"))
     return (importlib.import_module("stage2.models.DDT"), importlib.import_module("stage2.transport"),
             importlib.import_module("stage2.transport.integrators"))
@@ -89,11 +70,8 @@ def build_pair(ddt, args):
     theirs = ddt.DiTwDDTHead(input_size=args.input_size, patch_size=1, in_channels=args.in_channels,
                              hidden_size=[arch["hidden_size"], arch["head_width"]],
                              depth=[arch["depth"], arch["head_depth"]], num_heads=[arch["num_heads"], arch["head_heads"]],
-                             num_classes=10).eval()
-    with torch.no_grad():
-        for name, p in theirs.named_parameters():
-            if p.requires_grad:
-                p.add_(0.05 * torch.randn_like(p))
+                             num_classes=10)
+    perturb_(theirs, trainable_only=True)
     ours = ModelConfig(args.model, input_size=args.input_size, in_channels=args.in_channels, num_classes=10,
                        learn_sigma=False, objective="flow",
                        objective_args={"convention": "repa"}).build().eval()

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from shared.generative.guidance import guided_model_fn  # noqa: E402
 from shared.network.models import DiT_models, ModelConfig  # noqa: E402
 from shared.generative.objectives import make_objective  # noqa: E402
+from tests.bench.reference_code import perturb_  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -40,12 +41,8 @@ def parse_args(argv=None):
 def random_model(args):
     """A DiT with live (perturbed) weights in eval mode, 10 classes plus the null class."""
     torch.manual_seed(args.seed)
-    model = ModelConfig(args.model, input_size=args.input_size, num_classes=10, objective="flow").build().eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.add_(0.05 * torch.randn_like(p))
-    return model
+    model = ModelConfig(args.model, input_size=args.input_size, num_classes=10, objective="flow").build()
+    return perturb_(model, trainable_only=True)
 
 
 def rel(a, b) -> float:

@@ -17,12 +17,15 @@ from shared.runtime.errors import ChoiceError, UserError
 from shared.runtime.export import first_nonfinite, load_torch_file, load_weights, safetensors_problem
 from shared.network.models import PRESETS, ModelConfig, check_preset, infer_model_config
 from shared.network.repa import repa_release_config, split_repa_release
+from shared.tokenizers.rae_release import RAE_DIT_LATENTS
 from shared.runtime.rundir import (CHECKPOINTS, EMA_FILE, EXPORTS, MODEL_FILE, checkpoint_path, is_complete_checkpoint,
                            list_checkpoints, list_exports, step_of)
 
-from sample.diffusers_folder import (CONFIG, DiffusersSource, class_names, is_diffusers_file, is_diffusers_folder,
-                                     locate, locate_hub, looks_like_hub_id, read_json, read_weights)
-from sample.official import OFFICIAL_NAMES, RELEASES, checkpoint_url, find_official, is_official_name, release_name
+from shared.weights.diffusers_folder import (CONFIG, DiffusersSource, class_names, is_diffusers_file,
+                                             is_diffusers_folder, locate, locate_hub, looks_like_hub_id, read_json,
+                                             read_weights)
+from shared.weights.official import (OFFICIAL_NAMES, RELEASES, checkpoint_url, find_official, is_official_name,
+                                     release_name)
 
 TORCH_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")  # read with torch.load(weights_only=True); all else safetensors
 WEIGHTS = ("ema", "raw")  # which weights of a run or checkpoint: the EMA copy or the raw training weights
@@ -164,6 +167,18 @@ def _nothing_to_sample(run: Path, weights: str) -> UserError:
                      "export is written, or pass --weights raw to use the newest checkpoint's raw weights.")
 
 
+def _check_model_flag(model: str | None, config: ModelConfig, refusal) -> None:
+    """--model, when given, must name the preset the weights hold; refusal() is the paragraph (each loader's words)."""
+    if model is not None and model != config.model:
+        raise UserError(refusal())
+
+
+def _shape_note(config: ModelConfig) -> str:
+    """'DiT-XL/2, latent 4x32x32, 1000 classes': the note every loader starts with."""
+    return (f"{config.model}, latent {config.in_channels}x{config.input_size}x{config.input_size}, "
+            f"{config.num_classes} classes")
+
+
 def _strip_prefixes(state_dict: dict) -> dict:
     """Drop a DDP/compile prefix shared by every key."""
     for prefix in _KEY_PREFIXES:
@@ -235,21 +250,25 @@ def _load_official(path: Path, weights: str | None, model: str | None, objective
     else:
         name, why = _objective_of_release(path, objective)
         config = dataclasses.replace(config, objective=name, objective_plugin=plugin_of(name))
-    if model is not None and model != config.model:
-        raise UserError(f"--model {model} does not fit {path}: its tensor shapes are those of {config.model} "
-                        f"(latent input {config.input_size}). Pass --model {config.model} or drop --model.")
+    _check_model_flag(model, config, lambda: f"--model {model} does not fit {path}: its tensor shapes are those of "
+                      f"{config.model} (latent input {config.input_size}). Pass --model {config.model} or drop --model.")
     how = "checked against --model" if model else "inferred from tensor shapes"
-    notes = [f"{config.model}, latent {config.in_channels}x{config.input_size}x{config.input_size}, "
-             f"{config.num_classes} classes ({how})", f"objective {name} ({why})", *repa_notes]
+    notes = [f"{_shape_note(config)} ({how})", f"objective {name} ({why})", *repa_notes]
     if config.head_depth:
         notes.append(f"DiT^DH head {config.head_depth} x {config.head_width} wide; flow time convention "
                      f"{config.objective_args['convention']}, time shift {config.objective_args['time_dist_shift']:g} "
                      "(shared/generative/flow.py)")
+    latent_meta = None  # DiT's, SiT's and REPA's: SD-VAE latents
+    if config.head_depth and [config.in_channels, config.input_size, config.input_size] == \
+            RAE_DIT_LATENTS["latent_shape"]:  # RAE's DINOv2-B tokens: decoded by RAE's released tokenizer
+        latent_meta = dict(RAE_DIT_LATENTS)
+        notes.append(f"tokens of RAE's {latent_meta['vae']} tokenizer (DINOv2-B with registers): decoded by its ViT-XL "
+                     f"decoder after its ImageNet statistics unless --vae says otherwise")
     warnings = [] if why != ASSUMED_DDPM else [
         f"{path.name} records no objective and is no known release: sampled as DiT's ddpm objective (noise "
         f"prediction); if it was trained with flow matching (SiT), pass --objective flow."]
-    return LoadedWeights(state_dict, config, path, "official", notes=notes, weights=which, warnings=warnings,
-                         auto_guide=_auto_guide_of_release(config))
+    return LoadedWeights(state_dict, config, path, "official", latent_meta, notes=notes, weights=which,
+                         warnings=warnings, auto_guide=_auto_guide_of_release(config))
 
 
 def _auto_guide_of_release(config: ModelConfig) -> AutoGuide:
@@ -260,14 +279,13 @@ def _auto_guide_of_release(config: ModelConfig) -> AutoGuide:
 
 
 def _load_lightningdit(obj, path: Path, release, model: str | None) -> LoadedWeights:
-    """A LightningDiT release: its EMA weights in our lightning block, decoded by VA-VAE (sample/lightningdit.py)."""
-    from sample.lightningdit import CFG_SCALES, lightningdit_state_dict, release_model_config
+    """A LightningDiT release: its EMA weights in our lightning block, decoded by VA-VAE (lightningdit.py beside)."""
+    from shared.weights.lightningdit import CFG_SCALES, lightningdit_state_dict, release_model_config
 
     state_dict = lightningdit_state_dict(obj, path)
     config = release_model_config(state_dict, path)
-    if model is not None and model != config.model:
-        raise UserError(f"--model {model} does not fit {path}: its tensor shapes are those of {config.model}. Pass "
-                        f"--model {config.model} or drop --model.")
+    _check_model_flag(model, config, lambda: f"--model {model} does not fit {path}: its tensor shapes are those of "
+                      f"{config.model}. Pass --model {config.model} or drop --model.")
     notes = [f"{config.model} ({config.block} block), latent {config.in_channels}x{config.input_size}x"
              f"{config.input_size}, {config.num_classes} classes: a {release.paper} release (flow, time 0 = noise), "
              f"decoded by VA-VAE with its per-channel statistics",
@@ -282,9 +300,8 @@ def _load_lightningdit(obj, path: Path, release, model: str | None) -> LoadedWei
 def _load_export(path: Path, model: str | None, held: str) -> LoadedWeights:
     """Our safetensors export: config and latent metadata from the file, nothing inferred."""
     state_dict, config, latent_meta, step = load_weights(path)
-    if model is not None and model != config.model:
-        raise UserError(f"--model {model} contradicts {path}, which holds {config.model} weights (read from "
-                        f"its metadata); drop --model, it is only needed for official .pt checkpoints.")
+    _check_model_flag(model, config, lambda: f"--model {model} contradicts {path}, which holds {config.model} weights "
+                      "(read from its metadata); drop --model, it is only needed for official .pt checkpoints.")
     return LoadedWeights(_strip_prefixes(state_dict), config, path, "export", latent_meta, step,
                          [f"{config.model} step {step} (config read from the file's metadata)"], held)
 
@@ -325,15 +342,13 @@ def _load_diffusers(source: DiffusersSource, weights: str | None, model: str | N
     where = source.transformer
     full = check_dit_config(read_json(source.transformer / CONFIG), where)
     config = model_config_of(full, where)
-    if model is not None and model != config.model:
-        raise UserError(f"--model {model} contradicts {where}, whose config.json describes {config.model}; drop "
-                        f"--model, a diffusers folder says its architecture itself.")
+    _check_model_flag(model, config, lambda: f"--model {model} contradicts {where}, whose config.json describes "
+                      f"{config.model}; drop --model, a diffusers folder says its architecture itself.")
     state_dict = diffusers_to_dit(read_weights(source.weights), full, where)
     meta = _pipeline_latent_meta(source, config)
     vae = f"its pipeline's VAE {source.vae} unless --vae is given" if source.vae else \
         "no pipeline VAE beside it (pass --vae)"
-    notes = [f"{config.model}, latent {config.in_channels}x{config.input_size}x{config.input_size}, "
-             f"{config.num_classes} classes (read from the diffusers {full['_class_name']} config in {where}; "
+    notes = [f"{_shape_note(config)} (read from the diffusers {full['_class_name']} config in {where}; "
              f"{vae})", f"{NUMERICS_NOTE} Loaded here as the official DiT function, which is what the Hub's DiT "
                         f"weights were trained as."]
     return LoadedWeights(state_dict, config, source.weights, "diffusers", meta, None, notes, AS_SAVED,
@@ -370,15 +385,14 @@ def load_sampling_weights(ckpt, weights: str | None = None, model: str | None = 
     diffusers = find_diffusers(ckpt)
     if diffusers is not None:
         loaded = _load_diffusers(diffusers, weights, model)
-        check_finite(loaded)
-        return loaded
-    source = resolve_ckpt(ckpt, weights)
-    if source.path.suffix.lower() in TORCH_SUFFIXES:
-        loaded = _load_official(source.path, weights, model, objective)
     else:
-        loaded = _load_export(source.path, model, source.weights)
-    loaded.notes.extend(source.notes)
-    loaded.warnings.extend(source.notes)
+        source = resolve_ckpt(ckpt, weights)
+        if source.path.suffix.lower() in TORCH_SUFFIXES:
+            loaded = _load_official(source.path, weights, model, objective)
+        else:
+            loaded = _load_export(source.path, model, source.weights)
+        loaded.notes.extend(source.notes)
+        loaded.warnings.extend(source.notes)
     check_finite(loaded)
     return loaded
 

@@ -1,4 +1,5 @@
-"""`python -m sample`: class-conditional DiT sampling (CFG; DDPM, DDIM or an ODE solver) decoded to PNGs, grid, npz."""
+"""`python -m sample`'s code path (also `python -m evaluate run`'s): class-conditional DiT sampling (CFG; DDPM, DDIM
+or an ODE solver) decoded to PNGs, grid, npz."""
 from __future__ import annotations
 
 import contextlib
@@ -25,10 +26,12 @@ from shared.runtime.precision import set_tf32
 from shared.runtime.rundir import CHECKPOINTS, EMA_FILE, EXPORTS, MODEL_FILE
 from shared.tokenizers.vae_match import check_loaded_vae, check_vae_matches, choose_vae, load_vae
 
-from sample.checkpoint import WEIGHTS, LoadedWeights, build_sampling_model, image_size_of, load_sampling_weights
-from sample.outputs import (GRID_NAME, captions_for, NPZ_NAME, SETTINGS_NAME, check_out_dir, check_out_path, image_name,
-                            missing_indices, read_png, remove_stale_temps, save_png, write_grid, write_json, write_npz)
-from sample.image_draws import LabelPlan, batch_start, image_labels, make_label_plan
+from shared.sampling.image_draws import LabelPlan, batch_start, image_labels, make_label_plan
+from shared.sampling.outputs import (GRID_NAME, NPZ_NAME, SETTINGS_NAME, captions_for, check_out_dir, check_out_path,
+                                     image_name, missing_indices, read_png, remove_stale_temps, save_png, write_grid,
+                                     write_json, write_npz)
+from shared.weights.checkpoint import (WEIGHTS, LoadedWeights, build_sampling_model, image_size_of,
+                                       load_sampling_weights)
 
 # Settings that change no pixel: a rerun may change them and still resume the same images.
 RUN_ONLY = ("num_samples", "batch_size", "out", "npz", "vae_slicing", "cpu", "tf32", "allow_other_vae")

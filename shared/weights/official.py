@@ -15,33 +15,17 @@ folder `torch.hub.get_dir()/checkpoints` ($TORCH_HOME/hub/checkpoints, by defaul
 The URL is the release's (its download.py): https://dl.fbaipublicfiles.com/DiT/models/NAME for DiT, SiT's README
 link for SiT; $DIT_DOWNLOAD_URL replaces them all by BASE/NAME (a mirror, or the tests' local server).
 
-A download streams into a temp name beside the final one and is renamed only once every byte announced by the
-server has arrived and the file's zip directory (torch's format) is intact; a cached file without one (a copy
-cut short) is deleted and fetched again. One process downloads a file at a time; others wait for it.
+The cache and the download itself (temp name, whole-file checks, one downloader per file) are
+shared/runtime/download.py's, which RAE's tokenizer files use too.
 """
 from __future__ import annotations
 
-import contextlib
-import http.client
 import os
-import socket
-import urllib.error
 import urllib.parse
-import urllib.request
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
-from tqdm import tqdm
-
-from shared.runtime.errors import UserError, disk_full
-from shared.runtime.fsio import publish_file, stale_tmps, tmp_name
-
-try:  # POSIX: a waiting lock, released by the OS when its holder dies
-    import fcntl
-except ImportError:  # Windows: no lock; two simultaneous downloads still never publish a partial file
-    fcntl = None
+from shared.runtime.download import CACHE_ENV, URL_ENV, cache_dir, download, fetch, zip_problem  # noqa: F401 - re-exported
 
 BASE_URL = "https://dl.fbaipublicfiles.com/DiT/models/"
 HF_RAE = "https://huggingface.co/nyu-visionx/RAE-collections/resolve/main/"  # RAE's README: hf download this repo
@@ -57,7 +41,7 @@ class Release:
     flow_convention: str = "sit"
     paper: str = "DiT (Peebles & Xie 2023)"
     latent_meta: dict | None = None  # what the bare file cannot say about its latents (None: SD-VAE's, DiT's)
-    layout: str = "dit"  # "lightningdit": sample/lightningdit.py unwraps and checks it
+    layout: str = "dit"  # "lightningdit": shared/weights/lightningdit.py unwraps and checks it
     time_dist_shift: float = 1.0  # RAE's shift of the times (shared/generative/flow.py), recorded with the model
 
 
@@ -108,25 +92,12 @@ def release_name(file_name: str) -> str | None:
     if file_name in RELEASES:
         return file_name
     return URL_NAMES.get(file_name)
-URL_ENV = "DIT_DOWNLOAD_URL"
-CACHE_ENV = "DIT_CHECKPOINT_DIR"
 RELEASE_DIR = "pretrained_models"  # the release's scripts download into ./pretrained_models/
-CHUNK_BYTES = 1 << 20
-TIMEOUT_S = 30  # per socket operation: a stalled server ends the download instead of hanging it
 
 
 def is_official_name(text: str) -> bool:
     """Whether --ckpt is the bare file name of a released checkpoint (ours or its URL's)."""
     return release_name(str(text)) is not None
-
-
-def cache_dir() -> Path:
-    """Where downloaded checkpoints live: $DIT_CHECKPOINT_DIR, else torch's hub checkpoints folder."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser()
-    import torch
-
-    return Path(torch.hub.get_dir()) / "checkpoints"
 
 
 def checkpoint_url(name: str) -> str:
@@ -137,35 +108,6 @@ def checkpoint_url(name: str) -> str:
     return RELEASES[name].url if name in RELEASES else BASE_URL + name
 
 
-def zip_problem(path: Path) -> str | None:
-    """Why a torch zip file is cut short or damaged (its central directory is at the end); None if whole."""
-    with open(path, "rb") as f:
-        if f.read(2) != b"PK":  # not torch's zip format (a legacy pickle): torch.load judges it
-            return None
-    try:
-        with zipfile.ZipFile(path) as archive:
-            archive.infolist()
-    except (zipfile.BadZipFile, OSError, ValueError) as err:
-        return f"{err}; {path.stat().st_size:,} bytes"
-    return None
-
-
-@contextlib.contextmanager
-def _one_downloader(dest: Path) -> Iterator[None]:
-    """Hold an exclusive lock for `dest` (waiting for another process that downloads it)."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    if fcntl is None:
-        yield
-        return
-    with open(dest.with_name(f".{dest.name}.lock"), "a") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            print(f"waiting for another process that is downloading {dest.name} ...")
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
-
-
 def find_official(name: str) -> tuple[Path, list[str]]:
     """(path, notes) of a released checkpoint: ./pretrained_models/, else the cache, else downloaded into it."""
     for local in dict.fromkeys((name, release_name(name))):  # as asked, then under the release's name here
@@ -173,82 +115,4 @@ def find_official(name: str) -> tuple[Path, list[str]]:
         if release.is_file():
             return release, [f"{local} found in ./{RELEASE_DIR}/ (where the DiT release's scripts put it)"]
     name = release_name(name)  # the cache and the download use the release's name here
-    dest = cache_dir() / name
-    notes = []
-    with _one_downloader(dest):
-        if dest.is_file():
-            problem = zip_problem(dest)
-            if problem is None:
-                return dest, [f"{name} read from the checkpoint cache {dest.parent}"]
-            note = (f"the cached {dest} is not a whole checkpoint ({problem}): an earlier copy or download was cut "
-                    f"short; it was deleted and is downloaded again")
-            print(f"note: {note}")
-            notes.append(note)
-            dest.unlink()
-        download(checkpoint_url(name), dest, cached_copy_removed=bool(notes))
-    return dest, notes + [f"{name} downloaded from {checkpoint_url(name)} into {dest.parent}"]
-
-
-def download(url: str, dest: Path, cached_copy_removed: bool = False) -> Path:
-    """Stream `url` into a temp file beside `dest`, check it is whole, then rename; UserError on any failure."""
-    for stale in stale_tmps(dest):  # leftovers of killed downloads (we hold the lock: nobody else writes)
-        stale.unlink(missing_ok=True)
-    tmp = tmp_name(dest)
-    written, total = 0, None
-    try:
-        with urllib.request.urlopen(url, timeout=TIMEOUT_S) as response, open(tmp, "wb") as out, \
-                tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc=f"downloading {dest.name}") as bar:
-            total = int(response.headers.get("Content-Length") or 0) or None
-            bar.total = total
-            while chunk := response.read(CHUNK_BYTES):
-                out.write(chunk)
-                written += len(chunk)
-                bar.update(len(chunk))
-        if total is not None and written != total:
-            raise UserError(_interrupted(url, dest, written, total, "the server closed the connection"))
-        problem = zip_problem(tmp)
-        if problem:
-            raise UserError(_interrupted(url, dest, written, total, f"the file is not whole: {problem}"))
-        return publish_file(tmp, dest)
-    except UserError:
-        raise
-    except (urllib.error.URLError, http.client.HTTPException, socket.timeout, OSError) as err:
-        full = disk_full(err, dest.parent, written)
-        if full is not None:
-            raise full from None
-        if written:
-            raise UserError(_interrupted(url, dest, written, total, _reason(err))) from None
-        raise UserError(_unreachable(url, dest, _reason(err), cached_copy_removed)) from None
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def _reason(err: BaseException) -> str:
-    """A short cause: the HTTP status, the network error, or the exception's first line."""
-    if isinstance(err, urllib.error.HTTPError):
-        return f"the server answered {err.code} {err.reason}"
-    if isinstance(err, urllib.error.URLError):
-        return f"{err.reason}"
-    text = " ".join(str(err).split())
-    return f"{type(err).__name__}: {text}"[:200] if text else type(err).__name__
-
-
-def _where_to_put(url: str, dest: Path) -> str:
-    """How to get the file there by hand."""
-    return (f"Download it where the network allows (e.g. `wget {url}`) and put it at {dest} (the checkpoint cache; "
-            f"set {CACHE_ENV} to use another folder) or in ./{RELEASE_DIR}/, or pass its path as --ckpt.")
-
-
-def _unreachable(url: str, dest: Path, reason: str, removed: bool) -> str:
-    """The paragraph for a download that could not start (offline, no such file, refused)."""
-    gone = " The damaged cached copy was deleted." if removed else ""
-    return (f"{dest.name} is not on this machine and could not be downloaded from {url} ({reason}).{gone} "
-            f"{_where_to_put(url, dest)}")
-
-
-def _interrupted(url: str, dest: Path, written: int, total: int | None, reason: str) -> str:
-    """The paragraph for a download that stopped part way."""
-    of = f" of {total:,}" if total else ""
-    return (f"the download of {dest.name} from {url} stopped after {written:,}{of} bytes ({reason}). The partial "
-            f"file was deleted; nothing was saved as {dest}. Rerun the same command to download it again. "
-            f"{_where_to_put(url, dest)}")
+    return fetch(name, checkpoint_url(name), f"or in ./{RELEASE_DIR}/, or pass its path as --ckpt")
