@@ -40,11 +40,15 @@ def normalise(pixels: torch.Tensor) -> torch.Tensor:
     return (x - torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)) / torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
 
 
-def train(steps: int = 150, batch: int = 64, seed: int = SEED):
-    """Fit the encoder + head on all digits; returns (encoder, final training accuracy)."""
-    images, labels = digit_images()
-    x_all, y_all = normalise(torch.from_numpy(images)), torch.from_numpy(labels)
-    encoder, head = build(seed)
+def patch_tokens(encoder, x: torch.Tensor) -> torch.Tensor:
+    """Patch tokens (B, N, C) of a DINOv2, with or without registers: the CLS and register tokens dropped."""
+    skip = 1 + getattr(encoder.config, "num_register_tokens", 0)  # Dinov2WithRegisters: 1 CLS + 4 registers
+    return encoder(pixel_values=x).last_hidden_state[:, skip:]
+
+
+def fit(encoder, head, x_all: torch.Tensor, y_all: torch.Tensor, steps: int = 150, batch: int = 64,
+        seed: int = SEED) -> float:
+    """Fit encoder + head to classify x_all (N, 3, S, S), normalised, from its mean patch token; training accuracy."""
     params = list(encoder.parameters()) + list(head.parameters())
     opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
     g = torch.Generator().manual_seed(seed)
@@ -52,14 +56,27 @@ def train(steps: int = 150, batch: int = 64, seed: int = SEED):
         idx = torch.randint(0, len(x_all), (batch,), generator=g)
         dx, dy = (int(v) for v in torch.randint(-2, 3, (2,), generator=g))
         x = torch.roll(x_all[idx], shifts=(dy, dx), dims=(2, 3))  # a small random shift
-        tokens = encoder(pixel_values=x).last_hidden_state[:, 1:]  # (B, 16, 64)
+        tokens = patch_tokens(encoder, x)  # (B, 16, 64)
         loss = F.cross_entropy(head(tokens.mean(1)), y_all[idx])
         opt.zero_grad()
         loss.backward()
         opt.step()
-    with torch.no_grad():
-        logits = head(encoder(pixel_values=x_all).last_hidden_state[:, 1:].mean(1))
-    return encoder.eval(), float((logits.argmax(1) == y_all).float().mean())
+    encoder.eval()
+    return accuracy(encoder, head, x_all, y_all)
+
+
+@torch.no_grad()
+def accuracy(encoder, head, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Share of x (N, 3, S, S), normalised, whose mean patch token the head reads as its label y."""
+    return float((head(patch_tokens(encoder, x).mean(1)).argmax(1) == y).float().mean())
+
+
+def train(steps: int = 150, batch: int = 64, seed: int = SEED):
+    """Fit the encoder + head on all digits; returns (encoder, final training accuracy)."""
+    images, labels = digit_images()
+    x_all, y_all = normalise(torch.from_numpy(images)), torch.from_numpy(labels)
+    encoder, head = build(seed)
+    return encoder, fit(encoder, head, x_all, y_all, steps, batch, seed)
 
 
 def main(argv=None) -> None:

@@ -121,3 +121,43 @@ def test_fewest_rows_and_solver_settings():
     rows += [{"arm": "dit", "sampler": "ddpm", "rows": 500, "fd": 6.5}, {"arm": "sit", "sampler": "sde", "rows": 40,
                                                                            "fd": 8.0}]
     assert bench.fewest_rows(rows, 6.5) == {"sit euler": 20, "dit ddpm": 500, "sit sde": None}
+
+
+def test_the_rae_arm_trains_dit_t1_on_its_own_latents_and_leaves_the_other_arms_unchanged(tmp_path):
+    args = bench.parse_args(["--out", str(tmp_path), "--arms", "sit", "sit-rae"])
+    shared = tmp_path / "latents"
+    rae = [str(x) for x in bench.train_argv(args, "sit-rae", 0, shared)]
+    assert rae.count("--model") == 1 and rae[rae.index("--model") + 1] == bench.RAE_MODEL == "DiT-T/1"
+    assert rae[rae.index("--latents") + 1] == str(tmp_path / "latents-rae")
+    assert rae[rae.index("--recipe") + 1] == "sit" and "--global-batch-size" in rae  # the demo's other settings
+    # The arms before it: exactly the flags they had (so a long run of them resumes), on OUT/latents.
+    sit = [str(x) for x in bench.train_argv(args, "sit", 0, shared)]
+    assert sit[:2] == ["--recipe", "sit"] and sit[2:12] == [str(x) for p in bench.DEMO_TRAIN.items() for x in p]
+    assert sit[sit.index("--latents") + 1] == str(shared)
+    assert bench.decoder_of(args, "sit-rae") == args.rae and bench.decoder_of(args, "sit") == args.vae
+    assert bench.arm_of(tmp_path / "runs" / "sit-rae-seed0") == "sit-rae"
+    assert bench.arm_of(tmp_path / "final" / "sit-seed1-step100") == "sit"
+    with pytest.raises(SystemExit):  # another tokenizer's arm cannot join the combined arm's shared latents
+        bench.parse_args(["--combine", "sit-repa", "sit-rae"])
+
+
+def test_the_tokenizer_comparison_is_rae_against_sit():
+    def arm(finals, seconds):
+        return {"steps": [100, 200], "fd": [40.0, sum(finals) / 2], "seconds": seconds,
+                "seeds": {0: [41.0, finals[0]], 1: [39.0, finals[1]]}}
+
+    runs = []
+    for name, finals, secs in (("sit", (20.0, 22.0), [10.0, 20.0]), ("sit-rae", (10.0, 11.0), [12.0, 24.0])):
+        for seed in (0, 1):
+            runs.append({"recipe": name, "seed": seed, "steps": [100, 200], "seconds": secs,
+                         "fd": {"1": arm(finals, secs)["seeds"][seed]}})
+    summary = bench.summarise(runs, [1.0], {"repeats": [{"cfg": 1.0, "gap": 0.5}]})["1"]
+    assert summary["reach"] == {} and summary["verdicts"] == {}  # no dit arm: the recipe tables stay empty
+    reach, verdict = summary["tokenizers"]["reach"], summary["tokenizers"]["verdict"]
+    assert reach["sit"]["target"] == pytest.approx(21.0)
+    # sit-rae falls from 40 to 10.5 between steps 100 and 200: 21 is reached at 100 + 100 * 19 / 29.5.
+    assert reach["sit-rae"]["step"] == pytest.approx(100 + 100 * 19 / 29.5)
+    assert reach["sit-rae"]["step_ratio"] == pytest.approx(200 / (100 + 100 * 19 / 29.5))
+    assert verdict["gain"] == pytest.approx(10.5) and verdict["noise"] == pytest.approx(2.0)
+    assert verdict["verdict"] == "better"
+    assert "tokenizers" not in bench.summarise([r for r in runs if r["recipe"] == "sit"], [1.0])["1"]

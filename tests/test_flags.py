@@ -156,7 +156,8 @@ def test_the_sampler_counter_finds_restated_defaults(tmp_path):
     """The counter is not blind: the three ways a default used to be restated are each found."""
     for package in PACKAGES:
         (tmp_path / package).mkdir()
-    (tmp_path / "sample" / "generate.py").write_text(
+    (tmp_path / "shared" / "sampling").mkdir()
+    (tmp_path / "shared" / "sampling" / "generate.py").write_text(
         "class SampleOptions:\n    time_shift: float | None = option(None, 'shift')\n"
         "    ddim_eta: float = option(0.0, 'eta')\n"
         "def f(o):\n    return o.get('last_step_size', 0.04), (('time_shift', 'shift', 1.0),)\n")

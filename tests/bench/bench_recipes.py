@@ -1,7 +1,9 @@
 """Time to quality of the training recipes and options on the digits yardstick (issues 19, 27).
 
 Arms (ARMS): dit, sit, lightning (the --recipe presets), sit-repa (sit + REPA with the digits encoder), sit-route
-(sit + token routing, TREAD) and combined (the flags of the --combine arms together; default sit-repa + sit-route).
+(sit + token routing, TREAD), combined (the flags of the --combine arms together; default sit-repa + sit-route) and
+sit-rae (issue 26: the sit recipe on the digits RAE's tokens, `python -m data.make_rae`, with DiT-T/1, against sit on
+the digits VAE's latents).
 
 Run (the full budget: 4,000+ steps per run, hours, alone on a quiet machine):
   .venv/bin/python tests/bench/bench_recipes.py --out /tmp/bench-recipes --steps 4000 --every 500 \
@@ -11,7 +13,9 @@ Smoke run (minutes): add --steps 40 --every 20 --seeds 0 --num-samples 100 --num
 1. Data: the digits ImageFolder (shared.datasets.digits.build_digits), the digits encoder (`python -m
    data.make_encoder`) and `python -m extract` with the committed digits VAE, exactly as the demo does
    (data.demo.extract_args) plus the encoder's tokens (--repr-encoder), into OUT/latents once. Every arm trains on
-   this folder; only the REPA arms read the tokens.
+   this folder but sit-rae; only the REPA arms read the tokens. sit-rae: the same images extracted once with the
+   digits RAE (--rae, an AutoencoderRAE folder) into OUT/latents-rae; its samples are decoded by the RAE, so its
+   digits FD is measured on images, as the others'.
 2. Training: `python -m train` with each arm's flags for every seed, DiT-T/2 with the demo's explicit settings
    (batch 64, lr 1e-3, warmup 100, EMA 0.995) given to every arm. Explicit flags win over a recipe, so the lr
    is the same for all (lightning's own 2e-4 is for batch 1024): what differs is each recipe's objective (DDPM or
@@ -67,8 +71,13 @@ sys.path.insert(0, str(ROOT))
 RECIPE_NAMES = ("dit", "sit", "lightning")
 REPA = ["--repa-weight", 0.5, "--repa-depth", 2, "--repa-projector-dim", 256]  # bench_repa's digits arm
 ROUTE = ["--route-ratio", 0.5, "--route-start", 2, "--route-end", 3]  # half the tokens skip blocks 2..3 of 6
+# The digits RAE's 4x4x64 tokens at patch 1: 16 tokens of 64 values, as DiT-T/2 sees 16 tokens of 2x2x4 = 16 values
+# of the VAE's 8x8x4 latents, with the same width (192 >= 64: no DiT^DH head needed) and blocks.
+RAE_MODEL = "DiT-T/1"
 ARMS = {"dit": ["--recipe", "dit"], "sit": ["--recipe", "sit"], "lightning": ["--recipe", "lightning"],
-        "sit-repa": ["--recipe", "sit", *REPA], "sit-route": ["--recipe", "sit", *ROUTE]}
+        "sit-repa": ["--recipe", "sit", *REPA], "sit-route": ["--recipe", "sit", *ROUTE],
+        "sit-rae": ["--recipe", "sit", "--model", RAE_MODEL]}
+OWN_LATENTS = {"sit-rae": "latents-rae"}  # arms on another tokenizer's latents (OUT/<folder>); the rest: OUT/latents
 ARM_NAMES = (*ARMS, "combined")
 DEMO_TRAIN = {"--model": "DiT-T/2", "--global-batch-size": 64, "--lr": 1e-3, "--warmup-steps": 100,
               "--ema-decay": 0.995}  # data/demo.py's FULL recipe, given explicitly so every recipe trains alike
@@ -139,6 +148,32 @@ def reach_table(curves: dict[str, dict], reference: str = "dit") -> dict[str, di
         row["step_ratio"] = base["step"] / row["step"] if row["step"] else None
         row["seconds_ratio"] = base["seconds"] / row["seconds"] if row["seconds"] else None
     return reached
+
+
+def fixed_flags(arm_argv: list) -> list:
+    """DEMO_TRAIN's flags that the arm does not set itself (sit-rae's --model replaces DiT-T/2)."""
+    return [x for flag, value in DEMO_TRAIN.items() if flag not in arm_argv for x in (flag, value)]
+
+
+def latents_folder(out, arm: str) -> Path:
+    """OUT/latents (the digits VAE's latents and the encoder tokens), or the arm's own tokenizer's folder."""
+    return Path(out) / OWN_LATENTS.get(arm, "latents")
+
+
+def decoder_of(args, arm: str) -> str:
+    """The tokenizer that decodes an arm's samples: --rae for the RAE arm, else the digits VAE (--vae)."""
+    return str(args.rae) if arm in OWN_LATENTS else args.vae
+
+
+def arm_of(run: Path) -> str:
+    """The arm of a run folder OUT/runs/ARM-seedS or OUT/final/ARM-seedS-stepN."""
+    return next(arm for arm in sorted(ARM_NAMES, key=len, reverse=True) if run.name.startswith(f"{arm}-seed"))
+
+
+def tokenizer_comparison(curves: dict, sampling_gap: float) -> dict:
+    """The RAE arm against the sit arm (the same recipe on the digits VAE): reach of sit's final FD and verdict."""
+    pair = {name: curves[name] for name in ("sit", "sit-rae")}
+    return {"reach": reach_table(pair, "sit"), "verdict": verdicts(pair, sampling_gap, "sit")["sit-rae"]}
 
 
 def combined_flags(arms: list[str]) -> list:
@@ -247,7 +282,25 @@ def prepare_data(args) -> Path:
         seconds = run_cli(args, "extract", [*extract_args(dirs), "--repr-encoder", encoder, "--repr-image-size",
                                             IMAGE_SIZE], "extract.log")
         print(f"extracted the digits latents and encoder tokens in {seconds:.0f}s", flush=True)
+    if any(arm in OWN_LATENTS for arm in args.recipes):
+        prepare_rae(args, dirs["images"])
     return dirs["latents"]
+
+
+def prepare_rae(args, images: Path) -> Path:
+    """The digits RAE's tokens of the same ImageFolder in OUT/latents-rae (the RAE made first if --rae is missing)."""
+    from data.demo import extract_args
+    from shared.datasets.shards import INDEX_NAME
+
+    latents = latents_folder(args.out, "sit-rae")
+    if not (latents / INDEX_NAME).is_file():
+        if not (Path(args.rae) / "config.json").is_file():
+            run_cli(args, "data.make_rae", ["--out", args.rae], "rae.log")
+        argv = extract_args({"images": images, "latents": latents})
+        argv[argv.index("--vae") + 1] = args.rae
+        seconds = run_cli(args, "extract", argv, "extract-rae.log")
+        print(f"extracted the digits RAE's tokens in {seconds:.0f}s", flush=True)
+    return latents
 
 
 def arm_flags(args, arm: str) -> list:
@@ -263,9 +316,10 @@ def run_dir(args, recipe: str, seed: int) -> Path:
 def train_argv(args, recipe: str, seed: int, latents: Path, run: Path | None = None, steps: int | None = None,
                every: int | None = None) -> list:
     """Flags of one training run: the arm's flags plus the demo's explicit settings, an export every --every steps."""
-    fixed = [x for pair in DEMO_TRAIN.items() for x in pair]
+    flags = arm_flags(args, recipe)
     steps, every = steps or args.steps, every or args.every
-    return [*arm_flags(args, recipe), *fixed, "--latents", latents, "--results-dir", run or run_dir(args, recipe, seed),
+    latents = latents_folder(args.out, recipe) if recipe in OWN_LATENTS else latents
+    return [*flags, *fixed_flags(flags), "--latents", latents, "--results-dir", run or run_dir(args, recipe, seed),
             "--max-steps", steps, "--ckpt-every", every, "--keep-last", 1, "--num-workers", 0,
             "--seed", seed, "--sample-every", 0, "--log-every", math.gcd(LOG_EVERY, every),
             "--report-to", "none"]  # log steps include every export step, so its seconds need no guess
@@ -337,7 +391,7 @@ def curve(args, run: Path, cfg: float, seed: int, interval=None) -> dict[int, fl
     o = eval_options(args, run, cfg, seed, interval)
     argv = ["run", run, "--features", "digits", "--num-samples", o.num_samples, "--num-sampling-steps",
             o.num_sampling_steps, "--cfg-scale", cfg, "--guide-channels", o.guide_channels, "--seed", seed,
-            "--batch-size", o.batch_size, "--vae", args.vae, "--cpu",
+            "--batch-size", o.batch_size, "--vae", decoder_of(args, arm_of(run)), "--cpu",
             *(["--cfg-interval", *interval] if interval else [])]
     before = len(matching(read_rows(run), settings_of(o)))
     if before == len(rundir.list_exports(run)):  # all done: no process start-up
@@ -502,7 +556,7 @@ def draw_solver(args, folder: Path, arm: str, sampler: str, steps: int) -> float
 
     out = Path(args.out) / "solvers" / f"{arm}-{sampler}-{steps}-n{args.solver_samples}"
     if not (out / "samples.npz").is_file():
-        run_cli(args, "sample", ["--ckpt", folder, "--vae", args.vae, "--out", out, "--npz", "--sampler", sampler,
+        run_cli(args, "sample", ["--ckpt", folder, "--vae", decoder_of(args, arm), "--out", out, "--npz", "--sampler", sampler,
                                  "--num-sampling-steps", steps, "--cfg-scale", args.solver_cfg, "--guide-channels",
                                  args.guide_channels, "--num-samples", args.solver_samples, "--batch-size",
                                  args.batch_size, "--seed", args.sample_seed, "--cpu"], f"solvers-{arm}.log")
@@ -552,6 +606,8 @@ def summarise(records: list[dict], cfg_scales, floor: dict | None = None) -> dic
         out[cfg] = {"curves": curves, "reach": reach_table(curves) if "dit" in curves else {}}
         gaps = [r["gap"] for r in (floor or {}).get("repeats", []) if cfg_key(r["cfg"]) == cfg]
         out[cfg]["verdicts"] = verdicts(curves, max(gaps, default=0.0)) if "dit" in curves else {}
+        if {"sit", "sit-rae"} <= set(curves):
+            out[cfg]["tokenizers"] = tokenizer_comparison(curves, max(gaps, default=0.0))
     return out
 
 
@@ -614,6 +670,25 @@ def print_verdicts(results: dict) -> None:
               "seed spread of either arm)")
         for name, row in summary["verdicts"].items():
             print(f"  {name:>10}: gain {row['gain']:+.2f}, noise {row['noise']:.2f}: {row['verdict']}")
+
+
+def print_tokenizers(results: dict) -> None:
+    """The digits RAE arm against the digits VAE arm (both the sit recipe): reach, ratios and verdict."""
+    for cfg, summary in results["summary"].items():
+        if "tokenizers" not in summary:
+            continue
+        reach, verdict = summary["tokenizers"]["reach"], summary["tokenizers"]["verdict"]
+        print(f"\nthe digits RAE (sit-rae, {RAE_MODEL} on 4x4x64 tokens) against the digits VAE (sit, DiT-T/2 on 8x8x4 "
+              f"latents) at cfg {cfg}: reaching sit's final mean FD ({reach['sit']['target']:.2f}); ratio > 1: RAE "
+              "faster")
+        row = reach["sit-rae"]
+        if row["step"] is None:
+            print("  sit-rae: not reached in the steps trained")
+        else:
+            print(f"  sit-rae: step {row['step']:.0f} ({row['step_ratio']:.2f}x), {row['seconds']:.0f} s "
+                  f"({row['seconds_ratio']:.2f}x)")
+        print(f"  final mean FD gain of sit-rae over sit {verdict['gain']:+.2f}, noise {verdict['noise']:.2f}: "
+              f"{verdict['verdict']}")
 
 
 def print_timing(results: dict) -> None:
@@ -714,7 +789,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--arms", "--recipes", dest="recipes", nargs="+", default=list(ARM_NAMES), choices=ARM_NAMES,
                    help="arms to train (dit is the reference of the reach table): the recipes, sit-repa, sit-route, "
                         "combined")
-    p.add_argument("--combine", nargs="+", default=["sit-repa", "sit-route"], choices=tuple(ARMS),
+    p.add_argument("--combine", nargs="+", default=["sit-repa", "sit-route"],
+                   choices=tuple(a for a in ARMS if a not in OWN_LATENTS),
                    help="arms of one recipe whose flags the combined arm joins")
     p.add_argument("--timing-steps", type=int, default=0,
                    help="also time this many steps of each arm in a separate short run (0: off); run alone")
@@ -748,9 +824,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--flow-interval", nargs=2, type=float, default=[0.0, 0.7], metavar=("LO", "HI"),
                    help="guidance interval of flow models in noise level sigma = 1 - tau (0 = data)")
     p.add_argument("--vae", default=str(ROOT / "data" / "vae-digits"), help="the digits VAE (the demo's)")
+    p.add_argument("--rae", default=None,
+                   help="the digits RAE (an AutoencoderRAE folder) of the sit-rae arm (default: OUT/rae-digits, made by "
+                        "python -m data.make_rae when missing)")
     p.add_argument("--plot", default=None, help="write FD against steps and seconds to this PNG")
     p.add_argument("--json", default=None, help="write every number to this JSON file")
     args = p.parse_args(argv)
+    args.rae = args.rae or str(Path(args.out) / "rae-digits")
     if args.steps % args.every:
         p.error(f"--steps {args.steps} is not a multiple of --every {args.every}: every run must end on an export")
     return args
@@ -784,6 +864,7 @@ def main(argv=None) -> None:
     print_costs(results)
     print_floor(results)
     print_verdicts(results)
+    print_tokenizers(results)
     print_timing(results)
     print_interval(results)
     print_solvers(results)

@@ -1,0 +1,203 @@
+"""A representation autoencoder (RAE) for the digits, in diffusers' AutoencoderRAE format: `python -m data.make_rae`.
+
+RAE (Zheng, Ma, Tong, Xie 2025; bytetriper/RAE) pairs a frozen representation encoder (DINOv2 with registers,
+its last LayerNorm without affine parameters) with a ViT decoder trained to reconstruct pixels from the encoder's
+patch tokens, normalised per element (C, H, W) by dataset statistics. The digits version, built in three steps:
+
+1. The encoder: the AutoencoderRAE's own Dinov2WithRegistersModel, shaped as our digits encoder
+   (data/make_encoder.py: 4 layers, width 64, patch 8, 32 px -> 4x4 tokens; AutoencoderRAE fixes one head of 64,
+   MLP ratio 4 and 4 registers) and fitted with make_encoder's recipe (`data.make_encoder.fit`: classify the
+   digits from the mean patch token), then frozen. make_encoder's trained Dinov2Model cannot be copied in exactly:
+   4 heads of 16 are not 1 head of 64, its 4x4 position table is not the 37x37 one AutoencoderRAE builds
+   (image_size 518) and interpolates, and the 4 register tokens join every attention.
+2. The statistics: the per-element mean and std (64, 4, 4) of the frozen tokens over the training digits, stored
+   as latents_mean / latents_std in the config (diffusers normalises (z - mean) / (std + 1e-5)).
+3. The decoder: ViT blocks of width 128 (RAE's ViT-MAE decoder, smaller) trained with an MSE pixel loss on the
+   frozen, normalised tokens (RAE adds LPIPS and a GAN; digits do not need them), with RAE's noise augmentation:
+   each training image's raw tokens get Gaussian noise of a std drawn uniformly in [0, noise_tau] (RAE's stage-1
+   configs: noise_tau 0.8), so the decoder also reads the imperfect tokens a diffusion model generates.
+
+Every 10th digit is held out of all three steps; the reconstruction PSNR on those is printed beside the digits
+VAE's (data/vae-digits, which saw them in training). Images enter and leave an AutoencoderRAE in [0, 1].
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from data.make_encoder import fit, normalise, accuracy
+from shared.datasets.digits import IMAGE_SIZE, NUM_CLASSES, digit_images
+from shared.runtime.cli import HelpFormatter
+from shared.runtime.errors import UserError, cli_errors
+from shared.tokenizers.repr_encoder import IMAGENET_MEAN, IMAGENET_STD
+
+PROG = "python -m data.make_rae"
+DEFAULT_OUT = Path("demo-out/rae-digits")  # built on demand, not committed: 3.6 MB in fp32 (see docs/rae.md)
+HOLD_OUT_EVERY = 10  # digits 0, 10, 20, ... are never trained on
+# The encoder as make_encoder's (width 64, 4 layers, patch 8 at 32 px); AutoencoderRAE sets heads = width / 64.
+ENCODER = dict(encoder_type="dinov2", encoder_hidden_size=64, encoder_num_hidden_layers=4, encoder_patch_size=8,
+               encoder_input_size=IMAGE_SIZE, encoder_norm_mean=list(IMAGENET_MEAN),
+               encoder_norm_std=list(IMAGENET_STD))
+# The decoder: RAE's ViT-MAE blocks, small; decoder patch 8 on the 4x4 token grid gives 32 px back.
+DECODER = dict(decoder_hidden_size=128, decoder_num_hidden_layers=2, decoder_num_attention_heads=4,
+               decoder_intermediate_size=512, patch_size=8)
+
+
+def split(count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(training, held-out) indices of `count` digits: every HOLD_OUT_EVERY-th is held out."""
+    held = torch.arange(count) % HOLD_OUT_EVERY == 0
+    return torch.nonzero(~held).squeeze(1), torch.nonzero(held).squeeze(1)
+
+
+def build_rae(seed: int, noise_tau: float):
+    """A randomly initialised digits AutoencoderRAE (encoder and decoder from config, no download)."""
+    from diffusers import AutoencoderRAE
+
+    torch.manual_seed(seed)
+    return AutoencoderRAE(**ENCODER, **DECODER, noise_tau=noise_tau)
+
+
+def fit_encoder(rae, pixels: torch.Tensor, labels: torch.Tensor, steps: int, seed: int) -> tuple[float, callable]:
+    """Fit rae.encoder with make_encoder's recipe on uint8 pixels (N, S, S, 3), then freeze it.
+
+    Returns (training accuracy, a function giving the accuracy of other pixels).
+    """
+    head = torch.nn.Linear(ENCODER["encoder_hidden_size"], NUM_CLASSES)
+    rae.encoder.requires_grad_(True)
+    train_accuracy = fit(rae.encoder, head, normalise(pixels), labels, steps, seed=seed)
+    rae.encoder.requires_grad_(False)  # frozen from here on, as AutoencoderRAE builds it
+    return train_accuracy, lambda p, y: accuracy(rae.encoder, head, normalise(p), y)
+
+
+def to_unit(pixels: torch.Tensor) -> torch.Tensor:
+    """uint8 (N, S, S, 3) -> float (N, 3, S, S) in [0, 1], the AutoencoderRAE's image range."""
+    return pixels.permute(0, 3, 1, 2).float() / 255.0
+
+
+@torch.no_grad()
+def token_stats(rae, x: torch.Tensor, batch_size: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-element mean and std (C, H, W) of the encoder's raw tokens over images x (N, 3, S, S) in [0, 1]."""
+    rae.eval()
+    # With no statistics set, encode normalises by mean 0 and std 1 (+1e-5): undo that to get the raw tokens.
+    tokens = torch.cat([rae.encode(chunk).latent for chunk in x.split(batch_size)]) * (1 + 1e-5)  # (N, C, H, W)
+    return tokens.mean(0), tokens.std(0)
+
+
+def set_stats(rae, mean: torch.Tensor, std: torch.Tensor) -> None:
+    """Store the token statistics in the config (saved in config.json) and in the buffers encode/decode read."""
+    rae.register_to_config(latents_mean=mean.tolist(), latents_std=std.tolist())
+    rae._latents_mean, rae._latents_std = mean.clone(), std.clone()  # AutoencoderRAE's persistent buffers
+
+
+def fit_decoder(rae, x: torch.Tensor, steps: int, batch_size: int, lr: float, seed: int) -> None:
+    """Train rae.decoder through the real forward (encode with RAE's noise in training mode, decode): MSE to x."""
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(rae.decoder.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps, eta_min=lr * 0.05)
+    rae.train()  # AutoencoderRAE adds noise of std U[0, noise_tau] to the raw tokens only in training mode
+    for _ in range(steps):
+        batch = x[torch.randint(0, len(x), (batch_size,), generator=gen)]  # (B, 3, S, S) in [0, 1]
+        loss = F.mse_loss(rae(batch, generator=gen).sample, batch)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+    rae.eval()
+
+
+def psnr(recon: torch.Tensor, x: torch.Tensor) -> float:
+    """Mean per-image PSNR (dB) of reconstructions against images, both (N, 3, S, S) in [0, 1]."""
+    mse = ((recon.clamp(0, 1) - x) ** 2).flatten(1).mean(1)  # (N,)
+    return float((10 * torch.log10(1 / mse.clamp_min(1e-10))).mean())
+
+
+@torch.no_grad()
+def rae_psnr(rae, x: torch.Tensor) -> float:
+    """PSNR of decode(encode(x)) for x (N, 3, S, S) in [0, 1]."""
+    rae.eval()
+    return psnr(rae.decode(rae.encode(x).latent).sample, x)
+
+
+def vae_psnr(x: torch.Tensor) -> float:
+    """PSNR of the digits VAE (data/vae-digits, posterior mean) on x (N, 3, S, S) in [0, 1]."""
+    from diffusers import AutoencoderKL
+
+    from data.make_vae import DEFAULT_OUT as VAE_DIR, reconstruct
+
+    vae = AutoencoderKL.from_pretrained(VAE_DIR).eval()
+    return psnr((reconstruct(vae, x * 2 - 1) + 1) / 2, x)  # the VAE works in [-1, 1]
+
+
+def make_rae(o: argparse.Namespace) -> dict:
+    """Build, fit and save the digits RAE to o.out; return the measured numbers."""
+    images, labels = digit_images()
+    pixels, labels = torch.from_numpy(images), torch.from_numpy(labels)
+    train_idx, held_idx = split(len(pixels))
+    rae = build_rae(o.seed, o.noise_tau)
+    train_acc, accuracy_of = fit_encoder(rae, pixels[train_idx], labels[train_idx], o.encoder_steps, o.seed)
+    x = to_unit(pixels)
+    set_stats(rae, *token_stats(rae, x[train_idx]))
+    untrained = rae_psnr(rae, x[held_idx])  # the decoder before training: the baseline a trained one must beat
+    fit_decoder(rae, x[train_idx], o.decoder_steps, o.batch_size, o.lr, o.seed)
+    rae.save_pretrained(o.out)
+    return {"encoder accuracy, training digits": train_acc,
+            "encoder accuracy, held-out digits": accuracy_of(pixels[held_idx], labels[held_idx]),
+            "PSNR held-out, untrained decoder (dB)": untrained,
+            "PSNR held-out, RAE (dB)": rae_psnr(rae, x[held_idx]),
+            "PSNR held-out, digits VAE (dB, it trained on them)": vae_psnr(x[held_idx]),
+            "parameters": sum(p.numel() for p in rae.parameters())}
+
+
+def check(o: argparse.Namespace) -> None:
+    """Refuse settings that cannot train, in one paragraph."""
+    if min(o.encoder_steps, o.decoder_steps, o.batch_size) < 1:
+        raise UserError(f"--encoder-steps, --decoder-steps and --batch-size must be positive integers; got "
+                        f"{o.encoder_steps}, {o.decoder_steps}, {o.batch_size}. Pass e.g. --decoder-steps 3000.")
+    if not (o.lr > 0 and o.noise_tau >= 0):
+        raise UserError(f"--lr must be positive and --noise-tau at least 0; got {o.lr} and {o.noise_tau}.")
+    if o.out.exists() and not o.out.is_dir():
+        raise UserError(f"--out {o.out} is a file; pass a folder (it is created, an RAE in it is replaced).")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Command-line flags (argparse, as the other data/ scripts)."""
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0].split(": ", 1)[0],
+                                formatter_class=HelpFormatter)
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder to save_pretrained the AutoencoderRAE into")
+    p.add_argument("--encoder-steps", type=int, default=400,
+                   help="steps of batch 64 fitting the encoder (make_encoder's recipe; one head of 64 learns slower "
+                        "than its four of 16, hence more steps)")
+    p.add_argument("--decoder-steps", type=int, default=1500, help="steps fitting the decoder on the frozen tokens")
+    p.add_argument("--batch-size", type=int, default=64, help="images per decoder step")
+    p.add_argument("--lr", type=float, default=2e-3, help="peak AdamW learning rate of the decoder (cosine decay to "
+                                                          "5%% of it)")
+    p.add_argument("--noise-tau", type=float, default=0.8,
+                   help="largest std of the noise added to the raw tokens in decoder training (RAE's noise "
+                        "augmentation; 0: none)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the initialisation, batches and noise")
+    return p
+
+
+def main(argv=None) -> None:
+    """Entry point: train, save and print the numbers."""
+    o = build_parser().parse_args(argv)
+    with cli_errors(PROG):
+        check(o)
+        # One thread: the same float reductions, hence the same saved weights, on every machine; and a tiny model.
+        torch.set_num_threads(1)
+        np.random.seed(o.seed)
+        start = time.time()
+        stats = make_rae(o)
+    print(f"saved {o.out} in {time.time() - start:.0f}s")
+    for key, value in stats.items():
+        print(f"  {key}: {value:.4f}" if isinstance(value, float) else f"  {key}: {value:,}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
