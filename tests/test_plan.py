@@ -22,7 +22,8 @@ TINY = dict(model="DiT-T/2", image_size=64)  # 8x8 latents, 16 tokens, 6 blocks
 
 def independent_saved_bytes(model, batch, dtype):
     """Bytes autograd saves for one forward + loss, counted directly (written independently of train.memory)."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    # Parameters and buffers (e.g. RoPE tables) are resident anyway: the weights, not activations.
+    params = {p.untyped_storage().data_ptr() for p in [*model.parameters(), *model.buffers()]}
     kept = []  # keep every saved tensor alive so no address is reused while counting
 
     def pack(t):
@@ -91,6 +92,45 @@ def test_forward_macs_match_the_paper(name, gmac):
     assert macs["total"] == sum(v for k, v in macs.items() if k != "total")
 
 
+DH_TINY = dict(model="DiTDH-T", input_size=4, in_channels=16)  # 16x4x4 tokens, 4 body + 2 head blocks
+
+
+def test_dit_dh_xl_parameters_and_head_macs_are_counted_from_the_modules():
+    """DiTDH-XL on RAE's 768x16x16 tokens: parameters as RAE's paper (839M), head MACs as the arithmetic."""
+    from train.memory import count_parameters, head_macs
+
+    model = ModelConfig("DiTDH-XL", 16, in_channels=768, learn_sigma=False, objective="flow").build(device="meta")
+    assert count_parameters(model)[0] == 838_675_796 and not model.learn_sigma
+    tokens, width, hidden = 256, 2048, 5461  # head: SwiGLU hidden int(2/3 * 4 * 2048)
+    per_token = 4 * width**2 + 3 * width * hidden + 6 * width**2 + 2 * tokens * width  # attn, mlp, per-token adaLN, QK/AV
+    assert head_macs(model) == 2 * tokens * per_token
+    macs = forward_macs(model)
+    assert macs["total"] == sum(v for k, v in macs.items() if k != "total") and "other" not in macs
+    assert macs["head_condition"] == tokens * 1152 * 2048  # s_projector
+
+
+@pytest.fixture(scope="module")
+def dh_tiny():
+    return ModelConfig(**DH_TINY).build(device="cpu", init=False)
+
+
+def test_dit_dh_head_blocks_are_measured_as_themselves(dh_tiny):
+    """The head's blocks (wider, conditioned per token) are measured, and are the block a backward recomputes."""
+    from train.memory import measure_block_fits, recompute_fit
+
+    fits = measure_block_fits(dh_tiny, "bf16")
+    body, head = fits[range(4)], fits[range(4, 6)]
+    assert head.per_sample > 2 * body.per_sample
+    assert recompute_fit(fits, 1) == head and recompute_fit(fits, 2) == head  # blocks 4 (and 5) checkpointed
+    assert recompute_fit(fits, 3) == body and recompute_fit(fits, 0) == LinearBytes(0, 0)  # 0, 3: body only
+    for every in (0, 1):
+        profile = measure_profile(dh_tiny, every, "bf16", recompute_fit(fits, every), DDPMObjective())
+        dh_tiny.set_grad_checkpointing(every)
+        assert profile.saved.at(3) == independent_saved_bytes(dh_tiny, 3, torch.bfloat16)
+        if not every:  # the blocks' saved tensors are most of the total, each kind at its own size
+            assert 0.6 * profile.saved.per_sample < 4 * body.per_sample + 2 * head.per_sample <= profile.saved.per_sample
+
+
 def test_xl2_at_512_macs():
     assert round(forward_macs(ModelConfig("DiT-XL/2", 64).build(device="meta"))["total"] / 1e9, 1) == 524.5
 
@@ -147,6 +187,19 @@ def test_plan_cli_tiny():
     micro_off, micro_every = int(off[7]), int(every[8])
     assert 256 % micro_off == 0 and 256 % micro_every == 0 and micro_off < micro_every
     assert f"--micro-batch-size {micro_every} (gradient accumulation {256 // micro_every}" in out
+
+
+@pytest.mark.slow
+def test_plan_cli_dit_dh():
+    """A DiT^DH preset is planned with its own block (lightning) and head, its MACs and its flow model's outputs."""
+    proc = run_plan("--model", "DiTDH-T", "--image-size", "32", "--latent-channels", "16", "--objective", "flow",
+                    "--gpu-memory", "200MiB", "--margin", "50MiB", "--global-batch-size", "8")
+    assert proc.returncode == 0, proc.stderr
+    config = ModelConfig(**DH_TINY, learn_sigma=False, objective="flow")
+    params = sum(p.numel() for p in config.build(device="meta").parameters())
+    assert f"(lightning block, DiT^DH head of 2 blocks at width 384)" in proc.stdout and f"{params:,} parameters" in proc.stdout
+    macs = forward_macs(config.build(device="meta"))["total"]
+    assert f"compute: forward {macs / 1e9:.1f} GMAC per image" in " ".join(proc.stdout.split())
 
 
 @pytest.mark.slow

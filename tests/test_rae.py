@@ -176,10 +176,14 @@ def test_recipe_rae_trains_a_dit_dh_that_samples_with_no_flags(wide_latents, tmp
     config = read_config(export)
     assert (config.model, config.head_depth, config.objective_args, config.learn_sigma) == (
         "DiTDH-T", 2, {"convention": "sit", "time_dist_shift": 0.5}, False)
+    before = {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.name != ".lock"}  # the lock is taken to read
     err = expect_user_error(capsys, [*args[:-4], "--max-steps", "6", "--time-dist-shift", "1"])
     assert "time_dist_shift: 0.5 -> 1.0" in err
     err = expect_user_error(capsys, [*args[:-4], "--max-steps", "6", "--head-width", "192", "--head-heads", "3"])
     assert "head_width: 384 -> 192" in err
+    err = expect_user_error(capsys, [*args[:-4], "--max-steps", "6", "--head-depth", "1"])
+    assert "head_depth: 2 -> 1" in err
+    assert {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.name != ".lock"} == before  # nothing written
 
 
 def test_a_shift_on_ddpm_is_refused_naming_the_flag(wide_latents, tmp_path, capsys):
@@ -189,10 +193,57 @@ def test_a_shift_on_ddpm_is_refused_naming_the_flag(wide_latents, tmp_path, caps
     assert not (tmp_path / "run").exists()
 
 
-def test_routing_with_the_head_is_refused(wide_latents, tmp_path, capsys):
-    err = expect_user_error(capsys, train_args(wide_latents, tmp_path / "run", "--model", "DiTDH-T", "--route-ratio",
-                                               "0.5", "--max-steps", "1"))
-    assert "not implemented for a model with the DiT^DH head" in err and not (tmp_path / "run").exists()
+def test_routing_spans_the_body_and_the_head_sees_every_token():
+    """Routing off (eval, or no route_keep) is the plain model; a route keeping every token in any order too; a real
+    route changes the output of every token, skipped ones included (the head's condition came through the body)."""
+    _, plain = tiny_dh()
+    _, routed = tiny_dh()
+    routed.set_routing(1, 2)
+    x, t, y = torch.randn(3, 16, 4, 4), torch.rand(3), torch.tensor([1, 2, 3])
+    drop = torch.zeros(3, dtype=torch.bool)
+    everyone = torch.stack([torch.randperm(16, generator=torch.Generator().manual_seed(i)) for i in range(3)])
+    half = torch.stack([torch.randperm(16, generator=torch.Generator().manual_seed(9 + i))[:8].sort().values
+                        for i in range(3)])
+    with torch.no_grad():
+        reference = plain(x, t, y)
+        assert torch.equal(routed(x, t, y, route_keep=half), reference)  # eval: every token, every block
+        plain.train(), routed.train()
+        reference = plain(x, t, y, force_drop_ids=drop)
+        assert torch.equal(routed(x, t, y, force_drop_ids=drop), reference)  # no route_keep: no route
+        shuffled = routed(x, t, y, force_drop_ids=drop, route_keep=everyone)
+        assert torch.allclose(shuffled, reference, atol=1e-5)
+        cut = routed(x, t, y, force_drop_ids=drop, route_keep=half)
+    skipped = torch.ones(3, 16, dtype=torch.bool).scatter(1, half, False)  # (N, T): tokens that skipped blocks 1..2
+    moved = (cut - reference).flatten(2).transpose(1, 2).abs().amax(-1)  # (N, T) largest change per token
+    assert (moved[skipped] > 1e-4).all() and (moved[~skipped] > 1e-4).all()
+    with pytest.raises(UserError, match="routable blocks"):
+        routed.set_routing(2, 4)  # block 4 is the head's
+
+
+def test_routing_a_dit_dh_trains_and_refuses_a_route_into_the_head(wide_latents, tmp_path, capsys):
+    """--route-* on DiTDH-T (4 body blocks, 2 head blocks): trains, records the route, exports a plain DiT^DH; a
+    route reaching block 4 (the head) and TREAD's default span (2..depth-4 = 2..0) are refused, nothing written."""
+    from shared.runtime.export import read_config
+    from train.__main__ import main
+
+    run = tmp_path / "run"
+    args = train_args(wide_latents, run, "--model", "DiTDH-T", "--recipe", "rae", "--max-steps", "2", "--route-ratio",
+                      "0.5", "--route-start", "1", "--route-end", "3")
+    assert main(args) == 0
+    capsys.readouterr()
+    recorded = json.loads((run / "config.json").read_text())
+    assert (recorded["route_ratio"], recorded["route_start"], recorded["route_end"]) == (0.5, 1, 3)
+    assert all(math.isfinite(m["loss"]) for m in (json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines())
+               if "loss" in m)
+    config = read_config(sorted((run / "exports").glob("*.safetensors"))[-1])
+    assert (config.model, config.head_depth) == ("DiTDH-T", 2)
+    for extra, words in ((["--route-end", "4"], "from block 1 to block 4 does not fit DiTDH-T's 4 body blocks"),
+                         ([], "from block 2 to block 0 does not fit DiTDH-T's 4 body blocks")):
+        where = tmp_path / f"refused{len(extra)}"
+        err = expect_user_error(capsys, train_args(wide_latents, where, "--model", "DiTDH-T", "--recipe", "rae",
+                                                   "--max-steps", "1", "--route-ratio", "0.5", *(
+                                                       ["--route-start", "1"] if extra else []), *extra))
+        assert words in err and "its DiT^DH head sees every token" in err and not where.exists()
 
 
 def test_rae_release_by_name_loads_strictly_with_its_time_and_shift(tiny_vae_dir, tmp_path, monkeypatch, capsys):

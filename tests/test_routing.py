@@ -190,6 +190,7 @@ def test_routing_mistakes_are_one_paragraph_each_and_write_nothing(latents, tmp_
 
     assert "--route-ratio 1.5 must lie strictly between 0 and 1" in refused("--route-ratio", "1.5")
     assert "--route-ratio -0.5 must lie strictly between 0 and 1" in refused("--route-ratio", "-0.5")
+    assert "--route-ratio 1.0 must lie strictly between 0 and 1" in refused("--route-ratio", "1")
     assert "from block 4 to block 2 does not fit" in refused("--route-ratio", "0.5", "--route-start", "4")
     assert "from block 2 to block 6 does not fit DiT-T/2's 6 blocks" in refused("--route-ratio", "0.5",
                                                                                "--route-end", "6")

@@ -513,8 +513,13 @@ def _resolve_shift(cfg: TrainConfig, latent_shape) -> None:
     check_shift(cfg.time_dist_shift)
 
 
-def route_span(model: str, latent_side: int, ratio: float, start: int | None, end: int | None) -> tuple[int, int]:
-    """The route's (start, end) blocks, TREAD's where not given (2, depth - 4), checked against the preset; UserError."""
+def route_span(model: str, latent_side: int, ratio: float, start: int | None, end: int | None,
+               head: bool | None = None) -> tuple[int, int]:
+    """The route's (start, end) blocks, TREAD's where not given (2, depth - 4), checked against the preset; UserError.
+
+    With a DiT^DH head (head None: the preset's) the route lies in the body: depth is the body's, the head is never
+    routed.
+    """
     from shared.network.models import PRESETS
     from shared.network.routing import PAPER_START, check_route, paper_end
 
@@ -522,7 +527,8 @@ def route_span(model: str, latent_side: int, ratio: float, start: int | None, en
     depth, tokens = arch["depth"], (latent_side // arch["patch_size"]) ** 2
     start = PAPER_START if start is None else start
     end = paper_end(depth) if end is None else end
-    check_route(ratio, start, end, depth, tokens, model)
+    head = bool(arch.get("head_depth")) if head is None else head
+    check_route(ratio, start, end, depth, tokens, model, body=head)
     return start, end
 
 
@@ -534,12 +540,8 @@ def _resolve_route(cfg: TrainConfig, latent_shape) -> None:
             raise UserError(f"{' and '.join(given)} place a token route, but routing is off (--route-ratio 0); pass "
                             "--route-ratio (TREAD: 0.5) to route tokens, or drop the flag.")
         return
-    if cfg.head_depth:
-        raise UserError(f"token routing (--route-ratio {cfg.route_ratio}) is not implemented for a model with the "
-                        "DiT^DH head (--head-depth, the DiTDH presets): drop --route-ratio, or train a DiT preset "
-                        "without the head.")
     cfg.route_start, cfg.route_end = route_span(cfg.model, latent_shape[-1], cfg.route_ratio, cfg.route_start,
-                                                cfg.route_end)
+                                                cfg.route_end, head=bool(cfg.head_depth))
     if cfg.repa_weight > 0 and cfg.repa_depth > cfg.route_start:
         raise UserError(f"--repa-depth {cfg.repa_depth} aligns the output of block {cfg.repa_depth - 1} (counted from "
                         f"0), which lies inside or after the token route {cfg.route_start}..{cfg.route_end}: there "

@@ -18,6 +18,7 @@ CPU and CUDA autocast agree on every op a DiT uses with sdpa attention (linear, 
 low precision; LayerNorm always sees the fp32 residual stream), so a CPU measurement stands for CUDA.
 """
 import sys
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -30,7 +31,7 @@ from shared.network.routing import kept_tokens
 from shared.runtime.errors import UserError
 from shared.network.models import BLOCK_FIELDS, ModelConfig, check_preset
 from shared.runtime.precision import autocast_dtype
-from train.config import TrainConfig
+from train.config import TrainConfig, resolve_block
 from shared.generative.objectives import objective_of
 from train.data import synthetic_batch
 from train.step import forward_loss, make_learner, train_step
@@ -51,7 +52,9 @@ def latent_shape(image_size: int, vae_factor: int = 8, channels: int = 4) -> tup
 def measured_config(model: str, block: dict | None = None, **settings) -> TrainConfig:
     """The TrainConfig of a synthetic run of preset `model` (the planner's, the benchmark's, --verify's)."""
     check_preset(model)  # ChoiceError naming the presets
-    return TrainConfig(latents="synthetic", results_dir="unused", model=model, **(block or {}), **settings)
+    # Resolved as train resolves it: a DiTDH preset's head filled in, so its flow model has no learned variance.
+    return resolve_block(TrainConfig(latents="synthetic", results_dir="unused", model=model, **(block or {}),
+                                     **settings))
 
 
 def count_parameters(model) -> tuple[int, int]:
@@ -66,8 +69,11 @@ def count_parameters(model) -> tuple[int, int]:
 
 # Which part of a DiT a module's matrix products belong to: (part, module path pattern), first match wins.
 # Attention modules split further by op: their linear layers (addmm/mm) versus Q K^T and A V (bmm).
-_PARTS = (("patch_embed", "x_embedder"), ("timestep_mlp", "t_embedder"), ("adaln", "blocks.*.adaLN_modulation"),
-          ("attention", "blocks.*.attn"), ("mlp", "blocks.*.mlp"), ("final_layer", "final_layer"))
+# A DiT^DH (shared/network/ddt.py) has two patch embeddings (s_embedder: the body's, x_embedder: the head's) and the
+# projection of the body's tokens into the head's per-token conditioning (s_projector).
+_PARTS = (("patch_embed", "x_embedder"), ("patch_embed", "s_embedder"), ("timestep_mlp", "t_embedder"),
+          ("adaln", "blocks.*.adaLN_modulation"), ("attention", "blocks.*.attn"), ("mlp", "blocks.*.mlp"),
+          ("head_condition", "s_projector"), ("final_layer", "final_layer"))
 _LINEAR_OPS = ("aten.addmm", "aten.mm")
 
 
@@ -126,13 +132,26 @@ def forward_macs(model, kept: int | None = None) -> dict:
             if part == "attention":
                 parts["attention_linears" if str(op) in _LINEAR_OPS else "attention_matmuls"] += flops // 2
             elif part is not None:
-                parts[part] += flops // 2
+                parts[part] = parts.get(part, 0) + flops // 2
     total = sum(counts["Global"].values()) // 2
     other = total - sum(parts.values())
     if other:
         parts["other"] = other
     parts["total"] = total
     return parts
+
+
+def head_macs(model, kept: int | None = None) -> int:
+    """Per-image forward MACs of the DiT^DH head's blocks (blocks depth..; 0 without a head), counted as forward_macs.
+
+    Part of forward_macs' total: the head's blocks are in its attention, mlp and adaln parts with the body's.
+    """
+    if len(model.blocks) == model.depth:
+        return 0
+    root = type(model).__name__
+    heads = {f"{root}.blocks.{i}" for i in range(model.depth, len(model.blocks))}
+    counts = _count_flops(model, kept).get_flop_counts()
+    return sum(sum(ops.values()) for path, ops in counts.items() if path in heads) // 2
 
 
 def train_flops_per_image(model, kept: int | None = None) -> int:
@@ -244,18 +263,23 @@ def measure_forward(model, batch: int, precision: str, objective, route=None) ->
     return Residency(sum(saved.values()), sum(casts.copies.values()), sum({**casts.copies, **saved}.values()))
 
 
-def measure_block(model, batch: int, precision: str) -> int:
-    """Bytes one DiT block saves for backward at `batch`: the peak added when a checkpointed block is recomputed."""
-    block = model.blocks[0]
+def measure_block(model, batch: int, precision: str, index: int = 0) -> int:
+    """Bytes block `index` saves for backward at `batch`: the peak added when it is recomputed under checkpointing.
+
+    A body block sees the fp32 residual stream x (N, T, D) and one conditioning vector per image c (N, D), as in
+    DiT.forward; a DiT^DH head block (index >= depth) sees its own width and a per-token condition (N, T, D_head).
+    """
+    block = model.blocks[index]
     device = next(model.parameters()).device
     width = block.attn.qkv.in_features
     tokens = model.x_embedder.num_patches
-    # The block sees the fp32 residual stream x (N, T, D) and the fp32 conditioning c (N, D), as in DiT.forward.
-    x = torch.zeros(batch, tokens, width, device=device, requires_grad=True)
-    c = torch.zeros(batch, width, device=device, requires_grad=True)
+    head = index >= model.depth
+    x = torch.zeros(batch, tokens, width, device=device, requires_grad=True)  # (N, T, D)
+    c = torch.zeros(batch, *((tokens,) if head else ()), width, device=device, requires_grad=True)  # (N, [T,] D)
+    rope = model.dec_feat_rope if head else model.feat_rope  # RoPE, when built, as in the forward
     ledger = SavedTensorLedger(_param_keys(model) | {_storage_key(x), _storage_key(c)})
     with ledger, autocast_context(device, precision):
-        out = block(x, c, model.feat_rope)  # (N, T, D); RoPE, when built, as in DiT.forward
+        out = block(x, c, rope)  # (N, T, D)
         saved = ledger.storages()
     del out
     return sum(saved.values())
@@ -296,7 +320,7 @@ class ActivationProfile:
 def measure_profile(model, every: int, precision: str, block_fit: LinearBytes, objective,
                     route=None) -> ActivationProfile:
     """Measure one checkpointing choice at batch 1 and 2 (the objective's forward and loss) and fit the batch
-    dependence (route: measure_forward's)."""
+    dependence (block_fit: the largest checkpointed block's, recompute_fit; route: measure_forward's)."""
     model.set_grad_checkpointing(every)
     one, two = (measure_forward(model, n, precision, objective, route=route) for n in (1, 2))
     recompute = block_fit if every else LinearBytes(0, 0)
@@ -304,9 +328,26 @@ def measure_profile(model, every: int, precision: str, block_fit: LinearBytes, o
                              LinearBytes.fit(one.resident, two.resident), recompute, one.cast_cache)
 
 
-def measure_block_fit(model, precision: str) -> LinearBytes:
-    """One block's saved bytes as a linear function of the batch."""
-    return LinearBytes.fit(measure_block(model, 1, precision), measure_block(model, 2, precision))
+def measure_block_fit(model, precision: str, index: int = 0) -> LinearBytes:
+    """Block `index`'s saved bytes as a linear function of the batch."""
+    return LinearBytes.fit(measure_block(model, 1, precision, index), measure_block(model, 2, precision, index))
+
+
+def block_kinds(model) -> list[range]:
+    """The model's blocks grouped by shape: the body, then (DiT^DH) the wider head conditioned per token."""
+    kinds = [range(model.depth)]
+    return kinds + ([range(model.depth, len(model.blocks))] if len(model.blocks) > model.depth else [])
+
+
+def measure_block_fits(model, precision: str) -> dict:
+    """{kind (a range of block indices): one of its blocks' saved bytes as a linear function of the batch}."""
+    return {kind: measure_block_fit(model, precision, kind[0]) for kind in block_kinds(model)}
+
+
+def recompute_fit(fits: dict, every: int) -> LinearBytes:
+    """The largest block a backward recomputes with every `every`-th block checkpointed (0: none recomputed)."""
+    chosen = [fit for kind, fit in fits.items() if every and any(i % every == 0 for i in kind)]
+    return max(chosen, key=lambda fit: (fit.per_sample, fit.const), default=LinearBytes(0, 0))
 
 # ----------------------------------------------------------------------------------------------------
 # Planning: fixed state + measured activations -> the micro-batch that fits (python -m train.plan, autotune)
@@ -387,7 +428,7 @@ def measure_profiles(config, precision: str, choices, device, route=None) -> tup
     model = config.build(device=device, init=False)
     n_params, n_trainable = count_parameters(model)
     bar = tqdm(total=1 + len(choices), desc="measuring activations", unit="pass", leave=False, file=sys.stderr)
-    block_fit = measure_block_fit(model, precision)  # a full-token block: the largest one a backward recomputes
+    fits = measure_block_fits(model, precision)  # full-token blocks of each kind (a DiT^DH's head is the larger)
     bar.update()
     shape = None
     if route is not None:
@@ -396,7 +437,8 @@ def measure_profiles(config, precision: str, choices, device, route=None) -> tup
         shape = (model.x_embedder.num_patches, kept_tokens(model.x_embedder.num_patches, ratio))
     profiles = []
     for every in choices:
-        profiles.append(measure_profile(model, every, precision, block_fit, objective_of(config), shape))
+        profiles.append(measure_profile(model, every, precision, recompute_fit(fits, every), objective_of(config),
+                                        shape))
         bar.update()
     bar.close()
     return profiles, n_params, n_trainable
@@ -421,8 +463,17 @@ def verify_config(config: ModelConfig, args, row: PlanRow) -> TrainConfig:
                            **{k: v for k, v in route.items() if v is not None})
 
 
-def verify(config, args, row: PlanRow) -> int:
-    """Peak allocated bytes of the trainer's own step (train/step.py) on CUDA at the planned micro-batch."""
+@dataclass
+class Verified:
+    """A real CUDA step at the planned micro-batch: its peak allocated bytes and the timed steps' seconds."""
+    peak: int
+    seconds: list
+    images: int  # per optimizer step (micro-batch x the accumulation verify runs)
+
+
+def verify_step(config, args, row: PlanRow, timed: int = 0) -> Verified:
+    """Peak allocated bytes of the trainer's own step (train/step.py) on CUDA at the planned micro-batch, and the
+    seconds of `timed` further steps (each bracketed by device syncs)."""
     cfg = verify_config(config, args, row)
     learner = make_learner(cfg, config, device=torch.device("cuda"))
     batches = [synthetic_batch(config, row.micro, cfg.class_dropout_prob, learner.objective, seed=i,
@@ -433,4 +484,15 @@ def verify(config, args, row: PlanRow) -> int:
     torch.cuda.reset_peak_memory_stats()
     train_step(learner, batches)
     torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated()
+    peak, seconds = torch.cuda.max_memory_allocated(), []
+    for _ in range(timed):
+        start = time.perf_counter()
+        train_step(learner, batches)
+        torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+    return Verified(peak, seconds, row.micro * cfg.grad_accum_steps)
+
+
+def verify(config, args, row: PlanRow) -> int:
+    """Peak allocated bytes of the trainer's own step on CUDA at the planned micro-batch (verify_step)."""
+    return verify_step(config, args, row).peak

@@ -15,12 +15,13 @@ from shared.runtime.errors import UserError, cli_errors
 from shared.runtime.precision import PRECISION_CHOICES, canonical_precision
 from shared.network.routing import kept_tokens
 from train.config import TrainConfig, add_block_flags, block_from_args, model_config_for, route_span
-from train.memory import (DEFAULT_MARGIN, FixedState, PlanRow, count_parameters, fixed_state, latent_shape,
-                          measure_device, measure_profiles, measured_config, per_process_batch, plan_row, verify)
+from train.memory import (DEFAULT_MARGIN, FixedState, PlanRow, count_parameters, fixed_state, forward_macs, head_macs,
+                          latent_shape, measure_device, measure_profiles, measured_config, per_process_batch, plan_row,
+                          train_flops_per_image, verify_step)
 from train.units import format_size, parse_size
 
 PROG = "python -m train.plan"
-FLAGS = {"model preset": "--model", "precision": "--precision"}  # domain name -> flag
+FLAGS = {"model preset": "--model", "precision": "--precision", "objective": "--objective"}  # domain name -> flag
 OPTIMIZER_LABELS = {"adamw": "AdamW, 2 fp32 moments", "adamw8bit": "8-bit AdamW, 2 bytes/param"}
 
 
@@ -49,11 +50,16 @@ def header_lines(args, config, tokens, n_params, n_trainable, device) -> list[st
     return [wrapped for line in lines for wrapped in textwrap.wrap(line, 100, subsequent_indent="  ")]
 
 
+def head_text(config) -> str:
+    """', DiT^DH head of D blocks at width W' for a model with the head, else ''."""
+    return f", DiT^DH head of {config.head_depth} blocks at width {config.head_width}" if config.head_depth else ""
+
+
 def _header_text(args, config, tokens, n_params, n_trainable, device) -> list[str]:
     """Unwrapped header sentences."""
     policy = f"autocast({device.type}, {args.precision})" if args.precision != "fp32" else "fp32 (no autocast)"
     return [
-        f"{args.model} ({config.block} block) at {args.image_size}x{args.image_size}: latents "
+        f"{args.model} ({config.block} block{head_text(config)}) at {args.image_size}x{args.image_size}: latents "
         f"{config.in_channels}x{config.input_size}x"
         f"{config.input_size} ({tokens} tokens), {n_params:,} parameters ({n_trainable:,} trainable)",
         f"GPU memory {format_size(args.gpu_memory)} - margin {format_size(args.margin)} = budget "
@@ -64,6 +70,23 @@ def _header_text(args, config, tokens, n_params, n_trainable, device) -> list[st
     ] + ([f"token routing (TREAD): {tokens - kept_tokens(tokens, args.route_ratio)} of {tokens} tokens skip blocks "
           f"{args.route_start}..{args.route_end}; those blocks' activations are counted for the kept tokens"]
          if args.route_ratio else [])
+
+
+def compute_lines(meta, route, batch: int) -> list[str]:
+    """Forward MACs per image counted from the modules (the head's share), and the training FLOPs per step."""
+    kept = None
+    if route is not None:
+        ratio, start, end = route
+        meta.set_routing(start, end)
+        kept = kept_tokens(meta.x_embedder.num_patches, ratio)
+    macs, head = forward_macs(meta, kept)["total"], head_macs(meta, kept)
+    step = train_flops_per_image(meta, kept)
+    where = f" ({head / 1e9:.1f} in the DiT^DH head's {len(meta.blocks) - meta.depth} blocks)" if head else ""
+    routed = ", routed training forward" if kept else ""
+    text = (f"compute: forward {macs / 1e9:.1f} GMAC per image{where}{routed}; training 3x forward = "
+            f"{step / 1e9:.1f} GFLOP per image, {step * batch / 1e12:.1f} TFLOP per optimizer step of {batch} "
+            "(recomputation under checkpointing not counted)")
+    return textwrap.wrap(text, 100, subsequent_indent="  ")
 
 
 def fixed_lines(fixed: FixedState, args) -> list[str]:
@@ -115,6 +138,21 @@ def summary_line(row: PlanRow, batch: int) -> str:
 # Verification on CUDA
 # ----------------------------------------------------------------------------------------------------
 
+VERIFY_TIMED_STEPS = 5  # steps timed after the measured one (their median is printed)
+
+
+def verify_lines(measured, chosen: PlanRow, meta, route) -> list[str]:
+    """Predicted next to measured: the peak memory, and the step time with the FLOPs it achieved."""
+    kept = kept_tokens(meta.x_embedder.num_patches, route[0]) if route else None
+    flops = train_flops_per_image(meta, kept) * measured.images
+    seconds = sorted(measured.seconds)[len(measured.seconds) // 2]
+    return [f"verify: predicted peak {format_size(chosen.peak)}, measured max_memory_allocated "
+            f"{format_size(measured.peak)} (measured/predicted {measured.peak / chosen.peak:.2f})",
+            f"verify: step of {measured.images} images (micro-batch {chosen.micro}) {seconds:.3f} s median of "
+            f"{len(measured.seconds)} ({measured.images / seconds:.1f} images/s); counted {flops / 1e12:.1f} TFLOP per "
+            f"step, so {flops / seconds / 1e12:.1f} TFLOP/s achieved (recomputation not counted)"]
+
+
 def check_verify_possible(args):
     """--verify needs CUDA; say so before measuring anything."""
     if args.verify and not torch.cuda.is_available():
@@ -142,8 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     """Flags of python -m train.plan (same names as python -m train where they overlap)."""
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
     # The flags python -m train also has: its defaults and help (TrainConfig), reworded where plan means more.
-    add_flags(p, TrainConfig, only=("model", "global_batch_size", "grad_checkpoint", "ema_device", "optimizer",
-                                    "route_ratio", "route_start", "route_end"),
+    add_flags(p, TrainConfig, only=("model", "objective", "global_batch_size", "grad_checkpoint", "ema_device",
+                                    "optimizer", "route_ratio", "route_start", "route_end"),
               changes={"grad_checkpoint": {"help": "checkpointing interval to recommend (every K-th block; bare flag "
                                                    "= 1; 0 = off); off, every block and every 2nd block are always "
                                                    "tabulated", "default": 0, "type": int}})
@@ -188,7 +226,7 @@ def run(args) -> str:
     check_args(args)
     check_verify_possible(args)
     batch = per_process_batch(args.global_batch_size, args.num_processes)
-    config = model_config_for(measured_config(args.model, block_from_args(args)),
+    config = model_config_for(measured_config(args.model, block_from_args(args, args.model), objective=args.objective),
                               latent_shape(args.image_size, args.vae_factor, args.latent_channels), args.num_classes)
     device = measure_device(args.measure_device)
     meta = config.build(device="meta")  # shapes only, no allocation
@@ -199,14 +237,13 @@ def run(args) -> str:
     rows = [plan_row(p, fixed.total, args.gpu_memory - args.margin, batch) for p in profiles]
     chosen = next(r for r in rows if r.profile.every == args.grad_checkpoint)
     lines = header_lines(args, config, meta.x_embedder.num_patches, n_params, n_trainable, device)
+    lines += compute_lines(meta, route, batch)
     lines += fixed_lines(fixed, args)
     lines += table_lines(rows, args.grad_checkpoint, args.margin) + [summary_line(chosen, batch)]
     if args.verify and chosen.micro is not None:
         gc.collect()  # the measurement model must be gone before CUDA peak memory is read
         torch.cuda.empty_cache()
-        measured = verify(config, args, chosen)
-        lines.append(f"verify: predicted peak {format_size(chosen.peak)}, measured max_memory_allocated "
-                     f"{format_size(measured)} (measured/predicted {measured / chosen.peak:.2f})")
+        lines += verify_lines(verify_step(config, args, chosen, timed=VERIFY_TIMED_STEPS), chosen, meta, route)
     return "\n".join(lines)
 
 

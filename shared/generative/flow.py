@@ -218,7 +218,7 @@ def _velocity(process: FlowProcess, model_fn, x, i: int, model_kwargs) -> torch.
 @torch.no_grad()
 def euler_sample(process: FlowProcess, model_fn, noise, model_kwargs=None, generator=None, progress=False):
     """Euler's method on the probability-flow ODE dx/dtau = v(x, tau), noise -> data; one call per step."""
-    x = noise.float()
+    x = noise.to(torch.promote_types(noise.dtype, torch.float32))  # fp32 at least; float64 noise stays (parity checks)
     for i, t0, t1 in _points(process, progress, "euler"):
         x = x + (t1 - t0) * _velocity(process, model_fn, x, i, model_kwargs)
     return x

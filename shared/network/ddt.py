@@ -18,6 +18,8 @@ that see the noisy tokens again, embedded afresh, and are conditioned *per token
 
 Tensor names are RAE's (`s_embedder` the body's patch embedding, `x_embedder` the head's, `s_projector`,
 `blocks.0..depth-1` the body and `blocks.depth..` the head), so its released DiT^DH-XL loads with strict=True.
+Token routing (TREAD, shared/network/routing.py) composes with the head: routes lie within the body (blocks
+0..depth-1), as TREAD routes within its backbone, and the head and the final layer see every token.
 Only patch size 1 is what RAE runs (its unpatchify assumes it); larger patches work here with DiT's patch
 order. Initialisation follows RAE's default (torch's Linear init, patch embeddings as linears, N(0, 0.02) label
 table and time MLP weights, adaLN-Zero in every block, a zero output layer).
@@ -29,7 +31,6 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from shared.network.models import (DiT, DiTBlock, FinalLayer, LabelEmbedder, PatchEmbed, RotaryEmbedding2d,
                                    adaln_zero_, check_block_options, init_condition_mlp_, init_patch_embed_,
@@ -50,8 +51,9 @@ class FourierTimestepEmbedder(nn.Module):
                                  nn.Linear(hidden_size, hidden_size, bias=True))
 
     def forward(self, t):
-        """(N,) times in [0, 1] -> (N, D); features computed in fp32 in RAE's order (t W) 2 pi."""
-        angles = t[:, None].float() * self.W[None, :].float() * 2 * math.pi  # (N, F)
+        """(N,) times in [0, 1] -> (N, D); features in RAE's order (t W) 2 pi, in fp32 (a float64 model: float64)."""
+        dtype = torch.promote_types(self.W.dtype, torch.float32)  # the model's precision, whatever t arrives in
+        angles = t[:, None].to(dtype) * self.W[None, :].to(dtype) * 2 * math.pi  # (N, F)
         features = torch.cat([torch.sin(angles), torch.cos(angles)], dim=-1)  # (N, 2F), sine half first
         return self.mlp(features.to(self.mlp[0].weight.dtype))  # (N, D)
 
@@ -87,7 +89,7 @@ class DiTDH(DiT):
         self.num_heads, self.num_classes, self.null_label = num_heads, num_classes, num_classes
         self.depth, self.head_depth = depth, head_depth
         self.block_options = dict(norm=norm, mlp=mlp, rope=rope, qk_norm=qk_norm)
-        self.route = None  # token routing (DiT.set_routing) is refused for this model
+        self.route = None  # token routing (DiT.set_routing): within the body only; the head sees every token
         grid = input_size // patch_size
 
         self.s_embedder = PatchEmbed(input_size, patch_size, in_channels, hidden_size)  # the body's input
@@ -124,28 +126,17 @@ class DiTDH(DiT):
         init_condition_mlp_(self.t_embedder.mlp)
         adaln_zero_(self.blocks, self.final_layer)
 
-    def _run(self, i, x, c, rope):
-        """Block i on tokens x with conditioning c, recomputed in backward when checkpointed."""
-        if self._checkpointed(i):
-            return checkpoint(self.blocks[i], x, c, rope, use_reentrant=False)
-        return self.blocks[i](x, c, rope)
-
     def forward(self, x, t, y, force_drop_ids=None, return_hidden_at=None, route_keep=None):
-        """x (N, C, H, W), t (N,) in [0, 1], y (N,) -> (N, out_channels, H, W); return_hidden_at k <= depth as DiT's."""
-        if self.route is not None and route_keep is not None:  # train/config.py refuses it first, in flag words
-            raise SettingError("token routing is not implemented for the DiT^DH head model; drop {route ratio}.")
+        """x (N, C, H, W), t (N,) in [0, 1], y (N,) -> (N, out_channels, H, W); return_hidden_at k <= depth and
+        route_keep as DiT's: token routing (TREAD) spans body blocks only, the head sees every token."""
         self._check_input(x)
         t_emb = self.t_embedder(t)  # (N, D)
         c = F.silu(t_emb + self.y_embedder(y, self.training, force_drop_ids))  # (N, D)
         s = self.s_embedder(x) + self.pos_embed  # (N, T, D)
-        hidden = None
-        for i in range(self.depth):
-            s = self._run(i, s, c, self.enc_feat_rope)  # (N, T, D)
-            if i + 1 == return_hidden_at:
-                hidden = s
+        route = self._active_route(route_keep, return_hidden_at)
+        s, hidden = self._run_blocks(s, c, self.enc_feat_rope, range(self.depth), route, route_keep, return_hidden_at)
         s = self.s_projector(F.silu(t_emb.unsqueeze(1) + s))  # (N, T, D_head): the head's per-token condition
         h = self.x_embedder(x)  # (N, T, D_head): the noisy input again, no absolute positions (as RAE)
-        for i in range(self.depth, self.depth + self.head_depth):
-            h = self._run(i, h, s, self.dec_feat_rope)  # (N, T, D_head)
+        h, _ = self._run_blocks(h, s, self.dec_feat_rope, range(self.depth, self.depth + self.head_depth))
         out = self.unpatchify(self.final_layer(h, s))  # (N, out_channels, H, W)
         return out if return_hidden_at is None else (out, hidden)

@@ -82,7 +82,7 @@ def modulate(x, shift, scale):
 
 
 class RMSNorm(nn.Module):
-    """x / sqrt(mean(x^2) + eps) * gain over the last dim (Zhang & Sennrich, 2019), normalised in fp32."""
+    """x / sqrt(mean(x^2) + eps) * gain over the last dim (Zhang & Sennrich, 2019), normalised in fp32 at least."""
 
     def __init__(self, dim, eps=NORM_EPS):
         super().__init__()
@@ -91,7 +91,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         """(..., dim) -> (..., dim); the normalised value is cast back to x's dtype before the gain."""
-        return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight
+        wide = x.to(torch.promote_types(x.dtype, torch.float32))  # bf16/fp16 -> fp32; a float64 model stays float64
+        return F.rms_norm(wide, (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight
 
 
 def block_norm(kind, dim):
@@ -507,6 +508,7 @@ class DiT(nn.Module):
         self.pos_embed = nn.Parameter(torch.zeros(1, tokens, hidden_size), requires_grad=False)  # (1, T, D)
         # LightningDiT keeps the absolute sin-cos embedding above and adds RoPE inside attention.
         self.feat_rope = RotaryEmbedding2d(hidden_size // num_heads, input_size // patch_size) if rope else None
+        self.depth = depth  # blocks that token routing may span (all of them here; a DiT^DH's body)
         self.blocks = nn.ModuleList([DiTBlock(hidden_size, num_heads, mlp_ratio, norm=norm, mlp=mlp, qk_norm=qk_norm)
                                      for _ in range(depth)])
         self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels, norm=norm)
@@ -549,15 +551,48 @@ class DiT(nn.Module):
         if start is None:
             self.route = None
             return
-        if not 0 <= start <= end < len(self.blocks):
-            raise UserError(f"a route over blocks {start}..{end} does not fit this model's {len(self.blocks)} blocks "
-                            f"(0 <= start <= end <= {len(self.blocks) - 1}).")
+        if not 0 <= start <= end < self.depth:
+            raise UserError(f"a route over blocks {start}..{end} does not fit this model's {self.depth} routable blocks "
+                            f"(0 <= start <= end <= {self.depth - 1}; a DiT^DH head is never routed).")
         self.route = (start, end)
 
     def _checkpointed(self, index):
         """Whether block `index` is recomputed in backward instead of storing its activations."""
         k = self.grad_checkpoint_every
         return k > 0 and index % k == 0 and torch.is_grad_enabled()
+
+    def _active_route(self, route_keep, return_hidden_at):
+        """(start, end) of the route this forward takes ((-1, -1): none); SettingError for REPA inside it."""
+        start, end = self.route if self.training and self.route and route_keep is not None else (-1, -1)
+        if return_hidden_at is not None and start <= return_hidden_at - 1 <= end:
+            raise SettingError(f"block {return_hidden_at}'s output is inside the token route (blocks {start}.."
+                               f"{end}), where only some tokens are present; align a block before the route.")
+        return start, end
+
+    def _block(self, i, x, c, rope):
+        """Block i on tokens x (N, T or K, D) with conditioning c, recomputed in backward when checkpointed."""
+        if self._checkpointed(i):
+            return checkpoint(self.blocks[i], x, c, rope, use_reentrant=False)
+        return self.blocks[i](x, c, rope)
+
+    def _run_blocks(self, x, c, rope, indices, route=(-1, -1), route_keep=None, return_hidden_at=None):
+        """x (N, T, D) through blocks `indices`; blocks route[0]..route[1] see only route_keep's (N, K) tokens.
+
+        Returns (x, block return_hidden_at's output or None). The skipped tokens wait in `full` and rejoin
+        after block route[1] holding what block route[0] - 1 gave them (TREAD, shared/network/routing.py).
+        """
+        start, end = route
+        hidden, table = None, rope
+        for i in indices:
+            if i == start:  # the route starts: the skipped tokens wait in `full` (N, T, D)
+                full, x = x, gather_tokens(x, route_keep)  # (N, K, D)
+                rope = RoutedRope(table, route_keep) if table is not None else None
+            x = self._block(i, x, c, rope)  # (N, T or K, D)
+            if i == end:  # ... and ends: the kept tokens' new values rejoin the skipped ones
+                x, rope = scatter_tokens(full, route_keep, x), table  # (N, T, D)
+            if i + 1 == return_hidden_at:
+                hidden = x  # (N, T, D)
+        return x, hidden
 
     def unpatchify(self, x):
         """(N, T, p*p*C) patch values -> (N, C, H, W), the inverse of the patch order of x_embedder."""
@@ -593,23 +628,8 @@ class DiT(nn.Module):
         self._check_input(x)
         x = self.x_embedder(x) + self.pos_embed  # (N, T, D), T = H * W / p**2
         c = self.t_embedder(t) + self.y_embedder(y, self.training, force_drop_ids)  # (N, D)
-        start, end = self.route if self.training and self.route and route_keep is not None else (-1, -1)
-        if return_hidden_at is not None and start <= return_hidden_at - 1 <= end:
-            raise SettingError(f"block {return_hidden_at}'s output is inside the token route (blocks {start}.."
-                               f"{end}), where only some tokens are present; align a block before the route.")
-        hidden, rope = None, self.feat_rope
-        for i, block in enumerate(self.blocks):
-            if i == start:  # TREAD's route starts: the skipped tokens wait in `full` (N, T, D)
-                full, x = x, gather_tokens(x, route_keep)  # (N, K, D)
-                rope = RoutedRope(rope, route_keep) if rope is not None else None
-            if self._checkpointed(i):
-                x = checkpoint(block, x, c, rope, use_reentrant=False)  # (N, T or K, D)
-            else:
-                x = block(x, c, rope)  # (N, T or K, D)
-            if i == end:  # ... and ends: the kept tokens' new values rejoin the skipped ones
-                x, rope = scatter_tokens(full, route_keep, x), self.feat_rope  # (N, T, D)
-            if i + 1 == return_hidden_at:
-                hidden = x  # (N, T, D)
+        route = self._active_route(route_keep, return_hidden_at)
+        x, hidden = self._run_blocks(x, c, self.feat_rope, range(self.depth), route, route_keep, return_hidden_at)
         x = self.unpatchify(self.final_layer(x, c))  # (N, out_channels, H, W)
         return x if return_hidden_at is None else (x, hidden)
 

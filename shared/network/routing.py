@@ -35,14 +35,19 @@ def kept_tokens(tokens: int, ratio: float) -> int:
     return tokens - int(tokens * ratio)
 
 
-def check_route(ratio: float, start: int, end: int, depth: int, tokens: int, model: str) -> None:
-    """UserError (one paragraph) unless a route is a ratio in (0, 1) over blocks 0 <= start <= end < depth."""
+def check_route(ratio: float, start: int, end: int, depth: int, tokens: int, model: str, body: bool = False) -> None:
+    """UserError (one paragraph) unless a route is a ratio in (0, 1) over blocks 0 <= start <= end < depth.
+
+    body: the model has a DiT^DH head after its `depth` body blocks; a route lies within the body.
+    """
     if not 0 < ratio < 1:
         raise UserError(f"--route-ratio {ratio} must lie strictly between 0 and 1: it is the share of tokens that "
                         f"skip the routed blocks (TREAD: {PAPER_RATIO}). Omit the flag (or pass 0) to train without "
                         "routing.")
     if not 0 <= start <= end < depth:
-        raise UserError(f"the route from block {start} to block {end} does not fit {model}'s {depth} blocks: "
+        blocks = f"{depth} body blocks (a route lies within the body; its DiT^DH head sees every token)" if body \
+            else f"{depth} blocks"
+        raise UserError(f"the route from block {start} to block {end} does not fit {model}'s {blocks}: "
                         f"--route-start and --route-end are block indices counted from 0 (blocks.N), the route "
                         f"covers both and they need 0 <= start <= end <= {depth - 1}. TREAD routes blocks "
                         f"{PAPER_START}..depth-{PAPER_END_FROM_LAST} ({PAPER_START}..{paper_end(depth)} here); pass "

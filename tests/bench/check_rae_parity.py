@@ -21,7 +21,8 @@ Checks, printing each number:
    t = 0.224 before the 0.04 Mean step; ours (make_process('sde', 50)) shifts the grid within [0, 0.96] so the
    Mean step ends at the data: the gap and both last points are printed, not expected to be 0.
 4. a full Euler trajectory: RAE's ode solver on its model against our euler_sample on ours (flow convention
-   'repa': RAE's time, 1 = noise, and its velocity noise - data) over that grid, same starting noise.
+   'repa': RAE's time, 1 = noise, and its velocity noise - data) over RAE's grid points, same starting noise;
+   with --float64 also in float64 (a random network this deep can amplify float32 rounding along 49 steps).
 """
 import argparse
 import importlib
@@ -51,7 +52,8 @@ def parse_args(argv=None):
     p.add_argument("--shift", type=float, default=(768 * 16 * 16 / 4096) ** 0.5,
                    help="time distribution shift (RAE asserts >= 1; default RAE's sqrt(768*16*16 / 4096) = 6.93)")
     p.add_argument("--seed", type=int, default=0, help="seed of weights, data and noise")
-    p.add_argument("--float64", action="store_true", help="also compare both models in float64 (rounding vs maths)")
+    p.add_argument("--float64", action="store_true",
+                   help="also compare both models in float64 (rounding vs maths), and each float32 output with that")
     return p.parse_args(argv)
 
 
@@ -79,14 +81,48 @@ def build_pair(ddt, args):
     return theirs, ours
 
 
-def check_forward(theirs, ours, args, dtype=torch.float32) -> tuple[float, float]:
-    """(max |ours - RAE|, that over the RAE output's largest magnitude) for one batch."""
+def forward_pair(theirs, ours, args, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RAE's output, ours) for one batch of (x, t, y) drawn from the seed, in `dtype`."""
     g = torch.Generator().manual_seed(args.seed + 1)
     x = torch.randn(args.batch, args.in_channels, args.input_size, args.input_size, generator=g).to(dtype)
     t, y = torch.rand(args.batch, generator=g).to(dtype), torch.arange(args.batch) % 10
     with torch.no_grad():
-        a, b = theirs(x, t, y), ours(x, t, y)
-    return float((a - b).abs().max()), float((a - b).abs().max() / a.abs().max())
+        return theirs(x, t, y), ours(x, t, y)
+
+
+def gap(a, b, scale) -> tuple[float, float]:
+    """(max |a - b|, that over scale's largest magnitude)."""
+    worst = float((a.double() - b.double()).abs().max())
+    return worst, worst / float(scale.abs().max())
+
+
+def check_forward(theirs, ours, args, dtype=torch.float32) -> tuple[float, float]:
+    """(max |ours - RAE|, that over the RAE output's largest magnitude) for one batch."""
+    a, b = forward_pair(theirs, ours, args, dtype)
+    return gap(a, b, a)
+
+
+def rae_norm_in_its_dtype(model_utils):
+    """RAE's RMSNorm with its x.float() widened to float64 for float64 inputs (its formula unchanged).
+
+    RAE's RMSNorm always normalises in float32 (x.float()), ours in float32 at least; without this a float64
+    comparison would still round every normalisation to float32 on RAE's side.
+    """
+    def forward(self, x):
+        wide = x.to(torch.promote_types(x.dtype, torch.float32))
+        return self._norm(wide).type_as(x) * self.weight
+
+    model_utils.RMSNorm.forward = forward
+
+
+def check_float64(theirs, ours, args, model_utils) -> dict:
+    """The same forward in float64 (both RMSNorms too), and each float32 model's error against that reference."""
+    rae32, ours32 = forward_pair(theirs, ours, args)
+    rae_norm_in_its_dtype(model_utils)
+    rae64, ours64 = forward_pair(theirs.double(), ours.double(), args, torch.float64)
+    theirs.float(), ours.float()
+    return {"float64": gap(rae64, ours64, rae64), "rae32_vs_64": gap(rae32, rae64, rae64),
+            "ours32_vs_64": gap(ours32, rae64, rae64), "float32": gap(rae32, ours32, rae32)}
 
 
 def check_times(transport_mod, shift, n=200_000) -> dict:
@@ -133,18 +169,21 @@ def check_grids(integrators, shift) -> dict:
             "sde_end_ours": float(ours_sde[-1])}
 
 
-def check_trajectory(integrators, theirs, ours, shift, args) -> float:
-    """Relative L2 gap of the final Euler samples (RAE's ode sampler vs our euler_sample, same grid and noise)."""
+def check_trajectory(integrators, theirs, ours, shift, args, dtype=torch.float32) -> tuple[float, float]:
+    """(relative L2 gap of the final Euler samples, RAE's final sample's RMS): RAE's ode sampler vs our euler_sample,
+    same grid and noise, in `dtype`."""
     g = torch.Generator().manual_seed(args.seed + 2)
-    noise = torch.randn(args.batch, args.in_channels, args.input_size, args.input_size, generator=g)
+    noise = torch.randn(args.batch, args.in_channels, args.input_size, args.input_size, generator=g).to(dtype)
     y = torch.arange(args.batch) % 10
     ode = integrators.ode(drift=lambda x, t, model, **kw: model(x, t, **kw), t0=0, t1=1 - 1 / 1000,
                           sampler_type="euler", num_steps=50, atol=1e-6, rtol=1e-3, time_dist_shift=shift)
     with torch.no_grad():
         a = ode.sample(noise, theirs, y=y)[-1]
-        process = FlowProcess(FlowPath("repa"), flow_grid(49, 1 / shift, end=1 - 1 / 1000))
+        # RAE's own grid points (float32, read in SiT time as float64): only the models and the steps differ here;
+        # the grids themselves are compared in check_grids.
+        process = FlowProcess(FlowPath("repa"), 1 - ode.t.double(), model_times=ode.t.double())
         b = euler_sample(process, lambda x, t, **kw: ours(x, t, **kw), noise, {"y": y})
-    return float((a - b).norm() / a.norm())
+    return float((a - b).norm() / a.norm()), float(a.double().square().mean().sqrt())
 
 
 def main(argv=None):
@@ -157,9 +196,12 @@ def main(argv=None):
     abs_gap, rel_gap = check_forward(theirs, ours, args)
     print(f"forward {args.model} ({args.in_channels}x{args.input_size}x{args.input_size}, strict load): max |ours - "
           f"RAE| {abs_gap:.2e} ({rel_gap:.2e} of the output's largest magnitude)")
-    if args.float64:  # both RMSNorms still normalise in float32, as RAE's and ours do in every dtype
-        abs64, rel64 = check_forward(theirs.double(), ours.double(), args, torch.float64)
-        print(f"forward in float64: max |ours - RAE| {abs64:.2e} ({rel64:.2e} of the output's largest magnitude)")
+    if args.float64:  # rounding or maths? both models in float64 (RAE's RMSNorm widened to float64 as ours)
+        f64 = check_float64(theirs, ours, args, sys.modules["stage2.models.model_utils"])
+        print(f"forward in float64: max |ours - RAE| {f64['float64'][0]:.2e} ({f64['float64'][1]:.2e} of the output's "
+              f"largest magnitude)")
+        print(f"float32 against the float64 output: RAE's {f64['rae32_vs_64'][0]:.2e} ({f64['rae32_vs_64'][1]:.2e}), "
+              f"ours {f64['ours32_vs_64'][0]:.2e} ({f64['ours32_vs_64'][1]:.2e})")
     for kind, (same, quant) in check_times(transport_mod, shift).items():
         print(f"training times {kind}, shift {shift:.4f}: same draws max gap {same:.2e}; 99 quantiles of 200k "
               f"independent draws max gap {quant:.2e}")
@@ -168,7 +210,11 @@ def main(argv=None):
           f"{grids['ode_end_rae']:.5f}, our euler at t = {grids['ode_end_ours']:.5f}; sde (50 steps, last 0.04, not "
           f"meant to match) max gap {grids['sde']:.2e}, last Euler-Maruyama point RAE t = {grids['sde_end_rae']:.4f}, "
           f"ours t = {grids['sde_end_ours']:.4f}")
-    print(f"euler trajectory over RAE's grid (49 steps): relative L2 gap {check_trajectory(integrators, theirs, ours, shift, args):.2e}")
+    rel, rms = check_trajectory(integrators, theirs, ours, shift, args)
+    print(f"euler trajectory over RAE's grid (49 steps): relative L2 gap {rel:.2e} (RAE's final sample RMS {rms:.3g})")
+    if args.float64:  # the same trajectory in float64: does a float32 gap grow from rounding, or from the maths?
+        rel, rms = check_trajectory(integrators, theirs.double(), ours.double(), shift, args, torch.float64)
+        print(f"euler trajectory in float64: relative L2 gap {rel:.2e} (RAE's final sample RMS {rms:.3g})")
 
 
 if __name__ == "__main__":
