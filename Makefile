@@ -16,8 +16,9 @@ setup: .venv/.installed
 demo: .venv/.installed
 	$(PY) -m data.demo
 
+# One pytest-xdist worker per core (each worker and its subprocesses one thread: tests/conftest.py).
 test: .venv/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto
 
 bench: .venv/.installed
 	$(PY) -m train.bench --preset cpu

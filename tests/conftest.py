@@ -11,8 +11,14 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-# Keep CPU tests predictable on the 2-core CI machine.
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Keep CPU tests predictable on the 2-core CI machine. Under pytest-xdist (`-n 2`, PYTEST_XDIST_WORKER set) each
+# worker and the subprocesses it starts take one thread: two workers of two threads each on two cores run many
+# times slower than one (oversubscribed OpenMP spin-waits).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+else:
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
 def make_tiny_vae(out_dir: Path, latent_channels: int = 4, levels: int = 2, seed: int = 0) -> Path:
