@@ -92,7 +92,7 @@ def test_the_demo_asks_evaluate_run_for_its_curve_and_reports_the_digits_distanc
     dirs = demo.stage_dirs(tmp_path, demo.QUICK)
     args = run_parser().parse_args([str(a) for a in demo.curve_args(dirs, demo.QUICK, seed=0)][1:])
     assert args.run == str(dirs["run"]) and args.features == "digits" and args.num_samples == 10
-    assert args.sampler == "ddim" and args.num_sampling_steps == demo.QUICK.curve_steps
+    assert args.sampler == demo.QUICK.curve_sampler == "euler" and args.num_sampling_steps == demo.QUICK.curve_steps
     images, labels = digit_images()
     (tmp_path / "samples").mkdir()
     np.savez(tmp_path / "samples" / "samples.npz", arr_0=images[:100], labels=labels[:100])
