@@ -89,6 +89,17 @@ def make_latents(root: Path, n=32, shape=(4, 4, 4), flips=2, per_shard=20, scali
     return root
 
 
+def copy_without_stats(folder: Path, copy: Path) -> dict:
+    """Copy a latent folder with its index's latent_stats removed (as an older extract wrote it); return them."""
+    import shutil
+
+    shutil.copytree(folder, copy)
+    index = json.loads((copy / "index.json").read_text())
+    written = index.pop("latent_stats")
+    (copy / "index.json").write_text(json.dumps(index, indent=1) + "\n")
+    return written
+
+
 def train_args(latents: Path, run: Path, *extra) -> list[str]:
     """Flags of a tiny CPU run (DiT-T/2 on 4x4x4 latents, batch 8)."""
     return ["--model", "DiT-T/2", "--latents", str(latents), "--results-dir", str(run), "--global-batch-size", "8",

@@ -17,7 +17,7 @@ from shared.runtime.export import load_weights
 from shared.tokenizers.norm import ChannelStats, LatentNorm
 from shared.tokenizers.vae import LatentVAE, measure_latent, read_vae_config
 from tests.conftest import make_image_folder
-from tests.helpers import make_latents, run_main
+from tests.helpers import copy_without_stats, make_latents, run_main
 from tests.tiny_tokenizers import MAKERS, unsupported
 from train.__main__ import main as train_main
 
@@ -162,10 +162,7 @@ def test_statistics_from_shards_equal_statistics_computed_directly(extracted, na
 
 def test_stats_command_adds_the_same_statistics_without_encoding(extracted, tmp_path, capsys):
     folder = tmp_path / "copy"
-    shutil.copytree(extracted["flux-like"], folder)
-    index = json.loads((folder / "index.json").read_text())
-    written = index.pop("latent_stats")
-    (folder / "index.json").write_text(json.dumps(index, indent=1) + "\n")
+    written = copy_without_stats(extracted["flux-like"], folder)
     code, out, err = run_main(extract_main, ["--stats", "--out", folder], capsys)
     assert code == 0, err
     assert "added" in out

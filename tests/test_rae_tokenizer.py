@@ -18,7 +18,7 @@ from shared.runtime.export import load_weights
 from shared.tokenizers.norm import ElementStats, LatentNorm
 from shared.tokenizers.vae import LatentVAE, measure_latent, read_vae_config
 from tests.conftest import make_image_folder
-from tests.helpers import make_latents, run_main
+from tests.helpers import copy_without_stats, make_latents, run_main
 from tests.tiny_tokenizers import RAE_TINY, rae, vavae_like
 from train.__main__ import main as train_main
 
@@ -386,10 +386,7 @@ def test_a_dit_dh_on_768x16x16_tokens_is_decoded_by_the_released_tokenizer(tmp_p
 
 def test_stats_command_recomputes_the_per_element_statistics(extracted, tmp_path, capsys):
     folder = tmp_path / "copy"
-    shutil.copytree(extracted["nostats"], folder)
-    index = json.loads((folder / "index.json").read_text())
-    written = index.pop("latent_stats")
-    (folder / "index.json").write_text(json.dumps(index, indent=1) + "\n")
+    written = copy_without_stats(extracted["nostats"], folder)
     code, out, err = run_main(extract_main, ["--stats", "--out", folder], capsys)
     assert code == 0 and "per-channel and per element" in out, err
     again = json.loads((folder / "index.json").read_text())["latent_stats"]["element"]

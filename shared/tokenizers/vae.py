@@ -149,9 +149,20 @@ def _hub_file(repo_id: str, filename: str) -> Path:
             f"(the cache folder can then be copied here), or pass a diffusers folder as {{vae}}.") from None
 
 
+def _publish_converted(model, folder: Path) -> None:
+    """Save a converted model into a staging folder and publish it as `folder`, unless another process won."""
+    from shared.runtime.fsio import publish_dir, remove_tree
+
+    staging = folder.with_name(f".tmp-{folder.name}-{os.getpid()}")
+    model.save_pretrained(staging, safe_serialization=True)
+    if folder.exists():  # another process converted it meanwhile
+        remove_tree(staging)
+    else:
+        publish_dir(staging, folder)
+
+
 def _locate_vavae() -> _Located:
     """VA-VAE by name: its released LDM checkpoint and latents_stats.pt, converted once into a diffusers folder."""
-    from shared.runtime.fsio import publish_dir, remove_tree
     from shared.tokenizers.vavae import VAVAE_REPO, VAVAE_STATS, VAVAE_WEIGHTS, build_vavae
 
     weights, stats = _hub_file(VAVAE_REPO, VAVAE_WEIGHTS), _hub_file(VAVAE_REPO, VAVAE_STATS)
@@ -159,17 +170,12 @@ def _locate_vavae() -> _Located:
                            .encode()).hexdigest()[:16]
     folder = converted_dir() / f"vavae-imagenet256-f16d32-dinov2-{stamp}"
     if not (folder / "config.json").is_file():
-        staging = folder.with_name(f".tmp-{folder.name}-{os.getpid()}")
         try:
             vae = build_vavae(weights, stats)  # strict: every tensor of the conversion must load
         except RuntimeError as err:
             raise SettingError(f"{weights} is not VA-VAE f16d32's checkpoint ({' '.join(str(err).split())[:200]}); "
                                f"download it again (`huggingface-cli download {VAVAE_REPO} {VAVAE_WEIGHTS}`).") from None
-        vae.save_pretrained(staging, safe_serialization=True)
-        if folder.exists():  # another process converted it meanwhile
-            remove_tree(staging)
-        else:
-            publish_dir(staging, folder)
+        _publish_converted(vae, folder)
     return _Located(VAVAE_REPO, "folder", folder, folder / "config.json")
 
 
@@ -177,7 +183,6 @@ def _locate_rae_release(name: str) -> _Located:
     """RAE's released tokenizer by name: its three files through the release cache, converted once into a folder."""
     from shared.runtime.download import fetch, release_url
     from shared.runtime.export import load_torch_file, safetensors_problem
-    from shared.runtime.fsio import publish_dir, remove_tree
     from shared.tokenizers.rae_release import RAE_TOKENIZERS, build_rae
 
     release = RAE_TOKENIZERS[name]
@@ -197,12 +202,7 @@ def _locate_rae_release(name: str) -> _Located:
 
         model = build_rae(release, load_torch_file(decoder, fix), load_torch_file(stats, fix), load_file(str(encoder)),
                           {"decoder": decoder, "stats": stats, "encoder": encoder})
-        staging = folder.with_name(f".tmp-{folder.name}-{os.getpid()}")
-        model.save_pretrained(staging, safe_serialization=True)
-        if folder.exists():  # another process converted it meanwhile
-            remove_tree(staging)
-        else:
-            publish_dir(staging, folder)
+        _publish_converted(model, folder)
     return _Located(name, "folder", folder, folder / "config.json")
 
 
