@@ -59,6 +59,31 @@ def test_summarise_means_over_seeds_per_cfg():
     assert summary["1.5"]["reach"]["dit"]["target"] == pytest.approx(7.0)
 
 
+def test_a_run_longer_than_steps_is_cut_at_steps():
+    seconds = {500: 100.0, 1000: 200.0, 1500: 300.0, 2000: 400.0}
+    fds = {"1.5": {500: 90.0, 1000: 50.0, 1500: 45.0, 2000: 40.0}}
+    record = bench.run_record("sit", 0, Path("runs/sit-seed0"), seconds, fds, 1000)
+    assert record["steps"] == [500, 1000] and record["fd"] == {"1.5": [90.0, 50.0]}
+    assert record["seconds"] == [100.0, 200.0] and record["seconds_per_step"] == pytest.approx(0.2)
+    # An export scored at one cfg only is left out of every curve, as is one not timed.
+    record = bench.run_record("sit", 0, Path("r"), seconds, {"1": {500: 1.0}, "1.5": {500: 2.0, 1000: 3.0}}, 2000)
+    assert record["steps"] == [500]
+
+
+def test_final_only_links_the_export_of_the_records_last_step(tmp_path):
+    from types import SimpleNamespace
+
+    from shared.runtime import rundir
+
+    run = tmp_path / "runs" / "sit-seed0"
+    for step in (2000, 4000):
+        rundir.export_path(run, step).parent.mkdir(parents=True, exist_ok=True)
+        rundir.export_path(run, step).write_bytes(str(step).encode())
+    folder = bench.final_only(SimpleNamespace(out=tmp_path), run, 2000)
+    assert folder.name == "sit-seed0-step2000"
+    assert [p.read_bytes() for p in rundir.list_exports(folder)] == [b"2000"]
+
+
 def test_steps_must_end_on_an_export(capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(["--steps", "100", "--every", "30"])

@@ -405,11 +405,12 @@ def curve(args, run: Path, cfg: float, seed: int, interval=None) -> dict[int, fl
     return {r["step"]: r["fid"] for r in rows}
 
 
-def final_only(args, run: Path) -> Path:
-    """OUT/final/RUN-stepN/exports/ holding only the run's last export (hard link, else a copy)."""
+def final_only(args, run: Path, step: int) -> Path:
+    """OUT/final/RUN-stepN/exports/ holding only the run's export of `step`, its record's last (hard link, else a
+    copy): with `--steps` below a run's length the floor, interval and sampler table use the export at --steps."""
     from shared.runtime import rundir
 
-    export = rundir.list_exports(run)[-1]
+    export = rundir.export_path(run, step)
     folder = Path(args.out) / "final" / f"{run.name}-step{rundir.step_of(export)}"
     target = folder / rundir.EXPORTS / export.name
     if not target.is_file():
@@ -456,6 +457,15 @@ def model_rows(export: Path, sampler: str, steps: int, cfg: float, interval=None
 # Measure
 # ---------------------------------------------------------------------------------------------------------
 
+def run_record(recipe: str, seed: int, run: Path, seconds: dict, fds: dict, last_step: int) -> dict:
+    """One run's record: the exports timed and scored at every cfg, up to `last_step` (a longer run is cut there,
+    so runs trained to 4,000 steps compare with second seeds trained to 2,000 under `--steps 2000`)."""
+    steps = sorted(s for s in set(seconds).intersection(*fds.values()) if s <= last_step)
+    return {"recipe": recipe, "seed": seed, "run": str(run), "steps": steps, "seconds": [seconds[s] for s in steps],
+            "seconds_per_step": seconds[steps[-1]] / steps[-1],
+            "fd": {k: [v[s] for s in steps] for k, v in fds.items()}}
+
+
 def measure_runs(args, latents: Path) -> list[dict]:
     """Train and evaluate every recipe x seed; one record per run (steps, seconds, FD per cfg)."""
     records = []
@@ -469,11 +479,7 @@ def measure_runs(args, latents: Path) -> list[dict]:
         except Unfinished as e:
             print(f"--report: {recipe} seed {seed} left out, not finished ({e})", flush=True)
             continue
-        steps = sorted(set(seconds).intersection(*fds.values()))
-        records.append({"recipe": recipe, "seed": seed, "run": str(run), "steps": steps,
-                        "seconds": [seconds[s] for s in steps],
-                        "seconds_per_step": seconds[steps[-1]] / steps[-1],
-                        "fd": {k: [v[s] for s in steps] for k, v in fds.items()}})
+        records.append(run_record(recipe, seed, run, seconds, fds, args.steps))
     return sorted(records, key=lambda r: (args.recipes.index(r["recipe"]), r["seed"]))
 
 
@@ -483,7 +489,7 @@ def measure_floor(args, records: list[dict]) -> dict:
 
     rows = []
     for rec in (r for r in records if r["seed"] == args.seeds[0]):
-        folder = final_only(args, Path(rec["run"]))
+        folder = final_only(args, Path(rec["run"]), rec["steps"][-1])
         for cfg in args.cfg_scales:
             try:
                 first, again = rec["fd"][cfg_key(cfg)][-1], last(curve(args, folder, cfg, args.floor_seed))
@@ -502,7 +508,8 @@ def measure_interval(args, records: list[dict]) -> list[dict]:
     rows = []
     for rec in (r for r in records if r["seed"] == args.seeds[0] and r["recipe"] in args.interval_recipes):
         run = Path(rec["run"])
-        folder, export = final_only(args, run), rundir.list_exports(run)[-1]
+        folder = final_only(args, run, rec["steps"][-1])
+        export = rundir.list_exports(folder)[-1]
         o = eval_options(args, run, args.interval_cfg, args.sample_seed)
         interval = args.ddpm_interval if _objective(export) == "ddpm" else args.flow_interval
         key = cfg_key(args.interval_cfg)  # the curve's last point when the curves have this cfg: not drawn twice
@@ -573,7 +580,7 @@ def measure_solvers(args, records: list[dict]) -> list[dict]:
         rec = next((r for r in records if r["recipe"] == arm and r["seed"] == args.seeds[0]), None)
         if rec is None:
             continue
-        folder = final_only(args, Path(rec["run"]))
+        folder = final_only(args, Path(rec["run"]), rec["steps"][-1])
         export = rundir.list_exports(folder)[-1]
         for sampler, steps in parse_solvers(settings):
             try:
