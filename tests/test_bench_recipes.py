@@ -70,6 +70,28 @@ def test_a_run_longer_than_steps_is_cut_at_steps():
     assert record["steps"] == [500]
 
 
+def test_curves_are_read_with_the_settings_evaluate_run_records(tmp_path):
+    """A recipe that records its sampling half (lightning) is scored, and its rows found, with that half."""
+    from types import SimpleNamespace
+
+    from evaluate.curve import settings_of
+    from shared.network.models import ModelConfig
+    from shared.runtime import rundir
+    from shared.runtime.export import save_weights
+
+    args = SimpleNamespace(num_samples=300, num_sampling_steps=10, guide_channels="all", batch_size=300)
+    for sampling, expected in (({"sampler": "euler", "time_shift": 0.3, "cfg_interval": [0.0, 0.89]},
+                                {"sampler": "euler", "cfg_interval": [0.0, 0.89], "time_shift": 0.3}),
+                               ({}, {"sampler": "euler"})):
+        run = tmp_path / f"run{len(sampling)}"
+        config = ModelConfig("DiT-T/2", input_size=8, in_channels=4, num_classes=10, learn_sigma=False,
+                             objective="flow", sampling=sampling)
+        save_weights(rundir.export_path(run, 100), config.build().state_dict(), config, {"image_size": 32}, 100)
+        settings = settings_of(bench.eval_options(args, run, 1.5, 0))
+        assert {k: settings[k] for k in expected} == expected
+        assert ("cfg_interval" in settings) == bool(sampling)
+
+
 def test_final_only_links_the_export_of_the_records_last_step(tmp_path):
     from types import SimpleNamespace
 

@@ -370,17 +370,16 @@ def export_seconds(run: Path) -> dict[int, float]:
 
 
 def eval_options(args, run: Path, cfg: float, seed: int, interval=None):
-    """The RunEvalOptions of one curve, the sampler resolved as `evaluate run` resolves it."""
-    from evaluate.curve import RunEvalOptions
+    """The RunEvalOptions of one curve, resolved as `evaluate run` resolves them: the recorded sampling half of a
+    recipe (lightning's shift 0.3 and interval 0..0.89) else the objective's fast sampler."""
+    from evaluate.curve import RunEvalOptions, resolve_run_sampling
     from shared.runtime import rundir
-    from shared.runtime.export import read_config
-    from shared.generative.objectives import objective_of
 
-    sampler = objective_of(read_config(rundir.list_exports(run)[-1])).fast_sampler
-    return RunEvalOptions(run=str(run), num_samples=args.num_samples, features="digits", sampler=sampler,
-                          num_sampling_steps=args.num_sampling_steps, cfg_scale=cfg,
-                          cfg_interval=tuple(interval) if interval else None, guide_channels=args.guide_channels,
-                          seed=seed, batch_size=args.batch_size)
+    given = RunEvalOptions(run=str(run), num_samples=args.num_samples, features="digits",
+                           num_sampling_steps=args.num_sampling_steps, cfg_scale=cfg,
+                           cfg_interval=tuple(interval) if interval else None, guide_channels=args.guide_channels,
+                           seed=seed, batch_size=args.batch_size)
+    return resolve_run_sampling(given, rundir.list_exports(run)[-1])
 
 
 def curve(args, run: Path, cfg: float, seed: int, interval=None) -> dict[int, float]:
