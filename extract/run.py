@@ -199,8 +199,6 @@ def check_out_folder(out: Path, settings: dict) -> list[str]:
 
     Settings of a run that wrote no shard yet (e.g. its VAE failed to load) are replaced; returns that note.
     """
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} is a file; pass a folder (it is created if missing).")
     path = out / SETTINGS_NAME
     if path.is_file():
         try:
@@ -237,11 +235,18 @@ def check_separate_folders(data_path: Path, out: Path) -> None:
         )
 
 
-def plan(cfg: ExtractConfig, check_out: bool = True) -> Plan:
-    """Every check that needs no weights: flags, dataset, VAE config, image size (and the out folder)."""
+def check_flags(cfg: ExtractConfig) -> None:
+    """The checks of the flags alone (no file read): numbers, choices, --out apart from --data-path."""
     check_numbers(cfg)
     if cfg.out is not None:
         check_separate_folders(cfg.data_path, cfg.out)
+        if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
+            raise UserError(f"--out {cfg.out} is a file; pass a folder (it is created if missing).")
+
+
+def plan(cfg: ExtractConfig, check_out: bool = True) -> Plan:
+    """Every check that needs no weights: flags, dataset, VAE config, image size (and the out folder)."""
+    check_flags(cfg)
     scan = apply_duplicates(scan_image_folder(cfg.data_path).limited(cfg.limit), cfg.duplicates)
     vae_name, vae_config, warnings, shape = check_encoder_vae(cfg)
     encoder = None
@@ -556,11 +561,14 @@ def _hold_out(out: Path, state):
 
 
 def run_extract(cfg: ExtractConfig) -> dict:
-    """Plan, lock --out, encode this process's pending shards, then (one process) write the report and index."""
+    """Lock --out, plan, encode this process's pending shards, then (one process) write the report and index."""
     state = process_state()
-    plan_ = plan(cfg, check_out=False)  # every process runs the same checks, so all fail alike before any weights load
     out = Path(cfg.out)
+    check_flags(cfg)  # before the lock: a bad flag or an --out among the images leaves no lock file behind
+    # The lock first: a second run into the same --out is refused at once, not after scanning and hashing the
+    # whole folder (minutes on ImageNet).
     with _hold_out(out, state):
+        plan_ = plan(cfg, check_out=False)  # every process runs the same checks, so all fail alike before any weights
         plan_.warnings += check_out_folder(out, plan_.settings)  # under the lock: no other run changes it now
         return _extract(cfg, plan_, out, state)
 

@@ -174,6 +174,24 @@ def test_second_launch_on_the_same_out_exits_naming_the_pid(tmp_path, tiny_vae_d
     assert "this run encoded 8 images" in done.stdout
 
 
+def test_a_second_run_is_refused_by_the_lock_before_any_scan(tmp_path, tiny_vae_dir, capsys, monkeypatch):
+    """Issue 38.5: the lock on --out comes first; the folder is never scanned or hashed for a refused run."""
+    import extract.run
+    from shared.datasets.shards import FOLDER_KIND
+    from shared.runtime.lock import hold_lock
+
+    data, out = make_image_folder(tmp_path / "data"), tmp_path / "lat"
+    scans = []
+    monkeypatch.setattr(extract.run, "scan_image_folder", lambda *a, **k: scans.append(a) or pytest.fail("scanned"))
+    with hold_lock(out, FOLDER_KIND):  # another run holding --out (flock: a second open file conflicts)
+        start = time.monotonic()
+        rc, _, err = _run(_argv(data, out, tiny_vae_dir), capsys)
+        elapsed = time.monotonic() - start
+    assert rc == 2 and "Traceback" not in err and err.count("error:") == 1
+    assert f"--out {out} is in use by another process: PID {os.getpid()}" in err
+    assert scans == [] and elapsed < 30  # refused before the scan (the bound only guards against a hang)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not small_disk.available(), reason="needs unshare + an unprivileged tmpfs mount (Linux)")
 def test_full_disk_is_one_paragraph_and_the_rerun_finishes(tmp_path, tiny_vae_dir):
