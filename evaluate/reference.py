@@ -34,8 +34,9 @@ class ReferenceOptions:
     out: str = option(help="the reference to write: an npz of arr_0 uint8 N x S x S x 3, usable as --ref",
                       metavar="REF.npz")
     limit: int | None = option(None, "use only N images, spread evenly over the sorted list (default: all)")
-    max_image_pixels: int | None = option(MAX_IMAGE_PIXELS, "images with more pixels are skipped as possible "
-                                                            "decompression bombs; 'none' admits any size",
+    max_image_pixels: int | None = option(MAX_IMAGE_PIXELS, f"images with more pixels are skipped as possible "
+                                                            f"decompression bombs; 'none' admits any size "
+                                                            f"(default: {MAX_IMAGE_PIXELS:,})",
                                           type=pixel_limit, metavar="N|none")
 
 

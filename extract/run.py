@@ -24,7 +24,7 @@ from extract.duplicates import DUPLICATE_POLICIES, apply_duplicates
 from extract.folder import ImageFolderScan, scan_image_folder
 from shared.datasets.images import BOMB_REASON, MAX_IMAGE_PIXELS, pixel_limit, to_model_input
 from extract.loader import ImageFileDataset, ShardBatches, make_loader
-from shared.runtime.cli import option
+from shared.runtime.cli import counted, option
 from shared.runtime.distributed import default_workers as shared_default_workers, process_state
 from extract.sizes import check_image_size
 from shared.runtime.errors import ChoiceError, UserError
@@ -76,10 +76,11 @@ class ExtractConfig:
     repr_dtype: str = option("fp16", "Storage dtype of the encoder tokens (DINOv2-B at 256 px: ~384 KiB per image and "
                                      "flip in fp16)", choices=tuple(FLAG_DTYPES))
     max_image_pixels: int | None = option(
-        MAX_IMAGE_PIXELS, "Images with more pixels are skipped as possible decompression bombs (listed as bad "
-                          "files); 'none' admits any size. Images above the default are decoded at reduced size "
-                          "where the format allows (JPEG), else whole and reduced at once (memory: ~3-4 bytes per "
-                          "pixel per worker)", type=pixel_limit, metavar="N|none")
+        MAX_IMAGE_PIXELS, f"Images with more pixels are skipped as possible decompression bombs (listed as bad "
+                          f"files); 'none' admits any size (default: {MAX_IMAGE_PIXELS:,}). Admitted images above "
+                          f"{MAX_IMAGE_PIXELS:,} pixels are decoded at reduced size where the format allows (JPEG), "
+                          f"else whole and reduced at once (memory: ~3-4 bytes per pixel per worker)",
+        type=pixel_limit, metavar="N|none")
     duplicates: str = option(
         "first", "Files that are one picture (symlinks or hard links to one file, identical bytes): first keeps "
                  "each picture once, under its first path's label in sorted order; all keeps every copy under its "
@@ -164,7 +165,8 @@ def check_encoder_vae(cfg: ExtractConfig) -> tuple[str, dict, list[str], tuple]:
 
     name = resolve_vae_spec(cfg.vae, cfg.vae_config)
     config = read_vae_config(cfg.vae, cfg.vae_config)
-    warnings = check_image_size(cfg.image_size, downsample_factor(config))  # factor measured at a probe size
+    family = tokenizer_class(config, name).family
+    warnings = check_image_size(cfg.image_size, downsample_factor(config), family)  # factor measured at a probe size
     shape = measure_latent(config, cfg.image_size, name)  # (C, h, w): one image of --image-size, meta device
     return name, config, warnings, shape
 
@@ -610,15 +612,16 @@ def format_summary(summary: dict) -> str:
     rate = summary["encoded_here"] / summary["seconds"] if summary["seconds"] > 0 else 0.0
     damaged = f", {summary['damaged_here']} of them damaged" if summary.get("damaged_here") else ""
     return "\n".join([
-        f"extract: {summary['num_samples']} images in {summary['num_shards']} shards, "
-        f"{summary['num_bad']} bad files skipped (listed in {BAD_FILES_NAME})",
+        f"extract: {counted(summary['num_samples'], 'image')} in {counted(summary['num_shards'], 'shard')}, "
+        f"{counted(summary['num_bad'], 'bad file')} skipped (listed in {BAD_FILES_NAME})",
         *([f"extract: {summary['too_large']} of them have more pixels than --max-image-pixels allows; if you trust "
            f"the folder, rerun with a larger --max-image-pixels (or none) into a new --out to include them"]
           if summary.get("too_large") else []),
         f"extract: while scanning {summary['skipped']}",
         *(f"extract: {note}" for note in summary.get("notes", ())),
-        f"extract: this run encoded {summary['encoded_here']} images in {summary['seconds']:.1f}s "
-        f"({rate:.1f} images/s on process 0 of {summary['processes']}; {summary['shards_here']} shards{damaged})",
+        f"extract: this run encoded {counted(summary['encoded_here'], 'image')} in {summary['seconds']:.1f}s "
+        f"({rate:.1f} images/s on process 0 of {summary['processes']}; {counted(summary['shards_here'], 'shard')}"
+        f"{damaged})",
         f"extract: every shard verified against its sha256; index written: {Path(summary['out']) / INDEX_NAME}",
     ])
 
@@ -630,12 +633,14 @@ def describe_plan(cfg: ExtractConfig) -> str:
     done = sum(read_finished(out, j, plan_.settings) is not None for j in range(plan_.num_shards))
     frames = "original + mirror" if cfg.flip == "both" else "original only"
     return "\n".join([
-        f"data: {plan_.scan.root}: {len(plan_.scan)} images in {len(plan_.scan.classes)} classes",
+        f"data: {plan_.scan.root}: {counted(len(plan_.scan), 'image')} in "
+        f"{counted(len(plan_.scan.classes), 'class', 'classes')}",
         f"data: {plan_.scan.skipped.describe()}",
         *(f"data: {note}" for note in plan_.scan.notes),
         f"vae: {plan_.vae_name} (encoder fp32); moments stored as {cfg.dtype}, {frames}",
         describe_tokenizer(cfg, plan_),
-        f"out: {out}: {plan_.num_shards} shards of {cfg.shard_size} images, {done} already finished "
+        f"out: {out}: {counted(plan_.num_shards, 'shard')} of {counted(cfg.shard_size, 'image')}, {done} already "
+        f"finished "
         f"(their sha256 is checked when the run starts)",
         *describe_storage(cfg, plan_),
         *(f"warning: {w}" for w in plan_.warnings),
@@ -693,6 +698,6 @@ def describe_storage(cfg: ExtractConfig, plan_: Plan) -> list[str]:
                      f"x {enc['dim']} {cfg.repr_dtype}; {enc['grid']}x{enc['grid']} patches of {enc['patch_size']} "
                      f"px at {enc['input_size']} px); --repr-dtype bf16 or fp16 halves fp32")
     lines.append(f"storage: {_size(per_image)} per image, {_size(per_image * len(plan_.scan))} for these "
-                 f"{len(plan_.scan)} images (+ tar headers, ~1 KiB per image); at ImageNet's "
+                 f"{counted(len(plan_.scan), 'image')} (+ tar headers, ~1 KiB per image); at ImageNet's "
                  f"{IMAGENET_TRAIN_IMAGES:,} images: {_size(per_image * IMAGENET_TRAIN_IMAGES)}")
     return lines
