@@ -5,8 +5,8 @@ import os
 
 from tqdm import tqdm
 
-from extract.duplicates import apply_duplicates
-from extract.folder import ImageFolderScan, scan_image_folder
+from shared.datasets.duplicates import apply_duplicates
+from shared.datasets.imagefolder import ImageFolderScan, scan_image_folder
 from shared.datasets.images import MAX_IMAGE_PIXELS, describe_limit
 from extract.loader import ImageInfoDataset, make_loader
 from shared.runtime.cli import counted

@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from extract.duplicates import DUPLICATE_POLICIES, apply_duplicates
-from extract.folder import ImageFolderScan, scan_image_folder
+from shared.datasets.duplicates import DEFAULT_DUPLICATES, DUPLICATE_POLICIES, apply_duplicates
+from shared.datasets.imagefolder import ImageFolderScan, scan_image_folder
 from shared.datasets.images import BOMB_REASON, MAX_IMAGE_PIXELS, pixel_limit, to_model_input
 from extract.loader import ImageFileDataset, ShardBatches, make_loader
 from shared.runtime.cli import counted, option
@@ -82,7 +82,7 @@ class ExtractConfig:
                           f"else whole and reduced at once (memory: ~3-4 bytes per pixel per worker)",
         type=pixel_limit, metavar="N|none")
     duplicates: str = option(
-        "first", "Files that are one picture (symlinks or hard links to one file, identical bytes): first keeps "
+        DEFAULT_DUPLICATES, "Files that are one picture (symlinks or hard links to one file, identical bytes): first keeps "
                  "each picture once, under its first path's label in sorted order; all keeps every copy under its "
                  "own label (one picture in two classes); none drops pictures whose copies disagree on the label. "
                  "--check and the summary list them", choices=tuple(DUPLICATE_POLICIES))
