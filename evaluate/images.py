@@ -136,8 +136,9 @@ def scan_images(folder: Path, duplicates: str = DEFAULT_DUPLICATES, limit: int |
 
 
 def image_files(folder: Path, duplicates: str = DEFAULT_DUPLICATES) -> list[Path]:
-    """The image files of scan_images, in its order (the loose images first, then each folder's as extract's)."""
-    return scan_images(folder, duplicates).paths()
+    """The image files of scan_images below `folder` as given, in its order (the loose images first, then each
+    folder's as extract's)."""
+    return [Path(folder) / name for name in scan_images(folder, duplicates).files]
 
 
 def open_folder_images(path) -> FolderImages:

@@ -88,7 +88,7 @@ def _savez(path: Path, images: np.ndarray) -> None:
 def write_reference(o: ReferenceOptions) -> tuple[int, list[str], ImageFolderScan]:
     """Crop every image into o.out (atomic); returns (images written, bad files, the scan)."""
     scan = check_options(o)
-    files = scan.paths()
+    files = [Path(o.images) / name for name in scan.files]
     out = Path(o.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     scratch = out.with_name(f".tmp-{out.stem}-rows.npy")  # on disk: a big folder never sits in memory

@@ -32,7 +32,7 @@ def _linked(tmp_path):
 def test_extract_and_evaluate_list_the_same_files(tmp_path, policy):
     data = _linked(tmp_path)
     extract_files = apply_duplicates(scan_image_folder(data), policy).files
-    evaluate_files = [str(p.relative_to(data.resolve())) for p in image_files(data, policy)]
+    evaluate_files = [p.relative_to(data).as_posix() for p in image_files(data, policy)]
     expected = {"first": ["cat/000.png", "cat/001.png", "cat/002.png", "dog/000.png", "dog/001.png", "dog/002.png"],
                 "all": ["cat/000.png", "cat/001.png", "cat/002.png", "cat/010.png", "dog/000.png", "dog/001.png",
                         "dog/002.png", "dog/003.png"],

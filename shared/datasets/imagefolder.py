@@ -81,10 +81,6 @@ class ImageFolderScan:
             digest.update(f"{label}\t{path}\n".encode("utf-8", "surrogateescape"))
         return digest.hexdigest()
 
-    def paths(self) -> list[Path]:
-        """The files as paths (root joined)."""
-        return [self.root / f for f in self.files]
-
     def limited(self, limit: int | None) -> "ImageFolderScan":
         """Keep `limit` files spread evenly over the sorted list, so every class shows up when limit >= classes."""
         if limit is None or limit >= len(self.files):
