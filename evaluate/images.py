@@ -142,11 +142,12 @@ def image_files(folder: Path, duplicates: str = DEFAULT_DUPLICATES) -> list[Path
 
 
 def open_folder_images(path) -> FolderImages:
-    """The images under a folder, sorted by relative path; UserError if it holds none or several sizes."""
+    """Every image under a folder, found as extract finds them; UserError if it holds none or several sizes."""
     from shared.datasets.imagefiles import IMAGE_EXTENSIONS
 
     path = Path(path)
-    files = image_files(path)
+    # Every copy kept: identical samples are what a collapsed model draws, and FID must see all of them.
+    files = image_files(path, "all")
     if not files:
         raise UserError(f"{path} holds no images ({' '.join(IMAGE_EXTENSIONS)}); pass an image folder or an npz.")
     return FolderImages(path, files, folder_size(path, files))

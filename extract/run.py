@@ -82,10 +82,11 @@ class ExtractConfig:
                           f"else whole and reduced at once (memory: ~3-4 bytes per pixel per worker)",
         type=pixel_limit, metavar="N|none")
     duplicates: str = option(
-        DEFAULT_DUPLICATES, "Files that are one picture (symlinks or hard links to one file, identical bytes): first keeps "
-                 "each picture once, under its first path's label in sorted order; all keeps every copy under its "
-                 "own label (one picture in two classes); none drops pictures whose copies disagree on the label. "
-                 "--check and the summary list them", choices=tuple(DUPLICATE_POLICIES))
+        DEFAULT_DUPLICATES, "Files that are one picture (symlinks or hard links to one file, identical bytes): first "
+                            "keeps each picture once, under its first path's label in sorted order; all keeps every "
+                            "copy under its own label (one picture in two classes); none drops pictures whose copies "
+                            "disagree on the label. --check and the summary list them",
+        choices=tuple(DUPLICATE_POLICIES))
     strict: bool = option(False, "Stop at the first bad image instead of skipping and recording it.")
 
 
@@ -614,7 +615,7 @@ def format_summary(summary: dict) -> str:
     return "\n".join([
         f"extract: {counted(summary['num_samples'], 'image')} in {counted(summary['num_shards'], 'shard')}, "
         f"{counted(summary['num_bad'], 'bad file')} skipped (listed in {BAD_FILES_NAME})",
-        *([f"extract: {summary['too_large']} of them have more pixels than --max-image-pixels allows; if you trust "
+        *([f"extract: {summary['too_large']} of them {'has' if summary['too_large'] == 1 else 'have'} more pixels than --max-image-pixels allows; if you trust "
            f"the folder, rerun with a larger --max-image-pixels (or none) into a new --out to include them"]
           if summary.get("too_large") else []),
         f"extract: while scanning {summary['skipped']}",
@@ -640,8 +641,7 @@ def describe_plan(cfg: ExtractConfig) -> str:
         f"vae: {plan_.vae_name} (encoder fp32); moments stored as {cfg.dtype}, {frames}",
         describe_tokenizer(cfg, plan_),
         f"out: {out}: {counted(plan_.num_shards, 'shard')} of {counted(cfg.shard_size, 'image')}, {done} already "
-        f"finished "
-        f"(their sha256 is checked when the run starts)",
+        f"finished (their sha256 is checked when the run starts)",
         *describe_storage(cfg, plan_),
         *(f"warning: {w}" for w in plan_.warnings),
         "settings: " + json.dumps(plan_.settings, sort_keys=True),
