@@ -12,6 +12,8 @@ from typing import Iterator
 
 import numpy as np
 
+from shared.datasets.duplicates import DEFAULT_DUPLICATES, apply_duplicates
+from shared.datasets.imagefolder import ImageFolderScan, scan_image_folder
 from shared.runtime.errors import UserError
 
 IMAGES_KEY = "arr_0"
@@ -126,20 +128,26 @@ class FolderImages:
         return pixels
 
 
-def image_files(folder: Path) -> list[Path]:
-    """Every image file below folder, sorted by relative path, hidden entries left out (extract's rule)."""
-    from shared.datasets.imagefiles import is_hidden, is_image_file
+def scan_images(folder: Path, duplicates: str = DEFAULT_DUPLICATES, limit: int | None = None) -> ImageFolderScan:
+    """Every image below folder, found as extract finds a training set (shared/datasets/imagefolder.py: symlinked
+    folders followed, loops refused, hidden entries left out) with the images lying in folder itself, `limit`
+    of them spread evenly, their copies treated by the `duplicates` rule (shared/datasets/duplicates.py)."""
+    return apply_duplicates(scan_image_folder(folder, loose=True).limited(limit), duplicates)
 
-    return sorted(p for p in folder.rglob("*") if is_image_file(p.name) and p.is_file()
-                  and not any(is_hidden(part) for part in p.relative_to(folder).parts))
+
+def image_files(folder: Path, duplicates: str = DEFAULT_DUPLICATES) -> list[Path]:
+    """The image files of scan_images below `folder` as given, in its order (the loose images first, then each
+    folder's as extract's)."""
+    return [Path(folder) / name for name in scan_images(folder, duplicates).files]
 
 
 def open_folder_images(path) -> FolderImages:
-    """The images under a folder, sorted by relative path; UserError if it holds none or several sizes."""
+    """Every image under a folder, found as extract finds them; UserError if it holds none or several sizes."""
     from shared.datasets.imagefiles import IMAGE_EXTENSIONS
 
     path = Path(path)
-    files = image_files(path)
+    # Every copy kept: identical samples are what a collapsed model draws, and FID must see all of them.
+    files = image_files(path, "all")
     if not files:
         raise UserError(f"{path} holds no images ({' '.join(IMAGE_EXTENSIONS)}); pass an image folder or an npz.")
     return FolderImages(path, files, folder_size(path, files))

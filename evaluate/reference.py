@@ -1,6 +1,7 @@
 """`python -m evaluate reference IMAGES --image-size S --out REF.npz`: the user's own real images as a reference.
 
-Every image below IMAGES (sorted by path, hidden entries left out, as extract scans) is decoded and centre-cropped
+Every image below IMAGES, found as extract finds a training set (evaluate/images.py `scan_images`: symlinked
+folders followed, hidden entries left out, copies kept by the same --duplicates rule) is decoded and centre-cropped
 to S x S exactly as extraction preprocesses it (ADM's crop, shared.datasets.images), and written as an images npz
 (`arr_0` uint8 N x S x S x 3): a --ref for `python -m evaluate` and `python -m evaluate run` at the training size
 (its Inception statistics are computed on first use and cached). Unreadable files are skipped and listed.
@@ -14,7 +15,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from evaluate.images import image_files
+from evaluate.images import scan_images
+from shared.datasets.duplicates import DEFAULT_DUPLICATES, DUPLICATE_POLICIES
+from shared.datasets.imagefolder import ImageFolderScan
 from shared.datasets.images import MAX_IMAGE_PIXELS, BadImage, load_image, pixel_limit
 from shared.runtime.cli import HelpFormatter, add_flags, from_args, option
 from shared.runtime.errors import UserError, cli_errors
@@ -34,21 +37,18 @@ class ReferenceOptions:
     out: str = option(help="the reference to write: an npz of arr_0 uint8 N x S x S x 3, usable as --ref",
                       metavar="REF.npz")
     limit: int | None = option(None, "use only N images, spread evenly over the sorted list (default: all)")
-    max_image_pixels: int | None = option(MAX_IMAGE_PIXELS, "images with more pixels are skipped as possible "
-                                                            "decompression bombs; 'none' admits any size",
+    duplicates: str = option(DEFAULT_DUPLICATES, "files that are one picture (symlinks, hard links, identical "
+                                                 "bytes), as extract's --duplicates: first keeps each picture once; "
+                                                 "all keeps every copy; none drops pictures whose copies lie in "
+                                                 "different top-level folders", choices=tuple(DUPLICATE_POLICIES))
+    max_image_pixels: int | None = option(MAX_IMAGE_PIXELS, f"images with more pixels are skipped as possible "
+                                                            f"decompression bombs; 'none' admits any size "
+                                                            f"(default: {MAX_IMAGE_PIXELS:,})",
                                           type=pixel_limit, metavar="N|none")
 
 
-def _chosen(files: list[Path], limit: int | None) -> list[Path]:
-    """`limit` files spread evenly over the sorted list (all without a limit)."""
-    if limit is None or limit >= len(files):
-        return files
-    keep = np.unique(np.linspace(0, len(files) - 1, num=limit).round().astype(np.int64))
-    return [files[i] for i in keep]
-
-
-def check_options(o: ReferenceOptions) -> list[Path]:
-    """The files to crop; UserError for a missing folder, no images or bad numbers."""
+def check_options(o: ReferenceOptions) -> ImageFolderScan:
+    """The images to crop; UserError for a missing folder, no images or bad numbers."""
     folder = Path(o.images)
     if not folder.is_dir():
         raise UserError(f"{folder} is not a folder; pass the folder of real images to crop into a reference.")
@@ -61,10 +61,10 @@ def check_options(o: ReferenceOptions) -> list[Path]:
     if Path(o.out).resolve().is_relative_to(folder.resolve()):
         raise UserError(f"--out {o.out} is inside {folder}: a later run would read it as one of the images. "
                         f"Write the reference beside the folder, e.g. --out {folder.resolve().parent / 'reference.npz'}.")
-    files = _chosen(image_files(folder), o.limit)
-    if len(files) < 2:
-        raise UserError(f"{folder} holds {len(files)} image(s); a reference needs at least 2.")
-    return files
+    scan = scan_images(folder, o.duplicates, o.limit)  # as extract: the limit first, then the copies
+    if len(scan) < 2:
+        raise UserError(f"{folder} holds {len(scan)} image(s); a reference needs at least 2.")
+    return scan
 
 
 def crop_all(files: list[Path], o: ReferenceOptions, rows: np.ndarray) -> tuple[int, list[str]]:
@@ -85,9 +85,10 @@ def _savez(path: Path, images: np.ndarray) -> None:
         np.savez(f, arr_0=images)
 
 
-def write_reference(o: ReferenceOptions) -> tuple[int, list[str]]:
-    """Crop every image into o.out (atomic); returns (images written, bad files)."""
-    files = check_options(o)
+def write_reference(o: ReferenceOptions) -> tuple[int, list[str], ImageFolderScan]:
+    """Crop every image into o.out (atomic); returns (images written, bad files, the scan)."""
+    scan = check_options(o)
+    files = [Path(o.images) / name for name in scan.files]
     out = Path(o.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     scratch = out.with_name(f".tmp-{out.stem}-rows.npy")  # on disk: a big folder never sits in memory
@@ -101,7 +102,7 @@ def write_reference(o: ReferenceOptions) -> tuple[int, list[str]]:
     finally:
         del rows
         scratch.unlink(missing_ok=True)
-    return n, bad
+    return n, bad, scan
 
 
 def reference_parser() -> argparse.ArgumentParser:
@@ -116,6 +117,8 @@ def main_reference(argv) -> None:
     """Entry point of `python -m evaluate reference`: UserErrors become one paragraph (exit status 2)."""
     with cli_errors(PROG):
         o = from_args(ReferenceOptions, reference_parser().parse_args(argv))
-        n, bad = write_reference(o)
+        n, bad, scan = write_reference(o)
+        for line in (f"{o.images}: {scan.skipped.describe()}", *scan.notes):
+            print(f"reference: {line}")
         print(f"{o.out}: {n} images, {o.image_size}x{o.image_size} (ADM centre crop); {len(bad)} unreadable "
               f"file(s) skipped{': ' + '; '.join(bad[:5]) if bad else ''}. Pass it as --ref.")

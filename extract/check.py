@@ -5,10 +5,11 @@ import os
 
 from tqdm import tqdm
 
-from extract.duplicates import apply_duplicates
-from extract.folder import ImageFolderScan, scan_image_folder
+from shared.datasets.duplicates import apply_duplicates
+from shared.datasets.imagefolder import ImageFolderScan, scan_image_folder
 from shared.datasets.images import MAX_IMAGE_PIXELS, describe_limit
 from extract.loader import ImageInfoDataset, make_loader
+from shared.runtime.cli import counted
 
 
 def inspect_all(scan: ImageFolderScan, num_workers: int, batch_size: int = 64, image_size: int | None = None,
@@ -29,8 +30,10 @@ def inspect_all(scan: ImageFolderScan, num_workers: int, batch_size: int = 64, i
 
 def too_large_advice(count: int, largest: int, max_pixels: int | None) -> str:
     """The line naming --max-image-pixels when images were refused for their size."""
-    return (f"{count} image(s) have more pixels than --max-image-pixels allows ({describe_limit(max_pixels)}; the "
-            f"largest has {largest:,}) and are skipped as possible decompression bombs. If you trust this folder, "
+    one = count == 1
+    return (f"{counted(count, 'image')} {'has' if one else 'have'} more pixels than --max-image-pixels allows "
+            f"({describe_limit(max_pixels)}; the largest has {largest:,}) and {'is' if one else 'are'} skipped as "
+            f"possible decompression bombs. If you trust this folder, "
             f"pass --max-image-pixels {largest} (or none) to admit them; they are decoded at reduced size where "
             f"the format allows (JPEG), else whole and reduced at once.")
 
@@ -38,10 +41,11 @@ def too_large_advice(count: int, largest: int, max_pixels: int | None) -> str:
 def check_report(scan: ImageFolderScan, records: list[dict], image_size: int,
                  max_pixels: int | None = MAX_IMAGE_PIXELS) -> tuple[str, int]:
     """The text printed by --check and the number of bad files."""
-    lines = [f"{scan.root}: {len(scan.classes)} classes, {len(scan)} images; {scan.skipped.describe()}",
+    lines = [f"{scan.root}: {counted(len(scan.classes), 'class', 'classes')}, {counted(len(scan), 'image')}; "
+             f"{scan.skipped.describe()}",
              *scan.notes]
     width = max(len(name) for name in scan.classes)
-    lines += [f"  {index:>5}  {name:<{width}}  {count} images"
+    lines += [f"  {index:>5}  {name:<{width}}  {counted(count, 'image')}"
               for index, (name, count) in enumerate(zip(scan.classes, scan.counts()))]
     good = [r for r in records if not r["error"]]
     if good:
@@ -49,7 +53,7 @@ def check_report(scan: ImageFolderScan, records: list[dict], image_size: int,
         lines.append(f"first image: {scan.files[first['pos']]} ({first['width']}x{first['height']}, mode {first['mode']})")
         small = sum(min(r["width"], r["height"]) < image_size for r in good)
         if small:
-            lines.append(f"{small} images have a short side below --image-size {image_size} (they are upscaled)")
+            lines.append(f"{counted(small, 'image')} {'has' if small == 1 else 'have'} a short side below --image-size {image_size} (they are upscaled)")
     bad = [r for r in records if r["error"]]
     lines.append(f"bad files: {len(bad)}")
     lines += [f"  {scan.files[r['pos']]}: {r['error']}" for r in bad]

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from extract.folder import ImageFolderScan
+from shared.datasets.imagefolder import ImageFolderScan
 from shared.datasets.images import MAX_IMAGE_PIXELS, BadImage, TooLarge, image_header_size, load_image, open_image
 
 

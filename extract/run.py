@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from extract.duplicates import DUPLICATE_POLICIES, apply_duplicates
-from extract.folder import ImageFolderScan, scan_image_folder
+from shared.datasets.duplicates import DEFAULT_DUPLICATES, DUPLICATE_POLICIES, apply_duplicates
+from shared.datasets.imagefolder import ImageFolderScan, scan_image_folder
 from shared.datasets.images import BOMB_REASON, MAX_IMAGE_PIXELS, pixel_limit, to_model_input
 from extract.loader import ImageFileDataset, ShardBatches, make_loader
-from shared.runtime.cli import option
+from shared.runtime.cli import counted, option
 from shared.runtime.distributed import default_workers as shared_default_workers, process_state
 from extract.sizes import check_image_size
 from shared.runtime.errors import ChoiceError, UserError
@@ -76,15 +76,17 @@ class ExtractConfig:
     repr_dtype: str = option("fp16", "Storage dtype of the encoder tokens (DINOv2-B at 256 px: ~384 KiB per image and "
                                      "flip in fp16)", choices=tuple(FLAG_DTYPES))
     max_image_pixels: int | None = option(
-        MAX_IMAGE_PIXELS, "Images with more pixels are skipped as possible decompression bombs (listed as bad "
-                          "files); 'none' admits any size. Images above the default are decoded at reduced size "
-                          "where the format allows (JPEG), else whole and reduced at once (memory: ~3-4 bytes per "
-                          "pixel per worker)", type=pixel_limit, metavar="N|none")
+        MAX_IMAGE_PIXELS, f"Images with more pixels are skipped as possible decompression bombs (listed as bad "
+                          f"files); 'none' admits any size (default: {MAX_IMAGE_PIXELS:,}). Admitted images above "
+                          f"{MAX_IMAGE_PIXELS:,} pixels are decoded at reduced size where the format allows (JPEG), "
+                          f"else whole and reduced at once (memory: ~3-4 bytes per pixel per worker)",
+        type=pixel_limit, metavar="N|none")
     duplicates: str = option(
-        "first", "Files that are one picture (symlinks or hard links to one file, identical bytes): first keeps "
-                 "each picture once, under its first path's label in sorted order; all keeps every copy under its "
-                 "own label (one picture in two classes); none drops pictures whose copies disagree on the label. "
-                 "--check and the summary list them", choices=tuple(DUPLICATE_POLICIES))
+        DEFAULT_DUPLICATES, "Files that are one picture (symlinks or hard links to one file, identical bytes): first "
+                            "keeps each picture once, under its first path's label in sorted order; all keeps every "
+                            "copy under its own label (one picture in two classes); none drops pictures whose copies "
+                            "disagree on the label. --check and the summary list them",
+        choices=tuple(DUPLICATE_POLICIES))
     strict: bool = option(False, "Stop at the first bad image instead of skipping and recording it.")
 
 
@@ -164,7 +166,8 @@ def check_encoder_vae(cfg: ExtractConfig) -> tuple[str, dict, list[str], tuple]:
 
     name = resolve_vae_spec(cfg.vae, cfg.vae_config)
     config = read_vae_config(cfg.vae, cfg.vae_config)
-    warnings = check_image_size(cfg.image_size, downsample_factor(config))  # factor measured at a probe size
+    family = tokenizer_class(config, name).family
+    warnings = check_image_size(cfg.image_size, downsample_factor(config), family)  # factor measured at a probe size
     shape = measure_latent(config, cfg.image_size, name)  # (C, h, w): one image of --image-size, meta device
     return name, config, warnings, shape
 
@@ -199,8 +202,6 @@ def check_out_folder(out: Path, settings: dict) -> list[str]:
 
     Settings of a run that wrote no shard yet (e.g. its VAE failed to load) are replaced; returns that note.
     """
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} is a file; pass a folder (it is created if missing).")
     path = out / SETTINGS_NAME
     if path.is_file():
         try:
@@ -237,11 +238,18 @@ def check_separate_folders(data_path: Path, out: Path) -> None:
         )
 
 
-def plan(cfg: ExtractConfig, check_out: bool = True) -> Plan:
-    """Every check that needs no weights: flags, dataset, VAE config, image size (and the out folder)."""
+def check_flags(cfg: ExtractConfig) -> None:
+    """The checks of the flags alone (no file read): numbers, choices, --out apart from --data-path."""
     check_numbers(cfg)
     if cfg.out is not None:
         check_separate_folders(cfg.data_path, cfg.out)
+        if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
+            raise UserError(f"--out {cfg.out} is a file; pass a folder (it is created if missing).")
+
+
+def plan(cfg: ExtractConfig, check_out: bool = True) -> Plan:
+    """Every check that needs no weights: flags, dataset, VAE config, image size (and the out folder)."""
+    check_flags(cfg)
     scan = apply_duplicates(scan_image_folder(cfg.data_path).limited(cfg.limit), cfg.duplicates)
     vae_name, vae_config, warnings, shape = check_encoder_vae(cfg)
     encoder = None
@@ -556,11 +564,14 @@ def _hold_out(out: Path, state):
 
 
 def run_extract(cfg: ExtractConfig) -> dict:
-    """Plan, lock --out, encode this process's pending shards, then (one process) write the report and index."""
+    """Lock --out, plan, encode this process's pending shards, then (one process) write the report and index."""
     state = process_state()
-    plan_ = plan(cfg, check_out=False)  # every process runs the same checks, so all fail alike before any weights load
     out = Path(cfg.out)
+    check_flags(cfg)  # before the lock: a bad flag or an --out among the images leaves no lock file behind
+    # The lock first: a second run into the same --out is refused at once, not after scanning and hashing the
+    # whole folder (minutes on ImageNet).
     with _hold_out(out, state):
+        plan_ = plan(cfg, check_out=False)  # every process runs the same checks, so all fail alike before any weights
         plan_.warnings += check_out_folder(out, plan_.settings)  # under the lock: no other run changes it now
         return _extract(cfg, plan_, out, state)
 
@@ -602,15 +613,16 @@ def format_summary(summary: dict) -> str:
     rate = summary["encoded_here"] / summary["seconds"] if summary["seconds"] > 0 else 0.0
     damaged = f", {summary['damaged_here']} of them damaged" if summary.get("damaged_here") else ""
     return "\n".join([
-        f"extract: {summary['num_samples']} images in {summary['num_shards']} shards, "
-        f"{summary['num_bad']} bad files skipped (listed in {BAD_FILES_NAME})",
-        *([f"extract: {summary['too_large']} of them have more pixels than --max-image-pixels allows; if you trust "
+        f"extract: {counted(summary['num_samples'], 'image')} in {counted(summary['num_shards'], 'shard')}, "
+        f"{counted(summary['num_bad'], 'bad file')} skipped (listed in {BAD_FILES_NAME})",
+        *([f"extract: {summary['too_large']} of them {'has' if summary['too_large'] == 1 else 'have'} more pixels than --max-image-pixels allows; if you trust "
            f"the folder, rerun with a larger --max-image-pixels (or none) into a new --out to include them"]
           if summary.get("too_large") else []),
         f"extract: while scanning {summary['skipped']}",
         *(f"extract: {note}" for note in summary.get("notes", ())),
-        f"extract: this run encoded {summary['encoded_here']} images in {summary['seconds']:.1f}s "
-        f"({rate:.1f} images/s on process 0 of {summary['processes']}; {summary['shards_here']} shards{damaged})",
+        f"extract: this run encoded {counted(summary['encoded_here'], 'image')} in {summary['seconds']:.1f}s "
+        f"({rate:.1f} images/s on process 0 of {summary['processes']}; {counted(summary['shards_here'], 'shard')}"
+        f"{damaged})",
         f"extract: every shard verified against its sha256; index written: {Path(summary['out']) / INDEX_NAME}",
     ])
 
@@ -622,13 +634,14 @@ def describe_plan(cfg: ExtractConfig) -> str:
     done = sum(read_finished(out, j, plan_.settings) is not None for j in range(plan_.num_shards))
     frames = "original + mirror" if cfg.flip == "both" else "original only"
     return "\n".join([
-        f"data: {plan_.scan.root}: {len(plan_.scan)} images in {len(plan_.scan.classes)} classes",
+        f"data: {plan_.scan.root}: {counted(len(plan_.scan), 'image')} in "
+        f"{counted(len(plan_.scan.classes), 'class', 'classes')}",
         f"data: {plan_.scan.skipped.describe()}",
         *(f"data: {note}" for note in plan_.scan.notes),
         f"vae: {plan_.vae_name} (encoder fp32); moments stored as {cfg.dtype}, {frames}",
         describe_tokenizer(cfg, plan_),
-        f"out: {out}: {plan_.num_shards} shards of {cfg.shard_size} images, {done} already finished "
-        f"(their sha256 is checked when the run starts)",
+        f"out: {out}: {counted(plan_.num_shards, 'shard')} of {counted(cfg.shard_size, 'image')}, {done} already "
+        f"finished (their sha256 is checked when the run starts)",
         *describe_storage(cfg, plan_),
         *(f"warning: {w}" for w in plan_.warnings),
         "settings: " + json.dumps(plan_.settings, sort_keys=True),
@@ -685,6 +698,6 @@ def describe_storage(cfg: ExtractConfig, plan_: Plan) -> list[str]:
                      f"x {enc['dim']} {cfg.repr_dtype}; {enc['grid']}x{enc['grid']} patches of {enc['patch_size']} "
                      f"px at {enc['input_size']} px); --repr-dtype bf16 or fp16 halves fp32")
     lines.append(f"storage: {_size(per_image)} per image, {_size(per_image * len(plan_.scan))} for these "
-                 f"{len(plan_.scan)} images (+ tar headers, ~1 KiB per image); at ImageNet's "
+                 f"{counted(len(plan_.scan), 'image')} (+ tar headers, ~1 KiB per image); at ImageNet's "
                  f"{IMAGENET_TRAIN_IMAGES:,} images: {_size(per_image * IMAGENET_TRAIN_IMAGES)}")
     return lines

@@ -13,6 +13,7 @@ import numpy as np
 from tqdm import tqdm
 
 from shared.datasets.shards import FOLDER_KIND, INDEX_NAME, LatentDataset, load_index
+from shared.runtime.cli import counted
 from shared.runtime.fsio import atomic_write_text
 from shared.runtime.lock import hold_lock
 from shared.tokenizers.classes import TOKENIZER_CLASSES
@@ -51,6 +52,7 @@ def run_stats(out) -> str:
         atomic_write_text(out / INDEX_NAME, json.dumps(index, indent=1) + "\n")
     change = "unchanged" if before == summary else ("replaced" if before else "added")
     element = " and per element" if "element" in summary else ""
-    return (f"stats: {out}: per-channel{element} statistics of {len(dataset)} samples x {dataset.flips} flip(s), "
-            f"{len(summary['mean'])} channels ({change} in {INDEX_NAME}); train with --latent-norm channel"
+    return (f"stats: {out}: per-channel{element} statistics of {counted(len(dataset), 'sample')} x "
+            f"{counted(dataset.flips, 'flip')}, "
+            f"{counted(len(summary['mean']), 'channel')} ({change} in {INDEX_NAME}); train with --latent-norm channel"
             f"{' or element' if element else ''}")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from shared.runtime.cli import counted
 from shared.datasets.shards import INDEX_NAME, damaged_error, damaged_files, load_index
 
 
@@ -18,5 +19,6 @@ def run_verify(out) -> str:
     if damaged:
         raise damaged_error(out, damaged)
     total = sum(entry["size"] for entry in index["shards"])
-    return (f"verify: {out}: all {len(index['shards'])} shards ({total / 2**20:.1f} MiB, "
-            f"{index['num_samples']} samples) match the sha256 in {INDEX_NAME}")
+    many = len(index["shards"]) != 1
+    return (f"verify: {out}: {'all ' if many else ''}{counted(len(index['shards']), 'shard')} ({total / 2**20:.1f} MiB, "
+            f"{counted(index['num_samples'], 'sample')}) {'match' if many else 'matches'} the sha256 in {INDEX_NAME}")

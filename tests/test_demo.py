@@ -24,7 +24,7 @@ def digits():
 
 
 def test_build_digits_is_an_imagefolder_with_digit_labels(tmp_path, digits):
-    from extract.folder import scan_image_folder
+    from shared.datasets.imagefolder import scan_image_folder
 
     out = build_digits(tmp_path / "digits", progress=False)
     _, raw_labels = load_digit_arrays()

@@ -15,7 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
-from extract.folder import scan_image_folder
+from shared.datasets.imagefolder import scan_image_folder
 from shared.datasets.images import MAX_IMAGE_PIXELS, center_crop_arr, load_image, open_rgb, preprocess
 from extract.run import BAD_FILES_NAME, SETTINGS_NAME, ExtractConfig, run_extract, sidecar_path
 from shared.runtime.errors import ChoiceError, UserError, advise
@@ -180,7 +180,7 @@ def test_empty_class_folders_are_named(tmp_path, tiny_vae_dir, no_vae_load):
     (root / "dog").mkdir()
     (root / "emu" / "sub").mkdir(parents=True)
     (root / "emu" / "sub" / "readme.txt").write_text("no images here")
-    with pytest.raises(UserError, match=r"2 class folder\(s\).*\(dog, emu\)"):
+    with pytest.raises(UserError, match=r"2 class folders .*hold no images \(dog, emu\)"):
         run_extract(_config(root, tmp_path / "out", tiny_vae_dir))
 
 

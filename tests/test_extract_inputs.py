@@ -11,8 +11,8 @@ from PIL import Image
 
 import shared.datasets.images as images
 from extract.__main__ import main as extract_main
-from extract.duplicates import find_duplicates
-from extract.folder import scan_image_folder
+from shared.datasets.duplicates import find_duplicates
+from shared.datasets.imagefolder import scan_image_folder
 from extract.run import BAD_FILES_NAME, ExtractConfig, format_summary, run_extract
 from shared.datasets.shards import INDEX_NAME, LatentDataset, load_index
 from shared.runtime.errors import UserError
@@ -127,7 +127,7 @@ def test_check_reports_duplicates_and_the_policy(tmp_path, capsys):
     rc, out, _ = _run(["--data-path", root, "--check", "--num-workers", "0"], capsys)
     assert rc == 0 and "3 classes, 9 images" in out
     assert "3 copies of pictures found under other paths (first: cat/hard.png = cat/002.png)" in out
-    assert "3 picture(s) found under 6 paths" in out and "2 of them under different labels" in out
+    assert "3 pictures found under 6 paths" in out and "2 of them under different labels" in out
     assert "--duplicates first keeps each picture once" in out
     rc, out, _ = _run(["--data-path", root, "--check", "--num-workers", "0", "--duplicates", "all"], capsys)
     assert "3 classes, 12 images" in out and "--duplicates all keeps every copy" in out
@@ -140,7 +140,7 @@ def test_extraction_encodes_each_picture_once_by_default_and_says_so(tmp_path, t
     summary = run_extract(_config(root, tmp_path / "out", tiny_vae_dir))
     assert summary["num_samples"] == 9
     text = format_summary(summary)
-    assert "3 picture(s) found under 6 paths" in text and "copies of pictures found under other paths" in text
+    assert "3 pictures found under 6 paths" in text and "copies of pictures found under other paths" in text
     assert LatentDataset(tmp_path / "out").labels.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     summary = run_extract(_config(root, tmp_path / "all", tiny_vae_dir, duplicates="all"))
     assert summary["num_samples"] == 12 and "--duplicates all keeps every copy" in format_summary(summary)

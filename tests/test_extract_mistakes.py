@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from extract.__main__ import main as extract_main
-from extract.folder import scan_image_folder
+from shared.datasets.imagefolder import scan_image_folder
 from extract.run import SETTINGS_NAME, sidecar_path
 from shared.datasets.shards import INDEX_NAME, LatentDataset, shard_name
 from tests import small_disk
@@ -66,19 +66,16 @@ def test_hidden_entries_are_not_data_and_are_counted(tmp_path, tiny_vae_dir, cap
     assert len(LatentDataset(tmp_path / "lat")) == 4
 
 
-def test_symlink_loops_are_visited_once_and_linked_datasets_are_followed(tmp_path):
+def test_linked_datasets_are_followed_and_each_folder_walked_once(tmp_path):
     elsewhere = make_image_folder(tmp_path / "elsewhere", classes=("bird",), per_class=2)
     root = make_image_folder(tmp_path / "data", classes=("a",), per_class=2)
-    (root / "a" / "up").symlink_to("..")               # a loop back to the root
-    (root / "a" / "self").symlink_to(".")              # a loop onto itself
     (root / "b").symlink_to(elsewhere / "bird")        # a class linked in from elsewhere: followed
     (root / "a" / "birds").symlink_to("../b")          # another class's images nested here: not label a
     scan = scan_image_folder(root)
     assert scan.classes == ["a", "b"]
     assert scan.files == ["a/000.png", "a/001.png", "b/000.png", "b/001.png"] and scan.labels == [0, 0, 1, 1]
-    assert scan.skipped.counts == {"loop": 3}  # a/birds, a/self and a/up
-    text = scan.skipped.describe()
-    assert "3 folder loops or duplicates via symlinks (first: a/birds -> ../b)" in text
+    assert scan.skipped.counts == {"linked folder": 1}
+    assert "1 folder reached again via a symlink (first: a/birds -> ../b)" in scan.skipped.describe()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -172,6 +169,24 @@ def test_second_launch_on_the_same_out_exits_naming_the_pid(tmp_path, tiny_vae_d
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr  # the killed holder's lock died with it
     assert "this run encoded 8 images" in done.stdout
+
+
+def test_a_second_run_is_refused_by_the_lock_before_any_scan(tmp_path, tiny_vae_dir, capsys, monkeypatch):
+    """Issue 38.5: the lock on --out comes first; the folder is never scanned or hashed for a refused run."""
+    import extract.run
+    from shared.datasets.shards import FOLDER_KIND
+    from shared.runtime.lock import hold_lock
+
+    data, out = make_image_folder(tmp_path / "data"), tmp_path / "lat"
+    scans = []
+    monkeypatch.setattr(extract.run, "scan_image_folder", lambda *a, **k: scans.append(a) or pytest.fail("scanned"))
+    with hold_lock(out, FOLDER_KIND):  # another run holding --out (flock: a second open file conflicts)
+        start = time.monotonic()
+        rc, _, err = _run(_argv(data, out, tiny_vae_dir), capsys)
+        elapsed = time.monotonic() - start
+    assert rc == 2 and "Traceback" not in err and err.count("error:") == 1
+    assert f"--out {out} is in use by another process: PID {os.getpid()}" in err
+    assert scans == [] and elapsed < 30  # refused before the scan (the bound only guards against a hang)
 
 
 @pytest.mark.slow

@@ -227,7 +227,7 @@ def _user_error(capsys, main, argv, prog) -> str:
 def test_extract_stores_the_encoders_tokens_of_each_flip(image_folder, tiny_vae_dir, tiny_dinov2_dir, tmp_path,
                                                           capsys):
     from extract.__main__ import main
-    from extract.folder import scan_image_folder
+    from shared.datasets.imagefolder import scan_image_folder
     from shared.tokenizers.repr_encoder import ReprEncoder, plan_identity
     from shared.datasets.shards import LatentDataset
 

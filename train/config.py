@@ -371,6 +371,18 @@ def grad_accum_steps(global_batch: int, micro_batch: int | None, world_size: int
     return micro, per_process // micro
 
 
+# index.json entries training does not take from the hash: `python -m extract --stats` adds or replaces them on
+# a finished folder, and the numbers a run normalises with are compared on their own (its latent_norm record).
+UNHASHED_INDEX_KEYS = ("latent_stats",)
+
+
+def training_index_sha256(index_bytes: bytes) -> str:
+    """sha256 of index.json less UNHASHED_INDEX_KEYS (shards, sha256s, classes, VAE, layout): the data trained on."""
+    index = json.loads(index_bytes)
+    kept = {k: v for k, v in index.items() if k not in UNHASHED_INDEX_KEYS}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()
+
+
 def data_identity(dataset, norm: LatentNorm) -> dict:
     """What identifies a latent folder and its normalisation for resume checks (LatentDataset -> JSON dict)."""
     index_bytes = (Path(dataset.root) / "index.json").read_bytes()
@@ -378,7 +390,8 @@ def data_identity(dataset, norm: LatentNorm) -> dict:
         "num_samples": len(dataset), "latent_shape": list(dataset.latent_shape), "flips": dataset.flips,
         "num_classes": dataset.num_classes, "image_size": dataset.image_size,
         "scaling_factor": dataset.vae.get("scaling_factor"), "vae": dataset.vae,
-        "index_sha256": hashlib.sha256(index_bytes).hexdigest(), "latent_norm": norm.to_dict(),
+        "index_sha256": training_index_sha256(index_bytes), "latent_norm": norm.to_dict(),
+        "index_file_sha256": hashlib.sha256(index_bytes).hexdigest(),  # what runs before the above recorded
         **({"repr_encoder": dataset.meta["repr_encoder"]} if "repr_encoder" in dataset.meta else {}),
     }
 
@@ -595,6 +608,8 @@ def _data_mismatch(saved: dict, current: dict) -> str | None:
     norm = _norm_mismatch(saved, current)
     if norm:
         return norm
+    if saved.get("index_sha256") == current.get("index_file_sha256"):  # a run from before training_index_sha256
+        saved = {**saved, "index_sha256": current["index_sha256"]}
     diffs = differences(saved, current, tuple(k for k in DATA_FIELDS if k != "latent_norm"), nested=False)
     return f"the latent folder differs from the checkpoint's ({', '.join(diffs)})" if diffs else None
 

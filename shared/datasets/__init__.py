@@ -1,1 +1,2 @@
-"""Data on disk: which files are images, the digits dataset, and the latent shard format (writer, index, reader, payload schema)."""
+"""Data on disk: which files are images and how a folder's are found (the ImageFolder scan, copies), the digits
+dataset, and the latent shard format (writer, index, reader, payload schema)."""

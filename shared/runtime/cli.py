@@ -155,3 +155,8 @@ def _scalar_type(hint) -> Callable | None:
     """int, float or Path from an annotation (`X | None` is X); None for str and anything else."""
     args = [a for a in typing.get_args(hint) if a is not type(None)] if typing.get_args(hint) else [hint]
     return args[0] if len(args) == 1 and args[0] in (int, float, Path) else None
+
+
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """'1 shard', '0 shards', '3 shards': a count with its noun in the right number (`plural` where +s is wrong)."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"

@@ -5,6 +5,7 @@ allowed choices under a domain name ("sampler", "attention", ...). Each stage's 
 flag sets that name and turns the error into flag advice with `advise`.
 """
 import contextlib
+import difflib
 import errno
 import re
 import shutil
@@ -24,14 +25,22 @@ class ChoiceError(UserError):
     def __init__(self, kind: str, value, choices, detail: str = ""):
         self.kind, self.value, self.choices, self.detail = kind, value, list(choices), detail
         allowed = ", ".join(str(c) for c in self.choices)
-        super().__init__(f"unknown {kind} {value!r}{f' ({detail})' if detail else ''}; choose one of: {allowed}.")
+        super().__init__(f"unknown {kind} {value!r}{f' ({detail})' if detail else ''}{self._guess()}; choose one "
+                         f"of: {allowed}.")
 
     def advise(self, flag: str) -> UserError:
         """The same error phrased for the flag that set the value."""
         allowed = ", ".join(str(c) for c in self.choices)
         extra = f" ({self.detail})" if self.detail else ""
-        return UserError(f"{flag} {self.value!r} is not a valid {self.kind}{extra}; pass {flag} with one of: "
-                         f"{allowed}.")
+        return UserError(f"{flag} {self.value!r} is not a valid {self.kind}{extra}{self._guess()}; pass {flag} with "
+                         f"one of: {allowed}.")
+
+    def _guess(self) -> str:
+        """The suggestion for a choice equal but for case (else the closest spelling): " (did you mean 'X'?)"."""
+        names = [str(c) for c in self.choices]
+        same = [c for c in names if c.lower() == str(self.value).lower()]
+        close = same or difflib.get_close_matches(str(self.value), names, n=1, cutoff=0.8)
+        return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 class SettingError(UserError):

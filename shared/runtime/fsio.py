@@ -1,13 +1,16 @@
 """The one atomic write of the project: temp name in the same folder, fsync, rename, fsync the folder.
 
 A reader (or a rerun after a kill or a power cut) sees either the old file or the whole new one, never a
-part. Temp names start with TMP_PREFIX so a rerun can recognise and remove leftovers.
+part. Temp names start with TMP_PREFIX so a rerun can recognise and remove leftovers. Every published file
+gets the mode a plain open() would give it (0o666 less the umask): writers such as safetensors create their
+file 0600, which would hide a shared run's exports from the group.
 """
 from __future__ import annotations
 
 import contextlib
 import os
 import shutil
+import threading
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -20,6 +23,29 @@ def tmp_name(path: Path) -> Path:
     """The temp sibling of `path` used while it is written (unique per process)."""
     path = Path(path)
     return path.with_name(f"{TMP_PREFIX}{path.name}-{os.getpid()}")
+
+
+_UMASK_LOCK = threading.Lock()
+
+
+def current_umask() -> int:
+    """The process's umask, read without changing it where Linux shows it (/proc), else set and restored at once."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    with _UMASK_LOCK:  # os.umask can only be read by setting it: no other writer here sees the 0 in between
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return mask
+
+
+def follow_umask(path: Path) -> None:
+    """Give a written file the mode open() would have: read-write for all, less the umask (0644 under 022)."""
+    os.chmod(path, 0o666 & ~current_umask())
 
 
 def fsync_dir(folder: Path) -> None:
@@ -54,6 +80,7 @@ def publish_file(tmp: Path, path: Path) -> Path:
     For writers that stream into tmp_name(path) themselves (e.g. a shard); others use atomic_write.
     """
     tmp, path = Path(tmp), Path(path)
+    follow_umask(tmp)
     fsync_file(tmp)
     os.replace(tmp, path)
     fsync_dir(path.parent)
@@ -99,6 +126,7 @@ def atomic_write(path, write: Callable[[Path], object], durable: bool = True) ->
             if durable:
                 publish_file(tmp, path)
             else:
+                follow_umask(tmp)
                 os.replace(tmp, path)
     finally:
         if tmp.exists():
@@ -138,6 +166,7 @@ def publish_dir(staging: Path, final: Path) -> Path:
     staging, final = Path(staging), Path(final)
     for entry in staging.iterdir():
         if entry.is_file():
+            follow_umask(entry)  # files written straight into the folder (e.g. a checkpoint's safetensors)
             fsync_file(entry)
     fsync_dir(staging)
     if final.exists():  # the same name published again (e.g. a rerun of a finished step): replace it

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, Dataset
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from extract.folder import scan_image_folder  # noqa: E402
+from shared.datasets.imagefolder import scan_image_folder  # noqa: E402
 from shared.datasets.images import preprocess  # noqa: E402
 from extract.run import ExtractConfig, run_extract  # noqa: E402
 from shared.tokenizers.vae import LatentVAE  # noqa: E402

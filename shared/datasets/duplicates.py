@@ -1,6 +1,7 @@
 """One picture under several paths: files that are the same real file (a symlink, a hard link) or hold
 identical bytes, found cheaply (os.stat for every file; bytes read only where sizes collide: the first 8 KiB,
-then the whole file where those agree too), and what `--duplicates` keeps of them.
+then the whole file where those agree too), and what `--duplicates` keeps of them: one rule for extract's
+training set and evaluate's reference folders.
 """
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import hashlib
 import os
 from collections import defaultdict
 
-from extract.folder import ImageFolderScan, Skipped
+from shared.datasets.imagefolder import ImageFolderScan, Skipped
+from shared.runtime.cli import counted
 
 # What each --duplicates choice keeps of a picture found under several paths (the default is the first).
 DUPLICATE_POLICIES = {
@@ -17,6 +19,7 @@ DUPLICATE_POLICIES = {
     "all": "every copy, each under its own path's label (one picture may then train under two classes)",
     "none": "no copy of a picture whose paths disagree on the label; one copy of the others",
 }
+DEFAULT_DUPLICATES = "first"
 HEAD_BYTES = 8192  # read from each file whose size collides with another's, before any full hash
 
 
@@ -92,7 +95,7 @@ def describe_duplicates(scan: ImageFolderScan, groups: list[list[int]], policy: 
     across = [g for g in groups if len({scan.labels[p] for p in g}) > 1]
     example = across[0] if across else groups[0]
     others = ", ".join(f"{choice} keeps {text}" for choice, text in DUPLICATE_POLICIES.items() if choice != policy)
-    return (f"duplicates: {len(groups)} picture(s) found under {sum(map(len, groups))} paths (symlinks, hard links "
+    return (f"duplicates: {counted(len(groups), 'picture')} found under {sum(map(len, groups))} paths (symlinks, hard links "
             f"or identical bytes), {len(across)} of them under different labels (e.g. "
             f"{' = '.join(scan.files[p] for p in example[:3])}); --duplicates {policy} keeps "
             f"{DUPLICATE_POLICIES[policy]} (--duplicates {others})")

@@ -1,0 +1,266 @@
+"""Finding the images of a folder: the one discovery of extract's ImageFolder scan and `python -m evaluate
+reference` (and evaluate's image folders), so a training set and its reference are listed alike.
+
+ImageFolder order as torchvision's: a class is a top-level folder, its index the position of its name in sorted
+order, and its files are every image below it (nested sub-folders are folded into their top-level class). Unlike
+torchvision, names starting with a dot are never data (`.ipynb_checkpoints/`, `.DS_Store`, macOS `._x.jpg`).
+Symlinked folders are followed (a subset of classes is a folder of symlinks to the chosen class folders), each
+real folder once: one reached again by another path is skipped (counted), and a link to a folder that contains
+it (a loop: the tree would never end) is refused. Files that are one picture under several paths are the
+business of shared/datasets/duplicates.py, applied after the scan. Everything left out is counted in
+`ImageFolderScan.skipped`.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from shared.runtime.cli import counted
+from shared.runtime.errors import UserError
+from shared.datasets.imagefiles import IMAGE_EXTENSIONS, is_hidden, is_image_file
+
+LOOSE_CLASS = "."  # the group of images lying directly in a folder read with loose files (evaluate's folders)
+
+# Why each kind of entry was left out, as the reports phrase it (singular, plural).
+SKIP_REASONS = {
+    "hidden": ("hidden entry", "hidden entries"),  # names starting with a dot
+    "non-image": ("non-image file", "non-image files"),
+    "outside classes": ("file beside the class folders", "files beside the class folders"),
+    "linked folder": ("folder reached again via a symlink", "folders reached again via symlinks"),
+    "duplicate": ("copy of a picture found under another path", "copies of pictures found under other paths"),
+}
+
+
+@dataclass
+class Skipped:
+    """What the scan left out: a count and the first example (a path relative to the root) per reason."""
+
+    counts: dict = field(default_factory=dict)
+    first: dict = field(default_factory=dict)
+
+    def add(self, reason: str, example: str) -> None:
+        """Count one entry left out for `reason`."""
+        self.counts[reason] = self.counts.get(reason, 0) + 1
+        self.first.setdefault(reason, example)
+
+    def describe(self) -> str:
+        """'skipped: 3 hidden entries (...; first: cat/._1.jpg), 2 non-image files (first: cat/notes.txt)'."""
+        parts = [f"{self.counts[r]} {SKIP_REASONS[r][self.counts[r] != 1]} (first: {self.first[r]})"
+                 for r in SKIP_REASONS if self.counts.get(r)]
+        return "skipped: " + (", ".join(parts) if parts else "nothing")
+
+
+@dataclass(frozen=True)
+class ImageFolderScan:
+    """The sorted file list of an ImageFolder tree: relative paths, labels and class names."""
+
+    root: Path
+    classes: list[str]
+    files: list[str]    # paths relative to root, POSIX separators, in sample order
+    labels: list[int]   # class index of each file
+    skipped: Skipped = field(default_factory=Skipped, compare=False)
+    notes: tuple = field(default=(), compare=False)  # lines the reports print (nested folders, duplicates)
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def counts(self) -> list[int]:
+        """Number of files per class, by class index."""
+        return np.bincount(np.asarray(self.labels, dtype=np.int64), minlength=len(self.classes)).tolist()
+
+    def fingerprint(self) -> str:
+        """sha256 of the class names and (path, label) list: the dataset's identity for resume checks."""
+        digest = hashlib.sha256()
+        for name in self.classes:
+            digest.update(f"class\t{name}\n".encode("utf-8", "surrogateescape"))
+        for path, label in zip(self.files, self.labels):
+            digest.update(f"{label}\t{path}\n".encode("utf-8", "surrogateescape"))
+        return digest.hexdigest()
+
+    def limited(self, limit: int | None) -> "ImageFolderScan":
+        """Keep `limit` files spread evenly over the sorted list, so every class shows up when limit >= classes."""
+        if limit is None or limit >= len(self.files):
+            return self
+        keep = np.unique(np.linspace(0, len(self.files) - 1, num=limit).round().astype(np.int64))
+        return ImageFolderScan(self.root, self.classes, [self.files[i] for i in keep],
+                               [self.labels[i] for i in keep], self.skipped, self.notes)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The walk: every visible folder below a class once, symlinks followed, loops refused
+# ----------------------------------------------------------------------------------------------------------
+
+def _entries(folder: Path) -> list[os.DirEntry]:
+    """The entries of one folder, sorted by name; UserError naming the folder if it cannot be read."""
+    try:
+        with os.scandir(folder) as it:
+            return sorted(it, key=lambda e: e.name)
+    except OSError as err:
+        raise UserError(f"cannot read folder {folder} ({err.strerror or err}). Fix its permissions, or move it "
+                        f"out of the image folder if it is not data.") from None
+
+
+def _folder_id(path) -> tuple[int, int]:
+    """(st_dev, st_ino) of the real folder behind `path` (symlinks followed): its identity on this machine."""
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
+def _is_dir(entry: os.DirEntry) -> bool:
+    """True for a folder or a symlink to one; a broken link counts as a file (it is reported as a bad image)."""
+    try:
+        return entry.is_dir()
+    except OSError:
+        return False
+
+
+def _loop(root: Path, rel: str) -> UserError:
+    """The refusal of a symlink that leads to a folder containing it (its tree would never end)."""
+    link = root / rel
+    target = os.readlink(link) if link.is_symlink() else "?"
+    return UserError(
+        f"{link} is a symlink to {target}, a folder that contains the link itself: a symlink loop, whose tree never "
+        f"ends (torchvision would walk it until the path is too long). Remove the link (`rm {link}`), or point it "
+        f"at a folder outside {root}; symlinks to other folders, such as class folders kept elsewhere, are followed."
+    )
+
+
+@dataclass
+class _Walk:
+    """One scan's state: the real folders claimed so far, what was left out, the nested folders seen."""
+
+    root: Path
+    seen: set
+    skipped: Skipped
+    nested: list = field(default_factory=list)  # nested folders holding images, relative to root
+
+    def claim(self, rel: str, ancestors: tuple) -> tuple | None:
+        """The folder's id, marked visited; None (counted) if visited already; UserError for a loop."""
+        ident = _folder_id(self.root / rel)
+        if ident in ancestors:
+            raise _loop(self.root, rel)
+        if ident in self.seen:
+            link = self.root / rel
+            self.skipped.add("linked folder", f"{rel} -> {os.readlink(link)}" if link.is_symlink() else rel)
+            return None
+        self.seen.add(ident)
+        return ident
+
+    def folder(self, rel: str) -> tuple[list[str], list[str]]:
+        """(image names, visible sub-folders) of one folder, the rest counted as left out."""
+        names, subfolders = [], []
+        for entry in _entries(self.root / rel if rel else self.root):
+            path = f"{rel}/{entry.name}" if rel else entry.name
+            if is_hidden(entry.name):
+                self.skipped.add("hidden", path + ("/" if _is_dir(entry) else ""))
+            elif _is_dir(entry):
+                subfolders.append(path)
+            elif is_image_file(entry.name):
+                names.append(entry.name)
+            else:
+                self.skipped.add("non-image", path)
+        return names, subfolders
+
+    def tree(self, top: str, ancestors: tuple) -> list[str]:
+        """Image files under root/top, nested folders included, in torchvision's order (folders by path, then
+        names: it sorts os.walk's (dirpath, dirnames, filenames) tuples)."""
+        found, stack = [], [(top, ancestors)]
+        while stack:
+            rel, above = stack.pop()
+            names, subfolders = self.folder(rel)
+            found.append((rel, names))
+            if names and rel != top:
+                self.nested.append(rel)
+            for path in reversed(subfolders):  # popped in name order; the first name to reach a folder wins
+                ident = self.claim(path, above)
+                if ident is not None:
+                    stack.append((path, (*above, ident)))
+        return [f"{folder}/{name}" for folder, names in sorted(found) for name in names]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The scan
+# ----------------------------------------------------------------------------------------------------------
+
+def find_classes(root: Path, skipped: Skipped | None = None, loose: bool = False) -> tuple[list[str], list[str]]:
+    """(sorted visible sub-folders of root, root's own image files); without `loose` those files are left out."""
+    skipped = skipped if skipped is not None else Skipped()
+    classes, files = [], []
+    for entry in _entries(root):
+        if is_hidden(entry.name):
+            skipped.add("hidden", entry.name + ("/" if _is_dir(entry) else ""))
+        elif _is_dir(entry):
+            classes.append(entry.name)
+        elif loose and is_image_file(entry.name):
+            files.append(entry.name)
+        else:
+            skipped.add("non-image" if loose else "outside classes", entry.name)
+    return classes, files
+
+
+def _no_classes(root: Path, skipped: Skipped) -> UserError:
+    """The refusal for a root without (visible) class folders."""
+    hidden = f" ({skipped.describe()})" if skipped.counts else ""
+    return UserError(
+        f"--data-path {root} has no class folders{hidden}. Put each class's images in its own sub-folder "
+        f"(root/cat/001.jpg, ...); for an unlabelled dataset use a single sub-folder, e.g. root/all/."
+    )
+
+
+def _empty_classes(root: Path, empty: list[str]) -> UserError:
+    """The refusal naming class folders without images."""
+    shown = ", ".join(empty[:10]) + (f" and {len(empty) - 10} more" if len(empty) > 10 else "")
+    return UserError(
+        f"{counted(len(empty), 'class folder')} in {root} {'holds' if len(empty) == 1 else 'hold'} no images "
+        f"({shown}). Add images with one of the extensions {' '.join(IMAGE_EXTENSIONS)} or remove those folders "
+        f"(every sub-folder is a class)."
+    )
+
+
+def folded_note(nested: list[str]) -> str:
+    """The report line saying nested folders were folded into their top-level class."""
+    first = nested[0]
+    return (f"nested folders: {counted(len(nested), 'sub-folder')} below the class folders "
+            f"{'holds' if len(nested) == 1 else 'hold'} images, folded into their top-level class (first: {first} "
+            f"-> class {first.split('/')[0]}); for a label per sub-folder, make each one a top-level folder (a "
+            f"folder of symlinks to them will do)")
+
+
+def scan_image_folder(root, loose: bool = False) -> ImageFolderScan:
+    """Scan root/<class>/**/<image>; UserError for a missing root, no class folders, empty classes or a loop.
+
+    loose (evaluate's folders): images lying in root itself are data too, as the class LOOSE_CLASS, listed
+    first; a folder without any class folder is fine, and empty folders are no error.
+    """
+    root = Path(root).expanduser()
+    if not root.is_dir():
+        raise UserError(
+            f"--data-path {root} does not exist or is not a folder. Pass an ImageFolder root: one sub-folder "
+            f"per class holding that class's images (root/cat/001.jpg, root/dog/002.png, ...)."
+        )
+    skipped = Skipped()
+    classes, loose_files = find_classes(root, skipped, loose)
+    if not classes and not loose:
+        raise _no_classes(root, skipped)
+    # The root and every class folder count as visited from the start, so a link to another class (a/b -> ../b)
+    # is skipped, never a second copy of that class's images under this label; a link to the root is a loop.
+    top = _folder_id(root)
+    walk = _Walk(root, {top, *(_folder_id(root / name) for name in classes)}, skipped)
+    groups = [(LOOSE_CLASS, loose_files)] if loose_files else []
+    empty = []
+    for name in classes:
+        found = walk.tree(name, (top, _folder_id(root / name)))
+        if found or not loose:
+            groups.append((name, found))
+        if not found:
+            empty.append(name)
+    if empty and not loose:
+        raise _empty_classes(root, empty)
+    files = [f for _, found in groups for f in found]
+    labels = [index for index, (_, found) in enumerate(groups) for _ in found]
+    notes = (folded_note(walk.nested),) if walk.nested else ()
+    return ImageFolderScan(root.resolve(), [name for name, _ in groups], files, labels, skipped, notes)
