@@ -174,38 +174,47 @@ def _storage_key(tensor) -> tuple:
 
 
 class _Handle:
-    """What the pack hook gives autograd; its lifetime is the lifetime of the saved slot."""
+    """What the pack hook gives autograd: the saved tensor, detached.
+
+    Detached so the handle never points back into the graph: a saved output's grad_fn is the node that holds this
+    handle, so keeping the output itself would make a cycle the garbage collector cannot see (it runs through C++).
+    """
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor.detach()  # same storage, no grad_fn
 
 
 class SavedTensorLedger(torch.autograd.graph.saved_tensors_hooks):
     """Context that records the tensors autograd saves for backward and which are still alive.
 
-    Each saved tensor is swapped for a small handle; when autograd drops the graph node that holds
-    it (e.g. a detached branch), the handle dies and the ledger forgets the tensor, so `live_bytes`
-    is what really stays resident until backward. Parameters are excluded (counted as weights).
+    Each saved tensor is swapped for a small handle that only autograd holds (the ledger keeps weak references):
+    when autograd drops the graph node that holds it (e.g. a detached branch, or the whole graph once the loss is
+    gone), the handle and its tensor die, so `storages` is what really stays resident until backward, and nothing
+    of the measured forward outlives it. Parameters are excluded (counted as weights).
     """
 
     def __init__(self, exclude_keys=()):
-        self.live: dict[int, torch.Tensor] = {}
+        self.live: weakref.WeakSet[_Handle] = weakref.WeakSet()
         self.exclude = set(exclude_keys)
         super().__init__(self._pack, self._unpack)
 
     def _pack(self, tensor):
-        handle = _Handle()
-        self.live[id(handle)] = tensor
-        weakref.finalize(handle, self.live.pop, id(handle), None)
+        handle = _Handle(tensor)
+        self.live.add(handle)
         return handle
 
-    def _unpack(self, handle):
-        return self.live[id(handle)]
+    @staticmethod
+    def _unpack(handle):
+        return handle.tensor
 
     def storages(self) -> dict:
         """{storage key: bytes} of the live saved tensors, deduplicated, parameters excluded."""
         found = {}
-        for tensor in self.live.values():
-            key = _storage_key(tensor)
+        for handle in list(self.live):
+            key = _storage_key(handle.tensor)
             if key not in self.exclude:
-                found[key] = tensor.untyped_storage().nbytes()
+                found[key] = handle.tensor.untyped_storage().nbytes()
         return found
 
 
