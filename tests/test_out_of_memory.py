@@ -7,14 +7,17 @@ real step (train/step.py) on the CPU, and an out-of-memory is raised where CUDA 
 import contextlib
 import gc
 import weakref
+from types import SimpleNamespace
 
+import pytest
 import torch
 
 from shared.network.models import ModelConfig
 from tests.helpers import checkpoints, expect_user_error, run_inprocess, run_main, train_args
-from train import autotune, loop, memory
+from train import autotune, loop, memory, plan
 from train.autotune import DeviceInfo
 from train.config import TrainConfig
+from train.memory import PlanRow
 from train.plan import main as plan_main
 from train.step import accumulate_gradients, train_step
 from train.units import GiB, MiB, format_size, parse_size
@@ -108,7 +111,8 @@ def _use(monkeypatch, allocator: CpuAllocator) -> CpuAllocator:
     return allocator
 
 
-OOM = "CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 23.56 GiB of which 8.0 MiB is free."
+OOM = ("CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 23.56 GiB of which 8.0 MiB "
+       "is free.")  # as torch words it
 
 
 def _oom_in_step(monkeypatch, micro: int, failed: list):
@@ -153,6 +157,11 @@ PLAN = ["--model", "DiT-T/2", "--image-size", "32", "--num-classes", "4", "--glo
 BUDGET = 150 * MiB
 
 
+@pytest.fixture(autouse=True)
+def _one_timed_step(monkeypatch):
+    monkeypatch.setattr(plan, "VERIFY_TIMED_STEPS", 1)  # --verify's timing is not what these tests check
+
+
 def test_verify_sees_only_the_trainers_step_under_the_budget_cap(monkeypatch, capsys):
     models, saved = _record_builds(monkeypatch), _record_saved(monkeypatch)
     checks = _dead_before_each_learner(monkeypatch, models, saved)
@@ -167,16 +176,30 @@ def test_verify_sees_only_the_trainers_step_under_the_budget_cap(monkeypatch, ca
 
 def test_verify_out_of_memory_is_one_paragraph(monkeypatch, capsys):
     cuda = _use(monkeypatch, CpuAllocator(reserved=BUDGET - 5 * MiB))  # + the 20 MiB it tried: 165 MiB
-    failed = []
+    failed, alive_at_paragraph, paragraph = [], [], plan.over_budget_text
     _oom_in_step(monkeypatch, micro=8, failed=failed)
+
+    def checking(*args):
+        alive_at_paragraph.append(_alive(failed))
+        return paragraph(*args)
+
+    monkeypatch.setattr(plan, "over_budget_text", checking)
     code, out, err = run_main(plan_main, PLAN, capsys)
     assert code == 2 and "Traceback" not in err and out == ""
+    assert alive_at_paragraph == [0]  # the failed step's model, gradients and optimizer state were gone by then
     message = err[err.index("python -m train.plan: error:"):]  # after the measurement's progress bar
     assert message.startswith("python -m train.plan: error: --verify: measured 165.00 MiB > budget 150.00 MiB at "
                               "micro-batch 8 "), message
     assert "Try --margin 126MiB" in err and "training with --micro-batch-size 4 --grad-checkpoint 0" in err
     assert cuda.caps == [["restored", BUDGET]]
-    assert _alive(failed) == 0  # the failed step's model, gradients and optimizer state are not kept for the message
+
+
+def test_a_card_smaller_than_the_budget_is_named_as_the_limit():
+    args = SimpleNamespace(margin=50 * MiB, precision="bf16")
+    row = PlanRow(SimpleNamespace(every=1), micro=8, accumulation=1, peak=140 * MiB)
+    text = plan.over_budget_text(memory.StepOutOfMemory(8, 110 * MiB, 100 * MiB), row, args, BUDGET, 8)
+    assert text.startswith("--verify: measured 110.00 MiB > card (smaller than the budget) 100.00 MiB at micro-batch 8 ")
+    assert "Try --gpu-memory 100MiB (this card), or training with --micro-batch-size 4 --grad-checkpoint 1;" in text
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -208,6 +231,7 @@ def test_auto_steps_down_a_micro_batch_that_runs_out_of_memory_and_says_so(monke
 # python -m train
 # ---------------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_out_of_memory_in_training_is_one_paragraph_and_keeps_the_last_checkpoint(latents, tmp_path, monkeypatch,
                                                                                    capsys):
     run = tmp_path / "run"
@@ -227,9 +251,11 @@ def test_out_of_memory_in_training_is_one_paragraph_and_keeps_the_last_checkpoin
     message = expect_user_error(capsys, train_args(latents, run, *flags))
     last = run / "checkpoints" / "step-0000002"
     assert message.startswith("python -m train: error: ran out of GPU memory after 2 completed step(s), at "
-                              "micro-batch 2 x 4 accumulation, checkpointing off, fp32 (CUDA out of memory, tried to allocate 20.00 MiB)."), message
+                              "micro-batch 2 x 4 accumulation, checkpointing off, fp32 (CUDA out of memory, tried to "
+                              "allocate 20.00 MiB)."), message
     assert f"The last checkpoint {last} is intact" in message
-    assert "Rerun the same command with --micro-batch-size 1 (gradient accumulation keeps the global batch of 8)" in message
+    assert "Rerun the same command with --micro-batch-size 1 (gradient accumulation keeps the global batch of 8)" \
+        in message
     assert checkpoints(run) == ["step-0000002"]  # nothing half-written beside it
     # The planner's command it names runs as printed.
     command = message.split("`")[1].split()

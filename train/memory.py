@@ -495,7 +495,7 @@ class CudaAllocator:
 
     @contextlib.contextmanager
     def capped(self, limit: int):
-        """The allocator refuses to hold more than `limit` bytes inside the block (restored after), as a smaller card."""
+        """Inside the block the allocator holds at most `limit` bytes, as a smaller card would (restored after)."""
         get = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.8
         before = get(self.device) if get is not None else 1.0
         torch.cuda.set_per_process_memory_fraction(min(1.0, limit / self.total()), self.device)

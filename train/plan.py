@@ -194,10 +194,13 @@ def over_budget_text(oom: StepOutOfMemory, chosen: PlanRow, args, budget: int, b
                 else f"measured more than the {limit} {format_size(oom.limit)} ({format_size(oom.needed)} held when "
                      "an allocation failed)")
     missed = max(oom.needed, oom.limit) - chosen.peak  # what the prediction left out
-    margin = size_flag(args.margin + missed)
     smaller = smaller_micro(chosen.micro, batch)
     every = chosen.profile.every
-    tries = [f"--margin {margin} (plans with the {format_size(missed)} the prediction missed)"]
+    if oom.limit < budget:  # the card, not the plan, was the limit
+        tries = [f"--gpu-memory {oom.limit // MiB}MiB (this card)"]
+    else:
+        tries = [f"--margin {size_flag(args.margin + missed)} (plans with the {format_size(missed)} the prediction "
+                 "missed)"]
     if every != 1:
         tries.append("--grad-checkpoint 1")
     if smaller is not None:
@@ -262,8 +265,9 @@ def out_of_memory_error(cfg, latent_shape: tuple, num_classes: int, step: int, l
     asked = memory.requested_bytes(error)  # CUDA's request, not the allocator statistics its message goes on with
     cause = "CUDA out of memory" + (f", tried to allocate {format_size(asked)}" if asked else "")
     return UserError(
-        f"ran out of GPU memory after {step} completed step(s), at micro-batch {cfg.micro_batch_size} x {cfg.grad_accum_steps} "
-        f"accumulation, checkpointing {choice_label(cfg.grad_checkpoint)}, {cfg.precision} ({cause}). {kept}. "
+        f"ran out of GPU memory after {step} completed step(s), at micro-batch {cfg.micro_batch_size} x "
+        f"{cfg.grad_accum_steps} accumulation, checkpointing {choice_label(cfg.grad_checkpoint)}, {cfg.precision} "
+        f"({cause}). {kept}. "
         f"Rerun the same command with {', or '.join(fixes)}{where}.")
 
 
