@@ -561,13 +561,16 @@ def verify_step(config, args, row: PlanRow, timed: int = 0, budget: int | None =
     cuda = allocator()
     cuda.release()
     limit = None if budget is None else min(budget, cuda.total())
+    verified = None
     with cuda.capped(limit) if limit is not None else contextlib.nullcontext():
         try:
-            return _timed_steps(config, args, row, timed, cuda)
+            verified = _timed_steps(config, args, row, timed, cuda)
         except torch.OutOfMemoryError as err:
             needed = cuda.reserved() + requested_bytes(err)  # while the failed step's tensors are still held
-    cuda.release()  # the failed step's learner died with the exception (its frames); give its memory back
-    raise StepOutOfMemory(row.micro, needed, limit)
+    cuda.release()  # the step's learner is gone (returned, or died with the exception's frames): its memory back
+    if verified is None:
+        raise StepOutOfMemory(row.micro, needed, limit)
+    return verified
 
 
 def _timed_steps(config, args, row: PlanRow, timed: int, cuda: CudaAllocator) -> Verified:
