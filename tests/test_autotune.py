@@ -80,8 +80,9 @@ def test_the_real_step_steps_the_micro_batch_down_when_it_does_not_fit():
     budget = info.free_memory - parse_size(memory.DEFAULT_MARGIN)
     seen = []
 
-    def measure(cfg, model_config, micro, every, accumulation):  # as train.memory.verify would report on CUDA
+    def measure(cfg, model_config, micro, every, accumulation, cap):  # as train.memory.verify would report on CUDA
         seen.append((micro, every, accumulation))
+        assert cap == budget
         return budget + 1 if micro > 2 else budget - 1  # the allocator needs more than planned above 2
 
     autotune.resolve_auto(cfg, MODEL, info, 1, measure)

@@ -2,6 +2,7 @@
 import os
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -20,23 +21,34 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(model="DiT-T/2", image_size=64)  # 8x8 latents, 16 tokens, 6 blocks
 
 
+class _Held:
+    """What autograd keeps in place of a saved tensor: it dies with the graph node that holds it."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor.detach()
+
+
 def independent_saved_bytes(model, batch, dtype):
-    """Bytes autograd saves for one forward + loss, counted directly (written independently of train.memory)."""
+    """Bytes autograd still holds for backward at the end of one forward + loss, counted directly (written
+    independently of train.memory): a node the forward already dropped (e.g. DDPM's exp of the learned log-variance,
+    computed but unused by the loss) holds nothing."""
     # Parameters and buffers (e.g. RoPE tables) are resident anyway: the weights, not activations.
     params = {p.untyped_storage().data_ptr() for p in [*model.parameters(), *model.buffers()]}
-    kept = []  # keep every saved tensor alive so no address is reused while counting
+    held = []
 
     def pack(t):
-        kept.append(t)
-        return t
+        kept = _Held(t)
+        held.append(weakref.ref(kept))
+        return kept
 
     g = torch.Generator().manual_seed(1)
     x0 = torch.randn(batch, model.in_channels, model.input_size, model.input_size, generator=g)
     t = torch.randint(0, 1000, (batch,), generator=g)
     y = torch.randint(0, model.num_classes, (batch,), generator=g)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=dtype):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda kept: kept.tensor), torch.autocast("cpu", dtype=dtype):
         loss = create_diffusion().training_losses(model, x0, t, {"y": y})["loss"].mean()
-    storages = {s.data_ptr(): s.nbytes() for s in (k.untyped_storage() for k in kept)}
+    alive = [kept.tensor.untyped_storage() for kept in (ref() for ref in held) if kept is not None]
+    storages = {s.data_ptr(): s.nbytes() for s in alive}  # all alive together: no address reused
     del loss
     return sum(n for ptr, n in storages.items() if ptr not in params)
 

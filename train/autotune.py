@@ -4,10 +4,11 @@
   have it, fp16 + GradScaler on older ones, fp32 on the CPU.
 - micro-batch and checkpointing: train.plan's answer for the free memory of this GPU (fixed state by
   arithmetic, activations measured on the real model), preferring the least recomputation that still
-  runs micro-batches of FAST_MICRO or the whole per-process batch; then one real training step at that
-  micro-batch (train.memory.verify, on a throwaway model) must peak below free memory minus the margin,
-  else the next smaller micro-batch is tried. Accumulation keeps the global batch, so the result does
-  not depend on the choice (train/config.py: grad_accum_steps).
+  runs micro-batches of FAST_MICRO or the whole per-process batch; then real training steps at that
+  micro-batch (train.memory.verify, on a throwaway model freed before the next try and the run) must fit
+  under an allocator cap of free memory minus the margin; one that runs out of memory (or peaks above it)
+  steps down to the next smaller micro-batch, with a one-line notice. Accumulation keeps the global batch,
+  so the result does not depend on the choice (train/config.py: grad_accum_steps).
 - On the CPU there is no memory to plan against: the whole per-process batch at once, no checkpointing.
 
 What was asked, the device, the plan and the measured peak are recorded in the run config (`autotune`).
@@ -15,7 +16,7 @@ The device is read through one seam, probe_device, so a test can describe a GPU 
 """
 from __future__ import annotations
 
-import gc
+import sys
 from dataclasses import asdict, dataclass
 from types import SimpleNamespace
 from typing import Callable
@@ -33,6 +34,7 @@ CHECKPOINT_ORDER = (0, 4, 2, 1)
 # A micro-batch this large keeps a GPU's matmuls busy; a smaller one is taken only when nothing larger fits.
 FAST_MICRO = 16
 CONFIRM_TRIES = 4  # smaller micro-batches tried when the real step does not fit
+OUT_OF_MEMORY = -1  # a confirmation try's recorded peak when its step ran out of memory
 
 
 @dataclass
@@ -113,36 +115,45 @@ def smaller_micro(micro: int, per_process: int) -> int | None:
     return below[0] if below else None
 
 
-def measure_peak(cfg, model_config: ModelConfig, micro: int, every: int, accumulation: int) -> int | None:
-    """Peak CUDA bytes of real training steps at this micro-batch (train.memory.verify); None off CUDA or on OOM."""
-    if not torch.cuda.is_available():
-        return None
+def measure_peak(cfg, model_config: ModelConfig, micro: int, every: int, accumulation: int, budget: int) -> int | None:
+    """Peak CUDA bytes of real training steps at this micro-batch, under an allocator cap of `budget`
+    (train.memory.verify); None off CUDA; train.memory.StepOutOfMemory when the step does not fit."""
     from train import memory
 
+    if not memory.allocator().available():
+        return None
     args = SimpleNamespace(model=cfg.model, precision=cfg.precision, optimizer=cfg.optimizer,
                            ema_device=cfg.ema_device, route_ratio=cfg.route_ratio, route_start=cfg.route_start,
                            route_end=cfg.route_end)
     row = SimpleNamespace(micro=micro, accumulation=accumulation, profile=SimpleNamespace(every=every))
-    try:
-        return memory.verify(model_config, args, row)
-    except torch.cuda.OutOfMemoryError:
-        return -1  # did not fit at all
-    finally:
-        gc.collect()
-        torch.cuda.empty_cache()
+    return memory.verify(model_config, args, row, budget=budget)
+
+
+def say(line: str) -> None:
+    """A one-line notice of what auto did, on stderr before the run's log exists (it is logged again there)."""
+    print(f"auto: {line}", file=sys.stderr, flush=True)
 
 
 def confirm(cfg, model_config, row, per_process: int, budget: int, measure: Callable) -> tuple[int, int | None, list]:
-    """(micro-batch, measured peak or None, tries) after real steps: step down while the peak exceeds the budget."""
+    """(micro-batch, measured peak or None, tries) after real steps: step down while a step runs out of memory or
+    peaks above the budget, saying so."""
+    from train.memory import StepOutOfMemory
+
     micro, tries = row.micro, []
     for _ in range(CONFIRM_TRIES):
-        peak = measure(cfg, model_config, micro, row.profile.every, per_process // micro)
+        try:
+            peak = measure(cfg, model_config, micro, row.profile.every, per_process // micro, budget)
+        except StepOutOfMemory:  # raised after the failed step's learner is gone: the next try starts clean
+            peak = OUT_OF_MEMORY
         tries.append({"micro": micro, "peak": peak})
         if peak is None or 0 <= peak <= budget:
             return micro, peak, tries
-        micro = smaller_micro(micro, per_process)
-        if micro is None:
+        smaller = smaller_micro(micro, per_process)
+        if smaller is None:
             break
+        say(f"micro-batch {micro} {_try_text(tries[-1])} in a real step under the {format_size(budget)} budget; "
+            f"trying micro-batch {smaller}")
+        micro = smaller
     raise UserError(
         f"even micro-batch {tries[-1]['micro']} of {cfg.model} with checkpointing every {row.profile.every} "
         f"block(s) did not fit the {format_size(budget)} left on this GPU after the margin (real steps measured: "
@@ -151,9 +162,15 @@ def confirm(cfg, model_config, row, per_process: int, budget: int, measure: Call
         "--ema-device cpu, or an explicit --micro-batch-size.")
 
 
+def _try_text(one: dict) -> str:
+    """'ran out of memory' or 'peaked at 23.10 GiB' for one confirmation try."""
+    return "ran out of memory" if one["peak"] == OUT_OF_MEMORY else f"peaked at {format_size(one['peak'])}"
+
+
 def _tries_text(tries: list) -> str:
     """'8: 23.1 GiB, 4: out of memory' for the refusal."""
-    return ", ".join(f"{t['micro']}: " + (format_size(t["peak"]) if t["peak"] >= 0 else "out of memory") for t in tries)
+    return ", ".join(f"{t['micro']}: " + (format_size(t["peak"]) if t["peak"] != OUT_OF_MEMORY else "out of memory")
+                     for t in tries)
 
 
 def _no_fit_error(cfg, info: DeviceInfo, budget: int) -> UserError:
@@ -236,7 +253,9 @@ def describe(record: dict) -> str:
     if record.get("predicted_peak") is not None:
         measured = record["confirmed"][-1]["peak"]
         text += (f" (planned peak {format_size(record['predicted_peak'])}, budget {format_size(record['budget'])}"
-                 + (f", measured {format_size(measured)})" if measured and measured > 0 else ")"))
+                 + (f", measured {format_size(measured)}" if measured and measured > 0 else "")
+                 + (f"; stepped down from micro-batch {record['confirmed'][0]['micro']}: "
+                    f"{_tries_text(record['confirmed'][:-1])})" if len(record["confirmed"]) > 1 else ")"))
     return text
 
 

@@ -565,5 +565,17 @@ def _train_locked(cfg: TrainConfig, accelerator, callbacks: list[Callback]) -> d
         run.callbacks.on_train_end(run)
         run.logger.info(f"done: step {run.step}, last checkpoint {run.last_checkpoint}")
         return last
+    except torch.OutOfMemoryError as err:  # checkpoints are published whole or not at all: the last one stands
+        stop = out_of_memory(run, err)
     finally:
         run.logger.close()
+    raise stop  # outside the handler, so the paragraph does not hold the failed step's tensors
+
+
+def out_of_memory(run: Run, error: BaseException) -> UserError:
+    """The one paragraph for a step that ran out of memory: the smaller settings and the planner's command."""
+    from train.plan import out_of_memory_error
+
+    card = torch.cuda.get_device_properties(run.device).total_memory if run.device.type == "cuda" else None
+    return out_of_memory_error(run.cfg, run.dataset.latent_shape, run.dataset.num_classes, run.step,
+                               run.last_checkpoint, error, card)

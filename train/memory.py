@@ -17,6 +17,9 @@ else the CPU) with weights allocated but zero-filled (skipping the random init, 
 CPU and CUDA autocast agree on every op a DiT uses with sdpa attention (linear, conv and attention in
 low precision; LayerNorm always sees the fp32 residual stream), so a CPU measurement stands for CUDA.
 """
+import contextlib
+import gc
+import re
 import sys
 import time
 import weakref
@@ -35,6 +38,7 @@ from train.config import TrainConfig, resolve_block
 from shared.generative.objectives import objective_of
 from train.data import synthetic_batch
 from train.step import forward_loss, make_learner, train_step
+from train.units import parse_size
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -174,38 +178,47 @@ def _storage_key(tensor) -> tuple:
 
 
 class _Handle:
-    """What the pack hook gives autograd; its lifetime is the lifetime of the saved slot."""
+    """What the pack hook gives autograd: the saved tensor, detached.
+
+    Detached so the handle never points back into the graph: a saved output's grad_fn is the node that holds this
+    handle, so keeping the output itself would make a cycle the garbage collector cannot see (it runs through C++).
+    """
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor.detach()  # same storage, no grad_fn
 
 
 class SavedTensorLedger(torch.autograd.graph.saved_tensors_hooks):
     """Context that records the tensors autograd saves for backward and which are still alive.
 
-    Each saved tensor is swapped for a small handle; when autograd drops the graph node that holds
-    it (e.g. a detached branch), the handle dies and the ledger forgets the tensor, so `live_bytes`
-    is what really stays resident until backward. Parameters are excluded (counted as weights).
+    Each saved tensor is swapped for a small handle that only autograd holds (the ledger keeps weak references):
+    when autograd drops the graph node that holds it (e.g. a detached branch, or the whole graph once the loss is
+    gone), the handle and its tensor die, so `storages` is what really stays resident until backward, and nothing
+    of the measured forward outlives it. Parameters are excluded (counted as weights).
     """
 
     def __init__(self, exclude_keys=()):
-        self.live: dict[int, torch.Tensor] = {}
+        self.live: weakref.WeakSet[_Handle] = weakref.WeakSet()
         self.exclude = set(exclude_keys)
         super().__init__(self._pack, self._unpack)
 
     def _pack(self, tensor):
-        handle = _Handle()
-        self.live[id(handle)] = tensor
-        weakref.finalize(handle, self.live.pop, id(handle), None)
+        handle = _Handle(tensor)
+        self.live.add(handle)
         return handle
 
-    def _unpack(self, handle):
-        return self.live[id(handle)]
+    @staticmethod
+    def _unpack(handle):
+        return handle.tensor
 
     def storages(self) -> dict:
         """{storage key: bytes} of the live saved tensors, deduplicated, parameters excluded."""
         found = {}
-        for tensor in self.live.values():
-            key = _storage_key(tensor)
+        for handle in list(self.live):
+            key = _storage_key(handle.tensor)
             if key not in self.exclude:
-                found[key] = tensor.untyped_storage().nbytes()
+                found[key] = handle.tensor.untyped_storage().nbytes()
         return found
 
 
@@ -445,8 +458,57 @@ def measure_profiles(config, precision: str, choices, device, route=None) -> tup
 
 
 # ----------------------------------------------------------------------------------------------------
-# Verification on CUDA: the trainer's own step at the planned micro-batch
+# Verification on CUDA: the trainer's own step at the planned micro-batch, under the budget
 # ----------------------------------------------------------------------------------------------------
+
+class CudaAllocator:
+    """The CUDA caching allocator as --verify and autotune's confirmation read it (the seam a CPU test replaces)."""
+
+    device = torch.device("cuda")
+
+    def available(self) -> bool:
+        return torch.cuda.is_available()
+
+    def total(self) -> int:
+        """Bytes of the card."""
+        return torch.cuda.get_device_properties(self.device).total_memory
+
+    def release(self) -> None:
+        """Free what nothing references any more: reference cycles holding tensors, then the allocator's cache."""
+        gc.collect()
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak(self) -> int:
+        """Peak allocated bytes since reset_peak (what the planner predicts)."""
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def reserved(self) -> int:
+        """Bytes the allocator holds now (allocated plus the unused parts of its segments)."""
+        return torch.cuda.memory_reserved(self.device)
+
+    @contextlib.contextmanager
+    def capped(self, limit: int):
+        """Inside the block the allocator holds at most `limit` bytes, as a smaller card would (restored after)."""
+        get = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.8
+        before = get(self.device) if get is not None else 1.0
+        torch.cuda.set_per_process_memory_fraction(min(1.0, limit / self.total()), self.device)
+        try:
+            yield
+        finally:
+            torch.cuda.set_per_process_memory_fraction(before, self.device)
+
+
+def allocator() -> CudaAllocator:
+    """The device memory --verify and the confirmation measure (a test replaces this to run them on the CPU)."""
+    return CudaAllocator()
+
 
 def verify_config(config: ModelConfig, args, row: PlanRow) -> TrainConfig:
     """The TrainConfig of the planned run (synthetic data): what `python -m train` would be given.
@@ -471,28 +533,67 @@ class Verified:
     images: int  # per optimizer step (micro-batch x the accumulation verify runs)
 
 
-def verify_step(config, args, row: PlanRow, timed: int = 0) -> Verified:
+class StepOutOfMemory(Exception):
+    """The trainer's step at `micro` ran out of memory under `limit` bytes; it needed at least `needed`."""
+
+    def __init__(self, micro: int, needed: int, limit: int | None):
+        self.micro, self.needed, self.limit = micro, needed, limit
+        super().__init__(f"micro-batch {micro}: out of memory, needed {needed} bytes (limit {limit})")
+
+
+_REQUEST = re.compile(r"Tried to allocate (\d+(?:\.\d+)?) ?([KMGT]i?B|B)")  # CUDA's out-of-memory message
+
+
+def requested_bytes(error: BaseException) -> int:
+    """The allocation a CUDA out-of-memory error could not make ('Tried to allocate 2.00 GiB'), 0 if unnamed."""
+    found = _REQUEST.search(str(error))
+    return parse_size(found.group(1) + found.group(2)) if found else 0
+
+
+def verify_step(config, args, row: PlanRow, timed: int = 0, budget: int | None = None) -> Verified:
     """Peak allocated bytes of the trainer's own step (train/step.py) on CUDA at the planned micro-batch, and the
-    seconds of `timed` further steps (each bracketed by device syncs)."""
+    seconds of `timed` further steps (each bracketed by device syncs).
+
+    budget: run under an allocator cap of these bytes (never above the card), as a card of that size would;
+    StepOutOfMemory when the step does not fit. Nothing measured before (the planner's measurement model, an
+    earlier try's learner) is alive here: the peak is the trainer's alone.
+    """
+    cuda = allocator()
+    cuda.release()
+    limit = None if budget is None else min(budget, cuda.total())
+    verified = None
+    with cuda.capped(limit) if limit is not None else contextlib.nullcontext():
+        try:
+            verified = _timed_steps(config, args, row, timed, cuda)
+        except torch.OutOfMemoryError as err:
+            needed = cuda.reserved() + requested_bytes(err)  # while the failed step's tensors are still held
+    cuda.release()  # the step's learner is gone (returned, or died with the exception's frames): its memory back
+    if verified is None:
+        raise StepOutOfMemory(row.micro, needed, limit)
+    return verified
+
+
+def _timed_steps(config, args, row: PlanRow, timed: int, cuda: CudaAllocator) -> Verified:
+    """verify_step's measurement: a step that allocates the optimizer state, the measured step, `timed` more."""
     cfg = verify_config(config, args, row)
-    learner = make_learner(cfg, config, device=torch.device("cuda"))
+    learner = make_learner(cfg, config, device=cuda.device)
     batches = [synthetic_batch(config, row.micro, cfg.class_dropout_prob, learner.objective, seed=i,
                                route=learner.route)
                for i in range(cfg.grad_accum_steps)]
     train_step(learner, batches)  # allocates the optimizer state
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    cuda.synchronize()
+    cuda.reset_peak()
     train_step(learner, batches)
-    torch.cuda.synchronize()
-    peak, seconds = torch.cuda.max_memory_allocated(), []
+    cuda.synchronize()
+    peak, seconds = cuda.peak(), []
     for _ in range(timed):
         start = time.perf_counter()
         train_step(learner, batches)
-        torch.cuda.synchronize()
+        cuda.synchronize()
         seconds.append(time.perf_counter() - start)
     return Verified(peak, seconds, row.micro * cfg.grad_accum_steps)
 
 
-def verify(config, args, row: PlanRow) -> int:
+def verify(config, args, row: PlanRow, budget: int | None = None) -> int:
     """Peak allocated bytes of the trainer's own step on CUDA at the planned micro-batch (verify_step)."""
-    return verify_step(config, args, row).peak
+    return verify_step(config, args, row, budget=budget).peak

@@ -1,24 +1,27 @@
 """`python -m train.plan`: how large a micro-batch fits on one GPU, for each checkpointing choice.
 
 Fixed state is arithmetic (bytes per parameter); activation memory is measured on the real model
-(train/memory.py explains how). `--verify` runs a real training step on CUDA at the planned
-micro-batch and prints the predicted next to the measured peak (torch.cuda.max_memory_allocated).
+(train/memory.py explains how). `--verify` runs the trainer's own step on CUDA at the planned
+micro-batch, under an allocator cap of the budget (--gpu-memory minus --margin, as a card of that size would
+hold), and prints the predicted next to the measured peak (torch.cuda.max_memory_allocated); a step that does
+not fit under the cap is one paragraph naming settings that need less.
 """
 import argparse
-import gc
+import math
 import sys
 import textwrap
-import torch
 
-from shared.runtime.cli import HelpFormatter, add_flags
+from shared.runtime.cli import HelpFormatter, add_flags, flag_name
 from shared.runtime.errors import UserError, cli_errors
 from shared.runtime.precision import PRECISION_CHOICES, canonical_precision
 from shared.network.routing import kept_tokens
 from train.config import TrainConfig, add_block_flags, block_from_args, model_config_for, route_span
-from train.memory import (DEFAULT_MARGIN, FixedState, PlanRow, count_parameters, fixed_state, forward_macs, head_macs,
-                          latent_shape, measure_device, measure_profiles, measured_config, per_process_batch, plan_row,
-                          train_flops_per_image, verify_step)
-from train.units import format_size, parse_size
+from train import memory
+from train.autotune import smaller_micro
+from train.memory import (DEFAULT_MARGIN, FixedState, PlanRow, StepOutOfMemory, Verified, fixed_state, forward_macs,
+                          head_macs, latent_shape, measure_device, measure_profiles, measured_config, per_process_batch,
+                          plan_row, train_flops_per_image)
+from train.units import GiB, MiB, format_size, parse_size
 
 PROG = "python -m train.plan"
 FLAGS = {"model preset": "--model", "precision": "--precision", "objective": "--objective"}  # domain name -> flag
@@ -155,13 +158,117 @@ def verify_lines(measured, chosen: PlanRow, meta, route) -> list[str]:
 
 def check_verify_possible(args):
     """--verify needs CUDA; say so before measuring anything."""
-    if args.verify and not torch.cuda.is_available():
+    if not args.verify:
+        return
+    cuda = memory.allocator()
+    if not cuda.available():
         raise UserError("--verify runs a real training step on a CUDA GPU and compares its peak memory with "
                         "the plan, but no CUDA GPU is visible here. Run it on the training machine, or drop "
                         "--verify to get the plan alone.")
-    if args.verify and args.gpu_memory > torch.cuda.get_device_properties(0).total_memory:
-        print(f"{PROG}: note: planning for {format_size(args.gpu_memory)} on a larger card; --verify checks "
-              "the prediction, not whether it fits a smaller card.", file=sys.stderr)
+    if args.gpu_memory > cuda.total():
+        print(f"{PROG}: note: planning for {format_size(args.gpu_memory)} on a smaller card; --verify caps the step "
+              f"at the card's {format_size(cuda.total())}.", file=sys.stderr)
+
+
+def verify_plan(config, args, chosen: PlanRow, batch: int) -> Verified:
+    """--verify: the trainer's step at the chosen plan, capped at the budget; UserError when it does not fit."""
+    budget = args.gpu_memory - args.margin
+    try:
+        return memory.verify_step(config, args, chosen, timed=VERIFY_TIMED_STEPS, budget=budget)
+    except StepOutOfMemory as oom:
+        error = UserError(over_budget_text(oom, chosen, args, budget, batch))
+    raise error  # outside the handler: nothing of the failed step rides on the paragraph
+
+
+def size_flag(nbytes: int) -> str:
+    """Bytes as a --margin/--gpu-memory value, rounded up: '2.4GiB' (to 0.1 GiB) from 1 GiB, else '130MiB'."""
+    if nbytes >= GiB:
+        return f"{math.ceil(nbytes / GiB * 10) / 10:g}GiB"
+    return f"{math.ceil(nbytes / MiB)}MiB"
+
+
+def over_budget_text(oom: StepOutOfMemory, chosen: PlanRow, args, budget: int, batch: int) -> str:
+    """'measured X > budget Y at micro-batch M; try ...': what did not fit and the settings that need less."""
+    limit = "budget" if oom.limit == budget else "card (smaller than the budget)"
+    measured = (f"measured {format_size(oom.needed)} > {limit} {format_size(oom.limit)}" if oom.needed > oom.limit
+                else f"measured more than the {limit} {format_size(oom.limit)} ({format_size(oom.needed)} held when "
+                     "an allocation failed)")
+    missed = max(oom.needed, oom.limit) - chosen.peak  # what the prediction left out
+    smaller = smaller_micro(chosen.micro, batch)
+    every = chosen.profile.every
+    if oom.limit < budget:  # the card, not the plan, was the limit
+        tries = [f"--gpu-memory {oom.limit // MiB}MiB (this card)"]
+    else:
+        tries = [f"--margin {size_flag(args.margin + missed)} (plans with the {format_size(missed)} the prediction "
+                 "missed)"]
+    if every != 1:
+        tries.append("--grad-checkpoint 1")
+    if smaller is not None:
+        tries.append(f"training with --micro-batch-size {smaller} --grad-checkpoint {every}")
+    return (f"--verify: {measured} at micro-batch {chosen.micro} (checkpointing {choice_label(every)}, "
+            f"{args.precision}): the trainer's step ran out of memory under an allocator cap of the budget, where "
+            f"the plan predicted a peak of {format_size(chosen.peak)}. Try {', or '.join(tries)}; --optimizer "
+            "adamw8bit and --ema-device cpu also need less.")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Out of memory in python -m train: what to run instead
+# ----------------------------------------------------------------------------------------------------
+
+def plan_command(cfg, latent_shape: tuple, num_classes: int, gpu_memory: int | None) -> str | None:
+    """The `python -m train.plan` command that plans this training run (None where the planner cannot: a head other
+    than the preset's, or REPA's projector, which it does not measure).
+
+    cfg: a resolved TrainConfig (block options filled, grad_checkpoint an interval, image_size from the latents);
+    gpu_memory: the card's bytes, planned for and verified on; None off CUDA (the planner's default card).
+    """
+    from shared.network.models import preset_head
+
+    if cfg.repa_weight > 0 or any(getattr(cfg, k) != v for k, v in preset_head(cfg.model).items()):
+        return None
+    channels, height, _ = latent_shape
+    flags = {"model": cfg.model, "objective": cfg.objective, "image_size": cfg.image_size,
+             "vae_factor": cfg.image_size // height, "latent_channels": channels, "num_classes": num_classes,
+             "global_batch_size": cfg.global_batch_size, "num_processes": cfg.world_size, "precision": cfg.precision,
+             "optimizer": cfg.optimizer, "ema_device": cfg.ema_device, "grad_checkpoint": cfg.grad_checkpoint,
+             "block": cfg.block, "norm": cfg.norm, "mlp": cfg.mlp}
+    if cfg.route_ratio > 0:
+        flags.update(route_ratio=cfg.route_ratio, route_start=cfg.route_start, route_end=cfg.route_end)
+    words = [PROG] + [f"{flag_name(k)} {v}" for k, v in flags.items()]
+    words += ["--rope" if cfg.rope else "--no-rope", "--qk-norm" if cfg.qk_norm else "--no-qk-norm"]
+    if gpu_memory is not None:
+        words += [f"--gpu-memory {size_flag(gpu_memory)}", "--verify"]
+    return " ".join(words)
+
+
+def out_of_memory_error(cfg, latent_shape: tuple, num_classes: int, step: int, last_checkpoint, error,
+                        gpu_memory: int | None) -> UserError:
+    """The paragraph `python -m train` ends with when a step runs out of memory: the smaller setting to rerun with
+    (the micro-batch and checkpointing may change on resume), the planner's command, and the checkpoint kept."""
+    per_process = cfg.global_batch_size // cfg.world_size
+    smaller = smaller_micro(cfg.micro_batch_size, per_process)
+    fixes = []
+    if smaller is not None:
+        fixes.append(f"--micro-batch-size {smaller} (gradient accumulation keeps the global batch of "
+                     f"{cfg.global_batch_size})")
+    if cfg.grad_checkpoint != 1:
+        fixes.append("--grad-checkpoint 1 (every block recomputed in backward)")
+    if cfg.ema_device != "cpu":
+        fixes.append("--ema-device cpu")
+    if not fixes:
+        fixes.append("nothing smaller: this run already trains one image at a time, every block checkpointed, the "
+                     "EMA on the CPU; a new run with --optimizer adamw8bit or a smaller --model, or a larger GPU")
+    kept = (f"The last checkpoint {last_checkpoint} is intact and the rerun resumes from it" if last_checkpoint
+            else "No checkpoint was written yet; the rerun starts over")
+    command = plan_command(cfg, latent_shape, num_classes, gpu_memory)
+    where = f"; `{command}` shows what fits" if command else ""
+    asked = memory.requested_bytes(error)  # CUDA's request, not the allocator statistics its message goes on with
+    cause = "CUDA out of memory" + (f", tried to allocate {format_size(asked)}" if asked else "")
+    return UserError(
+        f"ran out of GPU memory after {step} completed step(s), at micro-batch {cfg.micro_batch_size} x "
+        f"{cfg.grad_accum_steps} accumulation, checkpointing {choice_label(cfg.grad_checkpoint)}, {cfg.precision} "
+        f"({cause}). {kept}. "
+        f"Rerun the same command with {', or '.join(fixes)}{where}.")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -199,7 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--measure-device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="device for the activation measurement (auto: CUDA if present, else CPU)")
     p.add_argument("--verify", action="store_true",
-                   help="CUDA only: run real steps at the planned micro-batch and print predicted vs measured peak")
+                   help="CUDA only: run real steps at the planned micro-batch, capped at the budget, and print "
+                        "predicted vs measured peak")
     return p
 
 
@@ -241,9 +349,7 @@ def run(args) -> str:
     lines += fixed_lines(fixed, args)
     lines += table_lines(rows, args.grad_checkpoint, args.margin) + [summary_line(chosen, batch)]
     if args.verify and chosen.micro is not None:
-        gc.collect()  # the measurement model must be gone before CUDA peak memory is read
-        torch.cuda.empty_cache()
-        lines += verify_lines(verify_step(config, args, chosen, timed=VERIFY_TIMED_STEPS), chosen, meta, route)
+        lines += verify_lines(verify_plan(config, args, chosen, batch), chosen, meta, route)
     return "\n".join(lines)
 
 
