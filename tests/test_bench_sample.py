@@ -66,3 +66,21 @@ def test_bf16_decode_of_the_digits_vae_is_within_a_level_nearly_everywhere():
     err = bench.pixel_error(to_uint8(fp32.decode_raw(mean)), to_uint8(bf16.decode_raw(mean)))
     assert 0 < err["max_abs"] <= 3  # bf16 does change pixels, by a few levels at most
     assert err["over_1_level"] < 0.005 and err["psnr_db"] > 50
+
+
+def test_a_failing_option_becomes_error_rows_and_the_others_are_kept(monkeypatch, tmp_path, capsys):
+    real = bench.compile_for_sampling
+
+    def fail_graphs(model, mode, backend):
+        if mode == "graphs":
+            raise RuntimeError("no graphs here")
+        return real(model, mode, backend)
+
+    monkeypatch.setattr(bench, "compile_for_sampling", fail_graphs)
+    out = tmp_path / "bench.json"
+    bench.main(["--preset", "cpu", "--ddpm-steps", "2", "--solver-steps", "0", "--options", "fp32+graphs", "bf16",
+                "--json", str(out)])
+    assert "failed: RuntimeError: no graphs here" in capsys.readouterr().out
+    rows = json.loads(out.read_text())
+    assert [r.get("error") for r in rows["network"]] == [None, "RuntimeError: no graphs here", None]
+    assert [r["option"] for r in rows["fid"]] == ["fp32", "fp32", "bf16", "bf16"]

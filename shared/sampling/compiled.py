@@ -13,11 +13,10 @@ import torch
 from shared.runtime.errors import ChoiceError, SettingError
 
 COMPILE_MODES = ("off", "blocks", "graphs")
-COMPILE_HELP = ("torch.compile the network for the sampling loop (CUDA only): blocks (one transformer block compiled "
-                "and reused for every block: about a minute of compiling, less at small depth), graphs (the whole "
-                "network with CUDA graphs, mode reduce-overhead: the longest compile, fewest launches), or off; "
-                "pixels equal eager ones within float rounding. The first batch (and the last, smaller one) pays the "
-                "compile")
+COMPILE_HELP = ("torch.compile the network of the sampling loop (CUDA only): blocks (one transformer block compiled "
+                "and reused for every block), graphs (the whole network with CUDA graphs, mode reduce-overhead: longer "
+                "to compile, fewest kernel launches), or off. Pixels equal eager ones within float rounding; the "
+                "first batch (and a last, smaller one) pays the compile")
 # At most four shapes per run (see above); dynamo's default limit (8) leaves room, this states what is needed.
 SHAPES_PER_RUN = 4
 

@@ -128,27 +128,37 @@ def network_for(model, option: Option, backend: str):
     return compile_for_sampling(model, option.compile, backend)
 
 
-def network_rows(args, model, config, device) -> list[dict]:
-    """images/s of the guided sampling loop per (sampler, option), with the first call's (compile) seconds."""
+def option_rows(args, model, config, device, option: Option) -> list[dict]:
+    """images/s of the guided sampling loop per sampler under `option`, with the first call's (compile) seconds."""
     plan, indices = LabelPlan(config.num_classes), list(range(args.batch))
     shape = (config.in_channels, config.input_size, config.input_size)
-    objective, rows = DDPMObjective(), []
+    objective = DDPMObjective()
+    fn = guided_model_fn(network_for(model, option, args.backend), args.cfg_scale, None, option.precision)
+
+    @torch.inference_mode()
+    def draw(sampler, steps):
+        """One batch through `sampler`, as Drawer.draw runs it (noise and generators per row)."""
+        noise, labels, generators = batch_start(plan, 0, indices, shape)
+        objective.sample(sampler, fn, noise.to(device), steps, {}, model_kwargs={"y": labels.to(device)},
+                         generator=generators)
+
+    first_s = best_seconds(lambda: draw("ddim", 2), device, 1)  # builds every kernel (and graph) of the shape
+    return [dict(sampler=label, option=option.name, first_call_s=first_s,
+                 images_per_s=args.batch / best_seconds(lambda: draw(sampler, steps), device, args.repeats))
+            for label, sampler, steps in sampling_runs(args)]
+
+
+def network_rows(args, model, config, device) -> list[dict]:
+    """option_rows of every option; an option that fails (a compile error, out of memory) becomes error rows."""
+    rows = []
     for option in args.options:
-        network = network_for(model, option, args.backend)
-        fn = guided_model_fn(network, args.cfg_scale, None, option.precision)
-
-        @torch.inference_mode()
-        def draw(sampler, steps):
-            """One batch through `sampler`, as Drawer.draw runs it (noise and generators per row)."""
-            noise, labels, generators = batch_start(plan, 0, indices, shape)
-            objective.sample(sampler, fn, noise.to(device), steps, {}, model_kwargs={"y": labels.to(device)},
-                             generator=generators)
-
-        compile_s = best_seconds(lambda: draw("ddim", 2), device, 1)  # builds every kernel (and graph) of the shape
-        for label, sampler, steps in sampling_runs(args):
-            seconds = best_seconds(lambda: draw(sampler, steps), device, args.repeats)
-            rows.append(dict(sampler=label, option=option.name, images_per_s=args.batch / seconds,
-                             first_call_s=compile_s))
+        try:
+            rows.extend(option_rows(args, model, config, device, option))
+        except Exception as err:  # noqa: BLE001 - one failing option must not cost the others' numbers
+            message = " ".join(f"{type(err).__name__}: {err}".split())[:300]
+            rows.extend(dict(sampler=label, option=option.name, error=message) for label, _, _ in sampling_runs(args))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -203,7 +213,7 @@ def fid_rows(network: list[dict], decode: list[dict]) -> list[dict]:
     """Each network row with each decode precision: images/s of both in turn (as Drawer.draw runs them) and the
     hours FID_IMAGES take at that rate."""
     rows = []
-    for net in network:
+    for net in (r for r in network if "error" not in r):
         for dec in decode:
             rate = 1.0 / (1.0 / net["images_per_s"] + 1.0 / dec["images_per_s"])
             rows.append(dict(sampler=net["sampler"], option=net["option"], decode=dec["precision"],
@@ -214,11 +224,14 @@ def fid_rows(network: list[dict], decode: list[dict]) -> list[dict]:
 # ---- printing -------------------------------------------------------------------------------------------------
 
 def print_network(rows: list[dict]) -> None:
-    """Network rows per sampler, each with its ratio to eager fp32 of that sampler."""
+    """Network rows per sampler, each with its ratio to eager fp32 of that sampler (error rows say why)."""
     print("\nNetwork: the guided sampling loop, no decode (first call: the warm-up, compile included)")
     print(f"  {'sampler':<24}{'setting':<26}{'images/s':>11}{'vs fp32':>9}{'first call s':>14}")
     base = {}
     for r in rows:
+        if "error" in r:
+            print(f"  {r['sampler']:<24}{r['option']:<26}  failed: {r['error']}")
+            continue
         base.setdefault(r["sampler"], r["images_per_s"])
         print(f"  {r['sampler']:<24}{r['option']:<26}{r['images_per_s']:>11.2f}"
               f"{r['images_per_s'] / base[r['sampler']]:>8.2f}x{r['first_call_s']:>14.1f}")
