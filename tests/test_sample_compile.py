@@ -118,3 +118,13 @@ def test_guidance_at_every_level_never_reads_a_tensor_on_the_host(monkeypatch):
             patch.setattr(torch.Tensor, "item", refuse)
             got = fn(x, t, y)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_per_row_noise_is_each_rows_generator_draw_in_one_batch():
+    """randn_rows stacks the rows' draws before one copy to the batch's device: the values are each row's own."""
+    from shared.generative.diffusion import randn_rows
+
+    like = torch.zeros(3, 4, 2, 2, dtype=torch.float64)
+    got = randn_rows(like, [torch.Generator().manual_seed(s) for s in range(3)])
+    expected = torch.stack([torch.randn(4, 2, 2, generator=torch.Generator().manual_seed(s)) for s in range(3)])
+    assert torch.equal(got, expected) and got.device == like.device
