@@ -85,6 +85,8 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=1, help="timed passes per row; the best is kept (noisy CPUs)")
     p.add_argument("--json", type=Path, help="also write every row to this JSON file")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
+    p.add_argument("--threads", type=int, help="CPU threads of torch (default: torch's; 1 on a loaded machine, where "
+                                               "oversubscribed threads wait on each other)")
     args = p.parse_args(argv)
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
@@ -258,6 +260,8 @@ def print_fid(rows: list[dict]) -> None:
 def main(argv=None):
     """Time every row, print three tables (and write --json)."""
     args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     set_tf32(device)  # as python -m sample (TF32 on by default, as the DiT release)
     config = ModelConfig(args.model, input_size=args.input_size, num_classes=1000)
