@@ -128,3 +128,21 @@ def test_per_row_noise_is_each_rows_generator_draw_in_one_batch():
     got = randn_rows(like, [torch.Generator().manual_seed(s) for s in range(3)])
     expected = torch.stack([torch.randn(4, 2, 2, generator=torch.Generator().manual_seed(s)) for s in range(3)])
     assert torch.equal(got, expected) and got.device == like.device
+
+
+def test_evaluate_run_compile_on_the_cpu_is_refused_before_any_sampling(tmp_path, tiny_vae_dir, capsys, monkeypatch):
+    import evaluate.features
+    from evaluate.__main__ import main
+    from shared.runtime import rundir
+    from shared.tokenizers.vae import LatentVAE
+    from tests.helpers import run_main
+    from tests.test_evaluate_run import FLAGS, export
+
+    built = []
+    monkeypatch.setattr(evaluate.features, "build_features", lambda *args: built.append(args))
+    run = tmp_path / "run"
+    export(run, 100, LatentVAE.load(tiny_vae_dir), seed=0)
+    code, _, err = run_main(main, ["run", run, "--vae", tiny_vae_dir, *FLAGS, "--compile", "graphs"], capsys)
+    assert code == 2 and "--compile graphs compiles the network for a CUDA GPU" in err
+    assert not built  # refused before the feature network (Inception's weights) is loaded
+    assert not rundir.eval_path(run).exists() and not (run / rundir.EVAL_SAMPLES).exists()
