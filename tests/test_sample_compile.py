@@ -146,3 +146,24 @@ def test_evaluate_run_compile_on_the_cpu_is_refused_before_any_sampling(tmp_path
     assert code == 2 and "--compile graphs compiles the network for a CUDA GPU" in err
     assert not built  # refused before the feature network (Inception's weights) is loaded
     assert not rundir.eval_path(run).exists() and not (run / rundir.EVAL_SAMPLES).exists()
+
+
+@pytest.mark.parametrize("config, graphs", [
+    (dict(model="DiT-T/2", input_size=8, num_classes=5, norm="rmsnorm", mlp="swiglu", rope=True, qk_norm=True), 1),
+    (dict(model="DiTDH-T", input_size=4, in_channels=16, num_classes=5, learn_sigma=False), 2)])
+def test_blocks_compile_lightnings_block_and_the_dit_dh_head_without_a_graph_break(config, graphs):
+    """RoPE and QK-norm inside the block, and DiT^DH's wider head blocks (their own graph), compile whole."""
+    from shared.network.models import ModelConfig
+
+    cfg = ModelConfig(**config)
+    model = randomize(cfg.build(), scale=0.1).eval().requires_grad_(False)
+    x, t, y = inputs(c=cfg.in_channels, size=cfg.input_size)
+    with torch.inference_mode():
+        expected = model(x, t, y)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = compile_for_sampling(model, "blocks", backend=counter)
+    with torch.inference_mode():
+        x, t, y = (v.clone() for v in (x, t, y))  # inference tensors, as in Drawer.draw
+        torch.testing.assert_close(compiled(x, t, y), expected, rtol=1e-5, atol=1e-5)
+        compiled(x, t, y)
+    assert counter.frame_count == graphs
