@@ -26,10 +26,10 @@ def check_compile(mode: str, device) -> None:
     if mode not in COMPILE_MODES:
         raise ChoiceError("compile mode", mode, COMPILE_MODES)
     if mode != "off" and torch.device(device).type != "cuda":
-        raise SettingError(f"{{compile mode}} {mode} compiles the network for a CUDA GPU, but this run is on "
-                           f"{torch.device(device).type}: inductor's CPU kernels take minutes to build and gain little "
-                           f"for the sampling loop. Drop {{compile mode}} (or pass {{compile mode}} off) to sample "
-                           f"here, or run on a GPU.")
+        raise SettingError(f"{{compile mode}} {mode} compiles the network for a CUDA GPU (inductor's GPU kernels"
+                           f"{' and CUDA graphs' if mode == 'graphs' else ''}), but this run is on "
+                           f"{torch.device(device).type}. Drop {{compile mode}} (or pass {{compile mode}} off) to "
+                           f"sample here, or run on a GPU.")
 
 
 def compile_blocks(model: torch.nn.Module, backend="inductor") -> torch.nn.Module:
@@ -59,6 +59,8 @@ class GraphedModel:
         return self.compiled(x, t, y)
 
     def __getattr__(self, name):
+        if name in ("model", "compiled"):  # not set yet (a copy being built): no recursion through self.model
+            raise AttributeError(name)
         return getattr(self.model, name)
 
 

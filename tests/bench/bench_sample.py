@@ -6,9 +6,9 @@ Run: python tests/bench/bench_sample.py --preset cpu    (DiT-T/2 on 8x8 latents,
                                                           DDPM 250 and DPM-Solver++(2M) 20, SD-VAE's architecture)
 Random weights, nothing downloaded: speed does not depend on the weights' values. The network rows run the
 sampling code path of `python -m sample` (per-row generators, guided_model_fn, the objective's sampler,
-compile_for_sampling); the decode rows run LatentVAE.decode. The decode error columns compare each precision's
-uint8 pixels with the fp32 decode of the same latents (random weights: an upper bound for a trained VAE, whose
-decoder is smoother; measure the real one where it is at hand).
+compile_for_sampling); the decode rows run LatentVAE.decode_raw. The decode error columns compare each
+precision's uint8 pixels with the fp32 decode of the same latents; on random weights they say little about a
+trained decoder (docs/performance.md: the tiny random VAEs err more than the trained digits VAE).
 """
 import argparse
 import copy
