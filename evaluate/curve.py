@@ -185,6 +185,7 @@ def _image_size(npz: Path):
 def run_evaluation(o: RunEvalOptions) -> list[dict]:
     """Evaluate every export not yet in RUN/eval.jsonl with these settings; draw RUN/eval.png; return the curve."""
     from shared.runtime.distributed import process_state
+    from shared.sampling.compiled import check_compile
 
     exports = check_run(o)
     o = resolve_run_sampling(o, exports[-1])
@@ -192,6 +193,7 @@ def run_evaluation(o: RunEvalOptions) -> list[dict]:
     done = {r["step"] for r in matching(read_rows(Path(o.run)), settings)}
     todo = [e for e in exports if rundir.step_of(e) not in done]
     state = process_state(o.cpu)
+    check_compile(o.compile, state.device)  # before the feature network is built
     if state.is_main_process:
         print(f"{len(exports)} exports, {len(exports) - len(todo)} already evaluated with these settings, "
               f"{len(todo)} to go", flush=True)

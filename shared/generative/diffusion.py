@@ -289,8 +289,9 @@ def randn_rows(like: torch.Tensor, generator=None) -> torch.Tensor:
         return torch.randn(like.shape, generator=generator, device=generator.device).to(like.device)
     if len(generator) != like.shape[0]:
         raise ValueError(f"{len(generator)} generators for a batch of {like.shape[0]} rows; pass one per row")
-    rows = [torch.randn(like.shape[1:], generator=g, device=g.device).to(like.device) for g in generator]
-    return torch.stack(rows)  # (N, C, H, W)
+    rows = [torch.randn(like.shape[1:], generator=g, device=g.device) for g in generator]  # (C, H, W) each
+    # One copy of the stacked rows, not one per row: CPU generators feed a GPU batch at every DDPM step.
+    return torch.stack([row.to(rows[0].device) for row in rows]).to(like.device)  # (N, C, H, W)
 
 
 def _steps(diffusion, x, progress, desc):

@@ -13,6 +13,7 @@ from shared.runtime.cli import Flag, add_flags, flag_name
 from shared.generative.samplers import SAMPLER_NAMES, SAMPLER_OPTIONS, SAMPLERS, SamplerOption, takers_of
 from shared.generative.guidance import GUIDE_CHANNELS, GUIDE_HELP
 from shared.runtime.precision import PRECISIONS
+from shared.sampling.compiled import COMPILE_HELP, COMPILE_MODES
 
 # ---- code of the user's: objectives registered outside the package (train, sample, evaluate run) ----------
 PLUGIN = Flag("import MODULE first (a dotted module path, e.g. myproject.objectives), so the objectives it registers "
@@ -79,6 +80,7 @@ CFG_INTERVAL = Flag("guide only at noise levels in [LO, HI] (Kynkaanniemi et al.
 NUM_SAMPLING_STEPS = Flag("steps per image (model calls, twice the batch with guidance; heun: 2 calls per step): 250 "
                           "as the paper for ddpm and SiT's sde, ~50 for ddim, 10-25 for dpmpp-2m and unipc", 250)
 PRECISION = Flag("DiT precision: fp32, or fp16/bf16 autocast", "fp32", choices=tuple(PRECISIONS))
+COMPILE = Flag(COMPILE_HELP, "off", choices=COMPILE_MODES)
 SEED = Flag("image i's label and noise come from (seed, i)", 0, aliases=("--global-seed",))
 BATCH_SIZE = Flag("images per forward pass (per process)", 32)
 
@@ -105,6 +107,7 @@ class SamplingFlags:
     time_shift: float | None = sampler_option_flag(SAMPLER_OPTIONS["time_shift"]).field()
     last_step_size: float | None = sampler_option_flag(SAMPLER_OPTIONS["last_step_size"]).field()
     precision: str = PRECISION.field()
+    compile: str = COMPILE.field()
 
 
 def given_sampler_options(o) -> dict:
@@ -115,5 +118,6 @@ def given_sampler_options(o) -> dict:
 # The flag of each setting shared/ names in its errors (SettingError / ChoiceError kinds), for the commands above.
 SAMPLING_KINDS = {"sampler": "--sampler", "sampling steps": "--num-sampling-steps", "cfg scale": "--cfg-scale",
                   "cfg interval": "--cfg-interval", "guide-channel choice": "--guide-channels", "precision": "--precision",
+                  "compile mode": "--compile",
                   "last step": flag_name("last_step_size"),
                   **{name.replace("_", " "): flag_name(name) for name in SAMPLER_OPTIONS}}

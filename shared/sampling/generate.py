@@ -26,6 +26,7 @@ from shared.runtime.precision import set_tf32
 from shared.runtime.rundir import CHECKPOINTS, EMA_FILE, EXPORTS, MODEL_FILE
 from shared.tokenizers.vae_match import check_loaded_vae, check_vae_matches, choose_vae, load_vae
 
+from shared.sampling.compiled import check_compile, compile_for_sampling
 from shared.sampling.image_draws import LabelPlan, batch_start, image_labels, make_label_plan
 from shared.sampling.outputs import (GRID_NAME, NPZ_NAME, SETTINGS_NAME, captions_for, check_out_dir, check_out_path,
                                      image_name, missing_indices, read_png, remove_stale_temps, save_png, write_grid,
@@ -34,7 +35,7 @@ from shared.weights.checkpoint import (WEIGHTS, LoadedWeights, build_sampling_mo
                                        load_sampling_weights)
 
 # Settings that change no pixel: a rerun may change them and still resume the same images.
-RUN_ONLY = ("num_samples", "batch_size", "out", "npz", "vae_slicing", "cpu", "tf32", "allow_other_vae")
+RUN_ONLY = ("num_samples", "batch_size", "out", "npz", "vae_slicing", "cpu", "tf32", "allow_other_vae", "compile")
 
 
 @dataclass
@@ -232,7 +233,7 @@ def load_checked_vae(job: Job, device):
 def make_drawer(job: Job, vae, norm, device) -> Drawer:
     """Build the model on `device` and wrap it for the chosen sampler and guidance."""
     o, config = job.options, job.loaded.config
-    model = build_sampling_model(job.loaded, device)
+    model = compile_for_sampling(build_sampling_model(job.loaded, device), o.compile)
     job.loaded.state_dict = {}  # the model holds the weights now; free the CPU copy
     guided = guide_channel_count(o.guide_channels, config.in_channels, job.loaded.auto_guide)
     model_fn = guided_model_fn(model, o.cfg_scale, guided,
@@ -307,6 +308,7 @@ def prepare_out(job: Job, device) -> None:
 def run_sample(o: SampleOptions) -> Path:
     """The whole command on this process; rank r draws i % world == r, rank 0 writes grid and npz."""
     state = process_state(o.cpu)
+    check_compile(o.compile, state.device)  # before any weights are read
     job = resolve_job(o)  # every rank checks, before anyone writes
     set_tf32(state.device, o.tf32)
     vae, norm = load_checked_vae(job, state.device)  # a VAE that does not fit is refused before any write

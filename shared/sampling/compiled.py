@@ -1,0 +1,78 @@
+"""The compiled network of the sampling loop (`--compile`): every step calls it with the same shapes.
+
+"blocks" compiles one transformer block's forward and reuses it for every block (regional compilation: the
+blocks share one code object and their weights are graph inputs, so compile time does not grow with depth);
+"graphs" compiles the whole network with inductor's CUDA graphs (mode "reduce-overhead"), replaying each
+step's kernels in one launch. Shapes are static (`dynamic=False`): a sampling run sees at most four (the batch
+and the last, smaller batch, each doubled by guidance), each compiled once.
+"""
+from __future__ import annotations
+
+import torch
+
+from shared.runtime.errors import ChoiceError, SettingError
+
+COMPILE_MODES = ("off", "blocks", "graphs")
+COMPILE_HELP = ("torch.compile the network of the sampling loop (CUDA only): blocks (one transformer block compiled "
+                "and reused for every block), graphs (the whole network with CUDA graphs, mode reduce-overhead: longer "
+                "to compile, fewest kernel launches), or off. Pixels equal eager ones within float rounding; the "
+                "first batch (and a last, smaller one) pays the compile")
+# At most four shapes per run (see above); dynamo's default limit (8) leaves room, this states what is needed.
+SHAPES_PER_RUN = 4
+
+
+def check_compile(mode: str, device) -> None:
+    """ChoiceError for an unknown mode; SettingError for a compiled network off CUDA."""
+    if mode not in COMPILE_MODES:
+        raise ChoiceError("compile mode", mode, COMPILE_MODES)
+    if mode != "off" and torch.device(device).type != "cuda":
+        raise SettingError(f"{{compile mode}} {mode} compiles the network for a CUDA GPU (inductor's GPU kernels"
+                           f"{' and CUDA graphs' if mode == 'graphs' else ''}), but this run is on "
+                           f"{torch.device(device).type}. Drop {{compile mode}} (or pass {{compile mode}} off) to "
+                           f"sample here, or run on a GPU.")
+
+
+def compile_blocks(model: torch.nn.Module, backend="inductor") -> torch.nn.Module:
+    """Compile each of `model.blocks` in place (one graph shared by all same-shaped blocks); returns `model`."""
+    for block in model.blocks:
+        block.compile(backend=backend, dynamic=False, fullgraph=True)
+    return model
+
+
+class GraphedModel:
+    """model(x, t, y) through one whole-network compile; attributes read through to the model.
+
+    With CUDA graphs a replay overwrites the previous replay's output buffer, so each output is cloned
+    (N, out, h, w): the samplers keep a step's prediction while the next step runs (DPM-Solver++(2M)).
+    """
+
+    def __init__(self, model: torch.nn.Module, backend="inductor"):
+        self.model = model
+        self.cuda_graphs = backend == "inductor"
+        mode = "reduce-overhead" if self.cuda_graphs else None
+        self.compiled = torch.compile(model, backend=backend, mode=mode, dynamic=False, fullgraph=True)
+
+    def __call__(self, x, t, y):
+        if self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are dead: reuse their memory
+            return self.compiled(x, t, y).clone()
+        return self.compiled(x, t, y)
+
+    def __getattr__(self, name):
+        if name in ("model", "compiled"):  # not set yet (a copy being built): no recursion through self.model
+            raise AttributeError(name)
+        return getattr(self.model, name)
+
+
+def compile_for_sampling(model: torch.nn.Module, mode: str, backend="inductor"):
+    """`model` as the sampling loop calls it under COMPILE_MODES `mode` (backend: a torch.compile backend; tests
+    pass a CPU one)."""
+    if mode not in COMPILE_MODES:
+        raise ChoiceError("compile mode", mode, COMPILE_MODES)
+    if mode == "off":
+        return model
+    limit = max(torch._dynamo.config.recompile_limit, SHAPES_PER_RUN)
+    torch._dynamo.config.recompile_limit = limit
+    if mode == "blocks":
+        return compile_blocks(model, backend)
+    return GraphedModel(model, backend)
