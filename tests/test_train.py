@@ -1,4 +1,5 @@
 """The train stage end to end on tiny synthetic shards: loss, resume, precision, accumulation, processes, errors."""
+import hashlib
 import json
 import os
 import random
@@ -18,6 +19,14 @@ from tests.helpers import (CPU_DIST, LAUNCHER, TORCHRUN, checkpoints, cli, expec
                            make_latents, metrics, run_inprocess, trace, train_args, wait_for)
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def sha256_of(path: Path, run: Path) -> str:
+    """The sha256 of a file's bytes, as `sha256sum` prints it, with the run folder's path written as RUN."""
+    data = path.read_bytes()
+    if path.suffix == ".json":
+        data = data.replace(json.dumps(str(run)).encode(), b'"RUN"')
+    return hashlib.sha256(data).hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -297,6 +306,15 @@ def test_killed_run_resumes_bitwise(latents, tmp_path, reference, pause_at, resu
         repaired = load_file(run / left_behind)
         expected = load_file(reference / "run" / left_behind)
         assert all(torch.equal(repaired[k], expected[k]) for k in expected)
+    # Issue 38: equal tensors are not enough; `sha256sum` must agree on every file of the exports and of the
+    # final checkpoint (weights, optimizer, scaler, RNG), and on its state.json and config.json once the one
+    # thing that legitimately differs, the run folder's own path (results_dir), is written alike.
+    files = [f"exports/{name}" for name in exports] + ["config.json"]
+    files += [f"checkpoints/step-0000006/{p.name}" for p in sorted((run / "checkpoints" / "step-0000006").iterdir())]
+    assert {"checkpoints/step-0000006/ema.safetensors", "checkpoints/step-0000006/optimizer.pt",
+            "checkpoints/step-0000006/state.json"} <= set(files)
+    differ = [name for name in files if sha256_of(run / name, run) != sha256_of(reference / "run" / name, reference / "run")]
+    assert not differ, f"not byte-identical after a kill at {pause_at}: {differ}"
 
 
 @pytest.mark.slow
