@@ -7,6 +7,10 @@ excluded; the reported step time is the median of the timed steps, each brackete
 MFU = training FLOPs per image (6 x forward MACs, computed from the architecture; recomputation under
 checkpointing not counted) x images/s / device peak FLOP/s.
 """
+from shared.runtime.interrupt import guard_imports, interruptible
+
+guard_imports(__name__)  # before the imports below: a Ctrl-C during them ends in one line, exit status 130
+
 import argparse
 import gc
 import importlib.util
@@ -361,6 +365,7 @@ def run(args) -> str:
     return header(args, device, model, flops, peak_note) + "\n\n" + table(results)
 
 
+@interruptible(PROG)
 def main(argv=None):
     """Entry point of python -m train.bench."""
     args = build_parser().parse_args(argv)

@@ -4,6 +4,10 @@ Fixed state is arithmetic (bytes per parameter); activation memory is measured o
 (train/memory.py explains how). `--verify` runs a real training step on CUDA at the planned
 micro-batch and prints the predicted next to the measured peak (torch.cuda.max_memory_allocated).
 """
+from shared.runtime.interrupt import guard_imports, interruptible
+
+guard_imports(__name__)  # before the imports below: a Ctrl-C during them ends in one line, exit status 130
+
 import argparse
 import gc
 import sys
@@ -247,6 +251,7 @@ def run(args) -> str:
     return "\n".join(lines)
 
 
+@interruptible(PROG)
 def main(argv=None):
     """Entry point of python -m train.plan."""
     args = build_parser().parse_args(argv)
