@@ -15,7 +15,6 @@ import argparse
 import gc
 import importlib.util
 import itertools
-import json
 import statistics
 import sys
 import time
@@ -25,6 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from shared.runtime.errors import UserError, cli_errors
+from shared.runtime.fsio import atomic_write_json
 from shared.network.models import ATTENTION_BACKENDS
 from shared.runtime.precision import PRECISIONS, set_tf32
 from train.config import TrainConfig, add_block_flags, block_from_args, model_config_for
@@ -291,8 +291,7 @@ def write_json(path, args, device, results, flops, peak):
                "torch": torch.__version__, "train_flops_per_image": flops, "peak_tflops": peak,
                "results": [{**asdict(r.config), **{k: v for k, v in asdict(r).items() if k != "config"}}
                            for r in results]}
-    with open(path, "w") as f:
-        json.dump(payload, f, indent=2)
+    atomic_write_json(path, payload, indent=2)  # a Ctrl-C mid-write leaves the old file or none
 
 
 # ----------------------------------------------------------------------------------------------------
