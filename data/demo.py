@@ -8,7 +8,14 @@ evaluate run` draws that distance over the run's EMA exports (few samples each, 
 Every stage runs as a real subprocess of the real CLI, so the demo exercises exactly what users run.
 Rerunning the same command resumes: each stage skips the work already on disk.
 """
+from shared.runtime.interrupt import EXIT_STATUS, QUIET_ENV, guard_imports, interruptible
+
+guard_imports(__name__)  # before the imports below: a Ctrl-C during them ends in one line, exit status 130
+
 import argparse
+import contextlib
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -70,12 +77,31 @@ def stage_dirs(out: Path, recipe: Recipe) -> dict:
     }
 
 
+def run_child(cmd: list) -> int:
+    """Run a stage in its own process group; a Ctrl-C is passed on to it and waited for; its exit status.
+
+    Why: the stage must finish its cleanup (temp files removed) before the demo leaves, and only the demo says
+    the one interrupt line (the stage is told to stay silent), since rerunning the demo is what resumes.
+    """
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, QUIET_ENV: "1"}, start_new_session=True)
+    try:
+        rc = proc.wait()
+    except KeyboardInterrupt:
+        with contextlib.suppress(ProcessLookupError):  # it may have ended in between
+            os.killpg(proc.pid, signal.SIGINT)  # its group: its DataLoader workers and watcher too, as a terminal does
+        proc.wait()
+        raise
+    if rc == EXIT_STATUS:  # the stage alone was interrupted: the demo stops the same way
+        raise KeyboardInterrupt
+    return rc
+
+
 def run_stage(name: str, args: list) -> float:
     """Run `python -m <name> args...` from the repository root with its output on screen; return seconds."""
     cmd = [sys.executable, "-m", name, *map(str, args)]
     print(f"\n== {name}: {' '.join(cmd[1:])}", flush=True)
     start = time.time()
-    rc = subprocess.run(cmd, cwd=ROOT).returncode
+    rc = run_child(cmd)
     if rc != 0:
         raise UserError(
             f"The {name} stage failed with exit status {rc} (its message is printed above). Fix what it says "
@@ -181,6 +207,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+@interruptible(PROG)
 def main(argv=None) -> None:
     """Entry point: run the demo; a stage failure or bad flag becomes one clear paragraph."""
     args = parse_args(argv)

@@ -10,6 +10,10 @@ learn from the digit labels, so its features are class-aware, as DINOv2's are se
 """
 from __future__ import annotations
 
+from shared.runtime.interrupt import guard_imports, interruptible
+
+guard_imports(__name__)  # before the imports below: a Ctrl-C during them ends in one line, exit status 130
+
 import argparse
 from pathlib import Path
 
@@ -79,6 +83,7 @@ def train(steps: int = 150, batch: int = 64, seed: int = SEED):
     return encoder, fit(encoder, head, x_all, y_all, steps, batch, seed)
 
 
+@interruptible("python -m data.make_encoder")
 def main(argv=None) -> None:
     """Train and save the encoder."""
     p = argparse.ArgumentParser(prog="python -m data.make_encoder", description=__doc__.splitlines()[0])

@@ -6,6 +6,10 @@ terms, which digits do not need). The config's `scaling_factor` is set the way S
 chosen (Rombach et al. 2022, LDM: latents rescaled by 1 / their std estimated on the data), so the DiT sees
 latents of about unit variance.
 """
+from shared.runtime.interrupt import guard_imports, interruptible
+
+guard_imports(__name__)  # before the imports below: a Ctrl-C during them ends in one line, exit status 130
+
 import argparse
 import sys
 import time
@@ -133,6 +137,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+@interruptible("python -m data.make_vae")
 def main(argv=None) -> None:
     """Entry point: train, save and print the numbers."""
     args = parse_args(argv)

@@ -1,6 +1,10 @@
 """CLI: `python -m evaluate SAMPLES.npz --ref REF` measures FID, sFID, IS, precision and recall."""
 from __future__ import annotations
 
+from shared.runtime.interrupt import guard_imports, interruptible
+
+guard_imports(__name__)  # before the imports below: a Ctrl-C during them ends in one line, exit status 130
+
 import argparse
 import sys
 
@@ -31,6 +35,7 @@ def eval_parser() -> argparse.ArgumentParser:
                                              formatter_class=HelpFormatter), EvalOptions)
 
 
+@interruptible(PROG)
 def main(argv=None) -> None:
     """Dispatch `run` or one evaluation; UserErrors are printed as one paragraph (exit status 2)."""
     argv = sys.argv[1:] if argv is None else list(argv)

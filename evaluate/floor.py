@@ -7,6 +7,10 @@ also the real digits encoded and decoded by that VAE: the floor of any DiT train
 """
 from __future__ import annotations
 
+from shared.runtime.interrupt import guard_imports, interruptible
+
+guard_imports(__name__)  # before the imports below: a Ctrl-C during them ends in one line, exit status 130
+
 import argparse
 import sys
 from dataclasses import dataclass
@@ -97,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     return add_flags(p, FloorOptions)
 
 
+@interruptible(PROG)
 def main(argv=None) -> None:
     """Print the floor table."""
     args = from_args(FloorOptions, build_parser().parse_args(argv))

@@ -1,6 +1,10 @@
 """`python -m extract` (or `accelerate launch -m extract ...`): ImageFolder -> latent shards + index.json."""
 from __future__ import annotations
 
+from shared.runtime.interrupt import guard_imports, interruptible
+
+guard_imports(__name__)  # before the imports below: a Ctrl-C during them ends in one line, exit status 130
+
 import argparse
 import sys
 
@@ -39,6 +43,7 @@ def _config(args):
     return from_args(ExtractConfig, args)
 
 
+@interruptible(PROG)
 def main(argv=None) -> int:
     """Parse flags and run the check or the extraction; UserError becomes one clear paragraph."""
     args = build_parser().parse_args(argv)

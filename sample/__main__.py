@@ -1,6 +1,10 @@
 """CLI: `python -m sample --ckpt ...` draws images; `python -m sample decode LATENTS|DIR` decodes training samples."""
 from __future__ import annotations
 
+from shared.runtime.interrupt import guard_imports, interruptible
+
+guard_imports(__name__)  # before the imports below: a Ctrl-C during them ends in one line, exit status 130
+
 import argparse
 import sys
 
@@ -64,6 +68,7 @@ def export_parser() -> argparse.ArgumentParser:
                                "transformer/, a copy of the VAE, a DDIM scheduler with DiT's betas.")
 
 
+@interruptible(PROG)
 def main(argv=None) -> None:
     """Dispatch `decode` or sampling; UserErrors and a full disk are printed as one paragraph (exit status 2)."""
     argv = sys.argv[1:] if argv is None else list(argv)

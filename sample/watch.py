@@ -80,6 +80,8 @@ class StopFlag:
 
     def _handle(self, signum, frame) -> None:
         if self.requested:
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt  # leave now: the one interrupt line and status 130 (shared/runtime/interrupt.py)
             raise SystemExit(128 + signum)
         self.requested = True
         print(f"{signal.Signals(signum).name}: stopping after the file in hand (again to stop now)", flush=True)

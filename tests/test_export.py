@@ -57,6 +57,29 @@ def test_metadata_is_plain_json_strings(tmp_path, trained):
     assert not (tmp_path / "x.safetensors").exists()
 
 
+def test_equal_content_gives_equal_bytes(tmp_path, trained):
+    """Issue 38: safetensors writes its metadata in a random order per write; ours sorts it (and the JSON inside)."""
+    import hashlib
+
+    from shared.runtime.previews import write_preview
+
+    model, config = trained
+    metas = [LATENT_META, dict(reversed(LATENT_META.items()))]  # the same record built in another order
+    digests, previews = set(), set()
+    for i in range(8):
+        path = save_weights(tmp_path / f"w{i}.safetensors", model.state_dict(), config, metas[i % 2], 7)
+        digests.add(hashlib.sha256(path.read_bytes()).hexdigest())
+        preview = write_preview(tmp_path / f"p{i}.safetensors", torch.ones(2, 4, 8, 8), torch.tensor([0, 2]),
+                                metas[i % 2], 7)
+        previews.add(hashlib.sha256(preview.read_bytes()).hexdigest())
+    assert len(digests) == 1 and len(previews) == 1
+    state_dict, config2, meta, step = load_weights(tmp_path / "w1.safetensors")  # the rewritten header still reads
+    assert (config2, meta, step) == (config, LATENT_META, 7)
+    assert all(torch.equal(state_dict[k], v) for k, v in model.state_dict().items())
+    header = (tmp_path / "w0.safetensors").read_bytes()
+    assert header[8:70].startswith(b'{"__metadata__":{"dit_config":')
+
+
 def test_views_and_shared_storage_are_saved(tmp_path):
     base = torch.arange(12.0).reshape(3, 4)
     state = {"a": base.t(), "b": base[1], "c": base}  # non-contiguous view and tensors sharing storage

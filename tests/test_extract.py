@@ -451,6 +451,37 @@ def test_sigkill_then_rerun_equals_an_uninterrupted_run(tmp_path, tiny_vae_dir, 
     assert _folder_bytes(out) == _folder_bytes(ref)
 
 
+@pytest.mark.slow
+def test_ctrl_c_mid_shard_leaves_no_temp_file_and_resumes(tmp_path, tiny_vae_dir, uninterrupted):
+    """Issue 38: SIGINT where SIGKILL leaves shard 1's temp tar: the one line, exit 130, the temp tar removed."""
+    from shared.runtime.interrupt import EXIT_STATUS, MESSAGE
+
+    data, ref = uninterrupted
+    out = tmp_path / "out"
+    blocker, saved = data / "dog" / "002.png", (data / "dog" / "002.png").read_bytes()
+    blocker.unlink()
+    os.mkfifo(blocker)  # as above: opening it blocks, mid-shard
+    try:
+        proc = subprocess.Popen([sys.executable, *_cli(data, out, tiny_vae_dir)], cwd=ROOT, env=_ENV,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            _wait_for([sidecar_path(out, 0), lambda: stale_tmps(out / shard_name(1))], proc)
+        finally:
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=120)
+    finally:
+        blocker.unlink()
+        blocker.write_bytes(saved)
+    assert proc.returncode == EXIT_STATUS, err
+    assert "Traceback" not in err and err.rstrip().splitlines()[-1] == f"python -m extract: {MESSAGE}"
+    assert not list(out.glob(".tmp-*")) and not (out / INDEX_NAME).exists()
+    result = subprocess.run([sys.executable, *_cli(data, out, tiny_vae_dir)], cwd=ROOT, env=_ENV,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "this run encoded 8 images" in result.stdout  # shard 0 was kept
+    assert _folder_bytes(out) == _folder_bytes(ref)
+
+
 def _kill_mid_shard(data, out, vae) -> None:
     """Start extract and SIGKILL it once shard 0 is finished and shard 1 is half written."""
     proc = subprocess.Popen([sys.executable, *_cli(data, out, vae)], cwd=ROOT, env=_ENV,

@@ -16,6 +16,7 @@ from shared.weights.checkpoint import resolve_ckpt_file
 from shared.sampling.generate import ckpt_label
 from shared.sampling.outputs import grid_layout
 from shared.runtime.export import save_weights
+from shared.runtime.interrupt import EXIT_STATUS, MESSAGE
 from shared.network.models import DiT, ModelConfig
 from shared.tokenizers.vae import LatentVAE
 
@@ -121,8 +122,8 @@ def test_resume_after_interrupted_run_matches_uninterrupted(files, tmp_path, cap
         return real_draw(self, indices)
 
     monkeypatch.setattr(generate.Drawer, "draw", draw_then_die)
-    with pytest.raises(KeyboardInterrupt):
-        run_sample(official(files, tmp_path / "resumed", *args), capsys)
+    code, err = run_sample(official(files, tmp_path / "resumed", *args), capsys)  # Ctrl-C: one line, status 130
+    assert code == EXIT_STATUS and err.endswith(f"python -m sample: {MESSAGE}") and "Traceback" not in err
     assert sorted(pngs(tmp_path / "resumed")) == ["000000-class0.png", "000001-class1.png"]
     assert not (tmp_path / "resumed" / "samples.npz").exists()
     (tmp_path / "resumed" / ".tmp-999-000002-class2.png").write_bytes(b"half")  # what kill -9 can leave

@@ -1,7 +1,9 @@
 """The train stage end to end on tiny synthetic shards: loss, resume, precision, accumulation, processes, errors."""
+import hashlib
 import json
 import os
 import random
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +20,14 @@ from tests.helpers import (CPU_DIST, LAUNCHER, TORCHRUN, checkpoints, cli, expec
                            make_latents, metrics, run_inprocess, trace, train_args, wait_for)
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def sha256_of(path: Path, run: Path) -> str:
+    """The sha256 of a file's bytes, as `sha256sum` prints it, with the run folder's path written as RUN."""
+    data = path.read_bytes()
+    if path.suffix == ".json":
+        data = data.replace(json.dumps(str(run)).encode(), b'"RUN"')
+    return hashlib.sha256(data).hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -297,6 +307,44 @@ def test_killed_run_resumes_bitwise(latents, tmp_path, reference, pause_at, resu
         repaired = load_file(run / left_behind)
         expected = load_file(reference / "run" / left_behind)
         assert all(torch.equal(repaired[k], expected[k]) for k in expected)
+    assert_same_bytes(run, reference / "run", f"a kill at {pause_at}")
+
+
+def assert_same_bytes(run: Path, reference: Path, after: str) -> None:
+    """Issue 38: equal tensors are not enough; `sha256sum` must agree on every export, every file of the final
+    checkpoint (weights, optimizer, scaler, RNG), and on its state.json and config.json once the one thing that
+    legitimately differs, the run folder's own path (results_dir), is written alike."""
+    final = f"checkpoints/{checkpoints(run)[-1]}"
+    files = [f"exports/{p.name}" for p in sorted((run / "exports").iterdir())] + ["config.json"]
+    files += [f"{final}/{p.name}" for p in sorted((run / final).iterdir())]
+    assert {f"{final}/ema.safetensors", f"{final}/optimizer.pt", f"{final}/state.json"} <= set(files)
+    assert sorted((reference / "exports").iterdir()) and checkpoints(reference)[-1] == checkpoints(run)[-1]
+    differ = [name for name in files if sha256_of(run / name, run) != sha256_of(reference / name, reference)]
+    assert not differ, f"not byte-identical after {after}: {differ}"
+
+
+@pytest.mark.slow
+def test_ctrl_c_mid_checkpoint_leaves_no_staging_and_resumes_bitwise(latents, tmp_path, reference):
+    """Issue 38: SIGINT to the process group (the data loader's worker too, as from a terminal) while checkpoint 4
+    is half-written: the one line, exit 130, its staging folder removed; the rerun equals an uninterrupted run
+    byte for byte."""
+    from shared.runtime.interrupt import EXIT_STATUS, MESSAGE
+
+    run, pauses = tmp_path / "run", tmp_path / "pause"
+    victim = cli(LAUNCHER + train_args(latents, run, *KILL_FLAGS),
+                 {"TRACE_DIR": str(pauses), "PAUSE_AT": "staging:4"}, start_new_session=True)
+    wait_for(pauses / "paused", victim)
+    assert (run / "checkpoints" / ".tmp-step-0000004" / "model.safetensors").is_file()  # half-written now
+    os.killpg(victim.pid, signal.SIGINT)
+    _, err = victim.communicate(timeout=120)
+    assert victim.returncode == EXIT_STATUS, err
+    assert "Traceback" not in err and err.count(MESSAGE) == 1
+    assert err.rstrip().splitlines()[-1] == f"python -m train: {MESSAGE}"
+    assert not (run / "checkpoints" / "step-0000006").exists()  # really interrupted mid-run
+    assert not list(run.rglob(".tmp-*"))  # no staging folder, no half-written file
+    finish(cli(train_args(latents, run, *KILL_FLAGS)))
+    assert "resumed from" in (run / "log.txt").read_text()
+    assert_same_bytes(run, reference / "run", "a Ctrl-C")
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ the prune pause point, wraps one product function) according to environment vari
                        checkpoint:S  right after checkpoint S is complete (published, exported, pruned)
                        export:S      after checkpoint S is published, before its EMA export is written
                        prune:S       in the middle of deleting an old checkpoint at step S (renamed, not gone)
+                       staging:S     in the middle of writing checkpoint S (its model file written, not its EMA)
   PERTURB_RANK=R       after the first step, rank R nudges one weight (the cross-rank check must catch it)
 
 The trace also lists the shard files this process sha256-hashed, and when it read a checkpoint for resume
@@ -28,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from shared.datasets import shards
+from shared.runtime import rundir  # noqa: E402
 from train import checkpoint as ckpt_io  # noqa: E402
 from train.__main__ import main  # noqa: E402
 from train.callbacks import Callback  # noqa: E402
@@ -152,6 +154,15 @@ def install_pause(kind: str, step: int, callbacks: list) -> None:
         callbacks.append(PauseAfterCheckpoint(step))
     elif kind == "export":
         callbacks.append(PauseBeforeExport(step))
+    elif kind == "staging":
+        real_save = ckpt_io.save_weights
+
+        def save_weights(path, state_dict, model_config, latent_meta, at):
+            if at == step and Path(path).name == rundir.EMA_FILE:
+                pause(f"staging:{step}")  # the staging folder holds the model file, not yet the EMA
+            return real_save(path, state_dict, model_config, latent_meta, at)
+
+        ckpt_io.save_weights = save_weights
     elif kind == "prune":
         def remove_tree(path):
             os.replace(path, path.with_name(f".tmp-del-{path.name}"))  # renamed, not deleted: a kill mid-prune

@@ -1,4 +1,8 @@
 """`python -m train` (or `accelerate launch -m train`): train a DiT on cached latents. Flags: --help."""
+from shared.runtime.interrupt import guard_imports, interruptible
+
+guard_imports(__name__)  # before the imports below: a Ctrl-C during them ends in one line, exit status 130
+
 import sys
 
 from shared.runtime.cli import flag_name, given_flags
@@ -32,6 +36,7 @@ def default_model_note(args) -> str:
             f"GPUs. Building it takes a while; pass --model DiT-S/2 (or DiT-T/2) for a quick trial.")
 
 
+@interruptible(PROG)
 def main(argv=None, callbacks=()) -> int:
     """Parse flags, run training, print UserErrors as one paragraph (exit status 2)."""
     argv = sys.argv[1:] if argv is None else list(argv)

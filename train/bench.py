@@ -7,11 +7,14 @@ excluded; the reported step time is the median of the timed steps, each brackete
 MFU = training FLOPs per image (6 x forward MACs, computed from the architecture; recomputation under
 checkpointing not counted) x images/s / device peak FLOP/s.
 """
+from shared.runtime.interrupt import guard_imports, interruptible
+
+guard_imports(__name__)  # before the imports below: a Ctrl-C during them ends in one line, exit status 130
+
 import argparse
 import gc
 import importlib.util
 import itertools
-import json
 import statistics
 import sys
 import time
@@ -21,6 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from shared.runtime.errors import UserError, cli_errors
+from shared.runtime.fsio import atomic_write_json
 from shared.network.models import ATTENTION_BACKENDS
 from shared.runtime.precision import PRECISIONS, set_tf32
 from train.config import TrainConfig, add_block_flags, block_from_args, model_config_for
@@ -287,8 +291,7 @@ def write_json(path, args, device, results, flops, peak):
                "torch": torch.__version__, "train_flops_per_image": flops, "peak_tflops": peak,
                "results": [{**asdict(r.config), **{k: v for k, v in asdict(r).items() if k != "config"}}
                            for r in results]}
-    with open(path, "w") as f:
-        json.dump(payload, f, indent=2)
+    atomic_write_json(path, payload, indent=2)  # a Ctrl-C mid-write leaves the old file or none
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -361,6 +364,7 @@ def run(args) -> str:
     return header(args, device, model, flops, peak_note) + "\n\n" + table(results)
 
 
+@interruptible(PROG)
 def main(argv=None):
     """Entry point of python -m train.bench."""
     args = build_parser().parse_args(argv)

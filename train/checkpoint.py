@@ -18,8 +18,8 @@ import torch
 
 from shared.runtime import rundir
 from shared.runtime.errors import UserError
-from shared.runtime.export import load_weights, save_weights
-from shared.runtime.fsio import atomic_write_text, publish_dir, remove_tree
+from shared.runtime.export import load_weights, save_weights, write_safetensors
+from shared.runtime.fsio import atomic_write_json, publish_dir, remove_tree
 
 
 def remove_partial(run_dir: Path) -> list[Path]:
@@ -106,14 +106,12 @@ def save_main_state(tmp: Path, *, model_state: dict, ema_state: dict, model_conf
     """Main process: weights via shared/runtime/export.py, optimizer and scaler (and REPA's projector), then state.json last."""
     step = int(state["step"])
     if projector_state is not None:
-        from safetensors.torch import save_file
-
-        save_file({k: v.detach().cpu().contiguous() for k, v in projector_state.items()}, tmp / rundir.PROJECTOR_FILE)
+        write_safetensors(tmp / rundir.PROJECTOR_FILE, {k: v.detach().cpu().contiguous() for k, v in projector_state.items()})
     save_weights(tmp / rundir.MODEL_FILE, model_state, model_config, latent_meta, step)
     save_weights(tmp / rundir.EMA_FILE, ema_state, model_config, latent_meta, step)
     torch.save(optimizer_state, tmp / rundir.OPTIMIZER_FILE)
     torch.save(scaler_state, tmp / rundir.SCALER_FILE)
-    atomic_write_text(tmp / rundir.STATE_FILE, json.dumps(state, indent=2, sort_keys=True) + "\n")
+    atomic_write_json(tmp / rundir.STATE_FILE, state, indent=2)
 
 
 def publish(tmp: Path, run_dir: Path, step: int) -> Path:

@@ -6,6 +6,10 @@ micro-batch, under an allocator cap of the budget (--gpu-memory minus --margin, 
 hold), and prints the predicted next to the measured peak (torch.cuda.max_memory_allocated); a step that does
 not fit under the cap is one paragraph naming settings that need less.
 """
+from shared.runtime.interrupt import guard_imports, interruptible
+
+guard_imports(__name__)  # before the imports below: a Ctrl-C during them ends in one line, exit status 130
+
 import argparse
 import math
 import sys
@@ -353,6 +357,7 @@ def run(args) -> str:
     return "\n".join(lines)
 
 
+@interruptible(PROG)
 def main(argv=None):
     """Entry point of python -m train.plan."""
     args = build_parser().parse_args(argv)

@@ -8,6 +8,10 @@ checkpoint (train/trackers.py) at a fraction of a second.
 """
 from __future__ import annotations
 
+from shared.runtime.interrupt import guard_imports, interruptible
+
+guard_imports(__name__)  # before the imports below: a Ctrl-C during them ends in one line, exit status 130
+
 import argparse
 import math
 import sys
@@ -157,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@interruptible(PROG)
 def main(argv=None) -> int:
     """Parse flags, draw, print where the PNG is; UserErrors become one paragraph and exit status 2."""
     args = build_parser().parse_args(argv)

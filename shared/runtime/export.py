@@ -34,9 +34,30 @@ def save_weights(path, state_dict, model_config, latent_meta, step):
     if not isinstance(model_config, ModelConfig):
         model_config = ModelConfig.from_dict(dict(model_config))  # fail now, not when someone loads it
     config = model_config.to_dict()
-    metadata = {"dit_config": json.dumps(config), "latents": json.dumps(latent_meta), "step": str(int(step))}
+    metadata = {"dit_config": json.dumps(config, sort_keys=True), "latents": json.dumps(latent_meta, sort_keys=True),
+                "step": str(int(step))}
     tensors = _plain_tensors(state_dict)
-    return atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+    return atomic_write(path, lambda tmp: write_safetensors(tmp, tensors, metadata))
+
+
+def write_safetensors(path, tensors: dict, metadata: dict | None = None) -> None:
+    """safetensors' save_file, then its header rewritten with the metadata keys sorted: equal content, equal bytes.
+
+    Why: safetensors keeps the metadata in a Rust HashMap, so each process writes its keys in a random order
+    and a resumed run's files would differ from an uninterrupted run's in the header alone.
+    """
+    save_file(tensors, str(path), metadata=metadata)
+    with open(path, "r+b") as f:
+        size = int.from_bytes(f.read(8), "little")  # the header: u64 length, then that many bytes of JSON
+        header = json.loads(f.read(size))
+        if "__metadata__" in header:
+            header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+        # serde_json's compact layout; a permutation of the same entries has the same length.
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        if len(text) > size:
+            raise RuntimeError(f"the sorted safetensors header of {path} is longer than the written one")
+        f.seek(8)
+        f.write(text.ljust(size, b" "))  # the format pads its header with spaces
 
 
 def _read_file(path, device):

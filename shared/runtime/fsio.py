@@ -8,6 +8,7 @@ file 0600, which would hide a shared run's exports from the group.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import threading
@@ -159,6 +160,20 @@ def atomic_write_bytes(path, data: bytes) -> Path:
 def atomic_write_text(path, text: str) -> Path:
     """Write text (UTF-8) to `path` atomically."""
     return atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+
+
+def json_text(data, indent: int | None = 1) -> str:
+    """The one JSON layout of the files we write: sorted keys, fixed separators, a trailing newline.
+
+    Why: equal content gives equal bytes whatever order a dict was built in (a resumed run's files hash the same).
+    """
+    separators = (",", ": ") if indent is not None else (",", ":")
+    return json.dumps(data, indent=indent, sort_keys=True, separators=separators) + "\n"
+
+
+def atomic_write_json(path, data, indent: int | None = 1) -> Path:
+    """Write `data` as JSON (json_text's layout) to `path` atomically."""
+    return atomic_write_text(path, json_text(data, indent))
 
 
 def publish_dir(staging: Path, final: Path) -> Path:

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from shared.runtime.errors import UserError
+from shared.runtime.export import write_safetensors
 from shared.runtime.fsio import atomic_write
 
 LATENTS_KEY, LABELS_KEY = "latents", "labels"
@@ -23,9 +23,9 @@ LATENTS_KEY, LABELS_KEY = "latents", "labels"
 
 def write_preview(path: Path, latents: torch.Tensor, labels: torch.Tensor, latent_meta: dict, step: int) -> Path:
     """Write a preview file atomically: latents (N, C, h, w) normalised, labels (N,)."""
-    metadata = {"latents": json.dumps(latent_meta), "step": str(int(step))}
+    metadata = {"latents": json.dumps(latent_meta, sort_keys=True), "step": str(int(step))}
     tensors = {LATENTS_KEY: latents.contiguous(), LABELS_KEY: labels.contiguous()}
-    return atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+    return atomic_write(path, lambda tmp: write_safetensors(tmp, tensors, metadata))
 
 
 def read_preview(path: Path) -> tuple[torch.Tensor, torch.Tensor, dict]:

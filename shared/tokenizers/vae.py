@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -154,7 +155,11 @@ def _publish_converted(model, folder: Path) -> None:
     from shared.runtime.fsio import publish_dir, remove_tree
 
     staging = folder.with_name(f".tmp-{folder.name}-{os.getpid()}")
-    model.save_pretrained(staging, safe_serialization=True)
+    try:
+        model.save_pretrained(staging, safe_serialization=True)
+    except BaseException:  # a full disk or a Ctrl-C: no half-written folder is left in the cache
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     if folder.exists():  # another process converted it meanwhile
         remove_tree(staging)
     else:
