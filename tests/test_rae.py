@@ -176,6 +176,7 @@ def test_recipe_rae_trains_a_dit_dh_that_samples_with_no_flags(wide_latents, tmp
     config = read_config(export)
     assert (config.model, config.head_depth, config.objective_args, config.learn_sigma) == (
         "DiTDH-T", 2, {"convention": "sit", "time_dist_shift": 0.5}, False)
+    assert config.sampling == {"sampler": "euler", "num_sampling_steps": 49}  # RAE's ODE Euler over 50 points
     before = {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.name != ".lock"}  # the lock is taken to read
     err = expect_user_error(capsys, [*args[:-4], "--max-steps", "6", "--time-dist-shift", "1"])
     assert "time_dist_shift: 0.5 -> 1.0" in err
