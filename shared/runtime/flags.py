@@ -77,9 +77,9 @@ CFG_INTERVAL = Flag("guide only at noise levels in [LO, HI] (Kynkaanniemi et al.
                     "level 0-1 (REPA's time; 0 = data) for flow. REPA: 0 0.7; LightningDiT: 0 0.89 (default: the "
                     "interval the model's recipe records, e.g. lightning's 0 0.89, else every level)", None, type=float, nargs=2, metavar=("LO", "HI"))
 NUM_SAMPLING_STEPS = Flag("steps per image (model calls, twice the batch with guidance; heun: 2 calls per step): 250 "
-                          "as the paper for ddpm and SiT's sde, ~50 for ddim, 10-25 for dpmpp-2m and unipc. Default: "
-                          "the count the model records with its sampler (RAE's release: euler, 49), else "
-                          f"{DEFAULT_STEPS}", None, type=int)
+                          "as the paper for ddpm and SiT's sde, ~50 for ddim, 10-25 for dpmpp-2m and unipc. Without the "
+                          "flag, python -m sample takes the count the model records with its sampler (RAE's release: "
+                          f"euler, 49), else {DEFAULT_STEPS}", None, type=int)
 PRECISION = Flag("DiT precision: fp32, or fp16/bf16 autocast", "fp32", choices=tuple(PRECISIONS))
 SEED = Flag("image i's label and noise come from (seed, i)", 0, aliases=("--global-seed",))
 BATCH_SIZE = Flag("images per forward pass (per process)", 32)
