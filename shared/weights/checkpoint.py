@@ -24,8 +24,8 @@ from shared.runtime.rundir import (CHECKPOINTS, EMA_FILE, EXPORTS, MODEL_FILE, c
 from shared.weights.diffusers_folder import (CONFIG, DiffusersSource, class_names, is_diffusers_file,
                                              is_diffusers_folder, locate, locate_hub, looks_like_hub_id, read_json,
                                              read_weights)
-from shared.weights.official import (OFFICIAL_NAMES, RAE_SAMPLING, RELEASES, REPA_SAMPLING, checkpoint_url,
-                                     find_official, is_official_name, release_name)
+from shared.weights.official import (OFFICIAL_NAMES, RAE_CFG_SCALE, RAE_SAMPLING, RELEASES, REPA_CFG_SCALE,
+                                     REPA_SAMPLING, checkpoint_url, find_official, is_official_name, release_name)
 
 TORCH_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")  # read with torch.load(weights_only=True); all else safetensors
 WEIGHTS = ("ema", "raw")  # which weights of a run or checkpoint: the EMA copy or the raw training weights
@@ -263,12 +263,12 @@ def _load_official(path: Path, weights: str | None, model: str | None, objective
                      "(shared/generative/flow.py)")
         notes.append(f"sampled as RAE's sampling config does unless a flag says otherwise: ODE Euler over 50 grid "
                      f"points ({config.sampling['num_sampling_steps']} steps) on the grid shifted by "
-                     f"{config.objective_args['time_dist_shift']:g}; its guidance scale is --cfg-scale 1 (none)")
+                     f"{config.objective_args['time_dist_shift']:g}; its guidance scale is --cfg-scale {RAE_CFG_SCALE:g} (none)")
     elif repa_notes:
         notes.append(f"sampled as REPA's FID 1.42 command does unless a flag says otherwise: SiT's SDE, "
                      f"{config.sampling['num_sampling_steps']} steps, guidance only at noise levels "
                      f"{config.sampling['cfg_interval'][0]:g}..{config.sampling['cfg_interval'][1]:g}; its guidance "
-                     f"scale is --cfg-scale 1.8 on all channels")
+                     f"scale is --cfg-scale {REPA_CFG_SCALE:g} on all channels")
     latent_meta = None  # DiT's, SiT's and REPA's: SD-VAE latents
     if config.head_depth and [config.in_channels, config.input_size, config.input_size] == \
             RAE_DIT_LATENTS["latent_shape"]:  # RAE's DINOv2-B tokens: decoded by RAE's released tokenizer

@@ -39,9 +39,11 @@ RAE_SHIFT = round((768 * 16 * 16 / 4096) ** 0.5, 6)  # as --time-dist-shift auto
 # calls), on the grid shifted by time_dist_shift (recorded beside, as the objective's); its guidance is `cfg
 # scale 1.0, t-min 0, t-max 1`: none, so no interval is recorded (the scale stays a flag; the loader says 1).
 RAE_SAMPLING = {"sampler": "euler", "num_sampling_steps": 49}
+RAE_CFG_SCALE = 1.0  # its FID's guidance scale: a flag (as LightningDiT's), printed when the weights load
 # REPA (its README's FID 1.42 command: --mode sde --num-steps 250 --cfg-scale 1.8 --guidance-high 0.7): SiT's
 # SDE, 250 steps, guidance only at noise levels 0..0.7 (applies only with a --cfg-scale above 1).
 REPA_SAMPLING = {"sampler": "sde", "num_sampling_steps": 250, "cfg_interval": [0.0, 0.7]}
+REPA_CFG_SCALE = 1.8
 
 
 @dataclass(frozen=True)
