@@ -35,8 +35,9 @@ FEATURES = Flag("feature network: inception (the FID network, 299x299) or digits
 IS_SPLIT = Flag("samples per Inception Score split (ADM's; other values, or fewer samples than one split, give an IS "
                 "marked not comparable to published ones)",
                 IS_SPLIT_SIZE)
-INCEPTION_WEIGHTS = Flag("pytorch-fid's FID Inception state dict (default: the torch hub checkpoints folder)", None,
-                         metavar="FILE")
+INCEPTION_WEIGHTS = Flag("pytorch-fid's FID Inception weights file, pt_inception-2015-12-05-6726825d.pth, for a machine "
+                         "that cannot download it; its sha256 must start with the 6726825d of its name (default: the "
+                         "torch hub checkpoints folder, downloaded there on first use)", None, metavar="FILE")
 
 
 @dataclass

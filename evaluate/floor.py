@@ -49,23 +49,31 @@ def floor_table(counts, draws: int, seed: int) -> list[tuple[str, float, float]]
 
 
 def vae_round_trip(images: np.ndarray, vae_spec: str, batch_size: int = 256) -> np.ndarray:
-    """uint8 images (N, H, W, 3) encoded to their posterior mean and decoded by the VAE: uint8 (N, H, W, 3)."""
+    """uint8 images (N, H, W, 3) encoded to their posterior mean and decoded by the VAE: uint8 (N, H, W, 3).
+
+    The mean goes the way a trained model's latents go: normalised by the tokenizer's record as training's
+    draw_latents does, then decoded through LatentVAE.decode, which inverts it as sampling does; a tokenizer that
+    records no normalisation of its own (an RAE without statistics) is taken raw.
+    """
     import torch
 
+    from shared.tokenizers.norm import LatentNorm
     from shared.tokenizers.pixels import channels_first, to_uint8
-    from shared.tokenizers.vae import LatentVAE
+    from shared.tokenizers.vae import LatentVAE, draw_latents
 
     vae = LatentVAE.load(vae_spec)
     if vae.image_size is not None and vae.image_size != images.shape[1]:  # an RAE resizes, then draws its own size
         raise UserError(f"{vae_spec} encodes and decodes {vae.image_size}x{vae.image_size} images only, but the "
                         f"digits are {images.shape[1]}x{images.shape[2]}; pass a tokenizer made for "
                         f"{images.shape[1]} px images as --vae.")
+    norm = vae.norm or LatentNorm.none(source=f"{vae_spec} records no normalisation")
     out = []
     with torch.no_grad():
         for start in range(0, len(images), batch_size):
             x = channels_first(images[start:start + batch_size])  # (b, 3, H, W) in [-1, 1]
             mean, _ = vae.encode_moments(x)  # (b, C, h, w), raw
-            out.append(to_uint8(vae.decode_raw(mean)))
+            latents = draw_latents(mean, None, norm)  # (b, C, h, w) normalised: what the DiT learns and samples
+            out.append(to_uint8(vae.decode(latents, norm)))
     return np.concatenate(out)
 
 

@@ -8,7 +8,8 @@ Inception in three places, each tested: (1) the average-pool branches exclude th
 (3) 1008 logits. The input follows the TF graph that ADM feeds (`ExpandDims:0` onwards): float pixels 0..255,
 TF1's ResizeBilinear to 299x299 (align_corners=False, *no* half-pixel centres: source = dest * in/out), then
 (x - 128) / 128. Weights: pytorch-fid's `pt_inception-2015-12-05-6726825d.pth`, a plain state dict in
-torchvision's key layout, loaded with torch.load(weights_only=True).
+torchvision's key layout, loaded with torch.load(weights_only=True); its layout is checked, then its sha256
+against the 6726825d its name carries (all that is published of the hash), wherever the file came from.
 
 Outputs as ADM: `pool` = pool_3 (N, 2048); `spatial` = mixed_6/conv (the 1x1 branch of Mixed_6d, after its ReLU),
 first 7 channels, flattened in TF's NHWC order (N, 17*17*7 = 2023); `logits` = pool_3 @ W of the softmax layer,
@@ -264,7 +265,7 @@ def download_weights(path: Path, url: str | None = None, timeout: float = 30.0) 
             for chunk in iter(lambda: response.read(1 << 20), b""):
                 digest.update(chunk)
                 f.write(chunk)
-        if not digest.hexdigest().startswith(WEIGHTS_SHA256_PREFIX):
+        if not is_known_hash(digest.hexdigest()):
             raise UserError(f"the file downloaded from {url} has sha256 {digest.hexdigest()[:16]}..., not "
                             f"{WEIGHTS_SHA256_PREFIX}...: it is not {WEIGHTS_NAME} (a proxy page or a partial "
                             f"download). {missing_weights_text(path, 'bad download')}")
@@ -311,27 +312,53 @@ def check_state_dict(state: object, path: Path) -> dict:
     return state
 
 
-def load_inception(weights=None, device="cpu") -> FIDInceptionV3:
-    """The FID Inception with its weights (weights-only load, layout checked), in eval mode on `device`."""
-    from shared.runtime.export import load_torch_file
-
-    path = resolve_weights(weights)
-    try:
-        state = load_torch_file(path, f"Pass {WEIGHTS_NAME} from {WEIGHTS_URL}.")
-    except SettingError as err:
-        raise UserError(str(err)) from None
-    net = FIDInceptionV3()
-    net.load_state_dict(check_state_dict(state, path), strict=False)  # strict on everything but BN step counters
-    return net.eval().to(device)
+def is_known_hash(hexdigest: str) -> bool:
+    """Whether a sha256 is the released file's: all that is published of it is the prefix in its name."""
+    return hexdigest.startswith(WEIGHTS_SHA256_PREFIX)
 
 
-def weights_sha256(path: Path) -> str:
-    """First 16 hex digits of the weights file's sha256 (the network's identity in results)."""
+def file_sha256(path: Path) -> str:
+    """The sha256 of a file, in hex."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             digest.update(chunk)
-    return digest.hexdigest()[:16]
+    return digest.hexdigest()
+
+
+def check_weights_hash(path: Path) -> str:
+    """The file's sha256; UserError unless it is the released file's (a file given, cached, or copied by hand)."""
+    hexdigest = file_sha256(path)
+    if not is_known_hash(hexdigest):
+        raise UserError(f"the Inception weights {path} have sha256 {hexdigest[:16]}..., not {WEIGHTS_SHA256_PREFIX}... "
+                        f"(the hash pytorch-fid's {WEIGHTS_NAME} carries in its name): the tensors have the FID "
+                        f"Inception's names and shapes but other values (another port or conversion, retrained or "
+                        f"fine-tuned weights, or a damaged copy), so FID, sFID and IS from them would not be "
+                        f"comparable to published numbers. Download {WEIGHTS_NAME} from {WEIGHTS_URL} (91 MB) where "
+                        f"the network allows and pass it with --inception-weights FILE, or put it at "
+                        f"{hub_checkpoints() / WEIGHTS_NAME}.")
+    return hexdigest
+
+
+def load_inception(weights=None, device="cpu") -> FIDInceptionV3:
+    """The FID Inception with its weights (weights-only load, layout and sha256 checked), in eval mode on `device`."""
+    return load_checked_inception(resolve_weights(weights), device)[0]
+
+
+def load_checked_inception(path: Path, device="cpu") -> tuple[FIDInceptionV3, str]:
+    """(network, sha256) of the weights file at `path`: the layout is checked first (its refusal names the other
+    network), then the hash (the same layout with other values)."""
+    from shared.runtime.export import load_torch_file
+
+    try:
+        state = load_torch_file(path, f"Pass {WEIGHTS_NAME} from {WEIGHTS_URL}.")
+    except SettingError as err:
+        raise UserError(str(err)) from None
+    state = check_state_dict(state, path)
+    hexdigest = check_weights_hash(path)
+    net = FIDInceptionV3()
+    net.load_state_dict(state, strict=False)  # strict on everything but BN step counters
+    return net.eval().to(device), hexdigest
 
 
 class InceptionFeatures:
@@ -343,9 +370,9 @@ class InceptionFeatures:
     def __init__(self, device="cpu", weights=None, input_size: int = INPUT_SIZE):
         self.path = resolve_weights(weights)
         self.device = torch.device(device)
-        self.net = load_inception(self.path, self.device)
+        self.net, hexdigest = load_checked_inception(self.path, self.device)
         self.input_size = input_size  # 299 for FID; tests use smaller inputs for speed
-        self._sha = weights_sha256(self.path)
+        self._sha = hexdigest[:16]
 
     def identity(self) -> dict:
         """Name, weights file and hash, input size: recorded with every result and statistics file."""

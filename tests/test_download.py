@@ -127,9 +127,10 @@ def test_sit_release_by_name_is_a_flow_model(release, tiny_vae_dir, tmp_path, mo
         assert code == 2 and "trained with the flow objective" in err and not (tmp_path / "ddpm").exists()
         code, out, err = run_main(main, ["--ckpt", name, "--vae", tiny_vae_dir, "--out", tmp_path / "o", *STEPS], capsys)
         assert code == 0, err
-        identity = json.loads((tmp_path / "o" / "settings.json").read_text())["identity"]
+        settings = json.loads((tmp_path / "o" / "settings.json").read_text())
+        identity = settings["identity"]
         assert identity["sampler"] == "sde" and identity["model"]["objective"] == "flow"
-        assert "objective flow (the SiT (Ma et al. 2024) release)" in out
+        assert "objective flow (the SiT (Ma et al. 2024) release)" in settings["run"]["notes"]
         code, _, err = run_main(main, ["--ckpt", name, "--vae", tiny_vae_dir, "--out", tmp_path / "x", "--objective", "ddpm",
                                 *STEPS], capsys)
         assert code == 2 and "contradicts SiT-XL-2-256x256.pt" in err
@@ -153,7 +154,7 @@ def test_sit_release_under_its_url_file_name_is_recognised(release, tiny_vae_dir
         assert code == 0, err
         settings = json.loads((tmp_path / "f" / "settings.json").read_text())
         assert settings["identity"]["model"]["objective"] == "flow" and settings["identity"]["sampler"] == "sde"
-        assert "under the name its URL writes (ours: SiT-XL-2-256x256.pt)" in out
+        assert any("under the name its URL writes (ours: SiT-XL-2-256x256.pt)" in n for n in settings["run"]["notes"])
         assert settings["identity"]["guide_channels"] == "3"  # auto: SiT's sampler keeps DiT's 3-of-4 rule
         assert "records no objective" not in out
 

@@ -145,6 +145,29 @@ def test_vae_round_trip_keeps_the_digits(real):
     assert np.abs(back.astype(int) - images.astype(int)).mean() < 12  # of 255: a faithful reconstruction
 
 
+def test_the_vae_floor_goes_through_the_normalisation_record_as_sampling_does(real, monkeypatch):
+    """The floor's latents are normalised by the tokenizer's record and decoded through LatentVAE.decode, which
+    inverts it: the path a trained model's samples take, not the raw posterior mean straight into the decoder."""
+    from data.make_vae import DEFAULT_OUT
+    from evaluate.floor import vae_round_trip
+    from shared.tokenizers.norm import LatentNorm
+    from shared.tokenizers.vae import LatentVAE
+
+    used = []
+    for name in ("apply", "invert"):
+        original = getattr(LatentNorm, name)
+
+        def spy(self, x, _original=original, _name=name):
+            """The record's method, observed."""
+            used.append((_name, self.kind, self.scale))
+            return _original(self, x)
+
+        monkeypatch.setattr(LatentNorm, name, spy)
+    vae_round_trip(real[0][:4], str(DEFAULT_OUT), batch_size=4)
+    scale = LatentVAE.load(str(DEFAULT_OUT)).scaling_factor
+    assert used == [("apply", "scale", scale), ("invert", "scale", scale)], used
+
+
 def test_an_image_folder_reference_matches_the_same_images_as_npz_and_is_cached(real, tmp_path, capsys):
     from PIL import Image
 

@@ -27,11 +27,18 @@ def random_inception_state(seed: int = 0) -> dict:
 
 
 @pytest.fixture(scope="module")
-def weights_file(tmp_path_factory):
+def random_weights_file(tmp_path_factory):
     """The random state dict saved as pytorch-fid's file is (torch.save of a plain state dict)."""
     path = tmp_path_factory.mktemp("weights") / inception.WEIGHTS_NAME
     torch.save(random_inception_state(), path)
     return path
+
+
+@pytest.fixture
+def weights_file(random_weights_file, monkeypatch):
+    """The random weights file with its hash taken as the released one's, so the real loading code accepts it."""
+    monkeypatch.setattr(inception, "WEIGHTS_SHA256_PREFIX", inception.file_sha256(random_weights_file)[:8])
+    return random_weights_file
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -157,6 +164,40 @@ def test_a_state_dict_of_another_network_is_refused(tmp_path):
     torch.save(state, imagenet_like)
     with pytest.raises(UserError, match="torchvision's ImageNet inception_v3"):
         inception.load_inception(imagenet_like)
+
+
+def test_a_local_file_whose_sha256_is_the_known_one_is_accepted(random_weights_file, monkeypatch):
+    digest = inception.file_sha256(random_weights_file)
+    monkeypatch.setattr(inception, "WEIGHTS_SHA256_PREFIX", digest[:8])
+    features = inception.InceptionFeatures(weights=random_weights_file, input_size=75)
+    assert features.identity()["weights_sha256"] == digest[:16]
+    out = features(np.zeros((1, 8, 8, 3), np.uint8))
+    assert out["pool"].shape == (1, 2048)
+
+
+def test_a_file_of_the_right_layout_with_another_sha256_is_refused(random_weights_file, tmp_path, monkeypatch):
+    # The released hash prefix, unpatched: the random weights have the layout but not the values.
+    with pytest.raises(UserError) as info:
+        inception.InceptionFeatures(weights=random_weights_file, input_size=75)
+    text = str(info.value)
+    assert f"sha256 {inception.file_sha256(random_weights_file)[:16]}..., not 6726825d..." in text
+    assert "--inception-weights" in text and inception.WEIGHTS_URL in text
+    # A copy put by hand in the torch hub cache is held to the same hash.
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    cached = inception.hub_checkpoints() / inception.WEIGHTS_NAME
+    cached.parent.mkdir(parents=True)
+    cached.symlink_to(random_weights_file)
+    with pytest.raises(UserError, match="not 6726825d"):
+        inception.load_inception()
+
+
+def test_the_cli_refuses_weights_with_another_sha256_in_one_paragraph(random_weights_file, tmp_path, capsys):
+    samples = write_images(tmp_path / "samples.npz", 4, seed=1)
+    ref = write_images(tmp_path / "ref.npz", 4, seed=2)
+    code, out, err = run_main(main, [samples, "--ref", ref, "--inception-weights", random_weights_file], capsys)
+    assert code == 2 and "Traceback" not in err
+    assert "not 6726825d" in err and "--inception-weights FILE" in err
+    assert not (tmp_path / "samples.eval.jsonl").exists()
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -220,6 +220,25 @@ def test_flow_training_records_its_objective(flow_run):
     assert read_config(export).objective == "flow"
     assert read_config(export).objective_args == {"convention": "sit", "time_dist_shift": 1.0}
     assert (run / "samples" / "step-0000012.safetensors").is_file()
+    # A velocity network learns no variance: C output channels, recorded as such.
+    assert read_config(export).learn_sigma is False and read_config(export).build().out_channels == 4
+
+
+def test_a_flow_run_of_the_old_2c_layout_resumes_with_it(tmp_path, monkeypatch):
+    """Flow runs started when flow models were built with DiT's 2C outputs (learn_sigma true) keep that layout."""
+    import train.config
+    from shared.runtime.export import read_config
+    from tests.helpers import make_latents, run_inprocess
+
+    latents = make_latents(tmp_path / "lat")
+    argv = ["--objective", "flow", "--ckpt-every", "2", "--sample-every", "0"]
+    with monkeypatch.context() as old:
+        old.setattr(train.config, "learns_sigma", lambda name: True)  # the old rule, for the first two steps
+        run = run_inprocess(latents, tmp_path / "run", "--max-steps", "2", *argv)
+    assert read_config(run / "exports" / "ema-step-0000002.safetensors").learn_sigma is True
+    run_inprocess(latents, run, "--max-steps", "4", *argv)  # resumed with today's rule
+    resumed = read_config(run / "exports" / "ema-step-0000004.safetensors")
+    assert resumed.learn_sigma is True and resumed.build().out_channels == 8
 
 
 def test_flow_resume_with_another_objective_is_refused(flow_run, capsys):

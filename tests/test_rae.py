@@ -176,6 +176,7 @@ def test_recipe_rae_trains_a_dit_dh_that_samples_with_no_flags(wide_latents, tmp
     config = read_config(export)
     assert (config.model, config.head_depth, config.objective_args, config.learn_sigma) == (
         "DiTDH-T", 2, {"convention": "sit", "time_dist_shift": 0.5}, False)
+    assert config.sampling == {"sampler": "euler", "num_sampling_steps": 49}  # RAE's ODE Euler over 50 points
     before = {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.name != ".lock"}  # the lock is taken to read
     err = expect_user_error(capsys, [*args[:-4], "--max-steps", "6", "--time-dist-shift", "1"])
     assert "time_dist_shift: 0.5 -> 1.0" in err
@@ -267,7 +268,33 @@ def test_rae_release_by_name_loads_strictly_with_its_time_and_shift(tiny_vae_dir
         model = identity["model"]
         assert (model["model"], model["objective"], model["objective_args"]) == (
             "DiTDH-T", "flow", {"convention": "repa", "time_dist_shift": RAE_SHIFT})
-        assert "RAE's DiT^DH layout" in out and (tmp_path / "cache" / name).is_file()
+        notes = json.loads((tmp_path / "o" / "settings.json").read_text())["run"]["notes"]
+        assert any("RAE's DiT^DH layout" in note for note in notes) and (tmp_path / "cache" / name).is_file()
+        assert "sampling as the weights record" not in out  # both flags given: nothing taken from the record
+        # No sampling flags: RAE's own sampler (its ODE Euler over 50 grid points = 49 steps), said in one line.
+        code, out, err = run_main(main, ["--ckpt", name, "--vae", tiny_vae_dir, "--out", tmp_path / "own", "--cpu",
+                                         "--num-samples", "1", "--cfg-scale", "1"], capsys)
+        assert code == 0, err
+        identity = json.loads((tmp_path / "own" / "settings.json").read_text())["identity"]
+        assert (identity["sampler"], identity["num_sampling_steps"], identity["time_shift"]) == ("euler", 49, 1.0)
+        assert identity["model"]["sampling"] == {"sampler": "euler", "num_sampling_steps": 49}
+        lines = [line for line in out.splitlines() if line.startswith("sampling as the weights record")]
+        assert lines == ["sampling as the weights record: sampler euler, 49 steps (a flag given wins)"], out
         code, _, err = run_main(main, ["--ckpt", name, "--vae", tiny_vae_dir, "--out", tmp_path / "x", "--objective",
                                        "ddpm", "--cpu"], capsys)
         assert code == 2 and "RAE's DiT^DH layout are flow models" in err and not (tmp_path / "x").exists()
+
+
+def test_a_recorded_step_count_belongs_to_its_sampler():
+    """RAE's record (euler, 49 steps): the count applies to euler, a --num-sampling-steps given wins, and another
+    --sampler takes the default count, not RAE's."""
+    from shared.generative.objectives import objective_of
+    from shared.generative.samplers import DEFAULT_STEPS, resolve_sampling
+    from shared.weights.official import RAE_SAMPLING
+
+    objective = objective_of(ModelConfig("DiTDH-T", input_size=8, in_channels=4, num_classes=10, learn_sigma=False,
+                                         objective="flow", objective_args={"convention": "repa"}))
+    plan = resolve_sampling(objective, None, {}, None, RAE_SAMPLING, guided=False)
+    assert (plan.sampler, plan.steps) == ("euler", 49) and "49 steps (recorded with the model)" in plan.notes
+    assert resolve_sampling(objective, None, {}, None, RAE_SAMPLING, guided=False, steps=7).steps == 7
+    assert resolve_sampling(objective, "heun", {}, None, RAE_SAMPLING, guided=False).steps == DEFAULT_STEPS

@@ -363,12 +363,16 @@ def test_a_repa_layout_state_dict_loads_strictly_and_samples_with_the_sde(tiny_v
     model = build_model(loaded, "cpu")  # strict
     assert torch.equal(model.blocks[5].mlp.fc2.weight, state["blocks.5.mlp.fc2.weight"])
     assert any("REPA layout: its projector (6 tensors" in n for n in loaded.notes)
+    # REPA's FID command is recorded (SDE, 250 steps, guidance at noise levels 0..0.7); the steps flag wins.
+    assert config.sampling == {"sampler": "sde", "num_sampling_steps": 250, "cfg_interval": [0.0, 0.7]}
     out = tmp_path / "samples"
     main(["--ckpt", str(path), "--vae", str(tiny_vae_dir), "--num-samples", "2", "--batch-size", "2",
-          "--sampler", "sde", "--num-sampling-steps", "3", "--cfg-scale", "1.8", "--cfg-interval", "0", "0.7",
-          "--out", str(out)])
+          "--num-sampling-steps", "3", "--cfg-scale", "1.8", "--out", str(out)])
     settings = json.loads((out / "settings.json").read_text())
-    assert len(list(out.glob("0*.png"))) == 2 and "sde" in json.dumps(settings)
+    assert len(list(out.glob("0*.png"))) == 2
+    assert (settings["identity"]["sampler"], settings["identity"]["num_sampling_steps"],
+            settings["identity"]["cfg_interval"]) == ("sde", 3, [0.0, 0.7])
+    assert "sampling as the weights record: sampler sde, cfg interval 0 0.7" in capsys.readouterr().out
     assert settings["identity"]["guide_channels"] == "all"  # auto: what REPA's sampler guides
     assert "(auto: REPA's sampler guides all channels)" in settings["run"]["guidance"]
     del state["blocks.2.attn.qkv.bias"]

@@ -60,7 +60,7 @@ def test_official_pt_through_real_command(files, tmp_path):
                                                               "--num-samples", 4, "--npz", "--batch-size", 3))]
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    assert "DiT-T/2" in result.stdout and "inferred from tensor shapes" in result.stdout
+    assert "DiT-T-2-16x16" in result.stdout and "settings.json" in result.stdout
     assert sorted(pngs(out)) == ["000000-class3.png", "000001-class7.png", "000002-class3.png", "000003-class7.png"]
     with np.load(out / "samples.npz") as npz:
         assert npz["arr_0"].dtype == np.uint8 and npz["arr_0"].shape == (4, 16, 16, 3)
@@ -70,6 +70,7 @@ def test_official_pt_through_real_command(files, tmp_path):
         assert npz["arr_0"].std() > 0  # real pictures, not a constant
     settings = json.loads((out / "settings.json").read_text())
     assert settings["identity"]["model"]["model"] == "DiT-T/2" and settings["identity"]["image_size"] == 16
+    assert any("inferred from tensor shapes" in note for note in settings["run"]["notes"])
     # one row per class: 2 rows of 2 cells, 16 px enlarged 6x to 96 px, 4 px padding, an 18 px caption line under
     # each row and the title line on top (the preview grid's layout)
     from PIL import Image

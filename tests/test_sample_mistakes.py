@@ -381,14 +381,19 @@ def test_help_shows_every_default_and_the_decode_command():
     assert "python -m sample decode LATENTS|DIR" in text and "--global-seed" in text
 
 
-def test_settings_printed_once_with_real_device_and_files_follow_umask(run, tmp_path):
-    """A real process under umask 002: one settings JSON on stdout, device and TF32 recorded, no 0600 files."""
+def test_settings_are_written_not_printed_with_real_device_and_files_follow_umask(run, tmp_path):
+    """A real process under umask 002: the settings go to settings.json and one summary line to stdout (no JSON),
+    device and TF32 recorded, no 0600 files."""
     out = tmp_path / "o"
     argv = [sys.executable, "-m", "sample", *map(str, _sample(run, out, "--npz"))]
     result = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300,
                             preexec_fn=lambda: os.umask(0o002))
     assert result.returncode == 0, result.stderr
-    assert result.stdout.count('"identity"') == 1
+    assert '"identity"' not in result.stdout and "{" not in result.stdout, result.stdout
+    summary = [line for line in result.stdout.splitlines() if line.endswith(f"(all settings and notes: "
+                                                                             f"{out / 'settings.json'})")]
+    assert len(summary) == 1 and " steps, cfg " in summary[0], result.stdout
+    assert len(result.stdout.splitlines()) <= 4, result.stdout  # guidance, summary, "wrote ...": no settings dump
     settings = _settings(out)
     assert settings["run"]["device"] == "cpu" and "not used" in settings["run"]["tf32"]
     modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir() if p.name != ".lock"}
@@ -411,7 +416,13 @@ def _holder_pid(out: Path, timeout: float = 120.0) -> int:
 
 
 @pytest.mark.slow
-def test_second_launch_on_the_same_out_exits_naming_the_pid(run, tmp_path):
+def test_second_launch_on_the_same_out_exits_naming_the_pid(run, tmp_path, capsys, monkeypatch):
+    """The second launch is refused by the lock before it builds a model or draws an image (observed: the model
+    builder is never called and the holder's folder is untouched), whatever the machine's load."""
+    import shared.sampling.generate as generate
+    from sample.__main__ import main
+    from tests.helpers import run_main
+
     out = tmp_path / "o"
     # Many images and all 1000 steps keep the first process busy while the second starts.
     busy = ["--ckpt", run["run"], "--out", out, "--num-samples", 64, "--batch-size", 64,
@@ -423,14 +434,23 @@ def test_second_launch_on_the_same_out_exits_naming_the_pid(run, tmp_path):
     try:
         pid = _holder_pid(out)
         assert pid == first.pid
-        started = time.monotonic()
-        second = subprocess.run([sys.executable, "-m", "sample", *map(str, busy)], cwd=ROOT, capture_output=True,
-                                text=True, timeout=120)
+        deadline = time.monotonic() + 120  # the holder writes settings.json just after taking the lock
+        while not (out / "settings.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        written = (out / "settings.json").stat().st_mtime_ns
+        built = []
+
+        def build_recorded(*args, **kwargs):
+            """The model builder, observed: a launch that gets past the lock would call it."""
+            built.append(args)
+            raise AssertionError("the second launch built a model")
+
+        monkeypatch.setattr(generate, "build_sampling_model", build_recorded)
+        code, stdout, err = run_main(main, busy, capsys)  # this process is the second launch: flock sees the first
         assert first.poll() is None, "the first run ended before the second was refused; make it busier"
-        err = " ".join(second.stderr.split())
-        assert second.returncode == 2 and "Traceback" not in second.stderr
-        assert says(err, f"--out {out} is in use by another process: PID {pid}")
-        assert time.monotonic() - started < 60
+        assert code == 2 and "Traceback" not in err and says(err, f"--out {out} is in use by another process: PID {pid}")
+        assert built == [] and "sampling (rank" not in err and "all settings and notes" not in stdout
+        assert (out / "settings.json").stat().st_mtime_ns == written  # the holder's settings were not rewritten
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait()

@@ -22,7 +22,7 @@ from shared.generative.guidance import GUIDE_CHANNELS
 from shared.generative.flow import auto_shift, check_shift
 from shared.network.models import (ATTENTION_BACKENDS, BLOCK_FIELDS, BLOCKS, HEAD_FIELDS, MLPS, NORMS, ModelConfig,
                                    block_options, check_preset, default_block, preset_head)
-from shared.generative.objectives import objective_help, plugin_of, training_flags
+from shared.generative.objectives import learns_sigma, objective_help, plugin_of, training_flags
 from train.recipes import RECIPE_HELP, RECIPES, apply_recipe
 from shared.runtime.precision import PRECISION_CHOICES, canonical_precision
 from shared.tokenizers.norm import NORM_CHOICES, NORM_HELP, ElementStats, LatentNorm, abbreviated
@@ -303,15 +303,18 @@ def objective_flag_names() -> tuple[str, ...]:
     return tuple(training_flags())
 
 
-def model_config_for(cfg: TrainConfig, latent_shape: tuple, num_classes: int) -> ModelConfig:
+def model_config_for(cfg: TrainConfig, latent_shape: tuple, num_classes: int,
+                     resumed: ModelConfig | None = None) -> ModelConfig:
     """The DiT config a run of `cfg` trains on latents of latent_shape (C, h, w) with `num_classes` classes.
 
     The one factory: `python -m train` (the latent folder's shape), `python -m train.plan` and `python -m
-    train.bench` (the shape their flags give) all build their model from it.
+    train.bench` (the shape their flags give) all build their model from it. `resumed`: the config a checkpoint
+    records, whose output layout a resumed run keeps.
     """
-    # DDPM needs its learned variance; a flow model with the DiT^DH head predicts the velocity alone, as RAE's
-    # (out = in channels), while the plain presets keep DiT's/SiT's 2C outputs so their layouts stay the releases'.
-    learn_sigma = cfg.objective == "ddpm" or not cfg.head_depth
+    # DDPM's hybrid loss trains a variance in C more output channels; a flow model predicts the velocity alone
+    # (out = in channels, as REPA's, LightningDiT's and RAE's; SiT's release carries 2C and uses the first C).
+    # Runs started when flow models still had the 2C layout resume with it.
+    learn_sigma = resumed.learn_sigma if resumed is not None else learns_sigma(cfg.objective)
     channels, size, _ = latent_shape
     return ModelConfig(model=cfg.model, input_size=size, in_channels=channels, num_classes=num_classes,
                        learn_sigma=learn_sigma,

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from shared.runtime import rundir
 from shared.runtime.errors import UserError
-from shared.runtime.export import first_nonfinite, nonfinite_tensors, save_weights
+from shared.runtime.export import first_nonfinite, nonfinite_tensors, read_config, save_weights
 from shared.runtime.fsio import atomic_write_text, link_file, space_guard
 from shared.runtime.previews import write_preview
 from shared.runtime.lock import FolderLock, hold_lock
@@ -218,7 +218,8 @@ def setup_run(cfg: TrainConfig, dataset: LatentDataset, source: Path | None, acc
               callbacks: list[Callback]) -> Run:
     """Build the learner on this process's device and restore from `source` if given."""
     setup_backends(cfg, accelerator.device)
-    learner = make_learner(cfg, model_config_for(cfg, dataset.latent_shape, dataset.num_classes),
+    resumed = read_config(source / rundir.MODEL_FILE) if source is not None else None  # its output layout is kept
+    learner = make_learner(cfg, model_config_for(cfg, dataset.latent_shape, dataset.num_classes, resumed),
                            accelerator=accelerator)
     seed_globals(cfg.seed, accelerator.process_index)
     logger = RunLogger(Path(cfg.results_dir), enabled=accelerator.is_main_process, write_files=not cfg.debug)

@@ -22,15 +22,17 @@ which stay the user's:
   (`time_dist_shift_dim` / `time_dist_shift_base`; --time-dist-shift auto), RMSNorm + SwiGLU + RoPE blocks
   (`use_rmsnorm`, `use_swiglu`, `use_rope`), AdamW lr 2e-4 betas (0.9, 0.95) no weight decay (`optimizer`),
   linear decay to 2e-5 (`scheduler`), EMA 0.9995 (`ema_decay`), gradient clipping 1.0 (`clip_grad`). Its
-  sampler (`sampler`: ODE, euler, num_steps 50) is `--sampler euler --num-sampling-steps 50`; euler is recorded
-  as its sampling half and the shift with the model, so sampling applies both with no flag (the 50 steps stay
-  a flag). The model (DiTDH-XL) and the tokenizer stay
+  sampler (`sampler`: ODE, euler, num_steps 50: torchdiffeq's Euler over 50 grid points, 49 steps) is recorded
+  as its sampling half (euler, 49 steps; shared/weights/official.py RAE_SAMPLING, as RAE's released weights) and
+  the shift with the model, so python -m sample applies them with no flag. The model (DiTDH-XL) and the tokenizer stay
   the user's flags. See docs/rae.md for what differs (RAE holds the LR for 40 epochs and ends its decay at
   epoch 800 of 1400; here the decay runs over the whole --max-steps).
 """
 from __future__ import annotations
 
 import dataclasses
+
+from shared.weights.official import RAE_SAMPLING
 
 RECIPES = {
     "dit": {},
@@ -42,7 +44,7 @@ RECIPES = {
     "rae": {"objective": "flow", "time_sampling": "lognormal", "time_loc": 0.0, "time_scale": 1.0,
             "time_dist_shift": "auto", "block": "lightning", "lr": 2e-4, "adam_betas": (0.9, 0.95),
             "weight_decay": 0.0, "lr_schedule": "linear", "final_lr": 2e-5, "ema_decay": 0.9995,
-            "max_grad_norm": 1.0, "sampling": {"sampler": "euler"}},  # RAE's `sampler`: ODE, euler
+            "max_grad_norm": 1.0, "sampling": dict(RAE_SAMPLING)},  # RAE's `sampler`: ODE, euler, 50 points
 }
 RECIPE_HELP = {"dit": "DiT: DDPM, DiT block, AdamW lr 1e-4",
                "sit": "SiT: flow matching, uniform times, DiT block, AdamW lr 1e-4",

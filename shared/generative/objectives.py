@@ -50,6 +50,8 @@ class Objective(Protocol):
     fast_sampler: ClassVar[str]  # deterministic, for previews and evaluate run
     level_range: ClassVar[tuple[float, float]]  # the noise levels of the guidance interval (lo = data)
     level_unit: ClassVar[str]  # what those levels are, in words
+    # Optional: learns_sigma: ClassVar[bool], True when the loss trains a variance in the network's second C output
+    # channels (DiT's hybrid loss); absent or False, the network outputs C channels (learns_sigma below).
 
     def draw_time(self, generator: torch.Generator) -> torch.Tensor:
         """One training time (1,), the first draw of a sample from its own generator."""
@@ -112,6 +114,11 @@ def objective_names() -> tuple[str, ...]:
 def objective_help() -> str:
     """name: help of every registered objective, for --objective's help and errors."""
     return "; ".join(f"{name}: {cls.help}" for name, cls in OBJECTIVES.items())
+
+
+def learns_sigma(name: str) -> bool:
+    """Whether objective `name`'s network outputs 2C channels, the second C a learned variance its loss trains."""
+    return bool(getattr(OBJECTIVES[check_objective(name)], "learns_sigma", False))
 
 
 def check_objective(name: str, plugin: str = "") -> str:
@@ -226,6 +233,7 @@ class DDPMObjective:
     fast_sampler: ClassVar[str] = "ddim"  # deterministic, so previews of successive checkpoints are comparable
     level_range: ClassVar[tuple[float, float]] = (0.0, float(NUM_TIMESTEPS))  # DiT timesteps (0 = data)
     level_unit: ClassVar[str] = f"DiT timesteps (0 = data, {NUM_TIMESTEPS} = noise)"
+    learns_sigma: ClassVar[bool] = True  # the VLB term trains the variance (Nichol & Dhariwal 2021, Eq. 15)
 
     @cached_property
     def diffusion(self) -> GaussianDiffusion:

@@ -129,7 +129,9 @@ def sampler_options(name: str, given: dict) -> dict:
 # What a command samples with: the flags given, else the model's recorded sampling half, else the defaults
 # ----------------------------------------------------------------------------------------------------------
 
-SAMPLING_KEYS = ("sampler", "cfg_interval", *SAMPLER_OPTIONS)  # what a recipe may record (ModelConfig.sampling)
+SAMPLING_KEYS = ("sampler", "num_sampling_steps", "cfg_interval", *SAMPLER_OPTIONS)  # what a recipe or release
+# may record (ModelConfig.sampling); the step count belongs to the recorded sampler and applies only with it
+DEFAULT_STEPS = 250  # when neither a flag nor the model's record says: the DiT paper's DDPM and SiT's SDE count
 
 
 @dataclass(frozen=True)
@@ -140,6 +142,7 @@ class Sampling:
     options: dict
     cfg_interval: tuple | None
     notes: tuple[str, ...] = ()
+    steps: int = DEFAULT_STEPS
 
 
 def check_recorded(recorded: dict, family: str, where: str) -> dict:
@@ -151,15 +154,21 @@ def check_recorded(recorded: dict, family: str, where: str) -> dict:
     if "sampler" in recorded:
         spec = get_sampler(recorded["sampler"], family)
         sampler_options(spec.name, {k: v for k, v in recorded.items() if k in SAMPLER_OPTIONS})
+    steps = recorded.get("num_sampling_steps")
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1 or
+                              "sampler" not in recorded):
+        raise SettingError(f"{where} records num_sampling_steps {steps!r}: it must be a whole number >= 1 and "
+                           f"come with the sampler it counts for; re-export the weights with this version.")
     return recorded
 
 
 def resolve_sampling(objective, sampler: str | None, given: dict, cfg_interval, recorded: dict, guided: bool,
-                     fast: bool = False) -> Sampling:
-    """The sampling settings a command uses: each flag given wins; else what the model records (its recipe's
-    sampling half, e.g. LightningDiT's euler, time shift 0.3, interval 0 0.89); else the objective's default
-    sampler (`fast`: its deterministic one) and each option's default. A recorded option the chosen sampler does
-    not take is left out; a recorded interval applies only with guidance (`guided`)."""
+                     fast: bool = False, steps: int | None = None) -> Sampling:
+    """The sampling settings a command uses: each flag given wins; else what the model records (its recipe's or
+    release's sampling half, e.g. LightningDiT's euler, time shift 0.3, interval 0 0.89; RAE's euler, 49 steps);
+    else the objective's default sampler (`fast`: its deterministic one) and each option's default. A recorded
+    option the chosen sampler does not take is left out; a recorded step count applies only to the recorded
+    sampler (`steps`: the count given, None = not given); a recorded interval only with guidance (`guided`)."""
     notes = []
     if sampler is None and recorded.get("sampler"):
         sampler = recorded["sampler"]
@@ -169,6 +178,9 @@ def resolve_sampling(objective, sampler: str | None, given: dict, cfg_interval, 
             notes.append(f"sampler {sampler} (recorded with the model)")
     sampler = sampler or (objective.fast_sampler if fast else objective.default_sampler)
     get_sampler(sampler, objective)
+    if steps is None and recorded.get("num_sampling_steps") and sampler == recorded.get("sampler"):
+        steps = recorded["num_sampling_steps"]
+        notes.append(f"{steps} steps (recorded with the model)")
     taken = option_names(SAMPLERS[sampler])
     chosen = dict(given)
     for name in taken:
@@ -179,4 +191,5 @@ def resolve_sampling(objective, sampler: str | None, given: dict, cfg_interval, 
     if cfg_interval is None and guided and recorded.get("cfg_interval"):
         cfg_interval = tuple(recorded["cfg_interval"])
         notes.append(f"cfg interval {cfg_interval[0]:g} {cfg_interval[1]:g} (recorded with the model)")
-    return Sampling(sampler, options, tuple(cfg_interval) if cfg_interval else None, tuple(notes))
+    return Sampling(sampler, options, tuple(cfg_interval) if cfg_interval else None, tuple(notes),
+                    DEFAULT_STEPS if steps is None else steps)

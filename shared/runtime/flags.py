@@ -10,7 +10,7 @@ import argparse
 from dataclasses import dataclass
 
 from shared.runtime.cli import Flag, add_flags, flag_name
-from shared.generative.samplers import SAMPLER_NAMES, SAMPLER_OPTIONS, SAMPLERS, SamplerOption, takers_of
+from shared.generative.samplers import DEFAULT_STEPS, SAMPLER_NAMES, SAMPLER_OPTIONS, SAMPLERS, SamplerOption, takers_of
 from shared.generative.guidance import GUIDE_CHANNELS, GUIDE_HELP
 from shared.runtime.precision import PRECISIONS
 from shared.sampling.compiled import COMPILE_HELP, COMPILE_MODES
@@ -78,7 +78,9 @@ CFG_INTERVAL = Flag("guide only at noise levels in [LO, HI] (Kynkaanniemi et al.
                     "level 0-1 (REPA's time; 0 = data) for flow. REPA: 0 0.7; LightningDiT: 0 0.89 (default: the "
                     "interval the model's recipe records, e.g. lightning's 0 0.89, else every level)", None, type=float, nargs=2, metavar=("LO", "HI"))
 NUM_SAMPLING_STEPS = Flag("steps per image (model calls, twice the batch with guidance; heun: 2 calls per step): 250 "
-                          "as the paper for ddpm and SiT's sde, ~50 for ddim, 10-25 for dpmpp-2m and unipc", 250)
+                          "as the paper for ddpm and SiT's sde, ~50 for ddim, 10-25 for dpmpp-2m and unipc. Without the "
+                          "flag, python -m sample takes the count the model records with its sampler (RAE's release: "
+                          f"euler, 49), else {DEFAULT_STEPS}", None, type=int)
 PRECISION = Flag("DiT precision: fp32, or fp16/bf16 autocast", "fp32", choices=tuple(PRECISIONS))
 COMPILE = Flag(COMPILE_HELP, "off", choices=COMPILE_MODES)
 SEED = Flag("image i's label and noise come from (seed, i)", 0, aliases=("--global-seed",))
@@ -99,7 +101,7 @@ class SamplingFlags:
     sampling half (ModelConfig.sampling) use the same names. A setting left unset takes the model's recorded one."""
 
     sampler: str | None = SAMPLER.field()  # None: the recorded sampler, else the objective's own
-    num_sampling_steps: int = NUM_SAMPLING_STEPS.field()
+    num_sampling_steps: int | None = NUM_SAMPLING_STEPS.field()  # None: the recorded count, else DEFAULT_STEPS
     cfg_scale: float = CFG_SCALE.field()
     cfg_interval: tuple | None = CFG_INTERVAL.field()  # (lo, hi) noise levels where guidance applies
     guide_channels: str = GUIDE.field()

@@ -87,6 +87,7 @@ class Job:
     num_samples: int
     out: Path
     settings: dict
+    recorded_notes: tuple = ()  # the sampling settings taken from the model's record (printed in one line)
 
 
 def check_numbers(o: SampleOptions) -> None:
@@ -95,7 +96,7 @@ def check_numbers(o: SampleOptions) -> None:
         raise UserError(f"--num-samples {o.num_samples} must be at least 1.")
     if o.batch_size < 1:
         raise UserError(f"--batch-size {o.batch_size} must be at least 1 (images per forward pass).")
-    if o.num_sampling_steps < 1:
+    if o.num_sampling_steps is not None and o.num_sampling_steps < 1:
         raise UserError(f"--num-sampling-steps {o.num_sampling_steps} must be at least 1 (250 as the DiT paper; DDIM "
                         f"often uses 50).")
     if o.seed < 0:
@@ -108,12 +109,13 @@ def check_numbers(o: SampleOptions) -> None:
 
 
 def resolve_sampler(o: SampleOptions, objective, recorded: dict) -> tuple[SampleOptions, dict, tuple]:
-    """(o with the sampler and interval used, that sampler's options, notes): flags given, else the model's
+    """(o with the sampler, steps and interval used, that sampler's options, notes): flags given, else the model's
     recorded sampling half, else the objective's; SettingError for a sampler or steps it cannot take."""
     plan = resolve_sampling(objective, o.sampler, given_sampler_options(o), o.cfg_interval, recorded,
-                            guided=o.cfg_scale != 1.0)
-    objective.process(plan.sampler, o.num_sampling_steps, plan.options)  # e.g. 1000 steps of the linspace spacing
-    return dataclasses.replace(o, sampler=plan.sampler, cfg_interval=plan.cfg_interval), plan.options, plan.notes
+                            guided=o.cfg_scale != 1.0, steps=o.num_sampling_steps)
+    objective.process(plan.sampler, plan.steps, plan.options)  # e.g. 1000 steps of the linspace spacing
+    o = dataclasses.replace(o, sampler=plan.sampler, num_sampling_steps=plan.steps, cfg_interval=plan.cfg_interval)
+    return o, plan.options, plan.notes
 
 
 def ckpt_label(path: Path) -> str:
@@ -188,7 +190,7 @@ def resolve_job(o: SampleOptions) -> Job:
                   out=out)
     settings = make_settings(o, {**fields, "guided": guided})
     check_out_dir(out, settings)
-    return Job(o, settings=settings, **fields)
+    return Job(o, settings=settings, recorded_notes=tuple(notes), **fields)
 
 
 @dataclass
@@ -296,13 +298,32 @@ def runtime_facts(device) -> dict:
     return {"device": f"{device} ({name})", "tf32": "on" if torch.backends.cuda.matmul.allow_tf32 else "off"}
 
 
+def recorded_line(job: Job) -> str | None:
+    """The one line naming the sampling settings taken from the weights' record (a flag given wins), or None."""
+    if not job.recorded_notes:
+        return None
+    used = ", ".join(note.removesuffix(" (recorded with the model)") for note in job.recorded_notes)
+    return f"sampling as the weights record: {used} (a flag given wins)"
+
+
+def summary_line(job: Job) -> str:
+    """One line for the terminal: what is drawn, how, and where every setting is written."""
+    o = job.options
+    interval = f" in {o.cfg_interval[0]:g}..{o.cfg_interval[1]:g}" if o.cfg_interval else ""
+    return (f"{job.num_samples} images of {job.loaded.label or ckpt_label(job.loaded.path)} at {job.image_size} px: "
+            f"{job.sampler} {o.num_sampling_steps} steps, cfg {o.cfg_scale:g}{interval}, seed {o.seed}, VAE "
+            f"{job.vae_name} -> {job.out} (all settings and notes: {job.out / SETTINGS_NAME})")
+
+
 def prepare_out(job: Job, device) -> None:
-    """Main process: the folder, leftovers of a killed run removed, settings.json written and printed once."""
+    """Main process: the folder, leftovers of a killed run removed, settings.json written, one summary printed."""
     job.out.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(job.out)
     job.settings["run"].update(runtime_facts(device), notes=job.loaded.notes)
     write_json(job.out / SETTINGS_NAME, job.settings)
-    print(json.dumps(job.settings, indent=2))
+    for line in (recorded_line(job), summary_line(job)):
+        if line:
+            print(line, flush=True)
 
 
 def run_sample(o: SampleOptions) -> Path:

@@ -24,8 +24,8 @@ from shared.runtime.rundir import (CHECKPOINTS, EMA_FILE, EXPORTS, MODEL_FILE, c
 from shared.weights.diffusers_folder import (CONFIG, DiffusersSource, class_names, is_diffusers_file,
                                              is_diffusers_folder, locate, locate_hub, looks_like_hub_id, read_json,
                                              read_weights)
-from shared.weights.official import (OFFICIAL_NAMES, RELEASES, checkpoint_url, find_official, is_official_name,
-                                     release_name)
+from shared.weights.official import (OFFICIAL_NAMES, RAE_CFG_SCALE, RAE_SAMPLING, RELEASES, REPA_CFG_SCALE,
+                                     REPA_SAMPLING, checkpoint_url, find_official, is_official_name, release_name)
 
 TORCH_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")  # read with torch.load(weights_only=True); all else safetensors
 WEIGHTS = ("ema", "raw")  # which weights of a run or checkpoint: the EMA copy or the raw training weights
@@ -230,7 +230,9 @@ def _rae_config(config, path: Path, objective: str | None):
     release = RELEASES.get(path.name)
     shape = (config.in_channels, config.input_size, config.input_size)
     shift = release.time_dist_shift if release is not None else round(auto_shift(shape), 6)
-    return dataclasses.replace(config, objective="flow", objective_args={"convention": "repa", "time_dist_shift": shift})
+    # RAE's sampling configs all sample its DiT^DH with its ODE Euler over 50 points: any file of its layout does too.
+    return dataclasses.replace(config, objective="flow", objective_args={"convention": "repa", "time_dist_shift": shift},
+                               sampling=dict(RAE_SAMPLING))
 
 
 def _load_official(path: Path, weights: str | None, model: str | None, objective: str | None = None) -> LoadedWeights:
@@ -243,8 +245,9 @@ def _load_official(path: Path, weights: str | None, model: str | None, objective
     state_dict, which = _pick_state_dict(obj, path, weights)
     state_dict, repa_notes = split_repa_release(state_dict)  # REPA's layout: projector dropped
     config = infer_model_config(state_dict)
-    if repa_notes:  # REPA's layout says what it is: flow in REPA's time convention
-        config, name, why = repa_release_config(config), "flow", "REPA's layout (its projector)"
+    if repa_notes:  # REPA's layout says what it is: flow in REPA's time convention, sampled as REPA's FID command
+        config = dataclasses.replace(repa_release_config(config), sampling=dict(REPA_SAMPLING))
+        name, why = "flow", "REPA's layout (its projector)"
     elif config.head_depth:  # RAE's DiTwDDTHead layout: its transport, flow in RAE's time (1 = noise) and its shift
         config, name, why = _rae_config(config, path, objective), "flow", "RAE's DiT^DH layout"
     else:
@@ -258,6 +261,14 @@ def _load_official(path: Path, weights: str | None, model: str | None, objective
         notes.append(f"DiT^DH head {config.head_depth} x {config.head_width} wide; flow time convention "
                      f"{config.objective_args['convention']}, time shift {config.objective_args['time_dist_shift']:g} "
                      "(shared/generative/flow.py)")
+        notes.append(f"sampled as RAE's sampling config does unless a flag says otherwise: ODE Euler over 50 grid "
+                     f"points ({config.sampling['num_sampling_steps']} steps) on the grid shifted by "
+                     f"{config.objective_args['time_dist_shift']:g}; its guidance scale is --cfg-scale {RAE_CFG_SCALE:g} (none)")
+    elif repa_notes:
+        notes.append(f"sampled as REPA's FID 1.42 command does unless a flag says otherwise: SiT's SDE, "
+                     f"{config.sampling['num_sampling_steps']} steps, guidance only at noise levels "
+                     f"{config.sampling['cfg_interval'][0]:g}..{config.sampling['cfg_interval'][1]:g}; its guidance "
+                     f"scale is --cfg-scale {REPA_CFG_SCALE:g} on all channels")
     latent_meta = None  # DiT's, SiT's and REPA's: SD-VAE latents
     if config.head_depth and [config.in_channels, config.input_size, config.input_size] == \
             RAE_DIT_LATENTS["latent_shape"]:  # RAE's DINOv2-B tokens: decoded by RAE's released tokenizer

@@ -30,6 +30,20 @@ from shared.runtime.download import CACHE_ENV, URL_ENV, cache_dir, download, fet
 BASE_URL = "https://dl.fbaipublicfiles.com/DiT/models/"
 HF_RAE = "https://huggingface.co/nyu-visionx/RAE-collections/resolve/main/"  # RAE's README: hf download this repo
 RAE_SHIFT = round((768 * 16 * 16 / 4096) ** 0.5, 6)  # as --time-dist-shift auto rounds it (train/config.py)
+# How each release samples for its paper's FID, in python -m sample's flag names (ModelConfig.sampling): recorded
+# with the weights when they load, so a bare --ckpt samples as the release does (a flag given still wins). Both
+# files are recognised by their layouts (shared/weights/checkpoint.py), so any file of that layout samples so.
+# DiT's and SiT's own settings are the defaults (ddpm and sde, 250 steps); LightningDiT's are in lightningdit.py.
+# RAE (bytetriper/RAE configs/stage2/sampling/ImageNet256/DiTDHXL-DINOv2-B.yaml, FID 1.51): `sampler: mode ODE,
+# sampling_method euler, num_steps 50`, i.e. torchdiffeq's Euler over 50 grid points = 49 steps (49 network
+# calls), on the grid shifted by time_dist_shift (recorded beside, as the objective's); its guidance is `cfg
+# scale 1.0, t-min 0, t-max 1`: none, so no interval is recorded (the scale stays a flag; the loader says 1).
+RAE_SAMPLING = {"sampler": "euler", "num_sampling_steps": 49}
+RAE_CFG_SCALE = 1.0  # its FID's guidance scale: a flag (as LightningDiT's), printed when the weights load
+# REPA (its README's FID 1.42 command: --mode sde --num-steps 250 --cfg-scale 1.8 --guidance-high 0.7): SiT's
+# SDE, 250 steps, guidance only at noise levels 0..0.7 (applies only with a --cfg-scale above 1).
+REPA_SAMPLING = {"sampler": "sde", "num_sampling_steps": 250, "cfg_interval": [0.0, 0.7]}
+REPA_CFG_SCALE = 1.8
 
 
 @dataclass(frozen=True)
