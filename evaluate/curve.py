@@ -26,7 +26,7 @@ from shared.runtime.errors import UserError, cli_errors
 from shared.generative.samplers import SAMPLER_OPTIONS, resolve_sampling
 from shared.runtime.evalcurve import draw_metric, finite_values, metric_lines, metric_title, same_series
 from shared.runtime.flags import (BATCH_SIZE, CFG_SCALE, CPU, NUM_SAMPLING_STEPS, PLUGIN, SAMPLER, SAMPLING_KINDS,
-                                  SEED, VAE, SamplingFlags, given_sampler_options)
+                                  SEED, STEPS_HELP, VAE, SamplingFlags, given_sampler_options)
 from shared.runtime.fsio import atomic_write
 
 PROG = "python -m evaluate run"
@@ -50,7 +50,7 @@ class RunEvalOptions(SamplingFlags):
     sampler: str | None = SAMPLER.field(  # None: the recorded sampler, else the objective's fast deterministic one
         help="sampler of python -m sample (default: the one the model's recipe records, else the objective's fast "
              "deterministic one: ddim for ddpm models, euler for flow models)")
-    num_sampling_steps: int = NUM_SAMPLING_STEPS.field(default=50)
+    num_sampling_steps: int = NUM_SAMPLING_STEPS.field(default=50, help=STEPS_HELP)
     cfg_scale: float = CFG_SCALE.field(default=1.5)
     seed: int = SEED.field(help="sampling seed (the same images' noise for every export)")
     batch_size: int = BATCH_SIZE.field()

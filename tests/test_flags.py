@@ -256,13 +256,15 @@ def test_a_family_flag_changes_per_command():
     recorded count, else 250)."""
     from evaluate.curve import RunEvalOptions
     from shared.sampling.generate import SampleOptions
-    from shared.runtime.flags import NUM_SAMPLING_STEPS
+    from shared.runtime.flags import NUM_SAMPLING_STEPS, STEPS_HELP
 
     assert isinstance(NUM_SAMPLING_STEPS, Flag)
     sample_field = {f.name: f for f in dataclasses.fields(SampleOptions)}["num_sampling_steps"]
     eval_field = {f.name: f for f in dataclasses.fields(RunEvalOptions)}["num_sampling_steps"]
     assert (sample_field.default, eval_field.default) == (None, 50)
-    assert sample_field.metadata[FLAG_KEY].help == eval_field.metadata[FLAG_KEY].help == NUM_SAMPLING_STEPS.help
+    assert sample_field.metadata[FLAG_KEY].help == NUM_SAMPLING_STEPS.help
+    # evaluate run keeps the shared sentence, then states its own number (not sample's recorded-count rule).
+    assert NUM_SAMPLING_STEPS.help.startswith(STEPS_HELP) and eval_field.metadata[FLAG_KEY].help == STEPS_HELP
 
 
 def test_a_flag_family_dataclass_lists_after_the_commands_own_flags():

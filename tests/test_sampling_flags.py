@@ -33,7 +33,10 @@ def test_sample_and_evaluate_run_take_the_one_family():
         fields = {f.name: f.metadata[FLAG_KEY] for f in dataclasses.fields(cls)}
         dests = {a.dest for a in parser._actions}
         for name, flag in family.items():
-            assert name in dests and (fields[name].help == flag.help or name == "sampler"), (cls, name)
+            # evaluate run states its own step count, not sample's recorded-count rule (STEPS_HELP begins both).
+            same = fields[name].help == flag.help or name == "sampler" or (
+                name == "num_sampling_steps" and flag.help.startswith(fields[name].help))
+            assert name in dests and same, (cls, name)
     args = run_parser().parse_args(["RUN", "--num-samples", "2", "--time-shift", "0.3", "--ddim-eta", "0.5",
                                     "--last-step-size", "0.02", "--precision", "bf16"])
     assert (args.time_shift, args.ddim_eta, args.last_step_size, args.precision) == (0.3, 0.5, 0.02, "bf16")

@@ -2,7 +2,7 @@
 
 A command's options dataclass derives from a family (`class SampleOptions(SamplingFlags, DecodeFlags)`) or
 takes one member as a field, `vae: str | None = VAE.field()`, and may change what differs for it (evaluate
-run redeclares `num_sampling_steps: int = NUM_SAMPLING_STEPS.field(default=50)`).
+run redeclares `num_sampling_steps: int = NUM_SAMPLING_STEPS.field(default=50, help=STEPS_HELP)`).
 """
 from __future__ import annotations
 
@@ -77,10 +77,11 @@ CFG_INTERVAL = Flag("guide only at noise levels in [LO, HI] (Kynkaanniemi et al.
                     "call (half the work). Levels are the objective's: DiT timesteps 0-1000 for ddpm, the flow's noise "
                     "level 0-1 (REPA's time; 0 = data) for flow. REPA: 0 0.7; LightningDiT: 0 0.89 (default: the "
                     "interval the model's recipe records, e.g. lightning's 0 0.89, else every level)", None, type=float, nargs=2, metavar=("LO", "HI"))
-NUM_SAMPLING_STEPS = Flag("steps per image (model calls, twice the batch with guidance; heun: 2 calls per step): 250 "
-                          "as the paper for ddpm and SiT's sde, ~50 for ddim, 10-25 for dpmpp-2m and unipc. Without the "
-                          "flag, python -m sample takes the count the model records with its sampler (RAE's release: "
-                          f"euler, 49), else {DEFAULT_STEPS}", None, type=int)
+STEPS_HELP = ("steps per image (model calls, twice the batch with guidance; heun: 2 calls per step): 250 as the paper "
+              "for ddpm and SiT's sde, ~50 for ddim, 10-25 for dpmpp-2m and unipc")
+# python -m sample's default is "not given"; evaluate run redeclares the field with its own number and STEPS_HELP.
+NUM_SAMPLING_STEPS = Flag(f"{STEPS_HELP}. Not given (the default): the count the model records with its sampler "
+                          f"(RAE's release: euler, 49), else {DEFAULT_STEPS}", None, type=int)
 PRECISION = Flag("DiT precision: fp32, or fp16/bf16 autocast", "fp32", choices=tuple(PRECISIONS))
 COMPILE = Flag(COMPILE_HELP, "off", choices=COMPILE_MODES)
 SEED = Flag("image i's label and noise come from (seed, i)", 0, aliases=("--global-seed",))
