@@ -226,7 +226,8 @@ def make_learner(cfg: TrainConfig, model_config: ModelConfig, accelerator=None, 
     raw.to(device)
     if projector is not None:
         projector.to(device)
-    prepare_attention(raw, device, autocast_dtype(cfg.precision) or torch.float32)  # the kernel probed, before tracing
+    if device.type == "cuda":  # the SDPA kernel probed and pinned before the first forward (and before tracing)
+        prepare_attention(raw, device, autocast_dtype(cfg.precision) or torch.float32)
     if cfg.compile:
         compile_blocks(raw)
     trained = raw if projector is None else AlignedDiT(raw, projector, cfg.repa_depth)
