@@ -337,3 +337,17 @@ def test_a_pinned_kernel_runs_that_kernel_or_raises():
             block.attn.sdpa_kernel = "CUDNN_ATTENTION"  # no such kernel on the CPU: an error, never the math kernel
         with pytest.raises(RuntimeError):
             model(x, t, y)
+
+
+def test_the_planner_lists_selective_between_off_and_every_block():
+    from shared.generative.objectives import DDPMObjective
+    from train.memory import measure_block_fit, measure_profile
+    from train.plan import checkpoint_choices, choice_label
+
+    assert checkpoint_choices(SELECTIVE, 6) == [0, SELECTIVE, 1, 2] == checkpoint_choices(0, 6)
+    assert checkpoint_choices(3, 6) == [0, SELECTIVE, 1, 2, 3] and choice_label(SELECTIVE) == "selective"
+    model = ModelConfig("DiT-T/2", 8, 4, num_classes=10).build(device="cpu", init=False)
+    block = measure_block_fit(model, "bf16")
+    off, selective, every = (measure_profile(model, k, "bf16", block, DDPMObjective()) for k in (0, SELECTIVE, 1))
+    assert every.saved.per_sample < selective.saved.per_sample < off.saved.per_sample
+    assert selective.recompute == every.recompute == block
