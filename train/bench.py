@@ -107,7 +107,7 @@ def optional_rows(ours: BenchConfig) -> list[BenchConfig]:
 
 def change_rows(today: BenchConfig) -> list[BenchConfig]:
     """Issue 34's changes beside the step before them (`today`): each alone, then all of them together."""
-    now = variant(today, "no host sync", host_sync=False)
+    now = variant(today, "no host sync, fused AdamW", host_sync=False, adamw="fused")
     return [today, now, variant(now, "foreach AdamW instead of fused", adamw="foreach"),
             variant(now, "regional compile", compile=True),
             variant(now, "selective checkpointing", checkpoint=SELECTIVE),
@@ -119,7 +119,7 @@ def preset_matrix(name: str) -> list[BenchConfig]:
     """cpu: quick ablation of our step on a tiny model; gpu: DiT-XL/2 rows mirroring fast-DiT's README; changes-*:
     issue 34's changes beside the step before them (change_rows)."""
     if name == "changes-cpu":  # fp32: the development CPU has no bf16 units (bf16 is ~9x slower there)
-        return change_rows(BenchConfig("fp32", 0, "sdpa", False, 8, "before issue 34", host_sync=True))
+        return change_rows(BenchConfig("fp32", 0, "sdpa", False, 8, "before issue 34", host_sync=True, adamw="foreach"))
     if name == "changes-gpu":  # the issue's bf16 micro-batch 256 (~100 GiB without checkpointing: --memory-cap-gib 0)
         return change_rows(BenchConfig("bf16", 0, "sdpa", False, 256, "before issue 34", host_sync=True))
     if name == "cpu":
