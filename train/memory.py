@@ -300,7 +300,7 @@ def measure_block(model, batch: int, precision: str, index: int = 0) -> int:
     rope = model.dec_feat_rope if head else model.feat_rope  # RoPE, when built, as in the forward
     ledger = SavedTensorLedger(_param_keys(model) | {_storage_key(x), _storage_key(c)})
     with ledger, autocast_context(device, precision):
-        out = block(x, c, rope)  # (N, T, D)
+        out = block._forward(x, c, rope)  # (N, T, D): the block itself, whatever checkpointing it is set to
         saved = ledger.storages()
     del out
     return sum(saved.values())
