@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import os
 import shutil
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -187,14 +188,12 @@ def check_compile(cfg: TrainConfig, device) -> None:
                         "Use --attention sdpa (its flash/cuDNN kernels compile), or drop --compile.")
     if torch.device(device).type == "cpu" and COMPILE_BACKEND == "inductor" and not cpp_compiler():
         raise UserError("--compile on the CPU needs a C++ compiler for torch.compile's inductor backend (it writes and "
-                        "builds C++ kernels), and none was found (set CXX, or install g++ or clang++). Drop --compile: "
-                        "on the CPU it mostly adds compile time; it pays on a CUDA GPU.")
+                        "builds C++ kernels), and none was found (set CXX, or install g++ or clang++), or drop --compile "
+                        "(the trainer runs the same step eagerly).")
 
 
 def cpp_compiler() -> str | None:
     """The C++ compiler inductor would use on the CPU ($CXX, else c++/g++/clang++ on PATH), or None."""
-    import os
-
     names = [os.environ["CXX"]] if os.environ.get("CXX") else ["c++", "g++", "clang++"]
     return next((found for name in names if (found := shutil.which(name))), None)
 
