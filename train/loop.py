@@ -6,7 +6,6 @@ accumulation, and the cross-process reductions. The run folder's names come from
 """
 from __future__ import annotations
 
-import math
 import random
 import sys
 import time
