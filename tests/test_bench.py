@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.network.models import ModelConfig
+from shared.network.models import SELECTIVE, ModelConfig
 from shared.runtime.errors import UserError
 from tests.helpers import run_main
 from train import bench
@@ -38,6 +38,51 @@ def test_cpu_preset_puts_our_step_first_then_one_change_each():
     assert changes["math attention"].attention == "math"
     assert changes["torch.compile"].compile
     assert {r.micro_batch for r in rows if r.note == "micro-batch sweep"} == {4, 16}
+
+
+@pytest.mark.parametrize("preset", ["changes-cpu", "changes-gpu"])
+def test_changes_presets_put_the_step_before_issue_34_beside_each_change(preset):
+    rows = bench.preset_matrix(preset)
+    before, now = rows[0], rows[1]
+    assert before.host_sync and not before.compile and before.checkpoint == 0 and not now.host_sync
+    assert now.adamw == "fused" and before.adamw == ("foreach" if preset == "changes-cpu" else "fused")
+    changes = {r.note: r for r in rows[2:]}
+    assert changes["foreach AdamW instead of fused"].adamw == "foreach"
+    assert changes["regional compile"].compile and changes["selective checkpointing"].checkpoint == SELECTIVE
+    together = changes["all: compile + selective"]
+    assert together.compile and together.checkpoint == SELECTIVE and not together.host_sync
+
+
+def test_a_sync_row_reads_the_step_and_a_foreach_row_swaps_the_optimizer(monkeypatch):
+    reads, optimizers = [], []
+
+    def spy(learner, batches):
+        optimizers.append(type(learner.optimizer).__name__ + str(learner.optimizer.defaults["fused"]))
+        result = real(learner, batches)
+        return {k: Watched(v) for k, v in result.items()}
+
+    class Watched:
+        def __init__(self, value):
+            self.value = value
+
+        def __float__(self):
+            reads.append("float")
+            return float(self.value)
+
+        def __bool__(self):
+            reads.append("bool")
+            return bool(self.value)
+
+    real = bench.train_step
+    monkeypatch.setattr(bench, "train_step", spy)
+    args = parse("--model", "DiT-T/2", "--image-size", "32", "--steps", "1", "--warmup", "0")
+    before = bench.BenchConfig("fp32", 0, "sdpa", False, 2, host_sync=True, adamw="foreach")
+    assert bench.run_config(before, args, torch.device("cpu"), 1, None).error is None
+    assert reads == ["float", "float", "bool"] and optimizers == ["AdamWNone"]
+    reads.clear(), optimizers.clear()
+    assert bench.run_config(bench.BenchConfig("fp32", SELECTIVE, "sdpa", False, 2), args, torch.device("cpu"), 1,
+                            None).error is None
+    assert reads == [] and optimizers == ["AdamWTrue"]
 
 
 def test_preset_and_matrix_flags_together_are_refused():

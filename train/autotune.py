@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from shared.runtime.errors import UserError
-from shared.network.models import ModelConfig
+from shared.network.models import SELECTIVE, ModelConfig
 from train.launcher import resolve_precision_with_launcher
 from train.units import format_size, parse_size
 
@@ -93,7 +93,7 @@ def plan_rows(cfg, model_config: ModelConfig, budget: int, per_process: int, cho
 def checkpoint_candidates(requested, depth: int) -> list[int]:
     """The intervals auto may pick from: the requested one, or CHECKPOINT_ORDER within the model's depth."""
     if requested != AUTO:
-        return [int(requested)]
+        return [requested if requested == SELECTIVE else int(requested)]
     return [k for k in CHECKPOINT_ORDER if k <= depth]
 
 

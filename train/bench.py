@@ -6,6 +6,10 @@ synthetic micro-batches shaped like the loader's; warm-up steps (and torch.compi
 excluded; the reported step time is the median of the timed steps, each bracketed by device syncs.
 MFU = training FLOPs per image (6 x forward MACs, computed from the architecture; recomputation under
 checkpointing not counted) x images/s / device peak FLOP/s.
+
+`--preset changes-gpu` (DiT-XL/2, bf16, micro-batch 256) and `--preset changes-cpu` (tiny) put the step as it was
+before issue 34 (eager, the host reading loss and grad norm every step) beside each change on its own and all
+together: no host sync, foreach instead of fused AdamW, regional torch.compile, selective checkpointing.
 """
 from shared.runtime.interrupt import guard_imports, interruptible
 
@@ -25,7 +29,7 @@ from tqdm.auto import tqdm
 
 from shared.runtime.errors import UserError, cli_errors
 from shared.runtime.fsio import atomic_write_json
-from shared.network.models import ATTENTION_BACKENDS
+from shared.network.models import ATTENTION_BACKENDS, SELECTIVE
 from shared.runtime.precision import PRECISIONS, set_tf32
 from train.config import TrainConfig, add_block_flags, block_from_args, model_config_for
 from train.data import synthetic_batch
@@ -46,16 +50,20 @@ KNOWN_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "A10": 125.0, 
 class BenchConfig:
     """One cell of the matrix."""
     precision: str      # fp32 | fp16 | bf16
-    checkpoint: int     # 0 = off, k = every k-th block
+    checkpoint: int | str  # 0 = off, k = every k-th block, "selective"
     attention: str      # sdpa | math | xformers
     compile: bool
     micro_batch: int
     note: str = ""
+    host_sync: bool = False  # read loss, grad norm and the skip flag every step, as the loop did before issue 34
+    adamw: str = "fused"     # fused (the trainer's) | foreach (for comparison)
 
     def label(self) -> str:
         """Short row name."""
         parts = [self.precision, f"ckpt={self.checkpoint}", self.attention, f"mb={self.micro_batch}"]
         parts += ["compile"] if self.compile else []
+        parts += ["sync"] if self.host_sync else []
+        parts += [self.adamw] if self.adamw != "fused" else []
         return " ".join(parts) + (f" ({self.note})" if self.note else "")
 
 
@@ -66,6 +74,7 @@ class BenchResult:
     step_s: float | None = None
     images_s: float | None = None
     peak_bytes: int | None = None
+    reserved_bytes: int | None = None
     mfu: float | None = None
     error: str | None = None
 
@@ -78,6 +87,9 @@ PRESETS = {
     # One thread on the CPU: with more, a busy machine stalls every parallel region (we saw 10x swings).
     "cpu": dict(model="DiT-T/2", image_size=128, steps=8, warmup=2, threads=1),
     "gpu": dict(model="DiT-XL/2", image_size=256, steps=10, warmup=3, threads=None),
+    "changes-cpu": dict(model="DiT-T/2", image_size=128, steps=4, warmup=2, threads=1),
+    # warm-up 3: the compiled rows trace and build their kernels in the first step
+    "changes-gpu": dict(model="DiT-XL/2", image_size=256, steps=10, warmup=3, threads=None),
 }
 
 
@@ -97,8 +109,23 @@ def optional_rows(ours: BenchConfig) -> list[BenchConfig]:
     return rows + [variant(ours, "torch.compile", compile=True)]
 
 
+def change_rows(today: BenchConfig) -> list[BenchConfig]:
+    """Issue 34's changes beside the step before them (`today`): each alone, then all of them together."""
+    now = variant(today, "no host sync, fused AdamW", host_sync=False, adamw="fused")
+    return [today, now, variant(now, "foreach AdamW instead of fused", adamw="foreach"),
+            variant(now, "regional compile", compile=True),
+            variant(now, "selective checkpointing", checkpoint=SELECTIVE),
+            variant(now, "checkpointing every block", checkpoint=1),
+            variant(now, "all: compile + selective", compile=True, checkpoint=SELECTIVE)]
+
+
 def preset_matrix(name: str) -> list[BenchConfig]:
-    """cpu: quick ablation of our step on a tiny model; gpu: DiT-XL/2 rows mirroring fast-DiT's README."""
+    """cpu: quick ablation of our step on a tiny model; gpu: DiT-XL/2 rows mirroring fast-DiT's README; changes-*:
+    issue 34's changes beside the step before them (change_rows)."""
+    if name == "changes-cpu":  # fp32: the development CPU has no bf16 units (bf16 is ~9x slower there)
+        return change_rows(BenchConfig("fp32", 0, "sdpa", False, 8, "before issue 34", host_sync=True, adamw="foreach"))
+    if name == "changes-gpu":  # the issue's bf16 micro-batch 256 (~100 GiB without checkpointing: --memory-cap-gib 0)
+        return change_rows(BenchConfig("bf16", 0, "sdpa", False, 256, "before issue 34", host_sync=True))
     if name == "cpu":
         ours = BenchConfig("bf16", 1, "sdpa", False, 8, "ours")
         return [ours, variant(ours, "checkpointing off", checkpoint=0),
@@ -124,6 +151,11 @@ def split_list(text: str, kind=str) -> list:
         raise UserError(f"cannot read {text!r} as a comma-separated list ({err}); e.g. --micro-batch-sizes 4,8,16.")
 
 
+def checkpoint_value(item: str) -> int | str:
+    """'selective' or a whole number (ValueError otherwise)."""
+    return item if item == SELECTIVE else int(item)
+
+
 def parse_compile(item: str) -> bool:
     """'on'/'off' (also true/false, 1/0) -> bool."""
     table = {"on": True, "true": True, "1": True, "off": False, "false": False, "0": False}
@@ -139,8 +171,8 @@ def check_values(precisions, attentions, checkpoints, micros):
     if bad:
         raise UserError(f"unknown value(s) {bad}: precisions are {'/'.join(PRECISIONS)}, attention "
                         f"{'/'.join(ATTENTION_BACKENDS)}.")
-    if any(k < 0 for k in checkpoints) or any(m <= 0 for m in micros):
-        raise UserError("checkpoint intervals must be >= 0 (0 = off) and micro-batch sizes >= 1.")
+    if any(k != SELECTIVE and k < 0 for k in checkpoints) or any(m <= 0 for m in micros):
+        raise UserError(f"checkpoint intervals must be >= 0 (0 = off) or {SELECTIVE}, and micro-batch sizes >= 1.")
 
 
 MATRIX_FLAGS = ("precisions", "checkpointing", "attention", "compile", "micro_batch_sizes")
@@ -152,7 +184,7 @@ def flag_matrix(args) -> list[BenchConfig]:
     """The cartesian product of the matrix flags (defaults where a flag is absent)."""
     values = {k: getattr(args, k) or MATRIX_DEFAULTS[k] for k in MATRIX_FLAGS}
     precisions, attentions = split_list(values["precisions"]), split_list(values["attention"])
-    checkpoints = split_list(values["checkpointing"], int)
+    checkpoints = split_list(values["checkpointing"], checkpoint_value)
     compiles = split_list(values["compile"], parse_compile)
     micros = split_list(values["micro_batch_sizes"], int)
     check_values(precisions, attentions, checkpoints, micros)
@@ -205,16 +237,27 @@ def time_steps(config: BenchConfig, args, device) -> list[float]:
     cfg = bench_train_config(config, args)
     model_cfg = model_config_for(cfg, latent_shape(args.image_size), args.num_classes)
     learner = make_learner(cfg, model_cfg, device=device)
+    if config.adamw == "foreach":
+        learner.optimizer = foreach_adamw(learner)
     batch = synthetic_batch(model_cfg, config.micro_batch, cfg.class_dropout_prob, learner.objective)
     times = []
     for i in range(args.warmup + args.steps):
         synchronize(device)
         start = time.perf_counter()
-        train_step(learner, [batch])
+        result = train_step(learner, [batch])
+        if config.host_sync:  # what the loop read after every step before issue 34
+            float(result["loss"]), float(result["grad_norm"]), bool(result["skipped"])
         synchronize(device)
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
     return times
+
+
+def foreach_adamw(learner) -> torch.optim.Optimizer:
+    """The learner's AdamW with the multi-tensor (foreach) kernels instead of the fused one (a skip syncs the host)."""
+    cfg = learner.cfg
+    return torch.optim.AdamW(learner.trained_parameters(), lr=cfg.lr, betas=tuple(cfg.adam_betas),
+                             weight_decay=cfg.weight_decay, foreach=True)
 
 
 def error_text(err: BaseException) -> str:
@@ -236,9 +279,11 @@ def run_config(config: BenchConfig, args, device, flops_per_image, peak) -> Benc
     except Exception as err:  # reported in the table, the remaining configurations still run
         return BenchResult(config, error=error_text(err))
     images = config.micro_batch / step
-    mem = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    cuda = device.type == "cuda"
+    mem = torch.cuda.max_memory_allocated(device) if cuda else None
+    reserved = torch.cuda.max_memory_reserved(device) if cuda else None
     mfu = flops_per_image * images / (peak * 1e12) if peak else None
-    return BenchResult(config, 1 / step, images, mem, mfu)
+    return BenchResult(config, 1 / step, images, mem, reserved, mfu)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -252,15 +297,17 @@ def _cell(value, fmt):
 def table(results: list[BenchResult]) -> str:
     """Aligned text table; the first successful row is the baseline of the ratio column."""
     base = next((r.images_s for r in results if r.images_s), None)
-    head = f"{'config':<58} {'steps/s':>8} {'images/s':>9} {'peak mem':>11} {'MFU':>7} {'vs baseline':>11}"
+    head = (f"{'config':<64} {'steps/s':>8} {'images/s':>9} {'peak mem':>11} {'reserved':>11} {'MFU':>7} "
+            f"{'vs baseline':>11}")
     lines = [head, "-" * len(head)]
     for r in results:
         if r.error:
-            lines.append(f"{r.config.label():<58} error: {r.error}")
+            lines.append(f"{r.config.label():<64} error: {r.error}")
             continue
         ratio = r.images_s / base if base else None
-        lines.append(f"{r.config.label():<58} {r.step_s:>8.3f} {r.images_s:>9.2f} "
+        lines.append(f"{r.config.label():<64} {r.step_s:>8.3f} {r.images_s:>9.2f} "
                      f"{_cell(r.peak_bytes and format_size(r.peak_bytes), '{}'):>11} "
+                     f"{_cell(r.reserved_bytes and format_size(r.reserved_bytes), '{}'):>11} "
                      f"{_cell(r.mfu and 100 * r.mfu, '{:.1f}%'):>7} {_cell(ratio, '{:.2f}x'):>11}")
     return "\n".join(lines)
 
@@ -302,14 +349,17 @@ def build_parser() -> argparse.ArgumentParser:
     """Flags of python -m train.bench."""
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("--preset", choices=sorted(PRESETS), help="cpu: tiny model, quick ablation of our step; "
-                   "gpu: DiT-XL/2 at 256 mirroring the fast-DiT README table. Sets the matrix and defaults.")
+                   "gpu: DiT-XL/2 at 256 mirroring the fast-DiT README table; changes-gpu (DiT-XL/2, bf16, "
+                   "micro-batch 256: pass --memory-cap-gib 0) and changes-cpu (tiny): the step before issue 34 beside "
+                   "each of its changes (no host sync, fused vs foreach AdamW, regional compile, selective "
+                   "checkpointing). Sets the matrix and defaults.")
     p.add_argument("--model", help="DiT preset (default: the preset's, else DiT-T/2)")
     p.add_argument("--image-size", type=int, help="image size in pixels; latents are 1/8 of it (default 128)")
     p.add_argument("--num-classes", type=int, default=1000, help="number of classes")
     add_block_flags(p)
     p.add_argument("--micro-batch-sizes", help="comma-separated micro-batch sweep, e.g. 4,8,16 (default 8)")
     p.add_argument("--precisions", help="comma-separated subset of fp32,fp16,bf16 (default fp32,bf16)")
-    p.add_argument("--checkpointing", help="comma-separated checkpoint intervals, 0 = off (default 0,1)")
+    p.add_argument("--checkpointing", help="comma-separated checkpoint intervals, 0 = off, or selective (default 0,1)")
     p.add_argument("--attention", help="comma-separated subset of sdpa,math,xformers (default sdpa)")
     p.add_argument("--compile", help="comma-separated on/off for torch.compile (default off)")
     p.add_argument("--steps", type=int, help="timed steps per configuration (default 8, gpu preset 10)")

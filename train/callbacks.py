@@ -16,7 +16,8 @@ class Callback:
         """Just before a micro-batch's forward; `batch` is the loader's dict (x0, label, drop, t, noise, position)."""
 
     def on_step_end(self, run, result: dict) -> None:
-        """After an optimizer step: result = {loss, grad_norm, skipped}; run.step is already advanced."""
+        """After an optimizer step: result = {loss, grad_norm, skipped} as () device tensors (reading one waits for the
+        device); run.step is already advanced."""
 
     def on_publish(self, run, path) -> None:
         """Main process only: the checkpoint folder `path` was just renamed into place, and its EMA export is not

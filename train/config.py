@@ -20,8 +20,8 @@ from shared.runtime.errors import SettingError, UserError
 from shared.runtime.rerun import differences
 from shared.generative.guidance import GUIDE_CHANNELS
 from shared.generative.flow import auto_shift, check_shift
-from shared.network.models import (ATTENTION_BACKENDS, BLOCK_FIELDS, BLOCKS, HEAD_FIELDS, MLPS, NORMS, ModelConfig,
-                                   block_options, check_preset, default_block, preset_head)
+from shared.network.models import (ATTENTION_BACKENDS, BLOCK_FIELDS, BLOCKS, HEAD_FIELDS, MLPS, NORMS, SELECTIVE,
+                                   ModelConfig, block_options, check_preset, default_block, preset_head)
 from shared.generative.objectives import learns_sigma, objective_help, plugin_of, training_flags
 from train.recipes import RECIPE_HELP, RECIPES, apply_recipe
 from shared.runtime.precision import PRECISION_CHOICES, canonical_precision
@@ -58,6 +58,16 @@ def float_or_auto(text: str):
         return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number or auto, got {text!r}") from None
+
+
+def checkpoint_choice(text: str):
+    """argparse type of --grad-checkpoint: a whole number K (every K-th block; 0 = off), selective, or auto."""
+    if text == SELECTIVE:
+        return text
+    try:
+        return int_or_auto(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, {SELECTIVE} or auto, got {text!r}") from None
 
 
 def int_or_auto(text: str):
@@ -133,8 +143,10 @@ class TrainConfig:
         type=canonical_precision)
     grad_checkpoint: int | str = option(
         "auto", "recompute every K-th transformer block in backward to save memory (bare flag: K=1, every block; 0: "
-                "off). auto (default): on a GPU only as much as memory needs; off on the CPU", nargs="?", const=1,
-        metavar="K", type=int_or_auto)
+                f"off); {SELECTIVE}: every block keeps its matmul and attention outputs and recomputes only the "
+                "pointwise ops between them (less memory than off, far less recomputation than every block). auto "
+                "(default): on a GPU only as much as memory needs; off on the CPU", nargs="?", const=1,
+        metavar="K", type=checkpoint_choice)
     lr: float = option(1e-4, "peak learning rate (DiT: 1e-4)")
     lr_schedule: str = option("constant", "constant (DiT), or cosine or linear decay to --final-lr at the last step, "
                                           "after the warmup (RAE: linear)", choices=LR_SCHEDULES)
@@ -182,7 +194,9 @@ class TrainConfig:
     resume: str = option(
         "auto", "auto: continue from the newest checkpoint in --results-dir if any; none: refuse a folder that "
                 "already has checkpoints; PATH: a checkpoint folder to continue from")
-    compile: bool = option(False, "torch.compile the model (slow first steps, faster after)")
+    compile: bool = option(False, "torch.compile each transformer block (regional: one block is traced and its graph "
+                                  "reused by every block, so compile time does not grow with depth); off by default "
+                                  "until measured faster on a GPU (docs/performance.md)")
     attention: str = option("auto", "attention kernel (auto = torch SDPA; xformers needs CUDA and the xformers "
                                     "wheel)", choices=ATTENTION_BACKENDS)
     num_workers: int | None = option(None, "DataLoader worker processes per training process (default: up to 4, "
@@ -193,7 +207,8 @@ class TrainConfig:
                                 "config; writes no checkpoint")
     dry_run: bool = option(False, "check the inputs, print the resolved config and exit")
     max_nonfinite: int = option(
-        10, "stop after this many consecutive non-finite losses or gradient norms (0 = never)")
+        10, "stop after this many consecutive non-finite losses or gradient norms (0 = never); counted on the GPU "
+            "and checked at the --log-every, preview and checkpoint steps, never before a checkpoint is written")
     # REPA (Yu et al. 2024; shared/network/repa.py): align block `repa_depth`'s tokens, through an MLP D -> P -> P -> E,
     # with the encoder tokens stored in the latent folder; 0 weight = off. E comes from the folder when None.
     repa_weight: float = option(0.0, "REPA: weight lambda of the alignment loss (REPA: 0.5); 0 turns REPA off "
@@ -344,7 +359,7 @@ _NON_NEGATIVE = ("repa_weight", "final_lr", "grad_checkpoint", "keep_last", "kee
 
 def _check_ranges(cfg: TrainConfig) -> None:
     """UserError naming the one flag whose value lies outside its meaningful range."""
-    unset = (None, "auto")  # resolved later (train/autotune.py), nothing to check yet
+    unset = (None, "auto", SELECTIVE)  # resolved later (train/autotune.py), or a word: nothing to check here
     rules = [(getattr(cfg, n) in unset or getattr(cfg, n) > 0, f"{flag_name(n)} must be positive") for n in _POSITIVE]
     rules += [(getattr(cfg, n) in unset or getattr(cfg, n) >= 0, f"{flag_name(n)} must be >= 0") for n in _NON_NEGATIVE]
     rules += [

@@ -6,7 +6,6 @@ accumulation, and the cross-process reductions. The run folder's names come from
 """
 from __future__ import annotations
 
-import math
 import random
 import sys
 import time
@@ -38,7 +37,7 @@ from train.latents import open_latents
 from train.launcher import check_strategy, resolve_precision_with_launcher
 from train.logger import RunLogger
 from train.preview import sample_preview
-from train.step import Learner, import_bitsandbytes, lr_at, make_learner, train_step
+from train.step import Learner, check_compile, import_bitsandbytes, lr_at, make_learner, train_step
 from train.trackers import accelerator_kwargs, check_watch, default_callbacks
 
 
@@ -59,7 +58,10 @@ class Run:
     logger: RunLogger
     callbacks: CallbackList = field(default_factory=CallbackList)
     data_position: int = 0  # global stream position of the next sample (all processes together)
-    nonfinite_streak: int = 0
+    # The non-finite guard, on the device between check points (track_nonfinite, guard_nonfinite): the current run
+    # of consecutive non-finite steps, and the step at which it first reached --max-nonfinite (-1: not yet).
+    nonfinite_streak: torch.Tensor | int = 0
+    nonfinite_at: torch.Tensor | None = None
     last_checkpoint: Path | None = None
 
     @property
@@ -117,6 +119,7 @@ def prepare_config(cfg: TrainConfig, accelerator) -> tuple[TrainConfig, LatentDa
     resolve_config(cfg, dataset, accelerator.num_processes)
     check_watch(cfg, dataset)
     resolve_attention(cfg.attention)
+    check_compile(cfg, accelerator.device)
     if cfg.attention == "xformers" and not torch.cuda.is_available():
         raise UserError("--attention xformers needs a CUDA GPU; this machine has none. Use --attention sdpa.")
     if cfg.optimizer == "adamw8bit":
@@ -235,23 +238,32 @@ def setup_run(cfg: TrainConfig, dataset: LatentDataset, source: Path | None, acc
 # Guards, consistency, checkpoints, previews
 # ---------------------------------------------------------------------------------------------------------
 
-def guard_nonfinite(run: Run, result: dict) -> None:
-    """Count consecutive non-finite steps; stop with advice after --max-nonfinite of them."""
-    if math.isfinite(result["loss"]) and math.isfinite(result["grad_norm"]):
-        run.nonfinite_streak = 0
-        return
-    run.nonfinite_streak += 1
+def track_nonfinite(run: Run, result: dict) -> None:
+    """Count consecutive non-finite steps on the device (no host sync); guard_nonfinite reads the count."""
+    bad = ~(torch.isfinite(result["loss"]) & torch.isfinite(result["grad_norm"]))  # () bool
+    run.nonfinite_streak = (run.nonfinite_streak + 1) * bad  # () int64: 0 after a finite step
     limit = run.cfg.max_nonfinite
-    if limit and run.nonfinite_streak >= limit:
-        raise NonFiniteError(_nonfinite_message(run))
+    if limit:
+        first = run.nonfinite_at if run.nonfinite_at is not None else torch.full_like(run.nonfinite_streak, -1)
+        run.nonfinite_at = torch.where((run.nonfinite_streak >= limit) & (first < 0), run.step, first)
 
 
-def _nonfinite_message(run: Run) -> str:
-    """Why the run stopped, likely causes, and where the last good state is."""
+def guard_nonfinite(run: Run) -> None:
+    """Stop with advice once --max-nonfinite consecutive non-finite steps were counted (one host sync: called at the
+    log, preview and checkpoint points only, always before a checkpoint is written)."""
+    if run.nonfinite_at is not None and int(run.nonfinite_at) >= 0:
+        raise NonFiniteError(_nonfinite_message(run, int(run.nonfinite_at)))
+
+
+def _nonfinite_message(run: Run, at: int | None = None) -> str:
+    """Why the run stopped (the limit reached at step `at`), likely causes, and where the last good state is."""
     last = run.last_checkpoint or "none yet (the run never reached a checkpoint)"
     precision = ("fp16 overflow: switch to --precision bf16, or lower --lr" if run.cfg.precision == "fp16"
                  else "a learning rate too high for this model/batch: lower --lr or add --warmup-steps / --max-grad-norm")
-    return (f"training stopped at step {run.step}: {run.nonfinite_streak} consecutive steps had a non-finite loss or "
+    streak = run.cfg.max_nonfinite if at is not None else int(run.nonfinite_streak)
+    at = run.step if at is None else at
+    when = f"at step {at}" if at == run.step else f"at step {run.step} (checked at --log-every points) from step {at} on"
+    return (f"training stopped {when}: {streak} consecutive steps had a non-finite loss or "
             f"gradient norm (weights were not updated on those steps). Likely causes: {precision}; or bad latents "
             f"(NaN/inf moments: re-extract, or check the folder with a verifying reader). The last good checkpoint "
             f"is {last}; rerun the same command with the changed flags (--precision, --lr, --warmup-steps, "
@@ -377,36 +389,38 @@ def save_samples(run: Run) -> None:
 # ---------------------------------------------------------------------------------------------------------
 
 class Meter:
-    """Averages step results over a logging window and measures speed."""
+    """Averages step results over a logging window and measures speed; the results stay on the device until then."""
 
     def __init__(self):
         self.reset()
 
     def reset(self) -> None:
         """Start a new window."""
-        self.losses, self.norms, self.skipped, self.start = [], [], 0, time.perf_counter()
-        self.parts: dict[str, list] = {}  # REPA: diffusion_loss and repa_loss, logged beside the total
+        self.results: list[dict] = []  # each step's {loss, grad_norm, skipped[, diffusion_loss, repa_loss]}: () tensors
+        self.start = time.perf_counter()
 
     def add(self, result: dict) -> None:
-        """Record one step's result."""
-        for name in ("diffusion_loss", "repa_loss"):
-            if name in result:
-                self.parts.setdefault(name, []).append(result[name])
-        self.losses.append(result["loss"])
-        self.norms.append(result["grad_norm"])
-        self.skipped += int(result["skipped"])
+        """Record one step's result (device tensors: nothing is read here)."""
+        self.results.append(result)
+
+    def window(self) -> dict[str, list[float]]:
+        """{name: the window's values} read from the device in one transfer (the log point's host sync)."""
+        names = list(self.results[0])
+        table = torch.stack([torch.stack([r[n].detach().float() for n in names]) for r in self.results])  # (S, K)
+        return dict(zip(names, map(list, zip(*table.cpu().tolist()))))
 
     def summary(self, run: Run) -> dict:
         """Metrics of the window; resets it."""
         seconds = max(time.perf_counter() - self.start, 1e-9)
-        steps, cfg, learner = len(self.losses), run.cfg, run.learner
+        window = self.window()
+        steps, cfg, learner = len(self.results), run.cfg, run.learner
         values = {
-            "loss": float(np.mean(self.losses)), "lr": lr_at(run.step - 1, cfg),
-            "grad_norm": float(np.mean(self.norms)), "steps_per_s": steps / seconds,
-            "images_per_s": steps * cfg.global_batch_size / seconds, "skipped": self.skipped,
+            "loss": float(np.mean(window["loss"])), "lr": lr_at(run.step - 1, cfg),
+            "grad_norm": float(np.mean(window["grad_norm"])), "steps_per_s": steps / seconds,
+            "images_per_s": steps * cfg.global_batch_size / seconds, "skipped": int(sum(window["skipped"])),
             "skipped_total": learner.skipped_steps, "data_position": run.data_position,
             "epoch": run.data_position / len(run.dataset),
-            **{name: float(np.mean(values)) for name, values in self.parts.items()},
+            **{name: float(np.mean(window[name])) for name in ("diffusion_loss", "repa_loss") if name in window},
         }
         if learner.scaler.is_enabled():
             values["loss_scale"] = learner.scaler.get_scale()
@@ -488,19 +502,23 @@ def run_loop(run: Run) -> dict:
     bar = tqdm(total=total, initial=run.step, desc="train", unit="step", disable=not run.is_main, dynamic_ncols=True)
     with bar:
         while run.step < total:
-            result = train_step(run.learner, micro_batches(run, loader))
+            result = train_step(run.learner, micro_batches(run, loader))  # device tensors: nothing waits here
             run.data_position += cfg.global_batch_size
             run.callbacks.on_step_end(run, result)
             meter.add(result)
+            track_nonfinite(run, result)
             bar.update(1)
-            bar.set_postfix(loss=f"{result['loss']:.4f}", skipped=run.learner.skipped_steps)
-            guard_nonfinite(run, result)
-            if _due(run.step, cfg.log_every) or run.step == total:
+            log, preview = _due(run.step, cfg.log_every) or run.step == total, _due(run.step, cfg.sample_every)
+            save = _due(run.step, cfg.ckpt_every) or run.step == total
+            if log or preview or save:  # the only points where the host reads the device
+                guard_nonfinite(run)
+            if log:
                 last = meter.summary(run)
                 run.logger.metrics(run.step, last)
-            if _due(run.step, cfg.sample_every):
+                bar.set_postfix(loss=f"{last['loss']:.4f}", skipped=last["skipped_total"])
+            if preview:
                 save_samples(run)
-            if _due(run.step, cfg.ckpt_every) or run.step == total:
+            if save:
                 save_checkpoint(run)
     return last
 

@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 from shared.network.routing import kept_tokens
 from shared.runtime.errors import UserError
-from shared.network.models import BLOCK_FIELDS, ModelConfig, check_preset
+from shared.network.models import BLOCK_FIELDS, SAVED_OPS, SELECTIVE, ModelConfig, check_preset
 from shared.runtime.precision import autocast_dtype
 from train.config import TrainConfig, resolve_block
 from shared.generative.objectives import objective_of
@@ -258,20 +258,40 @@ class Residency:
     resident: int
 
 
+class KeptOutputCounter(TorchDispatchMode):
+    """Records the outputs of the ops selective checkpointing keeps (SAVED_OPS): its cache, which autograd's saved-
+    tensor hooks never see. Conservative: an op outside the blocks counts too, unless autograd saves it anyway."""
+
+    def __init__(self, param_keys):
+        super().__init__()
+        self.param_keys = set(param_keys)
+        self.kept: dict[tuple, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in SAVED_OPS:
+            for tensor in (out if isinstance(out, (tuple, list)) else (out,)):
+                if isinstance(tensor, torch.Tensor) and _storage_key(tensor) not in self.param_keys:
+                    self.kept[_storage_key(tensor)] = tensor.untyped_storage().nbytes()
+        return out
+
+
 def measure_forward(model, batch: int, precision: str, objective, route=None) -> Residency:
     """Run the trainer's forward + loss at `batch` under `precision` and count what it leaves resident.
 
     route (tokens, kept): token routing, as set on the model (DiT.set_routing); the routed blocks then save
-    activations for the kept tokens only, because that is what they see.
+    activations for the kept tokens only, because that is what they see. Under selective checkpointing the kept
+    matmul and attention outputs count as saved.
     """
     device = next(model.parameters()).device
     micro = synthetic_batch(model, batch, 0.1, objective, route=route)
     params = _param_keys(model)
-    ledger, casts = SavedTensorLedger(params), CastCacheCounter(params)
+    ledger, casts, kept = SavedTensorLedger(params), CastCacheCounter(params), KeptOutputCounter(params)
+    selective = getattr(model, "grad_checkpoint_every", 0) == SELECTIVE
     model.train()
-    with ledger, casts, autocast_context(device, precision):
+    with ledger, casts, kept if selective else contextlib.nullcontext(), autocast_context(device, precision):
         loss = forward_loss(model, objective, micro, precision, device)
-        saved = ledger.storages()  # read inside autocast: the cast cache is still alive here
+        saved = {**kept.kept, **ledger.storages()}  # read inside autocast: the cast cache is still alive here
     del loss
     return Residency(sum(saved.values()), sum(casts.copies.values()), sum({**casts.copies, **saved}.values()))
 
@@ -292,7 +312,7 @@ def measure_block(model, batch: int, precision: str, index: int = 0) -> int:
     rope = model.dec_feat_rope if head else model.feat_rope  # RoPE, when built, as in the forward
     ledger = SavedTensorLedger(_param_keys(model) | {_storage_key(x), _storage_key(c)})
     with ledger, autocast_context(device, precision):
-        out = block(x, c, rope)  # (N, T, D)
+        out = block._forward(x, c, rope)  # (N, T, D): the block itself, whatever checkpointing it is set to
         saved = ledger.storages()
     del out
     return sum(saved.values())
@@ -319,7 +339,7 @@ class LinearBytes:
 @dataclass
 class ActivationProfile:
     """Measured activation memory of one checkpointing choice, as functions of the micro-batch."""
-    every: int
+    every: int | str  # 0 off, k every k-th block, SELECTIVE
     saved: LinearBytes        # saved for backward by the whole step (checkpointed blocks keep only inputs)
     resident: LinearBytes     # saved + autocast weight copies, alive until the forward ends
     recompute: LinearBytes    # one block's saved tensors, re-created in backward (0 without checkpointing)
@@ -359,6 +379,7 @@ def measure_block_fits(model, precision: str) -> dict:
 
 def recompute_fit(fits: dict, every: int) -> LinearBytes:
     """The largest block a backward recomputes with every `every`-th block checkpointed (0: none recomputed)."""
+    every = 1 if every == SELECTIVE else every  # selective recomputes in every block (at most its saved tensors)
     chosen = [fit for kind, fit in fits.items() if every and any(i % every == 0 for i in kind)]
     return max(chosen, key=lambda fit: (fit.per_sample, fit.const), default=LinearBytes(0, 0))
 

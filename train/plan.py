@@ -19,7 +19,8 @@ from shared.runtime.cli import HelpFormatter, add_flags, flag_name
 from shared.runtime.errors import UserError, cli_errors
 from shared.runtime.precision import PRECISION_CHOICES, canonical_precision
 from shared.network.routing import kept_tokens
-from train.config import TrainConfig, add_block_flags, block_from_args, model_config_for, route_span
+from shared.network.models import SELECTIVE
+from train.config import TrainConfig, add_block_flags, block_from_args, checkpoint_choice, model_config_for, route_span
 from train import memory
 from train.autotune import smaller_micro
 from train.memory import (DEFAULT_MARGIN, FixedState, PlanRow, StepOutOfMemory, Verified, fixed_state, forward_macs,
@@ -36,17 +37,20 @@ OPTIMIZER_LABELS = {"adamw": "AdamW, 2 fp32 moments", "adamw8bit": "8-bit AdamW,
 # What to tabulate
 # ----------------------------------------------------------------------------------------------------
 
-def checkpoint_choices(requested: int, depth: int) -> list[int]:
-    """Checkpointing intervals to tabulate: off, every block, every 2nd block, and the requested one."""
-    return sorted({0, 1, min(2, depth), requested})
+def checkpoint_choices(requested: int | str, depth: int) -> list[int | str]:
+    """Checkpointing choices to tabulate: off, selective, every block, every 2nd block, and the requested one."""
+    intervals = sorted({1, min(2, depth)} | ({requested} - {SELECTIVE, 0}))
+    return [0, SELECTIVE, *intervals]
 
 
 # ----------------------------------------------------------------------------------------------------
 # Report
 # ----------------------------------------------------------------------------------------------------
 
-def choice_label(every: int) -> str:
-    """Human name of a checkpointing interval."""
+def choice_label(every: int | str) -> str:
+    """Human name of a checkpointing choice."""
+    if every == SELECTIVE:
+        return "selective"
     return {0: "off", 1: "every block"}.get(every, f"every {every}th block" if every > 3 else
                                            f"every {every}{'nd' if every == 2 else 'rd'} block")
 
@@ -294,8 +298,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(p, TrainConfig, only=("model", "objective", "global_batch_size", "grad_checkpoint", "ema_device",
                                     "optimizer", "route_ratio", "route_start", "route_end"),
               changes={"grad_checkpoint": {"help": "checkpointing interval to recommend (every K-th block; bare flag "
-                                                   "= 1; 0 = off); off, every block and every 2nd block are always "
-                                                   "tabulated", "default": 0, "type": int}})
+                                                   f"= 1; 0 = off; {SELECTIVE}: matmul and attention outputs kept, the "
+                                                   "pointwise ops recomputed); off, selective, every block and every "
+                                                   "2nd block are always tabulated", "default": 0,
+                                           "type": checkpoint_choice}})
     p.add_argument("--image-size", type=int, default=256, help="training image size in pixels")
     add_block_flags(p)
     p.add_argument("--vae-factor", type=int, default=8, help="VAE downsample factor (latent = image / factor)")
@@ -320,7 +326,10 @@ def check_args(args):
     if args.margin >= args.gpu_memory:
         raise UserError(f"the margin {format_size(args.margin)} leaves nothing of {format_size(args.gpu_memory)}; "
                         "pass a smaller --margin or a larger --gpu-memory.")
-    if args.grad_checkpoint < 0:
+    if args.grad_checkpoint == "auto":
+        raise UserError("--grad-checkpoint auto is the trainer's choice; the planner tabulates every choice: pass the "
+                        f"one to recommend (0, {SELECTIVE}, 1, 2, ...).")
+    if args.grad_checkpoint != SELECTIVE and args.grad_checkpoint < 0:
         raise UserError(f"--grad-checkpoint must be 0 (off) or a positive interval, got {args.grad_checkpoint}.")
 
 

@@ -9,12 +9,20 @@ clipping), the fp16 GradScaler with counted skips, AdamW, and the EMA update.
 Precision is handled here rather than by Accelerate's mixed_precision switch: torch.autocast (fp16 or
 bf16) plus, for fp16, a torch.amp.GradScaler with fp32 master weights. Accelerate turns fp16 off on the
 CPU; doing it ourselves makes the fp16 path (scaling, skipped steps) run identically on CPU and CUDA.
+
+The step never waits for the device: loss, gradient norm and the skip flag come back as device tensors (the
+loop reads them at its --log-every points), a step with non-finite gradients is skipped inside the fused AdamW
+kernel (its `found_inf` input, as GradScaler drives it) and the EMA is masked by the same flag on the device.
+`--compile` compiles each transformer block on its own (regional compilation): the blocks share their code, so
+dynamo traces one block once and every other block reuses that graph; compile time does not grow with depth.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
 import math
+import os
+import shutil
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -22,7 +30,7 @@ import torch
 
 from shared.generative.objectives import Objective, objective_of
 from shared.runtime.errors import UserError
-from shared.network.models import ModelConfig
+from shared.network.models import ModelConfig, prepare_attention
 from shared.runtime.precision import autocast_dtype
 from train.config import TrainConfig
 
@@ -44,7 +52,18 @@ class Learner:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     route: tuple[int, int] | None = None  # token routing: (tokens T, kept K) per sample, drawn by the data side
     step: int = 0
-    skipped_steps: int = 0
+    skipped_before: int = 0  # skipped steps counted on the host (restored from a checkpoint)
+    skipped_since: torch.Tensor | None = None  # () int64 on the device: skipped steps since, never read per step
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped on non-finite gradients in the whole run (reads the device counter: a host sync)."""
+        since = int(self.skipped_since) if self.skipped_since is not None else 0
+        return self.skipped_before + since
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self.skipped_before, self.skipped_since = int(value), None
 
     @property
     def dit(self) -> torch.nn.Module:
@@ -107,16 +126,20 @@ def import_bitsandbytes():
     return bitsandbytes
 
 
-def build_optimizer(cfg: TrainConfig, model, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW (fused kernel on CUDA, foreach on CPU) or bitsandbytes' 8-bit AdamW (Dettmers et al., 2022).
+FUSED_ADAMW_DEVICES = ("cuda", "cpu")  # where torch has the fused AdamW kernel (CPU since torch 2.4)
 
-    model: a module, or the list of parameters to train (the DiT's, then the REPA projector's).
+
+def build_optimizer(cfg: TrainConfig, model, device: torch.device) -> torch.optim.Optimizer:
+    """AdamW (the fused kernel where torch has one, else foreach) or bitsandbytes' 8-bit AdamW (Dettmers et al., 2022).
+
+    model: a module, or the list of parameters to train (the DiT's, then the REPA projector's). The fused kernel
+    takes the skip decision as a device tensor (`found_inf`), so a non-finite step is skipped without a host sync.
     """
     params = [p for p in (model.parameters() if isinstance(model, torch.nn.Module) else model) if p.requires_grad]
     kwargs = dict(lr=cfg.lr, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay)
     if cfg.optimizer == "adamw8bit":
         return import_bitsandbytes().optim.AdamW8bit(params, **kwargs)  # ~2 bytes/param of moments, not 8
-    if torch.device(device).type == "cuda":
+    if torch.device(device).type in FUSED_ADAMW_DEVICES:
         return torch.optim.AdamW(params, fused=True, **kwargs)
     return torch.optim.AdamW(params, foreach=True, **kwargs)
 
@@ -151,9 +174,46 @@ def route_of(cfg: TrainConfig, raw: torch.nn.Module) -> tuple[int, int] | None:
     return tokens, kept_tokens(tokens, cfg.route_ratio)
 
 
+COMPILE_BACKEND = "inductor"  # torch.compile's default; tests swap in a counting backend
+
+
+def check_compile(cfg: TrainConfig, device) -> None:
+    """UserError for --compile where the regional compile cannot run: no C++ compiler for inductor on the CPU, or
+    xformers attention (its kernel is opaque to dynamo: a graph break in every block)."""
+    if not cfg.compile:
+        return
+    if cfg.attention == "xformers":
+        raise UserError("--compile traces each transformer block into one graph, but --attention xformers calls a "
+                        "kernel torch.compile cannot trace (a graph break in every block, so nothing is gained). "
+                        "Use --attention sdpa (its flash/cuDNN kernels compile), or drop --compile.")
+    if torch.device(device).type == "cpu" and COMPILE_BACKEND == "inductor" and not cpp_compiler():
+        raise UserError("--compile on the CPU needs a C++ compiler for torch.compile's inductor backend (it writes and "
+                        "builds C++ kernels), and none was found (set CXX, or install g++ or clang++), or drop --compile "
+                        "(the trainer runs the same step eagerly).")
+
+
+def cpp_compiler() -> str | None:
+    """The C++ compiler inductor would use on the CPU ($CXX, else c++/g++/clang++ on PATH), or None."""
+    names = [os.environ["CXX"]] if os.environ.get("CXX") else ["c++", "g++", "clang++"]
+    return next((found for name in names if (found := shutil.which(name))), None)
+
+
+def compile_blocks(model: torch.nn.Module) -> None:
+    """Regional compilation: each transformer block compiled in place, one graph shared by blocks of one shape.
+
+    Blocks are instances of one class, so dynamo compiles their forward once (parameters are graph inputs, not
+    constants) and reuses it for the 27 others of XL/2: compile time is one block's, whatever the depth. The
+    checkpoint (full or selective) runs inside the block's forward, so it is part of the traced graph. A DiT^DH
+    head (another width) adds one graph; embedders and the final layer stay eager (a few percent of the FLOPs).
+    """
+    for block in model.blocks:
+        block.compile(backend=COMPILE_BACKEND)
+
+
 def make_learner(cfg: TrainConfig, model_config: ModelConfig, accelerator=None, device=None) -> Learner:
     """Model, EMA, optimizer and scaler on `device` (the accelerator's when given), compiled/wrapped as asked."""
     device = torch.device(accelerator.device if accelerator is not None else (device or "cpu"))
+    check_compile(cfg, device)
     torch.manual_seed(cfg.seed)  # initialised identically on every rank
     # Train mode: the labels' class-dropout coin comes from the data (force_drop_ids), so the model's own
     # global-RNG dropout never runs, while any train-mode layer added later is really on.
@@ -161,13 +221,16 @@ def make_learner(cfg: TrainConfig, model_config: ModelConfig, accelerator=None, 
     if cfg.route_ratio > 0:  # TREAD: blocks route_start..route_end see only the kept tokens in training
         raw.set_routing(cfg.route_start, cfg.route_end)
     projector = build_projector(cfg, raw)
-    ema = build_ema(raw, cfg, device)
+    ema = build_ema(raw, cfg, device)  # an uncompiled copy: previews run it eagerly in eval mode
     raw.to(device)
     if projector is not None:
         projector.to(device)
+    if device.type == "cuda":  # the SDPA kernel probed and pinned before the first forward (and before tracing)
+        prepare_attention(raw, device, autocast_dtype(cfg.precision) or torch.float32)
+    if cfg.compile:
+        compile_blocks(raw)
     trained = raw if projector is None else AlignedDiT(raw, projector, cfg.repa_depth)
-    compiled = torch.compile(trained) if cfg.compile else trained
-    learner = Learner(cfg=cfg, model=accelerator.prepare(compiled) if accelerator is not None else compiled,
+    learner = Learner(cfg=cfg, model=accelerator.prepare(trained) if accelerator is not None else trained,
                       ema=ema, optimizer=None, scaler=torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16"),
                       model_config=model_config, accelerator=accelerator, device=device,
                       objective=objective_for(cfg, model_config), route=route_of(cfg, raw))
@@ -270,46 +333,88 @@ def clip_or_measure(learner: Learner) -> torch.Tensor:
 
 
 @torch.no_grad()
-def update_ema(ema: torch.nn.Module, model: torch.nn.Module, decay: float) -> None:
-    """ema <- decay * ema + (1 - decay) * weights, in fp32 on the EMA's device (as DiT's update_ema)."""
+def update_ema(ema: torch.nn.Module, model: torch.nn.Module, decay: float, skipped: torch.Tensor | None = None) -> None:
+    """ema <- decay * ema + (1 - decay) * weights, in fp32 on the EMA's device (as DiT's update_ema), as two foreach
+    kernels; skipped (a () bool device tensor): where true, the EMA is left as it is, decided on the device."""
     ema_params = list(ema.parameters())
     device = ema_params[0].device
     src = [p.detach().to(device, torch.float32) for p in model.parameters()]
-    torch._foreach_mul_(ema_params, decay)
-    torch._foreach_add_(ema_params, src, alpha=1 - decay)
+    if skipped is None:
+        torch._foreach_mul_(ema_params, decay)
+        torch._foreach_add_(ema_params, src, alpha=1 - decay)
+        return
+    skipped = skipped.to(device)
+    keep = torch.where(skipped, 1.0, decay).to(torch.float32)  # () fp32: the decay, or 1 on a skipped step
+    weight = torch.where(skipped, 0.0, 1 - decay).to(torch.float32)  # () fp32: 1 - decay, or 0
+    torch._foreach_mul_(ema_params, keep)
+    # ema + src * weight: on the CPU bitwise the add with alpha=1-decay above; the expanded weight costs no memory
+    torch._foreach_addcmul_(ema_params, src, [weight.expand_as(p) for p in src])
 
 
-def apply_gradients(learner: Learner) -> tuple[float, bool]:
-    """Optimizer step (or a counted skip on non-finite gradients), then the EMA -> (grad norm, skipped)."""
+def supports_found_inf(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer skips its update on a device-side `found_inf` flag (torch's fused kernels)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def step_unless(optimizer: torch.optim.Optimizer, nonfinite: torch.Tensor) -> None:
+    """optimizer.step() unless `nonfinite` (a () bool device tensor), without a host sync where the kernel allows.
+
+    The fused AdamW reads GradScaler's protocol: `found_inf` > 0 leaves weights, moments and the step count as they
+    were. Other optimizers (bitsandbytes) get the decision on the host, the one sync they cost.
+    """
+    if not supports_found_inf(optimizer):
+        if not bool(nonfinite):
+            optimizer.step()
+        return
+    optimizer.grad_scale, optimizer.found_inf = None, nonfinite.to(torch.float32)
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.grad_scale, optimizer.found_inf
+
+
+def scaled_step(learner: Learner) -> torch.Tensor:
+    """fp16: GradScaler's step and update -> () bool device tensor, true where the scale backed off (a skip)."""
+    scaler = learner.scaler
+    before = scaler._get_scale_async().clone()  # the scale as a device tensor: get_scale() would sync
+    scaler.step(learner.optimizer)  # skipped inside when the gradients hold inf/NaN (found_inf for fused kernels)
+    scaler.update()
+    return scaler._get_scale_async() < before
+
+
+def apply_gradients(learner: Learner) -> tuple[torch.Tensor, torch.Tensor]:
+    """Optimizer step (or a counted skip on non-finite gradients), then the EMA -> (grad norm, skipped) as device
+    tensors: () fp32 and () bool, never read here."""
     for group in learner.optimizer.param_groups:
         group["lr"] = lr_at(learner.step, learner.cfg)
-    grad_norm = float(clip_or_measure(learner))
-    scaler = learner.scaler
-    if scaler.is_enabled():
-        scale = scaler.get_scale()
-        scaler.step(learner.optimizer)  # skipped inside when the gradients hold inf/NaN
-        scaler.update()
-        skipped = scaler.get_scale() < scale
+    grad_norm = clip_or_measure(learner).detach().float()
+    if learner.scaler.is_enabled():
+        skipped = scaled_step(learner)
     else:
-        skipped = not math.isfinite(grad_norm)
-        if not skipped:
-            learner.optimizer.step()
+        skipped = ~torch.isfinite(grad_norm)
+        step_unless(learner.optimizer, skipped)
     learner.optimizer.zero_grad(set_to_none=True)
-    if not skipped:
-        update_ema(learner.ema, learner.dit, learner.cfg.ema_decay)
+    update_ema(learner.ema, learner.dit, learner.cfg.ema_decay, skipped)
     return grad_norm, skipped
 
 
+def count_skip(learner: Learner, skipped: torch.Tensor) -> None:
+    """Add a step's skip flag to the device counter (Learner.skipped_steps reads it)."""
+    flag = skipped.to(torch.int64)
+    learner.skipped_since = flag if learner.skipped_since is None else learner.skipped_since + flag
+
+
 def train_step(learner: Learner, batches: Iterable[dict]) -> dict:
-    """One optimizer step over a global batch -> {loss (mean over processes), grad_norm, skipped}."""
+    """One optimizer step over a global batch -> {loss (mean over processes), grad_norm, skipped[, diffusion_loss,
+    repa_loss]}, each a () device tensor: the loop reads them at its log points, so the step never syncs."""
     local = accumulate_gradients(learner, batches)
     grad_norm, skipped = apply_gradients(learner)
     acc = learner.accelerator
-    # the same values on every rank
+    # the same values on every rank (an all-reduce on the device)
     losses = {k: acc.reduce(v, reduction="mean") if acc is not None else v for k, v in local.items()}
     learner.step += 1
-    learner.skipped_steps += int(skipped)
-    result = {"loss": float(losses["loss"]), "grad_norm": grad_norm, "skipped": skipped}
+    count_skip(learner, skipped)
+    result = {"loss": losses["loss"], "grad_norm": grad_norm, "skipped": skipped}
     if "repa" in losses:  # logged beside the diffusion loss
-        result.update(diffusion_loss=float(losses["diffusion"]), repa_loss=float(losses["repa"]))
+        result.update(diffusion_loss=losses["diffusion"], repa_loss=losses["repa"])
     return result

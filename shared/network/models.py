@@ -13,12 +13,13 @@ import functools
 import importlib
 import math
 import re
+import sys
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from shared.network.routing import gather_tokens, scatter_tokens
 from shared.runtime.errors import ChoiceError, SettingError, UserError
@@ -27,6 +28,9 @@ ATTENTION_BACKENDS = ("auto", "sdpa", "xformers", "math")
 FREQUENCY_EMBEDDING_SIZE = 256  # sinusoidal timestep features fed to the timestep MLP (DiT Sec. 3.2)
 NORM_EPS = 1e-6  # DiT's LayerNorms and LightningDiT's RMSNorms alike
 ROPE_THETA = 10000  # rotary base period, as LightningDiT (EVA-02's VisionRotaryEmbeddingFast)
+# Gradient checkpointing of every block that keeps the matmul and attention outputs and recomputes only the
+# pointwise ops between them (selective activation checkpointing): between "off" and "every block" in memory.
+SELECTIVE = "selective"
 
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu")
@@ -295,6 +299,66 @@ def resolve_attention(backend):
     return "sdpa" if backend == "auto" else backend
 
 
+# SDPA's fused kernels on CUDA, in the order tried at first use (the fastest first where it runs: cuDNN and flash on
+# Ampere and later at head sizes up to 128/256, XL/2's 72 included; the memory-efficient kernel also in fp32 and on
+# older GPUs). The math kernel, which materialises the (N, H, T, T) matrix, is the named fallback, never a silent one.
+SDPA_KERNELS = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION")
+SDPA_FALLBACK = "MATH"
+SDPA_NAMES = {"CUDNN_ATTENTION": "cuDNN", "FLASH_ATTENTION": "flash", "EFFICIENT_ATTENTION": "memory-efficient",
+              "MATH": "math"}
+_sdpa_choices: dict = {}  # (device, dtype, head size) -> the SDPBackend name chosen there, probed once per process
+
+
+def probe_sdpa_kernel(kernel: str, device, dtype, head_dim: int) -> bool:
+    """Whether SDPA restricted to `kernel` (an SDPBackend name) runs forward and backward at this dtype and head size."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(2, 2, 64, head_dim, device=device, dtype=dtype, requires_grad=True)  # (N, H, T, d)
+    try:
+        with sdpa_kernel([getattr(SDPBackend, kernel)]):
+            F.scaled_dot_product_attention(q, q, q).float().sum().backward()
+    except RuntimeError:  # "No available kernel": this kernel does not take these inputs on this GPU
+        return False
+    return True
+
+
+def _say(line: str) -> None:
+    """One line to stderr (the stages' progress stream)."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def choose_sdpa_kernel(device, dtype, head_dim: int, say=_say) -> str:
+    """The first of SDPA_KERNELS that runs here (probed once per device, dtype and head size), else SDPA_FALLBACK;
+    says in one line which it is (the fallback as a notice naming what it costs)."""
+    key = (str(device), dtype, head_dim)
+    if key not in _sdpa_choices:
+        chosen = next((k for k in SDPA_KERNELS if probe_sdpa_kernel(k, device, dtype, head_dim)), SDPA_FALLBACK)
+        _sdpa_choices[key] = chosen
+        where = f"head size {head_dim} in {str(dtype).removeprefix('torch.')} on {device_name(device)}"
+        if chosen == SDPA_FALLBACK:
+            say(f"attention: notice: none of SDPA's fused kernels ({', '.join(SDPA_NAMES[k] for k in SDPA_KERNELS)}) "
+                f"runs at {where}; using the math kernel, which is slower and stores the full attention matrix")
+        else:
+            say(f"attention: SDPA's {SDPA_NAMES[chosen]} kernel at {where}")
+    return _sdpa_choices[key]
+
+
+def device_name(device) -> str:
+    """The GPU's name for messages (the device string elsewhere)."""
+    device = torch.device(device)
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+
+
+def prepare_attention(model, device, dtype, choose=choose_sdpa_kernel) -> None:
+    """On CUDA, pin each sdpa block's attention to the kernel chosen for its head size at `dtype` (the autocast
+    dtype, or fp32), probed before the first forward (and before torch.compile traces it). Elsewhere nothing."""
+    if torch.device(device).type != "cuda":
+        return
+    for block in model.blocks:
+        if block.attn.backend == "sdpa":
+            block.attn.sdpa_kernel = choose(device, dtype, block.attn.head_dim)
+
+
 class Attention(nn.Module):
     """Multi-head self-attention with a fused qkv projection (names as timm's, as the checkpoints).
 
@@ -315,6 +379,7 @@ class Attention(nn.Module):
         self.k_norm = qk_norm_layer(norm, self.head_dim) if qk_norm else nn.Identity()
         self.proj = nn.Linear(dim, dim, bias=True)
         self.backend = "sdpa"
+        self.sdpa_kernel = None  # an SDPBackend name SDPA is restricted to (prepare_attention), or None: torch's choice
 
     def forward(self, x, rope=None):
         """(N, T, D) -> (N, T, D); rope: a RotaryEmbedding2d for this token grid, or None."""
@@ -324,6 +389,8 @@ class Attention(nn.Module):
         q, k = self._position_and_norm(q, k, v.dtype, rope)
         if self.backend == "xformers":
             out = self._xformers(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # (N, T, H, d)
+        elif self.backend == "sdpa" and self.sdpa_kernel is not None:
+            out = pinned_sdpa(q, k, v, self.sdpa_kernel).transpose(1, 2)  # (N, T, H, d)
         else:
             attend = F.scaled_dot_product_attention if self.backend == "sdpa" else math_attention
             out = attend(q, k, v).transpose(1, 2)  # (N, T, H, d)
@@ -352,6 +419,14 @@ class Attention(nn.Module):
                 f"xformers has no kernel for this input ({q.dtype}, head dim {q.shape[-1]}, {q.device}): "
                 f"{err}. Use {{attention backend}} sdpa, or install an xformers build for your GPU."
             ) from err
+
+
+def pinned_sdpa(q, k, v, kernel: str):
+    """SDPA on (N, H, T, d) restricted to one kernel (an SDPBackend name): an input it cannot take raises, no fallback."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([getattr(SDPBackend, kernel)]):
+        return F.scaled_dot_product_attention(q, k, v)  # (N, H, T, d)
 
 
 def math_attention(q, k, v):
@@ -407,6 +482,28 @@ def block_mlp(kind, dim, mlp_ratio):
     return Mlp(dim, int(dim * mlp_ratio))
 
 
+def _saved_ops() -> frozenset:
+    """The aten ops whose outputs selective checkpointing keeps: matmuls and every SDPA kernel torch has."""
+    aten = torch.ops.aten
+    names = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+             "_scaled_dot_product_fused_attention_overrideable")
+    return frozenset(getattr(aten, name).default for name in names if hasattr(aten, name))
+
+
+SAVED_OPS = _saved_ops()
+
+
+def selective_policy(ctx, op, *args, **kwargs):
+    """Keep what costs FLOPs (matmuls, attention) for backward; recompute the cheap pointwise ops (norms, GELU, adaLN)."""
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_contexts():
+    """The (forward, recompute) contexts of torch's selective checkpointing under selective_policy."""
+    return create_selective_checkpoint_contexts(selective_policy)
+
+
 class DiTBlock(nn.Module):
     """Transformer block with adaLN-Zero conditioning (DiT Sec. 3.2, Fig. 3); block options as LightningDiT."""
 
@@ -418,8 +515,21 @@ class DiTBlock(nn.Module):
         self.mlp = block_mlp(mlp, hidden_size, mlp_ratio)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size, bias=True))
 
+    # How this block's activations are kept for backward (DiT.set_grad_checkpointing): None stores them all, "full"
+    # recomputes the block, SELECTIVE recomputes its pointwise ops. The checkpoint runs inside forward, so a compiled
+    # block (train/step.py's regional compile) traces it and its policy into the one graph it reuses for every block.
+    recompute = None
+
     def forward(self, x, c, rope=None):
         """x (N, T, D) tokens, c (N, D) or per-token (N, T, D) conditioning, rope RotaryEmbedding2d or None -> (N, T, D)."""
+        if self.recompute is None or not torch.is_grad_enabled():
+            return self._forward(x, c, rope)
+        if self.recompute == SELECTIVE:
+            return checkpoint(self._forward, x, c, rope, use_reentrant=False, context_fn=selective_contexts)
+        return checkpoint(self._forward, x, c, rope, use_reentrant=False)
+
+    def _forward(self, x, c, rope=None):
+        """The block itself (forward's arguments)."""
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c).chunk(6, dim=-1)
         x = x + per_token(gate_msa) * self.attn(modulate(self.norm1(x), shift_msa, scale_msa), rope)
         return x + per_token(gate_mlp) * self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp))
@@ -537,11 +647,14 @@ class DiT(nn.Module):
             block.attn.backend = self.attention
 
     def set_grad_checkpointing(self, every):
-        """Recompute every `every`-th block (blocks 0, k, 2k, ...) in backward; 0 turns it off."""
-        if not isinstance(every, int) or isinstance(every, bool) or every < 0:
+        """Recompute every `every`-th block (blocks 0, k, 2k, ...) in backward; 0 turns it off; SELECTIVE: in every
+        block only the pointwise ops (matmul and attention outputs kept)."""
+        if every != SELECTIVE and (not isinstance(every, int) or isinstance(every, bool) or every < 0):
             raise UserError(f"gradient checkpointing interval must be a whole number >= 0 (0 = off, 1 = every "
-                            f"block), got {every!r}.")
+                            f"block) or {SELECTIVE!r}, got {every!r}.")
         self.grad_checkpoint_every = every
+        for index, block in enumerate(self.blocks):
+            block.recompute = (SELECTIVE if every == SELECTIVE else "full") if self._checkpointed(index) else None
 
     def set_routing(self, start=None, end=None):
         """Token routing in training (shared/network/routing.py): blocks start..end see only the kept tokens; None: off.
@@ -557,9 +670,9 @@ class DiT(nn.Module):
         self.route = (start, end)
 
     def _checkpointed(self, index):
-        """Whether block `index` is recomputed in backward instead of storing its activations."""
-        k = self.grad_checkpoint_every
-        return k > 0 and index % k == 0 and torch.is_grad_enabled()
+        """Whether block `index` recomputes in backward (all of it, or its pointwise ops) instead of storing them."""
+        k = 1 if self.grad_checkpoint_every == SELECTIVE else self.grad_checkpoint_every
+        return k > 0 and index % k == 0
 
     def _active_route(self, route_keep, return_hidden_at):
         """(start, end) of the route this forward takes ((-1, -1): none); SettingError for REPA inside it."""
@@ -570,9 +683,7 @@ class DiT(nn.Module):
         return start, end
 
     def _block(self, i, x, c, rope):
-        """Block i on tokens x (N, T or K, D) with conditioning c, recomputed in backward when checkpointed."""
-        if self._checkpointed(i):
-            return checkpoint(self.blocks[i], x, c, rope, use_reentrant=False)
+        """Block i on tokens x (N, T or K, D) with conditioning c (recomputed in backward as the block says)."""
         return self.blocks[i](x, c, rope)
 
     def _run_blocks(self, x, c, rope, indices, route=(-1, -1), route_keep=None, return_hidden_at=None):
