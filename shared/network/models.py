@@ -162,13 +162,12 @@ class TimestepEmbedder(nn.Module):
         self.frequency_embedding_size = frequency_embedding_size
 
     @staticmethod
-    def timestep_embedding(t, dim, max_period=10000, dtype=torch.float32):
+    def timestep_embedding(t, dim, max_period=10000):
         """(N,) possibly fractional timesteps -> (N, dim) features, cosine half first (as GLIDE/ADM)."""
         half = dim // 2
-        # fp32 on purpose: the official checkpoints were trained with exactly these fp32 features (a float64
-        # model computes them in float64: the exactness tests differentiate through them).
-        freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=dtype, device=t.device) / half)
-        args = t[:, None].to(dtype) * freqs[None]  # (N, half)
+        # fp32 on purpose: the official checkpoints were trained with exactly these fp32 features.
+        freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+        args = t[:, None].float() * freqs[None]  # (N, half)
         embedding = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)  # (N, 2*half)
         if dim % 2:
             embedding = F.pad(embedding, (0, 1))  # (N, dim)
@@ -176,8 +175,7 @@ class TimestepEmbedder(nn.Module):
 
     def forward(self, t):
         """(N,) timesteps -> (N, D) embeddings."""
-        wide = torch.promote_types(self.mlp[0].weight.dtype, torch.float32)  # fp32, or a float64 model's float64
-        t_freq = self.timestep_embedding(t, self.frequency_embedding_size, dtype=wide)
+        t_freq = self.timestep_embedding(t, self.frequency_embedding_size)
         return self.mlp(t_freq.to(self.mlp[0].weight.dtype))  # (N, D)
 
 
