@@ -289,3 +289,62 @@ def test_killed_meanflow_run_resumes_bitwise(latents, tmp_path):
     assert ref.keys() == resumed.keys() and "model.h_embedder.mlp.0.weight" in ref
     for key in ref:
         assert torch.equal(ref[key], resumed[key]), key
+
+
+# ----------------------------------------------------------------------------------------------------------
+# python -m sample and python -m evaluate run on a MeanFlow export: 1 call per image, refusals before drawing
+# ----------------------------------------------------------------------------------------------------------
+
+def _export(run, vae, folded):
+    """RUN/exports/ema-step-0000010 of a random MeanFlow DiT-T/2 (16x16x4 latents, 32x32 images via the tiny VAE)."""
+    from shared.runtime import rundir
+    from shared.runtime.export import save_weights
+
+    args = {"folded_guidance": [0.2, 0.92, 0.0, 0.75]} if folded else {}
+    config = ModelConfig("DiT-T/2", input_size=16, in_channels=4, num_classes=10, objective="meanflow",
+                         interval_time=True, objective_args=args, sampling={"sampler": "meanflow"})
+    meta = {"image_size": 32, "scaling_factor": vae.scaling_factor, "latent_shape": [4, 16, 16],
+            "vae": vae.identity, "class_names": [str(c) for c in range(10)]}
+    save_weights(rundir.export_path(run, 10), random_dit(config, 1).state_dict(), config, meta, 10)
+
+
+@pytest.mark.usefixtures("private_digits_cache")
+def test_sample_and_evaluate_run_draw_meanflow_exports_in_one_call(tiny_vae_dir, tmp_path, capsys):
+    from evaluate.__main__ import main as evaluate_main
+    from shared.runtime import rundir
+    from shared.tokenizers.vae import LatentVAE
+    from tests.helpers import run_main, run_sample
+
+    vae = LatentVAE.load(tiny_vae_dir)
+    run = tmp_path / "run"
+    _export(run, vae, folded=True)
+    out = tmp_path / "one"
+    common = ["--ckpt", run, "--vae", tiny_vae_dir, "--num-samples", 3, "--cpu"]
+    code, err = run_sample([*common, "--num-sampling-steps", 1, "--out", out], capsys)  # the default cfg scale 4
+    assert code == 2 and "learned the guided field" in err and "pass --cfg-scale 1" in err and not out.exists()
+    code, err = run_sample([*common, "--num-sampling-steps", 1, "--cfg-scale", 1, "--sampler", "euler",
+                            "--out", out], capsys)
+    assert code == 2 and "--sampler euler samples flow models" in err and not out.exists()
+    code, err = run_sample([*common, "--num-sampling-steps", 1, "--cfg-scale", 1, "--out", out], capsys)
+    assert code == 0, err
+    settings = json.loads((out / "settings.json").read_text())["identity"]
+    assert settings["sampler"] == "meanflow" and settings["num_sampling_steps"] == 1
+    assert len(list(out.glob("0*.png"))) == 3
+
+    code, _, err = run_main(evaluate_main, ["run", run, "--vae", tiny_vae_dir, "--features", "digits",
+                                            "--num-samples", 4, "--num-sampling-steps", 2, "--cfg-scale", 1,
+                                            "--batch-size", 4, "--cpu"], capsys)
+    assert code == 0, err
+    rows = [json.loads(line) for line in rundir.eval_path(run).read_text().splitlines()]
+    assert rows[0]["sampler"] == "meanflow" and rows[0]["num_sampling_steps"] == 2 and rows[0]["fid"] > 0
+
+
+def test_a_guided_sampler_call_counts_one_network_call_per_step():
+    from shared.generative.guidance import guided_model_fn
+
+    model = random_dit(_config(), 2).eval()
+    objective = make_objective("meanflow")
+    for scale, rows in ((1.0, 4), (3.0, 8)):  # a model trained without folded guidance may still be guided
+        fn = guided_model_fn(model, scale, interval=(0.0, 1.0), noise_level=objective.noise_level)
+        run_sampler(objective, "meanflow", fn, torch.randn(4, 4, 8, 8), 1, {}, model_kwargs={"y": torch.arange(4) % 3})
+        assert fn.rows == rows  # one step: 4 rows, or 8 with sampling-time guidance
