@@ -348,3 +348,17 @@ def test_a_guided_sampler_call_counts_one_network_call_per_step():
         fn = guided_model_fn(model, scale, interval=(0.0, 1.0), noise_level=objective.noise_level)
         run_sampler(objective, "meanflow", fn, torch.randn(4, 4, 8, 8), 1, {}, model_kwargs={"y": torch.arange(4) % 3})
         assert fn.rows == rows  # one step: 4 rows, or 8 with sampling-time guidance
+
+
+@pytest.mark.slow
+def test_two_processes_match_one(latents, tmp_path):
+    """The JVP and the guidance forwards go through the DDP wrapper without autograd; the step equals one process's."""
+    from tests.helpers import CPU_DIST, TORCHRUN
+
+    flags = ["--recipe", "meanflow", "--max-steps", "2", "--micro-batch-size", "2", "--lr", "1e-3",
+             "--interval-fraction", "0.5"]
+    one = run_inprocess(latents, tmp_path / "one", *flags)
+    finish(cli(TORCHRUN + train_args(latents, tmp_path / "two", *flags), CPU_DIST))
+    a, b = final_tensors(one), final_tensors(tmp_path / "two")
+    for key in a:  # the same samples and draws (keyed by stream position); only float summation order differs
+        torch.testing.assert_close(a[key], b[key], atol=2e-6, rtol=1e-5, msg=key)
