@@ -1,5 +1,5 @@
-"""--init-from: start a run from a trained model's weights (MeanFlow fine-tuned from a flow model, the paper's Sec. 5.3
-"from a pretrained flow model" setting; reported with SiT-XL/2).
+"""--init-from: start a run from a trained model's weights (MeanFlow fine-tuned from a flow model, as
+the PyTorch reimplementations fine-tune SiT-XL/2).
 
 The weights are read as `python -m sample --ckpt` reads them (shared/weights/checkpoint.py: a run folder's newest EMA
 export, an export, a SiT/REPA release .pt). The checks run before the run's model exists and write nothing: the

@@ -2,8 +2,8 @@
 the average velocity on the linear path, its training target by a Jacobian-vector product, and its sampler.
 
 The paper's time runs from data to noise: z_t = (1 - t) x + t eps, v = eps - x, and the network predicts the
-average velocity u(z_t, r, t) = 1/(t - r) int_r^t v(z_s, s) ds (its Eq. 3). Differentiating (t - r) u in t with r
-fixed gives the MeanFlow identity u = v - (t - r) du/dt, du/dt = v d_z u + d_t u (its Eq. 6 and 8), the target
+average velocity u(z_t, r, t) = 1/(t - r) int_r^t v(z_s, s) ds (its definition). Differentiating (t - r) u in t with r
+fixed gives the MeanFlow identity u = v - (t - r) du/dt, du/dt = v d_z u + d_t u (its MeanFlow identity), the target
 u_tgt = v - (t - r)(v d_z u + d_t u) under stop-gradient, and the step z_r = z_t - (t - r) u (Alg. 2).
 
 Everything here is in SiT's time (shared/generative/flow.py): tau = 1 - t (0 = noise, 1 = data), x_tau = tau x1 +
@@ -14,7 +14,7 @@ at tau + h = 1 - r. The average velocity in SiT's sign is ubar = -u_paper, and t
     tangents (dx, d tau, d h) = (v, 1, -1);         one step: x_{tau + h} = x_tau + h ubar(x_tau, tau, h).
 
 The network receives the pair (its convention's time of tau, h) as an (N, 2) time input (shared/network/models.py's
-interval embedder; the paper embeds t and t - r, its Table 1c choice) and its output is converted by the
+interval embedder; the paper embeds t and t - r, its ablation's choice) and its output is converted by the
 FlowPath of its convention, so a MeanFlow network fine-tuned from a REPA-convention flow model keeps its sign.
 At h = 0 the average velocity is the instantaneous one: the network is a flow model there.
 """
@@ -27,7 +27,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from shared.generative.flow import FlowPath, FlowProcess, _points, _tau
 from shared.runtime.errors import ChoiceError
 
-PAIR_SAMPLINGS = ("lognormal", "uniform")  # the paper's Table 1d: logit-normal (its choice) or uniform
+PAIR_SAMPLINGS = ("lognormal", "uniform")  # the paper's ablation: logit-normal (its choice) or uniform
 
 
 def pair_input(path: FlowPath, tau: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
@@ -82,7 +82,7 @@ def mixed_kwargs(model_kwargs: dict, count: int) -> dict:
 @torch.no_grad()
 def guided_velocity(path: FlowPath, model_fn, x, tau, v, model_kwargs: dict, omega: float, kappa: float,
                     levels: tuple[float, float]) -> torch.Tensor:
-    """The paper's guided field (its Eq. 19 with the mixing scale kappa, Sec. 4.2 / App. B.1), stop-gradient:
+    """The paper's guided field (its CFG target with the mixing scale kappa; the JAX code's guidance_fn), stop-gradient:
 
     v_g = omega v + kappa u(z, t, t | c) + (1 - omega - kappa) u(z, t, t | null)   where lo <= t <= hi (paper time),
     v_g = v elsewhere and on the rows whose label was dropped (the class-dropout coin), as the official cond_drop.
@@ -128,7 +128,7 @@ def average_and_derivative(path: FlowPath, model_fn, x, tau, h, tangent, model_k
 
 
 def adaptive_weight(sq: torch.Tensor, p: float, c: float) -> torch.Tensor:
-    """The paper's adaptive loss weight w = 1 / (||Delta||^2 + c)^p (Sec. 4.3), stop-gradient; sq (N,) float32."""
+    """The paper's adaptive loss weight w = 1 / (||Delta||^2 + c)^p, stop-gradient; sq (N,) float32."""
     return 1.0 / (sq.detach() + c) ** p
 
 
