@@ -7,8 +7,9 @@ VAE's latents, DiT-T/2, batch 64, lr 1e-3, warmup 100, EMA 0.995), the same --st
   and sampled at --cfg-scale 1; sampled with the meanflow sampler at 1 and 2 steps.
 Printed: the digits FD of --num-samples images (sampling seed 0) of each final EMA export, the real-digits floor at
 that count (evaluate.digits.real_floor), network calls per image, sampling seconds per image (the evaluate run's wall
-clock, Inception-free digits features included), and the training seconds per step of each run (from its
-metrics.jsonl, every logged window's steps / steps_per_s; a shared machine makes these noisy).
+clock, Inception-free digits features included), the training seconds per step of each run (from its
+metrics.jsonl; a shared machine makes these noisy), and the step cost ratio from --timing-steps in-process steps of
+train/step.py's train_step per arm on a synthetic batch, interleaved so that load drifts hit both arms.
 
   .venv/bin/python tests/bench/bench_meanflow.py --out /tmp/bench-meanflow --steps 400
 Every stage resumes: a rerun skips the finished extraction, training and evaluations.
@@ -77,6 +78,32 @@ def seconds_per_step(run: Path) -> float:
     return seconds[last] / last
 
 
+def interleaved_step_seconds(arms: dict, steps: int, batch: int = 64) -> dict:
+    """Median seconds of train/step.py's train_step per arm on one synthetic batch of the digits shape (4x8x8 latents,
+    DiT-T/2, 10 classes), the arms' steps interleaved (sit, meanflow, sit, ...) so machine load drifts hit both."""
+    from shared.runtime.cli import given_flags
+    from train.config import build_parser, config_from_args, model_config_for, resolve_block
+    from train.data import synthetic_batch
+    from train.step import make_learner, train_step
+
+    learners = {}
+    for arm, flags in arms.items():
+        parser, argv = build_parser(), [str(a) for a in [*flags, "--latents", "x", "--results-dir", "x"]]
+        cfg = resolve_block(config_from_args(parser.parse_args(argv), given_flags(parser, argv)))
+        cfg.global_batch_size = cfg.micro_batch_size = batch
+        config = model_config_for(cfg, (4, 8, 8), 10)
+        learner = make_learner(cfg, config)
+        learners[arm] = (learner, synthetic_batch(config, batch, cfg.class_dropout_prob, learner.objective))
+    times = {arm: [] for arm in arms}
+    for i in range(steps + 2):  # two warm-up steps each
+        for arm, (learner, data) in learners.items():
+            start = time.perf_counter()
+            train_step(learner, [data])
+            if i >= 2:
+                times[arm].append(time.perf_counter() - start)
+    return {arm: sorted(t)[len(t) // 2] for arm, t in times.items()}
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="/tmp/bench-meanflow", help="folder for the latents, runs, logs and results")
@@ -85,6 +112,7 @@ def main(argv=None) -> dict:
     p.add_argument("--num-samples", type=int, default=500, help="images per FD")
     p.add_argument("--sit-steps", type=int, default=10, help="euler steps of the sit arm")
     p.add_argument("--vae", default=str(ROOT / "data" / "vae-digits"), help="the digits VAE (the demo's)")
+    p.add_argument("--timing-steps", type=int, default=10, help="interleaved in-process steps per arm for the cost ratio")
     p.add_argument("--json", default=None, help="write every number to this JSON file")
     args = p.parse_args(argv)
     args.recipes, args.report = ["sit"], False  # what bench_recipes' prepare_data and run_cli read
@@ -96,17 +124,21 @@ def main(argv=None) -> dict:
     rows += [{"arm": "meanflow", "sampler": "meanflow", **evaluate(args, runs["meanflow"], "meanflow", k)}
              for k in (1, 2)]
     timing = {arm: seconds_per_step(run) for arm, run in runs.items()}
+    step = interleaved_step_seconds({arm: [*flags, *fixed_flags(flags)] for arm, flags in ARM_FLAGS.items()},
+                                    args.timing_steps)
     results = {"steps": args.steps, "seed": args.seed, "num_samples": args.num_samples,
-               "real_floor": real_floor(args.num_samples), "rows": rows, "train_seconds_per_step": timing,
-               "step_cost_ratio_meanflow_to_sit": timing["meanflow"] / timing["sit"]}
+               "real_floor": real_floor(args.num_samples), "rows": rows, "run_seconds_per_step": timing,
+               "interleaved_seconds_per_step": step,
+               "step_cost_ratio_meanflow_to_sit": step["meanflow"] / step["sit"]}
     print(f"digits FD at {args.num_samples} images, {args.steps} training steps, seed {args.seed}, cfg 1 "
           f"(real-digits floor {results['real_floor']:.2f}):")
     for r in rows:
         per = f"{r['eval_seconds_per_image'] * 1e3:.1f} ms" if r["eval_seconds_per_image"] else "(earlier run)"
         print(f"  {r['arm']:9s} {r['sampler']:8s} {r['calls_per_image']:2d} calls/image  FD {r['fd']:.2f}  "
               f"evaluate wall clock {per}/image")
-    print(f"training seconds per step: sit {timing['sit']:.3f}, meanflow {timing['meanflow']:.3f} "
-          f"(ratio {results['step_cost_ratio_meanflow_to_sit']:.2f})")
+    print(f"training seconds per step over each run: sit {timing['sit']:.3f}, meanflow {timing['meanflow']:.3f}")
+    print(f"train_step, {args.timing_steps} interleaved steps each (median): sit {step['sit']:.3f} s, meanflow "
+          f"{step['meanflow']:.3f} s, ratio {results['step_cost_ratio_meanflow_to_sit']:.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return results
