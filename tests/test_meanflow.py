@@ -362,3 +362,20 @@ def test_two_processes_match_one(latents, tmp_path):
     a, b = final_tensors(one), final_tensors(tmp_path / "two")
     for key in a:  # the same samples and draws (keyed by stream position); only float summation order differs
         torch.testing.assert_close(a[key], b[key], atol=2e-6, rtol=1e-5, msg=key)
+
+
+def test_meanflow_trains_with_repa_and_token_routing(tmp_path):
+    """REPA's tokens come from the forward the gradient flows through (the last of the step's network calls), and
+    routed rows are duplicated with the guidance batch; both options train and log their parts."""
+    from tests.test_repa import make_feature_latents
+    from train.__main__ import main
+
+    latents = make_feature_latents(tmp_path / "lat")
+    run = tmp_path / "run"
+    assert main(["--model", "DiT-T/2", "--latents", str(latents), "--results-dir", str(run), "--global-batch-size",
+                 "4", "--num-workers", "0", "--sample-every", "0", "--log-every", "1", "--report-to", "none",
+                 "--recipe", "meanflow", "--interval-fraction", "0.5", "--repa-weight", "0.5", "--repa-depth", "1",
+                 "--repa-projector-dim", "32", "--route-ratio", "0.5", "--route-start", "1", "--route-end", "2",
+                 "--max-steps", "2", "--ckpt-every", "2"]) == 0
+    rows = metrics(run)
+    assert len(rows) == 2 and all(math.isfinite(r["repa_loss"]) and math.isfinite(r["diffusion_loss"]) for r in rows)
