@@ -667,7 +667,7 @@ def resume_differences(saved: TrainConfig, current: TrainConfig) -> tuple[list[s
         refused.append(data)
     # "block" only names a preset; the options it resolves to are identity fields.
     skip = set(IDENTITY_FIELDS) | {"data", "results_dir", "resume", "dry_run", "debug", "latents", "image_size",
-                                   "block"}
+                                   "block", "init"}  # init: --init-from's record, restored from the checkpoint
     allowed = differences(recorded, now, [f.name for f in fields(TrainConfig) if f.name not in skip], nested=False)
     return refused, allowed
 
