@@ -240,6 +240,11 @@ def test_init_from_a_flow_run_fine_tunes_and_records_where_it_started(latents, r
     assert init["objective"] == "flow" and init["step"] == 2 and init["from"] == str(flow)
     assert init["file"].endswith("ema-step-0000002.safetensors") and init["convention"] == "sit"
     assert math.isfinite(metrics(run)[-1]["loss"])
+    run_inprocess(latents, run, "--recipe", "meanflow", "--init-from", str(flow), "--max-steps", "2",
+                  "--ckpt-every", "1")  # the rerun resumes its own checkpoint and keeps the record
+    log = (run / "log.txt").read_text()
+    assert "resumed from" in log and "init:" not in log
+    assert json.loads((run / "config.json").read_text())["init"] == init
 
 
 def test_init_from_refusals_write_nothing(latents, runs, tmp_path, capsys):
