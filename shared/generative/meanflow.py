@@ -74,6 +74,11 @@ def split_pairs(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return t[:, 0], t[:, 1]
 
 
+def rows_of(model_kwargs: dict, rows: torch.Tensor) -> dict:
+    """model_kwargs for the batch rows `rows` (M,): every (N, ...) tensor indexed."""
+    return {k: v[rows] if torch.is_tensor(v) else v for k, v in model_kwargs.items()}
+
+
 def mixed_kwargs(model_kwargs: dict, count: int) -> dict:
     """model_kwargs for a batch that stacks `count` copies of the rows: every (N, ...) tensor repeated."""
     return {k: torch.cat([v] * count) if torch.is_tensor(v) else v for k, v in model_kwargs.items()}
@@ -138,7 +143,8 @@ def meanflow_losses(path: FlowPath, model_fn, x1, t, noise, model_kwargs: dict, 
     the latent's elements, as the paper's squared L2 norm), its unweighted ||Delta||^2, and ||ubar - v||^2 (the
     official v_loss, for monitoring). x1 (N,C,h,w) data, t (N, 2) intervals [tau, h], noise like x1.
 
-    Order of the network calls: the guidance rows (no autograd), the JVP (no autograd), then the one forward the
+    Order of the network calls: the guidance rows (no autograd), the JVP (no autograd) of the rows with r != t only
+    (at r = t the target is v_g itself, so the JVP's cost scales with --interval-fraction), then the one forward the
     gradient flows through, last, so a wrapper that keeps something from the forward (REPA's tokens) keeps its.
     """
     tau, h = split_pairs(t)
@@ -147,9 +153,14 @@ def meanflow_losses(path: FlowPath, model_fn, x1, t, noise, model_kwargs: dict, 
     v = x1 - noise  # (N, C, h, w): d x_tau / d tau
     if omega != 1.0 or kappa != 0.0:
         v = guided_velocity(path, model_fn, x, tau, v, model_kwargs, omega, kappa, levels)
-    _, derivative = average_and_derivative(path, model_fn, x, tau, h, v, model_kwargs)
+    target = v.clone()  # (N, C, h, w): u_tgt = v_g where r = t (h = 0: no derivative term)
+    rows = (h > 0).nonzero().flatten()  # (M,) the samples with r != t: only they need the JVP (the paper's 25%)
+    if len(rows):
+        _, derivative = average_and_derivative(path, model_fn, x[rows], tau[rows], h[rows], v[rows],
+                                               rows_of(model_kwargs, rows))  # (M, C, h, w)
+        target[rows] += h[rows].view(-1, *([1] * (x.ndim - 1))).to(v.dtype) * derivative.to(v.dtype)
     pred = average_velocity(path, model_fn, x, tau, h, model_kwargs)  # with autograd
-    target = (v + h.view_as(s).to(pred.dtype) * derivative.to(pred.dtype)).detach()  # (N, C, h, w): u_tgt
+    target = target.to(pred.dtype).detach()
     sq = ((pred - target) ** 2).flatten(1).sum(1)  # (N,)
     v_sq = ((pred.detach() - (x1 - noise)) ** 2).flatten(1).sum(1)  # (N,)
     return {"loss": adaptive_weight(sq, p, c) * sq, "sq": sq.detach(), "v_sq": v_sq}

@@ -80,7 +80,7 @@ def seconds_per_step(run: Path) -> float:
 
 def interleaved_step_seconds(arms: dict, steps: int, batch: int = 64) -> dict:
     """Median seconds of train/step.py's train_step per arm on one synthetic batch of the digits shape (4x8x8 latents,
-    DiT-T/2, 10 classes), the arms' steps interleaved (sit, meanflow, sit, ...) so machine load drifts hit both."""
+    DiT-T/2, 10 classes), the arms' steps interleaved (sit, meanflow, ..., sit, ...) so machine load drifts hit all."""
     from shared.runtime.cli import given_flags
     from train.config import build_parser, config_from_args, model_config_for, resolve_block
     from train.data import synthetic_batch
@@ -90,7 +90,8 @@ def interleaved_step_seconds(arms: dict, steps: int, batch: int = 64) -> dict:
     for arm, flags in arms.items():
         parser, argv = build_parser(), [str(a) for a in [*flags, "--latents", "x", "--results-dir", "x"]]
         cfg = resolve_block(config_from_args(parser.parse_args(argv), given_flags(parser, argv)))
-        cfg.global_batch_size = cfg.micro_batch_size = batch
+        cfg.global_batch_size = cfg.micro_batch_size = batch  # the CPU's resolved "auto"s: one micro-batch, fp32,
+        cfg.grad_accum_steps, cfg.precision, cfg.grad_checkpoint = 1, "fp32", 0  # no checkpointing
         config = model_config_for(cfg, (4, 8, 8), 10)
         learner = make_learner(cfg, config)
         learners[arm] = (learner, synthetic_batch(config, batch, cfg.class_dropout_prob, learner.objective))
@@ -124,12 +125,14 @@ def main(argv=None) -> dict:
     rows += [{"arm": "meanflow", "sampler": "meanflow", **evaluate(args, runs["meanflow"], "meanflow", k)}
              for k in (1, 2)]
     timing = {arm: seconds_per_step(run) for arm, run in runs.items()}
-    step = interleaved_step_seconds({arm: [*flags, *fixed_flags(flags)] for arm, flags in ARM_FLAGS.items()},
+    timed = {**ARM_FLAGS, "meanflow-guided": ["--recipe", "meanflow"]}  # the recipe's folded guidance: + one 2N forward
+    step = interleaved_step_seconds({arm: [*flags, *fixed_flags(flags)] for arm, flags in timed.items()},
                                     args.timing_steps)
     results = {"steps": args.steps, "seed": args.seed, "num_samples": args.num_samples,
                "real_floor": real_floor(args.num_samples), "rows": rows, "run_seconds_per_step": timing,
                "interleaved_seconds_per_step": step,
-               "step_cost_ratio_meanflow_to_sit": step["meanflow"] / step["sit"]}
+               "step_cost_ratio_meanflow_to_sit": step["meanflow"] / step["sit"],
+               "step_cost_ratio_guided_meanflow_to_sit": step["meanflow-guided"] / step["sit"]}
     print(f"digits FD at {args.num_samples} images, {args.steps} training steps, seed {args.seed}, cfg 1 "
           f"(real-digits floor {results['real_floor']:.2f}):")
     for r in rows:
@@ -138,7 +141,9 @@ def main(argv=None) -> dict:
               f"evaluate wall clock {per}/image")
     print(f"training seconds per step over each run: sit {timing['sit']:.3f}, meanflow {timing['meanflow']:.3f}")
     print(f"train_step, {args.timing_steps} interleaved steps each (median): sit {step['sit']:.3f} s, meanflow "
-          f"{step['meanflow']:.3f} s, ratio {results['step_cost_ratio_meanflow_to_sit']:.2f}")
+          f"{step['meanflow']:.3f} s (ratio {results['step_cost_ratio_meanflow_to_sit']:.2f}), meanflow with the "
+          f"recipe's folded guidance {step['meanflow-guided']:.3f} s (ratio "
+          f"{results['step_cost_ratio_guided_meanflow_to_sit']:.2f})")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return results
