@@ -264,6 +264,32 @@ def test_init_from_refusals_write_nothing(latents, runs, tmp_path, capsys):
     assert not list(target.glob("*.json")) and not (target / "checkpoints").exists()
 
 
+def test_init_from_release_layouts_keeps_their_convention(latents, tmp_path, capsys):
+    """Bare state dicts as the releases ship them: SiT's by its file name (flow, time 0 = noise), REPA's by its
+    projector tensors (flow in REPA's time, kept by the MeanFlow model); an unknown bare file reads as DDPM."""
+    from shared.network.repa import REPA_PROJECTOR_PREFIX
+
+    flow = random_dit(ModelConfig(model="DiT-T/2", input_size=4, num_classes=4, objective="flow"), 7).state_dict()
+    sit = tmp_path / "SiT-XL-2-256x256.pt"
+    torch.save(flow, sit)
+    repa = tmp_path / "repa-last.pt"
+    torch.save({**flow, f"{REPA_PROJECTOR_PREFIX}0.0.weight": torch.zeros(2, 2)}, repa)
+    for path, convention in ((sit, "sit"), (repa, "repa")):
+        run = run_inprocess(latents, tmp_path / f"mf-{convention}", "--recipe", "meanflow", "--init-from", str(path),
+                            "--max-steps", "1", "--ckpt-every", "1")
+        init = json.loads((run / "config.json").read_text())["init"]
+        assert (init["kind"], init["objective"], init["convention"]) == ("official", "flow", convention)
+        from shared.runtime.export import read_config
+        from shared.runtime import rundir
+
+        assert read_config(rundir.list_exports(run)[-1]).objective_args["convention"] == convention
+    unknown = tmp_path / "mine.pt"
+    torch.save(flow, unknown)
+    message = expect_user_error(capsys, train_args(latents, tmp_path / "mf-x", "--recipe", "meanflow", "--init-from",
+                                                   str(unknown)))
+    assert "records no objective and is no known release" in message
+
+
 def test_init_from_a_dit_dh_model_is_refused():
     from train.init_from import _check_objective
 

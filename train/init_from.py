@@ -40,7 +40,7 @@ def load_init(cfg, dataset, run_config: ModelConfig) -> InitWeights:
                         "--init-from.")
     loaded = load_sampling_weights(cfg.init_from)
     source = loaded.config
-    _check_objective(cfg.init_from, source)
+    _check_objective(cfg.init_from, source, assumed=bool(loaded.kind == "official" and loaded.warnings))
     _check_latents(cfg.init_from, loaded, dataset, cfg.data.get("latent_norm"))
     _check_architecture(cfg.init_from, source, run_config)
     record = {"from": str(cfg.init_from), "file": str(loaded.path), "kind": loaded.kind, "weights": loaded.weights,
@@ -49,12 +49,19 @@ def load_init(cfg, dataset, run_config: ModelConfig) -> InitWeights:
     return InitWeights(loaded.state_dict, record)
 
 
-def _check_objective(where, source: ModelConfig) -> None:
-    """UserError unless the source learned a velocity field on the linear path (flow) or is MeanFlow already."""
+def _check_objective(where, source: ModelConfig, assumed: bool = False) -> None:
+    """UserError unless the source learned a velocity field on the linear path (flow) or is MeanFlow already.
+
+    assumed: a bare state dict that records no objective and is no known release was read as DDPM (DiT's)."""
     if source.head_depth:
         raise UserError(f"--init-from {where} is a DiT^DH model ({source.model}, a {source.head_depth}-block head); "
                         "MeanFlow's second time embedding and its JVP target are supported on the plain DiT only. "
                         "Start from a DiT-* flow model (a SiT or REPA release, or a --recipe sit run).")
+    if source.objective not in STARTABLE and assumed:
+        raise UserError(f"--init-from {where} is a bare state dict that records no objective and is no known release, "
+                        "so it reads as DiT's DDPM (epsilon-prediction) model, which MeanFlow cannot start from. If it "
+                        "is a SiT or REPA flow model, pass the release's file under its name (SiT-XL-2-256x256.pt, "
+                        "REPA-SiT-XL-2-256x256.pt) or one of this project's exports, which record their objective.")
     if source.objective not in STARTABLE:
         what = "a DDPM (epsilon-prediction) model" if source.objective == "ddpm" else f"a {source.objective} model"
         raise UserError(f"--init-from {where} is {what}; MeanFlow starts from a network that predicts the flow's "
