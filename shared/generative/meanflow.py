@@ -120,8 +120,8 @@ def average_and_derivative(path: FlowPath, model_fn, x, tau, h, tangent, model_k
     """(ubar, d ubar / d tau) at (x, tau, h) along the path with tangent `tangent` (N,C,h,w) for x: one forward-mode
     JVP (torch.func.jvp) with tangents (tangent, 1, -1), without autograd (the target is stop-gradient).
 
-    Attention runs SDPA's math kernel here: the fused flash / memory-efficient kernels have no forward-mode
-    derivative (torch 2.13 raises NotImplementedError for them), and xformers none at all. Without autograd no
+    Attention runs SDPA's math kernel here on every device: torch 2.13's fused CPU kernel raises NotImplementedError
+    in forward mode, the CUDA fused kernels were not checked (no GPU), and xformers has no forward mode at all. Without autograd no
     block is checkpointed (DiT._checkpointed), so --grad-checkpoint and autocast apply to the loss's own forward.
     """
     def field(x_, tau_, h_):
