@@ -22,7 +22,8 @@ from shared.generative.guidance import GUIDE_CHANNELS
 from shared.generative.flow import auto_shift, check_shift
 from shared.network.models import (ATTENTION_BACKENDS, BLOCK_FIELDS, BLOCKS, HEAD_FIELDS, MLPS, NORMS, SELECTIVE,
                                    ModelConfig, block_options, check_preset, default_block, preset_head)
-from shared.generative.objectives import learns_sigma, objective_help, plugin_of, training_flags
+from shared.generative.objectives import (OBJECTIVES, learns_sigma, objective_help, plugin_of, recorded_by_training,
+                                          training_flags)
 from train.recipes import RECIPE_HELP, RECIPES, apply_recipe
 from shared.runtime.precision import PRECISION_CHOICES, canonical_precision
 from shared.tokenizers.norm import NORM_CHOICES, NORM_HELP, ElementStats, LatentNorm, abbreviated
@@ -45,6 +46,7 @@ IDENTITY_FIELDS += REPA_FIELDS
 # Token routing (shared/network/routing.py) changes which tokens every step trains on: part of the experiment.
 ROUTE_FIELDS = ("route_ratio", "route_start", "route_end")
 IDENTITY_FIELDS += ROUTE_FIELDS
+IDENTITY_FIELDS += ("init_from",)  # the weights a fine-tuning run started from (train/init_from.py)
 # Data identity: what a checkpoint's latent folder must share with the one given now.
 DATA_FIELDS = ("num_samples", "latent_shape", "flips", "num_classes", "image_size", "scaling_factor", "vae",
                "index_sha256", "latent_norm")
@@ -227,7 +229,13 @@ class TrainConfig:
                                            "(default with --route-ratio: 2, TREAD's)")
     route_end: int | None = option(None, "token routing: the last routed block, counted from 0 and included (default "
                                          "with --route-ratio: depth - 4, TREAD's: 8 of DiT-B's 12, 24 of XL's 28)")
+    init_from: str | None = option(
+        None, "start from a trained model's weights instead of the initialisation: a run folder (its newest EMA "
+              "export), an export, or a SiT/REPA release .pt; for --objective meanflow from a flow model (the paper's "
+              "fine-tuning): the new t - r embedding starts at zero, so the network begins as that flow model exactly. "
+              "Recorded in config.json (init); a resume continues from the run's own checkpoint", metavar="RUN_OR_EXPORT")
     # Resolved by resolve_config (not flags):
+    init: dict = field(default_factory=dict)  # what --init-from loaded (train/init_from.py): path, step, objective
     world_size: int = 1
     grad_accum_steps: int = 1
     total_steps: int = 0
@@ -331,12 +339,16 @@ def model_config_for(cfg: TrainConfig, latent_shape: tuple, num_classes: int,
     # Runs started when flow models still had the 2C layout resume with it.
     learn_sigma = resumed.learn_sigma if resumed is not None else learns_sigma(cfg.objective)
     channels, size, _ = latent_shape
+    objective_args = {"time_dist_shift": cfg.time_dist_shift} if cfg.time_dist_shift != 1.0 else {}
+    objective_args.update(recorded_by_training(cfg.objective, cfg.objective_options))
+    if "convention" in cfg.init:  # fine-tuned from a flow model: its time direction and output sign
+        objective_args["convention"] = cfg.init["convention"]
     return ModelConfig(model=cfg.model, input_size=size, in_channels=channels, num_classes=num_classes,
                        learn_sigma=learn_sigma,
                        norm=cfg.norm, mlp=cfg.mlp, rope=cfg.rope, qk_norm=cfg.qk_norm, head_depth=cfg.head_depth,
                        head_width=cfg.head_width, head_heads=cfg.head_heads,
-                       class_dropout_prob=cfg.class_dropout_prob, objective=cfg.objective,
-                       objective_args={"time_dist_shift": cfg.time_dist_shift} if cfg.time_dist_shift != 1.0 else {},
+                       class_dropout_prob=cfg.class_dropout_prob, objective=cfg.objective, objective_args=objective_args,
+                       interval_time=bool(getattr(OBJECTIVES[cfg.objective], "interval_time", False)),
                        objective_plugin=plugin_of(cfg.objective), sampling=dict(cfg.sampling))
 
 
@@ -590,16 +602,40 @@ def _check_objective(cfg: TrainConfig) -> None:
     cfg.objective_options = training_args(objective)
     check_recorded(cfg.sampling, objective.family, f"--recipe {cfg.recipe}")
     recorded = {f.name for f in recorded_fields(OBJECTIVES[cfg.objective])}
+    _check_forward_mode(cfg, objective)
     if cfg.time_dist_shift != 1.0 and "time_dist_shift" not in recorded:
         raise SettingError(f"{{time dist shift}} {cfg.time_dist_shift:g} applies to the flow objective only (it shifts "
                            f"its training times and sampling grid); the {cfg.objective} objective has no such shift. "
                            "Drop it, or train with {objective} flow.")
 
 
+def _check_forward_mode(cfg: TrainConfig, objective) -> None:
+    """SettingError for settings an objective whose loss takes a forward-mode JVP (MeanFlow) cannot run with."""
+    if not getattr(objective, "interval_time", False):
+        return
+    if cfg.compile:
+        raise SettingError(f"--compile cannot train the {objective.name} objective: its target is a forward-mode "
+                           "Jacobian-vector product (torch.func.jvp) through the model, which torch.compile does not "
+                           "trace reliably (reimplementations report a large slowdown or failure). Drop --compile.")
+    if cfg.attention == "xformers":
+        raise SettingError(f"--attention xformers cannot train the {objective.name} objective: xformers' kernels have "
+                           "no forward-mode derivative, which its JVP target needs. Use --attention sdpa (the JVP runs "
+                           "SDPA's math kernel, the loss's own forward the fused ones).")
+
+
+def _folds_guidance(cfg: TrainConfig) -> bool:
+    """Whether the run's objective folds classifier-free guidance into its target (MeanFlow with omega/kappa)."""
+    return bool(recorded_by_training(cfg.objective, cfg.objective_options).get("folded_guidance"))
+
+
 def _resolve_preview_guidance(cfg: TrainConfig) -> None:
-    """Default preview guidance 4.0 (DiT's picture setting); none without a null class to guide against."""
+    """Default preview guidance 4.0 (DiT's picture setting); none without a null class to guide against, and none
+    for a field that folds guidance in (MeanFlow with --cfg-omega/--cfg-kappa), which must not be guided twice."""
+    if _folds_guidance(cfg) and cfg.sample_cfg_scale not in (None, 1.0):
+        raise UserError(f"--sample-cfg-scale {cfg.sample_cfg_scale} would guide a field that already folds guidance "
+                        "in (--cfg-omega/--cfg-kappa), doubling it; pass --sample-cfg-scale 1 or leave it unset.")
     if cfg.sample_cfg_scale is None:
-        cfg.sample_cfg_scale = 4.0 if cfg.class_dropout_prob > 0 else 1.0
+        cfg.sample_cfg_scale = 4.0 if cfg.class_dropout_prob > 0 and not _folds_guidance(cfg) else 1.0
     elif cfg.sample_cfg_scale != 1 and cfg.class_dropout_prob == 0:
         raise UserError(f"--sample-cfg-scale {cfg.sample_cfg_scale} needs a null class, but --class-dropout-prob "
                         "is 0 (no null class is trained); pass --sample-cfg-scale 1, or train with dropout.")
@@ -665,7 +701,7 @@ def resume_differences(saved: TrainConfig, current: TrainConfig) -> tuple[list[s
         refused.append(data)
     # "block" only names a preset; the options it resolves to are identity fields.
     skip = set(IDENTITY_FIELDS) | {"data", "results_dir", "resume", "dry_run", "debug", "latents", "image_size",
-                                   "block"}
+                                   "block", "init"}  # init: --init-from's record, restored from the checkpoint
     allowed = differences(recorded, now, [f.name for f in fields(TrainConfig) if f.name not in skip], nested=False)
     return refused, allowed
 

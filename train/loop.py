@@ -33,6 +33,7 @@ from train.autotune import describe as describe_auto, resolve_auto_for
 from train.config import (DEBUG_STEPS, TrainConfig, check_config, check_resume, latent_meta_of, model_config_for,
                           resolve_config, trained_norm)
 from train.data import make_loader
+from train.init_from import InitWeights, apply_init, load_init
 from train.latents import open_latents
 from train.launcher import check_strategy, resolve_precision_with_launcher
 from train.logger import RunLogger
@@ -218,12 +219,14 @@ def restore_projector(learner: Learner, state: dict | None, source: Path) -> Non
 
 
 def setup_run(cfg: TrainConfig, dataset: LatentDataset, source: Path | None, accelerator,
-              callbacks: list[Callback]) -> Run:
-    """Build the learner on this process's device and restore from `source` if given."""
+              callbacks: list[Callback], init: InitWeights | None = None) -> Run:
+    """Build the learner on this process's device, start it from `init` (--init-from) and restore from `source`."""
     setup_backends(cfg, accelerator.device)
     resumed = read_config(source / rundir.MODEL_FILE) if source is not None else None  # its output layout is kept
     learner = make_learner(cfg, model_config_for(cfg, dataset.latent_shape, dataset.num_classes, resumed),
                            accelerator=accelerator)
+    if init is not None:
+        apply_init(learner.dit, learner.ema, init)  # in place: the wrappers and the optimizer share the tensors
     seed_globals(cfg.seed, accelerator.process_index)
     logger = RunLogger(Path(cfg.results_dir), enabled=accelerator.is_main_process, write_files=not cfg.debug)
     run = Run(learner=learner, dataset=dataset, logger=logger,
@@ -523,6 +526,18 @@ def run_loop(run: Run) -> dict:
     return last
 
 
+def start_weights(cfg: TrainConfig, dataset: LatentDataset, source: Path | None) -> InitWeights | None:
+    """--init-from's weights, checked, for a run that starts now; a resumed run takes its record from its checkpoint."""
+    if not cfg.init_from:
+        return None
+    if source is not None:
+        cfg.init = TrainConfig.from_dict(ckpt_io.read_state(source)["config"]).init
+        return None
+    init = load_init(cfg, dataset, model_config_for(cfg, dataset.latent_shape, dataset.num_classes))
+    cfg.init = init.record  # config.json records where the run started
+    return init
+
+
 def lock_run_folder(cfg: TrainConfig, accelerator) -> FolderLock | None:
     """Rank 0 takes the run folder's exclusive lock (before reading checkpoints); every rank stops if it is busy.
 
@@ -566,6 +581,7 @@ def train(cfg: TrainConfig, callbacks: list[Callback] = ()) -> dict:
 def _train_locked(cfg: TrainConfig, accelerator, callbacks: list[Callback]) -> dict:
     """train() once the run folder is this launch's."""
     cfg, dataset, source, changes = prepare_config(cfg, accelerator)
+    init = start_weights(cfg, dataset, source)
     if accelerator.device.type == "cpu" and accelerator.is_main_process:
         from train.estimate import describe_cpu_step
 
@@ -577,7 +593,7 @@ def _train_locked(cfg: TrainConfig, accelerator, callbacks: list[Callback]) -> d
             print(cfg.to_display())
         if cfg.dry_run:
             return {}
-    run = setup_run(cfg, dataset, source, accelerator, callbacks)
+    run = setup_run(cfg, dataset, source, accelerator, callbacks, init)
     try:
         start_logs(run, source, changes)
         last = run_loop(run)

@@ -27,6 +27,12 @@ which stay the user's:
   the shift with the model, so python -m sample applies them with no flag. The model (DiTDH-XL) and the tokenizer stay
   the user's flags. See docs/rae.md for what differs (RAE holds the LR for 40 epochs and ends its decay at
   epoch 800 of 1400; here the decay runs over the whole --max-steps).
+- meanflow (Geng et al. 2025, Table 4's MF-XL/2 column; Gsunshine/meanflow `configs/default.py` for the rest):
+  the meanflow objective with (t, r) ~ logit-normal(-0.4, 1.0), r != t on 25% of the samples, adaptive weight
+  p = 1 (c = 1e-3, the paper's text; the JAX code's norm_eps is 0.01), classifier-free guidance folded into the
+  target with omega 0.2, kappa 0.92 (effective scale 2.5) at noise levels t in [0, 0.75], label dropout 0.1,
+  AdamW lr 1e-4 betas (0.9, 0.95), EMA 0.9999, batch 256 (the user's), 240 epochs for the paper's 3.43
+  (the user's --epochs). Sampled with the meanflow sampler at 1 step (both recorded; --num-sampling-steps 2 for the paper's 2-step row), --cfg-scale 1.
 """
 from __future__ import annotations
 
@@ -45,13 +51,20 @@ RECIPES = {
             "time_dist_shift": "auto", "block": "lightning", "lr": 2e-4, "adam_betas": (0.9, 0.95),
             "weight_decay": 0.0, "lr_schedule": "linear", "final_lr": 2e-5, "ema_decay": 0.9995,
             "max_grad_norm": 1.0, "sampling": dict(RAE_SAMPLING)},  # RAE's `sampler`: ODE, euler, 50 points
+    "meanflow": {"objective": "meanflow", "pair_sampling": "lognormal", "pair_mu": -0.4, "pair_sigma": 1.0,
+                 "interval_fraction": 0.25, "adaptive_p": 1.0, "adaptive_c": 1e-3, "cfg_omega": 0.2,
+                 "cfg_kappa": 0.92, "cfg_min_t": 0.0, "cfg_max_t": 0.75, "adam_betas": (0.9, 0.95),
+                 "sampling": {"sampler": "meanflow", "num_sampling_steps": 1}},  # lr 1e-4, EMA 0.9999, label dropout 0.1: the defaults
 }
 RECIPE_HELP = {"dit": "DiT: DDPM, DiT block, AdamW lr 1e-4",
                "sit": "SiT: flow matching, uniform times, DiT block, AdamW lr 1e-4",
                "lightning": "LightningDiT: flow, logit-normal times, cosine loss, RMSNorm+SwiGLU+RoPE, AdamW lr 2e-4 "
                             "beta2 0.95",
                "rae": "RAE stage 2: flow, logit-normal times shifted by sqrt(CHW/4096), RMSNorm+SwiGLU+RoPE, AdamW lr "
-                      "2e-4 beta2 0.95 linear to 2e-5, EMA 0.9995, clip 1"}
+                      "2e-4 beta2 0.95 linear to 2e-5, EMA 0.9995, clip 1",
+               "meanflow": "MeanFlow (MF-XL/2): average velocity, (t, r) logit-normal(-0.4, 1) with 25% r != t, "
+                           "adaptive weight p 1, guidance folded in (omega 0.2, kappa 0.92, t in [0, 0.75]), DiT "
+                           "block, AdamW lr 1e-4 beta2 0.95; 1-step sampling"}
 
 
 def apply_recipe(cfg, explicit: set[str]):

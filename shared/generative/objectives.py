@@ -17,6 +17,8 @@ Each objective is a dataclass registered under its `name` (`@register_objective`
   L_hybrid, uniform integer timesteps. Bitwise the official code (shared/generative/diffusion.py).
 - "flow": SiT's flow matching (Ma et al. 2024) on the linear path, velocity prediction (shared/generative/flow.py),
   with uniform or logit-normal time draws and LightningDiT's optional cosine velocity loss.
+- "meanflow": MeanFlow (Geng et al. 2025): the average velocity over an interval (shared/generative/meanflow.py),
+  its time an (N, 2) pair; sampled in 1 or a few steps by its own sampler.
 
 A third objective is one registered class, here or in a module of the user's (`--plugin MODULE` imports it in
 train, sample and evaluate; docs/objectives.md); its samplers are those of its `family` in
@@ -35,6 +37,7 @@ import torch
 from shared.generative.diffusion import NUM_TIMESTEPS, GaussianDiffusion, create_diffusion
 from shared.generative.flow import (TIME_SAMPLINGS, FlowPath, check_convention, check_shift, draw_time, make_process,
                                    rae_shift)
+from shared.generative.meanflow import PAIR_SAMPLINGS, draw_pair, meanflow_losses
 from shared.generative.samplers import LAST_STEP_SIZE, TIME_SHIFT, get_sampler, sampler_options
 from shared.runtime.cli import FLAG_KEY, Flag, option
 from shared.runtime.errors import ChoiceError, SettingError, UserError
@@ -338,3 +341,130 @@ class FlowObjective:
         """Integrate from `noise` (tau = 0) to data (tau = 1) with sampler `sampler` and its options."""
         spec = get_sampler(sampler, self)
         return spec.fn(self.process(sampler, steps, options), model_fn, noise, model_kwargs, generator, progress)
+
+
+@register_objective
+@dataclass
+class MeanFlowObjective:
+    """MeanFlow (Geng et al. 2025): the network predicts the average velocity over an interval, trained by the MeanFlow
+    identity through a JVP; one or a few network calls per image (shared/generative/meanflow.py)."""
+
+    # Recorded: the direction of the network's first time input, as a flow model's (a run fine-tuned from a flow
+    # model keeps that model's); the two times the network embeds (the paper's t and t - r); the guidance the
+    # training folded into the field, [omega, kappa, lo, hi] ([] = none), so sampling knows not to guide again.
+    convention: str = "sit"
+    time_inputs: str = "t,t-r"
+    folded_guidance: list = dataclasses.field(default_factory=list)
+    # Training only (flags of python -m train), in the paper's names and time (t = 1 is noise):
+    pair_sampling: str = option("lognormal", "how training draws the two times t >= r: lognormal, sigmoid(N(mu, "
+                                             "sigma)) each (the paper's), or uniform", choices=PAIR_SAMPLINGS)
+    pair_mu: float = option(-0.4, "mean mu of the logit-normal (t, r) draw, in the paper's time (1 = noise; ImageNet: "
+                                  "-0.4)")
+    pair_sigma: float = option(1.0, "std sigma of the logit-normal (t, r) draw (ImageNet: 1.0)")
+    interval_fraction: float = option(0.25, "the share of samples with r != t (the others train plain flow matching "
+                                            "at h = 0); ImageNet: 0.25")
+    adaptive_p: float = option(1.0, "power p of the adaptive loss weight 1 / (||Delta||^2 + c)^p (0 = plain squared "
+                                    "error; ImageNet: 1)")
+    adaptive_c: float = option(1e-3, "the constant c of the adaptive loss weight (the paper's 1e-3)")
+    cfg_omega: float = option(1.0, "guidance folded into the training target: omega of v_g = omega v + kappa u(c) + "
+                                   "(1 - omega - kappa) u(null) (1 with kappa 0 = no guidance; MF-XL/2: 0.2); the "
+                                   "effective scale is omega / (1 - kappa), and sampling then needs no second call")
+    cfg_kappa: float = option(0.0, "guidance folded into the training target: the mixing scale kappa (MF-XL/2: 0.92)")
+    cfg_min_t: float = option(0.0, "folded guidance applies at noise levels t >= this (the paper's time; MF-XL/2: 0)")
+    cfg_max_t: float = option(1.0, "folded guidance applies at noise levels t <= this (MF-XL/2: 0.75)")
+
+    name: ClassVar[str] = "meanflow"
+    help: ClassVar[str] = "MeanFlow: average velocity over [r, t], 1- or few-step sampling"
+    family: ClassVar[str] = "meanflow"
+    default_sampler: ClassVar[str] = "meanflow"
+    fast_sampler: ClassVar[str] = "meanflow"
+    interval_time: ClassVar[bool] = True  # the network embeds a second time (ModelConfig.interval_time)
+    level_range: ClassVar[tuple[float, float]] = (0.0, 1.0)
+    level_unit: ClassVar[str] = "noise level t of the interval's start (0 = data, 1 = noise; the paper's time)"
+
+    def __post_init__(self):
+        check_convention(self.convention)
+        if self.time_inputs != "t,t-r":
+            raise SettingError(f"the model config records MeanFlow time inputs {self.time_inputs!r}; this version "
+                               "embeds only the paper's pair 't,t-r'. Re-export the weights with this version.")
+        self.folded_guidance = [float(v) for v in self.folded_guidance]
+        if self.folded_guidance and len(self.folded_guidance) != 4:
+            raise SettingError(f"the model config records folded guidance {self.folded_guidance}; it should be "
+                               "[omega, kappa, lo, hi] or []. Re-export the weights with this version.")
+        if self.pair_sampling not in PAIR_SAMPLINGS:
+            raise ChoiceError("(t, r) sampling", self.pair_sampling, PAIR_SAMPLINGS)
+        self._check_training()
+        self.path = FlowPath(self.convention)
+
+    def _check_training(self) -> None:
+        """SettingError naming the flag for a training setting outside the paper's ranges."""
+        bad = [(not self.pair_sigma > 0, "{pair sigma} must be positive (ImageNet: 1.0)"),
+               (not 0 <= self.interval_fraction <= 1, "{interval fraction} is a share in [0, 1] (ImageNet: 0.25)"),
+               (not self.adaptive_p >= 0, "{adaptive p} must be >= 0 (0 = plain squared error; ImageNet: 1)"),
+               (not self.adaptive_c > 0, "{adaptive c} must be positive (the paper: 1e-3)"),
+               (not 0 <= self.cfg_min_t <= self.cfg_max_t <= 1,
+                "{cfg min t} and {cfg max t} must satisfy 0 <= min <= max <= 1 (noise levels; MF-XL/2: 0 and 0.75)"),
+               (not self.cfg_kappa < 1 or not self.cfg_omega > 0,
+                "{cfg omega} must be positive and {cfg kappa} below 1 (the effective scale is omega / (1 - kappa))")]
+        for failed, message in bad:
+            if failed:
+                raise SettingError(f"{message}; fix the flag and rerun.")
+
+    @classmethod
+    def record_training(cls, options: dict) -> dict:
+        """The recorded fields its training settings decide: the folded guidance [omega, kappa, lo, hi] ([] = none)."""
+        defaults = {f.name: f.metadata[FLAG_KEY].default for f in training_fields(cls)}
+        o = {**defaults, **{k: v for k, v in options.items() if k in defaults and v is not None}}
+        if o["cfg_omega"] == 1.0 and o["cfg_kappa"] == 0.0:
+            return {"folded_guidance": []}
+        return {"folded_guidance": [o["cfg_omega"], o["cfg_kappa"], o["cfg_min_t"], o["cfg_max_t"]]}
+
+    def draw_time(self, generator: torch.Generator) -> torch.Tensor:
+        """One training interval (1, 2) float32: [tau (SiT time of z), h = t - r] (meanflow.draw_pair)."""
+        return draw_pair(generator, self.pair_sampling, self.pair_mu, self.pair_sigma, self.interval_fraction)
+
+    def training_losses(self, model_fn, x0, t, noise, model_kwargs=None) -> dict:
+        """{"loss", "sq", "v_sq"}, each (N,): x0 (N,C,h,w) clean latents, t (N, 2) intervals, noise like x0."""
+        return meanflow_losses(self.path, model_fn, x0, t, noise, dict(model_kwargs or {}), omega=self.cfg_omega,
+                               kappa=self.cfg_kappa, levels=(self.cfg_min_t, self.cfg_max_t), p=self.adaptive_p,
+                               c=self.adaptive_c)
+
+    def noise_level(self, model_t: torch.Tensor) -> torch.Tensor:
+        """The noise level (paper's t) of the start of each row's interval: model_t (N, 2) -> (N,) float64."""
+        return self.path.noise_level(model_t[:, 0].double())
+
+    def check_cfg_scale(self, cfg_scale: float) -> None:
+        """SettingError for sampling guidance on a field whose training already folded guidance in."""
+        if cfg_scale != 1.0 and self.folded_guidance:
+            omega, kappa, lo, hi = self.folded_guidance
+            raise SettingError(f"these MeanFlow weights learned the guided field (omega {omega:g}, kappa {kappa:g}: "
+                               f"effective scale {omega / (1 - kappa):g} at noise levels {lo:g}..{hi:g}, folded in "
+                               f"at training), so guiding again at sampling would double it and cost a second "
+                               f"network call per step; pass {{cfg scale}} 1.")
+
+    def process(self, sampler: str, steps: int, options: dict) -> FlowProcess:
+        """The SiT-time grid the meanflow sampler walks: `steps` uniform intervals from noise to data, time-shifted."""
+        get_sampler(sampler, self)
+        if steps < 1:
+            raise SettingError(f"{{sampling steps}} {steps} must be at least 1 (MeanFlow: 1 or 2).")
+        return make_process(self.path, "euler", steps, options.get(TIME_SHIFT.name, TIME_SHIFT.default))
+
+    def sample(self, sampler: str, model_fn, noise, steps: int, options: dict, model_kwargs=None, generator=None,
+               progress=False):
+        """Data latents from `noise` (tau = 0) by `steps` average-velocity jumps (meanflow.meanflow_sample)."""
+        spec = get_sampler(sampler, self)
+        self.check_cfg_scale(float(getattr(model_fn, "cfg_scale", 1.0)))
+        return spec.fn(self.process(sampler, steps, options), model_fn, noise, model_kwargs, generator, progress)
+
+
+def check_sampling_guidance(objective, cfg_scale: float) -> None:
+    """SettingError when `objective` refuses sampling guidance at `cfg_scale` (MeanFlow with folded guidance)."""
+    check = getattr(objective, "check_cfg_scale", None)
+    if check is not None:
+        check(cfg_scale)
+
+
+def recorded_by_training(name: str, options: dict) -> dict:
+    """The recorded fields objective `name` derives from its training settings ({} for most)."""
+    hook = getattr(OBJECTIVES[check_objective(name)], "record_training", None)
+    return hook(options) if hook is not None else {}

@@ -15,6 +15,7 @@ from typing import Callable
 from shared.generative.diffusion import check_ddim_eta, ddim_sample, ddpm_sample
 from shared.runtime.errors import ChoiceError, SettingError
 from shared.generative.flow import SDE_LAST_STEP, dopri5_sample, euler_sample, heun_sample, sde_sample
+from shared.generative.meanflow import meanflow_sample
 from shared.generative.solvers import dpmpp_2m_sample, unipc_sample
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class SamplerSpec:
 
     name: str
     fn: Callable
-    family: str  # the process it walks, Objective.family: "ddpm" or "flow"
+    family: str  # the process it walks, Objective.family: "ddpm", "flow" or "meanflow"
     help: str
     spacing: str = ""  # DDPM only: a kept_timesteps prefix ("" = DiT's respacing, "linspace" = diffusers')
     options: tuple[SamplerOption, ...] = ()
@@ -68,6 +69,10 @@ SAMPLERS = {spec.name: spec for spec in (
                 "for its best FID)", options=(TIME_SHIFT, LAST_STEP_SIZE), deterministic=False),
     SamplerSpec("dopri5", dopri5_sample, "flow", "adaptive Dormand-Prince ODE solver (torchdiffeq; atol 1e-6, "
                 "rtol 1e-3 as SiT); the step count is not used", calls_per_step=0),
+    SamplerSpec("meanflow", meanflow_sample, "meanflow", "MeanFlow's average-velocity jumps over K uniform (or "
+                "time-shifted) intervals, one call each: 1 step z0 = z1 - u(z1, 0, 1), 2 as the paper's 2-NFE; a model "
+                "trained with --cfg-omega/--cfg-kappa has its guidance folded in: sample it with --cfg-scale 1, one "
+                "call per step", options=(TIME_SHIFT,)),
 )}
 SAMPLER_NAMES = tuple(SAMPLERS)  # the sampler vocabulary, for CLI choices and errors
 SAMPLER_OPTIONS = {o.name: o for s in SAMPLERS.values() for o in s.options}  # every option, from the records

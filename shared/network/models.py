@@ -595,7 +595,7 @@ class DiT(nn.Module):
     def __init__(self, input_size=32, patch_size=2, in_channels=4, hidden_size=1152, depth=28,
                  num_heads=16, mlp_ratio=4.0, class_dropout_prob=0.1, num_classes=1000,
                  learn_sigma=True, attention="auto", grad_checkpoint_every=0, norm="layernorm", mlp="gelu",
-                 rope=False, qk_norm=False):
+                 rope=False, qk_norm=False, interval_time=False):
         super().__init__()
         check_block_options(norm, mlp, rope, qk_norm)
         if input_size % patch_size:
@@ -612,6 +612,9 @@ class DiT(nn.Module):
 
         self.x_embedder = PatchEmbed(input_size, patch_size, in_channels, hidden_size)
         self.t_embedder = TimestepEmbedder(hidden_size)
+        # MeanFlow (Geng et al. 2025): a second embedder for the interval length t - r, summed into the conditioning
+        # as the official models_dit.py's h_embedder. None (no tensors) unless asked, so other layouts are unchanged.
+        self.h_embedder = TimestepEmbedder(hidden_size) if interval_time else None
         self.y_embedder = LabelEmbedder(num_classes, hidden_size, class_dropout_prob)
         # Fixed sin-cos embedding, kept as a frozen parameter so it is in the state dict as official.
         tokens = self.x_embedder.num_patches
@@ -638,6 +641,8 @@ class DiT(nn.Module):
         init_patch_embed_(self.x_embedder)
         nn.init.normal_(self.y_embedder.embedding_table.weight, std=0.02)
         init_condition_mlp_(self.t_embedder.mlp)
+        if self.h_embedder is not None:
+            init_condition_mlp_(self.h_embedder.mlp)
         adaln_zero_(self.blocks, self.final_layer)
 
     def set_attention(self, backend):
@@ -726,8 +731,18 @@ class DiT(nn.Module):
                 f"and in_channels.{rope} Use latents extracted at the size the model was built for."
             )
 
+    def time_embedding(self, t):
+        """(N,) timesteps -> (N, D); with the interval embedder, (N, 2) pairs (time, interval length) -> (N, D)."""
+        if self.h_embedder is None:
+            return self.t_embedder(t)
+        if t.dim() != 2 or t.shape[1] != 2:
+            raise UserError(f"this model embeds two times (MeanFlow: t and t - r) and needs them as an (N, 2) tensor, "
+                            f"but got shape {tuple(t.shape)}; sample it with a meanflow sampler (--sampler meanflow).")
+        return self.t_embedder(t[:, 0]) + self.h_embedder(t[:, 1])  # (N, D)
+
     def forward(self, x, t, y, force_drop_ids=None, return_hidden_at=None, route_keep=None):
-        """x (N, C, H, W) latents, t (N,) timesteps, y (N,) labels -> (N, out_channels, H, W).
+        """x (N, C, H, W) latents, t (N,) timesteps (with the interval embedder (N, 2): time, interval length), y (N,)
+        labels -> (N, out_channels, H, W).
 
         force_drop_ids (N,) bool/0-1: which labels become the null class. Training passes the data side's
         per-sample coin here, so the model's own global-RNG label dropout never runs (train/data.py).
@@ -738,7 +753,7 @@ class DiT(nn.Module):
         """
         self._check_input(x)
         x = self.x_embedder(x) + self.pos_embed  # (N, T, D), T = H * W / p**2
-        c = self.t_embedder(t) + self.y_embedder(y, self.training, force_drop_ids)  # (N, D)
+        c = self.time_embedding(t) + self.y_embedder(y, self.training, force_drop_ids)  # (N, D)
         route = self._active_route(route_keep, return_hidden_at)
         x, hidden = self._run_blocks(x, c, self.feat_rope, range(self.depth), route, route_keep, return_hidden_at)
         x = self.unpatchify(self.final_layer(x, c))  # (N, out_channels, H, W)
@@ -853,6 +868,9 @@ class ModelConfig:
     head_depth: int | None = None
     head_width: int | None = None
     head_heads: int | None = None
+    # A second timestep embedder (`h_embedder`) for the interval length t - r: MeanFlow's average-velocity network
+    # (shared/generative/meanflow.py) takes the pair (t, t - r). False: no such tensors, the releases' layout.
+    interval_time: bool = False
     # What the network was trained to predict (shared/generative/objectives.py): the registered objective's name,
     # its recorded fields (e.g. flow: {"convention": "sit", "time_dist_shift": 1.0}: the direction of its time
     # input, RAE's shift), and the --plugin module that registers it ("" for a built-in). Not architecture:
@@ -880,6 +898,7 @@ class ModelConfig:
         from shared.generative.samplers import check_recorded
 
         objective = objective_of(self)
+        check_interval_time(self, objective)
         self.objective_args = recorded_args(objective)  # every recorded field (defaults too): equal models, equal configs
         self.sampling = {k: list(v) if isinstance(v, tuple) else v for k, v in self.sampling.items()}  # as JSON reads
         check_recorded(self.sampling, objective.family, "the model config")
@@ -911,6 +930,8 @@ class ModelConfig:
         on the meta device nothing is allocated either way.
         """
         kwargs = {k: v for k, v in self.to_dict().items() if k not in ("model", *OBJECTIVE_FIELDS)}
+        if not kwargs["interval_time"]:
+            del kwargs["interval_time"]  # a DiT^DH takes no such argument (check_interval_time refuses it there)
         kwargs.update(attention=attention, grad_checkpoint_every=grad_checkpoint_every)
         if init or str(device) == "meta":
             with torch.device(device) if device is not None else contextlib.nullcontext():
@@ -937,6 +958,21 @@ class ModelConfig:
             raise UserError(f"model config {d} has unknown keys {unknown} / lacks keys {missing}; it was "
                             "written by an incompatible version. Re-export the weights with this version.")
         return cls(**d)
+
+
+def check_interval_time(config: ModelConfig, objective) -> None:
+    """SettingError unless the config has the interval embedder exactly when its objective feeds two times."""
+    wanted = bool(getattr(objective, "interval_time", False))
+    if config.interval_time and config.head_depth:
+        raise SettingError(f"{config.model} has a DiT^DH head, which has no second time embedding here (MeanFlow's "
+                           "t - r is embedded by the plain DiT only; the JVP through the head is not supported). Train "
+                           "the meanflow objective on a DiT-* preset (e.g. DiT-XL/2, the paper's backbone).")
+    if config.interval_time != wanted:
+        has = "has" if config.interval_time else "lacks"
+        raise SettingError(f"the model config {has} the interval time embedder (interval_time "
+                           f"{config.interval_time}), but its objective {config.objective} "
+                           f"{'feeds' if wanted else 'does not feed'} the network a second time; the two are "
+                           "written together, so these weights were edited by hand. Re-export them with this version.")
 
 
 def upgrade_objective(d: dict) -> dict:

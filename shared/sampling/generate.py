@@ -17,7 +17,7 @@ from shared.runtime.distributed import process_state
 from shared.runtime.errors import UserError
 from shared.runtime.flags import BATCH_SIZE, PLUGIN, SEED, DecodeFlags, SamplingFlags, given_sampler_options
 from shared.generative.guidance import check_guidance, check_interval, describe_guidance, guide_channel_count, guided_model_fn
-from shared.generative.objectives import objective_of
+from shared.generative.objectives import check_sampling_guidance, objective_of
 from shared.generative.samplers import SAMPLER_OPTIONS, resolve_sampling, sampler_options
 from shared.runtime.lock import hold_lock
 from shared.network.models import DiT_models
@@ -175,6 +175,7 @@ def resolve_job(o: SampleOptions) -> Job:
     sampler = o.sampler
     check_interval(o.cfg_interval, objective.level_range, objective.level_unit, objective.name)
     check_guidance(o.cfg_scale, loaded.config.has_null_class)
+    check_sampling_guidance(objective, o.cfg_scale)  # MeanFlow with guidance folded in at training: no second call
     guided = guide_channel_count(o.guide_channels, loaded.config.in_channels, loaded.auto_guide)
     names = (loaded.latent_meta or {}).get("class_names")
     plan = make_label_plan(o.class_labels, loaded.config.num_classes, o.random_labels, names)

@@ -1,0 +1,122 @@
+"""--init-from: start a run from a trained model's weights (MeanFlow fine-tuned from a flow model, as
+the PyTorch reimplementations fine-tune SiT-XL/2).
+
+The weights are read as `python -m sample --ckpt` reads them (shared/weights/checkpoint.py: a run folder's newest EMA
+export, an export, a SiT/REPA release .pt). The checks run before the run's model exists and write nothing: the
+source must be a flow (or MeanFlow) model, not a DDPM one; its latent space (shape, tokenizer, normalisation) and
+architecture must be the run's; a DiT^DH head is refused (the second time embedding exists for the DiT only). The
+MeanFlow network is the flow network plus `h_embedder`, whose last linear starts at zero: its output is then 0 at
+every input, the conditioning t_emb + h_emb + y_emb equals the flow model's t_emb + y_emb bitwise, and the network's
+output at any (t, r), r = t included, is the flow model's velocity exactly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shared.network.models import ModelConfig
+from shared.runtime.errors import UserError
+from shared.weights.checkpoint import LoadedWeights, load_sampling_weights
+
+STARTABLE = ("flow", "meanflow")  # objectives whose network a MeanFlow run can start from
+ARCHITECTURE = ("model", "input_size", "in_channels", "num_classes", "learn_sigma", "class_dropout_prob", "norm",
+                "mlp", "rope", "qk_norm")
+
+
+@dataclass
+class InitWeights:
+    """What --init-from loaded, checked against the run: the state dict and its record for config.json."""
+
+    state_dict: dict
+    record: dict  # TrainConfig.init: from, file, kind, weights, step, objective, convention
+
+
+def load_init(cfg, dataset, run_config: ModelConfig) -> InitWeights:
+    """Read and check --init-from against the run (objective, latent space, architecture); UserError, nothing written."""
+    if cfg.objective != "meanflow":
+        raise UserError(f"--init-from starts a MeanFlow run from a flow model's weights; this run trains the "
+                        f"{cfg.objective} objective. Pass --objective meanflow (or --recipe meanflow), or drop "
+                        "--init-from.")
+    loaded = load_sampling_weights(cfg.init_from)
+    source = loaded.config
+    _check_objective(cfg.init_from, source, assumed=bool(loaded.kind == "official" and loaded.warnings))
+    _check_latents(cfg.init_from, loaded, dataset, cfg.data.get("latent_norm"))
+    _check_architecture(cfg.init_from, source, run_config)
+    record = {"from": str(cfg.init_from), "file": str(loaded.path), "kind": loaded.kind, "weights": loaded.weights,
+              "step": loaded.step, "objective": source.objective,
+              "convention": source.objective_args.get("convention", "sit")}
+    return InitWeights(loaded.state_dict, record)
+
+
+def _check_objective(where, source: ModelConfig, assumed: bool = False) -> None:
+    """UserError unless the source learned a velocity field on the linear path (flow) or is MeanFlow already.
+
+    assumed: a bare state dict that records no objective and is no known release was read as DDPM (DiT's)."""
+    if source.head_depth:
+        raise UserError(f"--init-from {where} is a DiT^DH model ({source.model}, a {source.head_depth}-block head); "
+                        "MeanFlow's second time embedding and its JVP target are supported on the plain DiT only. "
+                        "Start from a DiT-* flow model (a SiT or REPA release, or a --recipe sit run).")
+    if source.objective not in STARTABLE and assumed:
+        raise UserError(f"--init-from {where} is a bare state dict that records no objective and is no known release, "
+                        "so it reads as DiT's DDPM (epsilon-prediction) model, which MeanFlow cannot start from. If it "
+                        "is a SiT or REPA flow model, pass the release's file under its name (SiT-XL-2-256x256.pt, "
+                        "REPA-SiT-XL-2-256x256.pt) or one of this project's exports, which record their objective.")
+    if source.objective not in STARTABLE:
+        what = "a DDPM (epsilon-prediction) model" if source.objective == "ddpm" else f"a {source.objective} model"
+        raise UserError(f"--init-from {where} is {what}; MeanFlow starts from a network that predicts the flow's "
+                        "velocity on the linear path, which its identity extends (u = v at r = t). An epsilon network "
+                        "predicts another quantity on another noise schedule. Start from a flow model (a SiT or REPA "
+                        "release, or a run trained with --recipe sit / --objective flow), or train MeanFlow from "
+                        "scratch without --init-from.")
+
+
+def _check_latents(where, loaded: LoadedWeights, dataset, norm: dict | None) -> None:
+    """UserError when the source was trained on another latent space than --latents holds."""
+    source = loaded.config
+    shape = (source.in_channels, source.input_size, source.input_size)
+    problems = []
+    if shape != tuple(dataset.latent_shape):
+        problems.append(f"latents of shape {shape} where --latents holds {tuple(dataset.latent_shape)}")
+    meta = loaded.latent_meta or {}
+    vae = (meta.get("vae") or {}).get("source") if isinstance(meta.get("vae"), dict) else meta.get("vae")
+    ours = dataset.vae.get("source")
+    if vae and ours and vae != ours:
+        problems.append(f"the tokenizer {vae} where --latents was made with {ours}")
+    if meta.get("latent_norm") and norm and meta["latent_norm"] != norm:
+        problems.append("another latent normalisation (its recorded latent_norm differs from the one this run "
+                        "resolves; see --latent-norm)")
+    if problems:
+        raise UserError(f"--init-from {where} was trained on another latent space: {'; '.join(problems)}. Its "
+                        "network only knows its own latents; fine-tune it on latents extracted with the same "
+                        "tokenizer, image size and normalisation, or train from scratch.")
+
+
+def _check_architecture(where, source: ModelConfig, run: ModelConfig) -> None:
+    """UserError naming the flags when the run would build another network than the source's."""
+    diffs = [f"{k} {getattr(source, k)!r} (this run: {getattr(run, k)!r})" for k in ARCHITECTURE
+             if getattr(source, k) != getattr(run, k)]
+    if diffs:
+        raise UserError(f"--init-from {where} has another architecture than this run builds: {'; '.join(diffs)}. "
+                        f"Pass the source's settings (e.g. --model {source.model} --class-dropout-prob "
+                        f"{source.class_dropout_prob:g}, its --block options) so its weights fit.")
+
+
+def apply_init(dit: torch.nn.Module, ema: torch.nn.Module, init: InitWeights) -> None:
+    """Load the source weights into the fresh DiT and its EMA; a new h_embedder's last linear is zeroed.
+
+    Every source tensor must be used and every model tensor filled, except the interval embedder the flow model
+    lacks (a MeanFlow source has it and loads it as it is).
+    """
+    missing, unexpected = dit.load_state_dict(init.state_dict, strict=False)
+    new = {k for k in missing if k.startswith("h_embedder.")}
+    if unexpected or set(missing) - new:
+        raise UserError(f"--init-from {init.record['from']}: its tensors do not fit this model (missing "
+                        f"{sorted(set(missing) - new)[:4]}, unexpected {sorted(unexpected)[:4]}); use a DiT weight "
+                        "file of the same preset.")
+    if new:
+        with torch.no_grad():
+            last = dit.h_embedder.mlp[-1]
+            last.weight.zero_()  # h_emb = 0 at every input: the flow model's conditioning, bitwise
+            last.bias.zero_()
+    ema.load_state_dict(dit.state_dict(), strict=True)  # copied into the EMA's own device and dtype
