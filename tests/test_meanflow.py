@@ -223,6 +223,24 @@ def test_a_flow_network_loaded_into_meanflow_gives_its_velocity_exactly():
             assert torch.equal(ema(x, torch.stack([tau, h], 1), y), velocity)
 
 
+def test_a_2c_flow_release_gives_its_velocity_to_a_c_channel_meanflow_network():
+    """SiT's release layout (2C outputs, the velocity in the first C) into a MeanFlow run's C-channel network."""
+    import dataclasses
+
+    from train.init_from import InitWeights, apply_init, velocity_outputs
+
+    source = ModelConfig(model="DiT-T/2", input_size=8, num_classes=3, objective="flow", learn_sigma=True)
+    flow = random_dit(source, 6).eval()
+    target = dataclasses.replace(_config(), learn_sigma=False)
+    meanflow, ema = target.build().eval(), target.build().eval()
+    apply_init(meanflow, ema, InitWeights(velocity_outputs(flow.state_dict(), source), {"from": "test"}))
+    x, y, tau = torch.randn(3, 4, 8, 8), torch.tensor([0, 1, 2]), torch.tensor([0.1, 0.5, 0.9])
+    with torch.no_grad():
+        velocity = flow(x, tau, y)[:, :4]  # (N, C, H, W): the first C of 2C
+        # equal up to the matrix product's blocking over C rows instead of 2C (bitwise on this CPU's BLAS)
+        torch.testing.assert_close(meanflow(x, torch.stack([tau, torch.zeros(3)], 1), y), velocity, rtol=0, atol=1e-6)
+
+
 @pytest.fixture(scope="module")
 def runs(latents, tmp_path_factory):
     """A 2-step flow run and a 2-step DDPM run on the shared tiny latents."""

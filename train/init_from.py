@@ -11,11 +11,12 @@ output at any (t, r), r = t included, is the flow model's velocity exactly.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-from shared.network.models import ModelConfig
+from shared.network.models import PRESETS, ModelConfig
 from shared.runtime.errors import UserError
 from shared.weights.checkpoint import LoadedWeights, load_sampling_weights
 
@@ -42,11 +43,29 @@ def load_init(cfg, dataset, run_config: ModelConfig) -> InitWeights:
     source = loaded.config
     _check_objective(cfg.init_from, source, assumed=bool(loaded.kind == "official" and loaded.warnings))
     _check_latents(cfg.init_from, loaded, dataset, cfg.data.get("latent_norm"))
+    state_dict = loaded.state_dict
+    if source.learn_sigma and not run_config.learn_sigma:  # SiT's release: 2C outputs, the velocity in the first C
+        state_dict = velocity_outputs(state_dict, source)
+        source = dataclasses.replace(source, learn_sigma=False)
     _check_architecture(cfg.init_from, source, run_config)
     record = {"from": str(cfg.init_from), "file": str(loaded.path), "kind": loaded.kind, "weights": loaded.weights,
               "step": loaded.step, "objective": source.objective,
               "convention": source.objective_args.get("convention", "sit")}
-    return InitWeights(loaded.state_dict, record)
+    return InitWeights(state_dict, record)
+
+
+def velocity_outputs(state_dict: dict, source: ModelConfig) -> dict:
+    """The state dict with the final linear cut to the first C of its 2C outputs per patch pixel: the velocity.
+
+    A flow model with DiT's 2C layout (SiT's release) trains and samples only its first C channels; the
+    linear's rows are ordered (p, p, 2C) (DiT.unpatchify), so each pixel keeps its first C rows.
+    """
+    p, c = PRESETS[source.model]["patch_size"], source.in_channels
+    out = dict(state_dict)
+    for name in ("final_layer.linear.weight", "final_layer.linear.bias"):
+        tensor = state_dict[name]  # (p*p*2C, D) or (p*p*2C,)
+        out[name] = tensor.reshape(p * p, 2 * c, *tensor.shape[1:])[:, :c].reshape(p * p * c, *tensor.shape[1:])
+    return out
 
 
 def _check_objective(where, source: ModelConfig, assumed: bool = False) -> None:
