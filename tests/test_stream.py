@@ -19,7 +19,8 @@ import torch
 from shared.datasets.shards import INDEX_NAME, StreamSampler, shard_windows, windowed_permutation
 from train import latents as remote
 from train.callbacks import Callback
-from tests.helpers import expect_user_error, final_tensors, make_latents, train_args
+from tests.helpers import (CPU_DIST, TORCHRUN, cli, expect_user_error, final_tensors, finish, make_latents, trace,
+                           train_args)
 from train.__main__ import main as train_main
 
 PER_SHARD = 4
@@ -171,7 +172,7 @@ def test_a_bounded_cache_over_http_trains_bitwise_as_the_local_folder(tmp_path, 
 
     # Resume from step 4 through the stream (a fresh cache): bitwise the same end.
     resumed = tmp_path / "resumed"
-    _stream_run(tmp_path, monkeypatch, url, "part", limit, *flags[:-3], "--max-steps", "4", "--ckpt-every", "4")
+    _stream_run(tmp_path, monkeypatch, url, "part", limit, "--lr", "1e-3", "--max-steps", "4", "--ckpt-every", "4")
     (tmp_path / "part").rename(resumed)
     _stream_run(tmp_path, monkeypatch, url, "resumed", limit, *flags)
     c = final_tensors(resumed)
@@ -249,3 +250,20 @@ def test_stream_mistakes_are_one_paragraph(tmp_path, capsys, monkeypatch, server
     monkeypatch.setenv(remote.CACHE_ENV, str(tmp_path / "cache3"))
     err = refused(server(changed), _limit_for(data, 24), run="missing")
     assert f"has no {shards[0]['name']}" in err
+
+
+@pytest.mark.slow
+def test_two_processes_share_one_bounded_cache_and_train_as_the_local_folder(tmp_path, server):
+    data = make_latents(tmp_path / "lat", n=96, per_shard=8)  # windows of 3 shards: 24 samples, what 2 ranks read ahead
+    limit = _limit_for(data, 6)
+    flags = ["--max-steps", "5", "--num-workers", "1", "--ckpt-every", "5", "--lr", "1e-3"]
+    url = server(data)
+    finish(cli(TORCHRUN + train_args(url, tmp_path / "streamed", "--cache-limit", str(limit), *flags),
+               {"TRACE_DIR": str(tmp_path / "t1"), "DIT_LATENT_CACHE": str(tmp_path / "cache"), **CPU_DIST}))
+    finish(cli(TORCHRUN + train_args(data, tmp_path / "local", "--shard-window", "3", *flags),
+               {"TRACE_DIR": str(tmp_path / "t2"), **CPU_DIST}))
+    streamed, local = [trace(tmp_path / "t1", r) for r in (0, 1)], [trace(tmp_path / "t2", r) for r in (0, 1)]
+    assert 0 < streamed[0]["cache_bytes"] <= limit and streamed[1]["cache_bytes"] <= limit
+    assert [t["positions"] for t in streamed] == [t["positions"] for t in local]
+    assert {t["weights_sha256"] for t in streamed} == {local[0]["weights_sha256"]}
+    assert json.loads((tmp_path / "streamed" / "config.json").read_text())["shard_window"] == 3
