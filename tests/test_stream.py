@@ -5,6 +5,8 @@ and fsspec's in-process memory:// filesystem standing for object storage.
 """
 import argparse
 import http.server
+import os
+import sys
 import json
 import threading
 from collections import Counter
@@ -19,7 +21,8 @@ import torch
 from shared.datasets.shards import INDEX_NAME, StreamSampler, shard_windows, windowed_permutation
 from train import latents as remote
 from train.callbacks import Callback
-from tests.helpers import (CPU_DIST, TORCHRUN, cli, expect_user_error, final_tensors, finish, make_latents, trace,
+from tests import small_disk
+from tests.helpers import (CPU_DIST, ROOT, TORCHRUN, cli, expect_user_error, final_tensors, finish, make_latents, trace,
                            train_args)
 from train.__main__ import main as train_main
 
@@ -267,3 +270,22 @@ def test_two_processes_share_one_bounded_cache_and_train_as_the_local_folder(tmp
     assert [t["positions"] for t in streamed] == [t["positions"] for t in local]
     assert {t["weights_sha256"] for t in streamed} == {local[0]["weights_sha256"]}
     assert json.loads((tmp_path / "streamed" / "config.json").read_text())["shard_window"] == 3
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not small_disk.available(), reason="needs unshare + an unprivileged tmpfs mount (Linux)")
+def test_a_full_cache_disk_is_one_paragraph_and_the_checkpoint_stays(tmp_path, server):
+    data = _folder(tmp_path)
+    url, run = server(data), tmp_path / "run"
+    argv = [sys.executable, "-m", "train", *train_args(url, run, "--cache-limit", "1MiB", "--max-steps", "2",
+                                                       "--ckpt-every", "2")]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), remote.CACHE_ENV: str(tmp_path / "cache")}
+    finish(cli(argv[3:], env))  # two steps and a checkpoint, cache on the ordinary disk
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    longer = [*argv[:-4], "--max-steps", "6", "--ckpt-every", "2"]
+    full, = small_disk.run(tmp_path / "mnt", [(24, longer)], tmp_path / "logs", tmp_path / "snap",
+                           {**env, remote.CACHE_ENV: str(tmp_path / "mnt")}, ROOT)  # room for about one shard
+    err = " ".join(full.stderr.split())
+    assert full.returncode == 2 and "Traceback" not in err, err[-3000:]
+    assert "no space left for the latent cache" in err and "rerun the same command" in err
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before

@@ -236,6 +236,8 @@ class StreamedLatents(LatentDataset):
 
     def stream_error(self) -> UserError | None:
         """The paragraph the node's fetcher stopped with, if it did."""
+        if self.stream is not None and self.stream.error is not None:
+            return self.stream.error
         try:
             return UserError((self.root / STREAM_ERROR_NAME).read_text())
         except OSError:
@@ -288,6 +290,7 @@ class ShardStream:
         self.present = {i for i, e in enumerate(shards) if (local / e["name"]).is_file()}
         self.cond = threading.Condition()
         self.consumed, self.seed, self.window, self.thread, self._epochs = 0, 0, 0, None, {}
+        self.error: UserError | None = None
 
     def start(self, seed: int, window: int, start: int) -> None:
         """Begin fetching for the stream position `start` (a resumed run's data position)."""
@@ -340,8 +343,12 @@ class ShardStream:
             self._fail(f"fetching the shards of --latents {self.url} failed: {type(err).__name__}: {err}.")
 
     def _fail(self, text: str) -> None:
-        """Tell every reader of this node why no more shards come."""
-        atomic_write_text(self.local / STREAM_ERROR_NAME, text)
+        """Tell every reader of this node why no more shards come (this process's readers also from memory)."""
+        self.error = UserError(text)
+        try:
+            atomic_write_text(self.local / STREAM_ERROR_NAME, text)  # room: the failed fetch's temp file is gone
+        except (OSError, UserError):
+            (self.local / STREAM_ERROR_NAME).write_text(text)
 
     def _fetch(self, shard: int) -> None:
         """Download one shard to a temp name, hashing it; publish it only when size and sha256 match."""
