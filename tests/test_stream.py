@@ -144,9 +144,9 @@ def test_windowed_order_is_a_permutation_local_to_windows_and_resumes_exactly():
     assert resumed == full[13:]
 
 
-def _stream_run(tmp_path, monkeypatch, latents: str, name: str, limit: int, *flags):
+def _stream_run(tmp_path, monkeypatch, latents: str, name: str, limit: int, *flags, cache=None):
     """Train from a URL with --cache-limit; returns (run folder, the cache folder's sizes, fetched shard numbers)."""
-    cache = tmp_path / f"cache-{name}"
+    cache = cache or tmp_path / f"cache-{name}"
     monkeypatch.setenv(remote.CACHE_ENV, str(cache))
     watch = CacheWatch(cache)
     fetched = _watch_fetches(monkeypatch, watch)
@@ -191,6 +191,21 @@ def test_a_bounded_cache_over_memory_fs_never_holds_the_folder(tmp_path, monkeyp
                                       "--ckpt-every", "6", "--global-batch-size", "4")  # reads one shard ahead
     assert max(sizes) <= limit and json.loads((run / "config.json").read_text())["shard_window"] == 1
     assert Counter(fetched).most_common(1)[0][1] == 1 and len(fetched) >= 3  # 24 samples: 6 shards, each once
+    for thread in [t for t in threading.enumerate() if t.name == "latent-stream"]:
+        thread.join(timeout=10)  # the fetcher ends with the run
+        assert not thread.is_alive()
+
+    # A shard left in the cache and damaged since is hashed on the next start, deleted and fetched again.
+    left = sorted((tmp_path / "cache-mem").glob("*/shard-*.tar"))  # the last window and the next one
+    for path in left:
+        raw = bytearray(path.read_bytes())
+        raw[600] ^= 0xFF
+        path.write_bytes(bytes(raw))
+    _, _, again = _stream_run(tmp_path, monkeypatch, url, "mem2", limit, "--max-steps", "6", "--ckpt-every", "6",
+                              "--global-batch-size", "4", cache=tmp_path / "cache-mem")
+    assert {int(p.name[6:12]) for p in left} & set(again)  # the last window's shard, trained on again
+    a, b = final_tensors(run), final_tensors(tmp_path / "mem2")
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_a_connection_dropped_mid_shard_is_retried(tmp_path, monkeypatch, server):

@@ -101,7 +101,7 @@ def make_loader(dataset: LatentDataset, *, micro_batch: int, rank: int, world_si
     window K > 0: the shard-aware order (shared.datasets.shards.windowed_permutation). A streamed dataset
     (train/latents.py StreamedLatents) is told, through `follow`, which positions every process has consumed.
     """
-    counts = np.diff(dataset._starts) if window else None
+    counts = dataset.shard_counts if window else None
     sampler = PositionedSampler(len(dataset), rank, world_size, seed, start, counts, window)
     loader = torch.utils.data.DataLoader(
         TrainingDraws(dataset, seed, class_dropout_prob, objective, features, route, norm), batch_size=micro_batch,

@@ -224,11 +224,6 @@ class StreamedLatents(LatentDataset):
     def _check_files(self, verify: bool, progress: bool) -> None:
         """Nothing to check up front: ShardStream verifies each shard as it arrives."""
 
-    @property
-    def shard_counts(self) -> np.ndarray:
-        """(S,) samples per shard, in folder order."""
-        return np.diff(self._starts)
-
     def __getstate__(self) -> dict:
         state = super().__getstate__()
         state["stream"], state["_inodes"] = None, {}  # the fetcher thread stays in the process that runs it
@@ -287,16 +282,34 @@ class ShardStream:
         self.fs, self.remote_root, self.url, self.local = fs, remote_root, url, local
         self.shards, self.budget = shards, budget
         self.counts = np.array([e["num_samples"] for e in shards], dtype=np.int64)
-        self.present = {i for i, e in enumerate(shards) if (local / e["name"]).is_file()}
+        self.present = {i for i, e in enumerate(shards) if self._kept(local / e["name"], e)}
         self.cond = threading.Condition()
         self.consumed, self.seed, self.window, self.thread, self._epochs = 0, 0, 0, None, {}
         self.error: UserError | None = None
+        self.stopped = False
 
     def start(self, seed: int, window: int, start: int) -> None:
         """Begin fetching for the stream position `start` (a resumed run's data position)."""
         self.seed, self.window, self.consumed = seed, window, start
         self.thread = threading.Thread(target=self._run, name="latent-stream", daemon=True)
         self.thread.start()
+
+    @staticmethod
+    def _kept(path: Path, entry: dict) -> bool:
+        """Whether a shard left in the cache by an earlier run still holds its listed bytes (else it is deleted)."""
+        if not path.is_file():
+            return False
+        with open(path, "rb") as f:
+            if path.stat().st_size == entry["size"] and hashlib.file_digest(f, "sha256").hexdigest() == entry["sha256"]:
+                return True
+        path.unlink()
+        return False
+
+    def stop(self) -> None:
+        """End the thread after its current fetch (training is over: the loader was dropped)."""
+        with self.cond:
+            self.stopped = True
+            self.cond.notify_all()
 
     def advance(self, position: int) -> None:
         """Every process of the node has consumed the stream before `position`."""
@@ -324,7 +337,7 @@ class ShardStream:
 
     def _run(self) -> None:
         try:
-            while True:
+            while not self.stopped:
                 with self.cond:
                     position = self.consumed
                 need = self.needed(position)
@@ -336,7 +349,7 @@ class ShardStream:
                     self._fetch(missing[0])
                     continue
                 with self.cond:
-                    self.cond.wait_for(lambda: self.consumed != position)
+                    self.cond.wait_for(lambda: self.consumed != position or self.stopped)
         except UserError as err:
             self._fail(str(err))
         except Exception as err:  # noqa: BLE001 - every reader must stop with it, not wait forever
@@ -454,15 +467,19 @@ def follow(batches, dataset, *, seed: int, window: int, start: int, global_batch
 def _reporting(batches, dataset: StreamedLatents, start: int, global_batch: int, accum: int):
     """`follow`'s generator: advance the fetcher as steps begin; a fetch failure surfaces as its paragraph."""
     k = 0
-    while True:
-        try:
-            batch = next(batches)
-        except Exception:
-            error = dataset.stream_error()  # a worker's re-raised copy carries a traceback: raise the paragraph
-            if error is not None:
-                raise error from None
-            raise
+    try:
+        while True:
+            try:
+                batch = next(batches)
+            except Exception:
+                error = dataset.stream_error()  # a worker's re-raised copy carries a traceback: raise the paragraph
+                if error is not None:
+                    raise error from None
+                raise
+            if dataset.stream is not None:
+                dataset.stream.advance(start + (k // accum) * global_batch)
+            k += 1
+            yield batch
+    finally:  # the run is over (or failed): the fetcher thread ends too
         if dataset.stream is not None:
-            dataset.stream.advance(start + (k // accum) * global_batch)
-        k += 1
-        yield batch
+            dataset.stream.stop()

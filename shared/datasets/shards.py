@@ -584,6 +584,7 @@ class LatentDataset(torch.utils.data.Dataset):
 
         return native_norm_of_identity(self.meta["vae"])
 
+    shard_counts = property(lambda self: np.diff(self._starts), doc="(S,) samples per shard, in folder order.")
     tensor_names = property(lambda self: tuple(self._specs), doc="Names of the stored columns.")
     deterministic = property(lambda self: STD not in self._specs,
                              doc="True when the latent is stored alone (no \"std\": a deterministic tokenizer).")

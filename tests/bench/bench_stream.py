@@ -7,7 +7,8 @@ Both runs train the same tiny DiT-T/2 with the same micro-batch and the same sha
 resolved by the streamed run, passed to the local one), so the difference is the data path alone: shards fetched
 over HTTP by the background thread, sha256-checked, evicted, with the cache at --cache-fraction of the folder.
 --delay-ms adds a pause before every HTTP response (a slower network). Steps/s is measured after --warmup steps.
-Prints both rates, their ratio, the cache's largest size seen and the shards fetched.
+Prints both rates, their ratio, the cache's largest size seen, the shards fetched, and how long the streamed
+loader waited for a shard to arrive (the streaming's own cost, untouched by other jobs on the machine).
 """
 import argparse
 import http.server
@@ -90,6 +91,16 @@ def main(argv=None):
         os.environ[remote.CACHE_ENV] = str(cache)
         fetched, real = [], remote.ShardStream._fetch
         remote.ShardStream._fetch = lambda self, shard: (real(self, shard), fetched.append(shard))[0]
+        waited, real_map = [], remote.StreamedLatents._map
+
+        def timed_map(self, shard):  # time the loader spends waiting for a shard to arrive (0 when prefetch keeps up)
+            begin = time.perf_counter()
+            try:
+                return real_map(self, shard)
+            finally:
+                waited.append(time.perf_counter() - begin)
+
+        remote.StreamedLatents._map = timed_map
         flags = ["--global-batch-size", str(args.micro_batch), "--micro-batch-size", str(args.micro_batch),
                  "--max-steps", str(args.steps), "--ckpt-every", str(10 ** 9), "--log-every", str(10 ** 9),
                  "--keep-last", "1"]
@@ -108,6 +119,8 @@ def main(argv=None):
               f"shards; cache limit {limit / 2**20:.2f} MiB ({args.cache_fraction:.0%}), --shard-window {window}, "
               f"largest cache seen {peak / 2**20:.2f} MiB; {len(fetched) // args.repeats} shard fetches per run of "
               f"{args.steps} steps at micro-batch {args.micro_batch}; best of {args.repeats} runs each")
+        print(f"time the streamed loader waited for shards: {sum(waited):.3f} s in total over {args.repeats} runs, "
+              f"longest {max(waited, default=0):.3f} s (a machine shared with other jobs makes steps/s noisy; this is not)")
         print(f"steps/s  streamed (HTTP, bounded cache): {a:.2f}   local folder: {b:.2f}   ratio streamed/local: "
               f"{a / b:.3f}")
 
