@@ -20,9 +20,10 @@ holds index.json, the sidecar and only the shards of the current and the next wi
 fetches them ahead of the step through fsspec (a plain byte stream per shard: one GET over http), hashes each
 while it arrives and publishes it under its name only when its sha256 matches index.json, and deletes the
 shards whose samples every process of the node has consumed. Why not a library's cache: fsspec's file caches
-(blockcache, filecache, simplecache) have no size bound with eviction and no sha256 check; webdataset's URL
-cache has no size limit and reads tar members in sequence, where this reader maps a shard and gathers by
-offset; mosaicml-streaming bounds its cache but reads its own MDS format, not these shards. Readers in any
+(blockcache, filecache, simplecache) have no size bound with eviction and no sha256 check; webdataset's
+FileCache (cache_size) deletes the oldest-created files in a pass run at most every 30 s before a download, so
+the folder overshoots between passes and a shard the current window still needs can go, and it checks only
+that a file is a tar; mosaicml-streaming evicts by the order it knows, but reads its own MDS shards. Readers in any
 process (DataLoader workers, the node's other ranks) wait for a shard's file to appear and drop their
 mapping of a shard once its file is deleted. A fetch failure is written to the folder (STREAM_ERROR_NAME),
 so every waiting reader stops with the same paragraph.
