@@ -23,9 +23,9 @@ shards whose samples every process of the node has consumed. Why not a library's
 (blockcache, filecache, simplecache) have no size bound with eviction and no sha256 check; webdataset's
 FileCache (cache_size) deletes the oldest-created files in a pass run at most every 30 s before a download, so
 the folder overshoots between passes and a shard the current window still needs can go, and it checks only
-that a file is a tar; mosaicml-streaming evicts by the order it knows, but reads its own MDS shards. Readers in any
-process (DataLoader workers, the node's other ranks) wait for a shard's file to appear and drop their
-mapping of a shard once its file is deleted. A fetch failure is written to the folder (STREAM_ERROR_NAME),
+that a file is a tar; mosaicml-streaming bounds its cache (cache_limit, evicting the least recently used
+shard) but reads its own MDS shards. Readers in any process (DataLoader workers, the node's other ranks) wait
+for a shard's file to appear and drop their mapping of a shard once its file is deleted. A fetch failure is written to the folder (STREAM_ERROR_NAME),
 so every waiting reader stops with the same paragraph.
 """
 from __future__ import annotations
