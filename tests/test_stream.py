@@ -304,3 +304,15 @@ def test_a_full_cache_disk_is_one_paragraph_and_the_checkpoint_stays(tmp_path, s
     assert full.returncode == 2 and "Traceback" not in err, err[-3000:]
     assert "no space left for the latent cache" in err and "rerun the same command" in err
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+
+
+def test_the_shard_window_is_part_of_the_experiment(tmp_path, capsys):
+    data, run = _folder(tmp_path), tmp_path / "run"
+    assert train_main(train_args(data, run, "--shard-window", "2", "--max-steps", "1", "--ckpt-every", "1")) == 0
+    err = expect_user_error(capsys, train_args(data, run, "--max-steps", "2"))  # auto: 0 for a local folder
+    assert "shard_window" in err and "Rerun with the original settings" in err
+    from train.config import TrainConfig  # a checkpoint from before shard-aware orders: one shuffle of all samples
+
+    saved = json.loads((run / "config.json").read_text())
+    del saved["shard_window"]
+    assert TrainConfig.from_dict(saved).shard_window == 0
