@@ -110,10 +110,16 @@ def _read_remote(fs, path: str, url: str) -> bytes:
         raise UserError(f"--latents {url}: cannot read {path} ({err}).") from None
 
 
+def _open_remote(fs, path: str):
+    """A remote file for reading start to end; over http(s) one streaming GET (static servers often lack ranges)."""
+    http = any(str(p).startswith("http") for p in np.atleast_1d(fs.protocol))
+    return fs.open(path, "rb", **({"block_size": 0} if http else {}))
+
+
 def _copy_file(fs, remote: str, local: Path) -> None:
     """Stream one remote file to local (temp name, then rename: a kill never leaves a short file in place)."""
     tmp = local.with_name(f".tmp-{local.name}")
-    with fs.open(remote, "rb") as src, open(tmp, "wb") as dst:
+    with _open_remote(fs, remote) as src, open(tmp, "wb") as dst:
         while chunk := src.read(_CHUNK):
             dst.write(chunk)
     os.replace(tmp, local)
@@ -202,7 +208,12 @@ def open_streamed(url: str, limit: int, fetcher: bool) -> "StreamedLatents":
             stale.unlink(missing_ok=True)  # an interrupted fetch, a failure of an earlier run
         arrays = index["arrays"]
         if not ((local / arrays["name"]).is_file() and (local / arrays["name"]).stat().st_size == arrays["size"]):
-            _copy_file(fs, f"{root}/{arrays['name']}", local / arrays["name"])
+            try:
+                _copy_file(fs, f"{root}/{arrays['name']}", local / arrays["name"])
+            except OSError as err:  # FileNotFoundError included; the sidecar's sha256 is checked when it is opened
+                raise disk_full(err, local / arrays["name"]) or UserError(
+                    f"--latents {url}: cannot fetch {arrays['name']} ({err}). Check that the whole folder extract "
+                    "wrote is there and the connection holds, then rerun the same command.") from None
         if not (local / INDEX_NAME).is_file():
             atomic_write_bytes(local / INDEX_NAME, index_bytes)
     dataset = StreamedLatents(local, budget)
@@ -408,10 +419,9 @@ class ShardStream:
                         "it resumes from the last checkpoint.")
 
     def _download(self, remote: str, tmp: Path) -> tuple[str, int]:
-        """(sha256, bytes) of `remote` streamed into `tmp`; http(s) as one streaming GET (no range requests)."""
-        http = any(p.startswith("http") for p in np.atleast_1d(self.fs.protocol))
+        """(sha256, bytes) of `remote` streamed into `tmp`."""
         digest, size = hashlib.sha256(), 0
-        with self.fs.open(remote, "rb", **({"block_size": 0} if http else {})) as src, open(tmp, "wb") as dst:
+        with _open_remote(self.fs, remote) as src, open(tmp, "wb") as dst:
             while chunk := src.read(_CHUNK):
                 dst.write(chunk)
                 digest.update(chunk)
