@@ -22,8 +22,8 @@ from shared.datasets.shards import INDEX_NAME, StreamSampler, shard_windows, win
 from train import latents as remote
 from train.callbacks import Callback
 from tests import small_disk
-from tests.helpers import (CPU_DIST, ROOT, TORCHRUN, cli, expect_user_error, final_tensors, finish, make_latents, trace,
-                           train_args)
+from tests.helpers import (CPU_DIST, LAUNCHER, ROOT, TORCHRUN, checkpoints, cli, expect_user_error, final_tensors,
+                           finish, make_latents, trace, train_args, wait_for)
 from train.__main__ import main as train_main
 
 PER_SHARD = 4
@@ -317,3 +317,23 @@ def test_the_shard_window_is_part_of_the_experiment(tmp_path, capsys):
     saved = json.loads((run / "config.json").read_text())
     del saved["shard_window"]
     assert TrainConfig.from_dict(saved).shard_window == 0
+
+
+@pytest.mark.slow
+def test_a_streamed_run_killed_mid_run_resumes_bitwise(tmp_path, server):
+    data = _folder(tmp_path)
+    flags = ["--max-steps", "4", "--ckpt-every", "2", "--num-workers", "1", "--global-batch-size", "4",
+             "--cache-limit", str(_limit_for(data, 6))]  # windows of 3 shards: 12 samples, the loader reads 12 ahead
+    url, run, pauses = server(data), tmp_path / "run", tmp_path / "pause"
+    env = {"TRACE_DIR": str(pauses), "PAUSE_AT": "checkpoint:2", remote.CACHE_ENV: str(tmp_path / "cache")}
+    victim = cli(LAUNCHER + train_args(url, run, *flags), env)
+    wait_for(pauses / "paused", victim)
+    victim.kill()  # SIGKILL: the fetcher dies wherever it was (a temp file may be left)
+    victim.communicate(timeout=60)
+    assert checkpoints(run) == ["step-0000002"]
+    finish(cli(train_args(url, run, *flags), {remote.CACHE_ENV: str(tmp_path / "cache")}))
+    assert "resumed from" in (run / "log.txt").read_text()
+    local = tmp_path / "local"
+    finish(cli(train_args(data, local, *flags[:-2], "--shard-window", "3")))
+    a, b = final_tensors(local), final_tensors(run)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
