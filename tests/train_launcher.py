@@ -14,8 +14,9 @@ the prune pause point, wraps one product function) according to environment vari
                        staging:S     in the middle of writing checkpoint S (its model file written, not its EMA)
   PERTURB_RANK=R       after the first step, rank R nudges one weight (the cross-rank check must catch it)
 
-The trace also lists the shard files this process sha256-hashed, and when it read a checkpoint for resume
-(monotonic start and end: processes of one machine must take turns).
+The trace also lists the shard files this process sha256-hashed, when it read a checkpoint for resume
+(monotonic start and end: processes of one machine must take turns), and with $DIT_LATENT_CACHE set the
+largest size of that cache folder seen after any step (a streamed --cache-limit run must stay under it).
 """
 import hashlib
 import json
@@ -103,6 +104,10 @@ class Trace(Callback):
         self._close_micro_step()
         self.in_step = False
         self._look_for_diffusers()
+        cache = os.environ.get("DIT_LATENT_CACHE")
+        if cache:  # a streamed --cache-limit run: how large the node's cache folder got
+            self.cache_bytes = max(getattr(self, "cache_bytes", 0),
+                                   sum(p.stat().st_size for p in Path(cache).rglob("*") if p.is_file()))
 
     def on_train_end(self, run):
         digest = hashlib.sha256()
@@ -114,7 +119,7 @@ class Trace(Callback):
                   "positions": self.positions, "allreduce_calls": self.allreduce_calls,
                   "weights_sha256": digest.hexdigest(),
                   "diffusers_imported": self.diffusers_seen or "diffusers" in sys.modules,
-                  "hashed": HASHED, "checkpoint_loads": LOADS}
+                  "hashed": HASHED, "checkpoint_loads": LOADS, "cache_bytes": getattr(self, "cache_bytes", None)}
         folder = Path(os.environ["TRACE_DIR"])
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"rank-{rank}.json").write_text(json.dumps(record))

@@ -24,6 +24,7 @@ from shared.network.models import (ATTENTION_BACKENDS, BLOCK_FIELDS, BLOCKS, HEA
                                    ModelConfig, block_options, check_preset, default_block, preset_head)
 from shared.generative.objectives import (OBJECTIVES, learns_sigma, objective_help, plugin_of, recorded_by_training,
                                           training_flags)
+from train.latents import byte_size
 from train.recipes import RECIPE_HELP, RECIPES, apply_recipe
 from shared.runtime.precision import PRECISION_CHOICES, canonical_precision
 from shared.tokenizers.norm import NORM_CHOICES, NORM_HELP, ElementStats, LatentNorm, abbreviated
@@ -47,6 +48,7 @@ IDENTITY_FIELDS += REPA_FIELDS
 ROUTE_FIELDS = ("route_ratio", "route_start", "route_end")
 IDENTITY_FIELDS += ROUTE_FIELDS
 IDENTITY_FIELDS += ("init_from",)  # the weights a fine-tuning run started from (train/init_from.py)
+IDENTITY_FIELDS += ("shard_window",)  # the data order (train/latents.py resolves auto before the resume check)
 # Data identity: what a checkpoint's latent folder must share with the one given now.
 DATA_FIELDS = ("num_samples", "latent_shape", "flips", "num_classes", "image_size", "scaling_factor", "vae",
                "index_sha256", "latent_norm")
@@ -88,6 +90,17 @@ class TrainConfig:
 
     latents: str = option(help="latent folder written by `python -m extract` (index.json + shards)")
     results_dir: str = option(help="the run folder; rerunning the same command resumes it (checkpoints, logs, exports)")
+    cache_limit: int | None = option(
+        None, "--latents URL: stream its shards through a local cache of at most SIZE (e.g. 20GiB, 500MB), fetched "
+              "ahead of the step, sha256-checked as they arrive, evicted once consumed; the data order becomes "
+              "shard-aware (--shard-window). Default: no limit, the whole folder is copied once and kept",
+        type=byte_size, metavar="SIZE")
+    shard_window: int | str = option(
+        "auto", "data order: 0 = one shuffle of all samples per epoch; K = shards shuffled, then samples shuffled "
+                "within each window of K shards, so a bounded cache needs only the current and the next window. "
+                "auto (default): 0, or with --cache-limit the largest K whose two windows fit it. Part of the "
+                "experiment: a local folder trained with the same K gives bitwise the same run", type=int_or_auto,
+        metavar="K|auto")
     model: str = option("DiT-XL/2", "model preset from shared.network.models.DiT_models")
     recipe: str = option("dit", "one word for a published recipe's objective, time sampling, block and optimizer "
                                 "settings (train/recipes.py); any flag given explicitly wins: "
@@ -258,6 +271,7 @@ class TrainConfig:
         old = {k: d.pop(k) for k in LEGACY_OBJECTIVE_FIELDS if k in d}  # written before objectives had options
         if old and "objective_options" not in d:
             d["objective_options"] = old if d.get("objective") == "flow" else {}
+        d.setdefault("shard_window", 0)  # written before shard-aware orders: one shuffle of all samples
         kwargs = {k: v for k, v in d.items() if k in names}
         if "adam_betas" in kwargs:
             kwargs["adam_betas"] = tuple(kwargs["adam_betas"])

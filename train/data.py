@@ -18,14 +18,17 @@ from shared.network.repa import REPR_TENSOR
 from shared.network.routing import draw_kept
 from shared.runtime.seeding import generator_for
 from shared.datasets.shards import LatentDataset, StreamSampler
+from train.latents import follow
 from shared.tokenizers.vae import draw_latents
 
 
 class PositionedSampler(torch.utils.data.Sampler):
     """StreamSampler that also yields each index's global stream position: (position, index) pairs."""
 
-    def __init__(self, num_samples: int, rank: int, world_size: int, seed: int, start: int):
-        self.stream = StreamSampler(num_samples, rank=rank, world_size=world_size, seed=seed, start=start)
+    def __init__(self, num_samples: int, rank: int, world_size: int, seed: int, start: int, counts=None,
+                 window: int = 0):
+        self.stream = StreamSampler(num_samples, rank=rank, world_size=world_size, seed=seed, start=start,
+                                    counts=counts, window=window)
         self.rank, self.world_size, self.start = rank, world_size, start
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
@@ -91,9 +94,15 @@ def _passthrough(batch):
 
 def make_loader(dataset: LatentDataset, *, micro_batch: int, rank: int, world_size: int, seed: int, start: int,
                 class_dropout_prob: float, num_workers: int, pin_memory: bool, objective,
-                features: bool = False, route: tuple[int, int] | None = None, norm=None) -> Iterator[dict]:
-    """An endless iterator of micro-batches for this rank, starting at global stream position `start`."""
-    sampler = PositionedSampler(len(dataset), rank, world_size, seed, start)
+                features: bool = False, route: tuple[int, int] | None = None, norm=None, window: int = 0,
+                global_batch: int | None = None) -> Iterator[dict]:
+    """An endless iterator of micro-batches for this rank, starting at global stream position `start`.
+
+    window K > 0: the shard-aware order (shared.datasets.shards.windowed_permutation). A streamed dataset
+    (train/latents.py StreamedLatents) is told, through `follow`, which positions every process has consumed.
+    """
+    counts = dataset.shard_counts if window else None
+    sampler = PositionedSampler(len(dataset), rank, world_size, seed, start, counts, window)
     loader = torch.utils.data.DataLoader(
         TrainingDraws(dataset, seed, class_dropout_prob, objective, features, route, norm), batch_size=micro_batch,
         sampler=sampler,
@@ -101,7 +110,10 @@ def make_loader(dataset: LatentDataset, *, micro_batch: int, rank: int, world_si
         # Its own generator, so worker seeding never consumes the global torch RNG.
         generator=torch.Generator().manual_seed(seed), persistent_workers=False,
     )
-    return iter(loader)
+    global_batch = global_batch or micro_batch * world_size
+    ahead = global_batch + (loader.prefetch_factor or 0) * num_workers * micro_batch * world_size  # positions
+    return follow(iter(loader), dataset, seed=seed, window=window, start=start, global_batch=global_batch,
+                  accum=max(1, global_batch // (micro_batch * world_size)), readahead=ahead)
 
 
 def synthetic_batch(shape_of, micro_batch: int, class_dropout_prob: float, objective, seed: int = 0,

@@ -34,7 +34,7 @@ from train.config import (DEBUG_STEPS, TrainConfig, check_config, check_resume, 
                           resolve_config, trained_norm)
 from train.data import make_loader
 from train.init_from import InitWeights, apply_init, load_init
-from train.latents import open_latents
+from train.latents import open_latents, resolve_shard_window
 from train.launcher import check_strategy, resolve_precision_with_launcher
 from train.logger import RunLogger
 from train.preview import sample_preview
@@ -113,8 +113,9 @@ def resume_source(cfg: TrainConfig) -> tuple[Path | None, list[str]]:
 
 def prepare_config(cfg: TrainConfig, accelerator) -> tuple[TrainConfig, LatentDataset, Path | None, list[str]]:
     """Open the latents, resolve 'auto' and check the config, find the resume source: before the run's model."""
-    dataset = open_latents(cfg.latents, accelerator)  # URL -> local cache; verified once per node
+    dataset = open_latents(cfg.latents, accelerator, cfg.cache_limit)  # URL -> local cache; verified once per node
     check_config(cfg, dataset)
+    resolve_shard_window(cfg, dataset)  # the data order: before the resume check compares it
     # train/autotune.py
     resolve_auto_for(cfg, model_config_for(cfg, dataset.latent_shape, dataset.num_classes), accelerator)
     resolve_config(cfg, dataset, accelerator.num_processes)
@@ -500,7 +501,7 @@ def run_loop(run: Run) -> dict:
                          class_dropout_prob=cfg.class_dropout_prob, num_workers=loader_workers(run),
                          pin_memory=run.device.type == "cuda", objective=run.learner.objective,
                          features=run.learner.projector is not None, route=run.learner.route,
-                         norm=trained_norm(cfg.data))
+                         norm=trained_norm(cfg.data), window=cfg.shard_window, global_batch=cfg.global_batch_size)
     meter, last = Meter(), {}
     bar = tqdm(total=total, initial=run.step, desc="train", unit="step", disable=not run.is_main, dynamic_ncols=True)
     with bar:

@@ -548,9 +548,7 @@ class LatentDataset(torch.utils.data.Dataset):
     def __init__(self, root, verify: bool = True, progress: bool = True):
         self.root = Path(root)
         self.meta = load_index(self.root)
-        damaged = damaged_files(self.root, self.meta["shards"], verify=verify, progress=progress)
-        if damaged:
-            raise damaged_error(self.root, damaged)
+        self._check_files(verify, progress)
         self._offsets, self.labels = _load_arrays(self.root, self.meta)
         counts = np.array([s["num_samples"] for s in self.meta["shards"]], dtype=np.int64)
         self._starts = np.concatenate([[0], np.cumsum(counts)])  # global index of each shard's first sample
@@ -559,6 +557,12 @@ class LatentDataset(torch.utils.data.Dataset):
                        for name, spec in tensor_specs(self.meta["layout"]).items()}
         self._maps: dict[int, mmap.mmap] = {}
         self._bytes: dict[int, memoryview] = {}
+
+    def _check_files(self, verify: bool, progress: bool) -> None:
+        """Every listed shard present at its size (and sha256 unless verify=False), else the damage paragraph."""
+        damaged = damaged_files(self.root, self.meta["shards"], verify=verify, progress=progress)
+        if damaged:
+            raise damaged_error(self.root, damaged)
 
     # -- metadata -------------------------------------------------------------------------------------
     num_classes = property(lambda self: int(self.meta["num_classes"]), doc="Number of classes.")
@@ -580,6 +584,7 @@ class LatentDataset(torch.utils.data.Dataset):
 
         return native_norm_of_identity(self.meta["vae"])
 
+    shard_counts = property(lambda self: np.diff(self._starts), doc="(S,) samples per shard, in folder order.")
     tensor_names = property(lambda self: tuple(self._specs), doc="Names of the stored columns.")
     deterministic = property(lambda self: STD not in self._specs,
                              doc="True when the latent is stored alone (no \"std\": a deterministic tokenizer).")
@@ -710,16 +715,40 @@ def epoch_permutation(num_samples: int, seed: int, epoch: int) -> np.ndarray:
     return np.random.default_rng([int(seed), int(epoch)]).permutation(num_samples)
 
 
+def shard_windows(num_shards: int, seed: int, epoch: int, window: int) -> list[np.ndarray]:
+    """Epoch `epoch`'s shards, shuffled, split into consecutive windows of at most `window` shards.
+
+    The windows' sizes differ by at most one shard (np.array_split), so no window is a small remainder.
+    """
+    order = np.random.default_rng([int(seed), int(epoch), 1]).permutation(num_shards)
+    return np.array_split(order, -(-num_shards // window))
+
+
+def windowed_permutation(counts: Sequence[int], seed: int, epoch: int, window: int) -> np.ndarray:
+    """A shard-aware epoch order: shards shuffled, then samples shuffled within each window of `window` shards.
+
+    What webdataset and mosaicml-streaming do for data streamed through a bounded cache: a global shuffle touches
+    every shard all the time, so a cache holding a few shards would refetch one per sample; this order needs only
+    the current window (and the next, prefetched) at any position. counts: samples per shard, in folder order.
+    """
+    starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    rng = np.random.default_rng([int(seed), int(epoch)])
+    parts = [rng.permutation(np.concatenate([np.arange(starts[s], starts[s + 1]) for s in shards]))
+             for shards in shard_windows(len(counts), seed, epoch, window)]
+    return np.concatenate(parts)
+
+
 class StreamSampler(torch.utils.data.Sampler):
     """Infinite, resumable, distributed index stream (edm2-style: position depends only on samples seen).
 
     Global stream = perm(seed, 0) ++ perm(seed, 1) ++ ...; rank r yields the stream positions p >= start
     with p % world_size == r. `start` counts samples consumed by all ranks together, so resuming at
-    start = step * global_batch continues exactly where the interrupted run stopped.
+    start = step * global_batch continues exactly where the interrupted run stopped. With `window` K > 0 (and
+    `counts`, the samples per shard) each epoch is `windowed_permutation`'s shard-aware order instead.
     """
 
     def __init__(self, num_samples: int, rank: int = 0, world_size: int = 1, seed: int = 0,
-                 shuffle: bool = True, start: int = 0):
+                 shuffle: bool = True, start: int = 0, counts: Sequence[int] | None = None, window: int = 0):
         if num_samples <= 0:
             raise ValueError(f"num_samples must be positive, got {num_samples}")
         if not 0 <= rank < world_size:
@@ -727,12 +756,16 @@ class StreamSampler(torch.utils.data.Sampler):
         if seed < 0 or start < 0:
             raise ValueError(f"seed and start must be >= 0, got seed={seed} start={start}")
         self.num_samples, self.rank, self.world_size = num_samples, rank, world_size
-        self.seed, self.shuffle, self.start = seed, shuffle, start
+        if window and (counts is None or sum(counts) != num_samples):
+            raise ValueError("a shard window needs the samples per shard (counts) summing to num_samples")
+        self.seed, self.shuffle, self.start, self.counts, self.window = seed, shuffle, start, counts, window
 
     def order(self, epoch: int) -> np.ndarray:
         """The dataset indices of epoch `epoch` in stream order."""
         if not self.shuffle:
             return np.arange(self.num_samples)
+        if self.window:
+            return windowed_permutation(self.counts, self.seed, epoch, self.window)
         return epoch_permutation(self.num_samples, self.seed, epoch)
 
     def __iter__(self) -> Iterator[int]:
