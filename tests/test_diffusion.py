@@ -455,7 +455,7 @@ def test_sampler_argument_errors():
 
 def test_sampler_vocabulary():
     """One registry of records: each sampler's function and the objectives it serves; others refused by name."""
-    assert SAMPLER_NAMES == ("ddpm", "ddim", "dpmpp-2m", "unipc", "euler", "heun", "sde", "dopri5") == tuple(SAMPLERS)
+    assert SAMPLER_NAMES == ("ddpm", "ddim", "dpmpp-2m", "unipc", "euler", "heun", "sde", "dopri5", "meanflow") == tuple(SAMPLERS)
     assert get_sampler("ddim").fn is ddim_sample and get_sampler("ddpm").fn is ddpm_sample
     assert [n for n in SAMPLER_NAMES if SAMPLERS[n].family == "ddpm"] == ["ddpm", "ddim", "dpmpp-2m", "unipc"]
     with pytest.raises(ChoiceError) as err:

@@ -18,7 +18,7 @@ import torch
 
 from shared.runtime import rundir
 from shared.runtime.errors import UserError
-from shared.runtime.export import load_weights, save_weights, write_safetensors
+from shared.runtime.export import load_weights, read_config, save_weights, write_safetensors
 from shared.runtime.fsio import atomic_write_json, publish_dir, remove_tree
 
 
@@ -155,6 +155,14 @@ def damaged_advice(ckpt: Path) -> str:
         return (f"Delete {ckpt} to resume from {older[-1].name} (the previous complete checkpoint), or pass "
                 f"--resume {older[-1]}.")
     return f"No older checkpoint exists: delete {ckpt} and pass --resume none to start the run again."
+
+
+def checkpoint_config(ckpt: Path):
+    """The ModelConfig a checkpoint's model file records (header only); an unreadable file names the one to delete."""
+    try:
+        return read_config(Path(ckpt) / rundir.MODEL_FILE)
+    except UserError as err:
+        raise UserError(f"the checkpoint {ckpt} cannot be resumed: {err} {damaged_advice(ckpt)}") from None
 
 
 def load_checkpoint(ckpt: Path, rank: int) -> dict:

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from shared.runtime import rundir
 from shared.runtime.errors import UserError
-from shared.runtime.export import first_nonfinite, nonfinite_tensors, read_config, save_weights
+from shared.runtime.export import first_nonfinite, nonfinite_tensors, save_weights
 from shared.runtime.fsio import atomic_write_text, link_file, space_guard
 from shared.runtime.previews import write_preview
 from shared.runtime.lock import FolderLock, hold_lock
@@ -223,7 +223,7 @@ def setup_run(cfg: TrainConfig, dataset: LatentDataset, source: Path | None, acc
               callbacks: list[Callback], init: InitWeights | None = None) -> Run:
     """Build the learner on this process's device, start it from `init` (--init-from) and restore from `source`."""
     setup_backends(cfg, accelerator.device)
-    resumed = read_config(source / rundir.MODEL_FILE) if source is not None else None  # its output layout is kept
+    resumed = ckpt_io.checkpoint_config(source) if source is not None else None  # its output layout is kept
     learner = make_learner(cfg, model_config_for(cfg, dataset.latent_shape, dataset.num_classes, resumed),
                            accelerator=accelerator)
     if init is not None:
