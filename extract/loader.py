@@ -1,8 +1,6 @@
 """DataLoader plumbing: images decoded in worker processes, batches that never straddle a shard."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -15,15 +13,16 @@ class ImageFileDataset(Dataset):
     """Item i = the preprocessed image at sorted position i, or a zero image plus the reason it is bad."""
 
     def __init__(self, scan: ImageFolderScan, image_size: int, max_pixels: int | None = MAX_IMAGE_PIXELS):
-        self.root, self.files, self.labels = Path(scan.root), scan.files, scan.labels
+        self.scan, self.labels = scan, scan.labels
         self.image_size, self.max_pixels = image_size, max_pixels
 
     def __len__(self) -> int:
-        return len(self.files)
+        return len(self.labels)
 
     def __getitem__(self, pos: int) -> dict:
+        image = self.scan.image(pos)  # a path, or a source's bytes (a read error ends the run: rerun resumes)
         try:
-            pixels, error = load_image(self.root / self.files[pos], self.image_size, self.max_pixels), ""
+            pixels, error = load_image(image, self.image_size, self.max_pixels), ""
         except BadImage as err:
             pixels, error = np.zeros((3, self.image_size, self.image_size), np.uint8), str(err)
         # uint8 crosses the worker pipe (4x less than float32); scaling to [-1, 1] happens on the device.
@@ -34,19 +33,19 @@ class ImageInfoDataset(Dataset):
     """Item i = size and mode of the image at position i after a decode as extraction does it (for --check)."""
 
     def __init__(self, scan: ImageFolderScan, image_size: int | None = None, max_pixels: int | None = MAX_IMAGE_PIXELS):
-        self.root, self.files = Path(scan.root), scan.files
+        self.scan = scan
         self.image_size, self.max_pixels = image_size, max_pixels
 
     def __len__(self) -> int:
-        return len(self.files)
+        return len(self.scan.files)
 
     def __getitem__(self, pos: int) -> dict:
-        path, too_large = self.root / self.files[pos], False
+        too_large = False
         try:
-            _, mode, size = open_image(path, self.max_pixels, self.image_size)
+            _, mode, size = open_image(self.scan.image(pos), self.max_pixels, self.image_size)
             error = ""
         except TooLarge as err:  # the size is known from the header: reported, so the user can pick a limit
-            mode, size, error, too_large = "", image_header_size(path), str(err), True
+            mode, size, error, too_large = "", image_header_size(self.scan.image(pos)), str(err), True
         except BadImage as err:
             mode, size, error = "", (0, 0), str(err)
         return {"pos": pos, "width": size[0], "height": size[1], "mode": mode, "error": error,

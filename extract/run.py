@@ -21,7 +21,9 @@ import torch
 from tqdm import tqdm
 
 from shared.datasets.duplicates import DEFAULT_DUPLICATES, DUPLICATE_POLICIES, apply_duplicates
-from shared.datasets.imagefolder import ImageFolderScan, scan_image_folder
+from shared.datasets.imagefolder import ImageFolderScan
+from shared.datasets.sources import (DEFAULT_IMAGE_COLUMN, DEFAULT_LABEL_COLUMN, DEFAULT_LABEL_KEY, SourceOptions,
+                                     describe_source, is_url, open_source)
 from shared.datasets.images import BOMB_REASON, MAX_IMAGE_PIXELS, pixel_limit, to_model_input
 from extract.loader import ImageFileDataset, ShardBatches, make_loader
 from shared.runtime.cli import counted, option
@@ -47,7 +49,17 @@ SETTINGS_VERSION = 1
 class ExtractConfig:
     """Everything `python -m extract` can be asked to do (one field per flag: its default and help)."""
 
-    data_path: Path | None = option(None, "ImageFolder root: one sub-folder per class (required unless --verify).")
+    data_path: str | None = option(
+        None, "The images (required unless --verify): an ImageFolder root (one sub-folder per class); webdataset tar "
+              "shards, a brace pattern or '::'-separated list, local or any fsspec URL (https://, s3://, hf://); or "
+              "parquet files, a glob, or a Hugging Face dataset folder (its train-*.parquet)")
+    label_key: str = option(DEFAULT_LABEL_KEY, "Tar shards: the member holding each sample's class index (cls), or "
+                                               "json:FIELD for a field of its .json member")
+    class_map: Path | None = option(None, "Tar shards or parquet: class names, a JSON list or {index: name} (default: "
+                                          "parquet's ClassLabel names, else the indices)")
+    image_column: str = option(DEFAULT_IMAGE_COLUMN, "Parquet: the column of encoded images (a struct with bytes, as "
+                                                     "Hugging Face datasets write it, or binary)")
+    label_column: str = option(DEFAULT_LABEL_COLUMN, "Parquet: the column of integer class indices")
     out: Path | None = option(None, "Output folder for shards and index.json (required unless --check).")
     vae: str = option("ema", "ema | mse (stabilityai/sd-vae-ft-*), a local diffusers folder, a single weight file "
                              "(.safetensors/.ckpt/.pt) or a hub id")
@@ -226,8 +238,10 @@ def check_out_folder(out: Path, settings: dict) -> list[str]:
     return []
 
 
-def check_separate_folders(data_path: Path, out: Path) -> None:
+def check_separate_folders(data_path, out: Path) -> None:
     """Refuse an --out equal to, inside, or holding --data-path: shards written among the images become data."""
+    if is_url(str(data_path)):
+        return
     images, latents = Path(data_path).expanduser().resolve(), Path(out).expanduser().resolve()
     if latents == images or images in latents.parents or latents in images.parents:
         where = ("is" if latents == images else "is inside" if images in latents.parents else "holds")
@@ -247,10 +261,15 @@ def check_flags(cfg: ExtractConfig) -> None:
             raise UserError(f"--out {cfg.out} is a file; pass a folder (it is created if missing).")
 
 
+def source_options(cfg) -> SourceOptions:
+    """The flags that say how a tar or parquet source is read."""
+    return SourceOptions(cfg.label_key, cfg.class_map, cfg.image_column, cfg.label_column)
+
+
 def plan(cfg: ExtractConfig, check_out: bool = True) -> Plan:
     """Every check that needs no weights: flags, dataset, VAE config, image size (and the out folder)."""
     check_flags(cfg)
-    scan = apply_duplicates(scan_image_folder(cfg.data_path).limited(cfg.limit), cfg.duplicates)
+    scan = apply_duplicates(open_source(cfg.data_path, source_options(cfg)).limited(cfg.limit), cfg.duplicates)
     vae_name, vae_config, warnings, shape = check_encoder_vae(cfg)
     encoder = None
     if cfg.repr_encoder is not None:
@@ -348,7 +367,7 @@ def _bad_file(scan: ImageFolderScan, pos: int, reason: str, strict: bool) -> dic
     """Record one unusable file; with --strict it ends the run instead."""
     path = scan.files[pos]
     if strict:
-        raise UserError(f"bad image {scan.root / path}: {reason}. --strict stops at the first bad file: fix or "
+        raise UserError(f"bad image {scan.where(pos)}: {reason}. --strict stops at the first bad file: fix or "
                         f"remove it, or run without --strict to skip bad files and list them in {BAD_FILES_NAME}.")
     return {"path": path, "reason": reason}
 
@@ -634,7 +653,7 @@ def describe_plan(cfg: ExtractConfig) -> str:
     done = sum(read_finished(out, j, plan_.settings) is not None for j in range(plan_.num_shards))
     frames = "original + mirror" if cfg.flip == "both" else "original only"
     return "\n".join([
-        f"data: {plan_.scan.root}: {counted(len(plan_.scan), 'image')} in "
+        f"data: {plan_.scan.root} ({describe_source(plan_.scan)}): {counted(len(plan_.scan), 'image')} in "
         f"{counted(len(plan_.scan.classes), 'class', 'classes')}",
         f"data: {plan_.scan.skipped.describe()}",
         *(f"data: {note}" for note in plan_.scan.notes),
