@@ -72,7 +72,7 @@ def open_binary(url: str):
     import fsspec
 
     try:
-        return fsspec.open(url, "rb").open()
+        return fsspec.open(url, "rb").open() if is_url(url) else open(url, "rb")  # noqa: SIM115 - the caller closes
     except ImportError as err:  # fsspec's http filesystem needs aiohttp, s3 needs s3fs, gs needs gcsfs
         raise UserError(f"cannot open {url}: {err}. Install the package named there (pip install aiohttp for "
                         f"https://, s3fs for s3://, gcsfs for gs://).") from None
@@ -188,7 +188,8 @@ def _list_tar(url: str, label_key: str, skipped: Skipped) -> list[tuple[str, str
     found = []
     with open_binary(url) as stream:
         try:
-            for sample in group_by_keys(tar_file_iterator(stream), lcase=False):  # suffix case kept: the member name
+            files = ({**member, "__url__": url} for member in tar_file_iterator(stream))
+            for sample in group_by_keys(files, lcase=False):  # suffix case kept: it names the member
                 key, where = sample["__key__"], f"{url}#{sample['__key__']}"
                 suffix = _image_member(sample)
                 if suffix is None:
@@ -209,7 +210,7 @@ class TarReader:
 
     def __init__(self, shards: list[str], members: dict):
         self.shards, self.members = shards, members  # id -> (shard index, member name)
-        self._open = None  # (shard index, file, TarFile): the last shard read, per process
+        self._open = None  # (shard index, file, TarFile, name -> TarInfo): the last shard read, per process
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_open": None}  # open files stay in the process that opened them
@@ -220,9 +221,14 @@ class TarReader:
         if self._open is None or self._open[0] != shard:
             self.close()
             handle = open_binary(self.shards[shard])
-            self._open = (shard, handle, tarfile.open(fileobj=handle, mode="r:"))
+            try:
+                archive = tarfile.open(fileobj=handle, mode="r:")  # reads the headers once, seeking past the data
+                members = {m.name: m for m in archive.getmembers()}  # getmember(name) is a linear search
+            except (OSError, tarfile.TarError) as err:
+                raise _reading_error(self.shards[shard], err) from None
+            self._open = (shard, handle, archive, members)
         try:
-            return self._open[2].extractfile(name).read()
+            return self._open[2].extractfile(self._open[3][name]).read()
         except (OSError, tarfile.TarError, KeyError) as err:
             raise _reading_error(self.shards[shard], err) from None
 
