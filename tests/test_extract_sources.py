@@ -10,19 +10,18 @@ import threading
 import time
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+import webdataset as wds
 
-pa = pytest.importorskip("pyarrow")  # a requirement (requirements.txt); absent only in a half-made environment
-import pyarrow.parquet as pq  # noqa: E402
-import webdataset as wds  # noqa: E402
-
-from extract.__main__ import main  # noqa: E402
-from extract.run import BAD_FILES_NAME, ExtractConfig, run_extract, sidecar_path  # noqa: E402
-from shared.datasets.imagefolder import scan_image_folder  # noqa: E402
-from shared.datasets.shards import INDEX_NAME, shard_name  # noqa: E402
-from shared.runtime.fsio import stale_tmps  # noqa: E402
-from tests.conftest import ROOT, make_image_folder  # noqa: E402
-from tests.helpers import run_main  # noqa: E402
+from extract.__main__ import main
+from extract.run import BAD_FILES_NAME, ExtractConfig, run_extract, sidecar_path
+from shared.datasets.imagefolder import scan_image_folder
+from shared.datasets.shards import INDEX_NAME, shard_name
+from shared.runtime.fsio import stale_tmps
+from tests.conftest import ROOT, make_image_folder
+from tests.helpers import run_main
 
 TINY = dict(image_size=16, shard_size=4, batch_size=2, num_workers=0, flip="none")
 
