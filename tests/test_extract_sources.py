@@ -304,3 +304,28 @@ def test_sigkill_mid_shard_then_rerun_equals_an_uninterrupted_tar_run(tmp_path, 
     assert "this run encoded 8 images" in result.stdout  # shard 0 kept; 1 and 2 encoded
     names = [*_shards(ref), INDEX_NAME, "index-arrays.npz", BAD_FILES_NAME]
     assert {n: (out / n).read_bytes() for n in names} == {n: (ref / n).read_bytes() for n in names}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Several processes
+# ----------------------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_two_processes_split_a_parquet_source_with_decoding_workers(tmp_path, tiny_vae_dir, folder_run):
+    """torchrun (what `accelerate launch --multi_gpu` runs) on CPU/gloo: latent shard j goes to rank j % 2, each
+    rank's readers travel to a decoding worker, and the folder comes out as one process writes it from images."""
+    from tests.test_extract import _free_port
+
+    images, _ = folder_run
+    _write_parquet(images, tmp_path / "p" / "train-0.parquet")
+    ref, out = tmp_path / "ref", tmp_path / "out"  # ref: the folder, one process, the same thread count
+    subprocess.run(_cli(images, ref, tiny_vae_dir), cwd=ROOT, env=_ENV, check=True, capture_output=True, timeout=300)
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+              "--master_port", str(_free_port())]
+    argv = [*launch, *_cli(tmp_path / "p", out, tiny_vae_dir)[1:]]
+    argv[argv.index("--num-workers") + 1] = "1"
+    result = subprocess.run(argv, cwd=ROOT, env=_ENV, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    writers = [json.loads(sidecar_path(out, j).read_text())["written_by"]["rank"] for j in range(3)]
+    assert writers == [0, 1, 0]
+    assert _shards(out) == _shards(ref)
