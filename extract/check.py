@@ -9,7 +9,7 @@ from shared.datasets.duplicates import apply_duplicates
 from shared.datasets.imagefolder import ImageFolderScan
 from shared.datasets.sources import SourceOptions, describe_source, open_source
 from shared.datasets.images import MAX_IMAGE_PIXELS, describe_limit
-from extract.loader import ImageInfoDataset, make_loader
+from extract.loader import ImageInfoDataset, make_loader, raise_fatal
 from shared.runtime.cli import counted
 
 
@@ -22,6 +22,7 @@ def inspect_all(scan: ImageFolderScan, num_workers: int, batch_size: int = 64, i
     records = []
     with tqdm(total=len(scan), unit="img", desc="check", dynamic_ncols=True) as bar:
         for batch in loader:
+            raise_fatal(batch)
             for k in range(len(batch["pos"])):
                 records.append({key: (value[k].item() if hasattr(value[k], "item") else value[k])
                                 for key, value in batch.items()})

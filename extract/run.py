@@ -25,7 +25,7 @@ from shared.datasets.imagefolder import ImageFolderScan
 from shared.datasets.sources import (DEFAULT_IMAGE_COLUMN, DEFAULT_LABEL_COLUMN, DEFAULT_LABEL_KEY, SourceOptions,
                                      describe_source, is_url, open_source)
 from shared.datasets.images import BOMB_REASON, MAX_IMAGE_PIXELS, pixel_limit, to_model_input
-from extract.loader import ImageFileDataset, ShardBatches, make_loader
+from extract.loader import ImageFileDataset, ShardBatches, make_loader, raise_fatal
 from shared.runtime.cli import counted, option
 from shared.runtime.distributed import default_workers as shared_default_workers, process_state
 from extract.sizes import check_image_size
@@ -437,6 +437,7 @@ class ShardSink:
 
 def _split_batch(batch: dict, scan: ImageFolderScan, strict: bool) -> tuple[list[int], torch.Tensor, list[dict]]:
     """Separate readable images from bad ones (recorded with their sorted position)."""
+    raise_fatal(batch)  # a source's shard that cannot be read ends the run; the finished shards are kept
     good, bad = [], []
     for k, (pos, error) in enumerate(zip(batch["pos"].tolist(), batch["error"])):
         if error:

@@ -248,6 +248,33 @@ def test_bad_sources_are_one_paragraph_and_keep_what_was_extracted(tmp_path, tin
     assert after == before
 
 
+def test_a_shard_unreadable_mid_run_is_one_paragraph_and_the_rerun_finishes(tmp_path, tiny_vae_dir, folder_run,
+                                                                           capsys, monkeypatch):
+    """A read failing in a decoding worker (a dropped connection, a vanished file): its paragraph, not the worker's
+    traceback; exit 2; the shards already finished kept and not encoded again."""
+    from shared.datasets import sources
+
+    images, _ = folder_run
+    _write_tars(images, tmp_path / "wds" / "train-%06d.tar")
+    data, out = f"{tmp_path}/wds/train-{{000000..000002}}.tar", tmp_path / "lat"
+    read = sources.TarReader.read
+
+    def failing(self, sample_id):
+        if self.members[sample_id][0] == 2:  # tar 2 = latent shard 2 (positions 8-11)
+            raise sources._reading_error(self.shards[2], ConnectionResetError("connection reset by peer"))
+        return read(self, sample_id)
+
+    monkeypatch.setattr(sources.TarReader, "read", failing)  # the forked decoding worker inherits it
+    argv = ["--data-path", data, "--out", out, "--vae", tiny_vae_dir, "--image-size", "16", "--shard-size", "4",
+            "--num-workers", "1", "--flip", "none"]
+    err = _refused(capsys, argv)
+    assert f"reading {tmp_path}/wds/train-000002.tar failed (ConnectionResetError: connection reset by peer)" in err
+    assert "Traceback" not in err and sidecar_path(out, 1).exists() and not (out / INDEX_NAME).exists()
+    monkeypatch.setattr(sources.TarReader, "read", read)
+    code, printed, _ = run_main(main, argv, capsys)
+    assert code == 0 and "this run encoded 4 images" in printed
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Resume after kill -9
 # ----------------------------------------------------------------------------------------------------------

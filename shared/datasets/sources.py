@@ -20,6 +20,8 @@ import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tqdm import tqdm
+
 from shared.datasets.imagefiles import IMAGE_EXTENSIONS
 from shared.datasets.imagefolder import ImageFolderScan, Skipped, scan_image_folder
 from shared.runtime.cli import counted
@@ -244,7 +246,7 @@ def scan_tar_shards(data_path: str, options: SourceOptions) -> SourceScan:
     """List webdataset tar shards: ids SHARD#KEY in shard order then member order."""
     shards = expand_shards(data_path)
     skipped, files, labels, digests, members = Skipped(), [], [], {}, {}
-    for index, url in enumerate(shards):
+    for index, url in enumerate(tqdm(shards, unit="shard", desc="list", dynamic_ncols=True, disable=len(shards) < 2)):
         for key, name, label, digest in _list_tar(url, options.label_key, skipped):
             sample_id = f"{url}#{key}"
             files.append(sample_id)
@@ -368,7 +370,7 @@ def scan_parquet(data_path: str, options: SourceOptions) -> SourceScan:
                         f"data/{PARQUET_SPLIT}-*.parquet, */{PARQUET_SPLIT}-*.parquet, *.parquet). Pass the files, "
                         f"a glob such as data/train-*.parquet, or the dataset's folder.")
     ids, labels, digests, rows, hf_names = [], [], {}, {}, None
-    for index, url in enumerate(files):
+    for index, url in enumerate(tqdm(files, unit="file", desc="list", dynamic_ncols=True, disable=len(files) < 2)):
         found, found_labels, found_digests, names = _list_parquet(url, index, options)
         hf_names = hf_names or names
         for n, (loc, label, digest) in enumerate(zip(found, found_labels, found_digests)):
