@@ -22,8 +22,9 @@ from tqdm import tqdm
 
 from shared.datasets.duplicates import DEFAULT_DUPLICATES, DUPLICATE_POLICIES, apply_duplicates
 from shared.datasets.imagefolder import ImageFolderScan
-from shared.datasets.sources import (DEFAULT_IMAGE_COLUMN, DEFAULT_LABEL_COLUMN, DEFAULT_LABEL_KEY, SourceOptions,
-                                     describe_source, is_url, open_source)
+from shared.datasets.sources import (DEFAULT_IMAGE_COLUMN, DEFAULT_LABEL_COLUMN, DEFAULT_LABEL_KEY, LISTING_NAME,
+                                     SourceOptions, describe_source, is_url, listed_source, open_source,
+                                     save_listing)
 from shared.datasets.images import BOMB_REASON, MAX_IMAGE_PIXELS, pixel_limit, to_model_input
 from extract.loader import ImageFileDataset, ShardBatches, make_loader, raise_fatal
 from shared.runtime.cli import counted, option
@@ -132,6 +133,7 @@ class Plan:
     deterministic: bool = False  # the tokenizer gives one latent, no posterior spread (AutoencoderDC)
     element_stats: bool = False  # per-element statistics are computed too (RAE: its normalisation is per element)
     latent_shape: tuple = ()  # (C, h, w) measured by encoding one image of --image-size (meta device, no weights)
+    listing_key: dict | None = None  # a tar or parquet listing made by this run: kept in --out under this key
 
 
 @dataclass
@@ -269,7 +271,10 @@ def source_options(cfg) -> SourceOptions:
 def plan(cfg: ExtractConfig, check_out: bool = True) -> Plan:
     """Every check that needs no weights: flags, dataset, VAE config, image size (and the out folder)."""
     check_flags(cfg)
-    scan = apply_duplicates(open_source(cfg.data_path, source_options(cfg)).limited(cfg.limit), cfg.duplicates)
+    options = source_options(cfg)
+    scan, listing_key = listed_source(  # tar and parquet: the listing kept in --out by an earlier run, if it fits
+        cfg.data_path, options, cfg.out, {"limit": cfg.limit, "duplicates": cfg.duplicates},
+        lambda: apply_duplicates(open_source(cfg.data_path, options).limited(cfg.limit), cfg.duplicates))
     vae_name, vae_config, warnings, shape = check_encoder_vae(cfg)
     encoder = None
     if cfg.repr_encoder is not None:
@@ -281,7 +286,7 @@ def plan(cfg: ExtractConfig, check_out: bool = True) -> Plan:
         warnings += check_out_folder(Path(cfg.out), settings)
     kind = tokenizer_class(vae_config, vae_name)
     return Plan(scan, vae_name, settings, -(-len(scan) // cfg.shard_size), warnings, encoder, vae_config,
-                kind.deterministic, kind.element_stats, shape)
+                kind.deterministic, kind.element_stats, shape, listing_key)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -605,6 +610,8 @@ def _extract(cfg: ExtractConfig, plan_: Plan, out: Path, state) -> dict:
     if state.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         _atomic_json(out / SETTINGS_NAME, plan_.settings)
+        if plan_.listing_key is not None:  # a rerun reads this instead of the whole source again
+            save_listing(plan_.scan, out / LISTING_NAME, plan_.listing_key)
     state.wait_for_everyone()
     pending, damaged = _pending(out, plan_, state)
     clean_unfinished(out, pending)

@@ -356,3 +356,27 @@ def test_two_processes_split_a_parquet_source_with_decoding_workers(tmp_path, ti
     writers = [json.loads(sidecar_path(out, j).read_text())["written_by"]["rank"] for j in range(3)]
     assert writers == [0, 1, 0]
     assert _shards(out) == _shards(ref)
+
+
+def test_a_rerun_reads_the_listing_kept_in_out_not_the_source(tmp_path, tiny_vae_dir, folder_run, monkeypatch):
+    """Resume at ImageNet scale: the listing (labels, content hashes) is kept in --out; a rerun with the same flags
+    and shards of the same sizes reads no shard to list it again, and a shard whose size changed is listed anew."""
+    from shared.datasets import sources
+
+    images, ref = folder_run
+    tars = _write_tars(images, tmp_path / "wds" / "train-%06d.tar")
+    data, out = f"{tmp_path}/wds/train-{{000000..000002}}.tar", tmp_path / "lat"
+    _extract(data, out, tiny_vae_dir)
+    assert (out / sources.LISTING_NAME).is_file()
+    for name in ("shard-000002.tar", "shard-000002.done.json", INDEX_NAME):
+        (out / name).unlink()  # as a run killed before its last shard leaves the folder
+    listed = []
+    list_tar = sources._list_tar
+    monkeypatch.setattr(sources, "_list_tar", lambda url, *a: listed.append(url) or list_tar(url, *a))
+    _extract(data, out, tiny_vae_dir)
+    assert listed == [] and _shards(out) == _shards(ref)
+    with open(tars[1], "ab") as grown:
+        grown.write(b"\0" * 1024)  # tar padding: the same samples, another size
+    (out / INDEX_NAME).unlink()
+    _extract(data, out, tiny_vae_dir)
+    assert len(listed) == 3 and _shards(out) == _shards(ref)

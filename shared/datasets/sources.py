@@ -199,7 +199,7 @@ def _list_tar(url: str, label_key: str, skipped: Skipped) -> list[tuple[str, str
                     continue
                 data = sample[suffix]
                 found.append((key, f"{key}.{suffix}", _label_of(sample, label_key, where),
-                              hashlib.sha256(data).hexdigest()))
+                              hashlib.sha256(data).digest()))
         except UserError:
             raise
         except (OSError, tarfile.TarError, ValueError) as err:
@@ -327,7 +327,7 @@ def _list_parquet(url: str, index: int, options: SourceOptions) -> tuple[list, l
                 for row, data in enumerate(image_bytes(pf.read_row_group(group, columns=[options.image_column])
                                                        .column(options.image_column))):
                     rows.append((index, group, row))
-                    digests.append(hashlib.sha256(data or b"").hexdigest())
+                    digests.append(hashlib.sha256(data or b"").digest())
         except UserError:
             raise
         except (OSError, ValueError) as err:
@@ -383,6 +383,86 @@ def scan_parquet(data_path: str, options: SourceOptions) -> SourceScan:
     classes = class_names(labels, names if names is not None else hf_names, f"--data-path {data_path}", origin)
     return SourceScan(data_path, classes, ids, labels, Skipped(), (),
                       ParquetReader(files, rows, options.image_column), digests)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The listing kept in --out: a rerun (resume) does not read the whole source again
+# ----------------------------------------------------------------------------------------------------------
+
+LISTING_NAME = "source-listing.json.gz"
+LISTING_VERSION = 1
+
+
+def unit_sizes(urls: list[str]) -> list[int]:
+    """The byte size of each shard or file (os.stat, or the filesystem's info: one request per URL)."""
+    import fsspec
+
+    sizes = []
+    for url in urls:
+        try:
+            sizes.append(fsspec.core.url_to_fs(url)[0].size(url) if is_url(url) else Path(url).stat().st_size)
+        except (OSError, ValueError, ImportError):
+            sizes.append(-1)
+    return sizes
+
+
+def _listing_key(data_path: str, options: SourceOptions, extra: dict) -> dict:
+    """What a kept listing must have been made from to be reused."""
+    try:
+        class_map = None if options.class_map is None else Path(options.class_map).expanduser().read_text()
+    except OSError:
+        class_map = None  # read_class_map names the problem when the source is listed
+    return {"version": LISTING_VERSION, "data_path": data_path, "label_key": options.label_key,
+            "class_map": class_map, "image_column": options.image_column, "label_column": options.label_column,
+            **extra}
+
+
+def listed_source(data_path, options: SourceOptions, out: Path | None, extra: dict, make) -> tuple:
+    """(scan, key to save it under, or None): the listing kept in `out` when it still fits, else make()."""
+    data_path = str(data_path)
+    if out is None or source_kind(data_path) == "folder":
+        return make(), None
+    key = _listing_key(data_path, options, extra)
+    kept = load_listing(Path(out) / LISTING_NAME, key)
+    return (kept, None) if kept is not None else (make(), key)
+
+
+def save_listing(scan: SourceScan, path: Path, key: dict) -> None:
+    """Write the listing (after --limit and --duplicates) beside the shards, atomically."""
+    import gzip
+
+    from shared.runtime.fsio import atomic_write_bytes
+
+    reader = scan.reader
+    tar = isinstance(reader, TarReader)
+    units = reader.shards if tar else reader.files
+    where = reader.members if tar else reader.rows
+    record = {"key": key, "kind": "tar" if tar else "parquet", "units": units, "sizes": unit_sizes(units),
+              "classes": scan.classes, "files": scan.files, "labels": scan.labels,
+              "digests": [scan.digests[f].hex() for f in scan.files], "where": [where[f] for f in scan.files],
+              "skipped": [scan.skipped.counts, scan.skipped.first], "notes": list(scan.notes),
+              "image_column": getattr(reader, "image_column", None)}
+    atomic_write_bytes(path, gzip.compress(json.dumps(record).encode(), mtime=0))
+
+
+def load_listing(path: Path, key: dict) -> SourceScan | None:
+    """The kept listing, if made from the same source and options and every shard still has its size."""
+    import gzip
+
+    try:
+        record = json.loads(gzip.decompress(Path(path).read_bytes()))
+    except (OSError, ValueError, EOFError):
+        return None
+    if record.get("key") != key or unit_sizes(record["units"]) != record["sizes"]:
+        return None
+    files = record["files"]
+    where = {f: tuple(w) for f, w in zip(files, record["where"])}
+    reader = (TarReader(record["units"], where) if record["kind"] == "tar"
+              else ParquetReader(record["units"], where, record["image_column"]))
+    digests = {f: bytes.fromhex(d) for f, d in zip(files, record["digests"])}
+    skipped = Skipped(*record["skipped"])
+    return SourceScan(key["data_path"], record["classes"], files, record["labels"], skipped, tuple(record["notes"]),
+                      reader, digests)
 
 
 # ----------------------------------------------------------------------------------------------------------
