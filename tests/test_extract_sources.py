@@ -380,3 +380,14 @@ def test_a_rerun_reads_the_listing_kept_in_out_not_the_source(tmp_path, tiny_vae
     (out / INDEX_NAME).unlink()
     _extract(data, out, tiny_vae_dir)
     assert len(listed) == 3 and _shards(out) == _shards(ref)
+
+
+def test_a_folder_of_tar_shards_and_an_unlabelled_split(tmp_path, folder_run, capsys):
+    images, _ = folder_run
+    _write_tars(images, tmp_path / "wds" / "train-%06d.tar")
+    assert main(["--data-path", str(tmp_path / "wds"), "--check", "--num-workers", "0"]) == 0
+    assert "(webdataset tar shards): 3 classes, 12 images" in capsys.readouterr().out
+    table = pa.table({"image": [{"bytes": b"x", "path": None}], "label": [-1]})  # as ImageNet's test split
+    pq.write_table(table, tmp_path / "test.parquet")
+    err = _refused(capsys, ["--data-path", tmp_path / "test.parquet", "--check"])
+    assert "label -1 (1 sample in all) is not a class index" in err

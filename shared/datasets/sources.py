@@ -122,6 +122,12 @@ def read_class_map(path: Path | None) -> list[str] | None:
 def class_names(labels: list[int], names: list[str] | None, where: str, origin: str) -> list[str]:
     """The class names (given, or the indices as text); UserError for a label outside them."""
     if names is None:
+        negative = [label for label in labels if label < 0]
+        if negative:  # -1: `datasets`' "no label" (the test split of ImageNet)
+            raise UserError(f"{where}: label {negative[0]} ({counted(len(negative), 'sample')} in all) is not a "
+                            f"class index; a split without labels (ImageNet's test split holds -1) cannot be "
+                            f"trained on. Pass the train split, or the --label-key/--label-column that holds the "
+                            f"class index.")
         return [str(i) for i in range(max(labels, default=-1) + 1)]
     outside = [label for label in labels if not 0 <= label < len(names)]
     if outside:
@@ -147,10 +153,20 @@ def parse_label(value, where: str, key: str) -> int:
 # Webdataset tar shards
 # ----------------------------------------------------------------------------------------------------------
 
+def tar_folder(data_path: str) -> list[str]:
+    """The sorted *.tar files of a local folder holding tar shards and no sub-folder (not an ImageFolder)."""
+    folder = Path(data_path).expanduser()
+    if is_url(data_path) or not folder.is_dir() or any(p.is_dir() for p in folder.iterdir()):
+        return []
+    return sorted(str(p) for p in folder.glob("*.tar"))
+
+
 def expand_shards(data_path: str) -> list[str]:
-    """The shard list of a brace pattern or a '::'-separated list (webdataset's own expansion)."""
+    """The shard list of a brace pattern or a '::'-separated list (webdataset's own expansion), or a folder's."""
     from webdataset.shardlists import expand_urls
 
+    if tar_folder(data_path):
+        return tar_folder(data_path)
     return [url if is_url(url) else str(Path(url).expanduser()) for url in expand_urls(data_path)]
 
 
@@ -473,7 +489,7 @@ def source_kind(data_path: str) -> str:
     """'tar', 'parquet' or 'folder', from the path's form (and a local folder's parquet files)."""
     if ".parquet" in data_path:
         return "parquet"
-    if data_path.rstrip("}").endswith(".tar") or all(u.endswith(".tar") for u in expand_shards(data_path)):
+    if data_path.endswith(".tar") or all(u.endswith(".tar") for u in expand_shards(data_path)):
         return "tar"
     if not is_url(data_path) and Path(data_path).expanduser().is_dir() and parquet_files(data_path):
         return "parquet"
