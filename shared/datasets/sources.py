@@ -6,16 +6,19 @@ sha256 of every sample's bytes, so everything extract does with a folder (positi
 the settings' fingerprint of the id list, --limit, --duplicates, --check, ranks) holds for every source.
 
 A sample's id is `SHARD#KEY`: the tar shard's URL or path and the webdataset `__key__`, or the parquet file and
-the row's index in it. Listing reads every byte once (webdataset's tar iterator, pyarrow's row groups) for the
-labels and the content hashes duplicates are found by; extraction then reads each sample at random (tarfile's
-member index, one parquet row group at a time) through fsspec, so `https://`, `s3://`, `hf://`, `memory://`
-serve as local files do (http needs a server that answers Range requests, as S3, the Hub and nginx do).
+the row's index in it. Listing reads every byte once (tar members by tarfile, the reader webdataset wraps,
+grouped into samples by webdataset's group_by_keys; parquet row groups by pyarrow) for the labels, the content
+hashes duplicates are found by, and each tar image's data offset; extraction then reads each sample at random
+(one ranged read per tar image, one parquet row group at a time) through fsspec, so `https://`, `s3://`,
+`hf://`, `memory://` serve as local files do (http needs a server that answers Range requests, as S3, the Hub
+and nginx do). Tar shards must be plain .tar (webdataset's usual form): offsets into a .tar.gz are not seekable.
 """
 from __future__ import annotations
 
 import hashlib
 import io
 import json
+import re
 import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -199,61 +202,74 @@ def _label_of(sample: dict, label_key: str, where: str) -> int:
     return parse_label(record[json_field], where, label_key)
 
 
-def _list_tar(url: str, label_key: str, skipped: Skipped) -> list[tuple[str, str, int, str]]:
-    """(key, image member name, label, sha256) of every sample of one shard, in the shard's order."""
-    from webdataset.tariterators import group_by_keys, tar_file_iterator
+META_MEMBER = re.compile(r"__[^/]*__($|/)")  # webdataset's own rule: such members are shard metadata, not samples
 
-    found = []
+
+def _tar_members(stream, url: str, spans: dict):
+    """The regular members of a plain tar stream as webdataset's file samples; their data spans go to `spans`.
+
+    tarfile (the reader webdataset's tar_file_iterator wraps) in stream mode, so the data offset of each member
+    is known: extraction then reads an image with one ranged read instead of indexing the shard again.
+    """
+    archive = tarfile.open(fileobj=stream, mode="r|")  # plain tar only: offsets into a .tar.gz are not seekable
+    for info in archive:
+        if info.isreg() and not META_MEMBER.match(info.name):
+            spans[info.name] = (info.offset_data, info.size)
+            yield {"fname": info.name, "data": archive.extractfile(info).read(), "__url__": url}
+        archive.members = []  # stream mode: no member list kept (a shard may hold a million)
+
+
+def _list_tar(url: str, label_key: str, skipped: Skipped) -> list[tuple[str, tuple, int, bytes]]:
+    """(key, (offset, size) of its image, label, sha256) of every sample of one shard, in the shard's order."""
+    from webdataset.tariterators import group_by_keys
+
+    found, spans = [], {}
     with open_binary(url) as stream:
         try:
-            files = ({**member, "__url__": url} for member in tar_file_iterator(stream))
-            for sample in group_by_keys(files, lcase=False):  # suffix case kept: it names the member
+            for sample in group_by_keys(_tar_members(stream, url, spans), lcase=False):  # suffix case kept
                 key, where = sample["__key__"], f"{url}#{sample['__key__']}"
-                suffix = _image_member(sample)
+                span = {name: spans.pop(f"{key}.{name}", None) for name in sample if not name.startswith("__")}
+                suffix = _image_member(sample)  # (the next sample's first member may be read already: kept)
                 if suffix is None:
                     skipped.add("no image", where)
                     continue
-                data = sample[suffix]
-                found.append((key, f"{key}.{suffix}", _label_of(sample, label_key, where),
-                              hashlib.sha256(data).digest()))
+                found.append((key, span[suffix], _label_of(sample, label_key, where),
+                              hashlib.sha256(sample[suffix]).digest()))
         except UserError:
             raise
-        except (OSError, tarfile.TarError, ValueError) as err:
+        except (OSError, tarfile.TarError, ValueError, KeyError) as err:
             raise _reading_error(url, err) from None
     return found
 
 
 class TarReader:
-    """One sample's image bytes by id: tarfile's member index over an fsspec file (random access)."""
+    """One sample's image bytes by id: a ranged read at the member's data offset recorded by the listing."""
 
     def __init__(self, shards: list[str], members: dict):
-        self.shards, self.members = shards, members  # id -> (shard index, member name)
-        self._open = None  # (shard index, file, TarFile, name -> TarInfo): the last shard read, per process
+        self.shards, self.members = shards, members  # id -> (shard index, data offset, size)
+        self._open = None  # (shard index, file): the last shard read, per process
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_open": None}  # open files stay in the process that opened them
 
     def read(self, sample_id: str) -> bytes:
         """The bytes of the sample's image member."""
-        shard, name = self.members[sample_id]
+        shard, offset, size = self.members[sample_id]
         if self._open is None or self._open[0] != shard:
             self.close()
-            handle = open_binary(self.shards[shard])
-            try:
-                archive = tarfile.open(fileobj=handle, mode="r:")  # reads the headers once, seeking past the data
-                members = {m.name: m for m in archive.getmembers()}  # getmember(name) is a linear search
-            except (OSError, tarfile.TarError) as err:
-                raise _reading_error(self.shards[shard], err) from None
-            self._open = (shard, handle, archive, members)
+            self._open = (shard, open_binary(self.shards[shard]))
         try:
-            return self._open[2].extractfile(self._open[3][name]).read()
-        except (OSError, tarfile.TarError, KeyError) as err:
+            self._open[1].seek(offset)
+            data = self._open[1].read(size)
+        except (OSError, ValueError) as err:
             raise _reading_error(self.shards[shard], err) from None
+        if len(data) != size:
+            raise _reading_error(self.shards[shard], EOFError(f"{len(data)} of {size} bytes at offset {offset}"))
+        return data
 
     def close(self) -> None:
         """Close the open shard, if any."""
         if self._open is not None:
-            self._open[2].close()
             self._open[1].close()
             self._open = None
 
@@ -263,11 +279,11 @@ def scan_tar_shards(data_path: str, options: SourceOptions) -> SourceScan:
     shards = expand_shards(data_path)
     skipped, files, labels, digests, members = Skipped(), [], [], {}, {}
     for index, url in enumerate(tqdm(shards, unit="shard", desc="list", dynamic_ncols=True, disable=len(shards) < 2)):
-        for key, name, label, digest in _list_tar(url, options.label_key, skipped):
+        for key, (offset, size), label, digest in _list_tar(url, options.label_key, skipped):
             sample_id = f"{url}#{key}"
             files.append(sample_id)
             labels.append(label)
-            digests[sample_id], members[sample_id] = digest, (index, name)
+            digests[sample_id], members[sample_id] = digest, (index, offset, size)
     if not files:
         raise UserError(f"--data-path {data_path}: the {counted(len(shards), 'shard')} hold no sample with an image "
                         f"member ({skipped.describe()}). Pass webdataset shards whose samples hold KEY.jpg (or .png, "
@@ -406,7 +422,7 @@ def scan_parquet(data_path: str, options: SourceOptions) -> SourceScan:
 # ----------------------------------------------------------------------------------------------------------
 
 LISTING_NAME = "source-listing.json.gz"
-LISTING_VERSION = 1
+LISTING_VERSION = 2
 
 
 def unit_sizes(urls: list[str]) -> list[int]:
