@@ -391,3 +391,12 @@ def test_a_folder_of_tar_shards_and_an_unlabelled_split(tmp_path, folder_run, ca
     pq.write_table(table, tmp_path / "test.parquet")
     err = _refused(capsys, ["--data-path", tmp_path / "test.parquet", "--check"])
     assert "label -1 (1 sample in all) is not a class index" in err
+
+
+def test_a_source_flag_the_source_does_not_read_is_refused(tmp_path, folder_run, capsys):
+    images, _ = folder_run
+    err = _refused(capsys, ["--data-path", images, "--check", "--class-map", _class_map(tmp_path, ["a"])])
+    assert "--class-map applies to webdataset tar shards or parquet files, but --data-path names an ImageFolder" in err
+    _write_tars(images, tmp_path / "wds" / "train-%06d.tar")
+    err = _refused(capsys, ["--data-path", tmp_path / "wds", "--check", "--image-column", "jpg"])
+    assert "--image-column applies to parquet files, but --data-path names webdataset tar shards" in err

@@ -195,7 +195,8 @@ def _label_of(sample: dict, label_key: str, where: str) -> int:
     try:
         record = json.loads(found[member.lower()])
     except ValueError as err:
-        raise UserError(f"{where}: its {member} member is not JSON ({err}); fix the shard or the --label-key.") from None
+        raise UserError(f"{where}: its {member} member is not JSON ({err}); fix the shard or the "
+                        f"--label-key.") from None
     if not isinstance(record, dict) or json_field not in record:
         raise UserError(f"{where}: its {member} member has no field {json_field!r}; pass the --label-key "
                         f"json:FIELD that names the label field.")
@@ -341,7 +342,8 @@ def image_bytes(column) -> list:
     import pyarrow as pa
 
     if pa.types.is_struct(column.type):
-        column = column.combine_chunks().field("bytes") if isinstance(column, pa.ChunkedArray) else column.field("bytes")
+        column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+        column = column.field("bytes")
     return column.to_pylist()
 
 
@@ -516,11 +518,30 @@ def source_kind(data_path: str) -> str:
     return "folder"
 
 
+# The flags each kind of source reads; any other set to a value of its own is refused (never silently ignored).
+SOURCE_FLAGS = {"tar": ("label_key", "class_map"), "parquet": ("class_map", "image_column", "label_column"),
+                "folder": ()}
+KIND_NAMES = {"tar": "webdataset tar shards", "parquet": "parquet files", "folder": "an ImageFolder"}
+
+
+def check_flags_apply(kind: str, options: SourceOptions) -> None:
+    """UserError naming a source flag set away from its default that this kind of source does not read."""
+    unused = [name for name in ("label_key", "class_map", "image_column", "label_column")
+              if name not in SOURCE_FLAGS[kind] and getattr(options, name) != getattr(SourceOptions(), name)]
+    if unused:
+        flags, one = " and ".join("--" + name.replace("_", "-") for name in unused), len(unused) == 1
+        readers = " or ".join(KIND_NAMES[k] for k, names in SOURCE_FLAGS.items() if unused[0] in names)
+        raise UserError(f"{flags} {'applies' if one else 'apply'} to {readers}, but --data-path names "
+                        f"{KIND_NAMES[kind]}. Drop {flags}, or point --data-path at the source "
+                        f"{'it is' if one else 'they are'} for.")
+
+
 def open_source(data_path, options: SourceOptions | None = None) -> ImageFolderScan:
     """The listing of an ImageFolder, webdataset tar shards or a parquet dataset (see the module docstring)."""
     options = options or SourceOptions()
     data_path = str(data_path)
     kind = source_kind(data_path)
+    check_flags_apply(kind, options)
     if kind == "tar":
         return scan_tar_shards(data_path, options)
     if kind == "parquet":

@@ -89,7 +89,8 @@ def write_sources(data: Path, root: Path, per_shard: int) -> dict:
     shards = sorted(p.name for p in (root / "wds").glob("*.tar"))
     features = {"image": {"_type": "Image"}, "label": {"_type": "ClassLabel", "names": scan.classes}}
     table = pa.table({"image": [{"bytes": (data / f).read_bytes(), "path": f} for f in scan.files],
-                      "label": scan.labels}).replace_schema_metadata({"huggingface": json.dumps({"info": {"features": features}})})
+                      "label": scan.labels})
+    table = table.replace_schema_metadata({"huggingface": json.dumps({"info": {"features": features}})})
     (root / "hf" / "data").mkdir(parents=True)
     pq.write_table(table, root / "hf" / "data" / "train-00000-of-00001.parquet", row_group_size=100)  # as `datasets`
     return {"tar": f"{root}/wds/train-{{000000..{len(shards) - 1:06d}}}.tar", "parquet": str(root / "hf"),
