@@ -26,9 +26,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(
         prog=PROG, formatter_class=HelpFormatter,
-        description="Encode an ImageFolder (root/<class>/<image>), webdataset tar shards or a parquet dataset once with a frozen VAE into resumable latent\n"
-                    "shards (posterior mean and std, optionally of both flips) for `python -m train`. Rerun the\n"
-                    "same command to resume; run under `accelerate launch` to use several GPUs.",
+        description="Encode an ImageFolder (root/<class>/<image>), webdataset tar shards or a parquet dataset once\n"
+                    "with a frozen VAE into resumable latent shards (posterior mean and std, optionally of both\n"
+                    "flips) for `python -m train`. Rerun the same command to resume; run under `accelerate launch`\n"
+                    "to use several GPUs.",
     )
     add_flags(p, ExtractConfig, skip=("strict",))
     add_flags(p, ExtractModes)

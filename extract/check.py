@@ -43,8 +43,8 @@ def too_large_advice(count: int, largest: int, max_pixels: int | None) -> str:
 def check_report(scan: ImageFolderScan, records: list[dict], image_size: int,
                  max_pixels: int | None = MAX_IMAGE_PIXELS) -> tuple[str, int]:
     """The text printed by --check and the number of bad files."""
-    lines = [f"{scan.root} ({describe_source(scan)}): {counted(len(scan.classes), 'class', 'classes')}, {counted(len(scan), 'image')}; "
-             f"{scan.skipped.describe()}",
+    lines = [f"{scan.root} ({describe_source(scan)}): {counted(len(scan.classes), 'class', 'classes')}, "
+             f"{counted(len(scan), 'image')}; {scan.skipped.describe()}",
              *scan.notes]
     width = max(len(name) for name in scan.classes)
     lines += [f"  {index:>5}  {name:<{width}}  {counted(count, 'image')}"
