@@ -24,7 +24,7 @@ from shared.datasets.duplicates import DEFAULT_DUPLICATES, DUPLICATE_POLICIES, a
 from shared.datasets.imagefolder import ImageFolderScan
 from shared.datasets.sources import (DEFAULT_IMAGE_COLUMN, DEFAULT_LABEL_COLUMN, DEFAULT_LABEL_KEY, LISTING_NAME,
                                      SourceOptions, describe_source, is_url, listed_source, open_source,
-                                     save_listing)
+                                     save_listing, source_kind)
 from shared.datasets.images import BOMB_REASON, MAX_IMAGE_PIXELS, pixel_limit, to_model_input
 from extract.loader import ImageFileDataset, ShardBatches, make_loader, raise_fatal
 from shared.runtime.cli import counted, option
@@ -596,9 +596,31 @@ def run_extract(cfg: ExtractConfig) -> dict:
     # The lock first: a second run into the same --out is refused at once, not after scanning and hashing the
     # whole folder (minutes on ImageNet).
     with _hold_out(out, state):
+        shared_listing = state.num_processes > 1 and lists_source(cfg.data_path)
+        if shared_listing and not state.is_main_process:
+            state.wait_for_everyone()  # the main process reads the source once; the others read its listing
         plan_ = plan(cfg, check_out=False)  # every process runs the same checks, so all fail alike before any weights
         plan_.warnings += check_out_folder(out, plan_.settings)  # under the lock: no other run changes it now
+        if shared_listing and state.is_main_process:
+            keep_listing(out, plan_)
+            state.wait_for_everyone()
         return _extract(cfg, plan_, out, state)
+
+
+def lists_source(data_path) -> bool:
+    """True for tar shards and parquet, whose listing reads every byte (a folder's scan only stats files)."""
+    try:
+        return source_kind(str(data_path)) != "folder"
+    except UserError:
+        return False  # each process refuses it in plan()
+
+
+def keep_listing(out: Path, plan_: Plan) -> None:
+    """Write a listing made by this run into --out (once), where a rerun and the other processes read it."""
+    if plan_.listing_key is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        save_listing(plan_.scan, out / LISTING_NAME, plan_.listing_key)
+        plan_.listing_key = None
 
 
 def _extract(cfg: ExtractConfig, plan_: Plan, out: Path, state) -> dict:
@@ -610,8 +632,7 @@ def _extract(cfg: ExtractConfig, plan_: Plan, out: Path, state) -> dict:
     if state.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         _atomic_json(out / SETTINGS_NAME, plan_.settings)
-        if plan_.listing_key is not None:  # a rerun reads this instead of the whole source again
-            save_listing(plan_.scan, out / LISTING_NAME, plan_.listing_key)
+        keep_listing(out, plan_)  # a rerun reads it instead of the whole source again
     state.wait_for_everyone()
     pending, damaged = _pending(out, plan_, state)
     clean_unfinished(out, pending)

@@ -340,22 +340,38 @@ def test_sigkill_mid_shard_then_rerun_equals_an_uninterrupted_tar_run(tmp_path, 
 @pytest.mark.slow
 def test_two_processes_split_a_parquet_source_with_decoding_workers(tmp_path, tiny_vae_dir, folder_run):
     """torchrun (what `accelerate launch --multi_gpu` runs) on CPU/gloo: latent shard j goes to rank j % 2, each
-    rank's readers travel to a decoding worker, and the folder comes out as one process writes it from images."""
+    rank's readers travel to a decoding worker, only the main process reads the source to list it, and the folder
+    comes out as one process writes it."""
+    import re
+
     from tests.test_extract import _free_port
 
     images, _ = folder_run
-    _write_parquet(images, tmp_path / "p" / "train-0.parquet")
-    ref, out = tmp_path / "ref", tmp_path / "out"  # ref: the folder, one process, the same thread count
-    subprocess.run(_cli(images, ref, tiny_vae_dir), cwd=ROOT, env=_ENV, check=True, capture_output=True, timeout=300)
+    scan = scan_image_folder(images)
+    (tmp_path / "p").mkdir()
+    for half, rows in enumerate((slice(0, 7), slice(7, None))):  # two files: the listing's progress bar shows
+        table = pa.table({"image": [{"bytes": (images / f).read_bytes()} for f in scan.files[rows]],
+                          "label": scan.labels[rows]})
+        pq.write_table(table, tmp_path / "p" / f"train-{half}.parquet", row_group_size=3)
+    ref, out = tmp_path / "ref", tmp_path / "out"
+
+    def argv(folder, workers):
+        line = _cli(tmp_path / "p", folder, tiny_vae_dir)
+        line[line.index("--num-workers") + 1] = workers
+        return line
+
+    one = subprocess.run(argv(ref, "0"), cwd=ROOT, env=_ENV, capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
     launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
               "--master_port", str(_free_port())]
-    argv = [*launch, *_cli(tmp_path / "p", out, tiny_vae_dir)[1:]]
-    argv[argv.index("--num-workers") + 1] = "1"
-    result = subprocess.run(argv, cwd=ROOT, env=_ENV, capture_output=True, text=True, timeout=300)
+    result = subprocess.run([*launch, *argv(out, "1")[1:]], cwd=ROOT, env=_ENV, capture_output=True, text=True,
+                            timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     writers = [json.loads(sidecar_path(out, j).read_text())["written_by"]["rank"] for j in range(3)]
     assert writers == [0, 1, 0]
     assert _shards(out) == _shards(ref)
+    listed = [len(re.findall(r"list: 100%", run.stderr)) for run in (one, result)]
+    assert listed[0] >= 1 and listed[1] == listed[0]  # rank 1 read the main process's listing, not the files
 
 
 def test_a_rerun_reads_the_listing_kept_in_out_not_the_source(tmp_path, tiny_vae_dir, folder_run, monkeypatch):
