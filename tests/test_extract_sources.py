@@ -416,3 +416,11 @@ def test_a_source_flag_the_source_does_not_read_is_refused(tmp_path, folder_run,
     _write_tars(images, tmp_path / "wds" / "train-%06d.tar")
     err = _refused(capsys, ["--data-path", tmp_path / "wds", "--check", "--image-column", "jpg"])
     assert "--image-column applies to parquet files, but --data-path names webdataset tar shards" in err
+
+
+def test_images_smaller_than_the_image_size_are_upscaled_as_from_the_folder(tmp_path, tiny_vae_dir, folder_run):
+    images, _ = folder_run  # 20x24 images, --image-size 32: the folder's rule (upscaled, counted by --check)
+    _write_tars(images, tmp_path / "wds" / "train-%06d.tar")
+    ref = _extract(images, tmp_path / "ref", tiny_vae_dir, image_size=32)
+    out = _extract(tmp_path / "wds", tmp_path / "lat", tiny_vae_dir, image_size=32)
+    assert _shards(out) == _shards(ref) and not (out / BAD_FILES_NAME).read_text()
