@@ -1,4 +1,5 @@
-"""`python -m extract` (or `accelerate launch -m extract ...`): ImageFolder -> latent shards + index.json."""
+"""`python -m extract` (or `accelerate launch -m extract ...`): images (ImageFolder, tar shards, parquet) -> latent
+shards + index.json."""
 from __future__ import annotations
 
 from shared.runtime.interrupt import guard_imports, interruptible
@@ -25,9 +26,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(
         prog=PROG, formatter_class=HelpFormatter,
-        description="Encode an ImageFolder (root/<class>/<image>) once with a frozen VAE into resumable latent\n"
-                    "shards (posterior mean and std, optionally of both flips) for `python -m train`. Rerun the\n"
-                    "same command to resume; run under `accelerate launch` to use several GPUs.",
+        description="Encode an ImageFolder (root/<class>/<image>), webdataset tar shards or a parquet dataset once\n"
+                    "with a frozen VAE into resumable latent shards (posterior mean and std, optionally of both\n"
+                    "flips) for `python -m train`. Rerun the same command to resume; run under `accelerate launch`\n"
+                    "to use several GPUs.",
     )
     add_flags(p, ExtractConfig, skip=("strict",))
     add_flags(p, ExtractModes)
@@ -63,12 +65,14 @@ def main(argv=None) -> int:
             print(run_stats(args.out))
             return 0
         if args.data_path is None:
-            raise UserError("--data-path is required: pass the ImageFolder root (one sub-folder per class).")
+            raise UserError("--data-path is required: pass the ImageFolder root (one sub-folder per class), the tar "
+                            "shards (data/train-{000000..000146}.tar) or the parquet files.")
         if args.check:
             from extract.check import run_check
+            from extract.run import source_options
 
             num_bad = run_check(args.data_path, args.image_size, args.num_workers, args.limit,
-                                args.max_image_pixels, args.duplicates)
+                                args.max_image_pixels, args.duplicates, source_options(args))
             return 1 if num_bad else 0
         from extract.run import describe_plan, format_summary, run_extract
 

@@ -1,4 +1,4 @@
-"""`python -m extract --check`: validate an ImageFolder without a VAE (counts, first image, bad files)."""
+"""`python -m extract --check`: validate a source without a VAE (counts, first image, bad files)."""
 from __future__ import annotations
 
 import os
@@ -6,9 +6,10 @@ import os
 from tqdm import tqdm
 
 from shared.datasets.duplicates import apply_duplicates
-from shared.datasets.imagefolder import ImageFolderScan, scan_image_folder
+from shared.datasets.imagefolder import ImageFolderScan
+from shared.datasets.sources import SourceOptions, describe_source, open_source
 from shared.datasets.images import MAX_IMAGE_PIXELS, describe_limit
-from extract.loader import ImageInfoDataset, make_loader
+from extract.loader import ImageInfoDataset, make_loader, raise_fatal
 from shared.runtime.cli import counted
 
 
@@ -21,6 +22,7 @@ def inspect_all(scan: ImageFolderScan, num_workers: int, batch_size: int = 64, i
     records = []
     with tqdm(total=len(scan), unit="img", desc="check", dynamic_ncols=True) as bar:
         for batch in loader:
+            raise_fatal(batch)
             for k in range(len(batch["pos"])):
                 records.append({key: (value[k].item() if hasattr(value[k], "item") else value[k])
                                 for key, value in batch.items()})
@@ -41,8 +43,8 @@ def too_large_advice(count: int, largest: int, max_pixels: int | None) -> str:
 def check_report(scan: ImageFolderScan, records: list[dict], image_size: int,
                  max_pixels: int | None = MAX_IMAGE_PIXELS) -> tuple[str, int]:
     """The text printed by --check and the number of bad files."""
-    lines = [f"{scan.root}: {counted(len(scan.classes), 'class', 'classes')}, {counted(len(scan), 'image')}; "
-             f"{scan.skipped.describe()}",
+    lines = [f"{scan.root} ({describe_source(scan)}): {counted(len(scan.classes), 'class', 'classes')}, "
+             f"{counted(len(scan), 'image')}; {scan.skipped.describe()}",
              *scan.notes]
     width = max(len(name) for name in scan.classes)
     lines += [f"  {index:>5}  {name:<{width}}  {counted(count, 'image')}"
@@ -64,11 +66,11 @@ def check_report(scan: ImageFolderScan, records: list[dict], image_size: int,
 
 
 def run_check(data_path, image_size: int, num_workers: int | None, limit: int | None, max_pixels: int | None,
-              duplicates: str) -> int:
+              duplicates: str, options: SourceOptions | None = None) -> int:
     """Print the dataset report; returns the number of bad files."""
     if num_workers is None:
         num_workers = max(0, min(8, (os.cpu_count() or 1) - 1))
-    scan = apply_duplicates(scan_image_folder(data_path).limited(limit), duplicates)
+    scan = apply_duplicates(open_source(data_path, options).limited(limit), duplicates)
     records = inspect_all(scan, num_workers, image_size=image_size, max_pixels=max_pixels)
     text, num_bad = check_report(scan, records, image_size, max_pixels)
     print(text)

@@ -21,9 +21,12 @@ import torch
 from tqdm import tqdm
 
 from shared.datasets.duplicates import DEFAULT_DUPLICATES, DUPLICATE_POLICIES, apply_duplicates
-from shared.datasets.imagefolder import ImageFolderScan, scan_image_folder
+from shared.datasets.imagefolder import ImageFolderScan
+from shared.datasets.sources import (DEFAULT_IMAGE_COLUMN, DEFAULT_LABEL_COLUMN, DEFAULT_LABEL_KEY, LISTING_NAME,
+                                     SourceOptions, describe_source, is_url, listed_source, open_source,
+                                     save_listing, source_kind)
 from shared.datasets.images import BOMB_REASON, MAX_IMAGE_PIXELS, pixel_limit, to_model_input
-from extract.loader import ImageFileDataset, ShardBatches, make_loader
+from extract.loader import ImageFileDataset, ShardBatches, make_loader, raise_fatal
 from shared.runtime.cli import counted, option
 from shared.runtime.distributed import default_workers as shared_default_workers, process_state
 from extract.sizes import check_image_size
@@ -47,7 +50,17 @@ SETTINGS_VERSION = 1
 class ExtractConfig:
     """Everything `python -m extract` can be asked to do (one field per flag: its default and help)."""
 
-    data_path: Path | None = option(None, "ImageFolder root: one sub-folder per class (required unless --verify).")
+    data_path: str | None = option(
+        None, "The images (required unless --verify): an ImageFolder root (one sub-folder per class); webdataset tar "
+              "shards, a brace pattern or '::'-separated list, local or any fsspec URL (https://, s3://, hf://); or "
+              "parquet files, a glob, or a Hugging Face dataset folder (its train-*.parquet)")
+    label_key: str = option(DEFAULT_LABEL_KEY, "Tar shards: the member holding each sample's class index (cls), or "
+                                               "json:FIELD for a field of its .json member")
+    class_map: Path | None = option(None, "Tar shards or parquet: class names, a JSON list or {index: name} (default: "
+                                          "parquet's ClassLabel names, else the indices)")
+    image_column: str = option(DEFAULT_IMAGE_COLUMN, "Parquet: the column of encoded images (a struct with bytes, as "
+                                                     "Hugging Face datasets write it, or binary)")
+    label_column: str = option(DEFAULT_LABEL_COLUMN, "Parquet: the column of integer class indices")
     out: Path | None = option(None, "Output folder for shards and index.json (required unless --check).")
     vae: str = option("ema", "ema | mse (stabilityai/sd-vae-ft-*), a local diffusers folder, a single weight file "
                              "(.safetensors/.ckpt/.pt) or a hub id")
@@ -120,6 +133,7 @@ class Plan:
     deterministic: bool = False  # the tokenizer gives one latent, no posterior spread (AutoencoderDC)
     element_stats: bool = False  # per-element statistics are computed too (RAE: its normalisation is per element)
     latent_shape: tuple = ()  # (C, h, w) measured by encoding one image of --image-size (meta device, no weights)
+    listing_key: dict | None = None  # a tar or parquet listing made by this run: kept in --out under this key
 
 
 @dataclass
@@ -226,8 +240,10 @@ def check_out_folder(out: Path, settings: dict) -> list[str]:
     return []
 
 
-def check_separate_folders(data_path: Path, out: Path) -> None:
+def check_separate_folders(data_path, out: Path) -> None:
     """Refuse an --out equal to, inside, or holding --data-path: shards written among the images become data."""
+    if is_url(str(data_path)):
+        return
     images, latents = Path(data_path).expanduser().resolve(), Path(out).expanduser().resolve()
     if latents == images or images in latents.parents or latents in images.parents:
         where = ("is" if latents == images else "is inside" if images in latents.parents else "holds")
@@ -247,10 +263,18 @@ def check_flags(cfg: ExtractConfig) -> None:
             raise UserError(f"--out {cfg.out} is a file; pass a folder (it is created if missing).")
 
 
+def source_options(cfg) -> SourceOptions:
+    """The flags that say how a tar or parquet source is read."""
+    return SourceOptions(cfg.label_key, cfg.class_map, cfg.image_column, cfg.label_column)
+
+
 def plan(cfg: ExtractConfig, check_out: bool = True) -> Plan:
     """Every check that needs no weights: flags, dataset, VAE config, image size (and the out folder)."""
     check_flags(cfg)
-    scan = apply_duplicates(scan_image_folder(cfg.data_path).limited(cfg.limit), cfg.duplicates)
+    options = source_options(cfg)
+    scan, listing_key = listed_source(  # tar and parquet: the listing kept in --out by an earlier run, if it fits
+        cfg.data_path, options, cfg.out, {"limit": cfg.limit, "duplicates": cfg.duplicates},
+        lambda: apply_duplicates(open_source(cfg.data_path, options).limited(cfg.limit), cfg.duplicates))
     vae_name, vae_config, warnings, shape = check_encoder_vae(cfg)
     encoder = None
     if cfg.repr_encoder is not None:
@@ -262,7 +286,7 @@ def plan(cfg: ExtractConfig, check_out: bool = True) -> Plan:
         warnings += check_out_folder(Path(cfg.out), settings)
     kind = tokenizer_class(vae_config, vae_name)
     return Plan(scan, vae_name, settings, -(-len(scan) // cfg.shard_size), warnings, encoder, vae_config,
-                kind.deterministic, kind.element_stats, shape)
+                kind.deterministic, kind.element_stats, shape, listing_key)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -348,7 +372,7 @@ def _bad_file(scan: ImageFolderScan, pos: int, reason: str, strict: bool) -> dic
     """Record one unusable file; with --strict it ends the run instead."""
     path = scan.files[pos]
     if strict:
-        raise UserError(f"bad image {scan.root / path}: {reason}. --strict stops at the first bad file: fix or "
+        raise UserError(f"bad image {scan.where(pos)}: {reason}. --strict stops at the first bad file: fix or "
                         f"remove it, or run without --strict to skip bad files and list them in {BAD_FILES_NAME}.")
     return {"path": path, "reason": reason}
 
@@ -418,6 +442,7 @@ class ShardSink:
 
 def _split_batch(batch: dict, scan: ImageFolderScan, strict: bool) -> tuple[list[int], torch.Tensor, list[dict]]:
     """Separate readable images from bad ones (recorded with their sorted position)."""
+    raise_fatal(batch)  # a source's shard that cannot be read ends the run; the finished shards are kept
     good, bad = [], []
     for k, (pos, error) in enumerate(zip(batch["pos"].tolist(), batch["error"])):
         if error:
@@ -571,9 +596,31 @@ def run_extract(cfg: ExtractConfig) -> dict:
     # The lock first: a second run into the same --out is refused at once, not after scanning and hashing the
     # whole folder (minutes on ImageNet).
     with _hold_out(out, state):
+        shared_listing = state.num_processes > 1 and lists_source(cfg.data_path)
+        if shared_listing and not state.is_main_process:
+            state.wait_for_everyone()  # the main process reads the source once; the others read its listing
         plan_ = plan(cfg, check_out=False)  # every process runs the same checks, so all fail alike before any weights
         plan_.warnings += check_out_folder(out, plan_.settings)  # under the lock: no other run changes it now
+        if shared_listing and state.is_main_process:
+            keep_listing(out, plan_)
+            state.wait_for_everyone()
         return _extract(cfg, plan_, out, state)
+
+
+def lists_source(data_path) -> bool:
+    """True for tar shards and parquet, whose listing reads every byte (a folder's scan only stats files)."""
+    try:
+        return source_kind(str(data_path)) != "folder"
+    except UserError:
+        return False  # each process refuses it in plan()
+
+
+def keep_listing(out: Path, plan_: Plan) -> None:
+    """Write a listing made by this run into --out (once), where a rerun and the other processes read it."""
+    if plan_.listing_key is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        save_listing(plan_.scan, out / LISTING_NAME, plan_.listing_key)
+        plan_.listing_key = None
 
 
 def _extract(cfg: ExtractConfig, plan_: Plan, out: Path, state) -> dict:
@@ -585,6 +632,7 @@ def _extract(cfg: ExtractConfig, plan_: Plan, out: Path, state) -> dict:
     if state.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         _atomic_json(out / SETTINGS_NAME, plan_.settings)
+        keep_listing(out, plan_)  # a rerun reads it instead of the whole source again
     state.wait_for_everyone()
     pending, damaged = _pending(out, plan_, state)
     clean_unfinished(out, pending)
@@ -634,7 +682,7 @@ def describe_plan(cfg: ExtractConfig) -> str:
     done = sum(read_finished(out, j, plan_.settings) is not None for j in range(plan_.num_shards))
     frames = "original + mirror" if cfg.flip == "both" else "original only"
     return "\n".join([
-        f"data: {plan_.scan.root}: {counted(len(plan_.scan), 'image')} in "
+        f"data: {plan_.scan.root} ({describe_source(plan_.scan)}): {counted(len(plan_.scan), 'image')} in "
         f"{counted(len(plan_.scan.classes), 'class', 'classes')}",
         f"data: {plan_.scan.skipped.describe()}",
         *(f"data: {note}" for note in plan_.scan.notes),

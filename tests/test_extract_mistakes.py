@@ -179,7 +179,7 @@ def test_a_second_run_is_refused_by_the_lock_before_any_scan(tmp_path, tiny_vae_
 
     data, out = make_image_folder(tmp_path / "data"), tmp_path / "lat"
     scans = []
-    monkeypatch.setattr(extract.run, "scan_image_folder", lambda *a, **k: scans.append(a) or pytest.fail("scanned"))
+    monkeypatch.setattr(extract.run, "open_source", lambda *a, **k: scans.append(a) or pytest.fail("scanned"))
     with hold_lock(out, FOLDER_KIND):  # another run holding --out (flock: a second open file conflicts)
         start = time.monotonic()
         rc, _, err = _run(_argv(data, out, tiny_vae_dir), capsys)

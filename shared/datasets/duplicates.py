@@ -60,8 +60,18 @@ def _split_by(keys: list, digest) -> list[list]:
     return [g for g in groups.values() if len(g) > 1]
 
 
+def _same_digest(scan: ImageFolderScan) -> list[list[int]]:
+    """Groups of positions (two or more) whose bytes hash alike, from a source listing's digests (sources.py)."""
+    groups = defaultdict(list)
+    for pos, sample_id in enumerate(scan.files):
+        groups[scan.digests[sample_id]].append(pos)
+    return sorted(group for group in groups.values() if len(group) > 1)
+
+
 def find_duplicates(scan: ImageFolderScan) -> list[list[int]]:
     """Groups of positions (sorted, two or more) that are one picture: the same real file or identical bytes."""
+    if getattr(scan, "digests", None):  # tar shards and parquet: hashed while listed, no file to stat
+        return _same_digest(scan)
     positions, sizes = _same_real_file(scan)
     by_size = defaultdict(list)
     for key, size in sizes.items():

@@ -12,6 +12,7 @@ business of shared/datasets/duplicates.py, applied after the scan. Everything le
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ SKIP_REASONS = {
     "outside classes": ("file beside the class folders", "files beside the class folders"),
     "linked folder": ("folder reached again via a symlink", "folders reached again via symlinks"),
     "duplicate": ("copy of a picture found under another path", "copies of pictures found under other paths"),
+    "no image": ("sample without an image member", "samples without an image member"),  # tar shards
 }
 
 
@@ -68,6 +70,14 @@ class ImageFolderScan:
     def __len__(self) -> int:
         return len(self.files)
 
+    def image(self, pos: int):
+        """What PIL opens for the image at position pos (here its path; sources.py's listings give bytes)."""
+        return self.root / self.files[pos]
+
+    def where(self, pos: int) -> str:
+        """The image's full path, for messages."""
+        return str(self.root / self.files[pos])
+
     def counts(self) -> list[int]:
         """Number of files per class, by class index."""
         return np.bincount(np.asarray(self.labels, dtype=np.int64), minlength=len(self.classes)).tolist()
@@ -86,8 +96,7 @@ class ImageFolderScan:
         if limit is None or limit >= len(self.files):
             return self
         keep = np.unique(np.linspace(0, len(self.files) - 1, num=limit).round().astype(np.int64))
-        return ImageFolderScan(self.root, self.classes, [self.files[i] for i in keep],
-                               [self.labels[i] for i in keep], self.skipped, self.notes)
+        return dataclasses.replace(self, files=[self.files[i] for i in keep], labels=[self.labels[i] for i in keep])
 
 
 # ----------------------------------------------------------------------------------------------------------

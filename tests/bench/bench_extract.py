@@ -6,6 +6,11 @@
 Both paths decode with the same preprocessing and the same number of DataLoader workers and include VAE
 loading and writing. The baseline encodes one image per step, draws a posterior sample and saves one .npy
 per image (no mirrored copy); ours encodes --batch-size images per step (x2 with --flip both) into shards.
+
+Then the same images as sources (issue 36): webdataset tar shards (written by webdataset's ShardWriter), the same
+shards served by a 127.0.0.1 HTTP server (fsspec, Range requests), and a Hugging Face style parquet file (pyarrow),
+each extracted with --flip none and timed against the folder: images/s and the ratio. A source's time includes its
+listing pass (every byte read once for labels and content hashes) before the encoding reads each sample again.
 """
 from __future__ import annotations
 
@@ -68,6 +73,65 @@ def ours(data: Path, out: Path, vae_spec: str, args, flip: str) -> float:
     return time.perf_counter() - start
 
 
+def write_sources(data: Path, root: Path, per_shard: int) -> dict:
+    """The folder's images as tar shards and as one parquet file; {name: --data-path} (http added by the caller)."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import webdataset as wds
+
+    scan = scan_image_folder(data)
+    (root / "wds").mkdir(parents=True)
+    with wds.ShardWriter(str(root / "wds" / "train-%06d.tar"), maxcount=per_shard, verbose=0) as sink:
+        for i, (rel, label) in enumerate(zip(scan.files, scan.labels)):
+            sink.write({"__key__": f"{i:08d}", "png": (data / rel).read_bytes(), "cls": label})
+    shards = sorted(p.name for p in (root / "wds").glob("*.tar"))
+    features = {"image": {"_type": "Image"}, "label": {"_type": "ClassLabel", "names": scan.classes}}
+    table = pa.table({"image": [{"bytes": (data / f).read_bytes(), "path": f} for f in scan.files],
+                      "label": scan.labels})
+    table = table.replace_schema_metadata({"huggingface": json.dumps({"info": {"features": features}})})
+    (root / "hf" / "data").mkdir(parents=True)
+    pq.write_table(table, root / "hf" / "data" / "train-00000-of-00001.parquet", row_group_size=100)  # as `datasets`
+    return {"tar": f"{root}/wds/train-{{000000..{len(shards) - 1:06d}}}.tar", "parquet": str(root / "hf"),
+            "shards": shards}
+
+
+def serve(folder: Path):
+    """A 127.0.0.1 HTTP server for folder answering Range requests, from a thread; (base URL, server)."""
+    import functools
+    import http.server
+    import threading
+
+    from tests.test_extract_sources import _RangeHandler
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_RangeHandler, directory=str(folder)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_address[1]}", server
+
+
+def bench_sources(data: Path, tmp: Path, vae: str, args, n: int) -> None:
+    """Extraction images/s from the folder, tar shards (local, http) and parquet; ratios against the folder."""
+    paths = write_sources(data, tmp / "sources", args.tar_size)
+    url, server = serve(tmp / "sources" / "wds")
+    try:
+        last = len(paths["shards"]) - 1
+        runs = [("folder", str(data)), ("tar shards, local", paths["tar"]),
+                ("tar shards, http://127.0.0.1", f"{url}/train-{{000000..{last:06d}}}.tar"),
+                ("parquet (HF folder), local", paths["parquet"])]
+        times = {name: float("inf") for name, _ in runs}
+        for repeat in range(args.repeat):  # interleaved, best of --repeat: fixed costs dominate at tiny sizes
+            for k, (name, source) in enumerate(runs):
+                times[name] = min(times[name], ours(source, tmp / f"src-{k}-{repeat}", vae, args, "none"))
+    finally:
+        server.shutdown()
+    print(f"sources: {n} images, --flip none, {args.tar_size} images per tar shard, workers {args.workers}, best of "
+          f"{args.repeat}")
+    print(f"{'source':<36}{'images/s':>10}{'vs folder':>11}")
+    for name, seconds in times.items():
+        print(f"{name:<36}{n / seconds:>10.1f}{times['folder'] / seconds:>10.2f}x")
+
+
 def make_data(root: Path, args) -> tuple[Path, str]:
     """Random JPEG-free PNG ImageFolder and (unless --vae) a tiny random VAE."""
     from tests.conftest import make_image_folder, make_tiny_vae
@@ -91,6 +155,8 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=2, help="DataLoader workers for both paths.")
     p.add_argument("--levels", type=int, default=2, help="Levels of the tiny random VAE (ignored with --vae).")
     p.add_argument("--vae", default=None, help="A real VAE (folder/file/hub id) instead of the tiny random one.")
+    p.add_argument("--tar-size", type=int, default=64, help="Images per generated tar shard (sources part).")
+    p.add_argument("--repeat", type=int, default=3, help="Runs per source (sources part); the fastest counts.")
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with tempfile.TemporaryDirectory() as tmp:
@@ -102,6 +168,7 @@ def main() -> None:
         t_both = ours(data, tmp / "ours-both", vae, args, "both")
         files = sum(1 for _ in (tmp / "npy").rglob("*.npy"))
         ours_files = sum(1 for _ in (tmp / "ours-both").iterdir())
+        bench_sources(data, tmp, vae, args, n)
     print(f"device {device}, {n} images {args.src_size}px -> {args.image_size}px, workers {args.workers}")
     rows = [("baseline: batch 1, one .npy per image", t_base, files),
             (f"ours: batch {args.batch_size}, shards, --flip none", t_none, ours_files),
