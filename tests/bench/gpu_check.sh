@@ -20,9 +20,14 @@ fx="$out/fixtures"
 CAP=23.3  # GiB: what an RTX 3090 (24 GiB) leaves to one process
 PY=${PYTHON:-python}
 
+BUDGET=${GPU_CHECK_BUDGET:-480}  # seconds: a part never starts later than this, and is cut to what is left
+
 part() {  # part NAME SECONDS CMD...: run, tee to OUT/NAME.txt, say how it ended
   local name=$1 limit=$2
   shift 2
+  local left=$((BUDGET - SECONDS))
+  if [ "$left" -le 10 ]; then echo "== $name: skipped, the ${BUDGET} s budget is spent" | tee "$out/$name.txt"; return; fi
+  [ "$limit" -gt "$left" ] && limit=$left
   echo "== $name"
   local start=$SECONDS
   timeout "$limit" "$@" 2>&1 | tee "$out/$name.txt"
@@ -71,12 +76,13 @@ part plan-verify-ditdh-xl 75 $PY tests/bench/capped.py "$CAP" -m train.plan --mo
   --global-batch-size 1024 --verify
 
 # 5) sampling: the time of one batch of 64 (two DPM-Solver++ runs of 1 and 2 batches separate the loading time)
-echo "== sampling (DiT-XL/2 256 px, random weights, cfg 1.5, batch 64)"
-common=(--ckpt "$fx/dit.pt" --vae "$fx/vae" --batch-size 64 --cfg-scale 1.5 --precision bf16 --vae-precision bf16)
-dpm1=$(seconds_of $PY -m sample "${common[@]}" --num-samples 64 --sampler dpmpp-2m --num-sampling-steps 20 --out "$out/s-dpm1")
-dpm2=$(seconds_of $PY -m sample "${common[@]}" --num-samples 128 --sampler dpmpp-2m --num-sampling-steps 20 --out "$out/s-dpm2")
-ddpm=$(seconds_of $PY -m sample "${common[@]}" --num-samples 64 --sampler ddpm --num-sampling-steps 250 --out "$out/s-ddpm")
-$PY - $dpm1 $dpm2 $ddpm <<'PYEOF' | tee -a "$out/sample.txt"
+if [ $((BUDGET - SECONDS)) -gt 60 ]; then
+  echo "== sampling (DiT-XL/2 256 px, random weights, cfg 1.5, batch 64)"
+  common=(--ckpt "$fx/dit.pt" --vae "$fx/vae" --batch-size 64 --cfg-scale 1.5 --precision bf16 --vae-precision bf16)
+  dpm1=$(seconds_of $PY -m sample "${common[@]}" --num-samples 64 --sampler dpmpp-2m --num-sampling-steps 20 --out "$out/s-dpm1")
+  dpm2=$(seconds_of $PY -m sample "${common[@]}" --num-samples 128 --sampler dpmpp-2m --num-sampling-steps 20 --out "$out/s-dpm2")
+  ddpm=$(seconds_of $PY -m sample "${common[@]}" --num-samples 64 --sampler ddpm --num-sampling-steps 250 --out "$out/s-ddpm")
+  $PY - $dpm1 $dpm2 $ddpm <<'PYEOF' | tee -a "$out/sample.txt"
 import sys
 stamps = list(map(float, sys.argv[1:]))
 dpm1, dpm2, ddpm = (end - start for start, end in zip(stamps[::2], stamps[1::2]))
@@ -86,4 +92,13 @@ print(f"sampling DiT-XL/2 256 px, batch 64, cfg 1.5, bf16: DPM-Solver++(2M) 20 s
       f"DDPM 250 steps {64 / max(ddpm - load, 1e-9):.2f} images/s (loading {load:.1f} s subtracted); "
       f"50,000 images with DDPM 250: {50000 / (64 / max(ddpm - load, 1e-9)) / 3600:.2f} GPU-hours")
 PYEOF
-echo "== done: outputs in $out"
+else
+  echo "== sampling: skipped, the ${BUDGET} s budget is spent"
+fi
+
+# 6) sampling options side by side: the network loop eager fp32 vs bf16 vs bf16 + one compiled block, and the VAE
+# decode fp32 vs bf16 with its pixel error (tests/bench/bench_sample.py; the graphs row is left to a longer run)
+part bench-sample 120 $PY tests/bench/bench_sample.py --preset gpu --options bf16 bf16+blocks \
+  --json "$out/bench-sample.json"
+
+echo "== done after $SECONDS s: outputs in $out"
