@@ -56,8 +56,8 @@ class Recipe:
     curve_steps: int = 10        # its steps: the curve costs about a third of the sample stage
 
 
-# Measured on a quiet 2-core CPU machine (issue 27, docs/demo.md): 7 minutes, class match 100% at cfg 1.5 with
-# digits FD 62.4 at N = 100, on the real digits' floor (the dit recipe needed cfg 4 for 100%, at FD 330).
+# Measured on a quiet 2-core CPU machine (docs/demo.md): 5 minutes, class match 100% at cfg 1.5 with
+# digits FD 59.6 at N = 100, on the real digits' floor (the dit recipe needed cfg 4 for 100%, at FD 330).
 # lr 1e-3 (10x DiT's) and a short EMA suit a 4M-parameter model trained for minutes rather than days.
 FULL = Recipe("full", train_steps=2000, batch_size=64, lr=1e-3, warmup_steps=100, ema_decay=0.995,
               per_class=10, cfg_scale=1.5, sampling_steps=50)
