@@ -1,17 +1,19 @@
-"""MeanFlow against sit on the digits yardstick, the smallest honest measurement (issue 37, item 5; not the full table).
+"""MeanFlow against sit on the digits yardstick (issue 37, item 5): one training seed per run (--seed).
 
 One training seed each, the recipe benchmark's data and explicit settings (tests/bench/bench_recipes.py: the digits
 VAE's latents, DiT-T/2, batch 64, lr 1e-3, warmup 100, EMA 0.995), the same --steps for both:
 - sit: --recipe sit, sampled with euler at --sit-steps (10) steps;
 - meanflow: --recipe meanflow with its guidance folding off (--cfg-omega 1 --cfg-kappa 0), so both arms are unguided
   and sampled at --cfg-scale 1; sampled with the meanflow sampler at 1 and 2 steps.
-Printed: the digits FD of --num-samples images (sampling seed 0) of each final EMA export, the real-digits floor at
-that count (evaluate.digits.real_floor), network calls per image, sampling seconds per image (the evaluate run's wall
+- meanflow-ft (--ft-steps): MeanFlow fine-tuned from the sit arm's final export (--init-from).
+Printed: the class match of 100 images (the demo's judge), the digits FD of --num-samples images (sampling seed 0)
+of each final EMA export, the real-digits floor at that count (evaluate.digits.real_floor), network calls per image, sampling seconds per image (the evaluate run's wall
 clock, Inception-free digits features included), the training seconds per step of each run (from its
 metrics.jsonl; a shared machine makes these noisy), and the step cost ratio from --timing-steps in-process steps of
 train/step.py's train_step per arm on a synthetic batch, interleaved so that load drifts hit both arms.
 
-  .venv/bin/python tests/bench/bench_meanflow.py --out /tmp/bench-meanflow --steps 400
+  .venv/bin/python tests/bench/bench_meanflow.py --out /tmp/bench-meanflow --steps 2000 --ft-steps 1000 --num-samples 300
+(docs/objectives.md's table: that, for --seed 0 and 1, one thread each side by side.)
 Every stage resumes: a rerun skips the finished extraction, training and evaluations.
 """
 from __future__ import annotations
@@ -30,29 +32,33 @@ from tests.bench.bench_recipes import (ARMS, cumulative_seconds, fixed_flags, pr
 
 UNGUIDED = ["--cfg-omega", 1.0, "--cfg-kappa", 0.0]  # MeanFlow without guidance folded in: comparable to sit at cfg 1
 ARM_FLAGS = {"sit": ARMS["sit"], "meanflow": ["--recipe", "meanflow", *UNGUIDED]}
+ARM_FLAGS["meanflow-ft"] = ARM_FLAGS["meanflow"]  # the same objective, started from the sit arm's weights
 
 
-def train(args, arm: str, latents: Path) -> Path:
-    """Train (or resume) one arm for --steps; its folder OUT/runs/ARM-seedS."""
+def train(args, arm: str, latents: Path, init_from: Path | None = None, steps: int | None = None) -> Path:
+    """Train (or resume) one arm for `steps` (--steps), from `init_from`'s weights if given; OUT/runs/ARM-seedS."""
     from shared.runtime import rundir
 
+    steps = steps or args.steps
     run = Path(args.out) / "runs" / f"{arm}-seed{args.seed}"
-    if not rundir.export_path(run, args.steps).is_file():
-        flags = ARM_FLAGS[arm]
-        argv = [*flags, *fixed_flags(flags), "--latents", latents, "--results-dir", run, "--max-steps", args.steps,
-                "--ckpt-every", args.steps, "--keep-last", 1, "--num-workers", 0, "--seed", args.seed,
+    if not rundir.export_path(run, steps).is_file():
+        flags = ARM_FLAGS[arm] + (["--init-from", init_from] if init_from else [])
+        argv = [*flags, *fixed_flags(flags), "--latents", latents, "--results-dir", run, "--max-steps", steps,
+                "--ckpt-every", steps, "--keep-last", 1, "--num-workers", 0, "--seed", args.seed,
                 "--sample-every", 0, "--log-every", 10, "--report-to", "none"]
         seconds = run_cli(args, "train", argv, f"train-{run.name}.log")
-        print(f"trained {run.name} ({args.steps} steps) in {seconds:.0f}s", flush=True)
+        print(f"trained {run.name} ({steps} steps) in {seconds:.0f}s", flush=True)
     return run
 
 
-def evaluate(args, run: Path, sampler: str, steps: int) -> dict:
-    """The final export's digits FD with `sampler` at `steps` steps, cfg 1; with the evaluate run's seconds."""
+def evaluate(args, run: Path, sampler: str, steps: int, trained: int | None = None) -> dict:
+    """The export at `trained` (--steps) steps: digits FD with `sampler` at `steps` steps, cfg 1, and its seconds."""
     from shared.runtime import rundir
 
+    trained = trained or args.steps
+
     def row():
-        return next((r for r in read_jsonl(rundir.eval_path(run)) if r["sampler"] == sampler and r["step"] == args.steps
+        return next((r for r in read_jsonl(rundir.eval_path(run)) if r["sampler"] == sampler and r["step"] == trained
                      and r["num_sampling_steps"] == steps and r["num_samples"] == args.num_samples), None)
 
     done = row()
@@ -67,6 +73,21 @@ def evaluate(args, run: Path, sampler: str, steps: int) -> dict:
         done = row()
     return {"fd": done["fid"], "calls_per_image": steps, "eval_seconds": seconds,
             "eval_seconds_per_image": seconds / args.num_samples if seconds else None}
+
+
+def class_match(args, run: Path, sampler: str, steps: int, count: int = 100) -> float:
+    """The demo's judge on `count` images (10 per digit, seed 0, cfg 1) of the run's newest export, drawn by sample."""
+    import numpy as np
+
+    from data.judge import class_match as judged
+
+    out = Path(args.out) / "judge" / f"{run.name}-{sampler}{steps}"
+    if not (out / "samples.npz").is_file():
+        argv = ["--ckpt", run, "--vae", args.vae, "--num-samples", count, "--cfg-scale", 1, "--sampler", sampler,
+                "--num-sampling-steps", steps, "--batch-size", count, "--seed", 0, "--out", out, "--npz"]
+        run_cli(args, "sample", argv, f"sample-{out.name}.log")
+    with np.load(out / "samples.npz") as npz:
+        return judged(npz["arr_0"], npz["labels"])
 
 
 def seconds_per_step(run: Path) -> float:
@@ -114,21 +135,29 @@ def main(argv=None) -> dict:
     p.add_argument("--sit-steps", type=int, default=10, help="euler steps of the sit arm")
     p.add_argument("--vae", default=str(ROOT / "data" / "vae-digits"), help="the digits VAE (the demo's)")
     p.add_argument("--timing-steps", type=int, default=10, help="interleaved in-process steps per arm for the cost ratio")
+    p.add_argument("--ft-steps", type=int, default=0, help="also fine-tune MeanFlow from the sit arm's final export "
+                                                          "for this many steps (0: no fine-tuned arm)")
     p.add_argument("--json", default=None, help="write every number to this JSON file")
     args = p.parse_args(argv)
     args.recipes, args.report = ["sit"], False  # what bench_recipes' prepare_data and run_cli read
     latents = prepare_data(args)
-    runs = {arm: train(args, arm, latents) for arm in ARM_FLAGS}
+    runs = {arm: train(args, arm, latents) for arm in ("sit", "meanflow")}
     from evaluate.digits import real_floor
 
     rows = [{"arm": "sit", "sampler": "euler", **evaluate(args, runs["sit"], "euler", args.sit_steps)}]
     rows += [{"arm": "meanflow", "sampler": "meanflow", **evaluate(args, runs["meanflow"], "meanflow", k)}
              for k in (1, 2)]
+    if args.ft_steps:  # MeanFlow fine-tuned from the sit arm's final export (issue 37.2), unguided as the others
+        runs["meanflow-ft"] = train(args, "meanflow-ft", latents, init_from=runs["sit"], steps=args.ft_steps)
+        rows += [{"arm": "meanflow-ft", "sampler": "meanflow",
+                  **evaluate(args, runs["meanflow-ft"], "meanflow", k, trained=args.ft_steps)} for k in (1, 2)]
+    for r in rows:
+        r["class_match"] = class_match(args, runs[r["arm"]], r["sampler"], r["calls_per_image"])
     timing = {arm: seconds_per_step(run) for arm, run in runs.items()}
-    timed = {**ARM_FLAGS, "meanflow-guided": ["--recipe", "meanflow"]}  # the recipe's folded guidance: + one 2N forward
+    timed = {"sit": ARM_FLAGS["sit"], "meanflow": ARM_FLAGS["meanflow"], "meanflow-guided": ["--recipe", "meanflow"]}  # the recipe's folded guidance: + one 2N forward
     step = interleaved_step_seconds({arm: [*flags, *fixed_flags(flags)] for arm, flags in timed.items()},
                                     args.timing_steps)
-    results = {"steps": args.steps, "seed": args.seed, "num_samples": args.num_samples,
+    results = {"steps": args.steps, "ft_steps": args.ft_steps, "seed": args.seed, "num_samples": args.num_samples,
                "real_floor": real_floor(args.num_samples), "rows": rows, "run_seconds_per_step": timing,
                "interleaved_seconds_per_step": step,
                "step_cost_ratio_meanflow_to_sit": step["meanflow"] / step["sit"],
@@ -138,8 +167,8 @@ def main(argv=None) -> dict:
     for r in rows:
         per = f"{r['eval_seconds_per_image'] * 1e3:.1f} ms" if r["eval_seconds_per_image"] else "(earlier run)"
         print(f"  {r['arm']:9s} {r['sampler']:8s} {r['calls_per_image']:2d} calls/image  FD {r['fd']:.2f}  "
-              f"evaluate wall clock {per}/image")
-    print(f"training seconds per step over each run: sit {timing['sit']:.3f}, meanflow {timing['meanflow']:.3f}")
+              f"evaluate wall clock {per}/image  class match {100 * r['class_match']:.0f}% of 100")
+    print("training seconds per step over each run: " + ", ".join(f"{arm} {t:.3f}" for arm, t in timing.items()))
     print(f"train_step, {args.timing_steps} interleaved steps each (median): sit {step['sit']:.3f} s, meanflow "
           f"{step['meanflow']:.3f} s (ratio {results['step_cost_ratio_meanflow_to_sit']:.2f}), meanflow with the "
           f"recipe's folded guidance {step['meanflow-guided']:.3f} s (ratio "
