@@ -1,6 +1,9 @@
 """Shared fixtures: tiny random VAEs saved with save_pretrained, tiny ImageFolder trees."""
+import functools
+import http.server
 import os
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -107,3 +110,21 @@ def latents(tmp_path_factory) -> Path:
     from tests.helpers import make_latents
 
     return make_latents(tmp_path_factory.mktemp("latents") / "lat")
+
+
+@pytest.fixture
+def http_folder():
+    """start(folder, handler) -> http://127.0.0.1:PORT serving `folder` from a thread with `handler` (a subclass of
+    http.server's SimpleHTTPRequestHandler); every server is shut down after the test."""
+    servers = []
+
+    def start(folder: Path, handler=http.server.SimpleHTTPRequestHandler) -> str:
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler, directory=str(folder)))
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_address[1]}"
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()

@@ -1,5 +1,4 @@
 """extract --data-path from webdataset tar shards (local, http, memory://) and parquet: as from the same folder."""
-import functools
 import http.server
 import json
 import os
@@ -88,21 +87,9 @@ class _RangeHandler(http.server.SimpleHTTPRequestHandler):
 
 
 @pytest.fixture
-def serve(tmp_path):
-    """serve(folder) -> http://127.0.0.1:PORT serving that folder from a thread; stopped after the test."""
-    servers = []
-
-    def start(folder: Path) -> str:
-        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
-                                                 functools.partial(_RangeHandler, directory=str(folder)))
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        servers.append(server)
-        return f"http://127.0.0.1:{server.server_address[1]}"
-
-    yield start
-    for server in servers:
-        server.shutdown()
-        server.server_close()
+def serve(http_folder):
+    """serve(folder) -> http://127.0.0.1:PORT serving that folder with Range answers; stopped after the test."""
+    return lambda folder: http_folder(folder, _RangeHandler)
 
 
 @pytest.fixture(scope="module")

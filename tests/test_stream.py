@@ -72,22 +72,13 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
 
 
 @pytest.fixture
-def server(tmp_path):
+def server(http_folder):
     """(start(folder, drop) -> base URL); shut down after the test."""
-    started = []
-
     def start(folder: Path, drop=None):
         handler = type("Handler", (_Handler,), {"drop": {} if drop is None else drop})  # popped as it drops
-        httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
-                                                lambda *a, **k: handler(*a, directory=str(folder), **k))
-        threading.Thread(target=httpd.serve_forever, daemon=True).start()
-        started.append(httpd)
-        return f"http://127.0.0.1:{httpd.server_address[1]}"
+        return http_folder(folder, handler)
 
-    yield start
-    for httpd in started:
-        httpd.shutdown()
-        httpd.server_close()
+    return start
 
 
 class CacheWatch(Callback):
