@@ -30,7 +30,7 @@ import torch
 
 from shared.generative.objectives import Objective, objective_of
 from shared.runtime.errors import UserError
-from shared.network.models import ModelConfig, prepare_attention
+from shared.network.models import ModelConfig, compile_blocks, prepare_attention
 from shared.runtime.precision import autocast_dtype
 from train.config import TrainConfig
 
@@ -198,18 +198,6 @@ def cpp_compiler() -> str | None:
     return next((found for name in names if (found := shutil.which(name))), None)
 
 
-def compile_blocks(model: torch.nn.Module) -> None:
-    """Regional compilation: each transformer block compiled in place, one graph shared by blocks of one shape.
-
-    Blocks are instances of one class, so dynamo compiles their forward once (parameters are graph inputs, not
-    constants) and reuses it for the 27 others of XL/2: compile time is one block's, whatever the depth. The
-    checkpoint (full or selective) runs inside the block's forward, so it is part of the traced graph. A DiT^DH
-    head (another width) adds one graph; embedders and the final layer stay eager (a few percent of the FLOPs).
-    """
-    for block in model.blocks:
-        block.compile(backend=COMPILE_BACKEND)
-
-
 def make_learner(cfg: TrainConfig, model_config: ModelConfig, accelerator=None, device=None) -> Learner:
     """Model, EMA, optimizer and scaler on `device` (the accelerator's when given), compiled/wrapped as asked."""
     device = torch.device(accelerator.device if accelerator is not None else (device or "cpu"))
@@ -227,8 +215,8 @@ def make_learner(cfg: TrainConfig, model_config: ModelConfig, accelerator=None, 
         projector.to(device)
     if device.type == "cuda":  # the SDPA kernel probed and pinned before the first forward (and before tracing)
         prepare_attention(raw, device, autocast_dtype(cfg.precision) or torch.float32)
-    if cfg.compile:
-        compile_blocks(raw)
+    if cfg.compile:  # the checkpoint (full or selective) runs inside each block's forward: traced with it
+        compile_blocks(raw, COMPILE_BACKEND)
     trained = raw if projector is None else AlignedDiT(raw, projector, cfg.repa_depth)
     learner = Learner(cfg=cfg, model=accelerator.prepare(trained) if accelerator is not None else trained,
                       ema=ema, optimizer=None, scaler=torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16"),

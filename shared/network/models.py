@@ -349,6 +349,18 @@ def device_name(device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
 
 
+def compile_blocks(model: torch.nn.Module, backend="inductor", **options) -> torch.nn.Module:
+    """Regional compilation: each of `model.blocks` compiled in place; returns `model`.
+
+    The blocks are instances of one class, so dynamo compiles their forward once (parameters are graph inputs, not
+    constants) and reuses it for every other block: compile time is one block's, whatever the depth. A DiT^DH head
+    (another width) adds one graph; embedders and the final layer stay eager. Training and sampling both call it.
+    """
+    for block in model.blocks:
+        block.compile(backend=backend, **options)
+    return model
+
+
 def prepare_attention(model, device, dtype, choose=choose_sdpa_kernel) -> None:
     """On CUDA, pin each sdpa block's attention to the kernel chosen for its head size at `dtype` (the autocast
     dtype, or fp32), probed before the first forward (and before torch.compile traces it). Elsewhere nothing."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from shared.network.models import compile_blocks
 from shared.runtime.errors import ChoiceError, SettingError
 
 COMPILE_MODES = ("off", "blocks", "graphs")
@@ -30,13 +31,6 @@ def check_compile(mode: str, device) -> None:
                            f"{' and CUDA graphs' if mode == 'graphs' else ''}), but this run is on "
                            f"{torch.device(device).type}. Drop {{compile mode}} (or pass {{compile mode}} off) to "
                            f"sample here, or run on a GPU.")
-
-
-def compile_blocks(model: torch.nn.Module, backend="inductor") -> torch.nn.Module:
-    """Compile each of `model.blocks` in place (one graph shared by all same-shaped blocks); returns `model`."""
-    for block in model.blocks:
-        block.compile(backend=backend, dynamic=False, fullgraph=True)
-    return model
 
 
 class GraphedModel:
@@ -74,5 +68,5 @@ def compile_for_sampling(model: torch.nn.Module, mode: str, backend="inductor"):
     limit = max(torch._dynamo.config.recompile_limit, SHAPES_PER_RUN)
     torch._dynamo.config.recompile_limit = limit
     if mode == "blocks":
-        return compile_blocks(model, backend)
+        return compile_blocks(model, backend, dynamic=False, fullgraph=True)
     return GraphedModel(model, backend)
