@@ -198,7 +198,7 @@ def test_training_features_follow_the_latents_flip_variant(tmp_path):
     write_index(tmp_path, [writer.info], {"image_size": 4, "num_classes": 1, "class_names": ["a"],
                                           "vae": {"scaling_factor": 1.0}})
     draws = TrainingDraws(LatentDataset(tmp_path, progress=False), seed=3, class_dropout_prob=0.0,
-                          objective=make_objective("flow"), features=True)
+                          objective=make_objective("flow"), extra=("repr",))
     batch = draws.__getitems__([(p, p) for p in range(16)])
     assert torch.equal(batch["repr"][:, 0, 0], batch["x0"][:, 0, 0, 0])
     assert set((batch["x0"][:, 0, 0, 0] % 10).tolist()) == {0.0, 1.0}  # both flips were drawn
@@ -342,7 +342,8 @@ def test_repa_mistakes_are_one_paragraph_each(feature_latents, tmp_path, capsys)
         main(_train(other, run, "--max-steps", "2"))
     assert info.value.code == 2
     err = " ".join(capsys.readouterr().err.split())
-    assert "the checkpoint was trained with features of the encoder enc-a" in err and "config_sha256" in err
+    assert "the checkpoint was trained with the 'repr' column (encoder features) of enc-a" in err
+    assert "config_sha256" in err
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
 
 

@@ -102,11 +102,12 @@ def save_rank_state(tmp: Path, rank: int) -> None:
 
 
 def save_main_state(tmp: Path, *, model_state: dict, ema_state: dict, model_config, latent_meta: dict,
-                    optimizer_state: dict, scaler_state: dict, state: dict, projector_state: dict | None = None) -> None:
-    """Main process: weights via shared/runtime/export.py, optimizer and scaler (and REPA's projector), then state.json last."""
+                    optimizer_state: dict, scaler_state: dict, state: dict, heads: dict | None = None) -> None:
+    """Main process: weights via shared/runtime/export.py, optimizer, scaler, {file: state} of the column heads (REPA's
+    projector), then state.json last."""
     step = int(state["step"])
-    if projector_state is not None:
-        write_safetensors(tmp / rundir.PROJECTOR_FILE, {k: v.detach().cpu().contiguous() for k, v in projector_state.items()})
+    for name, head in (heads or {}).items():
+        write_safetensors(tmp / name, {k: v.detach().cpu().contiguous() for k, v in head.items()})
     save_weights(tmp / rundir.MODEL_FILE, model_state, model_config, latent_meta, step)
     save_weights(tmp / rundir.EMA_FILE, ema_state, model_config, latent_meta, step)
     torch.save(optimizer_state, tmp / rundir.OPTIMIZER_FILE)
@@ -186,12 +187,11 @@ def _load_checkpoint(ckpt: Path, rank: int) -> dict:
         "optimizer": _load_pt(ckpt / rundir.OPTIMIZER_FILE),
         "scaler": _load_pt(ckpt / rundir.SCALER_FILE),
         "rng": _load_pt(rng_path) if rng_path.is_file() else None,  # absent when resuming on more processes
-        "projector": _load_projector(ckpt / rundir.PROJECTOR_FILE),
     }
 
 
-def _load_projector(path: Path) -> dict | None:
-    """REPA's projector weights, or None when the run has none; UserError if the file is unreadable."""
+def load_head(path: Path) -> dict | None:
+    """A column head's weights (REPA's projector), or None when the run has none; UserError if unreadable."""
     if not path.is_file():
         return None
     from safetensors.torch import load_file

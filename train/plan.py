@@ -20,7 +20,8 @@ from shared.runtime.errors import UserError, cli_errors
 from shared.runtime.precision import PRECISION_CHOICES, canonical_precision
 from shared.network.routing import kept_tokens
 from shared.network.models import SELECTIVE
-from train.config import TrainConfig, add_block_flags, block_from_args, checkpoint_choice, model_config_for, route_span
+from train.config import (TrainConfig, add_block_flags, block_from_args, checkpoint_choice, column_consumers,
+                          model_config_for, route_span)
 from train import memory
 from train.autotune import smaller_micro
 from train.memory import (DEFAULT_MARGIN, FixedState, PlanRow, StepOutOfMemory, Verified, fixed_state, forward_macs,
@@ -225,14 +226,14 @@ def over_budget_text(oom: StepOutOfMemory, chosen: PlanRow, args, budget: int, b
 
 def plan_command(cfg, latent_shape: tuple, num_classes: int, gpu_memory: int | None) -> str | None:
     """The `python -m train.plan` command that plans this training run (None where the planner cannot: a head other
-    than the preset's, or REPA's projector, which it does not measure).
+    than the preset's, or a shard column's head such as REPA's projector, which it does not measure).
 
     cfg: a resolved TrainConfig (block options filled, grad_checkpoint an interval, image_size from the latents);
     gpu_memory: the card's bytes, planned for and verified on; None off CUDA (the planner's default card).
     """
     from shared.network.models import preset_head
 
-    if cfg.repa_weight > 0 or any(getattr(cfg, k) != v for k, v in preset_head(cfg.model).items()):
+    if column_consumers(cfg) or any(getattr(cfg, k) != v for k, v in preset_head(cfg.model).items()):
         return None
     channels, height, _ = latent_shape
     flags = {"model": cfg.model, "objective": cfg.objective, "image_size": cfg.image_size,

@@ -16,15 +16,15 @@ from shared.runtime.precision import PRECISIONS
 from shared.sampling.compiled import COMPILE_HELP, COMPILE_MODES
 
 # ---- code of the user's: objectives registered outside the package (train, sample, evaluate run) ----------
-PLUGIN = Flag("import MODULE first (a dotted module path, e.g. myproject.objectives), so the objectives it registers "
-              "with shared.generative.objectives.register_objective can be trained and sampled; repeatable "
-              "(docs/objectives.md). A model trained with one records the module and asks for it (default: none)", None,
-              action="append", metavar="MODULE")
+PLUGIN = Flag("import MODULE first (a dotted module path, e.g. myproject.objectives), so what it registers can be used: "
+              "objectives (register_objective), tokenizer classes (register_tokenizer), shard columns "
+              "(register_column); repeatable (docs/objectives.md). A model or latent folder made with one records the "
+              "module and asks for it (default: none)", None, action="append", metavar="MODULE")
 
 
 @dataclass(kw_only=True)
 class PluginFlags:
-    """The --plugin flag alone: read before a command's parser is built (a plugin's objective adds flags)."""
+    """The --plugin flag alone: read before a command's parser is built (a plugin's objective or column adds flags)."""
 
     plugin: list | None = PLUGIN.field()
 
