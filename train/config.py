@@ -111,7 +111,7 @@ class TrainConfig:
     # The objective's training fields (--time-sampling, ... derived from the registry): those given, then resolved.
     objective_options: dict = field(default_factory=dict)
     # The registered shard columns' training flags (--repa-weight, ...; shared/datasets/columns.py), then resolved.
-    column_options: dict = field(default_factory=dict)
+    column_options: dict = field(default_factory=lambda: column_defaults())
     # The recipe's sampling half, recorded with the model (ModelConfig.sampling) for sample, evaluate run, previews.
     sampling: dict = field(default_factory=dict)
     time_dist_shift: float | str = option(
@@ -265,8 +265,8 @@ class TrainConfig:
         if old and "objective_options" not in d:
             d["objective_options"] = old if d.get("objective") == "flow" else {}
         d.setdefault("shard_window", 0)  # written before shard-aware orders: one shuffle of all samples
-        legacy = {k: d.pop(k) for k in column_flag_names() if k in d}  # REPA's flags, top-level before the registry
-        d.setdefault("column_options", legacy)
+        legacy = {k: d.pop(k) for k in column_defaults() if k in d}  # REPA's flags, top-level before the registry
+        d["column_options"] = {**column_defaults(), **legacy, **d.get("column_options", {})}
         kwargs = {k: v for k, v in d.items() if k in names}
         if "adam_betas" in kwargs:
             kwargs["adam_betas"] = tuple(kwargs["adam_betas"])
@@ -332,9 +332,9 @@ def add_objective_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
-def column_flag_names() -> tuple[str, ...]:
-    """The fields of the registered shard columns' training flags."""
-    return tuple(f.name for c in columns().values() for f in fields(c.train_flags))
+def column_defaults() -> dict:
+    """{field: default} of the registered shard columns' training flags."""
+    return {f.name: f.default for c in columns().values() for f in fields(c.train_flags)}
 
 
 def column_consumers(cfg: TrainConfig) -> list[tuple]:
