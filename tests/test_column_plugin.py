@@ -1,8 +1,9 @@
 """A tokenizer class and a shard column from outside the package, through the real extract, train and sample CLIs.
 
 The module below is written into a temporary folder on PYTHONPATH: it is all a researcher writes, no file of the
-package is edited. It registers (a) `PatchAE`, a strided-conv autoencoder saved and loaded as a diffusers folder,
-and (b) the column "rgb", each image's mean colour (F, 3), stored by `python -m extract --plugin tiny_plugin
+package is edited. It registers (a) `PatchAE`, a strided-conv autoencoder loaded as a diffusers folder, and the
+name `--vae patch-ae`, converted once from a released file of other key names ($PATCH_AE_WEIGHTS), and (b) the
+column "rgb", each image's mean colour (F, 3), stored by `python -m extract --plugin tiny_plugin
 --rgb-store` and trained on by `python -m train --rgb-weight W`: a linear head on block `--rgb-depth`'s pooled
 tokens predicts it (an auxiliary MSE loss added to the objective's).
 """
@@ -19,7 +20,8 @@ from tests.conftest import ROOT
 
 PLUGIN = "tiny_plugin"
 SOURCE = textwrap.dedent('''
-    """A test plugin: a tokenizer class (PatchAE) and a shard column ("rgb") with a training consumer."""
+    """A test plugin: a tokenizer class (PatchAE, converted by name) and a shard column ("rgb") with a consumer."""
+    import os
     from dataclasses import dataclass, replace
 
     import torch
@@ -32,6 +34,7 @@ SOURCE = textwrap.dedent('''
     from shared.runtime.errors import UserError
     from shared.tokenizers.classes import TokenizerClass, register_tokenizer
     from shared.tokenizers.norm import LatentNorm
+    from shared.tokenizers.vae import converted_folder, register_converted
 
 
     class PatchAE(ModelMixin, ConfigMixin):
@@ -50,6 +53,19 @@ SOURCE = textwrap.dedent('''
         decode=lambda module, z: module.decoder(z),
         native_norm=lambda config, module: LatentNorm.scale_only(config["scaling_factor"], source="PatchAE"),
         deterministic=True, decoder_parts=("decoder",), model_class=PatchAE))
+
+
+    def convert():
+        """The release's {"enc.*", "dec.*"} tensors under PatchAE's names, loaded strictly."""
+        released = torch.load(os.environ["PATCH_AE_WEIGHTS"], weights_only=True)
+        model = PatchAE()
+        model.load_state_dict({k.replace("enc.", "encoder.").replace("dec.", "decoder."): v
+                               for k, v in released.items()}, strict=True)
+        return model
+
+
+    register_converted(("patch-ae",), lambda name: (name, converted_folder(name, os.environ["PATCH_AE_WEIGHTS"],
+                                                                          convert)))
 
 
     @dataclass(kw_only=True)
@@ -97,7 +113,8 @@ SOURCE = textwrap.dedent('''
 
 def _run(args, plugin_dir, expect=0) -> subprocess.CompletedProcess:
     """`python -m ARGS` from the repository root with the plugin's folder on PYTHONPATH, as a user types it."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(plugin_dir)]), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(plugin_dir)]), "OMP_NUM_THREADS": "1",
+           "PATCH_AE_WEIGHTS": str(plugin_dir / "patch-ae.pt"), "XDG_CACHE_HOME": str(plugin_dir / "cache")}
     done = subprocess.run([sys.executable, "-m", *map(str, args)], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == expect, done.stderr[-3000:]
@@ -114,14 +131,6 @@ def _refused(capsys, main, args) -> str:
     return " ".join(err.split())
 
 
-def _save_tokenizer(plugin_dir, out):
-    """The plugin's PatchAE, random, saved with save_pretrained (config.json names its class)."""
-    code = (f"import sys, torch; sys.path[:0] = [{str(ROOT)!r}, {str(plugin_dir)!r}]; import {PLUGIN}; "
-            f"torch.manual_seed(0); {PLUGIN}.PatchAE().save_pretrained({str(out)!r})")
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
-    return out
-
-
 @pytest.mark.slow
 def test_a_plugin_tokenizer_and_column_extract_train_and_sample(tmp_path, image_folder, capsys):
     from extract.__main__ import main as extract_main
@@ -131,17 +140,21 @@ def test_a_plugin_tokenizer_and_column_extract_train_and_sample(tmp_path, image_
     plugin_dir = tmp_path / "plugins"
     plugin_dir.mkdir()
     (plugin_dir / f"{PLUGIN}.py").write_text(SOURCE)
-    tokenizer = _save_tokenizer(plugin_dir, tmp_path / "patch-ae")
-    assert json.loads((tokenizer / "config.json").read_text())["_class_name"] == "PatchAE"
+    generator = torch.Generator().manual_seed(0)  # the "released" weights, under names of another layout
+    torch.save({name: torch.randn(shape, generator=generator) / 8 for name, shape in (
+        ("enc.weight", (4, 3, 4, 4)), ("enc.bias", (4,)), ("dec.weight", (4, 3, 4, 4)), ("dec.bias", (3,)))},
+        plugin_dir / "patch-ae.pt")
 
     latents = tmp_path / "latents"
-    extract = ["extract", "--data-path", image_folder, "--out", latents, "--vae", tokenizer, "--image-size", 32,
+    extract = ["extract", "--data-path", image_folder, "--out", latents, "--vae", "patch-ae", "--image-size", 32,
                "--shard-size", 8, "--batch-size", 5, "--num-workers", 0]
     refused = _refused(capsys, extract_main, extract[1:])  # PatchAE is unknown without the module
-    assert "PatchAE" in refused and "--plugin MODULE" in refused and not latents.exists()
+    assert "Unknown VAE 'patch-ae'" in refused and "--plugin MODULE" in refused and not latents.exists()
     dry = _run([*extract, "--plugin", PLUGIN, "--rgb-store", "--dry-run"], plugin_dir).stdout
     assert "tokenizer: PatchAE (deterministic): latent 4x8x8" in dry and "storage: mean colour 24 B per image" in dry
     _run([*extract, "--plugin", PLUGIN, "--rgb-store"], plugin_dir)
+    converted = next((plugin_dir / "cache" / "dit-latent-pipeline" / "tokenizers").glob("patch-ae-*"))
+    assert json.loads((converted / "config.json").read_text())["_class_name"] == "PatchAE"  # converted once
 
     from extract.loader import ImageFileDataset
     from shared.datasets.imagefolder import scan_image_folder
@@ -149,6 +162,7 @@ def test_a_plugin_tokenizer_and_column_extract_train_and_sample(tmp_path, image_
 
     ds = LatentDataset(latents, progress=False)
     assert ds.meta["plugins"] == [PLUGIN] and ds.meta["rgb_record"] == {"dtype": "fp32", "range": [0, 1]}
+    assert ds.meta["vae"]["source"] == "patch-ae" and ds.meta["vae"]["class"] == "PatchAE"
     assert ds.tensor_names == ("mean", "rgb") and ds.tensor_spec("rgb")["shape"] == [2, 3]
     pixels = ImageFileDataset(scan_image_folder(image_folder), 32)[0]["pixels"].float()  # (3, 32, 32) uint8 values
     stored = ds.gather([0])["rgb"][0]  # (F, 3): the original's colour, then its mirror's (the same mean)
@@ -174,7 +188,7 @@ def test_a_plugin_tokenizer_and_column_extract_train_and_sample(tmp_path, image_
     out = tmp_path / "samples"
     sample = ["sample", "--ckpt", run, "--num-samples", "2", "--num-sampling-steps", "2", "--cfg-scale", "1",
               "--cpu", "--out", out]
-    refused = _refused(capsys, sample_main, sample[1:])  # decoding needs the tokenizer class
-    assert "PatchAE" in refused and "--plugin MODULE" in refused and not out.exists()
+    refused = _refused(capsys, sample_main, [*sample[1:], "--vae", converted])  # its class needs the module too
+    assert "is a diffusers PatchAE" in refused and "--plugin MODULE" in refused and not out.exists()
     _run([*sample, "--plugin", PLUGIN], plugin_dir)
     assert len(list(out.glob("0*.png"))) == 2
