@@ -417,3 +417,18 @@ def test_sde_in_repas_convention_is_repas_euler_maruyama():
         if i < steps - 1:
             x = x + (2 * t0) ** 0.5 * abs(t1 - t0) ** 0.5 * torch.randn(x.shape, generator=z).double()
     assert torch.allclose(ours.double(), x, atol=1e-4), (ours.double() - x).abs().max()
+
+
+def test_a_run_config_from_before_the_column_registry_keeps_its_repa_flags():
+    """config.json of runs started before the registry holds REPA's flags at the top level: read into column_options,
+    so such a run resumes (no difference) and trains with its REPA settings."""
+    from train.config import TrainConfig, resolve_block, resume_differences
+
+    cfg = resolve_block(TrainConfig(latents="L", results_dir="R", data={"index_sha256": "a", "index_file_sha256": "b"}))
+    cfg.column_options.update(repa_weight=0.5, repa_depth=2, repa_feature_dim=8)
+    old = cfg.to_dict()
+    old.update(old.pop("column_options"))  # the layout such a config.json has
+    read = TrainConfig.from_dict(old)
+    assert read.column_options == cfg.column_options and resume_differences(read, cfg)[0] == []
+    assert TrainConfig.from_dict({**old, "repa_depth": 3}).column_options["repa_depth"] == 3
+    assert resume_differences(TrainConfig.from_dict({**old, "repa_depth": 3}), cfg)[0]  # a change is still refused
