@@ -45,25 +45,16 @@ class ShardColumn:
     describe_change: Callable = lambda saved, now: []  # record keys that differ in a way that changes the target
 
     @property
-    def metric(self) -> str:
-        return f"{self.loss_name or self.name}_loss"
-
-    @property
     def checkpoint_file(self) -> str:
         return self.head_file or f"{self.name}-head.safetensors"
 
     def extract_options(self, values: dict):
         """Its extract flags' dataclass from {field: value} (missing fields: their defaults)."""
-        return _options(self.extract_flags, values)
+        return self.extract_flags(**{f.name: values[f.name] for f in fields(self.extract_flags) if f.name in values})
 
     def train_options(self, values: dict):
         """Its train flags' dataclass from {field: value} (missing fields: their defaults)."""
-        return _options(self.train_flags, values)
-
-
-def _options(cls: type, values: dict):
-    """`cls` built from the keys of `values` that are its fields."""
-    return cls(**{f.name: values[f.name] for f in fields(cls) if f.name in values})
+        return self.train_flags(**{f.name: values[f.name] for f in fields(self.train_flags) if f.name in values})
 
 
 COLUMNS: dict[str, ShardColumn] = {}
@@ -72,7 +63,7 @@ COLUMNS: dict[str, ShardColumn] = {}
 def register_column(column: ShardColumn) -> ShardColumn:
     """Add a column to the registry (another record under the same name is refused)."""
     old = COLUMNS.get(column.name)
-    if old is not None and old is not column and module_of(old) != module_of(column):
+    if old is not None and module_of(old) != module_of(column):
         raise TypeError(f"shard column {column.name!r} is registered by {module_of(old)}")
     COLUMNS[column.name] = column
     return column
@@ -92,8 +83,7 @@ def module_of(record) -> str:
 
 def plugin_of(record) -> str:
     """The --plugin module that registers `record`, or "" for one of the package's."""
-    module = module_of(record)
-    return "" if module.startswith(BUILT_IN) else module
+    return "" if module_of(record).startswith(BUILT_IN) else module_of(record)
 
 
 def flag_values(cls_of, args) -> dict:

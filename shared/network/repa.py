@@ -170,10 +170,8 @@ def load_repr(flags: ReprFlags, record: dict, device):
 
 
 def repr_storage(record: dict, frames: int) -> tuple[int, str]:
-    """(bytes per image, the dry run's line with {size} for them) of the stored encoder tokens."""
-    from shared.tokenizers.repr_encoder import storage_bytes
-
-    return (storage_bytes(record, frames, FLAG_DTYPES[record["dtype"]]),
+    """(bytes per image, the dry run's line with {size} for them) of the stored encoder tokens (F, T, D)."""
+    return (frames * record["tokens"] * record["dim"] * FLAG_DTYPES[record["dtype"]].itemsize,
             f"encoder tokens {{size}} per image ({frames} flip(s) x {record['tokens']} tokens x {record['dim']} "
             f"{record['dtype']}; {record['grid']}x{record['grid']} patches of {record['patch_size']} px at "
             f"{record['input_size']} px); --repr-dtype bf16 or fp16 halves fp32")

@@ -127,8 +127,3 @@ class ReprEncoder:
             x = F.interpolate(x, size=(size, size), mode="bicubic", align_corners=False)  # (B, 3, s, s)
         hidden = self.model(pixel_values=x).last_hidden_state  # (B, 1 + T, D), after the final LayerNorm
         return hidden[:, 1:]  # (B, T, D): drop the class token
-
-
-def storage_bytes(identity: dict, flips: int, dtype: torch.dtype) -> int:
-    """Bytes of one image's stored tokens: F x T x D x itemsize."""
-    return flips * identity["tokens"] * identity["dim"] * torch.empty((), dtype=dtype).element_size()
