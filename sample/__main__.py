@@ -78,17 +78,17 @@ def main(argv=None) -> None:
         return
     if argv[:1] == ["watch"]:
         with cli_errors(f"{PROG} watch", FLAGS):
-            run_watch(from_args(WatchOptions, watch_parser().parse_args(argv[1:])))
+            options = from_args(WatchOptions, watch_parser().parse_args(argv[1:]))
+            import_plugins(options.plugin)  # a tokenizer class of the user's
+            run_watch(options)
         return
     decoding = bool(argv) and argv[0] == "decode"
     prog = f"{PROG} decode" if decoding else PROG
     with cli_errors(prog, FLAGS):
-        if decoding:
-            run_decode(from_args(DecodeOptions, decode_parser().parse_args(argv[1:])))
-        else:
-            options = from_args(SampleOptions, sample_parser().parse_args(argv))
-            import_plugins(options.plugin)  # before the weights' objective is looked up
-            run_sample(options)
+        options = from_args(*((DecodeOptions, decode_parser().parse_args(argv[1:])) if decoding else
+                               (SampleOptions, sample_parser().parse_args(argv))))
+        import_plugins(options.plugin)  # before the weights' objective or the tokenizer's class is looked up
+        (run_decode if decoding else run_sample)(options)
 
 
 if __name__ == "__main__":

@@ -170,7 +170,7 @@ def test_a_plugin_tokenizer_and_column_extract_train_and_sample(tmp_path, image_
 
     run = tmp_path / "run"
     train = ["train", "--model", "DiT-T/2", "--latents", latents, "--results-dir", run, "--global-batch-size", 4,
-             "--num-workers", 0, "--sample-every", 0, "--log-every", 1, "--objective", "flow", "--max-steps", 2,
+             "--num-workers", 0, "--sample-every", 2, "--sample-steps", 2, "--log-every", 1, "--objective", "flow", "--max-steps", 2,
              "--ckpt-every", 2, "--report-to", "none"]
     refused = _refused(capsys, train_main, [*train[1:], "--rgb-weight", "0.5"])
     assert "--rgb-weight" in refused and not run.exists()  # the column's flag exists only with its module
@@ -192,3 +192,6 @@ def test_a_plugin_tokenizer_and_column_extract_train_and_sample(tmp_path, image_
     assert "is a diffusers PatchAE" in refused and "--plugin MODULE" in refused and not out.exists()
     _run([*sample, "--plugin", PLUGIN], plugin_dir)
     assert len(list(out.glob("0*.png"))) == 2
+    preview = run / "samples" / "step-0000002.safetensors"  # latents only: decoded later by the tokenizer
+    _run(["sample", "decode", preview, "--cpu", "--plugin", PLUGIN], plugin_dir)
+    assert len(list(preview.with_suffix("").glob("0*.png"))) == len(load_file(preview)["latents"]) > 0

@@ -63,6 +63,7 @@ class DecodeFlags:
     vae_slicing: bool = VAE_SLICING.field()
     allow_other_vae: bool = ALLOW_OTHER_VAE.field()
     cpu: bool = CPU.field()
+    plugin: list | None = PLUGIN.field()  # a tokenizer class (or objective) registered by a module of the user's
 
 # ---- drawing images from a DiT (sample, evaluate run) ------------------------------------------------------
 CFG_SCALE = Flag("classifier-free guidance scale; 1 = none (4.0 for pictures, 1.5 for FID)", 4.0)
