@@ -1,10 +1,7 @@
 """Train the demo's tiny AutoencoderKL on the digits (CPU, a few minutes) and save it with its scaling factor.
 
-`python -m data.make_vae [--out data/vae-digits]`. 32x32 RGB -> 4x8x8 latents (downsample 4), so DiT-T/2
-sees 16 tokens. Loss = pixel MSE + a small KL to N(0, I) (the LDM recipe without the perceptual and GAN
-terms, which digits do not need). The config's `scaling_factor` is set the way Stable Diffusion's was
-chosen (Rombach et al. 2022, LDM: latents rescaled by 1 / their std estimated on the data), so the DiT sees
-latents of about unit variance.
+`python -m data.make_vae [--out data/vae-digits]`: 32x32 RGB -> 4x8x8 latents; pixel MSE + a small KL (LDM without
+the perceptual and GAN terms); scaling_factor = 1 / std of the latents, as Stable Diffusion's was chosen.
 """
 from shared.runtime.interrupt import guard_imports, interruptible
 
@@ -31,7 +28,6 @@ LATENT_CHANNELS = 4
 def build_vae(seed: int = 0):
     """A small randomly initialised AutoencoderKL: 32x32 RGB <-> 4x8x8 latents."""
     from diffusers import AutoencoderKL
-
     torch.manual_seed(seed)
     levels = len(WIDTHS)
     return AutoencoderKL(
@@ -102,7 +98,6 @@ def reconstruct(vae, x: torch.Tensor, batch_size: int = 256) -> torch.Tensor:
 def report(vae, x: torch.Tensor, images: np.ndarray, labels: np.ndarray) -> dict:
     """Reconstruction MSE and judge accuracy on reconstructions vs on the real digits."""
     from data.judge import class_match
-
     recon = reconstruct(vae, x)
     return {
         "recon_mse": float(torch.mean((recon.clamp(-1, 1) - x) ** 2)),

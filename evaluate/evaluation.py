@@ -83,7 +83,6 @@ def check_options(o: EvalOptions) -> None:
 def process_info(cpu: bool):
     """(rank, world, device) from the one source of process state (shared/runtime/distributed.py)."""
     from shared.runtime.distributed import process_state
-
     state = process_state(cpu=cpu)
     return state.process_index, state.num_processes, state.device
 
@@ -114,7 +113,6 @@ def evaluate_samples(o: EvalOptions, net=None, show: bool = True) -> dict:
     start = time.time()
     if net is None:
         from evaluate.features import build_features
-
         net = build_features(o.features, "cpu" if o.cpu else device, o.inception_weights)
     feats = compute_features(samples, net, o.batch_size, rank, world, "samples")
     ref_stats = reference_stats(reference, net, o.batch_size, rank, world, need_pool=True)

@@ -21,7 +21,6 @@ class DigitsFeatures:
 
     def __init__(self, device="cpu"):
         from evaluate import digits
-
         self._digits = digits
         self.net, _ = digits.network()
         self.device = torch.device(device)
@@ -42,7 +41,6 @@ def check_image_size(name: str, size) -> None:
     """UserError if network `name` cannot take images of `size` (H, W); loads no network."""
     if name == "digits":
         from evaluate.digits import check_images
-
         check_images(np.zeros((1, *size, 3), np.uint8))
 
 
@@ -52,6 +50,5 @@ def build_features(name: str, device="cpu", weights=None):
         return DigitsFeatures(device)
     if name == "inception":
         from evaluate.inception import InceptionFeatures
-
         return InceptionFeatures(device, weights)
     raise ChoiceError("feature network", name, FEATURE_NETWORKS)

@@ -1,10 +1,7 @@
 """`python -m evaluate reference IMAGES --image-size S --out REF.npz`: the user's own real images as a reference.
 
-Every image below IMAGES, found as extract finds a training set (evaluate/images.py `scan_images`: symlinked
-folders followed, hidden entries left out, copies kept by the same --duplicates rule) is decoded and centre-cropped
-to S x S exactly as extraction preprocesses it (ADM's crop, shared.datasets.images), and written as an images npz
-(`arr_0` uint8 N x S x S x 3): a --ref for `python -m evaluate` and `python -m evaluate run` at the training size
-(its Inception statistics are computed on first use and cached). Unreadable files are skipped and listed.
+Every image below IMAGES, found as extract finds a training set, centre-cropped to S x S as extraction does (ADM's
+crop), written as an images npz usable as --ref; unreadable files are skipped and listed.
 """
 from __future__ import annotations
 

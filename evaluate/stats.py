@@ -1,10 +1,7 @@
 """Feature statistics: computing them over an image source (split over processes), files, ADM reference batches.
 
-A statistics file is an npz in the ADM reference layout (`mu`, `sigma` for FID; `mu_s`, `sigma_s` for sFID) plus
-what the ADM layout leaves implicit: `pool` (N, D) float32, the features precision and recall need (ADM recomputes
-them from the reference images), and `meta`, a JSON string naming the feature network, the image size and count.
-An ADM reference batch as published (e.g. VIRTUAL_imagenet256_labeled.npz: arr_0 images and precomputed
-mu/sigma/mu_s/sigma_s) is read as is: its precomputed statistics for FID and sFID, its images for precision/recall.
+A statistics file is an npz in ADM's layout (mu, sigma; mu_s, sigma_s for sFID) plus `pool` (N, D) float32 for
+precision/recall and `meta`, a JSON string (feature network, image size, count); ADM's published batches read as is.
 """
 from __future__ import annotations
 
@@ -91,9 +88,7 @@ def load_stats(path) -> Stats:
     return Stats(meta, arrays["mu"], arrays["sigma"], arrays.get("mu_s"), arrays.get("sigma_s"), pool)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Computing features, split over processes
-# ----------------------------------------------------------------------------------------------------------
+# ---- Computing features, split over processes ----
 
 def shard_range(count: int, rank: int, world: int) -> tuple[int, int]:
     """Contiguous slice [lo, hi) of `count` items for process `rank` of `world` (sizes differ by at most 1)."""
@@ -105,7 +100,6 @@ def gather(feats: dict, world: int) -> dict:
     if world == 1:
         return feats
     import torch.distributed as dist
-
     parts = [None] * world
     dist.all_gather_object(parts, feats)  # gloo and NCCL alike; a few hundred MB at 50K x 2048 float32
     return {k: np.concatenate([p[k] for p in parts]) for k in feats}
@@ -131,9 +125,7 @@ def source_meta(net, source) -> dict:
             "source": str(source.path)}
 
 
-# ----------------------------------------------------------------------------------------------------------
-# References
-# ----------------------------------------------------------------------------------------------------------
+# ---- References ----
 
 def _contents_stamp(path: Path) -> tuple:
     """(bytes, newest mtime) of a file, or of every image below a folder (a folder's own stat misses its files)."""
@@ -141,7 +133,6 @@ def _contents_stamp(path: Path) -> tuple:
         st = path.stat()
         return st.st_size, st.st_mtime_ns
     from evaluate.images import image_files
-
     stats = [(f.relative_to(path).as_posix(), f.stat()) for f in image_files(path)]
     listing = hashlib.sha256("".join(f"{name}\t{st.st_size}\t{st.st_mtime_ns}\n" for name, st in stats).encode())
     return len(stats), listing.hexdigest()
@@ -150,7 +141,6 @@ def _contents_stamp(path: Path) -> tuple:
 def stats_cache_path(path: Path, identity: dict) -> Path:
     """Cache file of the statistics of an image npz/folder: keyed by path, its contents stamp and the feature network."""
     from evaluate.digits import cache_dir
-
     key = json.dumps([str(path.resolve()), *_contents_stamp(path), identity], sort_keys=True)
     return cache_dir() / "stats" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.npz"
 
@@ -179,7 +169,6 @@ def open_reference(ref, features: str) -> Reference:
                             "VIRTUAL_imagenet256_labeled.npz), a statistics file from --save-stats, or an images npz "
                             "or folder of real images. (--features digits compares with the real digits by default.)")
         from shared.datasets.digits import IMAGE_SIZE, digit_images
-
         return Reference("real digits (scikit-learn, all 1,797)",
                          images=ArrayImages(digit_images(IMAGE_SIZE)[0], REAL_DIGITS))
     path = Path(ref)
@@ -217,7 +206,6 @@ def reference_stats(reference: Reference, net, batch_size: int, rank: int, world
     images = reference.images
     if images.path == REAL_DIGITS and net.name == "digits":  # computed once per process by evaluate/digits.py
         from evaluate.digits import real_features
-
         return stats_from_features({"pool": real_features()}, source_meta(net, images))
     cache = stats_cache_path(Path(images.path), net.identity()) if Path(str(images.path)).exists() else None
     if cache is not None and cache.is_file():

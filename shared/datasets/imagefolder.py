@@ -1,14 +1,7 @@
-"""Finding the images of a folder: the one discovery of extract's ImageFolder scan and `python -m evaluate
-reference` (and evaluate's image folders), so a training set and its reference are listed alike.
+"""Finding the images of a folder: the one discovery of extract's ImageFolder scan and evaluate's image folders.
 
-ImageFolder order as torchvision's: a class is a top-level folder, its index the position of its name in sorted
-order, and its files are every image below it (nested sub-folders are folded into their top-level class). Unlike
-torchvision, names starting with a dot are never data (`.ipynb_checkpoints/`, `.DS_Store`, macOS `._x.jpg`).
-Symlinked folders are followed (a subset of classes is a folder of symlinks to the chosen class folders), each
-real folder once: one reached again by another path is skipped (counted), and a link to a folder that contains
-it (a loop: the tree would never end) is refused. Files that are one picture under several paths are the
-business of shared/datasets/duplicates.py, applied after the scan. Everything left out is counted in
-`ImageFolderScan.skipped`.
+torchvision's order (a class is a top-level folder, nested folders folded into it), but dot-names are never data;
+symlinked folders are followed, each real folder once, and a loop is refused. Everything left out is counted.
 """
 from __future__ import annotations
 
@@ -99,9 +92,7 @@ class ImageFolderScan:
         return dataclasses.replace(self, files=[self.files[i] for i in keep], labels=[self.labels[i] for i in keep])
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The walk: every visible folder below a class once, symlinks followed, loops refused
-# ----------------------------------------------------------------------------------------------------------
+# ---- The walk: every visible folder below a class once, symlinks followed, loops refused ----
 
 def _entries(folder: Path) -> list[os.DirEntry]:
     """The entries of one folder, sorted by name; UserError naming the folder if it cannot be read."""
@@ -175,8 +166,7 @@ class _Walk:
         return names, subfolders
 
     def tree(self, top: str, ancestors: tuple) -> list[str]:
-        """Image files under root/top, nested folders included, in torchvision's order (folders by path, then
-        names: it sorts os.walk's (dirpath, dirnames, filenames) tuples)."""
+        """Image files under root/top, nested folders included, in torchvision's order (sorted os.walk tuples)."""
         found, stack = [], [(top, ancestors)]
         while stack:
             rel, above = stack.pop()
@@ -191,9 +181,7 @@ class _Walk:
         return [f"{folder}/{name}" for folder, names in sorted(found) for name in names]
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The scan
-# ----------------------------------------------------------------------------------------------------------
+# ---- The scan ----
 
 def find_classes(root: Path, skipped: Skipped | None = None, loose: bool = False) -> tuple[list[str], list[str]]:
     """(sorted visible sub-folders of root, root's own image files); without `loose` those files are left out."""
@@ -240,11 +228,7 @@ def folded_note(nested: list[str]) -> str:
 
 
 def scan_image_folder(root, loose: bool = False) -> ImageFolderScan:
-    """Scan root/<class>/**/<image>; UserError for a missing root, no class folders, empty classes or a loop.
-
-    loose (evaluate's folders): images lying in root itself are data too, as the class LOOSE_CLASS, listed
-    first; a folder without any class folder is fine, and empty folders are no error.
-    """
+    """Scan root/<class>/**/<image>; UserError for a missing root, no class folders, empty classes or a loop."""
     root = Path(root).expanduser()
     if not root.is_dir():
         raise UserError(

@@ -251,7 +251,6 @@ def dopri5_sample(process: FlowProcess, model_fn, noise, model_kwargs=None, gene
                   atol: float = 1e-6, rtol: float = 1e-3):
     """Adaptive Dormand-Prince 5(4) on the ODE from tau = 0 to 1 (SiT's default ODE solver), one step size per row."""
     from shared.generative.odeint import dopri5_rows  # torchdiffeq's algorithm per row: image i depends on its noise
-
     def field(tau, x, rows):
         """dx/dtau of the rows `rows` (M,) at their own times tau (M,) float64."""
         kwargs = {k: v[rows] for k, v in (model_kwargs or {}).items()}

@@ -1,9 +1,6 @@
-"""Per-image randomness: image i's class label and noise depend only on (seed, i).
+"""Per-image randomness: image i's class label, noise and sampler noise come from one generator seeded by (seed, i).
 
-Every image owns a CPU `torch.Generator` seeded from (seed, i). It draws the image's class label (with
-random labels), then its starting noise, and is then handed to the sampler as that image's row
-generator, so DDPM's per-step noise also comes from it. Results therefore do not depend on the batch
-size, on which process draws the image, or on which images were already on disk when a run resumed.
+So results do not depend on the batch size, the process, or which images were on disk when a run resumed.
 """
 from __future__ import annotations
 

@@ -48,7 +48,6 @@ def vavae_config(mean, std) -> dict:
 def read_stats(path) -> tuple[list[float], list[float]]:
     """(mean, std) per channel from LightningDiT's latents_stats.pt ({"mean", "std"} each (1, C, 1, 1))."""
     from shared.runtime.export import load_torch_file
-
     stats = load_torch_file(path, "Download latents_stats.pt of hustvl/vavae-imagenet256-f16d32-dinov2 again.")
     return stats["mean"].flatten().double().tolist(), stats["std"].flatten().double().tolist()
 
@@ -69,7 +68,6 @@ def _attention_key(key: str) -> str | None:
 def convert_vavae(state_dict: dict) -> dict:
     """LDM (VA-VAE) tensor names -> diffusers AutoencoderKL names; training-only tensors dropped."""
     from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
-
     if isinstance(state_dict.get("state_dict"), dict):
         state_dict = state_dict["state_dict"]
     kept = {k: v for k, v in state_dict.items()
@@ -88,7 +86,6 @@ def build_vavae(weights_path, stats_path):
     from diffusers import AutoencoderKL
 
     from shared.runtime.export import load_torch_file
-
     mean, std = read_stats(stats_path)
     state = load_torch_file(weights_path, "Download vavae-imagenet256-f16d32-dinov2.pt again.")
     vae = AutoencoderKL.from_config(vavae_config(mean, std))
