@@ -16,6 +16,7 @@ from pathlib import Path
 from evaluate.evaluation import (FEATURES, INCEPTION_WEIGHTS, IS_SPLIT, REF, EvalOptions, append_jsonl, check_options,
                                  evaluate_samples, process_info)
 from evaluate.features import check_image_size
+from evaluate.images import open_npz_images
 from evaluate.metrics import check_split_size
 from evaluate.stats import check_reference, open_reference
 from shared.runtime import rundir
@@ -154,7 +155,7 @@ def evaluate_export(export: Path, o: RunEvalOptions, settings: dict, net, state)
     out = rundir.eval_samples_dir(run, step, settings_tag(settings))
     npz = sample_export(export, out, o)
     state.wait_for_everyone()  # rank 0 writes samples.npz after the others finished drawing
-    check_image_size(o.features, _image_size(npz))
+    check_image_size(o.features, open_npz_images(npz).size)
     record = evaluate_samples(EvalOptions(samples=str(npz), ref=o.ref, features=o.features,
                                           batch_size=o.eval_batch_size, is_split_size=o.is_split_size,
                                           inception_weights=o.inception_weights, cpu=o.cpu, no_save=True), net=net)
@@ -165,12 +166,6 @@ def evaluate_export(export: Path, o: RunEvalOptions, settings: dict, net, state)
             shutil.rmtree(out, ignore_errors=True)
     state.wait_for_everyone()
     return record
-
-
-def _image_size(npz: Path):
-    """(H, W) of a samples npz."""
-    from evaluate.images import open_npz_images
-    return open_npz_images(npz).size
 
 
 def run_evaluation(o: RunEvalOptions) -> list[dict]:

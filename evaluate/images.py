@@ -14,6 +14,7 @@ import numpy as np
 from shared.datasets.duplicates import DEFAULT_DUPLICATES, apply_duplicates
 from shared.datasets.imagefolder import ImageFolderScan, scan_image_folder
 from shared.runtime.errors import UserError
+from shared.runtime.fsio import atomic_write
 
 IMAGES_KEY = "arr_0"
 
@@ -26,6 +27,14 @@ def npz_keys(path: Path) -> list[str]:
     except (zipfile.BadZipFile, OSError) as err:
         raise UserError(f"{path} is not a readable .npz file ({err}); pass an npz written by `python -m sample "
                         f"--npz` (or np.savez) with the images as arr_0.") from err
+
+
+def save_npz(path, **arrays) -> Path:
+    """Write arrays as an uncompressed npz, atomically (an open handle, so numpy adds no .npz suffix)."""
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+    return atomic_write(Path(path), write)
 
 
 def _npy_header(member) -> tuple[tuple, bool, np.dtype]:

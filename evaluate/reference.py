@@ -12,13 +12,12 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from evaluate.images import scan_images
+from evaluate.images import save_npz, scan_images
 from shared.datasets.duplicates import DEFAULT_DUPLICATES, DUPLICATE_POLICIES
 from shared.datasets.imagefolder import ImageFolderScan
 from shared.datasets.images import MAX_IMAGE_PIXELS, BadImage, load_image, pixel_limit
 from shared.runtime.cli import HelpFormatter, add_flags, from_args, option
 from shared.runtime.errors import UserError, cli_errors
-from shared.runtime.fsio import atomic_write
 
 PROG = "python -m evaluate reference"
 
@@ -76,12 +75,6 @@ def crop_all(files: list[Path], o: ReferenceOptions, rows: np.ndarray) -> tuple[
     return n, bad
 
 
-def _savez(path: Path, images: np.ndarray) -> None:
-    """images as arr_0 of an uncompressed npz (the reader seeks into it), streamed from the scratch file."""
-    with open(path, "wb") as f:
-        np.savez(f, arr_0=images)
-
-
 def write_reference(o: ReferenceOptions) -> tuple[int, list[str], ImageFolderScan]:
     """Crop every image into o.out (atomic); returns (images written, bad files, the scan)."""
     scan = check_options(o)
@@ -95,7 +88,7 @@ def write_reference(o: ReferenceOptions) -> tuple[int, list[str], ImageFolderSca
         n, bad = crop_all(files, o, rows)
         if n < 2:
             raise UserError(f"only {n} of the {len(files)} images in {o.images} could be read ({'; '.join(bad[:3])}).")
-        atomic_write(out, lambda tmp: _savez(tmp, rows[:n]))
+        save_npz(out, arr_0=rows[:n])  # uncompressed: the reader seeks into it
     finally:
         del rows
         scratch.unlink(missing_ok=True)

@@ -13,10 +13,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from evaluate.images import IMAGES_KEY, ArrayImages, npz_keys, open_images, open_npz_images
+from evaluate.images import IMAGES_KEY, ArrayImages, npz_keys, open_images, open_npz_images, save_npz
 from evaluate.metrics import mean_cov
 from shared.runtime.errors import UserError
-from shared.runtime.fsio import atomic_write
 
 STATS_VERSION = 1
 ADM_KEYS = ("mu", "sigma", "mu_s", "sigma_s")
@@ -54,13 +53,7 @@ def save_stats(path, stats: Stats) -> Path:
     if stats.pool is not None:
         arrays["pool"] = stats.pool
     arrays["meta"] = np.array(json.dumps({"version": STATS_VERSION, **stats.meta}))
-
-    def write(tmp: Path) -> None:
-        """np.savez into the temp file (an open handle, so numpy adds no .npz suffix)."""
-        with open(tmp, "wb") as f:
-            np.savez(f, **arrays)
-
-    return atomic_write(Path(path), write)
+    return save_npz(path, **arrays)
 
 
 def is_stats_file(path) -> bool:
@@ -90,11 +83,6 @@ def load_stats(path) -> Stats:
 
 # ---- Computing features, split over processes ----
 
-def shard_range(count: int, rank: int, world: int) -> tuple[int, int]:
-    """Contiguous slice [lo, hi) of `count` items for process `rank` of `world` (sizes differ by at most 1)."""
-    return count * rank // world, count * (rank + 1) // world
-
-
 def gather(feats: dict, world: int) -> dict:
     """Concatenate every process's feature arrays in rank order (identity on one process)."""
     if world == 1:
@@ -107,7 +95,7 @@ def gather(feats: dict, world: int) -> dict:
 
 def compute_features(source, net, batch_size: int, rank: int = 0, world: int = 1, desc: str = "features") -> dict:
     """Features of every image of `source`: this process does its slice, then all slices are gathered."""
-    lo, hi = shard_range(source.count, rank, world)
+    lo, hi = source.count * rank // world, source.count * (rank + 1) // world  # sizes differ by at most 1
     chunks: dict = {k: [] for k in net.outputs}
     bar = tqdm(total=hi - lo, desc=desc, unit="img", disable=rank != 0 or hi - lo == 0)
     for batch in source.batches(batch_size, lo, hi):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 import signal
 import time
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from shared.runtime.cli import option
 from shared.runtime.distributed import process_state
 from shared.runtime.errors import UserError
 from shared.runtime.flags import DecodeFlags
-from shared.runtime.lock import LOCK_NAME, FolderBusyError, hold_lock
+from shared.runtime.lock import LOCK_NAME, FolderBusyError, hold_lock, pid_alive
 from shared.runtime.previews import read_preview
 from shared.runtime.trackers import check_report_to
 from shared.tokenizers.vae import read_vae_config
@@ -101,17 +100,6 @@ def run_is_locked(run: Path) -> bool:
             return True
         fcntl.flock(f.fileno(), fcntl.LOCK_UN)
     return False
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process `pid` still exists."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
 
 
 def end_reason(run: Path, o: WatchOptions) -> str | None:

@@ -19,11 +19,6 @@ from shared.runtime.errors import ChoiceError
 PAIR_SAMPLINGS = ("lognormal", "uniform")  # the paper's ablation: logit-normal (its choice) or uniform
 
 
-def pair_input(path: FlowPath, tau: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """The network's (N, 2) time input: its convention's time of tau, and the interval length h = t - r."""
-    return torch.stack([path.model_time(tau), h], dim=1)  # (N, 2)
-
-
 def in_sit_sign(path: FlowPath, out: torch.Tensor, channels: int) -> torch.Tensor:
     """The first `channels` of a network output (N, C', h, w) in SiT's sign, fp32 at least (float64 stays)."""
     u = out[:, :channels]
@@ -34,7 +29,8 @@ def in_sit_sign(path: FlowPath, out: torch.Tensor, channels: int) -> torch.Tenso
 def average_velocity(path: FlowPath, model_fn, x: torch.Tensor, tau: torch.Tensor, h: torch.Tensor,
                      model_kwargs: dict | None) -> torch.Tensor:
     """ubar(x, tau, h) in SiT's sign from one network call: x (N,C,h,w), tau and h (N,) -> (N,C,h,w), fp32 at least."""
-    return in_sit_sign(path, model_fn(x, pair_input(path, tau, h), **(model_kwargs or {})), x.shape[1])
+    t = torch.stack([path.model_time(tau), h], dim=1)  # (N, 2): its convention's time of tau, and h = t - r
+    return in_sit_sign(path, model_fn(x, t, **(model_kwargs or {})), x.shape[1])
 
 
 def draw_pair(generator: torch.Generator, sampling: str, mu: float, sigma: float, fraction: float) -> torch.Tensor:
@@ -51,11 +47,6 @@ def draw_pair(generator: torch.Generator, sampling: str, mu: float, sigma: float
     keep = torch.rand(1, generator=generator)[0] < fraction  # r != t for this sample
     h = (t - r) if bool(keep) else torch.zeros(())
     return torch.stack([1 - t, h]).view(1, 2)  # (1, 2): SiT time of z, interval length
-
-
-def split_pairs(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tau, h), each (N,), of a batch of training intervals (N, 2)."""
-    return t[:, 0], t[:, 1]
 
 
 def rows_of(model_kwargs: dict, rows: torch.Tensor) -> dict:
@@ -116,7 +107,7 @@ def meanflow_losses(path: FlowPath, model_fn, x1, t, noise, model_kwargs: dict, 
                     levels: tuple[float, float], p: float, c: float) -> dict:
     """{"loss", "sq", "v_sq"} (N,): sg(w) ||ubar - sg(u_tgt)||^2 summed over elements, ||Delta||^2, ||ubar - v||^2."""
     # The forward the gradient flows through runs last, so a wrapper keeping something from it (REPA) keeps its.
-    tau, h = split_pairs(t)
+    tau, h = t[:, 0], t[:, 1]  # (N,) each
     s = tau.view(-1, *([1] * (x1.ndim - 1))).to(x1.dtype)  # (N, 1, 1, 1)
     x = s * x1 + (1 - s) * noise  # (N, C, h, w)
     v = x1 - noise  # (N, C, h, w): d x_tau / d tau

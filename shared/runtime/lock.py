@@ -194,13 +194,18 @@ def _stale(holder: dict) -> bool:
     """Whether a fallback owner file was left by a process of this host that no longer runs."""
     if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
         return False  # another host's process cannot be checked from here; an unreadable file is not ours
+    return not pid_alive(holder["pid"])
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` still exists (on this host; owned by another user counts)."""
     try:
-        os.kill(holder["pid"], 0)
+        os.kill(pid, 0)
     except ProcessLookupError:
+        return False
+    except OSError:  # it exists, owned by another user
         return True
-    except OSError:
-        return False  # it exists, owned by another user
-    return False
+    return True
 
 
 def hold_lock(folder, kind: str) -> FolderLock:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import re
 
-import torch
 
 VAVAE_REPO = "hustvl/vavae-imagenet256-f16d32-dinov2"
 VAVAE_WEIGHTS = "vavae-imagenet256-f16d32-dinov2.pt"
