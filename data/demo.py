@@ -32,7 +32,6 @@ ROOT = Path(__file__).resolve().parents[1]  # the repository: stages run as `pyt
 @dataclass(frozen=True)
 class Recipe:
     """The knobs of one demo mode: training length and sampling effort."""
-
     name: str
     train_steps: int
     batch_size: int
@@ -97,8 +96,7 @@ def run_stage(name: str, args: list) -> float:
     if rc != 0:
         raise UserError(
             f"The {name} stage failed with exit status {rc} (its message is printed above). Fix what it says "
-            f"and rerun the same command: finished stages are resumed, not redone; or pass a new --out."
-        )
+            f"and rerun the same command: finished stages are resumed, not redone; or pass a new --out.")
     return time.time() - start
 
 

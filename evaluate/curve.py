@@ -38,7 +38,6 @@ CURVE_METRICS = (("fid", "FID"), ("sfid", "sFID"), ("inception_score", "Inceptio
 @dataclass(kw_only=True)
 class RunEvalOptions(SamplingFlags):
     """Everything `python -m evaluate run` accepts: sample's sampling flags, with cheaper defaults for a curve."""
-
     run: str = option(help="training run folder (its exports/ema-step-*.safetensors are evaluated)", positional=True,
                       metavar="RUN")
     num_samples: int = option(help="images drawn per export (published FID: 50000; fewer give a higher, noisier FID)")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,7 +21,7 @@ import torch.nn.functional as F
 from shared.datasets.digits import IMAGE_SIZE, NUM_CLASSES, digit_images
 from evaluate.metrics import frechet_distance_to, mean_cov
 from shared.runtime.errors import UserError
-from shared.runtime.fsio import atomic_write
+from shared.runtime.fsio import atomic_write, user_cache
 
 FEATURES = "digits"
 
@@ -30,7 +29,6 @@ FEATURES = "digits"
 @dataclass(frozen=True)
 class DigitsRecipe:
     """Everything that decides the fitted weights; its hash names the cache file."""
-
     version: int = 1
     widths: tuple = (16, 32, 64)   # conv channels of the three blocks (32 -> 16 -> 8 -> 4 pixels)
     feature_dim: int = 64          # penultimate width: the feature vector
@@ -47,7 +45,6 @@ RECIPE = DigitsRecipe()
 
 class DigitsNet(nn.Module):
     """Three conv-ReLU-maxpool blocks, a 64-wide hidden layer (the features) and a 10-way classifier."""
-
     def __init__(self, recipe: DigitsRecipe = RECIPE):
         super().__init__()
         layers, c_in = [], 3
@@ -146,9 +143,8 @@ def recipe_key(recipe: DigitsRecipe, data_hash: str) -> str:
 
 
 def cache_dir() -> Path:
-    """The user cache folder of the evaluation stage ($XDG_CACHE_HOME or ~/.cache)."""
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "dit-latent-pipeline" / "evaluate"
+    """The user cache folder of the evaluation stage."""
+    return user_cache("evaluate")
 
 
 def weights_path(key: str) -> Path:

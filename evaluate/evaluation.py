@@ -43,7 +43,6 @@ INCEPTION_WEIGHTS = Flag("pytorch-fid's FID Inception weights file, pt_inception
 @dataclass
 class EvalOptions:
     """Everything `python -m evaluate SAMPLES.npz` accepts (one field per flag: its default and help)."""
-
     samples: str = option(help="images to evaluate: npz with arr_0 uint8 N x H x W x 3 (as `python -m sample --npz` "
                                "writes)", positional=True, metavar="SAMPLES.npz")
     ref: str | None = REF.field()

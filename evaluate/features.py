@@ -15,7 +15,6 @@ FEATURE_NETWORKS = ("inception", "digits")
 
 class DigitsFeatures:
     """The digits yardstick network (evaluate/digits.py): 64 features of 32x32 digit images."""
-
     name = "digits"
     outputs = ("pool",)
 

@@ -84,7 +84,6 @@ def vae_rows(counts, draws: int, seed: int, vae_spec: str) -> list[tuple[str, fl
 @dataclass
 class FloorOptions:
     """Everything `python -m evaluate.floor` accepts (one field per flag: its default and help)."""
-
     counts: tuple = option((30, 100, 200, 500, 1000), "sample counts N to measure the floor at", type=int, nargs="+")
     draws: int = option(10, "random draws per count (mean and std are printed)")
     seed: int = option(0, "seed of the draws")

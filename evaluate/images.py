@@ -47,7 +47,6 @@ def _npy_header(member) -> tuple[tuple, bool, np.dtype]:
 
 class ImageSource:
     """Images as uint8 (N, H, W, 3) behind one interface: count, size (H, W), batches of images start..stop."""
-
     @property
     def count(self) -> int:
         """Number of images."""
@@ -67,7 +66,6 @@ class ImageSource:
 @dataclass
 class NpzImages(ImageSource):
     """The uint8 (N, H, W, 3) `arr_0` of an npz, read in batches (only the bytes of those images)."""
-
     path: Path
     shape: tuple
 
@@ -106,7 +104,6 @@ def open_npz_images(path) -> NpzImages:
 @dataclass
 class FolderImages(ImageSource):
     """Every image under a folder (ImageFolder or flat), sorted by path, all of one size, read as RGB."""
-
     path: Path
     files: list
     image_size: tuple
@@ -191,7 +188,6 @@ def open_images(path):
 @dataclass
 class ArrayImages(ImageSource):
     """Images already in memory, uint8 (N, H, W, 3), behind the same interface (e.g. the real digits)."""
-
     array: np.ndarray
     path: str = "<memory>"
 

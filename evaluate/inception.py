@@ -59,7 +59,6 @@ def preprocess(images: torch.Tensor, size: int = INPUT_SIZE) -> torch.Tensor:
 
 class BasicConv2d(nn.Module):
     """Conv (no bias) -> BatchNorm (eps 0.001) -> ReLU."""
-
     def __init__(self, c_in: int, c_out: int, **conv):
         super().__init__()
         self.conv = nn.Conv2d(c_in, c_out, bias=False, **conv)
@@ -76,7 +75,6 @@ def tf_avg_pool(x: torch.Tensor) -> torch.Tensor:
 
 class InceptionA(nn.Module):
     """35x35 block (mixed, mixed_1, mixed_2): 1x1, 5x5, double 3x3, TF-average-pooled 1x1."""
-
     def __init__(self, c_in: int, pool_features: int):
         super().__init__()
         self.branch1x1 = BasicConv2d(c_in, 64, kernel_size=1)
@@ -95,7 +93,6 @@ class InceptionA(nn.Module):
 
 class InceptionB(nn.Module):
     """35 -> 17 reduction (mixed_3): strided 3x3, strided double 3x3, max pool."""
-
     def __init__(self, c_in: int):
         super().__init__()
         self.branch3x3 = BasicConv2d(c_in, 384, kernel_size=3, stride=2)
@@ -110,7 +107,6 @@ class InceptionB(nn.Module):
 
 class InceptionC(nn.Module):
     """17x17 block (mixed_4..mixed_7): factorised 7x7 convolutions, TF-average-pooled 1x1."""
-
     def __init__(self, c_in: int, c7: int):
         super().__init__()
         self.branch1x1 = BasicConv2d(c_in, 192, kernel_size=1)
@@ -135,7 +131,6 @@ class InceptionC(nn.Module):
 
 class InceptionD(nn.Module):
     """17 -> 8 reduction (mixed_8): strided 3x3, 7x7-then-strided-3x3, max pool."""
-
     def __init__(self, c_in: int):
         super().__init__()
         self.branch3x3_1 = BasicConv2d(c_in, 192, kernel_size=1)
@@ -153,7 +148,6 @@ class InceptionD(nn.Module):
 
 class InceptionE(nn.Module):
     """8x8 block (mixed_9, mixed_10): split 1x3/3x1 branches; the pool branch TF-average or max (a 2015 graph quirk)."""
-
     def __init__(self, c_in: int, max_pool: bool):
         super().__init__()
         self.max_pool = max_pool
@@ -181,7 +175,6 @@ class InceptionE(nn.Module):
 
 class FIDInceptionV3(nn.Module):
     """The FID Inception-v3: preprocessed (N, 3, 299, 299) -> pool (N, 2048), spatial (N, 2023), logits (N, 1008)."""
-
     def __init__(self):
         super().__init__()
         self.Conv2d_1a_3x3 = BasicConv2d(3, 32, kernel_size=3, stride=2)
@@ -342,7 +335,6 @@ def load_checked_inception(path: Path, device="cpu") -> tuple[FIDInceptionV3, st
 
 class InceptionFeatures:
     """The FID Inception behind the feature-network interface (evaluate/features.py)."""
-
     name = "inception"
     outputs = ("pool", "spatial", "logits")
 

@@ -25,7 +25,6 @@ PROG = "python -m evaluate reference"
 @dataclass
 class ReferenceOptions:
     """Everything `python -m evaluate reference` accepts (one field per flag: its default and help)."""
-
     images: str = option(help="folder of real images: an ImageFolder or a flat folder (every image below it)",
                          positional=True, metavar="IMAGES")
     image_size: int = option(help="side of the square centre crop, as extract's --image-size: the size of the "

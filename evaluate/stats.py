@@ -25,7 +25,6 @@ REAL_DIGITS = "sklearn-digits"  # the source name of the default --features digi
 @dataclass
 class Stats:
     """Statistics of one image set in one feature space."""
-
     meta: dict                      # {"features": identity dict, "count": N, "image_size": [H, W] or None, ...}
     mu: np.ndarray                  # (D,) pool-feature mean
     sigma: np.ndarray               # (D, D) pool-feature covariance
@@ -136,7 +135,6 @@ def stats_cache_path(path: Path, identity: dict) -> Path:
 @dataclass
 class Reference:
     """A resolved --ref before any network is loaded: precomputed stats and/or images, and their image size."""
-
     label: str
     stats: Stats | None = None
     images: object = None          # an image source (for statistics or for the pool features of PR)

@@ -37,7 +37,6 @@ REPORT_TO = ("auto", "tensorboard", "none")
 @dataclass
 class WatchOptions(DecodeFlags):
     """Everything `python -m sample watch` accepts (one field per flag: its default and help; the VAE flags too)."""
-
     run: str = option(help="the training run folder (train's --results-dir)", positional=True, metavar="RUN")
     interval: float = option(5.0, "seconds between looks for new preview files")
     exit_when_done: bool = option(False, "stop once no training process holds RUN (finished, stopped or killed), "
@@ -56,7 +55,6 @@ class WatchOptions(DecodeFlags):
 
 class StopFlag:
     """Set by SIGINT/SIGTERM: the watcher finishes the file in hand, then leaves (a second signal leaves now)."""
-
     def __init__(self):
         self.requested, self._previous = False, {}
 
@@ -143,7 +141,6 @@ def run_report_to(run: Path) -> str:
 
 class PreviewTracker:
     """Writes each labelled grid as image 'previews' into RUN/tensorboard/previews/ (a separate writer)."""
-
     def __init__(self, run: Path, mode: str):
         self.run, self.mode, self.writer, self.said = run, mode, None, False
 
@@ -183,7 +180,6 @@ class PreviewTracker:
 
 class Decoder:
     """The VAE, loaded when the first preview arrives (checked against every file's latent metadata)."""
-
     def __init__(self, o: WatchOptions):
         self.o, self.vae, self.name, self.how = o, None, None, None
 

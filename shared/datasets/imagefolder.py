@@ -33,7 +33,6 @@ SKIP_REASONS = {
 @dataclass
 class Skipped:
     """What the scan left out: a count and the first example (a path relative to the root) per reason."""
-
     counts: dict = field(default_factory=dict)
     first: dict = field(default_factory=dict)
 
@@ -52,7 +51,6 @@ class Skipped:
 @dataclass(frozen=True)
 class ImageFolderScan:
     """The sorted file list of an ImageFolder tree: relative paths, labels and class names."""
-
     root: Path
     classes: list[str]
     files: list[str]    # paths relative to root, POSIX separators, in sample order
@@ -125,14 +123,12 @@ def _loop(root: Path, rel: str) -> UserError:
     return UserError(
         f"{link} is a symlink to {target}, a folder that contains the link itself: a symlink loop, whose tree never "
         f"ends (torchvision would walk it until the path is too long). Remove the link (`rm {link}`), or point it "
-        f"at a folder outside {root}; symlinks to other folders, such as class folders kept elsewhere, are followed."
-    )
+        f"at a folder outside {root}; symlinks to other folders, such as class folders kept elsewhere, are followed.")
 
 
 @dataclass
 class _Walk:
     """One scan's state: the real folders claimed so far, what was left out, the nested folders seen."""
-
     root: Path
     seen: set
     skipped: Skipped
@@ -202,10 +198,8 @@ def find_classes(root: Path, skipped: Skipped | None = None, loose: bool = False
 def _no_classes(root: Path, skipped: Skipped) -> UserError:
     """The refusal for a root without (visible) class folders."""
     hidden = f" ({skipped.describe()})" if skipped.counts else ""
-    return UserError(
-        f"--data-path {root} has no class folders{hidden}. Put each class's images in its own sub-folder "
-        f"(root/cat/001.jpg, ...); for an unlabelled dataset use a single sub-folder, e.g. root/all/."
-    )
+    return UserError(f"--data-path {root} has no class folders{hidden}. Put each class's images in its own sub-folder "
+                     f"(root/cat/001.jpg, ...); for an unlabelled dataset use a single sub-folder, e.g. root/all/.")
 
 
 def _empty_classes(root: Path, empty: list[str]) -> UserError:
@@ -214,8 +208,7 @@ def _empty_classes(root: Path, empty: list[str]) -> UserError:
     return UserError(
         f"{counted(len(empty), 'class folder')} in {root} {'holds' if len(empty) == 1 else 'hold'} no images "
         f"({shown}). Add images with one of the extensions {' '.join(IMAGE_EXTENSIONS)} or remove those folders "
-        f"(every sub-folder is a class)."
-    )
+        f"(every sub-folder is a class).")
 
 
 def folded_note(nested: list[str]) -> str:
@@ -233,8 +226,7 @@ def scan_image_folder(root, loose: bool = False) -> ImageFolderScan:
     if not root.is_dir():
         raise UserError(
             f"--data-path {root} does not exist or is not a folder. Pass an ImageFolder root: one sub-folder "
-            f"per class holding that class's images (root/cat/001.jpg, root/dog/002.png, ...)."
-        )
+            f"per class holding that class's images (root/cat/001.jpg, root/dog/002.png, ...).")
     skipped = Skipped()
     classes, loose_files = find_classes(root, skipped, loose)
     if not classes and not loose:

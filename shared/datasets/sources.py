@@ -32,7 +32,6 @@ PARQUET_SPLIT = "train"  # a folder's files named train-* are taken; other split
 @dataclass(frozen=True)
 class SourceOptions:
     """How to read labels and class names from a tar or parquet source (an ImageFolder ignores them)."""
-
     label_key: str = DEFAULT_LABEL_KEY
     class_map: Path | None = None
     image_column: str = DEFAULT_IMAGE_COLUMN
@@ -42,7 +41,6 @@ class SourceOptions:
 @dataclass(frozen=True)
 class SourceScan(ImageFolderScan):
     """A tar or parquet source listed like an ImageFolder: `files` are sample ids, bytes come from `reader`."""
-
     reader: object = field(default=None, compare=False)  # TarReader | ParquetReader
     digests: dict = field(default_factory=dict, compare=False)  # sample id -> sha256 of its image bytes
 
@@ -224,7 +222,6 @@ def _list_tar(url: str, label_key: str, skipped: Skipped) -> list[tuple[str, tup
 
 class TarReader:
     """One sample's image bytes by id: a ranged read at the member's data offset recorded by the listing."""
-
     def __init__(self, shards: list[str], members: dict):
         self.shards, self.members = shards, members  # id -> (shard index, data offset, size)
         self._open = None  # (shard index, file): the last shard read, per process
@@ -347,7 +344,6 @@ def _list_parquet(url: str, index: int, options: SourceOptions) -> tuple[list, l
 
 class ParquetReader:
     """One row's image bytes by id: pyarrow reads the row group holding it (the last one kept, per process)."""
-
     def __init__(self, files: list[str], rows: dict, image_column: str):
         self.files, self.rows, self.image_column = files, rows, image_column  # id -> (file, row group, row)
         self._group = None  # ((file, row group), list of bytes)

@@ -55,7 +55,6 @@ def mean_flat(x):
 
 class GaussianDiffusion:
     """A discrete Gaussian diffusion over num_timesteps steps, possibly a respaced subset of 1000."""
-
     def __init__(self, betas: np.ndarray, timestep_map: np.ndarray | None = None):
         self.betas = betas = np.asarray(betas, dtype=np.float64)
         if betas.ndim != 1 or not ((betas > 0) & (betas <= 1)).all():

@@ -64,7 +64,6 @@ def rae_shift(tau: torch.Tensor, shift: float) -> torch.Tensor:
 @dataclass(frozen=True)
 class FlowPath:
     """The linear path of one model convention: the model-call conversion and the training loss."""
-
     convention: str = "sit"
 
     def __post_init__(self):
@@ -125,7 +124,6 @@ def draw_time(generator: torch.Generator, sampling: str = "uniform", loc: float 
 @dataclass(frozen=True)
 class FlowProcess:
     """What a flow sampler walks: the path and the SiT-time grid (float64, from noise at 0 towards data at 1)."""
-
     path: FlowPath
     times: torch.Tensor  # (K + 1,) float64: the K steps' start and end points; the last is the end time
     last_step: float = 0.0  # SDE only: the final "Mean" step from times[-1] = 1 - last_step to tau = 1

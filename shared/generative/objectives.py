@@ -28,7 +28,6 @@ from shared.runtime.errors import ChoiceError, SettingError, UserError
 
 class Objective(Protocol):
     """What the stages may ask of an objective; a registered dataclass provides each member."""
-
     name: ClassVar[str]  # the registry key, recorded as ModelConfig.objective
     help: ClassVar[str]  # one line for --objective's help and errors
     family: ClassVar[str]  # the process its samplers walk ("ddpm" | "flow"): SamplerSpec.family
@@ -203,7 +202,6 @@ def run_sampler(objective: Objective, sampler: str, model_fn, noise, steps: int,
 @dataclass
 class DDPMObjective:
     """DiT's diffusion: eps + learned-range variance, L_hybrid, t uniform in {0..999} (IDDPM Eq. 16)."""
-
     name: ClassVar[str] = "ddpm"
     help: ClassVar[str] = "DiT: DDPM, eps + learned variance, 1000 steps"
     family: ClassVar[str] = "ddpm"
@@ -251,7 +249,6 @@ class DDPMObjective:
 @dataclass
 class FlowObjective:
     """SiT's flow matching: linear path, velocity prediction, uniform or logit-normal times (shared/generative/flow.py)."""
-
     # Recorded: the direction of the network's time input ("sit": 0 = noise; "repa": 0 = data).
     convention: str = "sit"
     # Recorded: RAE's dimension-dependent shift of the training times and the sampling grid (1 = none; flow.rae_shift;
@@ -322,7 +319,6 @@ class FlowObjective:
 @dataclass
 class MeanFlowObjective:
     """MeanFlow (Geng et al. 2025): the average velocity over an interval, trained through a JVP; 1-few step sampling."""
-
     # Recorded: the direction of the network's first time input, as a flow model's (a run fine-tuned from a flow
     # model keeps that model's); the two times the network embeds (the paper's t and t - r); the guidance the
     # training folded into the field, [omega, kappa, lo, hi] ([] = none), so sampling knows not to guide again.

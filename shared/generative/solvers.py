@@ -20,7 +20,6 @@ from shared.runtime.errors import SettingError
 @dataclass(frozen=True)
 class SolverGrid:
     """alpha, sigma and lambda at the K model-call points (noisiest first) plus the clean end point (K + 1 each)."""
-
     alpha: np.ndarray
     sigma: np.ndarray
     lam: np.ndarray

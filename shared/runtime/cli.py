@@ -16,7 +16,6 @@ FLAG_KEY = "flag"  # the field-metadata key that holds a field's Flag
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Keeps the description's line breaks and ends every flag's help with its default (unless it says it)."""
-
     def _get_help_string(self, action):
         text = action.help or ""
         # None means "not given": the help text says what happens then, better than "(default: None)".
@@ -33,7 +32,6 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 @dataclasses.dataclass(frozen=True)
 class Flag:
     """One command-line flag: default, help and argparse details, stated once; `.field()` is its dataclass field."""
-
     help: str
     default: Any = dataclasses.MISSING
     aliases: tuple[str, ...] = ()       # other spellings, e.g. the official DiT names ("--global-seed")

@@ -18,6 +18,11 @@ from shared.runtime.errors import DiskFullError, disk_full
 TMP_PREFIX = ".tmp-"
 
 
+def user_cache(name: str) -> Path:
+    """$XDG_CACHE_HOME (else ~/.cache)/dit-latent-pipeline/<name>: the project's one user cache folder."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dit-latent-pipeline" / name
+
+
 def tmp_name(path: Path) -> Path:
     """The temp sibling of `path` used while it is written (unique per process)."""
     path = Path(path)

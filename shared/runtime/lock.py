@@ -93,13 +93,11 @@ def _busy(folder: Path, kind: str, holder: dict, owner_file: Path | None = None)
         + (f"different {{{kind}}}. The lock is released automatically when that process exits, even if it is "
            f"killed." if owner_file is None else
            f"different {{{kind}}}. This file system does not support flock, so the lock is the file {owner_file}: "
-           f"if that process is no longer running (a kill leaves the file behind), delete the file and rerun.")
-    )
+           f"if that process is no longer running (a kill leaves the file behind), delete the file and rerun."))
 
 
 class FolderLock:
     """An exclusive lock on FOLDER/.lock (or FOLDER/.lock.owner without flock), held until release() or exit."""
-
     def __init__(self, folder: Path, kind: str):
         self.folder, self.path = Path(folder), Path(folder) / LOCK_NAME
         self.kind, self.owner_file = kind, None  # owner_file: set when the no-flock fallback is in use

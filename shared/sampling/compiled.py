@@ -32,7 +32,6 @@ def check_compile(mode: str, device) -> None:
 
 class GraphedModel:
     """model(x, t, y) through one whole-network compile; attributes read through to the model."""
-
     def __init__(self, model: torch.nn.Module, backend="inductor"):
         self.model = model
         self.cuda_graphs = backend == "inductor"

@@ -81,10 +81,8 @@ def check_out_dir(out: Path, settings: dict) -> None:
     path = out / SETTINGS_NAME
     if not path.exists():
         if any(_PNG_RE.match(p.name) for p in out.iterdir()):
-            raise UserError(
-                f"--out {out} already holds sample PNGs but no {SETTINGS_NAME}, so they cannot be "
-                f"resumed safely; pass a new --out folder or empty this one."
-            )
+            raise UserError(f"--out {out} already holds sample PNGs but no {SETTINGS_NAME}, so they cannot be "
+                            f"resumed safely; pass a new --out folder or empty this one.")
         return
     try:
         previous = json.loads(path.read_text())["identity"]
@@ -97,8 +95,7 @@ def check_out_dir(out: Path, settings: dict) -> None:
     if differ:
         raise UserError(
             f"--out {out} holds images of another run ({listed(differ)}). Resuming would mix two runs' images: "
-            f"pass a new --out folder, or rerun with the settings recorded in {path}."
-        )
+            f"pass a new --out folder, or rerun with the settings recorded in {path}.")
 
 
 def upgrade_identity(previous: dict) -> None:
