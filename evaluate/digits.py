@@ -160,17 +160,13 @@ def load_or_fit(recipe: DigitsRecipe = RECIPE) -> tuple[DigitsNet, str]:
     path = weights_path(key)
     net = DigitsNet(recipe)
     if path.is_file():
-        try:
+        with contextlib.suppress(Exception):  # a damaged cache file is refitted and replaced, never trusted
             net.load_state_dict(load_file(path))
             return net.eval(), key
-        except Exception:  # noqa: BLE001 - a damaged cache file is refitted and replaced, never trusted
-            pass
     net = fit(recipe, images, labels)
     state = {k: v.contiguous() for k, v in net.state_dict().items()}
-    try:
+    with contextlib.suppress(OSError):  # an unwritable cache only costs the refit next time
         atomic_write(path, lambda tmp: save_file(state, str(tmp), metadata={"recipe": json.dumps(asdict(recipe))}))
-    except OSError:
-        pass  # an unwritable cache only costs the refit next time
     return net, key
 
 

@@ -1,4 +1,4 @@
-"""The metrics on numpy feature arrays, as the ADM evaluator (guided-diffusion evaluations/evaluator.py) defines them."""
+"""The metrics on numpy feature arrays, as the ADM evaluator (guided-diffusion evaluations/evaluator.py) has them."""
 from __future__ import annotations
 
 import numpy as np

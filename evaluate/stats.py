@@ -5,6 +5,7 @@ precision/recall and `meta`, a JSON string (feature network, image size, count);
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -195,15 +196,11 @@ def reference_stats(reference: Reference, net, batch_size: int, rank: int, world
         return stats_from_features({"pool": real_features()}, source_meta(net, images))
     cache = stats_cache_path(Path(images.path), net.identity()) if Path(str(images.path)).exists() else None
     if cache is not None and cache.is_file():
-        try:
+        with contextlib.suppress(UserError, OSError, ValueError, KeyError):  # a damaged entry is recomputed, replaced
             return load_stats(cache)
-        except (UserError, OSError, ValueError, KeyError):
-            pass  # a damaged cache entry is recomputed and replaced
     stats = stats_from_features(compute_features(images, net, batch_size, rank, world, "reference"),
                                 source_meta(net, images))
     if cache is not None and rank == 0:
-        try:
+        with contextlib.suppress(OSError):  # an unwritable cache only costs the recomputation next time
             save_stats(cache, stats)
-        except OSError:
-            pass  # an unwritable cache only costs the recomputation next time
     return stats

@@ -138,10 +138,8 @@ _STRIP_ROWS = 256  # rows per strip, times the factor: a few MB of widened pixel
 
 def _reduce(img: Image.Image, factor: int) -> Image.Image:
     """Image.reduce(factor); palette, bilevel and 16-bit images are widened strip by strip, then reduced."""
-    try:
+    with contextlib.suppress(ValueError):
         return img.reduce(factor)
-    except ValueError:
-        pass
     mode = ("RGBA" if "transparency" in img.info else "RGB") if img.mode == "P" else _WIDER_MODE.get(img.mode, "RGB")
     width, height = img.size
     out = Image.new(mode, (-(-width // factor), -(-height // factor)))

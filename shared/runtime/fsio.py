@@ -34,13 +34,10 @@ _UMASK_LOCK = threading.Lock()
 
 def current_umask() -> int:
     """The process's umask, read without changing it where Linux shows it (/proc), else set and restored at once."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
     with _UMASK_LOCK:  # os.umask can only be read by setting it: no other writer here sees the 0 in between
         mask = os.umask(0o022)
         os.umask(mask)
@@ -58,12 +55,9 @@ def fsync_dir(folder: Path) -> None:
         fd = os.open(folder, os.O_RDONLY)
     except OSError:
         return
-    try:
+    with contextlib.suppress(OSError):
         os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    os.close(fd)
 
 
 def fsync_file(path: Path) -> None:

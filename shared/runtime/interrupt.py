@@ -23,11 +23,9 @@ def say(prog: str) -> None:
     """Print the one line (main process only: under a launcher every rank is interrupted alike)."""
     if os.environ.get(QUIET_ENV) or os.environ.get("RANK", "0") != "0":
         return
-    try:
+    with contextlib.suppress(OSError, ValueError):  # a closed terminal: nothing left to tell, and no traceback about it
         sys.stderr.write(f"{prog}: {MESSAGE}\n")
         sys.stderr.flush()
-    except (OSError, ValueError):  # a closed terminal: nothing left to tell, and no traceback about it
-        pass
 
 
 def _in_main_thread() -> bool:

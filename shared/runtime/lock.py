@@ -8,6 +8,7 @@ on the same host takes it over once its PID is gone.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -146,10 +147,8 @@ class FolderLock:
     def _disown(self) -> None:
         """Forget the lock without releasing it (a forked child's inherited copy; the parent still holds it)."""
         if self._fd is not None:
-            try:
+            with contextlib.suppress(OSError):
                 os.close(self._fd)
-            except OSError:
-                pass
             self._fd = None
 
     def release(self) -> None:
@@ -164,12 +163,10 @@ class FolderLock:
 
     def _remove_if_untouched(self) -> None:
         """Delete the lock file and the folder when the lock made the folder and it holds nothing else."""
-        try:
+        with contextlib.suppress(OSError):  # someone else is using it after all: leave it
             if self.created and [p.name for p in self.folder.iterdir()] == [LOCK_NAME]:
                 self.path.unlink()
                 self.folder.rmdir()
-        except OSError:
-            pass  # someone else is using it after all: leave it
 
     def __enter__(self) -> "FolderLock":
         return self

@@ -1,6 +1,7 @@
 """The --out folder: atomic PNGs, settings.json guarding resume, the grid and the streamed samples.npz."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -108,10 +109,8 @@ def upgrade_identity(previous: dict) -> None:
     previous.setdefault("cfg_interval", None)
     if isinstance(previous.get("model"), dict):  # model configs written before a field existed read with its default
         from shared.network.models import ModelConfig
-        try:
+        with contextlib.suppress(UserError):  # not a config of this version: the comparison names the difference
             previous["model"] = ModelConfig.from_dict(previous["model"]).to_dict()
-        except UserError:
-            pass  # not a config of this version: the comparison below names the difference
 
 
 def missing_indices(out: Path, indices, names) -> list[int]:

@@ -11,6 +11,7 @@ imported lazily inside the functions that load weights, so `draw_latents` and th
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -100,12 +101,10 @@ def _hub_offline() -> bool:
 def _locate_hub(repo_id: str) -> _Located:
     """A hub id: use the local HF cache if it holds the VAE, else fetch only config.json (online)."""
     from huggingface_hub import hf_hub_download, snapshot_download
-    try:
+    with contextlib.suppress(Exception):  # any cache miss means "not cached"; the message below says what to do
         folder = Path(snapshot_download(repo_id, local_files_only=True))
         if (folder / "config.json").is_file() and any((folder / n).is_file() for n in WEIGHT_FILES):
             return _Located(repo_id, "folder", folder, folder / "config.json")
-    except Exception:  # noqa: BLE001 - any cache miss means "not cached"; the message below says what to do
-        pass
     if _hub_offline():
         raise SettingError(f"The VAE {repo_id!r} is not in the local Hugging Face cache and the hub cannot be reached "
                            f"(offline). {_LOCAL_OPTIONS}")
