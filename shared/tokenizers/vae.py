@@ -284,11 +284,7 @@ PROBE_SIZE = 1024  # pixels per side of the probe image when no extraction size 
 
 
 def measure_latent(config: dict, image_size: int | None = None, where: str = "the VAE") -> tuple[int, int, int]:
-    """(C, h, w) of one image of `image_size` encoded by the tokenizer of `config`, run on the meta device.
-
-    The architecture is built without weights and the encoder runs on a meta tensor, so the shape is what the
-    real encoder gives (after any patchifying the class does), measured and not inferred from block counts.
-    """
+    """(C, h, w) of one image of `image_size` encoded by the tokenizer of `config`, measured on the meta device."""
     native = tokenizer_class(config, where).native_size(config)
     if native and image_size and int(image_size) != native:
         raise SettingError(
