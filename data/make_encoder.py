@@ -33,10 +33,15 @@ def build(seed: int = SEED):
     return Dinov2Model(config), torch.nn.Linear(64, NUM_CLASSES)
 
 
+def to_unit(pixels: torch.Tensor) -> torch.Tensor:
+    """uint8 (N, S, S, 3) -> float (N, 3, S, S) in [0, 1] (the AutoencoderRAE's image range)."""
+    return pixels.permute(0, 3, 1, 2).float() / 255.0
+
+
 def normalise(pixels: torch.Tensor) -> torch.Tensor:
     """uint8 (N, S, S, 3) -> (N, 3, S, S) normalised as the extract stage feeds the encoder."""
-    x = pixels.permute(0, 3, 1, 2).float() / 255.0
-    return (x - torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)) / torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+    mean, std = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1), torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+    return (to_unit(pixels) - mean) / std
 
 
 def patch_tokens(encoder, x: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from data.make_encoder import fit, normalise, accuracy
+from data.make_encoder import accuracy, fit, normalise, to_unit
 from shared.datasets.digits import IMAGE_SIZE, NUM_CLASSES, digit_images
 from shared.runtime.cli import HelpFormatter
 from shared.runtime.errors import UserError, cli_errors
@@ -59,11 +59,6 @@ def fit_encoder(rae, pixels: torch.Tensor, labels: torch.Tensor, steps: int, see
     train_accuracy = fit(rae.encoder, head, normalise(pixels), labels, steps, seed=seed)
     rae.encoder.requires_grad_(False)  # frozen from here on, as AutoencoderRAE builds it
     return train_accuracy, lambda p, y: accuracy(rae.encoder, head, normalise(p), y)
-
-
-def to_unit(pixels: torch.Tensor) -> torch.Tensor:
-    """uint8 (N, S, S, 3) -> float (N, 3, S, S) in [0, 1], the AutoencoderRAE's image range."""
-    return pixels.permute(0, 3, 1, 2).float() / 255.0
 
 
 @torch.no_grad()
