@@ -10,20 +10,22 @@ folder and measured by this same file, so both columns use one definition). Defi
    code (the rest); modules = those files.
 2. One image's walk: the README's four commands run in-process at tiny size under `sys.setprofile` (a random
    ImageFolder -> `python -m extract` with the committed digits VAE -> `python -m train`, DiT-T/2, 2 steps, a
-   checkpoint and its EMA export -> `python -m sample --npz`, 2 images -> `python -m evaluate --features
+   checkpoint and its EMA export -> `python -m sample --npz`, 8 images -> `python -m evaluate --features
    digits`). A production function *carries the image* when an argument other than self/cls, or its return or
-   yield value, is a tensor, a numpy array or a PIL image, or a list, tuple, dict or dataclass holding one
-   directly. Each call into such a function from a function of another production file is a step from the
-   caller's file to the callee's (torch and library frames in between are skipped; module-level code is not a
-   caller); a call site counts once, at its first call (a loop's second pass shows a reader nothing new). The
-   walk is the stage's entry file, then for each step in call order the caller's file and the callee's file,
-   consecutive repeats collapsed: the files a reader opens, in order, to follow the data through the code.
+   yield value, is data (a PIL image, or a tensor or numpy array of 2 or more dimensions not on the meta
+   device) or a list, tuple, dict or dataclass holding data directly. Each call into such a function from a
+   function of another production file is a step from the caller's file to the callee's (torch and library
+   frames in between are skipped; module-level code is not a caller); a call site (caller and callee function)
+   counts once, at its first call (a loop's second pass shows a reader nothing new). The walk is, per stage,
+   its entry file, then for each step in call order the caller's file and the callee's file, consecutive
+   repeats collapsed: the files a reader opens, in order, to follow the data through the code.
    files = distinct files in the walk; a return = a position whose file appeared earlier in the walk (not just
    before it, repeats being collapsed); returns are reported with the number of distinct files returned to.
-   Plumbing that never holds the data (flags, locks, atomic writes of bytes, logging) never enters the walk by
-   this rule, whatever its depth. The evaluate step uses the digits yardstick (no Inception download).
-   Also printed: the hand-written walk of docs/ARCHITECTURE.md counted the same way (its file names in reading
-   order; the way issue 35 counted 40 files and 32 returns to 17 files).
+   Plumbing that never holds the data (flags, locks, atomic writes of bytes, logging, loss scalars, shapes
+   measured on the meta device) never enters the walk by this rule, whatever its depth. The evaluate step uses
+   the digits yardstick (no Inception download). Also printed: the hand-written walk of docs/ARCHITECTURE.md
+   counted the same way (its file names in reading order: the way issue 35 counted 40 files and 32 returns to
+   17 files at 0c67dfe, where this count finds 41 files).
 3. Import graph: every import statement of a production module (top level or inside a function) that names
    another production module; cycles are its strongly connected components; and the imports from
    shared/runtime/ (plumbing) into the domain packages of shared/.
@@ -33,7 +35,7 @@ folder and measured by this same file, so both columns use one definition). Defi
    per checkpoint = those whose path names the checkpoint's step. Per-element statistics grow with the token
    shape: a base64 string decoding to exactly E float32 or float64 values, or a JSON list of E numbers (E = 1024
    elements of the tiny tokens), is scaled by 196,608 / E (RAE's real 768x16x16 tokens); the rest is kept.
-Runtime: about a minute per checkout on one thread.
+CPU time: about 45 s per checkout (one thread); the --rev checkout is measured at the same time.
 """
 from __future__ import annotations
 
@@ -460,6 +462,7 @@ def measure_rae_json(root: Path, tmp: Path) -> dict:
     checkpoint = [i for i in items if i["path"].startswith("rae-run/") and step.search(i["path"].split("/", 1)[1])]
     return {"elements": elements, "ratio": ratio, "items": sorted(items, key=lambda i: -i["scaled"]),
             "largest": max(items, key=lambda i: i["scaled"]),
+            "checkpoint_largest": max(checkpoint, key=lambda i: i["scaled"]),
             "checkpoint_total": sum(i["bytes"] for i in checkpoint),
             "checkpoint_total_scaled": sum(i["scaled"] for i in checkpoint), "checkpoint_files": len(checkpoint)}
 
@@ -490,8 +493,7 @@ def measure(root: Path, walk: bool, rae_json: bool, work: Path | None = None) ->
 
 @contextlib.contextmanager
 def measuring_rev(rev: str, args):
-    """Yields a function returning REV's numbers, measured meanwhile by this file in a child process on a
-    temporary `git worktree` (a second core: both checkouts are measured at once)."""
+    """Yields a function returning REV's numbers, measured meanwhile by this file on a temporary git worktree."""
     with tempfile.TemporaryDirectory(prefix="architecture-rev-") as tmp:
         tree, out, err = Path(tmp) / "tree", Path(tmp) / "out.json", Path(tmp) / "err.txt"
         subprocess.run(["git", "worktree", "add", "--detach", "-q", str(tree), rev], cwd=ROOT, check=True)
@@ -518,12 +520,14 @@ def measuring_rev(rev: str, args):
 
 
 def kib(n: int) -> str:
+    """Bytes in KiB, thousands separated."""
     return f"{n / 1024:,.1f} KiB"
 
 
 def report(results: list[dict], show_walk: bool) -> None:
     """One column per measured checkout."""
     def row(label, values):
+        """One label and one right-aligned value per checkout."""
         print(f"{label:<44}" + "".join(f"{v:>22}" for v in values))
 
     row("", [r["commit"] + (" (checkout)" if r is results[-1] else "") for r in results])
@@ -541,12 +545,15 @@ def report(results: list[dict], show_walk: bool) -> None:
     row("   import edges", [r["imports"]["edges"] for r in results])
     row("   cycles", [len(r["imports"]["cycles"]) for r in results])
     row("   shared/runtime -> domain imports", [len(r["imports"]["runtime_to_domain"]) for r in results])
+    row("   ... from how many runtime modules", [len({e.split(" ")[0] for e in r["imports"]["runtime_to_domain"]})
+                                                  for r in results])
     row("   stage -> other stage imports", [len(r["imports"]["stage_to_stage"]) for r in results])
     if all("rae_json" in r for r in results):
         print("4. JSON of a tiny RAE run (scaled to 768x16x16 tokens)")
-        row("   largest JSON, as written", [kib(r["rae_json"]["largest"]["bytes"]) for r in results])
-        row("   largest JSON, scaled", [kib(r["rae_json"]["largest"]["scaled"]) for r in results])
-        row("   per checkpoint total, scaled", [kib(r["rae_json"]["checkpoint_total_scaled"]) for r in results])
+        for key, label in (("largest", "largest JSON"), ("checkpoint_largest", "largest JSON per checkpoint")):
+            row(f"   {label}, as written", [kib(r["rae_json"][key]["bytes"]) for r in results])
+            row(f"   {label}, scaled", [kib(r["rae_json"][key]["scaled"]) for r in results])
+        row("   JSON per checkpoint in all, scaled", [kib(r["rae_json"]["checkpoint_total_scaled"]) for r in results])
     for r in results:
         print(f"\n== {r['commit']}: details")
         print("   largest files: " + ", ".join(f"{p} {n}" for p, n in r["lines"]["largest"]))
@@ -571,6 +578,7 @@ def report(results: list[dict], show_walk: bool) -> None:
 
 
 def parse_args(argv=None):
+    """Command-line flags."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rev", help="also measure this git revision (a temporary git worktree), printed first")
     p.add_argument("--walk", action="store_true", help="print the traced walk's files in order")
@@ -584,6 +592,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> None:
+    """Measure, then print the table (or the JSON)."""
     args = parse_args(argv)
     root = args.root.resolve()
     sys.path.insert(0, str(root))
