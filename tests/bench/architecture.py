@@ -35,7 +35,8 @@ folder and measured by this same file, so both columns use one definition). Defi
    per checkpoint = those whose path names the checkpoint's step. Per-element statistics grow with the token
    shape: a base64 string decoding to exactly E float32 or float64 values, or a JSON list of E numbers (E = 1024
    elements of the tiny tokens), is scaled by 196,608 / E (RAE's real 768x16x16 tokens); the rest is kept.
-CPU time: about 45 s per checkout (one thread); the --rev checkout is measured at the same time.
+CPU time: about 35 s per checkout (one thread; 2 minutes of wall time on a busy machine); the --rev checkout is
+measured at the same time, on another core.
 """
 from __future__ import annotations
 
