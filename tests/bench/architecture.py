@@ -459,7 +459,7 @@ def measure_rae_json(root: Path, tmp: Path) -> dict:
             stats = per_element_chars(json.loads(text), elements)
             items.append({"path": path.relative_to(tmp).as_posix(), "bytes": size,
                           "scaled": round(size + stats * (ratio - 1))})
-    step = re.compile(r"(^|[^0-9])0*2([^0-9]|$)")  # names carrying the checkpoint's step, 2
+    step = re.compile(r"(^|[^0-9A-Za-z])0*2([^0-9]|$)")  # names carrying the checkpoint's step, 2 (not "v2")
     checkpoint = [i for i in items if i["path"].startswith("rae-run/") and step.search(i["path"].split("/", 1)[1])]
     return {"elements": elements, "ratio": ratio, "items": sorted(items, key=lambda i: -i["scaled"]),
             "largest": max(items, key=lambda i: i["scaled"]),
