@@ -10,8 +10,8 @@ import sys
 
 from shared.runtime.cli import HelpFormatter, add_flags, from_args
 from shared.runtime.errors import cli_errors
-from shared.runtime.flags import SAMPLING_KINDS
-from shared.generative.objectives import import_plugins
+from shared.sampling.flags import SAMPLING_KINDS
+from shared.runtime.plugins import load_plugins
 
 from sample.decode import DecodeOptions, run_decode
 from sample.export import ExportOptions, run_export
@@ -86,8 +86,8 @@ def main(argv=None) -> None:
         if decoding:
             run_decode(from_args(DecodeOptions, decode_parser().parse_args(argv[1:])))
         else:
+            load_plugins(argv)  # first: a plugin's sampler is a --sampler choice, its objective rebuilds the weights'
             options = from_args(SampleOptions, sample_parser().parse_args(argv))
-            import_plugins(options.plugin)  # before the weights' objective is looked up
             run_sample(options)
 
 

@@ -21,7 +21,7 @@ from shared.runtime.cli import option
 from shared.network.diffusers_dit import NUMERICS_NOTE, dit_to_diffusers, diffusers_config
 from shared.generative.diffusion import NUM_TIMESTEPS, linear_betas
 from shared.runtime.errors import ChoiceError, UserError
-from shared.runtime.flags import ALLOW_OTHER_VAE, VAE, VAE_CONFIG
+from shared.sampling.flags import ALLOW_OTHER_VAE, VAE, VAE_CONFIG
 from shared.runtime.fsio import TMP_PREFIX, atomic_write_text, publish_dir, remove_tree
 from shared.network.models import ModelConfig
 from shared.tokenizers.norm import norm_of_meta

@@ -256,7 +256,7 @@ def test_a_family_flag_changes_per_command():
     recorded count, else 250)."""
     from evaluate.curve import RunEvalOptions
     from shared.sampling.generate import SampleOptions
-    from shared.runtime.flags import NUM_SAMPLING_STEPS, STEPS_HELP
+    from shared.sampling.flags import NUM_SAMPLING_STEPS, STEPS_HELP
 
     assert isinstance(NUM_SAMPLING_STEPS, Flag)
     sample_field = {f.name: f for f in dataclasses.fields(SampleOptions)}["num_sampling_steps"]
@@ -270,7 +270,7 @@ def test_a_family_flag_changes_per_command():
 def test_a_flag_family_dataclass_lists_after_the_commands_own_flags():
     """Commands deriving from DecodeFlags get every VAE flag, after their own (the help reads command first)."""
     from sample.__main__ import decode_parser, sample_parser, watch_parser
-    from shared.runtime.flags import DecodeFlags
+    from shared.sampling.flags import DecodeFlags
 
     family = [f.name for f in dataclasses.fields(DecodeFlags)]
     for parser in (sample_parser(), decode_parser(), watch_parser()):

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from shared.runtime.cli import HelpFormatter, argument_of, add_flags, flag_name, from_args, option
-from shared.runtime.flags import PLUGIN
+from shared.runtime.plugins import PLUGIN
 from shared.runtime.errors import SettingError, UserError
 from shared.runtime.rerun import differences
 from shared.generative.guidance import GUIDE_CHANNELS
