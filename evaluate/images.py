@@ -186,11 +186,6 @@ def open_images(path):
     return open_npz_images(path)
 
 
-def read_all(source) -> np.ndarray:
-    """Every image of a source as one uint8 (N, H, W, 3) array (small sets only)."""
-    return np.concatenate(list(source.batches(max(source.count, 1))))
-
-
 @dataclass
 class ArrayImages:
     """Images already in memory, uint8 (N, H, W, 3), behind the same interface (e.g. the real digits)."""

@@ -74,7 +74,6 @@ SAMPLERS: dict[str, SamplerSpec] = {spec.name: spec for spec in (
                 "trained with --cfg-omega/--cfg-kappa has its guidance folded in: sample it with --cfg-scale 1, one "
                 "call per step", options=(TIME_SHIFT,)),
 )}
-BUILT_IN = frozenset(SAMPLERS)  # samplers defined here need no --plugin
 SAMPLER_OPTIONS = {o.name: o for s in SAMPLERS.values() for o in s.options}  # every option (each a sampling flag)
 
 
@@ -94,11 +93,6 @@ def register_sampler(spec: SamplerSpec) -> SamplerSpec:
 def sampler_names() -> tuple[str, ...]:
     """The registered sampler names (built-ins, then plugins in import order): --sampler's choices."""
     return tuple(SAMPLERS)
-
-
-def plugin_of_sampler(name: str) -> str:
-    """The module that registers sampler `name` ("" for a built-in), recorded so a later stage can name it."""
-    return "" if name in BUILT_IN else SAMPLERS[name].fn.__module__
 
 
 def get_sampler(name: str, objective=None) -> SamplerSpec:
