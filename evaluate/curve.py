@@ -26,13 +26,13 @@ from shared.runtime.errors import UserError, cli_errors
 from shared.generative.samplers import SAMPLER_OPTIONS, resolve_sampling
 from shared.runtime.plugins import PLUGIN, load_plugins
 from shared.sampling.evalcurve import draw_metric, finite_values, metric_lines, metric_title, same_series
-from shared.sampling.flags import (BATCH_SIZE, CFG_SCALE, CPU, NUM_SAMPLING_STEPS, SAMPLER, SAMPLING_KINDS, SEED,
+from shared.sampling.flags import (BATCH_SIZE, CFG_SCALE, CPU, NUM_SAMPLING_STEPS, SAMPLER, SAMPLING_SETTING_FLAGS, SEED,
                                    STEPS_HELP, VAE, SamplingFlags, given_sampler_options)
 from shared.runtime.fsio import atomic_write
 
 PROG = "python -m evaluate run"
 # The flag that sets each setting shared/ and sample/ name in their errors.
-FLAGS = {"feature network": "--features", "vae": "--vae", **SAMPLING_KINDS}
+FLAGS = {"feature network": "--features", "vae": "--vae", **SAMPLING_SETTING_FLAGS}
 CURVE_METRICS = (("fid", "FID"), ("sfid", "sFID"), ("inception_score", "Inception Score"),
                  ("precision", "precision"), ("recall", "recall"))
 

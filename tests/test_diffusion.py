@@ -460,7 +460,7 @@ def test_sampler_vocabulary():
     assert [n for n in sampler_names() if SAMPLERS[n].family == "ddpm"] == ["ddpm", "ddim", "dpmpp-2m", "unipc"]
     with pytest.raises(ChoiceError) as err:
         get_sampler("bogus")
-    assert (err.value.kind, err.value.value, err.value.choices) == ("sampler", "bogus", list(sampler_names()))
+    assert (err.value.setting, err.value.value, err.value.choices) == ("sampler", "bogus", list(sampler_names()))
     assert "--" not in str(err.value) and "ddpm, ddim, dpmpp-2m, unipc, euler" in str(err.value)
     assert "--sampler 'bogus'" in str(err.value.advise("--sampler"))  # the CLI turns it into flag advice
     with pytest.raises(SettingError) as err:

@@ -21,12 +21,12 @@ def _options_classes():
     from evaluate.reference import ReferenceOptions
     from extract.run import ExtractConfig, ExtractModes
     from sample.decode import DecodeOptions
-    from sample.export import ExportOptions
+    from sample.to_diffusers import ToDiffusersOptions
     from shared.sampling.generate import SampleOptions
     from sample.watch import WatchOptions
     from train.config import TrainConfig
 
-    return (TrainConfig, SampleOptions, DecodeOptions, WatchOptions, ExportOptions, EvalOptions, RunEvalOptions,
+    return (TrainConfig, SampleOptions, DecodeOptions, WatchOptions, ToDiffusersOptions, EvalOptions, RunEvalOptions,
             FloorOptions, ReferenceOptions, ExtractConfig, ExtractModes)
 
 
@@ -41,14 +41,14 @@ def _parsers():
     from evaluate.reference import ReferenceOptions, reference_parser
     from extract.run import ExtractConfig
     from sample.decode import DecodeOptions
-    from sample.export import ExportOptions
+    from sample.to_diffusers import ToDiffusersOptions
     from shared.sampling.generate import SampleOptions
     from sample.watch import WatchOptions
     from train.config import TrainConfig, build_parser
 
     return [(build_parser(), TrainConfig), (sample_main.sample_parser(), SampleOptions),
             (sample_main.decode_parser(), DecodeOptions), (sample_main.watch_parser(), WatchOptions),
-            (sample_main.export_parser(), ExportOptions), (evaluate_main.eval_parser(), EvalOptions),
+            (sample_main.export_parser(), ToDiffusersOptions), (evaluate_main.eval_parser(), EvalOptions),
             (run_parser(), RunEvalOptions), (floor_parser(), FloorOptions), (reference_parser(), ReferenceOptions), (extract_main.build_parser(), ExtractConfig)]
 
 

@@ -95,9 +95,9 @@ def given_sampler_options(o) -> dict:
     return {name: getattr(o, name) for name in SAMPLER_OPTIONS}
 
 
-# The flag of each setting shared/ names in its errors (SettingError / ChoiceError kinds), for the commands above.
-SAMPLING_KINDS = {"sampler": "--sampler", "sampling steps": "--num-sampling-steps", "cfg scale": "--cfg-scale",
-                  "cfg interval": "--cfg-interval", "guide-channel choice": "--guide-channels", "precision": "--precision",
-                  "compile mode": "--compile",
-                  "last step": flag_name("last_step_size"),
-                  **{name.replace("_", " "): flag_name(name) for name in SAMPLER_OPTIONS}}
+# The flag of each setting shared/ names in its errors (SettingError fields, ChoiceError settings), for the commands above.
+SAMPLING_SETTING_FLAGS = {
+    "sampler": "--sampler", "sampling steps": "--num-sampling-steps", "cfg scale": "--cfg-scale",
+    "cfg interval": "--cfg-interval", "guide-channel choice": "--guide-channels", "precision": "--precision",
+    "compile mode": "--compile", "last step": flag_name("last_step_size"),
+    **{name.replace("_", " "): flag_name(name) for name in SAMPLER_OPTIONS}}

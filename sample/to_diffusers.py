@@ -35,7 +35,7 @@ README_NAME = "README.md"
 
 
 @dataclass
-class ExportOptions:
+class ToDiffusersOptions:
     """Everything `python -m sample export` accepts (one field per argument: its default and help)."""
 
     ckpt: str = option(help="the weights, as sampling's --ckpt takes them: a run folder (newest EMA export), a "
@@ -178,7 +178,7 @@ def _write(pipeline, out: Path, readme: str) -> Path:
             remove_tree(staging)
 
 
-def run_export(o: ExportOptions) -> Path:
+def run_to_diffusers(o: ToDiffusersOptions) -> Path:
     """The whole `export` command: checks first (target, format, model, VAE), then build, write, rename."""
     if o.format not in EXPORT_FORMATS:
         raise ChoiceError("export format", o.format, EXPORT_FORMATS)
