@@ -96,8 +96,7 @@ def sampler_names() -> tuple[str, ...]:
 
 
 def get_sampler(name: str, objective=None) -> SamplerSpec:
-    """The record of sampler `name`; ChoiceError for an unknown name, SettingError when it does not serve
-    `objective` (an Objective, or a family name)."""
+    """Sampler `name`'s record; ChoiceError if unknown, SettingError if it does not serve `objective` (or family)."""
     if name not in SAMPLERS:
         raise ChoiceError("sampler", name, sampler_names(),
                           detail="; ".join(f"{s.name} ({s.family})" for s in SAMPLERS.values()))
