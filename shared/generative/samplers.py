@@ -191,7 +191,7 @@ def check_sampler_known(name: str, plugin: str, where: str) -> None:
     module = plugin or "MODULE"
     raise UserError(f"{where} records the sampler {name!r}, which {f'the module {plugin}' if plugin else 'a module'} "
                     f"registers (it is not one of {', '.join(SAMPLERS)}); pass --plugin {module} so it is imported "
-                    f"(its folder on PYTHONPATH), or pass {{sampler}} to choose another.")
+                    f"(its folder on PYTHONPATH).")
 
 
 def resolve_sampling(objective, sampler: str | None, given: dict, cfg_interval, recorded: dict, guided: bool,
