@@ -11,7 +11,7 @@ import sys
 
 from shared.runtime.cli import HelpFormatter, add_flags, from_args
 from shared.runtime.errors import UserError, cli_errors, exit_with
-from shared.runtime.flags import load_plugins
+from shared.runtime.plugins import load_plugins
 from shared.datasets.shards import FOLDER_KIND
 
 PROG = "python -m extract"

@@ -36,7 +36,7 @@ from shared.runtime.lock import hold_lock
 from shared.runtime.rerun import differences, listed
 from shared.datasets.columns import columns, plugin_of
 from shared.datasets.shard_schema import FLAG_DTYPES
-from shared.runtime.flags import PLUGIN
+from shared.runtime.plugins import PLUGIN
 from shared.tokenizers.classes import tokenizer_class
 from shared.tokenizers.norm import ChannelStats, ElementStats
 from shared.datasets.shards import (FLIP_MODES, FOLDER_KIND, INDEX_NAME, STORAGE_DTYPES, ShardInfo, ShardWriter,

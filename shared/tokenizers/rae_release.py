@@ -13,7 +13,7 @@ the release download cache (shared/runtime/download.py; `$DIT_DOWNLOAD_URL` repl
                                        encoder RAE loads with transformers (`Dinov2withNorm`, its final LayerNorm
                                        without affine parameters)
 
-They are converted once into a diffusers `AutoencoderRAE` folder in `converted_dir()`: every tensor mapped by name
+They are converted once into a diffusers `AutoencoderRAE` folder in the user cache: every tensor mapped by name
 and loaded with strict=True (the only tensors not kept: the encoder's final LayerNorm weight and bias, which RAE
 removes, and the decoder's fixed sin-cos table, checked equal to the one diffusers rebuilds). RAE normalises
 (z - mean) / sqrt(var + 1e-5) (src/stage1/rae.py); diffusers divides by (latents_std + 1e-5), so the folder holds
@@ -28,7 +28,7 @@ import torch
 
 from shared.runtime.errors import SettingError
 from shared.tokenizers.classes import DIFFUSERS_RAE_EPS, rae_geometry
-from shared.tokenizers.vae import converted_folder, register_converted
+from shared.tokenizers.vae import converted_folder, file_stamps, register_converted
 
 HF_RAE = "https://huggingface.co/nyu-visionx/RAE-collections/resolve/main/"  # RAE's README: hf download this repo
 HF_DINOV2 = "https://huggingface.co/facebook/dinov2-with-registers-base/resolve/main/model.safetensors"
@@ -161,8 +161,7 @@ def locate_rae_release(name: str):
         return build_rae(release, load_torch_file(decoder, fix), load_torch_file(stats, fix), load_file(str(encoder)),
                          {"decoder": decoder, "stats": stats, "encoder": encoder})
 
-    stamp = json.dumps([release.config, *[f"{p.resolve()}:{p.stat().st_size}" for p in paths]], sort_keys=True)
-    return name, converted_folder(name, stamp, build)
+    return name, converted_folder(name, json.dumps([release.config, *file_stamps(paths)], sort_keys=True), build)
 
 
 register_converted(tuple(RAE_TOKENIZERS), locate_rae_release)
