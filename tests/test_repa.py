@@ -228,7 +228,7 @@ def test_extract_stores_the_encoders_tokens_of_each_flip(image_folder, tiny_vae_
                                                           capsys):
     from extract.__main__ import main
     from shared.datasets.imagefolder import scan_image_folder
-    from shared.tokenizers.repr_encoder import ReprEncoder, plan_identity
+    from shared.tokenizers.repr_encoder import load_encoder, plan_identity
     from shared.datasets.shards import LatentDataset
 
     out = tmp_path / "lat"
@@ -244,10 +244,10 @@ def test_extract_stores_the_encoders_tokens_of_each_flip(image_folder, tiny_vae_
     from extract.loader import ImageFileDataset as Files
     scan = scan_image_folder(image_folder)
     pixels = torch.stack([Files(scan, 16)[i]["pixels"] for i in range(2)])  # (2, 3, 16, 16) uint8
-    encoder = ReprEncoder.load(str(tiny_dinov2_dir), plan_identity(str(tiny_dinov2_dir), 16, 16), "cpu")
+    encode = load_encoder(str(tiny_dinov2_dir), plan_identity(str(tiny_dinov2_dir), 16, 16), "cpu")
     stored = ds.gather([0, 1])["repr"]  # (2, F, T, E)
-    assert torch.allclose(stored[:, 0], encoder.encode(pixels), atol=1e-5)
-    assert torch.allclose(stored[:, 1], encoder.encode(pixels.flip(3)), atol=1e-5)
+    assert torch.allclose(stored[:, 0], encode(pixels), atol=1e-5)
+    assert torch.allclose(stored[:, 1], encode(pixels.flip(3)), atol=1e-5)
     assert not torch.allclose(stored[:, 0], stored[:, 1], atol=1e-3)
 
 

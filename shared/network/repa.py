@@ -164,9 +164,9 @@ def plan_repr(flags: ReprFlags, image_size: int) -> dict | None:
 
 def load_repr(flags: ReprFlags, record: dict, device):
     """The frozen DINOv2's `encode`: uint8 (B, 3, S, S) -> patch tokens (B, T, D) fp32."""
-    from shared.tokenizers.repr_encoder import ReprEncoder
+    from shared.tokenizers.repr_encoder import load_encoder
 
-    return ReprEncoder.load(flags.repr_encoder, record, device).encode
+    return load_encoder(flags.repr_encoder, record, device)
 
 
 def repr_storage(record: dict, frames: int) -> tuple[int, str]:
