@@ -240,7 +240,7 @@ def read_weights(path: Path) -> dict:
     return state
 
 
-def class_names(source: DiffusersSource, num_classes: int) -> list[str] | None:
+def _class_names(source: DiffusersSource, num_classes: int) -> list[str] | None:
     """Class names from the pipeline's id2label (first synonym of each), when it names every class."""
     index_path = source.transformer.parent / MODEL_INDEX
     if source.transformer.name != TRANSFORMER or not index_path.is_file():
@@ -249,3 +249,27 @@ def class_names(source: DiffusersSource, num_classes: int) -> list[str] | None:
     if sorted(id2label, key=lambda k: int(k) if str(k).isdigit() else -1) != [str(i) for i in range(num_classes)]:
         return None
     return [str(id2label[str(i)]).split(",")[0].strip() for i in range(num_classes)]
+
+
+def pipeline_latent_meta(source: DiffusersSource, config) -> dict | None:
+    """What the pipeline says of its latents: its own vae/ (used when --vae is omitted) and class names."""
+    meta = {"latent_shape": [config.in_channels, config.input_size, config.input_size]}
+    if source.vae is not None:
+        meta["vae"] = str(source.vae.resolve())
+        vae_config = read_json(source.vae / CONFIG)
+        if "scaling_factor" in vae_config:
+            meta["scaling_factor"] = float(vae_config["scaling_factor"])
+    names = _class_names(source, config.num_classes)
+    if names:
+        meta["class_names"] = names
+    return meta if len(meta) > 1 else None
+
+
+def find_diffusers(path: Path, text: str) -> DiffusersSource | None:
+    """The diffusers DiT --ckpt names (folder, weight file, or Hub id when no such path exists), else None."""
+    if path.is_dir():
+        return locate(path) if is_diffusers_folder(path) else None
+    if path.is_file():
+        return locate(path) if is_diffusers_file(path) else None
+    # owner/name with no folder "owner" here: a Hub id (a mistyped local path gets the same paragraph's advice).
+    return locate_hub(text) if looks_like_hub_id(text) and not path.parent.exists() else None

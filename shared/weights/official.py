@@ -52,11 +52,12 @@ class Release:
 
     url: str
     objective: str = "ddpm"
-    flow_convention: str = "sit"
     paper: str = "DiT (Peebles & Xie 2023)"
     latent_meta: dict | None = None  # what the bare file cannot say about its latents (None: SD-VAE's, DiT's)
-    layout: str = "dit"  # "lightningdit": shared/weights/lightningdit.py unwraps and checks it
+    layout: str = "dit"  # "lightningdit": its own record in shared/weights/checkpoint.py's FORMATS
     time_dist_shift: float = 1.0  # RAE's shift of the times (shared/generative/flow.py), recorded with the model
+    sampling: dict | None = None  # how the release samples for its FID (ModelConfig.sampling), where not by layout
+    cfg_scale: float | None = None  # its FID's guidance scale: a flag, printed when the weights load
 
 
 RELEASES = {
@@ -69,22 +70,26 @@ RELEASES = {
     # REPA's README / utils.download_model: a SiT-XL/2 with its projector, time 0 = data.
     "REPA-SiT-XL-2-256x256.pt": Release("https://www.dl.dropboxusercontent.com/scl/fi/cxedbs4da5ugjq5wg3zrg/last.pt"
                                         "?rlkey=8otgrdkno0nd89po3dpwngwcc&st=apcc645o&dl=0", objective="flow",
-                                        flow_convention="repa", paper="REPA (Yu et al. 2024)"),
+                                        paper="REPA (Yu et al. 2024)"),
     # RAE's DiT^DH-XL on DINOv2-B (with registers) tokens, ImageNet 256 (nyu-visionx/RAE-collections, the path its
     # configs/stage2/sampling/ImageNet256/DiTDHXL-DINOv2-B.yaml loads): RAE's DiTwDDTHead layout, flow in RAE's time
     # (1 = noise, REPA's convention), its shift sqrt(768 * 16 * 16 / 4096) recorded; decoded by RAE's decoder.
     "RAE-DiTDH-XL-DINOv2-B-256.pt": Release(HF_RAE + "DiTs/Dinov2/wReg_base/ImageNet256/DiTDH-XL/stage2_model.pt",
-                                            objective="flow", flow_convention="repa", paper="RAE (Zheng et al. 2025)",
+                                            objective="flow", paper="RAE (Zheng et al. 2025)",
                                             time_dist_shift=RAE_SHIFT),
 }
-# LightningDiT's releases (hustvl/LightningDiT, MIT; its README's links): LightningDiT-XL/1 on VA-VAE f16d32 latents,
-# decoded by VA-VAE with its own per-channel normalisation (latents_stats.pt), SiT's flow (time 0 = noise).
+# LightningDiT's releases (hustvl/LightningDiT, MIT; its README's links): LightningDiT-XL/1 on VA-VAE f16d32 latents
+# (32x16x16 at 256 px), decoded by VA-VAE with its own per-channel normalisation (latents_stats.pt), SiT's flow
+# (time 0 = noise). Sampled as its configs/reproductions/*.yaml do: Euler (250 steps, sample's default), timestep
+# shift 0.3, guidance only where its time (0 = noise) is at least 0.125 (800 epochs, FID 1.35 at scale 6.7) or
+# 0.10 (64 epochs, FID 2.11 at scale 10), i.e. our noise levels 0 .. 1 - start.
 _HF = "https://huggingface.co/hustvl/{0}/resolve/main/{0}.pt"
 _VAVAE_LATENTS = {"vae": "vavae", "image_size": 256, "latent_shape": [32, 16, 16]}
-for _epochs in ("800ep", "64ep"):
+for _epochs, _start, _scale in (("800ep", 0.125, 6.7), ("64ep", 0.10, 10.0)):
     RELEASES[f"lightningdit-xl-imagenet256-{_epochs}.pt"] = Release(
         _HF.format(f"lightningdit-xl-imagenet256-{_epochs}"), objective="flow", paper="LightningDiT (Yao et al. 2025)",
-        latent_meta=_VAVAE_LATENTS, layout="lightningdit")
+        latent_meta=_VAVAE_LATENTS, layout="lightningdit", cfg_scale=_scale,
+        sampling={"sampler": "euler", "time_shift": 0.3, "cfg_interval": [0.0, round(1.0 - _start, 6)]})
 OFFICIAL_NAMES = tuple(RELEASES)
 # Too generic to say which release a file is: REPA's URL writes last.pt and RAE's stage2_model.pt, names any
 # training run may write (both files are recognised by their layouts instead).
