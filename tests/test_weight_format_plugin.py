@@ -55,7 +55,8 @@ def test_a_registered_record_reads_its_files_through_the_one_loader(archive):
     loaded = load_sampling_weights(path)
     assert (loaded.kind, loaded.config.model, loaded.config.objective, loaded.weights) == ("npz", "DiT-T/2", "flow",
                                                                                           "as saved")
-    assert all(torch.equal(loaded.state_dict[k], v) for k, v in state.items()) and loaded.state_dict.keys() == state.keys()
+    assert loaded.state_dict.keys() == state.keys()
+    assert all(torch.equal(loaded.state_dict[k], v) for k, v in state.items())
     assert "objective flow (the archive's __objective__ entry)" in loaded.notes
     assert "read from a numpy archive (the npz plugin)" in loaded.notes
     # The refusals are the loader's, written once: --weights raw, a contradicting --model or --objective, NaN.

@@ -100,8 +100,7 @@ class Found:
 
 @dataclass
 class Read:
-    """What a format reads from a file: its tensors, its ModelConfig (with the sampling settings it records in
-    ModelConfig.sampling) and what the loader must say about them."""
+    """What a format reads from a file: tensors, ModelConfig (its .sampling: the recorded sampling settings), notes."""
 
     state_dict: dict
     config: ModelConfig
@@ -130,37 +129,18 @@ class WeightFormat:
                     "release's checkpoints come from {source}).")  # the end of the non-finite paragraph
 
 
-# ----------------------------------------------------------------------------------------------------------
 # Run folders and exports: the config is in the file's metadata, the folder layout says which weights
-# ----------------------------------------------------------------------------------------------------------
-
-def held_weights(path: Path) -> str:
-    """Which weights a safetensors file holds, from its place in the run folder layout."""
-    if path.name == MODEL_FILE:
-        return "raw"
-    if path.name == EMA_FILE or path.parent.name == EXPORTS or step_of(path) is not None:
-        return "ema"
-    return AS_SAVED
-
 
 def _held_by_place(found: Found) -> tuple[tuple, str]:
-    """A run or checkpoint folder holds both sets; a file the one its place says."""
-    if found.path.is_dir():
+    """A run or checkpoint folder holds both sets; a file the one its place in the run folder layout says."""
+    path = found.path
+    if path.is_dir():
         return WEIGHTS, "both"
-    held = held_weights(found.path)
-    if held == "raw":
+    if path.name == MODEL_FILE:
         return ("raw",), f"only the raw training weights (a checkpoint's {MODEL_FILE})"
-    return ((), "one set of weights") if held == AS_SAVED else (("ema",), "only the EMA weights (an export)")
-
-
-def _check_whole(path: Path) -> None:
-    """UserError when a safetensors weight file is missing or not whole."""
-    if not path.is_file():
-        raise UserError(f"{path} does not exist; the checkpoint folder is incomplete.")
-    problem = safetensors_problem(path)
-    if problem:
-        raise UserError(f"{path} is not a whole weight file ({problem}): it was cut short (an interrupted copy or a "
-                        f"full disk) or is damaged. Delete it and use another weight file.")
+    if path.name == EMA_FILE or path.parent.name == EXPORTS or step_of(path) is not None:
+        return ("ema",), "only the EMA weights (an export)"
+    return (), "one set of weights"
 
 
 def _newest_whole(run: Path, weights: str) -> tuple[Path, list[str]]:
@@ -169,8 +149,12 @@ def _newest_whole(run: Path, weights: str) -> tuple[Path, list[str]]:
         candidates, what = [c / MODEL_FILE for c in list_checkpoints(run)], f"{CHECKPOINTS}/step-*/{MODEL_FILE}"
     else:
         candidates, what = list_exports(run), f"{EXPORTS}/ema-step-*.safetensors"
+    if not candidates and weights == "raw":
+        raise UserError(f"the run folder {run} has no complete checkpoints ({CHECKPOINTS}/step-*/) yet; train until "
+                        "the first checkpoint is saved, or pass --weights ema for an export.")
     if not candidates:
-        raise _nothing_to_sample(run, weights)
+        raise UserError(f"the run folder {run} has no EMA exports ({EXPORTS}/ema-step-*) yet; train until the first "
+                        "export is written, or pass --weights raw to use the newest checkpoint's raw weights.")
     skipped = []
     for path in reversed(candidates):
         problem = safetensors_problem(path)
@@ -195,20 +179,16 @@ def _other_copy(run: Path, path: Path, weights: str, otherwise: str) -> str:
     return otherwise
 
 
-def _nothing_to_sample(run: Path, weights: str) -> UserError:
-    """A run folder without the weights asked for."""
-    if weights == "raw":
-        return UserError(f"the run folder {run} has no complete checkpoints ({CHECKPOINTS}/step-*/) yet; train "
-                         "until the first checkpoint is saved, or pass --weights ema for an export.")
-    return UserError(f"the run folder {run} has no EMA exports ({EXPORTS}/ema-step-*) yet; train until the first "
-                     "export is written, or pass --weights raw to use the newest checkpoint's raw weights.")
-
-
 def run_weight_file(folder: Path, weights: str) -> tuple[Path, list[str]]:
     """(file, notes): a checkpoint folder's model or EMA file, or a run folder's newest whole one."""
     if (folder / MODEL_FILE).is_file() or (folder / EMA_FILE).is_file():  # a single RUN/checkpoints/step-* folder
         chosen = folder / (MODEL_FILE if weights == "raw" else EMA_FILE)
-        _check_whole(chosen)
+        if not chosen.is_file():
+            raise UserError(f"{chosen} does not exist; the checkpoint folder is incomplete.")
+        problem = safetensors_problem(chosen)
+        if problem:
+            raise UserError(f"{chosen} is not a whole weight file ({problem}): it was cut short (an interrupted copy "
+                            f"or a full disk) or is damaged. Delete it and use another weight file.")
         return chosen, []
     return _newest_whole(folder, weights)
 
@@ -220,9 +200,7 @@ def _read_export(found: Found, weights: str, objective: str | None) -> Read:
     return Read(_strip_prefixes(state_dict), config, "this project's weight file", notes, notes, meta, path, step)
 
 
-# ----------------------------------------------------------------------------------------------------------
 # Bare .pt state dicts of the releases: the config inferred from tensor shapes, the objective by name or layout
-# ----------------------------------------------------------------------------------------------------------
 
 def _strip_prefixes(state_dict: dict) -> dict:
     """Drop a DDP/compile prefix shared by every key."""
@@ -294,8 +272,8 @@ def _read_rae(found: Found, weights: str, objective: str | None) -> Read:
     config = infer_model_config(state_dict)
     shape = (config.in_channels, config.input_size, config.input_size)
     shift = RELEASES[found.path.name].time_dist_shift if found.path.name in RELEASES else round(auto_shift(shape), 6)
-    config = dataclasses.replace(config, objective="flow", objective_args={"convention": "repa", "time_dist_shift": shift},
-                                 sampling=dict(RAE_SAMPLING))
+    config = dataclasses.replace(config, objective="flow", sampling=dict(RAE_SAMPLING),
+                                 objective_args={"convention": "repa", "time_dist_shift": shift})
     notes = [f"DiT^DH head {config.head_depth} x {config.head_width} wide; flow time convention repa, time shift "
              f"{shift:g} (shared/generative/flow.py)",
              f"sampled as RAE's sampling config does unless a flag says otherwise: ODE Euler over 50 grid points "
@@ -327,9 +305,7 @@ def _read_lightningdit(found: Found, weights: str, objective: str | None) -> Rea
     return Read(state_dict, config, f"the {release.paper} release", notes)
 
 
-# ----------------------------------------------------------------------------------------------------------
 # diffusers DiTs: config.json says the architecture; the per-block embedder copies are checked equal
-# ----------------------------------------------------------------------------------------------------------
 
 def _read_diffusers(found: Found, weights: str, objective: str | None) -> Read:
     """A diffusers DiT mapped exactly to our names (shared/network/diffusers_dit.py)."""
@@ -346,9 +322,7 @@ def _read_diffusers(found: Found, weights: str, objective: str | None) -> Read:
                 label=source.label)
 
 
-# ----------------------------------------------------------------------------------------------------------
 # The table, and the one loader that walks it
-# ----------------------------------------------------------------------------------------------------------
 
 _DIT_3 = AutoGuide("3", "the DiT release's sampler guides the first 3 of 4 channels (SiT's keeps its rule)")
 _REPA_ALL = AutoGuide("all", "REPA's sampler guides all channels")  # RAE's flow in REPA's time: the same rule
@@ -394,7 +368,7 @@ def _choose_weights(found: Found, fmt: WeightFormat) -> str:
         fix = (f"For the raw training weights pass a checkpoint folder (RUN/{CHECKPOINTS}/step-N) or the run folder "
                f"with --weights raw, or RUN/{CHECKPOINTS}/step-N/{MODEL_FILE}; to sample this file, drop --weights.")
     else:
-        fix = f"For the EMA weights pass the checkpoint folder ({found.path.parent}) or its {EMA_FILE}; or drop --weights."
+        fix = f"For the EMA weights pass its checkpoint folder ({found.path.parent}) or {EMA_FILE}; or drop --weights."
     raise UserError(f"--weights {asked} does not apply to {found.ckpt}: it holds {words}, so there are no {asked} "
                     f"weights in it to choose. {fix}")
 
@@ -405,12 +379,6 @@ def _find(ckpt, weights: str | None) -> Found:
     if not path.exists() and is_official_name(str(ckpt)):
         return Found(ckpt, weights, *find_official(str(ckpt)))
     return Found(ckpt, weights, path)
-
-
-def _shape_note(config: ModelConfig) -> str:
-    """'DiT-XL/2, latent 4x32x32, 1000 classes': the note every load starts with."""
-    return (f"{config.model}, latent {config.in_channels}x{config.input_size}x{config.input_size}, "
-            f"{config.num_classes} classes")
 
 
 def check_finite(loaded: LoadedWeights, fix: str) -> None:
@@ -451,7 +419,8 @@ def load_sampling_weights(ckpt, weights: str | None = None, model: str | None = 
                         f"(latent input {config.input_size}). Pass --model {config.model} or drop --model (the weights "
                         f"say their architecture themselves).")
     step = f", step {read.step}" if read.step is not None else ""
-    notes = [f"{_shape_note(config)}{step} ({'checked against --model' if model else fmt.config_from})",
+    shape = f"latent {config.in_channels}x{config.input_size}x{config.input_size}, {config.num_classes} classes"
+    notes = [f"{config.model}, {shape}{step} ({'checked against --model' if model else fmt.config_from})",
              f"objective {config.objective} ({read.objective_why})", *read.notes, *found.notes]
     loaded = LoadedWeights(read.state_dict, config, path, fmt.kind, fmt.latents(found, read), read.step, notes,
                            chosen, [*read.warnings, *found.notes], read.label, fmt.auto_guide)

@@ -1,22 +1,8 @@
-"""Released checkpoints by name: `--ckpt DiT-XL-2-256x256.pt` (or SiT-XL-2-256x256.pt) downloads it once into a cache.
-
-A release is recognised by its name here or by the file name its URL writes (`wget` of SiT's link saves
-SiT-XL-2-256.pt), so a file under either name loads with the release's objective.
-
-Each release records what its bare state dict cannot say: the objective it was trained with (SiT's file has
-DiT's layout but is a flow-matching velocity model), and for RAE's DiT^DH-XL its time convention and shift. Named here: the DiT release's two files, SiT-XL/2, and
-REPA's SiT-XL/2 at 4M iterations (the FID 1.42 model; sihyun-yu/REPA, MIT: its generate.py downloads this file as
-last.pt, a bare EMA state dict including its projector; we name it REPA-SiT-XL-2-256x256.pt). The REPA file is
-recognised by its layout (shared/network/repa.py), not by its name.
-
-Where the file is looked for, in order: the path as given (handled by the caller), ./pretrained_models/NAME
-(where the release's own scripts put it), then the cache: $DIT_CHECKPOINT_DIR if set, else torch's hub
-folder `torch.hub.get_dir()/checkpoints` ($TORCH_HOME/hub/checkpoints, by default ~/.cache/torch/hub/checkpoints).
-The URL is the release's (its download.py): https://dl.fbaipublicfiles.com/DiT/models/NAME for DiT, SiT's README
-link for SiT; $DIT_DOWNLOAD_URL replaces them all by BASE/NAME (a mirror, or the tests' local server).
-
-The cache and the download itself (temp name, whole-file checks, one downloader per file) are
-shared/runtime/download.py's, which RAE's tokenizer files use too.
+"""Released checkpoints by name (`--ckpt DiT-XL-2-256x256.pt`): each Release records what its bare file cannot say
+(objective, paper, latents, sampling); a file is recognised by its name here or the one its URL writes (`wget` of
+SiT's link saves SiT-XL-2-256.pt). Looked for as given, then in ./pretrained_models/ (where the releases' scripts
+put it), then in the cache of shared/runtime/download.py ($DIT_CHECKPOINT_DIR, else torch's hub checkpoints
+folder), else downloaded into it from the release's URL ($DIT_DOWNLOAD_URL/NAME replaces them all: a mirror).
 """
 from __future__ import annotations
 
@@ -25,15 +11,14 @@ import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.runtime.download import CACHE_ENV, URL_ENV, cache_dir, download, fetch, zip_problem  # noqa: F401 - re-exported
+from shared.runtime.download import URL_ENV, fetch
 
 BASE_URL = "https://dl.fbaipublicfiles.com/DiT/models/"
 HF_RAE = "https://huggingface.co/nyu-visionx/RAE-collections/resolve/main/"  # RAE's README: hf download this repo
 RAE_SHIFT = round((768 * 16 * 16 / 4096) ** 0.5, 6)  # as --time-dist-shift auto rounds it (train/config.py)
 # How each release samples for its paper's FID, in python -m sample's flag names (ModelConfig.sampling): recorded
-# with the weights when they load, so a bare --ckpt samples as the release does (a flag given still wins). Both
-# files are recognised by their layouts (shared/weights/checkpoint.py), so any file of that layout samples so.
-# DiT's and SiT's own settings are the defaults (ddpm and sde, 250 steps); LightningDiT's are in lightningdit.py.
+# with the weights when they load, so a bare --ckpt samples as the release does (a flag given still wins). RAE's
+# and REPA's apply to any file of their layouts (their FORMATS records); DiT's and SiT's are sample's defaults.
 # RAE (bytetriper/RAE configs/stage2/sampling/ImageNet256/DiTDHXL-DINOv2-B.yaml, FID 1.51): `sampler: mode ODE,
 # sampling_method euler, num_steps 50`, i.e. torchdiffeq's Euler over 50 grid points = 49 steps (49 network
 # calls), on the grid shifted by time_dist_shift (recorded beside, as the objective's); its guidance is `cfg
@@ -48,7 +33,7 @@ REPA_CFG_SCALE = 1.8
 
 @dataclass(frozen=True)
 class Release:
-    """A released checkpoint: where it downloads from and the objective its weights were trained with."""
+    """A released checkpoint: where it downloads from, and what its bare state dict cannot say."""
 
     url: str
     objective: str = "ddpm"
@@ -108,9 +93,9 @@ URL_NAMES = {url_file_name(r.url): name for name, r in RELEASES.items()
 
 def release_name(file_name: str) -> str | None:
     """The release a file name identifies (its name here, or the one its URL writes), else None."""
-    if file_name in RELEASES:
-        return file_name
-    return URL_NAMES.get(file_name)
+    return file_name if file_name in RELEASES else URL_NAMES.get(file_name)
+
+
 RELEASE_DIR = "pretrained_models"  # the release's scripts download into ./pretrained_models/
 
 
