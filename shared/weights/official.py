@@ -70,9 +70,10 @@ RELEASES = {
 # 0.10 (64 epochs, FID 2.11 at scale 10), i.e. our noise levels 0 .. 1 - start.
 _HF = "https://huggingface.co/hustvl/{0}/resolve/main/{0}.pt"
 _VAVAE_LATENTS = {"vae": "vavae", "image_size": 256, "latent_shape": [32, 16, 16]}
-for _epochs, _start, _scale in (("800ep", 0.125, 6.7), ("64ep", 0.10, 10.0)):
-    RELEASES[f"lightningdit-xl-imagenet256-{_epochs}.pt"] = Release(
-        _HF.format(f"lightningdit-xl-imagenet256-{_epochs}"), objective="flow", paper="LightningDiT (Yao et al. 2025)",
+for _name, _start, _scale in (("lightningdit-xl-imagenet256-800ep.pt", 0.125, 6.7),
+                               ("lightningdit-xl-imagenet256-64ep.pt", 0.10, 10.0)):
+    RELEASES[_name] = Release(
+        _HF.format(_name.removesuffix(".pt")), objective="flow", paper="LightningDiT (Yao et al. 2025)",
         latent_meta=_VAVAE_LATENTS, layout="lightningdit", cfg_scale=_scale,
         sampling={"sampler": "euler", "time_shift": 0.3, "cfg_interval": [0.0, round(1.0 - _start, 6)]})
 OFFICIAL_NAMES = tuple(RELEASES)
