@@ -316,28 +316,29 @@ def _read_diffusers(found: Found, weights: str, objective: str | None) -> Read:
         "no pipeline VAE beside it (pass --vae)"
     numerics = f"{NUMERICS_NOTE} Loaded here as the official DiT function, which is what the Hub's DiT weights were " \
                f"trained as."
-    return Read(diffusers_to_dit(read_weights(source.weights), full, source.transformer), config,
-                "a diffusers DiT, trained as DiT's", [f"a diffusers {full['_class_name']} in {source.transformer}; "
-                                                      f"{vae}", numerics], [numerics], path=source.weights,
+    notes = [f"a diffusers {full['_class_name']} in {source.transformer}; {vae}", numerics]
+    state_dict = diffusers_to_dit(read_weights(source.weights), full, source.transformer)
+    return Read(state_dict, config, "a diffusers DiT, trained as DiT's", notes, [numerics], path=source.weights,
                 label=source.label)
 
 
 # The table, and the one loader that walks it
 
-_DIT_3 = AutoGuide("3", "the DiT release's sampler guides the first 3 of 4 channels (SiT's keeps its rule)")
+_OURS_DAMAGED = ("Training diverged before these weights were saved, or the file is damaged: pass an earlier export or "
+                 "checkpoint with --ckpt (RUN/exports/ema-step-*.safetensors, RUN/checkpoints/step-*).")
 _REPA_ALL = AutoGuide("all", "REPA's sampler guides all channels")  # RAE's flow in REPA's time: the same rule
 FORMATS: list[WeightFormat] = [  # tried in this order: the first that recognises --ckpt reads it
-    WeightFormat("diffusers", lambda f: f.diffusers is not None, _read_diffusers, lambda f: ((), "one set of "
-                 "weights (the Hub's DiT pipelines hold the EMA weights)"),
-                 lambda f, r: pipeline_latent_meta(f.diffusers, r.config),
-                 AutoGuide("all", "diffusers' DiTPipeline guides all channels"), "diffusers", "read from its diffusers "
-                 "config", "The folder is damaged or its model diverged: download or export it again."),
-    *(WeightFormat(name, test, _read_export, _held_by_place, lambda f, r: r.meta, AUTO_OWN, "export",
-                   "read from the file's metadata", "Training diverged before these weights were saved, or the file is "
-                   "damaged: pass an earlier export or checkpoint with --ckpt (RUN/exports/ema-step-*.safetensors, "
-                   "RUN/checkpoints/step-*).")
-      for name, test in (("run", lambda f: f.path.is_dir()),
-                         ("export", lambda f: f.path.is_file() and not f.is_torch))),
+    WeightFormat("diffusers", lambda f: f.diffusers is not None, _read_diffusers,
+                 holds=lambda f: ((), "one set of weights (the Hub's DiT pipelines hold the EMA weights)"),
+                 latents=lambda f, r: pipeline_latent_meta(f.diffusers, r.config),
+                 auto_guide=AutoGuide("all", "diffusers' DiTPipeline guides all channels"), kind="diffusers",
+                 config_from="read from its diffusers config",
+                 damaged="The folder is damaged or its model diverged: download or export it again."),
+    WeightFormat("run", lambda f: f.path.is_dir(), _read_export, _held_by_place, lambda f, r: r.meta, kind="export",
+                 config_from="read from the file's metadata", damaged=_OURS_DAMAGED),
+    WeightFormat("export", lambda f: f.path.is_file() and not f.is_torch, _read_export, _held_by_place,
+                 lambda f, r: r.meta, kind="export", config_from="read from the file's metadata",
+                 damaged=_OURS_DAMAGED),
     WeightFormat("lightningdit", lambda f: f.is_torch and f.release is not None and f.release.layout == "lightningdit",
                  _read_lightningdit, _held_entries, lambda f, r: dict(f.release.latent_meta),
                  AutoGuide("3", "LightningDiT's sampler keeps the DiT release's rule: the first 3 channels",
@@ -345,9 +346,10 @@ FORMATS: list[WeightFormat] = [  # tried in this order: the first that recognise
     WeightFormat("repa", lambda f: f.is_torch and any(k.startswith(REPA_PROJECTOR_PREFIX) for k in f.names),
                  _read_repa, _held_entries, auto_guide=_REPA_ALL),
     WeightFormat("rae", lambda f: f.is_torch and "s_embedder.proj.weight" in f.names, _read_rae, _held_entries,
-                 lambda f, r: dict(RAE_DIT_LATENTS) if _rae_tokens(r.config) else None,
-                 _REPA_ALL),
-    WeightFormat("dit", lambda f: f.is_torch, _read_dit, _held_entries, auto_guide=_DIT_3),
+                 lambda f, r: dict(RAE_DIT_LATENTS) if _rae_tokens(r.config) else None, _REPA_ALL),
+    WeightFormat("dit", lambda f: f.is_torch, _read_dit, _held_entries,  # DiT's and SiT's releases, any bare .pt
+                 auto_guide=AutoGuide("3", "the DiT release's sampler guides the first 3 of 4 channels (SiT's keeps "
+                                           "its rule)")),
 ]
 
 
