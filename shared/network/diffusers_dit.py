@@ -88,11 +88,6 @@ def full_config(config: dict) -> dict:
     return {**_class_defaults(name), **config}
 
 
-def is_dit_class(config: dict) -> bool:
-    """Whether a diffusers config.json names one of the DiT transformer classes."""
-    return config.get("_class_name") in DIFFUSERS_DIT_CLASSES
-
-
 def check_dit_config(config: dict, where) -> dict:
     """The full config of a diffusers DiT transformer; UserError naming what makes it another architecture."""
     name = config.get("_class_name")
@@ -178,11 +173,6 @@ def diffusers_config(config: ModelConfig) -> dict:
 # ----------------------------------------------------------------------------------------------------------
 # Weights
 # ----------------------------------------------------------------------------------------------------------
-
-def block_count(state_dict: dict) -> int:
-    """How many transformer_blocks.N a diffusers state dict holds."""
-    return len({k.split(".")[1] for k in state_dict if k.startswith("transformer_blocks.")})
-
 
 def _copies_equal(state_dict: dict, depth: int, where) -> None:
     """UserError unless every block's embedder copy equals block 0's, bit for bit."""

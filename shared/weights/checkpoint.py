@@ -35,8 +35,6 @@ ENTRIES = {"ema": "ema", "raw": "model"}  # the entries of a training checkpoint
 _KEY_PREFIXES = ("module.", "_orig_mod.")  # wrappers some trainers leave in front of every key (DDP, torch.compile)
 _OFFICIAL_FIX = ("Pass an official DiT checkpoint (downloaded from dl.fbaipublicfiles.com/DiT/models/, e.g. "
                  "DiT-XL-2-256x256.pt) or a .safetensors export of this project.")
-# A bare state dict records no objective: unless its name or layout says, it is taken as DiT's, and said once.
-ASSUMED_DDPM = "assumed: a bare state dict of no known release is taken as DiT's DDPM"
 _CKPT_KINDS = ("a training run folder, a .safetensors export, an official DiT .pt checkpoint (or a released one by "
                f"name: {', '.join(OFFICIAL_NAMES)}), or a diffusers DiT (pipeline folder, transformer folder, or Hub "
                "repo id such as facebook/DiT-XL-2-256)")
@@ -71,6 +69,7 @@ class Found:
 
     @property
     def is_torch(self) -> bool:
+        """A file torch.load reads (weights only); every other file is read as safetensors."""
         return self.path.is_file() and self.path.suffix.lower() in TORCH_SUFFIXES
 
     @cached_property
@@ -229,17 +228,18 @@ def _tensors(found: Found, weights: str) -> dict:
 
 def _read_dit(found: Found, weights: str, objective: str | None) -> Read:
     """DiT's and SiT's layout: the objective is the release's (by file name), else --objective, else DiT's DDPM."""
-    state_dict = _tensors(found, weights)
-    release, known = found.release, release_name(found.path.name)
+    state_dict, release, known, warnings = _tensors(found, weights), found.release, release_name(found.path.name), []
     if release is not None:
         named = "" if known == found.path.name else f", under the name its URL writes (ours: {known})"
         name, why = release.objective, f"the {release.paper} release{named}"
-    else:
-        name, why = (objective, "as --objective says") if objective else ("ddpm", ASSUMED_DDPM)
+    elif objective is not None:
+        name, why = objective, "as --objective says"
+    else:  # a bare state dict records no objective: taken as DiT's, and said once
+        name, why = "ddpm", "assumed: a bare state dict of no known release is taken as DiT's DDPM"
+        warnings.append(f"{found.path.name} records no objective and is no known release: sampled as DiT's ddpm "
+                        f"objective (noise prediction); if it was trained with flow matching (SiT), pass --objective "
+                        f"flow.")
     config = dataclasses.replace(infer_model_config(state_dict), objective=name, objective_plugin=plugin_of(name))
-    warnings = [] if why != ASSUMED_DDPM else [
-        f"{found.path.name} records no objective and is no known release: sampled as DiT's ddpm objective (noise "
-        f"prediction); if it was trained with flow matching (SiT), pass --objective flow."]
     return Read(state_dict, config, why, warnings=warnings)
 
 
