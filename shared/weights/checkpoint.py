@@ -196,7 +196,8 @@ def _read_export(found: Found, weights: str, objective: str | None) -> Read:
     """Our safetensors file (a run folder's chosen one): config, latent metadata and step from its metadata."""
     path, notes = run_weight_file(found.path, weights) if found.path.is_dir() else (found.path, [])
     state_dict, config, meta, step = load_weights(path)
-    return Read(_strip_prefixes(state_dict), config, "this project's weight file", notes, notes, meta, path, step)
+    why = "the run that wrote this file, per its metadata"
+    return Read(_strip_prefixes(state_dict), config, why, notes, notes, meta, path, step)
 
 
 # Bare .pt state dicts of the releases: the config inferred from tensor shapes, the objective by name or layout
