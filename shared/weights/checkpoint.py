@@ -15,7 +15,7 @@ import torch
 
 from shared.generative.flow import auto_shift
 from shared.generative.guidance import AUTO_OWN, AutoGuide
-from shared.generative.objectives import check_objective, plugin_of
+from shared.generative.objectives import DEFAULT_OBJECTIVE, check_objective, plugin_of
 from shared.network.diffusers_dit import NUMERICS_NOTE, check_dit_config, diffusers_to_dit, model_config_of
 from shared.network.models import PRESETS, ModelConfig, check_preset, infer_model_config
 from shared.network.repa import REPA_PROJECTOR_PREFIX
@@ -236,8 +236,8 @@ def _read_dit(found: Found, weights: str, objective: str | None) -> Read:
     elif objective is not None:
         name, why = objective, "as --objective says"
     else:  # a bare state dict records no objective: taken as DiT's, and said once
-        name, why = "ddpm", "assumed: a bare state dict of no known release is taken as DiT's DDPM"
-        warnings.append(f"{found.path.name} records no objective and is no known release: sampled as DiT's ddpm "
+        name, why = DEFAULT_OBJECTIVE, "assumed: a bare state dict of no known release is taken as DiT's DDPM"
+        warnings.append(f"{found.path.name} records no objective and is no known release: sampled as DiT's {name} "
                         f"objective (noise prediction); if it was trained with flow matching (SiT), pass --objective "
                         f"flow.")
     config = dataclasses.replace(infer_model_config(state_dict), objective=name, objective_plugin=plugin_of(name))
@@ -272,7 +272,7 @@ def _read_rae(found: Found, weights: str, objective: str | None) -> Read:
     state_dict = _tensors(found, weights)
     config = infer_model_config(state_dict)
     shape = (config.in_channels, config.input_size, config.input_size)
-    shift = RELEASES[found.path.name].time_dist_shift if found.path.name in RELEASES else round(auto_shift(shape), 6)
+    shift = RELEASES[found.path.name].time_dist_shift if found.path.name in RELEASES else auto_shift(shape)
     config = dataclasses.replace(config, objective="flow", sampling=dict(RAE_SAMPLING),
                                  objective_args={"convention": "repa", "time_dist_shift": shift})
     notes = [f"DiT^DH head {config.head_depth} x {config.head_width} wide; flow time convention repa, time shift "
