@@ -29,7 +29,8 @@ from tqdm.auto import tqdm
 
 from shared.runtime.errors import UserError, cli_errors
 from shared.runtime.fsio import atomic_write_json
-from shared.network.models import ATTENTION_BACKENDS, SELECTIVE
+from shared.network.attention import ATTENTION_BACKENDS
+from shared.network.blocks import SELECTIVE
 from shared.runtime.precision import PRECISIONS, set_tf32
 from train.config import TrainConfig, add_block_flags, block_from_args, model_config_for
 from train.data import synthetic_batch

@@ -19,7 +19,7 @@ from shared.runtime.cli import HelpFormatter, add_flags, flag_name
 from shared.runtime.errors import UserError, cli_errors
 from shared.runtime.precision import PRECISION_CHOICES, canonical_precision
 from shared.network.routing import kept_tokens
-from shared.network.models import SELECTIVE
+from shared.network.blocks import SELECTIVE
 from train.config import TrainConfig, add_block_flags, block_from_args, checkpoint_choice, model_config_for, route_span
 from train import memory
 from train.autotune import smaller_micro

@@ -124,14 +124,10 @@ def learns_sigma(name: str) -> bool:
     return bool(getattr(OBJECTIVES[check_objective(name)], "learns_sigma", False))
 
 
-def check_objective(name: str, plugin: str = "") -> str:
-    """ChoiceError unless `name` is registered (naming the --plugin that would register it, when known)."""
+def check_objective(name: str) -> str:
+    """ChoiceError unless `name` is registered."""
     if name in OBJECTIVES:
         return name
-    if plugin:
-        raise UserError(f"these weights were trained with the objective {name!r}, which the module {plugin} registers "
-                        f"(recorded with the model); pass --plugin {plugin} so it is imported (its folder on "
-                        f"PYTHONPATH).")
     raise ChoiceError("objective", name, objective_names(), objective_help())
 
 
@@ -175,13 +171,13 @@ def training_flags() -> dict[str, tuple[Flag, tuple[str, ...]]]:
     return flags
 
 
-def make_objective(name: str, recorded: dict | None = None, plugin: str = "", **training) -> Objective:
+def make_objective(name: str, recorded: dict | None = None, **training) -> Objective:
     """Registered objective `name` from its recorded fields and training settings (None = its default).
 
     A training setting the objective does not take is refused unless it holds the default of the objectives
     that do (the flag was left alone).
     """
-    cls = OBJECTIVES[check_objective(name, plugin)]
+    cls = OBJECTIVES[check_objective(name)]
     recorded = dict(recorded or {})
     own_recorded = {f.name for f in recorded_fields(cls)}
     unknown = sorted(set(recorded) - own_recorded)
@@ -209,9 +205,8 @@ def make_objective(name: str, recorded: dict | None = None, plugin: str = "", **
 
 
 def objective_of(model_config, **training) -> Objective:
-    """The objective a ModelConfig records (ModelConfig.objective, objective_args, objective_plugin)."""
-    return make_objective(model_config.objective, model_config.objective_args, model_config.objective_plugin,
-                          **training)
+    """The objective a ModelConfig records (ModelConfig.objective, objective_args)."""
+    return make_objective(model_config.objective, model_config.objective_args, **training)
 
 
 def run_sampler(objective: Objective, sampler: str, model_fn, noise, steps: int, given_options: dict, **kwargs):

@@ -11,7 +11,7 @@ import torch
 
 from shared.generative.guidance import (AUTO_DIFFUSERS, AUTO_DIT, AUTO_LIGHTNINGDIT, AUTO_OWN, AUTO_REPA,
                                        AUTO_SIT, AutoGuide)
-from shared.generative.objectives import check_objective, plugin_of
+from shared.generative.objectives import check_objective
 from shared.network.diffusers_dit import NUMERICS_NOTE, check_dit_config, diffusers_to_dit, model_config_of
 from shared.runtime.errors import ChoiceError, UserError
 from shared.runtime.export import first_nonfinite, load_torch_file, load_weights, safetensors_problem
@@ -252,7 +252,7 @@ def _load_official(path: Path, weights: str | None, model: str | None, objective
         config, name, why = _rae_config(config, path, objective), "flow", "RAE's DiT^DH layout"
     else:
         name, why = _objective_of_release(path, objective)
-        config = dataclasses.replace(config, objective=name, objective_plugin=plugin_of(name))
+        config = dataclasses.replace(config, objective=name)  # its plugins follow (ModelConfig)
     _check_model_flag(model, config, lambda: f"--model {model} does not fit {path}: its tensor shapes are those of "
                       f"{config.model} (latent input {config.input_size}). Pass --model {config.model} or drop --model.")
     how = "checked against --model" if model else "inferred from tensor shapes"
