@@ -138,7 +138,7 @@ def infer_block(state_dict: dict) -> dict:
     options = {}
     for slot, choices in BLOCK_OPTIONS.items():
         marked = [o.value for o in choices.values() if o.marker and o.marker in state_dict]
-        unmarked = [o.value for o in choices.values() if not o.marker]
+        unmarked = [o.value for o in choices.values() if not o.marker and not o.module]  # a plugin's needs a marker
         found = marked or unmarked
         if len(found) != 1:
             names = sorted(k for k in state_dict if k.startswith("blocks.0."))

@@ -173,10 +173,10 @@ class ModelConfig:
             missing = [m for m in self.plugins if m not in sys.modules]
             if not missing:
                 raise
-            raise UserError(f"{err} These weights were made with the module(s) {', '.join(missing)} (recorded with "
-                            f"the model), which register(s) their objective or block options; pass "
-                            f"{' '.join(f'--plugin {m}' for m in missing)} so it is imported (its folder on "
-                            "PYTHONPATH).") from err
+            lacking = f"the {err.kind} {err.value!r}" if isinstance(err, ChoiceError) else "part of them"
+            raise UserError(f"these weights were made with the module(s) {', '.join(missing)} (recorded with the model), "
+                            f"which register(s) {lacking}; pass {' '.join(f'--plugin {m}' for m in missing)} so it is "
+                            "imported (its folder on PYTHONPATH).") from err
 
     @property
     def has_null_class(self) -> bool:
