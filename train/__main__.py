@@ -8,8 +8,7 @@ import sys
 from shared.runtime.cli import flag_name, given_flags
 from shared.runtime.errors import cli_errors
 from shared.runtime.flags import load_plugins
-from shared.network.blocks import BLOCK_FIELDS
-from train.config import build_parser, config_from_args
+from train.config import BLOCK_FLAGS, build_parser, config_from_args
 
 PROG = "python -m train"
 
@@ -18,8 +17,7 @@ PROG = "python -m train"
 FLAGS = {"model preset": "--model", "attention backend": "--attention", "precision": "--precision",
          "guide-channel choice": "--sample-guide-channels", "run folder": "--results-dir", "vae": "--watch-vae",
          "objective": "--objective", "time dist shift": "--time-dist-shift", "head depth": "--head-depth",
-         "head width": "--head-width", "head heads": "--head-heads",
-         **{f"block {slot}": flag_name(slot) for slot in BLOCK_FIELDS}}
+         "head width": "--head-width", "head heads": "--head-heads", **BLOCK_FLAGS}
 
 
 def objective_flags() -> dict:

@@ -119,9 +119,9 @@ class TrainConfig:
              "4096) of the latent shape (RAE: 6.93 for 768x16x16 tokens; 1 for SD-VAE's 4x32x32) (default 1 = "
              "none)", type=float_or_auto, metavar="S|auto")
     # Block options (shared/network/blocks.py's table): None until resolve_block fills them from --block's preset.
-    block: str | None = option(None, f"the transformer block preset: {BLOCK_HELP}; {'/'.join(map(flag_name, BLOCK_FIELDS))} "
-                                     "override single options of it (default: the --model's: dit, lightning for DiTDH-*)",
-                               choices=tuple(BLOCKS))
+    block: str | None = option(
+        None, f"the transformer block preset: {BLOCK_HELP}; {'/'.join(map(flag_name, BLOCK_FIELDS))} override single "
+              "options of it (default: the --model's: dit, lightning for DiTDH-*)", choices=tuple(BLOCKS))
     norm: str | None = block_flag("norm").field()
     mlp: str | None = block_flag("mlp").field()
     rope: bool | None = block_flag("rope").field()
@@ -285,6 +285,9 @@ class TrainConfig:
 # ---------------------------------------------------------------------------------------------------------
 # Flags
 # ---------------------------------------------------------------------------------------------------------
+
+BLOCK_FLAGS = {f"block {slot}": flag_name(slot) for slot in BLOCK_FIELDS}  # the flag of each slot's ChoiceError
+
 
 def add_block_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The block-option flags alone (python -m train.plan and train.bench share them)."""

@@ -61,8 +61,7 @@ def _say(line: str) -> None:
 
 
 def choose_sdpa_kernel(device, dtype, head_dim: int, say=_say) -> str:
-    """The first of SDPA_KERNELS that runs here (probed once per device, dtype and head size), else SDPA_FALLBACK;
-    says in one line which it is (the fallback as a notice naming what it costs)."""
+    """The first of SDPA_KERNELS that runs here (probed once per device, dtype, head size), else SDPA_FALLBACK, said."""
     key = (str(device), dtype, head_dim)
     if key not in _sdpa_choices:
         chosen = next((k for k in SDPA_KERNELS if probe_sdpa_kernel(k, device, dtype, head_dim)), SDPA_FALLBACK)
@@ -83,8 +82,7 @@ def device_name(device) -> str:
 
 
 def prepare_attention(model, device, dtype, choose=choose_sdpa_kernel) -> None:
-    """On CUDA, pin each sdpa block's attention to the kernel chosen for its head size at `dtype` (the autocast
-    dtype, or fp32), probed before the first forward (and before torch.compile traces it). Elsewhere nothing."""
+    """On CUDA, pin each sdpa block to the kernel chosen for its head size at `dtype`, before any forward or compile."""
     if torch.device(device).type != "cuda":
         return
     for block in model.blocks:
@@ -93,11 +91,7 @@ def prepare_attention(model, device, dtype, choose=choose_sdpa_kernel) -> None:
 
 
 class Attention(nn.Module):
-    """Multi-head self-attention with a fused qkv projection (names as timm's, as the checkpoints).
-
-    Optional QK-norm (qk_norm: head_dim -> a norm layer, from the block-option table) and rotary positions act on
-    q and k before whichever kernel runs, so every backend sees the same inputs.
-    """
+    """Multi-head self-attention, fused qkv (timm's names); QK-norm and RoPE act on q and k before any kernel runs."""
 
     def __init__(self, dim, num_heads, qk_norm=None):
         super().__init__()

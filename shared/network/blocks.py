@@ -233,11 +233,9 @@ class SwiGLU(nn.Module):
 
 
 def rope_angles(head_dim, grid_size, theta=ROPE_THETA):
-    """(T, head_dim) angles: a head's first half turned by the token's row, the second by its column (RoFormer Eq. 15).
-
-    head_dim/4 frequencies theta^(-j / (head_dim/4)) per axis, each turning one interleaved channel pair (2i, 2i+1);
-    tokens in row-major patch order: LightningDiT's VisionRotaryEmbeddingFast(dim=head_dim/2, pt_seq_len=grid).
-    """
+    """(T, head_dim) angles: a head's first half turned by the token's row, the second by its column (RoFormer Eq. 15)."""
+    # head_dim/4 frequencies theta^(-j / (head_dim/4)) per axis, each turning one interleaved channel pair (2i, 2i+1);
+    # tokens in row-major patch order: LightningDiT's VisionRotaryEmbeddingFast(dim=head_dim/2, pt_seq_len=grid).
     quarter = head_dim // 4
     freqs = theta ** -(torch.arange(quarter, dtype=torch.float64) / quarter)  # (head_dim/4,)
     rows, cols = torch.meshgrid(torch.arange(grid_size), torch.arange(grid_size), indexing="ij")
@@ -305,7 +303,8 @@ register_block_option("rope", True, "half the head turned by row, half by column
                       marker="feat_rope.freqs_cos")
 register_block_option("qk_norm", False, "none (DiT)", None)
 register_block_option("qk_norm", True, "the --norm's per-head layer (Dehghani et al. 2023): RMSNorm with rmsnorm, "
-                      "LayerNorm with layernorm, as LightningDiT", lambda head_dim, norm: block_option("norm", norm).qk_layer(head_dim),
+                      "LayerNorm with layernorm, as LightningDiT",
+                      lambda head_dim, norm: block_option("norm", norm).qk_layer(head_dim),
                       marker="blocks.0.attn.q_norm.weight")
 
 

@@ -112,8 +112,7 @@ class DiTDH(Backbone):
         adaln_zero_(self.blocks, self.final_layer)
 
     def forward(self, x, t, y, force_drop_ids=None, return_hidden_at=None, route_keep=None):
-        """x (N, C, H, W), t (N,) in [0, 1], y (N,) -> (N, out_channels, H, W); return_hidden_at k <= depth and
-        route_keep as DiT's: token routing (TREAD) spans body blocks only, the head sees every token."""
+        """x (N, C, H, W), t (N,) in [0, 1], y (N,) -> (N, out, H, W); routing (TREAD) spans the body only, as DiT's."""
         self._check_input(x)
         t_emb = self.t_embedder(t)  # (N, D)
         c = F.silu(t_emb + self.y_embedder(y, self.training, force_drop_ids))  # (N, D)

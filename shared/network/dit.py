@@ -154,11 +154,10 @@ def adaln_zero_(blocks, final_layer: FinalLayer) -> None:
 #################################################################################
 
 class Backbone(nn.Module):
-    """A patch transformer from the block-option table: attention kernels, checkpointing, token routing, patch order.
+    """What DiT and DiT^DH share: blocks from the option table, attention kernels, checkpointing, routing, patch order."""
 
-    A subclass builds its embedders in __init__ with the parts below, in the order its release draws their
-    initial weights, then calls finish().
-    """
+    # A subclass builds its embedders in __init__ with the parts below, in the order its release draws their initial
+    # weights, then calls finish().
 
     def __init__(self, input_size, patch_size, in_channels, depth, num_heads, num_classes, learn_sigma, mlp_ratio,
                  options: dict):
@@ -211,8 +210,7 @@ class Backbone(nn.Module):
             block.attn.backend = self.attention
 
     def set_grad_checkpointing(self, every):
-        """Recompute every `every`-th block (blocks 0, k, 2k, ...) in backward; 0 turns it off; SELECTIVE: in every
-        block only the pointwise ops (matmul and attention outputs kept)."""
+        """Recompute every `every`-th block (0, k, 2k, ...) in backward; 0: off; SELECTIVE: every block's pointwise ops."""
         if every != SELECTIVE and (not isinstance(every, int) or isinstance(every, bool) or every < 0):
             raise UserError(f"gradient checkpointing interval must be a whole number >= 0 (0 = off, 1 = every "
                             f"block) or {SELECTIVE!r}, got {every!r}.")
@@ -221,10 +219,7 @@ class Backbone(nn.Module):
             block.recompute = (SELECTIVE if every == SELECTIVE else "full") if self._checkpointed(index) else None
 
     def set_routing(self, start=None, end=None):
-        """Token routing in training (shared/network/routing.py): blocks start..end see only the kept tokens; None: off.
-
-        A training setting like checkpointing, not architecture: no weights, not in ModelConfig or exports.
-        """
+        """Token routing in training (routing.py): blocks start..end see only the kept tokens; None: off. Not architecture."""
         if start is None:
             self.route = None
             return
@@ -251,11 +246,9 @@ class Backbone(nn.Module):
         return self.blocks[i](x, c, rope)
 
     def _run_blocks(self, x, c, rope, indices, route=(-1, -1), route_keep=None, return_hidden_at=None):
-        """x (N, T, D) through blocks `indices`; blocks route[0]..route[1] see only route_keep's (N, K) tokens.
-
-        Returns (x, block return_hidden_at's output or None). The skipped tokens wait in `full` and rejoin
-        after block route[1] holding what block route[0] - 1 gave them (TREAD, shared/network/routing.py).
-        """
+        """x (N, T, D) through blocks `indices` -> (x, block return_hidden_at's output or None); routed: see below."""
+        # Blocks route[0]..route[1] see only route_keep's (N, K) tokens; the skipped ones wait in `full` and rejoin
+        # after block route[1] holding what block route[0] - 1 gave them (TREAD, shared/network/routing.py).
         start, end = route
         hidden, table = None, rope
         for i in indices:
@@ -340,16 +333,13 @@ class DiT(Backbone):
         return self.t_embedder(t[:, 0]) + self.h_embedder(t[:, 1])  # (N, D)
 
     def forward(self, x, t, y, force_drop_ids=None, return_hidden_at=None, route_keep=None):
-        """x (N, C, H, W) latents, t (N,) timesteps (with the interval embedder (N, 2): time, interval length), y (N,)
-        labels -> (N, out_channels, H, W).
-
-        force_drop_ids (N,) bool/0-1: which labels become the null class. Training passes the data side's
-        per-sample coin here, so the model's own global-RNG label dropout never runs (train/data.py).
-        return_hidden_at k (1..depth): also return block k's output tokens (N, T, D), from the same forward
-        (REPA aligns them; shared/network/repa.py): the result is then (output, tokens).
-        route_keep (N, K) int64: in train mode with set_routing on, only these tokens pass the routed blocks
-        (TREAD); in eval mode every token passes every block, as sampling does.
-        """
+        """x (N, C, H, W) latents, t (N,) times ((N, 2) with the interval embedder), y (N,) -> (N, out, H, W)."""
+        # force_drop_ids (N,) bool/0-1: labels that become the null class; training passes the data side's per-sample
+        # coin here, so the model's own global-RNG label dropout never runs (train/data.py).
+        # return_hidden_at k (1..depth): the result is (output, block k's tokens (N, T, D)), from the same forward
+        # (REPA aligns them; shared/network/repa.py).
+        # route_keep (N, K) int64: in train mode with set_routing on, only these tokens pass the routed blocks (TREAD);
+        # in eval mode every token passes every block, as sampling does.
         self._check_input(x)
         x = self.x_embedder(x) + self.pos_embed  # (N, T, D), T = H * W / p**2
         c = self.time_embedding(t) + self.y_embedder(y, self.training, force_drop_ids)  # (N, D)

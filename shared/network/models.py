@@ -19,12 +19,9 @@ from shared.runtime.errors import ChoiceError, SettingError, UserError
 
 
 def compile_blocks(model: torch.nn.Module, backend="inductor", **options) -> torch.nn.Module:
-    """Regional compilation: each of `model.blocks` compiled in place; returns `model`.
-
-    The blocks are instances of one class, so dynamo compiles their forward once (parameters are graph inputs, not
-    constants) and reuses it for every other block: compile time is one block's, whatever the depth. A DiT^DH head
-    (another width) adds one graph; embedders and the final layer stay eager. Training and sampling both call it.
-    """
+    """Regional compilation: each of `model.blocks` compiled in place; returns `model` (training and sampling)."""
+    # The blocks are instances of one class, so dynamo compiles their forward once (parameters are graph inputs) and
+    # reuses it for every other block: compile time is one block's, whatever the depth (a DiT^DH head: one more).
     for block in model.blocks:
         block.compile(backend=backend, **options)
     return model
@@ -76,12 +73,9 @@ DiT_models = {name: functools.partial(build_model, name) for name in PRESETS}
 
 
 def token_width_problem(model: str, in_channels: int, head: dict | None = None) -> str | None:
-    """Why the preset (with `head`) is too narrow for tokens of in_channels x patch^2 values, or None.
-
-    RAE Sec. 4.1: a transformer whose width is below the token dimension cannot fit high-dimensional latents
-    (DINOv2-B: 768 per token); the fix is a wider model or the DiT^DH head. The stage that predicts the output
-    (the head when there is one) must be at least as wide as a token.
-    """
+    """Why the preset (with `head`) is too narrow for tokens of in_channels x patch^2 values, or None."""
+    # RAE Sec. 4.1: a transformer narrower than its tokens (DINOv2-B: 768 values) cannot fit them; the stage that
+    # predicts the output (the head when there is one) must be at least as wide as a token.
     arch = PRESETS[model]
     head = head or preset_head(model)
     token = in_channels * arch["patch_size"] ** 2
@@ -107,11 +101,10 @@ OBJECTIVE_FIELDS = ("objective", "objective_args", "plugins", "sampling")  # not
 
 @dataclass
 class ModelConfig:
-    """Everything needed to rebuild a DiT; written into every checkpoint and export.
+    """Everything needed to rebuild a DiT; written into every checkpoint and export."""
 
-    The block options and the head default to the preset's (DiT's block and no head for the DiT presets, RAE's
-    block and head for DiTDH-*), so configs written before they existed load as they were trained.
-    """
+    # The block options and the head default to the preset's (DiT's block and no head for the DiT presets, RAE's
+    # block and head for DiTDH-*), so configs written before they existed load as they were trained.
 
     model: str
     input_size: int
@@ -163,7 +156,7 @@ class ModelConfig:
         check_recorded(self.sampling, objective.family, "the model config")
 
     def _registered(self):
-        """The objective, after checking it and the block options are registered; a recorded plugin not imported is named."""
+        """The objective, once it and the block options are found registered; else names a recorded plugin not imported."""
         from shared.generative.objectives import objective_of  # late: objectives imports samplers
 
         try:
@@ -199,11 +192,7 @@ class ModelConfig:
         return {k: getattr(self, k) for k in HEAD_FIELDS}
 
     def build(self, attention="auto", grad_checkpoint_every=0, device=None, init=True):
-        """The DiT (a DiT^DH when it has a head) this config describes, on `device` (default: torch's current).
-
-        init=False allocates zero-filled weights without running the initialisation (fast; for measuring only);
-        on the meta device nothing is allocated either way.
-        """
+        """The DiT (a DiT^DH with a head) on `device`; init=False: zero-filled weights, no initialisation (measuring)."""
         kwargs = {k: v for k, v in self.to_dict().items() if k not in ("model", *OBJECTIVE_FIELDS)}
         if not kwargs["interval_time"]:
             del kwargs["interval_time"]  # a DiT^DH takes no such argument (check_interval_time refuses it there)
