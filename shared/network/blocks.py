@@ -27,42 +27,32 @@ ROPE_THETA = 10000  # rotary base period, as LightningDiT (EVA-02's VisionRotary
 SELECTIVE = "selective"
 
 
-#################################################################################
-#                               The option table                                #
-#################################################################################
-
-@dataclass(frozen=True)
-class Slot:
-    """A place in the block an option fills: its flag's help, and whether it is an on/off switch."""
-
-    help: str
-    switch: bool = False
-
-
-# What each slot's `build` is called with: norm (dim) -> the normaliser before attention, MLP and output; mlp
-# (dim, mlp_ratio) -> the feed-forward; rope (head_dim, grid) -> the rotary table; qk_norm (head_dim, norm) -> the
-# per-head norm on q and k. A switch's False builds nothing (build None).
+# The places in the block an option fills, with their flag's help. What each slot's `build` is called with: norm
+# (dim) -> the normaliser before attention, MLP and output; mlp (dim, mlp_ratio) -> the feed-forward; rope (head_dim,
+# grid) -> the rotary table; qk_norm (head_dim, norm) -> the per-head norm on q and k. The SWITCHES take True/False,
+# and False builds nothing (build None); the others take names.
 SLOTS = {
-    "norm": Slot("normalisation before attention, MLP and output"),
-    "mlp": Slot("feed-forward"),
-    "rope": Slot("2-D rotary position embedding on queries and keys, added to the absolute sin-cos embedding as "
-                 "LightningDiT; the model then runs only at the latent size it was built for", switch=True),
-    "qk_norm": Slot("normalise queries and keys per head before attention; steadies fp16/bf16 training", switch=True),
+    "norm": "normalisation before attention, MLP and output",
+    "mlp": "feed-forward",
+    "rope": "2-D rotary position embedding on queries and keys, added to the absolute sin-cos embedding as "
+            "LightningDiT; the model then runs only at the latent size it was built for",
+    "qk_norm": "normalise queries and keys per head before attention; steadies fp16/bf16 training",
 }
+SWITCHES = ("rope", "qk_norm")
 BLOCK_FIELDS = tuple(SLOTS)
 
 
 @dataclass(frozen=True)
 class BlockOption:
-    """One value of one slot and what it builds there (build's arguments: SLOTS' comment)."""
+    """One value of one slot and what it builds there (build's arguments: SLOTS' comment); marker: how weights show it."""
 
     slot: str
     value: str | bool
     help: str
     build: Callable | None
-    marker: str = ""  # a tensor name only weights with this value have ("" = none): how weights are read back
+    marker: str = ""  # a tensor name only weights with this value have ("" = none)
     qk: Callable | None = None  # norm only: the per-head layer QK-norm uses with this norm (default: build)
-    module: str = ""  # the module that registered it ("" = built in); recorded with the model to ask for it
+    module: str = ""  # the module that registered it ("" = built in), recorded with the model
 
     def qk_layer(self, head_dim: int) -> nn.Module:
         """This norm's per-head layer for QK-norm."""
@@ -77,8 +67,8 @@ def register_block_option(slot: str, value, help: str, build: Callable | None, m
     """Add `value` to `slot`'s choices (a name for norm/mlp; True/False for a switch); a taken value is refused."""
     if slot not in SLOTS:
         raise TypeError(f"no block slot {slot!r}; the slots are {', '.join(SLOTS)}")
-    if SLOTS[slot].switch != isinstance(value, bool):
-        raise TypeError(f"block slot {slot} takes {'True/False' if SLOTS[slot].switch else 'a name'}, not {value!r}")
+    if (slot in SWITCHES) != isinstance(value, bool):
+        raise TypeError(f"block slot {slot} takes {'True/False' if slot in SWITCHES else 'a name'}, not {value!r}")
     caller = sys._getframe(1).f_globals.get("__name__", "")
     option = BlockOption(slot, value, help, build, marker, qk, "" if caller == __name__ else caller)
     old = BLOCK_OPTIONS[slot].get(value)
@@ -90,7 +80,7 @@ def register_block_option(slot: str, value, help: str, build: Callable | None, m
 
 def block_option(slot: str, value) -> BlockOption:
     """The record of one slot's value; ChoiceError (UserError for a switch) naming the registered ones."""
-    if SLOTS[slot].switch and not isinstance(value, bool):
+    if slot in SWITCHES and not isinstance(value, bool):
         raise UserError(f"block option {slot} must be true or false, got {value!r}; fix the config or flag.")
     if value not in BLOCK_OPTIONS[slot]:
         raise ChoiceError(f"block {slot}", value, list(BLOCK_OPTIONS[slot]),
@@ -120,12 +110,11 @@ def block_plugins(options: dict) -> list[str]:
 
 def block_flag(slot: str) -> Flag:
     """The training flag of a slot (--norm, --rope/--no-rope, ...), its help from the table; None: the --block's."""
-    spec, values = SLOTS[slot], BLOCK_OPTIONS[slot].values()
-    if spec.switch:
-        return Flag(f"{spec.help} ({block_option(slot, True).help}) (default: the --block's)", None,
+    if slot in SWITCHES:
+        return Flag(f"{SLOTS[slot]} ({block_option(slot, True).help}) (default: the --block's)", None,
                     action=argparse.BooleanOptionalAction)
-    return Flag(f"{spec.help}: " + "; ".join(f"{o.value}: {o.help}" for o in values) + " (a --plugin module may "
-                "register more; default: the --block's)", None, metavar="NAME")
+    return Flag(f"{SLOTS[slot]}: " + "; ".join(f"{o.value}: {o.help}" for o in BLOCK_OPTIONS[slot].values())
+                + " (a --plugin module may register more; default: the --block's)", None, metavar="NAME")
 
 
 def block_summary(options: dict) -> str:

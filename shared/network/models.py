@@ -288,63 +288,41 @@ def _infer_head(state_dict, arch):
     return dict(depth=depth, head_depth=len(widths) - depth, head_width=head_width)
 
 
-def _heads_from_rope(state_dict, key, width):
-    """Attention heads read from a RoPE table (T, head_dim), or None without one."""
-    return width // state_dict[key].shape[1] if key in state_dict else None
-
-
-def _infer_dit_dh(state_dict, class_dropout_prob):
-    """ModelConfig of a DiT^DH state dict (RAE's DiTwDDTHead layout); UserError if no DiTDH preset fits."""
-    body = {"s_embedder": "x_embedder", "enc_feat_rope": "feat_rope"}  # RAE's names of the body's parts: DiT's
-    renamed = {re.sub(r"^\w+", lambda m: body.get(m[0], m[0]), k): v
-               for k, v in state_dict.items() if not k.startswith("x_embedder.")}
-    arch = _infer_architecture(renamed)
-    arch.update(_infer_head(state_dict, arch))
-    found = {k: arch[k] for k in ("depth", "hidden_size", "patch_size", "head_depth", "head_width")}
-    name = next((n for n, p in PRESETS.items() if p.get("head_depth") and {k: p[k] for k in found} == found), None)
-    if name is None:
-        raise UserError(f"these DiT^DH weights have body depth {arch['depth']} width {arch['hidden_size']}, head depth "
-                        f"{arch['head_depth']} width {arch['head_width']}, patch {arch['patch_size']}, which match no "
-                        f"DiTDH preset ({', '.join(n for n, p in PRESETS.items() if p.get('head_depth'))}). Use weights "
-                        "of a preset model.")
-    head_heads = _heads_from_rope(state_dict, "dec_feat_rope.freqs_cos", arch["head_width"]) or PRESETS[name]["head_heads"]
-    has_null = class_dropout_prob > 0 and arch["label_rows"] > 1
-    config = ModelConfig(
-        model=name, input_size=arch["input_size"], in_channels=arch["in_channels"],
-        num_classes=arch["label_rows"] - int(has_null), learn_sigma=arch["out_channels"] == 2 * arch["in_channels"],
-        class_dropout_prob=class_dropout_prob if has_null else 0.0, **{k: arch[k] for k in BLOCK_FIELDS},
-        head_depth=arch["head_depth"], head_width=arch["head_width"], head_heads=head_heads, objective="flow",
-    )
-    _check_layout(state_dict, config)
-    return config
+def _body_names(state_dict):
+    """RAE's DiTwDDTHead names of the body's parts as DiT's (s_embedder, enc_feat_rope); the head's embedder dropped."""
+    body = {"s_embedder": "x_embedder", "enc_feat_rope": "feat_rope"}
+    return {re.sub(r"^\w+", lambda m: body.get(m[0], m[0]), k): v
+            for k, v in state_dict.items() if not k.startswith("x_embedder.")}
 
 
 def infer_model_config(state_dict, class_dropout_prob=0.1):
     """Recover the ModelConfig of a DiT (or DiT^DH) state dict from its tensor shapes; UserError if no preset fits."""
     # Shapes cannot tell whether the label table's last row is a null class; like the official
     # checkpoints we assume it is (num_classes = rows - 1) unless class_dropout_prob is 0.
-    if "s_embedder.proj.weight" in state_dict:  # RAE's DiTwDDTHead layout
-        return _infer_dit_dh(state_dict, class_dropout_prob)
-    arch = _infer_architecture(state_dict)
-    found = {k: arch[k] for k in ("depth", "hidden_size", "patch_size")}
-    name = next((n for n, p in PRESETS.items() if {k: p[k] for k in found} == found and not p.get("head_depth")
-                 and arch["square"]), None)
+    rae = "s_embedder.proj.weight" in state_dict  # RAE's DiTwDDTHead layout: a DiT^DH
+    arch = _infer_architecture(_body_names(state_dict) if rae else state_dict)
+    arch.update(_infer_head(state_dict, arch) if rae else dict(head_depth=0, head_width=0))
+    found = {k: arch[k] for k in ("depth", "hidden_size", "patch_size", "head_depth", "head_width")}
+    name = next((n for n, p in PRESETS.items() if {k: p.get(k, 0) for k in found} == found and arch["square"]), None)
     if name is None:
+        head = f", head depth {arch['head_depth']} width {arch['head_width']}" if rae else ""
         raise UserError(
-            f"these weights have depth {arch['depth']}, width {arch['hidden_size']}, patch {arch['patch_size']} "
-            f"and input size {arch['input_size']} (latent grid), "
-            f"which match no preset in DiT_models ({', '.join(PRESETS)}). Use weights of a preset model."
+            f"these weights have depth {arch['depth']}, width {arch['hidden_size']}{head}, patch {arch['patch_size']} "
+            f"and input size {arch['input_size']} (latent grid), which match no preset in DiT_models "
+            f"({', '.join(PRESETS)}). Use weights of a preset model."
         )
     if arch["out_channels"] not in (arch["in_channels"], 2 * arch["in_channels"]):
         raise UserError(f"the final layer predicts {arch['out_channels']} channels for {arch['in_channels']} "
                         "input channels (expected equal or double); these are not DiT weights.")
+    rope = state_dict.get("dec_feat_rope.freqs_cos")  # (T, head_dim): the head's attention heads
+    head_heads = arch["head_width"] // rope.shape[1] if rope is not None else PRESETS[name].get("head_heads", 0)
     has_null = class_dropout_prob > 0 and arch["label_rows"] > 1
     config = ModelConfig(
         model=name, input_size=arch["input_size"], in_channels=arch["in_channels"],
-        num_classes=arch["label_rows"] - int(has_null),
-        learn_sigma=arch["out_channels"] == 2 * arch["in_channels"],
-        class_dropout_prob=class_dropout_prob if has_null else 0.0,
-        **{k: arch[k] for k in BLOCK_FIELDS},
+        num_classes=arch["label_rows"] - int(has_null), learn_sigma=arch["out_channels"] == 2 * arch["in_channels"],
+        class_dropout_prob=class_dropout_prob if has_null else 0.0, **{k: arch[k] for k in BLOCK_FIELDS},
+        head_depth=arch["head_depth"], head_width=arch["head_width"], head_heads=head_heads,
+        **({"objective": "flow"} if rae else {}),
     )
     _check_layout(state_dict, config)
     return config
