@@ -32,8 +32,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from shared.network.dit import (Backbone, LabelEmbedder, PatchEmbed, adaln_zero_, init_condition_mlp_, init_patch_embed_,
-                                set_positions_)
+from shared.network.dit import (CLASS_DROPOUT_PROB, Backbone, LabelEmbedder, PatchEmbed, adaln_zero_, init_condition_mlp_,
+                                init_patch_embed_, set_positions_)
 from shared.runtime.errors import SettingError, UserError
 
 FOURIER_FEATURES = 256  # RAE's GaussianFourierEmbedding(embedding_size=256): 512 sin/cos features
@@ -71,7 +71,7 @@ class DiTDH(Backbone):
     """A DiT body of `depth` blocks at `hidden_size`, then `head_depth` blocks at `head_width` conditioned per token."""
 
     def __init__(self, input_size=16, patch_size=1, in_channels=768, hidden_size=1152, depth=28, num_heads=16,
-                 head_depth=2, head_width=2048, head_heads=16, mlp_ratio=4.0, class_dropout_prob=0.1,
+                 head_depth=2, head_width=2048, head_heads=16, mlp_ratio=4.0, class_dropout_prob=CLASS_DROPOUT_PROB,
                  num_classes=1000, learn_sigma=False, attention="auto", grad_checkpoint_every=0, norm="rmsnorm",
                  mlp="swiglu", rope=True, qk_norm=False):
         check_head(head_depth, head_width, head_heads)

@@ -16,6 +16,7 @@ from shared.network.routing import gather_tokens, scatter_tokens
 from shared.runtime.errors import SettingError, UserError
 
 FREQUENCY_EMBEDDING_SIZE = 256  # sinusoidal timestep features fed to the timestep MLP (DiT Sec. 3.2)
+CLASS_DROPOUT_PROB = 0.1  # DiT's label dropout: the null class that classifier-free guidance needs
 
 
 #################################################################################
@@ -289,7 +290,7 @@ class DiT(Backbone):
     """Diffusion Transformer over latent patches, conditioned on timestep and class."""
 
     def __init__(self, input_size=32, patch_size=2, in_channels=4, hidden_size=1152, depth=28,
-                 num_heads=16, mlp_ratio=4.0, class_dropout_prob=0.1, num_classes=1000,
+                 num_heads=16, mlp_ratio=4.0, class_dropout_prob=CLASS_DROPOUT_PROB, num_classes=1000,
                  learn_sigma=True, attention="auto", grad_checkpoint_every=0, norm="layernorm", mlp="gelu",
                  rope=False, qk_norm=False, interval_time=False):
         super().__init__(input_size, patch_size, in_channels, depth, num_heads, num_classes, learn_sigma, mlp_ratio,

@@ -12,9 +12,10 @@ from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
+from shared.generative.objectives import DEFAULT_OBJECTIVE
 from shared.network.blocks import BLOCK_FIELDS, BLOCKS, block_name, block_plugins, check_block_options, infer_block
 from shared.network.ddt import DiTDH, check_head
-from shared.network.dit import DiT
+from shared.network.dit import CLASS_DROPOUT_PROB, DiT
 from shared.runtime.errors import ChoiceError, SettingError, UserError
 
 
@@ -111,7 +112,7 @@ class ModelConfig:
     in_channels: int = 4
     num_classes: int = 1000
     learn_sigma: bool = True
-    class_dropout_prob: float = 0.1
+    class_dropout_prob: float = CLASS_DROPOUT_PROB
     norm: str | None = None  # None: the preset's block (default_block)
     mlp: str | None = None
     rope: bool | None = None
@@ -126,7 +127,7 @@ class ModelConfig:
     # What the network was trained to predict (shared/generative/objectives.py): the registered objective's name and
     # its recorded fields (e.g. flow: {"convention": "sit", "time_dist_shift": 1.0}: the direction of its time
     # input, RAE's shift). Not architecture: build() ignores them.
-    objective: str = "ddpm"
+    objective: str = DEFAULT_OBJECTIVE
     objective_args: dict = field(default_factory=dict)
     # The --plugin modules that register its objective and block options (none for built-ins): derived, and
     # recorded so that a later stage without them names them.
@@ -247,10 +248,10 @@ def upgrade(d: dict) -> dict:
     if "flow_convention" not in d:
         return d
     convention = d.pop("flow_convention")
-    if d.get("objective", "ddpm") == "flow":
+    if d.get("objective", DEFAULT_OBJECTIVE) == "flow":
         d.setdefault("objective_args", {"convention": convention})
     elif convention != "sit":
-        raise SettingError(f"a flow time convention ({convention}) is recorded for a {d.get('objective', 'ddpm')} "
+        raise SettingError(f"a flow time convention ({convention}) is recorded for a {d.get('objective', DEFAULT_OBJECTIVE)} "
                            "model; only flow models have one. Leave the {flow time convention} at sit.")
     return d
 
@@ -295,7 +296,7 @@ def _body_names(state_dict):
             for k, v in state_dict.items() if not k.startswith("x_embedder.")}
 
 
-def infer_model_config(state_dict, class_dropout_prob=0.1):
+def infer_model_config(state_dict, class_dropout_prob=CLASS_DROPOUT_PROB):
     """Recover the ModelConfig of a DiT (or DiT^DH) state dict from its tensor shapes; UserError if no preset fits."""
     # Shapes cannot tell whether the label table's last row is a null class; like the official
     # checkpoints we assume it is (num_classes = rows - 1) unless class_dropout_prob is 0.
