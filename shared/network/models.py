@@ -167,7 +167,7 @@ class ModelConfig:
             missing = [m for m in self.plugins if m not in sys.modules]
             if not missing:
                 raise
-            lacking = f"the {err.kind} {err.value!r}" if isinstance(err, ChoiceError) else "part of them"
+            lacking = f"the {err.setting} {err.value!r}" if isinstance(err, ChoiceError) else "part of them"
             raise UserError(f"these weights were made with the module(s) {', '.join(missing)} (recorded with the model), "
                             f"which register(s) {lacking}; pass {' '.join(f'--plugin {m}' for m in missing)} so it is "
                             "imported (its folder on PYTHONPATH).") from err
