@@ -10,6 +10,7 @@ from shared.runtime.errors import ChoiceError, SettingError, UserError
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "xformers", "math")
 
+
 def _import_xformers_ops():
     """Import xformers.ops or raise a UserError naming the fix."""
     try:
