@@ -1,6 +1,6 @@
 """Code of the user's: `--plugin MODULE` imports a module before a command's parser is built, so what it registers
-(objectives, samplers, tokenizer classes, shard columns: docs/objectives.md) exists; a model or latent folder made
-with one records the module and asks for it."""
+(objectives, samplers, block options, tokenizer classes, shard columns: docs/objectives.md) exists; a model or latent
+folder made with one records the module and asks for it."""
 from __future__ import annotations
 
 import argparse
@@ -11,9 +11,10 @@ from shared.runtime.cli import Flag, add_flags
 from shared.runtime.errors import UserError
 
 PLUGIN = Flag("import MODULE first (a dotted module path, e.g. myproject.objectives), so what it registers can be used: "
-              "objectives, samplers, tokenizer classes, shard columns (register_objective, register_sampler, "
-              "register_tokenizer, register_column); repeatable (docs/objectives.md). A model or latent folder made "
-              "with one records the module and asks for it (default: none)", None, action="append", metavar="MODULE")
+              "objectives, samplers, block options, tokenizer classes, shard columns (register_objective, "
+              "register_sampler, register_block_option, register_tokenizer, register_column); repeatable "
+              "(docs/objectives.md). A model or latent folder made with one records the module and asks for it "
+              "(default: none)", None, action="append", metavar="MODULE")
 
 
 @dataclass(kw_only=True)
