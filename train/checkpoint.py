@@ -101,14 +101,14 @@ def save_rank_state(tmp: Path, rank: int) -> None:
     torch.save(capture_rng(), tmp / rundir.rng_file(rank))
 
 
-def save_main_state(tmp: Path, *, model_state: dict, ema_state: dict, model_config, latent_meta: dict,
+def save_main_state(tmp: Path, *, model_state: dict, ema_state: dict, model_config, space,
                     optimizer_state: dict, scaler_state: dict, state: dict, projector_state: dict | None = None) -> None:
     """Main process: weights via shared/runtime/export.py, optimizer and scaler (and REPA's projector), then state.json last."""
     step = int(state["step"])
     if projector_state is not None:
         write_safetensors(tmp / rundir.PROJECTOR_FILE, {k: v.detach().cpu().contiguous() for k, v in projector_state.items()})
-    save_weights(tmp / rundir.MODEL_FILE, model_state, model_config, latent_meta, step)
-    save_weights(tmp / rundir.EMA_FILE, ema_state, model_config, latent_meta, step)
+    save_weights(tmp / rundir.MODEL_FILE, model_state, model_config, space, step)
+    save_weights(tmp / rundir.EMA_FILE, ema_state, model_config, space, step)
     torch.save(optimizer_state, tmp / rundir.OPTIMIZER_FILE)
     torch.save(scaler_state, tmp / rundir.SCALER_FILE)
     atomic_write_json(tmp / rundir.STATE_FILE, state, indent=2)
@@ -176,8 +176,8 @@ def load_checkpoint(ckpt: Path, rank: int) -> dict:
 def _load_checkpoint(ckpt: Path, rank: int) -> dict:
     """Everything a checkpoint holds, on the CPU: weights, optimizer, scaler, this rank's RNG, state."""
     state = read_state(ckpt)
-    model_state, _, _, _ = load_weights(ckpt / rundir.MODEL_FILE)
-    ema_state, _, _, _ = load_weights(ckpt / rundir.EMA_FILE)
+    model_state, _, _, _ = load_weights(ckpt / rundir.MODEL_FILE, space=False)  # config.json holds its hash
+    ema_state, _, _, _ = load_weights(ckpt / rundir.EMA_FILE, space=False)
     rng_path = ckpt / rundir.rng_file(rank)
     return {
         "state": state,

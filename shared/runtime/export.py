@@ -1,7 +1,8 @@
 """Weight files: slim safetensors files with the model config inside, and the checks every weight load needs.
 
 Metadata keys (all JSON strings, as safetensors metadata must be str -> str):
-  "dit_config": ModelConfig.to_dict(), "latents": latent_meta, "step": the optimiser step.
+  "dit_config": ModelConfig.to_dict(), "latent_space": the LatentSpace's JSON (its statistics are the tensors
+  "latent_space.*" beside the weights: shared/tokenizers/space.py), "step": the optimiser step.
 
 Also here, for every reader of weights (DiT checkpoints, VAE files): `load_torch_file`, the one
 `torch.load(weights_only=True)` that turns a refused pickle into a message naming the blocked global,
@@ -22,6 +23,7 @@ from safetensors.torch import save_file
 from shared.runtime.errors import ChoiceError, SettingError, UserError
 from shared.runtime.fsio import atomic_write
 from shared.network.models import ModelConfig
+from shared.tokenizers.space import SPACE_KEY, LatentSpace
 
 
 def _plain_tensors(state_dict):
@@ -29,14 +31,21 @@ def _plain_tensors(state_dict):
     return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state_dict.items()}
 
 
-def save_weights(path, state_dict, model_config, latent_meta, step):
-    """Write state_dict + metadata to path atomically (shared.runtime.fsio.atomic_write); returns the path."""
+def space_parts(space) -> tuple[dict, dict]:
+    """(metadata, tensors) of a LatentSpace (an older latent-metadata dict is read by from_legacy; None: none)."""
+    if space is None:
+        return {}, {}
+    return (space if isinstance(space, LatentSpace) else LatentSpace.from_legacy(space)).file_parts()
+
+
+def save_weights(path, state_dict, model_config, space, step):
+    """Write state_dict, the latent space and metadata to path atomically (fsio.atomic_write); returns the path."""
     if not isinstance(model_config, ModelConfig):
         model_config = ModelConfig.from_dict(dict(model_config))  # fail now, not when someone loads it
     config = model_config.to_dict()
-    metadata = {"dit_config": json.dumps(config, sort_keys=True), "latents": json.dumps(latent_meta, sort_keys=True),
-                "step": str(int(step))}
-    tensors = _plain_tensors(state_dict)
+    space_metadata, space_tensors = space_parts(space)
+    metadata = {"dit_config": json.dumps(config, sort_keys=True), **space_metadata, "step": str(int(step))}
+    tensors = {**_plain_tensors(state_dict), **space_tensors}
     return atomic_write(path, lambda tmp: write_safetensors(tmp, tensors, metadata))
 
 
@@ -74,15 +83,19 @@ def _read_file(path, device):
                         "where it was made, or use another weight file.") from err
 
 
+REBUILD_RUN_FILE = ("copy the file again from where it was made, or rerun the training command that wrote it "
+                    "(`python -m train --latents FOLDER --results-dir RUN` with its flags): its next checkpoint and "
+                    "export carry the record again, rebuilt from the latent folder")
+
+
 def _parse_metadata(path, metadata):
-    """(ModelConfig, latent_meta, step) from the file's metadata; UserError when dit_config is absent."""
+    """(ModelConfig, step) from the file's metadata; UserError when dit_config is absent."""
     if "dit_config" not in metadata:
         raise UserError(f"{path} has no 'dit_config' metadata, so the model cannot be rebuilt from it. Use a "
                         "file written by this project's train stage (RUN/exports/*.safetensors), or an official "
                         "DiT .pt state dict, whose preset is inferred from its tensor shapes.")
     try:
         config = ModelConfig.from_dict(json.loads(metadata["dit_config"]))
-        latent_meta = json.loads(metadata["latents"]) if "latents" in metadata else None
         step = int(metadata.get("step", 0))
     except ChoiceError as err:  # e.g. a preset this version does not know: the file's fault, not a flag's
         raise UserError(f"the metadata of {path} describes a model this version cannot build ({err}); use the "
@@ -90,7 +103,7 @@ def _parse_metadata(path, metadata):
     except (json.JSONDecodeError, TypeError, ValueError) as err:
         raise UserError(f"the metadata of {path} is corrupt ({err}); the file is damaged: copy it again from "
                         "where it was made, or use another weight file.") from err
-    return config, latent_meta, step
+    return config, step
 
 
 def read_config(path) -> ModelConfig:
@@ -105,12 +118,19 @@ def read_config(path) -> ModelConfig:
     return _parse_metadata(path, metadata)[0]
 
 
-def load_weights(path, device="cpu"):
-    """Read a file written by save_weights -> (state_dict, ModelConfig, latent_meta, step)."""
+def load_weights(path, device="cpu", space: bool = True):
+    """Read a file written by save_weights -> (state_dict, ModelConfig, LatentSpace or None, step).
+
+    space=False (resume: the run's config.json holds its space's hash) leaves the space record unread.
+    """
     path = Path(path)
-    state_dict, metadata = _read_file(path, device)
-    config, latent_meta, step = _parse_metadata(path, metadata)
-    return state_dict, config, latent_meta, step
+    tensors, metadata = _read_file(path, device)
+    config, step = _parse_metadata(path, metadata)
+    state_dict = {k: v for k, v in tensors.items() if not k.startswith(f"{SPACE_KEY}.")}
+    if not space:
+        return state_dict, config, None, step
+    own = {k: v.cpu() for k, v in tensors.items() if k.startswith(f"{SPACE_KEY}.")}
+    return state_dict, config, LatentSpace.from_file(metadata, own, path, REBUILD_RUN_FILE), step
 
 
 # ----------------------------------------------------------------------------------------------------------

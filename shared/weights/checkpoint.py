@@ -14,6 +14,7 @@ from shared.generative.guidance import (AUTO_DIFFUSERS, AUTO_DIT, AUTO_LIGHTNING
 from shared.generative.objectives import check_objective, plugin_of
 from shared.network.diffusers_dit import NUMERICS_NOTE, check_dit_config, diffusers_to_dit, model_config_of
 from shared.runtime.errors import ChoiceError, UserError
+from shared.tokenizers.space import LatentSpace
 from shared.runtime.export import first_nonfinite, load_torch_file, load_weights, safetensors_problem
 from shared.network.models import PRESETS, ModelConfig, check_preset, infer_model_config
 from shared.network.repa import repa_release_config, split_repa_release
@@ -49,13 +50,17 @@ class LoadedWeights:
     config: ModelConfig
     path: Path                        # the file actually read
     kind: str                         # "export" (config in metadata), "official" (bare state dict) or "diffusers"
-    latent_meta: dict | None = None   # None for official checkpoints
+    space: LatentSpace | dict | None = None  # None for official checkpoints; a dict is read by from_legacy
     step: int | None = None
     notes: list[str] = field(default_factory=list)  # what was inferred; printed for the user
     weights: str = AS_SAVED           # what was loaded: "ema", "raw", or AS_SAVED (a file's only set)
     warnings: list[str] = field(default_factory=list)  # what the user must see (e.g. a broken newer export skipped)
     label: str | None = None          # short name for default output folders (None: from the file's path)
     auto_guide: AutoGuide = AUTO_OWN  # what --guide-channels auto means: what these weights' own sampler does
+
+    def __post_init__(self):
+        if isinstance(self.space, dict):
+            self.space = LatentSpace.from_legacy(self.space)
 
 
 @dataclass
@@ -310,10 +315,10 @@ def _load_lightningdit(obj, path: Path, release, model: str | None) -> LoadedWei
 
 def _load_export(path: Path, model: str | None, held: str) -> LoadedWeights:
     """Our safetensors export: config and latent metadata from the file, nothing inferred."""
-    state_dict, config, latent_meta, step = load_weights(path)
+    state_dict, config, space, step = load_weights(path)
     _check_model_flag(model, config, lambda: f"--model {model} contradicts {path}, which holds {config.model} weights "
                       "(read from its metadata); drop --model, it is only needed for official .pt checkpoints.")
-    return LoadedWeights(_strip_prefixes(state_dict), config, path, "export", latent_meta, step,
+    return LoadedWeights(_strip_prefixes(state_dict), config, path, "export", space, step,
                          [f"{config.model} step {step} (config read from the file's metadata)"], held)
 
 
