@@ -56,6 +56,9 @@ def tokenizer_space(dataset: LatentDataset, vae: str | None, vae_config) -> Late
     from shared.tokenizers.vae import LatentVAE
 
     recorded = dataset.meta.get("extract_settings", {}).get("vae", {})
+    if not (vae or recorded.get("source")):
+        raise UserError(f"{dataset.root}/index.json names no tokenizer to rebuild its latent space from; pass the "
+                        f"--vae the folder was extracted with.")
     tokenizer = LatentVAE.load(vae or recorded["source"], config=vae_config)
     if recorded.get("config_sha256") not in (None, tokenizer.identity["config_sha256"]):
         raise UserError(f"the tokenizer {tokenizer.identity['source']} is not the one that made the latents of "
