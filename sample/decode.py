@@ -10,7 +10,7 @@ from tqdm import tqdm
 from shared.runtime.cli import option
 from shared.runtime.distributed import process_state
 from shared.runtime.errors import UserError
-from shared.runtime.flags import DecodeFlags
+from shared.sampling.flags import DecodeFlags
 from shared.runtime.previews import read_preview
 from shared.tokenizers.pixels import to_uint8
 from shared.runtime.rundir import SAMPLES, step_of
@@ -22,7 +22,6 @@ from shared.sampling.outputs import GRID_NAME, captions_for, check_out_path, ima
 @dataclass
 class DecodeOptions(DecodeFlags):
     """Everything `python -m sample decode` accepts (one field per flag: its default and help; the VAE flags too)."""
-
     latents: str = option(help="a latents file written by training's --sample-every, or a folder of them "
                                "(RUN/samples, or RUN itself): its newest file, or every file with --all",
                           positional=True, metavar="LATENTS|DIR")

@@ -1,6 +1,7 @@
 """The --out folder: atomic PNGs, settings.json guarding resume, the grid and the streamed samples.npz."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -10,7 +11,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from shared.generative.samplers import SAMPLER_NAMES, SAMPLER_OPTIONS, sampler_options
+from shared.generative.samplers import SAMPLER_OPTIONS, SAMPLERS, sampler_options
 from shared.runtime.errors import UserError
 from shared.runtime.rerun import differences, listed
 from shared.runtime.fsio import TMP_PREFIX, atomic_write, atomic_write_text
@@ -81,10 +82,8 @@ def check_out_dir(out: Path, settings: dict) -> None:
     path = out / SETTINGS_NAME
     if not path.exists():
         if any(_PNG_RE.match(p.name) for p in out.iterdir()):
-            raise UserError(
-                f"--out {out} already holds sample PNGs but no {SETTINGS_NAME}, so they cannot be "
-                f"resumed safely; pass a new --out folder or empty this one."
-            )
+            raise UserError(f"--out {out} already holds sample PNGs but no {SETTINGS_NAME}, so they cannot be "
+                            f"resumed safely; pass a new --out folder or empty this one.")
         return
     try:
         previous = json.loads(path.read_text())["identity"]
@@ -97,13 +96,12 @@ def check_out_dir(out: Path, settings: dict) -> None:
     if differ:
         raise UserError(
             f"--out {out} holds images of another run ({listed(differ)}). Resuming would mix two runs' images: "
-            f"pass a new --out folder, or rerun with the settings recorded in {path}."
-        )
+            f"pass a new --out folder, or rerun with the settings recorded in {path}.")
 
 
 def upgrade_identity(previous: dict) -> None:
     """Read a settings identity written by an older version as today's (options it predates held their defaults)."""
-    if previous.get("sampler") in SAMPLER_NAMES:
+    if previous.get("sampler") in SAMPLERS:
         # Folders written before an option existed ran with its default where the sampler takes it (DDIM: eta 0).
         defaults = sampler_options(previous["sampler"], {})
         for option in SAMPLER_OPTIONS:
@@ -111,10 +109,8 @@ def upgrade_identity(previous: dict) -> None:
     previous.setdefault("cfg_interval", None)
     if isinstance(previous.get("model"), dict):  # model configs written before a field existed read with its default
         from shared.network.models import ModelConfig
-        try:
+        with contextlib.suppress(UserError):  # not a config of this version: the comparison names the difference
             previous["model"] = ModelConfig.from_dict(previous["model"]).to_dict()
-        except UserError:
-            pass  # not a config of this version: the comparison below names the difference
 
 
 def missing_indices(out: Path, indices, names) -> list[int]:
