@@ -23,7 +23,7 @@ from shared.runtime.distributed import process_state
 from shared.runtime.errors import UserError
 from shared.sampling.flags import DecodeFlags
 from shared.runtime.lock import LOCK_NAME, FolderBusyError, hold_lock, pid_alive
-from shared.runtime.previews import read_preview
+from shared.sampling.previews import read_preview
 from shared.runtime.trackers import check_report_to
 from shared.tokenizers.vae import read_vae_config
 from shared.tokenizers.space import LatentSpace, choose_tokenizer, load_tokenizer

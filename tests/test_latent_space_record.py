@@ -65,7 +65,7 @@ def test_hash_is_the_same_in_another_process_and_ignores_message_words():
 
 def test_an_rae_checkpoint_writes_no_json_over_64_kib(tmp_path):
     """The record's JSON, a weight file's whole header and a preview's at 768x16x16, against the issue's limit."""
-    from shared.runtime.previews import write_preview
+    from shared.sampling.previews import write_preview
 
     space = rae_space()
     assert len(space.text().encode()) <= LIMIT
@@ -75,7 +75,8 @@ def test_an_rae_checkpoint_writes_no_json_over_64_kib(tmp_path):
     for written in (path, preview):
         header = int.from_bytes(written.read_bytes()[:8], "little")  # the safetensors header: all of its JSON
         assert header <= LIMIT, (written, header)
-    assert load_weights(path)[2] == space and load_file(path)["latent_space.dit.mean"].shape == RAE_SHAPE
+    assert LatentSpace.read_file(path) == space and "latent_space.dit.mean" not in load_weights(path)[0]
+    assert load_file(path)["latent_space.dit.mean"].shape == RAE_SHAPE
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -94,7 +95,7 @@ def test_from_legacy_reads_an_old_export_and_preview(tmp_path):
     config = ModelConfig("DiT-T/2", input_size=8, in_channels=4, num_classes=3)
     metadata = {"dit_config": json.dumps(config.to_dict()), "latents": json.dumps(OLD_META), "step": "5"}
     save_file(config.build().state_dict(), str(tmp_path / "old.safetensors"), metadata=metadata)
-    _, _, space, step = load_weights(tmp_path / "old.safetensors")
+    step, space = load_weights(tmp_path / "old.safetensors")[3], LatentSpace.read_file(tmp_path / "old.safetensors")
     assert step == 5 and space.norm == LatentNorm.channel([0.5, 0.0, -1.0, 2.0], [1.0, 2.0, 0.5, 1.5])
     assert space.native == LatentNorm.scale_only(0.25) and "norm" not in space.tokenizer
     assert space.class_names == ("a", "b", "c") and space.source == "tiny"

@@ -185,7 +185,7 @@ def test_train_records_the_norm_and_every_decode_inverts_it(extracted, tokenizer
     code, _, err = _train(extracted[name], run, "--latent-norm", norm)
     assert code == 0, err
     export = sorted((run / "exports").glob("*.safetensors"))[-1]
-    _, config, space, _ = load_weights(export)
+    space = LatentSpace.read_file(export)
     record = space.norm
     ds = LatentDataset(extracted[name], progress=False)
     assert record == (ds.native_norm if norm == "auto" else ds.space.norms["channel"])

@@ -169,7 +169,7 @@ def runs(tmp_path_factory, extracted):
 @pytest.mark.parametrize("name", ["stats", "nostats"])
 def test_train_sample_and_preview_decode_through_the_rae_decoder(extracted, raes, runs, tmp_path, name):
     run = runs[name]
-    _, config, space, _ = load_weights(sorted((run / "exports").glob("*.safetensors"))[-1])
+    space = LatentSpace.read_file(sorted((run / "exports").glob("*.safetensors"))[-1])
     record = space.norm
     ds = LatentDataset(extracted[name], progress=False)
     if name == "stats":

@@ -176,8 +176,8 @@ def load_checkpoint(ckpt: Path, rank: int) -> dict:
 def _load_checkpoint(ckpt: Path, rank: int) -> dict:
     """Everything a checkpoint holds, on the CPU: weights, optimizer, scaler, this rank's RNG, state."""
     state = read_state(ckpt)
-    model_state, _, _, _ = load_weights(ckpt / rundir.MODEL_FILE, space=False)  # config.json holds its hash
-    ema_state, _, _, _ = load_weights(ckpt / rundir.EMA_FILE, space=False)
+    model_state, _, _, _ = load_weights(ckpt / rundir.MODEL_FILE)  # the space: config.json holds its hash
+    ema_state, _, _, _ = load_weights(ckpt / rundir.EMA_FILE)
     rng_path = ckpt / rundir.rng_file(rank)
     return {
         "state": state,

@@ -22,7 +22,7 @@ from shared.runtime import rundir
 from shared.runtime.errors import UserError
 from shared.runtime.export import first_nonfinite, nonfinite_tensors, save_weights
 from shared.runtime.fsio import atomic_write_text, link_file, space_guard
-from shared.runtime.previews import write_preview
+from shared.sampling.previews import write_preview
 from shared.runtime.lock import FolderLock, hold_lock
 from shared.network.models import resolve_attention
 from shared.runtime.precision import set_tf32

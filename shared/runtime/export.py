@@ -23,7 +23,6 @@ from safetensors.torch import save_file
 from shared.runtime.errors import ChoiceError, SettingError, UserError
 from shared.runtime.fsio import atomic_write
 from shared.network.models import ModelConfig
-from shared.tokenizers.space import SPACE_KEY, LatentSpace
 
 
 def _plain_tensors(state_dict):
@@ -31,11 +30,16 @@ def _plain_tensors(state_dict):
     return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state_dict.items()}
 
 
+SPACE_KEY = "latent_space"  # metadata key of the latent space's JSON, prefix of its statistics' tensors
+
+
 def space_parts(space) -> tuple[dict, dict]:
-    """(metadata, tensors) of a LatentSpace (an older latent-metadata dict is read by from_legacy; None: none)."""
+    """(metadata, tensors) of a LatentSpace (shared/tokenizers/space.py), an older latent-metadata dict, or None."""
     if space is None:
         return {}, {}
-    return (space if isinstance(space, LatentSpace) else LatentSpace.from_legacy(space)).file_parts()
+    if isinstance(space, dict):  # the older "latents" record, read back by LatentSpace.from_legacy
+        return {"latents": json.dumps(space, sort_keys=True)}, {}
+    return space.file_parts()
 
 
 def save_weights(path, state_dict, model_config, space, step):
@@ -83,11 +87,6 @@ def _read_file(path, device):
                         "where it was made, or use another weight file.") from err
 
 
-REBUILD_RUN_FILE = ("copy the file again from where it was made, or rerun the training command that wrote it "
-                    "(`python -m train --latents FOLDER --results-dir RUN` with its flags): its next checkpoint and "
-                    "export carry the record again, rebuilt from the latent folder")
-
-
 def _parse_metadata(path, metadata):
     """(ModelConfig, step) from the file's metadata; UserError when dit_config is absent."""
     if "dit_config" not in metadata:
@@ -118,19 +117,16 @@ def read_config(path) -> ModelConfig:
     return _parse_metadata(path, metadata)[0]
 
 
-def load_weights(path, device="cpu", space: bool = True):
-    """Read a file written by save_weights -> (state_dict, ModelConfig, LatentSpace or None, step).
+def load_weights(path, device="cpu"):
+    """Read a file written by save_weights -> (state_dict, ModelConfig, metadata, step).
 
-    space=False (resume: the run's config.json holds its space's hash) leaves the space record unread.
+    The latent space it carries (metadata and "latent_space.*" tensors, left out of the state dict) is read by
+    shared/tokenizers/space.py's `LatentSpace.read_file`.
     """
     path = Path(path)
     tensors, metadata = _read_file(path, device)
     config, step = _parse_metadata(path, metadata)
-    state_dict = {k: v for k, v in tensors.items() if not k.startswith(f"{SPACE_KEY}.")}
-    if not space:
-        return state_dict, config, None, step
-    own = {k: v.cpu() for k, v in tensors.items() if k.startswith(f"{SPACE_KEY}.")}
-    return state_dict, config, LatentSpace.from_file(metadata, own, path, REBUILD_RUN_FILE), step
+    return {k: v for k, v in tensors.items() if not k.startswith(f"{SPACE_KEY}.")}, config, metadata, step
 
 
 # ----------------------------------------------------------------------------------------------------------

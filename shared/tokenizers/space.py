@@ -24,11 +24,14 @@ import safetensors.torch
 import torch
 
 from shared.runtime.errors import UserError
+from shared.runtime.export import SPACE_KEY
 from shared.runtime.fsio import atomic_write_bytes, atomic_write_text
 from shared.tokenizers.norm import LatentNorm, unpack_tensor
 
 SPACE_JSON, SPACE_TENSORS = "latent_space.json", "latent_space.safetensors"
-SPACE_KEY = "latent_space"  # weight and preview files: metadata key of the JSON, prefix of the tensors
+REBUILD_RUN_FILE = ("copy the file again from where it was made, or rerun the training command that wrote it "
+                    "(`python -m train --latents FOLDER --results-dir RUN` with its flags): its next checkpoint and "
+                    "export carry the record again, rebuilt from the latent folder")
 SPACE_VERSION = 1
 DEFAULT_TOKENIZER = "ema"  # the DiT release samples with sd-vae-ft-ema
 # (identity key, words); the first two make decoding impossible or wrong-sized, so no flag overrides them.
@@ -167,6 +170,15 @@ class LatentSpace:
     def file_parts(self) -> tuple[dict, dict]:
         """(metadata, tensors) to store beside a weight file's or preview's own."""
         return {SPACE_KEY: self.text()}, self.tensors(f"{SPACE_KEY}.")
+
+    @classmethod
+    def read_file(cls, path, rebuild: str = REBUILD_RUN_FILE) -> "LatentSpace | None":
+        """The space a weight file carries (its header and "latent_space.*" tensors only); None when it has none."""
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys() if k.startswith(f"{SPACE_KEY}.")}
+            return cls.from_file(f.metadata() or {}, tensors, path, rebuild)
 
     @classmethod
     def from_file(cls, metadata: dict, tensors: dict, where, rebuild: str) -> "LatentSpace | None":

@@ -315,7 +315,8 @@ def _load_lightningdit(obj, path: Path, release, model: str | None) -> LoadedWei
 
 def _load_export(path: Path, model: str | None, held: str) -> LoadedWeights:
     """Our safetensors export: config and latent metadata from the file, nothing inferred."""
-    state_dict, config, space, step = load_weights(path)
+    state_dict, config, _, step = load_weights(path)
+    space = LatentSpace.read_file(path)
     _check_model_flag(model, config, lambda: f"--model {model} contradicts {path}, which holds {config.model} weights "
                       "(read from its metadata); drop --model, it is only needed for official .pt checkpoints.")
     return LoadedWeights(_strip_prefixes(state_dict), config, path, "export", space, step,

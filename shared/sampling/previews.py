@@ -14,9 +14,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from shared.runtime.errors import UserError
-from shared.runtime.export import REBUILD_RUN_FILE, space_parts, write_safetensors
+from shared.runtime.export import space_parts, write_safetensors
 from shared.runtime.fsio import atomic_write
-from shared.tokenizers.space import LatentSpace
+from shared.tokenizers.space import REBUILD_RUN_FILE, LatentSpace
 
 LATENTS_KEY, LABELS_KEY = "latents", "labels"
 
