@@ -31,7 +31,7 @@ from shared.runtime.cli import counted, option
 from shared.runtime.distributed import default_workers as shared_default_workers, process_state
 from extract.sizes import check_image_size
 from shared.runtime.errors import ChoiceError, UserError
-from shared.runtime.fsio import atomic_write_text, stale_tmps
+from shared.runtime.fsio import atomic_write_bytes, atomic_write_text, stale_tmps
 from shared.runtime.lock import hold_lock
 from shared.runtime.rerun import differences, listed
 from shared.datasets.shard_schema import FLAG_DTYPES
@@ -317,15 +317,22 @@ def read_finished(out: Path, shard: int, settings: dict) -> dict | None:
         tar = out / sidecar["shard"]["name"]
         ok = sidecar["settings_sha256"] == settings_sha256(settings) and tar.stat().st_size == sidecar["shard"]["size"]
         ok = ok and "latent_stats" in sidecar  # a shard from before the statistics: encoded again
+        element = sidecar.get("element_stats")  # RAE tokens: the per-element sums' file (older sidecars: inline)
+        ok = ok and (element is None or (isinstance(element, str) and (out / element).is_file()))
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return sidecar if ok else None
 
 
+def element_stats_path(out: Path, shard: int) -> Path:
+    """The per-element partial sums of shard `shard` (RAE tokens), written just before its sidecar."""
+    return out / shard_name(shard).replace(".tar", ".stats.safetensors")
+
+
 def clean_unfinished(out: Path, shards: list[int]) -> None:
     """Remove temp files and half-written leftovers of the shards this process is about to redo."""
     for j in shards:
-        for path in (out / shard_name(j), sidecar_path(out, j)):
+        for path in (out / shard_name(j), element_stats_path(out, j), sidecar_path(out, j)):
             for leftover in (*stale_tmps(path), path):
                 leftover.unlink(missing_ok=True)
 
@@ -430,7 +437,10 @@ class ShardSink:
         sidecar = {"shard": self.writer.info.to_dict(), "bad_files": self.bad, "vae": self.identity,
                    "settings_sha256": settings_sha256(self.plan.settings), "written_by": self.process,
                    "latent_stats": self.stats.to_dict(),
-                   **({"element_stats": self.elements.to_dict()} if self.elements is not None else {})}
+                   **({"element_stats": element_stats_path(self.out, self.shard).name} if self.elements is not None
+                      else {})}
+        if self.elements is not None:
+            atomic_write_bytes(element_stats_path(self.out, self.shard), self.elements.to_bytes())
         _atomic_json(sidecar_path(self.out, self.shard), sidecar)
         self.writer = None
 
@@ -506,7 +516,7 @@ def default_workers(cfg: ExtractConfig, num_processes: int) -> int:
 # Finishing: bad-file report, then index.json last
 # ----------------------------------------------------------------------------------------------------------
 
-def folder_space(space: LatentSpace, sidecars: list[dict], images: int, flips: int) -> LatentSpace:
+def folder_space(space: LatentSpace, out: Path, sidecars: list[dict], images: int, flips: int) -> LatentSpace:
     """The tokenizer's space with the folder's statistics, merged from every shard's partial sums."""
     stats = ChannelStats()
     for sidecar in sidecars:
@@ -516,7 +526,7 @@ def folder_space(space: LatentSpace, sidecars: list[dict], images: int, flips: i
     if "element_stats" in sidecars[0]:  # the per-element statistics RAE normalises with, merged the same way
         elements = ElementStats()
         for sidecar in sidecars:
-            elements.merge(ElementStats.from_dict(sidecar["element_stats"]))
+            elements.merge(ElementStats.from_bytes((out / sidecar["element_stats"]).read_bytes()))
         norms["element"], statistics["element"] = elements.summary(images, flips)
     return space.with_norms(statistics, **norms)
 
@@ -544,7 +554,7 @@ def write_outputs(cfg: ExtractConfig, plan_: Plan, tokenizer_space: LatentSpace 
                         f"{out / BAD_FILES_NAME} for the reasons.")
     atomic_write_text(out / BAD_FILES_NAME, "".join(json.dumps(b) + "\n" for b in bad))
     images = sum(i.num_samples for i in infos)
-    space = folder_space(tokenizer_space or _tokenizer_space(cfg, plan_), sidecars, images, FLIP_MODES[cfg.flip])
+    space = folder_space(tokenizer_space or _tokenizer_space(cfg, plan_), out, sidecars, images, FLIP_MODES[cfg.flip])
     meta = index_meta(cfg, plan_, space.write(out), len(bad))
     write_index(out, infos, meta)
     return {"num_samples": sum(i.num_samples for i in infos), "num_bad": len(bad), "num_shards": len(infos),

@@ -107,11 +107,15 @@ def test_from_legacy_reads_an_old_export_and_preview(tmp_path):
 
 
 def test_from_legacy_reads_an_rae_record_in_base64():
-    from shared.tokenizers.norm import pack_floats
+    import base64
+
+    def pack(t):  # how older records stored per-element numbers: float32 little-endian bytes in base64
+        return {"encoding": "float32-le-base64", "count": t.numel(),
+                "data": base64.b64encode(t.numpy().astype("<f4").tobytes()).decode()}
 
     mean, std = torch.randn(64, 4, 4), torch.rand(64, 4, 4) + 0.5
-    packed = {"kind": "element", "shape": [64, 4, 4], "mean": pack_floats(mean, "float32-le-base64"),
-              "std": pack_floats(std, "float32-le-base64"), "scale": 1.0, "source": ""}
+    packed = {"kind": "element", "shape": [64, 4, 4], "mean": pack(mean), "std": pack(std), "scale": 1.0,
+              "source": ""}
     space = LatentSpace.from_legacy({"image_size": 32, "latent_shape": [64, 4, 4], "vae": {"source": "r"},
                                      "latent_norm": packed})
     assert space.norm == LatentNorm.element(mean, std)

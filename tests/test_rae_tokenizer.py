@@ -88,7 +88,7 @@ def test_element_stats_merge_equals_direct_float64():
     for part in parts:
         half = ElementStats()
         half.add(part)
-        stats.merge(ElementStats.from_dict(json.loads(json.dumps(half.to_dict()))))  # through a sidecar's JSON
+        stats.merge(ElementStats.from_bytes(half.to_bytes()))  # through a shard's stats file
     every = torch.cat(parts).double().reshape(-1, 3, 4, 4)  # (images x flips, C, h, w)
     mean, std = stats.result()
     torch.testing.assert_close(mean, every.mean(dim=0), rtol=1e-12, atol=1e-12)
@@ -143,6 +143,21 @@ def test_extraction_stores_the_tokens_alone_and_per_element_statistics(extracted
         assert ds.space.tokenizer["class"] == "AutoencoderRAE" and ds.space.tokenizer["family"] == "rae"
         assert ds.space.native == vae.norm and "vae" not in index and "latent_stats" not in index
         assert len((folder / "index.json").read_bytes()) < 64 * 1024  # the statistics live in latent_space.*
+
+
+def test_a_resumed_extraction_writes_the_same_per_element_sums_and_space(images, raes, tmp_path, capsys):
+    """Each shard's per-element float64 sums sit in its own stats file; a shard encoded again rewrites it bit for bit."""
+    first = tmp_path / "first"
+    assert _extract(images, raes["nostats"], first, "--shard-size", 2, capsys=capsys)[0] == 0
+    again = shutil.copytree(first, tmp_path / "again")
+    for name in ("index.json", "latent_space.json", "shard-000001.done.json"):  # as a run killed after shard 0
+        (again / name).unlink()
+    assert _extract(images, raes["nostats"], again, "--shard-size", 2, capsys=capsys)[0] == 0
+    for name in ("shard-000001.stats.safetensors", "latent_space.json", "latent_space.safetensors"):
+        assert (again / name).read_bytes() == (first / name).read_bytes(), name
+    assert LatentDataset(again, progress=False).space == LatentDataset(first, progress=False).space
+    assert json.loads((first / "shard-000000.done.json").read_text())["element_stats"] == \
+        "shard-000000.stats.safetensors"  # the sums are not inline
 
 
 def test_dry_run_prints_the_token_storage(images, raes, tmp_path, capsys):

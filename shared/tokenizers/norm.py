@@ -22,11 +22,11 @@ over images, positions and posterior noise). Shards are combined with Chan et al
 """
 from __future__ import annotations
 
-import base64
 import math
 from dataclasses import dataclass, field
 
 import numpy as np
+import safetensors.torch
 import torch
 
 NORM_KINDS = ("scale", "shift-scale", "channel", "element", "none")
@@ -156,31 +156,6 @@ class LatentNorm:
         return "none (raw latents)"
 
 
-# A shard sidecar's per-element partial sums travel in JSON as little-endian float64 bytes in base64 (exact).
-FLOAT_ENCODINGS = {"float32-le-base64": "<f4", "float64-le-base64": "<f8"}
-
-
-def pack_floats(values, encoding: str = "float64-le-base64") -> dict:
-    """Float values (any shape, flattened) as {"encoding", "count", "data"}."""
-    array = np.asarray(values.numpy() if isinstance(values, torch.Tensor) else values,
-                       dtype=FLOAT_ENCODINGS[encoding]).reshape(-1)
-    return {"encoding": encoding, "count": int(array.size), "data": base64.b64encode(array.tobytes()).decode("ascii")}
-
-
-def unpack_tensor(packed, shape=None) -> torch.Tensor:
-    """The values `pack_floats` packed (or a plain list) as a float64 tensor of `shape`."""
-    if isinstance(packed, (list, tuple)):
-        array = np.asarray(packed, dtype=np.float64)
-    elif packed.get("encoding") in FLOAT_ENCODINGS:
-        array = np.frombuffer(base64.b64decode(packed["data"]), dtype=FLOAT_ENCODINGS[packed["encoding"]])
-        if array.size != int(packed["count"]):
-            raise ValueError(f"{array.size} packed floats, {packed['count']} recorded")
-    else:
-        raise ValueError(f"unknown float encoding {packed.get('encoding')!r}")
-    tensor = torch.tensor(array.astype(np.float64))
-    return tensor.view(*shape) if shape is not None else tensor
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Per-channel statistics of a folder, from stored moments, in float64
 # ----------------------------------------------------------------------------------------------------------
@@ -283,18 +258,16 @@ class ElementStats:
         self.m2 = self.m2 + other.m2 + delta ** 2 * self.count * other.count / n
         self.count = n
 
-    def to_dict(self) -> dict:
-        """The partial sums (written in each shard's sidecar), float64 exact."""
-        if self.count == 0:
-            return {"count": 0}
-        return {"count": self.count, "shape": list(self.mean.shape),
-                "mean": pack_floats(self.mean, "float64-le-base64"), "m2": pack_floats(self.m2, "float64-le-base64")}
+    def to_bytes(self) -> bytes:
+        """The partial sums as safetensors bytes, float64 exact (each shard's stats file beside its sidecar)."""
+        sums = {"mean": self.mean, "m2": self.m2} if self.count else {}
+        return safetensors.torch.save({"count": torch.tensor([self.count]), **sums})
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ElementStats":
-        if not int(d["count"]):
-            return cls()
-        return cls(int(d["count"]), unpack_tensor(d["mean"], d["shape"]), unpack_tensor(d["m2"], d["shape"]))
+    def from_bytes(cls, data: bytes) -> "ElementStats":
+        tensors = safetensors.torch.load(data)
+        count = int(tensors["count"])
+        return cls(count, tensors["mean"], tensors["m2"]) if count else cls()
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean, std) (C, h, w) float64: std = sqrt(population variance + ELEMENT_EPS), RAE's convention."""

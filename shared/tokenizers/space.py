@@ -15,18 +15,21 @@ read by `LatentSpace.from_legacy`.
 """
 from __future__ import annotations
 
+import base64
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
 import safetensors.torch
 import torch
 
 from shared.runtime.errors import UserError
 from shared.runtime.export import SPACE_KEY
 from shared.runtime.fsio import atomic_write_bytes, atomic_write_text
-from shared.tokenizers.norm import LatentNorm, unpack_tensor
+from shared.tokenizers.norm import LatentNorm
 
 SPACE_JSON, SPACE_TENSORS = "latent_space.json", "latent_space.safetensors"
 REBUILD_RUN_FILE = ("copy the file again from where it was made, or rerun the training command that wrote it "
@@ -112,7 +115,7 @@ class LatentSpace:
         return {f"{prefix}{name}.{part}": getattr(n, part).clone()
                 for name, n in sorted(self.norms.items()) for part in ("mean", "std")}
 
-    @property
+    @functools.cached_property  # the record is frozen: hashed once (3 MiB of statistics at RAE's size)
     def sha256(self) -> str:
         """sha256 of the canonical JSON and every statistic's name, shape and little-endian fp32 bytes."""
         digest = hashlib.sha256(_canonical(self.to_json(hashed=True)))
@@ -291,6 +294,24 @@ def rebuild_folder_command(folder) -> str:
     """How a latent folder's record is rebuilt: from its stored latents and the tokenizer that made them."""
     return (f"`python -m extract --stats --out {folder}` writes it again from the stored latents and the tokenizer "
             f"its index.json records (add --vae SPEC if that tokenizer is no longer where it was)")
+
+
+# How older records carried numbers in JSON: little-endian float bytes in base64 (exact for values of that precision).
+_FLOAT_ENCODINGS = {"float32-le-base64": "<f4", "float64-le-base64": "<f8"}
+
+
+def unpack_tensor(packed, shape=None) -> torch.Tensor:
+    """Numbers of an older record (a JSON list, or base64 {"encoding", "count", "data"}) as a float64 tensor."""
+    if isinstance(packed, (list, tuple)):
+        array = np.asarray(packed, dtype=np.float64)
+    elif packed.get("encoding") in _FLOAT_ENCODINGS:
+        array = np.frombuffer(base64.b64decode(packed["data"]), dtype=_FLOAT_ENCODINGS[packed["encoding"]])
+        if array.size != int(packed["count"]):
+            raise ValueError(f"{array.size} packed floats, {packed['count']} recorded")
+    else:
+        raise ValueError(f"unknown float encoding {packed.get('encoding')!r}")
+    tensor = torch.tensor(array.astype(np.float64))
+    return tensor.view(*shape) if shape is not None else tensor
 
 
 def _legacy_scale(meta: dict, source: str) -> LatentNorm | None:
