@@ -223,3 +223,20 @@ def test_sample_refuses_a_run_whose_record_is_damaged(run_dir, tiny_vae_dir, tmp
                                           "--num-sampling-steps", 2, "--out", out, "--cpu"], capsys)
     assert code == 2 and WORDS[damage] in err and str(export) in err and "python -m train" in err, err
     assert "Traceback" not in err and not out.exists() and export.read_bytes() == kept
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_folder_read_from_a_url_brings_its_record(tmp_path, monkeypatch, http_folder, capsys, streamed):
+    """A copied or streamed --latents URL fetches latent_space.json and .safetensors with the index."""
+    from train import latents as remote
+
+    folder = make_latents(tmp_path / "lat", n=8)
+    assert run_main(extract_main, ["--stats", "--out", folder])[0] == 0  # the older folder gets its record
+    monkeypatch.setenv(remote.CACHE_ENV, str(tmp_path / "cache"))
+    limit = ["--cache-limit", str(10 ** 7)] if streamed else []
+    code, _, err = run_main(train_main, train_args(http_folder(folder), tmp_path / "run", "--max-steps", "1",
+                                                   *limit), capsys)
+    assert code == 0, err
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    local = LatentDataset(folder, progress=False).space
+    assert config["data"]["latent_space"] == local.for_run(local.native).sha256
