@@ -118,11 +118,7 @@ def read_config(path) -> ModelConfig:
 
 
 def load_weights(path, device="cpu"):
-    """Read a file written by save_weights -> (state_dict, ModelConfig, metadata, step).
-
-    The latent space it carries (metadata and "latent_space.*" tensors, left out of the state dict) is read by
-    shared/tokenizers/space.py's `LatentSpace.read_file`.
-    """
+    """(state_dict without the latent space's tensors, ModelConfig, metadata, step); LatentSpace.read_file: the space."""
     path = Path(path)
     tensors, metadata = _read_file(path, device)
     config, step = _parse_metadata(path, metadata)

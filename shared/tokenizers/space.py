@@ -243,17 +243,14 @@ class LatentSpace:
 
     def check_tokenizer_config(self, spec: str, config_path, allow_other: bool = False,
                                measure: bool = True) -> tuple[str, int | None]:
-        """Check a tokenizer from its config.json only -> (name, downsample factor); UserError when it cannot decode.
-
-        measure=False (a process that must not import diffusers: train's --watch-vae check) compares the channels the
-        config declares and no factor (None); the watcher measures both when it loads the tokenizer.
-        """
+        """Check a tokenizer from its config.json only -> (name, downsample factor); UserError when it cannot decode."""
         from shared.tokenizers.classes import tokenizer_class
         from shared.tokenizers.vae import downsample_factor, latent_channels, read_vae_config, resolve_vae_spec
 
         name = resolve_vae_spec(spec, config_path)
         config = read_vae_config(spec, config_path)
         kind = tokenizer_class(config, name)
+        # measure=False (train's --watch-vae check must not import diffusers): the declared channels, no factor
         if measure:  # the encoder run on the meta device: what it really gives
             cheap = {"source": name, "latent_channels": latent_channels(config),
                      "downsample_factor": downsample_factor(config)}
