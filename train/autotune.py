@@ -24,7 +24,8 @@ from typing import Callable
 import torch
 
 from shared.runtime.errors import UserError
-from shared.network.models import SELECTIVE, ModelConfig
+from shared.network.blocks import SELECTIVE
+from shared.network.models import ModelConfig
 from train.launcher import resolve_precision_with_launcher
 from train.units import format_size, parse_size
 
