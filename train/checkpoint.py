@@ -101,15 +101,15 @@ def save_rank_state(tmp: Path, rank: int) -> None:
     torch.save(capture_rng(), tmp / rundir.rng_file(rank))
 
 
-def save_main_state(tmp: Path, *, model_state: dict, ema_state: dict, model_config, latent_meta: dict,
+def save_main_state(tmp: Path, *, model_state: dict, ema_state: dict, model_config, space,
                     optimizer_state: dict, scaler_state: dict, state: dict, heads: dict | None = None) -> None:
     """Main process: weights via shared/runtime/export.py, optimizer, scaler, {file: state} of the column heads (REPA's
     projector), then state.json last."""
     step = int(state["step"])
     for name, head in (heads or {}).items():
         write_safetensors(tmp / name, {k: v.detach().cpu().contiguous() for k, v in head.items()})
-    save_weights(tmp / rundir.MODEL_FILE, model_state, model_config, latent_meta, step)
-    save_weights(tmp / rundir.EMA_FILE, ema_state, model_config, latent_meta, step)
+    save_weights(tmp / rundir.MODEL_FILE, model_state, model_config, space, step)
+    save_weights(tmp / rundir.EMA_FILE, ema_state, model_config, space, step)
     torch.save(optimizer_state, tmp / rundir.OPTIMIZER_FILE)
     torch.save(scaler_state, tmp / rundir.SCALER_FILE)
     atomic_write_json(tmp / rundir.STATE_FILE, state, indent=2)
@@ -177,7 +177,7 @@ def load_checkpoint(ckpt: Path, rank: int) -> dict:
 def _load_checkpoint(ckpt: Path, rank: int) -> dict:
     """Everything a checkpoint holds, on the CPU: weights, optimizer, scaler, this rank's RNG, state."""
     state = read_state(ckpt)
-    model_state, _, _, _ = load_weights(ckpt / rundir.MODEL_FILE)
+    model_state, _, _, _ = load_weights(ckpt / rundir.MODEL_FILE)  # the space: config.json holds its hash
     ema_state, _, _, _ = load_weights(ckpt / rundir.EMA_FILE)
     rng_path = ckpt / rundir.rng_file(rank)
     return {
