@@ -162,7 +162,7 @@ def test_a_plugin_tokenizer_and_column_extract_train_and_sample(tmp_path, image_
 
     ds = LatentDataset(latents, progress=False)
     assert ds.meta["plugins"] == [PLUGIN] and ds.meta["rgb_record"] == {"dtype": "fp32", "range": [0, 1]}
-    assert ds.meta["vae"]["source"] == "patch-ae" and ds.meta["vae"]["class"] == "PatchAE"
+    assert ds.vae["source"] == "patch-ae" and ds.vae["class"] == "PatchAE"  # the folder's LatentSpace records it
     assert ds.tensor_names == ("mean", "rgb") and ds.tensor_spec("rgb")["shape"] == [2, 3]
     pixels = ImageFileDataset(scan_image_folder(image_folder), 32)[0]["pixels"].float()  # (3, 32, 32) uint8 values
     stored = ds.gather([0])["rgb"][0]  # (F, 3): the original's colour, then its mirror's (the same mean)

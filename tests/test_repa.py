@@ -424,7 +424,7 @@ def test_a_run_config_from_before_the_column_registry_keeps_its_repa_flags():
     so such a run resumes (no difference) and trains with its REPA settings."""
     from train.config import TrainConfig, resolve_block, resume_differences
 
-    cfg = resolve_block(TrainConfig(latents="L", results_dir="R", data={"index_sha256": "a", "index_file_sha256": "b"}))
+    cfg = resolve_block(TrainConfig(latents="L", results_dir="R", data={"latent_space": "s", "index_sha256": "a"}))
     cfg.column_options.update(repa_weight=0.5, repa_depth=2, repa_feature_dim=8)
     old = cfg.to_dict()
     old.update(old.pop("column_options"))  # the layout such a config.json has
