@@ -322,7 +322,8 @@ def read_finished(out: Path, shard: int, settings: dict) -> dict | None:
         ok = sidecar["settings_sha256"] == settings_sha256(settings) and tar.stat().st_size == sidecar["shard"]["size"]
         ok = ok and "latent_stats" in sidecar  # a shard from before the statistics: encoded again
         element = sidecar.get("element_stats")  # RAE tokens: the per-element sums' file (older sidecars: inline)
-        ok = ok and (element is None or (isinstance(element, str) and (out / element).is_file()))
+        ok = ok and (element is None or hashlib.sha256((out / element).read_bytes()).hexdigest()
+                     == sidecar["element_stats_sha256"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return sidecar if ok else None
@@ -438,11 +439,12 @@ class ShardSink:
         self.writer.__exit__(None, None, None)
         sidecar = {"shard": self.writer.info.to_dict(), "bad_files": self.bad, "vae": self.identity,
                    "settings_sha256": settings_sha256(self.plan.settings), "written_by": self.process,
-                   "latent_stats": self.stats.to_dict(),
-                   **({"element_stats": element_stats_path(self.out, self.shard).name} if self.elements is not None
-                      else {})}
-        if self.elements is not None:
-            atomic_write_bytes(element_stats_path(self.out, self.shard), self.elements.to_bytes())
+                   "latent_stats": self.stats.to_dict()}
+        if self.elements is not None:  # the sums' sha256 in the sidecar: a damaged file re-encodes its shard
+            data = self.elements.to_bytes()
+            atomic_write_bytes(element_stats_path(self.out, self.shard), data)
+            sidecar["element_stats"] = element_stats_path(self.out, self.shard).name
+            sidecar["element_stats_sha256"] = hashlib.sha256(data).hexdigest()
         _atomic_json(sidecar_path(self.out, self.shard), sidecar)
         self.writer = None
 
