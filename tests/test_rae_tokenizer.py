@@ -370,9 +370,9 @@ def test_the_released_tokenizer_by_name_converts_rae_files_strictly(tiny_release
         tokens, _ = vae.encode_moments(x)
         assert torch.equal(tokens, _rae_tokens(module.eval(), x))  # the DINOv2 weights where RAE's encoder has them
         # RAE's normalisation (z - mean) / sqrt(var + 1e-5), to float32 rounding
-        torch.testing.assert_close(torch.tensor(vae.norm.std).view(SHAPE), (stats["var"][0] + 1e-5).sqrt(),
+        torch.testing.assert_close(torch.as_tensor(vae.norm.std).view(SHAPE), (stats["var"][0] + 1e-5).sqrt(),
                                    rtol=2e-7, atol=0)
-        assert torch.equal(torch.tensor(vae.norm.mean, dtype=torch.float32).view(SHAPE), stats["mean"][0])
+        assert torch.equal(torch.as_tensor(vae.norm.mean, dtype=torch.float32).view(SHAPE), stats["mean"][0])
         torch.testing.assert_close(vae.decode_raw(tokens), module.decode(tokens / (1 + 1e-5)).sample.clamp(0, 1) * 2 - 1,
                                    rtol=0, atol=2e-6)
         # by name on the command line; the converted folder is reused
