@@ -1,11 +1,8 @@
 """`python -m train.bench`: time DiT training steps on synthetic latents (no shards, no VAE).
 
-Each configuration gets a fresh learner (model, AdamW, EMA, scaler) from train/step.py and is timed on
-the trainer's own `train_step` (train mode, class-dropout coin, grad-norm pass, EMA update) over
-synthetic micro-batches shaped like the loader's; warm-up steps (and torch.compile's compilation) are
-excluded; the reported step time is the median of the timed steps, each bracketed by device syncs.
-MFU = training FLOPs per image (6 x forward MACs, computed from the architecture; recomputation under
-checkpointing not counted) x images/s / device peak FLOP/s.
+Each configuration gets a fresh learner from train/step.py, timed on the trainer's own `train_step` over synthetic
+micro-batches; warm-up (and compilation) excluded, the median of the timed steps reported, each bracketed by device
+syncs. MFU = 6 x forward MACs per image (recomputation not counted) x images/s / device peak FLOP/s.
 
 `--preset changes-gpu` (DiT-XL/2, bf16, micro-batch 256) and `--preset changes-cpu` (tiny) put the step as it was
 before issue 34 (eager, the host reading loss and grad norm every step) beside each change on its own and all
@@ -79,10 +76,6 @@ class BenchResult:
     error: str | None = None
 
 
-# ----------------------------------------------------------------------------------------------------
-# The matrix
-# ----------------------------------------------------------------------------------------------------
-
 PRESETS = {
     # One thread on the CPU: with more, a busy machine stalls every parallel region (we saw 10x swings).
     "cpu": dict(model="DiT-T/2", image_size=128, steps=8, warmup=2, threads=1),
@@ -93,19 +86,14 @@ PRESETS = {
 }
 
 
-def xformers_installed() -> bool:
-    """Whether xformers could be imported (the model still refuses it off CUDA, reported in the row)."""
-    return importlib.util.find_spec("xformers") is not None
-
-
 def variant(base: BenchConfig, note: str, **changes) -> BenchConfig:
     """`base` with some fields changed, labelled by what changed."""
     return BenchConfig(**{**asdict(base), **changes, "note": note})
 
 
 def optional_rows(ours: BenchConfig) -> list[BenchConfig]:
-    """Rows that only make sense where the software is present (xformers), then torch.compile."""
-    rows = [variant(ours, "xformers", attention="xformers")] if xformers_installed() else []
+    """Rows that only make sense where the software is present (xformers; off CUDA its row says why), then compile."""
+    rows = [variant(ours, "xformers", attention="xformers")] if importlib.util.find_spec("xformers") else []
     return rows + [variant(ours, "torch.compile", compile=True)]
 
 
@@ -120,8 +108,7 @@ def change_rows(today: BenchConfig) -> list[BenchConfig]:
 
 
 def preset_matrix(name: str) -> list[BenchConfig]:
-    """cpu: quick ablation of our step on a tiny model; gpu: DiT-XL/2 rows mirroring fast-DiT's README; changes-*:
-    issue 34's changes beside the step before them (change_rows)."""
+    """cpu: quick ablation on a tiny model; gpu: DiT-XL/2 mirroring fast-DiT's README; changes-*: change_rows."""
     if name == "changes-cpu":  # fp32: the development CPU has no bf16 units (bf16 is ~9x slower there)
         return change_rows(BenchConfig("fp32", 0, "sdpa", False, 8, "before issue 34", host_sync=True, adamw="foreach"))
     if name == "changes-gpu":  # the issue's bf16 micro-batch 256 (~100 GiB without checkpointing: --memory-cap-gib 0)
@@ -129,7 +116,8 @@ def preset_matrix(name: str) -> list[BenchConfig]:
     if name == "cpu":
         ours = BenchConfig("bf16", 1, "sdpa", False, 8, "ours")
         return [ours, variant(ours, "checkpointing off", checkpoint=0),
-                variant(ours, "math attention", attention="math"), variant(ours, "no autocast", precision="fp32"), variant(ours, "fp16 + GradScaler", precision="fp16"),
+                variant(ours, "math attention", attention="math"), variant(ours, "no autocast", precision="fp32"),
+                variant(ours, "fp16 + GradScaler", precision="fp16"),
                 *optional_rows(ours), *(variant(ours, "micro-batch sweep", micro_batch=m) for m in (4, 16))]
     # fast-DiT README (one A100, batch 128, claimed): "checkpointing only" 0.43 steps/s, then "+ mixed
     # precision" 0.56; features are always pre-extracted here. Micro-batch 32 so fp32 fits 24 GiB.
@@ -201,10 +189,6 @@ def resolve_matrix(args) -> list[BenchConfig]:
                         "ignored; drop --preset to choose the matrix with flags, or drop those flags.")
     return preset_matrix(args.preset)
 
-
-# ----------------------------------------------------------------------------------------------------
-# Timing
-# ----------------------------------------------------------------------------------------------------
 
 def synchronize(device: torch.device):
     """Wait for queued device work so wall-clock time covers it."""
@@ -286,10 +270,6 @@ def run_config(config: BenchConfig, args, device, flops_per_image, peak) -> Benc
     return BenchResult(config, 1 / step, images, mem, reserved, mfu)
 
 
-# ----------------------------------------------------------------------------------------------------
-# Report
-# ----------------------------------------------------------------------------------------------------
-
 def _cell(value, fmt):
     return "-" if value is None else fmt.format(value)
 
@@ -340,10 +320,6 @@ def write_json(path, args, device, results, flops, peak):
                            for r in results]}
     atomic_write_json(path, payload, indent=2)  # a Ctrl-C mid-write leaves the old file or none
 
-
-# ----------------------------------------------------------------------------------------------------
-# CLI
-# ----------------------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
     """Flags of python -m train.bench."""

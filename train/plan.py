@@ -1,10 +1,8 @@
 """`python -m train.plan`: how large a micro-batch fits on one GPU, for each checkpointing choice.
 
-Fixed state is arithmetic (bytes per parameter); activation memory is measured on the real model
-(train/memory.py explains how). `--verify` runs the trainer's own step on CUDA at the planned
-micro-batch, under an allocator cap of the budget (--gpu-memory minus --margin, as a card of that size would
-hold), and prints the predicted next to the measured peak (torch.cuda.max_memory_allocated); a step that does
-not fit under the cap is one paragraph naming settings that need less.
+Fixed state is arithmetic; activations are measured on the real model (train/memory.py). `--verify` runs the
+trainer's step on CUDA under an allocator cap of the budget (--gpu-memory minus --margin) and prints the predicted
+next to the measured peak; a step that does not fit is one paragraph naming settings that need less.
 """
 from shared.runtime.interrupt import guard_imports, interruptible
 
@@ -33,19 +31,11 @@ FLAGS = {"model preset": "--model", "precision": "--precision", "objective": "--
 OPTIMIZER_LABELS = {"adamw": "AdamW, 2 fp32 moments", "adamw8bit": "8-bit AdamW, 2 bytes/param"}
 
 
-# ----------------------------------------------------------------------------------------------------
-# What to tabulate
-# ----------------------------------------------------------------------------------------------------
-
 def checkpoint_choices(requested: int | str, depth: int) -> list[int | str]:
     """Checkpointing choices to tabulate: off, selective, every block, every 2nd block, and the requested one."""
     intervals = sorted({1, min(2, depth)} | ({requested} - {SELECTIVE, 0}))
     return [0, SELECTIVE, *intervals]
 
-
-# ----------------------------------------------------------------------------------------------------
-# Report
-# ----------------------------------------------------------------------------------------------------
 
 def choice_label(every: int | str) -> str:
     """Human name of a checkpointing choice."""
@@ -55,32 +45,27 @@ def choice_label(every: int | str) -> str:
                                            f"every {every}{'nd' if every == 2 else 'rd'} block")
 
 
+def wrapped(*sentences: str) -> list[str]:
+    """Sentences wrapped at 100 columns, continuation lines indented."""
+    return [line for text in sentences for line in textwrap.wrap(text, 100, subsequent_indent="  ")]
+
+
 def header_lines(args, config, tokens, n_params, n_trainable, device) -> list[str]:
-    """What was planned and how the activations were measured (wrapped at 100 columns)."""
-    lines = _header_text(args, config, tokens, n_params, n_trainable, device)
-    return [wrapped for line in lines for wrapped in textwrap.wrap(line, 100, subsequent_indent="  ")]
-
-
-def head_text(config) -> str:
-    """', DiT^DH head of D blocks at width W' for a model with the head, else ''."""
-    return f", DiT^DH head of {config.head_depth} blocks at width {config.head_width}" if config.head_depth else ""
-
-
-def _header_text(args, config, tokens, n_params, n_trainable, device) -> list[str]:
-    """Unwrapped header sentences."""
+    """What was planned and how the activations were measured."""
     policy = f"autocast({device.type}, {args.precision})" if args.precision != "fp32" else "fp32 (no autocast)"
-    return [
-        f"{args.model} ({config.block} block{head_text(config)}) at {args.image_size}x{args.image_size}: latents "
-        f"{config.in_channels}x{config.input_size}x"
-        f"{config.input_size} ({tokens} tokens), {n_params:,} parameters ({n_trainable:,} trainable)",
+    head = f", DiT^DH head of {config.head_depth} blocks at width {config.head_width}" if config.head_depth else ""
+    return wrapped(
+        f"{args.model} ({config.block} block{head}) at {args.image_size}x{args.image_size}: latents "
+        f"{config.in_channels}x{config.input_size}x{config.input_size} ({tokens} tokens), {n_params:,} parameters "
+        f"({n_trainable:,} trainable)",
         f"GPU memory {format_size(args.gpu_memory)} - margin {format_size(args.margin)} = budget "
         f"{format_size(args.gpu_memory - args.margin)}; global batch {args.global_batch_size} over "
         f"{args.num_processes} process(es); precision {args.precision}",
         f"activations measured on {device.type}: the trainer's forward + loss at batch 1 and 2 under {policy}, "
         "counting bytes autograd saves for backward (deduplicated by storage, parameters excluded)",
-    ] + ([f"token routing (TREAD): {tokens - kept_tokens(tokens, args.route_ratio)} of {tokens} tokens skip blocks "
-          f"{args.route_start}..{args.route_end}; those blocks' activations are counted for the kept tokens"]
-         if args.route_ratio else [])
+        *([f"token routing (TREAD): {tokens - kept_tokens(tokens, args.route_ratio)} of {tokens} tokens skip blocks "
+           f"{args.route_start}..{args.route_end}; those blocks' activations are counted for the kept tokens"]
+          if args.route_ratio else []))
 
 
 def compute_lines(meta, route, batch: int) -> list[str]:
@@ -94,10 +79,9 @@ def compute_lines(meta, route, batch: int) -> list[str]:
     step = train_flops_per_image(meta, kept)
     where = f" ({head / 1e9:.1f} in the DiT^DH head's {len(meta.blocks) - meta.depth} blocks)" if head else ""
     routed = ", routed training forward" if kept else ""
-    text = (f"compute: forward {macs / 1e9:.1f} GMAC per image{where}{routed}; training 3x forward = "
-            f"{step / 1e9:.1f} GFLOP per image, {step * batch / 1e12:.1f} TFLOP per optimizer step of {batch} "
-            "(recomputation under checkpointing not counted)")
-    return textwrap.wrap(text, 100, subsequent_indent="  ")
+    return wrapped(f"compute: forward {macs / 1e9:.1f} GMAC per image{where}{routed}; training 3x forward = "
+                   f"{step / 1e9:.1f} GFLOP per image, {step * batch / 1e12:.1f} TFLOP per optimizer step of {batch} "
+                   "(recomputation under checkpointing not counted)")
 
 
 def fixed_lines(fixed: FixedState, args) -> list[str]:
@@ -144,10 +128,6 @@ def summary_line(row: PlanRow, batch: int) -> str:
     return (f"\nwith checkpointing {label}: --micro-batch-size {row.micro} "
             f"(gradient accumulation {row.accumulation} to reach {batch} per process)")
 
-
-# ----------------------------------------------------------------------------------------------------
-# Verification on CUDA
-# ----------------------------------------------------------------------------------------------------
 
 VERIFY_TIMED_STEPS = 5  # steps timed after the measured one (their median is printed)
 
@@ -219,17 +199,9 @@ def over_budget_text(oom: StepOutOfMemory, chosen: PlanRow, args, budget: int, b
             "adamw8bit and --ema-device cpu also need less.")
 
 
-# ----------------------------------------------------------------------------------------------------
-# Out of memory in python -m train: what to run instead
-# ----------------------------------------------------------------------------------------------------
-
 def plan_command(cfg, latent_shape: tuple, num_classes: int, gpu_memory: int | None) -> str | None:
-    """The `python -m train.plan` command that plans this training run (None where the planner cannot: a head other
-    than the preset's, or REPA's projector, which it does not measure).
-
-    cfg: a resolved TrainConfig (block options filled, grad_checkpoint an interval, image_size from the latents);
-    gpu_memory: the card's bytes, planned for and verified on; None off CUDA (the planner's default card).
-    """
+    """The `python -m train.plan` command for a resolved TrainConfig on a card of `gpu_memory` bytes (None: off CUDA);
+    None where the planner cannot measure the run (a head other than the preset's, REPA's projector)."""
     from shared.network.models import preset_head
 
     if cfg.repa_weight > 0 or any(getattr(cfg, k) != v for k, v in preset_head(cfg.model).items()):
@@ -278,10 +250,6 @@ def out_of_memory_error(cfg, latent_shape: tuple, num_classes: int, step: int, l
         f"({cause}). {kept}. "
         f"Rerun the same command with {', or '.join(fixes)}{where}.")
 
-
-# ----------------------------------------------------------------------------------------------------
-# CLI
-# ----------------------------------------------------------------------------------------------------
 
 def size_arg(text: str) -> int:
     """argparse type for memory sizes: argparse reports the message as a usage error."""

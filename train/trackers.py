@@ -29,10 +29,6 @@ WATCH_GRACE_S = 120  # at the end, wait this long for the watcher to decode the 
 ROOT = Path(__file__).resolve().parents[1]  # the repository: the watcher runs as `python -m sample` from here
 
 
-# ---------------------------------------------------------------------------------------------------------
-# --report-to: checks and the Accelerate tracker
-# ---------------------------------------------------------------------------------------------------------
-
 def tracking(cfg) -> bool:
     """Whether this launch reports to a tracker (--debug and --dry-run write nothing)."""
     return cfg.report_to != "none" and not (cfg.debug or cfg.dry_run)
@@ -98,10 +94,6 @@ class TrackerCallback(Callback):
             run.logger.attach(Tracker.start(run.accelerator, run.cfg, run.step))
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Curves at every checkpoint
-# ---------------------------------------------------------------------------------------------------------
-
 class CurvesCallback(Callback):
     """Redraws RUN/curves.png after each checkpoint (main process); a failure is logged, never raised."""
 
@@ -119,10 +111,6 @@ class CurvesCallback(Callback):
             return
         run.logger.info(f"drew {out} ({time.perf_counter() - start:.2f} s)")
 
-
-# ---------------------------------------------------------------------------------------------------------
-# The preview watcher process
-# ---------------------------------------------------------------------------------------------------------
 
 def check_watch(cfg, dataset) -> None:
     """--watch-vae needs previews and a VAE that can decode these latents (config.json only: no diffusers)."""
@@ -143,11 +131,8 @@ def _vae_argument(spec: str) -> str:
 
 
 def watcher_command(run_dir: Path, vae: str, last_step: int, parent_pid: int) -> list[str]:
-    """`python -m sample watch` on the CPU, ending after the last step's checkpoint or with this process.
-
-    Why not --exit-when-done: that waits for the run folder's lock, which this process holds until after
-    the watcher was asked to finish.
-    """
+    """`python -m sample watch` on the CPU, ending after the last step's checkpoint or with this process."""
+    # Not --exit-when-done: that waits for the run folder's lock, which this process holds until the watcher ends.
     return [sys.executable, "-m", "sample", "watch", str(Path(run_dir).resolve()), "--vae", _vae_argument(vae),
             "--cpu", "--threads", str(WATCH_THREADS), "--interval", str(WATCH_INTERVAL_S),
             "--until-step", str(last_step), "--until-pid", str(parent_pid)]
