@@ -28,7 +28,7 @@ from shared.runtime.precision import autocast_dtype
 from train.config import TrainConfig, resolve_block
 from shared.generative.objectives import objective_of
 from train.data import synthetic_batch
-from train.step import forward_loss, make_learner, train_step
+from train.step import forward_losses, make_learner, train_step
 from train.units import parse_size
 
 
@@ -231,7 +231,7 @@ def measure_forward(model, batch: int, precision: str, objective, route=None) ->
     selective = getattr(model, "grad_checkpoint_every", 0) == SELECTIVE
     model.train()
     with ledger, casts, kept if selective else contextlib.nullcontext(), autocast_context(device, precision):
-        loss = forward_loss(model, objective, micro, precision, device)
+        loss = forward_losses(model, objective, micro, precision, device)["loss"]
         saved = {**kept.found, **ledger.storages()}  # read inside autocast: the cast cache is still alive here
     del loss
     return Residency(sum(saved.values()), sum(casts.found.values()), sum({**casts.found, **saved}.values()))
