@@ -217,8 +217,7 @@ def no_measurement(*_args) -> None:
 
 
 def resolve_auto_for(cfg, model_config: ModelConfig, accelerator) -> dict:
-    """resolve_auto on this launch's processes: rank 0 decides for the smallest free memory, everyone follows (DDP
-    needs one micro-batch and precision)."""
+    """resolve_auto on every process: rank 0 decides for the smallest free memory, all follow (DDP needs one plan)."""
     info = probe_device(accelerator.device)
     measure = no_measurement if cfg.dry_run else measure_peak
     if accelerator.num_processes == 1:

@@ -30,7 +30,7 @@ from shared.network.models import ATTENTION_BACKENDS, SELECTIVE
 from shared.runtime.precision import PRECISIONS, set_tf32
 from train.config import TrainConfig, add_block_flags, block_from_args, model_config_for
 from train.data import synthetic_batch
-from train.memory import forward_macs, latent_shape, measured_config, train_flops_per_image
+from train.memory import forward_macs, latent_shape, measure_device, measured_config, train_flops_per_image
 from train.step import make_learner, train_step
 from train.units import GiB, format_size
 
@@ -152,7 +152,7 @@ def parse_compile(item: str) -> bool:
     return table[item.lower()]
 
 
-def check_values(precisions, attentions, checkpoints, micros):
+def check_values(precisions, checkpoints, attentions, compiles, micros):
     """UserError for values no configuration could use."""
     bad = [p for p in precisions if p not in PRECISIONS]
     bad += [a for a in attentions if a not in ATTENTION_BACKENDS]
@@ -163,27 +163,23 @@ def check_values(precisions, attentions, checkpoints, micros):
         raise UserError(f"checkpoint intervals must be >= 0 (0 = off) or {SELECTIVE}, and micro-batch sizes >= 1.")
 
 
-MATRIX_FLAGS = ("precisions", "checkpointing", "attention", "compile", "micro_batch_sizes")
-MATRIX_DEFAULTS = dict(precisions="fp32,bf16", checkpointing="0,1", attention="sdpa", compile="off",
-                       micro_batch_sizes="8")
+# The matrix flags in BenchConfig's field order: (item parser, default).
+MATRIX = {"precisions": (str, "fp32,bf16"), "checkpointing": (checkpoint_value, "0,1"), "attention": (str, "sdpa"),
+          "compile": (parse_compile, "off"), "micro_batch_sizes": (int, "8")}
 
 
 def flag_matrix(args) -> list[BenchConfig]:
     """The cartesian product of the matrix flags (defaults where a flag is absent)."""
-    values = {k: getattr(args, k) or MATRIX_DEFAULTS[k] for k in MATRIX_FLAGS}
-    precisions, attentions = split_list(values["precisions"]), split_list(values["attention"])
-    checkpoints = split_list(values["checkpointing"], checkpoint_value)
-    compiles = split_list(values["compile"], parse_compile)
-    micros = split_list(values["micro_batch_sizes"], int)
-    check_values(precisions, attentions, checkpoints, micros)
-    return [BenchConfig(*combo) for combo in itertools.product(precisions, checkpoints, attentions, compiles, micros)]
+    values = [split_list(getattr(args, k) or default, kind) for k, (kind, default) in MATRIX.items()]
+    check_values(*values)
+    return [BenchConfig(*combo) for combo in itertools.product(*values)]
 
 
 def resolve_matrix(args) -> list[BenchConfig]:
     """The preset's rows, or the flags' product; mixing both is refused (no silent precedence)."""
     if args.preset is None:
         return flag_matrix(args)
-    given = [f"--{k.replace('_', '-')}" for k in MATRIX_FLAGS if getattr(args, k) is not None]
+    given = [f"--{k.replace('_', '-')}" for k in MATRIX if getattr(args, k) is not None]
     if given:
         raise UserError(f"--preset {args.preset} defines the matrix itself, so {', '.join(given)} would be "
                         "ignored; drop --preset to choose the matrix with flags, or drop those flags.")
@@ -363,20 +359,11 @@ def resolve_defaults(args):
         torch.set_num_threads(args.threads)
 
 
-def resolve_device(name: str) -> torch.device:
-    """auto -> CUDA if present else CPU; UserError when CUDA is asked for but missing."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"--device {name} was asked for but no CUDA GPU is visible; use --device cpu.")
-    return torch.device(name)
-
-
 def run(args) -> str:
     """Run the matrix and return the report."""
     resolve_defaults(args)
     configs = resolve_matrix(args)
-    device = resolve_device(args.device)
+    device = measure_device(args.device, "--device")
     model = model_config_for(measured_config(args.model, block_from_args(args)), latent_shape(args.image_size),
                              args.num_classes).build(device="meta")
     flops = train_flops_per_image(model)

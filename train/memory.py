@@ -198,8 +198,7 @@ def cast_cache_counter(param_keys) -> OutputCounter:
 
 
 def kept_output_counter(param_keys) -> OutputCounter:
-    """The outputs selective checkpointing keeps (SAVED_OPS), which saved-tensor hooks never see (an op outside the
-    blocks counts too: conservative)."""
+    """The outputs selective checkpointing keeps (SAVED_OPS), unseen by saved-tensor hooks (conservative: all ops)."""
     return OutputCounter(param_keys, lambda func, args: func in SAVED_OPS)
 
 
@@ -370,13 +369,13 @@ def plan_row(profile: ActivationProfile, fixed: int, budget: int, batch: int) ->
     return PlanRow(profile, micro, batch // micro, fixed + profile.peak(micro))
 
 
-def measure_device(choice: str) -> torch.device:
-    """Where activations are measured: CUDA when present (auto), else the CPU."""
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise UserError("--measure-device cuda was asked for but no CUDA GPU is visible; use "
-                        "--measure-device cpu (the default when no GPU is present).")
+def measure_device(choice: str, flag: str = "--measure-device") -> torch.device:
+    """auto: CUDA when present, else the CPU; UserError when `flag` asks for CUDA and none is visible."""
     if choice == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if choice.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"{flag} {choice} was asked for but no CUDA GPU is visible; use {flag} cpu (what auto picks "
+                        "when no GPU is present).")
     return torch.device(choice)
 
 

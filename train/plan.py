@@ -200,8 +200,8 @@ def over_budget_text(oom: StepOutOfMemory, chosen: PlanRow, args, budget: int, b
 
 
 def plan_command(cfg, latent_shape: tuple, num_classes: int, gpu_memory: int | None) -> str | None:
-    """The `python -m train.plan` command for a resolved TrainConfig on a card of `gpu_memory` bytes (None: off CUDA);
-    None where the planner cannot measure the run (a head other than the preset's, REPA's projector)."""
+    """The `python -m train.plan` command for a resolved TrainConfig on a `gpu_memory`-byte card (None: off CUDA)."""
+    # None where the planner cannot measure the run: a head other than the preset's, or REPA's projector
     from shared.network.models import preset_head
 
     if cfg.repa_weight > 0 or any(getattr(cfg, k) != v for k, v in preset_head(cfg.model).items()):
@@ -223,8 +223,7 @@ def plan_command(cfg, latent_shape: tuple, num_classes: int, gpu_memory: int | N
 
 def out_of_memory_error(cfg, latent_shape: tuple, num_classes: int, step: int, last_checkpoint, error,
                         gpu_memory: int | None) -> UserError:
-    """The paragraph `python -m train` ends with when a step runs out of memory: the smaller setting to rerun with
-    (the micro-batch and checkpointing may change on resume), the planner's command, and the checkpoint kept."""
+    """`python -m train`'s out-of-memory paragraph: the smaller settings to resume with, the planner, the checkpoint."""
     per_process = cfg.global_batch_size // cfg.world_size
     smaller = smaller_micro(cfg.micro_batch_size, per_process)
     fixes = []
