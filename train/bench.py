@@ -3,10 +3,6 @@
 Each configuration gets a fresh learner from train/step.py, timed on the trainer's own `train_step` over synthetic
 micro-batches; warm-up (and compilation) excluded, the median of the timed steps reported, each bracketed by device
 syncs. MFU = 6 x forward MACs per image (recomputation not counted) x images/s / device peak FLOP/s.
-
-`--preset changes-gpu` (DiT-XL/2, bf16, micro-batch 256) and `--preset changes-cpu` (tiny) put the step as it was
-before issue 34 (eager, the host reading loss and grad norm every step) beside each change on its own and all
-together: no host sync, foreach instead of fused AdamW, regional torch.compile, selective checkpointing.
 """
 from shared.runtime.interrupt import guard_imports, interruptible
 

@@ -68,13 +68,8 @@ def header_lines(args, config, tokens, n_params, n_trainable, device) -> list[st
           if args.route_ratio else []))
 
 
-def compute_lines(meta, route, batch: int) -> list[str]:
+def compute_lines(meta, kept: int | None, batch: int) -> list[str]:
     """Forward MACs per image counted from the modules (the head's share), and the training FLOPs per step."""
-    kept = None
-    if route is not None:
-        ratio, start, end = route
-        meta.set_routing(start, end)
-        kept = kept_tokens(meta.x_embedder.num_patches, ratio)
     macs, head = forward_macs(meta, kept)["total"], head_macs(meta, kept)
     step = train_flops_per_image(meta, kept)
     where = f" ({head / 1e9:.1f} in the DiT^DH head's {len(meta.blocks) - meta.depth} blocks)" if head else ""
@@ -132,9 +127,8 @@ def summary_line(row: PlanRow, batch: int) -> str:
 VERIFY_TIMED_STEPS = 5  # steps timed after the measured one (their median is printed)
 
 
-def verify_lines(measured, chosen: PlanRow, meta, route) -> list[str]:
+def verify_lines(measured, chosen: PlanRow, meta, kept: int | None) -> list[str]:
     """Predicted next to measured: the peak memory, and the step time with the FLOPs it achieved."""
-    kept = kept_tokens(meta.x_embedder.num_patches, route[0]) if route else None
     flops = train_flops_per_image(meta, kept) * measured.images
     seconds = sorted(measured.seconds)[len(measured.seconds) // 2]
     return [f"verify: predicted peak {format_size(chosen.peak)}, measured max_memory_allocated "
@@ -300,13 +294,14 @@ def check_args(args):
         raise UserError(f"--grad-checkpoint must be 0 (off) or a positive interval, got {args.grad_checkpoint}.")
 
 
-def plan_route(args, config) -> tuple[float, int, int] | None:
-    """(ratio, start, end) of the token route the flags ask for (TREAD's span by default), or None; UserError."""
+def plan_route(args, config, meta) -> tuple[tuple[float, int, int] | None, int | None]:
+    """((ratio, start, end), kept tokens) of the route the flags ask for (TREAD's span by default), set on `meta`."""
     if not args.route_ratio:
-        return None
+        return None, None
     start, end = route_span(args.model, config.input_size, args.route_ratio, args.route_start, args.route_end)
     args.route_start, args.route_end = start, end  # the header and --verify show and use the resolved span
-    return args.route_ratio, start, end
+    meta.set_routing(start, end)
+    return (args.route_ratio, start, end), kept_tokens(meta.x_embedder.num_patches, args.route_ratio)
 
 
 def run(args) -> str:
@@ -319,17 +314,17 @@ def run(args) -> str:
     device = measure_device(args.measure_device)
     meta = config.build(device="meta")  # shapes only, no allocation
     choices = checkpoint_choices(args.grad_checkpoint, len(meta.blocks))
-    route = plan_route(args, config)
+    route, kept = plan_route(args, config, meta)
     profiles, n_params, n_trainable = measure_profiles(config, args.precision, choices, device, route)
     fixed = fixed_state(n_params, n_trainable, args.optimizer, args.ema_device)
     rows = [plan_row(p, fixed.total, args.gpu_memory - args.margin, batch) for p in profiles]
     chosen = next(r for r in rows if r.profile.every == args.grad_checkpoint)
     lines = header_lines(args, config, meta.x_embedder.num_patches, n_params, n_trainable, device)
-    lines += compute_lines(meta, route, batch)
+    lines += compute_lines(meta, kept, batch)
     lines += fixed_lines(fixed, args)
     lines += table_lines(rows, args.grad_checkpoint, args.margin) + [summary_line(chosen, batch)]
     if args.verify and chosen.micro is not None:
-        lines += verify_lines(verify_plan(config, args, chosen, batch), chosen, meta, route)
+        lines += verify_lines(verify_plan(config, args, chosen, batch), chosen, meta, kept)
     return "\n".join(lines)
 
 

@@ -1,12 +1,7 @@
 """What watches a run from the training side: the --report-to tracker, curves at checkpoints, the preview watcher.
 
-- Tracker: Accelerate's experiment trackers (`Accelerator(log_with=...)`, `init_trackers`, `accelerator.log`),
-  main process only. TensorBoard writes RUN/tensorboard/train/; wandb a run named after the run folder.
-- CurvesCallback: RUN/curves.png (train/plot.py) redrawn after every checkpoint; a plotting failure is
-  logged and training goes on.
-- WatcherCallback (--watch-vae): starts `python -m sample watch` as a separate CPU process that decodes the
-  --sample-every previews into grids, so pictures appear during training while the VAE (and diffusers)
-  never enter the training process or its GPU memory.
+The tracker is Accelerate's (TensorBoard in RUN/tensorboard/train/, or wandb). The watcher (--watch-vae) is a
+separate CPU process, `python -m sample watch`: the VAE (and diffusers) never enter the training process or its GPU.
 """
 from __future__ import annotations
 
