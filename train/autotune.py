@@ -104,8 +104,8 @@ def say(line: str) -> None:
     print(f"auto: {line}", file=sys.stderr, flush=True)
 
 
-def confirm(cfg, model_config, row, per_process: int, budget: int, measure: Callable) -> tuple[int, int | None, list]:
-    """(micro-batch, measured peak or None, tries): step down, saying so, while a real step does not fit the budget."""
+def confirm(cfg, model_config, row, per_process: int, budget: int, measure: Callable) -> tuple[int, list]:
+    """(micro-batch, tries): step down, saying so, while a real step does not fit the budget."""
     micro, tries = row.micro, []
     for _ in range(CONFIRM_TRIES):
         try:
@@ -114,7 +114,7 @@ def confirm(cfg, model_config, row, per_process: int, budget: int, measure: Call
             peak = OUT_OF_MEMORY
         tries.append({"micro": micro, "peak": peak})
         if peak is None or 0 <= peak <= budget:
-            return micro, peak, tries
+            return micro, tries
         smaller = smaller_micro(micro, per_process)
         if smaller is None:
             break
@@ -181,7 +181,7 @@ def _plan_on_gpu(cfg, model_config, info: DeviceInfo, world_size: int, measure: 
         raise _no_fit_error(cfg, info, budget)
     record = {"margin": margin, "budget": budget, "plan": _rows_record(rows)}
     if not explicit:
-        cfg.micro_batch_size, peak, tries = confirm(cfg, model_config, row, per_process, budget, measure)
+        cfg.micro_batch_size, tries = confirm(cfg, model_config, row, per_process, budget, measure)
         record.update(predicted_peak=row.peak, confirmed=tries)
     cfg.grad_checkpoint = row.profile.every
     return record

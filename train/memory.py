@@ -406,11 +406,14 @@ class CudaAllocator:
     """The CUDA caching allocator as --verify and autotune's confirmation read it (the seam a CPU test replaces)."""
 
     device = torch.device("cuda")
-
-    def available(self) -> bool:
-        return torch.cuda.is_available()
+    available = staticmethod(torch.cuda.is_available)
+    synchronize = staticmethod(torch.cuda.synchronize)
+    reset_peak = staticmethod(torch.cuda.reset_peak_memory_stats)
+    peak = staticmethod(torch.cuda.max_memory_allocated)  # since reset_peak: what the planner predicts
+    reserved = staticmethod(torch.cuda.memory_reserved)  # allocated plus the unused parts of its segments
 
     def total(self) -> int:
+        """Bytes of the card."""
         return torch.cuda.get_device_properties(self.device).total_memory
 
     def release(self) -> None:
@@ -418,18 +421,6 @@ class CudaAllocator:
         gc.collect()
         if torch.cuda.is_initialized():
             torch.cuda.empty_cache()
-
-    def synchronize(self) -> None:
-        torch.cuda.synchronize(self.device)
-
-    def reset_peak(self) -> None:
-        torch.cuda.reset_peak_memory_stats(self.device)
-
-    def peak(self) -> int:
-        return torch.cuda.max_memory_allocated(self.device)
-
-    def reserved(self) -> int:
-        return torch.cuda.memory_reserved(self.device)
 
     @contextlib.contextmanager
     def capped(self, limit: int):
