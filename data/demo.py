@@ -1,12 +1,8 @@
 """`python -m data.demo [--out demo-out] [--quick]`: the whole pipeline on handwritten digits, on the CPU.
 
-digits ImageFolder -> `python -m extract` (the committed tiny VAE, no flips: a mirrored 3 is not a 3)
--> `python -m train` (DiT-T/2, the sit recipe: flow matching) -> `python -m sample` (one grid row per class,
-with guidance) -> a scikit-learn judge reports the share of samples showing the digit they were asked for,
-and the digits Fréchet distance (evaluate/digits.py) their distance from the real digits -> `python -m
-evaluate run` draws that distance over the run's EMA exports (few samples each, so its points are noisy).
-Every stage runs as a real subprocess of the real CLI, so the demo exercises exactly what users run.
-Rerunning the same command resumes: each stage skips the work already on disk.
+digits ImageFolder -> extract (the committed tiny VAE, no flips) -> train (DiT-T/2, sit recipe) -> sample -> a judge's
+class match and the digits FD -> `evaluate run` over the EMA exports. Every stage runs as a subprocess of the real CLI;
+rerunning the same command resumes.
 """
 from shared.runtime.interrupt import EXIT_STATUS, QUIET_ENV, guard_imports, interruptible
 
@@ -36,7 +32,6 @@ ROOT = Path(__file__).resolve().parents[1]  # the repository: stages run as `pyt
 @dataclass(frozen=True)
 class Recipe:
     """The knobs of one demo mode: training length and sampling effort."""
-
     name: str
     train_steps: int
     batch_size: int
@@ -78,11 +73,7 @@ def stage_dirs(out: Path, recipe: Recipe) -> dict:
 
 
 def run_child(cmd: list) -> int:
-    """Run a stage in its own process group; a Ctrl-C is passed on to it and waited for; its exit status.
-
-    Why: the stage must finish its cleanup (temp files removed) before the demo leaves, and only the demo says
-    the one interrupt line (the stage is told to stay silent), since rerunning the demo is what resumes.
-    """
+    """Run a stage in its own process group; a Ctrl-C is passed on to it and waited for; its exit status."""
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, QUIET_ENV: "1"}, start_new_session=True)
     try:
         rc = proc.wait()
@@ -105,8 +96,7 @@ def run_stage(name: str, args: list) -> float:
     if rc != 0:
         raise UserError(
             f"The {name} stage failed with exit status {rc} (its message is printed above). Fix what it says "
-            f"and rerun the same command: finished stages are resumed, not redone; or pass a new --out."
-        )
+            f"and rerun the same command: finished stages are resumed, not redone; or pass a new --out.")
     return time.time() - start
 
 
@@ -147,7 +137,6 @@ def curve_args(dirs: dict, recipe: Recipe, seed: int) -> list:
 def digits_distance(samples_dir: Path) -> tuple[float, float]:
     """Digits Fréchet distance of samples.npz and of as many real digits (the floor at that count)."""
     from evaluate.digits import digits_fd, real_floor
-
     with np.load(samples_dir / "samples.npz") as npz:
         images = npz["arr_0"]
     return digits_fd(images), real_floor(len(images))
@@ -156,14 +145,12 @@ def digits_distance(samples_dir: Path) -> tuple[float, float]:
 def curve_png(run: Path) -> Path:
     """The quality-curve PNG that `python -m evaluate run` draws in the run folder."""
     from shared.runtime.rundir import eval_plot_path
-
     return eval_plot_path(run).resolve()
 
 
 def judge_samples(samples_dir: Path) -> tuple[float, int]:
     """Class match of samples.npz (arr_0 uint8 N x H x W x 3, labels) and the number of images judged."""
     from data.judge import class_match
-
     with np.load(samples_dir / "samples.npz") as npz:
         images, labels = npz["arr_0"], npz["labels"]
     return class_match(images, labels), len(labels)

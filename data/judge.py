@@ -1,8 +1,6 @@
 """A scikit-learn judge for the digits demo: does a generated image show the digit it was asked for?
 
-The classifier sees what the original dataset holds: 8x8 grayscale in the 0..16 range. Any image is
-brought there by averaging to grayscale and box-downsampling to 8x8, which undoes the demo's smooth
-32x32 upscaling almost exactly.
+It sees images as the dataset holds them: grayscale 8x8 in 0..16, by box-downsampling (undoes the demo's upscaling).
 """
 from functools import lru_cache
 
@@ -29,7 +27,6 @@ def to_features(images: np.ndarray) -> np.ndarray:
 def fit_judge(images: np.ndarray, labels: np.ndarray):
     """Fit the judge (RBF SVC, the classic load_digits setting) on uint8 images and labels."""
     from sklearn.svm import SVC
-
     return SVC(gamma=0.001, C=10.0).fit(to_features(images), labels)
 
 

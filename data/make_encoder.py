@@ -1,12 +1,8 @@
 """A tiny DINOv2-architecture encoder for REPA on the digits demo: `python -m data.make_encoder --out DIR`.
 
-REPA needs a frozen encoder with meaningful patch features; DINOv2-B (ImageNet) knows nothing of 32x32 digits.
-So this trains a transformers Dinov2Model (4 layers, width 64, patch 8: 4x4 = 16 patch tokens at 32 px, the
-DiT-T/2 token grid of the demo's 8x8 latents) for 150 steps of 64 images to classify the digits from its mean
-patch token (light random shifts as augmentation), then saves it with save_pretrained, so extract loads it
-exactly as it loads a released DINOv2. It is deliberately NOT the digits FD network (evaluate/digits.py: a
-3-block CNN fitted with another seed and recipe): a transformer, other weights, other training. Caveat: both
-learn from the digit labels, so its features are class-aware, as DINOv2's are semantic on ImageNet.
+A transformers Dinov2Model (4 layers, width 64, patch 8: the demo's 4x4 token grid) trained to classify the digits
+from its mean patch token, saved with save_pretrained so extract loads it as a released DINOv2. Not the digits FD
+network (another architecture, seed and recipe), though both learn from the labels.
 """
 from __future__ import annotations
 
@@ -31,17 +27,21 @@ SEED = 1234  # not the digits FD network's seed
 def build(seed: int = SEED):
     """A random Dinov2Model sized for 32x32 digits, and a linear class head on its mean patch token."""
     from transformers import Dinov2Config, Dinov2Model
-
     torch.manual_seed(seed)
     config = Dinov2Config(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, mlp_ratio=2, patch_size=8,
                           image_size=IMAGE_SIZE)
     return Dinov2Model(config), torch.nn.Linear(64, NUM_CLASSES)
 
 
+def to_unit(pixels: torch.Tensor) -> torch.Tensor:
+    """uint8 (N, S, S, 3) -> float (N, 3, S, S) in [0, 1] (the AutoencoderRAE's image range)."""
+    return pixels.permute(0, 3, 1, 2).float() / 255.0
+
+
 def normalise(pixels: torch.Tensor) -> torch.Tensor:
     """uint8 (N, S, S, 3) -> (N, 3, S, S) normalised as the extract stage feeds the encoder."""
-    x = pixels.permute(0, 3, 1, 2).float() / 255.0
-    return (x - torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)) / torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+    mean, std = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1), torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+    return (to_unit(pixels) - mean) / std
 
 
 def patch_tokens(encoder, x: torch.Tensor) -> torch.Tensor:

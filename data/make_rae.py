@@ -1,24 +1,10 @@
 """A representation autoencoder (RAE) for the digits, in diffusers' AutoencoderRAE format: `python -m data.make_rae`.
 
-RAE (Zheng, Ma, Tong, Xie 2025; bytetriper/RAE) pairs a frozen representation encoder (DINOv2 with registers,
-its last LayerNorm without affine parameters) with a ViT decoder trained to reconstruct pixels from the encoder's
-patch tokens, normalised per element (C, H, W) by dataset statistics. The digits version, built in three steps:
-
-1. The encoder: the AutoencoderRAE's own Dinov2WithRegistersModel, shaped as our digits encoder
-   (data/make_encoder.py: 4 layers, width 64, patch 8, 32 px -> 4x4 tokens; AutoencoderRAE fixes one head of 64,
-   MLP ratio 4 and 4 registers) and fitted with make_encoder's recipe (`data.make_encoder.fit`: classify the
-   digits from the mean patch token), then frozen. make_encoder's trained Dinov2Model cannot be copied in exactly:
-   4 heads of 16 are not 1 head of 64, its 4x4 position table is not the 37x37 one AutoencoderRAE builds
-   (image_size 518) and interpolates, and the 4 register tokens join every attention.
-2. The statistics: the per-element mean and std (64, 4, 4) of the frozen tokens over the training digits, stored
-   as latents_mean / latents_std in the config (diffusers normalises (z - mean) / (std + 1e-5)).
-3. The decoder: ViT blocks of width 128 (RAE's ViT-MAE decoder, smaller) trained with an MSE pixel loss on the
-   frozen, normalised tokens (RAE adds LPIPS and a GAN; digits do not need them), with RAE's noise augmentation:
-   each training image's raw tokens get Gaussian noise of a std drawn uniformly in [0, noise_tau] (RAE's stage-1
-   configs: noise_tau 0.8), so the decoder also reads the imperfect tokens a diffusion model generates.
-
-Every 10th digit is held out of all three steps; the reconstruction PSNR on those is printed beside the digits
-VAE's (data/vae-digits, which saw them in training). Images enter and leave an AutoencoderRAE in [0, 1].
+RAE (Zheng et al. 2025) pairs a frozen representation encoder with a ViT decoder trained on its patch tokens,
+normalised per element. Here: (1) AutoencoderRAE's own Dinov2WithRegisters encoder shaped as data/make_encoder.py's
+and fitted with its recipe, then frozen; (2) the per-element mean and std (64, 4, 4) of its tokens as latents_mean /
+latents_std; (3) a small ViT decoder trained with pixel MSE and RAE's noise augmentation (std U[0, noise_tau]). Every
+10th digit is held out; its reconstruction PSNR is printed beside the digits VAE's.
 """
 from __future__ import annotations
 
@@ -35,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from data.make_encoder import fit, normalise, accuracy
+from data.make_encoder import accuracy, fit, normalise, to_unit
 from shared.datasets.digits import IMAGE_SIZE, NUM_CLASSES, digit_images
 from shared.runtime.cli import HelpFormatter
 from shared.runtime.errors import UserError, cli_errors
@@ -62,26 +48,17 @@ def split(count: int) -> tuple[torch.Tensor, torch.Tensor]:
 def build_rae(seed: int, noise_tau: float):
     """A randomly initialised digits AutoencoderRAE (encoder and decoder from config, no download)."""
     from diffusers import AutoencoderRAE
-
     torch.manual_seed(seed)
     return AutoencoderRAE(**ENCODER, **DECODER, noise_tau=noise_tau)
 
 
 def fit_encoder(rae, pixels: torch.Tensor, labels: torch.Tensor, steps: int, seed: int) -> tuple[float, callable]:
-    """Fit rae.encoder with make_encoder's recipe on uint8 pixels (N, S, S, 3), then freeze it.
-
-    Returns (training accuracy, a function giving the accuracy of other pixels).
-    """
+    """Fit rae.encoder with make_encoder's recipe on uint8 pixels (N, S, S, 3), then freeze it."""
     head = torch.nn.Linear(ENCODER["encoder_hidden_size"], NUM_CLASSES)
     rae.encoder.requires_grad_(True)
     train_accuracy = fit(rae.encoder, head, normalise(pixels), labels, steps, seed=seed)
     rae.encoder.requires_grad_(False)  # frozen from here on, as AutoencoderRAE builds it
     return train_accuracy, lambda p, y: accuracy(rae.encoder, head, normalise(p), y)
-
-
-def to_unit(pixels: torch.Tensor) -> torch.Tensor:
-    """uint8 (N, S, S, 3) -> float (N, 3, S, S) in [0, 1], the AutoencoderRAE's image range."""
-    return pixels.permute(0, 3, 1, 2).float() / 255.0
 
 
 @torch.no_grad()
@@ -133,7 +110,6 @@ def vae_psnr(x: torch.Tensor) -> float:
     from diffusers import AutoencoderKL
 
     from data.make_vae import DEFAULT_OUT as VAE_DIR, reconstruct
-
     vae = AutoencoderKL.from_pretrained(VAE_DIR).eval()
     return psnr((reconstruct(vae, x * 2 - 1) + 1) / 2, x)  # the VAE works in [-1, 1]
 

@@ -1,10 +1,7 @@
 """Train the demo's tiny AutoencoderKL on the digits (CPU, a few minutes) and save it with its scaling factor.
 
-`python -m data.make_vae [--out data/vae-digits]`. 32x32 RGB -> 4x8x8 latents (downsample 4), so DiT-T/2
-sees 16 tokens. Loss = pixel MSE + a small KL to N(0, I) (the LDM recipe without the perceptual and GAN
-terms, which digits do not need). The config's `scaling_factor` is set the way Stable Diffusion's was
-chosen (Rombach et al. 2022, LDM: latents rescaled by 1 / their std estimated on the data), so the DiT sees
-latents of about unit variance.
+`python -m data.make_vae [--out data/vae-digits]`: 32x32 RGB -> 4x8x8 latents; pixel MSE + a small KL (LDM without
+the perceptual and GAN terms); scaling_factor = 1 / std of the latents, as Stable Diffusion's was chosen.
 """
 from shared.runtime.interrupt import guard_imports, interruptible
 
@@ -20,9 +17,10 @@ import torch
 from tqdm import tqdm
 
 from shared.datasets.digits import digit_images
-from shared.runtime.errors import UserError, exit_with
+from shared.runtime.errors import UserError, cli_errors
 from shared.tokenizers.pixels import channels_first, to_uint8
 
+PROG = "python -m data.make_vae"
 DEFAULT_OUT = Path(__file__).resolve().parent / "vae-digits"
 WIDTHS = (16, 32, 32)  # three levels -> downsample factor 4 (32x32 -> 8x8)
 LATENT_CHANNELS = 4
@@ -31,7 +29,6 @@ LATENT_CHANNELS = 4
 def build_vae(seed: int = 0):
     """A small randomly initialised AutoencoderKL: 32x32 RGB <-> 4x8x8 latents."""
     from diffusers import AutoencoderKL
-
     torch.manual_seed(seed)
     levels = len(WIDTHS)
     return AutoencoderKL(
@@ -102,7 +99,6 @@ def reconstruct(vae, x: torch.Tensor, batch_size: int = 256) -> torch.Tensor:
 def report(vae, x: torch.Tensor, images: np.ndarray, labels: np.ndarray) -> dict:
     """Reconstruction MSE and judge accuracy on reconstructions vs on the real digits."""
     from data.judge import class_match
-
     recon = reconstruct(vae, x)
     return {
         "recon_mse": float(torch.mean((recon.clamp(-1, 1) - x) ** 2)),
@@ -127,7 +123,7 @@ def make_vae(out: Path, steps: int, batch_size: int, lr: float, kl_weight: float
 
 def parse_args(argv=None) -> argparse.Namespace:
     """Command-line flags."""
-    p = argparse.ArgumentParser(prog="python -m data.make_vae", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder to save_pretrained the VAE into")
     p.add_argument("--steps", type=int, default=400, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=32, help="images per step")
@@ -137,20 +133,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-@interruptible("python -m data.make_vae")
+@interruptible(PROG)
 def main(argv=None) -> None:
     """Entry point: train, save and print the numbers."""
     args = parse_args(argv)
-    prog = "python -m data.make_vae"
-    try:
+    with cli_errors(PROG):
         if args.steps < 1 or args.batch_size < 1:
             raise UserError("--steps and --batch-size must be positive integers; pass e.g. --steps 1500.")
         # A fixed thread count keeps the float reductions, hence the saved weights, the same on every run.
         torch.set_num_threads(min(2, torch.get_num_threads()))
         start = time.time()
         stats = make_vae(args.out, args.steps, args.batch_size, args.lr, args.kl_weight, args.seed)
-    except UserError as err:
-        exit_with(err, prog)
     print(f"saved {args.out} in {time.time() - start:.0f}s")
     for key, value in stats.items():
         print(f"  {key}: {value:.4f}")

@@ -41,11 +41,9 @@ def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["run"]:
         from evaluate.curve import main_run
-
         return main_run(argv[1:])
     if argv[:1] == ["reference"]:
         from evaluate.reference import main_reference
-
         return main_reference(argv[1:])
     with cli_errors(PROG, FLAGS):
         evaluate_samples(from_args(EvalOptions, eval_parser().parse_args(argv)))

@@ -1,9 +1,7 @@
 """`python -m evaluate run RUN --num-samples N`: quality over training, one point per EMA export, and its PNG.
 
-Each export not yet evaluated with these settings is sampled through `python -m sample`'s own code path
-(shared.sampling.generate.run_sample: same seeds, same decoding, same rank split under `accelerate launch`),
-evaluated against the reference, and appended to RUN/eval.jsonl ("step" + the metrics + the settings). A rerun continues:
-exports already in eval.jsonl with the same settings are skipped. RUN/eval.png is redrawn after every export.
+Each export not yet evaluated with these settings is sampled through `python -m sample`'s own code path, evaluated,
+and appended to RUN/eval.jsonl; a rerun skips those done; RUN/eval.png is redrawn after every export.
 """
 from __future__ import annotations
 
@@ -18,6 +16,7 @@ from pathlib import Path
 from evaluate.evaluation import (FEATURES, INCEPTION_WEIGHTS, IS_SPLIT, REF, EvalOptions, append_jsonl, check_options,
                                  evaluate_samples, process_info)
 from evaluate.features import check_image_size
+from evaluate.images import open_npz_images
 from evaluate.metrics import check_split_size
 from evaluate.stats import check_reference, open_reference
 from shared.runtime import rundir
@@ -38,9 +37,7 @@ CURVE_METRICS = (("fid", "FID"), ("sfid", "sFID"), ("inception_score", "Inceptio
 
 @dataclass(kw_only=True)
 class RunEvalOptions(SamplingFlags):
-    """Everything `python -m evaluate run` accepts (one field per flag: its default and help; the sampling flags are
-    python -m sample's, with cheaper defaults for a curve)."""
-
+    """Everything `python -m evaluate run` accepts: sample's sampling flags, with cheaper defaults for a curve."""
     run: str = option(help="training run folder (its exports/ema-step-*.safetensors are evaluated)", positional=True,
                       metavar="RUN")
     num_samples: int = option(help="images drawn per export (published FID: 50000; fewer give a higher, noisier FID)")
@@ -91,8 +88,7 @@ def read_rows(run: Path) -> list[dict]:
 
 
 def matching(rows: list[dict], settings: dict) -> list[dict]:
-    """The rows measured with exactly these settings, by step (one series of shared/runtime/evalcurve.py: a row
-    with a --cfg-interval never matches settings without one, and the reverse)."""
+    """The rows measured with exactly these settings, by step (one series of shared/runtime/evalcurve.py)."""
     return same_series(rows, settings)
 
 
@@ -124,7 +120,6 @@ def check_run(o: RunEvalOptions) -> list[Path]:
 def export_image_size(path: Path) -> int | None:
     """The image size recorded in an export's latent metadata (header only), or None when it does not say."""
     from safetensors import safe_open
-
     try:
         with safe_open(str(path), framework="pt") as f:
             return int(json.loads((f.metadata() or {})["latents"])["image_size"])
@@ -136,7 +131,6 @@ def sample_export(export: Path, out: Path, o: RunEvalOptions) -> Path:
     """Draw o.num_samples images of `export` into `out` with python -m sample's code path; return samples.npz."""
     from shared.sampling.generate import SampleOptions, run_sample
     from shared.sampling.outputs import NPZ_NAME
-
     drawing = {f.name: getattr(o, f.name) for f in dataclasses.fields(SamplingFlags)}  # the one flag family
     options = SampleOptions(ckpt=str(export), vae=o.vae, num_samples=o.num_samples, seed=o.seed,
                             batch_size=o.batch_size, out=str(out), npz=True, cpu=o.cpu, **drawing)
@@ -144,11 +138,9 @@ def sample_export(export: Path, out: Path, o: RunEvalOptions) -> Path:
 
 
 def resolve_run_sampling(o: RunEvalOptions, export: Path) -> RunEvalOptions:
-    """o with what the exports sample with: the flags given, else the model's recorded sampling half (its recipe's),
-    else the objective's fast deterministic sampler; every export of a run records the same."""
+    """o with what the exports sample with: the flags given, else the model's recorded sampling, else the fast one."""
     from shared.generative.objectives import objective_of
     from shared.runtime.export import read_config
-
     config = read_config(export)
     plan = resolve_sampling(objective_of(config), o.sampler, given_sampler_options(o), o.cfg_interval, config.sampling,
                             guided=o.cfg_scale != 1.0, fast=True)
@@ -162,7 +154,7 @@ def evaluate_export(export: Path, o: RunEvalOptions, settings: dict, net, state)
     out = rundir.eval_samples_dir(run, step, settings_tag(settings))
     npz = sample_export(export, out, o)
     state.wait_for_everyone()  # rank 0 writes samples.npz after the others finished drawing
-    check_image_size(o.features, _image_size(npz))
+    check_image_size(o.features, open_npz_images(npz).size)
     record = evaluate_samples(EvalOptions(samples=str(npz), ref=o.ref, features=o.features,
                                           batch_size=o.eval_batch_size, is_split_size=o.is_split_size,
                                           inception_weights=o.inception_weights, cpu=o.cpu, no_save=True), net=net)
@@ -175,18 +167,10 @@ def evaluate_export(export: Path, o: RunEvalOptions, settings: dict, net, state)
     return record
 
 
-def _image_size(npz: Path):
-    """(H, W) of a samples npz."""
-    from evaluate.images import open_npz_images
-
-    return open_npz_images(npz).size
-
-
 def run_evaluation(o: RunEvalOptions) -> list[dict]:
     """Evaluate every export not yet in RUN/eval.jsonl with these settings; draw RUN/eval.png; return the curve."""
     from shared.runtime.distributed import process_state
     from shared.sampling.compiled import check_compile
-
     exports = check_run(o)
     o = resolve_run_sampling(o, exports[-1])
     settings = settings_of(o)
@@ -200,7 +184,6 @@ def run_evaluation(o: RunEvalOptions) -> list[dict]:
     net = None
     if todo:
         from evaluate.features import build_features
-
         _, _, device = process_info(o.cpu)
         net = build_features(o.features, "cpu" if o.cpu else device, o.inception_weights)
     for export in todo:
@@ -213,9 +196,7 @@ def run_evaluation(o: RunEvalOptions) -> list[dict]:
     return rows
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The PNG
-# ----------------------------------------------------------------------------------------------------------
+# ---- The PNG ----
 
 def curve_title(settings: dict) -> str:
     """One line naming what the points measure."""
@@ -227,7 +208,6 @@ def curve_title(settings: dict) -> str:
 def draw_curve(run: Path, settings: dict) -> Path | None:
     """RUN/eval.png: one panel per metric present, value against training step (matplotlib Agg, no pyplot)."""
     from matplotlib.figure import Figure
-
     rows = matching(read_rows(run), settings)
     panels = [(key, title, metric_lines(rows, key)) for key, title in CURVE_METRICS]
     panels = [(key, title, lines) for key, title, lines in panels if finite_values(lines)]
@@ -246,9 +226,7 @@ def draw_curve(run: Path, settings: dict) -> Path | None:
     return path
 
 
-# ----------------------------------------------------------------------------------------------------------
-# CLI
-# ----------------------------------------------------------------------------------------------------------
+# ---- CLI ----
 
 def run_parser() -> argparse.ArgumentParser:
     """Parser of `python -m evaluate run`."""
@@ -262,7 +240,6 @@ def main_run(argv) -> None:
     with cli_errors(PROG, FLAGS):
         options = from_args(RunEvalOptions, run_parser().parse_args(argv))
         from shared.generative.objectives import import_plugins
-
         import_plugins(options.plugin)  # before the exports' objective is looked up
         rows = run_evaluation(options)
         if rows:

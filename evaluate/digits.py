@@ -1,20 +1,14 @@
 """The digits yardstick: a Fréchet distance in the feature space of a small CNN fitted to scikit-learn's digits.
 
-Inception features are meaningless on 32x32 white-on-black digits, so the demo measures quality with a network
-that knows them: a 3-block CNN trained (fixed seed, one thread, ~5 s on a CPU) to classify the 1,797 real digits
-as `shared/datasets/digits.py` writes them. Its penultimate layer (64 features, before the ReLU, so no unit is dead) plays the
-role of Inception's pool_3; the reference is the full real set. The fitted weights are cached under the user
-cache folder, keyed by a hash of the recipe and the data, so every process and every run uses the same network.
-
-    from evaluate.digits import digits_fd
-    digits_fd(images)   # images uint8 (N, 32, 32, 3) -> float, lower is better; real digits score ~0
+Inception features mean nothing on 32x32 digits, so a 3-block CNN is fitted (fixed seed, one thread, ~5 s) to the
+1,797 real digits; its 64 pre-ReLU penultimate features play pool_3's role, the full real set is the reference, and
+the weights are cached by a hash of recipe and data. `digits_fd(images)`: uint8 (N, 32, 32, 3) -> float.
 """
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import json
-import os
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,7 +21,7 @@ import torch.nn.functional as F
 from shared.datasets.digits import IMAGE_SIZE, NUM_CLASSES, digit_images
 from evaluate.metrics import frechet_distance_to, mean_cov
 from shared.runtime.errors import UserError
-from shared.runtime.fsio import atomic_write
+from shared.runtime.fsio import atomic_write, user_cache
 
 FEATURES = "digits"
 
@@ -35,7 +29,6 @@ FEATURES = "digits"
 @dataclass(frozen=True)
 class DigitsRecipe:
     """Everything that decides the fitted weights; its hash names the cache file."""
-
     version: int = 1
     widths: tuple = (16, 32, 64)   # conv channels of the three blocks (32 -> 16 -> 8 -> 4 pixels)
     feature_dim: int = 64          # penultimate width: the feature vector
@@ -52,7 +45,6 @@ RECIPE = DigitsRecipe()
 
 class DigitsNet(nn.Module):
     """Three conv-ReLU-maxpool blocks, a 64-wide hidden layer (the features) and a 10-way classifier."""
-
     def __init__(self, recipe: DigitsRecipe = RECIPE):
         super().__init__()
         layers, c_in = [], 3
@@ -73,9 +65,7 @@ class DigitsNet(nn.Module):
         return self.head(F.relu(self.features(x)))
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Inputs
-# ----------------------------------------------------------------------------------------------------------
+# ---- Inputs ----
 
 def check_images(images, size: int = IMAGE_SIZE) -> np.ndarray:
     """UserError unless `images` is uint8 (N, size, size, 3) with N >= 2; returns it as an array."""
@@ -103,9 +93,7 @@ def shifted(x: torch.Tensor, max_shift: int, generator: torch.Generator) -> torc
     return torch.stack([padded[i, :, dy:dy + s, dx:dx + s] for i, (dy, dx) in enumerate(offsets.tolist())])
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Fitting and the cache
-# ----------------------------------------------------------------------------------------------------------
+# ---- Fitting and the cache ----
 
 @contextlib.contextmanager
 def one_thread():
@@ -155,9 +143,8 @@ def recipe_key(recipe: DigitsRecipe, data_hash: str) -> str:
 
 
 def cache_dir() -> Path:
-    """The user cache folder of the evaluation stage ($XDG_CACHE_HOME or ~/.cache)."""
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "dit-latent-pipeline" / "evaluate"
+    """The user cache folder of the evaluation stage."""
+    return user_cache("evaluate")
 
 
 def weights_path(key: str) -> Path:
@@ -168,23 +155,18 @@ def weights_path(key: str) -> Path:
 def load_or_fit(recipe: DigitsRecipe = RECIPE) -> tuple[DigitsNet, str]:
     """The fitted network and its key: read from the cache, or fitted and cached (atomic write, safe to race)."""
     from safetensors.torch import load_file, save_file
-
     images, labels = digit_images(recipe.image_size)
     key = recipe_key(recipe, data_sha256(images, labels))
     path = weights_path(key)
     net = DigitsNet(recipe)
     if path.is_file():
-        try:
+        with contextlib.suppress(Exception):  # a damaged cache file is refitted and replaced, never trusted
             net.load_state_dict(load_file(path))
             return net.eval(), key
-        except Exception:  # noqa: BLE001 - a damaged cache file is refitted and replaced, never trusted
-            pass
     net = fit(recipe, images, labels)
     state = {k: v.contiguous() for k, v in net.state_dict().items()}
-    try:
+    with contextlib.suppress(OSError):  # an unwritable cache only costs the refit next time
         atomic_write(path, lambda tmp: save_file(state, str(tmp), metadata={"recipe": json.dumps(asdict(recipe))}))
-    except OSError:
-        pass  # an unwritable cache only costs the refit next time
     return net, key
 
 
@@ -206,9 +188,7 @@ def identity() -> dict:
     return {"name": FEATURES, "recipe": key, "feature_dim": RECIPE.feature_dim, "image_size": RECIPE.image_size}
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Features and the distance
-# ----------------------------------------------------------------------------------------------------------
+# ---- Features and the distance ----
 
 @torch.no_grad()
 def digits_features(images, batch_size: int = 512) -> np.ndarray:
@@ -242,11 +222,7 @@ def digits_fd(images) -> float:
 
 
 def real_floor(count: int, draws: int = 5, seed: int = 0) -> float:
-    """Mean digits FD of `draws` random sets of `count` real digits: what a perfect model scores at that count.
-
-    The Fréchet distance of a finite sample is biased upwards (its covariance is noisy), so a sampler's FD is read
-    against this floor at the same count, not against 0.
-    """
+    """Mean digits FD of `draws` random sets of `count` real digits: what a perfect model scores at that count."""
     images = digit_images(RECIPE.image_size)[0]
     count = min(int(count), len(images))
     rng = np.random.default_rng(seed)

@@ -43,7 +43,6 @@ INCEPTION_WEIGHTS = Flag("pytorch-fid's FID Inception weights file, pt_inception
 @dataclass
 class EvalOptions:
     """Everything `python -m evaluate SAMPLES.npz` accepts (one field per flag: its default and help)."""
-
     samples: str = option(help="images to evaluate: npz with arr_0 uint8 N x H x W x 3 (as `python -m sample --npz` "
                                "writes)", positional=True, metavar="SAMPLES.npz")
     ref: str | None = REF.field()
@@ -83,7 +82,6 @@ def check_options(o: EvalOptions) -> None:
 def process_info(cpu: bool):
     """(rank, world, device) from the one source of process state (shared/runtime/distributed.py)."""
     from shared.runtime.distributed import process_state
-
     state = process_state(cpu=cpu)
     return state.process_index, state.num_processes, state.device
 
@@ -114,7 +112,6 @@ def evaluate_samples(o: EvalOptions, net=None, show: bool = True) -> dict:
     start = time.time()
     if net is None:
         from evaluate.features import build_features
-
         net = build_features(o.features, "cpu" if o.cpu else device, o.inception_weights)
     feats = compute_features(samples, net, o.batch_size, rank, world, "samples")
     ref_stats = reference_stats(reference, net, o.batch_size, rank, world, need_pool=True)

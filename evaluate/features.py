@@ -15,13 +15,11 @@ FEATURE_NETWORKS = ("inception", "digits")
 
 class DigitsFeatures:
     """The digits yardstick network (evaluate/digits.py): 64 features of 32x32 digit images."""
-
     name = "digits"
     outputs = ("pool",)
 
     def __init__(self, device="cpu"):
         from evaluate import digits
-
         self._digits = digits
         self.net, _ = digits.network()
         self.device = torch.device(device)
@@ -42,7 +40,6 @@ def check_image_size(name: str, size) -> None:
     """UserError if network `name` cannot take images of `size` (H, W); loads no network."""
     if name == "digits":
         from evaluate.digits import check_images
-
         check_images(np.zeros((1, *size, 3), np.uint8))
 
 
@@ -52,6 +49,5 @@ def build_features(name: str, device="cpu", weights=None):
         return DigitsFeatures(device)
     if name == "inception":
         from evaluate.inception import InceptionFeatures
-
         return InceptionFeatures(device, weights)
     raise ChoiceError("feature network", name, FEATURE_NETWORKS)

@@ -1,9 +1,7 @@
 """`python -m evaluate.floor`: the digits Fréchet distance of real digits, the floor a perfect model would score.
 
-A Fréchet distance estimated from N images is biased upwards by the noise of the N-image covariance, so a
-sampler's digits FD is read against real digits at the same N. Prints, for each count, the mean and spread over
-random draws of N real digits against all 1,797, and two disjoint random halves against each other. With --vae,
-also the real digits encoded and decoded by that VAE: the floor of any DiT trained on its latents.
+An FD from N images is biased upwards by the noise of its covariance, so a sampler's digits FD is read against real
+digits at the same N; with --vae, also after that VAE's round trip (the floor of a DiT trained on its latents).
 """
 from __future__ import annotations
 
@@ -28,7 +26,6 @@ def floor_table(counts, draws: int, seed: int) -> list[tuple[str, float, float]]
     from shared.datasets.digits import digit_images
     from evaluate.digits import RECIPE, digits_features, real_stats
     from evaluate.metrics import frechet_distance_of, frechet_distance_to
-
     features = digits_features(digit_images(RECIPE.image_size)[0])  # (1797, 64)
     mu, sigma = real_stats()
     rng = np.random.default_rng(seed)
@@ -49,18 +46,12 @@ def floor_table(counts, draws: int, seed: int) -> list[tuple[str, float, float]]
 
 
 def vae_round_trip(images: np.ndarray, vae_spec: str, batch_size: int = 256) -> np.ndarray:
-    """uint8 images (N, H, W, 3) encoded to their posterior mean and decoded by the VAE: uint8 (N, H, W, 3).
-
-    The mean goes the way a trained model's latents go: normalised by the tokenizer's record as training's
-    draw_latents does, then decoded through LatentVAE.decode, which inverts it as sampling does; a tokenizer that
-    records no normalisation of its own (an RAE without statistics) is taken raw.
-    """
+    """uint8 images (N, H, W, 3) encoded to their posterior mean and decoded by the VAE: uint8 (N, H, W, 3)."""
     import torch
 
     from shared.tokenizers.norm import LatentNorm
     from shared.tokenizers.pixels import channels_first, to_uint8
     from shared.tokenizers.vae import LatentVAE, draw_latents
-
     vae = LatentVAE.load(vae_spec)
     if vae.image_size is not None and vae.image_size != images.shape[1]:  # an RAE resizes, then draws its own size
         raise UserError(f"{vae_spec} encodes and decodes {vae.image_size}x{vae.image_size} images only, but the "
@@ -81,7 +72,6 @@ def vae_rows(counts, draws: int, seed: int, vae_spec: str) -> list[tuple[str, fl
     """(what, mean FD, std FD) of N real digits after the VAE round trip, against all real digits."""
     from shared.datasets.digits import digit_images
     from evaluate.digits import RECIPE, digits_fd
-
     decoded = vae_round_trip(digit_images(RECIPE.image_size)[0], vae_spec)
     rng = np.random.default_rng(seed)
     rows = []
@@ -94,7 +84,6 @@ def vae_rows(counts, draws: int, seed: int, vae_spec: str) -> list[tuple[str, fl
 @dataclass
 class FloorOptions:
     """Everything `python -m evaluate.floor` accepts (one field per flag: its default and help)."""
-
     counts: tuple = option((30, 100, 200, 500, 1000), "sample counts N to measure the floor at", type=int, nargs="+")
     draws: int = option(10, "random draws per count (mean and std are printed)")
     seed: int = option(0, "seed of the draws")

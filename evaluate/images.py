@@ -1,7 +1,6 @@
 """Reading the images to evaluate: an npz's `arr_0` (uint8 N x H x W x 3), streamed in batches, or an ImageFolder.
 
-`python -m sample --npz` and the ADM reference batches store `arr_0` uncompressed; it is read member-wise from
-the zip, a batch at a time, so 50,000 ImageNet images never sit in memory at once.
+An npz's uncompressed `arr_0` is read from the zip a batch at a time, so 50,000 images never sit in memory at once.
 """
 from __future__ import annotations
 
@@ -15,6 +14,7 @@ import numpy as np
 from shared.datasets.duplicates import DEFAULT_DUPLICATES, apply_duplicates
 from shared.datasets.imagefolder import ImageFolderScan, scan_image_folder
 from shared.runtime.errors import UserError
+from shared.runtime.fsio import atomic_write
 
 IMAGES_KEY = "arr_0"
 
@@ -29,6 +29,14 @@ def npz_keys(path: Path) -> list[str]:
                         f"--npz` (or np.savez) with the images as arr_0.") from err
 
 
+def save_npz(path, **arrays) -> Path:
+    """Write arrays as an uncompressed npz, atomically (an open handle, so numpy adds no .npz suffix)."""
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+    return atomic_write(Path(path), write)
+
+
 def _npy_header(member) -> tuple[tuple, bool, np.dtype]:
     """Shape, Fortran flag and dtype of an open .npy stream, leaving it at the first data byte."""
     version = np.lib.format.read_magic(member)
@@ -37,13 +45,8 @@ def _npy_header(member) -> tuple[tuple, bool, np.dtype]:
     return np.lib.format.read_array_header_2_0(member)
 
 
-@dataclass
-class NpzImages:
-    """The uint8 (N, H, W, 3) `arr_0` of an npz, read in batches."""
-
-    path: Path
-    shape: tuple
-
+class ImageSource:
+    """Images as uint8 (N, H, W, 3) behind one interface: count, size (H, W), batches of images start..stop."""
     @property
     def count(self) -> int:
         """Number of images."""
@@ -52,11 +55,21 @@ class NpzImages:
     @property
     def size(self) -> tuple[int, int]:
         """(H, W) of every image."""
-        return self.shape[1], self.shape[2]
+        return tuple(self.shape[1:3])
 
     def batches(self, batch_size: int, start: int = 0, stop: int | None = None) -> Iterator[np.ndarray]:
-        """Yield uint8 (b, H, W, 3) batches of images start..stop, reading only those bytes."""
+        """Yield uint8 (b, H, W, 3) batches of images start..stop."""
         stop = self.count if stop is None else min(stop, self.count)
+        yield from self._read(start, stop, batch_size)
+
+
+@dataclass
+class NpzImages(ImageSource):
+    """The uint8 (N, H, W, 3) `arr_0` of an npz, read in batches (only the bytes of those images)."""
+    path: Path
+    shape: tuple
+
+    def _read(self, start: int, stop: int, batch_size: int) -> Iterator[np.ndarray]:
         row = int(np.prod(self.shape[1:]))
         with zipfile.ZipFile(self.path) as archive, archive.open(f"{IMAGES_KEY}.npy") as member:
             _npy_header(member)
@@ -89,33 +102,24 @@ def open_npz_images(path) -> NpzImages:
 
 
 @dataclass
-class FolderImages:
+class FolderImages(ImageSource):
     """Every image under a folder (ImageFolder or flat), sorted by path, all of one size, read as RGB."""
-
     path: Path
     files: list
-    size: tuple
-
-    @property
-    def count(self) -> int:
-        """Number of images."""
-        return len(self.files)
+    image_size: tuple
 
     @property
     def shape(self) -> tuple:
         """(N, H, W, 3), as an npz's arr_0."""
-        return (self.count, *self.size, 3)
+        return (len(self.files), *self.image_size, 3)
 
-    def batches(self, batch_size: int, start: int = 0, stop: int | None = None) -> Iterator[np.ndarray]:
-        """Yield uint8 (b, H, W, 3) batches of images start..stop."""
-        stop = self.count if stop is None else min(stop, self.count)
+    def _read(self, start: int, stop: int, batch_size: int) -> Iterator[np.ndarray]:
         for lo in range(start, stop, batch_size):
-            yield np.stack([self._read(p) for p in self.files[lo:min(lo + batch_size, stop)]])
+            yield np.stack([self._image(p) for p in self.files[lo:min(lo + batch_size, stop)]])
 
-    def _read(self, path: Path) -> np.ndarray:
+    def _image(self, path: Path) -> np.ndarray:
         """One image as uint8 (H, W, 3); UserError if unreadable or of another size."""
         from PIL import Image
-
         try:
             with Image.open(path) as image:
                 pixels = np.asarray(image.convert("RGB"))
@@ -129,22 +133,18 @@ class FolderImages:
 
 
 def scan_images(folder: Path, duplicates: str = DEFAULT_DUPLICATES, limit: int | None = None) -> ImageFolderScan:
-    """Every image below folder, found as extract finds a training set (shared/datasets/imagefolder.py: symlinked
-    folders followed, loops refused, hidden entries left out) with the images lying in folder itself, `limit`
-    of them spread evenly, their copies treated by the `duplicates` rule (shared/datasets/duplicates.py)."""
+    """Every image below folder as extract finds a training set, loose ones included, `limit` of them, copies ruled."""
     return apply_duplicates(scan_image_folder(folder, loose=True).limited(limit), duplicates)
 
 
 def image_files(folder: Path, duplicates: str = DEFAULT_DUPLICATES) -> list[Path]:
-    """The image files of scan_images below `folder` as given, in its order (the loose images first, then each
-    folder's as extract's)."""
+    """The image files of scan_images below `folder`, in its order (the loose images first)."""
     return [Path(folder) / name for name in scan_images(folder, duplicates).files]
 
 
 def open_folder_images(path) -> FolderImages:
     """Every image under a folder, found as extract finds them; UserError if it holds none or several sizes."""
     from shared.datasets.imagefiles import IMAGE_EXTENSIONS
-
     path = Path(path)
     # Every copy kept: identical samples are what a collapsed model draws, and FID must see all of them.
     files = image_files(path, "all")
@@ -158,7 +158,6 @@ def folder_size(path: Path, files: list) -> tuple[int, int]:
     from collections import Counter
 
     from PIL import Image
-
     sizes = Counter()
     for file in files:
         try:
@@ -186,35 +185,17 @@ def open_images(path):
     return open_npz_images(path)
 
 
-def read_all(source) -> np.ndarray:
-    """Every image of a source as one uint8 (N, H, W, 3) array (small sets only)."""
-    return np.concatenate(list(source.batches(max(source.count, 1))))
-
-
 @dataclass
-class ArrayImages:
+class ArrayImages(ImageSource):
     """Images already in memory, uint8 (N, H, W, 3), behind the same interface (e.g. the real digits)."""
-
     array: np.ndarray
     path: str = "<memory>"
-
-    @property
-    def count(self) -> int:
-        """Number of images."""
-        return len(self.array)
 
     @property
     def shape(self) -> tuple:
         """(N, H, W, 3)."""
         return tuple(self.array.shape)
 
-    @property
-    def size(self) -> tuple[int, int]:
-        """(H, W)."""
-        return tuple(self.array.shape[1:3])
-
-    def batches(self, batch_size: int, start: int = 0, stop: int | None = None) -> Iterator[np.ndarray]:
-        """Yield uint8 (b, H, W, 3) batches of images start..stop."""
-        stop = self.count if stop is None else min(stop, self.count)
+    def _read(self, start: int, stop: int, batch_size: int) -> Iterator[np.ndarray]:
         for lo in range(start, stop, batch_size):
             yield self.array[lo:min(lo + batch_size, stop)]

@@ -1,19 +1,10 @@
 """The FID Inception-v3 in pure torch: the TF graph of 2015-12-05 that the ADM evaluator (and so DiT) measures with.
 
-Structure: as pytorch-fid's port (github.com/mseitzer/pytorch-fid, src/pytorch_fid/inception.py: torchvision's
-Inception3 with the FIDInceptionA/C/E_1/E_2 patches), written here from that published description because
-torchvision cannot be imported next to the CPU build of torch. The graph differs from torchvision's ImageNet
-Inception in three places, each tested: (1) the average-pool branches exclude the zero padding from the average
-(TF's AvgPool, `count_include_pad=False`); (2) the last block (mixed_10) pools its branch with a *max* pool;
-(3) 1008 logits. The input follows the TF graph that ADM feeds (`ExpandDims:0` onwards): float pixels 0..255,
-TF1's ResizeBilinear to 299x299 (align_corners=False, *no* half-pixel centres: source = dest * in/out), then
-(x - 128) / 128. Weights: pytorch-fid's `pt_inception-2015-12-05-6726825d.pth`, a plain state dict in
-torchvision's key layout, loaded with torch.load(weights_only=True); its layout is checked, then its sha256
-against the 6726825d its name carries (all that is published of the hash), wherever the file came from.
-
-Outputs as ADM: `pool` = pool_3 (N, 2048); `spatial` = mixed_6/conv (the 1x1 branch of Mixed_6d, after its ReLU),
-first 7 channels, flattened in TF's NHWC order (N, 17*17*7 = 2023); `logits` = pool_3 @ W of the softmax layer,
-*without* its bias, as ADM's `_create_softmax_graph` multiplies by `softmax/logits/MatMul`'s weight only.
+As pytorch-fid's port (torchvision's Inception3 with its FIDInception patches), written here since torchvision cannot
+be imported beside the CPU torch: TF's padding-excluding average pools, a max pool in mixed_10, 1008 logits; input
+resized by TF1's ResizeBilinear (no half-pixel centres), then (x - 128) / 128. Weights: pytorch-fid's file, layout and
+sha256 prefix checked. Outputs as ADM: pool_3 (N, 2048); mixed_6/conv's first 7 channels in NHWC order (N, 2023);
+logits = pool_3 @ W without the bias (N, 1008).
 """
 from __future__ import annotations
 
@@ -38,9 +29,7 @@ SPATIAL_CHANNELS = 7  # ADM's sFID keeps mixed_6/conv[..., :7]
 BN_EPS = 0.001        # TF's batch-norm epsilon in this graph (torchvision's BasicConv2d uses the same)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Input: TF1 ResizeBilinear and the graph's normalisation
-# ----------------------------------------------------------------------------------------------------------
+# ---- Input: TF1 ResizeBilinear and the graph's normalisation ----
 
 def _tf1_axis(in_size: int, out_size: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Source indices (lo, hi) and weights of hi along one axis for TF1 bilinear, align_corners=False."""
@@ -66,13 +55,10 @@ def preprocess(images: torch.Tensor, size: int = INPUT_SIZE) -> torch.Tensor:
     return (tf1_resize_bilinear(x, size) - 128.0) / 128.0
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Blocks (names and shapes as torchvision's Inception3, so the pytorch-fid state dict loads as is)
-# ----------------------------------------------------------------------------------------------------------
+# ---- Blocks (names and shapes as torchvision's Inception3, so the pytorch-fid state dict loads as is) ----
 
 class BasicConv2d(nn.Module):
     """Conv (no bias) -> BatchNorm (eps 0.001) -> ReLU."""
-
     def __init__(self, c_in: int, c_out: int, **conv):
         super().__init__()
         self.conv = nn.Conv2d(c_in, c_out, bias=False, **conv)
@@ -89,7 +75,6 @@ def tf_avg_pool(x: torch.Tensor) -> torch.Tensor:
 
 class InceptionA(nn.Module):
     """35x35 block (mixed, mixed_1, mixed_2): 1x1, 5x5, double 3x3, TF-average-pooled 1x1."""
-
     def __init__(self, c_in: int, pool_features: int):
         super().__init__()
         self.branch1x1 = BasicConv2d(c_in, 64, kernel_size=1)
@@ -108,7 +93,6 @@ class InceptionA(nn.Module):
 
 class InceptionB(nn.Module):
     """35 -> 17 reduction (mixed_3): strided 3x3, strided double 3x3, max pool."""
-
     def __init__(self, c_in: int):
         super().__init__()
         self.branch3x3 = BasicConv2d(c_in, 384, kernel_size=3, stride=2)
@@ -123,7 +107,6 @@ class InceptionB(nn.Module):
 
 class InceptionC(nn.Module):
     """17x17 block (mixed_4..mixed_7): factorised 7x7 convolutions, TF-average-pooled 1x1."""
-
     def __init__(self, c_in: int, c7: int):
         super().__init__()
         self.branch1x1 = BasicConv2d(c_in, 192, kernel_size=1)
@@ -148,7 +131,6 @@ class InceptionC(nn.Module):
 
 class InceptionD(nn.Module):
     """17 -> 8 reduction (mixed_8): strided 3x3, 7x7-then-strided-3x3, max pool."""
-
     def __init__(self, c_in: int):
         super().__init__()
         self.branch3x3_1 = BasicConv2d(c_in, 192, kernel_size=1)
@@ -165,11 +147,7 @@ class InceptionD(nn.Module):
 
 
 class InceptionE(nn.Module):
-    """8x8 block (mixed_9, mixed_10): split 1x3/3x1 branches; the pool branch is TF-average (mixed_9) or max (mixed_10).
-
-    The max pool of mixed_10 is a quirk of the 2015 graph that pytorch-fid's FIDInceptionE_2 reproduces.
-    """
-
+    """8x8 block (mixed_9, mixed_10): split 1x3/3x1 branches; the pool branch TF-average or max (a 2015 graph quirk)."""
     def __init__(self, c_in: int, max_pool: bool):
         super().__init__()
         self.max_pool = max_pool
@@ -197,7 +175,6 @@ class InceptionE(nn.Module):
 
 class FIDInceptionV3(nn.Module):
     """The FID Inception-v3: preprocessed (N, 3, 299, 299) -> pool (N, 2048), spatial (N, 2023), logits (N, 1008)."""
-
     def __init__(self):
         super().__init__()
         self.Conv2d_1a_3x3 = BasicConv2d(3, 32, kernel_size=3, stride=2)
@@ -236,9 +213,7 @@ class FIDInceptionV3(nn.Module):
         return {"pool": pool, "spatial": spatial, "logits": logits}
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Weights: find, download, load safely, refuse another network
-# ----------------------------------------------------------------------------------------------------------
+# ---- Weights: find, download, load safely, refuse another network ----
 
 def hub_checkpoints() -> Path:
     """torch hub's checkpoints folder ($TORCH_HOME/hub/checkpoints), where pytorch-fid itself caches the file."""
@@ -256,7 +231,6 @@ def missing_weights_text(path: Path, reason: str) -> str:
 def download_weights(path: Path, url: str | None = None, timeout: float = 30.0) -> Path:
     """Fetch the weights into `path` under a temp name, check the hash prefix, rename; UserError when offline."""
     from shared.runtime.fsio import atomic_write
-
     url = url or WEIGHTS_URL
     def fetch(tmp: Path) -> None:
         """Stream the URL into tmp and check its sha256 against the name's prefix."""
@@ -346,10 +320,8 @@ def load_inception(weights=None, device="cpu") -> FIDInceptionV3:
 
 
 def load_checked_inception(path: Path, device="cpu") -> tuple[FIDInceptionV3, str]:
-    """(network, sha256) of the weights file at `path`: the layout is checked first (its refusal names the other
-    network), then the hash (the same layout with other values)."""
+    """(network, sha256) of the weights file at `path`: layout checked first (naming another network), then hash."""
     from shared.runtime.export import load_torch_file
-
     try:
         state = load_torch_file(path, f"Pass {WEIGHTS_NAME} from {WEIGHTS_URL}.")
     except SettingError as err:
@@ -363,7 +335,6 @@ def load_checked_inception(path: Path, device="cpu") -> tuple[FIDInceptionV3, st
 
 class InceptionFeatures:
     """The FID Inception behind the feature-network interface (evaluate/features.py)."""
-
     name = "inception"
     outputs = ("pool", "spatial", "logits")
 

@@ -1,8 +1,4 @@
-"""The metrics, on feature arrays: Fréchet distance, Inception Score, k-NN precision and recall.
-
-Definitions follow the ADM evaluator (guided-diffusion `evaluations/evaluator.py`, used by DiT) and the papers it
-implements; every function takes numpy arrays and knows nothing about networks.
-"""
+"""The metrics on numpy feature arrays, as the ADM evaluator (guided-diffusion evaluations/evaluator.py) has them."""
 from __future__ import annotations
 
 import numpy as np
@@ -14,9 +10,7 @@ PR_NEIGHBOURS = 3      # k of the k-NN manifolds (Kynkäänniemi et al. 2019, as
 PR_BATCH = 10_000      # rows/columns per distance block: a 10k x 10k float32 block is 400 MB
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Fréchet distance (Heusel et al. 2017, Eq. in Sec. 3; Dowson & Landau 1982)
-# ----------------------------------------------------------------------------------------------------------
+# ---- Fréchet distance (Heusel et al. 2017, Eq. in Sec. 3; Dowson & Landau 1982) ----
 
 def mean_cov(features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Mean (D,) and unbiased covariance (D, D) of features (N, D), in float64, as ADM's np.cov(rowvar=False)."""
@@ -40,14 +34,9 @@ def _sum_sqrt_eigvals(m: np.ndarray) -> float:
 
 
 def trace_sqrt_product(sigma1: np.ndarray, sigma2: np.ndarray) -> float:
-    """tr((S1 S2)^1/2) as the eigenvalues of a symmetric PSD matrix similar to S1 S2.
-
-    With S1 = L L^T (Cholesky), S1 S2 = L (L^T S2 L) L^-1, so tr((S1 S2)^1/2) = sum sqrt(eig(L^T S2 L)): one
-    Cholesky and one eigvalsh, ~4x faster than an eigendecomposition at D = 2048. A singular S1 (fewer images
-    than features) tries S2's factor (the trace is symmetric in S1, S2), then A = S1^1/2 from eigh. Why not
-    scipy's sqrtm(S1 @ S2) as ADM: its Schur-based root of a non-symmetric product turns complex or non-finite
-    on near-singular covariances (ADM then adds eps * I); every form here is exact and stays real.
-    """
+    """tr((S1 S2)^1/2) as the eigenvalues of a symmetric PSD matrix similar to S1 S2."""
+    # S1 = L L^T gives sum sqrt(eig(L^T S2 L)): one Cholesky and one eigvalsh, ~4x faster than eigh at D = 2048, and
+    # real where ADM's scipy sqrtm(S1 @ S2) turns complex on near-singular covariances. Singular S1: S2's factor.
     for a, b in ((sigma1, sigma2), (sigma2, sigma1)):
         try:
             chol = np.linalg.cholesky(a)
@@ -59,11 +48,8 @@ def trace_sqrt_product(sigma1: np.ndarray, sigma2: np.ndarray) -> float:
 
 
 def trace_sqrt_product_low_rank(features: np.ndarray, sigma: np.ndarray) -> float:
-    """tr((S_x S)^1/2) for S_x the covariance of features (N, D), N <= D: through the N x N matrix A^T S A.
-
-    S_x = A A^T with A = (X - mean)^T / sqrt(N - 1) (D, N); A A^T S and A^T S A share their nonzero eigenvalues.
-    """
-    x = np.asarray(features, np.float64)
+    """tr((S_x S)^1/2) for S_x the covariance of features (N, D), N <= D: through the N x N matrix A^T S A."""
+    x = np.asarray(features, np.float64)  # S_x = A A^T; A A^T S and A^T S A share their nonzero eigenvalues
     a = (x - x.mean(axis=0)).T / np.sqrt(len(x) - 1)  # (D, N)
     return _sum_sqrt_eigvals(a.T @ sigma @ a)  # (N, N)
 
@@ -82,11 +68,8 @@ def frechet_distance(mu1, sigma1, mu2, sigma2) -> float:
 
 
 def frechet_distance_to(features: np.ndarray, mu, sigma) -> float:
-    """Fréchet distance between the Gaussian fitted to features (N, D) and (mu, sigma).
-
-    With N <= D the features' covariance is singular: the low-rank route is exact and costs O(N D^2).
-    """
-    mu_x, sigma_x = mean_cov(features)
+    """Fréchet distance between the Gaussian fitted to features (N, D) and (mu, sigma)."""
+    mu_x, sigma_x = mean_cov(features)  # N <= D: singular covariance, the exact low-rank route costs O(N D^2)
     sigma = np.asarray(sigma, np.float64)
     if len(features) > mu_x.size or sigma.shape != sigma_x.shape:
         return frechet_distance(mu_x, sigma_x, mu, sigma)
@@ -102,9 +85,7 @@ def frechet_distance_of(features1: np.ndarray, features2: np.ndarray) -> float:
     return frechet_distance_to(features1, *mean_cov(features2))
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Inception Score (Salimans et al. 2016), split as ADM / improved-GAN
-# ----------------------------------------------------------------------------------------------------------
+# ---- Inception Score (Salimans et al. 2016), split as ADM / improved-GAN ----
 
 def softmax(logits: np.ndarray) -> np.ndarray:
     """Row-wise softmax (N, K) in float64, shifted by the row maximum for stability."""
@@ -120,12 +101,8 @@ def check_split_size(split_size: int = IS_SPLIT_SIZE) -> None:
 
 
 def is_comparable(count: int, split_size: int = IS_SPLIT_SIZE) -> bool:
-    """Whether an IS over `count` samples in splits of `split_size` compares with published ones.
-
-    ADM and DiT score consecutive splits of 5,000, so a published IS has at least one full split of 5,000;
-    fewer samples (one short split) or another split size give a number of another scale.
-    """
-    return split_size == IS_SPLIT_SIZE and count >= split_size
+    """Whether an IS over `count` samples in splits of `split_size` compares with published ones."""
+    return split_size == IS_SPLIT_SIZE and count >= split_size  # published IS: at least one full split of 5,000
 
 
 def comparability_note(count: int, split_size: int) -> str:
@@ -138,11 +115,7 @@ def comparability_note(count: int, split_size: int) -> str:
 
 
 def inception_score(logits: np.ndarray, split_size: int = IS_SPLIT_SIZE) -> float:
-    """exp(E_x KL(p(y|x) || p(y))) averaged over consecutive splits of `split_size` rows of logits (N, K).
-
-    As ADM: splits are chunks of split_size in order; a shorter last chunk counts as one split (so fewer
-    samples than split_size are one split: see is_comparable).
-    """
+    """exp(E_x KL(p(y|x) || p(y))) averaged over consecutive splits of `split_size` rows of logits (N, K)."""
     probs = softmax(logits)
     check_split_size(split_size)
     scores = []
@@ -156,9 +129,7 @@ def inception_score(logits: np.ndarray, split_size: int = IS_SPLIT_SIZE) -> floa
     return float(np.mean(scores))
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Precision and recall (Kynkäänniemi et al. 2019, "Improved precision and recall metric")
-# ----------------------------------------------------------------------------------------------------------
+# ---- Precision and recall (Kynkäänniemi et al. 2019, "Improved precision and recall metric") ----
 
 def _squared_distances(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Pairwise squared Euclidean distances (n, m) of rows of a (n, D) and b (m, D), clipped at 0 (as ADM)."""
@@ -167,10 +138,7 @@ def _squared_distances(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def manifold_radii(features: np.ndarray, k: int = PR_NEIGHBOURS, batch: int = PR_BATCH) -> np.ndarray:
-    """Squared distance (N,) from each point to its k-th nearest other point, in blocks of batch x batch.
-
-    Memory stays O(batch^2): each row keeps its k+1 smallest distances so far (the point itself is the 0th).
-    """
+    """Squared distance (N,) from each point to its k-th nearest other point, in blocks of batch x batch."""
     x = np.asarray(features, np.float32)
     if len(x) <= k:
         raise UserError(f"precision and recall need more than k = {k} feature vectors per set; got {len(x)}.")

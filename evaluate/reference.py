@@ -1,10 +1,7 @@
 """`python -m evaluate reference IMAGES --image-size S --out REF.npz`: the user's own real images as a reference.
 
-Every image below IMAGES, found as extract finds a training set (evaluate/images.py `scan_images`: symlinked
-folders followed, hidden entries left out, copies kept by the same --duplicates rule) is decoded and centre-cropped
-to S x S exactly as extraction preprocesses it (ADM's crop, shared.datasets.images), and written as an images npz
-(`arr_0` uint8 N x S x S x 3): a --ref for `python -m evaluate` and `python -m evaluate run` at the training size
-(its Inception statistics are computed on first use and cached). Unreadable files are skipped and listed.
+Every image below IMAGES, found as extract finds a training set, centre-cropped to S x S as extraction does (ADM's
+crop), written as an images npz usable as --ref; unreadable files are skipped and listed.
 """
 from __future__ import annotations
 
@@ -15,13 +12,12 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from evaluate.images import scan_images
+from evaluate.images import save_npz, scan_images
 from shared.datasets.duplicates import DEFAULT_DUPLICATES, DUPLICATE_POLICIES
 from shared.datasets.imagefolder import ImageFolderScan
 from shared.datasets.images import MAX_IMAGE_PIXELS, BadImage, load_image, pixel_limit
 from shared.runtime.cli import HelpFormatter, add_flags, from_args, option
 from shared.runtime.errors import UserError, cli_errors
-from shared.runtime.fsio import atomic_write
 
 PROG = "python -m evaluate reference"
 
@@ -29,7 +25,6 @@ PROG = "python -m evaluate reference"
 @dataclass
 class ReferenceOptions:
     """Everything `python -m evaluate reference` accepts (one field per flag: its default and help)."""
-
     images: str = option(help="folder of real images: an ImageFolder or a flat folder (every image below it)",
                          positional=True, metavar="IMAGES")
     image_size: int = option(help="side of the square centre crop, as extract's --image-size: the size of the "
@@ -79,12 +74,6 @@ def crop_all(files: list[Path], o: ReferenceOptions, rows: np.ndarray) -> tuple[
     return n, bad
 
 
-def _savez(path: Path, images: np.ndarray) -> None:
-    """images as arr_0 of an uncompressed npz (the reader seeks into it), streamed from the scratch file."""
-    with open(path, "wb") as f:
-        np.savez(f, arr_0=images)
-
-
 def write_reference(o: ReferenceOptions) -> tuple[int, list[str], ImageFolderScan]:
     """Crop every image into o.out (atomic); returns (images written, bad files, the scan)."""
     scan = check_options(o)
@@ -98,7 +87,7 @@ def write_reference(o: ReferenceOptions) -> tuple[int, list[str], ImageFolderSca
         n, bad = crop_all(files, o, rows)
         if n < 2:
             raise UserError(f"only {n} of the {len(files)} images in {o.images} could be read ({'; '.join(bad[:3])}).")
-        atomic_write(out, lambda tmp: _savez(tmp, rows[:n]))
+        save_npz(out, arr_0=rows[:n])  # uncompressed: the reader seeks into it
     finally:
         del rows
         scratch.unlink(missing_ok=True)

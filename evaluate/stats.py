@@ -1,13 +1,11 @@
 """Feature statistics: computing them over an image source (split over processes), files, ADM reference batches.
 
-A statistics file is an npz in the ADM reference layout (`mu`, `sigma` for FID; `mu_s`, `sigma_s` for sFID) plus
-what the ADM layout leaves implicit: `pool` (N, D) float32, the features precision and recall need (ADM recomputes
-them from the reference images), and `meta`, a JSON string naming the feature network, the image size and count.
-An ADM reference batch as published (e.g. VIRTUAL_imagenet256_labeled.npz: arr_0 images and precomputed
-mu/sigma/mu_s/sigma_s) is read as is: its precomputed statistics for FID and sFID, its images for precision/recall.
+A statistics file is an npz in ADM's layout (mu, sigma; mu_s, sigma_s for sFID) plus `pool` (N, D) float32 for
+precision/recall and `meta`, a JSON string (feature network, image size, count); ADM's published batches read as is.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -16,10 +14,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from evaluate.images import IMAGES_KEY, ArrayImages, npz_keys, open_images, open_npz_images
+from evaluate.images import IMAGES_KEY, ArrayImages, npz_keys, open_images, open_npz_images, save_npz
 from evaluate.metrics import mean_cov
 from shared.runtime.errors import UserError
-from shared.runtime.fsio import atomic_write
 
 STATS_VERSION = 1
 ADM_KEYS = ("mu", "sigma", "mu_s", "sigma_s")
@@ -29,7 +26,6 @@ REAL_DIGITS = "sklearn-digits"  # the source name of the default --features digi
 @dataclass
 class Stats:
     """Statistics of one image set in one feature space."""
-
     meta: dict                      # {"features": identity dict, "count": N, "image_size": [H, W] or None, ...}
     mu: np.ndarray                  # (D,) pool-feature mean
     sigma: np.ndarray               # (D, D) pool-feature covariance
@@ -57,13 +53,7 @@ def save_stats(path, stats: Stats) -> Path:
     if stats.pool is not None:
         arrays["pool"] = stats.pool
     arrays["meta"] = np.array(json.dumps({"version": STATS_VERSION, **stats.meta}))
-
-    def write(tmp: Path) -> None:
-        """np.savez into the temp file (an open handle, so numpy adds no .npz suffix)."""
-        with open(tmp, "wb") as f:
-            np.savez(f, **arrays)
-
-    return atomic_write(Path(path), write)
+    return save_npz(path, **arrays)
 
 
 def is_stats_file(path) -> bool:
@@ -91,21 +81,13 @@ def load_stats(path) -> Stats:
     return Stats(meta, arrays["mu"], arrays["sigma"], arrays.get("mu_s"), arrays.get("sigma_s"), pool)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Computing features, split over processes
-# ----------------------------------------------------------------------------------------------------------
-
-def shard_range(count: int, rank: int, world: int) -> tuple[int, int]:
-    """Contiguous slice [lo, hi) of `count` items for process `rank` of `world` (sizes differ by at most 1)."""
-    return count * rank // world, count * (rank + 1) // world
-
+# ---- Computing features, split over processes ----
 
 def gather(feats: dict, world: int) -> dict:
     """Concatenate every process's feature arrays in rank order (identity on one process)."""
     if world == 1:
         return feats
     import torch.distributed as dist
-
     parts = [None] * world
     dist.all_gather_object(parts, feats)  # gloo and NCCL alike; a few hundred MB at 50K x 2048 float32
     return {k: np.concatenate([p[k] for p in parts]) for k in feats}
@@ -113,7 +95,7 @@ def gather(feats: dict, world: int) -> dict:
 
 def compute_features(source, net, batch_size: int, rank: int = 0, world: int = 1, desc: str = "features") -> dict:
     """Features of every image of `source`: this process does its slice, then all slices are gathered."""
-    lo, hi = shard_range(source.count, rank, world)
+    lo, hi = source.count * rank // world, source.count * (rank + 1) // world  # sizes differ by at most 1
     chunks: dict = {k: [] for k in net.outputs}
     bar = tqdm(total=hi - lo, desc=desc, unit="img", disable=rank != 0 or hi - lo == 0)
     for batch in source.batches(batch_size, lo, hi):
@@ -131,9 +113,7 @@ def source_meta(net, source) -> dict:
             "source": str(source.path)}
 
 
-# ----------------------------------------------------------------------------------------------------------
-# References
-# ----------------------------------------------------------------------------------------------------------
+# ---- References ----
 
 def _contents_stamp(path: Path) -> tuple:
     """(bytes, newest mtime) of a file, or of every image below a folder (a folder's own stat misses its files)."""
@@ -141,7 +121,6 @@ def _contents_stamp(path: Path) -> tuple:
         st = path.stat()
         return st.st_size, st.st_mtime_ns
     from evaluate.images import image_files
-
     stats = [(f.relative_to(path).as_posix(), f.stat()) for f in image_files(path)]
     listing = hashlib.sha256("".join(f"{name}\t{st.st_size}\t{st.st_mtime_ns}\n" for name, st in stats).encode())
     return len(stats), listing.hexdigest()
@@ -150,7 +129,6 @@ def _contents_stamp(path: Path) -> tuple:
 def stats_cache_path(path: Path, identity: dict) -> Path:
     """Cache file of the statistics of an image npz/folder: keyed by path, its contents stamp and the feature network."""
     from evaluate.digits import cache_dir
-
     key = json.dumps([str(path.resolve()), *_contents_stamp(path), identity], sort_keys=True)
     return cache_dir() / "stats" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.npz"
 
@@ -158,7 +136,6 @@ def stats_cache_path(path: Path, identity: dict) -> Path:
 @dataclass
 class Reference:
     """A resolved --ref before any network is loaded: precomputed stats and/or images, and their image size."""
-
     label: str
     stats: Stats | None = None
     images: object = None          # an image source (for statistics or for the pool features of PR)
@@ -179,7 +156,6 @@ def open_reference(ref, features: str) -> Reference:
                             "VIRTUAL_imagenet256_labeled.npz), a statistics file from --save-stats, or an images npz "
                             "or folder of real images. (--features digits compares with the real digits by default.)")
         from shared.datasets.digits import IMAGE_SIZE, digit_images
-
         return Reference("real digits (scikit-learn, all 1,797)",
                          images=ArrayImages(digit_images(IMAGE_SIZE)[0], REAL_DIGITS))
     path = Path(ref)
@@ -217,19 +193,14 @@ def reference_stats(reference: Reference, net, batch_size: int, rank: int, world
     images = reference.images
     if images.path == REAL_DIGITS and net.name == "digits":  # computed once per process by evaluate/digits.py
         from evaluate.digits import real_features
-
         return stats_from_features({"pool": real_features()}, source_meta(net, images))
     cache = stats_cache_path(Path(images.path), net.identity()) if Path(str(images.path)).exists() else None
     if cache is not None and cache.is_file():
-        try:
+        with contextlib.suppress(UserError, OSError, ValueError, KeyError):  # a damaged entry is recomputed, replaced
             return load_stats(cache)
-        except (UserError, OSError, ValueError, KeyError):
-            pass  # a damaged cache entry is recomputed and replaced
     stats = stats_from_features(compute_features(images, net, batch_size, rank, world, "reference"),
                                 source_meta(net, images))
     if cache is not None and rank == 0:
-        try:
+        with contextlib.suppress(OSError):  # an unwritable cache only costs the recomputation next time
             save_stats(cache, stats)
-        except OSError:
-            pass  # an unwritable cache only costs the recomputation next time
     return stats

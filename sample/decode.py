@@ -22,7 +22,6 @@ from shared.sampling.outputs import GRID_NAME, captions_for, check_out_path, ima
 @dataclass
 class DecodeOptions(DecodeFlags):
     """Everything `python -m sample decode` accepts (one field per flag: its default and help; the VAE flags too)."""
-
     latents: str = option(help="a latents file written by training's --sample-every, or a folder of them "
                                "(RUN/samples, or RUN itself): its newest file, or every file with --all",
                           positional=True, metavar="LATENTS|DIR")

@@ -1,21 +1,14 @@
 """`python -m sample watch RUN`: decode training's preview latents into labelled grids as they appear.
 
-Runs beside training in its own process (on the CPU, or a GPU training does not use), so the VAE never
-enters the training process. For each RUN/samples/step-XXXXXXX.safetensors whose grid is missing or older
-than it, `sample decode`'s decode_file writes RUN/samples/step-XXXXXXX/ (one PNG per image + grid.png), then
-a labelled grid RUN/samples/step-XXXXXXX.png (run, step, class of each image) is composed from those PNGs
-and, when the run reports to TensorBoard, logged as image "previews" under RUN/tensorboard/previews/.
-
-It stops cleanly (after the file in hand) on SIGINT/SIGTERM; with --exit-when-done once no training process
-holds the run folder; with --until-step once that step's checkpoint exists; with --until-pid once that process
-is gone; every preview already written is decoded first. One watcher per run: RUN/samples/.lock.
+Runs beside training in its own process, so the VAE never enters training: each new RUN/samples/step-X.safetensors
+is decoded by `sample decode`'s decode_file, then a labelled grid RUN/samples/step-X.png is written (and logged to
+TensorBoard). Stops after the file in hand on SIGINT/SIGTERM, or per --exit-when-done, --until-step, --until-pid.
 """
 from __future__ import annotations
 
 import importlib.util
 import json
 import math
-import os
 import signal
 import time
 from dataclasses import dataclass
@@ -29,7 +22,7 @@ from shared.runtime.cli import option
 from shared.runtime.distributed import process_state
 from shared.runtime.errors import UserError
 from shared.runtime.flags import DecodeFlags
-from shared.runtime.lock import LOCK_NAME, FolderBusyError, hold_lock
+from shared.runtime.lock import LOCK_NAME, FolderBusyError, hold_lock, pid_alive
 from shared.runtime.previews import read_preview
 from shared.runtime.trackers import check_report_to
 from shared.tokenizers.vae import read_vae_config
@@ -44,7 +37,6 @@ REPORT_TO = ("auto", "tensorboard", "none")
 @dataclass
 class WatchOptions(DecodeFlags):
     """Everything `python -m sample watch` accepts (one field per flag: its default and help; the VAE flags too)."""
-
     run: str = option(help="the training run folder (train's --results-dir)", positional=True, metavar="RUN")
     interval: float = option(5.0, "seconds between looks for new preview files")
     exit_when_done: bool = option(False, "stop once no training process holds RUN (finished, stopped or killed), "
@@ -59,13 +51,10 @@ class WatchOptions(DecodeFlags):
     batch_size: int = option(16, "latents decoded per VAE call")
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Stopping: signals, the end of the run
-# ---------------------------------------------------------------------------------------------------------
+# ---- Stopping: signals, the end of the run ----
 
 class StopFlag:
     """Set by SIGINT/SIGTERM: the watcher finishes the file in hand, then leaves (a second signal leaves now)."""
-
     def __init__(self):
         self.requested, self._previous = False, {}
 
@@ -111,17 +100,6 @@ def run_is_locked(run: Path) -> bool:
     return False
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether process `pid` still exists."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
-
-
 def end_reason(run: Path, o: WatchOptions) -> str | None:
     """Why the watching should end after this round of decoding, or None to go on."""
     if o.until_pid is not None and not pid_alive(o.until_pid):
@@ -135,9 +113,7 @@ def end_reason(run: Path, o: WatchOptions) -> str | None:
     return None
 
 
-# ---------------------------------------------------------------------------------------------------------
-# What to decode
-# ---------------------------------------------------------------------------------------------------------
+# ---- What to decode ----
 
 def pending(run: Path) -> list[tuple[int, Path]]:
     """(step, latents file) of every preview whose labelled grid is missing or older than it, oldest first."""
@@ -153,9 +129,7 @@ def pending(run: Path) -> list[tuple[int, Path]]:
     return found
 
 
-# ---------------------------------------------------------------------------------------------------------
-# TensorBoard
-# ---------------------------------------------------------------------------------------------------------
+# ---- TensorBoard ----
 
 def run_report_to(run: Path) -> str:
     """The --report-to the run was launched with (RUN/config.json), 'none' when it says none."""
@@ -167,7 +141,6 @@ def run_report_to(run: Path) -> str:
 
 class PreviewTracker:
     """Writes each labelled grid as image 'previews' into RUN/tensorboard/previews/ (a separate writer)."""
-
     def __init__(self, run: Path, mode: str):
         self.run, self.mode, self.writer, self.said = run, mode, None, False
 
@@ -194,7 +167,6 @@ class PreviewTracker:
             return
         if self.writer is None:
             from torch.utils.tensorboard import SummaryWriter
-
             self.writer = SummaryWriter(str(rundir.tracker_run_dir(self.run, rundir.TRACKER_PREVIEWS)))
         self.writer.add_image("previews", grid, step, dataformats="HWC")
         self.writer.flush()
@@ -204,13 +176,10 @@ class PreviewTracker:
             self.writer.close()
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Decoding one file
-# ---------------------------------------------------------------------------------------------------------
+# ---- Decoding one file ----
 
 class Decoder:
     """The VAE, loaded when the first preview arrives (checked against every file's latent metadata)."""
-
     def __init__(self, o: WatchOptions):
         self.o, self.vae, self.name, self.how = o, None, None, None
 
@@ -239,9 +208,7 @@ class Decoder:
                              f"{run.name} · step {step:,}")
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The loop
-# ---------------------------------------------------------------------------------------------------------
+# ---- The loop ----
 
 def check_options(o: WatchOptions) -> Path:
     """The run folder, after the cheap checks of every flag (before any waiting)."""
@@ -262,11 +229,7 @@ def check_options(o: WatchOptions) -> Path:
 
 
 def take_lock(run: Path, o: WatchOptions):
-    """RUN/samples/.lock, or FolderBusyError naming the other watcher.
-
-    Started by training (--until-pid), it waits instead: after a killed launch is restarted, the old
-    launch's watcher may still be decoding its last file, and it leaves once it sees its launch gone.
-    """
+    """RUN/samples/.lock, or FolderBusyError naming the other watcher."""
     while True:
         try:
             return hold_lock(run / rundir.SAMPLES, "preview folder")

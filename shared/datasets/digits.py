@@ -1,8 +1,6 @@
 """The digits dataset, scikit-learn's 8x8 handwritten digits as 32x32 RGB: the demo's data and the digits FD reference.
 
-`load_digits` ships inside scikit-learn (1,797 images, values 0-16, 10 classes), so the demo needs no
-download. Images are written as `OUT/<digit>/<i>.png`; the folder names "0".."9" sort so that the
-ImageFolder class index (position in sorted order) equals the digit.
+Shipped inside scikit-learn (1,797 images, no download); written as OUT/<digit>/<i>.png, so class index = digit.
 """
 from pathlib import Path
 
@@ -22,7 +20,6 @@ NUM_CLASSES = 10
 def load_digit_arrays() -> tuple[np.ndarray, np.ndarray]:
     """Return the raw digits (N, 8, 8) float in 0..16 and their labels (N,) int64."""
     from sklearn.datasets import load_digits
-
     bunch = load_digits()
     return bunch.images.astype(np.float32), bunch.target.astype(np.int64)
 

@@ -1,7 +1,7 @@
-"""One picture under several paths: files that are the same real file (a symlink, a hard link) or hold
-identical bytes, found cheaply (os.stat for every file; bytes read only where sizes collide: the first 8 KiB,
-then the whole file where those agree too), and what `--duplicates` keeps of them: one rule for extract's
-training set and evaluate's reference folders.
+"""One picture under several paths (a symlink, a hard link, identical bytes) and what `--duplicates` keeps of it.
+
+One rule for extract's training set and evaluate's reference folders; found cheaply: os.stat for every file, bytes
+read only where sizes collide (the first 8 KiB, then the whole file where those agree).
 """
 from __future__ import annotations
 

@@ -1,14 +1,7 @@
-"""Finding the images of a folder: the one discovery of extract's ImageFolder scan and `python -m evaluate
-reference` (and evaluate's image folders), so a training set and its reference are listed alike.
+"""Finding the images of a folder: the one discovery of extract's ImageFolder scan and evaluate's image folders.
 
-ImageFolder order as torchvision's: a class is a top-level folder, its index the position of its name in sorted
-order, and its files are every image below it (nested sub-folders are folded into their top-level class). Unlike
-torchvision, names starting with a dot are never data (`.ipynb_checkpoints/`, `.DS_Store`, macOS `._x.jpg`).
-Symlinked folders are followed (a subset of classes is a folder of symlinks to the chosen class folders), each
-real folder once: one reached again by another path is skipped (counted), and a link to a folder that contains
-it (a loop: the tree would never end) is refused. Files that are one picture under several paths are the
-business of shared/datasets/duplicates.py, applied after the scan. Everything left out is counted in
-`ImageFolderScan.skipped`.
+torchvision's order (a class is a top-level folder, nested folders folded into it), but dot-names are never data;
+symlinked folders are followed, each real folder once, and a loop is refused. Everything left out is counted.
 """
 from __future__ import annotations
 
@@ -40,7 +33,6 @@ SKIP_REASONS = {
 @dataclass
 class Skipped:
     """What the scan left out: a count and the first example (a path relative to the root) per reason."""
-
     counts: dict = field(default_factory=dict)
     first: dict = field(default_factory=dict)
 
@@ -59,7 +51,6 @@ class Skipped:
 @dataclass(frozen=True)
 class ImageFolderScan:
     """The sorted file list of an ImageFolder tree: relative paths, labels and class names."""
-
     root: Path
     classes: list[str]
     files: list[str]    # paths relative to root, POSIX separators, in sample order
@@ -99,9 +90,7 @@ class ImageFolderScan:
         return dataclasses.replace(self, files=[self.files[i] for i in keep], labels=[self.labels[i] for i in keep])
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The walk: every visible folder below a class once, symlinks followed, loops refused
-# ----------------------------------------------------------------------------------------------------------
+# ---- The walk: every visible folder below a class once, symlinks followed, loops refused ----
 
 def _entries(folder: Path) -> list[os.DirEntry]:
     """The entries of one folder, sorted by name; UserError naming the folder if it cannot be read."""
@@ -134,14 +123,12 @@ def _loop(root: Path, rel: str) -> UserError:
     return UserError(
         f"{link} is a symlink to {target}, a folder that contains the link itself: a symlink loop, whose tree never "
         f"ends (torchvision would walk it until the path is too long). Remove the link (`rm {link}`), or point it "
-        f"at a folder outside {root}; symlinks to other folders, such as class folders kept elsewhere, are followed."
-    )
+        f"at a folder outside {root}; symlinks to other folders, such as class folders kept elsewhere, are followed.")
 
 
 @dataclass
 class _Walk:
     """One scan's state: the real folders claimed so far, what was left out, the nested folders seen."""
-
     root: Path
     seen: set
     skipped: Skipped
@@ -175,8 +162,7 @@ class _Walk:
         return names, subfolders
 
     def tree(self, top: str, ancestors: tuple) -> list[str]:
-        """Image files under root/top, nested folders included, in torchvision's order (folders by path, then
-        names: it sorts os.walk's (dirpath, dirnames, filenames) tuples)."""
+        """Image files under root/top, nested folders included, in torchvision's order (sorted os.walk tuples)."""
         found, stack = [], [(top, ancestors)]
         while stack:
             rel, above = stack.pop()
@@ -191,9 +177,7 @@ class _Walk:
         return [f"{folder}/{name}" for folder, names in sorted(found) for name in names]
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The scan
-# ----------------------------------------------------------------------------------------------------------
+# ---- The scan ----
 
 def find_classes(root: Path, skipped: Skipped | None = None, loose: bool = False) -> tuple[list[str], list[str]]:
     """(sorted visible sub-folders of root, root's own image files); without `loose` those files are left out."""
@@ -214,10 +198,8 @@ def find_classes(root: Path, skipped: Skipped | None = None, loose: bool = False
 def _no_classes(root: Path, skipped: Skipped) -> UserError:
     """The refusal for a root without (visible) class folders."""
     hidden = f" ({skipped.describe()})" if skipped.counts else ""
-    return UserError(
-        f"--data-path {root} has no class folders{hidden}. Put each class's images in its own sub-folder "
-        f"(root/cat/001.jpg, ...); for an unlabelled dataset use a single sub-folder, e.g. root/all/."
-    )
+    return UserError(f"--data-path {root} has no class folders{hidden}. Put each class's images in its own sub-folder "
+                     f"(root/cat/001.jpg, ...); for an unlabelled dataset use a single sub-folder, e.g. root/all/.")
 
 
 def _empty_classes(root: Path, empty: list[str]) -> UserError:
@@ -226,8 +208,7 @@ def _empty_classes(root: Path, empty: list[str]) -> UserError:
     return UserError(
         f"{counted(len(empty), 'class folder')} in {root} {'holds' if len(empty) == 1 else 'hold'} no images "
         f"({shown}). Add images with one of the extensions {' '.join(IMAGE_EXTENSIONS)} or remove those folders "
-        f"(every sub-folder is a class)."
-    )
+        f"(every sub-folder is a class).")
 
 
 def folded_note(nested: list[str]) -> str:
@@ -240,17 +221,12 @@ def folded_note(nested: list[str]) -> str:
 
 
 def scan_image_folder(root, loose: bool = False) -> ImageFolderScan:
-    """Scan root/<class>/**/<image>; UserError for a missing root, no class folders, empty classes or a loop.
-
-    loose (evaluate's folders): images lying in root itself are data too, as the class LOOSE_CLASS, listed
-    first; a folder without any class folder is fine, and empty folders are no error.
-    """
+    """Scan root/<class>/**/<image>; UserError for a missing root, no class folders, empty classes or a loop."""
     root = Path(root).expanduser()
     if not root.is_dir():
         raise UserError(
             f"--data-path {root} does not exist or is not a folder. Pass an ImageFolder root: one sub-folder "
-            f"per class holding that class's images (root/cat/001.jpg, root/dog/002.png, ...)."
-        )
+            f"per class holding that class's images (root/cat/001.jpg, root/dog/002.png, ...).")
     skipped = Skipped()
     classes, loose_files = find_classes(root, skipped, loose)
     if not classes and not loose:

@@ -122,12 +122,7 @@ def reduce_factor(size: tuple[int, int], image_size: int) -> int:
 
 
 def _decode(img: Image.Image, image_size: int | None, large: bool) -> Image.Image:
-    """Decode the pixels; an image above the default limit is decoded at reduced size where PIL can.
-
-    JPEG decodes at 1/2, 1/4 or 1/8 scale (draft: DCT scaling, memory of the reduced image only); other
-    formats decode whole and are reduced at once (Image.reduce, a box filter) before any mode conversion.
-    Images under the default limit take the unchanged path (ADM's box-halving in center_crop_arr).
-    """
+    """Decode the pixels; an image above the default limit is decoded at reduced size where PIL can."""
     factor = reduce_factor(img.size, image_size) if (large and image_size) else 1
     if factor > 1:
         img.draft(None, (-(-img.size[0] // factor), -(-img.size[1] // factor)))
@@ -143,10 +138,8 @@ _STRIP_ROWS = 256  # rows per strip, times the factor: a few MB of widened pixel
 
 def _reduce(img: Image.Image, factor: int) -> Image.Image:
     """Image.reduce(factor); palette, bilevel and 16-bit images are widened strip by strip, then reduced."""
-    try:
+    with contextlib.suppress(ValueError):
         return img.reduce(factor)
-    except ValueError:
-        pass
     mode = ("RGBA" if "transparency" in img.info else "RGB") if img.mode == "P" else _WIDER_MODE.get(img.mode, "RGB")
     width, height = img.size
     out = Image.new(mode, (-(-width // factor), -(-height // factor)))
@@ -173,11 +166,7 @@ def _open(path, max_pixels: int | None, image_size: int | None) -> tuple[Image.I
 
 def open_image(path, max_pixels: int | None = MAX_IMAGE_PIXELS,
                image_size: int | None = None) -> tuple[Image.Image, str, tuple[int, int]]:
-    """(RGB image, original mode, original size) of the file; BadImage with a short reason if unusable.
-
-    With image_size, an image above the default limit (admitted by a larger max_pixels) comes back reduced by
-    a power of two that keeps its short side at least 2 x image_size.
-    """
+    """(RGB image, original mode, original size) of the file; BadImage with a short reason if unusable."""
     try:
         return _open(path, max_pixels, image_size)
     except BadImage:

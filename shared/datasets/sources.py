@@ -1,17 +1,9 @@
 """Where extract's images come from: an ImageFolder, webdataset tar shards, or a parquet dataset.
 
-`open_source(data_path, options)` lists a source once, in a deterministic order, as an ImageFolderScan: class
-names, one id per sample, labels, and (tar, parquet) a reader that fetches one sample's bytes by id and the
-sha256 of every sample's bytes, so everything extract does with a folder (positions, shards, resume keyed by
-the settings' fingerprint of the id list, --limit, --duplicates, --check, ranks) holds for every source.
-
-A sample's id is `SHARD#KEY`: the tar shard's URL or path and the webdataset `__key__`, or the parquet file and
-the row's index in it. Listing reads every byte once (tar members by tarfile, the reader webdataset wraps,
-grouped into samples by webdataset's group_by_keys; parquet row groups by pyarrow) for the labels, the content
-hashes duplicates are found by, and each tar image's data offset; extraction then reads each sample at random
-(one ranged read per tar image, one parquet row group at a time) through fsspec, so `https://`, `s3://`,
-`hf://`, `memory://` serve as local files do (http needs a server that answers Range requests, as S3, the Hub
-and nginx do). Tar shards must be plain .tar (webdataset's usual form): offsets into a .tar.gz are not seekable.
+`open_source` lists a source once, deterministically, as an ImageFolderScan (ids SHARD#KEY or FILE#ROW, labels,
+content hashes), so positions, resume, --limit, --duplicates and ranks hold for every source. Listing reads every byte
+once; extraction then reads each sample at random through fsspec (one ranged read per tar image, one parquet row
+group at a time). Tar shards must be plain .tar: offsets into a .tar.gz are not seekable.
 """
 from __future__ import annotations
 
@@ -40,7 +32,6 @@ PARQUET_SPLIT = "train"  # a folder's files named train-* are taken; other split
 @dataclass(frozen=True)
 class SourceOptions:
     """How to read labels and class names from a tar or parquet source (an ImageFolder ignores them)."""
-
     label_key: str = DEFAULT_LABEL_KEY
     class_map: Path | None = None
     image_column: str = DEFAULT_IMAGE_COLUMN
@@ -50,7 +41,6 @@ class SourceOptions:
 @dataclass(frozen=True)
 class SourceScan(ImageFolderScan):
     """A tar or parquet source listed like an ImageFolder: `files` are sample ids, bytes come from `reader`."""
-
     reader: object = field(default=None, compare=False)  # TarReader | ParquetReader
     digests: dict = field(default_factory=dict, compare=False)  # sample id -> sha256 of its image bytes
 
@@ -63,9 +53,7 @@ class SourceScan(ImageFolderScan):
         return self.files[pos]
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Opening files: every URL through fsspec
-# ----------------------------------------------------------------------------------------------------------
+# ---- Opening files: every URL through fsspec ----
 
 def is_url(path: str) -> bool:
     """True for fsspec URLs (scheme://...), which are never read as local paths."""
@@ -75,7 +63,6 @@ def is_url(path: str) -> bool:
 def open_binary(url: str):
     """An open binary file for a local path or any fsspec URL; UserError naming the fix when it cannot open."""
     import fsspec
-
     try:
         return fsspec.open(url, "rb").open() if is_url(url) else open(url, "rb")  # noqa: SIM115 - the caller closes
     except ImportError as err:  # fsspec's http filesystem needs aiohttp, s3 needs s3fs, gs needs gcsfs
@@ -95,9 +82,7 @@ def _reading_error(url: str, err: Exception) -> UserError:
                      f"truncated, replace it; for a URL check the network and rerun the same command.")
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Labels and class names
-# ----------------------------------------------------------------------------------------------------------
+# ---- Labels and class names ----
 
 def read_class_map(path: Path | None) -> list[str] | None:
     """--class-map: a JSON list of names or {index: name} with indices 0..K-1; None without the flag."""
@@ -152,9 +137,7 @@ def parse_label(value, where: str, key: str) -> int:
     return value
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Webdataset tar shards
-# ----------------------------------------------------------------------------------------------------------
+# ---- Webdataset tar shards ----
 
 def tar_folder(data_path: str) -> list[str]:
     """The sorted *.tar files of a local folder holding tar shards and no sub-folder (not an ImageFolder)."""
@@ -167,7 +150,6 @@ def tar_folder(data_path: str) -> list[str]:
 def expand_shards(data_path: str) -> list[str]:
     """The shard list of a brace pattern or a '::'-separated list (webdataset's own expansion), or a folder's."""
     from webdataset.shardlists import expand_urls
-
     if tar_folder(data_path):
         return tar_folder(data_path)
     return [url if is_url(url) else str(Path(url).expanduser()) for url in expand_urls(data_path)]
@@ -207,11 +189,7 @@ META_MEMBER = re.compile(r"__[^/]*__($|/)")  # webdataset's own rule: such membe
 
 
 def _tar_members(stream, url: str, spans: dict):
-    """The regular members of a plain tar stream as webdataset's file samples; their data spans go to `spans`.
-
-    tarfile (the reader webdataset's tar_file_iterator wraps) in stream mode, so the data offset of each member
-    is known: extraction then reads an image with one ranged read instead of indexing the shard again.
-    """
+    """The regular members of a plain tar stream as webdataset's file samples; their data spans go to `spans`."""
     archive = tarfile.open(fileobj=stream, mode="r|")  # plain tar only: offsets into a .tar.gz are not seekable
     for info in archive:
         if info.isreg() and not META_MEMBER.match(info.name):
@@ -223,7 +201,6 @@ def _tar_members(stream, url: str, spans: dict):
 def _list_tar(url: str, label_key: str, skipped: Skipped) -> list[tuple[str, tuple, int, bytes]]:
     """(key, (offset, size) of its image, label, sha256) of every sample of one shard, in the shard's order."""
     from webdataset.tariterators import group_by_keys
-
     found, spans = [], {}
     with open_binary(url) as stream:
         try:
@@ -245,7 +222,6 @@ def _list_tar(url: str, label_key: str, skipped: Skipped) -> list[tuple[str, tup
 
 class TarReader:
     """One sample's image bytes by id: a ranged read at the member's data offset recorded by the listing."""
-
     def __init__(self, shards: list[str], members: dict):
         self.shards, self.members = shards, members  # id -> (shard index, data offset, size)
         self._open = None  # (shard index, file): the last shard read, per process
@@ -295,14 +271,11 @@ def scan_tar_shards(data_path: str, options: SourceOptions) -> SourceScan:
     return SourceScan(data_path, classes, files, labels, skipped, (), TarReader(shards, members), digests)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Parquet
-# ----------------------------------------------------------------------------------------------------------
+# ---- Parquet ----
 
 def parquet_files(data_path: str) -> list[str]:
     """The parquet files of a path, glob or URL; a folder gives its train split (HF layout) or all its files."""
     import fsspec
-
     local = Path(data_path).expanduser()
     if not is_url(data_path) and local.is_dir():
         for pattern in (f"{PARQUET_SPLIT}-*.parquet", f"data/{PARQUET_SPLIT}-*.parquet", f"*/{PARQUET_SPLIT}-*.parquet",
@@ -340,7 +313,6 @@ def _check_columns(url: str, schema, options: SourceOptions) -> None:
 def image_bytes(column) -> list:
     """The encoded images of one arrow column: a struct with `bytes` (as `datasets` writes Image) or binary."""
     import pyarrow as pa
-
     if pa.types.is_struct(column.type):
         column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
         column = column.field("bytes")
@@ -350,7 +322,6 @@ def image_bytes(column) -> list:
 def _list_parquet(url: str, index: int, options: SourceOptions) -> tuple[list, list, list, list | None]:
     """(row ids, labels, digests, class names or None) of one file; rows addressed (file, row group, row)."""
     import pyarrow.parquet as pq
-
     with open_binary(url) as handle:
         try:
             pf = pq.ParquetFile(handle)
@@ -373,7 +344,6 @@ def _list_parquet(url: str, index: int, options: SourceOptions) -> tuple[list, l
 
 class ParquetReader:
     """One row's image bytes by id: pyarrow reads the row group holding it (the last one kept, per process)."""
-
     def __init__(self, files: list[str], rows: dict, image_column: str):
         self.files, self.rows, self.image_column = files, rows, image_column  # id -> (file, row group, row)
         self._group = None  # ((file, row group), list of bytes)
@@ -384,7 +354,6 @@ class ParquetReader:
     def read(self, sample_id: str) -> bytes:
         """The bytes of the row's image (empty when the row holds none: decoded as a bad sample)."""
         import pyarrow.parquet as pq
-
         file, group, row = self.rows[sample_id]
         if self._group is None or self._group[0] != (file, group):
             with open_binary(self.files[file]) as handle:
@@ -419,9 +388,7 @@ def scan_parquet(data_path: str, options: SourceOptions) -> SourceScan:
                       ParquetReader(files, rows, options.image_column), digests)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The listing kept in --out: a rerun (resume) does not read the whole source again
-# ----------------------------------------------------------------------------------------------------------
+# ---- The listing kept in --out: a rerun (resume) does not read the whole source again ----
 
 LISTING_NAME = "source-listing.json.gz"
 LISTING_VERSION = 2
@@ -430,7 +397,6 @@ LISTING_VERSION = 2
 def unit_sizes(urls: list[str]) -> list[int]:
     """The byte size of each shard or file (os.stat, or the filesystem's info: one request per URL)."""
     import fsspec
-
     sizes = []
     for url in urls:
         try:
@@ -466,7 +432,6 @@ def save_listing(scan: SourceScan, path: Path, key: dict) -> None:
     import gzip
 
     from shared.runtime.fsio import atomic_write_bytes
-
     reader = scan.reader
     tar = isinstance(reader, TarReader)
     units = reader.shards if tar else reader.files
@@ -482,7 +447,6 @@ def save_listing(scan: SourceScan, path: Path, key: dict) -> None:
 def load_listing(path: Path, key: dict) -> SourceScan | None:
     """The kept listing, if made from the same source and options and every shard still has its size."""
     import gzip
-
     try:
         record = json.loads(gzip.decompress(Path(path).read_bytes()))
     except (OSError, ValueError, EOFError):
@@ -499,9 +463,7 @@ def load_listing(path: Path, key: dict) -> SourceScan | None:
                       reader, digests)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The one entry point
-# ----------------------------------------------------------------------------------------------------------
+# ---- The one entry point ----
 
 def source_kind(data_path: str) -> str:
     """'tar', 'parquet' or 'folder', from the path's form (and a local folder's parquet files)."""

@@ -1,10 +1,8 @@
-"""Gaussian diffusion for DiT: linear schedule, eps + learned-range variance loss, respacing, the samplers.
+"""Gaussian diffusion for DiT: linear schedule, eps + learned-range variance loss, respacing, DDPM and DDIM.
 
-Papers cited below: Ho et al. 2020 (DDPM), Nichol & Dhariwal 2021 (Improved DDPM, "IDDPM"),
-Song et al. 2021 (DDIM); the ODE solvers (DPM-Solver++, UniPC) are in shared/generative/solvers.py; all samplers are
-registered in shared/generative/samplers.py and driven through shared/generative/objectives.py. The schedule lives here only; models see nothing but the timestep.
-Numerically as the official DiT `diffusion/` package (from ADM): its tanh normal CDF in the t = 0 decoder NLL,
-its accumulated-stride respacing, its respaced betas even for all 1000 steps.
+Ho et al. 2020 (DDPM), Nichol & Dhariwal 2021 ("IDDPM"), Song et al. 2021 (DDIM). Numerically as the official DiT
+`diffusion/` package (from ADM): its tanh normal CDF in the t = 0 decoder NLL, its accumulated-stride respacing, its
+respaced betas even for all 1000 steps. The schedule lives here only; models see nothing but the timestep.
 """
 import math
 
@@ -24,9 +22,7 @@ def linear_betas(num_timesteps: int = NUM_TIMESTEPS) -> np.ndarray:
     return np.linspace(scale * 1e-4, scale * 0.02, num_timesteps, dtype=np.float64)
 
 
-# ----------------------------------------------------------------------------------------------------
-# Closed-form Gaussian pieces
-# ----------------------------------------------------------------------------------------------------
+# ---- Closed-form Gaussian pieces ----
 
 def normal_kl(mean1, logvar1, mean2, logvar2):
     """Elementwise KL(N(mean1, e^logvar1) || N(mean2, e^logvar2)) in nats."""
@@ -35,20 +31,13 @@ def normal_kl(mean1, logvar1, mean2, logvar2):
 
 
 def approx_std_normal_cdf(x):
-    """Standard normal CDF by the tanh approximation ADM and DiT use: 0.5 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
-
-    Not Phi itself: its largest absolute error is 1.8e-4 (near |x| = 2.6), and it falls off faster than Phi
-    in the tails (half of Phi at x = -4). It is still a CDF (monotone, 0 to 1), so the 256 bins sum to 1.
-    """
+    """Standard normal CDF by the tanh approximation ADM and DiT use: 0.5 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
+    # Not Phi (error up to 1.8e-4, thinner tails), but still a CDF, so the 256 bins sum to 1.
     return 0.5 * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3))))
 
 
 def discretized_gaussian_log_likelihood(x, means, log_scales):
-    """Log-probability of data x in [-1, 1] on 256 levels under N(means, e^(2 log_scales)) (Ho et al. Eq. 13).
-
-    Each level is a bin of width 2/255; the two edge bins (x < -0.999, x > 0.999) extend to -inf and +inf.
-    The CDF is ADM's tanh approximation, as in the official DiT loss; all three shapes like x.
-    """
+    """Log-probability of data x in [-1, 1] on 256 levels under N(means, e^(2 log_scales)) (Ho et al. Eq. 13)."""
     inv_std = torch.exp(-log_scales)
     cdf_upper = approx_std_normal_cdf((x - means + 1.0 / 255.0) * inv_std)  # at the standardised bin edges
     cdf_lower = approx_std_normal_cdf((x - means - 1.0 / 255.0) * inv_std)
@@ -62,13 +51,10 @@ def mean_flat(x):
     return x.mean(dim=tuple(range(1, x.ndim)))
 
 
-# ----------------------------------------------------------------------------------------------------
-# The diffusion process
-# ----------------------------------------------------------------------------------------------------
+# ---- The diffusion process ----
 
 class GaussianDiffusion:
     """A discrete Gaussian diffusion over num_timesteps steps, possibly a respaced subset of 1000."""
-
     def __init__(self, betas: np.ndarray, timestep_map: np.ndarray | None = None):
         self.betas = betas = np.asarray(betas, dtype=np.float64)
         if betas.ndim != 1 or not ((betas > 0) & (betas <= 1)).all():
@@ -178,17 +164,12 @@ class GaussianDiffusion:
         return {"loss": mse + vb, "mse": mse, "vb": vb}
 
 
-# ----------------------------------------------------------------------------------------------------
-# Respacing
-# ----------------------------------------------------------------------------------------------------
+# ---- Respacing ----
 
 def space_timesteps(num_timesteps: int, count: int) -> list[int]:
-    """`count` evenly spaced steps of range(num_timesteps), first and last included (ADM, one section).
-
-    As ADM/DiT: a float stride (T - 1) / (count - 1) is summed step by step and each partial sum rounded
-    half to even. This is not round(i * stride): the sums carry float error (21 steps keep 499, not 500).
-    """
+    """`count` evenly spaced steps of range(num_timesteps), first and last included (ADM, one section)."""
     check_step_count(num_timesteps, count)
+    # As ADM: the float stride is summed step by step, each sum rounded half to even (21 steps keep 499, not 500).
     stride = (num_timesteps - 1) / (count - 1) if count > 1 else 1
     kept, position = [], 0.0
     for _ in range(count):
@@ -198,11 +179,8 @@ def space_timesteps(num_timesteps: int, count: int) -> list[int]:
 
 
 def ddim_timesteps(num_timesteps: int, count: int) -> list[int]:
-    """range(0, T, s) with the smallest integer stride s in [1, T) that yields exactly `count` steps (DDIM paper).
-
-    ADM's "ddimN" spacing: the last step is T - s, not T - 1, and only some counts have such a stride.
-    """
-    check_step_count(num_timesteps, count)
+    """range(0, T, s) with the smallest integer stride s in [1, T) that yields exactly `count` steps (DDIM paper)."""
+    check_step_count(num_timesteps, count)  # ADM's "ddimN": the last step is T - s, and only some counts exist
     counts = {}  # attainable count -> smallest stride
     for stride in range(1, num_timesteps):
         counts.setdefault(len(range(0, num_timesteps, stride)), stride)
@@ -216,12 +194,8 @@ def ddim_timesteps(num_timesteps: int, count: int) -> list[int]:
 
 
 def linspace_timesteps(num_timesteps: int, count: int) -> list[int]:
-    """diffusers' "linspace" spacing: round(linspace(0, T - 1, count + 1)) without its 0, i.e. `count` steps.
-
-    The ODE solvers' grid: they step from the smallest kept timestep (about (T - 1) / count) straight to clean
-    data, so no model call is spent at t = 0. The points are those of space_timesteps(T, count + 1) except that
-    numpy rounds exact products where ADM rounds an accumulated float sum (at 20 steps 500, not 499).
-    """
+    """diffusers' "linspace" spacing: round(linspace(0, T - 1, count + 1)) without its 0, i.e. `count` steps."""
+    # The ODE solvers step from the smallest kept timestep straight to clean data: no model call at t = 0.
     check_step_count(num_timesteps, count)
     if count > num_timesteps - 1:
         raise UserError(f"The linspace spacing of the ODE solvers has at most {num_timesteps - 1} distinct steps "
@@ -239,17 +213,13 @@ def check_step_count(num_timesteps: int, count: int) -> None:
 
 
 def respaced_betas(alphas_cumprod: np.ndarray, kept: list[int]) -> np.ndarray:
-    """Betas whose cumulative products equal alphas_cumprod at the kept steps (IDDPM Sec. 4).
-
-    beta'_i = 1 - abar_{kept[i]} / abar_{kept[i-1]}, with abar before the first kept step = 1.
-    """
-    kept_acp = alphas_cumprod[kept]
+    """Betas whose cumulative products equal alphas_cumprod at the kept steps (IDDPM Sec. 4)."""
+    kept_acp = alphas_cumprod[kept]  # beta'_i = 1 - abar_{kept[i]} / abar_{kept[i-1]}, abar before the first = 1
     return 1.0 - kept_acp / np.append(1.0, kept_acp[:-1])
 
 
 def kept_timesteps(spacing: int | str | None, num_timesteps: int = NUM_TIMESTEPS) -> list[int]:
-    """Original timesteps kept for `spacing`: None = all, a count K (int or "K"), "ddimK" (integer stride) or
-    "linspaceK" (diffusers' linspace spacing, no step at t = 0)."""
+    """Original timesteps kept for `spacing`: None = all, a count K (int or "K"), "ddimK" or "linspaceK"."""
     if spacing is None or spacing == "":
         return list(range(num_timesteps))
     for prefix, rule in (("ddim", ddim_timesteps), ("linspace", linspace_timesteps)):
@@ -267,19 +237,13 @@ def _parse_count(text, spacing) -> int:
 
 
 def create_diffusion(num_sampling_steps: int | str | None = None) -> GaussianDiffusion:
-    """The DiT diffusion: linear betas over NUM_TIMESTEPS, respaced to num_sampling_steps (see kept_timesteps).
-
-    As DiT, even all 1000 steps go through respacing: its betas are 1 - abar_t / abar_{t-1}, which differ
-    from the linear ones by < 4e-13 relative (no float32 schedule value changes).
-    """
-    kept = kept_timesteps(num_sampling_steps)
+    """The DiT diffusion: linear betas over NUM_TIMESTEPS, respaced to num_sampling_steps (see kept_timesteps)."""
+    kept = kept_timesteps(num_sampling_steps)  # as DiT, all 1000 steps are respaced too (betas differ < 4e-13)
     alphas_cumprod = np.cumprod(1.0 - linear_betas(NUM_TIMESTEPS))
     return GaussianDiffusion(respaced_betas(alphas_cumprod, kept), timestep_map=np.array(kept))
 
 
-# ----------------------------------------------------------------------------------------------------
-# Samplers: one signature, deterministic given generators
-# ----------------------------------------------------------------------------------------------------
+# ---- Samplers: one signature, deterministic given generators ----
 
 def randn_rows(like: torch.Tensor, generator=None) -> torch.Tensor:
     """Standard normal noise shaped like `like`; with a list of generators row i comes from generator i."""

@@ -1,16 +1,9 @@
 """Flow matching on the linear path, as SiT defines it: the path, the loss, time draws, and its samplers.
 
-Papers: Ma et al. 2024, "SiT: Exploring Flow and Diffusion-based Generative Models with Scalable
-Interpolant Transformers" (the linear interpolant, velocity prediction, the Euler-Maruyama sampler with
-w_t = sigma_t and its "Mean" last step); Lipman et al. 2023 (flow matching); Esser et al. 2024 (SD3:
-logit-normal time sampling); Yao et al. 2025 (LightningDiT: timestep shift and the cosine velocity loss).
-
-Time here is SiT's: tau in [0, 1], tau = 0 is pure noise and tau = 1 is data,
-    x_tau = tau x1 + (1 - tau) eps,   velocity v = dx/dtau = x1 - eps            (SiT Eq. 1-2, linear path)
-and the noise level of x_tau is sigma = 1 - tau. What the network receives as its timestep input is the
-model's convention (FLOW_CONVENTIONS): SiT feeds tau and predicts v; REPA's code runs time the other way
-(t = 1 - tau, t = 0 data) and predicts eps - x1 = -v. Everything below works in SiT time and converts only
-at the model call, so one set of samplers serves both conventions.
+Ma et al. 2024 (SiT: linear interpolant, velocity prediction, Euler-Maruyama with w_t = sigma_t and its "Mean" last
+step); Lipman et al. 2023; Esser et al. 2024 (SD3: logit-normal times); Yao et al. 2025 (LightningDiT: timestep shift,
+cosine velocity loss). Time is SiT's: x_tau = tau x1 + (1 - tau) eps, v = x1 - eps (tau = 0 noise, 1 data); REPA's
+network runs t = 1 - tau and predicts -v. Everything works in SiT time and converts only at the model call.
 """
 from __future__ import annotations
 
@@ -71,7 +64,6 @@ def rae_shift(tau: torch.Tensor, shift: float) -> torch.Tensor:
 @dataclass(frozen=True)
 class FlowPath:
     """The linear path of one model convention: the model-call conversion and the training loss."""
-
     convention: str = "sit"
 
     def __post_init__(self):
@@ -95,8 +87,7 @@ class FlowPath:
         return model_t if self.convention == "sit" else 1 - model_t
 
     def field(self, model_fn, x: torch.Tensor, model_t: torch.Tensor, model_kwargs: dict | None) -> torch.Tensor:
-        """SiT's velocity at x (N,C,h,w) from one network call at network time model_t (N,): every sampler's only
-        way to the network, so a path whose network predicts something else (x1, eps) converts here."""
+        """SiT's velocity at x (N,C,h,w) from one network call at network time model_t (N,): samplers' only way in."""
         return self.velocity(model_fn(x, model_t, **(model_kwargs or {})), x.shape[1])
 
     def call(self, model_fn, x: torch.Tensor, tau: torch.Tensor, model_kwargs: dict | None) -> torch.Tensor:
@@ -128,14 +119,11 @@ def draw_time(generator: torch.Generator, sampling: str = "uniform", loc: float 
     return tau if shift == 1.0 else shift_time(tau, shift)
 
 
-# ----------------------------------------------------------------------------------------------------
-# Sampling: one process description, three solvers sharing one signature
-# ----------------------------------------------------------------------------------------------------
+# ---- Sampling: one process description, three solvers sharing one signature ----
 
 @dataclass(frozen=True)
 class FlowProcess:
     """What a flow sampler walks: the path and the SiT-time grid (float64, from noise at 0 towards data at 1)."""
-
     path: FlowPath
     times: torch.Tensor  # (K + 1,) float64: the K steps' start and end points; the last is the end time
     last_step: float = 0.0  # SDE only: the final "Mean" step from times[-1] = 1 - last_step to tau = 1
@@ -154,13 +142,9 @@ def flow_grid(steps: int, shift: float = 1.0, end: float = 1.0) -> torch.Tensor:
 
 
 def sde_grid(steps: int, shift: float, last_step: float) -> torch.Tensor:
-    """The N start times (float64) of the SDE's N - 1 Euler-Maruyama steps and its Mean step, ending at 1 - h.
-
-    SiT's grid is linspace(0, 1 - h, N). With a time shift the whole grid is shifted within [0, 1 - h]: the
-    uniform grid ends where the shift maps to 1 - h (the inverse of shift s is shift 1/s), so the Mean step
-    keeps its size h and the sampler still ends at tau = 1 (data). Shifting SiT's points instead would leave
-    the last one at shift(1 - h) < 1 - h, and the walk would stop short of the data (shift 0.3: tau 0.918).
-    """
+    """The N start times (float64) of the SDE's N - 1 Euler-Maruyama steps and its Mean step, ending at 1 - h."""
+    # The uniform grid ends where the shift maps to 1 - h, so the Mean step keeps its size h and the walk still ends
+    # at tau = 1 (shifting SiT's points instead would stop short of the data: shift 0.3 ends at tau 0.918).
     end = 1.0 - last_step
     if shift == 1.0:
         return torch.linspace(0.0, end, steps, dtype=torch.float64)  # (N,) SiT's, bitwise
@@ -197,8 +181,7 @@ def make_process(path: FlowPath, sampler: str, steps: int, shift: float = 1.0,
 
 
 def _tau(value, x) -> torch.Tensor:
-    """A (N,) float64 time vector on x's device: the grid's own value, so that guidance decides its interval
-    on it (REPA compares its float64 grid times); the network gets it rounded once to float32 (guidance.py)."""
+    """A (N,) float64 time vector on x's device: the grid's own value, as REPA's guidance interval compares it."""
     return torch.full((x.shape[0],), float(value), device=x.device, dtype=torch.float64)
 
 
@@ -226,12 +209,8 @@ def euler_sample(process: FlowProcess, model_fn, noise, model_kwargs=None, gener
 
 @torch.no_grad()
 def heun_sample(process: FlowProcess, model_fn, noise, model_kwargs=None, generator=None, progress=False):
-    """Heun's (explicit trapezoidal) method on the ODE, two calls per step (torchdiffeq's 'heun2', SiT's ODE).
-
-    The corrector runs on the last step too (at tau = 1, as SiT's heun2) and is guided by its own time's
-    level; REPA's --heun does neither (docs/sampling.md).
-    """
-    x = noise.float()
+    """Heun's (explicit trapezoidal) method on the ODE, two calls per step (torchdiffeq's 'heun2', SiT's ODE)."""
+    x = noise.float()  # the corrector runs on the last step too (SiT's heun2; REPA's --heun does not)
     for i, t0, t1 in _points(process, progress, "heun"):
         h = t1 - t0
         k1 = _velocity(process, model_fn, x, i, model_kwargs)
@@ -248,12 +227,8 @@ def score_from_velocity(v, x, tau):
 
 @torch.no_grad()
 def sde_sample(process: FlowProcess, model_fn, noise, model_kwargs=None, generator=None, progress=False):
-    """SiT's reverse SDE by Euler-Maruyama with w_tau = sigma_tau = 1 - tau, then its deterministic "Mean" step.
-
-    dx = [v + w score] dtau + sqrt(2 w) dW (SiT Eq. 8 with the "sigma" diffusion). Drift and score come from
-    ONE network call per step (SiT's code makes two). Row i's noise comes from generator i. The Mean step
-    runs from times[-1] = 1 - last_step to tau = 1, so the walk ends at the data for any grid.
-    """
+    """SiT's reverse SDE by Euler-Maruyama with w_tau = sigma_tau = 1 - tau, then its deterministic "Mean" step."""
+    # dx = [v + w score] dtau + sqrt(2 w) dW (SiT Eq. 8), drift and score from ONE network call (SiT makes two).
     x = noise.float()
     for i, t0, t1 in _points(process, progress, "sde"):
         tau = _tau(t0, x)
@@ -272,14 +247,8 @@ def sde_sample(process: FlowProcess, model_fn, noise, model_kwargs=None, generat
 @torch.no_grad()
 def dopri5_sample(process: FlowProcess, model_fn, noise, model_kwargs=None, generator=None, progress=False,
                   atol: float = 1e-6, rtol: float = 1e-3):
-    """Adaptive Dormand-Prince 5(4) on the ODE from tau = 0 to 1 (SiT's default ODE solver), one step size per row.
-
-    torchdiffeq's controller (SiT's solver) chooses one step size for the whole batch, so an image would depend
-    on the others in its batch; here every row runs torchdiffeq's algorithm on its own (shared/generative/odeint.py),
-    so image i depends only on its noise, in any batch, and the batch still goes through the network together.
-    """
-    from shared.generative.odeint import dopri5_rows  # here: keeps flow.py's import graph as it was
-
+    """Adaptive Dormand-Prince 5(4) on the ODE from tau = 0 to 1 (SiT's default ODE solver), one step size per row."""
+    from shared.generative.odeint import dopri5_rows  # torchdiffeq's algorithm per row: image i depends on its noise
     def field(tau, x, rows):
         """dx/dtau of the rows `rows` (M,) at their own times tau (M,) float64."""
         kwargs = {k: v[rows] for k, v in (model_kwargs or {}).items()}

@@ -1,22 +1,11 @@
 """MeanFlow (Geng, Deng, Bai, Kolter, He 2025, "Mean Flows for One-step Generative Modeling", arXiv 2505.13447):
 the average velocity on the linear path, its training target by a Jacobian-vector product, and its sampler.
 
-The paper's time runs from data to noise: z_t = (1 - t) x + t eps, v = eps - x, and the network predicts the
-average velocity u(z_t, r, t) = 1/(t - r) int_r^t v(z_s, s) ds (its definition). Differentiating (t - r) u in t with r
-fixed gives the MeanFlow identity u = v - (t - r) du/dt, du/dt = v d_z u + d_t u (its MeanFlow identity), the target
-u_tgt = v - (t - r)(v d_z u + d_t u) under stop-gradient, and the step z_r = z_t - (t - r) u (Alg. 2).
-
-Everything here is in SiT's time (shared/generative/flow.py): tau = 1 - t (0 = noise, 1 = data), x_tau = tau x1 +
-(1 - tau) eps, v = x1 - eps = -v_paper. An interval is (tau, h): from tau towards the data by h = t - r >= 0, ending
-at tau + h = 1 - r. The average velocity in SiT's sign is ubar = -u_paper, and the paper's identity becomes
-
-    ubar(x_tau, tau, h) = v + h d ubar / d tau,   d/d tau along the path with the end tau + h held:
-    tangents (dx, d tau, d h) = (v, 1, -1);         one step: x_{tau + h} = x_tau + h ubar(x_tau, tau, h).
-
-The network receives the pair (its convention's time of tau, h) as an (N, 2) time input (shared/network/models.py's
-interval embedder; the paper embeds t and t - r, its ablation's choice) and its output is converted by the
-FlowPath of its convention, so a MeanFlow network fine-tuned from a REPA-convention flow model keeps its sign.
-At h = 0 the average velocity is the instantaneous one: the network is a flow model there.
+The paper (time 1 = noise) predicts u(z_t, r, t) = 1/(t - r) int_r^t v ds with target u_tgt = v - (t - r) du/dt under
+stop-gradient and step z_r = z_t - (t - r) u (Alg. 2). Here in SiT's time (tau = 1 - t, v = x1 - eps, ubar = -u) an
+interval (tau, h = t - r) gives ubar = v + h d ubar / d tau with tangents (dx, d tau, d h) = (v, 1, -1), and one step
+x_{tau + h} = x_tau + h ubar. The network takes (its convention's time of tau, h) as an (N, 2) time input; at h = 0
+it is a flow model.
 """
 from __future__ import annotations
 
@@ -30,14 +19,8 @@ from shared.runtime.errors import ChoiceError
 PAIR_SAMPLINGS = ("lognormal", "uniform")  # the paper's ablation: logit-normal (its choice) or uniform
 
 
-def pair_input(path: FlowPath, tau: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """The network's (N, 2) time input: its convention's time of tau, and the interval length h = t - r."""
-    return torch.stack([path.model_time(tau), h], dim=1)  # (N, 2)
-
-
 def in_sit_sign(path: FlowPath, out: torch.Tensor, channels: int) -> torch.Tensor:
-    """The first `channels` of a network output (N, C', h, w) in SiT's sign, fp32 at least (a float64 model's stay
-    float64, for the exactness tests); extra channels (a learned-variance layout, as SiT's) are ignored."""
+    """The first `channels` of a network output (N, C', h, w) in SiT's sign, fp32 at least (float64 stays)."""
     u = out[:, :channels]
     u = u.to(torch.promote_types(u.dtype, torch.float32))  # (N, C, h, w)
     return u if path.convention == "sit" else -u
@@ -46,17 +29,14 @@ def in_sit_sign(path: FlowPath, out: torch.Tensor, channels: int) -> torch.Tenso
 def average_velocity(path: FlowPath, model_fn, x: torch.Tensor, tau: torch.Tensor, h: torch.Tensor,
                      model_kwargs: dict | None) -> torch.Tensor:
     """ubar(x, tau, h) in SiT's sign from one network call: x (N,C,h,w), tau and h (N,) -> (N,C,h,w), fp32 at least."""
-    return in_sit_sign(path, model_fn(x, pair_input(path, tau, h), **(model_kwargs or {})), x.shape[1])
+    t = torch.stack([path.model_time(tau), h], dim=1)  # (N, 2): its convention's time of tau, and h = t - r
+    return in_sit_sign(path, model_fn(x, t, **(model_kwargs or {})), x.shape[1])
 
 
 def draw_pair(generator: torch.Generator, sampling: str, mu: float, sigma: float, fraction: float) -> torch.Tensor:
-    """One training interval (1, 2) float32 [tau, h] from `generator`, as the paper's sample_tr.
-
-    Two times are drawn in the paper's time (1 = noise), logit-normal sigmoid(mu + sigma n) or uniform; t is the
-    larger and r the smaller; with probability 1 - fraction r = t (h = 0: plain flow matching on that sample). The
-    official code sets r = t on a fixed share of each batch; here each sample tosses its own coin, keyed by its
-    stream position like every draw, so the share holds in expectation and resume stays bitwise.
-    """
+    """One training interval (1, 2) float32 [tau, h] from `generator`, as the paper's sample_tr."""
+    # The official code sets r = t on a fixed share of each batch; here each sample tosses its own coin (keyed by its
+    # stream position like every draw), so the share holds in expectation and resume stays bitwise.
     if sampling == "lognormal":
         pair = torch.sigmoid(mu + sigma * torch.randn(2, generator=generator))  # (2,) paper times
     elif sampling == "uniform":
@@ -67,11 +47,6 @@ def draw_pair(generator: torch.Generator, sampling: str, mu: float, sigma: float
     keep = torch.rand(1, generator=generator)[0] < fraction  # r != t for this sample
     h = (t - r) if bool(keep) else torch.zeros(())
     return torch.stack([1 - t, h]).view(1, 2)  # (1, 2): SiT time of z, interval length
-
-
-def split_pairs(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tau, h), each (N,), of a batch of training intervals (N, 2)."""
-    return t[:, 0], t[:, 1]
 
 
 def rows_of(model_kwargs: dict, rows: torch.Tensor) -> dict:
@@ -87,13 +62,9 @@ def mixed_kwargs(model_kwargs: dict, count: int) -> dict:
 @torch.no_grad()
 def guided_velocity(path: FlowPath, model_fn, x, tau, v, model_kwargs: dict, omega: float, kappa: float,
                     levels: tuple[float, float]) -> torch.Tensor:
-    """The paper's guided field (its CFG target with the mixing scale kappa; the JAX code's guidance_fn), stop-gradient:
-
-    v_g = omega v + kappa u(z, t, t | c) + (1 - omega - kappa) u(z, t, t | null)   where lo <= t <= hi (paper time),
-    v_g = v elsewhere and on the rows whose label was dropped (the class-dropout coin), as the official cond_drop.
-    u(z, t, t) is the network itself at h = 0 (its instantaneous velocity); the conditional and null rows go
-    through one 2N forward (one N forward of null rows when kappa = 0).
-    """
+    """The paper's guided field (its CFG target with mixing scale kappa; the JAX code's guidance_fn), stop-gradient."""
+    # v_g = omega v + kappa u(z, t, t | c) + (1 - omega - kappa) u(z, t, t | null) where lo <= t <= hi, else v (and
+    # on rows whose label was dropped, as the official cond_drop); u(z, t, t) is the network at h = 0.
     dropped = model_kwargs["force_drop_ids"].to(torch.bool)  # (N,)
     level = 1 - tau  # (N,) the paper's t = the noise level
     inside = (level >= levels[0]) & (level <= levels[1]) & ~dropped  # (N,)
@@ -117,17 +88,12 @@ def guided_velocity(path: FlowPath, model_fn, x, tau, v, model_kwargs: dict, ome
 
 @torch.no_grad()
 def average_and_derivative(path: FlowPath, model_fn, x, tau, h, tangent, model_kwargs: dict):
-    """(ubar, d ubar / d tau) at (x, tau, h) along the path with tangent `tangent` (N,C,h,w) for x: one forward-mode
-    JVP (torch.func.jvp) with tangents (tangent, 1, -1), without autograd (the target is stop-gradient).
-
-    Attention runs SDPA's math kernel here on every device: torch 2.13's fused CPU kernel raises NotImplementedError
-    in forward mode, the CUDA fused kernels were not checked (no GPU), and xformers has no forward mode at all. Without autograd no
-    block is checkpointed (DiT._checkpointed), so --grad-checkpoint and autocast apply to the loss's own forward.
-    """
+    """(ubar, d ubar / d tau) at (x, tau, h): one forward-mode JVP with tangents (tangent, 1, -1), no autograd."""
     def field(x_, tau_, h_):
         return average_velocity(path, model_fn, x_, tau_, h_, model_kwargs)
 
     ones = torch.ones_like(tau)
+    # SDPA's math kernel: torch 2.13's fused CPU kernel has no forward mode (CUDA's were not checked), nor has xformers.
     with sdpa_kernel([SDPBackend.MATH]):
         return jvp(field, (x, tau, h), (tangent, ones, -ones))
 
@@ -139,15 +105,9 @@ def adaptive_weight(sq: torch.Tensor, p: float, c: float) -> torch.Tensor:
 
 def meanflow_losses(path: FlowPath, model_fn, x1, t, noise, model_kwargs: dict, *, omega: float, kappa: float,
                     levels: tuple[float, float], p: float, c: float) -> dict:
-    """{"loss", "sq", "v_sq"}, each (N,): the adaptively weighted MeanFlow loss sg(w) ||ubar - sg(u_tgt)||^2 (sum over
-    the latent's elements, as the paper's squared L2 norm), its unweighted ||Delta||^2, and ||ubar - v||^2 (the
-    official v_loss, for monitoring). x1 (N,C,h,w) data, t (N, 2) intervals [tau, h], noise like x1.
-
-    Order of the network calls: the guidance rows (no autograd), the JVP (no autograd) of the rows with r != t only
-    (at r = t the target is v_g itself, so the JVP's cost scales with --interval-fraction), then the one forward the
-    gradient flows through, last, so a wrapper that keeps something from the forward (REPA's tokens) keeps its.
-    """
-    tau, h = split_pairs(t)
+    """{"loss", "sq", "v_sq"} (N,): sg(w) ||ubar - sg(u_tgt)||^2 summed over elements, ||Delta||^2, ||ubar - v||^2."""
+    # The forward the gradient flows through runs last, so a wrapper keeping something from it (REPA) keeps its.
+    tau, h = t[:, 0], t[:, 1]  # (N,) each
     s = tau.view(-1, *([1] * (x1.ndim - 1))).to(x1.dtype)  # (N, 1, 1, 1)
     x = s * x1 + (1 - s) * noise  # (N, C, h, w)
     v = x1 - noise  # (N, C, h, w): d x_tau / d tau
@@ -166,14 +126,11 @@ def meanflow_losses(path: FlowPath, model_fn, x1, t, noise, model_kwargs: dict, 
     return {"loss": adaptive_weight(sq, p, c) * sq, "sq": sq.detach(), "v_sq": v_sq}
 
 
-# ----------------------------------------------------------------------------------------------------
-# Sampling: one network call per step, any grid
-# ----------------------------------------------------------------------------------------------------
+# ---- Sampling: one network call per step, any grid ----
 
 @torch.no_grad()
 def meanflow_sample(process: FlowProcess, model_fn, noise, model_kwargs=None, generator=None, progress=False):
-    """x_{tau'} = x_tau + (tau' - tau) ubar(x_tau, tau, tau' - tau) over the grid (Alg. 2; one step: z_0 = z_1 - u(z_1,
-    0, 1)); one network call per step, float64 grid times handed to the network as float32 (guidance.py)."""
+    """x_{tau'} = x_tau + (tau' - tau) ubar(x_tau, tau, tau' - tau) over the grid (Alg. 2); one call per step."""
     x = noise.to(torch.promote_types(noise.dtype, torch.float32))  # fp32 at least; float64 noise stays
     for i, t0, t1 in _points(process, progress, "meanflow"):
         start = _tau(process.model_times[i], x)  # (N,) float64, the convention's own time of the grid point

@@ -1,28 +1,11 @@
 """The objective seam: what a model is trained to predict, how training draws its time, and how samplers run it.
 
-An objective owns (1) the per-sample training draw of the time (keyed by the sample's stream position through
-the generator it is handed, so resume stays bitwise), (2) the loss, (3) what the network input `t` and output
-mean, and (4) how each of its samplers turns network outputs into an update (by building the process the
-sampler walks). Every member is named by the `Objective` protocol below; the stages only call
-`make_objective` / `objective_of` and those members; the model is only ever called as `model(x, t, **kwargs)`.
-
-Each objective is a dataclass registered under its `name` (`@register_objective`), in the way of edm2's
-`loss_kwargs` but looked up by a name a grep finds. Its fields are of two kinds:
-- recorded fields (plain dataclass fields, e.g. the flow's time `convention`): what sampling needs to rebuild
-  it; they go into the model config (`ModelConfig.objective_args`) and so into every checkpoint and export;
-- training fields (declared with `option(...)` of shared/runtime/cli.py, e.g. `time_sampling`): how training
-  draws and weighs; `python -m train` derives one flag per field from the registry.
-
-- "ddpm": DiT's recipe (Peebles & Xie 2023): 1000-step linear-beta diffusion, eps + learned variance,
-  L_hybrid, uniform integer timesteps. Bitwise the official code (shared/generative/diffusion.py).
-- "flow": SiT's flow matching (Ma et al. 2024) on the linear path, velocity prediction (shared/generative/flow.py),
-  with uniform or logit-normal time draws and LightningDiT's optional cosine velocity loss.
-- "meanflow": MeanFlow (Geng et al. 2025): the average velocity over an interval (shared/generative/meanflow.py),
-  its time an (N, 2) pair; sampled in 1 or a few steps by its own sampler.
-
-A third objective is one registered class, here or in a module of the user's (`--plugin MODULE` imports it in
-train, sample and evaluate; docs/objectives.md); its samplers are those of its `family` in
-shared/generative/samplers.py.
+An objective is a dataclass registered under its `name` (`@register_objective`) providing the `Objective` members:
+the per-sample time draw (from the generator it is handed, so resume stays bitwise), the loss, the meaning of the
+network's `t`, and the process its samplers walk. Plain fields are recorded (ModelConfig.objective_args, so in every
+checkpoint and export); fields declared with `option(...)` are training flags of `python -m train`. Built in: "ddpm"
+(DiT, bitwise the official code), "flow" (SiT), "meanflow" (Geng et al. 2025); another is one class in a module
+imported by `--plugin MODULE` (docs/objectives.md).
 """
 from __future__ import annotations
 
@@ -45,7 +28,6 @@ from shared.runtime.errors import ChoiceError, SettingError, UserError
 
 class Objective(Protocol):
     """What the stages may ask of an objective; a registered dataclass provides each member."""
-
     name: ClassVar[str]  # the registry key, recorded as ModelConfig.objective
     help: ClassVar[str]  # one line for --objective's help and errors
     family: ClassVar[str]  # the process its samplers walk ("ddpm" | "flow"): SamplerSpec.family
@@ -74,9 +56,7 @@ class Objective(Protocol):
         """Data latents (N,C,h,w) from `noise` by `sampler` with its options."""
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The registry
-# ----------------------------------------------------------------------------------------------------------
+# ---- The registry ----
 
 OBJECTIVES: dict[str, type] = {}
 BUILT_IN = __name__  # objectives defined here need no --plugin
@@ -176,11 +156,7 @@ def training_flags() -> dict[str, tuple[Flag, tuple[str, ...]]]:
 
 
 def make_objective(name: str, recorded: dict | None = None, plugin: str = "", **training) -> Objective:
-    """Registered objective `name` from its recorded fields and training settings (None = its default).
-
-    A training setting the objective does not take is refused unless it holds the default of the objectives
-    that do (the flag was left alone).
-    """
+    """Registered objective `name` from its recorded fields and training settings (None = its default)."""
     cls = OBJECTIVES[check_objective(name, plugin)]
     recorded = dict(recorded or {})
     own_recorded = {f.name for f in recorded_fields(cls)}
@@ -220,15 +196,12 @@ def run_sampler(objective: Objective, sampler: str, model_fn, noise, steps: int,
     return objective.sample(sampler, model_fn, noise, steps, sampler_options(sampler, given_options), **kwargs)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The built-in objectives
-# ----------------------------------------------------------------------------------------------------------
+# ---- The built-in objectives ----
 
 @register_objective
 @dataclass
 class DDPMObjective:
     """DiT's diffusion: eps + learned-range variance, L_hybrid, t uniform in {0..999} (IDDPM Eq. 16)."""
-
     name: ClassVar[str] = "ddpm"
     help: ClassVar[str] = "DiT: DDPM, eps + learned variance, 1000 steps"
     family: ClassVar[str] = "ddpm"
@@ -276,7 +249,6 @@ class DDPMObjective:
 @dataclass
 class FlowObjective:
     """SiT's flow matching: linear path, velocity prediction, uniform or logit-normal times (shared/generative/flow.py)."""
-
     # Recorded: the direction of the network's time input ("sit": 0 = noise; "repa": 0 = data).
     convention: str = "sit"
     # Recorded: RAE's dimension-dependent shift of the training times and the sampling grid (1 = none; flow.rae_shift;
@@ -346,9 +318,7 @@ class FlowObjective:
 @register_objective
 @dataclass
 class MeanFlowObjective:
-    """MeanFlow (Geng et al. 2025): the network predicts the average velocity over an interval, trained by the MeanFlow
-    identity through a JVP; one or a few network calls per image (shared/generative/meanflow.py)."""
-
+    """MeanFlow (Geng et al. 2025): the average velocity over an interval, trained through a JVP; 1-few step sampling."""
     # Recorded: the direction of the network's first time input, as a flow model's (a run fine-tuned from a flow
     # model keeps that model's); the two times the network embeds (the paper's t and t - r); the guidance the
     # training folded into the field, [omega, kappa, lo, hi] ([] = none), so sampling knows not to guide again.

@@ -1,18 +1,10 @@
 """Adaptive Dormand-Prince 5(4) with one step size per row: torchdiffeq's algorithm, run independently for each row.
 
-torchdiffeq's `odeint(..., method="dopri5")` (SiT's default ODE solver) treats the whole batch as one state: its
-error norm is the RMS over every element of the batch, so one step size serves all rows and an image depends on
-the others drawn with it (3.5e-4 relative for row 0 alone vs in a batch of 3). Here each row keeps its own time,
-step size and error norm, so row i follows exactly the steps torchdiffeq would take for row i alone, while the
-rows still being integrated go through the network as one batch (each at its own time).
-
-Reproduced from torchdiffeq (rk_common.py, misc.py, interp.py; Hairer, Norsett & Wanner, "Solving ODEs I",
-Sec. II.4 and II.6): the Dormand-Prince tableau with Shampine's mid-point for dense output, the initial step
-selection, the error ratio RMS(err / (atol + rtol max(|y0|, |y1|))), the controller (safety 0.9, growth at most
-10x, shrink at most 0.2x on rejection, exponent 1/5), state arithmetic in the state's dtype with float32 step
-sizes inside a stage, and the end value read from the last step's quartic interpolant at t = 1. Tolerances
-are float64 tensors as in SiT's call (it passes atol=[atol], rtol=[rtol], which makes torchdiffeq weigh the
-errors in float64; plain float tolerances would weigh them in float32 and choose slightly other steps).
+torchdiffeq's dopri5 (SiT's ODE solver) takes one step size for the whole batch, so an image depends on the others
+drawn with it; here row i follows exactly the steps torchdiffeq takes for row i alone, the rows still going through
+the network as one batch. Reproduced from torchdiffeq (rk_common.py, misc.py, interp.py; Hairer et al. II.4, II.6):
+tableau, Shampine's dense output, initial step, RMS error ratio, controller, float32 stage sums; tolerances weigh
+errors in float64 as SiT's list-valued atol/rtol make them.
 """
 from __future__ import annotations
 
@@ -53,11 +45,8 @@ def _weights(values) -> torch.Tensor:
 
 
 def _combine(y0: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
-    """y0 + sum_j k[..., j] (w_j dt): slopes k (M, ..., J) stacked last, dt (M,) float32.
-
-    Summed over the stacked axis in one reduction, as torchdiffeq does: the error estimate is a small
-    difference of large terms, so the order of the float32 sum decides the step sizes.
-    """
+    """y0 + sum_j k[..., j] (w_j dt): slopes k (M, ..., J) stacked last, dt (M,) float32."""
+    # One reduction as torchdiffeq: the error estimate is a small difference of large terms, so the sum order matters.
     w = weights.to(k.device) * dt.view(-1, *([1] * (k.ndim - 1)))  # (M, 1, ..., J)
     return y0 + torch.sum(k[..., :weights.numel()] * w, dim=-1)
 
@@ -119,10 +108,7 @@ def interpolate_end(y0, y1, k, dt, t0, t1, t_end) -> torch.Tensor:
 
 
 def dopri5_rows(field, y0: torch.Tensor, atol: float = 1e-6, rtol: float = 1e-3, t_end: float = 1.0) -> torch.Tensor:
-    """Integrate dy/dt = field(t (M,), y (M, ...), rows (M,)) from t = 0 to t_end for each row of y0 (N, ...) alone.
-
-    `rows` names which of the N rows are being evaluated (for per-row conditioning); t is float64.
-    """
+    """Integrate dy/dt = field(t (M,), y (M, ...), rows (M,)) from t = 0 to t_end for each row of y0 (N, ...) alone."""
     n = y0.shape[0]
     out = torch.empty_like(y0)
     rows = torch.arange(n, device=y0.device)

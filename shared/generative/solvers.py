@@ -1,24 +1,10 @@
 """Multistep ODE solvers for DiT's discrete schedule: DPM-Solver++(2M) and UniPC (B(h) = e^h - 1, order 2).
 
-Papers: Lu et al. 2022, "DPM-Solver++: Fast Solver for Guided Sampling of Diffusion Probabilistic Models"
-(Alg. 2, the multistep second-order solver in data-prediction form); Zhao et al. 2023, "UniPC: A Unified
-Predictor-Corrector Framework for Fast Sampling of Diffusion Models" (UniP-p / UniC-p, Alg. 2-3, with the
-"bh2" choice B(h) = e^h - 1 and data prediction).
-
-Both integrate the probability-flow ODE of the variance-preserving process x_t = alpha_t x_0 + sigma_t eps
-(alpha_t^2 = abar_t, sigma_t^2 = 1 - abar_t) in log-SNR time lambda_t = log(alpha_t / sigma_t), driven by
-the data prediction x0_hat = (x_t - sigma_t eps_hat) / alpha_t. Only the eps half of a DiT output is used:
-the learned variance serves ancestral sampling, and an ODE has no noise to scale. Nothing is drawn at
-random, so the result is a function of the starting noise alone (image i depends only on its own row).
-
-Time grid: the solver calls the model once at each of the diffusion's K steps (noisiest first, at the
-original timesteps of `diffusion.timestep_map`) and its last step lands on clean data (sigma = 0, lambda =
-+inf), where a first-order step returns the last data prediction. This is diffusers'
-`final_sigmas_type="zero"`; which K timesteps are used is the diffusion's spacing (shared/generative/diffusion.py
-chooses diffusers' "linspace" spacing for these solvers, see SAMPLER_SPACING there).
-
-The schedule scalars are float64 numpy values; the tensors stay float32 (the model output is cast to float32
-by the diffusion's `split_output`).
+Lu et al. 2022 (DPM-Solver++, Alg. 2, data prediction); Zhao et al. 2023 (UniPC: UniP-p / UniC-p, "bh2"). Both
+integrate the VP probability-flow ODE in log-SNR time lambda = log(alpha / sigma) from the data prediction
+x0_hat = (x_t - sigma eps_hat) / alpha (eps half only, nothing random). One model call at each of the diffusion's K
+steps, the last step landing on clean data (diffusers' final_sigmas_type="zero"). Schedule scalars are float64 numpy
+values; tensors stay float32.
 """
 from __future__ import annotations
 
@@ -34,7 +20,6 @@ from shared.runtime.errors import SettingError
 @dataclass(frozen=True)
 class SolverGrid:
     """alpha, sigma and lambda at the K model-call points (noisiest first) plus the clean end point (K + 1 each)."""
-
     alpha: np.ndarray
     sigma: np.ndarray
     lam: np.ndarray
@@ -77,18 +62,12 @@ def _points(grid: SolverGrid, progress: bool, desc: str):
     return tqdm(range(grid.calls), desc=desc, disable=not progress, leave=False)
 
 
-# ----------------------------------------------------------------------------------------------------
-# The shared predictor: DPM-Solver++(2M) = UniP-2 with B(h) = e^h - 1
-# ----------------------------------------------------------------------------------------------------
+# ---- The shared predictor: DPM-Solver++(2M) = UniP-2 with B(h) = e^h - 1 ----
 
 def multistep_predict(x, m_now, m_prev, j: int, grid: SolverGrid) -> torch.Tensor:
-    """One step from grid point j to j+1 given the data predictions at j (m_now) and j-1 (m_prev or None).
-
-    DPM-Solver++ Alg. 2: x_{j+1} = (sigma_{j+1} / sigma_j) x_j + alpha_{j+1} (1 - e^{-h}) D, h = lambda_{j+1} -
-    lambda_j, with D = m_now (first order) or m_now + (m_now - m_prev) / (2 r), r = h_prev / h (second order).
-    UniP-2 with B(h) = e^h - 1 and a_1 = 1/2 (the authors' choice for p = 2) is the same update. The step into clean
-    data (h = +inf, so r = 0) is first order and returns m_now exactly.
-    """
+    """One step from grid point j to j+1 given the data predictions at j (m_now) and j-1 (m_prev or None)."""
+    # DPM-Solver++ Alg. 2: x_{j+1} = (sigma_{j+1} / sigma_j) x_j + alpha_{j+1} (1 - e^{-h}) D, D = m_now (first order)
+    # or m_now + (m_now - m_prev) / (2 r), r = h_prev / h; UniP-2 with a_1 = 1/2 is the same. Into clean data: m_now.
     h = grid.lam[j + 1] - grid.lam[j]
     last = j + 1 == grid.calls
     d = m_now
@@ -101,10 +80,7 @@ def multistep_predict(x, m_now, m_prev, j: int, grid: SolverGrid) -> torch.Tenso
 
 @torch.no_grad()
 def dpmpp_2m_sample(diffusion, model_fn, noise, model_kwargs=None, generator=None, progress=False, eta=None):
-    """DPM-Solver++(2M) (Lu et al. 2022, Alg. 2) from x_T = noise over the diffusion's K steps; returns x_0.
-
-    First order at the first step (no history) and at the step into clean data; `generator` is unused (no noise).
-    """
+    """DPM-Solver++(2M) (Lu et al. 2022, Alg. 2) from x_T = noise over the diffusion's K steps; returns x_0."""
     refuse_eta(eta, "dpmpp-2m")
     grid = solver_grid(diffusion)
     x, m_prev = noise.float(), None
@@ -115,18 +91,11 @@ def dpmpp_2m_sample(diffusion, model_fn, noise, model_kwargs=None, generator=Non
     return x
 
 
-# ----------------------------------------------------------------------------------------------------
-# UniPC: the UniC corrector on top of the same predictor
-# ----------------------------------------------------------------------------------------------------
+# ---- UniPC: the UniC corrector on top of the same predictor ----
 
 def unic_weights(h: float, r: float | None) -> tuple[float, ...]:
-    """UniC-p weights for B(h) = e^h - 1 in data-prediction form: (a,) for p = 1, (a_1, a_t) for p = 2.
-
-    Zhao et al. solve R_p a = g_p / B(h) with R_p[i, k] = r_k^i (r_p = 1 for the new point) and g_i = i! h phi_{i+1}(h),
-    in the solver's variable hh = -h; hh phi_2(hh) = (e^hh - 1) / hh - 1 and hh phi_3(hh) = hh phi_2(hh) / hh - 1/2.
-    p = 1 takes a = 1/2 (the trapezoidal rule in x0 space), as the authors' code and diffusers do; the 1 x 1 solve
-    would give hh phi_2(hh) / B(h), which tends to 1/2 as h -> 0.
-    """
+    """UniC-p weights for B(h) = e^h - 1 in data-prediction form: (a,) for p = 1, (a_1, a_t) for p = 2."""
+    # R_p a = g_p / B(h), g_i = i! h phi_{i+1}(h), in hh = -h; p = 1 takes a = 1/2 as the authors' code and diffusers.
     if r is None:
         return (0.5,)
     hh = -h
@@ -140,12 +109,9 @@ def unic_weights(h: float, r: float | None) -> tuple[float, ...]:
 
 
 def unipc_correct(x_prev, m_prev, m_now, m_older, j: int, grid: SolverGrid) -> torch.Tensor:
-    """UniC: recompute the step j-1 -> j from x_prev with the new data prediction m_now (no extra model call).
-
-    x_j^c = (sigma_j / sigma_{j-1}) x_{j-1} - alpha_j B(h) (m_{j-1} + sum_k a_k D_k), B(h) = e^{-h} - 1 in hh = -h,
-    D_t = m_now - m_{j-1}, D_1 = (m_older - m_{j-1}) / r with r = (lambda_{j-2} - lambda_{j-1}) / h (UniC-2 only,
-    when the predictor of step j-1 was second order).
-    """
+    """UniC: recompute the step j-1 -> j from x_prev with the new data prediction m_now (no extra model call)."""
+    # x_j^c = (sigma_j / sigma_{j-1}) x_{j-1} - alpha_j B(h) (m_{j-1} + sum_k a_k D_k), D_t = m_now - m_{j-1},
+    # D_1 = (m_older - m_{j-1}) / r (UniC-2 only, after a second-order predictor).
     h = grid.lam[j] - grid.lam[j - 1]
     b_h = float(np.expm1(-h))  # B(h) = e^{hh} - 1 < 0
     ratio, alpha = float(grid.sigma[j] / grid.sigma[j - 1]), float(grid.alpha[j])
@@ -161,20 +127,14 @@ def unipc_correct(x_prev, m_prev, m_now, m_older, j: int, grid: SolverGrid) -> t
 
 @torch.no_grad()
 def unipc_sample(diffusion, model_fn, noise, model_kwargs=None, generator=None, progress=False, eta=None):
-    """UniPC-2 with B(h) = e^h - 1 (Zhao et al. 2023, "bh2") from x_T = noise over the K steps; returns x_0.
-
-    At each point the new data prediction first corrects the sample (UniC, of the previous predictor's order),
-    then the predictor (UniP-2 = DPM-Solver++(2M) above) steps on from the corrected sample. The predictor is
-    first order at the first step and at the step into clean data, which returns the last data prediction, so
-    the corrector at the last point cannot change the result and is skipped. `generator` is unused (no noise).
-    """
+    """UniPC-2 with B(h) = e^h - 1 (Zhao et al. 2023, "bh2") from x_T = noise over the K steps; returns x_0."""
     refuse_eta(eta, "unipc")
     grid = solver_grid(diffusion)
     x = noise.float()
     x_from, m_prev, m_older = None, None, None  # the sample the last predictor started at; data predictions j-1, j-2
     for j in _points(grid, progress, "unipc"):
         m_now = data_prediction(diffusion, model_fn, x, j, grid, model_kwargs)
-        if m_prev is not None and j + 1 < grid.calls:
+        if m_prev is not None and j + 1 < grid.calls:  # the last step returns m_now: no corrector there
             # UniC of the previous predictor's order: 1 after the first step (m_older None), else 2.
             x = unipc_correct(x_from, m_prev, m_now, m_older, j, grid)
         x_from = x

@@ -1,11 +1,7 @@
 """What every stage's command line shares: flags declared once on option dataclasses, and the help formatter.
 
-A command's options are a dataclass; each field that is a flag is declared with `option(...)` (or a shared
-`Flag` of shared/runtime/flags.py), which holds its default and its help text once. `add_flags` derives the
-argparse arguments from the fields and `from_args` turns the parsed namespace back into the dataclass, so
-adding a flag is adding one field:
-
-    lr: float = option(1e-4, "peak learning rate (DiT: 1e-4)")
+A flag is one field, `lr: float = option(1e-4, "peak learning rate (DiT: 1e-4)")`: `add_flags` derives the argparse
+arguments from the fields and `from_args` turns the parsed namespace back into the dataclass.
 """
 from __future__ import annotations
 
@@ -20,7 +16,6 @@ FLAG_KEY = "flag"  # the field-metadata key that holds a field's Flag
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Keeps the description's line breaks and ends every flag's help with its default (unless it says it)."""
-
     def _get_help_string(self, action):
         text = action.help or ""
         # None means "not given": the help text says what happens then, better than "(default: None)".
@@ -36,13 +31,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 @dataclasses.dataclass(frozen=True)
 class Flag:
-    """One command-line flag: default, help and argparse details, stated once; `.field()` is its dataclass field.
-
-    No default (MISSING) makes a required flag; a bool field is a switch (default False: `--name`; default
-    True: `name` must say the switch that turns it off, e.g. "--no-tf32"). The argparse type comes from the
-    field's annotation (int, float, Path; `X | None` is X) unless `type` is given.
-    """
-
+    """One command-line flag: default, help and argparse details, stated once; `.field()` is its dataclass field."""
     help: str
     default: Any = dataclasses.MISSING
     aliases: tuple[str, ...] = ()       # other spellings, e.g. the official DiT names ("--global-seed")
@@ -81,10 +70,7 @@ def flag_name(field_name: str) -> str:
 
 def add_flags(parser: argparse.ArgumentParser, cls, only: Sequence[str] | None = None, skip: Sequence[str] = (),
               changes: dict[str, dict] | None = None) -> argparse.ArgumentParser:
-    """Add one argparse argument per flag field of `cls` (or of the fields named in `only`, in that order).
-
-    `changes` maps a field name to Flag changes for this parser only (another command's wording of its help).
-    """
+    """Add one argparse argument per flag field of `cls` (or of the fields named in `only`, in that order)."""
     hints = typing.get_type_hints(cls)
     by_name = {f.name: f for f in flag_fields(cls)}
     chosen = [by_name[n] for n in only] if only is not None else list(by_name.values())
@@ -104,10 +90,7 @@ def add_flags(parser: argparse.ArgumentParser, cls, only: Sequence[str] | None =
 
 
 def given_flags(parser: argparse.ArgumentParser, argv) -> set[str]:
-    """The field names the command line set explicitly (parses argv again with every default suppressed).
-
-    Call it after the real parse: it leaves the parser's defaults suppressed.
-    """
+    """The field names the command line set explicitly (parses argv again with every default suppressed)."""
     for action in parser._actions:
         action.default = argparse.SUPPRESS
     return set(vars(parser.parse_args(argv)))

@@ -9,14 +9,9 @@ import torch
 
 
 def process_state(cpu: bool = False):
-    """accelerate's PartialState; CPU-only when asked (`cpu`, ACCELERATE_USE_CPU) or when no GPU exists.
-
-    Why: PartialState only forms a CPU (gloo) process group under torchrun when told cpu=True, which
-    `accelerate launch --cpu` says through ACCELERATE_USE_CPU; on a machine without CUDA or MPS we say it too.
-    """
+    """accelerate's PartialState; CPU-only when asked (`cpu`, ACCELERATE_USE_CPU) or when no GPU exists."""
     from accelerate import PartialState
     from accelerate.utils import parse_flag_from_env
-
     mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
     cpu = cpu or parse_flag_from_env("ACCELERATE_USE_CPU") or not (torch.cuda.is_available() or mps)
     return PartialState(cpu=cpu)
@@ -25,7 +20,6 @@ def process_state(cpu: bool = False):
 def usable_cores() -> int:
     """CPU cores this process may run on (its affinity where the OS says it, else the machine's count)."""
     import os
-
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # macOS, Windows
@@ -33,9 +27,5 @@ def usable_cores() -> int:
 
 
 def default_workers(cap: int, num_processes: int = 1) -> int:
-    """DataLoader workers per process: up to `cap`, one core per process left for its main loop.
-
-    Why: on a 2-core machine 4 workers per process only contend with the main process (PyTorch warns); 0
-    means the main process loads its own batches.
-    """
+    """DataLoader workers per process: up to `cap`, one core per process left for its main loop."""
     return max(0, min(cap, usable_cores() // max(1, num_processes) - 1))

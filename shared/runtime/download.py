@@ -1,13 +1,8 @@
-"""Released files by name, downloaded once into one cache: the DiTs' checkpoints (shared/weights/official.py) and RAE's
-tokenizer files (shared/tokenizers/rae_release.py) alike.
+"""Released files by name, downloaded once into one cache (the DiTs' checkpoints, RAE's tokenizer files).
 
-The cache is $DIT_CHECKPOINT_DIR if set, else torch's hub folder `torch.hub.get_dir()/checkpoints`
-($TORCH_HOME/hub/checkpoints, by default ~/.cache/torch/hub/checkpoints); $DIT_DOWNLOAD_URL replaces every
-release's URL by BASE/NAME (a mirror, or the tests' local server on 127.0.0.1).
-
-A download streams into a temp name beside the final one and is renamed only once every byte announced by the
-server has arrived and the file's zip directory (torch's format) is intact; a cached file without one (a copy
-cut short) is deleted and fetched again. One process downloads a file at a time; others wait for it.
+The cache is $DIT_CHECKPOINT_DIR, else torch's hub checkpoints folder; $DIT_DOWNLOAD_URL replaces every URL by
+BASE/NAME. A download streams into a temp name, renamed once whole (every byte, an intact zip directory); one
+process downloads a file at a time.
 """
 from __future__ import annotations
 
@@ -43,7 +38,6 @@ def cache_dir() -> Path:
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV]).expanduser()
     import torch
-
     return Path(torch.hub.get_dir()) / "checkpoints"
 
 
@@ -84,10 +78,7 @@ def release_url(name: str, url: str) -> str:
 
 
 def fetch(name: str, url: str, instead: str) -> tuple[Path, list[str]]:
-    """(path, notes) of the release file `name` in the cache, downloaded from `url` into it when absent or cut short.
-
-    instead: where else the user may put the file or what to pass (ends the "cannot download" paragraph).
-    """
+    """(path, notes) of the release file `name` in the cache, downloaded from `url` into it when absent or cut short."""
     dest = cache_dir() / name
     notes = []
     with _one_downloader(dest):

@@ -1,9 +1,7 @@
 """The quality curve of a run: which RUN/eval.jsonl points form one series, and how a metric's series are drawn.
 
-`python -m evaluate run` appends one line per (export, settings) and draws RUN/eval.png (the series of its own
-settings); `python -m train.plot` draws every series into RUN/curves.png. Both group points here, so points
-measured another way (feature network, reference, sampler, steps, guidance scale or interval, count, seed) never
-join into one line in either picture.
+`python -m evaluate run` (RUN/eval.png) and `python -m train.plot` (RUN/curves.png) both group points here, so
+points measured another way never join into one line in either picture.
 """
 from __future__ import annotations
 

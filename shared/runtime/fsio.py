@@ -1,9 +1,7 @@
 """The one atomic write of the project: temp name in the same folder, fsync, rename, fsync the folder.
 
-A reader (or a rerun after a kill or a power cut) sees either the old file or the whole new one, never a
-part. Temp names start with TMP_PREFIX so a rerun can recognise and remove leftovers. Every published file
-gets the mode a plain open() would give it (0o666 less the umask): writers such as safetensors create their
-file 0600, which would hide a shared run's exports from the group.
+A reader (or a rerun after a kill or power cut) sees the old file or the whole new one. Temp names start with
+TMP_PREFIX so a rerun can remove leftovers; published files get open()'s mode (safetensors writes 0600).
 """
 from __future__ import annotations
 
@@ -20,6 +18,11 @@ from shared.runtime.errors import DiskFullError, disk_full
 TMP_PREFIX = ".tmp-"
 
 
+def user_cache(name: str) -> Path:
+    """$XDG_CACHE_HOME (else ~/.cache)/dit-latent-pipeline/<name>: the project's one user cache folder."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dit-latent-pipeline" / name
+
+
 def tmp_name(path: Path) -> Path:
     """The temp sibling of `path` used while it is written (unique per process)."""
     path = Path(path)
@@ -31,13 +34,10 @@ _UMASK_LOCK = threading.Lock()
 
 def current_umask() -> int:
     """The process's umask, read without changing it where Linux shows it (/proc), else set and restored at once."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
     with _UMASK_LOCK:  # os.umask can only be read by setting it: no other writer here sees the 0 in between
         mask = os.umask(0o022)
         os.umask(mask)
@@ -55,12 +55,9 @@ def fsync_dir(folder: Path) -> None:
         fd = os.open(folder, os.O_RDONLY)
     except OSError:
         return
-    try:
+    with contextlib.suppress(OSError):
         os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    os.close(fd)
 
 
 def fsync_file(path: Path) -> None:
@@ -76,10 +73,7 @@ def stale_tmps(path: Path) -> list[Path]:
 
 
 def publish_file(tmp: Path, path: Path) -> Path:
-    """Make a fully written (and closed) temp file visible as `path`: fsync it, rename, fsync the folder.
-
-    For writers that stream into tmp_name(path) themselves (e.g. a shard); others use atomic_write.
-    """
+    """Make a fully written (and closed) temp file visible as `path`: fsync it, rename, fsync the folder."""
     tmp, path = Path(tmp), Path(path)
     follow_umask(tmp)
     fsync_file(tmp)
@@ -89,12 +83,9 @@ def publish_file(tmp: Path, path: Path) -> Path:
 
 
 def link_file(source: Path, path: Path) -> bool:
-    """Make `path` a hard link to `source` atomically (a temp link renamed over it); False where the filesystem
-    cannot link (another device, no hard links), so the caller writes a copy instead.
-
-    Why: one file stored once under two names (a checkpoint's EMA and its export: 2.7 GB each at XL/2). Every
-    writer here replaces files by rename, never in place, so the two names can never come to differ.
-    """
+    """Make `path` a hard link to `source` atomically; False where the filesystem cannot link (write a copy then)."""
+    # One file under two names (a checkpoint's EMA and its export: 2.7 GB each at XL/2); writers replace files by
+    # rename, never in place, so the two names never come to differ.
     source, path = Path(source), Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = tmp_name(path)
@@ -112,12 +103,7 @@ def link_file(source: Path, path: Path) -> bool:
 
 
 def atomic_write(path, write: Callable[[Path], object], durable: bool = True) -> Path:
-    """Call write(tmp) to produce the file at a temp name, then fsync and rename it over `path`.
-
-    durable=False skips the fsyncs: still all-or-nothing against a kill, but not against a power cut. Only
-    for files a rerun rebuilds anyway, in numbers where ~3 ms of fsync each would dominate (the demo's
-    1,797 digit PNGs: 5 s -> 23 s in the tests).
-    """
+    """Call write(tmp) to produce the file at a temp name, then fsync and rename it over `path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = tmp_name(path)
@@ -137,12 +123,7 @@ def atomic_write(path, write: Callable[[Path], object], durable: bool = True) ->
 
 @contextlib.contextmanager
 def space_guard(path, partial=None) -> Iterator[None]:
-    """Re-raise a write error inside as DiskFullError (naming `path`) when a full disk caused it.
-
-    torch.save's C++ writer reports a full disk as an opaque RuntimeError, so the test is the free space
-    left on the filesystem of `path` (shared.runtime.errors.disk_full). `partial`: the half-written file, whose size
-    says how far the write got.
-    """
+    """Re-raise a write error inside as DiskFullError (naming `path`) when a full disk caused it."""
     try:
         yield
     except Exception as err:  # noqa: BLE001 - re-raised as is unless the disk is full
@@ -163,10 +144,7 @@ def atomic_write_text(path, text: str) -> Path:
 
 
 def json_text(data, indent: int | None = 1) -> str:
-    """The one JSON layout of the files we write: sorted keys, fixed separators, a trailing newline.
-
-    Why: equal content gives equal bytes whatever order a dict was built in (a resumed run's files hash the same).
-    """
+    """The one JSON layout of the files we write: sorted keys, fixed separators, a trailing newline."""
     separators = (",", ": ") if indent is not None else (",", ":")
     return json.dumps(data, indent=indent, sort_keys=True, separators=separators) + "\n"
 

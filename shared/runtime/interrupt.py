@@ -1,12 +1,8 @@
 """Ctrl-C at any point of a command, its imports included: one line on stderr, exit status 130, no traceback.
 
-Every CLI module calls `guard_imports(__name__)` before its heavy imports (torch, diffusers: seconds) and runs
-its work inside `interruptible(PROG)`. The two phases treat an interrupt differently:
-  imports  nothing is written yet, so the handler says the line and leaves at once (a KeyboardInterrupt raised
-           inside a library's import could be swallowed by one of its bare `except:` clauses);
-  work     the first SIGINT raises KeyboardInterrupt, so every `finally` removes its temp file or staging
-           folder (shared/runtime/fsio.py, train/checkpoint.py); later ones are ignored so that cleanup is
-           never cut short; then the line, and exit status 130.
+A CLI module calls `guard_imports(__name__)` before its heavy imports (an interrupt there leaves at once: nothing is
+written yet) and runs its work inside `interruptible(PROG)`: the first SIGINT unwinds through every `finally`, later
+ones are ignored so cleanup is never cut short.
 """
 from __future__ import annotations
 
@@ -27,11 +23,9 @@ def say(prog: str) -> None:
     """Print the one line (main process only: under a launcher every rank is interrupted alike)."""
     if os.environ.get(QUIET_ENV) or os.environ.get("RANK", "0") != "0":
         return
-    try:
+    with contextlib.suppress(OSError, ValueError):  # a closed terminal: nothing left to tell, and no traceback about it
         sys.stderr.write(f"{prog}: {MESSAGE}\n")
         sys.stderr.flush()
-    except (OSError, ValueError):  # a closed terminal: nothing left to tell, and no traceback about it
-        pass
 
 
 def _in_main_thread() -> bool:

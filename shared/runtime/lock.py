@@ -1,27 +1,14 @@
 """One writer per folder: an exclusive lock that the operating system drops when its process dies.
 
-Why flock and not a PID file: a SIGKILL, an OOM kill or a power cut never runs cleanup code, so a PID file
-would be left behind and block (or worse, be "taken over" by) the next launch. `fcntl.flock` belongs to the
-open file; the kernel releases it when the holder exits in any way, so a lock file that exists but is not
-locked simply means "free". The file also records who holds it (PID, host, command, start time), read by a
-second launch to name the holder. flock works on local disks and on NFSv4 (Linux maps it to a byte-range
-lock there).
-
-Forked children: flock belongs to the open file *description*, which fork() shares, so a DataLoader worker
-would keep the lock alive for seconds after its trainer was SIGKILLed (issue 21: workers notice the dead
-parent only at their next 5 s watchdog poll). Every forked child therefore closes its copy of the
-descriptor first thing (os.register_at_fork); closing a copy never releases the parent's lock.
-
-File systems without flock (some NFS mounts without a lock manager, Lustre without `-o flock`) answer
-ENOLCK / ENOSYS / EOPNOTSUPP. There the lock falls back to a file created exclusively (O_EXCL, atomic on
-NFSv3+ and Lustre): FOLDER/.lock.owner. Such a file outlives a SIGKILL, so a launch on the same host takes
-it over when its PID is no longer running; from another host it names the file to delete.
-
-    FOLDER/.lock         {"pid": 1234, "host": "...", "command": "python -m train ...", "since": "..."}
-    FOLDER/.lock.owner   the same record, only on file systems without flock
+flock, not a PID file: a SIGKILL or power cut runs no cleanup, and the kernel releases a flock when its holder exits.
+FOLDER/.lock records the holder (PID, host, command, start) for the refusal. Forked children close their copy of the
+descriptor (os.register_at_fork; issue 21: a DataLoader worker kept the lock seconds after its trainer died). Where
+the file system has no flock (ENOLCK, ENOSYS, EOPNOTSUPP) the lock is FOLDER/.lock.owner created exclusively; a launch
+on the same host takes it over once its PID is gone.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -61,10 +48,7 @@ def _os_lock(fd: int) -> None:
 
 
 def _try_lock(fd: int) -> bool:
-    """Take the exclusive lock without waiting; False if another process holds it.
-
-    Raises NoLockingError where the file system cannot lock at all (any other OSError means "held").
-    """
+    """Take the exclusive lock without waiting; False if another process holds it."""
     try:
         _os_lock(fd)
     except OSError as err:
@@ -110,13 +94,11 @@ def _busy(folder: Path, kind: str, holder: dict, owner_file: Path | None = None)
         + (f"different {{{kind}}}. The lock is released automatically when that process exits, even if it is "
            f"killed." if owner_file is None else
            f"different {{{kind}}}. This file system does not support flock, so the lock is the file {owner_file}: "
-           f"if that process is no longer running (a kill leaves the file behind), delete the file and rerun.")
-    )
+           f"if that process is no longer running (a kill leaves the file behind), delete the file and rerun."))
 
 
 class FolderLock:
     """An exclusive lock on FOLDER/.lock (or FOLDER/.lock.owner without flock), held until release() or exit."""
-
     def __init__(self, folder: Path, kind: str):
         self.folder, self.path = Path(folder), Path(folder) / LOCK_NAME
         self.kind, self.owner_file = kind, None  # owner_file: set when the no-flock fallback is in use
@@ -165,18 +147,12 @@ class FolderLock:
     def _disown(self) -> None:
         """Forget the lock without releasing it (a forked child's inherited copy; the parent still holds it)."""
         if self._fd is not None:
-            try:
+            with contextlib.suppress(OSError):
                 os.close(self._fd)
-            except OSError:
-                pass
             self._fd = None
 
     def release(self) -> None:
-        """Drop the lock (the file stays: an unlocked lock file means free).
-
-        A folder the lock itself created and nothing else wrote into is removed, so a launch refused
-        for a bad flag leaves no trace of itself.
-        """
+        """Drop the lock (the file stays: an unlocked lock file means free)."""
         if self._fd is not None:
             _HELD.pop(id(self), None)
             if self.owner_file is not None:
@@ -187,12 +163,10 @@ class FolderLock:
 
     def _remove_if_untouched(self) -> None:
         """Delete the lock file and the folder when the lock made the folder and it holds nothing else."""
-        try:
+        with contextlib.suppress(OSError):  # someone else is using it after all: leave it
             if self.created and [p.name for p in self.folder.iterdir()] == [LOCK_NAME]:
                 self.path.unlink()
                 self.folder.rmdir()
-        except OSError:
-            pass  # someone else is using it after all: leave it
 
     def __enter__(self) -> "FolderLock":
         return self
@@ -215,19 +189,20 @@ def _stale(holder: dict) -> bool:
     """Whether a fallback owner file was left by a process of this host that no longer runs."""
     if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
         return False  # another host's process cannot be checked from here; an unreadable file is not ours
+    return not pid_alive(holder["pid"])
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` still exists (on this host; owned by another user counts)."""
     try:
-        os.kill(holder["pid"], 0)
+        os.kill(pid, 0)
     except ProcessLookupError:
+        return False
+    except OSError:  # it exists, owned by another user
         return True
-    except OSError:
-        return False  # it exists, owned by another user
-    return False
+    return True
 
 
 def hold_lock(folder, kind: str) -> FolderLock:
-    """Lock `folder` (created if missing) for this process, or raise FolderBusyError naming the holder.
-
-    `kind` names the folder in the error as a SettingError field ("run folder", "latent folder", ...), so
-    each stage's FLAGS map turns it into its flag (--results-dir, --out).
-    """
+    """Lock `folder` (created if missing) for this process, or raise FolderBusyError naming the holder."""
     return FolderLock(Path(folder), kind)

@@ -15,8 +15,7 @@ PRECISION_CHOICES = (*PRECISIONS, *PRECISION_ALIASES)  # what the flags accept
 
 
 def set_tf32(device, allowed: bool = True) -> None:
-    """TF32 matmuls and convolutions on Ampere+ GPUs, as the DiT release's train.py and sample.py enable (DiT
-    issue #22: 0.51 -> 0.81 training steps/s on A100); no effect off CUDA."""
+    """TF32 matmuls and convolutions on Ampere+ GPUs, as DiT's release enables (its issue #22: 0.51 -> 0.81 steps/s)."""
     if torch.device(device).type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = allowed
         torch.backends.cudnn.allow_tf32 = allowed

@@ -1,8 +1,6 @@
 """The one rule every stage applies to a rerun: the same settings resume, other settings are refused.
 
-extract (--out's extract-settings.json), sample (--out's settings.json), train (the checkpoint's config) and
-evaluate (the stored statistics' identity) each compare what a folder records with what this command asks,
-and name every difference the same way: `key: recorded -> now`, e.g. `num_classes: 22 -> 7`.
+Every difference is named the same way: `key: recorded -> now`, e.g. `num_classes: 22 -> 7`.
 """
 from __future__ import annotations
 
@@ -17,10 +15,7 @@ def show(value) -> str:
 
 
 def differences(recorded: dict, now: dict, keys=None, nested: bool = True) -> list[str]:
-    """`key: recorded -> now` for every key whose values differ (sorted; `keys` in their order when given).
-
-    nested: dicts on both sides are compared one level down, as `key.sub: recorded -> now`.
-    """
+    """`key: recorded -> now` for every key whose values differ (sorted; `keys` in their order when given)."""
     out = []
     for key in sorted(set(recorded) | set(now)) if keys is None else keys:
         a, b = recorded.get(key), now.get(key)

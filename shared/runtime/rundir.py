@@ -1,21 +1,11 @@
 """The run folder: every name in it and every lookup, in one place (train writes it, sample reads it).
 
-    RUN/config.json                          the resolved TrainConfig of the latest launch
-    RUN/log.txt  RUN/metrics.jsonl           human log lines; one JSON object per logged step
-    RUN/eval.jsonl                           quality metrics, one JSON object per evaluated step (evaluation)
-    RUN/eval.png                             quality against training step (python -m evaluate run)
+    RUN/config.json  log.txt  metrics.jsonl  eval.jsonl  eval.png  curves.png  watch.log  tensorboard/{train,previews}
     RUN/eval-samples/step-0000100-<tag>/     images drawn to evaluate an export (kept with --keep-samples)
-    RUN/curves.png                           loss, LR, grad norm, throughput, quality (python -m train.plot)
-    RUN/tensorboard/train/  .../previews/    --report-to tensorboard: scalars; decoded preview grids
-    RUN/watch.log                            output of the preview watcher started by --watch-vae
-    RUN/checkpoints/step-0000100/            full training state, published by an atomic rename:
-        model.safetensors ema.safetensors    weights (shared/runtime/export.py format)
-        optimizer.pt scaler.pt rng-<rank>.pt torch.load(weights_only=True) files
-        state.json                           written last: its presence marks the checkpoint complete
+    RUN/checkpoints/step-0000100/            model, ema, optimizer, scaler, rng-<rank>; state.json written last
     RUN/checkpoints/.tmp-step-0000100/       a checkpoint being assembled (removed on the next start)
-    RUN/exports/ema-step-0000100.safetensors slim EMA weights for sampling (shared/runtime/export.py format)
-    RUN/samples/step-0000100.safetensors     preview latents of the EMA model (decode with sample decode)
-    RUN/samples/step-0000100/  ...0100.png   decoded previews (sample decode / sample watch); labelled grid
+    RUN/exports/ema-step-0000100.safetensors slim EMA weights for sampling
+    RUN/samples/step-0000100.safetensors     preview latents; step-0000100/ and step-0000100.png decoded
 """
 from __future__ import annotations
 
@@ -201,8 +191,7 @@ def looks_like_run(path) -> bool:
 
 
 def read_step_rows(path: Path) -> list[dict]:
-    """The JSON objects of a run's .jsonl file (metrics, eval) that carry a step, by step; a line cut short by a
-    kill is skipped."""
+    """The JSON objects of a run's .jsonl file that carry a step, by step; a line cut short by a kill is skipped."""
     path = Path(path)
     if not path.is_file():
         return []

@@ -1,7 +1,6 @@
-"""The one seed mixer: (seed, key, ...) -> an independent 64-bit generator seed.
+"""The one seed mixer: (seed, key, ...) -> an independent 64-bit generator seed (numpy's SeedSequence).
 
-Training draws sample p's randomness from mix_seed(seed, p); sampling draws image i's from
-mix_seed(seed, i). numpy's SeedSequence hashes the whole key, so nearby keys give unrelated streams.
+Training draws sample p's randomness from mix_seed(seed, p), sampling image i's from mix_seed(seed, i).
 """
 import numpy as np
 import torch

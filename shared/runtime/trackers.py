@@ -15,10 +15,7 @@ DEFAULT_REPORT_TO = "tensorboard"  # what diffusers' training examples default t
 
 
 def check_report_to(name: str, written: str, choices=REPORT_TO) -> None:
-    """UserError when the tracker asked for is unknown or its package is not installed ("auto" is not checked).
-
-    written: what the command writes without a tracker, for the refusal's "or pass --report-to none: ...".
-    """
+    """UserError when the tracker asked for is unknown or its package is not installed ("auto" is not checked)."""
     if name not in choices:
         raise UserError(f"--report-to {name!r} is not a tracker this command knows; pass one of: "
                         f"{', '.join(choices)}.")

@@ -1,10 +1,7 @@
 """The compiled network of the sampling loop (`--compile`): every step calls it with the same shapes.
 
-"blocks" compiles one transformer block's forward and reuses it for every block (regional compilation: the
-blocks share one code object and their weights are graph inputs, so compile time does not grow with depth);
-"graphs" compiles the whole network with inductor's CUDA graphs (mode "reduce-overhead"), replaying each
-step's kernels in one launch. Shapes are static (`dynamic=False`): a sampling run sees at most four (the batch
-and the last, smaller batch, each doubled by guidance), each compiled once.
+"blocks" compiles one transformer block and reuses it for every block; "graphs" compiles the whole network with
+CUDA graphs (mode reduce-overhead). Shapes are static: at most four per run (batch, last batch, each guided).
 """
 from __future__ import annotations
 
@@ -34,12 +31,7 @@ def check_compile(mode: str, device) -> None:
 
 
 class GraphedModel:
-    """model(x, t, y) through one whole-network compile; attributes read through to the model.
-
-    With CUDA graphs a replay overwrites the previous replay's output buffer, so each output is cloned
-    (N, out, h, w): the samplers keep a step's prediction while the next step runs (DPM-Solver++(2M)).
-    """
-
+    """model(x, t, y) through one whole-network compile; attributes read through to the model."""
     def __init__(self, model: torch.nn.Module, backend="inductor"):
         self.model = model
         self.cuda_graphs = backend == "inductor"
@@ -49,7 +41,7 @@ class GraphedModel:
     def __call__(self, x, t, y):
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are dead: reuse their memory
-            return self.compiled(x, t, y).clone()
+            return self.compiled(x, t, y).clone()  # a replay overwrites its output; samplers keep the last step's
         return self.compiled(x, t, y)
 
     def __getattr__(self, name):
@@ -59,8 +51,7 @@ class GraphedModel:
 
 
 def compile_for_sampling(model: torch.nn.Module, mode: str, backend="inductor"):
-    """`model` as the sampling loop calls it under COMPILE_MODES `mode` (backend: a torch.compile backend; tests
-    pass a CPU one)."""
+    """`model` as the sampling loop calls it under COMPILE_MODES `mode` (tests pass a CPU torch.compile backend)."""
     if mode not in COMPILE_MODES:
         raise ChoiceError("compile mode", mode, COMPILE_MODES)
     if mode == "off":

@@ -1,9 +1,6 @@
-"""Per-image randomness: image i's class label and noise depend only on (seed, i).
+"""Per-image randomness: image i's class label, noise and sampler noise come from one generator seeded by (seed, i).
 
-Every image owns a CPU `torch.Generator` seeded from (seed, i). It draws the image's class label (with
-random labels), then its starting noise, and is then handed to the sampler as that image's row
-generator, so DDPM's per-step noise also comes from it. Results therefore do not depend on the batch
-size, on which process draws the image, or on which images were already on disk when a run resumed.
+So results do not depend on the batch size, the process, or which images were on disk when a run resumed.
 """
 from __future__ import annotations
 
@@ -18,7 +15,6 @@ from shared.runtime.seeding import generator_for
 @dataclass(frozen=True)
 class LabelPlan:
     """How image i gets its class: cycle through `class_labels`, or draw it from the image generator."""
-
     num_classes: int
     class_labels: tuple[int, ...] | None = None  # None with random=False: all classes round-robin
     random: bool = False
@@ -67,10 +63,8 @@ def make_label_plan(class_labels, num_classes: int, random: bool, class_names=No
         class_labels = [class_index(c, names) for c in class_labels]
         bad = [c for c in class_labels if not 0 <= c < num_classes]
         if bad:
-            raise UserError(
-                f"class labels {bad} are outside this model's classes [0, {num_classes}); pass "
-                f"--class-labels with values from 0 to {num_classes - 1}."
-            )
+            raise UserError(f"class labels {bad} are outside this model's classes [0, {num_classes}); pass "
+                            f"--class-labels with values from 0 to {num_classes - 1}.")
         return LabelPlan(num_classes, tuple(int(c) for c in class_labels), False, names)
     return LabelPlan(num_classes, None, random, names)
 

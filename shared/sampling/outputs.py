@@ -1,6 +1,7 @@
 """The --out folder: atomic PNGs, settings.json guarding resume, the grid and the streamed samples.npz."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -81,10 +82,8 @@ def check_out_dir(out: Path, settings: dict) -> None:
     path = out / SETTINGS_NAME
     if not path.exists():
         if any(_PNG_RE.match(p.name) for p in out.iterdir()):
-            raise UserError(
-                f"--out {out} already holds sample PNGs but no {SETTINGS_NAME}, so they cannot be "
-                f"resumed safely; pass a new --out folder or empty this one."
-            )
+            raise UserError(f"--out {out} already holds sample PNGs but no {SETTINGS_NAME}, so they cannot be "
+                            f"resumed safely; pass a new --out folder or empty this one.")
         return
     try:
         previous = json.loads(path.read_text())["identity"]
@@ -97,8 +96,7 @@ def check_out_dir(out: Path, settings: dict) -> None:
     if differ:
         raise UserError(
             f"--out {out} holds images of another run ({listed(differ)}). Resuming would mix two runs' images: "
-            f"pass a new --out folder, or rerun with the settings recorded in {path}."
-        )
+            f"pass a new --out folder, or rerun with the settings recorded in {path}.")
 
 
 def upgrade_identity(previous: dict) -> None:
@@ -111,10 +109,8 @@ def upgrade_identity(previous: dict) -> None:
     previous.setdefault("cfg_interval", None)
     if isinstance(previous.get("model"), dict):  # model configs written before a field existed read with its default
         from shared.network.models import ModelConfig
-        try:
+        with contextlib.suppress(UserError):  # not a config of this version: the comparison names the difference
             previous["model"] = ModelConfig.from_dict(previous["model"]).to_dict()
-        except UserError:
-            pass  # not a config of this version: the comparison below names the difference
 
 
 def missing_indices(out: Path, indices, names) -> list[int]:

@@ -278,8 +278,7 @@ def _rae_encode(module, x):
 
 
 def _rae_decode(module, z):
-    """Raw tokens (N, C, g, g) -> images (N, 3, H, W) in [-1, 1] through the ViT decoder (AutoencoderRAE._decode
-    without its denormalisation of the tokens)."""
+    """Raw tokens (N, C, g, g) -> images (N, 3, H, W) in [-1, 1] (AutoencoderRAE._decode without denormalising)."""
     n, c, h, w = z.shape
     tokens = z.reshape(n, c, h * w).transpose(1, 2)  # (N, T, C)
     patches = module.decoder(tokens).logits  # (N, T, p*p*3)

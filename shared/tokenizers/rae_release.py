@@ -13,7 +13,7 @@ the release download cache (shared/runtime/download.py; `$DIT_DOWNLOAD_URL` repl
                                        encoder RAE loads with transformers (`Dinov2withNorm`, its final LayerNorm
                                        without affine parameters)
 
-They are converted once into a diffusers `AutoencoderRAE` folder in `converted_dir()`: every tensor mapped by name
+They are converted once into a diffusers `AutoencoderRAE` folder in the user cache: every tensor mapped by name
 and loaded with strict=True (the only tensors not kept: the encoder's final LayerNorm weight and bias, which RAE
 removes, and the decoder's fixed sin-cos table, checked equal to the one diffusers rebuilds). RAE normalises
 (z - mean) / sqrt(var + 1e-5) (src/stage1/rae.py); diffusers divides by (latents_std + 1e-5), so the folder holds

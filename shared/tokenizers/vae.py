@@ -11,6 +11,7 @@ imported lazily inside the functions that load weights, so `draw_latents` and th
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -43,23 +44,19 @@ _LOCAL_OPTIONS = (
     "Pass a local VAE instead: a diffusers folder (config.json + diffusion_pytorch_model.safetensors), e.g. "
     "downloaded once on a machine with internet by `huggingface-cli download stabilityai/sd-vae-ft-ema "
     "--local-dir PATH` and then given as {vae} PATH; or a single .safetensors/.ckpt/.pt file with a config.json "
-    "beside it (or given as {vae config})."
-)
+    "beside it (or given as {vae config}).")
 
 
 @dataclass(frozen=True)
 class _Located:
     """Where a VAE spec points: its public name, what kind it is, and the files to read."""
-
     name: str          # hub id or absolute path: what `identity["source"]` records
     kind: str          # "folder" | "file" | "hub"
     path: Path | None  # folder or single file on disk (None for a hub id not yet downloaded)
     config_path: Path | None
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Locating a spec (cheap: reads at most a config.json, never weights)
-# ----------------------------------------------------------------------------------------------------------
+# ---- Locating a spec (cheap: reads at most a config.json, never weights) ----
 
 def _locate_folder(folder: Path) -> _Located:
     """A diffusers folder, or a pipeline folder holding one in vae/."""
@@ -68,10 +65,8 @@ def _locate_folder(folder: Path) -> _Located:
     if not (folder / "config.json").is_file():
         raise SettingError(f"The VAE folder {folder} has no config.json. {_LOCAL_OPTIONS}")
     if not any((folder / name).is_file() for name in WEIGHT_FILES):
-        raise SettingError(
-            f"The VAE folder {folder} has a config.json but no weights ({' or '.join(WEIGHT_FILES)}). "
-            f"{_LOCAL_OPTIONS}"
-        )
+        raise SettingError(f"The VAE folder {folder} has a config.json but no weights ({' or '.join(WEIGHT_FILES)}). "
+                           f"{_LOCAL_OPTIONS}")
     folder = folder.resolve()
     return _Located(str(folder), "folder", folder, folder / "config.json")
 
@@ -80,14 +75,12 @@ def _locate_file(path: Path, config: str | os.PathLike | None) -> _Located:
     """A single weight file whose architecture comes from config.json beside it or from `config`."""
     if path.suffix.lower() not in SINGLE_FILE_SUFFIXES:
         raise SettingError(
-            f"The VAE file {path} is not a weight file ({', '.join(SINGLE_FILE_SUFFIXES)}). {_LOCAL_OPTIONS}"
-        )
+            f"The VAE file {path} is not a weight file ({', '.join(SINGLE_FILE_SUFFIXES)}). {_LOCAL_OPTIONS}")
     config_path = Path(config) if config is not None else path.parent / "config.json"
     if not config_path.is_file():
         raise SettingError(
             f"The VAE file {path} needs its architecture: put the VAE's diffusers config.json beside it or "
-            f"pass {{vae config}} PATH/config.json (e.g. the config.json of stabilityai/sd-vae-ft-ema)."
-        )
+            f"pass {{vae config}} PATH/config.json (e.g. the config.json of stabilityai/sd-vae-ft-ema).")
     path = path.resolve()
     return _Located(str(path), "file", path, config_path.resolve())
 
@@ -95,7 +88,6 @@ def _locate_file(path: Path, config: str | os.PathLike | None) -> _Located:
 def _hub_offline() -> bool:
     """True when HF_HUB_OFFLINE is set or the hub's host does not resolve (no network)."""
     from huggingface_hub import constants
-
     if constants.HF_HUB_OFFLINE:
         return True
     host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
@@ -109,18 +101,13 @@ def _hub_offline() -> bool:
 def _locate_hub(repo_id: str) -> _Located:
     """A hub id: use the local HF cache if it holds the VAE, else fetch only config.json (online)."""
     from huggingface_hub import hf_hub_download, snapshot_download
-
-    try:
+    with contextlib.suppress(Exception):  # any cache miss means "not cached"; the message below says what to do
         folder = Path(snapshot_download(repo_id, local_files_only=True))
         if (folder / "config.json").is_file() and any((folder / n).is_file() for n in WEIGHT_FILES):
             return _Located(repo_id, "folder", folder, folder / "config.json")
-    except Exception:  # noqa: BLE001 - any cache miss means "not cached"; the message below says what to do
-        pass
     if _hub_offline():
-        raise SettingError(
-            f"The VAE {repo_id!r} is not in the local Hugging Face cache and the hub cannot be reached "
-            f"(offline). {_LOCAL_OPTIONS}"
-        )
+        raise SettingError(f"The VAE {repo_id!r} is not in the local Hugging Face cache and the hub cannot be reached "
+                           f"(offline). {_LOCAL_OPTIONS}")
     try:
         config_path = Path(hf_hub_download(repo_id, "config.json"))
     except Exception as err:  # noqa: BLE001 - network and missing-repo errors alike become one message
@@ -131,16 +118,9 @@ def _locate_hub(repo_id: str) -> _Located:
     return _Located(repo_id, "hub", None, config_path)
 
 
-def converted_dir() -> Path:
-    """Where tokenizers converted to diffusers folders are kept: $XDG_CACHE_HOME (else ~/.cache)/dit-latent-pipeline."""
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "dit-latent-pipeline" / "tokenizers"
-
-
 def _hub_file(repo_id: str, filename: str) -> Path:
     """A file of a Hub repository from the local Hugging Face cache, downloaded into it when online."""
     from huggingface_hub import hf_hub_download
-
     try:
         return Path(hf_hub_download(repo_id, filename, local_files_only=_hub_offline()))
     except Exception as err:  # noqa: BLE001 - a cache miss offline, a network or missing-file error: one message
@@ -150,11 +130,18 @@ def _hub_file(repo_id: str, filename: str) -> Path:
             f"(the cache folder can then be copied here), or pass a diffusers folder as {{vae}}.") from None
 
 
-def _publish_converted(model, folder: Path) -> None:
-    """Save a converted model into a staging folder and publish it as `folder`, unless another process won."""
-    from shared.runtime.fsio import publish_dir, remove_tree
+def _stamps(paths) -> list[str]:
+    """'path:size' of each release file: what names its converted folder."""
+    return [f"{p.resolve()}:{p.stat().st_size}" for p in paths]
 
-    staging = folder.with_name(f".tmp-{folder.name}-{os.getpid()}")
+
+def _converted(name: str, key: str, build) -> Path:
+    """The diffusers folder `build()` converts from release files, named by the hash of `key`, published once."""
+    from shared.runtime.fsio import publish_dir, remove_tree, user_cache
+    folder = user_cache("tokenizers") / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    if (folder / "config.json").is_file():
+        return folder
+    model, staging = build(), folder.with_name(f".tmp-{folder.name}-{os.getpid()}")
     try:
         model.save_pretrained(staging, safe_serialization=True)
     except BaseException:  # a full disk or a Ctrl-C: no half-written folder is left in the cache
@@ -164,23 +151,21 @@ def _publish_converted(model, folder: Path) -> None:
         remove_tree(staging)
     else:
         publish_dir(staging, folder)
+    return folder
 
 
 def _locate_vavae() -> _Located:
     """VA-VAE by name: its released LDM checkpoint and latents_stats.pt, converted once into a diffusers folder."""
     from shared.tokenizers.vavae import VAVAE_REPO, VAVAE_STATS, VAVAE_WEIGHTS, build_vavae
-
     weights, stats = _hub_file(VAVAE_REPO, VAVAE_WEIGHTS), _hub_file(VAVAE_REPO, VAVAE_STATS)
-    stamp = hashlib.sha256(f"{weights.resolve()}:{weights.stat().st_size}:{stats.resolve()}:{stats.stat().st_size}"
-                           .encode()).hexdigest()[:16]
-    folder = converted_dir() / f"vavae-imagenet256-f16d32-dinov2-{stamp}"
-    if not (folder / "config.json").is_file():
+
+    def build():
         try:
-            vae = build_vavae(weights, stats)  # strict: every tensor of the conversion must load
+            return build_vavae(weights, stats)  # strict: every tensor of the conversion must load
         except RuntimeError as err:
             raise SettingError(f"{weights} is not VA-VAE f16d32's checkpoint ({' '.join(str(err).split())[:200]}); "
                                f"download it again (`huggingface-cli download {VAVAE_REPO} {VAVAE_WEIGHTS}`).") from None
-        _publish_converted(vae, folder)
+    folder = _converted("vavae-imagenet256-f16d32-dinov2", ":".join(_stamps([weights, stats])), build)
     return _Located(VAVAE_REPO, "folder", folder, folder / "config.json")
 
 
@@ -189,32 +174,27 @@ def _locate_rae_release(name: str) -> _Located:
     from shared.runtime.download import fetch, release_url
     from shared.runtime.export import load_torch_file, safetensors_problem
     from shared.tokenizers.rae_release import RAE_TOKENIZERS, build_rae
-
     release = RAE_TOKENIZERS[name]
     instead = "or pass a local AutoencoderRAE folder instead of the name"
     paths = [fetch(file, release_url(file, url), instead)[0] for file, url in release.files()]
-    stamp = hashlib.sha256(json.dumps([release.config, *[f"{p.resolve()}:{p.stat().st_size}" for p in paths]],
-                                      sort_keys=True).encode()).hexdigest()[:16]
-    folder = converted_dir() / f"{name}-{stamp}"
-    if not (folder / "config.json").is_file():
+
+    def build():
+        from safetensors.torch import load_file
         decoder, stats, encoder = paths
         fix = ("Delete it from the checkpoint cache and run again to download it, or pass an AutoencoderRAE folder "
                "as {vae}.")
         problem = safetensors_problem(encoder)
         if problem:
             raise SettingError(f"The DINOv2 encoder weights {encoder} cannot be read ({problem}). {fix}")
-        from safetensors.torch import load_file
-
-        model = build_rae(release, load_torch_file(decoder, fix), load_torch_file(stats, fix), load_file(str(encoder)),
-                          {"decoder": decoder, "stats": stats, "encoder": encoder})
-        _publish_converted(model, folder)
+        return build_rae(release, load_torch_file(decoder, fix), load_torch_file(stats, fix), load_file(str(encoder)),
+                         {"decoder": decoder, "stats": stats, "encoder": encoder})
+    folder = _converted(name, json.dumps([release.config, *_stamps(paths)], sort_keys=True), build)
     return _Located(name, "folder", folder, folder / "config.json")
 
 
 def _locate(spec, config=None) -> _Located:
     """Turn a VAE spec into a _Located without loading weights; UserError when it cannot work."""
     from shared.tokenizers.rae_release import RAE_TOKENIZERS
-
     text = str(spec).strip()
     if text in VAVAE_NAMES:
         return _locate_vavae()
@@ -231,8 +211,7 @@ def _locate(spec, config=None) -> _Located:
         return _locate_hub(text)
     raise SettingError(
         f"Unknown VAE {text!r}: it is not a short name ({', '.join([*VAE_SHORT_NAMES, VAVAE_NAMES[0], *RAE_TOKENIZERS])}"
-        f"), not an existing folder or file, and not a hub id like stabilityai/sd-vae-ft-ema. {_LOCAL_OPTIONS}"
-    )
+        f"), not an existing folder or file, and not a hub id like stabilityai/sd-vae-ft-ema. {_LOCAL_OPTIONS}")
 
 
 def resolve_vae_spec(spec, config=None) -> str:
@@ -258,16 +237,10 @@ def read_vae_config(spec, config=None) -> dict:
 
 @functools.lru_cache(maxsize=16)
 def _check_rae_weights(weights: str, size: int, mtime_ns: int, config_json: str, where: str) -> None:
-    """An RAE folder's tensors against the shapes its config builds, from the safetensors header (no weights read).
-
-    An RAE's decoder is trained on one encoder's tokens: a decoder of another width, patch or token count in the
-    folder fails here, in one paragraph, before extraction or sampling writes anything. (size, mtime_ns): the cache
-    key of the file's version.
-    """
+    """An RAE folder's tensors against the shapes its config builds, from the safetensors header (no weights read)."""
     from safetensors import SafetensorError, safe_open
 
     from shared.tokenizers.classes import rae_geometry
-
     config = json.loads(config_json)
     kind = tokenizer_class(config, where)
     with torch.device("meta"):
@@ -311,11 +284,7 @@ PROBE_SIZE = 1024  # pixels per side of the probe image when no extraction size 
 
 
 def measure_latent(config: dict, image_size: int | None = None, where: str = "the VAE") -> tuple[int, int, int]:
-    """(C, h, w) of one image of `image_size` encoded by the tokenizer of `config`, run on the meta device.
-
-    The architecture is built without weights and the encoder runs on a meta tensor, so the shape is what the
-    real encoder gives (after any patchifying the class does), measured and not inferred from block counts.
-    """
+    """(C, h, w) of one image of `image_size` encoded by the tokenizer of `config`, measured on the meta device."""
     native = tokenizer_class(config, where).native_size(config)
     if native and image_size and int(image_size) != native:
         raise SettingError(
@@ -368,17 +337,13 @@ def config_sha256(config: dict) -> str:
     return hashlib.sha256(json.dumps(public, sort_keys=True, default=list).encode()).hexdigest()
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Loading weights (diffusers imported here only)
-# ----------------------------------------------------------------------------------------------------------
+# ---- Loading weights (diffusers imported here only) ----
 
 def _read_state_dict(path: Path) -> dict:
     """Tensors of a single weight file (.safetensors, else a PyTorch file); .ckpt files often wrap them in 'state_dict'."""
     from shared.runtime.export import load_torch_file, safetensors_problem
-
     if path.suffix.lower() == ".safetensors":
         from safetensors.torch import load_file
-
         problem = safetensors_problem(path)
         if problem:
             raise SettingError(f"The VAE file {path} cannot be read ({problem}): it is truncated or not a "
@@ -402,7 +367,6 @@ def _load_single_file(located: _Located):
     if not set(vae.state_dict()) <= set(state) and kind.name == "AutoencoderKL":
         # Original (CompVis/LDM) names such as encoder.down.0.block.0..., possibly under first_stage_model.
         from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
-
         state = convert_ldm_vae_checkpoint(state, dict(vae.config))
     try:
         vae.load_state_dict(state, strict=True)
@@ -419,7 +383,6 @@ def _load_folder(located: _Located):
     """from_pretrained on a local folder, or a hub id (downloading the weights when online); every tensor must load."""
     from diffusers.utils import logging as diffusers_logging
     from shared.runtime.export import safetensors_problem
-
     source = str(located.path) if located.path is not None else located.name
     weights = located.path / WEIGHT_FILES[0] if located.path is not None else None
     if weights is not None and weights.is_file() and (problem := safetensors_problem(weights)):
@@ -458,7 +421,6 @@ def _loading_problem(err: BaseException) -> str:
 
 class LatentVAE:
     """A tokenizer of a supported class (shared/tokenizers/classes.py): fp32 encoder, decoder in the requested dtype."""
-
     def __init__(self, vae, source: str, device, dtype=torch.float32):
         """Wrap a loaded diffusers tokenizer (use `LatentVAE.load` to build one from a spec)."""
         if dtype not in DECODE_DTYPES:

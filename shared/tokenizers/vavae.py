@@ -1,27 +1,16 @@
-"""VA-VAE (Yao et al. 2025, hustvl/LightningDiT, MIT), the tokenizer of LightningDiT's records, as a diffusers AutoencoderKL.
+"""VA-VAE (Yao et al. 2025, hustvl/LightningDiT, MIT), the tokenizer of LightningDiT's records, as a diffusers
+AutoencoderKL.
 
-VA-VAE is LDM's KL autoencoder (LightningDiT's tokenizer/autoencoder.py) with ch 128, ch_mult (1, 1, 2, 2, 4),
-two residual blocks per level, z 32 channels (f16d32), and self-attention at "resolution 16": LDM places attention
-by a resolution counted from the configured 256, so the encoder's last level (2 attention blocks, one after each
-residual block) and the decoder's first level (3) hold it whatever the input size, plus the mid-block attention of
-both. Every part has an exact diffusers counterpart: `AttnDownEncoderBlock2D` / `AttnUpDecoderBlock2D` at those
-levels (single-head attention of width C with GroupNorm(32, 1e-6), residual), LDM's asymmetric (0, 1, 0, 1)
-padding before each stride-2 convolution (diffusers' Encoder uses downsample_padding 0, the same), nearest x2 then
-a 3x3 convolution to upsample, and quant/post-quant 1x1 convolutions. So the released checkpoint converts exactly:
-`tests/bench/check_lightningdit_parity.py` runs LightningDiT's own tokenizer code on a random state dict of its
-layout and compares encode and decode with the converted diffusers model.
-
-The checkpoint also holds training-only parts (the DINOv2 foundation model and the VF-loss projection, the
-LPIPS/discriminator loss): they are dropped. Its channel statistics (`latents_stats.pt` beside the weights on the
-Hub: {"mean", "std"} each (1, 32, 1, 1), computed by LightningDiT over ImageNet latents) become the config's
-`latents_mean` / `latents_std` with scaling_factor 1, LightningDiT's `latent_multiplier` 1.0, so `--latent-norm auto`
-trains exactly as LightningDiT does: (z - mean_c) / std_c.
+VA-VAE is LDM's KL autoencoder (ch 128, ch_mult (1, 1, 2, 2, 4), z 32 channels, attention at LDM's "resolution 16":
+the encoder's last level and the decoder's first, plus both mid-blocks), and every part has an exact diffusers
+counterpart, so the released checkpoint converts exactly (tests/bench/check_lightningdit_parity.py compares with
+LightningDiT's own code). Training-only parts (DINOv2, VF-loss projection, LPIPS/discriminator) are dropped; its
+latents_stats.pt (1, 32, 1, 1) become latents_mean / latents_std with scaling_factor 1, as LightningDiT trains.
 """
 from __future__ import annotations
 
 import re
 
-import torch
 
 VAVAE_REPO = "hustvl/vavae-imagenet256-f16d32-dinov2"
 VAVAE_WEIGHTS = "vavae-imagenet256-f16d32-dinov2.pt"
@@ -48,7 +37,6 @@ def vavae_config(mean, std) -> dict:
 def read_stats(path) -> tuple[list[float], list[float]]:
     """(mean, std) per channel from LightningDiT's latents_stats.pt ({"mean", "std"} each (1, C, 1, 1))."""
     from shared.runtime.export import load_torch_file
-
     stats = load_torch_file(path, "Download latents_stats.pt of hustvl/vavae-imagenet256-f16d32-dinov2 again.")
     return stats["mean"].flatten().double().tolist(), stats["std"].flatten().double().tolist()
 
@@ -69,7 +57,6 @@ def _attention_key(key: str) -> str | None:
 def convert_vavae(state_dict: dict) -> dict:
     """LDM (VA-VAE) tensor names -> diffusers AutoencoderKL names; training-only tensors dropped."""
     from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
-
     if isinstance(state_dict.get("state_dict"), dict):
         state_dict = state_dict["state_dict"]
     kept = {k: v for k, v in state_dict.items()
@@ -88,7 +75,6 @@ def build_vavae(weights_path, stats_path):
     from diffusers import AutoencoderKL
 
     from shared.runtime.export import load_torch_file
-
     mean, std = read_stats(stats_path)
     state = load_torch_file(weights_path, "Download vavae-imagenet256-f16d32-dinov2.pt again.")
     vae = AutoencoderKL.from_config(vavae_config(mean, std))
