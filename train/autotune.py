@@ -32,7 +32,6 @@ OUT_OF_MEMORY = -1  # a confirmation try's recorded peak when its step ran out o
 @dataclass
 class DeviceInfo:
     """What auto needs to know of the training device."""
-
     type: str                        # "cuda", "cpu", ...
     name: str = ""
     free_memory: int | None = None   # bytes free now (torch.cuda.mem_get_info), None off CUDA

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 class Callback:
     """Base class: override the hooks you need; each receives the train.loop.Run."""
-
     def on_setup(self, run) -> None:
         """After the model, optimizer and EMA exist (and a resume was restored), before the first step."""
 
@@ -38,7 +37,6 @@ def _on_each(hook: str):
 
 class CallbackList(Callback):
     """Calls every registered callback in order."""
-
     def __init__(self, callbacks=()):
         self.callbacks = list(callbacks)
 

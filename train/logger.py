@@ -16,7 +16,6 @@ from shared.runtime.fsio import atomic_write_text
 
 class RunLogger:
     """Writes log lines and metrics for the main process; a no-op elsewhere."""
-
     def __init__(self, run_dir: Path, enabled: bool, write_files: bool = True):
         self.run_dir, self.enabled = Path(run_dir), enabled
         self.write_files = enabled and write_files

@@ -53,7 +53,7 @@ def count_parameters(model) -> tuple[int, int]:
     return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
 
 
-# Forward cost in multiply-accumulates (the DiT paper's unit), counted from the modules.
+# ---- Forward cost in multiply-accumulates (the DiT paper's unit), counted from the modules ----
 # Which part a module's products belong to (first match wins); attention splits further by op: its linear layers
 # (addmm/mm) versus Q K^T and A V (bmm). A DiT^DH (shared/network/ddt.py) adds the body's patch embedding
 # (s_embedder) and the projection of the body's tokens into the head's per-token conditioning (s_projector).
@@ -133,7 +133,7 @@ def train_flops_per_image(model, kept: int | None = None) -> int:
     return 6 * forward_macs(model, kept)["total"]
 
 
-# Measuring what autograd keeps.
+# ---- Measuring what autograd keeps ----
 
 def _storage_key(tensor) -> tuple:
     """Identity of a tensor's memory: views of one buffer share it."""
@@ -150,7 +150,6 @@ class _Handle:
 
 class SavedTensorLedger(torch.autograd.graph.saved_tensors_hooks):
     """Context recording the tensors autograd saves for backward that are still alive (weakly: nothing outlives it)."""
-
     def __init__(self, exclude_keys=()):
         self.live: weakref.WeakSet[_Handle] = weakref.WeakSet()
         self.exclude = set(exclude_keys)
@@ -177,7 +176,6 @@ class SavedTensorLedger(torch.autograd.graph.saved_tensors_hooks):
 
 class OutputCounter(TorchDispatchMode):
     """{storage key: bytes} of the outputs of the ops `wanted(func, args)` picks, parameters excluded."""
-
     def __init__(self, param_keys, wanted):
         super().__init__()
         self.param_keys, self.wanted, self.found = set(param_keys), wanted, {}
@@ -310,7 +308,7 @@ def recompute_fit(fits: dict, every: int) -> LinearBytes:
     return max(chosen, key=lambda fit: (fit.per_sample, fit.const), default=LinearBytes(0, 0))
 
 
-# Planning: fixed state + measured activations -> the micro-batch that fits (python -m train.plan, autotune).
+# ---- Planning: fixed state + measured activations -> the micro-batch that fits ----
 
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adamw8bit": 2}  # AdamW: two fp32 moments; 8-bit: two 1-byte moments
 DEFAULT_MARGIN = "1.5GiB"  # CUDA context, cuBLAS workspace, allocator slack (train.plan's --margin, autotune's)
@@ -400,11 +398,10 @@ def measure_profiles(config, precision: str, choices, device, route=None) -> tup
     return profiles, n_params, n_trainable
 
 
-# Verification on CUDA: the trainer's own step at the planned micro-batch, under the budget.
+# ---- Verification on CUDA: the trainer's own step at the planned micro-batch, under the budget ----
 
 class CudaAllocator:
     """The CUDA caching allocator as --verify and autotune's confirmation read it (the seam a CPU test replaces)."""
-
     device = torch.device("cuda")
     available = staticmethod(torch.cuda.is_available)
     synchronize = staticmethod(torch.cuda.synchronize)
@@ -460,7 +457,6 @@ class Verified:
 
 class StepOutOfMemory(Exception):
     """The trainer's step at `micro` ran out of memory under `limit` bytes; it needed at least `needed`."""
-
     def __init__(self, micro: int, needed: int, limit: int | None):
         self.micro, self.needed, self.limit = micro, needed, limit
         super().__init__(f"micro-batch {micro}: out of memory, needed {needed} bytes (limit {limit})")

@@ -29,7 +29,6 @@ from train.config import TrainConfig
 @dataclass
 class Learner:
     """What one optimizer step reads and updates."""
-
     cfg: TrainConfig
     # What the step calls: the DiT (fp32 master weights, train mode), with REPA inside an AlignedDiT beside its
     # projector, maybe compiled, maybe DDP-wrapped. The one handle: `dit` and `projector` are read out of it.

@@ -50,7 +50,6 @@ def flat_config(cfg) -> dict:
 
 class Tracker:
     """The started trackers of the main process: scalars under train/, closed at the end."""
-
     def __init__(self, accelerator):
         self.accelerator = accelerator
 
@@ -83,7 +82,6 @@ class Tracker:
 
 class TrackerCallback(Callback):
     """Starts the tracker once the run is restored and attaches it to the run's logger."""
-
     def on_setup(self, run) -> None:
         if run.is_main and tracking(run.cfg):
             run.logger.attach(Tracker.start(run.accelerator, run.cfg, run.step))
@@ -91,7 +89,6 @@ class TrackerCallback(Callback):
 
 class CurvesCallback(Callback):
     """Redraws RUN/curves.png after each checkpoint (main process); a failure is logged, never raised."""
-
     def on_checkpoint(self, run, path) -> None:
         if not run.is_main or run.cfg.debug:
             return
@@ -153,7 +150,6 @@ def _log_tail(run_dir: Path, lines: int = 3) -> str:
 
 class WatcherCallback(Callback):
     """--watch-vae: the `python -m sample watch` process beside training (main process only)."""
-
     def __init__(self, vae: str):
         self.vae, self.proc, self.reported = vae, None, False
 
