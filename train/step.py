@@ -164,8 +164,8 @@ def check_compile(cfg: TrainConfig, device) -> None:
                         "Use --attention sdpa (its flash/cuDNN kernels compile), or drop --compile.")
     if torch.device(device).type == "cpu" and COMPILE_BACKEND == "inductor" and not cpp_compiler():
         raise UserError("--compile on the CPU needs a C++ compiler for torch.compile's inductor backend (it writes and "
-                        "builds C++ kernels), and none was found (set CXX, or install g++ or clang++), or drop --compile "
-                        "(the trainer runs the same step eagerly).")
+                        "builds C++ kernels), and none was found (set CXX, or install g++ or clang++), or drop "
+                        "--compile (the trainer runs the same step eagerly).")
 
 
 def cpp_compiler() -> str | None:
@@ -195,7 +195,8 @@ def make_learner(cfg: TrainConfig, model_config: ModelConfig, accelerator=None, 
         compile_blocks(raw, COMPILE_BACKEND)
     trained = raw if projector is None else AlignedDiT(raw, projector, cfg.repa_depth)
     learner = Learner(cfg=cfg, model=accelerator.prepare(trained) if accelerator is not None else trained,
-                      ema=ema, optimizer=None, scaler=torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16"),
+                      ema=ema, optimizer=None,
+                      scaler=torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16"),
                       model_config=model_config, accelerator=accelerator, device=device,
                       objective=objective_of(model_config, **cfg.objective_options), route=route_of(cfg, raw))
     learner.optimizer = build_optimizer(cfg, learner.trained_parameters(), device)
