@@ -23,14 +23,15 @@ from shared.runtime import rundir
 from shared.runtime.cli import HelpFormatter, add_flags, from_args, option
 from shared.runtime.errors import UserError, cli_errors
 from shared.generative.samplers import SAMPLER_OPTIONS, resolve_sampling
-from shared.runtime.evalcurve import draw_metric, finite_values, metric_lines, metric_title, same_series
-from shared.runtime.flags import (BATCH_SIZE, CFG_SCALE, CPU, NUM_SAMPLING_STEPS, PLUGIN, SAMPLER, SAMPLING_KINDS,
-                                  SEED, STEPS_HELP, VAE, SamplingFlags, given_sampler_options)
+from shared.runtime.plugins import PLUGIN, load_plugins
+from shared.sampling.evalcurve import draw_metric, finite_values, metric_lines, metric_title, same_series
+from shared.sampling.flags import (BATCH_SIZE, CFG_SCALE, CPU, NUM_SAMPLING_STEPS, SAMPLER, SAMPLING_SETTING_FLAGS, SEED,
+                                   STEPS_HELP, VAE, SamplingFlags, given_sampler_options)
 from shared.runtime.fsio import atomic_write
 
 PROG = "python -m evaluate run"
 # The flag that sets each setting shared/ and sample/ name in their errors.
-FLAGS = {"feature network": "--features", "vae": "--vae", **SAMPLING_KINDS}
+FLAGS = {"feature network": "--features", "vae": "--vae", **SAMPLING_SETTING_FLAGS}
 CURVE_METRICS = (("fid", "FID"), ("sfid", "sFID"), ("inception_score", "Inception Score"),
                  ("precision", "precision"), ("recall", "recall"))
 
@@ -88,7 +89,7 @@ def read_rows(run: Path) -> list[dict]:
 
 
 def matching(rows: list[dict], settings: dict) -> list[dict]:
-    """The rows measured with exactly these settings, by step (one series of shared/runtime/evalcurve.py)."""
+    """The rows measured with exactly these settings, by step (one series of shared/sampling/evalcurve.py)."""
     return same_series(rows, settings)
 
 
@@ -216,7 +217,7 @@ def draw_curve(run: Path, settings: dict) -> Path | None:
     fig = Figure(figsize=(4.2 * len(panels), 3.4), layout="constrained")
     for i, (key, title, lines) in enumerate(panels):
         ax = fig.add_subplot(1, len(panels), i + 1)
-        draw_metric(ax, lines)  # one series: these settings' points (shared/runtime/evalcurve.py, as curves.png)
+        draw_metric(ax, lines)  # one series: these settings' points (shared/sampling/evalcurve.py, as curves.png)
         ax.set_title("digits FD" if metric_title(rows, key) == "digits FD" else title, fontsize="medium")
         ax.set_xlabel("training step")
         ax.grid(alpha=0.3)
@@ -238,9 +239,8 @@ def run_parser() -> argparse.ArgumentParser:
 def main_run(argv) -> None:
     """Entry point of `python -m evaluate run`: UserErrors become one paragraph (exit status 2)."""
     with cli_errors(PROG, FLAGS):
+        load_plugins(argv)  # first: a plugin's sampler is a --sampler choice, its objective rebuilds the exports'
         options = from_args(RunEvalOptions, run_parser().parse_args(argv))
-        from shared.generative.objectives import import_plugins
-        import_plugins(options.plugin)  # before the exports' objective is looked up
         rows = run_evaluation(options)
         if rows:
             print(f"{len(rows)} points in {rundir.eval_path(options.run)}; curve: {rundir.eval_plot_path(options.run)}")

@@ -19,7 +19,7 @@ from evaluate.stats import check_reference, compute_features, open_reference, re
     source_meta, stats_from_features
 from shared.runtime.cli import Flag, option
 from shared.runtime.errors import ChoiceError, UserError
-from shared.runtime.flags import CPU
+from shared.sampling.flags import CPU
 from shared.runtime.fsio import atomic_write_text
 
 RESULT_SUFFIX = ".eval.jsonl"  # SAMPLES.npz -> SAMPLES.eval.jsonl, one line per evaluation

@@ -10,11 +10,11 @@ import sys
 
 from shared.runtime.cli import HelpFormatter, add_flags, from_args
 from shared.runtime.errors import cli_errors
-from shared.runtime.flags import SAMPLING_KINDS
-from shared.generative.objectives import import_plugins
+from shared.sampling.flags import SAMPLING_SETTING_FLAGS
+from shared.runtime.plugins import load_plugins
 
 from sample.decode import DecodeOptions, run_decode
-from sample.export import ExportOptions, run_export
+from sample.to_diffusers import ToDiffusersOptions, run_to_diffusers
 from shared.sampling.generate import SampleOptions, run_sample
 from sample.watch import WatchOptions, run_watch
 
@@ -32,9 +32,9 @@ processes (pixels then match exactly wherever the floating-point kernels do: sam
 Several GPUs: `accelerate launch -m sample ...` (rank r draws images i with i % world == r).
 Decode training's latent samples: `python -m sample decode RUN/samples/step-0000100.safetensors`, or
 `python -m sample decode RUN` for the newest preview (--all: every one)."""
-# The flag that sets each setting shared/ names in its errors (shared.runtime.errors.ChoiceError / SettingError kinds).
+# The flag that sets each setting shared/ names in its errors (shared.runtime.errors.ChoiceError / SettingError settings).
 FLAGS = {"model preset": "--model", "objective": "--objective", "weights": "--weights", "vae": "--vae",
-         "vae config": "--vae-config", "sample folder": "--out", "export format": "--format", **SAMPLING_KINDS}
+         "vae config": "--vae-config", "sample folder": "--out", "export format": "--format", **SAMPLING_SETTING_FLAGS}
 
 
 def _parser(prog: str, options, **kwargs) -> argparse.ArgumentParser:
@@ -63,7 +63,7 @@ def watch_parser() -> argparse.ArgumentParser:
 
 def export_parser() -> argparse.ArgumentParser:
     """Parser of `export`."""
-    return _parser(f"{PROG} export", ExportOptions,
+    return _parser(f"{PROG} export", ToDiffusersOptions,
                    description="Write DiT weights as a folder diffusers' DiTPipeline.from_pretrained loads: "
                                "transformer/, a copy of the VAE, a DDIM scheduler with DiT's betas.")
 
@@ -74,7 +74,7 @@ def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["export"]:
         with cli_errors(f"{PROG} export", FLAGS):
-            run_export(from_args(ExportOptions, export_parser().parse_args(argv[1:])))
+            run_to_diffusers(from_args(ToDiffusersOptions, export_parser().parse_args(argv[1:])))
         return
     if argv[:1] == ["watch"]:
         with cli_errors(f"{PROG} watch", FLAGS):
@@ -86,8 +86,8 @@ def main(argv=None) -> None:
         if decoding:
             run_decode(from_args(DecodeOptions, decode_parser().parse_args(argv[1:])))
         else:
+            load_plugins(argv)  # first: a plugin's sampler is a --sampler choice, its objective rebuilds the weights'
             options = from_args(SampleOptions, sample_parser().parse_args(argv))
-            import_plugins(options.plugin)  # before the weights' objective is looked up
             run_sample(options)
 
 

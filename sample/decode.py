@@ -10,7 +10,7 @@ from tqdm import tqdm
 from shared.runtime.cli import option
 from shared.runtime.distributed import process_state
 from shared.runtime.errors import UserError
-from shared.runtime.flags import DecodeFlags
+from shared.sampling.flags import DecodeFlags
 from shared.runtime.previews import read_preview
 from shared.tokenizers.pixels import to_uint8
 from shared.runtime.rundir import SAMPLES, step_of

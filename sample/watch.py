@@ -21,7 +21,7 @@ from shared.runtime import rundir
 from shared.runtime.cli import option
 from shared.runtime.distributed import process_state
 from shared.runtime.errors import UserError
-from shared.runtime.flags import DecodeFlags
+from shared.sampling.flags import DecodeFlags
 from shared.runtime.lock import LOCK_NAME, FolderBusyError, hold_lock, pid_alive
 from shared.runtime.previews import read_preview
 from shared.runtime.trackers import check_report_to

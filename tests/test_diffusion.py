@@ -9,7 +9,7 @@ from shared.generative.diffusion import (NUM_TIMESTEPS, GaussianDiffusion, appro
                               ddim_timesteps, ddpm_sample, discretized_gaussian_log_likelihood, normal_kl,
                               space_timesteps)
 from shared.runtime.errors import ChoiceError, SettingError, UserError
-from shared.generative.samplers import SAMPLER_NAMES, SAMPLERS, get_sampler
+from shared.generative.samplers import SAMPLERS, get_sampler, sampler_names
 
 BETAS = np.linspace(1e-4, 0.02, 1000)  # the DiT schedule, written out independently
 ABAR = np.cumprod(1 - BETAS)
@@ -455,12 +455,12 @@ def test_sampler_argument_errors():
 
 def test_sampler_vocabulary():
     """One registry of records: each sampler's function and the objectives it serves; others refused by name."""
-    assert SAMPLER_NAMES == ("ddpm", "ddim", "dpmpp-2m", "unipc", "euler", "heun", "sde", "dopri5", "meanflow") == tuple(SAMPLERS)
+    assert sampler_names() == ("ddpm", "ddim", "dpmpp-2m", "unipc", "euler", "heun", "sde", "dopri5", "meanflow") == tuple(SAMPLERS)
     assert get_sampler("ddim").fn is ddim_sample and get_sampler("ddpm").fn is ddpm_sample
-    assert [n for n in SAMPLER_NAMES if SAMPLERS[n].family == "ddpm"] == ["ddpm", "ddim", "dpmpp-2m", "unipc"]
+    assert [n for n in sampler_names() if SAMPLERS[n].family == "ddpm"] == ["ddpm", "ddim", "dpmpp-2m", "unipc"]
     with pytest.raises(ChoiceError) as err:
         get_sampler("bogus")
-    assert (err.value.kind, err.value.value, err.value.choices) == ("sampler", "bogus", list(SAMPLER_NAMES))
+    assert (err.value.setting, err.value.value, err.value.choices) == ("sampler", "bogus", list(sampler_names()))
     assert "--" not in str(err.value) and "ddpm, ddim, dpmpp-2m, unipc, euler" in str(err.value)
     assert "--sampler 'bogus'" in str(err.value.advise("--sampler"))  # the CLI turns it into flag advice
     with pytest.raises(SettingError) as err:

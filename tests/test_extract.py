@@ -366,11 +366,11 @@ def test_unknown_flip_or_dtype_is_a_choice_error_with_flag_advice(tmp_path, imag
     from extract.__main__ import FLAGS
     from extract.run import check_numbers
 
-    for change, kind, flag in (({"flip": "mirror"}, "flip mode", "--flip"), ({"dtype": "int8"}, "storage dtype",
-                                                                               "--dtype")):
+    for change, setting, flag in (({"flip": "mirror"}, "flip mode", "--flip"), ({"dtype": "int8"}, "storage dtype",
+                                                                                  "--dtype")):
         with pytest.raises(ChoiceError) as caught:
             check_numbers(_config(image_folder, tmp_path / "out", tiny_vae_dir, **change))
-        assert caught.value.kind == kind and FLAGS[kind] == flag
+        assert caught.value.setting == setting and FLAGS[setting] == flag
         assert str(advise(caught.value, FLAGS)).startswith(f"{flag} ")
 
 

@@ -21,12 +21,12 @@ def _options_classes():
     from evaluate.reference import ReferenceOptions
     from extract.run import ExtractConfig, ExtractModes
     from sample.decode import DecodeOptions
-    from sample.export import ExportOptions
+    from sample.to_diffusers import ToDiffusersOptions
     from shared.sampling.generate import SampleOptions
     from sample.watch import WatchOptions
     from train.config import TrainConfig
 
-    return (TrainConfig, SampleOptions, DecodeOptions, WatchOptions, ExportOptions, EvalOptions, RunEvalOptions,
+    return (TrainConfig, SampleOptions, DecodeOptions, WatchOptions, ToDiffusersOptions, EvalOptions, RunEvalOptions,
             FloorOptions, ReferenceOptions, ExtractConfig, ExtractModes)
 
 
@@ -41,14 +41,14 @@ def _parsers():
     from evaluate.reference import ReferenceOptions, reference_parser
     from extract.run import ExtractConfig
     from sample.decode import DecodeOptions
-    from sample.export import ExportOptions
+    from sample.to_diffusers import ToDiffusersOptions
     from shared.sampling.generate import SampleOptions
     from sample.watch import WatchOptions
     from train.config import TrainConfig, build_parser
 
     return [(build_parser(), TrainConfig), (sample_main.sample_parser(), SampleOptions),
             (sample_main.decode_parser(), DecodeOptions), (sample_main.watch_parser(), WatchOptions),
-            (sample_main.export_parser(), ExportOptions), (evaluate_main.eval_parser(), EvalOptions),
+            (sample_main.export_parser(), ToDiffusersOptions), (evaluate_main.eval_parser(), EvalOptions),
             (run_parser(), RunEvalOptions), (floor_parser(), FloorOptions), (reference_parser(), ReferenceOptions), (extract_main.build_parser(), ExtractConfig)]
 
 
@@ -166,6 +166,76 @@ def test_the_sampler_counter_finds_restated_defaults(tmp_path):
         "shared/sampling/generate.py: tuple with time_shift"]
 
 
+def model_defaults_restated(root: Path = ROOT) -> list[str]:
+    """Places that restate a model default instead of importing its one home: a number given to a field, parameter
+    or keyword `class_dropout_prob` (home: shared/network/models.py CLASS_DROPOUT_PROB), the objective "ddpm" as a
+    default (`objective = "ddpm"`, `.get("objective", "ddpm")`, `return "ddpm", ...`; home: DEFAULT_OBJECTIVE of
+    shared/generative/objectives.py), or RAE's shift rounded or computed outside flow.auto_shift."""
+    found = []
+
+    def number(node) -> bool:
+        return isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value,
+                                                                                                          bool)
+
+    def ddpm(node) -> bool:
+        return isinstance(node, ast.Constant) and node.value == "ddpm"
+
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            where = path.relative_to(root).as_posix()
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                named = []  # (name, default expression) of fields, parameters and keywords
+                if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value is not None:
+                    named.append((node.target.id, _field_default(node.value)))
+                elif isinstance(node, ast.arguments):
+                    positional = [*node.posonlyargs, *node.args]
+                    named += [(a.arg, d) for a, d in zip(positional[len(positional) - len(node.defaults):],
+                                                         node.defaults)]
+                    named += [(a.arg, d) for a, d in zip(node.kwonlyargs, node.kw_defaults) if d is not None]
+                elif isinstance(node, ast.keyword) and node.arg:
+                    named.append((node.arg, node.value))
+                elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "get" and len(node.args) == 2 \
+                        and isinstance(node.args[0], ast.Constant) and node.args[0].value == "objective" \
+                        and ddpm(node.args[1]):
+                    found.append(f"{where}:{node.lineno} objective default")
+                elif isinstance(node, ast.Return) and node.value is not None and (
+                        ddpm(node.value) or isinstance(node.value, ast.Tuple) and any(map(ddpm, node.value.elts))):
+                    found.append(f"{where}:{node.lineno} objective default")
+                elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "round" and node.args:
+                    inner = ast.dump(node.args[0])
+                    if "auto_shift" in inner or "Pow" in inner and "0.5" in inner:
+                        found.append(f"{where}:{node.lineno} shift rounded")
+                for name, default in named:
+                    if name == "class_dropout_prob" and number(default) and default.value != 0:
+                        found.append(f"{where}:{default.lineno} class_dropout_prob {default.value}")
+                    elif name == "objective" and ddpm(default):
+                        found.append(f"{where}:{default.lineno} objective default")
+    return sorted(found, key=lambda f: (f.split(":")[0], int(f.split(":")[1].split()[0]), f))
+
+
+def test_no_model_default_is_restated():
+    """0: label dropout, the default objective and RAE's rounded shift each have one home that the others import."""
+    assert model_defaults_restated() == []
+
+
+def test_the_model_defaults_counter_finds_each_restatement(tmp_path):
+    """The counter is not blind: each way those defaults used to be restated is found (a dropout of 0 is a choice)."""
+    for package in PACKAGES:
+        (tmp_path / package).mkdir()
+    (tmp_path / "shared" / "copies.py").write_text(
+        "class ModelConfig:\n    class_dropout_prob: float = 0.1\n    objective: str = option('ddpm', 'what')\n"
+        "def dit(depth, class_dropout_prob=0.1, *, objective='ddpm'):\n"
+        "    return build(class_dropout_prob=0.1, off=dict(class_dropout_prob=0))\n"
+        "def kind(d):\n    if d.get('objective', 'ddpm') == 'flow':\n        return 'ddpm', 'assumed'\n"
+        "SHIFT = round((768 * 16 * 16 / 4096) ** 0.5, 6)\nshift = round(auto_shift(shape), 6)\n")
+    assert model_defaults_restated(tmp_path) == [
+        "shared/copies.py:2 class_dropout_prob 0.1", "shared/copies.py:3 objective default",
+        "shared/copies.py:4 class_dropout_prob 0.1", "shared/copies.py:4 objective default",
+        "shared/copies.py:5 class_dropout_prob 0.1", "shared/copies.py:7 objective default",
+        "shared/copies.py:8 objective default", "shared/copies.py:9 shift rounded",
+        "shared/copies.py:10 shift rounded"]
+
+
 @pytest.mark.parametrize("index", range(10))
 def test_help_does_not_restate_the_default(index):
     """The formatter prints each default from the field; a help text that also spells it out would drift."""
@@ -256,7 +326,7 @@ def test_a_family_flag_changes_per_command():
     recorded count, else 250)."""
     from evaluate.curve import RunEvalOptions
     from shared.sampling.generate import SampleOptions
-    from shared.runtime.flags import NUM_SAMPLING_STEPS, STEPS_HELP
+    from shared.sampling.flags import NUM_SAMPLING_STEPS, STEPS_HELP
 
     assert isinstance(NUM_SAMPLING_STEPS, Flag)
     sample_field = {f.name: f for f in dataclasses.fields(SampleOptions)}["num_sampling_steps"]
@@ -270,7 +340,7 @@ def test_a_family_flag_changes_per_command():
 def test_a_flag_family_dataclass_lists_after_the_commands_own_flags():
     """Commands deriving from DecodeFlags get every VAE flag, after their own (the help reads command first)."""
     from sample.__main__ import decode_parser, sample_parser, watch_parser
-    from shared.runtime.flags import DecodeFlags
+    from shared.sampling.flags import DecodeFlags
 
     family = [f.name for f in dataclasses.fields(DecodeFlags)]
     for parser in (sample_parser(), decode_parser(), watch_parser()):

@@ -69,7 +69,7 @@ def test_guide_channel_vocabulary():
     assert guide_channel_count("auto", 2) is None and guide_channel_count("all", 8) is None
     with pytest.raises(ChoiceError) as caught:
         guide_channel_count("2", 4)
-    assert (caught.value.kind, caught.value.choices) == ("guide-channel choice", list(GUIDE_CHANNELS))
+    assert (caught.value.setting, caught.value.choices) == ("guide-channel choice", list(GUIDE_CHANNELS))
     for channels in (2, 8):
         with pytest.raises(SettingError, match=f"has {channels} latent channels; use guide-channel choice all"):
             guide_channel_count("3", channels)

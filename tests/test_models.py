@@ -249,7 +249,7 @@ def test_sdpa_and_math_attention_agree():
 def test_unknown_attention_backend_is_a_choice_error():
     with pytest.raises(ChoiceError, match="sdpa") as caught:
         tiny(attention="flash")
-    assert (caught.value.kind, caught.value.value, caught.value.choices) == ("attention backend", "flash",
+    assert (caught.value.setting, caught.value.value, caught.value.choices) == ("attention backend", "flash",
                                                                              list(ATTENTION_BACKENDS))
     assert "--attention 'flash'" in str(advise(caught.value, {"attention backend": "--attention"}))
 
@@ -371,7 +371,7 @@ def test_model_config_round_trip_and_build():
 def test_model_config_rejects_bad_input():
     with pytest.raises(ChoiceError, match="DiT-XL/2") as caught:
         ModelConfig(model="DiT-XXL/2", input_size=32)
-    assert caught.value.kind == "model preset" and caught.value.choices == list(DiT_models)
+    assert caught.value.setting == "model preset" and caught.value.choices == list(DiT_models)
     check_preset("DiT-T/2")
     with pytest.raises(ChoiceError, match="unknown model preset 'DiT-Q/2'"):
         check_preset("DiT-Q/2")

@@ -8,7 +8,7 @@ import pytest
 from PIL import Image
 
 from shared.runtime.rundir import read_step_rows
-from shared.runtime.evalcurve import SERIES_KEYS, metric_lines, metric_title, same_series
+from shared.sampling.evalcurve import SERIES_KEYS, metric_lines, metric_title, same_series
 from train.plot import auto_weight, main, panels, smooth
 
 

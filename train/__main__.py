@@ -7,7 +7,7 @@ import sys
 
 from shared.runtime.cli import flag_name, given_flags
 from shared.runtime.errors import cli_errors
-from shared.runtime.flags import load_plugins
+from shared.runtime.plugins import load_plugins
 from train.config import build_parser, config_from_args
 
 PROG = "python -m train"

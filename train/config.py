@@ -15,15 +15,15 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from shared.runtime.cli import HelpFormatter, argument_of, add_flags, flag_name, from_args, option
-from shared.runtime.flags import PLUGIN
+from shared.runtime.plugins import PLUGIN
 from shared.runtime.errors import SettingError, UserError
 from shared.runtime.rerun import differences
 from shared.generative.guidance import GUIDE_CHANNELS
 from shared.generative.flow import auto_shift, check_shift
-from shared.network.models import (ATTENTION_BACKENDS, BLOCK_FIELDS, BLOCKS, HEAD_FIELDS, MLPS, NORMS, SELECTIVE,
-                                   ModelConfig, block_options, check_preset, default_block, preset_head)
-from shared.generative.objectives import (OBJECTIVES, learns_sigma, objective_help, plugin_of, recorded_by_training,
-                                          training_flags)
+from shared.network.models import (ATTENTION_BACKENDS, BLOCK_FIELDS, BLOCKS, CLASS_DROPOUT_PROB, HEAD_FIELDS, MLPS,
+                                   NORMS, SELECTIVE, ModelConfig, block_options, check_preset, default_block, preset_head)
+from shared.generative.objectives import (DEFAULT_OBJECTIVE, OBJECTIVES, learns_sigma, objective_help, plugin_of,
+                                          recorded_by_training, training_flags)
 from train.latents import byte_size
 from train.recipes import RECIPE_HELP, RECIPES, apply_recipe
 from shared.runtime.precision import PRECISION_CHOICES, canonical_precision
@@ -105,7 +105,7 @@ class TrainConfig:
     recipe: str = option("dit", "one word for a published recipe's objective, time sampling, block and optimizer "
                                 "settings (train/recipes.py); any flag given explicitly wins: "
                          + "; ".join(f"{k}: {v}" for k, v in RECIPE_HELP.items()), choices=tuple(RECIPES))
-    objective: str = option("ddpm", "what the model learns, a registered objective (shared/generative/objectives.py; "
+    objective: str = option(DEFAULT_OBJECTIVE, "what the model learns, a registered objective (shared/generative/objectives.py; "
                                     "--plugin MODULE adds one): " + objective_help())
     plugin: list | None = PLUGIN.field()
     # The objective's training fields (--time-sampling, ... derived from the registry): those given, then resolved.
@@ -177,7 +177,7 @@ class TrainConfig:
     optimizer: str = option("adamw", "adamw (fused on CUDA) or adamw8bit (bitsandbytes, optional; saves ~4 GB on "
                                      "XL/2)", choices=OPTIMIZERS)
     class_dropout_prob: float = option(
-        0.1, "probability of replacing a label by the null class, for classifier-free guidance (DiT: 0.1)")
+        CLASS_DROPOUT_PROB, "probability of replacing a label by the null class, for classifier-free guidance (DiT: 0.1)")
     max_steps: int | None = option(
         None, f"optimizer steps to train in total (default {DEFAULT_MAX_STEPS} unless --epochs)", exclusive="length")
     epochs: float | None = option(None, "train this many passes over the latents instead", exclusive="length")
@@ -566,7 +566,7 @@ def _resolve_repa(cfg: TrainConfig, dataset) -> None:
 def _resolve_shift(cfg: TrainConfig, latent_shape) -> None:
     """--time-dist-shift auto: RAE's sqrt(C H W / 4096) of these latents; a number is checked as it is."""
     if cfg.time_dist_shift == "auto":
-        cfg.time_dist_shift = round(auto_shift(latent_shape), 6)  # recorded; 6 digits keep resume comparisons exact
+        cfg.time_dist_shift = auto_shift(latent_shape)
     check_shift(cfg.time_dist_shift)
 
 

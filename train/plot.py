@@ -17,7 +17,7 @@ from pathlib import Path
 
 from shared.runtime import rundir
 from shared.runtime.errors import UserError, cli_errors
-from shared.runtime.evalcurve import draw_metric, is_number, metric_lines, metric_title, metrics_of
+from shared.sampling.evalcurve import draw_metric, is_number, metric_lines, metric_title, metrics_of
 from shared.runtime.fsio import atomic_write
 
 PROG = "python -m train.plot"
@@ -73,7 +73,7 @@ def panels(train: list[dict], evals: list[dict]) -> list[tuple]:
         steps, values = series(train, key)
         if steps and not (key == "skipped_total" and not any(values)):
             out.append((title, [(None, steps, values)], style, scale))
-    for key in metrics_of(evals):  # one line per evaluation setting (shared/runtime/evalcurve.py), as in eval.png
+    for key in metrics_of(evals):  # one line per evaluation setting (shared/sampling/evalcurve.py), as in eval.png
         out.append((f"{metric_title(evals, key)} ({rundir.EVAL_FILE})", metric_lines(evals, key), "points", "linear"))
     return out
 

@@ -18,7 +18,7 @@ RECIPES = {
     "sit": {"objective": "flow", "time_sampling": "uniform"},
     "lightning": {"objective": "flow", "time_sampling": "lognormal", "time_loc": 0.0, "time_scale": 1.0,
                   "cos_weight": 1.0, "block": "lightning", "lr": 2e-4, "adam_betas": (0.9, 0.95),
-                  # The sampling half, in the names of the sampling flags (shared/runtime/flags.py SamplingFlags).
+                  # The sampling half, in the names of the sampling flags (shared/sampling/flags.py SamplingFlags).
                   "sampling": {"sampler": "euler", "time_shift": 0.3, "cfg_interval": [0.0, 0.89]}},
     "rae": {"objective": "flow", "time_sampling": "lognormal", "time_loc": 0.0, "time_scale": 1.0,
             "time_dist_shift": "auto", "block": "lightning", "lr": 2e-4, "adam_betas": (0.9, 0.95),

@@ -58,7 +58,7 @@ PAYLOAD_EXT = "latent.safetensors"
 LABEL_EXT = "cls"
 BLOCK = 512
 RECORD = 20 * BLOCK  # tar's default record size; the archive is padded to a whole record like GNU tar
-# The domain name of a latent folder in errors (shared.runtime.lock's {kind} field): stages map it to their flag.
+# The domain name of a latent folder in errors (shared.runtime.lock's {setting} field): stages map it to their flag.
 FOLDER_KIND = "latent folder"
 # The --flip vocabulary of extract: mode -> F, the moments stored per sample (original, then its mirror).
 FLIP_MODES = {"both": 2, "none": 1}

@@ -44,8 +44,9 @@ SHIFT_BASE_DIM = 4096  # RAE's time_dist_shift_base: the dimension at which no s
 
 
 def auto_shift(latent_shape) -> float:
-    """RAE's s = sqrt(C * H * W / 4096) for a latent (C, H, W): 6.93 for 768x16x16, 1 for 4x32x32."""
-    return math.sqrt(math.prod(int(n) for n in latent_shape) / SHIFT_BASE_DIM)
+    """RAE's s = sqrt(C * H * W / 4096) for a latent (C, H, W), to 6 digits as recorded (resume compares configs
+    exactly): 6.928203 for 768x16x16, 1 for 4x32x32."""
+    return round(math.sqrt(math.prod(int(n) for n in latent_shape) / SHIFT_BASE_DIM), 6)
 
 
 def check_shift(shift: float) -> float:

@@ -10,7 +10,6 @@ imported by `--plugin MODULE` (docs/objectives.md).
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, ClassVar, Protocol
@@ -60,6 +59,7 @@ class Objective(Protocol):
 
 OBJECTIVES: dict[str, type] = {}
 BUILT_IN = __name__  # objectives defined here need no --plugin
+DEFAULT_OBJECTIVE = "ddpm"  # DiT's: train's default, and what weights that record no objective were trained with
 
 
 def register_objective(cls: type) -> type:
@@ -75,18 +75,6 @@ def register_objective(cls: type) -> type:
         raise TypeError(f"objective name {cls.name!r} is taken by {old.__module__}.{old.__qualname__}")
     OBJECTIVES[cls.name] = cls
     return cls
-
-
-def import_plugins(modules) -> None:
-    """Import each module named by --plugin, so the objectives it registers exist; UserError for one not found."""
-    for module in modules or ():
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as err:
-            if err.name is None or not module.startswith(err.name):
-                raise
-            raise UserError(f"--plugin {module}: no module of that name can be imported ({err}); pass a dotted "
-                            f"module path importable from here (its folder on PYTHONPATH).") from err
 
 
 def objective_names() -> tuple[str, ...]:

@@ -3,9 +3,9 @@
 Every sampler function has one signature, `fn(process, model_fn, noise, model_kwargs=None, generator=None,
 progress=False, **options) -> x_data`, where `process` is what the objective builds for it from the step count
 (a respaced GaussianDiffusion for DDPM, a FlowProcess time grid for flow matching; see shared/generative/objectives.py).
-A new sampler is one SamplerSpec here. A sampler serves every objective of its `family`, the kind of process it
-walks ("ddpm": a respaced GaussianDiffusion; "flow": a FlowProcess), so a new objective that builds one of
-these processes (e.g. x-prediction flow) is served with no record changed.
+A new sampler is one SamplerSpec passed to `register_sampler`, here or in a module of the user's (`--plugin MODULE`;
+docs/objectives.md). A sampler serves every objective of its `family`, the kind of process it walks ("ddpm": a
+respaced GaussianDiffusion; "flow": a FlowProcess), so a new objective that builds one of these is served as is.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from shared.generative.diffusion import check_ddim_eta, ddim_sample, ddpm_sample
-from shared.runtime.errors import ChoiceError, SettingError
+from shared.runtime.errors import ChoiceError, SettingError, UserError
 from shared.generative.flow import SDE_LAST_STEP, dopri5_sample, euler_sample, heun_sample, sde_sample
 from shared.generative.meanflow import meanflow_sample
 from shared.generative.solvers import dpmpp_2m_sample, unipc_sample
@@ -53,7 +53,7 @@ class SamplerSpec:
     deterministic: bool = True
 
 
-SAMPLERS = {spec.name: spec for spec in (
+SAMPLERS: dict[str, SamplerSpec] = {spec.name: spec for spec in (
     SamplerSpec("ddpm", ddpm_sample, "ddpm", "ancestral DDPM, DiT's respacing (250 steps as the paper)",
                 deterministic=False),
     SamplerSpec("ddim", ddim_sample, "ddpm", "DDIM (eta 0 deterministic), DiT's respacing", options=(DDIM_ETA,)),
@@ -74,15 +74,31 @@ SAMPLERS = {spec.name: spec for spec in (
                 "trained with --cfg-omega/--cfg-kappa has its guidance folded in: sample it with --cfg-scale 1, one "
                 "call per step", options=(TIME_SHIFT,)),
 )}
-SAMPLER_NAMES = tuple(SAMPLERS)  # the sampler vocabulary, for CLI choices and errors
-SAMPLER_OPTIONS = {o.name: o for s in SAMPLERS.values() for o in s.options}  # every option, from the records
+SAMPLER_OPTIONS = {o.name: o for s in SAMPLERS.values() for o in s.options}  # every option (each a sampling flag)
+
+
+def register_sampler(spec: SamplerSpec) -> SamplerSpec:
+    """Add `spec` to SAMPLERS (TypeError for a name taken by another record or an option with no flag); returns it."""
+    old = SAMPLERS.get(spec.name)
+    if old is not None and old != spec:
+        raise TypeError(f"sampler name {spec.name!r} is taken by {old.fn.__module__}.{old.fn.__qualname__}")
+    strange = [o.name for o in spec.options if SAMPLER_OPTIONS.get(o.name) != o]
+    if strange:
+        raise TypeError(f"sampler {spec.name!r} takes options {strange} that are not those of the sampling flags "
+                        f"({', '.join(SAMPLER_OPTIONS)}); reuse their records (TIME_SHIFT, ...)")
+    SAMPLERS[spec.name] = spec
+    return spec
+
+
+def sampler_names() -> tuple[str, ...]:
+    """The registered sampler names (built-ins, then plugins in import order): --sampler's choices."""
+    return tuple(SAMPLERS)
 
 
 def get_sampler(name: str, objective=None) -> SamplerSpec:
-    """The record of sampler `name`; ChoiceError for an unknown name, SettingError when it does not serve
-    `objective` (an Objective, or a family name)."""
+    """Sampler `name`'s record; ChoiceError if unknown, SettingError if it does not serve `objective` (or family)."""
     if name not in SAMPLERS:
-        raise ChoiceError("sampler", name, SAMPLER_NAMES,
+        raise ChoiceError("sampler", name, sampler_names(),
                           detail="; ".join(f"{s.name} ({s.family})" for s in SAMPLERS.values()))
     spec = SAMPLERS[name]
     if objective is None:
@@ -134,8 +150,8 @@ def sampler_options(name: str, given: dict) -> dict:
 # What a command samples with: the flags given, else the model's recorded sampling half, else the defaults
 # ----------------------------------------------------------------------------------------------------------
 
-SAMPLING_KEYS = ("sampler", "num_sampling_steps", "cfg_interval", *SAMPLER_OPTIONS)  # what a recipe or release
-# may record (ModelConfig.sampling); the step count belongs to the recorded sampler and applies only with it
+SAMPLING_KEYS = ("sampler", "sampler_plugin", "num_sampling_steps", "cfg_interval", *SAMPLER_OPTIONS)  # what a recipe
+# or release may record (ModelConfig.sampling); the step count belongs to the recorded sampler and applies only with it
 DEFAULT_STEPS = 250  # when neither a flag nor the model's record says: the DiT paper's DDPM and SiT's SDE count
 
 
@@ -157,6 +173,7 @@ def check_recorded(recorded: dict, family: str, where: str) -> dict:
         raise SettingError(f"{where} records sampling settings {unknown}, which this version does not know (it knows "
                            f"{', '.join(SAMPLING_KEYS)}); re-export the weights with this version.")
     if "sampler" in recorded:
+        check_sampler_known(recorded["sampler"], recorded.get("sampler_plugin", ""), where)
         spec = get_sampler(recorded["sampler"], family)
         sampler_options(spec.name, {k: v for k, v in recorded.items() if k in SAMPLER_OPTIONS})
     steps = recorded.get("num_sampling_steps")
@@ -165,6 +182,16 @@ def check_recorded(recorded: dict, family: str, where: str) -> dict:
         raise SettingError(f"{where} records num_sampling_steps {steps!r}: it must be a whole number >= 1 and "
                            f"come with the sampler it counts for; re-export the weights with this version.")
     return recorded
+
+
+def check_sampler_known(name: str, plugin: str, where: str) -> None:
+    """UserError naming --plugin when `where` records a sampler no imported module registers."""
+    if name in SAMPLERS:
+        return
+    module = plugin or "MODULE"
+    raise UserError(f"{where} records the sampler {name!r}, which {f'the module {plugin}' if plugin else 'a module'} "
+                    f"registers (it is not one of {', '.join(SAMPLERS)}); pass --plugin {module} so it is imported "
+                    f"(its folder on PYTHONPATH).")
 
 
 def resolve_sampling(objective, sampler: str | None, given: dict, cfg_interval, recorded: dict, guided: bool,

@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from shared.network.models import (DiT, DiTBlock, FinalLayer, LabelEmbedder, PatchEmbed, RotaryEmbedding2d,
+from shared.network.models import (CLASS_DROPOUT_PROB, DiT, DiTBlock, FinalLayer, LabelEmbedder, PatchEmbed, RotaryEmbedding2d,
                                    adaln_zero_, check_block_options, init_condition_mlp_, init_patch_embed_,
                                    set_positions_)
 from shared.runtime.errors import SettingError, UserError
@@ -72,7 +72,7 @@ class DiTDH(DiT):
     """A DiT body of `depth` blocks at `hidden_size`, then `head_depth` blocks at `head_width` conditioned per token."""
 
     def __init__(self, input_size=16, patch_size=1, in_channels=768, hidden_size=1152, depth=28, num_heads=16,
-                 head_depth=2, head_width=2048, head_heads=16, mlp_ratio=4.0, class_dropout_prob=0.1,
+                 head_depth=2, head_width=2048, head_heads=16, mlp_ratio=4.0, class_dropout_prob=CLASS_DROPOUT_PROB,
                  num_classes=1000, learn_sigma=False, attention="auto", grad_checkpoint_every=0, norm="rmsnorm",
                  mlp="swiglu", rope=True, qk_norm=False):
         nn.Module.__init__(self)  # DiT's attributes are set here, with RAE's tensor names

@@ -28,7 +28,7 @@ import inspect
 import torch
 
 from shared.runtime.errors import UserError
-from shared.network.models import PRESETS, ModelConfig, sincos_2d
+from shared.network.models import CLASS_DROPOUT_PROB, PRESETS, ModelConfig, sincos_2d
 
 DIFFUSERS_DIT_CLASSES = ("DiTTransformer2DModel", "Transformer2DModel")
 OFFICIAL_NORM_EPS = 1e-6  # every LayerNorm of the official DiT (shared/network/models.py DiTBlock)
@@ -88,11 +88,6 @@ def full_config(config: dict) -> dict:
     return {**_class_defaults(name), **config}
 
 
-def is_dit_class(config: dict) -> bool:
-    """Whether a diffusers config.json names one of the DiT transformer classes."""
-    return config.get("_class_name") in DIFFUSERS_DIT_CLASSES
-
-
 def check_dit_config(config: dict, where) -> dict:
     """The full config of a diffusers DiT transformer; UserError naming what makes it another architecture."""
     name = config.get("_class_name")
@@ -147,9 +142,9 @@ def model_config_of(config: dict, where) -> ModelConfig:
         raise UserError(f"the diffusers DiT in {where} has {kw['depth']} layers, {kw['num_heads']} heads x "
                         f"{kw['hidden_size'] // kw['num_heads']} channels and patch {kw['patch_size']}, which match "
                         f"no preset in DiT_models ({', '.join(PRESETS)}). Only preset architectures can be sampled.")
-    # diffusers always builds the null-class row (its LabelEmbedding has dropout 0.1), so guidance works.
+    # diffusers always builds the null-class row (its LabelEmbedding has DiT's dropout), so guidance works.
     return ModelConfig(name, input_size=kw["input_size"], in_channels=kw["in_channels"],
-                       num_classes=kw["num_classes"], learn_sigma=kw["learn_sigma"], class_dropout_prob=0.1)
+                       num_classes=kw["num_classes"], learn_sigma=kw["learn_sigma"], class_dropout_prob=CLASS_DROPOUT_PROB)
 
 
 def diffusers_config(config: ModelConfig) -> dict:
@@ -178,11 +173,6 @@ def diffusers_config(config: ModelConfig) -> dict:
 # ----------------------------------------------------------------------------------------------------------
 # Weights
 # ----------------------------------------------------------------------------------------------------------
-
-def block_count(state_dict: dict) -> int:
-    """How many transformer_blocks.N a diffusers state dict holds."""
-    return len({k.split(".")[1] for k in state_dict if k.startswith("transformer_blocks.")})
-
 
 def _copies_equal(state_dict: dict, depth: int, where) -> None:
     """UserError unless every block's embedder copy equals block 0's, bit for bit."""

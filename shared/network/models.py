@@ -21,11 +21,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from shared.generative.objectives import DEFAULT_OBJECTIVE
 from shared.network.routing import gather_tokens, scatter_tokens
 from shared.runtime.errors import ChoiceError, SettingError, UserError
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "xformers", "math")
 FREQUENCY_EMBEDDING_SIZE = 256  # sinusoidal timestep features fed to the timestep MLP (DiT Sec. 3.2)
+CLASS_DROPOUT_PROB = 0.1  # DiT's label dropout: the null class that classifier-free guidance needs
 NORM_EPS = 1e-6  # DiT's LayerNorms and LightningDiT's RMSNorms alike
 ROPE_THETA = 10000  # rotary base period, as LightningDiT (EVA-02's VisionRotaryEmbeddingFast)
 # Gradient checkpointing of every block that keeps the matmul and attention outputs and recomputes only the
@@ -605,7 +607,7 @@ class DiT(nn.Module):
     """Diffusion Transformer over latent patches, conditioned on timestep and class."""
 
     def __init__(self, input_size=32, patch_size=2, in_channels=4, hidden_size=1152, depth=28,
-                 num_heads=16, mlp_ratio=4.0, class_dropout_prob=0.1, num_classes=1000,
+                 num_heads=16, mlp_ratio=4.0, class_dropout_prob=CLASS_DROPOUT_PROB, num_classes=1000,
                  learn_sigma=True, attention="auto", grad_checkpoint_every=0, norm="layernorm", mlp="gelu",
                  rope=False, qk_norm=False, interval_time=False):
         super().__init__()
@@ -871,7 +873,7 @@ class ModelConfig:
     in_channels: int = 4
     num_classes: int = 1000
     learn_sigma: bool = True
-    class_dropout_prob: float = 0.1
+    class_dropout_prob: float = CLASS_DROPOUT_PROB
     norm: str | None = None  # None: the preset's block (default_block)
     mlp: str | None = None
     rope: bool | None = None
@@ -887,7 +889,7 @@ class ModelConfig:
     # its recorded fields (e.g. flow: {"convention": "sit", "time_dist_shift": 1.0}: the direction of its time
     # input, RAE's shift), and the --plugin module that registers it ("" for a built-in). Not architecture:
     # build() ignores them.
-    objective: str = "ddpm"
+    objective: str = DEFAULT_OBJECTIVE
     objective_args: dict = field(default_factory=dict)
     objective_plugin: str = ""
     # How it samples unless told otherwise: its recipe's sampling half in python -m sample's flag names (e.g.
@@ -992,10 +994,10 @@ def upgrade_objective(d: dict) -> dict:
     if "flow_convention" not in d:
         return d
     convention = d.pop("flow_convention")
-    if d.get("objective", "ddpm") == "flow":
+    if d.get("objective", DEFAULT_OBJECTIVE) == "flow":
         d.setdefault("objective_args", {"convention": convention})
     elif convention != "sit":
-        raise SettingError(f"a flow time convention ({convention}) is recorded for a {d.get('objective', 'ddpm')} "
+        raise SettingError(f"a flow time convention ({convention}) is recorded for a {d.get('objective', DEFAULT_OBJECTIVE)} "
                            "model; only flow models have one. Leave the {flow time convention} at sit.")
     return d
 
@@ -1084,7 +1086,7 @@ def _infer_dit_dh(state_dict, class_dropout_prob):
     return config
 
 
-def infer_model_config(state_dict, class_dropout_prob=0.1):
+def infer_model_config(state_dict, class_dropout_prob=CLASS_DROPOUT_PROB):
     """Recover the ModelConfig of a DiT (or DiT^DH) state dict from its tensor shapes; UserError if no preset fits."""
     # Shapes cannot tell whether the label table's last row is a null class; like the official
     # checkpoints we assume it is (num_classes = rows - 1) unless class_dropout_prob is 0.

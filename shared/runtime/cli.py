@@ -35,7 +35,7 @@ class Flag:
     help: str
     default: Any = dataclasses.MISSING
     aliases: tuple[str, ...] = ()       # other spellings, e.g. the official DiT names ("--global-seed")
-    choices: Sequence | None = None
+    choices: Sequence | Callable | None = None  # a callable is asked when the parser is built (a registry)
     type: Callable | None = None        # argparse type when the annotation does not say it (or says it wrong)
     metavar: Any = None
     nargs: Any = None
@@ -113,7 +113,8 @@ def argument_of(name: str, spec: Flag, hint) -> tuple[list[str], dict]:
     kwargs: dict[str, Any] = {"help": spec.help}
     for key in ("choices", "metavar", "nargs", "const"):
         if getattr(spec, key) is not None:
-            kwargs[key] = list(spec.choices) if key == "choices" else getattr(spec, key)
+            value = getattr(spec, key)
+            kwargs[key] = list(value() if callable(value) else value) if key == "choices" else value
     if spec.positional:
         return [name], kwargs
     names = [spec.name or flag_name(name), *spec.aliases]

@@ -22,17 +22,17 @@ class UserError(Exception):
 class ChoiceError(UserError):
     """A value outside a known vocabulary: carries the domain name, the bad value and the allowed choices."""
 
-    def __init__(self, kind: str, value, choices, detail: str = ""):
-        self.kind, self.value, self.choices, self.detail = kind, value, list(choices), detail
+    def __init__(self, setting: str, value, choices, detail: str = ""):
+        self.setting, self.value, self.choices, self.detail = setting, value, list(choices), detail
         allowed = ", ".join(str(c) for c in self.choices)
-        super().__init__(f"unknown {kind} {value!r}{f' ({detail})' if detail else ''}{self._guess()}; choose one "
+        super().__init__(f"unknown {setting} {value!r}{f' ({detail})' if detail else ''}{self._guess()}; choose one "
                          f"of: {allowed}.")
 
     def advise(self, flag: str) -> UserError:
         """The same error phrased for the flag that set the value."""
         allowed = ", ".join(str(c) for c in self.choices)
         extra = f" ({self.detail})" if self.detail else ""
-        return UserError(f"{flag} {self.value!r} is not a valid {self.kind}{extra}{self._guess()}; pass {flag} with "
+        return UserError(f"{flag} {self.value!r} is not a valid {self.setting}{extra}{self._guess()}; pass {flag} with "
                          f"one of: {allowed}.")
 
     def _guess(self) -> str:
@@ -44,10 +44,10 @@ class ChoiceError(UserError):
 
 
 class SettingError(UserError):
-    """A problem whose text names settings by their domain kind, written as `{kind}` fields.
+    """A problem whose text names settings by their domain name, written as `{setting}` fields.
 
-    str(err) writes each field as the kind itself ("use {cfg scale} 1" reads "use cfg scale 1"); `advise`
-    writes the flag of every kind a stage knows instead ("use --cfg-scale 1").
+    str(err) writes each field as the setting itself ("use {cfg scale} 1" reads "use cfg scale 1"); `advise`
+    writes the flag of every setting a stage knows instead ("use --cfg-scale 1").
     """
 
     _FIELD = re.compile(r"\{([a-z][a-z -]*)\}")
@@ -57,14 +57,14 @@ class SettingError(UserError):
         super().__init__(self.phrase({}))
 
     def phrase(self, flags: dict) -> str:
-        """The text with each {kind} replaced by flags[kind], or by the kind where no flag is known."""
+        """The text with each {setting} replaced by flags[setting], or by the setting where no flag is known."""
         return self._FIELD.sub(lambda m: flags.get(m.group(1), m.group(1)), self.template)
 
 
 def advise(error: UserError, flags: dict) -> UserError:
-    """Turn a domain ChoiceError or SettingError into flag advice for the kinds this stage has flags for."""
-    if isinstance(error, ChoiceError) and error.kind in flags:
-        return error.advise(flags[error.kind])
+    """Turn a domain ChoiceError or SettingError into flag advice for the settings this stage has flags for."""
+    if isinstance(error, ChoiceError) and error.setting in flags:
+        return error.advise(flags[error.setting])
     if isinstance(error, SettingError):
         return UserError(error.phrase(flags))
     return error

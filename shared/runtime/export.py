@@ -148,7 +148,7 @@ _REFUSED = "Weights only load failed"  # the first words of every weights-only r
 def load_torch_file(path, fix: str, allowed=()):
     """torch.load(weights_only=True) on the CPU -> the object; SettingError for a refused or unreadable file.
 
-    `fix` ends every message (it may name settings as {kind} fields); `allowed`: extra safe globals.
+    `fix` ends every message (it may name settings as {setting} fields); `allowed`: extra safe globals.
     torch's own text is not repeated: it advises weights_only=False, which would run the file's code.
     """
     path = Path(path)

@@ -81,7 +81,7 @@ def _holder(path: Path) -> dict:
         return {}
 
 
-def _busy(folder: Path, kind: str, holder: dict, owner_file: Path | None = None) -> FolderBusyError:
+def _busy(folder: Path, setting: str, holder: dict, owner_file: Path | None = None) -> FolderBusyError:
     """The one-paragraph refusal naming the holder (and the file to delete for the no-flock fallback)."""
     pid = holder.get("pid", "unknown")
     where = f" on {holder['host']}" if holder.get("host") and holder["host"] != socket.gethostname() else ""
@@ -89,19 +89,19 @@ def _busy(folder: Path, kind: str, holder: dict, owner_file: Path | None = None)
     command = command if len(command) <= 120 else command[:117] + "..."
     what = f" ({command}, since {holder.get('since', '?')})" if command else ""
     return FolderBusyError(
-        f"{{{kind}}} {folder} is in use by another process: PID {pid}{where}{what}. Two processes writing one "
+        f"{{{setting}}} {folder} is in use by another process: PID {pid}{where}{what}. Two processes writing one "
         f"folder would overwrite each other's files. Wait for it to finish, stop it (kill {pid}), or pass a "
-        + (f"different {{{kind}}}. The lock is released automatically when that process exits, even if it is "
+        + (f"different {{{setting}}}. The lock is released automatically when that process exits, even if it is "
            f"killed." if owner_file is None else
-           f"different {{{kind}}}. This file system does not support flock, so the lock is the file {owner_file}: "
+           f"different {{{setting}}}. This file system does not support flock, so the lock is the file {owner_file}: "
            f"if that process is no longer running (a kill leaves the file behind), delete the file and rerun."))
 
 
 class FolderLock:
     """An exclusive lock on FOLDER/.lock (or FOLDER/.lock.owner without flock), held until release() or exit."""
-    def __init__(self, folder: Path, kind: str):
+    def __init__(self, folder: Path, setting: str):
         self.folder, self.path = Path(folder), Path(folder) / LOCK_NAME
-        self.kind, self.owner_file = kind, None  # owner_file: set when the no-flock fallback is in use
+        self.setting, self.owner_file = setting, None  # owner_file: set when the no-flock fallback is in use
         self.created = not self.folder.exists()  # a folder this lock made is removed again if left empty
         self.folder.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -113,7 +113,7 @@ class FolderLock:
             if not locked:
                 os.close(self._fd)
                 self._fd = None
-                raise _busy(self.folder, kind, _holder(self.path))
+                raise _busy(self.folder, setting, _holder(self.path))
             _write_holder(self._fd)
         _HELD[id(self)] = self
 
@@ -128,7 +128,7 @@ class FolderLock:
                 holder = _holder(owner)
                 if not _stale(holder):
                     self._fd = None
-                    raise _busy(self.folder, self.kind, holder, owner_file=owner) from None
+                    raise _busy(self.folder, self.setting, holder, owner_file=owner) from None
                 owner.unlink(missing_ok=True)  # its process is gone (a kill): take the folder over
                 continue
             self.owner_file = owner
@@ -137,7 +137,7 @@ class FolderLock:
                   "which a killed run leaves behind (a later launch on this host removes it).", file=sys.stderr)
             return
         self._fd = None
-        raise _busy(self.folder, self.kind, _holder(owner), owner_file=owner)
+        raise _busy(self.folder, self.setting, _holder(owner), owner_file=owner)
 
     @property
     def held(self) -> bool:
@@ -203,6 +203,6 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def hold_lock(folder, kind: str) -> FolderLock:
+def hold_lock(folder, setting: str) -> FolderLock:
     """Lock `folder` (created if missing) for this process, or raise FolderBusyError naming the holder."""
-    return FolderLock(Path(folder), kind)
+    return FolderLock(Path(folder), setting)

@@ -15,7 +15,8 @@ from tqdm import tqdm
 from shared.runtime.cli import option
 from shared.runtime.distributed import process_state
 from shared.runtime.errors import UserError
-from shared.runtime.flags import BATCH_SIZE, PLUGIN, SEED, DecodeFlags, SamplingFlags, given_sampler_options
+from shared.runtime.plugins import PLUGIN
+from shared.sampling.flags import BATCH_SIZE, SEED, DecodeFlags, SamplingFlags, given_sampler_options
 from shared.generative.guidance import check_guidance, check_interval, describe_guidance, guide_channel_count, guided_model_fn
 from shared.generative.objectives import check_sampling_guidance, objective_of
 from shared.generative.samplers import SAMPLER_OPTIONS, resolve_sampling, sampler_options

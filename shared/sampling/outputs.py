@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from shared.generative.samplers import SAMPLER_NAMES, SAMPLER_OPTIONS, sampler_options
+from shared.generative.samplers import SAMPLER_OPTIONS, SAMPLERS, sampler_options
 from shared.runtime.errors import UserError
 from shared.runtime.rerun import differences, listed
 from shared.runtime.fsio import TMP_PREFIX, atomic_write, atomic_write_text
@@ -101,7 +101,7 @@ def check_out_dir(out: Path, settings: dict) -> None:
 
 def upgrade_identity(previous: dict) -> None:
     """Read a settings identity written by an older version as today's (options it predates held their defaults)."""
-    if previous.get("sampler") in SAMPLER_NAMES:
+    if previous.get("sampler") in SAMPLERS:
         # Folders written before an option existed ran with its default where the sampler takes it (DDIM: eta 0).
         defaults = sampler_options(previous["sampler"], {})
         for option in SAMPLER_OPTIONS:

@@ -16,7 +16,6 @@ VAVAE_REPO = "hustvl/vavae-imagenet256-f16d32-dinov2"
 VAVAE_WEIGHTS = "vavae-imagenet256-f16d32-dinov2.pt"
 VAVAE_STATS = "latents_stats.pt"
 LEVELS = 5  # ch_mult (1, 1, 2, 2, 4)
-ATTENTION_LEVEL = LEVELS - 1  # the level at LDM's "resolution 16" of 256
 
 
 def vavae_config(mean, std) -> dict:

@@ -11,7 +11,7 @@ import torch
 
 from shared.generative.guidance import (AUTO_DIFFUSERS, AUTO_DIT, AUTO_LIGHTNINGDIT, AUTO_OWN, AUTO_REPA,
                                        AUTO_SIT, AutoGuide)
-from shared.generative.objectives import check_objective, plugin_of
+from shared.generative.objectives import DEFAULT_OBJECTIVE, check_objective, plugin_of
 from shared.network.diffusers_dit import NUMERICS_NOTE, check_dit_config, diffusers_to_dit, model_config_of
 from shared.runtime.errors import ChoiceError, UserError
 from shared.runtime.export import first_nonfinite, load_torch_file, load_weights, safetensors_problem
@@ -217,7 +217,7 @@ def _objective_of_release(path: Path, objective: str | None) -> tuple[str, str]:
     if release is not None:
         named = "" if known == path.name else f", under the name its URL writes (ours: {known})"
         return release.objective, f"the {release.paper} release{named}"
-    return "ddpm", ASSUMED_DDPM
+    return DEFAULT_OBJECTIVE, ASSUMED_DDPM
 
 
 def _rae_config(config, path: Path, objective: str | None):
@@ -229,7 +229,7 @@ def _rae_config(config, path: Path, objective: str | None):
                         "models (RAE's transport); drop --objective.")
     release = RELEASES.get(path.name)
     shape = (config.in_channels, config.input_size, config.input_size)
-    shift = release.time_dist_shift if release is not None else round(auto_shift(shape), 6)
+    shift = release.time_dist_shift if release is not None else auto_shift(shape)
     # RAE's sampling configs all sample its DiT^DH with its ODE Euler over 50 points: any file of its layout does too.
     return dataclasses.replace(config, objective="flow", objective_args={"convention": "repa", "time_dist_shift": shift},
                                sampling=dict(RAE_SAMPLING))

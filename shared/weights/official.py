@@ -25,11 +25,13 @@ import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
+from shared.generative.flow import auto_shift
+from shared.generative.objectives import DEFAULT_OBJECTIVE
 from shared.runtime.download import CACHE_ENV, URL_ENV, cache_dir, download, fetch, zip_problem  # noqa: F401 - re-exported
 
 BASE_URL = "https://dl.fbaipublicfiles.com/DiT/models/"
 HF_RAE = "https://huggingface.co/nyu-visionx/RAE-collections/resolve/main/"  # RAE's README: hf download this repo
-RAE_SHIFT = round((768 * 16 * 16 / 4096) ** 0.5, 6)  # as --time-dist-shift auto rounds it (train/config.py)
+RAE_SHIFT = auto_shift((768, 16, 16))  # --time-dist-shift auto of RAE's DINOv2-B tokens
 # How each release samples for its paper's FID, in python -m sample's flag names (ModelConfig.sampling): recorded
 # with the weights when they load, so a bare --ckpt samples as the release does (a flag given still wins). Both
 # files are recognised by their layouts (shared/weights/checkpoint.py), so any file of that layout samples so.
@@ -51,7 +53,7 @@ class Release:
     """A released checkpoint: where it downloads from and the objective its weights were trained with."""
 
     url: str
-    objective: str = "ddpm"
+    objective: str = DEFAULT_OBJECTIVE
     flow_convention: str = "sit"
     paper: str = "DiT (Peebles & Xie 2023)"
     latent_meta: dict | None = None  # what the bare file cannot say about its latents (None: SD-VAE's, DiT's)

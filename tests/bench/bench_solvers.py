@@ -29,7 +29,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from shared.generative.samplers import SAMPLER_NAMES  # noqa: E402
+from shared.generative.samplers import sampler_names  # noqa: E402
 
 # ~16 min on 2 shared CPU cores at 200 images: the digits DiT-T/2 costs ~8.6 ms per image per guided call
 # (two rows), and DDPM 250 is half of the total.
@@ -39,13 +39,13 @@ DETERMINISTIC = ("ddim", "dpmpp-2m", "unipc")  # ODE samplers (DDIM at eta 0): s
 
 
 def parse_settings(text: str) -> list[tuple[str, int]]:
-    """'ddpm:50,250 unipc:10' -> [("ddpm", 50), ("ddpm", 250), ("unipc", 10)]; names checked against SAMPLER_NAMES."""
+    """'ddpm:50,250 unipc:10' -> [("ddpm", 50), ("ddpm", 250), ("unipc", 10)]; names checked against sampler_names()."""
     settings = []
     for group in text.split():
         name, _, steps = group.partition(":")
-        if name not in SAMPLER_NAMES or not steps:
+        if name not in sampler_names() or not steps:
             raise SystemExit(f"bad setting {group!r}: write SAMPLER:STEPS[,STEPS...] with SAMPLER one of "
-                             f"{', '.join(SAMPLER_NAMES)}")
+                             f"{', '.join(sampler_names())}")
         settings += [(name, int(k)) for k in steps.split(",")]
     return settings
 

@@ -1,4 +1,4 @@
-"""Flag families several commands share, each stated once (default and help): the VAE that decodes, sampling.
+"""Flag families the commands that decode and sample share, each stated once (default and help).
 
 A command's options dataclass derives from a family (`class SampleOptions(SamplingFlags, DecodeFlags)`) or
 takes one member as a field, `vae: str | None = VAE.field()`, and may change what differs for it (evaluate
@@ -6,37 +6,14 @@ run redeclares `num_sampling_steps: int = NUM_SAMPLING_STEPS.field(default=50, h
 """
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
-from shared.runtime.cli import Flag, add_flags, flag_name
-from shared.generative.samplers import DEFAULT_STEPS, SAMPLER_NAMES, SAMPLER_OPTIONS, SAMPLERS, SamplerOption, takers_of
+from shared.runtime.cli import Flag, flag_name
+from shared.generative.samplers import (DEFAULT_STEPS, SAMPLER_OPTIONS, SAMPLERS, SamplerOption, sampler_names,
+                                        takers_of)
 from shared.generative.guidance import GUIDE_CHANNELS, GUIDE_HELP
 from shared.runtime.precision import PRECISIONS
 from shared.sampling.compiled import COMPILE_HELP, COMPILE_MODES
-
-# ---- code of the user's: objectives registered outside the package (train, sample, evaluate run) ----------
-PLUGIN = Flag("import MODULE first (a dotted module path, e.g. myproject.objectives), so the objectives it registers "
-              "with shared.generative.objectives.register_objective can be trained and sampled; repeatable "
-              "(docs/objectives.md). A model trained with one records the module and asks for it (default: none)", None,
-              action="append", metavar="MODULE")
-
-
-@dataclass(kw_only=True)
-class PluginFlags:
-    """The --plugin flag alone: read before a command's parser is built (a plugin's objective adds flags)."""
-
-    plugin: list | None = PLUGIN.field()
-
-
-def load_plugins(argv) -> list[str]:
-    """Import the --plugin modules named in `argv` (UserError for one not found); returns their names."""
-    from shared.generative.objectives import import_plugins  # late: objectives imports this package's cli
-
-    known, _ = add_flags(argparse.ArgumentParser(add_help=False), PluginFlags).parse_known_args(argv)
-    import_plugins(known.plugin)
-    return list(known.plugin or ())
-
 
 # ---- the VAE that turns latents into pixels (sample, decode, watch, export, evaluate run) -----------------
 VAE = Flag("VAE that decodes the latents: ema | mse (stabilityai/sd-vae-ft-*), a hub id, or a local diffusers "
@@ -71,8 +48,8 @@ SAMPLER = Flag("; ".join(f"{s.name} [{s.family}]: {s.help}" for s in SAMPLERS.va
                + ". DiT's respacing calls the model at t = 0 too; the solvers' linspace spacing (diffusers' default) "
                  "steps from about t = 999/K straight to clean data. Default: the one the model's recipe records "
                  "(lightning: euler), else the objective's own (ddpm for DDPM models, sde for flow models); a sampler "
-                 "of another objective is refused", None,
-               choices=SAMPLER_NAMES)
+                 "of another objective is refused; a --plugin module may register more", None,
+               choices=sampler_names)
 CFG_INTERVAL = Flag("guide only at noise levels in [LO, HI] (Kynkaanniemi et al. 2024); elsewhere one conditional "
                     "call (half the work). Levels are the objective's: DiT timesteps 0-1000 for ddpm, the flow's noise "
                     "level 0-1 (REPA's time; 0 = data) for flow. REPA: 0 0.7; LightningDiT: 0 0.89 (default: the "
@@ -118,9 +95,9 @@ def given_sampler_options(o) -> dict:
     return {name: getattr(o, name) for name in SAMPLER_OPTIONS}
 
 
-# The flag of each setting shared/ names in its errors (SettingError / ChoiceError kinds), for the commands above.
-SAMPLING_KINDS = {"sampler": "--sampler", "sampling steps": "--num-sampling-steps", "cfg scale": "--cfg-scale",
-                  "cfg interval": "--cfg-interval", "guide-channel choice": "--guide-channels", "precision": "--precision",
-                  "compile mode": "--compile",
-                  "last step": flag_name("last_step_size"),
-                  **{name.replace("_", " "): flag_name(name) for name in SAMPLER_OPTIONS}}
+# The flag of each setting shared/ names in its errors (SettingError fields, ChoiceError settings), for the commands above.
+SAMPLING_SETTING_FLAGS = {
+    "sampler": "--sampler", "sampling steps": "--num-sampling-steps", "cfg scale": "--cfg-scale",
+    "cfg interval": "--cfg-interval", "guide-channel choice": "--guide-channels", "precision": "--precision",
+    "compile mode": "--compile", "last step": flag_name("last_step_size"),
+    **{name.replace("_", " "): flag_name(name) for name in SAMPLER_OPTIONS}}

@@ -21,7 +21,7 @@ from shared.runtime.cli import option
 from shared.network.diffusers_dit import NUMERICS_NOTE, dit_to_diffusers, diffusers_config
 from shared.generative.diffusion import NUM_TIMESTEPS, linear_betas
 from shared.runtime.errors import ChoiceError, UserError
-from shared.runtime.flags import ALLOW_OTHER_VAE, VAE, VAE_CONFIG
+from shared.sampling.flags import ALLOW_OTHER_VAE, VAE, VAE_CONFIG
 from shared.runtime.fsio import TMP_PREFIX, atomic_write_text, publish_dir, remove_tree
 from shared.network.models import ModelConfig
 from shared.tokenizers.norm import norm_of_meta
@@ -35,7 +35,7 @@ README_NAME = "README.md"
 
 
 @dataclass
-class ExportOptions:
+class ToDiffusersOptions:
     """Everything `python -m sample export` accepts (one field per argument: its default and help)."""
 
     ckpt: str = option(help="the weights, as sampling's --ckpt takes them: a run folder (newest EMA export), a "
@@ -178,7 +178,7 @@ def _write(pipeline, out: Path, readme: str) -> Path:
             remove_tree(staging)
 
 
-def run_export(o: ExportOptions) -> Path:
+def run_to_diffusers(o: ToDiffusersOptions) -> Path:
     """The whole `export` command: checks first (target, format, model, VAE), then build, write, rename."""
     if o.format not in EXPORT_FORMATS:
         raise ChoiceError("export format", o.format, EXPORT_FORMATS)

@@ -1,0 +1,41 @@
+"""Code of the user's: `--plugin MODULE` imports a module before a command's parser is built, so what it registers
+(objectives, samplers: docs/objectives.md) exists; a model trained with one records the module and asks for it."""
+from __future__ import annotations
+
+import argparse
+import importlib
+from dataclasses import dataclass
+
+from shared.runtime.cli import Flag, add_flags
+from shared.runtime.errors import UserError
+
+PLUGIN = Flag("import MODULE first (a dotted module path, e.g. myproject.objectives), so the objectives and samplers it "
+              "registers (register_objective, register_sampler) can be trained and sampled; repeatable "
+              "(docs/objectives.md). A model trained with one records the module and asks for it (default: none)", None,
+              action="append", metavar="MODULE")
+
+
+@dataclass(kw_only=True)
+class PluginFlags:
+    """The --plugin flag alone: read before a command's parser is built (a plugin adds flags and choices)."""
+
+    plugin: list | None = PLUGIN.field()
+
+
+def import_plugins(modules) -> None:
+    """Import each module named by --plugin, so what it registers exists; UserError for one not found."""
+    for module in modules or ():
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as err:
+            if err.name is None or not module.startswith(err.name):
+                raise
+            raise UserError(f"--plugin {module}: no module of that name can be imported ({err}); pass a dotted "
+                            f"module path importable from here (its folder on PYTHONPATH).") from err
+
+
+def load_plugins(argv) -> list[str]:
+    """Import the --plugin modules named in `argv` (UserError for one not found); returns their names."""
+    known, _ = add_flags(argparse.ArgumentParser(add_help=False), PluginFlags).parse_known_args(argv)
+    import_plugins(known.plugin)
+    return list(known.plugin or ())
