@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from shared.network.routing import kept_tokens
 from shared.runtime.errors import UserError
-from shared.network.models import BLOCK_FIELDS, SAVED_OPS, SELECTIVE, ModelConfig, check_preset
+from shared.network.models import BLOCK_FIELDS, CLASS_DROPOUT_PROB, SAVED_OPS, SELECTIVE, ModelConfig, check_preset
 from shared.runtime.precision import autocast_dtype
 from train.config import TrainConfig, resolve_block
 from shared.generative.objectives import objective_of
@@ -222,7 +222,7 @@ class Residency:
 def measure_forward(model, batch: int, precision: str, objective, route=None) -> Residency:
     """What the trainer's forward + loss at `batch` leaves resident; route (tokens, kept): as set on the model."""
     device = next(model.parameters()).device
-    micro = synthetic_batch(model, batch, 0.1, objective, route=route)
+    micro = synthetic_batch(model, batch, CLASS_DROPOUT_PROB, objective, route=route)
     params = _param_keys(model)
     ledger, casts, kept = SavedTensorLedger(params), cast_cache_counter(params), kept_output_counter(params)
     selective = getattr(model, "grad_checkpoint_every", 0) == SELECTIVE
