@@ -212,7 +212,6 @@ def describe(record: dict) -> str:
 
 def no_measurement(*_args) -> None:
     """measure for --dry-run: the plan alone, no real step."""
-    return None
 
 
 def resolve_auto_for(cfg, model_config: ModelConfig, accelerator) -> dict:

@@ -246,7 +246,8 @@ def error_text(err: BaseException) -> str:
 
 def run_config(config: BenchConfig, args, device, flops_per_image, peak) -> BenchResult:
     """Time one configuration; any failure (OOM, unusable backend, compile error) becomes the row's error."""
-    if device.type == "cuda":
+    cuda = device.type == "cuda"
+    if cuda:
         gc.collect()  # the previous configuration's model and optimizer must not count here
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -255,7 +256,6 @@ def run_config(config: BenchConfig, args, device, flops_per_image, peak) -> Benc
     except Exception as err:  # reported in the table, the remaining configurations still run
         return BenchResult(config, error=error_text(err))
     images = config.micro_batch / step
-    cuda = device.type == "cuda"
     mem = torch.cuda.max_memory_allocated(device) if cuda else None
     reserved = torch.cuda.max_memory_reserved(device) if cuda else None
     mfu = flops_per_image * images / (peak * 1e12) if peak else None
