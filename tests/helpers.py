@@ -248,7 +248,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
 @contextlib.contextmanager
 def serve_releases(files: dict, tmp_path, monkeypatch):
     """Serve `files` (name -> bytes) on 127.0.0.1 as the release URL base; download cache and cwd in tmp_path."""
-    from shared.weights.official import CACHE_ENV, URL_ENV
+    from shared.runtime.download import CACHE_ENV, URL_ENV
 
     httpd = FileServer(files)
     thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)

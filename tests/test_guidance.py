@@ -3,8 +3,7 @@ import pytest
 import torch
 
 from shared.runtime.errors import ChoiceError, SettingError, UserError, advise
-from shared.generative.guidance import (AUTO_DIFFUSERS, AUTO_DIT, AUTO_REPA, AUTO_SIT, GUIDE_CHANNELS, check_guidance,
-                                        guide_channel_count, guided_model_fn)
+from shared.generative.guidance import GUIDE_CHANNELS, check_guidance, guide_channel_count, guided_model_fn
 from tests.helpers import inputs, randomize, tiny  # 2-block DiT-T/2, 8x8x4 latents, 5 classes
 
 
@@ -73,6 +72,11 @@ def test_guide_channel_vocabulary():
     for channels in (2, 8):
         with pytest.raises(SettingError, match=f"has {channels} latent channels; use guide-channel choice all"):
             guide_channel_count("3", channels)
+    from shared.weights.checkpoint import FORMATS
+
+    auto = {f.name: f.auto_guide for f in FORMATS}  # each weight source's own rule, in its record
+    AUTO_DIT, AUTO_REPA, AUTO_DIFFUSERS = auto["dit"], auto["repa"], auto["diffusers"]
+    AUTO_SIT = AUTO_DIT  # SiT's release has DiT's layout and its sampler keeps DiT's rule
     assert guide_channel_count("auto", 4, AUTO_DIT) == 3 and guide_channel_count("auto", 8, AUTO_DIT) is None
     assert guide_channel_count("auto", 4, AUTO_SIT) == 3 and guide_channel_count("auto", 4, AUTO_REPA) is None
     assert guide_channel_count("auto", 4, AUTO_DIFFUSERS) is None and guide_channel_count("3", 4, AUTO_REPA) == 3

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from tests.conftest import ROOT, make_tiny_vae
 from tests.helpers import NUM_CLASSES, pngs, random_dit, run_sample
-from shared.weights.checkpoint import resolve_ckpt_file
+from shared.weights.checkpoint import run_weight_file
 from shared.sampling.generate import ckpt_label
 from shared.sampling.outputs import grid_layout
 from shared.runtime.export import save_weights
@@ -201,12 +201,12 @@ def test_decode_training_latents(files, tmp_path, capsys):
 def test_run_folder_resolution(files, tmp_path):
     """Newest export by step; --weights raw -> newest checkpoint's model.safetensors; empty run -> fix named."""
     run = files["run"]
-    assert resolve_ckpt_file(run).name == "ema-step-0000200.safetensors"
-    assert resolve_ckpt_file(run, "raw") == run / "checkpoints" / "step-0000200" / "model.safetensors"
-    assert resolve_ckpt_file(run / "checkpoints" / "step-0000200", "raw").name == "model.safetensors"
+    assert run_weight_file(run, "ema")[0].name == "ema-step-0000200.safetensors"
+    assert run_weight_file(run, "raw")[0] == run / "checkpoints" / "step-0000200" / "model.safetensors"
+    assert run_weight_file(run / "checkpoints" / "step-0000200", "raw")[0].name == "model.safetensors"
     (tmp_path / "empty").mkdir()
     with pytest.raises(Exception, match="--weights raw"):
-        resolve_ckpt_file(tmp_path / "empty")
+        run_weight_file(tmp_path / "empty", "ema")
 
 
 def test_every_flag_has_help():

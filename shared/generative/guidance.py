@@ -32,15 +32,9 @@ class AutoGuide:
     every_width: bool = False  # the origin guides the first 3 channels at any latent width (LightningDiT: 3 of 32)
 
 
-# The DiT and SiT releases' forward_with_cfg guide eps[:, :3]; REPA's samplers.py and diffusers' DiTPipeline
-# guide every latent channel, and so do this project's training previews for the models it trains.
+# What this project's own runs guide: their training previews guide all channels. Each weight source's own rule
+# is its record's (shared/weights/checkpoint.py FORMATS): the DiT, SiT and LightningDiT releases guide eps[:, :3].
 AUTO_OWN = AutoGuide("all", "trained by this project, whose training previews guide all channels")
-AUTO_DIT = AutoGuide("3", "the DiT release's sampler guides the first 3 of 4 channels")
-AUTO_SIT = AutoGuide("3", "SiT's sampler keeps the DiT release's rule: the first 3 of 4 channels")
-AUTO_REPA = AutoGuide("all", "REPA's sampler guides all channels")
-AUTO_LIGHTNINGDIT = AutoGuide("3", "LightningDiT's sampler keeps the DiT release's rule: the first 3 channels",
-                              every_width=True)
-AUTO_DIFFUSERS = AutoGuide("all", "diffusers' DiTPipeline guides all channels")
 GUIDE_HELP = ("latent channels guided: 3 (the DiT release's quirk for 4-channel latents), all, or auto: what the "
               "weights' own sampler does (the first 3 for the DiT, SiT and LightningDiT releases and other bare .pt "
               "state dicts of their layout; all for REPA's release, diffusers pipelines and models this project trains, whose "

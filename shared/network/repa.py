@@ -101,28 +101,4 @@ def same_features(saved: dict, current: dict) -> list[str]:
     return [f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in keys if saved.get(k) != current.get(k)]
 
 
-# ----------------------------------------------------------------------------------------------------------
-# REPA's released SiT-XL/2 (sihyun-yu/REPA models/sit.py): DiT's key names, 4 output channels (no learned
-# variance), plus `projectors.0.{0,2,4}.{weight,bias}` (its build_mlp), trained as flow matching with time
-# t = 0 at data and velocity eps - x (shared/generative/flow.py's "repa" convention).
-# ----------------------------------------------------------------------------------------------------------
-
-REPA_PROJECTOR_PREFIX = "projectors."
-
-
-def split_repa_release(state_dict: dict) -> tuple[dict, list[str]]:
-    """(the DiT's state dict, notes): REPA's projector keys are dropped (sampling never uses them)."""
-    projector = [k for k in state_dict if k.startswith(REPA_PROJECTOR_PREFIX)]
-    if not projector:
-        return state_dict, []
-    kept = {k: v for k, v in state_dict.items() if not k.startswith(REPA_PROJECTOR_PREFIX)}
-    count = sum(state_dict[k].numel() for k in projector)
-    return kept, [f"REPA layout: its projector ({len(projector)} tensors, {count:,} parameters) is dropped; "
-                  f"sampled as flow matching in REPA's time convention (t = 0 at data)"]
-
-
-def repa_release_config(config):
-    """A ModelConfig inferred from a REPA state dict, recording its objective: flow in REPA's convention."""
-    from dataclasses import replace
-
-    return replace(config, objective="flow", objective_args={"convention": "repa"})
+REPA_PROJECTOR_PREFIX = "projectors."  # REPA's released SiT-XL/2 keeps its projector under this name (build_mlp)

@@ -85,6 +85,11 @@ def _locate_file(path: Path, config: str | os.PathLike | None) -> _Located:
     return _Located(str(path), "file", path, config_path.resolve())
 
 
+def looks_like_hub_id(text: str) -> bool:
+    """owner/name with no path markers: what a name means as a Hugging Face Hub repo when no such path exists."""
+    return bool(_HUB_ID.match(text)) and not text.startswith((".", "/", "~"))
+
+
 def _hub_offline() -> bool:
     """True when HF_HUB_OFFLINE is set or the hub's host does not resolve (no network)."""
     from huggingface_hub import constants
@@ -207,7 +212,7 @@ def _locate(spec, config=None) -> _Located:
         return _locate_folder(path)
     if path.is_file():
         return _locate_file(path, config)
-    if _HUB_ID.match(text) and not text.startswith((".", "/", "~")):
+    if looks_like_hub_id(text):
         return _locate_hub(text)
     raise SettingError(
         f"Unknown VAE {text!r}: it is not a short name ({', '.join([*VAE_SHORT_NAMES, VAVAE_NAMES[0], *RAE_TOKENIZERS])}"

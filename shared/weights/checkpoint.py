@@ -1,44 +1,45 @@
-"""Find and read the DiT weights --ckpt names: a run folder, a slim export, an official .pt state dict (a released
-one by name, downloaded once), or a diffusers DiT (pipeline folder, transformer folder or file, Hub repo id)."""
+"""Every weight file --ckpt may name, as one table: FORMATS holds one WeightFormat per source (how a file is
+recognised and read, its own sampler's guidance rule, which weights it holds, how to fix a damaged one), and
+load_sampling_weights is the one loader that walks it. A new source is one record: `register_format`, e.g. from a
+--plugin module (tests/weight_format_plugin.py)."""
 from __future__ import annotations
 
 import argparse
 import dataclasses
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-from shared.generative.guidance import (AUTO_DIFFUSERS, AUTO_DIT, AUTO_LIGHTNINGDIT, AUTO_OWN, AUTO_REPA,
-                                       AUTO_SIT, AutoGuide)
+from shared.generative.flow import auto_shift
+from shared.generative.guidance import AUTO_OWN, AutoGuide
 from shared.generative.objectives import DEFAULT_OBJECTIVE, check_objective, plugin_of
 from shared.network.diffusers_dit import NUMERICS_NOTE, check_dit_config, diffusers_to_dit, model_config_of
+from shared.network.models import PRESETS, ModelConfig, check_preset, infer_model_config
+from shared.network.repa import REPA_PROJECTOR_PREFIX
 from shared.runtime.errors import ChoiceError, UserError
 from shared.runtime.export import first_nonfinite, load_torch_file, load_weights, safetensors_problem
-from shared.network.models import PRESETS, ModelConfig, check_preset, infer_model_config
-from shared.network.repa import repa_release_config, split_repa_release
-from shared.tokenizers.rae_release import RAE_DIT_LATENTS
 from shared.runtime.rundir import (CHECKPOINTS, EMA_FILE, EXPORTS, MODEL_FILE, checkpoint_path, is_complete_checkpoint,
-                           list_checkpoints, list_exports, step_of)
-
-from shared.weights.diffusers_folder import (CONFIG, DiffusersSource, class_names, is_diffusers_file,
-                                             is_diffusers_folder, locate, locate_hub, looks_like_hub_id, read_json,
-                                             read_weights)
+                                   list_checkpoints, list_exports, step_of)
+from shared.tokenizers.rae_release import RAE_DIT_LATENTS
+from shared.weights.diffusers_folder import CONFIG, find_diffusers, pipeline_latent_meta, read_json, read_weights
 from shared.weights.official import (OFFICIAL_NAMES, RAE_CFG_SCALE, RAE_SAMPLING, RELEASES, REPA_CFG_SCALE,
                                      REPA_SAMPLING, checkpoint_url, find_official, is_official_name, release_name)
 
 TORCH_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin")  # read with torch.load(weights_only=True); all else safetensors
 WEIGHTS = ("ema", "raw")  # which weights of a run or checkpoint: the EMA copy or the raw training weights
 AS_SAVED = "as saved"     # what settings.json records for a file holding one set of weights of unknown kind
-# Wrappers some trainers leave in front of every key (DDP, torch.compile).
-_KEY_PREFIXES = ("module.", "_orig_mod.")
+ENTRIES = {"ema": "ema", "raw": "model"}  # the entries of a training checkpoint (DiT's, RAE's, LightningDiT's train.py)
+_KEY_PREFIXES = ("module.", "_orig_mod.")  # wrappers some trainers leave in front of every key (DDP, torch.compile)
 _OFFICIAL_FIX = ("Pass an official DiT checkpoint (downloaded from dl.fbaipublicfiles.com/DiT/models/, e.g. "
                  "DiT-XL-2-256x256.pt) or a .safetensors export of this project.")
-# A bare state dict records no objective: unless its name or layout says, it is taken as DiT's, and said once.
-ASSUMED_DDPM = "assumed: a bare state dict of no known release is taken as DiT's DDPM"
 _CKPT_KINDS = ("a training run folder, a .safetensors export, an official DiT .pt checkpoint (or a released one by "
                f"name: {', '.join(OFFICIAL_NAMES)}), or a diffusers DiT (pipeline folder, transformer folder, or Hub "
                "repo id such as facebook/DiT-XL-2-256)")
+_BARE = ("one set of weights: a bare state dict (the DiT release's files hold the EMA weights), not a training "
+         "checkpoint with 'ema' and 'model' entries")
 
 
 @dataclass
@@ -49,7 +50,7 @@ class LoadedWeights:
     config: ModelConfig
     path: Path                        # the file actually read
     kind: str                         # "export" (config in metadata), "official" (bare state dict) or "diffusers"
-    latent_meta: dict | None = None   # None for official checkpoints
+    latent_meta: dict | None = None   # None for SD-VAE releases
     step: int | None = None
     notes: list[str] = field(default_factory=list)  # what was inferred; printed for the user
     weights: str = AS_SAVED           # what was loaded: "ema", "raw", or AS_SAVED (a file's only set)
@@ -58,89 +59,108 @@ class LoadedWeights:
     auto_guide: AutoGuide = AUTO_OWN  # what --guide-channels auto means: what these weights' own sampler does
 
 
+class Found:
+    """What --ckpt names: its text and path, the --weights asked, and (each read once) what recognising it needs."""
+
+    def __init__(self, ckpt, weights: str | None, path: Path | None = None, notes=()):
+        self.ckpt, self.weights = str(ckpt), weights
+        self.path = Path(ckpt).expanduser() if path is None else path
+        self.notes = list(notes)  # what finding it had to say (a download, a broken newer export skipped)
+
+    @property
+    def is_torch(self) -> bool:
+        """A file torch.load reads (weights only); every other file is read as safetensors."""
+        return self.path.is_file() and self.path.suffix.lower() in TORCH_SUFFIXES
+
+    @cached_property
+    def release(self):
+        """The release this file's name (or its URL's) identifies, else None."""
+        name = release_name(self.path.name)
+        return RELEASES[name] if name else None
+
+    @cached_property
+    def diffusers(self):
+        """The diffusers DiT --ckpt names (shared/weights/diffusers_folder.py), else None."""
+        return find_diffusers(self.path, self.ckpt)
+
+    @cached_property
+    def contents(self):
+        """A torch file unpickled weights-only (the DiT release's training checkpoints also pickle a Namespace)."""
+        return load_torch_file(self.path, _OFFICIAL_FIX, allowed=[argparse.Namespace])
+
+    @cached_property
+    def names(self) -> set:
+        """The tensor names of a torch file's state dict (its first entry's in a training checkpoint)."""
+        obj = self.contents
+        if isinstance(obj, dict):
+            obj = next((obj[e] for e in ENTRIES.values() if isinstance(obj.get(e), dict)), obj)
+        return set(_strip_prefixes(obj)) if isinstance(obj, dict) else set()
+
+
 @dataclass
-class WeightSource:
-    """The file --ckpt resolves to, which weights it holds, and what the resolution had to say."""
+class Read:
+    """What a format reads from a file: tensors, ModelConfig (its .sampling: the recorded sampling settings), notes."""
 
-    path: Path
-    weights: str | None               # "ema" | "raw" | AS_SAVED; None: chosen inside an official .pt
+    state_dict: dict
+    config: ModelConfig
+    objective_why: str                # where the objective comes from, e.g. "the SiT (Ma et al. 2024) release"
     notes: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    meta: dict | None = None          # latent metadata the file itself carries (our exports)
+    path: Path | None = None          # the file read, where the format chose it (a run folder's newest export)
+    step: int | None = None
+    label: str | None = None
 
 
-def held_weights(path: Path) -> str | None:
-    """Which weights a file holds, from its place in the run folder layout (None: an official .pt decides)."""
-    if path.suffix.lower() in TORCH_SUFFIXES:
-        return None
+@dataclass(frozen=True)
+class WeightFormat:
+    """One source of weights: how --ckpt is recognised as it and read, and what its weights mean."""
+
+    name: str
+    recognises: Callable[[Found], bool]
+    reads: Callable[[Found, str, str | None], Read]       # (found, weights chosen, --objective) -> Read
+    holds: Callable[[Found], tuple[tuple, str]]           # (the WEIGHTS it holds, () for one set; that in words)
+    latents: Callable[[Found, Read], dict | None] = lambda found, read: None  # None: SD-VAE latents (DiT's)
+    auto_guide: AutoGuide = AUTO_OWN  # what --guide-channels auto means: what its own sampler guides
+    kind: str = "official"            # settings.json's identity.kind: export | official | diffusers
+    config_from: str = "inferred from tensor shapes"  # where its architecture comes from
+    damaged: str = ("The file is damaged (e.g. an interrupted download): delete it and download it again (the DiT "
+                    "release's checkpoints come from {source}).")  # the end of the non-finite paragraph
+
+
+# Run folders and exports: the config is in the file's metadata, the folder layout says which weights
+
+def _held_by_place(found: Found) -> tuple[tuple, str]:
+    """A run or checkpoint folder holds both sets; a file the one its place in the run folder layout says."""
+    path = found.path
+    if path.is_dir():
+        return WEIGHTS, "both"
     if path.name == MODEL_FILE:
-        return "raw"
+        return ("raw",), f"only the raw training weights (a checkpoint's {MODEL_FILE})"
     if path.name == EMA_FILE or path.parent.name == EXPORTS or step_of(path) is not None:
-        return "ema"
-    return AS_SAVED
+        return ("ema",), "only the EMA weights (an export)"
+    return (), "one set of weights"
 
 
-def resolve_ckpt(ckpt, weights: str | None = None) -> WeightSource:
-    """--ckpt (run folder, checkpoint folder or file) and --weights (None: not given) -> the file to read."""
-    path = Path(ckpt).expanduser()
-    if not path.exists() and is_official_name(str(ckpt)):
-        found, notes = find_official(str(ckpt))
-        return WeightSource(found, None, notes)
-    if not path.exists():
-        raise UserError(f"--ckpt {path} does not exist; pass {_CKPT_KINDS}.")
-    if path.is_file():
-        held = held_weights(path)
-        if weights is not None and held is not None and weights != held and not (held == AS_SAVED and weights == "ema"):
-            raise _weights_do_not_apply(path, weights, held)
-        return WeightSource(path, held)
-    if (path / MODEL_FILE).is_file() or (path / EMA_FILE).is_file():  # a single RUN/checkpoints/step-* folder
-        chosen = path / (MODEL_FILE if weights == "raw" else EMA_FILE)
-        _check_whole(chosen, "")
-        return WeightSource(chosen, weights or "ema")
-    return _newest_whole(path, weights or "ema")
-
-
-def resolve_ckpt_file(ckpt, weights: str | None = None) -> Path:
-    """The weight file --ckpt and --weights resolve to."""
-    return resolve_ckpt(ckpt, weights).path
-
-
-def _weights_do_not_apply(path: Path, asked: str, held: str) -> UserError:
-    """--weights asked for a set of weights the file does not hold."""
-    if held == "raw":
-        return UserError(f"--weights {asked} does not apply to {path}: a checkpoint's {MODEL_FILE} holds the raw "
-                         f"training weights only. For the EMA weights pass its folder ({path.parent}) or its "
-                         f"{EMA_FILE}; or drop --weights.")
-    folder = f"RUN/{CHECKPOINTS}/step-N"
-    return UserError(f"--weights {asked} does not apply to {path}: an export holds only the EMA weights, so there "
-                     f"are no raw weights in it to choose. For the raw training weights pass a checkpoint folder "
-                     f"({folder}) or the run folder with --weights raw, or {folder}/{MODEL_FILE}; to sample this "
-                     f"file, drop --weights.")
-
-
-def _check_whole(path: Path, advice: str) -> None:
-    """UserError when a safetensors weight file is missing or not whole."""
-    if not path.is_file():
-        raise UserError(f"{path} does not exist; the checkpoint folder is incomplete. {advice}".strip())
-    problem = safetensors_problem(path)
-    if problem:
-        raise UserError(f"{path} is not a whole weight file ({problem}): it was cut short (an interrupted copy or a "
-                        f"full disk) or is damaged. Delete it and use another weight file. {advice}".strip())
-
-
-def _newest_whole(run: Path, weights: str) -> WeightSource:
+def _newest_whole(run: Path, weights: str) -> tuple[Path, list[str]]:
     """The newest whole export (or checkpoint weights with --weights raw) of a run; incomplete newer ones are noted."""
     if weights == "raw":
         candidates, what = [c / MODEL_FILE for c in list_checkpoints(run)], f"{CHECKPOINTS}/step-*/{MODEL_FILE}"
     else:
         candidates, what = list_exports(run), f"{EXPORTS}/ema-step-*.safetensors"
+    if not candidates and weights == "raw":
+        raise UserError(f"the run folder {run} has no complete checkpoints ({CHECKPOINTS}/step-*/) yet; train until "
+                        "the first checkpoint is saved, or pass --weights ema for an export.")
     if not candidates:
-        raise _nothing_to_sample(run, weights)
+        raise UserError(f"the run folder {run} has no EMA exports ({EXPORTS}/ema-step-*) yet; train until the first "
+                        "export is written, or pass --weights raw to use the newest checkpoint's raw weights.")
     skipped = []
     for path in reversed(candidates):
         problem = safetensors_problem(path)
         if problem is None:
-            notes = [f"the newer {p} is not a whole weight file ({why}); sampling {path.name} instead. "
-                     f"{_other_copy(run, p, weights, 'Delete the broken file to stop this note.')}" for p, why in skipped]
-            return WeightSource(path, weights, notes)
+            return path, [f"the newer {p} is not a whole weight file ({why}); sampling {path.name} instead. "
+                          f"{_other_copy(run, p, weights, 'Delete the broken file to stop this note.')}"
+                          for p, why in skipped]
         skipped.append((path, problem))
     newest, problem = skipped[0]
     fallback = (f"Delete {newest} and pass another --ckpt; training writes a new one at its next checkpoint "
@@ -158,26 +178,29 @@ def _other_copy(run: Path, path: Path, weights: str, otherwise: str) -> str:
     return otherwise
 
 
-def _nothing_to_sample(run: Path, weights: str) -> UserError:
-    """A run folder without the weights asked for."""
-    if weights == "raw":
-        return UserError(f"the run folder {run} has no complete checkpoints ({CHECKPOINTS}/step-*/) yet; train "
-                         "until the first checkpoint is saved, or pass --weights ema for an export.")
-    return UserError(f"the run folder {run} has no EMA exports ({EXPORTS}/ema-step-*) yet; train until the first "
-                     "export is written, or pass --weights raw to use the newest checkpoint's raw weights.")
+def run_weight_file(folder: Path, weights: str) -> tuple[Path, list[str]]:
+    """(file, notes): a checkpoint folder's model or EMA file, or a run folder's newest whole one."""
+    if (folder / MODEL_FILE).is_file() or (folder / EMA_FILE).is_file():  # a single RUN/checkpoints/step-* folder
+        chosen = folder / (MODEL_FILE if weights == "raw" else EMA_FILE)
+        if not chosen.is_file():
+            raise UserError(f"{chosen} does not exist; the checkpoint folder is incomplete.")
+        problem = safetensors_problem(chosen)
+        if problem:
+            raise UserError(f"{chosen} is not a whole weight file ({problem}): it was cut short (an interrupted copy "
+                            f"or a full disk) or is damaged. Delete it and use another weight file.")
+        return chosen, []
+    return _newest_whole(folder, weights)
 
 
-def _check_model_flag(model: str | None, config: ModelConfig, refusal) -> None:
-    """--model, when given, must name the preset the weights hold; refusal() is the paragraph (each loader's words)."""
-    if model is not None and model != config.model:
-        raise UserError(refusal())
+def _read_export(found: Found, weights: str, objective: str | None) -> Read:
+    """Our safetensors file (a run folder's chosen one): config, latent metadata and step from its metadata."""
+    path, notes = run_weight_file(found.path, weights) if found.path.is_dir() else (found.path, [])
+    state_dict, config, meta, step = load_weights(path)
+    why = "the run that wrote this file, per its metadata"
+    return Read(_strip_prefixes(state_dict), config, why, notes, notes, meta, path, step)
 
 
-def _shape_note(config: ModelConfig) -> str:
-    """'DiT-XL/2, latent 4x32x32, 1000 classes': the note every loader starts with."""
-    return (f"{config.model}, latent {config.in_channels}x{config.input_size}x{config.input_size}, "
-            f"{config.num_classes} classes")
-
+# Bare .pt state dicts of the releases: the config inferred from tensor shapes, the objective by name or layout
 
 def _strip_prefixes(state_dict: dict) -> dict:
     """Drop a DDP/compile prefix shared by every key."""
@@ -187,224 +210,224 @@ def _strip_prefixes(state_dict: dict) -> dict:
     return state_dict
 
 
-def _pick_state_dict(obj, path: Path, weights: str | None) -> tuple[dict, str]:
-    """(state dict, which) of a bare state dict, or of the 'ema'/'model' entry of a full official training checkpoint."""
-    which = AS_SAVED
-    if isinstance(obj, dict) and isinstance(obj.get("ema"), dict) and isinstance(obj.get("model"), dict):
-        which = weights or "ema"
-        obj = obj["ema" if which == "ema" else "model"]
-    elif isinstance(obj, dict) and isinstance(obj.get("ema"), dict) and weights != "raw":
-        obj = obj["ema"]  # RAE's training checkpoints as its instantiate_from_config reads them
-    elif weights == "raw":
-        raise UserError(f"--weights raw does not apply to {path}: it is a bare state dict holding one set of weights "
-                        f"(the DiT release's files hold the EMA weights), not a training checkpoint with 'ema' and "
-                        f"'model' entries. Drop --weights to sample it.")
-    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-        raise UserError(f"{path} does not hold a state dict of tensors. {_OFFICIAL_FIX}")
-    return _strip_prefixes(obj), which
+def _held_entries(found: Found) -> tuple[tuple, str]:
+    """A training checkpoint's 'ema' and 'model' entries (RAE's hold 'ema' only), or a bare state dict's one set."""
+    obj = found.contents
+    held = tuple(w for w, entry in ENTRIES.items() if isinstance(obj, dict) and isinstance(obj.get(entry), dict))
+    return held, (f"only its '{ENTRIES[held[0]]}' entry" if held else _BARE)
 
 
-def _objective_of_release(path: Path, objective: str | None) -> tuple[str, str]:
-    """(objective, how it was chosen) of a bare state dict: --objective, else its release's, else ddpm (DiT's)."""
-    known = release_name(path.name)
-    release = RELEASES[known] if known else None
-    if objective is not None:
-        check_objective(objective)
-        if release is not None and objective != release.objective:
-            raise UserError(f"--objective {objective} contradicts {path.name}, a {release.paper} release trained with "
-                            f"the {release.objective} objective; drop --objective.")
-        return objective, "as --objective says"
+def _tensors(found: Found, weights: str) -> dict:
+    """The state dict of a torch file: the chosen entry of a training checkpoint, else the file's bare dict."""
+    obj = found.contents
+    if weights in ENTRIES and isinstance(obj, dict) and isinstance(obj.get(ENTRIES[weights]), dict):
+        obj = obj[ENTRIES[weights]]
+    if not isinstance(obj, dict) or not obj or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise UserError(f"{found.path} does not hold a state dict of tensors. {_OFFICIAL_FIX}")
+    return _strip_prefixes(obj)
+
+
+def _read_dit(found: Found, weights: str, objective: str | None) -> Read:
+    """DiT's and SiT's layout: the objective is the release's (by file name), else --objective, else DiT's DDPM."""
+    state_dict, release, known, warnings = _tensors(found, weights), found.release, release_name(found.path.name), []
     if release is not None:
-        named = "" if known == path.name else f", under the name its URL writes (ours: {known})"
-        return release.objective, f"the {release.paper} release{named}"
-    return DEFAULT_OBJECTIVE, ASSUMED_DDPM
+        named = "" if known == found.path.name else f", under the name its URL writes (ours: {known})"
+        name, why = release.objective, f"the {release.paper} release{named}"
+    elif objective is not None:
+        name, why = objective, "as --objective says"
+    else:  # a bare state dict records no objective: taken as DiT's, and said once
+        name, why = DEFAULT_OBJECTIVE, "assumed: a bare state dict of no known release is taken as DiT's DDPM"
+        warnings.append(f"{found.path.name} records no objective and is no known release: sampled as DiT's {name} "
+                        f"objective (noise prediction); if it was trained with flow matching (SiT), pass --objective "
+                        f"flow.")
+    config = dataclasses.replace(infer_model_config(state_dict), objective=name, objective_plugin=plugin_of(name))
+    return Read(state_dict, config, why, warnings=warnings)
 
 
-def _rae_config(config, path: Path, objective: str | None):
-    """A DiT^DH state dict's objective: flow, RAE's time (REPA's convention), the release's or RAE's auto shift."""
-    from shared.generative.flow import auto_shift
+def _read_repa(found: Found, weights: str, objective: str | None) -> Read:
+    """REPA's SiT-XL/2 (sihyun-yu/REPA models/sit.py): DiT's names, 4 output channels, plus its projector
+    `projectors.0.{0,2,4}.*` (dropped: sampling never uses it); flow with t = 0 at data ("repa" convention)."""
+    full = _tensors(found, weights)
+    projector = [k for k in full if k.startswith(REPA_PROJECTOR_PREFIX)]
+    state_dict = {k: v for k, v in full.items() if k not in projector}
+    config = dataclasses.replace(infer_model_config(state_dict), objective="flow",
+                                 objective_args={"convention": "repa"}, sampling=dict(REPA_SAMPLING))
+    low, high = REPA_SAMPLING["cfg_interval"]
+    notes = [f"REPA layout: its projector ({len(projector)} tensors, {sum(full[k].numel() for k in projector):,} "
+             f"parameters) is dropped; sampled as flow matching in REPA's time convention (t = 0 at data)",
+             f"sampled as REPA's FID 1.42 command does unless a flag says otherwise: SiT's SDE, "
+             f"{REPA_SAMPLING['num_sampling_steps']} steps, guidance only at noise levels {low:g}..{high:g}; its "
+             f"guidance scale is --cfg-scale {REPA_CFG_SCALE:g} on all channels"]
+    return Read(state_dict, config, "REPA's layout (its projector)", notes)
 
-    if objective not in (None, "flow"):
-        raise UserError(f"--objective {objective} contradicts {path.name}: weights in RAE's DiT^DH layout are flow "
-                        "models (RAE's transport); drop --objective.")
-    release = RELEASES.get(path.name)
-    shape = (config.in_channels, config.input_size, config.input_size)
-    shift = release.time_dist_shift if release is not None else auto_shift(shape)
-    # RAE's sampling configs all sample its DiT^DH with its ODE Euler over 50 points: any file of its layout does too.
-    return dataclasses.replace(config, objective="flow", objective_args={"convention": "repa", "time_dist_shift": shift},
-                               sampling=dict(RAE_SAMPLING))
+
+def _rae_tokens(config: ModelConfig) -> bool:
+    """Whether a DiT^DH takes RAE's DINOv2-B tokens (decoded by RAE's released tokenizer)."""
+    return [config.in_channels, config.input_size, config.input_size] == RAE_DIT_LATENTS["latent_shape"]
 
 
-def _load_official(path: Path, weights: str | None, model: str | None, objective: str | None = None) -> LoadedWeights:
-    """A bare state dict: config inferred from tensor shapes (checked against --model), objective by release."""
-    # Official training checkpoints (the DiT release's train.py) also pickle their argparse Namespace.
-    obj = load_torch_file(path, _OFFICIAL_FIX, allowed=[argparse.Namespace])
-    release = RELEASES.get(path.name)
-    if release is not None and release.layout == "lightningdit":
-        return _load_lightningdit(obj, path, release, model)
-    state_dict, which = _pick_state_dict(obj, path, weights)
-    state_dict, repa_notes = split_repa_release(state_dict)  # REPA's layout: projector dropped
+def _read_rae(found: Found, weights: str, objective: str | None) -> Read:
+    """RAE's DiTwDDTHead layout: its transport, flow in RAE's time (1 = noise) and the release's or RAE's auto shift;
+    RAE's sampling configs all sample it with its ODE Euler over 50 points, so any file of its layout does too."""
+    state_dict = _tensors(found, weights)
     config = infer_model_config(state_dict)
-    if repa_notes:  # REPA's layout says what it is: flow in REPA's time convention, sampled as REPA's FID command
-        config = dataclasses.replace(repa_release_config(config), sampling=dict(REPA_SAMPLING))
-        name, why = "flow", "REPA's layout (its projector)"
-    elif config.head_depth:  # RAE's DiTwDDTHead layout: its transport, flow in RAE's time (1 = noise) and its shift
-        config, name, why = _rae_config(config, path, objective), "flow", "RAE's DiT^DH layout"
-    else:
-        name, why = _objective_of_release(path, objective)
-        config = dataclasses.replace(config, objective=name, objective_plugin=plugin_of(name))
-    _check_model_flag(model, config, lambda: f"--model {model} does not fit {path}: its tensor shapes are those of "
-                      f"{config.model} (latent input {config.input_size}). Pass --model {config.model} or drop --model.")
-    how = "checked against --model" if model else "inferred from tensor shapes"
-    notes = [f"{_shape_note(config)} ({how})", f"objective {name} ({why})", *repa_notes]
-    if config.head_depth:
-        notes.append(f"DiT^DH head {config.head_depth} x {config.head_width} wide; flow time convention "
-                     f"{config.objective_args['convention']}, time shift {config.objective_args['time_dist_shift']:g} "
-                     "(shared/generative/flow.py)")
-        notes.append(f"sampled as RAE's sampling config does unless a flag says otherwise: ODE Euler over 50 grid "
-                     f"points ({config.sampling['num_sampling_steps']} steps) on the grid shifted by "
-                     f"{config.objective_args['time_dist_shift']:g}; its guidance scale is --cfg-scale {RAE_CFG_SCALE:g} (none)")
-    elif repa_notes:
-        notes.append(f"sampled as REPA's FID 1.42 command does unless a flag says otherwise: SiT's SDE, "
-                     f"{config.sampling['num_sampling_steps']} steps, guidance only at noise levels "
-                     f"{config.sampling['cfg_interval'][0]:g}..{config.sampling['cfg_interval'][1]:g}; its guidance "
-                     f"scale is --cfg-scale {REPA_CFG_SCALE:g} on all channels")
-    latent_meta = None  # DiT's, SiT's and REPA's: SD-VAE latents
-    if config.head_depth and [config.in_channels, config.input_size, config.input_size] == \
-            RAE_DIT_LATENTS["latent_shape"]:  # RAE's DINOv2-B tokens: decoded by RAE's released tokenizer
-        latent_meta = dict(RAE_DIT_LATENTS)
-        notes.append(f"tokens of RAE's {latent_meta['vae']} tokenizer (DINOv2-B with registers): decoded by its ViT-XL "
-                     f"decoder after its ImageNet statistics unless --vae says otherwise")
-    warnings = [] if why != ASSUMED_DDPM else [
-        f"{path.name} records no objective and is no known release: sampled as DiT's ddpm objective (noise "
-        f"prediction); if it was trained with flow matching (SiT), pass --objective flow."]
-    return LoadedWeights(state_dict, config, path, "official", latent_meta, notes=notes, weights=which,
-                         warnings=warnings, auto_guide=_auto_guide_of_release(config))
+    shape = (config.in_channels, config.input_size, config.input_size)
+    shift = RELEASES[found.path.name].time_dist_shift if found.path.name in RELEASES else auto_shift(shape)
+    config = dataclasses.replace(config, objective="flow", sampling=dict(RAE_SAMPLING),
+                                 objective_args={"convention": "repa", "time_dist_shift": shift})
+    notes = [f"DiT^DH head {config.head_depth} x {config.head_width} wide; flow time convention repa, time shift "
+             f"{shift:g} (shared/generative/flow.py)",
+             f"sampled as RAE's sampling config does unless a flag says otherwise: ODE Euler over 50 grid points "
+             f"({RAE_SAMPLING['num_sampling_steps']} steps) on the grid shifted by {shift:g}; its guidance scale is "
+             f"--cfg-scale {RAE_CFG_SCALE:g} (none)"]
+    if _rae_tokens(config):
+        notes.append(f"tokens of RAE's {RAE_DIT_LATENTS['vae']} tokenizer (DINOv2-B with registers): decoded by its "
+                     f"ViT-XL decoder after its ImageNet statistics unless --vae says otherwise")
+    return Read(state_dict, config, "RAE's DiT^DH layout", notes)
 
 
-def _auto_guide_of_release(config: ModelConfig) -> AutoGuide:
-    """What the sampler of a bare state dict's origin guides: REPA's all channels, DiT's and SiT's the first 3."""
-    if config.objective == "flow":
-        return AUTO_REPA if config.objective_args.get("convention") == "repa" else AUTO_SIT
-    return AUTO_DIT
-
-
-def _load_lightningdit(obj, path: Path, release, model: str | None) -> LoadedWeights:
-    """A LightningDiT release: its EMA weights in our lightning block, decoded by VA-VAE (lightningdit.py beside)."""
-    from shared.weights.lightningdit import CFG_SCALES, lightningdit_state_dict, release_model_config
-
-    state_dict = lightningdit_state_dict(obj, path)
-    config = release_model_config(state_dict, path)
-    _check_model_flag(model, config, lambda: f"--model {model} does not fit {path}: its tensor shapes are those of "
-                      f"{config.model}. Pass --model {config.model} or drop --model.")
-    notes = [f"{config.model} ({config.block} block), latent {config.in_channels}x{config.input_size}x"
-             f"{config.input_size}, {config.num_classes} classes: a {release.paper} release (flow, time 0 = noise), "
-             f"decoded by VA-VAE with its per-channel statistics",
+def _read_lightningdit(found: Found, weights: str, objective: str | None) -> Read:
+    """LightningDiT-XL/1 (hustvl/LightningDiT): its tensor names are our lightning block's (RMSNorm, SwiGLU, RoPE),
+    so the mapping is the identity; SiT's flow (time 0 = noise); tests/bench/check_lightningdit_parity.py."""
+    state_dict = _tensors(found, weights)
+    config = infer_model_config(state_dict)
+    if config.block != "lightning" or config.learn_sigma:
+        raise UserError(f"{found.path} is not a LightningDiT release: its tensors describe the {config.block} block"
+                        f"{' with learned sigma' if config.learn_sigma else ''}, LightningDiT's released models use "
+                        f"the lightning block (RMSNorm, SwiGLU, RoPE) without learned sigma.")
+    release = found.release
+    config = dataclasses.replace(config, objective="flow", objective_args={"convention": "sit"},
+                                 sampling=dict(release.sampling))
+    notes = [f"a {release.paper} release in our {config.block} block (flow, time 0 = noise), decoded by VA-VAE with "
+             f"its per-channel statistics",
              f"sampled as LightningDiT's config does unless a flag says otherwise (euler, time shift 0.3, guidance "
              f"interval 0 {config.sampling['cfg_interval'][1]:g}, the first 3 channels guided); its guidance scale "
-             f"is --cfg-scale {CFG_SCALES.get(path.name, 6.7):g}"]
-    # LightningDiT's forward_with_cfg keeps DiT's quirk: only the first 3 channels (of 32) are guided.
-    return LoadedWeights(state_dict, config, path, "official", dict(release.latent_meta), notes=notes,
-                         weights="ema", auto_guide=AUTO_LIGHTNINGDIT)
+             f"is --cfg-scale {release.cfg_scale:g}"]
+    return Read(state_dict, config, f"the {release.paper} release", notes)
 
 
-def _load_export(path: Path, model: str | None, held: str) -> LoadedWeights:
-    """Our safetensors export: config and latent metadata from the file, nothing inferred."""
-    state_dict, config, latent_meta, step = load_weights(path)
-    _check_model_flag(model, config, lambda: f"--model {model} contradicts {path}, which holds {config.model} weights "
-                      "(read from its metadata); drop --model, it is only needed for official .pt checkpoints.")
-    return LoadedWeights(_strip_prefixes(state_dict), config, path, "export", latent_meta, step,
-                         [f"{config.model} step {step} (config read from the file's metadata)"], held)
+# diffusers DiTs: config.json says the architecture; the per-block embedder copies are checked equal
 
-
-def find_diffusers(ckpt) -> DiffusersSource | None:
-    """The diffusers DiT --ckpt names (folder, weight file, or Hub id when no such path exists), else None."""
-    path = Path(ckpt).expanduser()
-    if path.is_dir():
-        return locate(path) if is_diffusers_folder(path) else None
-    if path.is_file():
-        return locate(path) if is_diffusers_file(path) else None
-    text = str(ckpt)
-    # owner/name with no folder "owner" here: a Hub id (a mistyped local path gets the same paragraph's advice).
-    if looks_like_hub_id(text) and not is_official_name(text) and not path.parent.exists():
-        return locate_hub(text)
-    return None
-
-
-def _pipeline_latent_meta(source: DiffusersSource, config: ModelConfig) -> dict | None:
-    """What the pipeline says of its latents: its own vae/ (used when --vae is omitted) and class names."""
-    meta = {"latent_shape": [config.in_channels, config.input_size, config.input_size]}
-    if source.vae is not None:
-        meta["vae"] = str(source.vae.resolve())
-        vae_config = read_json(source.vae / CONFIG)
-        if "scaling_factor" in vae_config:
-            meta["scaling_factor"] = float(vae_config["scaling_factor"])
-    names = class_names(source, config.num_classes)
-    if names:
-        meta["class_names"] = names
-    return meta if len(meta) > 1 else None
-
-
-def _load_diffusers(source: DiffusersSource, weights: str | None, model: str | None) -> LoadedWeights:
-    """A diffusers DiT: config checked, per-block embedder copies verified equal, mapped exactly to our names."""
-    if weights == "raw":
-        raise UserError(f"--weights raw does not apply to the diffusers DiT {source.origin}: it holds one set of "
-                        f"weights (the Hub's DiT pipelines hold the EMA weights). Drop --weights to sample it.")
-    where = source.transformer
-    full = check_dit_config(read_json(source.transformer / CONFIG), where)
-    config = model_config_of(full, where)
-    _check_model_flag(model, config, lambda: f"--model {model} contradicts {where}, whose config.json describes "
-                      f"{config.model}; drop --model, a diffusers folder says its architecture itself.")
-    state_dict = diffusers_to_dit(read_weights(source.weights), full, where)
-    meta = _pipeline_latent_meta(source, config)
+def _read_diffusers(found: Found, weights: str, objective: str | None) -> Read:
+    """A diffusers DiT mapped exactly to our names (shared/network/diffusers_dit.py)."""
+    source = found.diffusers
+    full = check_dit_config(read_json(source.transformer / CONFIG), source.transformer)
+    config = model_config_of(full, source.transformer)
     vae = f"its pipeline's VAE {source.vae} unless --vae is given" if source.vae else \
         "no pipeline VAE beside it (pass --vae)"
-    notes = [f"{_shape_note(config)} (read from the diffusers {full['_class_name']} config in {where}; "
-             f"{vae})", f"{NUMERICS_NOTE} Loaded here as the official DiT function, which is what the Hub's DiT "
-                        f"weights were trained as."]
-    return LoadedWeights(state_dict, config, source.weights, "diffusers", meta, None, notes, AS_SAVED,
-                         warnings=[notes[-1]], label=source.label, auto_guide=AUTO_DIFFUSERS)
+    numerics = f"{NUMERICS_NOTE} Loaded here as the official DiT function, which is what the Hub's DiT weights were " \
+               f"trained as."
+    notes = [f"a diffusers {full['_class_name']} in {source.transformer}; {vae}", numerics]
+    state_dict = diffusers_to_dit(read_weights(source.weights), full, source.transformer)
+    return Read(state_dict, config, "a diffusers DiT, trained as DiT's", notes, [numerics], path=source.weights,
+                label=source.label)
 
 
-def check_finite(loaded: LoadedWeights) -> None:
+# The table, and the one loader that walks it
+
+_OURS_DAMAGED = ("Training diverged before these weights were saved, or the file is damaged: pass an earlier export or "
+                 "checkpoint with --ckpt (RUN/exports/ema-step-*.safetensors, RUN/checkpoints/step-*).")
+_REPA_ALL = AutoGuide("all", "REPA's sampler guides all channels")  # RAE's flow in REPA's time: the same rule
+FORMATS: list[WeightFormat] = [  # tried in this order: the first that recognises --ckpt reads it
+    WeightFormat("diffusers", lambda f: f.diffusers is not None, _read_diffusers,
+                 holds=lambda f: ((), "one set of weights (the Hub's DiT pipelines hold the EMA weights)"),
+                 latents=lambda f, r: pipeline_latent_meta(f.diffusers, r.config),
+                 auto_guide=AutoGuide("all", "diffusers' DiTPipeline guides all channels"), kind="diffusers",
+                 config_from="read from its diffusers config",
+                 damaged="The folder is damaged or its model diverged: download or export it again."),
+    WeightFormat("run", lambda f: f.path.is_dir(), _read_export, _held_by_place, lambda f, r: r.meta, kind="export",
+                 config_from="read from the file's metadata", damaged=_OURS_DAMAGED),
+    WeightFormat("export", lambda f: f.path.is_file() and not f.is_torch, _read_export, _held_by_place,
+                 lambda f, r: r.meta, kind="export", config_from="read from the file's metadata",
+                 damaged=_OURS_DAMAGED),
+    WeightFormat("lightningdit", lambda f: f.is_torch and f.release is not None and f.release.layout == "lightningdit",
+                 _read_lightningdit, _held_entries, lambda f, r: dict(f.release.latent_meta),
+                 AutoGuide("3", "LightningDiT's sampler keeps the DiT release's rule: the first 3 channels",
+                           every_width=True)),  # its forward_with_cfg guides 3 of its 32 channels
+    WeightFormat("repa", lambda f: f.is_torch and any(k.startswith(REPA_PROJECTOR_PREFIX) for k in f.names),
+                 _read_repa, _held_entries, auto_guide=_REPA_ALL),
+    WeightFormat("rae", lambda f: f.is_torch and "s_embedder.proj.weight" in f.names, _read_rae, _held_entries,
+                 lambda f, r: dict(RAE_DIT_LATENTS) if _rae_tokens(r.config) else None, _REPA_ALL),
+    WeightFormat("dit", lambda f: f.is_torch, _read_dit, _held_entries,  # DiT's and SiT's releases, any bare .pt
+                 auto_guide=AutoGuide("3", "the DiT release's sampler guides the first 3 of 4 channels (SiT's keeps "
+                                           "its rule)")),
+]
+
+
+def register_format(fmt: WeightFormat) -> None:
+    """Add a weight source (e.g. from a --plugin module); it is tried before the built-in ones."""
+    FORMATS.insert(0, fmt)
+
+
+def _choose_weights(found: Found, fmt: WeightFormat) -> str:
+    """--weights when the file holds that set (default: EMA, else its one set); else one paragraph naming the fix."""
+    held, words = fmt.holds(found)
+    asked = found.weights
+    if asked is None or asked in held:
+        return asked or (held[0] if held else AS_SAVED)
+    if asked == "ema" and not held:
+        return AS_SAVED  # a file's one set is taken as its EMA weights (the releases' files hold theirs)
+    if asked == "raw":
+        fix = (f"For the raw training weights pass a checkpoint folder (RUN/{CHECKPOINTS}/step-N) or the run folder "
+               f"with --weights raw, or RUN/{CHECKPOINTS}/step-N/{MODEL_FILE}; to sample this file, drop --weights.")
+    else:
+        fix = f"For the EMA weights pass its checkpoint folder ({found.path.parent}) or {EMA_FILE}; or drop --weights."
+    raise UserError(f"--weights {asked} does not apply to {found.ckpt}: it holds {words}, so there are no {asked} "
+                    f"weights in it to choose. {fix}")
+
+
+def _find(ckpt, weights: str | None) -> Found:
+    """What --ckpt names; a released checkpoint's name that is no path is fetched (./pretrained_models, cache, URL)."""
+    path = Path(ckpt).expanduser()
+    if not path.exists() and is_official_name(str(ckpt)):
+        return Found(ckpt, weights, *find_official(str(ckpt)))
+    return Found(ckpt, weights, path)
+
+
+def check_finite(loaded: LoadedWeights, fix: str) -> None:
     """UserError naming the file and its first tensor with NaN/inf values (they sample black or noise images)."""
     bad = first_nonfinite(loaded.state_dict)
     if bad is None:
         return
     name, count, size = bad
-    if loaded.kind == "official":
-        file = loaded.path.name
-        where = checkpoint_url(file) if is_official_name(file) else "dl.fbaipublicfiles.com/DiT/models/"
-        fix = (f"The file is damaged (e.g. an interrupted download): delete it and download it again (the DiT "
-               f"release's checkpoints come from {where}).")
-    elif loaded.kind == "diffusers":
-        fix = "The folder is damaged or its model diverged: download or export it again."
-    else:
-        fix = ("Training diverged before these weights were saved, or the file is damaged: pass an earlier export "
-               "or checkpoint with --ckpt (RUN/exports/ema-step-*.safetensors, RUN/checkpoints/step-*).")
+    file = loaded.path.name
+    source = checkpoint_url(file) if is_official_name(file) else "dl.fbaipublicfiles.com/DiT/models/"
     raise UserError(f"{loaded.path} holds non-finite weights: tensor {name} has {count} NaN/inf values of {size} "
-                    f"(the first such tensor); sampling from it would give black or noise images. {fix}")
+                    f"(the first such tensor); sampling from it would give black or noise images. "
+                    f"{fix.format(source=source)}")
 
 
 def load_sampling_weights(ckpt, weights: str | None = None, model: str | None = None,
                           objective: str | None = None) -> LoadedWeights:
-    """Resolve --ckpt, read its state dict and ModelConfig, refuse non-finite weights (no model is built yet)."""
+    """Read the weights --ckpt names with their ModelConfig through the first FORMATS record that recognises them;
+    refuse a contradicting --model or --objective and non-finite weights (no model is built yet)."""
     if weights is not None and weights not in WEIGHTS:
         raise ChoiceError("weights", weights, WEIGHTS)
     if model is not None:
         check_preset(model)
-    diffusers = find_diffusers(ckpt)
-    if diffusers is not None:
-        loaded = _load_diffusers(diffusers, weights, model)
-    else:
-        source = resolve_ckpt(ckpt, weights)
-        if source.path.suffix.lower() in TORCH_SUFFIXES:
-            loaded = _load_official(source.path, weights, model, objective)
-        else:
-            loaded = _load_export(source.path, model, source.weights)
-        loaded.notes.extend(source.notes)
-        loaded.warnings.extend(source.notes)
-    check_finite(loaded)
+    if objective is not None:
+        check_objective(objective)
+    found = _find(ckpt, weights)
+    fmt = next((f for f in FORMATS if f.recognises(found)), None)
+    if fmt is None:
+        raise UserError(f"--ckpt {found.path} does not exist; pass {_CKPT_KINDS}.")
+    chosen = _choose_weights(found, fmt)
+    read = fmt.reads(found, chosen, objective)
+    config, path = read.config, read.path or found.path
+    if objective is not None and objective != config.objective:
+        raise UserError(f"--objective {objective} contradicts {path.name}: weights of {read.objective_why} are "
+                        f"{config.objective} models; drop --objective.")
+    if model is not None and model != config.model:
+        raise UserError(f"--model {model} does not fit {path}: its architecture, {fmt.config_from}, is {config.model} "
+                        f"(latent input {config.input_size}). Pass --model {config.model} or drop --model (the weights "
+                        f"say their architecture themselves).")
+    step = f", step {read.step}" if read.step is not None else ""
+    shape = f"latent {config.in_channels}x{config.input_size}x{config.input_size}, {config.num_classes} classes"
+    notes = [f"{config.model}, {shape}{step} ({'checked against --model' if model else fmt.config_from})",
+             f"objective {config.objective} ({read.objective_why})", *read.notes, *found.notes]
+    loaded = LoadedWeights(read.state_dict, config, path, fmt.kind, fmt.latents(found, read), read.step, notes,
+                           chosen, [*read.warnings, *found.notes], read.label, fmt.auto_guide)
+    check_finite(loaded, fmt.damaged)
     return loaded
 
 

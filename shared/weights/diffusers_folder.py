@@ -1,18 +1,10 @@
-"""Find and read a diffusers DiT: a DiTPipeline folder, its transformer/ folder or weight file, or a Hub repo id.
-
-    PIPELINE/model_index.json               {"_class_name": "DiTPipeline", "transformer": [...], "vae": [...], ...}
-    PIPELINE/transformer/config.json        DiTTransformer2DModel (or the Hub's older Transformer2DModel) config
-    PIPELINE/transformer/diffusion_pytorch_model.safetensors   (or .bin, or a sharded *.index.json)
-    PIPELINE/vae/                           the AutoencoderKL the latents belong to (used when --vae is omitted)
-    PIPELINE/scheduler/scheduler_config.json
-
-A Hub id (e.g. facebook/DiT-XL-2-256) is read from the local Hugging Face cache, and downloaded into it
-(transformer, VAE and configs only) where the network allows.
-"""
+"""Find and read a diffusers DiT: a DiTPipeline folder (model_index.json, transformer/ with config.json and
+diffusion_pytorch_model.safetensors, .bin or a sharded *.index.json, vae/ used when --vae is omitted), its transformer/
+folder or weight file, or a Hub repo id (read from the local Hugging Face cache, else downloaded into it: the
+transformer, VAE and configs only)."""
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +17,6 @@ TRANSFORMER, VAE = "transformer", "vae"
 # diffusers' weight file names, in the order they are preferred (safetensors first: no pickle at all).
 WEIGHT_FILES = ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.safetensors.index.json",
                 "diffusion_pytorch_model.bin", "diffusion_pytorch_model.bin.index.json")
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # What a Hub download fetches: configs and weights of the parts sampling uses, no half-precision variants.
 _HUB_CONFIGS = ["model_index.json", "*config.json"]
 _HUB_SAFETENSORS = ["*.safetensors", "*.safetensors.index.json"]
@@ -41,7 +32,6 @@ class DiffusersSource:
     weights: Path              # the weight file (or shard index) read
     vae: Path | None           # PIPELINE/vae, when the transformer belongs to a pipeline folder that has one
     label: str                 # short name for output folders
-    origin: str                # what --ckpt said
 
 
 def read_json(path: Path) -> dict:
@@ -117,33 +107,17 @@ def _parent_vae(transformer: Path) -> Path | None:
     return None
 
 
-def _label(folder: Path, origin: str) -> str:
-    """Output-folder name: the repo name of a Hub id, else the pipeline (or model) folder's name."""
-    if HUB_ID.match(origin) and not Path(origin).exists():
-        return origin.split("/")[-1]
-    return folder.parent.name if folder.name == TRANSFORMER and (folder.parent / MODEL_INDEX).is_file() \
-        else folder.name
-
-
-def locate(path: Path, origin: str | None = None) -> DiffusersSource:
-    """The DiffusersSource of a pipeline folder, a transformer folder, or a transformer weight file."""
-    origin = origin or str(path)
+def locate(path: Path, hub_id: str | None = None) -> DiffusersSource:
+    """The DiffusersSource of a pipeline folder, a transformer folder or weight file (of a Hub repo's snapshot)."""
     if path.is_file():
-        return DiffusersSource(path.parent, path, _parent_vae(path.parent), _label(path.parent, origin), origin)
-    if (path / MODEL_INDEX).is_file():
-        transformer, vae = _pipeline_parts(path)
+        transformer, weights, vae = path.parent, path, _parent_vae(path.parent)
     else:
-        transformer, vae = path, _parent_vae(path)
-    return DiffusersSource(transformer, _weight_file(transformer), vae, _label(transformer, origin), origin)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Hub ids
-# ----------------------------------------------------------------------------------------------------------
-
-def looks_like_hub_id(text: str) -> bool:
-    """owner/name with no path markers: what --ckpt means as a Hub repo when no such path exists."""
-    return bool(HUB_ID.match(text)) and not text.startswith((".", "/", "~"))
+        transformer, vae = _pipeline_parts(path) if (path / MODEL_INDEX).is_file() else (path, _parent_vae(path))
+        weights = _weight_file(transformer)
+    # Output folders are named after the Hub repo, else the pipeline (or model) folder.
+    pipeline = transformer.name == TRANSFORMER and (transformer.parent / MODEL_INDEX).is_file()
+    label = hub_id.split("/")[-1] if hub_id else (transformer.parent if pipeline else transformer).name
+    return DiffusersSource(transformer, weights, vae, label)
 
 
 def _cached_snapshot(repo_id: str) -> Path | None:
@@ -208,10 +182,6 @@ def locate_hub(repo_id: str) -> DiffusersSource:
     return locate(folder, repo_id)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Reading the weights
-# ----------------------------------------------------------------------------------------------------------
-
 def _read_one(path: Path) -> dict:
     """Tensors of one safetensors or PyTorch weight file (weights-only), refusing truncated files."""
     fix = "Download or export the diffusers folder again."
@@ -240,7 +210,7 @@ def read_weights(path: Path) -> dict:
     return state
 
 
-def class_names(source: DiffusersSource, num_classes: int) -> list[str] | None:
+def _class_names(source: DiffusersSource, num_classes: int) -> list[str] | None:
     """Class names from the pipeline's id2label (first synonym of each), when it names every class."""
     index_path = source.transformer.parent / MODEL_INDEX
     if source.transformer.name != TRANSFORMER or not index_path.is_file():
@@ -249,3 +219,29 @@ def class_names(source: DiffusersSource, num_classes: int) -> list[str] | None:
     if sorted(id2label, key=lambda k: int(k) if str(k).isdigit() else -1) != [str(i) for i in range(num_classes)]:
         return None
     return [str(id2label[str(i)]).split(",")[0].strip() for i in range(num_classes)]
+
+
+def pipeline_latent_meta(source: DiffusersSource, config) -> dict | None:
+    """What the pipeline says of its latents: its own vae/ (used when --vae is omitted) and class names."""
+    meta = {"latent_shape": [config.in_channels, config.input_size, config.input_size]}
+    if source.vae is not None:
+        meta["vae"] = str(source.vae.resolve())
+        vae_config = read_json(source.vae / CONFIG)
+        if "scaling_factor" in vae_config:
+            meta["scaling_factor"] = float(vae_config["scaling_factor"])
+    names = _class_names(source, config.num_classes)
+    if names:
+        meta["class_names"] = names
+    return meta if len(meta) > 1 else None
+
+
+def find_diffusers(path: Path, text: str) -> DiffusersSource | None:
+    """The diffusers DiT --ckpt names (folder, weight file, or Hub id when no such path exists), else None."""
+    if path.is_dir():
+        return locate(path) if is_diffusers_folder(path) else None
+    if path.is_file():
+        return locate(path) if is_diffusers_file(path) else None
+    # owner/name with no folder "owner" here: a Hub id (a mistyped local path gets the same paragraph's advice).
+    from shared.tokenizers.vae import looks_like_hub_id
+
+    return locate_hub(text) if looks_like_hub_id(text) and not path.parent.exists() else None

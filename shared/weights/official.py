@@ -1,22 +1,8 @@
-"""Released checkpoints by name: `--ckpt DiT-XL-2-256x256.pt` (or SiT-XL-2-256x256.pt) downloads it once into a cache.
-
-A release is recognised by its name here or by the file name its URL writes (`wget` of SiT's link saves
-SiT-XL-2-256.pt), so a file under either name loads with the release's objective.
-
-Each release records what its bare state dict cannot say: the objective it was trained with (SiT's file has
-DiT's layout but is a flow-matching velocity model), and for RAE's DiT^DH-XL its time convention and shift. Named here: the DiT release's two files, SiT-XL/2, and
-REPA's SiT-XL/2 at 4M iterations (the FID 1.42 model; sihyun-yu/REPA, MIT: its generate.py downloads this file as
-last.pt, a bare EMA state dict including its projector; we name it REPA-SiT-XL-2-256x256.pt). The REPA file is
-recognised by its layout (shared/network/repa.py), not by its name.
-
-Where the file is looked for, in order: the path as given (handled by the caller), ./pretrained_models/NAME
-(where the release's own scripts put it), then the cache: $DIT_CHECKPOINT_DIR if set, else torch's hub
-folder `torch.hub.get_dir()/checkpoints` ($TORCH_HOME/hub/checkpoints, by default ~/.cache/torch/hub/checkpoints).
-The URL is the release's (its download.py): https://dl.fbaipublicfiles.com/DiT/models/NAME for DiT, SiT's README
-link for SiT; $DIT_DOWNLOAD_URL replaces them all by BASE/NAME (a mirror, or the tests' local server).
-
-The cache and the download itself (temp name, whole-file checks, one downloader per file) are
-shared/runtime/download.py's, which RAE's tokenizer files use too.
+"""Released checkpoints by name (`--ckpt DiT-XL-2-256x256.pt`): each Release records what its bare file cannot say
+(objective, paper, latents, sampling); a file is recognised by its name here or the one its URL writes (`wget` of
+SiT's link saves SiT-XL-2-256.pt). Looked for as given, then in ./pretrained_models/ (where the releases' scripts
+put it), then in the cache of shared/runtime/download.py ($DIT_CHECKPOINT_DIR, else torch's hub checkpoints
+folder), else downloaded into it from the release's URL ($DIT_DOWNLOAD_URL/NAME replaces them all: a mirror).
 """
 from __future__ import annotations
 
@@ -27,15 +13,14 @@ from pathlib import Path
 
 from shared.generative.flow import auto_shift
 from shared.generative.objectives import DEFAULT_OBJECTIVE
-from shared.runtime.download import CACHE_ENV, URL_ENV, cache_dir, download, fetch, zip_problem  # noqa: F401 - re-exported
+from shared.runtime.download import URL_ENV, fetch
 
 BASE_URL = "https://dl.fbaipublicfiles.com/DiT/models/"
 HF_RAE = "https://huggingface.co/nyu-visionx/RAE-collections/resolve/main/"  # RAE's README: hf download this repo
 RAE_SHIFT = auto_shift((768, 16, 16))  # --time-dist-shift auto of RAE's DINOv2-B tokens
 # How each release samples for its paper's FID, in python -m sample's flag names (ModelConfig.sampling): recorded
-# with the weights when they load, so a bare --ckpt samples as the release does (a flag given still wins). Both
-# files are recognised by their layouts (shared/weights/checkpoint.py), so any file of that layout samples so.
-# DiT's and SiT's own settings are the defaults (ddpm and sde, 250 steps); LightningDiT's are in lightningdit.py.
+# with the weights when they load, so a bare --ckpt samples as the release does (a flag given still wins). RAE's
+# and REPA's apply to any file of their layouts (their FORMATS records); DiT's and SiT's are sample's defaults.
 # RAE (bytetriper/RAE configs/stage2/sampling/ImageNet256/DiTDHXL-DINOv2-B.yaml, FID 1.51): `sampler: mode ODE,
 # sampling_method euler, num_steps 50`, i.e. torchdiffeq's Euler over 50 grid points = 49 steps (49 network
 # calls), on the grid shifted by time_dist_shift (recorded beside, as the objective's); its guidance is `cfg
@@ -50,15 +35,16 @@ REPA_CFG_SCALE = 1.8
 
 @dataclass(frozen=True)
 class Release:
-    """A released checkpoint: where it downloads from and the objective its weights were trained with."""
+    """A released checkpoint: where it downloads from, and what its bare state dict cannot say."""
 
     url: str
     objective: str = DEFAULT_OBJECTIVE
-    flow_convention: str = "sit"
     paper: str = "DiT (Peebles & Xie 2023)"
     latent_meta: dict | None = None  # what the bare file cannot say about its latents (None: SD-VAE's, DiT's)
-    layout: str = "dit"  # "lightningdit": shared/weights/lightningdit.py unwraps and checks it
+    layout: str = "dit"  # "lightningdit": its own record in shared/weights/checkpoint.py's FORMATS
     time_dist_shift: float = 1.0  # RAE's shift of the times (shared/generative/flow.py), recorded with the model
+    sampling: dict | None = None  # how the release samples for its FID (ModelConfig.sampling), where not by layout
+    cfg_scale: float | None = None  # its FID's guidance scale: a flag, printed when the weights load
 
 
 RELEASES = {
@@ -71,22 +57,27 @@ RELEASES = {
     # REPA's README / utils.download_model: a SiT-XL/2 with its projector, time 0 = data.
     "REPA-SiT-XL-2-256x256.pt": Release("https://www.dl.dropboxusercontent.com/scl/fi/cxedbs4da5ugjq5wg3zrg/last.pt"
                                         "?rlkey=8otgrdkno0nd89po3dpwngwcc&st=apcc645o&dl=0", objective="flow",
-                                        flow_convention="repa", paper="REPA (Yu et al. 2024)"),
+                                        paper="REPA (Yu et al. 2024)"),
     # RAE's DiT^DH-XL on DINOv2-B (with registers) tokens, ImageNet 256 (nyu-visionx/RAE-collections, the path its
     # configs/stage2/sampling/ImageNet256/DiTDHXL-DINOv2-B.yaml loads): RAE's DiTwDDTHead layout, flow in RAE's time
     # (1 = noise, REPA's convention), its shift sqrt(768 * 16 * 16 / 4096) recorded; decoded by RAE's decoder.
     "RAE-DiTDH-XL-DINOv2-B-256.pt": Release(HF_RAE + "DiTs/Dinov2/wReg_base/ImageNet256/DiTDH-XL/stage2_model.pt",
-                                            objective="flow", flow_convention="repa", paper="RAE (Zheng et al. 2025)",
+                                            objective="flow", paper="RAE (Zheng et al. 2025)",
                                             time_dist_shift=RAE_SHIFT),
 }
-# LightningDiT's releases (hustvl/LightningDiT, MIT; its README's links): LightningDiT-XL/1 on VA-VAE f16d32 latents,
-# decoded by VA-VAE with its own per-channel normalisation (latents_stats.pt), SiT's flow (time 0 = noise).
+# LightningDiT's releases (hustvl/LightningDiT, MIT; its README's links): LightningDiT-XL/1 on VA-VAE f16d32 latents
+# (32x16x16 at 256 px), decoded by VA-VAE with its own per-channel normalisation (latents_stats.pt), SiT's flow
+# (time 0 = noise). Sampled as its configs/reproductions/*.yaml do: Euler (250 steps, sample's default), timestep
+# shift 0.3, guidance only where its time (0 = noise) is at least 0.125 (800 epochs, FID 1.35 at scale 6.7) or
+# 0.10 (64 epochs, FID 2.11 at scale 10), i.e. our noise levels 0 .. 1 - start.
 _HF = "https://huggingface.co/hustvl/{0}/resolve/main/{0}.pt"
 _VAVAE_LATENTS = {"vae": "vavae", "image_size": 256, "latent_shape": [32, 16, 16]}
-for _epochs in ("800ep", "64ep"):
-    RELEASES[f"lightningdit-xl-imagenet256-{_epochs}.pt"] = Release(
-        _HF.format(f"lightningdit-xl-imagenet256-{_epochs}"), objective="flow", paper="LightningDiT (Yao et al. 2025)",
-        latent_meta=_VAVAE_LATENTS, layout="lightningdit")
+for _name, _start, _scale in (("lightningdit-xl-imagenet256-800ep.pt", 0.125, 6.7),
+                               ("lightningdit-xl-imagenet256-64ep.pt", 0.10, 10.0)):
+    RELEASES[_name] = Release(
+        _HF.format(_name.removesuffix(".pt")), objective="flow", paper="LightningDiT (Yao et al. 2025)",
+        latent_meta=_VAVAE_LATENTS, layout="lightningdit", cfg_scale=_scale,
+        sampling={"sampler": "euler", "time_shift": 0.3, "cfg_interval": [0.0, round(1.0 - _start, 6)]})
 OFFICIAL_NAMES = tuple(RELEASES)
 # Too generic to say which release a file is: REPA's URL writes last.pt and RAE's stage2_model.pt, names any
 # training run may write (both files are recognised by their layouts instead).
@@ -105,9 +96,9 @@ URL_NAMES = {url_file_name(r.url): name for name, r in RELEASES.items()
 
 def release_name(file_name: str) -> str | None:
     """The release a file name identifies (its name here, or the one its URL writes), else None."""
-    if file_name in RELEASES:
-        return file_name
-    return URL_NAMES.get(file_name)
+    return file_name if file_name in RELEASES else URL_NAMES.get(file_name)
+
+
 RELEASE_DIR = "pretrained_models"  # the release's scripts download into ./pretrained_models/
 
 

@@ -14,7 +14,7 @@ decorators are switched off while its files load.)
    same input compared.
 2. LightningDiT: models/lightningdit.py LightningDiT at patch 1 with the released configuration (SwiGLU, RoPE,
    RMSNorm, no QK-norm, learn_sigma False, 32 channels) and random weights -> its state dict loaded strictly by
-   shared/weights/lightningdit.py's mapping into our DiT with the `lightning` block -> forward(x, t, y) compared.
+   shared/weights/checkpoint.py's LightningDiT record: its weights in our DiT with the `lightning` block -> forward(x, t, y) compared.
 Prints the largest absolute and relative differences.
 """
 import argparse
@@ -85,8 +85,10 @@ def check_vavae(repo: Path, args) -> float:
 
 def check_dit(repo: Path, args) -> float:
     """LightningDiT's model vs ours with the lightning block, on LightningDiT's random weights."""
-    from shared.weights.lightningdit import lightningdit_state_dict, release_model_config
+    import tempfile
+
     from shared.network.models import PRESETS
+    from shared.weights.checkpoint import build_sampling_model, load_sampling_weights
 
     lightningdit = load_file(repo, "models/lightningdit.py", "lightningdit_models")
     arch = PRESETS[args.model]
@@ -97,9 +99,10 @@ def check_dit(repo: Path, args) -> float:
                                        use_qknorm=False, use_swiglu=True, use_rope=True, use_rmsnorm=True,
                                        wo_shift=False)
     perturb_(theirs, generator=torch.Generator().manual_seed(args.seed + 1))
-    state = lightningdit_state_dict({"ema": theirs.state_dict()}, "random LightningDiT")
-    ours = release_model_config(state, "random LightningDiT").build().eval()
-    ours.load_state_dict(state, strict=True)
+    with tempfile.TemporaryDirectory() as tmp:  # read as the release is: its file name picks its record
+        path = Path(tmp) / "lightningdit-xl-imagenet256-800ep.pt"
+        torch.save({"ema": theirs.state_dict()}, path)
+        ours = build_sampling_model(load_sampling_weights(path), "cpu")
     g = torch.Generator().manual_seed(2)
     x = torch.randn(3, 32, args.latent_size, args.latent_size, generator=g)
     t, y = torch.rand(3, generator=g), torch.tensor([1, 7, 1000])  # 1000: the null class
