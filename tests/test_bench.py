@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.network.models import SELECTIVE, ModelConfig
+from shared.network.blocks import SELECTIVE
+from shared.network.models import ModelConfig
 from shared.runtime.errors import UserError
 from tests.helpers import run_main
 from train import bench

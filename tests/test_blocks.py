@@ -13,8 +13,9 @@ import torch.nn.functional as F
 
 from shared.runtime.errors import ChoiceError, UserError
 from shared.runtime.export import load_weights, save_weights
-from shared.network.models import (BLOCKS, PRESETS, DiTBlock, ModelConfig, RMSNorm, RotaryEmbedding2d, block_options,
-                           infer_model_config, rotate_pairs, swiglu_hidden)
+from shared.network.blocks import (BLOCKS, DiTBlock, RMSNorm, RotaryEmbedding2d, block_options, rotate_pairs,
+                                   swiglu_hidden)
+from shared.network.models import PRESETS, ModelConfig, infer_model_config
 from train.memory import forward_macs
 from tests.helpers import inputs, randomize, tiny
 
@@ -231,10 +232,11 @@ def test_infer_refuses_an_unknown_block_layout():
     with torch.device("meta"):
         sd = ModelConfig("DiT-T/2", 8, num_classes=5, mlp="swiglu").build().state_dict()
     renamed = {k.replace("mlp.w12", "mlp.w1"): v for k, v in sd.items()}
-    with pytest.raises(UserError, match=r"neither DiT's GELU MLP \(mlp.fc1/fc2\) nor the SwiGLU"):
+    with pytest.raises(UserError, match=r"block mlp cannot be told from their tensors.*none of the registered values "
+                                        r"\(gelu, swiglu"):
         infer_model_config(renamed)
     extra = dict(sd, **{"blocks.0.attn.q_proj.weight": torch.zeros(1, device="meta")})
-    with pytest.raises(UserError, match="tensor names differ.*unexpected \\['blocks.0.attn.q_proj.weight'\\]"):
+    with pytest.raises(UserError, match="tensor names or shapes differ.*unexpected \\['blocks.0.attn.q_proj.weight'\\]"):
         infer_model_config(extra)
 
 
@@ -291,7 +293,7 @@ def test_training_with_every_option_and_checkpointing_records_the_block(latents,
     assert "feat_rope.freqs_cos" in state and "blocks.0.mlp.w12.weight" in state
     assert all(torch.isfinite(v).all() for v in state.values())
     log = (run / "log.txt").read_text()
-    assert "DiT-T/2 (lightning block: rmsnorm, swiglu MLP, RoPE True, QK-norm True)" in log
+    assert "DiT-T/2 (lightning block: norm rmsnorm, mlp swiglu, rope True, qk_norm True)" in log
 
 
 def test_resume_with_another_block_is_refused(latents, tmp_path, capsys):

@@ -66,7 +66,7 @@ def _float64_features(t, dim, max_period=10000):
 @pytest.mark.parametrize("convention", ["sit", "repa"])
 @pytest.mark.parametrize("omega, kappa", [(1.0, 0.0), (0.6, 0.3), (0.4, 0.0)])
 def test_the_loss_matches_an_independent_float64_computation(convention, omega, kappa, monkeypatch):
-    from shared.network.models import TimestepEmbedder
+    from shared.network.dit import TimestepEmbedder
 
     monkeypatch.setattr(TimestepEmbedder, "timestep_embedding", staticmethod(_float64_features))
     torch.manual_seed(0)

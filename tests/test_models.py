@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from shared.runtime.errors import ChoiceError, UserError, advise
-from shared.network.models import ATTENTION_BACKENDS, DiT_models, ModelConfig, PRESETS, check_preset, infer_model_config
+from shared.network.attention import ATTENTION_BACKENDS
+from shared.network.models import DiT_models, ModelConfig, PRESETS, check_preset, infer_model_config
 from tests.helpers import inputs, randomize, tiny
 
 

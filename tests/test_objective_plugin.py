@@ -130,8 +130,8 @@ def test_a_plugin_objective_trains_samples_and_is_evaluated(tmp_path, image_fold
     assert (config["objective"], config["objective_options"]["loss_space"]) == ("xflow", "v")
     export = rundir.list_exports(run)[-1]
     recorded = read_config(export)
-    assert (recorded.objective, recorded.objective_args, recorded.objective_plugin) == (
-        "xflow", {"convention": "sit", "time_dist_shift": 1.0, "clamp": 0.05}, PLUGIN)
+    assert (recorded.objective, recorded.objective_args, recorded.plugins) == (
+        "xflow", {"convention": "sit", "time_dist_shift": 1.0, "clamp": 0.05}, [PLUGIN])
     assert isinstance(objective_of(recorded), XFlowObjective)
     assert (run / "samples" / "step-0000002.safetensors").is_file()  # the preview used the plugin's sampler path
 

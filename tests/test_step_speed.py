@@ -10,9 +10,11 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import shared.network.models as models
+import shared.network.attention as attention
+import shared.network.blocks as blocks
 import train.step as step
-from shared.network.models import SELECTIVE, ModelConfig
+from shared.network.blocks import SELECTIVE
+from shared.network.models import ModelConfig
 from shared.runtime.errors import UserError
 from train.data import synthetic_batch
 from train.memory import measured_config
@@ -145,7 +147,7 @@ class MatmulCounter(TorchDispatchMode):
         self.calls = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in models.SAVED_OPS:
+        if func in blocks.SAVED_OPS:
             self.calls += 1
         return func(*args, **(kwargs or {}))
 
@@ -290,8 +292,8 @@ def test_masked_ema_is_todays_ema_bitwise_and_a_skip_leaves_it():
 
 @pytest.fixture
 def fresh_choices(monkeypatch):
-    monkeypatch.setattr(models, "_sdpa_choices", {})
-    monkeypatch.setattr(models, "device_name", lambda device: "a test GPU")
+    monkeypatch.setattr(attention, "_sdpa_choices", {})
+    monkeypatch.setattr(attention, "device_name", lambda device: "a test GPU")
 
 
 def test_the_first_fused_kernel_that_runs_is_chosen_once(monkeypatch, fresh_choices):
@@ -301,26 +303,26 @@ def test_the_first_fused_kernel_that_runs_is_chosen_once(monkeypatch, fresh_choi
         tried.append(kernel)
         return kernel == "FLASH_ATTENTION"
 
-    monkeypatch.setattr(models, "probe_sdpa_kernel", probe)
-    assert models.choose_sdpa_kernel("cuda", torch.bfloat16, 72, say=said.append) == "FLASH_ATTENTION"
-    assert models.choose_sdpa_kernel("cuda", torch.bfloat16, 72, say=said.append) == "FLASH_ATTENTION"
+    monkeypatch.setattr(attention, "probe_sdpa_kernel", probe)
+    assert attention.choose_sdpa_kernel("cuda", torch.bfloat16, 72, say=said.append) == "FLASH_ATTENTION"
+    assert attention.choose_sdpa_kernel("cuda", torch.bfloat16, 72, say=said.append) == "FLASH_ATTENTION"
     assert tried == ["CUDNN_ATTENTION", "FLASH_ATTENTION"]  # probed once, cuDNN first
     assert said == ["attention: SDPA's flash kernel at head size 72 in bfloat16 on a test GPU"]
 
 
 def test_no_fused_kernel_falls_back_to_math_with_a_notice(monkeypatch, fresh_choices):
     said = []
-    monkeypatch.setattr(models, "probe_sdpa_kernel", lambda *args: False)
-    assert models.choose_sdpa_kernel("cuda", torch.float16, 72, say=said.append) == "MATH"
+    monkeypatch.setattr(attention, "probe_sdpa_kernel", lambda *args: False)
+    assert attention.choose_sdpa_kernel("cuda", torch.float16, 72, say=said.append) == "MATH"
     assert len(said) == 1 and said[0].startswith("attention: notice:") and "math kernel" in said[0]
 
 
 def test_prepare_attention_pins_every_sdpa_block_on_cuda_only():
     model = ModelConfig("DiT-T/2", 8, 4, num_classes=10).build()
-    models.prepare_attention(model, "cpu", torch.bfloat16, choose=lambda *a: "FLASH_ATTENTION")
+    attention.prepare_attention(model, "cpu", torch.bfloat16, choose=lambda *a: "FLASH_ATTENTION")
     assert {b.attn.sdpa_kernel for b in model.blocks} == {None}  # the CPU: torch's own choice
     seen = []
-    models.prepare_attention(model, "cuda", torch.bfloat16, choose=lambda d, dt, h: seen.append(h) or "CUDNN_ATTENTION")
+    attention.prepare_attention(model, "cuda", torch.bfloat16, choose=lambda d, dt, h: seen.append(h) or "CUDNN_ATTENTION")
     assert {b.attn.sdpa_kernel for b in model.blocks} == {"CUDNN_ATTENTION"} and set(seen) == {64}
 
 

@@ -8,7 +8,7 @@ import sys
 from shared.runtime.cli import flag_name, given_flags
 from shared.runtime.errors import cli_errors
 from shared.runtime.plugins import load_plugins
-from train.config import build_parser, config_from_args
+from train.config import BLOCK_FLAGS, build_parser, config_from_args
 
 PROG = "python -m train"
 
@@ -17,7 +17,7 @@ PROG = "python -m train"
 FLAGS = {"model preset": "--model", "attention backend": "--attention", "precision": "--precision",
          "guide-channel choice": "--sample-guide-channels", "run folder": "--results-dir", "vae": "--watch-vae",
          "objective": "--objective", "time dist shift": "--time-dist-shift", "head depth": "--head-depth",
-         "head width": "--head-width", "head heads": "--head-heads"}
+         "head width": "--head-width", "head heads": "--head-heads", **BLOCK_FLAGS}
 
 
 def objective_flags() -> dict:

@@ -16,7 +16,8 @@ from typing import Callable
 import torch
 
 from shared.runtime.errors import UserError
-from shared.network.models import SELECTIVE, ModelConfig
+from shared.network.blocks import SELECTIVE
+from shared.network.models import ModelConfig
 from train import memory
 from train.launcher import resolve_precision_with_launcher
 from train.units import format_size, parse_size

@@ -22,16 +22,17 @@ from tqdm.auto import tqdm
 
 from shared.runtime.errors import UserError, cli_errors
 from shared.runtime.fsio import atomic_write_json
-from shared.network.models import ATTENTION_BACKENDS, SELECTIVE
+from shared.network.attention import ATTENTION_BACKENDS
+from shared.network.blocks import SELECTIVE
 from shared.runtime.precision import PRECISIONS, set_tf32
-from train.config import TrainConfig, add_block_flags, block_from_args, model_config_for
+from train.config import BLOCK_FLAGS, TrainConfig, add_block_flags, block_from_args, model_config_for
 from train.data import synthetic_batch
 from train.memory import forward_macs, latent_shape, measure_device, measured_config, train_flops_per_image
 from train.step import make_learner, train_step
 from train.units import GiB, format_size
 
 PROG = "python -m train.bench"
-FLAGS = {"model preset": "--model", "attention backend": "--attention", "precision": "--precisions"}
+FLAGS = {"model preset": "--model", "attention backend": "--attention", "precision": "--precisions", **BLOCK_FLAGS}
 # Dense tensor-core peaks in TFLOP/s for 16-bit inputs (vendor datasheets; GeForce figures with fp16
 # accumulation, about half with fp32 accumulation; H100/H200 SXM). First substring of
 # torch.cuda.get_device_name() that matches, in this order (A100 before A10, L40S before L40 before L4).

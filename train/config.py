@@ -20,9 +20,10 @@ from shared.runtime.errors import SettingError, UserError
 from shared.runtime.rerun import differences
 from shared.generative.guidance import GUIDE_CHANNELS
 from shared.generative.flow import auto_shift, check_shift
-from shared.network.models import (ATTENTION_BACKENDS, BLOCK_FIELDS, BLOCKS, CLASS_DROPOUT_PROB, HEAD_FIELDS, MLPS,
-                                   NORMS, SELECTIVE, ModelConfig, block_options, check_preset, default_block, preset_head)
-from shared.generative.objectives import (DEFAULT_OBJECTIVE, OBJECTIVES, learns_sigma, objective_help, plugin_of,
+from shared.network.attention import ATTENTION_BACKENDS
+from shared.network.blocks import BLOCK_FIELDS, BLOCK_HELP, BLOCKS, SELECTIVE, block_flag, block_options
+from shared.network.models import CLASS_DROPOUT_PROB, HEAD_FIELDS, ModelConfig, check_preset, default_block, preset_head
+from shared.generative.objectives import (DEFAULT_OBJECTIVE, OBJECTIVES, learns_sigma, objective_help,
                                           recorded_by_training, training_flags)
 from train.latents import byte_size
 from train.recipes import RECIPE_HELP, RECIPES, apply_recipe
@@ -117,24 +118,14 @@ class TrainConfig:
              "(1 = noise), recorded with the model so sampling shifts its grid the same way; auto: sqrt(C*H*W / "
              "4096) of the latent shape (RAE: 6.93 for 768x16x16 tokens; 1 for SD-VAE's 4x32x32) (default 1 = "
              "none)", type=float_or_auto, metavar="S|auto")
-    # Block options (shared.network.models.BLOCKS): None until resolve_block fills them from --block (default "dit").
+    # Block options (shared/network/blocks.py's table): None until resolve_block fills them from --block's preset.
     block: str | None = option(
-        None, "the transformer block preset: dit: LayerNorm + GELU MLP, absolute positions only (DiT); lightning: "
-              "RMSNorm + SwiGLU + 2-D RoPE, the block of LightningDiT's released configs; lightning-qknorm: that plus "
-              "QK-norm (LightningDiT's advice against NaN losses); --norm/--mlp/--rope/--qk-norm override single "
-              "options of it (default: dit)", choices=tuple(BLOCKS))
-    norm: str | None = option(None, "normalisation before attention, MLP and output: layernorm (affine-free, DiT) or "
-                                    "rmsnorm (learned gain, eps 1e-6, LightningDiT) (default: the --block's)",
-                              choices=tuple(NORMS))
-    mlp: str | None = option(None, "feed-forward: gelu (tanh GELU, 4x width, DiT) or swiglu (SiLU-gated, 2/3 of 4x "
-                                   "width, as many weights; LightningDiT) (default: the --block's)", choices=tuple(MLPS))
-    rope: bool | None = option(
-        None, "2-D rotary position embedding on queries and keys (half the head by row, half by column, theta 10000), "
-              "added to the absolute sin-cos embedding as LightningDiT; the model then runs only at the latent size "
-              "it was built for (default: the --block's)", action=argparse.BooleanOptionalAction)
-    qk_norm: bool | None = option(
-        None, "normalise queries and keys per head before attention (RMSNorm with --norm rmsnorm, else LayerNorm); "
-              "steadies fp16/bf16 training (default: the --block's)", action=argparse.BooleanOptionalAction)
+        None, f"the transformer block preset: {BLOCK_HELP}; {'/'.join(map(flag_name, BLOCK_FIELDS))} override single "
+              "options of it (default: the --model's: dit, lightning for DiTDH-*)", choices=tuple(BLOCKS))
+    norm: str | None = block_flag("norm").field()
+    mlp: str | None = block_flag("mlp").field()
+    rope: bool | None = block_flag("rope").field()
+    qk_norm: bool | None = block_flag("qk_norm").field()
     latent_norm: str = option(
         "auto", "how latents are normalised before the DiT sees them (recorded in every checkpoint and export, "
                 "inverted by every decode): " + "; ".join(f"{k}: {v}" for k, v in NORM_HELP.items()),
@@ -255,6 +246,11 @@ class TrainConfig:
     data: dict = field(default_factory=dict)
     autotune: dict = field(default_factory=dict)  # what each "auto" resolved to, and why (train/autotune.py)
 
+    @property
+    def block_options(self) -> dict:
+        """{norm, mlp, rope, qk_norm}: what the block slots hold (None until resolved)."""
+        return {k: getattr(self, k) for k in BLOCK_FIELDS}
+
     def to_dict(self) -> dict:
         """Plain JSON-serialisable dict (tuples become lists)."""
         d = asdict(self)
@@ -290,6 +286,9 @@ class TrainConfig:
 # Flags
 # ---------------------------------------------------------------------------------------------------------
 
+BLOCK_FLAGS = {f"block {slot}": flag_name(slot) for slot in BLOCK_FIELDS}  # the flag of each slot's ChoiceError
+
+
 def add_block_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The block-option flags alone (python -m train.plan and train.bench share them)."""
     return add_flags(p, TrainConfig, only=("block", *BLOCK_FIELDS))
@@ -304,7 +303,7 @@ def resolve_block(cfg: TrainConfig) -> TrainConfig:
     """Fill the unset block options from cfg.block's preset (default: the model's) and the head from the model."""
     check_preset(cfg.model)
     cfg.block = cfg.block or default_block(cfg.model)
-    for key, value in block_options(cfg.block, **{k: getattr(cfg, k) for k in BLOCK_FIELDS}).items():
+    for key, value in block_options(cfg.block, **cfg.block_options).items():
         setattr(cfg, key, value)
     for key, value in preset_head(cfg.model).items():
         if getattr(cfg, key) is None:
@@ -359,11 +358,11 @@ def model_config_for(cfg: TrainConfig, latent_shape: tuple, num_classes: int,
         objective_args["convention"] = cfg.init["convention"]
     return ModelConfig(model=cfg.model, input_size=size, in_channels=channels, num_classes=num_classes,
                        learn_sigma=learn_sigma,
-                       norm=cfg.norm, mlp=cfg.mlp, rope=cfg.rope, qk_norm=cfg.qk_norm, head_depth=cfg.head_depth,
+                       **cfg.block_options, head_depth=cfg.head_depth,
                        head_width=cfg.head_width, head_heads=cfg.head_heads,
                        class_dropout_prob=cfg.class_dropout_prob, objective=cfg.objective, objective_args=objective_args,
                        interval_time=bool(getattr(OBJECTIVES[cfg.objective], "interval_time", False)),
-                       objective_plugin=plugin_of(cfg.objective), sampling=dict(cfg.sampling))
+                       sampling=dict(cfg.sampling))
 
 
 def config_from_args(args: argparse.Namespace, explicit=frozenset()) -> TrainConfig:

@@ -24,7 +24,8 @@ from shared.runtime.export import first_nonfinite, nonfinite_tensors, save_weigh
 from shared.runtime.fsio import atomic_write_text, link_file, space_guard
 from shared.runtime.previews import write_preview
 from shared.runtime.lock import FolderLock, hold_lock
-from shared.network.models import resolve_attention
+from shared.network.attention import resolve_attention
+from shared.network.blocks import block_summary
 from shared.runtime.precision import set_tf32
 from shared.datasets.shards import LatentDataset
 from train import checkpoint as ckpt_io
@@ -449,8 +450,7 @@ def start_logs(run: Run, source: Path | None, changes: list[str]) -> None:
     run.accelerator.wait_for_everyone()
     cfg, n = run.cfg, run.accelerator.num_processes
     where = f"resumed from {source} at step {run.step}" if source else "starting a new run"
-    run.logger.info(f"{where}: {cfg.model} ({cfg.block} block: {cfg.norm}, {cfg.mlp} MLP, RoPE {cfg.rope}, QK-norm "
-                    f"{cfg.qk_norm}), {sum(p.numel() for p in run.learner.dit.parameters()):,} parameters, "
+    run.logger.info(f"{where}: {cfg.model} ({cfg.block} block: {block_summary(cfg.block_options)}), {sum(p.numel() for p in run.learner.dit.parameters()):,} parameters, "
                     f"{n} process(es) on {run.device}, global batch {cfg.global_batch_size} = "
                     f"{cfg.micro_batch_size} x {cfg.grad_accum_steps} accumulation x {n}, "
                     f"precision {cfg.precision}, {cfg.total_steps} steps")

@@ -23,7 +23,8 @@ from tqdm.auto import tqdm
 
 from shared.network.routing import kept_tokens
 from shared.runtime.errors import UserError
-from shared.network.models import BLOCK_FIELDS, CLASS_DROPOUT_PROB, SAVED_OPS, SELECTIVE, ModelConfig, check_preset
+from shared.network.blocks import SAVED_OPS, SELECTIVE
+from shared.network.models import CLASS_DROPOUT_PROB, ModelConfig, check_preset
 from shared.runtime.precision import autocast_dtype
 from train.config import TrainConfig, resolve_block
 from shared.generative.objectives import objective_of
@@ -440,7 +441,7 @@ def verify_config(config: ModelConfig, args, row: PlanRow) -> TrainConfig:
     """The TrainConfig `python -m train` would be given for the plan; args: train.plan's flags or the run's config."""
     accumulation = min(row.accumulation, 2)  # a second micro-step runs with the first one's gradients held
     route = {k: getattr(args, k, None) for k in ("route_ratio", "route_start", "route_end")}
-    return measured_config(args.model, {k: getattr(config, k) for k in BLOCK_FIELDS},
+    return measured_config(args.model, config.block_options,
                            global_batch_size=row.micro * accumulation, micro_batch_size=row.micro,
                            grad_accum_steps=accumulation, precision=args.precision,
                            grad_checkpoint=row.profile.every, optimizer=args.optimizer, ema_device=args.ema_device,

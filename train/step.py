@@ -21,7 +21,8 @@ import torch
 
 from shared.generative.objectives import Objective, objective_of
 from shared.runtime.errors import UserError
-from shared.network.models import ModelConfig, compile_blocks, prepare_attention
+from shared.network.attention import prepare_attention
+from shared.network.models import ModelConfig, compile_blocks
 from shared.runtime.precision import autocast_dtype
 from train.config import TrainConfig
 

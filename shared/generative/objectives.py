@@ -22,7 +22,7 @@ from shared.generative.flow import (TIME_SAMPLINGS, FlowPath, check_convention, 
 from shared.generative.meanflow import PAIR_SAMPLINGS, draw_pair, meanflow_losses
 from shared.generative.samplers import LAST_STEP_SIZE, TIME_SHIFT, get_sampler, sampler_options
 from shared.runtime.cli import FLAG_KEY, Flag, option
-from shared.runtime.errors import ChoiceError, SettingError, UserError
+from shared.runtime.errors import ChoiceError, SettingError
 
 
 class Objective(Protocol):
@@ -92,14 +92,10 @@ def learns_sigma(name: str) -> bool:
     return bool(getattr(OBJECTIVES[check_objective(name)], "learns_sigma", False))
 
 
-def check_objective(name: str, plugin: str = "") -> str:
-    """ChoiceError unless `name` is registered (naming the --plugin that would register it, when known)."""
+def check_objective(name: str) -> str:
+    """ChoiceError unless `name` is registered."""
     if name in OBJECTIVES:
         return name
-    if plugin:
-        raise UserError(f"these weights were trained with the objective {name!r}, which the module {plugin} registers "
-                        f"(recorded with the model); pass --plugin {plugin} so it is imported (its folder on "
-                        f"PYTHONPATH).")
     raise ChoiceError("objective", name, objective_names(), objective_help())
 
 
@@ -143,9 +139,9 @@ def training_flags() -> dict[str, tuple[Flag, tuple[str, ...]]]:
     return flags
 
 
-def make_objective(name: str, recorded: dict | None = None, plugin: str = "", **training) -> Objective:
+def make_objective(name: str, recorded: dict | None = None, **training) -> Objective:
     """Registered objective `name` from its recorded fields and training settings (None = its default)."""
-    cls = OBJECTIVES[check_objective(name, plugin)]
+    cls = OBJECTIVES[check_objective(name)]
     recorded = dict(recorded or {})
     own_recorded = {f.name for f in recorded_fields(cls)}
     unknown = sorted(set(recorded) - own_recorded)
@@ -173,9 +169,8 @@ def make_objective(name: str, recorded: dict | None = None, plugin: str = "", **
 
 
 def objective_of(model_config, **training) -> Objective:
-    """The objective a ModelConfig records (ModelConfig.objective, objective_args, objective_plugin)."""
-    return make_objective(model_config.objective, model_config.objective_args, model_config.objective_plugin,
-                          **training)
+    """The objective a ModelConfig records (ModelConfig.objective, objective_args)."""
+    return make_objective(model_config.objective, model_config.objective_args, **training)
 
 
 def run_sampler(objective: Objective, sampler: str, model_fn, noise, steps: int, given_options: dict, **kwargs):

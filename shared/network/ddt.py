@@ -32,9 +32,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from shared.network.models import (CLASS_DROPOUT_PROB, DiT, DiTBlock, FinalLayer, LabelEmbedder, PatchEmbed, RotaryEmbedding2d,
-                                   adaln_zero_, check_block_options, init_condition_mlp_, init_patch_embed_,
-                                   set_positions_)
+from shared.network.dit import (CLASS_DROPOUT_PROB, Backbone, LabelEmbedder, PatchEmbed, adaln_zero_, init_condition_mlp_,
+                                init_patch_embed_, set_positions_)
 from shared.runtime.errors import SettingError, UserError
 
 FOURIER_FEATURES = 256  # RAE's GaussianFourierEmbedding(embedding_size=256): 512 sin/cos features
@@ -68,46 +67,32 @@ def check_head(head_depth, head_width, head_heads):
                         "fix {head depth}/{head width}/{head heads}, or use a DiTDH preset as it is.")
 
 
-class DiTDH(DiT):
+class DiTDH(Backbone):
     """A DiT body of `depth` blocks at `hidden_size`, then `head_depth` blocks at `head_width` conditioned per token."""
 
     def __init__(self, input_size=16, patch_size=1, in_channels=768, hidden_size=1152, depth=28, num_heads=16,
                  head_depth=2, head_width=2048, head_heads=16, mlp_ratio=4.0, class_dropout_prob=CLASS_DROPOUT_PROB,
                  num_classes=1000, learn_sigma=False, attention="auto", grad_checkpoint_every=0, norm="rmsnorm",
                  mlp="swiglu", rope=True, qk_norm=False):
-        nn.Module.__init__(self)  # DiT's attributes are set here, with RAE's tensor names
-        check_block_options(norm, mlp, rope, qk_norm)
         check_head(head_depth, head_width, head_heads)
         if head_depth == 0:
             raise UserError("a DiT^DH model needs a head (head depth >= 1); for no head, use a DiT preset.")
-        if input_size % patch_size:
-            raise UserError(f"input size {input_size} is not a multiple of patch size {patch_size}; "
-                            "pick a preset whose patch size divides the latent size.")
-        self.input_size, self.patch_size, self.in_channels = input_size, patch_size, in_channels
-        self.learn_sigma = learn_sigma
-        self.out_channels = in_channels * 2 if learn_sigma else in_channels
-        self.num_heads, self.num_classes, self.null_label = num_heads, num_classes, num_classes
-        self.depth, self.head_depth = depth, head_depth
-        self.block_options = dict(norm=norm, mlp=mlp, rope=rope, qk_norm=qk_norm)
-        self.route = None  # token routing (DiT.set_routing): within the body only; the head sees every token
-        grid = input_size // patch_size
-
+        super().__init__(input_size, patch_size, in_channels, depth, num_heads, num_classes, learn_sigma, mlp_ratio,
+                         dict(norm=norm, mlp=mlp, rope=rope, qk_norm=qk_norm))
+        self.head_depth = head_depth
+        # RAE's tensor names, built in its order: the Linears keep torch's init, drawn in this order.
         self.s_embedder = PatchEmbed(input_size, patch_size, in_channels, hidden_size)  # the body's input
         self.x_embedder = PatchEmbed(input_size, patch_size, in_channels, head_width)  # the head's input
         self.s_projector = nn.Linear(hidden_size, head_width) if hidden_size != head_width else nn.Identity()
         self.t_embedder = FourierTimestepEmbedder(hidden_size)
         self.y_embedder = LabelEmbedder(num_classes, hidden_size, class_dropout_prob)
-        self.final_layer = FinalLayer(head_width, patch_size, self.out_channels, norm=norm)
-        self.pos_embed = nn.Parameter(torch.zeros(1, grid * grid, hidden_size), requires_grad=False)  # (1, T, D)
-        self.enc_feat_rope = RotaryEmbedding2d(hidden_size // num_heads, grid) if rope else None
-        self.dec_feat_rope = RotaryEmbedding2d(head_width // head_heads, grid) if rope else None
-        self.blocks = nn.ModuleList(
-            [DiTBlock(hidden_size, num_heads, mlp_ratio, norm=norm, mlp=mlp, qk_norm=qk_norm) for _ in range(depth)]
-            + [DiTBlock(head_width, head_heads, mlp_ratio, norm=norm, mlp=mlp, qk_norm=qk_norm)
-               for _ in range(head_depth)])
-        self.initialize_weights()
-        self.set_attention(attention)
-        self.set_grad_checkpointing(grad_checkpoint_every)
+        self.final_layer = self.make_final_layer(head_width)
+        self.pos_embed = self.positions(hidden_size)  # (1, T, D)
+        self.enc_feat_rope = self.rope_table(hidden_size, num_heads)
+        self.dec_feat_rope = self.rope_table(head_width, head_heads)
+        self.blocks = nn.ModuleList(self.make_blocks(hidden_size, num_heads, depth)
+                                    + self.make_blocks(head_width, head_heads, head_depth))
+        self.finish(attention, grad_checkpoint_every)
 
     @property
     def feat_rope(self):
@@ -121,14 +106,13 @@ class DiTDH(DiT):
         init_patch_embed_(self.x_embedder)
         nn.init.normal_(self.y_embedder.embedding_table.weight, std=0.02)
         # DiT's sin-cos table (RAE uses the same one)
-        set_positions_(self.pos_embed, self.input_size // self.patch_size, [self.enc_feat_rope, self.dec_feat_rope])
+        set_positions_(self.pos_embed, self.grid, [self.enc_feat_rope, self.dec_feat_rope])
         nn.init.normal_(self.t_embedder.W, std=1.0)
         init_condition_mlp_(self.t_embedder.mlp)
         adaln_zero_(self.blocks, self.final_layer)
 
     def forward(self, x, t, y, force_drop_ids=None, return_hidden_at=None, route_keep=None):
-        """x (N, C, H, W), t (N,) in [0, 1], y (N,) -> (N, out_channels, H, W); return_hidden_at k <= depth and
-        route_keep as DiT's: token routing (TREAD) spans body blocks only, the head sees every token."""
+        """x (N, C, H, W), t (N,) in [0, 1], y (N,) -> (N, out, H, W); routing (TREAD) spans the body only, as DiT's."""
         self._check_input(x)
         t_emb = self.t_embedder(t)  # (N, D)
         c = F.silu(t_emb + self.y_embedder(y, self.training, force_drop_ids))  # (N, D)

@@ -28,7 +28,8 @@ import inspect
 import torch
 
 from shared.runtime.errors import UserError
-from shared.network.models import CLASS_DROPOUT_PROB, PRESETS, ModelConfig, sincos_2d
+from shared.network.dit import CLASS_DROPOUT_PROB, sincos_2d
+from shared.network.models import PRESETS, ModelConfig
 
 DIFFUSERS_DIT_CLASSES = ("DiTTransformer2DModel", "Transformer2DModel")
 OFFICIAL_NORM_EPS = 1e-6  # every LayerNorm of the official DiT (shared/network/models.py DiTBlock)

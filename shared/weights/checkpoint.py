@@ -15,7 +15,7 @@ import torch
 
 from shared.generative.flow import auto_shift
 from shared.generative.guidance import AUTO_OWN, AutoGuide
-from shared.generative.objectives import DEFAULT_OBJECTIVE, check_objective, plugin_of
+from shared.generative.objectives import DEFAULT_OBJECTIVE, check_objective
 from shared.network.diffusers_dit import NUMERICS_NOTE, check_dit_config, diffusers_to_dit, model_config_of
 from shared.network.models import PRESETS, ModelConfig, check_preset, infer_model_config
 from shared.network.repa import REPA_PROJECTOR_PREFIX
@@ -240,7 +240,7 @@ def _read_dit(found: Found, weights: str, objective: str | None) -> Read:
         warnings.append(f"{found.path.name} records no objective and is no known release: sampled as DiT's {name} "
                         f"objective (noise prediction); if it was trained with flow matching (SiT), pass --objective "
                         f"flow.")
-    config = dataclasses.replace(infer_model_config(state_dict), objective=name, objective_plugin=plugin_of(name))
+    config = dataclasses.replace(infer_model_config(state_dict), objective=name)  # its plugins follow
     return Read(state_dict, config, why, warnings=warnings)
 
 

@@ -1,0 +1,381 @@
+"""The transformer block and its options, one table (LightningDiT, Yao et al. 2025, github hustvl/LightningDiT, MIT).
+
+Each block option is one record (BlockOption): the slot it fills (norm, mlp: named choices; rope, qk_norm: on/off
+switches), the value a ModelConfig records, its help, and what it builds there. DiT and DiT^DH build their blocks
+from this table alone, and a --plugin module adds a value with `register_block_option` (the model records the
+module, so sampling asks for it). The built-ins' tensor names follow LightningDiT's (mlp.w12/w3, norm1.weight,
+attn.q_norm, feat_rope.freqs_cos/sin); each record's `marker` is the tensor that tells its layout apart in weights.
+"""
+import argparse
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from shared.network.attention import Attention
+from shared.runtime.cli import Flag
+from shared.runtime.errors import ChoiceError, UserError
+
+NORM_EPS = 1e-6  # DiT's LayerNorms and LightningDiT's RMSNorms alike
+ROPE_THETA = 10000  # rotary base period, as LightningDiT (EVA-02's VisionRotaryEmbeddingFast)
+# Gradient checkpointing of every block that keeps the matmul and attention outputs and recomputes only the
+# pointwise ops between them (selective activation checkpointing): between "off" and "every block" in memory.
+SELECTIVE = "selective"
+
+
+# The places in the block an option fills, with their flag's help. What each slot's `build` is called with: norm
+# (dim) -> the normaliser before attention, MLP and output; mlp (dim, mlp_ratio) -> the feed-forward; rope (head_dim,
+# grid) -> the rotary table; qk_norm (head_dim, norm) -> the per-head norm on q and k. The SWITCHES take True/False,
+# and False builds nothing (build None); the others take names.
+SLOTS = {
+    "norm": "normalisation before attention, MLP and output",
+    "mlp": "feed-forward",
+    "rope": "2-D rotary position embedding on queries and keys, added to the absolute sin-cos embedding as "
+            "LightningDiT; the model then runs only at the latent size it was built for",
+    "qk_norm": "normalise queries and keys per head before attention; steadies fp16/bf16 training",
+}
+SWITCHES = ("rope", "qk_norm")
+BLOCK_FIELDS = tuple(SLOTS)
+
+
+@dataclass(frozen=True)
+class BlockOption:
+    """One value of one slot and what it builds there (build's arguments: SLOTS' comment); marker: how weights show it."""
+
+    slot: str
+    value: str | bool
+    help: str
+    build: Callable | None
+    marker: str = ""  # a tensor name only weights with this value have ("" = none)
+    qk: Callable | None = None  # norm only: the per-head layer QK-norm uses with this norm (default: build)
+    module: str = ""  # the module that registered it ("" = built in), recorded with the model
+
+    def qk_layer(self, head_dim: int) -> nn.Module:
+        """This norm's per-head layer for QK-norm."""
+        return (self.qk or self.build)(head_dim)
+
+
+BLOCK_OPTIONS: dict[str, dict] = {slot: {} for slot in SLOTS}
+
+
+def register_block_option(slot: str, value, help: str, build: Callable | None, marker: str = "",
+                          qk: Callable | None = None) -> BlockOption:
+    """Add `value` to `slot`'s choices (a name for norm/mlp; True/False for a switch); a taken value is refused."""
+    if slot not in SLOTS:
+        raise TypeError(f"no block slot {slot!r}; the slots are {', '.join(SLOTS)}")
+    if (slot in SWITCHES) != isinstance(value, bool):
+        raise TypeError(f"block slot {slot} takes {'True/False' if slot in SWITCHES else 'a name'}, not {value!r}")
+    caller = sys._getframe(1).f_globals.get("__name__", "")
+    option = BlockOption(slot, value, help, build, marker, qk, "" if caller == __name__ else caller)
+    old = BLOCK_OPTIONS[slot].get(value)
+    if old is not None and old.module != option.module:
+        raise TypeError(f"block option {slot}={value!r} is taken by {old.module or __name__}")
+    BLOCK_OPTIONS[slot][value] = option
+    return option
+
+
+def block_option(slot: str, value) -> BlockOption:
+    """The record of one slot's value; ChoiceError (UserError for a switch) naming the registered ones."""
+    if slot in SWITCHES and not isinstance(value, bool):
+        raise UserError(f"block option {slot} must be true or false, got {value!r}; fix the config or flag.")
+    if value not in BLOCK_OPTIONS[slot]:
+        raise ChoiceError(f"block {slot}", value, list(BLOCK_OPTIONS[slot]),
+                          "; ".join(f"{o.value}: {o.help}" for o in BLOCK_OPTIONS[slot].values()))
+    return BLOCK_OPTIONS[slot][value]
+
+
+def build_part(slot: str, value, *args) -> nn.Module | None:
+    """What `slot`'s `value` builds from the slot's arguments (None for a switch that is off)."""
+    build = block_option(slot, value).build
+    return build(*args) if build is not None else None
+
+
+def check_block_options(options: dict) -> None:
+    """ChoiceError/UserError unless `options` gives every slot a registered value (and nothing else)."""
+    unknown = sorted(set(options) - set(SLOTS))
+    if unknown or len(options) != len(SLOTS):
+        raise UserError(f"block options {sorted(options)} are not the slots {', '.join(SLOTS)}; fix the config.")
+    for slot, value in options.items():
+        block_option(slot, value)
+
+
+def block_plugins(options: dict) -> list[str]:
+    """The --plugin modules that register these options' values (none for the built-ins)."""
+    return sorted({m for slot, value in options.items() if (m := block_option(slot, value).module)})
+
+
+def block_flag(slot: str) -> Flag:
+    """The training flag of a slot (--norm, --rope/--no-rope, ...), its help from the table; None: the --block's."""
+    if slot in SWITCHES:
+        return Flag(f"{SLOTS[slot]} ({block_option(slot, True).help}) (default: the --block's)", None,
+                    action=argparse.BooleanOptionalAction)
+    return Flag(f"{SLOTS[slot]}: " + "; ".join(f"{o.value}: {o.help}" for o in BLOCK_OPTIONS[slot].values())
+                + " (a --plugin module may register more; default: the --block's)", None, metavar="NAME")
+
+
+def block_summary(options: dict) -> str:
+    """The options in one line for logs ("norm rmsnorm, mlp swiglu, rope True, qk_norm False")."""
+    return ", ".join(f"{slot} {options[slot]}" for slot in SLOTS)
+
+
+def infer_block(state_dict: dict) -> dict:
+    """Each slot's value read from which tensors exist (the records' markers); UserError when none fits."""
+    options = {}
+    for slot, choices in BLOCK_OPTIONS.items():
+        marked = [o.value for o in choices.values() if o.marker and o.marker in state_dict]
+        unmarked = [o.value for o in choices.values() if not o.marker and not o.module]  # a plugin's needs a marker
+        found = marked or unmarked
+        if len(found) != 1:
+            names = sorted(k for k in state_dict if k.startswith("blocks.0."))
+            raise UserError(f"these weights' block {slot} cannot be told from their tensors ({names[:8] or 'none'}): "
+                            f"{'several' if found else 'none'} of the registered values ({', '.join(map(str, choices))}) "
+                            "fit. Use weights of a DiT_models preset with the block options of "
+                            "shared.network.blocks.BLOCKS, or an export (which carries its config).")
+        options[slot] = found[0]
+    return options
+
+
+# Block presets. "lightning" is the block of LightningDiT's released configs (configs/*.yaml: use_rmsnorm,
+# use_swiglu, use_rope true; use_qknorm false); its README recommends adding QK-norm when large runs hit
+# NaN losses (at a slight cost in convergence speed), which is "lightning-qknorm".
+BLOCKS = {
+    "dit": dict(norm="layernorm", mlp="gelu", rope=False, qk_norm=False),
+    "lightning": dict(norm="rmsnorm", mlp="swiglu", rope=True, qk_norm=False),
+    "lightning-qknorm": dict(norm="rmsnorm", mlp="swiglu", rope=True, qk_norm=True),
+}
+BLOCK_HELP = ("dit: LayerNorm + GELU MLP, absolute positions only (DiT); lightning: RMSNorm + SwiGLU + 2-D RoPE, the "
+              "block of LightningDiT's released configs; lightning-qknorm: that plus QK-norm (LightningDiT's advice "
+              "against NaN losses)")
+
+
+def block_options(preset="dit", **overrides):
+    """The options of a BLOCKS preset with the non-None overrides applied, checked; ChoiceError/UserError."""
+    if preset not in BLOCKS:
+        raise ChoiceError("block preset", preset, list(BLOCKS))
+    unknown = sorted(set(overrides) - set(SLOTS))
+    if unknown:
+        raise UserError(f"unknown block options {unknown}; the block options are {', '.join(SLOTS)}.")
+    options = {**BLOCKS[preset], **{k: v for k, v in overrides.items() if v is not None}}
+    check_block_options(options)
+    return options
+
+
+def block_name(options):
+    """The BLOCKS preset these options are, or "custom"."""
+    chosen = {k: options[k] for k in SLOTS}
+    return next((name for name, preset in BLOCKS.items() if preset == chosen), "custom")
+
+
+#################################################################################
+#                      The built-in options: what they build                    #
+#################################################################################
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * gain over the last dim (Zhang & Sennrich, 2019), normalised in fp32 at least."""
+
+    def __init__(self, dim, eps=NORM_EPS):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))  # learned gain, as LightningDiT's (DiT's LayerNorms have none)
+
+    def forward(self, x):
+        """(..., dim) -> (..., dim); the normalised value is cast back to x's dtype before the gain."""
+        wide = x.to(torch.promote_types(x.dtype, torch.float32))  # bf16/fp16 -> fp32; a float64 model stays float64
+        return F.rms_norm(wide, (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight
+
+
+class Mlp(nn.Module):
+    """Two-layer feed-forward network with tanh-approximated GELU."""
+
+    def __init__(self, dim, hidden_dim):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden_dim, bias=True)
+        self.act = nn.GELU(approximate="tanh")
+        self.fc2 = nn.Linear(hidden_dim, dim, bias=True)
+
+    def forward(self, x):
+        """(N, T, D) -> (N, T, D)."""
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def swiglu_hidden(dim, mlp_ratio=4.0):
+    """SwiGLU width, LightningDiT's int(2/3 * int(dim * mlp_ratio)): as many weights as the GELU MLP (3072 at XL)."""
+    return int(2 / 3 * int(dim * mlp_ratio))
+
+
+class SwiGLU(nn.Module):
+    """SiLU-gated feed-forward (Shazeer 2020, "GLU Variants", Eq. 6 FFN_SwiGLU) with biases, names as LightningDiT."""
+
+    def __init__(self, dim, hidden_dim):
+        super().__init__()
+        self.w12 = nn.Linear(dim, 2 * hidden_dim, bias=True)  # gate and value projections, fused
+        self.w3 = nn.Linear(hidden_dim, dim, bias=True)
+
+    def forward(self, x):
+        """(N, T, D) -> (N, T, D)."""
+        gate, value = self.w12(x).chunk(2, dim=-1)  # 2 x (N, T, hidden)
+        return self.w3(F.silu(gate) * value)
+
+
+def rope_angles(head_dim, grid_size, theta=ROPE_THETA):
+    """(T, head_dim) angles: a head's first half turned by the token's row, the second by its column (RoFormer Eq. 15)."""
+    # head_dim/4 frequencies theta^(-j / (head_dim/4)) per axis, each turning one interleaved channel pair (2i, 2i+1);
+    # tokens in row-major patch order: LightningDiT's VisionRotaryEmbeddingFast(dim=head_dim/2, pt_seq_len=grid).
+    quarter = head_dim // 4
+    freqs = theta ** -(torch.arange(quarter, dtype=torch.float64) / quarter)  # (head_dim/4,)
+    rows, cols = torch.meshgrid(torch.arange(grid_size), torch.arange(grid_size), indexing="ij")
+    angles = torch.cat([rows.reshape(-1, 1) * freqs, cols.reshape(-1, 1) * freqs], dim=1)  # (T, head_dim/2)
+    return angles.repeat_interleave(2, dim=1)  # (T, head_dim)
+
+
+def rotate_pairs(x):
+    """(x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...): multiplication by i of each channel pair."""
+    pairs = x.unflatten(-1, (-1, 2))  # (..., d/2, 2)
+    return torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)  # (..., d)
+
+
+class RotaryEmbedding2d(nn.Module):
+    """Rotates queries/keys (N, H, T, d) by their token's grid position; tables built for one grid size."""
+
+    def __init__(self, head_dim, grid_size):
+        super().__init__()
+        if head_dim % 4:
+            raise UserError(f"2-D RoPE needs a head dimension divisible by 4 (a channel pair per frequency, rows "
+                            f"and columns), but heads have {head_dim} channels; pick a preset whose width / heads "
+                            "is a multiple of 4, or train without --rope.")
+        self.head_dim, self.grid_size = head_dim, grid_size
+        # Persistent, as LightningDiT's feat_rope buffers: they mark a RoPE state dict and pin its grid.
+        # Filled by DiT.initialize_weights (like pos_embed), so building on the meta device stays cheap.
+        self.register_buffer("freqs_cos", torch.zeros(grid_size * grid_size, head_dim))  # (T, d)
+        self.register_buffer("freqs_sin", torch.zeros(grid_size * grid_size, head_dim))  # (T, d)
+
+    @torch.no_grad()
+    def reset_tables(self):
+        """Write cos/sin of rope_angles (computed on the CPU in float64) into the buffers."""
+        angles = rope_angles(self.head_dim, self.grid_size)
+        self.freqs_cos.copy_(angles.cos().float().to(self.freqs_cos.device))
+        self.freqs_sin.copy_(angles.sin().float().to(self.freqs_sin.device))
+
+    def forward(self, x):
+        """(N, H, T, d) -> (N, H, T, d) in fp32 (the fp32 tables promote; Attention casts back)."""
+        return x * self.freqs_cos + rotate_pairs(x) * self.freqs_sin
+
+
+class RoutedRope(nn.Module):
+    """A RotaryEmbedding2d's rotation for the tokens a route keeps: each keeps its own grid position's angles."""
+
+    def __init__(self, rope: RotaryEmbedding2d, keep: torch.Tensor):
+        super().__init__()
+        self.freqs_cos = rope.freqs_cos[keep].unsqueeze(1)  # (N, 1, K, d), broadcast over heads
+        self.freqs_sin = rope.freqs_sin[keep].unsqueeze(1)  # (N, 1, K, d)
+
+    def forward(self, x):
+        """(N, H, K, d) -> (N, H, K, d): RotaryEmbedding2d's rotation with per-sample tables."""
+        return RotaryEmbedding2d.forward(self, x)
+
+
+register_block_option("norm", "layernorm", "affine-free LayerNorm, eps 1e-6 (DiT)",
+                      lambda dim: nn.LayerNorm(dim, elementwise_affine=False, eps=NORM_EPS),
+                      qk=nn.LayerNorm)  # QK-norm: timm's default LayerNorm (affine, eps 1e-5), as LightningDiT
+register_block_option("norm", "rmsnorm", "RMSNorm with a learned gain, eps 1e-6 (LightningDiT)", RMSNorm,
+                      marker="blocks.0.norm1.weight")
+register_block_option("mlp", "gelu", "tanh GELU, 4x width (DiT)", lambda dim, ratio: Mlp(dim, int(dim * ratio)),
+                      marker="blocks.0.mlp.fc1.weight")
+register_block_option("mlp", "swiglu", "SiLU-gated, 2/3 of 4x width, as many weights (LightningDiT)",
+                      lambda dim, ratio: SwiGLU(dim, swiglu_hidden(dim, ratio)), marker="blocks.0.mlp.w12.weight")
+register_block_option("rope", False, "absolute sin-cos positions only (DiT)", None)
+register_block_option("rope", True, "half the head turned by row, half by column, theta 10000", RotaryEmbedding2d,
+                      marker="feat_rope.freqs_cos")
+register_block_option("qk_norm", False, "none (DiT)", None)
+register_block_option("qk_norm", True, "the --norm's per-head layer (Dehghani et al. 2023): RMSNorm with rmsnorm, "
+                      "LayerNorm with layernorm, as LightningDiT",
+                      lambda head_dim, norm: block_option("norm", norm).qk_layer(head_dim),
+                      marker="blocks.0.attn.q_norm.weight")
+
+
+#################################################################################
+#                                 The block                                     #
+#################################################################################
+
+def per_token(v):
+    """A modulation vector (N, D) broadcast over tokens as (N, 1, D); a per-token one (N, T, D) as it is."""
+    return v.unsqueeze(1) if v.dim() == 2 else v
+
+
+def modulate(x, shift, scale):
+    """adaLN modulation x * (1 + scale) + shift: one (N, D) vector per image, or (N, T, D) per token (DiT^DH head)."""
+    return x * (1 + per_token(scale)) + per_token(shift)  # (N, T, D)
+
+
+def _saved_ops() -> frozenset:
+    """The aten ops whose outputs selective checkpointing keeps: matmuls and every SDPA kernel torch has."""
+    aten = torch.ops.aten
+    names = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+             "_scaled_dot_product_fused_attention_overrideable")
+    return frozenset(getattr(aten, name).default for name in names if hasattr(aten, name))
+
+
+SAVED_OPS = _saved_ops()
+
+
+def selective_policy(ctx, op, *args, **kwargs):
+    """Keep what costs FLOPs (matmuls, attention) for backward; recompute the cheap pointwise ops (norms, GELU, adaLN)."""
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_contexts():
+    """The (forward, recompute) contexts of torch's selective checkpointing under selective_policy."""
+    return create_selective_checkpoint_contexts(selective_policy)
+
+
+class DiTBlock(nn.Module):
+    """Transformer block with adaLN-Zero conditioning (DiT Sec. 3.2, Fig. 3); block options as LightningDiT."""
+
+    def __init__(self, hidden_size, num_heads, mlp_ratio=4.0, norm="layernorm", mlp="gelu", qk_norm=False):
+        super().__init__()
+        self.norm1 = build_part("norm", norm, hidden_size)
+        qk = block_option("qk_norm", qk_norm).build
+        self.attn = Attention(hidden_size, num_heads, qk_norm=(lambda head_dim: qk(head_dim, norm)) if qk else None)
+        self.norm2 = build_part("norm", norm, hidden_size)
+        self.mlp = build_part("mlp", mlp, hidden_size, mlp_ratio)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size, bias=True))
+
+    # How this block's activations are kept for backward (DiT.set_grad_checkpointing): None stores them all, "full"
+    # recomputes the block, SELECTIVE recomputes its pointwise ops. The checkpoint runs inside forward, so a compiled
+    # block (train/step.py's regional compile) traces it and its policy into the one graph it reuses for every block.
+    recompute = None
+
+    def forward(self, x, c, rope=None):
+        """x (N, T, D) tokens, c (N, D) or per-token (N, T, D) conditioning, rope RotaryEmbedding2d or None -> (N, T, D)."""
+        if self.recompute is None or not torch.is_grad_enabled():
+            return self._forward(x, c, rope)
+        if self.recompute == SELECTIVE:
+            return checkpoint(self._forward, x, c, rope, use_reentrant=False, context_fn=selective_contexts)
+        return checkpoint(self._forward, x, c, rope, use_reentrant=False)
+
+    def _forward(self, x, c, rope=None):
+        """The block itself (forward's arguments)."""
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c).chunk(6, dim=-1)
+        x = x + per_token(gate_msa) * self.attn(modulate(self.norm1(x), shift_msa, scale_msa), rope)
+        return x + per_token(gate_mlp) * self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp))
+
+
+class FinalLayer(nn.Module):
+    """adaLN-modulated norm and a linear map from tokens to p*p*out_channels patch values."""
+
+    def __init__(self, hidden_size, patch_size, out_channels, norm="layernorm"):
+        super().__init__()
+        self.norm_final = build_part("norm", norm, hidden_size)
+        self.linear = nn.Linear(hidden_size, patch_size * patch_size * out_channels, bias=True)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size, bias=True))
+
+    def forward(self, x, c):
+        """x (N, T, D), c (N, D) or per-token (N, T, D) -> (N, T, p*p*out_channels)."""
+        shift, scale = self.adaLN_modulation(c).chunk(2, dim=-1)
+        return self.linear(modulate(self.norm_final(x), shift, scale))
+

@@ -1,0 +1,350 @@
+"""DiT (Peebles & Xie, 2023): the network, and the base it shares with DiT^DH (shared/network/ddt.py).
+
+Parameter names, shapes, initialisation and numerics follow the official release, so the official checkpoints
+(e.g. DiT-XL-2-256x256.pt) load with strict=True and give the same outputs. The blocks come from the block-option
+table (shared/network/blocks.py); presets, ModelConfig and reading weights back are shared/network/models.py's.
+"""
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from shared.network.attention import resolve_attention
+from shared.network.blocks import SELECTIVE, DiTBlock, FinalLayer, RoutedRope, build_part, check_block_options
+from shared.network.routing import gather_tokens, scatter_tokens
+from shared.runtime.errors import SettingError, UserError
+
+FREQUENCY_EMBEDDING_SIZE = 256  # sinusoidal timestep features fed to the timestep MLP (DiT Sec. 3.2)
+CLASS_DROPOUT_PROB = 0.1  # DiT's label dropout: the null class that classifier-free guidance needs
+
+
+#################################################################################
+#                     Fixed sine-cosine positional embedding                    #
+#################################################################################
+
+def sincos_1d(dim, positions):
+    """Sine half then cosine half of positions / 10000^(2i/dim) (Transformer positional encoding)."""
+    omega = 1.0 / 10000 ** (torch.arange(dim // 2, dtype=torch.float64) / (dim / 2))  # (dim/2,)
+    angles = positions.reshape(-1, 1).double() * omega  # (M, dim/2)
+    return torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)  # (M, dim)
+
+
+def sincos_2d(dim, grid_size):
+    """(grid_size**2, dim) MAE-style 2-D embedding; first half encodes the column, second the row."""
+    # The official code builds its grid with meshgrid(w, h), so its "emb_h" half actually holds the
+    # column index; we keep that order so official checkpoints see the embedding they were trained with.
+    rows, cols = torch.meshgrid(torch.arange(grid_size), torch.arange(grid_size), indexing="ij")
+    return torch.cat([sincos_1d(dim // 2, cols), sincos_1d(dim // 2, rows)], dim=1)  # (T, dim)
+
+
+#################################################################################
+#                 Embedding layers for patches, timesteps and labels            #
+#################################################################################
+
+class PatchEmbed(nn.Module):
+    """Non-overlapping p x p patches projected to D channels by a strided convolution."""
+
+    def __init__(self, input_size, patch_size, in_channels, hidden_size):
+        super().__init__()
+        self.input_size, self.patch_size = input_size, patch_size
+        self.num_patches = (input_size // patch_size) ** 2
+        self.proj = nn.Conv2d(in_channels, hidden_size, kernel_size=patch_size, stride=patch_size, bias=True)
+
+    def forward(self, x):
+        """(N, C, H, W) latents -> (N, T, D) tokens in row-major patch order."""
+        x = self.proj(x)  # (N, D, H/p, W/p)
+        return x.flatten(2).transpose(1, 2)  # (N, T, D)
+
+
+class TimestepEmbedder(nn.Module):
+    """Sinusoidal timestep features followed by a two-layer SiLU MLP."""
+
+    def __init__(self, hidden_size, frequency_embedding_size=FREQUENCY_EMBEDDING_SIZE):
+        super().__init__()
+        self.mlp = nn.Sequential(
+            nn.Linear(frequency_embedding_size, hidden_size, bias=True),
+            nn.SiLU(),
+            nn.Linear(hidden_size, hidden_size, bias=True),
+        )
+        self.frequency_embedding_size = frequency_embedding_size
+
+    @staticmethod
+    def timestep_embedding(t, dim, max_period=10000):
+        """(N,) possibly fractional timesteps -> (N, dim) features, cosine half first (as GLIDE/ADM)."""
+        half = dim // 2
+        # fp32 on purpose: the official checkpoints were trained with exactly these fp32 features.
+        freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+        args = t[:, None].float() * freqs[None]  # (N, half)
+        embedding = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)  # (N, 2*half)
+        if dim % 2:
+            embedding = F.pad(embedding, (0, 1))  # (N, dim)
+        return embedding
+
+    def forward(self, t):
+        """(N,) timesteps -> (N, D) embeddings."""
+        t_freq = self.timestep_embedding(t, self.frequency_embedding_size)
+        return self.mlp(t_freq.to(self.mlp[0].weight.dtype))  # (N, D)
+
+
+class LabelEmbedder(nn.Module):
+    """Class embedding table; the extra last row is the null class used for classifier-free guidance."""
+
+    def __init__(self, num_classes, hidden_size, dropout_prob):
+        super().__init__()
+        self.has_null = dropout_prob > 0  # as official: no null row when the model never drops labels
+        self.embedding_table = nn.Embedding(num_classes + int(self.has_null), hidden_size)
+        self.num_classes = num_classes
+        self.dropout_prob = dropout_prob
+
+    def token_drop(self, labels, force_drop_ids=None):
+        """Replace labels by the null class with probability dropout_prob (or where force_drop_ids == 1)."""
+        if force_drop_ids is None:
+            # Global torch RNG, so seeding torch reproduces which labels were dropped.
+            drop_ids = torch.rand(labels.shape[0], device=labels.device) < self.dropout_prob
+        else:
+            drop_ids = force_drop_ids.to(labels.device) == 1
+        return torch.where(drop_ids, torch.full_like(labels, self.num_classes), labels)
+
+    def forward(self, labels, train, force_drop_ids=None):
+        """(N,) labels -> (N, D); drops labels during training for CFG (Ho & Salimans, 2022)."""
+        if (train and self.dropout_prob > 0) or force_drop_ids is not None:
+            labels = self.token_drop(labels, force_drop_ids)
+        return self.embedding_table(labels)  # (N, D)
+
+
+
+#################################################################################
+#                         Initialisation shared by DiT and DiT^DH               #
+#################################################################################
+# Pieces of the init both models run in their own RNG draw order (initialize_weights of each). The ones that
+# draw (init_patch_embed_, init_condition_mlp_) are called where the draw falls; the others draw nothing.
+
+def init_patch_embed_(embedder: PatchEmbed) -> None:
+    """The patch embedding initialised as a linear layer over the flattened patch (as official DiT), zero bias."""
+    w = embedder.proj.weight  # (D, C, p, p)
+    nn.init.xavier_uniform_(w.view(w.shape[0], -1))
+    nn.init.zeros_(embedder.proj.bias)
+
+
+def init_condition_mlp_(mlp: nn.Sequential) -> None:
+    """The timestep MLP's two linears ~ N(0, 0.02) (DiT's init; RAE keeps it)."""
+    nn.init.normal_(mlp[0].weight, std=0.02)
+    nn.init.normal_(mlp[2].weight, std=0.02)
+
+
+def set_positions_(pos_embed: torch.Tensor, grid: int, ropes=()) -> None:
+    """The fixed sin-cos table into pos_embed (1, T, D) and the rotary tables recomputed; no RNG draw."""
+    pos = sincos_2d(pos_embed.shape[-1], grid).float()  # (T, D), computed on the CPU in float64
+    pos_embed.copy_(pos.unsqueeze(0).to(pos_embed.device))  # (1, T, D)
+    for rope in ropes:
+        if rope is not None:
+            rope.reset_tables()
+
+
+def adaln_zero_(blocks, final_layer: FinalLayer) -> None:
+    """adaLN-Zero (DiT Sec. 3.2): every block starts as the identity, the output as zero; no RNG draw."""
+    for layer in [b.adaLN_modulation[-1] for b in blocks] + [final_layer.adaLN_modulation[-1], final_layer.linear]:
+        nn.init.zeros_(layer.weight)
+        nn.init.zeros_(layer.bias)
+
+
+
+#################################################################################
+#                     What DiT and DiT^DH share, and DiT                        #
+#################################################################################
+
+class Backbone(nn.Module):
+    """What DiT and DiT^DH share: blocks from the option table, attention kernels, checkpointing, routing, patch order."""
+
+    # A subclass builds its embedders in __init__ with the parts below, in the order its release draws their initial
+    # weights, then calls finish().
+
+    def __init__(self, input_size, patch_size, in_channels, depth, num_heads, num_classes, learn_sigma, mlp_ratio,
+                 options: dict):
+        super().__init__()
+        check_block_options(options)
+        if input_size % patch_size:
+            raise UserError(f"input size {input_size} is not a multiple of patch size {patch_size}; "
+                            "pick a preset whose patch size divides the latent size.")
+        self.input_size, self.patch_size, self.in_channels = input_size, patch_size, in_channels
+        self.learn_sigma = learn_sigma
+        self.out_channels = in_channels * 2 if learn_sigma else in_channels
+        self.num_heads, self.num_classes = num_heads, num_classes
+        self.null_label = num_classes  # the one owner of the null-class index
+        self.depth = depth  # blocks that token routing may span (a DiT^DH's body)
+        self.mlp_ratio, self.block_options = mlp_ratio, dict(options)
+        self.route = None  # (start, end): blocks that see only the kept tokens in training (set_routing)
+
+    @property
+    def grid(self):
+        """Tokens per side."""
+        return self.input_size // self.patch_size
+
+    def positions(self, width):
+        """The fixed sin-cos table (1, T, width), a frozen parameter so it is in the state dict as official."""
+        return nn.Parameter(torch.zeros(1, self.grid * self.grid, width), requires_grad=False)
+
+    def rope_table(self, width, heads):
+        """The rope option's rotary table for heads of width / heads channels (None when off)."""
+        return build_part("rope", self.block_options["rope"], width // heads, self.grid)
+
+    def make_blocks(self, width, heads, count):
+        """`count` blocks of the chosen options at this width."""
+        options = {k: self.block_options[k] for k in ("norm", "mlp", "qk_norm")}
+        return [DiTBlock(width, heads, self.mlp_ratio, **options) for _ in range(count)]
+
+    def make_final_layer(self, width):
+        """The output layer (adaLN-modulated norm, linear to patch values) at this width."""
+        return FinalLayer(width, self.patch_size, self.out_channels, norm=self.block_options["norm"])
+
+    def finish(self, attention, grad_checkpoint_every):
+        """Initialise the weights, pick the attention kernel and the checkpointing: the end of every __init__."""
+        self.initialize_weights()
+        self.set_attention(attention)
+        self.set_grad_checkpointing(grad_checkpoint_every)
+
+    def set_attention(self, backend):
+        """Switch every block's attention kernel: "auto"|"sdpa"|"xformers"|"math"; UserError if unusable."""
+        self.attention = resolve_attention(backend)
+        for block in self.blocks:
+            block.attn.backend = self.attention
+
+    def set_grad_checkpointing(self, every):
+        """Recompute every `every`-th block (0, k, 2k, ...) in backward; 0: off; SELECTIVE: every block's pointwise ops."""
+        if every != SELECTIVE and (not isinstance(every, int) or isinstance(every, bool) or every < 0):
+            raise UserError(f"gradient checkpointing interval must be a whole number >= 0 (0 = off, 1 = every "
+                            f"block) or {SELECTIVE!r}, got {every!r}.")
+        self.grad_checkpoint_every = every
+        for index, block in enumerate(self.blocks):
+            block.recompute = (SELECTIVE if every == SELECTIVE else "full") if self._checkpointed(index) else None
+
+    def set_routing(self, start=None, end=None):
+        """Token routing in training (routing.py): blocks start..end see only the kept tokens; None: off. Not architecture."""
+        if start is None:
+            self.route = None
+            return
+        if not 0 <= start <= end < self.depth:
+            raise UserError(f"a route over blocks {start}..{end} does not fit this model's {self.depth} routable blocks "
+                            f"(0 <= start <= end <= {self.depth - 1}; a DiT^DH head is never routed).")
+        self.route = (start, end)
+
+    def _checkpointed(self, index):
+        """Whether block `index` recomputes in backward (all of it, or its pointwise ops) instead of storing them."""
+        k = 1 if self.grad_checkpoint_every == SELECTIVE else self.grad_checkpoint_every
+        return k > 0 and index % k == 0
+
+    def _active_route(self, route_keep, return_hidden_at):
+        """(start, end) of the route this forward takes ((-1, -1): none); SettingError for REPA inside it."""
+        start, end = self.route if self.training and self.route and route_keep is not None else (-1, -1)
+        if return_hidden_at is not None and start <= return_hidden_at - 1 <= end:
+            raise SettingError(f"block {return_hidden_at}'s output is inside the token route (blocks {start}.."
+                               f"{end}), where only some tokens are present; align a block before the route.")
+        return start, end
+
+    def _block(self, i, x, c, rope):
+        """Block i on tokens x (N, T or K, D) with conditioning c (recomputed in backward as the block says)."""
+        return self.blocks[i](x, c, rope)
+
+    def _run_blocks(self, x, c, rope, indices, route=(-1, -1), route_keep=None, return_hidden_at=None):
+        """x (N, T, D) through blocks `indices` -> (x, block return_hidden_at's output or None); routed: see below."""
+        # Blocks route[0]..route[1] see only route_keep's (N, K) tokens; the skipped ones wait in `full` and rejoin
+        # after block route[1] holding what block route[0] - 1 gave them (TREAD, shared/network/routing.py).
+        start, end = route
+        hidden, table = None, rope
+        for i in indices:
+            if i == start:  # the route starts: the skipped tokens wait in `full` (N, T, D)
+                full, x = x, gather_tokens(x, route_keep)  # (N, K, D)
+                rope = RoutedRope(table, route_keep) if table is not None else None
+            x = self._block(i, x, c, rope)  # (N, T or K, D)
+            if i == end:  # ... and ends: the kept tokens' new values rejoin the skipped ones
+                x, rope = scatter_tokens(full, route_keep, x), table  # (N, T, D)
+            if i + 1 == return_hidden_at:
+                hidden = x  # (N, T, D)
+        return x, hidden
+
+    def unpatchify(self, x):
+        """(N, T, p*p*C) patch values -> (N, C, H, W), the inverse of the patch order of x_embedder."""
+        c, p = self.out_channels, self.patch_size
+        h = w = self.input_size // p
+        x = x.reshape(x.shape[0], h, w, p, p, c)  # (N, h, w, p, p, C)
+        x = x.permute(0, 5, 1, 3, 2, 4)  # (N, C, h, p, w, p)
+        return x.reshape(x.shape[0], c, h * p, w * p)  # (N, C, H, W)
+
+    def _check_input(self, x):
+        """UserError when latents do not have the shape this model was built for."""
+        expected = (self.in_channels, self.input_size, self.input_size)
+        if x.dim() != 4 or tuple(x.shape[1:]) != expected:
+            grid = self.input_size // self.patch_size
+            rope = (f" Its rotary position tables are built for a {grid}x{grid} token grid, so it cannot run at "
+                    "another size either.") if self.feat_rope is not None else ""
+            raise UserError(
+                f"the model expects latents of shape (N, {', '.join(map(str, expected))}) but got "
+                f"{tuple(x.shape)}; the latents' image size or VAE does not match this model's input_size "
+                f"and in_channels.{rope} Use latents extracted at the size the model was built for."
+            )
+
+
+
+class DiT(Backbone):
+    """Diffusion Transformer over latent patches, conditioned on timestep and class."""
+
+    def __init__(self, input_size=32, patch_size=2, in_channels=4, hidden_size=1152, depth=28,
+                 num_heads=16, mlp_ratio=4.0, class_dropout_prob=CLASS_DROPOUT_PROB, num_classes=1000,
+                 learn_sigma=True, attention="auto", grad_checkpoint_every=0, norm="layernorm", mlp="gelu",
+                 rope=False, qk_norm=False, interval_time=False):
+        super().__init__(input_size, patch_size, in_channels, depth, num_heads, num_classes, learn_sigma, mlp_ratio,
+                         dict(norm=norm, mlp=mlp, rope=rope, qk_norm=qk_norm))
+        # Registration order is the official one: initialize_weights draws in self.modules() order.
+        self.x_embedder = PatchEmbed(input_size, patch_size, in_channels, hidden_size)
+        self.t_embedder = TimestepEmbedder(hidden_size)
+        # MeanFlow (Geng et al. 2025): a second embedder for the interval length t - r, summed into the conditioning
+        # as the official models_dit.py's h_embedder. None (no tensors) unless asked, so other layouts are unchanged.
+        self.h_embedder = TimestepEmbedder(hidden_size) if interval_time else None
+        self.y_embedder = LabelEmbedder(num_classes, hidden_size, class_dropout_prob)
+        self.pos_embed = self.positions(hidden_size)  # (1, T, D)
+        # LightningDiT keeps the absolute sin-cos embedding above and adds RoPE inside attention.
+        self.feat_rope = self.rope_table(hidden_size, num_heads)
+        self.blocks = nn.ModuleList(self.make_blocks(hidden_size, num_heads, depth))
+        self.final_layer = self.make_final_layer(hidden_size)
+        self.finish(attention, grad_checkpoint_every)
+
+    @torch.no_grad()
+    def initialize_weights(self):
+        """Official init: xavier linears, sin-cos positions, N(0, 0.02) embeddings, adaLN-Zero (norm gains 1)."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                nn.init.zeros_(module.bias)
+        set_positions_(self.pos_embed, self.grid, [self.feat_rope])
+        init_patch_embed_(self.x_embedder)
+        nn.init.normal_(self.y_embedder.embedding_table.weight, std=0.02)
+        init_condition_mlp_(self.t_embedder.mlp)
+        if self.h_embedder is not None:
+            init_condition_mlp_(self.h_embedder.mlp)
+        adaln_zero_(self.blocks, self.final_layer)
+
+    def time_embedding(self, t):
+        """(N,) timesteps -> (N, D); with the interval embedder, (N, 2) pairs (time, interval length) -> (N, D)."""
+        if self.h_embedder is None:
+            return self.t_embedder(t)
+        if t.dim() != 2 or t.shape[1] != 2:
+            raise UserError(f"this model embeds two times (MeanFlow: t and t - r) and needs them as an (N, 2) tensor, "
+                            f"but got shape {tuple(t.shape)}; sample it with a meanflow sampler (--sampler meanflow).")
+        return self.t_embedder(t[:, 0]) + self.h_embedder(t[:, 1])  # (N, D)
+
+    def forward(self, x, t, y, force_drop_ids=None, return_hidden_at=None, route_keep=None):
+        """x (N, C, H, W) latents, t (N,) times ((N, 2) with the interval embedder), y (N,) -> (N, out, H, W)."""
+        # force_drop_ids (N,) bool/0-1: labels that become the null class; training passes the data side's per-sample
+        # coin here, so the model's own global-RNG label dropout never runs (train/data.py).
+        # return_hidden_at k (1..depth): the result is (output, block k's tokens (N, T, D)), from the same forward
+        # (REPA aligns them; shared/network/repa.py).
+        # route_keep (N, K) int64: in train mode with set_routing on, only these tokens pass the routed blocks (TREAD);
+        # in eval mode every token passes every block, as sampling does.
+        self._check_input(x)
+        x = self.x_embedder(x) + self.pos_embed  # (N, T, D), T = H * W / p**2
+        c = self.time_embedding(t) + self.y_embedder(y, self.training, force_drop_ids)  # (N, D)
+        route = self._active_route(route_keep, return_hidden_at)
+        x, hidden = self._run_blocks(x, c, self.feat_rope, range(self.depth), route, route_keep, return_hidden_at)
+        x = self.unpatchify(self.final_layer(x, c))  # (N, out_channels, H, W)
+        return x if return_hidden_at is None else (x, hidden)
