@@ -18,8 +18,8 @@ from shared.runtime.errors import UserError, cli_errors
 from shared.runtime.precision import PRECISION_CHOICES, canonical_precision
 from shared.network.routing import kept_tokens
 from shared.network.blocks import SELECTIVE
-from train.config import (BLOCK_FLAGS, TrainConfig, add_block_flags, block_from_args, checkpoint_choice, model_config_for,
-                          route_span)
+from train.config import (BLOCK_FLAGS, TrainConfig, add_block_flags, block_from_args, checkpoint_choice,
+                          model_config_for, route_span)
 from train import memory
 from train.autotune import smaller_micro
 from train.memory import (DEFAULT_MARGIN, FixedState, PlanRow, StepOutOfMemory, Verified, fixed_state, forward_macs,
@@ -28,7 +28,7 @@ from train.memory import (DEFAULT_MARGIN, FixedState, PlanRow, StepOutOfMemory, 
 from train.units import GiB, MiB, format_size, parse_size
 
 PROG = "python -m train.plan"
-FLAGS = {"model preset": "--model", "precision": "--precision", "objective": "--objective", **BLOCK_FLAGS}  # domain name -> flag
+FLAGS = {"model preset": "--model", "precision": "--precision", "objective": "--objective", **BLOCK_FLAGS}
 OPTIMIZER_LABELS = {"adamw": "AdamW, 2 fp32 moments", "adamw8bit": "8-bit AdamW, 2 bytes/param"}
 
 
