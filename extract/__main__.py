@@ -58,11 +58,13 @@ def main(argv=None) -> int:
             print(run_verify(args.out))
             return 0
         if args.stats:
+            from extract.run import ExtractConfig
             from extract.stats import run_stats
 
             if args.out is None:
                 raise UserError("--stats needs --out: the finished latent folder to add the statistics to.")
-            print(run_stats(args.out))
+            given = args.vae if args.vae != ExtractConfig.vae or args.vae_config else None  # else the recorded one
+            print(run_stats(args.out, given, args.vae_config))
             return 0
         if args.data_path is None:
             raise UserError("--data-path is required: pass the ImageFolder root (one sub-folder per class), the tar "

@@ -31,13 +31,14 @@ from shared.runtime.cli import counted, option
 from shared.runtime.distributed import default_workers as shared_default_workers, process_state
 from extract.sizes import check_image_size
 from shared.runtime.errors import ChoiceError, UserError
-from shared.runtime.fsio import atomic_write_text, stale_tmps
+from shared.runtime.fsio import atomic_write_bytes, atomic_write_text, stale_tmps
 from shared.runtime.lock import hold_lock
 from shared.runtime.rerun import differences, listed
 from shared.datasets.shard_schema import FLAG_DTYPES
 from shared.network.repa import REPR_TENSOR
 from shared.tokenizers.classes import tokenizer_class
 from shared.tokenizers.norm import ChannelStats, ElementStats
+from shared.tokenizers.space import LatentSpace
 from shared.datasets.shards import (FLIP_MODES, FOLDER_KIND, INDEX_NAME, STORAGE_DTYPES, ShardInfo, ShardWriter,
                            damaged_error, damaged_files, shard_name, write_index)
 
@@ -111,9 +112,9 @@ class ExtractModes:
                                 "mode, bad files (opens every image; no VAE). Exit status 1 if bad files are found.")
     dry_run: bool = option(False, "Run every check and print the plan (images, shards, VAE, settings) without loading "
                                   "the VAE or writing anything.")
-    stats: bool = option(False, "Compute the per-channel latent statistics of the finished folder --out from its stored "
-                                "moments (float64) and add them to its index.json, without encoding again (folders "
-                                "extracted before the statistics existed; train --latent-norm channel needs them).")
+    stats: bool = option(False, "Recompute the latent statistics of the finished folder --out from its stored moments "
+                                "(float64) and rewrite its latent_space.json, without encoding again: converts an older "
+                                "folder, rebuilds a damaged record (with the recorded tokenizer, or --vae if given).")
     verify: bool = option(False, "Hash every shard of the finished folder --out against its index.json and report "
                                  "damage; changes nothing (a damaged folder: rerun the extraction command, it redoes "
                                  "those shards).")
@@ -316,15 +317,22 @@ def read_finished(out: Path, shard: int, settings: dict) -> dict | None:
         tar = out / sidecar["shard"]["name"]
         ok = sidecar["settings_sha256"] == settings_sha256(settings) and tar.stat().st_size == sidecar["shard"]["size"]
         ok = ok and "latent_stats" in sidecar  # a shard from before the statistics: encoded again
+        element = sidecar.get("element_stats")  # RAE tokens: the per-element sums' file (older sidecars: inline)
+        ok = ok and (element is None or (isinstance(element, str) and (out / element).is_file()))
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return sidecar if ok else None
 
 
+def element_stats_path(out: Path, shard: int) -> Path:
+    """The per-element partial sums of shard `shard` (RAE tokens), written just before its sidecar."""
+    return out / shard_name(shard).replace(".tar", ".stats.safetensors")
+
+
 def clean_unfinished(out: Path, shards: list[int]) -> None:
     """Remove temp files and half-written leftovers of the shards this process is about to redo."""
     for j in shards:
-        for path in (out / shard_name(j), sidecar_path(out, j)):
+        for path in (out / shard_name(j), element_stats_path(out, j), sidecar_path(out, j)):
             for leftover in (*stale_tmps(path), path):
                 leftover.unlink(missing_ok=True)
 
@@ -429,7 +437,10 @@ class ShardSink:
         sidecar = {"shard": self.writer.info.to_dict(), "bad_files": self.bad, "vae": self.identity,
                    "settings_sha256": settings_sha256(self.plan.settings), "written_by": self.process,
                    "latent_stats": self.stats.to_dict(),
-                   **({"element_stats": self.elements.to_dict()} if self.elements is not None else {})}
+                   **({"element_stats": element_stats_path(self.out, self.shard).name} if self.elements is not None
+                      else {})}
+        if self.elements is not None:
+            atomic_write_bytes(element_stats_path(self.out, self.shard), self.elements.to_bytes())
         _atomic_json(sidecar_path(self.out, self.shard), sidecar)
         self.writer = None
 
@@ -505,8 +516,28 @@ def default_workers(cfg: ExtractConfig, num_processes: int) -> int:
 # Finishing: bad-file report, then index.json last
 # ----------------------------------------------------------------------------------------------------------
 
-def write_outputs(cfg: ExtractConfig, plan_: Plan) -> dict:
-    """Collect every sidecar, write the bad-file report, then the index (last); returns a summary."""
+def folder_space(space: LatentSpace, out: Path, sidecars: list[dict], images: int, flips: int) -> LatentSpace:
+    """The tokenizer's space with the folder's statistics, merged from every shard's partial sums."""
+    stats = ChannelStats()
+    for sidecar in sidecars:
+        stats.merge(ChannelStats.from_dict(sidecar["latent_stats"]))
+    channel, statistics = stats.summary(images, flips, bool(space.tokenizer.get("deterministic")))
+    norms = {"channel": channel}
+    if "element_stats" in sidecars[0]:  # the per-element statistics RAE normalises with, merged the same way
+        elements = ElementStats()
+        for sidecar in sidecars:
+            elements.merge(ElementStats.from_bytes((out / sidecar["element_stats"]).read_bytes()))
+        norms["element"], statistics["element"] = elements.summary(images, flips)
+    return space.with_norms(statistics, **norms)
+
+
+def _tokenizer_space(cfg: ExtractConfig, plan_: Plan) -> LatentSpace:
+    """The tokenizer's space when this process encoded nothing in this run: the tokenizer loaded on the CPU."""
+    return LatentSpace.of_tokenizer(_load_vae(cfg, "cpu"), cfg.image_size, plan_.latent_shape, plan_.scan.classes)
+
+
+def write_outputs(cfg: ExtractConfig, plan_: Plan, tokenizer_space: LatentSpace | None = None) -> dict:
+    """Collect every sidecar, write the bad-file report, the latent space, then the index (last); a summary."""
     out = Path(cfg.out)
     sidecars = [read_finished(out, j, plan_.settings) for j in range(plan_.num_shards)]
     missing = [shard_name(j) for j, s in enumerate(sidecars) if s is None]
@@ -522,29 +553,21 @@ def write_outputs(cfg: ExtractConfig, plan_: Plan) -> dict:
         raise UserError(f"none of the {len(plan_.scan)} images in {plan_.scan.root} could be read; see "
                         f"{out / BAD_FILES_NAME} for the reasons.")
     atomic_write_text(out / BAD_FILES_NAME, "".join(json.dumps(b) + "\n" for b in bad))
-    stats = ChannelStats()
-    for sidecar in sidecars:
-        stats.merge(ChannelStats.from_dict(sidecar["latent_stats"]))
-    meta = index_meta(cfg, plan_, sidecars[0]["vae"], len(bad))
-    meta["latent_stats"] = stats.summary(sum(i.num_samples for i in infos), FLIP_MODES[cfg.flip],
-                                         bool(sidecars[0]["vae"].get("deterministic")))
-    if plan_.element_stats:  # the per-element statistics RAE normalises with, merged the same way
-        elements = ElementStats()
-        for sidecar in sidecars:
-            elements.merge(ElementStats.from_dict(sidecar["element_stats"]))
-        meta["latent_stats"]["element"] = elements.summary(sum(i.num_samples for i in infos), FLIP_MODES[cfg.flip])
+    images = sum(i.num_samples for i in infos)
+    space = folder_space(tokenizer_space or _tokenizer_space(cfg, plan_), out, sidecars, images, FLIP_MODES[cfg.flip])
+    meta = index_meta(cfg, plan_, space.write(out), len(bad))
     write_index(out, infos, meta)
     return {"num_samples": sum(i.num_samples for i in infos), "num_bad": len(bad), "num_shards": len(infos),
             "too_large": too_large}
 
 
-def index_meta(cfg: ExtractConfig, plan_: Plan, vae_identity: dict, num_bad: int) -> dict:
+def index_meta(cfg: ExtractConfig, plan_: Plan, space_sha256: str, num_bad: int) -> dict:
     """The metadata index.json carries besides the shard list."""
     return {
         "image_size": cfg.image_size,
         "num_classes": len(plan_.scan.classes),
         "class_names": plan_.scan.classes,
-        "vae": vae_identity,
+        "latent_space": space_sha256,  # of latent_space.json + latent_space.safetensors (shared/tokenizers/space.py)
         "preprocessing": "adm_center_crop",
         "dataset": {"path": str(plan_.scan.root), "num_files": len(plan_.scan), "num_bad_files": num_bad,
                     "files_sha256": plan_.scan.fingerprint()},
@@ -636,9 +659,10 @@ def _extract(cfg: ExtractConfig, plan_: Plan, out: Path, state) -> dict:
     state.wait_for_everyone()
     pending, damaged = _pending(out, plan_, state)
     clean_unfinished(out, pending)
-    progress, elapsed = Progress(damaged=damaged), 0.0
+    progress, elapsed, space = Progress(damaged=damaged), 0.0, None
     if pending:
         vae = _load_vae(cfg, state.device)
+        space = LatentSpace.of_tokenizer(vae, cfg.image_size, plan_.latent_shape, plan_.scan.classes)
         encoder = _load_encoder(cfg, plan_, state.device)
         start = time.perf_counter()  # the rate below is decode + encode + write, without the VAE load
         progress = encode_shards(cfg, plan_, pending, vae, state, encoder)
@@ -647,7 +671,7 @@ def _extract(cfg: ExtractConfig, plan_: Plan, out: Path, state) -> dict:
     state.wait_for_everyone()  # every shard finished before the index
     summary = {}
     if state.is_main_process:
-        summary = write_outputs(cfg, plan_)
+        summary = write_outputs(cfg, plan_, space)
         summary.update(encoded_here=progress.encoded, seconds=elapsed, shards_here=len(pending),
                        damaged_here=progress.damaged, skipped=plan_.scan.skipped.describe(), out=str(out),
                        notes=list(plan_.scan.notes),

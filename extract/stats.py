@@ -1,8 +1,10 @@
-"""`python -m extract --stats --out DIR`: add the per-channel latent statistics to a finished folder's index.json.
+"""`python -m extract --stats --out DIR`: (re)write a finished folder's latent space with its statistics.
 
 The statistics come from the stored moments (shared/tokenizers/norm.py `ChannelStats`, float64), the same numbers
-an extraction writes, so a folder extracted before they existed gets them without encoding any image again.
-index.json is rewritten atomically with only the "latent_stats" entry added or replaced, under the folder's lock.
+an extraction writes, so an older folder gets them without encoding any image again, and a damaged
+latent_space.json is rebuilt (its tokenizer part from the tokenizer index.json records, loaded on the CPU).
+latent_space.* and index.json's "latent_space" hash are rewritten atomically under the folder's lock; an older
+folder's "latent_stats" moves into latent_space.safetensors, every other entry of index.json stays as it is.
 """
 from __future__ import annotations
 
@@ -14,45 +16,76 @@ from tqdm import tqdm
 
 from shared.datasets.shards import FOLDER_KIND, INDEX_NAME, LatentDataset, load_index
 from shared.runtime.cli import counted
+from shared.runtime.errors import UserError
 from shared.runtime.fsio import atomic_write_text
 from shared.runtime.lock import hold_lock
 from shared.tokenizers.classes import TOKENIZER_CLASSES
 from shared.tokenizers.norm import ChannelStats, ElementStats
+from shared.tokenizers.space import SPACE_JSON, LatentSpace
 
 BATCH = 256  # samples per gather while reading the moments
 
 
-def folder_stats(dataset: LatentDataset, progress: bool = True) -> dict:
-    """index.json's "latent_stats" of a folder, computed from every stored sample and flip."""
+def folder_stats(dataset: LatentDataset, element: bool, progress: bool = True) -> tuple[dict, dict]:
+    """(normalisations by name, what they were computed from) of a folder, from every stored sample and flip."""
     deterministic = dataset.deterministic
     columns = ("mean",) if deterministic else ("mean", "std")
-    kind = TOKENIZER_CLASSES.get(dataset.vae.get("class"))
-    stats, elements = ChannelStats(), ElementStats() if kind is not None and kind.element_stats else None
+    stats, elements = ChannelStats(), ElementStats() if element else None
     for start in tqdm(range(0, len(dataset), BATCH), unit="batch", desc="stats", disable=not progress):
         batch = dataset.gather(np.arange(start, min(start + BATCH, len(dataset))), columns)  # (B, F, C, h, w) each
         stats.add(batch["mean"], batch.get("std"))
         if elements is not None:  # RAE tokens: also per element (C, h, w)
             elements.add(batch["mean"])
-    summary = stats.summary(len(dataset), dataset.flips, deterministic)
+    norms = {}
+    norms["channel"], statistics = stats.summary(len(dataset), dataset.flips, deterministic)
     if elements is not None:
-        summary["element"] = elements.summary(len(dataset), dataset.flips)
-    return summary
+        norms["element"], statistics["element"] = elements.summary(len(dataset), dataset.flips)
+    return norms, statistics
 
 
-def run_stats(out) -> str:
-    """Compute the statistics of the folder `out` and write them into its index.json; the report line."""
+def recorded_space(dataset: LatentDataset) -> LatentSpace | None:
+    """The folder's space as recorded, or None when its record is damaged (it is rebuilt)."""
+    try:
+        return dataset.space
+    except UserError:
+        return None
+
+
+def tokenizer_space(dataset: LatentDataset, vae: str | None, vae_config) -> LatentSpace:
+    """The tokenizer's part of the folder's space, from the tokenizer index.json records (or --vae), on the CPU."""
+    from shared.tokenizers.vae import LatentVAE
+
+    recorded = dataset.meta.get("extract_settings", {}).get("vae", {})
+    if not (vae or recorded.get("source")):
+        raise UserError(f"{dataset.root}/index.json names no tokenizer to rebuild its latent space from; pass the "
+                        f"--vae the folder was extracted with.")
+    tokenizer = LatentVAE.load(vae or recorded["source"], config=vae_config)
+    if recorded.get("config_sha256") not in (None, tokenizer.identity["config_sha256"]):
+        raise UserError(f"the tokenizer {tokenizer.identity['source']} is not the one that made the latents of "
+                        f"{dataset.root} (its config hash differs from the one index.json records); pass the --vae "
+                        f"the folder was extracted with.")
+    return LatentSpace.of_tokenizer(tokenizer, dataset.image_size, dataset.latent_shape, dataset.class_names)
+
+
+def run_stats(out, vae: str | None = None, vae_config=None) -> str:
+    """Compute the statistics of the folder `out`, write its latent_space.* and index.json; the report line."""
     out = Path(out)
     load_index(out)  # a clear paragraph when it is not a finished latent folder
     with hold_lock(out, FOLDER_KIND):
         dataset = LatentDataset(out)  # hashes every shard against index.json first
-        summary = folder_stats(dataset)
+        before = recorded_space(dataset)
+        base = before.tokenizer_only() if before is not None and vae is None else \
+            tokenizer_space(dataset, vae, vae_config)
+        kind = TOKENIZER_CLASSES.get(base.tokenizer.get("class"))
+        norms, statistics = folder_stats(dataset, kind is not None and kind.element_stats)
+        space = base.with_norms(statistics, **norms)
         index = load_index(out)
-        before = index.get("latent_stats")
-        index["latent_stats"] = summary
+        index.pop("latent_stats", None)  # an older folder's statistics: now in latent_space.safetensors
+        index["latent_space"] = space.write(out)
         atomic_write_text(out / INDEX_NAME, json.dumps(index, indent=1) + "\n")
-    change = "unchanged" if before == summary else ("replaced" if before else "added")
-    element = " and per element" if "element" in summary else ""
+    change = "unchanged" if before == space else ("replaced" if before is not None and "channel" in before.norms
+                                                  else "added")
+    element = " and per element" if "element" in norms else ""
     return (f"stats: {out}: per-channel{element} statistics of {counted(len(dataset), 'sample')} x "
-            f"{counted(dataset.flips, 'flip')}, "
-            f"{counted(len(summary['mean']), 'channel')} ({change} in {INDEX_NAME}); train with --latent-norm channel"
-            f"{' or element' if element else ''}")
+            f"{counted(dataset.flips, 'flip')}, {counted(norms['channel'].mean.numel(), 'channel')} ({change} in "
+            f"{SPACE_JSON}); train with --latent-norm channel{' or element' if element else ''}")

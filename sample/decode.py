@@ -11,10 +11,10 @@ from shared.runtime.cli import option
 from shared.runtime.distributed import process_state
 from shared.runtime.errors import UserError
 from shared.sampling.flags import DecodeFlags
-from shared.runtime.previews import read_preview
+from shared.sampling.previews import read_preview
 from shared.tokenizers.pixels import to_uint8
 from shared.runtime.rundir import SAMPLES, step_of
-from shared.tokenizers.vae_match import check_loaded_vae, check_vae_matches, choose_vae, load_vae
+from shared.tokenizers.space import LatentSpace, choose_tokenizer, load_tokenizer
 
 from shared.sampling.outputs import GRID_NAME, captions_for, check_out_path, image_name, save_png, write_grid
 
@@ -62,19 +62,21 @@ def run_decode(o: DecodeOptions) -> list[Path]:
         raise UserError(f"--batch-size {o.batch_size} must be at least 1.")
     jobs = decode_jobs(o)
     loaded = [(read_preview(path), path, out) for path, out in jobs]  # every file is checked before any decoding
-    spec, how = choose_vae(o.vae, loaded[-1][0][2])  # the VAE recorded with the newest file
-    for (latents, _, meta), _, _ in loaded:
-        name, _ = check_vae_matches(spec, o.vae_config, latents.shape[1], meta, o.allow_other_vae)
+    spec, how = choose_tokenizer(o.vae, loaded[-1][0][2])  # the tokenizer recorded with the newest file
+    for (latents, _, space), _, _ in loaded:
+        name, _ = LatentSpace.or_unknown(space, latents.shape[1]).check_tokenizer_config(spec, o.vae_config,
+                                                                                          o.allow_other_vae)
     device = process_state(o.cpu).device
-    vae = load_vae(name, o.vae_config, device, o.vae_precision, o.vae_tiling, o.vae_slicing)
+    vae = load_tokenizer(name, o.vae_config, device, o.vae_precision, o.vae_tiling, o.vae_slicing)
     return [decode_file(vae, name, how, data, path, out, o) for data, path, out in loaded]
 
 
 def decode_file(vae, name: str, how: str, data, path: Path, out: Path, o: DecodeOptions) -> Path:
     """Decode one preview file's latents into `out`."""
-    latents, labels, meta = data
-    norm, note = check_loaded_vae(vae, meta, o.allow_other_vae)
-    names = meta.get("class_names") or []
+    latents, labels, space = data
+    space = LatentSpace.or_unknown(space, latents.shape[1])
+    norm, note = space.check_loaded(vae, o.allow_other_vae)
+    names = list(space.class_names)
     print(f"decoding {len(latents)} latents from {path} with VAE {name} ({how})" + (f"; note: {note}" if note else ""))
     out.mkdir(parents=True, exist_ok=True)
     images = []

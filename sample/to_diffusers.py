@@ -24,8 +24,7 @@ from shared.runtime.errors import ChoiceError, UserError
 from shared.sampling.flags import ALLOW_OTHER_VAE, VAE, VAE_CONFIG
 from shared.runtime.fsio import TMP_PREFIX, atomic_write_text, publish_dir, remove_tree
 from shared.network.models import ModelConfig
-from shared.tokenizers.norm import norm_of_meta
-from shared.tokenizers.vae_match import check_loaded_vae, check_vae_matches, choose_vae, load_vae
+from shared.tokenizers.space import LatentSpace, choose_tokenizer, load_tokenizer
 
 from shared.weights.checkpoint import WEIGHTS, LoadedWeights, load_sampling_weights
 
@@ -87,9 +86,9 @@ def check_representable(config: ModelConfig, where) -> None:
                         f"sample this one with `python -m sample --ckpt ...`.")
 
 
-def check_norm_exportable(latent_meta: dict | None, where) -> None:
+def check_norm_exportable(space: LatentSpace, where) -> None:
     """UserError unless the latents were trained with a plain scale: DiTPipeline only divides by scaling_factor."""
-    norm = norm_of_meta(latent_meta)
+    norm = space.norm
     if norm is None or norm.kind == "scale":
         return
     raise UserError(f"{where} was trained on latents normalised as {norm.describe()} (train --latent-norm), but "
@@ -111,7 +110,7 @@ def scheduler_config() -> dict:
 
 def _id2label(loaded: LoadedWeights) -> dict | None:
     """DiTPipeline's id2label from the class names recorded with the latents (all of them, or none)."""
-    names = (loaded.latent_meta or {}).get("class_names")
+    names = loaded.space.class_names if loaded.space is not None else ()
     if not names or len(names) != loaded.config.num_classes:
         return None
     return {str(i): str(name) for i, name in enumerate(names)}
@@ -185,13 +184,13 @@ def run_to_diffusers(o: ToDiffusersOptions) -> Path:
     out = Path(o.out).expanduser()
     check_target(out)
     loaded = load_sampling_weights(o.ckpt, o.weights)
-    check_norm_exportable(loaded.latent_meta, loaded.path)
+    space = LatentSpace.or_unknown(loaded.space, loaded.config.in_channels)
+    check_norm_exportable(space, loaded.path)
     check_representable(loaded.config, loaded.path)
-    spec, how = choose_vae(o.vae, loaded.latent_meta)
-    vae_name, _ = check_vae_matches(spec, o.vae_config, loaded.config.in_channels, loaded.latent_meta,
-                                    o.allow_other_vae)
-    vae = load_vae(vae_name, o.vae_config, "cpu", "fp32", tiling=False, slicing=False)
-    norm, note = check_loaded_vae(vae, loaded.latent_meta, o.allow_other_vae)
+    spec, how = choose_tokenizer(o.vae, loaded.space)
+    vae_name, _ = space.check_tokenizer_config(spec, o.vae_config, o.allow_other_vae)
+    vae = load_tokenizer(vae_name, o.vae_config, "cpu", "fp32", tiling=False, slicing=False)
+    norm, note = space.check_loaded(vae, o.allow_other_vae)
     if norm.scale != vae.scaling_factor:  # DiTPipeline divides by its VAE's configured factor: the training one
         vae.vae.register_to_config(scaling_factor=norm.scale)
     pipeline = _build_pipeline(loaded, vae.vae, _id2label(loaded))

@@ -23,10 +23,10 @@ from shared.runtime.distributed import process_state
 from shared.runtime.errors import UserError
 from shared.sampling.flags import DecodeFlags
 from shared.runtime.lock import LOCK_NAME, FolderBusyError, hold_lock, pid_alive
-from shared.runtime.previews import read_preview
+from shared.sampling.previews import read_preview
 from shared.runtime.trackers import check_report_to
 from shared.tokenizers.vae import read_vae_config
-from shared.tokenizers.vae_match import check_vae_matches, choose_vae, load_vae
+from shared.tokenizers.space import LatentSpace, choose_tokenizer, load_tokenizer
 
 from sample.decode import DecodeOptions, decode_file
 from shared.sampling.outputs import captions_for, image_name, labelled_grid, read_png, save_png
@@ -192,16 +192,17 @@ class Decoder:
     def decode(self, run: Path, step: int, path: Path) -> np.ndarray:
         """`sample decode` of one preview file into RUN/samples/step-X/, then its labelled grid -> the grid."""
         data = read_preview(path)
-        latents, labels, meta = data
-        spec, how = choose_vae(self.o.vae, meta)
-        name, _ = check_vae_matches(spec, self.o.vae_config, latents.shape[1], meta, self.o.allow_other_vae)
+        latents, labels, space = data
+        spec, how = choose_tokenizer(self.o.vae, space)
+        space = LatentSpace.or_unknown(space, latents.shape[1])
+        name, _ = space.check_tokenizer_config(spec, self.o.vae_config, self.o.allow_other_vae)
         if self.vae is None or name != self.name:
             device = process_state(self.o.cpu).device
-            self.vae = load_vae(name, self.o.vae_config, device, self.o.vae_precision, self.o.vae_tiling,
+            self.vae = load_tokenizer(name, self.o.vae_config, device, self.o.vae_precision, self.o.vae_tiling,
                                 self.o.vae_slicing)
             self.name, self.how = name, how
         out = decode_file(self.vae, name, self.how, data, path, rundir.decoded_dir(run, step), self.options(path))
-        names = meta.get("class_names") or []
+        names = list(space.class_names)
         files = [out / image_name(i, int(y), names[y] if 0 <= y < len(names) else None)
                  for i, y in enumerate(labels.tolist())]  # the names decode_file gave them
         return labelled_grid(lambda i: read_png(files[i]), labels.tolist(), captions_for(labels.tolist(), names),

@@ -90,14 +90,17 @@ def make_latents(root: Path, n=32, shape=(4, 4, 4), flips=2, per_shard=20, scali
 
 
 def copy_without_stats(folder: Path, copy: Path) -> dict:
-    """Copy a latent folder with its index's latent_stats removed (as an older extract wrote it); return them."""
+    """Copy a latent folder with its space's statistics removed (as an older extract wrote it); return them."""
     import shutil
 
+    from shared.datasets.shards import LatentDataset
+
     shutil.copytree(folder, copy)
+    space = LatentDataset(copy, progress=False).space
     index = json.loads((copy / "index.json").read_text())
-    written = index.pop("latent_stats")
+    index["latent_space"] = space.tokenizer_only().write(copy)
     (copy / "index.json").write_text(json.dumps(index, indent=1) + "\n")
-    return written
+    return {name: norm for name, norm in space.norms.items() if name in ("channel", "element")}
 
 
 def train_args(latents: Path, run: Path, *extra) -> list[str]:

@@ -9,9 +9,11 @@ import shared.runtime.export as export
 from shared.runtime.errors import UserError
 from shared.runtime.export import load_weights, save_weights
 from shared.network.models import ModelConfig
+from shared.tokenizers.space import LatentSpace
 
 LATENT_META = {"image_size": 16, "scaling_factor": 0.5, "latent_shape": [4, 8, 8],
                "vae": {"source": "tiny", "config_sha256": "ab"}, "class_names": ["cat", "dog", "eel"]}
+SPACE = LatentSpace.from_legacy(LATENT_META)
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +32,8 @@ def test_round_trip_is_exact_and_rebuilds_the_model(tmp_path, trained):
     model, config = trained
     path = save_weights(tmp_path / "exports" / "ema-step-0000100.safetensors", model.state_dict(), config,
                         LATENT_META, 100)
-    state_dict, config2, meta, step = load_weights(path)
-    assert (config2, meta, step) == (config, LATENT_META, 100)
+    state_dict, config2, _, step = load_weights(path)
+    assert (config2, LatentSpace.read_file(path), step) == (config, SPACE, 100)
     assert state_dict.keys() == model.state_dict().keys()
     for name, tensor in model.state_dict().items():
         assert torch.equal(state_dict[name], tensor), name
@@ -45,11 +47,12 @@ def test_round_trip_is_exact_and_rebuilds_the_model(tmp_path, trained):
 
 def test_metadata_is_plain_json_strings(tmp_path, trained):
     model, config = trained
-    path = save_weights(tmp_path / "w.safetensors", model.state_dict(), config.to_dict(), LATENT_META, 7)
+    path = save_weights(tmp_path / "w.safetensors", model.state_dict(), config.to_dict(), SPACE, 7)
     from safetensors import safe_open
     with safe_open(str(path), framework="pt") as f:
         metadata = f.metadata()
-    assert set(metadata) == {"dit_config", "latents", "step"}
+    assert set(metadata) == {"dit_config", "latent_space", "step"}
+    assert json.loads(metadata["latent_space"])["sha256"] == SPACE.sha256
     assert json.loads(metadata["dit_config"]) == config.to_dict() and metadata["step"] == "7"
     with pytest.raises(UserError, match="unknown model preset"):
         bad = {"model": "DiT-Q/2", "input_size": 8}
@@ -61,7 +64,7 @@ def test_equal_content_gives_equal_bytes(tmp_path, trained):
     """Issue 38: safetensors writes its metadata in a random order per write; ours sorts it (and the JSON inside)."""
     import hashlib
 
-    from shared.runtime.previews import write_preview
+    from shared.sampling.previews import write_preview
 
     model, config = trained
     metas = [LATENT_META, dict(reversed(LATENT_META.items()))]  # the same record built in another order
@@ -73,8 +76,8 @@ def test_equal_content_gives_equal_bytes(tmp_path, trained):
                                 metas[i % 2], 7)
         previews.add(hashlib.sha256(preview.read_bytes()).hexdigest())
     assert len(digests) == 1 and len(previews) == 1
-    state_dict, config2, meta, step = load_weights(tmp_path / "w1.safetensors")  # the rewritten header still reads
-    assert (config2, meta, step) == (config, LATENT_META, 7)
+    state_dict, config2, _, step = load_weights(tmp_path / "w1.safetensors")  # the rewritten header still reads
+    assert (config2, LatentSpace.read_file(tmp_path / "w1.safetensors"), step) == (config, SPACE, 7)
     assert all(torch.equal(state_dict[k], v) for k, v in model.state_dict().items())
     header = (tmp_path / "w0.safetensors").read_bytes()
     assert header[8:70].startswith(b'{"__metadata__":{"dit_config":')
@@ -84,8 +87,8 @@ def test_views_and_shared_storage_are_saved(tmp_path):
     base = torch.arange(12.0).reshape(3, 4)
     state = {"a": base.t(), "b": base[1], "c": base}  # non-contiguous view and tensors sharing storage
     path = save_weights(tmp_path / "v.safetensors", state, ModelConfig("DiT-T/2", 8), None, 0)
-    loaded, _, meta, _ = load_weights(path)
-    assert meta is None and all(torch.equal(loaded[k], v) for k, v in state.items())
+    loaded, _, _, _ = load_weights(path)
+    assert LatentSpace.read_file(path) is None and all(torch.equal(loaded[k], v) for k, v in state.items())
 
 
 def test_overwrite_replaces_and_a_failed_write_keeps_the_old_file(tmp_path, trained, monkeypatch):

@@ -188,7 +188,7 @@ def test_pipeline_folder_samples_like_the_original_weights(made, reference, tmp_
     assert code == 0, err
     assert pngs(tmp_path / "file") == reference
     loaded = load_sampling_weights(made["pipe"] / "transformer")
-    assert loaded.latent_meta["vae"] == str((made["pipe"] / "vae").resolve()) and loaded.label == "pipe"
+    assert loaded.space.source == str((made["pipe"] / "vae").resolve()) and loaded.label == "pipe"
     assert all(torch.equal(loaded.state_dict[k], v) for k, v in made["state"].items())
 
 
@@ -289,7 +289,7 @@ def test_export_loads_and_runs_in_diffusers(made, tmp_path, capsys):
     loaded = load_sampling_weights(out)
     state, _, _, _ = load_weights(made["run"] / "exports" / "ema-step-0000300.safetensors")
     assert loaded.config == made["config"] and sorted(loaded.state_dict) == sorted(state)
-    assert loaded.latent_meta["class_names"][7] == "thing7"  # and back, first synonym of each
+    assert loaded.space.class_names[7] == "thing7"  # and back, first synonym of each
     assert all(torch.equal(loaded.state_dict[k], state[k]) for k in state)
 
 

@@ -74,7 +74,8 @@ def test_a_run_that_recorded_the_whole_index_hash_still_resumes(tmp_path):
     from shared.tokenizers.norm import LatentNorm
     from train.config import _data_mismatch, data_identity
 
-    now = data_identity(LatentDataset(make_latents(tmp_path / "lat", n=8)), LatentNorm.scale_only(0.5))
+    dataset = LatentDataset(make_latents(tmp_path / "lat", n=8))
+    now = data_identity(dataset, dataset.space.for_run(LatentNorm.scale_only(0.5)))
     before = {k: v for k, v in now.items() if k != "index_file_sha256"}
     before["index_sha256"] = now["index_file_sha256"]  # what data_identity recorded before issue 38
     assert _data_mismatch(before, now) is None

@@ -16,6 +16,7 @@ from sample.__main__ import main as sample_main
 from shared.datasets.shards import LatentDataset
 from shared.runtime.export import load_weights
 from shared.tokenizers.norm import ElementStats, LatentNorm
+from shared.tokenizers.space import LatentSpace
 from shared.tokenizers.vae import LatentVAE, measure_latent, read_vae_config
 from tests.conftest import make_image_folder
 from tests.helpers import copy_without_stats, make_latents, run_main
@@ -73,8 +74,9 @@ def test_element_norm_applies_inverts_and_travels_exactly():
     x = norm.apply(z)
     assert torch.equal(x, (z - mean) / std * 0.7)
     torch.testing.assert_close(norm.invert(x), z, rtol=1e-6, atol=1e-6)
-    back = LatentNorm.from_dict(json.loads(json.dumps(norm.to_dict())))
-    assert back == norm and back.shape == SHAPE and torch.equal(back.apply(z), x)  # float32 bits, base64
+    space = LatentSpace({"source": "t"}, SHAPE, IMAGE_SIZE, (), {"dit": norm})
+    back = LatentSpace.from_parts(space.text(), space.tensors(), "f", "").norm  # JSON + fp32 tensors
+    assert back == norm and back.shape == SHAPE and torch.equal(back.apply(z), x)  # float32 bits
     with pytest.raises(ValueError, match="64x4x4 cannot apply to these latents of shape 64x2x8"):
         norm.apply(torch.zeros(1, 64, 2, 8))
 
@@ -86,7 +88,7 @@ def test_element_stats_merge_equals_direct_float64():
     for part in parts:
         half = ElementStats()
         half.add(part)
-        stats.merge(ElementStats.from_dict(json.loads(json.dumps(half.to_dict()))))  # through a sidecar's JSON
+        stats.merge(ElementStats.from_bytes(half.to_bytes()))  # through a shard's stats file
     every = torch.cat(parts).double().reshape(-1, 3, 4, 4)  # (images x flips, C, h, w)
     mean, std = stats.result()
     torch.testing.assert_close(mean, every.mean(dim=0), rtol=1e-12, atol=1e-12)
@@ -115,7 +117,7 @@ def test_tokens_and_decode_equal_autoencoder_rae(raes, name):
         assert torch.equal(vae.norm.apply(tokens), theirs)  # bit for bit: one owner, the same arithmetic
         ours = vae.decode(vae.norm.apply(tokens))
     else:
-        assert vae.norm is None and vae.identity["norm"] is None  # the folder's statistics are used
+        assert vae.norm is None and "native" not in LatentSpace.of_tokenizer(vae, IMAGE_SIZE, SHAPE, ()).norms
         torch.testing.assert_close(tokens / (1 + 1e-5), theirs, rtol=0, atol=1e-6)  # diffusers' (z - 0) / (1 + eps)
         ours = vae.decode_raw(tokens)
     torch.testing.assert_close((ours + 1) / 2, reference, rtol=0, atol=1e-6)
@@ -134,14 +136,28 @@ def test_extraction_stores_the_tokens_alone_and_per_element_statistics(extracted
         batch = ds.gather(np.arange(len(ds)), ("mean",))["mean"]  # (N, 2, 64, 4, 4) as stored
         vae = LatentVAE.load(raes[name])
         every = batch.double().reshape(-1, *SHAPE)
-        summary = index["latent_stats"]["element"]
-        norm = ElementStats.norm_of_summary(summary, "")
-        torch.testing.assert_close(torch.tensor(norm.mean).view(SHAPE), every.mean(dim=0).float(), rtol=1e-6,
+        norm = ds.space.norms["element"]
+        torch.testing.assert_close(norm.mean, every.mean(dim=0).float(), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(norm.std, (every.var(dim=0, unbiased=False) + 1e-5).sqrt().float(), rtol=1e-6,
                                    atol=1e-6)
-        torch.testing.assert_close(torch.tensor(norm.std).view(SHAPE),
-                                   (every.var(dim=0, unbiased=False) + 1e-5).sqrt().float(), rtol=1e-6, atol=1e-6)
-        assert index["vae"]["class"] == "AutoencoderRAE" and index["vae"]["family"] == "rae"
-        assert vae.identity["norm"] == index["vae"]["norm"]
+        assert ds.space.tokenizer["class"] == "AutoencoderRAE" and ds.space.tokenizer["family"] == "rae"
+        assert ds.space.native == vae.norm and "vae" not in index and "latent_stats" not in index
+        assert len((folder / "index.json").read_bytes()) < 64 * 1024  # the statistics live in latent_space.*
+
+
+def test_a_resumed_extraction_writes_the_same_per_element_sums_and_space(images, raes, tmp_path, capsys):
+    """Each shard's per-element float64 sums sit in its own stats file; a shard encoded again rewrites it bit for bit."""
+    first = tmp_path / "first"
+    assert _extract(images, raes["nostats"], first, "--shard-size", 2, capsys=capsys)[0] == 0
+    again = shutil.copytree(first, tmp_path / "again")
+    for name in ("index.json", "latent_space.json", "shard-000001.done.json"):  # as a run killed after shard 0
+        (again / name).unlink()
+    assert _extract(images, raes["nostats"], again, "--shard-size", 2, capsys=capsys)[0] == 0
+    for name in ("shard-000001.stats.safetensors", "latent_space.json", "latent_space.safetensors"):
+        assert (again / name).read_bytes() == (first / name).read_bytes(), name
+    assert LatentDataset(again, progress=False).space == LatentDataset(first, progress=False).space
+    assert json.loads((first / "shard-000000.done.json").read_text())["element_stats"] == \
+        "shard-000000.stats.safetensors"  # the sums are not inline
 
 
 def test_dry_run_prints_the_token_storage(images, raes, tmp_path, capsys):
@@ -168,13 +184,13 @@ def runs(tmp_path_factory, extracted):
 @pytest.mark.parametrize("name", ["stats", "nostats"])
 def test_train_sample_and_preview_decode_through_the_rae_decoder(extracted, raes, runs, tmp_path, name):
     run = runs[name]
-    _, config, meta, _ = load_weights(sorted((run / "exports").glob("*.safetensors"))[-1])
-    record = LatentNorm.from_dict(meta["latent_norm"])
+    space = LatentSpace.read_file(sorted((run / "exports").glob("*.safetensors"))[-1])
+    record = space.norm
     ds = LatentDataset(extracted[name], progress=False)
     if name == "stats":
         assert record == LatentVAE.load(raes[name]).norm  # the config's numbers, diffusers' convention
     else:
-        assert record == ElementStats.norm_of_summary(ds.latent_stats["element"], "")  # the folder's
+        assert record == ds.space.norms["element"]  # the folder's
     # sample decodes through the RAE decoder, with no flags: the record and the tokenizer travel with the run
     code, _, err = run_main(sample_main, ["--ckpt", run, "--num-samples", 2, "--num-sampling-steps", 2, "--out",
                                           tmp_path / "samples", "--cpu"])
@@ -381,7 +397,8 @@ def test_a_dit_dh_on_768x16x16_tokens_is_decoded_by_the_released_tokenizer(tmp_p
                          objective="flow")
     torch.save({"ema": config.build().state_dict()}, tmp_path / "stage2_model.pt")
     loaded = load_sampling_weights(tmp_path / "stage2_model.pt")
-    assert loaded.latent_meta == RAE_DIT_LATENTS and any("rae-dinov2-b" in n for n in loaded.notes)
+    assert loaded.space == LatentSpace.from_legacy(RAE_DIT_LATENTS) and any("rae-dinov2-b" in n for n in loaded.notes)
+    assert loaded.space.source == "rae-dinov2-b" and loaded.space.latent_shape == (768, 16, 16)
 
 
 def test_stats_command_recomputes_the_per_element_statistics(extracted, tmp_path, capsys):
@@ -389,15 +406,18 @@ def test_stats_command_recomputes_the_per_element_statistics(extracted, tmp_path
     written = copy_without_stats(extracted["nostats"], folder)
     code, out, err = run_main(extract_main, ["--stats", "--out", folder], capsys)
     assert code == 0 and "per-channel and per element" in out, err
-    again = json.loads((folder / "index.json").read_text())["latent_stats"]["element"]
-    assert ElementStats.norm_of_summary(again, "") == ElementStats.norm_of_summary(written["element"], "")
+    again = LatentDataset(folder, progress=False).space
+    assert again.norms["element"] == written["element"] and again == LatentDataset(extracted["nostats"]).space
 
 
-def test_train_dry_run_prints_the_statistics_by_their_count(extracted, tmp_path, capsys):
+def test_train_dry_run_prints_the_space_by_its_hash(extracted, tmp_path, capsys):
     code, out, err = run_main(train_main, ["--model", "DiTDH-T", "--latents", extracted["nostats"], "--results-dir",
                                            tmp_path / "run", "--dry-run"], capsys)
     assert code == 0, err
-    assert '"<1024 float32 values>"' in out and '"kind": "element"' in out, out
+    space = LatentDataset(extracted["nostats"], progress=False).space.for_run(
+        LatentDataset(extracted["nostats"], progress=False).space.norms["element"])
+    assert f'"latent_space": "{space.sha256}"' in out and '"latent_norm": "element ((z - mean)' in out, out
+    assert len(out) < 64 * 1024  # the statistics (1,024 numbers each) are not printed
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 

@@ -17,6 +17,7 @@ import webdataset as wds
 
 from shared.datasets import shards
 from shared.runtime.errors import UserError
+from shared.tokenizers.norm import LatentNorm
 from shared.datasets.shards import (
     GatheredBatch, LatentDataset, ShardInfo, ShardWriter, StreamSampler, collate, epoch_permutation, shard_name,
     write_index,
@@ -80,7 +81,7 @@ def test_round_trip(tmp_path, dtype, flips):
     assert len(ds) == len(samples) == 10
     assert ds.dtype == dtype and ds.flips == flips and ds.latent_shape == (4, 4, 4)
     assert ds.num_classes == 3 and ds.class_names == META["class_names"] and ds.image_size == 16
-    assert ds.scaling_factor == 0.25 and ds.vae == META["vae"]
+    assert ds.scaling_factor == 0.25 and ds.vae == {**META["vae"], "downsample_factor": 4}  # 16 px / 4 latent
     assert ds.labels.dtype == np.int64 and ds.labels.tolist() == [s[2] for s in samples]
     for i, (mean, std, label) in enumerate(samples):
         item = ds[i]
@@ -128,12 +129,11 @@ def test_collate_and_gathered_batch(folder):
         assert torch.equal(stacked[k], gathered.batch[k]) and torch.equal(default[k], stacked[k])
 
 
-def test_latent_meta(folder):
-    ds = LatentDataset(folder[0])
-    meta = ds.latent_meta()
-    assert meta == {"image_size": 16, "scaling_factor": 0.25, "latent_shape": [4, 4, 4], "vae": META["vae"],
-                    "class_names": META["class_names"]}
-    assert json.loads(json.dumps(meta)) == meta  # what train stores in checkpoints round-trips through JSON
+def test_latent_space_of_an_older_index(folder):
+    """An index.json with a "vae" record (no latent_space.json) is read by LatentSpace.from_legacy."""
+    space = LatentDataset(folder[0]).space
+    assert space.image_size == 16 and space.latent_shape == (4, 4, 4) and space.class_names == tuple(META["class_names"])
+    assert space.native == LatentNorm.scale_only(0.25) and space.norm is None and space.source == "tiny"
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -50,9 +50,13 @@ def test_loss_falls_and_run_folder_layout(latents, tmp_path):
     from shared.runtime.export import load_weights
 
     export = run / "exports" / "ema-step-0000016.safetensors"
-    sd, model_config, latent_meta, step = load_weights(export)
+    sd, model_config, _, step = load_weights(export)
+    from shared.tokenizers.space import LatentSpace
+
+    space = LatentSpace.read_file(export)
     assert os.path.samefile(export, ckpt / "ema.safetensors")  # the EMA is stored once: the export is a hard link
-    assert step == 16 and model_config.input_size == 4 and latent_meta["scaling_factor"] == 0.5
+    assert step == 16 and model_config.input_size == 4 and space.norm.describe() == "scale x0.5"
+    assert json.loads((run / "config.json").read_text())["data"]["latent_space"] == space.sha256
     sample = load_file(run / "samples" / "step-0000016.safetensors")
     assert sample["latents"].shape == (8, 4, 4, 4) and torch.isfinite(sample["latents"]).all()
     assert sample["labels"].tolist() == [0, 0, 1, 1, 2, 2, 3, 3]

@@ -46,13 +46,13 @@ def test_round_trip_shapes_and_identity(tmp_path):
         "source": str(folder.resolve()),
         "class": "AutoencoderKL",
         "scaling_factor": config["scaling_factor"],
-        "norm": LatentNorm.scale_only(config["scaling_factor"], "the VAE config's scaling_factor").to_dict(),
         "deterministic": False,
         "latent_channels": 4,
         "downsample_factor": 4,
         "config_sha256": vae.identity["config_sha256"],
     }
     assert len(vae.identity["config_sha256"]) == 64
+    assert vae.norm == LatentNorm.scale_only(config["scaling_factor"])
     assert downsample_factor(read_vae_config(folder)) == 4 == vae.downsample_factor
 
 

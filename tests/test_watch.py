@@ -18,7 +18,7 @@ from shared.sampling.outputs import read_png
 from sample.watch import WatchOptions, end_reason, run_is_locked
 from shared.runtime.lock import hold_lock
 from tests.helpers import LAUNCHER, cli, finish, make_latents, trace, train_args
-from shared.runtime.previews import write_preview as write_preview_file
+from shared.sampling.previews import write_preview as write_preview_file
 from train.preview import preview_labels
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -93,14 +93,14 @@ def save_rank_state(tmp: Path, rank: int) -> None:
     torch.save(capture_rng(), tmp / rundir.rng_file(rank))
 
 
-def save_main_state(tmp: Path, *, model_state: dict, ema_state: dict, model_config, latent_meta: dict,
+def save_main_state(tmp: Path, *, model_state: dict, ema_state: dict, model_config, space,
                     optimizer_state: dict, scaler_state: dict, state: dict, projector_state: dict | None = None) -> None:
     """Main process: weights via shared/runtime/export.py, optimizer and scaler (and REPA's projector), then state.json last."""
     step = int(state["step"])
     if projector_state is not None:
         write_safetensors(tmp / rundir.PROJECTOR_FILE, {k: v.detach().cpu().contiguous() for k, v in projector_state.items()})
-    save_weights(tmp / rundir.MODEL_FILE, model_state, model_config, latent_meta, step)
-    save_weights(tmp / rundir.EMA_FILE, ema_state, model_config, latent_meta, step)
+    save_weights(tmp / rundir.MODEL_FILE, model_state, model_config, space, step)
+    save_weights(tmp / rundir.EMA_FILE, ema_state, model_config, space, step)
     torch.save(optimizer_state, tmp / rundir.OPTIMIZER_FILE)
     torch.save(scaler_state, tmp / rundir.SCALER_FILE)
     atomic_write_json(tmp / rundir.STATE_FILE, state, indent=2)
@@ -167,7 +167,7 @@ def load_checkpoint(ckpt: Path, rank: int) -> dict:
     with _resuming(ckpt):
         return {
             "state": read_state(ckpt),
-            "model": load_weights(ckpt / rundir.MODEL_FILE)[0],
+            "model": load_weights(ckpt / rundir.MODEL_FILE)[0],  # the space: config.json holds its hash
             "ema": load_weights(ckpt / rundir.EMA_FILE)[0],
             "optimizer": _read(ckpt / rundir.OPTIMIZER_FILE),
             "scaler": _read(ckpt / rundir.SCALER_FILE),

@@ -28,7 +28,8 @@ from shared.generative.objectives import (DEFAULT_OBJECTIVE, OBJECTIVES, learns_
 from train.latents import byte_size
 from train.recipes import RECIPE_HELP, RECIPES, apply_recipe
 from shared.runtime.precision import PRECISION_CHOICES, canonical_precision
-from shared.tokenizers.norm import NORM_CHOICES, NORM_HELP, ElementStats, LatentNorm, abbreviated
+from shared.tokenizers.norm import NORM_CHOICES, NORM_HELP, LatentNorm
+from shared.tokenizers.space import LatentSpace
 from shared.runtime.trackers import DEFAULT_REPORT_TO, REPORT_TO
 
 LR_SCHEDULES = ("constant", "cosine", "linear")
@@ -52,7 +53,7 @@ IDENTITY_FIELDS += ("init_from",)  # the weights a fine-tuning run started from 
 IDENTITY_FIELDS += ("shard_window",)  # the data order (train/latents.py resolves auto before the resume check)
 # Data identity: what a checkpoint's latent folder must share with the one given now.
 DATA_FIELDS = ("num_samples", "latent_shape", "flips", "num_classes", "image_size", "scaling_factor", "vae",
-               "index_sha256", "latent_norm")
+               "index_sha256", "latent_space")
 
 
 def float_or_auto(text: str):
@@ -278,8 +279,8 @@ class TrainConfig:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
     def to_display(self) -> str:
-        """`to_json` for the terminal: per-element statistics (196,608 numbers for RAE tokens) shown by their count."""
-        return json.dumps(abbreviated(self.to_dict()), indent=2, sort_keys=True)
+        """`to_json` for the terminal."""
+        return self.to_json()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -414,9 +415,9 @@ def grad_accum_steps(global_batch: int, micro_batch: int | None, world_size: int
     return micro, per_process // micro
 
 
-# index.json entries training does not take from the hash: `python -m extract --stats` adds or replaces them on
-# a finished folder, and the numbers a run normalises with are compared on their own (its latent_norm record).
-UNHASHED_INDEX_KEYS = ("latent_stats",)
+# index.json entries training does not take from the hash: `python -m extract --stats` rewrites them on a finished
+# folder, and the numbers a run normalises with are compared on their own (the hash of its LatentSpace).
+UNHASHED_INDEX_KEYS = ("latent_stats", "latent_space")
 
 
 def training_index_sha256(index_bytes: bytes) -> str:
@@ -426,14 +427,15 @@ def training_index_sha256(index_bytes: bytes) -> str:
     return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()
 
 
-def data_identity(dataset, norm: LatentNorm) -> dict:
-    """What identifies a latent folder and its normalisation for resume checks (LatentDataset -> JSON dict)."""
+def data_identity(dataset, space: LatentSpace) -> dict:
+    """What identifies a latent folder and the run's LatentSpace for resume checks (LatentDataset -> JSON dict)."""
     index_bytes = (Path(dataset.root) / "index.json").read_bytes()
     return {
         "num_samples": len(dataset), "latent_shape": list(dataset.latent_shape), "flips": dataset.flips,
         "num_classes": dataset.num_classes, "image_size": dataset.image_size,
-        "scaling_factor": dataset.vae.get("scaling_factor"), "vae": dataset.vae,
-        "index_sha256": training_index_sha256(index_bytes), "latent_norm": norm.to_dict(),
+        "scaling_factor": space.tokenizer.get("scaling_factor"), "vae": space.tokenizer,
+        "index_sha256": training_index_sha256(index_bytes), "latent_space": space.sha256,
+        "latent_norm": f"{space.norm.describe()} from {space.norm.source or 'the recorded numbers'}",  # for messages
         "index_file_sha256": hashlib.sha256(index_bytes).hexdigest(),  # what runs before the above recorded
         **({"repr_encoder": dataset.meta["repr_encoder"]} if "repr_encoder" in dataset.meta else {}),
     }
@@ -462,12 +464,11 @@ def _check_model_fits(cfg: TrainConfig, latent_shape) -> None:
 
 def resolve_latent_norm(choice: str, dataset) -> LatentNorm:
     """The normalisation `--latent-norm` asks for on this folder, or a UserError naming the fix."""
-    native = dataset.native_norm
-    root = dataset.root
-    element = (dataset.latent_stats or {}).get("element")
+    native, root = dataset.space.native, dataset.root
+    element, channel = dataset.space.norms.get("element"), dataset.space.norms.get("channel")
     if choice == "auto":
-        if native is None and element and "norm" in dataset.vae:  # a tokenizer whose numbers are the folder's (RAE)
-            return ElementStats.norm_of_summary(element, f"the per-element statistics of {root}")
+        if native is None and element is not None:  # a tokenizer whose numbers are the folder's (RAE)
+            return element
         if native is None:
             raise UserError(f"{root}/index.json records no normalisation for its tokenizer; pass --latent-norm "
                             f"channel (after `python -m extract --stats --out {root}`) or none.")
@@ -479,14 +480,13 @@ def resolve_latent_norm(choice: str, dataset) -> LatentNorm:
             raise UserError(f"--latent-norm element needs the per-element statistics of {root}, which extraction "
                             f"computes for RAE tokens only ({dataset.vae.get('class')} made these latents). Pick "
                             f"--latent-norm auto or channel.")
-        return ElementStats.norm_of_summary(element, f"the per-element statistics of {root}")
+        return element
     if choice == "channel":
-        stats = dataset.latent_stats
-        if not stats:
+        if channel is None:
             raise UserError(f"--latent-norm channel needs the per-channel statistics of {root}, which was extracted "
                             f"without them. Add them from the stored moments, without encoding again: `python -m "
                             f"extract --stats --out {root}` (then rerun this command), or pick --latent-norm auto.")
-        return LatentNorm.channel(stats["mean"], stats["std"], 1.0, source=f"the per-channel statistics of {root}")
+        return channel
     scale = dataset.vae.get("scaling_factor")
     if choice == "scale":
         if scale is None:
@@ -531,7 +531,8 @@ def resolve_config(cfg: TrainConfig, dataset, world_size: int) -> TrainConfig:
     cfg.world_size = world_size
     cfg.micro_batch_size, cfg.grad_accum_steps = grad_accum_steps(
         cfg.global_batch_size, cfg.micro_batch_size, cfg.world_size)
-    cfg.data = data_identity(dataset, resolve_latent_norm(cfg.latent_norm, dataset))
+    cfg.space = dataset.space.for_run(resolve_latent_norm(cfg.latent_norm, dataset))  # not a field: config.json
+    cfg.data = data_identity(dataset, cfg.space)  # holds its sha256; checkpoints, exports and previews the record
     if cfg.epochs is not None:
         cfg.total_steps = math.ceil(cfg.epochs * len(dataset) / cfg.global_batch_size)
     else:
@@ -658,8 +659,18 @@ def _resolve_preview_guidance(cfg: TrainConfig) -> None:
 # Resume compatibility
 # ---------------------------------------------------------------------------------------------------------
 
-def _data_mismatch(saved: dict, current: dict) -> str | None:
+def _legacy_data(saved: dict, space: LatentSpace | None) -> dict:
+    """A data identity written before the LatentSpace record, in today's terms (its space read by from_legacy)."""
+    old = LatentSpace.from_legacy(saved)
+    same = space is not None and old.norm is not None and old.norm == space.norm
+    return {**saved, "vae": old.tokenizer, "latent_norm": old.norm.describe() if old.norm else "unrecorded",
+            "latent_space": space.sha256 if same else old.sha256}
+
+
+def _data_mismatch(saved: dict, current: dict, space: LatentSpace | None = None) -> str | None:
     """A sentence on how two latent folders differ, or None when they are the same data."""
+    if "latent_space" not in saved:
+        saved = _legacy_data(saved, space)
     if saved.get("repr_encoder") != current.get("repr_encoder") and saved.get("repr_encoder"):
         from shared.network.repa import same_features
 
@@ -672,44 +683,23 @@ def _data_mismatch(saved: dict, current: dict) -> str | None:
         if saved.get(key) != current.get(key):
             return (f"the checkpoint was trained on latents with {key} {saved.get(key)!r}, but --latents has "
                     f"{current.get(key)!r} (another VAE or image size)")
-    norm = _norm_mismatch(saved, current)
-    if norm:
-        return norm
+    if saved.get("latent_space") != current.get("latent_space"):
+        return (f"the checkpoint was trained on latents normalised as {saved.get('latent_norm')} (latent space "
+                f"{str(saved.get('latent_space'))[:12]}), but this command gives {current.get('latent_norm')} (latent "
+                f"space {str(current.get('latent_space'))[:12]}); the network learned the first, so the run cannot "
+                f"continue on another. Pass the --latent-norm it was started with, and the latent folder whose "
+                f"statistics it used")
     if saved.get("index_sha256") == current.get("index_file_sha256"):  # a run from before training_index_sha256
         saved = {**saved, "index_sha256": current["index_sha256"]}
-    diffs = differences(saved, current, tuple(k for k in DATA_FIELDS if k != "latent_norm"), nested=False)
+    diffs = differences(saved, current, DATA_FIELDS, nested=False)
     return f"the latent folder differs from the checkpoint's ({', '.join(diffs)})" if diffs else None
-
-
-def trained_norm(data: dict) -> LatentNorm | None:
-    """The normalisation a run's data identity records (runs from before the record: a plain scale)."""
-    if isinstance(data.get("latent_norm"), dict):
-        return LatentNorm.from_dict(data["latent_norm"])
-    scale = data.get("scaling_factor")
-    return LatentNorm.scale_only(float(scale)) if scale is not None else None
-
-
-def _norm_mismatch(saved: dict, current: dict) -> str | None:
-    """A sentence when the resumed run's normalisation (kind or numbers) differs from the one resolved now."""
-    before, now = trained_norm(saved), trained_norm(current)
-    if before is None or now is None or before == now:
-        return None
-    return (f"the checkpoint was trained on latents normalised as {before.describe()} ({before.source or 'recorded'}), "
-            f"but this command gives {now.describe()} ({now.source}); the network learned the first scale, so the "
-            f"run cannot continue on another. Pass the --latent-norm it was started with, and the latent folder "
-            f"whose statistics it used")
-
-
-def latent_meta_of(cfg: TrainConfig, dataset) -> dict:
-    """The latent metadata of this run's checkpoints, exports and previews: the folder's, plus the normalisation."""
-    return {**dataset.latent_meta(), "latent_norm": cfg.data["latent_norm"]}
 
 
 def resume_differences(saved: TrainConfig, current: TrainConfig) -> tuple[list[str], list[str]]:
     """(refused differences, allowed differences) between a checkpoint's config and the current one."""
     recorded, now = vars(saved), vars(current)
     refused = differences(recorded, now, IDENTITY_FIELDS, nested=False)
-    data = _data_mismatch(saved.data, current.data)
+    data = _data_mismatch(saved.data, current.data, getattr(current, "space", None))
     if data:
         refused.append(data)
     # "block" only names a preset; the options it resolves to are identity fields.

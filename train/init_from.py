@@ -42,7 +42,7 @@ def load_init(cfg, dataset, run_config: ModelConfig) -> InitWeights:
     loaded = load_sampling_weights(cfg.init_from)
     source = loaded.config
     _check_objective(cfg.init_from, source, assumed=bool(loaded.kind == "official" and loaded.warnings))
-    _check_latents(cfg.init_from, loaded, dataset, cfg.data.get("latent_norm"))
+    _check_latents(cfg.init_from, loaded, dataset, cfg.space.norm)
     state_dict = loaded.state_dict
     if source.learn_sigma and not run_config.learn_sigma:  # SiT's release: 2C outputs, the velocity in the first C
         state_dict = velocity_outputs(state_dict, source)
@@ -90,19 +90,18 @@ def _check_objective(where, source: ModelConfig, assumed: bool = False) -> None:
                         "scratch without --init-from.")
 
 
-def _check_latents(where, loaded: LoadedWeights, dataset, norm: dict | None) -> None:
+def _check_latents(where, loaded: LoadedWeights, dataset, norm) -> None:
     """UserError when the source was trained on another latent space than --latents holds."""
     source = loaded.config
     shape = (source.in_channels, source.input_size, source.input_size)
     problems = []
     if shape != tuple(dataset.latent_shape):
         problems.append(f"latents of shape {shape} where --latents holds {tuple(dataset.latent_shape)}")
-    meta = loaded.latent_meta or {}
-    vae = (meta.get("vae") or {}).get("source") if isinstance(meta.get("vae"), dict) else meta.get("vae")
-    ours = dataset.vae.get("source")
+    vae = loaded.space.source if loaded.space is not None else None
+    ours = dataset.space.source
     if vae and ours and vae != ours:
         problems.append(f"the tokenizer {vae} where --latents was made with {ours}")
-    if meta.get("latent_norm") and norm and meta["latent_norm"] != norm:
+    if loaded.space is not None and loaded.space.norm is not None and loaded.space.norm != norm:
         problems.append("another latent normalisation (its recorded latent_norm differs from the one this run "
                         "resolves; see --latent-norm)")
     if problems:

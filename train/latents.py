@@ -44,6 +44,7 @@ import numpy as np
 from shared.runtime.errors import UserError, disk_full
 from shared.runtime.fsio import TMP_PREFIX, atomic_write_bytes, atomic_write_text
 from shared.datasets.shards import ARRAYS_NAME, INDEX_NAME, LatentDataset, shard_windows
+from shared.tokenizers.space import SPACE_JSON, SPACE_TENSORS
 
 CACHE_ENV = "DIT_LATENT_CACHE"  # overrides the cache root (a fast local disk, per node)
 _CHUNK = 16 << 20
@@ -139,11 +140,19 @@ def remote_index(url: str):
     return fs, root, index_bytes, index, cache_root() / hashlib.sha256(index_bytes).hexdigest()[:16]
 
 
+def fetch_space(fs, root: str, local: Path, index: dict) -> None:
+    """Copy the folder's LatentSpace files (shared/tokenizers/space.py; checked against index.json when opened)."""
+    for name in (SPACE_TENSORS, SPACE_JSON) if "latent_space" in index else ():
+        if fs.exists(f"{root}/{name}"):  # else opening says which file is missing
+            _copy_file(fs, f"{root}/{name}", local / name)
+
+
 def fetch_latents(url: str) -> Path:
     """Copy a remote latent folder into the local cache (only what is missing); returns the local folder."""
     fs, root, index_bytes, index, local = remote_index(url)
     entries = [*index["shards"], index["arrays"]]
     local.mkdir(parents=True, exist_ok=True)
+    fetch_space(fs, root, local, index)
     for entry in entries:
         target = local / entry["name"]
         if not (target.is_file() and target.stat().st_size == entry["size"]):
@@ -214,6 +223,7 @@ def open_streamed(url: str, limit: int, fetcher: bool) -> "StreamedLatents":
                 raise disk_full(err, local / arrays["name"]) or UserError(
                     f"--latents {url}: cannot fetch {arrays['name']} ({err}). Check that the whole folder extract "
                     "wrote is there and the connection holds, then rerun the same command.") from None
+        fetch_space(fs, root, local, index)
         if not (local / INDEX_NAME).is_file():
             atomic_write_bytes(local / INDEX_NAME, index_bytes)
     dataset = StreamedLatents(local, budget)

@@ -22,7 +22,7 @@ from shared.runtime import rundir
 from shared.runtime.errors import UserError
 from shared.runtime.export import first_nonfinite, nonfinite_tensors, save_weights
 from shared.runtime.fsio import atomic_write_text, link_file, space_guard
-from shared.runtime.previews import write_preview
+from shared.sampling.previews import write_preview
 from shared.runtime.lock import FolderLock, hold_lock
 from shared.network.attention import resolve_attention
 from shared.network.blocks import block_summary
@@ -31,8 +31,8 @@ from shared.datasets.shards import LatentDataset
 from train import checkpoint as ckpt_io
 from train.callbacks import Callback, CallbackList
 from train.autotune import describe as describe_auto, resolve_auto_for
-from train.config import (DEBUG_STEPS, TrainConfig, check_config, check_resume, latent_meta_of, model_config_for,
-                          resolve_config, trained_norm)
+from train.config import (DEBUG_STEPS, TrainConfig, check_config, check_resume, model_config_for,
+                          resolve_config)
 from train.data import make_loader
 from train.init_from import InitWeights, apply_init, load_init
 from train.latents import open_latents, resolve_shard_window
@@ -340,12 +340,12 @@ def save_checkpoint(run: Run) -> Path | None:
 
 def _write_main(run: Run, tmp: Path) -> None:
     """Main process part of a checkpoint: weights, optimizer, scaler, state.json, publish, export, prune."""
-    learner, latent_meta = run.learner, latent_meta_of(run.cfg, run.dataset)
+    learner = run.learner
     state = {"step": run.step, "data_position": run.data_position, "world_size": run.cfg.world_size,
              "skipped_steps": learner.skipped_steps, "config": run.cfg.to_dict()}
     ema_state = learner.ema.state_dict()
     ckpt_io.save_main_state(tmp, model_state=learner.dit.state_dict(), ema_state=ema_state,
-                            model_config=learner.model_config, latent_meta=latent_meta,
+                            model_config=learner.model_config, space=run.cfg.space,
                             optimizer_state=learner.optimizer.state_dict(),
                             scaler_state=learner.scaler.state_dict(), state=state,
                             projector_state=learner.projector.state_dict() if learner.projector is not None else None)
@@ -369,7 +369,7 @@ def write_export(run: Run) -> Path:
     if stored.is_file() and link_file(stored, path):
         return path
     return save_weights(path, run.learner.ema.state_dict(), run.learner.model_config,
-                        latent_meta_of(run.cfg, run.dataset), run.step)
+                        run.cfg.space, run.step)
 
 
 def save_samples(run: Run) -> None:
@@ -384,7 +384,7 @@ def save_samples(run: Run) -> None:
         finally:
             ema.to(home)
         path = write_preview(rundir.sample_path(run.run_dir, run.step), latents, labels,
-                             latent_meta_of(run.cfg, run.dataset), run.step)
+                             run.cfg.space, run.step)
         run.logger.info(f"saved samples {path}")
     run.accelerator.wait_for_everyone()
 
@@ -501,7 +501,7 @@ def run_loop(run: Run) -> dict:
                          class_dropout_prob=cfg.class_dropout_prob, num_workers=loader_workers(run),
                          pin_memory=run.device.type == "cuda", objective=run.learner.objective,
                          features=run.learner.projector is not None, route=run.learner.route,
-                         norm=trained_norm(cfg.data), window=cfg.shard_window, global_batch=cfg.global_batch_size)
+                         norm=cfg.space.norm, window=cfg.shard_window, global_batch=cfg.global_batch_size)
     meter, last = Meter(), {}
     bar = tqdm(total=total, initial=run.step, desc="train", unit="step", disable=not run.is_main, dynamic_ncols=True)
     with bar:

@@ -1,6 +1,6 @@
 """--sample-every previews: EMA latents for fixed classes and fixed noise, saved without any VAE.
 
-The file (RUN/samples/step-XXXXXXX.safetensors) is shared/runtime/previews.py's; `python -m sample decode`
+The file (RUN/samples/step-XXXXXXX.safetensors) is shared/sampling/previews.py's; `python -m sample decode`
 turns it into images. Guidance is shared/generative/guidance.py's, the sampler's own.
 """
 from __future__ import annotations

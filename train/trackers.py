@@ -111,9 +111,7 @@ def check_watch(cfg, dataset) -> None:
     if cfg.sample_every == 0:
         raise UserError("--watch-vae decodes the --sample-every previews, but --sample-every is 0 (no previews); "
                         "pass --sample-every N, or drop --watch-vae.")
-    from shared.tokenizers.vae_match import check_vae_matches
-
-    check_vae_matches(cfg.watch_vae, None, dataset.latent_shape[0], dataset.latent_meta(), measure=False)
+    dataset.space.check_tokenizer_config(cfg.watch_vae, None, measure=False)
 
 
 def _vae_argument(spec: str) -> str:

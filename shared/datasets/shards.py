@@ -25,6 +25,7 @@ inside workers, so a batch costs one memcpy per tensor and no per-sample collate
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -256,15 +257,16 @@ class ShardWriter:
 # Index
 # ---------------------------------------------------------------------------------------------------------
 
-_REQUIRED_META = ("image_size", "num_classes", "class_names", "vae")
+_REQUIRED_META = ("image_size", "num_classes", "class_names")
 
 
 def _check_meta(meta: dict) -> None:
-    """The caller-supplied metadata must name the image size, classes and the VAE with its scaling factor."""
-    missing = [k for k in _REQUIRED_META if k not in meta]
+    """The caller-supplied metadata must name the image size, classes and the latent space (or an older VAE record)."""
+    missing = [k for k in _REQUIRED_META if k not in meta] + ([] if "latent_space" in meta or "vae" in meta
+                                                               else ["latent_space"])
     if missing:
         raise ValueError(f"write_index meta is missing {missing}")
-    if "scaling_factor" not in meta["vae"] and "norm" not in meta["vae"]:
+    if "latent_space" not in meta and "scaling_factor" not in meta["vae"] and "norm" not in meta["vae"]:
         raise ValueError("write_index meta['vae'] must include its normalisation ('norm' or 'scaling_factor')")
     if len(meta["class_names"]) != meta["num_classes"]:
         raise ValueError(f"{len(meta['class_names'])} class names for num_classes={meta['num_classes']}")
@@ -307,8 +309,8 @@ def _write_arrays(out_dir: Path, shards: list[ShardInfo]) -> dict:
 def write_index(out_dir, shard_infos, meta: dict) -> Path:
     """Validate the shards, write the per-sample sidecar, then index.json last (atomically); return its path.
 
-    `meta` must hold image_size, num_classes, class_names and vae (the VAE identity incl. its normalisation);
-    any other keys are stored as given.
+    `meta` must hold image_size, num_classes, class_names and latent_space (the sha256 of the folder's
+    latent_space.json, shared/tokenizers/space.py); any other keys are stored as given.
     """
     out_dir = Path(out_dir)
     shards = [s if isinstance(s, ShardInfo) else ShardInfo.from_dict(s) for s in shard_infos]
@@ -571,18 +573,19 @@ class LatentDataset(torch.utils.data.Dataset):
     flips = property(lambda self: int(self.meta["flips"]), doc="F: 1, or 2 when mirrored copies are stored.")
     dtype = property(lambda self: storage_dtype(self.meta["dtype"]).torch, doc="The latent's storage dtype (torch).")
     image_size = property(lambda self: int(self.meta["image_size"]), doc="Image side the latents encode.")
-    vae = property(lambda self: dict(self.meta["vae"]), doc="VAE identity dict written by extract.")
-    scaling_factor = property(lambda self: self.meta["vae"].get("scaling_factor"),
+    vae = property(lambda self: dict(self.space.tokenizer), doc="The tokenizer's identity (its LatentSpace's).")
+    scaling_factor = property(lambda self: self.space.tokenizer.get("scaling_factor"),
                               doc="The tokenizer's scaling_factor if it has one (its normalisation: native_norm).")
-    latent_stats = property(lambda self: self.meta.get("latent_stats"),
-                            doc="The folder's per-channel statistics (index.json 'latent_stats'), or None.")
+    native_norm = property(lambda self: self.space.native, doc="The tokenizer's own normalisation, or None.")
 
-    @property
-    def native_norm(self):
-        """The tokenizer's own normalisation (shared/tokenizers/norm.py LatentNorm) recorded in its identity."""
-        from shared.tokenizers.norm import native_norm_of_identity
+    @functools.cached_property
+    def space(self):
+        """The folder's LatentSpace (latent_space.json, checked against index.json; older folders: from_legacy)."""
+        from shared.tokenizers.space import LatentSpace, rebuild_folder_command
 
-        return native_norm_of_identity(self.meta["vae"])
+        if "latent_space" not in self.meta:
+            return LatentSpace.from_legacy(self.meta)
+        return LatentSpace.read(self.root, self.meta["latent_space"], rebuild_folder_command(self.root))
 
     shard_counts = property(lambda self: np.diff(self._starts), doc="(S,) samples per shard, in folder order.")
     tensor_names = property(lambda self: tuple(self._specs), doc="Names of the stored columns.")
@@ -592,12 +595,6 @@ class LatentDataset(torch.utils.data.Dataset):
     def tensor_spec(self, name: str) -> dict:
         """{"dtype", "shape", "offset"} of a stored column (KeyError if absent)."""
         return {k: self._specs[name][k] for k in ("dtype", "shape", "offset")}
-
-    def latent_meta(self) -> dict:
-        """The latent description train stores in checkpoints and exports (shared/runtime/export.py's latent_meta)."""
-        scale = {"scaling_factor": float(self.vae["scaling_factor"])} if "scaling_factor" in self.vae else {}
-        return {"image_size": self.image_size, **scale, "latent_shape": list(self.latent_shape), "vae": self.vae,
-                "class_names": self.class_names}
 
     def __len__(self) -> int:
         return int(self._starts[-1])

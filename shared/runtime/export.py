@@ -1,7 +1,8 @@
 """Weight files: slim safetensors files with the model config inside, and the checks every weight load needs.
 
 Metadata keys (all JSON strings, as safetensors metadata must be str -> str):
-  "dit_config": ModelConfig.to_dict(), "latents": latent_meta, "step": the optimiser step.
+  "dit_config": ModelConfig.to_dict(), "latent_space": the LatentSpace's JSON (its statistics are the tensors
+  "latent_space.*" beside the weights: shared/tokenizers/space.py), "step": the optimiser step.
 
 Also here, for every reader of weights (DiT checkpoints, VAE files): `load_torch_file`, the one
 `torch.load(weights_only=True)` that turns a refused pickle into a message naming the blocked global,
@@ -29,14 +30,26 @@ def _plain_tensors(state_dict):
     return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state_dict.items()}
 
 
-def save_weights(path, state_dict, model_config, latent_meta, step):
-    """Write state_dict + metadata to path atomically (shared.runtime.fsio.atomic_write); returns the path."""
+SPACE_KEY = "latent_space"  # metadata key of the latent space's JSON, prefix of its statistics' tensors
+
+
+def space_parts(space) -> tuple[dict, dict]:
+    """(metadata, tensors) of a LatentSpace (shared/tokenizers/space.py), an older latent-metadata dict, or None."""
+    if space is None:
+        return {}, {}
+    if isinstance(space, dict):  # the older "latents" record, read back by LatentSpace.from_legacy
+        return {"latents": json.dumps(space, sort_keys=True)}, {}
+    return space.file_parts()
+
+
+def save_weights(path, state_dict, model_config, space, step):
+    """Write state_dict, the latent space and metadata to path atomically (fsio.atomic_write); returns the path."""
     if not isinstance(model_config, ModelConfig):
         model_config = ModelConfig.from_dict(dict(model_config))  # fail now, not when someone loads it
     config = model_config.to_dict()
-    metadata = {"dit_config": json.dumps(config, sort_keys=True), "latents": json.dumps(latent_meta, sort_keys=True),
-                "step": str(int(step))}
-    tensors = _plain_tensors(state_dict)
+    space_metadata, space_tensors = space_parts(space)
+    metadata = {"dit_config": json.dumps(config, sort_keys=True), **space_metadata, "step": str(int(step))}
+    tensors = {**_plain_tensors(state_dict), **space_tensors}
     return atomic_write(path, lambda tmp: write_safetensors(tmp, tensors, metadata))
 
 
@@ -75,14 +88,13 @@ def _read_file(path, device):
 
 
 def _parse_metadata(path, metadata):
-    """(ModelConfig, latent_meta, step) from the file's metadata; UserError when dit_config is absent."""
+    """(ModelConfig, step) from the file's metadata; UserError when dit_config is absent."""
     if "dit_config" not in metadata:
         raise UserError(f"{path} has no 'dit_config' metadata, so the model cannot be rebuilt from it. Use a "
                         "file written by this project's train stage (RUN/exports/*.safetensors), or an official "
                         "DiT .pt state dict, whose preset is inferred from its tensor shapes.")
     try:
         config = ModelConfig.from_dict(json.loads(metadata["dit_config"]))
-        latent_meta = json.loads(metadata["latents"]) if "latents" in metadata else None
         step = int(metadata.get("step", 0))
     except ChoiceError as err:  # e.g. a preset this version does not know: the file's fault, not a flag's
         raise UserError(f"the metadata of {path} describes a model this version cannot build ({err}); use the "
@@ -90,7 +102,7 @@ def _parse_metadata(path, metadata):
     except (json.JSONDecodeError, TypeError, ValueError) as err:
         raise UserError(f"the metadata of {path} is corrupt ({err}); the file is damaged: copy it again from "
                         "where it was made, or use another weight file.") from err
-    return config, latent_meta, step
+    return config, step
 
 
 def read_config(path) -> ModelConfig:
@@ -106,11 +118,11 @@ def read_config(path) -> ModelConfig:
 
 
 def load_weights(path, device="cpu"):
-    """Read a file written by save_weights -> (state_dict, ModelConfig, latent_meta, step)."""
+    """(state_dict without the latent space's tensors, ModelConfig, metadata, step); LatentSpace.read_file: the space."""
     path = Path(path)
-    state_dict, metadata = _read_file(path, device)
-    config, latent_meta, step = _parse_metadata(path, metadata)
-    return state_dict, config, latent_meta, step
+    tensors, metadata = _read_file(path, device)
+    config, step = _parse_metadata(path, metadata)
+    return {k: v for k, v in tensors.items() if not k.startswith(f"{SPACE_KEY}.")}, config, metadata, step
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from shared.network.models import DiT_models
 from shared.tokenizers.pixels import to_uint8
 from shared.runtime.precision import set_tf32
 from shared.runtime.rundir import CHECKPOINTS, EMA_FILE, EXPORTS, MODEL_FILE
-from shared.tokenizers.vae_match import check_loaded_vae, check_vae_matches, choose_vae, load_vae
+from shared.tokenizers.space import LatentSpace, choose_tokenizer, load_tokenizer
 
 from shared.sampling.compiled import check_compile, compile_for_sampling
 from shared.sampling.image_draws import LabelPlan, batch_start, image_labels, make_label_plan
@@ -178,11 +178,10 @@ def resolve_job(o: SampleOptions) -> Job:
     check_guidance(o.cfg_scale, loaded.config.has_null_class)
     check_sampling_guidance(objective, o.cfg_scale)  # MeanFlow with guidance folded in at training: no second call
     guided = guide_channel_count(o.guide_channels, loaded.config.in_channels, loaded.auto_guide)
-    names = (loaded.latent_meta or {}).get("class_names")
-    plan = make_label_plan(o.class_labels, loaded.config.num_classes, o.random_labels, names)
-    spec, how = choose_vae(o.vae, loaded.latent_meta)
-    vae_name, factor = check_vae_matches(spec, o.vae_config, loaded.config.in_channels, loaded.latent_meta,
-                                 o.allow_other_vae)
+    space = recorded_space(loaded)
+    plan = make_label_plan(o.class_labels, loaded.config.num_classes, o.random_labels, list(space.class_names) or None)
+    spec, how = choose_tokenizer(o.vae, loaded.space)
+    vae_name, factor = space.check_tokenizer_config(spec, o.vae_config, o.allow_other_vae)
     loaded.notes.append(f"VAE {vae_name} ({how})")
     image_size = image_size_of(loaded, factor, o.image_size)
     # Default count: one image per listed label, else one per class (label i = i % num_classes).
@@ -223,11 +222,16 @@ class Drawer:
         return labels.tolist(), to_uint8(images)  # (N, H, W, 3)
 
 
+def recorded_space(loaded) -> LatentSpace:
+    """The weights' LatentSpace, or one known only by its channels (official weights record none)."""
+    return LatentSpace.or_unknown(loaded.space, loaded.config.in_channels)
+
+
 def load_checked_vae(job: Job, device):
-    """Load the VAE and compare its full identity with the latents' record -> (vae, normalisation to invert)."""
-    o, meta = job.options, job.loaded.latent_meta
-    vae = load_vae(job.vae_name, o.vae_config, device, o.vae_precision, o.vae_tiling, o.vae_slicing)
-    norm, note = check_loaded_vae(vae, meta, o.allow_other_vae)
+    """Load the tokenizer and compare its full identity with the latents' record -> (tokenizer, norm to invert)."""
+    o = job.options
+    vae = load_tokenizer(job.vae_name, o.vae_config, device, o.vae_precision, o.vae_tiling, o.vae_slicing)
+    norm, note = recorded_space(job.loaded).check_loaded(vae, o.allow_other_vae)
     if note:
         job.loaded.notes.append(note)
         print(f"note: {note}")
@@ -285,7 +289,7 @@ def finish(job: Job) -> None:
     if absent:
         raise UserError(f"{len(absent)} images are missing from {job.out} (e.g. {absent[0]}), probably because "
                         f"another process stopped early; rerun the same command to draw them.")
-    names = (job.loaded.latent_meta or {}).get("class_names")
+    names = list(recorded_space(job.loaded).class_names) or None
     write_grid(job.out / GRID_NAME, lambda i: read_png(paths[i]), labels, captions_for(labels, names), grid_title(job))
     if job.options.npz:
         write_npz(job.out / NPZ_NAME, paths, labels)

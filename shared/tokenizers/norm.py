@@ -11,11 +11,9 @@ channel, or one per element of the latent (C, h, w):
     element      per-element mean, std (C,h,w) 1 (or the config's) RAE (DINOv2 tokens; its stat.pt or the folder's)
     none         0, 1                          1                  raw latents
 
-The record travels as a JSON dict (`to_dict` / `from_dict`) in index.json (the tokenizer's own convention, in
-the VAE identity), in every checkpoint and export (`latent_meta["latent_norm"]`, what the run trained on) and
-in preview files; per-element numbers travel as base64 float32 (768x16x16 RAE tokens: 1 MiB per array, where a
-JSON list of floats would take 4). Training applies it to each fresh draw (`shared.tokenizers.vae.draw_latents`); every decode
-inverts it (`LatentVAE.decode(x, norm)`). Nothing else scales a latent.
+Its statistics are fp32 tensors; it travels inside a `LatentSpace` (shared/tokenizers/space.py: kind and scale
+in JSON, the numbers in safetensors). Training applies it to each fresh draw (`shared.tokenizers.vae.draw_latents`);
+every decode inverts it (`LatentVAE.decode(x, norm)`). Nothing else scales a latent.
 
 `ChannelStats` is the float64 accumulator of a folder's per-channel statistics from stored posterior moments
 (`ElementStats` the same per element, for deterministic tokens):
@@ -24,12 +22,11 @@ over images, positions and posterior noise). Shards are combined with Chan et al
 """
 from __future__ import annotations
 
-import base64
-import functools
 import math
 from dataclasses import dataclass, field
 
 import numpy as np
+import safetensors.torch
 import torch
 
 NORM_KINDS = ("scale", "shift-scale", "channel", "element", "none")
@@ -45,77 +42,72 @@ NORM_HELP = {
 }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class LatentNorm:
-    """x = (z - mean) / std * scale; mean and std one value, one per channel or one per element (module doc)."""
+    """x = (z - mean) / std * scale; mean and std fp32 tensors (1,), (C,) or (C, h, w) (module doc)."""
 
     kind: str
-    mean: tuple = (0.0,)
-    std: tuple = (1.0,)
+    mean: torch.Tensor = (0.0,)
+    std: torch.Tensor = (1.0,)
     scale: float = 1.0
-    source: str = field(default="", compare=False)  # where the numbers come from (for messages only)
-    shape: tuple = ()  # (C, h, w) of an "element" record (mean and std are flattened in C, h, w order)
+    source: str = ""  # where the numbers come from (messages only: never compared or hashed)
 
     def __post_init__(self):
         if self.kind not in NORM_KINDS:
             raise ValueError(f"latent normalisation kind {self.kind!r} is not one of {NORM_KINDS}")
-        if len(self.mean) != len(self.std) or not self.scale > 0 or not min(self.std) > 0:
+        for name in ("mean", "std"):  # an own fp32 CPU copy: the record never aliases a caller's tensor
+            value = torch.tensor(np.asarray(getattr(self, name), dtype=np.float32))
+            object.__setattr__(self, name, value.reshape(-1) if self.kind != "element" else value)
+        object.__setattr__(self, "scale", float(self.scale))
+        if self.mean.shape != self.std.shape or not self.scale > 0 or not bool((self.std > 0).all()):
             raise ValueError(f"latent normalisation needs matching mean/std and positive std and scale "
                              f"({self.describe()})")
-        if (self.kind == "element") != bool(self.shape) or (self.shape and math.prod(self.shape) != len(self.mean)):
-            raise ValueError(f"a per-element normalisation needs a (C, h, w) shape of {len(self.mean)} values, "
-                             f"got {self.shape}")
+        if (self.kind == "element") != (self.mean.dim() == 3):
+            raise ValueError(f"a per-element normalisation needs (C, h, w) statistics, got {tuple(self.mean.shape)}")
+
+    def __eq__(self, other) -> bool:
+        return (isinstance(other, LatentNorm) and (self.kind, self.scale) == (other.kind, other.scale)
+                and torch.equal(self.mean, other.mean) and torch.equal(self.std, other.std))
+
+    __hash__ = None
 
     def __repr__(self) -> str:
-        """Short: per-element records hold hundreds of thousands of numbers."""
         return f"LatentNorm({self.describe()})"
 
-    # -- constructors -------------------------------------------------------------------------------------
     @classmethod
     def scale_only(cls, scale: float, source: str = "") -> "LatentNorm":
         """z x scale (SD-VAE's convention)."""
-        return cls("scale", (0.0,), (1.0,), float(scale), source)
+        return cls("scale", (0.0,), (1.0,), scale, source)
 
     @classmethod
     def shift_scale(cls, shift: float, scale: float, source: str = "") -> "LatentNorm":
         """(z - shift) x scale (SD3 / FLUX.1)."""
-        return cls("shift-scale", (float(shift),), (1.0,), float(scale), source)
+        return cls("shift-scale", (float(shift),), (1.0,), scale, source)
 
     @classmethod
     def channel(cls, mean, std, scale: float = 1.0, source: str = "") -> "LatentNorm":
         """(z - mean_c) / std_c x scale, one mean and std per channel."""
-        return cls("channel", tuple(float(m) for m in mean), tuple(float(s) for s in std), float(scale), source)
+        return cls("channel", mean, std, scale, source)
 
     @classmethod
     def element(cls, mean, std, scale: float = 1.0, source: str = "") -> "LatentNorm":
-        """(z - mean) / std x scale with one mean and std per element: tensors or nested lists of shape (C, h, w)."""
-        mean32 = torch.as_tensor(mean, dtype=torch.float32)
-        std32 = torch.as_tensor(std, dtype=torch.float32)
-        if mean32.dim() != 3 or std32.shape != mean32.shape:
-            raise ValueError(f"per-element statistics must both be (C, h, w), got {tuple(mean32.shape)} and "
-                             f"{tuple(std32.shape)}")
-        return cls("element", tuple(mean32.flatten().tolist()), tuple(std32.flatten().tolist()), float(scale),
-                   source, tuple(int(n) for n in mean32.shape))
+        """(z - mean) / std x scale with one mean and std per element of shape (C, h, w)."""
+        return cls("element", mean, std, scale, source)
 
     @classmethod
     def none(cls, source: str = "") -> "LatentNorm":
         """The identity: the DiT sees raw latents."""
         return cls("none", source=source)
 
-    # -- use ------------------------------------------------------------------------------------------------
+    shape = property(lambda self: tuple(self.mean.shape) if self.kind == "element" else (),
+                     doc="(C, h, w) of an element record, () otherwise.")
+
     @property
     def channels(self) -> int | None:
         """Channels of a per-channel or per-element record, None for a scalar one."""
         if self.kind == "element":
             return self.shape[0]
-        return len(self.mean) if self.kind == "channel" else None
-
-    @functools.cached_property
-    def _tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mean, std) as fp32 CPU tensors (1, C, 1, 1), (1, C, h, w) or (1, 1, 1, 1), built once per record."""
-        shape = (1, *self.shape) if self.kind == "element" else (1, -1, 1, 1)
-        return (torch.tensor(self.mean, dtype=torch.float32).view(shape),
-                torch.tensor(self.std, dtype=torch.float32).view(shape))
+        return self.mean.numel() if self.kind == "channel" else None
 
     def check_channels(self, channels: int, where: str = "these latents") -> None:
         """ValueError when a per-channel or per-element record does not have `channels` channels."""
@@ -132,9 +124,9 @@ class LatentNorm:
                              f"to {where} of shape {'x'.join(str(int(n)) for n in shape)}")
 
     def _on(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mean, std) on like's device, fp32."""
-        mean, std = self._tensors
-        return mean.to(like.device), std.to(like.device)
+        """(mean, std) broadcastable to (N, C, h, w) on like's device, fp32."""
+        view = (1, *self.shape) if self.kind == "element" else (1, -1, 1, 1)
+        return self.mean.view(view).to(like.device), self.std.view(view).to(like.device)
 
     def apply(self, z: torch.Tensor) -> torch.Tensor:
         """Raw latents (N,C,h,w) -> normalised, fp32."""
@@ -150,101 +142,18 @@ class LatentNorm:
         mean, std = self._on(x)
         return x / self.scale * std + mean
 
-    # -- records --------------------------------------------------------------------------------------------
-    def to_dict(self) -> dict:
-        """The JSON form written to index.json, checkpoints, exports and preview files."""
-        if self.kind == "element":
-            return {"kind": self.kind, "shape": list(self.shape), "mean": pack_floats(self.mean),
-                    "std": pack_floats(self.std), "scale": self.scale, "source": self.source}
-        return {"kind": self.kind, "mean": list(self.mean), "std": list(self.std), "scale": self.scale,
-                "source": self.source}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "LatentNorm":
-        """The record back from its JSON form."""
-        if d["kind"] == "element":
-            return cls("element", unpack_floats(d["mean"]), unpack_floats(d["std"]), float(d.get("scale", 1.0)),
-                       d.get("source", ""), tuple(int(n) for n in d["shape"]))
-        return cls(d["kind"], tuple(float(v) for v in d.get("mean", (0.0,))),
-                   tuple(float(v) for v in d.get("std", (1.0,))), float(d.get("scale", 1.0)), d.get("source", ""))
-
     def describe(self) -> str:
         """One phrase: 'scale x0.18215', 'shift-scale (z - 0.1159) x0.3611', 'channel (32 channels)'."""
+        extra = f" x{self.scale:g}" if self.scale != 1 else ""
         if self.kind == "scale":
             return f"scale x{self.scale:g}"
         if self.kind == "shift-scale":
-            return f"shift-scale (z - {self.mean[0]:g}) x{self.scale:g}"
+            return f"shift-scale (z - {float(self.mean[0]):g}) x{self.scale:g}"
         if self.kind == "channel":
-            extra = f" x{self.scale:g}" if self.scale != 1 else ""
-            return f"channel ((z - mean_c) / std_c{extra}, {len(self.mean)} channels)"
+            return f"channel ((z - mean_c) / std_c{extra}, {self.mean.numel()} channels)"
         if self.kind == "element":
-            extra = f" x{self.scale:g}" if self.scale != 1 else ""
             return f"element ((z - mean) / std per element{extra}, {'x'.join(map(str, self.shape))})"
         return "none (raw latents)"
-
-
-# How many numbers travel in JSON: little-endian float bytes in base64 (exact for values of that precision).
-FLOAT_ENCODINGS = {"float32-le-base64": "<f4", "float64-le-base64": "<f8"}
-
-
-def pack_floats(values, encoding: str = "float32-le-base64") -> dict:
-    """Float values (any shape, flattened) as {"encoding", "count", "data"}."""
-    array = np.asarray(values.numpy() if isinstance(values, torch.Tensor) else values,
-                       dtype=FLOAT_ENCODINGS[encoding]).reshape(-1)
-    return {"encoding": encoding, "count": int(array.size), "data": base64.b64encode(array.tobytes()).decode("ascii")}
-
-
-def abbreviated(obj):
-    """A copy of a JSON-able structure with every packed float array shown as '<N float32 values>' (for printing)."""
-    if isinstance(obj, dict):
-        if set(obj) == {"encoding", "count", "data"} and obj["encoding"] in FLOAT_ENCODINGS:
-            return f"<{obj['count']} {obj['encoding'].split('-')[0]} values>"
-        return {k: abbreviated(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [abbreviated(v) for v in obj]
-    return obj
-
-
-def unpack_floats(packed) -> tuple:
-    """The values `pack_floats` packed, as Python floats (a plain list is taken as it is)."""
-    if isinstance(packed, (list, tuple)):
-        return tuple(float(v) for v in packed)
-    if packed.get("encoding") not in FLOAT_ENCODINGS:
-        raise ValueError(f"unknown float encoding {packed.get('encoding')!r}")
-    array = np.frombuffer(base64.b64decode(packed["data"]), dtype=FLOAT_ENCODINGS[packed["encoding"]])
-    if array.size != int(packed["count"]):
-        raise ValueError(f"{array.size} packed floats, {packed['count']} recorded")
-    return tuple(array.astype(np.float64).tolist())
-
-
-def unpack_tensor(packed, shape) -> torch.Tensor:
-    """Packed floats as a float64 tensor of `shape`."""
-    return torch.tensor(unpack_floats(packed), dtype=torch.float64).view(*shape)
-
-
-def norm_of_meta(latent_meta: dict | None) -> LatentNorm | None:
-    """The normalisation latents were trained with, from latent metadata; older files record only a scale."""
-    meta = latent_meta or {}
-    if isinstance(meta.get("latent_norm"), dict):
-        return LatentNorm.from_dict(meta["latent_norm"])
-    if meta.get("scaling_factor") is not None:
-        return LatentNorm.scale_only(float(meta["scaling_factor"]), source="the recorded scaling_factor")
-    return None
-
-
-def native_norm_of_identity(identity: dict) -> LatentNorm | None:
-    """The tokenizer's own convention recorded in a VAE identity (older identities: only scaling_factor).
-
-    None also when the identity records "norm": null, a tokenizer whose numbers are the folder's statistics (an RAE
-    without latents_mean / latents_std).
-    """
-    if isinstance(identity.get("norm"), dict):
-        return LatentNorm.from_dict(identity["norm"])
-    if "norm" in identity:
-        return None
-    if identity.get("scaling_factor") is not None:
-        return LatentNorm.scale_only(float(identity["scaling_factor"]), source="the VAE's scaling_factor")
-    return None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -300,13 +209,14 @@ class ChannelStats:
         var = [(m2 + vs) / self.count for m2, vs in zip(self.m2, self.var_sum)]
         return list(self.mean), [math.sqrt(v) for v in var]
 
-    def summary(self, images: int, flips: int, deterministic: bool) -> dict:
-        """index.json's "latent_stats": the per-channel mean and std and what they were computed from."""
+    def summary(self, images: int, flips: int, deterministic: bool) -> tuple[LatentNorm, dict]:
+        """The folder's "channel" normalisation and what it was computed from."""
         mean, std = self.result()
         moments = "latents" if deterministic else "posterior moments (mean of the means; variance of the means + " \
                                                   "mean of the variances)"
-        return {"mean": mean, "std": std, "values_per_channel": self.count, "images": images, "flips": flips,
-                "computed_from": f"the stored {moments} of every image and flip, float64"}
+        return (LatentNorm.channel(mean, std, 1.0, source="the latent folder's per-channel statistics"),
+                {"values_per_channel": self.count, "images": images, "flips": flips,
+                 "computed_from": f"the stored {moments} of every image and flip, float64"})
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -348,34 +258,25 @@ class ElementStats:
         self.m2 = self.m2 + other.m2 + delta ** 2 * self.count * other.count / n
         self.count = n
 
-    def to_dict(self) -> dict:
-        """The partial sums (written in each shard's sidecar), float64 exact."""
-        if self.count == 0:
-            return {"count": 0}
-        return {"count": self.count, "shape": list(self.mean.shape),
-                "mean": pack_floats(self.mean, "float64-le-base64"), "m2": pack_floats(self.m2, "float64-le-base64")}
+    def to_bytes(self) -> bytes:
+        """The partial sums as safetensors bytes, float64 exact (each shard's stats file beside its sidecar)."""
+        sums = {"mean": self.mean, "m2": self.m2} if self.count else {}
+        return safetensors.torch.save({"count": torch.tensor([self.count]), **sums})
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ElementStats":
-        if not int(d["count"]):
-            return cls()
-        return cls(int(d["count"]), unpack_tensor(d["mean"], d["shape"]), unpack_tensor(d["m2"], d["shape"]))
+    def from_bytes(cls, data: bytes) -> "ElementStats":
+        tensors = safetensors.torch.load(data)
+        count = int(tensors["count"])
+        return cls(count, tensors["mean"], tensors["m2"]) if count else cls()
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean, std) (C, h, w) float64: std = sqrt(population variance + ELEMENT_EPS), RAE's convention."""
         return self.mean, torch.sqrt(self.m2 / self.count + ELEMENT_EPS)
 
-    def summary(self, images: int, flips: int) -> dict:
-        """index.json's "latent_stats"["element"]: the per-element mean and std (float32) and their origin."""
+    def summary(self, images: int, flips: int) -> tuple[LatentNorm, dict]:
+        """The folder's "element" normalisation (float32) and what it was computed from."""
         mean, std = self.result()
-        return {"shape": list(mean.shape), "mean": pack_floats(mean), "std": pack_floats(std), "eps": ELEMENT_EPS,
-                "values_per_element": self.count, "images": images, "flips": flips,
-                "computed_from": f"the stored latents of every image and flip, float64; std = sqrt(variance + "
-                                 f"{ELEMENT_EPS:g}) as RAE's stat.pt is used"}
-
-    @staticmethod
-    def norm_of_summary(summary: dict, source: str) -> LatentNorm:
-        """The "element" normalisation record of a folder's summary."""
-        shape = summary["shape"]
-        return LatentNorm.element(unpack_tensor(summary["mean"], shape), unpack_tensor(summary["std"], shape), 1.0,
-                                  source)
+        return (LatentNorm.element(mean, std, 1.0, source="the latent folder's per-element statistics"),
+                {"eps": ELEMENT_EPS, "values_per_element": self.count, "images": images, "flips": flips,
+                 "computed_from": f"the stored latents of every image and flip, float64; std = sqrt(variance + "
+                                  f"{ELEMENT_EPS:g}) as RAE's stat.pt is used"})

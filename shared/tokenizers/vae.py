@@ -452,7 +452,6 @@ class LatentVAE:
             "source": source,
             "class": self.kind.name,
             **({"scaling_factor": self.scaling_factor} if self.scaling_factor is not None else {}),
-            "norm": self.norm.to_dict() if self.norm is not None else None,
             **({"family": self.family} if self.family != "vae" else {}),  # absent: a VAE (older records too)
             "deterministic": self.deterministic,
             "latent_channels": self.latent_channels,

@@ -20,6 +20,7 @@ from shared.network.diffusers_dit import NUMERICS_NOTE, check_dit_config, diffus
 from shared.network.models import PRESETS, ModelConfig, check_preset, infer_model_config
 from shared.network.repa import REPA_PROJECTOR_PREFIX
 from shared.runtime.errors import ChoiceError, UserError
+from shared.tokenizers.space import LatentSpace
 from shared.runtime.export import first_nonfinite, load_torch_file, load_weights, safetensors_problem
 from shared.runtime.rundir import (CHECKPOINTS, EMA_FILE, EXPORTS, MODEL_FILE, checkpoint_path, is_complete_checkpoint,
                                    list_checkpoints, list_exports, step_of)
@@ -50,13 +51,17 @@ class LoadedWeights:
     config: ModelConfig
     path: Path                        # the file actually read
     kind: str                         # "export" (config in metadata), "official" (bare state dict) or "diffusers"
-    latent_meta: dict | None = None   # None for SD-VAE releases
+    space: LatentSpace | dict | None = None  # None for SD-VAE releases; a dict is read by LatentSpace.from_legacy
     step: int | None = None
     notes: list[str] = field(default_factory=list)  # what was inferred; printed for the user
     weights: str = AS_SAVED           # what was loaded: "ema", "raw", or AS_SAVED (a file's only set)
     warnings: list[str] = field(default_factory=list)  # what the user must see (e.g. a broken newer export skipped)
     label: str | None = None          # short name for default output folders (None: from the file's path)
     auto_guide: AutoGuide = AUTO_OWN  # what --guide-channels auto means: what these weights' own sampler does
+
+    def __post_init__(self):
+        if isinstance(self.space, dict):
+            self.space = LatentSpace.from_legacy(self.space)
 
 
 class Found:
@@ -106,7 +111,7 @@ class Read:
     objective_why: str                # where the objective comes from, e.g. "the SiT (Ma et al. 2024) release"
     notes: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
-    meta: dict | None = None          # latent metadata the file itself carries (our exports)
+    meta: LatentSpace | None = None   # the latent space the file itself carries (our exports)
     path: Path | None = None          # the file read, where the format chose it (a run folder's newest export)
     step: int | None = None
     label: str | None = None
@@ -195,9 +200,9 @@ def run_weight_file(folder: Path, weights: str) -> tuple[Path, list[str]]:
 def _read_export(found: Found, weights: str, objective: str | None) -> Read:
     """Our safetensors file (a run folder's chosen one): config, latent metadata and step from its metadata."""
     path, notes = run_weight_file(found.path, weights) if found.path.is_dir() else (found.path, [])
-    state_dict, config, meta, step = load_weights(path)
+    state_dict, config, _, step = load_weights(path)
     why = "the run that wrote this file, per its metadata"
-    return Read(_strip_prefixes(state_dict), config, why, notes, notes, meta, path, step)
+    return Read(_strip_prefixes(state_dict), config, why, notes, notes, LatentSpace.read_file(path), path, step)
 
 
 # Bare .pt state dicts of the releases: the config inferred from tensor shapes, the objective by name or layout

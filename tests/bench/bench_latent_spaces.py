@@ -75,8 +75,7 @@ def main(argv=None) -> int:
             vae = LatentVAE.load(vae_dir)
             tar = sum(s["size"] for s in ds.meta["shards"]) / len(ds)
             payload = ds.meta["layout"]["payload_size"]
-            stats = ds.latent_stats
-            channel = LatentNorm.channel(stats["mean"], stats["std"])
+            channel = ds.space.norms["channel"]
             c, h, w = ds.latent_shape
             print(f"{name:<12} {vae.kind.name:<20} {f'{c}x{h}x{w}':<10} {vae.norm.describe():<34} {rate:>7.1f} "
                   f"{tar:>10.0f} {payload:>14d} {round_trip(vae, ds, vae.norm):>15.2e} "
