@@ -10,19 +10,21 @@ import argparse
 import sys
 
 from shared.runtime.cli import HelpFormatter, add_flags, from_args
-from shared.runtime.errors import UserError, exit_with
+from shared.runtime.errors import UserError, cli_errors, exit_with
+from shared.runtime.plugins import load_plugins
 from shared.datasets.shards import FOLDER_KIND
 
 PROG = "python -m extract"
 # The flag that sets each setting shared/ and extract name in their errors (ChoiceError / SettingError kinds).
 FLAGS = {"flip mode": "--flip", "storage dtype": "--dtype", "vae": "--vae", "vae config": "--vae-config",
-         FOLDER_KIND: "--out", "feature storage dtype": "--repr-dtype",
+         FOLDER_KIND: "--out",
          "duplicate policy": "--duplicates", "image size": "--image-size"}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command-line flags, from ExtractConfig and ExtractModes; every one has help."""
+    """The command-line flags, from ExtractConfig, the registered shard columns and ExtractModes; all with help."""
     from extract.run import ExtractConfig, ExtractModes
+    from shared.datasets.columns import columns
 
     p = argparse.ArgumentParser(
         prog=PROG, formatter_class=HelpFormatter,
@@ -32,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "to use several GPUs.",
     )
     add_flags(p, ExtractConfig, skip=("strict",))
+    for column in columns().values():
+        add_flags(p, column.extract_flags)
     add_flags(p, ExtractModes)
     return add_flags(p, ExtractConfig, only=("strict",))
 
@@ -39,15 +43,19 @@ def build_parser() -> argparse.ArgumentParser:
 def _config(args):
     """ExtractConfig from parsed arguments."""
     from extract.run import ExtractConfig
+    from shared.datasets.columns import flag_values
 
     if args.out is None:
         raise UserError("--out is required to extract: pass the folder for the shards (or use --check).")
-    return from_args(ExtractConfig, args)
+    return from_args(ExtractConfig, args, column_flags=flag_values(lambda c: c.extract_flags, args))
 
 
 @interruptible(PROG)
 def main(argv=None) -> int:
     """Parse flags and run the check or the extraction; UserError becomes one clear paragraph."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    with cli_errors(PROG, FLAGS):
+        load_plugins(argv)  # first: a plugin's shard column adds flags
     args = build_parser().parse_args(argv)
     try:
         if args.verify:

@@ -34,8 +34,9 @@ from shared.runtime.errors import ChoiceError, UserError
 from shared.runtime.fsio import atomic_write_bytes, atomic_write_text, stale_tmps
 from shared.runtime.lock import hold_lock
 from shared.runtime.rerun import differences, listed
+from shared.datasets.columns import columns, plugin_of
 from shared.datasets.shard_schema import FLAG_DTYPES
-from shared.network.repa import REPR_TENSOR
+from shared.runtime.plugins import PLUGIN
 from shared.tokenizers.classes import tokenizer_class
 from shared.tokenizers.norm import ChannelStats, ElementStats
 from shared.tokenizers.space import LatentSpace
@@ -80,15 +81,6 @@ class ExtractConfig:
     shard_size: int = option(4096, "Images per shard, also the unit of resume")
     limit: int | None = option(None, "Use only N images, spread evenly over the sorted list (for a quick trial; "
                                      "default: all).")
-    repr_encoder: str | None = option(  # REPA's frozen encoder: its patch tokens are stored beside the moments
-        None, "Also store a frozen encoder's patch tokens for REPA (train --repa-weight): a DINOv2 folder saved by "
-              "transformers' save_pretrained or a Hub id such as facebook/dinov2-base; run once per image and stored "
-              "flip, fp32 (default: none). The dry run prints the storage.")
-    repr_image_size: int | None = option(
-        None, "Pixels per side the encoder sees, a multiple of its patch size (default: REPA's, image-size / 16 "
-              "patches: 224 for DINOv2/14 at 256 px).")
-    repr_dtype: str = option("fp16", "Storage dtype of the encoder tokens (DINOv2-B at 256 px: ~384 KiB per image and "
-                                     "flip in fp16)", choices=tuple(FLAG_DTYPES))
     max_image_pixels: int | None = option(
         MAX_IMAGE_PIXELS, f"Images with more pixels are skipped as possible decompression bombs (listed as bad "
                           f"files); 'none' admits any size (default: {MAX_IMAGE_PIXELS:,}). Admitted images above "
@@ -102,6 +94,9 @@ class ExtractConfig:
                             "disagree on the label. --check and the summary list them",
         choices=tuple(DUPLICATE_POLICIES))
     strict: bool = option(False, "Stop at the first bad image instead of skipping and recording it.")
+    plugin: list | None = PLUGIN.field()
+    # The registered shard columns' flags (shared/datasets/columns.py), {field: value}; absent: their defaults.
+    column_flags: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -129,7 +124,7 @@ class Plan:
     settings: dict
     num_shards: int
     warnings: list = field(default_factory=list)  # printed by the main process before it starts
-    encoder: dict | None = None  # the representation encoder's identity (shared/tokenizers/repr_encoder.py), if any
+    columns: dict = field(default_factory=dict)  # {name: record} of the extra columns stored (shared/datasets/columns.py)
     vae_config: dict = field(default_factory=dict)
     deterministic: bool = False  # the tokenizer gives one latent, no posterior spread (AutoencoderDC)
     element_stats: bool = False  # per-element statistics are computed too (RAE: its normalisation is per element)
@@ -168,11 +163,6 @@ def check_numbers(cfg: ExtractConfig) -> None:
         raise ChoiceError("duplicate policy", cfg.duplicates, DUPLICATE_POLICIES)
     if cfg.dtype not in STORAGE_DTYPES:
         raise ChoiceError("storage dtype", cfg.dtype, STORAGE_DTYPES)
-    if cfg.repr_dtype not in FLAG_DTYPES:
-        raise ChoiceError("feature storage dtype", cfg.repr_dtype, FLAG_DTYPES)
-    if cfg.repr_encoder is None and cfg.repr_image_size is not None:
-        raise UserError("--repr-image-size applies to the representation encoder; pass --repr-encoder too, or "
-                        "drop --repr-image-size.")
 
 
 def check_encoder_vae(cfg: ExtractConfig) -> tuple[str, dict, list[str], tuple]:
@@ -187,12 +177,30 @@ def check_encoder_vae(cfg: ExtractConfig) -> tuple[str, dict, list[str], tuple]:
     return name, config, warnings, shape
 
 
+def plan_columns(cfg: ExtractConfig) -> dict:
+    """{name: record} of the registered columns this run stores (their flags checked, no weights read)."""
+    planned = {}
+    for name, column in columns().items():
+        record = column.plan(column.extract_options(cfg.column_flags), cfg.image_size)
+        if record is not None:
+            if record.get("dtype") not in FLAG_DTYPES:
+                raise UserError(f"the shard column {name!r} asks for the storage dtype {record.get('dtype')!r}; "
+                                f"the column's record must name one of {', '.join(FLAG_DTYPES)}.")
+            planned[name] = record
+    return planned
+
+
+def column_records(planned: dict) -> dict:
+    """{index.json key: record} of the stored columns (absent without any: the settings of older folders)."""
+    return {columns()[name].meta_key: record for name, record in planned.items()}
+
+
 def run_settings(cfg: ExtractConfig, scan: ImageFolderScan, vae_name: str, vae_config: dict,
-                 encoder: dict | None = None) -> dict:
+                 planned: dict | None = None) -> dict:
     """The settings that decide the shard bytes; a rerun must match them to resume into the same --out."""
     from shared.tokenizers.vae import config_sha256
 
-    extra = {"repr_encoder": {**encoder, "dtype": cfg.repr_dtype}} if encoder else {}  # absent: the old settings
+    extra = column_records(planned or {})
     if cfg.max_image_pixels != MAX_IMAGE_PIXELS:  # decides which files are skipped; absent at the default
         extra["max_image_pixels"] = "none" if cfg.max_image_pixels is None else cfg.max_image_pixels
     return {**extra,
@@ -277,16 +285,12 @@ def plan(cfg: ExtractConfig, check_out: bool = True) -> Plan:
         cfg.data_path, options, cfg.out, {"limit": cfg.limit, "duplicates": cfg.duplicates},
         lambda: apply_duplicates(open_source(cfg.data_path, options).limited(cfg.limit), cfg.duplicates))
     vae_name, vae_config, warnings, shape = check_encoder_vae(cfg)
-    encoder = None
-    if cfg.repr_encoder is not None:
-        from shared.tokenizers.repr_encoder import plan_identity
-
-        encoder = plan_identity(cfg.repr_encoder, cfg.image_size, cfg.repr_image_size)  # config only, no weights
-    settings = run_settings(cfg, scan, vae_name, vae_config, encoder)
+    planned = plan_columns(cfg)  # config only, no weights
+    settings = run_settings(cfg, scan, vae_name, vae_config, planned)
     if check_out:
         warnings += check_out_folder(Path(cfg.out), settings)
     kind = tokenizer_class(vae_config, vae_name)
-    return Plan(scan, vae_name, settings, -(-len(scan) // cfg.shard_size), warnings, encoder, vae_config,
+    return Plan(scan, vae_name, settings, -(-len(scan) // cfg.shard_size), warnings, planned, vae_config,
                 kind.deterministic, kind.element_stats, shape, listing_key)
 
 
@@ -318,7 +322,8 @@ def read_finished(out: Path, shard: int, settings: dict) -> dict | None:
         ok = sidecar["settings_sha256"] == settings_sha256(settings) and tar.stat().st_size == sidecar["shard"]["size"]
         ok = ok and "latent_stats" in sidecar  # a shard from before the statistics: encoded again
         element = sidecar.get("element_stats")  # RAE tokens: the per-element sums' file (older sidecars: inline)
-        ok = ok and (element is None or (isinstance(element, str) and (out / element).is_file()))
+        ok = ok and (element is None or hashlib.sha256((out / element).read_bytes()).hexdigest()
+                     == sidecar["element_stats_sha256"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return sidecar if ok else None
@@ -366,14 +371,12 @@ def encode_pixels(vae, pixels: torch.Tensor, flip: bool, progress: Progress) -> 
             None if std is None else std.unflatten(0, (frames, -1)).transpose(0, 1))  # None: deterministic
 
 
-def encode_repr(encoder, pixels: torch.Tensor, flip: bool, chunk: int) -> torch.Tensor:
-    """uint8 (B,3,S,S) -> the encoder's patch tokens (B,F,T,D) fp32, of the same flips as the moments."""
-    x = pixels.to(encoder.device, non_blocking=True)
-    if flip:
-        x = torch.cat([x, x.flip(3)])  # (2B, 3, S, S): originals, then mirrors (as encode_pixels)
+def produce_column(produce, pixels: torch.Tensor, flip: bool, chunk: int) -> torch.Tensor:
+    """uint8 (B,3,S,S) -> a column's producer output (B,F,...) of the same flips as the moments."""
+    x = torch.cat([pixels, pixels.flip(3)]) if flip else pixels  # (F*B, 3, S, S): originals, then mirrors
     step = chunk or len(x)
-    tokens = torch.cat([encoder.encode(x[i : i + step]) for i in range(0, len(x), step)])  # (F*B, T, D)
-    return tokens.unflatten(0, (FLIP_MODES["both" if flip else "none"], -1)).transpose(0, 1)  # (B, F, T, D)
+    out = torch.cat([produce(x[i : i + step]) for i in range(0, len(x), step)])  # (F*B, ...)
+    return out.unflatten(0, (FLIP_MODES["both" if flip else "none"], -1)).transpose(0, 1)  # (B, F, ...)
 
 
 def _bad_file(scan: ImageFolderScan, pos: int, reason: str, strict: bool) -> dict:
@@ -387,10 +390,10 @@ def _bad_file(scan: ImageFolderScan, pos: int, reason: str, strict: bool) -> dic
 
 def shard_columns(cfg: ExtractConfig, plan_: Plan) -> dict:
     """The shards' columns {name: torch dtype}: the posterior moments (the latent alone from a deterministic
-    tokenizer: no "std"), and the encoder tokens when REPA's are stored."""
+    tokenizer: no "std"), then the registered columns this run stores."""
     moments = STORAGE_DTYPES[cfg.dtype]
     spread = {} if plan_.deterministic else {"std": moments}
-    return {"mean": moments, **spread, **({REPR_TENSOR: FLAG_DTYPES[cfg.repr_dtype]} if plan_.encoder else {})}
+    return {"mean": moments, **spread, **{name: FLAG_DTYPES[r["dtype"]] for name, r in plan_.columns.items()}}
 
 
 class ShardSink:
@@ -407,7 +410,7 @@ class ShardSink:
     def add(self, positions: list[int], columns: dict, bad: list[dict]) -> None:
         """Write one batch (all positions in one shard, sorted); finish the shard after its last file.
 
-        columns: the shard's named tensors (B, F, ...) of the good images, e.g. "mean", "std" and "repr".
+        columns: the shard's named tensors (B, F, ...) of the good images ("mean", "std", the extra columns).
         """
         shard = (positions[0] if positions else bad[0]["pos"]) // self.cfg.shard_size
         if shard != self.shard:
@@ -436,11 +439,12 @@ class ShardSink:
         self.writer.__exit__(None, None, None)
         sidecar = {"shard": self.writer.info.to_dict(), "bad_files": self.bad, "vae": self.identity,
                    "settings_sha256": settings_sha256(self.plan.settings), "written_by": self.process,
-                   "latent_stats": self.stats.to_dict(),
-                   **({"element_stats": element_stats_path(self.out, self.shard).name} if self.elements is not None
-                      else {})}
-        if self.elements is not None:
-            atomic_write_bytes(element_stats_path(self.out, self.shard), self.elements.to_bytes())
+                   "latent_stats": self.stats.to_dict()}
+        if self.elements is not None:  # the sums' sha256 in the sidecar: a damaged file re-encodes its shard
+            data = self.elements.to_bytes()
+            atomic_write_bytes(element_stats_path(self.out, self.shard), data)
+            sidecar["element_stats"] = element_stats_path(self.out, self.shard).name
+            sidecar["element_stats_sha256"] = hashlib.sha256(data).hexdigest()
         _atomic_json(sidecar_path(self.out, self.shard), sidecar)
         self.writer = None
 
@@ -465,7 +469,7 @@ def _split_batch(batch: dict, scan: ImageFolderScan, strict: bool) -> tuple[list
     return positions, pixels, bad
 
 
-def encode_shards(cfg: ExtractConfig, plan_: Plan, shards: list[int], vae, state, encoder=None) -> Progress:
+def encode_shards(cfg: ExtractConfig, plan_: Plan, shards: list[int], vae, state, producers=None) -> Progress:
     """Decode (workers) -> encode (device) -> write, for the given shards; returns this process's counts."""
     device, show = state.device, state.is_local_main_process
     batches = ShardBatches(shards, cfg.shard_size, len(plan_.scan), cfg.batch_size)
@@ -483,9 +487,9 @@ def encode_shards(cfg: ExtractConfig, plan_: Plan, shards: list[int], vae, state
             if positions:
                 dtypes = shard_columns(cfg, plan_)
                 mean, std = encode_pixels(vae, pixels, cfg.flip == "both", progress)  # (B, F, C, h, w) each
-                if encoder is not None:
-                    tokens = encode_repr(encoder, pixels, cfg.flip == "both", progress.chunk)  # (B, F, T, D)
-                    columns[REPR_TENSOR] = tokens
+                for name, produce in (producers or {}).items():
+                    columns[name] = produce_column(produce, pixels.to(device, non_blocking=True), cfg.flip == "both",
+                                                   progress.chunk)  # (B, F, ...)
                 # one device->host copy per batch, already in the storage dtype (not one per sample)
                 moments = {"mean": mean, **({"std": std} if std is not None else {})}
                 columns = {name: t.to("cpu", dtypes[name]) for name, t in {**moments, **columns}.items()}
@@ -572,8 +576,15 @@ def index_meta(cfg: ExtractConfig, plan_: Plan, space_sha256: str, num_bad: int)
         "dataset": {"path": str(plan_.scan.root), "num_files": len(plan_.scan), "num_bad_files": num_bad,
                     "files_sha256": plan_.scan.fingerprint()},
         "extract_settings": plan_.settings,
-        **({"repr_encoder": plan_.settings["repr_encoder"]} if plan_.encoder else {}),
+        **column_records(plan_.columns),
+        **({"plugins": plugins} if (plugins := used_plugins(plan_)) else {}),
     }
+
+
+def used_plugins(plan_: Plan) -> list[str]:
+    """The --plugin modules that register this folder's tokenizer class or columns (train must import them too)."""
+    records = [tokenizer_class(plan_.vae_config, plan_.vae_name), *(columns()[n] for n in plan_.columns)]
+    return sorted({plugin_of(r) for r in records} - {""})
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -597,13 +608,10 @@ def _load_vae(cfg: ExtractConfig, device):
     return LatentVAE.load(cfg.vae, device=device, config=cfg.vae_config)
 
 
-def _load_encoder(cfg: ExtractConfig, plan_: Plan, device):
-    """The frozen representation encoder (fp32), or None without --repr-encoder."""
-    if plan_.encoder is None:
-        return None
-    from shared.tokenizers.repr_encoder import ReprEncoder
-
-    return ReprEncoder.load(cfg.repr_encoder, plan_.encoder, device)
+def _load_producers(cfg: ExtractConfig, plan_: Plan, device) -> dict:
+    """{name: producer} of the stored columns, loaded onto the encoding device."""
+    return {name: columns()[name].load(columns()[name].extract_options(cfg.column_flags), record, device)
+            for name, record in plan_.columns.items()}
 
 
 def _hold_out(out: Path, state):
@@ -663,9 +671,9 @@ def _extract(cfg: ExtractConfig, plan_: Plan, out: Path, state) -> dict:
     if pending:
         vae = _load_vae(cfg, state.device)
         space = LatentSpace.of_tokenizer(vae, cfg.image_size, plan_.latent_shape, plan_.scan.classes)
-        encoder = _load_encoder(cfg, plan_, state.device)
+        producers = _load_producers(cfg, plan_, state.device)
         start = time.perf_counter()  # the rate below is decode + encode + write, without the VAE load
-        progress = encode_shards(cfg, plan_, pending, vae, state, encoder)
+        progress = encode_shards(cfg, plan_, pending, vae, state, producers)
         progress.damaged = damaged
         elapsed = time.perf_counter() - start
     state.wait_for_everyone()  # every shard finished before the index
@@ -751,7 +759,7 @@ IMAGENET_TRAIN_IMAGES = 1_281_167  # for the dry run's "at ImageNet scale" line
 
 
 def describe_storage(cfg: ExtractConfig, plan_: Plan) -> list[str]:
-    """What the shards will take: per image (latent moments, encoder tokens) and for the folder (payloads only)."""
+    """What the shards will take: per image (latent moments, extra columns) and for the folder (payloads only)."""
     frames = FLIP_MODES[cfg.flip]
     channels, side, _ = plan_.latent_shape
     tensors = 1 if plan_.deterministic else 2
@@ -760,15 +768,10 @@ def describe_storage(cfg: ExtractConfig, plan_: Plan) -> list[str]:
     lines = [f"storage: moments {_size(moments)} per image ({frames} flip(s) x {what} {channels}x{side}x{side} "
              f"{cfg.dtype}) = {moments:,} bytes"]
     per_image = moments
-    if plan_.encoder is not None:
-        from shared.tokenizers.repr_encoder import storage_bytes
-
-        enc = plan_.encoder
-        tokens = storage_bytes(enc, frames, FLAG_DTYPES[cfg.repr_dtype])
-        per_image += tokens
-        lines.append(f"storage: encoder tokens {_size(tokens)} per image ({frames} flip(s) x {enc['tokens']} tokens "
-                     f"x {enc['dim']} {cfg.repr_dtype}; {enc['grid']}x{enc['grid']} patches of {enc['patch_size']} "
-                     f"px at {enc['input_size']} px); --repr-dtype bf16 or fp16 halves fp32")
+    for name, record in plan_.columns.items():
+        nbytes, line = columns()[name].storage(record, frames)
+        per_image += nbytes
+        lines.append("storage: " + line.format(size=_size(nbytes)))
     lines.append(f"storage: {_size(per_image)} per image, {_size(per_image * len(plan_.scan))} for these "
                  f"{counted(len(plan_.scan), 'image')} (+ tar headers, ~1 KiB per image); at ImageNet's "
                  f"{IMAGENET_TRAIN_IMAGES:,} images: {_size(per_image * IMAGENET_TRAIN_IMAGES)}")

@@ -78,17 +78,16 @@ def main(argv=None) -> None:
         return
     if argv[:1] == ["watch"]:
         with cli_errors(f"{PROG} watch", FLAGS):
+            load_plugins(argv)  # a tokenizer class of the user's
             run_watch(from_args(WatchOptions, watch_parser().parse_args(argv[1:])))
         return
     decoding = bool(argv) and argv[0] == "decode"
     prog = f"{PROG} decode" if decoding else PROG
     with cli_errors(prog, FLAGS):
-        if decoding:
-            run_decode(from_args(DecodeOptions, decode_parser().parse_args(argv[1:])))
-        else:
-            load_plugins(argv)  # first: a plugin's sampler is a --sampler choice, its objective rebuilds the weights'
-            options = from_args(SampleOptions, sample_parser().parse_args(argv))
-            run_sample(options)
+        load_plugins(argv)  # first: a plugin's sampler is a --sampler choice; its objective, tokenizer class exist
+        options = from_args(*((DecodeOptions, decode_parser().parse_args(argv[1:])) if decoding else
+                               (SampleOptions, sample_parser().parse_args(argv))))
+        (run_decode if decoding else run_sample)(options)
 
 
 if __name__ == "__main__":

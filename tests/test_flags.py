@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from shared.datasets.columns import columns
 from shared.generative.objectives import OBJECTIVES, training_fields, training_flags
 from shared.runtime.cli import FLAG_KEY, Flag, HelpFormatter, add_flags, flag_fields, from_args, option
 
@@ -27,7 +28,8 @@ def _options_classes():
     from train.config import TrainConfig
 
     return (TrainConfig, SampleOptions, DecodeOptions, WatchOptions, ToDiffusersOptions, EvalOptions, RunEvalOptions,
-            FloorOptions, ReferenceOptions, ExtractConfig, ExtractModes)
+            FloorOptions, ReferenceOptions, ExtractConfig, ExtractModes,
+            *(flags for c in columns().values() for flags in (c.extract_flags, c.train_flags)))
 
 
 def _parsers():
@@ -264,6 +266,9 @@ def test_objective_training_fields_are_flags_of_train(name):
 # Parsers derived from the fields
 # ---------------------------------------------------------------------------------------------------------
 
+STAGES = ("TrainConfig", "ExtractConfig")  # their parsers add the registered shard columns' flags
+
+
 @pytest.mark.parametrize("index", range(9))
 def test_parser_defaults_are_the_fields(index):
     """Parsing only the required arguments gives exactly the dataclass built with only those."""
@@ -279,7 +284,10 @@ def test_parser_defaults_are_the_fields(index):
     assert from_args(cls, parser.parse_args(argv)) == cls(**required)
     dests = {a.dest for a in parser._actions if a.dest != "help"}
     objective_flags = set(training_flags()) if cls.__name__ == "TrainConfig" else set()  # from the registry
-    assert dests <= {f.name for f in dataclasses.fields(cls)} | {"check", "dry_run", "verify"} | objective_flags
+    column_flags = {f.name for c in columns().values() for f in dataclasses.fields(  # from the column registry
+        c.train_flags if cls.__name__ == "TrainConfig" else c.extract_flags)} if cls.__name__ in STAGES else set()
+    allowed = {f.name for f in dataclasses.fields(cls)} | {"check", "dry_run", "verify"}
+    assert dests <= allowed | objective_flags | column_flags
 
 
 def test_train_flags_keep_their_official_names_and_choices():

@@ -160,6 +160,21 @@ def test_a_resumed_extraction_writes_the_same_per_element_sums_and_space(images,
         "shard-000000.stats.safetensors"  # the sums are not inline
 
 
+def test_a_damaged_stats_file_encodes_its_shard_again(images, raes, tmp_path, capsys):
+    """A cut-short per-element sums file of a finished shard: the rerun encodes that shard again, exit 0."""
+    first = tmp_path / "first"
+    assert _extract(images, raes["nostats"], first, "--shard-size", 2, capsys=capsys)[0] == 0
+    again = shutil.copytree(first, tmp_path / "again")
+    for name in ("index.json", "latent_space.json"):  # as a run killed before its index
+        (again / name).unlink()
+    stats = again / "shard-000000.stats.safetensors"
+    stats.write_bytes(stats.read_bytes()[:100])
+    code, out, err = _extract(images, raes["nostats"], again, "--shard-size", 2, capsys=capsys)
+    assert code == 0, err
+    assert stats.read_bytes() == (first / stats.name).read_bytes()
+    assert LatentDataset(again, progress=False).space == LatentDataset(first, progress=False).space
+
+
 def test_dry_run_prints_the_token_storage(images, raes, tmp_path, capsys):
     code, out, err = _extract(images, raes["stats"], tmp_path / "out", "--dtype", "bf16", "--flip", "none",
                               "--dry-run", capsys=capsys)

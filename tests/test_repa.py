@@ -198,7 +198,7 @@ def test_training_features_follow_the_latents_flip_variant(tmp_path):
     write_index(tmp_path, [writer.info], {"image_size": 4, "num_classes": 1, "class_names": ["a"],
                                           "vae": {"scaling_factor": 1.0}})
     draws = TrainingDraws(LatentDataset(tmp_path, progress=False), seed=3, class_dropout_prob=0.0,
-                          objective=make_objective("flow"), features=True)
+                          objective=make_objective("flow"), extra=("repr",))
     batch = draws.__getitems__([(p, p) for p in range(16)])
     assert torch.equal(batch["repr"][:, 0, 0], batch["x0"][:, 0, 0, 0])
     assert set((batch["x0"][:, 0, 0, 0] % 10).tolist()) == {0.0, 1.0}  # both flips were drawn
@@ -228,7 +228,7 @@ def test_extract_stores_the_encoders_tokens_of_each_flip(image_folder, tiny_vae_
                                                           capsys):
     from extract.__main__ import main
     from shared.datasets.imagefolder import scan_image_folder
-    from shared.tokenizers.repr_encoder import ReprEncoder, plan_identity
+    from shared.tokenizers.repr_encoder import load_encoder, plan_identity
     from shared.datasets.shards import LatentDataset
 
     out = tmp_path / "lat"
@@ -244,10 +244,10 @@ def test_extract_stores_the_encoders_tokens_of_each_flip(image_folder, tiny_vae_
     from extract.loader import ImageFileDataset as Files
     scan = scan_image_folder(image_folder)
     pixels = torch.stack([Files(scan, 16)[i]["pixels"] for i in range(2)])  # (2, 3, 16, 16) uint8
-    encoder = ReprEncoder.load(str(tiny_dinov2_dir), plan_identity(str(tiny_dinov2_dir), 16, 16), "cpu")
+    encode = load_encoder(str(tiny_dinov2_dir), plan_identity(str(tiny_dinov2_dir), 16, 16), "cpu")
     stored = ds.gather([0, 1])["repr"]  # (2, F, T, E)
-    assert torch.allclose(stored[:, 0], encoder.encode(pixels), atol=1e-5)
-    assert torch.allclose(stored[:, 1], encoder.encode(pixels.flip(3)), atol=1e-5)
+    assert torch.allclose(stored[:, 0], encode(pixels), atol=1e-5)
+    assert torch.allclose(stored[:, 1], encode(pixels.flip(3)), atol=1e-5)
     assert not torch.allclose(stored[:, 0], stored[:, 1], atol=1e-3)
 
 
@@ -342,7 +342,8 @@ def test_repa_mistakes_are_one_paragraph_each(feature_latents, tmp_path, capsys)
         main(_train(other, run, "--max-steps", "2"))
     assert info.value.code == 2
     err = " ".join(capsys.readouterr().err.split())
-    assert "the checkpoint was trained with features of the encoder enc-a" in err and "config_sha256" in err
+    assert "the checkpoint was trained with the 'repr' column (encoder features) of enc-a" in err
+    assert "config_sha256" in err
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
 
 
@@ -416,3 +417,18 @@ def test_sde_in_repas_convention_is_repas_euler_maruyama():
         if i < steps - 1:
             x = x + (2 * t0) ** 0.5 * abs(t1 - t0) ** 0.5 * torch.randn(x.shape, generator=z).double()
     assert torch.allclose(ours.double(), x, atol=1e-4), (ours.double() - x).abs().max()
+
+
+def test_a_run_config_from_before_the_column_registry_keeps_its_repa_flags():
+    """config.json of runs started before the registry holds REPA's flags at the top level: read into column_options,
+    so such a run resumes (no difference) and trains with its REPA settings."""
+    from train.config import TrainConfig, resolve_block, resume_differences
+
+    cfg = resolve_block(TrainConfig(latents="L", results_dir="R", data={"latent_space": "s", "index_sha256": "a"}))
+    cfg.column_options.update(repa_weight=0.5, repa_depth=2, repa_feature_dim=8)
+    old = cfg.to_dict()
+    old.update(old.pop("column_options"))  # the layout such a config.json has
+    read = TrainConfig.from_dict(old)
+    assert read.column_options == cfg.column_options and resume_differences(read, cfg)[0] == []
+    assert TrainConfig.from_dict({**old, "repa_depth": 3}).column_options["repa_depth"] == 3
+    assert resume_differences(TrainConfig.from_dict({**old, "repa_depth": 3}), cfg)[0]  # a change is still refused

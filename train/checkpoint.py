@@ -94,11 +94,12 @@ def save_rank_state(tmp: Path, rank: int) -> None:
 
 
 def save_main_state(tmp: Path, *, model_state: dict, ema_state: dict, model_config, space,
-                    optimizer_state: dict, scaler_state: dict, state: dict, projector_state: dict | None = None) -> None:
-    """Main process: weights via shared/runtime/export.py, optimizer and scaler (and REPA's projector), then state.json last."""
+                    optimizer_state: dict, scaler_state: dict, state: dict, heads: dict | None = None) -> None:
+    """Main process: weights via shared/runtime/export.py, optimizer, scaler, {file: state} of the column heads (REPA's
+    projector), then state.json last."""
     step = int(state["step"])
-    if projector_state is not None:
-        write_safetensors(tmp / rundir.PROJECTOR_FILE, {k: v.detach().cpu().contiguous() for k, v in projector_state.items()})
+    for name, head in (heads or {}).items():
+        write_safetensors(tmp / name, {k: v.detach().cpu().contiguous() for k, v in head.items()})
     save_weights(tmp / rundir.MODEL_FILE, model_state, model_config, space, step)
     save_weights(tmp / rundir.EMA_FILE, ema_state, model_config, space, step)
     torch.save(optimizer_state, tmp / rundir.OPTIMIZER_FILE)
@@ -161,9 +162,9 @@ def checkpoint_config(ckpt: Path):
 
 
 def load_checkpoint(ckpt: Path, rank: int) -> dict:
-    """Everything a checkpoint holds, on the CPU: weights, optimizer, scaler, this rank's RNG, state, projector."""
+    """Everything a checkpoint holds, on the CPU: weights, optimizer, scaler, this rank's RNG, state."""
     ckpt = Path(ckpt)
-    rng, projector = ckpt / rundir.rng_file(rank), ckpt / rundir.PROJECTOR_FILE
+    rng = ckpt / rundir.rng_file(rank)
     with _resuming(ckpt):
         return {
             "state": read_state(ckpt),
@@ -172,5 +173,9 @@ def load_checkpoint(ckpt: Path, rank: int) -> dict:
             "optimizer": _read(ckpt / rundir.OPTIMIZER_FILE),
             "scaler": _read(ckpt / rundir.SCALER_FILE),
             "rng": _read(rng) if rng.is_file() else None,  # absent when resuming on more processes
-            "projector": _read(projector, load_file) if projector.is_file() else None,  # REPA's
         }
+
+
+def load_head(path: Path) -> dict | None:
+    """A column head's weights (REPA's projector), or None when the run has none; UserError if unreadable."""
+    return _read(path, load_file) if path.is_file() else None

@@ -18,6 +18,7 @@ from shared.runtime.cli import HelpFormatter, argument_of, add_flags, flag_name,
 from shared.runtime.plugins import PLUGIN
 from shared.runtime.errors import SettingError, UserError
 from shared.runtime.rerun import differences
+from shared.datasets.columns import check_plugins, columns, flag_values
 from shared.generative.guidance import GUIDE_CHANNELS
 from shared.generative.flow import auto_shift, check_shift
 from shared.network.attention import ATTENTION_BACKENDS
@@ -43,9 +44,8 @@ LEGACY_OBJECTIVE_FIELDS = ("time_sampling", "time_loc", "time_scale", "cos_weigh
 IDENTITY_FIELDS = ("model", "objective", "objective_options", "time_dist_shift", "global_batch_size",
                    "seed", "optimizer", "adam_betas", "weight_decay", "ema_decay", "class_dropout_prob") + BLOCK_FIELDS
 IDENTITY_FIELDS += HEAD_FIELDS
-# REPA (shared/network/repa.py): its settings change the experiment too.
-REPA_FIELDS = ("repa_weight", "repa_depth", "repa_projector_dim", "repa_feature_dim")
-IDENTITY_FIELDS += REPA_FIELDS
+# The shard columns' training flags (REPA's, shared/network/repa.py): they change the experiment too.
+IDENTITY_FIELDS += ("column_options",)
 # Token routing (shared/network/routing.py) changes which tokens every step trains on: part of the experiment.
 ROUTE_FIELDS = ("route_ratio", "route_start", "route_end")
 IDENTITY_FIELDS += ROUTE_FIELDS
@@ -112,6 +112,8 @@ class TrainConfig:
     plugin: list | None = PLUGIN.field()
     # The objective's training fields (--time-sampling, ... derived from the registry): those given, then resolved.
     objective_options: dict = field(default_factory=dict)
+    # The registered shard columns' training flags (--repa-weight, ...; shared/datasets/columns.py), then resolved.
+    column_options: dict = field(default_factory=lambda: column_defaults())
     # The recipe's sampling half, recorded with the model (ModelConfig.sampling) for sample, evaluate run, previews.
     sampling: dict = field(default_factory=dict)
     time_dist_shift: float | str = option(
@@ -216,15 +218,6 @@ class TrainConfig:
     max_nonfinite: int = option(
         10, "stop after this many consecutive non-finite losses or gradient norms (0 = never); counted on the GPU "
             "and checked at the --log-every, preview and checkpoint steps, never before a checkpoint is written")
-    # REPA (Yu et al. 2024; shared/network/repa.py): align block `repa_depth`'s tokens, through an MLP D -> P -> P -> E,
-    # with the encoder tokens stored in the latent folder; 0 weight = off. E comes from the folder when None.
-    repa_weight: float = option(0.0, "REPA: weight lambda of the alignment loss (REPA: 0.5); 0 turns REPA off "
-                                     "(default). Needs a latent folder extracted with --repr-encoder")
-    repa_depth: int = option(8, "REPA: align the output of this block, counted from 1 (REPA: 8 of SiT-XL's 28)")
-    repa_projector_dim: int = option(2048, "REPA: hidden width P of the projector MLP D -> P -> P -> E (REPA: 2048)")
-    repa_feature_dim: int | None = option(
-        None, "REPA: the projector's output E, which must equal the stored features' width (REPA's "
-              "--projector-embed-dims, 768 for DINOv2-B); default: read from the latent folder")
     # Token routing (TREAD, Krause et al. 2025; shared/network/routing.py): in training only, a random share of each
     # sample's tokens skips blocks route_start..route_end; 0 ratio = off. start/end resolve to TREAD's 2 and depth-4.
     route_ratio: float = option(0.0, "token routing (TREAD): the share of each sample's tokens that skip the routed "
@@ -269,6 +262,8 @@ class TrainConfig:
         if old and "objective_options" not in d:
             d["objective_options"] = old if d.get("objective") == "flow" else {}
         d.setdefault("shard_window", 0)  # written before shard-aware orders: one shuffle of all samples
+        legacy = {k: d.pop(k) for k in column_defaults() if k in d}  # REPA's flags, top-level before the registry
+        d["column_options"] = {**column_defaults(), **legacy, **d.get("column_options", {})}
         kwargs = {k: v for k, v in d.items() if k in names}
         if "adam_betas" in kwargs:
             kwargs["adam_betas"] = tuple(kwargs["adam_betas"])
@@ -318,6 +313,8 @@ def build_parser(prog: str = "python -m train") -> argparse.ArgumentParser:
                                 "`accelerate launch` for several processes).",
                                 formatter_class=HelpFormatter)
     add_flags(p, TrainConfig)
+    for column in columns().values():
+        add_flags(p, column.train_flags)
     return add_objective_flags(p)
 
 
@@ -333,6 +330,17 @@ def add_objective_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                       help=f"{'/'.join(takers)} only: {spec.help} (default: {spec.default})")
         p.add_argument(*names, **kwargs)
     return p
+
+
+def column_defaults() -> dict:
+    """{field: default} of the registered shard columns' training flags."""
+    return {f.name: f.default for c in columns().values() for f in fields(c.train_flags)}
+
+
+def column_consumers(cfg: TrainConfig) -> list[tuple]:
+    """(column, its training flags) of every column whose weight flag is > 0: a head trained beside the DiT."""
+    chosen = [(c, c.train_options(cfg.column_options)) for c in columns().values()]
+    return [(c, f) for c, f in chosen if getattr(f, c.weight) > 0]
 
 
 def objective_flag_names() -> tuple[str, ...]:
@@ -370,6 +378,7 @@ def config_from_args(args: argparse.Namespace, explicit=frozenset()) -> TrainCon
     """A TrainConfig holding the parsed flags, the --recipe applied to those not in `explicit` (not yet resolved)."""
     cfg = from_args(TrainConfig, args)
     cfg.objective_options = {k: getattr(args, k) for k in objective_flag_names() if hasattr(args, k)}
+    cfg.column_options = flag_values(lambda c: c.train_flags, args)
     return apply_recipe(cfg, set(explicit))
 
 
@@ -379,7 +388,7 @@ def config_from_args(args: argparse.Namespace, explicit=frozenset()) -> TrainCon
 
 _POSITIVE = ("global_batch_size", "micro_batch_size", "max_steps", "epochs", "ckpt_every", "log_every",
              "sample_steps", "image_size")
-_NON_NEGATIVE = ("repa_weight", "final_lr", "grad_checkpoint", "keep_last", "keep_exports", "sample_every", "warmup_steps", "num_workers",
+_NON_NEGATIVE = ("final_lr", "grad_checkpoint", "keep_last", "keep_exports", "sample_every", "warmup_steps", "num_workers",
                  "max_nonfinite", "weight_decay", "max_grad_norm", "seed")
 
 
@@ -437,7 +446,7 @@ def data_identity(dataset, space: LatentSpace) -> dict:
         "index_sha256": training_index_sha256(index_bytes), "latent_space": space.sha256,
         "latent_norm": f"{space.norm.describe()} from {space.norm.source or 'the recorded numbers'}",  # for messages
         "index_file_sha256": hashlib.sha256(index_bytes).hexdigest(),  # what runs before the above recorded
-        **({"repr_encoder": dataset.meta["repr_encoder"]} if "repr_encoder" in dataset.meta else {}),
+        **{c.meta_key: dataset.meta[c.meta_key] for c in columns().values() if c.meta_key in dataset.meta},
     }
 
 
@@ -514,6 +523,7 @@ def _check_image_size(cfg: TrainConfig, dataset) -> None:
 def check_config(cfg: TrainConfig, dataset) -> None:
     """The checks that need only the flags and the latents (run before train/autotune.py's planning)."""
     _check_ranges(cfg)
+    check_plugins(dataset.meta, dataset.root, "python -m train")
     check_preset(cfg.model)
     resolve_block(cfg)
     _resolve_shift(cfg, dataset.latent_shape)
@@ -521,7 +531,7 @@ def check_config(cfg: TrainConfig, dataset) -> None:
     _check_image_size(cfg, dataset)
     _check_model_fits(cfg, dataset.latent_shape)
     resolve_latent_norm(cfg.latent_norm, dataset)
-    _resolve_repa(cfg, dataset)
+    _resolve_columns(cfg, dataset)
     _resolve_route(cfg, dataset.latent_shape)
 
 
@@ -541,26 +551,28 @@ def resolve_config(cfg: TrainConfig, dataset, world_size: int) -> TrainConfig:
     return cfg
 
 
-def _resolve_repa(cfg: TrainConfig, dataset) -> None:
-    """With REPA on: the folder's features exist, the depth fits the model, E matches them (one paragraph each)."""
-    from shared.network.models import PRESETS
-    from shared.network.repa import REPR_TENSOR, check_depth, check_grid, features_of
-
-    if cfg.repa_weight <= 0:
-        return
-    encoder = features_of(dataset.meta, dataset.root, dataset.tensor_names)
-    check_depth(cfg.repa_depth, PRESETS[cfg.model]["depth"], cfg.model)
-    if cfg.repa_projector_dim <= 0:
-        raise UserError(f"--repa-projector-dim must be positive (REPA: 2048), got {cfg.repa_projector_dim}.")
-    flips, tokens, dim = dataset.tensor_spec(REPR_TENSOR)["shape"]  # (F, T, E)
-    if cfg.repa_feature_dim is not None and cfg.repa_feature_dim != dim:
-        raise UserError(f"--repa-feature-dim {cfg.repa_feature_dim} does not match the features stored in "
-                        f"{dataset.root}: {tokens} tokens of width {dim} from {encoder.get('source')}. The projector's "
-                        f"output must have the features' width: pass --repa-feature-dim {dim} (or omit it), or "
-                        f"extract features of width {cfg.repa_feature_dim} with another --repr-encoder into a new "
-                        f"folder.")
-    check_grid(tokens, f"the encoder features in {dataset.root}")
-    cfg.repa_feature_dim = dim
+def _resolve_columns(cfg: TrainConfig, dataset) -> None:
+    """Each column asked for (weight > 0) is stored in the folder and its flags fit it and the model; one block."""
+    for column in columns().values():
+        flags = column.train_options(cfg.column_options)
+        weight = getattr(flags, column.weight)
+        if weight < 0:
+            raise UserError(f"{flag_name(column.weight)} must be >= 0 (0 turns it off), got {weight}.")
+        if weight == 0:
+            continue
+        if column.name not in dataset.tensor_names or column.meta_key not in dataset.meta:
+            raise UserError(f"{flag_name(column.weight)} {weight} trains on the shard column {column.name!r}, but the "
+                            f"latent folder {dataset.root} holds no {column.what} (no {column.name!r} tensor in its "
+                            f"index.json): they are read from the folder, never computed in training. Extract a folder "
+                            f"with them (`python -m extract ... {column.how}`, into a new --out) and train on it, or "
+                            f"drop {flag_name(column.weight)}.")
+        flags = column.resolve(flags, dataset.meta[column.meta_key], dataset.tensor_spec(column.name)["shape"],
+                               cfg.model, dataset.root)
+        cfg.column_options.update(asdict(flags))
+    depths = {flag_name(c.depth): getattr(f, c.depth) for c, f in column_consumers(cfg)}
+    if len(set(depths.values())) > 1:
+        raise UserError(f"the heads of the shard columns trained here see one block's tokens, but "
+                        f"{', '.join(f'{k} {v}' for k, v in depths.items())} name several; pass one block to all.")
 
 
 def _resolve_shift(cfg: TrainConfig, latent_shape) -> None:
@@ -599,12 +611,14 @@ def _resolve_route(cfg: TrainConfig, latent_shape) -> None:
         return
     cfg.route_start, cfg.route_end = route_span(cfg.model, latent_shape[-1], cfg.route_ratio, cfg.route_start,
                                                 cfg.route_end, head=bool(cfg.head_depth))
-    if cfg.repa_weight > 0 and cfg.repa_depth > cfg.route_start:
-        raise UserError(f"--repa-depth {cfg.repa_depth} aligns the output of block {cfg.repa_depth - 1} (counted from "
-                        f"0), which lies inside or after the token route {cfg.route_start}..{cfg.route_end}: there "
-                        "some tokens are missing or carry an early block's values, so their alignment would be "
-                        f"meaningless. REPA's block must come before the route: pass --repa-depth {cfg.route_start} or "
-                        f"less, or start the route later (--route-start {cfg.repa_depth}).")
+    for column, flags in column_consumers(cfg):
+        depth, flag = getattr(flags, column.depth), flag_name(column.depth)
+        if depth > cfg.route_start:
+            raise UserError(f"{flag} {depth} aligns the output of block {depth - 1} (counted from 0), which lies "
+                            f"inside or after the token route {cfg.route_start}..{cfg.route_end}: there some tokens "
+                            "are missing or carry an early block's values, so their alignment would be meaningless. "
+                            f"The {column.name!r} column's block must come before the route: pass {flag} "
+                            f"{cfg.route_start} or less, or start the route later (--route-start {depth}).")
 
 
 def _check_objective(cfg: TrainConfig) -> None:
@@ -671,14 +685,14 @@ def _data_mismatch(saved: dict, current: dict, space: LatentSpace | None = None)
     """A sentence on how two latent folders differ, or None when they are the same data."""
     if "latent_space" not in saved:
         saved = _legacy_data(saved, space)
-    if saved.get("repr_encoder") != current.get("repr_encoder") and saved.get("repr_encoder"):
-        from shared.network.repa import same_features
-
-        diffs = same_features(saved["repr_encoder"], current.get("repr_encoder") or {})
-        return (f"the checkpoint was trained with features of the encoder {saved['repr_encoder'].get('source')}, but "
-                f"--latents holds {'none' if not current.get('repr_encoder') else 'another encoder or size'} "
-                f"({'; '.join(diffs[:4]) or 'another source'}); REPA cannot change its target mid-run. Pass the "
-                f"original latent folder")
+    for column in columns().values():
+        was, now = saved.get(column.meta_key), current.get(column.meta_key)
+        if was and was != now:
+            diffs = column.describe_change(was, now or {})
+            return (f"the checkpoint was trained with the {column.name!r} column ({column.what}) of "
+                    f"{was.get('source')}, but --latents holds {'none' if not now else 'another'} "
+                    f"({'; '.join(diffs[:4]) or 'another source'}); a run cannot change its target mid-run. Pass the "
+                    f"original latent folder")
     for key in ("vae", "image_size", "latent_shape", "scaling_factor"):
         if saved.get(key) != current.get(key):
             return (f"the checkpoint was trained on latents with {key} {saved.get(key)!r}, but --latents has "

@@ -14,7 +14,6 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from shared.network.repa import REPR_TENSOR
 from shared.network.routing import draw_kept
 from shared.runtime.seeding import generator_for
 from shared.datasets.shards import LatentDataset, StreamSampler
@@ -46,18 +45,20 @@ class TrainingDraws(torch.utils.data.Dataset):
     shared/tokenizers/norm.py record; default: the tokenizer's own convention), label
     (B,) int64, drop (B,) bool (class dropout), t (B,) the objective's times (int64 DiT timesteps, or float32
     flow times), noise (B,C,h,w) fp32, position
-    (B,) int64: each sample's global stream position, which keys all of its draws. With `features` (REPA), also
-    repr (B,T,E): the stored encoder tokens of the same flip variant as the latent. With `route` (tokens T, kept K),
+    (B,) int64: each sample's global stream position, which keys all of its draws. With `extra` column names (those a
+    head trains on, e.g. REPA's "repr"), also each of them (B, ...) fp32, of the same flip variant as the latent (the
+    same image the latent was encoded from). With `route` (tokens T, kept K),
     also route_keep (B,K) int64: the tokens that pass the routed blocks (shared/network/routing.py).
     """
 
     def __init__(self, dataset: LatentDataset, seed: int, class_dropout_prob: float, objective,
-                 features: bool = False, route: tuple[int, int] | None = None, norm=None):
+                 extra: tuple = (), route: tuple[int, int] | None = None, norm=None):
         self.dataset, self.seed, self.class_dropout_prob = dataset, seed, class_dropout_prob
         self.norm = norm or dataset.native_norm
         self.objective = objective  # shared.generative.objectives.Objective: draws each sample's time
         spread = () if dataset.deterministic else ("std",)  # a deterministic tokenizer's latent has no std
-        self.columns = ("mean", *spread, *((REPR_TENSOR,) if features else ()))  # other columns are never read
+        self.extra = tuple(extra)
+        self.columns = ("mean", *spread, *self.extra)  # other columns are never read
         self.route = route
 
     def __len__(self) -> int:
@@ -82,8 +83,7 @@ class TrainingDraws(torch.utils.data.Dataset):
         out = {"x0": x0, "label": batch["label"].long(), "drop": drop, "t": t, "noise": noise, "position": positions}
         if self.route:  # drawn last, so the draws above are the same with routing on or off
             out["route_keep"] = torch.stack([draw_kept(g, *self.route) for g in gens])  # (B, K)
-        if REPR_TENSOR in self.columns:  # the encoder saw the same flip as the latent's (REPA aligns the same image)
-            out[REPR_TENSOR] = batch[REPR_TENSOR].float()  # (B, T, E), of flip `variant`
+        out.update({name: batch[name].float() for name in self.extra})  # (B, ...), of flip `variant`
         return out
 
 
@@ -94,7 +94,7 @@ def _passthrough(batch):
 
 def make_loader(dataset: LatentDataset, *, micro_batch: int, rank: int, world_size: int, seed: int, start: int,
                 class_dropout_prob: float, num_workers: int, pin_memory: bool, objective,
-                features: bool = False, route: tuple[int, int] | None = None, norm=None, window: int = 0,
+                extra: tuple = (), route: tuple[int, int] | None = None, norm=None, window: int = 0,
                 global_batch: int | None = None) -> Iterator[dict]:
     """An endless iterator of micro-batches for this rank, starting at global stream position `start`.
 
@@ -104,7 +104,7 @@ def make_loader(dataset: LatentDataset, *, micro_batch: int, rank: int, world_si
     counts = dataset.shard_counts if window else None
     sampler = PositionedSampler(len(dataset), rank, world_size, seed, start, counts, window)
     loader = torch.utils.data.DataLoader(
-        TrainingDraws(dataset, seed, class_dropout_prob, objective, features, route, norm), batch_size=micro_batch,
+        TrainingDraws(dataset, seed, class_dropout_prob, objective, extra, route, norm), batch_size=micro_batch,
         sampler=sampler,
         num_workers=num_workers, pin_memory=pin_memory, collate_fn=_passthrough,
         # Its own generator, so worker seeding never consumes the global torch RNG.
@@ -117,11 +117,11 @@ def make_loader(dataset: LatentDataset, *, micro_batch: int, rank: int, world_si
 
 
 def synthetic_batch(shape_of, micro_batch: int, class_dropout_prob: float, objective, seed: int = 0,
-                    features: tuple | None = None, route: tuple[int, int] | None = None) -> dict:
+                    extra: dict | None = None, route: tuple[int, int] | None = None) -> dict:
     """A micro-batch of the loader's keys, shapes and dtypes from random latents (bench and plan).
 
-    shape_of: a ModelConfig or a DiT (both carry in_channels, input_size and num_classes). features (T, E): also
-    random REPA encoder tokens of that shape. route (T, K): also the routed tokens' indices, as the loader's.
+    shape_of: a ModelConfig or a DiT (both carry in_channels, input_size and num_classes). extra {column: shape}:
+    also random columns of those per-sample shapes (REPA's "repr": (T, E)). route (T, K): the routed tokens' indices.
     """
     g = torch.Generator().manual_seed(seed)
     shape = (micro_batch, shape_of.in_channels, shape_of.input_size, shape_of.input_size)
@@ -131,5 +131,5 @@ def synthetic_batch(shape_of, micro_batch: int, class_dropout_prob: float, objec
             "t": torch.cat([objective.draw_time(g) for _ in range(micro_batch)]),  # (B,)
             "noise": torch.randn(shape, generator=g),  # (B, C, h, w)
             "position": torch.arange(micro_batch, dtype=torch.int64),  # (B,)
-            **({REPR_TENSOR: torch.randn((micro_batch, *features), generator=g)} if features else {}),  # (B, T, E)
+            **{name: torch.randn((micro_batch, *shape), generator=g) for name, shape in (extra or {}).items()},
             **({"route_keep": torch.stack([draw_kept(g, *route) for _ in range(micro_batch)])} if route else {})}

@@ -19,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from shared.runtime import rundir
+from shared.runtime.cli import flag_name
 from shared.runtime.errors import UserError
 from shared.runtime.export import first_nonfinite, nonfinite_tensors, save_weights
 from shared.runtime.fsio import atomic_write_text, link_file, space_guard
@@ -189,7 +190,7 @@ def _restore_from(run: Run, source: Path) -> None:
     check_finite_state(saved, source)
     learner.dit.load_state_dict(saved["model"], strict=True)
     learner.ema.load_state_dict(saved["ema"], strict=True)
-    restore_projector(learner, saved.get("projector"), source)
+    restore_heads(learner, source)
     learner.optimizer.load_state_dict(saved["optimizer"])
     if learner.scaler.is_enabled() and saved["scaler"]:
         learner.scaler.load_state_dict(saved["scaler"])
@@ -201,23 +202,25 @@ def _restore_from(run: Run, source: Path) -> None:
     run.last_checkpoint = source
 
 
-def restore_projector(learner: Learner, state: dict | None, source: Path) -> None:
-    """Load REPA's projector from a checkpoint; a missing one or one of another width is one paragraph."""
-    if learner.projector is None:
-        return
-    if state is None:
-        raise UserError(f"the checkpoint {source} has no REPA projector ({rundir.PROJECTOR_FILE}): it was not trained "
-                        f"with REPA, so it cannot be resumed with --repa-weight. Resume without the --repa-* flags, "
-                        f"or start a new --results-dir.")
-    mine = {k: tuple(v.shape) for k, v in learner.projector.state_dict().items()}
-    saved = {k: tuple(v.shape) for k, v in state.items()}
-    if mine != saved:
-        last = sorted(k for k in saved if k.endswith("weight"))[-1:]
-        raise UserError(f"the REPA projector in {source} has shapes {[saved[k] for k in last]} (output width x "
-                        f"input) where this run builds {[mine.get(k) for k in last]}: the projector dimension does not "
-                        f"match the stored features or --repa-projector-dim. Resume with the latent folder and "
-                        f"--repa-* flags the run was started with, or start a new --results-dir.")
-    learner.projector.load_state_dict(state, strict=True)
+def restore_heads(learner: Learner, source: Path) -> None:
+    """Load each column head (REPA's projector) from a checkpoint; a missing one or one of other shapes: one paragraph."""
+    for column, _ in learner.consumers:
+        head, path = learner.heads[column.name], source / column.checkpoint_file
+        state = ckpt_io.load_head(path)
+        if state is None:
+            raise UserError(f"the checkpoint {source} has no head of the shard column {column.name!r} ({path.name}): "
+                            f"it was not trained with {flag_name(column.weight)}, so it cannot be resumed with it. "
+                            f"Resume without it, or start a new --results-dir.")
+        mine = {k: tuple(v.shape) for k, v in head.state_dict().items()}
+        saved = {k: tuple(v.shape) for k, v in state.items()}
+        if mine != saved:
+            last = sorted(k for k in saved if k.endswith("weight"))[-1:]
+            raise UserError(f"the head of the shard column {column.name!r} in {source} has shapes "
+                            f"{[saved[k] for k in last]} (output width x input) where this run builds "
+                            f"{[mine.get(k) for k in last]}: its width does not match the stored column or its flags. "
+                            f"Resume with the latent folder and flags the run was started with, or start a new "
+                            f"--results-dir.")
+        head.load_state_dict(state, strict=True)
 
 
 def setup_run(cfg: TrainConfig, dataset: LatentDataset, source: Path | None, accelerator,
@@ -348,7 +351,7 @@ def _write_main(run: Run, tmp: Path) -> None:
                             model_config=learner.model_config, space=run.cfg.space,
                             optimizer_state=learner.optimizer.state_dict(),
                             scaler_state=learner.scaler.state_dict(), state=state,
-                            projector_state=learner.projector.state_dict() if learner.projector is not None else None)
+                            heads={c.checkpoint_file: learner.heads[c.name].state_dict() for c, _ in learner.consumers})
     final = ckpt_io.publish(tmp, run.run_dir, run.step)
     run.callbacks.on_publish(run, final)
     write_export(run)
@@ -401,7 +404,7 @@ class Meter:
 
     def reset(self) -> None:
         """Start a new window."""
-        self.results: list[dict] = []  # each step's {loss, grad_norm, skipped[, diffusion_loss, repa_loss]}: () tensors
+        self.results: list[dict] = []  # each step's {loss, grad_norm, skipped[, diffusion_loss, *_loss]}: () tensors
         self.start = time.perf_counter()
 
     def add(self, result: dict) -> None:
@@ -425,7 +428,7 @@ class Meter:
             "images_per_s": steps * cfg.global_batch_size / seconds, "skipped": int(sum(window["skipped"])),
             "skipped_total": learner.skipped_steps, "data_position": run.data_position,
             "epoch": run.data_position / len(run.dataset),
-            **{name: float(np.mean(window[name])) for name in ("diffusion_loss", "repa_loss") if name in window},
+            **{name: float(np.mean(v)) for name, v in window.items() if name.endswith("_loss")},  # each head's
         }
         if learner.scaler.is_enabled():
             values["loss_scale"] = learner.scaler.get_scale()
@@ -500,7 +503,7 @@ def run_loop(run: Run) -> dict:
                          world_size=run.accelerator.num_processes, seed=cfg.seed, start=run.data_position,
                          class_dropout_prob=cfg.class_dropout_prob, num_workers=loader_workers(run),
                          pin_memory=run.device.type == "cuda", objective=run.learner.objective,
-                         features=run.learner.projector is not None, route=run.learner.route,
+                         extra=tuple(c.name for c, _ in run.learner.consumers), route=run.learner.route,
                          norm=cfg.space.norm, window=cfg.shard_window, global_batch=cfg.global_batch_size)
     meter, last = Meter(), {}
     bar = tqdm(total=total, initial=run.step, desc="train", unit="step", disable=not run.is_main, dynamic_ncols=True)

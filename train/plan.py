@@ -19,7 +19,7 @@ from shared.runtime.precision import PRECISION_CHOICES, canonical_precision
 from shared.network.routing import kept_tokens
 from shared.network.blocks import SELECTIVE
 from train.config import (BLOCK_FLAGS, TrainConfig, add_block_flags, block_from_args, checkpoint_choice,
-                          model_config_for, route_span)
+                          column_consumers, model_config_for, route_span)
 from train import memory
 from train.autotune import smaller_micro
 from train.memory import (DEFAULT_MARGIN, FixedState, PlanRow, StepOutOfMemory, Verified, fixed_state, forward_macs,
@@ -196,10 +196,10 @@ def over_budget_text(oom: StepOutOfMemory, chosen: PlanRow, args, budget: int, b
 
 def plan_command(cfg, latent_shape: tuple, num_classes: int, gpu_memory: int | None) -> str | None:
     """The `python -m train.plan` command for a resolved TrainConfig on a `gpu_memory`-byte card (None: off CUDA)."""
-    # None where the planner cannot measure the run: a head other than the preset's, or REPA's projector
+    # None where the planner cannot measure the run: a head other than the preset's, or a shard column's head
     from shared.network.models import preset_head
 
-    if cfg.repa_weight > 0 or any(getattr(cfg, k) != v for k, v in preset_head(cfg.model).items()):
+    if column_consumers(cfg) or any(getattr(cfg, k) != v for k, v in preset_head(cfg.model).items()):
         return None
     channels, height, _ = latent_shape
     flags = {"model": cfg.model, "objective": cfg.objective, "image_size": cfg.image_size,

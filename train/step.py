@@ -24,15 +24,15 @@ from shared.runtime.errors import UserError
 from shared.network.attention import prepare_attention
 from shared.network.models import ModelConfig, compile_blocks
 from shared.runtime.precision import autocast_dtype
-from train.config import TrainConfig
+from train.config import TrainConfig, column_consumers
 
 
 @dataclass
 class Learner:
     """What one optimizer step reads and updates."""
     cfg: TrainConfig
-    # What the step calls: the DiT (fp32 master weights, train mode), with REPA inside an AlignedDiT beside its
-    # projector, maybe compiled, maybe DDP-wrapped. The one handle: `dit` and `projector` are read out of it.
+    # What the step calls: the DiT (fp32 master weights, train mode), inside a HeadedDiT beside the heads of the shard
+    # columns it trains on (REPA's projector), maybe compiled, maybe DDP-wrapped. `dit` and `heads` are read out of it.
     model: torch.nn.Module
     ema: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -42,6 +42,7 @@ class Learner:
     accelerator: object = None  # None: a single process without Accelerate (nothing to synchronise)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     route: tuple[int, int] | None = None  # token routing: (tokens T, kept K) per sample, drawn by the data side
+    consumers: tuple = ()  # (ShardColumn, loss weight) of each column a head trains on (shared/datasets/columns.py)
     step: int = 0
     skipped_before: int = 0  # skipped steps counted on the host (restored from a checkpoint)
     skipped_since: torch.Tensor | None = None  # () int64 on the device: skipped steps since, never read per step
@@ -60,18 +61,17 @@ class Learner:
     def dit(self) -> torch.nn.Module:
         """The DiT in `model`, unwrapped: what checkpoints save, resume loads and the EMA follows."""
         inner = unwrap(self.model)
-        return inner.dit if isinstance(inner, AlignedDiT) else inner
+        return inner.dit if isinstance(inner, HeadedDiT) else inner
 
     @property
-    def projector(self) -> torch.nn.Module | None:
-        """REPA's projector (shared/network/repa.py), trained with the model (no EMA); None without REPA."""
+    def heads(self) -> torch.nn.ModuleDict:
+        """{column: its head} trained with the model (no EMA; REPA's projector); empty without any."""
         inner = unwrap(self.model)
-        return inner.projector if isinstance(inner, AlignedDiT) else None
+        return inner.heads if isinstance(inner, HeadedDiT) else torch.nn.ModuleDict()
 
     def trained_parameters(self) -> list[torch.nn.Parameter]:
-        """What the optimizer updates and the gradient norm covers: the DiT, then the REPA projector if any."""
-        extra = list(self.projector.parameters()) if self.projector is not None else []
-        return list(self.dit.parameters()) + extra
+        """What the optimizer updates and the gradient norm covers: the DiT, then the columns' heads."""
+        return list(self.dit.parameters()) + list(self.heads.parameters())
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -85,20 +85,20 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
             return model
 
 
-class AlignedDiT(torch.nn.Module):
-    """The DiT and REPA's projector as one module, so compile and DDP see (and all-reduce) both.
+class HeadedDiT(torch.nn.Module):
+    """The DiT and the shard columns' heads as one module, so compile and DDP see (and all-reduce) them all.
 
-    forward(x, t, y, force_drop_ids) -> (DiT output (N, C', H, W), projected block-`depth` tokens (N, T, E)).
+    forward(x, t, y, force_drop_ids) -> (DiT output (N, C', H, W), {column: its head on block `depth`'s tokens}).
     """
 
-    def __init__(self, dit: torch.nn.Module, projector: torch.nn.Module, depth: int):
+    def __init__(self, dit: torch.nn.Module, heads: dict, depth: int):
         super().__init__()
-        self.dit, self.projector, self.depth = dit, projector, depth
+        self.dit, self.heads, self.depth = dit, torch.nn.ModuleDict(heads), depth
 
     def forward(self, x, t, y, force_drop_ids=None, route_keep=None):
         out, hidden = self.dit(x, t, y, force_drop_ids=force_drop_ids, return_hidden_at=self.depth,
-                               route_keep=route_keep)
-        return out, self.projector(hidden)  # (N, C', H, W), (N, T, E)
+                               route_keep=route_keep)  # (N, C', H, W), (N, T, D)
+        return out, {name: head(hidden) for name, head in self.heads.items()}
 
 
 def import_bitsandbytes():
@@ -133,13 +133,11 @@ def build_ema(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) ->
     return ema.to(device if cfg.ema_device == "gpu" else "cpu")
 
 
-def build_projector(cfg: TrainConfig, raw: torch.nn.Module) -> torch.nn.Module | None:
-    """REPA's projector D -> P -> P -> E (after the DiT's init, from the same seeded stream), or None without REPA."""
-    if cfg.repa_weight <= 0:
-        return None
-    from shared.network.repa import Projector
-
-    return Projector(raw.pos_embed.shape[-1], cfg.repa_projector_dim, cfg.repa_feature_dim).train()
+def build_heads(cfg: TrainConfig, raw: torch.nn.Module) -> tuple[dict, int]:
+    """({column: head}, the block they see) of the columns trained on (after the DiT's init, same seeded stream)."""
+    chosen = column_consumers(cfg)
+    heads = {c.name: c.build_head(f, raw.pos_embed.shape[-1]).train() for c, f in chosen}
+    return heads, (getattr(chosen[0][1], chosen[0][0].depth) if chosen else 0)
 
 
 def route_of(cfg: TrainConfig, raw: torch.nn.Module) -> tuple[int, int] | None:
@@ -185,21 +183,22 @@ def make_learner(cfg: TrainConfig, model_config: ModelConfig, accelerator=None, 
     raw = model_config.build(attention=cfg.attention, grad_checkpoint_every=cfg.grad_checkpoint).train()
     if cfg.route_ratio > 0:  # TREAD: blocks route_start..route_end see only the kept tokens in training
         raw.set_routing(cfg.route_start, cfg.route_end)
-    projector = build_projector(cfg, raw)
+    heads, depth = build_heads(cfg, raw)
     ema = build_ema(raw, cfg, device)  # an uncompiled copy: previews run it eagerly in eval mode
     raw.to(device)
-    if projector is not None:
-        projector.to(device)
+    for head in heads.values():
+        head.to(device)
     if device.type == "cuda":  # the SDPA kernel probed and pinned before the first forward (and before tracing)
         prepare_attention(raw, device, autocast_dtype(cfg.precision) or torch.float32)
     if cfg.compile:  # the checkpoint (full or selective) runs inside each block's forward: traced with it
         compile_blocks(raw, COMPILE_BACKEND)
-    trained = raw if projector is None else AlignedDiT(raw, projector, cfg.repa_depth)
+    trained = HeadedDiT(raw, heads, depth) if heads else raw
     learner = Learner(cfg=cfg, model=accelerator.prepare(trained) if accelerator is not None else trained,
                       ema=ema, optimizer=None,
                       scaler=torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16"),
                       model_config=model_config, accelerator=accelerator, device=device,
-                      objective=objective_of(model_config, **cfg.objective_options), route=route_of(cfg, raw))
+                      objective=objective_of(model_config, **cfg.objective_options), route=route_of(cfg, raw),
+                      consumers=tuple((c, getattr(f, c.weight)) for c, f in column_consumers(cfg)))
     learner.optimizer = build_optimizer(cfg, learner.trained_parameters(), device)
     return learner
 
@@ -217,11 +216,12 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return final + (cfg.lr - final) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def forward_losses(model, objective, batch: dict, precision: str, device, repa_weight: float = 0.0) -> dict:
-    """{"loss"} (mean over the micro-batch) and, with REPA, {"diffusion", "repa"}: loss = diffusion + w * repa.
+def forward_losses(model, objective, batch: dict, precision: str, device, consumers=()) -> dict:
+    """{"loss"} (mean over the micro-batch) and, with column heads, {"diffusion", each head's}: loss = diffusion +
+    sum of weight x head loss.
 
-    With REPA, `model` is an AlignedDiT: one forward gives the output and the projected block tokens, which are
-    aligned with the batch's stored encoder tokens batch["repr"] (N, T_e, E) (REPA Eq. 8, shared/network/repa.py).
+    With `consumers` ((ShardColumn, weight), ...), `model` is a HeadedDiT: one forward gives the output and each
+    head's view of the block tokens, scored against the batch's stored column (REPA: Eq. 8 against batch["repr"]).
     """
     device = torch.device(device)
     x0 = batch["x0"].to(device, non_blocking=True)  # (B, C, h, w) fp32, already scaled
@@ -232,38 +232,35 @@ def forward_losses(model, objective, batch: dict, precision: str, device, repa_w
     if "route_keep" in batch:  # token routing: every row routes, label-dropped ones too (as TREAD)
         kwargs["route_keep"] = batch["route_keep"].to(device, non_blocking=True)  # (B, K)
     dtype = autocast_dtype(precision)
-    if repa_weight <= 0:
+    if not consumers:
         with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
             losses = objective.training_losses(model, x0, t, noise, model_kwargs=kwargs)
         return {"loss": losses["loss"].mean()}
-    from shared.network.repa import alignment_loss, match_tokens
-
     captured = {}
 
     def model_fn(x, t, **kw):
-        """The objective's view of the model: the output; the projected tokens are kept aside."""
-        out, captured["tokens"] = model(x, t, **kw)  # (N, C', H, W), (N, T, E)
+        """The objective's view of the model: the output; the heads' outputs are kept aside."""
+        out, captured["heads"] = model(x, t, **kw)  # (N, C', H, W), {column: head output}
         return out
 
     with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
         diffusion = objective.training_losses(model_fn, x0, t, noise, model_kwargs=kwargs)["loss"].mean()
-        projected = captured["tokens"]
-    target = match_tokens(batch["repr"].to(device, non_blocking=True), projected.shape[1])  # (N, T, E)
-    align = alignment_loss(projected, target).mean()  # fp32
-    return {"loss": diffusion + repa_weight * align, "diffusion": diffusion.detach(), "repa": align.detach()}
+    heads = {c.loss_name or c.name: (w, c.loss(captured["heads"][c.name], batch[c.name].to(device, non_blocking=True))
+                                     .mean()) for c, w in consumers}  # outside autocast: the losses in fp32
+    total = diffusion + sum(w * value for w, value in heads.values())
+    return {"loss": total, "diffusion": diffusion.detach(), **{k: v.detach() for k, (_, v) in heads.items()}}
 
 
 def accumulate_gradients(learner: Learner, batches: Iterable[dict]) -> dict:
-    """Forward/backward over the step's micro-batches; this rank's mean losses (detached): "loss"[, "repa"]."""
+    """Forward/backward over the step's micro-batches; this rank's mean losses (detached): "loss"[, each head's]."""
     steps = learner.cfg.grad_accum_steps
-    weight = learner.cfg.repa_weight if learner.projector is not None else 0.0
     totals: dict[str, torch.Tensor] = {}
     count = 0
     for micro, batch in enumerate(batches):
         local = micro < steps - 1 and learner.accelerator is not None  # DDP all-reduces on the last micro-step only
         with learner.accelerator.no_sync(learner.model) if local else contextlib.nullcontext():
             losses = forward_losses(learner.model, learner.objective, batch, learner.cfg.precision, learner.device,
-                                    weight)
+                                    learner.consumers)
             learner.scaler.scale(losses["loss"] / steps).backward()
         for name, value in losses.items():
             totals[name] = totals.get(name, 0) + value.detach().float()
@@ -339,7 +336,7 @@ def apply_gradients(learner: Learner) -> tuple[torch.Tensor, torch.Tensor]:
 
 def train_step(learner: Learner, batches: Iterable[dict]) -> dict:
     """One optimizer step over a global batch -> {loss (mean over processes), grad_norm, skipped[, diffusion_loss,
-    repa_loss]}, each a () device tensor: the loop reads them at its log points, so the step never syncs."""
+    each head's as NAME_loss (repa_loss)]}, each a () device tensor: the loop reads them at its log points."""
     local = accumulate_gradients(learner, batches)
     grad_norm, skipped = apply_gradients(learner)
     acc = learner.accelerator
@@ -348,7 +345,5 @@ def train_step(learner: Learner, batches: Iterable[dict]) -> dict:
     learner.step += 1
     flag = skipped.to(torch.int64)  # the device counter Learner.skipped_steps reads
     learner.skipped_since = flag if learner.skipped_since is None else learner.skipped_since + flag
-    result = {"loss": losses["loss"], "grad_norm": grad_norm, "skipped": skipped}
-    if "repa" in losses:  # logged beside the diffusion loss
-        result.update(diffusion_loss=losses["diffusion"], repa_loss=losses["repa"])
-    return result
+    return {"loss": losses.pop("loss"), "grad_norm": grad_norm, "skipped": skipped,
+            **{f"{name}_loss": value for name, value in losses.items()}}  # logged beside the loss

@@ -49,7 +49,7 @@ class StorageDtype:
 DTYPES = (StorageDtype("float16", "fp16", "F16", torch.float16),
           StorageDtype("bfloat16", "bf16", "BF16", torch.bfloat16),
           StorageDtype("float32", "fp32", "F32", torch.float32))
-FLAG_DTYPES = {d.flag: d.torch for d in DTYPES}  # a flag word -> torch dtype (extract's --repr-dtype vocabulary)
+FLAG_DTYPES = {d.flag: d.torch for d in DTYPES}  # a flag word -> torch dtype (the word a column record names)
 
 
 def storage_dtype(dtype) -> StorageDtype:

@@ -11,20 +11,23 @@ grids match (256 px, patch 2: 16 x 16 DiT tokens; 224 px / 14: 16 x 16 encoder t
 encoder's token grid (an image of E channels) is resized to the DiT's (`match_tokens`): a coarser DiT grid
 takes the mean of the encoder tokens over each DiT token's region (adaptive average pooling), a finer one
 interpolates them bilinearly, so each DiT token is aligned with encoder features of the same image region.
-The encoder never runs in training here: its tokens are read from the latent folder ("repr", written by
-`python -m extract --repr-encoder`).
+The encoder never runs in training here: its tokens are the shard column "repr" (F, T, E), written by `python -m
+extract --repr-encoder`; `REPR_COLUMN` at the end is its one record (shared/datasets/columns.py).
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from shared.datasets.columns import ShardColumn, register_column
+from shared.datasets.shard_schema import FLAG_DTYPES
+from shared.runtime.cli import option
 from shared.runtime.errors import UserError
-
-REPR_TENSOR = "repr"  # the shard tensor holding an encoder's patch tokens (F, T, E)
+from shared.runtime.rundir import PROJECTOR_FILE
 
 
 class Projector(nn.Module):
@@ -84,17 +87,6 @@ def check_grid(count: int, what: str) -> None:
                         f"(a ViT's patch tokens without class or register tokens).")
 
 
-def features_of(meta: dict, root, tensor_names) -> dict:
-    """The encoder identity a latent folder records, or the one-paragraph refusal when it has no features."""
-    if REPR_TENSOR not in tensor_names or "repr_encoder" not in meta:
-        raise UserError(f"REPA was asked for (--repa-weight > 0), but the latent folder {root} holds no encoder "
-                        f"features (no {REPR_TENSOR!r} tensor in its index.json): REPA reads them instead of running "
-                        f"the encoder in training. Extract a folder with them (`python -m extract ... "
-                        f"--repr-encoder facebook/dinov2-base` or a local DINOv2 folder, into a new --out) and "
-                        f"train on it, or drop --repa-weight.")
-    return dict(meta["repr_encoder"])
-
-
 def same_features(saved: dict, current: dict) -> list[str]:
     """What differs between the encoder a run started with and the folder's (ignoring where it was read from)."""
     keys = ("model_type", "config_sha256", "input_size", "patch_size", "tokens", "dim", "normalisation", "dtype")
@@ -102,3 +94,94 @@ def same_features(saved: dict, current: dict) -> list[str]:
 
 
 REPA_PROJECTOR_PREFIX = "projectors."  # REPA's released SiT-XL/2 keeps its projector under this name (build_mlp)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The shard column "repr": DINOv2's tokens stored at extraction (shared/tokenizers/repr_encoder.py), aligned in training
+# ----------------------------------------------------------------------------------------------------------
+
+@dataclass(kw_only=True)
+class ReprFlags:
+    """`python -m extract`'s flags of the encoder whose tokens REPA aligns to."""
+
+    repr_encoder: str | None = option(
+        None, "Also store a frozen encoder's patch tokens for REPA (train --repa-weight): a DINOv2 folder saved by "
+              "transformers' save_pretrained or a Hub id such as facebook/dinov2-base; run once per image and stored "
+              "flip, fp32 (default: none). The dry run prints the storage.")
+    repr_image_size: int | None = option(
+        None, "Pixels per side the encoder sees, a multiple of its patch size (default: REPA's, image-size / 16 "
+              "patches: 224 for DINOv2/14 at 256 px).")
+    repr_dtype: str = option("fp16", "Storage dtype of the encoder tokens (DINOv2-B at 256 px: ~384 KiB per image and "
+                                     "flip in fp16)", choices=tuple(FLAG_DTYPES))
+
+
+@dataclass(kw_only=True)
+class RepaFlags:
+    """`python -m train`'s REPA flags: align block `repa_depth`'s tokens through an MLP D -> P -> P -> E."""
+
+    repa_weight: float = option(0.0, "REPA: weight lambda of the alignment loss (REPA: 0.5); 0 turns REPA off "
+                                     "(default). Needs a latent folder extracted with --repr-encoder")
+    repa_depth: int = option(8, "REPA: align the output of this block, counted from 1 (REPA: 8 of SiT-XL's 28)")
+    repa_projector_dim: int = option(2048, "REPA: hidden width P of the projector MLP D -> P -> P -> E (REPA: 2048)")
+    repa_feature_dim: int | None = option(
+        None, "REPA: the projector's output E, which must equal the stored features' width (REPA's "
+              "--projector-embed-dims, 768 for DINOv2-B); default: read from the latent folder")
+
+
+def plan_repr(flags: ReprFlags, image_size: int) -> dict | None:
+    """The encoder's record for index.json (its identity and storage dtype, no weights read), or None without one."""
+    if flags.repr_encoder is None:
+        if flags.repr_image_size is not None:
+            raise UserError("--repr-image-size applies to the representation encoder; pass --repr-encoder too, or "
+                            "drop --repr-image-size.")
+        return None
+    from shared.tokenizers.repr_encoder import plan_identity
+
+    return {**plan_identity(flags.repr_encoder, image_size, flags.repr_image_size), "dtype": flags.repr_dtype}
+
+
+def load_repr(flags: ReprFlags, record: dict, device):
+    """The frozen DINOv2's `encode`: uint8 (B, 3, S, S) -> patch tokens (B, T, D) fp32."""
+    from shared.tokenizers.repr_encoder import load_encoder
+
+    return load_encoder(flags.repr_encoder, record, device)
+
+
+def repr_storage(record: dict, frames: int) -> tuple[int, str]:
+    """(bytes per image, the dry run's line with {size} for them) of the stored encoder tokens (F, T, D)."""
+    return (frames * record["tokens"] * record["dim"] * FLAG_DTYPES[record["dtype"]].itemsize,
+            f"encoder tokens {{size}} per image ({frames} flip(s) x {record['tokens']} tokens x {record['dim']} "
+            f"{record['dtype']}; {record['grid']}x{record['grid']} patches of {record['patch_size']} px at "
+            f"{record['input_size']} px); --repr-dtype bf16 or fp16 halves fp32")
+
+
+def resolve_repa(flags: RepaFlags, record: dict, shape, model: str, root) -> RepaFlags:
+    """The depth fits the model, P is positive, E matches the stored features (one paragraph each); E filled in."""
+    from shared.network.models import PRESETS
+
+    check_depth(flags.repa_depth, PRESETS[model]["depth"], model)
+    if flags.repa_projector_dim <= 0:
+        raise UserError(f"--repa-projector-dim must be positive (REPA: 2048), got {flags.repa_projector_dim}.")
+    _, tokens, dim = shape  # (F, T, E)
+    if flags.repa_feature_dim is not None and flags.repa_feature_dim != dim:
+        raise UserError(f"--repa-feature-dim {flags.repa_feature_dim} does not match the features stored in "
+                        f"{root}: {tokens} tokens of width {dim} from {record.get('source')}. The projector's "
+                        f"output must have the features' width: pass --repa-feature-dim {dim} (or omit it), or "
+                        f"extract features of width {flags.repa_feature_dim} with another --repr-encoder into a new "
+                        f"folder.")
+    check_grid(tokens, f"the encoder features in {root}")
+    return replace(flags, repa_feature_dim=dim)
+
+
+def repa_loss(projected: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+    """REPA Eq. 8 per sample (N,): projected block tokens (N, T, E) against the stored tokens (N, T_e, E)."""
+    return alignment_loss(projected, match_tokens(features, projected.shape[1]))
+
+
+REPR_COLUMN = register_column(ShardColumn(
+    name="repr", meta_key="repr_encoder", what="encoder features",
+    how="--repr-encoder facebook/dinov2-base or a local DINOv2 folder",
+    extract_flags=ReprFlags, plan=plan_repr, load=load_repr, storage=repr_storage,
+    train_flags=RepaFlags, weight="repa_weight", depth="repa_depth", resolve=resolve_repa,
+    build_head=lambda flags, width: Projector(width, flags.repa_projector_dim, flags.repa_feature_dim),
+    loss=repa_loss, loss_name="repa", head_file=PROJECTOR_FILE, describe_change=same_features))

@@ -1,6 +1,6 @@
 """Code of the user's: `--plugin MODULE` imports a module before a command's parser is built, so what it registers
-(objectives, samplers, block options: docs/objectives.md) exists; a model trained with one records the module and asks
-for it."""
+(objectives, samplers, block options, tokenizer classes, shard columns: docs/objectives.md) exists; a model or latent
+folder made with one records the module and asks for it."""
 from __future__ import annotations
 
 import argparse
@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from shared.runtime.cli import Flag, add_flags
 from shared.runtime.errors import UserError
 
-PLUGIN = Flag("import MODULE first (a dotted module path, e.g. myproject.objectives), so the objectives, samplers and "
-              "block options it registers (register_objective, register_sampler, register_block_option) can be trained "
-              "and sampled; repeatable "
-              "(docs/objectives.md). A model trained with one records the module and asks for it (default: none)", None,
-              action="append", metavar="MODULE")
+PLUGIN = Flag("import MODULE first (a dotted module path, e.g. myproject.objectives), so what it registers can be used: "
+              "objectives, samplers, block options, tokenizer classes, shard columns (register_objective, "
+              "register_sampler, register_block_option, register_tokenizer, register_column); repeatable "
+              "(docs/objectives.md). A model or latent folder made with one records the module and asks for it "
+              "(default: none)", None, action="append", metavar="MODULE")
 
 
 @dataclass(kw_only=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.runtime.cli import Flag, flag_name
+from shared.runtime.plugins import PLUGIN
 from shared.generative.samplers import (DEFAULT_STEPS, SAMPLER_OPTIONS, SAMPLERS, SamplerOption, sampler_names,
                                         takers_of)
 from shared.generative.guidance import GUIDE_CHANNELS, GUIDE_HELP
@@ -40,6 +41,7 @@ class DecodeFlags:
     vae_slicing: bool = VAE_SLICING.field()
     allow_other_vae: bool = ALLOW_OTHER_VAE.field()
     cpu: bool = CPU.field()
+    plugin: list | None = PLUGIN.field()  # a tokenizer class (or objective) registered by a module of the user's
 
 # ---- drawing images from a DiT (sample, evaluate run) ------------------------------------------------------
 CFG_SCALE = Flag("classifier-free guidance scale; 1 = none (4.0 for pictures, 1.5 for FID)", 4.0)

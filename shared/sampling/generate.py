@@ -15,7 +15,6 @@ from tqdm import tqdm
 from shared.runtime.cli import option
 from shared.runtime.distributed import process_state
 from shared.runtime.errors import UserError
-from shared.runtime.plugins import PLUGIN
 from shared.sampling.flags import BATCH_SIZE, SEED, DecodeFlags, SamplingFlags, given_sampler_options
 from shared.generative.guidance import check_guidance, check_interval, describe_guidance, guide_channel_count, guided_model_fn
 from shared.generative.objectives import check_sampling_guidance, objective_of
@@ -55,7 +54,6 @@ class SampleOptions(DecodeFlags, SamplingFlags):
     objective: str | None = option(  # None: the release's objective, else ddpm
         None, "official .pt only: the objective the weights were trained with (default: the release's for a "
               "released name such as SiT-XL-2-256x256.pt, else ddpm); exports record their own")
-    plugin: list | None = PLUGIN.field()
     image_size: int | None = option(None, "official .pt only: image size in pixels, checked against latent size x "
                                           "VAE factor (default: not checked)")
     class_labels: list[str] | None = option(  # class indices or class names of the latent metadata

@@ -2,8 +2,9 @@
 
 A diffusers folder names its class in config.json's `_class_name`; `tokenizer_class` turns that name into a
 `TokenizerClass` or refuses it in one paragraph naming the supported ones. Registering another class is one
-`register_tokenizer(TokenizerClass(...))` call (the RAE tokenizer does so): nothing else in extract, train or
-sample changes, because every stage goes through `shared.tokenizers.vae.LatentVAE`, which only calls the record.
+`register_tokenizer(TokenizerClass(...))` call (the RAE tokenizer does so; a module of the user's too, named by
+`--plugin MODULE`, with `model_class` its own diffusers ModelMixin + ConfigMixin): nothing else in extract, train
+or sample changes, because every stage goes through `shared.tokenizers.vae.LatentVAE`, which only calls the record.
 
 A record says:
   encode(module, x) -> (mean, std | None)   x (N,3,H,W) in [-1,1]; raw (unnormalised) latents (N,C,h,w), fp32.
@@ -15,6 +16,7 @@ A record says:
   check_config(config, where)               SettingError for a config whose parts cannot work together
   element_stats                             extraction also computes per-element statistics (C, h, w) of the folder
   family                                    "vae" or "rae": latents of one family never decode with the other
+  model_class                               the class that loads it (from_config, from_pretrained); default diffusers'
 
 diffusers is imported only when a class is loaded (`diffusers_class`).
 """
@@ -49,9 +51,12 @@ class TokenizerClass:
     check_config: Callable = lambda config, where: None
     element_stats: bool = False
     family: str = "vae"
+    model_class: type | None = None
 
     def diffusers_class(self):
-        """The diffusers model class (imported here, lazily)."""
+        """The model class: `model_class`, else diffusers' class of this name (imported here, lazily)."""
+        if self.model_class is not None:
+            return self.model_class
         import diffusers
 
         return getattr(diffusers, self.name)
@@ -76,7 +81,8 @@ def tokenizer_class(config: dict, where) -> TokenizerClass:
     raise SettingError(
         f"The tokenizer {where} is a diffusers {name}, which this pipeline does not support: it cannot say how that "
         f"class encodes, scales and decodes latents, and a guess would train on wrong latents. Supported classes: "
-        f"{supported}. Pass one of those as {{vae}} (a diffusers folder whose config.json names its class)."
+        f"{supported}. Pass one of those as {{vae}} (a diffusers folder whose config.json names its class), or, "
+        f"for a class a module of yours registers (register_tokenizer), pass --plugin MODULE to import it."
     )
 
 

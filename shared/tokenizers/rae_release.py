@@ -21,12 +21,14 @@ latents_std = sqrt(var + 1e-5) - 1e-5 and the two agree to float32 rounding.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import torch
 
 from shared.runtime.errors import SettingError
 from shared.tokenizers.classes import DIFFUSERS_RAE_EPS, rae_geometry
+from shared.tokenizers.vae import converted_folder, file_stamps, register_converted
 
 HF_RAE = "https://huggingface.co/nyu-visionx/RAE-collections/resolve/main/"  # RAE's README: hf download this repo
 HF_DINOV2 = "https://huggingface.co/facebook/dinov2-with-registers-base/resolve/main/model.safetensors"
@@ -136,3 +138,30 @@ def build_rae(release: RAERelease, decoder_state: dict, stats: dict, encoder_sta
                            f"them from the checkpoint cache and run again, or pass an AutoencoderRAE folder as {{vae}}.")
     model.load_state_dict(state, strict=True)
     return model
+
+
+def locate_rae_release(name: str):
+    """(the name recorded, the folder): its three files through the release cache, converted once."""
+    from shared.runtime.download import fetch, release_url
+    from shared.runtime.export import load_torch_file, safetensors_problem
+
+    release = RAE_TOKENIZERS[name]
+    instead = "or pass a local AutoencoderRAE folder instead of the name"
+    paths = [fetch(file, release_url(file, url), instead)[0] for file, url in release.files()]
+
+    def build():
+        decoder, stats, encoder = paths
+        fix = ("Delete it from the checkpoint cache and run again to download it, or pass an AutoencoderRAE folder "
+               "as {vae}.")
+        problem = safetensors_problem(encoder)
+        if problem:
+            raise SettingError(f"The DINOv2 encoder weights {encoder} cannot be read ({problem}). {fix}")
+        from safetensors.torch import load_file
+
+        return build_rae(release, load_torch_file(decoder, fix), load_torch_file(stats, fix), load_file(str(encoder)),
+                         {"decoder": decoder, "stats": stats, "encoder": encoder})
+
+    return name, converted_folder(name, json.dumps([release.config, *file_stamps(paths)], sort_keys=True), build)
+
+
+register_converted(tuple(RAE_TOKENIZERS), locate_rae_release)

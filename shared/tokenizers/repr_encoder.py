@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -51,33 +50,21 @@ def read_encoder_config(source: str) -> dict:
     return config.to_dict()
 
 
-def encoder_input_size(config: dict, image_size: int, requested: int | None) -> int:
-    """Pixels per side the encoder sees: --repr-image-size, else REPA's (image_size / 16) patches of its size."""
+def plan_identity(source: str, image_size: int, requested_size: int | None) -> dict:
+    """The stored features' identity from the encoder's config (no weights): in index.json, checked on resume."""
+    config = read_encoder_config(source)
     patch = int(config["patch_size"])
-    size = requested or patch * max(1, image_size // REPA_GRID_DIVISOR)
+    size = requested_size or patch * max(1, image_size // REPA_GRID_DIVISOR)  # else REPA's image_size / 16 patches
     if size % patch:
         raise UserError(f"--repr-image-size {size} is not a multiple of the encoder's patch size {patch}; use "
                         f"{size // patch * patch or patch} or {(size // patch + 1) * patch}.")
-    return size
-
-
-def encoder_identity(source: str, config: dict, input_size: int, normalisation: dict) -> dict:
-    """What decides the stored features: recorded in index.json and checked by training runs on resume."""
     text = json.dumps({k: v for k, v in config.items() if not k.startswith("_") and k != "transformers_version"},
                       sort_keys=True)
-    patch = int(config["patch_size"])
     return {"source": str(source), "model_type": config["model_type"],
-            "config_sha256": hashlib.sha256(text.encode()).hexdigest(), "input_size": input_size,
-            "patch_size": patch, "grid": input_size // patch, "tokens": (input_size // patch) ** 2,
-            "dim": int(config["hidden_size"]), "normalisation": normalisation,
+            "config_sha256": hashlib.sha256(text.encode()).hexdigest(), "input_size": size,
+            "patch_size": patch, "grid": size // patch, "tokens": (size // patch) ** 2,
+            "dim": int(config["hidden_size"]), "normalisation": read_normalisation(source),
             "tokens_taken": "last_hidden_state[:, 1:] (LayerNorm-ed patch tokens, REPA's x_norm_patchtokens)"}
-
-
-def plan_identity(source: str, image_size: int, requested_size: int | None) -> dict:
-    """The encoder's identity from its config alone (no weights): what the dry run and the settings need."""
-    config = read_encoder_config(source)
-    size = encoder_input_size(config, image_size, requested_size)
-    return encoder_identity(source, config, size, read_normalisation(source))
 
 
 def read_normalisation(source: str) -> dict:
@@ -92,43 +79,26 @@ def read_normalisation(source: str) -> dict:
     return {"mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD)}
 
 
-@dataclass
-class ReprEncoder:
-    """A frozen DINOv2 in fp32 that maps uint8 images to its patch tokens."""
-
-    model: torch.nn.Module
-    identity: dict
-
-    @classmethod
-    def load(cls, source: str, identity: dict, device) -> "ReprEncoder":
-        """Load the encoder `identity` (from `plan_identity`) describes, frozen, in eval mode on `device`."""
-        transformers = import_transformers()
-        try:
-            model = transformers.Dinov2Model.from_pretrained(source, torch_dtype=torch.float32)
-        except (OSError, ValueError) as err:
-            raise UserError(f"the weights of --repr-encoder {source} could not be read "
-                            f"({' '.join(str(err).split())[:200]}); pass a complete save_pretrained folder.") from None
-        return cls(model.eval().requires_grad_(False).to(device), identity)
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+def load_encoder(source: str, identity: dict, device):
+    """The frozen DINOv2 (fp32, eval) `identity` (from `plan_identity`) describes, as its `encode` function."""
+    transformers = import_transformers()
+    try:
+        model = transformers.Dinov2Model.from_pretrained(source, torch_dtype=torch.float32)
+    except (OSError, ValueError) as err:
+        raise UserError(f"the weights of --repr-encoder {source} could not be read "
+                        f"({' '.join(str(err).split())[:200]}); pass a complete save_pretrained folder.") from None
+    model = model.eval().requires_grad_(False).to(device)
+    norm, size = identity["normalisation"], identity["input_size"]
 
     @torch.no_grad()
-    def encode(self, pixels: torch.Tensor) -> torch.Tensor:
+    def encode(pixels: torch.Tensor) -> torch.Tensor:
         """uint8 (B, 3, S, S) -> patch tokens (B, T, D) fp32 (REPA's preprocessing, see the module docstring)."""
-        norm = self.identity["normalisation"]
-        x = pixels.to(self.device, torch.float32) / 255.0  # (B, 3, S, S) in [0, 1]
-        mean = torch.tensor(norm["mean"], device=x.device).view(1, 3, 1, 1)
-        std = torch.tensor(norm["std"], device=x.device).view(1, 3, 1, 1)
-        x = (x - mean) / std
-        size = self.identity["input_size"]
+        x = pixels.to(device, torch.float32) / 255.0  # (B, 3, S, S) in [0, 1]
+        x = (x - torch.tensor(norm["mean"], device=x.device).view(1, 3, 1, 1)) / torch.tensor(
+            norm["std"], device=x.device).view(1, 3, 1, 1)
         if x.shape[-1] != size:
             x = F.interpolate(x, size=(size, size), mode="bicubic", align_corners=False)  # (B, 3, s, s)
-        hidden = self.model(pixel_values=x).last_hidden_state  # (B, 1 + T, D), after the final LayerNorm
+        hidden = model(pixel_values=x).last_hidden_state  # (B, 1 + T, D), after the final LayerNorm
         return hidden[:, 1:]  # (B, T, D): drop the class token
 
-
-def storage_bytes(identity: dict, flips: int, dtype: torch.dtype) -> int:
-    """Bytes of one image's stored tokens: F x T x D x itemsize."""
-    return flips * identity["tokens"] * identity["dim"] * torch.empty((), dtype=dtype).element_size()
+    return encode

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import importlib
 import json
 import os
 import re
@@ -33,7 +34,9 @@ VAE_SHORT_NAMES = {"ema": "stabilityai/sd-vae-ft-ema", "mse": "stabilityai/sd-va
                    # DC-AE's ImageNet releases (Chen et al. 2024, mit-han-lab), diffusers folders on the Hub
                    "dc-ae-f32c32": "mit-han-lab/dc-ae-f32c32-in-1.0-diffusers",
                    "dc-ae-f64c128": "mit-han-lab/dc-ae-f64c128-in-1.0-diffusers"}
-VAVAE_NAMES = ("vavae", "hustvl/vavae-imagenet256-f16d32-dinov2")  # converted once (shared/tokenizers/vavae.py)
+# --vae NAME of a released tokenizer converted once into a folder: NAME -> locate(NAME) (`register_converted`).
+CONVERTED: dict = {}
+BUILT_IN_CONVERTED = ("shared.tokenizers.vavae", "shared.tokenizers.rae_release")  # they register VA-VAE's, RAE's
 SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin")
 WEIGHT_FILES = ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.bin")
 DECODE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -135,12 +138,12 @@ def _hub_file(repo_id: str, filename: str) -> Path:
             f"(the cache folder can then be copied here), or pass a diffusers folder as {{vae}}.") from None
 
 
-def _stamps(paths) -> list[str]:
+def file_stamps(paths) -> list[str]:
     """'path:size' of each release file: what names its converted folder."""
     return [f"{p.resolve()}:{p.stat().st_size}" for p in paths]
 
 
-def _converted(name: str, key: str, build) -> Path:
+def converted_folder(name: str, key: str, build) -> Path:
     """The diffusers folder `build()` converts from release files, named by the hash of `key`, published once."""
     from shared.runtime.fsio import publish_dir, remove_tree, user_cache
     folder = user_cache("tokenizers") / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
@@ -159,52 +162,24 @@ def _converted(name: str, key: str, build) -> Path:
     return folder
 
 
-def _locate_vavae() -> _Located:
-    """VA-VAE by name: its released LDM checkpoint and latents_stats.pt, converted once into a diffusers folder."""
-    from shared.tokenizers.vavae import VAVAE_REPO, VAVAE_STATS, VAVAE_WEIGHTS, build_vavae
-    weights, stats = _hub_file(VAVAE_REPO, VAVAE_WEIGHTS), _hub_file(VAVAE_REPO, VAVAE_STATS)
-
-    def build():
-        try:
-            return build_vavae(weights, stats)  # strict: every tensor of the conversion must load
-        except RuntimeError as err:
-            raise SettingError(f"{weights} is not VA-VAE f16d32's checkpoint ({' '.join(str(err).split())[:200]}); "
-                               f"download it again (`huggingface-cli download {VAVAE_REPO} {VAVAE_WEIGHTS}`).") from None
-    folder = _converted("vavae-imagenet256-f16d32-dinov2", ":".join(_stamps([weights, stats])), build)
-    return _Located(VAVAE_REPO, "folder", folder, folder / "config.json")
+def register_converted(names, locate) -> None:
+    """--vae NAME for each of `names`: locate(NAME) -> (the source the identity records, the converted folder)."""
+    CONVERTED.update(dict.fromkeys(names, locate))
 
 
-def _locate_rae_release(name: str) -> _Located:
-    """RAE's released tokenizer by name: its three files through the release cache, converted once into a folder."""
-    from shared.runtime.download import fetch, release_url
-    from shared.runtime.export import load_torch_file, safetensors_problem
-    from shared.tokenizers.rae_release import RAE_TOKENIZERS, build_rae
-    release = RAE_TOKENIZERS[name]
-    instead = "or pass a local AutoencoderRAE folder instead of the name"
-    paths = [fetch(file, release_url(file, url), instead)[0] for file, url in release.files()]
-
-    def build():
-        from safetensors.torch import load_file
-        decoder, stats, encoder = paths
-        fix = ("Delete it from the checkpoint cache and run again to download it, or pass an AutoencoderRAE folder "
-               "as {vae}.")
-        problem = safetensors_problem(encoder)
-        if problem:
-            raise SettingError(f"The DINOv2 encoder weights {encoder} cannot be read ({problem}). {fix}")
-        return build_rae(release, load_torch_file(decoder, fix), load_torch_file(stats, fix), load_file(str(encoder)),
-                         {"decoder": decoder, "stats": stats, "encoder": encoder})
-    folder = _converted(name, json.dumps([release.config, *_stamps(paths)], sort_keys=True), build)
-    return _Located(name, "folder", folder, folder / "config.json")
+def converted_names() -> dict:
+    """The registered names of converted tokenizers (the package's imported first)."""
+    for module in BUILT_IN_CONVERTED:
+        importlib.import_module(module)
+    return CONVERTED
 
 
 def _locate(spec, config=None) -> _Located:
     """Turn a VAE spec into a _Located without loading weights; UserError when it cannot work."""
-    from shared.tokenizers.rae_release import RAE_TOKENIZERS
     text = str(spec).strip()
-    if text in VAVAE_NAMES:
-        return _locate_vavae()
-    if text in RAE_TOKENIZERS:
-        return _locate_rae_release(text)
+    if text in converted_names():
+        source, folder = CONVERTED[text](text)
+        return _Located(source, "folder", folder, folder / "config.json")
     if text in VAE_SHORT_NAMES:
         return _locate_hub(VAE_SHORT_NAMES[text])
     path = Path(text).expanduser()
@@ -215,8 +190,10 @@ def _locate(spec, config=None) -> _Located:
     if looks_like_hub_id(text):
         return _locate_hub(text)
     raise SettingError(
-        f"Unknown VAE {text!r}: it is not a short name ({', '.join([*VAE_SHORT_NAMES, VAVAE_NAMES[0], *RAE_TOKENIZERS])}"
-        f"), not an existing folder or file, and not a hub id like stabilityai/sd-vae-ft-ema. {_LOCAL_OPTIONS}")
+        f"Unknown VAE {text!r}: it is not a short name ({', '.join([*VAE_SHORT_NAMES, *converted_names()])}"
+        f"; a name a module of yours registers needs --plugin MODULE), not an existing folder or file, and not a hub "
+        f"id like stabilityai/sd-vae-ft-ema. {_LOCAL_OPTIONS}"
+    )
 
 
 def resolve_vae_spec(spec, config=None) -> str:

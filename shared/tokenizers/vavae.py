@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import re
 
+from shared.runtime.errors import SettingError
+from shared.tokenizers.vae import _hub_file, converted_folder, file_stamps, register_converted
 
 VAVAE_REPO = "hustvl/vavae-imagenet256-f16d32-dinov2"
 VAVAE_WEIGHTS = "vavae-imagenet256-f16d32-dinov2.pt"
@@ -79,3 +81,21 @@ def build_vavae(weights_path, stats_path):
     vae = AutoencoderKL.from_config(vavae_config(mean, std))
     vae.load_state_dict(convert_vavae(state), strict=True)
     return vae
+
+
+def locate_vavae(name: str):
+    """(the Hub id recorded, the folder): the released checkpoint and latents_stats.pt, converted once."""
+    weights, stats = _hub_file(VAVAE_REPO, VAVAE_WEIGHTS), _hub_file(VAVAE_REPO, VAVAE_STATS)
+
+    def build():
+        try:
+            return build_vavae(weights, stats)  # strict: every tensor of the conversion must load
+        except RuntimeError as err:
+            raise SettingError(f"{weights} is not VA-VAE f16d32's checkpoint ({' '.join(str(err).split())[:200]}); "
+                               f"download it again (`huggingface-cli download {VAVAE_REPO} {VAVAE_WEIGHTS}`).") from None
+
+    stamp = ":".join(file_stamps([weights, stats]))
+    return VAVAE_REPO, converted_folder("vavae-imagenet256-f16d32-dinov2", stamp, build)
+
+
+register_converted(("vavae", VAVAE_REPO), locate_vavae)

@@ -73,11 +73,13 @@ def step_seconds(model: str, latent: int, batch: int, features: tuple | None, de
     from train.step import make_learner, train_step
 
     cfg = TrainConfig(latents="", results_dir="", model=model, objective="flow", global_batch_size=batch,
-                      micro_batch_size=batch, repa_weight=0.5 if features else 0.0, repa_depth=depth,
-                      repa_feature_dim=features[1] if features else None, total_steps=10)
+                      micro_batch_size=batch, total_steps=10,
+                      column_options={"repa_weight": 0.5 if features else 0.0, "repa_depth": depth,
+                                      "repa_feature_dim": features[1] if features else None})
     config = ModelConfig(model=model, input_size=latent, objective="flow")
     learner = make_learner(cfg, config)
-    micro = synthetic_batch(config, batch, 0.1, objective=learner.objective, features=features)
+    micro = synthetic_batch(config, batch, 0.1, objective=learner.objective,
+                            extra={"repr": features} if features else None)
     train_step(learner, [micro])  # warm-up (allocations, optimizer state)
     times = []
     for _ in range(repeats):
