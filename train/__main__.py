@@ -31,9 +31,10 @@ def default_model_note(args) -> str:
     """Said before anything is built when --model is not given: the default is DiT's largest model."""
     from shared.network.models import PRESETS
 
-    return (f"{PROG}: no --model given: training {args.model}, DiT's headline model (depth {PRESETS[args.model]['depth']}, "
-            f"width {PRESETS[args.model]['hidden_size']}), at global batch {args.global_batch_size}, as the paper did on "
-            f"GPUs. Building it takes a while; pass --model DiT-S/2 (or DiT-T/2) for a quick trial.")
+    preset = PRESETS[args.model]
+    return (f"{PROG}: no --model given: training {args.model}, DiT's headline model (depth {preset['depth']}, width "
+            f"{preset['hidden_size']}), at global batch {args.global_batch_size}, as the paper did on GPUs. Building "
+            "it takes a while; pass --model DiT-S/2 (or DiT-T/2) for a quick trial.")
 
 
 @interruptible(PROG)

@@ -1,18 +1,10 @@
 """`auto` for --micro-batch-size, --precision and --grad-checkpoint: the fastest setting that fits this device.
 
-- precision: the accelerate config's when it set one (train/launcher.py); else bf16 on CUDA GPUs that
-  have it, fp16 + GradScaler on older ones, fp32 on the CPU.
-- micro-batch and checkpointing: train.plan's answer for the free memory of this GPU (fixed state by
-  arithmetic, activations measured on the real model), preferring the least recomputation that still
-  runs micro-batches of FAST_MICRO or the whole per-process batch; then real training steps at that
-  micro-batch (train.memory.verify, on a throwaway model freed before the next try and the run) must fit
-  under an allocator cap of free memory minus the margin; one that runs out of memory (or peaks above it)
-  steps down to the next smaller micro-batch, with a one-line notice. Accumulation keeps the global batch,
-  so the result does not depend on the choice (train/config.py: grad_accum_steps).
-- On the CPU there is no memory to plan against: the whole per-process batch at once, no checkpointing.
-
-What was asked, the device, the plan and the measured peak are recorded in the run config (`autotune`).
-The device is read through one seam, probe_device, so a test can describe a GPU the machine lacks.
+Precision: the accelerate config's (train/launcher.py), else bf16 on GPUs that have it, fp16 + GradScaler on older
+ones, fp32 on the CPU. Micro-batch and checkpointing: train.plan's answer for this GPU's free memory, preferring the
+least recomputation that still runs FAST_MICRO (or the whole per-process batch); then real steps at that micro-batch
+must fit under an allocator cap of free memory minus the margin, else the next smaller micro-batch is tried (said in
+one line). Accumulation keeps the global batch. On the CPU: the whole per-process batch, no checkpointing.
 """
 from __future__ import annotations
 
@@ -26,12 +18,12 @@ import torch
 from shared.runtime.errors import UserError
 from shared.network.blocks import SELECTIVE
 from shared.network.models import ModelConfig
+from train import memory
 from train.launcher import resolve_precision_with_launcher
 from train.units import format_size, parse_size
 
 AUTO = "auto"
-# Checkpointing intervals tried, least recomputation first (0 = off, k = every k-th block).
-CHECKPOINT_ORDER = (0, 4, 2, 1)
+CHECKPOINT_ORDER = (0, 4, 2, 1)  # intervals tried, least recomputation first (0 = off, k = every k-th block)
 # A micro-batch this large keeps a GPU's matmuls busy; a smaller one is taken only when nothing larger fits.
 FAST_MICRO = 16
 CONFIRM_TRIES = 4  # smaller micro-batches tried when the real step does not fit
@@ -41,15 +33,11 @@ OUT_OF_MEMORY = -1  # a confirmation try's recorded peak when its step ran out o
 @dataclass
 class DeviceInfo:
     """What auto needs to know of the training device."""
-
     type: str                        # "cuda", "cpu", ...
     name: str = ""
     free_memory: int | None = None   # bytes free now (torch.cuda.mem_get_info), None off CUDA
     total_memory: int | None = None
     bf16: bool = False               # bf16 tensor cores (Ampere and newer)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def probe_device(device) -> DeviceInfo:
@@ -69,21 +57,8 @@ def auto_precision(info: DeviceInfo) -> str:
     return "bf16" if info.bf16 else "fp16"
 
 
-def default_margin() -> int:
-    """Bytes kept free for the CUDA context, cuBLAS workspace and allocator slack (train.plan's default)."""
-    from train.memory import DEFAULT_MARGIN
-
-    return parse_size(DEFAULT_MARGIN)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Planning (train/memory.py's measurement and arithmetic, as python -m train.plan)
-# ---------------------------------------------------------------------------------------------------------
-
 def plan_rows(cfg, model_config: ModelConfig, budget: int, per_process: int, choices) -> list:
     """train.memory's PlanRow for each checkpointing interval in `choices`, measured where plan measures."""
-    from train import memory
-
     route = (cfg.route_ratio, cfg.route_start, cfg.route_end) if cfg.route_ratio > 0 else None
     profiles, n_params, n_trainable = memory.measure_profiles(model_config, cfg.precision, choices,
                                                               memory.measure_device("auto"), route)
@@ -117,17 +92,11 @@ def smaller_micro(micro: int, per_process: int) -> int | None:
 
 
 def measure_peak(cfg, model_config: ModelConfig, micro: int, every: int, accumulation: int, budget: int) -> int | None:
-    """Peak CUDA bytes of real training steps at this micro-batch, under an allocator cap of `budget`
-    (train.memory.verify); None off CUDA; train.memory.StepOutOfMemory when the step does not fit."""
-    from train import memory
-
+    """Peak CUDA bytes of real steps at this micro-batch capped at `budget`; None off CUDA; StepOutOfMemory."""
     if not memory.allocator().available():
         return None
-    args = SimpleNamespace(model=cfg.model, precision=cfg.precision, optimizer=cfg.optimizer,
-                           ema_device=cfg.ema_device, route_ratio=cfg.route_ratio, route_start=cfg.route_start,
-                           route_end=cfg.route_end)
     row = SimpleNamespace(micro=micro, accumulation=accumulation, profile=SimpleNamespace(every=every))
-    return memory.verify(model_config, args, row, budget=budget)
+    return memory.verify_step(model_config, cfg, row, budget=budget).peak
 
 
 def say(line: str) -> None:
@@ -135,24 +104,22 @@ def say(line: str) -> None:
     print(f"auto: {line}", file=sys.stderr, flush=True)
 
 
-def confirm(cfg, model_config, row, per_process: int, budget: int, measure: Callable) -> tuple[int, int | None, list]:
-    """(micro-batch, measured peak or None, tries) after real steps: step down while a step runs out of memory or
-    peaks above the budget, saying so."""
-    from train.memory import StepOutOfMemory
-
+def confirm(cfg, model_config, row, per_process: int, budget: int, measure: Callable) -> tuple[int, list]:
+    """(micro-batch, tries): step down, saying so, while a real step does not fit the budget."""
     micro, tries = row.micro, []
     for _ in range(CONFIRM_TRIES):
         try:
             peak = measure(cfg, model_config, micro, row.profile.every, per_process // micro, budget)
-        except StepOutOfMemory:  # raised after the failed step's learner is gone: the next try starts clean
+        except memory.StepOutOfMemory:  # raised after the failed step's learner is gone: the next try starts clean
             peak = OUT_OF_MEMORY
         tries.append({"micro": micro, "peak": peak})
         if peak is None or 0 <= peak <= budget:
-            return micro, peak, tries
+            return micro, tries
         smaller = smaller_micro(micro, per_process)
         if smaller is None:
             break
-        say(f"micro-batch {micro} {_try_text(tries[-1])} in a real step under the {format_size(budget)} budget; "
+        outcome = "ran out of memory" if peak == OUT_OF_MEMORY else f"peaked at {format_size(peak)}"
+        say(f"micro-batch {micro} {outcome} in a real step under the {format_size(budget)} budget; "
             f"trying micro-batch {smaller}")
         micro = smaller
     raise UserError(
@@ -163,11 +130,6 @@ def confirm(cfg, model_config, row, per_process: int, budget: int, measure: Call
         "--ema-device cpu, or an explicit --micro-batch-size.")
 
 
-def _try_text(one: dict) -> str:
-    """'ran out of memory' or 'peaked at 23.10 GiB' for one confirmation try."""
-    return "ran out of memory" if one["peak"] == OUT_OF_MEMORY else f"peaked at {format_size(one['peak'])}"
-
-
 def _tries_text(tries: list) -> str:
     """'8: 23.1 GiB, 4: out of memory' for the refusal."""
     return ", ".join(f"{t['micro']}: " + (format_size(t["peak"]) if t["peak"] != OUT_OF_MEMORY else "out of memory")
@@ -175,16 +137,13 @@ def _tries_text(tries: list) -> str:
 
 
 def _no_fit_error(cfg, info: DeviceInfo, budget: int) -> UserError:
+    """Not even micro-batch 1 fits the plan."""
     return UserError(
         f"{cfg.model} does not fit on {info.name or 'this GPU'} with {format_size(info.free_memory)} free "
         f"({format_size(budget)} after the margin) at any micro-batch, even with checkpointing every block: the "
         "weights, gradients, AdamW moments and EMA alone are too large. Pass --optimizer adamw8bit and/or "
         "--ema-device cpu, free the GPU, or use a smaller preset (`python -m train.plan` shows the budget).")
 
-
-# ---------------------------------------------------------------------------------------------------------
-# Resolution
-# ---------------------------------------------------------------------------------------------------------
 
 def resolve_auto(cfg, model_config: ModelConfig, info: DeviceInfo, world_size: int,
                  measure: Callable = measure_peak) -> dict:
@@ -194,7 +153,7 @@ def resolve_auto(cfg, model_config: ModelConfig, info: DeviceInfo, world_size: i
     cfg.precision = resolve_precision_with_launcher(cfg.precision)
     if cfg.precision == AUTO:
         cfg.precision = auto_precision(info)
-    record = {"requested": requested, "device": info.to_dict()}
+    record = {"requested": requested, "device": asdict(info)}
     if AUTO in (cfg.micro_batch_size, cfg.grad_checkpoint):
         if info.type == "cuda" and info.free_memory is not None:
             record.update(_plan_on_gpu(cfg, model_config, info, world_size, measure))
@@ -210,34 +169,26 @@ def resolve_auto(cfg, model_config: ModelConfig, info: DeviceInfo, world_size: i
 def _plan_on_gpu(cfg, model_config, info: DeviceInfo, world_size: int, measure: Callable) -> dict:
     """Plan (and confirm) micro-batch and checkpointing on a GPU; sets them on cfg; returns what to record."""
     per_process = cfg.global_batch_size // world_size  # divisibility is checked by resolve_config
-    margin = default_margin()
+    margin = parse_size(memory.DEFAULT_MARGIN)
     budget = info.free_memory - margin
-    choices = checkpoint_candidates(cfg.grad_checkpoint, _depth(model_config))
+    choices = checkpoint_candidates(cfg.grad_checkpoint, len(model_config.build(device="meta").blocks))
     rows = plan_rows(cfg, model_config, budget, per_process, choices)
-    if cfg.micro_batch_size != AUTO:  # explicit micro-batch: the least recomputation that fits it
-        fixed_micro = int(cfg.micro_batch_size)
-        rows = [r for r in rows if r.micro is not None and r.micro >= fixed_micro]
-        row = rows[0] if rows else None
-        if row is None:
-            raise _no_fit_error(cfg, info, budget)
-        cfg.grad_checkpoint = row.profile.every
-        return {"margin": margin, "budget": budget, "plan": _rows_record(rows)}
-    row = pick_row(rows, per_process)
+    explicit = cfg.micro_batch_size != AUTO
+    if explicit:  # the least recomputation that fits the given micro-batch
+        rows = [r for r in rows if r.micro is not None and r.micro >= int(cfg.micro_batch_size)]
+    row = (rows[0] if rows else None) if explicit else pick_row(rows, per_process)
     if row is None:
         raise _no_fit_error(cfg, info, budget)
-    micro, peak, tries = confirm(cfg, model_config, row, per_process, budget, measure)
-    cfg.micro_batch_size, cfg.grad_checkpoint = micro, row.profile.every
-    return {"margin": margin, "budget": budget, "plan": _rows_record(rows),
-            "predicted_peak": row.peak, "confirmed": tries}
-
-
-def _depth(model_config: ModelConfig) -> int:
-    """Transformer blocks of the preset (built on the meta device: shapes only)."""
-    with torch.device("meta"):
-        return len(model_config.build().blocks)
+    record = {"margin": margin, "budget": budget, "plan": _rows_record(rows)}
+    if not explicit:
+        cfg.micro_batch_size, tries = confirm(cfg, model_config, row, per_process, budget, measure)
+        record.update(predicted_peak=row.peak, confirmed=tries)
+    cfg.grad_checkpoint = row.profile.every
+    return record
 
 
 def _rows_record(rows) -> list[dict]:
+    """The plan as the run config records it."""
     return [{"grad_checkpoint": r.profile.every, "micro": r.micro, "predicted_peak": r.peak} for r in rows]
 
 
@@ -262,14 +213,10 @@ def describe(record: dict) -> str:
 
 def no_measurement(*_args) -> None:
     """measure for --dry-run: the plan alone, no real step."""
-    return None
 
 
 def resolve_auto_for(cfg, model_config: ModelConfig, accelerator) -> dict:
-    """resolve_auto on this launch's processes: rank 0 decides for the smallest free memory, everyone follows.
-
-    Every rank must run the same micro-batch (DDP all-reduces once per optimizer step) and precision.
-    """
+    """resolve_auto on every process: rank 0 decides for the smallest free memory, all follow (DDP needs one plan)."""
     info = probe_device(accelerator.device)
     measure = no_measurement if cfg.dry_run else measure_peak
     if accelerator.num_processes == 1:

@@ -1,15 +1,8 @@
 """`python -m train.bench`: time DiT training steps on synthetic latents (no shards, no VAE).
 
-Each configuration gets a fresh learner (model, AdamW, EMA, scaler) from train/step.py and is timed on
-the trainer's own `train_step` (train mode, class-dropout coin, grad-norm pass, EMA update) over
-synthetic micro-batches shaped like the loader's; warm-up steps (and torch.compile's compilation) are
-excluded; the reported step time is the median of the timed steps, each bracketed by device syncs.
-MFU = training FLOPs per image (6 x forward MACs, computed from the architecture; recomputation under
-checkpointing not counted) x images/s / device peak FLOP/s.
-
-`--preset changes-gpu` (DiT-XL/2, bf16, micro-batch 256) and `--preset changes-cpu` (tiny) put the step as it was
-before issue 34 (eager, the host reading loss and grad norm every step) beside each change on its own and all
-together: no host sync, foreach instead of fused AdamW, regional torch.compile, selective checkpointing.
+Each configuration gets a fresh learner from train/step.py, timed on the trainer's own `train_step` over synthetic
+micro-batches; warm-up (and compilation) excluded, the median of the timed steps reported, each bracketed by device
+syncs. MFU = 6 x forward MACs per image (recomputation not counted) x images/s / device peak FLOP/s.
 """
 from shared.runtime.interrupt import guard_imports, interruptible
 
@@ -34,7 +27,7 @@ from shared.network.blocks import SELECTIVE
 from shared.runtime.precision import PRECISIONS, set_tf32
 from train.config import BLOCK_FLAGS, TrainConfig, add_block_flags, block_from_args, model_config_for
 from train.data import synthetic_batch
-from train.memory import forward_macs, latent_shape, measured_config, train_flops_per_image
+from train.memory import forward_macs, latent_shape, measure_device, measured_config, train_flops_per_image
 from train.step import make_learner, train_step
 from train.units import GiB, format_size
 
@@ -80,10 +73,6 @@ class BenchResult:
     error: str | None = None
 
 
-# ----------------------------------------------------------------------------------------------------
-# The matrix
-# ----------------------------------------------------------------------------------------------------
-
 PRESETS = {
     # One thread on the CPU: with more, a busy machine stalls every parallel region (we saw 10x swings).
     "cpu": dict(model="DiT-T/2", image_size=128, steps=8, warmup=2, threads=1),
@@ -94,19 +83,14 @@ PRESETS = {
 }
 
 
-def xformers_installed() -> bool:
-    """Whether xformers could be imported (the model still refuses it off CUDA, reported in the row)."""
-    return importlib.util.find_spec("xformers") is not None
-
-
 def variant(base: BenchConfig, note: str, **changes) -> BenchConfig:
     """`base` with some fields changed, labelled by what changed."""
     return BenchConfig(**{**asdict(base), **changes, "note": note})
 
 
 def optional_rows(ours: BenchConfig) -> list[BenchConfig]:
-    """Rows that only make sense where the software is present (xformers), then torch.compile."""
-    rows = [variant(ours, "xformers", attention="xformers")] if xformers_installed() else []
+    """Rows that only make sense where the software is present (xformers; off CUDA its row says why), then compile."""
+    rows = [variant(ours, "xformers", attention="xformers")] if importlib.util.find_spec("xformers") else []
     return rows + [variant(ours, "torch.compile", compile=True)]
 
 
@@ -121,8 +105,7 @@ def change_rows(today: BenchConfig) -> list[BenchConfig]:
 
 
 def preset_matrix(name: str) -> list[BenchConfig]:
-    """cpu: quick ablation of our step on a tiny model; gpu: DiT-XL/2 rows mirroring fast-DiT's README; changes-*:
-    issue 34's changes beside the step before them (change_rows)."""
+    """cpu: quick ablation on a tiny model; gpu: DiT-XL/2 mirroring fast-DiT's README; changes-*: change_rows."""
     if name == "changes-cpu":  # fp32: the development CPU has no bf16 units (bf16 is ~9x slower there)
         return change_rows(BenchConfig("fp32", 0, "sdpa", False, 8, "before issue 34", host_sync=True, adamw="foreach"))
     if name == "changes-gpu":  # the issue's bf16 micro-batch 256 (~100 GiB without checkpointing: --memory-cap-gib 0)
@@ -130,7 +113,8 @@ def preset_matrix(name: str) -> list[BenchConfig]:
     if name == "cpu":
         ours = BenchConfig("bf16", 1, "sdpa", False, 8, "ours")
         return [ours, variant(ours, "checkpointing off", checkpoint=0),
-                variant(ours, "math attention", attention="math"), variant(ours, "no autocast", precision="fp32"), variant(ours, "fp16 + GradScaler", precision="fp16"),
+                variant(ours, "math attention", attention="math"), variant(ours, "no autocast", precision="fp32"),
+                variant(ours, "fp16 + GradScaler", precision="fp16"),
                 *optional_rows(ours), *(variant(ours, "micro-batch sweep", micro_batch=m) for m in (4, 16))]
     # fast-DiT README (one A100, batch 128, claimed): "checkpointing only" 0.43 steps/s, then "+ mixed
     # precision" 0.56; features are always pre-extracted here. Micro-batch 32 so fp32 fits 24 GiB.
@@ -165,7 +149,7 @@ def parse_compile(item: str) -> bool:
     return table[item.lower()]
 
 
-def check_values(precisions, attentions, checkpoints, micros):
+def check_values(precisions, checkpoints, attentions, compiles, micros):
     """UserError for values no configuration could use."""
     bad = [p for p in precisions if p not in PRECISIONS]
     bad += [a for a in attentions if a not in ATTENTION_BACKENDS]
@@ -176,36 +160,28 @@ def check_values(precisions, attentions, checkpoints, micros):
         raise UserError(f"checkpoint intervals must be >= 0 (0 = off) or {SELECTIVE}, and micro-batch sizes >= 1.")
 
 
-MATRIX_FLAGS = ("precisions", "checkpointing", "attention", "compile", "micro_batch_sizes")
-MATRIX_DEFAULTS = dict(precisions="fp32,bf16", checkpointing="0,1", attention="sdpa", compile="off",
-                       micro_batch_sizes="8")
+# The matrix flags in BenchConfig's field order: (item parser, default).
+MATRIX = {"precisions": (str, "fp32,bf16"), "checkpointing": (checkpoint_value, "0,1"), "attention": (str, "sdpa"),
+          "compile": (parse_compile, "off"), "micro_batch_sizes": (int, "8")}
 
 
 def flag_matrix(args) -> list[BenchConfig]:
     """The cartesian product of the matrix flags (defaults where a flag is absent)."""
-    values = {k: getattr(args, k) or MATRIX_DEFAULTS[k] for k in MATRIX_FLAGS}
-    precisions, attentions = split_list(values["precisions"]), split_list(values["attention"])
-    checkpoints = split_list(values["checkpointing"], checkpoint_value)
-    compiles = split_list(values["compile"], parse_compile)
-    micros = split_list(values["micro_batch_sizes"], int)
-    check_values(precisions, attentions, checkpoints, micros)
-    return [BenchConfig(*combo) for combo in itertools.product(precisions, checkpoints, attentions, compiles, micros)]
+    values = [split_list(getattr(args, k) or default, kind) for k, (kind, default) in MATRIX.items()]
+    check_values(*values)
+    return [BenchConfig(*combo) for combo in itertools.product(*values)]
 
 
 def resolve_matrix(args) -> list[BenchConfig]:
     """The preset's rows, or the flags' product; mixing both is refused (no silent precedence)."""
     if args.preset is None:
         return flag_matrix(args)
-    given = [f"--{k.replace('_', '-')}" for k in MATRIX_FLAGS if getattr(args, k) is not None]
+    given = [f"--{k.replace('_', '-')}" for k in MATRIX if getattr(args, k) is not None]
     if given:
         raise UserError(f"--preset {args.preset} defines the matrix itself, so {', '.join(given)} would be "
                         "ignored; drop --preset to choose the matrix with flags, or drop those flags.")
     return preset_matrix(args.preset)
 
-
-# ----------------------------------------------------------------------------------------------------
-# Timing
-# ----------------------------------------------------------------------------------------------------
 
 def synchronize(device: torch.device):
     """Wait for queued device work so wall-clock time covers it."""
@@ -271,7 +247,8 @@ def error_text(err: BaseException) -> str:
 
 def run_config(config: BenchConfig, args, device, flops_per_image, peak) -> BenchResult:
     """Time one configuration; any failure (OOM, unusable backend, compile error) becomes the row's error."""
-    if device.type == "cuda":
+    cuda = device.type == "cuda"
+    if cuda:
         gc.collect()  # the previous configuration's model and optimizer must not count here
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -280,16 +257,11 @@ def run_config(config: BenchConfig, args, device, flops_per_image, peak) -> Benc
     except Exception as err:  # reported in the table, the remaining configurations still run
         return BenchResult(config, error=error_text(err))
     images = config.micro_batch / step
-    cuda = device.type == "cuda"
     mem = torch.cuda.max_memory_allocated(device) if cuda else None
     reserved = torch.cuda.max_memory_reserved(device) if cuda else None
     mfu = flops_per_image * images / (peak * 1e12) if peak else None
     return BenchResult(config, 1 / step, images, mem, reserved, mfu)
 
-
-# ----------------------------------------------------------------------------------------------------
-# Report
-# ----------------------------------------------------------------------------------------------------
 
 def _cell(value, fmt):
     return "-" if value is None else fmt.format(value)
@@ -342,10 +314,6 @@ def write_json(path, args, device, results, flops, peak):
     atomic_write_json(path, payload, indent=2)  # a Ctrl-C mid-write leaves the old file or none
 
 
-# ----------------------------------------------------------------------------------------------------
-# CLI
-# ----------------------------------------------------------------------------------------------------
-
 def build_parser() -> argparse.ArgumentParser:
     """Flags of python -m train.bench."""
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
@@ -388,20 +356,11 @@ def resolve_defaults(args):
         torch.set_num_threads(args.threads)
 
 
-def resolve_device(name: str) -> torch.device:
-    """auto -> CUDA if present else CPU; UserError when CUDA is asked for but missing."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"--device {name} was asked for but no CUDA GPU is visible; use --device cpu.")
-    return torch.device(name)
-
-
 def run(args) -> str:
     """Run the matrix and return the report."""
     resolve_defaults(args)
     configs = resolve_matrix(args)
-    device = resolve_device(args.device)
+    device = measure_device(args.device, "--device")
     model = model_config_for(measured_config(args.model, block_from_args(args)), latent_shape(args.image_size),
                              args.num_classes).build(device="meta")
     flops = train_flops_per_image(model)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 class Callback:
     """Base class: override the hooks you need; each receives the train.loop.Run."""
-
     def on_setup(self, run) -> None:
         """After the model, optimizer and EMA exist (and a resume was restored), before the first step."""
 
@@ -16,12 +15,10 @@ class Callback:
         """Just before a micro-batch's forward; `batch` is the loader's dict (x0, label, drop, t, noise, position)."""
 
     def on_step_end(self, run, result: dict) -> None:
-        """After an optimizer step: result = {loss, grad_norm, skipped} as () device tensors (reading one waits for the
-        device); run.step is already advanced."""
+        """After an optimizer step (run.step advanced): {loss, grad_norm, skipped}: () device tensors (a read syncs)."""
 
     def on_publish(self, run, path) -> None:
-        """Main process only: the checkpoint folder `path` was just renamed into place, and its EMA export is not
-        written yet (the moment a kill leaves a checkpoint without its export)."""
+        """Main process only: checkpoint `path` was just renamed into place, its EMA export not yet written."""
 
     def on_checkpoint(self, run, path) -> None:
         """After a checkpoint was published and exported (all processes)."""
@@ -30,30 +27,22 @@ class Callback:
         """After the last step and its checkpoint."""
 
 
+def _on_each(hook: str):
+    """A CallbackList method that calls `hook` of every registered callback in order."""
+    def call(self, *args) -> None:
+        for callback in self.callbacks:
+            getattr(callback, hook)(*args)
+    return call
+
+
 class CallbackList(Callback):
     """Calls every registered callback in order."""
-
     def __init__(self, callbacks=()):
         self.callbacks = list(callbacks)
 
-    def _each(self, hook: str, *args) -> None:
-        for cb in self.callbacks:
-            getattr(cb, hook)(*args)
-
-    def on_setup(self, run) -> None:
-        self._each("on_setup", run)
-
-    def on_micro_batch(self, run, batch: dict) -> None:
-        self._each("on_micro_batch", run, batch)
-
-    def on_step_end(self, run, result: dict) -> None:
-        self._each("on_step_end", run, result)
-
-    def on_publish(self, run, path) -> None:
-        self._each("on_publish", run, path)
-
-    def on_checkpoint(self, run, path) -> None:
-        self._each("on_checkpoint", run, path)
-
-    def on_train_end(self, run) -> None:
-        self._each("on_train_end", run)
+    on_setup = _on_each("on_setup")
+    on_micro_batch = _on_each("on_micro_batch")
+    on_step_end = _on_each("on_step_end")
+    on_publish = _on_each("on_publish")
+    on_checkpoint = _on_each("on_checkpoint")
+    on_train_end = _on_each("on_train_end")

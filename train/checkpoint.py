@@ -1,13 +1,12 @@
 """The run folder's full training state: atomic checkpoints, retention, RNG capture, safe loading.
 
-Names and lookups come from shared/runtime/rundir.py (the run folder's one owner); durability from shared/runtime/fsio.py.
-A checkpoint is assembled in RUN/checkpoints/.tmp-step-XXXXXXX/ and published by one rename once
-complete, so a process killed at any moment leaves either no checkpoint or a whole one; leftovers are
-removed on the next start. Every .pt file holds only tensors and plain Python values and is read with
+A checkpoint is assembled in RUN/checkpoints/.tmp-step-XXXXXXX/ and published by one rename once complete, so a kill
+at any moment leaves no checkpoint or a whole one. Every .pt file holds only tensors and plain values, read with
 torch.load(weights_only=True): nothing is ever unpickled as an arbitrary object.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import shutil
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
 
 from shared.runtime import rundir
 from shared.runtime.errors import UserError
@@ -30,26 +30,22 @@ def remove_partial(run_dir: Path) -> list[Path]:
     return stale
 
 
-def prune_checkpoints(run_dir: Path, keep_last: int) -> list[Path]:
-    """Delete all but the newest `keep_last` complete checkpoints (0 keeps all); returns the deleted ones."""
-    found = rundir.list_checkpoints(run_dir)
-    doomed = found[:-keep_last] if keep_last > 0 else []
+def _drop_oldest(found: list[Path], keep: int, delete) -> list[Path]:
+    """Delete all but the newest `keep` of `found` (0 keeps all); returns the deleted ones."""
+    doomed = found[:-keep] if keep > 0 else []
     for path in doomed:
-        remove_tree(path)  # renamed first: a kill mid-delete leaves a .tmp- folder, never a damaged step-X
+        delete(path)
     return doomed
 
 
-# ---------------------------------------------------------------------------------------------------------
-# RNG state as plain values (loadable with weights_only=True)
-# ---------------------------------------------------------------------------------------------------------
+def prune_checkpoints(run_dir: Path, keep_last: int) -> list[Path]:
+    """Delete all but the newest `keep_last` complete checkpoints (0 keeps all); returns the deleted ones."""
+    return _drop_oldest(rundir.list_checkpoints(run_dir), keep_last, remove_tree)  # a kill leaves .tmp-, no step-X
+
 
 def prune_exports(run_dir: Path, keep: int) -> list[Path]:
     """Delete all but the newest `keep` slim EMA exports (0 keeps all); returns the deleted ones."""
-    found = rundir.list_exports(run_dir)
-    doomed = found[:-keep] if keep > 0 else []
-    for path in doomed:
-        path.unlink(missing_ok=True)  # one file: its deletion is atomic
-    return doomed
+    return _drop_oldest(rundir.list_exports(run_dir), keep, lambda path: path.unlink(missing_ok=True))
 
 
 def capture_rng() -> dict:
@@ -78,10 +74,6 @@ def restore_rng(state: dict) -> None:
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
-
-# ---------------------------------------------------------------------------------------------------------
-# Writing
-# ---------------------------------------------------------------------------------------------------------
 
 def make_staging(run_dir: Path, step: int) -> Path:
     """A fresh staging folder for the checkpoint of `step` (any leftover from a killed run is removed first)."""
@@ -120,14 +112,10 @@ def publish(tmp: Path, run_dir: Path, step: int) -> Path:
     return publish_dir(tmp, rundir.checkpoint_path(run_dir, step))
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Reading
-# ---------------------------------------------------------------------------------------------------------
-
-def _load_pt(path: Path) -> dict:
-    """torch.load with weights_only=True (tensors and plain values only) on the CPU; UserError if unreadable."""
+def _read(path: Path, load=lambda path: torch.load(path, map_location="cpu", weights_only=True)):
+    """load(path) (default: a .pt of tensors and plain values, on the CPU); UserError if it is missing or unreadable."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return load(path)
     except FileNotFoundError as err:
         raise UserError(f"its file {path.name} is missing.") from err
     except Exception as err:  # a truncated or foreign file: say which one (torch's text is one line here)
@@ -158,45 +146,36 @@ def damaged_advice(ckpt: Path) -> str:
     return f"No older checkpoint exists: delete {ckpt} and pass --resume none to start the run again."
 
 
-def checkpoint_config(ckpt: Path):
-    """The ModelConfig a checkpoint's model file records (header only); an unreadable file names the one to delete."""
+@contextlib.contextmanager
+def _resuming(ckpt: Path):
+    """A UserError inside becomes 'the checkpoint C cannot be resumed: ...' naming the checkpoint to delete."""
     try:
-        return read_config(Path(ckpt) / rundir.MODEL_FILE)
+        yield
     except UserError as err:
         raise UserError(f"the checkpoint {ckpt} cannot be resumed: {err} {damaged_advice(ckpt)}") from None
+
+
+def checkpoint_config(ckpt: Path):
+    """The ModelConfig a checkpoint's model file records (header only)."""
+    with _resuming(ckpt):
+        return read_config(Path(ckpt) / rundir.MODEL_FILE)
 
 
 def load_checkpoint(ckpt: Path, rank: int) -> dict:
-    """Everything a checkpoint holds, on the CPU; an unreadable file names the checkpoint to delete."""
-    try:
-        return _load_checkpoint(Path(ckpt), rank)
-    except UserError as err:
-        raise UserError(f"the checkpoint {ckpt} cannot be resumed: {err} {damaged_advice(ckpt)}") from None
-
-
-def _load_checkpoint(ckpt: Path, rank: int) -> dict:
     """Everything a checkpoint holds, on the CPU: weights, optimizer, scaler, this rank's RNG, state."""
-    state = read_state(ckpt)
-    model_state, _, _, _ = load_weights(ckpt / rundir.MODEL_FILE)  # the space: config.json holds its hash
-    ema_state, _, _, _ = load_weights(ckpt / rundir.EMA_FILE)
-    rng_path = ckpt / rundir.rng_file(rank)
-    return {
-        "state": state,
-        "model": model_state,
-        "ema": ema_state,
-        "optimizer": _load_pt(ckpt / rundir.OPTIMIZER_FILE),
-        "scaler": _load_pt(ckpt / rundir.SCALER_FILE),
-        "rng": _load_pt(rng_path) if rng_path.is_file() else None,  # absent when resuming on more processes
-    }
+    ckpt = Path(ckpt)
+    rng = ckpt / rundir.rng_file(rank)
+    with _resuming(ckpt):
+        return {
+            "state": read_state(ckpt),
+            "model": load_weights(ckpt / rundir.MODEL_FILE)[0],  # the space: config.json holds its hash
+            "ema": load_weights(ckpt / rundir.EMA_FILE)[0],
+            "optimizer": _read(ckpt / rundir.OPTIMIZER_FILE),
+            "scaler": _read(ckpt / rundir.SCALER_FILE),
+            "rng": _read(rng) if rng.is_file() else None,  # absent when resuming on more processes
+        }
 
 
 def load_head(path: Path) -> dict | None:
     """A column head's weights (REPA's projector), or None when the run has none; UserError if unreadable."""
-    if not path.is_file():
-        return None
-    from safetensors.torch import load_file
-
-    try:
-        return load_file(path)
-    except Exception as err:  # a truncated file
-        raise UserError(f"its file {path.name} is unreadable ({str(err).splitlines()[0][:200]}).") from err
+    return _read(path, load_file) if path.is_file() else None

@@ -46,5 +46,6 @@ def describe_cpu_step(model_config, global_batch: int, total_steps: int) -> str:
     seconds, gmac = step_seconds(model_config, global_batch, rate)
     return (f"on this CPU ({rate / 1e9:.0f} GFLOP/s in fp32 matrix products), one step of {model_config.model} at "
             f"global batch {global_batch} ({6 * gmac * global_batch / 1e3:.3g} TFLOP: 6 x {gmac:.3g} GMAC per image) "
-            f"will take about {duration(seconds)} at best, {total_steps:,} steps about {duration(seconds * total_steps)}. "
+            f"will take about {duration(seconds)} at best, {total_steps:,} steps about "
+            f"{duration(seconds * total_steps)}. "
             f"For a trial on a CPU pass a small --model (DiT-S/2, DiT-T/2) and a small --global-batch-size.")

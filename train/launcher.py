@@ -1,13 +1,10 @@
 """What `accelerate launch` (or `accelerate config`) asked for, read before any Accelerator or file exists.
 
-`accelerate launch` passes its config to the script through environment variables
-(accelerate/utils/launch.py): ACCELERATE_MIXED_PRECISION (no / fp16 / bf16 / fp8), ACCELERATE_USE_FSDP,
-ACCELERATE_USE_DEEPSPEED, ACCELERATE_USE_MEGATRON_LM. The trainer applies precision itself
-(train/step.py: autocast + its own GradScaler, fp32 master weights) and builds
-`Accelerator(mixed_precision="no")`, which would silently override a launcher's bf16; so the launcher's
-precision is read here and either becomes the run's precision (--precision auto) or, when it contradicts
-an explicit --precision, stops the launch. Sharded strategies are refused: the trainer's checkpoints,
-EMA and cross-rank consistency check assume every process holds the whole model (DDP).
+`accelerate launch` passes its config through environment variables (accelerate/utils/launch.py). The trainer applies
+precision itself (train/step.py) and builds `Accelerator(mixed_precision="no")`, which would silently override a
+launcher's bf16: so the launcher's precision becomes the run's (--precision auto) or, contradicting an explicit
+--precision, stops the launch. Sharded strategies are refused: checkpoints, EMA and the cross-rank consistency check
+assume every process holds the whole model (DDP).
 """
 from __future__ import annotations
 
@@ -23,15 +20,13 @@ SHARDED = {"ACCELERATE_USE_FSDP": "FSDP", "ACCELERATE_USE_DEEPSPEED": "DeepSpeed
 
 
 def _true(value: str | None) -> bool:
+    """An environment flag's truth, as accelerate writes it."""
     return str(value).strip().lower() in ("1", "true", "yes")
 
 
 def launcher_precision(environ=None) -> str | None:
-    """The precision the accelerate config asks for (our name), or None when it asks for none.
-
-    "no" counts as none: `accelerate launch` writes it whenever no precision was configured, so it cannot
-    tell "fp32 on purpose" from "not set"; an explicit --precision then applies.
-    """
+    """The precision the accelerate config asks for (our name), or None when it asks for none."""
+    # "no" counts as none: `accelerate launch` writes it whenever no precision was configured (fp32 or not set?)
     environ = os.environ if environ is None else environ
     value = environ.get("ACCELERATE_MIXED_PRECISION")
     if value is None or value.strip().lower() == "no":
@@ -59,13 +54,10 @@ def check_strategy(environ=None) -> None:
 
 
 def resolve_precision_with_launcher(requested: str, environ=None) -> str:
-    """The precision this run uses given the launcher's: 'auto' follows it; an explicit contradiction stops.
-
-    Returns the launcher's precision, the requested one, or 'auto' (left to the device: train/autotune.py).
-    """
+    """The launcher's precision, the requested one, or 'auto' (the device decides); a contradiction stops."""
     launcher = launcher_precision(environ)
     if launcher is None:
-        return requested  # the launcher has no opinion: the flag (or, for auto, the device) decides
+        return requested
     if requested == "auto":
         return launcher
     if requested != launcher:

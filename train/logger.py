@@ -1,8 +1,6 @@
 """Run logging: RUN/log.txt (human lines), RUN/metrics.jsonl (one JSON per log step), and the --report-to tracker.
 
-Only the main process writes; the others get a disabled logger, so callers never branch on rank. The
-tracker (TensorBoard or wandb through Accelerate, train/trackers.py) is attached by the training loop
-when one was asked for; log.txt and metrics.jsonl are written whatever --report-to says.
+Only the main process writes; the others get a disabled logger, so callers never branch on rank.
 """
 from __future__ import annotations
 
@@ -16,16 +14,8 @@ from shared.runtime import rundir
 from shared.runtime.fsio import atomic_write_text
 
 
-def _format(value) -> str:
-    """Compact text for one metric value."""
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
-
-
 class RunLogger:
     """Writes log lines and metrics for the main process; a no-op elsewhere."""
-
     def __init__(self, run_dir: Path, enabled: bool, write_files: bool = True):
         self.run_dir, self.enabled = Path(run_dir), enabled
         self.write_files = enabled and write_files
@@ -50,7 +40,8 @@ class RunLogger:
         """Log one step's metrics to every sink."""
         if not self.enabled:
             return
-        self.info(f"step {step:07d} " + " ".join(f"{k}={_format(v)}" for k, v in values.items()))
+        self.info(f"step {step:07d} " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                               for k, v in values.items()))
         if not self.write_files:
             return
         with open(rundir.metrics_path(self.run_dir), "a") as f:

@@ -1,21 +1,12 @@
 """What a DiT training step costs: forward MACs counted from the modules, and activation bytes MEASURED.
 
-Shared by `python -m train.plan` (memory planner: its arithmetic and measurement live here, below, so
-train/autotune.py plans without importing the CLI) and `python -m train.bench` (speed benchmark).
-
-Activation memory is measured, not modelled: the real model runs the trainer's own forward + loss
-(train.step.forward_loss, on a micro-batch shaped like the loader's) under the chosen precision while `torch.autograd.graph.saved_tensors_hooks` records every tensor
-autograd keeps for backward (deduplicated by storage, parameters excluded because the fixed state
-already counts them). A `TorchDispatchMode` also records the low-precision weight copies autocast
-caches until the forward ends. Running at two batch sizes separates the per-sample part from the
-constant part (both are exactly linear in the batch for a DiT).
-
-Why not the meta device: autocast rejects device_type "meta", and on meta tensors
-scaled_dot_product_attention decomposes into the fp32 math path (saving the (N,H,T,T) matrix), so the
-numbers would describe neither CPU nor CUDA. We therefore run on a real device (CUDA when present,
-else the CPU) with weights allocated but zero-filled (skipping the random init, which is slow at XL).
-CPU and CUDA autocast agree on every op a DiT uses with sdpa attention (linear, conv and attention in
-low precision; LayerNorm always sees the fp32 residual stream), so a CPU measurement stands for CUDA.
+Shared by `python -m train.plan` (memory planner), train/autotune.py and `python -m train.bench`. The real model
+runs the trainer's own forward + loss while saved-tensor hooks record every tensor autograd keeps for backward
+(deduplicated by storage, parameters excluded) and a dispatch mode records autocast's weight copies; batch 1 and 2
+separate the per-sample from the constant part (both exactly linear in the batch for a DiT).
+Why not the meta device: autocast rejects it, and there sdpa decomposes into the fp32 math path (saving the
+(N,H,T,T) matrix). We run on CUDA or the CPU with zero-filled weights: CPU and CUDA autocast agree on every op a
+DiT uses with sdpa, so a CPU measurement stands for CUDA.
 """
 import contextlib
 import gc
@@ -33,18 +24,14 @@ from tqdm.auto import tqdm
 from shared.network.routing import kept_tokens
 from shared.runtime.errors import UserError
 from shared.network.blocks import SAVED_OPS, SELECTIVE
-from shared.network.models import ModelConfig, check_preset
+from shared.network.models import CLASS_DROPOUT_PROB, ModelConfig, check_preset
 from shared.runtime.precision import autocast_dtype
 from train.config import TrainConfig, resolve_block
 from shared.generative.objectives import objective_of
 from train.data import synthetic_batch
-from train.step import forward_loss, make_learner, train_step
+from train.step import forward_losses, make_learner, train_step
 from train.units import parse_size
 
-
-# ----------------------------------------------------------------------------------------------------
-# Building the model a run would train
-# ----------------------------------------------------------------------------------------------------
 
 def latent_shape(image_size: int, vae_factor: int = 8, channels: int = 4) -> tuple[int, int, int]:
     """(C, h, w) of the latents of an image size; UserError when it is not a multiple of the VAE factor."""
@@ -55,9 +42,8 @@ def latent_shape(image_size: int, vae_factor: int = 8, channels: int = 4) -> tup
 
 
 def measured_config(model: str, block: dict | None = None, **settings) -> TrainConfig:
-    """The TrainConfig of a synthetic run of preset `model` (the planner's, the benchmark's, --verify's)."""
+    """The TrainConfig of a synthetic run of preset `model`, resolved as train resolves it (a DiTDH head filled in)."""
     check_preset(model)  # ChoiceError naming the presets
-    # Resolved as train resolves it: a DiTDH preset's head filled in, so its flow model has no learned variance.
     return resolve_block(TrainConfig(latents="synthetic", results_dir="unused", model=model, **(block or {}),
                                      **settings))
 
@@ -68,14 +54,10 @@ def count_parameters(model) -> tuple[int, int]:
     return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
 
 
-# ----------------------------------------------------------------------------------------------------
-# Forward cost, counted from the modules (multiply-accumulates, as the DiT paper reports)
-# ----------------------------------------------------------------------------------------------------
-
-# Which part of a DiT a module's matrix products belong to: (part, module path pattern), first match wins.
-# Attention modules split further by op: their linear layers (addmm/mm) versus Q K^T and A V (bmm).
-# A DiT^DH (shared/network/ddt.py) has two patch embeddings (s_embedder: the body's, x_embedder: the head's) and the
-# projection of the body's tokens into the head's per-token conditioning (s_projector).
+# ---- Forward cost in multiply-accumulates (the DiT paper's unit), counted from the modules ----
+# Which part a module's products belong to (first match wins); attention splits further by op: its linear layers
+# (addmm/mm) versus Q K^T and A V (bmm). A DiT^DH (shared/network/ddt.py) adds the body's patch embedding
+# (s_embedder) and the projection of the body's tokens into the head's per-token conditioning (s_projector).
 _PARTS = (("patch_embed", "x_embedder"), ("patch_embed", "s_embedder"), ("timestep_mlp", "t_embedder"),
           ("adaln", "blocks.*.adaLN_modulation"), ("attention", "blocks.*.attn"), ("mlp", "blocks.*.mlp"),
           ("head_condition", "s_projector"), ("final_layer", "final_layer"))
@@ -93,11 +75,7 @@ def _part_of(path: str) -> str | None:
 
 
 def _count_flops(model, kept: int | None = None) -> FlopCounterMode:
-    """Run one batch-1 forward of `model` (any device, meta included) under a FlopCounterMode.
-
-    kept: with token routing set on the model (DiT.set_routing), the forward of a training step that routes all
-    but `kept` tokens past the routed blocks (which tokens does not change the count); None: all tokens (sampling).
-    """
+    """One batch-1 forward under a FlopCounterMode (meta works); kept: a routed training forward keeping that many."""
     device = model.x_embedder.proj.weight.device
     size = model.input_size
     x = torch.zeros(1, model.in_channels, size, size, device=device)  # (1, C, H, W)
@@ -119,15 +97,9 @@ def _count_flops(model, kept: int | None = None) -> FlopCounterMode:
 
 
 def forward_macs(model, kept: int | None = None) -> dict:
-    """Per-image forward multiply-accumulates of a DiT by part, counted from a real forward; meta works.
-
-    kept: count a routed training forward (_count_flops), all but `kept` tokens skipping the routed blocks.
-
-    torch's FlopCounterMode records every matrix product and convolution as it runs (2 FLOPs per MAC), so
-    the count follows whatever the block is built of (a SwiGLU's three matrices, RoPE's elementwise
-    rotation adds none). Label lookup and elementwise ops are not counted (the paper's convention), so
-    XL/2 at 256 gives 118.6 GMAC. Products outside the known parts land in "other" rather than vanish.
-    """
+    """Per-image forward MACs of a DiT by part (XL/2 at 256: 118.6 GMAC), from a real forward; meta works."""
+    # FlopCounterMode records every matrix product and convolution (2 FLOPs per MAC), so the count follows what the
+    # block is built of; label lookup and elementwise ops are not counted (the paper's convention).
     counts = _count_flops(model, kept).get_flop_counts()
     root = type(model).__name__
     parts = dict.fromkeys(("patch_embed", "timestep_mlp", "attention_linears", "attention_matmuls", "mlp",
@@ -140,7 +112,7 @@ def forward_macs(model, kept: int | None = None) -> dict:
             elif part is not None:
                 parts[part] = parts.get(part, 0) + flops // 2
     total = sum(counts["Global"].values()) // 2
-    other = total - sum(parts.values())
+    other = total - sum(parts.values())  # products outside the known parts, rather than lost
     if other:
         parts["other"] = other
     parts["total"] = total
@@ -148,10 +120,7 @@ def forward_macs(model, kept: int | None = None) -> dict:
 
 
 def head_macs(model, kept: int | None = None) -> int:
-    """Per-image forward MACs of the DiT^DH head's blocks (blocks depth..; 0 without a head), counted as forward_macs.
-
-    Part of forward_macs' total: the head's blocks are in its attention, mlp and adaln parts with the body's.
-    """
+    """Per-image forward MACs of the DiT^DH head's blocks (0 without a head): a part of forward_macs' total."""
     if len(model.blocks) == model.depth:
         return 0
     root = type(model).__name__
@@ -161,45 +130,27 @@ def head_macs(model, kept: int | None = None) -> int:
 
 
 def train_flops_per_image(model, kept: int | None = None) -> int:
-    """Model FLOPs of one training image: 3 x forward (forward + 2x for backward), 2 FLOPs per MAC.
-
-    Recomputation under gradient checkpointing is deliberately not counted (the MFU convention of
-    Chowdhery et al. 2022, PaLM App. B), so checkpointing shows up as a lower MFU.
-    """
+    """Model FLOPs of one training image: 3 x forward, 2 FLOPs per MAC, recomputation not counted (PaLM App. B)."""
     return 6 * forward_macs(model, kept)["total"]
 
 
-# ----------------------------------------------------------------------------------------------------
-# Measuring what autograd keeps
-# ----------------------------------------------------------------------------------------------------
+# ---- Measuring what autograd keeps ----
 
 def _storage_key(tensor) -> tuple:
     """Identity of a tensor's memory: views of one buffer share it."""
-    storage = tensor.untyped_storage()
-    return (str(tensor.device), storage.data_ptr())
+    return (str(tensor.device), tensor.untyped_storage().data_ptr())
 
 
 class _Handle:
-    """What the pack hook gives autograd: the saved tensor, detached.
-
-    Detached so the handle never points back into the graph: a saved output's grad_fn is the node that holds this
-    handle, so keeping the output itself would make a cycle the garbage collector cannot see (it runs through C++).
-    """
+    """What the pack hook gives autograd: the saved tensor, detached (whole, it would make an uncollectable cycle)."""
     __slots__ = ("tensor", "__weakref__")
 
     def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor.detach()  # same storage, no grad_fn
+        self.tensor = tensor.detach()  # same storage, no grad_fn: its grad_fn's node holds this handle
 
 
 class SavedTensorLedger(torch.autograd.graph.saved_tensors_hooks):
-    """Context that records the tensors autograd saves for backward and which are still alive.
-
-    Each saved tensor is swapped for a small handle that only autograd holds (the ledger keeps weak references):
-    when autograd drops the graph node that holds it (e.g. a detached branch, or the whole graph once the loss is
-    gone), the handle and its tensor die, so `storages` is what really stays resident until backward, and nothing
-    of the measured forward outlives it. Parameters are excluded (counted as weights).
-    """
-
+    """Context recording the tensors autograd saves for backward that are still alive (weakly: nothing outlives it)."""
     def __init__(self, exclude_keys=()):
         self.live: weakref.WeakSet[_Handle] = weakref.WeakSet()
         self.exclude = set(exclude_keys)
@@ -224,21 +175,30 @@ class SavedTensorLedger(torch.autograd.graph.saved_tensors_hooks):
         return found
 
 
-class CastCacheCounter(TorchDispatchMode):
-    """Records the copies autocast makes of parameters (cached until the autocast region ends)."""
-
-    def __init__(self, param_keys):
+class OutputCounter(TorchDispatchMode):
+    """{storage key: bytes} of the outputs of the ops `wanted(func, args)` picks, parameters excluded."""
+    def __init__(self, param_keys, wanted):
         super().__init__()
-        self.param_keys = set(param_keys)
-        self.copies: dict[tuple, int] = {}
+        self.param_keys, self.wanted, self.found = set(param_keys), wanted, {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        source = args[0] if args else None
-        if (func is torch.ops.aten._to_copy.default and isinstance(source, torch.Tensor)
-                and _storage_key(source) in self.param_keys):
-            self.copies[_storage_key(out)] = out.untyped_storage().nbytes()
+        if self.wanted(func, args):
+            for tensor in (out if isinstance(out, (tuple, list)) else (out,)):
+                if isinstance(tensor, torch.Tensor) and _storage_key(tensor) not in self.param_keys:
+                    self.found[_storage_key(tensor)] = tensor.untyped_storage().nbytes()
         return out
+
+
+def cast_cache_counter(param_keys) -> OutputCounter:
+    """The copies autocast makes of parameters (cached until the autocast region ends)."""
+    return OutputCounter(param_keys, lambda func, args: func is torch.ops.aten._to_copy.default and bool(args)
+                         and isinstance(args[0], torch.Tensor) and _storage_key(args[0]) in param_keys)
+
+
+def kept_output_counter(param_keys) -> OutputCounter:
+    """The outputs selective checkpointing keeps (SAVED_OPS), unseen by saved-tensor hooks (conservative: all ops)."""
+    return OutputCounter(param_keys, lambda func, args: func in SAVED_OPS)
 
 
 def _param_keys(module) -> set:
@@ -260,56 +220,29 @@ class Residency:
     resident: int
 
 
-class KeptOutputCounter(TorchDispatchMode):
-    """Records the outputs of the ops selective checkpointing keeps (SAVED_OPS): its cache, which autograd's saved-
-    tensor hooks never see. Conservative: an op outside the blocks counts too, unless autograd saves it anyway."""
-
-    def __init__(self, param_keys):
-        super().__init__()
-        self.param_keys = set(param_keys)
-        self.kept: dict[tuple, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func in SAVED_OPS:
-            for tensor in (out if isinstance(out, (tuple, list)) else (out,)):
-                if isinstance(tensor, torch.Tensor) and _storage_key(tensor) not in self.param_keys:
-                    self.kept[_storage_key(tensor)] = tensor.untyped_storage().nbytes()
-        return out
-
-
 def measure_forward(model, batch: int, precision: str, objective, route=None) -> Residency:
-    """Run the trainer's forward + loss at `batch` under `precision` and count what it leaves resident.
-
-    route (tokens, kept): token routing, as set on the model (DiT.set_routing); the routed blocks then save
-    activations for the kept tokens only, because that is what they see. Under selective checkpointing the kept
-    matmul and attention outputs count as saved.
-    """
+    """What the trainer's forward + loss at `batch` leaves resident; route (tokens, kept): as set on the model."""
     device = next(model.parameters()).device
-    micro = synthetic_batch(model, batch, 0.1, objective, route=route)
+    micro = synthetic_batch(model, batch, CLASS_DROPOUT_PROB, objective, route=route)
     params = _param_keys(model)
-    ledger, casts, kept = SavedTensorLedger(params), CastCacheCounter(params), KeptOutputCounter(params)
+    ledger, casts, kept = SavedTensorLedger(params), cast_cache_counter(params), kept_output_counter(params)
     selective = getattr(model, "grad_checkpoint_every", 0) == SELECTIVE
     model.train()
     with ledger, casts, kept if selective else contextlib.nullcontext(), autocast_context(device, precision):
-        loss = forward_loss(model, objective, micro, precision, device)
-        saved = {**kept.kept, **ledger.storages()}  # read inside autocast: the cast cache is still alive here
+        loss = forward_losses(model, objective, micro, precision, device)["loss"]
+        saved = {**kept.found, **ledger.storages()}  # read inside autocast: the cast cache is still alive here
     del loss
-    return Residency(sum(saved.values()), sum(casts.copies.values()), sum({**casts.copies, **saved}.values()))
+    return Residency(sum(saved.values()), sum(casts.found.values()), sum({**casts.found, **saved}.values()))
 
 
 def measure_block(model, batch: int, precision: str, index: int = 0) -> int:
-    """Bytes block `index` saves for backward at `batch`: the peak added when it is recomputed under checkpointing.
-
-    A body block sees the fp32 residual stream x (N, T, D) and one conditioning vector per image c (N, D), as in
-    DiT.forward; a DiT^DH head block (index >= depth) sees its own width and a per-token condition (N, T, D_head).
-    """
+    """Bytes block `index` saves for backward at `batch`: the peak added when it is recomputed under checkpointing."""
     block = model.blocks[index]
     device = next(model.parameters()).device
     width = block.attn.qkv.in_features
     tokens = model.x_embedder.num_patches
-    head = index >= model.depth
-    x = torch.zeros(batch, tokens, width, device=device, requires_grad=True)  # (N, T, D)
+    head = index >= model.depth  # a DiT^DH head block: its own width and a per-token condition
+    x = torch.zeros(batch, tokens, width, device=device, requires_grad=True)  # (N, T, D) the fp32 residual stream
     c = torch.zeros(batch, *((tokens,) if head else ()), width, device=device, requires_grad=True)  # (N, [T,] D)
     rope = model.dec_feat_rope if head else model.feat_rope  # RoPE, when built, as in the forward
     ledger = SavedTensorLedger(_param_keys(model) | {_storage_key(x), _storage_key(c)})
@@ -319,10 +252,6 @@ def measure_block(model, batch: int, precision: str, index: int = 0) -> int:
     del out
     return sum(saved.values())
 
-
-# ----------------------------------------------------------------------------------------------------
-# Linear fits in the batch size
-# ----------------------------------------------------------------------------------------------------
 
 @dataclass
 class LinearBytes:
@@ -354,8 +283,7 @@ class ActivationProfile:
 
 def measure_profile(model, every: int, precision: str, block_fit: LinearBytes, objective,
                     route=None) -> ActivationProfile:
-    """Measure one checkpointing choice at batch 1 and 2 (the objective's forward and loss) and fit the batch
-    dependence (block_fit: the largest checkpointed block's, recompute_fit; route: measure_forward's)."""
+    """One checkpointing choice measured at batch 1 and 2 and fitted (block_fit: its largest checkpointed block's)."""
     model.set_grad_checkpointing(every)
     one, two = (measure_forward(model, n, precision, objective, route=route) for n in (1, 2))
     recompute = block_fit if every else LinearBytes(0, 0)
@@ -368,15 +296,10 @@ def measure_block_fit(model, precision: str, index: int = 0) -> LinearBytes:
     return LinearBytes.fit(measure_block(model, 1, precision, index), measure_block(model, 2, precision, index))
 
 
-def block_kinds(model) -> list[range]:
-    """The model's blocks grouped by shape: the body, then (DiT^DH) the wider head conditioned per token."""
-    kinds = [range(model.depth)]
-    return kinds + ([range(model.depth, len(model.blocks))] if len(model.blocks) > model.depth else [])
-
-
 def measure_block_fits(model, precision: str) -> dict:
-    """{kind (a range of block indices): one of its blocks' saved bytes as a linear function of the batch}."""
-    return {kind: measure_block_fit(model, precision, kind[0]) for kind in block_kinds(model)}
+    """{kind (a range of block indices: the body, then a DiT^DH's head): one of its blocks' LinearBytes}."""
+    kinds = [range(model.depth)] + ([range(model.depth, len(model.blocks))] if len(model.blocks) > model.depth else [])
+    return {kind: measure_block_fit(model, precision, kind[0]) for kind in kinds}
 
 
 def recompute_fit(fits: dict, every: int) -> LinearBytes:
@@ -385,9 +308,8 @@ def recompute_fit(fits: dict, every: int) -> LinearBytes:
     chosen = [fit for kind, fit in fits.items() if every and any(i % every == 0 for i in kind)]
     return max(chosen, key=lambda fit: (fit.per_sample, fit.const), default=LinearBytes(0, 0))
 
-# ----------------------------------------------------------------------------------------------------
-# Planning: fixed state + measured activations -> the micro-batch that fits (python -m train.plan, autotune)
-# ----------------------------------------------------------------------------------------------------
+
+# ---- Planning: fixed state + measured activations -> the micro-batch that fits ----
 
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adamw8bit": 2}  # AdamW: two fp32 moments; 8-bit: two 1-byte moments
 DEFAULT_MARGIN = "1.5GiB"  # CUDA context, cuBLAS workspace, allocator slack (train.plan's --margin, autotune's)
@@ -446,28 +368,25 @@ def plan_row(profile: ActivationProfile, fixed: int, budget: int, batch: int) ->
     return PlanRow(profile, micro, batch // micro, fixed + profile.peak(micro))
 
 
-def measure_device(choice: str) -> torch.device:
-    """Where activations are measured: CUDA when present (auto), else the CPU."""
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise UserError("--measure-device cuda was asked for but no CUDA GPU is visible; use "
-                        "--measure-device cpu (the default when no GPU is present).")
+def measure_device(choice: str, flag: str = "--measure-device") -> torch.device:
+    """auto: CUDA when present, else the CPU; UserError when `flag` asks for CUDA and none is visible."""
     if choice == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if choice.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"{flag} {choice} was asked for but no CUDA GPU is visible; use {flag} cpu (what auto picks "
+                        "when no GPU is present).")
     return torch.device(choice)
 
 
 def measure_profiles(config, precision: str, choices, device, route=None) -> tuple[list, int, int]:
-    """Measure every checkpointing choice on one zero-filled model; returns (profiles, params, trainable).
-
-    route (ratio, start, end): token routing on, so the routed blocks' activations are those of the kept tokens.
-    """
+    """(profiles, params, trainable) of each choice on one zero-filled model; route (ratio, start, end)."""
     model = config.build(device=device, init=False)
     n_params, n_trainable = count_parameters(model)
     bar = tqdm(total=1 + len(choices), desc="measuring activations", unit="pass", leave=False, file=sys.stderr)
     fits = measure_block_fits(model, precision)  # full-token blocks of each kind (a DiT^DH's head is the larger)
     bar.update()
     shape = None
-    if route is not None:
+    if route is not None:  # the routed blocks' activations are those of the kept tokens
         ratio, start, end = route
         model.set_routing(start, end)
         shape = (model.x_embedder.num_patches, kept_tokens(model.x_embedder.num_patches, ratio))
@@ -480,17 +399,16 @@ def measure_profiles(config, precision: str, choices, device, route=None) -> tup
     return profiles, n_params, n_trainable
 
 
-# ----------------------------------------------------------------------------------------------------
-# Verification on CUDA: the trainer's own step at the planned micro-batch, under the budget
-# ----------------------------------------------------------------------------------------------------
+# ---- Verification on CUDA: the trainer's own step at the planned micro-batch, under the budget ----
 
 class CudaAllocator:
     """The CUDA caching allocator as --verify and autotune's confirmation read it (the seam a CPU test replaces)."""
-
     device = torch.device("cuda")
-
-    def available(self) -> bool:
-        return torch.cuda.is_available()
+    available = staticmethod(torch.cuda.is_available)
+    synchronize = staticmethod(torch.cuda.synchronize)
+    reset_peak = staticmethod(torch.cuda.reset_peak_memory_stats)
+    peak = staticmethod(torch.cuda.max_memory_allocated)  # since reset_peak: what the planner predicts
+    reserved = staticmethod(torch.cuda.memory_reserved)  # allocated plus the unused parts of its segments
 
     def total(self) -> int:
         """Bytes of the card."""
@@ -501,20 +419,6 @@ class CudaAllocator:
         gc.collect()
         if torch.cuda.is_initialized():
             torch.cuda.empty_cache()
-
-    def synchronize(self) -> None:
-        torch.cuda.synchronize(self.device)
-
-    def reset_peak(self) -> None:
-        torch.cuda.reset_peak_memory_stats(self.device)
-
-    def peak(self) -> int:
-        """Peak allocated bytes since reset_peak (what the planner predicts)."""
-        return torch.cuda.max_memory_allocated(self.device)
-
-    def reserved(self) -> int:
-        """Bytes the allocator holds now (allocated plus the unused parts of its segments)."""
-        return torch.cuda.memory_reserved(self.device)
 
     @contextlib.contextmanager
     def capped(self, limit: int):
@@ -534,11 +438,7 @@ def allocator() -> CudaAllocator:
 
 
 def verify_config(config: ModelConfig, args, row: PlanRow) -> TrainConfig:
-    """The TrainConfig of the planned run (synthetic data): what `python -m train` would be given.
-
-    args: model, precision, optimizer, ema_device (train.plan's flags, or autotune's run config), and the
-    token route if any (route_ratio, route_start, route_end).
-    """
+    """The TrainConfig `python -m train` would be given for the plan; args: train.plan's flags or the run's config."""
     accumulation = min(row.accumulation, 2)  # a second micro-step runs with the first one's gradients held
     route = {k: getattr(args, k, None) for k in ("route_ratio", "route_start", "route_end")}
     return measured_config(args.model, config.block_options,
@@ -558,7 +458,6 @@ class Verified:
 
 class StepOutOfMemory(Exception):
     """The trainer's step at `micro` ran out of memory under `limit` bytes; it needed at least `needed`."""
-
     def __init__(self, micro: int, needed: int, limit: int | None):
         self.micro, self.needed, self.limit = micro, needed, limit
         super().__init__(f"micro-batch {micro}: out of memory, needed {needed} bytes (limit {limit})")
@@ -574,15 +473,9 @@ def requested_bytes(error: BaseException) -> int:
 
 
 def verify_step(config, args, row: PlanRow, timed: int = 0, budget: int | None = None) -> Verified:
-    """Peak allocated bytes of the trainer's own step (train/step.py) on CUDA at the planned micro-batch, and the
-    seconds of `timed` further steps (each bracketed by device syncs).
-
-    budget: run under an allocator cap of these bytes (never above the card), as a card of that size would;
-    StepOutOfMemory when the step does not fit. Nothing measured before (the planner's measurement model, an
-    earlier try's learner) is alive here: the peak is the trainer's alone.
-    """
+    """Peak bytes of the trainer's step at the planned micro-batch, capped at `budget`; StepOutOfMemory if it fails."""
     cuda = allocator()
-    cuda.release()
+    cuda.release()  # nothing measured before (the planner's model, an earlier try's learner) counts in the peak
     limit = None if budget is None else min(budget, cuda.total())
     verified = None
     with cuda.capped(limit) if limit is not None else contextlib.nullcontext():
@@ -615,8 +508,3 @@ def _timed_steps(config, args, row: PlanRow, timed: int, cuda: CudaAllocator) ->
         cuda.synchronize()
         seconds.append(time.perf_counter() - start)
     return Verified(peak, seconds, row.micro * cfg.grad_accum_steps)
-
-
-def verify(config, args, row: PlanRow, budget: int | None = None) -> int:
-    """Peak allocated bytes of the trainer's own step on CUDA at the planned micro-batch (verify_step)."""
-    return verify_step(config, args, row, budget=budget).peak

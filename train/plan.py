@@ -1,10 +1,8 @@
 """`python -m train.plan`: how large a micro-batch fits on one GPU, for each checkpointing choice.
 
-Fixed state is arithmetic (bytes per parameter); activation memory is measured on the real model
-(train/memory.py explains how). `--verify` runs the trainer's own step on CUDA at the planned
-micro-batch, under an allocator cap of the budget (--gpu-memory minus --margin, as a card of that size would
-hold), and prints the predicted next to the measured peak (torch.cuda.max_memory_allocated); a step that does
-not fit under the cap is one paragraph naming settings that need less.
+Fixed state is arithmetic; activations are measured on the real model (train/memory.py). `--verify` runs the
+trainer's step on CUDA under an allocator cap of the budget (--gpu-memory minus --margin) and prints the predicted
+next to the measured peak; a step that does not fit is one paragraph naming settings that need less.
 """
 from shared.runtime.interrupt import guard_imports, interruptible
 
@@ -30,23 +28,15 @@ from train.memory import (DEFAULT_MARGIN, FixedState, PlanRow, StepOutOfMemory, 
 from train.units import GiB, MiB, format_size, parse_size
 
 PROG = "python -m train.plan"
-FLAGS = {"model preset": "--model", "precision": "--precision", "objective": "--objective", **BLOCK_FLAGS}  # domain name -> flag
+FLAGS = {"model preset": "--model", "precision": "--precision", "objective": "--objective", **BLOCK_FLAGS}
 OPTIMIZER_LABELS = {"adamw": "AdamW, 2 fp32 moments", "adamw8bit": "8-bit AdamW, 2 bytes/param"}
 
-
-# ----------------------------------------------------------------------------------------------------
-# What to tabulate
-# ----------------------------------------------------------------------------------------------------
 
 def checkpoint_choices(requested: int | str, depth: int) -> list[int | str]:
     """Checkpointing choices to tabulate: off, selective, every block, every 2nd block, and the requested one."""
     intervals = sorted({1, min(2, depth)} | ({requested} - {SELECTIVE, 0}))
     return [0, SELECTIVE, *intervals]
 
-
-# ----------------------------------------------------------------------------------------------------
-# Report
-# ----------------------------------------------------------------------------------------------------
 
 def choice_label(every: int | str) -> str:
     """Human name of a checkpointing choice."""
@@ -56,49 +46,38 @@ def choice_label(every: int | str) -> str:
                                            f"every {every}{'nd' if every == 2 else 'rd'} block")
 
 
+def wrapped(*sentences: str) -> list[str]:
+    """Sentences wrapped at 100 columns, continuation lines indented."""
+    return [line for text in sentences for line in textwrap.wrap(text, 100, subsequent_indent="  ")]
+
+
 def header_lines(args, config, tokens, n_params, n_trainable, device) -> list[str]:
-    """What was planned and how the activations were measured (wrapped at 100 columns)."""
-    lines = _header_text(args, config, tokens, n_params, n_trainable, device)
-    return [wrapped for line in lines for wrapped in textwrap.wrap(line, 100, subsequent_indent="  ")]
-
-
-def head_text(config) -> str:
-    """', DiT^DH head of D blocks at width W' for a model with the head, else ''."""
-    return f", DiT^DH head of {config.head_depth} blocks at width {config.head_width}" if config.head_depth else ""
-
-
-def _header_text(args, config, tokens, n_params, n_trainable, device) -> list[str]:
-    """Unwrapped header sentences."""
+    """What was planned and how the activations were measured."""
     policy = f"autocast({device.type}, {args.precision})" if args.precision != "fp32" else "fp32 (no autocast)"
-    return [
-        f"{args.model} ({config.block} block{head_text(config)}) at {args.image_size}x{args.image_size}: latents "
-        f"{config.in_channels}x{config.input_size}x"
-        f"{config.input_size} ({tokens} tokens), {n_params:,} parameters ({n_trainable:,} trainable)",
+    head = f", DiT^DH head of {config.head_depth} blocks at width {config.head_width}" if config.head_depth else ""
+    return wrapped(
+        f"{args.model} ({config.block} block{head}) at {args.image_size}x{args.image_size}: latents "
+        f"{config.in_channels}x{config.input_size}x{config.input_size} ({tokens} tokens), {n_params:,} parameters "
+        f"({n_trainable:,} trainable)",
         f"GPU memory {format_size(args.gpu_memory)} - margin {format_size(args.margin)} = budget "
         f"{format_size(args.gpu_memory - args.margin)}; global batch {args.global_batch_size} over "
         f"{args.num_processes} process(es); precision {args.precision}",
         f"activations measured on {device.type}: the trainer's forward + loss at batch 1 and 2 under {policy}, "
         "counting bytes autograd saves for backward (deduplicated by storage, parameters excluded)",
-    ] + ([f"token routing (TREAD): {tokens - kept_tokens(tokens, args.route_ratio)} of {tokens} tokens skip blocks "
-          f"{args.route_start}..{args.route_end}; those blocks' activations are counted for the kept tokens"]
-         if args.route_ratio else [])
+        *([f"token routing (TREAD): {tokens - kept_tokens(tokens, args.route_ratio)} of {tokens} tokens skip blocks "
+           f"{args.route_start}..{args.route_end}; those blocks' activations are counted for the kept tokens"]
+          if args.route_ratio else []))
 
 
-def compute_lines(meta, route, batch: int) -> list[str]:
+def compute_lines(meta, kept: int | None, batch: int) -> list[str]:
     """Forward MACs per image counted from the modules (the head's share), and the training FLOPs per step."""
-    kept = None
-    if route is not None:
-        ratio, start, end = route
-        meta.set_routing(start, end)
-        kept = kept_tokens(meta.x_embedder.num_patches, ratio)
     macs, head = forward_macs(meta, kept)["total"], head_macs(meta, kept)
     step = train_flops_per_image(meta, kept)
     where = f" ({head / 1e9:.1f} in the DiT^DH head's {len(meta.blocks) - meta.depth} blocks)" if head else ""
     routed = ", routed training forward" if kept else ""
-    text = (f"compute: forward {macs / 1e9:.1f} GMAC per image{where}{routed}; training 3x forward = "
-            f"{step / 1e9:.1f} GFLOP per image, {step * batch / 1e12:.1f} TFLOP per optimizer step of {batch} "
-            "(recomputation under checkpointing not counted)")
-    return textwrap.wrap(text, 100, subsequent_indent="  ")
+    return wrapped(f"compute: forward {macs / 1e9:.1f} GMAC per image{where}{routed}; training 3x forward = "
+                   f"{step / 1e9:.1f} GFLOP per image, {step * batch / 1e12:.1f} TFLOP per optimizer step of {batch} "
+                   "(recomputation under checkpointing not counted)")
 
 
 def fixed_lines(fixed: FixedState, args) -> list[str]:
@@ -146,16 +125,11 @@ def summary_line(row: PlanRow, batch: int) -> str:
             f"(gradient accumulation {row.accumulation} to reach {batch} per process)")
 
 
-# ----------------------------------------------------------------------------------------------------
-# Verification on CUDA
-# ----------------------------------------------------------------------------------------------------
-
 VERIFY_TIMED_STEPS = 5  # steps timed after the measured one (their median is printed)
 
 
-def verify_lines(measured, chosen: PlanRow, meta, route) -> list[str]:
+def verify_lines(measured, chosen: PlanRow, meta, kept: int | None) -> list[str]:
     """Predicted next to measured: the peak memory, and the step time with the FLOPs it achieved."""
-    kept = kept_tokens(meta.x_embedder.num_patches, route[0]) if route else None
     flops = train_flops_per_image(meta, kept) * measured.images
     seconds = sorted(measured.seconds)[len(measured.seconds) // 2]
     return [f"verify: predicted peak {format_size(chosen.peak)}, measured max_memory_allocated "
@@ -220,17 +194,9 @@ def over_budget_text(oom: StepOutOfMemory, chosen: PlanRow, args, budget: int, b
             "adamw8bit and --ema-device cpu also need less.")
 
 
-# ----------------------------------------------------------------------------------------------------
-# Out of memory in python -m train: what to run instead
-# ----------------------------------------------------------------------------------------------------
-
 def plan_command(cfg, latent_shape: tuple, num_classes: int, gpu_memory: int | None) -> str | None:
-    """The `python -m train.plan` command that plans this training run (None where the planner cannot: a head other
-    than the preset's, or a shard column's head such as REPA's projector, which it does not measure).
-
-    cfg: a resolved TrainConfig (block options filled, grad_checkpoint an interval, image_size from the latents);
-    gpu_memory: the card's bytes, planned for and verified on; None off CUDA (the planner's default card).
-    """
+    """The `python -m train.plan` command for a resolved TrainConfig on a `gpu_memory`-byte card (None: off CUDA)."""
+    # None where the planner cannot measure the run: a head other than the preset's, or a shard column's head
     from shared.network.models import preset_head
 
     if column_consumers(cfg) or any(getattr(cfg, k) != v for k, v in preset_head(cfg.model).items()):
@@ -252,8 +218,7 @@ def plan_command(cfg, latent_shape: tuple, num_classes: int, gpu_memory: int | N
 
 def out_of_memory_error(cfg, latent_shape: tuple, num_classes: int, step: int, last_checkpoint, error,
                         gpu_memory: int | None) -> UserError:
-    """The paragraph `python -m train` ends with when a step runs out of memory: the smaller setting to rerun with
-    (the micro-batch and checkpointing may change on resume), the planner's command, and the checkpoint kept."""
+    """`python -m train`'s out-of-memory paragraph: the smaller settings to resume with, the planner, the checkpoint."""
     per_process = cfg.global_batch_size // cfg.world_size
     smaller = smaller_micro(cfg.micro_batch_size, per_process)
     fixes = []
@@ -279,10 +244,6 @@ def out_of_memory_error(cfg, latent_shape: tuple, num_classes: int, step: int, l
         f"({cause}). {kept}. "
         f"Rerun the same command with {', or '.join(fixes)}{where}.")
 
-
-# ----------------------------------------------------------------------------------------------------
-# CLI
-# ----------------------------------------------------------------------------------------------------
 
 def size_arg(text: str) -> int:
     """argparse type for memory sizes: argparse reports the message as a usage error."""
@@ -334,13 +295,14 @@ def check_args(args):
         raise UserError(f"--grad-checkpoint must be 0 (off) or a positive interval, got {args.grad_checkpoint}.")
 
 
-def plan_route(args, config) -> tuple[float, int, int] | None:
-    """(ratio, start, end) of the token route the flags ask for (TREAD's span by default), or None; UserError."""
+def plan_route(args, config, meta) -> tuple[tuple[float, int, int] | None, int | None]:
+    """((ratio, start, end), kept tokens) of the route the flags ask for (TREAD's span by default), set on `meta`."""
     if not args.route_ratio:
-        return None
+        return None, None
     start, end = route_span(args.model, config.input_size, args.route_ratio, args.route_start, args.route_end)
     args.route_start, args.route_end = start, end  # the header and --verify show and use the resolved span
-    return args.route_ratio, start, end
+    meta.set_routing(start, end)
+    return (args.route_ratio, start, end), kept_tokens(meta.x_embedder.num_patches, args.route_ratio)
 
 
 def run(args) -> str:
@@ -353,17 +315,17 @@ def run(args) -> str:
     device = measure_device(args.measure_device)
     meta = config.build(device="meta")  # shapes only, no allocation
     choices = checkpoint_choices(args.grad_checkpoint, len(meta.blocks))
-    route = plan_route(args, config)
+    route, kept = plan_route(args, config, meta)
     profiles, n_params, n_trainable = measure_profiles(config, args.precision, choices, device, route)
     fixed = fixed_state(n_params, n_trainable, args.optimizer, args.ema_device)
     rows = [plan_row(p, fixed.total, args.gpu_memory - args.margin, batch) for p in profiles]
     chosen = next(r for r in rows if r.profile.every == args.grad_checkpoint)
     lines = header_lines(args, config, meta.x_embedder.num_patches, n_params, n_trainable, device)
-    lines += compute_lines(meta, route, batch)
+    lines += compute_lines(meta, kept, batch)
     lines += fixed_lines(fixed, args)
     lines += table_lines(rows, args.grad_checkpoint, args.margin) + [summary_line(chosen, batch)]
     if args.verify and chosen.micro is not None:
-        lines += verify_lines(verify_plan(config, args, chosen, batch), chosen, meta, route)
+        lines += verify_lines(verify_plan(config, args, chosen, batch), chosen, meta, kept)
     return "\n".join(lines)
 
 

@@ -1,10 +1,7 @@
 """`python -m train.plot RUN`: a run's curves as one PNG (RUN/curves.png).
 
-Panels: loss (raw and smoothed), learning rate, gradient norm, throughput (images/s), and when present the
-fp16 loss scale, peak GPU memory, skipped steps, and one panel per quality metric of RUN/eval.jsonl (one JSON
-object per evaluated checkpoint: "step" plus any numeric metric fields, e.g. "fid"). Drawn on matplotlib's
-Agg canvas without pyplot (no display, no global state), so the training loop redraws it after every
-checkpoint (train/trackers.py) at a fraction of a second.
+Panels: TRAIN_PANELS where metrics.jsonl has them, and one per quality metric of RUN/eval.jsonl. Drawn on
+matplotlib's Agg canvas without pyplot (no display, no global state), so the loop redraws it at every checkpoint.
 """
 from __future__ import annotations
 
@@ -37,10 +34,6 @@ COLUMNS = 3
 LOG_RANGE = 20  # a "log" panel switches to a log axis when its values span more than this factor
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Reading
-# ---------------------------------------------------------------------------------------------------------
-
 def series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
     """(steps, values) of the rows that hold a number under `key`."""
     pairs = [(r["step"], float(r[key])) for r in rows if is_number(r.get(key))]
@@ -62,10 +55,6 @@ def smooth(values: list[float], weight: float) -> list[float]:
         out.append(avg / (1 - weight ** seen) if seen else math.nan)
     return out
 
-
-# ---------------------------------------------------------------------------------------------------------
-# Drawing
-# ---------------------------------------------------------------------------------------------------------
 
 def import_matplotlib():
     """matplotlib's Figure (Agg canvas, no pyplot); UserError naming the package when it is missing."""
@@ -143,10 +132,6 @@ def plot_run(run, out=None, weight: float | None = None) -> Path:
     atomic_write(out, lambda tmp: fig.savefig(tmp, format="png"), durable=False)  # redrawn at every checkpoint
     return out
 
-
-# ---------------------------------------------------------------------------------------------------------
-# Command line
-# ---------------------------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
     """The `python -m train.plot` argument parser."""

@@ -31,8 +31,7 @@ def preview_noise(latent_shape, count: int = PREVIEW_COUNT) -> torch.Tensor:
 @torch.no_grad()
 def sample_preview(model, latent_shape, num_steps: int, cfg_scale: float, guide_channels: str,
                    device, objective, recorded: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """EMA latents for the preview classes by a deterministic sampler -> CPU tensors: the model's recorded one with
-    its options and guidance interval (a recipe's sampling half), else the objective's fast one (DDIM / Euler)."""
+    """(latents, labels) on the CPU by the recorded sampling half (a recipe's), else the objective's fast sampler."""
     labels = preview_labels(model.num_classes).to(device)  # (N,)
     noise = preview_noise(latent_shape).to(device)  # (N, C, h, w)
     plan = resolve_sampling(objective, None, {}, None, recorded, guided=cfg_scale != 1.0, fast=True)

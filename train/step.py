@@ -1,20 +1,11 @@
 """The one training step: model, optimizer, EMA and the update over a list of micro-batches.
 
-`python -m train`, `python -m train.bench` and `python -m train.plan --verify` all build a `Learner`
-with `make_learner` and advance it with `train_step`, so the benchmark's speed and the planner's memory
-describe the step the trainer runs: train mode, the data side's class-dropout coin passed to the model,
-gradient accumulation with DDP `no_sync` on the non-final micro-steps, the global gradient norm (and
-clipping), the fp16 GradScaler with counted skips, AdamW, and the EMA update.
-
-Precision is handled here rather than by Accelerate's mixed_precision switch: torch.autocast (fp16 or
-bf16) plus, for fp16, a torch.amp.GradScaler with fp32 master weights. Accelerate turns fp16 off on the
-CPU; doing it ourselves makes the fp16 path (scaling, skipped steps) run identically on CPU and CUDA.
-
-The step never waits for the device: loss, gradient norm and the skip flag come back as device tensors (the
-loop reads them at its --log-every points), a step with non-finite gradients is skipped inside the fused AdamW
-kernel (its `found_inf` input, as GradScaler drives it) and the EMA is masked by the same flag on the device.
-`--compile` compiles each transformer block on its own (regional compilation): the blocks share their code, so
-dynamo traces one block once and every other block reuses that graph; compile time does not grow with depth.
+`python -m train`, `python -m train.bench` and `python -m train.plan --verify` all build a `Learner` with
+`make_learner` and advance it with `train_step`, so the benchmark's speed and the planner's memory are the trainer's.
+Precision is handled here, not by Accelerate's mixed_precision (which turns fp16 off on the CPU): autocast plus, for
+fp16, a GradScaler with fp32 master weights, identical on CPU and CUDA. The step never waits for the device: loss,
+grad norm and the skip flag stay device tensors, a non-finite step is skipped inside the fused AdamW (`found_inf`)
+and the EMA masked by the same flag. `--compile` compiles each block on its own: one trace, reused at every depth.
 """
 from __future__ import annotations
 
@@ -39,7 +30,6 @@ from train.config import TrainConfig, column_consumers
 @dataclass
 class Learner:
     """What one optimizer step reads and updates."""
-
     cfg: TrainConfig
     # What the step calls: the DiT (fp32 master weights, train mode), inside a HeadedDiT beside the heads of the shard
     # columns it trains on (REPA's projector), maybe compiled, maybe DDP-wrapped. `dit` and `heads` are read out of it.
@@ -111,10 +101,6 @@ class HeadedDiT(torch.nn.Module):
         return out, {name: head(hidden) for name, head in self.heads.items()}
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Building the pieces
-# ---------------------------------------------------------------------------------------------------------
-
 def import_bitsandbytes():
     """bitsandbytes (for --optimizer adamw8bit) on a CUDA machine, or a UserError saying what to do."""
     if not torch.cuda.is_available():
@@ -131,11 +117,7 @@ FUSED_ADAMW_DEVICES = ("cuda", "cpu")  # where torch has the fused AdamW kernel 
 
 
 def build_optimizer(cfg: TrainConfig, model, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW (the fused kernel where torch has one, else foreach) or bitsandbytes' 8-bit AdamW (Dettmers et al., 2022).
-
-    model: a module, or the list of parameters to train (the DiT's, then the REPA projector's). The fused kernel
-    takes the skip decision as a device tensor (`found_inf`), so a non-finite step is skipped without a host sync.
-    """
+    """Fused AdamW where torch has it (else foreach), or bitsandbytes' 8-bit AdamW (Dettmers et al., 2022)."""
     params = [p for p in (model.parameters() if isinstance(model, torch.nn.Module) else model) if p.requires_grad]
     kwargs = dict(lr=cfg.lr, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay)
     if cfg.optimizer == "adamw8bit":
@@ -149,11 +131,6 @@ def build_ema(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) ->
     """An fp32 copy of the model for the EMA, on the training device or the CPU (--ema-device)."""
     ema = copy.deepcopy(model).float().requires_grad_(False).eval()
     return ema.to(device if cfg.ema_device == "gpu" else "cpu")
-
-
-def objective_for(cfg: TrainConfig, model_config: ModelConfig):
-    """The run's objective: the one its ModelConfig records, with the config's training-time settings."""
-    return objective_of(model_config, **cfg.objective_options)
 
 
 def build_heads(cfg: TrainConfig, raw: torch.nn.Module) -> tuple[dict, int]:
@@ -177,8 +154,7 @@ COMPILE_BACKEND = "inductor"  # torch.compile's default; tests swap in a countin
 
 
 def check_compile(cfg: TrainConfig, device) -> None:
-    """UserError for --compile where the regional compile cannot run: no C++ compiler for inductor on the CPU, or
-    xformers attention (its kernel is opaque to dynamo: a graph break in every block)."""
+    """UserError for --compile with xformers attention (opaque to dynamo) or, on the CPU, no C++ compiler."""
     if not cfg.compile:
         return
     if cfg.attention == "xformers":
@@ -187,8 +163,8 @@ def check_compile(cfg: TrainConfig, device) -> None:
                         "Use --attention sdpa (its flash/cuDNN kernels compile), or drop --compile.")
     if torch.device(device).type == "cpu" and COMPILE_BACKEND == "inductor" and not cpp_compiler():
         raise UserError("--compile on the CPU needs a C++ compiler for torch.compile's inductor backend (it writes and "
-                        "builds C++ kernels), and none was found (set CXX, or install g++ or clang++), or drop --compile "
-                        "(the trainer runs the same step eagerly).")
+                        "builds C++ kernels), and none was found (set CXX, or install g++ or clang++), or drop "
+                        "--compile (the trainer runs the same step eagerly).")
 
 
 def cpp_compiler() -> str | None:
@@ -218,17 +194,14 @@ def make_learner(cfg: TrainConfig, model_config: ModelConfig, accelerator=None, 
         compile_blocks(raw, COMPILE_BACKEND)
     trained = HeadedDiT(raw, heads, depth) if heads else raw
     learner = Learner(cfg=cfg, model=accelerator.prepare(trained) if accelerator is not None else trained,
-                      ema=ema, optimizer=None, scaler=torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16"),
+                      ema=ema, optimizer=None,
+                      scaler=torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16"),
                       model_config=model_config, accelerator=accelerator, device=device,
-                      objective=objective_for(cfg, model_config), route=route_of(cfg, raw),
+                      objective=objective_of(model_config, **cfg.objective_options), route=route_of(cfg, raw),
                       consumers=tuple((c, getattr(f, c.weight)) for c, f in column_consumers(cfg)))
     learner.optimizer = build_optimizer(cfg, learner.trained_parameters(), device)
     return learner
 
-
-# ---------------------------------------------------------------------------------------------------------
-# One optimizer step
-# ---------------------------------------------------------------------------------------------------------
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """LR for the optimizer step after `step` steps: linear warmup, then constant, or cosine/linear to final_lr."""
@@ -241,11 +214,6 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     if cfg.lr_schedule == "linear":  # RAE's scheduler type linear: base_lr -> final_lr
         return cfg.lr + (final - cfg.lr) * progress
     return final + (cfg.lr - final) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def forward_loss(model, objective, batch: dict, precision: str, device) -> torch.Tensor:
-    """The objective's mean loss over one micro-batch, under autocast when mixed precision is on."""
-    return forward_losses(model, objective, batch, precision, device)["loss"]
 
 
 def forward_losses(model, objective, batch: dict, precision: str, device, consumers=()) -> dict:
@@ -283,21 +251,14 @@ def forward_losses(model, objective, batch: dict, precision: str, device, consum
     return {"loss": total, "diffusion": diffusion.detach(), **{k: v.detach() for k, (_, v) in heads.items()}}
 
 
-def _no_sync(learner: Learner):
-    """DDP no_sync for a non-final micro-step: gradients accumulate locally, no all-reduce."""
-    if learner.accelerator is None:
-        return contextlib.nullcontext()
-    return learner.accelerator.no_sync(learner.model)
-
-
 def accumulate_gradients(learner: Learner, batches: Iterable[dict]) -> dict:
     """Forward/backward over the step's micro-batches; this rank's mean losses (detached): "loss"[, each head's]."""
     steps = learner.cfg.grad_accum_steps
     totals: dict[str, torch.Tensor] = {}
     count = 0
     for micro, batch in enumerate(batches):
-        # Only the last micro-step all-reduces gradients; the others accumulate locally (DDP no_sync).
-        with contextlib.nullcontext() if micro == steps - 1 else _no_sync(learner):
+        local = micro < steps - 1 and learner.accelerator is not None  # DDP all-reduces on the last micro-step only
+        with learner.accelerator.no_sync(learner.model) if local else contextlib.nullcontext():
             losses = forward_losses(learner.model, learner.objective, batch, learner.cfg.precision, learner.device,
                                     learner.consumers)
             learner.scaler.scale(losses["loss"] / steps).backward()
@@ -320,8 +281,7 @@ def clip_or_measure(learner: Learner) -> torch.Tensor:
 
 @torch.no_grad()
 def update_ema(ema: torch.nn.Module, model: torch.nn.Module, decay: float, skipped: torch.Tensor | None = None) -> None:
-    """ema <- decay * ema + (1 - decay) * weights, in fp32 on the EMA's device (as DiT's update_ema), as two foreach
-    kernels; skipped (a () bool device tensor): where true, the EMA is left as it is, decided on the device."""
+    """ema <- decay * ema + (1 - decay) * weights in fp32 (DiT's update_ema), left as it is where `skipped` is true."""
     ema_params = list(ema.parameters())
     device = ema_params[0].device
     src = [p.detach().to(device, torch.float32) for p in model.parameters()]
@@ -337,22 +297,13 @@ def update_ema(ema: torch.nn.Module, model: torch.nn.Module, decay: float, skipp
     torch._foreach_addcmul_(ema_params, src, [weight.expand_as(p) for p in src])
 
 
-def supports_found_inf(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether the optimizer skips its update on a device-side `found_inf` flag (torch's fused kernels)."""
-    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
-
-
 def step_unless(optimizer: torch.optim.Optimizer, nonfinite: torch.Tensor) -> None:
-    """optimizer.step() unless `nonfinite` (a () bool device tensor), without a host sync where the kernel allows.
-
-    The fused AdamW reads GradScaler's protocol: `found_inf` > 0 leaves weights, moments and the step count as they
-    were. Other optimizers (bitsandbytes) get the decision on the host, the one sync they cost.
-    """
-    if not supports_found_inf(optimizer):
+    """optimizer.step() unless `nonfinite` (a () bool device tensor), without a host sync where the kernel allows."""
+    if not getattr(optimizer, "_step_supports_amp_scaling", False):  # not fused (bitsandbytes): a host sync
         if not bool(nonfinite):
             optimizer.step()
         return
-    optimizer.grad_scale, optimizer.found_inf = None, nonfinite.to(torch.float32)
+    optimizer.grad_scale, optimizer.found_inf = None, nonfinite.to(torch.float32)  # GradScaler's protocol
     try:
         optimizer.step()
     finally:
@@ -369,8 +320,7 @@ def scaled_step(learner: Learner) -> torch.Tensor:
 
 
 def apply_gradients(learner: Learner) -> tuple[torch.Tensor, torch.Tensor]:
-    """Optimizer step (or a counted skip on non-finite gradients), then the EMA -> (grad norm, skipped) as device
-    tensors: () fp32 and () bool, never read here."""
+    """Optimizer step (or a skip on non-finite gradients), then the EMA -> (grad norm, skipped): () device tensors."""
     for group in learner.optimizer.param_groups:
         group["lr"] = lr_at(learner.step, learner.cfg)
     grad_norm = clip_or_measure(learner).detach().float()
@@ -384,12 +334,6 @@ def apply_gradients(learner: Learner) -> tuple[torch.Tensor, torch.Tensor]:
     return grad_norm, skipped
 
 
-def count_skip(learner: Learner, skipped: torch.Tensor) -> None:
-    """Add a step's skip flag to the device counter (Learner.skipped_steps reads it)."""
-    flag = skipped.to(torch.int64)
-    learner.skipped_since = flag if learner.skipped_since is None else learner.skipped_since + flag
-
-
 def train_step(learner: Learner, batches: Iterable[dict]) -> dict:
     """One optimizer step over a global batch -> {loss (mean over processes), grad_norm, skipped[, diffusion_loss,
     each head's as NAME_loss (repa_loss)]}, each a () device tensor: the loop reads them at its log points."""
@@ -399,6 +343,7 @@ def train_step(learner: Learner, batches: Iterable[dict]) -> dict:
     # the same values on every rank (an all-reduce on the device)
     losses = {k: acc.reduce(v, reduction="mean") if acc is not None else v for k, v in local.items()}
     learner.step += 1
-    count_skip(learner, skipped)
+    flag = skipped.to(torch.int64)  # the device counter Learner.skipped_steps reads
+    learner.skipped_since = flag if learner.skipped_since is None else learner.skipped_since + flag
     return {"loss": losses.pop("loss"), "grad_norm": grad_norm, "skipped": skipped,
             **{f"{name}_loss": value for name, value in losses.items()}}  # logged beside the loss

@@ -1,12 +1,7 @@
 """What watches a run from the training side: the --report-to tracker, curves at checkpoints, the preview watcher.
 
-- Tracker: Accelerate's experiment trackers (`Accelerator(log_with=...)`, `init_trackers`, `accelerator.log`),
-  main process only. TensorBoard writes RUN/tensorboard/train/; wandb a run named after the run folder.
-- CurvesCallback: RUN/curves.png (train/plot.py) redrawn after every checkpoint; a plotting failure is
-  logged and training goes on.
-- WatcherCallback (--watch-vae): starts `python -m sample watch` as a separate CPU process that decodes the
-  --sample-every previews into grids, so pictures appear during training while the VAE (and diffusers)
-  never enter the training process or its GPU memory.
+The tracker is Accelerate's (TensorBoard in RUN/tensorboard/train/, or wandb). The watcher (--watch-vae) is a
+separate CPU process, `python -m sample watch`: the VAE (and diffusers) never enter the training process or its GPU.
 """
 from __future__ import annotations
 
@@ -28,10 +23,6 @@ WATCH_INTERVAL_S = 2  # seconds between the watcher's looks for new previews (a 
 WATCH_GRACE_S = 120  # at the end, wait this long for the watcher to decode the last previews
 ROOT = Path(__file__).resolve().parents[1]  # the repository: the watcher runs as `python -m sample` from here
 
-
-# ---------------------------------------------------------------------------------------------------------
-# --report-to: checks and the Accelerate tracker
-# ---------------------------------------------------------------------------------------------------------
 
 def tracking(cfg) -> bool:
     """Whether this launch reports to a tracker (--debug and --dry-run write nothing)."""
@@ -59,7 +50,6 @@ def flat_config(cfg) -> dict:
 
 class Tracker:
     """The started trackers of the main process: scalars under train/, closed at the end."""
-
     def __init__(self, accelerator):
         self.accelerator = accelerator
 
@@ -92,19 +82,13 @@ class Tracker:
 
 class TrackerCallback(Callback):
     """Starts the tracker once the run is restored and attaches it to the run's logger."""
-
     def on_setup(self, run) -> None:
         if run.is_main and tracking(run.cfg):
             run.logger.attach(Tracker.start(run.accelerator, run.cfg, run.step))
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Curves at every checkpoint
-# ---------------------------------------------------------------------------------------------------------
-
 class CurvesCallback(Callback):
     """Redraws RUN/curves.png after each checkpoint (main process); a failure is logged, never raised."""
-
     def on_checkpoint(self, run, path) -> None:
         if not run.is_main or run.cfg.debug:
             return
@@ -119,10 +103,6 @@ class CurvesCallback(Callback):
             return
         run.logger.info(f"drew {out} ({time.perf_counter() - start:.2f} s)")
 
-
-# ---------------------------------------------------------------------------------------------------------
-# The preview watcher process
-# ---------------------------------------------------------------------------------------------------------
 
 def check_watch(cfg, dataset) -> None:
     """--watch-vae needs previews and a VAE that can decode these latents (config.json only: no diffusers)."""
@@ -141,11 +121,8 @@ def _vae_argument(spec: str) -> str:
 
 
 def watcher_command(run_dir: Path, vae: str, last_step: int, parent_pid: int) -> list[str]:
-    """`python -m sample watch` on the CPU, ending after the last step's checkpoint or with this process.
-
-    Why not --exit-when-done: that waits for the run folder's lock, which this process holds until after
-    the watcher was asked to finish.
-    """
+    """`python -m sample watch` on the CPU, ending after the last step's checkpoint or with this process."""
+    # Not --exit-when-done: that waits for the run folder's lock, which this process holds until the watcher ends.
     return [sys.executable, "-m", "sample", "watch", str(Path(run_dir).resolve()), "--vae", _vae_argument(vae),
             "--cpu", "--threads", str(WATCH_THREADS), "--interval", str(WATCH_INTERVAL_S),
             "--until-step", str(last_step), "--until-pid", str(parent_pid)]
@@ -171,7 +148,6 @@ def _log_tail(run_dir: Path, lines: int = 3) -> str:
 
 class WatcherCallback(Callback):
     """--watch-vae: the `python -m sample watch` process beside training (main process only)."""
-
     def __init__(self, vae: str):
         self.vae, self.proc, self.reported = vae, None, False
 
