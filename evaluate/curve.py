@@ -141,7 +141,7 @@ def sample_export(export: Path, out: Path, o: RunEvalOptions) -> Path:
 def resolve_run_sampling(o: RunEvalOptions, export: Path) -> RunEvalOptions:
     """o with what the exports sample with: the flags given, else the model's recorded sampling, else the fast one."""
     from shared.generative.objectives import objective_of
-    from shared.runtime.export import read_config
+    from shared.weights.export import read_config
     config = read_config(export)
     plan = resolve_sampling(objective_of(config), o.sampler, given_sampler_options(o), o.cfg_interval, config.sampling,
                             guided=o.cfg_scale != 1.0, fast=True)

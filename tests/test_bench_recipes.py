@@ -77,7 +77,7 @@ def test_curves_are_read_with_the_settings_evaluate_run_records(tmp_path):
     from evaluate.curve import settings_of
     from shared.network.models import ModelConfig
     from shared.runtime import rundir
-    from shared.runtime.export import save_weights
+    from shared.weights.export import save_weights
 
     args = SimpleNamespace(num_samples=300, num_sampling_steps=10, guide_channels="all", batch_size=300)
     for sampling, expected in (({"sampler": "euler", "time_shift": 0.3, "cfg_interval": [0.0, 0.89]},
@@ -115,7 +115,7 @@ def test_steps_must_end_on_an_export(capsys):
 @pytest.mark.parametrize("objective,sampler,interval", [("ddpm", "ddim", (0.0, 700.0)), ("flow", "euler", (0.0, 0.7))])
 def test_model_rows_count_the_samplers_own_calls(tmp_path, objective, sampler, interval):
     from shared.runtime import rundir
-    from shared.runtime.export import save_weights
+    from shared.weights.export import save_weights
     from shared.network.models import ModelConfig
 
     config = ModelConfig(model="DiT-T/2", input_size=4, num_classes=5, objective=objective)

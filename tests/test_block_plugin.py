@@ -121,7 +121,7 @@ def _run(args, plugin_dir, expect=0) -> subprocess.CompletedProcess:
 def test_a_plugin_block_option_trains_and_samples(tmp_path, plugin_dir, plugin, image_folder, tiny_vae_dir):
     from extract.__main__ import main as extract_main
     from shared.runtime import rundir
-    from shared.runtime.export import load_weights
+    from shared.weights.export import load_weights
 
     latents = tmp_path / "latents"
     assert extract_main([str(a) for a in ("--data-path", image_folder, "--out", latents, "--vae", tiny_vae_dir,

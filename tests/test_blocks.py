@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from shared.runtime.errors import ChoiceError, UserError
-from shared.runtime.export import load_weights, save_weights
+from shared.weights.export import load_weights, save_weights
 from shared.network.blocks import (BLOCKS, DiTBlock, RMSNorm, RotaryEmbedding2d, block_options, rotate_pairs,
                                    swiglu_hidden)
 from shared.network.models import PRESETS, ModelConfig, infer_model_config

@@ -69,7 +69,7 @@ def test_sample_shows_progress_inside_a_batch_and_a_labelled_grid(tmp_path, tiny
     from sample.__main__ import main as sample_main
     from shared.network.models import ModelConfig
     from shared.runtime import rundir
-    from shared.runtime.export import save_weights
+    from shared.weights.export import save_weights
     from shared.tokenizers.vae import LatentVAE
 
     vae = LatentVAE.load(tiny_vae_dir)

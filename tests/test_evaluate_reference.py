@@ -10,7 +10,7 @@ from evaluate.stats import check_reference, open_reference
 from shared.datasets.images import load_image
 from shared.network.models import ModelConfig
 from shared.runtime import rundir
-from shared.runtime.export import save_weights
+from shared.weights.export import save_weights
 from tests.conftest import make_image_folder
 from tests.helpers import run_main
 

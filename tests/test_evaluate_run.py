@@ -11,7 +11,7 @@ from evaluate import digits
 from evaluate.__main__ import main
 from evaluate.curve import RunEvalOptions, matching, read_rows, settings_of
 from shared.runtime import rundir
-from shared.runtime.export import save_weights
+from shared.weights.export import save_weights
 from shared.network.models import ModelConfig
 from shared.tokenizers.vae import LatentVAE
 from tests.helpers import run_main

@@ -5,9 +5,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import shared.runtime.export as export
+import shared.runtime.tensorfiles as tensorfiles
 from shared.runtime.errors import UserError
-from shared.runtime.export import load_weights, save_weights
+from shared.weights.export import load_weights, save_weights
 from shared.network.models import ModelConfig
 from shared.tokenizers.space import LatentSpace
 
@@ -103,7 +103,7 @@ def test_overwrite_replaces_and_a_failed_write_keeps_the_old_file(tmp_path, trai
             f.write(b"partial")
         raise OSError("disk full")
 
-    monkeypatch.setattr(export, "save_file", crash)
+    monkeypatch.setattr(tensorfiles, "save_file", crash)
     with pytest.raises(OSError, match="disk full"):
         save_weights(path, model.state_dict(), config, LATENT_META, 3)
     assert load_weights(path)[3] == 2  # the old file is intact
@@ -183,7 +183,7 @@ class _Evil:
 
 def test_load_torch_file_names_the_blocked_global_and_never_advises_unsafe_loading(tmp_path):
     from shared.runtime.errors import SettingError, advise
-    from shared.runtime.export import load_torch_file
+    from shared.runtime.tensorfiles import load_torch_file
 
     torch.save({"w": _Evil()}, tmp_path / "evil.pt")
     with pytest.raises(SettingError) as caught:
@@ -199,7 +199,7 @@ def test_load_torch_file_names_the_blocked_global_and_never_advises_unsafe_loadi
 
 
 def test_safetensors_problem_and_first_nonfinite(tmp_path, trained):
-    from shared.runtime.export import first_nonfinite, safetensors_problem
+    from shared.runtime.tensorfiles import first_nonfinite, safetensors_problem
 
     model, config = trained
     path = save_weights(tmp_path / "w.safetensors", model.state_dict(), config, LATENT_META, 1)

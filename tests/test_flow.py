@@ -209,7 +209,7 @@ def test_flow_training_records_its_objective(flow_run):
     """The loss falls; config, checkpoint and export all say flow; previews come from the Euler sampler."""
     import json
 
-    from shared.runtime.export import read_config
+    from shared.weights.export import read_config
     from tests.helpers import metrics
 
     run = flow_run["run"]
@@ -227,7 +227,7 @@ def test_flow_training_records_its_objective(flow_run):
 def test_a_flow_run_of_the_old_2c_layout_resumes_with_it(tmp_path, monkeypatch):
     """Flow runs started when flow models were built with DiT's 2C outputs (learn_sigma true) keep that layout."""
     import train.config
-    from shared.runtime.export import read_config
+    from shared.weights.export import read_config
     from tests.helpers import make_latents, run_inprocess
 
     latents = make_latents(tmp_path / "lat")
@@ -254,7 +254,7 @@ def test_flow_resume_with_another_objective_is_refused(flow_run, capsys):
 @pytest.fixture(scope="module")
 def flow_export(tmp_path_factory, tiny_vae_dir):
     """A flow-objective export whose latents metadata names the tiny test VAE (so sample can decode)."""
-    from shared.runtime.export import save_weights
+    from shared.weights.export import save_weights
     from shared.tokenizers.vae import LatentVAE
     from tests.helpers import random_dit as _random_dit
 
@@ -314,7 +314,7 @@ def test_flow_export_to_diffusers_is_refused(flow_export, tmp_path, capsys):
 
 def test_ddpm_export_refuses_an_interval_outside_dit_timesteps(tmp_path, capsys, tiny_vae_dir):
     """A DDPM model's noise levels are DiT timesteps in [0, 1000]: 0 2000 is refused, 0 500 accepted."""
-    from shared.runtime.export import save_weights
+    from shared.weights.export import save_weights
     from shared.tokenizers.vae import LatentVAE
     from tests.helpers import random_dit as _random_dit, run_sample as run_cli
 

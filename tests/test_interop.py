@@ -15,7 +15,7 @@ from tests.helpers import run_main
 from sample.__main__ import main
 from shared.network.diffusers_dit import (check_dit_config, diffusers_config, diffusers_to_dit, dit_kwargs, dit_to_diffusers)
 from shared.runtime.errors import UserError
-from shared.runtime.export import load_weights, save_weights
+from shared.weights.export import load_weights, save_weights
 from shared.network.models import DiT, ModelConfig
 from shared.tokenizers.vae import LatentVAE
 

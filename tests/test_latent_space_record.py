@@ -14,7 +14,7 @@ from extract.__main__ import main as extract_main
 from sample.__main__ import main as sample_main
 from shared.datasets.shards import VERIFIED_NAME, LatentDataset
 from shared.network.models import ModelConfig
-from shared.runtime.export import load_weights, save_weights
+from shared.weights.export import load_weights, save_weights
 from shared.tokenizers.norm import LatentNorm
 from shared.tokenizers.space import SPACE_JSON, SPACE_TENSORS, LatentSpace
 from shared.tokenizers.vae import LatentVAE

@@ -297,7 +297,7 @@ def test_init_from_release_layouts_keeps_their_convention(latents, tmp_path, cap
                             "--max-steps", "1", "--ckpt-every", "1")
         init = json.loads((run / "config.json").read_text())["init"]
         assert (init["kind"], init["objective"], init["convention"]) == ("official", "flow", convention)
-        from shared.runtime.export import read_config
+        from shared.weights.export import read_config
         from shared.runtime import rundir
 
         assert read_config(rundir.list_exports(run)[-1]).objective_args["convention"] == convention
@@ -347,7 +347,7 @@ def test_killed_meanflow_run_resumes_bitwise(latents, tmp_path):
 def _export(run, vae, folded):
     """RUN/exports/ema-step-0000010 of a random MeanFlow DiT-T/2 (16x16x4 latents, 32x32 images via the tiny VAE)."""
     from shared.runtime import rundir
-    from shared.runtime.export import save_weights
+    from shared.weights.export import save_weights
 
     args = {"folded_guidance": [0.2, 0.92, 0.0, 0.75]} if folded else {}
     config = ModelConfig("DiT-T/2", input_size=16, in_channels=4, num_classes=10, objective="meanflow",

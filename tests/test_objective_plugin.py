@@ -115,7 +115,7 @@ def _run(args, tmp_path, expect=0) -> subprocess.CompletedProcess:
 def test_a_plugin_objective_trains_samples_and_is_evaluated(tmp_path, image_folder, tiny_vae_dir):
     from extract.__main__ import main as extract_main
     from shared.runtime import rundir
-    from shared.runtime.export import read_config
+    from shared.weights.export import read_config
 
     latents = tmp_path / "latents"
     assert extract_main([str(a) for a in ("--data-path", image_folder, "--out", latents, "--vae", tiny_vae_dir,

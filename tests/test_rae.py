@@ -157,7 +157,7 @@ def test_too_narrow_a_dit_is_refused_naming_the_head(wide_latents, tmp_path, cap
 def test_recipe_rae_trains_a_dit_dh_that_samples_with_no_flags(wide_latents, tmp_path, capsys):
     """--recipe rae on DiTDH-T: the dry run shows RAE's settings; the export records head and shift; a resume
     with another shift or head is refused."""
-    from shared.runtime.export import read_config
+    from shared.weights.export import read_config
     from train.__main__ import main
 
     run = tmp_path / "run"
@@ -224,7 +224,7 @@ def test_routing_spans_the_body_and_the_head_sees_every_token():
 def test_routing_a_dit_dh_trains_and_refuses_a_route_into_the_head(wide_latents, tmp_path, capsys):
     """--route-* on DiTDH-T (4 body blocks, 2 head blocks): trains, records the route, exports a plain DiT^DH; a
     route reaching block 4 (the head) and TREAD's default span (2..depth-4 = 2..0) are refused, nothing written."""
-    from shared.runtime.export import read_config
+    from shared.weights.export import read_config
     from train.__main__ import main
 
     run = tmp_path / "run"

@@ -14,7 +14,7 @@ from PIL import Image
 from extract.__main__ import main as extract_main
 from sample.__main__ import main as sample_main
 from shared.datasets.shards import LatentDataset
-from shared.runtime.export import load_weights
+from shared.weights.export import load_weights
 from shared.tokenizers.norm import ElementStats, LatentNorm
 from shared.tokenizers.space import LatentSpace
 from shared.tokenizers.vae import LatentVAE, measure_latent, read_vae_config

@@ -164,7 +164,7 @@ def test_training_records_the_route_and_exports_a_plain_model(latents, tmp_path)
     cfg = json.loads((run / "config.json").read_text())
     assert (cfg["route_ratio"], cfg["route_start"], cfg["route_end"]) == (0.5, 2, 2)  # TREAD's 2..depth-4
     assert "token routing (TREAD): 2 of 4 tokens per sample skip blocks 2..2" in (run / "log.txt").read_text()
-    from shared.runtime.export import load_weights
+    from shared.weights.export import load_weights
 
     sd, model_config, _, _ = load_weights(run / "exports" / "ema-step-0000002.safetensors")
     assert "route" not in json.dumps(model_config.to_dict())  # the export is an ordinary DiT

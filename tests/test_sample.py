@@ -15,7 +15,7 @@ from tests.helpers import NUM_CLASSES, pngs, random_dit, run_sample
 from shared.weights.checkpoint import run_weight_file
 from shared.sampling.generate import ckpt_label
 from shared.sampling.outputs import grid_layout
-from shared.runtime.export import save_weights
+from shared.weights.export import save_weights
 from shared.runtime.interrupt import EXIT_STATUS, MESSAGE
 from shared.network.models import DiT, ModelConfig
 from shared.tokenizers.vae import LatentVAE

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from tests import small_disk
 from tests.conftest import ROOT, make_tiny_vae
 from tests.helpers import pngs, random_dit, run_sample
-from shared.runtime.export import save_weights
+from shared.weights.export import save_weights
 from shared.network.models import ModelConfig
 from shared.tokenizers.vae import LatentVAE
 

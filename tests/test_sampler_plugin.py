@@ -15,7 +15,7 @@ from shared.generative.samplers import (SAMPLERS, TIME_SHIFT, SamplerOption, Sam
                                         register_sampler, sampler_names)
 from shared.network.models import ModelConfig
 from shared.runtime.errors import UserError
-from shared.runtime.export import save_weights
+from shared.weights.export import save_weights
 from shared.tokenizers.vae import LatentVAE
 from tests.conftest import ROOT
 from tests.helpers import NUM_CLASSES, pngs, random_dit

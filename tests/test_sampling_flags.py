@@ -16,7 +16,7 @@ from shared.network.models import ModelConfig
 from shared.runtime import rundir
 from shared.runtime.cli import FLAG_KEY
 from shared.runtime.errors import SettingError
-from shared.runtime.export import read_config, save_weights
+from shared.weights.export import read_config, save_weights
 from shared.sampling.flags import SamplingFlags
 from shared.tokenizers.vae import LatentVAE
 from tests.helpers import run_main

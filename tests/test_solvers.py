@@ -12,7 +12,7 @@ from shared.generative.diffusion import NUM_TIMESTEPS, kept_timesteps, space_tim
 from shared.runtime.errors import SettingError, UserError
 from shared.generative.objectives import DDPMObjective
 from shared.generative.samplers import SAMPLERS, sampler_options
-from shared.runtime.export import save_weights
+from shared.weights.export import save_weights
 from shared.network.models import ModelConfig
 from shared.tokenizers.vae import LatentVAE
 from tests.conftest import ROOT

@@ -47,7 +47,7 @@ def test_loss_falls_and_run_folder_layout(latents, tmp_path):
     state = json.loads((ckpt / "state.json").read_text())
     assert state["step"] == 16 and state["data_position"] == 16 * 8 and state["config"]["model"] == "DiT-T/2"
     assert json.loads((run / "config.json").read_text())["grad_accum_steps"] == 1
-    from shared.runtime.export import load_weights
+    from shared.weights.export import load_weights
 
     export = run / "exports" / "ema-step-0000016.safetensors"
     sd, model_config, _, step = load_weights(export)
@@ -90,7 +90,7 @@ def test_keep_last_retention_and_optional_features(latents, tmp_path):
 
 
 def test_previews_with_the_ema_on_the_cpu_follow_the_configured_guidance(latents, tmp_path):
-    from shared.runtime.export import load_weights
+    from shared.weights.export import load_weights
     from shared.generative.objectives import objective_of
     from train.preview import sample_preview
 

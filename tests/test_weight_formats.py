@@ -6,7 +6,7 @@ import torch
 from shared.network.models import BLOCKS, ModelConfig
 from shared.network.repa import REPA_PROJECTOR_PREFIX
 from shared.runtime.errors import UserError
-from shared.runtime.export import save_weights
+from shared.weights.export import save_weights
 from shared.weights.checkpoint import load_sampling_weights
 from tests.helpers import NUM_CLASSES, random_dit
 

@@ -18,7 +18,8 @@ from safetensors.torch import load_file
 
 from shared.runtime import rundir
 from shared.runtime.errors import UserError
-from shared.runtime.export import load_weights, read_config, save_weights, write_safetensors
+from shared.runtime.tensorfiles import write_safetensors
+from shared.weights.export import load_weights, read_config, save_weights
 from shared.runtime.fsio import atomic_write_json, publish_dir, remove_tree
 
 
@@ -95,7 +96,7 @@ def save_rank_state(tmp: Path, rank: int) -> None:
 
 def save_main_state(tmp: Path, *, model_state: dict, ema_state: dict, model_config, space,
                     optimizer_state: dict, scaler_state: dict, state: dict, heads: dict | None = None) -> None:
-    """Main process: weights via shared/runtime/export.py, optimizer, scaler, {file: state} of the column heads (REPA's
+    """Main process: weights via shared/weights/export.py, optimizer, scaler, {file: state} of the column heads (REPA's
     projector), then state.json last."""
     step = int(state["step"])
     for name, head in (heads or {}).items():

@@ -21,7 +21,8 @@ from tqdm import tqdm
 from shared.runtime import rundir
 from shared.runtime.cli import flag_name
 from shared.runtime.errors import UserError
-from shared.runtime.export import first_nonfinite, nonfinite_tensors, save_weights
+from shared.runtime.tensorfiles import first_nonfinite, nonfinite_tensors
+from shared.weights.export import save_weights
 from shared.runtime.fsio import atomic_write_text, link_file, space_guard
 from shared.sampling.previews import write_preview
 from shared.runtime.lock import FolderLock, hold_lock

@@ -27,7 +27,7 @@ import safetensors.torch
 import torch
 
 from shared.runtime.errors import UserError
-from shared.runtime.export import SPACE_KEY
+from shared.weights.export import SPACE_KEY
 from shared.runtime.fsio import atomic_write_bytes, atomic_write_text
 from shared.tokenizers.norm import LatentNorm
 

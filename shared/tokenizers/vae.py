@@ -323,7 +323,7 @@ def config_sha256(config: dict) -> str:
 
 def _read_state_dict(path: Path) -> dict:
     """Tensors of a single weight file (.safetensors, else a PyTorch file); .ckpt files often wrap them in 'state_dict'."""
-    from shared.runtime.export import load_torch_file, safetensors_problem
+    from shared.runtime.tensorfiles import load_torch_file, safetensors_problem
     if path.suffix.lower() == ".safetensors":
         from safetensors.torch import load_file
         problem = safetensors_problem(path)
@@ -364,7 +364,7 @@ def _load_single_file(located: _Located):
 def _load_folder(located: _Located):
     """from_pretrained on a local folder, or a hub id (downloading the weights when online); every tensor must load."""
     from diffusers.utils import logging as diffusers_logging
-    from shared.runtime.export import safetensors_problem
+    from shared.runtime.tensorfiles import safetensors_problem
     source = str(located.path) if located.path is not None else located.name
     weights = located.path / WEIGHT_FILES[0] if located.path is not None else None
     if weights is not None and weights.is_file() and (problem := safetensors_problem(weights)):

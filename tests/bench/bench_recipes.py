@@ -439,7 +439,7 @@ def model_rows(export: Path, sampler: str, steps: int, cfg: float, interval=None
     """Network rows per image of one sampling run: the sampler's own loop on a zero network, rows counted."""
     import torch
 
-    from shared.runtime.export import read_config
+    from shared.weights.export import read_config
     from shared.generative.guidance import guided_model_fn
     from shared.generative.objectives import objective_of, run_sampler
 
@@ -539,7 +539,7 @@ def network_rows(export: Path, sampler: str, steps: int, cfg: float, count: int 
 
     from shared.generative.guidance import guided_model_fn
     from shared.generative.objectives import objective_of, run_sampler
-    from shared.runtime.export import load_weights
+    from shared.weights.export import load_weights
 
     state, config, _, _ = load_weights(export)
     model = config.build().eval()
@@ -594,7 +594,7 @@ def measure_solvers(args, records: list[dict]) -> list[dict]:
 
 def _objective(export: Path) -> str:
     """The objective name an export records."""
-    from shared.runtime.export import read_config
+    from shared.weights.export import read_config
 
     return read_config(export).objective
 

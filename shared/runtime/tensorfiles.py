@@ -1,13 +1,7 @@
-"""Weight files: slim safetensors files with the model config inside, and the checks every weight load needs.
-
-Metadata keys (all JSON strings, as safetensors metadata must be str -> str):
-  "dit_config": ModelConfig.to_dict(), "latent_space": the LatentSpace's JSON (its statistics are the tensors
-  "latent_space.*" beside the weights: shared/tokenizers/space.py), "step": the optimiser step.
-
-Also here, for every reader of weights (DiT checkpoints, VAE files): `load_torch_file`, the one
-`torch.load(weights_only=True)` that turns a refused pickle into a message naming the blocked global,
-`safetensors_problem` (is a file whole, from its header alone) and `nonfinite_tensors` / `first_nonfinite`
-(NaN/inf weights: sample's loads, train's checkpoint writes and resumes).
+"""Tensor files every weight reader needs: safetensors written with sorted metadata (`write_safetensors`) and read
+(`read_tensor_file`), whole-file checks from the header alone (`safetensors_problem`), NaN/inf weights
+(`nonfinite_tensors`, `first_nonfinite`), and the one `torch.load(weights_only=True)` that turns a refused pickle
+into a message naming the blocked global (`load_torch_file`).
 """
 import json
 import pickle
@@ -20,37 +14,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from shared.runtime.errors import ChoiceError, SettingError, UserError
-from shared.runtime.fsio import atomic_write
-from shared.network.models import ModelConfig
+from shared.runtime.errors import SettingError, UserError
 
 
-def _plain_tensors(state_dict):
+def plain_tensors(state_dict):
     """Detached, contiguous CPU copies without shared storage (what safetensors can write)."""
     return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state_dict.items()}
-
-
-SPACE_KEY = "latent_space"  # metadata key of the latent space's JSON, prefix of its statistics' tensors
-
-
-def space_parts(space) -> tuple[dict, dict]:
-    """(metadata, tensors) of a LatentSpace (shared/tokenizers/space.py), an older latent-metadata dict, or None."""
-    if space is None:
-        return {}, {}
-    if isinstance(space, dict):  # the older "latents" record, read back by LatentSpace.from_legacy
-        return {"latents": json.dumps(space, sort_keys=True)}, {}
-    return space.file_parts()
-
-
-def save_weights(path, state_dict, model_config, space, step):
-    """Write state_dict, the latent space and metadata to path atomically (fsio.atomic_write); returns the path."""
-    if not isinstance(model_config, ModelConfig):
-        model_config = ModelConfig.from_dict(dict(model_config))  # fail now, not when someone loads it
-    config = model_config.to_dict()
-    space_metadata, space_tensors = space_parts(space)
-    metadata = {"dit_config": json.dumps(config, sort_keys=True), **space_metadata, "step": str(int(step))}
-    tensors = {**_plain_tensors(state_dict), **space_tensors}
-    return atomic_write(path, lambda tmp: write_safetensors(tmp, tensors, metadata))
 
 
 def write_safetensors(path, tensors: dict, metadata: dict | None = None) -> None:
@@ -73,7 +42,7 @@ def write_safetensors(path, tensors: dict, metadata: dict | None = None) -> None
         f.write(text.ljust(size, b" "))  # the format pads its header with spaces
 
 
-def _read_file(path, device):
+def read_tensor_file(path, device):
     """(tensors, metadata) of a safetensors file; UserError if it is missing or unreadable."""
     if not path.is_file():
         raise UserError(f"weight file {path} does not exist; check the path (a run folder's exports are in "
@@ -85,44 +54,6 @@ def _read_file(path, device):
         raise UserError(f"cannot read {path} as a safetensors weight file ({err}); the file is truncated (an "
                         "interrupted copy or download, a full disk) or not a safetensors file. Copy it again from "
                         "where it was made, or use another weight file.") from err
-
-
-def _parse_metadata(path, metadata):
-    """(ModelConfig, step) from the file's metadata; UserError when dit_config is absent."""
-    if "dit_config" not in metadata:
-        raise UserError(f"{path} has no 'dit_config' metadata, so the model cannot be rebuilt from it. Use a "
-                        "file written by this project's train stage (RUN/exports/*.safetensors), or an official "
-                        "DiT .pt state dict, whose preset is inferred from its tensor shapes.")
-    try:
-        config = ModelConfig.from_dict(json.loads(metadata["dit_config"]))
-        step = int(metadata.get("step", 0))
-    except ChoiceError as err:  # e.g. a preset this version does not know: the file's fault, not a flag's
-        raise UserError(f"the metadata of {path} describes a model this version cannot build ({err}); use the "
-                        "code version that wrote it.") from err
-    except (json.JSONDecodeError, TypeError, ValueError) as err:
-        raise UserError(f"the metadata of {path} is corrupt ({err}); the file is damaged: copy it again from "
-                        "where it was made, or use another weight file.") from err
-    return config, step
-
-
-def read_config(path) -> ModelConfig:
-    """The ModelConfig of a save_weights file from its header alone (no tensor is read)."""
-    path = Path(path)
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            metadata = f.metadata() or {}
-    except (SafetensorError, OSError, ValueError):
-        _read_file(path, "cpu")  # raises the one paragraph about a missing or unreadable file
-        raise
-    return _parse_metadata(path, metadata)[0]
-
-
-def load_weights(path, device="cpu"):
-    """(state_dict without the latent space's tensors, ModelConfig, metadata, step); LatentSpace.read_file: the space."""
-    path = Path(path)
-    tensors, metadata = _read_file(path, device)
-    config, step = _parse_metadata(path, metadata)
-    return {k: v for k, v in tensors.items() if not k.startswith(f"{SPACE_KEY}.")}, config, metadata, step
 
 
 # ----------------------------------------------------------------------------------------------------------
