@@ -167,7 +167,7 @@ def check_numbers(cfg: ExtractConfig) -> None:
 
 def check_encoder_vae(cfg: ExtractConfig) -> tuple[str, dict, list[str], tuple]:
     """Resolve the tokenizer, measure its factor and latent, check the size against the DiT patches (no weights)."""
-    from shared.tokenizers.vae import downsample_factor, measure_latent, read_vae_config, resolve_vae_spec
+    from shared.tokenizers.tokenizer import downsample_factor, measure_latent, read_vae_config, resolve_vae_spec
 
     name = resolve_vae_spec(cfg.vae, cfg.vae_config)
     config = read_vae_config(cfg.vae, cfg.vae_config)
@@ -198,7 +198,7 @@ def column_records(planned: dict) -> dict:
 def run_settings(cfg: ExtractConfig, scan: ImageFolderScan, vae_name: str, vae_config: dict,
                  planned: dict | None = None) -> dict:
     """The settings that decide the shard bytes; a rerun must match them to resume into the same --out."""
-    from shared.tokenizers.vae import config_sha256
+    from shared.tokenizers.tokenizer import config_sha256
 
     extra = column_records(planned or {})
     if cfg.max_image_pixels != MAX_IMAGE_PIXELS:  # decides which files are skipped; absent at the default
@@ -603,9 +603,9 @@ def _pending(out: Path, plan_: Plan, state) -> tuple[list[int], int]:
 
 def _load_vae(cfg: ExtractConfig, device):
     """The VAE on the encoding device (fp32 encoder)."""
-    from shared.tokenizers.vae import LatentVAE
+    from shared.tokenizers.tokenizer import Tokenizer
 
-    return LatentVAE.load(cfg.vae, device=device, config=cfg.vae_config)
+    return Tokenizer.load(cfg.vae, device=device, config=cfg.vae_config)
 
 
 def _load_producers(cfg: ExtractConfig, plan_: Plan, device) -> dict:

@@ -53,13 +53,13 @@ def recorded_space(dataset: LatentDataset) -> LatentSpace | None:
 
 def tokenizer_space(dataset: LatentDataset, vae: str | None, vae_config) -> LatentSpace:
     """The tokenizer's part of the folder's space, from the tokenizer index.json records (or --vae), on the CPU."""
-    from shared.tokenizers.vae import LatentVAE
+    from shared.tokenizers.tokenizer import Tokenizer
 
     recorded = dataset.meta.get("extract_settings", {}).get("vae", {})
     if not (vae or recorded.get("source")):
         raise UserError(f"{dataset.root}/index.json names no tokenizer to rebuild its latent space from; pass the "
                         f"--vae the folder was extracted with.")
-    tokenizer = LatentVAE.load(vae or recorded["source"], config=vae_config)
+    tokenizer = Tokenizer.load(vae or recorded["source"], config=vae_config)
     if recorded.get("config_sha256") not in (None, tokenizer.identity["config_sha256"]):
         raise UserError(f"the tokenizer {tokenizer.identity['source']} is not the one that made the latents of "
                         f"{dataset.root} (its config hash differs from the one index.json records); pass the --vae "

@@ -25,7 +25,7 @@ from shared.sampling.flags import DecodeFlags
 from shared.runtime.lock import LOCK_NAME, FolderBusyError, hold_lock, pid_alive
 from shared.sampling.previews import read_preview
 from shared.runtime.trackers import check_report_to
-from shared.tokenizers.vae import read_vae_config
+from shared.tokenizers.tokenizer import read_vae_config
 from shared.tokenizers.space import LatentSpace, choose_tokenizer, load_tokenizer
 
 from sample.decode import DecodeOptions, decode_file

@@ -34,7 +34,7 @@ SOURCE = textwrap.dedent('''
     from shared.runtime.errors import UserError
     from shared.tokenizers.classes import TokenizerClass, register_tokenizer
     from shared.tokenizers.norm import LatentNorm
-    from shared.tokenizers.vae import converted_folder, register_converted
+    from shared.tokenizers.tokenizer import converted_folder, register_converted
 
 
     class PatchAE(ModelMixin, ConfigMixin):

@@ -146,12 +146,12 @@ def test_vae_round_trip_keeps_the_digits(real):
 
 
 def test_the_vae_floor_goes_through_the_normalisation_record_as_sampling_does(real, monkeypatch):
-    """The floor's latents are normalised by the tokenizer's record and decoded through LatentVAE.decode, which
+    """The floor's latents are normalised by the tokenizer's record and decoded through Tokenizer.decode, which
     inverts it: the path a trained model's samples take, not the raw posterior mean straight into the decoder."""
     from data.make_vae import DEFAULT_OUT
     from evaluate.floor import vae_round_trip
     from shared.tokenizers.norm import LatentNorm
-    from shared.tokenizers.vae import LatentVAE
+    from shared.tokenizers.tokenizer import Tokenizer
 
     used = []
     for name in ("apply", "invert"):
@@ -164,7 +164,7 @@ def test_the_vae_floor_goes_through_the_normalisation_record_as_sampling_does(re
 
         monkeypatch.setattr(LatentNorm, name, spy)
     vae_round_trip(real[0][:4], str(DEFAULT_OUT), batch_size=4)
-    scale = LatentVAE.load(str(DEFAULT_OUT)).scaling_factor
+    scale = Tokenizer.load(str(DEFAULT_OUT)).scaling_factor
     assert used == [("apply", "scale", scale), ("invert", "scale", scale)], used
 
 

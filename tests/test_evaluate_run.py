@@ -13,7 +13,7 @@ from evaluate.curve import RunEvalOptions, matching, read_rows, settings_of
 from shared.runtime import rundir
 from shared.weights.export import save_weights
 from shared.network.models import ModelConfig
-from shared.tokenizers.vae import LatentVAE
+from shared.tokenizers.tokenizer import Tokenizer
 from tests.helpers import run_main
 
 FLAGS = ["--features", "digits", "--num-samples", 6, "--sampler", "ddim", "--num-sampling-steps", 2,
@@ -38,7 +38,7 @@ def export(run, step, vae, seed):
 
 def test_run_evaluates_every_export_draws_the_curve_and_continues(tiny_vae_dir, tmp_path, capsys):
     run = tmp_path / "run"
-    vae = LatentVAE.load(tiny_vae_dir)
+    vae = Tokenizer.load(tiny_vae_dir)
     export(run, 100, vae, seed=0)
     export(run, 200, vae, seed=1)
     code, out, err = run_main(main, ["run", run, "--vae", tiny_vae_dir, *FLAGS], capsys)

@@ -55,7 +55,7 @@ def test_the_contract_catches_a_crossing(tmp_path):
     """The scan sees imports at the top and inside functions, `import x.y` and `from x.y import z` alike."""
     for package in (*STAGES, COMMON):
         (tmp_path / package).mkdir()
-    (tmp_path / "evaluate" / "ok.py").write_text("import numpy\nfrom shared.tokenizers.vae import VAE\nfrom evaluate import x\n")
+    (tmp_path / "evaluate" / "ok.py").write_text("import numpy\nfrom shared.tokenizers.tokenizer import VAE\nfrom evaluate import x\n")
     (tmp_path / "train" / "bad.py").write_text("def f():\n    from sample.decode import run_decode\n")
     (tmp_path / "shared" / "bad.py").write_text("import extract.folder\n")
     assert violations(tmp_path) == ["train/bad.py:2 imports sample", "shared/bad.py:1 imports extract"]
@@ -116,8 +116,8 @@ def test_the_plumbing_contract_catches_a_domain_import(tmp_path):
     (tmp_path / PLUMBING / "flags.py").write_text(
         "from shared.generative.samplers import SAMPLERS\ndef f():\n    from shared.generative.objectives import x\n")
     (tmp_path / PLUMBING / "nested").mkdir()
-    (tmp_path / PLUMBING / "nested" / "bad.py").write_text("import shared.tokenizers.vae\n")
+    (tmp_path / PLUMBING / "nested" / "bad.py").write_text("import shared.tokenizers.tokenizer\n")
     assert plumbing_violations(tmp_path) == [
         "shared/runtime/flags.py:1 imports shared.generative.samplers",
         "shared/runtime/flags.py:3 imports shared.generative.objectives",
-        "shared/runtime/nested/bad.py:1 imports shared.tokenizers.vae"]
+        "shared/runtime/nested/bad.py:1 imports shared.tokenizers.tokenizer"]

@@ -20,7 +20,7 @@ from tests.conftest import ROOT, make_tiny_vae
 from tests.helpers import pngs, random_dit, run_sample
 from shared.weights.export import save_weights
 from shared.network.models import ModelConfig
-from shared.tokenizers.vae import LatentVAE
+from shared.tokenizers.tokenizer import Tokenizer
 
 NAMES = ["cat", "Dog", "sea eel", "ant", "bee"]
 STEPS = ["--num-sampling-steps", "2", "--cpu"]
@@ -28,7 +28,7 @@ STEPS = ["--num-sampling-steps", "2", "--cpu"]
 
 def _meta(vae_dir, channels=4, names=NAMES):
     """Latent metadata as training records it for latents made by the VAE in vae_dir."""
-    vae = LatentVAE.load(vae_dir)
+    vae = Tokenizer.load(vae_dir)
     return {"image_size": 16, "scaling_factor": vae.scaling_factor, "latent_shape": [channels, 8, 8],
             "vae": vae.identity, "class_names": list(names)}
 

@@ -1,4 +1,4 @@
-"""shared/tokenizers/vae.py: locating specs, fp32 moments equal diffusers', decode with the config's scale, draws."""
+"""shared/tokenizers/tokenizer.py: locating specs, fp32 moments equal diffusers', decode with the config's scale, draws."""
 import json
 import shutil
 import subprocess
@@ -10,7 +10,7 @@ import torch
 from tests.conftest import ROOT, make_tiny_vae
 from shared.runtime.errors import SettingError, UserError, advise
 from shared.tokenizers.norm import LatentNorm
-from shared.tokenizers.vae import LatentVAE, downsample_factor, draw_latents, read_vae_config, resolve_vae_spec
+from shared.tokenizers.tokenizer import Tokenizer, downsample_factor, draw_latents, read_vae_config, resolve_vae_spec
 
 
 def _images(n=2, size=16, seed=0):
@@ -27,7 +27,7 @@ def _diffusers_vae(folder):
 
 
 def test_import_does_not_pull_diffusers():
-    code = "import sys, shared.tokenizers.vae; assert 'diffusers' not in sys.modules, 'diffusers imported'; print('ok')"
+    code = "import sys, shared.tokenizers.tokenizer; assert 'diffusers' not in sys.modules, 'diffusers imported'; print('ok')"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
@@ -35,7 +35,7 @@ def test_import_does_not_pull_diffusers():
 
 def test_round_trip_shapes_and_identity(tmp_path):
     folder = make_tiny_vae(tmp_path / "vae", latent_channels=4, levels=3)
-    vae = LatentVAE.load(folder)
+    vae = Tokenizer.load(folder)
     mean, std = vae.encode_moments(_images(size=16))
     assert mean.shape == std.shape == (2, 4, 4, 4) and mean.dtype == torch.float32
     images = vae.decode(draw_latents(mean, std, vae.norm))
@@ -62,9 +62,9 @@ def test_scaling_factor_comes_from_config(tmp_path, tiny_vae_dir):
     config = json.loads((folder / "config.json").read_text())
     config["scaling_factor"] = 0.5
     (folder / "config.json").write_text(json.dumps(config))
-    vae, ref = LatentVAE.load(folder), _diffusers_vae(folder)
+    vae, ref = Tokenizer.load(folder), _diffusers_vae(folder)
     assert vae.scaling_factor == 0.5
-    assert vae.identity["config_sha256"] != LatentVAE.load(tiny_vae_dir).identity["config_sha256"]
+    assert vae.identity["config_sha256"] != Tokenizer.load(tiny_vae_dir).identity["config_sha256"]
     latents = torch.randn(2, 4, 8, 8)
     with torch.no_grad():
         expected = ref.decode(latents / 0.5).sample.clamp(-1, 1)
@@ -75,14 +75,14 @@ def test_moments_equal_diffusers_posterior(tiny_vae_dir):
     x = _images(n=3)
     with torch.no_grad():
         posterior = _diffusers_vae(tiny_vae_dir).encode(x).latent_dist
-    mean, std = LatentVAE.load(tiny_vae_dir).encode_moments(x)
+    mean, std = Tokenizer.load(tiny_vae_dir).encode_moments(x)
     torch.testing.assert_close(mean, posterior.mean)
     torch.testing.assert_close(std, posterior.std)
     torch.testing.assert_close(std, torch.exp(0.5 * posterior.logvar.clamp(-30, 20)))
 
 
 def test_encode_stays_fp32_under_autocast(tiny_vae_dir):
-    vae, x = LatentVAE.load(tiny_vae_dir), _images()
+    vae, x = Tokenizer.load(tiny_vae_dir), _images()
     plain = vae.encode_moments(x)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         under = vae.encode_moments(x)
@@ -92,8 +92,8 @@ def test_encode_stays_fp32_under_autocast(tiny_vae_dir):
 
 
 def test_bf16_decode_close_to_fp32(tiny_vae_dir):
-    full = LatentVAE.load(tiny_vae_dir)
-    half = LatentVAE.load(tiny_vae_dir, dtype=torch.bfloat16)
+    full = Tokenizer.load(tiny_vae_dir)
+    half = Tokenizer.load(tiny_vae_dir, dtype=torch.bfloat16)
     assert half.vae.decoder.conv_in.weight.dtype == torch.bfloat16
     assert half.vae.encoder.conv_in.weight.dtype == torch.float32
     torch.testing.assert_close(half.encode_moments(_images())[0], full.encode_moments(_images())[0])
@@ -104,7 +104,7 @@ def test_bf16_decode_close_to_fp32(tiny_vae_dir):
 
 
 def test_tiling_and_slicing_switches(tiny_vae_dir):
-    vae = LatentVAE.load(tiny_vae_dir)
+    vae = Tokenizer.load(tiny_vae_dir)
     x = _images(n=3)
     reference = vae.encode_moments(x)[0]
     vae.enable_slicing()
@@ -149,11 +149,11 @@ def test_single_file_with_config_beside_or_given(tmp_path, tiny_vae_dir, suffix)
     with pytest.raises(SettingError, match="pass vae config PATH") as caught:  # shared/ names the setting
         resolve_vae_spec(weights)
     assert "pass --vae-config PATH" in str(advise(caught.value, {"vae config": "--vae-config"}))  # a CLI, its flag
-    given = LatentVAE.load(weights, config=tiny_vae_dir / "config.json")
+    given = Tokenizer.load(weights, config=tiny_vae_dir / "config.json")
     shutil.copy(tiny_vae_dir / "config.json", weights.parent / "config.json")
-    beside = LatentVAE.load(weights)
+    beside = Tokenizer.load(weights)
     x = _images()
-    reference = LatentVAE.load(tiny_vae_dir).encode_moments(x)
+    reference = Tokenizer.load(tiny_vae_dir).encode_moments(x)
     for vae in (given, beside):
         assert vae.identity["source"] == str(weights.resolve())
         torch.testing.assert_close(vae.encode_moments(x)[1], reference[1])
@@ -166,7 +166,7 @@ def test_single_file_that_does_not_match_its_config(tmp_path, tiny_vae_dir):
     state = {k: v.contiguous() for k, v in _diffusers_vae(other).state_dict().items()}
     save_file(state, tmp_path / "vae.safetensors")
     with pytest.raises(UserError, match="does not match its config"):
-        LatentVAE.load(tmp_path / "vae.safetensors", config=tiny_vae_dir / "config.json")
+        Tokenizer.load(tmp_path / "vae.safetensors", config=tiny_vae_dir / "config.json")
 
 
 def test_offline_hub_id_names_the_local_options(tmp_path, monkeypatch):
@@ -211,14 +211,14 @@ def test_folder_whose_tensors_do_not_fit_its_config(tmp_path, tiny_vae_dir):
     weights = folder / "diffusion_pytorch_model.safetensors"
     save_file({k: v for k, v in load_file(weights).items() if k != "decoder.conv_in.bias"}, weights)
     with pytest.raises(SettingError, match="1 tensors its config needs are missing .*decoder.conv_in.bias"):
-        LatentVAE.load(folder)
+        Tokenizer.load(folder)
     shutil.copy(make_tiny_vae(tmp_path / "wide", latent_channels=8) / weights.name, weights)
     with pytest.raises(SettingError, match="expected shape") as caught:
-        LatentVAE.load(folder)
+        Tokenizer.load(folder)
     assert "overwrite" not in str(caught.value)
     weights.write_bytes(weights.read_bytes()[:500])
     with pytest.raises(SettingError, match="cannot be read .*truncated"):
-        LatentVAE.load(folder)
+        Tokenizer.load(folder)
 
 
 def test_malicious_ckpt_vae_is_refused(tmp_path, tiny_vae_dir):
@@ -232,5 +232,5 @@ def test_malicious_ckpt_vae_is_refused(tmp_path, tiny_vae_dir):
     torch.save({"state_dict": Evil()}, tmp_path / "vae.ckpt")
     shutil.copy(tiny_vae_dir / "config.json", tmp_path / "config.json")
     with pytest.raises(SettingError, match="tried to run code.*posix.system") as caught:
-        LatentVAE.load(tmp_path / "vae.ckpt")
+        Tokenizer.load(tmp_path / "vae.ckpt")
     assert "pass another --vae" in str(advise(caught.value, {"vae": "--vae"})).lower()

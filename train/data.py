@@ -18,7 +18,7 @@ from shared.network.routing import draw_kept
 from shared.runtime.seeding import generator_for
 from shared.datasets.shards import LatentDataset, StreamSampler
 from train.latents import follow
-from shared.tokenizers.vae import draw_latents
+from shared.tokenizers.tokenizer import draw_latents
 
 
 class PositionedSampler(torch.utils.data.Sampler):

@@ -4,7 +4,7 @@ A diffusers folder names its class in config.json's `_class_name`; `tokenizer_cl
 `TokenizerClass` or refuses it in one paragraph naming the supported ones. Registering another class is one
 `register_tokenizer(TokenizerClass(...))` call (the RAE tokenizer does so; a module of the user's too, named by
 `--plugin MODULE`, with `model_class` its own diffusers ModelMixin + ConfigMixin): nothing else in extract, train
-or sample changes, because every stage goes through `shared.tokenizers.vae.LatentVAE`, which only calls the record.
+or sample changes, because every stage goes through `shared.tokenizers.tokenizer.Tokenizer`, which only calls the record.
 
 A record says:
   encode(module, x) -> (mean, std | None)   x (N,3,H,W) in [-1,1]; raw (unnormalised) latents (N,C,h,w), fp32.
@@ -45,7 +45,7 @@ class TokenizerClass:
     deterministic: bool = False
     decoder_parts: tuple = ("decoder", "post_quant_conv")
     # The latent's channels as its config declares them, for checks in processes without diffusers (train's
-    # --watch-vae); everywhere else the shape is measured (shared.tokenizers.vae.measure_latent).
+    # --watch-vae); everywhere else the shape is measured (shared.tokenizers.tokenizer.measure_latent).
     declared_channels: Callable = lambda config: int(config.get("latent_channels", 4))
     native_size: Callable = lambda config: None
     check_config: Callable = lambda config, where: None
@@ -204,7 +204,7 @@ register_tokenizer(TokenizerClass(
 # The shards store the raw tokens (deterministic: no std). diffusers' AutoencoderRAE.encode normalises them
 # itself, (z - latents_mean) / (latents_std + 1e-5) * scaling_factor; here the encoder and decoder are called
 # without that step and the same numbers become our LatentNorm (`_rae_native_norm`), so the normalisation has one
-# owner (shared/tokenizers/vae.py) and decoding through it equals AutoencoderRAE.decode(AutoencoderRAE.encode(x)).
+# owner (shared/tokenizers/tokenizer.py) and decoding through it equals AutoencoderRAE.decode(AutoencoderRAE.encode(x)).
 # AutoencoderRAE takes and returns images in [0, 1] (RAE's ToTensor inputs); ours are in [-1, 1].
 
 DIFFUSERS_RAE_EPS = 1e-5  # diffusers' AutoencoderRAE._normalize_latents: (z - mean) / (std + 1e-5)

@@ -12,7 +12,7 @@ def to_unit_range(pixels) -> torch.Tensor:
 
 
 def channels_first(images: np.ndarray) -> torch.Tensor:
-    """uint8 (N, H, W, 3) -> float32 (N, 3, H, W) in [-1, 1], the range LatentVAE encodes."""
+    """uint8 (N, H, W, 3) -> float32 (N, 3, H, W) in [-1, 1], the range Tokenizer encodes."""
     return to_unit_range(images).permute(0, 3, 1, 2)
 
 

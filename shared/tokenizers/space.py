@@ -80,7 +80,7 @@ class LatentSpace:
     # -- constructors -------------------------------------------------------------------------------------
     @classmethod
     def of_tokenizer(cls, tokenizer, image_size: int, latent_shape, class_names) -> "LatentSpace":
-        """The space a loaded tokenizer (shared/tokenizers/vae.py LatentVAE) gives images of image_size."""
+        """The space a loaded tokenizer (shared/tokenizers/tokenizer.py Tokenizer) gives images of image_size."""
         norms = {"native": tokenizer.norm} if tokenizer.norm is not None else {}
         return cls(dict(tokenizer.identity), latent_shape, image_size, class_names, norms)
 
@@ -245,7 +245,7 @@ class LatentSpace:
                                measure: bool = True) -> tuple[str, int | None]:
         """Check a tokenizer from its config.json only -> (name, downsample factor); UserError when it cannot decode."""
         from shared.tokenizers.classes import tokenizer_class
-        from shared.tokenizers.vae import downsample_factor, latent_channels, read_vae_config, resolve_vae_spec
+        from shared.tokenizers.tokenizer import downsample_factor, latent_channels, read_vae_config, resolve_vae_spec
 
         name = resolve_vae_spec(spec, config_path)
         config = read_vae_config(spec, config_path)
@@ -405,9 +405,9 @@ def _named(recorded: dict) -> str:
 def load_tokenizer(spec: str, config_path, device, precision: str, tiling: bool, slicing: bool):
     """Load the tokenizer for decoding in `precision`, with diffusers' tiling/slicing switches."""
     from shared.runtime.precision import PRECISIONS
-    from shared.tokenizers.vae import LatentVAE
+    from shared.tokenizers.tokenizer import Tokenizer
 
-    tokenizer = LatentVAE.load(spec, device=device, dtype=PRECISIONS[precision], config=config_path)
+    tokenizer = Tokenizer.load(spec, device=device, dtype=PRECISIONS[precision], config=config_path)
     if tiling:
         tokenizer.enable_tiling()
     if slicing:

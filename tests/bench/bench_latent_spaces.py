@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from extract.__main__ import main as extract_main  # noqa: E402
 from shared.datasets.shards import LatentDataset  # noqa: E402
 from shared.tokenizers.norm import LatentNorm  # noqa: E402
-from shared.tokenizers.vae import LatentVAE  # noqa: E402
+from shared.tokenizers.tokenizer import Tokenizer  # noqa: E402
 from tests.conftest import make_image_folder  # noqa: E402
 from tests.tiny_tokenizers import MAKERS  # noqa: E402
 
@@ -54,7 +54,7 @@ def extract(images: Path, vae: Path, out: Path, size: int) -> float:
     return float(re.search(r"\(([\d.]+) images/s", buffer.getvalue()).group(1))
 
 
-def round_trip(vae: LatentVAE, ds: LatentDataset, norm: LatentNorm) -> float:
+def round_trip(vae: Tokenizer, ds: LatentDataset, norm: LatentNorm) -> float:
     """Largest pixel difference between decoding normalised-then-inverted stored latents and the raw decode."""
     z = ds.gather(np.arange(min(8, len(ds))), ("mean",))["mean"][:, 0].float()  # (n, C, h, w) raw
     return float((vae.decode(norm.apply(z), norm) - vae.decode_raw(z)).abs().max())
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
             vae_dir = make(root / name)
             rate = extract(images, vae_dir, root / f"lat-{name}", args.image_size)
             ds = LatentDataset(root / f"lat-{name}", progress=False)
-            vae = LatentVAE.load(vae_dir)
+            vae = Tokenizer.load(vae_dir)
             tar = sum(s["size"] for s in ds.meta["shards"]) / len(ds)
             payload = ds.meta["layout"]["payload_size"]
             channel = ds.space.norms["channel"]

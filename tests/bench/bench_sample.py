@@ -6,7 +6,7 @@ Run: python tests/bench/bench_sample.py --preset cpu    (DiT-T/2 on 8x8 latents,
                                                           DDPM 250 and DPM-Solver++(2M) 20, SD-VAE's architecture)
 Random weights, nothing downloaded: speed does not depend on the weights' values. The network rows run the
 sampling code path of `python -m sample` (per-row generators, guided_model_fn, the objective's sampler,
-compile_for_sampling); the decode rows run LatentVAE.decode_raw. The decode error columns compare each
+compile_for_sampling); the decode rows run Tokenizer.decode_raw. The decode error columns compare each
 precision's uint8 pixels with the fp32 decode of the same latents; on random weights they say little about a
 trained decoder (docs/performance.md: the tiny random VAEs err more than the trained digits VAE).
 """
@@ -29,7 +29,7 @@ from shared.runtime.precision import PRECISIONS, set_tf32  # noqa: E402
 from shared.sampling.compiled import COMPILE_MODES, compile_for_sampling  # noqa: E402
 from shared.sampling.image_draws import LabelPlan, batch_start  # noqa: E402
 from shared.tokenizers.pixels import to_uint8  # noqa: E402
-from shared.tokenizers.vae import LatentVAE  # noqa: E402
+from shared.tokenizers.tokenizer import Tokenizer  # noqa: E402
 
 FID_IMAGES = 50_000  # the DiT paper's FID-50K
 # The architecture of stabilityai/sd-vae-ft-ema (the DiT release's VAE): 4 levels, 8x downsampling, 4 channels.
@@ -166,7 +166,7 @@ def network_rows(args, model, config, device) -> list[dict]:
 
 # ---- the decoder ----------------------------------------------------------------------------------------------
 
-def build_vae(kind: str, device, dtype) -> LatentVAE:
+def build_vae(kind: str, device, dtype) -> Tokenizer:
     """A random AutoencoderKL of the chosen architecture (seed 0: every precision decodes the same weights)."""
     from diffusers import AutoencoderKL
 
@@ -175,7 +175,7 @@ def build_vae(kind: str, device, dtype) -> LatentVAE:
     torch.manual_seed(0)
     vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * levels,
                         up_block_types=("UpDecoderBlock2D",) * levels, **arch)
-    return LatentVAE(vae, f"random {kind} VAE", device, dtype)
+    return Tokenizer(vae, f"random {kind} VAE", device, dtype)
 
 
 def build_vae_factor(kind: str) -> int:
@@ -193,7 +193,7 @@ def pixel_error(reference: np.ndarray, other: np.ndarray) -> dict:
 
 
 def decode_rows(args, config, device) -> list[dict]:
-    """images/s of LatentVAE.decode_raw per precision, and its pixel error against the fp32 decode."""
+    """images/s of Tokenizer.decode_raw per precision, and its pixel error against the fp32 decode."""
     gen = torch.Generator().manual_seed(0)
     z = torch.randn(args.decode_batch, config.in_channels, config.input_size, config.input_size, generator=gen)
     rows, reference = [], None

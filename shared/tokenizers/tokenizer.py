@@ -1,7 +1,7 @@
 """The tokenizer wrapper: locate and load a diffusers tokenizer by its class, encode, decode, draw latents.
 
 This module is the one place a latent is scaled: the normalisation record (shared/tokenizers/norm.py,
-`LatentNorm`) is applied by `draw_latents` (training's fresh draw) and inverted by `LatentVAE.decode`; its numbers
+`LatentNorm`) is applied by `draw_latents` (training's fresh draw) and inverted by `Tokenizer.decode`; its numbers
 come from the tokenizer's config or weights (`scaling_factor`, `shift_factor`, `latents_mean`/`latents_std`) or
 from a folder's statistics, never written as literals. The tokenizer's class (config.json `_class_name`) picks its
 record in shared/tokenizers/classes.py. The latent shape is measured by running the encoder on one image of the
@@ -401,10 +401,10 @@ def _loading_problem(err: BaseException) -> str:
     return text.rstrip(". ")[:300] or type(err).__name__
 
 
-class LatentVAE:
+class Tokenizer:
     """A tokenizer of a supported class (shared/tokenizers/classes.py): fp32 encoder, decoder in the requested dtype."""
     def __init__(self, vae, source: str, device, dtype=torch.float32):
-        """Wrap a loaded diffusers tokenizer (use `LatentVAE.load` to build one from a spec)."""
+        """Wrap a loaded diffusers tokenizer (use `Tokenizer.load` to build one from a spec)."""
         if dtype not in DECODE_DTYPES:
             raise UserError(f"VAE decode dtype {dtype} is not supported; use float32, float16 or bfloat16.")
         config = dict(vae.config)
@@ -437,7 +437,7 @@ class LatentVAE:
         }
 
     @classmethod
-    def load(cls, spec, device="cpu", dtype=torch.float32, config=None) -> "LatentVAE":
+    def load(cls, spec, device="cpu", dtype=torch.float32, config=None) -> "Tokenizer":
         """Load the tokenizer named by spec (short name, folder, single file + config, or hub id) onto device."""
         located = _locate(spec, config)
         vae = _load_single_file(located) if located.kind == "file" else _load_folder(located)
