@@ -64,8 +64,9 @@ class ExtractConfig:
                                                      "Hugging Face datasets write it, or binary)")
     label_column: str = option(DEFAULT_LABEL_COLUMN, "Parquet: the column of integer class indices")
     out: Path | None = option(None, "Output folder for shards and index.json (required unless --check).")
-    vae: str = option("ema", "ema | mse (stabilityai/sd-vae-ft-*), a local diffusers folder, a single weight file "
-                             "(.safetensors/.ckpt/.pt) or a hub id")
+    vae: str = option("ema", "the tokenizer to encode with (any tokenizer, not only a VAE): ema | mse "
+                             "(stabilityai/sd-vae-ft-*), a released name (rae-dinov2-b, vavae), a local diffusers "
+                             "folder, a single weight file (.safetensors/.ckpt/.pt) or a hub id")
     vae_config: Path | None = option(None, "config.json for a single-file --vae when none sits beside the file.")
     image_size: int = option(256, "Side of the square centre crop (ADM preprocessing); a multiple of the VAE's "
                                   "downsample factor")

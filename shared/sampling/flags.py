@@ -17,8 +17,9 @@ from shared.runtime.precision import PRECISIONS
 from shared.sampling.compiled import COMPILE_HELP, COMPILE_MODES
 
 # ---- the VAE that turns latents into pixels (sample, decode, watch, export, evaluate run) -----------------
-VAE = Flag("VAE that decodes the latents: ema | mse (stabilityai/sd-vae-ft-*), a hub id, or a local diffusers "
-           "folder / weight file. Default: the VAE recorded in the weights' latent metadata, else ema", None)
+VAE = Flag("the tokenizer that decodes the latents (any tokenizer, not only a VAE): ema | mse "
+           "(stabilityai/sd-vae-ft-*), a released name (rae-dinov2-b, vavae), a hub id, or a local diffusers folder / "
+           "weight file. Default: the tokenizer recorded with the weights' latent space, else ema", None)
 VAE_CONFIG = Flag("config.json for a single-file --vae (default: the config.json beside it)", None)
 VAE_PRECISION = Flag("VAE decoder precision (fp32 default; bf16/fp16 halve its memory)", "fp32",
                      choices=tuple(PRECISIONS))
