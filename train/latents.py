@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from shared.runtime.errors import UserError, disk_full
-from shared.runtime.fsio import TMP_PREFIX, atomic_write_bytes, atomic_write_text
+from shared.runtime.fsio import TMP_PREFIX, atomic_write_bytes, atomic_write_text, user_cache
 from shared.datasets.shards import ARRAYS_NAME, INDEX_NAME, LatentDataset, shard_windows
 from shared.tokenizers.space import SPACE_JSON, SPACE_TENSORS
 
@@ -83,8 +83,7 @@ def cache_root() -> Path:
     """Where copies of remote latent folders are kept on this machine."""
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV])
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "dit-latent-pipeline" / "latents"
+    return user_cache("latents")
 
 
 def _filesystem(url: str):

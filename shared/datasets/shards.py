@@ -42,7 +42,8 @@ import torch
 from tqdm import tqdm
 
 from shared.runtime.errors import UserError, disk_full
-from shared.runtime.fsio import TMP_PREFIX, atomic_write_bytes, atomic_write_text, publish_file, space_guard, tmp_name
+from shared.runtime.fsio import (TMP_PREFIX, atomic_write_bytes, atomic_write_text, publish_file, space_guard, tmp_name,
+                                 user_cache)
 from shared.datasets.shard_schema import (FLAG_DTYPES, STD, as_column, check_columns, check_sample, deterministic,
                                           describe, payload_layout, serialise, spec_nbytes, storage_dtype,
                                           tensor_specs)
@@ -359,9 +360,8 @@ def _stamp(path: Path) -> list[int]:
 
 def _user_cache(root: Path) -> Path:
     """Where a read-only latent folder's verification record goes instead (one file per folder path)."""
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     key = hashlib.sha256(str(root.resolve()).encode("utf-8", "surrogateescape")).hexdigest()[:32]
-    return base / "dit-latent-pipeline" / "verified" / f"{key}.json"
+    return user_cache("verified") / f"{key}.json"
 
 
 def _read_verified(root: Path) -> dict:
