@@ -155,6 +155,20 @@ def wait_for(path: Path, proc, timeout=300):
         time.sleep(0.05)
 
 
+def killed_and_resumed(latents: Path, tmp_path: Path, flags) -> tuple[dict, dict]:
+    """(reference, resumed) final tensors: a run to --max-steps, and one killed -9 at its step-2 checkpoint, rerun."""
+    reference, run, pauses = tmp_path / "reference", tmp_path / "run", tmp_path / "pause"
+    finish(cli(train_args(latents, reference, *flags)))
+    victim = cli(LAUNCHER + train_args(latents, run, *flags), {"TRACE_DIR": str(pauses), "PAUSE_AT": "checkpoint:2"})
+    wait_for(pauses / "paused", victim)
+    victim.kill()
+    victim.communicate(timeout=60)
+    assert victim.returncode == -9 and checkpoints(run) == ["step-0000002"]
+    finish(cli(train_args(latents, run, *flags)))
+    assert "resumed from" in (run / "log.txt").read_text()
+    return final_tensors(reference), final_tensors(run)
+
+
 def trace(folder: Path, rank=0) -> dict:
     return json.loads((folder / f"rank-{rank}.json").read_text())
 

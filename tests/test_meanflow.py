@@ -10,8 +10,8 @@ from shared.generative.meanflow import average_velocity, meanflow_losses
 from shared.generative.objectives import make_objective, run_sampler
 from shared.network.models import ModelConfig
 from shared.runtime.errors import SettingError
-from tests.helpers import (checkpoints, cli, expect_user_error, final_tensors, finish, make_latents, metrics,
-                           random_dit, run_inprocess, train_args, wait_for, LAUNCHER)
+from tests.helpers import (cli, expect_user_error, final_tensors, finish, make_latents, metrics, killed_and_resumed,
+                           random_dit, run_inprocess, train_args)
 
 
 def _config(convention="sit", **kw) -> ModelConfig:
@@ -324,17 +324,7 @@ def test_init_from_a_dit_dh_model_is_refused():
 def test_killed_meanflow_run_resumes_bitwise(latents, tmp_path):
     flags = ["--recipe", "meanflow", "--max-steps", "4", "--ckpt-every", "2", "--keep-last", "1",
              "--num-workers", "1", "--class-dropout-prob", "0.5", "--interval-fraction", "0.5"]
-    reference = tmp_path / "reference"
-    finish(cli(train_args(latents, reference, *flags)))
-    run, pauses = tmp_path / "run", tmp_path / "pause"
-    victim = cli(LAUNCHER + train_args(latents, run, *flags), {"TRACE_DIR": str(pauses), "PAUSE_AT": "checkpoint:2"})
-    wait_for(pauses / "paused", victim)
-    victim.kill()
-    victim.communicate(timeout=60)
-    assert victim.returncode == -9 and checkpoints(run) == ["step-0000002"]
-    finish(cli(train_args(latents, run, *flags)))
-    assert "resumed from" in (run / "log.txt").read_text()
-    ref, resumed = final_tensors(reference), final_tensors(run)
+    ref, resumed = killed_and_resumed(latents, tmp_path, flags)
     assert ref.keys() == resumed.keys() and "model.h_embedder.mlp.0.weight" in ref
     for key in ref:
         assert torch.equal(ref[key], resumed[key]), key

@@ -6,8 +6,8 @@ import torch
 
 from shared.network.models import DiT_models, ModelConfig
 from shared.network.routing import draw_kept, kept_tokens
-from tests.helpers import (LAUNCHER, checkpoints, cli, expect_user_error, final_tensors, finish, make_latents, metrics,
-                           randomize, run_inprocess, train_args, wait_for)
+from tests.helpers import (cli, expect_user_error, final_tensors, finish, make_latents, metrics, killed_and_resumed,
+                           randomize, run_inprocess, train_args)
 from tests.test_repa import make_feature_latents
 
 ROUTE = ["--route-ratio", "0.5", "--route-start", "1", "--route-end", "3"]
@@ -219,17 +219,7 @@ def test_resume_with_other_routing_is_refused(latents, tmp_path, capsys):
 def test_killed_routed_run_resumes_bitwise(latents, tmp_path):
     flags = ["--max-steps", "4", "--ckpt-every", "2", "--keep-last", "1", "--num-workers", "1", "--rope",
              "--route-ratio", "0.5", "--route-start", "1", "--route-end", "4", "--class-dropout-prob", "0.5"]
-    reference = tmp_path / "reference"
-    finish(cli(train_args(latents, reference, *flags)))
-    run, pauses = tmp_path / "run", tmp_path / "pause"
-    victim = cli(LAUNCHER + train_args(latents, run, *flags), {"TRACE_DIR": str(pauses), "PAUSE_AT": "checkpoint:2"})
-    wait_for(pauses / "paused", victim)
-    victim.kill()
-    victim.communicate(timeout=60)
-    assert checkpoints(run) == ["step-0000002"]
-    finish(cli(train_args(latents, run, *flags)))
-    assert "resumed from" in (run / "log.txt").read_text()
-    ref, resumed = final_tensors(reference), final_tensors(run)
+    ref, resumed = killed_and_resumed(latents, tmp_path, flags)
     assert ref.keys() == resumed.keys()
     for key in ref:
         assert torch.equal(ref[key], resumed[key]), key
