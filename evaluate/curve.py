@@ -119,13 +119,13 @@ def check_run(o: RunEvalOptions) -> list[Path]:
 
 
 def export_image_size(path: Path) -> int | None:
-    """The image size recorded in an export's latent metadata (header only), or None when it does not say."""
-    from safetensors import safe_open
+    """The image size the export's latent space records (header and space tensors only); None when it records none."""
+    from shared.tokenizers.space import LatentSpace
     try:
-        with safe_open(str(path), framework="pt") as f:
-            return int(json.loads((f.metadata() or {})["latents"])["image_size"])
-    except Exception:  # noqa: BLE001 - an unreadable header is reported by the sampling step, in its own words
+        space = LatentSpace.read_file(path)
+    except Exception:  # noqa: BLE001 - an unreadable file is reported by the sampling step, in its own words
         return None
+    return (space.image_size or None) if space is not None else None
 
 
 def sample_export(export: Path, out: Path, o: RunEvalOptions) -> Path:

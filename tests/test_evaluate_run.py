@@ -9,10 +9,12 @@ import torch
 
 from evaluate import digits
 from evaluate.__main__ import main
-from evaluate.curve import RunEvalOptions, matching, read_rows, settings_of
+from evaluate.curve import RunEvalOptions, export_image_size, matching, read_rows, settings_of
 from shared.runtime import rundir
 from shared.weights.export import save_weights
 from shared.network.models import ModelConfig
+from shared.tokenizers.norm import LatentNorm
+from shared.tokenizers.space import LatentSpace
 from shared.tokenizers.tokenizer import Tokenizer
 from tests.helpers import run_main
 
@@ -78,7 +80,10 @@ def test_run_mistakes_are_refused_before_sampling(tmp_path, capsys):
                             capsys)
     assert code == 2 and "the Inception Score split size must be at least 1; got 0" in err
     config = ModelConfig("DiT-T/2", input_size=8, in_channels=4, num_classes=10)
-    save_weights(rundir.export_path(run, 100), config.build().state_dict(), config, {"image_size": 64}, 100)
+    space = LatentSpace({"source": "t", "latent_channels": 4}, (4, 8, 8), 64, [str(i) for i in range(10)],
+                        {"dit": LatentNorm.scale_only(0.5)})
+    save_weights(rundir.export_path(run, 100), config.build().state_dict(), config, space, 100)  # the current format
+    assert export_image_size(rundir.export_path(run, 100)) == 64
     code, _, err = run_main(main, ["run", run, *FLAGS], capsys)
     assert code == 2 and "fitted to 32x32 images" in err and "64x64" in err
     assert not rundir.eval_path(run).exists() and not (run / rundir.EVAL_SAMPLES).exists()
