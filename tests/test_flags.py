@@ -354,3 +354,22 @@ def test_a_flag_family_dataclass_lists_after_the_commands_own_flags():
     for parser in (sample_parser(), decode_parser(), watch_parser()):
         dests = [a.dest for a in parser._actions if a.dest != "help"]
         assert dests[-len(family):] == family, parser.prog
+
+
+def test_a_declared_bound_is_checked_once_by_from_args():
+    """`option(min=..., max=...)` refuses an out-of-range value in one paragraph naming the flag and the bound."""
+    from shared.runtime.errors import UserError
+
+    @dataclasses.dataclass
+    class Bounded:
+        steps: int = option(4, "how many", min=1)
+        scale: float = option(0.5, "a fraction", min=0.0, max=1.0)
+        sizes: tuple = option((2,), "sizes", nargs="+", type=int, min=1)
+
+    parser = add_flags(argparse.ArgumentParser(), Bounded)
+    assert from_args(Bounded, parser.parse_args(["--steps", "1", "--scale", "1"])) == Bounded(1, 1.0, (2,))
+    for argv, needle in ((["--steps", "0"], "--steps must be at least 1; got 0."),
+                         (["--scale", "1.5"], "--scale must be at most 1; got 1.5."),
+                         (["--sizes", "3", "0"], "--sizes must be at least 1; got 0.")):
+        with pytest.raises(UserError, match="^" + needle.replace(".", r"\.")):
+            from_args(Bounded, parser.parse_args(argv))

@@ -11,6 +11,8 @@ import typing
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from shared.runtime.errors import UserError
+
 FLAG_KEY = "flag"  # the field-metadata key that holds a field's Flag
 
 
@@ -44,6 +46,8 @@ class Flag:
     positional: bool = False
     exclusive: str | None = None        # flags sharing this key are mutually exclusive
     action: Any = None                  # an argparse action class, e.g. BooleanOptionalAction for --x/--no-x
+    min: float | None = None            # the least value the flag takes (None: unbounded); checked by from_args
+    max: float | None = None            # the greatest value the flag takes
 
     def field(self, **changes) -> Any:
         """A fresh dataclass field for this flag (changes: e.g. another default or help for one command)."""
@@ -104,8 +108,21 @@ def from_args(cls, args: argparse.Namespace, **extra):
             value = getattr(args, f.name)
             if isinstance(f.default, tuple) and isinstance(value, list):
                 value = tuple(value)
+            check_bounds(f.name, f.metadata[FLAG_KEY], value)
             values[f.name] = value
     return cls(**values, **extra)
+
+
+def check_bounds(name: str, spec: Flag, value) -> None:
+    """Refuse a flag value outside the option's declared [min, max] (None and unbounded flags pass)."""
+    flag = spec.name or flag_name(name)
+    for item in value if isinstance(value, (list, tuple)) else [value]:
+        if item is None or isinstance(item, bool):
+            continue
+        if spec.min is not None and item < spec.min:
+            raise UserError(f"{flag} must be at least {spec.min:g}; got {item:g}. Pass a value of {spec.min:g} or more.")
+        if spec.max is not None and item > spec.max:
+            raise UserError(f"{flag} must be at most {spec.max:g}; got {item:g}. Pass a value of {spec.max:g} or less.")
 
 
 def argument_of(name: str, spec: Flag, hint) -> tuple[list[str], dict]:
