@@ -54,7 +54,7 @@ def plugin_dir(tmp_path):
 @pytest.fixture
 def plugin(plugin_dir, monkeypatch):
     """The plugin imported in this process, into a copy of the table (the session's table is left as it was)."""
-    monkeypatch.setattr(blocks, "BLOCK_OPTIONS", {slot: dict(values) for slot, values in blocks.BLOCK_OPTIONS.items()})
+    monkeypatch.setattr(blocks, "BLOCK_OPTIONS", {slot: values.copy() for slot, values in blocks.BLOCK_OPTIONS.items()})
     monkeypatch.syspath_prepend(str(plugin_dir))
     sys.modules.pop(MODULE, None)
     try:

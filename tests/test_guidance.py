@@ -74,7 +74,7 @@ def test_guide_channel_vocabulary():
             guide_channel_count("3", channels)
     from shared.weights.checkpoint import FORMATS
 
-    auto = {f.name: f.auto_guide for f in FORMATS}  # each weight source's own rule, in its record
+    auto = {f.name: f.auto_guide for f in FORMATS.values()}  # each weight source's own rule, in its record
     AUTO_DIT, AUTO_REPA, AUTO_DIFFUSERS = auto["dit"], auto["repa"], auto["diffusers"]
     AUTO_SIT = AUTO_DIT  # SiT's release has DiT's layout and its sampler keeps DiT's rule
     assert guide_channel_count("auto", 4, AUTO_DIT) == 3 and guide_channel_count("auto", 8, AUTO_DIT) is None

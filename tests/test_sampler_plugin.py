@@ -58,7 +58,7 @@ def plugin(tmp_path, monkeypatch):
         importlib.import_module(MODULE)
         yield folder
     finally:
-        SAMPLERS.pop(NAME, None)
+        SAMPLERS.unregister(NAME)
         sys.modules.pop(MODULE, None)
 
 
@@ -79,7 +79,7 @@ def test_the_registry_takes_a_sampler_and_refuses_a_clash(plugin):
     with pytest.raises(TypeError, match="not those of the sampling flags"):
         register_sampler(SamplerSpec("odd", print, "flow", "odd", options=(SamplerOption("tilt", 0.0, "t", "t"),)))
     register_sampler(SamplerSpec("shifted", print, "flow", "reuses a flag's option", options=(TIME_SHIFT,)))
-    SAMPLERS.pop("shifted")
+    SAMPLERS.unregister("shifted")
 
 
 def test_a_recorded_plugin_sampler_not_imported_names_the_plugin():

@@ -37,7 +37,7 @@ NPZ = WeightFormat("npz", lambda found: found.path.is_file() and found.path.suff
                    lambda found: ((), "one set of weights (a numpy archive)"), kind="npz",
                    config_from="inferred from the archive's array shapes",
                    damaged="Export the archive again from its source.")
-if NPZ not in FORMATS:  # pytest imports this module once; python -m sample --plugin once per process
+if NPZ.name not in FORMATS:  # pytest imports this module once; python -m sample --plugin once per process
     register_format(NPZ)
 
 

@@ -11,14 +11,13 @@ refuses a folder whose module is not imported.
 """
 from __future__ import annotations
 
-import importlib
 import sys
 from dataclasses import dataclass, fields
 from typing import Callable
 
 from shared.runtime.errors import UserError
+from shared.runtime.registry import Registry, plugin_module
 
-BUILT_IN = ("shared.",)  # modules of the package: registering from them needs no --plugin
 BUILT_IN_COLUMNS = ("shared.network.repa",)  # imported before the registry is read
 
 
@@ -57,33 +56,27 @@ class ShardColumn:
         return self.train_flags(**{f.name: values[f.name] for f in fields(self.train_flags) if f.name in values})
 
 
-COLUMNS: dict[str, ShardColumn] = {}
-
-
-def register_column(column: ShardColumn) -> ShardColumn:
-    """Add a column to the registry (another record under the same name is refused)."""
-    old = COLUMNS.get(column.name)
-    if old is not None and module_of(old) != module_of(column):
-        raise TypeError(f"shard column {column.name!r} is registered by {module_of(old)}")
-    COLUMNS[column.name] = column
-    return column
-
-
-def columns() -> dict[str, ShardColumn]:
-    """Every registered column (the built-in ones imported first)."""
-    for module in BUILT_IN_COLUMNS:
-        importlib.import_module(module)
-    return COLUMNS
-
-
 def module_of(record) -> str:
     """The module that defines a record's functions (a column's `plan`, a tokenizer's `encode`)."""
     return (record.plan if isinstance(record, ShardColumn) else record.encode).__module__
 
 
+COLUMNS: Registry[ShardColumn] = Registry("shard column", module_of, imports=BUILT_IN_COLUMNS)
+
+
+def register_column(column: ShardColumn) -> ShardColumn:
+    """Add a column to the registry (another record under the same name is refused)."""
+    return COLUMNS.register(column.name, column)
+
+
+def columns() -> Registry[ShardColumn]:
+    """Every registered column (the built-in ones imported first)."""
+    return COLUMNS
+
+
 def plugin_of(record) -> str:
     """The --plugin module that registers `record`, or "" for one of the package's."""
-    return "" if module_of(record).startswith(BUILT_IN) else module_of(record)
+    return plugin_module(module_of(record))
 
 
 def flag_values(cls_of, args) -> dict:

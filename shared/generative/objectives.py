@@ -23,6 +23,7 @@ from shared.generative.meanflow import PAIR_SAMPLINGS, draw_pair, meanflow_losse
 from shared.generative.samplers import LAST_STEP_SIZE, TIME_SHIFT, get_sampler, sampler_options
 from shared.runtime.cli import FLAG_KEY, Flag, option
 from shared.runtime.errors import ChoiceError, SettingError
+from shared.runtime.registry import Registry, plugin_module
 
 
 class Objective(Protocol):
@@ -57,29 +58,26 @@ class Objective(Protocol):
 
 # ---- The registry ----
 
-OBJECTIVES: dict[str, type] = {}
-BUILT_IN = __name__  # objectives defined here need no --plugin
+OBJECTIVES: Registry[type] = Registry("objective", lambda cls: f"{cls.__module__}.{cls.__qualname__}",
+                                      lambda cls: f"{cls.name}: {cls.help}")
 DEFAULT_OBJECTIVE = "ddpm"  # DiT's: train's default, and what weights that record no objective were trained with
+_MEMBERS = ("name", "help", "family", "default_sampler", "fast_sampler", "level_range", "level_unit", "draw_time",
+            "training_losses", "noise_level", "process", "sample")
 
 
 def register_objective(cls: type) -> type:
     """Class decorator: add dataclass `cls` to OBJECTIVES under cls.name (another class of that name is refused)."""
     if not dataclasses.is_dataclass(cls):
         raise TypeError(f"{cls.__name__}: an objective is a dataclass (decorate it with @dataclass first)")
-    missing = [m for m in ("name", "help", "family", "default_sampler", "fast_sampler", "level_range", "level_unit",
-                           "draw_time", "training_losses", "noise_level", "process", "sample") if not hasattr(cls, m)]
+    missing = [m for m in _MEMBERS if not hasattr(cls, m)]
     if missing:
         raise TypeError(f"{cls.__name__} lacks the Objective members {missing}")
-    old = OBJECTIVES.get(cls.name)
-    if old is not None and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
-        raise TypeError(f"objective name {cls.name!r} is taken by {old.__module__}.{old.__qualname__}")
-    OBJECTIVES[cls.name] = cls
-    return cls
+    return OBJECTIVES.register(cls.name, cls)
 
 
 def objective_names() -> tuple[str, ...]:
     """The registered objective names (built-ins, then plugins in import order)."""
-    return tuple(OBJECTIVES)
+    return OBJECTIVES.names()
 
 
 def objective_help() -> str:
@@ -89,14 +87,13 @@ def objective_help() -> str:
 
 def learns_sigma(name: str) -> bool:
     """Whether objective `name`'s network outputs 2C channels, the second C a learned variance its loss trains."""
-    return bool(getattr(OBJECTIVES[check_objective(name)], "learns_sigma", False))
+    return bool(getattr(OBJECTIVES.lookup(name), "learns_sigma", False))
 
 
 def check_objective(name: str) -> str:
     """ChoiceError unless `name` is registered."""
-    if name in OBJECTIVES:
-        return name
-    raise ChoiceError("objective", name, objective_names(), objective_help())
+    OBJECTIVES.lookup(name)
+    return name
 
 
 def recorded_fields(cls) -> list[dataclasses.Field]:
@@ -121,8 +118,7 @@ def training_args(objective) -> dict:
 
 def plugin_of(name: str) -> str:
     """The module that registers objective `name` ("" for a built-in), recorded so a later stage can name it."""
-    module = OBJECTIVES[name].__module__
-    return "" if module == BUILT_IN else module
+    return plugin_module(OBJECTIVES[name].__module__)
 
 
 def training_flags() -> dict[str, tuple[Flag, tuple[str, ...]]]:
@@ -141,7 +137,7 @@ def training_flags() -> dict[str, tuple[Flag, tuple[str, ...]]]:
 
 def make_objective(name: str, recorded: dict | None = None, **training) -> Objective:
     """Registered objective `name` from its recorded fields and training settings (None = its default)."""
-    cls = OBJECTIVES[check_objective(name)]
+    cls = OBJECTIVES.lookup(name)
     recorded = dict(recorded or {})
     own_recorded = {f.name for f in recorded_fields(cls)}
     unknown = sorted(set(recorded) - own_recorded)
@@ -419,5 +415,5 @@ def check_sampling_guidance(objective, cfg_scale: float) -> None:
 
 def recorded_by_training(name: str, options: dict) -> dict:
     """The recorded fields objective `name` derives from its training settings ({} for most)."""
-    hook = getattr(OBJECTIVES[check_objective(name)], "record_training", None)
+    hook = getattr(OBJECTIVES.lookup(name), "record_training", None)
     return hook(options) if hook is not None else {}

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from shared.generative.diffusion import check_ddim_eta, ddim_sample, ddpm_sample
-from shared.runtime.errors import ChoiceError, SettingError, UserError
+from shared.runtime.errors import SettingError, UserError
+from shared.runtime.registry import Registry
 from shared.generative.flow import SDE_LAST_STEP, dopri5_sample, euler_sample, heun_sample, sde_sample
 from shared.generative.meanflow import meanflow_sample
 from shared.generative.solvers import dpmpp_2m_sample, unipc_sample
@@ -53,7 +54,9 @@ class SamplerSpec:
     deterministic: bool = True
 
 
-SAMPLERS: dict[str, SamplerSpec] = {spec.name: spec for spec in (
+SAMPLERS: Registry[SamplerSpec] = Registry("sampler", lambda s: f"{s.fn.__module__}.{s.fn.__qualname__}",
+                                           lambda s: f"{s.name} ({s.family})")
+for _spec in (
     SamplerSpec("ddpm", ddpm_sample, "ddpm", "ancestral DDPM, DiT's respacing (250 steps as the paper)",
                 deterministic=False),
     SamplerSpec("ddim", ddim_sample, "ddpm", "DDIM (eta 0 deterministic), DiT's respacing", options=(DDIM_ETA,)),
@@ -73,34 +76,28 @@ SAMPLERS: dict[str, SamplerSpec] = {spec.name: spec for spec in (
                 "time-shifted) intervals, one call each: 1 step z0 = z1 - u(z1, 0, 1), 2 as the paper's 2-NFE; a model "
                 "trained with --cfg-omega/--cfg-kappa has its guidance folded in: sample it with --cfg-scale 1, one "
                 "call per step", options=(TIME_SHIFT,)),
-)}
+):
+    SAMPLERS.register(_spec.name, _spec)
 SAMPLER_OPTIONS = {o.name: o for s in SAMPLERS.values() for o in s.options}  # every option (each a sampling flag)
 
 
 def register_sampler(spec: SamplerSpec) -> SamplerSpec:
     """Add `spec` to SAMPLERS (TypeError for a name taken by another record or an option with no flag); returns it."""
-    old = SAMPLERS.get(spec.name)
-    if old is not None and old != spec:
-        raise TypeError(f"sampler name {spec.name!r} is taken by {old.fn.__module__}.{old.fn.__qualname__}")
     strange = [o.name for o in spec.options if SAMPLER_OPTIONS.get(o.name) != o]
     if strange:
         raise TypeError(f"sampler {spec.name!r} takes options {strange} that are not those of the sampling flags "
                         f"({', '.join(SAMPLER_OPTIONS)}); reuse their records (TIME_SHIFT, ...)")
-    SAMPLERS[spec.name] = spec
-    return spec
+    return SAMPLERS.register(spec.name, spec)
 
 
 def sampler_names() -> tuple[str, ...]:
     """The registered sampler names (built-ins, then plugins in import order): --sampler's choices."""
-    return tuple(SAMPLERS)
+    return SAMPLERS.names()
 
 
 def get_sampler(name: str, objective=None) -> SamplerSpec:
     """Sampler `name`'s record; ChoiceError if unknown, SettingError if it does not serve `objective` (or family)."""
-    if name not in SAMPLERS:
-        raise ChoiceError("sampler", name, sampler_names(),
-                          detail="; ".join(f"{s.name} ({s.family})" for s in SAMPLERS.values()))
-    spec = SAMPLERS[name]
+    spec = SAMPLERS.lookup(name)
     if objective is None:
         return spec
     family, called = (objective, objective) if isinstance(objective, str) else (objective.family, objective.name)

@@ -19,6 +19,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from shared.network.attention import Attention
 from shared.runtime.cli import Flag
 from shared.runtime.errors import ChoiceError, UserError
+from shared.runtime.registry import Registry, plugin_module
 
 NORM_EPS = 1e-6  # DiT's LayerNorms and LightningDiT's RMSNorms alike
 ROPE_THETA = 10000  # rotary base period, as LightningDiT (EVA-02's VisionRotaryEmbeddingFast)
@@ -59,7 +60,8 @@ class BlockOption:
         return (self.qk or self.build)(head_dim)
 
 
-BLOCK_OPTIONS: dict[str, dict] = {slot: {} for slot in SLOTS}
+BLOCK_OPTIONS: dict[str, Registry[BlockOption]] = {
+    slot: Registry(f"block {slot}", lambda o: o.module or __name__, lambda o: f"{o.value}: {o.help}") for slot in SLOTS}
 
 
 def register_block_option(slot: str, value, help: str, build: Callable | None, marker: str = "",
@@ -70,22 +72,14 @@ def register_block_option(slot: str, value, help: str, build: Callable | None, m
     if (slot in SWITCHES) != isinstance(value, bool):
         raise TypeError(f"block slot {slot} takes {'True/False' if slot in SWITCHES else 'a name'}, not {value!r}")
     caller = sys._getframe(1).f_globals.get("__name__", "")
-    option = BlockOption(slot, value, help, build, marker, qk, "" if caller == __name__ else caller)
-    old = BLOCK_OPTIONS[slot].get(value)
-    if old is not None and old.module != option.module:
-        raise TypeError(f"block option {slot}={value!r} is taken by {old.module or __name__}")
-    BLOCK_OPTIONS[slot][value] = option
-    return option
+    return BLOCK_OPTIONS[slot].register(value, BlockOption(slot, value, help, build, marker, qk, plugin_module(caller)))
 
 
 def block_option(slot: str, value) -> BlockOption:
     """The record of one slot's value; ChoiceError (UserError for a switch) naming the registered ones."""
     if slot in SWITCHES and not isinstance(value, bool):
         raise UserError(f"block option {slot} must be true or false, got {value!r}; fix the config or flag.")
-    if value not in BLOCK_OPTIONS[slot]:
-        raise ChoiceError(f"block {slot}", value, list(BLOCK_OPTIONS[slot]),
-                          "; ".join(f"{o.value}: {o.help}" for o in BLOCK_OPTIONS[slot].values()))
-    return BLOCK_OPTIONS[slot][value]
+    return BLOCK_OPTIONS[slot].lookup(value)
 
 
 def build_part(slot: str, value, *args) -> nn.Module | None:

@@ -20,6 +20,7 @@ from shared.network.diffusers_dit import NUMERICS_NOTE, check_dit_config, diffus
 from shared.network.models import PRESETS, ModelConfig, check_preset, infer_model_config
 from shared.network.repa import REPA_PROJECTOR_PREFIX
 from shared.runtime.errors import ChoiceError, UserError
+from shared.runtime.registry import Registry
 from shared.tokenizers.space import LatentSpace
 from shared.runtime.tensorfiles import first_nonfinite, load_torch_file, safetensors_problem
 from shared.weights.export import load_weights
@@ -334,7 +335,8 @@ def _read_diffusers(found: Found, weights: str, objective: str | None) -> Read:
 _OURS_DAMAGED = ("Training diverged before these weights were saved, or the file is damaged: pass an earlier export or "
                  "checkpoint with --ckpt (RUN/exports/ema-step-*.safetensors, RUN/checkpoints/step-*).")
 _REPA_ALL = AutoGuide("all", "REPA's sampler guides all channels")  # RAE's flow in REPA's time: the same rule
-FORMATS: list[WeightFormat] = [  # tried in this order: the first that recognises --ckpt reads it
+FORMATS: Registry[WeightFormat] = Registry("weight format", lambda f: f.reads.__module__)
+for _fmt in (  # tried in this order: the first that recognises --ckpt reads it
     WeightFormat("diffusers", lambda f: f.diffusers is not None, _read_diffusers,
                  holds=lambda f: ((), "one set of weights (the Hub's DiT pipelines hold the EMA weights)"),
                  latents=lambda f, r: pipeline_latent_meta(f.diffusers, r.config),
@@ -357,12 +359,13 @@ FORMATS: list[WeightFormat] = [  # tried in this order: the first that recognise
     WeightFormat("dit", lambda f: f.is_torch, _read_dit, _held_entries,  # DiT's and SiT's releases, any bare .pt
                  auto_guide=AutoGuide("3", "the DiT release's sampler guides the first 3 of 4 channels (SiT's keeps "
                                            "its rule)")),
-]
+):
+    FORMATS.register(_fmt.name, _fmt)
 
 
 def register_format(fmt: WeightFormat) -> None:
     """Add a weight source (e.g. from a --plugin module); it is tried before the built-in ones."""
-    FORMATS.insert(0, fmt)
+    FORMATS.register(fmt.name, fmt, first=True)
 
 
 def _choose_weights(found: Found, fmt: WeightFormat) -> str:
@@ -414,7 +417,7 @@ def load_sampling_weights(ckpt, weights: str | None = None, model: str | None = 
     if objective is not None:
         check_objective(objective)
     found = _find(ckpt, weights)
-    fmt = next((f for f in FORMATS if f.recognises(found)), None)
+    fmt = next((f for f in FORMATS.values() if f.recognises(found)), None)
     if fmt is None:
         raise UserError(f"--ckpt {found.path} does not exist; pass {_CKPT_KINDS}.")
     chosen = _choose_weights(found, fmt)
