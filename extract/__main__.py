@@ -41,58 +41,66 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _config(args):
-    """ExtractConfig from parsed arguments."""
+    """ExtractConfig from parsed arguments (every flag's bounds checked once, by from_args)."""
     from extract.run import ExtractConfig
     from shared.datasets.columns import flag_values
 
-    if args.out is None:
-        raise UserError("--out is required to extract: pass the folder for the shards (or use --check).")
     return from_args(ExtractConfig, args, column_flags=flag_values(lambda c: c.extract_flags, args))
+
+
+def _needs(value, refusal: str):
+    """`value`, or the UserError paragraph `refusal` when the flag that sets it was not given."""
+    if value is None:
+        raise UserError(refusal)
+    return value
+
+
+def run_mode(args, cfg) -> int:
+    """The job the flags pick: --verify, --stats, --check, --dry-run, else the extraction."""
+    from extract.run import ExtractConfig
+
+    if args.verify:
+        from extract.verify import run_verify
+
+        print(run_verify(_needs(cfg.out, "--verify needs --out: the latent folder to check.")))
+        return 0
+    if args.stats:
+        from extract.stats import run_stats
+
+        out = _needs(cfg.out, "--stats needs --out: the finished latent folder to add the statistics to.")
+        given = cfg.vae if cfg.vae != ExtractConfig.vae or cfg.vae_config else None  # else the recorded one
+        print(run_stats(out, given, cfg.vae_config))
+        return 0
+    _needs(cfg.data_path, "--data-path is required: pass the ImageFolder root (one sub-folder per class), the tar "
+                          "shards (data/train-{000000..000146}.tar) or the parquet files.")
+    if args.check:
+        from extract.check import run_check
+        from extract.run import source_options
+
+        num_bad = run_check(cfg.data_path, cfg.image_size, cfg.num_workers, cfg.limit, cfg.max_image_pixels,
+                            cfg.duplicates, source_options(cfg))
+        return 1 if num_bad else 0
+    from extract.run import describe_plan, format_summary, run_extract
+
+    _needs(cfg.out, "--out is required to extract: pass the folder for the shards (or use --check).")
+    if args.dry_run:
+        print(describe_plan(cfg))
+        return 0
+    summary = run_extract(cfg)
+    if summary:
+        print(format_summary(summary))
+    return 0
 
 
 @interruptible(PROG)
 def main(argv=None) -> int:
-    """Parse flags and run the check or the extraction; UserError becomes one clear paragraph."""
+    """Parse flags, build the config once, run the job it picks; UserError becomes one clear paragraph."""
     argv = sys.argv[1:] if argv is None else list(argv)
     with cli_errors(PROG, FLAGS):
         load_plugins(argv)  # first: a plugin's shard column adds flags
     args = build_parser().parse_args(argv)
     try:
-        if args.verify:
-            from extract.verify import run_verify
-
-            if args.out is None:
-                raise UserError("--verify needs --out: the latent folder to check.")
-            print(run_verify(args.out))
-            return 0
-        if args.stats:
-            from extract.run import ExtractConfig
-            from extract.stats import run_stats
-
-            if args.out is None:
-                raise UserError("--stats needs --out: the finished latent folder to add the statistics to.")
-            given = args.vae if args.vae != ExtractConfig.vae or args.vae_config else None  # else the recorded one
-            print(run_stats(args.out, given, args.vae_config))
-            return 0
-        if args.data_path is None:
-            raise UserError("--data-path is required: pass the ImageFolder root (one sub-folder per class), the tar "
-                            "shards (data/train-{000000..000146}.tar) or the parquet files.")
-        if args.check:
-            from extract.check import run_check
-            from extract.run import source_options
-
-            num_bad = run_check(args.data_path, args.image_size, args.num_workers, args.limit,
-                                args.max_image_pixels, args.duplicates, source_options(args))
-            return 1 if num_bad else 0
-        from extract.run import describe_plan, format_summary, run_extract
-
-        if args.dry_run:
-            print(describe_plan(_config(args)))
-            return 0
-        summary = run_extract(_config(args))
-        if summary:
-            print(format_summary(summary))
-        return 0
+        return run_mode(args, _config(args))
     except UserError as err:
         exit_with(err, PROG, FLAGS)
 

@@ -35,7 +35,7 @@ from shared.runtime.fsio import atomic_write_bytes, atomic_write_text, stale_tmp
 from shared.runtime.lock import hold_lock
 from shared.runtime.rerun import differences, listed
 from shared.datasets.columns import columns, plugin_of
-from shared.datasets.shard_schema import FLAG_DTYPES
+from shared.datasets.shards import FLAG_DTYPES
 from shared.runtime.plugins import PLUGIN
 from shared.tokenizers.classes import tokenizer_class
 from shared.tokenizers.norm import ChannelStats, ElementStats
@@ -69,19 +69,19 @@ class ExtractConfig:
                              "folder, a single weight file (.safetensors/.ckpt/.pt) or a hub id")
     vae_config: Path | None = option(None, "config.json for a single-file --vae when none sits beside the file.")
     image_size: int = option(256, "Side of the square centre crop (ADM preprocessing); a multiple of the VAE's "
-                                  "downsample factor")
+                                  "downsample factor", min=1)
     flip: str = option("both", "both: also store the horizontally mirrored image's moments (train picks one per "
                                "step); none: originals only", choices=tuple(FLIP_MODES))
-    batch_size: int = option(64, "Images per encoder batch (x2 with --flip both)")
+    batch_size: int = option(64, "Images per encoder batch (x2 with --flip both)", min=1)
     num_workers: int | None = option(None, "Image-decoding processes per extract process (default: up to 8, from the "
-                                           "CPU count).")
+                                           "CPU count).", min=0)
     dtype: str = option("fp16", "Storage dtype of the moments (bf16: fp32's range, fewer digits than fp16; RAE's "
                                 "768x16x16 tokens: 384 KiB per image and flip in fp16 or bf16, 768 KiB in fp32); "
                                 "encoding always runs in fp32",
                         choices=tuple(STORAGE_DTYPES))
-    shard_size: int = option(4096, "Images per shard, also the unit of resume")
+    shard_size: int = option(4096, "Images per shard, also the unit of resume", min=1)
     limit: int | None = option(None, "Use only N images, spread evenly over the sorted list (for a quick trial; "
-                                     "default: all).")
+                                     "default: all).", min=1)
     max_image_pixels: int | None = option(
         MAX_IMAGE_PIXELS, f"Images with more pixels are skipped as possible decompression bombs (listed as bad "
                           f"files); 'none' admits any size (default: {MAX_IMAGE_PIXELS:,}). Admitted images above "
@@ -148,16 +148,8 @@ class Progress:
 # Planning and checks (no VAE weights)
 # ----------------------------------------------------------------------------------------------------------
 
-def check_numbers(cfg: ExtractConfig) -> None:
-    """Positive sizes and known choices, or a UserError naming the flag."""
-    for flag, value in (("--image-size", cfg.image_size), ("--batch-size", cfg.batch_size),
-                        ("--shard-size", cfg.shard_size)):
-        if value <= 0:
-            raise UserError(f"{flag} must be a positive integer, got {value}.")
-    if cfg.limit is not None and cfg.limit <= 0:
-        raise UserError(f"--limit must be a positive number of images, got {cfg.limit}; omit it to use all.")
-    if cfg.num_workers is not None and cfg.num_workers < 0:
-        raise UserError(f"--num-workers must be 0 (decode in the main process) or more, got {cfg.num_workers}.")
+def check_choices(cfg: ExtractConfig) -> None:
+    """Known choices, or a ChoiceError naming the flag (the numbers' bounds are on their options: from_args)."""
     if cfg.flip not in FLIP_MODES:
         raise ChoiceError("flip mode", cfg.flip, FLIP_MODES)
     if cfg.duplicates not in DUPLICATE_POLICIES:
@@ -265,8 +257,8 @@ def check_separate_folders(data_path, out: Path) -> None:
 
 
 def check_flags(cfg: ExtractConfig) -> None:
-    """The checks of the flags alone (no file read): numbers, choices, --out apart from --data-path."""
-    check_numbers(cfg)
+    """The checks of the flags alone (no file read): choices, --out apart from --data-path."""
+    check_choices(cfg)
     if cfg.out is not None:
         check_separate_folders(cfg.data_path, cfg.out)
         if Path(cfg.out).exists() and not Path(cfg.out).is_dir():

@@ -364,12 +364,12 @@ def test_flip_none_and_fp16_storage(tmp_path, image_folder, tiny_vae_dir):
 
 def test_unknown_flip_or_dtype_is_a_choice_error_with_flag_advice(tmp_path, image_folder, tiny_vae_dir):
     from extract.__main__ import FLAGS
-    from extract.run import check_numbers
+    from extract.run import check_choices
 
     for change, setting, flag in (({"flip": "mirror"}, "flip mode", "--flip"), ({"dtype": "int8"}, "storage dtype",
                                                                                   "--dtype")):
         with pytest.raises(ChoiceError) as caught:
-            check_numbers(_config(image_folder, tmp_path / "out", tiny_vae_dir, **change))
+            check_choices(_config(image_folder, tmp_path / "out", tiny_vae_dir, **change))
         assert caught.value.setting == setting and FLAGS[setting] == flag
         assert str(advise(caught.value, FLAGS)).startswith(f"{flag} ")
 

@@ -1,6 +1,6 @@
 """The registry of extra shard columns: one record per column, its producer at extraction and its consumer in training.
 
-A column is a per-sample tensor (F, ...) stored beside the latent in every payload (shared/datasets/shard_schema.py).
+A column is a per-sample tensor (F, ...) stored beside the latent in every payload (shared/datasets/shards.py).
 `python -m extract` adds each registered column's flags; a column whose `plan` returns a record is computed from
 every batch of pixels by the function `load` returns, stored in the record's dtype, and its record is written to
 index.json under `meta_key`. `python -m train` adds each column's training flags; a column whose `weight` flag is

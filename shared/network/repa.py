@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from shared.datasets.columns import ShardColumn, register_column
-from shared.datasets.shard_schema import FLAG_DTYPES
+from shared.datasets.shards import FLAG_DTYPES
 from shared.runtime.cli import option
 from shared.runtime.errors import UserError
 from shared.runtime.rundir import PROJECTOR_FILE
