@@ -1,9 +1,10 @@
 """The extraction job: plan and check before loading anything, encode shard by shard, resume, index last.
 
 Shard j holds the files at sorted positions [j*S, (j+1)*S); process r of W encodes the shards j with
-j % W == r. A shard is finished when its tar and then its sidecar (`shard-NNNNNN.done.json`: ShardInfo, bad
-files, VAE identity) exist and its bytes still match the sidecar's sha256; rerunning the same command skips
-finished shards and redoes the rest, damaged ones included. When every shard is finished, one process hashes
+j % W == r. A shard is finished when its tar and then its sidecar (`shard-NNNNNN.done.json`, written by
+ShardWriter.close: ShardInfo, bad files, VAE identity) exist and its bytes still match the sidecar's sha256;
+rerunning the same command skips finished shards and redoes the rest, damaged ones included. One Plan (the flags,
+the images, the tokenizer class, the settings), resolved before any weights load, is what every step reads. When every shard is finished, one process hashes
 them all (the index records only verified hashes), writes the bad-file report and then index.json (last).
 The main process holds the folder's lock (shared/runtime/lock.py) for the whole run.
 """
@@ -37,11 +38,11 @@ from shared.runtime.rerun import differences, listed
 from shared.datasets.columns import columns, plugin_of
 from shared.datasets.shards import FLAG_DTYPES
 from shared.runtime.plugins import PLUGIN
-from shared.tokenizers.classes import tokenizer_class
+from shared.tokenizers.classes import TokenizerClass, tokenizer_class
 from shared.tokenizers.norm import ChannelStats, ElementStats
 from shared.tokenizers.space import LatentSpace
-from shared.datasets.shards import (FLIP_MODES, FOLDER_KIND, INDEX_NAME, STORAGE_DTYPES, ShardInfo, ShardWriter,
-                           damaged_error, damaged_files, shard_name, write_index)
+from shared.datasets.shards import (FLIP_MODES, FOLDER_KIND, INDEX_NAME, STORAGE_DTYPES, ShardWriter, damaged_error,
+                                    damaged_files, read_sidecar, shard_name, sidecar_path, write_index)
 
 SETTINGS_NAME = "extract-settings.json"
 BAD_FILES_NAME = "bad-files.jsonl"
@@ -118,19 +119,24 @@ class ExtractModes:
 
 @dataclass
 class Plan:
-    """What the checks found before any weights are loaded."""
+    """The run, resolved once before any weights load: the flags, the images, the tokenizer, the settings."""
 
+    cfg: ExtractConfig
     scan: ImageFolderScan
     vae_name: str
-    settings: dict
-    num_shards: int
-    warnings: list = field(default_factory=list)  # printed by the main process before it starts
+    vae_config: dict
+    kind: TokenizerClass  # the tokenizer's class record (shared/tokenizers/classes.py)
+    latent_shape: tuple  # (C, h, w) measured by encoding one image of --image-size (meta device, no weights)
+    settings: dict  # what decides the shard bytes (run_settings)
     columns: dict = field(default_factory=dict)  # {name: record} of the extra columns stored (shared/datasets/columns.py)
-    vae_config: dict = field(default_factory=dict)
-    deterministic: bool = False  # the tokenizer gives one latent, no posterior spread (AutoencoderDC)
-    element_stats: bool = False  # per-element statistics are computed too (RAE: its normalisation is per element)
-    latent_shape: tuple = ()  # (C, h, w) measured by encoding one image of --image-size (meta device, no weights)
+    warnings: list = field(default_factory=list)  # printed by the main process before it starts
     listing_key: dict | None = None  # a tar or parquet listing made by this run: kept in --out under this key
+
+    out = property(lambda self: Path(self.cfg.out), doc="The --out folder.")
+    num_shards = property(lambda self: -(-len(self.scan) // self.cfg.shard_size), doc="Shards of --shard-size images.")
+    flips = property(lambda self: FLIP_MODES[self.cfg.flip], doc="F: moments stored per image (2 with --flip both).")
+    deterministic = property(lambda self: self.kind.deterministic, doc="One latent, no posterior spread (DC-AE).")
+    element_stats = property(lambda self: self.kind.element_stats, doc="Per-element statistics too (RAE tokens).")
 
 
 @dataclass
@@ -158,16 +164,16 @@ def check_choices(cfg: ExtractConfig) -> None:
         raise ChoiceError("storage dtype", cfg.dtype, STORAGE_DTYPES)
 
 
-def check_encoder_vae(cfg: ExtractConfig) -> tuple[str, dict, list[str], tuple]:
-    """Resolve the tokenizer, measure its factor and latent, check the size against the DiT patches (no weights)."""
+def check_encoder_vae(cfg: ExtractConfig) -> tuple[str, dict, TokenizerClass, list[str], tuple]:
+    """Resolve the tokenizer and its class, measure its factor and latent, check the size (no weights)."""
     from shared.tokenizers.tokenizer import downsample_factor, measure_latent, read_vae_config, resolve_vae_spec
 
     name = resolve_vae_spec(cfg.vae, cfg.vae_config)
     config = read_vae_config(cfg.vae, cfg.vae_config)
-    family = tokenizer_class(config, name).family
-    warnings = check_image_size(cfg.image_size, downsample_factor(config), family)  # factor measured at a probe size
+    kind = tokenizer_class(config, name)
+    warnings = check_image_size(cfg.image_size, downsample_factor(config), kind.family)  # factor at a probe size
     shape = measure_latent(config, cfg.image_size, name)  # (C, h, w): one image of --image-size, meta device
-    return name, config, warnings, shape
+    return name, config, kind, warnings, shape
 
 
 def plan_columns(cfg: ExtractConfig) -> dict:
@@ -270,21 +276,19 @@ def source_options(cfg) -> SourceOptions:
     return SourceOptions(cfg.label_key, cfg.class_map, cfg.image_column, cfg.label_column)
 
 
-def plan(cfg: ExtractConfig, check_out: bool = True) -> Plan:
+def make_plan(cfg: ExtractConfig, check_out: bool = True) -> Plan:
     """Every check that needs no weights: flags, dataset, VAE config, image size (and the out folder)."""
     check_flags(cfg)
     options = source_options(cfg)
     scan, listing_key = listed_source(  # tar and parquet: the listing kept in --out by an earlier run, if it fits
         cfg.data_path, options, cfg.out, {"limit": cfg.limit, "duplicates": cfg.duplicates},
         lambda: apply_duplicates(open_source(cfg.data_path, options).limited(cfg.limit), cfg.duplicates))
-    vae_name, vae_config, warnings, shape = check_encoder_vae(cfg)
+    vae_name, vae_config, kind, warnings, shape = check_encoder_vae(cfg)
     planned = plan_columns(cfg)  # config only, no weights
     settings = run_settings(cfg, scan, vae_name, vae_config, planned)
     if check_out:
         warnings += check_out_folder(Path(cfg.out), settings)
-    kind = tokenizer_class(vae_config, vae_name)
-    return Plan(scan, vae_name, settings, -(-len(scan) // cfg.shard_size), warnings, planned, vae_config,
-                kind.deterministic, kind.element_stats, shape, listing_key)
+    return Plan(cfg, scan, vae_name, vae_config, kind, shape, settings, planned, warnings, listing_key)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -296,30 +300,29 @@ def _atomic_json(path: Path, data) -> None:
     atomic_write_text(path, json.dumps(data, indent=1) + "\n")
 
 
-def sidecar_path(out: Path, shard: int) -> Path:
-    """The sidecar that marks shard `shard` finished."""
-    return out / shard_name(shard).replace(".tar", ".done.json")
-
-
 def settings_sha256(settings: dict) -> str:
     """A short identity of the settings, stored in every sidecar."""
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
 
 
-def read_finished(out: Path, shard: int, settings: dict) -> dict | None:
-    """The sidecar of a finished shard, or None when the shard must be (re)done."""
-    path = sidecar_path(out, shard)
-    try:
-        sidecar = json.loads(path.read_text())
-        tar = out / sidecar["shard"]["name"]
-        ok = sidecar["settings_sha256"] == settings_sha256(settings) and tar.stat().st_size == sidecar["shard"]["size"]
-        ok = ok and "latent_stats" in sidecar  # a shard from before the statistics: encoded again
-        element = sidecar.get("element_stats")  # RAE tokens: the per-element sums' file (older sidecars: inline)
-        ok = ok and (element is None or hashlib.sha256((out / element).read_bytes()).hexdigest()
-                     == sidecar["element_stats_sha256"])
-    except (OSError, ValueError, KeyError, TypeError):
+def read_finished(plan: Plan, shard: int) -> dict | None:
+    """The sidecar of a shard this run's settings finished, or None when the shard must be (re)done."""
+    sidecar = read_sidecar(plan.out, shard)  # None: no record, or its tar is missing or resized
+    if sidecar is None or sidecar.get("settings_sha256") != settings_sha256(plan.settings):
         return None
-    return sidecar if ok else None
+    if "latent_stats" not in sidecar:  # a shard from before the statistics: encoded again
+        return None
+    return sidecar if _element_stats_intact(plan.out, sidecar) else None
+
+
+def _element_stats_intact(out: Path, sidecar: dict) -> bool:
+    """True unless the sidecar names a per-element sums file (RAE tokens) that is missing or fails its sha256."""
+    element = sidecar.get("element_stats")
+    try:
+        return element is None or hashlib.sha256((out / element).read_bytes()).hexdigest() \
+            == sidecar["element_stats_sha256"]
+    except (OSError, KeyError, TypeError):
+        return False
 
 
 def element_stats_path(out: Path, shard: int) -> Path:
@@ -381,31 +384,30 @@ def _bad_file(scan: ImageFolderScan, pos: int, reason: str, strict: bool) -> dic
     return {"path": path, "reason": reason}
 
 
-def shard_columns(cfg: ExtractConfig, plan_: Plan) -> dict:
+def shard_columns(plan: Plan) -> dict:
     """The shards' columns {name: torch dtype}: the posterior moments (the latent alone from a deterministic
     tokenizer: no "std"), then the registered columns this run stores."""
-    moments = STORAGE_DTYPES[cfg.dtype]
-    spread = {} if plan_.deterministic else {"std": moments}
-    return {"mean": moments, **spread, **{name: FLAG_DTYPES[r["dtype"]] for name, r in plan_.columns.items()}}
+    moments = STORAGE_DTYPES[plan.cfg.dtype]
+    spread = {} if plan.deterministic else {"std": moments}
+    return {"mean": moments, **spread, **{name: FLAG_DTYPES[r["dtype"]] for name, r in plan.columns.items()}}
 
 
 class ShardSink:
-    """Receives encoded batches in shard order and turns each finished shard into tar + sidecar."""
+    """Receives encoded batches in shard order; each finished shard's writer publishes its tar, then its sidecar."""
 
-    def __init__(self, out: Path, cfg: ExtractConfig, plan_: Plan, vae_identity: dict, batches: ShardBatches,
-                 process: dict):
-        self.out, self.cfg, self.plan, self.identity, self.batches = out, cfg, plan_, vae_identity, batches
+    def __init__(self, plan: Plan, vae_identity: dict, batches: ShardBatches, process: dict):
+        self.plan, self.identity, self.batches = plan, vae_identity, batches
         self.process = process  # {"rank", "world_size"}: which process wrote a shard (for debugging)
         self.shard, self.writer, self.bad, self.seen = None, None, [], 0
         self.stats = ChannelStats()  # of the shard being written, from the moments as stored
-        self.elements = ElementStats() if plan_.element_stats else None  # per element (C, h, w): RAE tokens
+        self.elements = ElementStats() if plan.element_stats else None  # per element (C, h, w): RAE tokens
 
     def add(self, positions: list[int], columns: dict, bad: list[dict]) -> None:
         """Write one batch (all positions in one shard, sorted); finish the shard after its last file.
 
         columns: the shard's named tensors (B, F, ...) of the good images ("mean", "std", the extra columns).
         """
-        shard = (positions[0] if positions else bad[0]["pos"]) // self.cfg.shard_size
+        shard = (positions[0] if positions else bad[0]["pos"]) // self.plan.cfg.shard_size
         if shard != self.shard:
             self._open(shard)
         if positions:
@@ -421,30 +423,26 @@ class ShardSink:
 
     def _open(self, shard: int) -> None:
         """Start writing a shard (its temp tar is renamed into place only when it is complete)."""
-        if self.writer is not None:
-            raise RuntimeError(f"shard {self.shard} was left unfinished")
+        assert self.writer is None, f"shard {self.shard} was left unfinished"
         self.shard, self.bad, self.seen, self.stats = shard, [], 0, ChannelStats()
         self.elements = ElementStats() if self.plan.element_stats else None
-        self.writer = ShardWriter(self.out / shard_name(shard), columns=shard_columns(self.cfg, self.plan)).__enter__()
+        self.writer = ShardWriter(self.plan.out / shard_name(shard), columns=shard_columns(self.plan)).__enter__()
 
     def _finish(self) -> None:
-        """Close the tar (atomic rename), then write the sidecar that marks the shard finished."""
-        self.writer.__exit__(None, None, None)
-        sidecar = {"shard": self.writer.info.to_dict(), "bad_files": self.bad, "vae": self.identity,
-                   "settings_sha256": settings_sha256(self.plan.settings), "written_by": self.process,
-                   "latent_stats": self.stats.to_dict()}
+        """Close the shard: the writer publishes the tar, then its sidecar with this run's record (last)."""
+        record = {"bad_files": self.bad, "vae": self.identity, "settings_sha256": settings_sha256(self.plan.settings),
+                  "written_by": self.process, "latent_stats": self.stats.to_dict()}
         if self.elements is not None:  # the sums' sha256 in the sidecar: a damaged file re-encodes its shard
-            data = self.elements.to_bytes()
-            atomic_write_bytes(element_stats_path(self.out, self.shard), data)
-            sidecar["element_stats"] = element_stats_path(self.out, self.shard).name
-            sidecar["element_stats_sha256"] = hashlib.sha256(data).hexdigest()
-        _atomic_json(sidecar_path(self.out, self.shard), sidecar)
+            data, path = self.elements.to_bytes(), element_stats_path(self.plan.out, self.shard)
+            atomic_write_bytes(path, data)
+            record.update(element_stats=path.name, element_stats_sha256=hashlib.sha256(data).hexdigest())
+        self.writer.close(record)
         self.writer = None
 
     def abort(self) -> None:
         """Drop the temp file of a shard interrupted by an exception."""
         if self.writer is not None:
-            self.writer.__exit__(RuntimeError, RuntimeError("aborted"), None)
+            self.writer.abort()
             self.writer = None
 
 
@@ -462,23 +460,22 @@ def _split_batch(batch: dict, scan: ImageFolderScan, strict: bool) -> tuple[list
     return positions, pixels, bad
 
 
-def encode_shards(cfg: ExtractConfig, plan_: Plan, shards: list[int], vae, state, producers=None) -> Progress:
+def encode_shards(plan: Plan, shards: list[int], vae, state, producers=None) -> Progress:
     """Decode (workers) -> encode (device) -> write, for the given shards; returns this process's counts."""
-    device, show = state.device, state.is_local_main_process
-    batches = ShardBatches(shards, cfg.shard_size, len(plan_.scan), cfg.batch_size)
-    dataset = ImageFileDataset(plan_.scan, cfg.image_size, cfg.max_image_pixels)
+    cfg, device, show = plan.cfg, state.device, state.is_local_main_process
+    batches = ShardBatches(shards, cfg.shard_size, len(plan.scan), cfg.batch_size)
+    dataset = ImageFileDataset(plan.scan, cfg.image_size, cfg.max_image_pixels)
     loader = make_loader(dataset, batches, default_workers(cfg, state.num_processes),
                          pin_memory=torch.device(device).type == "cuda")
     process = {"rank": state.process_index, "world_size": state.num_processes}
-    sink, progress = ShardSink(Path(cfg.out), cfg, plan_, vae.identity, batches, process), Progress()
+    sink, progress, dtypes = ShardSink(plan, vae.identity, batches, process), Progress(), shard_columns(plan)
     total = sum(len(batches.shard_positions(j)) for j in shards)
     bar = tqdm(total=total, unit="img", desc="extract", disable=not show, dynamic_ncols=True, smoothing=0.1)
     try:
         for batch in loader:
-            positions, pixels, bad = _split_batch(batch, plan_.scan, cfg.strict)
+            positions, pixels, bad = _split_batch(batch, plan.scan, cfg.strict)
             columns = {}
             if positions:
-                dtypes = shard_columns(cfg, plan_)
                 mean, std = encode_pixels(vae, pixels, cfg.flip == "both", progress)  # (B, F, C, h, w) each
                 for name, produce in (producers or {}).items():
                     columns[name] = produce_column(produce, pixels.to(device, non_blocking=True), cfg.flip == "both",
@@ -528,55 +525,53 @@ def folder_space(space: LatentSpace, out: Path, sidecars: list[dict], images: in
     return space.with_norms(statistics, **norms)
 
 
-def _tokenizer_space(cfg: ExtractConfig, plan_: Plan) -> LatentSpace:
+def _tokenizer_space(plan: Plan) -> LatentSpace:
     """The tokenizer's space when this process encoded nothing in this run: the tokenizer loaded on the CPU."""
-    return LatentSpace.of_tokenizer(_load_vae(cfg, "cpu"), cfg.image_size, plan_.latent_shape, plan_.scan.classes)
+    return LatentSpace.of_tokenizer(_load_vae(plan, "cpu"), plan.cfg.image_size, plan.latent_shape, plan.scan.classes)
 
 
-def write_outputs(cfg: ExtractConfig, plan_: Plan, tokenizer_space: LatentSpace | None = None) -> dict:
+def write_outputs(plan: Plan, tokenizer_space: LatentSpace | None = None) -> dict:
     """Collect every sidecar, write the bad-file report, the latent space, then the index (last); a summary."""
-    out = Path(cfg.out)
-    sidecars = [read_finished(out, j, plan_.settings) for j in range(plan_.num_shards)]
+    out = plan.out
+    sidecars = [read_finished(plan, j) for j in range(plan.num_shards)]
     missing = [shard_name(j) for j, s in enumerate(sidecars) if s is None]
     if missing:
         raise RuntimeError(f"shards not finished: {missing[:5]}; rerun the same command to finish them")
-    damaged = damaged_files(out, [s["shard"] for s in sidecars])  # the index records verified hashes only
+    shards = [s["shard"] for s in sidecars]  # each ShardWriter's own record of its tar
+    damaged = damaged_files(out, shards)  # the index records verified hashes only
     if damaged:
         raise damaged_error(out, damaged)
     bad = [b for s in sidecars for b in s["bad_files"]]
-    too_large = sum(b["reason"].startswith(BOMB_REASON) for b in bad)
-    infos = [ShardInfo.from_dict(s["shard"]) for s in sidecars]
-    if not any(i.num_samples for i in infos):
-        raise UserError(f"none of the {len(plan_.scan)} images in {plan_.scan.root} could be read; see "
+    images = sum(s["num_samples"] for s in shards)
+    if not images:
+        raise UserError(f"none of the {len(plan.scan)} images in {plan.scan.root} could be read; see "
                         f"{out / BAD_FILES_NAME} for the reasons.")
     atomic_write_text(out / BAD_FILES_NAME, "".join(json.dumps(b) + "\n" for b in bad))
-    images = sum(i.num_samples for i in infos)
-    space = folder_space(tokenizer_space or _tokenizer_space(cfg, plan_), out, sidecars, images, FLIP_MODES[cfg.flip])
-    meta = index_meta(cfg, plan_, space.write(out), len(bad))
-    write_index(out, infos, meta)
-    return {"num_samples": sum(i.num_samples for i in infos), "num_bad": len(bad), "num_shards": len(infos),
-            "too_large": too_large}
+    space = folder_space(tokenizer_space or _tokenizer_space(plan), out, sidecars, images, plan.flips)
+    write_index(out, shards, index_meta(plan, space.write(out), len(bad)))
+    return {"num_samples": images, "num_bad": len(bad), "num_shards": len(shards),
+            "too_large": sum(b["reason"].startswith(BOMB_REASON) for b in bad)}
 
 
-def index_meta(cfg: ExtractConfig, plan_: Plan, space_sha256: str, num_bad: int) -> dict:
+def index_meta(plan: Plan, space_sha256: str, num_bad: int) -> dict:
     """The metadata index.json carries besides the shard list."""
     return {
-        "image_size": cfg.image_size,
-        "num_classes": len(plan_.scan.classes),
-        "class_names": plan_.scan.classes,
+        "image_size": plan.cfg.image_size,
+        "num_classes": len(plan.scan.classes),
+        "class_names": plan.scan.classes,
         "latent_space": space_sha256,  # of latent_space.json + latent_space.safetensors (shared/tokenizers/space.py)
         "preprocessing": "adm_center_crop",
-        "dataset": {"path": str(plan_.scan.root), "num_files": len(plan_.scan), "num_bad_files": num_bad,
-                    "files_sha256": plan_.scan.fingerprint()},
-        "extract_settings": plan_.settings,
-        **column_records(plan_.columns),
-        **({"plugins": plugins} if (plugins := used_plugins(plan_)) else {}),
+        "dataset": {"path": str(plan.scan.root), "num_files": len(plan.scan), "num_bad_files": num_bad,
+                    "files_sha256": plan.scan.fingerprint()},
+        "extract_settings": plan.settings,
+        **column_records(plan.columns),
+        **({"plugins": plugins} if (plugins := used_plugins(plan)) else {}),
     }
 
 
-def used_plugins(plan_: Plan) -> list[str]:
+def used_plugins(plan: Plan) -> list[str]:
     """The --plugin modules that register this folder's tokenizer class or columns (train must import them too)."""
-    records = [tokenizer_class(plan_.vae_config, plan_.vae_name), *(columns()[n] for n in plan_.columns)]
+    records = [plan.kind, *(columns()[n] for n in plan.columns)]
     return sorted({plugin_of(r) for r in records} - {""})
 
 
@@ -584,27 +579,28 @@ def used_plugins(plan_: Plan) -> list[str]:
 # The job
 # ----------------------------------------------------------------------------------------------------------
 
-def _pending(out: Path, plan_: Plan, state) -> tuple[list[int], int]:
+def _pending(plan: Plan, state) -> tuple[list[int], int]:
     """This process's shards (j % world == rank) not finished or failing their sha256; and how many failed."""
-    mine = range(state.process_index, plan_.num_shards, state.num_processes)
-    sidecars = {j: read_finished(out, j, plan_.settings) for j in mine}
-    damaged = damaged_files(out, [s["shard"] for s in sidecars.values() if s], progress=state.is_local_main_process)
+    mine = range(state.process_index, plan.num_shards, state.num_processes)
+    sidecars = {j: read_finished(plan, j) for j in mine}
+    damaged = damaged_files(plan.out, [s["shard"] for s in sidecars.values() if s],
+                            progress=state.is_local_main_process)
     for name, problem in sorted(damaged.items()):
         tqdm.write(f"extract: {name} {problem}: encoding it again")
     return [j for j in mine if sidecars[j] is None or shard_name(j) in damaged], len(damaged)
 
 
-def _load_vae(cfg: ExtractConfig, device):
+def _load_vae(plan: Plan, device):
     """The VAE on the encoding device (fp32 encoder)."""
     from shared.tokenizers.tokenizer import Tokenizer
 
-    return Tokenizer.load(cfg.vae, device=device, config=cfg.vae_config)
+    return Tokenizer.load(plan.cfg.vae, device=device, config=plan.cfg.vae_config)
 
 
-def _load_producers(cfg: ExtractConfig, plan_: Plan, device) -> dict:
+def _load_producers(plan: Plan, device) -> dict:
     """{name: producer} of the stored columns, loaded onto the encoding device."""
-    return {name: columns()[name].load(columns()[name].extract_options(cfg.column_flags), record, device)
-            for name, record in plan_.columns.items()}
+    return {name: columns()[name].load(columns()[name].extract_options(plan.cfg.column_flags), record, device)
+            for name, record in plan.columns.items()}
 
 
 def _hold_out(out: Path, state):
@@ -623,12 +619,12 @@ def run_extract(cfg: ExtractConfig) -> dict:
         shared_listing = state.num_processes > 1 and lists_source(cfg.data_path)
         if shared_listing and not state.is_main_process:
             state.wait_for_everyone()  # the main process reads the source once; the others read its listing
-        plan_ = plan(cfg, check_out=False)  # every process runs the same checks, so all fail alike before any weights
-        plan_.warnings += check_out_folder(out, plan_.settings)  # under the lock: no other run changes it now
+        plan = make_plan(cfg, check_out=False)  # every process runs the same checks: all fail alike, before weights
+        plan.warnings += check_out_folder(out, plan.settings)  # under the lock: no other run changes it now
         if shared_listing and state.is_main_process:
-            keep_listing(out, plan_)
+            keep_listing(plan)
             state.wait_for_everyone()
-        return _extract(cfg, plan_, out, state)
+        return _extract(plan, state)
 
 
 def lists_source(data_path) -> bool:
@@ -636,47 +632,47 @@ def lists_source(data_path) -> bool:
     try:
         return source_kind(str(data_path)) != "folder"
     except UserError:
-        return False  # each process refuses it in plan()
+        return False  # each process refuses it in make_plan()
 
 
-def keep_listing(out: Path, plan_: Plan) -> None:
+def keep_listing(plan: Plan) -> None:
     """Write a listing made by this run into --out (once), where a rerun and the other processes read it."""
-    if plan_.listing_key is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        save_listing(plan_.scan, out / LISTING_NAME, plan_.listing_key)
-        plan_.listing_key = None
+    if plan.listing_key is not None:
+        plan.out.mkdir(parents=True, exist_ok=True)
+        save_listing(plan.scan, plan.out / LISTING_NAME, plan.listing_key)
+        plan.listing_key = None
 
 
-def _extract(cfg: ExtractConfig, plan_: Plan, out: Path, state) -> dict:
+def _extract(plan: Plan, state) -> dict:
     """The run itself, once --out is locked and checked."""
+    out = plan.out
     if state.is_main_process:
-        for warning in plan_.warnings:
+        for warning in plan.warnings:
             print(f"extract: warning: {warning}", file=sys.stderr)
     state.wait_for_everyone()
     if state.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
-        _atomic_json(out / SETTINGS_NAME, plan_.settings)
-        keep_listing(out, plan_)  # a rerun reads it instead of the whole source again
+        _atomic_json(out / SETTINGS_NAME, plan.settings)
+        keep_listing(plan)  # a rerun reads it instead of the whole source again
     state.wait_for_everyone()
-    pending, damaged = _pending(out, plan_, state)
+    pending, damaged = _pending(plan, state)
     clean_unfinished(out, pending)
     progress, elapsed, space = Progress(damaged=damaged), 0.0, None
     if pending:
-        vae = _load_vae(cfg, state.device)
-        space = LatentSpace.of_tokenizer(vae, cfg.image_size, plan_.latent_shape, plan_.scan.classes)
-        producers = _load_producers(cfg, plan_, state.device)
+        vae = _load_vae(plan, state.device)
+        space = LatentSpace.of_tokenizer(vae, plan.cfg.image_size, plan.latent_shape, plan.scan.classes)
+        producers = _load_producers(plan, state.device)
         start = time.perf_counter()  # the rate below is decode + encode + write, without the VAE load
-        progress = encode_shards(cfg, plan_, pending, vae, state, producers)
+        progress = encode_shards(plan, pending, vae, state, producers)
         progress.damaged = damaged
         elapsed = time.perf_counter() - start
     state.wait_for_everyone()  # every shard finished before the index
     summary = {}
     if state.is_main_process:
-        summary = write_outputs(cfg, plan_, space)
+        summary = write_outputs(plan, space)
         summary.update(encoded_here=progress.encoded, seconds=elapsed, shards_here=len(pending),
-                       damaged_here=progress.damaged, skipped=plan_.scan.skipped.describe(), out=str(out),
-                       notes=list(plan_.scan.notes),
-                       processes=state.num_processes)
+                       damaged_here=progress.damaged, skipped=plan.scan.skipped.describe(), out=str(out),
+                       notes=list(plan.scan.notes), processes=state.num_processes)
     state.wait_for_everyone()
     return summary
 
@@ -702,30 +698,29 @@ def format_summary(summary: dict) -> str:
 
 def describe_plan(cfg: ExtractConfig) -> str:
     """What a run would do (--dry-run): every check, nothing loaded or written."""
-    plan_ = plan(cfg)
-    out = Path(cfg.out)
-    done = sum(read_finished(out, j, plan_.settings) is not None for j in range(plan_.num_shards))
+    plan = make_plan(cfg)
+    done = sum(read_finished(plan, j) is not None for j in range(plan.num_shards))
     frames = "original + mirror" if cfg.flip == "both" else "original only"
     return "\n".join([
-        f"data: {plan_.scan.root} ({describe_source(plan_.scan)}): {counted(len(plan_.scan), 'image')} in "
-        f"{counted(len(plan_.scan.classes), 'class', 'classes')}",
-        f"data: {plan_.scan.skipped.describe()}",
-        *(f"data: {note}" for note in plan_.scan.notes),
-        f"vae: {plan_.vae_name} (encoder fp32); moments stored as {cfg.dtype}, {frames}",
-        describe_tokenizer(cfg, plan_),
-        f"out: {out}: {counted(plan_.num_shards, 'shard')} of {counted(cfg.shard_size, 'image')}, {done} already "
-        f"finished (their sha256 is checked when the run starts)",
-        *describe_storage(cfg, plan_),
-        *(f"warning: {w}" for w in plan_.warnings),
-        "settings: " + json.dumps(plan_.settings, sort_keys=True),
+        f"data: {plan.scan.root} ({describe_source(plan.scan)}): {counted(len(plan.scan), 'image')} in "
+        f"{counted(len(plan.scan.classes), 'class', 'classes')}",
+        f"data: {plan.scan.skipped.describe()}",
+        *(f"data: {note}" for note in plan.scan.notes),
+        f"vae: {plan.vae_name} (encoder fp32); moments stored as {cfg.dtype}, {frames}",
+        describe_tokenizer(plan),
+        f"out: {plan.out}: {counted(plan.num_shards, 'shard')} of {counted(cfg.shard_size, 'image')}, {done} "
+        f"already finished (their sha256 is checked when the run starts)",
+        *describe_storage(plan),
+        *(f"warning: {w}" for w in plan.warnings),
+        "settings: " + json.dumps(plan.settings, sort_keys=True),
     ])
 
 
-def describe_tokenizer(cfg: ExtractConfig, plan_: Plan) -> str:
+def describe_tokenizer(plan: Plan) -> str:
     """The dry run's tokenizer line: class, measured latent and factor, its own normalisation."""
-    kind = tokenizer_class(plan_.vae_config, plan_.vae_name)
-    channels, side, _ = plan_.latent_shape
-    norm = kind.native_norm(plan_.vae_config, None)
+    kind, size = plan.kind, plan.cfg.image_size
+    channels, side, _ = plan.latent_shape
+    norm = kind.native_norm(plan.vae_config, None)
     if norm is not None:
         own = norm.describe()
     elif kind.element_stats:
@@ -734,9 +729,8 @@ def describe_tokenizer(cfg: ExtractConfig, plan_: Plan) -> str:
         own = "read from its weights when loaded"
     stats = "per-channel and per-element" if kind.element_stats else "per-channel"
     return (f"tokenizer: {kind.name}{' (deterministic)' if kind.deterministic else ''}: latent {channels}x{side}x{side} "
-            f"at {cfg.image_size} px (f{cfg.image_size // side}, measured by encoding one {cfg.image_size}x"
-            f"{cfg.image_size} image on the meta device); own normalisation {own}; {stats} statistics of the "
-            f"folder are written to index.json")
+            f"at {size} px (f{size // side}, measured by encoding one {size}x{size} image on the meta device); own "
+            f"normalisation {own}; {stats} statistics of the folder are written to index.json")
 
 
 def _size(n: float) -> str:
@@ -751,21 +745,21 @@ def _size(n: float) -> str:
 IMAGENET_TRAIN_IMAGES = 1_281_167  # for the dry run's "at ImageNet scale" line
 
 
-def describe_storage(cfg: ExtractConfig, plan_: Plan) -> list[str]:
+def describe_storage(plan: Plan) -> list[str]:
     """What the shards will take: per image (latent moments, extra columns) and for the folder (payloads only)."""
-    frames = FLIP_MODES[cfg.flip]
-    channels, side, _ = plan_.latent_shape
-    tensors = 1 if plan_.deterministic else 2
-    moments = tensors * frames * channels * side * side * STORAGE_DTYPES[cfg.dtype].itemsize
-    what = "latent (deterministic tokenizer, no std)" if plan_.deterministic else "mean+std"
+    frames, dtype = plan.flips, plan.cfg.dtype
+    channels, side, _ = plan.latent_shape
+    tensors = 1 if plan.deterministic else 2
+    moments = tensors * frames * channels * side * side * STORAGE_DTYPES[dtype].itemsize
+    what = "latent (deterministic tokenizer, no std)" if plan.deterministic else "mean+std"
     lines = [f"storage: moments {_size(moments)} per image ({frames} flip(s) x {what} {channels}x{side}x{side} "
-             f"{cfg.dtype}) = {moments:,} bytes"]
+             f"{dtype}) = {moments:,} bytes"]
     per_image = moments
-    for name, record in plan_.columns.items():
+    for name, record in plan.columns.items():
         nbytes, line = columns()[name].storage(record, frames)
         per_image += nbytes
         lines.append("storage: " + line.format(size=_size(nbytes)))
-    lines.append(f"storage: {_size(per_image)} per image, {_size(per_image * len(plan_.scan))} for these "
-                 f"{counted(len(plan_.scan), 'image')} (+ tar headers, ~1 KiB per image); at ImageNet's "
+    lines.append(f"storage: {_size(per_image)} per image, {_size(per_image * len(plan.scan))} for these "
+                 f"{counted(len(plan.scan), 'image')} (+ tar headers, ~1 KiB per image); at ImageNet's "
                  f"{IMAGENET_TRAIN_IMAGES:,} images: {_size(per_image * IMAGENET_TRAIN_IMAGES)}")
     return lines

@@ -8,6 +8,8 @@ Layout of a latent folder (written by `extract`, read by `train`):
                                                    mirrored; "mean" alone from a deterministic tokenizer), and
                                                    any others, e.g. "repr" (F, T, D): encoder tokens for REPA
                            KEY.cls                 the class index in ASCII
+    shard-000000.done.json ... each shard's completion record, written after its tar (ShardWriter.close):
+                           {"shard": ShardInfo, ...the writer's own record}; resume redoes a shard without one
     index-arrays.npz       per-sample arrays, concatenated in shard order: "offsets" (int64, byte offset of
                            each safetensors payload inside its tar) and "labels" (int64)
     index.json             written LAST (shared.runtime.fsio.atomic_write): format, version, counts, latent shape,
@@ -231,6 +233,7 @@ INDEX_NAME = "index.json"
 ARRAYS_NAME = "index-arrays.npz"
 PAYLOAD_EXT = "latent.safetensors"
 LABEL_EXT = "cls"
+SIDECAR_SUFFIX = ".done.json"  # shard-000000.tar -> shard-000000.done.json: {"shard": ShardInfo, **the writer's record}
 BLOCK = 512
 RECORD = 20 * BLOCK  # tar's default record size; the archive is padded to a whole record like GNU tar
 # The domain name of a latent folder in errors (shared.runtime.lock's {setting} field): stages map it to their flag.
@@ -246,6 +249,22 @@ STORAGE_DTYPES = {flag: FLAG_DTYPES[flag] for flag in ("fp16", "bf16", "fp32")}
 def shard_name(index: int) -> str:
     """The file name of shard number `index` (shard-000000.tar, ...)."""
     return f"shard-{index:06d}.tar"
+
+
+def sidecar_path(out, index: int) -> Path:
+    """The completion record of shard number `index` (shard-000000.done.json), written by ShardWriter.close."""
+    return (Path(out) / shard_name(index)).with_suffix(SIDECAR_SUFFIX)
+
+
+def read_sidecar(out, index: int) -> dict | None:
+    """Shard `index`'s completion record while its tar is in place at the recorded size, else None (redo it)."""
+    try:
+        record = json.loads(sidecar_path(out, index).read_text())
+        shard = record["shard"]
+        whole = (Path(out) / shard["name"]).stat().st_size == shard["size"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return record if whole else None
 
 
 def _sha256_file(path: Path, on_bytes=None, chunk: int = 1 << 22) -> str:
@@ -329,9 +348,10 @@ class ShardWriter:
     `columns` {name: dtype (torch, or a vocabulary word)}: every payload's named tensors, e.g.
     {"mean": torch.float16, "std": torch.float16} for a VAE's posterior moments, {"mean": torch.float16} alone
     for a deterministic tokenizer's latent, plus any others such as "repr" (the module docstring).
-    Samples stream into shared.runtime.fsio.tmp_name(path); a clean exit pads the archive and publishes it as
-    `path` (fsio.publish_file: a durable rename); an exception removes the temp file. The
-    same input always gives byte-identical shards.
+    Samples stream into shared.runtime.fsio.tmp_name(path); a clean exit (or `close`) pads the archive and
+    publishes it as `path` (fsio.publish_file: a durable rename); an exception (or `abort`) removes the temp file.
+    `close(record)` then writes the shard's completion sidecar (SIDECAR_SUFFIX), last: a shard killed before it
+    has none and is redone. The same input always gives byte-identical shards.
     """
 
     def __init__(self, path, *, columns: dict):
@@ -354,13 +374,27 @@ class ShardWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    def close(self, record: dict | None = None) -> ShardInfo:
+        """Publish the shard, then write its sidecar {"shard": ShardInfo, **record} when given a record; its info."""
         try:
-            if exc_type is None:
-                with space_guard(self.path, self.tmp_path):  # the last buffer, close and fsync can hit a full disk
-                    self._finish()
+            with space_guard(self.path, self.tmp_path):  # the last buffer, close and fsync can hit a full disk
+                self._finish()
         finally:
-            if self.info is None:  # failed inside the block or while finishing (e.g. disk full)
-                self._discard()
+            self.abort()  # a failed finish (e.g. disk full) leaves no temp file
+        if record is not None:
+            atomic_write_text(self.path.with_suffix(SIDECAR_SUFFIX),
+                              json.dumps({"shard": self.info.to_dict(), **record}, indent=1) + "\n")
+        return self.info
+
+    def abort(self) -> None:
+        """Drop an unfinished shard's temp file (nothing once it is published)."""
+        if self.info is None:
+            self._discard()
 
     def _discard(self) -> None:
         """Close and delete the temp file, so a rerun starts the shard afresh and the space is freed."""
@@ -376,8 +410,7 @@ class ShardWriter:
     def add(self, key: str, tensors: dict, label: int) -> None:
         """Append one sample: {column: torch or numpy tensor (F, ...)}, each cast to its column's dtype, and
         its class index."""
-        if self._out is None:
-            raise RuntimeError("ShardWriter.add called outside its `with` block")
+        assert self._out is not None, "ShardWriter.add called outside its `with` block"
         self._check_key(key)
         tensors = {name: as_column(x, self.columns[name]) if name in self.columns else torch.as_tensor(x)
                    for name, x in tensors.items()}
@@ -448,18 +481,15 @@ def _check_meta(meta: dict) -> None:
 
 def _check_shards(out_dir: Path, shards: list[ShardInfo], num_classes: int) -> dict:
     """All shards must exist with their recorded size and share one layout; returns that layout."""
-    if not shards or all(s.num_samples == 0 for s in shards):
-        raise ValueError("write_index needs at least one non-empty shard")
+    assert any(s.num_samples for s in shards), "write_index needs at least one non-empty shard"
     layout = next(s.layout for s in shards if s.num_samples)
     names = set()
     for s in shards:
-        if s.name in names:
-            raise ValueError(f"shard {s.name} is listed twice")
+        assert s.name not in names, f"shard {s.name} is listed twice"
         names.add(s.name)
         if s.num_samples and s.layout != layout:
             raise ValueError(f"shard {s.name} has layout {s.layout}, but {shards[0].name} has {layout}")
-        if not (len(s.keys) == len(s.labels) == len(s.offsets) == s.num_samples):
-            raise ValueError(f"shard {s.name}: keys/labels/offsets do not match num_samples={s.num_samples}")
+        assert len(s.keys) == len(s.labels) == len(s.offsets) == s.num_samples, f"shard {s.name}: keys/labels/offsets"
         size = (out_dir / s.name).stat().st_size if (out_dir / s.name).exists() else None
         if size != s.size:
             raise ValueError(f"shard {s.name}: file size {size} in {out_dir}, expected {s.size}")
@@ -926,8 +956,7 @@ class StreamSampler(torch.utils.data.Sampler):
         if seed < 0 or start < 0:
             raise ValueError(f"seed and start must be >= 0, got seed={seed} start={start}")
         self.num_samples, self.rank, self.world_size = num_samples, rank, world_size
-        if window and (counts is None or sum(counts) != num_samples):
-            raise ValueError("a shard window needs the samples per shard (counts) summing to num_samples")
+        assert not window or sum(counts or ()) == num_samples, "a shard window needs counts summing to num_samples"
         self.seed, self.shuffle, self.start, self.counts, self.window = seed, shuffle, start, counts, window
 
     def order(self, epoch: int) -> np.ndarray:
