@@ -3,10 +3,11 @@
 Shard j holds the files at sorted positions [j*S, (j+1)*S); process r of W encodes the shards j with
 j % W == r. A shard is finished when its tar and then its sidecar (`shard-NNNNNN.done.json`, written by
 ShardWriter.close: ShardInfo, bad files, VAE identity) exist and its bytes still match the sidecar's sha256;
-rerunning the same command skips finished shards and redoes the rest, damaged ones included. One Plan (the flags,
-the images, the tokenizer class, the settings), resolved before any weights load, is what every step reads. When every shard is finished, one process hashes
-them all (the index records only verified hashes), writes the bad-file report and then index.json (last).
-The main process holds the folder's lock (shared/runtime/lock.py) for the whole run.
+rerunning the same command skips finished shards and redoes the rest, damaged ones included. When every shard is
+finished, one process hashes them all (the index records only verified hashes), writes the bad-file report and
+then index.json (last). The main process holds the folder's lock (shared/runtime/lock.py) for the whole run.
+One Plan (the flags, the images, the tokenizer class, the settings), resolved before any weights load, is what
+every step reads.
 """
 from __future__ import annotations
 
