@@ -136,8 +136,6 @@ class Plan:
     out = property(lambda self: Path(self.cfg.out), doc="The --out folder.")
     num_shards = property(lambda self: -(-len(self.scan) // self.cfg.shard_size), doc="Shards of --shard-size images.")
     flips = property(lambda self: FLIP_MODES[self.cfg.flip], doc="F: moments stored per image (2 with --flip both).")
-    deterministic = property(lambda self: self.kind.deterministic, doc="One latent, no posterior spread (DC-AE).")
-    element_stats = property(lambda self: self.kind.element_stats, doc="Per-element statistics too (RAE tokens).")
 
 
 @dataclass
@@ -309,21 +307,14 @@ def settings_sha256(settings: dict) -> str:
 def read_finished(plan: Plan, shard: int) -> dict | None:
     """The sidecar of a shard this run's settings finished, or None when the shard must be (re)done."""
     sidecar = read_sidecar(plan.out, shard)  # None: no record, or its tar is missing or resized
-    if sidecar is None or sidecar.get("settings_sha256") != settings_sha256(plan.settings):
-        return None
-    if "latent_stats" not in sidecar:  # a shard from before the statistics: encoded again
-        return None
-    return sidecar if _element_stats_intact(plan.out, sidecar) else None
-
-
-def _element_stats_intact(out: Path, sidecar: dict) -> bool:
-    """True unless the sidecar names a per-element sums file (RAE tokens) that is missing or fails its sha256."""
-    element = sidecar.get("element_stats")
-    try:
-        return element is None or hashlib.sha256((out / element).read_bytes()).hexdigest() \
-            == sidecar["element_stats_sha256"]
+    try:  # TypeError: no sidecar
+        ok = sidecar["settings_sha256"] == settings_sha256(plan.settings) and "latent_stats" in sidecar
+        element = sidecar.get("element_stats")  # RAE tokens: the per-element sums' file, with its sha256
+        ok = ok and (element is None or hashlib.sha256((plan.out / element).read_bytes()).hexdigest()
+                     == sidecar["element_stats_sha256"])
     except (OSError, KeyError, TypeError):
-        return False
+        return None
+    return sidecar if ok else None
 
 
 def element_stats_path(out: Path, shard: int) -> Path:
@@ -389,7 +380,7 @@ def shard_columns(plan: Plan) -> dict:
     """The shards' columns {name: torch dtype}: the posterior moments (the latent alone from a deterministic
     tokenizer: no "std"), then the registered columns this run stores."""
     moments = STORAGE_DTYPES[plan.cfg.dtype]
-    spread = {} if plan.deterministic else {"std": moments}
+    spread = {} if plan.kind.deterministic else {"std": moments}
     return {"mean": moments, **spread, **{name: FLAG_DTYPES[r["dtype"]] for name, r in plan.columns.items()}}
 
 
@@ -401,7 +392,7 @@ class ShardSink:
         self.process = process  # {"rank", "world_size"}: which process wrote a shard (for debugging)
         self.shard, self.writer, self.bad, self.seen = None, None, [], 0
         self.stats = ChannelStats()  # of the shard being written, from the moments as stored
-        self.elements = ElementStats() if plan.element_stats else None  # per element (C, h, w): RAE tokens
+        self.elements = ElementStats() if plan.kind.element_stats else None  # per element (C, h, w): RAE tokens
 
     def add(self, positions: list[int], columns: dict, bad: list[dict]) -> None:
         """Write one batch (all positions in one shard, sorted); finish the shard after its last file.
@@ -426,7 +417,7 @@ class ShardSink:
         """Start writing a shard (its temp tar is renamed into place only when it is complete)."""
         assert self.writer is None, f"shard {self.shard} was left unfinished"
         self.shard, self.bad, self.seen, self.stats = shard, [], 0, ChannelStats()
-        self.elements = ElementStats() if self.plan.element_stats else None
+        self.elements = ElementStats() if self.plan.kind.element_stats else None
         self.writer = ShardWriter(self.plan.out / shard_name(shard), columns=shard_columns(self.plan)).__enter__()
 
     def _finish(self) -> None:
@@ -750,9 +741,9 @@ def describe_storage(plan: Plan) -> list[str]:
     """What the shards will take: per image (latent moments, extra columns) and for the folder (payloads only)."""
     frames, dtype = plan.flips, plan.cfg.dtype
     channels, side, _ = plan.latent_shape
-    tensors = 1 if plan.deterministic else 2
+    tensors = 1 if plan.kind.deterministic else 2
     moments = tensors * frames * channels * side * side * STORAGE_DTYPES[dtype].itemsize
-    what = "latent (deterministic tokenizer, no std)" if plan.deterministic else "mean+std"
+    what = "latent (deterministic tokenizer, no std)" if plan.kind.deterministic else "mean+std"
     lines = [f"storage: moments {_size(moments)} per image ({frames} flip(s) x {what} {channels}x{side}x{side} "
              f"{dtype}) = {moments:,} bytes"]
     per_image = moments

@@ -260,11 +260,9 @@ def read_sidecar(out, index: int) -> dict | None:
     """Shard `index`'s completion record while its tar is in place at the recorded size, else None (redo it)."""
     try:
         record = json.loads(sidecar_path(out, index).read_text())
-        shard = record["shard"]
-        whole = (Path(out) / shard["name"]).stat().st_size == shard["size"]
+        return record if (Path(out) / record["shard"]["name"]).stat().st_size == record["shard"]["size"] else None
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return record if whole else None
 
 
 def _sha256_file(path: Path, on_bytes=None, chunk: int = 1 << 22) -> str:
@@ -377,7 +375,7 @@ class ShardWriter:
         if exc_type is None:
             self.close()
         else:
-            self.abort()
+            self.abort()  # the exception propagates (None returned)
 
     def close(self, record: dict | None = None) -> ShardInfo:
         """Publish the shard, then write its sidecar {"shard": ShardInfo, **record} when given a record; its info."""
@@ -956,7 +954,7 @@ class StreamSampler(torch.utils.data.Sampler):
         if seed < 0 or start < 0:
             raise ValueError(f"seed and start must be >= 0, got seed={seed} start={start}")
         self.num_samples, self.rank, self.world_size = num_samples, rank, world_size
-        assert not window or sum(counts or ()) == num_samples, "a shard window needs counts summing to num_samples"
+        assert not window or (counts is not None and sum(counts) == num_samples), "window needs counts summing to n"
         self.seed, self.shuffle, self.start, self.counts, self.window = seed, shuffle, start, counts, window
 
     def order(self, epoch: int) -> np.ndarray:
