@@ -502,7 +502,7 @@ def _check_image_size(cfg: TrainConfig, dataset) -> None:
 
 
 def check_config(cfg: TrainConfig, dataset) -> None:
-    """The checks that need only the flags and the latents (run before train/autotune.py's planning)."""
+    """The checks that need only the flags and the latents, and the latent space (cfg.space) they resolve to."""
     check_flag_bounds(cfg)  # the bounds declared on the options; again here for a TrainConfig built in Python
     check_plugins(dataset.meta, dataset.root, "python -m train")
     check_preset(cfg.model)
@@ -511,7 +511,7 @@ def check_config(cfg: TrainConfig, dataset) -> None:
     _check_objective(cfg)
     _check_image_size(cfg, dataset)
     _check_model_fits(cfg, dataset.latent_shape)
-    resolve_latent_norm(cfg.latent_norm, dataset)
+    cfg.space = dataset.space.for_run(resolve_latent_norm(cfg.latent_norm, dataset))  # not a field: config.json
     _resolve_columns(cfg, dataset)
     _resolve_route(cfg, dataset.latent_shape)
 
@@ -522,7 +522,6 @@ def resolve_config(cfg: TrainConfig, dataset, world_size: int) -> TrainConfig:
     cfg.world_size = world_size
     cfg.micro_batch_size, cfg.grad_accum_steps = grad_accum_steps(
         cfg.global_batch_size, cfg.micro_batch_size, cfg.world_size)
-    cfg.space = dataset.space.for_run(resolve_latent_norm(cfg.latent_norm, dataset))  # not a field: config.json
     cfg.data = data_identity(dataset, cfg.space)  # holds its sha256; checkpoints, exports and previews the record
     if cfg.epochs is not None:
         cfg.total_steps = math.ceil(cfg.epochs * len(dataset) / cfg.global_batch_size)
