@@ -31,7 +31,7 @@ class InitWeights:
 
     state_dict: dict
     record: dict  # TrainConfig.init: from, file, kind, weights, step, objective, convention
-    source: ModelConfig  # the model the weights were trained as (the run's model config takes the convention)
+    source: ModelConfig | None = None  # the model the weights were trained as (read_init fills it)
 
 
 def read_init(cfg, dataset) -> InitWeights:

@@ -270,8 +270,7 @@ def accumulate_gradients(learner: Learner, batches: Iterable[dict]) -> dict:
         for name, value in losses.items():
             totals[name] = totals.get(name, 0) + value.detach().float()
         count += 1
-    if count != steps:
-        raise ValueError(f"a step needs {steps} micro-batches, got {count}")
+    assert count == steps, f"a step needs {steps} micro-batches, got {count}"
     return {name: value / steps for name, value in totals.items()}
 
 
