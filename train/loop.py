@@ -1,4 +1,7 @@
-"""The DiT training loop over cached latents: setup, resume, guards, checkpoints, previews, logs.
+"""The DiT training loop over cached latents: `train` = make_plan -> setup_run -> run_training.
+
+make_plan resolves every object of the run once (TrainPlan: config, data, latent space, model config, objective,
+resume source); setup_run builds the learner and restores a resume; run_training logs, loops, guards, checkpoints.
 
 The optimizer step itself is train/step.py's (shared with train.bench and train.plan --verify).
 Accelerate provides the processes, DDP wrapping, `no_sync` for the non-final micro-steps of gradient
@@ -131,7 +134,9 @@ def make_plan(cfg: TrainConfig, accelerator) -> TrainPlan:
         init = fit_init(init, model_config)
     resolve_auto_for(cfg, model_config, accelerator)  # train/autotune.py: micro-batch, precision, checkpointing
     resolve_config(cfg, dataset, accelerator.num_processes)
-    check_devices(cfg, dataset, accelerator)
+    check_environment(cfg, dataset, accelerator)
+    if cfg.debug:
+        cfg.log_every = 1  # --debug logs every step
     changes = check_resume(saved, cfg, source) if saved is not None else []
     return TrainPlan(cfg=cfg, dataset=dataset, space=cfg.space, model_config=model_config,
                      objective=objective_of(model_config, **cfg.objective_options), source=source,
@@ -172,8 +177,8 @@ def start_weights(cfg: TrainConfig, dataset: LatentDataset, saved: TrainConfig |
     return init
 
 
-def check_devices(cfg: TrainConfig, dataset: LatentDataset, accelerator) -> None:
-    """The settings this machine must support (attention kernel, compile, 8-bit AdamW, the VAE watcher)."""
+def check_environment(cfg: TrainConfig, dataset: LatentDataset, accelerator) -> None:
+    """What this machine and install must provide for the settings: attention kernel, compile, 8-bit AdamW, VAE."""
     check_watch(cfg, dataset)
     resolve_attention(cfg.attention)
     check_compile(cfg, accelerator.device)
@@ -181,8 +186,6 @@ def check_devices(cfg: TrainConfig, dataset: LatentDataset, accelerator) -> None
         raise UserError("--attention xformers needs a CUDA GPU; this machine has none. Use --attention sdpa.")
     if cfg.optimizer == "adamw8bit":
         import_bitsandbytes()
-    if cfg.debug:
-        cfg.log_every = 1
 
 
 def describe_plan(plan: TrainPlan, accelerator) -> None:
