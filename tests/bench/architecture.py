@@ -1,4 +1,4 @@
-"""The architecture's numbers (issue 35, item 5): lines, one image's walk, import graph, JSON per RAE checkpoint.
+"""The architecture's numbers (issues 35 and 43, item 5): lines, one image's walk, imports, JSON, the goals.
 
 Run: nice -n 5 env OMP_NUM_THREADS=1 .venv/bin/python tests/bench/architecture.py [--rev REV] [--walk] [--json]
 
@@ -35,6 +35,44 @@ folder and measured by this same file, so both columns use one definition). Defi
    per checkpoint = those whose path names the checkpoint's step. Per-element statistics grow with the token
    shape: a base64 string decoding to exactly E float32 or float64 values, or a JSON list of E numbers (E = 1024
    elements of the tiny tokens), is scaled by 196,608 / E (RAE's real 768x16x16 tokens); the rest is kept.
+5. Issue 43's goals, printed as a table (metric | REV | checkout | goal) and in --json as each checkout's
+   `goal_table` (its evidence under `goals`):
+   a. Core walk: the distinct files of the traced walk (definition 2) and the sum of their `wc -l` lines; the
+      hand-written walk of docs/ARCHITECTURE.md is counted the same way beside it.
+   b. Returns to library files: the walk's returns (definition 2) to a file that is not an orchestrator. The
+      orchestrators are the files that drive a stage, which a main that plans and then calls library
+      functions in order comes back to by design: a stage package's `__main__.py` and `run.py`, and
+      ORCHESTRATORS (train/loop.py, train/step.py, shared/sampling/generate.py: `python -m sample`'s code path,
+      evaluate/evaluation.py). Every other production file, in shared/ or in a stage package, is a library
+      file; the returns to shared/ files alone are printed too.
+   c. A->B->A ping-pongs: positions i of the walk (repeats in a row collapsed) with file(i) == file(i + 2);
+      each is listed by its pair of files (and, with --walk, its functions).
+   d. Guard lines: the union of the lines of every `raise` statement (its full span), of every `if` whose body
+      is only raises (from `if` to the last raise; an elif is an `if` of its own, an else is not counted) and
+      of every function named check_* or _check_* (decorators to last line), over the production files; as a
+      % of production lines (definition 1). Also: raises spanning 2+ lines, and raises by kind: of UserError or
+      a production class deriving from it by name, of another exception class, re-raises (bare or of a
+      lower-case name), or via a helper function (`raise refuse(...)`). Lines of `assert` statements are
+      counted apart, not as guards (a one-line assert is the issue's form of an internal contract).
+   e. Compat lines: code keeping the project's own earlier formats, found by markers: names matching
+      COMPAT_NAME (legacy|upgrade|from_legacy|unpack_tensor|space_parts, any case) and `#` comments matching
+      COMPAT_COMMENT ("older" or "legacy" followed within a word by form, record, folder, file, sidecar,
+      config, version, metadata or key) that name no outside project (OUTSIDE_PROJECT: diffusers, torch, TF,
+      Pillow, GPU). Counted, outermost first: a def or class whose name is a marker (its whole span); an
+      if/elif branch (from `if` to the end of its body) whose test or header comment holds a marker, or whose
+      body does with no `if` nested in it (else the innermost branch holding it); any other simple statement
+      mentioning a marker name, or with a marker comment on its lines or on the comment lines right above it.
+      Each span is printed with its reason.
+   f. Files a new sampler, tokenizer class, converted tokenizer, weight format, shard column, objective or
+      block option touches, derived from its register_* function (EXTENSIONS): the file defining it (the
+      owner), its registry (the module-level upper-case names that function uses), the files registering
+      built-in records (calling or decorating with it, or the owner calling REGISTRY.register), their names
+      (a record's first string argument or `name=`, a class's `name`), module-level tuples of module names
+      naming a registering module (a hard-coded import list) and the files importing one, literal tuples,
+      lists, sets or dict keys of 2+ strings, all registered names, outside those files (a hard-coded name
+      list), and the files calling load_plugins. A user's module named by --plugin touches 1 file plus one per
+      file holding such a name list (none where no command loads plugins); a new module of the package, 1 +
+      the files of the hard-coded import lists, or + 1 (the import that loads it) where there are none.
 CPU time: about 35 s per checkout (one thread; 2 minutes of wall time on a busy machine); the --rev checkout is
 measured at the same time, on another core.
 """
