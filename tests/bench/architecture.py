@@ -931,11 +931,11 @@ def report_goals(results: list[dict], show_walk: bool) -> None:
                 w = g[name]
                 print(f"   {name}: returns to library files: " +
                       ", ".join(f"{f} {n}x" for f, n in w["library_returned_to"]))
-                print(f"   {name}: ping-pongs: " + ", ".join(f"{p} {n}x" for p, n in w["ping_pong_pairs"]))
-        if show_walk and "walk" in g:
-            order = r["walk"]["order"]
-            for i in g["walk"]["ping_pong_at"]:
-                print(f"     ping-pong at {i}: " + " -> ".join(order[i - 1:i + 2]))
+                print(f"   {name}: ping-pongs: " + (", ".join(f"{p} {n}x" for p, n in w["ping_pong_pairs"])
+                                                     or "none"))
+                if show_walk and name == "walk":
+                    for i in w["ping_pong_at"]:
+                        print(f"     ping-pong at {i}: " + " -> ".join(r["walk"]["order"][i - 1:i + 2]))
         print("   raises by kind: " + ", ".join(f"{k} {n}" for k, n in sorted(g["raise_kinds"].items())))
         print(f"   compat ({g['compat_lines']} lines):")
         for c in g["compat"]:
