@@ -107,3 +107,90 @@ def test_the_walk_follows_the_data_across_files_not_plumbing(tmp_path):
     walk = arch.count_walk([f for f, _ in order])
     assert (walk["files"], walk["returns"], walk["returned_to"]) == (3, 2, 2)
     assert not tracer.is_data(torch.ones(2, 3, device="meta")) and not tracer.is_data(torch.ones(3))
+
+
+def test_library_returns_leave_out_orchestrators_and_ping_pongs_are_listed_by_pair():
+    order = ["train/__main__.py", "train/loop.py", "shared/a.py", "train/loop.py", "shared/a.py", "train/data.py",
+             "shared/a.py", "train/__main__.py"]
+    goals = arch.walk_goals(order, {"train/loop.py": 10, "shared/a.py": 5, "train/data.py": 2})
+    assert (goals["files"], goals["lines"]) == (4, 17)
+    # returns: loop (orchestrator), a, a, __main__ (orchestrator): two to a library file
+    assert (goals["library_returns"], goals["shared_returns"]) == (2, 2)
+    assert goals["ping_pongs"] == 3  # loop-a-loop, a-loop-a, a-data-a
+    assert goals["ping_pong_pairs"] == [("shared/a.py <-> train/loop.py", 2), ("shared/a.py <-> train/data.py", 1)]
+    assert arch.is_orchestrator("extract/run.py") and not arch.is_orchestrator("shared/run.py")
+
+
+def test_guard_lines_are_raises_guard_ifs_and_check_functions_counted_once():
+    tree = ast.parse(textwrap.dedent("""\
+        class UserError(Exception):
+            pass
+        class Refusal(UserError):
+            pass
+
+        def check_size(n):
+            if n < 0:
+                raise Refusal(
+                    "negative")
+            return n
+
+        def f(x):
+            if x:
+                raise ValueError("x")
+            else:
+                return 1
+            if x > 2:
+                x += 1
+                raise
+            assert x, "contract"
+            raise refuse(x)
+        """))
+    user = arch.exception_family({"m.py": tree})
+    assert user == {"UserError", "Refusal"}
+    g = arch.guard_lines(tree, user)
+    # check_size (6-10), the guard-if 13-14 (not its else), the bare raise 19 (its if holds more than raises), 21
+    assert sorted(g["lines"]) == [6, 7, 8, 9, 10, 13, 14, 19, 21]
+    assert (g["raises"], g["multi_line"], sorted(g["assert_lines"])) == (4, 1, [20])
+    assert g["kinds"] == {"user": 1, "other": 1, "re-raise": 1, "helper": 1}
+
+
+def test_compat_spans_follow_the_marker_names_and_comments():
+    text = textwrap.dedent("""\
+        import json
+        from pkg.export import space_parts
+
+        def read(meta):
+            if "latents" in meta:
+                return from_legacy(meta)
+            x = json.loads(meta)  # an older record keeps its numbers inline
+            y = x  # older GPUs: not a format of ours
+            # the legacy form of the config
+            z = y
+            return z
+
+        def upgrade(d):
+            return d
+        """)
+    spans = arch.compat_spans(ast.parse(text), text)
+    assert [(a, b) for a, b, _ in spans] == [(2, 2), (5, 6), (7, 7), (10, 10), (13, 14)]
+    assert spans[1][2] == "if: from_legacy" and spans[-1][2] == "def upgrade"
+
+
+def test_registry_evidence_finds_import_lists_and_name_lists():
+    files = {
+        "shared/reg.py": "BUILT_IN = ('shared.extra',)\nTHINGS = {}\n\n"
+                         "def register_sampler(spec: Spec):\n    THINGS[spec.name] = spec\n\n"
+                         "THINGS.register('a', Spec('a'))\n",
+        "shared/extra.py": "from shared.reg import register_sampler\nregister_sampler(Spec('b', 1))\n",
+        "sample/__main__.py": "from shared.runtime.plugins import load_plugins\nCHOICES = ('a', 'b')\n"
+                              "def main(argv):\n    load_plugins(argv)\n",
+    }
+    trees = {p: ast.parse(t) for p, t in files.items()}
+    e = arch.registry_evidence(trees)["sampler"]
+    assert (e["owner"], e["registry"], e["registrants"]) == ("shared/reg.py", ["THINGS"],
+                                                              ["shared/extra.py", "shared/reg.py"])
+    assert e["names"] == ["a", "b"] and e["plugin_loaders"] == ["sample/__main__.py"]
+    assert e["module_lists"] == ["shared/reg.py:1 BUILT_IN = ['shared.extra']"]
+    assert e["name_lists"] == ["sample/__main__.py:2 ['a', 'b']"]
+    assert (e["plugin_files"], e["package_files"]) == (2, 2)
+    assert arch.registry_evidence(trees)["shard column"] == {"function": "register_column", "owner": None}

@@ -373,3 +373,25 @@ def test_a_declared_bound_is_checked_once_by_from_args():
                          (["--sizes", "3", "0"], "--sizes must be at least 1; got 0.")):
         with pytest.raises(UserError, match="^" + needle.replace(".", r"\.")):
             from_args(Bounded, parser.parse_args(argv))
+
+
+def test_strict_bounds_words_and_nan():
+    """above=/below= are strict; a word ("auto") is left for later; NaN lies in no range; the refusal names the range."""
+    from shared.runtime.cli import check_flag_bounds
+    from shared.runtime.errors import UserError
+
+    @dataclasses.dataclass
+    class Strict:
+        prob: float = option(0.1, "a probability", min=0, below=1)
+        rate: float = option(1.0, "a rate", above=0)
+        micro: int | str = option("auto", "a size or auto", type=str, min=1)
+
+    parser = add_flags(argparse.ArgumentParser(), Strict)
+    assert from_args(Strict, parser.parse_args(["--prob", "0", "--rate", "1e-9"])) == Strict(0.0, 1e-9, "auto")
+    for argv, needle in ((["--prob", "1"], "--prob must be below 1; got 1. Pass a value in [0, 1)."),
+                         (["--rate", "0"], "--rate must be above 0; got 0. Pass a value above 0."),
+                         (["--rate", "nan"], "--rate must be above 0; got nan.")):
+        with pytest.raises(UserError, match="^" + needle.replace(".", r"\.").replace("[", r"\[").replace(")", r"\)")):
+            from_args(Strict, parser.parse_args(argv))
+    with pytest.raises(UserError, match="^--micro must be at least 1; got 0"):
+        check_flag_bounds(Strict(micro=0))  # an instance built in Python is checked the same way

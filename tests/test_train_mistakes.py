@@ -97,7 +97,23 @@ def test_one_precision_flag_old_spelling_and_old_configs(latents, tmp_path, caps
     del old["precision"]
     assert TrainConfig.from_dict(old).precision == "bf16"  # a config written before the rename still loads
     message = expect_user_error(capsys, train_args(latents, tmp_path / "r2", "--keep-exports", "-1"))
-    assert "--keep-exports must be >= 0" in message
+    assert "--keep-exports must be at least 0; got -1" in message
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--lr", "0"], "--lr must be above 0; got 0. Pass a value in (0, inf)."),
+    (["--lr", "inf"], "--lr must be below inf; got inf."),
+    (["--class-dropout-prob", "1"], "--class-dropout-prob must be below 1; got 1. Pass a value in [0, 1)."),
+    (["--ema-decay", "1.5"], "--ema-decay must be at most 1; got 1.5. Pass a value in [0, 1]."),
+    (["--adam-betas", "0.9", "1"], "--adam-betas must be below 1; got 1."),
+    (["--epochs", "0"], "--epochs must be above 0; got 0."),
+    (["--micro-batch-size", "0"], "--micro-batch-size must be at least 1; got 0. Pass a value of 1 or more."),
+    (["--grad-checkpoint", "-1"], "--grad-checkpoint must be at least 0; got -1."),
+])
+def test_out_of_range_flags_are_one_paragraph_before_the_latents_are_read(tmp_path, capsys, flags, needle):
+    message = expect_user_error(capsys, train_args(tmp_path / "no-latents", tmp_path / "run", *flags))
+    assert needle in message and "Traceback" not in message
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.slow

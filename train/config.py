@@ -14,7 +14,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from shared.runtime.cli import HelpFormatter, argument_of, add_flags, flag_name, from_args, option
+from shared.runtime.cli import HelpFormatter, argument_of, add_flags, check_flag_bounds, flag_name, from_args, option
 from shared.runtime.plugins import PLUGIN
 from shared.runtime.errors import SettingError, UserError
 from shared.runtime.rerun import differences
@@ -138,12 +138,12 @@ class TrainConfig:
               "output; 0 = none (default: the --model preset's: 2 for DiTDH-*, 0 for DiT-*)")
     head_width: int | None = option(None, "width of the DiT^DH head (RAE: 2048; default: the preset's)")
     head_heads: int | None = option(None, "attention heads of the DiT^DH head (RAE: 16; default: the preset's)")
-    global_batch_size: int = option(256, "images per optimizer step over all processes (DiT: 256)")
+    global_batch_size: int = option(256, "images per optimizer step over all processes (DiT: 256)", min=1)
     micro_batch_size: int | str | None = option(  # "auto": train/autotune.py (None: the whole per-process batch)
         "auto", "images per forward pass per process; gradient accumulation = global batch / (micro batch x "
                 "processes), which must divide exactly. auto (default): on a GPU the largest that fits its free "
                 "memory (python -m train.plan's answer, confirmed by a real step); on the CPU the whole per-process "
-                "batch", type=int_or_auto)
+                "batch", type=int_or_auto, min=1)
     precision: str = option(
         "auto", "auto (default): the accelerate config's mixed_precision if set, else bf16 on GPUs that have it, fp16 "
                 "on older GPUs, fp32 on the CPU; fp32; fp16: autocast + dynamic loss scaling (fp32 master weights); "
@@ -155,37 +155,40 @@ class TrainConfig:
                 f"off); {SELECTIVE}: every block keeps its matmul and attention outputs and recomputes only the "
                 "pointwise ops between them (less memory than off, far less recomputation than every block). auto "
                 "(default): on a GPU only as much as memory needs; off on the CPU", nargs="?", const=1,
-        metavar="K", type=checkpoint_choice)
-    lr: float = option(1e-4, "peak learning rate (DiT: 1e-4)")
+        metavar="K", type=checkpoint_choice, min=0)
+    lr: float = option(1e-4, "peak learning rate (DiT: 1e-4)", above=0, below=math.inf)
     lr_schedule: str = option("constant", "constant (DiT), or cosine or linear decay to --final-lr at the last step, "
                                           "after the warmup (RAE: linear)", choices=LR_SCHEDULES)
-    final_lr: float = option(0.0, "cosine/linear schedules: the LR reached at the last step (RAE: 2e-5)")
-    warmup_steps: int = option(0, "linear LR warmup from 0 over this many steps")
+    final_lr: float = option(0.0, "cosine/linear schedules: the LR reached at the last step (RAE: 2e-5)", min=0)
+    warmup_steps: int = option(0, "linear LR warmup from 0 over this many steps", min=0)
     adam_betas: tuple = option((0.9, 0.999), "AdamW betas", type=float, nargs=2,
-                               metavar=("B1", "B2"))
-    weight_decay: float = option(0.0, "AdamW weight decay (DiT: 0)")
-    max_grad_norm: float = option(0.0, "clip the global gradient norm to this (0 = off)")
-    ema_decay: float = option(0.9999, "EMA decay per optimizer step (DiT: 0.9999)")
+                               metavar=("B1", "B2"), min=0, below=1)
+    weight_decay: float = option(0.0, "AdamW weight decay (DiT: 0)", min=0)
+    max_grad_norm: float = option(0.0, "clip the global gradient norm to this (0 = off)", min=0)
+    ema_decay: float = option(0.9999, "EMA decay per optimizer step (DiT: 0.9999)", min=0, max=1)
     ema_device: str = option("gpu", "where the fp32 EMA copy lives: gpu (the training device) or cpu (saves 2.7 GB "
                                     "for XL/2)", choices=EMA_DEVICES)
     optimizer: str = option("adamw", "adamw (fused on CUDA) or adamw8bit (bitsandbytes, optional; saves ~4 GB on "
                                      "XL/2)", choices=OPTIMIZERS)
     class_dropout_prob: float = option(
-        CLASS_DROPOUT_PROB, "probability of replacing a label by the null class, for classifier-free guidance (DiT: 0.1)")
+        CLASS_DROPOUT_PROB, "probability of replacing a label by the null class, for classifier-free guidance (DiT: 0.1)",
+        min=0, below=1)
     max_steps: int | None = option(
-        None, f"optimizer steps to train in total (default {DEFAULT_MAX_STEPS} unless --epochs)", exclusive="length")
-    epochs: float | None = option(None, "train this many passes over the latents instead", exclusive="length")
-    ckpt_every: int = option(50_000, "full checkpoint + EMA export every N steps (and at the end)")
-    keep_last: int = option(2, "keep only the newest N full checkpoints (0 = keep all)")
+        None, f"optimizer steps to train in total (default {DEFAULT_MAX_STEPS} unless --epochs)", exclusive="length",
+        min=1)
+    epochs: float | None = option(None, "train this many passes over the latents instead", exclusive="length", above=0)
+    ckpt_every: int = option(50_000, "full checkpoint + EMA export every N steps (and at the end)", min=1)
+    keep_last: int = option(2, "keep only the newest N full checkpoints (0 = keep all)", min=0)
     keep_exports: int = option(
         0, "keep only the newest N slim EMA exports (0 = keep all, the training history sample and FID read; each "
-           "DiT-XL/2 export is 2.7 GB)")
+           "DiT-XL/2 export is 2.7 GB)", min=0)
     image_size: int | None = option(
         None, "image size in pixels the run is meant for; checked against the size the latents were extracted at "
-              "(default: take it from the latents)")
-    log_every: int = option(100, "log loss, LR, grad norm, speed every N steps")
-    sample_every: int = option(10_000, "save EMA latent samples of fixed classes and noise every N steps (0 = off)")
-    sample_steps: int = option(50, "DDIM steps for the --sample-every previews")
+              "(default: take it from the latents)", min=1)
+    log_every: int = option(100, "log loss, LR, grad norm, speed every N steps", min=1)
+    sample_every: int = option(10_000, "save EMA latent samples of fixed classes and noise every N steps (0 = off)",
+                               min=0)
+    sample_steps: int = option(50, "DDIM steps for the --sample-every previews", min=1)
     sample_cfg_scale: float | None = option(
         None, "guidance scale of the previews (default 4.0, or 1 = none when --class-dropout-prob is 0)")
     sample_guide_channels: str = option(
@@ -209,15 +212,15 @@ class TrainConfig:
     attention: str = option("auto", "attention kernel (auto = torch SDPA; xformers needs CUDA and the xformers "
                                     "wheel)", choices=ATTENTION_BACKENDS)
     num_workers: int | None = option(None, "DataLoader worker processes per training process (default: up to 4, "
-                                           "one core per process left for training: 1 on a 2-core machine)")
+                                           "one core per process left for training: 1 on a 2-core machine)", min=0)
     seed: int = option(0, "seed of the data order and of every per-sample draw (--global-seed: the official name)",
-                       aliases=("--global-seed",))
+                       aliases=("--global-seed",), min=0)
     debug: bool = option(False, f"{DEBUG_STEPS} steps with per-step logs and autograd anomaly detection; prints the "
                                 "config; writes no checkpoint")
     dry_run: bool = option(False, "check the inputs, print the resolved config and exit")
     max_nonfinite: int = option(
         10, "stop after this many consecutive non-finite losses or gradient norms (0 = never); counted on the GPU "
-            "and checked at the --log-every, preview and checkpoint steps, never before a checkpoint is written")
+            "and checked at the --log-every, preview and checkpoint steps, never before a checkpoint is written", min=0)
     # Token routing (TREAD, Krause et al. 2025; shared/network/routing.py): in training only, a random share of each
     # sample's tokens skips blocks route_start..route_end; 0 ratio = off. start/end resolve to TREAD's 2 and depth-4.
     route_ratio: float = option(0.0, "token routing (TREAD): the share of each sample's tokens that skip the routed "
@@ -386,28 +389,6 @@ def config_from_args(args: argparse.Namespace, explicit=frozenset()) -> TrainCon
 # Checks and resolution (cheap: no model, no tensors)
 # ---------------------------------------------------------------------------------------------------------
 
-_POSITIVE = ("global_batch_size", "micro_batch_size", "max_steps", "epochs", "ckpt_every", "log_every",
-             "sample_steps", "image_size")
-_NON_NEGATIVE = ("final_lr", "grad_checkpoint", "keep_last", "keep_exports", "sample_every", "warmup_steps", "num_workers",
-                 "max_nonfinite", "weight_decay", "max_grad_norm", "seed")
-
-
-def _check_ranges(cfg: TrainConfig) -> None:
-    """UserError naming the one flag whose value lies outside its meaningful range."""
-    unset = (None, "auto", SELECTIVE)  # resolved later (train/autotune.py), or a word: nothing to check here
-    rules = [(getattr(cfg, n) in unset or getattr(cfg, n) > 0, f"{flag_name(n)} must be positive") for n in _POSITIVE]
-    rules += [(getattr(cfg, n) in unset or getattr(cfg, n) >= 0, f"{flag_name(n)} must be >= 0") for n in _NON_NEGATIVE]
-    rules += [
-        (cfg.lr > 0 and math.isfinite(cfg.lr), "--lr must be a positive number"),
-        (0 <= cfg.ema_decay <= 1, "--ema-decay must lie in [0, 1]"),
-        (0 <= cfg.class_dropout_prob < 1, "--class-dropout-prob must lie in [0, 1)"),
-        (all(0 <= b < 1 for b in cfg.adam_betas), "--adam-betas must lie in [0, 1)"),
-    ]
-    for ok, message in rules:
-        if not ok:
-            raise UserError(f"{message}; fix the flag and rerun.")
-
-
 def grad_accum_steps(global_batch: int, micro_batch: int | None, world_size: int) -> tuple[int, int]:
     """(micro batch, accumulation steps) so micro x steps x processes == global batch exactly, or UserError."""
     if global_batch % world_size:
@@ -521,8 +502,8 @@ def _check_image_size(cfg: TrainConfig, dataset) -> None:
 
 
 def check_config(cfg: TrainConfig, dataset) -> None:
-    """The checks that need only the flags and the latents (run before train/autotune.py's planning)."""
-    _check_ranges(cfg)
+    """The checks that need only the flags and the latents, and the latent space (cfg.space) they resolve to."""
+    check_flag_bounds(cfg)  # the bounds declared on the options; again here for a TrainConfig built in Python
     check_plugins(dataset.meta, dataset.root, "python -m train")
     check_preset(cfg.model)
     resolve_block(cfg)
@@ -530,7 +511,7 @@ def check_config(cfg: TrainConfig, dataset) -> None:
     _check_objective(cfg)
     _check_image_size(cfg, dataset)
     _check_model_fits(cfg, dataset.latent_shape)
-    resolve_latent_norm(cfg.latent_norm, dataset)
+    cfg.space = dataset.space.for_run(resolve_latent_norm(cfg.latent_norm, dataset))  # not a field: config.json
     _resolve_columns(cfg, dataset)
     _resolve_route(cfg, dataset.latent_shape)
 
@@ -541,7 +522,6 @@ def resolve_config(cfg: TrainConfig, dataset, world_size: int) -> TrainConfig:
     cfg.world_size = world_size
     cfg.micro_batch_size, cfg.grad_accum_steps = grad_accum_steps(
         cfg.global_batch_size, cfg.micro_batch_size, cfg.world_size)
-    cfg.space = dataset.space.for_run(resolve_latent_norm(cfg.latent_norm, dataset))  # not a field: config.json
     cfg.data = data_identity(dataset, cfg.space)  # holds its sha256; checkpoints, exports and previews the record
     if cfg.epochs is not None:
         cfg.total_steps = math.ceil(cfg.epochs * len(dataset) / cfg.global_batch_size)

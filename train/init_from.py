@@ -27,14 +27,15 @@ ARCHITECTURE = ("model", "input_size", "in_channels", "num_classes", "learn_sigm
 
 @dataclass
 class InitWeights:
-    """What --init-from loaded, checked against the run: the state dict and its record for config.json."""
+    """What --init-from loaded, checked against the run: the state dict, its record for config.json, its model."""
 
     state_dict: dict
     record: dict  # TrainConfig.init: from, file, kind, weights, step, objective, convention
+    source: ModelConfig | None = None  # the model the weights were trained as (read_init fills it)
 
 
-def load_init(cfg, dataset, run_config: ModelConfig) -> InitWeights:
-    """Read and check --init-from against the run (objective, latent space, architecture); UserError, nothing written."""
+def read_init(cfg, dataset) -> InitWeights:
+    """Read and check --init-from against the run's objective and latent space; UserError, nothing written."""
     if cfg.objective != "meanflow":
         raise UserError(f"--init-from starts a MeanFlow run from a flow model's weights; this run trains the "
                         f"{cfg.objective} objective. Pass --objective meanflow (or --recipe meanflow), or drop "
@@ -43,15 +44,20 @@ def load_init(cfg, dataset, run_config: ModelConfig) -> InitWeights:
     source = loaded.config
     _check_objective(cfg.init_from, source, assumed=bool(loaded.kind == "official" and loaded.warnings))
     _check_latents(cfg.init_from, loaded, dataset, cfg.space.norm)
-    state_dict = loaded.state_dict
-    if source.learn_sigma and not run_config.learn_sigma:  # SiT's release: 2C outputs, the velocity in the first C
-        state_dict = velocity_outputs(state_dict, source)
-        source = dataclasses.replace(source, learn_sigma=False)
-    _check_architecture(cfg.init_from, source, run_config)
     record = {"from": str(cfg.init_from), "file": str(loaded.path), "kind": loaded.kind, "weights": loaded.weights,
               "step": loaded.step, "objective": source.objective,
               "convention": source.objective_args.get("convention", "sit")}
-    return InitWeights(state_dict, record)
+    return InitWeights(loaded.state_dict, record, source)
+
+
+def fit_init(init: InitWeights, run_config: ModelConfig) -> InitWeights:
+    """The weights in the run's output layout, checked to be the architecture `run_config` builds; UserError."""
+    state_dict, source = init.state_dict, init.source
+    if source.learn_sigma and not run_config.learn_sigma:  # SiT's release: 2C outputs, the velocity in the first C
+        state_dict = velocity_outputs(state_dict, source)
+        source = dataclasses.replace(source, learn_sigma=False)
+    _check_architecture(init.record["from"], source, run_config)
+    return InitWeights(state_dict, init.record, source)
 
 
 def velocity_outputs(state_dict: dict, source: ModelConfig) -> dict:

@@ -1,4 +1,7 @@
-"""The DiT training loop over cached latents: setup, resume, guards, checkpoints, previews, logs.
+"""The DiT training loop over cached latents: `train` = make_plan -> setup_run -> run_training.
+
+make_plan resolves every object of the run once (TrainPlan: config, data, latent space, model config, objective,
+resume source); setup_run builds the learner and restores a resume; run_training logs, loops, guards, checkpoints.
 
 The optimizer step itself is train/step.py's (shared with train.bench and train.plan --verify).
 Accelerate provides the processes, DDP wrapping, `no_sync` for the non-final micro-steps of gradient
@@ -30,13 +33,16 @@ from shared.network.attention import resolve_attention
 from shared.network.blocks import block_summary
 from shared.runtime.precision import set_tf32
 from shared.datasets.shards import LatentDataset
+from shared.generative.objectives import Objective, objective_of
+from shared.network.models import ModelConfig
+from shared.tokenizers.space import LatentSpace
 from train import checkpoint as ckpt_io
 from train.callbacks import Callback, CallbackList
 from train.autotune import describe as describe_auto, resolve_auto_for
 from train.config import (DEBUG_STEPS, TrainConfig, check_config, check_resume, model_config_for,
                           resolve_config)
 from train.data import make_loader
-from train.init_from import InitWeights, apply_init, load_init
+from train.init_from import InitWeights, apply_init, fit_init, read_init
 from train.latents import open_latents, resolve_shard_window
 from train.launcher import check_strategy, resolve_precision_with_launcher
 from train.logger import RunLogger
@@ -53,12 +59,26 @@ class InconsistentRanksError(UserError):
     """The processes of a multi-process run hold different weights (DDP went out of sync)."""
 
 
+@dataclass(frozen=True)
+class TrainPlan:
+    """What a run is, resolved once by make_plan before any model exists; everything after only reads it."""
+
+    cfg: TrainConfig                 # every "auto" resolved, checked against the latents and the resume source
+    dataset: LatentDataset
+    space: LatentSpace               # the run's latent space (tokenizer + normalisation): recorded in every export
+    model_config: ModelConfig        # the DiT this run trains (a resumed run keeps its checkpoint's output layout)
+    objective: Objective             # time draws, loss and previews (shared/generative/objectives.py)
+    source: Path | None = None       # the checkpoint this run continues from
+    changes: tuple[str, ...] = ()    # the config changes a resume allows (logged)
+    init: InitWeights | None = None  # --init-from's weights, checked, for a run that starts now
+
+
 @dataclass
 class Run:
-    """Everything the loop needs, built once by setup_run: the learner plus data, logs and hooks."""
+    """Everything the loop needs, built once by setup_run: the plan, the learner, logs and hooks."""
 
+    plan: TrainPlan
     learner: Learner
-    dataset: LatentDataset
     logger: RunLogger
     callbacks: CallbackList = field(default_factory=CallbackList)
     data_position: int = 0  # global stream position of the next sample (all processes together)
@@ -69,8 +89,12 @@ class Run:
     last_checkpoint: Path | None = None
 
     @property
+    def dataset(self) -> LatentDataset:
+        return self.plan.dataset
+
+    @property
     def cfg(self) -> TrainConfig:
-        return self.learner.cfg
+        return self.plan.cfg
 
     @property
     def accelerator(self):
@@ -94,34 +118,67 @@ class Run:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Inputs, resume source, config (cheap; before any model exists)
+# The plan: inputs, resume source, config, model config, objective (cheap; before any model exists)
 # ---------------------------------------------------------------------------------------------------------
 
-def resume_source(cfg: TrainConfig) -> tuple[Path | None, list[str]]:
-    """(checkpoint to continue from or None, allowed config changes), after checking it is this experiment."""
+def make_plan(cfg: TrainConfig, accelerator) -> TrainPlan:
+    """Open the latents, find the resume source, resolve and check the config: each object of the run, once."""
+    dataset = open_latents(cfg.latents, accelerator, cfg.cache_limit)  # URL -> local cache; verified once per node
+    check_config(cfg, dataset)  # the flags against the latents; fills the block, objective options, cfg.space
+    resolve_shard_window(cfg, dataset)  # the data order: before the resume check compares it
+    source, saved = resume_source(cfg)
+    init = start_weights(cfg, dataset, saved)  # before the model config: it records the source's convention
+    resumed = ckpt_io.checkpoint_config(source) if source is not None else None  # its output layout is kept
+    model_config = model_config_for(cfg, dataset.latent_shape, dataset.num_classes, resumed)
+    if init is not None:
+        init = fit_init(init, model_config)
+    resolve_auto_for(cfg, model_config, accelerator)  # train/autotune.py: micro-batch, precision, checkpointing
+    resolve_config(cfg, dataset, accelerator.num_processes)
+    check_environment(cfg, dataset, accelerator)
+    if cfg.debug:
+        cfg.log_every = 1  # --debug logs every step
+    changes = check_resume(saved, cfg, source) if saved is not None else []
+    return TrainPlan(cfg=cfg, dataset=dataset, space=cfg.space, model_config=model_config,
+                     objective=objective_of(model_config, **cfg.objective_options), source=source,
+                     changes=tuple(changes), init=init)
+
+
+def check_results_dir(cfg: TrainConfig) -> None:
+    """--results-dir must be a folder or not exist yet."""
+    if Path(cfg.results_dir).exists() and not Path(cfg.results_dir).is_dir():
+        raise UserError(f"--results-dir {cfg.results_dir} is a file; pass a folder (it is created if missing).")
+
+
+def resume_source(cfg: TrainConfig) -> tuple[Path | None, TrainConfig | None]:
+    """(the checkpoint to continue from, the config it records), or (None, None) for a run that starts now."""
+    check_results_dir(cfg)
     run_dir = Path(cfg.results_dir)
-    if run_dir.exists() and not run_dir.is_dir():
-        raise UserError(f"--results-dir {run_dir} is a file; pass a folder (it is created if missing).")
     if cfg.resume == "none":
         if rundir.list_checkpoints(run_dir):
             raise UserError(f"--resume none, but {run_dir} already holds checkpoints; pass --resume auto to "
                             "continue that run, or a new --results-dir to start another.")
-        return None, []
+        return None, None
     source = rundir.latest_checkpoint(run_dir) if cfg.resume == "auto" else Path(cfg.resume)
     if source is None:
-        return None, []
-    saved = TrainConfig.from_dict(ckpt_io.read_state(source)["config"])
-    return source, check_resume(saved, cfg, source)
+        return None, None
+    return source, TrainConfig.from_dict(ckpt_io.read_state(source)["config"])
 
 
-def prepare_config(cfg: TrainConfig, accelerator) -> tuple[TrainConfig, LatentDataset, Path | None, list[str]]:
-    """Open the latents, resolve 'auto' and check the config, find the resume source: before the run's model."""
-    dataset = open_latents(cfg.latents, accelerator, cfg.cache_limit)  # URL -> local cache; verified once per node
-    check_config(cfg, dataset)
-    resolve_shard_window(cfg, dataset)  # the data order: before the resume check compares it
-    # train/autotune.py
-    resolve_auto_for(cfg, model_config_for(cfg, dataset.latent_shape, dataset.num_classes), accelerator)
-    resolve_config(cfg, dataset, accelerator.num_processes)
+def start_weights(cfg: TrainConfig, dataset: LatentDataset, saved: TrainConfig | None) -> InitWeights | None:
+    """--init-from's weights, read and checked, for a run that starts now; a resumed run takes its record from its
+    checkpoint and loads nothing. Either way cfg.init records where the run started (config.json)."""
+    if not cfg.init_from:
+        return None
+    if saved is not None:
+        cfg.init = saved.init
+        return None
+    init = read_init(cfg, dataset)
+    cfg.init = init.record
+    return init
+
+
+def check_environment(cfg: TrainConfig, dataset: LatentDataset, accelerator) -> None:
+    """What this machine and install must provide for the settings: attention kernel, compile, 8-bit AdamW, VAE."""
     check_watch(cfg, dataset)
     resolve_attention(cfg.attention)
     check_compile(cfg, accelerator.device)
@@ -129,9 +186,20 @@ def prepare_config(cfg: TrainConfig, accelerator) -> tuple[TrainConfig, LatentDa
         raise UserError("--attention xformers needs a CUDA GPU; this machine has none. Use --attention sdpa.")
     if cfg.optimizer == "adamw8bit":
         import_bitsandbytes()
-    if cfg.debug:
-        cfg.log_every = 1
-    return cfg, dataset, *resume_source(cfg)
+
+
+def describe_plan(plan: TrainPlan, accelerator) -> None:
+    """Main process: on the CPU what a step will cost; with --dry-run or --debug the resolved config."""
+    if not accelerator.is_main_process:
+        return
+    cfg = plan.cfg
+    if accelerator.device.type == "cpu":
+        from train.estimate import describe_cpu_step
+
+        print(f"train: {describe_cpu_step(plan.model_config, cfg.global_batch_size, cfg.total_steps)}",
+              file=sys.stderr, flush=True)
+    if cfg.dry_run or cfg.debug:
+        print(cfg.to_display())
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -224,21 +292,19 @@ def restore_heads(learner: Learner, source: Path) -> None:
         head.load_state_dict(state, strict=True)
 
 
-def setup_run(cfg: TrainConfig, dataset: LatentDataset, source: Path | None, accelerator,
-              callbacks: list[Callback], init: InitWeights | None = None) -> Run:
-    """Build the learner on this process's device, start it from `init` (--init-from) and restore from `source`."""
+def setup_run(plan: TrainPlan, accelerator, callbacks: list[Callback]) -> Run:
+    """Build the learner on this process's device, start it from --init-from's weights or restore the resume source."""
+    cfg = plan.cfg
     setup_backends(cfg, accelerator.device)
-    resumed = ckpt_io.checkpoint_config(source) if source is not None else None  # its output layout is kept
-    learner = make_learner(cfg, model_config_for(cfg, dataset.latent_shape, dataset.num_classes, resumed),
-                           accelerator=accelerator)
-    if init is not None:
-        apply_init(learner.dit, learner.ema, init)  # in place: the wrappers and the optimizer share the tensors
+    learner = make_learner(cfg, plan.model_config, accelerator=accelerator, objective=plan.objective)
+    if plan.init is not None:
+        apply_init(learner.dit, learner.ema, plan.init)  # in place: the wrappers and the optimizer share the tensors
     seed_globals(cfg.seed, accelerator.process_index)
     logger = RunLogger(Path(cfg.results_dir), enabled=accelerator.is_main_process, write_files=not cfg.debug)
-    run = Run(learner=learner, dataset=dataset, logger=logger,
+    run = Run(plan=plan, learner=learner, logger=logger,
               callbacks=CallbackList(default_callbacks(cfg) + list(callbacks)))
-    if source is not None:
-        restore(run, source)  # in place into the parameters the compiled/DDP wrappers share
+    if plan.source is not None:
+        restore(run, plan.source)  # in place into the parameters the compiled/DDP wrappers share
     run.callbacks.on_setup(run)
     return run
 
@@ -349,7 +415,7 @@ def _write_main(run: Run, tmp: Path) -> None:
              "skipped_steps": learner.skipped_steps, "config": run.cfg.to_dict()}
     ema_state = learner.ema.state_dict()
     ckpt_io.save_main_state(tmp, model_state=learner.dit.state_dict(), ema_state=ema_state,
-                            model_config=learner.model_config, space=run.cfg.space,
+                            model_config=learner.model_config, space=run.plan.space,
                             optimizer_state=learner.optimizer.state_dict(),
                             scaler_state=learner.scaler.state_dict(), state=state,
                             heads={c.checkpoint_file: learner.heads[c.name].state_dict() for c, _ in learner.consumers})
@@ -372,8 +438,7 @@ def write_export(run: Run) -> Path:
     stored = rundir.checkpoint_path(run.run_dir, run.step) / rundir.EMA_FILE
     if stored.is_file() and link_file(stored, path):
         return path
-    return save_weights(path, run.learner.ema.state_dict(), run.learner.model_config,
-                        run.cfg.space, run.step)
+    return save_weights(path, run.learner.ema.state_dict(), run.learner.model_config, run.plan.space, run.step)
 
 
 def save_samples(run: Run) -> None:
@@ -387,8 +452,7 @@ def save_samples(run: Run) -> None:
                                              run.learner.objective, run.learner.model_config.sampling)
         finally:
             ema.to(home)
-        path = write_preview(rundir.sample_path(run.run_dir, run.step), latents, labels,
-                             run.cfg.space, run.step)
+        path = write_preview(rundir.sample_path(run.run_dir, run.step), latents, labels, run.plan.space, run.step)
         run.logger.info(f"saved samples {path}")
     run.accelerator.wait_for_everyone()
 
@@ -439,8 +503,9 @@ class Meter:
         return values
 
 
-def start_logs(run: Run, source: Path | None, changes: list[str]) -> None:
+def start_logs(run: Run) -> None:
     """config.json, the resume note, metrics truncated to the resumed step, a missing export repaired."""
+    source = run.plan.source
     if run.is_main and not run.cfg.debug:
         run.run_dir.mkdir(parents=True, exist_ok=True)
         removed = ckpt_io.remove_partial(run.run_dir)
@@ -464,7 +529,7 @@ def start_logs(run: Run, source: Path | None, changes: list[str]) -> None:
                         f"{cfg.route_start}..{cfg.route_end} in training; sampling uses every token")
     if cfg.autotune:
         run.logger.info(describe_auto(cfg.autotune))
-    for change in changes:
+    for change in run.plan.changes:
         run.logger.info(f"changed on resume: {change}")
 
 
@@ -505,7 +570,7 @@ def run_loop(run: Run) -> dict:
                          class_dropout_prob=cfg.class_dropout_prob, num_workers=loader_workers(run),
                          pin_memory=run.device.type == "cuda", objective=run.learner.objective,
                          extra=tuple(c.name for c, _ in run.learner.consumers), route=run.learner.route,
-                         norm=cfg.space.norm, window=cfg.shard_window, global_batch=cfg.global_batch_size)
+                         norm=run.plan.space.norm, window=cfg.shard_window, global_batch=cfg.global_batch_size)
     meter, last = Meter(), {}
     bar = tqdm(total=total, initial=run.step, desc="train", unit="step", disable=not run.is_main, dynamic_ncols=True)
     with bar:
@@ -531,18 +596,6 @@ def run_loop(run: Run) -> dict:
     return last
 
 
-def start_weights(cfg: TrainConfig, dataset: LatentDataset, source: Path | None) -> InitWeights | None:
-    """--init-from's weights, checked, for a run that starts now; a resumed run takes its record from its checkpoint."""
-    if not cfg.init_from:
-        return None
-    if source is not None:
-        cfg.init = TrainConfig.from_dict(ckpt_io.read_state(source)["config"]).init
-        return None
-    init = load_init(cfg, dataset, model_config_for(cfg, dataset.latent_shape, dataset.num_classes))
-    cfg.init = init.record  # config.json records where the run started
-    return init
-
-
 def lock_run_folder(cfg: TrainConfig, accelerator) -> FolderLock | None:
     """Rank 0 takes the run folder's exclusive lock (before reading checkpoints); every rank stops if it is busy.
 
@@ -555,8 +608,7 @@ def lock_run_folder(cfg: TrainConfig, accelerator) -> FolderLock | None:
         return None
     lock, error = None, None
     if accelerator.is_main_process:
-        if Path(cfg.results_dir).exists() and not Path(cfg.results_dir).is_dir():
-            raise UserError(f"--results-dir {cfg.results_dir} is a file; pass a folder (it is created if missing).")
+        check_results_dir(cfg)
         try:
             lock = hold_lock(cfg.results_dir, "run folder")
         except UserError as err:
@@ -571,36 +623,26 @@ def lock_run_folder(cfg: TrainConfig, accelerator) -> FolderLock | None:
 
 
 def train(cfg: TrainConfig, callbacks: list[Callback] = ()) -> dict:
-    """Run (or resume) a training run described by cfg; returns the last logged metrics."""
+    """Run (or resume) the training run `cfg` describes: plan, set up, loop; returns the last logged metrics."""
     check_strategy()  # FSDP / DeepSpeed launcher configs: refused before anything exists
     resolve_precision_with_launcher(cfg.precision)  # a contradicting --precision: refused before anything exists
     accelerator = make_accelerator(cfg)  # the one source of the process count and rank
     lock = lock_run_folder(cfg, accelerator)
     try:
-        return _train_locked(cfg, accelerator, list(callbacks))
+        plan = make_plan(cfg, accelerator)  # every check and resolution, before any model exists
+        describe_plan(plan, accelerator)
+        if cfg.dry_run:
+            return {}
+        return run_training(setup_run(plan, accelerator, list(callbacks)))
     finally:
         if lock is not None:
             lock.release()
 
 
-def _train_locked(cfg: TrainConfig, accelerator, callbacks: list[Callback]) -> dict:
-    """train() once the run folder is this launch's."""
-    cfg, dataset, source, changes = prepare_config(cfg, accelerator)
-    init = start_weights(cfg, dataset, source)
-    if accelerator.device.type == "cpu" and accelerator.is_main_process:
-        from train.estimate import describe_cpu_step
-
-        config = model_config_for(cfg, dataset.latent_shape, dataset.num_classes)
-        print(f"train: {describe_cpu_step(config, cfg.global_batch_size, cfg.total_steps)}", file=sys.stderr,
-              flush=True)
-    if cfg.dry_run or cfg.debug:
-        if accelerator.is_main_process:
-            print(cfg.to_display())
-        if cfg.dry_run:
-            return {}
-    run = setup_run(cfg, dataset, source, accelerator, callbacks, init)
+def run_training(run: Run) -> dict:
+    """Logs started, the loop to the last step (checkpointing on the way and at the end); an OOM as one paragraph."""
     try:
-        start_logs(run, source, changes)
+        start_logs(run)
         last = run_loop(run)
         run.callbacks.on_train_end(run)
         run.logger.info(f"done: step {run.step}, last checkpoint {run.last_checkpoint}")

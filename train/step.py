@@ -173,8 +173,12 @@ def cpp_compiler() -> str | None:
     return next((found for name in names if (found := shutil.which(name))), None)
 
 
-def make_learner(cfg: TrainConfig, model_config: ModelConfig, accelerator=None, device=None) -> Learner:
-    """Model, EMA, optimizer and scaler on `device` (the accelerator's when given), compiled/wrapped as asked."""
+def make_learner(cfg: TrainConfig, model_config: ModelConfig, accelerator=None, device=None,
+                 objective: Objective | None = None) -> Learner:
+    """Model, EMA, optimizer and scaler on `device` (the accelerator's when given), compiled/wrapped as asked.
+
+    objective: the run's (train.loop's plan holds it); None builds the one `model_config` records.
+    """
     device = torch.device(accelerator.device if accelerator is not None else (device or "cpu"))
     check_compile(cfg, device)
     torch.manual_seed(cfg.seed)  # initialised identically on every rank
@@ -197,7 +201,8 @@ def make_learner(cfg: TrainConfig, model_config: ModelConfig, accelerator=None, 
                       ema=ema, optimizer=None,
                       scaler=torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16"),
                       model_config=model_config, accelerator=accelerator, device=device,
-                      objective=objective_of(model_config, **cfg.objective_options), route=route_of(cfg, raw),
+                      objective=objective or objective_of(model_config, **cfg.objective_options),
+                      route=route_of(cfg, raw),
                       consumers=tuple((c, getattr(f, c.weight)) for c, f in column_consumers(cfg)))
     learner.optimizer = build_optimizer(cfg, learner.trained_parameters(), device)
     return learner
@@ -265,8 +270,7 @@ def accumulate_gradients(learner: Learner, batches: Iterable[dict]) -> dict:
         for name, value in losses.items():
             totals[name] = totals.get(name, 0) + value.detach().float()
         count += 1
-    if count != steps:
-        raise ValueError(f"a step needs {steps} micro-batches, got {count}")
+    assert count == steps, f"a step needs {steps} micro-batches, got {count}"
     return {name: value / steps for name, value in totals.items()}
 
 

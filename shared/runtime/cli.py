@@ -48,6 +48,8 @@ class Flag:
     action: Any = None                  # an argparse action class, e.g. BooleanOptionalAction for --x/--no-x
     min: float | None = None            # the least value the flag takes (None: unbounded); checked by from_args
     max: float | None = None            # the greatest value the flag takes
+    above: float | None = None          # a strict lower bound: the value must exceed it (a probability's 0 < p)
+    below: float | None = None          # a strict upper bound: the value must stay under it (p < 1)
 
     def field(self, **changes) -> Any:
         """A fresh dataclass field for this flag (changes: e.g. another default or help for one command)."""
@@ -114,15 +116,33 @@ def from_args(cls, args: argparse.Namespace, **extra):
 
 
 def check_bounds(name: str, spec: Flag, value) -> None:
-    """Refuse a flag value outside the option's declared [min, max] (None and unbounded flags pass)."""
+    """Refuse a number outside the option's declared bounds (None, words such as "auto", unbounded flags pass)."""
     flag = spec.name or flag_name(name)
+    tests = ((spec.min, "at least", lambda x, b: x >= b), (spec.max, "at most", lambda x, b: x <= b),
+             (spec.above, "above", lambda x, b: x > b), (spec.below, "below", lambda x, b: x < b))
     for item in value if isinstance(value, (list, tuple)) else [value]:
-        if item is None or isinstance(item, bool):
-            continue
-        if spec.min is not None and item < spec.min:
-            raise UserError(f"{flag} must be at least {spec.min:g}; got {item:g}. Pass a value of {spec.min:g} or more.")
-        if spec.max is not None and item > spec.max:
-            raise UserError(f"{flag} must be at most {spec.max:g}; got {item:g}. Pass a value of {spec.max:g} or less.")
+        if not isinstance(item, (int, float)) or isinstance(item, bool):
+            continue  # not given, or a word resolved later ("auto")
+        for bound, says, holds in tests:
+            if bound is not None and not holds(item, bound):  # written as "not holds" so that NaN is refused too
+                raise UserError(f"{flag} must be {says} {bound:g}; got {item:g}. Pass a value {valid_range(spec)}.")
+
+
+def check_flag_bounds(options) -> None:
+    """check_bounds on every flag field of an options dataclass instance (one built without from_args)."""
+    for f in flag_fields(type(options)):
+        check_bounds(f.name, f.metadata[FLAG_KEY], getattr(options, f.name))
+
+
+def valid_range(spec: Flag) -> str:
+    """The values a bounded flag takes, as the refusal says them: 'of 1 or more', 'in [0, 1)', 'above 0'."""
+    low = (f"[{spec.min:g}" if spec.min is not None else f"({spec.above:g}" if spec.above is not None else None)
+    high = (f"{spec.max:g}]" if spec.max is not None else f"{spec.below:g})" if spec.below is not None else None)
+    if low and high:
+        return f"in {low}, {high}"
+    if low:
+        return f"of {spec.min:g} or more" if spec.min is not None else f"above {spec.above:g}"
+    return f"of {spec.max:g} or less" if spec.max is not None else f"below {spec.below:g}"
 
 
 def argument_of(name: str, spec: Flag, hint) -> tuple[list[str], dict]:

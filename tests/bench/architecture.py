@@ -1,4 +1,4 @@
-"""The architecture's numbers (issue 35, item 5): lines, one image's walk, import graph, JSON per RAE checkpoint.
+"""The architecture's numbers (issues 35 and 43, item 5): lines, one image's walk, imports, JSON, the goals.
 
 Run: nice -n 5 env OMP_NUM_THREADS=1 .venv/bin/python tests/bench/architecture.py [--rev REV] [--walk] [--json]
 
@@ -35,6 +35,44 @@ folder and measured by this same file, so both columns use one definition). Defi
    per checkpoint = those whose path names the checkpoint's step. Per-element statistics grow with the token
    shape: a base64 string decoding to exactly E float32 or float64 values, or a JSON list of E numbers (E = 1024
    elements of the tiny tokens), is scaled by 196,608 / E (RAE's real 768x16x16 tokens); the rest is kept.
+5. Issue 43's goals, printed as a table (metric | REV | checkout | goal) and in --json as each checkout's
+   `goal_table` (its evidence under `goals`):
+   a. Core walk: the distinct files of the traced walk (definition 2) and the sum of their `wc -l` lines; the
+      hand-written walk of docs/ARCHITECTURE.md is counted the same way beside it.
+   b. Returns to library files: the walk's returns (definition 2) to a file that is not an orchestrator. The
+      orchestrators are the files that drive a stage, which a main that plans and then calls library
+      functions in order comes back to by design: a stage package's `__main__.py` and `run.py`, and
+      ORCHESTRATORS (train/loop.py, train/step.py, shared/sampling/generate.py: `python -m sample`'s code path,
+      evaluate/evaluation.py). Every other production file, in shared/ or in a stage package, is a library
+      file; the returns to shared/ files alone are printed too.
+   c. A->B->A ping-pongs: positions i of the walk (repeats in a row collapsed) with file(i) == file(i + 2);
+      each is listed by its pair of files (and, with --walk, its functions).
+   d. Guard lines: the union of the lines of every `raise` statement (its full span), of every `if` whose body
+      is only raises (from `if` to the last raise; an elif is an `if` of its own, an else is not counted) and
+      of every function named check_* or _check_* (decorators to last line), over the production files; as a
+      % of production lines (definition 1). Also: raises spanning 2+ lines, and raises by kind: of UserError or
+      a production class deriving from it by name, of another exception class, re-raises (bare or of a
+      lower-case name), or via a helper function (`raise refuse(...)`). Lines of `assert` statements are
+      counted apart, not as guards (a one-line assert is the issue's form of an internal contract).
+   e. Compat lines: code keeping the project's own earlier formats, found by markers: names matching
+      COMPAT_NAME (legacy|upgrade|from_legacy|unpack_tensor|space_parts, any case) and `#` comments matching
+      COMPAT_COMMENT ("older" or "legacy" followed within a word by form, record, folder, file, sidecar,
+      config, version, metadata or key) that name no outside project (OUTSIDE_PROJECT: diffusers, torch, TF,
+      Pillow, GPU). Counted, outermost first: a def or class whose name is a marker (its whole span); an
+      if/elif branch (from `if` to the end of its body) whose test or header comment holds a marker, or whose
+      body does with no `if` nested in it (else the innermost branch holding it); any other simple statement
+      mentioning a marker name, or with a marker comment on its lines or on the comment lines right above it.
+      Each span is printed with its reason.
+   f. Files a new sampler, tokenizer class, converted tokenizer, weight format, shard column, objective or
+      block option touches, derived from its register_* function (EXTENSIONS): the file defining it (the
+      owner), its registry (the module-level upper-case names that function uses), the files registering
+      built-in records (calling or decorating with it, or the owner calling REGISTRY.register), their names
+      (a record's first string argument or `name=`, a class's `name`), module-level tuples of module names
+      naming a registering module (a hard-coded import list) and the files importing one, literal tuples,
+      lists, sets or dict keys of 2+ strings, all registered names, outside those files (a hard-coded name
+      list), and the files calling load_plugins. A user's module named by --plugin touches 1 file plus one per
+      file holding such a name list (none where no command loads plugins); a new module of the package, 1 +
+      the files of the hard-coded import lists, or + 1 (the import that loads it) where there are none.
 CPU time: about 35 s per checkout (one thread; 2 minutes of wall time on a busy machine); the --rev checkout is
 measured at the same time, on another core.
 """
@@ -469,6 +507,322 @@ def measure_rae_json(root: Path, tmp: Path) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# 5. Issue 43's goals
+# ---------------------------------------------------------------------------------------------------------
+
+STAGES = ("extract", "train", "sample", "evaluate")
+# The files that drive a stage (module doc, definition 5b): what a plan-then-call-in-order main may come back to.
+ORCHESTRATORS = ("train/loop.py", "train/step.py", "shared/sampling/generate.py", "evaluate/evaluation.py")
+GUARD_FUNCTION = re.compile(r"_?check_\w*")
+COMPAT_NAME = re.compile(r"legacy|upgrade|from_legacy|unpack_tensor|space_parts", re.I)
+COMPAT_COMMENT = re.compile(r"\b(older|legacy)\b\W+(\S+\s+)?(forms?|records?|folders?|files?|sidecars?|configs?|"
+                            r"versions?|metadata|keys?)\b", re.I)
+OUTSIDE_PROJECT = re.compile(r"diffusers|torch|TF1?\b|Pillow|GPU", re.I)  # their old formats are not ours
+COMPOUND = (ast.If, ast.For, ast.AsyncFor, ast.While, ast.With, ast.AsyncWith, ast.Try, ast.FunctionDef,
+            ast.AsyncFunctionDef, ast.ClassDef, getattr(ast, "TryStar", ast.Try), getattr(ast, "Match", ast.Try))
+EXTENSIONS = (("sampler", "register_sampler"), ("tokenizer class", "register_tokenizer"),
+              ("converted tokenizer", "register_converted"), ("weight format", "register_format"),
+              ("shard column", "register_column"), ("objective", "register_objective"),
+              ("block option", "register_block_option"))
+
+
+def is_orchestrator(path: str) -> bool:
+    """A stage's driving file (module doc, definition 5b): its __main__.py or run.py, or one of ORCHESTRATORS."""
+    top, _, name = path.partition("/")
+    return path in ORCHESTRATORS or (top in STAGES and name in ("__main__.py", "run.py"))
+
+
+def walk_goals(order: list[str], sizes: dict[str, int]) -> dict:
+    """Files and lines of a walk, its returns to library files and its A->B->A ping-pongs (definition 5a-c)."""
+    seen, library, previous = set(), collections.Counter(), None
+    for f in order:
+        if f in seen and f != previous and not is_orchestrator(f):
+            library[f] += 1
+        seen.add(f)
+        previous = f
+    pongs = [(order[i], order[i + 1]) for i in range(len(order) - 2) if order[i] == order[i + 2]]
+    pairs = collections.Counter(" <-> ".join(sorted(p)) for p in pongs)
+    return {"files": len(seen), "lines": sum(sizes.get(f, 0) for f in seen),
+            "library_returns": sum(library.values()), "library_returned_to": library.most_common(),
+            "shared_returns": sum(n for f, n in library.items() if f.startswith("shared/")),
+            "ping_pongs": len(pongs), "ping_pong_pairs": pairs.most_common(),
+            "ping_pong_at": [i + 1 for i in range(len(order) - 2) if order[i] == order[i + 2]]}
+
+
+def node_lines(node: ast.AST) -> range:
+    """The lines of a statement, its decorators included."""
+    start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", ())])
+    return range(start, node.end_lineno + 1)
+
+
+def exception_family(trees: dict[str, ast.AST], base: str = "UserError") -> set[str]:
+    """Names of the production classes deriving from `base` (by name, transitively), `base` included."""
+    bases = {}
+    for tree in trees.values():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                bases[node.name] = {b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases}
+    family, grown = {base}, True
+    while grown:
+        more = {name for name, parents in bases.items() if parents & family} - family
+        family |= more
+        grown = bool(more)
+    return family
+
+
+def raise_kind(node: ast.Raise, user: set[str]) -> str:
+    """'user' (a UserError class), 'other' (another exception class), 're-raise' (bare or a variable) or 'helper'."""
+    exc = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+    name = exc.id if isinstance(exc, ast.Name) else getattr(exc, "attr", None)
+    if name in user:
+        return "user"
+    if node.exc is None or (isinstance(node.exc, ast.Name) and not name[:1].isupper()):
+        return "re-raise"
+    if name and name[:1].isupper():
+        return "other"
+    return "helper"  # a function building the exception (e.g. `raise refuse(...)`)
+
+
+def guard_lines(tree: ast.AST, user: set[str]) -> dict:
+    """Guard lines of one file (definition 5d): raises, guard-ifs whose body only raises, check_* functions."""
+    lines, kinds, multi = set(), collections.Counter(), 0
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Raise):
+            lines.update(node_lines(node))
+            kinds[raise_kind(node, user)] += 1
+            multi += node.end_lineno > node.lineno
+        elif isinstance(node, ast.If) and all(isinstance(b, ast.Raise) for b in node.body):
+            lines.update(range(node.lineno, node.body[-1].end_lineno + 1))
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and GUARD_FUNCTION.fullmatch(node.name):
+            lines.update(node_lines(node))
+    asserts = {n for node in ast.walk(tree) if isinstance(node, ast.Assert) for n in node_lines(node)}
+    return {"lines": lines, "raises": sum(kinds.values()), "multi_line": multi, "kinds": kinds,
+            "assert_lines": asserts}
+
+
+def marker_names(node: ast.AST) -> set[str]:
+    """The compat marker names (COMPAT_NAME) a node mentions: names, attributes, defs and imported names."""
+    found = set()
+    for n in ast.walk(node):
+        for name in (getattr(n, "id", None), getattr(n, "attr", None), getattr(n, "name", None),
+                     getattr(n, "asname", None)):
+            if isinstance(name, str) and COMPAT_NAME.search(name):
+                found.add(name)
+    return found
+
+
+def compat_comments(text: str) -> dict[int, str]:
+    """Comment lines naming an older form of the project's own (COMPAT_COMMENT, not OUTSIDE_PROJECT), by line."""
+    found = {}
+    with contextlib.suppress(tokenize.TokenError):
+        for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+            if tok.type == tokenize.COMMENT and COMPAT_COMMENT.search(tok.string) \
+                    and not OUTSIDE_PROJECT.search(tok.string):
+                found[tok.start[0]] = tok.string
+    return found
+
+
+def compat_spans(tree: ast.AST, text: str) -> list[tuple[int, int, str]]:
+    """(first line, last line, why) of the compat code of one file (definition 5e), outermost spans only."""
+    comments, lines = compat_comments(text), text.splitlines()
+    spans = []
+
+    def said(first: int, last: int) -> list[str]:
+        """Marker comments on lines first..last, or on the comment-only lines right above first."""
+        found = [comments[c] for c in range(first, last + 1) if c in comments]
+        above = first - 1
+        while above >= 1 and lines[above - 1].lstrip().startswith("#"):
+            found += [comments[above]] if above in comments else []
+            above -= 1
+        return found
+
+    def why(names: set[str], comments_found: list[str]) -> str:
+        """The reason printed for a span: the marker names, else the first marker comment."""
+        return ", ".join(sorted(names)) or comments_found[0].strip() if names or comments_found else ""
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if not isinstance(child, ast.stmt):
+                if isinstance(child, ast.ExceptHandler):
+                    visit(child)
+                continue
+            span = node_lines(child)
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                if COMPAT_NAME.search(child.name):
+                    spans.append((span.start, span.stop - 1, f"def {child.name}"))
+                else:
+                    visit(child)
+            elif isinstance(child, ast.If):
+                innermost = not any(isinstance(n, ast.If) for b in child.body for n in ast.walk(b))
+                body = {n for b in child.body for n in marker_names(b)} if innermost else set()
+                reason = why(marker_names(child.test) | body, said(child.lineno, child.test.end_lineno))
+                if reason:
+                    spans.append((child.lineno, child.body[-1].end_lineno, "if: " + reason))
+                else:
+                    visit(ast.Module(body=child.body, type_ignores=[]))
+                visit(ast.Module(body=child.orelse, type_ignores=[]))  # an elif or else of its own
+            elif isinstance(child, COMPOUND):
+                visit(child)
+            else:
+                reason = why(marker_names(child), said(span.start, span.stop - 1))
+                if reason:
+                    spans.append((span.start, span.stop - 1, reason))
+
+    visit(tree)
+    return spans
+
+
+def registry_evidence(trees: dict[str, ast.AST]) -> dict:
+    """Per extension kind (EXTENSIONS), the registry's files and lists (definition 5f) and the files it touches."""
+    modules = {module_name(p): p for p in trees}
+    lists = module_lists(trees, set(modules))
+    plugin_loaders = sorted(p for p, t in trees.items() if any(isinstance(n, ast.Call) and call_name(n) ==
+                                                               "load_plugins" for n in ast.walk(t)))
+    out = {}
+    for kind, function in EXTENSIONS:
+        owner = next((p for p, t in trees.items() for n in t.body
+                      if isinstance(n, ast.FunctionDef) and n.name == function), None)
+        if owner is None:
+            out[kind] = {"function": function, "owner": None}
+            continue
+        registry = registry_names(trees[owner], function)
+        registrants = sorted(p for p, t in trees.items() if registers(t, function, registry, p == owner))
+        named = [f"{p}:{line} {name} = {values}" for p, line, name, values in lists
+                 if set(values) & {module_name(r) for r in registrants}]
+        importers = sorted({f"{p} imports {module_name(r)}" for r in registrants if r != owner
+                            for p, t in trees.items() if p != r and module_name(r) in imported_modules(
+                                p, t, set(modules))})
+        names = registered_names([trees[p] for p in registrants], function, trees[owner])
+        hard = name_lists(trees, names, {owner, *registrants})
+        package = 1 + len({entry.split(":")[0] for entry in named} or {owner})
+        out[kind] = {"function": function, "owner": owner, "registry": sorted(registry),
+                     "registrants": registrants, "module_lists": named, "importers": importers,
+                     "names": sorted(names), "name_lists": hard, "plugin_loaders": plugin_loaders,
+                     "plugin_files": 1 + len({h.split(":")[0] for h in hard}) if plugin_loaders else None,
+                     "package_files": package}
+    return out
+
+
+def call_name(node: ast.Call) -> str | None:
+    """The called name of a call (`f(...)` or `x.f(...)`)."""
+    return node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)
+
+
+def registry_names(tree: ast.AST, function: str) -> set[str]:
+    """The module-level names the register function writes to or calls (its registry)."""
+    top = {t.id for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign))
+           for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)}
+    body = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == function)
+    return {n.id for n in ast.walk(body) if isinstance(n, ast.Name) and n.id in top and n.id.isupper()}
+
+
+def registers(tree: ast.AST, function: str, registry: set[str], is_owner: bool) -> bool:
+    """Whether a file registers a record: calls (or decorates with) the register function, or (the owner) the
+    registry's `register`/item assignment outside the register function."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and node.name == function:
+            continue
+        if isinstance(node, ast.Call) and call_name(node) == function:
+            return True
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and any(
+                (d.id if isinstance(d, ast.Name) else getattr(d, "attr", None)) == function
+                for d in node.decorator_list):
+            return True
+    if is_owner:
+        for node in tree.body:  # module level only: the register function's own body is not a record
+            for n in ast.walk(node) if not isinstance(node, (ast.FunctionDef, ast.ClassDef)) else ():
+                if isinstance(n, ast.Call) and call_name(n) == "register" and \
+                        getattr(n.func.value, "id", None) in registry:
+                    return True
+    return False
+
+
+def registered_names(trees: list[ast.AST], function: str, owner: ast.AST) -> set[str]:
+    """Names the built-in records are registered under: a record's first string argument (or `name=`), a
+    registered class's `name`, a register_block_option's value."""
+    body = next(n for n in owner.body if isinstance(n, ast.FunctionDef) and n.name == function)
+    first = body.args.args[0] if body.args.args else None
+    record = getattr(first.annotation, "id", None) if first is not None and first.annotation is not None else None
+    names = set()
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and record and call_name(node) == record:
+                values = [a for a in node.args[:1]] + [k.value for k in node.keywords if k.arg == "name"]
+            elif isinstance(node, ast.Call) and call_name(node) == function and first is not None \
+                    and first.arg == "slot":
+                values = node.args[1:2]
+            elif isinstance(node, ast.Call) and call_name(node) == function and node.args \
+                    and isinstance(node.args[0], ast.Tuple):
+                values = node.args[0].elts  # register_converted(("vavae", ...), locate)
+            elif isinstance(node, ast.ClassDef) and record == "type" and any(
+                    getattr(d, "id", None) == function for d in node.decorator_list):
+                values = [n.value for n in node.body if isinstance(n, (ast.Assign, ast.AnnAssign)) and any(
+                    getattr(t, "id", None) == "name" for t in (n.targets if isinstance(n, ast.Assign) else [n.target]))]
+            else:
+                continue
+            names.update(v.value for v in values if isinstance(v, ast.Constant) and isinstance(v.value, str))
+    return names
+
+
+def module_lists(trees: dict[str, ast.AST], modules: set[str]) -> list[tuple[str, int, str, list[str]]]:
+    """Module-level tuples or lists of strings naming production modules: (file, line, name, the strings)."""
+    found = []
+    for path, tree in trees.items():
+        for node in tree.body:
+            value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+            if isinstance(value, (ast.Tuple, ast.List)) and value.elts and all(
+                    isinstance(e, ast.Constant) and isinstance(e.value, str) for e in value.elts) and any(
+                    e.value in modules for e in value.elts):
+                target = node.targets[0] if isinstance(node, ast.Assign) else node.target
+                found.append((path, node.lineno, getattr(target, "id", "?"), [e.value for e in value.elts]))
+    return found
+
+
+def name_lists(trees: dict[str, ast.AST], names: set[str], skip: set[str]) -> list[str]:
+    """Literal tuples, lists, sets or dict keys of 2 or more strings, all registered names, outside the registry's
+    own files: a list a new record's name would have to join."""
+    found = []
+    for path, tree in trees.items():
+        if path in skip:
+            continue
+        for node in ast.walk(tree):
+            items = node.keys if isinstance(node, ast.Dict) else getattr(node, "elts", None) \
+                if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else None
+            values = [e.value for e in items or () if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+            if len(values) >= 2 and len(values) == len(items) and set(values) <= names:
+                found.append(f"{path}:{node.lineno} {values}")
+    return found
+
+
+def measure_goals(root: Path, walk_order: list[str] | None, doc_order: list[str] | None) -> dict:
+    """Every number issue 43's goals name (module doc, definition 5)."""
+    files = production_files(root)
+    texts = {p: (root / p).read_text() for p in files}
+    trees = {p: ast.parse(t) for p, t in texts.items()}
+    sizes = {p: t.count("\n") + (0 if t.endswith("\n") or not t else 1) for p, t in texts.items()}
+    total = sum(sizes.values())
+    user = exception_family(trees)
+    guard, kinds, raises, multi, asserts = 0, collections.Counter(), 0, 0, 0
+    for tree in trees.values():
+        g = guard_lines(tree, user)
+        guard += len(g["lines"])
+        kinds += g["kinds"]
+        raises += g["raises"]
+        multi += g["multi_line"]
+        asserts += len(g["assert_lines"])
+    compat = [(p, a, b, why) for p in files for a, b, why in compat_spans(trees[p], texts[p])]
+    out = {"production_lines": total, "guard_lines": guard, "guard_percent": round(100 * guard / total, 1),
+           "raises": raises, "raises_multi_line": multi, "raise_kinds": dict(kinds), "assert_lines": asserts,
+           "compat_lines": sum(b - a + 1 for _, a, b, _ in compat),
+           "compat": [f"{p}:{a}-{b} {why}" for p, a, b, why in compat], "extensions": registry_evidence(trees)}
+    if walk_order is not None:
+        out["walk"] = walk_goals(walk_order, sizes)
+    if doc_order is not None:
+        out["doc_walk"] = walk_goals(doc_order, sizes)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Report
 # ---------------------------------------------------------------------------------------------------------
 
@@ -489,6 +843,9 @@ def measure(root: Path, walk: bool, rae_json: bool, work: Path | None = None) ->
             start = time.time()
             out["rae_json"] = measure_rae_json(root, Path(tmp))
             out["rae_json"]["seconds"] = round(time.time() - start, 1)
+    walked = [o.split(" ")[0] for o in out["walk"]["order"]] if "walk" in out else None
+    out["goals"] = measure_goals(root, walked, out["doc_walk"]["order"] if out["doc_walk"] else None)
+    out["goal_table"] = goal_table(out)
     return out
 
 
@@ -518,6 +875,84 @@ def measuring_rev(rev: str, args):
                 child.kill()
                 child.wait()
             subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, check=False)
+
+
+def goal_table(r: dict) -> list[dict]:
+    """Issue 43's goals for one checkout: {metric, value, goal} rows (value None where not measured)."""
+    g = r["goals"]
+    walk, docs = g.get("walk", {}), g.get("doc_walk", {})
+    kinds = g["raise_kinds"]
+    rows = [("core walk files (traced)", walk.get("files"), "<= 20"),
+            ("core walk lines (traced)", walk.get("lines"), "<= 6,000"),
+            ("hand-written walk files (docs)", docs.get("files"), ""),
+            ("hand-written walk lines (docs)", docs.get("lines"), ""),
+            ("traced walk returns, all", r.get("walk", {}).get("returns"), ""),
+            ("traced walk returns to library files", walk.get("library_returns"), "<= 5"),
+            ("... of them to shared/ files", walk.get("shared_returns"), ""),
+            ("traced walk A->B->A ping-pongs", walk.get("ping_pongs"), "0"),
+            ("guard lines", g["guard_lines"], ""),
+            ("guard lines, % of production", g["guard_percent"], "<= 6%"),
+            ("raises", g["raises"], ""),
+            ("raises spanning 2+ lines", g["raises_multi_line"], ""),
+            ("raises of UserError (and subclasses)", kinds.get("user", 0), ""),
+            ("raises of other exception classes", kinds.get("other", 0), ""),
+            ("raises re-raising / via a helper", f"{kinds.get('re-raise', 0)} / {kinds.get('helper', 0)}", ""),
+            ("assert lines", g["assert_lines"], ""),
+            ("production lines", g["production_lines"], "<= 18,000, not growing"),
+            ("compat lines", g["compat_lines"], "0")]
+    for kind, _ in EXTENSIONS:
+        e = g["extensions"].get(kind, {})
+        value = None if not e.get("owner") else f"{e['plugin_files']} (package module: {e['package_files']})"
+        rows.append((f"files a new {kind} touches", value, "1"))
+    return [{"metric": m, "value": v, "goal": goal} for m, v, goal in rows]
+
+
+def show(value) -> str:
+    """A table cell: thousands separated, '-' where not measured."""
+    if value is None:
+        return "-"
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
+def report_goals(results: list[dict], show_walk: bool) -> None:
+    """Issue 43's table (metric | REV | checkout | goal), then the evidence behind each number."""
+    tables = [r["goal_table"] for r in results]
+    heads = [r["commit"] + (" (checkout)" if r is results[-1] and len(results) > 1 else "") for r in results]
+    print("\n5. issue 43's goals")
+    print(f"| {'metric':<40} | " + " | ".join(f"{h:>30}" for h in heads) + " | goal")
+    for i, row in enumerate(tables[-1]):
+        print(f"| {row['metric']:<40} | " + " | ".join(f"{show(t[i]['value']):>30}" for t in tables)
+              + f" | {row['goal']}")
+    for r in results:
+        g = r["goals"]
+        print(f"\n== {r['commit']}: issue 43 evidence")
+        for name in ("walk", "doc_walk"):
+            if name in g:
+                w = g[name]
+                print(f"   {name}: returns to library files: " +
+                      ", ".join(f"{f} {n}x" for f, n in w["library_returned_to"]))
+                print(f"   {name}: ping-pongs: " + (", ".join(f"{p} {n}x" for p, n in w["ping_pong_pairs"])
+                                                     or "none"))
+                if show_walk and name == "walk":
+                    for i in w["ping_pong_at"]:
+                        print(f"     ping-pong at {i}: " + " -> ".join(r["walk"]["order"][i - 1:i + 2]))
+        print("   raises by kind: " + ", ".join(f"{k} {n}" for k, n in sorted(g["raise_kinds"].items())))
+        print(f"   compat ({g['compat_lines']} lines):")
+        for c in g["compat"]:
+            print(f"     {c}")
+        for kind, e in g["extensions"].items():
+            if not e.get("owner"):
+                print(f"   a new {kind}: no {e['function']} found")
+                continue
+            print(f"   a new {kind}: {e['function']} in {e['owner']} (registry {', '.join(e['registry'])}); "
+                  f"built-ins registered in {', '.join(e['registrants'])} as {', '.join(e['names']) or '?'}")
+            for line in e["module_lists"] or ["no hard-coded module list"]:
+                print(f"     module list: {line}")
+            for line in e["importers"]:
+                print(f"     import: {line}")
+            for line in e["name_lists"] or ["no hard-coded list of its names outside the registry's files"]:
+                print(f"     name list: {line}")
+            print(f"     --plugin loaded by: {', '.join(e['plugin_loaders']) or 'none'}")
 
 
 def kib(n: int) -> str:
@@ -555,6 +990,7 @@ def report(results: list[dict], show_walk: bool) -> None:
             row(f"   {label}, as written", [kib(r["rae_json"][key]["bytes"]) for r in results])
             row(f"   {label}, scaled", [kib(r["rae_json"][key]["scaled"]) for r in results])
         row("   JSON per checkpoint in all, scaled", [kib(r["rae_json"]["checkpoint_total_scaled"]) for r in results])
+    report_goals(results, show_walk)
     for r in results:
         print(f"\n== {r['commit']}: details")
         print("   largest files: " + ", ".join(f"{p} {n}" for p, n in r["lines"]["largest"]))
