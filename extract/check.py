@@ -22,7 +22,7 @@ def inspect_all(scan: ImageFolderScan, num_workers: int, batch_size: int = 64, i
     records = []
     with tqdm(total=len(scan), unit="img", desc="check", dynamic_ncols=True) as bar:
         for batch in loader:
-            raise_fatal(batch)
+            raise_fatal(batch["fatal"])
             for k in range(len(batch["pos"])):
                 records.append({key: (value[k].item() if hasattr(value[k], "item") else value[k])
                                 for key, value in batch.items()})

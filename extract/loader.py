@@ -19,9 +19,9 @@ def fetch(scan: ImageFolderScan, pos: int) -> tuple[object, str]:
         return None, str(err)
 
 
-def raise_fatal(batch: dict) -> None:
-    """The first unreadable shard's paragraph of a batch, as the UserError it was in the worker."""
-    for message in batch["fatal"]:
+def raise_fatal(messages) -> None:
+    """The first unreadable shard's paragraph of a batch's "fatal" messages, as the UserError it was in the worker."""
+    for message in messages:
         if message:
             raise UserError(message)
 

@@ -6,8 +6,7 @@ ShardWriter.close: ShardInfo, bad files, VAE identity) exist and its bytes still
 rerunning the same command skips finished shards and redoes the rest, damaged ones included. When every shard is
 finished, one process hashes them all (the index records only verified hashes), writes the bad-file report and
 then index.json (last). The main process holds the folder's lock (shared/runtime/lock.py) for the whole run.
-One Plan (the flags, the images, the tokenizer class, the settings), resolved before any weights load, is what
-every step reads.
+Every step reads one Plan (flags, images, tokenizer class, settings), resolved before any weights load.
 """
 from __future__ import annotations
 
@@ -294,11 +293,6 @@ def make_plan(cfg: ExtractConfig, check_out: bool = True) -> Plan:
 # Files in the out folder
 # ----------------------------------------------------------------------------------------------------------
 
-def _atomic_json(path: Path, data) -> None:
-    """Write indented JSON atomically (readers never see half a file)."""
-    atomic_write_text(path, json.dumps(data, indent=1) + "\n")
-
-
 def settings_sha256(settings: dict) -> str:
     """A short identity of the settings, stored in every sidecar."""
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
@@ -440,7 +434,7 @@ class ShardSink:
 
 def _split_batch(batch: dict, scan: ImageFolderScan, strict: bool) -> tuple[list[int], torch.Tensor, list[dict]]:
     """Separate readable images from bad ones (recorded with their sorted position)."""
-    raise_fatal(batch)  # a source's shard that cannot be read ends the run; the finished shards are kept
+    raise_fatal(batch["fatal"])  # a source's shard that cannot be read ends the run; the finished shards are kept
     good, bad = [], []
     for k, (pos, error) in enumerate(zip(batch["pos"].tolist(), batch["error"])):
         if error:
@@ -644,7 +638,7 @@ def _extract(plan: Plan, state) -> dict:
     state.wait_for_everyone()
     if state.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
-        _atomic_json(out / SETTINGS_NAME, plan.settings)
+        atomic_write_text(out / SETTINGS_NAME, json.dumps(plan.settings, indent=1) + "\n")  # readers see all or none
         keep_listing(plan)  # a rerun reads it instead of the whole source again
     state.wait_for_everyone()
     pending, damaged = _pending(plan, state)

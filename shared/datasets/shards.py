@@ -8,8 +8,7 @@ Layout of a latent folder (written by `extract`, read by `train`):
                                                    mirrored; "mean" alone from a deterministic tokenizer), and
                                                    any others, e.g. "repr" (F, T, D): encoder tokens for REPA
                            KEY.cls                 the class index in ASCII
-    shard-000000.done.json ... each shard's completion record, written after its tar (ShardWriter.close):
-                           {"shard": ShardInfo, ...the writer's own record}; resume redoes a shard without one
+    shard-000000.done.json ... after each tar, its completion record {"shard": ShardInfo, ...} (ShardWriter.close)
     index-arrays.npz       per-sample arrays, concatenated in shard order: "offsets" (int64, byte offset of
                            each safetensors payload inside its tar) and "labels" (int64)
     index.json             written LAST (shared.runtime.fsio.atomic_write): format, version, counts, latent shape,
@@ -346,10 +345,9 @@ class ShardWriter:
     `columns` {name: dtype (torch, or a vocabulary word)}: every payload's named tensors, e.g.
     {"mean": torch.float16, "std": torch.float16} for a VAE's posterior moments, {"mean": torch.float16} alone
     for a deterministic tokenizer's latent, plus any others such as "repr" (the module docstring).
-    Samples stream into shared.runtime.fsio.tmp_name(path); a clean exit (or `close`) pads the archive and
-    publishes it as `path` (fsio.publish_file: a durable rename); an exception (or `abort`) removes the temp file.
-    `close(record)` then writes the shard's completion sidecar (SIDECAR_SUFFIX), last: a shard killed before it
-    has none and is redone. The same input always gives byte-identical shards.
+    Samples stream into shared.runtime.fsio.tmp_name(path); a clean exit or `close(record)` publishes the padded
+    archive as `path` (fsio.publish_file: a durable rename), then the record's sidecar; an exception or `abort`
+    removes the temp file. The same input always gives byte-identical shards.
     """
 
     def __init__(self, path, *, columns: dict):
