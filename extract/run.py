@@ -26,7 +26,7 @@ from shared.datasets.imagefolder import ImageFolderScan
 from shared.datasets.sources import (DEFAULT_IMAGE_COLUMN, DEFAULT_LABEL_COLUMN, DEFAULT_LABEL_KEY, LISTING_NAME,
                                      SourceOptions, describe_source, is_url, listed_source, open_source,
                                      save_listing, source_kind)
-from shared.datasets.images import BOMB_REASON, MAX_IMAGE_PIXELS, pixel_limit, to_model_input
+from shared.datasets.images import BOMB_REASON, MAX_IMAGE_PIXELS, pixel_limit
 from extract.loader import ImageFileDataset, ShardBatches, make_loader, raise_fatal
 from shared.runtime.cli import counted, option
 from shared.runtime.distributed import default_workers as shared_default_workers, process_state
@@ -40,6 +40,7 @@ from shared.datasets.shards import FLAG_DTYPES
 from shared.runtime.plugins import PLUGIN
 from shared.tokenizers.classes import TokenizerClass, tokenizer_class
 from shared.tokenizers.norm import ChannelStats, ElementStats
+from shared.tokenizers.pixels import to_unit_range
 from shared.tokenizers.space import LatentSpace
 from shared.datasets.shards import (FLIP_MODES, FOLDER_KIND, INDEX_NAME, STORAGE_DTYPES, ShardWriter, damaged_error,
                                     damaged_files, read_sidecar, shard_name, sidecar_path, write_index)
@@ -337,7 +338,7 @@ def _encode_chunks(vae, x: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torc
 
 def encode_pixels(vae, pixels: torch.Tensor, flip: bool, progress: Progress) -> tuple[torch.Tensor, torch.Tensor]:
     """uint8 (B,3,S,S) -> moments (B,F,C,h,w) fp32; the mirrored copy rides in the same encoder batch."""
-    x = to_model_input(pixels.to(vae.device, non_blocking=True))  # (B, 3, S, S) in [-1, 1]
+    x = to_unit_range(pixels.to(vae.device, non_blocking=True))  # (B, 3, S, S) in [-1, 1]
     if flip:
         x = torch.cat([x, x.flip(3)])  # (2B, 3, S, S): originals, then their horizontal mirrors
     while True:

@@ -192,11 +192,6 @@ def load_image(path, image_size: int, max_pixels: int | None = MAX_IMAGE_PIXELS)
     return np.ascontiguousarray(center_crop_arr(rgb, image_size).transpose(2, 0, 1))  # (3, S, S)
 
 
-def to_model_input(pixels: torch.Tensor) -> torch.Tensor:
-    """uint8 (N,3,S,S) -> float32 in [-1, 1] (ToTensor then Normalize(0.5, 0.5), as DiT does)."""
-    return to_unit_range(pixels)
-
-
 def preprocess(path, image_size: int) -> torch.Tensor:
     """One image as the VAE sees it: (3, S, S) float32 in [-1, 1]."""
-    return to_model_input(torch.from_numpy(load_image(path, image_size)))
+    return to_unit_range(load_image(path, image_size))
