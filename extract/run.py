@@ -135,7 +135,6 @@ class Plan:
 
     out = property(lambda self: Path(self.cfg.out), doc="The --out folder.")
     num_shards = property(lambda self: -(-len(self.scan) // self.cfg.shard_size), doc="Shards of --shard-size images.")
-    flips = property(lambda self: FLIP_MODES[self.cfg.flip], doc="F: moments stored per image (2 with --flip both).")
 
 
 @dataclass
@@ -534,7 +533,7 @@ def write_outputs(plan: Plan, tokenizer_space: LatentSpace | None = None) -> dic
         raise UserError(f"none of the {len(plan.scan)} images in {plan.scan.root} could be read; see "
                         f"{out / BAD_FILES_NAME} for the reasons.")
     atomic_write_text(out / BAD_FILES_NAME, "".join(json.dumps(b) + "\n" for b in bad))
-    space = folder_space(tokenizer_space or _tokenizer_space(plan), out, sidecars, images, plan.flips)
+    space = folder_space(tokenizer_space or _tokenizer_space(plan), out, sidecars, images, FLIP_MODES[plan.cfg.flip])
     write_index(out, shards, index_meta(plan, space.write(out), len(bad)))
     return {"num_samples": images, "num_bad": len(bad), "num_shards": len(shards),
             "too_large": sum(b["reason"].startswith(BOMB_REASON) for b in bad)}
@@ -734,7 +733,7 @@ IMAGENET_TRAIN_IMAGES = 1_281_167  # for the dry run's "at ImageNet scale" line
 
 def describe_storage(plan: Plan) -> list[str]:
     """What the shards will take: per image (latent moments, extra columns) and for the folder (payloads only)."""
-    frames, dtype = plan.flips, plan.cfg.dtype
+    frames, dtype = FLIP_MODES[plan.cfg.flip], plan.cfg.dtype
     channels, side, _ = plan.latent_shape
     tensors = 1 if plan.kind.deterministic else 2
     moments = tensors * frames * channels * side * side * STORAGE_DTYPES[dtype].itemsize
