@@ -20,7 +20,7 @@ from evaluate.images import open_npz_images
 from evaluate.metrics import check_split_size
 from evaluate.stats import check_reference, open_reference
 from shared.runtime import rundir
-from shared.runtime.cli import HelpFormatter, add_flags, from_args, option
+from shared.runtime.cli import HelpFormatter, add_flags, check_flag_bounds, from_args, option
 from shared.runtime.errors import UserError, cli_errors
 from shared.generative.samplers import SAMPLER_OPTIONS, resolve_sampling
 from shared.runtime.plugins import PLUGIN, load_plugins
@@ -41,7 +41,8 @@ class RunEvalOptions(SamplingFlags):
     """Everything `python -m evaluate run` accepts: sample's sampling flags, with cheaper defaults for a curve."""
     run: str = option(help="training run folder (its exports/ema-step-*.safetensors are evaluated)", positional=True,
                       metavar="RUN")
-    num_samples: int = option(help="images drawn per export (published FID: 50000; fewer give a higher, noisier FID)")
+    num_samples: int = option(help="images drawn per export (published FID: 50000; fewer give a higher, noisier FID)",
+                              min=2, hint="a covariance")
     ref: str | None = REF.field(help="reference as for `python -m evaluate` (ADM batch, stats file, images npz/folder); "
                                      "with --features digits: the real digits when not given")
     features: str = FEATURES.field()
@@ -52,7 +53,7 @@ class RunEvalOptions(SamplingFlags):
     cfg_scale: float = CFG_SCALE.field(default=1.5)
     seed: int = SEED.field(help="sampling seed (the same images' noise for every export)")
     batch_size: int = BATCH_SIZE.field()
-    eval_batch_size: int = option(64, "images per feature-network pass per process")
+    eval_batch_size: int = option(64, "images per feature-network pass per process", min=1)
     is_split_size: int = IS_SPLIT.field()
     vae: str | None = VAE.field()
     inception_weights: str | None = INCEPTION_WEIGHTS.field()
@@ -103,10 +104,7 @@ def check_run(o: RunEvalOptions) -> list[Path]:
     if not exports:
         raise UserError(f"{run} holds no EMA exports ({rundir.EXPORTS}/ema-step-*.safetensors): train with "
                         f"checkpoints (python -m train --ckpt-every N) first, or pass the run folder itself.")
-    if o.num_samples < 2:
-        raise UserError(f"--num-samples must be at least 2 (a covariance); got {o.num_samples}.")
-    if o.batch_size < 1:
-        raise UserError(f"--batch-size must be at least 1; got {o.batch_size}.")
+    check_flag_bounds(o)  # the bounds declared on the options; again here for options built in Python
     if o.features == "inception":
         check_split_size(o.is_split_size)
     size = export_image_size(exports[-1])

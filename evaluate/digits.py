@@ -19,7 +19,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from shared.datasets.digits import IMAGE_SIZE, NUM_CLASSES, digit_images
-from evaluate.metrics import frechet_distance_to, mean_cov
+from evaluate.metrics import frechet_distance_to
+from evaluate.stats import mean_cov
 from shared.runtime.errors import UserError
 from shared.runtime.fsio import atomic_write, user_cache
 
@@ -195,9 +196,14 @@ def digits_features(images, batch_size: int = 512) -> np.ndarray:
     """uint8 images (N, 32, 32, 3) -> penultimate features (N, 64) float64."""
     images = check_images(images)
     net, _ = network()
-    out = [net.features(to_input(images[i:i + batch_size])).double().numpy()
-           for i in range(0, len(images), batch_size)]
+    out = [net_features(net, images[i:i + batch_size]) for i in range(0, len(images), batch_size)]
     return np.concatenate(out) if out else np.zeros((0, RECIPE.feature_dim))
+
+
+@torch.no_grad()
+def net_features(net: DigitsNet, images: np.ndarray, device="cpu") -> np.ndarray:
+    """uint8 images (b, 32, 32, 3) through `net` on `device` -> penultimate features (b, 64) float64 on the CPU."""
+    return net.features(to_input(images).to(device)).double().cpu().numpy()
 
 
 def real_features() -> np.ndarray:

@@ -13,17 +13,15 @@ from pathlib import Path
 
 from evaluate.features import FEATURE_NETWORKS, check_image_size
 from evaluate.images import open_npz_images
-from evaluate.metrics import IS_SPLIT_SIZE, PR_NEIGHBOURS, check_split_size, comparability_note, \
-    frechet_distance_to, inception_score, is_comparable, precision_recall
+from evaluate.metrics import IS_SPLIT_SIZE, METRICS, PR_NEIGHBOURS, check_split_size, comparability_note, \
+    is_comparable, sample_metrics
 from evaluate.stats import check_reference, compute_features, open_reference, reference_stats, save_stats, \
     source_meta, stats_from_features
-from shared.runtime.cli import Flag, option
-from shared.runtime.errors import ChoiceError, UserError
+from shared.runtime.cli import Flag, check_flag_bounds, option
 from shared.sampling.flags import CPU
 from shared.runtime.fsio import atomic_write_text
 
 RESULT_SUFFIX = ".eval.jsonl"  # SAMPLES.npz -> SAMPLES.eval.jsonl, one line per evaluation
-METRICS = ("fid", "sfid", "inception_score", "precision", "recall")
 
 
 # Flags both evaluate commands take (one samples file, and `run` over a training run's exports).
@@ -47,7 +45,7 @@ class EvalOptions:
                                "writes)", positional=True, metavar="SAMPLES.npz")
     ref: str | None = REF.field()
     features: str = FEATURES.field()
-    batch_size: int = option(64, "images per forward pass per process")
+    batch_size: int = option(64, "images per forward pass per process", min=1)
     is_split_size: int = IS_SPLIT.field()
     save_stats: str | None = option(None, "also write the samples' statistics (mu, sigma, mu_s, sigma_s, pool "
                                           "features) to OUT.npz, usable as --ref later (default: not written)",
@@ -73,10 +71,8 @@ def append_jsonl(path: Path, record: dict) -> None:
 
 def check_options(o: EvalOptions) -> None:
     """Numbers and choices that need no file."""
-    if o.features not in FEATURE_NETWORKS:
-        raise ChoiceError("feature network", o.features, FEATURE_NETWORKS)
-    if o.batch_size < 1:
-        raise UserError(f"--batch-size must be at least 1; got {o.batch_size}.")
+    assert o.features in FEATURE_NETWORKS, o.features  # a flag choice
+    check_flag_bounds(o)  # the bounds declared on the options; again here for options built in Python (evaluate run)
 
 
 def process_info(cpu: bool):
@@ -84,19 +80,6 @@ def process_info(cpu: bool):
     from shared.runtime.distributed import process_state
     state = process_state(cpu=cpu)
     return state.process_index, state.num_processes, state.device
-
-
-def sample_metrics(feats: dict, ref_stats, split_size: int) -> dict:
-    """The five numbers from the samples' features and the reference's statistics (None where not defined)."""
-    out = dict.fromkeys(METRICS)
-    out["fid"] = frechet_distance_to(feats["pool"], ref_stats.mu, ref_stats.sigma)
-    if "spatial" in feats and ref_stats.mu_s is not None:
-        out["sfid"] = frechet_distance_to(feats["spatial"], ref_stats.mu_s, ref_stats.sigma_s)
-    if "logits" in feats:
-        out["inception_score"] = inception_score(feats["logits"], split_size)
-    if ref_stats.pool is not None:
-        out["precision"], out["recall"] = precision_recall(ref_stats.pool, feats["pool"], PR_NEIGHBOURS)
-    return out
 
 
 def evaluate_samples(o: EvalOptions, net=None, show: bool = True) -> dict:

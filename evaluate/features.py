@@ -32,8 +32,7 @@ class DigitsFeatures:
     @torch.no_grad()
     def __call__(self, images: np.ndarray) -> dict:
         """uint8 (b, 32, 32, 3) -> {"pool": (b, 64) float64}."""
-        x = self._digits.to_input(images).to(self.device)
-        return {"pool": self.net.features(x).double().cpu().numpy()}
+        return {"pool": self._digits.net_features(self.net, images, self.device)}
 
 
 def check_image_size(name: str, size) -> None:

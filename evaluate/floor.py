@@ -85,7 +85,7 @@ def vae_rows(counts, draws: int, seed: int, vae_spec: str) -> list[tuple[str, fl
 class FloorOptions:
     """Everything `python -m evaluate.floor` accepts (one field per flag: its default and help)."""
     counts: tuple = option((30, 100, 200, 500, 1000), "sample counts N to measure the floor at", type=int, nargs="+")
-    draws: int = option(10, "random draws per count (mean and std are printed)")
+    draws: int = option(10, "random draws per count (mean and std are printed)", min=1)
     seed: int = option(0, "seed of the draws")
     vae: str | None = option(None, "also measure real digits after this VAE's encode/decode round trip, e.g. "
                                    "data/vae-digits (default: not measured)")
@@ -101,10 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
 @interruptible(PROG)
 def main(argv=None) -> None:
     """Print the floor table."""
-    args = from_args(FloorOptions, build_parser().parse_args(argv))
     with cli_errors(PROG):
-        if args.draws < 1:
-            raise UserError(f"--draws must be at least 1; got {args.draws}.")
+        args = from_args(FloorOptions, build_parser().parse_args(argv))
         rows = floor_table(args.counts, args.draws, args.seed)
         if args.vae:
             rows += vae_rows(args.counts, args.draws, args.seed, args.vae)

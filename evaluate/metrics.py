@@ -3,23 +3,16 @@ from __future__ import annotations
 
 import numpy as np
 
+from evaluate.stats import mean_cov
 from shared.runtime.errors import UserError
 
+METRICS = ("fid", "sfid", "inception_score", "precision", "recall")  # the five numbers of one evaluation
 IS_SPLIT_SIZE = 5000   # ADM scores IS over consecutive chunks of 5,000 samples (the improved-GAN recipe)
 PR_NEIGHBOURS = 3      # k of the k-NN manifolds (Kynkäänniemi et al. 2019, as ADM)
 PR_BATCH = 10_000      # rows/columns per distance block: a 10k x 10k float32 block is 400 MB
 
 
 # ---- Fréchet distance (Heusel et al. 2017, Eq. in Sec. 3; Dowson & Landau 1982) ----
-
-def mean_cov(features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Mean (D,) and unbiased covariance (D, D) of features (N, D), in float64, as ADM's np.cov(rowvar=False)."""
-    x = np.asarray(features, dtype=np.float64)
-    if x.ndim != 2 or len(x) < 2:
-        raise UserError(f"a covariance needs at least 2 feature vectors (N, D); got shape {x.shape}. "
-                        f"Evaluate at least 2 images.")
-    return x.mean(axis=0), np.cov(x, rowvar=False)
-
 
 def _psd_sqrt(sigma: np.ndarray) -> np.ndarray:
     """Symmetric square root of a symmetric PSD matrix via its eigendecomposition (tiny negative eigenvalues -> 0)."""
@@ -173,3 +166,20 @@ def precision_recall(real: np.ndarray, fake: np.ndarray, k: int = PR_NEIGHBOURS,
     precision = _covered(fake, real, real_radii, batch).mean()
     recall = _covered(real, fake, fake_radii, batch).mean()
     return float(precision), float(recall)
+
+
+# ---- All five, as one evaluation reports them ----
+
+def sample_metrics(feats: dict, ref_stats, split_size: int = IS_SPLIT_SIZE) -> dict:
+    """The METRICS of the samples' features {"pool", optionally "spatial", "logits"} against the reference's
+    statistics (evaluate/stats.py Stats): None where not defined (sFID without spatial features, IS without logits,
+    precision/recall without the reference's pool features)."""
+    out = dict.fromkeys(METRICS)
+    out["fid"] = frechet_distance_to(feats["pool"], ref_stats.mu, ref_stats.sigma)
+    if "spatial" in feats and ref_stats.mu_s is not None:
+        out["sfid"] = frechet_distance_to(feats["spatial"], ref_stats.mu_s, ref_stats.sigma_s)
+    if "logits" in feats:
+        out["inception_score"] = inception_score(feats["logits"], split_size)
+    if ref_stats.pool is not None:
+        out["precision"], out["recall"] = precision_recall(ref_stats.pool, feats["pool"], PR_NEIGHBOURS)
+    return out

@@ -28,10 +28,11 @@ class ReferenceOptions:
     images: str = option(help="folder of real images: an ImageFolder or a flat folder (every image below it)",
                          positional=True, metavar="IMAGES")
     image_size: int = option(help="side of the square centre crop, as extract's --image-size: the size of the "
-                                  "samples the reference is compared with")
+                                  "samples the reference is compared with", min=1, hint="a positive number of pixels")
     out: str = option(help="the reference to write: an npz of arr_0 uint8 N x S x S x 3, usable as --ref",
                       metavar="REF.npz")
-    limit: int | None = option(None, "use only N images, spread evenly over the sorted list (default: all)")
+    limit: int | None = option(None, "use only N images, spread evenly over the sorted list (default: all)", min=2,
+                               hint="FID needs a covariance")
     duplicates: str = option(DEFAULT_DUPLICATES, "files that are one picture (symlinks, hard links, identical "
                                                  "bytes), as extract's --duplicates: first keeps each picture once; "
                                                  "all keeps every copy; none drops pictures whose copies lie in "
@@ -47,10 +48,6 @@ def check_options(o: ReferenceOptions) -> ImageFolderScan:
     folder = Path(o.images)
     if not folder.is_dir():
         raise UserError(f"{folder} is not a folder; pass the folder of real images to crop into a reference.")
-    if o.image_size < 1:
-        raise UserError(f"--image-size must be a positive number of pixels; got {o.image_size}.")
-    if o.limit is not None and o.limit < 2:
-        raise UserError(f"--limit must be at least 2 (FID needs a covariance); got {o.limit}.")
     if not str(o.out).endswith(".npz"):
         raise UserError(f"--out {o.out} must end in .npz (the reference is an images npz).")
     if Path(o.out).resolve().is_relative_to(folder.resolve()):

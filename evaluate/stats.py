@@ -15,12 +15,20 @@ import numpy as np
 from tqdm import tqdm
 
 from evaluate.images import IMAGES_KEY, ArrayImages, npz_keys, open_images, open_npz_images, save_npz
-from evaluate.metrics import mean_cov
 from shared.runtime.errors import UserError
 
 STATS_VERSION = 1
 ADM_KEYS = ("mu", "sigma", "mu_s", "sigma_s")
 REAL_DIGITS = "sklearn-digits"  # the source name of the default --features digits reference
+
+
+def mean_cov(features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Mean (D,) and unbiased covariance (D, D) of features (N, D), in float64, as ADM's np.cov(rowvar=False)."""
+    x = np.asarray(features, dtype=np.float64)
+    if x.ndim != 2 or len(x) < 2:
+        raise UserError(f"a covariance needs at least 2 feature vectors (N, D); got shape {x.shape}. "
+                        f"Evaluate at least 2 images.")
+    return x.mean(axis=0), np.cov(x, rowvar=False)
 
 
 @dataclass

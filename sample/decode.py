@@ -28,7 +28,7 @@ class DecodeOptions(DecodeFlags):
     all: bool = option(False, "with a folder: decode every preview file, not just the newest")
     out: str | None = option(None, "output folder (default: the file's path without .safetensors; with --all, one "
                                    "subfolder per file)")
-    batch_size: int = option(16, "latents decoded per VAE call")
+    batch_size: int = option(16, "latents decoded per VAE call", min=1)
 
 
 def preview_files(folder: Path) -> list[Path]:
@@ -58,8 +58,6 @@ def decode_jobs(o: DecodeOptions) -> list[tuple[Path, Path]]:
 
 def run_decode(o: DecodeOptions) -> list[Path]:
     """Decode each chosen file to `{index:06d}-class{label}[-name].png` plus grid.png in its output folder."""
-    if o.batch_size < 1:
-        raise UserError(f"--batch-size {o.batch_size} must be at least 1.")
     jobs = decode_jobs(o)
     loaded = [(read_preview(path), path, out) for path, out in jobs]  # every file is checked before any decoding
     spec, how = choose_tokenizer(o.vae, loaded[-1][0][2])  # the tokenizer recorded with the newest file

@@ -20,7 +20,7 @@ from pathlib import Path
 from shared.runtime.cli import option
 from shared.network.diffusers_dit import NUMERICS_NOTE, dit_to_diffusers, diffusers_config
 from shared.generative.diffusion import NUM_TIMESTEPS, linear_betas
-from shared.runtime.errors import ChoiceError, UserError
+from shared.runtime.errors import UserError
 from shared.sampling.flags import ALLOW_OTHER_VAE, VAE, VAE_CONFIG
 from shared.runtime.fsio import TMP_PREFIX, atomic_write_text, publish_dir, remove_tree
 from shared.network.models import ModelConfig
@@ -179,8 +179,7 @@ def _write(pipeline, out: Path, readme: str) -> Path:
 
 def run_to_diffusers(o: ToDiffusersOptions) -> Path:
     """The whole `export` command: checks first (target, format, model, VAE), then build, write, rename."""
-    if o.format not in EXPORT_FORMATS:
-        raise ChoiceError("export format", o.format, EXPORT_FORMATS)
+    assert o.format in EXPORT_FORMATS, o.format  # a flag choice
     out = Path(o.out).expanduser()
     check_target(out)
     loaded = load_sampling_weights(o.ckpt, o.weights)

@@ -42,13 +42,13 @@ class WatchOptions(DecodeFlags):
     exit_when_done: bool = option(False, "stop once no training process holds RUN (finished, stopped or killed), "
                                          "after decoding every preview; without it, run until Ctrl-C or SIGTERM")
     until_step: int | None = option(None, "stop once the checkpoint of STEP exists, after decoding every preview "
-                                          "(train --watch-vae passes its last step)", metavar="STEP")
+                                          "(train --watch-vae passes its last step)", metavar="STEP", min=0)
     until_pid: int | None = option(None, "stop once process PID has ended, after decoding every preview (train "
                                          "--watch-vae passes its own PID)", metavar="PID")
     report_to: str = option("auto", "log each grid as a TensorBoard image under RUN/tensorboard/previews: auto = when "
                                     "the run was launched with --report-to tensorboard", choices=REPORT_TO)
-    threads: int | None = option(None, "CPU threads for decoding (default: torch's choice)")
-    batch_size: int = option(16, "latents decoded per VAE call")
+    threads: int | None = option(None, "CPU threads for decoding (default: torch's choice)", min=1)
+    batch_size: int = option(16, "latents decoded per VAE call", min=1)
 
 
 # ---- Stopping: signals, the end of the run ----
@@ -217,10 +217,6 @@ def check_options(o: WatchOptions) -> Path:
     if not run.is_dir():
         raise UserError(f"RUN {run} is not a folder; pass the --results-dir of a training run (it may still be "
                         "starting: the folder exists from the first second of a launch).")
-    for flag, value, low in (("--batch-size", o.batch_size, 1), ("--threads", o.threads, 1),
-                             ("--until-step", o.until_step, 0)):
-        if value is not None and value < low:
-            raise UserError(f"{flag} {value} must be at least {low}.")
     if not (o.interval > 0 and math.isfinite(o.interval)):
         raise UserError(f"--interval {o.interval} must be a positive number of seconds.")
     if o.vae:

@@ -171,13 +171,13 @@ def test_blocks_compile_lightnings_block_and_the_dit_dh_head_without_a_graph_bre
 
 def test_compile_changes_no_recorded_identity_so_a_rerun_resumes(tmp_path, tiny_vae_dir):
     """settings.json's identity (what a resume compares) is the same with and without --compile."""
-    from shared.sampling.generate import SampleOptions, resolve_job
+    from shared.sampling.generate import SampleOptions, make_plan
     from shared.tokenizers.tokenizer import Tokenizer
     from tests.test_evaluate_run import export
 
     run = tmp_path / "run"
     export(run, 100, Tokenizer.load(tiny_vae_dir), seed=0)
-    jobs = [resolve_job(SampleOptions(ckpt=str(run), vae=str(tiny_vae_dir), out=str(tmp_path / "out"), compile=mode))
+    jobs = [make_plan(SampleOptions(ckpt=str(run), vae=str(tiny_vae_dir), out=str(tmp_path / "out"), compile=mode))
             for mode in ("off", "graphs")]
     assert jobs[0].settings["identity"] == jobs[1].settings["identity"]
     assert [job.settings["run"]["compile"] for job in jobs] == ["off", "graphs"]

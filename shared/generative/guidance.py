@@ -158,6 +158,21 @@ class GuidedModelFn:
         return torch.where(inside.view(-1, 1, 1, 1), guided, cond)  # rows at different levels (rare)
 
 
+@dataclass(frozen=True)
+class Guidance:
+    """How a sampler's model calls are guided: the scale (1 = none), the guided channels (None: all), the DiT's
+    precision and the interval of noise levels (None: every level)."""
+
+    scale: float = 1.0
+    channels: int | None = None
+    precision: str = "fp32"
+    interval: tuple[float, float] | None = None
+
+    def wrap(self, model, noise_level=None) -> GuidedModelFn:
+        """`model` as the guided prediction function (noise_level: the objective's, for the interval)."""
+        return GuidedModelFn(model, self.scale, self.channels, self.precision, self.interval, noise_level)
+
+
 def guided_model_fn(model, cfg_scale: float, guide_channels: int | None = None, precision: str = "fp32",
                     interval: tuple[float, float] | None = None, noise_level=None) -> GuidedModelFn:
     """The guided prediction function of `model` (see GuidedModelFn)."""

@@ -50,6 +50,7 @@ class Flag:
     max: float | None = None            # the greatest value the flag takes
     above: float | None = None          # a strict lower bound: the value must exceed it (a probability's 0 < p)
     below: float | None = None          # a strict upper bound: the value must stay under it (p < 1)
+    hint: str | None = None             # why the bound, said in its refusal: "250 as the DiT paper; DDIM often uses 50"
 
     def field(self, **changes) -> Any:
         """A fresh dataclass field for this flag (changes: e.g. another default or help for one command)."""
@@ -125,7 +126,8 @@ def check_bounds(name: str, spec: Flag, value) -> None:
             continue  # not given, or a word resolved later ("auto")
         for bound, says, holds in tests:
             if bound is not None and not holds(item, bound):  # written as "not holds" so that NaN is refused too
-                raise UserError(f"{flag} must be {says} {bound:g}; got {item:g}. Pass a value {valid_range(spec)}.")
+                why = f" ({spec.hint})" if spec.hint else ""
+                raise UserError(f"{flag} must be {says} {bound:g}{why}; got {item:g}. Pass a value {valid_range(spec)}.")
 
 
 def check_flag_bounds(options) -> None:

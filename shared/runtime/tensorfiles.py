@@ -1,7 +1,8 @@
-"""Tensor files every weight reader needs: safetensors written with sorted metadata (`write_safetensors`) and read
-(`read_tensor_file`), whole-file checks from the header alone (`safetensors_problem`), NaN/inf weights
-(`nonfinite_tensors`, `first_nonfinite`), and the one `torch.load(weights_only=True)` that turns a refused pickle
-into a message naming the blocked global (`load_torch_file`).
+"""Tensor files every weight reader needs: safetensors written with sorted metadata (`write_safetensors`; from plain
+copies, atomically: `save_tensors`) and read (`read_tensor_file`), whole-file checks from the header alone
+(`safetensors_problem`), NaN/inf weights (`nonfinite_tensors`, `first_nonfinite`), and the one
+`torch.load(weights_only=True)` that turns a refused pickle into a message naming the blocked global
+(`load_torch_file`).
 """
 import json
 import pickle
@@ -15,6 +16,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from shared.runtime.errors import SettingError, UserError
+from shared.runtime.fsio import atomic_write
 
 
 def plain_tensors(state_dict):
@@ -40,6 +42,12 @@ def write_safetensors(path, tensors: dict, metadata: dict | None = None) -> None
             raise RuntimeError(f"the sorted safetensors header of {path} is longer than the written one")
         f.seek(8)
         f.write(text.ljust(size, b" "))  # the format pads its header with spaces
+
+
+def save_tensors(path, tensors: dict, metadata: dict | None = None):
+    """Plain copies of `tensors` written to `path` as safetensors atomically (fsio.atomic_write); returns the path."""
+    tensors = plain_tensors(tensors)
+    return atomic_write(path, lambda tmp: write_safetensors(tmp, tensors, metadata))
 
 
 def read_tensor_file(path, device):

@@ -61,11 +61,12 @@ STEPS_HELP = ("steps per image (model calls, twice the batch with guidance; heun
               "for ddpm and SiT's sde, ~50 for ddim, 10-25 for dpmpp-2m and unipc")
 # python -m sample's default is "not given"; evaluate run redeclares the field with its own number and STEPS_HELP.
 NUM_SAMPLING_STEPS = Flag(f"{STEPS_HELP}. Not given (the default): the count the model records with its sampler "
-                          f"(RAE's release: euler, 49), else {DEFAULT_STEPS}", None, type=int)
+                          f"(RAE's release: euler, 49), else {DEFAULT_STEPS}", None, type=int, min=1,
+                          hint="250 as the DiT paper; DDIM often uses 50")
 PRECISION = Flag("DiT precision: fp32, or fp16/bf16 autocast", "fp32", choices=tuple(PRECISIONS))
 COMPILE = Flag(COMPILE_HELP, "off", choices=COMPILE_MODES)
-SEED = Flag("image i's label and noise come from (seed, i)", 0, aliases=("--global-seed",))
-BATCH_SIZE = Flag("images per forward pass (per process)", 32)
+SEED = Flag("image i's label and noise come from (seed, i)", 0, aliases=("--global-seed",), min=0)
+BATCH_SIZE = Flag("images per forward pass (per process)", 32, min=1, hint="images per forward pass")
 
 
 def sampler_option_flag(option: SamplerOption) -> Flag:

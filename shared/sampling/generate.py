@@ -12,12 +12,12 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from shared.runtime.cli import option
+from shared.runtime.cli import check_flag_bounds, option
 from shared.runtime.distributed import process_state
 from shared.runtime.errors import UserError
 from shared.sampling.flags import BATCH_SIZE, SEED, DecodeFlags, SamplingFlags, given_sampler_options
-from shared.generative.guidance import check_guidance, check_interval, describe_guidance, guide_channel_count, guided_model_fn
-from shared.generative.objectives import check_sampling_guidance, objective_of
+from shared.generative.guidance import Guidance, check_guidance, check_interval, describe_guidance, guide_channel_count
+from shared.generative.objectives import check_sampling_guidance, guided_sample, objective_of
 from shared.generative.samplers import SAMPLER_OPTIONS, resolve_sampling, sampler_options
 from shared.runtime.lock import hold_lock
 from shared.network.models import DiT_models
@@ -29,8 +29,8 @@ from shared.tokenizers.space import LatentSpace, choose_tokenizer, load_tokenize
 from shared.sampling.compiled import check_compile, compile_for_sampling
 from shared.sampling.image_draws import LabelPlan, batch_start, image_labels, make_label_plan
 from shared.sampling.outputs import (GRID_NAME, NPZ_NAME, SETTINGS_NAME, captions_for, check_out_dir, check_out_path,
-                                     image_name, missing_indices, read_png, remove_stale_temps, save_png, write_grid,
-                                     write_json, write_npz)
+                                     image_name, missing_indices, remove_stale_temps, save_png, write_json,
+                                     write_npz, write_png_grid)
 from shared.weights.checkpoint import (WEIGHTS, LoadedWeights, build_sampling_model, image_size_of,
                                        load_sampling_weights)
 
@@ -61,7 +61,7 @@ class SampleOptions(DecodeFlags, SamplingFlags):
               "cycled over --num-samples (default: label i = i %% num_classes)", nargs="+", metavar="CLASS")
     random_labels: bool = option(False, "draw each image's class uniformly from its own (seed, i) generator instead")
     num_samples: int | None = option(None, "images to draw (default: one per --class-labels entry, else one per "
-                                           "class)", aliases=("--num-fid-samples",))
+                                           "class)", aliases=("--num-fid-samples",), min=1)
     seed: int = SEED.field()
     batch_size: int = BATCH_SIZE.field(aliases=("--per-proc-batch-size",))
     tf32: bool = option(True, "disable TF32 matmuls on Ampere+ GPUs (on by default, as the DiT release)",
@@ -72,34 +72,34 @@ class SampleOptions(DecodeFlags, SamplingFlags):
 
 
 @dataclass
-class Job:
-    """A resolved sampling job: what to draw, from what, and where it goes."""
+class SamplePlan:
+    """Everything the command resolved once, before any model or VAE is loaded: from what, how, what and where."""
 
-    options: SampleOptions
-    loaded: LoadedWeights
+    options: SampleOptions  # the flags, with the sampler, steps and guidance interval used filled in
+    loaded: LoadedWeights  # the checkpoint read: state dict, ModelConfig, step, notes
+    space: LatentSpace  # the weights' latent space (official weights: one known only by its channels)
     objective: object  # shared/generative/objectives.py, as the weights record it
     sampler: str  # the sampler used (the objective's default when --sampler is not given)
     sampler_options: dict  # that sampler's options, defaulted
-    plan: LabelPlan
+    guidance: Guidance  # scale, guided channels, DiT precision, interval
+    labels: LabelPlan
     vae_name: str
     image_size: int
     num_samples: int
     out: Path
-    settings: dict
     recorded_notes: tuple = ()  # the sampling settings taken from the model's record (printed in one line)
+    settings: dict = dataclasses.field(default_factory=dict)  # settings.json: {"identity", "run"}
+
+    @property
+    def latent_shape(self) -> tuple:
+        """(C, h, w) of one image's latent."""
+        config = self.loaded.config
+        return config.in_channels, config.input_size, config.input_size
 
 
 def check_numbers(o: SampleOptions) -> None:
-    """UserError for counts, sizes and sampler options no run can use (before anything is loaded)."""
-    if o.num_samples is not None and o.num_samples < 1:
-        raise UserError(f"--num-samples {o.num_samples} must be at least 1.")
-    if o.batch_size < 1:
-        raise UserError(f"--batch-size {o.batch_size} must be at least 1 (images per forward pass).")
-    if o.num_sampling_steps is not None and o.num_sampling_steps < 1:
-        raise UserError(f"--num-sampling-steps {o.num_sampling_steps} must be at least 1 (250 as the DiT paper; DDIM "
-                        f"often uses 50).")
-    if o.seed < 0:
-        raise UserError(f"--seed {o.seed} must be a whole number >= 0.")
+    """UserError for flags no run can use (before anything is loaded)."""
+    check_flag_bounds(o)  # the bounds declared on the options; again here for options built in Python (evaluate run)
     if o.sampler is not None:
         sampler_options(o.sampler, given_sampler_options(o))  # an unknown sampler, or an option it does not take
     if o.cfg_interval is not None and o.cfg_scale == 1.0:
@@ -138,159 +138,146 @@ def default_out(o: SampleOptions, loaded: LoadedWeights, sampler: str, options: 
     return Path("samples") / name
 
 
-def make_settings(o: SampleOptions, job_fields: dict) -> dict:
+def make_settings(plan: SamplePlan) -> dict:
     """{"identity": what fixes the pixels (compared on resume), "run": the rest}; JSON-normalised."""
-    loaded: LoadedWeights = job_fields["loaded"]
+    o, loaded = plan.options, plan.loaded
     options = {k: v for k, v in asdict(o).items() if k not in ("ckpt", "vae", "vae_config", "class_labels",
                                                                  "random_labels", "model", "objective", "image_size", "plugin")}
     # What was used, not what was asked: the weights, sampler and options actually used and the guidance rule.
     # An option the sampler does not take is None (as folders written before that option existed read).
-    options.update(weights=loaded.weights, sampler=job_fields["sampler"],
-                   **{k: job_fields["sampler_options"].get(k) for k in SAMPLER_OPTIONS},
+    channels = plan.guidance.channels
+    options.update(weights=loaded.weights, sampler=plan.sampler,
+                   **{k: plan.sampler_options.get(k) for k in SAMPLER_OPTIONS},
                    cfg_interval=list(o.cfg_interval) if o.cfg_interval else None,
-                   guide_channels="all" if job_fields["guided"] is None else str(job_fields["guided"]))
+                   guide_channels="all" if channels is None else str(channels))
     identity = {
         "ckpt": str(loaded.path.resolve()), "ckpt_bytes": loaded.path.stat().st_size, "step": loaded.step,
-        "kind": loaded.kind, "model": loaded.config.to_dict(), "image_size": job_fields["image_size"],
-        "vae": job_fields["vae_name"], "labels": job_fields["plan"].describe(),
+        "kind": loaded.kind, "model": loaded.config.to_dict(), "image_size": plan.image_size,
+        "vae": plan.vae_name, "labels": plan.labels.describe(),
         **{k: v for k, v in options.items() if k not in RUN_ONLY},
     }
     run = {k: v for k, v in options.items() if k in RUN_ONLY}
-    run.update(num_samples=job_fields["num_samples"], out=str(job_fields["out"]), notes=loaded.notes,
+    run.update(num_samples=plan.num_samples, out=str(plan.out), notes=loaded.notes,
                guidance=describe_guidance(o.guide_channels, loaded.config.in_channels, o.cfg_scale, o.cfg_interval,
-                                          job_fields["objective"].level_unit, loaded.auto_guide))
+                                          plan.objective.level_unit, loaded.auto_guide))
     return json.loads(json.dumps({"identity": identity, "run": run}))
 
 
-def resolve_job(o: SampleOptions) -> Job:
-    """Check every input and read the weights; loads no VAE and builds no model."""
+def make_plan(o: SampleOptions) -> SamplePlan:
+    """Check every input and read the weights, resolving each object once; loads no VAE and builds no model."""
     check_numbers(o)
     if o.out:
         check_out_path(Path(o.out), "sampling")  # a file or an image name as --out: refused before any loading
     loaded = load_sampling_weights(o.ckpt, o.weights, o.model, o.objective)
-    objective = objective_of(loaded.config)
-    o, options, notes = resolve_sampler(o, objective, loaded.config.sampling)
+    config = loaded.config
+    objective = objective_of(config)
+    o, options, notes = resolve_sampler(o, objective, config.sampling)
     loaded.notes.extend(notes)
-    sampler = o.sampler
     check_interval(o.cfg_interval, objective.level_range, objective.level_unit, objective.name)
-    check_guidance(o.cfg_scale, loaded.config.has_null_class)
+    check_guidance(o.cfg_scale, config.has_null_class)
     check_sampling_guidance(objective, o.cfg_scale)  # MeanFlow with guidance folded in at training: no second call
-    guided = guide_channel_count(o.guide_channels, loaded.config.in_channels, loaded.auto_guide)
-    space = recorded_space(loaded)
-    plan = make_label_plan(o.class_labels, loaded.config.num_classes, o.random_labels, list(space.class_names) or None)
+    guidance = Guidance(o.cfg_scale, guide_channel_count(o.guide_channels, config.in_channels, loaded.auto_guide),
+                        o.precision, o.cfg_interval)
+    space = LatentSpace.or_unknown(loaded.space, config.in_channels)  # official weights record none
+    labels = make_label_plan(o.class_labels, config.num_classes, o.random_labels, list(space.class_names) or None)
     spec, how = choose_tokenizer(o.vae, loaded.space)
     vae_name, factor = space.check_tokenizer_config(spec, o.vae_config, o.allow_other_vae)
     loaded.notes.append(f"VAE {vae_name} ({how})")
-    image_size = image_size_of(loaded, factor, o.image_size)
     # Default count: one image per listed label, else one per class (label i = i % num_classes).
-    num_samples = o.num_samples or len(o.class_labels or []) or plan.num_classes
-    out = Path(o.out) if o.out else default_out(o, loaded, sampler, options)
-    fields = dict(loaded=loaded, objective=objective, sampler=sampler, sampler_options=options, plan=plan, vae_name=vae_name, image_size=image_size, num_samples=num_samples,
-                  out=out)
-    settings = make_settings(o, {**fields, "guided": guided})
-    check_out_dir(out, settings)
-    return Job(o, settings=settings, recorded_notes=tuple(notes), **fields)
+    num_samples = o.num_samples or len(o.class_labels or []) or labels.num_classes
+    plan = SamplePlan(o, loaded, space, objective, o.sampler, options, guidance, labels, vae_name,
+                      image_size_of(loaded, factor, o.image_size), num_samples,
+                      Path(o.out) if o.out else default_out(o, loaded, o.sampler, options), tuple(notes))
+    plan.settings = make_settings(plan)
+    check_out_dir(plan.out, plan.settings)
+    return plan
 
 
 @dataclass
 class Drawer:
-    """What turns a list of image indices into uint8 pixels."""
+    """What turns a list of image indices into uint8 pixels: the plan's sampling with the model and the VAE."""
 
-    model_fn: object
-    objective: object
-    sampler: str
-    options: dict  # the sampler's options
-    steps: int
+    plan: SamplePlan
+    model: object  # the DiT on the device (compiled with --compile)
     vae: object
     norm: object  # the LatentNorm training applied (shared/tokenizers/norm.py), inverted before decoding
-    plan: LabelPlan
-    seed: int
-    latent_shape: tuple
     device: torch.device
     progress: bool = False  # a bar per batch over its sampling steps (a 250-step batch takes a while)
 
     @torch.inference_mode()
     def draw(self, indices) -> tuple[list[int], np.ndarray]:
         """(labels, uint8 (N,H,W,3)) for `indices`; row i depends only on (seed, i)."""
-        noise, labels, generators = batch_start(self.plan, self.seed, indices, self.latent_shape)
-        x = self.objective.sample(self.sampler, self.model_fn, noise.to(self.device), self.steps, self.options,
-                                  model_kwargs={"y": labels.to(self.device)}, generator=generators,
-                                  progress=self.progress)  # (N, C, h, w)
+        p = self.plan
+        noise, labels, generators = batch_start(p.labels, p.options.seed, indices, p.latent_shape)  # (N, C, h, w)
+        x = guided_sample(p.objective, p.sampler, self.model, noise.to(self.device), labels.to(self.device),
+                          p.options.num_sampling_steps, p.sampler_options, p.guidance, generators,
+                          self.progress)  # (N, C, h, w)
         images = self.vae.decode(x, self.norm)  # (N, 3, H, W) in [-1, 1]
         return labels.tolist(), to_uint8(images)  # (N, H, W, 3)
 
 
-def recorded_space(loaded) -> LatentSpace:
-    """The weights' LatentSpace, or one known only by its channels (official weights record none)."""
-    return LatentSpace.or_unknown(loaded.space, loaded.config.in_channels)
-
-
-def load_checked_vae(job: Job, device):
+def load_checked_vae(plan: SamplePlan, device):
     """Load the tokenizer and compare its full identity with the latents' record -> (tokenizer, norm to invert)."""
-    o = job.options
-    vae = load_tokenizer(job.vae_name, o.vae_config, device, o.vae_precision, o.vae_tiling, o.vae_slicing)
-    norm, note = recorded_space(job.loaded).check_loaded(vae, o.allow_other_vae)
+    o = plan.options
+    vae = load_tokenizer(plan.vae_name, o.vae_config, device, o.vae_precision, o.vae_tiling, o.vae_slicing)
+    norm, note = plan.space.check_loaded(vae, o.allow_other_vae)
     if note:
-        job.loaded.notes.append(note)
+        plan.loaded.notes.append(note)
         print(f"note: {note}")
     return vae, norm
 
 
-def make_drawer(job: Job, vae, norm, device) -> Drawer:
-    """Build the model on `device` and wrap it for the chosen sampler and guidance."""
-    o, config = job.options, job.loaded.config
-    model = compile_for_sampling(build_sampling_model(job.loaded, device), o.compile)
-    job.loaded.state_dict = {}  # the model holds the weights now; free the CPU copy
-    guided = guide_channel_count(o.guide_channels, config.in_channels, job.loaded.auto_guide)
-    model_fn = guided_model_fn(model, o.cfg_scale, guided,
-                               o.precision, o.cfg_interval, job.objective.noise_level)
-    latent_shape = (config.in_channels, config.input_size, config.input_size)
-    return Drawer(model_fn, job.objective, job.sampler, job.sampler_options, o.num_sampling_steps, vae, norm,
-                  job.plan, o.seed, latent_shape, torch.device(device))
+def make_drawer(plan: SamplePlan, vae, norm, device) -> Drawer:
+    """Build the model on `device` (compiled as --compile asks) and hand it to the drawer."""
+    model = compile_for_sampling(build_sampling_model(plan.loaded, device), plan.options.compile)
+    plan.loaded.state_dict = {}  # the model holds the weights now; free the CPU copy
+    return Drawer(plan, model, vae, norm, torch.device(device))
 
 
-def file_names(job: Job, indices) -> list[str]:
+def file_names(plan: SamplePlan, indices) -> list[str]:
     """The PNG names of `indices`: index, label and (when recorded) class name."""
-    labels = image_labels(job.plan, job.options.seed, indices)
-    return [image_name(i, y, job.plan.name_of(y)) for i, y in zip(indices, labels)]
+    labels = image_labels(plan.labels, plan.options.seed, indices)
+    return [image_name(i, y, plan.labels.name_of(y)) for i, y in zip(indices, labels)]
 
 
-def draw_missing(job: Job, drawer: Drawer, rank: int, world: int, show: bool) -> int:
+def draw_missing(plan: SamplePlan, drawer: Drawer, rank: int, world: int, show: bool) -> int:
     """Draw and save this rank's images (i % world == rank) not yet on disk; returns how many were drawn."""
     drawer.progress = show
-    mine = list(range(rank, job.num_samples, world))
-    todo = missing_indices(job.out, mine, file_names(job, mine))
-    size = job.options.batch_size
+    mine = list(range(rank, plan.num_samples, world))
+    todo = missing_indices(plan.out, mine, file_names(plan, mine))
+    size = plan.options.batch_size
     with tqdm(total=len(todo), unit="img", desc=f"sampling (rank {rank}/{world})", disable=not show) as bar:
         for start in range(0, len(todo), size):
             batch = todo[start:start + size]
             labels, pixels = drawer.draw(batch)
             for i, y, p in zip(batch, labels, pixels):
-                save_png(job.out / image_name(i, y, job.plan.name_of(y)), p)
+                save_png(plan.out / image_name(i, y, plan.labels.name_of(y)), p)
             bar.update(len(batch))
     return len(todo)
 
 
-def grid_title(job: Job) -> str:
+def grid_title(plan: SamplePlan) -> str:
     """The line above the grid: which weights, sampler, steps, guidance and seed drew it."""
-    o = job.options
-    label = job.loaded.label or ckpt_label(job.loaded.path)
-    return f"{label} · {job.sampler} {o.num_sampling_steps} steps · cfg {o.cfg_scale:g} · seed {o.seed}"
+    o = plan.options
+    label = plan.loaded.label or ckpt_label(plan.loaded.path)
+    return f"{label} · {plan.sampler} {o.num_sampling_steps} steps · cfg {o.cfg_scale:g} · seed {o.seed}"
 
 
-def finish(job: Job) -> None:
+def finish(plan: SamplePlan) -> None:
     """Grid and (with --npz) samples.npz, rebuilt from the PNGs on disk."""
-    indices = list(range(job.num_samples))
-    labels = image_labels(job.plan, job.options.seed, indices)
-    paths = [job.out / name for name in file_names(job, indices)]
+    indices = list(range(plan.num_samples))
+    labels = image_labels(plan.labels, plan.options.seed, indices)
+    paths = [plan.out / name for name in file_names(plan, indices)]
     absent = [p.name for p in paths if not p.exists()]
     if absent:
-        raise UserError(f"{len(absent)} images are missing from {job.out} (e.g. {absent[0]}), probably because "
+        raise UserError(f"{len(absent)} images are missing from {plan.out} (e.g. {absent[0]}), probably because "
                         f"another process stopped early; rerun the same command to draw them.")
-    names = list(recorded_space(job.loaded).class_names) or None
-    write_grid(job.out / GRID_NAME, lambda i: read_png(paths[i]), labels, captions_for(labels, names), grid_title(job))
-    if job.options.npz:
-        write_npz(job.out / NPZ_NAME, paths, labels)
+    captions = captions_for(labels, list(plan.space.class_names) or None)
+    write_png_grid(plan.out / GRID_NAME, paths, labels, captions, grid_title(plan))
+    if plan.options.npz:
+        write_npz(plan.out / NPZ_NAME, paths, labels)
+    print(f"wrote {plan.num_samples} images, {GRID_NAME}" + (f", {NPZ_NAME}" if plan.options.npz else "")
+          + f" to {plan.out}")
 
 
 def runtime_facts(device) -> dict:
@@ -302,56 +289,56 @@ def runtime_facts(device) -> dict:
     return {"device": f"{device} ({name})", "tf32": "on" if torch.backends.cuda.matmul.allow_tf32 else "off"}
 
 
-def recorded_line(job: Job) -> str | None:
+def recorded_line(plan: SamplePlan) -> str | None:
     """The one line naming the sampling settings taken from the weights' record (a flag given wins), or None."""
-    if not job.recorded_notes:
+    if not plan.recorded_notes:
         return None
-    used = ", ".join(note.removesuffix(" (recorded with the model)") for note in job.recorded_notes)
+    used = ", ".join(note.removesuffix(" (recorded with the model)") for note in plan.recorded_notes)
     return f"sampling as the weights record: {used} (a flag given wins)"
 
 
-def summary_line(job: Job) -> str:
+def summary_line(plan: SamplePlan) -> str:
     """One line for the terminal: what is drawn, how, and where every setting is written."""
-    o = job.options
+    o = plan.options
     interval = f" in {o.cfg_interval[0]:g}..{o.cfg_interval[1]:g}" if o.cfg_interval else ""
-    return (f"{job.num_samples} images of {job.loaded.label or ckpt_label(job.loaded.path)} at {job.image_size} px: "
-            f"{job.sampler} {o.num_sampling_steps} steps, cfg {o.cfg_scale:g}{interval}, seed {o.seed}, VAE "
-            f"{job.vae_name} -> {job.out} (all settings and notes: {job.out / SETTINGS_NAME})")
+    return (f"{plan.num_samples} images of {plan.loaded.label or ckpt_label(plan.loaded.path)} at {plan.image_size} px: "
+            f"{plan.sampler} {o.num_sampling_steps} steps, cfg {o.cfg_scale:g}{interval}, seed {o.seed}, VAE "
+            f"{plan.vae_name} -> {plan.out} (all settings and notes: {plan.out / SETTINGS_NAME})")
 
 
-def prepare_out(job: Job, device) -> None:
-    """Main process: the folder, leftovers of a killed run removed, settings.json written, one summary printed."""
-    job.out.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(job.out)
-    job.settings["run"].update(runtime_facts(device), notes=job.loaded.notes)
-    write_json(job.out / SETTINGS_NAME, job.settings)
-    for line in (recorded_line(job), summary_line(job)):
+def prepare_out(plan: SamplePlan, device) -> None:
+    """Main process, under the folder's lock: the folder checked again, leftovers of a killed run removed,
+    settings.json written, the notes, guidance and summary printed."""
+    check_out_dir(plan.out, plan.settings)  # again under the lock: a run that finished meanwhile
+    for warning in plan.loaded.warnings:
+        print(f"note: {warning}")
+    print(plan.settings["run"]["guidance"])
+    plan.out.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(plan.out)
+    plan.settings["run"].update(runtime_facts(device), notes=plan.loaded.notes)
+    write_json(plan.out / SETTINGS_NAME, plan.settings)
+    for line in (recorded_line(plan), summary_line(plan)):
         if line:
             print(line, flush=True)
 
 
 def run_sample(o: SampleOptions) -> Path:
-    """The whole command on this process; rank r draws i % world == r, rank 0 writes grid and npz."""
+    """The whole command on this process: one plan, then the VAE, the folder, the drawing, the grid and npz, in that
+    order; rank r draws i % world == r, rank 0 writes the folder."""
     state = process_state(o.cpu)
     check_compile(o.compile, state.device)  # before any weights are read
-    job = resolve_job(o)  # every rank checks, before anyone writes
+    plan = make_plan(o)  # every rank checks, before anyone writes
     set_tf32(state.device, o.tf32)
-    vae, norm = load_checked_vae(job, state.device)  # a VAE that does not fit is refused before any write
+    vae, norm = load_checked_vae(plan, state.device)  # a VAE that does not fit is refused before any write
     # One writer per --out: the main process holds the folder's lock until it exits (the OS drops it on a kill).
-    with hold_lock(job.out, "sample folder") if state.is_main_process else contextlib.nullcontext():
+    with hold_lock(plan.out, "sample folder") if state.is_main_process else contextlib.nullcontext():
         state.wait_for_everyone()
         if state.is_main_process:
-            check_out_dir(job.out, job.settings)  # again under the lock: a run that finished meanwhile
-            for warning in job.loaded.warnings:
-                print(f"note: {warning}")
-            print(job.settings["run"]["guidance"])
-            prepare_out(job, state.device)
+            prepare_out(plan, state.device)
         state.wait_for_everyone()
-        drawer = make_drawer(job, vae, norm, state.device)
-        draw_missing(job, drawer, state.process_index, state.num_processes, state.is_main_process)
+        drawer = make_drawer(plan, vae, norm, state.device)
+        draw_missing(plan, drawer, state.process_index, state.num_processes, state.is_main_process)
         state.wait_for_everyone()
         if state.is_main_process:
-            finish(job)
-            print(f"wrote {job.num_samples} images, {GRID_NAME}" + (f", {NPZ_NAME}" if o.npz else "")
-                  + f" to {job.out}")
-    return job.out
+            finish(plan)
+    return plan.out

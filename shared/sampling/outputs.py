@@ -187,6 +187,11 @@ def write_grid(path: Path, load_image, labels, captions: list[str], title: str) 
     save_png(Path(path), labelled_grid(load_image, labels, captions, title))
 
 
+def write_png_grid(path: Path, image_paths, labels, captions: list[str], title: str) -> None:
+    """write_grid of PNGs on disk: only the images the grid shows are read, one at a time."""
+    write_grid(path, lambda i: read_png(image_paths[i]), labels, captions, title)
+
+
 def read_png(path: Path) -> np.ndarray:
     """One PNG as uint8 (H,W,3)."""
     with Image.open(path) as image:

@@ -11,8 +11,7 @@ from safetensors import SafetensorError, safe_open
 
 from shared.network.models import ModelConfig
 from shared.runtime.errors import ChoiceError, UserError
-from shared.runtime.fsio import atomic_write
-from shared.runtime.tensorfiles import plain_tensors, read_tensor_file, write_safetensors
+from shared.runtime.tensorfiles import read_tensor_file, save_tensors
 
 
 SPACE_KEY = "latent_space"  # metadata key of the latent space's JSON, prefix of its statistics' tensors
@@ -34,8 +33,7 @@ def save_weights(path, state_dict, model_config, space, step):
     config = model_config.to_dict()
     space_metadata, space_tensors = space_parts(space)
     metadata = {"dit_config": json.dumps(config, sort_keys=True), **space_metadata, "step": str(int(step))}
-    tensors = {**plain_tensors(state_dict), **space_tensors}
-    return atomic_write(path, lambda tmp: write_safetensors(tmp, tensors, metadata))
+    return save_tensors(path, {**state_dict, **space_tensors}, metadata)
 
 
 def _parse_metadata(path, metadata):
