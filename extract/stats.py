@@ -3,8 +3,8 @@
 The statistics come from the stored moments (shared/tokenizers/norm.py `ChannelStats`, float64), the same numbers
 an extraction writes, so an older folder gets them without encoding any image again, and a damaged
 latent_space.json is rebuilt (its tokenizer part from the tokenizer index.json records, loaded on the CPU).
-latent_space.* and index.json's "latent_space" hash are rewritten atomically under the folder's lock; an older
-folder's "latent_stats" moves into latent_space.safetensors, every other entry of index.json stays as it is.
+latent_space.* and index.json's "latent_space" hash are rewritten atomically under the folder's lock; every other
+entry of index.json stays as it is.
 """
 from __future__ import annotations
 
@@ -80,7 +80,6 @@ def run_stats(out, vae: str | None = None, vae_config=None) -> str:
         norms, statistics = folder_stats(dataset, kind is not None and kind.element_stats)
         space = base.with_norms(statistics, **norms)
         index = load_index(out)
-        index.pop("latent_stats", None)  # an older folder's statistics: now in latent_space.safetensors
         index["latent_space"] = space.write(out)
         atomic_write_text(out / INDEX_NAME, json.dumps(index, indent=1) + "\n")
     change = "unchanged" if before == space else ("replaced" if before is not None and "channel" in before.norms

@@ -19,6 +19,8 @@ from safetensors.torch import load_file
 
 from shared.network.models import DiT, DiT_models, ModelConfig
 from shared.datasets.shards import ShardWriter, shard_name, write_index
+from shared.tokenizers.norm import LatentNorm
+from shared.tokenizers.space import LatentSpace
 from tests.conftest import ROOT
 from train.__main__ import main as train_main
 
@@ -71,8 +73,8 @@ MOMENTS_FP16 = {"mean": torch.float16, "std": torch.float16}  # the columns extr
 
 
 def make_latents(root: Path, n=32, shape=(4, 4, 4), flips=2, per_shard=20, scaling_factor=0.5, image_size=8,
-                 poison=False, seed=0) -> Path:
-    """A finished latent folder of class-dependent synthetic moments (shards + index.json)."""
+                 poison=False, seed=0, vae=None) -> Path:
+    """A finished latent folder of class-dependent synthetic moments (shards + index.json); vae: extra VAE record keys."""
     root.mkdir(parents=True, exist_ok=True)
     rng, infos = np.random.default_rng(seed), []
     for first in range(0, n, per_shard):
@@ -82,11 +84,19 @@ def make_latents(root: Path, n=32, shape=(4, 4, 4), flips=2, per_shard=20, scali
                 mean = np.full_like(mean, np.nan) if poison else mean
                 writer.add(f"{i:06d}", {"mean": mean, "std": np.full_like(mean, 0.1)}, i % CLASSES)
         infos.append(writer.info)
-    vae = {"source": "synthetic", "scaling_factor": scaling_factor, "latent_channels": shape[0],
-           "downsample_factor": image_size // shape[1]}
-    write_index(root, infos, {"image_size": image_size, "num_classes": CLASSES,
-                              "class_names": [f"c{c}" for c in range(CLASSES)], "vae": vae})
+    names = [f"c{c}" for c in range(CLASSES)]
+    write_index(root, infos, {"image_size": image_size, "num_classes": CLASSES, "class_names": names,
+                              "latent_space": write_space(root, shape, image_size, names, scaling_factor, vae=vae)})
     return root
+
+
+def write_space(root: Path, shape, image_size: int, class_names, scaling_factor=1.0, source="synthetic",
+                vae=None) -> str:
+    """Write a latent folder's record of a synthetic VAE (its scale as its own norm) into root; its sha256."""
+    vae = {"source": source, "scaling_factor": scaling_factor, "latent_channels": shape[0],
+           "downsample_factor": image_size // shape[-1], **(vae or {})}
+    norms = {"native": LatentNorm.scale_only(scaling_factor, source)}
+    return LatentSpace(vae, shape, image_size, class_names, norms).write(root)
 
 
 def copy_without_stats(folder: Path, copy: Path) -> dict:
@@ -279,3 +289,23 @@ def serve_releases(files: dict, tmp_path, monkeypatch):
         httpd.shutdown()
         httpd.server_close()
         thread.join(timeout=10)
+
+
+def space_of(meta: dict):
+    """The LatentSpace a test's run metadata describes ({"image_size", "latent_shape", "scaling_factor", "vae": the
+    tokenizer identity dict or name, "class_names"}): the tokenizer's scale as its own norm and as what the DiT saw."""
+    vae = meta.get("vae") or {}
+    identity = dict(vae) if isinstance(vae, dict) else {"source": vae}
+    shape, size = [int(n) for n in meta["latent_shape"]], int(meta.get("image_size") or 0)
+    identity.setdefault("latent_channels", shape[0])
+    if size:
+        identity.setdefault("downsample_factor", size // shape[-1])
+    if meta.get("scaling_factor") is not None:
+        identity.setdefault("scaling_factor", float(meta["scaling_factor"]))
+    native = identity.pop("norm", None)
+    if native is None and identity.get("scaling_factor") is not None:
+        native = LatentNorm.scale_only(identity["scaling_factor"], "the VAE's scaling_factor")
+    norms = {"native": native} if native is not None else {}
+    if meta.get("scaling_factor") is not None:
+        norms["dit"] = LatentNorm.scale_only(float(meta["scaling_factor"]), "the run's scaling_factor")
+    return LatentSpace(identity, shape, size, meta.get("class_names") or (), norms)

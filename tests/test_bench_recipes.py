@@ -4,6 +4,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import space_of
+
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("bench_recipes", ROOT / "tests" / "bench" / "bench_recipes.py")
 bench = importlib.util.module_from_spec(_spec)
@@ -86,7 +88,8 @@ def test_curves_are_read_with_the_settings_evaluate_run_records(tmp_path):
         run = tmp_path / f"run{len(sampling)}"
         config = ModelConfig("DiT-T/2", input_size=8, in_channels=4, num_classes=10, learn_sigma=False,
                              objective="flow", sampling=sampling)
-        save_weights(rundir.export_path(run, 100), config.build().state_dict(), config, {"image_size": 32}, 100)
+        save_weights(rundir.export_path(run, 100), config.build().state_dict(), config,
+                     space_of({"image_size": 32, "latent_shape": [4, 4, 4]}), 100)
         settings = settings_of(bench.eval_options(args, run, 1.5, 0))
         assert {k: settings[k] for k in expected} == expected
         assert ("cfg_interval" in settings) == bool(sampling)
@@ -119,8 +122,8 @@ def test_model_rows_count_the_samplers_own_calls(tmp_path, objective, sampler, i
     from shared.network.models import ModelConfig
 
     config = ModelConfig(model="DiT-T/2", input_size=4, num_classes=5, objective=objective)
-    export = save_weights(rundir.export_path(tmp_path, 10), config.build().state_dict(), config, {"image_size": 32},
-                          10)
+    export = save_weights(rundir.export_path(tmp_path, 10), config.build().state_dict(), config,
+                          space_of({"image_size": 32, "latent_shape": [4, 4, 4]}), 10)
     assert bench.model_rows(export, sampler, 20, 1.0) == 20  # no guidance: one row per step
     assert bench.model_rows(export, sampler, 20, 1.5) == 40  # guided: [cond; null] every step
     # 20 steps visit noise levels 999..0 in DiT timesteps (ddim: 0, 53, ..., 684 are <= 700) or sigma 1.0..0.05

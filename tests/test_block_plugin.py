@@ -16,6 +16,7 @@ import torch
 
 import shared.network.blocks as blocks
 from shared.network.models import ModelConfig, infer_model_config
+from shared.runtime.errors import UserError
 from tests.conftest import ROOT
 from tests.helpers import expect_user_error, train_args
 
@@ -79,16 +80,16 @@ def test_dit_and_dit_dh_take_the_option_through_the_one_table(plugin):
     assert dh.build().blocks[-1].mlp.up.in_features == 384  # DiTDH-T's head width
 
 
-def test_the_config_records_every_plugin_it_needs_and_reads_the_old_field(plugin):
+def test_the_config_records_every_plugin_it_needs(plugin):
     import tests.test_objective_plugin as xflow  # registers the objective xflow
 
     both = ModelConfig("DiT-T/2", 8, learn_sigma=False, mlp="relu2", objective="xflow")
     assert both.plugins == sorted([MODULE, xflow.PLUGIN])
     assert ModelConfig.from_dict(both.to_dict()) == both
     old = {"model": "DiT-T/2", "input_size": 8, "learn_sigma": False, "objective": "xflow",
-           "objective_plugin": xflow.PLUGIN}  # a config written before plugins were a list
-    config = ModelConfig.from_dict(old)
-    assert config.plugins == [xflow.PLUGIN] and "objective_plugin" not in config.to_dict()
+           "objective_plugin": xflow.PLUGIN}  # an earlier form, never released: refused, not read
+    with pytest.raises(UserError, match=r"unknown keys \['objective_plugin'\]"):
+        ModelConfig.from_dict(old)
     assert ModelConfig("DiT-T/2", 8, plugins=[MODULE]).plugins == []  # derived: a built-in model needs none
 
 

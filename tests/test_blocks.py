@@ -17,7 +17,7 @@ from shared.network.blocks import (BLOCKS, DiTBlock, RMSNorm, RotaryEmbedding2d,
                                    swiglu_hidden)
 from shared.network.models import PRESETS, ModelConfig, infer_model_config
 from train.memory import forward_macs
-from tests.helpers import inputs, randomize, tiny
+from tests.helpers import inputs, randomize, tiny, space_of
 
 ALL_ON = dict(norm="rmsnorm", mlp="swiglu", rope=True, qk_norm=True)
 
@@ -330,7 +330,7 @@ def lightning_export(tmp_path_factory, tiny_vae_dir):
             "class_names": ["cat", "Dog", "sea eel", "ant", "bee"]}
     folder = tmp_path_factory.mktemp("blocks") / "run"
     save_weights(folder / "exports" / "ema-step-0000010.safetensors", random_dit(config).state_dict(), config,
-                 meta, 10)
+                 space_of(meta), 10)
     return folder, config
 
 

@@ -10,7 +10,7 @@ import shared.runtime.distributed as distributed
 import train.loop as loop
 from extract.__main__ import main as extract_main
 from tests.conftest import make_image_folder
-from tests.helpers import expect_user_error, make_latents, run_main, train_args
+from tests.helpers import expect_user_error, make_latents, run_main, train_args, space_of
 from train.__main__ import main as train_main
 from train.estimate import duration, step_seconds
 
@@ -76,7 +76,7 @@ def test_sample_shows_progress_inside_a_batch_and_a_labelled_grid(tmp_path, tiny
     config = ModelConfig("DiT-T/2", input_size=4, in_channels=4, num_classes=3)
     meta = {"image_size": 16, "scaling_factor": vae.scaling_factor, "latent_shape": [4, 4, 4], "vae": vae.identity,
             "class_names": ["cat", "dog", "eel"]}
-    save_weights(rundir.export_path(tmp_path / "run", 10), config.build().state_dict(), config, meta, 10)
+    save_weights(rundir.export_path(tmp_path / "run", 10), config.build().state_dict(), config, space_of(meta), 10)
     out = tmp_path / "s"
     code, _, err = run_main(sample_main, ["--ckpt", tmp_path / "run", "--vae", tiny_vae_dir, "--out", out,
                                           "--num-samples", 3, "--num-sampling-steps", 7, "--sampler", "ddim",

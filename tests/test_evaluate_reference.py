@@ -12,7 +12,7 @@ from shared.network.models import ModelConfig
 from shared.runtime import rundir
 from shared.weights.export import save_weights
 from tests.conftest import make_image_folder
-from tests.helpers import run_main
+from tests.helpers import run_main, space_of
 
 
 def _mixed(root):
@@ -28,7 +28,8 @@ def _run_with_export(tmp_path, image_size=32):
     """RUN/exports/ema-step-100 of a DiT-T/2 whose metadata says image_size (never sampled by these tests)."""
     run = tmp_path / "run"
     config = ModelConfig("DiT-T/2", input_size=image_size // 8, in_channels=4, num_classes=10)
-    save_weights(rundir.export_path(run, 100), config.build().state_dict(), config, {"image_size": image_size}, 100)
+    save_weights(rundir.export_path(run, 100), config.build().state_dict(), config,
+                 space_of({"image_size": image_size, "latent_shape": [4, image_size // 8, image_size // 8]}), 100)
     return run
 
 

@@ -16,7 +16,7 @@ from shared.network.models import ModelConfig
 from shared.tokenizers.norm import LatentNorm
 from shared.tokenizers.space import LatentSpace
 from shared.tokenizers.tokenizer import Tokenizer
-from tests.helpers import run_main
+from tests.helpers import run_main, space_of
 
 FLAGS = ["--features", "digits", "--num-samples", 6, "--sampler", "ddim", "--num-sampling-steps", 2,
          "--cfg-scale", 1, "--batch-size", 6, "--cpu"]
@@ -35,7 +35,7 @@ def export(run, step, vae, seed):
             p.add_(0.05 * torch.randn_like(p))  # adaLN-Zero layers start at 0: perturb so outputs differ
     meta = {"image_size": 32, "scaling_factor": vae.scaling_factor, "latent_shape": [4, 16, 16],
             "vae": vae.identity, "class_names": [str(c) for c in range(10)]}
-    save_weights(rundir.export_path(run, step), model.state_dict(), config, meta, step)
+    save_weights(rundir.export_path(run, step), model.state_dict(), config, space_of(meta), step)
 
 
 def test_run_evaluates_every_export_draws_the_curve_and_continues(tiny_vae_dir, tmp_path, capsys):

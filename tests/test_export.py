@@ -10,10 +10,11 @@ from shared.runtime.errors import UserError
 from shared.weights.export import load_weights, save_weights
 from shared.network.models import ModelConfig
 from shared.tokenizers.space import LatentSpace
+from tests.helpers import space_of
 
 LATENT_META = {"image_size": 16, "scaling_factor": 0.5, "latent_shape": [4, 8, 8],
                "vae": {"source": "tiny", "config_sha256": "ab"}, "class_names": ["cat", "dog", "eel"]}
-SPACE = LatentSpace.from_legacy(LATENT_META)
+SPACE = space_of(LATENT_META)
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,7 @@ def trained():
 def test_round_trip_is_exact_and_rebuilds_the_model(tmp_path, trained):
     model, config = trained
     path = save_weights(tmp_path / "exports" / "ema-step-0000100.safetensors", model.state_dict(), config,
-                        LATENT_META, 100)
+                        SPACE, 100)
     state_dict, config2, _, step = load_weights(path)
     assert (config2, LatentSpace.read_file(path), step) == (config, SPACE, 100)
     assert state_dict.keys() == model.state_dict().keys()
@@ -67,7 +68,7 @@ def test_equal_content_gives_equal_bytes(tmp_path, trained):
     from shared.sampling.previews import write_preview
 
     model, config = trained
-    metas = [LATENT_META, dict(reversed(LATENT_META.items()))]  # the same record built in another order
+    metas = [space_of(LATENT_META), space_of(dict(reversed(LATENT_META.items())))]  # one record built in two orders
     digests, previews = set(), set()
     for i in range(8):
         path = save_weights(tmp_path / f"w{i}.safetensors", model.state_dict(), config, metas[i % 2], 7)
@@ -94,8 +95,8 @@ def test_views_and_shared_storage_are_saved(tmp_path):
 def test_overwrite_replaces_and_a_failed_write_keeps_the_old_file(tmp_path, trained, monkeypatch):
     model, config = trained
     path = tmp_path / "w.safetensors"
-    save_weights(path, model.state_dict(), config, LATENT_META, 1)
-    save_weights(path, model.state_dict(), config, LATENT_META, 2)
+    save_weights(path, model.state_dict(), config, SPACE, 1)
+    save_weights(path, model.state_dict(), config, SPACE, 2)
     assert load_weights(path)[3] == 2
 
     def crash(tensors, filename, metadata=None):
@@ -105,7 +106,7 @@ def test_overwrite_replaces_and_a_failed_write_keeps_the_old_file(tmp_path, trai
 
     monkeypatch.setattr(tensorfiles, "save_file", crash)
     with pytest.raises(OSError, match="disk full"):
-        save_weights(path, model.state_dict(), config, LATENT_META, 3)
+        save_weights(path, model.state_dict(), config, SPACE, 3)
     assert load_weights(path)[3] == 2  # the old file is intact
     assert sorted(p.name for p in tmp_path.iterdir()) == ["w.safetensors"]
 
@@ -125,7 +126,7 @@ def test_unreadable_file_is_a_user_error(tmp_path, content):
 
 def test_truncated_file_is_a_user_error(tmp_path, trained):
     model, config = trained
-    path = save_weights(tmp_path / "w.safetensors", model.state_dict(), config, LATENT_META, 1)
+    path = save_weights(tmp_path / "w.safetensors", model.state_dict(), config, SPACE, 1)
     path.write_bytes(path.read_bytes()[:-1000])
     with pytest.raises(UserError, match="cannot read"):
         load_weights(path)
@@ -202,7 +203,7 @@ def test_safetensors_problem_and_first_nonfinite(tmp_path, trained):
     from shared.runtime.tensorfiles import first_nonfinite, safetensors_problem
 
     model, config = trained
-    path = save_weights(tmp_path / "w.safetensors", model.state_dict(), config, LATENT_META, 1)
+    path = save_weights(tmp_path / "w.safetensors", model.state_dict(), config, SPACE, 1)
     assert safetensors_problem(path) is None
     path.write_bytes(path.read_bytes()[:-10])
     assert "incomplete" in safetensors_problem(path) or "header" in safetensors_problem(path)

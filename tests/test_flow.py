@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from shared.runtime.errors import SettingError
+from shared.runtime.errors import SettingError, UserError
 from shared.generative.flow import draw_time, flow_grid, shift_time
 from shared.generative.guidance import guided_model_fn
 from shared.network.models import ModelConfig
@@ -142,10 +142,9 @@ def test_objective_settings_refused_where_they_cannot_apply():
     assert isinstance(make_objective("ddpm", time_sampling="uniform", cos_weight=0.0), DDPMObjective)
     repa = ModelConfig("DiT-T/2", 8, objective="flow", objective_args={"convention": "repa"})
     assert objective_of(repa).path.convention == "repa"
-    with pytest.raises(SettingError, match="only flow models have one"):  # a config written before objective_args
-        ModelConfig.from_dict({"model": "DiT-T/2", "input_size": 8, "flow_convention": "repa"})
-    old = {"model": "DiT-T/2", "input_size": 8, "objective": "flow", "flow_convention": "repa"}
-    assert ModelConfig.from_dict(old) == repa  # upgraded on read
+    old = {"model": "DiT-T/2", "input_size": 8, "objective": "flow", "flow_convention": "repa"}  # an earlier form
+    with pytest.raises(UserError, match=r"unknown keys \['flow_convention'\].*Re-export"):
+        ModelConfig.from_dict(old)
     with pytest.raises(SettingError, match="records only nothing"):
         ModelConfig("DiT-T/2", 8, objective_args={"convention": "repa"})  # ddpm records no convention
 
@@ -256,14 +255,14 @@ def flow_export(tmp_path_factory, tiny_vae_dir):
     """A flow-objective export whose latents metadata names the tiny test VAE (so sample can decode)."""
     from shared.weights.export import save_weights
     from shared.tokenizers.tokenizer import Tokenizer
-    from tests.helpers import random_dit as _random_dit
+    from tests.helpers import random_dit as _random_dit, space_of
 
     config = ModelConfig("DiT-T/2", input_size=8, num_classes=10, objective="flow")
     vae = Tokenizer.load(tiny_vae_dir)
     meta = {"image_size": 16, "scaling_factor": vae.scaling_factor, "latent_shape": [4, 8, 8], "vae": vae.identity,
             "class_names": [str(c) for c in range(10)]}
     path = tmp_path_factory.mktemp("flowexp") / "run" / "exports" / "ema-step-0000010.safetensors"
-    save_weights(path, _random_dit(config).state_dict(), config, meta, 10)
+    save_weights(path, _random_dit(config).state_dict(), config, space_of(meta), 10)
     return path
 
 
@@ -316,13 +315,13 @@ def test_ddpm_export_refuses_an_interval_outside_dit_timesteps(tmp_path, capsys,
     """A DDPM model's noise levels are DiT timesteps in [0, 1000]: 0 2000 is refused, 0 500 accepted."""
     from shared.weights.export import save_weights
     from shared.tokenizers.tokenizer import Tokenizer
-    from tests.helpers import random_dit as _random_dit, run_sample as run_cli
+    from tests.helpers import random_dit as _random_dit, run_sample as run_cli, space_of
 
     config = ModelConfig("DiT-T/2", input_size=8, num_classes=10)
     vae = Tokenizer.load(tiny_vae_dir)
     meta = {"image_size": 16, "scaling_factor": vae.scaling_factor, "latent_shape": [4, 8, 8], "vae": vae.identity}
     path = tmp_path / "ema.safetensors"
-    save_weights(path, _random_dit(config).state_dict(), config, meta, 1)
+    save_weights(path, _random_dit(config).state_dict(), config, space_of(meta), 1)
     code, err = run_cli(["--ckpt", path, "--num-samples", "1", "--cpu", "--out", tmp_path / "o", "--cfg-interval",
                          "0", "2000"], capsys)
     assert code == 2 and "is not a range inside [0, 1000], the noise levels of a ddpm model (DiT timesteps" in err

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.conftest import ROOT
-from tests.helpers import run_main
+from tests.helpers import run_main, space_of
 from sample.__main__ import main
 from shared.network.diffusers_dit import (check_dit_config, diffusers_config, diffusers_to_dit, dit_kwargs, dit_to_diffusers)
 from shared.runtime.errors import UserError
@@ -81,7 +81,7 @@ def made(tmp_path_factory, tiny_vae_dir):
     vae = Tokenizer.load(tiny_vae_dir)
     meta = {"image_size": 16, "scaling_factor": vae.scaling_factor, "latent_shape": [4, 8, 8], "vae": vae.identity,
             "class_names": [f"thing{i}, alias{i}" for i in range(1000)]}
-    save_weights(root / "run" / "exports" / "ema-step-0000300.safetensors", state, config, meta, 300)
+    save_weights(root / "run" / "exports" / "ema-step-0000300.safetensors", state, config, space_of(meta), 300)
     pipe = save_pipeline(root / "pipe", state, config, tiny_vae_dir)
     return {"root": root, "state": state, "config": config, "pt": root / "weights.pt", "run": root / "run",
             "pipe": pipe, "vae": tiny_vae_dir}

@@ -1,5 +1,5 @@
-"""The LatentSpace record: round trip, a hash stable across processes, its size at RAE's 768x16x16, every older
-form read by from_legacy, and a damaged record refused through the real train and sample commands."""
+"""The LatentSpace record: round trip, a hash stable across processes, its size at RAE's 768x16x16, files of an
+earlier version refused, and a damaged record refused through the real train and sample commands."""
 import json
 import shutil
 import subprocess
@@ -14,6 +14,7 @@ from extract.__main__ import main as extract_main
 from sample.__main__ import main as sample_main
 from shared.datasets.shards import VERIFIED_NAME, LatentDataset
 from shared.network.models import ModelConfig
+from shared.runtime.errors import UserError
 from shared.weights.export import load_weights, save_weights
 from shared.tokenizers.norm import LatentNorm
 from shared.tokenizers.space import SPACE_JSON, SPACE_TENSORS, LatentSpace
@@ -80,59 +81,46 @@ def test_an_rae_checkpoint_writes_no_json_over_64_kib(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Older forms, one reader
+# Files an earlier version wrote: refused in one paragraph naming the rebuild, never read as "no space"
 # ---------------------------------------------------------------------------------------------------------
 
 OLD_META = {"image_size": 16, "latent_shape": [4, 8, 8], "class_names": ["a", "b", "c"],
-            "vae": {"source": "tiny", "class": "AutoencoderKL", "scaling_factor": 0.25,
-                    "norm": {"kind": "scale", "mean": [0.0], "std": [1.0], "scale": 0.25, "source": "config"},
-                    "latent_channels": 4, "downsample_factor": 2, "config_sha256": "ab"},
-            "latent_norm": {"kind": "channel", "mean": [0.5, 0.0, -1.0, 2.0], "std": [1.0, 2.0, 0.5, 1.5],
-                            "scale": 1.0, "source": "folder"}}
+            "vae": {"source": "tiny", "class": "AutoencoderKL", "scaling_factor": 0.25}}
 
 
-def test_from_legacy_reads_an_old_export_and_preview(tmp_path):
+def test_an_export_of_an_earlier_version_is_refused_not_read_as_spaceless(tmp_path, capsys):
     config = ModelConfig("DiT-T/2", input_size=8, in_channels=4, num_classes=3)
     metadata = {"dit_config": json.dumps(config.to_dict()), "latents": json.dumps(OLD_META), "step": "5"}
     save_file(config.build().state_dict(), str(tmp_path / "old.safetensors"), metadata=metadata)
-    step, space = load_weights(tmp_path / "old.safetensors")[3], LatentSpace.read_file(tmp_path / "old.safetensors")
-    assert step == 5 and space.norm == LatentNorm.channel([0.5, 0.0, -1.0, 2.0], [1.0, 2.0, 0.5, 1.5])
-    assert space.native == LatentNorm.scale_only(0.25) and "norm" not in space.tokenizer
-    assert space.class_names == ("a", "b", "c") and space.source == "tiny"
-    # before the normalisation record: a scaling_factor only, read as a plain scale, for the run and the tokenizer
-    oldest = {"image_size": 16, "latent_shape": [4, 8, 8], "scaling_factor": 0.18215, "vae": "ema"}
-    space = LatentSpace.from_legacy(oldest)
-    assert space.norm == LatentNorm.scale_only(0.18215) == space.native
-    assert space.tokenizer == {"source": "ema", "scaling_factor": 0.18215, "latent_channels": 4, "downsample_factor": 2}
+    with pytest.raises(UserError, match="written by an earlier version"):
+        LatentSpace.read_file(tmp_path / "old.safetensors")
+    code, _, err = run_main(sample_main, ["--ckpt", tmp_path / "old.safetensors", "--cpu", "--num-samples", 1,
+                                          "--out", tmp_path / "out"], capsys)
+    assert code == 2 and "written by an earlier version" in err and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists()
 
 
-def test_from_legacy_reads_an_rae_record_in_base64():
-    import base64
+def test_a_folder_of_an_earlier_version_is_refused_and_extract_stats_makes_it_current(extracted, tmp_path, capsys):
+    folder = shutil.copytree(extracted, tmp_path / "lat")
+    index = json.loads((folder / "index.json").read_text())
+    del index["latent_space"]  # what an index.json written before the record holds
+    (folder / "index.json").write_text(json.dumps(index, indent=1) + "\n")
+    run = tmp_path / "run"
+    code, _, err = run_main(train_main, train_args(folder, run, "--max-steps", "1"), capsys)
+    assert code == 2 and "earlier version" in err and f"`python -m extract --stats --out {folder}`" in err, err
+    assert not (run / "checkpoints").exists()
+    code, _, err = run_main(extract_main, ["--stats", "--out", folder], capsys)  # the command the paragraph names
+    assert code == 0, err
+    assert LatentDataset(folder, progress=False).space == LatentDataset(extracted, progress=False).space
 
-    def pack(t):  # how older records stored per-element numbers: float32 little-endian bytes in base64
-        return {"encoding": "float32-le-base64", "count": t.numel(),
-                "data": base64.b64encode(t.numpy().astype("<f4").tobytes()).decode()}
 
-    mean, std = torch.randn(64, 4, 4), torch.rand(64, 4, 4) + 0.5
-    packed = {"kind": "element", "shape": [64, 4, 4], "mean": pack(mean), "std": pack(std), "scale": 1.0,
-              "source": ""}
-    space = LatentSpace.from_legacy({"image_size": 32, "latent_shape": [64, 4, 4], "vae": {"source": "r"},
-                                     "latent_norm": packed})
-    assert space.norm == LatentNorm.element(mean, std)
-
-
-def test_a_run_from_before_the_record_resumes_on_its_folder_and_not_with_another_norm(tmp_path):
+def test_a_checkpoint_from_before_the_record_is_refused_on_resume(tmp_path):
     dataset = LatentDataset(make_latents(tmp_path / "lat", n=8), progress=False)
     space = dataset.space.for_run(LatentNorm.scale_only(0.5))
     now = data_identity(dataset, space)
+    assert _data_mismatch(now, now, space) is None
     old = {k: v for k, v in now.items() if k != "latent_space"}
-    old["vae"] = {**now["vae"], "norm": {"kind": "scale", "mean": [0.0], "std": [1.0], "scale": 0.5}}
-    old["latent_norm"] = {"kind": "scale", "mean": [0.0], "std": [1.0], "scale": 0.5, "source": ""}
-    assert _data_mismatch(old, now, space) is None
-    old["latent_norm"] = {**old["latent_norm"], "scale": 0.25}
-    assert "normalised as scale x0.25" in _data_mismatch(old, now, space)
-    del old["latent_norm"]  # older still: only the scaling_factor, which is 0.5 here
-    assert _data_mismatch(old, now, space) is None
+    assert "start a fresh run" in _data_mismatch(old, now, space)
 
 
 # ---------------------------------------------------------------------------------------------------------

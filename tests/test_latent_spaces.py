@@ -13,7 +13,6 @@ import torch
 from extract.__main__ import main as extract_main
 from sample.__main__ import main as sample_main
 from shared.datasets.shards import LatentDataset
-from shared.weights.export import load_weights
 from shared.tokenizers.norm import ChannelStats, LatentNorm
 from shared.tokenizers.space import LatentSpace
 from shared.tokenizers.tokenizer import Tokenizer, measure_latent, read_vae_config

@@ -10,7 +10,7 @@ from shared.generative.meanflow import average_velocity, meanflow_losses
 from shared.generative.objectives import make_objective, run_sampler
 from shared.network.models import ModelConfig
 from shared.runtime.errors import SettingError
-from tests.helpers import (cli, expect_user_error, final_tensors, finish, make_latents, metrics, killed_and_resumed,
+from tests.helpers import (cli, space_of, expect_user_error, final_tensors, finish, make_latents, metrics, killed_and_resumed,
                            random_dit, run_inprocess, train_args)
 
 
@@ -344,7 +344,7 @@ def _export(run, vae, folded):
                          interval_time=True, objective_args=args, sampling={"sampler": "meanflow"})
     meta = {"image_size": 32, "scaling_factor": vae.scaling_factor, "latent_shape": [4, 16, 16],
             "vae": vae.identity, "class_names": [str(c) for c in range(10)]}
-    save_weights(rundir.export_path(run, 10), random_dit(config, 1).state_dict(), config, meta, 10)
+    save_weights(rundir.export_path(run, 10), random_dit(config, 1).state_dict(), config, space_of(meta), 10)
 
 
 @pytest.mark.usefixtures("private_digits_cache")

@@ -14,7 +14,6 @@ from PIL import Image
 from extract.__main__ import main as extract_main
 from sample.__main__ import main as sample_main
 from shared.datasets.shards import LatentDataset
-from shared.weights.export import load_weights
 from shared.tokenizers.norm import ElementStats, LatentNorm
 from shared.tokenizers.space import LatentSpace
 from shared.tokenizers.tokenizer import Tokenizer, measure_latent, read_vae_config
@@ -288,10 +287,8 @@ def test_rae_tokens_never_decode_with_a_vae(runs, tmp_path, capsys):
 
 
 def test_vae_latents_never_decode_with_an_rae(raes, tmp_path, capsys):
-    latents = make_latents(tmp_path / "lat", shape=SHAPE, n=8, image_size=IMAGE_SIZE)  # the RAE's very shape
-    index = json.loads((latents / "index.json").read_text())
-    index["vae"]["class"] = "AutoencoderKL"  # a VAE's latents, as extract records them
-    (latents / "index.json").write_text(json.dumps(index))
+    latents = make_latents(tmp_path / "lat", shape=SHAPE, n=8, image_size=IMAGE_SIZE,  # the RAE's very shape
+                           vae={"class": "AutoencoderKL"})  # a VAE's latents, as extract records them
     code, _, err = run_main(train_main, ["--model", "DiTDH-T", "--latents", latents, "--results-dir", tmp_path / "run",
                                          "--global-batch-size", 4, "--num-workers", 0, "--max-steps", 1])
     assert code == 0, err
@@ -412,7 +409,7 @@ def test_a_dit_dh_on_768x16x16_tokens_is_decoded_by_the_released_tokenizer(tmp_p
                          objective="flow")
     torch.save({"ema": config.build().state_dict()}, tmp_path / "stage2_model.pt")
     loaded = load_sampling_weights(tmp_path / "stage2_model.pt")
-    assert loaded.space == LatentSpace.from_legacy(RAE_DIT_LATENTS) and any("rae-dinov2-b" in n for n in loaded.notes)
+    assert loaded.space == LatentSpace.of_release(RAE_DIT_LATENTS) and any("rae-dinov2-b" in n for n in loaded.notes)
     assert loaded.space.source == "rae-dinov2-b" and loaded.space.latent_shape == (768, 16, 16)
 
 

@@ -8,6 +8,7 @@ import torch
 
 from shared.runtime.errors import UserError
 from shared.network.repa import alignment_loss, match_tokens
+from tests.helpers import write_space
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,9 +61,9 @@ def make_feature_latents(root: Path, n=24, flips=2, tokens=16, dim=8, encoder="e
     identity = {"source": encoder, "model_type": "dinov2", "config_sha256": encoder * 4, "input_size": 16,
                 "patch_size": 4, "grid": 4, "tokens": tokens, "dim": dim, "dtype": "fp16",
                 "normalisation": {"mean": [0.5] * 3, "std": [0.5] * 3}}
-    vae = {"source": "synthetic", "scaling_factor": 0.5, "latent_channels": 4, "downsample_factor": 2}
-    write_index(root, [writer.info], {"image_size": 8, "num_classes": 4, "class_names": list("abcd"), "vae": vae,
-                                      "repr_encoder": identity})
+    space = write_space(root, (4, 4, 4), 8, list("abcd"), 0.5)
+    write_index(root, [writer.info], {"image_size": 8, "num_classes": 4, "class_names": list("abcd"),
+                                      "latent_space": space, "repr_encoder": identity})
     return root
 
 
@@ -81,7 +82,7 @@ def test_shards_store_extra_named_tensors_and_describe_them(tmp_path, dtype):
         for i in range(5):
             writer.add(f"k{i}", {"mean": means[i], "std": means[i].abs(), "repr": feats[i]}, i % 2)
     write_index(tmp_path, [writer.info], {"image_size": 4, "num_classes": 2, "class_names": ["a", "b"],
-                                          "vae": {"scaling_factor": 1.0}})
+                                          "latent_space": write_space(tmp_path, (4, 2, 2), 4, ["a", "b"])})
     index = json.loads((tmp_path / "index.json").read_text())
     name = str(dtype).replace("torch.", "")
     assert index["tensors"] == [{"name": "mean", "dtype": "float16", "shape": [2, 4, 2, 2]},
@@ -119,7 +120,7 @@ def test_moment_only_shards_keep_the_first_versions_bytes_and_layout(tmp_path):
     # An index written before "tensors" existed still reads.
     from shared.datasets.shards import write_index
     write_index(tmp_path, [writer.info], {"image_size": 4, "num_classes": 2, "class_names": ["a", "b"],
-                                          "vae": {"scaling_factor": 1.0}})
+                                          "latent_space": write_space(tmp_path, (4, 2, 2), 4, ["a", "b"])})
     index = json.loads((tmp_path / "index.json").read_text())
     del index["tensors"]
     (tmp_path / "index.json").write_text(json.dumps(index))
@@ -196,7 +197,7 @@ def test_training_features_follow_the_latents_flip_variant(tmp_path):
             feats = torch.stack([torch.full((4, 3), float(f + 10 * i)) for f in range(2)])  # (F, T, E)
             writer.add(f"k{i}", {"mean": mean, "std": np.zeros_like(mean), "repr": feats}, 0)
     write_index(tmp_path, [writer.info], {"image_size": 4, "num_classes": 1, "class_names": ["a"],
-                                          "vae": {"scaling_factor": 1.0}})
+                                          "latent_space": write_space(tmp_path, (4, 2, 2), 4, ["a"])})
     draws = TrainingDraws(LatentDataset(tmp_path, progress=False), seed=3, class_dropout_prob=0.0,
                           objective=make_objective("flow"), extra=("repr",))
     batch = draws.__getitems__([(p, p) for p in range(16)])
@@ -417,18 +418,3 @@ def test_sde_in_repas_convention_is_repas_euler_maruyama():
         if i < steps - 1:
             x = x + (2 * t0) ** 0.5 * abs(t1 - t0) ** 0.5 * torch.randn(x.shape, generator=z).double()
     assert torch.allclose(ours.double(), x, atol=1e-4), (ours.double() - x).abs().max()
-
-
-def test_a_run_config_from_before_the_column_registry_keeps_its_repa_flags():
-    """config.json of runs started before the registry holds REPA's flags at the top level: read into column_options,
-    so such a run resumes (no difference) and trains with its REPA settings."""
-    from train.config import TrainConfig, resolve_block, resume_differences
-
-    cfg = resolve_block(TrainConfig(latents="L", results_dir="R", data={"latent_space": "s", "index_sha256": "a"}))
-    cfg.column_options.update(repa_weight=0.5, repa_depth=2, repa_feature_dim=8)
-    old = cfg.to_dict()
-    old.update(old.pop("column_options"))  # the layout such a config.json has
-    read = TrainConfig.from_dict(old)
-    assert read.column_options == cfg.column_options and resume_differences(read, cfg)[0] == []
-    assert TrainConfig.from_dict({**old, "repa_depth": 3}).column_options["repa_depth"] == 3
-    assert resume_differences(TrainConfig.from_dict({**old, "repa_depth": 3}), cfg)[0]  # a change is still refused

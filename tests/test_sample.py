@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from tests.conftest import ROOT, make_tiny_vae
-from tests.helpers import NUM_CLASSES, pngs, random_dit, run_sample
+from shared.sampling.previews import write_preview
+from tests.helpers import NUM_CLASSES, pngs, random_dit, run_sample, space_of
 from shared.weights.checkpoint import run_weight_file
 from shared.sampling.generate import ckpt_label
 from shared.sampling.outputs import grid_layout
@@ -35,9 +35,9 @@ def files(tmp_path_factory, tiny_vae_dir):
             "vae": vae.identity, "class_names": [str(c) for c in range(NUM_CLASSES)]}
     run = root / "run"
     older = {k: torch.zeros_like(v) for k, v in state.items()}
-    save_weights(run / "exports" / "ema-step-0000100.safetensors", older, config, meta, 100)
-    save_weights(run / "exports" / "ema-step-0000200.safetensors", state, config, meta, 200)
-    save_weights(run / "checkpoints" / "step-0000200" / "model.safetensors", state, config, meta, 200)
+    save_weights(run / "exports" / "ema-step-0000100.safetensors", older, config, space_of(meta), 100)
+    save_weights(run / "exports" / "ema-step-0000200.safetensors", state, config, space_of(meta), 200)
+    save_weights(run / "checkpoints" / "step-0000200" / "model.safetensors", state, config, space_of(meta), 200)
     (run / "checkpoints" / "step-0000200" / "state.json").write_text('{"step": 200}')  # marks it complete
     return {"root": root, "pt": root / "DiT-T-2-16x16.pt", "run": run, "vae": tiny_vae_dir, "state": state,
             "meta": meta}
@@ -181,8 +181,7 @@ def test_decode_training_latents(files, tmp_path, capsys):
     latents = torch.randn(3, 4, 8, 8)
     path = tmp_path / "samples" / "step-0000100.safetensors"
     path.parent.mkdir()
-    save_file({"latents": latents, "labels": torch.tensor([5, 1, 5])}, str(path),
-              metadata={"latents": json.dumps(files["meta"])})
+    write_preview(path, latents, torch.tensor([5, 1, 5]), space_of(files["meta"]), 100)
     code, err = run_sample(["decode", path, "--cpu"], capsys)
     assert code == 0, err
     out = tmp_path / "samples" / "step-0000100"
@@ -288,6 +287,6 @@ def test_out_folder_of_another_run(files, tmp_path, capsys):
 def test_guidance_on_model_without_null_class(files, tmp_path, capsys):
     """cfg > 1 needs a null-class row, which class_dropout_prob=0 models lack."""
     config = ModelConfig("DiT-T/2", input_size=8, num_classes=NUM_CLASSES, class_dropout_prob=0.0)
-    save_weights(tmp_path / "nodrop.safetensors", config.build().state_dict(), config, files["meta"], 1)
+    save_weights(tmp_path / "nodrop.safetensors", config.build().state_dict(), config, space_of(files["meta"]), 1)
     code, err = run_sample(["--ckpt", tmp_path / "nodrop.safetensors", "--out", tmp_path / "o", *STEPS], capsys)
     assert code == 2 and "--cfg-scale 1" in err

@@ -17,7 +17,8 @@ from safetensors.torch import save_file
 
 from tests import small_disk
 from tests.conftest import ROOT, make_tiny_vae
-from tests.helpers import pngs, random_dit, run_sample
+from shared.sampling.previews import write_preview
+from tests.helpers import pngs, random_dit, run_sample, space_of
 from shared.weights.export import save_weights
 from shared.network.models import ModelConfig
 from shared.tokenizers.tokenizer import Tokenizer
@@ -51,10 +52,10 @@ def run(tmp_path_factory, tiny_vae_dir):
     meta = _meta(tiny_vae_dir)
     folder = root / "run"
     for step in (100, 200):
-        save_weights(folder / "exports" / f"ema-step-{step:07d}.safetensors", state, config, meta, step)
+        save_weights(folder / "exports" / f"ema-step-{step:07d}.safetensors", state, config, space_of(meta), step)
     ckpt = folder / "checkpoints" / "step-0000200"
-    save_weights(ckpt / "model.safetensors", state, config, meta, 200)
-    save_weights(ckpt / "ema.safetensors", state, config, meta, 200)
+    save_weights(ckpt / "model.safetensors", state, config, space_of(meta), 200)
+    save_weights(ckpt / "ema.safetensors", state, config, space_of(meta), 200)
     (ckpt / "state.json").write_text('{"step": 200}')
     torch.save(state, root / "official.pt")
     return {"root": root, "run": folder, "config": config, "state": state, "meta": meta, "vae": tiny_vae_dir,
@@ -133,7 +134,7 @@ def test_nonfinite_weights_are_refused_at_load(run, tmp_path, capsys, kind):
     name = list(state)[3]
     state[name].view(-1)[:2] = float("nan") if kind == "export" else float("inf")
     if kind == "export":
-        path = save_weights(tmp_path / "bad.safetensors", state, run["config"], run["meta"], 7)
+        path = save_weights(tmp_path / "bad.safetensors", state, run["config"], space_of(run["meta"]), 7)
     else:
         path = tmp_path / "bad.pt"
         torch.save(state, path)
@@ -186,7 +187,7 @@ def test_guidance_rule_follows_the_weights_and_the_latent_channels(run, tmp_path
     wide_vae = make_tiny_vae(tmp_path / "vae8", latent_channels=8)
     config = ModelConfig("DiT-T/2", input_size=8, in_channels=8, num_classes=len(NAMES))
     path = save_weights(tmp_path / "wide.safetensors", random_dit(config).state_dict(), config,
-                        _meta(wide_vae, channels=8), 1)
+                        space_of(_meta(wide_vae, channels=8)), 1)
     code, err = run_sample(_sample(run, tmp_path / "eight", ckpt=path), capsys)
     assert code == 0, err
     settings = _settings(tmp_path / "eight")
@@ -302,16 +303,14 @@ def _preview(folder: Path, step: int, meta: dict, labels=(1, 3)) -> Path:
     """A RUN/samples/step-*.safetensors preview file as training writes it."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"step-{step:07d}.safetensors"
-    save_file({"latents": torch.randn(len(labels), 4, 8, 8), "labels": torch.tensor(labels)}, str(path),
-              metadata={"latents": json.dumps(meta), "step": str(step)})
+    write_preview(path, torch.randn(len(labels), 4, 8, 8), torch.tensor(labels), space_of(meta), step)
     return path
 
 
 def test_decode_refuses_a_preview_whose_tensor_contradicts_its_metadata(run, tmp_path, capsys):
     """Metadata saying 4 channels over an 8-channel tensor: one paragraph, not a traceback from the VAE."""
     path = tmp_path / "step-0000001.safetensors"
-    save_file({"latents": torch.randn(2, 8, 8, 8), "labels": torch.tensor([1, 3])}, str(path),
-              metadata={"latents": json.dumps(run["meta"]), "step": "1"})
+    write_preview(path, torch.randn(2, 8, 8, 8), torch.tensor([1, 3]), space_of(run["meta"]), 1)
     code, err = run_sample(["decode", path, "--cpu", "--vae", run["vae"]], capsys)
     assert code == 2 and says(err, f"{path} holds latents of shape (8, 8, 8) but its metadata describes (4, 8, 8)")
 

@@ -18,7 +18,7 @@ from shared.runtime.errors import UserError
 from shared.weights.export import save_weights
 from shared.tokenizers.tokenizer import Tokenizer
 from tests.conftest import ROOT
-from tests.helpers import NUM_CLASSES, pngs, random_dit
+from tests.helpers import NUM_CLASSES, pngs, random_dit, space_of
 
 MODULE = "outside_samplers"  # the user's module, importable only from the temporary folder put on PYTHONPATH
 NAME = "ddim-counted"
@@ -96,7 +96,7 @@ def test_python_m_sample_draws_with_a_plugin_sampler(plugin, tmp_path, tiny_vae_
     vae = Tokenizer.load(tiny_vae_dir)
     meta = {"image_size": 16, "scaling_factor": vae.scaling_factor, "latent_shape": [4, 8, 8],
             "vae": vae.identity, "class_names": [str(c) for c in range(NUM_CLASSES)]}
-    weights = save_weights(tmp_path / "ema-step-0000001.safetensors", random_dit(config).state_dict(), config, meta, 1)
+    weights = save_weights(tmp_path / "ema-step-0000001.safetensors", random_dit(config).state_dict(), config, space_of(meta), 1)
     calls = tmp_path / "calls.txt"
     common = ["--ckpt", weights, "--vae", tiny_vae_dir, "--num-samples", 2, "--num-sampling-steps", 3, "--cpu",
               "--cfg-scale", 1, "--class-labels", 1]

@@ -19,7 +19,7 @@ from shared.runtime.errors import SettingError
 from shared.weights.export import read_config, save_weights
 from shared.sampling.flags import SamplingFlags
 from shared.tokenizers.tokenizer import Tokenizer
-from tests.helpers import run_main
+from tests.helpers import run_main, space_of
 from train.recipes import RECIPES
 
 LIGHTNING = RECIPES["lightning"]["sampling"]
@@ -84,7 +84,7 @@ def _lightning_export(run, vae, step=100):
             p.add_(0.05 * torch.randn_like(p))
     meta = {"image_size": 32, "scaling_factor": vae.scaling_factor, "latent_shape": [4, 16, 16],
             "vae": vae.identity, "class_names": [str(c) for c in range(10)]}
-    save_weights(rundir.export_path(run, step), model.state_dict(), config, meta, step)
+    save_weights(rundir.export_path(run, step), model.state_dict(), config, space_of(meta), step)
     assert read_config(rundir.export_path(run, step)).sampling == LIGHTNING  # written into the export
     return rundir.export_path(run, step)
 

@@ -18,6 +18,7 @@ import webdataset as wds
 from shared.datasets import shards
 from shared.runtime.errors import UserError
 from shared.tokenizers.norm import LatentNorm
+from shared.tokenizers.space import LatentSpace
 from shared.datasets.shards import (
     GatheredBatch, LatentDataset, ShardInfo, ShardWriter, StreamSampler, collate, epoch_permutation, shard_name,
     write_index,
@@ -25,11 +26,19 @@ from shared.datasets.shards import (
 from shared.runtime.fsio import tmp_name
 
 # sha256[:16] of the folder test_folder_bytes_are_pinned writes (moments fp16 + a bf16 column, 3 samples)
-PINNED_DIGESTS = {"index-arrays.npz": "d0cc18593469dea2", "index.json": "763bc2bf14642bd0",
-                  "shard-000000.tar": "0feb622c0ebf82a7"}  # as the writer before named columns wrote it
+PINNED_DIGESTS = {"index-arrays.npz": "d0cc18593469dea2", "index.json": "9f8fc77972782931",
+                  "shard-000000.tar": "0feb622c0ebf82a7"}  # the shard as the writer before named columns wrote it
 MOMENTS = {"mean": torch.float16, "std": torch.float16}  # the columns extract writes by default
-META = {"image_size": 16, "num_classes": 3, "class_names": ["cat", "dog", "eel"],
-        "vae": {"source": "tiny", "scaling_factor": 0.25, "latent_channels": 4}}
+META = {"image_size": 16, "num_classes": 3, "class_names": ["cat", "dog", "eel"]}
+VAE = {"source": "tiny", "scaling_factor": 0.25, "latent_channels": 4}
+
+
+def index_meta(root, shape=(4, 4, 4)) -> dict:
+    """META with the sha256 of the folder's latent space (a tiny scale-0.25 VAE's), written into root."""
+    identity = {**VAE, "latent_channels": shape[0], "downsample_factor": META["image_size"] // shape[-1]}
+    space = LatentSpace(identity, shape, META["image_size"], META["class_names"],
+                        {"native": LatentNorm.scale_only(0.25, "tiny")})
+    return {**META, "latent_space": space.write(root)}
 
 
 def make_moments(n, flips=2, shape=(4, 4, 4), seed=0):
@@ -58,7 +67,7 @@ def write_folder(root: Path, counts=(3, 5, 2), flips=2, dtype=torch.float16, see
                 k += 1
         infos.append(writer.info)
     if index:
-        write_index(root, infos, META)
+        write_index(root, infos, index_meta(root))
     return root, samples, infos
 
 
@@ -81,7 +90,7 @@ def test_round_trip(tmp_path, dtype, flips):
     assert len(ds) == len(samples) == 10
     assert ds.dtype == dtype and ds.flips == flips and ds.latent_shape == (4, 4, 4)
     assert ds.num_classes == 3 and ds.class_names == META["class_names"] and ds.image_size == 16
-    assert ds.scaling_factor == 0.25 and ds.vae == {**META["vae"], "downsample_factor": 4}  # 16 px / 4 latent
+    assert ds.scaling_factor == 0.25 and ds.vae == {**VAE, "downsample_factor": 4}  # 16 px / 4 latent
     assert ds.labels.dtype == np.int64 and ds.labels.tolist() == [s[2] for s in samples]
     for i, (mean, std, label) in enumerate(samples):
         item = ds[i]
@@ -129,13 +138,6 @@ def test_collate_and_gathered_batch(folder):
         assert torch.equal(stacked[k], gathered.batch[k]) and torch.equal(default[k], stacked[k])
 
 
-def test_latent_space_of_an_older_index(folder):
-    """An index.json with a "vae" record (no latent_space.json) is read by LatentSpace.from_legacy."""
-    space = LatentDataset(folder[0]).space
-    assert space.image_size == 16 and space.latent_shape == (4, 4, 4) and space.class_names == tuple(META["class_names"])
-    assert space.native == LatentNorm.scale_only(0.25) and space.norm is None and space.source == "tiny"
-
-
 # --------------------------------------------------------------------------------------------------------
 # Writer: determinism, atomicity, validation
 # --------------------------------------------------------------------------------------------------------
@@ -179,11 +181,12 @@ def test_writer_uses_temp_name_and_index_comes_last(tmp_path):
         return real_publish(path, data)
     shards.atomic_write_bytes = spy
     try:
-        write_index(root, [writer.info], META)
+        write_index(root, [writer.info], index_meta(root))
     finally:
         shards.atomic_write_bytes = real_publish
     assert renamed == ["index-arrays.npz", "index.json"]
-    assert sorted(p.name for p in root.iterdir()) == ["index-arrays.npz", "index.json", "shard-000000.tar"]
+    assert sorted(p.name for p in root.iterdir()) == ["index-arrays.npz", "index.json", "latent_space.json",
+                                                     "latent_space.safetensors", "shard-000000.tar"]
 
 
 def test_writer_removes_temp_file_on_error(tmp_path):
@@ -261,7 +264,7 @@ def test_folder_bytes_are_pinned(tmp_path):
         for i in range(3):
             mean = torch.arange(2 * 4 * 2 * 2, dtype=torch.float32).reshape(2, 4, 2, 2) / (i + 1)
             writer.add(f"{i:06d}", {"mean": mean, "std": mean.numpy() / 7, "repr": mean[:, :2, :, 0] - i}, i)
-    write_index(root, [writer.info], META)
+    write_index(root, [writer.info], {**META, "latent_space": "0" * 64})
     digest = {p.name: hashlib.sha256(p.read_bytes()).hexdigest()[:16] for p in sorted(root.iterdir())}
     assert digest == PINNED_DIGESTS
 
@@ -274,7 +277,7 @@ def test_deterministic_latents_store_the_latent_alone(tmp_path):
     with ShardWriter(root / shard_name(0), columns={"mean": "bf16"}) as writer:
         for i in range(4):
             writer.add(f"{i:06d}", {"mean": latents[i]}, i % 3)
-    write_index(root, [writer.info], META)
+    write_index(root, [writer.info], index_meta(root, (4, 2, 2)))
     index = json.loads((root / "index.json").read_text())
     assert index["version"] == shards.DETERMINISTIC_VERSION and index["dtype"] == "bfloat16"
     assert index["tensors"] == [{"name": "mean", "dtype": "bfloat16", "shape": [1, 4, 2, 2]}]
@@ -297,13 +300,12 @@ def test_write_index_validates(tmp_path):
     mixed = ShardInfo.from_dict({**infos32[0].to_dict(), "name": "shard-000001.tar"})
     (tmp_path / "a" / mixed.name).write_bytes((tmp_path / "a2" / infos32[0].name).read_bytes())
     with pytest.raises(ValueError, match="shard-000001.tar has layout"):
-        write_index(tmp_path / "a", [infos16[0], mixed], META)
-    with pytest.raises(ValueError, match="scaling_factor"):
-        write_index(tmp_path / "a", infos16, {**META, "vae": {"source": "x"}})
+        write_index(tmp_path / "a", [infos16[0], mixed], index_meta(tmp_path / "a"))
     with pytest.raises(ValueError, match="outside"):
-        write_index(tmp_path / "a", infos16, {**META, "num_classes": 1, "class_names": ["x"]})
+        write_index(tmp_path / "a", infos16, {**index_meta(tmp_path / "a"), "num_classes": 1, "class_names": ["x"]})
     with pytest.raises(ValueError, match="file size"):
-        write_index(tmp_path / "a", [ShardInfo.from_dict({**infos16[0].to_dict(), "size": 1})], META)
+        write_index(tmp_path / "a", [ShardInfo.from_dict({**infos16[0].to_dict(), "size": 1})],
+                    index_meta(tmp_path / "a"))
     assert not (tmp_path / "a" / "index.json").exists()
 
 

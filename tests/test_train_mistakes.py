@@ -88,14 +88,10 @@ def test_image_size_is_checked_against_the_latents(latents, tmp_path, capsys):
     assert json.loads((tmp_path / "run" / "config.json").read_text())["image_size"] == 8
 
 
-def test_one_precision_flag_old_spelling_and_old_configs(latents, tmp_path, capsys):
-    from train.config import TrainConfig
+def test_one_precision_flag_under_accelerate_spelling(latents, tmp_path, capsys):
     run = run_inprocess(latents, tmp_path / "run", "--mixed-precision", "no", "--max-steps", "1")
     saved = json.loads((run / "config.json").read_text())
     assert saved["precision"] == "fp32" and "mixed_precision" not in saved
-    old = {**saved, "mixed_precision": "bf16"}
-    del old["precision"]
-    assert TrainConfig.from_dict(old).precision == "bf16"  # a config written before the rename still loads
     message = expect_user_error(capsys, train_args(latents, tmp_path / "r2", "--keep-exports", "-1"))
     assert "--keep-exports must be at least 0; got -1" in message
 

@@ -17,7 +17,7 @@ from sample.__main__ import main
 from shared.sampling.outputs import read_png
 from sample.watch import WatchOptions, end_reason, run_is_locked
 from shared.runtime.lock import hold_lock
-from tests.helpers import LAUNCHER, cli, finish, make_latents, trace, train_args
+from tests.helpers import LAUNCHER, cli, finish, make_latents, space_of, trace, train_args
 from shared.sampling.previews import write_preview as write_preview_file
 from train.preview import preview_labels
 
@@ -31,7 +31,7 @@ def write_preview(run: Path, step: int, channels: int = 4) -> Path:
     """RUN/samples/step-X.safetensors as training writes it: 8 latents of 4 classes."""
     latents = torch.randn(8, channels, 4, 4, generator=torch.Generator().manual_seed(step))
     meta = {**META, "latent_shape": [channels, 4, 4], "vae": {**META["vae"], "latent_channels": channels}}
-    return write_preview_file(run / "samples" / f"step-{step:07d}.safetensors", latents, preview_labels(4), meta, step)
+    return write_preview_file(run / "samples" / f"step-{step:07d}.safetensors", latents, preview_labels(4), space_of(meta), step)
 
 
 @pytest.fixture

@@ -38,7 +38,6 @@ OPTIMIZERS = ("adamw", "adamw8bit")
 EMA_DEVICES = ("gpu", "cpu")
 DEFAULT_MAX_STEPS = 400_000  # the paper's headline training length (DiT Table 4: FID-50K at 400K steps)
 DEBUG_STEPS = 5
-LEGACY_OBJECTIVE_FIELDS = ("time_sampling", "time_loc", "time_scale", "cos_weight")  # top-level keys of old configs
 
 # Changing one of these changes the experiment: a resume that differs is refused.
 IDENTITY_FIELDS = ("model", "objective", "objective_options", "time_dist_shift", "global_batch_size",
@@ -259,18 +258,11 @@ class TrainConfig:
         """Rebuild from to_dict output, ignoring keys this version does not know."""
         names = {f.name for f in fields(cls)}
         d = dict(d)
-        if "mixed_precision" in d:  # configs written before the flag became --precision
-            d.setdefault("precision", canonical_precision(d.pop("mixed_precision")))
-        old = {k: d.pop(k) for k in LEGACY_OBJECTIVE_FIELDS if k in d}  # written before objectives had options
-        if old and "objective_options" not in d:
-            d["objective_options"] = old if d.get("objective") == "flow" else {}
-        d.setdefault("shard_window", 0)  # written before shard-aware orders: one shuffle of all samples
-        legacy = {k: d.pop(k) for k in column_defaults() if k in d}  # REPA's flags, top-level before the registry
-        d["column_options"] = {**column_defaults(), **legacy, **d.get("column_options", {})}
+        d["column_options"] = {**column_defaults(), **d.get("column_options", {})}  # a plugin's column: its defaults
         kwargs = {k: v for k, v in d.items() if k in names}
         if "adam_betas" in kwargs:
             kwargs["adam_betas"] = tuple(kwargs["adam_betas"])
-        return resolve_block(cls(**kwargs))  # configs written before the block options hold the DiT block
+        return resolve_block(cls(**kwargs))  # the block preset's options, as from the flags
 
     def to_json(self) -> str:
         """Indented JSON text of the config."""
@@ -405,15 +397,12 @@ def grad_accum_steps(global_batch: int, micro_batch: int | None, world_size: int
     return micro, per_process // micro
 
 
-# index.json entries training does not take from the hash: `python -m extract --stats` rewrites them on a finished
-# folder, and the numbers a run normalises with are compared on their own (the hash of its LatentSpace).
-UNHASHED_INDEX_KEYS = ("latent_stats", "latent_space")
-
-
 def training_index_sha256(index_bytes: bytes) -> str:
-    """sha256 of index.json less UNHASHED_INDEX_KEYS (shards, sha256s, classes, VAE, layout): the data trained on."""
+    """sha256 of index.json less "latent_space" (shards, sha256s, classes, VAE, layout): the data trained on."""
+    # `python -m extract --stats` rewrites "latent_space" on a finished folder, and the numbers a run normalises
+    # with are compared on their own (the hash of its LatentSpace).
     index = json.loads(index_bytes)
-    kept = {k: v for k, v in index.items() if k not in UNHASHED_INDEX_KEYS}
+    kept = {k: v for k, v in index.items() if k != "latent_space"}
     return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()
 
 
@@ -426,7 +415,6 @@ def data_identity(dataset, space: LatentSpace) -> dict:
         "scaling_factor": space.tokenizer.get("scaling_factor"), "vae": space.tokenizer,
         "index_sha256": training_index_sha256(index_bytes), "latent_space": space.sha256,
         "latent_norm": f"{space.norm.describe()} from {space.norm.source or 'the recorded numbers'}",  # for messages
-        "index_file_sha256": hashlib.sha256(index_bytes).hexdigest(),  # what runs before the above recorded
         **{c.meta_key: dataset.meta[c.meta_key] for c in columns().values() if c.meta_key in dataset.meta},
     }
 
@@ -653,18 +641,11 @@ def _resolve_preview_guidance(cfg: TrainConfig) -> None:
 # Resume compatibility
 # ---------------------------------------------------------------------------------------------------------
 
-def _legacy_data(saved: dict, space: LatentSpace | None) -> dict:
-    """A data identity written before the LatentSpace record, in today's terms (its space read by from_legacy)."""
-    old = LatentSpace.from_legacy(saved)
-    same = space is not None and old.norm is not None and old.norm == space.norm
-    return {**saved, "vae": old.tokenizer, "latent_norm": old.norm.describe() if old.norm else "unrecorded",
-            "latent_space": space.sha256 if same else old.sha256}
-
-
 def _data_mismatch(saved: dict, current: dict, space: LatentSpace | None = None) -> str | None:
     """A sentence on how two latent folders differ, or None when they are the same data."""
     if "latent_space" not in saved:
-        saved = _legacy_data(saved, space)
+        return ("the checkpoint records no latent space (it was written by an earlier version, before runs recorded "
+                "one), so it cannot be checked against --latents; start a fresh run with a new --results-dir")
     for column in columns().values():
         was, now = saved.get(column.meta_key), current.get(column.meta_key)
         if was and was != now:
@@ -683,8 +664,6 @@ def _data_mismatch(saved: dict, current: dict, space: LatentSpace | None = None)
                 f"space {str(current.get('latent_space'))[:12]}); the network learned the first, so the run cannot "
                 f"continue on another. Pass the --latent-norm it was started with, and the latent folder whose "
                 f"statistics it used")
-    if saved.get("index_sha256") == current.get("index_file_sha256"):  # a run from before training_index_sha256
-        saved = {**saved, "index_sha256": current["index_sha256"]}
     diffs = differences(saved, current, DATA_FIELDS, nested=False)
     return f"the latent folder differs from the checkpoint's ({', '.join(diffs)})" if diffs else None
 

@@ -191,17 +191,22 @@ def open_latents(source: str, accelerator=None, cache_limit: int | None = None) 
 # Streaming through a bounded cache (--cache-limit)
 # ---------------------------------------------------------------------------------------------------------
 
-def cache_budget(limit: int, index: dict, index_size: int, url: str) -> int:
-    """Bytes the shards may use under --cache-limit; UserError when two of the largest shards do not fit."""
-    fixed = index_size + int(index["arrays"]["size"])
+def space_size(fs, root: str) -> int:
+    """Bytes of the folder's LatentSpace files (kept in the cache beside index.json)."""
+    return sum(fs.size(f"{root}/{name}") for name in (SPACE_TENSORS, SPACE_JSON) if fs.exists(f"{root}/{name}"))
+
+
+def cache_budget(limit: int, index: dict, fixed: int, url: str) -> int:
+    """Bytes the shards may use under --cache-limit beside `fixed` (index.json, the sidecar, the space files);
+    UserError when two of the largest shards do not fit."""
     largest = max(index["shards"], key=lambda e: e["size"])
     budget = limit - fixed
     if budget < 2 * largest["size"]:
         total = fixed + sum(e["size"] for e in index["shards"])
         raise UserError(f"--cache-limit {show_size(limit)} is too small for --latents {url}: its largest shard, "
                         f"{largest['name']}, is {show_size(largest['size'])}, and the streamed cache holds at least two "
-                        f"shards (the one training and the next, fetched ahead) beside {INDEX_NAME} and {ARRAYS_NAME} "
-                        f"({show_size(fixed)}). Pass --cache-limit {show_size(fixed + 2 * largest['size'])} or more, or "
+                        f"shards (the one training and the next, fetched ahead) beside {INDEX_NAME}, {ARRAYS_NAME} "
+                        f"and the latent-space record ({show_size(fixed)}). Pass --cache-limit {show_size(fixed + 2 * largest['size'])} or more, or "
                         f"drop --cache-limit to copy the whole folder ({show_size(total)}) once.")
     return budget
 
@@ -209,7 +214,8 @@ def cache_budget(limit: int, index: dict, index_size: int, url: str) -> int:
 def open_streamed(url: str, limit: int, fetcher: bool) -> "StreamedLatents":
     """The cache folder of `url` with index.json and the sidecar only; the fetcher process also owns the stream."""
     fs, root, index_bytes, index, local = remote_index(url)
-    budget = cache_budget(limit, index, len(index_bytes), url)
+    fixed = len(index_bytes) + int(index["arrays"]["size"]) + space_size(fs, root)
+    budget = cache_budget(limit, index, fixed, url)
     if fetcher:
         local.mkdir(parents=True, exist_ok=True)
         for stale in [*local.glob(f"{TMP_PREFIX}*"), local / STREAM_ERROR_NAME]:

@@ -464,15 +464,11 @@ _REQUIRED_META = ("image_size", "num_classes", "class_names")
 
 
 def _check_meta(meta: dict) -> None:
-    """The caller-supplied metadata must name the image size, classes and the latent space (or an older VAE record)."""
-    missing = [k for k in _REQUIRED_META if k not in meta] + ([] if "latent_space" in meta or "vae" in meta
-                                                               else ["latent_space"])
-    if missing:
-        raise ValueError(f"write_index meta is missing {missing}")
-    if "latent_space" not in meta and "scaling_factor" not in meta["vae"] and "norm" not in meta["vae"]:
-        raise ValueError("write_index meta['vae'] must include its normalisation ('norm' or 'scaling_factor')")
-    if len(meta["class_names"]) != meta["num_classes"]:
-        raise ValueError(f"{len(meta['class_names'])} class names for num_classes={meta['num_classes']}")
+    """The caller-supplied metadata must name the image size, classes and the latent space's sha256."""
+    missing = [k for k in (*_REQUIRED_META, "latent_space") if k not in meta]
+    assert not missing, f"write_index meta is missing {missing}"
+    assert len(meta["class_names"]) == meta["num_classes"], \
+        f"{len(meta['class_names'])} class names for num_classes={meta['num_classes']}"
 
 
 def _check_shards(out_dir: Path, shards: list[ShardInfo], num_classes: int) -> dict:
@@ -779,11 +775,14 @@ class LatentDataset(torch.utils.data.Dataset):
 
     @functools.cached_property
     def space(self):
-        """The folder's LatentSpace (latent_space.json, checked against index.json; older folders: from_legacy)."""
+        """The folder's LatentSpace (latent_space.json, checked against index.json's sha256)."""
         from shared.tokenizers.space import LatentSpace, rebuild_folder_command
 
         if "latent_space" not in self.meta:
-            return LatentSpace.from_legacy(self.meta)
+            raise UserError(f"{self.root}/index.json records no latent space (no \"latent_space\" entry): the folder "
+                            "was written by an earlier version, so its latents cannot be tied to the tokenizer that "
+                            f"decodes them. Nothing was changed. {rebuild_folder_command(self.root)}, or extract it "
+                            "again.")
         return LatentSpace.read(self.root, self.meta["latent_space"], rebuild_folder_command(self.root))
 
     shard_counts = property(lambda self: np.diff(self._starts), doc="(S,) samples per shard, in folder order.")

@@ -216,7 +216,7 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d):
         """Rebuild from to_dict() output; UserError on missing or unknown keys (absent block options are DiT's)."""
-        d = upgrade(dict(d))
+        d = dict(d)
         names = {f.name for f in fields(cls)}
         unknown, missing = sorted(set(d) - names), sorted({"model", "input_size"} - set(d))
         if unknown or missing:
@@ -238,22 +238,6 @@ def check_interval_time(config: ModelConfig, objective) -> None:
                            f"{config.interval_time}), but its objective {config.objective} "
                            f"{'feeds' if wanted else 'does not feed'} the network a second time; the two are "
                            "written together, so these weights were edited by hand. Re-export them with this version.")
-
-
-def upgrade(d: dict) -> dict:
-    """A config of an older version made current: `flow_convention` becomes objective_args, `objective_plugin` plugins."""
-    plugin = d.pop("objective_plugin", "")
-    if plugin:
-        d.setdefault("plugins", [plugin])
-    if "flow_convention" not in d:
-        return d
-    convention = d.pop("flow_convention")
-    if d.get("objective", DEFAULT_OBJECTIVE) == "flow":
-        d.setdefault("objective_args", {"convention": convention})
-    elif convention != "sit":
-        raise SettingError(f"a flow time convention ({convention}) is recorded for a {d.get('objective', DEFAULT_OBJECTIVE)} "
-                           "model; only flow models have one. Leave the {flow time convention} at sit.")
-    return d
 
 
 def _shape(state_dict, key):

@@ -1,7 +1,6 @@
 """The --out folder: atomic PNGs, settings.json guarding resume, the grid and the streamed samples.npz."""
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import re
@@ -11,7 +10,6 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from shared.generative.samplers import SAMPLER_OPTIONS, SAMPLERS, sampler_options
 from shared.runtime.errors import UserError
 from shared.runtime.rerun import differences, listed
 from shared.runtime.fsio import TMP_PREFIX, atomic_write, atomic_write_text
@@ -91,26 +89,11 @@ def check_out_dir(out: Path, settings: dict) -> None:
         raise UserError(f"{path} is not a settings file written by `python -m sample` ({err}); "
                         f"pass a new --out folder or delete it.") from err
     mine = settings["identity"]
-    upgrade_identity(previous)
     differ = differences(previous, mine, nested=False)
     if differ:
         raise UserError(
             f"--out {out} holds images of another run ({listed(differ)}). Resuming would mix two runs' images: "
             f"pass a new --out folder, or rerun with the settings recorded in {path}.")
-
-
-def upgrade_identity(previous: dict) -> None:
-    """Read a settings identity written by an older version as today's (options it predates held their defaults)."""
-    if previous.get("sampler") in SAMPLERS:
-        # Folders written before an option existed ran with its default where the sampler takes it (DDIM: eta 0).
-        defaults = sampler_options(previous["sampler"], {})
-        for option in SAMPLER_OPTIONS:
-            previous.setdefault(option, defaults.get(option))
-    previous.setdefault("cfg_interval", None)
-    if isinstance(previous.get("model"), dict):  # model configs written before a field existed read with its default
-        from shared.network.models import ModelConfig
-        with contextlib.suppress(UserError):  # not a config of this version: the comparison names the difference
-            previous["model"] = ModelConfig.from_dict(previous["model"]).to_dict()
 
 
 def missing_indices(out: Path, indices, names) -> list[int]:

@@ -15,7 +15,6 @@ from safetensors import SafetensorError, safe_open
 
 from shared.runtime.errors import UserError
 from shared.runtime.tensorfiles import write_safetensors
-from shared.weights.export import space_parts
 from shared.runtime.fsio import atomic_write
 from shared.tokenizers.space import REBUILD_RUN_FILE, LatentSpace
 
@@ -24,7 +23,7 @@ LATENTS_KEY, LABELS_KEY = "latents", "labels"
 
 def write_preview(path: Path, latents: torch.Tensor, labels: torch.Tensor, space, step: int) -> Path:
     """Write a preview file atomically: latents (N, C, h, w) normalised, labels (N,), the run's LatentSpace."""
-    space_metadata, space_tensors = space_parts(space)
+    space_metadata, space_tensors = space.file_parts() if space is not None else ({}, {})
     metadata = {**space_metadata, "step": str(int(step))}
     tensors = {LATENTS_KEY: latents.contiguous(), LABELS_KEY: labels.contiguous(), **space_tensors}
     return atomic_write(path, lambda tmp: write_safetensors(tmp, tensors, metadata))

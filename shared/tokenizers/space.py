@@ -10,21 +10,18 @@ sees ("dit"): config.json and state.json carry its sha256, weight files and prev
 Another tokenizer decodes the latents without any error into wrong pictures, so every difference is refused:
 channels and downsample factor always, the class, scaling factor, own normalisation and config hash unless
 --allow-other-vae. Decoding always inverts the "dit" normalisation, so an allowed swap changes the tokenizer,
-never the scaling. Files written before this record (index.json "vae"/"latent_stats", metadata "latents") are
-read by `LatentSpace.from_legacy`.
+never the scaling. Another project's release (an official LightningDiT or RAE DiT, a diffusers pipeline) states its
+space in a few facts: `LatentSpace.of_release`.
 """
 from __future__ import annotations
 
-import base64
 import functools
 import hashlib
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import numpy as np
 import safetensors.torch
-import torch
 
 from shared.runtime.errors import UserError
 from shared.weights.export import SPACE_KEY
@@ -185,7 +182,7 @@ class LatentSpace:
 
     @classmethod
     def from_file(cls, metadata: dict, tensors: dict, where, rebuild: str) -> "LatentSpace | None":
-        """The space a weight or preview file carries (its legacy "latents" metadata too); None when it has none."""
+        """The space a weight or preview file carries; None when it has none."""
         prefix = f"{SPACE_KEY}."
         own = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
         if SPACE_KEY in metadata:
@@ -193,45 +190,25 @@ class LatentSpace:
         if own:
             raise refuse(where, f"is missing (its {prefix}* tensors are there, its metadata {SPACE_KEY!r} is not)",
                          rebuild)
-        if metadata.get("latents") not in (None, "null"):
-            try:
-                return cls.from_legacy(json.loads(metadata["latents"]))
-            except (ValueError, KeyError, TypeError) as err:
-                raise refuse(where, f"(metadata 'latents', an older form) is unreadable ({err})", rebuild) from err
+        if "latents" in metadata:  # the metadata key of files an earlier version wrote, before this record
+            raise refuse(where, "is absent: the file was written by an earlier version, whose record this one does "
+                                "not read", rebuild)
         return None
 
-    # -- older files ----------------------------------------------------------------------------------------
     @classmethod
-    def from_legacy(cls, meta: dict) -> "LatentSpace":
-        """The space of an older record: index.json ("vae", "latent_stats"), metadata "latents", config.json "data"."""
-        vae = meta.get("vae")
-        identity = dict(vae) if isinstance(vae, dict) else ({"source": vae} if isinstance(vae, str) else {})
-        shape, size = meta.get("latent_shape") or (), int(meta.get("image_size") or 0)
+    def of_release(cls, meta: dict) -> "LatentSpace":
+        """The space another project's release states: {"latent_shape", and "vae", "image_size", "scaling_factor",
+        "class_names" where known}; a scaling factor is both the tokenizer's own normalisation and what the DiT saw."""
+        shape, size = [int(n) for n in meta["latent_shape"]], int(meta.get("image_size") or 0)
+        identity = {"latent_channels": shape[0], **({"source": meta["vae"]} if meta.get("vae") else {})}
+        if size:
+            identity["downsample_factor"] = size // shape[-1]
+        norms = {}
         if meta.get("scaling_factor") is not None:
-            identity.setdefault("scaling_factor", float(meta["scaling_factor"]))
-        if shape:
-            identity.setdefault("latent_channels", int(shape[0]))
-            if size:  # pixels per latent cell, for metadata written before the identity carried it
-                identity.setdefault("downsample_factor", size // int(shape[-1]))
-        norms, statistics = {}, {}
-        native = identity.pop("norm") if "norm" in identity else _legacy_scale(identity, "the VAE's scaling_factor")
-        if native is not None:
-            norms["native"] = _legacy_norm(native)
-        trained = meta.get("latent_norm") or _legacy_scale(meta, "the recorded scaling_factor")
-        if trained is not None and "shards" not in meta:  # a run's metadata: what its DiT was trained on
-            norms["dit"] = _legacy_norm(trained)
-        stats = meta.get("latent_stats")
-        if stats:
-            norms["channel"] = LatentNorm.channel(stats["mean"], stats["std"], 1.0,
-                                                  source="the latent folder's per-channel statistics")
-            statistics = {k: v for k, v in stats.items() if k not in ("mean", "std", "element")}
-            if stats.get("element"):
-                element = stats["element"]
-                norms["element"] = LatentNorm.element(unpack_tensor(element["mean"], element["shape"]),
-                                                      unpack_tensor(element["std"], element["shape"]), 1.0,
-                                                      "the latent folder's per-element statistics")
-                statistics["element"] = {k: v for k, v in element.items() if k not in ("mean", "std", "shape")}
-        return cls(identity, shape, size, meta.get("class_names") or (), norms, statistics)
+            identity["scaling_factor"] = float(meta["scaling_factor"])
+            norms["native"] = LatentNorm.scale_only(identity["scaling_factor"], "the VAE's scaling_factor")
+            norms["dit"] = LatentNorm.scale_only(identity["scaling_factor"], "the release's scaling_factor")
+        return cls(identity, shape, size, meta.get("class_names") or (), norms)
 
     # -- does a tokenizer fit? --------------------------------------------------------------------------------
     def recorded(self, channels: int | None = None) -> dict:
@@ -291,43 +268,6 @@ def rebuild_folder_command(folder) -> str:
     """How a latent folder's record is rebuilt: from its stored latents and the tokenizer that made them."""
     return (f"`python -m extract --stats --out {folder}` writes it again from the stored latents and the tokenizer "
             f"its index.json records (add --vae SPEC if that tokenizer is no longer where it was)")
-
-
-# How older records carried numbers in JSON: little-endian float bytes in base64 (exact for values of that precision).
-_FLOAT_ENCODINGS = {"float32-le-base64": "<f4", "float64-le-base64": "<f8"}
-
-
-def unpack_tensor(packed, shape=None) -> torch.Tensor:
-    """Numbers of an older record (a JSON list, or base64 {"encoding", "count", "data"}) as a float64 tensor."""
-    if isinstance(packed, (list, tuple)):
-        array = np.asarray(packed, dtype=np.float64)
-    elif packed.get("encoding") in _FLOAT_ENCODINGS:
-        array = np.frombuffer(base64.b64decode(packed["data"]), dtype=_FLOAT_ENCODINGS[packed["encoding"]])
-        if array.size != int(packed["count"]):
-            raise ValueError(f"{array.size} packed floats, {packed['count']} recorded")
-    else:
-        raise ValueError(f"unknown float encoding {packed.get('encoding')!r}")
-    tensor = torch.tensor(array.astype(np.float64))
-    return tensor.view(*shape) if shape is not None else tensor
-
-
-def _legacy_scale(meta: dict, source: str) -> LatentNorm | None:
-    """The plain scale older records imply with a scaling_factor and no normalisation record."""
-    scale = meta.get("scaling_factor")
-    return LatentNorm.scale_only(float(scale), source) if scale is not None else None
-
-
-def _legacy_norm(record) -> LatentNorm:
-    """A normalisation from its older JSON dict (numbers inline or base64); a LatentNorm passes through."""
-    if isinstance(record, LatentNorm):
-        return record
-    scale, source = float(record.get("scale", 1.0)), record.get("source", "")
-    if record["kind"] == "element":
-        shape = record["shape"]
-        return LatentNorm.element(unpack_tensor(record["mean"], shape), unpack_tensor(record["std"], shape), scale,
-                                  source)
-    return LatentNorm(record["kind"], unpack_tensor(record.get("mean", [0.0])),
-                      unpack_tensor(record.get("std", [1.0])), scale, source)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -53,17 +53,13 @@ class LoadedWeights:
     config: ModelConfig
     path: Path                        # the file actually read
     kind: str                         # "export" (config in metadata), "official" (bare state dict) or "diffusers"
-    space: LatentSpace | dict | None = None  # None for SD-VAE releases; a dict is read by LatentSpace.from_legacy
+    space: LatentSpace | None = None  # None for SD-VAE releases
     step: int | None = None
     notes: list[str] = field(default_factory=list)  # what was inferred; printed for the user
     weights: str = AS_SAVED           # what was loaded: "ema", "raw", or AS_SAVED (a file's only set)
     warnings: list[str] = field(default_factory=list)  # what the user must see (e.g. a broken newer export skipped)
     label: str | None = None          # short name for default output folders (None: from the file's path)
     auto_guide: AutoGuide = AUTO_OWN  # what --guide-channels auto means: what these weights' own sampler does
-
-    def __post_init__(self):
-        if isinstance(self.space, dict):
-            self.space = LatentSpace.from_legacy(self.space)
 
 
 class Found:
@@ -127,7 +123,7 @@ class WeightFormat:
     recognises: Callable[[Found], bool]
     reads: Callable[[Found, str, str | None], Read]       # (found, weights chosen, --objective) -> Read
     holds: Callable[[Found], tuple[tuple, str]]           # (the WEIGHTS it holds, () for one set; that in words)
-    latents: Callable[[Found, Read], dict | None] = lambda found, read: None  # None: SD-VAE latents (DiT's)
+    latents: Callable[[Found, Read], LatentSpace | None] = lambda found, read: None  # None: SD-VAE latents (DiT's)
     auto_guide: AutoGuide = AUTO_OWN  # what --guide-channels auto means: what its own sampler guides
     kind: str = "official"            # settings.json's identity.kind: export | official | diffusers
     config_from: str = "inferred from tensor shapes"  # where its architecture comes from
@@ -335,11 +331,16 @@ def _read_diffusers(found: Found, weights: str, objective: str | None) -> Read:
 _OURS_DAMAGED = ("Training diverged before these weights were saved, or the file is damaged: pass an earlier export or "
                  "checkpoint with --ckpt (RUN/exports/ema-step-*.safetensors, RUN/checkpoints/step-*).")
 _REPA_ALL = AutoGuide("all", "REPA's sampler guides all channels")  # RAE's flow in REPA's time: the same rule
+def _foreign_space(meta: dict | None) -> LatentSpace | None:
+    """The space another project's release states in a few facts (LatentSpace.of_release), None when it states none."""
+    return LatentSpace.of_release(meta) if meta else None
+
+
 FORMATS: Registry[WeightFormat] = Registry("weight format", lambda f: f.reads.__module__)
 for _fmt in (  # tried in this order: the first that recognises --ckpt reads it
     WeightFormat("diffusers", lambda f: f.diffusers is not None, _read_diffusers,
                  holds=lambda f: ((), "one set of weights (the Hub's DiT pipelines hold the EMA weights)"),
-                 latents=lambda f, r: pipeline_latent_meta(f.diffusers, r.config),
+                 latents=lambda f, r: _foreign_space(pipeline_latent_meta(f.diffusers, r.config)),
                  auto_guide=AutoGuide("all", "diffusers' DiTPipeline guides all channels"), kind="diffusers",
                  config_from="read from its diffusers config",
                  damaged="The folder is damaged or its model diverged: download or export it again."),
@@ -349,13 +350,13 @@ for _fmt in (  # tried in this order: the first that recognises --ckpt reads it
                  lambda f, r: r.meta, kind="export", config_from="read from the file's metadata",
                  damaged=_OURS_DAMAGED),
     WeightFormat("lightningdit", lambda f: f.is_torch and f.release is not None and f.release.layout == "lightningdit",
-                 _read_lightningdit, _held_entries, lambda f, r: dict(f.release.latent_meta),
+                 _read_lightningdit, _held_entries, lambda f, r: _foreign_space(f.release.latent_meta),
                  AutoGuide("3", "LightningDiT's sampler keeps the DiT release's rule: the first 3 channels",
                            every_width=True)),  # its forward_with_cfg guides 3 of its 32 channels
     WeightFormat("repa", lambda f: f.is_torch and any(k.startswith(REPA_PROJECTOR_PREFIX) for k in f.names),
                  _read_repa, _held_entries, auto_guide=_REPA_ALL),
     WeightFormat("rae", lambda f: f.is_torch and "s_embedder.proj.weight" in f.names, _read_rae, _held_entries,
-                 lambda f, r: dict(RAE_DIT_LATENTS) if _rae_tokens(r.config) else None, _REPA_ALL),
+                 lambda f, r: _foreign_space(RAE_DIT_LATENTS if _rae_tokens(r.config) else None), _REPA_ALL),
     WeightFormat("dit", lambda f: f.is_torch, _read_dit, _held_entries,  # DiT's and SiT's releases, any bare .pt
                  auto_guide=AutoGuide("3", "the DiT release's sampler guides the first 3 of 4 channels (SiT's keeps "
                                            "its rule)")),

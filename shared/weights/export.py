@@ -17,21 +17,12 @@ from shared.runtime.tensorfiles import read_tensor_file, save_tensors
 SPACE_KEY = "latent_space"  # metadata key of the latent space's JSON, prefix of its statistics' tensors
 
 
-def space_parts(space) -> tuple[dict, dict]:
-    """(metadata, tensors) of a LatentSpace (shared/tokenizers/space.py), an older latent-metadata dict, or None."""
-    if space is None:
-        return {}, {}
-    if isinstance(space, dict):  # the older "latents" record, read back by LatentSpace.from_legacy
-        return {"latents": json.dumps(space, sort_keys=True)}, {}
-    return space.file_parts()
-
-
 def save_weights(path, state_dict, model_config, space, step):
     """Write state_dict, the latent space and metadata to path atomically (fsio.atomic_write); returns the path."""
     if not isinstance(model_config, ModelConfig):
         model_config = ModelConfig.from_dict(dict(model_config))  # fail now, not when someone loads it
     config = model_config.to_dict()
-    space_metadata, space_tensors = space_parts(space)
+    space_metadata, space_tensors = space.file_parts() if space is not None else ({}, {})
     metadata = {"dit_config": json.dumps(config, sort_keys=True), **space_metadata, "step": str(int(step))}
     return save_tensors(path, {**state_dict, **space_tensors}, metadata)
 
