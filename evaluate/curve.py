@@ -108,22 +108,20 @@ def check_run(o: RunEvalOptions) -> list[Path]:
     if o.features == "inception":
         check_split_size(o.is_split_size)
     size = export_image_size(exports[-1])
-    if size is not None:
-        check_image_size(o.features, (size, size))  # e.g. digits features on a 256x256 run: before any sampling
+    check_image_size(o.features, (size, size))  # e.g. digits features on a 256x256 run: before any sampling
     reference = open_reference(o.ref, o.features)  # a missing or mixed-size reference: before any sampling
-    if size is not None:
-        check_reference(reference, o.features, (size, size))
+    check_reference(reference, o.features, (size, size))
     return exports
 
 
-def export_image_size(path: Path) -> int | None:
-    """The image size the export's latent space records (header and space tensors only); None when it records none."""
-    from shared.tokenizers.space import LatentSpace
-    try:
-        space = LatentSpace.read_file(path)
-    except Exception:  # noqa: BLE001 - an unreadable file is reported by the sampling step, in its own words
-        return None
-    return (space.image_size or None) if space is not None else None
+def export_image_size(path: Path) -> int:
+    """The image size the export's latent space records (header and space tensors only)."""
+    from shared.tokenizers.space import REBUILD_RUN_FILE, LatentSpace, refuse
+    space = LatentSpace.read_file(path)  # a damaged record: refused in its own paragraph
+    if space is None or not space.image_size:
+        raise refuse(path, "is absent or names no image size, so the samples cannot be checked against the "
+                           "reference before drawing them", REBUILD_RUN_FILE)
+    return space.image_size
 
 
 def sample_export(export: Path, out: Path, o: RunEvalOptions) -> Path:

@@ -87,6 +87,10 @@ def test_run_mistakes_are_refused_before_sampling(tmp_path, capsys):
     code, _, err = run_main(main, ["run", run, *FLAGS], capsys)
     assert code == 2 and "fitted to 32x32 images" in err and "64x64" in err
     assert not rundir.eval_path(run).exists() and not (run / rundir.EVAL_SAMPLES).exists()
+    save_weights(rundir.export_path(run, 100), config.build().state_dict(), config, None, 100)  # no record
+    code, _, err = run_main(main, ["run", run, *FLAGS], capsys)
+    assert code == 2 and "is absent or names no image size" in err, err  # not skipped: refused before sampling
+    assert not rundir.eval_path(run).exists() and not (run / rundir.EVAL_SAMPLES).exists()
 
 
 def test_the_demo_asks_evaluate_run_for_its_curve_and_reports_the_digits_distance(tmp_path):
