@@ -20,9 +20,9 @@ import torch.nn.functional as F
 
 from shared.datasets.digits import IMAGE_SIZE, NUM_CLASSES, digit_images
 from evaluate.metrics import frechet_distance_to
-from evaluate.stats import mean_cov
+from evaluate.stats import cache_dir, mean_cov
 from shared.runtime.errors import UserError
-from shared.runtime.fsio import atomic_write, user_cache
+from shared.runtime.fsio import atomic_write
 
 FEATURES = "digits"
 
@@ -141,11 +141,6 @@ def recipe_key(recipe: DigitsRecipe, data_hash: str) -> str:
     """Short hash of the recipe and the data: the cache file's name and the network's identity."""
     text = json.dumps({"recipe": asdict(recipe), "data": data_hash}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def cache_dir() -> Path:
-    """The user cache folder of the evaluation stage."""
-    return user_cache("evaluate")
 
 
 def weights_path(key: str) -> Path:

@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from evaluate.images import IMAGES_KEY, ArrayImages, npz_keys, open_images, open_npz_images, save_npz
 from shared.runtime.errors import UserError
+from shared.runtime.fsio import user_cache
 
 STATS_VERSION = 1
 ADM_KEYS = ("mu", "sigma", "mu_s", "sigma_s")
@@ -134,9 +135,13 @@ def _contents_stamp(path: Path) -> tuple:
     return len(stats), listing.hexdigest()
 
 
+def cache_dir() -> Path:
+    """The user cache folder of the evaluation stage."""
+    return user_cache("evaluate")
+
+
 def stats_cache_path(path: Path, identity: dict) -> Path:
     """Cache file of the statistics of an image npz/folder: keyed by path, its contents stamp and the feature network."""
-    from evaluate.digits import cache_dir
     key = json.dumps([str(path.resolve()), *_contents_stamp(path), identity], sort_keys=True)
     return cache_dir() / "stats" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.npz"
 

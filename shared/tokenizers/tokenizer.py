@@ -429,7 +429,7 @@ class Tokenizer:
             "source": source,
             "class": self.kind.name,
             **({"scaling_factor": self.scaling_factor} if self.scaling_factor is not None else {}),
-            **({"family": self.family} if self.family != "vae" else {}),  # absent: a VAE (older records too)
+            **({"family": self.family} if self.family != "vae" else {}),  # absent: a VAE
             "deterministic": self.deterministic,
             "latent_channels": self.latent_channels,
             "downsample_factor": self.downsample_factor,
