@@ -366,6 +366,7 @@ def model_config_for(cfg: TrainConfig, latent_shape: tuple, num_classes: int,
                        head_width=cfg.head_width, head_heads=cfg.head_heads,
                        class_dropout_prob=cfg.class_dropout_prob, objective=cfg.objective, objective_args=objective_args,
                        interval_time=bool(getattr(OBJECTIVES[cfg.objective], "interval_time", False)),
+                       guidance_inputs=bool(getattr(OBJECTIVES[cfg.objective], "guidance_inputs", False)),
                        sampling=dict(cfg.sampling))
 
 
@@ -630,11 +631,16 @@ def _resolve_preview_guidance(cfg: TrainConfig) -> None:
     if _folds_guidance(cfg) and cfg.sample_cfg_scale not in (None, 1.0):
         raise UserError(f"--sample-cfg-scale {cfg.sample_cfg_scale} would guide a field that already folds guidance "
                         "in (--cfg-omega/--cfg-kappa), doubling it; pass --sample-cfg-scale 1 or leave it unset.")
+    lo, hi = recorded_by_training(cfg.objective, cfg.objective_options).get("cfg_range", (1.0, math.inf))
     if cfg.sample_cfg_scale is None:
-        cfg.sample_cfg_scale = 4.0 if cfg.class_dropout_prob > 0 and not _folds_guidance(cfg) else 1.0
+        cfg.sample_cfg_scale = min(4.0, hi) if cfg.class_dropout_prob > 0 and not _folds_guidance(cfg) else 1.0
     elif cfg.sample_cfg_scale != 1 and cfg.class_dropout_prob == 0:
         raise UserError(f"--sample-cfg-scale {cfg.sample_cfg_scale} needs a null class, but --class-dropout-prob "
                         "is 0 (no null class is trained); pass --sample-cfg-scale 1, or train with dropout.")
+    elif not lo <= cfg.sample_cfg_scale <= hi:  # improved MeanFlow: the network only knows the scales it drew
+        raise UserError(f"--sample-cfg-scale {cfg.sample_cfg_scale:g} is outside [{lo:g}, {hi:g}], the guidance "
+                        f"scales this {cfg.objective} run trains its network on (--cfg-max {hi:g}); pass a preview "
+                        "scale in that range, or raise --cfg-max.")
 
 
 # ---------------------------------------------------------------------------------------------------------

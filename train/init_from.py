@@ -7,7 +7,10 @@ source must be a flow (or MeanFlow) model, not a DDPM one; its latent space (sha
 architecture must be the run's; a DiT^DH head is refused (the second time embedding exists for the DiT only). The
 MeanFlow network is the flow network plus `h_embedder`, whose last linear starts at zero: its output is then 0 at
 every input, the conditioning t_emb + h_emb + y_emb equals the flow model's t_emb + y_emb bitwise, and the network's
-output at any (t, r), r = t included, is the flow model's velocity exactly.
+output at any (t, r), r = t included, is the flow model's velocity exactly. An improved MeanFlow network adds the
+guidance embedders `g_embedders`, whose last linear starts at zero too (DiT.initialize_weights): its output starts as
+the flow model's conditional velocity at every guidance scale and interval (its v at r = t is that velocity, as the
+paper's boundary condition u(z, t, t) = v(z, t) asks; the guidance it learns starts from none).
 """
 from __future__ import annotations
 
@@ -20,7 +23,8 @@ from shared.network.models import PRESETS, ModelConfig
 from shared.runtime.errors import UserError
 from shared.weights.checkpoint import LoadedWeights, load_sampling_weights
 
-STARTABLE = ("flow", "meanflow")  # objectives whose network a MeanFlow run can start from
+STARTABLE = ("flow", "meanflow", "imf")  # objectives whose network a MeanFlow run can start from
+STARTS = ("meanflow", "imf")  # objectives a run started from such weights may train
 ARCHITECTURE = ("model", "input_size", "in_channels", "num_classes", "learn_sigma", "class_dropout_prob", "norm",
                 "mlp", "rope", "qk_norm")
 
@@ -36,10 +40,10 @@ class InitWeights:
 
 def read_init(cfg, dataset) -> InitWeights:
     """Read and check --init-from against the run's objective and latent space; UserError, nothing written."""
-    if cfg.objective != "meanflow":
-        raise UserError(f"--init-from starts a MeanFlow run from a flow model's weights; this run trains the "
-                        f"{cfg.objective} objective. Pass --objective meanflow (or --recipe meanflow), or drop "
-                        "--init-from.")
+    if cfg.objective not in STARTS:
+        raise UserError(f"--init-from starts a MeanFlow or improved MeanFlow run from a flow model's weights; this "
+                        f"run trains the {cfg.objective} objective. Pass --objective meanflow or imf (or --recipe "
+                        "meanflow or imf), or drop --init-from.")
     loaded = load_sampling_weights(cfg.init_from)
     source = loaded.config
     _check_objective(cfg.init_from, source, assumed=bool(loaded.kind == "official" and loaded.warnings))
@@ -133,12 +137,13 @@ def apply_init(dit: torch.nn.Module, ema: torch.nn.Module, init: InitWeights) ->
     lacks (a MeanFlow source has it and loads it as it is).
     """
     missing, unexpected = dit.load_state_dict(init.state_dict, strict=False)
-    new = {k for k in missing if k.startswith("h_embedder.")}
+    # g_embedders (improved MeanFlow's guidance) keep their fresh init: its last linear is zero (DiT.initialize_weights)
+    new = {k for k in missing if k.startswith(("h_embedder.", "g_embedders."))}
     if unexpected or set(missing) - new:
         raise UserError(f"--init-from {init.record['from']}: its tensors do not fit this model (missing "
                         f"{sorted(set(missing) - new)[:4]}, unexpected {sorted(unexpected)[:4]}); use a DiT weight "
                         "file of the same preset.")
-    if new:
+    if any(k.startswith("h_embedder.") for k in new):
         with torch.no_grad():
             last = dit.h_embedder.mlp[-1]
             last.weight.zero_()  # h_emb = 0 at every input: the flow model's conditioning, bitwise

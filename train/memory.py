@@ -79,8 +79,8 @@ def _count_flops(model, kept: int | None = None) -> FlopCounterMode:
     device = model.x_embedder.proj.weight.device
     size = model.input_size
     x = torch.zeros(1, model.in_channels, size, size, device=device)  # (1, C, H, W)
-    pair = getattr(model, "h_embedder", None) is not None  # MeanFlow's network takes (t, t - r) pairs
-    t = torch.zeros((1, 2) if pair else (1,), device=device)
+    width = getattr(model, "time_width", 1)  # MeanFlow's network takes (t, t - r) pairs, improved MeanFlow 5 columns
+    t = torch.zeros((1, width) if width > 1 else (1,), device=device)
     y = torch.zeros(1, dtype=torch.long, device=device)
     routing = {} if kept is None else {"force_drop_ids": torch.zeros(1, dtype=torch.bool, device=device),
                                        "route_keep": torch.arange(kept, device=device).unsqueeze(0)}  # (1, K)

@@ -5,7 +5,9 @@ the user's. The values are the authors' (their MIT code and configs; docs/recipe
 TrainConfig's defaults; sit willisma/SiT; lightning hustvl/LightningDiT `configs/lightningdit_xl_vavae_f16d32.yaml`,
 whose `sample:` section is its sampling half (cfg_interval_start 0.11 counted from noise: 0 to 0.89 here); rae
 bytetriper/RAE `configs/stage2/training/ImageNet256/DiTDH-XL_DINOv2-B.yaml` (docs/rae.md); meanflow the paper's
-Table 4 MF-XL/2 column and Gsunshine/meanflow `configs/default.py` (c = 1e-3 is the paper's text).
+Table 4 MF-XL/2 column and Gsunshine/meanflow `configs/default.py` (c = 1e-3 is the paper's text); imf
+Lyy-iiis/imeanflow `imf.py` and `configs/train_config.yml` (data_proportion 0.5 = half the samples r != t, norm_eps
+0.01, s_max 7 = scales up to 8).
 """
 from __future__ import annotations
 
@@ -28,6 +30,9 @@ RECIPES = {
                  "interval_fraction": 0.25, "adaptive_p": 1.0, "adaptive_c": 1e-3, "cfg_omega": 0.2,
                  "cfg_kappa": 0.92, "cfg_min_t": 0.0, "cfg_max_t": 0.75, "adam_betas": (0.9, 0.95),
                  "sampling": {"sampler": "meanflow", "num_sampling_steps": 1}},  # lr, EMA, label dropout: the defaults
+    "imf": {"objective": "imf", "pair_sampling": "lognormal", "pair_mu": -0.4, "pair_sigma": 1.0,
+            "interval_fraction": 0.5, "adaptive_p": 1.0, "adaptive_c": 0.01, "cfg_max": 8.0, "adam_betas": (0.9, 0.95),
+            "sampling": {"sampler": "meanflow", "num_sampling_steps": 1}},
 }
 RECIPE_HELP = {"dit": "DiT: DDPM, DiT block, AdamW lr 1e-4",
                "sit": "SiT: flow matching, uniform times, DiT block, AdamW lr 1e-4",
@@ -37,7 +42,10 @@ RECIPE_HELP = {"dit": "DiT: DDPM, DiT block, AdamW lr 1e-4",
                       "2e-4 beta2 0.95 linear to 2e-5, EMA 0.9995, clip 1",
                "meanflow": "MeanFlow (MF-XL/2): average velocity, (t, r) logit-normal(-0.4, 1) with 25% r != t, "
                            "adaptive weight p 1, guidance folded in (omega 0.2, kappa 0.92, t in [0, 0.75]), DiT "
-                           "block, AdamW lr 1e-4 beta2 0.95; 1-step sampling"}
+                           "block, AdamW lr 1e-4 beta2 0.95; 1-step sampling",
+               "imf": "improved MeanFlow: v-loss, (t, r) logit-normal(-0.4, 1) with 50% r != t, adaptive weight p 1 "
+                      "c 0.01, guidance scale 1..8 and interval drawn and fed to the network (any --cfg-scale in "
+                      "range at sampling), DiT block, AdamW lr 1e-4 beta2 0.95; 1-step sampling"}
 
 
 def apply_recipe(cfg, explicit: set[str]):

@@ -20,6 +20,7 @@ from shared.generative.diffusion import NUM_TIMESTEPS, GaussianDiffusion, create
 from shared.generative.flow import (TIME_SAMPLINGS, FlowPath, check_convention, check_shift, draw_time, make_process,
                                    rae_shift)
 from shared.generative.guidance import Guidance
+from shared.generative.imf import INTERVAL_SPLIT, draw_guidance, imf_losses, sampling_guidance
 from shared.generative.meanflow import PAIR_SAMPLINGS, draw_pair, meanflow_losses
 from shared.generative.samplers import LAST_STEP_SIZE, TIME_SHIFT, get_sampler, sampler_options
 from shared.runtime.cli import FLAG_KEY, Flag, option
@@ -392,7 +393,7 @@ class MeanFlowObjective:
         """The noise level (paper's t) of the start of each row's interval: model_t (N, 2) -> (N,) float64."""
         return self.path.noise_level(model_t[:, 0].double())
 
-    def check_cfg_scale(self, cfg_scale: float) -> None:
+    def check_cfg_scale(self, cfg_scale: float, interval=None) -> None:
         """SettingError for sampling guidance on a field whose training already folded guidance in."""
         if cfg_scale != 1.0 and self.folded_guidance:
             omega, kappa, lo, hi = self.folded_guidance
@@ -412,15 +413,116 @@ class MeanFlowObjective:
                progress=False):
         """Data latents from `noise` (tau = 0) by `steps` average-velocity jumps (meanflow.meanflow_sample)."""
         spec = get_sampler(sampler, self)
-        self.check_cfg_scale(float(getattr(model_fn, "cfg_scale", 1.0)))
+        self.check_cfg_scale(float(getattr(model_fn, "cfg_scale", 1.0)), getattr(model_fn, "interval", None))
         return spec.fn(self.process(sampler, steps, options), model_fn, noise, model_kwargs, generator, progress)
 
 
-def check_sampling_guidance(objective, cfg_scale: float) -> None:
-    """SettingError when `objective` refuses sampling guidance at `cfg_scale` (MeanFlow with folded guidance)."""
+def _flag_of(cls, name: str) -> dataclasses.Field:
+    """A new field declaring the same training flag as `cls`'s field `name` (one flag, one default, both objectives)."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return dataclasses.field(default=f.default, metadata=f.metadata)
+
+
+@register_objective
+@dataclass
+class ImprovedMeanFlowObjective:
+    """Improved MeanFlow (Geng et al. 2025, arXiv 2512.02012): the MeanFlow identity as a loss on the instantaneous
+    velocity, guidance scale and interval as network inputs chosen at sampling (shared/generative/imf.py)."""
+    # Recorded: the direction of the network's first time input (a flow model's, when fine-tuned from one); the
+    # guidance scales [1, w_max] training drew, the only ones the network has seen.
+    convention: str = "sit"
+    cfg_range: list = dataclasses.field(default_factory=lambda: [1.0, 8.0])
+    # Training only (flags of python -m train), shared with meanflow (the recipe sets the paper's values):
+    pair_sampling: str = _flag_of(MeanFlowObjective, "pair_sampling")
+    pair_mu: float = _flag_of(MeanFlowObjective, "pair_mu")
+    pair_sigma: float = _flag_of(MeanFlowObjective, "pair_sigma")
+    interval_fraction: float = _flag_of(MeanFlowObjective, "interval_fraction")
+    adaptive_p: float = _flag_of(MeanFlowObjective, "adaptive_p")
+    adaptive_c: float = _flag_of(MeanFlowObjective, "adaptive_c")
+    cfg_max: float = option(8.0, "the largest guidance scale w improved MeanFlow trains with: w is drawn log-uniform "
+                                 "in [1, cfg max] per sample and fed to the network, so python -m sample takes any "
+                                 "--cfg-scale in that range in one network call (the release: 8)", min=1)
+
+    name: ClassVar[str] = "imf"
+    help: ClassVar[str] = "improved MeanFlow: v-loss on the average velocity, guidance chosen at sampling"
+    family: ClassVar[str] = "meanflow"
+    default_sampler: ClassVar[str] = "meanflow"
+    fast_sampler: ClassVar[str] = "meanflow"
+    interval_time: ClassVar[bool] = True  # the network embeds t - r (ModelConfig.interval_time)
+    guidance_inputs: ClassVar[bool] = True  # and 1 - 1/w, t_min, t_max (ModelConfig.guidance_inputs)
+    level_range: ClassVar[tuple[float, float]] = (0.0, 1.0)
+    level_unit: ClassVar[str] = "noise level t (0 = data, 1 = noise; the paper's time)"
+
+    def __post_init__(self):
+        check_convention(self.convention)
+        self.cfg_range = [float(v) for v in self.cfg_range]
+        if len(self.cfg_range) != 2 or not 1.0 <= self.cfg_range[0] <= self.cfg_range[1]:
+            raise SettingError(f"the model config records the guidance range {self.cfg_range}; it should be "
+                               "[1, w_max]. Re-export the weights with this version.")
+        if self.pair_sampling not in PAIR_SAMPLINGS:
+            raise ChoiceError("(t, r) sampling", self.pair_sampling, PAIR_SAMPLINGS)
+        self.path = FlowPath(self.convention)
+
+    @classmethod
+    def record_training(cls, options: dict) -> dict:
+        """The recorded guidance range its training draws from: [1, cfg_max]."""
+        cfg_max = options.get("cfg_max")
+        return {"cfg_range": [1.0, float(cfg_max if cfg_max is not None else cls.cfg_max)]}
+
+    def draw_time(self, generator: torch.Generator) -> torch.Tensor:
+        """One training row (1, 5) float32: [tau, h = t - r, 1 - 1/w, t_min, t_max] (imf.draw_guidance)."""
+        pair = draw_pair(generator, self.pair_sampling, self.pair_mu, self.pair_sigma, self.interval_fraction)
+        guidance = draw_guidance(generator, self.cfg_max, fm=bool(pair[0, 1] == 0))
+        return torch.cat([pair, guidance.view(1, 3)], dim=1)
+
+    def training_losses(self, model_fn, x0, t, noise, model_kwargs=None) -> dict:
+        """{"loss", "sq", "v_sq"}, each (N,): x0 (N,C,h,w) clean latents, t (N, 5) draws, noise like x0."""
+        return imf_losses(self.path, model_fn, x0, t, noise, dict(model_kwargs or {}), p=self.adaptive_p,
+                          c=self.adaptive_c)
+
+    def noise_level(self, model_t: torch.Tensor) -> torch.Tensor:
+        """The noise level (paper's t) of the start of each row's interval: model_t (N, 5) -> (N,) float64."""
+        return self.path.noise_level(model_t[:, 0].double())
+
+    def check_cfg_scale(self, cfg_scale: float, interval=None) -> None:
+        """SettingError for a scale or an interval outside those the network was conditioned on in training."""
+        lo, hi = self.cfg_range
+        if not lo <= cfg_scale <= hi:
+            raise SettingError(f"{{cfg scale}} {cfg_scale:g} is outside [{lo:g}, {hi:g}], the guidance scales these "
+                               f"improved MeanFlow weights were trained on (the scale is an input of the network, "
+                               f"drawn in that range at training); pass a scale in it, or train with a larger "
+                               f"--cfg-max.")
+        if interval is not None and not interval[0] <= INTERVAL_SPLIT <= interval[1]:
+            raise SettingError(f"{{cfg interval}} {interval[0]:g} {interval[1]:g} is not among the intervals these "
+                               f"weights were trained on (t_min in [0, {INTERVAL_SPLIT:g}], t_max in "
+                               f"[{INTERVAL_SPLIT:g}, 1], as the paper's); pass LO <= {INTERVAL_SPLIT:g} <= HI, or "
+                               "leave it out (every level).")
+
+    def process(self, sampler: str, steps: int, options: dict) -> FlowProcess:
+        """The SiT-time grid the meanflow sampler walks (as MeanFlowObjective.process)."""
+        return MeanFlowObjective.process(self, sampler, steps, options)
+
+    def sample(self, sampler: str, model_fn, noise, steps: int, options: dict, model_kwargs=None, generator=None,
+               progress=False):
+        """Data latents from `noise` by `steps` jumps, the guidance fed to the network: one call per step at any scale."""
+        spec = get_sampler(sampler, self)
+        scale, interval = float(getattr(model_fn, "cfg_scale", 1.0)), getattr(model_fn, "interval", None)
+        self.check_cfg_scale(scale, interval)
+        call = getattr(model_fn, "conditional", model_fn)  # a GuidedModelFn's single pass: no [cond; null] batch
+        guidance = sampling_guidance(scale, interval).to(noise.device)  # (3,)
+
+        def fn(x, t, **kwargs):
+            t = t.float()  # the grid time rounded once, as GuidedModelFn hands it over
+            return call(x, torch.cat([t, guidance.expand(len(t), 3)], dim=1), **kwargs)
+        return spec.fn(self.process(sampler, steps, options), fn, noise, model_kwargs, generator, progress)
+
+
+def check_sampling_guidance(objective, cfg_scale: float, interval=None) -> None:
+    """SettingError when `objective` refuses sampling guidance at `cfg_scale` (MeanFlow with folded guidance,
+    improved MeanFlow outside its trained range)."""
     check = getattr(objective, "check_cfg_scale", None)
     if check is not None:
-        check(cfg_scale)
+        check(cfg_scale, interval)
 
 
 def recorded_by_training(name: str, options: dict) -> dict:

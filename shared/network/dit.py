@@ -57,6 +57,9 @@ class PatchEmbed(nn.Module):
         return x.flatten(2).transpose(1, 2)  # (N, T, D)
 
 
+GUIDANCE_INPUTS = 3  # improved MeanFlow's guidance conditioning: 1 - 1/w, t_min, t_max
+
+
 class TimestepEmbedder(nn.Module):
     """Sinusoidal timestep features followed by a two-layer SiLU MLP."""
 
@@ -292,7 +295,7 @@ class DiT(Backbone):
     def __init__(self, input_size=32, patch_size=2, in_channels=4, hidden_size=1152, depth=28,
                  num_heads=16, mlp_ratio=4.0, class_dropout_prob=CLASS_DROPOUT_PROB, num_classes=1000,
                  learn_sigma=True, attention="auto", grad_checkpoint_every=0, norm="layernorm", mlp="gelu",
-                 rope=False, qk_norm=False, interval_time=False):
+                 rope=False, qk_norm=False, interval_time=False, guidance_inputs=False):
         super().__init__(input_size, patch_size, in_channels, depth, num_heads, num_classes, learn_sigma, mlp_ratio,
                          dict(norm=norm, mlp=mlp, rope=rope, qk_norm=qk_norm))
         # Registration order is the official one: initialize_weights draws in self.modules() order.
@@ -301,6 +304,11 @@ class DiT(Backbone):
         # MeanFlow (Geng et al. 2025): a second embedder for the interval length t - r, summed into the conditioning
         # as the official models_dit.py's h_embedder. None (no tensors) unless asked, so other layouts are unchanged.
         self.h_embedder = TimestepEmbedder(hidden_size) if interval_time else None
+        # Improved MeanFlow (Geng et al. 2025, arXiv 2512.02012, Sec. 5): the guidance as conditioning, one embedder
+        # each for 1 - 1/w, the interval's t_min and t_max, summed into the conditioning (the paper feeds them as
+        # in-context tokens; adaLN keeps every DiT layout and release loadable).
+        self.g_embedders = nn.ModuleList(TimestepEmbedder(hidden_size) for _ in range(GUIDANCE_INPUTS)) \
+            if guidance_inputs else None
         self.y_embedder = LabelEmbedder(num_classes, hidden_size, class_dropout_prob)
         self.pos_embed = self.positions(hidden_size)  # (1, T, D)
         # LightningDiT keeps the absolute sin-cos embedding above and adds RoPE inside attention.
@@ -322,16 +330,32 @@ class DiT(Backbone):
         init_condition_mlp_(self.t_embedder.mlp)
         if self.h_embedder is not None:
             init_condition_mlp_(self.h_embedder.mlp)
+        for embedder in self.g_embedders or ():
+            init_condition_mlp_(embedder.mlp)
+            nn.init.zeros_(embedder.mlp[-1].weight)  # 0 at every guidance: a flow model's conditioning, bitwise
         adaln_zero_(self.blocks, self.final_layer)
 
+    @property
+    def time_width(self) -> int:
+        """Columns of the time input: 1 (a time), 2 (MeanFlow: t, t - r), or 5 (improved MeanFlow: and its guidance)."""
+        if self.h_embedder is None:
+            return 1
+        return 2 + (GUIDANCE_INPUTS if self.g_embedders is not None else 0)
+
     def time_embedding(self, t):
-        """(N,) timesteps -> (N, D); with the interval embedder, (N, 2) pairs (time, interval length) -> (N, D)."""
+        """(N,) timesteps -> (N, D); with the interval embedder, (N, 2) pairs (time, interval length) -> (N, D);
+        with the guidance embedders too, (N, 5) rows (time, interval length, 1 - 1/w, t_min, t_max) -> (N, D)."""
         if self.h_embedder is None:
             return self.t_embedder(t)
-        if t.dim() != 2 or t.shape[1] != 2:
-            raise UserError(f"this model embeds two times (MeanFlow: t and t - r) and needs them as an (N, 2) tensor, "
-                            f"but got shape {tuple(t.shape)}; sample it with a meanflow sampler (--sampler meanflow).")
-        return self.t_embedder(t[:, 0]) + self.h_embedder(t[:, 1])  # (N, D)
+        width = self.time_width
+        if t.dim() != 2 or t.shape[1] != width:
+            raise UserError(f"this model embeds {width} times (MeanFlow: t and t - r; improved MeanFlow: and its "
+                            f"guidance) and needs them as an (N, {width}) tensor, but got shape {tuple(t.shape)}; "
+                            "sample it with a meanflow sampler (--sampler meanflow).")
+        c = self.t_embedder(t[:, 0]) + self.h_embedder(t[:, 1])  # (N, D)
+        for k, embedder in enumerate(self.g_embedders or ()):
+            c = c + embedder(t[:, 2 + k])
+        return c
 
     def forward(self, x, t, y, force_drop_ids=None, return_hidden_at=None, route_keep=None):
         """x (N, C, H, W) latents, t (N,) times ((N, 2) with the interval embedder), y (N,) -> (N, out, H, W)."""

@@ -124,6 +124,9 @@ class ModelConfig:
     # A second timestep embedder (`h_embedder`) for the interval length t - r: MeanFlow's average-velocity network
     # (shared/generative/meanflow.py) takes the pair (t, t - r). False: no such tensors, the releases' layout.
     interval_time: bool = False
+    # Three more embedders for the guidance an improved MeanFlow network is conditioned on (1 - 1/w, t_min, t_max;
+    # shared/generative/imf.py), fed as columns 3-5 of its time input. False: no such tensors.
+    guidance_inputs: bool = False
     # What the network was trained to predict (shared/generative/objectives.py): the registered objective's name and
     # its recorded fields (e.g. flow: {"convention": "sit", "time_dist_shift": 1.0}: the direction of its time
     # input, RAE's shift). Not architecture: build() ignores them.
@@ -195,8 +198,9 @@ class ModelConfig:
     def build(self, attention="auto", grad_checkpoint_every=0, device=None, init=True):
         """The DiT (a DiT^DH with a head) on `device`; init=False: zero-filled weights, no initialisation (measuring)."""
         kwargs = {k: v for k, v in self.to_dict().items() if k not in ("model", *OBJECTIVE_FIELDS)}
-        if not kwargs["interval_time"]:
-            del kwargs["interval_time"]  # a DiT^DH takes no such argument (check_interval_time refuses it there)
+        for name in ("interval_time", "guidance_inputs"):
+            if not kwargs[name]:
+                del kwargs[name]  # a DiT^DH takes no such argument (check_interval_time refuses it there)
         kwargs.update(attention=attention, grad_checkpoint_every=grad_checkpoint_every)
         if init or str(device) == "meta":
             with torch.device(device) if device is not None else contextlib.nullcontext():
@@ -226,18 +230,19 @@ class ModelConfig:
 
 
 def check_interval_time(config: ModelConfig, objective) -> None:
-    """SettingError unless the config has the interval embedder exactly when its objective feeds two times."""
-    wanted = bool(getattr(objective, "interval_time", False))
+    """SettingError unless the config has the interval (and guidance) embedders exactly when its objective feeds them."""
     if config.interval_time and config.head_depth:
         raise SettingError(f"{config.model} has a DiT^DH head, which has no second time embedding here (MeanFlow's "
                            "t - r is embedded by the plain DiT only; the JVP through the head is not supported). Train "
                            "the meanflow objective on a DiT-* preset (e.g. DiT-XL/2, the paper's backbone).")
-    if config.interval_time != wanted:
-        has = "has" if config.interval_time else "lacks"
-        raise SettingError(f"the model config {has} the interval time embedder (interval_time "
-                           f"{config.interval_time}), but its objective {config.objective} "
-                           f"{'feeds' if wanted else 'does not feed'} the network a second time; the two are "
-                           "written together, so these weights were edited by hand. Re-export them with this version.")
+    for field_name, words in (("interval_time", "the interval time embedder"),
+                              ("guidance_inputs", "the guidance embedders")):
+        has, want = getattr(config, field_name), bool(getattr(objective, field_name, False))
+        if has != want:
+            raise SettingError(f"the model config {'has' if has else 'lacks'} {words} ({field_name} {has}), but its "
+                               f"objective {config.objective} {'feeds' if want else 'does not feed'} the network "
+                               "those inputs; the two are written together, so these weights were edited by hand. "
+                               "Re-export them with this version.")
 
 
 def _shape(state_dict, key):

@@ -175,7 +175,7 @@ def make_plan(o: SampleOptions) -> SamplePlan:
     loaded.notes.extend(notes)
     check_interval(o.cfg_interval, objective.level_range, objective.level_unit, objective.name)
     check_guidance(o.cfg_scale, config.has_null_class)
-    check_sampling_guidance(objective, o.cfg_scale)  # MeanFlow with guidance folded in at training: no second call
+    check_sampling_guidance(objective, o.cfg_scale, o.cfg_interval)  # MeanFlow: folded in; iMF: the trained range
     guidance = Guidance(o.cfg_scale, guide_channel_count(o.guide_channels, config.in_channels, loaded.auto_guide),
                         o.precision, o.cfg_interval)
     space = LatentSpace.or_unknown(loaded.space, config.in_channels)  # official weights record none
