@@ -105,7 +105,8 @@ class TrainConfig:
     model: str = option("DiT-XL/2", "model preset from shared.network.models.DiT_models")
     recipe: str = option("dit", "one word for a published recipe's objective, time sampling, block and optimizer "
                                 "settings (train/recipes.py); any flag given explicitly wins: "
-                         + "; ".join(f"{k}: {v}" for k, v in RECIPE_HELP.items()), choices=tuple(RECIPES))
+                         + "; ".join(f"{k}: {v}" for k, v in RECIPE_HELP.items()).replace("%", "%%"),
+                         choices=tuple(RECIPES))
     objective: str = option(DEFAULT_OBJECTIVE, "what the model learns, a registered objective (shared/generative/objectives.py; "
                                     "--plugin MODULE adds one): " + objective_help())
     plugin: list | None = PLUGIN.field()
