@@ -34,6 +34,10 @@ class DigitsFeatures:
         """uint8 (b, 32, 32, 3) -> {"pool": (b, 64) float64}."""
         return {"pool": self._digits.net_features(self.net, images, self.device)}
 
+    def real_features(self) -> np.ndarray:
+        """The features (1797, 64) of every real digit, the yardstick's reference (computed once per process)."""
+        return self._digits.real_features()
+
 
 def check_image_size(name: str, size) -> None:
     """UserError if network `name` cannot take images of `size` (H, W); loads no network."""

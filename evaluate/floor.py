@@ -51,7 +51,8 @@ def vae_round_trip(images: np.ndarray, vae_spec: str, batch_size: int = 256) -> 
 
     from shared.tokenizers.norm import LatentNorm
     from shared.tokenizers.pixels import channels_first, to_uint8
-    from shared.tokenizers.tokenizer import Tokenizer, draw_latents
+    from shared.datasets.shards import draw_latents
+    from shared.tokenizers.tokenizer import Tokenizer
     vae = Tokenizer.load(vae_spec)
     if vae.image_size is not None and vae.image_size != images.shape[1]:  # an RAE resizes, then draws its own size
         raise UserError(f"{vae_spec} encodes and decodes {vae.image_size}x{vae.image_size} images only, but the "

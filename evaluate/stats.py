@@ -205,8 +205,7 @@ def reference_stats(reference: Reference, net, batch_size: int, rank: int, world
         return stats
     images = reference.images
     if images.path == REAL_DIGITS and net.name == "digits":  # computed once per process by evaluate/digits.py
-        from evaluate.digits import real_features
-        return stats_from_features({"pool": real_features()}, source_meta(net, images))
+        return stats_from_features({"pool": net.real_features()}, source_meta(net, images))
     cache = stats_cache_path(Path(images.path), net.identity()) if Path(str(images.path)).exists() else None
     if cache is not None and cache.is_file():
         with contextlib.suppress(UserError, OSError, ValueError, KeyError):  # a damaged entry is recomputed, replaced

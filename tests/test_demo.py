@@ -76,7 +76,8 @@ def test_judge_works_at_other_resolutions(digits):
 
 
 def test_committed_vae_loads_and_reconstructs_recognisable_digits(digits):
-    from shared.tokenizers.tokenizer import Tokenizer, draw_latents
+    from shared.datasets.shards import draw_latents
+    from shared.tokenizers.tokenizer import Tokenizer
 
     images, labels = digits
     images, labels = images[:300], labels[:300]

@@ -18,7 +18,6 @@ from shared.network.routing import draw_kept
 from shared.runtime.seeding import generator_for
 from shared.datasets.shards import LatentDataset, StreamSampler
 from train.latents import follow
-from shared.tokenizers.tokenizer import draw_latents
 
 
 class PositionedSampler(torch.utils.data.Sampler):
@@ -56,9 +55,7 @@ class TrainingDraws(torch.utils.data.Dataset):
         self.dataset, self.seed, self.class_dropout_prob = dataset, seed, class_dropout_prob
         self.norm = norm or dataset.native_norm
         self.objective = objective  # shared.generative.objectives.Objective: draws each sample's time
-        spread = () if dataset.deterministic else ("std",)  # a deterministic tokenizer's latent has no std
-        self.extra = tuple(extra)
-        self.columns = ("mean", *spread, *self.extra)  # other columns are never read
+        self.extra = tuple(extra)  # besides the moments, the only columns read
         self.route = route
 
     def __len__(self) -> int:
@@ -76,9 +73,9 @@ class TrainingDraws(torch.utils.data.Dataset):
         flips = self.dataset.flips
         variant = torch.cat([torch.randint(0, flips, (1,), generator=g) for g in gens])  # (B,)
         # Only the drawn flip of each column is read (the other frames' bytes stay on disk).
-        batch = self.dataset.gather(np.array([i for _, i in pairs], dtype=np.int64), self.columns,
-                                    variant.tolist())  # mean/std (B, C, h, w); no std from a deterministic tokenizer
-        x0 = draw_latents(batch["mean"], batch.get("std"), self.norm, generator=gens)  # (B, C, h, w) fp32, normalised
+        batch = self.dataset.draw(np.array([i for _, i in pairs], dtype=np.int64), variant.tolist(), self.norm, gens,
+                                  self.extra)
+        x0 = batch["x0"]  # (B, C, h, w) fp32, normalised
         noise = torch.stack([torch.randn(x0.shape[1:], generator=g) for g in gens])  # (B, C, h, w)
         out = {"x0": x0, "label": batch["label"].long(), "drop": drop, "t": t, "noise": noise, "position": positions}
         if self.route:  # drawn last, so the draws above are the same with routing on or off

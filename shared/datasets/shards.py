@@ -58,6 +58,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -66,6 +67,9 @@ from tqdm import tqdm
 from shared.runtime.errors import UserError, disk_full
 from shared.runtime.fsio import (TMP_PREFIX, atomic_write_bytes, atomic_write_text, publish_file, space_guard, tmp_name,
                                  user_cache)
+
+if TYPE_CHECKING:
+    from shared.tokenizers.norm import LatentNorm
 
 
 LATENT = "mean"  # the column every payload holds
@@ -855,6 +859,14 @@ class LatentDataset(torch.utils.data.Dataset):
         batch["label"] = torch.from_numpy(self.labels[idx])
         return batch
 
+    def draw(self, indices, frames, norm, generators, columns: Sequence[str] = ()) -> dict:
+        """gather's batch of flip frames[b] with "x0" (B, C, h, w) fp32: a fresh posterior draw of the stored moments,
+        normalised by `norm` (draw_latents, one generator per row), and the other named `columns` (B, ...)."""
+        spread = () if self.deterministic else (STD,)  # a deterministic tokenizer's latent has no std
+        batch = self.gather(indices, (LATENT, *spread, *columns), frames)
+        batch["x0"] = draw_latents(batch.pop(LATENT), batch.pop(STD, None), norm, generator=generators)
+        return batch
+
     def _gather_column(self, spec: dict, shards: list, bases: list, frames) -> torch.Tensor:
         """(B, *shape) of one column, or (B, *shape[1:]) of frame frames[b] per row; one memcpy per row."""
         nbytes, shape = spec["nbytes"], spec["shape"]
@@ -972,3 +984,29 @@ class StreamSampler(torch.utils.data.Sampler):
             if first < base + n:
                 yield from self.order(epoch)[first - base :: ws].tolist()
             epoch += 1
+
+
+def draw_latents(mean, std, norm: LatentNorm, generator=None) -> torch.Tensor:
+    """A fresh posterior sample, normalised: norm.apply(mean + std * eps), fp32 on mean's device.
+
+    std None (a deterministic tokenizer): norm.apply(mean), no noise drawn. `generator` is None, one
+    torch.Generator, or a list with one generator per batch row (so a row's draw does not depend on the batch it
+    is in). Noise is drawn on the generator's device.
+    """
+    mean = mean.float()
+    if std is None:
+        return norm.apply(mean)
+    std = std.float()
+    if isinstance(generator, (list, tuple)):
+        if len(generator) != mean.shape[0]:
+            raise ValueError(f"{len(generator)} generators for a batch of {mean.shape[0]}")
+        eps = torch.stack([_randn(mean.shape[1:], g, mean.device) for g in generator])  # (N, C, h, w)
+    else:
+        eps = _randn(mean.shape, generator, mean.device)
+    return norm.apply(mean + std * eps)
+
+
+def _randn(shape, generator, device) -> torch.Tensor:
+    """Standard normal noise drawn on the generator's device (else on `device`), moved to `device`."""
+    where = generator.device if generator is not None else device
+    return torch.randn(shape, generator=generator, device=where, dtype=torch.float32).to(device)

@@ -12,7 +12,7 @@ channel, or one per element of the latent (C, h, w):
     none         0, 1                          1                  raw latents
 
 Its statistics are fp32 tensors; it travels inside a `LatentSpace` (shared/tokenizers/space.py: kind and scale
-in JSON, the numbers in safetensors). Training applies it to each fresh draw (`shared.tokenizers.tokenizer.draw_latents`);
+in JSON, the numbers in safetensors). Training applies it to each fresh draw (`shared.datasets.shards.draw_latents`);
 every decode inverts it (`Tokenizer.decode(x, norm)`). Nothing else scales a latent.
 
 `ChannelStats` is the float64 accumulator of a folder's per-channel statistics from stored posterior moments

@@ -1,13 +1,12 @@
 """The tokenizer wrapper: locate and load a diffusers tokenizer by its class, encode, decode, draw latents.
 
-This module is the one place a latent is scaled: the normalisation record (shared/tokenizers/norm.py,
-`LatentNorm`) is applied by `draw_latents` (training's fresh draw) and inverted by `Tokenizer.decode`; its numbers
+A latent is scaled only by the normalisation record (shared/tokenizers/norm.py, `LatentNorm`): applied to
+training's fresh draw (shared/datasets/shards.py `draw_latents`) and inverted by `Tokenizer.decode`; its numbers
 come from the tokenizer's config or weights (`scaling_factor`, `shift_factor`, `latents_mean`/`latents_std`) or
 from a folder's statistics, never written as literals. The tokenizer's class (config.json `_class_name`) picks its
 record in shared/tokenizers/classes.py. The latent shape is measured by running the encoder on one image of the
 extraction size on the meta device (no weights, no memory), never inferred from block counts. diffusers is
-imported lazily inside the functions that load weights, so `draw_latents` and the cheap checks are usable from
-`train/` without it.
+imported lazily inside the functions that load weights, so the cheap checks are usable from `train/` without it.
 """
 from __future__ import annotations
 
@@ -477,29 +476,3 @@ class Tokenizer:
     def enable_slicing(self):
         """Encode/decode a batch one image at a time (diffusers' switch; lower peak memory)."""
         self.vae.enable_slicing()
-
-
-def draw_latents(mean, std, norm: LatentNorm, generator=None) -> torch.Tensor:
-    """A fresh posterior sample, normalised: norm.apply(mean + std * eps), fp32 on mean's device.
-
-    std None (a deterministic tokenizer): norm.apply(mean), no noise drawn. `generator` is None, one
-    torch.Generator, or a list with one generator per batch row (so a row's draw does not depend on the batch it
-    is in). Noise is drawn on the generator's device.
-    """
-    mean = mean.float()
-    if std is None:
-        return norm.apply(mean)
-    std = std.float()
-    if isinstance(generator, (list, tuple)):
-        if len(generator) != mean.shape[0]:
-            raise ValueError(f"{len(generator)} generators for a batch of {mean.shape[0]}")
-        eps = torch.stack([_randn(mean.shape[1:], g, mean.device) for g in generator])  # (N, C, h, w)
-    else:
-        eps = _randn(mean.shape, generator, mean.device)
-    return norm.apply(mean + std * eps)
-
-
-def _randn(shape, generator, device) -> torch.Tensor:
-    """Standard normal noise drawn on the generator's device (else on `device`), moved to `device`."""
-    where = generator.device if generator is not None else device
-    return torch.randn(shape, generator=generator, device=where, dtype=torch.float32).to(device)
