@@ -1,7 +1,9 @@
 """The speed benchmark: matrix construction, error rows, MFU arithmetic and the real CLI."""
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -172,3 +174,28 @@ def test_bench_cli_refuses_bad_input(capsys):
 def test_parser_flags_all_have_help():
     for action in bench.build_parser()._actions:
         assert action.help, action.dest
+
+
+@pytest.mark.slow
+def test_sigterm_keeps_the_rows_measured_so_far(tmp_path):
+    """A time limit's SIGTERM after the first row: that row is printed and in the JSON, one line says it was cut."""
+    out = tmp_path / "bench.json"
+    # the second row (micro-batch 512, 50 steps) takes far longer than the first: the signal lands inside it
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "train.bench", "--model", "DiT-T/2", "--image-size", "32", "--precisions", "fp32",
+         "--checkpointing", "0", "--micro-batch-sizes", "2,512", "--steps", "50", "--warmup", "0", "--threads", "1",
+         "--json", str(out)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not out.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert out.exists() and proc.poll() is None, "no first row before the run ended or the deadline"
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    rows = json.loads(out.read_text())["results"]
+    assert [r["micro_batch"] for r in rows] == [2] and rows[0]["images_s"] > 0
+    assert any(l.startswith("fp32 ckpt=0 sdpa mb=2 ") for l in stdout.splitlines())
+    assert "mb=512" not in stdout
+    cut = [l for l in stderr.splitlines() if "cut by SIGTERM" in l]
+    assert len(cut) == 1 and "after 1 of 2 rows" in cut[0] and str(out) in cut[0]
+    assert "Traceback" not in stderr

@@ -9,11 +9,14 @@ from shared.runtime.interrupt import guard_imports, interruptible
 guard_imports(__name__)  # before the imports below: a Ctrl-C during them ends in one line, exit status 130
 
 import argparse
+import contextlib
 import gc
 import importlib.util
 import itertools
+import signal
 import statistics
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 
@@ -267,22 +270,30 @@ def _cell(value, fmt):
     return "-" if value is None else fmt.format(value)
 
 
+HEAD = (f"{'config':<64} {'steps/s':>8} {'images/s':>9} {'peak mem':>11} {'reserved':>11} {'MFU':>7} "
+        f"{'vs baseline':>11}")
+
+
+def table_line(r: BenchResult, base: float | None) -> str:
+    """One row of the table; base: the images/s of the ratio column's baseline (None: no row ran yet)."""
+    if r.error:
+        return f"{r.config.label():<64} error: {r.error}"
+    ratio = r.images_s / base if base else None
+    return (f"{r.config.label():<64} {r.step_s:>8.3f} {r.images_s:>9.2f} "
+            f"{_cell(r.peak_bytes and format_size(r.peak_bytes), '{}'):>11} "
+            f"{_cell(r.reserved_bytes and format_size(r.reserved_bytes), '{}'):>11} "
+            f"{_cell(r.mfu and 100 * r.mfu, '{:.1f}%'):>7} {_cell(ratio, '{:.2f}x'):>11}")
+
+
+def baseline(results: list[BenchResult]) -> float | None:
+    """images/s of the first row that ran: the ratio column's baseline."""
+    return next((r.images_s for r in results if r.images_s), None)
+
+
 def table(results: list[BenchResult]) -> str:
     """Aligned text table; the first successful row is the baseline of the ratio column."""
-    base = next((r.images_s for r in results if r.images_s), None)
-    head = (f"{'config':<64} {'steps/s':>8} {'images/s':>9} {'peak mem':>11} {'reserved':>11} {'MFU':>7} "
-            f"{'vs baseline':>11}")
-    lines = [head, "-" * len(head)]
-    for r in results:
-        if r.error:
-            lines.append(f"{r.config.label():<64} error: {r.error}")
-            continue
-        ratio = r.images_s / base if base else None
-        lines.append(f"{r.config.label():<64} {r.step_s:>8.3f} {r.images_s:>9.2f} "
-                     f"{_cell(r.peak_bytes and format_size(r.peak_bytes), '{}'):>11} "
-                     f"{_cell(r.reserved_bytes and format_size(r.reserved_bytes), '{}'):>11} "
-                     f"{_cell(r.mfu and 100 * r.mfu, '{:.1f}%'):>7} {_cell(ratio, '{:.2f}x'):>11}")
-    return "\n".join(lines)
+    base = baseline(results)
+    return "\n".join([HEAD, "-" * len(HEAD), *(table_line(r, base) for r in results)])
 
 
 def header(args, device, model, flops, peak_note) -> str:
@@ -356,8 +367,28 @@ def resolve_defaults(args):
         torch.set_num_threads(args.threads)
 
 
-def run(args) -> str:
-    """Run the matrix and return the report."""
+def say(line: str) -> None:
+    """A line of the report, on stdout at once: a run cut by a time limit keeps what it printed."""
+    print(line, flush=True)
+
+
+def measure_rows(configs, args, device, flops, peak, write) -> list[BenchResult]:
+    """Time each configuration, printing its line and calling write(results so far) as soon as it is measured."""
+    results = []
+    say(HEAD + "\n" + "-" * len(HEAD))
+    try:
+        for config in tqdm(configs, desc="bench", unit="config", file=sys.stderr):
+            results.append(run_config(config, args, device, flops, peak))
+            say(table_line(results[-1], baseline(results)))
+            write(results)
+    except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM (a time limit): the rows so far are printed and written
+        signum = signal.SIGTERM if isinstance(stop, Terminated) else signal.SIGINT
+        raise Cut(len(results), len(configs), args.json, signum) from None
+    return results
+
+
+def run(args) -> list[BenchResult]:
+    """Run the matrix, printing the header, then each row as it is measured."""
     resolve_defaults(args)
     configs = resolve_matrix(args)
     device = measure_device(args.device, "--device")
@@ -367,19 +398,60 @@ def run(args) -> str:
     peak, peak_note = peak_tflops(args, device)
     apply_memory_cap(args, device)
     set_tf32(device)  # as python -m train and the official DiT train.py
-    results = [run_config(c, args, device, flops, peak)
-               for c in tqdm(configs, desc="bench", unit="config", file=sys.stderr)]
-    if args.json:
-        write_json(args.json, args, device, results, flops, peak)
-    return header(args, device, model, flops, peak_note) + "\n\n" + table(results)
+    say(header(args, device, model, flops, peak_note) + "\n")
+
+    def write(results):
+        if args.json:
+            write_json(args.json, args, device, results, flops, peak)
+
+    return measure_rows(configs, args, device, flops, peak, write)
+
+
+class Cut(Exception):
+    """The run was stopped by `signum` (Ctrl-C or SIGTERM) after `done` of `total` rows."""
+    def __init__(self, done: int, total: int, json_path: str | None, signum: int):
+        self.done, self.total, self.json_path, self.signum = done, total, json_path, signum
+        super().__init__(f"cut after {done} of {total} rows")
+
+    def line(self) -> str:
+        """The one line a cut run ends with."""
+        kept = f"; they are in {self.json_path}" if self.json_path and self.done else ""
+        return (f"{PROG}: cut by {signal.Signals(self.signum).name} after {self.done} of {self.total} rows: the "
+                f"rows above were measured{kept}")
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, unwinding like Ctrl-C (every `finally` runs)."""
+
+
+def _terminate(signum, frame):
+    """SIGTERM (timeout's signal) unwinds like Ctrl-C; a second one must not cut that short."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise Terminated
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """Inside the block SIGTERM raises KeyboardInterrupt (main thread only: handlers cannot be set elsewhere)."""
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 @interruptible(PROG)
 def main(argv=None):
     """Entry point of python -m train.bench."""
     args = build_parser().parse_args(argv)
-    with cli_errors(PROG, FLAGS):
-        print(run(args))
+    try:
+        with cli_errors(PROG, FLAGS), sigterm_as_interrupt():
+            run(args)
+    except Cut as cut:  # not interruptible's line: a rerun measures every row again, nothing resumes
+        print(cut.line(), file=sys.stderr, flush=True)
+        raise SystemExit(128 + cut.signum) from None
 
 
 if __name__ == "__main__":
