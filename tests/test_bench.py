@@ -4,6 +4,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -199,3 +200,31 @@ def test_sigterm_keeps_the_rows_measured_so_far(tmp_path):
     cut = [l for l in stderr.splitlines() if "cut by SIGTERM" in l]
     assert len(cut) == 1 and "after 1 of 2 rows" in cut[0] and str(out) in cut[0]
     assert "Traceback" not in stderr
+
+
+def changes_args(*flags):
+    return parse("--preset", "changes-gpu", "--model", "DiT-T/2", "--image-size", "64", *flags)
+
+
+def test_changes_gpu_fits_its_micro_batch_to_the_free_memory():
+    """The planner's largest divisor of 256 that fits the (faked) free memory, for every row, said in one line."""
+    args, device = changes_args("--memory-cap-gib", "0"), torch.device("cpu")
+    rows = bench.resolve_matrix(args)
+    cfg = bench.bench_train_config(rows[0], args)
+    model_cfg = bench.model_config_for(cfg, bench.latent_shape(64), 1000)
+    (profile,), n_params, n_trainable = bench.measure_profiles(model_cfg, "bf16", [0], device)
+    fixed = bench.fixed_state(n_params, n_trainable, "adamw", "gpu").total
+    free = fixed + profile.peak(64) + (bench.parse_size(bench.DEFAULT_MARGIN) + 4 * n_trainable)  # 64 fits, 128 not
+    planned, why = bench.plan_changes_micro(args, rows, device, free)
+    assert {r.micro_batch for r in planned} == {64} and len(planned) == len(rows)
+    assert [replace(r, micro_batch=256) for r in planned] == rows  # nothing else changed
+    assert why.startswith("micro-batch 64: the largest divisor of 256") and bench.format_size(free) in why
+    with pytest.raises(UserError, match="does not fit even at micro-batch 1"):  # a 1 MiB cap: nothing fits
+        bench.plan_changes_micro(changes_args("--memory-cap-gib", "0.001"), rows, device, free)
+
+
+def test_changes_gpu_off_cuda_keeps_the_presets_micro_batch_and_says_so():
+    args = changes_args()
+    rows = bench.resolve_matrix(args)
+    planned, why = bench.plan_changes_micro(args, rows, torch.device("cpu"), bench.free_memory(torch.device("cpu")))
+    assert planned == rows and {r.micro_batch for r in rows} == {256} and "no free CUDA memory" in why

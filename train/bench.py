@@ -18,7 +18,7 @@ import statistics
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from tqdm.auto import tqdm
@@ -30,9 +30,10 @@ from shared.network.blocks import SELECTIVE
 from shared.runtime.precision import PRECISIONS, set_tf32
 from train.config import BLOCK_FLAGS, TrainConfig, add_block_flags, block_from_args, model_config_for
 from train.data import synthetic_batch
-from train.memory import forward_macs, latent_shape, measure_device, measured_config, train_flops_per_image
+from train.memory import (DEFAULT_MARGIN, fixed_state, forward_macs, latent_shape, measure_device, measure_profiles,
+                          measured_config, plan_row, train_flops_per_image)
 from train.step import make_learner, train_step
-from train.units import GiB, format_size
+from train.units import GiB, format_size, parse_size
 
 PROG = "python -m train.bench"
 FLAGS = {"model preset": "--model", "attention backend": "--attention", "precision": "--precisions", **BLOCK_FLAGS}
@@ -86,6 +87,9 @@ PRESETS = {
 }
 
 
+CHANGES_GPU_MICRO = 256  # issue 34's micro-batch: ~100 GiB at DiT-XL/2 256 px without checkpointing
+
+
 def variant(base: BenchConfig, note: str, **changes) -> BenchConfig:
     """`base` with some fields changed, labelled by what changed."""
     return BenchConfig(**{**asdict(base), **changes, "note": note})
@@ -111,8 +115,9 @@ def preset_matrix(name: str) -> list[BenchConfig]:
     """cpu: quick ablation on a tiny model; gpu: DiT-XL/2 mirroring fast-DiT's README; changes-*: change_rows."""
     if name == "changes-cpu":  # fp32: the development CPU has no bf16 units (bf16 is ~9x slower there)
         return change_rows(BenchConfig("fp32", 0, "sdpa", False, 8, "before issue 34", host_sync=True, adamw="foreach"))
-    if name == "changes-gpu":  # the issue's bf16 micro-batch 256 (~100 GiB without checkpointing: --memory-cap-gib 0)
-        return change_rows(BenchConfig("bf16", 0, "sdpa", False, 256, "before issue 34", host_sync=True))
+    if name == "changes-gpu":  # the issue's bf16 micro-batch 256 at most; plan_changes_micro fits it to the card
+        return change_rows(BenchConfig("bf16", 0, "sdpa", False, CHANGES_GPU_MICRO, "before issue 34",
+                                       host_sync=True))
     if name == "cpu":
         ours = BenchConfig("bf16", 1, "sdpa", False, 8, "ours")
         return [ours, variant(ours, "checkpointing off", checkpoint=0),
@@ -184,6 +189,43 @@ def resolve_matrix(args) -> list[BenchConfig]:
         raise UserError(f"--preset {args.preset} defines the matrix itself, so {', '.join(given)} would be "
                         "ignored; drop --preset to choose the matrix with flags, or drop those flags.")
     return preset_matrix(args.preset)
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes free on a CUDA device now (None elsewhere): what the planner fits the micro-batch into."""
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.mem_get_info(device)[0])  # looked up at call time: tests/bench/capped.py's cap applies
+
+
+def changes_budget(free: int, n_trainable: int) -> int:
+    """What the rows may allocate: free memory less the planner's margin and the foreach row's temporaries."""
+    # foreach AdamW (one of the rows) keeps about one fp32 copy of the weights in temporaries that fused does not
+    return free - parse_size(DEFAULT_MARGIN) - 4 * n_trainable
+
+
+def plan_changes_micro(args, configs: list[BenchConfig], device, free: int | None) -> tuple[list, str]:
+    """changes-gpu's rows at the largest micro-batch (a divisor of 256) the planner fits in `free`, and why."""
+    if free is None:
+        return configs, (f"micro-batch {CHANGES_GPU_MICRO}: the preset's; no free CUDA memory to plan against "
+                         f"on {device.type}")
+    if args.memory_cap_gib:
+        free = min(free, int(args.memory_cap_gib * GiB))
+    base = configs[0]  # no checkpointing, eager: the rows' largest activations
+    cfg = bench_train_config(base, args)
+    model_cfg = model_config_for(cfg, latent_shape(args.image_size), args.num_classes)
+    profiles, n_params, n_trainable = measure_profiles(model_cfg, base.precision, [base.checkpoint], device)
+    fixed = fixed_state(n_params, n_trainable, cfg.optimizer, cfg.ema_device).total
+    budget = changes_budget(free, n_trainable)
+    row = plan_row(profiles[0], fixed, budget, CHANGES_GPU_MICRO)
+    where = f"{format_size(free)} free less {DEFAULT_MARGIN} margin and foreach AdamW's temporaries"
+    if row.micro is None:
+        raise UserError(f"{args.model} at {args.image_size} px does not fit even at micro-batch 1 without "
+                        f"checkpointing in {format_size(budget)} ({where}): free the GPU or benchmark a smaller "
+                        "--model or --image-size.")
+    why = (f"micro-batch {row.micro}: the largest divisor of {CHANGES_GPU_MICRO} whose planned peak without "
+           f"checkpointing ({format_size(row.peak)}) fits {format_size(budget)} ({where})")
+    return [replace(c, micro_batch=row.micro) for c in configs], why
 
 
 def synchronize(device: torch.device):
@@ -330,7 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("--preset", choices=sorted(PRESETS), help="cpu: tiny model, quick ablation of our step; "
                    "gpu: DiT-XL/2 at 256 mirroring the fast-DiT README table; changes-gpu (DiT-XL/2, bf16, "
-                   "micro-batch 256: pass --memory-cap-gib 0) and changes-cpu (tiny): the step before issue 34 beside "
+                   "the largest micro-batch up to 256 that train/memory.py's planner fits in the free memory) and changes-cpu (tiny): the step before issue 34 beside "
                    "each of its changes (no host sync, fused vs foreach AdamW, regional compile, selective "
                    "checkpointing). Sets the matrix and defaults.")
     p.add_argument("--model", help="DiT preset (default: the preset's, else DiT-T/2)")
@@ -398,7 +440,10 @@ def run(args) -> list[BenchResult]:
     peak, peak_note = peak_tflops(args, device)
     apply_memory_cap(args, device)
     set_tf32(device)  # as python -m train and the official DiT train.py
-    say(header(args, device, model, flops, peak_note) + "\n")
+    why = None
+    if args.preset == "changes-gpu":  # free memory read before the planner's own model occupies any
+        configs, why = plan_changes_micro(args, configs, device, free_memory(device))
+    say(header(args, device, model, flops, peak_note) + (f"\n{why}" if why else "") + "\n")
 
     def write(results):
         if args.json:
