@@ -10,9 +10,11 @@ Run: python tests/bench/capped.py 23.3 -m train --latents ... (23.3 GiB: an RTX 
 """
 import runpy
 import sys
+from pathlib import Path
 
 import torch
 
+ROOT = Path(__file__).resolve().parents[2]
 GiB = 2**30
 
 
@@ -71,10 +73,14 @@ def cap_memory(cap_bytes: int, device: int = 0) -> None:
 def main(argv=None):
     """capped.py CAP_GIB -m MODULE [ARGS ...]."""
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) < 3 or argv[1] != "-m" or not torch.cuda.is_available():
-        sys.exit("usage: python tests/bench/capped.py CAP_GIB -m MODULE [ARGS ...] (needs a CUDA GPU)")
-    cap_memory(int(float(argv[0]) * GiB))
-    print(f"capped.py: CUDA allocator capped at {float(argv[0]):g} GiB", file=sys.stderr, flush=True)
+    cap = float(argv[0]) if len(argv) >= 3 and argv[1] == "-m" else -1.0
+    if cap < 0 or (cap and not torch.cuda.is_available()):
+        sys.exit("usage: python tests/bench/capped.py CAP_GIB -m MODULE [ARGS ...] (needs a CUDA GPU; CAP_GIB 0: no "
+                 "cap, any machine: gpu_check.sh's dry run)")
+    if cap:
+        cap_memory(int(cap * GiB))
+        print(f"capped.py: CUDA allocator capped at {cap:g} GiB", file=sys.stderr, flush=True)
+    sys.path.insert(0, str(ROOT))  # python puts tests/bench first, where MODULE (train, ...) is not
     sys.argv = [argv[2], *argv[3:]]
     runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
 
