@@ -1,5 +1,6 @@
 """The speed benchmark: matrix construction, error rows, MFU arithmetic and the real CLI."""
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -154,11 +155,11 @@ def test_bench_cli_tiny(tmp_path):
         for ckpt in (0, 1):
             for attention in ("sdpa", "math"):
                 row = next(l for l in lines if l.startswith(f"{precision} ckpt={ckpt} {attention} mb=2"))
-                assert "error" not in row and row.rstrip().endswith("x") and "%" in row
+                assert "error" not in row and re.search(r"\d\.\d\dx +- +-$", row.rstrip()) and "%" in row
             # xformers cannot run on the CPU: the row says why, the run goes on
             row = next(l for l in lines if l.startswith(f"{precision} ckpt={ckpt} xformers mb=2"))
             assert "error: SettingError" in row and "xformers" in row
-    assert next(l for l in lines if l.startswith("fp32 ckpt=0 sdpa")).rstrip().endswith("1.00x")
+    assert " 1.00x " in next(l for l in lines if l.startswith("fp32 ckpt=0 sdpa"))
     payload = json.loads(out.read_text())
     assert len(payload["results"]) == 12
     ok = [r for r in payload["results"] if r["error"] is None]
@@ -228,3 +229,16 @@ def test_changes_gpu_off_cuda_keeps_the_presets_micro_batch_and_says_so():
     rows = bench.resolve_matrix(args)
     planned, why = bench.plan_changes_micro(args, rows, torch.device("cpu"), bench.free_memory(torch.device("cpu")))
     assert planned == rows and {r.micro_batch for r in rows} == {256} and "no free CUDA memory" in why
+
+
+def test_a_compile_row_reports_its_compile_seconds_and_recompiles_apart_from_its_step(monkeypatch):
+    from train import step
+
+    monkeypatch.setattr(step, "COMPILE_BACKEND", "eager")  # dynamo traces as under inductor, without building kernels
+    args = parse("--model", "DiT-T/2", "--image-size", "32", "--steps", "2", "--warmup", "1")
+    compiled = bench.run_config(bench.BenchConfig("fp32", 0, "sdpa", True, 2), args, torch.device("cpu"), 1, None)
+    eager = bench.run_config(bench.BenchConfig("fp32", 0, "sdpa", False, 2), args, torch.device("cpu"), 1, None)
+    assert compiled.error is None and compiled.compile_s > 0 and compiled.recompiles == 0
+    assert eager.compile_s is None and eager.recompiles is None
+    line = bench.table([compiled, eager]).splitlines()[2]
+    assert re.search(rf" {compiled.compile_s:.1f} +0$", line)

@@ -75,6 +75,8 @@ class BenchResult:
     reserved_bytes: int | None = None
     mfu: float | None = None
     error: str | None = None
+    compile_s: float | None = None  # compile rows: the first step's seconds beyond the median step (tracing, kernels)
+    recompiles: int | None = None   # compile rows: frames dynamo compiled in the timed steps after the first step
 
 
 PRESETS = {
@@ -254,15 +256,30 @@ def bench_train_config(config: BenchConfig, args) -> TrainConfig:
                            grad_checkpoint=config.checkpoint, attention=config.attention, compile=config.compile)
 
 
-def time_steps(config: BenchConfig, args, device) -> list[float]:
-    """Seconds of each timed trainer step (after warm-up) for one configuration."""
+def compiled_frames() -> int:
+    """Frames dynamo has compiled in this process so far, recompilations included."""
+    from torch._dynamo.utils import counters  # private, but the one count of recompilations torch keeps
+
+    return counters["frames"]["total"]
+
+
+@dataclass
+class StepTimes:
+    """One configuration's step seconds: the first step (compilation in it), the timed ones, their recompilations."""
+    first: float
+    timed: list
+    recompiles: int
+
+
+def time_steps(config: BenchConfig, args, device) -> StepTimes:
+    """Seconds of the first and of each timed trainer step (after warm-up) for one configuration."""
     cfg = bench_train_config(config, args)
     model_cfg = model_config_for(cfg, latent_shape(args.image_size), args.num_classes)
     learner = make_learner(cfg, model_cfg, device=device)
     if config.adamw == "foreach":
         learner.optimizer = foreach_adamw(learner)
     batch = synthetic_batch(model_cfg, config.micro_batch, cfg.class_dropout_prob, learner.objective)
-    times = []
+    times, frames = [], compiled_frames()
     for i in range(args.warmup + args.steps):
         synchronize(device)
         start = time.perf_counter()
@@ -270,9 +287,10 @@ def time_steps(config: BenchConfig, args, device) -> list[float]:
         if config.host_sync:  # what the loop read after every step before issue 34
             float(result["loss"]), float(result["grad_norm"]), bool(result["skipped"])
         synchronize(device)
-        if i >= args.warmup:
-            times.append(time.perf_counter() - start)
-    return times
+        times.append(time.perf_counter() - start)
+        if i + 1 == max(args.warmup, 1):  # the first compilation is not a recompilation, even when it is timed
+            frames = compiled_frames()
+    return StepTimes(times[0], times[args.warmup:], compiled_frames() - frames)
 
 
 def foreach_adamw(learner) -> torch.optim.Optimizer:
@@ -298,14 +316,16 @@ def run_config(config: BenchConfig, args, device, flops_per_image, peak) -> Benc
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     try:
-        step = statistics.median(time_steps(config, args, device))
+        steps = time_steps(config, args, device)
     except Exception as err:  # reported in the table, the remaining configurations still run
         return BenchResult(config, error=error_text(err))
+    step = statistics.median(steps.timed)
     images = config.micro_batch / step
     mem = torch.cuda.max_memory_allocated(device) if cuda else None
     reserved = torch.cuda.max_memory_reserved(device) if cuda else None
     mfu = flops_per_image * images / (peak * 1e12) if peak else None
-    return BenchResult(config, 1 / step, images, mem, reserved, mfu)
+    compiled = dict(compile_s=max(steps.first - step, 0.0), recompiles=steps.recompiles) if config.compile else {}
+    return BenchResult(config, 1 / step, images, mem, reserved, mfu, **compiled)
 
 
 def _cell(value, fmt):
@@ -313,7 +333,7 @@ def _cell(value, fmt):
 
 
 HEAD = (f"{'config':<64} {'steps/s':>8} {'images/s':>9} {'peak mem':>11} {'reserved':>11} {'MFU':>7} "
-        f"{'vs baseline':>11}")
+        f"{'vs baseline':>11} {'compile s':>9} {'recompiles':>10}")
 
 
 def table_line(r: BenchResult, base: float | None) -> str:
@@ -324,7 +344,8 @@ def table_line(r: BenchResult, base: float | None) -> str:
     return (f"{r.config.label():<64} {r.step_s:>8.3f} {r.images_s:>9.2f} "
             f"{_cell(r.peak_bytes and format_size(r.peak_bytes), '{}'):>11} "
             f"{_cell(r.reserved_bytes and format_size(r.reserved_bytes), '{}'):>11} "
-            f"{_cell(r.mfu and 100 * r.mfu, '{:.1f}%'):>7} {_cell(ratio, '{:.2f}x'):>11}")
+            f"{_cell(r.mfu and 100 * r.mfu, '{:.1f}%'):>7} {_cell(ratio, '{:.2f}x'):>11} "
+            f"{_cell(r.compile_s, '{:.1f}'):>9} {_cell(r.recompiles, '{}'):>10}")
 
 
 def baseline(results: list[BenchResult]) -> float | None:
@@ -346,7 +367,8 @@ def header(args, device, model, flops, peak_note) -> str:
     return (f"{args.model} at {args.image_size}x{args.image_size} on {dev}{cap}; torch {torch.__version__}\n"
             f"forward {macs / 1e9:.2f} GMAC/image, training {flops / 1e9:.2f} GFLOP/image; peak for MFU: "
             f"{peak_note}\nwarm-up {args.warmup} steps, median of {args.steps} timed steps of the trainer's step "
-            f"(AdamW, grad norm, EMA on the device)"
+            f"(AdamW, grad norm, EMA on the device); compile s: the first step's time beyond the median step, "
+            f"recompiles: during the timed steps"
             + ("; TF32 matmuls on" if device.type == "cuda" else "; peak memory is measured on CUDA only"))
 
 
