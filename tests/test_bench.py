@@ -1,7 +1,11 @@
 """The speed benchmark: matrix construction, error rows, MFU arithmetic and the real CLI."""
 import json
+import re
+import signal
 import subprocess
 import sys
+import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -151,11 +155,11 @@ def test_bench_cli_tiny(tmp_path):
         for ckpt in (0, 1):
             for attention in ("sdpa", "math"):
                 row = next(l for l in lines if l.startswith(f"{precision} ckpt={ckpt} {attention} mb=2"))
-                assert "error" not in row and row.rstrip().endswith("x") and "%" in row
+                assert "error" not in row and re.search(r"\d\.\d\dx +- +-$", row.rstrip()) and "%" in row
             # xformers cannot run on the CPU: the row says why, the run goes on
             row = next(l for l in lines if l.startswith(f"{precision} ckpt={ckpt} xformers mb=2"))
             assert "error: SettingError" in row and "xformers" in row
-    assert next(l for l in lines if l.startswith("fp32 ckpt=0 sdpa")).rstrip().endswith("1.00x")
+    assert " 1.00x " in next(l for l in lines if l.startswith("fp32 ckpt=0 sdpa"))
     payload = json.loads(out.read_text())
     assert len(payload["results"]) == 12
     ok = [r for r in payload["results"] if r["error"] is None]
@@ -172,3 +176,69 @@ def test_bench_cli_refuses_bad_input(capsys):
 def test_parser_flags_all_have_help():
     for action in bench.build_parser()._actions:
         assert action.help, action.dest
+
+
+@pytest.mark.slow
+def test_sigterm_keeps_the_rows_measured_so_far(tmp_path):
+    """A time limit's SIGTERM after the first row: that row is printed and in the JSON, one line says it was cut."""
+    out = tmp_path / "bench.json"
+    # the second row (micro-batch 512, 50 steps) takes far longer than the first: the signal lands inside it
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "train.bench", "--model", "DiT-T/2", "--image-size", "32", "--precisions", "fp32",
+         "--checkpointing", "0", "--micro-batch-sizes", "2,512", "--steps", "50", "--warmup", "0", "--threads", "1",
+         "--json", str(out)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not out.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert out.exists() and proc.poll() is None, "no first row before the run ended or the deadline"
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    rows = json.loads(out.read_text())["results"]
+    assert [r["micro_batch"] for r in rows] == [2] and rows[0]["images_s"] > 0
+    assert any(l.startswith("fp32 ckpt=0 sdpa mb=2 ") for l in stdout.splitlines())
+    assert "mb=512" not in stdout
+    cut = [l for l in stderr.splitlines() if "cut by SIGTERM" in l]
+    assert len(cut) == 1 and "after 1 of 2 rows" in cut[0] and str(out) in cut[0]
+    assert "Traceback" not in stderr
+
+
+def changes_args(*flags):
+    return parse("--preset", "changes-gpu", "--model", "DiT-T/2", "--image-size", "64", *flags)
+
+
+def test_changes_gpu_fits_its_micro_batch_to_the_free_memory():
+    """The planner's largest divisor of 256 that fits the (faked) free memory, for every row, said in one line."""
+    args, device = changes_args("--memory-cap-gib", "0"), torch.device("cpu")
+    rows = bench.resolve_matrix(args)
+    cfg = bench.bench_train_config(rows[0], args)
+    model_cfg = bench.model_config_for(cfg, bench.latent_shape(64), 1000)
+    (profile,), n_params, n_trainable = bench.measure_profiles(model_cfg, "bf16", [0], device)
+    fixed = bench.fixed_state(n_params, n_trainable, "adamw", "gpu").total
+    free = fixed + profile.peak(64) + (bench.parse_size(bench.DEFAULT_MARGIN) + 4 * n_trainable)  # 64 fits, 128 not
+    planned, why = bench.plan_changes_micro(args, rows, device, free)
+    assert {r.micro_batch for r in planned} == {64} and len(planned) == len(rows)
+    assert [replace(r, micro_batch=256) for r in planned] == rows  # nothing else changed
+    assert why.startswith("micro-batch 64: the largest divisor of 256") and bench.format_size(free) in why
+    with pytest.raises(UserError, match="does not fit even at micro-batch 1"):  # a 1 MiB cap: nothing fits
+        bench.plan_changes_micro(changes_args("--memory-cap-gib", "0.001"), rows, device, free)
+
+
+def test_changes_gpu_off_cuda_keeps_the_presets_micro_batch_and_says_so():
+    args = changes_args()
+    rows = bench.resolve_matrix(args)
+    planned, why = bench.plan_changes_micro(args, rows, torch.device("cpu"), bench.free_memory(torch.device("cpu")))
+    assert planned == rows and {r.micro_batch for r in rows} == {256} and "no free CUDA memory" in why
+
+
+def test_a_compile_row_reports_its_compile_seconds_and_recompiles_apart_from_its_step(monkeypatch):
+    from train import step
+
+    monkeypatch.setattr(step, "COMPILE_BACKEND", "eager")  # dynamo traces as under inductor, without building kernels
+    args = parse("--model", "DiT-T/2", "--image-size", "32", "--steps", "2", "--warmup", "1")
+    compiled = bench.run_config(bench.BenchConfig("fp32", 0, "sdpa", True, 2), args, torch.device("cpu"), 1, None)
+    eager = bench.run_config(bench.BenchConfig("fp32", 0, "sdpa", False, 2), args, torch.device("cpu"), 1, None)
+    assert compiled.error is None and compiled.compile_s > 0 and compiled.recompiles == 0
+    assert eager.compile_s is None and eager.recompiles is None
+    line = bench.table([compiled, eager]).splitlines()[2]
+    assert re.search(rf" {compiled.compile_s:.1f} +0$", line)

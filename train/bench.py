@@ -9,13 +9,16 @@ from shared.runtime.interrupt import guard_imports, interruptible
 guard_imports(__name__)  # before the imports below: a Ctrl-C during them ends in one line, exit status 130
 
 import argparse
+import contextlib
 import gc
 import importlib.util
 import itertools
+import signal
 import statistics
 import sys
+import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from tqdm.auto import tqdm
@@ -27,9 +30,10 @@ from shared.network.blocks import SELECTIVE
 from shared.runtime.precision import PRECISIONS, set_tf32
 from train.config import BLOCK_FLAGS, TrainConfig, add_block_flags, block_from_args, model_config_for
 from train.data import synthetic_batch
-from train.memory import forward_macs, latent_shape, measure_device, measured_config, train_flops_per_image
+from train.memory import (DEFAULT_MARGIN, fixed_state, forward_macs, latent_shape, measure_device, measure_profiles,
+                          measured_config, plan_row, train_flops_per_image)
 from train.step import make_learner, train_step
-from train.units import GiB, format_size
+from train.units import GiB, format_size, parse_size
 
 PROG = "python -m train.bench"
 FLAGS = {"model preset": "--model", "attention backend": "--attention", "precision": "--precisions", **BLOCK_FLAGS}
@@ -71,6 +75,8 @@ class BenchResult:
     reserved_bytes: int | None = None
     mfu: float | None = None
     error: str | None = None
+    compile_s: float | None = None  # compile rows: the first step's seconds beyond the median step (tracing, kernels)
+    recompiles: int | None = None   # compile rows: frames dynamo compiled in the timed steps after the first step
 
 
 PRESETS = {
@@ -81,6 +87,9 @@ PRESETS = {
     # warm-up 3: the compiled rows trace and build their kernels in the first step
     "changes-gpu": dict(model="DiT-XL/2", image_size=256, steps=10, warmup=3, threads=None),
 }
+
+
+CHANGES_GPU_MICRO = 256  # issue 34's micro-batch: ~100 GiB at DiT-XL/2 256 px without checkpointing
 
 
 def variant(base: BenchConfig, note: str, **changes) -> BenchConfig:
@@ -108,8 +117,9 @@ def preset_matrix(name: str) -> list[BenchConfig]:
     """cpu: quick ablation on a tiny model; gpu: DiT-XL/2 mirroring fast-DiT's README; changes-*: change_rows."""
     if name == "changes-cpu":  # fp32: the development CPU has no bf16 units (bf16 is ~9x slower there)
         return change_rows(BenchConfig("fp32", 0, "sdpa", False, 8, "before issue 34", host_sync=True, adamw="foreach"))
-    if name == "changes-gpu":  # the issue's bf16 micro-batch 256 (~100 GiB without checkpointing: --memory-cap-gib 0)
-        return change_rows(BenchConfig("bf16", 0, "sdpa", False, 256, "before issue 34", host_sync=True))
+    if name == "changes-gpu":  # the issue's bf16 micro-batch 256 at most; plan_changes_micro fits it to the card
+        return change_rows(BenchConfig("bf16", 0, "sdpa", False, CHANGES_GPU_MICRO, "before issue 34",
+                                       host_sync=True))
     if name == "cpu":
         ours = BenchConfig("bf16", 1, "sdpa", False, 8, "ours")
         return [ours, variant(ours, "checkpointing off", checkpoint=0),
@@ -183,6 +193,43 @@ def resolve_matrix(args) -> list[BenchConfig]:
     return preset_matrix(args.preset)
 
 
+def free_memory(device: torch.device) -> int | None:
+    """Bytes free on a CUDA device now (None elsewhere): what the planner fits the micro-batch into."""
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.mem_get_info(device)[0])  # looked up at call time: tests/bench/capped.py's cap applies
+
+
+def changes_budget(free: int, n_trainable: int) -> int:
+    """What the rows may allocate: free memory less the planner's margin and the foreach row's temporaries."""
+    # foreach AdamW (one of the rows) keeps about one fp32 copy of the weights in temporaries that fused does not
+    return free - parse_size(DEFAULT_MARGIN) - 4 * n_trainable
+
+
+def plan_changes_micro(args, configs: list[BenchConfig], device, free: int | None) -> tuple[list, str]:
+    """changes-gpu's rows at the largest micro-batch (a divisor of 256) the planner fits in `free`, and why."""
+    if free is None:
+        return configs, (f"micro-batch {CHANGES_GPU_MICRO}: the preset's; no free CUDA memory to plan against "
+                         f"on {device.type}")
+    if args.memory_cap_gib:
+        free = min(free, int(args.memory_cap_gib * GiB))
+    base = configs[0]  # no checkpointing, eager: the rows' largest activations
+    cfg = bench_train_config(base, args)
+    model_cfg = model_config_for(cfg, latent_shape(args.image_size), args.num_classes)
+    profiles, n_params, n_trainable = measure_profiles(model_cfg, base.precision, [base.checkpoint], device)
+    fixed = fixed_state(n_params, n_trainable, cfg.optimizer, cfg.ema_device).total
+    budget = changes_budget(free, n_trainable)
+    row = plan_row(profiles[0], fixed, budget, CHANGES_GPU_MICRO)
+    where = f"{format_size(free)} free less {DEFAULT_MARGIN} margin and foreach AdamW's temporaries"
+    if row.micro is None:
+        raise UserError(f"{args.model} at {args.image_size} px does not fit even at micro-batch 1 without "
+                        f"checkpointing in {format_size(budget)} ({where}): free the GPU or benchmark a smaller "
+                        "--model or --image-size.")
+    why = (f"micro-batch {row.micro}: the largest divisor of {CHANGES_GPU_MICRO} whose planned peak without "
+           f"checkpointing ({format_size(row.peak)}) fits {format_size(budget)} ({where})")
+    return [replace(c, micro_batch=row.micro) for c in configs], why
+
+
 def synchronize(device: torch.device):
     """Wait for queued device work so wall-clock time covers it."""
     if device.type == "cuda":
@@ -209,15 +256,30 @@ def bench_train_config(config: BenchConfig, args) -> TrainConfig:
                            grad_checkpoint=config.checkpoint, attention=config.attention, compile=config.compile)
 
 
-def time_steps(config: BenchConfig, args, device) -> list[float]:
-    """Seconds of each timed trainer step (after warm-up) for one configuration."""
+def compiled_frames() -> int:
+    """Frames dynamo has compiled in this process so far, recompilations included."""
+    from torch._dynamo.utils import counters  # private, but the one count of recompilations torch keeps
+
+    return counters["frames"]["total"]
+
+
+@dataclass
+class StepTimes:
+    """One configuration's step seconds: the first step (compilation in it), the timed ones, their recompilations."""
+    first: float
+    timed: list
+    recompiles: int
+
+
+def time_steps(config: BenchConfig, args, device) -> StepTimes:
+    """Seconds of the first and of each timed trainer step (after warm-up) for one configuration."""
     cfg = bench_train_config(config, args)
     model_cfg = model_config_for(cfg, latent_shape(args.image_size), args.num_classes)
     learner = make_learner(cfg, model_cfg, device=device)
     if config.adamw == "foreach":
         learner.optimizer = foreach_adamw(learner)
     batch = synthetic_batch(model_cfg, config.micro_batch, cfg.class_dropout_prob, learner.objective)
-    times = []
+    times, frames = [], compiled_frames()
     for i in range(args.warmup + args.steps):
         synchronize(device)
         start = time.perf_counter()
@@ -225,9 +287,10 @@ def time_steps(config: BenchConfig, args, device) -> list[float]:
         if config.host_sync:  # what the loop read after every step before issue 34
             float(result["loss"]), float(result["grad_norm"]), bool(result["skipped"])
         synchronize(device)
-        if i >= args.warmup:
-            times.append(time.perf_counter() - start)
-    return times
+        times.append(time.perf_counter() - start)
+        if i + 1 == max(args.warmup, 1):  # the first compilation is not a recompilation, even when it is timed
+            frames = compiled_frames()
+    return StepTimes(times[0], times[args.warmup:], compiled_frames() - frames)
 
 
 def foreach_adamw(learner) -> torch.optim.Optimizer:
@@ -253,36 +316,47 @@ def run_config(config: BenchConfig, args, device, flops_per_image, peak) -> Benc
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     try:
-        step = statistics.median(time_steps(config, args, device))
+        steps = time_steps(config, args, device)
     except Exception as err:  # reported in the table, the remaining configurations still run
         return BenchResult(config, error=error_text(err))
+    step = statistics.median(steps.timed)
     images = config.micro_batch / step
     mem = torch.cuda.max_memory_allocated(device) if cuda else None
     reserved = torch.cuda.max_memory_reserved(device) if cuda else None
     mfu = flops_per_image * images / (peak * 1e12) if peak else None
-    return BenchResult(config, 1 / step, images, mem, reserved, mfu)
+    compiled = dict(compile_s=max(steps.first - step, 0.0), recompiles=steps.recompiles) if config.compile else {}
+    return BenchResult(config, 1 / step, images, mem, reserved, mfu, **compiled)
 
 
 def _cell(value, fmt):
     return "-" if value is None else fmt.format(value)
 
 
+HEAD = (f"{'config':<64} {'steps/s':>8} {'images/s':>9} {'peak mem':>11} {'reserved':>11} {'MFU':>7} "
+        f"{'vs baseline':>11} {'compile s':>9} {'recompiles':>10}")
+
+
+def table_line(r: BenchResult, base: float | None) -> str:
+    """One row of the table; base: the images/s of the ratio column's baseline (None: no row ran yet)."""
+    if r.error:
+        return f"{r.config.label():<64} error: {r.error}"
+    ratio = r.images_s / base if base else None
+    return (f"{r.config.label():<64} {r.step_s:>8.3f} {r.images_s:>9.2f} "
+            f"{_cell(r.peak_bytes and format_size(r.peak_bytes), '{}'):>11} "
+            f"{_cell(r.reserved_bytes and format_size(r.reserved_bytes), '{}'):>11} "
+            f"{_cell(r.mfu and 100 * r.mfu, '{:.1f}%'):>7} {_cell(ratio, '{:.2f}x'):>11} "
+            f"{_cell(r.compile_s, '{:.1f}'):>9} {_cell(r.recompiles, '{}'):>10}")
+
+
+def baseline(results: list[BenchResult]) -> float | None:
+    """images/s of the first row that ran: the ratio column's baseline."""
+    return next((r.images_s for r in results if r.images_s), None)
+
+
 def table(results: list[BenchResult]) -> str:
     """Aligned text table; the first successful row is the baseline of the ratio column."""
-    base = next((r.images_s for r in results if r.images_s), None)
-    head = (f"{'config':<64} {'steps/s':>8} {'images/s':>9} {'peak mem':>11} {'reserved':>11} {'MFU':>7} "
-            f"{'vs baseline':>11}")
-    lines = [head, "-" * len(head)]
-    for r in results:
-        if r.error:
-            lines.append(f"{r.config.label():<64} error: {r.error}")
-            continue
-        ratio = r.images_s / base if base else None
-        lines.append(f"{r.config.label():<64} {r.step_s:>8.3f} {r.images_s:>9.2f} "
-                     f"{_cell(r.peak_bytes and format_size(r.peak_bytes), '{}'):>11} "
-                     f"{_cell(r.reserved_bytes and format_size(r.reserved_bytes), '{}'):>11} "
-                     f"{_cell(r.mfu and 100 * r.mfu, '{:.1f}%'):>7} {_cell(ratio, '{:.2f}x'):>11}")
-    return "\n".join(lines)
+    base = baseline(results)
+    return "\n".join([HEAD, "-" * len(HEAD), *(table_line(r, base) for r in results)])
 
 
 def header(args, device, model, flops, peak_note) -> str:
@@ -293,7 +367,8 @@ def header(args, device, model, flops, peak_note) -> str:
     return (f"{args.model} at {args.image_size}x{args.image_size} on {dev}{cap}; torch {torch.__version__}\n"
             f"forward {macs / 1e9:.2f} GMAC/image, training {flops / 1e9:.2f} GFLOP/image; peak for MFU: "
             f"{peak_note}\nwarm-up {args.warmup} steps, median of {args.steps} timed steps of the trainer's step "
-            f"(AdamW, grad norm, EMA on the device)"
+            f"(AdamW, grad norm, EMA on the device); compile s: the first step's time beyond the median step, "
+            f"recompiles: during the timed steps"
             + ("; TF32 matmuls on" if device.type == "cuda" else "; peak memory is measured on CUDA only"))
 
 
@@ -319,7 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     p.add_argument("--preset", choices=sorted(PRESETS), help="cpu: tiny model, quick ablation of our step; "
                    "gpu: DiT-XL/2 at 256 mirroring the fast-DiT README table; changes-gpu (DiT-XL/2, bf16, "
-                   "micro-batch 256: pass --memory-cap-gib 0) and changes-cpu (tiny): the step before issue 34 beside "
+                   "the largest micro-batch up to 256 that train/memory.py's planner fits in the free memory) and changes-cpu (tiny): the step before issue 34 beside "
                    "each of its changes (no host sync, fused vs foreach AdamW, regional compile, selective "
                    "checkpointing). Sets the matrix and defaults.")
     p.add_argument("--model", help="DiT preset (default: the preset's, else DiT-T/2)")
@@ -356,8 +431,28 @@ def resolve_defaults(args):
         torch.set_num_threads(args.threads)
 
 
-def run(args) -> str:
-    """Run the matrix and return the report."""
+def say(line: str) -> None:
+    """A line of the report, on stdout at once: a run cut by a time limit keeps what it printed."""
+    print(line, flush=True)
+
+
+def measure_rows(configs, args, device, flops, peak, write) -> list[BenchResult]:
+    """Time each configuration, printing its line and calling write(results so far) as soon as it is measured."""
+    results = []
+    say(HEAD + "\n" + "-" * len(HEAD))
+    try:
+        for config in tqdm(configs, desc="bench", unit="config", file=sys.stderr):
+            results.append(run_config(config, args, device, flops, peak))
+            say(table_line(results[-1], baseline(results)))
+            write(results)
+    except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM (a time limit): the rows so far are printed and written
+        signum = signal.SIGTERM if isinstance(stop, Terminated) else signal.SIGINT
+        raise Cut(len(results), len(configs), args.json, signum) from None
+    return results
+
+
+def run(args) -> list[BenchResult]:
+    """Run the matrix, printing the header, then each row as it is measured."""
     resolve_defaults(args)
     configs = resolve_matrix(args)
     device = measure_device(args.device, "--device")
@@ -367,19 +462,63 @@ def run(args) -> str:
     peak, peak_note = peak_tflops(args, device)
     apply_memory_cap(args, device)
     set_tf32(device)  # as python -m train and the official DiT train.py
-    results = [run_config(c, args, device, flops, peak)
-               for c in tqdm(configs, desc="bench", unit="config", file=sys.stderr)]
-    if args.json:
-        write_json(args.json, args, device, results, flops, peak)
-    return header(args, device, model, flops, peak_note) + "\n\n" + table(results)
+    why = None
+    if args.preset == "changes-gpu":  # free memory read before the planner's own model occupies any
+        configs, why = plan_changes_micro(args, configs, device, free_memory(device))
+    say(header(args, device, model, flops, peak_note) + (f"\n{why}" if why else "") + "\n")
+
+    def write(results):
+        if args.json:
+            write_json(args.json, args, device, results, flops, peak)
+
+    return measure_rows(configs, args, device, flops, peak, write)
+
+
+class Cut(Exception):
+    """The run was stopped by `signum` (Ctrl-C or SIGTERM) after `done` of `total` rows."""
+    def __init__(self, done: int, total: int, json_path: str | None, signum: int):
+        self.done, self.total, self.json_path, self.signum = done, total, json_path, signum
+        super().__init__(f"cut after {done} of {total} rows")
+
+    def line(self) -> str:
+        """The one line a cut run ends with."""
+        kept = f"; they are in {self.json_path}" if self.json_path and self.done else ""
+        return (f"{PROG}: cut by {signal.Signals(self.signum).name} after {self.done} of {self.total} rows: the "
+                f"rows above were measured{kept}")
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, unwinding like Ctrl-C (every `finally` runs)."""
+
+
+def _terminate(signum, frame):
+    """SIGTERM (timeout's signal) unwinds like Ctrl-C; a second one must not cut that short."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise Terminated
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """Inside the block SIGTERM raises KeyboardInterrupt (main thread only: handlers cannot be set elsewhere)."""
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 @interruptible(PROG)
 def main(argv=None):
     """Entry point of python -m train.bench."""
     args = build_parser().parse_args(argv)
-    with cli_errors(PROG, FLAGS):
-        print(run(args))
+    try:
+        with cli_errors(PROG, FLAGS), sigterm_as_interrupt():
+            run(args)
+    except Cut as cut:  # not interruptible's line: a rerun measures every row again, nothing resumes
+        print(cut.line(), file=sys.stderr, flush=True)
+        raise SystemExit(128 + cut.signum) from None
 
 
 if __name__ == "__main__":

@@ -1,59 +1,95 @@
 #!/usr/bin/env bash
-# The one prepared GPU check (issue 34): one script, at most ~8 minutes on one GPU, no network (random weights,
-# synthetic latents, made by tests/bench/gpu_fixtures.py). Not yet run: no device has been lent to this project since
-# it was written. Usage on a CUDA machine, from the repository root, with torch (CUDA build) + requirements installed:
+# The one prepared GPU check (issues 34, 45): one script, at most 480 s on one GPU, no network (random weights,
+# synthetic latents, made by tests/bench/gpu_fixtures.py). Usage on a CUDA machine, from the repository root, with
+# torch (CUDA build) + requirements installed (diffusers and pytest missing: gpu_fixtures.py's header lists the wheels):
 #   bash tests/bench/gpu_check.sh [OUT_DIR]
-# It prints, side by side in one run:
-#   1) the training step before issue 34 (eager, the host reading loss/grad norm every step) vs each change (no host
-#      sync, foreach vs fused AdamW, regional compile, selective checkpointing, all together): DiT-XL/2 256 px, bf16,
-#      micro-batch 256, uncapped: images/s, MFU, peak and reserved memory (python -m train.bench --preset changes-gpu);
-#   2) the RTX 3090 setting: a real `python -m train` of DiT-XL/2, fp16, the planned micro-batch (auto), under a
-#      23.3 GiB allocator cap (tests/bench/capped.py), its images/s and peak memory from metrics.jsonl;
-#   3) `python -m train.plan --verify` at that setting under the cap: predicted vs measured peak;
-#   4) DiTDH-XL (RAE) planned and verified under the cap;
-#   5) sampling images/s of DiT-XL/2 at 256 px: DDPM 250 steps and DPM-Solver++ 20 steps, cfg 1.5, batch 64.
-# Each part has its own time limit; a part that fails or runs out of time says so and the next one runs.
+#   GPU_CHECK_DRY=1 bash tests/bench/gpu_check.sh [OUT_DIR]   every part's command at a tiny size on the CPU (flags
+#                                                             parse, code runs; limits x GPU_CHECK_DRY_SCALE, default 3)
+# The parts, most valuable first (a part whose limit does not fit in what is left of the budget is skipped, never
+# started to be cut; a part that fails or runs out of time says so and the next one runs; each part's limit includes
+# the 5 s timeout leaves between SIGTERM and SIGKILL; train.bench keeps the rows it measured when cut):
+#   part                   limit s   sum s   what
+#   gpu-info                    10      10   nvidia-smi, torch and CUDA versions
+#   step-changes               140     150   the step before issue 34 (eager, host reading loss/grad norm every step) vs
+#                                            each change (no host sync, foreach vs fused AdamW, regional compile,
+#                                            selective checkpointing, all together): DiT-XL/2 256 px, bf16, the largest
+#                                            micro-batch up to 256 the planner fits in the free memory, uncapped
+#   fixtures-latents            20     170   512 synthetic 32x32x4 latents
+#   train-3090                  70     240   a real `python -m train` of DiT-XL/2, fp16, the planned micro-batch (auto),
+#                                            under a 23.3 GiB cap (tests/bench/capped.py): images/s, peak memory
+#   plan-verify-3090            40     280   `python -m train.plan --verify` at that setting under the cap
+#   plan-verify-ditdh-xl        40     320   DiTDH-XL (RAE) planned and verified under the cap
+#   fixtures-weights            30     350   random DiT-XL/2 weights and a random SD-VAE (needs diffusers)
+#   sample-dpm1                 25     375   sampling DiT-XL/2 256 px, cfg 1.5, batch 64: DPM-Solver++ 20 steps, 1 batch
+#   sample-dpm2                 30     405   the same, 2 batches (the difference is one batch: loading cancels out)
+#   sample-ddpm                 35     440   DDPM 250 steps, 1 batch
+#   bench-sample                30     470   eager fp32 vs bf16 network loop, VAE decode fp32 vs bf16 and its pixel
+#                                            error (tests/bench/bench_sample.py, DPM-Solver++ only; compile rows are
+#                                            left to a longer run)
+# The 10 s left over cover the summaries the script prints between parts.
 set -uo pipefail
 out=${1:-gpu-check}
 mkdir -p "$out"
 fx="$out/fixtures"
-CAP=23.3  # GiB: what an RTX 3090 (24 GiB) leaves to one process
 PY=${PYTHON:-python}
+GRACE=5  # seconds timeout waits after SIGTERM before SIGKILL: part of each part's limit
 
-BUDGET=${GPU_CHECK_BUDGET:-480}  # seconds: a part never starts later than this, and is cut to what is left
+if [ "${GPU_CHECK_DRY:-0}" = 1 ]; then
+  # the same commands at a tiny size on the CPU: a check that they parse and run, not a measurement
+  export CUDA_VISIBLE_DEVICES=""
+  export TORCH_COMPILE_DISABLE=1  # the compile rows run eager: inductor on a CPU takes minutes per row
+  SCALE=${GPU_CHECK_DRY_SCALE:-3}
+  DIT=DiT-T/2 DITDH=DiTDH-T IMAGE=32 DH_IMAGE=28 LATENTS=16 BATCH=8 DH_BATCH=8 CAP=0 P16=fp32 PBF=fp32
+  MAX_STEPS=2 LOG_EVERY=1 SAMPLE_BATCH=2 DPM_STEPS=2 DDPM_STEPS=4
+  BENCH=(--model DiT-T/2 --image-size 32 --steps 1 --warmup 0 --threads 1 --device cpu)
+  VERIFY=()  # --verify runs a CUDA step: the plan alone here
+  VAE=(--tiny-vae) SAMPLE_DEVICE=(--cpu)
+  BENCH_SAMPLE=(--preset cpu --batch 2 --solver-steps 2 --threads 1 --device cpu)
+else
+  SCALE=1
+  DIT=DiT-XL/2 DITDH=DiTDH-XL IMAGE=256 DH_IMAGE=224 LATENTS=512 BATCH=256 DH_BATCH=1024
+  CAP=23.3  # GiB: what an RTX 3090 (24 GiB) leaves to one process
+  P16=fp16 PBF=bf16 MAX_STEPS=8 LOG_EVERY=4 SAMPLE_BATCH=64 DPM_STEPS=20 DDPM_STEPS=250
+  BENCH=(--steps 4 --warmup 2)
+  VERIFY=(--verify)
+  VAE=() SAMPLE_DEVICE=()
+  BENCH_SAMPLE=(--preset gpu)
+fi
+BUDGET=$((${GPU_CHECK_BUDGET:-480} * SCALE))  # seconds for the whole script
 
-part() {  # part NAME SECONDS CMD...: run, tee to OUT/NAME.txt, say how it ended
-  local name=$1 limit=$2
+part() {  # part NAME SECONDS CMD...: run if it fits what is left, tee to OUT/NAME.txt; OUT/NAME.seconds: START END EXIT
+  local name=$1 limit=$(($2 * SCALE))
   shift 2
   local left=$((BUDGET - SECONDS))
-  if [ "$left" -le 10 ]; then echo "== $name: skipped, the ${BUDGET} s budget is spent" | tee "$out/$name.txt"; return; fi
-  [ "$limit" -gt "$left" ] && limit=$left
+  if [ "$limit" -gt "$left" ]; then
+    echo "== $name: skipped, its $limit s limit does not fit the $left s left of the $BUDGET s budget" \
+      | tee "$out/$name.txt"
+    return
+  fi
   echo "== $name"
-  local start=$SECONDS
-  timeout "$limit" "$@" 2>&1 | tee "$out/$name.txt"
-  local code=${PIPESTATUS[0]}
-  echo "== $name: exit $code after $((SECONDS - start)) s$([ "$code" = 124 ] && echo " (time limit $limit s)")"
-}
-
-seconds_of() {  # seconds_of CMD...: "START END" wall-clock stamps of a command (its output into the log)
   local start
   start=$(date +%s.%N)
-  timeout 90 "$@" >>"$out/sample.txt" 2>&1 || echo "failed or over 90 s: $*" | tee -a "$out/sample.txt" >&2
-  echo "$start $(date +%s.%N)"
+  timeout -k "$GRACE" "$((limit - GRACE))" "$@" 2>&1 | tee "$out/$name.txt"
+  local code=${PIPESTATUS[0]}
+  echo "$start $(date +%s.%N) $code" >"$out/$name.seconds"
+  echo "== $name: exit $code after $(awk '{printf "%.1f", $2 - $1}' "$out/$name.seconds") s$(
+    [ "$code" -ge 124 ] && echo " (cut at the $limit s limit)")"
 }
 
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
-$PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$out/gpu.txt"
-part fixtures 90 $PY tests/bench/gpu_fixtures.py "$fx" --model DiT-XL/2 --image-size 256 --num-latents 512
+part gpu-info 10 bash -c "{ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,\
+driver_version --format=csv,noheader || echo 'no nvidia-smi'; }; $PY -c \"import torch; print('torch', \
+torch.__version__, 'cuda', torch.version.cuda)\""
 
 # 1) today's eager step vs every change (MFU from the known H100/H200/A100/... peaks, train/bench.py)
-part step-changes 180 $PY -m train.bench --preset changes-gpu --memory-cap-gib 0 --steps 4 --warmup 2 \
+part step-changes 140 "$PY" -m train.bench --preset changes-gpu --memory-cap-gib 0 "${BENCH[@]}" \
   --json "$out/step-changes.json"
 
 # 2) the 3090 setting as a real training run (global batch 256, micro-batch and checkpointing planned for the cap)
-part train-3090 120 $PY tests/bench/capped.py "$CAP" -m train --latents "$fx/latents" --results-dir "$out/run-3090" \
-  --model DiT-XL/2 --precision fp16 --global-batch-size 256 --max-steps 8 --log-every 4 --ckpt-every 1000000 \
-  --sample-every 0 --keep-last 1 --resume none
+part fixtures-latents 20 "$PY" tests/bench/gpu_fixtures.py "$fx" --what latents --image-size "$IMAGE" \
+  --num-latents "$LATENTS"
+part train-3090 70 "$PY" tests/bench/capped.py "$CAP" -m train --latents "$fx/latents" --results-dir "$out/run-3090" \
+  --model "$DIT" --precision "$P16" --global-batch-size "$BATCH" --max-steps "$MAX_STEPS" --log-every "$LOG_EVERY" \
+  --ckpt-every 1000000 --sample-every 0 --keep-last 1 --resume none
 $PY - "$out/run-3090" <<'PYEOF' | tee -a "$out/train-3090.txt"
 import json, sys
 from pathlib import Path
@@ -67,38 +103,52 @@ for row in rows:
 PYEOF
 
 # 3) the planner's prediction against the trainer's own step at the 3090 setting, under the cap
-part plan-verify-3090 75 $PY tests/bench/capped.py "$CAP" -m train.plan --model DiT-XL/2 --image-size 256 \
-  --precision fp16 --grad-checkpoint --gpu-memory 24GiB --global-batch-size 256 --verify
+part plan-verify-3090 40 "$PY" tests/bench/capped.py "$CAP" -m train.plan --model "$DIT" --image-size "$IMAGE" \
+  --precision "$P16" --grad-checkpoint --gpu-memory 24GiB --global-batch-size "$BATCH" "${VERIFY[@]}"
 
 # 4) DiTDH-XL (RAE) on 768x16x16 DINOv2-B tokens, flow, bf16, RAE's global batch, under the cap
-part plan-verify-ditdh-xl 75 $PY tests/bench/capped.py "$CAP" -m train.plan --model DiTDH-XL --objective flow \
-  --image-size 224 --vae-factor 14 --latent-channels 768 --precision bf16 --grad-checkpoint --gpu-memory 24GiB \
-  --global-batch-size 1024 --verify
+part plan-verify-ditdh-xl 40 "$PY" tests/bench/capped.py "$CAP" -m train.plan --model "$DITDH" --objective flow \
+  --image-size "$DH_IMAGE" --vae-factor 14 --latent-channels 768 --precision "$PBF" --grad-checkpoint \
+  --gpu-memory 24GiB --global-batch-size "$DH_BATCH" "${VERIFY[@]}"
 
-# 5) sampling: the time of one batch of 64 (two DPM-Solver++ runs of 1 and 2 batches separate the loading time)
-if [ $((BUDGET - SECONDS)) -gt 60 ]; then
-  echo "== sampling (DiT-XL/2 256 px, random weights, cfg 1.5, batch 64)"
-  common=(--ckpt "$fx/dit.pt" --vae "$fx/vae" --batch-size 64 --cfg-scale 1.5 --precision bf16 --vae-precision bf16)
-  dpm1=$(seconds_of $PY -m sample "${common[@]}" --num-samples 64 --sampler dpmpp-2m --num-sampling-steps 20 --out "$out/s-dpm1")
-  dpm2=$(seconds_of $PY -m sample "${common[@]}" --num-samples 128 --sampler dpmpp-2m --num-sampling-steps 20 --out "$out/s-dpm2")
-  ddpm=$(seconds_of $PY -m sample "${common[@]}" --num-samples 64 --sampler ddpm --num-sampling-steps 250 --out "$out/s-ddpm")
-  $PY - $dpm1 $dpm2 $ddpm <<'PYEOF' | tee -a "$out/sample.txt"
+# 5) sampling: the time of one batch (two DPM-Solver++ runs of 1 and 2 batches separate the loading time)
+part fixtures-weights 30 "$PY" tests/bench/gpu_fixtures.py "$fx" --what dit,vae --model "$DIT" --image-size "$IMAGE" \
+  "${VAE[@]}"
+sample=(--ckpt "$fx/dit.pt" --model "$DIT" --image-size "$IMAGE" --vae "$fx/vae" --batch-size "$SAMPLE_BATCH"
+        --cfg-scale 1.5 --precision "$PBF" --vae-precision "$PBF" "${SAMPLE_DEVICE[@]}")
+if [ -f "$fx/dit.pt" ] && [ -d "$fx/vae" ]; then
+  part sample-dpm1 25 "$PY" -m sample "${sample[@]}" --num-samples "$SAMPLE_BATCH" --sampler dpmpp-2m \
+    --num-sampling-steps "$DPM_STEPS" --out "$out/s-dpm1"
+  part sample-dpm2 30 "$PY" -m sample "${sample[@]}" --num-samples $((2 * SAMPLE_BATCH)) --sampler dpmpp-2m \
+    --num-sampling-steps "$DPM_STEPS" --out "$out/s-dpm2"
+  part sample-ddpm 35 "$PY" -m sample "${sample[@]}" --num-samples "$SAMPLE_BATCH" --sampler ddpm \
+    --num-sampling-steps "$DDPM_STEPS" --out "$out/s-ddpm"
+  $PY - "$out" "$SAMPLE_BATCH" "$DPM_STEPS" "$DDPM_STEPS" <<'PYEOF' | tee "$out/sample.txt"
 import sys
-stamps = list(map(float, sys.argv[1:]))
-dpm1, dpm2, ddpm = (end - start for start, end in zip(stamps[::2], stamps[1::2]))
-batch = dpm2 - dpm1            # one batch of 64 with DPM-Solver++ 20 (loading cancels out)
-load = max(dpm1 - batch, 0.0)  # loading the weights and the VAE, starting CUDA
-print(f"sampling DiT-XL/2 256 px, batch 64, cfg 1.5, bf16: DPM-Solver++(2M) 20 steps {64 / batch:.1f} images/s; "
-      f"DDPM 250 steps {64 / max(ddpm - load, 1e-9):.2f} images/s (loading {load:.1f} s subtracted); "
-      f"50,000 images with DDPM 250: {50000 / (64 / max(ddpm - load, 1e-9)) / 3600:.2f} GPU-hours")
+from pathlib import Path
+out, n, dpm_steps, ddpm_steps = Path(sys.argv[1]), *map(int, sys.argv[2:])
+def seconds(name):
+    """Wall-clock seconds of a part that ran and ended with exit 0, else None."""
+    stamps = out / f"{name}.seconds"
+    start, end, code = stamps.read_text().split() if stamps.is_file() else ("0", "0", "skipped")
+    return float(end) - float(start) if code == "0" else None
+dpm1, dpm2, ddpm = (seconds(name) for name in ("sample-dpm1", "sample-dpm2", "sample-ddpm"))
+if None in (dpm1, dpm2, ddpm):
+    sys.exit("sampling: a sampling part failed or was skipped; no images/s")
+batch = max(dpm2 - dpm1, 1e-9)  # one batch with DPM-Solver++ (loading cancels out)
+load = max(dpm1 - batch, 0.0)   # loading the weights and the VAE, starting CUDA
+rate = n / max(ddpm - load, 1e-9)
+print(f"sampling, batch {n}, cfg 1.5: DPM-Solver++(2M) {dpm_steps} steps {n / batch:.1f} images/s; DDPM "
+      f"{ddpm_steps} steps {rate:.2f} images/s (loading {load:.1f} s subtracted); 50,000 images with DDPM: "
+      f"{50000 / rate / 3600:.2f} GPU-hours")
 PYEOF
 else
-  echo "== sampling: skipped, the ${BUDGET} s budget is spent"
+  echo "== sampling: skipped, fixtures-weights wrote no weights or VAE (see $out/fixtures-weights.txt)" \
+    | tee "$out/sample.txt"
 fi
 
-# 6) sampling options side by side: the network loop eager fp32 vs bf16 vs bf16 + one compiled block, and the VAE
-# decode fp32 vs bf16 with its pixel error (tests/bench/bench_sample.py; the graphs row is left to a longer run)
-part bench-sample 120 $PY tests/bench/bench_sample.py --preset gpu --options bf16 bf16+blocks \
+# 6) sampling options side by side (tests/bench/bench_sample.py): eager fp32 vs bf16, decode fp32 vs bf16
+part bench-sample 30 "$PY" tests/bench/bench_sample.py "${BENCH_SAMPLE[@]}" --options bf16 --ddpm-steps 0 \
   --json "$out/bench-sample.json"
 
-echo "== done after $SECONDS s: outputs in $out"
+echo "== done after $SECONDS s of the $BUDGET s budget: outputs in $out"

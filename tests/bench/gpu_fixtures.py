@@ -2,10 +2,20 @@
 state dict in the official layout (what `python -m sample --ckpt FILE.pt` reads) and a random VAE of SD-VAE's
 architecture (speed does not depend on the weights).
 
-Run: python tests/bench/gpu_fixtures.py OUT [--model DiT-XL/2 --image-size 256 --num-latents 512]
+Run: python tests/bench/gpu_fixtures.py OUT [--model DiT-XL/2 --image-size 256 --num-latents 512] [--what latents]
      (--tiny-vae for a CPU smoke test: a two-level VAE instead of SD-VAE's four levels)
+
+The GPU machine has torch (CUDA), accelerate, transformers and timm, not diffusers (the VAE) nor pytest (tests/helpers
+imports it; the latents are written with its make_latents). A missing one ends in one line naming it and these wheels
+(pure Python; `pip install --no-deps` them there), the versions this checkout is tested with:
+  vae:     diffusers-0.42.1-py3-none-any.whl importlib_metadata-10.2.0-py3-none-any.whl zipp-4.1.2-py3-none-any.whl
+           lazy_importer-0.1.0-py3-none-any.whl (diffusers also needs huggingface-hub >= 1.32, Pillow, regex,
+           requests, safetensors >= 0.8: transformers and timm bring them)
+  latents: pytest-9.2.0-py3-none-any.whl iniconfig-2.3.1-py3-none-any.whl pluggy-1.7.0-py3-none-any.whl
+           pygments-2.21.0-py3-none-any.whl
 """
 import argparse
+import importlib
 import sys
 from pathlib import Path
 
@@ -13,7 +23,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from shared.network.models import DiT_models, ModelConfig  # noqa: E402
-from tests.helpers import make_latents  # noqa: E402
+
+FIXTURES = ("latents", "dit", "vae")
+# {fixture: (package it imports, the wheels that bring it and what it needs beyond torch/accelerate/transformers)}
+NEEDS = {"latents": ("pytest", "pytest-9.2.0 iniconfig-2.3.1 pluggy-1.7.0 pygments-2.21.0"),
+         "vae": ("diffusers", "diffusers-0.42.1 importlib_metadata-10.2.0 zipp-4.1.2 lazy_importer-0.1.0")}
 
 VAE_FACTOR = 8  # SD-VAE: 256 px -> 32x32x4 latents
 SD_VAE_WIDTHS = (128, 256, 512, 512)  # SD-VAE's block_out_channels (stabilityai/sd-vae-ft-ema config.json)
@@ -27,7 +41,28 @@ def parse_args(argv=None):
     p.add_argument("--image-size", type=int, default=256, help="image size the latents stand for (pixels)")
     p.add_argument("--num-latents", type=int, default=512, help="synthetic latents in the folder")
     p.add_argument("--tiny-vae", action="store_true", help="a two-level VAE (CPU smoke tests) instead of SD-VAE's")
-    return p.parse_args(argv)
+    p.add_argument("--what", default=",".join(FIXTURES),
+                   help=f"comma-separated fixtures to write, of {','.join(FIXTURES)} (default: all)")
+    args = p.parse_args(argv)
+    args.what = [w for w in args.what.split(",") if w]
+    if not args.what or set(args.what) - set(FIXTURES):
+        p.error(f"--what takes a comma-separated subset of {','.join(FIXTURES)}")
+    return args
+
+
+def require(fixtures) -> None:
+    """One line and exit status 1, no traceback, when a package the asked-for fixtures import is missing."""
+    for fixture in fixtures:
+        package, wheels = NEEDS.get(fixture, (None, ""))
+        if package is None:
+            continue
+        try:
+            importlib.import_module(package)
+        except ImportError as err:  # the package itself, or one of its own dependencies
+            missing = err.name or package
+            sys.exit(f"gpu_fixtures.py: the {fixture} fixture needs {package}, but {missing} is not installed: "
+                     f"carry the wheels {' '.join(w + '-py3-none-any.whl' for w in wheels.split())} and "
+                     "`pip install --no-deps` them (tests/bench/gpu_fixtures.py's header lists them)")
 
 
 def write_vae(out: Path, tiny: bool) -> Path:
@@ -60,14 +95,19 @@ def write_dit(out: Path, model: str, side: int) -> Path:
 def main(argv=None):
     """Write the three fixtures and print where they are."""
     args = parse_args(argv)
+    require(args.what)  # before any work: nothing is half written
     side = args.image_size // VAE_FACTOR
     args.out.mkdir(parents=True, exist_ok=True)
-    latents = make_latents(args.out / "latents", n=args.num_latents, shape=(4, side, side), flips=1, per_shard=256,
-                           image_size=args.image_size)
-    dit = write_dit(args.out / "dit.pt", args.model, side)
-    vae = write_vae(args.out / "vae", args.tiny_vae)
-    print(f"fixtures: latents {latents} ({args.num_latents} of 4x{side}x{side}), random {args.model} {dit}, "
-          f"random VAE {vae}")
+    if "latents" in args.what:
+        from tests.helpers import make_latents  # imports pytest
+
+        latents = make_latents(args.out / "latents", n=args.num_latents, shape=(4, side, side), flips=1,
+                               per_shard=256, image_size=args.image_size)
+        print(f"fixtures: latents {latents} ({args.num_latents} of 4x{side}x{side})")
+    if "dit" in args.what:
+        print(f"fixtures: random {args.model} {write_dit(args.out / 'dit.pt', args.model, side)}")
+    if "vae" in args.what:
+        print(f"fixtures: random VAE {write_vae(args.out / 'vae', args.tiny_vae)}")
 
 
 if __name__ == "__main__":
