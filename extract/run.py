@@ -144,7 +144,6 @@ class Progress:
     encoded: int = 0
     bad: list = field(default_factory=list)
     damaged: int = 0  # finished shards whose bytes failed their sha256, encoded again
-    shards_written: int = 0
     chunk: int = 0  # images per encoder call (halved on CUDA out-of-memory)
 
 
@@ -481,7 +480,6 @@ def encode_shards(plan: Plan, shards: list[int], vae, state, producers=None) -> 
         raise
     finally:
         bar.close()
-    progress.shards_written = len(shards)
     return progress
 
 

@@ -151,10 +151,10 @@ def test_corrupt_metadata_is_a_user_error(tmp_path):
 
 def test_run_layout_finds_newest_complete_checkpoint_and_export(tmp_path):
     """Steps sort numerically; a checkpoint folder without state.json (half-written) is ignored."""
-    from shared.runtime.rundir import (CHECKPOINTS, STATE_FILE, export_path, latest_checkpoint, latest_export,
-                               list_checkpoints, list_partial, staging_path, step_name)
+    from shared.runtime.rundir import (CHECKPOINTS, STATE_FILE, export_path, latest_checkpoint, list_checkpoints,
+                               list_exports, list_partial, staging_path, step_name)
 
-    assert latest_checkpoint(tmp_path) is None and latest_export(tmp_path) is None
+    assert latest_checkpoint(tmp_path) is None and list_exports(tmp_path) == []
     for step in (900, 10000, 12000):
         folder = tmp_path / CHECKPOINTS / step_name(step)
         folder.mkdir(parents=True)
@@ -164,7 +164,7 @@ def test_run_layout_finds_newest_complete_checkpoint_and_export(tmp_path):
         export_path(tmp_path, step).write_bytes(b"")
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step-0000900", "step-0010000"]
     assert latest_checkpoint(tmp_path).name == "step-0010000"
-    assert latest_export(tmp_path).name == "ema-step-0012000.safetensors"
+    assert list_exports(tmp_path)[-1].name == "ema-step-0012000.safetensors"
     staging_path(tmp_path, 13000).mkdir()
     assert [p.name for p in list_partial(tmp_path)] == [".tmp-step-0013000"]
     assert latest_checkpoint(tmp_path).name == "step-0010000"  # a staging folder is never a checkpoint

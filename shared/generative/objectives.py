@@ -77,11 +77,6 @@ def register_objective(cls: type) -> type:
     return OBJECTIVES.register(cls.name, cls)
 
 
-def objective_names() -> tuple[str, ...]:
-    """The registered objective names (built-ins, then plugins in import order)."""
-    return OBJECTIVES.names()
-
-
 def objective_help() -> str:
     """name: help of every registered objective, for --objective's help and errors."""
     return "; ".join(f"{name}: {cls.help}" for name, cls in OBJECTIVES.items())

@@ -172,12 +172,6 @@ def list_exports(run_dir) -> list[Path]:
     return [p for _, p in _by_step(Path(run_dir) / EXPORTS, _EXPORT)]
 
 
-def latest_export(run_dir) -> Path | None:
-    """The newest slim EMA export of a run, or None."""
-    found = list_exports(run_dir)
-    return found[-1] if found else None
-
-
 def list_samples(run_dir) -> list[Path]:
     """Preview latent files of a run, oldest first."""
     return [p for _, p in _by_step(Path(run_dir) / SAMPLES, _SAMPLE)]
