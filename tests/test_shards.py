@@ -226,31 +226,31 @@ def test_writer_rejects_bad_samples(tmp_path):
     with ShardWriter(tmp_path / shard_name(0), columns=MOMENTS) as writer:
         writer.add("5", {"mean": mean, "std": std}, 0)
         for key in ("a.b", "", "x/y"):
-            with pytest.raises(ValueError, match="bad sample key"):
+            with pytest.raises(AssertionError, match="bad sample key"):
                 writer.add(key, {"mean": mean, "std": std}, 0)
-        with pytest.raises(ValueError, match="appears twice"):
+        with pytest.raises(AssertionError, match="appears twice"):
             writer.add("5", {"mean": mean, "std": std}, 0)
-        with pytest.raises(ValueError, match=r"\(F, C, h, w\)"):
+        with pytest.raises(AssertionError, match=r"\(F, C, h, w\)"):
             writer.add("6", {"mean": mean[0], "std": std[0]}, 0)
-        with pytest.raises(ValueError, match="differs from the shard"):
+        with pytest.raises(AssertionError, match="differs from the shard"):
             writer.add("6", {"mean": mean[:, :2], "std": std[:, :2]}, 0)
-        with pytest.raises(ValueError, match=r"holds columns \['mean'\], the shard declares \['mean', 'std'\]"):
+        with pytest.raises(AssertionError, match=r"holds columns \['mean'\], the shard declares \['mean', 'std'\]"):
             writer.add("6", {"mean": mean}, 0)
-        with pytest.raises(ValueError, match=r"holds columns \['mean', 'repr', 'std'\]"):
+        with pytest.raises(AssertionError, match=r"holds columns \['mean', 'repr', 'std'\]"):
             writer.add("6", {"mean": mean, "std": std, "repr": mean}, 0)
     assert writer.info.keys == ["5"]
 
 
 def test_writer_checks_its_column_set(tmp_path):
-    with pytest.raises(ValueError, match="stores a 'mean' column"):
+    with pytest.raises(AssertionError, match="stores a 'mean' column"):
         ShardWriter(tmp_path / shard_name(0), columns={"std": torch.float16})
-    with pytest.raises(ValueError, match="'std' must be stored in the dtype of 'mean' \\(float16\\)"):
+    with pytest.raises(AssertionError, match="'std' must be stored in the dtype of 'mean' \\(float16\\)"):
         ShardWriter(tmp_path / shard_name(0), columns={"mean": torch.float16, "std": torch.float32})
-    with pytest.raises(ValueError, match="storage dtype must be one of"):
+    with pytest.raises(AssertionError, match="storage dtype must be one of"):
         ShardWriter(tmp_path / shard_name(0), columns={"mean": torch.int8})
     mean, std, _ = make_moments(1)[0]
     with ShardWriter(tmp_path / shard_name(0), columns={**MOMENTS, "repr": "bf16"}) as writer:
-        with pytest.raises(ValueError, match="column 'repr' \\(3, 5\\) must lead with the latent's 2 flip"):
+        with pytest.raises(AssertionError, match="column 'repr' \\(3, 5\\) must lead with the latent's 2 flip"):
             writer.add("0", {"mean": mean, "std": std, "repr": torch.zeros(3, 5)}, 0)
     assert writer.info.keys == []
 
@@ -299,11 +299,11 @@ def test_write_index_validates(tmp_path):
     _, _, infos32 = write_folder(tmp_path / "a2", counts=(2,), dtype=torch.float32, index=False)
     mixed = ShardInfo.from_dict({**infos32[0].to_dict(), "name": "shard-000001.tar"})
     (tmp_path / "a" / mixed.name).write_bytes((tmp_path / "a2" / infos32[0].name).read_bytes())
-    with pytest.raises(ValueError, match="shard-000001.tar has layout"):
+    with pytest.raises(AssertionError, match="shard-000001.tar has layout"):
         write_index(tmp_path / "a", [infos16[0], mixed], index_meta(tmp_path / "a"))
-    with pytest.raises(ValueError, match="outside"):
+    with pytest.raises(AssertionError, match="outside"):
         write_index(tmp_path / "a", infos16, {**index_meta(tmp_path / "a"), "num_classes": 1, "class_names": ["x"]})
-    with pytest.raises(ValueError, match="file size"):
+    with pytest.raises(AssertionError, match="file size"):
         write_index(tmp_path / "a", [ShardInfo.from_dict({**infos16[0].to_dict(), "size": 1})],
                     index_meta(tmp_path / "a"))
     assert not (tmp_path / "a" / "index.json").exists()
@@ -504,7 +504,7 @@ def test_resume_continues_the_exact_stream(start):
 def test_unshuffled_stream_and_argument_checks():
     assert list(islice(StreamSampler(4, 1, 2, shuffle=False), 5)) == [1, 3, 1, 3, 1]
     for kwargs in ({"num_samples": 0}, {"num_samples": 4, "rank": 2, "world_size": 2}, {"num_samples": 4, "start": -1}):
-        with pytest.raises(ValueError):
+        with pytest.raises(AssertionError):
             StreamSampler(**kwargs)
 
 

@@ -109,7 +109,7 @@ def storage_dtype(dtype) -> StorageDtype:
     for d in DTYPES:
         if name == d.name:
             return d
-    raise ValueError(f"storage dtype must be one of {[d.name for d in DTYPES]}, got {dtype}")
+    raise AssertionError(f"storage dtype must be one of {[d.name for d in DTYPES]}, got {dtype}")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -173,12 +173,10 @@ def spec_nbytes(spec: dict) -> int:
 
 def check_columns(columns: dict) -> dict:
     """A writer's column set {name: dtype} -> {name: StorageDtype}; "std" must match "mean" when present."""
-    if LATENT not in columns:
-        raise ValueError(f"a latent shard stores a {LATENT!r} column (the latent); got columns {sorted(columns)}")
+    assert LATENT in columns, f"a latent shard stores a {LATENT!r} column (the latent); got columns {sorted(columns)}"
     out = {name: storage_dtype(dtype) for name, dtype in columns.items()}
-    if STD in out and out[STD] != out[LATENT]:
-        raise ValueError(f"{STD!r} must be stored in the dtype of {LATENT!r} ({out[LATENT].name}), "
-                         f"got {out[STD].name}")
+    assert STD not in out or out[STD] == out[LATENT], \
+        f"{STD!r} must be stored in the dtype of {LATENT!r} ({out[LATENT].name}), got {out[STD].name}"
     return out
 
 
@@ -197,16 +195,13 @@ def as_column(x, dtype: StorageDtype) -> torch.Tensor:
 
 def check_sample(tensors: dict, columns: dict) -> None:
     """One sample's tensors must be exactly the declared columns, the moments (F, C, h, w), all with one F."""
-    if set(tensors) != set(columns):
-        raise ValueError(f"a sample holds columns {sorted(tensors)}, the shard declares {sorted(columns)}")
+    assert set(tensors) == set(columns), f"a sample holds columns {sorted(tensors)}, the shard declares {sorted(columns)}"
     latent = tensors[LATENT]
-    if latent.ndim != 4 or (STD in tensors and tensors[STD].shape != latent.shape):
-        got = " and ".join(str(tuple(tensors[n].shape)) for n in MOMENT_NAMES if n in tensors)
-        raise ValueError(f"{' and '.join(n for n in MOMENT_NAMES if n in tensors)} must be (F, C, h, w); got {got}")
+    shapes = [tuple(tensors[n].shape) for n in MOMENT_NAMES if n in tensors]
+    assert latent.ndim == 4 and len(set(shapes)) == 1, f"the moments must be (F, C, h, w); got {shapes}"
     for name, t in tensors.items():
-        if t.ndim < 1 or t.shape[0] != latent.shape[0]:
-            raise ValueError(f"column {name!r} {tuple(t.shape)} must lead with the latent's {latent.shape[0]} "
-                             f"flip frame(s)")
+        assert t.ndim >= 1 and t.shape[0] == latent.shape[0], \
+            f"column {name!r} {tuple(t.shape)} must lead with the latent's {latent.shape[0]} flip frame(s)"
 
 
 def serialise(tensors: dict) -> bytes:
@@ -426,20 +421,17 @@ class ShardWriter:
 
     def _check_key(self, key: str) -> None:
         """Keys are short ASCII names without dots or slashes (webdataset splits on the first dot)."""
-        if not key or "." in key or "/" in key or not key.isascii() or len(key) > 80:
-            raise ValueError(f"bad sample key {key!r}: use a short ASCII name without '.' or '/'")
-        if key in self._key_set:  # webdataset would merge the two samples' members
-            raise ValueError(f"sample key {key!r} appears twice in {self.path.name}")
+        assert key and "." not in key and "/" not in key and key.isascii() and len(key) <= 80, \
+            f"bad sample key {key!r}: use a short ASCII name without '.' or '/'"
+        assert key not in self._key_set, f"sample key {key!r} appears twice in {self.path.name}"  # webdataset merges
 
     def _check_layout(self, payload: bytes) -> None:
         """Every payload must share the first one's header, so one layout describes the whole shard."""
         header = payload[: int.from_bytes(payload[:8], "little") + 8]
         if self._header is None:
             self._header, self._layout = header, payload_layout(payload)
-        elif header != self._header:
-            got = payload_layout(payload)
-            raise ValueError(f"sample shape/dtype {got['shape']} {got['dtype']} differs from the shard's "
-                             f"{self._layout['shape']} {self._layout['dtype']}")
+        else:
+            assert header == self._header, f"sample layout {payload_layout(payload)} differs from the shard's {self._layout}"
 
     def _write_member(self, name: str, data: bytes) -> None:
         """Write one tar member: header, data, zero padding to the next 512-byte block."""
@@ -483,15 +475,11 @@ def _check_shards(out_dir: Path, shards: list[ShardInfo], num_classes: int) -> d
     for s in shards:
         assert s.name not in names, f"shard {s.name} is listed twice"
         names.add(s.name)
-        if s.num_samples and s.layout != layout:
-            raise ValueError(f"shard {s.name} has layout {s.layout}, but {shards[0].name} has {layout}")
+        assert not s.num_samples or s.layout == layout, f"shard {s.name} has layout {s.layout}, another has {layout}"
         assert len(s.keys) == len(s.labels) == len(s.offsets) == s.num_samples, f"shard {s.name}: keys/labels/offsets"
         size = (out_dir / s.name).stat().st_size if (out_dir / s.name).exists() else None
-        if size != s.size:
-            raise ValueError(f"shard {s.name}: file size {size} in {out_dir}, expected {s.size}")
-        bad = [y for y in s.labels if not 0 <= y < num_classes]
-        if bad:
-            raise ValueError(f"shard {s.name}: label {bad[0]} outside [0, {num_classes})")
+        assert size == s.size, f"shard {s.name}: file size {size} in {out_dir}, expected {s.size}"
+        assert all(0 <= y < num_classes for y in s.labels), f"shard {s.name}: a label outside [0, {num_classes})"
     return layout
 
 
@@ -956,12 +944,8 @@ class StreamSampler(torch.utils.data.Sampler):
 
     def __init__(self, num_samples: int, rank: int = 0, world_size: int = 1, seed: int = 0,
                  shuffle: bool = True, start: int = 0, counts: Sequence[int] | None = None, window: int = 0):
-        if num_samples <= 0:
-            raise ValueError(f"num_samples must be positive, got {num_samples}")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} outside world_size {world_size}")
-        if seed < 0 or start < 0:
-            raise ValueError(f"seed and start must be >= 0, got seed={seed} start={start}")
+        assert num_samples > 0 and 0 <= rank < world_size and seed >= 0 and start >= 0, \
+            f"StreamSampler({num_samples=}, {rank=}, {world_size=}, {seed=}, {start=})"
         self.num_samples, self.rank, self.world_size = num_samples, rank, world_size
         assert not window or (counts is not None and sum(counts) == num_samples), "window needs counts summing to n"
         self.seed, self.shuffle, self.start, self.counts, self.window = seed, shuffle, start, counts, window
@@ -998,8 +982,7 @@ def draw_latents(mean, std, norm: LatentNorm, generator=None) -> torch.Tensor:
         return norm.apply(mean)
     std = std.float()
     if isinstance(generator, (list, tuple)):
-        if len(generator) != mean.shape[0]:
-            raise ValueError(f"{len(generator)} generators for a batch of {mean.shape[0]}")
+        assert len(generator) == mean.shape[0], f"{len(generator)} generators for a batch of {mean.shape[0]}"
         eps = torch.stack([_randn(mean.shape[1:], g, mean.device) for g in generator])  # (N, C, h, w)
     else:
         eps = _randn(mean.shape, generator, mean.device)
