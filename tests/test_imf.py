@@ -201,6 +201,8 @@ def test_sample_takes_any_scale_in_the_trained_range_in_one_step(imf_run, tiny_v
         code, err = run_sample([*common, "--cfg-scale", scale, "--out", tmp_path / f"w{scale}"], capsys)
         assert code == 0, err
         assert len(list((tmp_path / f"w{scale}").glob("0*.png"))) == 2
+        run = json.loads((tmp_path / f"w{scale}" / "settings.json").read_text())["run"]
+        assert run["guidance"].startswith(f"guidance: cfg scale {scale:g} fed to the network"), run["guidance"]
     code, err = run_sample([*common, "--cfg-scale", 5, "--out", tmp_path / "w5"], capsys)
     assert code == 2 and "--cfg-scale 5 is outside [1, 4]" in err and "--cfg-max" in err, err
     assert not (tmp_path / "w5").exists()

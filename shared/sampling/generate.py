@@ -159,7 +159,10 @@ def make_settings(plan: SamplePlan) -> dict:
     run = {k: v for k, v in options.items() if k in RUN_ONLY}
     run.update(num_samples=plan.num_samples, out=str(plan.out), notes=loaded.notes,
                guidance=describe_guidance(o.guide_channels, loaded.config.in_channels, o.cfg_scale, o.cfg_interval,
-                                          plan.objective.level_unit, loaded.auto_guide))
+                                          plan.objective.level_unit, loaded.auto_guide)
+               if not loaded.config.guidance_inputs else  # improved MeanFlow: an input, not a [cond; null] batch
+               f"guidance: cfg scale {o.cfg_scale:g} fed to the network with the interval "
+               f"{list(o.cfg_interval or (0, 1))} (improved MeanFlow: one call per step at any scale)")
     return json.loads(json.dumps({"identity": identity, "run": run}))
 
 
