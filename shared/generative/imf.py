@@ -4,10 +4,10 @@ and classifier-free guidance as conditioning chosen at sampling time.
 
 In the paper's time (t = 1 is noise, z_t = (1 - t) x + t e) the network predicts the average velocity u(z_t, r, t);
 the compound field V = u + (t - r) sg(du/dt) is regressed onto a target that no longer holds the network's own
-derivative (the iMF loss, Eq. 12), with du/dt the JVP along the network's predicted velocity v(z_t, t) = u(z_t, t, t)
+derivative (the paper's v-loss; the release's iMeanFlow.forward), with du/dt the JVP along the network's predicted velocity v(z_t, t) = u(z_t, t, t)
 (the boundary condition r = t; the release's auxiliary v-head is not built). The guided target is
 v_g = v + (1 - 1/w) (v_c - v_u), with v_c the network's velocity at scale w and v_u its null-class velocity at
-w = 1, whose fixed point is the CFG field w v(c) + (1 - w) v(null) (Eq. 15). w is drawn per sample, log-uniform
+w = 1, whose fixed point is the CFG field w v(c) + (1 - w) v(null) (the release's guidance_fn). w is drawn per sample, log-uniform
 in [1, w_max], with a guidance interval [t_min, t_max], t_min ~ U(0, 1/2), t_max ~ U(1/2, 1) (the release's
 sample_cfg_scale / sample_cfg_interval), and fed to the network beside (t, t - r): a 1-step sample takes any w
 in that range with one network call.
@@ -23,7 +23,8 @@ import math
 import torch
 
 from shared.generative.flow import FlowPath
-from shared.generative.meanflow import adaptive_weight, average_and_derivative, average_velocity, rows_of
+from shared.generative.meanflow import (adaptive_weight, average_and_derivative, average_velocity, mixed_kwargs,
+                                        rows_of)
 
 INTERVAL_SPLIT = 0.5  # t_min ~ U(0, split), t_max ~ U(split, 1): the release's sample_cfg_interval
 NO_INTERVAL = (0.0, 1.0)  # every noise level: the interval of the r = t samples, and sampling's default
@@ -47,7 +48,7 @@ def conditioned(model_fn, guidance: torch.Tensor):
 
 @torch.no_grad()
 def guided_target(path: FlowPath, model_fn, x, tau, v, guidance, model_kwargs: dict):
-    """(v_g, v_c) in SiT's sign, stop-gradient: the guided target (Eq. 15) and the predicted velocity of the JVP."""
+    """(v_g, v_c) in SiT's sign, stop-gradient: the guided target and the predicted velocity of the JVP."""
     # The release's guidance_fn: outside [t_min, t_max] the scale is 1 (v_g = v); v_c is the network at r = t with
     # the row's label (before label dropout), scale w there and no interval; v_u the null class at w = 1.
     level = 1 - tau  # (N,) the paper's t
@@ -56,7 +57,7 @@ def guided_target(path: FlowPath, model_fn, x, tau, v, guidance, model_kwargs: d
     zero, one = torch.zeros_like(g), torch.ones_like(g)
     cond = torch.stack([torch.cat([g, zero]), torch.cat([zero, zero]), torch.cat([one, one])], dim=1)  # (2N, 3)
     dropped = model_kwargs["force_drop_ids"].to(torch.bool)  # (N,)
-    both = {k: torch.cat([val, val]) if torch.is_tensor(val) else val for k, val in model_kwargs.items()}
+    both = mixed_kwargs(model_kwargs, 2)
     both["force_drop_ids"] = torch.cat([torch.zeros_like(dropped), torch.ones_like(dropped)])
     out = average_velocity(path, conditioned(model_fn, cond), torch.cat([x, x]), torch.cat([tau, tau]),
                            torch.cat([zero, zero]).to(tau.dtype), both)  # (2N, C, h, w)
@@ -83,7 +84,7 @@ def imf_losses(path: FlowPath, model_fn, x1, t, noise, model_kwargs: dict, *, p:
         correction[rows] = h[rows].view(-1, *([1] * (x.ndim - 1))).to(v.dtype) * derivative.to(v.dtype)
     # The forward the gradient flows through runs last, so a wrapper keeping something from it (REPA) keeps its.
     ubar = average_velocity(path, conditioned(model_fn, guidance), x, tau, h, model_kwargs)  # with autograd
-    pred = ubar - correction.to(ubar.dtype)  # V = ubar - h sg(d ubar / d tau) (Eq. 12 in SiT's sign)
+    pred = ubar - correction.to(ubar.dtype)  # V = ubar - h sg(d ubar / d tau): the v-loss in SiT's sign
     sq = ((pred - target.to(pred.dtype).detach()) ** 2).flatten(1).sum(1)  # (N,)
     v_sq = ((ubar.detach() - v) ** 2).flatten(1).sum(1)  # (N,)
     return {"loss": adaptive_weight(sq, p, c) * sq, "sq": sq.detach(), "v_sq": v_sq}
