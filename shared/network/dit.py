@@ -304,7 +304,7 @@ class DiT(Backbone):
         # MeanFlow (Geng et al. 2025): a second embedder for the interval length t - r, summed into the conditioning
         # as the official models_dit.py's h_embedder. None (no tensors) unless asked, so other layouts are unchanged.
         self.h_embedder = TimestepEmbedder(hidden_size) if interval_time else None
-        # Improved MeanFlow (Geng et al. 2025, arXiv 2512.02012, Sec. 5): the guidance as conditioning, one embedder
+        # Improved MeanFlow (Geng et al. 2025, arXiv 2512.02012): the guidance as conditioning, one embedder
         # each for 1 - 1/w, the interval's t_min and t_max, summed into the conditioning (the paper feeds them as
         # in-context tokens; adaLN keeps every DiT layout and release loadable).
         self.g_embedders = nn.ModuleList(TimestepEmbedder(hidden_size) for _ in range(GUIDANCE_INPUTS)) \
