@@ -147,8 +147,8 @@ class TrainConfig:
     precision: str = option(
         "auto", "auto (default): the accelerate config's mixed_precision if set, else bf16 on GPUs that have it, fp16 "
                 "on older GPUs, fp32 on the CPU; fp32; fp16: autocast + dynamic loss scaling (fp32 master weights); "
-                "bf16: autocast. The same names as python -m sample --precision (--mixed-precision and 'no' = fp32 "
-                "still work)", aliases=("--mixed-precision",), choices=("auto", *PRECISION_CHOICES),
+                "bf16: autocast. The same names as python -m sample --precision (REPA's --mixed-precision "
+                "no = fp32 works too)", aliases=("--mixed-precision",), choices=("auto", *PRECISION_CHOICES),
         type=canonical_precision)
     grad_checkpoint: int | str = option(
         "auto", "recompute every K-th transformer block in backward to save memory (bare flag: K=1, every block; 0: "

@@ -9,7 +9,7 @@ def autocast_dtype(name: str):
     return None if canonical_precision(name) == "fp32" else PRECISIONS[name]
 
 
-# The old training spelling (--mixed-precision no, as Accelerate names fp32), still accepted.
+# REPA's and fast-DiT's spelling (`--mixed-precision no`, Accelerate's name for fp32), so their commands carry over.
 PRECISION_ALIASES = {"no": "fp32"}
 PRECISION_CHOICES = (*PRECISIONS, *PRECISION_ALIASES)  # what the flags accept
 
