@@ -334,6 +334,8 @@ def test_repa_mistakes_are_one_paragraph_each(feature_latents, tmp_path, capsys)
     assert "--repa-depth 7 is outside the 6 blocks of DiT-T/2" in message
     message = refused(feature_latents, tmp_path / "r3", "--repa-feature-dim", "768")
     assert "--repa-feature-dim 768 does not match the features stored" in message and "width 8" in message
+    message = refused(feature_latents, tmp_path / "r5", "--repa-weight", "-0.5")  # the option's declared bound
+    assert "--repa-weight must be at least 0; got -0.5" in message
     # Resuming on features of another encoder (same latents otherwise) is refused, nothing written.
     run = tmp_path / "r4"
     assert main(_train(feature_latents, run, "--max-steps", "1", "--ckpt-every", "1")) == 0

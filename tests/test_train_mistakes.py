@@ -73,6 +73,18 @@ def test_nonfinite_weights_in_a_checkpoint_are_refused_on_resume(latents, tmp_pa
     assert "No older checkpoint exists" in message and "--resume none" in message
 
 
+def test_a_checkpoint_config_with_unknown_settings_is_refused_not_dropped(latents, tmp_path, capsys):
+    run = run_inprocess(latents, tmp_path / "run", "--max-steps", "2", "--ckpt-every", "2")
+    state_file = _ckpt(run, 2) / "state.json"
+    state = json.loads(state_file.read_text())
+    state["config"]["ema_warmup"] = 1000  # a setting another version would train with
+    state_file.write_text(json.dumps(state))
+    message = expect_user_error(capsys, train_args(latents, run, "--max-steps", "4"))
+    assert f"the config of {_ckpt(run, 2)} holds settings this version does not know (ema_warmup)" in message
+    assert "start a fresh run with a new --results-dir" in message
+    assert checkpoints(run) == ["step-0000002"]
+
+
 def test_keep_exports_retains_the_newest(latents, tmp_path):
     run = run_inprocess(latents, tmp_path / "run", "--max-steps", "6", "--ckpt-every", "2", "--keep-exports", "2")
     assert [p.name for p in rundir.list_exports(run)] == ["ema-step-0000004.safetensors",

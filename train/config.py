@@ -255,12 +255,15 @@ class TrainConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "TrainConfig":
-        """Rebuild from to_dict output, ignoring keys this version does not know."""
-        names = {f.name for f in fields(cls)}
-        d = dict(d)
-        d["column_options"] = {**column_defaults(), **d.get("column_options", {})}  # a plugin's column: its defaults
-        kwargs = {k: v for k, v in d.items() if k in names}
+    def from_dict(cls, d: dict, where: str = "the checkpoint") -> "TrainConfig":
+        """Rebuild from to_dict output; UserError on a setting this version does not know (it would be dropped)."""
+        unknown = sorted(set(d) - {f.name for f in fields(cls)})
+        if unknown:
+            raise UserError(f"the config of {where} holds settings this version does not know ({', '.join(unknown)}): "
+                            "it was written by another version, and resuming would silently drop them. Resume it "
+                            "with that version, or start a fresh run with a new --results-dir.")
+        kwargs = dict(d)
+        kwargs["column_options"] = {**column_defaults(), **d.get("column_options", {})}  # a plugin's column: its defaults
         if "adam_betas" in kwargs:
             kwargs["adam_betas"] = tuple(kwargs["adam_betas"])
         return resolve_block(cls(**kwargs))  # the block preset's options, as from the flags
@@ -525,9 +528,8 @@ def _resolve_columns(cfg: TrainConfig, dataset) -> None:
     """Each column asked for (weight > 0) is stored in the folder and its flags fit it and the model; one block."""
     for column in columns().values():
         flags = column.train_options(cfg.column_options)
+        check_flag_bounds(flags)  # the bounds its options declare, for a config built in Python
         weight = getattr(flags, column.weight)
-        if weight < 0:
-            raise UserError(f"{flag_name(column.weight)} must be >= 0 (0 turns it off), got {weight}.")
         if weight == 0:
             continue
         if column.name not in dataset.tensor_names or column.meta_key not in dataset.meta:

@@ -161,7 +161,7 @@ def resume_source(cfg: TrainConfig) -> tuple[Path | None, TrainConfig | None]:
     source = rundir.latest_checkpoint(run_dir) if cfg.resume == "auto" else Path(cfg.resume)
     if source is None:
         return None, None
-    return source, TrainConfig.from_dict(ckpt_io.read_state(source)["config"])
+    return source, TrainConfig.from_dict(ckpt_io.read_state(source)["config"], str(source))
 
 
 def start_weights(cfg: TrainConfig, dataset: LatentDataset, saved: TrainConfig | None) -> InitWeights | None:

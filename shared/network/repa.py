@@ -120,7 +120,7 @@ class RepaFlags:
     """`python -m train`'s REPA flags: align block `repa_depth`'s tokens through an MLP D -> P -> P -> E."""
 
     repa_weight: float = option(0.0, "REPA: weight lambda of the alignment loss (REPA: 0.5); 0 turns REPA off "
-                                     "(default). Needs a latent folder extracted with --repr-encoder")
+                                     "(default). Needs a latent folder extracted with --repr-encoder", min=0)
     repa_depth: int = option(8, "REPA: align the output of this block, counted from 1 (REPA: 8 of SiT-XL's 28)")
     repa_projector_dim: int = option(2048, "REPA: hidden width P of the projector MLP D -> P -> P -> E (REPA: 2048)")
     repa_feature_dim: int | None = option(
