@@ -19,12 +19,14 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.generative.objectives import OBJECTIVES
 from shared.network.models import PRESETS, ModelConfig
 from shared.runtime.errors import UserError
 from shared.weights.checkpoint import LoadedWeights, load_sampling_weights
 
-STARTABLE = ("flow", "meanflow", "imf")  # objectives whose network a MeanFlow run can start from
-STARTS = ("meanflow", "imf")  # objectives a run started from such weights may train
+# The flow samplers' families: a network of either predicts the velocity of the linear path (MeanFlow's u at
+# r = t is it), so a MeanFlow run can start from it.
+STARTABLE_FAMILIES = ("flow", "meanflow")
 ARCHITECTURE = ("model", "input_size", "in_channels", "num_classes", "learn_sigma", "class_dropout_prob", "norm",
                 "mlp", "rope", "qk_norm")
 
@@ -40,7 +42,7 @@ class InitWeights:
 
 def read_init(cfg, dataset) -> InitWeights:
     """Read and check --init-from against the run's objective and latent space; UserError, nothing written."""
-    if cfg.objective not in STARTS:
+    if not getattr(OBJECTIVES[cfg.objective], "interval_time", False):  # MeanFlow's second time: what starts at 0
         raise UserError(f"--init-from starts a MeanFlow or improved MeanFlow run from a flow model's weights; this "
                         f"run trains the {cfg.objective} objective. Pass --objective meanflow or imf (or --recipe "
                         "meanflow or imf), or drop --init-from.")
@@ -86,12 +88,13 @@ def _check_objective(where, source: ModelConfig, assumed: bool = False) -> None:
         raise UserError(f"--init-from {where} is a DiT^DH model ({source.model}, a {source.head_depth}-block head); "
                         "MeanFlow's second time embedding and its JVP target are supported on the plain DiT only. "
                         "Start from a DiT-* flow model (a SiT or REPA release, or a --recipe sit run).")
-    if source.objective not in STARTABLE and assumed:
+    startable = source.objective in OBJECTIVES and OBJECTIVES[source.objective].family in STARTABLE_FAMILIES
+    if not startable and assumed:
         raise UserError(f"--init-from {where} is a bare state dict that records no objective and is no known release, "
                         "so it reads as DiT's DDPM (epsilon-prediction) model, which MeanFlow cannot start from. If it "
                         "is a SiT or REPA flow model, pass the release's file under its name (SiT-XL-2-256x256.pt, "
                         "REPA-SiT-XL-2-256x256.pt) or one of this project's exports, which record their objective.")
-    if source.objective not in STARTABLE:
+    if not startable:
         what = "a DDPM (epsilon-prediction) model" if source.objective == "ddpm" else f"a {source.objective} model"
         raise UserError(f"--init-from {where} is {what}; MeanFlow starts from a network that predicts the flow's "
                         "velocity on the linear path, which its identity extends (u = v at r = t). An epsilon network "
