@@ -400,7 +400,7 @@ def _loading_problem(err: BaseException) -> str:
     return text.rstrip(". ")[:300] or type(err).__name__
 
 
-# ---- Pixel ranges: uint8 images on disk and in npz files <-> the [-1, 1] floats a tokenizer encodes and decodes ----
+# ---- Pixel ranges: uint8 images (files, npz) <-> the [-1, 1] floats a tokenizer encodes and decodes ----
 
 def to_unit_range(pixels) -> torch.Tensor:
     """uint8 pixels -> float32 in [-1, 1] (ToTensor then Normalize(0.5, 0.5), as DiT does); layout unchanged."""
@@ -463,8 +463,7 @@ class Tokenizer:
 
     @torch.no_grad()
     def encode_moments(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Raw latents of images (N,3,H,W), uint8 or in [-1,1]: (mean, std) each (N,C,h,w) fp32; std None if
-        deterministic."""
+        """Raw latents of images (N,3,H,W), uint8 or in [-1,1]: (mean, std) (N,C,h,w) fp32; std None: deterministic."""
         x = images.to(self.device, non_blocking=True)
         x = to_unit_range(x) if x.dtype == torch.uint8 else x.float()  # (N, 3, H, W) in [-1, 1]
         # Autocast from a caller must not turn the stored moments into half precision.
