@@ -177,10 +177,6 @@ class LatentNorm:
         return "none (raw latents)"
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The class record and its registry
-# ----------------------------------------------------------------------------------------------------------
-
 @dataclass(frozen=True)
 class TokenizerClass:
     """One supported tokenizer class (see the module doc for what each callable receives and returns)."""
