@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from shared.datasets.digits import digit_images
 from shared.runtime.errors import UserError, cli_errors
-from shared.tokenizers.pixels import channels_first, to_uint8
+from shared.tokenizers.tokenizer import channels_first, to_uint8
 
 PROG = "python -m data.make_vae"
 DEFAULT_OUT = Path(__file__).resolve().parent / "vae-digits"

@@ -32,18 +32,17 @@ from shared.runtime.cli import counted, option
 from shared.runtime.distributed import default_workers as shared_default_workers, process_state
 from extract.sizes import check_image_size
 from shared.runtime.errors import ChoiceError, UserError
-from shared.runtime.fsio import atomic_write_bytes, atomic_write_text, stale_tmps
+from shared.runtime.fsio import atomic_write_text, stale_tmps
 from shared.runtime.lock import hold_lock
 from shared.runtime.rerun import differences, listed
 from shared.datasets.columns import columns, plugin_of
 from shared.datasets.shards import FLAG_DTYPES
 from shared.runtime.plugins import PLUGIN
 from shared.tokenizers.classes import TokenizerClass, tokenizer_class
-from shared.tokenizers.norm import ChannelStats, ElementStats
-from shared.tokenizers.pixels import to_unit_range
 from shared.tokenizers.space import LatentSpace
-from shared.datasets.shards import (FLIP_MODES, FOLDER_KIND, INDEX_NAME, STORAGE_DTYPES, ShardWriter, damaged_error,
-                                    damaged_files, read_sidecar, shard_name, sidecar_path, write_index)
+from shared.datasets.shards import (FLIP_MODES, FOLDER_KIND, INDEX_NAME, STORAGE_DTYPES, ChannelStats, ElementStats,
+                                    ShardWriter, damaged_error, damaged_files, element_stats_path, read_sidecar,
+                                    shard_name, sidecar_path, write_index)
 
 SETTINGS_NAME = "extract-settings.json"
 BAD_FILES_NAME = "bad-files.jsonl"
@@ -310,11 +309,6 @@ def read_finished(plan: Plan, shard: int) -> dict | None:
     return sidecar if ok else None
 
 
-def element_stats_path(out: Path, shard: int) -> Path:
-    """The per-element partial sums of shard `shard` (RAE tokens), written just before its sidecar."""
-    return out / shard_name(shard).replace(".tar", ".stats.safetensors")
-
-
 def clean_unfinished(out: Path, shards: list[int]) -> None:
     """Remove temp files and half-written leftovers of the shards this process is about to redo."""
     for j in shards:
@@ -336,7 +330,7 @@ def _encode_chunks(vae, x: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torc
 
 def encode_pixels(vae, pixels: torch.Tensor, flip: bool, progress: Progress) -> tuple[torch.Tensor, torch.Tensor]:
     """uint8 (B,3,S,S) -> moments (B,F,C,h,w) fp32; the mirrored copy rides in the same encoder batch."""
-    x = to_unit_range(pixels.to(vae.device, non_blocking=True))  # (B, 3, S, S) in [-1, 1]
+    x = pixels.to(vae.device, non_blocking=True)  # (B, 3, S, S) uint8: the tokenizer scales it to [-1, 1]
     if flip:
         x = torch.cat([x, x.flip(3)])  # (2B, 3, S, S): originals, then their horizontal mirrors
     while True:
@@ -384,8 +378,6 @@ class ShardSink:
         self.plan, self.identity, self.batches = plan, vae_identity, batches
         self.process = process  # {"rank", "world_size"}: which process wrote a shard (for debugging)
         self.shard, self.writer, self.bad, self.seen = None, None, [], 0
-        self.stats = ChannelStats()  # of the shard being written, from the moments as stored
-        self.elements = ElementStats() if plan.kind.element_stats else None  # per element (C, h, w): RAE tokens
 
     def add(self, positions: list[int], columns: dict, bad: list[dict]) -> None:
         """Write one batch (all positions in one shard, sorted); finish the shard after its last file.
@@ -395,12 +387,8 @@ class ShardSink:
         shard = (positions[0] if positions else bad[0]["pos"]) // self.plan.cfg.shard_size
         if shard != self.shard:
             self._open(shard)
-        if positions:
-            self.stats.add(columns["mean"], columns.get("std"))  # (B, F, C, h, w), as stored
-            if self.elements is not None:
-                self.elements.add(columns["mean"])
-        for k, pos in enumerate(positions):
-            self.writer.add(f"{pos:09d}", {name: t[k] for name, t in columns.items()}, self.plan.scan.labels[pos])
+        labels = [self.plan.scan.labels[pos] for pos in positions]
+        self.writer.add_batch([f"{pos:09d}" for pos in positions], columns, labels)
         self.bad += [{"path": b["path"], "reason": b["reason"]} for b in bad]
         self.seen += len(positions) + len(bad)
         if self.seen == len(self.batches.shard_positions(shard)):
@@ -409,19 +397,14 @@ class ShardSink:
     def _open(self, shard: int) -> None:
         """Start writing a shard (its temp tar is renamed into place only when it is complete)."""
         assert self.writer is None, f"shard {self.shard} was left unfinished"
-        self.shard, self.bad, self.seen, self.stats = shard, [], 0, ChannelStats()
-        self.elements = ElementStats() if self.plan.kind.element_stats else None
-        self.writer = ShardWriter(self.plan.out / shard_name(shard), columns=shard_columns(self.plan)).__enter__()
+        self.shard, self.bad, self.seen = shard, [], 0
+        self.writer = ShardWriter(self.plan.out / shard_name(shard), columns=shard_columns(self.plan), stats=True,
+                                  element_stats=self.plan.kind.element_stats).__enter__()
 
     def _finish(self) -> None:
-        """Close the shard: the writer publishes the tar, then its sidecar with this run's record (last)."""
-        record = {"bad_files": self.bad, "vae": self.identity, "settings_sha256": settings_sha256(self.plan.settings),
-                  "written_by": self.process, "latent_stats": self.stats.to_dict()}
-        if self.elements is not None:  # the sums' sha256 in the sidecar: a damaged file re-encodes its shard
-            data, path = self.elements.to_bytes(), element_stats_path(self.plan.out, self.shard)
-            atomic_write_bytes(path, data)
-            record.update(element_stats=path.name, element_stats_sha256=hashlib.sha256(data).hexdigest())
-        self.writer.close(record)
+        """Close the shard: the writer publishes the tar, then its sidecar with this run's record and its statistics."""
+        self.writer.close({"bad_files": self.bad, "vae": self.identity,
+                           "settings_sha256": settings_sha256(self.plan.settings), "written_by": self.process})
         self.writer = None
 
     def abort(self) -> None:

@@ -1,6 +1,6 @@
 """`python -m extract --stats --out DIR`: (re)write a finished folder's latent space with its statistics.
 
-The statistics come from the stored moments (shared/tokenizers/norm.py `ChannelStats`, float64), the same numbers
+The statistics come from the stored moments (shared/datasets/shards.py `ChannelStats`, float64), the same numbers
 an extraction writes, so an older folder gets them without encoding any image again, and a damaged
 latent_space.json is rebuilt (its tokenizer part from the tokenizer index.json records, loaded on the CPU).
 latent_space.* and index.json's "latent_space" hash are rewritten atomically under the folder's lock; every other
@@ -20,7 +20,7 @@ from shared.runtime.errors import UserError
 from shared.runtime.fsio import atomic_write_text
 from shared.runtime.lock import hold_lock
 from shared.tokenizers.classes import TOKENIZER_CLASSES
-from shared.tokenizers.norm import ChannelStats, ElementStats
+from shared.datasets.shards import ChannelStats, ElementStats
 from shared.tokenizers.space import SPACE_JSON, LatentSpace
 
 BATCH = 256  # samples per gather while reading the moments

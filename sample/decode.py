@@ -12,7 +12,7 @@ from shared.runtime.distributed import process_state
 from shared.runtime.errors import UserError
 from shared.sampling.flags import DecodeFlags
 from shared.sampling.previews import read_preview
-from shared.tokenizers.pixels import to_uint8
+from shared.tokenizers.tokenizer import to_uint8
 from shared.runtime.rundir import SAMPLES, step_of
 from shared.tokenizers.space import LatentSpace, choose_tokenizer, load_tokenizer
 

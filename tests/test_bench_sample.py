@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from shared.datasets.digits import digit_images
-from shared.tokenizers.pixels import channels_first, to_uint8
+from shared.tokenizers.tokenizer import channels_first, to_uint8
 from shared.tokenizers.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -33,7 +33,7 @@ SOURCE = textwrap.dedent('''
     from shared.runtime.cli import option
     from shared.runtime.errors import UserError
     from shared.tokenizers.classes import TokenizerClass, register_tokenizer
-    from shared.tokenizers.norm import LatentNorm
+    from shared.tokenizers.classes import LatentNorm
     from shared.tokenizers.tokenizer import converted_folder, register_converted
 
 

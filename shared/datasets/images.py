@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
-from shared.tokenizers.pixels import to_unit_range
+from shared.tokenizers.tokenizer import to_unit_range
 
 # Anything above 100 megapixels (300 MB as decoded RGB, per DataLoader worker) is treated as a possible
 # decompression bomb unless `--max-image-pixels` says otherwise. This is the one limit: PIL's own check (a

@@ -51,6 +51,7 @@ import functools
 import hashlib
 import io
 import json
+import math
 import mmap
 import os
 import tarfile
@@ -58,18 +59,17 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
+import safetensors.torch
 import torch
 from tqdm import tqdm
 
 from shared.runtime.errors import UserError, disk_full
 from shared.runtime.fsio import (TMP_PREFIX, atomic_write_bytes, atomic_write_text, publish_file, space_guard, tmp_name,
                                  user_cache)
+from shared.tokenizers.classes import LatentNorm
 
-if TYPE_CHECKING:
-    from shared.tokenizers.norm import LatentNorm
 
 
 LATENT = "mean"  # the column every payload holds
@@ -206,8 +206,6 @@ def check_sample(tensors: dict, columns: dict) -> None:
 
 def serialise(tensors: dict) -> bytes:
     """A safetensors payload of CPU tensors (torch's writer: it knows bf16, which numpy does not)."""
-    import safetensors.torch
-
     out, seen = {}, set()
     for name, t in tensors.items():
         t = t.detach().to("cpu").contiguous()
@@ -231,6 +229,7 @@ INDEX_NAME = "index.json"
 ARRAYS_NAME = "index-arrays.npz"
 PAYLOAD_EXT = "latent.safetensors"
 LABEL_EXT = "cls"
+ELEMENT_STATS_SUFFIX = ".stats.safetensors"  # shard-000000.stats.safetensors: its per-element sums (RAE tokens)
 SIDECAR_SUFFIX = ".done.json"  # shard-000000.tar -> shard-000000.done.json: {"shard": ShardInfo, **the writer's record}
 BLOCK = 512
 RECORD = 20 * BLOCK  # tar's default record size; the archive is padded to a whole record like GNU tar
@@ -252,6 +251,11 @@ def shard_name(index: int) -> str:
 def sidecar_path(out, index: int) -> Path:
     """The completion record of shard number `index` (shard-000000.done.json), written by ShardWriter.close."""
     return (Path(out) / shard_name(index)).with_suffix(SIDECAR_SUFFIX)
+
+
+def element_stats_path(out, index: int) -> Path:
+    """The per-element partial sums of shard number `index` (RAE tokens), written by ShardWriter.close."""
+    return (Path(out) / shard_name(index)).with_suffix(ELEMENT_STATS_SUFFIX)
 
 
 def read_sidecar(out, index: int) -> dict | None:
@@ -338,6 +342,134 @@ class _HashingFile:
         self.pos += len(data)
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Statistics of the stored moments, float64 (each shard's sidecar holds its partial sums; extract merges them)
+# ---------------------------------------------------------------------------------------------------------
+# Per channel: mean = mean of the means; variance = variance of the means + mean of the variances (the law of
+# total variance over images, positions and posterior noise). Partial sums combine by Chan et al.'s parallel update.
+
+@dataclass
+class ChannelStats:
+    """Running per-channel count, mean of the means, sum of squared deviations of the means, sum of variances."""
+
+    count: int = 0
+    mean: list = field(default_factory=list)  # (C,) float64 as a list (JSON-able)
+    m2: list = field(default_factory=list)    # (C,) sum over values of (mean_value - channel mean)^2
+    var_sum: list = field(default_factory=list)  # (C,) sum of the posterior variances (0 when deterministic)
+
+    def add(self, mean: torch.Tensor, std: torch.Tensor | None) -> None:
+        """Fold in moments (..., C, h, w) (any leading dims: images, flips); std None for a deterministic latent."""
+        m = mean.double().movedim(-3, 0).reshape(mean.shape[-3], -1)  # (C, n)
+        n = m.shape[1]
+        part_mean = m.mean(dim=1)
+        part = ChannelStats(n, part_mean.tolist(), ((m - part_mean[:, None]) ** 2).sum(dim=1).tolist(),
+                            (std.double().movedim(-3, 0).reshape(std.shape[-3], -1) ** 2).sum(dim=1).tolist()
+                            if std is not None else [0.0] * m.shape[0])
+        self.merge(part)
+
+    def merge(self, other: "ChannelStats") -> None:
+        """Combine two partial statistics (Chan, Golub & LeVeque 1979, the pairwise update)."""
+        if other.count == 0:
+            return
+        if self.count == 0:
+            self.count, self.mean, self.m2, self.var_sum = other.count, list(other.mean), list(other.m2), list(
+                other.var_sum)
+            return
+        a, b = torch.tensor(self.mean, dtype=torch.float64), torch.tensor(other.mean, dtype=torch.float64)
+        n = self.count + other.count
+        delta = b - a
+        mean = a + delta * other.count / n
+        m2 = (torch.tensor(self.m2, dtype=torch.float64) + torch.tensor(other.m2, dtype=torch.float64)
+              + delta ** 2 * self.count * other.count / n)
+        var_sum = torch.tensor(self.var_sum, dtype=torch.float64) + torch.tensor(other.var_sum, dtype=torch.float64)
+        self.count, self.mean, self.m2, self.var_sum = n, mean.tolist(), m2.tolist(), var_sum.tolist()
+
+    def to_dict(self) -> dict:
+        """The partial sums (written in each shard's sidecar)."""
+        return {"count": self.count, "mean": self.mean, "m2": self.m2, "var_sum": self.var_sum}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ChannelStats":
+        return cls(int(d["count"]), list(d["mean"]), list(d["m2"]), list(d["var_sum"]))
+
+    def result(self) -> tuple[list[float], list[float]]:
+        """(mean_c, std_c): std^2 = variance of the means + mean of the variances (population, /N)."""
+        var = [(m2 + vs) / self.count for m2, vs in zip(self.m2, self.var_sum)]
+        return list(self.mean), [math.sqrt(v) for v in var]
+
+    def summary(self, images: int, flips: int, deterministic: bool) -> tuple[LatentNorm, dict]:
+        """The folder's "channel" normalisation and what it was computed from."""
+        mean, std = self.result()
+        moments = "latents" if deterministic else "posterior moments (mean of the means; variance of the means + " \
+                                                  "mean of the variances)"
+        return (LatentNorm.channel(mean, std, 1.0, source="the latent folder's per-channel statistics"),
+                {"values_per_channel": self.count, "images": images, "flips": flips,
+                 "computed_from": f"the stored {moments} of every image and flip, float64"})
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Per-element statistics of a folder of deterministic tokens (RAE), in float64
+# ----------------------------------------------------------------------------------------------------------
+
+# RAE's eps (bytetriper/RAE src/stage1/rae.py: (z - mean) / sqrt(var + eps), eps 1e-5): the per-element std of a
+# folder is sqrt(var + ELEMENT_EPS), so an element that never varies (a border token, a tiny folder) stays finite.
+ELEMENT_EPS = 1e-5
+
+
+@dataclass
+class ElementStats:
+    """Running count, mean and sum of squared deviations of every element (C, h, w) of deterministic latents."""
+
+    count: int = 0
+    mean: torch.Tensor | None = None  # (C, h, w) float64
+    m2: torch.Tensor | None = None    # (C, h, w) float64
+
+    def add(self, latents: torch.Tensor) -> None:
+        """Fold in latents (..., C, h, w) (any leading dims: images, flips)."""
+        z = latents.double().reshape(-1, *latents.shape[-3:])  # (n, C, h, w)
+        part_mean = z.mean(dim=0)
+        self.merge(ElementStats(z.shape[0], part_mean, ((z - part_mean) ** 2).sum(dim=0)))
+
+    def merge(self, other: "ElementStats") -> None:
+        """Chan et al.'s pairwise update, element by element."""
+        if other.count == 0:
+            return
+        if self.count == 0:
+            self.count, self.mean, self.m2 = other.count, other.mean.clone(), other.m2.clone()
+            return
+        if other.mean.shape != self.mean.shape:
+            raise ValueError(f"per-element statistics of shapes {tuple(self.mean.shape)} and "
+                             f"{tuple(other.mean.shape)} cannot be merged")
+        n = self.count + other.count
+        delta = other.mean - self.mean
+        self.mean = self.mean + delta * other.count / n
+        self.m2 = self.m2 + other.m2 + delta ** 2 * self.count * other.count / n
+        self.count = n
+
+    def to_bytes(self) -> bytes:
+        """The partial sums as safetensors bytes, float64 exact (each shard's stats file beside its sidecar)."""
+        sums = {"mean": self.mean, "m2": self.m2} if self.count else {}
+        return safetensors.torch.save({"count": torch.tensor([self.count]), **sums})
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "ElementStats":
+        tensors = safetensors.torch.load(data)
+        count = int(tensors["count"])
+        return cls(count, tensors["mean"], tensors["m2"]) if count else cls()
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean, std) (C, h, w) float64: std = sqrt(population variance + ELEMENT_EPS), RAE's convention."""
+        return self.mean, torch.sqrt(self.m2 / self.count + ELEMENT_EPS)
+
+    def summary(self, images: int, flips: int) -> tuple[LatentNorm, dict]:
+        """The folder's "element" normalisation (float32) and what it was computed from."""
+        mean, std = self.result()
+        return (LatentNorm.element(mean, std, 1.0, source="the latent folder's per-element statistics"),
+                {"eps": ELEMENT_EPS, "values_per_element": self.count, "images": images, "flips": flips,
+                 "computed_from": f"the stored latents of every image and flip, float64; std = sqrt(variance + "
+                                  f"{ELEMENT_EPS:g}) as RAE's stat.pt is used"})
+
+
 class ShardWriter:
     """Context manager writing ONE webdataset-compatible shard of the declared columns, atomically.
 
@@ -349,9 +481,12 @@ class ShardWriter:
     removes the temp file. The same input always gives byte-identical shards.
     """
 
-    def __init__(self, path, *, columns: dict):
+    def __init__(self, path, *, columns: dict, stats: bool = False, element_stats: bool = False):
         self.path = Path(path)
         self.columns = check_columns(columns)  # name -> StorageDtype
+        # the partial sums of the moments as stored, for the sidecar (`add_batch`); per element: RAE tokens
+        self.stats = ChannelStats() if stats else None
+        self.elements = ElementStats() if element_stats else None
         self.tmp_path = tmp_name(self.path)
         self._file = None
         self._out: _HashingFile | None = None
@@ -382,9 +517,18 @@ class ShardWriter:
         finally:
             self.abort()  # a failed finish (e.g. disk full) leaves no temp file
         if record is not None:
-            atomic_write_text(self.path.with_suffix(SIDECAR_SUFFIX),
-                              json.dumps({"shard": self.info.to_dict(), **record}, indent=1) + "\n")
+            record = {"shard": self.info.to_dict(), **record, **self._stats_record()}
+            atomic_write_text(self.path.with_suffix(SIDECAR_SUFFIX), json.dumps(record, indent=1) + "\n")
         return self.info
+
+    def _stats_record(self) -> dict:
+        """The sidecar's statistics: per channel inline; per element in a file beside it, named with its sha256."""
+        record = {"latent_stats": self.stats.to_dict()} if self.stats is not None else {}
+        if self.elements is not None:  # the sha256 in the sidecar: a damaged stats file re-encodes its shard
+            data, path = self.elements.to_bytes(), self.path.with_suffix(ELEMENT_STATS_SUFFIX)
+            atomic_write_bytes(path, data)
+            record.update(element_stats=path.name, element_stats_sha256=hashlib.sha256(data).hexdigest())
+        return record
 
     def abort(self) -> None:
         """Drop an unfinished shard's temp file (nothing once it is published)."""
@@ -418,6 +562,15 @@ class ShardWriter:
         self._keys.append(key)
         self._key_set.add(key)
         self._labels.append(int(label))
+
+    def add_batch(self, keys: list[str], columns: dict, labels: list[int]) -> None:
+        """Append samples {column: (B, F, ...)}, their stored moments folded into the shard's statistics first."""
+        if keys and self.stats is not None:
+            self.stats.add(columns[LATENT], columns.get(STD))  # (B, F, C, h, w), as stored
+        if keys and self.elements is not None:
+            self.elements.add(columns[LATENT])
+        for k, key in enumerate(keys):
+            self.add(key, {name: t[k] for name, t in columns.items()}, labels[k])
 
     def _check_key(self, key: str) -> None:
         """Keys are short ASCII names without dots or slashes (webdataset splits on the first dot)."""

@@ -21,7 +21,6 @@ from shared.generative.objectives import check_sampling_guidance, guided_sample,
 from shared.generative.samplers import SAMPLER_OPTIONS, resolve_sampling, sampler_options
 from shared.runtime.lock import hold_lock
 from shared.network.models import DiT_models
-from shared.tokenizers.pixels import to_uint8
 from shared.runtime.precision import set_tf32
 from shared.runtime.rundir import CHECKPOINTS, EMA_FILE, EXPORTS, MODEL_FILE
 from shared.tokenizers.space import LatentSpace, choose_tokenizer, load_tokenizer
@@ -203,7 +202,7 @@ class Drawer:
     plan: SamplePlan
     model: object  # the DiT on the device (compiled with --compile)
     vae: object
-    norm: object  # the LatentNorm training applied (shared/tokenizers/norm.py), inverted before decoding
+    norm: object  # the LatentNorm training applied (shared/tokenizers/classes.py), inverted before decoding
     device: torch.device
     progress: bool = False  # a bar per batch over its sampling steps (a 250-step batch takes a while)
 
@@ -215,8 +214,7 @@ class Drawer:
         x = guided_sample(p.objective, p.sampler, self.model, noise.to(self.device), labels.to(self.device),
                           p.options.num_sampling_steps, p.sampler_options, p.guidance, generators,
                           self.progress)  # (N, C, h, w)
-        images = self.vae.decode(x, self.norm)  # (N, 3, H, W) in [-1, 1]
-        return labels.tolist(), to_uint8(images)  # (N, H, W, 3)
+        return labels.tolist(), self.vae.decode_uint8(x, self.norm)  # (N, H, W, 3)
 
 
 def load_checked_vae(plan: SamplePlan, device):

@@ -19,18 +19,162 @@ A record says:
   model_class                               the class that loads it (from_config, from_pretrained); default diffusers'
 
 diffusers is imported only when a class is loaded (`diffusers_class`).
+
+`LatentNorm` is how a raw latent z becomes what the DiT sees, and back. Every convention in use is one formula,
+x = (z - mean) / std * scale, with mean and std one number, one per channel, or one per element (C, h, w):
+
+    kind         mean, std                     scale              used by
+    scale        0, 1                          scaling_factor     SD-VAE (0.18215), DC-AE (0.3189), MAR KL-16
+    shift-scale  shift_factor, 1               scaling_factor     SD3 (0.0609, 1.5305), FLUX.1 (0.1159, 0.3611)
+    channel      per-channel mean, std         1 (or the config's) VA-VAE / LightningDiT, FLUX.2, diffusers'
+                                                                  latents_mean / latents_std configs
+    element      per-element mean, std (C,h,w) 1 (or the config's) RAE (DINOv2 tokens; its stat.pt or the folder's)
+    none         0, 1                          1                  raw latents
+
+Its statistics are fp32 tensors; it travels inside a `LatentSpace` (shared/tokenizers/space.py: kind and scale
+in JSON, the numbers in safetensors). Training applies it to each fresh draw (`shared.datasets.shards.draw_latents`);
+every decode inverts it (`Tokenizer.decode(x, norm)`). Nothing else scales a latent.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
-import math
-
+import numpy as np
 import torch
 
 from shared.runtime.errors import SettingError
-from shared.tokenizers.norm import LatentNorm
+
+# ----------------------------------------------------------------------------------------------------------
+# LatentNorm: x = (z - mean) / std * scale (the module doc's table)
+# ----------------------------------------------------------------------------------------------------------
+
+NORM_KINDS = ("scale", "shift-scale", "channel", "element", "none")
+NORM_CHOICES = ("auto", *NORM_KINDS)  # train --latent-norm: auto = the tokenizer's own convention
+NORM_HELP = {
+    "auto": "the tokenizer's own convention (its config's latents_mean/latents_std, else shift_factor, else "
+            "scaling_factor; for VA-VAE its latents_stats.pt)",
+    "scale": "z x scaling_factor (SD-VAE, DC-AE)",
+    "shift-scale": "(z - shift_factor) x scaling_factor (SD3, FLUX.1); needs a shift_factor",
+    "channel": "(z - mean_c) / std_c with the folder's per-channel statistics (LightningDiT's way)",
+    "element": "(z - mean) / std per element (C, h, w) with the folder's per-element statistics (RAE's way)",
+    "none": "the raw latent",
+}
+
+
+@dataclass(frozen=True, eq=False)
+class LatentNorm:
+    """x = (z - mean) / std * scale; mean and std fp32 tensors (1,), (C,) or (C, h, w) (module doc)."""
+
+    kind: str
+    mean: torch.Tensor = (0.0,)
+    std: torch.Tensor = (1.0,)
+    scale: float = 1.0
+    source: str = ""  # where the numbers come from (messages only: never compared or hashed)
+
+    def __post_init__(self):
+        if self.kind not in NORM_KINDS:
+            raise ValueError(f"latent normalisation kind {self.kind!r} is not one of {NORM_KINDS}")
+        for name in ("mean", "std"):  # an own fp32 CPU copy: the record never aliases a caller's tensor
+            value = torch.tensor(np.asarray(getattr(self, name), dtype=np.float32))
+            object.__setattr__(self, name, value.reshape(-1) if self.kind != "element" else value)
+        object.__setattr__(self, "scale", float(self.scale))
+        if self.mean.shape != self.std.shape or not self.scale > 0 or not bool((self.std > 0).all()):
+            raise ValueError(f"latent normalisation needs matching mean/std and positive std and scale "
+                             f"({self.describe()})")
+        if (self.kind == "element") != (self.mean.dim() == 3):
+            raise ValueError(f"a per-element normalisation needs (C, h, w) statistics, got {tuple(self.mean.shape)}")
+
+    def __eq__(self, other) -> bool:
+        return (isinstance(other, LatentNorm) and (self.kind, self.scale) == (other.kind, other.scale)
+                and torch.equal(self.mean, other.mean) and torch.equal(self.std, other.std))
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"LatentNorm({self.describe()})"
+
+    @classmethod
+    def scale_only(cls, scale: float, source: str = "") -> "LatentNorm":
+        """z x scale (SD-VAE's convention)."""
+        return cls("scale", (0.0,), (1.0,), scale, source)
+
+    @classmethod
+    def shift_scale(cls, shift: float, scale: float, source: str = "") -> "LatentNorm":
+        """(z - shift) x scale (SD3 / FLUX.1)."""
+        return cls("shift-scale", (float(shift),), (1.0,), scale, source)
+
+    @classmethod
+    def channel(cls, mean, std, scale: float = 1.0, source: str = "") -> "LatentNorm":
+        """(z - mean_c) / std_c x scale, one mean and std per channel."""
+        return cls("channel", mean, std, scale, source)
+
+    @classmethod
+    def element(cls, mean, std, scale: float = 1.0, source: str = "") -> "LatentNorm":
+        """(z - mean) / std x scale with one mean and std per element of shape (C, h, w)."""
+        return cls("element", mean, std, scale, source)
+
+    @classmethod
+    def none(cls, source: str = "") -> "LatentNorm":
+        """The identity: the DiT sees raw latents."""
+        return cls("none", source=source)
+
+    shape = property(lambda self: tuple(self.mean.shape) if self.kind == "element" else (),
+                     doc="(C, h, w) of an element record, () otherwise.")
+
+    @property
+    def channels(self) -> int | None:
+        """Channels of a per-channel or per-element record, None for a scalar one."""
+        if self.kind == "element":
+            return self.shape[0]
+        return self.mean.numel() if self.kind == "channel" else None
+
+    def check_channels(self, channels: int, where: str = "these latents") -> None:
+        """ValueError when a per-channel or per-element record does not have `channels` channels."""
+        if self.channels is not None and self.channels != channels:
+            what = "per-element" if self.kind == "element" else "per-channel"
+            raise ValueError(f"a {what} normalisation of {self.channels} channels cannot apply to {where} "
+                             f"with {channels} channels")
+
+    def check_shape(self, shape, where: str = "these latents") -> None:
+        """ValueError when latents of shape (C, h, w) cannot take this record (channels; an element record's grid)."""
+        self.check_channels(int(shape[0]), where)
+        if self.kind == "element" and tuple(int(n) for n in shape) != self.shape:
+            raise ValueError(f"a per-element normalisation of shape {'x'.join(map(str, self.shape))} cannot apply "
+                             f"to {where} of shape {'x'.join(str(int(n)) for n in shape)}")
+
+    def _on(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean, std) broadcastable to (N, C, h, w) on like's device, fp32."""
+        view = (1, *self.shape) if self.kind == "element" else (1, -1, 1, 1)
+        return self.mean.view(view).to(like.device), self.std.view(view).to(like.device)
+
+    def apply(self, z: torch.Tensor) -> torch.Tensor:
+        """Raw latents (N,C,h,w) -> normalised, fp32."""
+        self.check_shape(z.shape[1:])
+        z = z.float()
+        mean, std = self._on(z)
+        return (z - mean) / std * self.scale
+
+    def invert(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalised latents (N,C,h,w) -> raw, fp32 (the inverse of `apply`)."""
+        self.check_shape(x.shape[1:])
+        x = x.float()
+        mean, std = self._on(x)
+        return x / self.scale * std + mean
+
+    def describe(self) -> str:
+        """One phrase: 'scale x0.18215', 'shift-scale (z - 0.1159) x0.3611', 'channel (32 channels)'."""
+        extra = f" x{self.scale:g}" if self.scale != 1 else ""
+        if self.kind == "scale":
+            return f"scale x{self.scale:g}"
+        if self.kind == "shift-scale":
+            return f"shift-scale (z - {float(self.mean[0]):g}) x{self.scale:g}"
+        if self.kind == "channel":
+            return f"channel ((z - mean_c) / std_c{extra}, {self.mean.numel()} channels)"
+        if self.kind == "element":
+            return f"element ((z - mean) / std per element{extra}, {'x'.join(map(str, self.shape))})"
+        return "none (raw latents)"
 
 
 @dataclass(frozen=True)
@@ -60,6 +204,10 @@ class TokenizerClass:
         import diffusers
 
         return getattr(diffusers, self.name)
+
+    def decode_normalised(self, module, x: torch.Tensor, norm: LatentNorm, dtype) -> torch.Tensor:
+        """Images (N,3,H,W) from normalised latents x (N,C,h,w): `norm` inverted in fp32, decoded in `dtype`."""
+        return self.decode(module, norm.invert(x).to(dtype))
 
 
 TOKENIZER_CLASSES: dict[str, TokenizerClass] = {}

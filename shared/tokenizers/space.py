@@ -26,7 +26,7 @@ import safetensors.torch
 from shared.runtime.errors import UserError
 from shared.weights.export import SPACE_KEY
 from shared.runtime.fsio import atomic_write_bytes, atomic_write_text
-from shared.tokenizers.norm import LatentNorm
+from shared.tokenizers.classes import LatentNorm
 
 SPACE_JSON, SPACE_TENSORS = "latent_space.json", "latent_space.safetensors"
 REBUILD_RUN_FILE = ("copy the file again from where it was made, or rerun the training command that wrote it "

@@ -1,6 +1,6 @@
 """The tokenizer wrapper: locate and load a diffusers tokenizer by its class, encode, decode, draw latents.
 
-A latent is scaled only by the normalisation record (shared/tokenizers/norm.py, `LatentNorm`): applied to
+A latent is scaled only by the normalisation record (shared/tokenizers/classes.py, `LatentNorm`): applied to
 training's fresh draw (shared/datasets/shards.py `draw_latents`) and inverted by `Tokenizer.decode`; its numbers
 come from the tokenizer's config or weights (`scaling_factor`, `shift_factor`, `latents_mean`/`latents_std`) or
 from a folder's statistics, never written as literals. The tokenizer's class (config.json `_class_name`) picks its
@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
+import numpy as np
 import torch
 
 from shared.runtime.errors import SettingError, UserError
-from shared.tokenizers.classes import TokenizerClass, tokenizer_class
-from shared.tokenizers.norm import LatentNorm
+from shared.tokenizers.classes import LatentNorm, TokenizerClass, tokenizer_class
 
 VAE_SHORT_NAMES = {"ema": "stabilityai/sd-vae-ft-ema", "mse": "stabilityai/sd-vae-ft-mse",
                    # DC-AE's ImageNet releases (Chen et al. 2024, mit-han-lab), diffusers folders on the Hub
@@ -400,6 +400,25 @@ def _loading_problem(err: BaseException) -> str:
     return text.rstrip(". ")[:300] or type(err).__name__
 
 
+# ---- Pixel ranges: uint8 images (files, npz) <-> the [-1, 1] floats a tokenizer encodes and decodes ----
+
+def to_unit_range(pixels) -> torch.Tensor:
+    """uint8 pixels -> float32 in [-1, 1] (ToTensor then Normalize(0.5, 0.5), as DiT does); layout unchanged."""
+    pixels = torch.from_numpy(np.asarray(pixels)) if not isinstance(pixels, torch.Tensor) else pixels
+    return pixels.float().div_(127.5).sub_(1.0)
+
+
+def channels_first(images: np.ndarray) -> torch.Tensor:
+    """uint8 (N, H, W, 3) -> float32 (N, 3, H, W) in [-1, 1], the range Tokenizer encodes."""
+    return to_unit_range(images).permute(0, 3, 1, 2)
+
+
+def to_uint8(images: torch.Tensor) -> np.ndarray:
+    """Images (N,3,H,W) in [-1,1] -> uint8 (N,H,W,3), rounded as torchvision's save_image does."""
+    images = ((images.float().clamp(-1, 1) + 1) * 127.5 + 0.5).clamp(0, 255)  # (N, 3, H, W) in [0, 255]
+    return images.to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()  # (N, H, W, 3)
+
+
 class Tokenizer:
     """A tokenizer of a supported class (shared/tokenizers/classes.py): fp32 encoder, decoder in the requested dtype."""
     def __init__(self, vae, source: str, device, dtype=torch.float32):
@@ -444,8 +463,9 @@ class Tokenizer:
 
     @torch.no_grad()
     def encode_moments(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Raw latents of images (N,3,H,W) in [-1,1]: (mean, std) each (N,C,h,w) fp32; std None if deterministic."""
-        x = images.to(self.device, torch.float32, non_blocking=True)
+        """Raw latents of images (N,3,H,W), uint8 or in [-1,1]: (mean, std) (N,C,h,w) fp32; std None: deterministic."""
+        x = images.to(self.device, non_blocking=True)
+        x = to_unit_range(x) if x.dtype == torch.uint8 else x.float()  # (N, 3, H, W) in [-1, 1]
         # Autocast from a caller must not turn the stored moments into half precision.
         with torch.autocast(self.device.type, enabled=False):
             return self.kind.encode(self.vae, x)
@@ -458,16 +478,17 @@ class Tokenizer:
             raise UserError(f"{self.identity['source']} has no normalisation of its own (no latents_mean / latents_std "
                             f"in its config) and these latents record none; decode latents written by training "
                             f"(their metadata records the normalisation the run trained with).")
-        z = norm.invert(latents.to(self.device))  # (N, C, h, w) raw, fp32
-        return self.decode_raw(z)
+        with torch.autocast(self.device.type, enabled=False):
+            images = self.kind.decode_normalised(self.vae, latents.to(self.device), norm, self.dtype)  # (N, 3, H, W)
+        return images.float().clamp_(-1.0, 1.0)
 
-    @torch.no_grad()
     def decode_raw(self, z: torch.Tensor) -> torch.Tensor:
         """Images (N,3,H,W) in [-1,1], fp32, from raw latents (N,C,h,w) as the encoder gives them."""
-        z = z.to(self.device, self.dtype)
-        with torch.autocast(self.device.type, enabled=False):
-            images = self.kind.decode(self.vae, z)  # (N, 3, H, W)
-        return images.float().clamp_(-1.0, 1.0)
+        return self.decode(z, LatentNorm.none())
+
+    def decode_uint8(self, latents: torch.Tensor, norm: LatentNorm | None = None) -> np.ndarray:
+        """The uint8 images (N,H,W,3) a PNG or npz holds, from normalised latents (N,C,h,w) (`decode`)."""
+        return to_uint8(self.decode(latents, norm))
 
     def enable_tiling(self):
         """Encode/decode large images tile by tile (diffusers' switch; lower memory, slight seams)."""
