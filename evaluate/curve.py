@@ -13,9 +13,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from evaluate.evaluation import (FEATURES, INCEPTION_WEIGHTS, IS_SPLIT, REF, EvalOptions, append_jsonl, check_options,
-                                 evaluate_samples, process_info)
-from evaluate.features import check_image_size
+from evaluate.evaluation import (FEATURES, INCEPTION_WEIGHTS, IS_SPLIT, REF, EvalOptions, append_jsonl, check_image_size,
+                                 check_options, evaluate_samples, process_info)
 from evaluate.images import open_npz_images
 from evaluate.metrics import check_split_size
 from evaluate.stats import check_reference, open_reference
@@ -180,7 +179,7 @@ def run_evaluation(o: RunEvalOptions) -> list[dict]:
               f"{len(todo)} to go", flush=True)
     net = None
     if todo:
-        from evaluate.features import build_features
+        from evaluate.evaluation import build_features  # looked up here: tests replace it
         _, _, device = process_info(o.cpu)
         net = build_features(o.features, "cpu" if o.cpu else device, o.inception_weights)
     for export in todo:

@@ -68,16 +68,21 @@ class DigitsNet(nn.Module):
 
 # ---- Inputs ----
 
+def check_size(height: int, width: int, size: int = IMAGE_SIZE) -> None:
+    """UserError unless images of height x width are the size x size the network is fitted to."""
+    if (height, width) != (size, size):
+        raise UserError(f"the digits features are fitted to {size}x{size} images (the demo's size); these are "
+                        f"{height}x{width}. Sample at --image-size {size}, or use the Inception "
+                        f"features (--features inception) for other images.")
+
+
 def check_images(images, size: int = IMAGE_SIZE) -> np.ndarray:
     """UserError unless `images` is uint8 (N, size, size, 3) with N >= 2; returns it as an array."""
     images = np.asarray(images)
     if images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] != 3:
         raise UserError(f"the digits features take uint8 RGB images (N, H, W, 3) as `python -m sample --npz` "
                         f"writes them; got {images.dtype} {images.shape}.")
-    if images.shape[1:3] != (size, size):
-        raise UserError(f"the digits features are fitted to {size}x{size} images (the demo's size); these are "
-                        f"{images.shape[1]}x{images.shape[2]}. Sample at --image-size {size}, or use the Inception "
-                        f"features (--features inception) for other images.")
+    check_size(*images.shape[1:3], size)
     return images
 
 
@@ -110,7 +115,7 @@ def one_thread():
 def fit(recipe: DigitsRecipe = RECIPE, images=None, labels=None) -> DigitsNet:
     """Train the network on the real digits, deterministically: fixed seeds, one thread, a seeded shuffle."""
     if images is None:
-        images, labels = digit_images(recipe.image_size)
+        images, labels = real_digits(recipe.image_size)
     x, y = to_input(images), torch.from_numpy(np.asarray(labels, dtype=np.int64))
     gen = torch.Generator().manual_seed(recipe.seed)
     # enable_grad: the first call may come from inside a no_grad feature pass
@@ -151,7 +156,7 @@ def weights_path(key: str) -> Path:
 def load_or_fit(recipe: DigitsRecipe = RECIPE) -> tuple[DigitsNet, str]:
     """The fitted network and its key: read from the cache, or fitted and cached (atomic write, safe to race)."""
     from safetensors.torch import load_file, save_file
-    images, labels = digit_images(recipe.image_size)
+    images, labels = real_digits(recipe.image_size)
     key = recipe_key(recipe, data_sha256(images, labels))
     path = weights_path(key)
     net = DigitsNet(recipe)
@@ -166,8 +171,16 @@ def load_or_fit(recipe: DigitsRecipe = RECIPE) -> tuple[DigitsNet, str]:
     return net, key
 
 
-_LOCK = threading.Lock()
+_LOCK = threading.RLock()  # reentrant: network() reads real_digits() inside
 _CACHE: dict = {}
+
+
+def real_digits(size: int = IMAGE_SIZE) -> tuple[np.ndarray, np.ndarray]:
+    """Every real digit (1797, size, size, 3) uint8 and its label, read once per process: the fit's data, the reference."""
+    with _LOCK:
+        if ("digits", size) not in _CACHE:
+            _CACHE["digits", size] = digit_images(size)
+        return _CACHE["digits", size]
 
 
 def network() -> tuple[DigitsNet, str]:
@@ -206,7 +219,7 @@ def real_features() -> np.ndarray:
     with _LOCK:
         cached = _CACHE.get("real")
     if cached is None:
-        cached = digits_features(digit_images(RECIPE.image_size)[0])
+        cached = digits_features(real_digits(RECIPE.image_size)[0])
         with _LOCK:
             _CACHE["real"] = cached
     return cached
@@ -224,7 +237,29 @@ def digits_fd(images) -> float:
 
 def real_floor(count: int, draws: int = 5, seed: int = 0) -> float:
     """Mean digits FD of `draws` random sets of `count` real digits: what a perfect model scores at that count."""
-    images = digit_images(RECIPE.image_size)[0]
+    images = real_digits(RECIPE.image_size)[0]
     count = min(int(count), len(images))
     rng = np.random.default_rng(seed)
     return float(np.mean([digits_fd(images[rng.permutation(len(images))[:count]]) for _ in range(draws)]))
+
+
+class DigitsFeatures:
+    """The yardstick behind the feature-network interface (evaluate/evaluation.py build_features)."""
+    name = FEATURES
+    outputs = ("pool",)
+
+    def __init__(self, device="cpu"):
+        self.device = torch.device(device)
+
+    def identity(self) -> dict:
+        """Name, recipe hash and sizes: recorded with every result and statistics file."""
+        return identity()
+
+    @torch.no_grad()
+    def __call__(self, images: np.ndarray) -> dict:
+        """uint8 (b, 32, 32, 3) -> {"pool": (b, 64) float64}; the network is fitted or loaded on first use."""
+        return {"pool": net_features(network()[0].to(self.device), images, self.device)}
+
+    def real_features(self) -> np.ndarray:
+        """The features (1797, 64) of every real digit, the yardstick's reference (computed once per process)."""
+        return real_features()

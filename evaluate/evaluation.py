@@ -11,17 +11,20 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from evaluate.features import FEATURE_NETWORKS, check_image_size
-from evaluate.images import open_npz_images
+from evaluate.images import compute_features, open_npz_images
 from evaluate.metrics import IS_SPLIT_SIZE, METRICS, PR_NEIGHBOURS, check_split_size, comparability_note, \
     is_comparable, sample_metrics
-from evaluate.stats import check_reference, compute_features, open_reference, reference_stats, save_stats, \
-    source_meta, stats_from_features
+from evaluate.stats import check_reference, open_reference, reference_stats, save_stats, source_meta, \
+    stats_from_features
 from shared.runtime.cli import Flag, check_flag_bounds, option
+from shared.runtime.errors import ChoiceError
 from shared.sampling.flags import CPU
 from shared.runtime.fsio import atomic_write_text
 
 RESULT_SUFFIX = ".eval.jsonl"  # SAMPLES.npz -> SAMPLES.eval.jsonl, one line per evaluation
+# Feature networks: uint8 image batches in, named arrays out; `pool` (N, D) feeds FID and precision/recall, Inception
+# adds `spatial` (N, 2023) for sFID and `logits` (N, 1008) for IS.
+FEATURE_NETWORKS = ("inception", "digits")
 
 
 # Flags both evaluate commands take (one samples file, and `run` over a training run's exports).
@@ -75,6 +78,24 @@ def check_options(o: EvalOptions) -> None:
     check_flag_bounds(o)  # the bounds declared on the options; again here for options built in Python (evaluate run)
 
 
+def check_image_size(name: str, size) -> None:
+    """UserError if feature network `name` cannot take images of `size` (H, W); loads no network."""
+    if name == "digits":
+        from evaluate.digits import check_size
+        check_size(*size)
+
+
+def build_features(name: str, device="cpu", weights=None):
+    """The feature network `name` on `device` (`weights`: the Inception weights file, if given)."""
+    if name == "digits":
+        from evaluate.digits import DigitsFeatures
+        return DigitsFeatures(device)
+    if name == "inception":
+        from evaluate.inception import InceptionFeatures
+        return InceptionFeatures(device, weights)
+    raise ChoiceError("feature network", name, FEATURE_NETWORKS)
+
+
 def process_info(cpu: bool):
     """(rank, world, device) from the one source of process state (shared/runtime/distributed.py)."""
     from shared.runtime.distributed import process_state
@@ -94,7 +115,6 @@ def evaluate_samples(o: EvalOptions, net=None, show: bool = True) -> dict:
     rank, world, device = process_info(o.cpu)
     start = time.time()
     if net is None:
-        from evaluate.features import build_features
         net = build_features(o.features, "cpu" if o.cpu else device, o.inception_weights)
     feats = compute_features(samples, net, o.batch_size, rank, world, "samples")
     ref_stats = reference_stats(reference, net, o.batch_size, rank, world, need_pool=True)

@@ -1,4 +1,4 @@
-"""Reading the images to evaluate: an npz's `arr_0` (uint8 N x H x W x 3), streamed in batches, or an ImageFolder.
+"""The images to evaluate, an npz's `arr_0` (uint8 N x H x W x 3) or an ImageFolder, streamed through a feature network.
 
 An npz's uncompressed `arr_0` is read from the zip a batch at a time, so 50,000 images never sit in memory at once.
 """
@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Iterator
 
 import numpy as np
+from tqdm import tqdm
 
 from shared.datasets.duplicates import DEFAULT_DUPLICATES, apply_duplicates
 from shared.datasets.imagefolder import ImageFolderScan, scan_image_folder
@@ -185,17 +186,27 @@ def open_images(path):
     return open_npz_images(path)
 
 
-@dataclass
-class ArrayImages(ImageSource):
-    """Images already in memory, uint8 (N, H, W, 3), behind the same interface (e.g. the real digits)."""
-    array: np.ndarray
-    path: str = "<memory>"
+# ---- Features of a source, split over processes ----
 
-    @property
-    def shape(self) -> tuple:
-        """(N, H, W, 3)."""
-        return tuple(self.array.shape)
+def gather(feats: dict, world: int) -> dict:
+    """Concatenate every process's feature arrays in rank order (identity on one process)."""
+    if world == 1:
+        return feats
+    import torch.distributed as dist
+    parts = [None] * world
+    dist.all_gather_object(parts, feats)  # gloo and NCCL alike; a few hundred MB at 50K x 2048 float32
+    return {k: np.concatenate([p[k] for p in parts]) for k in feats}
 
-    def _read(self, start: int, stop: int, batch_size: int) -> Iterator[np.ndarray]:
-        for lo in range(start, stop, batch_size):
-            yield self.array[lo:min(lo + batch_size, stop)]
+
+def compute_features(source, net, batch_size: int, rank: int = 0, world: int = 1, desc: str = "features") -> dict:
+    """Features of every image of `source`: this process does its slice, then all slices are gathered."""
+    lo, hi = source.count * rank // world, source.count * (rank + 1) // world  # sizes differ by at most 1
+    chunks: dict = {k: [] for k in net.outputs}
+    bar = tqdm(total=hi - lo, desc=desc, unit="img", disable=rank != 0 or hi - lo == 0)
+    for batch in source.batches(batch_size, lo, hi):
+        for k, v in net(batch).items():
+            chunks[k].append(v.astype(np.float32))  # float32 on the wire and in memory, as ADM's activations
+        bar.update(len(batch))
+    bar.close()
+    feats = {k: (np.concatenate(v) if v else np.zeros((0, 0), np.float32)) for k, v in chunks.items()}
+    return gather(feats, world)

@@ -334,7 +334,7 @@ def load_checked_inception(path: Path, device="cpu") -> tuple[FIDInceptionV3, st
 
 
 class InceptionFeatures:
-    """The FID Inception behind the feature-network interface (evaluate/features.py)."""
+    """The FID Inception behind the feature-network interface (evaluate/evaluation.py build_features)."""
     name = "inception"
     outputs = ("pool", "spatial", "logits")
 

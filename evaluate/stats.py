@@ -1,4 +1,4 @@
-"""Feature statistics: computing them over an image source (split over processes), files, ADM reference batches.
+"""Feature statistics: of an image source's features, their files, ADM reference batches, the --ref resolved.
 
 A statistics file is an npz in ADM's layout (mu, sigma; mu_s, sigma_s for sFID) plus `pool` (N, D) float32 for
 precision/recall and `meta`, a JSON string (feature network, image size, count); ADM's published batches read as is.
@@ -12,15 +12,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
-from evaluate.images import IMAGES_KEY, ArrayImages, npz_keys, open_images, open_npz_images, save_npz
+from evaluate.images import IMAGES_KEY, compute_features, npz_keys, open_images, open_npz_images, save_npz
 from shared.runtime.errors import UserError
 from shared.runtime.fsio import user_cache
 
 STATS_VERSION = 1
 ADM_KEYS = ("mu", "sigma", "mu_s", "sigma_s")
 REAL_DIGITS = "sklearn-digits"  # the source name of the default --features digits reference
+REAL_DIGITS_LABEL = "real digits (scikit-learn, all 1,797)"
 
 
 def mean_cov(features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -90,32 +90,6 @@ def load_stats(path) -> Stats:
     return Stats(meta, arrays["mu"], arrays["sigma"], arrays.get("mu_s"), arrays.get("sigma_s"), pool)
 
 
-# ---- Computing features, split over processes ----
-
-def gather(feats: dict, world: int) -> dict:
-    """Concatenate every process's feature arrays in rank order (identity on one process)."""
-    if world == 1:
-        return feats
-    import torch.distributed as dist
-    parts = [None] * world
-    dist.all_gather_object(parts, feats)  # gloo and NCCL alike; a few hundred MB at 50K x 2048 float32
-    return {k: np.concatenate([p[k] for p in parts]) for k in feats}
-
-
-def compute_features(source, net, batch_size: int, rank: int = 0, world: int = 1, desc: str = "features") -> dict:
-    """Features of every image of `source`: this process does its slice, then all slices are gathered."""
-    lo, hi = source.count * rank // world, source.count * (rank + 1) // world  # sizes differ by at most 1
-    chunks: dict = {k: [] for k in net.outputs}
-    bar = tqdm(total=hi - lo, desc=desc, unit="img", disable=rank != 0 or hi - lo == 0)
-    for batch in source.batches(batch_size, lo, hi):
-        for k, v in net(batch).items():
-            chunks[k].append(v.astype(np.float32))  # float32 on the wire and in memory, as ADM's activations
-        bar.update(len(batch))
-    bar.close()
-    feats = {k: (np.concatenate(v) if v else np.zeros((0, 0), np.float32)) for k, v in chunks.items()}
-    return gather(feats, world)
-
-
 def source_meta(net, source) -> dict:
     """The meta of statistics computed by `net` over `source`."""
     return {"features": net.identity(), "count": source.count, "image_size": list(source.size),
@@ -152,13 +126,14 @@ class Reference:
     label: str
     stats: Stats | None = None
     images: object = None          # an image source (for statistics or for the pool features of PR)
+    size: tuple | None = None      # (H, W) of a reference known without reading it: the real digits
 
     @property
     def image_size(self):
         """(H, W) of the reference images, or None if unknown."""
         if self.images is not None:
             return tuple(self.images.size)
-        return self.stats.image_size if self.stats is not None else None
+        return self.stats.image_size if self.stats is not None else self.size
 
 
 def open_reference(ref, features: str) -> Reference:
@@ -168,9 +143,8 @@ def open_reference(ref, features: str) -> Reference:
             raise UserError("--ref is required with the Inception features: pass an ADM reference batch (e.g. "
                             "VIRTUAL_imagenet256_labeled.npz), a statistics file from --save-stats, or an images npz "
                             "or folder of real images. (--features digits compares with the real digits by default.)")
-        from shared.datasets.digits import IMAGE_SIZE, digit_images
-        return Reference("real digits (scikit-learn, all 1,797)",
-                         images=ArrayImages(digit_images(IMAGE_SIZE)[0], REAL_DIGITS))
+        from shared.datasets.digits import IMAGE_SIZE
+        return Reference(REAL_DIGITS_LABEL, size=(IMAGE_SIZE, IMAGE_SIZE))  # the yardstick's own, read by it
     path = Path(ref)
     if path.is_file() and is_stats_file(path):
         stats = load_stats(path)
@@ -204,8 +178,10 @@ def reference_stats(reference: Reference, net, batch_size: int, rank: int, world
             stats.pool = compute_features(reference.images, net, batch_size, rank, world, "reference")["pool"]
         return stats
     images = reference.images
-    if images.path == REAL_DIGITS and net.name == "digits":  # computed once per process by evaluate/digits.py
-        return stats_from_features({"pool": net.real_features()}, source_meta(net, images))
+    if images is None:  # the real digits: their features computed once per process by evaluate/digits.py
+        real = net.real_features()  # (1797, 64)
+        return stats_from_features({"pool": real}, {"features": net.identity(), "count": len(real),
+                                                    "image_size": list(reference.size), "source": REAL_DIGITS})
     cache = stats_cache_path(Path(images.path), net.identity()) if Path(str(images.path)).exists() else None
     if cache is not None and cache.is_file():
         with contextlib.suppress(UserError, OSError, ValueError, KeyError):  # a damaged entry is recomputed, replaced

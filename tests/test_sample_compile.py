@@ -131,7 +131,7 @@ def test_per_row_noise_is_each_rows_generator_draw_in_one_batch():
 
 
 def test_evaluate_run_compile_on_the_cpu_is_refused_before_any_sampling(tmp_path, tiny_vae_dir, capsys, monkeypatch):
-    import evaluate.features
+    import evaluate.evaluation
     from evaluate.__main__ import main
     from shared.runtime import rundir
     from shared.tokenizers.tokenizer import Tokenizer
@@ -139,7 +139,7 @@ def test_evaluate_run_compile_on_the_cpu_is_refused_before_any_sampling(tmp_path
     from tests.test_evaluate_run import FLAGS, export
 
     built = []
-    monkeypatch.setattr(evaluate.features, "build_features", lambda *args: built.append(args))
+    monkeypatch.setattr(evaluate.evaluation, "build_features", lambda *args: built.append(args))
     run = tmp_path / "run"
     export(run, 100, Tokenizer.load(tiny_vae_dir), seed=0)
     code, _, err = run_main(main, ["run", run, "--vae", tiny_vae_dir, *FLAGS, "--compile", "graphs"], capsys)
