@@ -24,7 +24,7 @@ from tqdm import tqdm
 from shared.runtime import rundir
 from shared.runtime.cli import flag_name
 from shared.runtime.errors import UserError
-from shared.runtime.tensorfiles import first_nonfinite, nonfinite_tensors
+from shared.runtime.tensorfiles import nonfinite_tensors
 from shared.weights.export import save_weights
 from shared.runtime.fsio import atomic_write_text, link_file, space_guard
 from shared.sampling.previews import write_preview
@@ -346,8 +346,8 @@ def _nonfinite_message(run: Run, at: int | None = None) -> str:
 
 
 def weights_finite(model: torch.nn.Module) -> bool:
-    """Whether every parameter is finite (a non-finite checkpoint is never written)."""
-    return first_nonfinite(dict(model.named_parameters())) is None
+    """Whether every parameter is finite (a non-finite checkpoint is never written); one host sync."""
+    return bool(torch.stack([p.isfinite().all() for p in model.parameters()]).all())
 
 
 @torch.no_grad()
