@@ -113,7 +113,7 @@ def test_bench_times_the_trainers_own_step(monkeypatch, tmp_path):
     """Each timed step is train.step.train_step on a learner and micro-batch shaped as python -m train builds them."""
     from tests.helpers import make_latents
     from shared.datasets.shards import LatentDataset
-    from train.data import TrainingDraws
+    from train.loop import TrainingDraws
 
     seen = []
 

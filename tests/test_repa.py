@@ -189,7 +189,7 @@ def test_training_features_follow_the_latents_flip_variant(tmp_path):
     """With std 0 the latent is the stored mean, so its value names the flip each sample drew."""
     from shared.generative.objectives import make_objective
     from shared.datasets.shards import LatentDataset, ShardWriter, shard_name, write_index
-    from train.data import TrainingDraws
+    from train.loop import TrainingDraws
 
     with ShardWriter(tmp_path / shard_name(0), columns={"mean": "fp16", "std": "fp16", "repr": "fp32"}) as writer:
         for i in range(16):

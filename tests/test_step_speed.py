@@ -16,7 +16,7 @@ import train.step as step
 from shared.network.blocks import SELECTIVE
 from shared.network.models import ModelConfig
 from shared.runtime.errors import UserError
-from train.data import synthetic_batch
+from train.step import synthetic_batch
 from train.memory import measured_config
 from train.step import make_learner, train_step, update_ema
 

@@ -2,6 +2,7 @@
 
 make_plan resolves every object of the run once (TrainPlan: config, data, latent space, model config, objective,
 resume source); setup_run builds the learner and restores a resume; run_training logs, loops, guards, checkpoints.
+The loop draws its micro-batches from the data stream below (make_loader: positions and per-position draws).
 
 The optimizer step itself is train/step.py's (shared with train.bench and train.plan --verify).
 Accelerate provides the processes, DDP wrapping, `no_sync` for the non-final micro-steps of gradient
@@ -24,7 +25,7 @@ from tqdm import tqdm
 from shared.runtime import rundir
 from shared.runtime.cli import flag_name
 from shared.runtime.errors import UserError
-from shared.runtime.tensorfiles import first_nonfinite, nonfinite_tensors
+from shared.runtime.tensorfiles import nonfinite_tensors
 from shared.weights.export import save_weights
 from shared.runtime.fsio import atomic_write_text, link_file, space_guard
 from shared.sampling.previews import write_preview
@@ -32,18 +33,19 @@ from shared.runtime.lock import FolderLock, hold_lock
 from shared.network.attention import resolve_attention
 from shared.network.blocks import block_summary
 from shared.runtime.precision import set_tf32
-from shared.datasets.shards import LatentDataset
+from shared.datasets.shards import LatentDataset, StreamSampler
 from shared.generative.objectives import Objective, objective_of
 from shared.network.models import ModelConfig
+from shared.network.routing import draw_kept
+from shared.runtime.seeding import generator_for
 from shared.tokenizers.space import LatentSpace
 from train import checkpoint as ckpt_io
 from train.callbacks import Callback, CallbackList
 from train.autotune import describe as describe_auto, resolve_auto_for
 from train.config import (DEBUG_STEPS, TrainConfig, check_config, check_resume, model_config_for,
                           resolve_config)
-from train.data import make_loader
 from train.init_from import InitWeights, apply_init, fit_init, read_init
-from train.latents import open_latents, resolve_shard_window
+from train.latents import follow, open_latents, resolve_shard_window
 from train.launcher import check_strategy, resolve_precision_with_launcher
 from train.logger import RunLogger
 from train.preview import sample_preview
@@ -346,8 +348,8 @@ def _nonfinite_message(run: Run, at: int | None = None) -> str:
 
 
 def weights_finite(model: torch.nn.Module) -> bool:
-    """Whether every parameter is finite (a non-finite checkpoint is never written)."""
-    return first_nonfinite(dict(model.named_parameters())) is None
+    """Whether every parameter is finite (a non-finite checkpoint is never written); one host sync."""
+    return bool(torch.stack([p.isfinite().all() for p in model.parameters()]).all())
 
 
 @torch.no_grad()
@@ -531,6 +533,109 @@ def start_logs(run: Run) -> None:
         run.logger.info(describe_auto(cfg.autotune))
     for change in run.plan.changes:
         run.logger.info(f"changed on resume: {change}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The data stream: resumable positions, and every random draw keyed by the sample's position
+# ---------------------------------------------------------------------------------------------------------
+# The objective (shared/generative/objectives.py) decides how the time is drawn: DiT's integer timestep, or SiT's
+# flow time. Each sample in the global stream has a position p (samples consumed before it by all processes
+# together, see shared.datasets.shards.StreamSampler). All of its randomness (timestep, class dropout, flip variant,
+# the fresh posterior draw, the diffusion noise and, with token routing, the tokens it routes) comes from one
+# generator seeded by (seed, p), as edm2 derives its randomness from (seed, images seen). So a sample gets the same
+# draws whatever the number of processes, micro-batch size, DataLoader workers, or where a run was interrupted.
+
+class PositionedSampler(torch.utils.data.Sampler):
+    """StreamSampler that also yields each index's global stream position: (position, index) pairs."""
+
+    def __init__(self, num_samples: int, rank: int, world_size: int, seed: int, start: int, counts=None,
+                 window: int = 0):
+        self.stream = StreamSampler(num_samples, rank=rank, world_size=world_size, seed=seed, start=start,
+                                    counts=counts, window=window)
+        self.rank, self.world_size, self.start = rank, world_size, start
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        # Rank r owns the positions p >= start with p % world_size == r, in order (StreamSampler contract).
+        position = self.start + (self.rank - self.start) % self.world_size
+        for index in self.stream:
+            yield position, index
+            position += self.world_size
+
+
+class TrainingDraws(torch.utils.data.Dataset):
+    """Wraps a LatentDataset: a batch of (position, index) pairs -> the tensors one training micro-step needs.
+
+    Output of `__getitems__` (B samples): x0 (B,C,h,w) fp32 fresh latents normalised by `norm` (the run's
+    LatentNorm record, shared/tokenizers/classes.py; default: the tokenizer's own convention), label
+    (B,) int64, drop (B,) bool (class dropout), t (B,) the objective's times (int64 DiT timesteps, or float32
+    flow times), noise (B,C,h,w) fp32, position
+    (B,) int64: each sample's global stream position, which keys all of its draws. With `extra` column names (those a
+    head trains on, e.g. REPA's "repr"), also each of them (B, ...) fp32, of the same flip variant as the latent (the
+    same image the latent was encoded from). With `route` (tokens T, kept K),
+    also route_keep (B,K) int64: the tokens that pass the routed blocks (shared/network/routing.py).
+    """
+
+    def __init__(self, dataset: LatentDataset, seed: int, class_dropout_prob: float, objective,
+                 extra: tuple = (), route: tuple[int, int] | None = None, norm=None):
+        self.dataset, self.seed, self.class_dropout_prob = dataset, seed, class_dropout_prob
+        self.norm = norm or dataset.native_norm
+        self.objective = objective  # shared.generative.objectives.Objective: draws each sample's time
+        self.extra = tuple(extra)  # besides the moments, the only columns read
+        self.route = route
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, pair):
+        return self.__getitems__([pair])
+
+    def __getitems__(self, pairs) -> dict:
+        positions = torch.tensor([p for p, _ in pairs], dtype=torch.int64)  # (B,)
+        gens = [generator_for(self.seed, int(p)) for p in positions]
+        # Draw order per sample is fixed: timestep, dropout coin, flip variant, posterior eps, diffusion noise.
+        t = torch.cat([self.objective.draw_time(g) for g in gens])  # (B,)
+        drop = torch.cat([torch.rand(1, generator=g) for g in gens]) < self.class_dropout_prob  # (B,)
+        flips = self.dataset.flips
+        variant = torch.cat([torch.randint(0, flips, (1,), generator=g) for g in gens])  # (B,)
+        # Only the drawn flip of each column is read (the other frames' bytes stay on disk).
+        batch = self.dataset.draw(np.array([i for _, i in pairs], dtype=np.int64), variant.tolist(), self.norm, gens,
+                                  self.extra)
+        x0 = batch["x0"]  # (B, C, h, w) fp32, normalised
+        noise = torch.stack([torch.randn(x0.shape[1:], generator=g) for g in gens])  # (B, C, h, w)
+        out = {"x0": x0, "label": batch["label"].long(), "drop": drop, "t": t, "noise": noise, "position": positions}
+        if self.route:  # drawn last, so the draws above are the same with routing on or off
+            out["route_keep"] = torch.stack([draw_kept(g, *self.route) for g in gens])  # (B, K)
+        out.update({name: batch[name].float() for name in self.extra})  # (B, ...), of flip `variant`
+        return out
+
+
+def _passthrough(batch):
+    """collate_fn: TrainingDraws already returns a batched dict."""
+    return batch
+
+
+def make_loader(dataset: LatentDataset, *, micro_batch: int, rank: int, world_size: int, seed: int, start: int,
+                class_dropout_prob: float, num_workers: int, pin_memory: bool, objective,
+                extra: tuple = (), route: tuple[int, int] | None = None, norm=None, window: int = 0,
+                global_batch: int | None = None) -> Iterator[dict]:
+    """An endless iterator of micro-batches for this rank, starting at global stream position `start`.
+
+    window K > 0: the shard-aware order (shared.datasets.shards.windowed_permutation). A streamed dataset
+    (train/latents.py StreamedLatents) is told, through `follow`, which positions every process has consumed.
+    """
+    counts = dataset.shard_counts if window else None
+    sampler = PositionedSampler(len(dataset), rank, world_size, seed, start, counts, window)
+    loader = torch.utils.data.DataLoader(
+        TrainingDraws(dataset, seed, class_dropout_prob, objective, extra, route, norm), batch_size=micro_batch,
+        sampler=sampler,
+        num_workers=num_workers, pin_memory=pin_memory, collate_fn=_passthrough,
+        # Its own generator, so worker seeding never consumes the global torch RNG.
+        generator=torch.Generator().manual_seed(seed), persistent_workers=False,
+    )
+    global_batch = global_batch or micro_batch * world_size
+    ahead = global_batch + (loader.prefetch_factor or 0) * num_workers * micro_batch * world_size  # positions
+    return follow(iter(loader), dataset, seed=seed, window=window, start=start, global_batch=global_batch,
+                  accum=max(1, global_batch // (micro_batch * world_size)), readahead=ahead)
 
 
 # ---------------------------------------------------------------------------------------------------------

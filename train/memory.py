@@ -28,8 +28,7 @@ from shared.network.models import CLASS_DROPOUT_PROB, ModelConfig, check_preset
 from shared.runtime.precision import autocast_dtype
 from train.config import TrainConfig, resolve_block
 from shared.generative.objectives import objective_of
-from train.data import synthetic_batch
-from train.step import forward_losses, make_learner, train_step
+from train.step import forward_losses, make_learner, synthetic_batch, train_step
 from train.units import parse_size
 
 

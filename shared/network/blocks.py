@@ -1,4 +1,4 @@
-"""The transformer block and its options, one table (LightningDiT, Yao et al. 2025, github hustvl/LightningDiT, MIT).
+"""The transformer block's options, one table (LightningDiT, Yao et al. 2025, github hustvl/LightningDiT, MIT).
 
 Each block option is one record (BlockOption): the slot it fills (norm, mlp: named choices; rope, qk_norm: on/off
 switches), the value a ModelConfig records, its help, and what it builds there. DiT and DiT^DH build their blocks
@@ -14,9 +14,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from shared.network.attention import Attention
 from shared.runtime.cli import Flag
 from shared.runtime.errors import ChoiceError, UserError
 from shared.runtime.registry import Registry, plugin_module
@@ -292,18 +291,8 @@ register_block_option("qk_norm", True, "the --norm's per-head layer (Dehghani et
 
 
 #################################################################################
-#                                 The block                                     #
+#                  Selective activation checkpointing of a block                #
 #################################################################################
-
-def per_token(v):
-    """A modulation vector (N, D) broadcast over tokens as (N, 1, D); a per-token one (N, T, D) as it is."""
-    return v.unsqueeze(1) if v.dim() == 2 else v
-
-
-def modulate(x, shift, scale):
-    """adaLN modulation x * (1 + scale) + shift: one (N, D) vector per image, or (N, T, D) per token (DiT^DH head)."""
-    return x * (1 + per_token(scale)) + per_token(shift)  # (N, T, D)
-
 
 def _saved_ops() -> frozenset:
     """The aten ops whose outputs selective checkpointing keeps: matmuls and every SDPA kernel torch has."""
@@ -325,51 +314,3 @@ def selective_policy(ctx, op, *args, **kwargs):
 def selective_contexts():
     """The (forward, recompute) contexts of torch's selective checkpointing under selective_policy."""
     return create_selective_checkpoint_contexts(selective_policy)
-
-
-class DiTBlock(nn.Module):
-    """Transformer block with adaLN-Zero conditioning (DiT Sec. 3.2, Fig. 3); block options as LightningDiT."""
-
-    def __init__(self, hidden_size, num_heads, mlp_ratio=4.0, norm="layernorm", mlp="gelu", qk_norm=False):
-        super().__init__()
-        self.norm1 = build_part("norm", norm, hidden_size)
-        qk = block_option("qk_norm", qk_norm).build
-        self.attn = Attention(hidden_size, num_heads, qk_norm=(lambda head_dim: qk(head_dim, norm)) if qk else None)
-        self.norm2 = build_part("norm", norm, hidden_size)
-        self.mlp = build_part("mlp", mlp, hidden_size, mlp_ratio)
-        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size, bias=True))
-
-    # How this block's activations are kept for backward (DiT.set_grad_checkpointing): None stores them all, "full"
-    # recomputes the block, SELECTIVE recomputes its pointwise ops. The checkpoint runs inside forward, so a compiled
-    # block (train/step.py's regional compile) traces it and its policy into the one graph it reuses for every block.
-    recompute = None
-
-    def forward(self, x, c, rope=None):
-        """x (N, T, D) tokens, c (N, D) or per-token (N, T, D) conditioning, rope RotaryEmbedding2d or None -> (N, T, D)."""
-        if self.recompute is None or not torch.is_grad_enabled():
-            return self._forward(x, c, rope)
-        if self.recompute == SELECTIVE:
-            return checkpoint(self._forward, x, c, rope, use_reentrant=False, context_fn=selective_contexts)
-        return checkpoint(self._forward, x, c, rope, use_reentrant=False)
-
-    def _forward(self, x, c, rope=None):
-        """The block itself (forward's arguments)."""
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c).chunk(6, dim=-1)
-        x = x + per_token(gate_msa) * self.attn(modulate(self.norm1(x), shift_msa, scale_msa), rope)
-        return x + per_token(gate_mlp) * self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp))
-
-
-class FinalLayer(nn.Module):
-    """adaLN-modulated norm and a linear map from tokens to p*p*out_channels patch values."""
-
-    def __init__(self, hidden_size, patch_size, out_channels, norm="layernorm"):
-        super().__init__()
-        self.norm_final = build_part("norm", norm, hidden_size)
-        self.linear = nn.Linear(hidden_size, patch_size * patch_size * out_channels, bias=True)
-        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size, bias=True))
-
-    def forward(self, x, c):
-        """x (N, T, D), c (N, D) or per-token (N, T, D) -> (N, T, p*p*out_channels)."""
-        shift, scale = self.adaLN_modulation(c).chunk(2, dim=-1)
-        return self.linear(modulate(self.norm_final(x), shift, scale))
-

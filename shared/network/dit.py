@@ -1,17 +1,21 @@
 """DiT (Peebles & Xie, 2023): the network, and the base it shares with DiT^DH (shared/network/ddt.py).
 
 Parameter names, shapes, initialisation and numerics follow the official release, so the official checkpoints
-(e.g. DiT-XL-2-256x256.pt) load with strict=True and give the same outputs. The blocks come from the block-option
-table (shared/network/blocks.py); presets, ModelConfig and reading weights back are shared/network/models.py's.
+(e.g. DiT-XL-2-256x256.pt) load with strict=True and give the same outputs. The block, its attention and the output
+layer are here, top to bottom as the official models.py; the parts a block option builds (norms, MLPs, RoPE) come
+from the block-option table (shared/network/blocks.py); presets, ModelConfig and reading weights back are
+shared/network/models.py's.
 """
 import math
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
-from shared.network.attention import resolve_attention
-from shared.network.blocks import SELECTIVE, DiTBlock, FinalLayer, RoutedRope, build_part, check_block_options
+from shared.network.attention import import_xformers_ops, resolve_attention
+from shared.network.blocks import (SELECTIVE, RoutedRope, block_option, build_part, check_block_options,
+                                   selective_contexts)
 from shared.network.routing import gather_tokens, scatter_tokens
 from shared.runtime.errors import SettingError, UserError
 
@@ -115,6 +119,139 @@ class LabelEmbedder(nn.Module):
             labels = self.token_drop(labels, force_drop_ids)
         return self.embedding_table(labels)  # (N, D)
 
+
+
+#################################################################################
+#            The transformer block (adaLN-Zero), its attention, the output      #
+#################################################################################
+
+def per_token(v):
+    """A modulation vector (N, D) broadcast over tokens as (N, 1, D); a per-token one (N, T, D) as it is."""
+    return v.unsqueeze(1) if v.dim() == 2 else v
+
+
+def modulate(x, shift, scale):
+    """adaLN modulation x * (1 + scale) + shift: one (N, D) vector per image, or (N, T, D) per token (DiT^DH head)."""
+    return x * (1 + per_token(scale)) + per_token(shift)  # (N, T, D)
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention, fused qkv (timm's names); QK-norm and RoPE act on q and k before any kernel runs."""
+
+    def __init__(self, dim, num_heads, qk_norm=None):
+        super().__init__()
+        if dim % num_heads:
+            raise UserError(f"hidden size {dim} is not divisible by {num_heads} heads; pick a width that is.")
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.qkv = nn.Linear(dim, dim * 3, bias=True)
+        self.qk_norm = qk_norm is not None
+        # nn.Identity has no tensors, so the official block's state dict is unchanged.
+        self.q_norm = qk_norm(self.head_dim) if qk_norm else nn.Identity()
+        self.k_norm = qk_norm(self.head_dim) if qk_norm else nn.Identity()
+        self.proj = nn.Linear(dim, dim, bias=True)
+        self.backend = "sdpa"
+        self.sdpa_kernel = None  # an SDPBackend name SDPA is restricted to (prepare_attention), or None: torch's choice
+
+    def forward(self, x, rope=None):
+        """(N, T, D) -> (N, T, D); rope: a RotaryEmbedding2d for this token grid, or None."""
+        n, t, d = x.shape
+        qkv = self.qkv(x).reshape(n, t, 3, self.num_heads, self.head_dim)  # (N, T, 3, H, d)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (N, H, T, d)
+        q, k = self._position_and_norm(q, k, v.dtype, rope)
+        if self.backend == "xformers":
+            out = self._xformers(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # (N, T, H, d)
+        elif self.backend == "sdpa" and self.sdpa_kernel is not None:
+            out = pinned_sdpa(q, k, v, self.sdpa_kernel).transpose(1, 2)  # (N, T, H, d)
+        else:
+            attend = F.scaled_dot_product_attention if self.backend == "sdpa" else math_attention
+            out = attend(q, k, v).transpose(1, 2)  # (N, T, H, d)
+        return self.proj(out.reshape(n, t, d))  # (N, T, D)
+
+    def _position_and_norm(self, q, k, dtype, rope):
+        """QK-norm then RoPE on (N, H, T, d), as LightningDiT; cast back to v's dtype for the kernels."""
+        if not self.qk_norm and rope is None:
+            return q, k  # the official block: untouched
+        q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = rope(q), rope(k)
+        return q.to(dtype), k.to(dtype)
+
+    def _xformers(self, q, k, v):
+        """xformers memory-efficient attention on (N, T, H, d); CUDA only, never a silent fallback."""
+        if not q.is_cuda:
+            raise SettingError(
+                f"attention backend 'xformers' needs CUDA tensors but the model runs on {q.device}; "
+                "its kernels are not implemented there. Use {attention backend} sdpa (or auto) on this device."
+            )
+        try:
+            return import_xformers_ops().memory_efficient_attention(q, k, v)  # (N, T, H, d)
+        except NotImplementedError as err:
+            raise SettingError(
+                f"xformers has no kernel for this input ({q.dtype}, head dim {q.shape[-1]}, {q.device}): "
+                f"{err}. Use {{attention backend}} sdpa, or install an xformers build for your GPU."
+            ) from err
+
+
+def pinned_sdpa(q, k, v, kernel: str):
+    """SDPA on (N, H, T, d) restricted to one kernel (an SDPBackend name): an input it cannot take raises, no fallback."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([getattr(SDPBackend, kernel)]):
+        return F.scaled_dot_product_attention(q, k, v)  # (N, H, T, d)
+
+
+def math_attention(q, k, v):
+    """softmax(Q K^T / sqrt(d)) V written out (Vaswani et al., 2017, Eq. 1), on (N, H, T, d)."""
+    weights = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)  # (N, H, T, T)
+    return weights.softmax(dim=-1) @ v  # (N, H, T, d)
+
+
+class DiTBlock(nn.Module):
+    """Transformer block with adaLN-Zero conditioning (DiT Sec. 3.2, Fig. 3); block options as LightningDiT."""
+
+    def __init__(self, hidden_size, num_heads, mlp_ratio=4.0, norm="layernorm", mlp="gelu", qk_norm=False):
+        super().__init__()
+        self.norm1 = build_part("norm", norm, hidden_size)
+        qk = block_option("qk_norm", qk_norm).build
+        self.attn = Attention(hidden_size, num_heads, qk_norm=(lambda head_dim: qk(head_dim, norm)) if qk else None)
+        self.norm2 = build_part("norm", norm, hidden_size)
+        self.mlp = build_part("mlp", mlp, hidden_size, mlp_ratio)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size, bias=True))
+
+    # How this block's activations are kept for backward (DiT.set_grad_checkpointing): None stores them all, "full"
+    # recomputes the block, SELECTIVE recomputes its pointwise ops. The checkpoint runs inside forward, so a compiled
+    # block (train/step.py's regional compile) traces it and its policy into the one graph it reuses for every block.
+    recompute = None
+
+    def forward(self, x, c, rope=None):
+        """x (N, T, D) tokens, c (N, D) or per-token (N, T, D) conditioning, rope RotaryEmbedding2d or None -> (N, T, D)."""
+        if self.recompute is None or not torch.is_grad_enabled():
+            return self._forward(x, c, rope)
+        if self.recompute == SELECTIVE:
+            return checkpoint(self._forward, x, c, rope, use_reentrant=False, context_fn=selective_contexts)
+        return checkpoint(self._forward, x, c, rope, use_reentrant=False)
+
+    def _forward(self, x, c, rope=None):
+        """The block itself (forward's arguments)."""
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c).chunk(6, dim=-1)
+        x = x + per_token(gate_msa) * self.attn(modulate(self.norm1(x), shift_msa, scale_msa), rope)
+        return x + per_token(gate_mlp) * self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp))
+
+
+class FinalLayer(nn.Module):
+    """adaLN-modulated norm and a linear map from tokens to p*p*out_channels patch values."""
+
+    def __init__(self, hidden_size, patch_size, out_channels, norm="layernorm"):
+        super().__init__()
+        self.norm_final = build_part("norm", norm, hidden_size)
+        self.linear = nn.Linear(hidden_size, patch_size * patch_size * out_channels, bias=True)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size, bias=True))
+
+    def forward(self, x, c):
+        """x (N, T, D), c (N, D) or per-token (N, T, D) -> (N, T, p*p*out_channels)."""
+        shift, scale = self.adaLN_modulation(c).chunk(2, dim=-1)
+        return self.linear(modulate(self.norm_final(x), shift, scale))
 
 
 #################################################################################
@@ -360,7 +497,7 @@ class DiT(Backbone):
     def forward(self, x, t, y, force_drop_ids=None, return_hidden_at=None, route_keep=None):
         """x (N, C, H, W) latents, t (N,) times ((N, 2) with the interval embedder), y (N,) -> (N, out, H, W)."""
         # force_drop_ids (N,) bool/0-1: labels that become the null class; training passes the data side's per-sample
-        # coin here, so the model's own global-RNG label dropout never runs (train/data.py).
+        # coin here, so the model's own global-RNG label dropout never runs (train/loop.py TrainingDraws).
         # return_hidden_at k (1..depth): the result is (output, block k's tokens (N, T, D)), from the same forward
         # (REPA aligns them; shared/network/repa.py).
         # route_keep (N, K) int64: in train mode with set_routing on, only these tokens pass the routed blocks (TREAD);

@@ -11,7 +11,7 @@ TREAD's facts this follows (routing_module.py, dit.py, configs/model/tread.yaml)
   the paper. The choice is uniform per sample (an argsort of uniform noise).
 - The route of its DiT-B/2 config is blocks 2..8 of 12; its guideline scales absolutely, i = 2 and j = depth - 4.
 - Routing applies to every sample of the batch, the label-dropped (unconditional) ones included.
-Here the choice is drawn from the sample's stream-position generator (train/data.py), not the global RNG, so a
+Here the choice is drawn from the sample's stream-position generator (train/loop.py), not the global RNG, so a
 resumed run routes the same tokens as an uninterrupted one.
 """
 from __future__ import annotations
