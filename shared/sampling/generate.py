@@ -17,7 +17,7 @@ from shared.runtime.distributed import process_state
 from shared.runtime.errors import UserError
 from shared.sampling.flags import BATCH_SIZE, SEED, DecodeFlags, SamplingFlags, given_sampler_options
 from shared.generative.guidance import Guidance, check_guidance, check_interval, describe_guidance, guide_channel_count
-from shared.generative.objectives import check_sampling_guidance, guided_sample, objective_of
+from shared.generative.objectives import check_sampling_guidance, objective_of
 from shared.generative.samplers import SAMPLER_OPTIONS, resolve_sampling, sampler_options
 from shared.runtime.lock import hold_lock
 from shared.network.models import DiT_models
@@ -292,7 +292,7 @@ class Drawer:
     """What turns a list of image indices into uint8 pixels: the plan's sampling with the model and the VAE."""
 
     plan: SamplePlan
-    model: object  # the DiT on the device (compiled with --compile)
+    model_fn: object  # the DiT on the device (compiled with --compile) wrapped in the plan's guidance
     vae: object
     norm: object  # the LatentNorm training applied (shared/tokenizers/norm.py), inverted before decoding
     device: torch.device
@@ -303,9 +303,9 @@ class Drawer:
         """(labels, uint8 (N,H,W,3)) for `indices`; row i depends only on (seed, i)."""
         p = self.plan
         noise, labels, generators = batch_start(p.labels, p.options.seed, indices, p.latent_shape)  # (N, C, h, w)
-        x = guided_sample(p.objective, p.sampler, self.model, noise.to(self.device), labels.to(self.device),
-                          p.options.num_sampling_steps, p.sampler_options, p.guidance, generators,
-                          self.progress)  # (N, C, h, w)
+        x = p.objective.sample(p.sampler, self.model_fn, noise.to(self.device), p.options.num_sampling_steps,
+                               p.sampler_options, {"y": labels.to(self.device)}, generators,
+                               self.progress)  # (N, C, h, w)
         images = self.vae.decode(x, self.norm)  # (N, 3, H, W) in [-1, 1]
         return labels.tolist(), to_uint8(images)  # (N, H, W, 3)
 
@@ -322,10 +322,11 @@ def load_checked_vae(plan: SamplePlan, device):
 
 
 def make_drawer(plan: SamplePlan, vae, norm, device) -> Drawer:
-    """Build the model on `device` (compiled as --compile asks) and hand it to the drawer."""
+    """Build the model on `device` (compiled as --compile asks), wrap it in the plan's guidance (with the
+    objective's noise levels for its interval) and hand it to the drawer."""
     model = compile_for_sampling(build_sampling_model(plan.loaded, device), plan.options.compile)
     plan.loaded.state_dict = {}  # the model holds the weights now; free the CPU copy
-    return Drawer(plan, model, vae, norm, torch.device(device))
+    return Drawer(plan, plan.guidance.wrap(model, plan.objective.noise_level), vae, norm, torch.device(device))
 
 
 def file_names(plan: SamplePlan, indices) -> list[str]:
