@@ -19,7 +19,6 @@ import torch
 from shared.generative.diffusion import NUM_TIMESTEPS, GaussianDiffusion, create_diffusion
 from shared.generative.flow import (TIME_SAMPLINGS, FlowPath, check_convention, check_shift, draw_time, make_process,
                                    rae_shift)
-from shared.generative.guidance import Guidance
 from shared.generative.imf import INTERVAL_SPLIT, draw_guidance, imf_losses, sampling_guidance
 from shared.generative.meanflow import PAIR_SAMPLINGS, draw_pair, meanflow_losses
 from shared.generative.samplers import LAST_STEP_SIZE, TIME_SHIFT, get_sampler, sampler_options
@@ -170,15 +169,6 @@ def run_sampler(objective: Objective, sampler: str, model_fn, noise, steps: int,
     """Check sampler and options against the objective, then sample (the one entry point of every stage)."""
     get_sampler(sampler, objective)
     return objective.sample(sampler, model_fn, noise, steps, sampler_options(sampler, given_options), **kwargs)
-
-
-def guided_sample(objective: Objective, sampler: str, model, noise, labels, steps: int, options: dict,
-                  guidance: Guidance, generator=None, progress: bool = False):
-    """Data latents (N,C,h,w) from `noise` for class `labels` (N,): `model` wrapped in `guidance` (with the
-    objective's noise levels for its interval), then walked by the objective's `sampler` with its `options`."""
-    model_fn = guidance.wrap(model, objective.noise_level)
-    return objective.sample(sampler, model_fn, noise, steps, options, model_kwargs={"y": labels},
-                            generator=generator, progress=progress)
 
 
 # ---- The built-in objectives ----

@@ -17,16 +17,16 @@ from shared.runtime.distributed import process_state
 from shared.runtime.errors import UserError
 from shared.sampling.flags import BATCH_SIZE, SEED, DecodeFlags, SamplingFlags, given_sampler_options
 from shared.generative.guidance import Guidance, check_guidance, check_interval, describe_guidance, guide_channel_count
-from shared.generative.objectives import check_sampling_guidance, guided_sample, objective_of
+from shared.generative.objectives import check_sampling_guidance, objective_of
 from shared.generative.samplers import SAMPLER_OPTIONS, resolve_sampling, sampler_options
 from shared.runtime.lock import hold_lock
 from shared.network.models import DiT_models
 from shared.runtime.precision import set_tf32
 from shared.runtime.rundir import CHECKPOINTS, EMA_FILE, EXPORTS, MODEL_FILE
+from shared.runtime.seeding import generator_for
 from shared.tokenizers.space import LatentSpace, choose_tokenizer, load_tokenizer
 
 from shared.sampling.compiled import check_compile, compile_for_sampling
-from shared.sampling.image_draws import LabelPlan, batch_start, image_labels, make_label_plan
 from shared.sampling.outputs import (GRID_NAME, NPZ_NAME, SETTINGS_NAME, captions_for, check_out_dir, check_out_path,
                                      image_name, missing_indices, remove_stale_temps, save_png, write_json,
                                      write_npz, write_png_grid)
@@ -36,6 +36,97 @@ from shared.weights.checkpoint import (WEIGHTS, LoadedWeights, build_sampling_mo
 # Settings that change no pixel: a rerun may change them and still resume the same images.
 RUN_ONLY = ("num_samples", "batch_size", "out", "npz", "vae_slicing", "cpu", "tf32", "allow_other_vae", "compile")
 
+
+# ---- Per-image randomness ----
+# Image i's class label, noise and sampler noise come from one generator seeded by (seed, i): so results do not
+# depend on the batch size, the process, or which images were on disk when a run resumed.
+
+@dataclass(frozen=True)
+class LabelPlan:
+    """How image i gets its class: cycle through `class_labels`, or draw it from the image generator."""
+    num_classes: int
+    class_labels: tuple[int, ...] | None = None  # None with random=False: all classes round-robin
+    random: bool = False
+    class_names: tuple[str, ...] | None = None   # from the latent metadata, for file names (None: unknown)
+
+    def name_of(self, label: int) -> str | None:
+        """The class name of `label`, when the metadata records names."""
+        return self.class_names[label] if self.class_names and 0 <= label < len(self.class_names) else None
+
+    def describe(self) -> str:
+        """A short human description for settings.json."""
+        if self.random:
+            return f"random over {self.num_classes} classes from (seed, i)"
+        if self.class_labels is None:
+            return f"round-robin over all {self.num_classes} classes (label = i % {self.num_classes})"
+        return f"cycled over {list(self.class_labels)}"
+
+
+def class_index(value, class_names) -> int:
+    """One --class-labels entry -> class index: digits are an index; a name matches exactly, then ignoring case."""
+    text = str(value).strip()
+    if text.lstrip("-").isdigit():
+        return int(text)
+    names = list(class_names or [])
+    if not names:
+        raise UserError(f"--class-labels {text!r} is a class name, but these weights record no class names (an "
+                        f"official .pt has none); pass class indices instead, e.g. --class-labels 207 360.")
+    if text in names:
+        return names.index(text)
+    folded = [i for i, name in enumerate(names) if name.casefold() == text.casefold()]
+    if len(folded) == 1:
+        return folded[0]
+    close = [n for n in names if text.casefold() in n.casefold()][:5] or names[:5]
+    which = "matches several classes when case is ignored" if folded else "is not a class name of these weights"
+    raise UserError(f"--class-labels {text!r} {which}; names are matched exactly, then ignoring case. "
+                    f"{len(names)} classes, e.g. {', '.join(repr(n) for n in close)}; pass one of them or a class "
+                    f"index from 0 to {len(names) - 1}.")
+
+
+def make_label_plan(class_labels, num_classes: int, random: bool, class_names=None) -> LabelPlan:
+    """Validate --class-labels (indices or names) against the model's classes; UserError names the valid range."""
+    if random and class_labels:
+        raise UserError("--random-labels and --class-labels exclude each other: pass one of them.")
+    names = tuple(str(n) for n in class_names) if class_names and len(class_names) == num_classes else None
+    if class_labels:
+        class_labels = [class_index(c, names) for c in class_labels]
+        bad = [c for c in class_labels if not 0 <= c < num_classes]
+        if bad:
+            raise UserError(f"class labels {bad} are outside this model's classes [0, {num_classes}); pass "
+                            f"--class-labels with values from 0 to {num_classes - 1}.")
+        return LabelPlan(num_classes, tuple(int(c) for c in class_labels), False, names)
+    return LabelPlan(num_classes, None, random, names)
+
+
+def image_rng(plan: LabelPlan, seed: int, index: int) -> tuple[int, torch.Generator]:
+    """Image `index`'s class label and its generator, positioned after the label draw."""
+    generator = generator_for(seed, index)  # mix_seed(seed, index): the project's one seed mixer
+    if plan.random:
+        label = int(torch.randint(plan.num_classes, (1,), generator=generator))
+    elif plan.class_labels is None:
+        label = index % plan.num_classes
+    else:
+        label = plan.class_labels[index % len(plan.class_labels)]
+    return label, generator
+
+
+def image_labels(plan: LabelPlan, seed: int, indices) -> list[int]:
+    """Class labels of `indices` without drawing any noise (names, grid and npz need them)."""
+    return [image_rng(plan, seed, i)[0] for i in indices]
+
+
+def batch_start(plan: LabelPlan, seed: int, indices, latent_shape) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """Starting noise (N,C,h,w), labels (N,) and per-row generators for one batch, all on the CPU."""
+    labels, generators, noise = [], [], []
+    for i in indices:
+        label, generator = image_rng(plan, seed, i)
+        labels.append(label)
+        generators.append(generator)
+        noise.append(torch.randn(tuple(latent_shape), generator=generator))  # (C, h, w)
+    return torch.stack(noise), torch.tensor(labels, dtype=torch.long), generators  # (N, C, h, w)
+
+
+# ---- The command ----
 
 @dataclass
 class SampleOptions(DecodeFlags, SamplingFlags):
@@ -200,7 +291,7 @@ class Drawer:
     """What turns a list of image indices into uint8 pixels: the plan's sampling with the model and the VAE."""
 
     plan: SamplePlan
-    model: object  # the DiT on the device (compiled with --compile)
+    model_fn: object  # the DiT on the device (compiled with --compile) wrapped in the plan's guidance
     vae: object
     norm: object  # the LatentNorm training applied (shared/tokenizers/classes.py), inverted before decoding
     device: torch.device
@@ -211,9 +302,9 @@ class Drawer:
         """(labels, uint8 (N,H,W,3)) for `indices`; row i depends only on (seed, i)."""
         p = self.plan
         noise, labels, generators = batch_start(p.labels, p.options.seed, indices, p.latent_shape)  # (N, C, h, w)
-        x = guided_sample(p.objective, p.sampler, self.model, noise.to(self.device), labels.to(self.device),
-                          p.options.num_sampling_steps, p.sampler_options, p.guidance, generators,
-                          self.progress)  # (N, C, h, w)
+        x = p.objective.sample(p.sampler, self.model_fn, noise.to(self.device), p.options.num_sampling_steps,
+                               p.sampler_options, {"y": labels.to(self.device)}, generators,
+                               self.progress)  # (N, C, h, w)
         return labels.tolist(), self.vae.decode_uint8(x, self.norm)  # (N, H, W, 3)
 
 
@@ -229,10 +320,11 @@ def load_checked_vae(plan: SamplePlan, device):
 
 
 def make_drawer(plan: SamplePlan, vae, norm, device) -> Drawer:
-    """Build the model on `device` (compiled as --compile asks) and hand it to the drawer."""
+    """Build the model on `device` (compiled as --compile asks), wrap it in the plan's guidance (with the
+    objective's noise levels for its interval) and hand it to the drawer."""
     model = compile_for_sampling(build_sampling_model(plan.loaded, device), plan.options.compile)
     plan.loaded.state_dict = {}  # the model holds the weights now; free the CPU copy
-    return Drawer(plan, model, vae, norm, torch.device(device))
+    return Drawer(plan, plan.guidance.wrap(model, plan.objective.noise_level), vae, norm, torch.device(device))
 
 
 def file_names(plan: SamplePlan, indices) -> list[str]:
