@@ -201,7 +201,7 @@ def decode_rows(args, config, device) -> list[dict]:
         vae = build_vae(args.vae, device, PRECISIONS[precision])
         with torch.inference_mode():
             pixels = to_uint8(vae.decode_raw(z))  # warm-up, and the pixels compared
-            seconds = best_seconds(lambda: vae.decode_raw(z), device, args.repeats)
+            seconds = best_seconds(lambda v=vae: v.decode_raw(z), device, args.repeats)
         reference = pixels if reference is None else reference
         rows.append(dict(precision=precision, images_per_s=args.decode_batch / seconds,
                          **pixel_error(reference, pixels)))
