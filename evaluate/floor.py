@@ -50,7 +50,7 @@ def vae_round_trip(images: np.ndarray, vae_spec: str, batch_size: int = 256) -> 
     import torch
 
     from shared.tokenizers.classes import LatentNorm
-    from shared.tokenizers.tokenizer import channels_first, to_uint8
+    from shared.tokenizers.tokenizer import channels_first
     from shared.datasets.shards import draw_latents
     from shared.tokenizers.tokenizer import Tokenizer
     vae = Tokenizer.load(vae_spec)
@@ -65,7 +65,7 @@ def vae_round_trip(images: np.ndarray, vae_spec: str, batch_size: int = 256) -> 
             x = channels_first(images[start:start + batch_size])  # (b, 3, H, W) in [-1, 1]
             mean, _ = vae.encode_moments(x)  # (b, C, h, w), raw
             latents = draw_latents(mean, None, norm)  # (b, C, h, w) normalised: what the DiT learns and samples
-            out.append(to_uint8(vae.decode(latents, norm)))
+            out.append(vae.decode_uint8(latents, norm))  # (b, H, W, 3)
     return np.concatenate(out)
 
 

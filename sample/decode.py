@@ -12,7 +12,6 @@ from shared.runtime.distributed import process_state
 from shared.runtime.errors import UserError
 from shared.sampling.flags import DecodeFlags
 from shared.sampling.previews import read_preview
-from shared.tokenizers.tokenizer import to_uint8
 from shared.runtime.rundir import SAMPLES, step_of
 from shared.tokenizers.space import LatentSpace, choose_tokenizer, load_tokenizer
 
@@ -80,7 +79,7 @@ def decode_file(vae, name: str, how: str, data, path: Path, out: Path, o: Decode
     images = []
     with torch.inference_mode():
         for start in tqdm(range(0, len(latents), o.batch_size), unit="batch", desc="decoding"):
-            pixels = to_uint8(vae.decode(latents[start:start + o.batch_size], norm))  # (B, H, W, 3)
+            pixels = vae.decode_uint8(latents[start:start + o.batch_size], norm)  # (B, H, W, 3)
             for i, p in enumerate(pixels, start):
                 y = int(labels[i])
                 save_png(out / image_name(i, y, names[y] if 0 <= y < len(names) else None), p)
