@@ -17,8 +17,8 @@ import torch
 
 from shared.generative.diffusion import mean_flat
 from shared.generative.flow import FlowPath
-from shared.generative.objectives import (OBJECTIVES, FlowObjective, make_objective, objective_of, register_objective,
-                                          run_sampler)
+from shared.generative.flow_objectives import FlowObjective
+from shared.generative.objectives import OBJECTIVES, make_objective, objective_of, register_objective, run_sampler
 from shared.runtime.cli import option
 from shared.runtime.errors import ChoiceError, SettingError
 from tests.conftest import ROOT

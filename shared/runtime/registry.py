@@ -49,7 +49,7 @@ class Registry(Mapping, Generic[R]):
     def copy(self) -> Registry[R]:
         """Another registry holding the same records (a test registers into it, leaving this one as it was)."""
         other = Registry(self.domain, self.owner, self.describe, self.imports)
-        other._records = dict(self._records)
+        other._records = dict(self._load())
         return other
 
     def lookup(self, name) -> R:
