@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from shared.runtime import rundir
 from shared.runtime.errors import UserError
 from shared.runtime.tensorfiles import write_safetensors
-from shared.weights.export import load_weights, read_config, save_weights
+from shared.weights.export import load_weights, read_config
 from shared.runtime.fsio import atomic_write_json, publish_dir, remove_tree
 
 
@@ -94,15 +94,12 @@ def save_rank_state(tmp: Path, rank: int) -> None:
     torch.save(capture_rng(), tmp / rundir.rng_file(rank))
 
 
-def save_main_state(tmp: Path, *, model_state: dict, ema_state: dict, model_config, space,
-                    optimizer_state: dict, scaler_state: dict, state: dict, heads: dict | None = None) -> None:
-    """Main process: weights via shared/weights/export.py, optimizer, scaler, {file: state} of the column heads (REPA's
-    projector), then state.json last."""
-    step = int(state["step"])
+def save_main_state(tmp: Path, *, optimizer_state: dict, scaler_state: dict, state: dict,
+                    heads: dict | None = None) -> None:
+    """Main process, after the loop wrote the weights: {file: state} of the column heads (REPA's projector),
+    optimizer, scaler, then state.json last."""
     for name, head in (heads or {}).items():
         write_safetensors(tmp / name, {k: v.detach().cpu().contiguous() for k, v in head.items()})
-    save_weights(tmp / rundir.MODEL_FILE, model_state, model_config, space, step)
-    save_weights(tmp / rundir.EMA_FILE, ema_state, model_config, space, step)
     torch.save(optimizer_state, tmp / rundir.OPTIMIZER_FILE)
     torch.save(scaler_state, tmp / rundir.SCALER_FILE)
     atomic_write_json(tmp / rundir.STATE_FILE, state, indent=2)

@@ -413,12 +413,11 @@ def save_checkpoint(run: Run) -> Path | None:
 def _write_main(run: Run, tmp: Path) -> None:
     """Main process part of a checkpoint: weights, optimizer, scaler, state.json, publish, export, prune."""
     learner = run.learner
+    for name, model in ((rundir.MODEL_FILE, learner.dit), (rundir.EMA_FILE, learner.ema)):  # as write_export's
+        save_weights(tmp / name, model.state_dict(), learner.model_config, run.plan.space, run.step)
     state = {"step": run.step, "data_position": run.data_position, "world_size": run.cfg.world_size,
              "skipped_steps": learner.skipped_steps, "config": run.cfg.to_dict()}
-    ema_state = learner.ema.state_dict()
-    ckpt_io.save_main_state(tmp, model_state=learner.dit.state_dict(), ema_state=ema_state,
-                            model_config=learner.model_config, space=run.plan.space,
-                            optimizer_state=learner.optimizer.state_dict(),
+    ckpt_io.save_main_state(tmp, optimizer_state=learner.optimizer.state_dict(),
                             scaler_state=learner.scaler.state_dict(), state=state,
                             heads={c.checkpoint_file: learner.heads[c.name].state_dict() for c, _ in learner.consumers})
     final = ckpt_io.publish(tmp, run.run_dir, run.step)
