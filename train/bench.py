@@ -30,8 +30,8 @@ from shared.network.blocks import SELECTIVE
 from shared.runtime.precision import PRECISIONS, set_tf32
 from train.config import BLOCK_FLAGS, TrainConfig, add_block_flags, block_from_args, model_config_for
 from train.memory import (DEFAULT_MARGIN, fixed_state, forward_macs, latent_shape, measure_device, measure_profiles,
-                          measured_config, plan_row, train_flops_per_image)
-from train.step import make_learner, synthetic_batch, train_step
+                          measured_config, plan_row, synthetic_batch, train_flops_per_image)
+from train.step import make_learner, train_step
 from train.units import GiB, format_size, parse_size
 
 PROG = "python -m train.bench"

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import random
 import sys
-import time
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -47,9 +46,9 @@ from train.config import (DEBUG_STEPS, TrainConfig, check_config, check_resume, 
 from train.init_from import InitWeights, apply_init, fit_init, read_init
 from train.latents import follow, open_latents, resolve_shard_window
 from train.launcher import check_strategy, resolve_precision_with_launcher
-from train.logger import RunLogger
+from train.logger import Meter, RunLogger
 from train.preview import sample_preview
-from train.step import Learner, check_compile, import_bitsandbytes, lr_at, make_learner, train_step
+from train.step import Learner, check_compile, import_bitsandbytes, make_learner, train_step
 from train.trackers import accelerator_kwargs, check_watch, default_callbacks
 
 
@@ -461,48 +460,6 @@ def save_samples(run: Run) -> None:
 # ---------------------------------------------------------------------------------------------------------
 # Logs
 # ---------------------------------------------------------------------------------------------------------
-
-class Meter:
-    """Averages step results over a logging window and measures speed; the results stay on the device until then."""
-
-    def __init__(self):
-        self.reset()
-
-    def reset(self) -> None:
-        """Start a new window."""
-        self.results: list[dict] = []  # each step's {loss, grad_norm, skipped[, diffusion_loss, *_loss]}: () tensors
-        self.start = time.perf_counter()
-
-    def add(self, result: dict) -> None:
-        """Record one step's result (device tensors: nothing is read here)."""
-        self.results.append(result)
-
-    def window(self) -> dict[str, list[float]]:
-        """{name: the window's values} read from the device in one transfer (the log point's host sync)."""
-        names = list(self.results[0])
-        table = torch.stack([torch.stack([r[n].detach().float() for n in names]) for r in self.results])  # (S, K)
-        return dict(zip(names, map(list, zip(*table.cpu().tolist()))))
-
-    def summary(self, run: Run) -> dict:
-        """Metrics of the window; resets it."""
-        seconds = max(time.perf_counter() - self.start, 1e-9)
-        window = self.window()
-        steps, cfg, learner = len(self.results), run.cfg, run.learner
-        values = {
-            "loss": float(np.mean(window["loss"])), "lr": lr_at(run.step - 1, cfg),
-            "grad_norm": float(np.mean(window["grad_norm"])), "steps_per_s": steps / seconds,
-            "images_per_s": steps * cfg.global_batch_size / seconds, "skipped": int(sum(window["skipped"])),
-            "skipped_total": learner.skipped_steps, "data_position": run.data_position,
-            "epoch": run.data_position / len(run.dataset),
-            **{name: float(np.mean(v)) for name, v in window.items() if name.endswith("_loss")},  # each head's
-        }
-        if learner.scaler.is_enabled():
-            values["loss_scale"] = learner.scaler.get_scale()
-        if run.device.type == "cuda":
-            values["peak_mem_gb"] = torch.cuda.max_memory_allocated(run.device) / 2**30
-        self.reset()
-        return values
-
 
 def start_logs(run: Run) -> None:
     """config.json, the resume note, metrics truncated to the resumed step, a missing export repaired."""
