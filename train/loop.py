@@ -13,7 +13,6 @@ from __future__ import annotations
 import random
 import sys
 from dataclasses import dataclass, field
-from itertools import islice
 from pathlib import Path
 from typing import Iterator
 
@@ -24,7 +23,6 @@ from tqdm import tqdm
 from shared.runtime import rundir
 from shared.runtime.cli import flag_name
 from shared.runtime.errors import UserError
-from shared.runtime.tensorfiles import nonfinite_tensors
 from shared.weights.export import save_weights
 from shared.runtime.fsio import atomic_write_text, link_file, space_guard
 from shared.sampling.previews import write_preview
@@ -127,7 +125,7 @@ def make_plan(cfg: TrainConfig, accelerator) -> TrainPlan:
     dataset = open_latents(cfg.latents, accelerator, cfg.cache_limit)  # URL -> local cache; verified once per node
     check_config(cfg, dataset)  # the flags against the latents; fills the block, objective options, cfg.space
     resolve_shard_window(cfg, dataset)  # the data order: before the resume check compares it
-    source, saved = resume_source(cfg)
+    source, saved = ckpt_io.resume_source(cfg)
     init = start_weights(cfg, dataset, saved)  # before the model config: it records the source's convention
     resumed = ckpt_io.checkpoint_config(source) if source is not None else None  # its output layout is kept
     model_config = model_config_for(cfg, dataset.latent_shape, dataset.num_classes, resumed)
@@ -142,27 +140,6 @@ def make_plan(cfg: TrainConfig, accelerator) -> TrainPlan:
     return TrainPlan(cfg=cfg, dataset=dataset, space=cfg.space, model_config=model_config,
                      objective=objective_of(model_config, **cfg.objective_options), source=source,
                      changes=tuple(changes), init=init)
-
-
-def check_results_dir(cfg: TrainConfig) -> None:
-    """--results-dir must be a folder or not exist yet."""
-    if Path(cfg.results_dir).exists() and not Path(cfg.results_dir).is_dir():
-        raise UserError(f"--results-dir {cfg.results_dir} is a file; pass a folder (it is created if missing).")
-
-
-def resume_source(cfg: TrainConfig) -> tuple[Path | None, TrainConfig | None]:
-    """(the checkpoint to continue from, the config it records), or (None, None) for a run that starts now."""
-    check_results_dir(cfg)
-    run_dir = Path(cfg.results_dir)
-    if cfg.resume == "none":
-        if rundir.list_checkpoints(run_dir):
-            raise UserError(f"--resume none, but {run_dir} already holds checkpoints; pass --resume auto to "
-                            "continue that run, or a new --results-dir to start another.")
-        return None, None
-    source = rundir.latest_checkpoint(run_dir) if cfg.resume == "auto" else Path(cfg.resume)
-    if source is None:
-        return None, None
-    return source, TrainConfig.from_dict(ckpt_io.read_state(source)["config"], str(source))
 
 
 def start_weights(cfg: TrainConfig, dataset: LatentDataset, saved: TrainConfig | None) -> InitWeights | None:
@@ -227,15 +204,6 @@ def seed_globals(seed: int, rank: int) -> None:
     torch.manual_seed(seed * 1009 + rank)
 
 
-def check_finite_state(saved: dict, source: Path) -> None:
-    """Refuse to resume from weights holding NaN/inf (they would train on silently as NaN)."""
-    for part in ("model", "ema"):
-        bad = [name for name, _, _ in islice(nonfinite_tensors(saved[part]), 3)]
-        if bad:
-            raise UserError(f"the checkpoint {source} holds non-finite {part} weights ({', '.join(bad)}); it "
-                            f"cannot be resumed. {ckpt_io.damaged_advice(source)}")
-
-
 def restore(run: Run, source: Path) -> None:
     """Resume from `source`; the processes of one machine take turns, so one node holds one CPU copy at a time.
 
@@ -257,7 +225,6 @@ def _restore_from(run: Run, source: Path) -> None:
     """Load weights, EMA, optimizer, scaler, this rank's RNG, the step and the data position (CPU copy freed)."""
     learner = run.learner
     saved = ckpt_io.load_checkpoint(source, run.accelerator.process_index)
-    check_finite_state(saved, source)
     learner.dit.load_state_dict(saved["model"], strict=True)
     learner.ema.load_state_dict(saved["ema"], strict=True)
     restore_heads(learner, source)
@@ -669,7 +636,7 @@ def lock_run_folder(cfg: TrainConfig, accelerator) -> FolderLock | None:
         return None
     lock, error = None, None
     if accelerator.is_main_process:
-        check_results_dir(cfg)
+        ckpt_io.check_results_dir(cfg)
         try:
             lock = hold_lock(cfg.results_dir, "run folder")
         except UserError as err:
