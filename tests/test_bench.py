@@ -34,6 +34,13 @@ def test_flag_matrix_is_the_cartesian_product():
     assert configs[0] == bench.BenchConfig("fp32", 0, "sdpa", False, 2)
 
 
+@pytest.mark.parametrize("flag, value, says", [("--steps", "0", "at least 1"), ("--warmup", "-1", "at least 0"),
+                                               ("--threads", "0", "at least 1")])
+def test_run_length_flags_are_refused_by_their_declared_bounds(flag, value, says):
+    with pytest.raises(UserError, match=f"{flag} must be {says}; got {value}"):
+        parse(flag, value)
+
+
 def test_cpu_preset_puts_our_step_first_then_one_change_each():
     rows = bench.preset_matrix("cpu")
     ours = rows[0]

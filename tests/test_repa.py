@@ -420,3 +420,12 @@ def test_sde_in_repas_convention_is_repas_euler_maruyama():
         if i < steps - 1:
             x = x + (2 * t0) ** 0.5 * abs(t1 - t0) ** 0.5 * torch.randn(x.shape, generator=z).double()
     assert torch.allclose(ours.double(), x, atol=1e-4), (ours.double() - x).abs().max()
+
+
+def test_projector_width_bound_is_declared_on_its_option():
+    """--repa-projector-dim 0 is refused by the option's own bound (min=1), one paragraph naming the flag."""
+    from shared.network.repa import RepaFlags
+    from shared.runtime.cli import check_flag_bounds
+
+    with pytest.raises(UserError, match=r"--repa-projector-dim must be at least 1; got 0"):
+        check_flag_bounds(RepaFlags(repa_projector_dim=0))

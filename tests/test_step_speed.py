@@ -16,8 +16,7 @@ import train.step as step
 from shared.network.blocks import SELECTIVE
 from shared.network.models import ModelConfig
 from shared.runtime.errors import UserError
-from train.step import synthetic_batch
-from train.memory import measured_config
+from train.memory import measured_config, synthetic_batch
 from train.step import make_learner, train_step, update_ema
 
 LATENT = (4, 8, 8)
@@ -214,7 +213,8 @@ def no_host_sync(monkeypatch):
 @pytest.mark.parametrize("settings", [dict(precision="fp32"), dict(precision="fp16"),
                                       dict(precision="bf16", max_grad_norm=0.5, grad_checkpoint=SELECTIVE)])
 def test_the_step_never_syncs_with_the_host(monkeypatch, settings):
-    from train.loop import Meter, track_nonfinite
+    from train.logger import Meter
+    from train.loop import track_nonfinite
 
     learner, config = learner_for(**settings)
     data = batches(learner, config, steps=2)

@@ -32,6 +32,7 @@ import torch  # noqa: E402
 from shared.datasets import shards
 from shared.runtime import rundir  # noqa: E402
 from train import checkpoint as ckpt_io  # noqa: E402
+from train import loop as train_loop  # noqa: E402
 from train.__main__ import main  # noqa: E402
 from train.callbacks import Callback  # noqa: E402
 
@@ -160,14 +161,14 @@ def install_pause(kind: str, step: int, callbacks: list) -> None:
     elif kind == "export":
         callbacks.append(PauseBeforeExport(step))
     elif kind == "staging":
-        real_save = ckpt_io.save_weights
+        real_save = train_loop.save_weights
 
         def save_weights(path, state_dict, model_config, latent_meta, at):
             if at == step and Path(path).name == rundir.EMA_FILE:
                 pause(f"staging:{step}")  # the staging folder holds the model file, not yet the EMA
             return real_save(path, state_dict, model_config, latent_meta, at)
 
-        ckpt_io.save_weights = save_weights
+        train_loop.save_weights = save_weights
     elif kind == "prune":
         def remove_tree(path):
             os.replace(path, path.with_name(f".tmp-del-{path.name}"))  # renamed, not deleted: a kill mid-prune

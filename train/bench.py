@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 from tqdm.auto import tqdm
 
+from shared.runtime.cli import Flag, argument_of, check_bounds
 from shared.runtime.errors import UserError, cli_errors
 from shared.runtime.fsio import atomic_write_json
 from shared.network.attention import ATTENTION_BACKENDS
@@ -30,8 +31,8 @@ from shared.network.blocks import SELECTIVE
 from shared.runtime.precision import PRECISIONS, set_tf32
 from train.config import BLOCK_FLAGS, TrainConfig, add_block_flags, block_from_args, model_config_for
 from train.memory import (DEFAULT_MARGIN, fixed_state, forward_macs, latent_shape, measure_device, measure_profiles,
-                          measured_config, plan_row, train_flops_per_image)
-from train.step import make_learner, synthetic_batch, train_step
+                          measured_config, plan_row, synthetic_batch, train_flops_per_image)
+from train.step import make_learner, train_step
 from train.units import GiB, format_size, parse_size
 
 PROG = "python -m train.bench"
@@ -405,10 +406,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpointing", help="comma-separated checkpoint intervals, 0 = off, or selective (default 0,1)")
     p.add_argument("--attention", help="comma-separated subset of sdpa,math,xformers (default sdpa)")
     p.add_argument("--compile", help="comma-separated on/off for torch.compile (default off)")
-    p.add_argument("--steps", type=int, help="timed steps per configuration (default 8, gpu preset 10)")
-    p.add_argument("--warmup", type=int, help="untimed warm-up steps per configuration (default 2)")
-    p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice; cpu preset: 1, "
-                   "steadier on a shared machine)")
+    for name, spec in RUN_FLAGS.items():
+        names, kwargs = argument_of(name, spec, int)
+        p.add_argument(*names, **kwargs)
     p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu or cuda[:i]")
     p.add_argument("--memory-cap-gib", type=float, default=24.0,
                    help="CUDA only: cap this process's memory (emulates a 24 GiB RTX 3090 on a bigger "
@@ -418,14 +418,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# How long each configuration runs (None: the preset's), with their bounds declared once.
+RUN_FLAGS = {
+    "steps": Flag("timed steps per configuration (default 8, gpu preset 10)", None, min=1),
+    "warmup": Flag("untimed warm-up steps per configuration (default 2)", None, min=0),
+    "threads": Flag("CPU threads for torch (default: torch's choice; cpu preset: 1, steadier on a shared machine)",
+                    None, min=1),
+}
+
+
 def resolve_defaults(args):
     """Fill model, size, steps and warm-up from the preset (or the plain defaults)."""
     preset = PRESETS.get(args.preset, PRESETS["cpu"])
     for key in ("model", "image_size", "steps", "warmup", "threads"):
         if getattr(args, key) is None:
             setattr(args, key, preset[key] if args.preset or key != "threads" else None)
-    if args.steps < 1 or args.warmup < 0 or (args.threads is not None and args.threads < 1):
-        raise UserError("--steps and --threads must be >= 1 and --warmup >= 0.")
+    for name, spec in RUN_FLAGS.items():
+        check_bounds(name, spec, getattr(args, name))  # a preset's value as a flag's
     if args.threads:
         torch.set_num_threads(args.threads)
 

@@ -1,4 +1,4 @@
-"""The run folder's full training state: atomic checkpoints, retention, RNG capture, safe loading.
+"""The run folder's training state: the checkpoint a run resumes from, atomic checkpoints, retention, safe loading.
 
 A checkpoint is assembled in RUN/checkpoints/.tmp-step-XXXXXXX/ and published by one rename once complete, so a kill
 at any moment leaves no checkpoint or a whole one. Every .pt file holds only tensors and plain values, read with
@@ -10,6 +10,7 @@ import contextlib
 import json
 import random
 import shutil
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -18,9 +19,11 @@ from safetensors.torch import load_file
 
 from shared.runtime import rundir
 from shared.runtime.errors import UserError
+from shared.runtime.tensorfiles import nonfinite_tensors
 from shared.runtime.tensorfiles import write_safetensors
-from shared.weights.export import load_weights, read_config, save_weights
+from shared.weights.export import load_weights, read_config
 from shared.runtime.fsio import atomic_write_json, publish_dir, remove_tree
+from train.config import TrainConfig
 
 
 def remove_partial(run_dir: Path) -> list[Path]:
@@ -94,15 +97,12 @@ def save_rank_state(tmp: Path, rank: int) -> None:
     torch.save(capture_rng(), tmp / rundir.rng_file(rank))
 
 
-def save_main_state(tmp: Path, *, model_state: dict, ema_state: dict, model_config, space,
-                    optimizer_state: dict, scaler_state: dict, state: dict, heads: dict | None = None) -> None:
-    """Main process: weights via shared/weights/export.py, optimizer, scaler, {file: state} of the column heads (REPA's
-    projector), then state.json last."""
-    step = int(state["step"])
+def save_main_state(tmp: Path, *, optimizer_state: dict, scaler_state: dict, state: dict,
+                    heads: dict | None = None) -> None:
+    """Main process, after the loop wrote the weights: {file: state} of the column heads (REPA's projector),
+    optimizer, scaler, then state.json last."""
     for name, head in (heads or {}).items():
         write_safetensors(tmp / name, {k: v.detach().cpu().contiguous() for k, v in head.items()})
-    save_weights(tmp / rundir.MODEL_FILE, model_state, model_config, space, step)
-    save_weights(tmp / rundir.EMA_FILE, ema_state, model_config, space, step)
     torch.save(optimizer_state, tmp / rundir.OPTIMIZER_FILE)
     torch.save(scaler_state, tmp / rundir.SCALER_FILE)
     atomic_write_json(tmp / rundir.STATE_FILE, state, indent=2)
@@ -121,6 +121,27 @@ def _read(path: Path, load=lambda path: torch.load(path, map_location="cpu", wei
         raise UserError(f"its file {path.name} is missing.") from err
     except Exception as err:  # a truncated or foreign file: say which one (torch's text is one line here)
         raise UserError(f"its file {path.name} is unreadable ({str(err).splitlines()[0][:200]}).") from err
+
+
+def check_results_dir(cfg: TrainConfig) -> None:
+    """--results-dir must be a folder or not exist yet."""
+    if Path(cfg.results_dir).exists() and not Path(cfg.results_dir).is_dir():
+        raise UserError(f"--results-dir {cfg.results_dir} is a file; pass a folder (it is created if missing).")
+
+
+def resume_source(cfg: TrainConfig) -> tuple[Path | None, TrainConfig | None]:
+    """(the checkpoint to continue from, the config it records), or (None, None) for a run that starts now."""
+    check_results_dir(cfg)
+    run_dir = Path(cfg.results_dir)
+    if cfg.resume == "none":
+        if rundir.list_checkpoints(run_dir):
+            raise UserError(f"--resume none, but {run_dir} already holds checkpoints; pass --resume auto to "
+                            "continue that run, or a new --results-dir to start another.")
+        return None, None
+    source = rundir.latest_checkpoint(run_dir) if cfg.resume == "auto" else Path(cfg.resume)
+    if source is None:
+        return None, None
+    return source, TrainConfig.from_dict(read_state(source)["config"], str(source))
 
 
 def read_state(ckpt: Path) -> dict:
@@ -163,11 +184,11 @@ def checkpoint_config(ckpt: Path):
 
 
 def load_checkpoint(ckpt: Path, rank: int) -> dict:
-    """Everything a checkpoint holds, on the CPU: weights, optimizer, scaler, this rank's RNG, state."""
+    """Everything a checkpoint holds, on the CPU: weights (finite), optimizer, scaler, this rank's RNG, state."""
     ckpt = Path(ckpt)
     rng = ckpt / rundir.rng_file(rank)
     with _resuming(ckpt):
-        return {
+        saved = {
             "state": read_state(ckpt),
             "model": load_weights(ckpt / rundir.MODEL_FILE)[0],  # the space: config.json holds its hash
             "ema": load_weights(ckpt / rundir.EMA_FILE)[0],
@@ -175,6 +196,17 @@ def load_checkpoint(ckpt: Path, rank: int) -> dict:
             "scaler": _read(ckpt / rundir.SCALER_FILE),
             "rng": _read(rng) if rng.is_file() else None,  # absent when resuming on more processes
         }
+    check_finite_state(saved, ckpt)
+    return saved
+
+
+def check_finite_state(saved: dict, source: Path) -> None:
+    """Refuse to resume from weights holding NaN/inf (they would train on silently as NaN)."""
+    for part in ("model", "ema"):
+        bad = [name for name, _, _ in islice(nonfinite_tensors(saved[part]), 3)]
+        if bad:
+            raise UserError(f"the checkpoint {source} holds non-finite {part} weights ({', '.join(bad)}); it "
+                            f"cannot be resumed. {damaged_advice(source)}")
 
 
 def load_head(path: Path) -> dict | None:

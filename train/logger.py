@@ -1,4 +1,5 @@
-"""Run logging: RUN/log.txt (human lines), RUN/metrics.jsonl (one JSON per log step), and the --report-to tracker.
+"""Run logging: the window of step results a log line averages, RUN/log.txt (human lines), RUN/metrics.jsonl (one
+JSON per log step), and the --report-to tracker.
 
 Only the main process writes; the others get a disabled logger, so callers never branch on rank.
 """
@@ -8,10 +9,13 @@ import json
 import time
 from pathlib import Path
 
+import numpy as np
+import torch
 from tqdm import tqdm
 
 from shared.runtime import rundir
 from shared.runtime.fsio import atomic_write_text
+from train.step import lr_at
 
 
 class RunLogger:
@@ -62,3 +66,45 @@ class RunLogger:
         if self.tracker is not None:
             self.tracker.close()
             self.tracker = None
+
+
+class Meter:
+    """Averages step results over a logging window and measures speed; the results stay on the device until then."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a new window."""
+        self.results: list[dict] = []  # each step's {loss, grad_norm, skipped[, diffusion_loss, *_loss]}: () tensors
+        self.start = time.perf_counter()
+
+    def add(self, result: dict) -> None:
+        """Record one step's result (device tensors: nothing is read here)."""
+        self.results.append(result)
+
+    def window(self) -> dict[str, list[float]]:
+        """{name: the window's values} read from the device in one transfer (the log point's host sync)."""
+        names = list(self.results[0])
+        table = torch.stack([torch.stack([r[n].detach().float() for n in names]) for r in self.results])  # (S, K)
+        return dict(zip(names, map(list, zip(*table.cpu().tolist()))))
+
+    def summary(self, run) -> dict:
+        """Metrics of the window for a train.loop.Run; resets it."""
+        seconds = max(time.perf_counter() - self.start, 1e-9)
+        window = self.window()
+        steps, cfg, learner = len(self.results), run.cfg, run.learner
+        values = {
+            "loss": float(np.mean(window["loss"])), "lr": lr_at(run.step - 1, cfg),
+            "grad_norm": float(np.mean(window["grad_norm"])), "steps_per_s": steps / seconds,
+            "images_per_s": steps * cfg.global_batch_size / seconds, "skipped": int(sum(window["skipped"])),
+            "skipped_total": learner.skipped_steps, "data_position": run.data_position,
+            "epoch": run.data_position / len(run.dataset),
+            **{name: float(np.mean(v)) for name, v in window.items() if name.endswith("_loss")},  # each head's
+        }
+        if learner.scaler.is_enabled():
+            values["loss_scale"] = learner.scaler.get_scale()
+        if run.device.type == "cuda":
+            values["peak_mem_gb"] = torch.cuda.max_memory_allocated(run.device) / 2**30
+        self.reset()
+        return values

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import random
 import sys
-import time
 from dataclasses import dataclass, field
-from itertools import islice
 from pathlib import Path
 from typing import Iterator
 
@@ -25,7 +23,6 @@ from tqdm import tqdm
 from shared.runtime import rundir
 from shared.runtime.cli import flag_name
 from shared.runtime.errors import UserError
-from shared.runtime.tensorfiles import nonfinite_tensors
 from shared.weights.export import save_weights
 from shared.runtime.fsio import atomic_write_text, link_file, space_guard
 from shared.sampling.previews import write_preview
@@ -47,9 +44,9 @@ from train.config import (DEBUG_STEPS, TrainConfig, check_config, check_resume, 
 from train.init_from import InitWeights, apply_init, fit_init, read_init
 from train.latents import follow, open_latents, resolve_shard_window
 from train.launcher import check_strategy, resolve_precision_with_launcher
-from train.logger import RunLogger
+from train.logger import Meter, RunLogger
 from train.preview import sample_preview
-from train.step import Learner, check_compile, import_bitsandbytes, lr_at, make_learner, train_step
+from train.step import Learner, check_compile, import_bitsandbytes, make_learner, train_step
 from train.trackers import accelerator_kwargs, check_watch, default_callbacks
 
 
@@ -128,7 +125,7 @@ def make_plan(cfg: TrainConfig, accelerator) -> TrainPlan:
     dataset = open_latents(cfg.latents, accelerator, cfg.cache_limit)  # URL -> local cache; verified once per node
     check_config(cfg, dataset)  # the flags against the latents; fills the block, objective options, cfg.space
     resolve_shard_window(cfg, dataset)  # the data order: before the resume check compares it
-    source, saved = resume_source(cfg)
+    source, saved = ckpt_io.resume_source(cfg)
     init = start_weights(cfg, dataset, saved)  # before the model config: it records the source's convention
     resumed = ckpt_io.checkpoint_config(source) if source is not None else None  # its output layout is kept
     model_config = model_config_for(cfg, dataset.latent_shape, dataset.num_classes, resumed)
@@ -143,27 +140,6 @@ def make_plan(cfg: TrainConfig, accelerator) -> TrainPlan:
     return TrainPlan(cfg=cfg, dataset=dataset, space=cfg.space, model_config=model_config,
                      objective=objective_of(model_config, **cfg.objective_options), source=source,
                      changes=tuple(changes), init=init)
-
-
-def check_results_dir(cfg: TrainConfig) -> None:
-    """--results-dir must be a folder or not exist yet."""
-    if Path(cfg.results_dir).exists() and not Path(cfg.results_dir).is_dir():
-        raise UserError(f"--results-dir {cfg.results_dir} is a file; pass a folder (it is created if missing).")
-
-
-def resume_source(cfg: TrainConfig) -> tuple[Path | None, TrainConfig | None]:
-    """(the checkpoint to continue from, the config it records), or (None, None) for a run that starts now."""
-    check_results_dir(cfg)
-    run_dir = Path(cfg.results_dir)
-    if cfg.resume == "none":
-        if rundir.list_checkpoints(run_dir):
-            raise UserError(f"--resume none, but {run_dir} already holds checkpoints; pass --resume auto to "
-                            "continue that run, or a new --results-dir to start another.")
-        return None, None
-    source = rundir.latest_checkpoint(run_dir) if cfg.resume == "auto" else Path(cfg.resume)
-    if source is None:
-        return None, None
-    return source, TrainConfig.from_dict(ckpt_io.read_state(source)["config"], str(source))
 
 
 def start_weights(cfg: TrainConfig, dataset: LatentDataset, saved: TrainConfig | None) -> InitWeights | None:
@@ -228,15 +204,6 @@ def seed_globals(seed: int, rank: int) -> None:
     torch.manual_seed(seed * 1009 + rank)
 
 
-def check_finite_state(saved: dict, source: Path) -> None:
-    """Refuse to resume from weights holding NaN/inf (they would train on silently as NaN)."""
-    for part in ("model", "ema"):
-        bad = [name for name, _, _ in islice(nonfinite_tensors(saved[part]), 3)]
-        if bad:
-            raise UserError(f"the checkpoint {source} holds non-finite {part} weights ({', '.join(bad)}); it "
-                            f"cannot be resumed. {ckpt_io.damaged_advice(source)}")
-
-
 def restore(run: Run, source: Path) -> None:
     """Resume from `source`; the processes of one machine take turns, so one node holds one CPU copy at a time.
 
@@ -258,7 +225,6 @@ def _restore_from(run: Run, source: Path) -> None:
     """Load weights, EMA, optimizer, scaler, this rank's RNG, the step and the data position (CPU copy freed)."""
     learner = run.learner
     saved = ckpt_io.load_checkpoint(source, run.accelerator.process_index)
-    check_finite_state(saved, source)
     learner.dit.load_state_dict(saved["model"], strict=True)
     learner.ema.load_state_dict(saved["ema"], strict=True)
     restore_heads(learner, source)
@@ -413,12 +379,11 @@ def save_checkpoint(run: Run) -> Path | None:
 def _write_main(run: Run, tmp: Path) -> None:
     """Main process part of a checkpoint: weights, optimizer, scaler, state.json, publish, export, prune."""
     learner = run.learner
+    for name, model in ((rundir.MODEL_FILE, learner.dit), (rundir.EMA_FILE, learner.ema)):  # as write_export's
+        save_weights(tmp / name, model.state_dict(), learner.model_config, run.plan.space, run.step)
     state = {"step": run.step, "data_position": run.data_position, "world_size": run.cfg.world_size,
              "skipped_steps": learner.skipped_steps, "config": run.cfg.to_dict()}
-    ema_state = learner.ema.state_dict()
-    ckpt_io.save_main_state(tmp, model_state=learner.dit.state_dict(), ema_state=ema_state,
-                            model_config=learner.model_config, space=run.plan.space,
-                            optimizer_state=learner.optimizer.state_dict(),
+    ckpt_io.save_main_state(tmp, optimizer_state=learner.optimizer.state_dict(),
                             scaler_state=learner.scaler.state_dict(), state=state,
                             heads={c.checkpoint_file: learner.heads[c.name].state_dict() for c, _ in learner.consumers})
     final = ckpt_io.publish(tmp, run.run_dir, run.step)
@@ -462,48 +427,6 @@ def save_samples(run: Run) -> None:
 # ---------------------------------------------------------------------------------------------------------
 # Logs
 # ---------------------------------------------------------------------------------------------------------
-
-class Meter:
-    """Averages step results over a logging window and measures speed; the results stay on the device until then."""
-
-    def __init__(self):
-        self.reset()
-
-    def reset(self) -> None:
-        """Start a new window."""
-        self.results: list[dict] = []  # each step's {loss, grad_norm, skipped[, diffusion_loss, *_loss]}: () tensors
-        self.start = time.perf_counter()
-
-    def add(self, result: dict) -> None:
-        """Record one step's result (device tensors: nothing is read here)."""
-        self.results.append(result)
-
-    def window(self) -> dict[str, list[float]]:
-        """{name: the window's values} read from the device in one transfer (the log point's host sync)."""
-        names = list(self.results[0])
-        table = torch.stack([torch.stack([r[n].detach().float() for n in names]) for r in self.results])  # (S, K)
-        return dict(zip(names, map(list, zip(*table.cpu().tolist()))))
-
-    def summary(self, run: Run) -> dict:
-        """Metrics of the window; resets it."""
-        seconds = max(time.perf_counter() - self.start, 1e-9)
-        window = self.window()
-        steps, cfg, learner = len(self.results), run.cfg, run.learner
-        values = {
-            "loss": float(np.mean(window["loss"])), "lr": lr_at(run.step - 1, cfg),
-            "grad_norm": float(np.mean(window["grad_norm"])), "steps_per_s": steps / seconds,
-            "images_per_s": steps * cfg.global_batch_size / seconds, "skipped": int(sum(window["skipped"])),
-            "skipped_total": learner.skipped_steps, "data_position": run.data_position,
-            "epoch": run.data_position / len(run.dataset),
-            **{name: float(np.mean(v)) for name, v in window.items() if name.endswith("_loss")},  # each head's
-        }
-        if learner.scaler.is_enabled():
-            values["loss_scale"] = learner.scaler.get_scale()
-        if run.device.type == "cuda":
-            values["peak_mem_gb"] = torch.cuda.max_memory_allocated(run.device) / 2**30
-        self.reset()
-        return values
-
 
 def start_logs(run: Run) -> None:
     """config.json, the resume note, metrics truncated to the resumed step, a missing export repaired."""
@@ -713,7 +636,7 @@ def lock_run_folder(cfg: TrainConfig, accelerator) -> FolderLock | None:
         return None
     lock, error = None, None
     if accelerator.is_main_process:
-        check_results_dir(cfg)
+        ckpt_io.check_results_dir(cfg)
         try:
             lock = hold_lock(cfg.results_dir, "run folder")
         except UserError as err:

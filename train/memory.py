@@ -21,15 +21,34 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 from tqdm.auto import tqdm
 
-from shared.network.routing import kept_tokens
+from shared.network.routing import draw_kept, kept_tokens
 from shared.runtime.errors import UserError
 from shared.network.blocks import SAVED_OPS, SELECTIVE
 from shared.network.models import CLASS_DROPOUT_PROB, ModelConfig, check_preset
 from shared.runtime.precision import autocast_dtype
 from train.config import TrainConfig, resolve_block
 from shared.generative.objectives import objective_of
-from train.step import forward_losses, make_learner, synthetic_batch, train_step
+from train.step import forward_losses, make_learner, train_step
 from train.units import parse_size
+
+
+def synthetic_batch(shape_of, micro_batch: int, class_dropout_prob: float, objective, seed: int = 0,
+                    extra: dict | None = None, route: tuple[int, int] | None = None) -> dict:
+    """A micro-batch of the loader's keys, shapes and dtypes from random latents (bench and plan).
+
+    shape_of: a ModelConfig or a DiT (both carry in_channels, input_size and num_classes). extra {column: shape}:
+    also random columns of those per-sample shapes (REPA's "repr": (T, E)). route (T, K): the routed tokens' indices.
+    """
+    g = torch.Generator().manual_seed(seed)
+    shape = (micro_batch, shape_of.in_channels, shape_of.input_size, shape_of.input_size)
+    return {"x0": torch.randn(shape, generator=g),  # (B, C, h, w) fp32
+            "label": torch.randint(0, shape_of.num_classes, (micro_batch,), generator=g),  # (B,)
+            "drop": torch.rand(micro_batch, generator=g) < class_dropout_prob,  # (B,)
+            "t": torch.cat([objective.draw_time(g) for _ in range(micro_batch)]),  # (B,)
+            "noise": torch.randn(shape, generator=g),  # (B, C, h, w)
+            "position": torch.arange(micro_batch, dtype=torch.int64),  # (B,)
+            **{name: torch.randn((micro_batch, *shape), generator=g) for name, shape in (extra or {}).items()},
+            **({"route_keep": torch.stack([draw_kept(g, *route) for _ in range(micro_batch)])} if route else {})}
 
 
 def latent_shape(image_size: int, vae_factor: int = 8, channels: int = 4) -> tuple[int, int, int]:

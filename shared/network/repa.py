@@ -122,7 +122,8 @@ class RepaFlags:
     repa_weight: float = option(0.0, "REPA: weight lambda of the alignment loss (REPA: 0.5); 0 turns REPA off "
                                      "(default). Needs a latent folder extracted with --repr-encoder", min=0)
     repa_depth: int = option(8, "REPA: align the output of this block, counted from 1 (REPA: 8 of SiT-XL's 28)")
-    repa_projector_dim: int = option(2048, "REPA: hidden width P of the projector MLP D -> P -> P -> E (REPA: 2048)")
+    repa_projector_dim: int = option(2048, "REPA: hidden width P of the projector MLP D -> P -> P -> E (REPA: 2048)",
+                                     min=1)
     repa_feature_dim: int | None = option(
         None, "REPA: the projector's output E, which must equal the stored features' width (REPA's "
               "--projector-embed-dims, 768 for DINOv2-B); default: read from the latent folder")
@@ -156,12 +157,10 @@ def repr_storage(record: dict, frames: int) -> tuple[int, str]:
 
 
 def resolve_repa(flags: RepaFlags, record: dict, shape, model: str, root) -> RepaFlags:
-    """The depth fits the model, P is positive, E matches the stored features (one paragraph each); E filled in."""
+    """The depth fits the model, E matches the stored features (one paragraph each); E filled in."""
     from shared.network.models import PRESETS
 
     check_depth(flags.repa_depth, PRESETS[model]["depth"], model)
-    if flags.repa_projector_dim <= 0:
-        raise UserError(f"--repa-projector-dim must be positive (REPA: 2048), got {flags.repa_projector_dim}.")
     _, tokens, dim = shape  # (F, T, E)
     if flags.repa_feature_dim is not None and flags.repa_feature_dim != dim:
         raise UserError(f"--repa-feature-dim {flags.repa_feature_dim} does not match the features stored in "

@@ -109,7 +109,7 @@ def interleaved_step_seconds(arms: dict, steps: int, batch: int = 64) -> dict:
     DiT-T/2, 10 classes), the arms' steps interleaved (sit, meanflow, ..., sit, ...) so machine load drifts hit all."""
     from shared.runtime.cli import given_flags
     from train.config import build_parser, config_from_args, model_config_for, resolve_block
-    from train.step import synthetic_batch
+    from train.memory import synthetic_batch
     from train.step import make_learner, train_step
 
     learners = {}

@@ -69,7 +69,7 @@ def step_seconds(model: str, latent: int, batch: int, features: tuple | None, de
     """Median seconds of one train_step of `model` on latents (4, latent, latent), with REPA when features=(T, E)."""
     from shared.network.models import ModelConfig
     from train.config import TrainConfig
-    from train.step import synthetic_batch
+    from train.memory import synthetic_batch
     from train.step import make_learner, train_step
 
     cfg = TrainConfig(latents="", results_dir="", model=model, objective="flow", global_batch_size=batch,

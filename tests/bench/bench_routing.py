@@ -66,7 +66,7 @@ def learner_and_batch(name: str, latent: int, batch: int, route: tuple | None):
     """The trainer's Learner (flow objective, fp32, CPU) and one synthetic micro-batch shaped like the loader's."""
     from shared.network.models import ModelConfig
     from train.config import TrainConfig
-    from train.step import synthetic_batch
+    from train.memory import synthetic_batch
     from train.step import make_learner
 
     extra = dict(route_ratio=route[0], route_start=route[1], route_end=route[2]) if route else {}
