@@ -200,7 +200,8 @@ def test_load_torch_file_names_the_blocked_global_and_never_advises_unsafe_loadi
 
 
 def test_safetensors_problem_and_first_nonfinite(tmp_path, trained):
-    from shared.runtime.tensorfiles import first_nonfinite, safetensors_problem
+    from shared.runtime.tensorfiles import safetensors_problem
+    from shared.weights.checkpoint import first_nonfinite
 
     model, config = trained
     path = save_weights(tmp_path / "w.safetensors", model.state_dict(), config, SPACE, 1)

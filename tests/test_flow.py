@@ -9,7 +9,7 @@ import torch
 
 from shared.runtime.errors import SettingError, UserError
 from shared.generative.flow import draw_time, flow_grid, shift_time
-from shared.generative.guidance import guided_model_fn
+from shared.sampling.generate import GuidedModelFn
 from shared.network.models import ModelConfig
 from shared.generative.flow_objectives import FlowObjective
 from shared.generative.objectives import DDPMObjective, make_objective, objective_of, run_sampler
@@ -168,7 +168,7 @@ class _Tiny(torch.nn.Module):
     (DDPMObjective(), (0, 500), "t <= 500"), (FlowObjective(), (0.0, 0.7), "sigma <= 0.7")])
 def test_guidance_interval_guides_inside_and_saves_calls_outside(objective, interval, expected_guided):
     """Guided steps are exactly those whose noise level lies in [lo, hi]; the others cost N rows, not 2N."""
-    fn = guided_model_fn(_Tiny(), 4.0, None, "fp32", interval, objective.noise_level)
+    fn = GuidedModelFn(_Tiny(), 4.0, None, "fp32", interval, objective.noise_level)
     levels = []
     real = fn.__call__
 

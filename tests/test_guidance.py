@@ -1,9 +1,10 @@
-"""shared/generative/guidance.py: classifier-free guidance against an independent formula, channel handling, errors."""
+"""shared/generative/guidance.py and GuidedModelFn: classifier-free guidance against an independent formula, channel handling, errors."""
 import pytest
 import torch
 
 from shared.runtime.errors import ChoiceError, SettingError, UserError, advise
-from shared.generative.guidance import GUIDE_CHANNELS, check_guidance, guide_channel_count, guided_model_fn
+from shared.generative.guidance import GUIDE_CHANNELS, check_guidance, guide_channel_count
+from shared.sampling.generate import GuidedModelFn
 from tests.helpers import inputs, randomize, tiny  # 2-block DiT-T/2, 8x8x4 latents, 5 classes
 
 
@@ -13,7 +14,7 @@ def test_guided_prediction_matches_separate_passes(guide_channels):
     model = randomize(tiny().double()).eval()
     x, t, y = inputs(n=3, dtype=torch.float64)
     with torch.no_grad():
-        out = guided_model_fn(model, 4.0, guide_channels)(x, t, y)
+        out = GuidedModelFn(model, 4.0, guide_channels)(x, t, y)
         cond, uncond = model(x, t, y), model(x, t, torch.full_like(y, model.null_label))
     g = 4 if guide_channels is None else 3
     assert out.shape == (3, 8, 8, 8) and out.dtype == torch.float32
@@ -28,8 +29,8 @@ def test_one_forward_of_cond_and_null_rows_and_plain_pass_at_scale_one():
     model.y_embedder.register_forward_pre_hook(lambda m, args: seen.append(args[0].tolist()))
     x, t, y = inputs(n=3)
     with torch.no_grad():
-        plain = guided_model_fn(model, 1.0, 3)(x, t, y)
-        guided_model_fn(model, 2.5, 3)(x, t, y)
+        plain = GuidedModelFn(model, 1.0, 3)(x, t, y)
+        GuidedModelFn(model, 2.5, 3)(x, t, y)
         cond = model(x, t, y)
     assert seen[:2] == [y.tolist(), y.tolist() + [model.null_label] * 3]
     assert torch.equal(plain, cond)
@@ -39,7 +40,7 @@ def test_rows_do_not_depend_on_the_batch():
     """Row i's guided output is the same in a batch of 3 as alone (float64, so kernels agree to rounding)."""
     model = randomize(tiny().double()).eval()
     x, t, y = inputs(n=3, dtype=torch.float64)
-    fn = guided_model_fn(model, 4.0, None)
+    fn = GuidedModelFn(model, 4.0, None)
     with torch.no_grad():
         batch = fn(x, t, y)
         alone = torch.cat([fn(x[i:i + 1], t[i:i + 1], y[i:i + 1]) for i in range(3)])
@@ -50,12 +51,12 @@ def test_autocast_precision_follows_the_input_device():
     model = randomize(tiny(), scale=0.05).eval()  # small weights: bf16 rounding stays small next to the outputs
     x, t, y = inputs(n=3)
     with torch.no_grad():
-        full = guided_model_fn(model, 4.0, 3, "fp32")(x, t, y)
-        half = guided_model_fn(model, 4.0, 3, "bf16")(x, t, y)
+        full = GuidedModelFn(model, 4.0, 3, "fp32")(x, t, y)
+        half = GuidedModelFn(model, 4.0, 3, "bf16")(x, t, y)
     assert half.dtype == torch.float32 and not torch.equal(full, half)
     torch.testing.assert_close(half, full, rtol=0.1, atol=0.1)
     with pytest.raises(ChoiceError, match="precision"):
-        guided_model_fn(model, 4.0, 3, "fp8")
+        GuidedModelFn(model, 4.0, 3, "fp8")
 
 
 def test_guide_channel_vocabulary():
@@ -90,8 +91,8 @@ def test_guide_channel_vocabulary():
 def test_guidance_errors_name_the_setting_and_become_flag_advice():
     """Below 1, or > 1 on a model without a null class (class_dropout_prob 0): a SettingError."""
     with pytest.raises(UserError, match="no null class"):
-        guided_model_fn(tiny(class_dropout_prob=0.0), 1.5)
-    guided_model_fn(tiny(class_dropout_prob=0.0), 1.0)  # no guidance needs no null class
+        GuidedModelFn(tiny(class_dropout_prob=0.0), 1.5)
+    GuidedModelFn(tiny(class_dropout_prob=0.0), 1.0)  # no guidance needs no null class
     with pytest.raises(SettingError, match="cfg scale 0.5 is below 1") as caught:
         check_guidance(0.5, True)
     assert "use --cfg-scale 1" in str(advise(caught.value, {"cfg scale": "--cfg-scale"}))

@@ -121,21 +121,21 @@ def test_training_draws_follow_the_release():
 
 
 def test_one_network_call_per_step_at_any_scale_in_range_and_refusals_outside():
-    from shared.generative.guidance import guided_model_fn
+    from shared.sampling.generate import GuidedModelFn
 
     model = random_dit(_config(), 2).eval()
     objective = make_objective("imf")
     noise, y = torch.randn(4, 4, 8, 8), torch.arange(4) % 3
     images = []
     for scale in (1.0, 3.0, 8.0):
-        fn = guided_model_fn(model, scale, interval=(0.2, 0.7), noise_level=objective.noise_level)
+        fn = GuidedModelFn(model, scale, interval=(0.2, 0.7), noise_level=objective.noise_level)
         images.append(run_sampler(objective, "meanflow", fn, noise, 1, {}, model_kwargs={"y": y}))
         assert fn.rows == 4  # one call of N rows: the scale is an input, not a second batch
     assert not torch.equal(images[0], images[1]) and not torch.equal(images[1], images[2])
     with pytest.raises(SettingError, match="outside \\[1, 8\\]"):
-        run_sampler(objective, "meanflow", guided_model_fn(model, 9.0), noise, 1, {}, model_kwargs={"y": y})
+        run_sampler(objective, "meanflow", GuidedModelFn(model, 9.0), noise, 1, {}, model_kwargs={"y": y})
     with pytest.raises(SettingError, match="not among the intervals"):
-        fn = guided_model_fn(model, 2.0, interval=(0.6, 0.9), noise_level=objective.noise_level)
+        fn = GuidedModelFn(model, 2.0, interval=(0.6, 0.9), noise_level=objective.noise_level)
         run_sampler(objective, "meanflow", fn, noise, 1, {}, model_kwargs={"y": y})
 
 

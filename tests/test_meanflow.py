@@ -379,12 +379,12 @@ def test_sample_and_evaluate_run_draw_meanflow_exports_in_one_call(tiny_vae_dir,
 
 
 def test_a_guided_sampler_call_counts_one_network_call_per_step():
-    from shared.generative.guidance import guided_model_fn
+    from shared.sampling.generate import GuidedModelFn
 
     model = random_dit(_config(), 2).eval()
     objective = make_objective("meanflow")
     for scale, rows in ((1.0, 4), (3.0, 8)):  # a model trained without folded guidance may still be guided
-        fn = guided_model_fn(model, scale, interval=(0.0, 1.0), noise_level=objective.noise_level)
+        fn = GuidedModelFn(model, scale, interval=(0.0, 1.0), noise_level=objective.noise_level)
         run_sampler(objective, "meanflow", fn, torch.randn(4, 4, 8, 8), 1, {}, model_kwargs={"y": torch.arange(4) % 3})
         assert fn.rows == rows  # one step: 4 rows, or 8 with sampling-time guidance
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from shared.generative.flow import auto_shift, flow_grid, rae_shift, sde_grid, shift_time
-from shared.generative.guidance import guided_model_fn
+from shared.sampling.generate import GuidedModelFn
 from shared.generative.objectives import make_objective, objective_of
 from shared.network.ddt import DiTDH
 from shared.network.models import ModelConfig, infer_model_config
@@ -127,7 +127,7 @@ def test_guidance_and_its_interval_on_the_head_model():
     t = torch.tensor([0.2, 0.9])  # SiT time: noise levels 0.8 and 0.1
     with torch.no_grad():
         cond, null = model(x, t, y), model(x, t, torch.full_like(y, model.null_label))
-        guided = guided_model_fn(model, 3.0, interval=(0.5, 1.0), noise_level=objective.noise_level)(x, t, y)
+        guided = GuidedModelFn(model, 3.0, interval=(0.5, 1.0), noise_level=objective.noise_level)(x, t, y)
     # One batched (2N) forward against two separate ones: equal up to kernel rounding. In the full suite an earlier
     # in-process test leaves the CPU kernels rounding at ~1e-4 here (alone: < 1e-5; not yet traced), still far
     # below the 0.1-1 gap between the guided and the conditional prediction that the test tells apart.

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from shared.generative.guidance import guided_model_fn
+from shared.sampling.generate import GuidedModelFn
 from shared.generative.objectives import DDPMObjective
 from shared.sampling.compiled import COMPILE_MODES, GraphedModel, check_compile, compile_for_sampling
 from shared.runtime.errors import ChoiceError, SettingError
@@ -30,7 +30,7 @@ def _draw(model, steps=3, interval=None, sampler="ddim", n=4):
     """Latents of a guided DDPM-objective sampling loop over `model` (cfg 1.5), drawn as Drawer.draw does (the
     noise made under inference mode too)."""
     objective = DDPMObjective()
-    fn = guided_model_fn(model, 1.5, None, "fp32", interval, objective.noise_level)
+    fn = GuidedModelFn(model, 1.5, None, "fp32", interval, objective.noise_level)
     with torch.inference_mode():
         noise = torch.randn(n, 4, 8, 8, generator=torch.Generator().manual_seed(0))
         labels = torch.arange(n) % 5
@@ -106,7 +106,7 @@ def test_guidance_at_every_level_never_reads_a_tensor_on_the_host(monkeypatch):
     """No bool()/item() per step when guidance covers every level: on CUDA each would wait for the GPU."""
     model = _model()
     x, t, y = inputs()
-    fn = guided_model_fn(model, 1.5)
+    fn = GuidedModelFn(model, 1.5)
     with torch.inference_mode():
         expected = fn(x, t, y)
 

@@ -11,7 +11,7 @@ import torch
 from torchdiffeq import odeint
 
 from shared.generative.diffusion import NUM_TIMESTEPS
-from shared.generative.guidance import guided_model_fn
+from shared.sampling.generate import GuidedModelFn
 from shared.generative.objectives import make_objective, run_sampler
 from shared.generative.samplers import samplers_for
 
@@ -187,7 +187,7 @@ def test_guidance_interval_edges_as_repa_decides_them(sampler, steps):
     """REPA-convention models: guided steps exactly REPA's at the listed edge cases, and its float32 times."""
     net = _Net()
     objective = make_objective("flow", {"convention": "repa"})
-    fn = guided_model_fn(net, 1.8, None, "fp32", (0.0, 0.7), objective.noise_level)
+    fn = GuidedModelFn(net, 1.8, None, "fp32", (0.0, 0.7), objective.noise_level)
     gens = [torch.Generator().manual_seed(0)]
     run_sampler(objective, sampler, fn, torch.ones(1, 2, 1, 1), steps, {}, model_kwargs={"y": torch.tensor([0])},
                 generator=gens)
@@ -200,7 +200,7 @@ def test_guidance_interval_edges_as_repa_decides_them(sampler, steps):
 
 def test_sit_convention_decides_on_its_own_float64_grid():
     """SiT-convention models: the level 1 - tau of SiT's float64 grid, edges included (110 steps: 0.7 exactly)."""
-    fn = guided_model_fn(_Net(), 1.8, None, "fp32", (0.0, 0.7), make_objective("flow").noise_level)
+    fn = GuidedModelFn(_Net(), 1.8, None, "fp32", (0.0, 0.7), make_objective("flow").noise_level)
     run_sampler(make_objective("flow"), "euler", fn, torch.ones(1, 2, 1, 1), 110, {}, model_kwargs={"y": torch.tensor([0])})
     levels = 1 - torch.linspace(0, 1, 111, dtype=torch.float64)[:-1]
     assert fn.calls["guided"] == int(((levels >= 0) & (levels <= 0.7)).sum())

@@ -1,7 +1,7 @@
 """--sample-every previews: EMA latents for fixed classes and fixed noise, saved without any VAE.
 
 The file (RUN/samples/step-XXXXXXX.safetensors) is shared/sampling/previews.py's; `python -m sample decode`
-turns it into images. Guidance is shared/generative/guidance.py's, the sampler's own.
+turns it into images. Guidance is `python -m sample`'s GuidedModelFn (shared/sampling/generate.py).
 """
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import torch
 
 from shared.generative.objectives import run_sampler
 from shared.generative.samplers import resolve_sampling
-from shared.generative.guidance import guide_channel_count, guided_model_fn
+from shared.generative.guidance import guide_channel_count
+from shared.sampling.generate import GuidedModelFn
 from shared.runtime.seeding import generator_for
 
 PREVIEW_COUNT = 8
@@ -35,8 +36,8 @@ def sample_preview(model, latent_shape, num_steps: int, cfg_scale: float, guide_
     labels = preview_labels(model.num_classes).to(device)  # (N,)
     noise = preview_noise(latent_shape).to(device)  # (N, C, h, w)
     plan = resolve_sampling(objective, None, {}, None, recorded, guided=cfg_scale != 1.0, fast=True)
-    model_fn = guided_model_fn(model, cfg_scale, guide_channel_count(guide_channels, model.in_channels),
-                               interval=plan.cfg_interval, noise_level=objective.noise_level)
+    model_fn = GuidedModelFn(model, cfg_scale, guide_channel_count(guide_channels, model.in_channels),
+                             interval=plan.cfg_interval, noise_level=objective.noise_level)
     x = run_sampler(objective, plan.sampler, model_fn, noise, num_steps, plan.options,
                     model_kwargs=dict(y=labels))  # (N, C, h, w)
     return x.float().cpu(), labels.cpu()

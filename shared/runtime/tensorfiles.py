@@ -1,6 +1,6 @@
 """Tensor files every weight reader needs: safetensors written with sorted metadata (`write_safetensors`; from plain
 copies, atomically: `save_tensors`) and read (`read_tensor_file`), whole-file checks from the header alone
-(`safetensors_problem`), NaN/inf weights (`nonfinite_tensors`, `first_nonfinite`), and the one
+(`safetensors_problem`), NaN/inf weights (`nonfinite_tensors`), and the one
 `torch.load(weights_only=True)` that turns a refused pickle into a message naming the blocked global
 (`load_torch_file`).
 """
@@ -84,11 +84,6 @@ def nonfinite_tensors(state_dict) -> Iterator[tuple[str, int, int]]:
             bad = int((~torch.isfinite(tensor)).sum())
             if bad:
                 yield name, bad, tensor.numel()
-
-
-def first_nonfinite(state_dict) -> tuple[str, int, int] | None:
-    """(name, NaN/inf count, size) of the first floating tensor, in key order, that is not all finite; else None."""
-    return next(nonfinite_tensors(state_dict), None)
 
 
 # torch names what its weights-only unpickler refused as "GLOBAL module.name" ("posix.system", a class...).

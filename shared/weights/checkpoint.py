@@ -22,7 +22,7 @@ from shared.network.repa import REPA_PROJECTOR_PREFIX
 from shared.runtime.errors import ChoiceError, UserError
 from shared.runtime.registry import Registry
 from shared.tokenizers.space import LatentSpace
-from shared.runtime.tensorfiles import first_nonfinite, load_torch_file, safetensors_problem
+from shared.runtime.tensorfiles import load_torch_file, safetensors_problem
 from shared.weights.export import load_weights
 from shared.runtime.rundir import (CHECKPOINTS, EMA_FILE, EXPORTS, MODEL_FILE, checkpoint_path, is_complete_checkpoint,
                                    list_checkpoints, list_exports, step_of)
@@ -392,6 +392,15 @@ def _find(ckpt, weights: str | None) -> Found:
     if not path.exists() and is_official_name(str(ckpt)):
         return Found(ckpt, weights, *find_official(str(ckpt)))
     return Found(ckpt, weights, path)
+
+
+def first_nonfinite(state_dict: dict) -> tuple[str, int, int] | None:
+    """(name, NaN/inf count, size) of the first floating tensor, in key order, that is not all finite; else None."""
+    for name, tensor in state_dict.items():
+        bad = int((~torch.isfinite(tensor)).sum()) if tensor.is_floating_point() else 0
+        if bad:
+            return name, bad, tensor.numel()
+    return None
 
 
 def check_finite(loaded: LoadedWeights, fix: str) -> None:

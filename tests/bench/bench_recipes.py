@@ -440,12 +440,12 @@ def model_rows(export: Path, sampler: str, steps: int, cfg: float, interval=None
     import torch
 
     from shared.weights.export import read_config
-    from shared.generative.guidance import guided_model_fn
+    from shared.sampling.generate import GuidedModelFn
     from shared.generative.objectives import objective_of, run_sampler
 
     config = read_config(export)
     objective = objective_of(config)
-    fn = guided_model_fn(_ZeroNet(config), cfg, None, "fp32", tuple(interval) if interval else None,
+    fn = GuidedModelFn(_ZeroNet(config), cfg, None, "fp32", tuple(interval) if interval else None,
                          objective.noise_level)
     noise = torch.zeros(1, config.in_channels, 2, 2)  # (1, C, h, w): the count does not depend on the size
     run_sampler(objective, sampler, fn, noise, steps, {}, model_kwargs={"y": torch.zeros(1, dtype=torch.long)})
@@ -537,7 +537,7 @@ def network_rows(export: Path, sampler: str, steps: int, cfg: float, count: int 
     """Network rows per image of one sampling run, counted on the real model (adaptive dopri5 included)."""
     import torch
 
-    from shared.generative.guidance import guided_model_fn
+    from shared.sampling.generate import GuidedModelFn
     from shared.generative.objectives import objective_of, run_sampler
     from shared.weights.export import load_weights
 
@@ -545,7 +545,7 @@ def network_rows(export: Path, sampler: str, steps: int, cfg: float, count: int 
     model = config.build().eval()
     model.load_state_dict(state)
     objective = objective_of(config)
-    fn = guided_model_fn(model, cfg, None, "fp32", None, objective.noise_level)
+    fn = GuidedModelFn(model, cfg, None, "fp32", None, objective.noise_level)
     g = torch.Generator().manual_seed(0)
     noise = torch.randn(count, config.in_channels, config.input_size, config.input_size, generator=g)
     with torch.no_grad():

@@ -5,7 +5,7 @@ Run: python tests/bench/bench_sample.py --preset cpu    (DiT-T/2 on 8x8 latents,
      python tests/bench/bench_sample.py --preset gpu    (DiT-XL/2 on 32x32 latents = 256 px, batch 64, cfg 1.5,
                                                           DDPM 250 and DPM-Solver++(2M) 20, SD-VAE's architecture)
 Random weights, nothing downloaded: speed does not depend on the weights' values. The network rows run the
-sampling code path of `python -m sample` (per-row generators, guided_model_fn, the objective's sampler,
+sampling code path of `python -m sample` (per-row generators, GuidedModelFn, the objective's sampler,
 compile_for_sampling); the decode rows run Tokenizer.decode_raw. The decode error columns compare each
 precision's uint8 pixels with the fp32 decode of the same latents; on random weights they say little about a
 trained decoder (docs/performance.md: the tiny random VAEs err more than the trained digits VAE).
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from shared.generative.guidance import guided_model_fn  # noqa: E402
+from shared.sampling.generate import GuidedModelFn  # noqa: E402
 from shared.generative.objectives import DDPMObjective  # noqa: E402
 from shared.network.models import DiT_models, ModelConfig  # noqa: E402
 from shared.runtime.precision import PRECISIONS, set_tf32  # noqa: E402
@@ -135,7 +135,7 @@ def option_rows(args, model, config, device, option: Option) -> list[dict]:
     plan, indices = LabelPlan(config.num_classes), list(range(args.batch))
     shape = (config.in_channels, config.input_size, config.input_size)
     objective = DDPMObjective()
-    fn = guided_model_fn(network_for(model, option, args.backend), args.cfg_scale, None, option.precision)
+    fn = GuidedModelFn(network_for(model, option, args.backend), args.cfg_scale, None, option.precision)
 
     @torch.inference_mode()
     def draw(sampler, steps):

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from shared.generative.guidance import guided_model_fn  # noqa: E402
+from shared.sampling.generate import GuidedModelFn  # noqa: E402
 from shared.network.models import DiT_models, ModelConfig  # noqa: E402
 from shared.generative.objectives import make_objective  # noqa: E402
 from tests.bench.reference_code import perturb_  # noqa: E402
@@ -67,7 +67,7 @@ def check_samplers(sampler_cls, transport, model, objective, args) -> dict:
     g = torch.Generator().manual_seed(args.seed + 2)
     noise = torch.randn(args.batch, 4, args.input_size, args.input_size, generator=g)
     y = torch.arange(args.batch) % 10
-    ours_fn = guided_model_fn(model, 4.0, 3)  # the same guided velocity function on both sides
+    ours_fn = GuidedModelFn(model, 4.0, 3)  # the same guided velocity function on both sides
     sit = sampler_cls(transport)
     n = args.steps
     sit_fn = lambda x, t, **kw: ours_fn(x, t, **kw)[:, :4]  # noqa: E731 - SiT's model returns C channels
