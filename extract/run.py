@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch.utils.data import Sampler
 from tqdm import tqdm
 
 from shared.datasets.duplicates import DEFAULT_DUPLICATES, DUPLICATE_POLICIES, apply_duplicates
@@ -26,8 +27,8 @@ from shared.datasets.imagefolder import ImageFolderScan
 from shared.datasets.sources import (DEFAULT_IMAGE_COLUMN, DEFAULT_LABEL_COLUMN, DEFAULT_LABEL_KEY, LISTING_NAME,
                                      SourceOptions, describe_source, is_url, listed_source, open_source,
                                      save_listing, source_kind)
-from shared.datasets.images import BOMB_REASON, MAX_IMAGE_PIXELS, pixel_limit
-from extract.loader import ImageFileDataset, ShardBatches, make_loader, raise_fatal
+from shared.datasets.images import (BOMB_REASON, MAX_IMAGE_PIXELS, ImageFileDataset, make_loader, pixel_limit,
+                                    raise_fatal)
 from shared.runtime.cli import counted, option
 from shared.runtime.distributed import default_workers as shared_default_workers, process_state
 from extract.sizes import check_image_size
@@ -412,6 +413,31 @@ class ShardSink:
         if self.writer is not None:
             self.writer.abort()
             self.writer = None
+
+
+class ShardBatches(Sampler):
+    """Batches of positions, shard by shard; a batch never crosses a shard boundary.
+
+    Batch composition then depends only on the shard, so a resumed run encodes exactly the batches an
+    uninterrupted run would (bitwise-equal shards even where kernels differ by batch size).
+    """
+
+    def __init__(self, shards: list[int], shard_size: int, num_files: int, batch_size: int):
+        self.shards, self.shard_size = list(shards), shard_size
+        self.num_files, self.batch_size = num_files, batch_size
+
+    def shard_positions(self, shard: int) -> range:
+        """Sorted positions held by one shard."""
+        return range(shard * self.shard_size, min((shard + 1) * self.shard_size, self.num_files))
+
+    def __iter__(self):
+        for shard in self.shards:
+            positions = list(self.shard_positions(shard))
+            for start in range(0, len(positions), self.batch_size):
+                yield positions[start : start + self.batch_size]
+
+    def __len__(self) -> int:
+        return sum(-(-len(self.shard_positions(s)) // self.batch_size) for s in self.shards)
 
 
 def _split_batch(batch: dict, scan: ImageFolderScan, strict: bool) -> tuple[list[int], torch.Tensor, list[dict]]:

@@ -156,7 +156,7 @@ def test_a_plugin_tokenizer_and_column_extract_train_and_sample(tmp_path, image_
     converted = next((plugin_dir / "cache" / "dit-latent-pipeline" / "tokenizers").glob("patch-ae-*"))
     assert json.loads((converted / "config.json").read_text())["_class_name"] == "PatchAE"  # converted once
 
-    from extract.loader import ImageFileDataset
+    from shared.datasets.images import ImageFileDataset
     from shared.datasets.imagefolder import scan_image_folder
     from shared.datasets.shards import LatentDataset
 
