@@ -39,7 +39,7 @@ from shared.runtime.rerun import differences, listed
 from shared.datasets.columns import columns, plugin_of
 from shared.datasets.shards import FLAG_DTYPES
 from shared.runtime.plugins import PLUGIN
-from shared.tokenizers.classes import TokenizerClass, tokenizer_class
+from shared.tokenizers.tokenizer import TokenizerClass, tokenizer_class
 from shared.tokenizers.space import LatentSpace
 from shared.datasets.shards import (FLIP_MODES, FOLDER_KIND, INDEX_NAME, STORAGE_DTYPES, ChannelStats, ElementStats,
                                     ShardWriter, damaged_error, damaged_files, element_stats_path, read_sidecar,
@@ -126,7 +126,7 @@ class Plan:
     scan: ImageFolderScan
     vae_name: str
     vae_config: dict
-    kind: TokenizerClass  # the tokenizer's class record (shared/tokenizers/classes.py)
+    kind: TokenizerClass  # the tokenizer's class record
     latent_shape: tuple  # (C, h, w) measured by encoding one image of --image-size (meta device, no weights)
     settings: dict  # what decides the shard bytes (run_settings)
     columns: dict = field(default_factory=dict)  # {name: record} of the extra columns stored (shared/datasets/columns.py)

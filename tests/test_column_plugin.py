@@ -32,9 +32,8 @@ SOURCE = textwrap.dedent('''
     from shared.datasets.columns import ShardColumn, register_column
     from shared.runtime.cli import option
     from shared.runtime.errors import UserError
-    from shared.tokenizers.classes import TokenizerClass, register_tokenizer
-    from shared.tokenizers.classes import LatentNorm
-    from shared.tokenizers.tokenizer import converted_folder, register_converted
+    from shared.tokenizers.tokenizer import (LatentNorm, TokenizerClass, converted_folder, register_converted,
+                                             register_tokenizer)
 
 
     class PatchAE(ModelMixin, ConfigMixin):

@@ -68,7 +68,7 @@ from tqdm import tqdm
 from shared.runtime.errors import UserError, disk_full
 from shared.runtime.fsio import (TMP_PREFIX, atomic_write_bytes, atomic_write_text, publish_file, space_guard, tmp_name,
                                  user_cache)
-from shared.tokenizers.classes import LatentNorm
+from shared.tokenizers.tokenizer import LatentNorm
 
 
 
