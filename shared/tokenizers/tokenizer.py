@@ -888,8 +888,7 @@ class Tokenizer:
     """A tokenizer of a supported class (its `TokenizerClass` record): fp32 encoder, decoder in the requested dtype."""
     def __init__(self, vae, source: str, device, dtype=torch.float32):
         """Wrap a loaded diffusers tokenizer (use `Tokenizer.load` to build one from a spec)."""
-        if dtype not in DECODE_DTYPES:
-            raise UserError(f"VAE decode dtype {dtype} is not supported; use float32, float16 or bfloat16.")
+        assert dtype in DECODE_DTYPES, f"decode dtype {dtype} is not one of {DECODE_DTYPES}"
         config = dict(vae.config)
         self.kind: TokenizerClass = tokenizer_class({**config, "_class_name": type(vae).__name__}, source)
         self.vae = vae.eval().requires_grad_(False).to(device)  # loaded in fp32
