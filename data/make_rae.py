@@ -15,6 +15,7 @@ guard_imports(__name__)  # before the imports below: a Ctrl-C during them ends i
 import argparse
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 
 from data.make_encoder import accuracy, fit, normalise, to_unit
 from shared.datasets.digits import IMAGE_SIZE, NUM_CLASSES, digit_images
-from shared.runtime.cli import HelpFormatter
+from shared.runtime.cli import HelpFormatter, add_flags, from_args, option
 from shared.runtime.errors import UserError, cli_errors
 from shared.tokenizers.repr_encoder import IMAGENET_MEAN, IMAGENET_STD
 
@@ -114,7 +115,7 @@ def vae_psnr(x: torch.Tensor) -> float:
     return psnr((reconstruct(vae, x * 2 - 1) + 1) / 2, x)  # the VAE works in [-1, 1]
 
 
-def make_rae(o: argparse.Namespace) -> dict:
+def make_rae(o: RAEOptions) -> dict:
     """Build, fit and save the digits RAE to o.out; return the measured numbers."""
     images, labels = digit_images()
     pixels, labels = torch.from_numpy(images), torch.from_numpy(labels)
@@ -134,41 +135,40 @@ def make_rae(o: argparse.Namespace) -> dict:
             "parameters": sum(p.numel() for p in rae.parameters())}
 
 
-def check(o: argparse.Namespace) -> None:
-    """Refuse settings that cannot train, in one paragraph."""
-    if min(o.encoder_steps, o.decoder_steps, o.batch_size) < 1:
-        raise UserError(f"--encoder-steps, --decoder-steps and --batch-size must be positive integers; got "
-                        f"{o.encoder_steps}, {o.decoder_steps}, {o.batch_size}. Pass e.g. --decoder-steps 3000.")
-    if not (o.lr > 0 and o.noise_tau >= 0):
-        raise UserError(f"--lr must be positive and --noise-tau at least 0; got {o.lr} and {o.noise_tau}.")
+def check(o: RAEOptions) -> None:
+    """Refuse an --out that is a file, in one paragraph (the numbers' bounds are on their options: from_args)."""
     if o.out.exists() and not o.out.is_dir():
         raise UserError(f"--out {o.out} is a file; pass a folder (it is created, an RAE in it is replaced).")
 
 
+@dataclass
+class RAEOptions:
+    """The flags of `python -m data.make_rae`."""
+
+    out: Path = option(DEFAULT_OUT, "folder to save_pretrained the AutoencoderRAE into")
+    encoder_steps: int = option(400, "steps of batch 64 fitting the encoder (make_encoder's recipe; one head of 64 "
+                                     "learns slower than its four of 16, hence more steps)", min=1)
+    decoder_steps: int = option(1500, "steps fitting the decoder on the frozen tokens", min=1)
+    batch_size: int = option(64, "images per decoder step", min=1)
+    lr: float = option(2e-3, "peak AdamW learning rate of the decoder (cosine decay to 5%% of it)", above=0)
+    noise_tau: float = option(0.8, "largest std of the noise added to the raw tokens in decoder training (RAE's "
+                                   "noise augmentation; 0: none)", min=0)
+    seed: int = option(0, "seed of the initialisation, batches and noise")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """Command-line flags (argparse, as the other data/ scripts)."""
+    """Command-line flags (RAEOptions)."""
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0].split(": ", 1)[0],
                                 formatter_class=HelpFormatter)
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder to save_pretrained the AutoencoderRAE into")
-    p.add_argument("--encoder-steps", type=int, default=400,
-                   help="steps of batch 64 fitting the encoder (make_encoder's recipe; one head of 64 learns slower "
-                        "than its four of 16, hence more steps)")
-    p.add_argument("--decoder-steps", type=int, default=1500, help="steps fitting the decoder on the frozen tokens")
-    p.add_argument("--batch-size", type=int, default=64, help="images per decoder step")
-    p.add_argument("--lr", type=float, default=2e-3, help="peak AdamW learning rate of the decoder (cosine decay to "
-                                                          "5%% of it)")
-    p.add_argument("--noise-tau", type=float, default=0.8,
-                   help="largest std of the noise added to the raw tokens in decoder training (RAE's noise "
-                        "augmentation; 0: none)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the initialisation, batches and noise")
-    return p
+    return add_flags(p, RAEOptions)
 
 
 @interruptible(PROG)
 def main(argv=None) -> None:
     """Entry point: train, save and print the numbers."""
-    o = build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     with cli_errors(PROG):
+        o = from_args(RAEOptions, args)
         check(o)
         # One thread: the same float reductions, hence the same saved weights, on every machine; and a tiny model.
         torch.set_num_threads(1)

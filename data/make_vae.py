@@ -10,6 +10,7 @@ guard_imports(__name__)  # before the imports below: a Ctrl-C during them ends i
 import argparse
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,8 @@ import torch
 from tqdm import tqdm
 
 from shared.datasets.digits import digit_images
-from shared.runtime.errors import UserError, cli_errors
+from shared.runtime.cli import add_flags, from_args, option
+from shared.runtime.errors import cli_errors
 from shared.tokenizers.tokenizer import channels_first, to_uint8
 
 PROG = "python -m data.make_vae"
@@ -121,25 +123,29 @@ def make_vae(out: Path, steps: int, batch_size: int, lr: float, kl_weight: float
     return stats
 
 
+@dataclass
+class VAEOptions:
+    """The flags of `python -m data.make_vae`."""
+
+    out: Path = option(DEFAULT_OUT, "folder to save_pretrained the VAE into")
+    steps: int = option(400, "optimizer steps", min=1)
+    batch_size: int = option(32, "images per step", min=1)
+    lr: float = option(2e-3, "peak Adam learning rate (cosine decay)")
+    kl_weight: float = option(1e-4, "weight of the per-element KL term")
+    seed: int = option(0, "seed for init, batches and posterior draws")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    """Command-line flags."""
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder to save_pretrained the VAE into")
-    p.add_argument("--steps", type=int, default=400, help="optimizer steps")
-    p.add_argument("--batch-size", type=int, default=32, help="images per step")
-    p.add_argument("--lr", type=float, default=2e-3, help="peak Adam learning rate (cosine decay)")
-    p.add_argument("--kl-weight", type=float, default=1e-4, help="weight of the per-element KL term")
-    p.add_argument("--seed", type=int, default=0, help="seed for init, batches and posterior draws")
-    return p.parse_args(argv)
+    """Command-line flags (VAEOptions)."""
+    return add_flags(argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0]), VAEOptions).parse_args(argv)
 
 
 @interruptible(PROG)
 def main(argv=None) -> None:
     """Entry point: train, save and print the numbers."""
-    args = parse_args(argv)
+    flags = parse_args(argv)
     with cli_errors(PROG):
-        if args.steps < 1 or args.batch_size < 1:
-            raise UserError("--steps and --batch-size must be positive integers; pass e.g. --steps 1500.")
+        args = from_args(VAEOptions, flags)  # refuses --steps or --batch-size below 1
         # A fixed thread count keeps the float reductions, hence the saved weights, the same on every run.
         torch.set_num_threads(min(2, torch.get_num_threads()))
         start = time.time()

@@ -49,8 +49,7 @@ def vae_round_trip(images: np.ndarray, vae_spec: str, batch_size: int = 256) -> 
     """uint8 images (N, H, W, 3) encoded to their posterior mean and decoded by the VAE: uint8 (N, H, W, 3)."""
     import torch
 
-    from shared.tokenizers.classes import LatentNorm
-    from shared.tokenizers.tokenizer import channels_first
+    from shared.tokenizers.tokenizer import LatentNorm, channels_first
     from shared.datasets.shards import draw_latents
     from shared.tokenizers.tokenizer import Tokenizer
     vae = Tokenizer.load(vae_spec)

@@ -8,8 +8,7 @@ from tqdm import tqdm
 from shared.datasets.duplicates import apply_duplicates
 from shared.datasets.imagefolder import ImageFolderScan
 from shared.datasets.sources import SourceOptions, describe_source, open_source
-from shared.datasets.images import MAX_IMAGE_PIXELS, describe_limit
-from extract.loader import ImageInfoDataset, make_loader, raise_fatal
+from shared.datasets.images import MAX_IMAGE_PIXELS, ImageInfoDataset, describe_limit, make_loader, raise_fatal
 from shared.runtime.cli import counted
 
 

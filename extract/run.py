@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch.utils.data import Sampler
 from tqdm import tqdm
 
 from shared.datasets.duplicates import DEFAULT_DUPLICATES, DUPLICATE_POLICIES, apply_duplicates
@@ -26,8 +27,8 @@ from shared.datasets.imagefolder import ImageFolderScan
 from shared.datasets.sources import (DEFAULT_IMAGE_COLUMN, DEFAULT_LABEL_COLUMN, DEFAULT_LABEL_KEY, LISTING_NAME,
                                      SourceOptions, describe_source, is_url, listed_source, open_source,
                                      save_listing, source_kind)
-from shared.datasets.images import BOMB_REASON, MAX_IMAGE_PIXELS, pixel_limit
-from extract.loader import ImageFileDataset, ShardBatches, make_loader, raise_fatal
+from shared.datasets.images import (BOMB_REASON, MAX_IMAGE_PIXELS, ImageFileDataset, make_loader, pixel_limit,
+                                    raise_fatal)
 from shared.runtime.cli import counted, option
 from shared.runtime.distributed import default_workers as shared_default_workers, process_state
 from extract.sizes import check_image_size
@@ -38,7 +39,7 @@ from shared.runtime.rerun import differences, listed
 from shared.datasets.columns import columns, plugin_of
 from shared.datasets.shards import FLAG_DTYPES
 from shared.runtime.plugins import PLUGIN
-from shared.tokenizers.classes import TokenizerClass, tokenizer_class
+from shared.tokenizers.tokenizer import TokenizerClass, tokenizer_class
 from shared.tokenizers.space import LatentSpace
 from shared.datasets.shards import (FLIP_MODES, FOLDER_KIND, INDEX_NAME, STORAGE_DTYPES, ChannelStats, ElementStats,
                                     ShardWriter, damaged_error, damaged_files, element_stats_path, read_sidecar,
@@ -125,7 +126,7 @@ class Plan:
     scan: ImageFolderScan
     vae_name: str
     vae_config: dict
-    kind: TokenizerClass  # the tokenizer's class record (shared/tokenizers/classes.py)
+    kind: TokenizerClass  # the tokenizer's class record
     latent_shape: tuple  # (C, h, w) measured by encoding one image of --image-size (meta device, no weights)
     settings: dict  # what decides the shard bytes (run_settings)
     columns: dict = field(default_factory=dict)  # {name: record} of the extra columns stored (shared/datasets/columns.py)
@@ -414,6 +415,31 @@ class ShardSink:
             self.writer = None
 
 
+class ShardBatches(Sampler):
+    """Batches of positions, shard by shard; a batch never crosses a shard boundary.
+
+    Batch composition then depends only on the shard, so a resumed run encodes exactly the batches an
+    uninterrupted run would (bitwise-equal shards even where kernels differ by batch size).
+    """
+
+    def __init__(self, shards: list[int], shard_size: int, num_files: int, batch_size: int):
+        self.shards, self.shard_size = list(shards), shard_size
+        self.num_files, self.batch_size = num_files, batch_size
+
+    def shard_positions(self, shard: int) -> range:
+        """Sorted positions held by one shard."""
+        return range(shard * self.shard_size, min((shard + 1) * self.shard_size, self.num_files))
+
+    def __iter__(self):
+        for shard in self.shards:
+            positions = list(self.shard_positions(shard))
+            for start in range(0, len(positions), self.batch_size):
+                yield positions[start : start + self.batch_size]
+
+    def __len__(self) -> int:
+        return sum(-(-len(self.shard_positions(s)) // self.batch_size) for s in self.shards)
+
+
 def _split_batch(batch: dict, scan: ImageFolderScan, strict: bool) -> tuple[list[int], torch.Tensor, list[dict]]:
     """Separate readable images from bad ones (recorded with their sorted position)."""
     raise_fatal(batch["fatal"])  # a source's shard that cannot be read ends the run; the finished shards are kept
@@ -502,8 +528,7 @@ def write_outputs(plan: Plan, tokenizer_space: LatentSpace | None = None) -> dic
     out = plan.out
     sidecars = [read_finished(plan, j) for j in range(plan.num_shards)]
     missing = [shard_name(j) for j, s in enumerate(sidecars) if s is None]
-    if missing:
-        raise RuntimeError(f"shards not finished: {missing[:5]}; rerun the same command to finish them")
+    assert not missing, f"shards not finished: {missing[:5]}"  # every process finished its shards before this
     shards = [s["shard"] for s in sidecars]  # each ShardWriter's own record of its tar
     damaged = damaged_files(out, shards)  # the index records verified hashes only
     if damaged:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from shared.runtime.errors import UserError
 from shared.network.models import PRESETS
 
-# What the measured downsample factor belongs to, by tokenizer family (shared/tokenizers/classes.py): an RAE's
+# What the measured downsample factor belongs to, by tokenizer family (shared/tokenizers/tokenizer.py): an RAE's
 # factor is its frozen encoder's patch grid, not a VAE's.
 FACTOR_OWNERS = {"vae": "VAE", "rae": "RAE encoder"}
 

@@ -19,7 +19,7 @@ from shared.runtime.cli import counted
 from shared.runtime.errors import UserError
 from shared.runtime.fsio import atomic_write_text
 from shared.runtime.lock import hold_lock
-from shared.tokenizers.classes import TOKENIZER_CLASSES
+from shared.tokenizers.tokenizer import TOKENIZER_CLASSES
 from shared.datasets.shards import ChannelStats, ElementStats
 from shared.tokenizers.space import SPACE_JSON, LatentSpace
 

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from shared.network.models import DiT, DiT_models, ModelConfig
 from shared.datasets.shards import ShardWriter, shard_name, write_index
-from shared.tokenizers.classes import LatentNorm
+from shared.tokenizers.tokenizer import LatentNorm
 from shared.tokenizers.space import LatentSpace
 from tests.conftest import ROOT
 from train.__main__ import main as train_main

@@ -32,9 +32,8 @@ SOURCE = textwrap.dedent('''
     from shared.datasets.columns import ShardColumn, register_column
     from shared.runtime.cli import option
     from shared.runtime.errors import UserError
-    from shared.tokenizers.classes import TokenizerClass, register_tokenizer
-    from shared.tokenizers.classes import LatentNorm
-    from shared.tokenizers.tokenizer import converted_folder, register_converted
+    from shared.tokenizers.tokenizer import (LatentNorm, TokenizerClass, converted_folder, register_converted,
+                                             register_tokenizer)
 
 
     class PatchAE(ModelMixin, ConfigMixin):
@@ -156,7 +155,7 @@ def test_a_plugin_tokenizer_and_column_extract_train_and_sample(tmp_path, image_
     converted = next((plugin_dir / "cache" / "dit-latent-pipeline" / "tokenizers").glob("patch-ae-*"))
     assert json.loads((converted / "config.json").read_text())["_class_name"] == "PatchAE"  # converted once
 
-    from extract.loader import ImageFileDataset
+    from shared.datasets.images import ImageFileDataset
     from shared.datasets.imagefolder import scan_image_folder
     from shared.datasets.shards import LatentDataset
 

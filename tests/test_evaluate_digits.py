@@ -150,8 +150,7 @@ def test_the_vae_floor_goes_through_the_normalisation_record_as_sampling_does(re
     inverts it: the path a trained model's samples take, not the raw posterior mean straight into the decoder."""
     from data.make_vae import DEFAULT_OUT
     from evaluate.floor import vae_round_trip
-    from shared.tokenizers.classes import LatentNorm
-    from shared.tokenizers.tokenizer import Tokenizer
+    from shared.tokenizers.tokenizer import LatentNorm, Tokenizer
 
     used = []
     for name in ("apply", "invert"):

@@ -13,7 +13,7 @@ from evaluate.curve import RunEvalOptions, export_image_size, matching, read_row
 from shared.runtime import rundir
 from shared.weights.export import save_weights
 from shared.network.models import ModelConfig
-from shared.tokenizers.classes import LatentNorm
+from shared.tokenizers.tokenizer import LatentNorm
 from shared.tokenizers.space import LatentSpace
 from shared.tokenizers.tokenizer import Tokenizer
 from tests.helpers import run_main, space_of

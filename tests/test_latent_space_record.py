@@ -16,7 +16,7 @@ from shared.datasets.shards import VERIFIED_NAME, LatentDataset
 from shared.network.models import ModelConfig
 from shared.runtime.errors import UserError
 from shared.weights.export import load_weights, save_weights
-from shared.tokenizers.classes import LatentNorm
+from shared.tokenizers.tokenizer import LatentNorm
 from shared.tokenizers.space import SPACE_JSON, SPACE_TENSORS, LatentSpace
 from shared.tokenizers.tokenizer import Tokenizer
 from tests.conftest import make_image_folder

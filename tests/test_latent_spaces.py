@@ -14,7 +14,7 @@ from extract.__main__ import main as extract_main
 from sample.__main__ import main as sample_main
 from shared.datasets.shards import LatentDataset
 from shared.datasets.shards import ChannelStats
-from shared.tokenizers.classes import LatentNorm
+from shared.tokenizers.tokenizer import LatentNorm
 from shared.tokenizers.space import LatentSpace
 from shared.tokenizers.tokenizer import Tokenizer, measure_latent, read_vae_config
 from tests.conftest import make_image_folder

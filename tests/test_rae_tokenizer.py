@@ -15,7 +15,7 @@ from extract.__main__ import main as extract_main
 from sample.__main__ import main as sample_main
 from shared.datasets.shards import LatentDataset
 from shared.datasets.shards import ElementStats
-from shared.tokenizers.classes import LatentNorm
+from shared.tokenizers.tokenizer import LatentNorm
 from shared.tokenizers.space import LatentSpace
 from shared.tokenizers.tokenizer import Tokenizer, measure_latent, read_vae_config
 from tests.conftest import make_image_folder
@@ -357,7 +357,7 @@ def tiny_release(monkeypatch, tmp_path):
 
 def test_the_released_tokenizer_by_name_converts_rae_files_strictly(tiny_release, images, tmp_path, monkeypatch,
                                                                     capsys):
-    from shared.tokenizers.classes import _rae_tokens
+    from shared.tokenizers.tokenizer import _rae_tokens
     from tests.helpers import serve_releases
 
     files, module, stats = _rae_files(tmp_path)

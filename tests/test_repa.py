@@ -242,7 +242,7 @@ def test_extract_stores_the_encoders_tokens_of_each_flip(image_folder, tiny_vae_
     ds = LatentDataset(out, progress=False)
     assert ds.tensor_spec("repr")["shape"] == [2, 16, 16] and ds.meta["repr_encoder"]["dim"] == 16
     # The stored tokens are the encoder's on the stage's own crop, and on its mirror for flip 1.
-    from extract.loader import ImageFileDataset as Files
+    from shared.datasets.images import ImageFileDataset as Files
     scan = scan_image_folder(image_folder)
     pixels = torch.stack([Files(scan, 16)[i]["pixels"] for i in range(2)])  # (2, 3, 16, 16) uint8
     encode = load_encoder(str(tiny_dinov2_dir), plan_identity(str(tiny_dinov2_dir), 16, 16), "cpu")

@@ -17,7 +17,7 @@ import webdataset as wds
 
 from shared.datasets import shards
 from shared.runtime.errors import UserError
-from shared.tokenizers.classes import LatentNorm
+from shared.tokenizers.tokenizer import LatentNorm
 from shared.tokenizers.space import LatentSpace
 from shared.datasets.shards import (
     GatheredBatch, LatentDataset, ShardInfo, ShardWriter, StreamSampler, collate, epoch_permutation, shard_name,

@@ -9,7 +9,7 @@ import torch
 
 from tests.conftest import ROOT, make_tiny_vae
 from shared.runtime.errors import SettingError, UserError, advise
-from shared.tokenizers.classes import LatentNorm
+from shared.tokenizers.tokenizer import LatentNorm
 from shared.datasets.shards import draw_latents
 from shared.tokenizers.tokenizer import Tokenizer, downsample_factor, read_vae_config, resolve_vae_spec
 

@@ -29,7 +29,7 @@ from shared.generative.objectives import (DEFAULT_OBJECTIVE, OBJECTIVES, learns_
 from train.latents import byte_size
 from train.recipes import RECIPE_HELP, RECIPES, apply_recipe
 from shared.runtime.precision import PRECISION_CHOICES, canonical_precision
-from shared.tokenizers.classes import NORM_CHOICES, NORM_HELP, LatentNorm
+from shared.tokenizers.tokenizer import NORM_CHOICES, NORM_HELP, LatentNorm
 from shared.tokenizers.space import LatentSpace
 from shared.runtime.trackers import DEFAULT_REPORT_TO, REPORT_TO
 

@@ -489,7 +489,7 @@ class TrainingDraws(torch.utils.data.Dataset):
     """Wraps a LatentDataset: a batch of (position, index) pairs -> the tensors one training micro-step needs.
 
     Output of `__getitems__` (B samples): x0 (B,C,h,w) fp32 fresh latents normalised by `norm` (the run's
-    LatentNorm record, shared/tokenizers/classes.py; default: the tokenizer's own convention), label
+    LatentNorm record, shared/tokenizers/tokenizer.py; default: the tokenizer's own convention), label
     (B,) int64, drop (B,) bool (class dropout), t (B,) the objective's times (int64 DiT timesteps, or float32
     flow times), noise (B,C,h,w) fp32, position
     (B,) int64: each sample's global stream position, which keys all of its draws. With `extra` column names (those a

@@ -1,4 +1,5 @@
-"""Image decoding and ADM/DiT preprocessing: every PIL mode to RGB, box-then-bicubic resize, centre crop.
+"""Image decoding and ADM/DiT preprocessing: every PIL mode to RGB, box-then-bicubic resize, centre crop; and the
+datasets that decode a scan's images in DataLoader workers.
 
 extract encodes what this produces; `python -m evaluate reference` crops real images the same way.
 """
@@ -10,7 +11,10 @@ import contextlib
 import numpy as np
 import torch
 from PIL import Image, ImageOps
+from torch.utils.data import DataLoader, Dataset
 
+from shared.datasets.imagefolder import ImageFolderScan
+from shared.runtime.errors import UserError
 from shared.tokenizers.tokenizer import to_unit_range
 
 # Anything above 100 megapixels (300 MB as decoded RGB, per DataLoader worker) is treated as a possible
@@ -195,3 +199,78 @@ def load_image(path, image_size: int, max_pixels: int | None = MAX_IMAGE_PIXELS)
 def preprocess(path, image_size: int) -> torch.Tensor:
     """One image as the VAE sees it: (3, S, S) float32 in [-1, 1]."""
     return to_unit_range(load_image(path, image_size))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Decoding in DataLoader workers: item i of a scan
+# ----------------------------------------------------------------------------------------------------------
+
+def fetch(scan: ImageFolderScan, pos: int) -> tuple[object, str]:
+    """(what PIL opens, "") or (None, the paragraph) when a source's shard cannot be read: a worker's exception
+    would reach the main process wrapped in its traceback, so the paragraph travels as data (raise_fatal)."""
+    try:
+        return scan.image(pos), ""
+    except UserError as err:
+        return None, str(err)
+
+
+def raise_fatal(messages) -> None:
+    """The first unreadable shard's paragraph of a batch's "fatal" messages, as the UserError it was in the worker."""
+    for message in messages:
+        if message:
+            raise UserError(message)
+
+
+class ImageFileDataset(Dataset):
+    """Item i = the preprocessed image at sorted position i, or a zero image plus the reason it is bad."""
+
+    def __init__(self, scan: ImageFolderScan, image_size: int, max_pixels: int | None = MAX_IMAGE_PIXELS):
+        self.scan, self.labels = scan, scan.labels
+        self.image_size, self.max_pixels = image_size, max_pixels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, pos: int) -> dict:
+        image, fatal = fetch(self.scan, pos)  # a path, or a source's bytes (unreadable: the run ends, a rerun resumes)
+        pixels, error = np.zeros((3, self.image_size, self.image_size), np.uint8), ""
+        if image is not None:
+            try:
+                pixels = load_image(image, self.image_size, self.max_pixels)
+            except BadImage as err:
+                error = str(err)
+        # uint8 crosses the worker pipe (4x less than float32); scaling to [-1, 1] happens on the device.
+        return {"pos": pos, "pixels": torch.from_numpy(pixels), "label": self.labels[pos], "error": error,
+                "fatal": fatal}
+
+
+class ImageInfoDataset(Dataset):
+    """Item i = size and mode of the image at position i after a decode as extraction does it (for --check)."""
+
+    def __init__(self, scan: ImageFolderScan, image_size: int | None = None, max_pixels: int | None = MAX_IMAGE_PIXELS):
+        self.scan = scan
+        self.image_size, self.max_pixels = image_size, max_pixels
+
+    def __len__(self) -> int:
+        return len(self.scan.files)
+
+    def __getitem__(self, pos: int) -> dict:
+        too_large, (image, fatal) = False, fetch(self.scan, pos)
+        try:
+            if fatal:
+                raise BadImage(fatal)  # ends the check (inspect_all), not recorded as a bad file
+            _, mode, size = open_image(image, self.max_pixels, self.image_size)
+            error = ""
+        except TooLarge as err:  # the size is known from the header: reported, so the user can pick a limit
+            mode, size, error, too_large = "", image_header_size(self.scan.image(pos)), str(err), True
+        except BadImage as err:
+            mode, size, error = "", (0, 0), str(err)
+        return {"pos": pos, "width": size[0], "height": size[1], "mode": mode, "error": error,
+                "too_large": too_large, "fatal": fatal}
+
+
+def make_loader(dataset: Dataset, batch_sampler, num_workers: int, pin_memory: bool = False) -> DataLoader:
+    """A DataLoader decoding in `num_workers` processes with a few batches prefetched each."""
+    extra = {"prefetch_factor": 4, "persistent_workers": False} if num_workers > 0 else {}
+    return DataLoader(dataset, batch_sampler=batch_sampler, num_workers=num_workers,
+                      pin_memory=pin_memory, **extra)

@@ -68,7 +68,7 @@ from tqdm import tqdm
 from shared.runtime.errors import UserError, disk_full
 from shared.runtime.fsio import (TMP_PREFIX, atomic_write_bytes, atomic_write_text, publish_file, space_guard, tmp_name,
                                  user_cache)
-from shared.tokenizers.classes import LatentNorm
+from shared.tokenizers.tokenizer import LatentNorm
 
 
 
@@ -106,10 +106,9 @@ def storage_dtype(dtype) -> StorageDtype:
         name = np.dtype(dtype).name
     except TypeError:
         name = None
-    for d in DTYPES:
-        if name == d.name:
-            return d
-    raise AssertionError(f"storage dtype must be one of {[d.name for d in DTYPES]}, got {dtype}")
+    found = [d for d in DTYPES if d.name == name]
+    assert found, f"storage dtype must be one of {[d.name for d in DTYPES]}, got {dtype}"
+    return found[0]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -437,9 +436,7 @@ class ElementStats:
         if self.count == 0:
             self.count, self.mean, self.m2 = other.count, other.mean.clone(), other.m2.clone()
             return
-        if other.mean.shape != self.mean.shape:
-            raise ValueError(f"per-element statistics of shapes {tuple(self.mean.shape)} and "
-                             f"{tuple(other.mean.shape)} cannot be merged")
+        assert other.mean.shape == self.mean.shape, f"per-element sums of shapes {self.mean.shape}, {other.mean.shape}"
         n = self.count + other.count
         delta = other.mean - self.mean
         self.mean = self.mean + delta * other.count / n

@@ -372,7 +372,7 @@ class Drawer:
     plan: SamplePlan
     model_fn: object  # the DiT on the device (compiled with --compile) wrapped in the plan's guidance
     vae: object
-    norm: object  # the LatentNorm training applied (shared/tokenizers/classes.py), inverted before decoding
+    norm: object  # the LatentNorm training applied (shared/tokenizers/tokenizer.py), inverted before decoding
     device: torch.device
     progress: bool = False  # a bar per batch over its sampling steps (a 250-step batch takes a while)
 

@@ -26,7 +26,7 @@ import safetensors.torch
 from shared.runtime.errors import UserError
 from shared.weights.export import SPACE_KEY
 from shared.runtime.fsio import atomic_write_bytes, atomic_write_text
-from shared.tokenizers.classes import LatentNorm
+from shared.tokenizers.tokenizer import LatentNorm
 
 SPACE_JSON, SPACE_TENSORS = "latent_space.json", "latent_space.safetensors"
 REBUILD_RUN_FILE = ("copy the file again from where it was made, or rerun the training command that wrote it "
@@ -221,8 +221,8 @@ class LatentSpace:
     def check_tokenizer_config(self, spec: str, config_path, allow_other: bool = False,
                                measure: bool = True) -> tuple[str, int | None]:
         """Check a tokenizer from its config.json only -> (name, downsample factor); UserError when it cannot decode."""
-        from shared.tokenizers.classes import tokenizer_class
-        from shared.tokenizers.tokenizer import downsample_factor, latent_channels, read_vae_config, resolve_vae_spec
+        from shared.tokenizers.tokenizer import (downsample_factor, latent_channels, read_vae_config,
+                                                 resolve_vae_spec, tokenizer_class)
 
         name = resolve_vae_spec(spec, config_path)
         config = read_vae_config(spec, config_path)

@@ -1,12 +1,43 @@
-"""The tokenizer wrapper: locate and load a diffusers tokenizer by its class, encode, decode, draw latents.
+"""The tokenizer: its classes (one record each: how it encodes, decodes and scales), the normalisation record, and
+the wrapper that locates, loads, encodes and decodes one.
 
-A latent is scaled only by the normalisation record (shared/tokenizers/classes.py, `LatentNorm`): applied to
-training's fresh draw (shared/datasets/shards.py `draw_latents`) and inverted by `Tokenizer.decode`; its numbers
-come from the tokenizer's config or weights (`scaling_factor`, `shift_factor`, `latents_mean`/`latents_std`) or
-from a folder's statistics, never written as literals. The tokenizer's class (config.json `_class_name`) picks its
-record in shared/tokenizers/classes.py. The latent shape is measured by running the encoder on one image of the
-extraction size on the meta device (no weights, no memory), never inferred from block counts. diffusers is
-imported lazily inside the functions that load weights, so the cheap checks are usable from `train/` without it.
+A diffusers folder names its class in config.json's `_class_name`; `tokenizer_class` turns that name into a
+`TokenizerClass` or refuses it in one paragraph naming the supported ones. Registering another class is one
+`register_tokenizer(TokenizerClass(...))` call (the RAE tokenizer does so; a module of the user's too, named by
+`--plugin MODULE`, with `model_class` its own diffusers ModelMixin + ConfigMixin): nothing else in extract, train
+or sample changes, because every stage goes through `Tokenizer`, which only calls the record.
+
+A record says:
+  encode(module, x) -> (mean, std | None)   x (N,3,H,W) in [-1,1]; raw (unnormalised) latents (N,C,h,w), fp32.
+                                            std None: a deterministic tokenizer (the shard stores the latent alone)
+  decode(module, z) -> images (N,3,H,W)     z raw latents
+  native_norm(config, module) -> LatentNorm the tokenizer's own convention (`--latent-norm auto`)
+  decoder_parts                             attribute names cast to the decode dtype (the encoder stays fp32)
+  native_size(config) -> int | None         the one image size the tokenizer takes (RAE: its decoder's), else None
+  check_config(config, where)               SettingError for a config whose parts cannot work together
+  element_stats                             extraction also computes per-element statistics (C, h, w) of the folder
+  family                                    "vae" or "rae": latents of one family never decode with the other
+  model_class                               the class that loads it (from_config, from_pretrained); default diffusers'
+
+`LatentNorm` is how a raw latent z becomes what the DiT sees, and back. Every convention in use is one formula,
+x = (z - mean) / std * scale, with mean and std one number, one per channel, or one per element (C, h, w):
+
+    kind         mean, std                     scale              used by
+    scale        0, 1                          scaling_factor     SD-VAE (0.18215), DC-AE (0.3189), MAR KL-16
+    shift-scale  shift_factor, 1               scaling_factor     SD3 (0.0609, 1.5305), FLUX.1 (0.1159, 0.3611)
+    channel      per-channel mean, std         1 (or the config's) VA-VAE / LightningDiT, FLUX.2, diffusers'
+                                                                  latents_mean / latents_std configs
+    element      per-element mean, std (C,h,w) 1 (or the config's) RAE (DINOv2 tokens; its stat.pt or the folder's)
+    none         0, 1                          1                  raw latents
+
+Its numbers come from the tokenizer's config or weights (`scaling_factor`, `shift_factor`,
+`latents_mean`/`latents_std`) or from a folder's statistics, never written as literals; they are fp32 tensors and
+travel inside a `LatentSpace` (shared/tokenizers/space.py: kind and scale in JSON, the numbers in safetensors).
+Training applies it to each fresh draw (`shared.datasets.shards.draw_latents`); every decode inverts it
+(`Tokenizer.decode(x, norm)`). Nothing else scales a latent. The latent shape is measured by running the encoder on
+one image of the extraction size on the meta device (no weights, no memory), never inferred from block counts.
+diffusers is imported lazily inside the functions that load weights (`diffusers_class`), so the cheap checks are
+usable from `train/` without it.
 """
 from __future__ import annotations
 
@@ -15,19 +46,454 @@ import functools
 import hashlib
 import importlib
 import json
+import math
 import os
 import re
 import shutil
 import socket
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 from urllib.parse import urlparse
 
 import numpy as np
 import torch
 
 from shared.runtime.errors import SettingError, UserError
-from shared.tokenizers.classes import LatentNorm, TokenizerClass, tokenizer_class
+
+# ----------------------------------------------------------------------------------------------------------
+# LatentNorm: x = (z - mean) / std * scale (the module doc's table)
+# ----------------------------------------------------------------------------------------------------------
+
+NORM_KINDS = ("scale", "shift-scale", "channel", "element", "none")
+NORM_CHOICES = ("auto", *NORM_KINDS)  # train --latent-norm: auto = the tokenizer's own convention
+NORM_HELP = {
+    "auto": "the tokenizer's own convention (its config's latents_mean/latents_std, else shift_factor, else "
+            "scaling_factor; for VA-VAE its latents_stats.pt)",
+    "scale": "z x scaling_factor (SD-VAE, DC-AE)",
+    "shift-scale": "(z - shift_factor) x scaling_factor (SD3, FLUX.1); needs a shift_factor",
+    "channel": "(z - mean_c) / std_c with the folder's per-channel statistics (LightningDiT's way)",
+    "element": "(z - mean) / std per element (C, h, w) with the folder's per-element statistics (RAE's way)",
+    "none": "the raw latent",
+}
+
+
+@dataclass(frozen=True, eq=False)
+class LatentNorm:
+    """x = (z - mean) / std * scale; mean and std fp32 tensors (1,), (C,) or (C, h, w) (module doc)."""
+
+    kind: str
+    mean: torch.Tensor = (0.0,)
+    std: torch.Tensor = (1.0,)
+    scale: float = 1.0
+    source: str = ""  # where the numbers come from (messages only: never compared or hashed)
+
+    def __post_init__(self):
+        if self.kind not in NORM_KINDS:
+            raise ValueError(f"latent normalisation kind {self.kind!r} is not one of {NORM_KINDS}")
+        for name in ("mean", "std"):  # an own fp32 CPU copy: the record never aliases a caller's tensor
+            value = torch.tensor(np.asarray(getattr(self, name), dtype=np.float32))
+            object.__setattr__(self, name, value.reshape(-1) if self.kind != "element" else value)
+        object.__setattr__(self, "scale", float(self.scale))
+        if self.mean.shape != self.std.shape or not self.scale > 0 or not bool((self.std > 0).all()):
+            raise ValueError(f"latent normalisation needs matching mean/std and positive std and scale "
+                             f"({self.describe()})")
+        if (self.kind == "element") != (self.mean.dim() == 3):
+            raise ValueError(f"a per-element normalisation needs (C, h, w) statistics, got {tuple(self.mean.shape)}")
+
+    def __eq__(self, other) -> bool:
+        return (isinstance(other, LatentNorm) and (self.kind, self.scale) == (other.kind, other.scale)
+                and torch.equal(self.mean, other.mean) and torch.equal(self.std, other.std))
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"LatentNorm({self.describe()})"
+
+    @classmethod
+    def scale_only(cls, scale: float, source: str = "") -> "LatentNorm":
+        """z x scale (SD-VAE's convention)."""
+        return cls("scale", (0.0,), (1.0,), scale, source)
+
+    @classmethod
+    def shift_scale(cls, shift: float, scale: float, source: str = "") -> "LatentNorm":
+        """(z - shift) x scale (SD3 / FLUX.1)."""
+        return cls("shift-scale", (float(shift),), (1.0,), scale, source)
+
+    @classmethod
+    def channel(cls, mean, std, scale: float = 1.0, source: str = "") -> "LatentNorm":
+        """(z - mean_c) / std_c x scale, one mean and std per channel."""
+        return cls("channel", mean, std, scale, source)
+
+    @classmethod
+    def element(cls, mean, std, scale: float = 1.0, source: str = "") -> "LatentNorm":
+        """(z - mean) / std x scale with one mean and std per element of shape (C, h, w)."""
+        return cls("element", mean, std, scale, source)
+
+    @classmethod
+    def none(cls, source: str = "") -> "LatentNorm":
+        """The identity: the DiT sees raw latents."""
+        return cls("none", source=source)
+
+    shape = property(lambda self: tuple(self.mean.shape) if self.kind == "element" else (),
+                     doc="(C, h, w) of an element record, () otherwise.")
+
+    @property
+    def channels(self) -> int | None:
+        """Channels of a per-channel or per-element record, None for a scalar one."""
+        if self.kind == "element":
+            return self.shape[0]
+        return self.mean.numel() if self.kind == "channel" else None
+
+    def check_channels(self, channels: int, where: str = "these latents") -> None:
+        """ValueError when a per-channel or per-element record does not have `channels` channels."""
+        if self.channels is not None and self.channels != channels:
+            what = "per-element" if self.kind == "element" else "per-channel"
+            raise ValueError(f"a {what} normalisation of {self.channels} channels cannot apply to {where} "
+                             f"with {channels} channels")
+
+    def check_shape(self, shape, where: str = "these latents") -> None:
+        """ValueError when latents of shape (C, h, w) cannot take this record (channels; an element record's grid)."""
+        self.check_channels(int(shape[0]), where)
+        if self.kind == "element" and tuple(int(n) for n in shape) != self.shape:
+            raise ValueError(f"a per-element normalisation of shape {'x'.join(map(str, self.shape))} cannot apply "
+                             f"to {where} of shape {'x'.join(str(int(n)) for n in shape)}")
+
+    def _on(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean, std) broadcastable to (N, C, h, w) on like's device, fp32."""
+        view = (1, *self.shape) if self.kind == "element" else (1, -1, 1, 1)
+        return self.mean.view(view).to(like.device), self.std.view(view).to(like.device)
+
+    def apply(self, z: torch.Tensor) -> torch.Tensor:
+        """Raw latents (N,C,h,w) -> normalised, fp32."""
+        self.check_shape(z.shape[1:])
+        z = z.float()
+        mean, std = self._on(z)
+        return (z - mean) / std * self.scale
+
+    def invert(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalised latents (N,C,h,w) -> raw, fp32 (the inverse of `apply`)."""
+        self.check_shape(x.shape[1:])
+        x = x.float()
+        mean, std = self._on(x)
+        return x / self.scale * std + mean
+
+    def describe(self) -> str:
+        """One phrase: 'scale x0.18215', 'shift-scale (z - 0.1159) x0.3611', 'channel (32 channels)'."""
+        extra = f" x{self.scale:g}" if self.scale != 1 else ""
+        if self.kind == "scale":
+            return f"scale x{self.scale:g}"
+        if self.kind == "shift-scale":
+            return f"shift-scale (z - {float(self.mean[0]):g}) x{self.scale:g}"
+        if self.kind == "channel":
+            return f"channel ((z - mean_c) / std_c{extra}, {self.mean.numel()} channels)"
+        if self.kind == "element":
+            return f"element ((z - mean) / std per element{extra}, {'x'.join(map(str, self.shape))})"
+        return "none (raw latents)"
+
+
+@dataclass(frozen=True)
+class TokenizerClass:
+    """One supported tokenizer class (see the module doc for what each callable receives and returns)."""
+
+    name: str                      # diffusers' _class_name
+    what: str                      # one line for the refusal paragraph and the docs
+    encode: Callable
+    decode: Callable
+    native_norm: Callable
+    deterministic: bool = False
+    decoder_parts: tuple = ("decoder", "post_quant_conv")
+    # The latent's channels as its config declares them, for checks in processes without diffusers (train's
+    # --watch-vae); everywhere else the shape is measured (`measure_latent`).
+    declared_channels: Callable = lambda config: int(config.get("latent_channels", 4))
+    native_size: Callable = lambda config: None
+    check_config: Callable = lambda config, where: None
+    element_stats: bool = False
+    family: str = "vae"
+    model_class: type | None = None
+
+    def diffusers_class(self):
+        """The model class: `model_class`, else diffusers' class of this name (imported here, lazily)."""
+        if self.model_class is not None:
+            return self.model_class
+        import diffusers
+
+        return getattr(diffusers, self.name)
+
+    def decode_normalised(self, module, x: torch.Tensor, norm: LatentNorm, dtype) -> torch.Tensor:
+        """Images (N,3,H,W) from normalised latents x (N,C,h,w): `norm` inverted in fp32, decoded in `dtype`."""
+        return self.decode(module, norm.invert(x).to(dtype))
+
+
+TOKENIZER_CLASSES: dict[str, TokenizerClass] = {}
+
+
+def register_tokenizer(spec: TokenizerClass) -> TokenizerClass:
+    """Add a tokenizer class to the registry (its name is the diffusers `_class_name`)."""
+    TOKENIZER_CLASSES[spec.name] = spec
+    return spec
+
+
+def tokenizer_class(config: dict, where) -> TokenizerClass:
+    """The record for config.json's `_class_name` (absent: AutoencoderKL, the single-file case), or a refusal."""
+    name = config.get("_class_name", "AutoencoderKL")
+    if name in TOKENIZER_CLASSES:
+        TOKENIZER_CLASSES[name].check_config(config, where)
+        return TOKENIZER_CLASSES[name]
+    supported = "; ".join(f"{k} ({v.what})" for k, v in TOKENIZER_CLASSES.items())
+    raise SettingError(
+        f"The tokenizer {where} is a diffusers {name}, which this pipeline does not support: it cannot say how that "
+        f"class encodes, scales and decodes latents, and a guess would train on wrong latents. Supported classes: "
+        f"{supported}. Pass one of those as {{vae}} (a diffusers folder whose config.json names its class), or, "
+        f"for a class a module of yours registers (register_tokenizer), pass --plugin MODULE to import it."
+    )
+
+
+def _config_number(config: dict, key: str):
+    """A float from the config, or None when absent or null."""
+    value = config.get(key)
+    return None if value is None else float(value)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# AutoencoderKL: SD-VAE, SD3 / FLUX.1 (shift_factor), configs with latents_mean / latents_std (VA-VAE here)
+# ----------------------------------------------------------------------------------------------------------
+
+def _kl_encode(module, x):
+    """Posterior moments of diffusers' DiagonalGaussianDistribution (logvar clamped to [-30, 20])."""
+    posterior = module.encode(x).latent_dist
+    return posterior.mean.float(), posterior.std.float()  # (N, C, h, w) each
+
+
+def _decode_sample(module, z):
+    """module.decode(z).sample: the images (N, 3, H, W)."""
+    return module.decode(z).sample
+
+
+def kl_native_norm(config: dict, module=None) -> LatentNorm:
+    """diffusers' convention for its config: latents_mean/std (with scaling_factor), else shift_factor, else scale."""
+    scale = _config_number(config, "scaling_factor")
+    scale = 1.0 if scale is None else scale
+    mean, std = config.get("latents_mean"), config.get("latents_std")
+    if mean is not None and std is not None:
+        # diffusers' pipelines: (z - latents_mean) * scaling_factor / latents_std (e.g. SDXL's EDM variants)
+        return LatentNorm.channel(mean, std, scale, source="the VAE config's latents_mean / latents_std")
+    shift = _config_number(config, "shift_factor")
+    if shift is not None:
+        return LatentNorm.shift_scale(shift, scale, source="the VAE config's shift_factor and scaling_factor")
+    return LatentNorm.scale_only(scale, source="the VAE config's scaling_factor")
+
+
+AUTOENCODER_KL = register_tokenizer(TokenizerClass(
+    "AutoencoderKL", "Gaussian posterior; SD-VAE, SD3, FLUX.1, VA-VAE; normalisation from scaling_factor, "
+                     "shift_factor or latents_mean/latents_std", _kl_encode, _decode_sample, kl_native_norm))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# AutoencoderDC (Chen et al. 2024, DC-AE): deterministic, one scaling_factor
+# ----------------------------------------------------------------------------------------------------------
+
+def _dc_encode(module, x):
+    """The deterministic latent (no posterior): (latent, None)."""
+    return module.encode(x).latent.float(), None
+
+
+def _dc_native_norm(config: dict, module=None) -> LatentNorm:
+    """DC-AE's pipelines multiply by scaling_factor (0.3189 for f32c32-in)."""
+    scale = _config_number(config, "scaling_factor")
+    return LatentNorm.scale_only(1.0 if scale is None else scale, source="the VAE config's scaling_factor")
+
+
+register_tokenizer(TokenizerClass(
+    "AutoencoderDC", "deterministic DC-AE, f32/f64, one scaling_factor", _dc_encode, _decode_sample,
+    _dc_native_norm, deterministic=True, decoder_parts=("decoder",)))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# AutoencoderKLFlux2 (FLUX.2): posterior patchified 2x2 into channels, normalised by its BatchNorm running stats
+# ----------------------------------------------------------------------------------------------------------
+
+def _patch(config: dict) -> tuple[int, int]:
+    """FLUX.2's latent patch (p, q) from config.json (diffusers' default (2, 2))."""
+    p = config.get("patch_size", (2, 2))
+    return (int(p), int(p)) if isinstance(p, int) else (int(p[0]), int(p[1]))
+
+
+def patchify(z, p: int, q: int):
+    """(N,C,h,w) -> (N,C*p*q,h/p,w/q) in FLUX.2's channel order (channel, row offset, column offset)."""
+    n, c, h, w = z.shape
+    return z.view(n, c, h // p, p, w // q, q).permute(0, 1, 3, 5, 2, 4).reshape(n, c * p * q, h // p, w // q)
+
+
+def unpatchify(x, p: int, q: int):
+    """The inverse of `patchify`: (N,C*p*q,h,w) -> (N,C,h*p,w*q)."""
+    n, cpq, h, w = x.shape
+    return x.reshape(n, cpq // (p * q), p, q, h, w).permute(0, 1, 4, 2, 5, 3).reshape(n, cpq // (p * q), h * p, w * q)
+
+
+def _flux2_encode(module, x):
+    """Posterior moments, patchified as FLUX.2's pipeline does before its BatchNorm (element-wise: exact)."""
+    mean, std = _kl_encode(module, x)
+    p, q = _patch(dict(module.config))
+    return patchify(mean, p, q), patchify(std, p, q)  # (N, 4C, h/2, w/2)
+
+
+def _flux2_decode(module, z):
+    """Unpatchify, then decode."""
+    p, q = _patch(dict(module.config))
+    return module.decode(unpatchify(z, p, q)).sample
+
+
+def _flux2_native_norm(config: dict, module=None) -> LatentNorm:
+    """FLUX.2's pipeline: (z - bn.running_mean) / sqrt(bn.running_var + batch_norm_eps); needs the loaded buffers."""
+    if module is None:
+        return None  # the numbers live in the weights: known once loaded
+    bn = module.bn
+    eps = float(config.get("batch_norm_eps", 1e-4))
+    std = torch.sqrt(bn.running_var.double() + eps)
+    return LatentNorm.channel(bn.running_mean.double().tolist(), std.tolist(), 1.0,
+                              source="the VAE's BatchNorm running statistics (FLUX.2)")
+
+
+register_tokenizer(TokenizerClass(
+    "AutoencoderKLFlux2", "FLUX.2's VAE: posterior patchified 2x2 into 4x the channels, per-channel BatchNorm "
+                          "statistics", _flux2_encode, _flux2_decode, _flux2_native_norm,
+    declared_channels=lambda config: int(config.get("latent_channels", 32)) * _patch(config)[0] * _patch(config)[1]))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# AutoencoderRAE (Zheng et al. 2025, RAE): a frozen representation encoder's patch tokens and a ViT decoder
+# ----------------------------------------------------------------------------------------------------------
+# The shards store the raw tokens (deterministic: no std). diffusers' AutoencoderRAE.encode normalises them
+# itself, (z - latents_mean) / (latents_std + 1e-5) * scaling_factor; here the encoder and decoder are called
+# without that step and the same numbers become our LatentNorm (`_rae_native_norm`), so the normalisation has one
+# owner (this module) and decoding through it equals AutoencoderRAE.decode(AutoencoderRAE.encode(x)).
+# AutoencoderRAE takes and returns images in [0, 1] (RAE's ToTensor inputs); ours are in [-1, 1].
+
+DIFFUSERS_RAE_EPS = 1e-5  # diffusers' AutoencoderRAE._normalize_latents: (z - mean) / (std + 1e-5)
+
+
+def rae_geometry(config: dict) -> dict:
+    """An AutoencoderRAE config's shapes: token channels and grid, decoder patch and output size (its defaults)."""
+    enc_in, enc_patch = int(config.get("encoder_input_size", 224)), int(config.get("encoder_patch_size", 14))
+    patch = int(config.get("patch_size", 16))
+    grid = enc_in // enc_patch if enc_patch > 0 else 0
+    return {"channels": int(config.get("encoder_hidden_size", 768)), "grid": grid, "patch": patch,
+            "encoder_input_size": enc_in, "encoder_patch_size": enc_patch, "image_size": patch * grid}
+
+
+def _rae_stats_problem(config: dict, geo: dict) -> str | None:
+    """Why latents_mean / latents_std cannot normalise tokens (C, g, g), or None."""
+    latent = (geo["channels"], geo["grid"], geo["grid"])
+    for key in ("latents_mean", "latents_std"):
+        value = config.get(key)
+        if value is None:
+            continue
+        try:
+            shape = tuple(torch.as_tensor(value, dtype=torch.float32).shape)
+        except (ValueError, TypeError, RuntimeError):  # ragged lists, strings
+            shape = "unreadable (not a list of numbers)"
+        try:
+            fits = not isinstance(shape, str) and torch.broadcast_shapes(shape, (1, *latent)) == (1, *latent)
+        except RuntimeError:  # shapes that do not broadcast
+            fits = False
+        if not fits:
+            return (f"its {key} has shape {shape}, which is not the (C, h, w) = {latent} of its encoder's tokens "
+                    f"(encoder_hidden_size {latent[0]}, {geo['encoder_input_size']} px / patch "
+                    f"{geo['encoder_patch_size']} = {latent[1]})")
+    return None
+
+
+def check_rae_config(config: dict, where) -> None:
+    """Refuse an AutoencoderRAE config whose encoder, decoder and statistics do not fit together (one paragraph)."""
+    geo = rae_geometry(config)
+    problems = []
+    if geo["encoder_patch_size"] <= 0 or geo["encoder_input_size"] % geo["encoder_patch_size"]:
+        problems.append(f"its encoder_input_size {geo['encoder_input_size']} is not a multiple of its "
+                        f"encoder_patch_size {geo['encoder_patch_size']}")
+    if config.get("image_size") is not None and int(config["image_size"]) != geo["image_size"]:
+        problems.append(f"its decoder draws image_size {config['image_size']} px, but {geo['grid']}x{geo['grid']} "
+                        f"tokens of decoder patch {geo['patch']} make {geo['image_size']} px")
+    if config.get("reshape_to_2d", True) is False:
+        problems.append("reshape_to_2d is false (the DiT needs the tokens as a (C, h, w) grid)")
+    if config.get("encoder_type", "dinov2") not in ("dinov2", "siglip2", "mae"):
+        problems.append(f"its encoder_type {config['encoder_type']!r} is not dinov2, siglip2 or mae")
+    stats = _rae_stats_problem(config, geo)
+    if stats:
+        problems.append(stats)
+    if problems:
+        raise SettingError(
+            f"The RAE tokenizer {where} does not fit together: {'; '.join(problems)}. An RAE's decoder must be "
+            f"trained on its own encoder's tokens and its statistics computed from them; pass the folder (config.json "
+            f"and weights) saved from one RAE, or remove latents_mean / latents_std from its config.json so "
+            f"extraction computes the folder's per-element statistics.")
+
+
+def _rae_tokens(module, x):
+    """Raw encoder tokens (N, C, g, g) of images x (N,3,H,W) in [-1,1], before AutoencoderRAE's normalisation."""
+    pixels = module._resize_and_normalize((x + 1) / 2)  # [0, 1], bicubic to encoder_input_size, ImageNet mean/std
+    if module.config.encoder_type == "mae":
+        tokens = module._encoder_forward_fn(module.encoder, pixels, module.config.encoder_patch_size)
+    else:
+        tokens = module._encoder_forward_fn(module.encoder, pixels)  # (N, T, C), CLS and registers dropped
+    n, t, c = tokens.shape
+    side = math.isqrt(t)
+    return tokens.transpose(1, 2).reshape(n, c, side, side)  # (N, C, g, g)
+
+
+def _rae_encode(module, x):
+    """The deterministic tokens (no posterior): (tokens (N, C, g, g) fp32, None)."""
+    return _rae_tokens(module, x).float(), None
+
+
+def _rae_decode(module, z):
+    """Raw tokens (N, C, g, g) -> images (N, 3, H, W) in [-1, 1] (AutoencoderRAE._decode without denormalising)."""
+    n, c, h, w = z.shape
+    tokens = z.reshape(n, c, h * w).transpose(1, 2)  # (N, T, C)
+    patches = module.decoder(tokens).logits  # (N, T, p*p*3)
+    pixels = module._denormalize_image(module.decoder.unpatchify(patches))  # (N, 3, H, W), ~[0, 1]
+    return pixels * 2 - 1
+
+
+def _rae_native_norm(config: dict, module=None) -> LatentNorm | None:
+    """AutoencoderRAE's own normalisation as a per-element record, or None (no statistics: the folder's are used).
+
+    diffusers: x = (z - latents_mean) / (latents_std + 1e-5) * scaling_factor, statistics broadcast to (C, g, g);
+    the record's std is latents_std + 1e-5 computed in float32 as diffusers does, so apply/invert are its own.
+    """
+    if config.get("latents_mean") is None and config.get("latents_std") is None:
+        return None
+    geo = rae_geometry(config)
+    shape = (1, geo["channels"], geo["grid"], geo["grid"])
+    mean = torch.zeros(1) if config.get("latents_mean") is None else torch.as_tensor(config["latents_mean"],
+                                                                                       dtype=torch.float32)
+    std = torch.ones(1) if config.get("latents_std") is None else torch.as_tensor(config["latents_std"],
+                                                                                    dtype=torch.float32)
+    if module is not None:  # what the loaded module really uses (its buffers); must be what the config says
+        buffers = (module._latents_mean.detach().float().cpu(), module._latents_std.detach().float().cpu())
+        if not (torch.equal(torch.broadcast_to(buffers[0], shape), torch.broadcast_to(mean, shape))
+                and torch.equal(torch.broadcast_to(buffers[1], shape), torch.broadcast_to(std, shape))):
+            raise SettingError("The RAE tokenizer's weights hold other latents_mean / latents_std than its config.json "
+                               "says; the folder was edited or mixed from two RAEs. Save it again from one "
+                               "AutoencoderRAE (save_pretrained), or pass another {vae}.")
+    mean, std = torch.broadcast_to(mean, shape)[0], torch.broadcast_to(std, shape)[0]
+    scale = float(config.get("scaling_factor") or 1.0)
+    return LatentNorm.element(mean, std + DIFFUSERS_RAE_EPS, scale,
+                              source="the RAE config's latents_mean / latents_std (diffusers: (z - mean) / (std + "
+                                     "1e-5) x scaling_factor)")
+
+
+AUTOENCODER_RAE = register_tokenizer(TokenizerClass(
+    "AutoencoderRAE", "RAE: a frozen representation encoder's patch tokens (DINOv2-B: 768x16x16) and a ViT decoder; "
+                      "deterministic; per-element statistics from its config or the folder",
+    _rae_encode, _rae_decode, _rae_native_norm, deterministic=True, decoder_parts=("decoder",),
+    declared_channels=lambda config: rae_geometry(config)["channels"],
+    native_size=lambda config: rae_geometry(config)["image_size"], check_config=check_rae_config,
+    element_stats=True, family="rae"))
+
+# ----------------------------------------------------------------------------------------------------------
+# The wrapper: locate a spec, measure its latent, load its weights, encode and decode
+# ----------------------------------------------------------------------------------------------------------
 
 VAE_SHORT_NAMES = {"ema": "stabilityai/sd-vae-ft-ema", "mse": "stabilityai/sd-vae-ft-mse",
                    # DC-AE's ImageNet releases (Chen et al. 2024, mit-han-lab), diffusers folders on the Hub
@@ -221,7 +687,6 @@ def _check_rae_weights(weights: str, size: int, mtime_ns: int, config_json: str,
     """An RAE folder's tensors against the shapes its config builds, from the safetensors header (no weights read)."""
     from safetensors import SafetensorError, safe_open
 
-    from shared.tokenizers.classes import rae_geometry
     config = json.loads(config_json)
     kind = tokenizer_class(config, where)
     with torch.device("meta"):
@@ -420,11 +885,10 @@ def to_uint8(images: torch.Tensor) -> np.ndarray:
 
 
 class Tokenizer:
-    """A tokenizer of a supported class (shared/tokenizers/classes.py): fp32 encoder, decoder in the requested dtype."""
+    """A tokenizer of a supported class (its `TokenizerClass` record): fp32 encoder, decoder in the requested dtype."""
     def __init__(self, vae, source: str, device, dtype=torch.float32):
         """Wrap a loaded diffusers tokenizer (use `Tokenizer.load` to build one from a spec)."""
-        if dtype not in DECODE_DTYPES:
-            raise UserError(f"VAE decode dtype {dtype} is not supported; use float32, float16 or bfloat16.")
+        assert dtype in DECODE_DTYPES, f"decode dtype {dtype} is not one of {DECODE_DTYPES}"
         config = dict(vae.config)
         self.kind: TokenizerClass = tokenizer_class({**config, "_class_name": type(vae).__name__}, source)
         self.vae = vae.eval().requires_grad_(False).to(device)  # loaded in fp32

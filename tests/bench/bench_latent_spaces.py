@@ -24,8 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from extract.__main__ import main as extract_main  # noqa: E402
 from shared.datasets.shards import LatentDataset  # noqa: E402
-from shared.tokenizers.classes import LatentNorm  # noqa: E402
-from shared.tokenizers.tokenizer import Tokenizer  # noqa: E402
+from shared.tokenizers.tokenizer import LatentNorm, Tokenizer  # noqa: E402
 from tests.conftest import make_image_folder  # noqa: E402
 from tests.tiny_tokenizers import MAKERS  # noqa: E402
 
