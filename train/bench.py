@@ -173,6 +173,11 @@ def check_values(precisions, checkpoints, attentions, compiles, micros):
 # The matrix flags in BenchConfig's field order: (item parser, default).
 MATRIX = {"precisions": (str, "fp32,bf16"), "checkpointing": (checkpoint_value, "0,1"), "attention": (str, "sdpa"),
           "compile": (parse_compile, "off"), "micro_batch_sizes": (int, "8")}
+RUN_FLAGS = {  # how long each configuration runs (None: the preset's), their bounds declared once
+    "steps": Flag("timed steps per configuration (default 8, gpu preset 10)", None, min=1),
+    "warmup": Flag("untimed warm-up steps per configuration (default 2)", None, min=0),
+    "threads": Flag("CPU threads for torch (default: torch's; cpu preset: 1, steadier when shared)", None, min=1),
+}
 
 
 def flag_matrix(args) -> list[BenchConfig]:
@@ -416,15 +421,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peak-tflops", type=float, help="device peak TFLOP/s for MFU (default: known GPU names)")
     p.add_argument("--json", metavar="OUT", help="also write the results as JSON to OUT")
     return p
-
-
-# How long each configuration runs (None: the preset's), with their bounds declared once.
-RUN_FLAGS = {
-    "steps": Flag("timed steps per configuration (default 8, gpu preset 10)", None, min=1),
-    "warmup": Flag("untimed warm-up steps per configuration (default 2)", None, min=0),
-    "threads": Flag("CPU threads for torch (default: torch's choice; cpu preset: 1, steadier on a shared machine)",
-                    None, min=1),
-}
 
 
 def resolve_defaults(args):

@@ -1,5 +1,4 @@
-"""Run logging: the window of step results a log line averages, RUN/log.txt (human lines), RUN/metrics.jsonl (one
-JSON per log step), and the --report-to tracker.
+"""Run logging: the step window a log line averages, RUN/log.txt, RUN/metrics.jsonl, the --report-to tracker.
 
 Only the main process writes; the others get a disabled logger, so callers never branch on rank.
 """

@@ -2,10 +2,9 @@
 
 Each block option is one record (BlockOption): the slot it fills (norm, mlp: named choices; rope, qk_norm: on/off
 switches), the value a ModelConfig records, its help, and what it builds there. DiT and DiT^DH build their blocks
-from this table alone, and a --plugin module adds a value with `register_block_option` (the model records the
-module, so sampling asks for it). The built-ins register in shared/network/dit.py beside the modules they build (the
-table is full once dit or models is imported); their tensor names follow LightningDiT's (mlp.w12/w3, norm1.weight,
-attn.q_norm, feat_rope.freqs_cos/sin); each record's `marker` is the tensor that tells its layout apart in weights.
+from this table alone; a --plugin module adds a value with `register_block_option` (the model records the module,
+so sampling asks for it), the built-ins register in shared/network/dit.py beside the modules they build. Each
+record's `marker` is the tensor that tells its layout apart in weights (LightningDiT's names: mlp.w12, feat_rope).
 """
 import argparse
 import sys
@@ -72,17 +71,12 @@ def register_block_option(slot: str, value, help: str, build: Callable | None, m
     return BLOCK_OPTIONS[slot].register(value, BlockOption(slot, value, help, build, marker, qk, plugin_module(caller)))
 
 
-def _table(slot: str) -> Registry[BlockOption]:
-    """The registered values of `slot` (the built-ins are there once shared/network/dit.py is imported)."""
-    assert BLOCK_OPTIONS["norm"], "import shared.network.dit first: it registers the built-in block options"
-    return BLOCK_OPTIONS[slot]
-
-
 def block_option(slot: str, value) -> BlockOption:
     """The record of one slot's value; ChoiceError (UserError for a switch) naming the registered ones."""
+    assert BLOCK_OPTIONS["norm"], "import shared.network.dit first: it registers the built-in block options"
     if slot in SWITCHES and not isinstance(value, bool):
         raise UserError(f"block option {slot} must be true or false, got {value!r}; fix the config or flag.")
-    return _table(slot).lookup(value)
+    return BLOCK_OPTIONS[slot].lookup(value)
 
 
 def build_part(slot: str, value, *args) -> nn.Module | None:
@@ -93,8 +87,7 @@ def build_part(slot: str, value, *args) -> nn.Module | None:
 
 def check_block_options(options: dict) -> None:
     """ChoiceError/UserError unless `options` gives every slot a registered value (and nothing else)."""
-    unknown = sorted(set(options) - set(SLOTS))
-    if unknown or len(options) != len(SLOTS):
+    if set(options) != set(SLOTS):
         raise UserError(f"block options {sorted(options)} are not the slots {', '.join(SLOTS)}; fix the config.")
     for slot, value in options.items():
         block_option(slot, value)
@@ -110,7 +103,7 @@ def block_flag(slot: str) -> Flag:
     if slot in SWITCHES:
         return Flag(f"{SLOTS[slot]} ({block_option(slot, True).help}) (default: the --block's)", None,
                     action=argparse.BooleanOptionalAction)
-    return Flag(f"{SLOTS[slot]}: " + "; ".join(f"{o.value}: {o.help}" for o in _table(slot).values())
+    return Flag(f"{SLOTS[slot]}: " + "; ".join(f"{o.value}: {o.help}" for o in BLOCK_OPTIONS[slot].values())
                 + " (a --plugin module may register more; default: the --block's)", None, metavar="NAME")
 
 
@@ -153,9 +146,7 @@ def block_options(preset="dit", **overrides):
     """The options of a BLOCKS preset with the non-None overrides applied, checked; ChoiceError/UserError."""
     if preset not in BLOCKS:
         raise ChoiceError("block preset", preset, list(BLOCKS))
-    unknown = sorted(set(overrides) - set(SLOTS))
-    if unknown:
-        raise UserError(f"unknown block options {unknown}; the block options are {', '.join(SLOTS)}.")
+    assert set(overrides) <= set(SLOTS), f"block options {sorted(overrides)} are not all among {list(SLOTS)}"
     options = {**BLOCKS[preset], **{k: v for k, v in overrides.items() if v is not None}}
     check_block_options(options)
     return options
