@@ -16,8 +16,7 @@ from pathlib import Path
 from evaluate.evaluation import (FEATURES, INCEPTION_WEIGHTS, IS_SPLIT, REF, EvalOptions, append_jsonl, check_image_size,
                                  check_options, evaluate_samples, process_info)
 from evaluate.images import open_npz_images
-from evaluate.metrics import check_split_size
-from evaluate.stats import check_reference, open_reference
+from evaluate.metrics import check_reference, check_split_size, open_reference
 from shared.runtime import rundir
 from shared.runtime.cli import HelpFormatter, add_flags, check_flag_bounds, from_args, option
 from shared.runtime.errors import UserError, cli_errors

@@ -19,8 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from shared.datasets.digits import IMAGE_SIZE, NUM_CLASSES, digit_images
-from evaluate.metrics import frechet_distance_to
-from evaluate.stats import cache_dir, mean_cov
+from evaluate.metrics import cache_dir, frechet_distance_to, mean_cov
 from shared.runtime.errors import UserError
 from shared.runtime.fsio import atomic_write
 

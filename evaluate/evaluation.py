@@ -12,9 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from evaluate.images import compute_features, open_npz_images
-from evaluate.metrics import IS_SPLIT_SIZE, METRICS, PR_NEIGHBOURS, check_split_size, comparability_note, \
-    is_comparable, sample_metrics
-from evaluate.stats import check_reference, open_reference, reference_stats, save_stats, source_meta, \
+from evaluate.metrics import IS_SPLIT_SIZE, METRICS, PR_NEIGHBOURS, check_reference, check_split_size, \
+    comparability_note, is_comparable, open_reference, reference_stats, sample_metrics, save_stats, source_meta, \
     stats_from_features
 from shared.runtime.cli import Flag, check_flag_bounds, option
 from shared.runtime.errors import ChoiceError

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from evaluate import inception
 from evaluate.__main__ import main
 from evaluate.inception import FIDInceptionV3, InceptionE, tf1_resize_bilinear, tf_avg_pool
-from evaluate.stats import load_stats
+from evaluate.metrics import load_stats
 from shared.runtime.errors import UserError
 from tests.helpers import run_main
 

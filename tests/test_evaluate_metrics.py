@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import scipy.linalg
 
-from evaluate.metrics import _psd_sqrt, _sum_sqrt_eigvals, frechet_distance, frechet_distance_of, frechet_distance_to, \
-    comparability_note, inception_score, is_comparable, manifold_radii, mean_cov, precision_recall, trace_sqrt_product
-from evaluate.stats import Stats, is_stats_file, load_stats, save_stats
+from evaluate.metrics import Stats, _psd_sqrt, _sum_sqrt_eigvals, comparability_note, frechet_distance, \
+    frechet_distance_of, frechet_distance_to, inception_score, is_comparable, is_stats_file, load_stats, manifold_radii, \
+    mean_cov, precision_recall, save_stats, trace_sqrt_product
 from shared.runtime.errors import UserError
 
 

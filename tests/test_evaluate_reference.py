@@ -6,7 +6,7 @@ from PIL import Image
 
 from evaluate.__main__ import main
 from evaluate.images import open_npz_images
-from evaluate.stats import check_reference, open_reference
+from evaluate.metrics import check_reference, open_reference
 from shared.datasets.images import load_image
 from shared.network.models import ModelConfig
 from shared.runtime import rundir
@@ -88,7 +88,7 @@ def test_reference_command_refusals(tmp_path, capsys):
 
 
 def test_a_folder_reference_cache_follows_the_images_inside_it(tmp_path):
-    from evaluate.stats import stats_cache_path
+    from evaluate.metrics import stats_cache_path
 
     root = make_image_folder(tmp_path / "real", classes=("a",), per_class=2)
     before = stats_cache_path(root, {"name": "inception"})
