@@ -117,6 +117,7 @@ def test_library_returns_leave_out_orchestrators_and_ping_pongs_are_listed_by_pa
     # returns: loop (orchestrator), a, a, __main__ (orchestrator): two to a library file
     assert (goals["library_returns"], goals["shared_returns"]) == (2, 2)
     assert goals["ping_pongs"] == 3  # loop-a-loop, a-loop-a, a-data-a
+    assert goals["library_ping_pongs"] == 2  # a-loop-a, a-data-a: loop-a-loop is the orchestrator's turn
     assert goals["ping_pong_pairs"] == [("shared/a.py <-> train/loop.py", 2), ("shared/a.py <-> train/data.py", 1)]
     assert arch.is_orchestrator("extract/run.py") and not arch.is_orchestrator("shared/run.py")
 

@@ -46,6 +46,8 @@ folder and measured by this same file, so both columns use one definition). Defi
       evaluate/evaluation.py). Every other production file, in shared/ or in a stage package, is a library
       file; the returns to shared/ files alone are printed too.
    c. A->B->A ping-pongs: positions i of the walk (repeats in a row collapsed) with file(i) == file(i + 2);
+      counted again for A a library file alone (an orchestrator calling library functions in turn makes A->B->A->C
+      by design, as returns to it are not counted);
       each is listed by its pair of files (and, with --walk, its functions).
    d. Guard lines: the union of the lines of every `raise` statement (its full span), of every `if` whose body
       is only raises (from `if` to the last raise; an elif is an `if` of its own, an else is not counted) and
@@ -546,6 +548,7 @@ def walk_goals(order: list[str], sizes: dict[str, int]) -> dict:
             "library_returns": sum(library.values()), "library_returned_to": library.most_common(),
             "shared_returns": sum(n for f, n in library.items() if f.startswith("shared/")),
             "ping_pongs": len(pongs), "ping_pong_pairs": pairs.most_common(),
+            "library_ping_pongs": sum(not is_orchestrator(a) for a, _ in pongs),
             "ping_pong_at": [i + 1 for i in range(len(order) - 2) if order[i] == order[i + 2]]}
 
 
@@ -890,6 +893,7 @@ def goal_table(r: dict) -> list[dict]:
             ("traced walk returns to library files", walk.get("library_returns"), "<= 5"),
             ("... of them to shared/ files", walk.get("shared_returns"), ""),
             ("traced walk A->B->A ping-pongs", walk.get("ping_pongs"), "0"),
+            ("... of them with A a library file", walk.get("library_ping_pongs"), ""),
             ("guard lines", g["guard_lines"], ""),
             ("guard lines, % of production", g["guard_percent"], "<= 6%"),
             ("raises", g["raises"], ""),
