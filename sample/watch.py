@@ -29,7 +29,7 @@ from shared.tokenizers.tokenizer import read_vae_config
 from shared.tokenizers.space import LatentSpace, choose_tokenizer, load_tokenizer
 
 from sample.decode import DecodeOptions, decode_file
-from shared.sampling.outputs import captions_for, image_name, labelled_grid, read_png, save_png
+from shared.sampling.generate import captions_for, image_name, labelled_grid, read_png, save_png
 
 REPORT_TO = ("auto", "tensorboard", "none")
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from sample.__main__ import main
-from shared.sampling.outputs import read_png
+from shared.sampling.generate import read_png
 from sample.watch import WatchOptions, end_reason, run_is_locked
 from shared.runtime.lock import hold_lock
 from tests.helpers import LAUNCHER, cli, finish, make_latents, space_of, trace, train_args
