@@ -15,7 +15,7 @@ from shared.sampling.previews import read_preview
 from shared.runtime.rundir import SAMPLES, step_of
 from shared.tokenizers.space import LatentSpace, choose_tokenizer, load_tokenizer
 
-from shared.sampling.outputs import GRID_NAME, captions_for, check_out_path, image_name, save_png, write_grid
+from shared.sampling.generate import GRID_NAME, captions_for, check_out_path, image_name, save_png, write_grid
 
 
 @dataclass

@@ -29,7 +29,7 @@ from shared.tokenizers.tokenizer import read_vae_config
 from shared.tokenizers.space import LatentSpace, choose_tokenizer, load_tokenizer
 
 from sample.decode import DecodeOptions, decode_file
-from shared.sampling.outputs import captions_for, image_name, labelled_grid, read_png, save_png
+from shared.sampling.generate import captions_for, image_name, labelled_grid, read_png, save_png
 
 REPORT_TO = ("auto", "tensorboard", "none")
 
@@ -38,7 +38,7 @@ REPORT_TO = ("auto", "tensorboard", "none")
 class WatchOptions(DecodeFlags):
     """Everything `python -m sample watch` accepts (one field per flag: its default and help; the VAE flags too)."""
     run: str = option(help="the training run folder (train's --results-dir)", positional=True, metavar="RUN")
-    interval: float = option(5.0, "seconds between looks for new preview files")
+    interval: float = option(5.0, "seconds between looks for new preview files", above=0, below=math.inf)
     exit_when_done: bool = option(False, "stop once no training process holds RUN (finished, stopped or killed), "
                                          "after decoding every preview; without it, run until Ctrl-C or SIGTERM")
     until_step: int | None = option(None, "stop once the checkpoint of STEP exists, after decoding every preview "
@@ -217,8 +217,6 @@ def check_options(o: WatchOptions) -> Path:
     if not run.is_dir():
         raise UserError(f"RUN {run} is not a folder; pass the --results-dir of a training run (it may still be "
                         "starting: the folder exists from the first second of a launch).")
-    if not (o.interval > 0 and math.isfinite(o.interval)):
-        raise UserError(f"--interval {o.interval} must be a positive number of seconds.")
     if o.vae:
         read_vae_config(o.vae, o.vae_config)  # a bad --vae is said now, not when the first preview arrives
     check_report_to(o.report_to, "the grids are written either way", REPORT_TO)  # auto only notes an absence

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from sample.__main__ import main
-from shared.sampling.outputs import read_png
+from shared.sampling.generate import read_png
 from sample.watch import WatchOptions, end_reason, run_is_locked
 from shared.runtime.lock import hold_lock
 from tests.helpers import LAUNCHER, cli, finish, make_latents, space_of, trace, train_args
@@ -106,7 +106,7 @@ def test_the_end_of_a_run_is_seen_three_ways(run, tmp_path):
 def test_mistakes_are_one_paragraph(run, tmp_path, tiny_vae_dir, capsys):
     assert "is not a folder" in expect_watch_error(capsys, [tmp_path / "nowhere", "--vae", tiny_vae_dir])
     assert "Unknown VAE" in expect_watch_error(capsys, [run, "--vae", tmp_path / "novae"])
-    assert "--interval 0.0 must be" in expect_watch_error(capsys, [run, "--interval", "0"])
+    assert "--interval must be above 0" in expect_watch_error(capsys, [run, "--interval", "0"])
     with hold_lock(run / "samples", "preview folder"):
         err = expect_watch_error(capsys, [run, "--vae", tiny_vae_dir, "--exit-when-done"])
     assert "is in use by another process" in err and f"PID {os.getpid()}" in err

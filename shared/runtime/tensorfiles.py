@@ -38,8 +38,7 @@ def write_safetensors(path, tensors: dict, metadata: dict | None = None) -> None
             header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
         # serde_json's compact layout; a permutation of the same entries has the same length.
         text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-        if len(text) > size:
-            raise RuntimeError(f"the sorted safetensors header of {path} is longer than the written one")
+        assert len(text) <= size, f"the sorted safetensors header of {path} is longer than the written one"
         f.seek(8)
         f.write(text.ljust(size, b" "))  # the format pads its header with spaces
 
