@@ -41,9 +41,10 @@ from shared.datasets.shards import FLAG_DTYPES
 from shared.runtime.plugins import PLUGIN
 from shared.tokenizers.tokenizer import TokenizerClass, tokenizer_class
 from shared.tokenizers.space import LatentSpace
+from shared.datasets.integrity import damaged_error, damaged_files
 from shared.datasets.shards import (FLIP_MODES, FOLDER_KIND, INDEX_NAME, STORAGE_DTYPES, ChannelStats, ElementStats,
-                                    ShardWriter, damaged_error, damaged_files, element_stats_path, read_sidecar,
-                                    shard_name, sidecar_path, write_index)
+                                    ShardWriter, element_stats_path, read_sidecar, shard_name, sidecar_path,
+                                    write_index)
 
 SETTINGS_NAME = "extract-settings.json"
 BAD_FILES_NAME = "bad-files.jsonl"
