@@ -68,7 +68,6 @@ from shared.runtime.fsio import TMP_PREFIX, atomic_write_bytes, atomic_write_tex
 from shared.tokenizers.tokenizer import LatentNorm
 
 
-
 LATENT = "mean"  # the column every payload holds
 STD = "std"  # the posterior spread; absent for a deterministic tokenizer
 MOMENT_NAMES = (LATENT, STD)  # described by the layout's own "dtype"/"shape", never under "extra"
