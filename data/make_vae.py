@@ -135,15 +135,10 @@ class VAEOptions:
     seed: int = option(0, "seed for init, batches and posterior draws")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    """Command-line flags (VAEOptions)."""
-    return add_flags(argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0]), VAEOptions).parse_args(argv)
-
-
 @interruptible(PROG)
 def main(argv=None) -> None:
     """Entry point: train, save and print the numbers."""
-    flags = parse_args(argv)
+    flags = add_flags(argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0]), VAEOptions).parse_args(argv)
     with cli_errors(PROG):
         args = from_args(VAEOptions, flags)  # refuses --steps or --batch-size below 1
         # A fixed thread count keeps the float reductions, hence the saved weights, the same on every run.

@@ -80,7 +80,8 @@ def run_mode(args, cfg) -> int:
         num_bad = run_check(cfg.data_path, cfg.image_size, cfg.num_workers, cfg.limit, cfg.max_image_pixels,
                             cfg.duplicates, source_options(cfg))
         return 1 if num_bad else 0
-    from extract.run import describe_plan, format_summary, run_extract
+    from extract.dry_run import describe_plan
+    from extract.run import format_summary, run_extract
 
     _needs(cfg.out, "--out is required to extract: pass the folder for the shards (or use --check).")
     if args.dry_run:

@@ -4,7 +4,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from shared.runtime.cli import counted
-from shared.datasets.shards import INDEX_NAME, damaged_error, damaged_files, load_index
+from shared.datasets.integrity import damaged_error, damaged_files
+from shared.datasets.shards import INDEX_NAME, load_index
 
 
 def run_verify(out) -> str:

@@ -190,7 +190,7 @@ def test_image_size_must_match_the_vae_downsample(tmp_path, image_folder, no_vae
         run_extract(_config(image_folder, tmp_path / "out", vae, image_size=18))
     assert not (tmp_path / "out").exists()
     # 20 px -> 5x5 latents: a multiple of the factor that only the patch-1 presets divide: a warning, not a refusal.
-    from extract.run import describe_plan
+    from extract.dry_run import describe_plan
     text = describe_plan(_config(image_folder, tmp_path / "out", vae, image_size=20))
     warning = next(line for line in text.splitlines() if line.startswith("warning:"))
     assert "5x5 latents" in warning and "only DiT presets with patch 1" in warning and "DiT-XL/1" in warning
@@ -199,7 +199,7 @@ def test_image_size_must_match_the_vae_downsample(tmp_path, image_folder, no_vae
 
 
 def test_image_size_that_only_some_presets_fit_is_a_warning(tmp_path, image_folder, no_vae_load, capsys):
-    from extract.run import describe_plan
+    from extract.dry_run import describe_plan
     vae = make_tiny_vae(tmp_path / "vae4", levels=3)
     # 40 px -> 10x10 latents: patches 1 and 2 divide 10, patch 4 and 8 do not; every suggestion must fit patch 8.
     text = describe_plan(_config(image_folder, tmp_path / "out", vae, image_size=40))

@@ -12,7 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from extract.__main__ import main as extract_main
 from sample.__main__ import main as sample_main
-from shared.datasets.shards import VERIFIED_NAME, LatentDataset
+from shared.datasets.integrity import VERIFIED_NAME
+from shared.datasets.shards import LatentDataset
 from shared.network.models import ModelConfig
 from shared.runtime.errors import UserError
 from shared.weights.export import load_weights, save_weights

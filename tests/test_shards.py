@@ -15,7 +15,7 @@ import safetensors.torch
 import torch
 import webdataset as wds
 
-from shared.datasets import shards
+from shared.datasets import integrity, shards
 from shared.runtime.errors import UserError
 from shared.tokenizers.tokenizer import LatentNorm
 from shared.tokenizers.space import LatentSpace
@@ -381,10 +381,10 @@ def test_corrupted_shard_is_refused_by_default(folder):
 def test_verified_shards_are_not_hashed_again(folder, monkeypatch):
     root, _, infos = folder
     hashed = []
-    real = shards._sha256_file
-    monkeypatch.setattr(shards, "_sha256_file", lambda path, *a: hashed.append(Path(path).name) or real(path, *a))
+    real = integrity._sha256_file
+    monkeypatch.setattr(integrity, "_sha256_file", lambda path, *a: hashed.append(Path(path).name) or real(path, *a))
     LatentDataset(root)
-    assert sorted(hashed) == [i.name for i in infos] and (root / shards.VERIFIED_NAME).is_file()
+    assert sorted(hashed) == [i.name for i in infos] and (root / integrity.VERIFIED_NAME).is_file()
     hashed.clear()
     LatentDataset(root)  # a resume: stats only
     assert hashed == []
@@ -392,7 +392,7 @@ def test_verified_shards_are_not_hashed_again(folder, monkeypatch):
     path.write_bytes(path.read_bytes())  # rewritten (new mtime): hashed again, still fine
     LatentDataset(root)
     assert hashed == [infos[2].name]
-    assert shards.damaged_files(root, json.loads((root / "index.json").read_text())["shards"], rehash=True) == {}
+    assert integrity.damaged_files(root, json.loads((root / "index.json").read_text())["shards"], rehash=True) == {}
     assert sorted(hashed) == sorted([infos[2].name] + [i.name for i in infos])  # rehash reads everything
 
 
@@ -410,22 +410,22 @@ def test_a_copied_folder_is_hashed_again(folder, tmp_path):
 def test_unwritable_folder_verifies_without_failing(folder, tmp_path, monkeypatch):
     root, _, infos = folder
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    real = shards.atomic_write_text
+    real = integrity.atomic_write_text
 
     def read_only(path, text):
         if Path(path).parent == root:
             raise PermissionError(13, "Permission denied", str(path))
         return real(path, text)
 
-    monkeypatch.setattr(shards, "atomic_write_text", read_only)
+    monkeypatch.setattr(integrity, "atomic_write_text", read_only)
     LatentDataset(root)
-    assert not (root / shards.VERIFIED_NAME).exists()
+    assert not (root / integrity.VERIFIED_NAME).exists()
     assert len(list((tmp_path / "cache").rglob("*.json"))) == 1  # the user cache holds the record instead
     _flip_byte(root, infos[1])
     os.utime(root / infos[1].name)  # a real change moves mtime
     with pytest.raises(UserError, match="shard-000001.tar fails"):
         LatentDataset(root)
-    monkeypatch.setattr(shards, "atomic_write_text", lambda path, text: (_ for _ in ()).throw(OSError(30, "ro")))
+    monkeypatch.setattr(integrity, "atomic_write_text", lambda path, text: (_ for _ in ()).throw(OSError(30, "ro")))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "nowhere"))
     with pytest.raises(UserError, match="shard-000001.tar fails"):  # no record at all: still checked, no crash
         LatentDataset(root)
@@ -433,13 +433,13 @@ def test_unwritable_folder_verifies_without_failing(folder, tmp_path, monkeypatc
 
 def test_a_garbled_verification_record_is_ignored(folder):
     root, _, infos = folder
-    (root / shards.VERIFIED_NAME).write_text("{not json")
+    (root / integrity.VERIFIED_NAME).write_text("{not json")
     LatentDataset(root)
-    record = json.loads((root / shards.VERIFIED_NAME).read_text())
+    record = json.loads((root / integrity.VERIFIED_NAME).read_text())
     assert sorted(record["files"]) == [i.name for i in infos]
     _flip_byte(root, infos[2])
     record["files"][infos[2].name]["sha256"] = "0" * 64  # a record that disagrees with the index is not trusted
-    (root / shards.VERIFIED_NAME).write_text(json.dumps(record))
+    (root / integrity.VERIFIED_NAME).write_text(json.dumps(record))
     with pytest.raises(UserError, match="shard-000002.tar fails"):
         LatentDataset(root)
 

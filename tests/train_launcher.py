@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from shared.datasets import shards
+from shared.datasets import integrity
 from shared.runtime import rundir  # noqa: E402
 from train import checkpoint as ckpt_io  # noqa: E402
 from train import loop as train_loop  # noqa: E402
@@ -50,7 +50,7 @@ HASHED, LOADS = [], []  # shard names this process hashed; (start, end) of each 
 
 def _record_io() -> None:
     """Wrap the shard hasher and the checkpoint reader to note what this process did and when."""
-    real_hash, real_load = shards._hash_files, ckpt_io.load_checkpoint
+    real_hash, real_load = integrity._hash_files, ckpt_io.load_checkpoint
 
     def hash_files(root, entries, progress):
         HASHED.extend(e["name"] for e in entries)
@@ -63,7 +63,7 @@ def _record_io() -> None:
         finally:
             LOADS.append((start, time.monotonic()))
 
-    shards._hash_files, ckpt_io.load_checkpoint = hash_files, load_checkpoint
+    integrity._hash_files, ckpt_io.load_checkpoint = hash_files, load_checkpoint
 
 
 class Trace(Callback):

@@ -1,6 +1,6 @@
 """What verifying shards against index.json costs: a first full hash vs a start that trusts its record.
 
-Writes SHARDS files of SIZE MiB of random bytes into a temp folder, then times shared.datasets.shards.damaged_files
+Writes SHARDS files of SIZE MiB of random bytes into a temp folder, then times shared.datasets.integrity.damaged_files
 (the check every training start and every extract rerun makes) three ways: the first check (hashes all),
 a second check (the verification record vouches for unchanged files: stat only), and a forced rehash (what
 `python -m extract --verify` does). It extrapolates the first and second figures to ImageNet-1k at 256x256:
@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from shared.datasets.shards import damaged_files  # noqa: E402
+from shared.datasets.integrity import damaged_files  # noqa: E402
 
 IMAGENET_BYTES = 1_281_167 * 4 * 32 * 32 * 2 * 2 * 2  # images x C*H*W x (mean, std) x flips x fp16 bytes
 IMAGENET_SHARDS = -(-1_281_167 // 4096)
