@@ -156,12 +156,17 @@ class RAEOptions:
     seed: int = option(0, "seed of the initialisation, batches and noise")
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """Command-line flags, from RAEOptions (the docs' commands are checked against it)."""
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0].split(": ", 1)[0],
+                                     formatter_class=HelpFormatter)
+    return add_flags(parser, RAEOptions)
+
+
 @interruptible(PROG)
 def main(argv=None) -> None:
     """Entry point: train, save and print the numbers."""
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0].split(": ", 1)[0],
-                                     formatter_class=HelpFormatter)
-    args = add_flags(parser, RAEOptions).parse_args(argv)
+    args = build_parser().parse_args(argv)
     with cli_errors(PROG):
         o = from_args(RAEOptions, args)
         check(o)

@@ -135,10 +135,15 @@ class VAEOptions:
     seed: int = option(0, "seed for init, batches and posterior draws")
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """Command-line flags, from VAEOptions (the docs' commands are checked against it)."""
+    return add_flags(argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0]), VAEOptions)
+
+
 @interruptible(PROG)
 def main(argv=None) -> None:
     """Entry point: train, save and print the numbers."""
-    flags = add_flags(argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0]), VAEOptions).parse_args(argv)
+    flags = build_parser().parse_args(argv)
     with cli_errors(PROG):
         args = from_args(VAEOptions, flags)  # refuses --steps or --batch-size below 1
         # A fixed thread count keeps the float reductions, hence the saved weights, the same on every run.

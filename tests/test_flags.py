@@ -80,23 +80,27 @@ def _field_default(value: ast.expr) -> ast.expr | None:
     return None
 
 
+SCRIPT_PACKAGES = ("data",)  # independent scripts: an options class of one is not another's (scope: the module)
+
+
 def defaults_stated_twice(root: Path = ROOT) -> list[str]:
     """`add_argument(..., default=X)` calls whose dest is a field of an options dataclass (a class named
     *Options or *Config) of the same package with the same default X: the knowledge written twice."""
     fields, calls = {}, []
     for package in PACKAGES:
         for path in sorted((root / package).rglob("*.py")):
+            scope = str(path) if package in SCRIPT_PACKAGES else package
             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
                 if isinstance(node, ast.ClassDef) and node.name.endswith(("Options", "Config")):
                     for stmt in node.body:
                         if isinstance(stmt, ast.AnnAssign) and stmt.value is not None:
                             default = _field_default(stmt.value)
                             if default is not None:
-                                fields.setdefault((package, stmt.target.id), set()).add(ast.dump(default))
+                                fields.setdefault((scope, stmt.target.id), set()).add(ast.dump(default))
                 elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
                     for kw in node.keywords:
                         if kw.arg == "default":
-                            calls.append((package, _dest(node), ast.dump(kw.value), f"{path.relative_to(root)}"))
+                            calls.append((scope, _dest(node), ast.dump(kw.value), f"{path.relative_to(root)}"))
     return [f"{where}: --{dest}" for package, dest, dump, where in calls if dump in fields.get((package, dest), ())]
 
 
