@@ -9,7 +9,7 @@ import torch
 
 from shared.runtime.errors import SettingError, UserError
 from shared.generative.flow import draw_time, flow_grid, shift_time
-from shared.sampling.generate import GuidedModelFn
+from shared.generative.guidance import GuidedModelFn
 from shared.network.models import ModelConfig
 from shared.generative.flow_objectives import FlowObjective
 from shared.generative.objectives import DDPMObjective, make_objective, objective_of, run_sampler

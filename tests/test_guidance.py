@@ -1,10 +1,9 @@
-"""shared/generative/guidance.py and GuidedModelFn: classifier-free guidance against an independent formula, channel handling, errors."""
+"""shared/generative/guidance.py: classifier-free guidance against an independent formula, channel handling, errors."""
 import pytest
 import torch
 
 from shared.runtime.errors import ChoiceError, SettingError, UserError, advise
-from shared.generative.guidance import GUIDE_CHANNELS, check_guidance, guide_channel_count
-from shared.sampling.generate import GuidedModelFn
+from shared.generative.guidance import GUIDE_CHANNELS, GuidedModelFn, check_guidance, guide_channel_count
 from tests.helpers import inputs, randomize, tiny  # 2-block DiT-T/2, 8x8x4 latents, 5 classes
 
 

@@ -121,7 +121,7 @@ def test_training_draws_follow_the_release():
 
 
 def test_one_network_call_per_step_at_any_scale_in_range_and_refusals_outside():
-    from shared.sampling.generate import GuidedModelFn
+    from shared.generative.guidance import GuidedModelFn
 
     model = random_dit(_config(), 2).eval()
     objective = make_objective("imf")

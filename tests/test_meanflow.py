@@ -379,7 +379,7 @@ def test_sample_and_evaluate_run_draw_meanflow_exports_in_one_call(tiny_vae_dir,
 
 
 def test_a_guided_sampler_call_counts_one_network_call_per_step():
-    from shared.sampling.generate import GuidedModelFn
+    from shared.generative.guidance import GuidedModelFn
 
     model = random_dit(_config(), 2).eval()
     objective = make_objective("meanflow")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from shared.generative.flow import auto_shift, flow_grid, rae_shift, sde_grid, shift_time
-from shared.sampling.generate import GuidedModelFn
+from shared.generative.guidance import GuidedModelFn
 from shared.generative.objectives import make_objective, objective_of
 from shared.network.ddt import DiTDH
 from shared.network.models import ModelConfig, infer_model_config

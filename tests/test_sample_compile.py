@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from shared.sampling.generate import GuidedModelFn
+from shared.generative.guidance import GuidedModelFn
 from shared.generative.objectives import DDPMObjective
 from shared.sampling.compiled import COMPILE_MODES, GraphedModel, check_compile, compile_for_sampling
 from shared.runtime.errors import ChoiceError, SettingError

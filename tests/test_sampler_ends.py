@@ -11,7 +11,7 @@ import torch
 from torchdiffeq import odeint
 
 from shared.generative.diffusion import NUM_TIMESTEPS
-from shared.sampling.generate import GuidedModelFn
+from shared.generative.guidance import GuidedModelFn
 from shared.generative.objectives import make_objective, run_sampler
 from shared.generative.samplers import samplers_for
 

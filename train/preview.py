@@ -1,7 +1,7 @@
 """--sample-every previews: EMA latents for fixed classes and fixed noise, saved without any VAE.
 
 The file (RUN/samples/step-XXXXXXX.safetensors) is shared/sampling/previews.py's; `python -m sample decode`
-turns it into images. Guidance is `python -m sample`'s GuidedModelFn (shared/sampling/generate.py).
+turns it into images. Guidance is shared/generative/guidance.py's GuidedModelFn, the sampler's own.
 """
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ import torch
 
 from shared.generative.objectives import run_sampler
 from shared.generative.samplers import resolve_sampling
-from shared.generative.guidance import guide_channel_count
-from shared.sampling.generate import GuidedModelFn
+from shared.generative.guidance import GuidedModelFn, guide_channel_count
 from shared.runtime.seeding import generator_for
 
 PREVIEW_COUNT = 8

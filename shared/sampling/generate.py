@@ -1,6 +1,6 @@
 """`python -m sample`'s code path (also `python -m evaluate run`'s): class-conditional DiT sampling (CFG; DDPM, DDIM
-or an ODE solver) decoded to PNGs, grid, npz in the --out folder; its guided prediction GuidedModelFn also draws
-training's previews, its PNG and grid writers serve `python -m sample decode` and `watch`."""
+or an ODE solver) decoded to PNGs, grid, npz in the --out folder; its PNG and grid writers serve `python -m sample
+decode` and `watch`."""
 from __future__ import annotations
 
 import contextlib
@@ -19,15 +19,16 @@ from tqdm import tqdm
 
 from shared.runtime.cli import check_flag_bounds, option
 from shared.runtime.distributed import process_state
-from shared.runtime.errors import ChoiceError, UserError
+from shared.runtime.errors import UserError
 from shared.sampling.flags import BATCH_SIZE, SEED, DecodeFlags, SamplingFlags, given_sampler_options
-from shared.generative.guidance import check_guidance, check_interval, describe_guidance, guide_channel_count
+from shared.generative.guidance import (GuidedModelFn, check_guidance, check_interval, describe_guidance,
+                                       guide_channel_count)
 from shared.generative.objectives import check_sampling_guidance, objective_of
 from shared.generative.samplers import SAMPLER_OPTIONS, resolve_sampling, sampler_options
 from shared.runtime.fsio import TMP_PREFIX, atomic_write, atomic_write_text
 from shared.runtime.lock import hold_lock
 from shared.network.models import DiT_models
-from shared.runtime.precision import PRECISIONS, autocast_dtype, set_tf32
+from shared.runtime.precision import set_tf32
 from shared.runtime.rerun import differences, listed
 from shared.runtime.rundir import CHECKPOINTS, EMA_FILE, EXPORTS, MODEL_FILE
 from shared.runtime.seeding import generator_for
@@ -128,86 +129,6 @@ def batch_start(plan: LabelPlan, seed: int, indices, latent_shape) -> tuple[torc
         generators.append(generator)
         noise.append(torch.randn(tuple(latent_shape), generator=generator))  # (C, h, w)
     return torch.stack(noise), torch.tensor(labels, dtype=torch.long), generators  # (N, C, h, w)
-
-
-# ---- The guided prediction ----
-# Classifier-free guidance (Ho & Salimans, 2022, Eq. 6): eps_uncond + s * (eps_cond - eps_uncond). As in the DiT
-# release, the conditional and the null-class rows go through ONE forward pass as the batch [x; x] with labels
-# [y; null], and only the guided noise channels are combined: the learned-variance channels (and the unguided noise
-# channels) are the conditional prediction's. Training's previews wrap their model the same way.
-
-def _autocast(device: torch.device, precision: str):
-    """fp16/bf16 autocast on `device` (weights, LayerNorm and softmax stay fp32); nothing for fp32."""
-    if precision not in PRECISIONS:
-        raise ChoiceError("precision", precision, PRECISIONS)
-    dtype = autocast_dtype(precision)
-    return contextlib.nullcontext() if dtype is None else torch.autocast(device_type=device.type, dtype=dtype)
-
-
-class GuidedModelFn:
-    """fn(x (N,C,h,w), t (N,), y (N,)) -> (N, out, h, w) float32: the DiT's guided prediction; counts network rows.
-
-    cfg_scale 1 is the plain conditional forward (no batch doubling). Otherwise the first `guide_channels`
-    latent channels (None: all of them) are guided and the rest, variance included, are the conditional
-    rows'. With `interval` (lo, hi) and `noise_level` (network t -> level), guidance applies only where
-    lo <= level <= hi (Kynkaanniemi et al. 2024, Sec. 3); elsewhere the step is the conditional prediction
-    alone, one batch of N rows instead of 2N. Autocast follows `precision` on x's device.
-    """
-
-    def __init__(self, model, cfg_scale: float, guide_channels: int | None = None, precision: str = "fp32",
-                 interval: tuple[float, float] | None = None, noise_level=None):
-        check_guidance(cfg_scale, model.y_embedder.has_null)
-        _autocast(torch.device("cpu"), precision)  # an unknown precision fails now, not at the first step
-        assert interval is None or noise_level is not None, "a guidance interval needs the objective's noise_level"
-        self.model, self.cfg_scale, self.precision = model, cfg_scale, precision
-        self.guided = model.in_channels if guide_channels is None else guide_channels
-        self.interval, self.noise_level = interval, noise_level
-        self.rows = 0  # network rows evaluated so far (a guided row costs 2)
-        self.calls = {"guided": 0, "conditional": 0}  # sampler calls of each kind
-
-    def _inside(self, t) -> torch.Tensor:
-        """(N,) bool: which rows' noise levels lie in the guidance interval (edges included, as REPA's)."""
-        if self.interval is None:
-            return torch.ones(t.shape, dtype=torch.bool, device=t.device)
-        level = self.noise_level(t)
-        lo, hi = self.interval
-        return (level >= lo) & (level <= hi)
-
-    def conditional(self, x, t, y):
-        """One conditional pass of N rows."""
-        self.rows += len(x)
-        with _autocast(x.device, self.precision):
-            return self.model(x, t, y).float()  # (N, out, h, w)
-
-    def classifier_free(self, x, t, y):
-        """[cond; null] rows in one 2N batch, combined per Eq. 6 on the guided channels."""
-        self.rows += 2 * len(x)
-        null = torch.full_like(y, self.model.null_label)  # (N,)
-        g = self.guided
-        with _autocast(x.device, self.precision):
-            out = self.model(torch.cat([x, x]), torch.cat([t, t]), torch.cat([y, null]))  # (2N, out, h, w)
-            cond, uncond = out[: len(x)], out[len(x):]  # (N, out, h, w) each
-            eps = uncond[:, :g] + self.cfg_scale * (cond[:, :g] - uncond[:, :g])  # (N, g, h, w)
-            return torch.cat([eps, cond[:, g:]], dim=1).float(), cond.float()  # (N, out, h, w) each
-
-    def __call__(self, x, t, y):
-        inside = self._inside(t)  # decided on t as the sampler gave it (flow: its float64 grid time)
-        if t.dtype == torch.float64:
-            t = t.float()  # the network's time: the grid time rounded once, as REPA's sampler hands it over
-        if self.cfg_scale == 1.0:
-            self.calls["conditional"] += 1
-            return self.conditional(x, t, y)
-        if self.interval is None:  # guided at every level: t is never read on the host (no GPU sync per step)
-            self.calls["guided"] += 1
-            return self.classifier_free(x, t, y)[0]
-        if not bool(inside.any()):
-            self.calls["conditional"] += 1
-            return self.conditional(x, t, y)
-        self.calls["guided"] += 1
-        guided, cond = self.classifier_free(x, t, y)
-        if bool(inside.all()):
-            return guided
-        return torch.where(inside.view(-1, 1, 1, 1), guided, cond)  # rows at different levels (rare)
 
 
 # ---- The command ----

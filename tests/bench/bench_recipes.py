@@ -440,7 +440,7 @@ def model_rows(export: Path, sampler: str, steps: int, cfg: float, interval=None
     import torch
 
     from shared.weights.export import read_config
-    from shared.sampling.generate import GuidedModelFn
+    from shared.generative.guidance import GuidedModelFn
     from shared.generative.objectives import objective_of, run_sampler
 
     config = read_config(export)
@@ -537,7 +537,7 @@ def network_rows(export: Path, sampler: str, steps: int, cfg: float, count: int 
     """Network rows per image of one sampling run, counted on the real model (adaptive dopri5 included)."""
     import torch
 
-    from shared.sampling.generate import GuidedModelFn
+    from shared.generative.guidance import GuidedModelFn
     from shared.generative.objectives import objective_of, run_sampler
     from shared.weights.export import load_weights
 

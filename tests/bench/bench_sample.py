@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from shared.sampling.generate import GuidedModelFn  # noqa: E402
+from shared.generative.guidance import GuidedModelFn  # noqa: E402
 from shared.generative.objectives import DDPMObjective  # noqa: E402
 from shared.network.models import DiT_models, ModelConfig  # noqa: E402
 from shared.runtime.precision import PRECISIONS, set_tf32  # noqa: E402

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from shared.sampling.generate import GuidedModelFn  # noqa: E402
+from shared.generative.guidance import GuidedModelFn  # noqa: E402
 from shared.network.models import DiT_models, ModelConfig  # noqa: E402
 from shared.generative.objectives import make_objective  # noqa: E402
 from tests.bench.reference_code import perturb_  # noqa: E402
