@@ -199,9 +199,9 @@ def test_load_torch_file_names_the_blocked_global_and_never_advises_unsafe_loadi
     assert torch.equal(load_torch_file(tmp_path / "ok.ckpt", "")["w"], torch.ones(2))
 
 
-def test_safetensors_problem_and_first_nonfinite(tmp_path, trained):
+def test_safetensors_problem_and_nonfinite_tensors(tmp_path, trained):
     from shared.runtime.tensorfiles import safetensors_problem
-    from shared.weights.checkpoint import first_nonfinite
+    from shared.weights.checkpoint import nonfinite_tensors
 
     model, config = trained
     path = save_weights(tmp_path / "w.safetensors", model.state_dict(), config, SPACE, 1)
@@ -209,5 +209,5 @@ def test_safetensors_problem_and_first_nonfinite(tmp_path, trained):
     path.write_bytes(path.read_bytes()[:-10])
     assert "incomplete" in safetensors_problem(path) or "header" in safetensors_problem(path)
     state = {"a": torch.ones(3), "i": torch.tensor([1, 2]), "b": torch.tensor([1.0, float("inf"), float("nan")])}
-    assert first_nonfinite(state) == ("b", 2, 3)
-    assert first_nonfinite({"a": torch.ones(2)}) is None
+    assert list(nonfinite_tensors(state)) == [("b", 2, 3)]
+    assert list(nonfinite_tensors({"a": torch.ones(2)})) == []

@@ -1,7 +1,6 @@
 """Tensor files every weight reader needs: safetensors written with sorted metadata (`write_safetensors`; from plain
 copies, atomically: `save_tensors`) and read (`read_tensor_file`), whole-file checks from the header alone
-(`safetensors_problem`), NaN/inf weights (`nonfinite_tensors`), and the one
-`torch.load(weights_only=True)` that turns a refused pickle into a message naming the blocked global
+(`safetensors_problem`), and the one `torch.load(weights_only=True)` that turns a refused pickle into a message naming the blocked global
 (`load_torch_file`).
 """
 import json
@@ -9,7 +8,6 @@ import pickle
 import re
 import zipfile
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -74,15 +72,6 @@ def safetensors_problem(path) -> str | None:
             return None
     except (SafetensorError, OSError, ValueError) as err:
         return " ".join(str(err).split()) or type(err).__name__
-
-
-def nonfinite_tensors(state_dict) -> Iterator[tuple[str, int, int]]:
-    """(name, NaN/inf count, size) of each floating tensor, in key order, that is not all finite (lazily)."""
-    for name, tensor in state_dict.items():
-        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
-            bad = int((~torch.isfinite(tensor)).sum())
-            if bad:
-                yield name, bad, tensor.numel()
 
 
 # torch names what its weights-only unpickler refused as "GLOBAL module.name" ("posix.system", a class...).

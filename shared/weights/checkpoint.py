@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -394,18 +394,18 @@ def _find(ckpt, weights: str | None) -> Found:
     return Found(ckpt, weights, path)
 
 
-def first_nonfinite(state_dict: dict) -> tuple[str, int, int] | None:
-    """(name, NaN/inf count, size) of the first floating tensor, in key order, that is not all finite; else None."""
+def nonfinite_tensors(state_dict) -> Iterator[tuple[str, int, int]]:
+    """(name, NaN/inf count, size) of each floating tensor, in key order, that is not all finite (lazily)."""
     for name, tensor in state_dict.items():
-        bad = int((~torch.isfinite(tensor)).sum()) if tensor.is_floating_point() else 0
-        if bad:
-            return name, bad, tensor.numel()
-    return None
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
+            bad = int((~torch.isfinite(tensor)).sum())
+            if bad:
+                yield name, bad, tensor.numel()
 
 
 def check_finite(loaded: LoadedWeights, fix: str) -> None:
     """UserError naming the file and its first tensor with NaN/inf values (they sample black or noise images)."""
-    bad = first_nonfinite(loaded.state_dict)
+    bad = next(nonfinite_tensors(loaded.state_dict), None)
     if bad is None:
         return
     name, count, size = bad
