@@ -13,8 +13,7 @@ from pathlib import Path
 
 from evaluate.images import compute_features, open_npz_images
 from evaluate.metrics import IS_SPLIT_SIZE, METRICS, PR_NEIGHBOURS, check_reference, check_split_size, \
-    comparability_note, is_comparable, open_reference, reference_stats, sample_metrics, save_stats, source_meta, \
-    stats_from_features
+    comparability_note, is_comparable, open_reference, save_stats, score, source_meta, stats_from_features
 from shared.runtime.cli import Flag, check_flag_bounds, option
 from shared.runtime.errors import ChoiceError
 from shared.sampling.flags import CPU
@@ -116,8 +115,8 @@ def evaluate_samples(o: EvalOptions, net=None, show: bool = True) -> dict:
     if net is None:
         net = build_features(o.features, "cpu" if o.cpu else device, o.inception_weights)
     feats = compute_features(samples, net, o.batch_size, rank, world, "samples")
-    ref_stats = reference_stats(reference, net, o.batch_size, rank, world, need_pool=True)
-    record = {**sample_metrics(feats, ref_stats, o.is_split_size),
+    metrics, ref_stats = score(feats, reference, net, o.batch_size, rank, world, o.is_split_size)
+    record = {**metrics,
               "num_samples": samples.count, "image_size": list(samples.size), "samples": str(o.samples),
               "ref": reference.label, "ref_count": ref_stats.meta.get("count"), "features": net.identity(),
               "pr_k": PR_NEIGHBOURS, "is_split_size": o.is_split_size if "logits" in feats else None,

@@ -371,3 +371,11 @@ def sample_metrics(feats: dict, ref_stats, split_size: int = IS_SPLIT_SIZE) -> d
     if ref_stats.pool is not None:
         out["precision"], out["recall"] = precision_recall(ref_stats.pool, feats["pool"], PR_NEIGHBOURS)
     return out
+
+
+def score(feats: dict, reference: Reference, net, batch_size: int, rank: int, world: int,
+          split_size: int = IS_SPLIT_SIZE) -> tuple[dict, Stats]:
+    """(the METRICS of the samples' features against `reference`, the reference's Stats): its statistics read,
+    cached or computed with `net`, pool features included for precision/recall."""
+    ref_stats = reference_stats(reference, net, batch_size, rank, world, need_pool=True)
+    return sample_metrics(feats, ref_stats, split_size), ref_stats

@@ -12,7 +12,8 @@ from shared.generative.flow import draw_time, flow_grid, shift_time
 from shared.generative.guidance import GuidedModelFn
 from shared.network.models import ModelConfig
 from shared.generative.flow_objectives import FlowObjective
-from shared.generative.objectives import DDPMObjective, make_objective, objective_of, run_sampler
+from shared.generative.diffusion import DDPMObjective
+from shared.generative.objectives import make_objective, objective_of, run_sampler
 from shared.generative.samplers import sampler_options
 
 MU, S = 0.7, 0.5  # Gaussian data N(MU, S^2) per coordinate: its exact velocity field is known

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from shared.generative.diffusion import create_diffusion
-from shared.generative.objectives import DDPMObjective
+from shared.generative.diffusion import DDPMObjective
 from shared.network.models import ModelConfig
 from train.memory import ActivationProfile, LinearBytes, forward_macs, measure_block_fit, measure_profile
 from train.memory import fixed_state, largest_micro_batch

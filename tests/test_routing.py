@@ -105,7 +105,7 @@ def test_repa_hidden_inside_the_route_is_refused_by_the_model():
 
 def test_route_draws_come_last_from_the_samples_generator(tmp_path):
     from shared.datasets.shards import LatentDataset
-    from shared.generative.objectives import DDPMObjective
+    from shared.generative.diffusion import DDPMObjective
     from train.loop import TrainingDraws
 
     dataset = LatentDataset(make_latents(tmp_path / "lat"), progress=False)

@@ -8,7 +8,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from shared.generative.guidance import GuidedModelFn
-from shared.generative.objectives import DDPMObjective
+from shared.generative.diffusion import DDPMObjective
 from shared.sampling.compiled import COMPILE_MODES, GraphedModel, check_compile, compile_for_sampling
 from shared.runtime.errors import ChoiceError, SettingError
 from tests.helpers import inputs, randomize, run_sample, tiny

@@ -10,7 +10,7 @@ import torch
 
 from shared.generative.diffusion import NUM_TIMESTEPS, kept_timesteps, space_timesteps
 from shared.runtime.errors import SettingError, UserError
-from shared.generative.objectives import DDPMObjective
+from shared.generative.diffusion import DDPMObjective
 from shared.generative.samplers import SAMPLERS, sampler_options
 from shared.weights.export import save_weights
 from shared.network.models import ModelConfig

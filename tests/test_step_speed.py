@@ -342,7 +342,7 @@ def test_a_pinned_kernel_runs_that_kernel_or_raises():
 
 
 def test_the_planner_lists_selective_between_off_and_every_block():
-    from shared.generative.objectives import DDPMObjective
+    from shared.generative.diffusion import DDPMObjective
     from train.memory import measure_block_fit, measure_profile
     from train.plan import checkpoint_choices, choice_label
 

@@ -1,17 +1,26 @@
-"""Gaussian diffusion for DiT: linear schedule, eps + learned-range variance loss, respacing, DDPM and DDIM.
+"""DiT's objective: Gaussian diffusion with a linear schedule, eps + learned-range variance loss, respacing, and
+the samplers that walk it (DDPM, DDIM; DPM-Solver++ and UniPC from shared/generative/solvers.py).
 
 Ho et al. 2020 (DDPM), Nichol & Dhariwal 2021 ("IDDPM"), Song et al. 2021 (DDIM). Numerically as the official DiT
 `diffusion/` package (from ADM): its tanh normal CDF in the t = 0 decoder NLL, its accumulated-stride respacing, its
-respaced betas even for all 1000 steps. The schedule lives here only; models see nothing but the timestep.
+respaced betas even for all 1000 steps. The schedule lives here only; models see nothing but the timestep. The
+objective "ddpm" and the four samplers of its family are registered at the end of this module.
 """
+from __future__ import annotations
+
 import math
+from dataclasses import dataclass
+from functools import cached_property
+from typing import ClassVar
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from shared.generative.objectives import register_objective
+from shared.generative.samplers import DDIM_ETA, SamplerSpec, check_ddim_eta, get_sampler, register_sampler
+from shared.generative.solvers import dpmpp_2m_sample, refuse_eta, unipc_sample
 from shared.runtime.errors import SettingError, UserError
-from shared.generative.solvers import refuse_eta
 
 NUM_TIMESTEPS = 1000
 
@@ -295,10 +304,62 @@ def ddim_sample(diffusion, model_fn, noise, model_kwargs=None, generator=None, p
     return x
 
 
-def check_ddim_eta(eta: float) -> float:
-    """DDIM's eta as a float in [0, 1], or a SettingError (eta > 1 makes 1 - abar' - sigma^2 negative)."""
-    eta = float(eta)
-    if not 0.0 <= eta <= 1.0:
-        raise SettingError(f"{{ddim eta}} {eta:g} is outside [0, 1]: DDIM's eta must lie in [0, 1] (0 = "
-                           f"deterministic, 1 = DDPM-like noise); pass a value in that range.")
-    return eta
+for _spec in (
+    SamplerSpec("ddpm", ddpm_sample, "ddpm", "ancestral DDPM, DiT's respacing (250 steps as the paper)",
+                deterministic=False),
+    SamplerSpec("ddim", ddim_sample, "ddpm", "DDIM (eta 0 deterministic), DiT's respacing", options=(DDIM_ETA,)),
+    SamplerSpec("dpmpp-2m", dpmpp_2m_sample, "ddpm", "DPM-Solver++(2M) ODE solver, linspace spacing (10-25 steps)",
+                spacing="linspace"),
+    SamplerSpec("unipc", unipc_sample, "ddpm", "UniPC-2 (bh2) ODE solver, linspace spacing (10-25 steps)",
+                spacing="linspace"),
+):
+    register_sampler(_spec)
+
+
+# ---- DiT's objective ----
+
+@register_objective
+@dataclass
+class DDPMObjective:
+    """DiT's diffusion: eps + learned-range variance, L_hybrid, t uniform in {0..999} (IDDPM Eq. 16)."""
+    name: ClassVar[str] = "ddpm"
+    help: ClassVar[str] = "DiT: DDPM, eps + learned variance, 1000 steps"
+    family: ClassVar[str] = "ddpm"
+    default_sampler: ClassVar[str] = "ddpm"
+    fast_sampler: ClassVar[str] = "ddim"  # deterministic, so previews of successive checkpoints are comparable
+    level_range: ClassVar[tuple[float, float]] = (0.0, float(NUM_TIMESTEPS))  # DiT timesteps (0 = data)
+    level_unit: ClassVar[str] = f"DiT timesteps (0 = data, {NUM_TIMESTEPS} = noise)"
+    learns_sigma: ClassVar[bool] = True  # the VLB term trains the variance (Nichol & Dhariwal 2021, Eq. 15)
+
+    @cached_property
+    def diffusion(self) -> GaussianDiffusion:
+        """DiT's 1000-step diffusion (built on first use: a model config builds objectives only to check them)."""
+        return create_diffusion()
+
+    def draw_time(self, generator: torch.Generator) -> torch.Tensor:
+        """One training timestep (1,) int64, uniform over all NUM_TIMESTEPS (the first draw of a sample)."""
+        return torch.randint(0, NUM_TIMESTEPS, (1,), generator=generator)
+
+    def training_losses(self, model_fn, x0, t, noise, model_kwargs=None) -> dict:
+        """{"loss", "mse", "vb"}, each (N,): x0 (N,C,h,w) clean latents, t (N,) int64, noise like x0."""
+        return self.diffusion.training_losses(model_fn, x0, t, model_kwargs=model_kwargs, noise=noise)
+
+    def noise_level(self, model_t: torch.Tensor) -> torch.Tensor:
+        """The guidance-interval level of a network input: the DiT timestep itself."""
+        return model_t.float()
+
+    def process(self, sampler: str, steps: int, options: dict) -> GaussianDiffusion:
+        """The respaced diffusion `sampler` walks with `steps` model calls (its spacing from the registry)."""
+        spec = get_sampler(sampler, self)
+        if not 1 <= steps <= NUM_TIMESTEPS:
+            raise SettingError(f"{{sampling steps}} {steps} must lie in [1, {NUM_TIMESTEPS}] for a DDPM model (250 "
+                               f"as the DiT paper; DDIM often uses 50).")
+        return create_diffusion(f"{spec.spacing}{steps}")  # UserError for a count its spacing cannot take
+
+    def sample(self, sampler: str, model_fn, noise, steps: int, options: dict, model_kwargs=None, generator=None,
+               progress=False):
+        """Draw data latents from `noise` (N,C,h,w) with sampler `sampler` (a registry name) and its options."""
+        spec = get_sampler(sampler, self)
+        extra = {"eta": options["ddim_eta"]} if "ddim_eta" in options else {}
+        return spec.fn(self.process(sampler, steps, options), model_fn, noise, model_kwargs, generator, progress,
+                       **extra)

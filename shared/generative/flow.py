@@ -14,12 +14,12 @@ import torch
 from tqdm.auto import tqdm
 
 from shared.generative.diffusion import mean_flat, randn_rows
+from shared.generative.samplers import LAST_STEP_SIZE, SDE_LAST_STEP, TIME_SHIFT, SamplerSpec, register_sampler
 from shared.runtime.errors import ChoiceError, SettingError
 
 # "sit": the network gets tau (0 = noise) and predicts x1 - eps; "repa": it gets 1 - tau and predicts eps - x1.
 FLOW_CONVENTIONS = ("sit", "repa")
 TIME_SAMPLINGS = ("uniform", "lognormal")  # training-time tau draws (SiT: uniform; SD3/LightningDiT: logit-normal)
-SDE_LAST_STEP = 0.04  # SiT's default size of the final "Mean" step (its sample.py --last-step-size)
 
 
 def check_convention(convention: str) -> str:
@@ -256,3 +256,16 @@ def dopri5_sample(process: FlowProcess, model_fn, noise, model_kwargs=None, gene
         return process.path.field(model_fn, x, process.path.model_time(tau), kwargs)
 
     return dopri5_rows(field, noise.float(), atol=atol, rtol=rtol)
+
+
+for _spec in (
+    SamplerSpec("euler", euler_sample, "flow", "Euler ODE solver on the flow, one call per step",
+                options=(TIME_SHIFT,)),
+    SamplerSpec("heun", heun_sample, "flow", "Heun ODE solver on the flow, two calls per step",
+                options=(TIME_SHIFT,), calls_per_step=2),
+    SamplerSpec("sde", sde_sample, "flow", "SiT's Euler-Maruyama SDE (w = sigma, last step Mean; 250 steps "
+                "for its best FID)", options=(TIME_SHIFT, LAST_STEP_SIZE), deterministic=False),
+    SamplerSpec("dopri5", dopri5_sample, "flow", "adaptive Dormand-Prince ODE solver (torchdiffeq; atol 1e-6, "
+                "rtol 1e-3 as SiT); the step count is not used", calls_per_step=0),
+):
+    register_sampler(_spec)

@@ -14,6 +14,7 @@ from torch.func import jvp
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from shared.generative.flow import FlowPath, FlowProcess, _points, _tau
+from shared.generative.samplers import TIME_SHIFT, SamplerSpec, register_sampler
 from shared.runtime.errors import ChoiceError
 
 PAIR_SAMPLINGS = ("lognormal", "uniform")  # the paper's ablation: logit-normal (its choice) or uniform
@@ -138,3 +139,10 @@ def meanflow_sample(process: FlowProcess, model_fn, noise, model_kwargs=None, ge
         out = model_fn(x, torch.stack([start, h], dim=1), **(model_kwargs or {}))  # (N, C', h, w)
         x = x + (t1 - t0) * in_sit_sign(process.path, out, x.shape[1]).to(x.dtype)
     return x
+
+
+register_sampler(SamplerSpec(
+    "meanflow", meanflow_sample, "meanflow", "MeanFlow's average-velocity jumps over K uniform (or time-shifted) "
+    "intervals, one call each: 1 step z0 = z1 - u(z1, 0, 1), 2 as the paper's 2-NFE; a model trained with "
+    "--cfg-omega/--cfg-kappa has its guidance folded in: sample it with --cfg-scale 1, one call per step",
+    options=(TIME_SHIFT,)))

@@ -4,20 +4,17 @@ An objective is a dataclass registered under its `name` (`@register_objective`) 
 the per-sample time draw (from the generator it is handed, so resume stays bitwise), the loss, the meaning of the
 network's `t`, and the process its samplers walk. Plain fields are recorded (ModelConfig.objective_args, so in every
 checkpoint and export); fields declared with `option(...)` are training flags of `python -m train`. Built in: "ddpm"
-(DiT, bitwise the official code) here; "flow" (SiT), "meanflow" and "imf" (Geng et al. 2025) in
-shared/generative/flow_objectives.py; another is one class in a module imported by `--plugin MODULE`
-(docs/objectives.md).
+(DiT, bitwise the official code) in shared/generative/diffusion.py, beside the diffusion it trains and samples;
+"flow" (SiT), "meanflow" and "imf" (Geng et al. 2025) in shared/generative/flow_objectives.py; another is one class
+in a module imported by `--plugin MODULE` (docs/objectives.md).
 """
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from functools import cached_property
 from typing import Any, ClassVar, Protocol
 
 import torch
 
-from shared.generative.diffusion import NUM_TIMESTEPS, GaussianDiffusion, create_diffusion
 from shared.generative.samplers import get_sampler, sampler_options
 from shared.runtime.cli import FLAG_KEY, Flag
 from shared.runtime.errors import SettingError
@@ -56,7 +53,8 @@ class Objective(Protocol):
 
 # ---- The registry ----
 
-BUILT_IN_OBJECTIVES = ("shared.generative.flow_objectives",)  # flow, meanflow, imf; ddpm is defined below
+# The package's objectives, imported before the first read: ddpm with its diffusion, flow, meanflow and imf.
+BUILT_IN_OBJECTIVES = ("shared.generative.diffusion", "shared.generative.flow_objectives")
 OBJECTIVES: Registry[type] = Registry("objective", lambda cls: f"{cls.__module__}.{cls.__qualname__}",
                                       lambda cls: f"{cls.name}: {cls.help}", imports=BUILT_IN_OBJECTIVES)
 DEFAULT_OBJECTIVE = "ddpm"  # DiT's: train's default, and what weights that record no objective were trained with
@@ -167,55 +165,6 @@ def run_sampler(objective: Objective, sampler: str, model_fn, noise, steps: int,
     """Check sampler and options against the objective, then sample (the one entry point of every stage)."""
     get_sampler(sampler, objective)
     return objective.sample(sampler, model_fn, noise, steps, sampler_options(sampler, given_options), **kwargs)
-
-
-# ---- DiT's objective ----
-
-@register_objective
-@dataclass
-class DDPMObjective:
-    """DiT's diffusion: eps + learned-range variance, L_hybrid, t uniform in {0..999} (IDDPM Eq. 16)."""
-    name: ClassVar[str] = "ddpm"
-    help: ClassVar[str] = "DiT: DDPM, eps + learned variance, 1000 steps"
-    family: ClassVar[str] = "ddpm"
-    default_sampler: ClassVar[str] = "ddpm"
-    fast_sampler: ClassVar[str] = "ddim"  # deterministic, so previews of successive checkpoints are comparable
-    level_range: ClassVar[tuple[float, float]] = (0.0, float(NUM_TIMESTEPS))  # DiT timesteps (0 = data)
-    level_unit: ClassVar[str] = f"DiT timesteps (0 = data, {NUM_TIMESTEPS} = noise)"
-    learns_sigma: ClassVar[bool] = True  # the VLB term trains the variance (Nichol & Dhariwal 2021, Eq. 15)
-
-    @cached_property
-    def diffusion(self) -> GaussianDiffusion:
-        """DiT's 1000-step diffusion (built on first use: a model config builds objectives only to check them)."""
-        return create_diffusion()
-
-    def draw_time(self, generator: torch.Generator) -> torch.Tensor:
-        """One training timestep (1,) int64, uniform over all NUM_TIMESTEPS (the first draw of a sample)."""
-        return torch.randint(0, NUM_TIMESTEPS, (1,), generator=generator)
-
-    def training_losses(self, model_fn, x0, t, noise, model_kwargs=None) -> dict:
-        """{"loss", "mse", "vb"}, each (N,): x0 (N,C,h,w) clean latents, t (N,) int64, noise like x0."""
-        return self.diffusion.training_losses(model_fn, x0, t, model_kwargs=model_kwargs, noise=noise)
-
-    def noise_level(self, model_t: torch.Tensor) -> torch.Tensor:
-        """The guidance-interval level of a network input: the DiT timestep itself."""
-        return model_t.float()
-
-    def process(self, sampler: str, steps: int, options: dict) -> GaussianDiffusion:
-        """The respaced diffusion `sampler` walks with `steps` model calls (its spacing from the registry)."""
-        spec = get_sampler(sampler, self)
-        if not 1 <= steps <= NUM_TIMESTEPS:
-            raise SettingError(f"{{sampling steps}} {steps} must lie in [1, {NUM_TIMESTEPS}] for a DDPM model (250 "
-                               f"as the DiT paper; DDIM often uses 50).")
-        return create_diffusion(f"{spec.spacing}{steps}")  # UserError for a count its spacing cannot take
-
-    def sample(self, sampler: str, model_fn, noise, steps: int, options: dict, model_kwargs=None, generator=None,
-               progress=False):
-        """Draw data latents from `noise` (N,C,h,w) with sampler `sampler` (a registry name) and its options."""
-        spec = get_sampler(sampler, self)
-        extra = {"eta": options["ddim_eta"]} if "ddim_eta" in options else {}
-        return spec.fn(self.process(sampler, steps, options), model_fn, noise, model_kwargs, generator, progress,
-                       **extra)
 
 
 def check_sampling_guidance(objective, cfg_scale: float, interval=None) -> None:

@@ -3,8 +3,8 @@
 Every sampler function has one signature, `fn(process, model_fn, noise, model_kwargs=None, generator=None,
 progress=False, **options) -> x_data`, where `process` is what the objective builds for it from the step count
 (a respaced GaussianDiffusion for DDPM, a FlowProcess time grid for flow matching; see shared/generative/objectives.py).
-A new sampler is one SamplerSpec passed to `register_sampler`, here or in a module of the user's (`--plugin MODULE`;
-docs/objectives.md). A sampler serves every objective of its `family`, the kind of process it walks ("ddpm": a
+A new sampler is one SamplerSpec passed to `register_sampler`, by the module of the process it walks or by a module
+of the user's (`--plugin MODULE`; docs/objectives.md). A sampler serves every objective of its `family`, the kind of process it walks ("ddpm": a
 respaced GaussianDiffusion; "flow": a FlowProcess), so a new objective that builds one of these is served as is.
 """
 from __future__ import annotations
@@ -12,12 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from shared.generative.diffusion import check_ddim_eta, ddim_sample, ddpm_sample
 from shared.runtime.errors import SettingError, UserError
 from shared.runtime.registry import Registry
-from shared.generative.flow import SDE_LAST_STEP, dopri5_sample, euler_sample, heun_sample, sde_sample
-from shared.generative.meanflow import meanflow_sample
-from shared.generative.solvers import dpmpp_2m_sample, unipc_sample
+
+SDE_LAST_STEP = 0.04  # SiT's default size of the final "Mean" step (its sample.py --last-step-size)
+
 
 @dataclass(frozen=True)
 class SamplerOption:
@@ -54,31 +53,22 @@ class SamplerSpec:
     deterministic: bool = True
 
 
+# The package's samplers are registered by the module of the process each walks (their family's math): DDPM's in
+# shared/generative/diffusion.py, the flow's in flow.py, MeanFlow's in meanflow.py; imported in this order (each
+# imports the one before it) before the first read, so the registry lists them the same way whoever imports first.
+BUILT_IN_SAMPLERS = ("shared.generative.diffusion", "shared.generative.flow", "shared.generative.meanflow")
 SAMPLERS: Registry[SamplerSpec] = Registry("sampler", lambda s: f"{s.fn.__module__}.{s.fn.__qualname__}",
-                                           lambda s: f"{s.name} ({s.family})")
-for _spec in (
-    SamplerSpec("ddpm", ddpm_sample, "ddpm", "ancestral DDPM, DiT's respacing (250 steps as the paper)",
-                deterministic=False),
-    SamplerSpec("ddim", ddim_sample, "ddpm", "DDIM (eta 0 deterministic), DiT's respacing", options=(DDIM_ETA,)),
-    SamplerSpec("dpmpp-2m", dpmpp_2m_sample, "ddpm", "DPM-Solver++(2M) ODE solver, linspace spacing (10-25 steps)",
-                spacing="linspace"),
-    SamplerSpec("unipc", unipc_sample, "ddpm", "UniPC-2 (bh2) ODE solver, linspace spacing (10-25 steps)",
-                spacing="linspace"),
-    SamplerSpec("euler", euler_sample, "flow", "Euler ODE solver on the flow, one call per step",
-                options=(TIME_SHIFT,)),
-    SamplerSpec("heun", heun_sample, "flow", "Heun ODE solver on the flow, two calls per step",
-                options=(TIME_SHIFT,), calls_per_step=2),
-    SamplerSpec("sde", sde_sample, "flow", "SiT's Euler-Maruyama SDE (w = sigma, last step Mean; 250 steps "
-                "for its best FID)", options=(TIME_SHIFT, LAST_STEP_SIZE), deterministic=False),
-    SamplerSpec("dopri5", dopri5_sample, "flow", "adaptive Dormand-Prince ODE solver (torchdiffeq; atol 1e-6, "
-                "rtol 1e-3 as SiT); the step count is not used", calls_per_step=0),
-    SamplerSpec("meanflow", meanflow_sample, "meanflow", "MeanFlow's average-velocity jumps over K uniform (or "
-                "time-shifted) intervals, one call each: 1 step z0 = z1 - u(z1, 0, 1), 2 as the paper's 2-NFE; a model "
-                "trained with --cfg-omega/--cfg-kappa has its guidance folded in: sample it with --cfg-scale 1, one "
-                "call per step", options=(TIME_SHIFT,)),
-):
-    SAMPLERS.register(_spec.name, _spec)
-SAMPLER_OPTIONS = {o.name: o for s in SAMPLERS.values() for o in s.options}  # every option (each a sampling flag)
+                                           lambda s: f"{s.name} ({s.family})", imports=BUILT_IN_SAMPLERS)
+SAMPLER_OPTIONS = {o.name: o for o in (DDIM_ETA, TIME_SHIFT, LAST_STEP_SIZE)}  # every option (each a sampling flag)
+
+
+def check_ddim_eta(eta: float) -> float:
+    """DDIM's eta as a float in [0, 1], or a SettingError (eta > 1 makes 1 - abar' - sigma^2 negative)."""
+    eta = float(eta)
+    if not 0.0 <= eta <= 1.0:
+        raise SettingError(f"{{ddim eta}} {eta:g} is outside [0, 1]: DDIM's eta must lie in [0, 1] (0 = "
+                           f"deterministic, 1 = DDPM-like noise); pass a value in that range.")
+    return eta
 
 
 def register_sampler(spec: SamplerSpec) -> SamplerSpec:

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from shared.generative.guidance import GuidedModelFn  # noqa: E402
-from shared.generative.objectives import DDPMObjective  # noqa: E402
+from shared.generative.diffusion import DDPMObjective  # noqa: E402
 from shared.network.models import DiT_models, ModelConfig  # noqa: E402
 from shared.runtime.precision import PRECISIONS, set_tf32  # noqa: E402
 from shared.sampling.compiled import COMPILE_MODES, compile_for_sampling  # noqa: E402
