@@ -50,9 +50,9 @@ def vae_round_trip(images: np.ndarray, vae_spec: str, batch_size: int = 256) -> 
     import torch
 
     from shared.tokenizers.tokenizer import LatentNorm, channels_first
+    from shared.tokenizers.locate import load_tokenizer
     from shared.datasets.shards import draw_latents
-    from shared.tokenizers.tokenizer import Tokenizer
-    vae = Tokenizer.load(vae_spec)
+    vae = load_tokenizer(vae_spec)
     if vae.image_size is not None and vae.image_size != images.shape[1]:  # an RAE resizes, then draws its own size
         raise UserError(f"{vae_spec} encodes and decodes {vae.image_size}x{vae.image_size} images only, but the "
                         f"digits are {images.shape[1]}x{images.shape[2]}; pass a tokenizer made for "

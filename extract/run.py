@@ -39,6 +39,7 @@ from shared.datasets.columns import columns, plugin_of
 from shared.datasets.shards import FLAG_DTYPES
 from shared.runtime.plugins import PLUGIN
 from shared.tokenizers.tokenizer import TokenizerClass, tokenizer_class
+from shared.tokenizers.locate import load_tokenizer
 from shared.tokenizers.space import LatentSpace
 from shared.datasets.integrity import damaged_error, damaged_files
 from shared.datasets.shards import (FLIP_MODES, FOLDER_KIND, INDEX_NAME, STORAGE_DTYPES, ChannelStats, ElementStats,
@@ -163,7 +164,8 @@ def check_choices(cfg: ExtractConfig) -> None:
 
 def check_encoder_vae(cfg: ExtractConfig) -> tuple[str, dict, TokenizerClass, list[str], tuple]:
     """Resolve the tokenizer and its class, measure its factor and latent, check the size (no weights)."""
-    from shared.tokenizers.tokenizer import downsample_factor, measure_latent, read_vae_config, resolve_vae_spec
+    from shared.tokenizers.tokenizer import downsample_factor, measure_latent
+    from shared.tokenizers.locate import read_vae_config, resolve_vae_spec
 
     name = resolve_vae_spec(cfg.vae, cfg.vae_config)
     config = read_vae_config(cfg.vae, cfg.vae_config)
@@ -584,9 +586,8 @@ def _pending(plan: Plan, state) -> tuple[list[int], int]:
 
 def _load_vae(plan: Plan, device):
     """The VAE on the encoding device (fp32 encoder)."""
-    from shared.tokenizers.tokenizer import Tokenizer
 
-    return Tokenizer.load(plan.cfg.vae, device=device, config=plan.cfg.vae_config)
+    return load_tokenizer(plan.cfg.vae, device=device, config=plan.cfg.vae_config)
 
 
 def _load_producers(plan: Plan, device) -> dict:

@@ -20,6 +20,7 @@ from shared.runtime.errors import UserError
 from shared.runtime.fsio import atomic_write_text
 from shared.runtime.lock import hold_lock
 from shared.tokenizers.tokenizer import TOKENIZER_CLASSES
+from shared.tokenizers.locate import load_tokenizer
 from shared.datasets.shards import ChannelStats, ElementStats
 from shared.tokenizers.space import SPACE_JSON, LatentSpace
 
@@ -53,13 +54,12 @@ def recorded_space(dataset: LatentDataset) -> LatentSpace | None:
 
 def tokenizer_space(dataset: LatentDataset, vae: str | None, vae_config) -> LatentSpace:
     """The tokenizer's part of the folder's space, from the tokenizer index.json records (or --vae), on the CPU."""
-    from shared.tokenizers.tokenizer import Tokenizer
 
     recorded = dataset.meta.get("extract_settings", {}).get("vae", {})
     if not (vae or recorded.get("source")):
         raise UserError(f"{dataset.root}/index.json names no tokenizer to rebuild its latent space from; pass the "
                         f"--vae the folder was extracted with.")
-    tokenizer = Tokenizer.load(vae or recorded["source"], config=vae_config)
+    tokenizer = load_tokenizer(vae or recorded["source"], config=vae_config)
     if recorded.get("config_sha256") not in (None, tokenizer.identity["config_sha256"]):
         raise UserError(f"the tokenizer {tokenizer.identity['source']} is not the one that made the latents of "
                         f"{dataset.root} (its config hash differs from the one index.json records); pass the --vae "

@@ -10,10 +10,12 @@ from tqdm import tqdm
 from shared.runtime.cli import option
 from shared.runtime.distributed import process_state
 from shared.runtime.errors import UserError
+from shared.runtime.precision import PRECISIONS
 from shared.sampling.flags import DecodeFlags
 from shared.sampling.previews import read_preview
 from shared.runtime.rundir import SAMPLES, step_of
-from shared.tokenizers.space import LatentSpace, choose_tokenizer, load_tokenizer
+from shared.tokenizers.locate import load_tokenizer
+from shared.tokenizers.space import LatentSpace, choose_tokenizer
 
 from shared.sampling.generate import GRID_NAME, captions_for, check_out_path, image_name, save_png, write_grid
 
@@ -64,7 +66,7 @@ def run_decode(o: DecodeOptions) -> list[Path]:
         name, _ = LatentSpace.or_unknown(space, latents.shape[1]).check_tokenizer_config(spec, o.vae_config,
                                                                                           o.allow_other_vae)
     device = process_state(o.cpu).device
-    vae = load_tokenizer(name, o.vae_config, device, o.vae_precision, o.vae_tiling, o.vae_slicing)
+    vae = load_tokenizer(name, device, PRECISIONS[o.vae_precision], o.vae_config, o.vae_tiling, o.vae_slicing)
     return [decode_file(vae, name, how, data, path, out, o) for data, path, out in loaded]
 
 

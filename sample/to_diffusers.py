@@ -24,7 +24,8 @@ from shared.runtime.errors import UserError
 from shared.sampling.flags import ALLOW_OTHER_VAE, VAE, VAE_CONFIG
 from shared.runtime.fsio import TMP_PREFIX, atomic_write_text, publish_dir, remove_tree
 from shared.network.models import ModelConfig
-from shared.tokenizers.space import LatentSpace, choose_tokenizer, load_tokenizer
+from shared.tokenizers.locate import load_tokenizer
+from shared.tokenizers.space import LatentSpace, choose_tokenizer
 
 from shared.weights.checkpoint import WEIGHTS, LoadedWeights, load_sampling_weights
 
@@ -188,7 +189,7 @@ def run_to_diffusers(o: ToDiffusersOptions) -> Path:
     check_representable(loaded.config, loaded.path)
     spec, how = choose_tokenizer(o.vae, loaded.space)
     vae_name, _ = space.check_tokenizer_config(spec, o.vae_config, o.allow_other_vae)
-    vae = load_tokenizer(vae_name, o.vae_config, "cpu", "fp32", tiling=False, slicing=False)
+    vae = load_tokenizer(vae_name, "cpu", config=o.vae_config)
     norm, note = space.check_loaded(vae, o.allow_other_vae)
     if norm.scale != vae.scaling_factor:  # DiTPipeline divides by its VAE's configured factor: the training one
         vae.vae.register_to_config(scaling_factor=norm.scale)

@@ -21,12 +21,14 @@ from shared.runtime import rundir
 from shared.runtime.cli import option
 from shared.runtime.distributed import process_state
 from shared.runtime.errors import UserError
+from shared.runtime.precision import PRECISIONS
 from shared.sampling.flags import DecodeFlags
 from shared.runtime.lock import LOCK_NAME, FolderBusyError, hold_lock, pid_alive
 from shared.sampling.previews import read_preview
 from shared.runtime.trackers import check_report_to
-from shared.tokenizers.tokenizer import read_vae_config
-from shared.tokenizers.space import LatentSpace, choose_tokenizer, load_tokenizer
+from shared.tokenizers.locate import read_vae_config
+from shared.tokenizers.locate import load_tokenizer
+from shared.tokenizers.space import LatentSpace, choose_tokenizer
 
 from sample.decode import DecodeOptions, decode_file
 from shared.sampling.generate import captions_for, image_name, labelled_grid, read_png, save_png
@@ -198,8 +200,8 @@ class Decoder:
         name, _ = space.check_tokenizer_config(spec, self.o.vae_config, self.o.allow_other_vae)
         if self.vae is None or name != self.name:
             device = process_state(self.o.cpu).device
-            self.vae = load_tokenizer(name, self.o.vae_config, device, self.o.vae_precision, self.o.vae_tiling,
-                                self.o.vae_slicing)
+            self.vae = load_tokenizer(name, device, PRECISIONS[self.o.vae_precision], self.o.vae_config,
+                                      self.o.vae_tiling, self.o.vae_slicing)
             self.name, self.how = name, how
         out = decode_file(self.vae, name, self.how, data, path, rundir.decoded_dir(run, step), self.options(path))
         names = list(space.class_names)

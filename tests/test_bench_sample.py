@@ -13,7 +13,7 @@ import torch
 
 from shared.datasets.digits import digit_images
 from shared.tokenizers.tokenizer import channels_first, to_uint8
-from shared.tokenizers.tokenizer import Tokenizer
+from shared.tokenizers.locate import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("bench_sample", ROOT / "tests" / "bench" / "bench_sample.py")
@@ -60,8 +60,8 @@ def test_bench_runs_every_table_at_tiny_size(tmp_path, capsys):
 def test_bf16_decode_of_the_digits_vae_is_within_a_level_nearly_everywhere():
     """The measurement docs/performance.md reports: 512 real digit latents decoded in fp32 and in bf16."""
     x = channels_first(digit_images()[0][:512])  # (512, 3, 32, 32) in [-1, 1]
-    fp32 = Tokenizer.load(ROOT / "data" / "vae-digits")
-    bf16 = Tokenizer.load(ROOT / "data" / "vae-digits", dtype=torch.bfloat16)
+    fp32 = load_tokenizer(ROOT / "data" / "vae-digits")
+    bf16 = load_tokenizer(ROOT / "data" / "vae-digits", dtype=torch.bfloat16)
     mean, _ = fp32.encode_moments(x)
     err = bench.pixel_error(to_uint8(fp32.decode_raw(mean)), to_uint8(bf16.decode_raw(mean)))
     assert 0 < err["max_abs"] <= 3  # bf16 does change pixels, by a few levels at most

@@ -321,11 +321,11 @@ def test_resume_of_a_run_written_before_block_options(latents, tmp_path):
 @pytest.fixture(scope="module")
 def lightning_export(tmp_path_factory, tiny_vae_dir):
     """A run folder holding one export of a randomised lightning-qknorm DiT-T/2 on the tiny VAE's 4x8x8 latents."""
-    from shared.tokenizers.tokenizer import Tokenizer
+    from shared.tokenizers.locate import load_tokenizer
     from tests.helpers import random_dit
 
     config = ModelConfig("DiT-T/2", input_size=8, in_channels=4, num_classes=5, **BLOCKS["lightning-qknorm"])
-    vae = Tokenizer.load(tiny_vae_dir)
+    vae = load_tokenizer(tiny_vae_dir)
     meta = {"image_size": 16, "scaling_factor": vae.scaling_factor, "latent_shape": [4, 8, 8], "vae": vae.identity,
             "class_names": ["cat", "Dog", "sea eel", "ant", "bee"]}
     folder = tmp_path_factory.mktemp("blocks") / "run"

@@ -32,8 +32,8 @@ SOURCE = textwrap.dedent('''
     from shared.datasets.columns import ShardColumn, register_column
     from shared.runtime.cli import option
     from shared.runtime.errors import UserError
-    from shared.tokenizers.tokenizer import (LatentNorm, TokenizerClass, converted_folder, register_converted,
-                                             register_tokenizer)
+    from shared.tokenizers.tokenizer import LatentNorm, TokenizerClass, register_tokenizer
+    from shared.tokenizers.locate import converted_folder, register_converted
 
 
     class PatchAE(ModelMixin, ConfigMixin):

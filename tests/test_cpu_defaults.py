@@ -70,9 +70,9 @@ def test_sample_shows_progress_inside_a_batch_and_a_labelled_grid(tmp_path, tiny
     from shared.network.models import ModelConfig
     from shared.runtime import rundir
     from shared.weights.export import save_weights
-    from shared.tokenizers.tokenizer import Tokenizer
+    from shared.tokenizers.locate import load_tokenizer
 
-    vae = Tokenizer.load(tiny_vae_dir)
+    vae = load_tokenizer(tiny_vae_dir)
     config = ModelConfig("DiT-T/2", input_size=4, in_channels=4, num_classes=3)
     meta = {"image_size": 16, "scaling_factor": vae.scaling_factor, "latent_shape": [4, 4, 4], "vae": vae.identity,
             "class_names": ["cat", "dog", "eel"]}

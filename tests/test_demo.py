@@ -77,13 +77,13 @@ def test_judge_works_at_other_resolutions(digits):
 
 def test_committed_vae_loads_and_reconstructs_recognisable_digits(digits):
     from shared.datasets.shards import draw_latents
-    from shared.tokenizers.tokenizer import Tokenizer
+    from shared.tokenizers.locate import load_tokenizer
 
     images, labels = digits
     images, labels = images[:300], labels[:300]
     assert (VAE_DIR / "config.json").is_file()
     assert sum(f.stat().st_size for f in VAE_DIR.iterdir()) < 2 * 1024 * 1024
-    vae = Tokenizer.load(str(VAE_DIR))
+    vae = load_tokenizer(str(VAE_DIR))
     assert (vae.latent_channels, vae.downsample_factor) == (4, 4)
     x = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1.0  # (N, 3, 32, 32) in [-1, 1]
     with torch.no_grad():

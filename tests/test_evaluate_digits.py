@@ -150,7 +150,8 @@ def test_the_vae_floor_goes_through_the_normalisation_record_as_sampling_does(re
     inverts it: the path a trained model's samples take, not the raw posterior mean straight into the decoder."""
     from data.make_vae import DEFAULT_OUT
     from evaluate.floor import vae_round_trip
-    from shared.tokenizers.tokenizer import LatentNorm, Tokenizer
+    from shared.tokenizers.tokenizer import LatentNorm
+    from shared.tokenizers.locate import load_tokenizer
 
     used = []
     for name in ("apply", "invert"):
@@ -163,7 +164,7 @@ def test_the_vae_floor_goes_through_the_normalisation_record_as_sampling_does(re
 
         monkeypatch.setattr(LatentNorm, name, spy)
     vae_round_trip(real[0][:4], str(DEFAULT_OUT), batch_size=4)
-    scale = Tokenizer.load(str(DEFAULT_OUT)).scaling_factor
+    scale = load_tokenizer(str(DEFAULT_OUT)).scaling_factor
     assert used == [("apply", "scale", scale), ("invert", "scale", scale)], used
 
 

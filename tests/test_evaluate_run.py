@@ -14,8 +14,8 @@ from shared.runtime import rundir
 from shared.weights.export import save_weights
 from shared.network.models import ModelConfig
 from shared.tokenizers.tokenizer import LatentNorm
+from shared.tokenizers.locate import load_tokenizer
 from shared.tokenizers.space import LatentSpace
-from shared.tokenizers.tokenizer import Tokenizer
 from tests.helpers import run_main, space_of
 
 FLAGS = ["--features", "digits", "--num-samples", 6, "--sampler", "ddim", "--num-sampling-steps", 2,
@@ -40,7 +40,7 @@ def export(run, step, vae, seed):
 
 def test_run_evaluates_every_export_draws_the_curve_and_continues(tiny_vae_dir, tmp_path, capsys):
     run = tmp_path / "run"
-    vae = Tokenizer.load(tiny_vae_dir)
+    vae = load_tokenizer(tiny_vae_dir)
     export(run, 100, vae, seed=0)
     export(run, 200, vae, seed=1)
     code, out, err = run_main(main, ["run", run, "--vae", tiny_vae_dir, *FLAGS], capsys)

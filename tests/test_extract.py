@@ -308,11 +308,11 @@ def test_check_counts_and_finds_bad_files(tmp_path, image_folder, capsys):
 # ----------------------------------------------------------------------------------------------------------
 
 def test_stored_moments_equal_direct_encoding(tmp_path, image_folder, tiny_vae_dir):
-    from shared.tokenizers.tokenizer import Tokenizer
+    from shared.tokenizers.locate import load_tokenizer
 
     out = tmp_path / "out"
     run_extract(_config(image_folder, out, tiny_vae_dir, dtype="fp32"))
-    ds, vae = LatentDataset(out), Tokenizer.load(tiny_vae_dir)
+    ds, vae = LatentDataset(out), load_tokenizer(tiny_vae_dir)
     assert ds.flips == 2 and ds.latent_shape == (4, 8, 8) and ds.scaling_factor == vae.scaling_factor
     assert ds.vae == vae.identity and ds.class_names == ["cat", "dog", "eel"]
     scan = scan_image_folder(image_folder)
@@ -327,9 +327,9 @@ def test_stored_moments_equal_direct_encoding(tmp_path, image_folder, tiny_vae_d
 
 def test_out_of_memory_halves_the_encoder_batch(tiny_vae_dir):
     from extract.run import Progress, encode_pixels
-    from shared.tokenizers.tokenizer import Tokenizer
+    from shared.tokenizers.locate import load_tokenizer
 
-    vae = Tokenizer.load(tiny_vae_dir)
+    vae = load_tokenizer(tiny_vae_dir)
     pixels = torch.randint(0, 256, (3, 3, 16, 16), dtype=torch.uint8)
     expected = encode_pixels(vae, pixels, True, Progress())
 

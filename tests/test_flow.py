@@ -256,11 +256,11 @@ def test_flow_resume_with_another_objective_is_refused(flow_run, capsys):
 def flow_export(tmp_path_factory, tiny_vae_dir):
     """A flow-objective export whose latents metadata names the tiny test VAE (so sample can decode)."""
     from shared.weights.export import save_weights
-    from shared.tokenizers.tokenizer import Tokenizer
+    from shared.tokenizers.locate import load_tokenizer
     from tests.helpers import random_dit as _random_dit, space_of
 
     config = ModelConfig("DiT-T/2", input_size=8, num_classes=10, objective="flow")
-    vae = Tokenizer.load(tiny_vae_dir)
+    vae = load_tokenizer(tiny_vae_dir)
     meta = {"image_size": 16, "scaling_factor": vae.scaling_factor, "latent_shape": [4, 8, 8], "vae": vae.identity,
             "class_names": [str(c) for c in range(10)]}
     path = tmp_path_factory.mktemp("flowexp") / "run" / "exports" / "ema-step-0000010.safetensors"
@@ -316,11 +316,11 @@ def test_flow_export_to_diffusers_is_refused(flow_export, tmp_path, capsys):
 def test_ddpm_export_refuses_an_interval_outside_dit_timesteps(tmp_path, capsys, tiny_vae_dir):
     """A DDPM model's noise levels are DiT timesteps in [0, 1000]: 0 2000 is refused, 0 500 accepted."""
     from shared.weights.export import save_weights
-    from shared.tokenizers.tokenizer import Tokenizer
+    from shared.tokenizers.locate import load_tokenizer
     from tests.helpers import random_dit as _random_dit, run_sample as run_cli, space_of
 
     config = ModelConfig("DiT-T/2", input_size=8, num_classes=10)
-    vae = Tokenizer.load(tiny_vae_dir)
+    vae = load_tokenizer(tiny_vae_dir)
     meta = {"image_size": 16, "scaling_factor": vae.scaling_factor, "latent_shape": [4, 8, 8], "vae": vae.identity}
     path = tmp_path / "ema.safetensors"
     save_weights(path, _random_dit(config).state_dict(), config, space_of(meta), 1)

@@ -184,14 +184,14 @@ def test_sample_takes_any_scale_in_the_trained_range_in_one_step(imf_run, tiny_v
     import dataclasses
 
     from shared.runtime import rundir
-    from shared.tokenizers.tokenizer import Tokenizer
+    from shared.tokenizers.locate import load_tokenizer
     from shared.weights.export import load_weights, save_weights
     from tests.helpers import run_sample
 
     # The run's weights on 16x16x4 latents of the tiny VAE (the shared latents have no VAE to decode them).
     state, config, _, _ = load_weights(imf_run / "exports" / "ema-step-0000002.safetensors")
     config = dataclasses.replace(config, input_size=16, num_classes=10)
-    vae = Tokenizer.load(tiny_vae_dir)
+    vae = load_tokenizer(tiny_vae_dir)
     meta = {"image_size": 32, "scaling_factor": vae.scaling_factor, "latent_shape": [4, 16, 16],
             "vae": vae.identity, "class_names": [str(c) for c in range(10)]}
     run = tmp_path / "run"

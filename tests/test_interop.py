@@ -17,7 +17,7 @@ from shared.network.diffusers_dit import (check_dit_config, diffusers_config, di
 from shared.runtime.errors import UserError
 from shared.weights.export import load_weights, save_weights
 from shared.network.models import DiT, ModelConfig
-from shared.tokenizers.tokenizer import Tokenizer
+from shared.tokenizers.locate import load_tokenizer
 
 # One guidance rule for every form of the weights: auto differs by origin (the .pt: DiT's 3 of 4 channels; diffusers: all).
 STEPS = ["--num-sampling-steps", "2", "--cpu", "--num-samples", "2", "--guide-channels", "all"]
@@ -78,7 +78,7 @@ def made(tmp_path_factory, tiny_vae_dir):
     config = ModelConfig("DiT-T/2", input_size=8, in_channels=4, num_classes=1000)
     state = perturbed(config.build()).state_dict()
     torch.save(state, root / "weights.pt")
-    vae = Tokenizer.load(tiny_vae_dir)
+    vae = load_tokenizer(tiny_vae_dir)
     meta = {"image_size": 16, "scaling_factor": vae.scaling_factor, "latent_shape": [4, 8, 8], "vae": vae.identity,
             "class_names": [f"thing{i}, alias{i}" for i in range(1000)]}
     save_weights(root / "run" / "exports" / "ema-step-0000300.safetensors", state, config, space_of(meta), 300)

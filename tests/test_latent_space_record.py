@@ -18,8 +18,8 @@ from shared.network.models import ModelConfig
 from shared.runtime.errors import UserError
 from shared.weights.export import load_weights, save_weights
 from shared.tokenizers.tokenizer import LatentNorm
+from shared.tokenizers.locate import load_tokenizer
 from shared.tokenizers.space import SPACE_JSON, SPACE_TENSORS, LatentSpace
-from shared.tokenizers.tokenizer import Tokenizer
 from tests.conftest import make_image_folder
 from tests.helpers import make_latents, run_main, train_args
 from train.__main__ import main as train_main
@@ -177,7 +177,7 @@ def run_dir(tmp_path_factory, tiny_vae_dir):
     """A run folder with one export whose space is a real tiny VAE's."""
     run = tmp_path_factory.mktemp("runs") / "run"
     config = ModelConfig("DiT-T/2", input_size=8, in_channels=4, num_classes=3)
-    vae = Tokenizer.load(tiny_vae_dir)
+    vae = load_tokenizer(tiny_vae_dir)
     space = LatentSpace.of_tokenizer(vae, 16, (4, 8, 8), ["a", "b", "c"]).for_run(vae.norm)
     save_weights(run / "exports" / "ema-step-0000002.safetensors", config.build().state_dict(), config, space, 2)
     return run

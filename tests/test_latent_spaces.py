@@ -15,8 +15,10 @@ from sample.__main__ import main as sample_main
 from shared.datasets.shards import LatentDataset
 from shared.datasets.shards import ChannelStats
 from shared.tokenizers.tokenizer import LatentNorm
+from shared.tokenizers.locate import load_tokenizer
 from shared.tokenizers.space import LatentSpace
-from shared.tokenizers.tokenizer import Tokenizer, measure_latent, read_vae_config
+from shared.tokenizers.tokenizer import measure_latent
+from shared.tokenizers.locate import read_vae_config
 from tests.conftest import make_image_folder
 from tests.helpers import copy_without_stats, make_latents, run_main
 from tests.tiny_tokenizers import MAKERS, unsupported
@@ -103,7 +105,7 @@ def test_channel_stats_merge_equals_direct_float64():
 @pytest.mark.parametrize("name", sorted(MAKERS))
 def test_each_class_loads_measures_and_knows_its_convention(tokenizers, name):
     kind, deterministic, shape = EXPECTED[name]
-    vae = Tokenizer.load(tokenizers[name])
+    vae = load_tokenizer(tokenizers[name])
     assert vae.norm.kind == kind and vae.deterministic is deterministic
     assert measure_latent(read_vae_config(tokenizers[name]), IMAGE_SIZE) == shape
     mean, std = vae.encode_moments(torch.rand(2, 3, IMAGE_SIZE, IMAGE_SIZE) * 2 - 1)
@@ -191,7 +193,7 @@ def test_train_records_the_norm_and_every_decode_inverts_it(extracted, tokenizer
     assert record == (ds.native_norm if norm == "auto" else ds.space.norms["channel"])
     # The round trip: a stored latent, normalised as training does and decoded as sampling does, equals the
     # tokenizer's own decode of the raw latent (fp32 tolerance).
-    vae = Tokenizer.load(tokenizers[name])
+    vae = load_tokenizer(tokenizers[name])
     stored = ds.gather(np.arange(2), ("mean",))["mean"][:, 0]  # (2, C, h, w) raw, flip 0
     torch.testing.assert_close(vae.decode(record.apply(stored), record), vae.decode_raw(stored),
                                rtol=1e-4, atol=2e-5)
@@ -283,7 +285,7 @@ def test_dc_ae_release_by_name_from_the_hub_cache(monkeypatch, tmp_path, tokeniz
     _hub_cache(monkeypatch, tmp_path, "mit-han-lab/dc-ae-f32c32-in-1.0-diffusers",
                {name: (lambda dst, src=folder / name: shutil.copy(src, dst)) for name in
                 ("config.json", "diffusion_pytorch_model.safetensors")})
-    vae = Tokenizer.load("dc-ae-f32c32")
+    vae = load_tokenizer("dc-ae-f32c32")
     assert vae.identity["source"] == "mit-han-lab/dc-ae-f32c32-in-1.0-diffusers"
     assert vae.deterministic and vae.norm == LatentNorm.scale_only(0.3189)
 
@@ -297,7 +299,7 @@ def test_vavae_by_name_converts_the_ldm_checkpoint_with_its_statistics(monkeypat
     _hub_cache(monkeypatch, tmp_path, "hustvl/vavae-imagenet256-f16d32-dinov2",
                {"vavae-imagenet256-f16d32-dinov2.pt": lambda p: torch.save(checkpoint, p),
                 "latents_stats.pt": lambda p: torch.save(stats, p)})
-    vae = Tokenizer.load("vavae")
+    vae = load_tokenizer("vavae")
     assert vae.identity["source"] == "hustvl/vavae-imagenet256-f16d32-dinov2"
     assert (vae.latent_channels, vae.downsample_factor) == (32, 16)
     # LightningDiT's normalisation: (z - mean_c) / std_c, latent_multiplier 1

@@ -351,10 +351,10 @@ def _export(run, vae, folded):
 def test_sample_and_evaluate_run_draw_meanflow_exports_in_one_call(tiny_vae_dir, tmp_path, capsys):
     from evaluate.__main__ import main as evaluate_main
     from shared.runtime import rundir
-    from shared.tokenizers.tokenizer import Tokenizer
+    from shared.tokenizers.locate import load_tokenizer
     from tests.helpers import run_main, run_sample
 
-    vae = Tokenizer.load(tiny_vae_dir)
+    vae = load_tokenizer(tiny_vae_dir)
     run = tmp_path / "run"
     _export(run, vae, folded=True)
     out = tmp_path / "one"

@@ -16,8 +16,10 @@ from sample.__main__ import main as sample_main
 from shared.datasets.shards import LatentDataset
 from shared.datasets.shards import ElementStats
 from shared.tokenizers.tokenizer import LatentNorm
+from shared.tokenizers.locate import load_tokenizer
 from shared.tokenizers.space import LatentSpace
-from shared.tokenizers.tokenizer import Tokenizer, measure_latent, read_vae_config
+from shared.tokenizers.tokenizer import measure_latent
+from shared.tokenizers.locate import read_vae_config
 from tests.conftest import make_image_folder
 from tests.helpers import copy_without_stats, make_latents, run_main
 from tests.tiny_tokenizers import RAE_TINY, rae, vavae_like
@@ -98,7 +100,7 @@ def test_element_stats_merge_equals_direct_float64():
 @pytest.mark.parametrize("name", ["stats", "nostats"])
 def test_tokens_and_decode_equal_autoencoder_rae(raes, name):
     """Our raw tokens + our norm record reproduce AutoencoderRAE.encode, and our decode its decode(encode(x))."""
-    vae = Tokenizer.load(raes[name])
+    vae = load_tokenizer(raes[name])
     module = vae.vae
     assert vae.deterministic and vae.identity["family"] == "rae"
     assert (vae.latent_channels, vae.downsample_factor) == (64, 8)
@@ -134,7 +136,7 @@ def test_extraction_stores_the_tokens_alone_and_per_element_statistics(extracted
         index = json.loads((folder / "index.json").read_text())
         assert [t["name"] for t in index["tensors"]] == ["mean"]  # no std column
         batch = ds.gather(np.arange(len(ds)), ("mean",))["mean"]  # (N, 2, 64, 4, 4) as stored
-        vae = Tokenizer.load(raes[name])
+        vae = load_tokenizer(raes[name])
         every = batch.double().reshape(-1, *SHAPE)
         norm = ds.space.norms["element"]
         torch.testing.assert_close(norm.mean, every.mean(dim=0).float(), rtol=1e-6, atol=1e-6)
@@ -203,7 +205,7 @@ def test_train_sample_and_preview_decode_through_the_rae_decoder(extracted, raes
     record = space.norm
     ds = LatentDataset(extracted[name], progress=False)
     if name == "stats":
-        assert record == Tokenizer.load(raes[name]).norm  # the config's numbers, diffusers' convention
+        assert record == load_tokenizer(raes[name]).norm  # the config's numbers, diffusers' convention
     else:
         assert record == ds.space.norms["element"]  # the folder's
     # sample decodes through the RAE decoder, with no flags: the record and the tokenizer travel with the run
@@ -213,7 +215,7 @@ def test_train_sample_and_preview_decode_through_the_rae_decoder(extracted, raes
     pngs = sorted((tmp_path / "samples").glob("0*.png"))
     assert len(pngs) == 2 and Image.open(pngs[0]).size == (IMAGE_SIZE, IMAGE_SIZE)
     # what sampling decodes: a stored token grid normalised as training did comes back as the RAE's own decode
-    vae = Tokenizer.load(raes[name])
+    vae = load_tokenizer(raes[name])
     stored = ds.gather(np.arange(2), ("mean",))["mean"][:, 0]  # (2, 64, 4, 4) raw, flip 0
     torch.testing.assert_close(vae.decode(record.apply(stored), record), vae.decode_raw(stored), rtol=0, atol=2e-6)
 
@@ -362,7 +364,7 @@ def test_the_released_tokenizer_by_name_converts_rae_files_strictly(tiny_release
 
     files, module, stats = _rae_files(tmp_path)
     with serve_releases(files, tmp_path, monkeypatch):
-        vae = Tokenizer.load("rae-dinov2-b")
+        vae = load_tokenizer("rae-dinov2-b")
         assert vae.identity["source"] == "rae-dinov2-b" and all((tmp_path / "cache" / n).is_file() for n in files)
         x = torch.rand(2, 3, IMAGE_SIZE, IMAGE_SIZE, generator=torch.Generator().manual_seed(3)) * 2 - 1
         tokens, _ = vae.encode_moments(x)
@@ -443,5 +445,5 @@ def test_an_rae_by_hub_id_from_the_local_cache(raes, monkeypatch, tmp_path):
     shutil.copytree(raes["stats"], repo / "snapshots" / ("0" * 40))
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    vae = Tokenizer.load("someone/tiny-rae")
-    assert vae.identity["source"] == "someone/tiny-rae" and vae.norm == Tokenizer.load(raes["stats"]).norm
+    vae = load_tokenizer("someone/tiny-rae")
+    assert vae.identity["source"] == "someone/tiny-rae" and vae.norm == load_tokenizer(raes["stats"]).norm

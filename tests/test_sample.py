@@ -17,7 +17,7 @@ from shared.sampling.generate import ckpt_label, grid_layout
 from shared.weights.export import save_weights
 from shared.runtime.interrupt import EXIT_STATUS, MESSAGE
 from shared.network.models import DiT, ModelConfig
-from shared.tokenizers.tokenizer import Tokenizer
+from shared.tokenizers.locate import load_tokenizer
 
 STEPS = ["--num-sampling-steps", "4", "--cpu"]
 
@@ -29,7 +29,7 @@ def files(tmp_path_factory, tiny_vae_dir):
     config = ModelConfig("DiT-T/2", input_size=8, in_channels=4, num_classes=NUM_CLASSES)
     state = random_dit(config).state_dict()
     torch.save(state, root / "DiT-T-2-16x16.pt")
-    vae = Tokenizer.load(tiny_vae_dir)
+    vae = load_tokenizer(tiny_vae_dir)
     meta = {"image_size": 16, "scaling_factor": vae.scaling_factor, "latent_shape": [4, 8, 8],
             "vae": vae.identity, "class_names": [str(c) for c in range(NUM_CLASSES)]}
     run = root / "run"
@@ -186,7 +186,7 @@ def test_decode_training_latents(files, tmp_path, capsys):
     out = tmp_path / "samples" / "step-0000100"
     assert sorted(pngs(out)) == ["000000-class5.png", "000001-class1.png", "000002-class5.png"]
     from PIL import Image
-    expected = Tokenizer.load(files["vae"]).decode(latents)[1]  # (3, H, W)
+    expected = load_tokenizer(files["vae"]).decode(latents)[1]  # (3, H, W)
     expected = ((expected + 1) * 127.5 + 0.5).clamp(0, 255).to(torch.uint8).permute(1, 2, 0).numpy()
     assert np.array_equal(np.asarray(Image.open(out / "000001-class1.png")), expected)
     assert (out / "grid.png").exists()

@@ -134,14 +134,14 @@ def test_evaluate_run_compile_on_the_cpu_is_refused_before_any_sampling(tmp_path
     import evaluate.evaluation
     from evaluate.__main__ import main
     from shared.runtime import rundir
-    from shared.tokenizers.tokenizer import Tokenizer
+    from shared.tokenizers.locate import load_tokenizer
     from tests.helpers import run_main
     from tests.test_evaluate_run import FLAGS, export
 
     built = []
     monkeypatch.setattr(evaluate.evaluation, "build_features", lambda *args: built.append(args))
     run = tmp_path / "run"
-    export(run, 100, Tokenizer.load(tiny_vae_dir), seed=0)
+    export(run, 100, load_tokenizer(tiny_vae_dir), seed=0)
     code, _, err = run_main(main, ["run", run, "--vae", tiny_vae_dir, *FLAGS, "--compile", "graphs"], capsys)
     assert code == 2 and "--compile graphs compiles the network for a CUDA GPU" in err
     assert not built  # refused before the feature network (Inception's weights) is loaded
@@ -172,11 +172,11 @@ def test_blocks_compile_lightnings_block_and_the_dit_dh_head_without_a_graph_bre
 def test_compile_changes_no_recorded_identity_so_a_rerun_resumes(tmp_path, tiny_vae_dir):
     """settings.json's identity (what a resume compares) is the same with and without --compile."""
     from shared.sampling.generate import SampleOptions, make_plan
-    from shared.tokenizers.tokenizer import Tokenizer
+    from shared.tokenizers.locate import load_tokenizer
     from tests.test_evaluate_run import export
 
     run = tmp_path / "run"
-    export(run, 100, Tokenizer.load(tiny_vae_dir), seed=0)
+    export(run, 100, load_tokenizer(tiny_vae_dir), seed=0)
     jobs = [make_plan(SampleOptions(ckpt=str(run), vae=str(tiny_vae_dir), out=str(tmp_path / "out"), compile=mode))
             for mode in ("off", "graphs")]
     assert jobs[0].settings["identity"] == jobs[1].settings["identity"]

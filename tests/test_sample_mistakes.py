@@ -21,7 +21,7 @@ from shared.sampling.previews import write_preview
 from tests.helpers import pngs, random_dit, run_sample, space_of
 from shared.weights.export import save_weights
 from shared.network.models import ModelConfig
-from shared.tokenizers.tokenizer import Tokenizer
+from shared.tokenizers.locate import load_tokenizer
 
 NAMES = ["cat", "Dog", "sea eel", "ant", "bee"]
 STEPS = ["--num-sampling-steps", "2", "--cpu"]
@@ -29,7 +29,7 @@ STEPS = ["--num-sampling-steps", "2", "--cpu"]
 
 def _meta(vae_dir, channels=4, names=NAMES):
     """Latent metadata as training records it for latents made by the VAE in vae_dir."""
-    vae = Tokenizer.load(vae_dir)
+    vae = load_tokenizer(vae_dir)
     return {"image_size": 16, "scaling_factor": vae.scaling_factor, "latent_shape": [channels, 8, 8],
             "vae": vae.identity, "class_names": list(names)}
 

@@ -16,7 +16,7 @@ from shared.generative.samplers import (SAMPLERS, TIME_SHIFT, SamplerOption, Sam
 from shared.network.models import ModelConfig
 from shared.runtime.errors import UserError
 from shared.weights.export import save_weights
-from shared.tokenizers.tokenizer import Tokenizer
+from shared.tokenizers.locate import load_tokenizer
 from tests.conftest import ROOT
 from tests.helpers import NUM_CLASSES, pngs, random_dit, space_of
 
@@ -93,7 +93,7 @@ def test_a_recorded_plugin_sampler_not_imported_names_the_plugin():
 def test_python_m_sample_draws_with_a_plugin_sampler(plugin, tmp_path, tiny_vae_dir):
     config = ModelConfig("DiT-T/2", input_size=8, in_channels=4, num_classes=NUM_CLASSES,
                          sampling={"sampler": NAME, "sampler_plugin": MODULE})
-    vae = Tokenizer.load(tiny_vae_dir)
+    vae = load_tokenizer(tiny_vae_dir)
     meta = {"image_size": 16, "scaling_factor": vae.scaling_factor, "latent_shape": [4, 8, 8],
             "vae": vae.identity, "class_names": [str(c) for c in range(NUM_CLASSES)]}
     weights = save_weights(tmp_path / "ema-step-0000001.safetensors", random_dit(config).state_dict(), config, space_of(meta), 1)

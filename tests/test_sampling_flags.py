@@ -18,7 +18,7 @@ from shared.runtime.cli import FLAG_KEY
 from shared.runtime.errors import SettingError
 from shared.weights.export import read_config, save_weights
 from shared.sampling.flags import SamplingFlags
-from shared.tokenizers.tokenizer import Tokenizer
+from shared.tokenizers.locate import load_tokenizer
 from tests.helpers import run_main, space_of
 from train.recipes import RECIPES
 
@@ -92,7 +92,7 @@ def _lightning_export(run, vae, step=100):
 def test_a_lightning_model_samples_with_its_recipe_unless_told(tiny_vae_dir, tmp_path, capsys):
     from sample.__main__ import main
 
-    export = _lightning_export(tmp_path / "run", Tokenizer.load(tiny_vae_dir))
+    export = _lightning_export(tmp_path / "run", load_tokenizer(tiny_vae_dir))
     common = ["--ckpt", export, "--vae", tiny_vae_dir, "--num-samples", 2, "--num-sampling-steps", 2, "--cfg-scale", 2,
               "--cpu"]
     code, _, err = run_main(main, [*common, "--out", tmp_path / "a"], capsys)
@@ -113,7 +113,7 @@ def test_evaluate_run_scores_a_lightning_model_at_its_own_time_shift(tiny_vae_di
     from evaluate.__main__ import main
 
     run = tmp_path / "run"
-    _lightning_export(run, Tokenizer.load(tiny_vae_dir))
+    _lightning_export(run, load_tokenizer(tiny_vae_dir))
     flags = ["run", run, "--vae", tiny_vae_dir, "--features", "digits", "--num-samples", 4, "--num-sampling-steps", 2,
              "--batch-size", 4, "--cpu"]
     code, _, err = run_main(main, flags, capsys)

@@ -14,7 +14,7 @@ from shared.generative.diffusion import DDPMObjective
 from shared.generative.samplers import SAMPLERS, sampler_options
 from shared.weights.export import save_weights
 from shared.network.models import ModelConfig
-from shared.tokenizers.tokenizer import Tokenizer
+from shared.tokenizers.locate import load_tokenizer
 from tests.conftest import ROOT
 from sample.__main__ import main as sample_main
 from tests.helpers import NUM_CLASSES, pngs, random_dit, run_main, run_sample, space_of
@@ -208,7 +208,7 @@ def run_dir(tmp_path_factory, tiny_vae_dir):
     """A run folder with one EMA export of a random DiT-T/2 (latent 4x8x8) whose latents name the tiny VAE."""
     root = tmp_path_factory.mktemp("solvers")
     config = ModelConfig("DiT-T/2", input_size=8, in_channels=4, num_classes=NUM_CLASSES)
-    vae = Tokenizer.load(tiny_vae_dir)
+    vae = load_tokenizer(tiny_vae_dir)
     meta = {"image_size": 16, "scaling_factor": vae.scaling_factor, "latent_shape": [4, 8, 8],
             "vae": vae.identity, "class_names": [str(c) for c in range(NUM_CLASSES)]}
     save_weights(root / "run" / "exports" / "ema-step-0000010.safetensors", random_dit(config).state_dict(),

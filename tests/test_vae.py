@@ -10,8 +10,10 @@ import torch
 from tests.conftest import ROOT, make_tiny_vae
 from shared.runtime.errors import SettingError, UserError, advise
 from shared.tokenizers.tokenizer import LatentNorm
+from shared.tokenizers.locate import load_tokenizer
 from shared.datasets.shards import draw_latents
-from shared.tokenizers.tokenizer import Tokenizer, downsample_factor, read_vae_config, resolve_vae_spec
+from shared.tokenizers.tokenizer import downsample_factor
+from shared.tokenizers.locate import read_vae_config, resolve_vae_spec
 
 
 def _images(n=2, size=16, seed=0):
@@ -36,7 +38,7 @@ def test_import_does_not_pull_diffusers():
 
 def test_round_trip_shapes_and_identity(tmp_path):
     folder = make_tiny_vae(tmp_path / "vae", latent_channels=4, levels=3)
-    vae = Tokenizer.load(folder)
+    vae = load_tokenizer(folder)
     mean, std = vae.encode_moments(_images(size=16))
     assert mean.shape == std.shape == (2, 4, 4, 4) and mean.dtype == torch.float32
     images = vae.decode(draw_latents(mean, std, vae.norm))
@@ -63,9 +65,9 @@ def test_scaling_factor_comes_from_config(tmp_path, tiny_vae_dir):
     config = json.loads((folder / "config.json").read_text())
     config["scaling_factor"] = 0.5
     (folder / "config.json").write_text(json.dumps(config))
-    vae, ref = Tokenizer.load(folder), _diffusers_vae(folder)
+    vae, ref = load_tokenizer(folder), _diffusers_vae(folder)
     assert vae.scaling_factor == 0.5
-    assert vae.identity["config_sha256"] != Tokenizer.load(tiny_vae_dir).identity["config_sha256"]
+    assert vae.identity["config_sha256"] != load_tokenizer(tiny_vae_dir).identity["config_sha256"]
     latents = torch.randn(2, 4, 8, 8)
     with torch.no_grad():
         expected = ref.decode(latents / 0.5).sample.clamp(-1, 1)
@@ -76,14 +78,14 @@ def test_moments_equal_diffusers_posterior(tiny_vae_dir):
     x = _images(n=3)
     with torch.no_grad():
         posterior = _diffusers_vae(tiny_vae_dir).encode(x).latent_dist
-    mean, std = Tokenizer.load(tiny_vae_dir).encode_moments(x)
+    mean, std = load_tokenizer(tiny_vae_dir).encode_moments(x)
     torch.testing.assert_close(mean, posterior.mean)
     torch.testing.assert_close(std, posterior.std)
     torch.testing.assert_close(std, torch.exp(0.5 * posterior.logvar.clamp(-30, 20)))
 
 
 def test_encode_stays_fp32_under_autocast(tiny_vae_dir):
-    vae, x = Tokenizer.load(tiny_vae_dir), _images()
+    vae, x = load_tokenizer(tiny_vae_dir), _images()
     plain = vae.encode_moments(x)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         under = vae.encode_moments(x)
@@ -93,8 +95,8 @@ def test_encode_stays_fp32_under_autocast(tiny_vae_dir):
 
 
 def test_bf16_decode_close_to_fp32(tiny_vae_dir):
-    full = Tokenizer.load(tiny_vae_dir)
-    half = Tokenizer.load(tiny_vae_dir, dtype=torch.bfloat16)
+    full = load_tokenizer(tiny_vae_dir)
+    half = load_tokenizer(tiny_vae_dir, dtype=torch.bfloat16)
     assert half.vae.decoder.conv_in.weight.dtype == torch.bfloat16
     assert half.vae.encoder.conv_in.weight.dtype == torch.float32
     torch.testing.assert_close(half.encode_moments(_images())[0], full.encode_moments(_images())[0])
@@ -105,7 +107,7 @@ def test_bf16_decode_close_to_fp32(tiny_vae_dir):
 
 
 def test_tiling_and_slicing_switches(tiny_vae_dir):
-    vae = Tokenizer.load(tiny_vae_dir)
+    vae = load_tokenizer(tiny_vae_dir)
     x = _images(n=3)
     reference = vae.encode_moments(x)[0]
     vae.enable_slicing()
@@ -150,11 +152,11 @@ def test_single_file_with_config_beside_or_given(tmp_path, tiny_vae_dir, suffix)
     with pytest.raises(SettingError, match="pass vae config PATH") as caught:  # shared/ names the setting
         resolve_vae_spec(weights)
     assert "pass --vae-config PATH" in str(advise(caught.value, {"vae config": "--vae-config"}))  # a CLI, its flag
-    given = Tokenizer.load(weights, config=tiny_vae_dir / "config.json")
+    given = load_tokenizer(weights, config=tiny_vae_dir / "config.json")
     shutil.copy(tiny_vae_dir / "config.json", weights.parent / "config.json")
-    beside = Tokenizer.load(weights)
+    beside = load_tokenizer(weights)
     x = _images()
-    reference = Tokenizer.load(tiny_vae_dir).encode_moments(x)
+    reference = load_tokenizer(tiny_vae_dir).encode_moments(x)
     for vae in (given, beside):
         assert vae.identity["source"] == str(weights.resolve())
         torch.testing.assert_close(vae.encode_moments(x)[1], reference[1])
@@ -167,7 +169,7 @@ def test_single_file_that_does_not_match_its_config(tmp_path, tiny_vae_dir):
     state = {k: v.contiguous() for k, v in _diffusers_vae(other).state_dict().items()}
     save_file(state, tmp_path / "vae.safetensors")
     with pytest.raises(UserError, match="does not match its config"):
-        Tokenizer.load(tmp_path / "vae.safetensors", config=tiny_vae_dir / "config.json")
+        load_tokenizer(tmp_path / "vae.safetensors", config=tiny_vae_dir / "config.json")
 
 
 def test_offline_hub_id_names_the_local_options(tmp_path, monkeypatch):
@@ -212,14 +214,14 @@ def test_folder_whose_tensors_do_not_fit_its_config(tmp_path, tiny_vae_dir):
     weights = folder / "diffusion_pytorch_model.safetensors"
     save_file({k: v for k, v in load_file(weights).items() if k != "decoder.conv_in.bias"}, weights)
     with pytest.raises(SettingError, match="1 tensors its config needs are missing .*decoder.conv_in.bias"):
-        Tokenizer.load(folder)
+        load_tokenizer(folder)
     shutil.copy(make_tiny_vae(tmp_path / "wide", latent_channels=8) / weights.name, weights)
     with pytest.raises(SettingError, match="expected shape") as caught:
-        Tokenizer.load(folder)
+        load_tokenizer(folder)
     assert "overwrite" not in str(caught.value)
     weights.write_bytes(weights.read_bytes()[:500])
     with pytest.raises(SettingError, match="cannot be read .*truncated"):
-        Tokenizer.load(folder)
+        load_tokenizer(folder)
 
 
 def test_malicious_ckpt_vae_is_refused(tmp_path, tiny_vae_dir):
@@ -233,5 +235,5 @@ def test_malicious_ckpt_vae_is_refused(tmp_path, tiny_vae_dir):
     torch.save({"state_dict": Evil()}, tmp_path / "vae.ckpt")
     shutil.copy(tiny_vae_dir / "config.json", tmp_path / "config.json")
     with pytest.raises(SettingError, match="tried to run code.*posix.system") as caught:
-        Tokenizer.load(tmp_path / "vae.ckpt")
+        load_tokenizer(tmp_path / "vae.ckpt")
     assert "pass another --vae" in str(advise(caught.value, {"vae": "--vae"})).lower()

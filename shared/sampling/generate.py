@@ -28,11 +28,12 @@ from shared.generative.samplers import SAMPLER_OPTIONS, resolve_sampling, sample
 from shared.runtime.fsio import TMP_PREFIX, atomic_write, atomic_write_text
 from shared.runtime.lock import hold_lock
 from shared.network.models import DiT_models
-from shared.runtime.precision import set_tf32
+from shared.runtime.precision import PRECISIONS, set_tf32
 from shared.runtime.rerun import differences, listed
 from shared.runtime.rundir import CHECKPOINTS, EMA_FILE, EXPORTS, MODEL_FILE
 from shared.runtime.seeding import generator_for
-from shared.tokenizers.space import LatentSpace, choose_tokenizer, load_tokenizer
+from shared.tokenizers.locate import load_tokenizer
+from shared.tokenizers.space import LatentSpace, choose_tokenizer
 
 from shared.sampling.compiled import check_compile, compile_for_sampling
 from shared.weights.checkpoint import (WEIGHTS, LoadedWeights, build_sampling_model, image_size_of,
@@ -315,7 +316,8 @@ class Drawer:
 def load_checked_vae(plan: SamplePlan, device):
     """Load the tokenizer and compare its full identity with the latents' record -> (tokenizer, norm to invert)."""
     o = plan.options
-    vae = load_tokenizer(plan.vae_name, o.vae_config, device, o.vae_precision, o.vae_tiling, o.vae_slicing)
+    vae = load_tokenizer(plan.vae_name, device, PRECISIONS[o.vae_precision], o.vae_config, o.vae_tiling,
+                         o.vae_slicing)
     norm, note = plan.space.check_loaded(vae, o.allow_other_vae)
     if note:
         plan.loaded.notes.append(note)

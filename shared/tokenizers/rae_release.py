@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from shared.runtime.errors import SettingError
-from shared.tokenizers.tokenizer import (DIFFUSERS_RAE_EPS, converted_folder, file_stamps, rae_geometry,
-                                         register_converted)
+from shared.tokenizers.tokenizer import DIFFUSERS_RAE_EPS, rae_geometry
+from shared.tokenizers.locate import converted_folder, file_stamps, register_converted
 
 HF_RAE = "https://huggingface.co/nyu-visionx/RAE-collections/resolve/main/"  # RAE's README: hf download this repo
 HF_DINOV2 = "https://huggingface.co/facebook/dinov2-with-registers-base/resolve/main/model.safetensors"

@@ -221,8 +221,8 @@ class LatentSpace:
     def check_tokenizer_config(self, spec: str, config_path, allow_other: bool = False,
                                measure: bool = True) -> tuple[str, int | None]:
         """Check a tokenizer from its config.json only -> (name, downsample factor); UserError when it cannot decode."""
-        from shared.tokenizers.tokenizer import (downsample_factor, latent_channels, read_vae_config,
-                                                 resolve_vae_spec, tokenizer_class)
+        from shared.tokenizers.tokenizer import downsample_factor, latent_channels, tokenizer_class
+        from shared.tokenizers.locate import read_vae_config, resolve_vae_spec
 
         name = resolve_vae_spec(spec, config_path)
         config = read_vae_config(spec, config_path)
@@ -340,16 +340,3 @@ def _short(value) -> str:
 def _named(recorded: dict) -> str:
     """' (SOURCE)' when the metadata names the tokenizer."""
     return f" ({recorded['source']})" if recorded.get("source") else ""
-
-
-def load_tokenizer(spec: str, config_path, device, precision: str, tiling: bool, slicing: bool):
-    """Load the tokenizer for decoding in `precision`, with diffusers' tiling/slicing switches."""
-    from shared.runtime.precision import PRECISIONS
-    from shared.tokenizers.tokenizer import Tokenizer
-
-    tokenizer = Tokenizer.load(spec, device=device, dtype=PRECISIONS[precision], config=config_path)
-    if tiling:
-        tokenizer.enable_tiling()
-    if slicing:
-        tokenizer.enable_slicing()
-    return tokenizer

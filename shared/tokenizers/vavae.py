@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 
 from shared.runtime.errors import SettingError
-from shared.tokenizers.tokenizer import _hub_file, converted_folder, file_stamps, register_converted
+from shared.tokenizers.locate import _hub_file, converted_folder, file_stamps, register_converted
 
 VAVAE_REPO = "hustvl/vavae-imagenet256-f16d32-dinov2"
 VAVAE_WEIGHTS = "vavae-imagenet256-f16d32-dinov2.pt"

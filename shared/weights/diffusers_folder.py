@@ -164,7 +164,7 @@ def _download(repo_id: str) -> Path:
 
 def locate_hub(repo_id: str) -> DiffusersSource:
     """A Hub id from the local cache, else downloaded into it; UserError when offline and not cached."""
-    from shared.tokenizers.tokenizer import _hub_offline  # the project's one "can the Hub be reached" test
+    from shared.tokenizers.locate import _hub_offline  # the project's one "can the Hub be reached" test
 
     folder = _cached_snapshot(repo_id)
     if folder is None:
@@ -242,6 +242,6 @@ def find_diffusers(path: Path, text: str) -> DiffusersSource | None:
     if path.is_file():
         return locate(path) if is_diffusers_file(path) else None
     # owner/name with no folder "owner" here: a Hub id (a mistyped local path gets the same paragraph's advice).
-    from shared.tokenizers.tokenizer import looks_like_hub_id
+    from shared.tokenizers.locate import looks_like_hub_id
 
     return locate_hub(text) if looks_like_hub_id(text) and not path.parent.exists() else None

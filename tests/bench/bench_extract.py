@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 from shared.datasets.imagefolder import scan_image_folder  # noqa: E402
 from shared.datasets.images import preprocess  # noqa: E402
 from extract.run import ExtractConfig, run_extract  # noqa: E402
-from shared.tokenizers.tokenizer import Tokenizer  # noqa: E402
+from shared.tokenizers.locate import load_tokenizer  # noqa: E402
 
 
 class _PerImage(Dataset):
@@ -52,7 +52,7 @@ class _PerImage(Dataset):
 def baseline(data: Path, out: Path, vae_spec: str, image_size: int, workers: int, device) -> float:
     """Seconds for the batch-size-1 loop writing one features .npy and one labels .npy per image."""
     start = time.perf_counter()
-    vae = Tokenizer.load(vae_spec, device=device)
+    vae = load_tokenizer(vae_spec, device=device)
     scan = scan_image_folder(data)
     loader = DataLoader(_PerImage(scan, image_size), batch_size=1, num_workers=workers)
     (out / "features").mkdir(parents=True)

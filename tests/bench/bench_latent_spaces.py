@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from extract.__main__ import main as extract_main  # noqa: E402
 from shared.datasets.shards import LatentDataset  # noqa: E402
 from shared.tokenizers.tokenizer import LatentNorm, Tokenizer  # noqa: E402
+from shared.tokenizers.locate import load_tokenizer
 from tests.conftest import make_image_folder  # noqa: E402
 from tests.tiny_tokenizers import MAKERS  # noqa: E402
 
@@ -71,7 +72,7 @@ def main(argv=None) -> int:
             vae_dir = make(root / name)
             rate = extract(images, vae_dir, root / f"lat-{name}", args.image_size)
             ds = LatentDataset(root / f"lat-{name}", progress=False)
-            vae = Tokenizer.load(vae_dir)
+            vae = load_tokenizer(vae_dir)
             tar = sum(s["size"] for s in ds.meta["shards"]) / len(ds)
             payload = ds.meta["layout"]["payload_size"]
             channel = ds.space.norms["channel"]
