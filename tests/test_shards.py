@@ -19,10 +19,8 @@ from shared.datasets import integrity, shards
 from shared.runtime.errors import UserError
 from shared.tokenizers.tokenizer import LatentNorm
 from shared.tokenizers.space import LatentSpace
-from shared.datasets.shards import (
-    GatheredBatch, LatentDataset, ShardInfo, ShardWriter, StreamSampler, collate, epoch_permutation, shard_name,
-    write_index,
-)
+from shared.datasets.shards import GatheredBatch, LatentDataset, ShardInfo, ShardWriter, collate, shard_name, write_index
+from train.latents import StreamSampler, epoch_permutation
 from shared.runtime.fsio import tmp_name
 
 # sha256[:16] of the folder test_folder_bytes_are_pinned writes (moments fp16 + a bf16 column, 3 samples)

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from shared.datasets.shards import INDEX_NAME, StreamSampler, shard_windows, windowed_permutation
+from shared.datasets.shards import INDEX_NAME
+from train.latents import StreamSampler, shard_windows, windowed_permutation
 from shared.tokenizers.space import SPACE_JSON, SPACE_TENSORS
 from train import latents as remote
 from train.callbacks import Callback

@@ -30,7 +30,7 @@ from shared.runtime.lock import FolderLock, hold_lock
 from shared.network.attention import resolve_attention
 from shared.network.blocks import block_summary
 from shared.runtime.precision import set_tf32
-from shared.datasets.shards import LatentDataset, StreamSampler
+from shared.datasets.shards import LatentDataset
 from shared.generative.objectives import Objective, objective_of
 from shared.network.models import ModelConfig
 from shared.network.routing import draw_kept
@@ -42,7 +42,7 @@ from train.autotune import describe as describe_auto, resolve_auto_for
 from train.config import (DEBUG_STEPS, TrainConfig, check_config, check_resume, model_config_for,
                           resolve_config)
 from train.init_from import InitWeights, apply_init, fit_init, read_init
-from train.latents import follow, open_latents, resolve_shard_window
+from train.latents import StreamSampler, follow, open_latents, resolve_shard_window
 from train.launcher import check_strategy, resolve_precision_with_launcher
 from train.logger import Meter, RunLogger
 from train.preview import sample_preview
@@ -463,7 +463,7 @@ def start_logs(run: Run) -> None:
 # ---------------------------------------------------------------------------------------------------------
 # The objective (shared/generative/objectives.py) decides how the time is drawn: DiT's integer timestep, or SiT's
 # flow time. Each sample in the global stream has a position p (samples consumed before it by all processes
-# together, see shared.datasets.shards.StreamSampler). All of its randomness (timestep, class dropout, flip variant,
+# together, see train.latents.StreamSampler). All of its randomness (timestep, class dropout, flip variant,
 # the fresh posterior draw, the diffusion noise and, with token routing, the tokens it routes) comes from one
 # generator seeded by (seed, p), as edm2 derives its randomness from (seed, images seen). So a sample gets the same
 # draws whatever the number of processes, micro-batch size, DataLoader workers, or where a run was interrupted.
@@ -543,7 +543,7 @@ def make_loader(dataset: LatentDataset, *, micro_batch: int, rank: int, world_si
                 global_batch: int | None = None) -> Iterator[dict]:
     """An endless iterator of micro-batches for this rank, starting at global stream position `start`.
 
-    window K > 0: the shard-aware order (shared.datasets.shards.windowed_permutation). A streamed dataset
+    window K > 0: the shard-aware order (train.latents.windowed_permutation). A streamed dataset
     (train/latents.py StreamedLatents) is told, through `follow`, which positions every process has consumed.
     """
     counts = dataset.shard_counts if window else None

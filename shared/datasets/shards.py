@@ -54,7 +54,7 @@ import json
 import math
 import mmap
 import tarfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -918,74 +918,6 @@ def collate(samples) -> dict:
         "label": torch.tensor([int(s["label"]) for s in samples], dtype=torch.int64),
     }
 
-
-# ---------------------------------------------------------------------------------------------------------
-# Sampler
-# ---------------------------------------------------------------------------------------------------------
-
-def epoch_permutation(num_samples: int, seed: int, epoch: int) -> np.ndarray:
-    """The shuffled order of one epoch, a pure function of (seed, epoch) on every rank and machine."""
-    return np.random.default_rng([int(seed), int(epoch)]).permutation(num_samples)
-
-
-def shard_windows(num_shards: int, seed: int, epoch: int, window: int) -> list[np.ndarray]:
-    """Epoch `epoch`'s shards, shuffled, split into consecutive windows of at most `window` shards.
-
-    The windows' sizes differ by at most one shard (np.array_split), so no window is a small remainder.
-    """
-    order = np.random.default_rng([int(seed), int(epoch), 1]).permutation(num_shards)
-    return np.array_split(order, -(-num_shards // window))
-
-
-def windowed_permutation(counts: Sequence[int], seed: int, epoch: int, window: int) -> np.ndarray:
-    """A shard-aware epoch order: shards shuffled, then samples shuffled within each window of `window` shards.
-
-    What webdataset and mosaicml-streaming do for data streamed through a bounded cache: a global shuffle touches
-    every shard all the time, so a cache holding a few shards would refetch one per sample; this order needs only
-    the current window (and the next, prefetched) at any position. counts: samples per shard, in folder order.
-    """
-    starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    rng = np.random.default_rng([int(seed), int(epoch)])
-    parts = [rng.permutation(np.concatenate([np.arange(starts[s], starts[s + 1]) for s in shards]))
-             for shards in shard_windows(len(counts), seed, epoch, window)]
-    return np.concatenate(parts)
-
-
-class StreamSampler(torch.utils.data.Sampler):
-    """Infinite, resumable, distributed index stream (edm2-style: position depends only on samples seen).
-
-    Global stream = perm(seed, 0) ++ perm(seed, 1) ++ ...; rank r yields the stream positions p >= start
-    with p % world_size == r. `start` counts samples consumed by all ranks together, so resuming at
-    start = step * global_batch continues exactly where the interrupted run stopped. With `window` K > 0 (and
-    `counts`, the samples per shard) each epoch is `windowed_permutation`'s shard-aware order instead.
-    """
-
-    def __init__(self, num_samples: int, rank: int = 0, world_size: int = 1, seed: int = 0,
-                 shuffle: bool = True, start: int = 0, counts: Sequence[int] | None = None, window: int = 0):
-        assert num_samples > 0 and 0 <= rank < world_size and seed >= 0 and start >= 0, \
-            f"StreamSampler({num_samples=}, {rank=}, {world_size=}, {seed=}, {start=})"
-        self.num_samples, self.rank, self.world_size = num_samples, rank, world_size
-        assert not window or (counts is not None and sum(counts) == num_samples), "window needs counts summing to n"
-        self.seed, self.shuffle, self.start, self.counts, self.window = seed, shuffle, start, counts, window
-
-    def order(self, epoch: int) -> np.ndarray:
-        """The dataset indices of epoch `epoch` in stream order."""
-        if not self.shuffle:
-            return np.arange(self.num_samples)
-        if self.window:
-            return windowed_permutation(self.counts, self.seed, epoch, self.window)
-        return epoch_permutation(self.num_samples, self.seed, epoch)
-
-    def __iter__(self) -> Iterator[int]:
-        n, ws = self.num_samples, self.world_size
-        epoch = self.start // n
-        while True:
-            base = epoch * n  # global position of this epoch's first element
-            first = max(self.start, base)
-            first += (self.rank - first) % ws  # first position >= start owned by this rank
-            if first < base + n:
-                yield from self.order(epoch)[first - base :: ws].tolist()
-            epoch += 1
 
 
 def draw_latents(mean, std, norm: LatentNorm, generator=None) -> torch.Tensor:

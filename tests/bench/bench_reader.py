@@ -20,8 +20,9 @@ import webdataset as wds
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from shared.datasets.shards import (  # noqa: E402
-    GatheredBatch, LatentDataset, ShardInfo, ShardWriter, StreamSampler, collate, shard_name, write_index,
+    GatheredBatch, LatentDataset, ShardInfo, ShardWriter, collate, shard_name, write_index,
 )
+from train.latents import StreamSampler  # noqa: E402
 
 FEATURES = (256, 768)  # REPA's DINOv2-B/14 tokens at 256 px: (T, E)
 
