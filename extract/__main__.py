@@ -23,7 +23,7 @@ FLAGS = {"flip mode": "--flip", "storage dtype": "--dtype", "vae": "--vae", "vae
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line flags, from ExtractConfig, the registered shard columns and ExtractModes; all with help."""
-    from extract.run import ExtractConfig, ExtractModes
+    from extract.config import ExtractConfig, ExtractModes
     from shared.datasets.columns import columns
 
     p = argparse.ArgumentParser(
@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _config(args):
     """ExtractConfig from parsed arguments (every flag's bounds checked once, by from_args)."""
-    from extract.run import ExtractConfig
+    from extract.config import ExtractConfig
     from shared.datasets.columns import flag_values
 
     return from_args(ExtractConfig, args, column_flags=flag_values(lambda c: c.extract_flags, args))
@@ -57,7 +57,7 @@ def _needs(value, refusal: str):
 
 def run_mode(args, cfg) -> int:
     """The job the flags pick: --verify, --stats, --check, --dry-run, else the extraction."""
-    from extract.run import ExtractConfig
+    from extract.config import ExtractConfig
 
     if args.verify:
         from extract.verify import run_verify
@@ -75,7 +75,7 @@ def run_mode(args, cfg) -> int:
                           "shards (data/train-{000000..000146}.tar) or the parquet files.")
     if args.check:
         from extract.check import run_check
-        from extract.run import source_options
+        from extract.config import source_options
 
         num_bad = run_check(cfg.data_path, cfg.image_size, cfg.num_workers, cfg.limit, cfg.max_image_pixels,
                             cfg.duplicates, source_options(cfg))

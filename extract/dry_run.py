@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import json
 
-from extract.run import ExtractConfig, Plan, make_plan, read_finished
+from extract.config import ExtractConfig, Plan, make_plan
+from extract.run import read_finished
 from shared.datasets.columns import columns
 from shared.datasets.shards import FLIP_MODES, STORAGE_DTYPES
 from shared.datasets.sources import describe_source

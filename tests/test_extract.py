@@ -17,7 +17,8 @@ from PIL import Image
 
 from shared.datasets.imagefolder import scan_image_folder
 from shared.datasets.images import MAX_IMAGE_PIXELS, center_crop_arr, load_image, open_rgb, preprocess
-from extract.run import BAD_FILES_NAME, SETTINGS_NAME, ExtractConfig, run_extract, sidecar_path
+from extract.config import BAD_FILES_NAME, SETTINGS_NAME, ExtractConfig
+from extract.run import run_extract, sidecar_path
 from shared.runtime.errors import ChoiceError, UserError, advise
 from shared.runtime.fsio import stale_tmps, tmp_name
 from shared.datasets.shards import FLIP_MODES, INDEX_NAME, LatentDataset, shard_name
@@ -364,7 +365,7 @@ def test_flip_none_and_fp16_storage(tmp_path, image_folder, tiny_vae_dir):
 
 def test_unknown_flip_or_dtype_is_a_choice_error_with_flag_advice(tmp_path, image_folder, tiny_vae_dir):
     from extract.__main__ import FLAGS
-    from extract.run import check_choices
+    from extract.config import check_choices
 
     for change, setting, flag in (({"flip": "mirror"}, "flip mode", "--flip"), ({"dtype": "int8"}, "storage dtype",
                                                                                   "--dtype")):

@@ -13,7 +13,8 @@ import shared.datasets.images as images
 from extract.__main__ import main as extract_main
 from shared.datasets.duplicates import find_duplicates
 from shared.datasets.imagefolder import scan_image_folder
-from extract.run import BAD_FILES_NAME, ExtractConfig, format_summary, run_extract
+from extract.config import BAD_FILES_NAME, ExtractConfig
+from extract.run import format_summary, run_extract
 from shared.datasets.shards import LatentDataset, load_index
 from shared.runtime.errors import UserError
 from tests.conftest import make_image_folder

@@ -14,7 +14,8 @@ import pytest
 
 from extract.__main__ import main as extract_main
 from shared.datasets.imagefolder import scan_image_folder
-from extract.run import SETTINGS_NAME, sidecar_path
+from extract.config import SETTINGS_NAME
+from extract.run import sidecar_path
 from shared.datasets.shards import INDEX_NAME, LatentDataset, shard_name
 from tests import small_disk
 from tests.conftest import ROOT, make_image_folder, make_tiny_vae
@@ -173,13 +174,13 @@ def test_second_launch_on_the_same_out_exits_naming_the_pid(tmp_path, tiny_vae_d
 
 def test_a_second_run_is_refused_by_the_lock_before_any_scan(tmp_path, tiny_vae_dir, capsys, monkeypatch):
     """Issue 38.5: the lock on --out comes first; the folder is never scanned or hashed for a refused run."""
-    import extract.run
+    import extract.config
     from shared.datasets.shards import FOLDER_KIND
     from shared.runtime.lock import hold_lock
 
     data, out = make_image_folder(tmp_path / "data"), tmp_path / "lat"
     scans = []
-    monkeypatch.setattr(extract.run, "open_source", lambda *a, **k: scans.append(a) or pytest.fail("scanned"))
+    monkeypatch.setattr(extract.config, "open_source", lambda *a, **k: scans.append(a) or pytest.fail("scanned"))
     with hold_lock(out, FOLDER_KIND):  # another run holding --out (flock: a second open file conflicts)
         start = time.monotonic()
         rc, _, err = _run(_argv(data, out, tiny_vae_dir), capsys)

@@ -15,7 +15,8 @@ import pytest
 import webdataset as wds
 
 from extract.__main__ import main
-from extract.run import BAD_FILES_NAME, ExtractConfig, run_extract, sidecar_path
+from extract.config import BAD_FILES_NAME, ExtractConfig
+from extract.run import run_extract, sidecar_path
 from shared.datasets.imagefolder import scan_image_folder
 from shared.datasets.shards import INDEX_NAME, shard_name
 from shared.runtime.fsio import stale_tmps

@@ -20,7 +20,7 @@ def _options_classes():
     from evaluate.evaluation import EvalOptions
     from evaluate.floor import FloorOptions
     from evaluate.reference import ReferenceOptions
-    from extract.run import ExtractConfig, ExtractModes
+    from extract.config import ExtractConfig, ExtractModes
     from sample.decode import DecodeOptions
     from sample.to_diffusers import ToDiffusersOptions
     from shared.sampling.generate import SampleOptions
@@ -41,7 +41,7 @@ def _parsers():
     from evaluate.evaluation import EvalOptions
     from evaluate.floor import FloorOptions, build_parser as floor_parser
     from evaluate.reference import ReferenceOptions, reference_parser
-    from extract.run import ExtractConfig
+    from extract.config import ExtractConfig
     from sample.decode import DecodeOptions
     from sample.to_diffusers import ToDiffusersOptions
     from shared.sampling.generate import SampleOptions

@@ -29,7 +29,8 @@ sys.path.insert(0, str(ROOT))
 
 from shared.datasets.imagefolder import scan_image_folder  # noqa: E402
 from shared.datasets.images import preprocess  # noqa: E402
-from extract.run import ExtractConfig, run_extract  # noqa: E402
+from extract.config import ExtractConfig  # noqa: E402
+from extract.run import run_extract
 from shared.tokenizers.locate import load_tokenizer  # noqa: E402
 
 
