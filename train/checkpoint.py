@@ -1,4 +1,5 @@
-"""The run folder's training state: the checkpoint a run resumes from, atomic checkpoints, retention, safe loading.
+"""The run folder's training state: the checkpoint a run resumes from, atomic checkpoints, retention, safe loading,
+and restoring a run from one (`restore`).
 
 A checkpoint is assembled in RUN/checkpoints/.tmp-step-XXXXXXX/ and published by one rename once complete, so a kill
 at any moment leaves no checkpoint or a whole one. Every .pt file holds only tensors and plain values, read with
@@ -18,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from shared.runtime import rundir
+from shared.runtime.cli import flag_name
 from shared.runtime.errors import UserError
 from shared.runtime.tensorfiles import write_safetensors
 from shared.weights.checkpoint import nonfinite_tensors
@@ -212,3 +214,61 @@ def check_finite_state(saved: dict, source: Path) -> None:
 def load_head(path: Path) -> dict | None:
     """A column head's weights (REPA's projector), or None when the run has none; UserError if unreadable."""
     return _read(path, load_file) if path.is_file() else None
+
+
+# ---- Resuming a run ----
+
+def restore(run, source: Path) -> None:
+    """Resume the train.loop.Run `run` from `source`; the processes of one machine take turns, so one node holds one CPU copy at a time.
+
+    Why: every process reads the whole state (weights, EMA, optimizer: ~11 GB for XL/2) into CPU memory
+    before moving it to its device; eight at once is ~90 GB of host memory on one node.
+    """
+    acc = run.accelerator
+    if acc.num_processes == 1:
+        return _restore_from(run, source)
+    local = torch.tensor([acc.local_process_index], device=run.device)
+    turns = int(acc.gather(local).max()) + 1  # the largest node's process count (nodes may differ)
+    for turn in range(turns):
+        if acc.local_process_index == turn:
+            _restore_from(run, source)
+        acc.wait_for_everyone()
+
+
+def _restore_from(run, source: Path) -> None:
+    """Load weights, EMA, optimizer, scaler, this rank's RNG, the step and the data position (CPU copy freed)."""
+    learner = run.learner
+    saved = load_checkpoint(source, run.accelerator.process_index)
+    learner.dit.load_state_dict(saved["model"], strict=True)
+    learner.ema.load_state_dict(saved["ema"], strict=True)
+    restore_heads(learner, source)
+    learner.optimizer.load_state_dict(saved["optimizer"])
+    if learner.scaler.is_enabled() and saved["scaler"]:
+        learner.scaler.load_state_dict(saved["scaler"])
+    if saved["rng"] is not None:  # absent when resuming on more processes: draws are keyed by position anyway
+        restore_rng(saved["rng"])
+    state = saved["state"]
+    learner.step, learner.skipped_steps = int(state["step"]), int(state.get("skipped_steps", 0))
+    run.data_position = int(state.get("data_position", learner.step * run.cfg.global_batch_size))
+    run.last_checkpoint = source
+
+
+def restore_heads(learner, source: Path) -> None:
+    """Load each column head (REPA's projector) from a checkpoint; a missing one or one of other shapes: one paragraph."""
+    for column, _ in learner.consumers:
+        head, path = learner.heads[column.name], source / column.checkpoint_file
+        state = load_head(path)
+        if state is None:
+            raise UserError(f"the checkpoint {source} has no head of the shard column {column.name!r} ({path.name}): "
+                            f"it was not trained with {flag_name(column.weight)}, so it cannot be resumed with it. "
+                            f"Resume without it, or start a new --results-dir.")
+        mine = {k: tuple(v.shape) for k, v in head.state_dict().items()}
+        saved = {k: tuple(v.shape) for k, v in state.items()}
+        if mine != saved:
+            last = sorted(k for k in saved if k.endswith("weight"))[-1:]
+            raise UserError(f"the head of the shard column {column.name!r} in {source} has shapes "
+                            f"{[saved[k] for k in last]} (output width x input) where this run builds "
+                            f"{[mine.get(k) for k in last]}: its width does not match the stored column or its flags. "
+                            f"Resume with the latent folder and flags the run was started with, or start a new "
+                            f"--results-dir.")
+        head.load_state_dict(state, strict=True)

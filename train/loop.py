@@ -21,7 +21,6 @@ import torch
 from tqdm import tqdm
 
 from shared.runtime import rundir
-from shared.runtime.cli import flag_name
 from shared.runtime.errors import UserError
 from shared.weights.export import save_weights
 from shared.runtime.fsio import atomic_write_text, link_file, space_guard
@@ -204,62 +203,6 @@ def seed_globals(seed: int, rank: int) -> None:
     torch.manual_seed(seed * 1009 + rank)
 
 
-def restore(run: Run, source: Path) -> None:
-    """Resume from `source`; the processes of one machine take turns, so one node holds one CPU copy at a time.
-
-    Why: every process reads the whole state (weights, EMA, optimizer: ~11 GB for XL/2) into CPU memory
-    before moving it to its device; eight at once is ~90 GB of host memory on one node.
-    """
-    acc = run.accelerator
-    if acc.num_processes == 1:
-        return _restore_from(run, source)
-    local = torch.tensor([acc.local_process_index], device=run.device)
-    turns = int(acc.gather(local).max()) + 1  # the largest node's process count (nodes may differ)
-    for turn in range(turns):
-        if acc.local_process_index == turn:
-            _restore_from(run, source)
-        acc.wait_for_everyone()
-
-
-def _restore_from(run: Run, source: Path) -> None:
-    """Load weights, EMA, optimizer, scaler, this rank's RNG, the step and the data position (CPU copy freed)."""
-    learner = run.learner
-    saved = ckpt_io.load_checkpoint(source, run.accelerator.process_index)
-    learner.dit.load_state_dict(saved["model"], strict=True)
-    learner.ema.load_state_dict(saved["ema"], strict=True)
-    restore_heads(learner, source)
-    learner.optimizer.load_state_dict(saved["optimizer"])
-    if learner.scaler.is_enabled() and saved["scaler"]:
-        learner.scaler.load_state_dict(saved["scaler"])
-    if saved["rng"] is not None:  # absent when resuming on more processes: draws are keyed by position anyway
-        ckpt_io.restore_rng(saved["rng"])
-    state = saved["state"]
-    learner.step, learner.skipped_steps = int(state["step"]), int(state.get("skipped_steps", 0))
-    run.data_position = int(state.get("data_position", learner.step * run.cfg.global_batch_size))
-    run.last_checkpoint = source
-
-
-def restore_heads(learner: Learner, source: Path) -> None:
-    """Load each column head (REPA's projector) from a checkpoint; a missing one or one of other shapes: one paragraph."""
-    for column, _ in learner.consumers:
-        head, path = learner.heads[column.name], source / column.checkpoint_file
-        state = ckpt_io.load_head(path)
-        if state is None:
-            raise UserError(f"the checkpoint {source} has no head of the shard column {column.name!r} ({path.name}): "
-                            f"it was not trained with {flag_name(column.weight)}, so it cannot be resumed with it. "
-                            f"Resume without it, or start a new --results-dir.")
-        mine = {k: tuple(v.shape) for k, v in head.state_dict().items()}
-        saved = {k: tuple(v.shape) for k, v in state.items()}
-        if mine != saved:
-            last = sorted(k for k in saved if k.endswith("weight"))[-1:]
-            raise UserError(f"the head of the shard column {column.name!r} in {source} has shapes "
-                            f"{[saved[k] for k in last]} (output width x input) where this run builds "
-                            f"{[mine.get(k) for k in last]}: its width does not match the stored column or its flags. "
-                            f"Resume with the latent folder and flags the run was started with, or start a new "
-                            f"--results-dir.")
-        head.load_state_dict(state, strict=True)
-
-
 def setup_run(plan: TrainPlan, accelerator, callbacks: list[Callback]) -> Run:
     """Build the learner on this process's device, start it from --init-from's weights or restore the resume source."""
     cfg = plan.cfg
@@ -272,7 +215,7 @@ def setup_run(plan: TrainPlan, accelerator, callbacks: list[Callback]) -> Run:
     run = Run(plan=plan, learner=learner, logger=logger,
               callbacks=CallbackList(default_callbacks(cfg) + list(callbacks)))
     if plan.source is not None:
-        restore(run, plan.source)  # in place into the parameters the compiled/DDP wrappers share
+        ckpt_io.restore(run, plan.source)  # in place into the parameters the compiled/DDP wrappers share
     run.callbacks.on_setup(run)
     return run
 
