@@ -145,7 +145,7 @@ def image_files(folder: Path, duplicates: str = DEFAULT_DUPLICATES) -> list[Path
 
 def open_folder_images(path) -> FolderImages:
     """Every image under a folder, found as extract finds them; UserError if it holds none or several sizes."""
-    from shared.datasets.imagefiles import IMAGE_EXTENSIONS
+    from shared.datasets.imagefolder import IMAGE_EXTENSIONS
     path = Path(path)
     # Every copy kept: identical samples are what a collapsed model draws, and FID must see all of them.
     files = image_files(path, "all")

@@ -15,7 +15,20 @@ import numpy as np
 
 from shared.runtime.cli import counted
 from shared.runtime.errors import UserError
-from shared.datasets.imagefiles import IMAGE_EXTENSIONS, is_hidden, is_image_file
+
+# The extensions torchvision's ImageFolder accepts, matched case-insensitively as it does.
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+
+def is_image_file(name: str) -> bool:
+    """True for names ending in one of IMAGE_EXTENSIONS, case-insensitively."""
+    return name.lower().endswith(IMAGE_EXTENSIONS)
+
+
+def is_hidden(name: str) -> bool:
+    """Names starting with a dot are tool or OS metadata (.ipynb_checkpoints, .DS_Store, ._x.jpg), never data."""
+    return name.startswith(".")
+
 
 LOOSE_CLASS = "."  # the group of images lying directly in a folder read with loose files (evaluate's folders)
 

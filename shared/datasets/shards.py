@@ -668,7 +668,7 @@ _RERUN = "rerun the same extract command to finish or repair the folder"
 
 def _holds_images(root: Path) -> bool:
     """True when root or one of its sub-folders holds an image file (an ImageFolder, not a latent folder)."""
-    from shared.datasets.imagefiles import is_image_file
+    from shared.datasets.imagefolder import is_image_file
 
     folders = [root, *(p for p in root.iterdir() if p.is_dir())]
     return any(is_image_file(f.name) for folder in folders for f in folder.iterdir())

@@ -17,8 +17,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from shared.datasets.imagefiles import IMAGE_EXTENSIONS
-from shared.datasets.imagefolder import ImageFolderScan, Skipped, scan_image_folder
+from shared.datasets.imagefolder import IMAGE_EXTENSIONS, ImageFolderScan, Skipped, scan_image_folder
 from shared.runtime.cli import counted
 from shared.runtime.errors import UserError
 
