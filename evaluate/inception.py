@@ -321,7 +321,7 @@ def load_inception(weights=None, device="cpu") -> FIDInceptionV3:
 
 def load_checked_inception(path: Path, device="cpu") -> tuple[FIDInceptionV3, str]:
     """(network, sha256) of the weights file at `path`: layout checked first (naming another network), then hash."""
-    from shared.runtime.tensorfiles import load_torch_file
+    from shared.weights.export import load_torch_file
     try:
         state = load_torch_file(path, f"Pass {WEIGHTS_NAME} from {WEIGHTS_URL}.")
     except SettingError as err:

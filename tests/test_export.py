@@ -5,7 +5,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import shared.runtime.tensorfiles as tensorfiles
+import shared.weights.export as tensorfiles
 from shared.runtime.errors import UserError
 from shared.weights.export import load_weights, save_weights
 from shared.network.models import ModelConfig
@@ -184,7 +184,7 @@ class _Evil:
 
 def test_load_torch_file_names_the_blocked_global_and_never_advises_unsafe_loading(tmp_path):
     from shared.runtime.errors import SettingError, advise
-    from shared.runtime.tensorfiles import load_torch_file
+    from shared.weights.export import load_torch_file
 
     torch.save({"w": _Evil()}, tmp_path / "evil.pt")
     with pytest.raises(SettingError) as caught:
@@ -200,7 +200,7 @@ def test_load_torch_file_names_the_blocked_global_and_never_advises_unsafe_loadi
 
 
 def test_safetensors_problem_and_nonfinite_tensors(tmp_path, trained):
-    from shared.runtime.tensorfiles import safetensors_problem
+    from shared.weights.export import safetensors_problem
     from shared.weights.checkpoint import nonfinite_tensors
 
     model, config = trained

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from shared.runtime import rundir
 from shared.runtime.cli import flag_name
 from shared.runtime.errors import UserError
-from shared.runtime.tensorfiles import write_safetensors
+from shared.weights.export import write_safetensors
 from shared.weights.checkpoint import nonfinite_tensors
 from shared.weights.export import load_weights, read_config
 from shared.runtime.fsio import atomic_write_json, publish_dir, remove_tree

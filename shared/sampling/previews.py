@@ -14,7 +14,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from shared.runtime.errors import UserError
-from shared.runtime.tensorfiles import write_safetensors
+from shared.weights.export import write_safetensors
 from shared.runtime.fsio import atomic_write
 from shared.tokenizers.space import REBUILD_RUN_FILE, LatentSpace
 

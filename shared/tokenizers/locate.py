@@ -260,7 +260,7 @@ def _check_rae_weights(weights: str, size: int, mtime_ns: int, config_json: str,
 
 def _read_state_dict(path: Path) -> dict:
     """Tensors of a single weight file (.safetensors, else a PyTorch file); .ckpt files often wrap them in 'state_dict'."""
-    from shared.runtime.tensorfiles import load_torch_file, safetensors_problem
+    from shared.weights.export import load_torch_file, safetensors_problem
     if path.suffix.lower() == ".safetensors":
         from safetensors.torch import load_file
         problem = safetensors_problem(path)
@@ -301,7 +301,7 @@ def _load_single_file(located: _Located):
 def _load_folder(located: _Located):
     """from_pretrained on a local folder, or a hub id (downloading the weights when online); every tensor must load."""
     from diffusers.utils import logging as diffusers_logging
-    from shared.runtime.tensorfiles import safetensors_problem
+    from shared.weights.export import safetensors_problem
     source = str(located.path) if located.path is not None else located.name
     weights = located.path / WEIGHT_FILES[0] if located.path is not None else None
     if weights is not None and weights.is_file() and (problem := safetensors_problem(weights)):

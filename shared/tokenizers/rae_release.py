@@ -143,7 +143,7 @@ def build_rae(release: RAERelease, decoder_state: dict, stats: dict, encoder_sta
 def locate_rae_release(name: str):
     """(the name recorded, the folder): its three files through the release cache, converted once."""
     from shared.runtime.download import fetch, release_url
-    from shared.runtime.tensorfiles import load_torch_file, safetensors_problem
+    from shared.weights.export import load_torch_file, safetensors_problem
 
     release = RAE_TOKENIZERS[name]
     instead = "or pass a local AutoencoderRAE folder instead of the name"

@@ -37,7 +37,7 @@ def vavae_config(mean, std) -> dict:
 
 def read_stats(path) -> tuple[list[float], list[float]]:
     """(mean, std) per channel from LightningDiT's latents_stats.pt ({"mean", "std"} each (1, C, 1, 1))."""
-    from shared.runtime.tensorfiles import load_torch_file
+    from shared.weights.export import load_torch_file
     stats = load_torch_file(path, "Download latents_stats.pt of hustvl/vavae-imagenet256-f16d32-dinov2 again.")
     return stats["mean"].flatten().double().tolist(), stats["std"].flatten().double().tolist()
 
@@ -75,7 +75,7 @@ def build_vavae(weights_path, stats_path):
     """A diffusers AutoencoderKL holding the released VA-VAE weights and its statistics (strict load)."""
     from diffusers import AutoencoderKL
 
-    from shared.runtime.tensorfiles import load_torch_file
+    from shared.weights.export import load_torch_file
     mean, std = read_stats(stats_path)
     state = load_torch_file(weights_path, "Download vavae-imagenet256-f16d32-dinov2.pt again.")
     vae = AutoencoderKL.from_config(vavae_config(mean, std))

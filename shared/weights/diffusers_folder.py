@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared.runtime.errors import UserError
-from shared.runtime.tensorfiles import load_torch_file, safetensors_problem
+from shared.weights.export import load_torch_file, safetensors_problem
 
 MODEL_INDEX = "model_index.json"
 CONFIG = "config.json"
@@ -156,7 +156,7 @@ def _download(repo_id: str) -> Path:
     folder = Path(snapshot_download(repo_id, allow_patterns=_HUB_CONFIGS + _HUB_SAFETENSORS,
                                     ignore_patterns=_HUB_SKIP))
     missing = _without_weights(folder)
-    if missing:  # read weights-only (shared.runtime.tensorfiles.load_torch_file), never as a general pickle
+    if missing:  # read weights-only (shared.weights.export.load_torch_file), never as a general pickle
         patterns = [f"{part}/{p}" if part else p for part in missing for p in _HUB_PICKLES]
         folder = Path(snapshot_download(repo_id, allow_patterns=patterns, ignore_patterns=_HUB_SKIP))
     return folder

@@ -1,18 +1,137 @@
-"""Our weight files ("exports"): slim safetensors files with the model config inside.
+"""Weight files: the one safetensors writer (sorted metadata, from plain copies, atomically), the readers and
+whole-file checks every weight load needs (the safe `torch.load` among them), and our own weight files ("exports").
 
-Metadata keys (all JSON strings, as safetensors metadata must be str -> str):
+Exports are slim safetensors files with the model config inside. Metadata keys (all JSON strings, as safetensors
+metadata must be str -> str):
   "dit_config": ModelConfig.to_dict(), "latent_space": the LatentSpace's JSON (its statistics are the tensors
   "latent_space.*" beside the weights: shared/tokenizers/space.py), "step": the optimiser step.
 """
 import json
+import pickle
+import re
+import zipfile
 from pathlib import Path
 
+import torch
 from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from shared.network.models import ModelConfig
-from shared.runtime.errors import ChoiceError, UserError
-from shared.runtime.tensorfiles import read_tensor_file, save_tensors
+from shared.runtime.errors import ChoiceError, SettingError, UserError
+from shared.runtime.fsio import atomic_write
 
+
+
+def plain_tensors(state_dict):
+    """Detached, contiguous CPU copies without shared storage (what safetensors can write)."""
+    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state_dict.items()}
+
+
+def write_safetensors(path, tensors: dict, metadata: dict | None = None) -> None:
+    """safetensors' save_file, then its header rewritten with the metadata keys sorted: equal content, equal bytes.
+
+    Why: safetensors keeps the metadata in a Rust HashMap, so each process writes its keys in a random order
+    and a resumed run's files would differ from an uninterrupted run's in the header alone.
+    """
+    save_file(tensors, str(path), metadata=metadata)
+    with open(path, "r+b") as f:
+        size = int.from_bytes(f.read(8), "little")  # the header: u64 length, then that many bytes of JSON
+        header = json.loads(f.read(size))
+        if "__metadata__" in header:
+            header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+        # serde_json's compact layout; a permutation of the same entries has the same length.
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        assert len(text) <= size, f"the sorted safetensors header of {path} is longer than the written one"
+        f.seek(8)
+        f.write(text.ljust(size, b" "))  # the format pads its header with spaces
+
+
+def save_tensors(path, tensors: dict, metadata: dict | None = None):
+    """Plain copies of `tensors` written to `path` as safetensors atomically (fsio.atomic_write); returns the path."""
+    tensors = plain_tensors(tensors)
+    return atomic_write(path, lambda tmp: write_safetensors(tmp, tensors, metadata))
+
+
+def read_tensor_file(path, device):
+    """(tensors, metadata) of a safetensors file; UserError if it is missing or unreadable."""
+    if not path.is_file():
+        raise UserError(f"weight file {path} does not exist; check the path (a run folder's exports are in "
+                        "RUN/exports/, its checkpoints in RUN/checkpoints/step-*/).")
+    try:
+        with safe_open(str(path), framework="pt", device=str(device)) as f:
+            return {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
+    except (SafetensorError, OSError, ValueError) as err:
+        raise UserError(f"cannot read {path} as a safetensors weight file ({err}); the file is truncated (an "
+                        "interrupted copy or download, a full disk) or not a safetensors file. Copy it again from "
+                        "where it was made, or use another weight file.") from err
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Checks every weight load needs
+# ----------------------------------------------------------------------------------------------------------
+
+def safetensors_problem(path) -> str | None:
+    """Why a safetensors file is not whole (truncated, not safetensors), from its header alone; None if whole."""
+    try:
+        with safe_open(str(path), framework="pt"):  # checks the header and that the data covers the file
+            return None
+    except (SafetensorError, OSError, ValueError) as err:
+        return " ".join(str(err).split()) or type(err).__name__
+
+
+# torch names what its weights-only unpickler refused as "GLOBAL module.name" ("posix.system", a class...).
+_BLOCKED_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+_REFUSED = "Weights only load failed"  # the first words of every weights-only refusal
+
+
+def load_torch_file(path, fix: str, allowed=()):
+    """torch.load(weights_only=True) on the CPU -> the object; SettingError for a refused or unreadable file.
+
+    `fix` ends every message (it may name settings as {setting} fields); `allowed`: extra safe globals.
+    torch's own text is not repeated: it advises weights_only=False, which would run the file's code.
+    """
+    path = Path(path)
+    try:
+        with torch.serialization.safe_globals(list(allowed)):
+            return torch.load(str(path), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        blocked = _BLOCKED_GLOBAL.search(str(err)) if _REFUSED in str(err) else None
+        if blocked:
+            raise SettingError(_refused_pickle(path, blocked.group(1)) + " " + fix) from None
+        raise SettingError(_unreadable(path, _unpickler_detail(str(err)) or _first_line(err), fix)) from None
+    except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile, OSError) as err:
+        raise SettingError(_unreadable(path, _first_line(err), fix)) from None
+
+
+def _refused_pickle(path: Path, name: str) -> str:
+    """The refusal of a pickle that asks for a global (a function or class): what it wanted, and that nothing ran."""
+    return (f"{path} tried to run code while loading: its pickle asks to import and call `{name}`, which is neither "
+            f"a tensor nor a plain container, so the safe loader (torch.load with weights_only=True) refused the "
+            f"file and nothing in it was run. Weight files never need code: use a file from a source you trust, or "
+            f"a .safetensors copy of the weights.")
+
+
+def _unreadable(path: Path, detail: str, fix: str) -> str:
+    """The refusal of a file that is not a readable PyTorch file of tensors."""
+    return (f"cannot read {path} as a PyTorch weight file ({detail}): it is truncated (an interrupted copy or "
+            f"download), not a PyTorch file, or a pickle of more than plain tensors; nothing in it was run. {fix}")
+
+
+def _unpickler_detail(text: str) -> str:
+    """The one line of a weights-only failure that says what was refused (torch's advice lines dropped)."""
+    skip = ("Weights only load failed", "Please file an issue", "Check the documentation")
+    return next((line.strip() for line in text.splitlines() if line.strip() and not line.startswith(skip)), "")
+
+
+def _first_line(err: BaseException) -> str:
+    """The first sentence of an error's text (or its type name): torch appends paragraphs of advice."""
+    text = str(err).strip()
+    return text.splitlines()[0].split(". ")[0].rstrip(".")[:200] if text else type(err).__name__
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Our weight files: the model config and latent space inside
+# ----------------------------------------------------------------------------------------------------------
 
 SPACE_KEY = "latent_space"  # metadata key of the latent space's JSON, prefix of its statistics' tensors
 
