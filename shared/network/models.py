@@ -12,7 +12,8 @@ from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
-from shared.generative.objectives import DEFAULT_OBJECTIVE
+from shared.generative.objectives import DEFAULT_OBJECTIVE, objective_of, plugin_of, recorded_args
+from shared.generative.samplers import check_recorded
 from shared.network.blocks import BLOCK_FIELDS, BLOCKS, block_name, block_plugins, check_block_options, infer_block
 from shared.network.ddt import DiTDH, check_head
 from shared.network.dit import CLASS_DROPOUT_PROB, DiT
@@ -150,9 +151,6 @@ class ModelConfig:
         if self.model in DEFAULT_BLOCKS and not self.head_depth:
             raise SettingError(f"{self.model} is a DiT^DH preset but {{head depth}} is 0; use a DiT preset for a "
                                "model without the head.")
-        from shared.generative.objectives import plugin_of, recorded_args  # late: objectives imports samplers
-        from shared.generative.samplers import check_recorded
-
         check_interval_time(self, objective)
         self.objective_args = recorded_args(objective)  # every recorded field (defaults too): equal models, equal configs
         self.plugins = sorted({plugin_of(self.objective), *block_plugins(self.block_options)} - {""})
@@ -161,8 +159,6 @@ class ModelConfig:
 
     def _registered(self):
         """The objective, once it and the block options are found registered; else names a recorded plugin not imported."""
-        from shared.generative.objectives import objective_of  # late: objectives imports samplers
-
         try:
             check_block_options(self.block_options)
             return objective_of(self)
