@@ -115,3 +115,35 @@ def test_python_m_sample_draws_with_a_plugin_sampler(plugin, tmp_path, tiny_vae_
     assert sorted(pngs(out)) == sorted(pngs(reference)) and len(pngs(out)) == 2
     for name in pngs(out):
         assert np.array_equal(np.asarray(Image.open(out / name)), np.asarray(Image.open(reference / name)))
+
+
+def test_a_plugin_imported_first_still_comes_after_the_built_ins_and_meets_their_names(tmp_path):
+    """A user's module imported before anything reads the registry: its sampler is listed after the package's, and a
+    name the package holds is refused when the module registers it (not later, from inside a built-in module)."""
+    (tmp_path / "early_mine.py").write_text(textwrap.dedent('''
+        from shared.generative.flow import euler_sample
+        from shared.generative.samplers import SamplerSpec, register_sampler
+
+        def mine(process, model_fn, noise, model_kwargs=None, generator=None, progress=False):
+            return euler_sample(process, model_fn, noise, model_kwargs, generator, progress)
+
+        register_sampler(SamplerSpec("mine", mine, "flow", "Euler under another name"))
+    '''))
+    (tmp_path / "early_clash.py").write_text(textwrap.dedent('''
+        from shared.generative.samplers import SamplerSpec, register_sampler
+
+        def euler(process, model_fn, noise, model_kwargs=None, generator=None, progress=False):
+            return noise
+
+        register_sampler(SamplerSpec("ddim", euler, "ddpm", "a name the package holds"))
+    '''))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    listed = subprocess.run([sys.executable, "-c", "import early_mine\nfrom shared.generative.samplers import "
+                             "sampler_names\nprint(' '.join(sampler_names()))"], env=env, capture_output=True, text=True)
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.split() == ["ddpm", "ddim", "dpmpp-2m", "unipc", "euler", "heun", "sde", "dopri5", "meanflow",
+                                     "mine"]
+    clash = subprocess.run([sys.executable, "-c", "import early_clash"], env=env, capture_output=True, text=True)
+    assert clash.returncode == 1
+    assert "TypeError: sampler 'ddim' is taken by shared.generative.diffusion.ddim_sample" in clash.stderr
+    assert 'early_clash.py", line 7' in clash.stderr  # raised where the user's module registers it

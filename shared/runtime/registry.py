@@ -4,7 +4,7 @@ A registry maps a name to a record (an objective class, a SamplerSpec, a ShardCo
 and refuses a name another module already holds (the same owner registering again, as on a re-import, replaces
 its record); `lookup` raises ChoiceError under the registry's domain name, listing the registered names, so each
 stage's `__main__` can turn it into flag advice. Modules named in `imports` register the package's own records
-and are imported before the first read.
+and are imported before the first read, and before a record of another module is added.
 """
 from __future__ import annotations
 
@@ -33,6 +33,8 @@ class Registry(Mapping, Generic[R]):
 
     def register(self, name, record: R, first: bool = False) -> R:
         """Add `record` under `name` (`first`: ahead of the others); TypeError if another owner holds the name."""
+        if plugin_module(self.owner(record)):  # a user's record comes after the package's, and meets their names
+            self._load()
         old = self._records.get(name)
         if old is not None and self.owner(old) != self.owner(record):
             raise TypeError(f"{self.domain} {name!r} is taken by {self.owner(old)}")
