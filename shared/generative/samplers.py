@@ -4,8 +4,9 @@ Every sampler function has one signature, `fn(process, model_fn, noise, model_kw
 progress=False, **options) -> x_data`, where `process` is what the objective builds for it from the step count
 (a respaced GaussianDiffusion for DDPM, a FlowProcess time grid for flow matching; see shared/generative/objectives.py).
 A new sampler is one SamplerSpec passed to `register_sampler`, by the module of the process it walks or by a module
-of the user's (`--plugin MODULE`; docs/objectives.md). A sampler serves every objective of its `family`, the kind of process it walks ("ddpm": a
-respaced GaussianDiffusion; "flow": a FlowProcess), so a new objective that builds one of these is served as is.
+of the user's (`--plugin MODULE`; docs/objectives.md). A sampler serves every objective of its `family`, the kind of
+process it walks ("ddpm": a respaced GaussianDiffusion; "flow": a FlowProcess), so a new objective that builds one
+of these is served as is.
 """
 from __future__ import annotations
 
