@@ -124,7 +124,8 @@ def export_image_size(path: Path) -> int:
 
 def sample_export(export: Path, out: Path, o: RunEvalOptions) -> Path:
     """Draw o.num_samples images of `export` into `out` with python -m sample's code path; return samples.npz."""
-    from shared.sampling.generate import NPZ_NAME, SampleOptions, run_sample
+    from shared.sampling.plan import NPZ_NAME, SampleOptions
+    from shared.sampling.generate import run_sample
     drawing = {f.name: getattr(o, f.name) for f in dataclasses.fields(SamplingFlags)}  # the one flag family
     options = SampleOptions(ckpt=str(export), vae=o.vae, num_samples=o.num_samples, seed=o.seed,
                             batch_size=o.batch_size, out=str(out), npz=True, cpu=o.cpu, **drawing)

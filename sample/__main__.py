@@ -15,7 +15,8 @@ from shared.runtime.plugins import load_plugins
 
 from sample.decode import DecodeOptions, run_decode
 from sample.to_diffusers import ToDiffusersOptions, run_to_diffusers
-from shared.sampling.generate import SampleOptions, run_sample
+from shared.sampling.plan import SampleOptions
+from shared.sampling.generate import run_sample
 from sample.watch import WatchOptions, run_watch
 
 PROG = "python -m sample"

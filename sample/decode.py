@@ -17,7 +17,8 @@ from shared.runtime.rundir import SAMPLES, step_of
 from shared.tokenizers.locate import load_tokenizer
 from shared.tokenizers.space import LatentSpace, choose_tokenizer
 
-from shared.sampling.generate import GRID_NAME, captions_for, check_out_path, image_name, save_png, write_grid
+from shared.sampling.plan import GRID_NAME, check_out_path
+from shared.sampling.generate import captions_for, image_name, save_png, write_grid
 
 
 @dataclass

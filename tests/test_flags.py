@@ -23,7 +23,7 @@ def _options_classes():
     from extract.config import ExtractConfig, ExtractModes
     from sample.decode import DecodeOptions
     from sample.to_diffusers import ToDiffusersOptions
-    from shared.sampling.generate import SampleOptions
+    from shared.sampling.plan import SampleOptions
     from sample.watch import WatchOptions
     from train.config import TrainConfig
 
@@ -44,7 +44,7 @@ def _parsers():
     from extract.config import ExtractConfig
     from sample.decode import DecodeOptions
     from sample.to_diffusers import ToDiffusersOptions
-    from shared.sampling.generate import SampleOptions
+    from shared.sampling.plan import SampleOptions
     from sample.watch import WatchOptions
     from train.config import TrainConfig, build_parser
 
@@ -337,7 +337,7 @@ def test_a_family_flag_changes_per_command():
     """A shared Flag keeps its help where a command changes only its default (evaluate draws 50 steps; sample the
     recorded count, else 250)."""
     from evaluate.curve import RunEvalOptions
-    from shared.sampling.generate import SampleOptions
+    from shared.sampling.plan import SampleOptions
     from shared.sampling.flags import NUM_SAMPLING_STEPS, STEPS_HELP
 
     assert isinstance(NUM_SAMPLING_STEPS, Flag)

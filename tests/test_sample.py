@@ -13,7 +13,8 @@ from tests.conftest import ROOT, make_tiny_vae
 from shared.sampling.previews import write_preview
 from tests.helpers import NUM_CLASSES, pngs, random_dit, run_sample, space_of
 from shared.weights.checkpoint import run_weight_file
-from shared.sampling.generate import ckpt_label, grid_layout
+from shared.sampling.plan import ckpt_label
+from shared.sampling.generate import grid_layout
 from shared.weights.export import save_weights
 from shared.runtime.interrupt import EXIT_STATUS, MESSAGE
 from shared.network.models import DiT, ModelConfig

@@ -171,7 +171,7 @@ def test_blocks_compile_lightnings_block_and_the_dit_dh_head_without_a_graph_bre
 
 def test_compile_changes_no_recorded_identity_so_a_rerun_resumes(tmp_path, tiny_vae_dir):
     """settings.json's identity (what a resume compares) is the same with and without --compile."""
-    from shared.sampling.generate import SampleOptions, make_plan
+    from shared.sampling.plan import SampleOptions, make_plan
     from shared.tokenizers.locate import load_tokenizer
     from tests.test_evaluate_run import export
 

@@ -9,7 +9,7 @@ import torch
 
 from evaluate.curve import RunEvalOptions, run_parser
 from sample.__main__ import sample_parser
-from shared.sampling.generate import SampleOptions
+from shared.sampling.plan import SampleOptions
 from shared.generative.objectives import make_objective
 from shared.generative.samplers import SAMPLER_OPTIONS, SAMPLERS, SAMPLING_KEYS, resolve_sampling
 from shared.network.models import ModelConfig

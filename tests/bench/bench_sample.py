@@ -27,7 +27,8 @@ from shared.generative.diffusion import DDPMObjective  # noqa: E402
 from shared.network.models import DiT_models, ModelConfig  # noqa: E402
 from shared.runtime.precision import PRECISIONS, set_tf32  # noqa: E402
 from shared.sampling.compiled import COMPILE_MODES, compile_for_sampling  # noqa: E402
-from shared.sampling.generate import LabelPlan, batch_start  # noqa: E402
+from shared.sampling.plan import LabelPlan  # noqa: E402
+from shared.sampling.generate import batch_start
 from shared.tokenizers.tokenizer import to_uint8  # noqa: E402
 from shared.tokenizers.tokenizer import Tokenizer  # noqa: E402
 
