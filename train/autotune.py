@@ -52,9 +52,7 @@ def probe_device(device) -> DeviceInfo:
 
 def auto_precision(info: DeviceInfo) -> str:
     """bf16 where the GPU has it, fp16 (with GradScaler) on older GPUs, fp32 elsewhere."""
-    if info.type != "cuda":
-        return "fp32"
-    return "bf16" if info.bf16 else "fp16"
+    return "fp32" if info.type != "cuda" else ("bf16" if info.bf16 else "fp16")
 
 
 def plan_rows(cfg, model_config: ModelConfig, budget: int, per_process: int, choices) -> list:
@@ -76,19 +74,13 @@ def checkpoint_candidates(requested, depth: int) -> list[int]:
 def pick_row(rows: list, per_process: int):
     """The least recomputation whose micro-batch is fast enough; else the largest micro-batch; None if none fits."""
     fitting = [r for r in rows if r.micro is not None]
-    if not fitting:
-        return None
-    enough = min(per_process, FAST_MICRO)
-    for row in fitting:  # rows come least recomputation first
-        if row.micro >= enough:
-            return row
-    return max(fitting, key=lambda r: (r.micro, -r.profile.every))
+    fast = [r for r in fitting if r.micro >= min(per_process, FAST_MICRO)]  # rows come least recomputation first
+    return fast[0] if fast else max(fitting, key=lambda r: (r.micro, -r.profile.every), default=None)
 
 
 def smaller_micro(micro: int, per_process: int) -> int | None:
     """The next smaller divisor of the per-process batch, or None below 1."""
-    below = [m for m in range(micro - 1, 0, -1) if per_process % m == 0]
-    return below[0] if below else None
+    return next((m for m in range(micro - 1, 0, -1) if per_process % m == 0), None)
 
 
 def measure_peak(cfg, model_config: ModelConfig, micro: int, every: int, accumulation: int, budget: int) -> int | None:
@@ -179,17 +171,13 @@ def _plan_on_gpu(cfg, model_config, info: DeviceInfo, world_size: int, measure: 
     row = (rows[0] if rows else None) if explicit else pick_row(rows, per_process)
     if row is None:
         raise _no_fit_error(cfg, info, budget)
-    record = {"margin": margin, "budget": budget, "plan": _rows_record(rows)}
+    record = {"margin": margin, "budget": budget,
+              "plan": [{"grad_checkpoint": r.profile.every, "micro": r.micro, "predicted_peak": r.peak} for r in rows]}
     if not explicit:
         cfg.micro_batch_size, tries = confirm(cfg, model_config, row, per_process, budget, measure)
         record.update(predicted_peak=row.peak, confirmed=tries)
     cfg.grad_checkpoint = row.profile.every
     return record
-
-
-def _rows_record(rows) -> list[dict]:
-    """The plan as the run config records it."""
-    return [{"grad_checkpoint": r.profile.every, "micro": r.micro, "predicted_peak": r.peak} for r in rows]
 
 
 def describe(record: dict) -> str:

@@ -205,12 +205,6 @@ def free_memory(device: torch.device) -> int | None:
     return int(torch.cuda.mem_get_info(device)[0])  # looked up at call time: tests/bench/capped.py's cap applies
 
 
-def changes_budget(free: int, n_trainable: int) -> int:
-    """What the rows may allocate: free memory less the planner's margin and the foreach row's temporaries."""
-    # foreach AdamW (one of the rows) keeps about one fp32 copy of the weights in temporaries that fused does not
-    return free - parse_size(DEFAULT_MARGIN) - 4 * n_trainable
-
-
 def plan_changes_micro(args, configs: list[BenchConfig], device, free: int | None) -> tuple[list, str]:
     """changes-gpu's rows at the largest micro-batch (a divisor of 256) the planner fits in `free`, and why."""
     if free is None:
@@ -223,7 +217,9 @@ def plan_changes_micro(args, configs: list[BenchConfig], device, free: int | Non
     model_cfg = model_config_for(cfg, latent_shape(args.image_size), args.num_classes)
     profiles, n_params, n_trainable = measure_profiles(model_cfg, base.precision, [base.checkpoint], device)
     fixed = fixed_state(n_params, n_trainable, cfg.optimizer, cfg.ema_device).total
-    budget = changes_budget(free, n_trainable)
+    # What the rows may allocate: free memory less the planner's margin and the foreach row's temporaries (foreach
+    # AdamW, one of the rows, keeps about one fp32 copy of the weights in temporaries that fused does not).
+    budget = free - parse_size(DEFAULT_MARGIN) - 4 * n_trainable
     row = plan_row(profiles[0], fixed, budget, CHANGES_GPU_MICRO)
     where = f"{format_size(free)} free less {DEFAULT_MARGIN} margin and foreach AdamW's temporaries"
     if row.micro is None:

@@ -21,9 +21,8 @@ from safetensors.torch import load_file
 from shared.runtime import rundir
 from shared.runtime.cli import flag_name
 from shared.runtime.errors import UserError
-from shared.weights.export import write_safetensors
 from shared.weights.checkpoint import nonfinite_tensors
-from shared.weights.export import load_weights, read_config
+from shared.weights.export import load_weights, read_config, write_safetensors
 from shared.runtime.fsio import atomic_write_json, publish_dir, remove_tree
 from train.config import TrainConfig
 
@@ -211,19 +210,11 @@ def check_finite_state(saved: dict, source: Path) -> None:
                             f"cannot be resumed. {damaged_advice(source)}")
 
 
-def load_head(path: Path) -> dict | None:
-    """A column head's weights (REPA's projector), or None when the run has none; UserError if unreadable."""
-    return _read(path, load_file) if path.is_file() else None
-
-
 # ---- Resuming a run ----
 
 def restore(run, source: Path) -> None:
-    """Resume the train.loop.Run `run` from `source`; the processes of one machine take turns, so one node holds one CPU copy at a time.
-
-    Why: every process reads the whole state (weights, EMA, optimizer: ~11 GB for XL/2) into CPU memory
-    before moving it to its device; eight at once is ~90 GB of host memory on one node.
-    """
+    """Resume the train.loop.Run `run` from `source`; the processes of one machine take turns, so one node holds one
+    CPU copy at a time (each reads the whole state, ~11 GB for XL/2, into CPU memory: eight at once is ~90 GB)."""
     acc = run.accelerator
     if acc.num_processes == 1:
         return _restore_from(run, source)
@@ -257,11 +248,11 @@ def restore_heads(learner, source: Path) -> None:
     """Load each column head (REPA's projector) from a checkpoint; a missing one or one of other shapes: one paragraph."""
     for column, _ in learner.consumers:
         head, path = learner.heads[column.name], source / column.checkpoint_file
-        state = load_head(path)
-        if state is None:
+        if not path.is_file():
             raise UserError(f"the checkpoint {source} has no head of the shard column {column.name!r} ({path.name}): "
                             f"it was not trained with {flag_name(column.weight)}, so it cannot be resumed with it. "
                             f"Resume without it, or start a new --results-dir.")
+        state = _read(path, load_file)
         mine = {k: tuple(v.shape) for k, v in head.state_dict().items()}
         saved = {k: tuple(v.shape) for k, v in state.items()}
         if mine != saved:

@@ -42,12 +42,9 @@ DEBUG_STEPS = 5
 # Changing one of these changes the experiment: a resume that differs is refused.
 IDENTITY_FIELDS = ("model", "objective", "objective_options", "time_dist_shift", "global_batch_size",
                    "seed", "optimizer", "adam_betas", "weight_decay", "ema_decay", "class_dropout_prob") + BLOCK_FIELDS
-IDENTITY_FIELDS += HEAD_FIELDS
-# The shard columns' training flags (REPA's, shared/network/repa.py): they change the experiment too.
-IDENTITY_FIELDS += ("column_options",)
+IDENTITY_FIELDS += HEAD_FIELDS + ("column_options",)  # the shard columns' training flags (REPA's): experiment too
 # Token routing (shared/network/routing.py) changes which tokens every step trains on: part of the experiment.
-ROUTE_FIELDS = ("route_ratio", "route_start", "route_end")
-IDENTITY_FIELDS += ROUTE_FIELDS
+IDENTITY_FIELDS += ("route_ratio", "route_start", "route_end")
 IDENTITY_FIELDS += ("init_from",)  # the weights a fine-tuning run started from (train/init_from.py)
 IDENTITY_FIELDS += ("shard_window",)  # the data order (train/latents.py resolves auto before the resume check)
 # Data identity: what a checkpoint's latent folder must share with the one given now.
@@ -55,34 +52,22 @@ DATA_FIELDS = ("num_samples", "latent_shape", "flips", "num_classes", "image_siz
                "index_sha256", "latent_space")
 
 
-def float_or_auto(text: str):
-    """argparse type: a number, or 'auto' (resolved from the latent shape)."""
-    if text == "auto":
-        return text
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number or auto, got {text!r}") from None
+def _or_auto(convert, expected: str):
+    """An argparse type: convert(text), or 'auto' (resolved later: from the latents, or by train/autotune.py)."""
+    def parse(text: str):
+        if text == "auto":
+            return text
+        try:
+            return convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected} or auto, got {text!r}") from None
+    return parse
 
 
-def checkpoint_choice(text: str):
-    """argparse type of --grad-checkpoint: a whole number K (every K-th block; 0 = off), selective, or auto."""
-    if text == SELECTIVE:
-        return text
-    try:
-        return int_or_auto(text)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, {SELECTIVE} or auto, got {text!r}") from None
-
-
-def int_or_auto(text: str):
-    """argparse type: a whole number, or 'auto' (resolved for the device by train/autotune.py)."""
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number or auto, got {text!r}") from None
+float_or_auto = _or_auto(float, "a number")
+int_or_auto = _or_auto(int, "a whole number")
+# --grad-checkpoint: a whole number K (every K-th block; 0 = off), selective, or auto
+checkpoint_choice = _or_auto(lambda text: text if text == SELECTIVE else int(text), f"a whole number, {SELECTIVE}")
 
 
 @dataclass
@@ -272,10 +257,6 @@ class TrainConfig:
         """Indented JSON text of the config."""
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
-    def to_display(self) -> str:
-        """`to_json` for the terminal."""
-        return self.to_json()
-
 
 # ---------------------------------------------------------------------------------------------------------
 # Flags
@@ -318,11 +299,8 @@ def build_parser(prog: str = "python -m train") -> argparse.ArgumentParser:
 
 
 def add_objective_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """One flag per training field of the registered objectives (shared/generative/objectives.py).
-
-    Not given, a flag is absent from the namespace (the objective's own default applies), so a setting of
-    another objective is refused only when it was asked for.
-    """
+    """One flag per training field of the registered objectives (shared/generative/objectives.py). Not given, a flag
+    is absent from the namespace (its default applies), so another objective's setting is refused only when asked."""
     for name, (spec, takers) in training_flags().items():
         names, kwargs = argument_of(name, spec, type(spec.default))
         kwargs.update(default=argparse.SUPPRESS,
@@ -342,19 +320,10 @@ def column_consumers(cfg: TrainConfig) -> list[tuple]:
     return [(c, f) for c, f in chosen if getattr(f, c.weight) > 0]
 
 
-def objective_flag_names() -> tuple[str, ...]:
-    """The namespace names of the objectives' training flags."""
-    return tuple(training_flags())
-
-
 def model_config_for(cfg: TrainConfig, latent_shape: tuple, num_classes: int,
                      resumed: ModelConfig | None = None) -> ModelConfig:
-    """The DiT config a run of `cfg` trains on latents of latent_shape (C, h, w) with `num_classes` classes.
-
-    The one factory: `python -m train` (the latent folder's shape), `python -m train.plan` and `python -m
-    train.bench` (the shape their flags give) all build their model from it. `resumed`: the config a checkpoint
-    records, whose output layout a resumed run keeps.
-    """
+    """The DiT config a run of `cfg` trains on latents of latent_shape (C, h, w) with `num_classes` classes: the one
+    factory of train, train.plan and train.bench. `resumed`: a checkpoint's config, whose output layout is kept."""
     # DDPM's hybrid loss trains a variance in C more output channels; a flow model predicts the velocity alone
     # (out = in channels, as REPA's, LightningDiT's and RAE's; SiT's release carries 2C and uses the first C).
     # Runs started when flow models still had the 2C layout resume with it.
@@ -377,7 +346,7 @@ def model_config_for(cfg: TrainConfig, latent_shape: tuple, num_classes: int,
 def config_from_args(args: argparse.Namespace, explicit=frozenset()) -> TrainConfig:
     """A TrainConfig holding the parsed flags, the --recipe applied to those not in `explicit` (not yet resolved)."""
     cfg = from_args(TrainConfig, args)
-    cfg.objective_options = {k: getattr(args, k) for k in objective_flag_names() if hasattr(args, k)}
+    cfg.objective_options = {k: getattr(args, k) for k in training_flags() if hasattr(args, k)}
     cfg.column_options = flag_values(lambda c: c.train_flags, args)
     return apply_recipe(cfg, set(explicit))
 
@@ -498,8 +467,7 @@ def check_config(cfg: TrainConfig, dataset) -> None:
     """The checks that need only the flags and the latents, and the latent space (cfg.space) they resolve to."""
     check_flag_bounds(cfg)  # the bounds declared on the options; again here for a TrainConfig built in Python
     check_plugins(dataset.meta, dataset.root, "python -m train")
-    check_preset(cfg.model)
-    resolve_block(cfg)
+    resolve_block(cfg)  # checks the --model preset first
     _resolve_shift(cfg, dataset.latent_shape)
     _check_objective(cfg)
     _check_image_size(cfg, dataset)
@@ -516,10 +484,8 @@ def resolve_config(cfg: TrainConfig, dataset, world_size: int) -> TrainConfig:
     cfg.micro_batch_size, cfg.grad_accum_steps = grad_accum_steps(
         cfg.global_batch_size, cfg.micro_batch_size, cfg.world_size)
     cfg.data = data_identity(dataset, cfg.space)  # holds its sha256; checkpoints, exports and previews the record
-    if cfg.epochs is not None:
-        cfg.total_steps = math.ceil(cfg.epochs * len(dataset) / cfg.global_batch_size)
-    else:
-        cfg.total_steps = cfg.max_steps or DEFAULT_MAX_STEPS
+    cfg.total_steps = (math.ceil(cfg.epochs * len(dataset) / cfg.global_batch_size) if cfg.epochs is not None
+                       else cfg.max_steps or DEFAULT_MAX_STEPS)
     _resolve_preview_guidance(cfg)
     return cfg
 
@@ -557,10 +523,7 @@ def _resolve_shift(cfg: TrainConfig, latent_shape) -> None:
 def route_span(model: str, latent_side: int, ratio: float, start: int | None, end: int | None,
                head: bool | None = None) -> tuple[int, int]:
     """The route's (start, end) blocks, TREAD's where not given (2, depth - 4), checked against the preset; UserError.
-
-    With a DiT^DH head (head None: the preset's) the route lies in the body: depth is the body's, the head is never
-    routed.
-    """
+    With a DiT^DH head (head None: the preset's) the route lies in the body (its depth counts), never in the head."""
     from shared.network.models import PRESETS
     from shared.network.routing import PAPER_START, check_route, paper_end
 
@@ -681,8 +644,7 @@ def resume_differences(saved: TrainConfig, current: TrainConfig) -> tuple[list[s
     """(refused differences, allowed differences) between a checkpoint's config and the current one."""
     recorded, now = vars(saved), vars(current)
     refused = differences(recorded, now, IDENTITY_FIELDS, nested=False)
-    data = _data_mismatch(saved.data, current.data, getattr(current, "space", None))
-    if data:
+    if data := _data_mismatch(saved.data, current.data, getattr(current, "space", None)):
         refused.append(data)
     # "block" only names a preset; the options it resolves to are identity fields.
     skip = set(IDENTITY_FIELDS) | {"data", "results_dir", "resume", "dry_run", "debug", "latents", "image_size",

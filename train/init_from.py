@@ -67,11 +67,8 @@ def fit_init(init: InitWeights, run_config: ModelConfig) -> InitWeights:
 
 
 def velocity_outputs(state_dict: dict, source: ModelConfig) -> dict:
-    """The state dict with the final linear cut to the first C of its 2C outputs per patch pixel: the velocity.
-
-    A flow model with DiT's 2C layout (SiT's release) trains and samples only its first C channels; the
-    linear's rows are ordered (p, p, 2C) (DiT.unpatchify), so each pixel keeps its first C rows.
-    """
+    """The state dict with the final linear cut to the first C of its 2C outputs per patch pixel: the velocity (a flow
+    model with DiT's 2C layout, SiT's release, uses only those); rows are ordered (p, p, 2C) (DiT.unpatchify)."""
     p, c = PRESETS[source.model]["patch_size"], source.in_channels
     out = dict(state_dict)
     for name in ("final_layer.linear.weight", "final_layer.linear.bias"):
@@ -81,8 +78,7 @@ def velocity_outputs(state_dict: dict, source: ModelConfig) -> dict:
 
 
 def _check_objective(where, source: ModelConfig, assumed: bool = False) -> None:
-    """UserError unless the source learned a velocity field on the linear path (flow) or is MeanFlow already.
-
+    """UserError unless the source learned a velocity field on the linear path (flow) or is MeanFlow already;
     assumed: a bare state dict that records no objective and is no known release was read as DDPM (DiT's)."""
     if source.head_depth:
         raise UserError(f"--init-from {where} is a DiT^DH model ({source.model}, a {source.head_depth}-block head); "
@@ -134,11 +130,8 @@ def _check_architecture(where, source: ModelConfig, run: ModelConfig) -> None:
 
 
 def apply_init(dit: torch.nn.Module, ema: torch.nn.Module, init: InitWeights) -> None:
-    """Load the source weights into the fresh DiT and its EMA; a new h_embedder's last linear is zeroed.
-
-    Every source tensor must be used and every model tensor filled, except the interval embedder the flow model
-    lacks (a MeanFlow source has it and loads it as it is).
-    """
+    """Load the source weights into the fresh DiT and its EMA; a new h_embedder's last linear is zeroed. Every source
+    tensor must be used and every model tensor filled, but the interval embedder a flow model lacks."""
     missing, unexpected = dit.load_state_dict(init.state_dict, strict=False)
     # g_embedders (improved MeanFlow's guidance) keep their fresh init: its last linear is zero (DiT.initialize_weights)
     new = {k for k in missing if k.startswith(("h_embedder.", "g_embedders."))}

@@ -83,9 +83,7 @@ def is_url(source: str) -> bool:
 
 def cache_root() -> Path:
     """Where copies of remote latent folders are kept on this machine."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
-    return user_cache("latents")
+    return Path(os.environ[CACHE_ENV]) if os.environ.get(CACHE_ENV) else user_cache("latents")
 
 
 def _filesystem(url: str):
@@ -151,10 +149,9 @@ def fetch_space(fs, root: str, local: Path, index: dict) -> None:
 def fetch_latents(url: str) -> Path:
     """Copy a remote latent folder into the local cache (only what is missing); returns the local folder."""
     fs, root, index_bytes, index, local = remote_index(url)
-    entries = [*index["shards"], index["arrays"]]
     local.mkdir(parents=True, exist_ok=True)
     fetch_space(fs, root, local, index)
-    for entry in entries:
+    for entry in [*index["shards"], index["arrays"]]:
         target = local / entry["name"]
         if not (target.is_file() and target.stat().st_size == entry["size"]):
             _copy_file(fs, f"{root}/{entry['name']}", target)
@@ -165,9 +162,7 @@ def fetch_latents(url: str) -> Path:
 
 def local_latents(source: str) -> Path:
     """The local folder to read: the path itself, or the cached copy of a URL."""
-    if is_url(source):
-        return fetch_latents(source)
-    return Path(str(source).removeprefix("file://"))
+    return fetch_latents(source) if is_url(source) else Path(str(source).removeprefix("file://"))
 
 
 def open_latents(source: str, accelerator=None, cache_limit: int | None = None) -> LatentDataset:
@@ -240,10 +235,8 @@ def open_streamed(url: str, limit: int, fetcher: bool) -> "StreamedLatents":
 
 
 class StreamedLatents(LatentDataset):
-    """A LatentDataset whose shards arrive while it trains: readers wait for a shard, drop those evicted.
-
-    Each shard was sha256-checked by ShardStream before it got its name, so opening hashes nothing.
-    """
+    """A LatentDataset whose shards arrive while it trains: readers wait for a shard, drop those evicted. Each shard
+    was sha256-checked by ShardStream before it got its name, so opening hashes nothing."""
 
     def __init__(self, root, budget: int):
         self.budget, self.stream = budget, None  # the node's fetcher (local main process only)
@@ -301,11 +294,9 @@ class StreamedLatents(LatentDataset):
 
 
 class ShardStream:
-    """The node's fetcher thread: keeps the current and next window's shards in the cache, nothing else.
-
-    `consumed` is the stream position every process of the node has trained past (advanced by `follow`);
-    shards whose windows lie before it are deleted, those of its window and the next are fetched in order.
-    """
+    """The node's fetcher thread: keeps the current and next window's shards in the cache, nothing else. `consumed`
+    is the stream position every process of the node has trained past (advanced by `follow`); shards whose windows
+    lie before it are deleted, those of its window and the next are fetched in order."""
 
     def __init__(self, fs, remote_root: str, url: str, local: Path, shards: list[dict], budget: int):
         self.fs, self.remote_root, self.url, self.local = fs, remote_root, url, local
@@ -480,10 +471,8 @@ def _check_readahead(dataset: StreamedLatents, window: int, readahead: int) -> N
 
 def follow(batches, dataset, *, seed: int, window: int, start: int, global_batch: int, accum: int, readahead: int):
     """The loader's micro-batches, telling the node's fetcher what was consumed; its failure as one paragraph.
-
     When this process starts step s (its micro-batch k = s * accum arrives), every process has finished step s - 1,
-    so every sample before start + s * global_batch was read by all of them (DDP's all-reduce joins each step).
-    """
+    so every sample before start + s * global_batch was read by all of them (DDP's all-reduce joins each step)."""
     if not isinstance(dataset, StreamedLatents):
         return batches
     _check_readahead(dataset, window, readahead)
@@ -523,12 +512,9 @@ def epoch_permutation(num_samples: int, seed: int, epoch: int) -> np.ndarray:
 
 
 def shard_windows(num_shards: int, seed: int, epoch: int, window: int) -> list[np.ndarray]:
-    """Epoch `epoch`'s shards, shuffled, split into consecutive windows of at most `window` shards.
-
-    The windows' sizes differ by at most one shard (np.array_split), so no window is a small remainder.
-    """
+    """Epoch `epoch`'s shards, shuffled, split into consecutive windows of at most `window` shards."""
     order = np.random.default_rng([int(seed), int(epoch), 1]).permutation(num_shards)
-    return np.array_split(order, -(-num_shards // window))
+    return np.array_split(order, -(-num_shards // window))  # sizes differ by one shard at most: no small remainder
 
 
 def windowed_permutation(counts: Sequence[int], seed: int, epoch: int, window: int) -> np.ndarray:

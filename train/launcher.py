@@ -28,10 +28,9 @@ def launcher_precision(environ=None) -> str | None:
     """The precision the accelerate config asks for (our name), or None when it asks for none."""
     # "no" counts as none: `accelerate launch` writes it whenever no precision was configured (fp32 or not set?)
     environ = os.environ if environ is None else environ
-    value = environ.get("ACCELERATE_MIXED_PRECISION")
-    if value is None or value.strip().lower() == "no":
+    value = environ.get("ACCELERATE_MIXED_PRECISION", "no").strip().lower()
+    if value == "no":
         return None
-    value = value.strip().lower()
     if value not in LAUNCHER_PRECISION:
         raise UserError(f"the accelerate config asks for mixed_precision {value}, which this trainer does not "
                         f"implement (it supports no, fp16 and bf16). Run `accelerate config` and pick one of those, or "
@@ -58,12 +57,10 @@ def resolve_precision_with_launcher(requested: str, environ=None) -> str:
     launcher = launcher_precision(environ)
     if launcher is None:
         return requested
-    if requested == "auto":
+    if requested in ("auto", launcher):
         return launcher
-    if requested != launcher:
-        raise UserError(
-            f"--precision {requested}, but the accelerate config asks for mixed_precision "
-            f"{launcher}; one of them would be silently ignored. Pass --precision {launcher} (or --precision auto, "
-            f"which follows the launcher), or change the accelerate config (`accelerate config`, or `accelerate "
-            f"launch --mixed_precision {'no' if requested == 'fp32' else requested}`).")
-    return requested
+    raise UserError(
+        f"--precision {requested}, but the accelerate config asks for mixed_precision "
+        f"{launcher}; one of them would be silently ignored. Pass --precision {launcher} (or --precision auto, "
+        f"which follows the launcher), or change the accelerate config (`accelerate config`, or `accelerate "
+        f"launch --mixed_precision {'no' if requested == 'fp32' else requested}`).")

@@ -176,7 +176,7 @@ def describe_plan(plan: TrainPlan, accelerator) -> None:
         print(f"train: {describe_cpu_step(plan.model_config, cfg.global_batch_size, cfg.total_steps)}",
               file=sys.stderr, flush=True)
     if cfg.dry_run or cfg.debug:
-        print(cfg.to_display())
+        print(cfg.to_json())
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -190,12 +190,6 @@ def make_accelerator(cfg: TrainConfig):
     return Accelerator(mixed_precision="no", **accelerator_kwargs(cfg))
 
 
-def setup_backends(cfg: TrainConfig, device: torch.device) -> None:
-    """TF32 matmuls on CUDA (shared.runtime.precision.set_tf32); anomaly detection in --debug."""
-    set_tf32(device)
-    torch.autograd.set_detect_anomaly(cfg.debug)
-
-
 def seed_globals(seed: int, rank: int) -> None:
     """Seed python, numpy and torch per rank (the training draws themselves are keyed by stream position)."""
     random.seed(seed * 1009 + rank)
@@ -206,7 +200,8 @@ def seed_globals(seed: int, rank: int) -> None:
 def setup_run(plan: TrainPlan, accelerator, callbacks: list[Callback]) -> Run:
     """Build the learner on this process's device, start it from --init-from's weights or restore the resume source."""
     cfg = plan.cfg
-    setup_backends(cfg, accelerator.device)
+    set_tf32(accelerator.device)  # TF32 matmuls on CUDA
+    torch.autograd.set_detect_anomaly(cfg.debug)  # anomaly detection in --debug
     learner = make_learner(cfg, plan.model_config, accelerator=accelerator, objective=plan.objective)
     if plan.init is not None:
         apply_init(learner.dit, learner.ema, plan.init)  # in place: the wrappers and the optimizer share the tensors
@@ -338,12 +333,9 @@ def _write_main(run: Run, tmp: Path) -> None:
 
 
 def write_export(run: Run) -> Path:
-    """The slim EMA export of the current step (what `python -m sample --ckpt RUN` reads).
-
-    The checkpoint of this step already holds these bytes (its EMA file is written by the same save_weights with
-    the same metadata), so the export is a hard link to it: the EMA is stored once (2.7 GB at XL/2), and pruning
-    the checkpoint leaves the export whole. A fresh write where there is no such checkpoint or no hard link.
-    """
+    """The slim EMA export of the current step (what `python -m sample --ckpt RUN` reads): a hard link to this step's
+    checkpoint EMA file (the same save_weights bytes and metadata, stored once: 2.7 GB at XL/2; pruning the checkpoint
+    leaves the export whole), or a fresh write where there is no such checkpoint or no hard link."""
     path = rundir.export_path(run.run_dir, run.step)
     stored = rundir.checkpoint_path(run.run_dir, run.step) / rundir.EMA_FILE
     if stored.is_file() and link_file(stored, path):
@@ -431,14 +423,13 @@ class PositionedSampler(torch.utils.data.Sampler):
 class TrainingDraws(torch.utils.data.Dataset):
     """Wraps a LatentDataset: a batch of (position, index) pairs -> the tensors one training micro-step needs.
 
-    Output of `__getitems__` (B samples): x0 (B,C,h,w) fp32 fresh latents normalised by `norm` (the run's
-    LatentNorm record, shared/tokenizers/tokenizer.py; default: the tokenizer's own convention), label
-    (B,) int64, drop (B,) bool (class dropout), t (B,) the objective's times (int64 DiT timesteps, or float32
-    flow times), noise (B,C,h,w) fp32, position
-    (B,) int64: each sample's global stream position, which keys all of its draws. With `extra` column names (those a
-    head trains on, e.g. REPA's "repr"), also each of them (B, ...) fp32, of the same flip variant as the latent (the
-    same image the latent was encoded from). With `route` (tokens T, kept K),
-    also route_keep (B,K) int64: the tokens that pass the routed blocks (shared/network/routing.py).
+    Output of `__getitems__` (B samples): x0 (B,C,h,w) fp32 fresh latents normalised by `norm` (the run's LatentNorm
+    record, shared/tokenizers/tokenizer.py; default: the tokenizer's own convention), label (B,) int64, drop (B,)
+    bool (class dropout), t (B,) the objective's times (int64 DiT timesteps, or float32 flow times), noise (B,C,h,w)
+    fp32, position (B,) int64: each sample's global stream position, which keys all of its draws. With `extra`
+    column names (those a head trains on, e.g. REPA's "repr"), also each of them (B, ...) fp32, of the same flip
+    variant as the latent (the same image the latent was encoded from). With `route` (tokens T, kept K), also
+    route_keep (B,K) int64: the tokens that pass the routed blocks (shared/network/routing.py).
     """
 
     def __init__(self, dataset: LatentDataset, seed: int, class_dropout_prob: float, objective,
@@ -484,11 +475,8 @@ def make_loader(dataset: LatentDataset, *, micro_batch: int, rank: int, world_si
                 class_dropout_prob: float, num_workers: int, pin_memory: bool, objective,
                 extra: tuple = (), route: tuple[int, int] | None = None, norm=None, window: int = 0,
                 global_batch: int | None = None) -> Iterator[dict]:
-    """An endless iterator of micro-batches for this rank, starting at global stream position `start`.
-
-    window K > 0: the shard-aware order (train.latents.windowed_permutation). A streamed dataset
-    (train/latents.py StreamedLatents) is told, through `follow`, which positions every process has consumed.
-    """
+    """An endless iterator of micro-batches for this rank from global stream position `start`; window K > 0: the
+    shard-aware order (train.latents.windowed_permutation). `follow` tells a streamed dataset what was consumed."""
     counts = dataset.shard_counts if window else None
     sampler = PositionedSampler(len(dataset), rank, world_size, seed, start, counts, window)
     loader = torch.utils.data.DataLoader(
@@ -569,13 +557,10 @@ def run_loop(run: Run) -> dict:
 
 def lock_run_folder(cfg: TrainConfig, accelerator) -> FolderLock | None:
     """Rank 0 takes the run folder's exclusive lock (before reading checkpoints); every rank stops if it is busy.
-
-    Why before anything else: a second launch on a live run would "resume" from it and both would write
-    checkpoints. --dry-run and --debug write nothing and take no lock.
-    """
+    First of all: a second launch on a live run would "resume" from it and both would write checkpoints."""
     from accelerate.utils import broadcast_object_list
 
-    if cfg.dry_run or cfg.debug:
+    if cfg.dry_run or cfg.debug:  # they write nothing: no lock
         return None
     lock, error = None, None
     if accelerator.is_main_process:

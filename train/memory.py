@@ -34,11 +34,9 @@ from train.units import parse_size
 
 def synthetic_batch(shape_of, micro_batch: int, class_dropout_prob: float, objective, seed: int = 0,
                     extra: dict | None = None, route: tuple[int, int] | None = None) -> dict:
-    """A micro-batch of the loader's keys, shapes and dtypes from random latents (bench and plan).
-
-    shape_of: a ModelConfig or a DiT (both carry in_channels, input_size and num_classes). extra {column: shape}:
-    also random columns of those per-sample shapes (REPA's "repr": (T, E)). route (T, K): the routed tokens' indices.
-    """
+    """A micro-batch of the loader's keys, shapes and dtypes from random latents (bench and plan). shape_of: a
+    ModelConfig or a DiT (both carry in_channels, input_size and num_classes). extra {column: shape}: also random
+    columns of those per-sample shapes (REPA's "repr": (T, E)). route (T, K): the routed tokens' indices."""
     g = torch.Generator().manual_seed(seed)
     shape = (micro_batch, shape_of.in_channels, shape_of.input_size, shape_of.input_size)
     return {"x0": torch.randn(shape, generator=g),  # (B, C, h, w) fp32
@@ -372,10 +370,7 @@ def per_process_batch(global_batch: int, processes: int) -> int:
 
 def largest_micro_batch(profile: ActivationProfile, fixed: int, budget: int, batch: int) -> int | None:
     """Largest divisor m of the per-process batch with fixed + activations(m) <= budget."""
-    for micro in sorted((m for m in range(1, batch + 1) if batch % m == 0), reverse=True):
-        if fixed + profile.peak(micro) <= budget:
-            return micro
-    return None
+    return next((m for m in range(batch, 0, -1) if batch % m == 0 and fixed + profile.peak(m) <= budget), None)
 
 
 def plan_row(profile: ActivationProfile, fixed: int, budget: int, batch: int) -> PlanRow:

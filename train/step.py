@@ -87,10 +87,8 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 class HeadedDiT(torch.nn.Module):
-    """The DiT and the shard columns' heads as one module, so compile and DDP see (and all-reduce) them all.
-
-    forward(x, t, y, force_drop_ids) -> (DiT output (N, C', H, W), {column: its head on block `depth`'s tokens}).
-    """
+    """The DiT and the shard columns' heads as one module, so compile and DDP see (and all-reduce) them all:
+    forward(x, t, y, force_drop_ids) -> (DiT output (N, C', H, W), {column: its head on block `depth`'s tokens})."""
 
     def __init__(self, dit: torch.nn.Module, heads: dict, depth: int):
         super().__init__()
@@ -174,10 +172,8 @@ def cpp_compiler() -> str | None:
 
 def make_learner(cfg: TrainConfig, model_config: ModelConfig, accelerator=None, device=None,
                  objective: Objective | None = None) -> Learner:
-    """Model, EMA, optimizer and scaler on `device` (the accelerator's when given), compiled/wrapped as asked.
-
-    objective: the run's (train.loop's plan holds it); None builds the one `model_config` records.
-    """
+    """Model, EMA, optimizer and scaler on `device` (the accelerator's when given), compiled/wrapped as asked;
+    objective: the run's (train.loop's plan holds it), None builds the one `model_config` records."""
     device = torch.device(accelerator.device if accelerator is not None else (device or "cpu"))
     check_compile(cfg, device)
     torch.manual_seed(cfg.seed)  # initialised identically on every rank
@@ -222,11 +218,9 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 def forward_losses(model, objective, batch: dict, precision: str, device, consumers=()) -> dict:
     """{"loss"} (mean over the micro-batch) and, with column heads, {"diffusion", each head's}: loss = diffusion +
-    sum of weight x head loss.
-
-    With `consumers` ((ShardColumn, weight), ...), `model` is a HeadedDiT: one forward gives the output and each
-    head's view of the block tokens, scored against the batch's stored column (REPA: Eq. 8 against batch["repr"]).
-    """
+    sum of weight x head loss. With `consumers` ((ShardColumn, weight), ...), `model` is a HeadedDiT: one forward
+    gives the output and each head's view of the block tokens, scored against the batch's stored column (REPA: Eq. 8
+    against batch["repr"])."""
     device = torch.device(device)
     x0 = batch["x0"].to(device, non_blocking=True)  # (B, C, h, w) fp32, already scaled
     noise = batch["noise"].to(device, non_blocking=True)  # (B, C, h, w)
