@@ -77,12 +77,8 @@ def train_vae(vae, x: torch.Tensor, steps: int, batch_size: int, lr: float, kl_w
 @torch.no_grad()
 def posterior_moments(vae, x: torch.Tensor, batch_size: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
     """Posterior mean and std (N, C, h, w) of every image in x, unscaled."""
-    means, stds = [], []
-    for chunk in x.split(batch_size):
-        dist = vae.encode(chunk).latent_dist
-        means.append(dist.mean)
-        stds.append(dist.std)
-    return torch.cat(means), torch.cat(stds)
+    dists = [vae.encode(chunk).latent_dist for chunk in x.split(batch_size)]
+    return torch.cat([d.mean for d in dists]), torch.cat([d.std for d in dists])
 
 
 def scaling_factor(mean: torch.Tensor, std: torch.Tensor, seed: int = 0) -> float:

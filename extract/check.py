@@ -15,8 +15,7 @@ from shared.runtime.cli import counted
 def inspect_all(scan: ImageFolderScan, num_workers: int, batch_size: int = 64, image_size: int | None = None,
                 max_pixels: int | None = MAX_IMAGE_PIXELS) -> list[dict]:
     """Open and decode every image as extraction would (in workers); one record per file in sorted order."""
-    positions = list(range(len(scan)))
-    batches = [positions[i : i + batch_size] for i in range(0, len(positions), batch_size)]
+    batches = [list(range(i, min(i + batch_size, len(scan)))) for i in range(0, len(scan), batch_size)]
     loader = make_loader(ImageInfoDataset(scan, image_size, max_pixels), batches, num_workers)
     records = []
     with tqdm(total=len(scan), unit="img", desc="check", dynamic_ncols=True) as bar:

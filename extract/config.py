@@ -185,10 +185,8 @@ def holds_shards(out: Path) -> bool:
 
 
 def check_out_folder(out: Path, settings: dict) -> list[str]:
-    """Refuse an --out folder that holds another run's shards (different settings or unknown origin).
-
-    Settings of a run that wrote no shard yet (e.g. its VAE failed to load) are replaced; returns that note.
-    """
+    """Refuse an --out holding another run's shards (other settings, unknown origin); replace the settings of a run
+    that wrote no shard yet (e.g. its VAE failed to load), returning that note."""
     path = out / SETTINGS_NAME
     if path.is_file():
         try:

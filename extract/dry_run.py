@@ -54,7 +54,6 @@ def _size(n: float) -> str:
         if n < 1024 or unit == "TiB":
             return f"{n:.3g} {unit}"
         n /= 1024
-    return f"{n:.3g} TiB"
 
 
 IMAGENET_TRAIN_IMAGES = 1_281_167  # for the dry run's "at ImageNet scale" line

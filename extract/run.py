@@ -145,10 +145,8 @@ class ShardSink:
         self.shard, self.writer, self.bad, self.seen = None, None, [], 0
 
     def add(self, positions: list[int], columns: dict, bad: list[dict]) -> None:
-        """Write one batch (all positions in one shard, sorted); finish the shard after its last file.
-
-        columns: the shard's named tensors (B, F, ...) of the good images ("mean", "std", the extra columns).
-        """
+        """Write one batch (all positions in one shard, sorted; `columns` {name: (B, F, ...)} of its good images);
+        finish the shard after its last file."""
         shard = (positions[0] if positions else bad[0]["pos"]) // self.plan.cfg.shard_size
         if shard != self.shard:
             self._open(shard)
@@ -258,9 +256,7 @@ def encode_shards(plan: Plan, shards: list[int], vae, state, producers=None) -> 
 
 def default_workers(cfg: ExtractConfig, num_processes: int) -> int:
     """--num-workers, or up to 8 decoding processes per extract process, leaving one core for the main loop."""
-    if cfg.num_workers is not None:
-        return cfg.num_workers
-    return shared_default_workers(8, num_processes)
+    return cfg.num_workers if cfg.num_workers is not None else shared_default_workers(8, num_processes)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -348,7 +344,6 @@ def _pending(plan: Plan, state) -> tuple[list[int], int]:
 
 def _load_vae(plan: Plan, device):
     """The VAE on the encoding device (fp32 encoder)."""
-
     return load_tokenizer(plan.cfg.vae, device=device, config=plan.cfg.vae_config)
 
 
@@ -358,19 +353,14 @@ def _load_producers(plan: Plan, device) -> dict:
             for name, record in plan.columns.items()}
 
 
-def _hold_out(out: Path, state):
-    """The lock on --out, taken by the main process (the others write only the shards of its run)."""
-    return hold_lock(out, FOLDER_KIND) if state.is_main_process else contextlib.nullcontext()
-
-
 def run_extract(cfg: ExtractConfig) -> dict:
     """Lock --out, plan, encode this process's pending shards, then (one process) write the report and index."""
     state = process_state()
     out = Path(cfg.out)
     check_flags(cfg)  # before the lock: a bad flag or an --out among the images leaves no lock file behind
     # The lock first: a second run into the same --out is refused at once, not after scanning and hashing the
-    # whole folder (minutes on ImageNet).
-    with _hold_out(out, state):
+    # whole folder (minutes on ImageNet). The main process takes it; the others write only the shards of its run.
+    with hold_lock(out, FOLDER_KIND) if state.is_main_process else contextlib.nullcontext():
         shared_listing = state.num_processes > 1 and lists_source(cfg.data_path)
         if shared_listing and not state.is_main_process:
             state.wait_for_everyone()  # the main process reads the source once; the others read its listing

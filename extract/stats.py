@@ -14,14 +14,13 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from shared.datasets.shards import FOLDER_KIND, INDEX_NAME, LatentDataset, load_index
+from shared.datasets.shards import FOLDER_KIND, INDEX_NAME, ChannelStats, ElementStats, LatentDataset, load_index
 from shared.runtime.cli import counted
 from shared.runtime.errors import UserError
 from shared.runtime.fsio import atomic_write_text
 from shared.runtime.lock import hold_lock
 from shared.tokenizers.tokenizer import TOKENIZER_CLASSES
 from shared.tokenizers.locate import load_tokenizer
-from shared.datasets.shards import ChannelStats, ElementStats
 from shared.tokenizers.space import SPACE_JSON, LatentSpace
 
 BATCH = 256  # samples per gather while reading the moments
@@ -54,7 +53,6 @@ def recorded_space(dataset: LatentDataset) -> LatentSpace | None:
 
 def tokenizer_space(dataset: LatentDataset, vae: str | None, vae_config) -> LatentSpace:
     """The tokenizer's part of the folder's space, from the tokenizer index.json records (or --vae), on the CPU."""
-
     recorded = dataset.meta.get("extract_settings", {}).get("vae", {})
     if not (vae or recorded.get("source")):
         raise UserError(f"{dataset.root}/index.json names no tokenizer to rebuild its latent space from; pass the "

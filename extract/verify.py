@@ -9,13 +9,11 @@ from shared.datasets.shards import INDEX_NAME, load_index
 
 
 def run_verify(out) -> str:
-    """Rehash every shard (no earlier verification is trusted); the report line, or UserError naming the damage.
-
-    Why rehash all: this is the check a user runs after a copy, a disk error or a doubt; the reader's
-    remembered hashes (size, mtime, inode) are the cheap path for every training start, not for this.
-    """
+    """Rehash every shard (no earlier verification is trusted); the report line, or UserError naming the damage."""
     out = Path(out)
     index = load_index(out)
+    # rehash all: this is the check a user runs after a copy, a disk error or a doubt; the reader's remembered
+    # hashes (size, mtime, inode) are the cheap path for every training start, not for this
     damaged = damaged_files(out, index["shards"], rehash=True)
     if damaged:
         raise damaged_error(out, damaged)

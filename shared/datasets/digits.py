@@ -39,11 +39,6 @@ def digit_images(size: int = IMAGE_SIZE) -> tuple[np.ndarray, np.ndarray]:
     return upscale(digits, size), labels
 
 
-def image_path(out_dir: Path, label: int, index: int) -> Path:
-    """Where image `index` (position in load_digits) of class `label` lives in the ImageFolder."""
-    return Path(out_dir) / str(label) / f"{index:04d}.png"
-
-
 def build_digits(out_dir, size: int = IMAGE_SIZE, progress: bool = True) -> Path:
     """Write the ImageFolder OUT/<digit>/<i>.png (skipping files already present) and return OUT."""
     out_dir = Path(out_dir)
@@ -51,7 +46,7 @@ def build_digits(out_dir, size: int = IMAGE_SIZE, progress: bool = True) -> Path
     for label in range(NUM_CLASSES):
         (out_dir / str(label)).mkdir(parents=True, exist_ok=True)
     for i in tqdm(range(len(labels)), desc="digits", unit="img", disable=not progress):
-        path = image_path(out_dir, int(labels[i]), i)
+        path = out_dir / str(int(labels[i])) / f"{i:04d}.png"  # i: the image's position in load_digits
         if not path.exists():  # atomic: an interrupted build never leaves a half-written PNG
             atomic_write(path, lambda tmp: Image.fromarray(images[i]).save(tmp, format="PNG"), durable=False)
     return out_dir

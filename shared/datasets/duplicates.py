@@ -115,10 +115,8 @@ def apply_duplicates(scan: ImageFolderScan, policy: str) -> ImageFolderScan:
     """The scan without the copies `policy` leaves out (counted in skipped), its duplicates note attached."""
     groups = find_duplicates(scan)
     skipped = Skipped(dict(scan.skipped.counts), dict(scan.skipped.first))
-    drop = {}
-    for group in groups:
-        for pos in _dropped(scan, group, policy):
-            drop[pos] = group[0] if pos != group[0] else group[1]
+    drop = {pos: group[0] if pos != group[0] else group[1]  # each dropped copy -> a twin of it
+            for group in groups for pos in _dropped(scan, group, policy)}
     for pos, twin in sorted(drop.items()):
         skipped.add("duplicate", f"{scan.files[pos]} = {scan.files[twin]}")
     keep = [p for p in range(len(scan)) if p not in drop]

@@ -129,6 +129,22 @@ def _is_dir(entry: os.DirEntry) -> bool:
         return False
 
 
+def _folder(root: Path, rel: str, skipped: Skipped, images: bool = True) -> tuple[list[str], list[str]]:
+    """(image names, visible sub-folders) of root/rel, the rest counted in skipped; images=False takes no file."""
+    names, subfolders = [], []
+    for entry in _entries(root / rel):
+        path = f"{rel}/{entry.name}" if rel else entry.name
+        if is_hidden(entry.name):
+            skipped.add("hidden", path + ("/" if _is_dir(entry) else ""))
+        elif _is_dir(entry):
+            subfolders.append(path)
+        elif images and is_image_file(entry.name):
+            names.append(entry.name)
+        else:
+            skipped.add("non-image" if images else "outside classes", path)
+    return names, subfolders
+
+
 def _loop(root: Path, rel: str) -> UserError:
     """The refusal of a symlink that leads to a folder containing it (its tree would never end)."""
     link = root / rel
@@ -159,27 +175,12 @@ class _Walk:
         self.seen.add(ident)
         return ident
 
-    def folder(self, rel: str) -> tuple[list[str], list[str]]:
-        """(image names, visible sub-folders) of one folder, the rest counted as left out."""
-        names, subfolders = [], []
-        for entry in _entries(self.root / rel if rel else self.root):
-            path = f"{rel}/{entry.name}" if rel else entry.name
-            if is_hidden(entry.name):
-                self.skipped.add("hidden", path + ("/" if _is_dir(entry) else ""))
-            elif _is_dir(entry):
-                subfolders.append(path)
-            elif is_image_file(entry.name):
-                names.append(entry.name)
-            else:
-                self.skipped.add("non-image", path)
-        return names, subfolders
-
     def tree(self, top: str, ancestors: tuple) -> list[str]:
         """Image files under root/top, nested folders included, in torchvision's order (sorted os.walk tuples)."""
         found, stack = [], [(top, ancestors)]
         while stack:
             rel, above = stack.pop()
-            names, subfolders = self.folder(rel)
+            names, subfolders = _folder(self.root, rel, self.skipped)
             found.append((rel, names))
             if names and rel != top:
                 self.nested.append(rel)
@@ -191,22 +192,6 @@ class _Walk:
 
 
 # ---- The scan ----
-
-def find_classes(root: Path, skipped: Skipped | None = None, loose: bool = False) -> tuple[list[str], list[str]]:
-    """(sorted visible sub-folders of root, root's own image files); without `loose` those files are left out."""
-    skipped = skipped if skipped is not None else Skipped()
-    classes, files = [], []
-    for entry in _entries(root):
-        if is_hidden(entry.name):
-            skipped.add("hidden", entry.name + ("/" if _is_dir(entry) else ""))
-        elif _is_dir(entry):
-            classes.append(entry.name)
-        elif loose and is_image_file(entry.name):
-            files.append(entry.name)
-        else:
-            skipped.add("non-image" if loose else "outside classes", entry.name)
-    return classes, files
-
 
 def _no_classes(root: Path, skipped: Skipped) -> UserError:
     """The refusal for a root without (visible) class folders."""
@@ -241,7 +226,7 @@ def scan_image_folder(root, loose: bool = False) -> ImageFolderScan:
             f"--data-path {root} does not exist or is not a folder. Pass an ImageFolder root: one sub-folder "
             f"per class holding that class's images (root/cat/001.jpg, root/dog/002.png, ...).")
     skipped = Skipped()
-    classes, loose_files = find_classes(root, skipped, loose)
+    loose_files, classes = _folder(root, "", skipped, images=loose)  # without `loose`: files beside classes left out
     if not classes and not loose:
         raise _no_classes(root, skipped)
     # The root and every class folder count as visited from the start, so a link to another class (a/b -> ../b)

@@ -48,9 +48,7 @@ def _composite_on_white(img: Image.Image) -> Image.Image:
 def _high_depth_to_rgb(img: Image.Image) -> Image.Image:
     """16-bit, 32-bit integer and float images scaled (not clipped) into 8 bits, then grey -> RGB."""
     arr = np.asarray(img).astype(np.float64)  # (H, W)
-    if img.mode.startswith("I;16"):
-        arr = arr * (255.0 / 65535.0)
-    elif img.mode == "I" and arr.min() >= 0 and arr.max() <= 65535:
+    if img.mode.startswith("I;16") or (img.mode == "I" and arr.min() >= 0 and arr.max() <= 65535):
         arr = arr * (255.0 / 65535.0)  # 16-bit PNGs often open as mode I
     elif img.mode == "F" and arr.min() >= 0 and arr.max() <= 1:
         arr = arr * 255.0

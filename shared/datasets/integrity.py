@@ -95,9 +95,8 @@ def _hash_files(root: Path, entries: list[dict], progress: bool) -> dict:
 def damaged_files(root, entries, verify: bool = True, rehash: bool = False, progress: bool = True) -> dict:
     """name -> what is wrong, for each listed file ({name, size, sha256}) that is missing, resized or changed.
 
-    verify=False checks names and sizes only. Otherwise every file is hashed unless the folder's
-    verification record vouches for it (same expected sha256 and stamp); rehash=True hashes all.
-    """
+    verify=False checks names and sizes only; else each file is hashed unless the folder's verification record
+    vouches for it (same expected sha256 and stamp); rehash=True hashes all."""
     root = Path(root)
     problems = {e["name"]: p for e in entries if (p := file_problem(root, e))}
     if not verify:

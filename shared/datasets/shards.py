@@ -47,6 +47,7 @@ same bytes as then. index.json also lists every column as {"name", "dtype", "sha
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import io
@@ -98,11 +99,9 @@ def storage_dtype(dtype) -> StorageDtype:
     for d in DTYPES:
         if dtype is d.torch or dtype in (d.name, d.flag, d.safetensors):
             return d
-    try:
-        name = np.dtype(dtype).name
-    except TypeError:
-        name = None
-    found = [d for d in DTYPES if d.name == name]
+    with contextlib.suppress(TypeError):
+        dtype = np.dtype(dtype).name  # a numpy dtype, or a type such as np.float16
+    found = [d for d in DTYPES if d.name == dtype]
     assert found, f"storage dtype must be one of {[d.name for d in DTYPES]}, got {dtype}"
     return found[0]
 
@@ -176,10 +175,8 @@ def check_columns(columns: dict) -> dict:
 
 
 def as_column(x, dtype: StorageDtype) -> torch.Tensor:
-    """A contiguous CPU tensor of `x` (torch or numpy) in the column's dtype.
-
-    numpy input is cast by numpy where numpy has the dtype (the bytes the first version wrote); torch by torch.
-    """
+    """A contiguous CPU tensor of `x` (torch or numpy) in the column's dtype."""
+    # numpy input is cast by numpy where numpy has the dtype (the bytes the first version wrote); torch by torch
     if not isinstance(x, torch.Tensor):
         x = np.asarray(x)
         if dtype.torch is not torch.bfloat16:
@@ -268,13 +265,8 @@ def read_sidecar(out, index: int) -> dict | None:
 
 def _tar_header(name: str, size: int) -> bytes:
     """A deterministic 512-byte ustar header (mtime 0, root-less ids, mode 0644)."""
-    info = tarfile.TarInfo(name)
+    info = tarfile.TarInfo(name)  # its defaults are the deterministic ones: regular file, mtime 0, mode 0644, ids 0
     info.size = size
-    info.mtime = 0
-    info.mode = 0o644
-    info.uid = info.gid = 0
-    info.uname = info.gname = ""
-    info.type = tarfile.REGTYPE
     return info.tobuf(format=tarfile.USTAR_FORMAT, encoding="ascii", errors="strict")
 
 
@@ -343,9 +335,8 @@ class ChannelStats:
     def add(self, mean: torch.Tensor, std: torch.Tensor | None) -> None:
         """Fold in moments (..., C, h, w) (any leading dims: images, flips); std None for a deterministic latent."""
         m = mean.double().movedim(-3, 0).reshape(mean.shape[-3], -1)  # (C, n)
-        n = m.shape[1]
         part_mean = m.mean(dim=1)
-        part = ChannelStats(n, part_mean.tolist(), ((m - part_mean[:, None]) ** 2).sum(dim=1).tolist(),
+        part = ChannelStats(m.shape[1], part_mean.tolist(), ((m - part_mean[:, None]) ** 2).sum(dim=1).tolist(),
                             (std.double().movedim(-3, 0).reshape(std.shape[-3], -1) ** 2).sum(dim=1).tolist()
                             if std is not None else [0.0] * m.shape[0])
         self.merge(part)
@@ -512,17 +503,11 @@ class ShardWriter:
         return record
 
     def abort(self) -> None:
-        """Drop an unfinished shard's temp file (nothing once it is published)."""
+        """Close and delete an unfinished shard's temp file, so a rerun starts it afresh (nothing once published)."""
         if self.info is None:
-            self._discard()
-
-    def _discard(self) -> None:
-        """Close and delete the temp file, so a rerun starts the shard afresh and the space is freed."""
-        try:
-            self._file.close()  # flushing the buffer fails again on a full disk; the descriptor still closes
-        except OSError:
-            pass
-        self.tmp_path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # flushing the buffer fails again on a full disk; the file still closes
+                self._file.close()
+            self.tmp_path.unlink(missing_ok=True)
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -590,12 +575,9 @@ class ShardWriter:
 # Index
 # ---------------------------------------------------------------------------------------------------------
 
-_REQUIRED_META = ("image_size", "num_classes", "class_names")
-
-
 def _check_meta(meta: dict) -> None:
     """The caller-supplied metadata must name the image size, classes and the latent space's sha256."""
-    missing = [k for k in (*_REQUIRED_META, "latent_space") if k not in meta]
+    missing = [k for k in ("image_size", "num_classes", "class_names", "latent_space") if k not in meta]
     assert not missing, f"write_index meta is missing {missing}"
     assert len(meta["class_names"]) == meta["num_classes"], \
         f"{len(meta['class_names'])} class names for num_classes={meta['num_classes']}"
@@ -620,9 +602,8 @@ def _check_shards(out_dir: Path, shards: list[ShardInfo], num_classes: int) -> d
 def _write_arrays(out_dir: Path, shards: list[ShardInfo]) -> dict:
     """Write the per-sample sidecar (offsets, labels) atomically; return its {name, size, sha256}."""
     buf = io.BytesIO()
-    offsets = np.array([o for s in shards for o in s.offsets], dtype=np.int64)
-    labels = np.array([y for s in shards for y in s.labels], dtype=np.int64)
-    np.savez(buf, offsets=offsets, labels=labels)
+    np.savez(buf, offsets=np.array([o for s in shards for o in s.offsets], dtype=np.int64),
+             labels=np.array([y for s in shards for y in s.labels], dtype=np.int64))
     data = buf.getvalue()
     atomic_write_bytes(out_dir / ARRAYS_NAME, data)
     return {"name": ARRAYS_NAME, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
@@ -631,8 +612,7 @@ def _write_arrays(out_dir: Path, shards: list[ShardInfo]) -> dict:
 def write_index(out_dir, shard_infos, meta: dict) -> Path:
     """Validate the shards, write the per-sample sidecar, then index.json last (atomically); return its path.
 
-    `meta` must hold image_size, num_classes, class_names and latent_space (the sha256 of the folder's
-    latent_space.json, shared/tokenizers/space.py); any other keys are stored as given.
+    `meta`: image_size, num_classes, class_names, latent_space (the sha256 of latent_space.json), any others as given.
     """
     out_dir = Path(out_dir)
     shards = [s if isinstance(s, ShardInfo) else ShardInfo.from_dict(s) for s in shard_infos]
@@ -727,11 +707,9 @@ def _load_arrays(root: Path, index: dict) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _empty_batch(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised batch tensor; inside a DataLoader worker it is allocated in shared memory.
-
-    Why: a worker's batch crosses to the main process through shared memory; allocating it there up
-    front (as torch's default_collate does) saves a full copy of the batch (about 3x faster hand-over).
-    """
+    """An uninitialised batch tensor; inside a DataLoader worker it is allocated in shared memory."""
+    # A worker's batch crosses to the main process through shared memory; allocating it there up front (as torch's
+    # default_collate does) saves a full copy of the batch (about 3x faster hand-over).
     if torch.utils.data.get_worker_info() is None:
         return torch.empty(shape, dtype=dtype)
     nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
@@ -826,17 +804,12 @@ class LatentDataset(torch.utils.data.Dataset):
             self._bytes[shard] = memoryview(self._map(shard))
         return self._bytes[shard]
 
-    def _locate(self, i: int) -> tuple[int, int]:
-        """(shard number, position inside the shard) of global sample i."""
+    def __getitem__(self, i: int) -> dict:
+        i = int(i)
         if not -len(self) <= i < len(self):
             raise IndexError(f"sample {i} out of range for {len(self)} samples")
         i %= len(self)
         shard = int(np.searchsorted(self._starts, i, side="right")) - 1
-        return shard, i - int(self._starts[shard])
-
-    def __getitem__(self, i: int) -> dict:
-        shard, local = self._locate(int(i))
-        i = int(self._starts[shard]) + local
         mapping, base = self._map(shard), int(self._offsets[i])
         out = {name: torch.frombuffer(mapping, dtype=spec["torch"], count=spec["nbytes"] // spec["torch"].itemsize,
                                       offset=base + spec["offset"]).view(spec["shape"])  # (F, ...) view, no copy
@@ -891,10 +864,8 @@ class LatentDataset(torch.utils.data.Dataset):
 
 
 class GatheredBatch(Sequence):
-    """A gathered batch that also reads as a sequence of per-sample dicts (views, built on demand).
-
-    The sequence form keeps torch's default_collate working; `collate` returns `.batch` without a copy.
-    """
+    """A gathered batch that also reads as a sequence of per-sample dicts (views, built on demand), so torch's
+    default_collate works on it; `collate` returns `.batch` without a copy."""
 
     def __init__(self, batch: dict):
         self.batch = batch

@@ -7,6 +7,7 @@ group at a time). Tar shards must be plain .tar: offsets into a .tar.gz are not 
 """
 from __future__ import annotations
 
+import gzip
 import hashlib
 import io
 import json
@@ -20,6 +21,7 @@ from tqdm import tqdm
 from shared.datasets.imagefolder import IMAGE_EXTENSIONS, ImageFolderScan, Skipped, scan_image_folder
 from shared.runtime.cli import counted
 from shared.runtime.errors import UserError
+from shared.runtime.fsio import atomic_write_bytes
 
 DEFAULT_LABEL_KEY = "cls"
 DEFAULT_IMAGE_COLUMN = "image"
@@ -149,9 +151,8 @@ def tar_folder(data_path: str) -> list[str]:
 def expand_shards(data_path: str) -> list[str]:
     """The shard list of a brace pattern or a '::'-separated list (webdataset's own expansion), or a folder's."""
     from webdataset.shardlists import expand_urls
-    if tar_folder(data_path):
-        return tar_folder(data_path)
-    return [url if is_url(url) else str(Path(url).expanduser()) for url in expand_urls(data_path)]
+    return tar_folder(data_path) or [url if is_url(url) else str(Path(url).expanduser())
+                                     for url in expand_urls(data_path)]
 
 
 def _image_member(sample: dict) -> str | None:
@@ -212,8 +213,6 @@ def _list_tar(url: str, label_key: str, skipped: Skipped) -> list[tuple[str, tup
                     continue
                 found.append((key, span[suffix], _label_of(sample, label_key, where),
                               hashlib.sha256(sample[suffix]).digest()))
-        except UserError:
-            raise
         except (OSError, tarfile.TarError, ValueError, KeyError) as err:
             raise _reading_error(url, err) from None
     return found
@@ -332,8 +331,6 @@ def _list_parquet(url: str, index: int, options: SourceOptions) -> tuple[list, l
                                                        .column(options.image_column))):
                     rows.append((index, group, row))
                     digests.append(hashlib.sha256(data or b"").digest())
-        except UserError:
-            raise
         except (OSError, ValueError) as err:
             raise _reading_error(url, err) from None
     where = [f"{url}#{n}" for n in range(len(labels))]
@@ -428,9 +425,6 @@ def listed_source(data_path, options: SourceOptions, out: Path | None, extra: di
 
 def save_listing(scan: SourceScan, path: Path, key: dict) -> None:
     """Write the listing (after --limit and --duplicates) beside the shards, atomically."""
-    import gzip
-
-    from shared.runtime.fsio import atomic_write_bytes
     reader = scan.reader
     tar = isinstance(reader, TarReader)
     units = reader.shards if tar else reader.files
@@ -445,7 +439,6 @@ def save_listing(scan: SourceScan, path: Path, key: dict) -> None:
 
 def load_listing(path: Path, key: dict) -> SourceScan | None:
     """The kept listing, if made from the same source and options and every shard still has its size."""
-    import gzip
     try:
         record = json.loads(gzip.decompress(Path(path).read_bytes()))
     except (OSError, ValueError, EOFError):

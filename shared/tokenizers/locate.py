@@ -93,9 +93,8 @@ def _hub_offline() -> bool:
     from huggingface_hub import constants
     if constants.HF_HUB_OFFLINE:
         return True
-    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
     try:
-        socket.getaddrinfo(host, 443)
+        socket.getaddrinfo(urlparse(constants.ENDPOINT).hostname or "huggingface.co", 443)
     except OSError:
         return True
     return False

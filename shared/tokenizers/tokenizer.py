@@ -151,23 +151,20 @@ class LatentNorm:
             raise ValueError(f"a per-element normalisation of shape {'x'.join(map(str, self.shape))} cannot apply "
                              f"to {where} of shape {'x'.join(str(int(n)) for n in shape)}")
 
-    def _on(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mean, std) broadcastable to (N, C, h, w) on like's device, fp32."""
+    def _on(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(x fp32, mean, std broadcastable to (N, C, h, w) on x's device), once x's shape is checked."""
+        self.check_shape(x.shape[1:])
         view = (1, *self.shape) if self.kind == "element" else (1, -1, 1, 1)
-        return self.mean.view(view).to(like.device), self.std.view(view).to(like.device)
+        return x.float(), self.mean.view(view).to(x.device), self.std.view(view).to(x.device)
 
     def apply(self, z: torch.Tensor) -> torch.Tensor:
         """Raw latents (N,C,h,w) -> normalised, fp32."""
-        self.check_shape(z.shape[1:])
-        z = z.float()
-        mean, std = self._on(z)
+        z, mean, std = self._on(z)
         return (z - mean) / std * self.scale
 
     def invert(self, x: torch.Tensor) -> torch.Tensor:
         """Normalised latents (N,C,h,w) -> raw, fp32 (the inverse of `apply`)."""
-        self.check_shape(x.shape[1:])
-        x = x.float()
-        mean, std = self._on(x)
+        x, mean, std = self._on(x)
         return x / self.scale * std + mean
 
     def describe(self) -> str:
@@ -209,7 +206,6 @@ class TokenizerClass:
         if self.model_class is not None:
             return self.model_class
         import diffusers
-
         return getattr(diffusers, self.name)
 
     def decode_normalised(self, module, x: torch.Tensor, norm: LatentNorm, dtype) -> torch.Tensor:
@@ -241,10 +237,10 @@ def tokenizer_class(config: dict, where) -> TokenizerClass:
     )
 
 
-def _config_number(config: dict, key: str):
-    """A float from the config, or None when absent or null."""
+def _config_number(config: dict, key: str, default=None):
+    """A float from the config, or `default` when absent or null."""
     value = config.get(key)
-    return None if value is None else float(value)
+    return default if value is None else float(value)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -264,8 +260,7 @@ def _decode_sample(module, z):
 
 def kl_native_norm(config: dict, module=None) -> LatentNorm:
     """diffusers' convention for its config: latents_mean/std (with scaling_factor), else shift_factor, else scale."""
-    scale = _config_number(config, "scaling_factor")
-    scale = 1.0 if scale is None else scale
+    scale = _config_number(config, "scaling_factor", 1.0)
     mean, std = config.get("latents_mean"), config.get("latents_std")
     if mean is not None and std is not None:
         # diffusers' pipelines: (z - latents_mean) * scaling_factor / latents_std (e.g. SDXL's EDM variants)
@@ -292,8 +287,8 @@ def _dc_encode(module, x):
 
 def _dc_native_norm(config: dict, module=None) -> LatentNorm:
     """DC-AE's pipelines multiply by scaling_factor (0.3189 for f32c32-in)."""
-    scale = _config_number(config, "scaling_factor")
-    return LatentNorm.scale_only(1.0 if scale is None else scale, source="the VAE config's scaling_factor")
+    return LatentNorm.scale_only(_config_number(config, "scaling_factor", 1.0),
+                                 source="the VAE config's scaling_factor")
 
 
 register_tokenizer(TokenizerClass(
@@ -457,20 +452,18 @@ def _rae_native_norm(config: dict, module=None) -> LatentNorm | None:
         return None
     geo = rae_geometry(config)
     shape = (1, geo["channels"], geo["grid"], geo["grid"])
-    mean = torch.zeros(1) if config.get("latents_mean") is None else torch.as_tensor(config["latents_mean"],
-                                                                                       dtype=torch.float32)
-    std = torch.ones(1) if config.get("latents_std") is None else torch.as_tensor(config["latents_std"],
-                                                                                    dtype=torch.float32)
+    mean, std = (torch.broadcast_to(torch.as_tensor(default if config.get(key) is None else config[key],
+                                                    dtype=torch.float32), shape)
+                 for key, default in (("latents_mean", 0.0), ("latents_std", 1.0)))  # (1, C, g, g) each
     if module is not None:  # what the loaded module really uses (its buffers); must be what the config says
         buffers = (module._latents_mean.detach().float().cpu(), module._latents_std.detach().float().cpu())
-        if not (torch.equal(torch.broadcast_to(buffers[0], shape), torch.broadcast_to(mean, shape))
-                and torch.equal(torch.broadcast_to(buffers[1], shape), torch.broadcast_to(std, shape))):
+        if not (torch.equal(torch.broadcast_to(buffers[0], shape), mean)
+                and torch.equal(torch.broadcast_to(buffers[1], shape), std)):
             raise SettingError("The RAE tokenizer's weights hold other latents_mean / latents_std than its config.json "
                                "says; the folder was edited or mixed from two RAEs. Save it again from one "
                                "AutoencoderRAE (save_pretrained), or pass another {vae}.")
-    mean, std = torch.broadcast_to(mean, shape)[0], torch.broadcast_to(std, shape)[0]
     scale = float(config.get("scaling_factor") or 1.0)
-    return LatentNorm.element(mean, std + DIFFUSERS_RAE_EPS, scale,
+    return LatentNorm.element(mean[0], std[0] + DIFFUSERS_RAE_EPS, scale,
                               source="the RAE config's latents_mean / latents_std (diffusers: (z - mean) / (std + "
                                      "1e-5) x scaling_factor)")
 
@@ -588,7 +581,7 @@ class Tokenizer:
         self.latent_channels, h, _ = measure_latent(config, where=source)
         self.downsample_factor = probe_size(config) // h
         self.image_size: int | None = self.kind.native_size(config)  # its one image size (RAE), else None
-        self.scaling_factor = float(config["scaling_factor"]) if config.get("scaling_factor") is not None else None
+        self.scaling_factor = _config_number(config, "scaling_factor")
         self.identity = {
             "source": source,
             "class": self.kind.name,
