@@ -139,8 +139,7 @@ def resolve_run_sampling(o: RunEvalOptions, export: Path) -> RunEvalOptions:
     config = read_config(export)
     plan = resolve_sampling(objective_of(config), o.sampler, given_sampler_options(o), o.cfg_interval, config.sampling,
                             guided=o.cfg_scale != 1.0, fast=True)
-    return dataclasses.replace(o, sampler=plan.sampler, cfg_interval=plan.cfg_interval,
-                               **{k: v for k, v in plan.options.items()})
+    return dataclasses.replace(o, sampler=plan.sampler, cfg_interval=plan.cfg_interval, **plan.options)
 
 
 def evaluate_export(export: Path, o: RunEvalOptions, settings: dict, net, state) -> dict | None:

@@ -170,7 +170,7 @@ def load_or_fit(recipe: DigitsRecipe = RECIPE) -> tuple[DigitsNet, str]:
     return net, key
 
 
-_LOCK = threading.RLock()  # reentrant: network() reads real_digits() inside
+_LOCK = threading.RLock()  # reentrant: network() reads real_digits() inside, real_features() both
 _CACHE: dict = {}
 
 
@@ -216,12 +216,9 @@ def net_features(net: DigitsNet, images: np.ndarray, device="cpu") -> np.ndarray
 def real_features() -> np.ndarray:
     """Features (1797, 64) of all real digits, the reference (computed once per process)."""
     with _LOCK:
-        cached = _CACHE.get("real")
-    if cached is None:
-        cached = digits_features(real_digits(RECIPE.image_size)[0])
-        with _LOCK:
-            _CACHE["real"] = cached
-    return cached
+        if "real" not in _CACHE:
+            _CACHE["real"] = digits_features(real_digits(RECIPE.image_size)[0])
+        return _CACHE["real"]
 
 
 def real_stats() -> tuple[np.ndarray, np.ndarray]:

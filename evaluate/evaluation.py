@@ -32,8 +32,7 @@ REF = Flag("reference: an ADM reference batch (arr_0 and/or mu, sigma, mu_s, sig
 FEATURES = Flag("feature network: inception (the FID network, 299x299) or digits (the demo's yardstick, 32x32 digits "
                 "only)", "inception", choices=FEATURE_NETWORKS)
 IS_SPLIT = Flag("samples per Inception Score split (ADM's; other values, or fewer samples than one split, give an IS "
-                "marked not comparable to published ones)",
-                IS_SPLIT_SIZE)
+                "marked not comparable to published ones)", IS_SPLIT_SIZE)
 INCEPTION_WEIGHTS = Flag("pytorch-fid's FID Inception weights file, pt_inception-2015-12-05-6726825d.pth, for a machine "
                          "that cannot download it; its sha256 must start with the 6726825d of its name (default: the "
                          "torch hub checkpoints folder, downloaded there on first use)", None, metavar="FILE")

@@ -260,9 +260,7 @@ def resolve_weights(weights=None) -> Path:
                             f"(download: {WEIGHTS_URL}).")
         return path
     path = hub_checkpoints() / WEIGHTS_NAME
-    if path.is_file():
-        return path
-    return download_weights(path)
+    return path if path.is_file() else download_weights(path)
 
 
 def check_state_dict(state: object, path: Path) -> dict:

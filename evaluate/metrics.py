@@ -359,9 +359,8 @@ def precision_recall(real: np.ndarray, fake: np.ndarray, k: int = PR_NEIGHBOURS,
 # ---- All five, as one evaluation reports them ----
 
 def sample_metrics(feats: dict, ref_stats, split_size: int = IS_SPLIT_SIZE) -> dict:
-    """The METRICS of the samples' features {"pool", optionally "spatial", "logits"} against the reference's
-    statistics (Stats): None where not defined (sFID without spatial features, IS without logits,
-    precision/recall without the reference's pool features)."""
+    """The METRICS of the samples' features {"pool", maybe "spatial", "logits"} against the reference's Stats."""
+    # None where not defined: sFID without spatial features, IS without logits, PR without the reference's pool.
     out = dict.fromkeys(METRICS)
     out["fid"] = frechet_distance_to(feats["pool"], ref_stats.mu, ref_stats.sigma)
     if "spatial" in feats and ref_stats.mu_s is not None:
@@ -375,7 +374,6 @@ def sample_metrics(feats: dict, ref_stats, split_size: int = IS_SPLIT_SIZE) -> d
 
 def score(feats: dict, reference: Reference, net, batch_size: int, rank: int, world: int,
           split_size: int = IS_SPLIT_SIZE) -> tuple[dict, Stats]:
-    """(the METRICS of the samples' features against `reference`, the reference's Stats): its statistics read,
-    cached or computed with `net`, pool features included for precision/recall."""
+    """(METRICS of the samples' features against `reference`, its Stats: read, cached or computed with `net`)."""
     ref_stats = reference_stats(reference, net, batch_size, rank, world, need_pool=True)
     return sample_metrics(feats, ref_stats, split_size), ref_stats

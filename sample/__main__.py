@@ -33,7 +33,7 @@ processes (pixels then match exactly wherever the floating-point kernels do: sam
 Several GPUs: `accelerate launch -m sample ...` (rank r draws images i with i % world == r).
 Decode training's latent samples: `python -m sample decode RUN/samples/step-0000100.safetensors`, or
 `python -m sample decode RUN` for the newest preview (--all: every one)."""
-# The flag that sets each setting shared/ names in its errors (shared.runtime.errors.ChoiceError / SettingError settings).
+# The flag of each setting shared/ names in its errors (shared.runtime.errors.ChoiceError / SettingError settings).
 FLAGS = {"model preset": "--model", "objective": "--objective", "weights": "--weights", "vae": "--vae",
          "vae config": "--vae-config", "sample folder": "--out", "export format": "--format", **SAMPLING_SETTING_FLAGS}
 
@@ -69,26 +69,22 @@ def export_parser() -> argparse.ArgumentParser:
                                "transformer/, a copy of the VAE, a DDIM scheduler with DiT's betas.")
 
 
+# Each command after `python -m sample`: its parser, options and run (None: drawing images, the default command).
+COMMANDS = {None: (sample_parser, SampleOptions, run_sample), "decode": (decode_parser, DecodeOptions, run_decode),
+            "watch": (watch_parser, WatchOptions, run_watch),
+            "export": (export_parser, ToDiffusersOptions, run_to_diffusers)}
+
+
 @interruptible(PROG)
 def main(argv=None) -> None:
-    """Dispatch `decode` or sampling; UserErrors and a full disk are printed as one paragraph (exit status 2)."""
+    """Dispatch a command; UserErrors and a full disk are printed as one paragraph (exit status 2)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["export"]:
-        with cli_errors(f"{PROG} export", FLAGS):
-            run_to_diffusers(from_args(ToDiffusersOptions, export_parser().parse_args(argv[1:])))
-        return
-    if argv[:1] == ["watch"]:
-        with cli_errors(f"{PROG} watch", FLAGS):
-            load_plugins(argv)  # a tokenizer class of the user's
-            run_watch(from_args(WatchOptions, watch_parser().parse_args(argv[1:])))
-        return
-    decoding = bool(argv) and argv[0] == "decode"
-    prog = f"{PROG} decode" if decoding else PROG
-    with cli_errors(prog, FLAGS):
-        load_plugins(argv)  # first: a plugin's sampler is a --sampler choice; its objective, tokenizer class exist
-        options = from_args(*((DecodeOptions, decode_parser().parse_args(argv[1:])) if decoding else
-                               (SampleOptions, sample_parser().parse_args(argv))))
-        (run_decode if decoding else run_sample)(options)
+    command = argv[0] if argv[:1] and argv[0] in COMMANDS else None
+    parser, options, run = COMMANDS[command]
+    with cli_errors(f"{PROG} {command}" if command else PROG, FLAGS):
+        if command != "export":  # first: a plugin's sampler is a --sampler choice; its objective, tokenizer class exist
+            load_plugins(argv)
+        run(from_args(options, parser().parse_args(argv[1:] if command else argv)))
 
 
 if __name__ == "__main__":

@@ -68,11 +68,11 @@ def run_decode(o: DecodeOptions) -> list[Path]:
                                                                                           o.allow_other_vae)
     device = process_state(o.cpu).device
     vae = load_tokenizer(name, device, PRECISIONS[o.vae_precision], o.vae_config, o.vae_tiling, o.vae_slicing)
-    return [decode_file(vae, name, how, data, path, out, o) for data, path, out in loaded]
+    return [decode_file(vae, name, how, data, path, out, o)[0] for data, path, out in loaded]
 
 
-def decode_file(vae, name: str, how: str, data, path: Path, out: Path, o: DecodeOptions) -> Path:
-    """Decode one preview file's latents into `out`."""
+def decode_file(vae, name: str, how: str, data, path: Path, out: Path, o) -> tuple[Path, list]:
+    """Decode one preview file's latents into `out` -> (out, uint8 (H, W, 3) images); `o`: decode's or watch's."""
     latents, labels, space = data
     space = LatentSpace.or_unknown(space, latents.shape[1])
     norm, note = space.check_loaded(vae, o.allow_other_vae)
@@ -89,4 +89,4 @@ def decode_file(vae, name: str, how: str, data, path: Path, out: Path, o: Decode
                 images.append(p)
     write_grid(out / GRID_NAME, lambda i: images[i], labels.tolist(), captions_for(labels.tolist(), names), path.name)
     print(f"wrote {len(latents)} images and {GRID_NAME} to {out}")
-    return out
+    return out, images

@@ -13,7 +13,6 @@ row guide correctly) and guidance applies to every latent channel; the first is 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from shared.network.diffusers_dit import NUMERICS_NOTE, dit_to_diffusers, diffus
 from shared.generative.diffusion import NUM_TIMESTEPS, linear_betas
 from shared.runtime.errors import UserError
 from shared.sampling.flags import ALLOW_OTHER_VAE, VAE, VAE_CONFIG
-from shared.runtime.fsio import TMP_PREFIX, atomic_write_text, publish_dir, remove_tree
+from shared.runtime.fsio import atomic_write_text, publish_dir, remove_tree, tmp_name
 from shared.network.models import ModelConfig
 from shared.tokenizers.locate import load_tokenizer
 from shared.tokenizers.space import LatentSpace, choose_tokenizer
@@ -56,9 +55,7 @@ class ToDiffusersOptions:
 
 def check_target(out: Path) -> None:
     """UserError when OUT exists (an empty folder is fine: nothing in it can be overwritten)."""
-    if out.is_dir() and not any(out.iterdir()):
-        return
-    if out.exists():
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
         raise UserError(f"the export target {out} already exists; an export never overwrites. Pass a new folder "
                         f"name as OUT, or delete {out} first if it is an old export you no longer need.")
 
@@ -166,7 +163,7 @@ def _build_pipeline(loaded: LoadedWeights, vae, id2label: dict | None):
 
 def _write(pipeline, out: Path, readme: str) -> Path:
     """save_pretrained into a temp folder beside OUT, then rename it to OUT."""
-    staging = out.with_name(f"{TMP_PREFIX}{out.name}-{os.getpid()}")
+    staging = tmp_name(out)
     if staging.exists():
         remove_tree(staging)
     try:

@@ -30,8 +30,8 @@ from shared.tokenizers.locate import read_vae_config
 from shared.tokenizers.locate import load_tokenizer
 from shared.tokenizers.space import LatentSpace, choose_tokenizer
 
-from sample.decode import DecodeOptions, decode_file
-from shared.sampling.generate import captions_for, image_name, labelled_grid, read_png, save_png
+from sample.decode import decode_file
+from shared.sampling.generate import captions_for, labelled_grid, save_png
 
 REPORT_TO = ("auto", "tensorboard", "none")
 
@@ -185,12 +185,6 @@ class Decoder:
     def __init__(self, o: WatchOptions):
         self.o, self.vae, self.name, self.how = o, None, None, None
 
-    def options(self, path: Path) -> DecodeOptions:
-        o = self.o
-        return DecodeOptions(latents=str(path), vae=o.vae, vae_config=o.vae_config, vae_precision=o.vae_precision,
-                             vae_tiling=o.vae_tiling, vae_slicing=o.vae_slicing, batch_size=o.batch_size, cpu=o.cpu,
-                             allow_other_vae=o.allow_other_vae)
-
     def decode(self, run: Path, step: int, path: Path) -> np.ndarray:
         """`sample decode` of one preview file into RUN/samples/step-X/, then its labelled grid -> the grid."""
         data = read_preview(path)
@@ -203,11 +197,8 @@ class Decoder:
             self.vae = load_tokenizer(name, device, PRECISIONS[self.o.vae_precision], self.o.vae_config,
                                       self.o.vae_tiling, self.o.vae_slicing)
             self.name, self.how = name, how
-        out = decode_file(self.vae, name, self.how, data, path, rundir.decoded_dir(run, step), self.options(path))
-        names = list(space.class_names)
-        files = [out / image_name(i, int(y), names[y] if 0 <= y < len(names) else None)
-                 for i, y in enumerate(labels.tolist())]  # the names decode_file gave them
-        return labelled_grid(lambda i: read_png(files[i]), labels.tolist(), captions_for(labels.tolist(), names),
+        _, images = decode_file(self.vae, name, self.how, data, path, rundir.decoded_dir(run, step), self.o)
+        return labelled_grid(lambda i: images[i], labels.tolist(), captions_for(labels.tolist(), space.class_names),
                              f"{run.name} · step {step:,}")
 
 

@@ -66,8 +66,7 @@ def option(default: Any = dataclasses.MISSING, help: str = "", **details) -> Any
 def flag_fields(cls) -> list[dataclasses.Field]:
     """The fields of an options dataclass that are flags: its own first, then those of its flag families."""
     own = cls.__dict__.get("__annotations__", {})
-    flags = [f for f in dataclasses.fields(cls) if FLAG_KEY in f.metadata]
-    return [f for f in flags if f.name in own] + [f for f in flags if f.name not in own]
+    return sorted((f for f in dataclasses.fields(cls) if FLAG_KEY in f.metadata), key=lambda f: f.name not in own)
 
 
 def flag_name(field_name: str) -> str:
@@ -86,11 +85,9 @@ def add_flags(parser: argparse.ArgumentParser, cls, only: Sequence[str] | None =
         if f.name in skip:
             continue
         spec: Flag = dataclasses.replace(f.metadata[FLAG_KEY], **(changes or {}).get(f.name, {}))
-        target = parser
-        if spec.exclusive:
-            if spec.exclusive not in groups:
-                groups[spec.exclusive] = parser.add_mutually_exclusive_group()
-            target = groups[spec.exclusive]
+        if spec.exclusive and spec.exclusive not in groups:
+            groups[spec.exclusive] = parser.add_mutually_exclusive_group()
+        target = groups[spec.exclusive] if spec.exclusive else parser
         names, kwargs = argument_of(f.name, spec, hints.get(f.name))
         target.add_argument(*names, **kwargs)
     return parser
@@ -151,8 +148,7 @@ def argument_of(name: str, spec: Flag, hint) -> tuple[list[str], dict]:
     """(names, add_argument keywords) of one flag field."""
     kwargs: dict[str, Any] = {"help": spec.help}
     for key in ("choices", "metavar", "nargs", "const"):
-        if getattr(spec, key) is not None:
-            value = getattr(spec, key)
+        if (value := getattr(spec, key)) is not None:
             kwargs[key] = list(value() if callable(value) else value) if key == "choices" else value
     if spec.positional:
         return [name], kwargs
@@ -162,14 +158,9 @@ def argument_of(name: str, spec: Flag, hint) -> tuple[list[str], dict]:
         kwargs["required"] = True
     else:
         kwargs["default"] = spec.default
-    if spec.action is not None:
-        kwargs["action"] = spec.action
-        return names, kwargs
-    if isinstance(spec.default, bool):
-        kwargs["action"] = "store_false" if spec.default else "store_true"
-        return names, kwargs
-    kind = spec.type or _scalar_type(hint)
-    if kind is not None:
+    if spec.action is not None or isinstance(spec.default, bool):
+        kwargs["action"] = spec.action or ("store_false" if spec.default else "store_true")
+    elif (kind := spec.type or _scalar_type(hint)) is not None:
         kwargs["type"] = kind
     return names, kwargs
 

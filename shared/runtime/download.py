@@ -32,7 +32,6 @@ CHUNK_BYTES = 1 << 20
 TIMEOUT_S = 30  # per socket operation: a stalled server ends the download instead of hanging it
 
 
-
 def cache_dir() -> Path:
     """Where downloaded checkpoints live: $DIT_CHECKPOINT_DIR, else torch's hub checkpoints folder."""
     if os.environ.get(CACHE_ENV):

@@ -44,11 +44,7 @@ class ChoiceError(UserError):
 
 
 class SettingError(UserError):
-    """A problem whose text names settings by their domain name, written as `{setting}` fields.
-
-    str(err) writes each field as the setting itself ("use {cfg scale} 1" reads "use cfg scale 1"); `advise`
-    writes the flag of every setting a stage knows instead ("use --cfg-scale 1").
-    """
+    """A text naming settings as `{setting}` fields: str() reads "use cfg scale 1", `advise` "use --cfg-scale 1"."""
 
     _FIELD = re.compile(r"\{([a-z][a-z -]*)\}")
 
@@ -79,9 +75,7 @@ def exit_with(error: UserError, prog: str, flags: dict | None = None) -> NoRetur
     sys.exit(2)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# A full disk
-# ----------------------------------------------------------------------------------------------------------
+# ---- A full disk ----
 
 _NO_SPACE = {errno.ENOSPC, errno.EDQUOT}  # disk full; over quota (same fix)
 _NO_SPACE_TEXT = ("No space left on device", "os error 28", "Disk quot")  # Rust (safetensors) and C++ texts
@@ -95,7 +89,6 @@ def _bytes(n: int) -> str:
         if size < 1024 or unit == "TiB":
             return f"{int(size)} {unit}" if unit == "bytes" else f"{size:.1f} {unit}"
         size /= 1024
-    return f"{n} bytes"
 
 
 def _free_bytes(path) -> int | None:
@@ -126,12 +119,9 @@ class DiskFullError(UserError):
 
 
 def disk_full(err: BaseException, path=None, written: int | None = None) -> DiskFullError | None:
-    """A DiskFullError for a write error caused by a full disk or quota, else None.
-
-    OSError carries errno ENOSPC/EDQUOT; safetensors' Rust errors say "os error 28"; torch.save's C++ writer
-    says neither ("unexpected pos ..."), so with a `path` an error is also blamed on space when the
-    filesystem holding it has under 1 MiB free.
-    """
+    """A DiskFullError for a write error caused by a full disk or quota, else None."""
+    # OSError carries errno ENOSPC/EDQUOT; safetensors' Rust errors say "os error 28"; torch.save's C++ writer says
+    # neither ("unexpected pos ..."), so with a `path` an error is also blamed on space under 1 MiB free there.
     if isinstance(err, DiskFullError):
         return err
     text = str(err)

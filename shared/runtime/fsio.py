@@ -96,8 +96,7 @@ def link_file(source: Path, path: Path) -> bool:
     try:
         os.replace(tmp, path)
     finally:
-        if tmp.exists():
-            tmp.unlink()
+        tmp.unlink(missing_ok=True)
     fsync_dir(path.parent)
     return True
 
@@ -116,8 +115,7 @@ def atomic_write(path, write: Callable[[Path], object], durable: bool = True) ->
                 follow_umask(tmp)
                 os.replace(tmp, path)
     finally:
-        if tmp.exists():
-            tmp.unlink()
+        tmp.unlink(missing_ok=True)
     return path
 
 

@@ -139,11 +139,6 @@ class FolderLock:
         self._fd = None
         raise _busy(self.folder, self.setting, _holder(owner), owner_file=owner)
 
-    @property
-    def held(self) -> bool:
-        """True until release()."""
-        return self._fd is not None
-
     def _disown(self) -> None:
         """Forget the lock without releasing it (a forked child's inherited copy; the parent still holds it)."""
         if self._fd is not None:

@@ -56,8 +56,7 @@ def compile_for_sampling(model: torch.nn.Module, mode: str, backend="inductor"):
         raise ChoiceError("compile mode", mode, COMPILE_MODES)
     if mode == "off":
         return model
-    limit = max(torch._dynamo.config.recompile_limit, SHAPES_PER_RUN)
-    torch._dynamo.config.recompile_limit = limit
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, SHAPES_PER_RUN)
     if mode == "blocks":
         return compile_blocks(model, backend, dynamic=False, fullgraph=True)
     return GraphedModel(model, backend)

@@ -38,12 +38,7 @@ def same_series(rows: list[dict], settings: dict) -> list[dict]:
 
 def metrics_of(rows: list[dict]) -> list[str]:
     """The quality metrics of eval.jsonl lines: every numeric field that is not a setting, in first-seen order."""
-    keys: dict[str, None] = {}
-    for row in rows:
-        for key, value in row.items():
-            if key not in EVAL_SETTINGS and is_number(value):
-                keys[key] = None
-    return list(keys)
+    return list(dict.fromkeys(k for row in rows for k, v in row.items() if k not in EVAL_SETTINGS and is_number(v)))
 
 
 def metric_lines(rows: list[dict], key: str) -> list[tuple]:

@@ -101,8 +101,7 @@ def load_checked_vae(plan: SamplePlan, device):
 
 
 def make_drawer(plan: SamplePlan, vae, norm, device) -> Drawer:
-    """Build the model on `device` (compiled as --compile asks), wrap it in the plan's guidance (with the
-    objective's noise levels for its interval) and hand it to the drawer."""
+    """The drawer: the model on `device`, compiled as --compile asks, in the plan's guidance (objective's levels)."""
     model = compile_for_sampling(build_sampling_model(plan.loaded, device), plan.options.compile)
     plan.loaded.state_dict = {}  # the model holds the weights now; free the CPU copy
     o = plan.options
@@ -121,7 +120,8 @@ def draw_missing(plan: SamplePlan, drawer: Drawer, rank: int, world: int, show: 
     """Draw and save this rank's images (i % world == rank) not yet on disk; returns how many were drawn."""
     drawer.progress = show
     mine = list(range(rank, plan.num_samples, world))
-    todo = missing_indices(plan.out, mine, file_names(plan, mine))
+    # A PNG on disk is whole (renamed in once written): only the absent ones are drawn.
+    todo = [i for i, name in zip(mine, file_names(plan, mine)) if not (plan.out / name).exists()]
     size = plan.options.batch_size
     with tqdm(total=len(todo), unit="img", desc=f"sampling (rank {rank}/{world})", disable=not show) as bar:
         for start in range(0, len(todo), size):
@@ -150,7 +150,8 @@ def finish(plan: SamplePlan) -> None:
         raise UserError(f"{len(absent)} images are missing from {plan.out} (e.g. {absent[0]}), probably because "
                         f"another process stopped early; rerun the same command to draw them.")
     captions = captions_for(labels, list(plan.space.class_names) or None)
-    write_png_grid(plan.out / GRID_NAME, paths, labels, captions, grid_title(plan))
+    # Only the images the grid shows are read, one at a time.
+    write_grid(plan.out / GRID_NAME, lambda i: read_png(paths[i]), labels, captions, grid_title(plan))
     if plan.options.npz:
         write_npz(plan.out / NPZ_NAME, paths, labels)
     print(f"wrote {plan.num_samples} images, {GRID_NAME}" + (f", {NPZ_NAME}" if plan.options.npz else "")
@@ -178,30 +179,29 @@ def summary_line(plan: SamplePlan) -> str:
     """One line for the terminal: what is drawn, how, and where every setting is written."""
     o = plan.options
     interval = f" in {o.cfg_interval[0]:g}..{o.cfg_interval[1]:g}" if o.cfg_interval else ""
-    return (f"{plan.num_samples} images of {plan.loaded.label or ckpt_label(plan.loaded.path)} at {plan.image_size} px: "
-            f"{plan.sampler} {o.num_sampling_steps} steps, cfg {o.cfg_scale:g}{interval}, seed {o.seed}, VAE "
-            f"{plan.vae_name} -> {plan.out} (all settings and notes: {plan.out / SETTINGS_NAME})")
+    return (f"{plan.num_samples} images of {plan.loaded.label or ckpt_label(plan.loaded.path)} at "
+            f"{plan.image_size} px: {plan.sampler} {o.num_sampling_steps} steps, cfg {o.cfg_scale:g}{interval}, "
+            f"seed {o.seed}, VAE {plan.vae_name} -> {plan.out} (all settings and notes: {plan.out / SETTINGS_NAME})")
 
 
 def prepare_out(plan: SamplePlan, device) -> None:
-    """Main process, under the folder's lock: the folder checked again, leftovers of a killed run removed,
-    settings.json written, the notes, guidance and summary printed."""
+    """Main process, under the folder's lock: the folder checked again and cleaned, settings.json written."""
     check_out_dir(plan.out, plan.settings)  # again under the lock: a run that finished meanwhile
     for warning in plan.loaded.warnings:
         print(f"note: {warning}")
     print(plan.settings["run"]["guidance"])
     plan.out.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(plan.out)
+    for stale in plan.out.glob(f"{TMP_PREFIX}*"):  # temp files of a killed run (no other process writes yet)
+        stale.unlink(missing_ok=True)
     plan.settings["run"].update(runtime_facts(device), notes=plan.loaded.notes)
-    write_json(plan.out / SETTINGS_NAME, plan.settings)
+    atomic_write_text(plan.out / SETTINGS_NAME, json.dumps(plan.settings, indent=2) + "\n")
     for line in (recorded_line(plan), summary_line(plan)):
         if line:
             print(line, flush=True)
 
 
 def run_sample(o: SampleOptions) -> Path:
-    """The whole command on this process: one plan, then the VAE, the folder, the drawing, the grid and npz, in that
-    order; rank r draws i % world == r, rank 0 writes the folder."""
+    """The whole command on this process: plan, VAE, folder, drawing (rank r: i % world == r), grid and npz."""
     state = process_state(o.cpu)
     check_compile(o.compile, state.device)  # before any weights are read
     plan = make_plan(o)  # every rank checks, before anyone writes
@@ -244,28 +244,9 @@ def safe_name(text: str) -> str:
     return _UNSAFE.sub("_", str(text)).strip("._-")[:NAME_CHARS].strip("._-")
 
 
-def remove_stale_temps(out: Path) -> int:
-    """Delete temp files a killed run left behind (call before any process starts writing)."""
-    stale = list(Path(out).glob(f"{TMP_PREFIX}*"))
-    for path in stale:
-        path.unlink(missing_ok=True)
-    return len(stale)
-
-
 def save_png(path: Path, pixels: np.ndarray) -> None:
     """Write one uint8 (H,W,3) image atomically as PNG."""
     atomic_write(path, lambda tmp: Image.fromarray(pixels).save(tmp, format="PNG"))
-
-
-def write_json(path: Path, data: dict) -> None:
-    """Write indented JSON atomically."""
-    atomic_write_text(path, json.dumps(data, indent=2) + "\n")
-
-
-def missing_indices(out: Path, indices, names) -> list[int]:
-    """The indices whose PNG (file `names[k]` for `indices[k]`) is not on disk yet (written PNGs are whole: renamed in)."""
-    out = Path(out)
-    return [i for i, name in zip(indices, names) if not (out / name).exists()]
 
 
 def grid_layout(labels) -> list[list[int | None]]:
@@ -334,11 +315,6 @@ def captions_for(labels, class_names) -> list[str]:
 def write_grid(path: Path, load_image, labels, captions: list[str], title: str) -> None:
     """The labelled grid of the images (load_image(i) -> uint8 HxWx3) as one PNG: the same picture as the previews'."""
     save_png(Path(path), labelled_grid(load_image, labels, captions, title))
-
-
-def write_png_grid(path: Path, image_paths, labels, captions: list[str], title: str) -> None:
-    """write_grid of PNGs on disk: only the images the grid shows are read, one at a time."""
-    write_grid(path, lambda i: read_png(image_paths[i]), labels, captions, title)
 
 
 def read_png(path: Path) -> np.ndarray:

@@ -85,8 +85,7 @@ def make_label_plan(class_labels, num_classes: int, random: bool, class_names=No
 
 @dataclass
 class SampleOptions(DecodeFlags, SamplingFlags):
-    """Everything `python -m sample` accepts (one field per flag: its default and help; the sampling and VAE flags
-    too)."""
+    """Everything `python -m sample` accepts (one field per flag: default and help; the sampling and VAE flags too)."""
 
     ckpt: str = option(help="training run folder (newest EMA export), a checkpoints/step-* folder, a .safetensors "
                             "export (config read from it), or an official DiT .pt/.pth state dict")
@@ -186,8 +185,8 @@ def default_out(o: SampleOptions, loaded: LoadedWeights, sampler: str, options: 
 def make_settings(plan: SamplePlan) -> dict:
     """{"identity": what fixes the pixels (compared on resume), "run": the rest}; JSON-normalised."""
     o, loaded = plan.options, plan.loaded
-    options = {k: v for k, v in asdict(o).items() if k not in ("ckpt", "vae", "vae_config", "class_labels",
-                                                                 "random_labels", "model", "objective", "image_size", "plugin")}
+    skip = ("ckpt", "vae", "vae_config", "class_labels", "random_labels", "model", "objective", "image_size", "plugin")
+    options = {k: v for k, v in asdict(o).items() if k not in skip}
     # What was used, not what was asked: the weights, sampler and options actually used and the guidance rule.
     # An option the sampler does not take is None (as folders written before that option existed read).
     channels = plan.guide_channels
@@ -241,17 +240,9 @@ def make_plan(o: SampleOptions) -> SamplePlan:
 
 
 SETTINGS_NAME = "settings.json"
-
-
 GRID_NAME = "grid.png"
-
-
 NPZ_NAME = "samples.npz"
-
-
 _PNG_RE = re.compile(r"^(\d{6,})-class(\d+)(-[\w.-]+)?\.png$")
-
-
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 
 
