@@ -78,18 +78,13 @@ class FlowPath:
         """sigma = 1 - tau of a network timestep input (for the guidance interval)."""
         return 1 - model_t if self.convention == "sit" else model_t
 
-    def velocity(self, out: torch.Tensor, channels: int) -> torch.Tensor:
-        """SiT's velocity x1 - eps from a network output (N, C or 2C, h, w); extra channels are ignored (as SiT)."""
-        v = out[:, :channels].float()  # (N, C, h, w)
-        return v if self.convention == "sit" else -v
-
-    def tau_of(self, model_t: torch.Tensor) -> torch.Tensor:
-        """SiT time tau of a network timestep input (N,)."""
-        return model_t if self.convention == "sit" else 1 - model_t
+    tau_of = model_time  # SiT time tau of a network timestep input (N,): the map is its own inverse
 
     def field(self, model_fn, x: torch.Tensor, model_t: torch.Tensor, model_kwargs: dict | None) -> torch.Tensor:
         """SiT's velocity at x (N,C,h,w) from one network call at network time model_t (N,): samplers' only way in."""
-        return self.velocity(model_fn(x, model_t, **(model_kwargs or {})), x.shape[1])
+        out = model_fn(x, model_t, **(model_kwargs or {}))  # (N, C or 2C, h, w)
+        v = out[:, :x.shape[1]].float()  # (N, C, h, w): extra channels are ignored (as SiT)
+        return v if self.convention == "sit" else -v
 
     def call(self, model_fn, x: torch.Tensor, tau: torch.Tensor, model_kwargs: dict | None) -> torch.Tensor:
         """The velocity field at (x, tau): one network call, converted to SiT's convention."""
@@ -111,12 +106,11 @@ class FlowPath:
 def draw_time(generator: torch.Generator, sampling: str = "uniform", loc: float = 0.0, scale: float = 1.0,
               shift: float = 1.0) -> torch.Tensor:
     """One training time tau (1,) from `generator`: uniform on [0, 1), or sigmoid(N(loc, scale)) (SD3 Eq. 19)."""
+    assert sampling in TIME_SAMPLINGS, sampling  # FlowObjective refuses another with a ChoiceError
     if sampling == "uniform":
         tau = torch.rand(1, generator=generator)
-    elif sampling == "lognormal":
-        tau = torch.sigmoid(loc + scale * torch.randn(1, generator=generator))
     else:
-        raise ChoiceError("time sampling", sampling, TIME_SAMPLINGS)
+        tau = torch.sigmoid(loc + scale * torch.randn(1, generator=generator))
     return tau if shift == 1.0 else shift_time(tau, shift)
 
 

@@ -130,7 +130,7 @@ class MeanFlowObjective:
     level_unit: ClassVar[str] = "noise level t of the interval's start (0 = data, 1 = noise; the paper's time)"
 
     def __post_init__(self):
-        check_convention(self.convention)
+        self.path = FlowPath(self.convention)  # ChoiceError for an unknown convention
         if self.time_inputs != "t,t-r":
             raise SettingError(f"the model config records MeanFlow time inputs {self.time_inputs!r}; this version "
                                "embeds only the paper's pair 't,t-r'. Re-export the weights with this version.")
@@ -141,7 +141,6 @@ class MeanFlowObjective:
         if self.pair_sampling not in PAIR_SAMPLINGS:
             raise ChoiceError("(t, r) sampling", self.pair_sampling, PAIR_SAMPLINGS)
         self._check_training()
-        self.path = FlowPath(self.convention)
 
     def _check_training(self) -> None:
         """SettingError naming the flag for a training setting outside the paper's ranges."""
@@ -241,14 +240,13 @@ class ImprovedMeanFlowObjective:
     level_unit: ClassVar[str] = "noise level t (0 = data, 1 = noise; the paper's time)"
 
     def __post_init__(self):
-        check_convention(self.convention)
+        self.path = FlowPath(self.convention)  # ChoiceError for an unknown convention
         self.cfg_range = [float(v) for v in self.cfg_range]
         if len(self.cfg_range) != 2 or not 1.0 <= self.cfg_range[0] <= self.cfg_range[1]:
             raise SettingError(f"the model config records the guidance range {self.cfg_range}; it should be "
                                "[1, w_max]. Re-export the weights with this version.")
         if self.pair_sampling not in PAIR_SAMPLINGS:
             raise ChoiceError("(t, r) sampling", self.pair_sampling, PAIR_SAMPLINGS)
-        self.path = FlowPath(self.convention)
 
     @classmethod
     def record_training(cls, options: dict) -> dict:
@@ -267,9 +265,7 @@ class ImprovedMeanFlowObjective:
         return imf_losses(self.path, model_fn, x0, t, noise, dict(model_kwargs or {}), p=self.adaptive_p,
                           c=self.adaptive_c)
 
-    def noise_level(self, model_t: torch.Tensor) -> torch.Tensor:
-        """The noise level (paper's t) of the start of each row's interval: model_t (N, 5) -> (N,) float64."""
-        return self.path.noise_level(model_t[:, 0].double())
+    noise_level = MeanFlowObjective.noise_level  # of column 0 of model_t (N, 5): the start of each row's interval
 
     def check_cfg_scale(self, cfg_scale: float, interval=None) -> None:
         """SettingError for a scale or an interval outside those the network was conditioned on in training."""
@@ -285,9 +281,7 @@ class ImprovedMeanFlowObjective:
                                f"[{INTERVAL_SPLIT:g}, 1], as the paper's); pass LO <= {INTERVAL_SPLIT:g} <= HI, or "
                                "leave it out (every level).")
 
-    def process(self, sampler: str, steps: int, options: dict) -> FlowProcess:
-        """The SiT-time grid the meanflow sampler walks (as MeanFlowObjective.process)."""
-        return MeanFlowObjective.process(self, sampler, steps, options)
+    process = MeanFlowObjective.process  # the SiT-time grid the meanflow sampler walks
 
     def sample(self, sampler: str, model_fn, noise, steps: int, options: dict, model_kwargs=None, generator=None,
                progress=False):

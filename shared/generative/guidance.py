@@ -95,11 +95,9 @@ def _autocast(device: torch.device, precision: str):
 class GuidedModelFn:
     """fn(x (N,C,h,w), t (N,), y (N,)) -> (N, out, h, w) float32: the DiT's guided prediction; counts network rows.
 
-    cfg_scale 1 is the plain conditional forward (no batch doubling). Otherwise the first `guide_channels`
-    latent channels (None: all of them) are guided and the rest, variance included, are the conditional
-    rows'. With `interval` (lo, hi) and `noise_level` (network t -> level), guidance applies only where
-    lo <= level <= hi (Kynkaanniemi et al. 2024, Sec. 3); elsewhere the step is the conditional prediction
-    alone, one batch of N rows instead of 2N. Autocast follows `precision` on x's device.
+    The first `guide_channels` latent channels (None: all) are guided, the rest (variance included) are the
+    conditional rows'. With `interval` (lo, hi), guidance applies only where lo <= noise_level(t) <= hi
+    (Kynkaanniemi et al. 2024, Sec. 3), one batch of N rows elsewhere. Autocast follows `precision` on x's device.
     """
 
     def __init__(self, model, cfg_scale: float, guide_channels: int | None = None, precision: str = "fp32",
@@ -142,18 +140,12 @@ class GuidedModelFn:
         inside = self._inside(t)  # decided on t as the sampler gave it (flow: its float64 grid time)
         if t.dtype == torch.float64:
             t = t.float()  # the network's time: the grid time rounded once, as REPA's sampler hands it over
-        if self.cfg_scale == 1.0:
-            self.calls["conditional"] += 1
-            return self.conditional(x, t, y)
-        if self.interval is None:  # guided at every level: t is never read on the host (no GPU sync per step)
-            self.calls["guided"] += 1
-            return self.classifier_free(x, t, y)[0]
-        if not bool(inside.any()):
+        if self.cfg_scale == 1.0 or (self.interval is not None and not bool(inside.any())):
             self.calls["conditional"] += 1
             return self.conditional(x, t, y)
         self.calls["guided"] += 1
         guided, cond = self.classifier_free(x, t, y)
-        if bool(inside.all()):
+        if self.interval is None or bool(inside.all()):  # no interval: t is never read on the host (no GPU sync)
             return guided
         return torch.where(inside.view(-1, 1, 1, 1), guided, cond)  # rows at different levels (rare)
 

@@ -23,7 +23,7 @@ import math
 import torch
 
 from shared.generative.flow import FlowPath
-from shared.generative.meanflow import (adaptive_weight, average_and_derivative, average_velocity, mixed_kwargs,
+from shared.generative.meanflow import (adaptive_weight, average_and_derivative, average_velocity, cond_and_null,
                                         rows_of)
 
 INTERVAL_SPLIT = 0.5  # t_min ~ U(0, split), t_max ~ U(split, 1): the release's sample_cfg_interval
@@ -57,10 +57,8 @@ def guided_target(path: FlowPath, model_fn, x, tau, v, guidance, model_kwargs: d
     zero, one = torch.zeros_like(g), torch.ones_like(g)
     cond = torch.stack([torch.cat([g, zero]), torch.cat([zero, zero]), torch.cat([one, one])], dim=1)  # (2N, 3)
     dropped = model_kwargs["force_drop_ids"].to(torch.bool)  # (N,)
-    both = mixed_kwargs(model_kwargs, 2)
-    both["force_drop_ids"] = torch.cat([torch.zeros_like(dropped), torch.ones_like(dropped)])
     out = average_velocity(path, conditioned(model_fn, cond), torch.cat([x, x]), torch.cat([tau, tau]),
-                           torch.cat([zero, zero]).to(tau.dtype), both)  # (2N, C, h, w)
+                           torch.cat([zero, zero]).to(tau.dtype), cond_and_null(model_kwargs))  # (2N, C, h, w)
     v_c, v_u = out.chunk(2)
     shape = (-1, *([1] * (x.ndim - 1)))
     v_g = v + g.view(shape).to(v.dtype) * (v_c - v_u).to(v.dtype)
@@ -68,10 +66,8 @@ def guided_target(path: FlowPath, model_fn, x, tau, v, guidance, model_kwargs: d
 
 
 def imf_losses(path: FlowPath, model_fn, x1, t, noise, model_kwargs: dict, *, p: float, c: float) -> dict:
-    """{"loss", "sq", "v_sq"} (N,): sg(w) ||V - sg(v_g)||^2 summed over elements, that square, ||ubar - v||^2.
-
-    t (N, 5): [tau, h, 1 - 1/w, t_min, t_max]; x1 clean latents, noise like x1 (N, C, h, w)."""
-    tau, h, guidance = t[:, 0], t[:, 1], t[:, 2:]  # (N,), (N,), (N, 3)
+    """{"loss", "sq", "v_sq"} (N,): sg(w) ||V - sg(v_g)||^2 summed over elements, that square, ||ubar - v||^2."""
+    tau, h, guidance = t[:, 0], t[:, 1], t[:, 2:]  # (N,), (N,), (N, 3) of t (N, 5): [tau, h, 1 - 1/w, t_min, t_max]
     s = tau.view(-1, *([1] * (x1.ndim - 1))).to(x1.dtype)  # (N, 1, 1, 1)
     x = s * x1 + (1 - s) * noise  # (N, C, h, w)
     v = x1 - noise  # (N, C, h, w): d x_tau / d tau

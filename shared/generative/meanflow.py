@@ -15,7 +15,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from shared.generative.flow import FlowPath, FlowProcess, _points, _tau
 from shared.generative.samplers import TIME_SHIFT, SamplerSpec, register_sampler
-from shared.runtime.errors import ChoiceError
 
 PAIR_SAMPLINGS = ("lognormal", "uniform")  # the paper's ablation: logit-normal (its choice) or uniform
 
@@ -38,12 +37,11 @@ def draw_pair(generator: torch.Generator, sampling: str, mu: float, sigma: float
     """One training interval (1, 2) float32 [tau, h] from `generator`, as the paper's sample_tr."""
     # The official code sets r = t on a fixed share of each batch; here each sample tosses its own coin (keyed by its
     # stream position like every draw), so the share holds in expectation and resume stays bitwise.
+    assert sampling in PAIR_SAMPLINGS, sampling  # the objectives refuse another with a ChoiceError
     if sampling == "lognormal":
         pair = torch.sigmoid(mu + sigma * torch.randn(2, generator=generator))  # (2,) paper times
-    elif sampling == "uniform":
-        pair = torch.rand(2, generator=generator)
     else:
-        raise ChoiceError("(t, r) sampling", sampling, PAIR_SAMPLINGS)
+        pair = torch.rand(2, generator=generator)
     t, r = pair.max(), pair.min()
     keep = torch.rand(1, generator=generator)[0] < fraction  # r != t for this sample
     h = (t - r) if bool(keep) else torch.zeros(())
@@ -55,9 +53,11 @@ def rows_of(model_kwargs: dict, rows: torch.Tensor) -> dict:
     return {k: v[rows] if torch.is_tensor(v) else v for k, v in model_kwargs.items()}
 
 
-def mixed_kwargs(model_kwargs: dict, count: int) -> dict:
-    """model_kwargs for a batch that stacks `count` copies of the rows: every (N, ...) tensor repeated."""
-    return {k: torch.cat([v] * count) if torch.is_tensor(v) else v for k, v in model_kwargs.items()}
+def cond_and_null(model_kwargs: dict) -> dict:
+    """model_kwargs for the batch [rows; rows]: every (N, ...) tensor repeated, the second copy's labels dropped."""
+    dropped = model_kwargs["force_drop_ids"].to(torch.bool)  # (N,)
+    both = {k: torch.cat([v, v]) if torch.is_tensor(v) else v for k, v in model_kwargs.items()}
+    return dict(both, force_drop_ids=torch.cat([torch.zeros_like(dropped), torch.ones_like(dropped)]))
 
 
 @torch.no_grad()
@@ -74,16 +74,12 @@ def guided_velocity(path: FlowPath, model_fn, x, tau, v, model_kwargs: dict, ome
     zero = torch.zeros_like(tau)
     if kappa == 0:
         null = dict(model_kwargs, force_drop_ids=torch.ones_like(dropped))
-        u_cond, u_null = None, average_velocity(path, model_fn, x, tau, zero, null)
+        guided = omega * v + (1 - omega) * average_velocity(path, model_fn, x, tau, zero, null)
     else:
-        both = mixed_kwargs(model_kwargs, 2)
-        both["force_drop_ids"] = torch.cat([torch.zeros_like(dropped), torch.ones_like(dropped)])
         out = average_velocity(path, model_fn, torch.cat([x, x]), torch.cat([tau, tau]), torch.cat([zero, zero]),
-                               both)  # (2N, C, h, w)
+                               cond_and_null(model_kwargs))  # (2N, C, h, w)
         u_cond, u_null = out.chunk(2)
-    guided = omega * v + (1 - omega - kappa) * u_null
-    if u_cond is not None:
-        guided = guided + kappa * u_cond
+        guided = omega * v + (1 - omega - kappa) * u_null + kappa * u_cond
     return torch.where(inside.view(-1, *([1] * (v.ndim - 1))), guided, v)  # (N, C, h, w)
 
 

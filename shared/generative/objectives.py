@@ -168,8 +168,7 @@ def run_sampler(objective: Objective, sampler: str, model_fn, noise, steps: int,
 
 
 def check_sampling_guidance(objective, cfg_scale: float, interval=None) -> None:
-    """SettingError when `objective` refuses sampling guidance at `cfg_scale` (MeanFlow with folded guidance,
-    improved MeanFlow outside its trained range)."""
+    """SettingError when `objective` refuses guidance at `cfg_scale` (folded MeanFlow, imf outside its range)."""
     check = getattr(objective, "check_cfg_scale", None)
     if check is not None:
         check(cfg_scale, interval)

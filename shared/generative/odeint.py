@@ -117,8 +117,7 @@ def dopri5_rows(field, y0: torch.Tensor, atol: float = 1e-6, rtol: float = 1e-3,
     f = field(t, y, rows)
     dt = initial_step(field, t, y, f, rows, atol, rtol)
     for _ in range(MAX_STEPS):
-        if not torch.isfinite(dt).all():
-            dt = torch.where(torch.isfinite(dt), dt, torch.zeros_like(dt))  # torchdiffeq: a non-finite step -> min_step 0
+        dt = torch.where(torch.isfinite(dt), dt, torch.zeros_like(dt))  # torchdiffeq: a non-finite step -> min_step 0
         if not bool((t + dt > t).all()):
             raise FloatingPointError(f"dopri5: the step size underflowed at t = {float(t.min()):g}")
         t1 = t + dt
@@ -128,9 +127,8 @@ def dopri5_rows(field, y0: torch.Tensor, atol: float = 1e-6, rtol: float = 1e-3,
         accept = ratio <= 1
         done = accept & (t1 >= t_end)
         if bool(done.any()):
-            end = interpolate_end(y[done], y1[done], k[done], dt[done], t[done], t1[done],
-                                  torch.full_like(t[done], t_end))
-            out[rows[done]] = end
+            out[rows[done]] = interpolate_end(y[done], y1[done], k[done], dt[done], t[done], t1[done],
+                                              torch.full_like(t[done], t_end))
         keep = ~done
         step = _rows(accept, y)
         y, f = torch.where(step, y1, y)[keep], torch.where(step, f1, f)[keep]

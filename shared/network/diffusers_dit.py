@@ -66,6 +66,22 @@ def _params(ours: str) -> tuple[str, ...]:
     return ("weight",) if ours.endswith("embedding_table") else _PARAMS
 
 
+def _name_pairs(depth: int):
+    """(our tensor name, its diffusers names: one, or the fused qkv's q, k, v rows), an embedder once per block."""
+    for ours, theirs in _TOP_NAMES.items():
+        for param in _PARAMS:
+            yield f"{ours}.{param}", (f"{theirs}.{param}",)
+    for n in range(depth):
+        for ours, theirs in _EMBEDDERS.items():
+            for param in _params(ours):
+                yield f"{ours}.{param}", (f"transformer_blocks.{n}.norm1.emb.{theirs}.{param}",)
+        for ours, theirs in _BLOCK_NAMES.items():
+            for param in _PARAMS:
+                yield f"blocks.{n}.{ours}.{param}", (f"transformer_blocks.{n}.{theirs}.{param}",)
+        for param in _PARAMS:  # fused projection: rows [q; k; v], each (D, D) / (D,)
+            yield f"blocks.{n}.attn.qkv.{param}", tuple(f"transformer_blocks.{n}.attn1.{p}.{param}" for p in _QKV)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Configs
 # ----------------------------------------------------------------------------------------------------------
@@ -207,19 +223,8 @@ def diffusers_to_dit(state_dict: dict, config: dict, where) -> dict:
                         f"The folder is damaged or mixed from two models; download or export it again.")
     _copies_equal(state_dict, depth, where)
     out = {}
-    for ours, theirs in _TOP_NAMES.items():
-        for param in _PARAMS:
-            out[f"{ours}.{param}"] = state_dict[f"{theirs}.{param}"]
-    for ours, theirs in _EMBEDDERS.items():
-        for param in _params(ours):
-            out[f"{ours}.{param}"] = state_dict[f"transformer_blocks.0.norm1.emb.{theirs}.{param}"]
-    for n in range(depth):
-        for ours, theirs in _BLOCK_NAMES.items():
-            for param in _PARAMS:
-                out[f"blocks.{n}.{ours}.{param}"] = state_dict[f"transformer_blocks.{n}.{theirs}.{param}"]
-        for param in _PARAMS:  # fused projection: rows [q; k; v], each (D, D) / (D,)
-            out[f"blocks.{n}.attn.qkv.{param}"] = torch.cat(
-                [state_dict[f"transformer_blocks.{n}.attn1.{p}.{param}"] for p in _QKV], dim=0)  # (3D, D) / (3D,)
+    for ours, theirs in _name_pairs(depth):  # an embedder: block 0's copy (all are equal, checked above)
+        out.setdefault(ours, torch.cat([state_dict[k] for k in theirs]) if len(theirs) > 1 else state_dict[theirs[0]])
     grid = kw["input_size"] // kw["patch_size"]
     # As DiT.initialize_weights: float64 sin-cos cast to float32, so the tensor equals a freshly built model's.
     out["pos_embed"] = sincos_2d(kw["hidden_size"], grid).float().unsqueeze(0)  # (1, T, D)
@@ -230,31 +235,13 @@ def dit_to_diffusers(state_dict: dict) -> dict:
     """Our state dict -> diffusers' layout: q/k/v split, embedders copied into every block, pos_embed dropped."""
     depth = len({k.split(".")[1] for k in state_dict if k.startswith("blocks.")})
     out = {}
-    for ours, theirs in _TOP_NAMES.items():
-        for param in _PARAMS:
-            out[f"{theirs}.{param}"] = state_dict[f"{ours}.{param}"].clone()
-    for n in range(depth):
-        for ours, theirs in _EMBEDDERS.items():
-            for param in _params(ours):
-                # Separate copies: diffusers holds one parameter per block (and safetensors refuses shared storage).
-                out[f"transformer_blocks.{n}.norm1.emb.{theirs}.{param}"] = state_dict[f"{ours}.{param}"].clone()
-        for ours, theirs in _BLOCK_NAMES.items():
-            for param in _PARAMS:
-                out[f"transformer_blocks.{n}.{theirs}.{param}"] = state_dict[f"blocks.{n}.{ours}.{param}"].clone()
-        for param in _PARAMS:
-            q, k, v = state_dict[f"blocks.{n}.attn.qkv.{param}"].chunk(3, dim=0)  # 3 x (D, D) / (D,)
-            for name, part in zip(_QKV, (q, k, v)):
-                out[f"transformer_blocks.{n}.attn1.{name}.{param}"] = part.clone()
+    for ours, theirs in _name_pairs(depth):
+        # Separate copies: diffusers holds one parameter per block (and safetensors refuses shared storage).
+        for name, part in zip(theirs, state_dict[ours].chunk(len(theirs), dim=0)):  # qkv: 3 x (D, D) / (D,)
+            out[name] = part.clone()
     return out
 
 
 def diffusers_keys(depth: int) -> list[str]:
     """Every tensor name of a diffusers DiT with `depth` blocks."""
-    keys = [f"{theirs}.{param}" for theirs in _TOP_NAMES.values() for param in _PARAMS]
-    for n in range(depth):
-        for ours, theirs in _EMBEDDERS.items():
-            keys += [f"transformer_blocks.{n}.norm1.emb.{theirs}.{param}" for param in _params(ours)]
-        keys += [f"transformer_blocks.{n}.{theirs}.{param}" for theirs in _BLOCK_NAMES.values() for param in _PARAMS]
-        keys += [f"transformer_blocks.{n}.attn1.{name}.{param}" for name in _QKV for param in _PARAMS]
-    return keys
-
+    return [name for _, theirs in _name_pairs(depth) for name in theirs]

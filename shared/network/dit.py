@@ -81,14 +81,12 @@ class TimestepEmbedder(nn.Module):
     @staticmethod
     def timestep_embedding(t, dim, max_period=10000):
         """(N,) possibly fractional timesteps -> (N, dim) features, cosine half first (as GLIDE/ADM)."""
+        assert dim % 2 == 0, dim  # cos and sin halves; the DiT's is 256
         half = dim // 2
         # fp32 on purpose: the official checkpoints were trained with exactly these fp32 features.
         freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
         args = t[:, None].float() * freqs[None]  # (N, half)
-        embedding = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)  # (N, 2*half)
-        if dim % 2:
-            embedding = F.pad(embedding, (0, 1))  # (N, dim)
-        return embedding
+        return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)  # (N, dim)
 
     def forward(self, t):
         """(N,) timesteps -> (N, D) embeddings."""
@@ -417,7 +415,6 @@ def adaln_zero_(blocks, final_layer: FinalLayer) -> None:
         nn.init.zeros_(layer.bias)
 
 
-
 #################################################################################
 #                     What DiT and DiT^DH share, and DiT                        #
 #################################################################################
@@ -510,10 +507,6 @@ class Backbone(nn.Module):
                                f"{end}), where only some tokens are present; align a block before the route.")
         return start, end
 
-    def _block(self, i, x, c, rope):
-        """Block i on tokens x (N, T or K, D) with conditioning c (recomputed in backward as the block says)."""
-        return self.blocks[i](x, c, rope)
-
     def _run_blocks(self, x, c, rope, indices, route=(-1, -1), route_keep=None, return_hidden_at=None):
         """x (N, T, D) through blocks `indices` -> (x, block return_hidden_at's output or None); routed: see below."""
         # Blocks route[0]..route[1] see only route_keep's (N, K) tokens; the skipped ones wait in `full` and rejoin
@@ -524,7 +517,7 @@ class Backbone(nn.Module):
             if i == start:  # the route starts: the skipped tokens wait in `full` (N, T, D)
                 full, x = x, gather_tokens(x, route_keep)  # (N, K, D)
                 rope = RoutedRope(table, route_keep) if table is not None else None
-            x = self._block(i, x, c, rope)  # (N, T or K, D)
+            x = self.blocks[i](x, c, rope)  # (N, T or K, D), recomputed in backward as the block says
             if i == end:  # ... and ends: the kept tokens' new values rejoin the skipped ones
                 x, rope = scatter_tokens(full, route_keep, x), table  # (N, T, D)
             if i + 1 == return_hidden_at:
@@ -543,15 +536,13 @@ class Backbone(nn.Module):
         """UserError when latents do not have the shape this model was built for."""
         expected = (self.in_channels, self.input_size, self.input_size)
         if x.dim() != 4 or tuple(x.shape[1:]) != expected:
-            grid = self.input_size // self.patch_size
-            rope = (f" Its rotary position tables are built for a {grid}x{grid} token grid, so it cannot run at "
-                    "another size either.") if self.feat_rope is not None else ""
+            rope = (f" Its rotary position tables are built for a {self.grid}x{self.grid} token grid, so it cannot "
+                    "run at another size either.") if self.feat_rope is not None else ""
             raise UserError(
                 f"the model expects latents of shape (N, {', '.join(map(str, expected))}) but got "
                 f"{tuple(x.shape)}; the latents' image size or VAE does not match this model's input_size "
                 f"and in_channels.{rope} Use latents extracted at the size the model was built for."
             )
-
 
 
 class DiT(Backbone):

@@ -43,10 +43,6 @@ class Projector(nn.Module):
                 nn.init.xavier_uniform_(layer.weight)
                 nn.init.zeros_(layer.bias)
 
-    @property
-    def feature_dim(self) -> int:
-        return self.mlp[-1].out_features
-
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """(N, T, D) -> (N, T, E)."""
         return self.mlp(h)

@@ -36,10 +36,8 @@ def kept_tokens(tokens: int, ratio: float) -> int:
 
 
 def check_route(ratio: float, start: int, end: int, depth: int, tokens: int, model: str, body: bool = False) -> None:
-    """UserError (one paragraph) unless a route is a ratio in (0, 1) over blocks 0 <= start <= end < depth.
-
-    body: the model has a DiT^DH head after its `depth` body blocks; a route lies within the body.
-    """
+    """UserError (one paragraph) unless a route is a ratio in (0, 1) over blocks 0 <= start <= end < depth."""
+    # body: the model has a DiT^DH head after its `depth` body blocks; a route lies within the body.
     if not 0 < ratio < 1:
         raise UserError(f"--route-ratio {ratio} must lie strictly between 0 and 1: it is the share of tokens that "
                         f"skip the routed blocks (TREAD: {PAPER_RATIO}). Omit the flag (or pass 0) to train without "

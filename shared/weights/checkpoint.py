@@ -22,8 +22,7 @@ from shared.network.repa import REPA_PROJECTOR_PREFIX
 from shared.runtime.errors import ChoiceError, UserError
 from shared.runtime.registry import Registry
 from shared.tokenizers.space import LatentSpace
-from shared.weights.export import load_torch_file, safetensors_problem
-from shared.weights.export import load_weights
+from shared.weights.export import load_torch_file, load_weights, safetensors_problem
 from shared.runtime.rundir import (CHECKPOINTS, EMA_FILE, EXPORTS, MODEL_FILE, checkpoint_path, is_complete_checkpoint,
                                    list_checkpoints, list_exports, step_of)
 from shared.tokenizers.rae_release import RAE_DIT_LATENTS

@@ -48,11 +48,8 @@ def read_json(path: Path) -> dict:
 
 def _has_class_config(folder: Path) -> bool:
     """Whether a folder holds a diffusers model config (config.json with a _class_name)."""
-    config = folder / CONFIG
-    if not config.is_file():
-        return False
-    try:
-        return "_class_name" in json.loads(config.read_text(encoding="utf-8"))
+    try:  # OSError: no such file (or not a readable one)
+        return "_class_name" in json.loads((folder / CONFIG).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
 
@@ -102,9 +99,7 @@ def _pipeline_parts(pipeline: Path) -> tuple[Path, Path | None]:
 def _parent_vae(transformer: Path) -> Path | None:
     """The VAE of the pipeline a transformer folder sits in (PIPELINE/transformer -> PIPELINE/vae)."""
     parent = transformer.parent
-    if (parent / MODEL_INDEX).is_file() and (parent / VAE / CONFIG).is_file():
-        return parent / VAE
-    return None
+    return parent / VAE if (parent / MODEL_INDEX).is_file() and (parent / VAE / CONFIG).is_file() else None
 
 
 def locate(path: Path, hub_id: str | None = None) -> DiffusersSource:

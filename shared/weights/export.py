@@ -21,18 +21,10 @@ from shared.runtime.errors import ChoiceError, SettingError, UserError
 from shared.runtime.fsio import atomic_write
 
 
-
-def plain_tensors(state_dict):
-    """Detached, contiguous CPU copies without shared storage (what safetensors can write)."""
-    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state_dict.items()}
-
-
 def write_safetensors(path, tensors: dict, metadata: dict | None = None) -> None:
-    """safetensors' save_file, then its header rewritten with the metadata keys sorted: equal content, equal bytes.
-
-    Why: safetensors keeps the metadata in a Rust HashMap, so each process writes its keys in a random order
-    and a resumed run's files would differ from an uninterrupted run's in the header alone.
-    """
+    """safetensors' save_file, then its header rewritten with the metadata keys sorted: equal content, equal bytes."""
+    # safetensors keeps the metadata in a Rust HashMap, so each process writes its keys in a random order and a
+    # resumed run's files would differ from an uninterrupted run's in the header alone.
     save_file(tensors, str(path), metadata=metadata)
     with open(path, "r+b") as f:
         size = int.from_bytes(f.read(8), "little")  # the header: u64 length, then that many bytes of JSON
@@ -48,7 +40,7 @@ def write_safetensors(path, tensors: dict, metadata: dict | None = None) -> None
 
 def save_tensors(path, tensors: dict, metadata: dict | None = None):
     """Plain copies of `tensors` written to `path` as safetensors atomically (fsio.atomic_write); returns the path."""
-    tensors = plain_tensors(tensors)
+    tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in tensors.items()}  # no shared storage
     return atomic_write(path, lambda tmp: write_safetensors(tmp, tensors, metadata))
 
 
@@ -85,11 +77,9 @@ _REFUSED = "Weights only load failed"  # the first words of every weights-only r
 
 
 def load_torch_file(path, fix: str, allowed=()):
-    """torch.load(weights_only=True) on the CPU -> the object; SettingError for a refused or unreadable file.
-
-    `fix` ends every message (it may name settings as {setting} fields); `allowed`: extra safe globals.
-    torch's own text is not repeated: it advises weights_only=False, which would run the file's code.
-    """
+    """torch.load(weights_only=True) on the CPU -> the object; SettingError, ending in `fix`, for a refused file."""
+    # `fix` may name settings as {setting} fields; `allowed`: extra safe globals. torch's own text is not repeated:
+    # it advises weights_only=False, which would run the file's code.
     path = Path(path)
     try:
         with torch.serialization.safe_globals(list(allowed)):
