@@ -323,7 +323,7 @@ def _rae_files(tmp_path, extra_decoder_tensor=False):
     from diffusers import AutoencoderRAE
     from safetensors.torch import save as save_safetensors
 
-    from shared.tokenizers.rae_release import RAE_TOKENIZERS, rae_decoder_key
+    from shared.tokenizers.rae import RAE_TOKENIZERS, rae_decoder_key
 
     module = AutoencoderRAE.from_pretrained(rae(tmp_path / "src", stats=False))
     state = module.state_dict()
@@ -350,7 +350,7 @@ def tiny_release(monkeypatch, tmp_path):
     """The rae-dinov2-b record with the tiny RAE's geometry (its names and URLs unchanged)."""
     import dataclasses
 
-    from shared.tokenizers.rae_release import RAE_TOKENIZERS
+    from shared.tokenizers.rae import RAE_TOKENIZERS
 
     monkeypatch.setitem(RAE_TOKENIZERS, "rae-dinov2-b", dataclasses.replace(
         RAE_TOKENIZERS["rae-dinov2-b"], config={**RAE_TINY, "image_size": IMAGE_SIZE, "scaling_factor": 1.0}))
@@ -359,7 +359,7 @@ def tiny_release(monkeypatch, tmp_path):
 
 def test_the_released_tokenizer_by_name_converts_rae_files_strictly(tiny_release, images, tmp_path, monkeypatch,
                                                                     capsys):
-    from shared.tokenizers.tokenizer import _rae_tokens
+    from shared.tokenizers.rae import _rae_tokens
     from tests.helpers import serve_releases
 
     files, module, stats = _rae_files(tmp_path)
@@ -394,7 +394,7 @@ def test_a_released_decoder_with_tensors_not_rae_s_is_refused(tiny_release, imag
 
 def test_the_real_release_record_makes_rae_s_tokens_and_names_its_dit():
     """rae-dinov2-b's config (meta device): 768x16x16 tokens of 256 px images, as RAE's DiT^DH-XL reads them."""
-    from shared.tokenizers.rae_release import RAE_DIT_LATENTS, RAE_TOKENIZERS
+    from shared.tokenizers.rae import RAE_DIT_LATENTS, RAE_TOKENIZERS
 
     config = {"_class_name": "AutoencoderRAE", **RAE_TOKENIZERS["rae-dinov2-b"].config}
     assert measure_latent(config, 256) == (768, 16, 16) == tuple(RAE_DIT_LATENTS["latent_shape"])
@@ -405,7 +405,7 @@ def test_the_real_release_record_makes_rae_s_tokens_and_names_its_dit():
 def test_a_dit_dh_on_768x16x16_tokens_is_decoded_by_the_released_tokenizer(tmp_path, monkeypatch):
     from shared.weights.checkpoint import load_sampling_weights
     from shared.network.models import ModelConfig
-    from shared.tokenizers.rae_release import RAE_DIT_LATENTS
+    from shared.tokenizers.rae import RAE_DIT_LATENTS
 
     monkeypatch.chdir(tmp_path)
     config = ModelConfig("DiTDH-T", input_size=16, in_channels=768, num_classes=10, learn_sigma=False,

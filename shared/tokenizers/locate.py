@@ -8,7 +8,6 @@ with pixels and latents is shared/tokenizers/tokenizer.py.
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import importlib
 import json
@@ -23,7 +22,7 @@ from urllib.parse import urlparse
 import torch
 
 from shared.runtime.errors import SettingError
-from shared.tokenizers.tokenizer import Tokenizer, rae_geometry, tokenizer_class
+from shared.tokenizers.tokenizer import Tokenizer, tokenizer_class
 
 
 VAE_SHORT_NAMES = {"ema": "stabilityai/sd-vae-ft-ema", "mse": "stabilityai/sd-vae-ft-mse",
@@ -32,7 +31,7 @@ VAE_SHORT_NAMES = {"ema": "stabilityai/sd-vae-ft-ema", "mse": "stabilityai/sd-va
                    "dc-ae-f64c128": "mit-han-lab/dc-ae-f64c128-in-1.0-diffusers"}
 # --vae NAME of a released tokenizer converted once into a folder: NAME -> locate(NAME) (`register_converted`).
 CONVERTED: dict = {}
-BUILT_IN_CONVERTED = ("shared.tokenizers.vavae", "shared.tokenizers.rae_release")  # they register VA-VAE's, RAE's
+BUILT_IN_CONVERTED = ("shared.tokenizers.vavae", "shared.tokenizers.rae")  # they register VA-VAE's, RAE's
 SINGLE_FILE_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin")
 WEIGHT_FILES = ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.bin")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -202,57 +201,10 @@ def read_vae_config(spec, config=None) -> dict:
         data = json.loads(located.config_path.read_text())
     except (OSError, ValueError) as err:
         raise SettingError(f"Cannot read the VAE config {located.config_path}: {err}. {_LOCAL_OPTIONS}") from None
-    if tokenizer_class(data, located.name).family == "rae" and located.path is not None and located.kind == "folder":
-        weights = located.path / WEIGHT_FILES[0]
-        if weights.is_file():
-            stat = weights.stat()
-            _check_rae_weights(str(weights), stat.st_size, stat.st_mtime_ns, json.dumps(data, sort_keys=True),
-                               located.name)
+    kind = tokenizer_class(data, located.name)
+    if located.kind == "folder" and (located.path / WEIGHT_FILES[0]).is_file():
+        kind.check_weights(located.path / WEIGHT_FILES[0], data, located.name)
     return data
-
-
-@functools.lru_cache(maxsize=16)
-def _check_rae_weights(weights: str, size: int, mtime_ns: int, config_json: str, where: str) -> None:
-    """An RAE folder's tensors against the shapes its config builds, from the safetensors header (no weights read)."""
-    from safetensors import SafetensorError, safe_open
-
-    config = json.loads(config_json)
-    kind = tokenizer_class(config, where)
-    with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in kind.diffusers_class().from_config(
-            {k: v for k, v in config.items() if not k.startswith("_")}).state_dict().items()}
-    try:
-        with safe_open(weights, framework="pt") as f:
-            found = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    except (SafetensorError, OSError) as err:
-        raise SettingError(f"The RAE weights {weights} cannot be read ({err}); download or save the folder again, or "
-                           f"pass another {{vae}}.") from None
-    wrong = [k for k in expected if k in found and found[k] != expected[k]]
-    missing = [k for k in expected if k not in found]
-    unexpected = [k for k in found if k not in expected]
-    if not (wrong or missing or unexpected):
-        return
-    geo = rae_geometry(config)
-    parts = []
-    embed = "decoder.decoder_embed.weight"
-    if embed in wrong:  # (decoder width, token channels)
-        parts.append(f"its decoder reads tokens of {found[embed][1]} channels, its encoder gives {geo['channels']} "
-                     f"(encoder_hidden_size)")
-    pred = "decoder.decoder_pred.weight"
-    if pred in wrong:  # (patch^2 x 3, decoder width)
-        parts.append(f"its decoder draws {found[pred][0]} values per token, its config's decoder patch "
-                     f"{geo['patch']} needs {expected[pred][0]}")
-    if wrong:
-        parts.append(f"{len(wrong)} tensors of other shapes than its config builds (e.g. {wrong[0]}: "
-                     f"{list(found[wrong[0]])} in the weights, {list(expected[wrong[0]])} for the config)")
-    if missing:
-        parts.append(f"{len(missing)} tensors its config needs are missing (e.g. {missing[0]})")
-    if unexpected:
-        parts.append(f"{len(unexpected)} tensors are not in its config (e.g. {unexpected[0]})")
-    raise SettingError(
-        f"The RAE tokenizer {where} does not fit together: {'; '.join(parts)}. An RAE's decoder works only on the "
-        f"tokens of the encoder it was trained on, with the statistics computed from them; pass a folder saved "
-        f"from one AutoencoderRAE (save_pretrained), or fix its config.json to the weights' encoder and decoder.")
 
 
 # ---- Loading weights (diffusers imported here only) ----

@@ -3,9 +3,9 @@ the wrapper that encodes and decodes one (found and loaded by shared/tokenizers/
 
 A diffusers folder names its class in config.json's `_class_name`; `tokenizer_class` turns that name into a
 `TokenizerClass` or refuses it in one paragraph naming the supported ones. Registering another class is one
-`register_tokenizer(TokenizerClass(...))` call (the RAE tokenizer does so; a module of the user's too, named by
-`--plugin MODULE`, with `model_class` its own diffusers ModelMixin + ConfigMixin): nothing else in extract, train
-or sample changes, because every stage goes through `Tokenizer`, which only calls the record.
+`register_tokenizer(TokenizerClass(...))` call (shared/tokenizers/rae.py's AutoencoderRAE does so; a module of
+the user's too, named by `--plugin MODULE`, with `model_class` its own diffusers ModelMixin + ConfigMixin): nothing
+else in extract, train or sample changes, because every stage goes through `Tokenizer`, which only calls the record.
 
 A record says:
   encode(module, x) -> (mean, std | None)   x (N,3,H,W) in [-1,1]; raw (unnormalised) latents (N,C,h,w), fp32.
@@ -15,6 +15,7 @@ A record says:
   decoder_parts                             attribute names cast to the decode dtype (the encoder stays fp32)
   native_size(config) -> int | None         the one image size the tokenizer takes (RAE: its decoder's), else None
   check_config(config, where)               SettingError for a config whose parts cannot work together
+  check_weights(weights, config, where)     SettingError for a folder's weights its config cannot load (RAE)
   element_stats                             extraction also computes per-element statistics (C, h, w) of the folder
   family                                    "vae" or "rae": latents of one family never decode with the other
   model_class                               the class that loads it (from_config, from_pretrained); default diffusers'
@@ -44,7 +45,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 from shared.runtime.errors import SettingError, UserError
+from shared.runtime.registry import Registry
 
 # ----------------------------------------------------------------------------------------------------------
 # LatentNorm: x = (z - mean) / std * scale (the module doc's table)
@@ -197,6 +198,7 @@ class TokenizerClass:
     declared_channels: Callable = lambda config: int(config.get("latent_channels", 4))
     native_size: Callable = lambda config: None
     check_config: Callable = lambda config, where: None
+    check_weights: Callable = lambda weights, config, where: None  # a folder's weights file against its config
     element_stats: bool = False
     family: str = "vae"
     model_class: type | None = None
@@ -213,13 +215,14 @@ class TokenizerClass:
         return self.decode(module, norm.invert(x).to(dtype))
 
 
-TOKENIZER_CLASSES: dict[str, TokenizerClass] = {}
+BUILT_IN_TOKENIZERS = ("shared.tokenizers.rae",)  # registers AutoencoderRAE, imported on the first read
+TOKENIZER_CLASSES: Registry[TokenizerClass] = Registry("tokenizer class", lambda spec: spec.encode.__module__,
+                                                       imports=BUILT_IN_TOKENIZERS)
 
 
 def register_tokenizer(spec: TokenizerClass) -> TokenizerClass:
     """Add a tokenizer class to the registry (its name is the diffusers `_class_name`)."""
-    TOKENIZER_CLASSES[spec.name] = spec
-    return spec
+    return TOKENIZER_CLASSES.register(spec.name, spec)
 
 
 def tokenizer_class(config: dict, where) -> TokenizerClass:
@@ -347,134 +350,6 @@ register_tokenizer(TokenizerClass(
                           "statistics", _flux2_encode, _flux2_decode, _flux2_native_norm,
     declared_channels=lambda config: int(config.get("latent_channels", 32)) * _patch(config)[0] * _patch(config)[1]))
 
-
-# ----------------------------------------------------------------------------------------------------------
-# AutoencoderRAE (Zheng et al. 2025, RAE): a frozen representation encoder's patch tokens and a ViT decoder
-# ----------------------------------------------------------------------------------------------------------
-# The shards store the raw tokens (deterministic: no std). diffusers' AutoencoderRAE.encode normalises them
-# itself, (z - latents_mean) / (latents_std + 1e-5) * scaling_factor; here the encoder and decoder are called
-# without that step and the same numbers become our LatentNorm (`_rae_native_norm`), so the normalisation has one
-# owner (this module) and decoding through it equals AutoencoderRAE.decode(AutoencoderRAE.encode(x)).
-# AutoencoderRAE takes and returns images in [0, 1] (RAE's ToTensor inputs); ours are in [-1, 1].
-
-DIFFUSERS_RAE_EPS = 1e-5  # diffusers' AutoencoderRAE._normalize_latents: (z - mean) / (std + 1e-5)
-
-
-def rae_geometry(config: dict) -> dict:
-    """An AutoencoderRAE config's shapes: token channels and grid, decoder patch and output size (its defaults)."""
-    enc_in, enc_patch = int(config.get("encoder_input_size", 224)), int(config.get("encoder_patch_size", 14))
-    patch = int(config.get("patch_size", 16))
-    grid = enc_in // enc_patch if enc_patch > 0 else 0
-    return {"channels": int(config.get("encoder_hidden_size", 768)), "grid": grid, "patch": patch,
-            "encoder_input_size": enc_in, "encoder_patch_size": enc_patch, "image_size": patch * grid}
-
-
-def _rae_stats_problem(config: dict, geo: dict) -> str | None:
-    """Why latents_mean / latents_std cannot normalise tokens (C, g, g), or None."""
-    latent = (geo["channels"], geo["grid"], geo["grid"])
-    for key in ("latents_mean", "latents_std"):
-        value = config.get(key)
-        if value is None:
-            continue
-        try:
-            shape = tuple(torch.as_tensor(value, dtype=torch.float32).shape)
-        except (ValueError, TypeError, RuntimeError):  # ragged lists, strings
-            shape = "unreadable (not a list of numbers)"
-        try:
-            fits = not isinstance(shape, str) and torch.broadcast_shapes(shape, (1, *latent)) == (1, *latent)
-        except RuntimeError:  # shapes that do not broadcast
-            fits = False
-        if not fits:
-            return (f"its {key} has shape {shape}, which is not the (C, h, w) = {latent} of its encoder's tokens "
-                    f"(encoder_hidden_size {latent[0]}, {geo['encoder_input_size']} px / patch "
-                    f"{geo['encoder_patch_size']} = {latent[1]})")
-    return None
-
-
-def check_rae_config(config: dict, where) -> None:
-    """Refuse an AutoencoderRAE config whose encoder, decoder and statistics do not fit together (one paragraph)."""
-    geo = rae_geometry(config)
-    problems = []
-    if geo["encoder_patch_size"] <= 0 or geo["encoder_input_size"] % geo["encoder_patch_size"]:
-        problems.append(f"its encoder_input_size {geo['encoder_input_size']} is not a multiple of its "
-                        f"encoder_patch_size {geo['encoder_patch_size']}")
-    if config.get("image_size") is not None and int(config["image_size"]) != geo["image_size"]:
-        problems.append(f"its decoder draws image_size {config['image_size']} px, but {geo['grid']}x{geo['grid']} "
-                        f"tokens of decoder patch {geo['patch']} make {geo['image_size']} px")
-    if config.get("reshape_to_2d", True) is False:
-        problems.append("reshape_to_2d is false (the DiT needs the tokens as a (C, h, w) grid)")
-    if config.get("encoder_type", "dinov2") not in ("dinov2", "siglip2", "mae"):
-        problems.append(f"its encoder_type {config['encoder_type']!r} is not dinov2, siglip2 or mae")
-    stats = _rae_stats_problem(config, geo)
-    if stats:
-        problems.append(stats)
-    if problems:
-        raise SettingError(
-            f"The RAE tokenizer {where} does not fit together: {'; '.join(problems)}. An RAE's decoder must be "
-            f"trained on its own encoder's tokens and its statistics computed from them; pass the folder (config.json "
-            f"and weights) saved from one RAE, or remove latents_mean / latents_std from its config.json so "
-            f"extraction computes the folder's per-element statistics.")
-
-
-def _rae_tokens(module, x):
-    """Raw encoder tokens (N, C, g, g) of images x (N,3,H,W) in [-1,1], before AutoencoderRAE's normalisation."""
-    pixels = module._resize_and_normalize((x + 1) / 2)  # [0, 1], bicubic to encoder_input_size, ImageNet mean/std
-    if module.config.encoder_type == "mae":
-        tokens = module._encoder_forward_fn(module.encoder, pixels, module.config.encoder_patch_size)
-    else:
-        tokens = module._encoder_forward_fn(module.encoder, pixels)  # (N, T, C), CLS and registers dropped
-    n, t, c = tokens.shape
-    side = math.isqrt(t)
-    return tokens.transpose(1, 2).reshape(n, c, side, side)  # (N, C, g, g)
-
-
-def _rae_encode(module, x):
-    """The deterministic tokens (no posterior): (tokens (N, C, g, g) fp32, None)."""
-    return _rae_tokens(module, x).float(), None
-
-
-def _rae_decode(module, z):
-    """Raw tokens (N, C, g, g) -> images (N, 3, H, W) in [-1, 1] (AutoencoderRAE._decode without denormalising)."""
-    n, c, h, w = z.shape
-    tokens = z.reshape(n, c, h * w).transpose(1, 2)  # (N, T, C)
-    patches = module.decoder(tokens).logits  # (N, T, p*p*3)
-    pixels = module._denormalize_image(module.decoder.unpatchify(patches))  # (N, 3, H, W), ~[0, 1]
-    return pixels * 2 - 1
-
-
-def _rae_native_norm(config: dict, module=None) -> LatentNorm | None:
-    """AutoencoderRAE's own normalisation as a per-element record, or None (no statistics: the folder's are used).
-
-    diffusers: x = (z - latents_mean) / (latents_std + 1e-5) * scaling_factor, statistics broadcast to (C, g, g);
-    the record's std is latents_std + 1e-5 computed in float32 as diffusers does, so apply/invert are its own.
-    """
-    if config.get("latents_mean") is None and config.get("latents_std") is None:
-        return None
-    geo = rae_geometry(config)
-    shape = (1, geo["channels"], geo["grid"], geo["grid"])
-    mean, std = (torch.broadcast_to(torch.as_tensor(default if config.get(key) is None else config[key],
-                                                    dtype=torch.float32), shape)
-                 for key, default in (("latents_mean", 0.0), ("latents_std", 1.0)))  # (1, C, g, g) each
-    if module is not None:  # what the loaded module really uses (its buffers); must be what the config says
-        buffers = (module._latents_mean.detach().float().cpu(), module._latents_std.detach().float().cpu())
-        if not (torch.equal(torch.broadcast_to(buffers[0], shape), mean)
-                and torch.equal(torch.broadcast_to(buffers[1], shape), std)):
-            raise SettingError("The RAE tokenizer's weights hold other latents_mean / latents_std than its config.json "
-                               "says; the folder was edited or mixed from two RAEs. Save it again from one "
-                               "AutoencoderRAE (save_pretrained), or pass another {vae}.")
-    scale = float(config.get("scaling_factor") or 1.0)
-    return LatentNorm.element(mean[0], std[0] + DIFFUSERS_RAE_EPS, scale,
-                              source="the RAE config's latents_mean / latents_std (diffusers: (z - mean) / (std + "
-                                     "1e-5) x scaling_factor)")
-
-
-AUTOENCODER_RAE = register_tokenizer(TokenizerClass(
-    "AutoencoderRAE", "RAE: a frozen representation encoder's patch tokens (DINOv2-B: 768x16x16) and a ViT decoder; "
-                      "deterministic; per-element statistics from its config or the folder",
-    _rae_encode, _rae_decode, _rae_native_norm, deterministic=True, decoder_parts=("decoder",),
-    declared_channels=lambda config: rae_geometry(config)["channels"],
-    native_size=lambda config: rae_geometry(config)["image_size"], check_config=check_rae_config,
-    element_stats=True, family="rae"))
 
 # ----------------------------------------------------------------------------------------------------------
 # The wrapper: measure a latent, encode and decode (locating and loading one: shared/tokenizers/locate.py)

@@ -25,7 +25,7 @@ from shared.tokenizers.space import LatentSpace
 from shared.weights.export import load_torch_file, load_weights, safetensors_problem
 from shared.runtime.rundir import (CHECKPOINTS, EMA_FILE, EXPORTS, MODEL_FILE, checkpoint_path, is_complete_checkpoint,
                                    list_checkpoints, list_exports, step_of)
-from shared.tokenizers.rae_release import RAE_DIT_LATENTS
+from shared.tokenizers.rae import RAE_DIT_LATENTS
 from shared.weights.diffusers_folder import CONFIG, find_diffusers, pipeline_latent_meta, read_json, read_weights
 from shared.weights.official import (OFFICIAL_NAMES, RAE_CFG_SCALE, RAE_SAMPLING, RELEASES, REPA_CFG_SCALE,
                                      REPA_SAMPLING, checkpoint_url, find_official, is_official_name, release_name)
@@ -327,8 +327,10 @@ def _read_diffusers(found: Found, weights: str, objective: str | None) -> Read:
 
 # The table, and the one loader that walks it
 
-_OURS_DAMAGED = ("Training diverged before these weights were saved, or the file is damaged: pass an earlier export or "
-                 "checkpoint with --ckpt (RUN/exports/ema-step-*.safetensors, RUN/checkpoints/step-*).")
+_OURS = dict(reads=_read_export, holds=_held_by_place, latents=lambda f, r: r.meta, kind="export",  # run folders, exports
+             config_from="read from the file's metadata",
+             damaged="Training diverged before these weights were saved, or the file is damaged: pass an earlier "
+                     "export or checkpoint with --ckpt (RUN/exports/ema-step-*.safetensors, RUN/checkpoints/step-*).")
 _REPA_ALL = AutoGuide("all", "REPA's sampler guides all channels")  # RAE's flow in REPA's time: the same rule
 def _foreign_space(meta: dict | None) -> LatentSpace | None:
     """The space another project's release states in a few facts (LatentSpace.of_release), None when it states none."""
@@ -343,11 +345,8 @@ for _fmt in (  # tried in this order: the first that recognises --ckpt reads it
                  auto_guide=AutoGuide("all", "diffusers' DiTPipeline guides all channels"), kind="diffusers",
                  config_from="read from its diffusers config",
                  damaged="The folder is damaged or its model diverged: download or export it again."),
-    WeightFormat("run", lambda f: f.path.is_dir(), _read_export, _held_by_place, lambda f, r: r.meta, kind="export",
-                 config_from="read from the file's metadata", damaged=_OURS_DAMAGED),
-    WeightFormat("export", lambda f: f.path.is_file() and not f.is_torch, _read_export, _held_by_place,
-                 lambda f, r: r.meta, kind="export", config_from="read from the file's metadata",
-                 damaged=_OURS_DAMAGED),
+    WeightFormat("run", lambda f: f.path.is_dir(), **_OURS),
+    WeightFormat("export", lambda f: f.path.is_file() and not f.is_torch, **_OURS),
     WeightFormat("lightningdit", lambda f: f.is_torch and f.release is not None and f.release.layout == "lightningdit",
                  _read_lightningdit, _held_entries, lambda f, r: _foreign_space(f.release.latent_meta),
                  AutoGuide("3", "LightningDiT's sampler keeps the DiT release's rule: the first 3 channels",
