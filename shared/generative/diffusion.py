@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from itertools import accumulate
 from functools import cached_property
 from typing import ClassVar
 
@@ -66,8 +67,7 @@ class GaussianDiffusion:
     """A discrete Gaussian diffusion over num_timesteps steps, possibly a respaced subset of 1000."""
     def __init__(self, betas: np.ndarray, timestep_map: np.ndarray | None = None):
         self.betas = betas = np.asarray(betas, dtype=np.float64)
-        if betas.ndim != 1 or not ((betas > 0) & (betas <= 1)).all():
-            raise ValueError("betas must be a 1-D array with values in (0, 1]")
+        assert betas.ndim == 1 and ((betas > 0) & (betas <= 1)).all(), "betas: a 1-D array with values in (0, 1]"
         self.num_timesteps = len(betas)
         self.timestep_map = np.arange(len(betas)) if timestep_map is None else np.asarray(timestep_map)
         self.alphas_cumprod = np.cumprod(1.0 - betas)
@@ -180,19 +180,14 @@ def space_timesteps(num_timesteps: int, count: int) -> list[int]:
     check_step_count(num_timesteps, count)
     # As ADM: the float stride is summed step by step, each sum rounded half to even (21 steps keep 499, not 500).
     stride = (num_timesteps - 1) / (count - 1) if count > 1 else 1
-    kept, position = [], 0.0
-    for _ in range(count):
-        kept.append(round(position))
-        position += stride
-    return sorted(set(kept))
+    return sorted({round(position) for position in accumulate([stride] * (count - 1), initial=0.0)})
 
 
 def ddim_timesteps(num_timesteps: int, count: int) -> list[int]:
     """range(0, T, s) with the smallest integer stride s in [1, T) that yields exactly `count` steps (DDIM paper)."""
     check_step_count(num_timesteps, count)  # ADM's "ddimN": the last step is T - s, and only some counts exist
-    counts = {}  # attainable count -> smallest stride
-    for stride in range(1, num_timesteps):
-        counts.setdefault(len(range(0, num_timesteps, stride)), stride)
+    # attainable count -> smallest stride (the strides run down, so a smaller one overwrites a larger)
+    counts = {len(range(0, num_timesteps, stride)): stride for stride in range(num_timesteps - 1, 0, -1)}
     if count not in counts:
         below = max((c for c in counts if c < count), default=None)
         above = min((c for c in counts if c > count), default=None)

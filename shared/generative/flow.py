@@ -140,9 +140,7 @@ def sde_grid(steps: int, shift: float, last_step: float) -> torch.Tensor:
     """The N start times (float64) of the SDE's N - 1 Euler-Maruyama steps and its Mean step, ending at 1 - h."""
     # The uniform grid ends where the shift maps to 1 - h, so the Mean step keeps its size h and the walk still ends
     # at tau = 1 (shifting SiT's points instead would stop short of the data: shift 0.3 ends at tau 0.918).
-    end = 1.0 - last_step
-    if shift == 1.0:
-        return torch.linspace(0.0, end, steps, dtype=torch.float64)  # (N,) SiT's, bitwise
+    end = 1.0 - last_step  # shift 1 maps every time to itself exactly: SiT's linspace(0, 1 - h, N), bitwise
     uniform_end = float(shift_time(torch.tensor(end, dtype=torch.float64), 1.0 / shift))
     times = shift_time(torch.linspace(0.0, uniform_end, steps, dtype=torch.float64), shift)  # (N,)
     times[-1] = end  # exactly, not shift(shift^-1(end)) with its rounding

@@ -93,12 +93,7 @@ def _autocast(device: torch.device, precision: str):
 
 
 class GuidedModelFn:
-    """fn(x (N,C,h,w), t (N,), y (N,)) -> (N, out, h, w) float32: the DiT's guided prediction; counts network rows.
-
-    The first `guide_channels` latent channels (None: all) are guided, the rest (variance included) are the
-    conditional rows'. With `interval` (lo, hi), guidance applies only where lo <= noise_level(t) <= hi
-    (Kynkaanniemi et al. 2024, Sec. 3), one batch of N rows elsewhere. Autocast follows `precision` on x's device.
-    """
+    """fn(x (N,C,h,w), t (N,), y (N,)) -> (N, out, h, w) float32: the DiT's guided prediction; counts network rows."""
 
     def __init__(self, model, cfg_scale: float, guide_channels: int | None = None, precision: str = "fp32",
                  interval: tuple[float, float] | None = None, noise_level=None):
@@ -112,9 +107,7 @@ class GuidedModelFn:
         self.calls = {"guided": 0, "conditional": 0}  # sampler calls of each kind
 
     def _inside(self, t) -> torch.Tensor:
-        """(N,) bool: which rows' noise levels lie in the guidance interval (edges included, as REPA's)."""
-        if self.interval is None:
-            return torch.ones(t.shape, dtype=torch.bool, device=t.device)
+        """(N,) bool: the rows with lo <= noise_level(t) <= hi (Kynkaanniemi et al. 2024, Sec. 3; edges as REPA's)."""
         level = self.noise_level(t)
         lo, hi = self.interval
         return (level >= lo) & (level <= hi)
@@ -137,15 +130,15 @@ class GuidedModelFn:
             return torch.cat([eps, cond[:, g:]], dim=1).float(), cond.float()  # (N, out, h, w) each
 
     def __call__(self, x, t, y):
-        inside = self._inside(t)  # decided on t as the sampler gave it (flow: its float64 grid time)
+        inside = None if self.interval is None else self._inside(t)  # on t as given (flow: its float64 grid time)
         if t.dtype == torch.float64:
             t = t.float()  # the network's time: the grid time rounded once, as REPA's sampler hands it over
-        if self.cfg_scale == 1.0 or (self.interval is not None and not bool(inside.any())):
+        if self.cfg_scale == 1.0 or (inside is not None and not bool(inside.any())):
             self.calls["conditional"] += 1
             return self.conditional(x, t, y)
         self.calls["guided"] += 1
         guided, cond = self.classifier_free(x, t, y)
-        if self.interval is None or bool(inside.all()):  # no interval: t is never read on the host (no GPU sync)
+        if inside is None or bool(inside.all()):  # no interval: t is never read on the host (no GPU sync)
             return guided
         return torch.where(inside.view(-1, 1, 1, 1), guided, cond)  # rows at different levels (rare)
 

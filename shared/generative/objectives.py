@@ -142,8 +142,7 @@ def make_objective(name: str, recorded: dict | None = None, **training) -> Objec
     for key, value in training.items():
         if key in own_training or value is None:
             continue
-        if key not in flags:
-            raise ValueError(f"no registered objective has a training field {key!r}")
+        assert key in flags, f"no registered objective has a training field {key!r}"
         spec, takers = flags[key]
         if value != spec.default:
             owners = [t for t in takers if key in OBJECTIVES[t].__dict__.get("__annotations__", {})] or list(takers)

@@ -118,8 +118,7 @@ def sampler_options(name: str, given: dict) -> dict:
     """The options sampler `name` runs with: its own, defaulted; SettingError for a given option it does not take."""
     spec = get_sampler(name)
     for option, value in given.items():
-        if option not in SAMPLER_OPTIONS:
-            raise ValueError(f"unknown sampler option {option!r}")
+        assert option in SAMPLER_OPTIONS, f"unknown sampler option {option!r}"
         if value is not None and option not in option_names(spec):
             takers = takers_of(option)
             raise SettingError(f"{{{option.replace('_', ' ')}}} {value:g} sets {SAMPLER_OPTIONS[option].help}, which "

@@ -93,11 +93,9 @@ def dpmpp_2m_sample(diffusion, model_fn, noise, model_kwargs=None, generator=Non
 
 # ---- UniPC: the UniC corrector on top of the same predictor ----
 
-def unic_weights(h: float, r: float | None) -> tuple[float, ...]:
-    """UniC-p weights for B(h) = e^h - 1 in data-prediction form: (a,) for p = 1, (a_1, a_t) for p = 2."""
-    # R_p a = g_p / B(h), g_i = i! h phi_{i+1}(h), in hh = -h; p = 1 takes a = 1/2 as the authors' code and diffusers.
-    if r is None:
-        return (0.5,)
+def unic_weights(h: float, r: float) -> tuple[float, float]:
+    """UniC-2 weights (a_1, a_t) for B(h) = e^h - 1 in data-prediction form (UniC-1's a = 1/2: unipc_correct)."""
+    # R_p a = g_p / B(h), g_i = i! h phi_{i+1}(h), in hh = -h.
     hh = -h
     b_h = np.expm1(hh)
     hphi2 = np.expm1(hh) / hh - 1.0
@@ -115,9 +113,8 @@ def unipc_correct(x_prev, m_prev, m_now, m_older, j: int, grid: SolverGrid) -> t
     h = grid.lam[j] - grid.lam[j - 1]
     b_h = float(np.expm1(-h))  # B(h) = e^{hh} - 1 < 0
     ratio, alpha = float(grid.sigma[j] / grid.sigma[j - 1]), float(grid.alpha[j])
-    if m_older is None:
-        (a_t,) = unic_weights(h, None)
-        correction = a_t * (m_now - m_prev)
+    if m_older is None:  # UniC-1 takes a = 1/2, as the authors' code and diffusers
+        correction = 0.5 * (m_now - m_prev)
     else:
         r = (grid.lam[j - 2] - grid.lam[j - 1]) / h
         a_1, a_t = unic_weights(h, r)

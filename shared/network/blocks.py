@@ -162,16 +162,11 @@ def block_name(options):
 #                  Selective activation checkpointing of a block                #
 #################################################################################
 
-def _saved_ops() -> frozenset:
-    """The aten ops whose outputs selective checkpointing keeps: matmuls and every SDPA kernel torch has."""
-    aten = torch.ops.aten
-    names = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-             "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
-             "_scaled_dot_product_fused_attention_overrideable")
-    return frozenset(getattr(aten, name).default for name in names if hasattr(aten, name))
-
-
-SAVED_OPS = _saved_ops()
+# The aten ops whose outputs selective checkpointing keeps: matmuls and every SDPA kernel this torch has.
+_SAVED_NAMES = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+                "_scaled_dot_product_fused_attention_overrideable")
+SAVED_OPS = frozenset(getattr(torch.ops.aten, name).default for name in _SAVED_NAMES if hasattr(torch.ops.aten, name))
 
 
 def selective_policy(ctx, op, *args, **kwargs):

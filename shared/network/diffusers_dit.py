@@ -125,10 +125,9 @@ def check_dit_config(config: dict, where) -> dict:
               ("num_vector_embeds", None, "continuous latents")]
     wrong = [f"{key}={full.get(key)!r} (DiT: {want!r}, {why})" for key, want, why in needed
              if key in full and full[key] != want]
-    if full.get("patch_size") is None:
-        wrong.append("patch_size=None (DiT works on patches)")
-    if full.get("num_embeds_ada_norm") is None:
-        wrong.append("num_embeds_ada_norm=None (DiT is class-conditional)")
+    wrong += [f"{key}=None ({why})" for key, why in (("patch_size", "DiT works on patches"),
+                                                     ("num_embeds_ada_norm", "DiT is class-conditional"))
+              if full.get(key) is None]
     if wrong:
         raise UserError(f"{where} is a diffusers {name} but not a DiT: {'; '.join(wrong)}. Only the DiT "
                         f"layout (DiTTransformer2DModel, or Transformer2DModel with norm_type ada_norm_zero) maps "

@@ -53,7 +53,6 @@ class PatchEmbed(nn.Module):
 
     def __init__(self, input_size, patch_size, in_channels, hidden_size):
         super().__init__()
-        self.input_size, self.patch_size = input_size, patch_size
         self.num_patches = (input_size // patch_size) ** 2
         self.proj = nn.Conv2d(in_channels, hidden_size, kernel_size=patch_size, stride=patch_size, bias=True)
 
@@ -354,9 +353,8 @@ class DiTBlock(nn.Module):
         """x (N, T, D) tokens, c (N, D) or per-token (N, T, D) conditioning, rope RotaryEmbedding2d or None -> (N, T, D)."""
         if self.recompute is None or not torch.is_grad_enabled():
             return self._forward(x, c, rope)
-        if self.recompute == SELECTIVE:
-            return checkpoint(self._forward, x, c, rope, use_reentrant=False, context_fn=selective_contexts)
-        return checkpoint(self._forward, x, c, rope, use_reentrant=False)
+        selective = {"context_fn": selective_contexts} if self.recompute == SELECTIVE else {}
+        return checkpoint(self._forward, x, c, rope, use_reentrant=False, **selective)
 
     def _forward(self, x, c, rope=None):
         """The block itself (forward's arguments)."""
@@ -486,13 +484,10 @@ class Backbone(nn.Module):
 
     def set_routing(self, start=None, end=None):
         """Token routing in training (routing.py): blocks start..end see only the kept tokens; None: off. Not architecture."""
-        if start is None:
-            self.route = None
-            return
-        if not 0 <= start <= end < self.depth:
+        if start is not None and not 0 <= start <= end < self.depth:
             raise UserError(f"a route over blocks {start}..{end} does not fit this model's {self.depth} routable blocks "
                             f"(0 <= start <= end <= {self.depth - 1}; a DiT^DH head is never routed).")
-        self.route = (start, end)
+        self.route = None if start is None else (start, end)
 
     def _checkpointed(self, index):
         """Whether block `index` recomputes in backward (all of it, or its pointwise ops) instead of storing them."""

@@ -266,12 +266,10 @@ def _infer_architecture(state_dict):
 
 def _infer_head(state_dict, arch):
     """The DiT^DH part of a state dict in RAE's layout (s_embedder = body, x_embedder = head): depths, head width."""
-    body_width = arch["hidden_size"]
     widths = {int(m.group(1)): state_dict[k].shape[1] for k in state_dict
               if (m := re.match(r"blocks\.(\d+)\.attn\.qkv\.weight$", k))}
-    depth = sum(1 for w in widths.values() if w == body_width)
-    head_width = _shape(state_dict, "x_embedder.proj.weight")[0]
-    return dict(depth=depth, head_depth=len(widths) - depth, head_width=head_width)
+    depth = sum(1 for w in widths.values() if w == arch["hidden_size"])
+    return dict(depth=depth, head_depth=len(widths) - depth, head_width=_shape(state_dict, "x_embedder.proj.weight")[0])
 
 
 def _body_names(state_dict):

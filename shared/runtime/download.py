@@ -116,8 +116,6 @@ def download(url: str, dest: Path, cached_copy_removed: bool = False,
         if problem:
             raise UserError(_interrupted(url, dest, written, total, f"the file is not whole: {problem}", instead))
         return publish_file(tmp, dest)
-    except UserError:
-        raise
     except (urllib.error.URLError, http.client.HTTPException, socket.timeout, OSError) as err:
         full = disk_full(err, dest.parent, written)
         if full is not None:

@@ -24,16 +24,15 @@ class ChoiceError(UserError):
 
     def __init__(self, setting: str, value, choices, detail: str = ""):
         self.setting, self.value, self.choices, self.detail = setting, value, list(choices), detail
-        allowed = ", ".join(str(c) for c in self.choices)
+        self.allowed = ", ".join(str(c) for c in self.choices)
         super().__init__(f"unknown {setting} {value!r}{f' ({detail})' if detail else ''}{self._guess()}; choose one "
-                         f"of: {allowed}.")
+                         f"of: {self.allowed}.")
 
     def advise(self, flag: str) -> UserError:
         """The same error phrased for the flag that set the value."""
-        allowed = ", ".join(str(c) for c in self.choices)
         extra = f" ({self.detail})" if self.detail else ""
         return UserError(f"{flag} {self.value!r} is not a valid {self.setting}{extra}{self._guess()}; pass {flag} with "
-                         f"one of: {allowed}.")
+                         f"one of: {self.allowed}.")
 
     def _guess(self) -> str:
         """The suggestion for a choice equal but for case (else the closest spelling): " (did you mean 'X'?)"."""
