@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 from shared.runtime.errors import ChoiceError, UserError
 from shared.weights.export import load_weights, save_weights
-from shared.network.blocks import BLOCKS, block_options
-from shared.network.dit import DiTBlock, RMSNorm, RotaryEmbedding2d, rotate_pairs, swiglu_hidden
+from shared.network.blocks import BLOCKS, RMSNorm, RotaryEmbedding2d, block_options, rotate_pairs, swiglu_hidden
+from shared.network.dit import DiTBlock
 from shared.network.models import PRESETS, ModelConfig, infer_model_config
 from train.memory import forward_macs
 from tests.helpers import inputs, randomize, tiny, space_of

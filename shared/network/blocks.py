@@ -3,8 +3,9 @@
 Each block option is one record (BlockOption): the slot it fills (norm, mlp: named choices; rope, qk_norm: on/off
 switches), the value a ModelConfig records, its help, and what it builds there. DiT and DiT^DH build their blocks
 from this table alone; a --plugin module adds a value with `register_block_option` (the model records the module,
-so sampling asks for it), the built-ins register in shared/network/dit.py beside the modules they build. Each
-record's `marker` is the tensor that tells its layout apart in weights (LightningDiT's names: mlp.w12, feat_rope).
+so sampling asks for it), the built-ins register in shared/network/dit.py; the modules LightningDiT's build
+(RMSNorm, SwiGLU, 2-D RoPE) are at the end of this file. Each record's `marker` is the tensor that tells its layout
+apart in weights (LightningDiT's names: mlp.w12, feat_rope).
 """
 import argparse
 import sys
@@ -13,6 +14,7 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from shared.runtime.cli import Flag
@@ -22,6 +24,8 @@ from shared.runtime.registry import Registry, plugin_module
 # Gradient checkpointing of every block that keeps the matmul and attention outputs and recomputes only the
 # pointwise ops between them (selective activation checkpointing): between "off" and "every block" in memory.
 SELECTIVE = "selective"
+NORM_EPS = 1e-6  # DiT's LayerNorms and LightningDiT's RMSNorms alike
+ROPE_THETA = 10000  # rotary base period, as LightningDiT (EVA-02's VisionRotaryEmbeddingFast)
 
 
 # The places in the block an option fills, with their flag's help. What each slot's `build` is called with: norm
@@ -177,3 +181,97 @@ def selective_policy(ctx, op, *args, **kwargs):
 def selective_contexts():
     """The (forward, recompute) contexts of torch's selective checkpointing under selective_policy."""
     return create_selective_checkpoint_contexts(selective_policy)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# What LightningDiT's options build (their records: shared/network/dit.py, beside DiT's)
+# ---------------------------------------------------------------------------------------------------------
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * gain over the last dim (Zhang & Sennrich, 2019), normalised in fp32 at least."""
+
+    def __init__(self, dim, eps=NORM_EPS):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))  # learned gain, as LightningDiT's (DiT's LayerNorms have none)
+
+    def forward(self, x):
+        """(..., dim) -> (..., dim); the normalised value is cast back to x's dtype before the gain."""
+        wide = x.to(torch.promote_types(x.dtype, torch.float32))  # bf16/fp16 -> fp32; a float64 model stays float64
+        return F.rms_norm(wide, (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight
+
+
+def swiglu_hidden(dim, mlp_ratio=4.0):
+    """SwiGLU width, LightningDiT's int(2/3 * int(dim * mlp_ratio)): as many weights as the GELU MLP (3072 at XL)."""
+    return int(2 / 3 * int(dim * mlp_ratio))
+
+
+class SwiGLU(nn.Module):
+    """SiLU-gated feed-forward (Shazeer 2020, "GLU Variants", Eq. 6 FFN_SwiGLU) with biases, names as LightningDiT."""
+
+    def __init__(self, dim, hidden_dim):
+        super().__init__()
+        self.w12 = nn.Linear(dim, 2 * hidden_dim, bias=True)  # gate and value projections, fused
+        self.w3 = nn.Linear(hidden_dim, dim, bias=True)
+
+    def forward(self, x):
+        """(N, T, D) -> (N, T, D)."""
+        gate, value = self.w12(x).chunk(2, dim=-1)  # 2 x (N, T, hidden)
+        return self.w3(F.silu(gate) * value)
+
+
+def rope_angles(head_dim, grid_size, theta=ROPE_THETA):
+    """(T, head_dim) angles: a head's first half turned by the token's row, the second by its column (RoFormer Eq. 15)."""
+    # head_dim/4 frequencies theta^(-j / (head_dim/4)) per axis, each turning one interleaved channel pair (2i, 2i+1);
+    # tokens in row-major patch order: LightningDiT's VisionRotaryEmbeddingFast(dim=head_dim/2, pt_seq_len=grid).
+    quarter = head_dim // 4
+    freqs = theta ** -(torch.arange(quarter, dtype=torch.float64) / quarter)  # (head_dim/4,)
+    rows, cols = torch.meshgrid(torch.arange(grid_size), torch.arange(grid_size), indexing="ij")
+    angles = torch.cat([rows.reshape(-1, 1) * freqs, cols.reshape(-1, 1) * freqs], dim=1)  # (T, head_dim/2)
+    return angles.repeat_interleave(2, dim=1)  # (T, head_dim)
+
+
+def rotate_pairs(x):
+    """(x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...): multiplication by i of each channel pair."""
+    pairs = x.unflatten(-1, (-1, 2))  # (..., d/2, 2)
+    return torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)  # (..., d)
+
+
+class RotaryEmbedding2d(nn.Module):
+    """Rotates queries/keys (N, H, T, d) by their token's grid position; tables built for one grid size."""
+
+    def __init__(self, head_dim, grid_size):
+        super().__init__()
+        if head_dim % 4:
+            raise UserError(f"2-D RoPE needs a head dimension divisible by 4 (a channel pair per frequency, rows "
+                            f"and columns), but heads have {head_dim} channels; pick a preset whose width / heads "
+                            "is a multiple of 4, or train without --rope.")
+        self.head_dim, self.grid_size = head_dim, grid_size
+        # Persistent, as LightningDiT's feat_rope buffers: they mark a RoPE state dict and pin its grid.
+        # Filled by DiT.initialize_weights (like pos_embed), so building on the meta device stays cheap.
+        self.register_buffer("freqs_cos", torch.zeros(grid_size * grid_size, head_dim))  # (T, d)
+        self.register_buffer("freqs_sin", torch.zeros(grid_size * grid_size, head_dim))  # (T, d)
+
+    @torch.no_grad()
+    def reset_tables(self):
+        """Write cos/sin of rope_angles (computed on the CPU in float64) into the buffers."""
+        angles = rope_angles(self.head_dim, self.grid_size)
+        self.freqs_cos.copy_(angles.cos().float().to(self.freqs_cos.device))
+        self.freqs_sin.copy_(angles.sin().float().to(self.freqs_sin.device))
+
+    def forward(self, x):
+        """(N, H, T, d) -> (N, H, T, d) in fp32 (the fp32 tables promote; Attention casts back)."""
+        return x * self.freqs_cos + rotate_pairs(x) * self.freqs_sin
+
+
+class RoutedRope(nn.Module):
+    """A RotaryEmbedding2d's rotation for the tokens a route keeps: each keeps its own grid position's angles."""
+
+    def __init__(self, rope: RotaryEmbedding2d, keep: torch.Tensor):
+        super().__init__()
+        self.freqs_cos = rope.freqs_cos[keep].unsqueeze(1)  # (N, 1, K, d), broadcast over heads
+        self.freqs_sin = rope.freqs_sin[keep].unsqueeze(1)  # (N, 1, K, d)
+
+    def forward(self, x):
+        """(N, H, K, d) -> (N, H, K, d): RotaryEmbedding2d's rotation with per-sample tables."""
+        return RotaryEmbedding2d.forward(self, x)
