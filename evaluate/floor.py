@@ -23,10 +23,9 @@ PROG = "python -m evaluate.floor"
 
 def floor_table(counts, draws: int, seed: int) -> list[tuple[str, float, float]]:
     """(what, mean FD, std FD) rows: N real digits vs all for each count, then half vs half."""
-    from shared.datasets.digits import digit_images
-    from evaluate.digits import RECIPE, digits_features, real_stats
+    from evaluate.digits import real_features, real_stats
     from evaluate.metrics import frechet_distance_of, frechet_distance_to
-    features = digits_features(digit_images(RECIPE.image_size)[0])  # (1797, 64)
+    features = real_features()  # (1797, 64)
     mu, sigma = real_stats()
     rng = np.random.default_rng(seed)
     rows = []
@@ -70,9 +69,8 @@ def vae_round_trip(images: np.ndarray, vae_spec: str, batch_size: int = 256) -> 
 
 def vae_rows(counts, draws: int, seed: int, vae_spec: str) -> list[tuple[str, float, float]]:
     """(what, mean FD, std FD) of N real digits after the VAE round trip, against all real digits."""
-    from shared.datasets.digits import digit_images
-    from evaluate.digits import RECIPE, digits_fd
-    decoded = vae_round_trip(digit_images(RECIPE.image_size)[0], vae_spec)
+    from evaluate.digits import digits_fd, real_digits
+    decoded = vae_round_trip(real_digits()[0], vae_spec)
     rng = np.random.default_rng(seed)
     rows = []
     for count in counts:

@@ -291,11 +291,8 @@ def is_known_hash(hexdigest: str) -> bool:
 
 def file_sha256(path: Path) -> str:
     """The sha256 of a file, in hex."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+    from shared.datasets.integrity import sha256_file
+    return sha256_file(path)
 
 
 def check_weights_hash(path: Path) -> str:

@@ -120,12 +120,11 @@ class Plan:
 
 def check_choices(cfg: ExtractConfig) -> None:
     """Known choices, or a ChoiceError naming the flag (the numbers' bounds are on their options: from_args)."""
-    if cfg.flip not in FLIP_MODES:
-        raise ChoiceError("flip mode", cfg.flip, FLIP_MODES)
-    if cfg.duplicates not in DUPLICATE_POLICIES:
-        raise ChoiceError("duplicate policy", cfg.duplicates, DUPLICATE_POLICIES)
-    if cfg.dtype not in STORAGE_DTYPES:
-        raise ChoiceError("storage dtype", cfg.dtype, STORAGE_DTYPES)
+    choices = (("flip mode", cfg.flip, FLIP_MODES), ("duplicate policy", cfg.duplicates, DUPLICATE_POLICIES),
+               ("storage dtype", cfg.dtype, STORAGE_DTYPES))
+    for setting, value, known in choices:
+        if value not in known:
+            raise ChoiceError(setting, value, known)
 
 
 def check_encoder_vae(cfg: ExtractConfig) -> tuple[str, dict, TokenizerClass, list[str], tuple]:

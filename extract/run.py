@@ -48,7 +48,6 @@ class Progress:
 
     encoded: int = 0
     bad: list = field(default_factory=list)
-    damaged: int = 0  # finished shards whose bytes failed their sha256, encoded again
     chunk: int = 0  # images per encoder call (halved on CUDA out-of-memory)
 
 
@@ -402,21 +401,20 @@ def _extract(plan: Plan, state) -> dict:
     state.wait_for_everyone()
     pending, damaged = _pending(plan, state)
     clean_unfinished(out, pending)
-    progress, elapsed, space = Progress(damaged=damaged), 0.0, None
+    progress, elapsed, space = Progress(), 0.0, None
     if pending:
         vae = _load_vae(plan, state.device)
         space = LatentSpace.of_tokenizer(vae, plan.cfg.image_size, plan.latent_shape, plan.scan.classes)
         producers = _load_producers(plan, state.device)
         start = time.perf_counter()  # the rate below is decode + encode + write, without the VAE load
         progress = encode_shards(plan, pending, vae, state, producers)
-        progress.damaged = damaged
         elapsed = time.perf_counter() - start
     state.wait_for_everyone()  # every shard finished before the index
     summary = {}
     if state.is_main_process:
         summary = write_outputs(plan, space)
         summary.update(encoded_here=progress.encoded, seconds=elapsed, shards_here=len(pending),
-                       damaged_here=progress.damaged, skipped=plan.scan.skipped.describe(), out=str(out),
+                       damaged_here=damaged, skipped=plan.scan.skipped.describe(), out=str(out),
                        notes=list(plan.scan.notes), processes=state.num_processes)
     state.wait_for_everyone()
     return summary

@@ -26,8 +26,7 @@ from shared.sampling.flags import DecodeFlags
 from shared.runtime.lock import LOCK_NAME, FolderBusyError, hold_lock, pid_alive
 from shared.sampling.previews import read_preview
 from shared.runtime.trackers import check_report_to
-from shared.tokenizers.locate import read_vae_config
-from shared.tokenizers.locate import load_tokenizer
+from shared.tokenizers.locate import load_tokenizer, read_vae_config
 from shared.tokenizers.space import LatentSpace, choose_tokenizer
 
 from sample.decode import decode_file

@@ -379,8 +379,8 @@ def test_corrupted_shard_is_refused_by_default(folder):
 def test_verified_shards_are_not_hashed_again(folder, monkeypatch):
     root, _, infos = folder
     hashed = []
-    real = integrity._sha256_file
-    monkeypatch.setattr(integrity, "_sha256_file", lambda path, *a: hashed.append(Path(path).name) or real(path, *a))
+    real = integrity.sha256_file
+    monkeypatch.setattr(integrity, "sha256_file", lambda path, *a: hashed.append(Path(path).name) or real(path, *a))
     LatentDataset(root)
     assert sorted(hashed) == [i.name for i in infos] and (root / integrity.VERIFIED_NAME).is_file()
     hashed.clear()

@@ -11,6 +11,7 @@ import os
 from collections import defaultdict
 
 from shared.datasets.imagefolder import ImageFolderScan, Skipped
+from shared.datasets.integrity import sha256_file
 from shared.runtime.cli import counted
 
 # What each --duplicates choice keeps of a picture found under several paths (the default is the first).
@@ -25,14 +26,10 @@ HEAD_BYTES = 8192  # read from each file whose size collides with another's, bef
 
 def _digest(path, limit: int | None = None) -> str:
     """sha256 of the first `limit` bytes of a file (all of it when None)."""
-    digest = hashlib.sha256()
+    if limit is None:
+        return sha256_file(path)
     with open(path, "rb") as f:
-        if limit is not None:
-            digest.update(f.read(limit))
-        else:
-            while chunk := f.read(1 << 20):
-                digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.sha256(f.read(limit)).hexdigest()
 
 
 def _same_real_file(scan: ImageFolderScan) -> tuple[dict, dict]:

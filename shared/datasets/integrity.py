@@ -88,7 +88,7 @@ def _hash_files(root: Path, entries: list[dict], progress: bool) -> dict:
     threads = max(1, min(_HASH_THREADS, os.cpu_count() or 1, len(first)))
     with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="verify sha256",
               disable=not progress, dynamic_ncols=True) as bar, ThreadPoolExecutor(threads) as pool:
-        digests = dict(zip(first, pool.map(lambda name: _sha256_file(paths[name], bar.update), first.values())))
+        digests = dict(zip(first, pool.map(lambda name: sha256_file(paths[name], bar.update), first.values())))
     return {name: (digests[identity[name]], stamps[name]) for name in paths}
 
 
@@ -127,7 +127,7 @@ def damaged_error(root, problems: dict) -> UserError:
                      f"`python -m extract --verify --out {root}` checks the folder again without changing it.")
 
 
-def _sha256_file(path: Path, on_bytes=None, chunk: int = 1 << 22) -> str:
+def sha256_file(path: Path, on_bytes=None, chunk: int = 1 << 22) -> str:
     """Hex sha256 of a file, read in 4 MiB chunks into one reused buffer; on_bytes(n) after each chunk."""
     digest, buf = hashlib.sha256(), bytearray(chunk)
     view = memoryview(buf)
