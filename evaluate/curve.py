@@ -87,11 +87,6 @@ def read_rows(run: Path) -> list[dict]:
     return [r for r in rundir.read_step_rows(rundir.eval_path(run)) if isinstance(r["step"], int)]
 
 
-def matching(rows: list[dict], settings: dict) -> list[dict]:
-    """The rows measured with exactly these settings, by step (one series of shared/sampling/evalcurve.py)."""
-    return same_series(rows, settings)
-
-
 def check_run(o: RunEvalOptions) -> list[Path]:
     """UserError for what needs no model: the run, its exports, the numbers; returns the exports, oldest first."""
     check_options(EvalOptions(samples="", ref=o.ref, features=o.features, batch_size=o.eval_batch_size))
@@ -168,7 +163,7 @@ def run_evaluation(o: RunEvalOptions) -> list[dict]:
     exports = check_run(o)
     o = resolve_run_sampling(o, exports[-1])
     settings = settings_of(o)
-    done = {r["step"] for r in matching(read_rows(Path(o.run)), settings)}
+    done = {r["step"] for r in same_series(read_rows(Path(o.run)), settings)}
     todo = [e for e in exports if rundir.step_of(e) not in done]
     state = process_state(o.cpu)
     check_compile(o.compile, state.device)  # before the feature network is built
@@ -184,7 +179,7 @@ def run_evaluation(o: RunEvalOptions) -> list[dict]:
         evaluate_export(export, o, settings, net, state)
         if state.is_main_process:
             draw_curve(Path(o.run), settings)
-    rows = matching(read_rows(Path(o.run)), settings)
+    rows = same_series(read_rows(Path(o.run)), settings)
     if state.is_main_process and rows and not todo:
         draw_curve(Path(o.run), settings)
     return rows
@@ -202,7 +197,7 @@ def curve_title(settings: dict) -> str:
 def draw_curve(run: Path, settings: dict) -> Path | None:
     """RUN/eval.png: one panel per metric present, value against training step (matplotlib Agg, no pyplot)."""
     from matplotlib.figure import Figure
-    rows = matching(read_rows(run), settings)
+    rows = same_series(read_rows(run), settings)
     panels = [(key, title, metric_lines(rows, key)) for key, title in CURVE_METRICS]
     panels = [(key, title, lines) for key, title, lines in panels if finite_values(lines)]
     if not panels:

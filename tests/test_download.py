@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sample.__main__ import main
-from shared.weights.official import URL_ENV
+from shared.runtime.download import URL_ENV
 from shared.network.models import ModelConfig
 from tests.helpers import run_main, serve_releases
 

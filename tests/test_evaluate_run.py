@@ -9,7 +9,8 @@ import torch
 
 from evaluate import digits
 from evaluate.__main__ import main
-from evaluate.curve import RunEvalOptions, export_image_size, matching, read_rows, settings_of
+from evaluate.curve import RunEvalOptions, export_image_size, read_rows, settings_of
+from shared.sampling.evalcurve import same_series
 from shared.runtime import rundir
 from shared.weights.export import save_weights
 from shared.network.models import ModelConfig
@@ -65,8 +66,8 @@ def test_run_evaluates_every_export_draws_the_curve_and_continues(tiny_vae_dir, 
     # Other settings make another curve: none of these points would be skipped for them.
     other = RunEvalOptions(run=str(run), num_samples=6, features="digits", sampler="ddim", num_sampling_steps=2,
                            cfg_scale=1.0, seed=1)
-    assert matching(read_rows(run), settings_of(other)) == []
-    assert len(matching(read_rows(run), settings_of(replace(other, seed=0)))) == 3
+    assert same_series(read_rows(run), settings_of(other)) == []
+    assert len(same_series(read_rows(run), settings_of(replace(other, seed=0)))) == 3
 
 
 def test_run_mistakes_are_refused_before_sampling(tmp_path, capsys):

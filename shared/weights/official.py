@@ -6,14 +6,13 @@ folder), else downloaded into it from the release's URL ($DIT_DOWNLOAD_URL/NAME 
 """
 from __future__ import annotations
 
-import os
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
 from shared.generative.flow import auto_shift
 from shared.generative.objectives import DEFAULT_OBJECTIVE
-from shared.runtime.download import URL_ENV, fetch
+from shared.runtime.download import fetch, release_url
 
 BASE_URL = "https://dl.fbaipublicfiles.com/DiT/models/"
 HF_RAE = "https://huggingface.co/nyu-visionx/RAE-collections/resolve/main/"  # RAE's README: hf download this repo
@@ -110,9 +109,7 @@ def is_official_name(text: str) -> bool:
 def checkpoint_url(name: str) -> str:
     """The release's URL of `name` ($DIT_DOWNLOAD_URL/NAME when that is set)."""
     name = release_name(name) or name  # a release under its URL's file name downloads as itself
-    if os.environ.get(URL_ENV):
-        return os.environ[URL_ENV].rstrip("/") + "/" + name
-    return RELEASES[name].url if name in RELEASES else BASE_URL + name
+    return release_url(name, RELEASES[name].url if name in RELEASES else BASE_URL + name)
 
 
 def find_official(name: str) -> tuple[Path, list[str]]:

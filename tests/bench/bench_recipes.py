@@ -384,7 +384,8 @@ def eval_options(args, run: Path, cfg: float, seed: int, interval=None):
 
 def curve(args, run: Path, cfg: float, seed: int, interval=None) -> dict[int, float]:
     """Step -> digits FD of every export of `run` with these settings (evaluating those not yet done)."""
-    from evaluate.curve import matching, read_rows, settings_of
+    from evaluate.curve import read_rows, settings_of
+    from shared.sampling.evalcurve import same_series
     from shared.runtime import rundir
 
     o = eval_options(args, run, cfg, seed, interval)
@@ -392,11 +393,11 @@ def curve(args, run: Path, cfg: float, seed: int, interval=None) -> dict[int, fl
             o.num_sampling_steps, "--cfg-scale", cfg, "--guide-channels", o.guide_channels, "--seed", seed,
             "--batch-size", o.batch_size, "--vae", decoder_of(args, arm_of(run)), "--cpu",
             *(["--cfg-interval", *interval] if interval else [])]
-    before = len(matching(read_rows(run), settings_of(o)))
+    before = len(same_series(read_rows(run), settings_of(o)))
     if before == len(rundir.list_exports(run)):  # all done: no process start-up
-        return {r["step"]: r["fid"] for r in matching(read_rows(run), settings_of(o))}
+        return {r["step"]: r["fid"] for r in same_series(read_rows(run), settings_of(o))}
     seconds = run_cli(args, "evaluate", argv, f"evaluate-{run.name}.log")
-    rows = matching(read_rows(run), settings_of(o))
+    rows = same_series(read_rows(run), settings_of(o))
     if len(rows) > before:
         print(f"evaluated {len(rows) - before} export(s) of {run.name} at cfg {cfg:g}, seed {seed}"
               f"{f', interval {interval}' if interval else ''} in {seconds:.0f}s "
