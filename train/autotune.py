@@ -128,15 +128,6 @@ def _tries_text(tries: list) -> str:
                      for t in tries)
 
 
-def _no_fit_error(cfg, info: DeviceInfo, budget: int) -> UserError:
-    """Not even micro-batch 1 fits the plan."""
-    return UserError(
-        f"{cfg.model} does not fit on {info.name or 'this GPU'} with {format_size(info.free_memory)} free "
-        f"({format_size(budget)} after the margin) at any micro-batch, even with checkpointing every block: the "
-        "weights, gradients, AdamW moments and EMA alone are too large. Pass --optimizer adamw8bit and/or "
-        "--ema-device cpu, free the GPU, or use a smaller preset (`python -m train.plan` shows the budget).")
-
-
 def resolve_auto(cfg, model_config: ModelConfig, info: DeviceInfo, world_size: int,
                  measure: Callable = measure_peak) -> dict:
     """Replace every 'auto' in cfg by a value for this device; returns (and stores in cfg.autotune) the record."""
@@ -169,8 +160,12 @@ def _plan_on_gpu(cfg, model_config, info: DeviceInfo, world_size: int, measure: 
     if explicit:  # the least recomputation that fits the given micro-batch
         rows = [r for r in rows if r.micro is not None and r.micro >= int(cfg.micro_batch_size)]
     row = (rows[0] if rows else None) if explicit else pick_row(rows, per_process)
-    if row is None:
-        raise _no_fit_error(cfg, info, budget)
+    if row is None:  # not even micro-batch 1 fits the plan
+        raise UserError(
+            f"{cfg.model} does not fit on {info.name or 'this GPU'} with {format_size(info.free_memory)} free "
+            f"({format_size(budget)} after the margin) at any micro-batch, even with checkpointing every block: the "
+            "weights, gradients, AdamW moments and EMA alone are too large. Pass --optimizer adamw8bit and/or "
+            "--ema-device cpu, free the GPU, or use a smaller preset (`python -m train.plan` shows the budget).")
     record = {"margin": margin, "budget": budget,
               "plan": [{"grad_checkpoint": r.profile.every, "micro": r.micro, "predicted_peak": r.peak} for r in rows]}
     if not explicit:

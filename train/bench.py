@@ -29,7 +29,7 @@ from shared.runtime.fsio import atomic_write_json
 from shared.network.attention import ATTENTION_BACKENDS
 from shared.network.blocks import SELECTIVE
 from shared.runtime.precision import PRECISIONS, set_tf32
-from train.config import BLOCK_FLAGS, TrainConfig, add_block_flags, block_from_args, model_config_for
+from train.config import BLOCK_FLAGS, TrainConfig, add_block_flags, block_from_args, checkpoint_value, model_config_for
 from train.memory import (DEFAULT_MARGIN, fixed_state, forward_macs, latent_shape, measure_device, measure_profiles,
                           measured_config, plan_row, synthetic_batch, train_flops_per_image)
 from train.step import make_learner, train_step
@@ -144,11 +144,6 @@ def split_list(text: str, kind=str) -> list:
         return [kind(item.strip()) for item in str(text).split(",") if item.strip()]
     except ValueError as err:
         raise UserError(f"cannot read {text!r} as a comma-separated list ({err}); e.g. --micro-batch-sizes 4,8,16.")
-
-
-def checkpoint_value(item: str) -> int | str:
-    """'selective' or a whole number (ValueError otherwise)."""
-    return item if item == SELECTIVE else int(item)
 
 
 def parse_compile(item: str) -> bool:

@@ -64,10 +64,14 @@ def _or_auto(convert, expected: str):
     return parse
 
 
+def checkpoint_value(text: str) -> int | str:
+    """A checkpointing choice: a whole number K (every K-th block; 0 = off) or selective; ValueError otherwise."""
+    return text if text == SELECTIVE else int(text)
+
+
 float_or_auto = _or_auto(float, "a number")
 int_or_auto = _or_auto(int, "a whole number")
-# --grad-checkpoint: a whole number K (every K-th block; 0 = off), selective, or auto
-checkpoint_choice = _or_auto(lambda text: text if text == SELECTIVE else int(text), f"a whole number, {SELECTIVE}")
+checkpoint_choice = _or_auto(checkpoint_value, f"a whole number, {SELECTIVE}")  # --grad-checkpoint, or auto
 
 
 @dataclass
@@ -419,12 +423,10 @@ def resolve_latent_norm(choice: str, dataset) -> LatentNorm:
     native, root = dataset.space.native, dataset.root
     element, channel = dataset.space.norms.get("element"), dataset.space.norms.get("channel")
     if choice == "auto":
-        if native is None and element is not None:  # a tokenizer whose numbers are the folder's (RAE)
-            return element
-        if native is None:
+        if native is None and element is None:
             raise UserError(f"{root}/index.json records no normalisation for its tokenizer; pass --latent-norm "
                             f"channel (after `python -m extract --stats --out {root}`) or none.")
-        return native
+        return native if native is not None else element  # element: a tokenizer whose numbers are the folder's (RAE)
     if choice == "none":
         return LatentNorm.none()
     if choice == "element":
@@ -586,20 +588,17 @@ def _check_forward_mode(cfg: TrainConfig, objective) -> None:
                            "SDPA's math kernel, the loss's own forward the fused ones).")
 
 
-def _folds_guidance(cfg: TrainConfig) -> bool:
-    """Whether the run's objective folds classifier-free guidance into its target (MeanFlow with omega/kappa)."""
-    return bool(recorded_by_training(cfg.objective, cfg.objective_options).get("folded_guidance"))
-
-
 def _resolve_preview_guidance(cfg: TrainConfig) -> None:
     """Default preview guidance 4.0 (DiT's picture setting); none without a null class to guide against, and none
     for a field that folds guidance in (MeanFlow with --cfg-omega/--cfg-kappa), which must not be guided twice."""
-    if _folds_guidance(cfg) and cfg.sample_cfg_scale not in (None, 1.0):
+    recorded = recorded_by_training(cfg.objective, cfg.objective_options)
+    folds = bool(recorded.get("folded_guidance"))
+    if folds and cfg.sample_cfg_scale not in (None, 1.0):
         raise UserError(f"--sample-cfg-scale {cfg.sample_cfg_scale} would guide a field that already folds guidance "
                         "in (--cfg-omega/--cfg-kappa), doubling it; pass --sample-cfg-scale 1 or leave it unset.")
-    lo, hi = recorded_by_training(cfg.objective, cfg.objective_options).get("cfg_range", (1.0, math.inf))
+    lo, hi = recorded.get("cfg_range", (1.0, math.inf))
     if cfg.sample_cfg_scale is None:
-        cfg.sample_cfg_scale = min(4.0, hi) if cfg.class_dropout_prob > 0 and not _folds_guidance(cfg) else 1.0
+        cfg.sample_cfg_scale = min(4.0, hi) if cfg.class_dropout_prob > 0 and not folds else 1.0
     elif cfg.sample_cfg_scale != 1 and cfg.class_dropout_prob == 0:
         raise UserError(f"--sample-cfg-scale {cfg.sample_cfg_scale} needs a null class, but --class-dropout-prob "
                         "is 0 (no null class is trained); pass --sample-cfg-scale 1, or train with dropout.")

@@ -6,7 +6,7 @@ product timed here; it ignores data loading and the optimizer, so it is a floor,
 """
 from __future__ import annotations
 
-import time
+import timeit
 
 import torch
 
@@ -15,11 +15,7 @@ def matmul_rate(size: int = 512, repeats: int = 4) -> float:
     """fp32 FLOP/s of a size x size matrix product on this CPU (best of `repeats`, one warm-up)."""
     a, b = torch.randn(size, size), torch.randn(size, size)
     a @ b
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
+    best = min(timeit.repeat(lambda: a @ b, number=1, repeat=repeats))
     return 2 * size**3 / max(best, 1e-9)
 
 

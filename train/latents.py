@@ -35,6 +35,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -120,9 +121,19 @@ def _copy_file(fs, remote: str, local: Path) -> None:
     """Stream one remote file to local (temp name, then rename: a kill never leaves a short file in place)."""
     tmp = local.with_name(f".tmp-{local.name}")
     with _open_remote(fs, remote) as src, open(tmp, "wb") as dst:
-        while chunk := src.read(_CHUNK):
-            dst.write(chunk)
+        shutil.copyfileobj(src, dst, _CHUNK)
     os.replace(tmp, local)
+
+
+def _hash_copy(src, dst=None) -> tuple[str, int]:
+    """(sha256, bytes) of the stream `src` read to its end, each chunk also written to `dst` when given."""
+    digest, size = hashlib.sha256(), 0
+    while chunk := src.read(_CHUNK):
+        if dst is not None:
+            dst.write(chunk)
+        digest.update(chunk)
+        size += len(chunk)
+    return digest.hexdigest(), size
 
 
 def remote_index(url: str):
@@ -160,11 +171,6 @@ def fetch_latents(url: str) -> Path:
     return local
 
 
-def local_latents(source: str) -> Path:
-    """The local folder to read: the path itself, or the cached copy of a URL."""
-    return fetch_latents(source) if is_url(source) else Path(str(source).removeprefix("file://"))
-
-
 def open_latents(source: str, accelerator=None, cache_limit: int | None = None) -> LatentDataset:
     """Open --latents (fetched first when a URL, streamed with a cache_limit); one process per machine goes first."""
     if cache_limit is not None and not is_url(source):
@@ -178,7 +184,8 @@ def open_latents(source: str, accelerator=None, cache_limit: int | None = None) 
     try:
         if cache_limit is not None:
             return open_streamed(source, cache_limit, fetcher=first)
-        return LatentDataset(local_latents(source))  # the others find every shard in verified-sha256.json
+        # the node's other processes find every shard in verified-sha256.json
+        return LatentDataset(fetch_latents(source) if is_url(source) else Path(str(source).removeprefix("file://")))
     finally:
         if several and first:
             accelerator.wait_for_everyone()  # even when it failed: the others then report it themselves
@@ -320,7 +327,7 @@ class ShardStream:
         if not path.is_file():
             return False
         with open(path, "rb") as f:
-            if path.stat().st_size == entry["size"] and hashlib.file_digest(f, "sha256").hexdigest() == entry["sha256"]:
+            if path.stat().st_size == entry["size"] and _hash_copy(f)[0] == entry["sha256"]:
                 return True
         path.unlink()
         return False
@@ -392,7 +399,8 @@ class ShardStream:
             if attempt:
                 time.sleep(2 ** (attempt - 1))
             try:
-                digest, size = self._download(f"{self.remote_root}/{entry['name']}", tmp)
+                with _open_remote(self.fs, f"{self.remote_root}/{entry['name']}") as src, open(tmp, "wb") as dst:
+                    digest, size = _hash_copy(src, dst)
             except FileNotFoundError:
                 tmp.unlink(missing_ok=True)
                 raise UserError(f"--latents {self.url} has no {entry['name']}, though its {INDEX_NAME} lists it: the "
@@ -425,16 +433,6 @@ class ShardStream:
         raise UserError(f"cannot fetch {entry['name']} of --latents {self.url}: {FETCH_ATTEMPTS} tries failed, the "
                         f"last with {problem}. Check the connection to that server, then rerun the same command: "
                         "it resumes from the last checkpoint.")
-
-    def _download(self, remote: str, tmp: Path) -> tuple[str, int]:
-        """(sha256, bytes) of `remote` streamed into `tmp`."""
-        digest, size = hashlib.sha256(), 0
-        with _open_remote(self.fs, remote) as src, open(tmp, "wb") as dst:
-            while chunk := src.read(_CHUNK):
-                dst.write(chunk)
-                digest.update(chunk)
-                size += len(chunk)
-        return digest.hexdigest(), size
 
 
 def resolve_shard_window(cfg, dataset) -> None:

@@ -183,13 +183,6 @@ def describe_plan(plan: TrainPlan, accelerator) -> None:
 # Building the run
 # ---------------------------------------------------------------------------------------------------------
 
-def make_accelerator(cfg: TrainConfig):
-    """One Accelerator per process (DDP, devices, reductions, --report-to); precision is train/step.py's."""
-    from accelerate import Accelerator
-
-    return Accelerator(mixed_precision="no", **accelerator_kwargs(cfg))
-
-
 def seed_globals(seed: int, rank: int) -> None:
     """Seed python, numpy and torch per rank (the training draws themselves are keyed by stream position)."""
     random.seed(seed * 1009 + rank)
@@ -293,9 +286,7 @@ def save_checkpoint(run: Run) -> Path | None:
                              + _nonfinite_message(run))
     check_consistency(run)
     acc = run.accelerator
-    tmp = rundir.staging_path(run.run_dir, run.step)
-    if run.is_main:
-        ckpt_io.make_staging(run.run_dir, run.step)
+    tmp = ckpt_io.make_staging(run.run_dir, run.step) if run.is_main else rundir.staging_path(run.run_dir, run.step)
     acc.wait_for_everyone()
     ckpt_io.save_rank_state(tmp, acc.process_index)
     acc.wait_for_everyone()
@@ -403,19 +394,13 @@ def start_logs(run: Run) -> None:
 # generator seeded by (seed, p), as edm2 derives its randomness from (seed, images seen). So a sample gets the same
 # draws whatever the number of processes, micro-batch size, DataLoader workers, or where a run was interrupted.
 
-class PositionedSampler(torch.utils.data.Sampler):
+class PositionedSampler(StreamSampler):
     """StreamSampler that also yields each index's global stream position: (position, index) pairs."""
-
-    def __init__(self, num_samples: int, rank: int, world_size: int, seed: int, start: int, counts=None,
-                 window: int = 0):
-        self.stream = StreamSampler(num_samples, rank=rank, world_size=world_size, seed=seed, start=start,
-                                    counts=counts, window=window)
-        self.rank, self.world_size, self.start = rank, world_size, start
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
         # Rank r owns the positions p >= start with p % world_size == r, in order (StreamSampler contract).
         position = self.start + (self.rank - self.start) % self.world_size
-        for index in self.stream:
+        for index in super().__iter__():
             yield position, index
             position += self.world_size
 
@@ -478,7 +463,7 @@ def make_loader(dataset: LatentDataset, *, micro_batch: int, rank: int, world_si
     """An endless iterator of micro-batches for this rank from global stream position `start`; window K > 0: the
     shard-aware order (train.latents.windowed_permutation). `follow` tells a streamed dataset what was consumed."""
     counts = dataset.shard_counts if window else None
-    sampler = PositionedSampler(len(dataset), rank, world_size, seed, start, counts, window)
+    sampler = PositionedSampler(len(dataset), rank, world_size, seed, start=start, counts=counts, window=window)
     loader = torch.utils.data.DataLoader(
         TrainingDraws(dataset, seed, class_dropout_prob, objective, extra, route, norm), batch_size=micro_batch,
         sampler=sampler,
@@ -580,9 +565,12 @@ def lock_run_folder(cfg: TrainConfig, accelerator) -> FolderLock | None:
 
 def train(cfg: TrainConfig, callbacks: list[Callback] = ()) -> dict:
     """Run (or resume) the training run `cfg` describes: plan, set up, loop; returns the last logged metrics."""
+    from accelerate import Accelerator
+
     check_strategy()  # FSDP / DeepSpeed launcher configs: refused before anything exists
     resolve_precision_with_launcher(cfg.precision)  # a contradicting --precision: refused before anything exists
-    accelerator = make_accelerator(cfg)  # the one source of the process count and rank
+    # One Accelerator per process (DDP, devices, reductions, --report-to): the one source of the process count and rank
+    accelerator = Accelerator(mixed_precision="no", **accelerator_kwargs(cfg))  # precision is train/step.py's
     lock = lock_run_folder(cfg, accelerator)
     try:
         plan = make_plan(cfg, accelerator)  # every check and resolution, before any model exists

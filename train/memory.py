@@ -25,10 +25,9 @@ from shared.network.routing import draw_kept, kept_tokens
 from shared.runtime.errors import UserError
 from shared.network.blocks import SAVED_OPS, SELECTIVE
 from shared.network.models import CLASS_DROPOUT_PROB, ModelConfig, check_preset
-from shared.runtime.precision import autocast_dtype
 from train.config import TrainConfig, resolve_block
 from shared.generative.objectives import objective_of
-from train.step import forward_losses, make_learner, train_step
+from train.step import autocast_context, forward_losses, make_learner, train_step
 from train.units import parse_size
 
 
@@ -183,12 +182,8 @@ class SavedTensorLedger(torch.autograd.graph.saved_tensors_hooks):
 
     def storages(self) -> dict:
         """{storage key: bytes} of the live saved tensors, deduplicated, parameters excluded."""
-        found = {}
-        for handle in list(self.live):
-            key = _storage_key(handle.tensor)
-            if key not in self.exclude:
-                found[key] = handle.tensor.untyped_storage().nbytes()
-        return found
+        keyed = [(_storage_key(handle.tensor), handle.tensor) for handle in list(self.live)]
+        return {key: tensor.untyped_storage().nbytes() for key, tensor in keyed if key not in self.exclude}
 
 
 class OutputCounter(TorchDispatchMode):
@@ -220,12 +215,6 @@ def kept_output_counter(param_keys) -> OutputCounter:
 def _param_keys(module) -> set:
     """Storage keys of all parameters and buffers of a module."""
     return {_storage_key(t) for t in list(module.parameters()) + list(module.buffers())}
-
-
-def autocast_context(device, precision: str):
-    """torch.autocast for a device and precision name (shared/runtime/precision.py); a no-op context for fp32."""
-    dtype = autocast_dtype(precision)
-    return torch.autocast(torch.device(device).type, dtype=dtype, enabled=dtype is not None)
 
 
 @dataclass

@@ -40,10 +40,8 @@ def checkpoint_choices(requested: int | str, depth: int) -> list[int | str]:
 
 def choice_label(every: int | str) -> str:
     """Human name of a checkpointing choice."""
-    if every == SELECTIVE:
-        return "selective"
-    return {0: "off", 1: "every block"}.get(every, f"every {every}th block" if every > 3 else
-                                           f"every {every}{'nd' if every == 2 else 'rd'} block")
+    names = {SELECTIVE: "selective", 0: "off", 1: "every block", 2: "every 2nd block", 3: "every 3rd block"}
+    return names.get(every, f"every {every}th block")
 
 
 def wrapped(*sentences: str) -> list[str]:

@@ -115,9 +115,9 @@ def import_bitsandbytes():
 FUSED_ADAMW_DEVICES = ("cuda", "cpu")  # where torch has the fused AdamW kernel (CPU since torch 2.4)
 
 
-def build_optimizer(cfg: TrainConfig, model, device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(cfg: TrainConfig, params, device: torch.device) -> torch.optim.Optimizer:
     """Fused AdamW where torch has it (else foreach), or bitsandbytes' 8-bit AdamW (Dettmers et al., 2022)."""
-    params = [p for p in (model.parameters() if isinstance(model, torch.nn.Module) else model) if p.requires_grad]
+    params = [p for p in params if p.requires_grad]
     kwargs = dict(lr=cfg.lr, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay)
     if cfg.optimizer == "adamw8bit":
         return import_bitsandbytes().optim.AdamW8bit(params, **kwargs)  # ~2 bytes/param of moments, not 8
@@ -216,6 +216,12 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return final + (cfg.lr - final) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def autocast_context(device, precision: str):
+    """torch.autocast for a device and precision name (shared/runtime/precision.py); a no-op context for fp32."""
+    dtype = autocast_dtype(precision)
+    return torch.autocast(torch.device(device).type, dtype=dtype, enabled=dtype is not None)
+
+
 def forward_losses(model, objective, batch: dict, precision: str, device, consumers=()) -> dict:
     """{"loss"} (mean over the micro-batch) and, with column heads, {"diffusion", each head's}: loss = diffusion +
     sum of weight x head loss. With `consumers` ((ShardColumn, weight), ...), `model` is a HeadedDiT: one forward
@@ -229,20 +235,18 @@ def forward_losses(model, objective, batch: dict, precision: str, device, consum
                   force_drop_ids=batch["drop"].to(device, non_blocking=True))  # (B,) class-dropout coin
     if "route_keep" in batch:  # token routing: every row routes, label-dropped ones too (as TREAD)
         kwargs["route_keep"] = batch["route_keep"].to(device, non_blocking=True)  # (B, K)
-    dtype = autocast_dtype(precision)
-    if not consumers:
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-            losses = objective.training_losses(model, x0, t, noise, model_kwargs=kwargs)
-        return {"loss": losses["loss"].mean()}
     captured = {}
 
     def model_fn(x, t, **kw):
-        """The objective's view of the model: the output; the heads' outputs are kept aside."""
+        """The objective's view of a HeadedDiT: the output; the heads' outputs are kept aside."""
         out, captured["heads"] = model(x, t, **kw)  # (N, C', H, W), {column: head output}
         return out
 
-    with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-        diffusion = objective.training_losses(model_fn, x0, t, noise, model_kwargs=kwargs)["loss"].mean()
+    with autocast_context(device, precision):
+        diffusion = objective.training_losses(model_fn if consumers else model, x0, t, noise,
+                                              model_kwargs=kwargs)["loss"].mean()
+    if not consumers:
+        return {"loss": diffusion}
     heads = {c.loss_name or c.name: (w, c.loss(captured["heads"][c.name], batch[c.name].to(device, non_blocking=True))
                                      .mean()) for c, w in consumers}  # outside autocast: the losses in fp32
     total = diffusion + sum(w * value for w, value in heads.values())
