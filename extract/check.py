@@ -1,8 +1,6 @@
 """`python -m extract --check`: validate a source without a VAE (counts, first image, bad files)."""
 from __future__ import annotations
 
-import os
-
 from tqdm import tqdm
 
 from shared.datasets.duplicates import apply_duplicates
@@ -10,6 +8,7 @@ from shared.datasets.imagefolder import ImageFolderScan
 from shared.datasets.sources import SourceOptions, describe_source, open_source
 from shared.datasets.images import MAX_IMAGE_PIXELS, ImageInfoDataset, describe_limit, make_loader, raise_fatal
 from shared.runtime.cli import counted
+from shared.runtime.distributed import default_workers
 
 
 def inspect_all(scan: ImageFolderScan, num_workers: int, batch_size: int = 64, image_size: int | None = None,
@@ -66,10 +65,9 @@ def check_report(scan: ImageFolderScan, records: list[dict], image_size: int,
 def run_check(data_path, image_size: int, num_workers: int | None, limit: int | None, max_pixels: int | None,
               duplicates: str, options: SourceOptions | None = None) -> int:
     """Print the dataset report; returns the number of bad files."""
-    if num_workers is None:
-        num_workers = max(0, min(8, (os.cpu_count() or 1) - 1))
     scan = apply_duplicates(open_source(data_path, options).limited(limit), duplicates)
-    records = inspect_all(scan, num_workers, image_size=image_size, max_pixels=max_pixels)
+    workers = default_workers(8) if num_workers is None else num_workers  # as extract's: one core for the main loop
+    records = inspect_all(scan, workers, image_size=image_size, max_pixels=max_pixels)
     text, num_bad = check_report(scan, records, image_size, max_pixels)
     print(text)
     return num_bad
