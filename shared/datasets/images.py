@@ -17,10 +17,8 @@ from shared.datasets.imagefolder import ImageFolderScan
 from shared.runtime.errors import UserError
 from shared.tokenizers.tokenizer import to_unit_range
 
-# Anything above 100 megapixels (300 MB as decoded RGB, per DataLoader worker) is treated as a possible
-# decompression bomb unless `--max-image-pixels` says otherwise. This is the one limit: PIL's own check (a
-# warning above its MAX_IMAGE_PIXELS, an error above twice that) is switched off while a file is opened here,
-# and open_image applies this number instead, so every refusal states the same limit.
+# Above 100 megapixels (300 MB as decoded RGB, per DataLoader worker) an image is a possible decompression bomb
+# unless `--max-image-pixels` says otherwise: the one limit (PIL's own check is off while open_image opens a file).
 MAX_IMAGE_PIXELS = 100_000_000
 BOMB_REASON = "decompression bomb guard"  # the start of the reason recorded for a file above the limit
 Image.MAX_IMAGE_PIXELS = MAX_IMAGE_PIXELS  # other PIL users in the process keep a guard of the same size
@@ -31,18 +29,6 @@ _HIGH_DEPTH_MODES = ("I", "F")  # plus every "I;16..." variant
 
 class BadImage(Exception):
     """An image file that cannot be used (corrupt, truncated, not an image, too large)."""
-
-
-def _has_alpha(img: Image.Image) -> bool:
-    """True for modes with an alpha band, and for P/L/RGB images carrying a tRNS transparency entry."""
-    return img.mode in _ALPHA_MODES or (img.mode in ("P", "L", "RGB") and "transparency" in img.info)
-
-
-def _composite_on_white(img: Image.Image) -> Image.Image:
-    """Flatten transparency onto a white background (transparent pixels must not turn black)."""
-    rgba = img.convert("RGBA")
-    background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-    return Image.alpha_composite(background, rgba).convert("RGB")
 
 
 def _high_depth_to_rgb(img: Image.Image) -> Image.Image:
@@ -66,8 +52,9 @@ def to_rgb(img: Image.Image) -> Image.Image:
         return img
     if img.mode.startswith("I;16") or img.mode in _HIGH_DEPTH_MODES:
         return _high_depth_to_rgb(img)
-    if _has_alpha(img):
-        return _composite_on_white(img)
+    if img.mode in _ALPHA_MODES or (img.mode in ("P", "L", "RGB") and "transparency" in img.info):  # alpha or tRNS
+        rgba = img.convert("RGBA")  # flattened onto white: transparent pixels must not turn black
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
     # L, 1, P, CMYK, YCbCr, LAB, HSV, RGBX: PIL's own conversions are the right ones here.
     return img.convert("RGB")
 
@@ -91,13 +78,11 @@ def pixel_limit(text: str) -> int | None:
     """--max-image-pixels: a positive pixel count (underscores and commas allowed) or 'none' (no limit)."""
     if text.strip().lower() == "none":
         return None
-    try:
+    with contextlib.suppress(ValueError):
         value = int(text.replace(",", "").replace("_", ""))
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of pixels or 'none', got {text!r}")
-    return value
+        if value > 0:
+            return value
+    raise argparse.ArgumentTypeError(f"expected a positive number of pixels or 'none', got {text!r}")
 
 
 def describe_limit(limit: int | None) -> str:
@@ -153,34 +138,23 @@ def _reduce(img: Image.Image, factor: int) -> Image.Image:
     return out
 
 
-def _open(path, max_pixels: int | None, image_size: int | None) -> tuple[Image.Image, str, tuple[int, int]]:
-    """Open and decode one file: (RGB image, original mode, original size); TooLarge above max_pixels."""
-    with _own_pixel_limit():
-        img = Image.open(path)  # reads the header only
-    with img:
-        size, mode = img.size, img.mode
-        pixels = size[0] * size[1]
-        if max_pixels is not None and pixels > max_pixels:
-            raise TooLarge(f"{BOMB_REASON}: {size[0]}x{size[1]} = {pixels:,} pixels, above the limit of "
-                           f"{max_pixels:,} (--max-image-pixels)")
-        return to_rgb(_decode(img, image_size, pixels > MAX_IMAGE_PIXELS)), mode, size
-
-
 def open_image(path, max_pixels: int | None = MAX_IMAGE_PIXELS,
                image_size: int | None = None) -> tuple[Image.Image, str, tuple[int, int]]:
     """(RGB image, original mode, original size) of the file; BadImage with a short reason if unusable."""
     try:
-        return _open(path, max_pixels, image_size)
+        with _own_pixel_limit():
+            img = Image.open(path)  # reads the header only
+        with img:
+            size, mode = img.size, img.mode
+            pixels = size[0] * size[1]
+            if max_pixels is not None and pixels > max_pixels:
+                raise TooLarge(f"{BOMB_REASON}: {size[0]}x{size[1]} = {pixels:,} pixels, above the limit of "
+                               f"{max_pixels:,} (--max-image-pixels)")
+            return to_rgb(_decode(img, image_size, pixels > MAX_IMAGE_PIXELS)), mode, size
     except BadImage:
         raise
     except Exception as err:  # noqa: BLE001 - PIL raises many types (OSError, SyntaxError, ValueError...)
         raise BadImage(f"{type(err).__name__}: {err}") from None
-
-
-def image_header_size(path) -> tuple[int, int]:
-    """(width, height) from the header only, whatever the limit (for reports on files above it)."""
-    with _own_pixel_limit(), Image.open(path) as img:
-        return img.size
 
 
 def open_rgb(path, max_pixels: int | None = MAX_IMAGE_PIXELS) -> Image.Image:
@@ -260,7 +234,8 @@ class ImageInfoDataset(Dataset):
             _, mode, size = open_image(image, self.max_pixels, self.image_size)
             error = ""
         except TooLarge as err:  # the size is known from the header: reported, so the user can pick a limit
-            mode, size, error, too_large = "", image_header_size(self.scan.image(pos)), str(err), True
+            with _own_pixel_limit(), Image.open(self.scan.image(pos)) as img:  # the header only, whatever the limit
+                mode, size, error, too_large = "", img.size, str(err), True
         except BadImage as err:
             mode, size, error = "", (0, 0), str(err)
         return {"pos": pos, "width": size[0], "height": size[1], "mode": mode, "error": error,

@@ -1,12 +1,9 @@
-"""The latent shard format: writer, index, zero-copy reader and a resumable distributed sampler.
+"""The latent shard format: writer, index and zero-copy reader.
 
 Layout of a latent folder (written by `extract`, read by `train`):
 
     shard-000000.tar ...   webdataset-compatible ustar archives; per sample KEY two members:
-                           KEY.latent.safetensors  the folder's columns (below): "mean"
-                                                   and "std" (F, C, h, w) (F=2 with flips: 0 original, 1
-                                                   mirrored; "mean" alone from a deterministic tokenizer), and
-                                                   any others, e.g. "repr" (F, T, D): encoder tokens for REPA
+                           KEY.latent.safetensors  the folder's columns (below)
                            KEY.cls                 the class index in ASCII
     shard-000000.done.json ... after each tar, its completion record {"shard": ShardInfo, ...} (ShardWriter.close)
     index-arrays.npz       per-sample arrays, concatenated in shard order: "offsets" (int64, byte offset of
@@ -19,16 +16,14 @@ Layout of a latent folder (written by `extract`, read by `train`):
 Why a sidecar: 1.28M samples would be 2.5M JSON integers (seconds to parse); a binary .npz of two int64
 arrays loads in milliseconds, and index.json covers it by size and sha256, so a half-written or swapped
 sidecar is detected. Every payload has the same tensor layout (same shapes, dtype, header bytes), so the
-layout is recorded once and the reader maps each tar with mmap and views tensors in place (np.frombuffer
+layout is recorded once and the reader maps each tar with mmap and views tensors in place (torch.frombuffer
 at the recorded offset): no tar parsing and no copy per item. A DataLoader batch is gathered at once
 (`__getitems__`) by slicing the mapped bytes straight into one batch tensor, allocated in shared memory
 inside workers, so a batch costs one memcpy per tensor and no per-sample collate.
 
-The columns of a payload:
-
-A payload (KEY.latent.safetensors) is one safetensors file of named columns, each (F, ...) with F flip frames.
-A folder's column set is declared once, when its shards are written (mosaicml streaming's `columns={name:
-encoding}`), e.g. `{"mean": torch.float16, "std": torch.float16, "repr": torch.bfloat16}`:
+A payload (KEY.latent.safetensors) is one safetensors file of named columns, each (F, ...) with F flip frames
+(F=2 with flips: 0 original, 1 mirrored). A folder's column set is declared once, when its shards are written
+(mosaicml streaming's `columns={name: encoding}`), e.g. `{"mean": "fp16", "std": "fp16", "repr": "bf16"}`:
 
     "mean"   (F, C, h, w)  the latent: a VAE's posterior mean, or a deterministic tokenizer's latent; always stored
     "std"    (F, C, h, w)  the posterior std, same dtype and shape as "mean"; no "std" column = deterministic
@@ -43,7 +38,7 @@ Every payload of a folder shares one safetensors header, so a folder's layout re
               "extra": {name: {"dtype", "shape"}}}   only when columns besides "mean" and "std" are stored
 
 A mean+std folder written before other columns existed has no "extra" and reads unchanged; the writer gives the
-same bytes as then. index.json also lists every column as {"name", "dtype", "shape"} under "tensors" (`describe`).
+same bytes as then. index.json also lists every column as {"name", "dtype", "shape"} under "tensors" (`write_index`).
 """
 from __future__ import annotations
 
@@ -110,17 +105,11 @@ def storage_dtype(dtype) -> StorageDtype:
 # Layout: a payload header <-> the columns of every payload of a folder
 # ---------------------------------------------------------------------------------------------------------
 
-def payload_header(payload: bytes) -> tuple[dict, int]:
-    """(safetensors header without __metadata__, byte offset where tensor data starts)."""
-    header_len = int.from_bytes(payload[:8], "little")
-    header = json.loads(payload[8 : 8 + header_len])
-    header.pop("__metadata__", None)
-    return header, 8 + header_len
-
-
 def payload_layout(payload: bytes) -> dict:
     """The layout of a payload's header (see the module docstring); "extra" appears only when present."""
-    header, data_start = payload_header(payload)
+    data_start = 8 + int.from_bytes(payload[:8], "little")  # where tensor data starts, after the JSON header
+    header = json.loads(payload[8:data_start])
+    header.pop("__metadata__", None)
     latent = header[LATENT]
     layout = {
         "dtype": storage_dtype(latent["dtype"]).name,
@@ -144,21 +133,6 @@ def tensor_specs(layout: dict) -> dict:
     described.update(layout.get("extra", {}))
     return {name: {"dtype": s["dtype"], "shape": list(s["shape"]), "offset": layout["tensors"][name]}
             for name, s in described.items()}
-
-
-def deterministic(layout: dict) -> bool:
-    """True when the payloads store the latent alone (no "std": a deterministic tokenizer)."""
-    return STD not in layout["tensors"]
-
-
-def describe(layout: dict) -> list[dict]:
-    """index.json's "tensors": [{name, dtype, shape}] of every column."""
-    return [{"name": name, "dtype": s["dtype"], "shape": s["shape"]} for name, s in tensor_specs(layout).items()]
-
-
-def spec_nbytes(spec: dict) -> int:
-    """Bytes of one sample's tensor of this spec."""
-    return int(np.prod(spec["shape"])) * storage_dtype(spec["dtype"]).torch.itemsize
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -263,18 +237,6 @@ def read_sidecar(out, index: int) -> dict | None:
 # Writer
 # ---------------------------------------------------------------------------------------------------------
 
-def _tar_header(name: str, size: int) -> bytes:
-    """A deterministic 512-byte ustar header (mtime 0, root-less ids, mode 0644)."""
-    info = tarfile.TarInfo(name)  # its defaults are the deterministic ones: regular file, mtime 0, mode 0644, ids 0
-    info.size = size
-    return info.tobuf(format=tarfile.USTAR_FORMAT, encoding="ascii", errors="strict")
-
-
-def _padding(size: int, multiple: int = BLOCK) -> bytes:
-    """Zero bytes that pad `size` up to a multiple of `multiple`."""
-    return b"\0" * (-size % multiple)
-
-
 @dataclass
 class ShardInfo:
     """What a finished shard holds; JSON-serialisable so extract can keep a per-shard sidecar for resume."""
@@ -298,30 +260,20 @@ class ShardInfo:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__})
 
 
-class _HashingFile:
-    """A write-only file wrapper that tracks position and sha256 of everything written."""
-
-    def __init__(self, f, path: Path):
-        self.f, self.path, self.pos, self.digest = f, path, 0, hashlib.sha256()
-
-    def write(self, data: bytes) -> None:
-        """Write bytes and fold them into the running hash; a full disk becomes DiskFullError naming the shard."""
-        try:
-            self.f.write(data)
-        except OSError as err:
-            full = disk_full(err, self.path, self.pos)
-            if full is None:
-                raise
-            raise full from None
-        self.digest.update(data)
-        self.pos += len(data)
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Statistics of the stored moments, float64 (each shard's sidecar holds its partial sums; extract merges them)
 # ---------------------------------------------------------------------------------------------------------
 # Per channel: mean = mean of the means; variance = variance of the means + mean of the variances (the law of
 # total variance over images, positions and posterior noise). Partial sums combine by Chan et al.'s parallel update.
+
+def _chan(a: tuple, b: tuple) -> tuple:
+    """Two partial (count, mean, m2) combined, float64 tensors (Chan, Golub & LeVeque 1979, the pairwise update)."""
+    (na, mean_a, m2_a), (nb, mean_b, m2_b) = a, b
+    if not (na and nb):  # an empty part: the other one as it is
+        return a if nb == 0 else (nb, mean_b.clone(), m2_b.clone())
+    n, delta = na + nb, mean_b - mean_a
+    return n, mean_a + delta * nb / n, m2_a + m2_b + delta ** 2 * na * nb / n
+
 
 @dataclass
 class ChannelStats:
@@ -342,21 +294,13 @@ class ChannelStats:
         self.merge(part)
 
     def merge(self, other: "ChannelStats") -> None:
-        """Combine two partial statistics (Chan, Golub & LeVeque 1979, the pairwise update)."""
+        """Combine two partial statistics (`_chan`; the variances simply add)."""
         if other.count == 0:
             return
-        if self.count == 0:
-            self.count, self.mean, self.m2, self.var_sum = other.count, list(other.mean), list(other.m2), list(
-                other.var_sum)
-            return
-        a, b = torch.tensor(self.mean, dtype=torch.float64), torch.tensor(other.mean, dtype=torch.float64)
-        n = self.count + other.count
-        delta = b - a
-        mean = a + delta * other.count / n
-        m2 = (torch.tensor(self.m2, dtype=torch.float64) + torch.tensor(other.m2, dtype=torch.float64)
-              + delta ** 2 * self.count * other.count / n)
-        var_sum = torch.tensor(self.var_sum, dtype=torch.float64) + torch.tensor(other.var_sum, dtype=torch.float64)
-        self.count, self.mean, self.m2, self.var_sum = n, mean.tolist(), m2.tolist(), var_sum.tolist()
+        t = functools.partial(torch.tensor, dtype=torch.float64)
+        var_sum = (t(self.var_sum) if self.count else 0.0) + t(other.var_sum)
+        self.count, mean, m2 = _chan((self.count, t(self.mean), t(self.m2)), (other.count, t(other.mean), t(other.m2)))
+        self.mean, self.m2, self.var_sum = mean.tolist(), m2.tolist(), var_sum.tolist()
 
     def to_dict(self) -> dict:
         """The partial sums (written in each shard's sidecar)."""
@@ -405,18 +349,10 @@ class ElementStats:
         self.merge(ElementStats(z.shape[0], part_mean, ((z - part_mean) ** 2).sum(dim=0)))
 
     def merge(self, other: "ElementStats") -> None:
-        """Chan et al.'s pairwise update, element by element."""
-        if other.count == 0:
-            return
-        if self.count == 0:
-            self.count, self.mean, self.m2 = other.count, other.mean.clone(), other.m2.clone()
-            return
-        assert other.mean.shape == self.mean.shape, f"per-element sums of shapes {self.mean.shape}, {other.mean.shape}"
-        n = self.count + other.count
-        delta = other.mean - self.mean
-        self.mean = self.mean + delta * other.count / n
-        self.m2 = self.m2 + other.m2 + delta ** 2 * self.count * other.count / n
-        self.count = n
+        """Chan et al.'s pairwise update (`_chan`), element by element."""
+        assert not (self.count and other.count) or other.mean.shape == self.mean.shape, \
+            f"per-element sums of shapes {self.mean.shape}, {other.mean.shape}"
+        self.count, self.mean, self.m2 = _chan((self.count, self.mean, self.m2), (other.count, other.mean, other.m2))
 
     def to_bytes(self) -> bytes:
         """The partial sums as safetensors bytes, float64 exact (each shard's stats file beside its sidecar)."""
@@ -445,12 +381,10 @@ class ElementStats:
 class ShardWriter:
     """Context manager writing ONE webdataset-compatible shard of the declared columns, atomically.
 
-    `columns` {name: dtype (torch, or a vocabulary word)}: every payload's named tensors, e.g.
-    {"mean": torch.float16, "std": torch.float16} for a VAE's posterior moments, {"mean": torch.float16} alone
-    for a deterministic tokenizer's latent, plus any others such as "repr" (the module docstring).
-    Samples stream into shared.runtime.fsio.tmp_name(path); a clean exit or `close(record)` publishes the padded
-    archive as `path` (fsio.publish_file: a durable rename), then the record's sidecar; an exception or `abort`
-    removes the temp file. The same input always gives byte-identical shards.
+    `columns` {name: dtype (torch, or a vocabulary word)}: every payload's named tensors (the module docstring).
+    Samples stream into fsio.tmp_name(path); a clean exit or `close(record)` publishes the padded archive as `path`
+    (fsio.publish_file: a durable rename), then the record's sidecar; an exception or `abort` removes the temp file.
+    The same input always gives byte-identical shards.
     """
 
     def __init__(self, path, *, columns: dict, stats: bool = False, element_stats: bool = False):
@@ -461,18 +395,14 @@ class ShardWriter:
         self.elements = ElementStats() if element_stats else None
         self.tmp_path = tmp_name(self.path)
         self._file = None
-        self._out: _HashingFile | None = None
+        self._pos, self._digest = 0, hashlib.sha256()  # of every byte written to the tar so far
         self._header: bytes | None = None  # the first payload's safetensors header; all must match it
         self._layout: dict = {}
-        self._keys: list[str] = []
-        self._key_set: set[str] = set()
-        self._labels: list[int] = []
-        self._offsets: list[int] = []
+        self._keys, self._key_set, self._labels, self._offsets = [], set(), [], []
         self.info: ShardInfo | None = None
 
     def __enter__(self) -> "ShardWriter":
         self._file = open(self.tmp_path, "wb")
-        self._out = _HashingFile(self._file, self.path)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -515,14 +445,20 @@ class ShardWriter:
     def add(self, key: str, tensors: dict, label: int) -> None:
         """Append one sample: {column: torch or numpy tensor (F, ...)}, each cast to its column's dtype, and
         its class index."""
-        assert self._out is not None, "ShardWriter.add called outside its `with` block"
-        self._check_key(key)
+        assert self._file is not None, "ShardWriter.add called outside its `with` block"
+        # keys are short ASCII names without dots or slashes (webdataset splits on the first dot, merges repeats)
+        assert key and "." not in key and "/" not in key and key.isascii() and len(key) <= 80, \
+            f"bad sample key {key!r}: use a short ASCII name without '.' or '/'"
+        assert key not in self._key_set, f"sample key {key!r} appears twice in {self.path.name}"
         tensors = {name: as_column(x, self.columns[name]) if name in self.columns else torch.as_tensor(x)
                    for name, x in tensors.items()}
         check_sample(tensors, self.columns)
         payload = serialise(tensors)
-        self._check_layout(payload)
-        self._offsets.append(self._out.pos + BLOCK)  # the payload starts right after its tar header
+        head = payload[: int.from_bytes(payload[:8], "little") + 8]  # one header, so one layout, for the whole shard
+        if self._header is None:
+            self._header, self._layout = head, payload_layout(payload)
+        assert head == self._header, f"sample layout {payload_layout(payload)} differs from the shard's {self._layout}"
+        self._offsets.append(self._pos + BLOCK)  # the payload starts right after its tar header
         self._write_member(f"{key}.{PAYLOAD_EXT}", payload)
         self._write_member(f"{key}.{LABEL_EXT}", str(int(label)).encode("ascii"))
         self._keys.append(key)
@@ -538,35 +474,35 @@ class ShardWriter:
         for k, key in enumerate(keys):
             self.add(key, {name: t[k] for name, t in columns.items()}, labels[k])
 
-    def _check_key(self, key: str) -> None:
-        """Keys are short ASCII names without dots or slashes (webdataset splits on the first dot)."""
-        assert key and "." not in key and "/" not in key and key.isascii() and len(key) <= 80, \
-            f"bad sample key {key!r}: use a short ASCII name without '.' or '/'"
-        assert key not in self._key_set, f"sample key {key!r} appears twice in {self.path.name}"  # webdataset merges
-
-    def _check_layout(self, payload: bytes) -> None:
-        """Every payload must share the first one's header, so one layout describes the whole shard."""
-        header = payload[: int.from_bytes(payload[:8], "little") + 8]
-        if self._header is None:
-            self._header, self._layout = header, payload_layout(payload)
-        else:
-            assert header == self._header, f"sample layout {payload_layout(payload)} differs from the shard's {self._layout}"
+    def _write(self, data: bytes) -> None:
+        """Write bytes and fold them into the shard's sha256; a full disk becomes DiskFullError naming the shard."""
+        try:
+            self._file.write(data)
+        except OSError as err:
+            full = disk_full(err, self.path, self._pos)
+            if full is None:
+                raise
+            raise full from None
+        self._digest.update(data)
+        self._pos += len(data)
 
     def _write_member(self, name: str, data: bytes) -> None:
-        """Write one tar member: header, data, zero padding to the next 512-byte block."""
-        self._out.write(_tar_header(name, len(data)))
-        self._out.write(data)
-        self._out.write(_padding(len(data)))
+        """Write one tar member: its ustar header, the data, zero padding to the next 512-byte block."""
+        info = tarfile.TarInfo(name)  # its defaults are the deterministic ones: regular file, mtime 0, mode 0644, ids 0
+        info.size = len(data)
+        self._write(info.tobuf(format=tarfile.USTAR_FORMAT, encoding="ascii", errors="strict"))
+        self._write(data)
+        self._write(b"\0" * (-len(data) % BLOCK))
 
     def _finish(self) -> None:
         """Write the end-of-archive marker, publish the file under its name and fill `self.info`."""
-        self._out.write(b"\0" * (2 * BLOCK))
-        self._out.write(_padding(self._out.pos, RECORD))
+        self._write(b"\0" * (2 * BLOCK))
+        self._write(b"\0" * (-self._pos % RECORD))  # padded to a whole record, like GNU tar
         self._file.close()
         publish_file(self.tmp_path, self.path)
         self.info = ShardInfo(
-            name=self.path.name, num_samples=len(self._keys), size=self._out.pos,
-            sha256=self._out.digest.hexdigest(), keys=list(self._keys), labels=list(self._labels),
+            name=self.path.name, num_samples=len(self._keys), size=self._pos,
+            sha256=self._digest.hexdigest(), keys=list(self._keys), labels=list(self._labels),
             offsets=list(self._offsets), layout=dict(self._layout),
         )
 
@@ -574,14 +510,6 @@ class ShardWriter:
 # ---------------------------------------------------------------------------------------------------------
 # Index
 # ---------------------------------------------------------------------------------------------------------
-
-def _check_meta(meta: dict) -> None:
-    """The caller-supplied metadata must name the image size, classes and the latent space's sha256."""
-    missing = [k for k in ("image_size", "num_classes", "class_names", "latent_space") if k not in meta]
-    assert not missing, f"write_index meta is missing {missing}"
-    assert len(meta["class_names"]) == meta["num_classes"], \
-        f"{len(meta['class_names'])} class names for num_classes={meta['num_classes']}"
-
 
 def _check_shards(out_dir: Path, shards: list[ShardInfo], num_classes: int) -> dict:
     """All shards must exist with their recorded size and share one layout; returns that layout."""
@@ -616,20 +544,23 @@ def write_index(out_dir, shard_infos, meta: dict) -> Path:
     """
     out_dir = Path(out_dir)
     shards = [s if isinstance(s, ShardInfo) else ShardInfo.from_dict(s) for s in shard_infos]
-    _check_meta(meta)
+    missing = [k for k in ("image_size", "num_classes", "class_names", "latent_space") if k not in meta]
+    assert not missing, f"write_index meta is missing {missing}"
+    assert len(meta["class_names"]) == meta["num_classes"], \
+        f"{len(meta['class_names'])} class names for num_classes={meta['num_classes']}"
     layout = _check_shards(out_dir, shards, int(meta["num_classes"]))
     arrays = _write_arrays(out_dir, shards)
     flips, *latent_shape = layout["shape"]
     index = {
         "format": FORMAT_NAME,
-        "version": DETERMINISTIC_VERSION if deterministic(layout) else FORMAT_VERSION,
+        "version": DETERMINISTIC_VERSION if STD not in layout["tensors"] else FORMAT_VERSION,
         **{k: v for k, v in meta.items() if k not in ("format", "version")},
         "num_samples": sum(s.num_samples for s in shards),
         "latent_shape": latent_shape,  # [C, h, w]
         "dtype": layout["dtype"],
         "flips": flips,
         "layout": layout,
-        "tensors": describe(layout),  # every per-sample tensor: name, dtype, shape
+        "tensors": [{"name": n, "dtype": s["dtype"], "shape": s["shape"]} for n, s in tensor_specs(layout).items()],
         "arrays": arrays,
         "shards": [{"name": s.name, "num_samples": s.num_samples, "size": s.size, "sha256": s.sha256}
                    for s in shards],
@@ -646,18 +577,12 @@ def write_index(out_dir, shard_infos, meta: dict) -> Path:
 _RERUN = "rerun the same extract command to finish or repair the folder"
 
 
-def _holds_images(root: Path) -> bool:
-    """True when root or one of its sub-folders holds an image file (an ImageFolder, not a latent folder)."""
-    from shared.datasets.imagefolder import is_image_file
-
-    folders = [root, *(p for p in root.iterdir() if p.is_dir())]
-    return any(is_image_file(f.name) for folder in folders for f in folder.iterdir())
-
-
 def _not_latent_folder(root: Path) -> UserError:
     """The refusal for a folder without index.json; an image folder is told to extract into a separate folder."""
-    out = root.parent / f"{root.name}-latents"
-    if _holds_images(root):
+    from shared.datasets.imagefolder import is_image_file
+
+    out, folders = root.parent / f"{root.name}-latents", [root, *(p for p in root.iterdir() if p.is_dir())]
+    if any(is_image_file(f.name) for folder in folders for f in folder.iterdir()):  # root or a sub-folder holds images
         return UserError(f"{root} holds images, not latents (it has no {INDEX_NAME}). Extract them into a separate "
                          f"folder first, never into the images themselves: `python -m extract --data-path {root} "
                          f"--out {out}`, then pass --latents {out}.")
@@ -722,12 +647,10 @@ def _empty_batch(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
 class LatentDataset(torch.utils.data.Dataset):
     """Map-style dataset over a latent folder; items are zero-copy views into memory-mapped shards.
 
-    `ds[i]` -> {column: (F, ...) for every stored column, "label": int}, e.g. {"mean": (F,C,h,w), "std":
-    (F,C,h,w), "label"} (no "std" from a deterministic tokenizer, see `deterministic`). The maps are copy-on-write (writing to
-    a returned tensor never touches the file), opened lazily in each process and dropped when pickled, so
-    the dataset works in DataLoader workers under fork or spawn. Opening checks every shard's sha256
-    against index.json (a progress bar while hashing), remembering what was verified (VERIFIED_NAME) so
-    the next open only stats the files; verify=False checks names and sizes only.
+    `ds[i]` -> {column: (F, ...) for every stored column, "label": int}. The maps are copy-on-write (writing to a
+    returned tensor never touches the file), opened lazily in each process and dropped when pickled (DataLoader
+    workers under fork or spawn). Opening checks every shard's sha256 against index.json, remembering what was
+    verified (VERIFIED_NAME) so the next open only stats the files; verify=False checks names and sizes only.
     """
 
     def __init__(self, root, verify: bool = True, progress: bool = True):
@@ -737,9 +660,11 @@ class LatentDataset(torch.utils.data.Dataset):
         self._offsets, self.labels = _load_arrays(self.root, self.meta)
         counts = np.array([s["num_samples"] for s in self.meta["shards"]], dtype=np.int64)
         self._starts = np.concatenate([[0], np.cumsum(counts)])  # global index of each shard's first sample
-        # every stored column, "mean" and "std" first (tensor_specs), with its torch dtype
-        self._specs = {name: {**spec, "torch": storage_dtype(spec["dtype"]).torch, "nbytes": spec_nbytes(spec)}
+        # every stored column, "mean" and "std" first (tensor_specs), with its torch dtype and bytes per sample
+        self._specs = {name: {**spec, "torch": storage_dtype(spec["dtype"]).torch}
                        for name, spec in tensor_specs(self.meta["layout"]).items()}
+        for spec in self._specs.values():
+            spec["nbytes"] = math.prod(spec["shape"]) * spec["torch"].itemsize
         self._maps: dict[int, mmap.mmap] = {}
         self._bytes: dict[int, memoryview] = {}
 
@@ -890,13 +815,10 @@ def collate(samples) -> dict:
     }
 
 
-
 def draw_latents(mean, std, norm: LatentNorm, generator=None) -> torch.Tensor:
-    """A fresh posterior sample, normalised: norm.apply(mean + std * eps), fp32 on mean's device.
+    """A fresh posterior sample, normalised: norm.apply(mean + std * eps), fp32 on mean's device (std None: no noise).
 
-    std None (a deterministic tokenizer): norm.apply(mean), no noise drawn. `generator` is None, one
-    torch.Generator, or a list with one generator per batch row (so a row's draw does not depend on the batch it
-    is in). Noise is drawn on the generator's device.
+    `generator`: None, one torch.Generator, or one per batch row (a row's draw does not depend on its batch).
     """
     mean = mean.float()
     if std is None:

@@ -31,14 +31,11 @@ x = (z - mean) / std * scale, with mean and std one number, one per channel, or 
     element      per-element mean, std (C,h,w) 1 (or the config's) RAE (DINOv2 tokens; its stat.pt or the folder's)
     none         0, 1                          1                  raw latents
 
-Its numbers come from the tokenizer's config or weights (`scaling_factor`, `shift_factor`,
-`latents_mean`/`latents_std`) or from a folder's statistics, never written as literals; they are fp32 tensors and
-travel inside a `LatentSpace` (shared/tokenizers/space.py: kind and scale in JSON, the numbers in safetensors).
-Training applies it to each fresh draw (`shared.datasets.shards.draw_latents`); every decode inverts it
-(`Tokenizer.decode(x, norm)`). Nothing else scales a latent. The latent shape is measured by running the encoder on
-one image of the extraction size on the meta device (no weights, no memory), never inferred from block counts.
-diffusers is imported lazily inside the functions that load weights (`diffusers_class`), so the cheap checks are
-usable from `train/` without it.
+Its numbers come from the tokenizer's config or weights or from a folder's statistics, never from literals; they
+travel inside a `LatentSpace` (shared/tokenizers/space.py). Training applies it to each fresh draw
+(`shared.datasets.shards.draw_latents`), every decode inverts it (`Tokenizer.decode`): nothing else scales a latent.
+The latent shape is measured on the meta device (`measure_latent`: no weights, no memory), never inferred from block
+counts; diffusers is imported lazily (`diffusers_class`), so the cheap checks work in `train/` without it.
 """
 from __future__ import annotations
 
@@ -131,18 +128,12 @@ class LatentNorm:
     shape = property(lambda self: tuple(self.mean.shape) if self.kind == "element" else (),
                      doc="(C, h, w) of an element record, () otherwise.")
 
-    @property
-    def channels(self) -> int | None:
-        """Channels of a per-channel or per-element record, None for a scalar one."""
-        if self.kind == "element":
-            return self.shape[0]
-        return self.mean.numel() if self.kind == "channel" else None
-
     def check_channels(self, channels: int, where: str = "these latents") -> None:
         """ValueError when a per-channel or per-element record does not have `channels` channels."""
-        if self.channels is not None and self.channels != channels:
+        own = {"element": self.mean.shape[0], "channel": self.mean.numel()}.get(self.kind)  # None: a scalar record
+        if own is not None and own != channels:
             what = "per-element" if self.kind == "element" else "per-channel"
-            raise ValueError(f"a {what} normalisation of {self.channels} channels cannot apply to {where} "
+            raise ValueError(f"a {what} normalisation of {own} channels cannot apply to {where} "
                              f"with {channels} channels")
 
     def check_shape(self, shape, where: str = "these latents") -> None:
@@ -193,8 +184,7 @@ class TokenizerClass:
     native_norm: Callable
     deterministic: bool = False
     decoder_parts: tuple = ("decoder", "post_quant_conv")
-    # The latent's channels as its config declares them, for checks in processes without diffusers (train's
-    # --watch-vae); everywhere else the shape is measured (`measure_latent`).
+    # the latent's channels as its config declares them, for checks without diffusers; elsewhere `measure_latent`
     declared_channels: Callable = lambda config: int(config.get("latent_channels", 4))
     native_size: Callable = lambda config: None
     check_config: Callable = lambda config, where: None
@@ -338,8 +328,7 @@ def _flux2_native_norm(config: dict, module=None) -> LatentNorm:
     """FLUX.2's pipeline: (z - bn.running_mean) / sqrt(bn.running_var + batch_norm_eps); needs the loaded buffers."""
     if module is None:
         return None  # the numbers live in the weights: known once loaded
-    bn = module.bn
-    eps = float(config.get("batch_norm_eps", 1e-4))
+    bn, eps = module.bn, float(config.get("batch_norm_eps", 1e-4))
     std = torch.sqrt(bn.running_var.double() + eps)
     return LatentNorm.channel(bn.running_mean.double().tolist(), std.tolist(), 1.0,
                               source="the VAE's BatchNorm running statistics (FLUX.2)")
@@ -356,8 +345,6 @@ register_tokenizer(TokenizerClass(
 # ----------------------------------------------------------------------------------------------------------
 
 DECODE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
 PROBE_SIZE = 1024  # pixels per side of the probe image when no extraction size is given (any f <= 1024 divides it)
 
 
@@ -384,7 +371,7 @@ def _measure(config_json: str, size: int, where: str) -> tuple[int, int, int]:
     """measure_latent's work, cached per (config, size)."""
     config = json.loads(config_json)
     kind = tokenizer_class(config, where)
-    cls = kind.diffusers_class()
+    cls = kind.diffusers_class()  # outside the try: a missing diffusers is no size problem
     public = {k: v for k, v in config.items() if not k.startswith("_")}
     try:
         with torch.device("meta"):
@@ -400,8 +387,7 @@ def _measure(config_json: str, size: int, where: str) -> tuple[int, int, int]:
 def downsample_factor(config: dict, image_size: int | None = None) -> int:
     """Pixels per latent cell, measured (`measure_latent`): image side / latent side."""
     size = int(image_size or probe_size(config))
-    _, h, _ = measure_latent(config, size)
-    return size // h
+    return size // measure_latent(config, size)[1]  # (C, h, w)
 
 
 def latent_channels(config: dict) -> int:
@@ -442,8 +428,7 @@ class Tokenizer:
         config = dict(vae.config)
         self.kind: TokenizerClass = tokenizer_class({**config, "_class_name": type(vae).__name__}, source)
         self.vae = vae.eval().requires_grad_(False).to(device)  # loaded in fp32
-        self.device = torch.device(device)
-        self.dtype = dtype
+        self.device, self.dtype = torch.device(device), dtype
         # Only the decoder side is cast: the moments must come from an fp32 encoder (they are stored).
         for name in self.kind.decoder_parts:
             part = getattr(self.vae, name, None)
