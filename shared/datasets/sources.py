@@ -140,27 +140,22 @@ def parse_label(value, where: str, key: str) -> int:
 
 # ---- Webdataset tar shards ----
 
-def tar_folder(data_path: str) -> list[str]:
-    """The sorted *.tar files of a local folder holding tar shards and no sub-folder (not an ImageFolder)."""
-    folder = Path(data_path).expanduser()
-    if is_url(data_path) or not folder.is_dir() or any(p.is_dir() for p in folder.iterdir()):
-        return []
-    return sorted(str(p) for p in folder.glob("*.tar"))
-
-
 def expand_shards(data_path: str) -> list[str]:
-    """The shard list of a brace pattern or a '::'-separated list (webdataset's own expansion), or a folder's."""
+    """The shard list of a brace pattern or a '::'-separated list (webdataset's own expansion), or the sorted *.tar
+    of a local folder holding no sub-folder (not an ImageFolder)."""
     from webdataset.shardlists import expand_urls
-    return tar_folder(data_path) or [url if is_url(url) else str(Path(url).expanduser())
-                                     for url in expand_urls(data_path)]
+    folder = Path(data_path).expanduser()
+    if not is_url(data_path) and folder.is_dir() and not any(p.is_dir() for p in folder.iterdir()):
+        found = sorted(str(p) for p in folder.glob("*.tar"))
+        if found:
+            return found
+    return [url if is_url(url) else str(Path(url).expanduser()) for url in expand_urls(data_path)]
 
 
 def _image_member(sample: dict) -> str | None:
     """The suffix of the sample's image member (the first with an image extension), or None."""
-    for suffix in sorted(k for k in sample if not k.startswith("__")):
-        if ("." + suffix.rsplit(".", 1)[-1]).lower() in IMAGE_EXTENSIONS:
-            return suffix
-    return None
+    return next((suffix for suffix in sorted(k for k in sample if not k.startswith("__"))
+                 if ("." + suffix.rsplit(".", 1)[-1]).lower() in IMAGE_EXTENSIONS), None)
 
 
 def _label_of(sample: dict, label_key: str, where: str) -> int:
@@ -300,20 +295,11 @@ def _hf_class_names(schema, label_column: str) -> list[str] | None:
         return None
 
 
-def _check_columns(url: str, schema, options: SourceOptions) -> None:
-    """UserError naming the columns there are when the image or label column is missing."""
-    for flag, name in (("--image-column", options.image_column), ("--label-column", options.label_column)):
-        if name not in schema.names:
-            raise UserError(f"{url} has no column {name!r} (its columns: {', '.join(schema.names)}). Pass the "
-                            f"{flag} that holds the {flag[2:7]}s.")
-
-
 def image_bytes(column) -> list:
     """The encoded images of one arrow column: a struct with `bytes` (as `datasets` writes Image) or binary."""
     import pyarrow as pa
     if pa.types.is_struct(column.type):
-        column = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
-        column = column.field("bytes")
+        column = (column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column).field("bytes")
     return column.to_pylist()
 
 
@@ -323,7 +309,11 @@ def _list_parquet(url: str, index: int, options: SourceOptions) -> tuple[list, l
     with open_binary(url) as handle:
         try:
             pf = pq.ParquetFile(handle)
-            _check_columns(url, pf.schema_arrow, options)
+            names = pf.schema_arrow.names
+            for flag, name in (("--image-column", options.image_column), ("--label-column", options.label_column)):
+                if name not in names:
+                    raise UserError(f"{url} has no column {name!r} (its columns: {', '.join(names)}). Pass the "
+                                    f"{flag} that holds the {flag[2:7]}s.")
             labels = pf.read(columns=[options.label_column]).column(options.label_column).to_pylist()
             rows, digests = [], []
             for group in range(pf.num_row_groups):
@@ -372,11 +362,11 @@ def scan_parquet(data_path: str, options: SourceOptions) -> SourceScan:
     for index, url in enumerate(tqdm(files, unit="file", desc="list", dynamic_ncols=True, disable=len(files) < 2)):
         found, found_labels, found_digests, names = _list_parquet(url, index, options)
         hf_names = hf_names or names
-        for n, (loc, label, digest) in enumerate(zip(found, found_labels, found_digests)):
-            sample_id = f"{url}#{n}"
-            ids.append(sample_id)
-            labels.append(label)
-            digests[sample_id], rows[sample_id] = digest, loc
+        new = [f"{url}#{n}" for n in range(len(found))]
+        ids += new
+        labels += found_labels
+        digests.update(zip(new, found_digests))
+        rows.update(zip(new, found))
     names = read_class_map(options.class_map)
     origin = f"--class-map {options.class_map}" if names is not None else "the dataset's ClassLabel names"
     classes = class_names(labels, names if names is not None else hf_names, f"--data-path {data_path}", origin)
@@ -402,23 +392,17 @@ def unit_sizes(urls: list[str]) -> list[int]:
     return sizes
 
 
-def _listing_key(data_path: str, options: SourceOptions, extra: dict) -> dict:
-    """What a kept listing must have been made from to be reused."""
-    try:
-        class_map = None if options.class_map is None else Path(options.class_map).expanduser().read_text()
-    except OSError:
-        class_map = None  # read_class_map names the problem when the source is listed
-    return {"version": LISTING_VERSION, "data_path": data_path, "label_key": options.label_key,
-            "class_map": class_map, "image_column": options.image_column, "label_column": options.label_column,
-            **extra}
-
-
 def listed_source(data_path, options: SourceOptions, out: Path | None, extra: dict, make) -> tuple:
     """(scan, key to save it under, or None): the listing kept in `out` when it still fits, else make()."""
     data_path = str(data_path)
     if out is None or source_kind(data_path) == "folder":
         return make(), None
-    key = _listing_key(data_path, options, extra)
+    try:  # the key: what a kept listing must have been made from to be reused
+        class_map = None if options.class_map is None else Path(options.class_map).expanduser().read_text()
+    except OSError:
+        class_map = None  # read_class_map names the problem when the source is listed
+    key = {"version": LISTING_VERSION, "data_path": data_path, "label_key": options.label_key, "class_map": class_map,
+           "image_column": options.image_column, "label_column": options.label_column, **extra}
     kept = load_listing(Path(out) / LISTING_NAME, key)
     return (kept, None) if kept is not None else (make(), key)
 
@@ -450,9 +434,8 @@ def load_listing(path: Path, key: dict) -> SourceScan | None:
     reader = (TarReader(record["units"], where) if record["kind"] == "tar"
               else ParquetReader(record["units"], where, record["image_column"]))
     digests = {f: bytes.fromhex(d) for f, d in zip(files, record["digests"])}
-    skipped = Skipped(*record["skipped"])
-    return SourceScan(key["data_path"], record["classes"], files, record["labels"], skipped, tuple(record["notes"]),
-                      reader, digests)
+    return SourceScan(key["data_path"], record["classes"], files, record["labels"], Skipped(*record["skipped"]),
+                      tuple(record["notes"]), reader, digests)
 
 
 # ---- The one entry point ----
@@ -496,15 +479,12 @@ def open_source(data_path, options: SourceOptions | None = None) -> ImageFolderS
     data_path = str(data_path)
     kind = source_kind(data_path)
     check_flags_apply(kind, options)
-    if kind == "tar":
-        return scan_tar_shards(data_path, options)
-    if kind == "parquet":
-        return scan_parquet(data_path, options)
-    return scan_image_folder(data_path)
+    if kind == "folder":
+        return scan_image_folder(data_path)
+    return (scan_tar_shards if kind == "tar" else scan_parquet)(data_path, options)
 
 
 def describe_source(scan: ImageFolderScan) -> str:
     """'tar shards', 'parquet files' or 'ImageFolder': what --check and the dry run say they read."""
     reader = getattr(scan, "reader", None)
     return {TarReader: "webdataset tar shards", ParquetReader: "parquet files"}.get(type(reader), "ImageFolder")
-

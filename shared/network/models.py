@@ -36,10 +36,8 @@ PRESETS = {
     # Patch 1 for latents of 16x16 or smaller (f16 / f32 tokenizers); LightningDiT-XL/1 is DiT-XL's shape at patch 1
     for patch in (1, 2, 4, 8)
 }
-# Tiny preset for tests and the CPU demo, not an official size: 4.0M parameters in its 6 blocks,
-# 4.4M in all with 1000 classes at 256x256 (4.2M with 10 classes).
-PRESETS["DiT-T/2"] = dict(depth=6, hidden_size=192, patch_size=2, num_heads=3)
-PRESETS["DiT-T/1"] = dict(depth=6, hidden_size=192, patch_size=1, num_heads=3)
+# Tiny, for tests and the CPU demo (no official size): 4.0M parameters in 6 blocks, 4.4M in all (1000 classes, 256 px).
+PRESETS.update({f"DiT-T/{patch}": dict(depth=6, hidden_size=192, patch_size=patch, num_heads=3) for patch in (2, 1)})
 
 # DiT^DH (RAE, bytetriper/RAE configs/stage2/training/ImageNet256/DiTDH-{S,XL}_DINOv2-B.yaml): a DiT-S or
 # DiT-XL body at patch 1, then 2 head blocks of width 2048 with 16 heads; RAE's block (RMSNorm, SwiGLU, 2-D
@@ -105,9 +103,7 @@ OBJECTIVE_FIELDS = ("objective", "objective_args", "plugins", "sampling")  # not
 class ModelConfig:
     """Everything needed to rebuild a DiT; written into every checkpoint and export."""
 
-    # The block options and the head default to the preset's (DiT's block and no head for the DiT presets, RAE's
-    # block and head for DiTDH-*), so configs written before they existed load as they were trained.
-
+    # Block options and head default to the preset's, so configs written before they existed load as trained.
     model: str
     input_size: int
     in_channels: int = 4
@@ -128,13 +124,11 @@ class ModelConfig:
     # Three more embedders for the guidance an improved MeanFlow network is conditioned on (1 - 1/w, t_min, t_max;
     # shared/generative/imf.py), fed as columns 3-5 of its time input. False: no such tensors.
     guidance_inputs: bool = False
-    # What the network was trained to predict (shared/generative/objectives.py): the registered objective's name and
-    # its recorded fields (e.g. flow: {"convention": "sit", "time_dist_shift": 1.0}: the direction of its time
-    # input, RAE's shift). Not architecture: build() ignores them.
+    # What it was trained to predict (shared/generative/objectives.py): the objective's name and recorded fields
+    # (e.g. flow: {"convention": "sit", "time_dist_shift": 1.0}). Not architecture: build() ignores them.
     objective: str = DEFAULT_OBJECTIVE
     objective_args: dict = field(default_factory=dict)
-    # The --plugin modules that register its objective and block options (none for built-ins): derived, and
-    # recorded so that a later stage without them names them.
+    # The --plugin modules registering its objective and block options: recorded so a stage without them names them.
     plugins: list = field(default_factory=list)
     # How it samples unless told otherwise: its recipe's sampling half in python -m sample's flag names (e.g.
     # LightningDiT: {"sampler": "euler", "time_shift": 0.3, "cfg_interval": [0.0, 0.89]}); {} = the objective's own.
@@ -193,10 +187,9 @@ class ModelConfig:
 
     def build(self, attention="auto", grad_checkpoint_every=0, device=None, init=True):
         """The DiT (a DiT^DH with a head) on `device`; init=False: zero-filled weights, no initialisation (measuring)."""
-        kwargs = {k: v for k, v in self.to_dict().items() if k not in ("model", *OBJECTIVE_FIELDS)}
-        for name in ("interval_time", "guidance_inputs"):
-            if not kwargs[name]:
-                del kwargs[name]  # a DiT^DH takes no such argument (check_interval_time refuses it there)
+        # interval_time / guidance_inputs passed only when set: a DiT^DH takes no such argument (check_interval_time)
+        kwargs = {k: v for k, v in self.to_dict().items() if k not in ("model", *OBJECTIVE_FIELDS)
+                  and (v or k not in ("interval_time", "guidance_inputs"))}
         kwargs.update(attention=attention, grad_checkpoint_every=grad_checkpoint_every)
         if init or str(device) == "meta":
             with torch.device(device) if device is not None else contextlib.nullcontext():
@@ -256,12 +249,10 @@ def _infer_architecture(state_dict):
     grid = math.isqrt(tokens)
     depth = len({m.group(1) for k in state_dict if (m := re.match(r"blocks\.(\d+)\.", k))})
     block = infer_block(state_dict) if depth else dict(BLOCKS["dit"])
-    return dict(
-        depth=depth, hidden_size=width, patch_size=patch, in_channels=in_channels, input_size=grid * patch,
-        square=grid * grid == tokens, **block,
-        out_channels=_shape(state_dict, "final_layer.linear.weight")[0] // (patch * patch),
-        label_rows=_shape(state_dict, "y_embedder.embedding_table.weight")[0],
-    )
+    return dict(depth=depth, hidden_size=width, patch_size=patch, in_channels=in_channels, input_size=grid * patch,
+                square=grid * grid == tokens, **block,
+                out_channels=_shape(state_dict, "final_layer.linear.weight")[0] // (patch * patch),
+                label_rows=_shape(state_dict, "y_embedder.embedding_table.weight")[0])
 
 
 def _infer_head(state_dict, arch):

@@ -90,13 +90,11 @@ def looks_like_hub_id(text: str) -> bool:
 def _hub_offline() -> bool:
     """True when HF_HUB_OFFLINE is set or the hub's host does not resolve (no network)."""
     from huggingface_hub import constants
-    if constants.HF_HUB_OFFLINE:
-        return True
-    try:
-        socket.getaddrinfo(urlparse(constants.ENDPOINT).hostname or "huggingface.co", 443)
-    except OSError:
-        return True
-    return False
+    if not constants.HF_HUB_OFFLINE:
+        with contextlib.suppress(OSError):
+            socket.getaddrinfo(urlparse(constants.ENDPOINT).hostname or "huggingface.co", 443)
+            return False
+    return True
 
 
 def _locate_hub(repo_id: str) -> _Located:
@@ -214,8 +212,7 @@ def _read_state_dict(path: Path) -> dict:
     from shared.weights.export import load_torch_file, safetensors_problem
     if path.suffix.lower() == ".safetensors":
         from safetensors.torch import load_file
-        problem = safetensors_problem(path)
-        if problem:
+        if problem := safetensors_problem(path):
             raise SettingError(f"The VAE file {path} cannot be read ({problem}): it is truncated or not a "
                                f"safetensors file. Copy it again, or pass another {{vae}}.")
         state = load_file(str(path))
@@ -265,7 +262,10 @@ def _load_folder(located: _Located):
     try:
         vae, info = cls.from_pretrained(source, torch_dtype=torch.float32, output_loading_info=True)
     except (ValueError, RuntimeError, OSError) as err:  # shapes that do not fit the config; unreadable files
-        raise SettingError(f"The VAE {source} cannot be loaded: {_loading_problem(err)}. {_FOLDER_FIX}") from None
+        text = " ".join(str(err).split())  # in one clause, without diffusers' advice to overwrite weights randomly
+        text = text.split(" If you want to instead overwrite")[0].replace("Cannot load because ", "").rstrip(". ")
+        raise SettingError(f"The VAE {source} cannot be loaded: {text[:300] or type(err).__name__}. "
+                           f"{_FOLDER_FIX}") from None
     finally:
         diffusers_logging.set_verbosity(verbosity)
     # diffusers only warns about missing tensors and leaves them randomly initialised: noise images, no error.
@@ -280,13 +280,6 @@ def _load_folder(located: _Located):
 
 _FOLDER_FIX = ("The weights and config.json of a VAE folder must come from the same VAE (a folder mixed from two "
                "VAEs, or an interrupted download); download the folder again, or pass another {vae}.")
-
-
-def _loading_problem(err: BaseException) -> str:
-    """diffusers' loading error in one clause, without its advice to overwrite weights randomly."""
-    text = " ".join(str(err).split())
-    text = text.split(" If you want to instead overwrite")[0].replace("Cannot load because ", "")
-    return text.rstrip(". ")[:300] or type(err).__name__
 
 
 def load_tokenizer(spec, device="cpu", dtype=torch.float32, config=None, tiling: bool = False,

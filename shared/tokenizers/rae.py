@@ -1,12 +1,10 @@
 """RAE's tokenizer whole: the AutoencoderRAE class record (Zheng et al. 2025), the check of a folder's weights
 against its config, and RAE's released tokenizer by name (DINOv2-B tokens, RAE's ViT-XL decoder, its statistics).
 
-The record: the shards store the raw tokens (deterministic: no std). diffusers' AutoencoderRAE.encode normalises
-them itself, (z - latents_mean) / (latents_std + 1e-5) * scaling_factor; here the encoder and decoder are called
-without that step and the same numbers become our LatentNorm (`_rae_native_norm`), so the normalisation has one
-owner (this module) and decoding through it equals AutoencoderRAE.decode(AutoencoderRAE.encode(x)).
-AutoencoderRAE takes and returns images in [0, 1] (RAE's ToTensor inputs); ours are in [-1, 1]. The record is
-registered when shared/tokenizers/tokenizer.py first reads its classes (BUILT_IN_TOKENIZERS).
+The record: the shards store the raw tokens (deterministic: no std). AutoencoderRAE's own normalisation,
+(z - latents_mean) / (latents_std + 1e-5) * scaling_factor, is skipped and becomes our LatentNorm (`_rae_native_norm`):
+one owner, and decoding through it equals AutoencoderRAE.decode(AutoencoderRAE.encode(x)). AutoencoderRAE's images are
+in [0, 1] (RAE's ToTensor inputs), ours in [-1, 1]. Registered when tokenizer.py reads BUILT_IN_TOKENIZERS.
 
 The release: `--vae rae-dinov2-b` is the tokenizer RAE's ImageNet-256 DiT^DH-XL was trained on and is sampled with
 (bytetriper/RAE, MIT: configs/stage2/sampling/ImageNet256/DiTDHXL-DINOv2-B.yaml, stage_1). Three files come through
@@ -21,11 +19,10 @@ the release download cache (shared/runtime/download.py; `$DIT_DOWNLOAD_URL` repl
                                        encoder RAE loads with transformers (`Dinov2withNorm`, its final LayerNorm
                                        without affine parameters)
 
-They are converted once into a diffusers `AutoencoderRAE` folder in the user cache: every tensor mapped by name
-and loaded with strict=True (the only tensors not kept: the encoder's final LayerNorm weight and bias, which RAE
-removes, and the decoder's fixed sin-cos table, checked equal to the one diffusers rebuilds). RAE normalises
-(z - mean) / sqrt(var + 1e-5) (src/stage1/rae.py); diffusers divides by (latents_std + 1e-5), so the folder holds
-latents_std = sqrt(var + 1e-5) - 1e-5 and the two agree to float32 rounding.
+They are converted once into a diffusers `AutoencoderRAE` folder in the user cache, every tensor mapped by name and
+loaded strictly (not kept: the encoder's final LayerNorm weight and bias, which RAE removes, and the decoder's sin-cos
+table, checked equal to diffusers'). RAE's (z - mean) / sqrt(var + 1e-5) (src/stage1/rae.py) is stored as
+latents_std = sqrt(var + 1e-5) - 1e-5: diffusers adds its 1e-5 back, and the two agree to float32 rounding.
 """
 from __future__ import annotations
 
@@ -42,9 +39,7 @@ from shared.tokenizers.tokenizer import LatentNorm, TokenizerClass, register_tok
 from shared.tokenizers.locate import converted_folder, file_stamps, register_converted
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The class record: encode, decode, its own normalisation, the checks of its config and weights
-# ----------------------------------------------------------------------------------------------------------
+# ---- The class record: encode, decode, its own normalisation, the checks of its config and weights ----
 
 DIFFUSERS_RAE_EPS = 1e-5  # diffusers' AutoencoderRAE._normalize_latents: (z - mean) / (std + 1e-5)
 
@@ -61,12 +56,9 @@ def rae_geometry(config: dict) -> dict:
 def _rae_stats_problem(config: dict, geo: dict) -> str | None:
     """Why latents_mean / latents_std cannot normalise tokens (C, g, g), or None."""
     latent = (geo["channels"], geo["grid"], geo["grid"])
-    for key in ("latents_mean", "latents_std"):
-        value = config.get(key)
-        if value is None:
-            continue
+    for key in [k for k in ("latents_mean", "latents_std") if config.get(k) is not None]:
         try:
-            shape = tuple(torch.as_tensor(value, dtype=torch.float32).shape)
+            shape = tuple(torch.as_tensor(config[key], dtype=torch.float32).shape)
         except (ValueError, TypeError, RuntimeError):  # ragged lists, strings
             shape = "unreadable (not a list of numbers)"
         try:
@@ -94,8 +86,7 @@ def check_rae_config(config: dict, where) -> None:
         problems.append("reshape_to_2d is false (the DiT needs the tokens as a (C, h, w) grid)")
     if config.get("encoder_type", "dinov2") not in ("dinov2", "siglip2", "mae"):
         problems.append(f"its encoder_type {config['encoder_type']!r} is not dinov2, siglip2 or mae")
-    stats = _rae_stats_problem(config, geo)
-    if stats:
+    if stats := _rae_stats_problem(config, geo):
         problems.append(stats)
     if problems:
         raise SettingError(
@@ -117,11 +108,6 @@ def _rae_tokens(module, x):
     return tokens.transpose(1, 2).reshape(n, c, side, side)  # (N, C, g, g)
 
 
-def _rae_encode(module, x):
-    """The deterministic tokens (no posterior): (tokens (N, C, g, g) fp32, None)."""
-    return _rae_tokens(module, x).float(), None
-
-
 def _rae_decode(module, z):
     """Raw tokens (N, C, g, g) -> images (N, 3, H, W) in [-1, 1] (AutoencoderRAE._decode without denormalising)."""
     n, c, h, w = z.shape
@@ -132,11 +118,8 @@ def _rae_decode(module, z):
 
 
 def _rae_native_norm(config: dict, module=None) -> LatentNorm | None:
-    """AutoencoderRAE's own normalisation as a per-element record, or None (no statistics: the folder's are used).
-
-    diffusers: x = (z - latents_mean) / (latents_std + 1e-5) * scaling_factor, statistics broadcast to (C, g, g);
-    the record's std is latents_std + 1e-5 computed in float32 as diffusers does, so apply/invert are its own.
-    """
+    """AutoencoderRAE's own normalisation as a per-element record, or None (no statistics: the folder's are used):
+    diffusers' x = (z - latents_mean) / (latents_std + 1e-5) * scaling_factor: the std is latents_std + 1e-5 in fp32."""
     if config.get("latents_mean") is None and config.get("latents_std") is None:
         return None
     geo = rae_geometry(config)
@@ -190,10 +173,9 @@ def _check_rae_weights(weights: str, size: int, mtime_ns: int, config_json: str,
     if wrong:
         parts.append(f"{len(wrong)} tensors of other shapes than its config builds (e.g. {wrong[0]}: "
                      f"{list(found[wrong[0]])} in the weights, {list(expected[wrong[0]])} for the config)")
-    if missing:
-        parts.append(f"{len(missing)} tensors its config needs are missing (e.g. {missing[0]})")
-    if unexpected:
-        parts.append(f"{len(unexpected)} tensors are not in its config (e.g. {unexpected[0]})")
+    parts += [f"{len(keys)} {what} (e.g. {keys[0]})" for what, keys in
+              (("tensors its config needs are missing", missing), ("tensors are not in its config", unexpected))
+              if keys]
     raise SettingError(
         f"The RAE tokenizer {where} does not fit together: {'; '.join(parts)}. An RAE's decoder works only on the "
         f"tokens of the encoder it was trained on, with the statistics computed from them; pass a folder saved "
@@ -209,15 +191,14 @@ def check_rae_weights(weights, config: dict, where) -> None:
 AUTOENCODER_RAE = register_tokenizer(TokenizerClass(
     "AutoencoderRAE", "RAE: a frozen representation encoder's patch tokens (DINOv2-B: 768x16x16) and a ViT decoder; "
                       "deterministic; per-element statistics from its config or the folder",
-    _rae_encode, _rae_decode, _rae_native_norm, deterministic=True, decoder_parts=("decoder",),
+    lambda module, x: (_rae_tokens(module, x).float(), None), _rae_decode, _rae_native_norm,  # no posterior
+    deterministic=True, decoder_parts=("decoder",),
     declared_channels=lambda config: rae_geometry(config)["channels"],
     native_size=lambda config: rae_geometry(config)["image_size"], check_config=check_rae_config,
     check_weights=check_rae_weights, element_stats=True, family="rae"))
 
 
-# ----------------------------------------------------------------------------------------------------------
-# RAE's release by name: three files converted once into an AutoencoderRAE folder
-# ----------------------------------------------------------------------------------------------------------
+# ---- RAE's release by name: three files converted once into an AutoencoderRAE folder ----
 
 HF_RAE = "https://huggingface.co/nyu-visionx/RAE-collections/resolve/main/"  # RAE's README: hf download this repo
 HF_DINOV2 = "https://huggingface.co/facebook/dinov2-with-registers-base/resolve/main/model.safetensors"
@@ -232,9 +213,6 @@ class RAERelease:
     decoder: tuple[str, str]
     stats: tuple[str, str]
     encoder: tuple[str, str]
-
-    def files(self) -> tuple[tuple[str, str], ...]:
-        return self.decoder, self.stats, self.encoder
 
 
 RAE_TOKENIZERS = {
@@ -263,19 +241,13 @@ ENCODER_DROPPED = ("layernorm.weight", "layernorm.bias")
 
 def decoder_key(key: str) -> str:
     """RAE's GeneralDecoder tensor name -> AutoencoderRAE's."""
-    for ours, theirs in _DECODER_PARTS.items():
-        if ours in key:
-            key = key.replace(ours, theirs)
-    return "decoder." + key
+    return "decoder." + functools.reduce(lambda k, part: k.replace(*part), _DECODER_PARTS.items(), key)
 
 
 def rae_decoder_key(key: str) -> str:
     """AutoencoderRAE's decoder tensor name -> RAE's GeneralDecoder name (the inverse of `decoder_key`)."""
-    key = key.removeprefix("decoder.")
-    for ours, theirs in _DECODER_PARTS.items():
-        if theirs in key:
-            key = key.replace(theirs, ours)
-    return key
+    return functools.reduce(lambda k, part: k.replace(part[1], part[0]), _DECODER_PARTS.items(),
+                            key.removeprefix("decoder."))
 
 
 def _element_stats(stats, geo: dict, where: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -336,14 +308,14 @@ def locate_rae_release(name: str):
 
     release = RAE_TOKENIZERS[name]
     instead = "or pass a local AutoencoderRAE folder instead of the name"
-    paths = [fetch(file, release_url(file, url), instead)[0] for file, url in release.files()]
+    paths = [fetch(file, release_url(file, url), instead)[0]
+             for file, url in (release.decoder, release.stats, release.encoder)]
 
     def build():
         decoder, stats, encoder = paths
         fix = ("Delete it from the checkpoint cache and run again to download it, or pass an AutoencoderRAE folder "
                "as {vae}.")
-        problem = safetensors_problem(encoder)
-        if problem:
+        if problem := safetensors_problem(encoder):
             raise SettingError(f"The DINOv2 encoder weights {encoder} cannot be read ({problem}). {fix}")
         from safetensors.torch import load_file
 

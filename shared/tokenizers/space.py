@@ -227,12 +227,11 @@ class LatentSpace:
         name = resolve_vae_spec(spec, config_path)
         config = read_vae_config(spec, config_path)
         kind = tokenizer_class(config, name)
-        # measure=False (train's --watch-vae check must not import diffusers): the declared channels, no factor
-        if measure:  # the encoder run on the meta device: what it really gives
-            cheap = {"source": name, "latent_channels": latent_channels(config),
-                     "downsample_factor": downsample_factor(config)}
-        else:
-            cheap = {"source": name, "latent_channels": kind.declared_channels(config)}
+        # measure: the encoder run on the meta device; else declared channels (--watch-vae must not import diffusers)
+        channels = latent_channels(config) if measure else kind.declared_channels(config)
+        cheap = {"source": name, "latent_channels": channels}
+        if measure:
+            cheap["downsample_factor"] = downsample_factor(config)
         cheap.update({"class": kind.name, **({"family": kind.family} if kind.family != "vae" else {})})
         if "scaling_factor" in config:  # else diffusers' default fills it in at load time: compared then
             cheap["scaling_factor"] = float(config["scaling_factor"])
@@ -270,9 +269,7 @@ def rebuild_folder_command(folder) -> str:
             f"its index.json records (add --vae SPEC if that tokenizer is no longer where it was)")
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Choosing, comparing and loading the tokenizer that decodes
-# ----------------------------------------------------------------------------------------------------------
+# ---- Choosing, comparing and loading the tokenizer that decodes ----
 
 def choose_tokenizer(spec: str | None, space: LatentSpace | None) -> tuple[str, str]:
     """(--vae or the recorded tokenizer or 'ema', how it was chosen)."""
@@ -286,15 +283,14 @@ def choose_tokenizer(spec: str | None, space: LatentSpace | None) -> tuple[str, 
 def compare_tokenizers(recorded: dict, actual: dict, allow_other: bool) -> str | None:
     """Refuse a tokenizer that differs from the recorded one (see the module doc); a note when a difference is allowed."""
     family_problem(recorded, actual)
-    hard = _differences(recorded, actual, _HARD)
-    if hard:
+    named = f" ({recorded['source']})" if recorded.get("source") else ""  # when the metadata names the tokenizer
+    if hard := _differences(recorded, actual, _HARD):
         raise UserError(f"the VAE {actual.get('source')} cannot decode these latents: {hard}. Decoding would fail "
                         f"or give images of the wrong size, so --allow-other-vae does not apply. Pass the --vae the "
-                        f"latents were made with{_named(recorded)}.")
-    soft = _differences(recorded, actual, _SOFT)
-    if soft and not allow_other:
+                        f"latents were made with{named}.")
+    if (soft := _differences(recorded, actual, _SOFT)) and not allow_other:
         raise UserError(f"the VAE {actual.get('source')} is not the one these latents were made with"
-                        f"{_named(recorded)}: {soft}. Another VAE decodes them without any error into wrong "
+                        f"{named}: {soft}. Another VAE decodes them without any error into wrong "
                         f"colours or noise. Pass the --vae the latents were made with (drop --vae to use the "
                         f"recorded one), or add --allow-other-vae if the swap is deliberate.")
     if soft:
@@ -305,14 +301,10 @@ def compare_tokenizers(recorded: dict, actual: dict, allow_other: bool) -> str |
     return None
 
 
-def _family(identity: dict) -> str | None:
-    """"rae" or "vae" for an identity that names its class; None for older metadata that names only a source."""
-    return identity.get("family", "vae") if "class" in identity else None
-
-
 def family_problem(recorded: dict, actual: dict) -> None:
     """Refuse RAE tokens decoded by a VAE and a VAE's latents decoded by an RAE decoder (no flag overrides it)."""
-    made, decoder = _family(recorded), _family(actual)
+    # "rae" or "vae" for an identity that names its class; None for older metadata that names only a source
+    made, decoder = (identity.get("family", "vae") if "class" in identity else None for identity in (recorded, actual))
     if made is None or decoder is None or made == decoder:
         return
     raise UserError(f"these latents are {FAMILY_WORDS[made]}, made by {recorded.get('source')} "
@@ -335,8 +327,3 @@ def _short(value) -> str:
         return value.describe()
     text = f"{value:g}" if isinstance(value, float) else str(value)
     return text[:12] if len(text) == 64 else text
-
-
-def _named(recorded: dict) -> str:
-    """' (SOURCE)' when the metadata names the tokenizer."""
-    return f" ({recorded['source']})" if recorded.get("source") else ""

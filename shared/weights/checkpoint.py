@@ -148,18 +148,17 @@ def _newest_whole(run: Path, weights: str) -> tuple[Path, list[str]]:
     """The newest whole export (or checkpoint weights with --weights raw) of a run; incomplete newer ones are noted."""
     if weights == "raw":
         candidates, what = [c / MODEL_FILE for c in list_checkpoints(run)], f"{CHECKPOINTS}/step-*/{MODEL_FILE}"
+        none = (f"the run folder {run} has no complete checkpoints ({CHECKPOINTS}/step-*/) yet; train until the first "
+                "checkpoint is saved, or pass --weights ema for an export.")
     else:
         candidates, what = list_exports(run), f"{EXPORTS}/ema-step-*.safetensors"
-    if not candidates and weights == "raw":
-        raise UserError(f"the run folder {run} has no complete checkpoints ({CHECKPOINTS}/step-*/) yet; train until "
-                        "the first checkpoint is saved, or pass --weights ema for an export.")
+        none = (f"the run folder {run} has no EMA exports ({EXPORTS}/ema-step-*) yet; train until the first export is "
+                "written, or pass --weights raw to use the newest checkpoint's raw weights.")
     if not candidates:
-        raise UserError(f"the run folder {run} has no EMA exports ({EXPORTS}/ema-step-*) yet; train until the first "
-                        "export is written, or pass --weights raw to use the newest checkpoint's raw weights.")
+        raise UserError(none)
     skipped = []
     for path in reversed(candidates):
-        problem = safetensors_problem(path)
-        if problem is None:
+        if (problem := safetensors_problem(path)) is None:
             return path, [f"the newer {p} is not a whole weight file ({why}); sampling {path.name} instead. "
                           f"{_other_copy(run, p, weights, 'Delete the broken file to stop this note.')}"
                           for p, why in skipped]
@@ -186,8 +185,7 @@ def run_weight_file(folder: Path, weights: str) -> tuple[Path, list[str]]:
         chosen = folder / (MODEL_FILE if weights == "raw" else EMA_FILE)
         if not chosen.is_file():
             raise UserError(f"{chosen} does not exist; the checkpoint folder is incomplete.")
-        problem = safetensors_problem(chosen)
-        if problem:
+        if problem := safetensors_problem(chosen):
             raise UserError(f"{chosen} is not a whole weight file ({problem}): it was cut short (an interrupted copy "
                             f"or a full disk) or is damaged. Delete it and use another weight file.")
         return chosen, []
@@ -273,8 +271,8 @@ def _read_rae(found: Found, weights: str, objective: str | None) -> Read:
     RAE's sampling configs all sample it with its ODE Euler over 50 points, so any file of its layout does too."""
     state_dict = _tensors(found, weights)
     config = infer_model_config(state_dict)
-    shape = (config.in_channels, config.input_size, config.input_size)
-    shift = RELEASES[found.path.name].time_dist_shift if found.path.name in RELEASES else auto_shift(shape)
+    shift = (RELEASES[found.path.name].time_dist_shift if found.path.name in RELEASES
+             else auto_shift((config.in_channels, config.input_size, config.input_size)))
     config = dataclasses.replace(config, objective="flow", sampling=dict(RAE_SAMPLING),
                                  objective_args={"convention": "repa", "time_dist_shift": shift})
     notes = [f"DiT^DH head {config.head_depth} x {config.head_width} wide; flow time convention repa, time shift "
@@ -315,10 +313,10 @@ def _read_diffusers(found: Found, weights: str, objective: str | None) -> Read:
     source = found.diffusers
     full = check_dit_config(read_json(source.transformer / CONFIG), source.transformer)
     config = model_config_of(full, source.transformer)
-    vae = f"its pipeline's VAE {source.vae} unless --vae is given" if source.vae else \
-        "no pipeline VAE beside it (pass --vae)"
-    numerics = f"{NUMERICS_NOTE} Loaded here as the official DiT function, which is what the Hub's DiT weights were " \
-               f"trained as."
+    vae = (f"its pipeline's VAE {source.vae} unless --vae is given" if source.vae else
+           "no pipeline VAE beside it (pass --vae)")
+    numerics = (f"{NUMERICS_NOTE} Loaded here as the official DiT function, which is what the Hub's DiT weights were "
+                f"trained as.")
     notes = [f"a diffusers {full['_class_name']} in {source.transformer}; {vae}", numerics]
     state_dict = diffusers_to_dit(read_weights(source.weights), full, source.transformer)
     return Read(state_dict, config, "a diffusers DiT, trained as DiT's", notes, [numerics], path=source.weights,
@@ -332,6 +330,8 @@ _OURS = dict(reads=_read_export, holds=_held_by_place, latents=lambda f, r: r.me
              damaged="Training diverged before these weights were saved, or the file is damaged: pass an earlier "
                      "export or checkpoint with --ckpt (RUN/exports/ema-step-*.safetensors, RUN/checkpoints/step-*).")
 _REPA_ALL = AutoGuide("all", "REPA's sampler guides all channels")  # RAE's flow in REPA's time: the same rule
+
+
 def _foreign_space(meta: dict | None) -> LatentSpace | None:
     """The space another project's release states in a few facts (LatentSpace.of_release), None when it states none."""
     return LatentSpace.of_release(meta) if meta else None
@@ -384,14 +384,6 @@ def _choose_weights(found: Found, fmt: WeightFormat) -> str:
                     f"weights in it to choose. {fix}")
 
 
-def _find(ckpt, weights: str | None) -> Found:
-    """What --ckpt names; a released checkpoint's name that is no path is fetched (./pretrained_models, cache, URL)."""
-    path = Path(ckpt).expanduser()
-    if not path.exists() and is_official_name(str(ckpt)):
-        return Found(ckpt, weights, *find_official(str(ckpt)))
-    return Found(ckpt, weights, path)
-
-
 def nonfinite_tensors(state_dict) -> Iterator[tuple[str, int, int]]:
     """(name, NaN/inf count, size) of each floating tensor, in key order, that is not all finite (lazily)."""
     for name, tensor in state_dict.items():
@@ -403,15 +395,12 @@ def nonfinite_tensors(state_dict) -> Iterator[tuple[str, int, int]]:
 
 def check_finite(loaded: LoadedWeights, fix: str) -> None:
     """UserError naming the file and its first tensor with NaN/inf values (they sample black or noise images)."""
-    bad = next(nonfinite_tensors(loaded.state_dict), None)
-    if bad is None:
-        return
-    name, count, size = bad
-    file = loaded.path.name
-    source = checkpoint_url(file) if is_official_name(file) else "dl.fbaipublicfiles.com/DiT/models/"
-    raise UserError(f"{loaded.path} holds non-finite weights: tensor {name} has {count} NaN/inf values of {size} "
-                    f"(the first such tensor); sampling from it would give black or noise images. "
-                    f"{fix.format(source=source)}")
+    for name, count, size in nonfinite_tensors(loaded.state_dict):  # the first such tensor refused
+        file = loaded.path.name
+        source = checkpoint_url(file) if is_official_name(file) else "dl.fbaipublicfiles.com/DiT/models/"
+        raise UserError(f"{loaded.path} holds non-finite weights: tensor {name} has {count} NaN/inf values of {size} "
+                        f"(the first such tensor); sampling from it would give black or noise images. "
+                        f"{fix.format(source=source)}")
 
 
 def load_sampling_weights(ckpt, weights: str | None = None, model: str | None = None,
@@ -424,7 +413,8 @@ def load_sampling_weights(ckpt, weights: str | None = None, model: str | None = 
         check_preset(model)
     if objective is not None:
         check_objective(objective)
-    found = _find(ckpt, weights)
+    official = not Path(ckpt).expanduser().exists() and is_official_name(str(ckpt))  # a name that is no path: fetched
+    found = Found(ckpt, weights, *find_official(str(ckpt))) if official else Found(ckpt, weights)
     fmt = next((f for f in FORMATS.values() if f.recognises(found)), None)
     if fmt is None:
         raise UserError(f"--ckpt {found.path} does not exist; pass {_CKPT_KINDS}.")

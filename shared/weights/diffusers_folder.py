@@ -18,8 +18,7 @@ TRANSFORMER, VAE = "transformer", "vae"
 WEIGHT_FILES = ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.safetensors.index.json",
                 "diffusion_pytorch_model.bin", "diffusion_pytorch_model.bin.index.json")
 # What a Hub download fetches: configs and weights of the parts sampling uses, no half-precision variants.
-_HUB_CONFIGS = ["model_index.json", "*config.json"]
-_HUB_SAFETENSORS = ["*.safetensors", "*.safetensors.index.json"]
+_HUB_FIRST = ["model_index.json", "*config.json", "*.safetensors", "*.safetensors.index.json"]
 _HUB_PICKLES = ["*.bin", "*.bin.index.json"]
 _HUB_SKIP = ["*.fp16.*", "*.ckpt", "*.msgpack", "*.onnx", "*.h5"]
 
@@ -115,17 +114,6 @@ def locate(path: Path, hub_id: str | None = None) -> DiffusersSource:
     return DiffusersSource(transformer, weights, vae, label)
 
 
-def _cached_snapshot(repo_id: str) -> Path | None:
-    """The snapshot folder of a repo in the local Hub cache, if it holds a model (else None)."""
-    from huggingface_hub import snapshot_download
-
-    try:
-        folder = Path(snapshot_download(repo_id, local_files_only=True))
-    except Exception:  # noqa: BLE001 - every cache miss (no repo, no ref, no snapshot) means "not cached"
-        return None
-    return folder if is_diffusers_folder(folder) else None
-
-
 def _not_cached(repo_id: str, why: str) -> UserError:
     """The one paragraph for a Hub id that cannot be read from the cache nor downloaded."""
     from huggingface_hub import constants
@@ -137,20 +125,15 @@ def _not_cached(repo_id: str, why: str) -> UserError:
         f"PATH` and pass --ckpt PATH. A local path must exist: check its spelling.")
 
 
-def _without_weights(folder: Path) -> list[str]:
-    """The model folders of a snapshot ("" for the root, "transformer", "vae") that have a config but no weights."""
-    parts = [TRANSFORMER, VAE] if (folder / MODEL_INDEX).is_file() else [""]
-    return [part for part in parts if (folder / part / CONFIG).is_file()
-            and not any((folder / part / name).is_file() for name in WEIGHT_FILES)]
-
-
 def _download(repo_id: str) -> Path:
     """Fetch a pipeline's configs and safetensors weights; pickled .bin weights only for a part that has none."""
     from huggingface_hub import snapshot_download
 
-    folder = Path(snapshot_download(repo_id, allow_patterns=_HUB_CONFIGS + _HUB_SAFETENSORS,
+    folder = Path(snapshot_download(repo_id, allow_patterns=_HUB_FIRST,
                                     ignore_patterns=_HUB_SKIP))
-    missing = _without_weights(folder)
+    parts = [TRANSFORMER, VAE] if (folder / MODEL_INDEX).is_file() else [""]  # "": the snapshot is one model folder
+    missing = [part for part in parts if (folder / part / CONFIG).is_file()  # a config but no weights
+               and not any((folder / part / name).is_file() for name in WEIGHT_FILES)]
     if missing:  # read weights-only (shared.weights.export.load_torch_file), never as a general pickle
         patterns = [f"{part}/{p}" if part else p for part in missing for p in _HUB_PICKLES]
         folder = Path(snapshot_download(repo_id, allow_patterns=patterns, ignore_patterns=_HUB_SKIP))
@@ -159,10 +142,14 @@ def _download(repo_id: str) -> Path:
 
 def locate_hub(repo_id: str) -> DiffusersSource:
     """A Hub id from the local cache, else downloaded into it; UserError when offline and not cached."""
+    from huggingface_hub import snapshot_download
     from shared.tokenizers.locate import _hub_offline  # the project's one "can the Hub be reached" test
 
-    folder = _cached_snapshot(repo_id)
-    if folder is None:
+    try:
+        folder = Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception:  # noqa: BLE001 - every cache miss (no repo, no ref, no snapshot) means "not cached"
+        folder = None
+    if folder is None or not is_diffusers_folder(folder):  # not cached, or holding no model
         if _hub_offline():
             raise _not_cached(repo_id, "and the Hub cannot be reached (HF_HUB_OFFLINE is set, or no network)")
         try:
@@ -181,8 +168,7 @@ def _read_one(path: Path) -> dict:
     """Tensors of one safetensors or PyTorch weight file (weights-only), refusing truncated files."""
     fix = "Download or export the diffusers folder again."
     if path.suffix.lower() == ".safetensors":
-        problem = safetensors_problem(path)
-        if problem:
+        if problem := safetensors_problem(path):
             raise UserError(f"{path} is not a whole weight file ({problem}): it was cut short (an interrupted "
                             f"download or copy) or is damaged. {fix}")
         from safetensors.torch import load_file
@@ -198,11 +184,8 @@ def read_weights(path: Path) -> dict:
     """The state dict of a diffusers weight file, or of every shard its *.index.json names."""
     if not path.name.endswith(".index.json"):
         return _read_one(path)
-    weight_map = read_json(path).get("weight_map", {})
-    state = {}
-    for shard in sorted(set(weight_map.values())):
-        state.update(_read_one(path.parent / shard))
-    return state
+    shards = sorted(set(read_json(path).get("weight_map", {}).values()))
+    return {k: v for shard in shards for k, v in _read_one(path.parent / shard).items()}
 
 
 def _class_names(source: DiffusersSource, num_classes: int) -> list[str] | None:
