@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from evaluate.evaluation import (FEATURES, INCEPTION_WEIGHTS, IS_SPLIT, REF, EvalOptions, append_jsonl, check_image_size,
-                                 check_options, evaluate_samples, process_info)
+                                 check_options, evaluate_samples)
 from evaluate.images import open_npz_images
 from evaluate.metrics import check_reference, check_split_size, open_reference
 from shared.runtime import rundir
@@ -66,8 +66,7 @@ def settings_of(o: RunEvalOptions) -> dict:
     return {"feature_network": o.features, "ref": o.ref or "real digits", "num_samples": o.num_samples,
             "sampler": o.sampler, "num_sampling_steps": o.num_sampling_steps, "cfg_scale": o.cfg_scale,
             "guide_channels": o.guide_channels, "seed": o.seed,
-            # Only when set (an option only away from its default), so points measured before a flag existed
-            # keep matching.
+            # Only when set (an option only away from its default): points measured before a flag existed match.
             **({"cfg_interval": list(o.cfg_interval)} if o.cfg_interval else {}),
             **{name: getattr(o, name) for name, spec in SAMPLER_OPTIONS.items()
                if getattr(o, name) is not None and getattr(o, name) != spec.default},
@@ -117,16 +116,6 @@ def export_image_size(path: Path) -> int:
     return space.image_size
 
 
-def sample_export(export: Path, out: Path, o: RunEvalOptions) -> Path:
-    """Draw o.num_samples images of `export` into `out` with python -m sample's code path; return samples.npz."""
-    from shared.sampling.plan import NPZ_NAME, SampleOptions
-    from shared.sampling.generate import run_sample
-    drawing = {f.name: getattr(o, f.name) for f in dataclasses.fields(SamplingFlags)}  # the one flag family
-    options = SampleOptions(ckpt=str(export), vae=o.vae, num_samples=o.num_samples, seed=o.seed,
-                            batch_size=o.batch_size, out=str(out), npz=True, cpu=o.cpu, **drawing)
-    return run_sample(options) / NPZ_NAME
-
-
 def resolve_run_sampling(o: RunEvalOptions, export: Path) -> RunEvalOptions:
     """o with what the exports sample with: the flags given, else the model's recorded sampling, else the fast one."""
     from shared.generative.objectives import objective_of
@@ -138,10 +127,14 @@ def resolve_run_sampling(o: RunEvalOptions, export: Path) -> RunEvalOptions:
 
 
 def evaluate_export(export: Path, o: RunEvalOptions, settings: dict, net, state) -> dict | None:
-    """Sample and evaluate one export; rank 0 appends the record to RUN/eval.jsonl and returns it."""
+    """Sample one export with python -m sample's code path, evaluate it; rank 0 appends the record to RUN/eval.jsonl."""
+    from shared.sampling.plan import NPZ_NAME, SampleOptions
+    from shared.sampling.generate import run_sample
     run, step = Path(o.run), rundir.step_of(export)
     out = rundir.eval_samples_dir(run, step, settings_tag(settings))
-    npz = sample_export(export, out, o)
+    drawing = {f.name: getattr(o, f.name) for f in dataclasses.fields(SamplingFlags)}  # the one flag family
+    npz = run_sample(SampleOptions(ckpt=str(export), vae=o.vae, num_samples=o.num_samples, seed=o.seed,
+                                   batch_size=o.batch_size, out=str(out), npz=True, cpu=o.cpu, **drawing)) / NPZ_NAME
     state.wait_for_everyone()  # rank 0 writes samples.npz after the others finished drawing
     check_image_size(o.features, open_npz_images(npz).size)
     record = evaluate_samples(EvalOptions(samples=str(npz), ref=o.ref, features=o.features,
@@ -170,11 +163,8 @@ def run_evaluation(o: RunEvalOptions) -> list[dict]:
     if state.is_main_process:
         print(f"{len(exports)} exports, {len(exports) - len(todo)} already evaluated with these settings, "
               f"{len(todo)} to go", flush=True)
-    net = None
-    if todo:
-        from evaluate.evaluation import build_features  # looked up here: tests replace it
-        _, _, device = process_info(o.cpu)
-        net = build_features(o.features, "cpu" if o.cpu else device, o.inception_weights)
+    from evaluate import evaluation  # build_features looked up at the call: tests replace it
+    net = evaluation.build_features(o.features, "cpu" if o.cpu else state.device, o.inception_weights) if todo else None
     for export in todo:
         evaluate_export(export, o, settings, net, state)
         if state.is_main_process:
@@ -186,13 +176,6 @@ def run_evaluation(o: RunEvalOptions) -> list[dict]:
 
 
 # ---- The PNG ----
-
-def curve_title(settings: dict) -> str:
-    """One line naming what the points measure."""
-    return (f"{settings['feature_network']} features vs {Path(str(settings['ref'])).name}; {settings['num_samples']} samples, "
-            f"{settings['sampler']} {settings['num_sampling_steps']} steps, cfg {settings['cfg_scale']:g}, "
-            f"seed {settings['seed']}")
-
 
 def draw_curve(run: Path, settings: dict) -> Path | None:
     """RUN/eval.png: one panel per metric present, value against training step (matplotlib Agg, no pyplot)."""
@@ -209,7 +192,9 @@ def draw_curve(run: Path, settings: dict) -> Path | None:
         ax.set_title("digits FD" if metric_title(rows, key) == "digits FD" else title, fontsize="medium")
         ax.set_xlabel("training step")
         ax.grid(alpha=0.3)
-    fig.suptitle(curve_title(settings), fontsize="small")
+    fig.suptitle(f"{settings['feature_network']} features vs {Path(str(settings['ref'])).name}; "
+                 f"{settings['num_samples']} samples, {settings['sampler']} {settings['num_sampling_steps']} steps, "
+                 f"cfg {settings['cfg_scale']:g}, seed {settings['seed']}", fontsize="small")  # what the points measure
     path = rundir.eval_plot_path(run)
     atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
     return path

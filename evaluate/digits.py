@@ -75,16 +75,6 @@ def check_size(height: int, width: int, size: int = IMAGE_SIZE) -> None:
                         f"features (--features inception) for other images.")
 
 
-def check_images(images, size: int = IMAGE_SIZE) -> np.ndarray:
-    """UserError unless `images` is uint8 (N, size, size, 3) with N >= 2; returns it as an array."""
-    images = np.asarray(images)
-    if images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] != 3:
-        raise UserError(f"the digits features take uint8 RGB images (N, H, W, 3) as `python -m sample --npz` "
-                        f"writes them; got {images.dtype} {images.shape}.")
-    check_size(*images.shape[1:3], size)
-    return images
-
-
 def to_input(images: np.ndarray) -> torch.Tensor:
     """uint8 (N, H, W, 3) -> float (N, 3, H, W) in [0, 1]."""
     return torch.from_numpy(np.array(images, np.uint8)).permute(0, 3, 1, 2).float() / 255.0  # a copy: npz rows are read-only
@@ -100,45 +90,32 @@ def shifted(x: torch.Tensor, max_shift: int, generator: torch.Generator) -> torc
 
 # ---- Fitting and the cache ----
 
-@contextlib.contextmanager
-def one_thread():
-    """Run torch on one intra-op thread inside (bitwise-repeatable CPU reductions), restoring the count after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def fit(recipe: DigitsRecipe = RECIPE, images=None, labels=None) -> DigitsNet:
     """Train the network on the real digits, deterministically: fixed seeds, one thread, a seeded shuffle."""
     if images is None:
         images, labels = real_digits(recipe.image_size)
     x, y = to_input(images), torch.from_numpy(np.asarray(labels, dtype=np.int64))
     gen = torch.Generator().manual_seed(recipe.seed)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one intra-op thread: bitwise-repeatable CPU reductions
     # enable_grad: the first call may come from inside a no_grad feature pass
-    with one_thread(), torch.random.fork_rng(devices=[]), torch.enable_grad():
-        torch.manual_seed(recipe.seed)  # initial weights
-        net = DigitsNet(recipe)
-        opt = torch.optim.Adam(net.parameters(), lr=recipe.lr)
-        net.train()
-        for _ in range(recipe.epochs):
-            order = torch.randperm(len(x), generator=gen)
-            for start in range(0, len(x), recipe.batch_size):
-                idx = order[start:start + recipe.batch_size]
-                loss = F.cross_entropy(net(shifted(x[idx], recipe.max_shift, gen)), y[idx])
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
+    try:
+        with torch.random.fork_rng(devices=[]), torch.enable_grad():
+            torch.manual_seed(recipe.seed)  # initial weights
+            net = DigitsNet(recipe)
+            opt = torch.optim.Adam(net.parameters(), lr=recipe.lr)
+            net.train()
+            for _ in range(recipe.epochs):
+                order = torch.randperm(len(x), generator=gen)
+                for start in range(0, len(x), recipe.batch_size):
+                    idx = order[start:start + recipe.batch_size]
+                    loss = F.cross_entropy(net(shifted(x[idx], recipe.max_shift, gen)), y[idx])
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    opt.step()
+    finally:
+        torch.set_num_threads(threads)
     return net.eval()
-
-
-def data_sha256(images: np.ndarray, labels: np.ndarray) -> str:
-    """Hash of the training images and labels (a new scikit-learn or a new upscaling changes the network)."""
-    h = hashlib.sha256(np.ascontiguousarray(images).tobytes())
-    h.update(np.ascontiguousarray(labels, dtype=np.int64).tobytes())
-    return h.hexdigest()
 
 
 def recipe_key(recipe: DigitsRecipe, data_hash: str) -> str:
@@ -156,7 +133,9 @@ def load_or_fit(recipe: DigitsRecipe = RECIPE) -> tuple[DigitsNet, str]:
     """The fitted network and its key: read from the cache, or fitted and cached (atomic write, safe to race)."""
     from safetensors.torch import load_file, save_file
     images, labels = real_digits(recipe.image_size)
-    key = recipe_key(recipe, data_sha256(images, labels))
+    data = hashlib.sha256(np.ascontiguousarray(images).tobytes())  # a new scikit-learn or upscaling: a new network
+    data.update(np.ascontiguousarray(labels, dtype=np.int64).tobytes())
+    key = recipe_key(recipe, data.hexdigest())
     path = weights_path(key)
     net = DigitsNet(recipe)
     if path.is_file():
@@ -174,34 +153,34 @@ _LOCK = threading.RLock()  # reentrant: network() reads real_digits() inside, re
 _CACHE: dict = {}
 
 
+def _once(key, make):
+    """_CACHE[key], made by make() on first use: once per process, thread-safe."""
+    with _LOCK:
+        if key not in _CACHE:
+            _CACHE[key] = make()
+        return _CACHE[key]
+
+
 def real_digits(size: int = IMAGE_SIZE) -> tuple[np.ndarray, np.ndarray]:
     """Every real digit (1797, size, size, 3) uint8 and its label, read once per process: the fit's data, the reference."""
-    with _LOCK:
-        if ("digits", size) not in _CACHE:
-            _CACHE["digits", size] = digit_images(size)
-        return _CACHE["digits", size]
+    return _once(("digits", size), lambda: digit_images(size))
 
 
 def network() -> tuple[DigitsNet, str]:
     """The process-wide fitted network and its key (fitted or loaded once; thread-safe)."""
-    with _LOCK:
-        if "net" not in _CACHE:
-            _CACHE["net"], _CACHE["key"] = load_or_fit(RECIPE)
-        return _CACHE["net"], _CACHE["key"]
-
-
-def identity() -> dict:
-    """The feature network's identity, recorded with every result."""
-    _, key = network()
-    return {"name": FEATURES, "recipe": key, "feature_dim": RECIPE.feature_dim, "image_size": RECIPE.image_size}
+    return _once("net", lambda: load_or_fit(RECIPE))
 
 
 # ---- Features and the distance ----
 
 @torch.no_grad()
 def digits_features(images, batch_size: int = 512) -> np.ndarray:
-    """uint8 images (N, 32, 32, 3) -> penultimate features (N, 64) float64."""
-    images = check_images(images)
+    """uint8 images (N, 32, 32, 3) -> penultimate features (N, 64) float64; UserError for other images."""
+    images = np.asarray(images)
+    if images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] != 3:
+        raise UserError(f"the digits features take uint8 RGB images (N, H, W, 3) as `python -m sample --npz` "
+                        f"writes them; got {images.dtype} {images.shape}.")
+    check_size(*images.shape[1:3])
     net, _ = network()
     out = [net_features(net, images[i:i + batch_size]) for i in range(0, len(images), batch_size)]
     return np.concatenate(out) if out else np.zeros((0, RECIPE.feature_dim))
@@ -215,10 +194,7 @@ def net_features(net: DigitsNet, images: np.ndarray, device="cpu") -> np.ndarray
 
 def real_features() -> np.ndarray:
     """Features (1797, 64) of all real digits, the reference (computed once per process)."""
-    with _LOCK:
-        if "real" not in _CACHE:
-            _CACHE["real"] = digits_features(real_digits(RECIPE.image_size)[0])
-        return _CACHE["real"]
+    return _once("real", lambda: digits_features(real_digits(RECIPE.image_size)[0]))
 
 
 def real_stats() -> tuple[np.ndarray, np.ndarray]:
@@ -249,7 +225,8 @@ class DigitsFeatures:
 
     def identity(self) -> dict:
         """Name, recipe hash and sizes: recorded with every result and statistics file."""
-        return identity()
+        return {"name": FEATURES, "recipe": network()[1], "feature_dim": RECIPE.feature_dim,
+                "image_size": RECIPE.image_size}
 
     @torch.no_grad()
     def __call__(self, images: np.ndarray) -> dict:

@@ -55,12 +55,6 @@ class EvalOptions:
     no_save: bool = option(False, "print only; do not append the result to SAMPLES.eval.jsonl")
 
 
-def result_path(samples) -> Path:
-    """Where the JSON lines of a samples file's evaluations are appended."""
-    samples = Path(samples)
-    return samples.with_name(samples.name.removesuffix(".npz") + RESULT_SUFFIX)
-
-
 def append_jsonl(path: Path, record: dict) -> None:
     """Append one JSON line to `path` (rewritten atomically: a kill never leaves half a line)."""
     old = Path(path).read_text(encoding="utf-8") if Path(path).is_file() else ""
@@ -93,13 +87,6 @@ def build_features(name: str, device="cpu", weights=None):
     raise ChoiceError("feature network", name, FEATURE_NETWORKS)
 
 
-def process_info(cpu: bool):
-    """(rank, world, device) from the one source of process state (shared/runtime/distributed.py)."""
-    from shared.runtime.distributed import process_state
-    state = process_state(cpu=cpu)
-    return state.process_index, state.num_processes, state.device
-
-
 def evaluate_samples(o: EvalOptions, net=None, show: bool = True) -> dict:
     """Evaluate `o.samples` against `o.ref`; return the result record (also appended beside the samples)."""
     check_options(o)
@@ -109,7 +96,9 @@ def evaluate_samples(o: EvalOptions, net=None, show: bool = True) -> dict:
     check_image_size(o.features, samples.size)
     if o.features == "inception":
         check_split_size(o.is_split_size)  # fewer samples than one split: IS computed, marked not comparable
-    rank, world, device = process_info(o.cpu)
+    from shared.runtime.distributed import process_state
+    state = process_state(cpu=o.cpu)
+    rank, world, device = state.process_index, state.num_processes, state.device
     start = time.time()
     if net is None:
         net = build_features(o.features, "cpu" if o.cpu else device, o.inception_weights)
@@ -125,7 +114,7 @@ def evaluate_samples(o: EvalOptions, net=None, show: bool = True) -> dict:
         if o.save_stats:
             save_stats(o.save_stats, stats_from_features(feats, source_meta(net, samples)))
         if not o.no_save:
-            append_jsonl(result_path(o.samples), record)
+            append_jsonl(samples.path.with_name(samples.path.name.removesuffix(".npz") + RESULT_SUFFIX), record)
         if show:
             print(format_table(record))
             print(json.dumps(record), flush=True)

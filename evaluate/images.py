@@ -4,6 +4,7 @@ An npz's uncompressed `arr_0` is read from the zip a batch at a time, so 50,000 
 """
 from __future__ import annotations
 
+import collections
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +14,7 @@ import numpy as np
 from tqdm import tqdm
 
 from shared.datasets.duplicates import DEFAULT_DUPLICATES, apply_duplicates
-from shared.datasets.imagefolder import ImageFolderScan, scan_image_folder
+from shared.datasets.imagefolder import IMAGE_EXTENSIONS, ImageFolderScan, scan_image_folder
 from shared.runtime.errors import UserError
 from shared.runtime.fsio import atomic_write
 
@@ -40,10 +41,8 @@ def save_npz(path, **arrays) -> Path:
 
 def _npy_header(member) -> tuple[tuple, bool, np.dtype]:
     """Shape, Fortran flag and dtype of an open .npy stream, leaving it at the first data byte."""
-    version = np.lib.format.read_magic(member)
-    if version == (1, 0):
-        return np.lib.format.read_array_header_1_0(member)
-    return np.lib.format.read_array_header_2_0(member)
+    fmt = np.lib.format
+    return (fmt.read_array_header_1_0 if fmt.read_magic(member) == (1, 0) else fmt.read_array_header_2_0)(member)
 
 
 class ImageSource:
@@ -145,7 +144,6 @@ def image_files(folder: Path, duplicates: str = DEFAULT_DUPLICATES) -> list[Path
 
 def open_folder_images(path) -> FolderImages:
     """Every image under a folder, found as extract finds them; UserError if it holds none or several sizes."""
-    from shared.datasets.imagefolder import IMAGE_EXTENSIONS
     path = Path(path)
     # Every copy kept: identical samples are what a collapsed model draws, and FID must see all of them.
     files = image_files(path, "all")
@@ -156,10 +154,8 @@ def open_folder_images(path) -> FolderImages:
 
 def folder_size(path: Path, files: list) -> tuple[int, int]:
     """(H, W) shared by every image of a folder, from the headers; UserError naming the sizes when they differ."""
-    from collections import Counter
-
     from PIL import Image
-    sizes = Counter()
+    sizes = collections.Counter()
     for file in files:
         try:
             with Image.open(file) as image:
@@ -188,18 +184,8 @@ def open_images(path):
 
 # ---- Features of a source, split over processes ----
 
-def gather(feats: dict, world: int) -> dict:
-    """Concatenate every process's feature arrays in rank order (identity on one process)."""
-    if world == 1:
-        return feats
-    import torch.distributed as dist
-    parts = [None] * world
-    dist.all_gather_object(parts, feats)  # gloo and NCCL alike; a few hundred MB at 50K x 2048 float32
-    return {k: np.concatenate([p[k] for p in parts]) for k in feats}
-
-
 def compute_features(source, net, batch_size: int, rank: int = 0, world: int = 1, desc: str = "features") -> dict:
-    """Features of every image of `source`: this process does its slice, then all slices are gathered."""
+    """Features of every image of `source`: this process does its slice, then all are gathered in rank order."""
     lo, hi = source.count * rank // world, source.count * (rank + 1) // world  # sizes differ by at most 1
     chunks: dict = {k: [] for k in net.outputs}
     bar = tqdm(total=hi - lo, desc=desc, unit="img", disable=rank != 0 or hi - lo == 0)
@@ -209,4 +195,9 @@ def compute_features(source, net, batch_size: int, rank: int = 0, world: int = 1
         bar.update(len(batch))
     bar.close()
     feats = {k: (np.concatenate(v) if v else np.zeros((0, 0), np.float32)) for k, v in chunks.items()}
-    return gather(feats, world)
+    if world == 1:
+        return feats
+    import torch.distributed as dist
+    parts = [None] * world
+    dist.all_gather_object(parts, feats)  # gloo and NCCL alike; a few hundred MB at 50K x 2048 float32
+    return {k: np.concatenate([p[k] for p in parts]) for k in feats}

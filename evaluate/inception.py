@@ -161,16 +161,13 @@ class InceptionE(nn.Module):
         self.branch3x3dbl_3b = BasicConv2d(384, 384, kernel_size=(3, 1), padding=(1, 0))
         self.branch_pool = BasicConv2d(c_in, 192, kernel_size=1)
 
-    def pool(self, x: torch.Tensor) -> torch.Tensor:
-        """The pool branch's 3x3 stride-1 pooling: max (mixed_10) or padding-excluding average (mixed_9)."""
-        return F.max_pool2d(x, kernel_size=3, stride=1, padding=1) if self.max_pool else tf_avg_pool(x)
-
     def forward(self, x):
         b3 = self.branch3x3_1(x)
         b3 = torch.cat([self.branch3x3_2a(b3), self.branch3x3_2b(b3)], 1)
         d = self.branch3x3dbl_2(self.branch3x3dbl_1(x))
         d = torch.cat([self.branch3x3dbl_3a(d), self.branch3x3dbl_3b(d)], 1)
-        return torch.cat([self.branch1x1(x), b3, d, self.branch_pool(self.pool(x))], 1)
+        pooled = F.max_pool2d(x, kernel_size=3, stride=1, padding=1) if self.max_pool else tf_avg_pool(x)
+        return torch.cat([self.branch1x1(x), b3, d, self.branch_pool(pooled)], 1)
 
 
 class FIDInceptionV3(nn.Module):
@@ -295,20 +292,6 @@ def file_sha256(path: Path) -> str:
     return sha256_file(path)
 
 
-def check_weights_hash(path: Path) -> str:
-    """The file's sha256; UserError unless it is the released file's (a file given, cached, or copied by hand)."""
-    hexdigest = file_sha256(path)
-    if not is_known_hash(hexdigest):
-        raise UserError(f"the Inception weights {path} have sha256 {hexdigest[:16]}..., not {WEIGHTS_SHA256_PREFIX}... "
-                        f"(the hash pytorch-fid's {WEIGHTS_NAME} carries in its name): the tensors have the FID "
-                        f"Inception's names and shapes but other values (another port or conversion, retrained or "
-                        f"fine-tuned weights, or a damaged copy), so FID, sFID and IS from them would not be "
-                        f"comparable to published numbers. Download {WEIGHTS_NAME} from {WEIGHTS_URL} (91 MB) where "
-                        f"the network allows and pass it with --inception-weights FILE, or put it at "
-                        f"{hub_checkpoints() / WEIGHTS_NAME}.")
-    return hexdigest
-
-
 def load_inception(weights=None, device="cpu") -> FIDInceptionV3:
     """The FID Inception with its weights (weights-only load, layout and sha256 checked), in eval mode on `device`."""
     return load_checked_inception(resolve_weights(weights), device)[0]
@@ -322,7 +305,15 @@ def load_checked_inception(path: Path, device="cpu") -> tuple[FIDInceptionV3, st
     except SettingError as err:
         raise UserError(str(err)) from None
     state = check_state_dict(state, path)
-    hexdigest = check_weights_hash(path)
+    hexdigest = file_sha256(path)  # the released file's, whether given, cached or copied by hand
+    if not is_known_hash(hexdigest):
+        raise UserError(f"the Inception weights {path} have sha256 {hexdigest[:16]}..., not {WEIGHTS_SHA256_PREFIX}... "
+                        f"(the hash pytorch-fid's {WEIGHTS_NAME} carries in its name): the tensors have the FID "
+                        f"Inception's names and shapes but other values (another port or conversion, retrained or "
+                        f"fine-tuned weights, or a damaged copy), so FID, sFID and IS from them would not be "
+                        f"comparable to published numbers. Download {WEIGHTS_NAME} from {WEIGHTS_URL} (91 MB) where "
+                        f"the network allows and pass it with --inception-weights FILE, or put it at "
+                        f"{hub_checkpoints() / WEIGHTS_NAME}.")
     net = FIDInceptionV3()
     net.load_state_dict(state, strict=False)  # strict on everything but BN step counters
     return net.eval().to(device), hexdigest
@@ -336,13 +327,12 @@ class InceptionFeatures:
     def __init__(self, device="cpu", weights=None, input_size: int = INPUT_SIZE):
         self.path = resolve_weights(weights)
         self.device = torch.device(device)
-        self.net, hexdigest = load_checked_inception(self.path, self.device)
+        self.net, self._sha = load_checked_inception(self.path, self.device)
         self.input_size = input_size  # 299 for FID; tests use smaller inputs for speed
-        self._sha = hexdigest[:16]
 
     def identity(self) -> dict:
         """Name, weights file and hash, input size: recorded with every result and statistics file."""
-        return {"name": self.name, "weights": Path(self.path).name, "weights_sha256": self._sha,
+        return {"name": self.name, "weights": Path(self.path).name, "weights_sha256": self._sha[:16],
                 "input_size": self.input_size, "resize": "tf1-bilinear"}
 
     @torch.no_grad()

@@ -1,9 +1,7 @@
-"""Feature statistics and the metrics on them, as the ADM evaluator (guided-diffusion evaluations/evaluator.py).
+"""Feature statistics, their files, the --ref and FID, sFID, IS, precision/recall, as ADM's evaluator.py.
 
-The statistics of an image source's features, their files, ADM reference batches and the --ref resolved; then
-FID, sFID, IS and precision/recall on numpy feature arrays. A statistics file is an npz in ADM's layout (mu,
-sigma; mu_s, sigma_s for sFID) plus `pool` (N, D) float32 for precision/recall and `meta`, a JSON string (feature
-network, image size, count); ADM's published batches read as is.
+A statistics file is ADM's npz (mu, sigma; mu_s, sigma_s for sFID) plus `pool` (N, D) float32 for precision/recall
+and `meta`, a JSON string (feature network, image size, count); ADM's published batches read as is.
 """
 from __future__ import annotations
 
@@ -15,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from evaluate.images import IMAGES_KEY, compute_features, npz_keys, open_images, open_npz_images, save_npz
+from evaluate.images import IMAGES_KEY, compute_features, image_files, npz_keys, open_images, open_npz_images, save_npz
 from shared.runtime.errors import UserError
 from shared.runtime.fsio import user_cache
 
@@ -73,13 +71,11 @@ def save_stats(path, stats: Stats) -> Path:
 
 def is_stats_file(path) -> bool:
     """True for an npz holding precomputed statistics (ours or ADM's `mu`/`sigma`)."""
-    path = Path(path)
-    return path.is_file() and {"mu", "sigma"} <= set(npz_keys(path))
+    return Path(path).is_file() and {"mu", "sigma"} <= set(npz_keys(path))
 
 
 def load_stats(path) -> Stats:
     """Read our statistics file or an ADM reference's precomputed statistics (its images are not read here)."""
-    path = Path(path)
     with np.load(path, allow_pickle=False) as npz:
         keys = set(npz.files)
         arrays = {k: np.asarray(npz[k], np.float64) for k in ADM_KEYS if k in keys}
@@ -109,7 +105,6 @@ def _contents_stamp(path: Path) -> tuple:
     if not path.is_dir():
         st = path.stat()
         return st.st_size, st.st_mtime_ns
-    from evaluate.images import image_files
     stats = [(f.relative_to(path).as_posix(), f.stat()) for f in image_files(path)]
     listing = hashlib.sha256("".join(f"{name}\t{st.st_size}\t{st.st_mtime_ns}\n" for name, st in stats).encode())
     return len(stats), listing.hexdigest()
@@ -152,10 +147,9 @@ def open_reference(ref, features: str) -> Reference:
         from shared.datasets.digits import IMAGE_SIZE
         return Reference(REAL_DIGITS_LABEL, size=(IMAGE_SIZE, IMAGE_SIZE))  # the yardstick's own, read by it
     path = Path(ref)
-    if path.is_file() and is_stats_file(path):
-        stats = load_stats(path)
+    if is_stats_file(path):
         images = open_npz_images(path) if IMAGES_KEY in npz_keys(path) else None
-        return Reference(str(path), stats=stats, images=images)
+        return Reference(str(path), stats=load_stats(path), images=images)
     return Reference(str(path), images=open_images(path))
 
 
@@ -228,13 +222,6 @@ def trace_sqrt_product(sigma1: np.ndarray, sigma2: np.ndarray) -> float:
     return _sum_sqrt_eigvals(root @ sigma2 @ root)
 
 
-def trace_sqrt_product_low_rank(features: np.ndarray, sigma: np.ndarray) -> float:
-    """tr((S_x S)^1/2) for S_x the covariance of features (N, D), N <= D: through the N x N matrix A^T S A."""
-    x = np.asarray(features, np.float64)  # S_x = A A^T; A A^T S and A^T S A share their nonzero eigenvalues
-    a = (x - x.mean(axis=0)).T / np.sqrt(len(x) - 1)  # (D, N)
-    return _sum_sqrt_eigvals(a.T @ sigma @ a)  # (N, N)
-
-
 def frechet_distance(mu1, sigma1, mu2, sigma2) -> float:
     """||mu1 - mu2||^2 + tr(S1) + tr(S2) - 2 tr((S1 S2)^1/2): the Fréchet distance of two Gaussians."""
     mu1, mu2 = np.atleast_1d(np.asarray(mu1, np.float64)), np.atleast_1d(np.asarray(mu2, np.float64))
@@ -254,8 +241,10 @@ def frechet_distance_to(features: np.ndarray, mu, sigma) -> float:
     sigma = np.asarray(sigma, np.float64)
     if len(features) > mu_x.size or sigma.shape != sigma_x.shape:
         return frechet_distance(mu_x, sigma_x, mu, sigma)
+    # tr((S_x S)^1/2) through the N x N matrix A^T S A: S_x = A A^T, and A A^T S shares its nonzero eigenvalues
+    a = (np.asarray(features, np.float64) - mu_x).T / np.sqrt(len(features) - 1)  # (D, N)
     diff = mu_x - np.asarray(mu, np.float64)
-    value = diff @ diff + np.trace(sigma_x) + np.trace(sigma) - 2 * trace_sqrt_product_low_rank(features, sigma)
+    value = diff @ diff + np.trace(sigma_x) + np.trace(sigma) - 2 * _sum_sqrt_eigvals(a.T @ sigma @ a)
     return float(max(value, 0.0))
 
 

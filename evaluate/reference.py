@@ -59,18 +59,6 @@ def check_options(o: ReferenceOptions) -> ImageFolderScan:
     return scan
 
 
-def crop_all(files: list[Path], o: ReferenceOptions, rows: np.ndarray) -> tuple[int, list[str]]:
-    """Fill rows[:n] with the cropped readable images, in order; returns (n, 'path: reason' of the bad ones)."""
-    n, bad = 0, []
-    for path in tqdm(files, unit="img", desc="reference", dynamic_ncols=True):
-        try:
-            rows[n] = load_image(path, o.image_size, o.max_image_pixels).transpose(1, 2, 0)  # (S, S, 3)
-            n += 1
-        except BadImage as err:
-            bad.append(f"{path}: {err}")
-    return n, bad
-
-
 def write_reference(o: ReferenceOptions) -> tuple[int, list[str], ImageFolderScan]:
     """Crop every image into o.out (atomic); returns (images written, bad files, the scan)."""
     scan = check_options(o)
@@ -80,8 +68,14 @@ def write_reference(o: ReferenceOptions) -> tuple[int, list[str], ImageFolderSca
     scratch = out.with_name(f".tmp-{out.stem}-rows.npy")  # on disk: a big folder never sits in memory
     rows = np.lib.format.open_memmap(scratch, mode="w+", dtype=np.uint8,
                                      shape=(len(files), o.image_size, o.image_size, 3))
+    n, bad = 0, []  # rows[:n]: the readable images, cropped, in order; bad: 'path: reason'
     try:
-        n, bad = crop_all(files, o, rows)
+        for path in tqdm(files, unit="img", desc="reference", dynamic_ncols=True):
+            try:
+                rows[n] = load_image(path, o.image_size, o.max_image_pixels).transpose(1, 2, 0)  # (S, S, 3)
+                n += 1
+            except BadImage as err:
+                bad.append(f"{path}: {err}")
         if n < 2:
             raise UserError(f"only {n} of the {len(files)} images in {o.images} could be read ({'; '.join(bad[:3])}).")
         save_npz(out, arr_0=rows[:n])  # uncompressed: the reader seeks into it

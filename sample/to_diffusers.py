@@ -87,13 +87,12 @@ def check_representable(config: ModelConfig, where) -> None:
 def check_norm_exportable(space: LatentSpace, where) -> None:
     """UserError unless the latents were trained with a plain scale: DiTPipeline only divides by scaling_factor."""
     norm = space.norm
-    if norm is None or norm.kind == "scale":
-        return
-    raise UserError(f"{where} was trained on latents normalised as {norm.describe()} (train --latent-norm), but "
-                    f"diffusers' DiTPipeline only divides its latents by the VAE's scaling_factor before decoding, so "
-                    f"the exported pipeline would decode wrongly shifted or scaled latents into wrong colours or "
-                    f"noise. Sample this model with `python -m sample --ckpt ...`, which inverts the recorded "
-                    f"normalisation, or train with --latent-norm scale to export to diffusers.")
+    if norm is not None and norm.kind != "scale":
+        raise UserError(f"{where} was trained on latents normalised as {norm.describe()} (train --latent-norm), but "
+                        f"diffusers' DiTPipeline only divides its latents by the VAE's scaling_factor before decoding, "
+                        f"so the exported pipeline would decode wrongly shifted or scaled latents into wrong colours "
+                        f"or noise. Sample this model with `python -m sample --ckpt ...`, which inverts the recorded "
+                        f"normalisation, or train with --latent-norm scale to export to diffusers.")
 
 
 def scheduler_config() -> dict:
@@ -104,14 +103,6 @@ def scheduler_config() -> dict:
     return dict(num_train_timesteps=NUM_TIMESTEPS, beta_start=float(betas[0]), beta_end=float(betas[-1]),
                 beta_schedule="linear", clip_sample=False, set_alpha_to_one=True, steps_offset=0,
                 prediction_type="epsilon", timestep_spacing="leading")
-
-
-def _id2label(loaded: LoadedWeights) -> dict | None:
-    """DiTPipeline's id2label from the class names recorded with the latents (all of them, or none)."""
-    names = loaded.space.class_names if loaded.space is not None else ()
-    if not names or len(names) != loaded.config.num_classes:
-        return None
-    return {str(i): str(name) for i, name in enumerate(names)}
 
 
 def _readme(loaded: LoadedWeights, vae_source: str, vae_note: str | None) -> str:
@@ -146,11 +137,14 @@ def _readme(loaded: LoadedWeights, vae_source: str, vae_note: str | None) -> str
     return "\n".join(lines) + "\n"
 
 
-def _build_pipeline(loaded: LoadedWeights, vae, id2label: dict | None):
+def _build_pipeline(loaded: LoadedWeights, vae):
     """A DiTPipeline holding our weights in diffusers' layout (strict load: every tensor placed)."""
     from accelerate import init_empty_weights
     from diffusers import DDIMScheduler, DiTPipeline, DiTTransformer2DModel
 
+    names = loaded.space.class_names if loaded.space is not None else ()  # id2label: all the names recorded, or none
+    id2label = ({str(i): str(n) for i, n in enumerate(names)} if names and len(names) == loaded.config.num_classes
+                else None)
     with init_empty_weights():  # no random init of parameters that are replaced anyway (675M for XL/2)
         transformer = DiTTransformer2DModel(**diffusers_config(loaded.config))
     transformer.load_state_dict(dit_to_diffusers(loaded.state_dict), strict=True, assign=True)
@@ -159,20 +153,6 @@ def _build_pipeline(loaded: LoadedWeights, vae, id2label: dict | None):
     if id2label:  # DiTPipeline reads id2label from model_index.json but does not record it there itself
         pipeline.register_to_config(id2label=id2label)
     return pipeline
-
-
-def _write(pipeline, out: Path, readme: str) -> Path:
-    """save_pretrained into a temp folder beside OUT, then rename it to OUT."""
-    staging = tmp_name(out)
-    if staging.exists():
-        remove_tree(staging)
-    try:
-        pipeline.save_pretrained(staging, safe_serialization=True)
-        atomic_write_text(staging / README_NAME, readme)
-        return publish_dir(staging, out)
-    finally:
-        if staging.exists():
-            remove_tree(staging)
 
 
 def run_to_diffusers(o: ToDiffusersOptions) -> Path:
@@ -190,8 +170,17 @@ def run_to_diffusers(o: ToDiffusersOptions) -> Path:
     norm, note = space.check_loaded(vae, o.allow_other_vae)
     if norm.scale != vae.scaling_factor:  # DiTPipeline divides by its VAE's configured factor: the training one
         vae.vae.register_to_config(scaling_factor=norm.scale)
-    pipeline = _build_pipeline(loaded, vae.vae, _id2label(loaded))
-    written = _write(pipeline, out, _readme(loaded, vae_name, note))
+    pipeline = _build_pipeline(loaded, vae.vae)
+    staging = tmp_name(out)  # save_pretrained into a temp folder beside OUT, then renamed to OUT
+    if staging.exists():
+        remove_tree(staging)
+    try:
+        pipeline.save_pretrained(staging, safe_serialization=True)
+        atomic_write_text(staging / README_NAME, _readme(loaded, vae_name, note))
+        written = publish_dir(staging, out)
+    finally:
+        if staging.exists():
+            remove_tree(staging)
     for line in loaded.warnings:
         print(f"note: {line}")
     print(f"wrote a diffusers DiTPipeline ({loaded.config.model}, VAE {vae_name} {how}) to {written}")

@@ -148,19 +148,15 @@ class PreviewTracker:
     def _active(self) -> bool:
         """Whether to write: --report-to tensorboard, or auto and the run's config says tensorboard."""
         wanted = self.mode if self.mode != "auto" else run_report_to(self.run)
-        if wanted == "wandb" and not self.said:
+        if wanted == "tensorboard" and importlib.util.find_spec("tensorboard") is not None:
+            return True
+        if wanted in ("wandb", "tensorboard") and not self.said:  # said once: wandb, or tensorboard not installed
             self.said = True
             print("note: the run reports to wandb; the watcher logs no images there (a second process would open a "
-                  f"second wandb run): the grids are in {self.run / rundir.SAMPLES}", flush=True)
-        if wanted != "tensorboard":
-            return False
-        if importlib.util.find_spec("tensorboard") is None:
-            if not self.said:
-                self.said = True
-                print("note: the run reports to tensorboard, but tensorboard is not installed here (pip install "
-                      "tensorboard): the grids are written, not logged", flush=True)
-            return False
-        return True
+                  f"second wandb run): the grids are in {self.run / rundir.SAMPLES}" if wanted == "wandb" else
+                  "note: the run reports to tensorboard, but tensorboard is not installed here (pip install "
+                  "tensorboard): the grids are written, not logged", flush=True)
+        return False
 
     def log(self, step: int, grid: np.ndarray) -> None:
         """Add the grid at `step` (HWC uint8) and flush, so TensorBoard shows it at once."""
@@ -186,8 +182,7 @@ class Decoder:
 
     def decode(self, run: Path, step: int, path: Path) -> np.ndarray:
         """`sample decode` of one preview file into RUN/samples/step-X/, then its labelled grid -> the grid."""
-        data = read_preview(path)
-        latents, labels, space = data
+        latents, labels, space = data = read_preview(path)
         spec, how = choose_tokenizer(self.o.vae, space)
         space = LatentSpace.or_unknown(space, latents.shape[1])
         name, _ = space.check_tokenizer_config(spec, self.o.vae_config, self.o.allow_other_vae)
