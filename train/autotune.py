@@ -55,15 +55,6 @@ def auto_precision(info: DeviceInfo) -> str:
     return "fp32" if info.type != "cuda" else ("bf16" if info.bf16 else "fp16")
 
 
-def plan_rows(cfg, model_config: ModelConfig, budget: int, per_process: int, choices) -> list:
-    """train.memory's PlanRow for each checkpointing interval in `choices`, measured where plan measures."""
-    route = (cfg.route_ratio, cfg.route_start, cfg.route_end) if cfg.route_ratio > 0 else None
-    profiles, n_params, n_trainable = memory.measure_profiles(model_config, cfg.precision, choices,
-                                                              memory.measure_device("auto"), route)
-    fixed = memory.fixed_state(n_params, n_trainable, cfg.optimizer, cfg.ema_device)
-    return [memory.plan_row(p, fixed.total, budget, per_process) for p in profiles]
-
-
 def checkpoint_candidates(requested, depth: int) -> list[int]:
     """The intervals auto may pick from: the requested one, or CHECKPOINT_ORDER within the model's depth."""
     if requested != AUTO:
@@ -155,7 +146,11 @@ def _plan_on_gpu(cfg, model_config, info: DeviceInfo, world_size: int, measure: 
     margin = parse_size(memory.DEFAULT_MARGIN)
     budget = info.free_memory - margin
     choices = checkpoint_candidates(cfg.grad_checkpoint, len(model_config.build(device="meta").blocks))
-    rows = plan_rows(cfg, model_config, budget, per_process, choices)
+    route = (cfg.route_ratio, cfg.route_start, cfg.route_end) if cfg.route_ratio > 0 else None
+    profiles, n_params, n_trainable = memory.measure_profiles(model_config, cfg.precision, choices,
+                                                              memory.measure_device("auto"), route)  # as plan does
+    fixed = memory.fixed_state(n_params, n_trainable, cfg.optimizer, cfg.ema_device).total
+    rows = [memory.plan_row(p, fixed, budget, per_process) for p in profiles]
     explicit = cfg.micro_batch_size != AUTO
     if explicit:  # the least recomputation that fits the given micro-batch
         rows = [r for r in rows if r.micro is not None and r.micro >= int(cfg.micro_batch_size)]
@@ -209,17 +204,17 @@ def resolve_auto_for(cfg, model_config: ModelConfig, accelerator) -> dict:
     frees = [f for f in gather_object([info.free_memory]) if f is not None]
     if info.free_memory is not None and frees:
         info.free_memory = min(frees)  # the tightest card decides
-    outcome = [None]
+    outcome = None
     if accelerator.is_main_process:
         try:
             resolve_auto(cfg, model_config, info, accelerator.num_processes, measure)
-            outcome = [(cfg.micro_batch_size, cfg.precision, cfg.grad_checkpoint, cfg.autotune, None)]
+            outcome = (cfg.micro_batch_size, cfg.precision, cfg.grad_checkpoint, cfg.autotune)
         except UserError as err:
-            outcome = [(None, None, None, None, err)]
-    outcome = broadcast_object_list(outcome, from_process=0)[0]
-    if outcome[4] is not None:
+            outcome = err
+    outcome = broadcast_object_list([outcome], from_process=0)[0]
+    if isinstance(outcome, UserError):
         if accelerator.is_main_process:
-            raise outcome[4]
+            raise outcome
         raise SystemExit(2)  # rank 0 prints the paragraph
-    cfg.micro_batch_size, cfg.precision, cfg.grad_checkpoint, cfg.autotune = outcome[:4]
+    cfg.micro_batch_size, cfg.precision, cfg.grad_checkpoint, cfg.autotune = outcome
     return cfg.autotune

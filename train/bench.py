@@ -368,14 +368,6 @@ def header(args, device, model, flops, peak_note) -> str:
             + ("; TF32 matmuls on" if device.type == "cuda" else "; peak memory is measured on CUDA only"))
 
 
-def apply_memory_cap(args, device):
-    """Emulate a smaller card (e.g. a 24 GiB RTX 3090) on a larger one."""
-    if device.type != "cuda" or not args.memory_cap_gib:
-        return
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * GiB / total), device)
-
-
 def write_json(path, args, device, results, flops, peak):
     """Machine-readable results."""
     payload = {"model": args.model, "image_size": args.image_size, "device": str(device),
@@ -431,15 +423,16 @@ def say(line: str) -> None:
     print(line, flush=True)
 
 
-def measure_rows(configs, args, device, flops, peak, write) -> list[BenchResult]:
-    """Time each configuration, printing its line and calling write(results so far) as soon as it is measured."""
+def measure_rows(configs, args, device, flops, peak) -> list[BenchResult]:
+    """Time each configuration, printing its line and writing --json (the results so far) as soon as it is measured."""
     results = []
     say(HEAD + "\n" + "-" * len(HEAD))
     try:
         for config in tqdm(configs, desc="bench", unit="config", file=sys.stderr):
             results.append(run_config(config, args, device, flops, peak))
             say(table_line(results[-1], baseline(results)))
-            write(results)
+            if args.json:
+                write_json(args.json, args, device, results, flops, peak)
     except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM (a time limit): the rows so far are printed and written
         signum = signal.SIGTERM if isinstance(stop, Terminated) else signal.SIGINT
         raise Cut(len(results), len(configs), args.json, signum) from None
@@ -455,18 +448,15 @@ def run(args) -> list[BenchResult]:
                              args.num_classes).build(device="meta")
     flops = train_flops_per_image(model)
     peak, peak_note = peak_tflops(args, device)
-    apply_memory_cap(args, device)
+    if device.type == "cuda" and args.memory_cap_gib:  # emulate a smaller card (a 24 GiB RTX 3090) on a larger one
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * GiB / total), device)
     set_tf32(device)  # as python -m train and the official DiT train.py
     why = None
     if args.preset == "changes-gpu":  # free memory read before the planner's own model occupies any
         configs, why = plan_changes_micro(args, configs, device, free_memory(device))
     say(header(args, device, model, flops, peak_note) + (f"\n{why}" if why else "") + "\n")
-
-    def write(results):
-        if args.json:
-            write_json(args.json, args, device, results, flops, peak)
-
-    return measure_rows(configs, args, device, flops, peak, write)
+    return measure_rows(configs, args, device, flops, peak)
 
 
 class Cut(Exception):

@@ -197,17 +197,12 @@ def load_checkpoint(ckpt: Path, rank: int) -> dict:
             "scaler": _read(ckpt / rundir.SCALER_FILE),
             "rng": _read(rng) if rng.is_file() else None,  # absent when resuming on more processes
         }
-    check_finite_state(saved, ckpt)
-    return saved
-
-
-def check_finite_state(saved: dict, source: Path) -> None:
-    """Refuse to resume from weights holding NaN/inf (they would train on silently as NaN)."""
-    for part in ("model", "ema"):
+    for part in ("model", "ema"):  # NaN/inf weights would train on silently as NaN
         bad = [name for name, _, _ in islice(nonfinite_tensors(saved[part]), 3)]
         if bad:
-            raise UserError(f"the checkpoint {source} holds non-finite {part} weights ({', '.join(bad)}); it "
-                            f"cannot be resumed. {damaged_advice(source)}")
+            raise UserError(f"the checkpoint {ckpt} holds non-finite {part} weights ({', '.join(bad)}); it "
+                            f"cannot be resumed. {damaged_advice(ckpt)}")
+    return saved
 
 
 # ---- Resuming a run ----

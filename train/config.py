@@ -33,9 +33,6 @@ from shared.tokenizers.tokenizer import NORM_CHOICES, NORM_HELP, LatentNorm
 from shared.tokenizers.space import LatentSpace
 from shared.runtime.trackers import DEFAULT_REPORT_TO, REPORT_TO
 
-LR_SCHEDULES = ("constant", "cosine", "linear")
-OPTIMIZERS = ("adamw", "adamw8bit")
-EMA_DEVICES = ("gpu", "cpu")
 DEFAULT_MAX_STEPS = 400_000  # the paper's headline training length (DiT Table 4: FID-50K at 400K steps)
 DEBUG_STEPS = 5
 
@@ -147,7 +144,7 @@ class TrainConfig:
         metavar="K", type=checkpoint_choice, min=0)
     lr: float = option(1e-4, "peak learning rate (DiT: 1e-4)", above=0, below=math.inf)
     lr_schedule: str = option("constant", "constant (DiT), or cosine or linear decay to --final-lr at the last step, "
-                                          "after the warmup (RAE: linear)", choices=LR_SCHEDULES)
+                                          "after the warmup (RAE: linear)", choices=("constant", "cosine", "linear"))
     final_lr: float = option(0.0, "cosine/linear schedules: the LR reached at the last step (RAE: 2e-5)", min=0)
     warmup_steps: int = option(0, "linear LR warmup from 0 over this many steps", min=0)
     adam_betas: tuple = option((0.9, 0.999), "AdamW betas", type=float, nargs=2,
@@ -156,9 +153,9 @@ class TrainConfig:
     max_grad_norm: float = option(0.0, "clip the global gradient norm to this (0 = off)", min=0)
     ema_decay: float = option(0.9999, "EMA decay per optimizer step (DiT: 0.9999)", min=0, max=1)
     ema_device: str = option("gpu", "where the fp32 EMA copy lives: gpu (the training device) or cpu (saves 2.7 GB "
-                                    "for XL/2)", choices=EMA_DEVICES)
+                                    "for XL/2)", choices=("gpu", "cpu"))
     optimizer: str = option("adamw", "adamw (fused on CUDA) or adamw8bit (bitsandbytes, optional; saves ~4 GB on "
-                                     "XL/2)", choices=OPTIMIZERS)
+                                     "XL/2)", choices=("adamw", "adamw8bit"))
     class_dropout_prob: float = option(
         CLASS_DROPOUT_PROB, "probability of replacing a label by the null class, for classifier-free guidance (DiT: 0.1)",
         min=0, below=1)
@@ -251,8 +248,7 @@ class TrainConfig:
             raise UserError(f"the config of {where} holds settings this version does not know ({', '.join(unknown)}): "
                             "it was written by another version, and resuming would silently drop them. Resume it "
                             "with that version, or start a fresh run with a new --results-dir.")
-        kwargs = dict(d)
-        kwargs["column_options"] = {**column_defaults(), **d.get("column_options", {})}  # a plugin's column: its defaults
+        kwargs = {**d, "column_options": {**column_defaults(), **d.get("column_options", {})}}  # a plugin's: defaults
         if "adam_betas" in kwargs:
             kwargs["adam_betas"] = tuple(kwargs["adam_betas"])
         return resolve_block(cls(**kwargs))  # the block preset's options, as from the flags
@@ -262,9 +258,7 @@ class TrainConfig:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Flags
-# ---------------------------------------------------------------------------------------------------------
+# ---- Flags ----
 
 BLOCK_FLAGS = {f"block {slot}": flag_name(slot) for slot in BLOCK_FIELDS}  # the flag of each slot's ChoiceError
 
@@ -299,12 +293,8 @@ def build_parser(prog: str = "python -m train") -> argparse.ArgumentParser:
     add_flags(p, TrainConfig)
     for column in columns().values():
         add_flags(p, column.train_flags)
-    return add_objective_flags(p)
-
-
-def add_objective_flags(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """One flag per training field of the registered objectives (shared/generative/objectives.py). Not given, a flag
-    is absent from the namespace (its default applies), so another objective's setting is refused only when asked."""
+    # One flag per training field of the registered objectives (shared/generative/objectives.py). Not given, a flag
+    # is absent from the namespace (its default applies), so another objective's setting is refused only when asked.
     for name, (spec, takers) in training_flags().items():
         names, kwargs = argument_of(name, spec, type(spec.default))
         kwargs.update(default=argparse.SUPPRESS,
@@ -329,8 +319,7 @@ def model_config_for(cfg: TrainConfig, latent_shape: tuple, num_classes: int,
     """The DiT config a run of `cfg` trains on latents of latent_shape (C, h, w) with `num_classes` classes: the one
     factory of train, train.plan and train.bench. `resumed`: a checkpoint's config, whose output layout is kept."""
     # DDPM's hybrid loss trains a variance in C more output channels; a flow model predicts the velocity alone
-    # (out = in channels, as REPA's, LightningDiT's and RAE's; SiT's release carries 2C and uses the first C).
-    # Runs started when flow models still had the 2C layout resume with it.
+    # (as REPA, LightningDiT, RAE; SiT's release carries 2C). Runs started with the 2C flow layout resume with it.
     learn_sigma = resumed.learn_sigma if resumed is not None else learns_sigma(cfg.objective)
     channels, size, _ = latent_shape
     objective_args = {"time_dist_shift": cfg.time_dist_shift} if cfg.time_dist_shift != 1.0 else {}
@@ -338,8 +327,7 @@ def model_config_for(cfg: TrainConfig, latent_shape: tuple, num_classes: int,
     if "convention" in cfg.init:  # fine-tuned from a flow model: its time direction and output sign
         objective_args["convention"] = cfg.init["convention"]
     return ModelConfig(model=cfg.model, input_size=size, in_channels=channels, num_classes=num_classes,
-                       learn_sigma=learn_sigma,
-                       **cfg.block_options, head_depth=cfg.head_depth,
+                       learn_sigma=learn_sigma, **cfg.block_options, head_depth=cfg.head_depth,
                        head_width=cfg.head_width, head_heads=cfg.head_heads,
                        class_dropout_prob=cfg.class_dropout_prob, objective=cfg.objective, objective_args=objective_args,
                        interval_time=bool(getattr(OBJECTIVES[cfg.objective], "interval_time", False)),
@@ -355,9 +343,7 @@ def config_from_args(args: argparse.Namespace, explicit=frozenset()) -> TrainCon
     return apply_recipe(cfg, set(explicit))
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Checks and resolution (cheap: no model, no tensors)
-# ---------------------------------------------------------------------------------------------------------
+# ---- Checks and resolution (cheap: no model, no tensors) ----
 
 def grad_accum_steps(global_batch: int, micro_batch: int | None, world_size: int) -> tuple[int, int]:
     """(micro batch, accumulation steps) so micro x steps x processes == global batch exactly, or UserError."""
@@ -377,10 +363,8 @@ def grad_accum_steps(global_batch: int, micro_batch: int | None, world_size: int
 
 def training_index_sha256(index_bytes: bytes) -> str:
     """sha256 of index.json less "latent_space" (shards, sha256s, classes, VAE, layout): the data trained on."""
-    # `python -m extract --stats` rewrites "latent_space" on a finished folder, and the numbers a run normalises
-    # with are compared on their own (the hash of its LatentSpace).
-    index = json.loads(index_bytes)
-    kept = {k: v for k, v in index.items() if k != "latent_space"}
+    # `extract --stats` rewrites "latent_space" on a finished folder; a run's LatentSpace is compared by its hash
+    kept = {k: v for k, v in json.loads(index_bytes).items() if k != "latent_space"}
     return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()
 
 
@@ -470,7 +454,9 @@ def check_config(cfg: TrainConfig, dataset) -> None:
     check_flag_bounds(cfg)  # the bounds declared on the options; again here for a TrainConfig built in Python
     check_plugins(dataset.meta, dataset.root, "python -m train")
     resolve_block(cfg)  # checks the --model preset first
-    _resolve_shift(cfg, dataset.latent_shape)
+    if cfg.time_dist_shift == "auto":  # RAE's sqrt(C H W / 4096) of these latents; a number is checked as it is
+        cfg.time_dist_shift = auto_shift(dataset.latent_shape)
+    check_shift(cfg.time_dist_shift)
     _check_objective(cfg)
     _check_image_size(cfg, dataset)
     _check_model_fits(cfg, dataset.latent_shape)
@@ -513,13 +499,6 @@ def _resolve_columns(cfg: TrainConfig, dataset) -> None:
     if len(set(depths.values())) > 1:
         raise UserError(f"the heads of the shard columns trained here see one block's tokens, but "
                         f"{', '.join(f'{k} {v}' for k, v in depths.items())} name several; pass one block to all.")
-
-
-def _resolve_shift(cfg: TrainConfig, latent_shape) -> None:
-    """--time-dist-shift auto: RAE's sqrt(C H W / 4096) of these latents; a number is checked as it is."""
-    if cfg.time_dist_shift == "auto":
-        cfg.time_dist_shift = auto_shift(latent_shape)
-    check_shift(cfg.time_dist_shift)
 
 
 def route_span(model: str, latent_side: int, ratio: float, start: int | None, end: int | None,
@@ -608,9 +587,7 @@ def _resolve_preview_guidance(cfg: TrainConfig) -> None:
                         "scale in that range, or raise --cfg-max.")
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Resume compatibility
-# ---------------------------------------------------------------------------------------------------------
+# ---- Resume compatibility ----
 
 def _data_mismatch(saved: dict, current: dict, space: LatentSpace | None = None) -> str | None:
     """A sentence on how two latent folders differ, or None when they are the same data."""

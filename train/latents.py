@@ -1,32 +1,17 @@
 """Where training's latents come from: a local folder, or a URL copied once to local disk; opened once per node.
 
-URLs (`s3://`, `gs://`, `hf://`, `memory://`, ... anything fsspec knows, given its package) are copied
-into the local cache and then read exactly as a local folder is: the memory-mapped reader, its sha256
-verification and the stream position all stay the same, so training from a URL equals training from the
-folder bit for bit, and resume stays exact. The cache folder is named after the sha256 of the remote
-index.json, so re-extracted latents never mix with an older copy; files already there at their listed
-size are not fetched again (an interrupted copy resumes), and index.json is written last, as extract
-writes it.
+A URL (anything fsspec knows, given its package) is copied into ~/.cache/dit-latent-pipeline/latents/<sha256 of
+index.json, 16 hex>/ (or $DIT_LATENT_CACHE/<...>) and read exactly as a local folder, so training from it equals
+training from the folder bit for bit; files already there at their listed size are not fetched again, index.json
+is written last. The node's local main process fetches and verifies first; the others find the folder verified.
 
-    ~/.cache/dit-latent-pipeline/latents/<sha256 of index.json, 16 hex>/   (or $DIT_LATENT_CACHE/<...>)
-
-Several processes on one machine: the node's local main process fetches and verifies first (the
-sha256 check of every shard, remembered in verified-sha256.json); the others wait, then open the folder
-and find it verified, so each node hashes its shards once instead of once per rank.
-
-With --cache-limit SIZE the folder is streamed instead (StreamedLatents, ShardStream): the same cache folder
-holds index.json, the sidecar and only the shards of the current and the next window of the shard-aware order
-(windowed_permutation, below). The node's local main process runs one background thread that
-fetches them ahead of the step through fsspec (a plain byte stream per shard: one GET over http), hashes each
-while it arrives and publishes it under its name only when its sha256 matches index.json, and deletes the
-shards whose samples every process of the node has consumed. Why not a library's cache: fsspec's file caches
-(blockcache, filecache, simplecache) have no size bound with eviction and no sha256 check; webdataset's
-FileCache (cache_size) deletes the oldest-created files in a pass run at most every 30 s before a download, so
-the folder overshoots between passes and a shard the current window still needs can go, and it checks only
-that a file is a tar; mosaicml-streaming bounds its cache (cache_limit, evicting the least recently used
-shard) but reads its own MDS shards. Readers in any process (DataLoader workers, the node's other ranks) wait
-for a shard's file to appear and drop their mapping of a shard once its file is deleted. A fetch failure is written to the folder (STREAM_ERROR_NAME),
-so every waiting reader stops with the same paragraph.
+With --cache-limit SIZE the folder is streamed (StreamedLatents, ShardStream): the cache holds index.json, the
+sidecar and only the shards of the current and next window of the shard-aware order (windowed_permutation); one
+thread per node fetches them ahead of the step, publishes each only when its sha256 matches, and deletes those
+every process of the node has consumed. Why not a library's cache: fsspec's file caches have no size bound nor
+sha256 check; webdataset's FileCache evicts in a pass at most every 30 s (overshooting, and it may drop a shard
+the window still needs); mosaicml-streaming bounds its cache but reads only its own MDS shards. A fetch failure
+is written to the folder (STREAM_ERROR_NAME), so every waiting reader stops with the same paragraph.
 """
 from __future__ import annotations
 
@@ -34,7 +19,6 @@ import argparse
 import hashlib
 import json
 import os
-import re
 import shutil
 import threading
 import time
@@ -44,9 +28,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from shared.datasets.integrity import sha256_file
 from shared.runtime.errors import UserError, disk_full
 from shared.runtime.fsio import TMP_PREFIX, atomic_write_bytes, atomic_write_text, user_cache
 from shared.datasets.shards import ARRAYS_NAME, INDEX_NAME, LatentDataset
+from train.units import parse_size
 from shared.tokenizers.space import SPACE_JSON, SPACE_TENSORS
 
 CACHE_ENV = "DIT_LATENT_CACHE"  # overrides the cache root (a fast local disk, per node)
@@ -55,18 +41,16 @@ STREAM_ERROR_NAME = ".stream-error.txt"  # why the node's fetcher stopped; every
 FETCH_ATTEMPTS = 4  # tries per shard before a dropped connection is reported (waits 1, 2, 4 s between)
 _POLL_S = 0.02  # how often a reader looks for a shard it waits for
 
-# --cache-limit's vocabulary: decimal (kB, MB, GB, TB) and binary (KiB, MiB, GiB, TiB) units, B or none = bytes.
-_UNITS = {"": 1, "b": 1, **{f"{p}b": 1000 ** (i + 1) for i, p in enumerate("kmgt")},
-          **{f"{p}ib": 1024 ** (i + 1) for i, p in enumerate("kmgt")}}
-
 
 def byte_size(text: str) -> int:
-    """argparse type: '20GiB', '500MB', '1.5TB', '4096' -> bytes."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    unit = match and match.group(2).lower()
-    if not match or unit not in _UNITS or float(match.group(1)) <= 0:
+    """argparse type: '20GiB', '500MB', '1.5TB', '4096' -> bytes (train/units.py's vocabulary), more than 0."""
+    try:
+        size = parse_size(text)
+    except UserError:
+        size = 0
+    if size <= 0:
         raise argparse.ArgumentTypeError(f"expected a size such as 20GiB or 500MB, got {text!r}")
-    return int(float(match.group(1)) * _UNITS[unit])
+    return size
 
 
 def show_size(n: int) -> str:
@@ -80,11 +64,6 @@ def show_size(n: int) -> str:
 def is_url(source: str) -> bool:
     """Whether --latents names a remote location (protocol://...) rather than a local folder."""
     return "://" in str(source) and not str(source).startswith("file://")
-
-
-def cache_root() -> Path:
-    """Where copies of remote latent folders are kept on this machine."""
-    return Path(os.environ[CACHE_ENV]) if os.environ.get(CACHE_ENV) else user_cache("latents")
 
 
 def _filesystem(url: str):
@@ -101,16 +80,6 @@ def _filesystem(url: str):
                         "folder to a local disk and pass its path.") from None
 
 
-def _read_remote(fs, path: str, url: str) -> bytes:
-    try:
-        return fs.cat_file(path)
-    except FileNotFoundError:
-        raise UserError(f"--latents {url} has no {path.rsplit('/', 1)[-1]}: pass the URL of a finished latent "
-                        "folder (the one `python -m extract --out` wrote, copied whole).") from None
-    except OSError as err:
-        raise UserError(f"--latents {url}: cannot read {path} ({err}).") from None
-
-
 def _open_remote(fs, path: str):
     """A remote file for reading start to end; over http(s) one streaming GET (static servers often lack ranges)."""
     http = any(str(p).startswith("http") for p in np.atleast_1d(fs.protocol))
@@ -125,29 +94,31 @@ def _copy_file(fs, remote: str, local: Path) -> None:
     os.replace(tmp, local)
 
 
-def _hash_copy(src, dst=None) -> tuple[str, int]:
-    """(sha256, bytes) of the stream `src` read to its end, each chunk also written to `dst` when given."""
-    digest, size = hashlib.sha256(), 0
-    while chunk := src.read(_CHUNK):
-        if dst is not None:
-            dst.write(chunk)
-        digest.update(chunk)
-        size += len(chunk)
-    return digest.hexdigest(), size
-
-
 def remote_index(url: str):
     """(fs, root inside it, index.json bytes, parsed index, local cache folder) of a remote latent folder."""
     fs, root = _filesystem(url)
     root = root.rstrip("/")
-    index_bytes = _read_remote(fs, f"{root}/{INDEX_NAME}", url)
+    try:
+        index_bytes = fs.cat_file(f"{root}/{INDEX_NAME}")
+    except FileNotFoundError:
+        raise UserError(f"--latents {url} has no {INDEX_NAME}: pass the URL of a finished latent folder (the one "
+                        "`python -m extract --out` wrote, copied whole).") from None
+    except OSError as err:
+        raise UserError(f"--latents {url}: cannot read {root}/{INDEX_NAME} ({err}).") from None
     try:
         index = json.loads(index_bytes)
         [*index["shards"], index["arrays"]]
     except (ValueError, KeyError, TypeError):
         raise UserError(f"--latents {url}: its {INDEX_NAME} is not a latent index; pass a folder extract "
                         "wrote.") from None
-    return fs, root, index_bytes, index, cache_root() / hashlib.sha256(index_bytes).hexdigest()[:16]
+    cache = Path(os.environ[CACHE_ENV]) if os.environ.get(CACHE_ENV) else user_cache("latents")  # this machine's
+    return fs, root, index_bytes, index, cache / hashlib.sha256(index_bytes).hexdigest()[:16]
+
+
+def _fetch_missing(fs, root: str, local: Path, entry: dict) -> None:
+    """Copy one listed file unless the cache already holds it at its listed size (an interrupted copy resumes)."""
+    if not ((local / entry["name"]).is_file() and (local / entry["name"]).stat().st_size == entry["size"]):
+        _copy_file(fs, f"{root}/{entry['name']}", local / entry["name"])
 
 
 def fetch_space(fs, root: str, local: Path, index: dict) -> None:
@@ -163,9 +134,7 @@ def fetch_latents(url: str) -> Path:
     local.mkdir(parents=True, exist_ok=True)
     fetch_space(fs, root, local, index)
     for entry in [*index["shards"], index["arrays"]]:
-        target = local / entry["name"]
-        if not (target.is_file() and target.stat().st_size == entry["size"]):
-            _copy_file(fs, f"{root}/{entry['name']}", target)
+        _fetch_missing(fs, root, local, entry)
     if not (local / INDEX_NAME).is_file():
         atomic_write_bytes(local / INDEX_NAME, index_bytes)  # last: a complete copy
     return local
@@ -191,14 +160,7 @@ def open_latents(source: str, accelerator=None, cache_limit: int | None = None) 
             accelerator.wait_for_everyone()  # even when it failed: the others then report it themselves
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Streaming through a bounded cache (--cache-limit)
-# ---------------------------------------------------------------------------------------------------------
-
-def space_size(fs, root: str) -> int:
-    """Bytes of the folder's LatentSpace files (kept in the cache beside index.json)."""
-    return sum(fs.size(f"{root}/{name}") for name in (SPACE_TENSORS, SPACE_JSON) if fs.exists(f"{root}/{name}"))
-
+# ---- Streaming through a bounded cache (--cache-limit) ----
 
 def cache_budget(limit: int, index: dict, fixed: int, url: str) -> int:
     """Bytes the shards may use under --cache-limit beside `fixed` (index.json, the sidecar, the space files);
@@ -218,20 +180,20 @@ def cache_budget(limit: int, index: dict, fixed: int, url: str) -> int:
 def open_streamed(url: str, limit: int, fetcher: bool) -> "StreamedLatents":
     """The cache folder of `url` with index.json and the sidecar only; the fetcher process also owns the stream."""
     fs, root, index_bytes, index, local = remote_index(url)
-    fixed = len(index_bytes) + int(index["arrays"]["size"]) + space_size(fs, root)
+    space = sum(fs.size(f"{root}/{name}") for name in (SPACE_TENSORS, SPACE_JSON) if fs.exists(f"{root}/{name}"))
+    fixed = len(index_bytes) + int(index["arrays"]["size"]) + space  # kept beside the shards
     budget = cache_budget(limit, index, fixed, url)
     if fetcher:
         local.mkdir(parents=True, exist_ok=True)
         for stale in [*local.glob(f"{TMP_PREFIX}*"), local / STREAM_ERROR_NAME]:
             stale.unlink(missing_ok=True)  # an interrupted fetch, a failure of an earlier run
         arrays = index["arrays"]
-        if not ((local / arrays["name"]).is_file() and (local / arrays["name"]).stat().st_size == arrays["size"]):
-            try:
-                _copy_file(fs, f"{root}/{arrays['name']}", local / arrays["name"])
-            except OSError as err:  # FileNotFoundError included; the sidecar's sha256 is checked when it is opened
-                raise disk_full(err, local / arrays["name"]) or UserError(
-                    f"--latents {url}: cannot fetch {arrays['name']} ({err}). Check that the whole folder extract "
-                    "wrote is there and the connection holds, then rerun the same command.") from None
+        try:
+            _fetch_missing(fs, root, local, arrays)
+        except OSError as err:  # FileNotFoundError included; the sidecar's sha256 is checked when it is opened
+            raise disk_full(err, local / arrays["name"]) or UserError(
+                f"--latents {url}: cannot fetch {arrays['name']} ({err}). Check that the whole folder extract "
+                "wrote is there and the connection holds, then rerun the same command.") from None
         fetch_space(fs, root, local, index)
         if not (local / INDEX_NAME).is_file():
             atomic_write_bytes(local / INDEX_NAME, index_bytes)
@@ -326,9 +288,8 @@ class ShardStream:
         """Whether a shard left in the cache by an earlier run still holds its listed bytes (else it is deleted)."""
         if not path.is_file():
             return False
-        with open(path, "rb") as f:
-            if path.stat().st_size == entry["size"] and _hash_copy(f)[0] == entry["sha256"]:
-                return True
+        if path.stat().st_size == entry["size"] and sha256_file(path) == entry["sha256"]:
+            return True
         path.unlink()
         return False
 
@@ -399,8 +360,12 @@ class ShardStream:
             if attempt:
                 time.sleep(2 ** (attempt - 1))
             try:
+                digest, size = hashlib.sha256(), 0
                 with _open_remote(self.fs, f"{self.remote_root}/{entry['name']}") as src, open(tmp, "wb") as dst:
-                    digest, size = _hash_copy(src, dst)
+                    while chunk := src.read(_CHUNK):
+                        dst.write(chunk)
+                        digest.update(chunk)
+                        size += len(chunk)
             except FileNotFoundError:
                 tmp.unlink(missing_ok=True)
                 raise UserError(f"--latents {self.url} has no {entry['name']}, though its {INDEX_NAME} lists it: the "
@@ -421,7 +386,7 @@ class ShardStream:
                 tmp.unlink(missing_ok=True)
                 problem = f"the transfer ended after {size} of {entry['size']} bytes"
                 continue
-            if digest != entry["sha256"]:
+            if digest.hexdigest() != entry["sha256"]:
                 tmp.unlink(missing_ok=True)
                 raise UserError(f"shard {entry['name']} of --latents {self.url} fails its sha256 check: its bytes "
                                 f"differ from those {INDEX_NAME} lists (the remote copy was changed or damaged after "
@@ -454,26 +419,19 @@ def resolve_shard_window(cfg, dataset) -> None:
                         "--cache-limit.")
 
 
-def _check_readahead(dataset: StreamedLatents, window: int, readahead: int) -> None:
-    """The loader may read `readahead` stream positions past the consumed one: that must stay within two windows."""
-    if not window:
-        return
-    counts = np.sort(dataset.shard_counts)
-    smallest = int(counts[: len(counts) // -(-len(counts) // window)].sum())  # fewest samples a window can hold
-    if readahead > smallest:
-        raise UserError(f"the data loader reads up to {readahead} samples ahead of the step (global batch plus "
-                        f"the workers' prefetch), more than the smallest window of {window} shards holds ({smallest}), "
-                        "so the streamed cache would need a third window. Lower --num-workers or --micro-batch-size, "
-                        "or give a larger --cache-limit (larger windows).")
-
-
 def follow(batches, dataset, *, seed: int, window: int, start: int, global_batch: int, accum: int, readahead: int):
     """The loader's micro-batches, telling the node's fetcher what was consumed; its failure as one paragraph.
     When this process starts step s (its micro-batch k = s * accum arrives), every process has finished step s - 1,
     so every sample before start + s * global_batch was read by all of them (DDP's all-reduce joins each step)."""
     if not isinstance(dataset, StreamedLatents):
         return batches
-    _check_readahead(dataset, window, readahead)
+    counts = np.sort(dataset.shard_counts)  # the loader reads `readahead` positions ahead: within two windows
+    smallest = int(counts[: len(counts) // -(-len(counts) // window)].sum()) if window else readahead  # per window
+    if readahead > smallest:
+        raise UserError(f"the data loader reads up to {readahead} samples ahead of the step (global batch plus "
+                        f"the workers' prefetch), more than the smallest window of {window} shards holds ({smallest}), "
+                        "so the streamed cache would need a third window. Lower --num-workers or --micro-batch-size, "
+                        "or give a larger --cache-limit (larger windows).")
     if dataset.stream is not None:
         dataset.stream.start(seed, window, start)
     return _reporting(batches, dataset, start, global_batch, accum)
@@ -500,9 +458,7 @@ def _reporting(batches, dataset: StreamedLatents, start: int, global_batch: int,
             dataset.stream.stop()
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The stream order: every rank's indices, a pure function of (seed, position)
-# ---------------------------------------------------------------------------------------------------------
+# ---- The stream order: every rank's indices, a pure function of (seed, position) ----
 
 def epoch_permutation(num_samples: int, seed: int, epoch: int) -> np.ndarray:
     """The shuffled order of one epoch, a pure function of (seed, epoch) on every rank and machine."""
@@ -516,12 +472,8 @@ def shard_windows(num_shards: int, seed: int, epoch: int, window: int) -> list[n
 
 
 def windowed_permutation(counts: Sequence[int], seed: int, epoch: int, window: int) -> np.ndarray:
-    """A shard-aware epoch order: shards shuffled, then samples shuffled within each window of `window` shards.
-
-    What webdataset and mosaicml-streaming do for data streamed through a bounded cache: a global shuffle touches
-    every shard all the time, so a cache holding a few shards would refetch one per sample; this order needs only
-    the current window (and the next, prefetched) at any position. counts: samples per shard, in folder order.
-    """
+    """Shards shuffled, then samples shuffled within each window of `window` shards (counts: samples per shard);
+    as webdataset and mosaicml-streaming do, so a bounded cache needs only the current and the next window."""
     starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     rng = np.random.default_rng([int(seed), int(epoch)])
     parts = [rng.permutation(np.concatenate([np.arange(starts[s], starts[s + 1]) for s in shards]))
@@ -532,11 +484,9 @@ def windowed_permutation(counts: Sequence[int], seed: int, epoch: int, window: i
 class StreamSampler(torch.utils.data.Sampler):
     """Infinite, resumable, distributed index stream (edm2-style: position depends only on samples seen).
 
-    Global stream = perm(seed, 0) ++ perm(seed, 1) ++ ...; rank r yields the stream positions p >= start
-    with p % world_size == r. `start` counts samples consumed by all ranks together, so resuming at
-    start = step * global_batch continues exactly where the interrupted run stopped. With `window` K > 0 (and
-    `counts`, the samples per shard) each epoch is `windowed_permutation`'s shard-aware order instead.
-    """
+    Global stream = perm(seed, 0) ++ perm(seed, 1) ++ ...; rank r yields the positions p >= start with
+    p % world_size == r, `start` counting samples consumed by all ranks (resume: step * global_batch). With
+    `window` K > 0 (and `counts`, samples per shard) each epoch is `windowed_permutation`'s order instead."""
 
     def __init__(self, num_samples: int, rank: int = 0, world_size: int = 1, seed: int = 0,
                  shuffle: bool = True, start: int = 0, counts: Sequence[int] | None = None, window: int = 0):

@@ -201,17 +201,6 @@ class OutputCounter(TorchDispatchMode):
         return out
 
 
-def cast_cache_counter(param_keys) -> OutputCounter:
-    """The copies autocast makes of parameters (cached until the autocast region ends)."""
-    return OutputCounter(param_keys, lambda func, args: func is torch.ops.aten._to_copy.default and bool(args)
-                         and isinstance(args[0], torch.Tensor) and _storage_key(args[0]) in param_keys)
-
-
-def kept_output_counter(param_keys) -> OutputCounter:
-    """The outputs selective checkpointing keeps (SAVED_OPS), unseen by saved-tensor hooks (conservative: all ops)."""
-    return OutputCounter(param_keys, lambda func, args: func in SAVED_OPS)
-
-
 def _param_keys(module) -> set:
     """Storage keys of all parameters and buffers of a module."""
     return {_storage_key(t) for t in list(module.parameters()) + list(module.buffers())}
@@ -230,7 +219,11 @@ def measure_forward(model, batch: int, precision: str, objective, route=None) ->
     device = next(model.parameters()).device
     micro = synthetic_batch(model, batch, CLASS_DROPOUT_PROB, objective, route=route)
     params = _param_keys(model)
-    ledger, casts, kept = SavedTensorLedger(params), cast_cache_counter(params), kept_output_counter(params)
+    ledger = SavedTensorLedger(params)
+    casts = OutputCounter(params, lambda func, args: func is torch.ops.aten._to_copy.default and bool(args)
+                          and isinstance(args[0], torch.Tensor) and _storage_key(args[0]) in params)  # autocast's
+    # the outputs selective checkpointing keeps (SAVED_OPS), unseen by saved-tensor hooks (conservative: all ops)
+    kept = OutputCounter(params, lambda func, args: func in SAVED_OPS)
     selective = getattr(model, "grad_checkpoint_every", 0) == SELECTIVE
     model.train()
     with ledger, casts, kept if selective else contextlib.nullcontext(), autocast_context(device, precision):

@@ -87,10 +87,6 @@ def fixed_lines(fixed: FixedState, args) -> list[str]:
     return ["", "fixed state"] + [f"  {name:<50}{format_size(n):>12}  ({n / 1e9:.2f} GB)" for name, n in rows]
 
 
-TABLE_COLUMNS = ("checkpointing", "saved/img", "recomp/img", "constant", "w. copies", "micro", "accum",
-                 "peak", "+margin")
-
-
 def table_lines(rows: list[PlanRow], requested: int, margin: int) -> list[str]:
     """One line per checkpointing choice; the requested one is marked with '*'."""
     widths = (19, 10, 10, 10, 10, 6, 6, 10, 10)
@@ -99,7 +95,8 @@ def table_lines(rows: list[PlanRow], requested: int, margin: int) -> list[str]:
              "  saved/img: kept for backward per sample; recomp/img: one checkpointed block rebuilt in backward;",
              "  constant: batch-independent part; w. copies: low-precision weights autocast caches in forward;",
              "  peak: fixed state + activations at the micro-batch; +margin: what the GPU must hold",
-             "", fmt.format(*TABLE_COLUMNS)]
+             "", fmt.format("checkpointing", "saved/img", "recomp/img", "constant", "w. copies", "micro", "accum",
+                            "peak", "+margin")]
     for row in rows:
         p = row.profile
         mark = "* " if p.every == requested else "  "
