@@ -85,29 +85,23 @@ def clean_unfinished(out: Path, shards: list[int]) -> None:
 # Encoding
 # ----------------------------------------------------------------------------------------------------------
 
-def _encode_chunks(vae, x: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """encode_moments over slices of at most `chunk` images, concatenated (std None: a deterministic tokenizer)."""
-    parts = [vae.encode_moments(x[i : i + chunk]) for i in range(0, len(x), chunk)]
-    std = None if parts[0][1] is None else torch.cat([p[1] for p in parts])
-    return torch.cat([p[0] for p in parts]), std
-
-
 def encode_pixels(vae, pixels: torch.Tensor, flip: bool, progress: Progress) -> tuple[torch.Tensor, torch.Tensor]:
     """uint8 (B,3,S,S) -> moments (B,F,C,h,w) fp32; the mirrored copy rides in the same encoder batch."""
     x = pixels.to(vae.device, non_blocking=True)  # (B, 3, S, S) uint8: the tokenizer scales it to [-1, 1]
     if flip:
         x = torch.cat([x, x.flip(3)])  # (2B, 3, S, S): originals, then their horizontal mirrors
     while True:
+        step = progress.chunk or len(x)
         try:
-            mean, std = _encode_chunks(vae, x, progress.chunk or len(x))  # (F*B, C, h, w)
+            parts = [vae.encode_moments(x[i : i + step]) for i in range(0, len(x), step)]  # (mean, std) per slice
             break
         except torch.cuda.OutOfMemoryError:
-            progress.chunk = max(1, (progress.chunk or len(x)) // 2)
+            progress.chunk = max(1, step // 2)
             torch.cuda.empty_cache()
             tqdm.write(f"extract: out of GPU memory; encoding {progress.chunk} images per call from now on")
     frames = FLIP_MODES["both" if flip else "none"]
-    return (mean.unflatten(0, (frames, -1)).transpose(0, 1),  # (B, F, C, h, w)
-            None if std is None else std.unflatten(0, (frames, -1)).transpose(0, 1))  # None: deterministic
+    # (F*B, C, h, w) slices -> (B, F, C, h, w) each; std None: a deterministic tokenizer
+    return tuple(None if p[0] is None else torch.cat(p).unflatten(0, (frames, -1)).transpose(0, 1) for p in zip(*parts))
 
 
 def produce_column(produce, pixels: torch.Tensor, flip: bool, chunk: int) -> torch.Tensor:
@@ -118,18 +112,8 @@ def produce_column(produce, pixels: torch.Tensor, flip: bool, chunk: int) -> tor
     return out.unflatten(0, (FLIP_MODES["both" if flip else "none"], -1)).transpose(0, 1)  # (B, F, ...)
 
 
-def _bad_file(scan: ImageFolderScan, pos: int, reason: str, strict: bool) -> dict:
-    """Record one unusable file; with --strict it ends the run instead."""
-    path = scan.files[pos]
-    if strict:
-        raise UserError(f"bad image {scan.where(pos)}: {reason}. --strict stops at the first bad file: fix or "
-                        f"remove it, or run without --strict to skip bad files and list them in {BAD_FILES_NAME}.")
-    return {"path": path, "reason": reason}
-
-
 def shard_columns(plan: Plan) -> dict:
-    """The shards' columns {name: torch dtype}: the posterior moments (the latent alone from a deterministic
-    tokenizer: no "std"), then the registered columns this run stores."""
+    """The shards' columns {name: torch dtype}: "mean", "std" (not from a deterministic tokenizer), the registered."""
     moments = STORAGE_DTYPES[plan.cfg.dtype]
     spread = {} if plan.kind.deterministic else {"std": moments}
     return {"mean": moments, **spread, **{name: FLAG_DTYPES[r["dtype"]] for name, r in plan.columns.items()}}
@@ -147,27 +131,19 @@ class ShardSink:
         """Write one batch (all positions in one shard, sorted; `columns` {name: (B, F, ...)} of its good images);
         finish the shard after its last file."""
         shard = (positions[0] if positions else bad[0]["pos"]) // self.plan.cfg.shard_size
-        if shard != self.shard:
-            self._open(shard)
+        if shard != self.shard:  # a new shard: its temp tar is renamed into place only when it is complete
+            assert self.writer is None, f"shard {self.shard} was left unfinished"
+            self.shard, self.bad, self.seen = shard, [], 0
+            self.writer = ShardWriter(self.plan.out / shard_name(shard), columns=shard_columns(self.plan), stats=True,
+                                      element_stats=self.plan.kind.element_stats).__enter__()
         labels = [self.plan.scan.labels[pos] for pos in positions]
         self.writer.add_batch([f"{pos:09d}" for pos in positions], columns, labels)
         self.bad += [{"path": b["path"], "reason": b["reason"]} for b in bad]
         self.seen += len(positions) + len(bad)
-        if self.seen == len(self.batches.shard_positions(shard)):
-            self._finish()
-
-    def _open(self, shard: int) -> None:
-        """Start writing a shard (its temp tar is renamed into place only when it is complete)."""
-        assert self.writer is None, f"shard {self.shard} was left unfinished"
-        self.shard, self.bad, self.seen = shard, [], 0
-        self.writer = ShardWriter(self.plan.out / shard_name(shard), columns=shard_columns(self.plan), stats=True,
-                                  element_stats=self.plan.kind.element_stats).__enter__()
-
-    def _finish(self) -> None:
-        """Close the shard: the writer publishes the tar, then its sidecar with this run's record and its statistics."""
-        self.writer.close({"bad_files": self.bad, "vae": self.identity,
-                           "settings_sha256": settings_sha256(self.plan.settings), "written_by": self.process})
-        self.writer = None
+        if self.seen == len(self.batches.shard_positions(shard)):  # its last file: the tar, then its sidecar
+            self.writer.close({"bad_files": self.bad, "vae": self.identity,
+                               "settings_sha256": settings_sha256(self.plan.settings), "written_by": self.process})
+            self.writer = None
 
     def abort(self) -> None:
         """Drop the temp file of a shard interrupted by an exception."""
@@ -177,11 +153,8 @@ class ShardSink:
 
 
 class ShardBatches(Sampler):
-    """Batches of positions, shard by shard; a batch never crosses a shard boundary.
-
-    Batch composition then depends only on the shard, so a resumed run encodes exactly the batches an
-    uninterrupted run would (bitwise-equal shards even where kernels differ by batch size).
-    """
+    """Batches of positions, shard by shard, never across a shard boundary: a resumed run encodes exactly the batches
+    an uninterrupted run would (bitwise-equal shards even where kernels differ by batch size)."""
 
     def __init__(self, shards: list[int], shard_size: int, num_files: int, batch_size: int):
         self.shards, self.shard_size = list(shards), shard_size
@@ -206,8 +179,11 @@ def _split_batch(batch: dict, scan: ImageFolderScan, strict: bool) -> tuple[list
     raise_fatal(batch["fatal"])  # a source's shard that cannot be read ends the run; the finished shards are kept
     good, bad = [], []
     for k, (pos, error) in enumerate(zip(batch["pos"].tolist(), batch["error"])):
+        if error and strict:
+            raise UserError(f"bad image {scan.where(pos)}: {error}. --strict stops at the first bad file: fix or "
+                            f"remove it, or run without --strict to skip bad files and list them in {BAD_FILES_NAME}.")
         if error:
-            bad.append({"pos": pos, **_bad_file(scan, pos, error, strict)})
+            bad.append({"pos": pos, "path": scan.files[pos], "reason": error})
         else:
             good.append(k)
     positions = [int(batch["pos"][k]) for k in good]
@@ -277,9 +253,10 @@ def folder_space(space: LatentSpace, out: Path, sidecars: list[dict], images: in
     return space.with_norms(statistics, **norms)
 
 
-def _tokenizer_space(plan: Plan) -> LatentSpace:
-    """The tokenizer's space when this process encoded nothing in this run: the tokenizer loaded on the CPU."""
-    return LatentSpace.of_tokenizer(_load_vae(plan, "cpu"), plan.cfg.image_size, plan.latent_shape, plan.scan.classes)
+def _tokenizer_space(plan: Plan, vae=None) -> LatentSpace:
+    """The tokenizer's latent space for this run (vae None: this process encoded nothing; loaded on the CPU)."""
+    vae = _load_vae(plan, "cpu") if vae is None else vae
+    return LatentSpace.of_tokenizer(vae, plan.cfg.image_size, plan.latent_shape, plan.scan.classes)
 
 
 def write_outputs(plan: Plan, tokenizer_space: LatentSpace | None = None) -> dict:
@@ -306,6 +283,8 @@ def write_outputs(plan: Plan, tokenizer_space: LatentSpace | None = None) -> dic
 
 def index_meta(plan: Plan, space_sha256: str, num_bad: int) -> dict:
     """The metadata index.json carries besides the shard list."""
+    # the --plugin modules that register this folder's tokenizer class or columns (train must import them too)
+    plugins = sorted({plugin_of(r) for r in (plan.kind, *(columns()[n] for n in plan.columns))} - {""})
     return {
         "image_size": plan.cfg.image_size,
         "num_classes": len(plan.scan.classes),
@@ -316,14 +295,8 @@ def index_meta(plan: Plan, space_sha256: str, num_bad: int) -> dict:
                     "files_sha256": plan.scan.fingerprint()},
         "extract_settings": plan.settings,
         **column_records(plan.columns),
-        **({"plugins": plugins} if (plugins := used_plugins(plan)) else {}),
+        **({"plugins": plugins} if plugins else {}),
     }
-
-
-def used_plugins(plan: Plan) -> list[str]:
-    """The --plugin modules that register this folder's tokenizer class or columns (train must import them too)."""
-    records = [plan.kind, *(columns()[n] for n in plan.columns)]
-    return sorted({plugin_of(r) for r in records} - {""})
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -344,12 +317,6 @@ def _pending(plan: Plan, state) -> tuple[list[int], int]:
 def _load_vae(plan: Plan, device):
     """The VAE on the encoding device (fp32 encoder)."""
     return load_tokenizer(plan.cfg.vae, device=device, config=plan.cfg.vae_config)
-
-
-def _load_producers(plan: Plan, device) -> dict:
-    """{name: producer} of the stored columns, loaded onto the encoding device."""
-    return {name: columns()[name].load(columns()[name].extract_options(plan.cfg.column_flags), record, device)
-            for name, record in plan.columns.items()}
 
 
 def run_extract(cfg: ExtractConfig) -> dict:
@@ -404,8 +371,9 @@ def _extract(plan: Plan, state) -> dict:
     progress, elapsed, space = Progress(), 0.0, None
     if pending:
         vae = _load_vae(plan, state.device)
-        space = LatentSpace.of_tokenizer(vae, plan.cfg.image_size, plan.latent_shape, plan.scan.classes)
-        producers = _load_producers(plan, state.device)
+        space = _tokenizer_space(plan, vae)
+        producers = {name: columns()[name].load(columns()[name].extract_options(plan.cfg.column_flags), record,
+                                                state.device) for name, record in plan.columns.items()}
         start = time.perf_counter()  # the rate below is decode + encode + write, without the VAE load
         progress = encode_shards(plan, pending, vae, state, producers)
         elapsed = time.perf_counter() - start

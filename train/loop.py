@@ -21,6 +21,7 @@ import torch
 from tqdm import tqdm
 
 from shared.runtime import rundir
+from shared.runtime.distributed import default_workers
 from shared.runtime.errors import UserError
 from shared.weights.export import save_weights
 from shared.runtime.fsio import atomic_write_text, link_file, space_guard
@@ -86,33 +87,13 @@ class Run:
     nonfinite_at: torch.Tensor | None = None
     last_checkpoint: Path | None = None
 
-    @property
-    def dataset(self) -> LatentDataset:
-        return self.plan.dataset
-
-    @property
-    def cfg(self) -> TrainConfig:
-        return self.plan.cfg
-
-    @property
-    def accelerator(self):
-        return self.learner.accelerator
-
-    @property
-    def step(self) -> int:
-        return self.learner.step
-
-    @property
-    def device(self) -> torch.device:
-        return self.learner.device
-
-    @property
-    def is_main(self) -> bool:
-        return self.accelerator.is_main_process
-
-    @property
-    def run_dir(self) -> Path:
-        return Path(self.cfg.results_dir)
+    dataset = property(lambda self: self.plan.dataset, doc="The plan's LatentDataset.")
+    cfg = property(lambda self: self.plan.cfg, doc="The plan's resolved TrainConfig.")
+    accelerator = property(lambda self: self.learner.accelerator, doc="The learner's Accelerator.")
+    step = property(lambda self: self.learner.step, doc="Optimizer steps taken so far (the learner's).")
+    device = property(lambda self: self.learner.device, doc="The learner's torch.device.")
+    is_main = property(lambda self: self.accelerator.is_main_process, doc="Whether this is the main process.")
+    run_dir = property(lambda self: Path(self.cfg.results_dir), doc="The run folder, --results-dir.")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -128,8 +109,7 @@ def make_plan(cfg: TrainConfig, accelerator) -> TrainPlan:
     init = start_weights(cfg, dataset, saved)  # before the model config: it records the source's convention
     resumed = ckpt_io.checkpoint_config(source) if source is not None else None  # its output layout is kept
     model_config = model_config_for(cfg, dataset.latent_shape, dataset.num_classes, resumed)
-    if init is not None:
-        init = fit_init(init, model_config)
+    init = fit_init(init, model_config) if init is not None else None
     resolve_auto_for(cfg, model_config, accelerator)  # train/autotune.py: micro-batch, precision, checkpointing
     resolve_config(cfg, dataset, accelerator.num_processes)
     check_environment(cfg, dataset, accelerator)
@@ -280,8 +260,7 @@ def save_checkpoint(run: Run) -> Path | None:
     """Write the full state (all ranks take part), the EMA export, and prune old checkpoints."""
     if run.cfg.debug:
         return None
-    learner = run.learner
-    if not (weights_finite(learner.dit) and weights_finite(learner.ema)):
+    if not (weights_finite(run.learner.dit) and weights_finite(run.learner.ema)):
         raise NonFiniteError(f"the weights became non-finite at step {run.step}; no checkpoint was written. "
                              + _nonfinite_message(run))
     check_consistency(run)
@@ -387,12 +366,11 @@ def start_logs(run: Run) -> None:
 # ---------------------------------------------------------------------------------------------------------
 # The data stream: resumable positions, and every random draw keyed by the sample's position
 # ---------------------------------------------------------------------------------------------------------
-# The objective (shared/generative/objectives.py) decides how the time is drawn: DiT's integer timestep, or SiT's
-# flow time. Each sample in the global stream has a position p (samples consumed before it by all processes
-# together, see train.latents.StreamSampler). All of its randomness (timestep, class dropout, flip variant,
-# the fresh posterior draw, the diffusion noise and, with token routing, the tokens it routes) comes from one
-# generator seeded by (seed, p), as edm2 derives its randomness from (seed, images seen). So a sample gets the same
-# draws whatever the number of processes, micro-batch size, DataLoader workers, or where a run was interrupted.
+# Each sample in the global stream has a position p (samples consumed before it by all processes together, see
+# train.latents.StreamSampler). All of its randomness (the objective's time, class dropout, flip variant, the fresh
+# posterior draw, the diffusion noise and, with token routing, the tokens it routes) comes from one generator seeded
+# by (seed, p), as edm2 derives its randomness from (seed, images seen). So a sample gets the same draws whatever the
+# number of processes, micro-batch size, DataLoader workers, or where a run was interrupted.
 
 class PositionedSampler(StreamSampler):
     """StreamSampler that also yields each index's global stream position: (position, index) pairs."""
@@ -494,24 +472,17 @@ def micro_batches(run: Run, loader) -> Iterator[dict]:
         yield batch
 
 
-WORKER_CAP = 4  # DataLoader workers per process by default, where the cores allow
-
-
-def loader_workers(run: Run) -> int:
-    """--num-workers, or up to WORKER_CAP per process where the cores allow (shared.runtime.distributed)."""
-    from shared.runtime.distributed import default_workers
-
-    given = run.cfg.num_workers
-    return given if given is not None else default_workers(WORKER_CAP, run.accelerator.num_processes)
+WORKER_CAP = 4  # DataLoader workers per process by default (--num-workers), where the cores allow
 
 
 def run_loop(run: Run) -> dict:
     """Train until total_steps; checkpoint, preview and log along the way; return the last metrics."""
     cfg = run.cfg
     total = min(cfg.total_steps, run.step + DEBUG_STEPS) if cfg.debug else cfg.total_steps
+    workers = default_workers(WORKER_CAP, run.accelerator.num_processes) if cfg.num_workers is None else cfg.num_workers
     loader = make_loader(run.dataset, micro_batch=cfg.micro_batch_size, rank=run.accelerator.process_index,
                          world_size=run.accelerator.num_processes, seed=cfg.seed, start=run.data_position,
-                         class_dropout_prob=cfg.class_dropout_prob, num_workers=loader_workers(run),
+                         class_dropout_prob=cfg.class_dropout_prob, num_workers=workers,
                          pin_memory=run.device.type == "cuda", objective=run.learner.objective,
                          extra=tuple(c.name for c, _ in run.learner.consumers), route=run.learner.route,
                          norm=run.plan.space.norm, window=cfg.shard_window, global_batch=cfg.global_batch_size)
@@ -549,17 +520,15 @@ def lock_run_folder(cfg: TrainConfig, accelerator) -> FolderLock | None:
         return None
     lock, error = None, None
     if accelerator.is_main_process:
-        ckpt_io.check_results_dir(cfg)
         try:
+            ckpt_io.check_results_dir(cfg)
             lock = hold_lock(cfg.results_dir, "run folder")
         except UserError as err:
             error = err
     if accelerator.num_processes > 1:
         error = broadcast_object_list([error], from_process=0)[0]
     if error is not None:
-        if accelerator.is_main_process:
-            raise error
-        raise SystemExit(2)  # rank 0 prints the paragraph; the others leave quietly
+        raise error if accelerator.is_main_process else SystemExit(2)  # rank 0 prints the paragraph; others leave
     return lock
 
 

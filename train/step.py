@@ -51,8 +51,7 @@ class Learner:
     @property
     def skipped_steps(self) -> int:
         """Steps skipped on non-finite gradients in the whole run (reads the device counter: a host sync)."""
-        since = int(self.skipped_since) if self.skipped_since is not None else 0
-        return self.skipped_before + since
+        return self.skipped_before + (0 if self.skipped_since is None else int(self.skipped_since))
 
     @skipped_steps.setter
     def skipped_steps(self, value: int) -> None:
@@ -126,25 +125,11 @@ def build_optimizer(cfg: TrainConfig, params, device: torch.device) -> torch.opt
     return torch.optim.AdamW(params, foreach=True, **kwargs)
 
 
-def build_ema(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.nn.Module:
-    """An fp32 copy of the model for the EMA, on the training device or the CPU (--ema-device)."""
-    ema = copy.deepcopy(model).float().requires_grad_(False).eval()
-    return ema.to(device if cfg.ema_device == "gpu" else "cpu")
-
-
 def build_heads(cfg: TrainConfig, raw: torch.nn.Module) -> tuple[dict, int]:
     """({column: head}, the block they see) of the columns trained on (after the DiT's init, same seeded stream)."""
     chosen = column_consumers(cfg)
     heads = {c.name: c.build_head(f, raw.pos_embed.shape[-1]).train() for c, f in chosen}
     return heads, (getattr(chosen[0][1], chosen[0][0].depth) if chosen else 0)
-
-
-def route_of(cfg: TrainConfig, raw: torch.nn.Module) -> tuple[int, int] | None:
-    """(tokens, kept tokens) per sample the data side draws for token routing, or None without routing."""
-    if cfg.route_ratio <= 0:
-        return None
-    tokens = raw.x_embedder.num_patches
-    return tokens, kept_tokens(tokens, cfg.route_ratio)
 
 
 COMPILE_BACKEND = "inductor"  # torch.compile's default; tests swap in a counting backend
@@ -180,10 +165,13 @@ def make_learner(cfg: TrainConfig, model_config: ModelConfig, accelerator=None, 
     # Train mode: the labels' class-dropout coin comes from the data (force_drop_ids), so the model's own
     # global-RNG dropout never runs, while any train-mode layer added later is really on.
     raw = model_config.build(attention=cfg.attention, grad_checkpoint_every=cfg.grad_checkpoint).train()
+    route = None  # (tokens T, kept K) per sample, drawn by the data side
     if cfg.route_ratio > 0:  # TREAD: blocks route_start..route_end see only the kept tokens in training
         raw.set_routing(cfg.route_start, cfg.route_end)
+        route = raw.x_embedder.num_patches, kept_tokens(raw.x_embedder.num_patches, cfg.route_ratio)
     heads, depth = build_heads(cfg, raw)
-    ema = build_ema(raw, cfg, device)  # an uncompiled copy: previews run it eagerly in eval mode
+    # The EMA: an uncompiled fp32 copy (previews run it eagerly in eval mode), on the GPU or the CPU (--ema-device)
+    ema = copy.deepcopy(raw).float().requires_grad_(False).eval().to(device if cfg.ema_device == "gpu" else "cpu")
     raw.to(device)
     for head in heads.values():
         head.to(device)
@@ -197,7 +185,7 @@ def make_learner(cfg: TrainConfig, model_config: ModelConfig, accelerator=None, 
                       scaler=torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16"),
                       model_config=model_config, accelerator=accelerator, device=device,
                       objective=objective or objective_of(model_config, **cfg.objective_options),
-                      route=route_of(cfg, raw),
+                      route=route,
                       consumers=tuple((c, getattr(f, c.weight)) for c, f in column_consumers(cfg)))
     learner.optimizer = build_optimizer(cfg, learner.trained_parameters(), device)
     return learner
@@ -223,14 +211,12 @@ def autocast_context(device, precision: str):
 
 
 def forward_losses(model, objective, batch: dict, precision: str, device, consumers=()) -> dict:
-    """{"loss"} (mean over the micro-batch) and, with column heads, {"diffusion", each head's}: loss = diffusion +
-    sum of weight x head loss. With `consumers` ((ShardColumn, weight), ...), `model` is a HeadedDiT: one forward
-    gives the output and each head's view of the block tokens, scored against the batch's stored column (REPA: Eq. 8
-    against batch["repr"])."""
+    """{"loss"} (the micro-batch mean); with `consumers` ((ShardColumn, weight), ...) `model` is a HeadedDiT, whose one
+    forward gives the output and each head's view of the block tokens, scored against the batch's stored column (REPA:
+    Eq. 8 against batch["repr"]): then also {"diffusion", each head's}, and loss = diffusion + sum of weight x head."""
     device = torch.device(device)
-    x0 = batch["x0"].to(device, non_blocking=True)  # (B, C, h, w) fp32, already scaled
-    noise = batch["noise"].to(device, non_blocking=True)  # (B, C, h, w)
-    t = batch["t"].to(device, non_blocking=True)  # (B,) the objective's times
+    # x0 (B, C, h, w) fp32, already scaled; noise (B, C, h, w); t (B,) the objective's times
+    x0, noise, t = (batch[key].to(device, non_blocking=True) for key in ("x0", "noise", "t"))
     kwargs = dict(y=batch["label"].to(device, non_blocking=True),  # (B,)
                   force_drop_ids=batch["drop"].to(device, non_blocking=True))  # (B,) class-dropout coin
     if "route_keep" in batch:  # token routing: every row routes, label-dropped ones too (as TREAD)
@@ -257,7 +243,7 @@ def accumulate_gradients(learner: Learner, batches: Iterable[dict]) -> dict:
     """Forward/backward over the step's micro-batches; this rank's mean losses (detached): "loss"[, each head's]."""
     steps = learner.cfg.grad_accum_steps
     totals: dict[str, torch.Tensor] = {}
-    count = 0
+    micro = -1
     for micro, batch in enumerate(batches):
         local = micro < steps - 1 and learner.accelerator is not None  # DDP all-reduces on the last micro-step only
         with learner.accelerator.no_sync(learner.model) if local else contextlib.nullcontext():
@@ -266,8 +252,7 @@ def accumulate_gradients(learner: Learner, batches: Iterable[dict]) -> dict:
             learner.scaler.scale(losses["loss"] / steps).backward()
         for name, value in losses.items():
             totals[name] = totals.get(name, 0) + value.detach().float()
-        count += 1
-    assert count == steps, f"a step needs {steps} micro-batches, got {count}"
+    assert micro + 1 == steps, f"a step needs {steps} micro-batches, got {micro + 1}"
     return {name: value / steps for name, value in totals.items()}
 
 

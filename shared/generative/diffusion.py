@@ -132,9 +132,7 @@ class GaussianDiffusion:
         eps, v = out.split(channels, dim=1)  # (N, C, H, W) each
         # IDDPM Eq. 15: log Sigma = f log beta_t + (1 - f) log beta~_t, with f = (v + 1) / 2 in [0, 1].
         frac = (v + 1) / 2
-        max_log, min_log = self.at("log_betas", t, x), self.at("posterior_log_variance_clipped", t, x)
-        log_var = frac * max_log + (1 - frac) * min_log
-        return eps, log_var
+        return eps, frac * self.at("log_betas", t, x) + (1 - frac) * self.at("posterior_log_variance_clipped", t, x)
 
     def p_mean_variance(self, model_fn, x, t, model_kwargs=None):
         """p(x_{t-1} | x_t): mean, variance, log_variance, pred_xstart (and eps) from one model call."""

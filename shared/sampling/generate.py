@@ -121,14 +121,14 @@ def draw_missing(plan: SamplePlan, drawer: Drawer, rank: int, world: int, show: 
     drawer.progress = show
     mine = list(range(rank, plan.num_samples, world))
     # A PNG on disk is whole (renamed in once written): only the absent ones are drawn.
-    todo = [i for i, name in zip(mine, file_names(plan, mine)) if not (plan.out / name).exists()]
+    names = dict(zip(mine, file_names(plan, mine)))
+    todo = [i for i in mine if not (plan.out / names[i]).exists()]
     size = plan.options.batch_size
     with tqdm(total=len(todo), unit="img", desc=f"sampling (rank {rank}/{world})", disable=not show) as bar:
         for start in range(0, len(todo), size):
             batch = todo[start:start + size]
-            labels, pixels = drawer.draw(batch)
-            for i, y, p in zip(batch, labels, pixels):
-                save_png(plan.out / image_name(i, y, plan.labels.name_of(y)), p)
+            for i, pixels in zip(batch, drawer.draw(batch)[1]):  # uint8 (H, W, 3) each
+                save_png(plan.out / names[i], pixels)
             bar.update(len(batch))
     return len(todo)
 

@@ -189,11 +189,10 @@ def make_settings(plan: SamplePlan) -> dict:
     options = {k: v for k, v in asdict(o).items() if k not in skip}
     # What was used, not what was asked: the weights, sampler and options actually used and the guidance rule.
     # An option the sampler does not take is None (as folders written before that option existed read).
-    channels = plan.guide_channels
     options.update(weights=loaded.weights, sampler=plan.sampler,
                    **{k: plan.sampler_options.get(k) for k in SAMPLER_OPTIONS},
                    cfg_interval=list(o.cfg_interval) if o.cfg_interval else None,
-                   guide_channels="all" if channels is None else str(channels))
+                   guide_channels="all" if plan.guide_channels is None else str(plan.guide_channels))
     identity = {
         "ckpt": str(loaded.path.resolve()), "ckpt_bytes": loaded.path.stat().st_size, "step": loaded.step,
         "kind": loaded.kind, "model": loaded.config.to_dict(), "image_size": plan.image_size,
@@ -275,8 +274,7 @@ def check_out_dir(out: Path, settings: dict) -> None:
     except (ValueError, KeyError, TypeError) as err:
         raise UserError(f"{path} is not a settings file written by `python -m sample` ({err}); "
                         f"pass a new --out folder or delete it.") from err
-    mine = settings["identity"]
-    differ = differences(previous, mine, nested=False)
+    differ = differences(previous, settings["identity"], nested=False)
     if differ:
         raise UserError(
             f"--out {out} holds images of another run ({listed(differ)}). Resuming would mix two runs' images: "
