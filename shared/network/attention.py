@@ -15,11 +15,10 @@ def import_xformers_ops():
     try:
         return importlib.import_module("xformers.ops")
     except Exception as err:  # ImportError, or a broken build raising anything at import time
-        raise SettingError(
-            f"attention backend 'xformers' was requested but xformers cannot be imported ({err}). "
-            "Install the xformers wheel that matches your torch and CUDA build (see "
-            "requirements-xformers.txt), or use {attention backend} sdpa, which needs nothing extra."
-        ) from err
+        raise SettingError(f"attention backend 'xformers' was requested but xformers cannot be imported ({err}). "
+                           "Install the xformers wheel that matches your torch and CUDA build (see "
+                           "requirements-xformers.txt), or use {attention backend} sdpa, which needs nothing "
+                           "extra.") from err
 
 
 def resolve_attention(backend):

@@ -1,11 +1,9 @@
 """The transformer block's options, one table (LightningDiT, Yao et al. 2025, github hustvl/LightningDiT, MIT).
 
-Each block option is one record (BlockOption): the slot it fills (norm, mlp: named choices; rope, qk_norm: on/off
-switches), the value a ModelConfig records, its help, and what it builds there. DiT and DiT^DH build their blocks
-from this table alone; a --plugin module adds a value with `register_block_option` (the model records the module,
-so sampling asks for it), the built-ins register in shared/network/dit.py; the modules LightningDiT's build
-(RMSNorm, SwiGLU, 2-D RoPE) are at the end of this file. Each record's `marker` is the tensor that tells its layout
-apart in weights (LightningDiT's names: mlp.w12, feat_rope).
+Each block option is one record (BlockOption): the slot it fills, the value a ModelConfig records, its help, what it
+builds there, and the `marker` tensor that tells its layout apart in weights. DiT and DiT^DH build their blocks from
+this table alone; a --plugin module adds a value with `register_block_option`, the built-ins register in
+shared/network/dit.py; the modules LightningDiT's build (RMSNorm, SwiGLU, 2-D RoPE) are at the end of this file.
 """
 import argparse
 import sys
@@ -91,8 +89,7 @@ def build_part(slot: str, value, *args) -> nn.Module | None:
 
 def check_block_options(options: dict) -> None:
     """ChoiceError/UserError unless `options` gives every slot a registered value (and nothing else)."""
-    if set(options) != set(SLOTS):
-        raise UserError(f"block options {sorted(options)} are not the slots {', '.join(SLOTS)}; fix the config.")
+    assert set(options) == set(SLOTS), f"block options {sorted(options)} are not the slots {', '.join(SLOTS)}"
     for slot, value in options.items():
         block_option(slot, value)
 
@@ -162,9 +159,7 @@ def block_name(options):
     return next((name for name, preset in BLOCKS.items() if preset == chosen), "custom")
 
 
-#################################################################################
-#                  Selective activation checkpointing of a block                #
-#################################################################################
+# --- Selective activation checkpointing of a block ---
 
 # The aten ops whose outputs selective checkpointing keeps: matmuls and every SDPA kernel this torch has.
 _SAVED_NAMES = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
@@ -183,9 +178,7 @@ def selective_contexts():
     return create_selective_checkpoint_contexts(selective_policy)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# What LightningDiT's options build (their records: shared/network/dit.py, beside DiT's)
-# ---------------------------------------------------------------------------------------------------------
+# --- What LightningDiT's options build (their records: shared/network/dit.py, beside DiT's) ---
 
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x^2) + eps) * gain over the last dim (Zhang & Sennrich, 2019), normalised in fp32 at least."""

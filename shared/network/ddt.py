@@ -18,11 +18,8 @@ that see the noisy tokens again, embedded afresh, and are conditioned *per token
 
 Tensor names are RAE's (`s_embedder` the body's patch embedding, `x_embedder` the head's, `s_projector`,
 `blocks.0..depth-1` the body and `blocks.depth..` the head), so its released DiT^DH-XL loads with strict=True.
-Token routing (TREAD, shared/network/routing.py) composes with the head: routes lie within the body (blocks
-0..depth-1), as TREAD routes within its backbone, and the head and the final layer see every token.
-Only patch size 1 is what RAE runs (its unpatchify assumes it); larger patches work here with DiT's patch
-order. Initialisation follows RAE's default (torch's Linear init, patch embeddings as linears, N(0, 0.02) label
-table and time MLP weights, adaLN-Zero in every block, a zero output layer).
+Token routing (TREAD, shared/network/routing.py) routes within the body only, as TREAD within its backbone.
+RAE runs patch size 1 only (its unpatchify assumes it); larger patches work here with DiT's patch order.
 """
 from __future__ import annotations
 
@@ -58,13 +55,11 @@ class FourierTimestepEmbedder(nn.Module):
 
 
 def check_head(head_depth, head_width, head_heads):
-    """UserError unless the head is off (all 0) or a whole shape: depth >= 1, width divisible by heads."""
-    if head_depth == 0:
-        return
-    if head_depth < 0 or head_width <= 0 or head_heads <= 0 or head_width % head_heads:
+    """UserError unless the head is off (depth 0) or a whole shape: depth >= 1, width divisible by heads."""
+    if head_depth and (head_depth < 0 or head_width <= 0 or head_heads <= 0 or head_width % head_heads):
         raise SettingError(f"the DiT^DH head needs depth >= 1 and a width divisible by its attention heads, got depth "
-                        f"{head_depth}, width {head_width}, heads {head_heads} (RAE: 2 blocks, width 2048, 16 heads); "
-                        "fix {head depth}/{head width}/{head heads}, or use a DiTDH preset as it is.")
+                           f"{head_depth}, width {head_width}, heads {head_heads} (RAE: 2 blocks, width 2048, 16 "
+                           "heads); fix {head depth}/{head width}/{head heads}, or use a DiTDH preset as it is.")
 
 
 class DiTDH(Backbone):
@@ -105,8 +100,7 @@ class DiTDH(Backbone):
         init_patch_embed_(self.s_embedder)
         init_patch_embed_(self.x_embedder)
         nn.init.normal_(self.y_embedder.embedding_table.weight, std=0.02)
-        # DiT's sin-cos table (RAE uses the same one)
-        set_positions_(self.pos_embed, self.grid, [self.enc_feat_rope, self.dec_feat_rope])
+        set_positions_(self.pos_embed, self.grid, [self.enc_feat_rope, self.dec_feat_rope])  # DiT's table, as RAE's
         nn.init.normal_(self.t_embedder.W, std=1.0)
         init_condition_mlp_(self.t_embedder.mlp)
         adaln_zero_(self.blocks, self.final_layer)

@@ -51,19 +51,16 @@ _TOP_NAMES = {
     "final_layer.adaLN_modulation.1": "proj_out_1",
     "final_layer.linear": "proj_out_2",
 }
-# The embedder copies every diffusers block holds: ours -> name inside transformer_blocks.N.norm1.emb.
+# The embedder copies every diffusers block holds: our tensor -> its name inside transformer_blocks.N.norm1.emb.
 _EMBEDDERS = {
-    "t_embedder.mlp.0": "timestep_embedder.linear_1",
-    "t_embedder.mlp.2": "timestep_embedder.linear_2",
-    "y_embedder.embedding_table": "class_embedder.embedding_table",
+    "t_embedder.mlp.0.weight": "timestep_embedder.linear_1.weight",
+    "t_embedder.mlp.0.bias": "timestep_embedder.linear_1.bias",
+    "t_embedder.mlp.2.weight": "timestep_embedder.linear_2.weight",
+    "t_embedder.mlp.2.bias": "timestep_embedder.linear_2.bias",
+    "y_embedder.embedding_table.weight": "class_embedder.embedding_table.weight",
 }
 _QKV = ("to_q", "to_k", "to_v")
 _PARAMS = ("weight", "bias")
-
-
-def _params(ours: str) -> tuple[str, ...]:
-    """The tensors of one layer: an embedding table has a weight only."""
-    return ("weight",) if ours.endswith("embedding_table") else _PARAMS
 
 
 def _name_pairs(depth: int):
@@ -73,8 +70,7 @@ def _name_pairs(depth: int):
             yield f"{ours}.{param}", (f"{theirs}.{param}",)
     for n in range(depth):
         for ours, theirs in _EMBEDDERS.items():
-            for param in _params(ours):
-                yield f"{ours}.{param}", (f"transformer_blocks.{n}.norm1.emb.{theirs}.{param}",)
+            yield ours, (f"transformer_blocks.{n}.norm1.emb.{theirs}",)
         for ours, theirs in _BLOCK_NAMES.items():
             for param in _PARAMS:
                 yield f"blocks.{n}.{ours}.{param}", (f"transformer_blocks.{n}.{theirs}.{param}",)
@@ -82,27 +78,20 @@ def _name_pairs(depth: int):
             yield f"blocks.{n}.attn.qkv.{param}", tuple(f"transformer_blocks.{n}.attn1.{p}.{param}" for p in _QKV)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Configs
-# ----------------------------------------------------------------------------------------------------------
-
-def _class_defaults(class_name: str) -> dict:
-    """The keyword defaults of a diffusers model class (what an absent config key means)."""
-    import diffusers
-
-    init = getattr(diffusers, class_name).__init__
-    return {name: p.default for name, p in inspect.signature(init).parameters.items()
-            if p.default is not inspect.Parameter.empty}
-
+# --- Configs ---
 
 def full_config(config: dict) -> dict:
     """A diffusers DiT config with every absent key filled by the default of the class diffusers builds from it."""
+    import diffusers
+
     name = config["_class_name"]
     if name == "Transformer2DModel" and config.get("norm_type") == "ada_norm_zero":
         # diffusers builds this legacy config as a DiTTransformer2DModel (its _CLASS_REMAPPING_DICT), so an
         # absent key means that class's default (e.g. norm_elementwise_affine False, not Transformer2DModel's True).
         name = "DiTTransformer2DModel"
-    return {**_class_defaults(name), **config}
+    defaults = {key: p.default for key, p in inspect.signature(getattr(diffusers, name).__init__).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    return {**defaults, **config}
 
 
 def check_dit_config(config: dict, where) -> dict:
@@ -166,61 +155,42 @@ def model_config_of(config: dict, where) -> ModelConfig:
 def diffusers_config(config: ModelConfig) -> dict:
     """The DiTTransformer2DModel config of one of our models (LayerNorm eps as official: 1e-6)."""
     arch = PRESETS[config.model]
-    return {
-        "num_attention_heads": arch["num_heads"],
-        "attention_head_dim": arch["hidden_size"] // arch["num_heads"],
-        "in_channels": config.in_channels,
-        "out_channels": config.in_channels * (2 if config.learn_sigma else 1),
-        "num_layers": arch["depth"],
-        "dropout": 0.0,
-        "attention_bias": True,
-        "sample_size": config.input_size,
-        "patch_size": arch["patch_size"],
-        "activation_fn": "gelu-approximate",
-        "num_embeds_ada_norm": config.num_classes,
-        "upcast_attention": False,
-        "norm_type": "ada_norm_zero",
-        "norm_elementwise_affine": False,
-        # diffusers' default is 1e-5; 1e-6 makes its pre-MLP LayerNorm the official one.
-        "norm_eps": OFFICIAL_NORM_EPS,
-    }
+    return {"num_attention_heads": arch["num_heads"], "attention_head_dim": arch["hidden_size"] // arch["num_heads"],
+            "in_channels": config.in_channels, "out_channels": config.in_channels * (2 if config.learn_sigma else 1),
+            "num_layers": arch["depth"], "dropout": 0.0, "attention_bias": True, "sample_size": config.input_size,
+            "patch_size": arch["patch_size"], "activation_fn": "gelu-approximate",
+            "num_embeds_ada_norm": config.num_classes, "upcast_attention": False, "norm_type": "ada_norm_zero",
+            # diffusers' default is 1e-5; 1e-6 makes its pre-MLP LayerNorm the official one.
+            "norm_elementwise_affine": False, "norm_eps": OFFICIAL_NORM_EPS}
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Weights
-# ----------------------------------------------------------------------------------------------------------
-
-def _copies_equal(state_dict: dict, depth: int, where) -> None:
-    """UserError unless every block's embedder copy equals block 0's, bit for bit."""
-    for ours, theirs in _EMBEDDERS.items():
-        for param in _params(ours):
-            first = state_dict[f"transformer_blocks.0.norm1.emb.{theirs}.{param}"]
-            for n in range(1, depth):
-                other = state_dict[f"transformer_blocks.{n}.norm1.emb.{theirs}.{param}"]
-                if other.shape != first.shape or not torch.equal(other, first):
-                    diff = (other.float() - first.float()).abs().max().item() if other.shape == first.shape else "n/a"
-                    raise UserError(
-                        f"the diffusers DiT in {where} has unequal per-block copies of its "
-                        f"{theirs.split('.')[0].replace('_', ' ')}: transformer_blocks.{n}.norm1.emb.{theirs}.{param} "
-                        f"differs from block 0's (max |difference| {diff}). The official DiT, which this project "
-                        f"runs, has one embedder shared by all blocks, so no such model computes what these weights "
-                        f"compute (they were trained or edited with the copies apart, e.g. fine-tuned in diffusers). "
-                        f"Use weights whose copies are equal, such as the Hub's facebook/DiT-XL-2-* or any "
-                        f"conversion of an official checkpoint.")
-
+# --- Weights ---
 
 def diffusers_to_dit(state_dict: dict, config: dict, where) -> dict:
     """A diffusers DiT state dict (checked config) -> our state dict, pos_embed recomputed; exact copies."""
     kw = dit_kwargs(config)
     depth = kw["depth"]
-    expected = set(diffusers_keys(depth))
+    expected = {name for _, theirs in _name_pairs(depth) for name in theirs}
     missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
     if missing or unexpected:
         parts = [f"{len(keys)} {what} (e.g. {keys[0]})" for what, keys in
                  (("tensors a DiT needs are missing", missing), ("tensors are not part of a DiT", unexpected)) if keys]
         raise UserError(f"the weights in {where} do not fit their DiT config ({depth} layers): {'; '.join(parts)}. "
                         f"The folder is damaged or mixed from two models; download or export it again.")
-    _copies_equal(state_dict, depth, where)
+    for theirs in _EMBEDDERS.values():  # every block's embedder copy must equal block 0's, bit for bit
+        first = state_dict[f"transformer_blocks.0.norm1.emb.{theirs}"]
+        for n in range(1, depth):
+            other = state_dict[f"transformer_blocks.{n}.norm1.emb.{theirs}"]
+            if other.shape != first.shape or not torch.equal(other, first):
+                diff = (other.float() - first.float()).abs().max().item() if other.shape == first.shape else "n/a"
+                raise UserError(
+                    f"the diffusers DiT in {where} has unequal per-block copies of its "
+                    f"{theirs.split('.')[0].replace('_', ' ')}: transformer_blocks.{n}.norm1.emb.{theirs} "
+                    f"differs from block 0's (max |difference| {diff}). The official DiT, which this project "
+                    f"runs, has one embedder shared by all blocks, so no such model computes what these weights "
+                    f"compute (they were trained or edited with the copies apart, e.g. fine-tuned in diffusers). "
+                    f"Use weights whose copies are equal, such as the Hub's facebook/DiT-XL-2-* or any "
+                    f"conversion of an official checkpoint.")
     out = {}
     for ours, theirs in _name_pairs(depth):  # an embedder: block 0's copy (all are equal, checked above)
         out.setdefault(ours, torch.cat([state_dict[k] for k in theirs]) if len(theirs) > 1 else state_dict[theirs[0]])
@@ -239,8 +209,3 @@ def dit_to_diffusers(state_dict: dict) -> dict:
         for name, part in zip(theirs, state_dict[ours].chunk(len(theirs), dim=0)):  # qkv: 3 x (D, D) / (D,)
             out[name] = part.clone()
     return out
-
-
-def diffusers_keys(depth: int) -> list[str]:
-    """Every tensor name of a diffusers DiT with `depth` blocks."""
-    return [name for _, theirs in _name_pairs(depth) for name in theirs]

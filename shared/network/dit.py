@@ -1,10 +1,9 @@
 """DiT (Peebles & Xie, 2023): the network, and the base it shares with DiT^DH (shared/network/ddt.py).
 
 Parameter names, shapes, initialisation and numerics follow the official release, so the official checkpoints
-(e.g. DiT-XL-2-256x256.pt) load with strict=True and give the same outputs. The block, its attention and the output
-layer are here, top to bottom as the official models.py, after the built-in block options' records in the table
-the block builds from (shared/network/blocks.py, which holds the modules LightningDiT's options build: RMSNorm,
-SwiGLU, 2-D RoPE); presets, ModelConfig and reading weights back are shared/network/models.py's.
+(e.g. DiT-XL-2-256x256.pt) load with strict=True and give the same outputs. Top to bottom as the official models.py,
+with the built-in block options' records (the table and LightningDiT's modules: shared/network/blocks.py); presets,
+ModelConfig and reading weights back are shared/network/models.py's.
 """
 import math
 
@@ -24,9 +23,7 @@ FREQUENCY_EMBEDDING_SIZE = 256  # sinusoidal timestep features fed to the timest
 CLASS_DROPOUT_PROB = 0.1  # DiT's label dropout: the null class that classifier-free guidance needs
 
 
-#################################################################################
-#                     Fixed sine-cosine positional embedding                    #
-#################################################################################
+# --- Fixed sine-cosine positional embedding ---
 
 def sincos_1d(dim, positions):
     """Sine half then cosine half of positions / 10000^(2i/dim) (Transformer positional encoding)."""
@@ -43,9 +40,7 @@ def sincos_2d(dim, grid_size):
     return torch.cat([sincos_1d(dim // 2, cols), sincos_1d(dim // 2, rows)], dim=1)  # (T, dim)
 
 
-#################################################################################
-#                 Embedding layers for patches, timesteps and labels            #
-#################################################################################
+# --- Embedding layers for patches, timesteps and labels ---
 
 class PatchEmbed(nn.Module):
     """Non-overlapping p x p patches projected to D channels by a strided convolution."""
@@ -69,11 +64,8 @@ class TimestepEmbedder(nn.Module):
 
     def __init__(self, hidden_size, frequency_embedding_size=FREQUENCY_EMBEDDING_SIZE):
         super().__init__()
-        self.mlp = nn.Sequential(
-            nn.Linear(frequency_embedding_size, hidden_size, bias=True),
-            nn.SiLU(),
-            nn.Linear(hidden_size, hidden_size, bias=True),
-        )
+        self.mlp = nn.Sequential(nn.Linear(frequency_embedding_size, hidden_size, bias=True), nn.SiLU(),
+                                 nn.Linear(hidden_size, hidden_size, bias=True))
         self.frequency_embedding_size = frequency_embedding_size
 
     @staticmethod
@@ -99,8 +91,7 @@ class LabelEmbedder(nn.Module):
         super().__init__()
         self.has_null = dropout_prob > 0  # as official: no null row when the model never drops labels
         self.embedding_table = nn.Embedding(num_classes + int(self.has_null), hidden_size)
-        self.num_classes = num_classes
-        self.dropout_prob = dropout_prob
+        self.num_classes, self.dropout_prob = num_classes, dropout_prob
 
     def token_drop(self, labels, force_drop_ids=None):
         """Replace labels by the null class with probability dropout_prob (or where force_drop_ids == 1)."""
@@ -118,9 +109,7 @@ class LabelEmbedder(nn.Module):
         return self.embedding_table(labels)  # (N, D)
 
 
-#################################################################################
-#     The built-in block options' records (LightningDiT's modules: blocks.py)   #
-#################################################################################
+# --- The built-in block options' records (LightningDiT's modules: blocks.py) ---
 
 class Mlp(nn.Module):
     """Two-layer feed-forward network with tanh-approximated GELU."""
@@ -155,9 +144,7 @@ register_block_option("qk_norm", True, "the --norm's per-head layer (Dehghani et
                       marker="blocks.0.attn.q_norm.weight")
 
 
-#################################################################################
-#            The transformer block (adaLN-Zero), its attention, the output      #
-#################################################################################
+# --- The transformer block (adaLN-Zero), its attention, the output ---
 
 def per_token(v):
     """A modulation vector (N, D) broadcast over tokens as (N, 1, D); a per-token one (N, T, D) as it is."""
@@ -176,8 +163,7 @@ class Attention(nn.Module):
         super().__init__()
         if dim % num_heads:
             raise UserError(f"hidden size {dim} is not divisible by {num_heads} heads; pick a width that is.")
-        self.num_heads = num_heads
-        self.head_dim = dim // num_heads
+        self.num_heads, self.head_dim = num_heads, dim // num_heads
         self.qkv = nn.Linear(dim, dim * 3, bias=True)
         self.qk_norm = qk_norm is not None
         # nn.Identity has no tensors, so the official block's state dict is unchanged.
@@ -192,39 +178,29 @@ class Attention(nn.Module):
         n, t, d = x.shape
         qkv = self.qkv(x).reshape(n, t, 3, self.num_heads, self.head_dim)  # (N, T, 3, H, d)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (N, H, T, d)
-        q, k = self._position_and_norm(q, k, v.dtype, rope)
-        if self.backend == "xformers":
-            out = self._xformers(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # (N, T, H, d)
+        if self.qk_norm or rope is not None:  # else the official block: q and k untouched
+            q, k = self.q_norm(q), self.k_norm(k)  # QK-norm then RoPE, as LightningDiT
+            if rope is not None:
+                q, k = rope(q), rope(k)
+            q, k = q.to(v.dtype), k.to(v.dtype)  # cast back to v's dtype for the kernels
+        if self.backend == "xformers":  # CUDA only, never a silent fallback
+            if not q.is_cuda:
+                raise SettingError(f"attention backend 'xformers' needs CUDA tensors but the model runs on {q.device}; "
+                                   "its kernels are not implemented there. Use {attention backend} sdpa (or auto) on "
+                                   "this device.")
+            try:
+                out = import_xformers_ops().memory_efficient_attention(
+                    q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # (N, T, H, d)
+            except NotImplementedError as err:
+                raise SettingError(f"xformers has no kernel for this input ({q.dtype}, head dim {q.shape[-1]}, "
+                                   f"{q.device}): {err}. Use {{attention backend}} sdpa, or install an xformers "
+                                   "build for your GPU.") from err
         elif self.backend == "sdpa" and self.sdpa_kernel is not None:
             out = pinned_sdpa(q, k, v, self.sdpa_kernel).transpose(1, 2)  # (N, T, H, d)
         else:
             attend = F.scaled_dot_product_attention if self.backend == "sdpa" else math_attention
             out = attend(q, k, v).transpose(1, 2)  # (N, T, H, d)
         return self.proj(out.reshape(n, t, d))  # (N, T, D)
-
-    def _position_and_norm(self, q, k, dtype, rope):
-        """QK-norm then RoPE on (N, H, T, d), as LightningDiT; cast back to v's dtype for the kernels."""
-        if not self.qk_norm and rope is None:
-            return q, k  # the official block: untouched
-        q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:
-            q, k = rope(q), rope(k)
-        return q.to(dtype), k.to(dtype)
-
-    def _xformers(self, q, k, v):
-        """xformers memory-efficient attention on (N, T, H, d); CUDA only, never a silent fallback."""
-        if not q.is_cuda:
-            raise SettingError(
-                f"attention backend 'xformers' needs CUDA tensors but the model runs on {q.device}; "
-                "its kernels are not implemented there. Use {attention backend} sdpa (or auto) on this device."
-            )
-        try:
-            return import_xformers_ops().memory_efficient_attention(q, k, v)  # (N, T, H, d)
-        except NotImplementedError as err:
-            raise SettingError(
-                f"xformers has no kernel for this input ({q.dtype}, head dim {q.shape[-1]}, {q.device}): "
-                f"{err}. Use {{attention backend}} sdpa, or install an xformers build for your GPU."
-            ) from err
 
 
 def pinned_sdpa(q, k, v, kernel: str):
@@ -287,9 +263,7 @@ class FinalLayer(nn.Module):
         return self.linear(modulate(self.norm_final(x), shift, scale))
 
 
-#################################################################################
-#                         Initialisation shared by DiT and DiT^DH               #
-#################################################################################
+# --- Initialisation shared by DiT and DiT^DH ---
 # Pieces of the init both models run in their own RNG draw order (initialize_weights of each). The ones that
 # draw (init_patch_embed_, init_condition_mlp_) are called where the draw falls; the others draw nothing.
 
@@ -322,13 +296,10 @@ def adaln_zero_(blocks, final_layer: FinalLayer) -> None:
         nn.init.zeros_(layer.bias)
 
 
-#################################################################################
-#                     What DiT and DiT^DH share, and DiT                        #
-#################################################################################
+# --- What DiT and DiT^DH share, and DiT ---
 
 class Backbone(nn.Module):
     """What DiT and DiT^DH share: blocks from the option table, attention kernels, checkpointing, routing, patch order."""
-
     # A subclass builds its embedders in __init__ with the parts below, in the order its release draws their initial
     # weights, then calls finish().
 
@@ -388,8 +359,9 @@ class Backbone(nn.Module):
             raise UserError(f"gradient checkpointing interval must be a whole number >= 0 (0 = off, 1 = every "
                             f"block) or {SELECTIVE!r}, got {every!r}.")
         self.grad_checkpoint_every = every
+        k = 1 if every == SELECTIVE else every
         for index, block in enumerate(self.blocks):
-            block.recompute = (SELECTIVE if every == SELECTIVE else "full") if self._checkpointed(index) else None
+            block.recompute = (SELECTIVE if every == SELECTIVE else "full") if k > 0 and index % k == 0 else None
 
     def set_routing(self, start=None, end=None):
         """Token routing in training (routing.py): blocks start..end see only the kept tokens; None: off. Not architecture."""
@@ -397,11 +369,6 @@ class Backbone(nn.Module):
             raise UserError(f"a route over blocks {start}..{end} does not fit this model's {self.depth} routable blocks "
                             f"(0 <= start <= end <= {self.depth - 1}; a DiT^DH head is never routed).")
         self.route = None if start is None else (start, end)
-
-    def _checkpointed(self, index):
-        """Whether block `index` recomputes in backward (all of it, or its pointwise ops) instead of storing them."""
-        k = 1 if self.grad_checkpoint_every == SELECTIVE else self.grad_checkpoint_every
-        return k > 0 and index % k == 0
 
     def _active_route(self, route_keep, return_hidden_at):
         """(start, end) of the route this forward takes ((-1, -1): none); SettingError for REPA inside it."""
@@ -442,11 +409,9 @@ class Backbone(nn.Module):
         if x.dim() != 4 or tuple(x.shape[1:]) != expected:
             rope = (f" Its rotary position tables are built for a {self.grid}x{self.grid} token grid, so it cannot "
                     "run at another size either.") if self.feat_rope is not None else ""
-            raise UserError(
-                f"the model expects latents of shape (N, {', '.join(map(str, expected))}) but got "
-                f"{tuple(x.shape)}; the latents' image size or VAE does not match this model's input_size "
-                f"and in_channels.{rope} Use latents extracted at the size the model was built for."
-            )
+            raise UserError(f"the model expects latents of shape (N, {', '.join(map(str, expected))}) but got "
+                            f"{tuple(x.shape)}; the latents' image size or VAE does not match this model's input_size "
+                            f"and in_channels.{rope} Use latents extracted at the size the model was built for.")
 
 
 class DiT(Backbone):
@@ -464,9 +429,9 @@ class DiT(Backbone):
         # MeanFlow (Geng et al. 2025): a second embedder for the interval length t - r, summed into the conditioning
         # as the official models_dit.py's h_embedder. None (no tensors) unless asked, so other layouts are unchanged.
         self.h_embedder = TimestepEmbedder(hidden_size) if interval_time else None
-        # Improved MeanFlow (Geng et al. 2025, arXiv 2512.02012): the guidance as conditioning, one embedder
-        # each for 1 - 1/w, the interval's t_min and t_max, summed into the conditioning (the paper feeds them as
-        # in-context tokens; adaLN keeps every DiT layout and release loadable).
+        # Improved MeanFlow (Geng et al. 2025, arXiv 2512.02012): the guidance as conditioning, one embedder each for
+        # 1 - 1/w, the interval's t_min and t_max, summed in (the paper feeds in-context tokens; adaLN keeps every DiT
+        # layout and release loadable).
         self.g_embedders = nn.ModuleList(TimestepEmbedder(hidden_size) for _ in range(GUIDANCE_INPUTS)) \
             if guidance_inputs else None
         self.y_embedder = LabelEmbedder(num_classes, hidden_size, class_dropout_prob)
@@ -498,9 +463,7 @@ class DiT(Backbone):
     @property
     def time_width(self) -> int:
         """Columns of the time input: 1 (a time), 2 (MeanFlow: t, t - r), or 5 (improved MeanFlow: and its guidance)."""
-        if self.h_embedder is None:
-            return 1
-        return 2 + (GUIDANCE_INPUTS if self.g_embedders is not None else 0)
+        return 1 if self.h_embedder is None else 2 + (GUIDANCE_INPUTS if self.g_embedders is not None else 0)
 
     def time_embedding(self, t):
         """(N,) timesteps -> (N, D); with the interval embedder, (N, 2) pairs (time, interval length) -> (N, D);
@@ -519,12 +482,11 @@ class DiT(Backbone):
 
     def forward(self, x, t, y, force_drop_ids=None, return_hidden_at=None, route_keep=None):
         """x (N, C, H, W) latents, t (N,) times ((N, 2) with the interval embedder), y (N,) -> (N, out, H, W)."""
-        # force_drop_ids (N,) bool/0-1: labels that become the null class; training passes the data side's per-sample
-        # coin here, so the model's own global-RNG label dropout never runs (train/loop.py TrainingDraws).
-        # return_hidden_at k (1..depth): the result is (output, block k's tokens (N, T, D)), from the same forward
-        # (REPA aligns them; shared/network/repa.py).
-        # route_keep (N, K) int64: in train mode with set_routing on, only these tokens pass the routed blocks (TREAD);
-        # in eval mode every token passes every block, as sampling does.
+        # force_drop_ids (N,) bool/0-1: labels that become the null class (training passes its per-sample coin, so the
+        # model's own global-RNG label dropout never runs: train/loop.py TrainingDraws). return_hidden_at k (1..depth):
+        # the result is (output, block k's tokens (N, T, D)), for REPA (shared/network/repa.py). route_keep (N, K)
+        # int64: in train mode with set_routing on, only these tokens pass the routed blocks (TREAD); in eval mode
+        # every token passes every block, as sampling does.
         self._check_input(x)
         x = self.x_embedder(x) + self.pos_embed  # (N, T, D), T = H * W / p**2
         c = self.time_embedding(t) + self.y_embedder(y, self.training, force_drop_ids)  # (N, D)

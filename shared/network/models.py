@@ -140,22 +140,9 @@ class ModelConfig:
         for name in (*BLOCK_FIELDS, *HEAD_FIELDS):
             if getattr(self, name) is None:
                 setattr(self, name, preset[name])
-        objective = self._registered()
-        check_head(self.head_depth, self.head_width, self.head_heads)
-        if self.model in DEFAULT_BLOCKS and not self.head_depth:
-            raise SettingError(f"{self.model} is a DiT^DH preset but {{head depth}} is 0; use a DiT preset for a "
-                               "model without the head.")
-        check_interval_time(self, objective)
-        self.objective_args = recorded_args(objective)  # every recorded field (defaults too): equal models, equal configs
-        self.plugins = sorted({plugin_of(self.objective), *block_plugins(self.block_options)} - {""})
-        self.sampling = {k: list(v) if isinstance(v, tuple) else v for k, v in self.sampling.items()}  # as JSON reads
-        check_recorded(self.sampling, objective.family, "the model config")
-
-    def _registered(self):
-        """The objective, once it and the block options are found registered; else names a recorded plugin not imported."""
-        try:
+        try:  # the objective, once it and the block options are found registered; else name a recorded plugin
             check_block_options(self.block_options)
-            return objective_of(self)
+            objective = objective_of(self)
         except UserError as err:
             missing = [m for m in self.plugins if m not in sys.modules]
             if not missing:
@@ -164,6 +151,27 @@ class ModelConfig:
             raise UserError(f"these weights were made with the module(s) {', '.join(missing)} (recorded with the model), "
                             f"which register(s) {lacking}; pass {' '.join(f'--plugin {m}' for m in missing)} so it is "
                             "imported (its folder on PYTHONPATH).") from err
+        check_head(self.head_depth, self.head_width, self.head_heads)
+        if self.model in DEFAULT_BLOCKS and not self.head_depth:
+            raise SettingError(f"{self.model} is a DiT^DH preset but {{head depth}} is 0; use a DiT preset for a "
+                               "model without the head.")
+        if self.interval_time and self.head_depth:
+            raise SettingError(f"{self.model} has a DiT^DH head, which has no second time embedding here (MeanFlow's "
+                               "t - r is embedded by the plain DiT only; the JVP through the head is not supported). "
+                               "Train the meanflow objective on a DiT-* preset (e.g. DiT-XL/2, the paper's backbone).")
+        # The interval (and guidance) embedders exactly when its objective feeds them.
+        for field_name, words in (("interval_time", "the interval time embedder"),
+                                  ("guidance_inputs", "the guidance embedders")):
+            has, want = getattr(self, field_name), bool(getattr(objective, field_name, False))
+            if has != want:
+                raise SettingError(f"the model config {'has' if has else 'lacks'} {words} ({field_name} {has}), but "
+                                   f"its objective {self.objective} {'feeds' if want else 'does not feed'} the network "
+                                   "those inputs; the two are written together, so these weights were edited by hand. "
+                                   "Re-export them with this version.")
+        self.objective_args = recorded_args(objective)  # every recorded field (defaults too): equal models, equal configs
+        self.plugins = sorted({plugin_of(self.objective), *block_plugins(self.block_options)} - {""})
+        self.sampling = {k: list(v) if isinstance(v, tuple) else v for k, v in self.sampling.items()}  # as JSON reads
+        check_recorded(self.sampling, objective.family, "the model config")
 
     @property
     def has_null_class(self) -> bool:
@@ -187,7 +195,7 @@ class ModelConfig:
 
     def build(self, attention="auto", grad_checkpoint_every=0, device=None, init=True):
         """The DiT (a DiT^DH with a head) on `device`; init=False: zero-filled weights, no initialisation (measuring)."""
-        # interval_time / guidance_inputs passed only when set: a DiT^DH takes no such argument (check_interval_time)
+        # interval_time / guidance_inputs passed only when set: a DiT^DH takes no such argument (__post_init__)
         kwargs = {k: v for k, v in self.to_dict().items() if k not in ("model", *OBJECTIVE_FIELDS)
                   and (v or k not in ("interval_time", "guidance_inputs"))}
         kwargs.update(attention=attention, grad_checkpoint_every=grad_checkpoint_every)
@@ -218,22 +226,6 @@ class ModelConfig:
         return cls(**d)
 
 
-def check_interval_time(config: ModelConfig, objective) -> None:
-    """SettingError unless the config has the interval (and guidance) embedders exactly when its objective feeds them."""
-    if config.interval_time and config.head_depth:
-        raise SettingError(f"{config.model} has a DiT^DH head, which has no second time embedding here (MeanFlow's "
-                           "t - r is embedded by the plain DiT only; the JVP through the head is not supported). Train "
-                           "the meanflow objective on a DiT-* preset (e.g. DiT-XL/2, the paper's backbone).")
-    for field_name, words in (("interval_time", "the interval time embedder"),
-                              ("guidance_inputs", "the guidance embedders")):
-        has, want = getattr(config, field_name), bool(getattr(objective, field_name, False))
-        if has != want:
-            raise SettingError(f"the model config {'has' if has else 'lacks'} {words} ({field_name} {has}), but its "
-                               f"objective {config.objective} {'feeds' if want else 'does not feed'} the network "
-                               "those inputs; the two are written together, so these weights were edited by hand. "
-                               "Re-export them with this version.")
-
-
 def _shape(state_dict, key):
     """Shape of a required tensor, or a UserError saying the weights are not a DiT state dict."""
     if key not in state_dict:
@@ -255,37 +247,27 @@ def _infer_architecture(state_dict):
                 label_rows=_shape(state_dict, "y_embedder.embedding_table.weight")[0])
 
 
-def _infer_head(state_dict, arch):
-    """The DiT^DH part of a state dict in RAE's layout (s_embedder = body, x_embedder = head): depths, head width."""
-    widths = {int(m.group(1)): state_dict[k].shape[1] for k in state_dict
-              if (m := re.match(r"blocks\.(\d+)\.attn\.qkv\.weight$", k))}
-    depth = sum(1 for w in widths.values() if w == arch["hidden_size"])
-    return dict(depth=depth, head_depth=len(widths) - depth, head_width=_shape(state_dict, "x_embedder.proj.weight")[0])
-
-
-def _body_names(state_dict):
-    """RAE's DiTwDDTHead names of the body's parts as DiT's (s_embedder, enc_feat_rope); the head's embedder dropped."""
-    body = {"s_embedder": "x_embedder", "enc_feat_rope": "feat_rope"}
-    return {re.sub(r"^\w+", lambda m: body.get(m[0], m[0]), k): v
-            for k, v in state_dict.items() if not k.startswith("x_embedder.")}
-
-
 def infer_model_config(state_dict, class_dropout_prob=CLASS_DROPOUT_PROB):
     """Recover the ModelConfig of a DiT (or DiT^DH) state dict from its tensor shapes; UserError if no preset fits."""
     # Shapes cannot tell whether the label table's last row is a null class; like the official
     # checkpoints we assume it is (num_classes = rows - 1) unless class_dropout_prob is 0.
     rae = "s_embedder.proj.weight" in state_dict  # RAE's DiTwDDTHead layout: a DiT^DH
-    arch = _infer_architecture(_body_names(state_dict) if rae else state_dict)
-    arch.update(_infer_head(state_dict, arch) if rae else dict(head_depth=0, head_width=0))
+    if rae:  # its body's parts (s_embedder, enc_feat_rope) read as DiT's, the head's embedder (x_embedder) dropped
+        body = {"s_embedder": "x_embedder", "enc_feat_rope": "feat_rope"}
+        arch = _infer_architecture({re.sub(r"^\w+", lambda m: body.get(m[0], m[0]), k): v
+                                    for k, v in state_dict.items() if not k.startswith("x_embedder.")})
+        widths = [state_dict[k].shape[1] for k in state_dict if re.match(r"blocks\.\d+\.attn\.qkv\.weight$", k)]
+        arch["depth"] = sum(1 for w in widths if w == arch["hidden_size"])
+        arch.update(head_depth=len(widths) - arch["depth"], head_width=_shape(state_dict, "x_embedder.proj.weight")[0])
+    else:
+        arch = _infer_architecture(state_dict) | dict(head_depth=0, head_width=0)
     found = {k: arch[k] for k in ("depth", "hidden_size", "patch_size", "head_depth", "head_width")}
     name = next((n for n, p in PRESETS.items() if {k: p.get(k, 0) for k in found} == found and arch["square"]), None)
     if name is None:
         head = f", head depth {arch['head_depth']} width {arch['head_width']}" if rae else ""
-        raise UserError(
-            f"these weights have depth {arch['depth']}, width {arch['hidden_size']}{head}, patch {arch['patch_size']} "
-            f"and input size {arch['input_size']} (latent grid), which match no preset in DiT_models "
-            f"({', '.join(PRESETS)}). Use weights of a preset model."
-        )
+        raise UserError(f"these weights have depth {arch['depth']}, width {arch['hidden_size']}{head}, patch "
+                        f"{arch['patch_size']} and input size {arch['input_size']} (latent grid), which match no "
+                        f"preset in DiT_models ({', '.join(PRESETS)}). Use weights of a preset model.")
     if arch["out_channels"] not in (arch["in_channels"], 2 * arch["in_channels"]):
         raise UserError(f"the final layer predicts {arch['out_channels']} channels for {arch['in_channels']} "
                         "input channels (expected equal or double); these are not DiT weights.")
@@ -297,23 +279,15 @@ def infer_model_config(state_dict, class_dropout_prob=CLASS_DROPOUT_PROB):
         num_classes=arch["label_rows"] - int(has_null), learn_sigma=arch["out_channels"] == 2 * arch["in_channels"],
         class_dropout_prob=class_dropout_prob if has_null else 0.0, **{k: arch[k] for k in BLOCK_FIELDS},
         head_depth=arch["head_depth"], head_width=arch["head_width"], head_heads=head_heads,
-        **({"objective": "flow"} if rae else {}),
-    )
-    _check_layout(state_dict, config)
-    return config
-
-
-def _check_layout(state_dict, config):
-    """UserError when the tensor names or shapes differ from those of the model the inferred config builds."""
-    with torch.device("meta"):
+        **({"objective": "flow"} if rae else {}))
+    with torch.device("meta"):  # UserError when the names or shapes differ from those of the model it builds
         expected = {k: tuple(v.shape) for k, v in config.build().state_dict().items()}
     extra, missing = sorted(set(state_dict) - set(expected)), sorted(set(expected) - set(state_dict))
     reshaped = sorted(k for k in set(state_dict) & set(expected) if tuple(state_dict[k].shape) != expected[k])
     if extra or missing or reshaped:
         listed = lambda names: f"{names[:4]}{' ...' if len(names) > 4 else ''}"  # noqa: E731
-        raise UserError(
-            f"these weights look like {config.model} with block options {config.block_options}, but their tensor "
-            f"names or shapes differ from that model's (unexpected {listed(extra)}, missing {listed(missing)}, "
-            f"other shape {listed(reshaped)}), so this version cannot rebuild them. Use a DiT checkpoint or one of "
-            "this project's exports (which carry their config)."
-        )
+        raise UserError(f"these weights look like {config.model} with block options {config.block_options}, but "
+                        f"their tensor names or shapes differ from that model's (unexpected {listed(extra)}, missing "
+                        f"{listed(missing)}, other shape {listed(reshaped)}), so this version cannot rebuild them. "
+                        "Use a DiT checkpoint or one of this project's exports (which carry their config).")
+    return config

@@ -68,21 +68,6 @@ def alignment_loss(projected: torch.Tensor, target: torch.Tensor) -> torch.Tenso
     return -cos.mean(dim=1)
 
 
-def check_depth(depth: int, model_depth: int, model: str) -> None:
-    """REPA's depth counts blocks from 1 (block `depth`'s output is aligned); beyond the model is refused."""
-    if not 1 <= depth <= model_depth:
-        raise UserError(f"--repa-depth {depth} is outside the {model_depth} blocks of {model}: REPA aligns the output "
-                        f"of block k for 1 <= k <= depth (REPA: 8 of 28 for SiT-XL/2, about a third of the way "
-                        f"in). Pass --repa-depth between 1 and {model_depth}.")
-
-
-def check_grid(count: int, what: str) -> None:
-    """Token counts must be square grids (ViT patch tokens, DiT patches)."""
-    if math.isqrt(count) ** 2 != count:
-        raise UserError(f"{what} has {count} tokens, not a square grid; REPA here needs square token grids "
-                        f"(a ViT's patch tokens without class or register tokens).")
-
-
 def same_features(saved: dict, current: dict) -> list[str]:
     """What differs between the encoder a run started with and the folder's (ignoring where it was read from)."""
     keys = ("model_type", "config_sha256", "input_size", "patch_size", "tokens", "dim", "normalisation", "dtype")
@@ -92,9 +77,7 @@ def same_features(saved: dict, current: dict) -> list[str]:
 REPA_PROJECTOR_PREFIX = "projectors."  # REPA's released SiT-XL/2 keeps its projector under this name (build_mlp)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The shard column "repr": DINOv2's tokens stored at extraction (shared/tokenizers/repr_encoder.py), aligned in training
-# ----------------------------------------------------------------------------------------------------------
+# --- The shard column "repr": DINOv2's tokens stored at extraction (shared/tokenizers/repr_encoder.py) ---
 
 @dataclass(kw_only=True)
 class ReprFlags:
@@ -156,7 +139,11 @@ def resolve_repa(flags: RepaFlags, record: dict, shape, model: str, root) -> Rep
     """The depth fits the model, E matches the stored features (one paragraph each); E filled in."""
     from shared.network.models import PRESETS
 
-    check_depth(flags.repa_depth, PRESETS[model]["depth"], model)
+    depth, model_depth = flags.repa_depth, PRESETS[model]["depth"]
+    if not 1 <= depth <= model_depth:  # REPA counts blocks from 1: block `depth`'s output is aligned
+        raise UserError(f"--repa-depth {depth} is outside the {model_depth} blocks of {model}: REPA aligns the output "
+                        f"of block k for 1 <= k <= depth (REPA: 8 of 28 for SiT-XL/2, about a third of the way "
+                        f"in). Pass --repa-depth between 1 and {model_depth}.")
     _, tokens, dim = shape  # (F, T, E)
     if flags.repa_feature_dim is not None and flags.repa_feature_dim != dim:
         raise UserError(f"--repa-feature-dim {flags.repa_feature_dim} does not match the features stored in "
@@ -164,7 +151,9 @@ def resolve_repa(flags: RepaFlags, record: dict, shape, model: str, root) -> Rep
                         f"output must have the features' width: pass --repa-feature-dim {dim} (or omit it), or "
                         f"extract features of width {flags.repa_feature_dim} with another --repr-encoder into a new "
                         f"folder.")
-    check_grid(tokens, f"the encoder features in {root}")
+    if math.isqrt(tokens) ** 2 != tokens:
+        raise UserError(f"the encoder features in {root} has {tokens} tokens, not a square grid; REPA here needs "
+                        f"square token grids (a ViT's patch tokens without class or register tokens).")
     return replace(flags, repa_feature_dim=dim)
 
 

@@ -1,10 +1,9 @@
 """Token routing (TREAD: Krause et al., ICCV 2025, github CompVis/tread): a cheaper training step, no new weights.
 
-During training a random subset of each sample's tokens skips a span of middle blocks: before block `start` the
-tokens are split, blocks start..end (inclusive, counted from 0 as `blocks.N` in the state dict) see only the
-kept ones, and after block `end` the skipped tokens re-enter unchanged, holding what block start-1 gave them.
-Every block after the route and the final layer see all tokens, so the loss covers every token. Evaluation and
-sampling run every token through every block (DiT.forward routes only in train mode).
+During training a random subset of each sample's tokens skips a span of middle blocks: blocks start..end
+(inclusive, counted from 0 as `blocks.N` in the state dict) see only the kept ones, and after block `end` the
+skipped tokens re-enter holding what block start-1 gave them, so every later block, the final layer and the loss
+see every token. Evaluation and sampling run every token through every block (DiT.forward routes only in training).
 
 TREAD's facts this follows (routing_module.py, dit.py, configs/model/tread.yaml):
 - `selection_ratio` is the share of tokens that skip the route: int(T * ratio) skip, the rest are kept; 0.5 in
