@@ -1,10 +1,9 @@
-"""DiT's objective: Gaussian diffusion with a linear schedule, eps + learned-range variance loss, respacing, and
-the samplers that walk it (DDPM, DDIM; DPM-Solver++ and UniPC from shared/generative/solvers.py).
+"""DiT's objective "ddpm": Gaussian diffusion with a linear schedule, eps + learned-range variance loss, respacing,
+and its four samplers (DDPM, DDIM; DPM-Solver++ and UniPC from shared/generative/solvers.py), registered at the end.
 
 Ho et al. 2020 (DDPM), Nichol & Dhariwal 2021 ("IDDPM"), Song et al. 2021 (DDIM). Numerically as the official DiT
 `diffusion/` package (from ADM): its tanh normal CDF in the t = 0 decoder NLL, its accumulated-stride respacing, its
-respaced betas even for all 1000 steps. The schedule lives here only; models see nothing but the timestep. The
-objective "ddpm" and the four samplers of its family are registered at the end of this module.
+respaced betas even for all 1000 steps. Models see nothing of the schedule but the timestep.
 """
 from __future__ import annotations
 
@@ -99,8 +98,7 @@ class GaussianDiffusion:
 
     def at(self, name: str, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """Schedule array `name` at indices t (N,), shaped (N, 1, ..., 1) on like's device to broadcast."""
-        vals = self.buffer(name, t.device)[t].to(like.device)  # (N,)
-        return vals.view(-1, *([1] * (like.ndim - 1)))
+        return self.buffer(name, t.device)[t].to(like.device).view(-1, *([1] * (like.ndim - 1)))
 
     def q_sample(self, x0, t, noise):
         """Draw x_t ~ q(x_t | x_0) = N(sqrt(abar_t) x_0, (1 - abar_t) I) (Ho et al. Eq. 4)."""
@@ -111,11 +109,6 @@ class GaussianDiffusion:
         """Mean, variance and clipped log-variance of q(x_{t-1} | x_t, x_0) (Ho et al. Eq. 6-7)."""
         mean = self.at("posterior_mean_coef1", t, xt) * x0 + self.at("posterior_mean_coef2", t, xt) * xt
         return mean, self.at("posterior_variance", t, xt), self.at("posterior_log_variance_clipped", t, xt)
-
-    def predict_xstart(self, xt, t, eps):
-        """x_0 from x_t and eps by inverting Ho et al. Eq. 4."""
-        return (self.at("sqrt_recip_alphas_cumprod", t, xt) * xt
-                - self.at("sqrt_recipm1_alphas_cumprod", t, xt) * eps)
 
     def model_timesteps(self, t):
         """Map indices into this (respaced) process to the original timesteps the model was trained on."""
@@ -136,24 +129,17 @@ class GaussianDiffusion:
 
     def p_mean_variance(self, model_fn, x, t, model_kwargs=None):
         """p(x_{t-1} | x_t): mean, variance, log_variance, pred_xstart (and eps) from one model call."""
-        out = model_fn(x, self.model_timesteps(t), **(model_kwargs or {}))
-        return self._p_from_output(out, x, t)
+        return self._p_from_output(model_fn(x, self.model_timesteps(t), **(model_kwargs or {})), x, t)
 
     def _p_from_output(self, out, x, t):
         """p(x_{t-1} | x_t) from a model output; the mean is the posterior mean at pred_xstart (= Ho Eq. 11)."""
         eps, log_var = self.split_output(out, x, t)
-        pred_xstart = self.predict_xstart(x, t, eps)  # no clipping of x_0, as DiT
+        # x_0 from x_t and eps by inverting Ho et al. Eq. 4 (no clipping of x_0, as DiT).
+        pred_xstart = (self.at("sqrt_recip_alphas_cumprod", t, x) * x
+                       - self.at("sqrt_recipm1_alphas_cumprod", t, x) * eps)
         mean, _, _ = self.q_posterior_mean_variance(pred_xstart, x, t)
         return {"mean": mean, "variance": log_var.exp(), "log_variance": log_var,
                 "pred_xstart": pred_xstart, "eps": eps}
-
-    def vb_terms_bits(self, out, x0, xt, t):
-        """Per-sample L_{t-1} (KL to the true posterior) or, at t = 0, the decoder NLL L_0; in bits (Ho Eq. 5)."""
-        true_mean, _, true_log_var = self.q_posterior_mean_variance(x0, xt, t)
-        p = self._p_from_output(out, xt, t)
-        kl = mean_flat(normal_kl(true_mean, true_log_var, p["mean"], p["log_variance"])) / math.log(2.0)
-        nll = -discretized_gaussian_log_likelihood(x0, p["mean"], 0.5 * p["log_variance"])
-        return torch.where(t == 0, mean_flat(nll) / math.log(2.0), kl)
 
     def training_losses(self, model_fn, x0, t, model_kwargs=None, noise=None) -> dict:
         """L_hybrid (IDDPM Eq. 16): MSE on eps plus the VLB term that trains only the variance; each (N,)."""
@@ -166,8 +152,13 @@ class GaussianDiffusion:
             return {"loss": mse, "mse": mse, "vb": torch.zeros_like(mse)}
         # Stop-gradient on the mean: L_vlb trains Sigma only, L_simple trains the mean (IDDPM Sec. 3.1).
         frozen = torch.cat([out[:, :channels].detach(), out[:, channels:]], dim=1)  # (N, 2C, H, W)
-        # Unscaled per-step vb equals IDDPM's lambda = 0.001 times the T = 1000 sum L_vlb.
-        vb = self.vb_terms_bits(frozen, x0, xt, t)
+        # Per-sample L_{t-1} (KL to the true posterior) or, at t = 0, the decoder NLL L_0, in bits (Ho Eq. 5); the
+        # unscaled per-step vb equals IDDPM's lambda = 0.001 times the T = 1000 sum L_vlb.
+        true_mean, _, true_log_var = self.q_posterior_mean_variance(x0, xt, t)
+        p = self._p_from_output(frozen, xt, t)
+        kl = mean_flat(normal_kl(true_mean, true_log_var, p["mean"], p["log_variance"])) / math.log(2.0)
+        nll = -discretized_gaussian_log_likelihood(x0, p["mean"], 0.5 * p["log_variance"])
+        vb = torch.where(t == 0, mean_flat(nll) / math.log(2.0), kl)
         return {"loss": mse + vb, "mse": mse, "vb": vb}
 
 
@@ -214,12 +205,6 @@ def check_step_count(num_timesteps: int, count: int) -> None:
                         f"of sampling steps must be between 1 and {num_timesteps} (DiT uses 250 for DDPM).")
 
 
-def respaced_betas(alphas_cumprod: np.ndarray, kept: list[int]) -> np.ndarray:
-    """Betas whose cumulative products equal alphas_cumprod at the kept steps (IDDPM Sec. 4)."""
-    kept_acp = alphas_cumprod[kept]  # beta'_i = 1 - abar_{kept[i]} / abar_{kept[i-1]}, abar before the first = 1
-    return 1.0 - kept_acp / np.append(1.0, kept_acp[:-1])
-
-
 def kept_timesteps(spacing: int | str | None, num_timesteps: int = NUM_TIMESTEPS) -> list[int]:
     """Original timesteps kept for `spacing`: None = all, a count K (int or "K"), "ddimK" or "linspaceK"."""
     if spacing is None or spacing == "":
@@ -241,8 +226,9 @@ def _parse_count(text, spacing) -> int:
 def create_diffusion(num_sampling_steps: int | str | None = None) -> GaussianDiffusion:
     """The DiT diffusion: linear betas over NUM_TIMESTEPS, respaced to num_sampling_steps (see kept_timesteps)."""
     kept = kept_timesteps(num_sampling_steps)  # as DiT, all 1000 steps are respaced too (betas differ < 4e-13)
-    alphas_cumprod = np.cumprod(1.0 - linear_betas(NUM_TIMESTEPS))
-    return GaussianDiffusion(respaced_betas(alphas_cumprod, kept), timestep_map=np.array(kept))
+    kept_acp = np.cumprod(1.0 - linear_betas(NUM_TIMESTEPS))[kept]
+    # Betas whose products equal abar at the kept steps (IDDPM Sec. 4): 1 - abar_{kept[i]} / abar_{kept[i-1]}.
+    return GaussianDiffusion(1.0 - kept_acp / np.append(1.0, kept_acp[:-1]), timestep_map=np.array(kept))
 
 
 # ---- Samplers: one signature, deterministic given generators ----
@@ -260,18 +246,13 @@ def randn_rows(like: torch.Tensor, generator=None) -> torch.Tensor:
     return torch.stack([row.to(rows[0].device) for row in rows]).to(like.device)  # (N, C, H, W)
 
 
-def _steps(diffusion, x, progress, desc):
-    """Yield (index, t) from T-1 down to 0, t a long (N,) tensor on x's device, with an optional bar."""
-    for i in tqdm(range(diffusion.num_timesteps - 1, -1, -1), desc=desc, disable=not progress, leave=False):
-        yield i, torch.full((x.shape[0],), i, device=x.device, dtype=torch.long)
-
-
 @torch.no_grad()
 def ddpm_sample(diffusion, model_fn, noise, model_kwargs=None, generator=None, progress=False, eta=None):
     """Ancestral sampling x_{t-1} = mean + sigma_t z (Ho et al. Alg. 2) from x_T = noise; returns x_0."""
     refuse_eta(eta, "ddpm", "draws its noise from the model's learned variance")
     x = noise.float()
-    for i, t in _steps(diffusion, x, progress, "ddpm"):
+    for i in tqdm(range(diffusion.num_timesteps - 1, -1, -1), desc="ddpm", disable=not progress, leave=False):
+        t = torch.full((x.shape[0],), i, device=x.device, dtype=torch.long)  # (N,), T-1 down to 0
         p = diffusion.p_mean_variance(model_fn, x, t, model_kwargs)
         x = p["mean"]
         if i > 0:  # the last step returns the mean, no noise
@@ -287,7 +268,8 @@ def ddim_sample(diffusion, model_fn, noise, model_kwargs=None, generator=None, p
     sigmas = eta * np.sqrt(diffusion.posterior_variance)
     abar_prev = diffusion.alphas_cumprod_prev
     x = noise.float()
-    for i, t in _steps(diffusion, x, progress, "ddim"):
+    for i in tqdm(range(diffusion.num_timesteps - 1, -1, -1), desc="ddim", disable=not progress, leave=False):
+        t = torch.full((x.shape[0],), i, device=x.device, dtype=torch.long)  # (N,), T-1 down to 0
         p = diffusion.p_mean_variance(model_fn, x, t, model_kwargs)
         # Eq. 12: x_{t-1} = sqrt(abar_{t-1}) x0 + sqrt(1 - abar_{t-1} - sigma_t^2) eps + sigma_t z.
         direction = math.sqrt(max(1.0 - abar_prev[i] - sigmas[i] ** 2, 0.0))

@@ -44,8 +44,7 @@ SHIFT_BASE_DIM = 4096  # RAE's time_dist_shift_base: the dimension at which no s
 
 
 def auto_shift(latent_shape) -> float:
-    """RAE's s = sqrt(C * H * W / 4096) for a latent (C, H, W), to 6 digits as recorded (resume compares configs
-    exactly): 6.928203 for 768x16x16, 1 for 4x32x32."""
+    """RAE's s = sqrt(C H W / 4096) of a latent (C, H, W) to 6 digits, as recorded: 6.928203 for 768x16x16."""
     return round(math.sqrt(math.prod(int(n) for n in latent_shape) / SHIFT_BASE_DIM), 6)
 
 
@@ -107,10 +106,8 @@ def draw_time(generator: torch.Generator, sampling: str = "uniform", loc: float 
               shift: float = 1.0) -> torch.Tensor:
     """One training time tau (1,) from `generator`: uniform on [0, 1), or sigmoid(N(loc, scale)) (SD3 Eq. 19)."""
     assert sampling in TIME_SAMPLINGS, sampling  # FlowObjective refuses another with a ChoiceError
-    if sampling == "uniform":
-        tau = torch.rand(1, generator=generator)
-    else:
-        tau = torch.sigmoid(loc + scale * torch.randn(1, generator=generator))
+    tau = (torch.rand(1, generator=generator) if sampling == "uniform"
+           else torch.sigmoid(loc + scale * torch.randn(1, generator=generator)))
     return tau if shift == 1.0 else shift_time(tau, shift)
 
 
@@ -147,13 +144,6 @@ def sde_grid(steps: int, shift: float, last_step: float) -> torch.Tensor:
     return times
 
 
-def repa_model_times(steps: int, sampler: str, last_step: float) -> torch.Tensor:
-    """REPA's own float64 time grid (time 0 = data): linspace(1, 0, K + 1) for its ODE, linspace(1, h, N) for its SDE."""
-    if sampler == "sde":
-        return torch.linspace(1.0, last_step, steps, dtype=torch.float64)
-    return torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64)
-
-
 def make_process(path: FlowPath, sampler: str, steps: int, shift: float = 1.0,
                  last_step: float = SDE_LAST_STEP) -> FlowProcess:
     """The grid sampler `sampler` walks with `steps` model calls (ODE) or steps (SDE, the last one a Mean step)."""
@@ -165,12 +155,14 @@ def make_process(path: FlowPath, sampler: str, steps: int, shift: float = 1.0,
         if steps < 2:
             raise SettingError("the SDE sampler takes at least 2 steps (Euler-Maruyama steps, then SiT's last "
                                "Mean step); pass {sampling steps} 2 or more (SiT uses 250).")
-        times = sde_grid(steps, shift, last_step)
+        times, last, count = sde_grid(steps, shift, last_step), last_step, steps
     else:
-        times = flow_grid(steps, shift)
-    # REPA's network times are its own grid where it has one (no shift): guidance edges fall as in its sampler.
-    model_times = repa_model_times(steps, sampler, last_step) if path.convention == "repa" and shift == 1.0 else None
-    return FlowProcess(path, times, last_step if sampler == "sde" else 0.0, model_times)
+        times, last, count = flow_grid(steps, shift), 0.0, steps + 1
+    # REPA's network times are its own float64 grid where it has one (no shift), so guidance edges fall as in its
+    # sampler: linspace(1, 0, K + 1) for its ODE, linspace(1, h, N) for its SDE (time 0 = data).
+    own_grid = path.convention == "repa" and shift == 1.0
+    model_times = torch.linspace(1.0, last, count, dtype=torch.float64) if own_grid else None
+    return FlowProcess(path, times, last, model_times)
 
 
 def _tau(value, x) -> torch.Tensor:
@@ -187,8 +179,7 @@ def _points(process: FlowProcess, progress: bool, desc: str):
 
 def _velocity(process: FlowProcess, model_fn, x, i: int, model_kwargs) -> torch.Tensor:
     """The velocity at grid point i: the network called at that point's float64 network time."""
-    t = _tau(process.model_times[i], x)  # (N,) float64
-    return process.path.field(model_fn, x, t, model_kwargs)
+    return process.path.field(model_fn, x, _tau(process.model_times[i], x), model_kwargs)
 
 
 @torch.no_grad()
@@ -224,17 +215,13 @@ def sde_sample(process: FlowProcess, model_fn, noise, model_kwargs=None, generat
     # dx = [v + w score] dtau + sqrt(2 w) dW (SiT Eq. 8), drift and score from ONE network call (SiT makes two).
     x = noise.float()
     for i, t0, t1 in _points(process, progress, "sde"):
-        tau = _tau(t0, x)
-        w = 1.0 - t0
+        w, dt = 1.0 - t0, t1 - t0
         v = _velocity(process, model_fn, x, i, model_kwargs)
-        dt = t1 - t0
         z = randn_rows(x, generator)  # (N, C, h, w)
-        x = x + (v + w * score_from_velocity(v, x, tau)) * dt + math.sqrt(2 * w) * math.sqrt(dt) * z
-    last = len(process.times) - 1
-    t_last = float(process.times[last])
-    tau = _tau(t_last, x)
+        x = x + (v + w * score_from_velocity(v, x, _tau(t0, x))) * dt + math.sqrt(2 * w) * math.sqrt(dt) * z
+    last, t_last = len(process.times) - 1, float(process.times[-1])
     v = _velocity(process, model_fn, x, last, model_kwargs)
-    return x + (v + (1.0 - t_last) * score_from_velocity(v, x, tau)) * process.last_step
+    return x + (v + (1.0 - t_last) * score_from_velocity(v, x, _tau(t_last, x))) * process.last_step
 
 
 @torch.no_grad()

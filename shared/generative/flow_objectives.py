@@ -1,8 +1,7 @@
 """The flow-matching objectives: SiT's flow matching, MeanFlow and improved MeanFlow (Geng et al. 2025).
 
-Each is a registered objective (shared/generative/objectives.py, whose registry imports this module before its
-first read); the path and its samplers are in shared/generative/flow.py, the MeanFlow losses in meanflow.py and
-imf.py.
+Each is a registered objective (shared/generative/objectives.py imports this module before its registry's first
+read); the path and its samplers are in shared/generative/flow.py, the MeanFlow losses in meanflow.py and imf.py.
 """
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ import torch
 
 from shared.generative.flow import (TIME_SAMPLINGS, FlowPath, FlowProcess, check_convention, check_shift, draw_time,
                                    make_process, rae_shift)
-from shared.generative.imf import INTERVAL_SPLIT, draw_guidance, imf_losses, sampling_guidance
+from shared.generative.imf import INTERVAL_SPLIT, NO_INTERVAL, draw_guidance, imf_losses
 from shared.generative.meanflow import PAIR_SAMPLINGS, draw_pair, meanflow_losses
 from shared.generative.objectives import register_objective, training_fields
 from shared.generative.samplers import LAST_STEP_SIZE, TIME_SHIFT, get_sampler
@@ -140,10 +139,6 @@ class MeanFlowObjective:
                                "[omega, kappa, lo, hi] or []. Re-export the weights with this version.")
         if self.pair_sampling not in PAIR_SAMPLINGS:
             raise ChoiceError("(t, r) sampling", self.pair_sampling, PAIR_SAMPLINGS)
-        self._check_training()
-
-    def _check_training(self) -> None:
-        """SettingError naming the flag for a training setting outside the paper's ranges."""
         bad = [(not self.pair_sigma > 0, "{pair sigma} must be positive (ImageNet: 1.0)"),
                (not 0 <= self.interval_fraction <= 1, "{interval fraction} is a share in [0, 1] (ImageNet: 0.25)"),
                (not self.adaptive_p >= 0, "{adaptive p} must be >= 0 (0 = plain squared error; ImageNet: 1)"),
@@ -257,8 +252,7 @@ class ImprovedMeanFlowObjective:
     def draw_time(self, generator: torch.Generator) -> torch.Tensor:
         """One training row (1, 5) float32: [tau, h = t - r, 1 - 1/w, t_min, t_max] (imf.draw_guidance)."""
         pair = draw_pair(generator, self.pair_sampling, self.pair_mu, self.pair_sigma, self.interval_fraction)
-        guidance = draw_guidance(generator, self.cfg_max, fm=bool(pair[0, 1] == 0))
-        return torch.cat([pair, guidance.view(1, 3)], dim=1)
+        return torch.cat([pair, draw_guidance(generator, self.cfg_max, fm=bool(pair[0, 1] == 0)).view(1, 3)], dim=1)
 
     def training_losses(self, model_fn, x0, t, noise, model_kwargs=None) -> dict:
         """{"loss", "sq", "v_sq"}, each (N,): x0 (N,C,h,w) clean latents, t (N, 5) draws, noise like x0."""
@@ -290,7 +284,8 @@ class ImprovedMeanFlowObjective:
         scale, interval = float(getattr(model_fn, "cfg_scale", 1.0)), getattr(model_fn, "interval", None)
         self.check_cfg_scale(scale, interval)
         call = getattr(model_fn, "conditional", model_fn)  # a GuidedModelFn's single pass: no [cond; null] batch
-        guidance = sampling_guidance(scale, interval).to(noise.device)  # (3,)
+        lo, hi = interval if interval is not None else NO_INTERVAL
+        guidance = torch.tensor([1 - 1 / scale, lo, hi], dtype=torch.float32).to(noise.device)  # (3,) as draw_guidance
 
         def fn(x, t, **kwargs):
             t = t.float()  # the grid time rounded once, as GuidedModelFn hands it over

@@ -1,10 +1,9 @@
 """Classifier-free guidance (Ho & Salimans, 2022, Eq. 6): the one implementation, GuidedModelFn, for sampling and
 training's previews, with its settings (which latent channels, the scale and interval checks, the one-line rule).
 
-The guided prediction is eps_uncond + s * (eps_cond - eps_uncond). As in the DiT release, the conditional
-and the null-class rows go through ONE forward pass as the batch [x; x] with labels [y; null], and only
-the predicted-noise channels are guided: the learned-variance channels (and the unguided noise channels)
-are the conditional prediction's.
+The guided prediction is eps_uncond + s * (eps_cond - eps_uncond). As in the DiT release, the conditional and the
+null-class rows go through ONE forward pass as the batch [x; x] with labels [y; null], and only the predicted-noise
+channels are guided: the learned-variance channels (and the unguided noise channels) are the conditional one's.
 """
 from __future__ import annotations
 
@@ -16,10 +15,9 @@ import torch
 from shared.runtime.errors import ChoiceError, SettingError
 from shared.runtime.precision import PRECISIONS, autocast_dtype
 
-# "3": the DiT release's quirk, which guides only the first 3 of the 4 latent channels of sd-vae-ft-ema
-# latents (kept for exact reproduction of its samples and FID protocol; it means nothing for other channel
-# counts); "all": every latent channel, the standard form of guidance; "auto": what the weights' own sampler
-# does (AutoGuide below), and "all" for any channel count but 4.
+# "3": the DiT release's quirk, which guides only the first 3 of the 4 latent channels of sd-vae-ft-ema latents (kept
+# to reproduce its samples and FID protocol; it means nothing for other channel counts); "all": every latent channel,
+# the standard form of guidance; "auto": what the weights' own sampler does (AutoGuide), "all" for any count but 4.
 GUIDE_CHANNELS = ("auto", "3", "all")
 QUIRK_CHANNELS = 4  # the latent channel count the release's quirk was written for
 
@@ -27,7 +25,6 @@ QUIRK_CHANNELS = 4  # the latent channel count the release's quirk was written f
 @dataclass(frozen=True)
 class AutoGuide:
     """What --guide-channels auto means for one origin of weights: what that origin's own sampler guides."""
-
     channels: str  # "3" or "all" (for 4-channel latents; any other count is "all" unless every_width)
     why: str
     every_width: bool = False  # the origin guides the first 3 channels at any latent width (LightningDiT: 3 of 32)
@@ -106,12 +103,6 @@ class GuidedModelFn:
         self.rows = 0  # network rows evaluated so far (a guided row costs 2)
         self.calls = {"guided": 0, "conditional": 0}  # sampler calls of each kind
 
-    def _inside(self, t) -> torch.Tensor:
-        """(N,) bool: the rows with lo <= noise_level(t) <= hi (Kynkaanniemi et al. 2024, Sec. 3; edges as REPA's)."""
-        level = self.noise_level(t)
-        lo, hi = self.interval
-        return (level >= lo) & (level <= hi)
-
     def conditional(self, x, t, y):
         """One conditional pass of N rows."""
         self.rows += len(x)
@@ -130,7 +121,10 @@ class GuidedModelFn:
             return torch.cat([eps, cond[:, g:]], dim=1).float(), cond.float()  # (N, out, h, w) each
 
     def __call__(self, x, t, y):
-        inside = None if self.interval is None else self._inside(t)  # on t as given (flow: its float64 grid time)
+        inside = None
+        if self.interval is not None:  # (N,) bool: lo <= level <= hi (Kynkaanniemi et al. 2024 Sec. 3; REPA's edges)
+            level = self.noise_level(t)  # on t as given (flow: its float64 grid time)
+            inside = (level >= self.interval[0]) & (level <= self.interval[1])
         if t.dtype == torch.float64:
             t = t.float()  # the network's time: the grid time rounded once, as REPA's sampler hands it over
         if self.cfg_scale == 1.0 or (inside is not None and not bool(inside.any())):

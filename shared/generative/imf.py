@@ -3,14 +3,13 @@ Fastforward Generative Models", arXiv 2512.02012): the MeanFlow identity as a lo
 and classifier-free guidance as conditioning chosen at sampling time.
 
 In the paper's time (t = 1 is noise, z_t = (1 - t) x + t e) the network predicts the average velocity u(z_t, r, t);
-the compound field V = u + (t - r) sg(du/dt) is regressed onto a target that no longer holds the network's own
-derivative (the paper's v-loss; the release's iMeanFlow.forward), with du/dt the JVP along the network's predicted velocity v(z_t, t) = u(z_t, t, t)
-(the boundary condition r = t; the release's auxiliary v-head is not built). The guided target is
-v_g = v + (1 - 1/w) (v_c - v_u), with v_c the network's velocity at scale w and v_u its null-class velocity at
-w = 1, whose fixed point is the CFG field w v(c) + (1 - w) v(null) (the release's guidance_fn). w is drawn per sample, log-uniform
-in [1, w_max], with a guidance interval [t_min, t_max], t_min ~ U(0, 1/2), t_max ~ U(1/2, 1) (the release's
-sample_cfg_scale / sample_cfg_interval), and fed to the network beside (t, t - r): a 1-step sample takes any w
-in that range with one network call.
+the compound field V = u + (t - r) sg(du/dt) is regressed onto a target free of the network's own derivative (the
+paper's v-loss; the release's iMeanFlow.forward), du/dt the JVP along the predicted velocity v(z_t, t) = u(z_t, t, t)
+(the boundary condition r = t; the release's auxiliary v-head is not built). The guided target is v_g = v + (1 - 1/w)
+(v_c - v_u), v_c the network's velocity at scale w, v_u its null-class one at w = 1; its fixed point is the CFG field
+w v(c) + (1 - w) v(null) (the release's guidance_fn). w is drawn per sample log-uniform in [1, w_max], with an
+interval t_min ~ U(0, 1/2), t_max ~ U(1/2, 1) (the release's sample_cfg_scale / sample_cfg_interval), and fed to
+the network beside (t, t - r): a 1-step sample takes any w in that range with one network call.
 
 Here, as in shared/generative/meanflow.py, in SiT's time (tau = 1 - t, v = x1 - eps, ubar = -u): V = ubar - h
 d ubar / d tau with tangents (dx, d tau, d h) = (v_c, 1, -1). The network's time input is (N, 5): its
@@ -41,9 +40,7 @@ def draw_guidance(generator: torch.Generator, w_max: float, fm: bool) -> torch.T
 
 def conditioned(model_fn, guidance: torch.Tensor):
     """model_fn taking (N, 2) times, with `guidance` (N, 3) appended as the network's time columns 3-5."""
-    def fn(x, t, **kwargs):
-        return model_fn(x, torch.cat([t, guidance.to(t.dtype)], dim=1), **kwargs)
-    return fn
+    return lambda x, t, **kwargs: model_fn(x, torch.cat([t, guidance.to(t.dtype)], dim=1), **kwargs)
 
 
 @torch.no_grad()
@@ -56,13 +53,13 @@ def guided_target(path: FlowPath, model_fn, x, tau, v, guidance, model_kwargs: d
     g = torch.where((level >= lo) & (level <= hi), g, torch.zeros_like(g))
     zero, one = torch.zeros_like(g), torch.ones_like(g)
     cond = torch.stack([torch.cat([g, zero]), torch.cat([zero, zero]), torch.cat([one, one])], dim=1)  # (2N, 3)
-    dropped = model_kwargs["force_drop_ids"].to(torch.bool)  # (N,)
     out = average_velocity(path, conditioned(model_fn, cond), torch.cat([x, x]), torch.cat([tau, tau]),
                            torch.cat([zero, zero]).to(tau.dtype), cond_and_null(model_kwargs))  # (2N, C, h, w)
     v_c, v_u = out.chunk(2)
     shape = (-1, *([1] * (x.ndim - 1)))
     v_g = v + g.view(shape).to(v.dtype) * (v_c - v_u).to(v.dtype)
-    return torch.where(dropped.view(shape), v, v_g), v_c.to(v.dtype)  # a dropped label: the unguided v (cond_drop)
+    dropped = model_kwargs["force_drop_ids"].to(torch.bool).view(shape)  # (N, 1, 1, 1)
+    return torch.where(dropped, v, v_g), v_c.to(v.dtype)  # a dropped label: the unguided v (cond_drop)
 
 
 def imf_losses(path: FlowPath, model_fn, x1, t, noise, model_kwargs: dict, *, p: float, c: float) -> dict:
@@ -84,9 +81,3 @@ def imf_losses(path: FlowPath, model_fn, x1, t, noise, model_kwargs: dict, *, p:
     sq = ((pred - target.to(pred.dtype).detach()) ** 2).flatten(1).sum(1)  # (N,)
     v_sq = ((ubar.detach() - v) ** 2).flatten(1).sum(1)  # (N,)
     return {"loss": adaptive_weight(sq, p, c) * sq, "sq": sq.detach(), "v_sq": v_sq}
-
-
-def sampling_guidance(scale: float, interval) -> torch.Tensor:
-    """The (3,) float32 conditioning of a sampling run: [1 - 1/w, t_min, t_max] (no interval: every level)."""
-    lo, hi = interval if interval is not None else NO_INTERVAL
-    return torch.tensor([1 - 1 / scale, lo, hi], dtype=torch.float32)

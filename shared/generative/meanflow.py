@@ -38,13 +38,10 @@ def draw_pair(generator: torch.Generator, sampling: str, mu: float, sigma: float
     # The official code sets r = t on a fixed share of each batch; here each sample tosses its own coin (keyed by its
     # stream position like every draw), so the share holds in expectation and resume stays bitwise.
     assert sampling in PAIR_SAMPLINGS, sampling  # the objectives refuse another with a ChoiceError
-    if sampling == "lognormal":
-        pair = torch.sigmoid(mu + sigma * torch.randn(2, generator=generator))  # (2,) paper times
-    else:
-        pair = torch.rand(2, generator=generator)
+    pair = (torch.sigmoid(mu + sigma * torch.randn(2, generator=generator)) if sampling == "lognormal"
+            else torch.rand(2, generator=generator))  # (2,) paper times
     t, r = pair.max(), pair.min()
-    keep = torch.rand(1, generator=generator)[0] < fraction  # r != t for this sample
-    h = (t - r) if bool(keep) else torch.zeros(())
+    h = (t - r) if bool(torch.rand(1, generator=generator)[0] < fraction) else torch.zeros(())  # r != t for this sample
     return torch.stack([1 - t, h]).view(1, 2)  # (1, 2): SiT time of z, interval length
 
 
@@ -86,13 +83,11 @@ def guided_velocity(path: FlowPath, model_fn, x, tau, v, model_kwargs: dict, ome
 @torch.no_grad()
 def average_and_derivative(path: FlowPath, model_fn, x, tau, h, tangent, model_kwargs: dict):
     """(ubar, d ubar / d tau) at (x, tau, h): one forward-mode JVP with tangents (tangent, 1, -1), no autograd."""
-    def field(x_, tau_, h_):
-        return average_velocity(path, model_fn, x_, tau_, h_, model_kwargs)
-
     ones = torch.ones_like(tau)
     # SDPA's math kernel: torch 2.13's fused CPU kernel has no forward mode (CUDA's were not checked), nor has xformers.
     with sdpa_kernel([SDPBackend.MATH]):
-        return jvp(field, (x, tau, h), (tangent, ones, -ones))
+        return jvp(lambda x_, tau_, h_: average_velocity(path, model_fn, x_, tau_, h_, model_kwargs), (x, tau, h),
+                   (tangent, ones, -ones))
 
 
 def adaptive_weight(sq: torch.Tensor, p: float, c: float) -> torch.Tensor:

@@ -2,11 +2,10 @@
 
 An objective is a dataclass registered under its `name` (`@register_objective`) providing the `Objective` members:
 the per-sample time draw (from the generator it is handed, so resume stays bitwise), the loss, the meaning of the
-network's `t`, and the process its samplers walk. Plain fields are recorded (ModelConfig.objective_args, so in every
-checkpoint and export); fields declared with `option(...)` are training flags of `python -m train`. Built in: "ddpm"
-(DiT, bitwise the official code) in shared/generative/diffusion.py, beside the diffusion it trains and samples;
-"flow" (SiT), "meanflow" and "imf" (Geng et al. 2025) in shared/generative/flow_objectives.py; another is one class
-in a module imported by `--plugin MODULE` (docs/objectives.md).
+network's `t`, and the process its samplers walk. Plain fields are recorded (ModelConfig.objective_args); fields
+declared with `option(...)` are training flags of `python -m train`. Built in: "ddpm" (DiT, bitwise the official
+code) in shared/generative/diffusion.py; "flow" (SiT), "meanflow" and "imf" (Geng et al. 2025) in flow_objectives.py;
+another is one class in a module imported by `--plugin MODULE` (docs/objectives.md).
 """
 from __future__ import annotations
 
@@ -168,12 +167,9 @@ def run_sampler(objective: Objective, sampler: str, model_fn, noise, steps: int,
 
 def check_sampling_guidance(objective, cfg_scale: float, interval=None) -> None:
     """SettingError when `objective` refuses guidance at `cfg_scale` (folded MeanFlow, imf outside its range)."""
-    check = getattr(objective, "check_cfg_scale", None)
-    if check is not None:
-        check(cfg_scale, interval)
+    getattr(objective, "check_cfg_scale", lambda *_: None)(cfg_scale, interval)
 
 
 def recorded_by_training(name: str, options: dict) -> dict:
     """The recorded fields objective `name` derives from its training settings ({} for most)."""
-    hook = getattr(OBJECTIVES.lookup(name), "record_training", None)
-    return hook(options) if hook is not None else {}
+    return getattr(OBJECTIVES.lookup(name), "record_training", lambda _: {})(options)

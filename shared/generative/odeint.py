@@ -71,20 +71,15 @@ def next_step(dt: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
     return torch.where(ratio == 0, dt * IFACTOR, dt * factor)
 
 
-def _just_before(t32: torch.Tensor) -> torch.Tensor:
-    """The float32 number below each of t32 (M,), as float64."""
-    return torch.nextafter(t32, torch.full_like(t32, -float("inf"))).double()
-
-
 def rk_step(field, t0, dt, y0, f0, rows):
     """One Dormand-Prince trial step of every row: (y1, f1, error estimate, the 7 stage slopes (M, ..., 7))."""
-    t32, dt32 = t0.float(), dt.float()  # torchdiffeq forms stage times and sums in the state's precision
+    t32, dt32, end32 = t0.float(), dt.float(), (t0 + dt).float()  # torchdiffeq's stage times, sums in float32
+    # Stages at the step's end are evaluated one float32 ulp before it (torchdiffeq's Perturb.PREV), as float64.
+    before_end = torch.nextafter(end32, torch.full_like(end32, -float("inf"))).double()  # (M,)
     k = torch.empty(*f0.shape, len(ALPHA) + 1, dtype=y0.dtype, device=y0.device)  # (M, ..., 7)
     k[..., 0] = f0
-    y = y0
     for i, (alpha, beta) in enumerate(zip(ALPHA, BETA)):
-        # Stages at the step's end are evaluated one float32 ulp before it (torchdiffeq's Perturb.PREV).
-        t = _just_before((t0 + dt).float()) if alpha == 1.0 else (t32 + alpha * dt32).double()  # (M,)
+        t = before_end if alpha == 1.0 else (t32 + alpha * dt32).double()  # (M,)
         y = _combine(y0, k, _weights(beta), dt32)
         k[..., i + 1] = field(t, y, rows)
     error = torch.sum(k * (_weights(C_ERROR).to(k.device) * dt32.view(-1, *([1] * (k.ndim - 1)))), dim=-1)
@@ -113,8 +108,7 @@ def dopri5_rows(field, y0: torch.Tensor, atol: float = 1e-6, rtol: float = 1e-3,
     out = torch.empty_like(y0)
     rows = torch.arange(n, device=y0.device)
     t = torch.zeros(n, dtype=torch.float64, device=y0.device)
-    y = y0
-    f = field(t, y, rows)
+    y, f = y0, field(t, y0, rows)
     dt = initial_step(field, t, y, f, rows, atol, rtol)
     for _ in range(MAX_STEPS):
         dt = torch.where(torch.isfinite(dt), dt, torch.zeros_like(dt))  # torchdiffeq: a non-finite step -> min_step 0

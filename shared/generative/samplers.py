@@ -1,12 +1,10 @@
 """The one registry of samplers: each a record of its function, the objectives it serves, its spacing and options.
 
 Every sampler function has one signature, `fn(process, model_fn, noise, model_kwargs=None, generator=None,
-progress=False, **options) -> x_data`, where `process` is what the objective builds for it from the step count
-(a respaced GaussianDiffusion for DDPM, a FlowProcess time grid for flow matching; see shared/generative/objectives.py).
-A new sampler is one SamplerSpec passed to `register_sampler`, by the module of the process it walks or by a module
-of the user's (`--plugin MODULE`; docs/objectives.md). A sampler serves every objective of its `family`, the kind of
-process it walks ("ddpm": a respaced GaussianDiffusion; "flow": a FlowProcess), so a new objective that builds one
-of these is served as is.
+progress=False, **options) -> x_data`, where `process` is what the objective builds for it from the step count.
+A new sampler is one SamplerSpec passed to `register_sampler` (`--plugin MODULE`; docs/objectives.md). It serves
+every objective of its `family`, the kind of process it walks ("ddpm": a respaced GaussianDiffusion; "flow": a
+FlowProcess time grid), so a new objective that builds one of these is served as is.
 """
 from __future__ import annotations
 
@@ -22,7 +20,6 @@ SDE_LAST_STEP = 0.04  # SiT's default size of the final "Mean" step (its sample.
 @dataclass(frozen=True)
 class SamplerOption:
     """An option a sampler takes, stated once: its default, what it sets (flag help and errors), its folder tag."""
-
     name: str
     default: float
     help: str  # what it sets, in a phrase (errors say "{flag} X sets <help>")
@@ -43,7 +40,6 @@ LAST_STEP_SIZE = SamplerOption("last_step_size", SDE_LAST_STEP, "the size of the
 @dataclass(frozen=True)
 class SamplerSpec:
     """One sampler: its function, the family of objectives it serves, its DDPM spacing prefix, its options."""
-
     name: str
     fn: Callable
     family: str  # the process it walks, Objective.family: "ddpm", "flow" or "meanflow"
@@ -54,9 +50,8 @@ class SamplerSpec:
     deterministic: bool = True
 
 
-# The package's samplers are registered by the module of the process each walks (their family's math): DDPM's in
-# shared/generative/diffusion.py, the flow's in flow.py, MeanFlow's in meanflow.py; imported in this order (each
-# imports the one before it) before the first read, so the registry lists them the same way whoever imports first.
+# The package's samplers are registered by the module of the process each walks: diffusion.py, flow.py, meanflow.py,
+# imported in this order (each imports the one before) before the first read, so the registry order is fixed.
 BUILT_IN_SAMPLERS = ("shared.generative.diffusion", "shared.generative.flow", "shared.generative.meanflow")
 SAMPLERS: Registry[SamplerSpec] = Registry("sampler", lambda s: f"{s.fn.__module__}.{s.fn.__qualname__}",
                                            lambda s: f"{s.name} ({s.family})", imports=BUILT_IN_SAMPLERS)
@@ -104,14 +99,9 @@ def samplers_for(family: str) -> list[str]:
     return [s.name for s in SAMPLERS.values() if s.family == family]
 
 
-def option_names(spec: SamplerSpec) -> tuple[str, ...]:
-    """The names of the options sampler `spec` takes."""
-    return tuple(o.name for o in spec.options)
-
-
 def takers_of(option: str) -> list[str]:
     """The samplers that take `option`, in registry order."""
-    return [s.name for s in SAMPLERS.values() if option in option_names(s)]
+    return [s.name for s in SAMPLERS.values() if any(o.name == option for o in s.options)]
 
 
 def sampler_options(name: str, given: dict) -> dict:
@@ -119,7 +109,7 @@ def sampler_options(name: str, given: dict) -> dict:
     spec = get_sampler(name)
     for option, value in given.items():
         assert option in SAMPLER_OPTIONS, f"unknown sampler option {option!r}"
-        if value is not None and option not in option_names(spec):
+        if value is not None and option not in (o.name for o in spec.options):
             takers = takers_of(option)
             raise SettingError(f"{{{option.replace('_', ' ')}}} {value:g} sets {SAMPLER_OPTIONS[option].help}, which "
                                f"the {name} sampler does not take (only {', '.join(takers)}); drop it, or pass "
@@ -145,7 +135,6 @@ DEFAULT_STEPS = 250  # when neither a flag nor the model's record says: the DiT 
 @dataclass(frozen=True)
 class Sampling:
     """A resolved sampler, its options and guidance interval, and where each came from (for settings.json)."""
-
     sampler: str
     options: dict
     cfg_interval: tuple | None
@@ -160,9 +149,14 @@ def check_recorded(recorded: dict, family: str, where: str) -> dict:
         raise SettingError(f"{where} records sampling settings {unknown}, which this version does not know (it knows "
                            f"{', '.join(SAMPLING_KEYS)}); re-export the weights with this version.")
     if "sampler" in recorded:
-        check_sampler_known(recorded["sampler"], recorded.get("sampler_plugin", ""), where)
-        spec = get_sampler(recorded["sampler"], family)
-        sampler_options(spec.name, {k: v for k, v in recorded.items() if k in SAMPLER_OPTIONS})
+        name, plugin = recorded["sampler"], recorded.get("sampler_plugin", "")
+        if name not in SAMPLERS:  # UserError naming --plugin: no imported module registers it
+            raise UserError(f"{where} records the sampler {name!r}, which "
+                            f"{f'the module {plugin}' if plugin else 'a module'} registers (it is not one of "
+                            f"{', '.join(SAMPLERS)}); pass --plugin {plugin or 'MODULE'} so it is imported (its "
+                            f"folder on PYTHONPATH).")
+        get_sampler(name, family)  # SettingError for a sampler of another family
+        sampler_options(name, {k: v for k, v in recorded.items() if k in SAMPLER_OPTIONS})
     steps = recorded.get("num_sampling_steps")
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1 or
                               "sampler" not in recorded):
@@ -171,23 +165,12 @@ def check_recorded(recorded: dict, family: str, where: str) -> dict:
     return recorded
 
 
-def check_sampler_known(name: str, plugin: str, where: str) -> None:
-    """UserError naming --plugin when `where` records a sampler no imported module registers."""
-    if name in SAMPLERS:
-        return
-    module = plugin or "MODULE"
-    raise UserError(f"{where} records the sampler {name!r}, which {f'the module {plugin}' if plugin else 'a module'} "
-                    f"registers (it is not one of {', '.join(SAMPLERS)}); pass --plugin {module} so it is imported "
-                    f"(its folder on PYTHONPATH).")
-
-
 def resolve_sampling(objective, sampler: str | None, given: dict, cfg_interval, recorded: dict, guided: bool,
                      fast: bool = False, steps: int | None = None) -> Sampling:
-    """The sampling settings a command uses: each flag given wins; else what the model records (its recipe's or
-    release's sampling half, e.g. LightningDiT's euler, time shift 0.3, interval 0 0.89; RAE's euler, 49 steps);
-    else the objective's default sampler (`fast`: its deterministic one) and each option's default. A recorded
-    option the chosen sampler does not take is left out; a recorded step count applies only to the recorded
-    sampler (`steps`: the count given, None = not given); a recorded interval only with guidance (`guided`)."""
+    """The sampling settings a command uses: each flag given wins; else what the model records (e.g. LightningDiT's
+    euler, time shift 0.3, interval 0 0.89); else the objective's default sampler (`fast`: its deterministic one).
+    A recorded option applies only where the sampler takes it, a recorded step count only to the recorded sampler
+    (`steps` None: not given), a recorded interval only with guidance (`guided`)."""
     notes = []
     if sampler is None and recorded.get("sampler"):
         sampler = recorded["sampler"]
@@ -200,7 +183,7 @@ def resolve_sampling(objective, sampler: str | None, given: dict, cfg_interval, 
     if steps is None and recorded.get("num_sampling_steps") and sampler == recorded.get("sampler"):
         steps = recorded["num_sampling_steps"]
         notes.append(f"{steps} steps (recorded with the model)")
-    taken = option_names(SAMPLERS[sampler])
+    taken = tuple(o.name for o in SAMPLERS[sampler].options)
     chosen = dict(given)
     for name in taken:
         if chosen.get(name) is None and recorded.get(name) is not None:

@@ -50,16 +50,10 @@ def refuse_eta(eta, name: str, why: str = "is a deterministic ODE solver with no
 
 def data_prediction(diffusion, model_fn, x, j: int, grid: SolverGrid, model_kwargs=None) -> torch.Tensor:
     """x0_hat = (x - sigma eps_hat) / alpha at grid point j (diffusion step K-1-j); eps only, float32 (N,C,H,W)."""
-    step = grid.calls - 1 - j  # index into the (respaced) diffusion, noisiest = K - 1
-    t = torch.full((x.shape[0],), step, device=x.device, dtype=torch.long)
+    t = torch.full((x.shape[0],), grid.calls - 1 - j, device=x.device, dtype=torch.long)  # diffusion step K-1-j
     out = model_fn(x, diffusion.model_timesteps(t), **(model_kwargs or {}))  # (N, C or 2C, H, W)
     eps, _ = diffusion.split_output(out, x, t)  # the learned variance half is unused by an ODE solver
     return (x - float(grid.sigma[j]) * eps) / float(grid.alpha[j])
-
-
-def _points(grid: SolverGrid, progress: bool, desc: str):
-    """Grid points 0..K-1 (noisiest first), with an optional progress bar."""
-    return tqdm(range(grid.calls), desc=desc, disable=not progress, leave=False)
 
 
 # ---- The shared predictor: DPM-Solver++(2M) = UniP-2 with B(h) = e^h - 1 ----
@@ -69,9 +63,8 @@ def multistep_predict(x, m_now, m_prev, j: int, grid: SolverGrid) -> torch.Tenso
     # DPM-Solver++ Alg. 2: x_{j+1} = (sigma_{j+1} / sigma_j) x_j + alpha_{j+1} (1 - e^{-h}) D, D = m_now (first order)
     # or m_now + (m_now - m_prev) / (2 r), r = h_prev / h; UniP-2 with a_1 = 1/2 is the same. Into clean data: m_now.
     h = grid.lam[j + 1] - grid.lam[j]
-    last = j + 1 == grid.calls
     d = m_now
-    if m_prev is not None and not last:
+    if m_prev is not None and j + 1 < grid.calls:
         r = (grid.lam[j] - grid.lam[j - 1]) / h
         d = m_now + (m_now - m_prev) * float(1.0 / (2.0 * r))
     phi = float(-np.expm1(-h))  # 1 - e^{-h}, = 1 at the clean end
@@ -84,7 +77,7 @@ def dpmpp_2m_sample(diffusion, model_fn, noise, model_kwargs=None, generator=Non
     refuse_eta(eta, "dpmpp-2m")
     grid = solver_grid(diffusion)
     x, m_prev = noise.float(), None
-    for j in _points(grid, progress, "dpmpp-2m"):
+    for j in tqdm(range(grid.calls), desc="dpmpp-2m", disable=not progress, leave=False):  # noisiest first
         m_now = data_prediction(diffusion, model_fn, x, j, grid, model_kwargs)
         x = multistep_predict(x, m_now, m_prev, j, grid)
         m_prev = m_now
@@ -92,19 +85,6 @@ def dpmpp_2m_sample(diffusion, model_fn, noise, model_kwargs=None, generator=Non
 
 
 # ---- UniPC: the UniC corrector on top of the same predictor ----
-
-def unic_weights(h: float, r: float) -> tuple[float, float]:
-    """UniC-2 weights (a_1, a_t) for B(h) = e^h - 1 in data-prediction form (UniC-1's a = 1/2: unipc_correct)."""
-    # R_p a = g_p / B(h), g_i = i! h phi_{i+1}(h), in hh = -h.
-    hh = -h
-    b_h = np.expm1(hh)
-    hphi2 = np.expm1(hh) / hh - 1.0
-    hphi3 = hphi2 / hh - 0.5
-    b1, b2 = hphi2 / b_h, 2.0 * hphi3 / b_h
-    # [[1, 1], [r, 1]] (a_1, a_t) = (b1, b2); r < 0 (the older point is noisier), so 1 - r > 0.
-    a_1 = (b1 - b2) / (1.0 - r)
-    return float(a_1), float(b1 - a_1)
-
 
 def unipc_correct(x_prev, m_prev, m_now, m_older, j: int, grid: SolverGrid) -> torch.Tensor:
     """UniC: recompute the step j-1 -> j from x_prev with the new data prediction m_now (no extra model call)."""
@@ -115,10 +95,13 @@ def unipc_correct(x_prev, m_prev, m_now, m_older, j: int, grid: SolverGrid) -> t
     ratio, alpha = float(grid.sigma[j] / grid.sigma[j - 1]), float(grid.alpha[j])
     if m_older is None:  # UniC-1 takes a = 1/2, as the authors' code and diffusers
         correction = 0.5 * (m_now - m_prev)
-    else:
-        r = (grid.lam[j - 2] - grid.lam[j - 1]) / h
-        a_1, a_t = unic_weights(h, r)
-        correction = (a_1 / r) * (m_older - m_prev) + a_t * (m_now - m_prev)
+    else:  # UniC-2's weights (a_1, a_t) in data-prediction form: R_p a = g_p / B(h), g_i = i! h phi_{i+1}(h), hh = -h
+        r, hh = (grid.lam[j - 2] - grid.lam[j - 1]) / h, -h
+        hphi2 = np.expm1(hh) / hh - 1.0
+        b1, b2 = hphi2 / np.expm1(hh), 2.0 * (hphi2 / hh - 0.5) / np.expm1(hh)
+        # [[1, 1], [r, 1]] (a_1, a_t) = (b1, b2); r < 0 (the older point is noisier), so 1 - r > 0.
+        a_1 = float((b1 - b2) / (1.0 - r))
+        correction = (a_1 / r) * (m_older - m_prev) + float(b1 - a_1) * (m_now - m_prev)
     return ratio * x_prev - alpha * b_h * (m_prev + correction)
 
 
@@ -129,7 +112,7 @@ def unipc_sample(diffusion, model_fn, noise, model_kwargs=None, generator=None, 
     grid = solver_grid(diffusion)
     x = noise.float()
     x_from, m_prev, m_older = None, None, None  # the sample the last predictor started at; data predictions j-1, j-2
-    for j in _points(grid, progress, "unipc"):
+    for j in tqdm(range(grid.calls), desc="unipc", disable=not progress, leave=False):
         m_now = data_prediction(diffusion, model_fn, x, j, grid, model_kwargs)
         if m_prev is not None and j + 1 < grid.calls:  # the last step returns m_now: no corrector there
             # UniC of the previous predictor's order: 1 after the first step (m_older None), else 2.

@@ -1,8 +1,6 @@
-"""The compiled network of the sampling loop (`--compile`): every step calls it with the same shapes.
-
-"blocks" compiles one transformer block and reuses it for every block; "graphs" compiles the whole network with
-CUDA graphs (mode reduce-overhead). Shapes are static: at most four per run (batch, last batch, each guided).
-"""
+"""The compiled network of the sampling loop (`--compile`): every step calls it with the same static shapes, at most
+four per run (batch, last batch, each guided). "blocks" compiles one transformer block and reuses it for every block;
+"graphs" compiles the whole network with CUDA graphs (mode reduce-overhead)."""
 from __future__ import annotations
 
 import torch
@@ -15,8 +13,6 @@ COMPILE_HELP = ("torch.compile the network of the sampling loop (CUDA only): blo
                 "and reused for every block), graphs (the whole network with CUDA graphs, mode reduce-overhead: longer "
                 "to compile, fewest kernel launches), or off. Pixels equal eager ones within float rounding; the "
                 "first batch (and a last, smaller one) pays the compile")
-# At most four shapes per run (see above); dynamo's default limit (8) leaves room, this states what is needed.
-SHAPES_PER_RUN = 4
 
 
 def check_compile(mode: str, device) -> None:
@@ -56,7 +52,8 @@ def compile_for_sampling(model: torch.nn.Module, mode: str, backend="inductor"):
         raise ChoiceError("compile mode", mode, COMPILE_MODES)
     if mode == "off":
         return model
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, SHAPES_PER_RUN)
+    # At most four shapes per run (module docstring): dynamo's default limit (8) leaves room; this states the need.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4)
     if mode == "blocks":
         return compile_blocks(model, backend, dynamic=False, fullgraph=True)
     return GraphedModel(model, backend)

@@ -9,10 +9,9 @@ import math
 
 from shared.generative.samplers import SAMPLER_OPTIONS
 
-# The settings of an eval.jsonl line that say how it was measured (evaluate.curve.settings_of writes them);
-# a setting a line lacks reads as None (lines written before it existed, or a flag left unset).
-# The sampler's options (time shift, DDIM eta, SDE last step) and the DiT's precision are written only away from
-# their defaults, so a line without them reads as the default.
+# The settings of an eval.jsonl line that say how it was measured (evaluate.curve.settings_of writes them); a setting
+# a line lacks reads as None (lines written before it existed, or a flag left unset). The sampler's options and the
+# DiT's precision are written only away from their defaults, so a line without them reads as the default.
 SERIES_KEYS = ("feature_network", "ref", "sampler", "num_sampling_steps", "cfg_scale", "cfg_interval",
                "guide_channels", "num_samples", "seed", *SAMPLER_OPTIONS, "dit_precision")
 # Numeric fields beside the metrics that describe the measurement rather than being one.

@@ -34,7 +34,6 @@ CPU = Flag("run on the CPU even when a GPU is present", False)
 @dataclass(kw_only=True)
 class DecodeFlags:
     """The flags of every command that decodes latents with a VAE: its options dataclass derives from this."""
-
     vae: str | None = VAE.field()
     vae_config: str | None = VAE_CONFIG.field()
     vae_precision: str = VAE_PRECISION.field()
@@ -71,17 +70,15 @@ BATCH_SIZE = Flag("images per forward pass (per process)", 32, min=1, hint="imag
 
 def sampler_option_flag(option: SamplerOption) -> Flag:
     """The flag of a sampler option, from its record in shared/generative/samplers.py (None = not given)."""
-    takers = takers_of(option.name)
     detail = f"; {option.detail}" if option.detail else ""
-    return Flag(f"{'/'.join(takers)} only: {option.help}{detail} (default {option.default:g}, or the model's recorded "
-                f"value)", None, type=float)
+    return Flag(f"{'/'.join(takers_of(option.name))} only: {option.help}{detail} (default {option.default:g}, or the "
+                f"model's recorded value)", None, type=float)
 
 
 @dataclass(kw_only=True)
 class SamplingFlags:
     """The flags of every command that draws images from a DiT (sample, evaluate run); the previews and the recipes'
     sampling half (ModelConfig.sampling) use the same names. A setting left unset takes the model's recorded one."""
-
     sampler: str | None = SAMPLER.field()  # None: the recorded sampler, else the objective's own
     num_sampling_steps: int | None = NUM_SAMPLING_STEPS.field()  # None: the recorded count, else DEFAULT_STEPS
     cfg_scale: float = CFG_SCALE.field()

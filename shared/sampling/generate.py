@@ -54,13 +54,9 @@ def image_labels(plan: LabelPlan, seed: int, indices) -> list[int]:
 
 def batch_start(plan: LabelPlan, seed: int, indices, latent_shape) -> tuple[torch.Tensor, torch.Tensor, list]:
     """Starting noise (N,C,h,w), labels (N,) and per-row generators for one batch, all on the CPU."""
-    labels, generators, noise = [], [], []
-    for i in indices:
-        label, generator = image_rng(plan, seed, i)
-        labels.append(label)
-        generators.append(generator)
-        noise.append(torch.randn(tuple(latent_shape), generator=generator))  # (C, h, w)
-    return torch.stack(noise), torch.tensor(labels, dtype=torch.long), generators  # (N, C, h, w)
+    labels, generators = zip(*(image_rng(plan, seed, i) for i in indices))  # each generator after its label draw
+    noise = torch.stack([torch.randn(tuple(latent_shape), generator=g) for g in generators])  # (N, C, h, w)
+    return noise, torch.tensor(labels, dtype=torch.long), list(generators)
 
 
 # ---- The command ----
@@ -69,7 +65,6 @@ def batch_start(plan: LabelPlan, seed: int, indices, latent_shape) -> tuple[torc
 @dataclass
 class Drawer:
     """What turns a list of image indices into uint8 pixels: the plan's sampling with the model and the VAE."""
-
     plan: SamplePlan
     model_fn: object  # the DiT on the device (compiled with --compile) wrapped in the plan's guidance
     vae: object
@@ -86,18 +81,6 @@ class Drawer:
                                p.sampler_options, {"y": labels.to(self.device)}, generators,
                                self.progress)  # (N, C, h, w)
         return labels.tolist(), self.vae.decode_uint8(x, self.norm)  # (N, H, W, 3)
-
-
-def load_checked_vae(plan: SamplePlan, device):
-    """Load the tokenizer and compare its full identity with the latents' record -> (tokenizer, norm to invert)."""
-    o = plan.options
-    vae = load_tokenizer(plan.vae_name, device, PRECISIONS[o.vae_precision], o.vae_config, o.vae_tiling,
-                         o.vae_slicing)
-    norm, note = plan.space.check_loaded(vae, o.allow_other_vae)
-    if note:
-        plan.loaded.notes.append(note)
-        print(f"note: {note}")
-    return vae, norm
 
 
 def make_drawer(plan: SamplePlan, vae, norm, device) -> Drawer:
@@ -133,28 +116,23 @@ def draw_missing(plan: SamplePlan, drawer: Drawer, rank: int, world: int, show: 
     return len(todo)
 
 
-def grid_title(plan: SamplePlan) -> str:
-    """The line above the grid: which weights, sampler, steps, guidance and seed drew it."""
-    o = plan.options
-    label = plan.loaded.label or ckpt_label(plan.loaded.path)
-    return f"{label} · {plan.sampler} {o.num_sampling_steps} steps · cfg {o.cfg_scale:g} · seed {o.seed}"
-
-
 def finish(plan: SamplePlan) -> None:
     """Grid and (with --npz) samples.npz, rebuilt from the PNGs on disk."""
-    indices = list(range(plan.num_samples))
-    labels = image_labels(plan.labels, plan.options.seed, indices)
+    o, indices = plan.options, list(range(plan.num_samples))
+    labels = image_labels(plan.labels, o.seed, indices)
     paths = [plan.out / name for name in file_names(plan, indices)]
     absent = [p.name for p in paths if not p.exists()]
     if absent:
         raise UserError(f"{len(absent)} images are missing from {plan.out} (e.g. {absent[0]}), probably because "
                         f"another process stopped early; rerun the same command to draw them.")
     captions = captions_for(labels, list(plan.space.class_names) or None)
+    title = (f"{plan.loaded.label or ckpt_label(plan.loaded.path)} · {plan.sampler} {o.num_sampling_steps} steps · "
+             f"cfg {o.cfg_scale:g} · seed {o.seed}")
     # Only the images the grid shows are read, one at a time.
-    write_grid(plan.out / GRID_NAME, lambda i: read_png(paths[i]), labels, captions, grid_title(plan))
-    if plan.options.npz:
+    write_grid(plan.out / GRID_NAME, lambda i: read_png(paths[i]), labels, captions, title)
+    if o.npz:
         write_npz(plan.out / NPZ_NAME, paths, labels)
-    print(f"wrote {plan.num_samples} images, {GRID_NAME}" + (f", {NPZ_NAME}" if plan.options.npz else "")
+    print(f"wrote {plan.num_samples} images, {GRID_NAME}" + (f", {NPZ_NAME}" if o.npz else "")
           + f" to {plan.out}")
 
 
@@ -163,16 +141,8 @@ def runtime_facts(device) -> dict:
     device = torch.device(device)
     if device.type != "cuda":
         return {"device": str(device), "tf32": "not used (TF32 is a CUDA matmul mode)"}
-    name = torch.cuda.get_device_name(device)
-    return {"device": f"{device} ({name})", "tf32": "on" if torch.backends.cuda.matmul.allow_tf32 else "off"}
-
-
-def recorded_line(plan: SamplePlan) -> str | None:
-    """The one line naming the sampling settings taken from the weights' record (a flag given wins), or None."""
-    if not plan.recorded_notes:
-        return None
-    used = ", ".join(note.removesuffix(" (recorded with the model)") for note in plan.recorded_notes)
-    return f"sampling as the weights record: {used} (a flag given wins)"
+    return {"device": f"{device} ({torch.cuda.get_device_name(device)})",
+            "tf32": "on" if torch.backends.cuda.matmul.allow_tf32 else "off"}
 
 
 def summary_line(plan: SamplePlan) -> str:
@@ -195,9 +165,10 @@ def prepare_out(plan: SamplePlan, device) -> None:
         stale.unlink(missing_ok=True)
     plan.settings["run"].update(runtime_facts(device), notes=plan.loaded.notes)
     atomic_write_text(plan.out / SETTINGS_NAME, json.dumps(plan.settings, indent=2) + "\n")
-    for line in (recorded_line(plan), summary_line(plan)):
-        if line:
-            print(line, flush=True)
+    if plan.recorded_notes:  # the sampling settings taken from the weights' record, in one line
+        used = ", ".join(note.removesuffix(" (recorded with the model)") for note in plan.recorded_notes)
+        print(f"sampling as the weights record: {used} (a flag given wins)", flush=True)
+    print(summary_line(plan), flush=True)
 
 
 def run_sample(o: SampleOptions) -> Path:
@@ -206,7 +177,14 @@ def run_sample(o: SampleOptions) -> Path:
     check_compile(o.compile, state.device)  # before any weights are read
     plan = make_plan(o)  # every rank checks, before anyone writes
     set_tf32(state.device, o.tf32)
-    vae, norm = load_checked_vae(plan, state.device)  # a VAE that does not fit is refused before any write
+    o = plan.options
+    vae = load_tokenizer(plan.vae_name, state.device, PRECISIONS[o.vae_precision], o.vae_config, o.vae_tiling,
+                         o.vae_slicing)
+    # Its full identity compared with the latents' record: a VAE that does not fit is refused before any write.
+    norm, note = plan.space.check_loaded(vae, o.allow_other_vae)
+    if note:
+        plan.loaded.notes.append(note)
+        print(f"note: {note}")
     # One writer per --out: the main process holds the folder's lock until it exits (the OS drops it on a kill).
     with hold_lock(plan.out, "sample folder") if state.is_main_process else contextlib.nullcontext():
         state.wait_for_everyone()
@@ -235,13 +213,9 @@ PAD = 4
 
 def image_name(index: int, label: int, class_name: str | None = None) -> str:
     """File name of image `index`: `{index:06d}-class{label}.png`, or `...-class{label}-{name}.png` with a name."""
-    name = safe_name(class_name) if class_name is not None else ""
+    # A class name usable in a file name on any system: runs of other characters become '_'.
+    name = _UNSAFE.sub("_", str(class_name)).strip("._-")[:NAME_CHARS].strip("._-") if class_name is not None else ""
     return f"{index:06d}-class{label}-{name}.png" if name and name != str(label) else f"{index:06d}-class{label}.png"
-
-
-def safe_name(text: str) -> str:
-    """A class name usable in a file name on any system: runs of other characters become '_'."""
-    return _UNSAFE.sub("_", str(text)).strip("._-")[:NAME_CHARS].strip("._-")
 
 
 def save_png(path: Path, pixels: np.ndarray) -> None:
@@ -265,14 +239,6 @@ def grid_layout(labels) -> list[list[int | None]]:
     return [cells[r:r + width] for r in range(0, len(cells), width)]
 
 
-def _font(size: int):
-    """PIL's bundled font at `size` pixels (Pillow >= 10.1); the fixed-size bitmap font on older Pillow."""
-    try:
-        return ImageFont.load_default(size=size)
-    except TypeError:
-        return ImageFont.load_default()
-
-
 def _fit(draw: ImageDraw.ImageDraw, text: str, font, width: int) -> str:
     """`text`, shortened with an ellipsis until it fits `width` pixels."""
     if draw.textlength(text, font=font) <= width:
@@ -289,7 +255,11 @@ def labelled_grid(load_image, labels, captions: list[str], title: str) -> np.nda
     scale = max(1, math.ceil(MIN_CELL / min(h, w)))
     cell_w, cell_h = w * scale, h * scale
     size = min(16, max(10, cell_w // 8))  # caption pixels: readable under a 96 px cell, modest under 256 px
-    font, line = _font(size), size + 6
+    line = size + 6
+    try:
+        font = ImageFont.load_default(size=size)  # PIL's bundled font at `size` pixels (Pillow >= 10.1)
+    except TypeError:
+        font = ImageFont.load_default()  # the fixed-size bitmap font on older Pillow
     canvas = Image.new("RGB", (PAD + len(layout[0]) * (cell_w + PAD), line + PAD + len(layout) * (cell_h + line + PAD)),
                        "white")
     draw = ImageDraw.Draw(canvas)
@@ -337,18 +307,18 @@ def write_npz(path: Path, image_paths, labels) -> None:
     image_paths = list(image_paths)
     h, w = read_png(image_paths[0]).shape[:2]
 
+    def images():
+        """Each PNG in turn; one whose size differs from the first is refused (the npz holds one array)."""
+        for p in image_paths:
+            pixels = read_png(p)
+            if pixels.shape != (h, w, 3):
+                raise UserError(f"{p} is {pixels.shape}, unlike the other samples {(h, w, 3)}; delete it and rerun.")
+            yield pixels
+
     def write(tmp):
         """arr_0.npy then labels.npy, stored uncompressed as np.savez does."""
         with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as archive:
-            images = (_checked(read_png(p), (h, w, 3), p) for p in image_paths)
-            _write_npy_member(archive, "arr_0.npy", (len(image_paths), h, w, 3), np.uint8, images)
+            _write_npy_member(archive, "arr_0.npy", (len(image_paths), h, w, 3), np.uint8, images())
             _write_npy_member(archive, "labels.npy", (len(labels),), np.int64, [np.asarray(labels)])
 
     atomic_write(Path(path), write)
-
-
-def _checked(pixels: np.ndarray, shape, path) -> np.ndarray:
-    """Refuse an image whose size differs from the first one (the npz holds one array)."""
-    if pixels.shape != shape:
-        raise UserError(f"{path} is {pixels.shape}, unlike the other samples {shape}; delete it and rerun.")
-    return pixels

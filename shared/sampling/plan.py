@@ -1,7 +1,6 @@
 """What `python -m sample` is asked to do and its plan: the flags (`SampleOptions`), the class labels, the sampler
 and guidance resolved from the flags and the weights' record, and the --out folder's names and checks, all settled
-once (`make_plan`) before any model or VAE is loaded; shared/sampling/generate.py draws from the plan.
-"""
+once (`make_plan`) before any model or VAE is loaded; shared/sampling/generate.py draws from the plan."""
 from __future__ import annotations
 
 import dataclasses
@@ -86,7 +85,6 @@ def make_label_plan(class_labels, num_classes: int, random: bool, class_names=No
 @dataclass
 class SampleOptions(DecodeFlags, SamplingFlags):
     """Everything `python -m sample` accepts (one field per flag: default and help; the sampling and VAE flags too)."""
-
     ckpt: str = option(help="training run folder (newest EMA export), a checkpoints/step-* folder, a .safetensors "
                             "export (config read from it), or an official DiT .pt/.pth state dict")
     weights: str | None = option(  # None: not given (EMA for folders; a file's own weights)
@@ -118,7 +116,6 @@ class SampleOptions(DecodeFlags, SamplingFlags):
 @dataclass
 class SamplePlan:
     """Everything the command resolved once, before any model or VAE is loaded: from what, how, what and where."""
-
     options: SampleOptions  # the flags, with the sampler, steps and guidance interval used filled in
     loaded: LoadedWeights  # the checkpoint read: state dict, ModelConfig, step, notes
     space: LatentSpace  # the weights' latent space (official weights: one known only by its channels)
@@ -141,26 +138,6 @@ class SamplePlan:
         return config.in_channels, config.input_size, config.input_size
 
 
-def check_numbers(o: SampleOptions) -> None:
-    """UserError for flags no run can use (before anything is loaded)."""
-    check_flag_bounds(o)  # the bounds declared on the options; again here for options built in Python (evaluate run)
-    if o.sampler is not None:
-        sampler_options(o.sampler, given_sampler_options(o))  # an unknown sampler, or an option it does not take
-    if o.cfg_interval is not None and o.cfg_scale == 1.0:
-        raise UserError("--cfg-interval limits guidance to a range of noise levels, but --cfg-scale is 1 (no "
-                        "guidance); pass a --cfg-scale above 1, or drop --cfg-interval.")
-
-
-def resolve_sampler(o: SampleOptions, objective, recorded: dict) -> tuple[SampleOptions, dict, tuple]:
-    """(o with the sampler, steps and interval used, that sampler's options, notes): flags given, else the model's
-    recorded sampling half, else the objective's; SettingError for a sampler or steps it cannot take."""
-    plan = resolve_sampling(objective, o.sampler, given_sampler_options(o), o.cfg_interval, recorded,
-                            guided=o.cfg_scale != 1.0, steps=o.num_sampling_steps)
-    objective.process(plan.sampler, plan.steps, plan.options)  # e.g. 1000 steps of the linspace spacing
-    o = dataclasses.replace(o, sampler=plan.sampler, num_sampling_steps=plan.steps, cfg_interval=plan.cfg_interval)
-    return o, plan.options, plan.notes
-
-
 def ckpt_label(path: Path) -> str:
     """A short name for a weight file: RUN-ema-step-X for exports, RUN-step-X-model for checkpoints."""
     path = path.resolve()
@@ -178,8 +155,7 @@ def default_out(o: SampleOptions, loaded: LoadedWeights, sampler: str, options: 
                     if name in options and options[name] != spec.default)
     interval = f"-int{o.cfg_interval[0]:g}-{o.cfg_interval[1]:g}" if o.cfg_interval else ""
     label = loaded.label or ckpt_label(loaded.path)
-    name = f"{label}-cfg{o.cfg_scale:g}{interval}-{sampler}{o.num_sampling_steps}{extra}-seed{o.seed}"
-    return Path("samples") / name
+    return Path("samples") / f"{label}-cfg{o.cfg_scale:g}{interval}-{sampler}{o.num_sampling_steps}{extra}-seed{o.seed}"
 
 
 def make_settings(plan: SamplePlan) -> dict:
@@ -211,14 +187,23 @@ def make_settings(plan: SamplePlan) -> dict:
 
 def make_plan(o: SampleOptions) -> SamplePlan:
     """Check every input and read the weights, resolving each object once; loads no VAE and builds no model."""
-    check_numbers(o)
+    check_flag_bounds(o)  # flags no run can use, before any loading; again here for options built in Python (evaluate)
+    if o.sampler is not None:
+        sampler_options(o.sampler, given_sampler_options(o))  # an unknown sampler, or an option it does not take
+    if o.cfg_interval is not None and o.cfg_scale == 1.0:
+        raise UserError("--cfg-interval limits guidance to a range of noise levels, but --cfg-scale is 1 (no "
+                        "guidance); pass a --cfg-scale above 1, or drop --cfg-interval.")
     if o.out:
         check_out_path(Path(o.out), "sampling")  # a file or an image name as --out: refused before any loading
     loaded = load_sampling_weights(o.ckpt, o.weights, o.model, o.objective)
     config = loaded.config
     objective = objective_of(config)
-    o, options, notes = resolve_sampler(o, objective, config.sampling)
-    loaded.notes.extend(notes)
+    # The sampler, steps and interval used: flags given, else the model's recorded sampling half, else the objective's.
+    used = resolve_sampling(objective, o.sampler, given_sampler_options(o), o.cfg_interval, config.sampling,
+                            guided=o.cfg_scale != 1.0, steps=o.num_sampling_steps)
+    objective.process(used.sampler, used.steps, used.options)  # SettingError, e.g. 1000 steps of the linspace spacing
+    o = dataclasses.replace(o, sampler=used.sampler, num_sampling_steps=used.steps, cfg_interval=used.cfg_interval)
+    loaded.notes.extend(used.notes)
     check_interval(o.cfg_interval, objective.level_range, objective.level_unit, objective.name)
     check_guidance(o.cfg_scale, config.has_null_class)
     check_sampling_guidance(objective, o.cfg_scale, o.cfg_interval)  # MeanFlow: folded in; iMF: the trained range
@@ -230,9 +215,9 @@ def make_plan(o: SampleOptions) -> SamplePlan:
     loaded.notes.append(f"VAE {vae_name} ({how})")
     # Default count: one image per listed label, else one per class (label i = i % num_classes).
     num_samples = o.num_samples or len(o.class_labels or []) or labels.num_classes
-    plan = SamplePlan(o, loaded, space, objective, o.sampler, options, guided, labels, vae_name,
+    plan = SamplePlan(o, loaded, space, objective, o.sampler, used.options, guided, labels, vae_name,
                       image_size_of(loaded, factor, o.image_size), num_samples,
-                      Path(o.out) if o.out else default_out(o, loaded, o.sampler, options), tuple(notes))
+                      Path(o.out) if o.out else default_out(o, loaded, o.sampler, used.options), tuple(used.notes))
     plan.settings = make_settings(plan)
     check_out_dir(plan.out, plan.settings)
     return plan
