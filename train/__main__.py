@@ -27,16 +27,6 @@ def objective_flags() -> dict:
     return {name.replace("_", " "): flag_name(name) for name in training_flags()}
 
 
-def default_model_note(args) -> str:
-    """Said before anything is built when --model is not given: the default is DiT's largest model."""
-    from shared.network.models import PRESETS
-
-    preset = PRESETS[args.model]
-    return (f"{PROG}: no --model given: training {args.model}, DiT's headline model (depth {preset['depth']}, width "
-            f"{preset['hidden_size']}), at global batch {args.global_batch_size}, as the paper did on GPUs. Building "
-            "it takes a while; pass --model DiT-S/2 (or DiT-T/2) for a quick trial.")
-
-
 @interruptible(PROG)
 def main(argv=None, callbacks=()) -> int:
     """Parse flags, run training, print UserErrors as one paragraph (exit status 2)."""
@@ -46,8 +36,14 @@ def main(argv=None, callbacks=()) -> int:
     parser = build_parser(PROG)
     args = parser.parse_args(argv)
     explicit = given_flags(parser, argv)  # a --recipe never overrides a flag given on the command line
-    if "model" not in explicit:
-        print(default_model_note(args), file=sys.stderr, flush=True)
+    if "model" not in explicit:  # said before anything is built: the default is DiT's largest model
+        from shared.network.models import PRESETS
+
+        preset = PRESETS[args.model]
+        print(f"{PROG}: no --model given: training {args.model}, DiT's headline model (depth {preset['depth']}, "
+              f"width {preset['hidden_size']}), at global batch {args.global_batch_size}, as the paper did on GPUs. "
+              "Building it takes a while; pass --model DiT-S/2 (or DiT-T/2) for a quick trial.", file=sys.stderr,
+              flush=True)
     with cli_errors(PROG, {**FLAGS, **objective_flags()}):
         from train.loop import train
 

@@ -55,20 +55,6 @@ def auto_precision(info: DeviceInfo) -> str:
     return "fp32" if info.type != "cuda" else ("bf16" if info.bf16 else "fp16")
 
 
-def checkpoint_candidates(requested, depth: int) -> list[int]:
-    """The intervals auto may pick from: the requested one, or CHECKPOINT_ORDER within the model's depth."""
-    if requested != AUTO:
-        return [requested if requested == SELECTIVE else int(requested)]
-    return [k for k in CHECKPOINT_ORDER if k <= depth]
-
-
-def pick_row(rows: list, per_process: int):
-    """The least recomputation whose micro-batch is fast enough; else the largest micro-batch; None if none fits."""
-    fitting = [r for r in rows if r.micro is not None]
-    fast = [r for r in fitting if r.micro >= min(per_process, FAST_MICRO)]  # rows come least recomputation first
-    return fast[0] if fast else max(fitting, key=lambda r: (r.micro, -r.profile.every), default=None)
-
-
 def smaller_micro(micro: int, per_process: int) -> int | None:
     """The next smaller divisor of the per-process batch, or None below 1."""
     return next((m for m in range(micro - 1, 0, -1) if per_process % m == 0), None)
@@ -82,11 +68,6 @@ def measure_peak(cfg, model_config: ModelConfig, micro: int, every: int, accumul
     return memory.verify_step(model_config, cfg, row, budget=budget).peak
 
 
-def say(line: str) -> None:
-    """A one-line notice of what auto did, on stderr before the run's log exists (it is logged again there)."""
-    print(f"auto: {line}", file=sys.stderr, flush=True)
-
-
 def confirm(cfg, model_config, row, per_process: int, budget: int, measure: Callable) -> tuple[int, list]:
     """(micro-batch, tries): step down, saying so, while a real step does not fit the budget."""
     micro, tries = row.micro, []
@@ -98,12 +79,11 @@ def confirm(cfg, model_config, row, per_process: int, budget: int, measure: Call
         tries.append({"micro": micro, "peak": peak})
         if peak is None or 0 <= peak <= budget:
             return micro, tries
-        smaller = smaller_micro(micro, per_process)
-        if smaller is None:
+        if (smaller := smaller_micro(micro, per_process)) is None:
             break
         outcome = "ran out of memory" if peak == OUT_OF_MEMORY else f"peaked at {format_size(peak)}"
-        say(f"micro-batch {micro} {outcome} in a real step under the {format_size(budget)} budget; "
-            f"trying micro-batch {smaller}")
+        print(f"auto: micro-batch {micro} {outcome} in a real step under the {format_size(budget)} budget; "
+              f"trying micro-batch {smaller}", file=sys.stderr, flush=True)  # before the run's log exists
         micro = smaller
     raise UserError(
         f"even micro-batch {tries[-1]['micro']} of {cfg.model} with checkpointing every {row.profile.every} "
@@ -145,7 +125,10 @@ def _plan_on_gpu(cfg, model_config, info: DeviceInfo, world_size: int, measure: 
     per_process = cfg.global_batch_size // world_size  # divisibility is checked by resolve_config
     margin = parse_size(memory.DEFAULT_MARGIN)
     budget = info.free_memory - margin
-    choices = checkpoint_candidates(cfg.grad_checkpoint, len(model_config.build(device="meta").blocks))
+    depth = len(model_config.build(device="meta").blocks)
+    every = cfg.grad_checkpoint  # the interval asked for, or auto: those of CHECKPOINT_ORDER within the depth
+    choices = ([k for k in CHECKPOINT_ORDER if k <= depth] if every == AUTO
+               else [every if every == SELECTIVE else int(every)])
     route = (cfg.route_ratio, cfg.route_start, cfg.route_end) if cfg.route_ratio > 0 else None
     profiles, n_params, n_trainable = memory.measure_profiles(model_config, cfg.precision, choices,
                                                               memory.measure_device("auto"), route)  # as plan does
@@ -154,7 +137,11 @@ def _plan_on_gpu(cfg, model_config, info: DeviceInfo, world_size: int, measure: 
     explicit = cfg.micro_batch_size != AUTO
     if explicit:  # the least recomputation that fits the given micro-batch
         rows = [r for r in rows if r.micro is not None and r.micro >= int(cfg.micro_batch_size)]
-    row = (rows[0] if rows else None) if explicit else pick_row(rows, per_process)
+        row = rows[0] if rows else None
+    else:  # the least recomputation (rows come so ordered) whose micro-batch is fast enough; else the largest
+        fitting = [r for r in rows if r.micro is not None]
+        fast = [r for r in fitting if r.micro >= min(per_process, FAST_MICRO)]
+        row = fast[0] if fast else max(fitting, key=lambda r: (r.micro, -r.profile.every), default=None)
     if row is None:  # not even micro-batch 1 fits the plan
         raise UserError(
             f"{cfg.model} does not fit on {info.name or 'this GPU'} with {format_size(info.free_memory)} free "

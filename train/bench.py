@@ -175,19 +175,13 @@ RUN_FLAGS = {  # how long each configuration runs (None: the preset's), their bo
 }
 
 
-def flag_matrix(args) -> list[BenchConfig]:
-    """The cartesian product of the matrix flags (defaults where a flag is absent)."""
-    values = [split_list(getattr(args, k) or default, kind) for k, (kind, default) in MATRIX.items()]
-    check_values(*values)
-    return [BenchConfig(*combo) for combo in itertools.product(*values)]
-
-
 def resolve_matrix(args) -> list[BenchConfig]:
-    """The preset's rows, or the flags' product; mixing both is refused (no silent precedence)."""
+    """The preset's rows, or the flags' product (defaults where a flag is absent); mixing both is refused."""
     if args.preset is None:
-        return flag_matrix(args)
-    given = [f"--{k.replace('_', '-')}" for k in MATRIX if getattr(args, k) is not None]
-    if given:
+        values = [split_list(getattr(args, k) or default, kind) for k, (kind, default) in MATRIX.items()]
+        check_values(*values)
+        return [BenchConfig(*combo) for combo in itertools.product(*values)]
+    if given := [f"--{k.replace('_', '-')}" for k in MATRIX if getattr(args, k) is not None]:
         raise UserError(f"--preset {args.preset} defines the matrix itself, so {', '.join(given)} would be "
                         "ignored; drop --preset to choose the matrix with flags, or drop those flags.")
     return preset_matrix(args.preset)
@@ -239,9 +233,8 @@ def peak_tflops(args, device: torch.device) -> tuple[float | None, str]:
     if device.type != "cuda":
         return None, "unknown on CPU (pass --peak-tflops for MFU)"
     name = torch.cuda.get_device_name(device)
-    for key, value in KNOWN_PEAK_TFLOPS.items():
-        if key in name:
-            return value, f"default for {name} (16-bit tensor cores, dense)"
+    if value := next((v for key, v in KNOWN_PEAK_TFLOPS.items() if key in name), None):
+        return value, f"default for {name} (16-bit tensor cores, dense)"
     return None, f"unknown for {name} (pass --peak-tflops for MFU)"
 
 
@@ -259,21 +252,14 @@ def compiled_frames() -> int:
     return counters["frames"]["total"]
 
 
-@dataclass
-class StepTimes:
-    """One configuration's step seconds: the first step (compilation in it), the timed ones, their recompilations."""
-    first: float
-    timed: list
-    recompiles: int
-
-
-def time_steps(config: BenchConfig, args, device) -> StepTimes:
-    """Seconds of the first and of each timed trainer step (after warm-up) for one configuration."""
+def time_steps(config: BenchConfig, args, device) -> tuple[float, list, int]:
+    """(first step's seconds (compilation in it), each timed step's after warm-up, recompilations in those)."""
     cfg = bench_train_config(config, args)
     model_cfg = model_config_for(cfg, latent_shape(args.image_size), args.num_classes)
     learner = make_learner(cfg, model_cfg, device=device)
-    if config.adamw == "foreach":
-        learner.optimizer = foreach_adamw(learner)
+    if config.adamw == "foreach":  # the multi-tensor kernels instead of the fused one (a skip syncs the host)
+        learner.optimizer = torch.optim.AdamW(learner.trained_parameters(), lr=cfg.lr, betas=tuple(cfg.adam_betas),
+                                              weight_decay=cfg.weight_decay, foreach=True)
     batch = synthetic_batch(model_cfg, config.micro_batch, cfg.class_dropout_prob, learner.objective)
     times, frames = [], compiled_frames()
     for i in range(args.warmup + args.steps):
@@ -286,22 +272,7 @@ def time_steps(config: BenchConfig, args, device) -> StepTimes:
         times.append(time.perf_counter() - start)
         if i + 1 == max(args.warmup, 1):  # the first compilation is not a recompilation, even when it is timed
             frames = compiled_frames()
-    return StepTimes(times[0], times[args.warmup:], compiled_frames() - frames)
-
-
-def foreach_adamw(learner) -> torch.optim.Optimizer:
-    """The learner's AdamW with the multi-tensor (foreach) kernels instead of the fused one (a skip syncs the host)."""
-    cfg = learner.cfg
-    return torch.optim.AdamW(learner.trained_parameters(), lr=cfg.lr, betas=tuple(cfg.adam_betas),
-                             weight_decay=cfg.weight_decay, foreach=True)
-
-
-def error_text(err: BaseException) -> str:
-    """One line describing why a configuration could not run."""
-    if isinstance(err, torch.cuda.OutOfMemoryError):
-        return "OOM"
-    first = (str(err).strip().splitlines() or [""])[0].split(". ")[0]  # first sentence
-    return f"{type(err).__name__}: {first}"[:140]
+    return times[0], times[args.warmup:], compiled_frames() - frames
 
 
 def run_config(config: BenchConfig, args, device, flops_per_image, peak) -> BenchResult:
@@ -312,15 +283,18 @@ def run_config(config: BenchConfig, args, device, flops_per_image, peak) -> Benc
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     try:
-        steps = time_steps(config, args, device)
-    except Exception as err:  # reported in the table, the remaining configurations still run
-        return BenchResult(config, error=error_text(err))
-    step = statistics.median(steps.timed)
+        first, timed, recompiles = time_steps(config, args, device)
+    except torch.cuda.OutOfMemoryError:
+        return BenchResult(config, error="OOM")
+    except Exception as err:  # reported in the table (its first sentence), the remaining configurations still run
+        reason = (str(err).strip().splitlines() or [""])[0].split(". ")[0]
+        return BenchResult(config, error=f"{type(err).__name__}: {reason}"[:140])
+    step = statistics.median(timed)
     images = config.micro_batch / step
     mem = torch.cuda.max_memory_allocated(device) if cuda else None
     reserved = torch.cuda.max_memory_reserved(device) if cuda else None
     mfu = flops_per_image * images / (peak * 1e12) if peak else None
-    compiled = dict(compile_s=max(steps.first - step, 0.0), recompiles=steps.recompiles) if config.compile else {}
+    compiled = dict(compile_s=max(first - step, 0.0), recompiles=recompiles) if config.compile else {}
     return BenchResult(config, 1 / step, images, mem, reserved, mfu, **compiled)
 
 
@@ -366,15 +340,6 @@ def header(args, device, model, flops, peak_note) -> str:
             f"(AdamW, grad norm, EMA on the device); compile s: the first step's time beyond the median step, "
             f"recompiles: during the timed steps"
             + ("; TF32 matmuls on" if device.type == "cuda" else "; peak memory is measured on CUDA only"))
-
-
-def write_json(path, args, device, results, flops, peak):
-    """Machine-readable results."""
-    payload = {"model": args.model, "image_size": args.image_size, "device": str(device),
-               "torch": torch.__version__, "train_flops_per_image": flops, "peak_tflops": peak,
-               "results": [{**asdict(r.config), **{k: v for k, v in asdict(r).items() if k != "config"}}
-                           for r in results]}
-    atomic_write_json(path, payload, indent=2)  # a Ctrl-C mid-write leaves the old file or none
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -423,24 +388,8 @@ def say(line: str) -> None:
     print(line, flush=True)
 
 
-def measure_rows(configs, args, device, flops, peak) -> list[BenchResult]:
-    """Time each configuration, printing its line and writing --json (the results so far) as soon as it is measured."""
-    results = []
-    say(HEAD + "\n" + "-" * len(HEAD))
-    try:
-        for config in tqdm(configs, desc="bench", unit="config", file=sys.stderr):
-            results.append(run_config(config, args, device, flops, peak))
-            say(table_line(results[-1], baseline(results)))
-            if args.json:
-                write_json(args.json, args, device, results, flops, peak)
-    except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM (a time limit): the rows so far are printed and written
-        signum = signal.SIGTERM if isinstance(stop, Terminated) else signal.SIGINT
-        raise Cut(len(results), len(configs), args.json, signum) from None
-    return results
-
-
 def run(args) -> list[BenchResult]:
-    """Run the matrix, printing the header, then each row as it is measured."""
+    """Run the matrix, printing the header, then each row and writing --json (the rows so far) as it is measured."""
     resolve_defaults(args)
     configs = resolve_matrix(args)
     device = measure_device(args.device, "--device")
@@ -456,7 +405,22 @@ def run(args) -> list[BenchResult]:
     if args.preset == "changes-gpu":  # free memory read before the planner's own model occupies any
         configs, why = plan_changes_micro(args, configs, device, free_memory(device))
     say(header(args, device, model, flops, peak_note) + (f"\n{why}" if why else "") + "\n")
-    return measure_rows(configs, args, device, flops, peak)
+    results = []
+    say(HEAD + "\n" + "-" * len(HEAD))
+    try:
+        for config in tqdm(configs, desc="bench", unit="config", file=sys.stderr):
+            results.append(run_config(config, args, device, flops, peak))
+            say(table_line(results[-1], baseline(results)))
+            if args.json:  # machine-readable; a Ctrl-C mid-write leaves the old file or none
+                atomic_write_json(args.json, {
+                    "model": args.model, "image_size": args.image_size, "device": str(device),
+                    "torch": torch.__version__, "train_flops_per_image": flops, "peak_tflops": peak,
+                    "results": [{**asdict(r.config), **{k: v for k, v in asdict(r).items() if k != "config"}}
+                                for r in results]}, indent=2)
+    except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM (a time limit): the rows so far are printed and written
+        signum = signal.SIGTERM if isinstance(stop, Terminated) else signal.SIGINT
+        raise Cut(len(results), len(configs), args.json, signum) from None
+    return results
 
 
 class Cut(Exception):
@@ -473,20 +437,19 @@ class Cut(Exception):
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM, unwinding like Ctrl-C (every `finally` runs)."""
-
-
-def _terminate(signum, frame):
-    """SIGTERM (timeout's signal) unwinds like Ctrl-C; a second one must not cut that short."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise Terminated
+    """SIGTERM (timeout's signal), unwinding like Ctrl-C (every `finally` runs)."""
+    @staticmethod
+    def handler(signum, frame):
+        """Raise Terminated; a second SIGTERM must not cut the unwinding short."""
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Terminated
 
 
 @contextlib.contextmanager
 def sigterm_as_interrupt():
     """Inside the block SIGTERM raises KeyboardInterrupt (main thread only: handlers cannot be set elsewhere)."""
     main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
+    previous = signal.signal(signal.SIGTERM, Terminated.handler) if main_thread else None
     try:
         yield
     finally:

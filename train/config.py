@@ -23,9 +23,10 @@ from shared.generative.guidance import GUIDE_CHANNELS
 from shared.generative.flow import auto_shift, check_shift
 from shared.network.attention import ATTENTION_BACKENDS
 from shared.network.blocks import BLOCK_FIELDS, BLOCK_HELP, BLOCKS, SELECTIVE, block_flag, block_options
-from shared.network.models import CLASS_DROPOUT_PROB, HEAD_FIELDS, ModelConfig, check_preset, default_block, preset_head
-from shared.generative.objectives import (DEFAULT_OBJECTIVE, OBJECTIVES, learns_sigma, objective_help,
-                                          recorded_by_training, training_flags)
+from shared.network.models import (CLASS_DROPOUT_PROB, HEAD_FIELDS, PRESETS, ModelConfig, check_preset, default_block,
+                                   preset_head, token_width_problem)
+from shared.generative.objectives import (DEFAULT_OBJECTIVE, OBJECTIVES, learns_sigma, make_objective, objective_help,
+                                          recorded_by_training, recorded_fields, training_args, training_flags)
 from train.latents import byte_size
 from train.recipes import RECIPE_HELP, RECIPES, apply_recipe
 from shared.runtime.precision import PRECISION_CHOICES, canonical_precision
@@ -236,15 +237,12 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         """Plain JSON-serialisable dict (tuples become lists)."""
-        d = asdict(self)
-        d["adam_betas"] = list(self.adam_betas)
-        return d
+        return {**asdict(self), "adam_betas": list(self.adam_betas)}
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "the checkpoint") -> "TrainConfig":
         """Rebuild from to_dict output; UserError on a setting this version does not know (it would be dropped)."""
-        unknown = sorted(set(d) - {f.name for f in fields(cls)})
-        if unknown:
+        if unknown := sorted(set(d) - {f.name for f in fields(cls)}):
             raise UserError(f"the config of {where} holds settings this version does not know ({', '.join(unknown)}): "
                             "it was written by another version, and resuming would silently drop them. Resume it "
                             "with that version, or start a fresh run with a new --results-dir.")
@@ -361,21 +359,18 @@ def grad_accum_steps(global_batch: int, micro_batch: int | None, world_size: int
     return micro, per_process // micro
 
 
-def training_index_sha256(index_bytes: bytes) -> str:
-    """sha256 of index.json less "latent_space" (shards, sha256s, classes, VAE, layout): the data trained on."""
-    # `extract --stats` rewrites "latent_space" on a finished folder; a run's LatentSpace is compared by its hash
-    kept = {k: v for k, v in json.loads(index_bytes).items() if k != "latent_space"}
-    return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()
-
-
 def data_identity(dataset, space: LatentSpace) -> dict:
     """What identifies a latent folder and the run's LatentSpace for resume checks (LatentDataset -> JSON dict)."""
-    index_bytes = (Path(dataset.root) / "index.json").read_bytes()
+    # index_sha256: of index.json less "latent_space" (shards, sha256s, classes, VAE, layout), the data trained on;
+    # `extract --stats` rewrites "latent_space" on a finished folder; a run's LatentSpace is compared by its hash
+    index = json.loads((Path(dataset.root) / "index.json").read_bytes())
+    kept = {k: v for k, v in index.items() if k != "latent_space"}
     return {
         "num_samples": len(dataset), "latent_shape": list(dataset.latent_shape), "flips": dataset.flips,
         "num_classes": dataset.num_classes, "image_size": dataset.image_size,
         "scaling_factor": space.tokenizer.get("scaling_factor"), "vae": space.tokenizer,
-        "index_sha256": training_index_sha256(index_bytes), "latent_space": space.sha256,
+        "index_sha256": hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest(),
+        "latent_space": space.sha256,
         "latent_norm": f"{space.norm.describe()} from {space.norm.source or 'the recorded numbers'}",  # for messages
         **{c.meta_key: dataset.meta[c.meta_key] for c in columns().values() if c.meta_key in dataset.meta},
     }
@@ -384,7 +379,6 @@ def data_identity(dataset, space: LatentSpace) -> dict:
 def _check_model_fits(cfg: TrainConfig, latent_shape) -> None:
     """UserError when the preset cannot take latents of this size, or is too narrow for their tokens (RAE)."""
     from shared.network.ddt import check_head
-    from shared.network.models import PRESETS, token_width_problem
 
     channels, height, width = latent_shape
     patch = PRESETS[cfg.model]["patch_size"]
@@ -397,8 +391,7 @@ def _check_model_fits(cfg: TrainConfig, latent_shape) -> None:
                         f"{' (' + ', '.join(fits) + ')' if fits else ''}.")
     head = {k: getattr(cfg, k) for k in HEAD_FIELDS}
     check_head(**head)
-    problem = token_width_problem(cfg.model, channels, head)
-    if problem:
+    if problem := token_width_problem(cfg.model, channels, head):
         raise SettingError(f"the latents are {channels}x{height}x{width}, and {problem}")
 
 
@@ -439,16 +432,6 @@ def resolve_latent_norm(choice: str, dataset) -> LatentNorm:
     return native
 
 
-def _check_image_size(cfg: TrainConfig, dataset) -> None:
-    """--image-size, when given, must be the size the latents were extracted at (no silent other resolution)."""
-    if cfg.image_size is not None and cfg.image_size != dataset.image_size:
-        raise UserError(f"--image-size {cfg.image_size}, but the latents in {dataset.root} were extracted at "
-                        f"{dataset.image_size}x{dataset.image_size}. Pass --image-size {dataset.image_size} (or omit "
-                        f"it), or extract the images at {cfg.image_size} into a new folder: `python -m extract "
-                        f"--image-size {cfg.image_size} --out NEW ...`.")
-    cfg.image_size = dataset.image_size
-
-
 def check_config(cfg: TrainConfig, dataset) -> None:
     """The checks that need only the flags and the latents, and the latent space (cfg.space) they resolve to."""
     check_flag_bounds(cfg)  # the bounds declared on the options; again here for a TrainConfig built in Python
@@ -458,7 +441,12 @@ def check_config(cfg: TrainConfig, dataset) -> None:
         cfg.time_dist_shift = auto_shift(dataset.latent_shape)
     check_shift(cfg.time_dist_shift)
     _check_objective(cfg)
-    _check_image_size(cfg, dataset)
+    if cfg.image_size is not None and cfg.image_size != dataset.image_size:  # no silent other resolution
+        raise UserError(f"--image-size {cfg.image_size}, but the latents in {dataset.root} were extracted at "
+                        f"{dataset.image_size}x{dataset.image_size}. Pass --image-size {dataset.image_size} (or omit "
+                        f"it), or extract the images at {cfg.image_size} into a new folder: `python -m extract "
+                        f"--image-size {cfg.image_size} --out NEW ...`.")
+    cfg.image_size = dataset.image_size
     _check_model_fits(cfg, dataset.latent_shape)
     cfg.space = dataset.space.for_run(resolve_latent_norm(cfg.latent_norm, dataset))  # not a field: config.json
     _resolve_columns(cfg, dataset)
@@ -474,7 +462,23 @@ def resolve_config(cfg: TrainConfig, dataset, world_size: int) -> TrainConfig:
     cfg.data = data_identity(dataset, cfg.space)  # holds its sha256; checkpoints, exports and previews the record
     cfg.total_steps = (math.ceil(cfg.epochs * len(dataset) / cfg.global_batch_size) if cfg.epochs is not None
                        else cfg.max_steps or DEFAULT_MAX_STEPS)
-    _resolve_preview_guidance(cfg)
+    # Preview guidance: 4.0 by default (DiT's picture setting); none without a null class to guide against, and none
+    # for a field that folds guidance in (MeanFlow with --cfg-omega/--cfg-kappa), which must not be guided twice.
+    recorded = recorded_by_training(cfg.objective, cfg.objective_options)
+    folds = bool(recorded.get("folded_guidance"))
+    if folds and cfg.sample_cfg_scale not in (None, 1.0):
+        raise UserError(f"--sample-cfg-scale {cfg.sample_cfg_scale} would guide a field that already folds guidance "
+                        "in (--cfg-omega/--cfg-kappa), doubling it; pass --sample-cfg-scale 1 or leave it unset.")
+    lo, hi = recorded.get("cfg_range", (1.0, math.inf))
+    if cfg.sample_cfg_scale is None:
+        cfg.sample_cfg_scale = min(4.0, hi) if cfg.class_dropout_prob > 0 and not folds else 1.0
+    elif cfg.sample_cfg_scale != 1 and cfg.class_dropout_prob == 0:
+        raise UserError(f"--sample-cfg-scale {cfg.sample_cfg_scale} needs a null class, but --class-dropout-prob "
+                        "is 0 (no null class is trained); pass --sample-cfg-scale 1, or train with dropout.")
+    elif not lo <= cfg.sample_cfg_scale <= hi:  # improved MeanFlow: the network only knows the scales it drew
+        raise UserError(f"--sample-cfg-scale {cfg.sample_cfg_scale:g} is outside [{lo:g}, {hi:g}], the guidance "
+                        f"scales this {cfg.objective} run trains its network on (--cfg-max {hi:g}); pass a preview "
+                        "scale in that range, or raise --cfg-max.")
     return cfg
 
 
@@ -505,7 +509,6 @@ def route_span(model: str, latent_side: int, ratio: float, start: int | None, en
                head: bool | None = None) -> tuple[int, int]:
     """The route's (start, end) blocks, TREAD's where not given (2, depth - 4), checked against the preset; UserError.
     With a DiT^DH head (head None: the preset's) the route lies in the body (its depth counts), never in the head."""
-    from shared.network.models import PRESETS
     from shared.network.routing import PAPER_START, check_route, paper_end
 
     arch = PRESETS[model]
@@ -520,8 +523,7 @@ def route_span(model: str, latent_side: int, ratio: float, start: int | None, en
 def _resolve_route(cfg: TrainConfig, latent_shape) -> None:
     """With routing on: TREAD's span filled in, the route checked against the model and REPA; off: no route flags."""
     if cfg.route_ratio == 0:
-        given = [flag_name(n) for n in ("route_start", "route_end") if getattr(cfg, n) is not None]
-        if given:
+        if given := [flag_name(n) for n in ("route_start", "route_end") if getattr(cfg, n) is not None]:
             raise UserError(f"{' and '.join(given)} place a token route, but routing is off (--route-ratio 0); pass "
                             "--route-ratio (TREAD: 0.5) to route tokens, or drop the flag.")
         return
@@ -539,52 +541,25 @@ def _resolve_route(cfg: TrainConfig, latent_shape) -> None:
 
 def _check_objective(cfg: TrainConfig) -> None:
     """The objective and its training settings build (e.g. no flow-only setting on a ddpm run); fills them in."""
-    from shared.generative.objectives import OBJECTIVES, make_objective, recorded_fields, training_args
     from shared.generative.samplers import check_recorded
 
     objective = make_objective(cfg.objective, **cfg.objective_options)
     cfg.objective_options = training_args(objective)
     check_recorded(cfg.sampling, objective.family, f"--recipe {cfg.recipe}")
     recorded = {f.name for f in recorded_fields(OBJECTIVES[cfg.objective])}
-    _check_forward_mode(cfg, objective)
+    forward_mode = getattr(objective, "interval_time", False)  # its loss takes a forward-mode JVP (MeanFlow)
+    if forward_mode and cfg.compile:
+        raise SettingError(f"--compile cannot train the {objective.name} objective: its target is a forward-mode "
+                           "Jacobian-vector product (torch.func.jvp) through the model, which torch.compile does not "
+                           "trace reliably (reimplementations report a large slowdown or failure). Drop --compile.")
+    if forward_mode and cfg.attention == "xformers":
+        raise SettingError(f"--attention xformers cannot train the {objective.name} objective: xformers' kernels have "
+                           "no forward-mode derivative, which its JVP target needs. Use --attention sdpa (the JVP runs "
+                           "SDPA's math kernel, the loss's own forward the fused ones).")
     if cfg.time_dist_shift != 1.0 and "time_dist_shift" not in recorded:
         raise SettingError(f"{{time dist shift}} {cfg.time_dist_shift:g} applies to the flow objective only (it shifts "
                            f"its training times and sampling grid); the {cfg.objective} objective has no such shift. "
                            "Drop it, or train with {objective} flow.")
-
-
-def _check_forward_mode(cfg: TrainConfig, objective) -> None:
-    """SettingError for settings an objective whose loss takes a forward-mode JVP (MeanFlow) cannot run with."""
-    if not getattr(objective, "interval_time", False):
-        return
-    if cfg.compile:
-        raise SettingError(f"--compile cannot train the {objective.name} objective: its target is a forward-mode "
-                           "Jacobian-vector product (torch.func.jvp) through the model, which torch.compile does not "
-                           "trace reliably (reimplementations report a large slowdown or failure). Drop --compile.")
-    if cfg.attention == "xformers":
-        raise SettingError(f"--attention xformers cannot train the {objective.name} objective: xformers' kernels have "
-                           "no forward-mode derivative, which its JVP target needs. Use --attention sdpa (the JVP runs "
-                           "SDPA's math kernel, the loss's own forward the fused ones).")
-
-
-def _resolve_preview_guidance(cfg: TrainConfig) -> None:
-    """Default preview guidance 4.0 (DiT's picture setting); none without a null class to guide against, and none
-    for a field that folds guidance in (MeanFlow with --cfg-omega/--cfg-kappa), which must not be guided twice."""
-    recorded = recorded_by_training(cfg.objective, cfg.objective_options)
-    folds = bool(recorded.get("folded_guidance"))
-    if folds and cfg.sample_cfg_scale not in (None, 1.0):
-        raise UserError(f"--sample-cfg-scale {cfg.sample_cfg_scale} would guide a field that already folds guidance "
-                        "in (--cfg-omega/--cfg-kappa), doubling it; pass --sample-cfg-scale 1 or leave it unset.")
-    lo, hi = recorded.get("cfg_range", (1.0, math.inf))
-    if cfg.sample_cfg_scale is None:
-        cfg.sample_cfg_scale = min(4.0, hi) if cfg.class_dropout_prob > 0 and not folds else 1.0
-    elif cfg.sample_cfg_scale != 1 and cfg.class_dropout_prob == 0:
-        raise UserError(f"--sample-cfg-scale {cfg.sample_cfg_scale} needs a null class, but --class-dropout-prob "
-                        "is 0 (no null class is trained); pass --sample-cfg-scale 1, or train with dropout.")
-    elif not lo <= cfg.sample_cfg_scale <= hi:  # improved MeanFlow: the network only knows the scales it drew
-        raise UserError(f"--sample-cfg-scale {cfg.sample_cfg_scale:g} is outside [{lo:g}, {hi:g}], the guidance "
-                        f"scales this {cfg.objective} run trains its network on (--cfg-max {hi:g}); pass a preview "
-                        "scale in that range, or raise --cfg-max.")
 
 
 # ---- Resume compatibility ----
@@ -616,25 +591,18 @@ def _data_mismatch(saved: dict, current: dict, space: LatentSpace | None = None)
     return f"the latent folder differs from the checkpoint's ({', '.join(diffs)})" if diffs else None
 
 
-def resume_differences(saved: TrainConfig, current: TrainConfig) -> tuple[list[str], list[str]]:
-    """(refused differences, allowed differences) between a checkpoint's config and the current one."""
-    recorded, now = vars(saved), vars(current)
-    refused = differences(recorded, now, IDENTITY_FIELDS, nested=False)
-    if data := _data_mismatch(saved.data, current.data, getattr(current, "space", None)):
-        refused.append(data)
-    # "block" only names a preset; the options it resolves to are identity fields.
-    skip = set(IDENTITY_FIELDS) | {"data", "results_dir", "resume", "dry_run", "debug", "latents", "image_size",
-                                   "block", "init"}  # init: --init-from's record, restored from the checkpoint
-    allowed = differences(recorded, now, [f.name for f in fields(TrainConfig) if f.name not in skip], nested=False)
-    return refused, allowed
-
-
 def check_resume(saved: TrainConfig, current: TrainConfig, where: Path) -> list[str]:
     """UserError if the checkpoint at `where` belongs to a different experiment; returns allowed changes."""
-    refused, allowed = resume_differences(saved, current)
+    recorded, now = vars(saved), vars(current)
+    refused = differences(recorded, now, IDENTITY_FIELDS, nested=False)
+    if data := _data_mismatch(saved.data, current.data):
+        refused.append(data)
     if refused:
         raise UserError(
             f"--results-dir {current.results_dir} holds a run that differs from this command ({'; '.join(refused)}; "
             f"checkpoint {where}). Rerun with the original settings to resume it, or pass a new --results-dir "
             "to start a separate run.")
-    return allowed
+    # "block" only names a preset; the options it resolves to are identity fields.
+    skip = set(IDENTITY_FIELDS) | {"data", "results_dir", "resume", "dry_run", "debug", "latents", "image_size",
+                                   "block", "init"}  # init: --init-from's record, restored from the checkpoint
+    return differences(recorded, now, [f.name for f in fields(TrainConfig) if f.name not in skip], nested=False)

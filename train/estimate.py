@@ -11,14 +11,6 @@ import timeit
 import torch
 
 
-def matmul_rate(size: int = 512, repeats: int = 4) -> float:
-    """fp32 FLOP/s of a size x size matrix product on this CPU (best of `repeats`, one warm-up)."""
-    a, b = torch.randn(size, size), torch.randn(size, size)
-    a @ b
-    best = min(timeit.repeat(lambda: a @ b, number=1, repeat=repeats))
-    return 2 * size**3 / max(best, 1e-9)
-
-
 def duration(seconds: float) -> str:
     """'under 0.01 s', '0.4 s', '12 min', '3.5 h', '41 days', '140 years', '1,240 years'."""
     for unit, size in (("years", 365 * 86400), ("days", 86400), ("h", 3600), ("min", 60)):
@@ -38,7 +30,9 @@ def step_seconds(model_config, global_batch: int, rate: float) -> tuple[float, f
 
 def describe_cpu_step(model_config, global_batch: int, total_steps: int) -> str:
     """The paragraph a CPU run prints before building its model: cost of one step and of the whole run."""
-    rate = matmul_rate()
+    a, b = torch.randn(512, 512), torch.randn(512, 512)  # this CPU's fp32 FLOP/s: best of 4, after one warm-up
+    a @ b
+    rate = 2 * 512**3 / max(min(timeit.repeat(lambda: a @ b, number=1, repeat=4)), 1e-9)
     seconds, gmac = step_seconds(model_config, global_batch, rate)
     return (f"on this CPU ({rate / 1e9:.0f} GFLOP/s in fp32 matrix products), one step of {model_config.model} at "
             f"global batch {global_batch} ({6 * gmac * global_batch / 1e3:.3g} TFLOP: 6 x {gmac:.3g} GMAC per image) "

@@ -19,11 +19,6 @@ SHARDED = {"ACCELERATE_USE_FSDP": "FSDP", "ACCELERATE_USE_DEEPSPEED": "DeepSpeed
            "ACCELERATE_USE_MEGATRON_LM": "Megatron-LM"}
 
 
-def _true(value: str | None) -> bool:
-    """An environment flag's truth, as accelerate writes it."""
-    return str(value).strip().lower() in ("1", "true", "yes")
-
-
 def launcher_precision(environ=None) -> str | None:
     """The precision the accelerate config asks for (our name), or None when it asks for none."""
     # "no" counts as none: `accelerate launch` writes it whenever no precision was configured (fp32 or not set?)
@@ -41,8 +36,8 @@ def launcher_precision(environ=None) -> str | None:
 def check_strategy(environ=None) -> None:
     """UserError for FSDP / DeepSpeed / Megatron-LM launcher configs (refused before anything is written)."""
     environ = os.environ if environ is None else environ
-    asked = [name for var, name in SHARDED.items() if _true(environ.get(var))]
-    if asked:
+    if asked := [name for var, name in SHARDED.items()  # an environment flag's truth, as accelerate writes it
+                 if str(environ.get(var)).strip().lower() in ("1", "true", "yes")]:
         raise UserError(
             f"the accelerate config asks for {asked[0]}, which this trainer does not support: it trains with "
             "plain data parallelism (DDP), every process holding the whole model, and its checkpoints, EMA and "

@@ -35,9 +35,8 @@ class RunLogger:
             return
         tqdm.write(message)
         if self.write_files:
-            stamp = time.strftime("%Y-%m-%d %H:%M:%S")
             with open(rundir.log_path(self.run_dir), "a") as f:
-                f.write(f"[{stamp}] {message}\n")
+                f.write(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] {message}\n")
 
     def metrics(self, step: int, values: dict) -> None:
         """Log one step's metrics to every sink."""

@@ -70,30 +70,19 @@ def count_parameters(model) -> tuple[int, int]:
 
 
 # ---- Forward cost in multiply-accumulates (the DiT paper's unit), counted from the modules ----
-# Which part a module's products belong to (first match wins); attention splits further by op: its linear layers
-# (addmm/mm) versus Q K^T and A V (bmm). A DiT^DH (shared/network/ddt.py) adds the body's patch embedding
+# Which part a module path below the model belongs to (first match wins); attention splits further by op: its linear
+# layers (addmm/mm) versus Q K^T and A V (bmm). A DiT^DH (shared/network/ddt.py) adds the body's patch embedding
 # (s_embedder) and the projection of the body's tokens into the head's per-token conditioning (s_projector).
-_PARTS = (("patch_embed", "x_embedder"), ("patch_embed", "s_embedder"), ("timestep_mlp", "t_embedder"),
-          ("adaln", "blocks.*.adaLN_modulation"), ("attention", "blocks.*.attn"), ("mlp", "blocks.*.mlp"),
-          ("head_condition", "s_projector"), ("final_layer", "final_layer"))
+_PARTS = (("patch_embed", r"x_embedder"), ("patch_embed", r"s_embedder"), ("timestep_mlp", r"t_embedder"),
+          ("adaln", r"blocks\.[^.]+\.adaLN_modulation"), ("attention", r"blocks\.[^.]+\.attn"),
+          ("mlp", r"blocks\.[^.]+\.mlp"), ("head_condition", r"s_projector"), ("final_layer", r"final_layer"))
 _LINEAR_OPS = ("aten.addmm", "aten.mm")
-
-
-def _part_of(path: str) -> str | None:
-    """The _PARTS name of a module path like 'blocks.3.attn', or None (e.g. the model itself)."""
-    parts = path.split(".")
-    for name, pattern in _PARTS:
-        want = pattern.split(".")
-        if len(parts) == len(want) and all(w in ("*", p) for w, p in zip(want, parts)):
-            return name
-    return None
 
 
 def _count_flops(model, kept: int | None = None) -> FlopCounterMode:
     """One batch-1 forward under a FlopCounterMode (meta works); kept: a routed training forward keeping that many."""
     device = model.x_embedder.proj.weight.device
-    size = model.input_size
-    x = torch.zeros(1, model.in_channels, size, size, device=device)  # (1, C, H, W)
+    x = torch.zeros(1, model.in_channels, model.input_size, model.input_size, device=device)  # (1, C, H, W)
     width = getattr(model, "time_width", 1)  # MeanFlow's network takes (t, t - r) pairs, improved MeanFlow 5 columns
     t = torch.zeros((1, width) if width > 1 else (1,), device=device)
     y = torch.zeros(1, dtype=torch.long, device=device)
@@ -116,19 +105,18 @@ def forward_macs(model, kept: int | None = None) -> dict:
     # FlopCounterMode records every matrix product and convolution (2 FLOPs per MAC), so the count follows what the
     # block is built of; label lookup and elementwise ops are not counted (the paper's convention).
     counts = _count_flops(model, kept).get_flop_counts()
-    root = type(model).__name__
+    root = re.escape(type(model).__name__)
     parts = dict.fromkeys(("patch_embed", "timestep_mlp", "attention_linears", "attention_matmuls", "mlp",
                            "adaln", "final_layer"), 0)
     for path, ops in counts.items():
-        part = _part_of(path[len(root) + 1:]) if path.startswith(root + ".") else None
+        part = next((name for name, pattern in _PARTS if re.fullmatch(rf"{root}\.{pattern}", path)), None)
         for op, flops in ops.items():
             if part == "attention":
                 parts["attention_linears" if str(op) in _LINEAR_OPS else "attention_matmuls"] += flops // 2
             elif part is not None:
                 parts[part] = parts.get(part, 0) + flops // 2
     total = sum(counts["Global"].values()) // 2
-    other = total - sum(parts.values())  # products outside the known parts, rather than lost
-    if other:
+    if other := total - sum(parts.values()):  # products outside the known parts, rather than lost
         parts["other"] = other
     parts["total"] = total
     return parts
@@ -237,8 +225,7 @@ def measure_block(model, batch: int, precision: str, index: int = 0) -> int:
     """Bytes block `index` saves for backward at `batch`: the peak added when it is recomputed under checkpointing."""
     block = model.blocks[index]
     device = next(model.parameters()).device
-    width = block.attn.qkv.in_features
-    tokens = model.x_embedder.num_patches
+    width, tokens = block.attn.qkv.in_features, model.x_embedder.num_patches
     head = index >= model.depth  # a DiT^DH head block: its own width and a per-token condition
     x = torch.zeros(batch, tokens, width, device=device, requires_grad=True)  # (N, T, D) the fp32 residual stream
     c = torch.zeros(batch, *((tokens,) if head else ()), width, device=device, requires_grad=True)  # (N, [T,] D)

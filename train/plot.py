@@ -56,16 +56,6 @@ def smooth(values: list[float], weight: float) -> list[float]:
     return out
 
 
-def import_matplotlib():
-    """matplotlib's Figure (Agg canvas, no pyplot); UserError naming the package when it is missing."""
-    try:
-        from matplotlib.figure import Figure
-    except ImportError as err:
-        raise UserError(f"drawing curves needs matplotlib ({err}); install it with `pip install matplotlib` (it "
-                        "is in requirements.txt).") from None
-    return Figure
-
-
 def panels(train: list[dict], evals: list[dict]) -> list[tuple]:
     """(title, [(label, steps, values)], style, y scale) of every panel that has data."""
     out = []
@@ -102,19 +92,6 @@ def draw_panel(ax, title: str, lines: list[tuple], style: str, scale: str, weigh
     ax.grid(alpha=0.3)
 
 
-def draw(figure_cls, title: str, chosen: list[tuple], weight: float | None):
-    """A Figure with one axes per panel, COLUMNS wide."""
-    rows, cols = math.ceil(len(chosen) / COLUMNS), min(COLUMNS, len(chosen))
-    height = 2.9 * rows + 0.5  # inches: the panels plus a title band
-    fig = figure_cls(figsize=(4.2 * cols, height), dpi=90)
-    # Fixed margins rather than a layout engine: constrained layout doubled the drawing time.
-    fig.subplots_adjust(left=0.07, right=0.98, bottom=0.5 / height, top=1 - 0.8 / height, wspace=0.28, hspace=0.6)
-    fig.suptitle(title, y=1 - 0.12 / height)
-    for i, panel in enumerate(chosen):
-        draw_panel(fig.add_subplot(rows, cols, i + 1), *panel, weight)
-    return fig
-
-
 def plot_run(run, out=None, weight: float | None = None) -> Path:
     """Draw RUN/metrics.jsonl (and RUN/eval.jsonl) into `out` (default RUN/curves.png); returns the path."""
     run = Path(run)
@@ -125,9 +102,19 @@ def plot_run(run, out=None, weight: float | None = None) -> Path:
     if not chosen:
         raise UserError(f"{run} has no metrics to draw yet: training appends to {rundir.METRICS_FILE} every "
                         f"--log-every steps (and evaluation to {rundir.EVAL_FILE}); rerun once some are logged.")
-    figure_cls = import_matplotlib()
-    last = max(r["step"] for r in train + evals)
-    fig = draw(figure_cls, f"{run.resolve().name}: step {last:,}", chosen, weight)
+    try:  # matplotlib's Figure: the Agg canvas, no pyplot
+        from matplotlib.figure import Figure
+    except ImportError as err:
+        raise UserError(f"drawing curves needs matplotlib ({err}); install it with `pip install matplotlib` (it "
+                        "is in requirements.txt).") from None
+    rows, cols = math.ceil(len(chosen) / COLUMNS), min(COLUMNS, len(chosen))  # one axes per panel, COLUMNS wide
+    height = 2.9 * rows + 0.5  # inches: the panels plus a title band
+    fig = Figure(figsize=(4.2 * cols, height), dpi=90)
+    # Fixed margins rather than a layout engine: constrained layout doubled the drawing time.
+    fig.subplots_adjust(left=0.07, right=0.98, bottom=0.5 / height, top=1 - 0.8 / height, wspace=0.28, hspace=0.6)
+    fig.suptitle(f"{run.resolve().name}: step {max(r['step'] for r in train + evals):,}", y=1 - 0.12 / height)
+    for i, panel in enumerate(chosen):
+        draw_panel(fig.add_subplot(rows, cols, i + 1), *panel, weight)
     out = Path(out) if out else rundir.curves_path(run)
     atomic_write(out, lambda tmp: fig.savefig(tmp, format="png"), durable=False)  # redrawn at every checkpoint
     return out

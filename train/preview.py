@@ -22,18 +22,14 @@ def preview_labels(num_classes: int, count: int = PREVIEW_COUNT) -> torch.Tensor
     return torch.from_numpy(np.linspace(0, num_classes - 1, count).round().astype(np.int64))  # (N,)
 
 
-def preview_noise(latent_shape, count: int = PREVIEW_COUNT) -> torch.Tensor:
-    """Fixed starting noise (N,C,h,w): row i drawn from the generator of (PREVIEW_SEED, i)."""
-    return torch.stack([torch.randn(tuple(latent_shape), generator=generator_for(PREVIEW_SEED, i))
-                        for i in range(count)])  # (N, C, h, w)
-
-
 @torch.no_grad()
 def sample_preview(model, latent_shape, num_steps: int, cfg_scale: float, guide_channels: str,
                    device, objective, recorded: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """(latents, labels) on the CPU by the recorded sampling half (a recipe's), else the objective's fast sampler."""
     labels = preview_labels(model.num_classes).to(device)  # (N,)
-    noise = preview_noise(latent_shape).to(device)  # (N, C, h, w)
+    # fixed starting noise, row i from the generator of (PREVIEW_SEED, i)
+    noise = torch.stack([torch.randn(tuple(latent_shape), generator=generator_for(PREVIEW_SEED, i))
+                         for i in range(PREVIEW_COUNT)]).to(device)  # (N, C, h, w)
     plan = resolve_sampling(objective, None, {}, None, recorded, guided=cfg_scale != 1.0, fast=True)
     model_fn = GuidedModelFn(model, cfg_scale, guide_channel_count(guide_channels, model.in_channels),
                              interval=plan.cfg_interval, noise_level=objective.noise_level)

@@ -52,10 +52,8 @@ def apply_recipe(cfg, explicit: set[str]):
     """The recipe's values set on `cfg` where no flag was given (`explicit`); a non-field goes to objective_options."""
     own = {f.name for f in dataclasses.fields(cfg)}
     for name, value in RECIPES[cfg.recipe].items():
-        if name in explicit:
-            continue
-        if name in own:
+        if name in own and name not in explicit:
             setattr(cfg, name, dict(value) if isinstance(value, dict) else value)
-        else:
+        elif name not in explicit:
             cfg.objective_options[name] = value
     return cfg

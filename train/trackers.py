@@ -42,12 +42,6 @@ def accelerator_kwargs(cfg) -> dict:
     return {"log_with": cfg.report_to, "project_config": project}
 
 
-def flat_config(cfg) -> dict:
-    """The config as the flat scalar dict trackers accept (lists and dicts as JSON text)."""
-    return {k: v if v is None or isinstance(v, (bool, int, float, str)) else json.dumps(v)
-            for k, v in cfg.to_dict().items()}
-
-
 class Tracker:
     """The started trackers of the main process: scalars under train/, closed at the end."""
     def __init__(self, accelerator):
@@ -60,7 +54,10 @@ class Tracker:
         if cfg.report_to == "wandb":
             project = os.environ.get("WANDB_PROJECT", WANDB_PROJECT)
             kwargs = {"wandb": {"dir": str(run_dir), "name": run_dir.name}}
-            accelerator.init_trackers(project, config=flat_config(cfg), init_kwargs=kwargs)
+            # the flat scalar dict trackers accept: lists and dicts as JSON text
+            flat = {k: v if v is None or isinstance(v, (bool, int, float, str)) else json.dumps(v)
+                    for k, v in cfg.to_dict().items()}
+            accelerator.init_trackers(project, config=flat, init_kwargs=kwargs)
         else:
             # No config here: torch's add_hparams makes one extra TensorBoard run per launch; config.json has it.
             kwargs = {"tensorboard": {"purge_step": step + 1}} if step > 0 else {}
@@ -114,47 +111,26 @@ def check_watch(cfg, dataset) -> None:
     dataset.space.check_tokenizer_config(cfg.watch_vae, None, measure=False)
 
 
-def _vae_argument(spec: str) -> str:
-    """An existing local VAE path made absolute (the watcher runs from the repository); names kept as given."""
-    path = Path(spec).expanduser()
-    return str(path.resolve()) if path.exists() else spec
-
-
-def watcher_command(run_dir: Path, vae: str, last_step: int, parent_pid: int) -> list[str]:
-    """`python -m sample watch` on the CPU, ending after the last step's checkpoint or with this process."""
-    # Not --exit-when-done: that waits for the run folder's lock, which this process holds until the watcher ends.
-    return [sys.executable, "-m", "sample", "watch", str(Path(run_dir).resolve()), "--vae", _vae_argument(vae),
-            "--cpu", "--threads", str(WATCH_THREADS), "--interval", str(WATCH_INTERVAL_S),
-            "--until-step", str(last_step), "--until-pid", str(parent_pid)]
-
-
-def start_watcher(run_dir: Path, vae: str, last_step: int) -> subprocess.Popen:
-    """Start the watcher with its output appended to RUN/watch.log and no GPU visible to it."""
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "",  # the VAE must never take the training GPU's memory
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    with open(rundir.watch_log_path(run_dir), "a") as log:
-        return subprocess.Popen(watcher_command(run_dir, vae, last_step, os.getpid()), cwd=ROOT, env=env,
-                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
-
-
-def _log_tail(run_dir: Path, lines: int = 3) -> str:
-    """The last lines of RUN/watch.log, joined (what the watcher said before it stopped)."""
-    try:
-        text = rundir.watch_log_path(run_dir).read_text(errors="replace")
-    except OSError:
-        return ""
-    return " | ".join(line.strip() for line in text.splitlines()[-lines:] if line.strip())
-
-
 class WatcherCallback(Callback):
     """--watch-vae: the `python -m sample watch` process beside training (main process only)."""
     def __init__(self, vae: str):
         self.vae, self.proc, self.reported = vae, None, False
 
     def on_setup(self, run) -> None:
+        """Start it on the CPU, output appended to RUN/watch.log, ending after the last checkpoint or with us."""
         if not run.is_main or run.cfg.debug:
             return
-        self.proc = start_watcher(run.run_dir, self.vae, run.cfg.total_steps)
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": "",  # the VAE must never take the training GPU's memory
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        local = Path(self.vae).expanduser()  # an existing local VAE path made absolute (the watcher runs from ROOT)
+        # Not --exit-when-done: that waits for the run folder's lock, which this process holds until the watcher ends.
+        command = [sys.executable, "-m", "sample", "watch", str(Path(run.run_dir).resolve()), "--vae",
+                   str(local.resolve()) if local.exists() else self.vae, "--cpu", "--threads", str(WATCH_THREADS),
+                   "--interval", str(WATCH_INTERVAL_S), "--until-step", str(run.cfg.total_steps),
+                   "--until-pid", str(os.getpid())]
+        with open(rundir.watch_log_path(run.run_dir), "a") as log:
+            self.proc = subprocess.Popen(command, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=subprocess.STDOUT)
         run.logger.info(f"started the preview watcher (PID {self.proc.pid}): grids appear as "
                         f"{rundir.SAMPLES}/step-XXXXXXX.png, its output in {rundir.watch_log_path(run.run_dir)}")
 
@@ -179,15 +155,17 @@ class WatcherCallback(Callback):
         code = self.proc.returncode
         if code == 0:
             run.logger.info(f"the preview watcher finished: grids in {run.run_dir / rundir.SAMPLES}")
-        else:
-            run.logger.info(f"the preview watcher stopped with exit status {code}; no more grids are decoded during "
-                            f"this run. Its last words: {_log_tail(run.run_dir)}. Training goes on; decode later "
-                            f"with `python -m sample watch {run.run_dir} --vae {self.vae} --exit-when-done`.")
+            return
+        try:  # the last lines of RUN/watch.log: what the watcher said before it stopped
+            text = rundir.watch_log_path(run.run_dir).read_text(errors="replace")
+        except OSError:
+            text = ""
+        words = " | ".join(line.strip() for line in text.splitlines()[-3:] if line.strip())
+        run.logger.info(f"the preview watcher stopped with exit status {code}; no more grids are decoded during "
+                        f"this run. Its last words: {words}. Training goes on; decode later "
+                        f"with `python -m sample watch {run.run_dir} --vae {self.vae} --exit-when-done`.")
 
 
 def default_callbacks(cfg) -> list[Callback]:
     """The product's own watchers of a run, registered before any caller's callbacks."""
-    callbacks = [TrackerCallback(), CurvesCallback()]
-    if cfg.watch_vae:
-        callbacks.append(WatcherCallback(cfg.watch_vae))
-    return callbacks
+    return [TrackerCallback(), CurvesCallback(), *([WatcherCallback(cfg.watch_vae)] if cfg.watch_vae else [])]
