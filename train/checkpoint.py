@@ -57,12 +57,10 @@ def capture_rng() -> dict:
     """Python, numpy, torch CPU and CUDA generator states as tensors and plain values."""
     version, internal, gauss = random.getstate()
     name, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {
-        "python": {"version": version, "internal": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
-        "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
-        "torch": torch.get_rng_state(),
-    }
+    state = {"python": {"version": version, "internal": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
+             "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+             "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -80,19 +78,6 @@ def restore_rng(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def make_staging(run_dir: Path, step: int) -> Path:
-    """A fresh staging folder for the checkpoint of `step` (any leftover from a killed run is removed first)."""
-    tmp = rundir.staging_path(run_dir, step)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    return tmp
-
-
-def discard_staging(tmp: Path) -> None:
-    """Drop a staging folder whose checkpoint could not be finished (e.g. the disk filled up)."""
-    shutil.rmtree(tmp, ignore_errors=True)
-
-
 def save_rank_state(tmp: Path, rank: int) -> None:
     """Each process writes its own RNG state into the staging folder."""
     torch.save(capture_rng(), tmp / rundir.rng_file(rank))
@@ -100,8 +85,7 @@ def save_rank_state(tmp: Path, rank: int) -> None:
 
 def save_main_state(tmp: Path, *, optimizer_state: dict, scaler_state: dict, state: dict,
                     heads: dict | None = None) -> None:
-    """Main process, after the loop wrote the weights: {file: state} of the column heads (REPA's projector),
-    optimizer, scaler, then state.json last."""
+    """Main process, after the weights: the column heads' {file: state}, optimizer, scaler, then state.json last."""
     for name, head in (heads or {}).items():
         write_safetensors(tmp / name, {k: v.detach().cpu().contiguous() for k, v in head.items()})
     torch.save(optimizer_state, tmp / rundir.OPTIMIZER_FILE)
@@ -227,7 +211,23 @@ def _restore_from(run, source: Path) -> None:
     saved = load_checkpoint(source, run.accelerator.process_index)
     learner.dit.load_state_dict(saved["model"], strict=True)
     learner.ema.load_state_dict(saved["ema"], strict=True)
-    restore_heads(learner, source)
+    for column, _ in learner.consumers:  # each column head (REPA's projector): a missing one or one of other shapes
+        head, path = learner.heads[column.name], source / column.checkpoint_file
+        if not path.is_file():
+            raise UserError(f"the checkpoint {source} has no head of the shard column {column.name!r} ({path.name}): "
+                            f"it was not trained with {flag_name(column.weight)}, so it cannot be resumed with it. "
+                            f"Resume without it, or start a new --results-dir.")
+        state = _read(path, load_file)
+        mine = {k: tuple(v.shape) for k, v in head.state_dict().items()}
+        saved_shapes = {k: tuple(v.shape) for k, v in state.items()}
+        if mine != saved_shapes:
+            last = sorted(k for k in saved_shapes if k.endswith("weight"))[-1:]
+            raise UserError(f"the head of the shard column {column.name!r} in {source} has shapes "
+                            f"{[saved_shapes[k] for k in last]} (output width x input) where this run builds "
+                            f"{[mine.get(k) for k in last]}: its width does not match the stored column or its "
+                            f"flags. Resume with the latent folder and flags the run was started with, or start a "
+                            f"new --results-dir.")
+        head.load_state_dict(state, strict=True)
     learner.optimizer.load_state_dict(saved["optimizer"])
     if learner.scaler.is_enabled() and saved["scaler"]:
         learner.scaler.load_state_dict(saved["scaler"])
@@ -237,24 +237,3 @@ def _restore_from(run, source: Path) -> None:
     learner.step, learner.skipped_steps = int(state["step"]), int(state.get("skipped_steps", 0))
     run.data_position = int(state.get("data_position", learner.step * run.cfg.global_batch_size))
     run.last_checkpoint = source
-
-
-def restore_heads(learner, source: Path) -> None:
-    """Load each column head (REPA's projector) from a checkpoint; a missing one or one of other shapes: one paragraph."""
-    for column, _ in learner.consumers:
-        head, path = learner.heads[column.name], source / column.checkpoint_file
-        if not path.is_file():
-            raise UserError(f"the checkpoint {source} has no head of the shard column {column.name!r} ({path.name}): "
-                            f"it was not trained with {flag_name(column.weight)}, so it cannot be resumed with it. "
-                            f"Resume without it, or start a new --results-dir.")
-        state = _read(path, load_file)
-        mine = {k: tuple(v.shape) for k, v in head.state_dict().items()}
-        saved = {k: tuple(v.shape) for k, v in state.items()}
-        if mine != saved:
-            last = sorted(k for k in saved if k.endswith("weight"))[-1:]
-            raise UserError(f"the head of the shard column {column.name!r} in {source} has shapes "
-                            f"{[saved[k] for k in last]} (output width x input) where this run builds "
-                            f"{[mine.get(k) for k in last]}: its width does not match the stored column or its flags. "
-                            f"Resume with the latent folder and flags the run was started with, or start a new "
-                            f"--results-dir.")
-        head.load_state_dict(state, strict=True)

@@ -22,7 +22,7 @@ import torch
 from shared.generative.objectives import OBJECTIVES
 from shared.network.models import PRESETS, ModelConfig
 from shared.runtime.errors import UserError
-from shared.weights.checkpoint import LoadedWeights, load_sampling_weights
+from shared.weights.checkpoint import load_sampling_weights
 
 # The flow samplers' families: a network of either predicts the velocity of the linear path (MeanFlow's u at
 # r = t is it), so a MeanFlow run can start from it.
@@ -49,7 +49,20 @@ def read_init(cfg, dataset) -> InitWeights:
     loaded = load_sampling_weights(cfg.init_from)
     source = loaded.config
     _check_objective(cfg.init_from, source, assumed=bool(loaded.kind == "official" and loaded.warnings))
-    _check_latents(cfg.init_from, loaded, dataset, cfg.space.norm)
+    shape = (source.in_channels, source.input_size, source.input_size)
+    problems = []  # the latent space the source was trained on, against the one --latents holds
+    if shape != tuple(dataset.latent_shape):
+        problems.append(f"latents of shape {shape} where --latents holds {tuple(dataset.latent_shape)}")
+    vae, ours = loaded.space.source if loaded.space is not None else None, dataset.space.source
+    if vae and ours and vae != ours:
+        problems.append(f"the tokenizer {vae} where --latents was made with {ours}")
+    if loaded.space is not None and loaded.space.norm is not None and loaded.space.norm != cfg.space.norm:
+        problems.append("another latent normalisation (its recorded latent_norm differs from the one this run "
+                        "resolves; see --latent-norm)")
+    if problems:
+        raise UserError(f"--init-from {cfg.init_from} was trained on another latent space: {'; '.join(problems)}. "
+                        "Its network only knows its own latents; fine-tune it on latents extracted with the same "
+                        "tokenizer, image size and normalisation, or train from scratch.")
     record = {"from": str(cfg.init_from), "file": str(loaded.path), "kind": loaded.kind, "weights": loaded.weights,
               "step": loaded.step, "objective": source.objective,
               "convention": source.objective_args.get("convention", "sit")}
@@ -62,7 +75,12 @@ def fit_init(init: InitWeights, run_config: ModelConfig) -> InitWeights:
     if source.learn_sigma and not run_config.learn_sigma:  # SiT's release: 2C outputs, the velocity in the first C
         state_dict = velocity_outputs(state_dict, source)
         source = dataclasses.replace(source, learn_sigma=False)
-    _check_architecture(init.record["from"], source, run_config)
+    diffs = [f"{k} {getattr(source, k)!r} (this run: {getattr(run_config, k)!r})" for k in ARCHITECTURE
+             if getattr(source, k) != getattr(run_config, k)]
+    if diffs:
+        raise UserError(f"--init-from {init.record['from']} has another architecture than this run builds: "
+                        f"{'; '.join(diffs)}. Pass the source's settings (e.g. --model {source.model} "
+                        f"--class-dropout-prob {source.class_dropout_prob:g}, its --block options) so its weights fit.")
     return InitWeights(state_dict, init.record, source)
 
 
@@ -97,36 +115,6 @@ def _check_objective(where, source: ModelConfig, assumed: bool = False) -> None:
                         "predicts another quantity on another noise schedule. Start from a flow model (a SiT or REPA "
                         "release, or a run trained with --recipe sit / --objective flow), or train MeanFlow from "
                         "scratch without --init-from.")
-
-
-def _check_latents(where, loaded: LoadedWeights, dataset, norm) -> None:
-    """UserError when the source was trained on another latent space than --latents holds."""
-    source = loaded.config
-    shape = (source.in_channels, source.input_size, source.input_size)
-    problems = []
-    if shape != tuple(dataset.latent_shape):
-        problems.append(f"latents of shape {shape} where --latents holds {tuple(dataset.latent_shape)}")
-    vae = loaded.space.source if loaded.space is not None else None
-    ours = dataset.space.source
-    if vae and ours and vae != ours:
-        problems.append(f"the tokenizer {vae} where --latents was made with {ours}")
-    if loaded.space is not None and loaded.space.norm is not None and loaded.space.norm != norm:
-        problems.append("another latent normalisation (its recorded latent_norm differs from the one this run "
-                        "resolves; see --latent-norm)")
-    if problems:
-        raise UserError(f"--init-from {where} was trained on another latent space: {'; '.join(problems)}. Its "
-                        "network only knows its own latents; fine-tune it on latents extracted with the same "
-                        "tokenizer, image size and normalisation, or train from scratch.")
-
-
-def _check_architecture(where, source: ModelConfig, run: ModelConfig) -> None:
-    """UserError naming the flags when the run would build another network than the source's."""
-    diffs = [f"{k} {getattr(source, k)!r} (this run: {getattr(run, k)!r})" for k in ARCHITECTURE
-             if getattr(source, k) != getattr(run, k)]
-    if diffs:
-        raise UserError(f"--init-from {where} has another architecture than this run builds: {'; '.join(diffs)}. "
-                        f"Pass the source's settings (e.g. --model {source.model} --class-dropout-prob "
-                        f"{source.class_dropout_prob:g}, its --block options) so its weights fit.")
 
 
 def apply_init(dit: torch.nn.Module, ema: torch.nn.Module, init: InitWeights) -> None:

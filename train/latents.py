@@ -66,20 +66,6 @@ def is_url(source: str) -> bool:
     return "://" in str(source) and not str(source).startswith("file://")
 
 
-def _filesystem(url: str):
-    """(fsspec filesystem, path inside it) for a URL; UserError naming the package a protocol needs."""
-    try:
-        import fsspec
-    except ImportError:
-        raise UserError(f"--latents {url} is a URL; reading it needs fsspec (pip install fsspec).") from None
-    try:
-        return fsspec.core.url_to_fs(url)
-    except (ImportError, ValueError) as err:
-        raise UserError(f"--latents {url}: {str(err).splitlines()[0]} (fsspec needs a package per protocol: "
-                        "s3fs for s3://, gcsfs for gs://, huggingface_hub for hf://). Install it, or copy the "
-                        "folder to a local disk and pass its path.") from None
-
-
 def _open_remote(fs, path: str):
     """A remote file for reading start to end; over http(s) one streaming GET (static servers often lack ranges)."""
     http = any(str(p).startswith("http") for p in np.atleast_1d(fs.protocol))
@@ -96,7 +82,16 @@ def _copy_file(fs, remote: str, local: Path) -> None:
 
 def remote_index(url: str):
     """(fs, root inside it, index.json bytes, parsed index, local cache folder) of a remote latent folder."""
-    fs, root = _filesystem(url)
+    try:
+        import fsspec
+    except ImportError:
+        raise UserError(f"--latents {url} is a URL; reading it needs fsspec (pip install fsspec).") from None
+    try:
+        fs, root = fsspec.core.url_to_fs(url)
+    except (ImportError, ValueError) as err:
+        raise UserError(f"--latents {url}: {str(err).splitlines()[0]} (fsspec needs a package per protocol: "
+                        "s3fs for s3://, gcsfs for gs://, huggingface_hub for hf://). Install it, or copy the "
+                        "folder to a local disk and pass its path.") from None
     root = root.rstrip("/")
     try:
         index_bytes = fs.cat_file(f"{root}/{INDEX_NAME}")
@@ -162,27 +157,20 @@ def open_latents(source: str, accelerator=None, cache_limit: int | None = None) 
 
 # ---- Streaming through a bounded cache (--cache-limit) ----
 
-def cache_budget(limit: int, index: dict, fixed: int, url: str) -> int:
-    """Bytes the shards may use under --cache-limit beside `fixed` (index.json, the sidecar, the space files);
-    UserError when two of the largest shards do not fit."""
-    largest = max(index["shards"], key=lambda e: e["size"])
-    budget = limit - fixed
-    if budget < 2 * largest["size"]:
-        total = fixed + sum(e["size"] for e in index["shards"])
-        raise UserError(f"--cache-limit {show_size(limit)} is too small for --latents {url}: its largest shard, "
-                        f"{largest['name']}, is {show_size(largest['size'])}, and the streamed cache holds at least two "
-                        f"shards (the one training and the next, fetched ahead) beside {INDEX_NAME}, {ARRAYS_NAME} "
-                        f"and the latent-space record ({show_size(fixed)}). Pass --cache-limit {show_size(fixed + 2 * largest['size'])} or more, or "
-                        f"drop --cache-limit to copy the whole folder ({show_size(total)}) once.")
-    return budget
-
-
 def open_streamed(url: str, limit: int, fetcher: bool) -> "StreamedLatents":
     """The cache folder of `url` with index.json and the sidecar only; the fetcher process also owns the stream."""
     fs, root, index_bytes, index, local = remote_index(url)
     space = sum(fs.size(f"{root}/{name}") for name in (SPACE_TENSORS, SPACE_JSON) if fs.exists(f"{root}/{name}"))
     fixed = len(index_bytes) + int(index["arrays"]["size"]) + space  # kept beside the shards
-    budget = cache_budget(limit, index, fixed, url)
+    largest, budget = max(index["shards"], key=lambda e: e["size"]), limit - fixed  # what the shards may use
+    if budget < 2 * largest["size"]:  # two of the largest shards must fit
+        total = fixed + sum(e["size"] for e in index["shards"])
+        raise UserError(f"--cache-limit {show_size(limit)} is too small for --latents {url}: its largest shard, "
+                        f"{largest['name']}, is {show_size(largest['size'])}, and the streamed cache holds at least two "
+                        f"shards (the one training and the next, fetched ahead) beside {INDEX_NAME}, {ARRAYS_NAME} "
+                        f"and the latent-space record ({show_size(fixed)}). Pass --cache-limit "
+                        f"{show_size(fixed + 2 * largest['size'])} or more, or drop --cache-limit to copy the whole "
+                        f"folder ({show_size(total)}) once.")
     if fetcher:
         local.mkdir(parents=True, exist_ok=True)
         for stale in [*local.glob(f"{TMP_PREFIX}*"), local / STREAM_ERROR_NAME]:
@@ -271,7 +259,15 @@ class ShardStream:
         self.fs, self.remote_root, self.url, self.local = fs, remote_root, url, local
         self.shards, self.budget = shards, budget
         self.counts = np.array([e["num_samples"] for e in shards], dtype=np.int64)
-        self.present = {i for i, e in enumerate(shards) if self._kept(local / e["name"], e)}
+        self.present = set()  # the shards an earlier run left in the cache that still hold their listed bytes
+        for i, entry in enumerate(shards):
+            path = local / entry["name"]
+            if not path.is_file():
+                continue
+            if path.stat().st_size == entry["size"] and sha256_file(path) == entry["sha256"]:
+                self.present.add(i)
+            else:
+                path.unlink()  # a leftover that no longer holds them
         self.cond = threading.Condition()
         self.consumed, self.seed, self.window, self.thread, self._epochs = 0, 0, 0, None, {}
         self.error: UserError | None = None
@@ -282,16 +278,6 @@ class ShardStream:
         self.seed, self.window, self.consumed = seed, window, start
         self.thread = threading.Thread(target=self._run, name="latent-stream", daemon=True)
         self.thread.start()
-
-    @staticmethod
-    def _kept(path: Path, entry: dict) -> bool:
-        """Whether a shard left in the cache by an earlier run still holds its listed bytes (else it is deleted)."""
-        if not path.is_file():
-            return False
-        if path.stat().st_size == entry["size"] and sha256_file(path) == entry["sha256"]:
-            return True
-        path.unlink()
-        return False
 
     def stop(self) -> None:
         """End the thread after its current fetch (training is over: the loader was dropped)."""
@@ -412,11 +398,10 @@ def resolve_shard_window(cfg, dataset) -> None:
                         "shards K >= 1, or auto.")
     need = sum(sizes) if not cfg.shard_window else min(sum(sizes), 2 * cfg.shard_window * max(sizes))
     if budget is not None and need > budget:
-        fits = budget // (2 * max(sizes))
         raise UserError(f"--shard-window {cfg.shard_window} needs {show_size(need)} of cached shards (two windows "
                         f"of {cfg.shard_window} shards of up to {show_size(max(sizes))}), more than --cache-limit "
-                        f"leaves for shards ({show_size(budget)}). Pass --shard-window {fits} or less, or a larger "
-                        "--cache-limit.")
+                        f"leaves for shards ({show_size(budget)}). Pass --shard-window {budget // (2 * max(sizes))} "
+                        "or less, or a larger --cache-limit.")
 
 
 def follow(batches, dataset, *, seed: int, window: int, start: int, global_batch: int, accum: int, readahead: int):

@@ -1,16 +1,14 @@
 """The DiT training loop over cached latents: `train` = make_plan -> setup_run -> run_training.
 
-make_plan resolves every object of the run once (TrainPlan: config, data, latent space, model config, objective,
-resume source); setup_run builds the learner and restores a resume; run_training logs, loops, guards, checkpoints.
-The loop draws its micro-batches from the data stream below (make_loader: positions and per-position draws).
-
-The optimizer step itself is train/step.py's (shared with train.bench and train.plan --verify).
-Accelerate provides the processes, DDP wrapping, `no_sync` for the non-final micro-steps of gradient
-accumulation, and the cross-process reductions. The run folder's names come from shared/runtime/rundir.py.
+make_plan resolves every object of the run once (TrainPlan); setup_run builds the learner and restores a resume;
+run_training logs, loops, guards, checkpoints; make_loader is the data stream (positions and per-position draws).
+The optimizer step is train/step.py's (shared with train.bench and train.plan --verify); Accelerate provides the
+processes, DDP wrapping, `no_sync` for the non-final micro-steps and the cross-process reductions.
 """
 from __future__ import annotations
 
 import random
+import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -106,13 +104,24 @@ def make_plan(cfg: TrainConfig, accelerator) -> TrainPlan:
     check_config(cfg, dataset)  # the flags against the latents; fills the block, objective options, cfg.space
     resolve_shard_window(cfg, dataset)  # the data order: before the resume check compares it
     source, saved = ckpt_io.resume_source(cfg)
-    init = start_weights(cfg, dataset, saved)  # before the model config: it records the source's convention
+    # --init-from's weights, read and checked before the model config (it records their convention); a resumed run
+    # loads none and keeps its checkpoint's record of where the run started (cfg.init: config.json)
+    init = read_init(cfg, dataset) if cfg.init_from and saved is None else None
+    if cfg.init_from:
+        cfg.init = saved.init if saved is not None else init.record
     resumed = ckpt_io.checkpoint_config(source) if source is not None else None  # its output layout is kept
     model_config = model_config_for(cfg, dataset.latent_shape, dataset.num_classes, resumed)
     init = fit_init(init, model_config) if init is not None else None
     resolve_auto_for(cfg, model_config, accelerator)  # train/autotune.py: micro-batch, precision, checkpointing
     resolve_config(cfg, dataset, accelerator.num_processes)
-    check_environment(cfg, dataset, accelerator)
+    # what this machine and install must provide for the settings: attention kernel, compile, 8-bit AdamW, VAE
+    check_watch(cfg, dataset)
+    resolve_attention(cfg.attention)
+    check_compile(cfg, accelerator.device)
+    if cfg.attention == "xformers" and not torch.cuda.is_available():
+        raise UserError("--attention xformers needs a CUDA GPU; this machine has none. Use --attention sdpa.")
+    if cfg.optimizer == "adamw8bit":
+        import_bitsandbytes()
     if cfg.debug:
         cfg.log_every = 1  # --debug logs every step
     changes = check_resume(saved, cfg, source) if saved is not None else []
@@ -121,54 +130,9 @@ def make_plan(cfg: TrainConfig, accelerator) -> TrainPlan:
                      changes=tuple(changes), init=init)
 
 
-def start_weights(cfg: TrainConfig, dataset: LatentDataset, saved: TrainConfig | None) -> InitWeights | None:
-    """--init-from's weights, read and checked, for a run that starts now; a resumed run takes its record from its
-    checkpoint and loads nothing. Either way cfg.init records where the run started (config.json)."""
-    if not cfg.init_from:
-        return None
-    if saved is not None:
-        cfg.init = saved.init
-        return None
-    init = read_init(cfg, dataset)
-    cfg.init = init.record
-    return init
-
-
-def check_environment(cfg: TrainConfig, dataset: LatentDataset, accelerator) -> None:
-    """What this machine and install must provide for the settings: attention kernel, compile, 8-bit AdamW, VAE."""
-    check_watch(cfg, dataset)
-    resolve_attention(cfg.attention)
-    check_compile(cfg, accelerator.device)
-    if cfg.attention == "xformers" and not torch.cuda.is_available():
-        raise UserError("--attention xformers needs a CUDA GPU; this machine has none. Use --attention sdpa.")
-    if cfg.optimizer == "adamw8bit":
-        import_bitsandbytes()
-
-
-def describe_plan(plan: TrainPlan, accelerator) -> None:
-    """Main process: on the CPU what a step will cost; with --dry-run or --debug the resolved config."""
-    if not accelerator.is_main_process:
-        return
-    cfg = plan.cfg
-    if accelerator.device.type == "cpu":
-        from train.estimate import describe_cpu_step
-
-        print(f"train: {describe_cpu_step(plan.model_config, cfg.global_batch_size, cfg.total_steps)}",
-              file=sys.stderr, flush=True)
-    if cfg.dry_run or cfg.debug:
-        print(cfg.to_json())
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Building the run
 # ---------------------------------------------------------------------------------------------------------
-
-def seed_globals(seed: int, rank: int) -> None:
-    """Seed python, numpy and torch per rank (the training draws themselves are keyed by stream position)."""
-    random.seed(seed * 1009 + rank)
-    np.random.seed((seed * 1009 + rank) % 2**32)
-    torch.manual_seed(seed * 1009 + rank)
-
 
 def setup_run(plan: TrainPlan, accelerator, callbacks: list[Callback]) -> Run:
     """Build the learner on this process's device, start it from --init-from's weights or restore the resume source."""
@@ -178,7 +142,10 @@ def setup_run(plan: TrainPlan, accelerator, callbacks: list[Callback]) -> Run:
     learner = make_learner(cfg, plan.model_config, accelerator=accelerator, objective=plan.objective)
     if plan.init is not None:
         apply_init(learner.dit, learner.ema, plan.init)  # in place: the wrappers and the optimizer share the tensors
-    seed_globals(cfg.seed, accelerator.process_index)
+    seed = cfg.seed * 1009 + accelerator.process_index  # per rank (the training draws are keyed by stream position)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
     logger = RunLogger(Path(cfg.results_dir), enabled=accelerator.is_main_process, write_files=not cfg.debug)
     run = Run(plan=plan, learner=learner, logger=logger,
               callbacks=CallbackList(default_callbacks(cfg) + list(callbacks)))
@@ -229,21 +196,17 @@ def weights_finite(model: torch.nn.Module) -> bool:
     return bool(torch.stack([p.isfinite().all() for p in model.parameters()]).all())
 
 
-@torch.no_grad()
-def weights_fingerprint(model: torch.nn.Module) -> torch.Tensor:
-    """(P, 2) float64 per parameter: sum and sum of squares (bitwise equal on ranks that agree)."""
-    return torch.stack([torch.stack([p.double().sum(), p.double().square().sum()]) for p in model.parameters()])
-
-
 def check_consistency(run: Run) -> None:
     """Every rank must hold the same weights and EMA (as edm2's check_ddp_consistency); else stop, naming them."""
     acc = run.accelerator
     if acc.num_processes == 1:
         return
-    names = [f"model.{n}" for n, _ in run.learner.dit.named_parameters()]
-    names += [f"ema.{n}" for n, _ in run.learner.ema.named_parameters()]
-    mine = torch.cat([weights_fingerprint(run.learner.dit), weights_fingerprint(run.learner.ema).to(run.device)])
-    everyone = acc.gather(mine.to(run.device)[None]).cpu()  # (world, P, 2)
+    models = (("model", run.learner.dit), ("ema", run.learner.ema))
+    names = [f"{tag}.{n}" for tag, model in models for n, _ in model.named_parameters()]
+    with torch.no_grad():  # (P, 2) float64 per parameter: sum and sum of squares (bitwise equal on ranks that agree)
+        mine = torch.stack([torch.stack([p.double().sum(), p.double().square().sum()]).to(run.device)
+                            for _, model in models for p in model.parameters()])
+    everyone = acc.gather(mine[None]).cpu()  # (world, P, 2)
     differ = ~(everyone == everyone[:1]).all(dim=2)  # (world, P): NaN also counts as a difference
     if bool(differ.any()):
         ranks = sorted({int(r) for r in differ.any(dim=1).nonzero().flatten()})
@@ -265,7 +228,10 @@ def save_checkpoint(run: Run) -> Path | None:
                              + _nonfinite_message(run))
     check_consistency(run)
     acc = run.accelerator
-    tmp = ckpt_io.make_staging(run.run_dir, run.step) if run.is_main else rundir.staging_path(run.run_dir, run.step)
+    tmp = rundir.staging_path(run.run_dir, run.step)
+    if run.is_main:  # a fresh staging folder: any leftover from a killed run is removed first
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
     acc.wait_for_everyone()
     ckpt_io.save_rank_state(tmp, acc.process_index)
     acc.wait_for_everyone()
@@ -276,7 +242,7 @@ def save_checkpoint(run: Run) -> Path | None:
             with space_guard(tmp / rundir.MODEL_FILE):
                 _write_main(run, tmp)
         except BaseException:
-            ckpt_io.discard_staging(tmp)  # give the space back; the rerun resumes from the last checkpoint
+            shutil.rmtree(tmp, ignore_errors=True)  # give the space back; the rerun resumes from the last checkpoint
             raise
     acc.wait_for_everyone()
     run.last_checkpoint = rundir.checkpoint_path(run.run_dir, run.step)
@@ -400,8 +366,7 @@ class TrainingDraws(torch.utils.data.Dataset):
         self.dataset, self.seed, self.class_dropout_prob = dataset, seed, class_dropout_prob
         self.norm = norm or dataset.native_norm
         self.objective = objective  # shared.generative.objectives.Objective: draws each sample's time
-        self.extra = tuple(extra)  # besides the moments, the only columns read
-        self.route = route
+        self.extra, self.route = tuple(extra), route  # extra: besides the moments, the only columns read
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -440,15 +405,13 @@ def make_loader(dataset: LatentDataset, *, micro_batch: int, rank: int, world_si
                 global_batch: int | None = None) -> Iterator[dict]:
     """An endless iterator of micro-batches for this rank from global stream position `start`; window K > 0: the
     shard-aware order (train.latents.windowed_permutation). `follow` tells a streamed dataset what was consumed."""
-    counts = dataset.shard_counts if window else None
-    sampler = PositionedSampler(len(dataset), rank, world_size, seed, start=start, counts=counts, window=window)
+    sampler = PositionedSampler(len(dataset), rank, world_size, seed, start=start,
+                                counts=dataset.shard_counts if window else None, window=window)
     loader = torch.utils.data.DataLoader(
         TrainingDraws(dataset, seed, class_dropout_prob, objective, extra, route, norm), batch_size=micro_batch,
-        sampler=sampler,
-        num_workers=num_workers, pin_memory=pin_memory, collate_fn=_passthrough,
-        # Its own generator, so worker seeding never consumes the global torch RNG.
-        generator=torch.Generator().manual_seed(seed), persistent_workers=False,
-    )
+        sampler=sampler, num_workers=num_workers, pin_memory=pin_memory, collate_fn=_passthrough,
+        generator=torch.Generator().manual_seed(seed),  # its own: worker seeding never consumes the global torch RNG
+        persistent_workers=False)
     global_batch = global_batch or micro_batch * world_size
     ahead = global_batch + (loader.prefetch_factor or 0) * num_workers * micro_batch * world_size  # positions
     return follow(iter(loader), dataset, seed=seed, window=window, start=start, global_batch=global_batch,
@@ -543,7 +506,13 @@ def train(cfg: TrainConfig, callbacks: list[Callback] = ()) -> dict:
     lock = lock_run_folder(cfg, accelerator)
     try:
         plan = make_plan(cfg, accelerator)  # every check and resolution, before any model exists
-        describe_plan(plan, accelerator)
+        if accelerator.is_main_process and accelerator.device.type == "cpu":  # what a step will cost
+            from train.estimate import describe_cpu_step
+
+            print(f"train: {describe_cpu_step(plan.model_config, cfg.global_batch_size, cfg.total_steps)}",
+                  file=sys.stderr, flush=True)
+        if accelerator.is_main_process and (cfg.dry_run or cfg.debug):
+            print(cfg.to_json())  # the resolved config
         if cfg.dry_run:
             return {}
         return run_training(setup_run(plan, accelerator, list(callbacks)))
@@ -561,16 +530,11 @@ def run_training(run: Run) -> dict:
         run.logger.info(f"done: step {run.step}, last checkpoint {run.last_checkpoint}")
         return last
     except torch.OutOfMemoryError as err:  # checkpoints are published whole or not at all: the last one stands
-        stop = out_of_memory(run, err)
+        from train.plan import out_of_memory_error  # the smaller settings and the planner's command
+
+        card = torch.cuda.get_device_properties(run.device).total_memory if run.device.type == "cuda" else None
+        stop = out_of_memory_error(run.cfg, run.dataset.latent_shape, run.dataset.num_classes, run.step,
+                                   run.last_checkpoint, err, card)
     finally:
         run.logger.close()
     raise stop  # outside the handler, so the paragraph does not hold the failed step's tensors
-
-
-def out_of_memory(run: Run, error: BaseException) -> UserError:
-    """The one paragraph for a step that ran out of memory: the smaller settings and the planner's command."""
-    from train.plan import out_of_memory_error
-
-    card = torch.cuda.get_device_properties(run.device).total_memory if run.device.type == "cuda" else None
-    return out_of_memory_error(run.cfg, run.dataset.latent_shape, run.dataset.num_classes, run.step,
-                               run.last_checkpoint, error, card)

@@ -134,20 +134,6 @@ def verify_lines(measured, chosen: PlanRow, meta, kept: int | None) -> list[str]
             f"step, so {flops / seconds / 1e12:.1f} TFLOP/s achieved (recomputation not counted)"]
 
 
-def check_verify_possible(args):
-    """--verify needs CUDA; say so before measuring anything."""
-    if not args.verify:
-        return
-    cuda = memory.allocator()
-    if not cuda.available():
-        raise UserError("--verify runs a real training step on a CUDA GPU and compares its peak memory with "
-                        "the plan, but no CUDA GPU is visible here. Run it on the training machine, or drop "
-                        "--verify to get the plan alone.")
-    if args.gpu_memory > cuda.total():
-        print(f"{PROG}: note: planning for {format_size(args.gpu_memory)} on a smaller card; --verify caps the step "
-              f"at the card's {format_size(cuda.total())}.", file=sys.stderr)
-
-
 def verify_plan(config, args, chosen: PlanRow, batch: int) -> Verified:
     """--verify: the trainer's step at the chosen plan, capped at the budget; UserError when it does not fit."""
     budget = args.gpu_memory - args.margin
@@ -214,8 +200,7 @@ def plan_command(cfg, latent_shape: tuple, num_classes: int, gpu_memory: int | N
 def out_of_memory_error(cfg, latent_shape: tuple, num_classes: int, step: int, last_checkpoint, error,
                         gpu_memory: int | None) -> UserError:
     """`python -m train`'s out-of-memory paragraph: the smaller settings to resume with, the planner, the checkpoint."""
-    per_process = cfg.global_batch_size // cfg.world_size
-    smaller = smaller_micro(cfg.micro_batch_size, per_process)
+    smaller = smaller_micro(cfg.micro_batch_size, cfg.global_batch_size // cfg.world_size)
     fixes = []
     if smaller is not None:
         fixes.append(f"--micro-batch-size {smaller} (gradient accumulation keeps the global batch of "
@@ -279,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_args(args):
-    """Reject inconsistent numbers before building anything."""
+    """Reject inconsistent numbers, and --verify without CUDA, before building or measuring anything."""
     if args.margin >= args.gpu_memory:
         raise UserError(f"the margin {format_size(args.margin)} leaves nothing of {format_size(args.gpu_memory)}; "
                         "pass a smaller --margin or a larger --gpu-memory.")
@@ -288,29 +273,33 @@ def check_args(args):
                         f"one to recommend (0, {SELECTIVE}, 1, 2, ...).")
     if args.grad_checkpoint != SELECTIVE and args.grad_checkpoint < 0:
         raise UserError(f"--grad-checkpoint must be 0 (off) or a positive interval, got {args.grad_checkpoint}.")
-
-
-def plan_route(args, config, meta) -> tuple[tuple[float, int, int] | None, int | None]:
-    """((ratio, start, end), kept tokens) of the route the flags ask for (TREAD's span by default), set on `meta`."""
-    if not args.route_ratio:
-        return None, None
-    start, end = route_span(args.model, config.input_size, args.route_ratio, args.route_start, args.route_end)
-    args.route_start, args.route_end = start, end  # the header and --verify show and use the resolved span
-    meta.set_routing(start, end)
-    return (args.route_ratio, start, end), kept_tokens(meta.x_embedder.num_patches, args.route_ratio)
+    if not args.verify:
+        return
+    cuda = memory.allocator()
+    if not cuda.available():
+        raise UserError("--verify runs a real training step on a CUDA GPU and compares its peak memory with "
+                        "the plan, but no CUDA GPU is visible here. Run it on the training machine, or drop "
+                        "--verify to get the plan alone.")
+    if args.gpu_memory > cuda.total():
+        print(f"{PROG}: note: planning for {format_size(args.gpu_memory)} on a smaller card; --verify caps the step "
+              f"at the card's {format_size(cuda.total())}.", file=sys.stderr)
 
 
 def run(args) -> str:
     """Measure, plan and (optionally) verify; returns the report text."""
     check_args(args)
-    check_verify_possible(args)
     batch = per_process_batch(args.global_batch_size, args.num_processes)
     config = model_config_for(measured_config(args.model, block_from_args(args, args.model), objective=args.objective),
                               latent_shape(args.image_size, args.vae_factor, args.latent_channels), args.num_classes)
     device = measure_device(args.measure_device)
     meta = config.build(device="meta")  # shapes only, no allocation
     choices = checkpoint_choices(args.grad_checkpoint, len(meta.blocks))
-    route, kept = plan_route(args, config, meta)
+    route, kept = None, None  # (ratio, start, end) of the route the flags ask for (TREAD's span by default), kept
+    if args.route_ratio:  # the header and --verify show and use the resolved span
+        start, end = route_span(args.model, config.input_size, args.route_ratio, args.route_start, args.route_end)
+        args.route_start, args.route_end = start, end
+        meta.set_routing(start, end)
+        route, kept = (args.route_ratio, start, end), kept_tokens(meta.x_embedder.num_patches, args.route_ratio)
     profiles, n_params, n_trainable = measure_profiles(config, args.precision, choices, device, route)
     fixed = fixed_state(n_params, n_trainable, args.optimizer, args.ema_device)
     rows = [plan_row(p, fixed.total, args.gpu_memory - args.margin, batch) for p in profiles]

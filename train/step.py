@@ -111,25 +111,15 @@ def import_bitsandbytes():
     return bitsandbytes
 
 
-FUSED_ADAMW_DEVICES = ("cuda", "cpu")  # where torch has the fused AdamW kernel (CPU since torch 2.4)
-
-
 def build_optimizer(cfg: TrainConfig, params, device: torch.device) -> torch.optim.Optimizer:
     """Fused AdamW where torch has it (else foreach), or bitsandbytes' 8-bit AdamW (Dettmers et al., 2022)."""
     params = [p for p in params if p.requires_grad]
     kwargs = dict(lr=cfg.lr, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay)
     if cfg.optimizer == "adamw8bit":
         return import_bitsandbytes().optim.AdamW8bit(params, **kwargs)  # ~2 bytes/param of moments, not 8
-    if torch.device(device).type in FUSED_ADAMW_DEVICES:
+    if torch.device(device).type in ("cuda", "cpu"):  # where torch has the fused AdamW kernel (CPU since torch 2.4)
         return torch.optim.AdamW(params, fused=True, **kwargs)
     return torch.optim.AdamW(params, foreach=True, **kwargs)
-
-
-def build_heads(cfg: TrainConfig, raw: torch.nn.Module) -> tuple[dict, int]:
-    """({column: head}, the block they see) of the columns trained on (after the DiT's init, same seeded stream)."""
-    chosen = column_consumers(cfg)
-    heads = {c.name: c.build_head(f, raw.pos_embed.shape[-1]).train() for c, f in chosen}
-    return heads, (getattr(chosen[0][1], chosen[0][0].depth) if chosen else 0)
 
 
 COMPILE_BACKEND = "inductor"  # torch.compile's default; tests swap in a counting backend
@@ -169,7 +159,9 @@ def make_learner(cfg: TrainConfig, model_config: ModelConfig, accelerator=None, 
     if cfg.route_ratio > 0:  # TREAD: blocks route_start..route_end see only the kept tokens in training
         raw.set_routing(cfg.route_start, cfg.route_end)
         route = raw.x_embedder.num_patches, kept_tokens(raw.x_embedder.num_patches, cfg.route_ratio)
-    heads, depth = build_heads(cfg, raw)
+    chosen = column_consumers(cfg)  # the columns trained on: their heads (after the DiT's init, same seeded stream)
+    heads = {c.name: c.build_head(f, raw.pos_embed.shape[-1]).train() for c, f in chosen}
+    depth = getattr(chosen[0][1], chosen[0][0].depth) if chosen else 0  # the block the heads see
     # The EMA: an uncompiled fp32 copy (previews run it eagerly in eval mode), on the GPU or the CPU (--ema-device)
     ema = copy.deepcopy(raw).float().requires_grad_(False).eval().to(device if cfg.ema_device == "gpu" else "cpu")
     raw.to(device)
@@ -184,9 +176,8 @@ def make_learner(cfg: TrainConfig, model_config: ModelConfig, accelerator=None, 
                       ema=ema, optimizer=None,
                       scaler=torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16"),
                       model_config=model_config, accelerator=accelerator, device=device,
-                      objective=objective or objective_of(model_config, **cfg.objective_options),
-                      route=route,
-                      consumers=tuple((c, getattr(f, c.weight)) for c, f in column_consumers(cfg)))
+                      objective=objective or objective_of(model_config, **cfg.objective_options), route=route,
+                      consumers=tuple((c, getattr(f, c.weight)) for c, f in chosen))
     learner.optimizer = build_optimizer(cfg, learner.trained_parameters(), device)
     return learner
 
@@ -256,15 +247,6 @@ def accumulate_gradients(learner: Learner, batches: Iterable[dict]) -> dict:
     return {name: value / steps for name, value in totals.items()}
 
 
-def clip_or_measure(learner: Learner) -> torch.Tensor:
-    """Global gradient norm (after unscaling), clipped to --max-grad-norm when that is > 0."""
-    learner.scaler.unscale_(learner.optimizer)
-    if learner.cfg.max_grad_norm > 0:
-        return torch.nn.utils.clip_grad_norm_(learner.trained_parameters(), learner.cfg.max_grad_norm)
-    norms = [p.grad.detach().float().norm() for p in learner.trained_parameters() if p.grad is not None]
-    return torch.linalg.vector_norm(torch.stack(norms))  # the same global 2-norm, without touching the grads
-
-
 @torch.no_grad()
 def update_ema(ema: torch.nn.Module, model: torch.nn.Module, decay: float, skipped: torch.Tensor | None = None) -> None:
     """ema <- decay * ema + (1 - decay) * weights in fp32 (DiT's update_ema), left as it is where `skipped` is true."""
@@ -296,22 +278,23 @@ def step_unless(optimizer: torch.optim.Optimizer, nonfinite: torch.Tensor) -> No
         del optimizer.grad_scale, optimizer.found_inf
 
 
-def scaled_step(learner: Learner) -> torch.Tensor:
-    """fp16: GradScaler's step and update -> () bool device tensor, true where the scale backed off (a skip)."""
-    scaler = learner.scaler
-    before = scaler._get_scale_async().clone()  # the scale as a device tensor: get_scale() would sync
-    scaler.step(learner.optimizer)  # skipped inside when the gradients hold inf/NaN (found_inf for fused kernels)
-    scaler.update()
-    return scaler._get_scale_async() < before
-
-
 def apply_gradients(learner: Learner) -> tuple[torch.Tensor, torch.Tensor]:
     """Optimizer step (or a skip on non-finite gradients), then the EMA -> (grad norm, skipped): () device tensors."""
     for group in learner.optimizer.param_groups:
         group["lr"] = lr_at(learner.step, learner.cfg)
-    grad_norm = clip_or_measure(learner).detach().float()
-    if learner.scaler.is_enabled():
-        skipped = scaled_step(learner)
+    scaler, params = learner.scaler, learner.trained_parameters()
+    scaler.unscale_(learner.optimizer)  # the global gradient norm, clipped to --max-grad-norm when that is > 0
+    if learner.cfg.max_grad_norm > 0:
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, learner.cfg.max_grad_norm)
+    else:  # the same global 2-norm, without touching the grads
+        grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.detach().float().norm() for p in params
+                                                          if p.grad is not None]))
+    grad_norm = grad_norm.detach().float()
+    if scaler.is_enabled():  # fp16: GradScaler's step and update; a skip is a scale that backed off
+        before = scaler._get_scale_async().clone()  # the scale as a device tensor: get_scale() would sync
+        scaler.step(learner.optimizer)  # skipped inside when the gradients hold inf/NaN (found_inf for fused kernels)
+        scaler.update()
+        skipped = scaler._get_scale_async() < before
     else:
         skipped = ~torch.isfinite(grad_norm)
         step_unless(learner.optimizer, skipped)

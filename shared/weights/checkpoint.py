@@ -144,30 +144,39 @@ def _held_by_place(found: Found) -> tuple[tuple, str]:
     return (), "one set of weights"
 
 
-def _newest_whole(run: Path, weights: str) -> tuple[Path, list[str]]:
-    """The newest whole export (or checkpoint weights with --weights raw) of a run; incomplete newer ones are noted."""
+def run_weight_file(folder: Path, weights: str) -> tuple[Path, list[str]]:
+    """(file, notes): a checkpoint folder's model or EMA file, or a run folder's newest whole export (or checkpoint
+    weights with --weights raw; incomplete newer ones are noted)."""
+    if (folder / MODEL_FILE).is_file() or (folder / EMA_FILE).is_file():  # a single RUN/checkpoints/step-* folder
+        chosen = folder / (MODEL_FILE if weights == "raw" else EMA_FILE)
+        if not chosen.is_file():
+            raise UserError(f"{chosen} does not exist; the checkpoint folder is incomplete.")
+        if problem := safetensors_problem(chosen):
+            raise UserError(f"{chosen} is not a whole weight file ({problem}): it was cut short (an interrupted copy "
+                            f"or a full disk) or is damaged. Delete it and use another weight file.")
+        return chosen, []
     if weights == "raw":
-        candidates, what = [c / MODEL_FILE for c in list_checkpoints(run)], f"{CHECKPOINTS}/step-*/{MODEL_FILE}"
-        none = (f"the run folder {run} has no complete checkpoints ({CHECKPOINTS}/step-*/) yet; train until the first "
-                "checkpoint is saved, or pass --weights ema for an export.")
+        candidates, what = [c / MODEL_FILE for c in list_checkpoints(folder)], f"{CHECKPOINTS}/step-*/{MODEL_FILE}"
+        none = (f"the run folder {folder} has no complete checkpoints ({CHECKPOINTS}/step-*/) yet; train until the "
+                "first checkpoint is saved, or pass --weights ema for an export.")
     else:
-        candidates, what = list_exports(run), f"{EXPORTS}/ema-step-*.safetensors"
-        none = (f"the run folder {run} has no EMA exports ({EXPORTS}/ema-step-*) yet; train until the first export is "
-                "written, or pass --weights raw to use the newest checkpoint's raw weights.")
+        candidates, what = list_exports(folder), f"{EXPORTS}/ema-step-*.safetensors"
+        none = (f"the run folder {folder} has no EMA exports ({EXPORTS}/ema-step-*) yet; train until the first export "
+                "is written, or pass --weights raw to use the newest checkpoint's raw weights.")
     if not candidates:
         raise UserError(none)
     skipped = []
     for path in reversed(candidates):
         if (problem := safetensors_problem(path)) is None:
             return path, [f"the newer {p} is not a whole weight file ({why}); sampling {path.name} instead. "
-                          f"{_other_copy(run, p, weights, 'Delete the broken file to stop this note.')}"
+                          f"{_other_copy(folder, p, weights, 'Delete the broken file to stop this note.')}"
                           for p, why in skipped]
         skipped.append((path, problem))
     newest, problem = skipped[0]
     fallback = (f"Delete {newest} and pass another --ckpt; training writes a new one at its next checkpoint "
                 f"(--ckpt-every).")
-    raise UserError(f"no whole {what} in {run}: the newest, {newest}, is not a whole weight file ({problem}), and no "
-                    f"earlier one is whole either. {_other_copy(run, newest, weights, fallback)}")
+    raise UserError(f"no whole {what} in {folder}: the newest, {newest}, is not a whole weight file ({problem}), and "
+                    f"no earlier one is whole either. {_other_copy(folder, newest, weights, fallback)}")
 
 
 def _other_copy(run: Path, path: Path, weights: str, otherwise: str) -> str:
@@ -177,19 +186,6 @@ def _other_copy(run: Path, path: Path, weights: str, otherwise: str) -> str:
     if folder is not None and is_complete_checkpoint(folder) and safetensors_problem(folder / EMA_FILE) is None:
         return f"Its checkpoint holds the same EMA weights: pass --ckpt {folder} to sample that step."
     return otherwise
-
-
-def run_weight_file(folder: Path, weights: str) -> tuple[Path, list[str]]:
-    """(file, notes): a checkpoint folder's model or EMA file, or a run folder's newest whole one."""
-    if (folder / MODEL_FILE).is_file() or (folder / EMA_FILE).is_file():  # a single RUN/checkpoints/step-* folder
-        chosen = folder / (MODEL_FILE if weights == "raw" else EMA_FILE)
-        if not chosen.is_file():
-            raise UserError(f"{chosen} does not exist; the checkpoint folder is incomplete.")
-        if problem := safetensors_problem(chosen):
-            raise UserError(f"{chosen} is not a whole weight file ({problem}): it was cut short (an interrupted copy "
-                            f"or a full disk) or is damaged. Delete it and use another weight file.")
-        return chosen, []
-    return _newest_whole(folder, weights)
 
 
 def _read_export(found: Found, weights: str, objective: str | None) -> Read:

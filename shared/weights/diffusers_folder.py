@@ -73,28 +73,6 @@ def is_diffusers_file(path: Path) -> bool:
         return False
 
 
-def _weight_file(folder: Path) -> Path:
-    """The weight file of a diffusers model folder; UserError naming the names looked for."""
-    for name in WEIGHT_FILES:
-        if (folder / name).is_file():
-            return folder / name
-    raise UserError(f"the diffusers model folder {folder} has a {CONFIG} but no weights ({', '.join(WEIGHT_FILES)}); "
-                    f"the download or export is incomplete: fetch it again.")
-
-
-def _pipeline_parts(pipeline: Path) -> tuple[Path, Path | None]:
-    """(transformer folder, vae folder or None) of a pipeline folder; UserError when it has no transformer."""
-    index = read_json(pipeline / MODEL_INDEX)
-    if TRANSFORMER not in index or not (pipeline / TRANSFORMER).is_dir():
-        parts = ", ".join(k for k in index if not k.startswith("_")) or "none"
-        raise UserError(f"{pipeline} is a diffusers {index.get('_class_name', 'pipeline')} folder without a "
-                        f"{TRANSFORMER}/ model (its parts: {parts}), so it holds no DiT. Pass a DiTPipeline folder "
-                        f"(transformer/, vae/, scheduler/), its transformer/ folder, or a run folder or weight file "
-                        f"of this project.")
-    vae = pipeline / VAE
-    return pipeline / TRANSFORMER, vae if (vae / CONFIG).is_file() else None
-
-
 def _parent_vae(transformer: Path) -> Path | None:
     """The VAE of the pipeline a transformer folder sits in (PIPELINE/transformer -> PIPELINE/vae)."""
     parent = transformer.parent
@@ -106,8 +84,20 @@ def locate(path: Path, hub_id: str | None = None) -> DiffusersSource:
     if path.is_file():
         transformer, weights, vae = path.parent, path, _parent_vae(path.parent)
     else:
-        transformer, vae = _pipeline_parts(path) if (path / MODEL_INDEX).is_file() else (path, _parent_vae(path))
-        weights = _weight_file(transformer)
+        transformer, vae = path, _parent_vae(path)
+        if (path / MODEL_INDEX).is_file():  # a pipeline folder: its transformer/ model, and its vae/ if it has one
+            index = read_json(path / MODEL_INDEX)
+            if TRANSFORMER not in index or not (path / TRANSFORMER).is_dir():
+                parts = ", ".join(k for k in index if not k.startswith("_")) or "none"
+                raise UserError(f"{path} is a diffusers {index.get('_class_name', 'pipeline')} folder without a "
+                                f"{TRANSFORMER}/ model (its parts: {parts}), so it holds no DiT. Pass a DiTPipeline "
+                                f"folder (transformer/, vae/, scheduler/), its transformer/ folder, or a run folder or "
+                                f"weight file of this project.")
+            transformer, vae = path / TRANSFORMER, (path / VAE if (path / VAE / CONFIG).is_file() else None)
+        weights = next((transformer / name for name in WEIGHT_FILES if (transformer / name).is_file()), None)
+        if weights is None:
+            raise UserError(f"the diffusers model folder {transformer} has a {CONFIG} but no weights "
+                            f"({', '.join(WEIGHT_FILES)}); the download or export is incomplete: fetch it again.")
     # Output folders are named after the Hub repo, else the pipeline (or model) folder.
     pipeline = transformer.name == TRANSFORMER and (transformer.parent / MODEL_INDEX).is_file()
     label = hub_id.split("/")[-1] if hub_id else (transformer.parent if pipeline else transformer).name
@@ -125,21 +115,6 @@ def _not_cached(repo_id: str, why: str) -> UserError:
         f"PATH` and pass --ckpt PATH. A local path must exist: check its spelling.")
 
 
-def _download(repo_id: str) -> Path:
-    """Fetch a pipeline's configs and safetensors weights; pickled .bin weights only for a part that has none."""
-    from huggingface_hub import snapshot_download
-
-    folder = Path(snapshot_download(repo_id, allow_patterns=_HUB_FIRST,
-                                    ignore_patterns=_HUB_SKIP))
-    parts = [TRANSFORMER, VAE] if (folder / MODEL_INDEX).is_file() else [""]  # "": the snapshot is one model folder
-    missing = [part for part in parts if (folder / part / CONFIG).is_file()  # a config but no weights
-               and not any((folder / part / name).is_file() for name in WEIGHT_FILES)]
-    if missing:  # read weights-only (shared.weights.export.load_torch_file), never as a general pickle
-        patterns = [f"{part}/{p}" if part else p for part in missing for p in _HUB_PICKLES]
-        folder = Path(snapshot_download(repo_id, allow_patterns=patterns, ignore_patterns=_HUB_SKIP))
-    return folder
-
-
 def locate_hub(repo_id: str) -> DiffusersSource:
     """A Hub id from the local cache, else downloaded into it; UserError when offline and not cached."""
     from huggingface_hub import snapshot_download
@@ -152,8 +127,14 @@ def locate_hub(repo_id: str) -> DiffusersSource:
     if folder is None or not is_diffusers_folder(folder):  # not cached, or holding no model
         if _hub_offline():
             raise _not_cached(repo_id, "and the Hub cannot be reached (HF_HUB_OFFLINE is set, or no network)")
-        try:
-            folder = _download(repo_id)
+        try:  # the configs and safetensors weights; pickled .bin weights only for a part that has none
+            folder = Path(snapshot_download(repo_id, allow_patterns=_HUB_FIRST, ignore_patterns=_HUB_SKIP))
+            parts = [TRANSFORMER, VAE] if (folder / MODEL_INDEX).is_file() else [""]  # "": one model folder
+            missing = [part for part in parts if (folder / part / CONFIG).is_file()  # a config but no weights
+                       and not any((folder / part / name).is_file() for name in WEIGHT_FILES)]
+            if missing:  # read weights-only (shared.weights.export.load_torch_file), never as a general pickle
+                patterns = [f"{part}/{p}" if part else p for part in missing for p in _HUB_PICKLES]
+                folder = Path(snapshot_download(repo_id, allow_patterns=patterns, ignore_patterns=_HUB_SKIP))
         except Exception as err:  # noqa: BLE001 - missing repo, gated repo, network: one paragraph
             raise _not_cached(repo_id, f"and downloading it failed ({type(err).__name__}: "
                                        f"{' '.join(str(err).split())[:200]})") from None
@@ -188,17 +169,6 @@ def read_weights(path: Path) -> dict:
     return {k: v for shard in shards for k, v in _read_one(path.parent / shard).items()}
 
 
-def _class_names(source: DiffusersSource, num_classes: int) -> list[str] | None:
-    """Class names from the pipeline's id2label (first synonym of each), when it names every class."""
-    index_path = source.transformer.parent / MODEL_INDEX
-    if source.transformer.name != TRANSFORMER or not index_path.is_file():
-        return None
-    id2label = read_json(index_path).get("id2label") or {}
-    if sorted(id2label, key=lambda k: int(k) if str(k).isdigit() else -1) != [str(i) for i in range(num_classes)]:
-        return None
-    return [str(id2label[str(i)]).split(",")[0].strip() for i in range(num_classes)]
-
-
 def pipeline_latent_meta(source: DiffusersSource, config) -> dict | None:
     """What the pipeline says of its latents: its own vae/ (used when --vae is omitted) and class names."""
     meta = {"latent_shape": [config.in_channels, config.input_size, config.input_size]}
@@ -207,9 +177,11 @@ def pipeline_latent_meta(source: DiffusersSource, config) -> dict | None:
         vae_config = read_json(source.vae / CONFIG)
         if "scaling_factor" in vae_config:
             meta["scaling_factor"] = float(vae_config["scaling_factor"])
-    names = _class_names(source, config.num_classes)
-    if names:
-        meta["class_names"] = names
+    index_path, n = source.transformer.parent / MODEL_INDEX, config.num_classes
+    if source.transformer.name == TRANSFORMER and index_path.is_file():  # the pipeline's id2label, naming every class
+        id2label = read_json(index_path).get("id2label") or {}
+        if n and sorted(id2label, key=lambda k: int(k) if str(k).isdigit() else -1) == [str(i) for i in range(n)]:
+            meta["class_names"] = [str(id2label[str(i)]).split(",")[0].strip() for i in range(n)]  # first synonyms
     return meta if len(meta) > 1 else None
 
 

@@ -86,31 +86,24 @@ def load_torch_file(path, fix: str, allowed=()):
             return torch.load(str(path), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         blocked = _BLOCKED_GLOBAL.search(str(err)) if _REFUSED in str(err) else None
-        if blocked:
-            raise SettingError(_refused_pickle(path, blocked.group(1)) + " " + fix) from None
-        raise SettingError(_unreadable(path, _unpickler_detail(str(err)) or _first_line(err), fix)) from None
+        if blocked:  # a pickle that asks for a global (a function or class): what it wanted, and that nothing ran
+            raise SettingError(
+                f"{path} tried to run code while loading: its pickle asks to import and call `{blocked.group(1)}`, "
+                f"which is neither a tensor nor a plain container, so the safe loader (torch.load with "
+                f"weights_only=True) refused the file and nothing in it was run. Weight files never need code: use "
+                f"a file from a source you trust, or a .safetensors copy of the weights. {fix}") from None
+        # the one line that says what was refused (torch's advice lines dropped)
+        skip = (_REFUSED, "Please file an issue", "Check the documentation")
+        lines = [line.strip() for line in str(err).splitlines() if line.strip() and not line.startswith(skip)]
+        raise SettingError(_unreadable(path, lines[0] if lines else _first_line(err), fix)) from None
     except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile, OSError) as err:
         raise SettingError(_unreadable(path, _first_line(err), fix)) from None
-
-
-def _refused_pickle(path: Path, name: str) -> str:
-    """The refusal of a pickle that asks for a global (a function or class): what it wanted, and that nothing ran."""
-    return (f"{path} tried to run code while loading: its pickle asks to import and call `{name}`, which is neither "
-            f"a tensor nor a plain container, so the safe loader (torch.load with weights_only=True) refused the "
-            f"file and nothing in it was run. Weight files never need code: use a file from a source you trust, or "
-            f"a .safetensors copy of the weights.")
 
 
 def _unreadable(path: Path, detail: str, fix: str) -> str:
     """The refusal of a file that is not a readable PyTorch file of tensors."""
     return (f"cannot read {path} as a PyTorch weight file ({detail}): it is truncated (an interrupted copy or "
             f"download), not a PyTorch file, or a pickle of more than plain tensors; nothing in it was run. {fix}")
-
-
-def _unpickler_detail(text: str) -> str:
-    """The one line of a weights-only failure that says what was refused (torch's advice lines dropped)."""
-    skip = ("Weights only load failed", "Please file an issue", "Check the documentation")
-    return next((line.strip() for line in text.splitlines() if line.strip() and not line.startswith(skip)), "")
 
 
 def _first_line(err: BaseException) -> str:
@@ -130,9 +123,9 @@ def save_weights(path, state_dict, model_config, space, step):
     """Write state_dict, the latent space and metadata to path atomically (fsio.atomic_write); returns the path."""
     if not isinstance(model_config, ModelConfig):
         model_config = ModelConfig.from_dict(dict(model_config))  # fail now, not when someone loads it
-    config = model_config.to_dict()
     space_metadata, space_tensors = space.file_parts() if space is not None else ({}, {})
-    metadata = {"dit_config": json.dumps(config, sort_keys=True), **space_metadata, "step": str(int(step))}
+    metadata = {"dit_config": json.dumps(model_config.to_dict(), sort_keys=True), **space_metadata,
+                "step": str(int(step))}
     return save_tensors(path, {**state_dict, **space_tensors}, metadata)
 
 
