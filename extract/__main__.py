@@ -17,8 +17,7 @@ from shared.datasets.shards import FOLDER_KIND
 PROG = "python -m extract"
 # The flag that sets each setting shared/ and extract name in their errors (ChoiceError / SettingError kinds).
 FLAGS = {"flip mode": "--flip", "storage dtype": "--dtype", "vae": "--vae", "vae config": "--vae-config",
-         FOLDER_KIND: "--out",
-         "duplicate policy": "--duplicates", "image size": "--image-size"}
+         FOLDER_KIND: "--out", "duplicate policy": "--duplicates", "image size": "--image-size"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,14 +37,6 @@ def build_parser() -> argparse.ArgumentParser:
         add_flags(p, column.extract_flags)
     add_flags(p, ExtractModes)
     return add_flags(p, ExtractConfig, only=("strict",))
-
-
-def _config(args):
-    """ExtractConfig from parsed arguments (every flag's bounds checked once, by from_args)."""
-    from extract.config import ExtractConfig
-    from shared.datasets.columns import flag_values
-
-    return from_args(ExtractConfig, args, column_flags=flag_values(lambda c: c.extract_flags, args))
 
 
 def _needs(value, refusal: str):
@@ -99,9 +90,12 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     with cli_errors(PROG, FLAGS):
         load_plugins(argv)  # first: a plugin's shard column adds flags
+    from extract.config import ExtractConfig
+    from shared.datasets.columns import flag_values
+
     args = build_parser().parse_args(argv)
-    try:
-        return run_mode(args, _config(args))
+    try:  # every flag's bounds checked once, by from_args
+        return run_mode(args, from_args(ExtractConfig, args, column_flags=flag_values(lambda c: c.extract_flags, args)))
     except UserError as err:
         exit_with(err, PROG, FLAGS)
 

@@ -27,16 +27,6 @@ def inspect_all(scan: ImageFolderScan, num_workers: int, batch_size: int = 64, i
     return records
 
 
-def too_large_advice(count: int, largest: int, max_pixels: int | None) -> str:
-    """The line naming --max-image-pixels when images were refused for their size."""
-    one = count == 1
-    return (f"{counted(count, 'image')} {'has' if one else 'have'} more pixels than --max-image-pixels allows "
-            f"({describe_limit(max_pixels)}; the largest has {largest:,}) and {'is' if one else 'are'} skipped as "
-            f"possible decompression bombs. If you trust this folder, "
-            f"pass --max-image-pixels {largest} (or none) to admit them; they are decoded at reduced size where "
-            f"the format allows (JPEG), else whole and reduced at once.")
-
-
 def check_report(scan: ImageFolderScan, records: list[dict], image_size: int,
                  max_pixels: int | None = MAX_IMAGE_PIXELS) -> tuple[str, int]:
     """The text printed by --check and the number of bad files."""
@@ -57,8 +47,13 @@ def check_report(scan: ImageFolderScan, records: list[dict], image_size: int,
     lines.append(f"bad files: {len(bad)}")
     lines += [f"  {scan.files[r['pos']]}: {r['error']}" for r in bad]
     large = [r["width"] * r["height"] for r in bad if r.get("too_large")]
-    if large:
-        lines.append(too_large_advice(len(large), max(large), max_pixels))
+    if large:  # the line naming --max-image-pixels when images were refused for their size
+        one = len(large) == 1
+        lines.append(f"{counted(len(large), 'image')} {'has' if one else 'have'} more pixels than --max-image-pixels "
+                     f"allows ({describe_limit(max_pixels)}; the largest has {max(large):,}) and "
+                     f"{'is' if one else 'are'} skipped as possible decompression bombs. If you trust this folder, "
+                     f"pass --max-image-pixels {max(large)} (or none) to admit them; they are decoded at reduced size "
+                     f"where the format allows (JPEG), else whole and reduced at once.")
     return "\n".join(lines), len(bad)
 
 

@@ -114,9 +114,7 @@ class Plan:
     num_shards = property(lambda self: -(-len(self.scan) // self.cfg.shard_size), doc="Shards of --shard-size images.")
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Planning and checks (no VAE weights)
-# ----------------------------------------------------------------------------------------------------------
+# ---- Planning and checks (no VAE weights) ----
 
 def check_choices(cfg: ExtractConfig) -> None:
     """Known choices, or a ChoiceError naming the flag (the numbers' bounds are on their options: from_args)."""
@@ -125,32 +123,6 @@ def check_choices(cfg: ExtractConfig) -> None:
     for setting, value, known in choices:
         if value not in known:
             raise ChoiceError(setting, value, known)
-
-
-def check_encoder_vae(cfg: ExtractConfig) -> tuple[str, dict, TokenizerClass, list[str], tuple]:
-    """Resolve the tokenizer and its class, measure its factor and latent, check the size (no weights)."""
-    from shared.tokenizers.tokenizer import downsample_factor, measure_latent
-    from shared.tokenizers.locate import read_vae_config, resolve_vae_spec
-
-    name = resolve_vae_spec(cfg.vae, cfg.vae_config)
-    config = read_vae_config(cfg.vae, cfg.vae_config)
-    kind = tokenizer_class(config, name)
-    warnings = check_image_size(cfg.image_size, downsample_factor(config), kind.family)  # factor at a probe size
-    shape = measure_latent(config, cfg.image_size, name)  # (C, h, w): one image of --image-size, meta device
-    return name, config, kind, warnings, shape
-
-
-def plan_columns(cfg: ExtractConfig) -> dict:
-    """{name: record} of the registered columns this run stores (their flags checked, no weights read)."""
-    planned = {}
-    for name, column in columns().items():
-        record = column.plan(column.extract_options(cfg.column_flags), cfg.image_size)
-        if record is not None:
-            if record.get("dtype") not in FLAG_DTYPES:
-                raise UserError(f"the shard column {name!r} asks for the storage dtype {record.get('dtype')!r}; "
-                                f"the column's record must name one of {', '.join(FLAG_DTYPES)}.")
-            planned[name] = record
-    return planned
 
 
 def column_records(planned: dict) -> dict:
@@ -210,27 +182,21 @@ def check_out_folder(out: Path, settings: dict) -> list[str]:
     return []
 
 
-def check_separate_folders(data_path, out: Path) -> None:
-    """Refuse an --out equal to, inside, or holding --data-path: shards written among the images become data."""
-    if is_url(str(data_path)):
-        return
-    images, latents = Path(data_path).expanduser().resolve(), Path(out).expanduser().resolve()
-    if latents == images or images in latents.parents or latents in images.parents:
-        where = ("is" if latents == images else "is inside" if images in latents.parents else "holds")
-        raise UserError(
-            f"--out {out} {where} --data-path {data_path}: the shards, index and lock would be written among the "
-            f"images (and a later scan would take them for a class folder), or the images among the shards. Pass "
-            f"a separate output folder beside the images, e.g. --out {images.parent / (images.name + '-latents')}."
-        )
-
-
 def check_flags(cfg: ExtractConfig) -> None:
     """The checks of the flags alone (no file read): choices, --out apart from --data-path."""
     check_choices(cfg)
-    if cfg.out is not None:
-        check_separate_folders(cfg.data_path, cfg.out)
-        if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
-            raise UserError(f"--out {cfg.out} is a file; pass a folder (it is created if missing).")
+    out, data_path = cfg.out, cfg.data_path
+    if out is not None and not is_url(str(data_path)):  # --out equal to, inside or holding --data-path: refused
+        images, latents = Path(data_path).expanduser().resolve(), Path(out).expanduser().resolve()
+        if latents == images or images in latents.parents or latents in images.parents:
+            where = ("is" if latents == images else "is inside" if images in latents.parents else "holds")
+            raise UserError(
+                f"--out {out} {where} --data-path {data_path}: the shards, index and lock would be written among the "
+                f"images (and a later scan would take them for a class folder), or the images among the shards. Pass "
+                f"a separate output folder beside the images, e.g. --out {images.parent / (images.name + '-latents')}."
+            )
+    if out is not None and Path(out).exists() and not Path(out).is_dir():
+        raise UserError(f"--out {cfg.out} is a file; pass a folder (it is created if missing).")
 
 
 def source_options(cfg) -> SourceOptions:
@@ -245,8 +211,22 @@ def make_plan(cfg: ExtractConfig, check_out: bool = True) -> Plan:
     scan, listing_key = listed_source(  # tar and parquet: the listing kept in --out by an earlier run, if it fits
         cfg.data_path, options, cfg.out, {"limit": cfg.limit, "duplicates": cfg.duplicates},
         lambda: apply_duplicates(open_source(cfg.data_path, options).limited(cfg.limit), cfg.duplicates))
-    vae_name, vae_config, kind, warnings, shape = check_encoder_vae(cfg)
-    planned = plan_columns(cfg)  # config only, no weights
+    from shared.tokenizers.tokenizer import downsample_factor, measure_latent
+    from shared.tokenizers.locate import read_vae_config, resolve_vae_spec
+
+    # the tokenizer and its class, its factor and latent measured, the size checked (no weights)
+    vae_name, vae_config = resolve_vae_spec(cfg.vae, cfg.vae_config), read_vae_config(cfg.vae, cfg.vae_config)
+    kind = tokenizer_class(vae_config, vae_name)
+    warnings = check_image_size(cfg.image_size, downsample_factor(vae_config), kind.family)  # factor at a probe size
+    shape = measure_latent(vae_config, cfg.image_size, vae_name)  # (C, h, w): one image of --image-size, meta device
+    planned = {}  # {name: record} of the registered columns this run stores (their flags checked, no weights read)
+    for name, column in columns().items():
+        record = column.plan(column.extract_options(cfg.column_flags), cfg.image_size)
+        if record is not None:
+            if record.get("dtype") not in FLAG_DTYPES:
+                raise UserError(f"the shard column {name!r} asks for the storage dtype {record.get('dtype')!r}; "
+                                f"the column's record must name one of {', '.join(FLAG_DTYPES)}.")
+            planned[name] = record
     settings = run_settings(cfg, scan, vae_name, vae_config, planned)
     if check_out:
         warnings += check_out_folder(Path(cfg.out), settings)

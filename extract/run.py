@@ -34,7 +34,7 @@ from shared.datasets.shards import (FLAG_DTYPES, FLIP_MODES, FOLDER_KIND, INDEX_
                                     sidecar_path, write_index)
 from shared.datasets.sources import LISTING_NAME, save_listing, source_kind
 from shared.runtime.cli import counted
-from shared.runtime.distributed import default_workers as shared_default_workers, process_state
+from shared.runtime.distributed import default_workers, process_state
 from shared.runtime.errors import UserError
 from shared.runtime.fsio import atomic_write_text, stale_tmps
 from shared.runtime.lock import hold_lock
@@ -51,9 +51,7 @@ class Progress:
     chunk: int = 0  # images per encoder call (halved on CUDA out-of-memory)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Files in the out folder
-# ----------------------------------------------------------------------------------------------------------
+# ---- Files in the out folder ----
 
 def settings_sha256(settings: dict) -> str:
     """A short identity of the settings, stored in every sidecar."""
@@ -73,17 +71,7 @@ def read_finished(plan: Plan, shard: int) -> dict | None:
     return sidecar if ok else None
 
 
-def clean_unfinished(out: Path, shards: list[int]) -> None:
-    """Remove temp files and half-written leftovers of the shards this process is about to redo."""
-    for j in shards:
-        for path in (out / shard_name(j), element_stats_path(out, j), sidecar_path(out, j)):
-            for leftover in (*stale_tmps(path), path):
-                leftover.unlink(missing_ok=True)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Encoding
-# ----------------------------------------------------------------------------------------------------------
+# ---- Encoding ----
 
 def encode_pixels(vae, pixels: torch.Tensor, flip: bool, progress: Progress) -> tuple[torch.Tensor, torch.Tensor]:
     """uint8 (B,3,S,S) -> moments (B,F,C,h,w) fp32; the mirrored copy rides in the same encoder batch."""
@@ -196,8 +184,9 @@ def encode_shards(plan: Plan, shards: list[int], vae, state, producers=None) -> 
     cfg, device, show = plan.cfg, state.device, state.is_local_main_process
     batches = ShardBatches(shards, cfg.shard_size, len(plan.scan), cfg.batch_size)
     dataset = ImageFileDataset(plan.scan, cfg.image_size, cfg.max_image_pixels)
-    loader = make_loader(dataset, batches, default_workers(cfg, state.num_processes),
-                         pin_memory=torch.device(device).type == "cuda")
+    # --num-workers, or up to 8 decoding processes per extract process, leaving one core for the main loop
+    workers = cfg.num_workers if cfg.num_workers is not None else default_workers(8, state.num_processes)
+    loader = make_loader(dataset, batches, workers, pin_memory=torch.device(device).type == "cuda")
     process = {"rank": state.process_index, "world_size": state.num_processes}
     sink, progress, dtypes = ShardSink(plan, vae.identity, batches, process), Progress(), shard_columns(plan)
     total = sum(len(batches.shard_positions(j)) for j in shards)
@@ -229,14 +218,7 @@ def encode_shards(plan: Plan, shards: list[int], vae, state, producers=None) -> 
     return progress
 
 
-def default_workers(cfg: ExtractConfig, num_processes: int) -> int:
-    """--num-workers, or up to 8 decoding processes per extract process, leaving one core for the main loop."""
-    return cfg.num_workers if cfg.num_workers is not None else shared_default_workers(8, num_processes)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Finishing: bad-file report, then index.json last
-# ----------------------------------------------------------------------------------------------------------
+# ---- Finishing: bad-file report, then index.json last ----
 
 def folder_space(space: LatentSpace, out: Path, sidecars: list[dict], images: int, flips: int) -> LatentSpace:
     """The tokenizer's space with the folder's statistics, merged from every shard's partial sums."""
@@ -299,9 +281,7 @@ def index_meta(plan: Plan, space_sha256: str, num_bad: int) -> dict:
     }
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The job
-# ----------------------------------------------------------------------------------------------------------
+# ---- The job ----
 
 def _pending(plan: Plan, state) -> tuple[list[int], int]:
     """This process's shards (j % world == rank) not finished or failing their sha256; and how many failed."""
@@ -327,7 +307,10 @@ def run_extract(cfg: ExtractConfig) -> dict:
     # The lock first: a second run into the same --out is refused at once, not after scanning and hashing the
     # whole folder (minutes on ImageNet). The main process takes it; the others write only the shards of its run.
     with hold_lock(out, FOLDER_KIND) if state.is_main_process else contextlib.nullcontext():
-        shared_listing = state.num_processes > 1 and lists_source(cfg.data_path)
+        try:  # tar shards and parquet, whose listing reads every byte (a folder's scan only stats files)
+            shared_listing = state.num_processes > 1 and source_kind(str(cfg.data_path)) != "folder"
+        except UserError:
+            shared_listing = False  # each process refuses it in make_plan()
         if shared_listing and not state.is_main_process:
             state.wait_for_everyone()  # the main process reads the source once; the others read its listing
         plan = make_plan(cfg, check_out=False)  # every process runs the same checks: all fail alike, before weights
@@ -336,14 +319,6 @@ def run_extract(cfg: ExtractConfig) -> dict:
             keep_listing(plan)
             state.wait_for_everyone()
         return _extract(plan, state)
-
-
-def lists_source(data_path) -> bool:
-    """True for tar shards and parquet, whose listing reads every byte (a folder's scan only stats files)."""
-    try:
-        return source_kind(str(data_path)) != "folder"
-    except UserError:
-        return False  # each process refuses it in make_plan()
 
 
 def keep_listing(plan: Plan) -> None:
@@ -367,7 +342,10 @@ def _extract(plan: Plan, state) -> dict:
         keep_listing(plan)  # a rerun reads it instead of the whole source again
     state.wait_for_everyone()
     pending, damaged = _pending(plan, state)
-    clean_unfinished(out, pending)
+    for j in pending:  # the temp files and half-written leftovers of the shards this process is about to redo
+        for path in (out / shard_name(j), element_stats_path(out, j), sidecar_path(out, j)):
+            for leftover in (*stale_tmps(path), path):
+                leftover.unlink(missing_ok=True)
     progress, elapsed, space = Progress(), 0.0, None
     if pending:
         vae = _load_vae(plan, state.device)

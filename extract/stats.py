@@ -43,14 +43,6 @@ def folder_stats(dataset: LatentDataset, element: bool, progress: bool = True) -
     return norms, statistics
 
 
-def recorded_space(dataset: LatentDataset) -> LatentSpace | None:
-    """The folder's space as recorded, or None when its record is damaged (it is rebuilt)."""
-    try:
-        return dataset.space
-    except UserError:
-        return None
-
-
 def tokenizer_space(dataset: LatentDataset, vae: str | None, vae_config) -> LatentSpace:
     """The tokenizer's part of the folder's space, from the tokenizer index.json records (or --vae), on the CPU."""
     recorded = dataset.meta.get("extract_settings", {}).get("vae", {})
@@ -71,7 +63,10 @@ def run_stats(out, vae: str | None = None, vae_config=None) -> str:
     load_index(out)  # a clear paragraph when it is not a finished latent folder
     with hold_lock(out, FOLDER_KIND):
         dataset = LatentDataset(out)  # hashes every shard against index.json first
-        before = recorded_space(dataset)
+        try:  # the folder's space as recorded, or None when its record is damaged (it is rebuilt)
+            before = dataset.space
+        except UserError:
+            before = None
         base = before.tokenizer_only() if before is not None and vae is None else \
             tokenizer_space(dataset, vae, vae_config)
         kind = TOKENIZER_CLASSES.get(base.tokenizer.get("class"))

@@ -105,16 +105,6 @@ class ImageFolderScan:
 
 # ---- The walk: every visible folder below a class once, symlinks followed, loops refused ----
 
-def _entries(folder: Path) -> list[os.DirEntry]:
-    """The entries of one folder, sorted by name; UserError naming the folder if it cannot be read."""
-    try:
-        with os.scandir(folder) as it:
-            return sorted(it, key=lambda e: e.name)
-    except OSError as err:
-        raise UserError(f"cannot read folder {folder} ({err.strerror or err}). Fix its permissions, or move it "
-                        f"out of the image folder if it is not data.") from None
-
-
 def _folder_id(path) -> tuple[int, int]:
     """(st_dev, st_ino) of the real folder behind `path` (symlinks followed): its identity on this machine."""
     st = os.stat(path)
@@ -132,7 +122,13 @@ def _is_dir(entry: os.DirEntry) -> bool:
 def _folder(root: Path, rel: str, skipped: Skipped, images: bool = True) -> tuple[list[str], list[str]]:
     """(image names, visible sub-folders) of root/rel, the rest counted in skipped; images=False takes no file."""
     names, subfolders = [], []
-    for entry in _entries(root / rel):
+    try:
+        with os.scandir(root / rel) as it:
+            entries = sorted(it, key=lambda e: e.name)
+    except OSError as err:
+        raise UserError(f"cannot read folder {root / rel} ({err.strerror or err}). Fix its permissions, or move it "
+                        f"out of the image folder if it is not data.") from None
+    for entry in entries:
         path = f"{rel}/{entry.name}" if rel else entry.name
         if is_hidden(entry.name):
             skipped.add("hidden", path + ("/" if _is_dir(entry) else ""))
@@ -145,16 +141,6 @@ def _folder(root: Path, rel: str, skipped: Skipped, images: bool = True) -> tupl
     return names, subfolders
 
 
-def _loop(root: Path, rel: str) -> UserError:
-    """The refusal of a symlink that leads to a folder containing it (its tree would never end)."""
-    link = root / rel
-    target = os.readlink(link) if link.is_symlink() else "?"
-    return UserError(
-        f"{link} is a symlink to {target}, a folder that contains the link itself: a symlink loop, whose tree never "
-        f"ends (torchvision would walk it until the path is too long). Remove the link (`rm {link}`), or point it "
-        f"at a folder outside {root}; symlinks to other folders, such as class folders kept elsewhere, are followed.")
-
-
 @dataclass
 class _Walk:
     """One scan's state: the real folders claimed so far, what was left out, the nested folders seen."""
@@ -165,11 +151,14 @@ class _Walk:
 
     def claim(self, rel: str, ancestors: tuple) -> tuple | None:
         """The folder's id, marked visited; None (counted) if visited already; UserError for a loop."""
-        ident = _folder_id(self.root / rel)
-        if ident in ancestors:
-            raise _loop(self.root, rel)
+        ident, link = _folder_id(self.root / rel), self.root / rel
+        if ident in ancestors:  # a symlink to a folder containing it: its tree would never end
+            raise UserError(
+                f"{link} is a symlink to {os.readlink(link) if link.is_symlink() else '?'}, a folder that contains "
+                f"the link itself: a symlink loop, whose tree never ends (torchvision would walk it until the path is "
+                f"too long). Remove the link (`rm {link}`), or point it at a folder outside {self.root}; symlinks to "
+                f"other folders, such as class folders kept elsewhere, are followed.")
         if ident in self.seen:
-            link = self.root / rel
             self.skipped.add("linked folder", f"{rel} -> {os.readlink(link)}" if link.is_symlink() else rel)
             return None
         self.seen.add(ident)
@@ -193,31 +182,6 @@ class _Walk:
 
 # ---- The scan ----
 
-def _no_classes(root: Path, skipped: Skipped) -> UserError:
-    """The refusal for a root without (visible) class folders."""
-    hidden = f" ({skipped.describe()})" if skipped.counts else ""
-    return UserError(f"--data-path {root} has no class folders{hidden}. Put each class's images in its own sub-folder "
-                     f"(root/cat/001.jpg, ...); for an unlabelled dataset use a single sub-folder, e.g. root/all/.")
-
-
-def _empty_classes(root: Path, empty: list[str]) -> UserError:
-    """The refusal naming class folders without images."""
-    shown = ", ".join(empty[:10]) + (f" and {len(empty) - 10} more" if len(empty) > 10 else "")
-    return UserError(
-        f"{counted(len(empty), 'class folder')} in {root} {'holds' if len(empty) == 1 else 'hold'} no images "
-        f"({shown}). Add images with one of the extensions {' '.join(IMAGE_EXTENSIONS)} or remove those folders "
-        f"(every sub-folder is a class).")
-
-
-def folded_note(nested: list[str]) -> str:
-    """The report line saying nested folders were folded into their top-level class."""
-    first = nested[0]
-    return (f"nested folders: {counted(len(nested), 'sub-folder')} below the class folders "
-            f"{'holds' if len(nested) == 1 else 'hold'} images, folded into their top-level class (first: {first} "
-            f"-> class {first.split('/')[0]}); for a label per sub-folder, make each one a top-level folder (a "
-            f"folder of symlinks to them will do)")
-
-
 def scan_image_folder(root, loose: bool = False) -> ImageFolderScan:
     """Scan root/<class>/**/<image>; UserError for a missing root, no class folders, empty classes or a loop."""
     root = Path(root).expanduser()
@@ -228,7 +192,10 @@ def scan_image_folder(root, loose: bool = False) -> ImageFolderScan:
     skipped = Skipped()
     loose_files, classes = _folder(root, "", skipped, images=loose)  # without `loose`: files beside classes left out
     if not classes and not loose:
-        raise _no_classes(root, skipped)
+        hidden = f" ({skipped.describe()})" if skipped.counts else ""
+        raise UserError(f"--data-path {root} has no class folders{hidden}. Put each class's images in its own "
+                        f"sub-folder (root/cat/001.jpg, ...); for an unlabelled dataset use a single sub-folder, e.g. "
+                        f"root/all/.")
     # The root and every class folder count as visited from the start, so a link to another class (a/b -> ../b)
     # is skipped, never a second copy of that class's images under this label; a link to the root is a loop.
     top = _folder_id(root)
@@ -242,8 +209,17 @@ def scan_image_folder(root, loose: bool = False) -> ImageFolderScan:
         if not found:
             empty.append(name)
     if empty and not loose:
-        raise _empty_classes(root, empty)
+        shown = ", ".join(empty[:10]) + (f" and {len(empty) - 10} more" if len(empty) > 10 else "")
+        raise UserError(
+            f"{counted(len(empty), 'class folder')} in {root} {'holds' if len(empty) == 1 else 'hold'} no images "
+            f"({shown}). Add images with one of the extensions {' '.join(IMAGE_EXTENSIONS)} or remove those folders "
+            f"(every sub-folder is a class).")
     files = [f for _, found in groups for f in found]
     labels = [index for index, (_, found) in enumerate(groups) for _ in found]
-    notes = (folded_note(walk.nested),) if walk.nested else ()
+    notes, nested = (), walk.nested
+    if nested:  # the report line saying nested folders were folded into their top-level class
+        notes = (f"nested folders: {counted(len(nested), 'sub-folder')} below the class folders "
+                 f"{'holds' if len(nested) == 1 else 'hold'} images, folded into their top-level class (first: "
+                 f"{nested[0]} -> class {nested[0].split('/')[0]}); for a label per sub-folder, make each one a "
+                 f"top-level folder (a folder of symlinks to them will do)",)
     return ImageFolderScan(root.resolve(), [name for name, _ in groups], files, labels, skipped, notes)

@@ -173,9 +173,7 @@ def preprocess(path, image_size: int) -> torch.Tensor:
     return to_unit_range(load_image(path, image_size))
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Decoding in DataLoader workers: item i of a scan
-# ----------------------------------------------------------------------------------------------------------
+# ---- Decoding in DataLoader workers: item i of a scan ----
 
 def fetch(scan: ImageFolderScan, pos: int) -> tuple[object, str]:
     """(what PIL opens, "") or (None, the paragraph) when a source's shard cannot be read: a worker's exception

@@ -69,9 +69,7 @@ STD = "std"  # the posterior spread; absent for a deterministic tokenizer
 MOMENT_NAMES = (LATENT, STD)  # described by the layout's own "dtype"/"shape", never under "extra"
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The one dtype vocabulary: the word of index.json, of a command line, of a safetensors header, torch's dtype
-# ---------------------------------------------------------------------------------------------------------
+# ---- The one dtype vocabulary: the word of index.json, of a command line, of a safetensors header, torch's dtype ----
 
 @dataclass(frozen=True)
 class StorageDtype:
@@ -101,9 +99,7 @@ def storage_dtype(dtype) -> StorageDtype:
     return found[0]
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Layout: a payload header <-> the columns of every payload of a folder
-# ---------------------------------------------------------------------------------------------------------
+# ---- Layout: a payload header <-> the columns of every payload of a folder ----
 
 def payload_layout(payload: bytes) -> dict:
     """The layout of a payload's header (see the module docstring); "extra" appears only when present."""
@@ -135,18 +131,7 @@ def tensor_specs(layout: dict) -> dict:
             for name, s in described.items()}
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Writing one payload
-# ---------------------------------------------------------------------------------------------------------
-
-def check_columns(columns: dict) -> dict:
-    """A writer's column set {name: dtype} -> {name: StorageDtype}; "std" must match "mean" when present."""
-    assert LATENT in columns, f"a latent shard stores a {LATENT!r} column (the latent); got columns {sorted(columns)}"
-    out = {name: storage_dtype(dtype) for name, dtype in columns.items()}
-    assert STD not in out or out[STD] == out[LATENT], \
-        f"{STD!r} must be stored in the dtype of {LATENT!r} ({out[LATENT].name}), got {out[STD].name}"
-    return out
-
+# ---- Writing one payload ----
 
 def as_column(x, dtype: StorageDtype) -> torch.Tensor:
     """A contiguous CPU tensor of `x` (torch or numpy) in the column's dtype."""
@@ -159,31 +144,7 @@ def as_column(x, dtype: StorageDtype) -> torch.Tensor:
     return x.detach().to("cpu", dtype.torch).contiguous()
 
 
-def check_sample(tensors: dict, columns: dict) -> None:
-    """One sample's tensors must be exactly the declared columns, the moments (F, C, h, w), all with one F."""
-    assert set(tensors) == set(columns), f"a sample holds columns {sorted(tensors)}, the shard declares {sorted(columns)}"
-    latent = tensors[LATENT]
-    shapes = [tuple(tensors[n].shape) for n in MOMENT_NAMES if n in tensors]
-    assert latent.ndim == 4 and len(set(shapes)) == 1, f"the moments must be (F, C, h, w); got {shapes}"
-    for name, t in tensors.items():
-        assert t.ndim >= 1 and t.shape[0] == latent.shape[0], \
-            f"column {name!r} {tuple(t.shape)} must lead with the latent's {latent.shape[0]} flip frame(s)"
-
-
-def serialise(tensors: dict) -> bytes:
-    """A safetensors payload of CPU tensors (torch's writer: it knows bf16, which numpy does not)."""
-    out, seen = {}, set()
-    for name, t in tensors.items():
-        t = t.detach().to("cpu").contiguous()
-        # safetensors refuses tensors sharing memory (e.g. one array given as "mean" and "std"): copy the repeat
-        out[name] = t.clone() if t.untyped_storage().data_ptr() in seen else t
-        seen.add(t.untyped_storage().data_ptr())
-    return safetensors.torch.save(out)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The folder format
-# ---------------------------------------------------------------------------------------------------------
+# ---- The folder format ----
 
 FORMAT_NAME = "dit-latent-shards"
 FORMAT_VERSION = 1  # every folder whose payloads hold "mean" and "std": what the first readers read
@@ -233,9 +194,7 @@ def read_sidecar(out, index: int) -> dict | None:
         return None
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Writer
-# ---------------------------------------------------------------------------------------------------------
+# ---- Writer ----
 
 @dataclass
 class ShardInfo:
@@ -260,9 +219,7 @@ class ShardInfo:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__})
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Statistics of the stored moments, float64 (each shard's sidecar holds its partial sums; extract merges them)
-# ---------------------------------------------------------------------------------------------------------
+# ---- Statistics of the stored moments, float64 (each shard's sidecar holds its partial sums; extract merges them) ----
 # Per channel: mean = mean of the means; variance = variance of the means + mean of the variances (the law of
 # total variance over images, positions and posterior noise). Partial sums combine by Chan et al.'s parallel update.
 
@@ -325,9 +282,7 @@ class ChannelStats:
                  "computed_from": f"the stored {moments} of every image and flip, float64"})
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Per-element statistics of a folder of deterministic tokens (RAE), in float64
-# ----------------------------------------------------------------------------------------------------------
+# ---- Per-element statistics of a folder of deterministic tokens (RAE), in float64 ----
 
 # RAE's eps (bytetriper/RAE src/stage1/rae.py: (z - mean) / sqrt(var + eps), eps 1e-5): the per-element std of a
 # folder is sqrt(var + ELEMENT_EPS), so an element that never varies (a border token, a tiny folder) stays finite.
@@ -389,7 +344,12 @@ class ShardWriter:
 
     def __init__(self, path, *, columns: dict, stats: bool = False, element_stats: bool = False):
         self.path = Path(path)
-        self.columns = check_columns(columns)  # name -> StorageDtype
+        assert LATENT in columns, \
+            f"a latent shard stores a {LATENT!r} column (the latent); got columns {sorted(columns)}"
+        self.columns = {name: storage_dtype(dtype) for name, dtype in columns.items()}  # name -> StorageDtype
+        latent, std = self.columns[LATENT], self.columns.get(STD)
+        assert std in (None, latent), \
+            f"{STD!r} must be stored in the dtype of {LATENT!r} ({latent.name}), got {std.name}"
         # the partial sums of the moments as stored, for the sidecar (`add_batch`); per element: RAE tokens
         self.stats = ChannelStats() if stats else None
         self.elements = ElementStats() if element_stats else None
@@ -415,22 +375,24 @@ class ShardWriter:
         """Publish the shard, then write its sidecar {"shard": ShardInfo, **record} when given a record; its info."""
         try:
             with space_guard(self.path, self.tmp_path):  # the last buffer, close and fsync can hit a full disk
-                self._finish()
+                self._write(b"\0" * (2 * BLOCK))  # the end-of-archive marker
+                self._write(b"\0" * (-self._pos % RECORD))  # padded to a whole record, like GNU tar
+                self._file.close()
+                publish_file(self.tmp_path, self.path)
+                self.info = ShardInfo(self.path.name, len(self._keys), self._pos, self._digest.hexdigest(),
+                                      list(self._keys), list(self._labels), list(self._offsets), dict(self._layout))
         finally:
             self.abort()  # a failed finish (e.g. disk full) leaves no temp file
-        if record is not None:
-            record = {"shard": self.info.to_dict(), **record, **self._stats_record()}
+        if record is not None:  # the statistics: per channel inline; per element in a file beside it, with its sha256
+            record = {"shard": self.info.to_dict(), **record}
+            if self.stats is not None:
+                record["latent_stats"] = self.stats.to_dict()
+            if self.elements is not None:  # the sha256 in the sidecar: a damaged stats file re-encodes its shard
+                data, path = self.elements.to_bytes(), self.path.with_suffix(ELEMENT_STATS_SUFFIX)
+                atomic_write_bytes(path, data)
+                record.update(element_stats=path.name, element_stats_sha256=hashlib.sha256(data).hexdigest())
             atomic_write_text(self.path.with_suffix(SIDECAR_SUFFIX), json.dumps(record, indent=1) + "\n")
         return self.info
-
-    def _stats_record(self) -> dict:
-        """The sidecar's statistics: per channel inline; per element in a file beside it, named with its sha256."""
-        record = {"latent_stats": self.stats.to_dict()} if self.stats is not None else {}
-        if self.elements is not None:  # the sha256 in the sidecar: a damaged stats file re-encodes its shard
-            data, path = self.elements.to_bytes(), self.path.with_suffix(ELEMENT_STATS_SUFFIX)
-            atomic_write_bytes(path, data)
-            record.update(element_stats=path.name, element_stats_sha256=hashlib.sha256(data).hexdigest())
-        return record
 
     def abort(self) -> None:
         """Close and delete an unfinished shard's temp file, so a rerun starts it afresh (nothing once published)."""
@@ -450,10 +412,19 @@ class ShardWriter:
         assert key and "." not in key and "/" not in key and key.isascii() and len(key) <= 80, \
             f"bad sample key {key!r}: use a short ASCII name without '.' or '/'"
         assert key not in self._key_set, f"sample key {key!r} appears twice in {self.path.name}"
-        tensors = {name: as_column(x, self.columns[name]) if name in self.columns else torch.as_tensor(x)
-                   for name, x in tensors.items()}
-        check_sample(tensors, self.columns)
-        payload = serialise(tensors)
+        assert set(tensors) == set(self.columns), \
+            f"a sample holds columns {sorted(tensors)}, the shard declares {sorted(self.columns)}"
+        tensors = {name: as_column(x, self.columns[name]) for name, x in tensors.items()}
+        latent, shapes = tensors[LATENT], [tuple(tensors[n].shape) for n in MOMENT_NAMES if n in tensors]
+        assert latent.ndim == 4 and len(set(shapes)) == 1, f"the moments must be (F, C, h, w); got {shapes}"
+        for name, t in tensors.items():
+            assert t.ndim >= 1 and t.shape[0] == latent.shape[0], \
+                f"column {name!r} {tuple(t.shape)} must lead with the latent's {latent.shape[0]} flip frame(s)"
+        out, seen = {}, set()
+        for name, t in tensors.items():  # safetensors refuses tensors sharing memory ("mean" given as "std"): copy
+            out[name] = t.clone() if t.untyped_storage().data_ptr() in seen else t
+            seen.add(t.untyped_storage().data_ptr())
+        payload = safetensors.torch.save(out)  # torch's writer: it knows bf16, which numpy does not
         head = payload[: int.from_bytes(payload[:8], "little") + 8]  # one header, so one layout, for the whole shard
         if self._header is None:
             self._header, self._layout = head, payload_layout(payload)
@@ -494,48 +465,8 @@ class ShardWriter:
         self._write(data)
         self._write(b"\0" * (-len(data) % BLOCK))
 
-    def _finish(self) -> None:
-        """Write the end-of-archive marker, publish the file under its name and fill `self.info`."""
-        self._write(b"\0" * (2 * BLOCK))
-        self._write(b"\0" * (-self._pos % RECORD))  # padded to a whole record, like GNU tar
-        self._file.close()
-        publish_file(self.tmp_path, self.path)
-        self.info = ShardInfo(
-            name=self.path.name, num_samples=len(self._keys), size=self._pos,
-            sha256=self._digest.hexdigest(), keys=list(self._keys), labels=list(self._labels),
-            offsets=list(self._offsets), layout=dict(self._layout),
-        )
 
-
-# ---------------------------------------------------------------------------------------------------------
-# Index
-# ---------------------------------------------------------------------------------------------------------
-
-def _check_shards(out_dir: Path, shards: list[ShardInfo], num_classes: int) -> dict:
-    """All shards must exist with their recorded size and share one layout; returns that layout."""
-    assert any(s.num_samples for s in shards), "write_index needs at least one non-empty shard"
-    layout = next(s.layout for s in shards if s.num_samples)
-    names = set()
-    for s in shards:
-        assert s.name not in names, f"shard {s.name} is listed twice"
-        names.add(s.name)
-        assert not s.num_samples or s.layout == layout, f"shard {s.name} has layout {s.layout}, another has {layout}"
-        assert len(s.keys) == len(s.labels) == len(s.offsets) == s.num_samples, f"shard {s.name}: keys/labels/offsets"
-        size = (out_dir / s.name).stat().st_size if (out_dir / s.name).exists() else None
-        assert size == s.size, f"shard {s.name}: file size {size} in {out_dir}, expected {s.size}"
-        assert all(0 <= y < num_classes for y in s.labels), f"shard {s.name}: a label outside [0, {num_classes})"
-    return layout
-
-
-def _write_arrays(out_dir: Path, shards: list[ShardInfo]) -> dict:
-    """Write the per-sample sidecar (offsets, labels) atomically; return its {name, size, sha256}."""
-    buf = io.BytesIO()
-    np.savez(buf, offsets=np.array([o for s in shards for o in s.offsets], dtype=np.int64),
-             labels=np.array([y for s in shards for y in s.labels], dtype=np.int64))
-    data = buf.getvalue()
-    atomic_write_bytes(out_dir / ARRAYS_NAME, data)
-    return {"name": ARRAYS_NAME, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-
+# ---- Index ----
 
 def write_index(out_dir, shard_infos, meta: dict) -> Path:
     """Validate the shards, write the per-sample sidecar, then index.json last (atomically); return its path.
@@ -548,8 +479,21 @@ def write_index(out_dir, shard_infos, meta: dict) -> Path:
     assert not missing, f"write_index meta is missing {missing}"
     assert len(meta["class_names"]) == meta["num_classes"], \
         f"{len(meta['class_names'])} class names for num_classes={meta['num_classes']}"
-    layout = _check_shards(out_dir, shards, int(meta["num_classes"]))
-    arrays = _write_arrays(out_dir, shards)
+    # all shards exist with their recorded size and share one layout
+    assert any(s.num_samples for s in shards), "write_index needs at least one non-empty shard"
+    layout, num_classes = next(s.layout for s in shards if s.num_samples), int(meta["num_classes"])
+    assert len({s.name for s in shards}) == len(shards), f"a shard is listed twice: {[s.name for s in shards]}"
+    for s in shards:
+        assert not s.num_samples or s.layout == layout, f"shard {s.name} has layout {s.layout}, another has {layout}"
+        assert len(s.keys) == len(s.labels) == len(s.offsets) == s.num_samples, f"shard {s.name}: keys/labels/offsets"
+        size = (out_dir / s.name).stat().st_size if (out_dir / s.name).exists() else None
+        assert size == s.size, f"shard {s.name}: file size {size} in {out_dir}, expected {s.size}"
+        assert all(0 <= y < num_classes for y in s.labels), f"shard {s.name}: a label outside [0, {num_classes})"
+    buf = io.BytesIO()  # the per-sample sidecar (offsets, labels)
+    np.savez(buf, offsets=np.array([o for s in shards for o in s.offsets], dtype=np.int64),
+             labels=np.array([y for s in shards for y in s.labels], dtype=np.int64))
+    data = buf.getvalue()
+    atomic_write_bytes(out_dir / ARRAYS_NAME, data)
     flips, *latent_shape = layout["shape"]
     index = {
         "format": FORMAT_NAME,
@@ -561,7 +505,7 @@ def write_index(out_dir, shard_infos, meta: dict) -> Path:
         "flips": flips,
         "layout": layout,
         "tensors": [{"name": n, "dtype": s["dtype"], "shape": s["shape"]} for n, s in tensor_specs(layout).items()],
-        "arrays": arrays,
+        "arrays": {"name": ARRAYS_NAME, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()},
         "shards": [{"name": s.name, "num_samples": s.num_samples, "size": s.size, "sha256": s.sha256}
                    for s in shards],
     }
@@ -570,25 +514,9 @@ def write_index(out_dir, shard_infos, meta: dict) -> Path:
     return path
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Reader
-# ---------------------------------------------------------------------------------------------------------
+# ---- Reader ----
 
 _RERUN = "rerun the same extract command to finish or repair the folder"
-
-
-def _not_latent_folder(root: Path) -> UserError:
-    """The refusal for a folder without index.json; an image folder is told to extract into a separate folder."""
-    from shared.datasets.imagefolder import is_image_file
-
-    out, folders = root.parent / f"{root.name}-latents", [root, *(p for p in root.iterdir() if p.is_dir())]
-    if any(is_image_file(f.name) for folder in folders for f in folder.iterdir()):  # root or a sub-folder holds images
-        return UserError(f"{root} holds images, not latents (it has no {INDEX_NAME}). Extract them into a separate "
-                         f"folder first, never into the images themselves: `python -m extract --data-path {root} "
-                         f"--out {out}`, then pass --latents {out}.")
-    return UserError(f"{root} has no {INDEX_NAME}, so it is not a latent folder. Pass the --out folder of a finished "
-                     f"`python -m extract` run (`python -m extract --data-path <images> --out {root}` writes one "
-                     f"here; keep it apart from the images).")
 
 
 def load_index(root: Path) -> dict:
@@ -602,7 +530,16 @@ def load_index(root: Path) -> dict:
         if leftovers:
             raise UserError(f"{root} holds shards ({leftovers[0]}, ...) but no {INDEX_NAME}: extraction did not "
                             f"finish. Rerun the same extract command; it resumes and writes {INDEX_NAME} last.")
-        raise _not_latent_folder(root)
+        from shared.datasets.imagefolder import is_image_file
+
+        out, folders = root.parent / f"{root.name}-latents", [root, *(p for p in root.iterdir() if p.is_dir())]
+        if any(is_image_file(f.name) for folder in folders for f in folder.iterdir()):  # root or a sub-folder: images
+            raise UserError(f"{root} holds images, not latents (it has no {INDEX_NAME}). Extract them into a separate "
+                            f"folder first, never into the images themselves: `python -m extract --data-path {root} "
+                            f"--out {out}`, then pass --latents {out}.")
+        raise UserError(f"{root} has no {INDEX_NAME}, so it is not a latent folder. Pass the --out folder of a "
+                        f"finished `python -m extract` run (`python -m extract --data-path <images> --out {root}` "
+                        f"writes one here; keep it apart from the images).")
     try:
         index = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -612,23 +549,6 @@ def load_index(root: Path) -> dict:
                         f"reads {FORMAT_NAME!r} versions {', '.join(map(str, READ_VERSIONS))}. Re-extract the latents with this "
                         f"version of `python -m extract` (or use the code version that wrote them).")
     return index
-
-
-def _load_arrays(root: Path, index: dict) -> tuple[np.ndarray, np.ndarray]:
-    """Load (offsets, labels) from the sidecar, always checking it against index.json (cheap)."""
-    entry = index["arrays"]
-    problem = file_problem(root, entry)
-    if problem:
-        raise UserError(f"index sidecar {entry['name']} in {root} {problem}; {_RERUN}.")
-    data = (root / entry["name"]).read_bytes()  # read once: hash and parse the same bytes
-    if hashlib.sha256(data).hexdigest() != entry["sha256"]:
-        raise UserError(f"index sidecar {entry['name']} in {root} fails its sha256 check; {_RERUN}.")
-    with np.load(io.BytesIO(data)) as z:
-        offsets, labels = z["offsets"].astype(np.int64), z["labels"].astype(np.int64)
-    if len(offsets) != index["num_samples"] or len(labels) != index["num_samples"]:
-        raise UserError(f"index sidecar in {root} has {len(offsets)} entries for {index['num_samples']} "
-                        f"samples; {_RERUN}.")
-    return offsets, labels
 
 
 def _empty_batch(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
@@ -657,7 +577,18 @@ class LatentDataset(torch.utils.data.Dataset):
         self.root = Path(root)
         self.meta = load_index(self.root)
         self._check_files(verify, progress)
-        self._offsets, self.labels = _load_arrays(self.root, self.meta)
+        # (offsets, labels) from the sidecar, always checked against index.json (cheap)
+        entry, root, count = self.meta["arrays"], self.root, self.meta["num_samples"]
+        problem = file_problem(root, entry)
+        if problem:
+            raise UserError(f"index sidecar {entry['name']} in {root} {problem}; {_RERUN}.")
+        data = (root / entry["name"]).read_bytes()  # read once: hash and parse the same bytes
+        if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+            raise UserError(f"index sidecar {entry['name']} in {root} fails its sha256 check; {_RERUN}.")
+        with np.load(io.BytesIO(data)) as z:
+            self._offsets, self.labels = z["offsets"].astype(np.int64), z["labels"].astype(np.int64)
+        if len(self._offsets) != count or len(self.labels) != count:
+            raise UserError(f"index sidecar in {root} has {len(self._offsets)} entries for {count} samples; {_RERUN}.")
         counts = np.array([s["num_samples"] for s in self.meta["shards"]], dtype=np.int64)
         self._starts = np.concatenate([[0], np.cumsum(counts)])  # global index of each shard's first sample
         # every stored column, "mean" and "std" first (tensor_specs), with its torch dtype and bytes per sample
@@ -723,12 +654,6 @@ class LatentDataset(torch.utils.data.Dataset):
                 self._maps[shard] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         return self._maps[shard]
 
-    def _shard_bytes(self, shard: int) -> memoryview:
-        """A byte view of one shard's mapping (slicing it copies without numpy overhead)."""
-        if shard not in self._bytes:
-            self._bytes[shard] = memoryview(self._map(shard))
-        return self._bytes[shard]
-
     def __getitem__(self, i: int) -> dict:
         i = int(i)
         if not -len(self) <= i < len(self):
@@ -758,8 +683,19 @@ class LatentDataset(torch.utils.data.Dataset):
                 raise IndexError(f"frame outside the {flips} stored per sample")
         shards = (np.searchsorted(self._starts, idx, side="right") - 1).tolist()  # (B,)
         bases = self._offsets[idx].tolist()  # (B,) payload offsets inside their shards
-        batch = {name: self._gather_column(self._specs[name], shards, bases, frames)
-                 for name in (self.tensor_names if columns is None else columns)}
+        batch = {}
+        for name in self.tensor_names if columns is None else columns:  # (B, *shape) or (B, *shape[1:]) of frames[b]
+            spec = self._specs[name]
+            nbytes, shape = spec["nbytes"], spec["shape"]
+            if frames is not None:
+                nbytes, shape = nbytes // shape[0], shape[1:]  # one frame of (F, ...)
+            batch[name] = _empty_batch((len(bases), *shape), spec["torch"])
+            dst = memoryview(batch[name].view(-1).view(torch.uint8).numpy())
+            for row, (shard, base) in enumerate(zip(shards, bases)):  # one memcpy per row
+                if shard not in self._bytes:  # a byte view of the mapping: slicing it copies without numpy overhead
+                    self._bytes[shard] = memoryview(self._map(shard))
+                start = base + spec["offset"] + (0 if frames is None else frames[row] * nbytes)
+                dst[row * nbytes : (row + 1) * nbytes] = self._bytes[shard][start : start + nbytes]
         batch["label"] = torch.from_numpy(self.labels[idx])
         return batch
 
@@ -770,18 +706,6 @@ class LatentDataset(torch.utils.data.Dataset):
         batch = self.gather(indices, (LATENT, *spread, *columns), frames)
         batch["x0"] = draw_latents(batch.pop(LATENT), batch.pop(STD, None), norm, generator=generators)
         return batch
-
-    def _gather_column(self, spec: dict, shards: list, bases: list, frames) -> torch.Tensor:
-        """(B, *shape) of one column, or (B, *shape[1:]) of frame frames[b] per row; one memcpy per row."""
-        nbytes, shape = spec["nbytes"], spec["shape"]
-        if frames is not None:
-            nbytes, shape = nbytes // shape[0], shape[1:]  # one frame of (F, ...)
-        out = _empty_batch((len(bases), *shape), spec["torch"])
-        dst = memoryview(out.view(-1).view(torch.uint8).numpy())
-        for row, (shard, base) in enumerate(zip(shards, bases)):
-            start = base + spec["offset"] + (0 if frames is None else frames[row] * nbytes)
-            dst[row * nbytes : (row + 1) * nbytes] = self._shard_bytes(shard)[start : start + nbytes]
-        return out
 
     def __getitems__(self, indices) -> "GatheredBatch":
         """DataLoader's batched fetch: gather the batch at once; `collate` passes it through untouched."""

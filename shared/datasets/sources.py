@@ -152,12 +152,6 @@ def expand_shards(data_path: str) -> list[str]:
     return [url if is_url(url) else str(Path(url).expanduser()) for url in expand_urls(data_path)]
 
 
-def _image_member(sample: dict) -> str | None:
-    """The suffix of the sample's image member (the first with an image extension), or None."""
-    return next((suffix for suffix in sorted(k for k in sample if not k.startswith("__"))
-                 if ("." + suffix.rsplit(".", 1)[-1]).lower() in IMAGE_EXTENSIONS), None)
-
-
 def _label_of(sample: dict, label_key: str, where: str) -> int:
     """The label of one tar sample: member `label_key` (text digits), or a JSON member's field (json:FIELD)."""
     member, _, json_field = label_key.partition(":")
@@ -201,8 +195,10 @@ def _list_tar(url: str, label_key: str, skipped: Skipped) -> list[tuple[str, tup
         try:
             for sample in group_by_keys(_tar_members(stream, url, spans), lcase=False):  # suffix case kept
                 key, where = sample["__key__"], f"{url}#{sample['__key__']}"
-                span = {name: spans.pop(f"{key}.{name}", None) for name in sample if not name.startswith("__")}
-                suffix = _image_member(sample)  # (the next sample's first member may be read already: kept)
+                names = sorted(k for k in sample if not k.startswith("__"))
+                span = {name: spans.pop(f"{key}.{name}", None) for name in names}  # the next sample's: kept
+                suffix = next((n for n in names if ("." + n.rsplit(".", 1)[-1]).lower() in IMAGE_EXTENSIONS),
+                              None)  # the image member: the first with an image extension
                 if suffix is None:
                     skipped.add("no image", where)
                     continue
@@ -303,31 +299,6 @@ def image_bytes(column) -> list:
     return column.to_pylist()
 
 
-def _list_parquet(url: str, index: int, options: SourceOptions) -> tuple[list, list, list, list | None]:
-    """(row ids, labels, digests, class names or None) of one file; rows addressed (file, row group, row)."""
-    import pyarrow.parquet as pq
-    with open_binary(url) as handle:
-        try:
-            pf = pq.ParquetFile(handle)
-            names = pf.schema_arrow.names
-            for flag, name in (("--image-column", options.image_column), ("--label-column", options.label_column)):
-                if name not in names:
-                    raise UserError(f"{url} has no column {name!r} (its columns: {', '.join(names)}). Pass the "
-                                    f"{flag} that holds the {flag[2:7]}s.")
-            labels = pf.read(columns=[options.label_column]).column(options.label_column).to_pylist()
-            rows, digests = [], []
-            for group in range(pf.num_row_groups):
-                for row, data in enumerate(image_bytes(pf.read_row_group(group, columns=[options.image_column])
-                                                       .column(options.image_column))):
-                    rows.append((index, group, row))
-                    digests.append(hashlib.sha256(data or b"").digest())
-        except (OSError, ValueError) as err:
-            raise _reading_error(url, err) from None
-    where = [f"{url}#{n}" for n in range(len(labels))]
-    labels = [parse_label(v, w, options.label_column) for v, w in zip(labels, where)]
-    return rows, labels, digests, _hf_class_names(pf.schema_arrow, options.label_column)
-
-
 class ParquetReader:
     """One row's image bytes by id: pyarrow reads the row group holding it (the last one kept, per process)."""
     def __init__(self, files: list[str], rows: dict, image_column: str):
@@ -358,15 +329,28 @@ def scan_parquet(data_path: str, options: SourceOptions) -> SourceScan:
         raise UserError(f"--data-path {data_path} holds no parquet file (looked for {PARQUET_SPLIT}-*.parquet, "
                         f"data/{PARQUET_SPLIT}-*.parquet, */{PARQUET_SPLIT}-*.parquet, *.parquet). Pass the files, "
                         f"a glob such as data/train-*.parquet, or the dataset's folder.")
+    import pyarrow.parquet as pq
     ids, labels, digests, rows, hf_names = [], [], {}, {}, None
     for index, url in enumerate(tqdm(files, unit="file", desc="list", dynamic_ncols=True, disable=len(files) < 2)):
-        found, found_labels, found_digests, names = _list_parquet(url, index, options)
-        hf_names = hf_names or names
-        new = [f"{url}#{n}" for n in range(len(found))]
-        ids += new
-        labels += found_labels
-        digests.update(zip(new, found_digests))
-        rows.update(zip(new, found))
+        with open_binary(url) as handle:  # rows addressed (file, row group, row)
+            try:
+                pf = pq.ParquetFile(handle)
+                names = pf.schema_arrow.names
+                for flag, name in (("--image-column", options.image_column), ("--label-column", options.label_column)):
+                    if name not in names:
+                        raise UserError(f"{url} has no column {name!r} (its columns: {', '.join(names)}). Pass the "
+                                        f"{flag} that holds the {flag[2:7]}s.")
+                found = pf.read(columns=[options.label_column]).column(options.label_column).to_pylist()
+                start = len(ids)
+                for group in range(pf.num_row_groups):
+                    for row, data in enumerate(image_bytes(pf.read_row_group(group, columns=[options.image_column])
+                                                           .column(options.image_column))):
+                        ids.append(f"{url}#{len(ids) - start}")
+                        rows[ids[-1]], digests[ids[-1]] = (index, group, row), hashlib.sha256(data or b"").digest()
+            except (OSError, ValueError) as err:
+                raise _reading_error(url, err) from None
+        labels += [parse_label(v, f"{url}#{n}", options.label_column) for n, v in enumerate(found)]
+        hf_names = hf_names or _hf_class_names(pf.schema_arrow, options.label_column)
     names = read_class_map(options.class_map)
     origin = f"--class-map {options.class_map}" if names is not None else "the dataset's ClassLabel names"
     classes = class_names(labels, names if names is not None else hf_names, f"--data-path {data_path}", origin)
@@ -403,8 +387,19 @@ def listed_source(data_path, options: SourceOptions, out: Path | None, extra: di
         class_map = None  # read_class_map names the problem when the source is listed
     key = {"version": LISTING_VERSION, "data_path": data_path, "label_key": options.label_key, "class_map": class_map,
            "image_column": options.image_column, "label_column": options.label_column, **extra}
-    kept = load_listing(Path(out) / LISTING_NAME, key)
-    return (kept, None) if kept is not None else (make(), key)
+    try:  # the kept listing, if made from the same source and options and every shard still has its size
+        record = json.loads(gzip.decompress((Path(out) / LISTING_NAME).read_bytes()))
+    except (OSError, ValueError, EOFError):
+        return make(), key
+    if record.get("key") != key or unit_sizes(record["units"]) != record["sizes"]:
+        return make(), key
+    files = record["files"]
+    where = {f: tuple(w) for f, w in zip(files, record["where"])}
+    reader = (TarReader(record["units"], where) if record["kind"] == "tar"
+              else ParquetReader(record["units"], where, record["image_column"]))
+    digests = {f: bytes.fromhex(d) for f, d in zip(files, record["digests"])}
+    return SourceScan(data_path, record["classes"], files, record["labels"], Skipped(*record["skipped"]),
+                      tuple(record["notes"]), reader, digests), None
 
 
 def save_listing(scan: SourceScan, path: Path, key: dict) -> None:
@@ -419,23 +414,6 @@ def save_listing(scan: SourceScan, path: Path, key: dict) -> None:
               "skipped": [scan.skipped.counts, scan.skipped.first], "notes": list(scan.notes),
               "image_column": getattr(reader, "image_column", None)}
     atomic_write_bytes(path, gzip.compress(json.dumps(record).encode(), mtime=0))
-
-
-def load_listing(path: Path, key: dict) -> SourceScan | None:
-    """The kept listing, if made from the same source and options and every shard still has its size."""
-    try:
-        record = json.loads(gzip.decompress(Path(path).read_bytes()))
-    except (OSError, ValueError, EOFError):
-        return None
-    if record.get("key") != key or unit_sizes(record["units"]) != record["sizes"]:
-        return None
-    files = record["files"]
-    where = {f: tuple(w) for f, w in zip(files, record["where"])}
-    reader = (TarReader(record["units"], where) if record["kind"] == "tar"
-              else ParquetReader(record["units"], where, record["image_column"]))
-    digests = {f: bytes.fromhex(d) for f, d in zip(files, record["digests"])}
-    return SourceScan(key["data_path"], record["classes"], files, record["labels"], Skipped(*record["skipped"]),
-                      tuple(record["notes"]), reader, digests)
 
 
 # ---- The one entry point ----
@@ -461,8 +439,12 @@ SOURCE_FLAGS = {"tar": ("label_key", "class_map"), "parquet": ("class_map", "ima
 KIND_NAMES = {"tar": "webdataset tar shards", "parquet": "parquet files", "folder": "an ImageFolder"}
 
 
-def check_flags_apply(kind: str, options: SourceOptions) -> None:
-    """UserError naming a source flag set away from its default that this kind of source does not read."""
+def open_source(data_path, options: SourceOptions | None = None) -> ImageFolderScan:
+    """The listing of an ImageFolder, webdataset tar shards or a parquet dataset (see the module docstring)."""
+    options = options or SourceOptions()
+    data_path = str(data_path)
+    kind = source_kind(data_path)
+    # a source flag set away from its default that this kind of source does not read is refused
     unused = [name for name in ("label_key", "class_map", "image_column", "label_column")
               if name not in SOURCE_FLAGS[kind] and getattr(options, name) != getattr(SourceOptions(), name)]
     if unused:
@@ -471,14 +453,6 @@ def check_flags_apply(kind: str, options: SourceOptions) -> None:
         raise UserError(f"{flags} {'applies' if one else 'apply'} to {readers}, but --data-path names "
                         f"{KIND_NAMES[kind]}. Drop {flags}, or point --data-path at the source "
                         f"{'it is' if one else 'they are'} for.")
-
-
-def open_source(data_path, options: SourceOptions | None = None) -> ImageFolderScan:
-    """The listing of an ImageFolder, webdataset tar shards or a parquet dataset (see the module docstring)."""
-    options = options or SourceOptions()
-    data_path = str(data_path)
-    kind = source_kind(data_path)
-    check_flags_apply(kind, options)
     if kind == "folder":
         return scan_image_folder(data_path)
     return (scan_tar_shards if kind == "tar" else scan_parquet)(data_path, options)
