@@ -64,16 +64,16 @@ QUICK = Recipe("quick", train_steps=20, batch_size=32, lr=1e-3, warmup_steps=5, 
 def stage_dirs(out: Path, recipe: Recipe) -> dict:
     """Folders of each stage; the quick mode trains and samples in its own folders so the two never clash."""
     suffix = "" if recipe is FULL else f"-{recipe.name}"
-    return {
-        "images": out / "images",
-        "latents": out / "latents",
-        "run": out / f"run{suffix}",
-        "samples": out / f"samples{suffix}",
-    }
+    return {"images": out / "images", "latents": out / "latents", "run": out / f"run{suffix}",
+            "samples": out / f"samples{suffix}"}
 
 
-def run_child(cmd: list) -> int:
-    """Run a stage in its own process group; a Ctrl-C is passed on to it and waited for; its exit status."""
+def run_stage(name: str, args: list) -> float:
+    """Run `python -m <name> args...` from the repository root with its output on screen; return seconds."""
+    cmd = [sys.executable, "-m", name, *map(str, args)]
+    print(f"\n== {name}: {' '.join(cmd[1:])}", flush=True)
+    start = time.time()
+    # Its own process group: a Ctrl-C is passed on to it and waited for.
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, QUIET_ENV: "1"}, start_new_session=True)
     try:
         rc = proc.wait()
@@ -84,15 +84,6 @@ def run_child(cmd: list) -> int:
         raise
     if rc == EXIT_STATUS:  # the stage alone was interrupted: the demo stops the same way
         raise KeyboardInterrupt
-    return rc
-
-
-def run_stage(name: str, args: list) -> float:
-    """Run `python -m <name> args...` from the repository root with its output on screen; return seconds."""
-    cmd = [sys.executable, "-m", name, *map(str, args)]
-    print(f"\n== {name}: {' '.join(cmd[1:])}", flush=True)
-    start = time.time()
-    rc = run_child(cmd)
     if rc != 0:
         raise UserError(
             f"The {name} stage failed with exit status {rc} (its message is printed above). Fix what it says "
@@ -148,16 +139,9 @@ def curve_png(run: Path) -> Path:
     return eval_plot_path(run).resolve()
 
 
-def judge_samples(samples_dir: Path) -> tuple[float, int]:
-    """Class match of samples.npz (arr_0 uint8 N x H x W x 3, labels) and the number of images judged."""
-    from data.judge import class_match
-    with np.load(samples_dir / "samples.npz") as npz:
-        images, labels = npz["arr_0"], npz["labels"]
-    return class_match(images, labels), len(labels)
-
-
 def run_demo(out: Path, recipe: Recipe, seed: int) -> None:
     """Build the data, run the three stages, judge the samples and print the summary lines."""
+    from data.judge import class_match
     start = time.time()
     dirs = stage_dirs(out, recipe)
     print(f"== digits: writing the ImageFolder to {dirs['images']}", flush=True)
@@ -169,7 +153,9 @@ def run_demo(out: Path, recipe: Recipe, seed: int) -> None:
         "evaluate": run_stage("evaluate", curve_args(dirs, recipe, seed)),
         "curves": run_stage("train.plot", [dirs["run"]]),  # redrawn: training's last one had no eval.jsonl yet
     }
-    match, count = judge_samples(dirs["samples"])
+    with np.load(dirs["samples"] / "samples.npz") as npz:  # arr_0 uint8 N x H x W x 3, labels
+        images, labels = npz["arr_0"], npz["labels"]
+    match, count = class_match(images, labels), len(labels)
     distance, floor = digits_distance(dirs["samples"])
     spent = ", ".join(f"{name} {secs:.0f}s" for name, secs in times.items())
     print(f"\n== done in {time.time() - start:.0f}s ({spent})")

@@ -33,14 +33,7 @@ def fit_judge(images: np.ndarray, labels: np.ndarray):
 @lru_cache(maxsize=1)
 def default_judge():
     """The judge fitted on all 1,797 real digits as the demo writes them (cached per process)."""
-    images, labels = digit_images()
-    return fit_judge(images, labels)
-
-
-def predict(images: np.ndarray, judge=None) -> np.ndarray:
-    """Predicted digit (N,) for uint8 images (N, H, W, 3)."""
-    judge = default_judge() if judge is None else judge
-    return judge.predict(to_features(images))
+    return fit_judge(*digit_images())
 
 
 def class_match(images: np.ndarray, labels, judge=None) -> float:
@@ -50,4 +43,5 @@ def class_match(images: np.ndarray, labels, judge=None) -> float:
         raise ValueError(f"{len(images)} images but {len(labels)} labels")
     if len(labels) == 0:
         return float("nan")
-    return float(np.mean(predict(images, judge) == labels))
+    judge = default_judge() if judge is None else judge
+    return float(np.mean(judge.predict(to_features(images)) == labels))

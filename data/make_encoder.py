@@ -75,14 +75,6 @@ def accuracy(encoder, head, x: torch.Tensor, y: torch.Tensor) -> float:
     return float((head(patch_tokens(encoder, x).mean(1)).argmax(1) == y).float().mean())
 
 
-def train(steps: int = 150, batch: int = 64, seed: int = SEED):
-    """Fit the encoder + head on all digits; returns (encoder, final training accuracy)."""
-    images, labels = digit_images()
-    x_all, y_all = normalise(torch.from_numpy(images)), torch.from_numpy(labels)
-    encoder, head = build(seed)
-    return encoder, fit(encoder, head, x_all, y_all, steps, batch, seed)
-
-
 @interruptible("python -m data.make_encoder")
 def main(argv=None) -> None:
     """Train and save the encoder."""
@@ -92,7 +84,9 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     torch.set_num_threads(1)  # a tiny model: one thread wastes nothing on a shared machine
     np.random.seed(SEED)
-    encoder, accuracy = train(args.steps)
+    images, labels = digit_images()  # the encoder + head fitted on all digits
+    encoder, head = build(SEED)
+    accuracy = fit(encoder, head, normalise(torch.from_numpy(images)), torch.from_numpy(labels), args.steps, 64, SEED)
     encoder.save_pretrained(args.out)
     print(f"encoder saved to {args.out} (training accuracy {accuracy:.1%})")
 

@@ -53,30 +53,6 @@ def build_rae(seed: int, noise_tau: float):
     return AutoencoderRAE(**ENCODER, **DECODER, noise_tau=noise_tau)
 
 
-def fit_encoder(rae, pixels: torch.Tensor, labels: torch.Tensor, steps: int, seed: int) -> tuple[float, callable]:
-    """Fit rae.encoder with make_encoder's recipe on uint8 pixels (N, S, S, 3), then freeze it."""
-    head = torch.nn.Linear(ENCODER["encoder_hidden_size"], NUM_CLASSES)
-    rae.encoder.requires_grad_(True)
-    train_accuracy = fit(rae.encoder, head, normalise(pixels), labels, steps, seed=seed)
-    rae.encoder.requires_grad_(False)  # frozen from here on, as AutoencoderRAE builds it
-    return train_accuracy, lambda p, y: accuracy(rae.encoder, head, normalise(p), y)
-
-
-@torch.no_grad()
-def token_stats(rae, x: torch.Tensor, batch_size: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-element mean and std (C, H, W) of the encoder's raw tokens over images x (N, 3, S, S) in [0, 1]."""
-    rae.eval()
-    # With no statistics set, encode normalises by mean 0 and std 1 (+1e-5): undo that to get the raw tokens.
-    tokens = torch.cat([rae.encode(chunk).latent for chunk in x.split(batch_size)]) * (1 + 1e-5)  # (N, C, H, W)
-    return tokens.mean(0), tokens.std(0)
-
-
-def set_stats(rae, mean: torch.Tensor, std: torch.Tensor) -> None:
-    """Store the token statistics in the config (saved in config.json) and in the buffers encode/decode read."""
-    rae.register_to_config(latents_mean=mean.tolist(), latents_std=std.tolist())
-    rae._latents_mean, rae._latents_std = mean.clone(), std.clone()  # AutoencoderRAE's persistent buffers
-
-
 def fit_decoder(rae, x: torch.Tensor, steps: int, batch_size: int, lr: float, seed: int) -> None:
     """Train rae.decoder through the real forward (encode with RAE's noise in training mode, decode): MSE to x."""
     gen = torch.Generator().manual_seed(seed)
@@ -121,24 +97,29 @@ def make_rae(o: RAEOptions) -> dict:
     pixels, labels = torch.from_numpy(images), torch.from_numpy(labels)
     train_idx, held_idx = split(len(pixels))
     rae = build_rae(o.seed, o.noise_tau)
-    train_acc, accuracy_of = fit_encoder(rae, pixels[train_idx], labels[train_idx], o.encoder_steps, o.seed)
+    head = torch.nn.Linear(ENCODER["encoder_hidden_size"], NUM_CLASSES)  # rae.encoder fitted with make_encoder's recipe
+    rae.encoder.requires_grad_(True)
+    train_acc = fit(rae.encoder, head, normalise(pixels[train_idx]), labels[train_idx], o.encoder_steps, seed=o.seed)
+    rae.encoder.requires_grad_(False)  # frozen from here on, as AutoencoderRAE builds it
     x = to_unit(pixels)
-    set_stats(rae, *token_stats(rae, x[train_idx]))
+    rae.eval()
+    with torch.no_grad():  # the raw tokens (N, C, H, W) of the training digits: per-element mean and std (C, H, W)
+        # With no statistics set, encode normalises by mean 0 and std 1 (+1e-5): undo that to get the raw tokens.
+        tokens = torch.cat([rae.encode(chunk).latent for chunk in x[train_idx].split(256)]) * (1 + 1e-5)
+        mean, std = tokens.mean(0), tokens.std(0)
+    # In the config (saved in config.json) and in the buffers encode/decode read (AutoencoderRAE's persistent ones).
+    rae.register_to_config(latents_mean=mean.tolist(), latents_std=std.tolist())
+    rae._latents_mean, rae._latents_std = mean.clone(), std.clone()
     untrained = rae_psnr(rae, x[held_idx])  # the decoder before training: the baseline a trained one must beat
     fit_decoder(rae, x[train_idx], o.decoder_steps, o.batch_size, o.lr, o.seed)
     rae.save_pretrained(o.out)
     return {"encoder accuracy, training digits": train_acc,
-            "encoder accuracy, held-out digits": accuracy_of(pixels[held_idx], labels[held_idx]),
+            "encoder accuracy, held-out digits": accuracy(rae.encoder, head, normalise(pixels[held_idx]),
+                                                          labels[held_idx]),
             "PSNR held-out, untrained decoder (dB)": untrained,
             "PSNR held-out, RAE (dB)": rae_psnr(rae, x[held_idx]),
             "PSNR held-out, digits VAE (dB, it trained on them)": vae_psnr(x[held_idx]),
             "parameters": sum(p.numel() for p in rae.parameters())}
-
-
-def check(o: RAEOptions) -> None:
-    """Refuse an --out that is a file, in one paragraph (the numbers' bounds are on their options: from_args)."""
-    if o.out.exists() and not o.out.is_dir():
-        raise UserError(f"--out {o.out} is a file; pass a folder (it is created, an RAE in it is replaced).")
 
 
 @dataclass
@@ -158,9 +139,8 @@ class RAEOptions:
 
 def build_parser() -> argparse.ArgumentParser:
     """Command-line flags, from RAEOptions (the docs' commands are checked against it)."""
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0].split(": ", 1)[0],
-                                     formatter_class=HelpFormatter)
-    return add_flags(parser, RAEOptions)
+    return add_flags(argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0].split(": ", 1)[0],
+                                             formatter_class=HelpFormatter), RAEOptions)
 
 
 @interruptible(PROG)
@@ -168,8 +148,9 @@ def main(argv=None) -> None:
     """Entry point: train, save and print the numbers."""
     args = build_parser().parse_args(argv)
     with cli_errors(PROG):
-        o = from_args(RAEOptions, args)
-        check(o)
+        o = from_args(RAEOptions, args)  # the numbers' bounds are on their options
+        if o.out.exists() and not o.out.is_dir():
+            raise UserError(f"--out {o.out} is a file; pass a folder (it is created, an RAE in it is replaced).")
         # One thread: the same float reductions, hence the same saved weights, on every machine; and a tiny model.
         torch.set_num_threads(1)
         np.random.seed(o.seed)

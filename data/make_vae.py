@@ -13,7 +13,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -32,31 +31,13 @@ def build_vae(seed: int = 0):
     """A small randomly initialised AutoencoderKL: 32x32 RGB <-> 4x8x8 latents."""
     from diffusers import AutoencoderKL
     torch.manual_seed(seed)
-    levels = len(WIDTHS)
-    return AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * levels,
-        up_block_types=("UpDecoderBlock2D",) * levels,
-        block_out_channels=WIDTHS,
-        layers_per_block=1,
-        latent_channels=LATENT_CHANNELS,
-        norm_num_groups=8,
-        sample_size=32,
-    )
-
-
-def vae_loss(vae, x: torch.Tensor, kl_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return (total loss, reconstruction MSE) for a batch x (N, 3, H, W) in [-1, 1]."""
-    posterior = vae.encode(x).latent_dist
-    recon = vae.decode(posterior.sample()).sample  # (N, 3, H, W)
-    mse = torch.mean((recon - x) ** 2)
-    kl = posterior.kl().mean() / posterior.mean[0].numel()  # per latent element, so kl_weight is size-free
-    return mse + kl_weight * kl, mse
+    return AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * len(WIDTHS),
+                         up_block_types=("UpDecoderBlock2D",) * len(WIDTHS), block_out_channels=WIDTHS,
+                         layers_per_block=1, latent_channels=LATENT_CHANNELS, norm_num_groups=8, sample_size=32)
 
 
 def train_vae(vae, x: torch.Tensor, steps: int, batch_size: int, lr: float, kl_weight: float, seed: int):
-    """Adam on random minibatches of x (N, 3, H, W); returns the trained VAE in eval mode."""
+    """Adam on random minibatches of x (N, 3, H, W) in [-1, 1], pixel MSE + kl_weight * KL; the VAE in eval mode."""
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)  # posterior.sample() draws from the global RNG
     opt = torch.optim.Adam(vae.parameters(), lr=lr)
@@ -64,8 +45,11 @@ def train_vae(vae, x: torch.Tensor, steps: int, batch_size: int, lr: float, kl_w
     vae.train()
     bar = tqdm(range(steps), desc="vae", unit="step")
     for _ in bar:
-        idx = torch.randint(0, len(x), (batch_size,), generator=gen)
-        loss, mse = vae_loss(vae, x[idx], kl_weight)
+        batch = x[torch.randint(0, len(x), (batch_size,), generator=gen)]
+        posterior = vae.encode(batch).latent_dist
+        mse = torch.mean((vae.decode(posterior.sample()).sample - batch) ** 2)  # (N, 3, H, W) reconstructions
+        kl = posterior.kl().mean() / posterior.mean[0].numel()  # per latent element, so kl_weight is size-free
+        loss = mse + kl_weight * kl
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -75,48 +59,29 @@ def train_vae(vae, x: torch.Tensor, steps: int, batch_size: int, lr: float, kl_w
 
 
 @torch.no_grad()
-def posterior_moments(vae, x: torch.Tensor, batch_size: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
-    """Posterior mean and std (N, C, h, w) of every image in x, unscaled."""
-    dists = [vae.encode(chunk).latent_dist for chunk in x.split(batch_size)]
-    return torch.cat([d.mean for d in dists]), torch.cat([d.std for d in dists])
-
-
-def scaling_factor(mean: torch.Tensor, std: torch.Tensor, seed: int = 0) -> float:
-    """1 / std of posterior samples over the data (how the SD VAE's factor was chosen)."""
-    gen = torch.Generator().manual_seed(seed)
-    z = mean + std * torch.randn(mean.shape, generator=gen)  # (N, C, h, w)
-    return float(1.0 / z.std())
-
-
-@torch.no_grad()
 def reconstruct(vae, x: torch.Tensor, batch_size: int = 256) -> torch.Tensor:
     """Decode the posterior mean of each image: the reconstruction the demo pipeline sees."""
     return torch.cat([vae.decode(vae.encode(c).latent_dist.mean).sample for c in x.split(batch_size)])
 
 
-def report(vae, x: torch.Tensor, images: np.ndarray, labels: np.ndarray) -> dict:
-    """Reconstruction MSE and judge accuracy on reconstructions vs on the real digits."""
-    from data.judge import class_match
-    recon = reconstruct(vae, x)
-    return {
-        "recon_mse": float(torch.mean((recon.clamp(-1, 1) - x) ** 2)),
-        "judge_real": class_match(images, labels),
-        "judge_recon": class_match(to_uint8(recon), labels),
-    }
-
-
 def make_vae(out: Path, steps: int, batch_size: int, lr: float, kl_weight: float, seed: int) -> dict:
     """Train, calibrate the scaling factor, save_pretrained to `out`, and return the measured numbers."""
+    from data.judge import class_match
     images, labels = digit_images()
     x = channels_first(images)  # (N, 3, 32, 32) in [-1, 1]
     vae = train_vae(build_vae(seed), x, steps, batch_size, lr, kl_weight, seed)
-    mean, std = posterior_moments(vae, x)
-    factor = scaling_factor(mean, std, seed)
+    with torch.no_grad():  # the posterior mean and std (N, C, h, w) of every image, unscaled
+        dists = [vae.encode(chunk).latent_dist for chunk in x.split(256)]
+    mean, std = torch.cat([d.mean for d in dists]), torch.cat([d.std for d in dists])
+    # scaling_factor = 1 / std of posterior samples over the data (how the SD VAE's factor was chosen)
+    gen = torch.Generator().manual_seed(seed)
+    factor = float(1.0 / (mean + std * torch.randn(mean.shape, generator=gen)).std())
     vae.register_to_config(scaling_factor=factor)
     vae.save_pretrained(out)
-    stats = report(vae, x, images, labels)
-    stats.update(scaling_factor=factor, posterior_std=float(std.mean()), latent_std=float(1.0 / factor))
-    return stats
+    recon = reconstruct(vae, x)  # reconstruction MSE, judge accuracy on reconstructions vs on the real digits
+    return {"recon_mse": float(torch.mean((recon.clamp(-1, 1) - x) ** 2)), "judge_real": class_match(images, labels),
+            "judge_recon": class_match(to_uint8(recon), labels), "scaling_factor": factor,
+            "posterior_std": float(std.mean()), "latent_std": float(1.0 / factor)}
 
 
 @dataclass

@@ -74,13 +74,6 @@ def settings_of(o: RunEvalOptions) -> dict:
             **({"dit_precision": o.precision} if o.precision != SamplingFlags.precision else {})}
 
 
-def settings_tag(settings: dict) -> str:
-    """Short readable folder tag of the settings: sampler, steps, cfg, count and a hash of all of them."""
-    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
-    return (f"{settings['sampler']}{settings['num_sampling_steps']}-cfg{settings['cfg_scale']:g}-"
-            f"n{settings['num_samples']}-{digest}")
-
-
 def read_rows(run: Path) -> list[dict]:
     """The JSON objects of RUN/eval.jsonl with a whole step (a line cut short by a kill is skipped)."""
     return [r for r in rundir.read_step_rows(rundir.eval_path(run)) if isinstance(r["step"], int)]
@@ -126,12 +119,15 @@ def resolve_run_sampling(o: RunEvalOptions, export: Path) -> RunEvalOptions:
     return dataclasses.replace(o, sampler=plan.sampler, cfg_interval=plan.cfg_interval, **plan.options)
 
 
-def evaluate_export(export: Path, o: RunEvalOptions, settings: dict, net, state) -> dict | None:
+def evaluate_export(export: Path, o: RunEvalOptions, settings: dict, net, state) -> None:
     """Sample one export with python -m sample's code path, evaluate it; rank 0 appends the record to RUN/eval.jsonl."""
     from shared.sampling.plan import NPZ_NAME, SampleOptions
     from shared.sampling.generate import run_sample
     run, step = Path(o.run), rundir.step_of(export)
-    out = rundir.eval_samples_dir(run, step, settings_tag(settings))
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
+    tag = (f"{settings['sampler']}{settings['num_sampling_steps']}-cfg{settings['cfg_scale']:g}-"
+           f"n{settings['num_samples']}-{digest}")  # a short readable folder tag: settings and a hash of all of them
+    out = rundir.eval_samples_dir(run, step, tag)
     drawing = {f.name: getattr(o, f.name) for f in dataclasses.fields(SamplingFlags)}  # the one flag family
     npz = run_sample(SampleOptions(ckpt=str(export), vae=o.vae, num_samples=o.num_samples, seed=o.seed,
                                    batch_size=o.batch_size, out=str(out), npz=True, cpu=o.cpu, **drawing)) / NPZ_NAME
@@ -146,7 +142,6 @@ def evaluate_export(export: Path, o: RunEvalOptions, settings: dict, net, state)
         if not o.keep_samples:
             shutil.rmtree(out, ignore_errors=True)
     state.wait_for_everyone()
-    return record
 
 
 def run_evaluation(o: RunEvalOptions) -> list[dict]:

@@ -21,9 +21,9 @@ from shared.runtime.errors import UserError, cli_errors
 PROG = "python -m evaluate.floor"
 
 
-def floor_table(counts, draws: int, seed: int) -> list[tuple[str, float, float]]:
-    """(what, mean FD, std FD) rows: N real digits vs all for each count, then half vs half."""
-    from evaluate.digits import real_features, real_stats
+def floor_table(counts, draws: int, seed: int, vae_spec: str | None = None) -> list[tuple[str, float, float]]:
+    """(what, mean FD, std FD) rows: N real digits vs all for each count, half vs half, then N via the VAE vs all."""
+    from evaluate.digits import digits_fd, real_digits, real_features, real_stats
     from evaluate.metrics import frechet_distance_of, frechet_distance_to
     features = real_features()  # (1797, 64)
     mu, sigma = real_stats()
@@ -38,6 +38,12 @@ def floor_table(counts, draws: int, seed: int) -> list[tuple[str, float, float]]
     half = len(features) // 2
     halves = [frechet_distance_of(*np.split(features[rng.permutation(len(features))], [half])) for _ in range(draws)]
     rows.append((f"half vs half ({half} / {len(features) - half})", float(np.mean(halves)), float(np.std(halves))))
+    if vae_spec:
+        decoded = vae_round_trip(real_digits()[0], vae_spec)
+        rng = np.random.default_rng(seed)
+        for count in counts:
+            values = [digits_fd(decoded[rng.permutation(len(decoded))[:count]]) for _ in range(draws)]
+            rows.append((f"{count} via VAE vs all", float(np.mean(values)), float(np.std(values))))
     return rows
 
 
@@ -64,18 +70,6 @@ def vae_round_trip(images: np.ndarray, vae_spec: str, batch_size: int = 256) -> 
     return np.concatenate(out)
 
 
-def vae_rows(counts, draws: int, seed: int, vae_spec: str) -> list[tuple[str, float, float]]:
-    """(what, mean FD, std FD) of N real digits after the VAE round trip, against all real digits."""
-    from evaluate.digits import digits_fd, real_digits
-    decoded = vae_round_trip(real_digits()[0], vae_spec)
-    rng = np.random.default_rng(seed)
-    rows = []
-    for count in counts:
-        values = [digits_fd(decoded[rng.permutation(len(decoded))[:count]]) for _ in range(draws)]
-        rows.append((f"{count} via VAE vs all", float(np.mean(values)), float(np.std(values))))
-    return rows
-
-
 @dataclass
 class FloorOptions:
     """Everything `python -m evaluate.floor` accepts (one field per flag: its default and help)."""
@@ -97,10 +91,7 @@ def main(argv=None) -> None:
     """Print the floor table."""
     with cli_errors(PROG):
         args = from_args(FloorOptions, build_parser().parse_args(argv))
-        rows = floor_table(args.counts, args.draws, args.seed)
-        if args.vae:
-            rows += vae_rows(args.counts, args.draws, args.seed, args.vae)
-        for what, mean, std in rows:
+        for what, mean, std in floor_table(args.counts, args.draws, args.seed, args.vae):
             print(f"{what:<28} digits FD {mean:8.2f} ± {std:.2f}")
 
 

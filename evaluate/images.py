@@ -144,18 +144,13 @@ def image_files(folder: Path, duplicates: str = DEFAULT_DUPLICATES) -> list[Path
 
 def open_folder_images(path) -> FolderImages:
     """Every image under a folder, found as extract finds them; UserError if it holds none or several sizes."""
+    from PIL import Image
     path = Path(path)
     # Every copy kept: identical samples are what a collapsed model draws, and FID must see all of them.
     files = image_files(path, "all")
     if not files:
         raise UserError(f"{path} holds no images ({' '.join(IMAGE_EXTENSIONS)}); pass an image folder or an npz.")
-    return FolderImages(path, files, folder_size(path, files))
-
-
-def folder_size(path: Path, files: list) -> tuple[int, int]:
-    """(H, W) shared by every image of a folder, from the headers; UserError naming the sizes when they differ."""
-    from PIL import Image
-    sizes = collections.Counter()
+    sizes = collections.Counter()  # (H, W) of every image, from the headers
     for file in files:
         try:
             with Image.open(file) as image:
@@ -163,7 +158,7 @@ def folder_size(path: Path, files: list) -> tuple[int, int]:
         except (OSError, Image.DecompressionBombError) as err:
             raise UserError(f"{file} is not a readable image ({err}); remove it from {path}.") from err
     if len(sizes) == 1:
-        return next(iter(sizes))
+        return FolderImages(path, files, next(iter(sizes)))
     common = ", ".join(f"{w}x{h}: {n}" for (h, w), n in sizes.most_common(3))
     raise UserError(f"{path} holds {len(files)} images of {len(sizes)} different sizes ({common}"
                     f"{', ...' if len(sizes) > 3 else ''}); the evaluator compares images of one size. Write a "

@@ -122,10 +122,8 @@ class InceptionC(nn.Module):
 
     def forward(self, x):
         b7 = self.branch7x7_3(self.branch7x7_2(self.branch7x7_1(x)))
-        d = x
-        for layer in (self.branch7x7dbl_1, self.branch7x7dbl_2, self.branch7x7dbl_3, self.branch7x7dbl_4,
-                      self.branch7x7dbl_5):
-            d = layer(d)
+        d = self.branch7x7dbl_3(self.branch7x7dbl_2(self.branch7x7dbl_1(x)))
+        d = self.branch7x7dbl_5(self.branch7x7dbl_4(d))
         return torch.cat([self.branch1x1(x), b7, d, self.branch_pool(tf_avg_pool(x))], 1)
 
 
@@ -194,8 +192,7 @@ class FIDInceptionV3(nn.Module):
 
     def forward(self, x: torch.Tensor) -> dict:
         """x (N, 3, S, S) normalised -> {"pool": (N, 2048), "spatial": (N, s*s*7), "logits": (N, 1008)}."""
-        for layer in (self.Conv2d_1a_3x3, self.Conv2d_2a_3x3, self.Conv2d_2b_3x3):
-            x = layer(x)
+        x = self.Conv2d_2b_3x3(self.Conv2d_2a_3x3(self.Conv2d_1a_3x3(x)))
         x = F.max_pool2d(x, kernel_size=3, stride=2)         # (N, 64, 73, 73) at 299
         x = self.Conv2d_4a_3x3(self.Conv2d_3b_1x1(x))
         x = F.max_pool2d(x, kernel_size=3, stride=2)         # (N, 192, 35, 35)
@@ -229,8 +226,7 @@ def download_weights(path: Path, url: str | None = None, timeout: float = 30.0) 
     """Fetch the weights into `path` under a temp name, check the hash prefix, rename; UserError when offline."""
     from shared.runtime.fsio import atomic_write
     url = url or WEIGHTS_URL
-    def fetch(tmp: Path) -> None:
-        """Stream the URL into tmp and check its sha256 against the name's prefix."""
+    def fetch(tmp: Path) -> None:  # stream the URL into tmp, check its sha256 against the name's prefix
         digest = hashlib.sha256()
         with urllib.request.urlopen(url, timeout=timeout) as response, open(tmp, "wb") as f:
             for chunk in iter(lambda: response.read(1 << 20), b""):
@@ -240,7 +236,6 @@ def download_weights(path: Path, url: str | None = None, timeout: float = 30.0) 
             raise UserError(f"the file downloaded from {url} has sha256 {digest.hexdigest()[:16]}..., not "
                             f"{WEIGHTS_SHA256_PREFIX}...: it is not {WEIGHTS_NAME} (a proxy page or a partial "
                             f"download). {missing_weights_text(path, 'bad download')}")
-
     print(f"downloading the FID Inception weights from {url} to {path}", flush=True)
     try:
         return atomic_write(path, fetch)
@@ -258,27 +253,6 @@ def resolve_weights(weights=None) -> Path:
         return path
     path = hub_checkpoints() / WEIGHTS_NAME
     return path if path.is_file() else download_weights(path)
-
-
-def check_state_dict(state: object, path: Path) -> dict:
-    """The state dict if it is the FID Inception's (keys and shapes); UserError naming the differences otherwise."""
-    expected = {k: v.shape for k, v in FIDInceptionV3().state_dict().items() if not k.endswith("num_batches_tracked")}
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise UserError(f"{path} is not a state dict of tensors, so it is not {WEIGHTS_NAME}; pass pytorch-fid's "
-                        f"FID Inception weights ({WEIGHTS_URL}).")
-    state = {k: v for k, v in state.items() if not k.endswith("num_batches_tracked")}
-    missing = sorted(set(expected) - set(state))
-    extra = sorted(set(state) - set(expected))
-    wrong = sorted(k for k in set(expected) & set(state) if tuple(state[k].shape) != tuple(expected[k]))
-    if missing or extra or wrong:
-        facts = "; ".join(f"{label}: {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''} ({len(keys)})"
-                          for label, keys in (("missing", missing), ("unexpected", extra), ("other shapes", wrong))
-                          if keys)
-        hint = (" torchvision's ImageNet inception_v3 weights (1000 classes, AuxLogits) are another network: FID needs "
-                "the TF 2015-12-05 graph's weights." if any(k.startswith("AuxLogits") for k in extra) else "")
-        raise UserError(f"{path} is not the FID Inception state dict ({facts}).{hint} Pass {WEIGHTS_NAME} from "
-                        f"{WEIGHTS_URL}.")
-    return state
 
 
 def is_known_hash(hexdigest: str) -> bool:
@@ -304,7 +278,23 @@ def load_checked_inception(path: Path, device="cpu") -> tuple[FIDInceptionV3, st
         state = load_torch_file(path, f"Pass {WEIGHTS_NAME} from {WEIGHTS_URL}.")
     except SettingError as err:
         raise UserError(str(err)) from None
-    state = check_state_dict(state, path)
+    # the FID Inception's keys and shapes, else a UserError naming the differences
+    expected = {k: v.shape for k, v in FIDInceptionV3().state_dict().items() if not k.endswith("num_batches_tracked")}
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise UserError(f"{path} is not a state dict of tensors, so it is not {WEIGHTS_NAME}; pass pytorch-fid's "
+                        f"FID Inception weights ({WEIGHTS_URL}).")
+    state = {k: v for k, v in state.items() if not k.endswith("num_batches_tracked")}
+    missing = sorted(set(expected) - set(state))
+    extra = sorted(set(state) - set(expected))
+    wrong = sorted(k for k in set(expected) & set(state) if tuple(state[k].shape) != tuple(expected[k]))
+    if missing or extra or wrong:
+        facts = "; ".join(f"{label}: {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''} ({len(keys)})"
+                          for label, keys in (("missing", missing), ("unexpected", extra), ("other shapes", wrong))
+                          if keys)
+        hint = (" torchvision's ImageNet inception_v3 weights (1000 classes, AuxLogits) are another network: FID needs "
+                "the TF 2015-12-05 graph's weights." if any(k.startswith("AuxLogits") for k in extra) else "")
+        raise UserError(f"{path} is not the FID Inception state dict ({facts}).{hint} Pass {WEIGHTS_NAME} from "
+                        f"{WEIGHTS_URL}.")
     hexdigest = file_sha256(path)  # the released file's, whether given, cached or copied by hand
     if not is_known_hash(hexdigest):
         raise UserError(f"the Inception weights {path} have sha256 {hexdigest[:16]}..., not {WEIGHTS_SHA256_PREFIX}... "

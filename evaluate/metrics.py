@@ -100,16 +100,6 @@ def source_meta(net, source) -> dict:
 
 # ---- References ----
 
-def _contents_stamp(path: Path) -> tuple:
-    """(bytes, newest mtime) of a file, or of every image below a folder (a folder's own stat misses its files)."""
-    if not path.is_dir():
-        st = path.stat()
-        return st.st_size, st.st_mtime_ns
-    stats = [(f.relative_to(path).as_posix(), f.stat()) for f in image_files(path)]
-    listing = hashlib.sha256("".join(f"{name}\t{st.st_size}\t{st.st_mtime_ns}\n" for name, st in stats).encode())
-    return len(stats), listing.hexdigest()
-
-
 def cache_dir() -> Path:
     """The user cache folder of the evaluation stage."""
     return user_cache("evaluate")
@@ -117,7 +107,14 @@ def cache_dir() -> Path:
 
 def stats_cache_path(path: Path, identity: dict) -> Path:
     """Cache file of the statistics of an image npz/folder: keyed by path, its contents stamp and the feature network."""
-    key = json.dumps([str(path.resolve()), *_contents_stamp(path), identity], sort_keys=True)
+    if path.is_dir():  # a folder's own stat misses its files: the count and a hash of every image's size and mtime
+        stats = [(f.relative_to(path).as_posix(), f.stat()) for f in image_files(path)]
+        listing = "".join(f"{name}\t{st.st_size}\t{st.st_mtime_ns}\n" for name, st in stats)
+        stamp = [len(stats), hashlib.sha256(listing.encode()).hexdigest()]
+    else:
+        st = path.stat()
+        stamp = [st.st_size, st.st_mtime_ns]
+    key = json.dumps([str(path.resolve()), *stamp, identity], sort_keys=True)
     return cache_dir() / "stats" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.npz"
 
 

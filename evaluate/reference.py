@@ -43,8 +43,8 @@ class ReferenceOptions:
                                           type=pixel_limit, metavar="N|none")
 
 
-def check_options(o: ReferenceOptions) -> ImageFolderScan:
-    """The images to crop; UserError for a missing folder, no images or bad numbers."""
+def write_reference(o: ReferenceOptions) -> tuple[int, list[str], ImageFolderScan]:
+    """Crop every image into o.out (atomic); returns (images written, bad files, the scan)."""
     folder = Path(o.images)
     if not folder.is_dir():
         raise UserError(f"{folder} is not a folder; pass the folder of real images to crop into a reference.")
@@ -56,13 +56,7 @@ def check_options(o: ReferenceOptions) -> ImageFolderScan:
     scan = scan_images(folder, o.duplicates, o.limit)  # as extract: the limit first, then the copies
     if len(scan) < 2:
         raise UserError(f"{folder} holds {len(scan)} image(s); a reference needs at least 2.")
-    return scan
-
-
-def write_reference(o: ReferenceOptions) -> tuple[int, list[str], ImageFolderScan]:
-    """Crop every image into o.out (atomic); returns (images written, bad files, the scan)."""
-    scan = check_options(o)
-    files = [Path(o.images) / name for name in scan.files]
+    files = [folder / name for name in scan.files]
     out = Path(o.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     scratch = out.with_name(f".tmp-{out.stem}-rows.npy")  # on disk: a big folder never sits in memory

@@ -33,14 +33,6 @@ class DecodeOptions(DecodeFlags):
     batch_size: int = option(16, "latents decoded per VAE call", min=1)
 
 
-def preview_files(folder: Path) -> list[Path]:
-    """Preview files step-*.safetensors of RUN/samples (or of RUN, via its samples/ folder), oldest first."""
-    if (folder / SAMPLES).is_dir():
-        folder = folder / SAMPLES
-    found = [p for p in folder.glob("step-*.safetensors") if step_of(p) is not None]
-    return sorted(found, key=step_of)
-
-
 def decode_jobs(o: DecodeOptions) -> list[tuple[Path, Path]]:
     """(latents file, output folder) pairs: the file, or the newest (all with --all) previews of a folder."""
     path = Path(o.latents).expanduser()
@@ -48,7 +40,8 @@ def decode_jobs(o: DecodeOptions) -> list[tuple[Path, Path]]:
         check_out_path(Path(o.out), "decode")
     if not path.is_dir():
         return [(path, Path(o.out) if o.out else path.with_suffix(""))]
-    files = preview_files(path)
+    folder = path / SAMPLES if (path / SAMPLES).is_dir() else path  # RUN/samples, or RUN via its samples/
+    files = sorted((p for p in folder.glob("step-*.safetensors") if step_of(p) is not None), key=step_of)
     if not files:
         raise UserError(f"{path} holds no preview files (step-*.safetensors, directly or in {SAMPLES}/); training "
                         f"writes them to RUN/{SAMPLES}/ when run with --sample-every. Pass such a file or folder.")

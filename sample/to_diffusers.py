@@ -53,13 +53,6 @@ class ToDiffusersOptions:
                                                        "is set to the one used in training)")
 
 
-def check_target(out: Path) -> None:
-    """UserError when OUT exists (an empty folder is fine: nothing in it can be overwritten)."""
-    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
-        raise UserError(f"the export target {out} already exists; an export never overwrites. Pass a new folder "
-                        f"name as OUT, or delete {out} first if it is an old export you no longer need.")
-
-
 def check_representable(config: ModelConfig, where) -> None:
     """UserError for a model DiTPipeline cannot run as trained (DDPM, the DiT block, the null label 1000)."""
     if config.objective != "ddpm":
@@ -82,27 +75,6 @@ def check_representable(config: ModelConfig, where) -> None:
                         f"{PIPELINE_NULL_LABEL} (ImageNet's): guided sampling would index a class embedding that "
                         f"does not exist, or the wrong one. Only 1000-class models can be exported to diffusers; "
                         f"sample this one with `python -m sample --ckpt ...`.")
-
-
-def check_norm_exportable(space: LatentSpace, where) -> None:
-    """UserError unless the latents were trained with a plain scale: DiTPipeline only divides by scaling_factor."""
-    norm = space.norm
-    if norm is not None and norm.kind != "scale":
-        raise UserError(f"{where} was trained on latents normalised as {norm.describe()} (train --latent-norm), but "
-                        f"diffusers' DiTPipeline only divides its latents by the VAE's scaling_factor before decoding, "
-                        f"so the exported pipeline would decode wrongly shifted or scaled latents into wrong colours "
-                        f"or noise. Sample this model with `python -m sample --ckpt ...`, which inverts the recorded "
-                        f"normalisation, or train with --latent-norm scale to export to diffusers.")
-
-
-def scheduler_config() -> dict:
-    """A DDIMScheduler config whose betas are DiT's (shared/generative/diffusion.py: linear 1e-4 -> 0.02 over 1000 steps)."""
-    betas = linear_betas(NUM_TIMESTEPS)
-    # clip_sample off and alpha_bar = 1 after the last step, as the DiT release's samplers (clip_denoised=False);
-    # "leading" spacing gives the release's DDIM stride range(0, 1000, 1000 // N).
-    return dict(num_train_timesteps=NUM_TIMESTEPS, beta_start=float(betas[0]), beta_end=float(betas[-1]),
-                beta_schedule="linear", clip_sample=False, set_alpha_to_one=True, steps_offset=0,
-                prediction_type="epsilon", timestep_spacing="leading")
 
 
 def _readme(loaded: LoadedWeights, vae_source: str, vae_note: str | None) -> str:
@@ -148,8 +120,13 @@ def _build_pipeline(loaded: LoadedWeights, vae):
     with init_empty_weights():  # no random init of parameters that are replaced anyway (675M for XL/2)
         transformer = DiTTransformer2DModel(**diffusers_config(loaded.config))
     transformer.load_state_dict(dit_to_diffusers(loaded.state_dict), strict=True, assign=True)
-    pipeline = DiTPipeline(transformer=transformer.eval(), vae=vae, scheduler=DDIMScheduler(**scheduler_config()),
-                           id2label=id2label)
+    betas = linear_betas(NUM_TIMESTEPS)  # DiT's: linear 1e-4 -> 0.02 over 1000 steps
+    # clip_sample off and alpha_bar = 1 after the last step, as the DiT release's samplers (clip_denoised=False);
+    # "leading" spacing gives the release's DDIM stride range(0, 1000, 1000 // N).
+    scheduler = DDIMScheduler(num_train_timesteps=NUM_TIMESTEPS, beta_start=float(betas[0]), beta_end=float(betas[-1]),
+                              beta_schedule="linear", clip_sample=False, set_alpha_to_one=True, steps_offset=0,
+                              prediction_type="epsilon", timestep_spacing="leading")
+    pipeline = DiTPipeline(transformer=transformer.eval(), vae=vae, scheduler=scheduler, id2label=id2label)
     if id2label:  # DiTPipeline reads id2label from model_index.json but does not record it there itself
         pipeline.register_to_config(id2label=id2label)
     return pipeline
@@ -159,10 +136,18 @@ def run_to_diffusers(o: ToDiffusersOptions) -> Path:
     """The whole `export` command: checks first (target, format, model, VAE), then build, write, rename."""
     assert o.format in EXPORT_FORMATS, o.format  # a flag choice
     out = Path(o.out).expanduser()
-    check_target(out)
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())):  # an empty folder is fine
+        raise UserError(f"the export target {out} already exists; an export never overwrites. Pass a new folder "
+                        f"name as OUT, or delete {out} first if it is an old export you no longer need.")
     loaded = load_sampling_weights(o.ckpt, o.weights)
     space = LatentSpace.or_unknown(loaded.space, loaded.config.in_channels)
-    check_norm_exportable(space, loaded.path)
+    norm = space.norm
+    if norm is not None and norm.kind != "scale":  # DiTPipeline only divides by scaling_factor
+        raise UserError(f"{loaded.path} was trained on latents normalised as {norm.describe()} (train --latent-norm), "
+                        f"but diffusers' DiTPipeline only divides its latents by the VAE's scaling_factor before "
+                        f"decoding, so the exported pipeline would decode wrongly shifted or scaled latents into wrong "
+                        f"colours or noise. Sample this model with `python -m sample --ckpt ...`, which inverts the "
+                        f"recorded normalisation, or train with --latent-norm scale to export to diffusers.")
     check_representable(loaded.config, loaded.path)
     spec, how = choose_tokenizer(o.vae, loaded.space)
     vae_name, _ = space.check_tokenizer_config(spec, o.vae_config, o.allow_other_vae)

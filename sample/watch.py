@@ -132,14 +132,6 @@ def pending(run: Path) -> list[tuple[int, Path]]:
 
 # ---- TensorBoard ----
 
-def run_report_to(run: Path) -> str:
-    """The --report-to the run was launched with (RUN/config.json), 'none' when it says none."""
-    try:
-        return json.loads(rundir.config_path(run).read_text()).get("report_to") or "none"
-    except (OSError, ValueError):
-        return "none"
-
-
 class PreviewTracker:
     """Writes each labelled grid as image 'previews' into RUN/tensorboard/previews/ (a separate writer)."""
     def __init__(self, run: Path, mode: str):
@@ -147,7 +139,12 @@ class PreviewTracker:
 
     def _active(self) -> bool:
         """Whether to write: --report-to tensorboard, or auto and the run's config says tensorboard."""
-        wanted = self.mode if self.mode != "auto" else run_report_to(self.run)
+        wanted = self.mode
+        if wanted == "auto":  # the --report-to the run was launched with (RUN/config.json)
+            try:
+                wanted = json.loads(rundir.config_path(self.run).read_text()).get("report_to") or "none"
+            except (OSError, ValueError):
+                wanted = "none"
         if wanted == "tensorboard" and importlib.util.find_spec("tensorboard") is not None:
             return True
         if wanted in ("wandb", "tensorboard") and not self.said:  # said once: wandb, or tensorboard not installed
@@ -180,8 +177,9 @@ class Decoder:
     def __init__(self, o: WatchOptions):
         self.o, self.vae, self.name, self.how = o, None, None, None
 
-    def decode(self, run: Path, step: int, path: Path) -> np.ndarray:
-        """`sample decode` of one preview file into RUN/samples/step-X/, then its labelled grid -> the grid."""
+    def decode(self, run: Path, step: int, path: Path, tracker: PreviewTracker) -> Path:
+        """`sample decode` of one preview into RUN/samples/step-X/, then its labelled grid: written last, logged."""
+        start = time.perf_counter()
         latents, labels, space = data = read_preview(path)
         spec, how = choose_tokenizer(self.o.vae, space)
         space = LatentSpace.or_unknown(space, latents.shape[1])
@@ -192,42 +190,37 @@ class Decoder:
                                       self.o.vae_tiling, self.o.vae_slicing)
             self.name, self.how = name, how
         _, images = decode_file(self.vae, name, self.how, data, path, rundir.decoded_dir(run, step), self.o)
-        return labelled_grid(lambda i: images[i], labels.tolist(), captions_for(labels.tolist(), space.class_names),
+        grid = labelled_grid(lambda i: images[i], labels.tolist(), captions_for(labels.tolist(), space.class_names),
                              f"{run.name} · step {step:,}")
+        out = rundir.preview_grid_path(run, step)
+        save_png(out, grid)  # last, atomic: its presence marks the step done; a half-written one would count
+        tracker.log(step, grid)
+        print(f"step {step}: {out} ({time.perf_counter() - start:.1f} s)", flush=True)
+        return out
 
 
 # ---- The loop ----
 
-def check_options(o: WatchOptions) -> Path:
-    """The run folder, after the cheap checks of every flag (before any waiting)."""
-    run = Path(o.run).expanduser()
+def run_watch(o: WatchOptions) -> list[Path]:
+    """Decode previews as they appear until told to stop; returns the labelled grids written."""
+    run = Path(o.run).expanduser()  # the cheap checks of every flag first, before any waiting
     if not run.is_dir():
         raise UserError(f"RUN {run} is not a folder; pass the --results-dir of a training run (it may still be "
                         "starting: the folder exists from the first second of a launch).")
     if o.vae:
         read_vae_config(o.vae, o.vae_config)  # a bad --vae is said now, not when the first preview arrives
     check_report_to(o.report_to, "the grids are written either way", REPORT_TO)  # auto only notes an absence
-    return run
-
-
-def take_lock(run: Path, o: WatchOptions):
-    """RUN/samples/.lock, or FolderBusyError naming the other watcher."""
-    while True:
+    if o.threads:
+        torch.set_num_threads(o.threads)
+    while True:  # RUN/samples/.lock, or FolderBusyError naming the other watcher
         try:
-            return hold_lock(run / rundir.SAMPLES, "preview folder")
+            lock = hold_lock(run / rundir.SAMPLES, "preview folder")
+            break
         except FolderBusyError as err:
             if o.until_pid is None or end_reason(run, o):
                 raise
             print(f"waiting: {err}", flush=True)
             time.sleep(o.interval)
-
-
-def run_watch(o: WatchOptions) -> list[Path]:
-    """Decode previews as they appear until told to stop; returns the labelled grids written."""
-    run = check_options(o)
-    if o.threads:
-        torch.set_num_threads(o.threads)
-    lock = take_lock(run, o)
     decoder, tracker, written = Decoder(o), PreviewTracker(run, o.report_to), []
     try:
         with StopFlag() as stop:  # before the first line: whoever reads it may signal at once
@@ -240,7 +233,7 @@ def run_watch(o: WatchOptions) -> list[Path]:
                 for step, path in pending(run):
                     if stop.requested:
                         break
-                    written.append(decode_step(run, step, path, decoder, tracker))
+                    written.append(decoder.decode(run, step, path, tracker))
                 if stop.requested or reason:
                     break
                 stop.sleep(o.interval)
@@ -249,15 +242,4 @@ def run_watch(o: WatchOptions) -> list[Path]:
         tracker.close()
         lock.release()
     return written
-
-
-def decode_step(run: Path, step: int, path: Path, decoder: Decoder, tracker: PreviewTracker) -> Path:
-    """Decode one preview file, write its labelled grid last (its presence marks the step done), log it."""
-    start = time.perf_counter()
-    grid = decoder.decode(run, step, path)
-    out = rundir.preview_grid_path(run, step)
-    save_png(out, grid)  # atomic: a half-written grid would count as decoded
-    tracker.log(step, grid)
-    print(f"step {step}: {out} ({time.perf_counter() - start:.1f} s)", flush=True)
-    return out
 
