@@ -115,7 +115,6 @@ def from_args(cls, args: argparse.Namespace, **extra):
 
 def check_bounds(name: str, spec: Flag, value) -> None:
     """Refuse a number outside the option's declared bounds (None, words such as "auto", unbounded flags pass)."""
-    flag = spec.name or flag_name(name)
     tests = ((spec.min, "at least", lambda x, b: x >= b), (spec.max, "at most", lambda x, b: x <= b),
              (spec.above, "above", lambda x, b: x > b), (spec.below, "below", lambda x, b: x < b))
     for item in value if isinstance(value, (list, tuple)) else [value]:
@@ -124,7 +123,8 @@ def check_bounds(name: str, spec: Flag, value) -> None:
         for bound, says, holds in tests:
             if bound is not None and not holds(item, bound):  # written as "not holds" so that NaN is refused too
                 why = f" ({spec.hint})" if spec.hint else ""
-                raise UserError(f"{flag} must be {says} {bound:g}{why}; got {item:g}. Pass a value {valid_range(spec)}.")
+                raise UserError(f"{spec.name or flag_name(name)} must be {says} {bound:g}{why}; got {item:g}. "
+                                f"Pass a value {valid_range(spec)}.")
 
 
 def check_flag_bounds(options) -> None:
@@ -160,15 +160,11 @@ def argument_of(name: str, spec: Flag, hint) -> tuple[list[str], dict]:
         kwargs["default"] = spec.default
     if spec.action is not None or isinstance(spec.default, bool):
         kwargs["action"] = spec.action or ("store_false" if spec.default else "store_true")
-    elif (kind := spec.type or _scalar_type(hint)) is not None:
-        kwargs["type"] = kind
+        return names, kwargs
+    args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]  # `X | None` is X
+    if (kind := spec.type or (args[0] if len(args) == 1 and args[0] in (int, float, Path) else None)) is not None:
+        kwargs["type"] = kind  # the annotation's int, float or Path (str and anything else: none)
     return names, kwargs
-
-
-def _scalar_type(hint) -> Callable | None:
-    """int, float or Path from an annotation (`X | None` is X); None for str and anything else."""
-    args = [a for a in typing.get_args(hint) if a is not type(None)] if typing.get_args(hint) else [hint]
-    return args[0] if len(args) == 1 and args[0] in (int, float, Path) else None
 
 
 def counted(n: int, noun: str, plural: str | None = None) -> str:

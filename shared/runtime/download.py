@@ -82,8 +82,7 @@ def fetch(name: str, url: str, instead: str) -> tuple[Path, list[str]]:
     notes = []
     with _one_downloader(dest):
         if dest.is_file():
-            problem = zip_problem(dest)
-            if problem is None:
+            if (problem := zip_problem(dest)) is None:
                 return dest, [f"{name} read from the checkpoint cache {dest.parent}"]
             note = (f"the cached {dest} is not a whole checkpoint ({problem}): an earlier copy or download was cut "
                     f"short; it was deleted and is downloaded again")
@@ -112,17 +111,17 @@ def download(url: str, dest: Path, cached_copy_removed: bool = False,
                 bar.update(len(chunk))
         if total is not None and written != total:
             raise UserError(_interrupted(url, dest, written, total, "the server closed the connection", instead))
-        problem = zip_problem(tmp)
-        if problem:
+        if problem := zip_problem(tmp):
             raise UserError(_interrupted(url, dest, written, total, f"the file is not whole: {problem}", instead))
         return publish_file(tmp, dest)
     except (urllib.error.URLError, http.client.HTTPException, socket.timeout, OSError) as err:
-        full = disk_full(err, dest.parent, written)
-        if full is not None:
+        if (full := disk_full(err, dest.parent, written)) is not None:
             raise full from None
         if written:
             raise UserError(_interrupted(url, dest, written, total, _reason(err), instead)) from None
-        raise UserError(_unreachable(url, dest, _reason(err), cached_copy_removed, instead)) from None
+        gone = " The damaged cached copy was deleted." if cached_copy_removed else ""
+        raise UserError(f"{dest.name} is not on this machine and could not be downloaded from {url} ({_reason(err)})."
+                        f"{gone} {_where_to_put(url, dest, instead)}") from None
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -141,13 +140,6 @@ def _where_to_put(url: str, dest: Path, instead: str) -> str:
     """How to get the file there by hand."""
     return (f"Download it where the network allows (e.g. `wget {url}`) and put it at {dest} (the checkpoint cache; "
             f"set {CACHE_ENV} to use another folder) {instead}.")
-
-
-def _unreachable(url: str, dest: Path, reason: str, removed: bool, instead: str) -> str:
-    """The paragraph for a download that could not start (offline, no such file, refused)."""
-    gone = " The damaged cached copy was deleted." if removed else ""
-    return (f"{dest.name} is not on this machine and could not be downloaded from {url} ({reason}).{gone} "
-            f"{_where_to_put(url, dest, instead)}")
 
 
 def _interrupted(url: str, dest: Path, written: int, total: int | None, reason: str, instead: str) -> str:

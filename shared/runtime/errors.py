@@ -76,11 +76,6 @@ def exit_with(error: UserError, prog: str, flags: dict | None = None) -> NoRetur
 
 # ---- A full disk ----
 
-_NO_SPACE = {errno.ENOSPC, errno.EDQUOT}  # disk full; over quota (same fix)
-_NO_SPACE_TEXT = ("No space left on device", "os error 28", "Disk quot")  # Rust (safetensors) and C++ texts
-_NEARLY_FULL = 1 << 20  # bytes free below which a failed write is blamed on space (block + metadata slack)
-
-
 def _bytes(n: int) -> str:
     """1536 -> '1.5 KiB'."""
     size = float(n)
@@ -119,17 +114,16 @@ class DiskFullError(UserError):
 
 def disk_full(err: BaseException, path=None, written: int | None = None) -> DiskFullError | None:
     """A DiskFullError for a write error caused by a full disk or quota, else None."""
-    # OSError carries errno ENOSPC/EDQUOT; safetensors' Rust errors say "os error 28"; torch.save's C++ writer says
-    # neither ("unexpected pos ..."), so with a `path` an error is also blamed on space under 1 MiB free there.
+    # OSError carries errno ENOSPC/EDQUOT (disk full; over quota); safetensors' Rust errors say "os error 28";
+    # torch.save's C++ writer says neither ("unexpected pos ..."), so with a `path` an error is also blamed on space
+    # under 1 MiB free there (a block and metadata slack).
     if isinstance(err, DiskFullError):
         return err
-    text = str(err)
-    if (isinstance(err, OSError) and err.errno in _NO_SPACE) or any(t in text for t in _NO_SPACE_TEXT):
+    if (isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)) \
+            or any(t in str(err) for t in ("No space left on device", "os error 28", "Disk quot")):
         return DiskFullError(path if path is not None else getattr(err, "filename", None), written)
-    if path is not None:
-        free = _free_bytes(path)
-        if free is not None and free < _NEARLY_FULL:
-            return DiskFullError(path, written)
+    if path is not None and (free := _free_bytes(path)) is not None and free < 1 << 20:
+        return DiskFullError(path, written)
     return None
 
 
@@ -141,7 +135,6 @@ def cli_errors(prog: str, flags: dict | None = None) -> Iterator[None]:
     except UserError as err:
         exit_with(err, prog, flags)
     except Exception as err:  # noqa: BLE001 - anything else is re-raised untouched
-        full = disk_full(err)
-        if full is None:
+        if (full := disk_full(err)) is None:
             raise
         exit_with(full, prog, flags)

@@ -60,12 +60,6 @@ def fsync_dir(folder: Path) -> None:
     os.close(fd)
 
 
-def fsync_file(path: Path) -> None:
-    """fsync one file's data."""
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
 def stale_tmps(path: Path) -> list[Path]:
     """Temp siblings of `path` that writers (of any process, any version) left behind when killed mid-write."""
     path = Path(path)
@@ -76,7 +70,8 @@ def publish_file(tmp: Path, path: Path) -> Path:
     """Make a fully written (and closed) temp file visible as `path`: fsync it, rename, fsync the folder."""
     tmp, path = Path(tmp), Path(path)
     follow_umask(tmp)
-    fsync_file(tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
     return path
@@ -158,7 +153,8 @@ def publish_dir(staging: Path, final: Path) -> Path:
     for entry in staging.iterdir():
         if entry.is_file():
             follow_umask(entry)  # files written straight into the folder (e.g. a checkpoint's safetensors)
-            fsync_file(entry)
+            with open(entry, "rb") as f:
+                os.fsync(f.fileno())
     fsync_dir(staging)
     if final.exists():  # the same name published again (e.g. a rerun of a finished step): replace it
         shutil.rmtree(final)

@@ -28,22 +28,11 @@ def say(prog: str) -> None:
         sys.stderr.flush()
 
 
-def _in_main_thread() -> bool:
-    """Signal handlers can only be set from the main thread (an in-process caller may be another)."""
-    return threading.current_thread() is threading.main_thread()
-
-
-def _command_name() -> str:
-    """`python -m <module>` of the running command, from the __main__ module's spec."""
-    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-    name = spec.name.removesuffix(".__main__") if spec is not None else os.path.basename(sys.argv[0])
-    return f"python -m {name}"
-
-
 def _leave_now(signum, frame) -> NoReturn:
     """SIGINT during the imports: nothing is written yet, so leave at once with the line."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    say(_command_name())
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)  # `python -m <module>` of the running command
+    say(f"python -m {spec.name.removesuffix('.__main__') if spec is not None else os.path.basename(sys.argv[0])}")
     os._exit(EXIT_STATUS)
 
 
@@ -55,14 +44,16 @@ def _raise_once(signum, frame) -> NoReturn:
 
 def guard_imports(module: str) -> None:
     """First statement of a CLI module: when it runs as the command, Ctrl-C during its imports leaves cleanly."""
-    if module == "__main__" and _in_main_thread():
+    if module == "__main__" and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, _leave_now)
 
 
 @contextlib.contextmanager
 def interruptible(prog: str) -> Iterator[None]:
     """Around a command's work: Ctrl-C unwinds (temp files removed), says the line, exits with status 130."""
-    previous = signal.signal(signal.SIGINT, _raise_once) if _in_main_thread() else None
+    # signal handlers can only be set from the main thread (an in-process caller may be another)
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, _raise_once) if main else None
     try:
         yield
     except KeyboardInterrupt:

@@ -35,10 +35,6 @@ class FolderBusyError(SettingError):
     """Another live process holds the folder's lock."""
 
 
-class NoLockingError(OSError):
-    """The folder's file system does not support flock."""
-
-
 def _os_lock(fd: int) -> None:
     """The OS call: an exclusive, non-blocking lock on the open file (the seam tests simulate errors at)."""
     if fcntl is not None:
@@ -47,25 +43,17 @@ def _os_lock(fd: int) -> None:
         msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
 
 
-def _try_lock(fd: int) -> bool:
-    """Take the exclusive lock without waiting; False if another process holds it."""
-    try:
-        _os_lock(fd)
-    except OSError as err:
-        if err.errno in NO_LOCKING:
-            raise NoLockingError(err.errno, os.strerror(err.errno)) from err
-        return False
-    return True
-
-
 # Locks held by this process, closed in every forked child (see the module docstring).
 _HELD: dict[int, "FolderLock"] = {}
 
 
 def _forget_in_child() -> None:
-    """In a freshly forked child: close the inherited lock descriptors; the child holds no lock."""
-    for lock in list(_HELD.values()):
-        lock._disown()
+    """In a freshly forked child: close the inherited lock descriptors (the parent still holds the locks)."""
+    for lock in _HELD.values():
+        if lock._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(lock._fd)
+            lock._fd = None
     _HELD.clear()
 
 
@@ -106,14 +94,15 @@ class FolderLock:
         self.folder.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            locked = _try_lock(self._fd)
-        except NoLockingError:
-            self._take_owner_file()
-        else:
-            if not locked:
+            _os_lock(self._fd)
+        except OSError as err:
+            if err.errno in NO_LOCKING:
+                self._take_owner_file()
+            else:  # another process holds it
                 os.close(self._fd)
                 self._fd = None
-                raise _busy(self.folder, setting, _holder(self.path))
+                raise _busy(self.folder, setting, _holder(self.path)) from None
+        else:
             _write_holder(self._fd)
         _HELD[id(self)] = self
 
@@ -126,7 +115,9 @@ class FolderLock:
                 self._fd = os.open(owner, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
             except FileExistsError:
                 holder = _holder(owner)
-                if not _stale(holder):
+                # stale: left by a process of this host that no longer runs (another host's cannot be checked)
+                if not (holder.get("host") == socket.gethostname() and isinstance(holder.get("pid"), int)
+                        and not pid_alive(holder["pid"])):
                     self._fd = None
                     raise _busy(self.folder, self.setting, holder, owner_file=owner) from None
                 owner.unlink(missing_ok=True)  # its process is gone (a kill): take the folder over
@@ -139,29 +130,18 @@ class FolderLock:
         self._fd = None
         raise _busy(self.folder, self.setting, _holder(owner), owner_file=owner)
 
-    def _disown(self) -> None:
-        """Forget the lock without releasing it (a forked child's inherited copy; the parent still holds it)."""
-        if self._fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(self._fd)
-            self._fd = None
-
     def release(self) -> None:
         """Drop the lock (the file stays: an unlocked lock file means free)."""
         if self._fd is not None:
             _HELD.pop(id(self), None)
             if self.owner_file is not None:
                 self.owner_file.unlink(missing_ok=True)  # the fallback's lock is the file's existence
-            self._remove_if_untouched()
+            with contextlib.suppress(OSError):  # someone else is using the folder after all: leave it
+                if self.created and [p.name for p in self.folder.iterdir()] == [LOCK_NAME]:
+                    self.path.unlink()
+                    self.folder.rmdir()
             os.close(self._fd)  # closing the last descriptor releases flock
             self._fd = None
-
-    def _remove_if_untouched(self) -> None:
-        """Delete the lock file and the folder when the lock made the folder and it holds nothing else."""
-        with contextlib.suppress(OSError):  # someone else is using it after all: leave it
-            if self.created and [p.name for p in self.folder.iterdir()] == [LOCK_NAME]:
-                self.path.unlink()
-                self.folder.rmdir()
 
     def __enter__(self) -> "FolderLock":
         return self
@@ -178,13 +158,6 @@ def _write_holder(fd: int) -> None:
     data = (json.dumps(info) + "\n").encode("utf-8")
     os.ftruncate(fd, 0)
     os.pwrite(fd, data, 0) if hasattr(os, "pwrite") else os.write(fd, data)
-
-
-def _stale(holder: dict) -> bool:
-    """Whether a fallback owner file was left by a process of this host that no longer runs."""
-    if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
-        return False  # another host's process cannot be checked from here; an unreadable file is not ours
-    return not pid_alive(holder["pid"])
 
 
 def pid_alive(pid: int) -> bool:

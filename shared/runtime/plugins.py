@@ -24,20 +24,15 @@ class PluginFlags:
     plugin: list | None = PLUGIN.field()
 
 
-def import_plugins(modules) -> None:
-    """Import each module named by --plugin, so what it registers exists; UserError for one not found."""
-    for module in modules or ():
+def load_plugins(argv) -> list[str]:
+    """Import the --plugin modules named in `argv` (UserError for one not found); returns their names."""
+    modules = add_flags(argparse.ArgumentParser(add_help=False), PluginFlags).parse_known_args(argv)[0].plugin or []
+    for module in modules:
         try:
             importlib.import_module(module)
         except ModuleNotFoundError as err:
-            if err.name is None or not module.startswith(err.name):
+            if err.name is None or not module.startswith(err.name):  # the module itself imports a missing one
                 raise
             raise UserError(f"--plugin {module}: no module of that name can be imported ({err}); pass a dotted "
                             f"module path importable from here (its folder on PYTHONPATH).") from err
-
-
-def load_plugins(argv) -> list[str]:
-    """Import the --plugin modules named in `argv` (UserError for one not found); returns their names."""
-    known, _ = add_flags(argparse.ArgumentParser(add_help=False), PluginFlags).parse_known_args(argv)
-    import_plugins(known.plugin)
-    return list(known.plugin or ())
+    return list(modules)

@@ -1,10 +1,8 @@
 """One small type for every registry of the package: records by name, in order, extended by --plugin modules.
 
-A registry maps a name to a record (an objective class, a SamplerSpec, a ShardColumn, ...). `register` adds one
-and refuses a name another module already holds (the same owner registering again, as on a re-import, replaces
-its record); `lookup` raises ChoiceError under the registry's domain name, listing the registered names, so each
-stage's `__main__` can turn it into flag advice. Modules named in `imports` register the package's own records
-and are imported before the first read, and before a record of another module is added.
+A registry maps a name to a record (an objective class, a SamplerSpec, ...); `lookup` raises ChoiceError under its
+domain name, which each stage's `__main__` turns into flag advice. Modules in `imports` register the package's own
+records, imported before the first read and before another module's record is added.
 """
 from __future__ import annotations
 

@@ -157,8 +157,7 @@ def list_checkpoints(run_dir) -> list[Path]:
 
 def latest_checkpoint(run_dir) -> Path | None:
     """The newest complete checkpoint folder, or None."""
-    found = list_checkpoints(run_dir)
-    return found[-1] if found else None
+    return next(reversed(list_checkpoints(run_dir)), None)
 
 
 def list_partial(run_dir) -> list[Path]:

@@ -55,33 +55,6 @@ class _Located:
 
 # ---- Locating a spec (cheap: reads at most a config.json, never weights) ----
 
-def _locate_folder(folder: Path) -> _Located:
-    """A diffusers folder, or a pipeline folder holding one in vae/."""
-    if not (folder / "config.json").is_file() and (folder / "vae" / "config.json").is_file():
-        folder = folder / "vae"
-    if not (folder / "config.json").is_file():
-        raise SettingError(f"The VAE folder {folder} has no config.json. {_LOCAL_OPTIONS}")
-    if not any((folder / name).is_file() for name in WEIGHT_FILES):
-        raise SettingError(f"The VAE folder {folder} has a config.json but no weights ({' or '.join(WEIGHT_FILES)}). "
-                           f"{_LOCAL_OPTIONS}")
-    folder = folder.resolve()
-    return _Located(str(folder), "folder", folder, folder / "config.json")
-
-
-def _locate_file(path: Path, config: str | os.PathLike | None) -> _Located:
-    """A single weight file whose architecture comes from config.json beside it or from `config`."""
-    if path.suffix.lower() not in SINGLE_FILE_SUFFIXES:
-        raise SettingError(
-            f"The VAE file {path} is not a weight file ({', '.join(SINGLE_FILE_SUFFIXES)}). {_LOCAL_OPTIONS}")
-    config_path = Path(config) if config is not None else path.parent / "config.json"
-    if not config_path.is_file():
-        raise SettingError(
-            f"The VAE file {path} needs its architecture: put the VAE's diffusers config.json beside it or "
-            f"pass {{vae config}} PATH/config.json (e.g. the config.json of stabilityai/sd-vae-ft-ema).")
-    path = path.resolve()
-    return _Located(str(path), "file", path, config_path.resolve())
-
-
 def looks_like_hub_id(text: str) -> bool:
     """owner/name with no path markers: what a name means as a Hugging Face Hub repo when no such path exists."""
     return bool(_HUB_ID.match(text)) and not text.startswith((".", "/", "~"))
@@ -174,10 +147,27 @@ def _locate(spec, config=None) -> _Located:
     if text in VAE_SHORT_NAMES:
         return _locate_hub(VAE_SHORT_NAMES[text])
     path = Path(text).expanduser()
-    if path.is_dir():
-        return _locate_folder(path)
-    if path.is_file():
-        return _locate_file(path, config)
+    if path.is_dir():  # a diffusers folder, or a pipeline folder holding one in vae/
+        if not (path / "config.json").is_file() and (path / "vae" / "config.json").is_file():
+            path = path / "vae"
+        if not (path / "config.json").is_file():
+            raise SettingError(f"The VAE folder {path} has no config.json. {_LOCAL_OPTIONS}")
+        if not any((path / name).is_file() for name in WEIGHT_FILES):
+            raise SettingError(f"The VAE folder {path} has a config.json but no weights "
+                               f"({' or '.join(WEIGHT_FILES)}). {_LOCAL_OPTIONS}")
+        path = path.resolve()
+        return _Located(str(path), "folder", path, path / "config.json")
+    if path.is_file():  # a single weight file: its architecture from config.json beside it or from `config`
+        if path.suffix.lower() not in SINGLE_FILE_SUFFIXES:
+            raise SettingError(
+                f"The VAE file {path} is not a weight file ({', '.join(SINGLE_FILE_SUFFIXES)}). {_LOCAL_OPTIONS}")
+        config_path = Path(config) if config is not None else path.parent / "config.json"
+        if not config_path.is_file():
+            raise SettingError(
+                f"The VAE file {path} needs its architecture: put the VAE's diffusers config.json beside it or "
+                f"pass {{vae config}} PATH/config.json (e.g. the config.json of stabilityai/sd-vae-ft-ema).")
+        path = path.resolve()
+        return _Located(str(path), "file", path, config_path.resolve())
     if looks_like_hub_id(text):
         return _locate_hub(text)
     raise SettingError(
@@ -207,9 +197,13 @@ def read_vae_config(spec, config=None) -> dict:
 
 # ---- Loading weights (diffusers imported here only) ----
 
-def _read_state_dict(path: Path) -> dict:
-    """Tensors of a single weight file (.safetensors, else a PyTorch file); .ckpt files often wrap them in 'state_dict'."""
+def _load_single_file(located: _Located):
+    """Build the config's class and load a single file (diffusers or, for AutoencoderKL, original LDM key names)."""
     from shared.weights.export import load_torch_file, safetensors_problem
+    config = json.loads(located.config_path.read_text())
+    kind = tokenizer_class(config, located.config_path)
+    vae = kind.diffusers_class().from_config(config)
+    path = located.path
     if path.suffix.lower() == ".safetensors":
         from safetensors.torch import load_file
         if problem := safetensors_problem(path):
@@ -218,19 +212,10 @@ def _read_state_dict(path: Path) -> dict:
         state = load_file(str(path))
     else:  # .ckpt, .pt, .pth, .bin: PyTorch files, read by the weights-only loader
         state = load_torch_file(path, f"Pass another {{vae}}: {_LOCAL_OPTIONS[len('Pass a local VAE instead: '):]}")
-    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
+    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):  # as .ckpt files often wrap them
         state = state["state_dict"]
     if not isinstance(state, dict):
         raise SettingError(f"The VAE file {path} does not hold a state dict. {_LOCAL_OPTIONS}")
-    return state
-
-
-def _load_single_file(located: _Located):
-    """Build the config's class and load a single file (diffusers or, for AutoencoderKL, original LDM key names)."""
-    config = json.loads(located.config_path.read_text())
-    kind = tokenizer_class(config, located.config_path)
-    vae = kind.diffusers_class().from_config(config)
-    state = _read_state_dict(located.path)
     if not set(vae.state_dict()) <= set(state) and kind.name == "AutoencoderKL":
         # Original (CompVis/LDM) names such as encoder.down.0.block.0..., possibly under first_stage_model.
         from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
@@ -238,11 +223,9 @@ def _load_single_file(located: _Located):
     try:
         vae.load_state_dict(state, strict=True)
     except RuntimeError as err:
-        first = str(err).splitlines()[0]
-        raise SettingError(
-            f"The VAE file {located.path} does not match its config {located.config_path} ({first}). Pass the "
-            f"config.json that belongs to these weights as {{vae config}}."
-        ) from None
+        raise SettingError(f"The VAE file {path} does not match its config {located.config_path} "
+                           f"({str(err).splitlines()[0]}). Pass the config.json that belongs to these weights as "
+                           f"{{vae config}}.") from None
     return vae
 
 

@@ -53,25 +53,6 @@ def rae_geometry(config: dict) -> dict:
             "encoder_input_size": enc_in, "encoder_patch_size": enc_patch, "image_size": patch * grid}
 
 
-def _rae_stats_problem(config: dict, geo: dict) -> str | None:
-    """Why latents_mean / latents_std cannot normalise tokens (C, g, g), or None."""
-    latent = (geo["channels"], geo["grid"], geo["grid"])
-    for key in [k for k in ("latents_mean", "latents_std") if config.get(k) is not None]:
-        try:
-            shape = tuple(torch.as_tensor(config[key], dtype=torch.float32).shape)
-        except (ValueError, TypeError, RuntimeError):  # ragged lists, strings
-            shape = "unreadable (not a list of numbers)"
-        try:
-            fits = not isinstance(shape, str) and torch.broadcast_shapes(shape, (1, *latent)) == (1, *latent)
-        except RuntimeError:  # shapes that do not broadcast
-            fits = False
-        if not fits:
-            return (f"its {key} has shape {shape}, which is not the (C, h, w) = {latent} of its encoder's tokens "
-                    f"(encoder_hidden_size {latent[0]}, {geo['encoder_input_size']} px / patch "
-                    f"{geo['encoder_patch_size']} = {latent[1]})")
-    return None
-
-
 def check_rae_config(config: dict, where) -> None:
     """Refuse an AutoencoderRAE config whose encoder, decoder and statistics do not fit together (one paragraph)."""
     geo = rae_geometry(config)
@@ -86,8 +67,21 @@ def check_rae_config(config: dict, where) -> None:
         problems.append("reshape_to_2d is false (the DiT needs the tokens as a (C, h, w) grid)")
     if config.get("encoder_type", "dinov2") not in ("dinov2", "siglip2", "mae"):
         problems.append(f"its encoder_type {config['encoder_type']!r} is not dinov2, siglip2 or mae")
-    if stats := _rae_stats_problem(config, geo):
-        problems.append(stats)
+    latent = (geo["channels"], geo["grid"], geo["grid"])
+    for key in [k for k in ("latents_mean", "latents_std") if config.get(k) is not None]:  # they normalise (C, g, g)
+        try:
+            shape = tuple(torch.as_tensor(config[key], dtype=torch.float32).shape)
+        except (ValueError, TypeError, RuntimeError):  # ragged lists, strings
+            shape = "unreadable (not a list of numbers)"
+        try:
+            fits = not isinstance(shape, str) and torch.broadcast_shapes(shape, (1, *latent)) == (1, *latent)
+        except RuntimeError:  # shapes that do not broadcast
+            fits = False
+        if not fits:  # the first one that does not is said
+            problems.append(f"its {key} has shape {shape}, which is not the (C, h, w) = {latent} of its encoder's "
+                            f"tokens (encoder_hidden_size {latent[0]}, {geo['encoder_input_size']} px / patch "
+                            f"{geo['encoder_patch_size']} = {latent[1]})")
+            break
     if problems:
         raise SettingError(
             f"The RAE tokenizer {where} does not fit together: {'; '.join(problems)}. An RAE's decoder must be "
@@ -250,33 +244,27 @@ def rae_decoder_key(key: str) -> str:
                             key.removeprefix("decoder."))
 
 
-def _element_stats(stats, geo: dict, where: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """RAE's stat.pt {"mean", "var"} -> (mean, var) float64 (C, h, w), or a refusal naming the shapes."""
-    latent = (geo["channels"], geo["grid"], geo["grid"])
-    if not isinstance(stats, dict) or not all(isinstance(stats.get(k), torch.Tensor) for k in ("mean", "var")):
-        raise SettingError(f"{where} is not RAE's statistics file (a dict of 'mean' and 'var' tensors); download it "
-                           f"again, or pass an AutoencoderRAE folder as {{vae}}.")
-    out = []
-    for key in ("mean", "var"):
-        value = stats[key].double()
-        value = value[0] if value.dim() == 4 and value.shape[0] == 1 else value
-        if tuple(value.shape) != latent:
-            raise SettingError(f"The RAE statistics {where} have {key} of shape {tuple(stats[key].shape)}, not the "
-                               f"(C, h, w) = {latent} of the encoder's tokens: they belong to another encoder or "
-                               f"input size. Download the statistics of this RAE again, or pass an AutoencoderRAE "
-                               f"folder as {{vae}}.")
-        out.append(value)
-    return out[0], out[1]
-
-
 def build_rae(release: RAERelease, decoder_state: dict, stats: dict, encoder_state: dict, where: dict):
     """The diffusers AutoencoderRAE of a release from RAE's three files; every tensor placed strictly."""
     from diffusers import AutoencoderRAE
 
     geo = rae_geometry(release.config)
-    mean, var = _element_stats(stats, geo, where["stats"])
-    std = torch.sqrt(var + RAE_EPS) - DIFFUSERS_RAE_EPS  # diffusers adds its eps back: sqrt(var + eps) as RAE
-    model = AutoencoderRAE(**release.config, latents_mean=mean.float().tolist(), latents_std=std.float().tolist())
+    latent = (geo["channels"], geo["grid"], geo["grid"])
+    if not isinstance(stats, dict) or not all(isinstance(stats.get(k), torch.Tensor) for k in ("mean", "var")):
+        raise SettingError(f"{where['stats']} is not RAE's statistics file (a dict of 'mean' and 'var' tensors); "
+                           f"download it again, or pass an AutoencoderRAE folder as {{vae}}.")
+    element = {}  # RAE's stat.pt {"mean", "var"} -> float64 (C, h, w)
+    for key in ("mean", "var"):
+        value = stats[key].double()
+        element[key] = value[0] if value.dim() == 4 and value.shape[0] == 1 else value
+        if tuple(element[key].shape) != latent:
+            raise SettingError(f"The RAE statistics {where['stats']} have {key} of shape {tuple(stats[key].shape)}, "
+                               f"not the (C, h, w) = {latent} of the encoder's tokens: they belong to another encoder "
+                               f"or input size. Download the statistics of this RAE again, or pass an AutoencoderRAE "
+                               f"folder as {{vae}}.")
+    std = torch.sqrt(element["var"] + RAE_EPS) - DIFFUSERS_RAE_EPS  # diffusers adds its eps back: sqrt(var + eps)
+    model = AutoencoderRAE(**release.config, latents_mean=element["mean"].float().tolist(),
+                           latents_std=std.float().tolist())
     own = model.state_dict()
     state = {k: v for k, v in own.items() if k in ("encoder_mean", "encoder_std", "_latents_mean", "_latents_std")}
     decoder_state = {k.removeprefix("module."): v for k, v in decoder_state.items()}

@@ -9,6 +9,7 @@ tokens (F, T, D) beside the VAE moments. `transformers`' Dinov2Model needs no to
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from pathlib import Path
@@ -34,9 +35,9 @@ def import_transformers():
     return transformers
 
 
-def read_encoder_config(source: str) -> dict:
-    """config.json of a local encoder folder or a Hub id already in the local cache (no weights are read)."""
-    transformers = import_transformers()
+def plan_identity(source: str, image_size: int, requested_size: int | None) -> dict:
+    """The stored features' identity from the encoder's config (no weights): in index.json, checked on resume."""
+    transformers = import_transformers()  # config.json of a local encoder folder or a Hub id in the local cache
     try:
         config = transformers.AutoConfig.from_pretrained(source)
     except (OSError, ValueError) as err:
@@ -47,12 +48,7 @@ def read_encoder_config(source: str) -> dict:
     if config.model_type != "dinov2":
         raise UserError(f"--repr-encoder {source} is a {config.model_type!r} model; REPA's encoder here is "
                         f"DINOv2 (transformers' Dinov2Model, e.g. facebook/dinov2-base). Pass a DINOv2 folder or id.")
-    return config.to_dict()
-
-
-def plan_identity(source: str, image_size: int, requested_size: int | None) -> dict:
-    """The stored features' identity from the encoder's config (no weights): in index.json, checked on resume."""
-    config = read_encoder_config(source)
+    config = config.to_dict()
     patch = int(config["patch_size"])
     size = requested_size or patch * max(1, image_size // REPA_GRID_DIVISOR)  # else REPA's image_size / 16 patches
     if size % patch:
@@ -60,23 +56,17 @@ def plan_identity(source: str, image_size: int, requested_size: int | None) -> d
                         f"{size // patch * patch or patch} or {(size // patch + 1) * patch}.")
     text = json.dumps({k: v for k, v in config.items() if not k.startswith("_") and k != "transformers_version"},
                       sort_keys=True)
+    normalisation = {"mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD)}
+    path = Path(source) / "preprocessor_config.json"  # a local folder's own mean and std, where it has them
+    if path.is_file():
+        with contextlib.suppress(ValueError, KeyError):
+            pre = json.loads(path.read_text())
+            normalisation = {"mean": list(pre["image_mean"]), "std": list(pre["image_std"])}
     return {"source": str(source), "model_type": config["model_type"],
             "config_sha256": hashlib.sha256(text.encode()).hexdigest(), "input_size": size,
             "patch_size": patch, "grid": size // patch, "tokens": (size // patch) ** 2,
-            "dim": int(config["hidden_size"]), "normalisation": read_normalisation(source),
+            "dim": int(config["hidden_size"]), "normalisation": normalisation,
             "tokens_taken": "last_hidden_state[:, 1:] (LayerNorm-ed patch tokens, REPA's x_norm_patchtokens)"}
-
-
-def read_normalisation(source: str) -> dict:
-    """{"mean", "std"} from the encoder's preprocessor_config.json when a local folder has one, else ImageNet's."""
-    path = Path(source) / "preprocessor_config.json"
-    if path.is_file():
-        try:
-            pre = json.loads(path.read_text())
-            return {"mean": list(pre["image_mean"]), "std": list(pre["image_std"])}
-        except (ValueError, KeyError):
-            pass
-    return {"mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD)}
 
 
 def load_encoder(source: str, identity: dict, device):

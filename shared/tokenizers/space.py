@@ -9,9 +9,7 @@ sees ("dit"): config.json and state.json carry its sha256, weight files and prev
 
 Another tokenizer decodes the latents without any error into wrong pictures, so every difference is refused:
 channels and downsample factor always, the class, scaling factor, own normalisation and config hash unless
---allow-other-vae. Decoding always inverts the "dit" normalisation, so an allowed swap changes the tokenizer,
-never the scaling. Another project's release (an official LightningDiT or RAE DiT, a diffusers pipeline) states its
-space in a few facts: `LatentSpace.of_release`.
+--allow-other-vae; decoding always inverts the "dit" normalisation, so an allowed swap never changes the scaling.
 """
 from __future__ import annotations
 
@@ -155,11 +153,9 @@ class LatentSpace:
     @classmethod
     def read(cls, folder, expected: str | None, rebuild: str) -> "LatentSpace":
         """The space stored in folder, checked against `expected` (index.json's sha256); UserError when damaged."""
-        folder = Path(folder)
-        json_path, tensor_path = folder / SPACE_JSON, folder / SPACE_TENSORS
-        missing = [p.name for p in (json_path, tensor_path) if not p.is_file()]
-        if missing:
-            raise refuse(folder / missing[0], "is missing", rebuild)
+        json_path, tensor_path = Path(folder) / SPACE_JSON, Path(folder) / SPACE_TENSORS
+        if missing := [p for p in (json_path, tensor_path) if not p.is_file()]:
+            raise refuse(missing[0], "is missing", rebuild)
         try:
             tensors = safetensors.torch.load(tensor_path.read_bytes())
         except Exception as err:  # safetensors raises its own error types for a cut or foreign file
@@ -228,11 +224,10 @@ class LatentSpace:
         config = read_vae_config(spec, config_path)
         kind = tokenizer_class(config, name)
         # measure: the encoder run on the meta device; else declared channels (--watch-vae must not import diffusers)
-        channels = latent_channels(config) if measure else kind.declared_channels(config)
-        cheap = {"source": name, "latent_channels": channels}
+        cheap = {"source": name, "class": kind.name, **({"family": kind.family} if kind.family != "vae" else {}),
+                 "latent_channels": latent_channels(config) if measure else kind.declared_channels(config)}
         if measure:
             cheap["downsample_factor"] = downsample_factor(config)
-        cheap.update({"class": kind.name, **({"family": kind.family} if kind.family != "vae" else {})})
         if "scaling_factor" in config:  # else diffusers' default fills it in at load time: compared then
             cheap["scaling_factor"] = float(config["scaling_factor"])
         compare_tokenizers(self.recorded(), cheap, allow_other)
@@ -282,7 +277,15 @@ def choose_tokenizer(spec: str | None, space: LatentSpace | None) -> tuple[str, 
 
 def compare_tokenizers(recorded: dict, actual: dict, allow_other: bool) -> str | None:
     """Refuse a tokenizer that differs from the recorded one (see the module doc); a note when a difference is allowed."""
-    family_problem(recorded, actual)
+    # RAE tokens decoded by a VAE, a VAE's latents by an RAE decoder: refused, no flag overrides it. The family is
+    # "rae" or "vae" for an identity that names its class; None for one that names only its source.
+    made, decoder = (identity.get("family", "vae") if "class" in identity else None for identity in (recorded, actual))
+    if made is not None and decoder is not None and made != decoder:
+        raise UserError(f"these latents are {FAMILY_WORDS[made]}, made by {recorded.get('source')} "
+                        f"({recorded.get('class')}), but {actual.get('source')} is a {actual.get('class')}, whose "
+                        f"decoder expects {FAMILY_WORDS[decoder]}: it would draw noise from them, so --allow-other-vae "
+                        f"does not apply. Pass the --vae the latents were made with (drop --vae to use the recorded "
+                        f"one).")
     named = f" ({recorded['source']})" if recorded.get("source") else ""  # when the metadata names the tokenizer
     if hard := _differences(recorded, actual, _HARD):
         raise UserError(f"the VAE {actual.get('source')} cannot decode these latents: {hard}. Decoding would fail "
@@ -299,19 +302,6 @@ def compare_tokenizers(recorded: dict, actual: dict, allow_other: bool) -> str |
         return (f"decoding with {actual['source']}, not {recorded['source']} recorded with the latents (same "
                 f"channels, downsample factor{', scaling factor and config' if 'config_sha256' in actual else ''})")
     return None
-
-
-def family_problem(recorded: dict, actual: dict) -> None:
-    """Refuse RAE tokens decoded by a VAE and a VAE's latents decoded by an RAE decoder (no flag overrides it)."""
-    # "rae" or "vae" for an identity that names its class; None for older metadata that names only a source
-    made, decoder = (identity.get("family", "vae") if "class" in identity else None for identity in (recorded, actual))
-    if made is None or decoder is None or made == decoder:
-        return
-    raise UserError(f"these latents are {FAMILY_WORDS[made]}, made by {recorded.get('source')} "
-                    f"({recorded.get('class')}), but {actual.get('source')} is a {actual.get('class')}, whose "
-                    f"decoder expects {FAMILY_WORDS[decoder]}: it would draw noise from them, so --allow-other-vae "
-                    f"does not apply. Pass the --vae the latents were made with (drop --vae to use the recorded "
-                    f"one).")
 
 
 def _differences(recorded: dict, actual: dict, fields) -> str:

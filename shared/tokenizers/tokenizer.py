@@ -1,11 +1,9 @@
 """The tokenizer: its classes (one record each: how it encodes, decodes and scales), the normalisation record, and
 the wrapper that encodes and decodes one (found and loaded by shared/tokenizers/locate.py).
 
-A diffusers folder names its class in config.json's `_class_name`; `tokenizer_class` turns that name into a
-`TokenizerClass` or refuses it in one paragraph naming the supported ones. Registering another class is one
-`register_tokenizer(TokenizerClass(...))` call (shared/tokenizers/rae.py's AutoencoderRAE does so; a module of
-the user's too, named by `--plugin MODULE`, with `model_class` its own diffusers ModelMixin + ConfigMixin): nothing
-else in extract, train or sample changes, because every stage goes through `Tokenizer`, which only calls the record.
+A diffusers folder names its class in config.json's `_class_name`; `tokenizer_class` turns it into a
+`TokenizerClass` or refuses it. Another class is one `register_tokenizer(TokenizerClass(...))` call (rae.py's, or a
+--plugin module's): every stage goes through `Tokenizer`, which only calls the record.
 
 A record says:
   encode(module, x) -> (mean, std | None)   x (N,3,H,W) in [-1,1]; raw (unnormalised) latents (N,C,h,w), fp32.
@@ -31,11 +29,9 @@ x = (z - mean) / std * scale, with mean and std one number, one per channel, or 
     element      per-element mean, std (C,h,w) 1 (or the config's) RAE (DINOv2 tokens; its stat.pt or the folder's)
     none         0, 1                          1                  raw latents
 
-Its numbers come from the tokenizer's config or weights or from a folder's statistics, never from literals; they
-travel inside a `LatentSpace` (shared/tokenizers/space.py). Training applies it to each fresh draw
-(`shared.datasets.shards.draw_latents`), every decode inverts it (`Tokenizer.decode`): nothing else scales a latent.
-The latent shape is measured on the meta device (`measure_latent`: no weights, no memory), never inferred from block
-counts; diffusers is imported lazily (`diffusers_class`), so the cheap checks work in `train/` without it.
+Its numbers come from the tokenizer's config or weights or a folder's statistics, never from literals, inside a
+`LatentSpace` (space.py); training's draw applies it, every decode inverts it: nothing else scales a latent. The
+latent shape is measured on the meta device (`measure_latent`); diffusers is imported lazily (`diffusers_class`).
 """
 from __future__ import annotations
 
@@ -132,20 +128,16 @@ class LatentNorm:
         """ValueError when a per-channel or per-element record does not have `channels` channels."""
         own = {"element": self.mean.shape[0], "channel": self.mean.numel()}.get(self.kind)  # None: a scalar record
         if own is not None and own != channels:
-            what = "per-element" if self.kind == "element" else "per-channel"
-            raise ValueError(f"a {what} normalisation of {own} channels cannot apply to {where} "
-                             f"with {channels} channels")
-
-    def check_shape(self, shape, where: str = "these latents") -> None:
-        """ValueError when latents of shape (C, h, w) cannot take this record (channels; an element record's grid)."""
-        self.check_channels(int(shape[0]), where)
-        if self.kind == "element" and tuple(int(n) for n in shape) != self.shape:
-            raise ValueError(f"a per-element normalisation of shape {'x'.join(map(str, self.shape))} cannot apply "
-                             f"to {where} of shape {'x'.join(str(int(n)) for n in shape)}")
+            raise ValueError(f"a {'per-element' if self.kind == 'element' else 'per-channel'} normalisation of {own} "
+                             f"channels cannot apply to {where} with {channels} channels")
 
     def _on(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(x fp32, mean, std broadcastable to (N, C, h, w) on x's device), once x's shape is checked."""
-        self.check_shape(x.shape[1:])
+        """(x fp32, mean, std broadcastable to (N, C, h, w) on x's device); ValueError for latents it cannot take."""
+        shape = tuple(int(n) for n in x.shape[1:])  # (C, h, w)
+        self.check_channels(shape[0], "these latents")
+        if self.kind == "element" and shape != self.shape:
+            raise ValueError(f"a per-element normalisation of shape {'x'.join(map(str, self.shape))} cannot apply "
+                             f"to these latents of shape {'x'.join(map(str, shape))}")
         view = (1, *self.shape) if self.kind == "element" else (1, -1, 1, 1)
         return x.float(), self.mean.view(view).to(x.device), self.std.view(view).to(x.device)
 
@@ -273,20 +265,13 @@ AUTOENCODER_KL = register_tokenizer(TokenizerClass(
 # AutoencoderDC (Chen et al. 2024, DC-AE): deterministic, one scaling_factor
 # ----------------------------------------------------------------------------------------------------------
 
-def _dc_encode(module, x):
-    """The deterministic latent (no posterior): (latent, None)."""
-    return module.encode(x).latent.float(), None
-
-
-def _dc_native_norm(config: dict, module=None) -> LatentNorm:
-    """DC-AE's pipelines multiply by scaling_factor (0.3189 for f32c32-in)."""
-    return LatentNorm.scale_only(_config_number(config, "scaling_factor", 1.0),
-                                 source="the VAE config's scaling_factor")
-
-
 register_tokenizer(TokenizerClass(
-    "AutoencoderDC", "deterministic DC-AE, f32/f64, one scaling_factor", _dc_encode, _decode_sample,
-    _dc_native_norm, deterministic=True, decoder_parts=("decoder",)))
+    "AutoencoderDC", "deterministic DC-AE, f32/f64, one scaling_factor",
+    lambda module, x: (module.encode(x).latent.float(), None), _decode_sample,  # no posterior: (latent, None)
+    # DC-AE's pipelines multiply by scaling_factor (0.3189 for f32c32-in)
+    lambda config, module=None: LatentNorm.scale_only(_config_number(config, "scaling_factor", 1.0),
+                                                      source="the VAE config's scaling_factor"),
+    deterministic=True, decoder_parts=("decoder",)))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -318,25 +303,20 @@ def _flux2_encode(module, x):
     return patchify(mean, p, q), patchify(std, p, q)  # (N, 4C, h/2, w/2)
 
 
-def _flux2_decode(module, z):
-    """Unpatchify, then decode."""
-    p, q = _patch(dict(module.config))
-    return module.decode(unpatchify(z, p, q)).sample
-
-
 def _flux2_native_norm(config: dict, module=None) -> LatentNorm:
     """FLUX.2's pipeline: (z - bn.running_mean) / sqrt(bn.running_var + batch_norm_eps); needs the loaded buffers."""
     if module is None:
         return None  # the numbers live in the weights: known once loaded
     bn, eps = module.bn, float(config.get("batch_norm_eps", 1e-4))
-    std = torch.sqrt(bn.running_var.double() + eps)
-    return LatentNorm.channel(bn.running_mean.double().tolist(), std.tolist(), 1.0,
-                              source="the VAE's BatchNorm running statistics (FLUX.2)")
+    return LatentNorm.channel(bn.running_mean.double().tolist(), torch.sqrt(bn.running_var.double() + eps).tolist(),
+                              1.0, source="the VAE's BatchNorm running statistics (FLUX.2)")
 
 
 register_tokenizer(TokenizerClass(
     "AutoencoderKLFlux2", "FLUX.2's VAE: posterior patchified 2x2 into 4x the channels, per-channel BatchNorm "
-                          "statistics", _flux2_encode, _flux2_decode, _flux2_native_norm,
+                          "statistics", _flux2_encode,
+    lambda module, z: module.decode(unpatchify(z, *_patch(dict(module.config)))).sample,  # unpatchify, then decode
+    _flux2_native_norm,
     declared_channels=lambda config: int(config.get("latent_channels", 32)) * _patch(config)[0] * _patch(config)[1]))
 
 
@@ -344,7 +324,6 @@ register_tokenizer(TokenizerClass(
 # The wrapper: measure a latent, encode and decode (locating and loading one: shared/tokenizers/locate.py)
 # ----------------------------------------------------------------------------------------------------------
 
-DECODE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 PROBE_SIZE = 1024  # pixels per side of the probe image when no extraction size is given (any f <= 1024 divides it)
 
 
@@ -372,10 +351,9 @@ def _measure(config_json: str, size: int, where: str) -> tuple[int, int, int]:
     config = json.loads(config_json)
     kind = tokenizer_class(config, where)
     cls = kind.diffusers_class()  # outside the try: a missing diffusers is no size problem
-    public = {k: v for k, v in config.items() if not k.startswith("_")}
     try:
         with torch.device("meta"):
-            module = cls.from_config(public)
+            module = cls.from_config({k: v for k, v in config.items() if not k.startswith("_")})
             mean, _ = kind.encode(module, torch.empty(1, 3, size, size))
     except Exception as err:  # noqa: BLE001 - an architecture that cannot take this size: said in one paragraph
         raise SettingError(f"{where} ({kind.name}) cannot encode a {size}x{size} image ({type(err).__name__}: "
@@ -424,15 +402,14 @@ class Tokenizer:
     """A tokenizer of a supported class (its `TokenizerClass` record): fp32 encoder, decoder in the requested dtype."""
     def __init__(self, vae, source: str, device, dtype=torch.float32):
         """Wrap a loaded diffusers tokenizer (shared/tokenizers/locate.py `load_tokenizer` builds one from a spec)."""
-        assert dtype in DECODE_DTYPES, f"decode dtype {dtype} is not one of {DECODE_DTYPES}"
+        assert dtype in (torch.float32, torch.float16, torch.bfloat16), f"decode dtype {dtype} is not fp32/fp16/bf16"
         config = dict(vae.config)
         self.kind: TokenizerClass = tokenizer_class({**config, "_class_name": type(vae).__name__}, source)
         self.vae = vae.eval().requires_grad_(False).to(device)  # loaded in fp32
         self.device, self.dtype = torch.device(device), dtype
         # Only the decoder side is cast: the moments must come from an fp32 encoder (they are stored).
         for name in self.kind.decoder_parts:
-            part = getattr(self.vae, name, None)
-            if part is not None:
+            if (part := getattr(self.vae, name, None)) is not None:
                 part.to(dtype)
         self.deterministic = self.kind.deterministic
         # the tokenizer's own convention; None: it has none (an RAE without statistics: the folder's are used)
@@ -442,16 +419,11 @@ class Tokenizer:
         self.downsample_factor = probe_size(config) // h
         self.image_size: int | None = self.kind.native_size(config)  # its one image size (RAE), else None
         self.scaling_factor = _config_number(config, "scaling_factor")
-        self.identity = {
-            "source": source,
-            "class": self.kind.name,
-            **({"scaling_factor": self.scaling_factor} if self.scaling_factor is not None else {}),
-            **({"family": self.family} if self.family != "vae" else {}),  # absent: a VAE
-            "deterministic": self.deterministic,
-            "latent_channels": self.latent_channels,
-            "downsample_factor": self.downsample_factor,
-            "config_sha256": config_sha256(config),
-        }
+        self.identity = {"source": source, "class": self.kind.name,
+                         **({"scaling_factor": self.scaling_factor} if self.scaling_factor is not None else {}),
+                         **({"family": self.family} if self.family != "vae" else {}),  # absent: a VAE
+                         "deterministic": self.deterministic, "latent_channels": self.latent_channels,
+                         "downsample_factor": self.downsample_factor, "config_sha256": config_sha256(config)}
 
     @torch.no_grad()
     def encode_moments(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -35,13 +35,6 @@ def vavae_config(mean, std) -> dict:
     }
 
 
-def read_stats(path) -> tuple[list[float], list[float]]:
-    """(mean, std) per channel from LightningDiT's latents_stats.pt ({"mean", "std"} each (1, C, 1, 1))."""
-    from shared.weights.export import load_torch_file
-    stats = load_torch_file(path, "Download latents_stats.pt of hustvl/vavae-imagenet256-f16d32-dinov2 again.")
-    return stats["mean"].flatten().double().tolist(), stats["std"].flatten().double().tolist()
-
-
 _ATTN_PARTS = {"norm": "group_norm", "q": "to_q", "k": "to_k", "v": "to_v", "proj_out": "to_out.0"}
 
 
@@ -76,9 +69,10 @@ def build_vavae(weights_path, stats_path):
     from diffusers import AutoencoderKL
 
     from shared.weights.export import load_torch_file
-    mean, std = read_stats(stats_path)
+    # LightningDiT's latents_stats.pt: {"mean", "std"} each (1, C, 1, 1)
+    stats = load_torch_file(stats_path, "Download latents_stats.pt of hustvl/vavae-imagenet256-f16d32-dinov2 again.")
     state = load_torch_file(weights_path, "Download vavae-imagenet256-f16d32-dinov2.pt again.")
-    vae = AutoencoderKL.from_config(vavae_config(mean, std))
+    vae = AutoencoderKL.from_config(vavae_config(*(stats[k].flatten().double().tolist() for k in ("mean", "std"))))
     vae.load_state_dict(convert_vavae(state), strict=True)
     return vae
 
