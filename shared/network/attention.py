@@ -31,9 +31,8 @@ def resolve_attention(backend):
     return "sdpa" if backend == "auto" else backend
 
 
-# SDPA's fused kernels on CUDA, in the order tried at first use (the fastest first where it runs: cuDNN and flash on
-# Ampere and later at head sizes up to 128/256, XL/2's 72 included; the memory-efficient kernel also in fp32 and on
-# older GPUs). The math kernel, which materialises the (N, H, T, T) matrix, is the named fallback, never a silent one.
+# SDPA's fused kernels on CUDA, fastest first (cuDNN, flash: Ampere+, head sizes to 128/256; memory-efficient: fp32
+# and older GPUs too). The math kernel, materialising (N, H, T, T), is the named fallback, never a silent one.
 SDPA_KERNELS = ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION")
 SDPA_FALLBACK = "MATH"
 SDPA_NAMES = {"CUDNN_ATTENTION": "cuDNN", "FLASH_ATTENTION": "flash", "EFFICIENT_ATTENTION": "memory-efficient",
@@ -54,12 +53,7 @@ def probe_sdpa_kernel(kernel: str, device, dtype, head_dim: int) -> bool:
     return True
 
 
-def _say(line: str) -> None:
-    """One line to stderr (the stages' progress stream)."""
-    print(line, file=sys.stderr, flush=True)
-
-
-def choose_sdpa_kernel(device, dtype, head_dim: int, say=_say) -> str:
+def choose_sdpa_kernel(device, dtype, head_dim: int, say=lambda line: print(line, file=sys.stderr, flush=True)) -> str:
     """The first of SDPA_KERNELS that runs here (probed once per device, dtype, head size), else SDPA_FALLBACK, said."""
     key = (str(device), dtype, head_dim)
     if key not in _sdpa_choices:

@@ -1,13 +1,13 @@
 """The transformer block's options, one table (LightningDiT, Yao et al. 2025, github hustvl/LightningDiT, MIT).
 
-Each block option is one record (BlockOption): the slot it fills, the value a ModelConfig records, its help, what it
-builds there, and the `marker` tensor that tells its layout apart in weights. DiT and DiT^DH build their blocks from
-this table alone; a --plugin module adds a value with `register_block_option`, the built-ins register in
-shared/network/dit.py; the modules LightningDiT's build (RMSNorm, SwiGLU, 2-D RoPE) are at the end of this file.
+One BlockOption per slot value (its help, what it builds, the `marker` tensor that shows it in weights); DiT and
+DiT^DH build their blocks from it. The built-ins register in dit.py, a --plugin with `register_block_option`;
+LightningDiT's modules (RMSNorm, SwiGLU, 2-D RoPE) are at the end of this file.
 """
 import argparse
 import sys
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
@@ -19,24 +19,19 @@ from shared.runtime.cli import Flag
 from shared.runtime.errors import ChoiceError, UserError
 from shared.runtime.registry import Registry, plugin_module
 
-# Gradient checkpointing of every block that keeps the matmul and attention outputs and recomputes only the
-# pointwise ops between them (selective activation checkpointing): between "off" and "every block" in memory.
+# Checkpointing of every block that keeps matmul and attention outputs and recomputes only the pointwise ops.
 SELECTIVE = "selective"
 NORM_EPS = 1e-6  # DiT's LayerNorms and LightningDiT's RMSNorms alike
 ROPE_THETA = 10000  # rotary base period, as LightningDiT (EVA-02's VisionRotaryEmbeddingFast)
 
 
-# The places in the block an option fills, with their flag's help. What each slot's `build` is called with: norm
-# (dim) -> the normaliser before attention, MLP and output; mlp (dim, mlp_ratio) -> the feed-forward; rope (head_dim,
-# grid) -> the rotary table; qk_norm (head_dim, norm) -> the per-head norm on q and k. The SWITCHES take True/False,
-# and False builds nothing (build None); the others take names.
+# The places in the block an option fills, with their flag's help; each slot's `build` takes: norm (dim), mlp (dim,
+# mlp_ratio), rope (head_dim, grid), qk_norm (head_dim, norm). SWITCHES take True/False; False builds nothing.
 SLOTS = {
-    "norm": "normalisation before attention, MLP and output",
-    "mlp": "feed-forward",
+    "norm": "normalisation before attention, MLP and output", "mlp": "feed-forward",
     "rope": "2-D rotary position embedding on queries and keys, added to the absolute sin-cos embedding as "
             "LightningDiT; the model then runs only at the latent size it was built for",
-    "qk_norm": "normalise queries and keys per head before attention; steadies fp16/bf16 training",
-}
+    "qk_norm": "normalise queries and keys per head before attention; steadies fp16/bf16 training"}
 SWITCHES = ("rope", "qk_norm")
 BLOCK_FIELDS = tuple(SLOTS)
 
@@ -130,14 +125,11 @@ def infer_block(state_dict: dict) -> dict:
     return options
 
 
-# Block presets. "lightning" is the block of LightningDiT's released configs (configs/*.yaml: use_rmsnorm,
-# use_swiglu, use_rope true; use_qknorm false); its README recommends adding QK-norm when large runs hit
-# NaN losses (at a slight cost in convergence speed), which is "lightning-qknorm".
-BLOCKS = {
-    "dit": dict(norm="layernorm", mlp="gelu", rope=False, qk_norm=False),
-    "lightning": dict(norm="rmsnorm", mlp="swiglu", rope=True, qk_norm=False),
-    "lightning-qknorm": dict(norm="rmsnorm", mlp="swiglu", rope=True, qk_norm=True),
-}
+# Block presets. "lightning" is the block of LightningDiT's released configs (configs/*.yaml: use_rmsnorm, use_swiglu,
+# use_rope true; use_qknorm false); its README advises QK-norm when large runs hit NaN losses: "lightning-qknorm".
+BLOCKS = {"dit": dict(norm="layernorm", mlp="gelu", rope=False, qk_norm=False),
+          "lightning": dict(norm="rmsnorm", mlp="swiglu", rope=True, qk_norm=False),
+          "lightning-qknorm": dict(norm="rmsnorm", mlp="swiglu", rope=True, qk_norm=True)}
 BLOCK_HELP = ("dit: LayerNorm + GELU MLP, absolute positions only (DiT); lightning: RMSNorm + SwiGLU + 2-D RoPE, the "
               "block of LightningDiT's released configs; lightning-qknorm: that plus QK-norm (LightningDiT's advice "
               "against NaN losses)")
@@ -173,9 +165,7 @@ def selective_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def selective_contexts():
-    """The (forward, recompute) contexts of torch's selective checkpointing under selective_policy."""
-    return create_selective_checkpoint_contexts(selective_policy)
+selective_contexts = partial(create_selective_checkpoint_contexts, selective_policy)  # () -> (forward, recompute)
 
 
 # --- What LightningDiT's options build (their records: shared/network/dit.py, beside DiT's) ---
@@ -240,8 +230,7 @@ class RotaryEmbedding2d(nn.Module):
                             f"and columns), but heads have {head_dim} channels; pick a preset whose width / heads "
                             "is a multiple of 4, or train without --rope.")
         self.head_dim, self.grid_size = head_dim, grid_size
-        # Persistent, as LightningDiT's feat_rope buffers: they mark a RoPE state dict and pin its grid.
-        # Filled by DiT.initialize_weights (like pos_embed), so building on the meta device stays cheap.
+        # Persistent, as LightningDiT's feat_rope (they mark a RoPE state dict); filled by initialize_weights.
         self.register_buffer("freqs_cos", torch.zeros(grid_size * grid_size, head_dim))  # (T, d)
         self.register_buffer("freqs_sin", torch.zeros(grid_size * grid_size, head_dim))  # (T, d)
 

@@ -1,25 +1,21 @@
 """DiT^DH: a DiT body with a wide, shallow head (RAE: Zheng, Ma, Tong, Xie 2025, "Diffusion Transformers with
 Representation Autoencoders", Sec. 4; github bytetriper/RAE `src/stage2/models/DDT.py`, MIT; our own code).
 
-RAE diffuses 16x16x768 DINOv2 tokens. A transformer narrower than the token dimension cannot fit them (its
-Sec. 4.1), so after the usual body (DiT-XL: 28 blocks of width 1152) it adds a head: 2 blocks of width 2048
-that see the noisy tokens again, embedded afresh, and are conditioned *per token* on the body's output
-(adaLN with one modulation vector per token instead of one per image). The head's idea is DDT's (Wang et al.
-2025, "DDT: Decoupled Diffusion Transformer"). Differences from our DiT, each as RAE's DiTwDDTHead:
+RAE diffuses 16x16x768 DINOv2 tokens, which a transformer narrower than a token cannot fit (its Sec. 4.1), so
+after the body (DiT-XL: 28 blocks of width 1152) a head of 2 blocks of width 2048 sees the noisy tokens again,
+embedded afresh, conditioned *per token* on the body's output (DDT's idea: Wang et al. 2025, "DDT: Decoupled
+Diffusion Transformer"). Differences from our DiT, each as RAE's DiTwDDTHead:
 
 - time features: Gaussian Fourier features sin/cos(2 pi t W) of fixed random W ~ N(0, 1) (Tancik et al. 2020),
   512 of them, then DiT's two-layer SiLU MLP (`t_embedder.W`, `t_embedder.mlp`), instead of DiT's sinusoids;
 - the body's conditioning is c = SiLU(t_emb + y_emb) (each block's adaLN applies SiLU once more);
-- the head's conditioning is s = Linear(SiLU(t_emb + body tokens)) (N, T, D_head), and the final layer is
-  modulated per token by s as well;
-- the absolute sin-cos embedding is added to the body's input only; each stage has its own 2-D RoPE table
-  (`enc_feat_rope`, `dec_feat_rope`) when rope is on;
+- the head's and the final layer's conditioning is s = Linear(SiLU(t_emb + body tokens)) (N, T, D_head);
+- sin-cos positions on the body's input only; each stage its own 2-D RoPE table (`enc_feat_rope`, `dec_feat_rope`);
 - no learned variance by default (velocity prediction): out_channels = in_channels.
 
 Tensor names are RAE's (`s_embedder` the body's patch embedding, `x_embedder` the head's, `s_projector`,
 `blocks.0..depth-1` the body and `blocks.depth..` the head), so its released DiT^DH-XL loads with strict=True.
-Token routing (TREAD, shared/network/routing.py) routes within the body only, as TREAD within its backbone.
-RAE runs patch size 1 only (its unpatchify assumes it); larger patches work here with DiT's patch order.
+Token routing (TREAD) routes within the body only. RAE runs patch size 1 only; larger patches use DiT's order.
 """
 from __future__ import annotations
 
@@ -29,9 +25,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from shared.network.dit import (CLASS_DROPOUT_PROB, Backbone, LabelEmbedder, PatchEmbed, adaln_zero_, init_condition_mlp_,
-                                init_patch_embed_, set_positions_)
-from shared.runtime.errors import SettingError, UserError
+from shared.network.dit import (CLASS_DROPOUT_PROB, Backbone, FinalLayer, LabelEmbedder, PatchEmbed, adaln_zero_,
+                                init_condition_mlp_, init_patch_embed_, set_positions_)
+from shared.runtime.errors import SettingError
 
 FOURIER_FEATURES = 256  # RAE's GaussianFourierEmbedding(embedding_size=256): 512 sin/cos features
 
@@ -70,8 +66,7 @@ class DiTDH(Backbone):
                  num_classes=1000, learn_sigma=False, attention="auto", grad_checkpoint_every=0, norm="rmsnorm",
                  mlp="swiglu", rope=True, qk_norm=False):
         check_head(head_depth, head_width, head_heads)
-        if head_depth == 0:
-            raise UserError("a DiT^DH model needs a head (head depth >= 1); for no head, use a DiT preset.")
+        assert head_depth, "a DiT^DH model needs a head (head depth >= 1); for no head, use a DiT preset"
         super().__init__(input_size, patch_size, in_channels, depth, num_heads, num_classes, learn_sigma, mlp_ratio,
                          dict(norm=norm, mlp=mlp, rope=rope, qk_norm=qk_norm))
         self.head_depth = head_depth
@@ -81,8 +76,8 @@ class DiTDH(Backbone):
         self.s_projector = nn.Linear(hidden_size, head_width) if hidden_size != head_width else nn.Identity()
         self.t_embedder = FourierTimestepEmbedder(hidden_size)
         self.y_embedder = LabelEmbedder(num_classes, hidden_size, class_dropout_prob)
-        self.final_layer = self.make_final_layer(head_width)
-        self.pos_embed = self.positions(hidden_size)  # (1, T, D)
+        self.final_layer = FinalLayer(head_width, patch_size, self.out_channels, norm=norm)
+        self.pos_embed = nn.Parameter(torch.zeros(1, self.grid ** 2, hidden_size), requires_grad=False)  # (1, T, D)
         self.enc_feat_rope = self.rope_table(hidden_size, num_heads)
         self.dec_feat_rope = self.rope_table(head_width, head_heads)
         self.blocks = nn.ModuleList(self.make_blocks(hidden_size, num_heads, depth)

@@ -12,14 +12,11 @@ that the Hub's facebook/DiT-XL-2-* pipelines carry) stores the same tensors unde
     blocks.N.attn.qkv.* (rows q; k; v)      transformer_blocks.N.attn1.to_{q,k,v}.*
     blocks.N.attn.proj.*                    transformer_blocks.N.attn1.to_out.0.*
     blocks.N.mlp.fc1.* / fc2.*              transformer_blocks.N.ff.net.0.proj.* / ff.net.2.*
-    final_layer.adaLN_modulation.1.*        proj_out_1.*
-    final_layer.linear.*                    proj_out_2.*
+    final_layer.{adaLN_modulation.1,linear}.*  proj_out_{1,2}.*
 
-diffusers keeps one copy of the timestep and class embedders in every block (the final layer uses block 0's);
-the official DiT has one. The copies must be equal, else no single-embedder DiT computes what they compute.
-
-The two forwards are not the same function on the same weights (NUMERICS_NOTE): loading converts to the
-official function, which is what the Hub's weights were trained as.
+diffusers keeps a copy of the timestep and class embedders in every block (the final layer uses block 0's), which
+must be equal: the official DiT has one. The two forwards differ on the same weights (NUMERICS_NOTE); loading gives
+the official function, which the Hub's weights were trained as.
 """
 from __future__ import annotations
 
@@ -28,7 +25,7 @@ import inspect
 import torch
 
 from shared.runtime.errors import UserError
-from shared.network.dit import CLASS_DROPOUT_PROB, sincos_2d
+from shared.network.dit import sincos_2d
 from shared.network.models import PRESETS, ModelConfig
 
 DIFFUSERS_DIT_CLASSES = ("DiTTransformer2DModel", "Transformer2DModel")
@@ -40,25 +37,14 @@ NUMERICS_NOTE = (
     "default norm_eps 1e-5, the LayerNorm before each MLP differs from the official eps 1e-6.")
 
 # Our per-block names -> diffusers' per-block names (the fused qkv and the embedder copies are handled apart).
-_BLOCK_NAMES = {
-    "adaLN_modulation.1": "norm1.linear",
-    "attn.proj": "attn1.to_out.0",
-    "mlp.fc1": "ff.net.0.proj",
-    "mlp.fc2": "ff.net.2",
-}
-_TOP_NAMES = {
-    "x_embedder.proj": "pos_embed.proj",
-    "final_layer.adaLN_modulation.1": "proj_out_1",
-    "final_layer.linear": "proj_out_2",
-}
+_BLOCK_NAMES = {"adaLN_modulation.1": "norm1.linear", "attn.proj": "attn1.to_out.0", "mlp.fc1": "ff.net.0.proj",
+                "mlp.fc2": "ff.net.2"}
+_TOP_NAMES = {"x_embedder.proj": "pos_embed.proj", "final_layer.adaLN_modulation.1": "proj_out_1",
+              "final_layer.linear": "proj_out_2"}
 # The embedder copies every diffusers block holds: our tensor -> its name inside transformer_blocks.N.norm1.emb.
-_EMBEDDERS = {
-    "t_embedder.mlp.0.weight": "timestep_embedder.linear_1.weight",
-    "t_embedder.mlp.0.bias": "timestep_embedder.linear_1.bias",
-    "t_embedder.mlp.2.weight": "timestep_embedder.linear_2.weight",
-    "t_embedder.mlp.2.bias": "timestep_embedder.linear_2.bias",
-    "y_embedder.embedding_table.weight": "class_embedder.embedding_table.weight",
-}
+_EMBEDDERS = {**{f"t_embedder.mlp.{i}.{p}": f"timestep_embedder.linear_{j}.{p}" for i, j in ((0, 1), (2, 2))
+                 for p in ("weight", "bias")},
+              "y_embedder.embedding_table.weight": "class_embedder.embedding_table.weight"}
 _QKV = ("to_q", "to_k", "to_v")
 _PARAMS = ("weight", "bias")
 
@@ -66,14 +52,12 @@ _PARAMS = ("weight", "bias")
 def _name_pairs(depth: int):
     """(our tensor name, its diffusers names: one, or the fused qkv's q, k, v rows), an embedder once per block."""
     for ours, theirs in _TOP_NAMES.items():
-        for param in _PARAMS:
-            yield f"{ours}.{param}", (f"{theirs}.{param}",)
+        yield from ((f"{ours}.{param}", (f"{theirs}.{param}",)) for param in _PARAMS)
     for n in range(depth):
         for ours, theirs in _EMBEDDERS.items():
             yield ours, (f"transformer_blocks.{n}.norm1.emb.{theirs}",)
         for ours, theirs in _BLOCK_NAMES.items():
-            for param in _PARAMS:
-                yield f"blocks.{n}.{ours}.{param}", (f"transformer_blocks.{n}.{theirs}.{param}",)
+            yield from ((f"blocks.{n}.{ours}.{p}", (f"transformer_blocks.{n}.{theirs}.{p}",)) for p in _PARAMS)
         for param in _PARAMS:  # fused projection: rows [q; k; v], each (D, D) / (D,)
             yield f"blocks.{n}.attn.qkv.{param}", tuple(f"transformer_blocks.{n}.attn1.{p}.{param}" for p in _QKV)
 
@@ -86,8 +70,7 @@ def full_config(config: dict) -> dict:
 
     name = config["_class_name"]
     if name == "Transformer2DModel" and config.get("norm_type") == "ada_norm_zero":
-        # diffusers builds this legacy config as a DiTTransformer2DModel (its _CLASS_REMAPPING_DICT), so an
-        # absent key means that class's default (e.g. norm_elementwise_affine False, not Transformer2DModel's True).
+        # diffusers builds it as a DiTTransformer2DModel (_CLASS_REMAPPING_DICT), whose defaults then apply.
         name = "DiTTransformer2DModel"
     defaults = {key: p.default for key, p in inspect.signature(getattr(diffusers, name).__init__).parameters.items()
                 if p.default is not inspect.Parameter.empty}
@@ -104,12 +87,10 @@ def check_dit_config(config: dict, where) -> dict:
                         f"folder or weight file of this project.")
     full = full_config(config)
     # (key, value the DiT architecture needs, why) for each setting that changes the weights' meaning.
-    needed = [("norm_type", "ada_norm_zero", "adaLN-Zero conditioning"),
-              ("activation_fn", "gelu-approximate", "tanh-approximated GELU"),
-              ("attention_bias", True, "biased q/k/v projections"),
+    needed = [("norm_type", "ada_norm_zero", "adaLN-Zero conditioning"), ("activation_fn", "gelu-approximate",
+              "tanh-approximated GELU"), ("attention_bias", True, "biased q/k/v projections"),
               ("norm_elementwise_affine", False, "LayerNorms without affine parameters"),
-              ("cross_attention_dim", None, "no cross-attention"),
-              ("only_cross_attention", False, "self-attention"),
+              ("cross_attention_dim", None, "no cross-attention"), ("only_cross_attention", False, "self-attention"),
               ("double_self_attention", False, "one attention per block"),
               ("num_vector_embeds", None, "continuous latents")]
     wrong = [f"{key}={full.get(key)!r} (DiT: {want!r}, {why})" for key, want, why in needed
@@ -147,9 +128,8 @@ def model_config_of(config: dict, where) -> ModelConfig:
         raise UserError(f"the diffusers DiT in {where} has {kw['depth']} layers, {kw['num_heads']} heads x "
                         f"{kw['hidden_size'] // kw['num_heads']} channels and patch {kw['patch_size']}, which match "
                         f"no preset in DiT_models ({', '.join(PRESETS)}). Only preset architectures can be sampled.")
-    # diffusers always builds the null-class row (its LabelEmbedding has DiT's dropout), so guidance works.
-    return ModelConfig(name, input_size=kw["input_size"], in_channels=kw["in_channels"],
-                       num_classes=kw["num_classes"], learn_sigma=kw["learn_sigma"], class_dropout_prob=CLASS_DROPOUT_PROB)
+    # diffusers always builds the null-class row (its LabelEmbedding has DiT's dropout: the default), so guidance works.
+    return ModelConfig(name, **{k: kw[k] for k in ("input_size", "in_channels", "num_classes", "learn_sigma")})
 
 
 def diffusers_config(config: ModelConfig) -> dict:
@@ -194,9 +174,8 @@ def diffusers_to_dit(state_dict: dict, config: dict, where) -> dict:
     out = {}
     for ours, theirs in _name_pairs(depth):  # an embedder: block 0's copy (all are equal, checked above)
         out.setdefault(ours, torch.cat([state_dict[k] for k in theirs]) if len(theirs) > 1 else state_dict[theirs[0]])
-    grid = kw["input_size"] // kw["patch_size"]
     # As DiT.initialize_weights: float64 sin-cos cast to float32, so the tensor equals a freshly built model's.
-    out["pos_embed"] = sincos_2d(kw["hidden_size"], grid).float().unsqueeze(0)  # (1, T, D)
+    out["pos_embed"] = sincos_2d(kw["hidden_size"], kw["input_size"] // kw["patch_size"]).float()[None]  # (1, T, D)
     return out
 
 

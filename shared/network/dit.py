@@ -2,8 +2,7 @@
 
 Parameter names, shapes, initialisation and numerics follow the official release, so the official checkpoints
 (e.g. DiT-XL-2-256x256.pt) load with strict=True and give the same outputs. Top to bottom as the official models.py,
-with the built-in block options' records (the table and LightningDiT's modules: shared/network/blocks.py); presets,
-ModelConfig and reading weights back are shared/network/models.py's.
+with the built-in block options' records (their table: shared/network/blocks.py; presets: models.py).
 """
 import math
 
@@ -34,8 +33,7 @@ def sincos_1d(dim, positions):
 
 def sincos_2d(dim, grid_size):
     """(grid_size**2, dim) MAE-style 2-D embedding; first half encodes the column, second the row."""
-    # The official code builds its grid with meshgrid(w, h), so its "emb_h" half actually holds the
-    # column index; we keep that order so official checkpoints see the embedding they were trained with.
+    # The official meshgrid(w, h) puts the column index in its "emb_h" half: kept, as its checkpoints were trained.
     rows, cols = torch.meshgrid(torch.arange(grid_size), torch.arange(grid_size), indexing="ij")
     return torch.cat([sincos_1d(dim // 2, cols), sincos_1d(dim // 2, rows)], dim=1)  # (T, dim)
 
@@ -52,8 +50,7 @@ class PatchEmbed(nn.Module):
 
     def forward(self, x):
         """(N, C, H, W) latents -> (N, T, D) tokens in row-major patch order."""
-        x = self.proj(x)  # (N, D, H/p, W/p)
-        return x.flatten(2).transpose(1, 2)  # (N, T, D)
+        return self.proj(x).flatten(2).transpose(1, 2)  # (N, D, H/p, W/p) -> (N, T, D)
 
 
 GUIDANCE_INPUTS = 3  # improved MeanFlow's guidance conditioning: 1 - 1/w, t_min, t_max
@@ -161,8 +158,7 @@ class Attention(nn.Module):
 
     def __init__(self, dim, num_heads, qk_norm=None):
         super().__init__()
-        if dim % num_heads:
-            raise UserError(f"hidden size {dim} is not divisible by {num_heads} heads; pick a width that is.")
+        assert dim % num_heads == 0, f"hidden size {dim} is not divisible by {num_heads} heads"
         self.num_heads, self.head_dim = num_heads, dim // num_heads
         self.qkv = nn.Linear(dim, dim * 3, bias=True)
         self.qk_norm = qk_norm is not None
@@ -229,9 +225,8 @@ class DiTBlock(nn.Module):
         self.mlp = build_part("mlp", mlp, hidden_size, mlp_ratio)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size, bias=True))
 
-    # How this block's activations are kept for backward (DiT.set_grad_checkpointing): None stores them all, "full"
-    # recomputes the block, SELECTIVE recomputes its pointwise ops. The checkpoint runs inside forward, so a compiled
-    # block (train/step.py's regional compile) traces it and its policy into the one graph it reuses for every block.
+    # Activations kept for backward (set_grad_checkpointing): None all, "full" recomputes the block, SELECTIVE its
+    # pointwise ops; inside forward, so a regionally compiled block traces it into the one graph every block reuses.
     recompute = None
 
     def forward(self, x, c, rope=None):
@@ -263,9 +258,7 @@ class FinalLayer(nn.Module):
         return self.linear(modulate(self.norm_final(x), shift, scale))
 
 
-# --- Initialisation shared by DiT and DiT^DH ---
-# Pieces of the init both models run in their own RNG draw order (initialize_weights of each). The ones that
-# draw (init_patch_embed_, init_condition_mlp_) are called where the draw falls; the others draw nothing.
+# --- Initialisation shared by DiT and DiT^DH, called in each model's RNG draw order (initialize_weights) ---
 
 def init_patch_embed_(embedder: PatchEmbed) -> None:
     """The patch embedding initialised as a linear layer over the flattened patch (as official DiT), zero bias."""
@@ -284,9 +277,8 @@ def set_positions_(pos_embed: torch.Tensor, grid: int, ropes=()) -> None:
     """The fixed sin-cos table into pos_embed (1, T, D) and the rotary tables recomputed; no RNG draw."""
     pos = sincos_2d(pos_embed.shape[-1], grid).float()  # (T, D), computed on the CPU in float64
     pos_embed.copy_(pos.unsqueeze(0).to(pos_embed.device))  # (1, T, D)
-    for rope in ropes:
-        if rope is not None:
-            rope.reset_tables()
+    for rope in filter(None, ropes):
+        rope.reset_tables()
 
 
 def adaln_zero_(blocks, final_layer: FinalLayer) -> None:
@@ -300,8 +292,7 @@ def adaln_zero_(blocks, final_layer: FinalLayer) -> None:
 
 class Backbone(nn.Module):
     """What DiT and DiT^DH share: blocks from the option table, attention kernels, checkpointing, routing, patch order."""
-    # A subclass builds its embedders in __init__ with the parts below, in the order its release draws their initial
-    # weights, then calls finish().
+    # A subclass builds its parts below in its release's RNG draw order, then calls finish().
 
     def __init__(self, input_size, patch_size, in_channels, depth, num_heads, num_classes, learn_sigma, mlp_ratio,
                  options: dict):
@@ -311,9 +302,8 @@ class Backbone(nn.Module):
             raise UserError(f"input size {input_size} is not a multiple of patch size {patch_size}; "
                             "pick a preset whose patch size divides the latent size.")
         self.input_size, self.patch_size, self.in_channels = input_size, patch_size, in_channels
-        self.learn_sigma = learn_sigma
         self.out_channels = in_channels * 2 if learn_sigma else in_channels
-        self.num_heads, self.num_classes = num_heads, num_classes
+        self.num_heads, self.num_classes, self.learn_sigma = num_heads, num_classes, learn_sigma
         self.null_label = num_classes  # the one owner of the null-class index
         self.depth = depth  # blocks that token routing may span (a DiT^DH's body)
         self.mlp_ratio, self.block_options = mlp_ratio, dict(options)
@@ -324,10 +314,6 @@ class Backbone(nn.Module):
         """Tokens per side."""
         return self.input_size // self.patch_size
 
-    def positions(self, width):
-        """The fixed sin-cos table (1, T, width), a frozen parameter so it is in the state dict as official."""
-        return nn.Parameter(torch.zeros(1, self.grid * self.grid, width), requires_grad=False)
-
     def rope_table(self, width, heads):
         """The rope option's rotary table for heads of width / heads channels (None when off)."""
         return build_part("rope", self.block_options["rope"], width // heads, self.grid)
@@ -336,10 +322,6 @@ class Backbone(nn.Module):
         """`count` blocks of the chosen options at this width."""
         options = {k: self.block_options[k] for k in ("norm", "mlp", "qk_norm")}
         return [DiTBlock(width, heads, self.mlp_ratio, **options) for _ in range(count)]
-
-    def make_final_layer(self, width):
-        """The output layer (adaLN-modulated norm, linear to patch values) at this width."""
-        return FinalLayer(width, self.patch_size, self.out_channels, norm=self.block_options["norm"])
 
     def finish(self, attention, grad_checkpoint_every):
         """Initialise the weights, pick the attention kernel and the checkpointing: the end of every __init__."""
@@ -380,8 +362,7 @@ class Backbone(nn.Module):
 
     def _run_blocks(self, x, c, rope, indices, route=(-1, -1), route_keep=None, return_hidden_at=None):
         """x (N, T, D) through blocks `indices` -> (x, block return_hidden_at's output or None); routed: see below."""
-        # Blocks route[0]..route[1] see only route_keep's (N, K) tokens; the skipped ones wait in `full` and rejoin
-        # after block route[1] holding what block route[0] - 1 gave them (TREAD, shared/network/routing.py).
+        # Blocks route[0]..route[1] see only route_keep's (N, K) tokens (TREAD, shared/network/routing.py).
         start, end = route
         hidden, table = None, rope
         for i in indices:
@@ -426,20 +407,18 @@ class DiT(Backbone):
         # Registration order is the official one: initialize_weights draws in self.modules() order.
         self.x_embedder = PatchEmbed(input_size, patch_size, in_channels, hidden_size)
         self.t_embedder = TimestepEmbedder(hidden_size)
-        # MeanFlow (Geng et al. 2025): a second embedder for the interval length t - r, summed into the conditioning
-        # as the official models_dit.py's h_embedder. None (no tensors) unless asked, so other layouts are unchanged.
+        # MeanFlow (Geng et al. 2025): t - r embedded and summed in, as its models_dit.py's h_embedder (None: none)
         self.h_embedder = TimestepEmbedder(hidden_size) if interval_time else None
-        # Improved MeanFlow (Geng et al. 2025, arXiv 2512.02012): the guidance as conditioning, one embedder each for
-        # 1 - 1/w, the interval's t_min and t_max, summed in (the paper feeds in-context tokens; adaLN keeps every DiT
-        # layout and release loadable).
+        # Improved MeanFlow (arXiv 2512.02012): 1 - 1/w, t_min, t_max summed in (not in-context: every layout loads)
         self.g_embedders = nn.ModuleList(TimestepEmbedder(hidden_size) for _ in range(GUIDANCE_INPUTS)) \
             if guidance_inputs else None
         self.y_embedder = LabelEmbedder(num_classes, hidden_size, class_dropout_prob)
-        self.pos_embed = self.positions(hidden_size)  # (1, T, D)
+        # The fixed sin-cos table, a frozen parameter so it is in the state dict as official.
+        self.pos_embed = nn.Parameter(torch.zeros(1, self.grid ** 2, hidden_size), requires_grad=False)  # (1, T, D)
         # LightningDiT keeps the absolute sin-cos embedding above and adds RoPE inside attention.
         self.feat_rope = self.rope_table(hidden_size, num_heads)
         self.blocks = nn.ModuleList(self.make_blocks(hidden_size, num_heads, depth))
-        self.final_layer = self.make_final_layer(hidden_size)
+        self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels, norm=norm)
         self.finish(attention, grad_checkpoint_every)
 
     @torch.no_grad()
@@ -466,8 +445,7 @@ class DiT(Backbone):
         return 1 if self.h_embedder is None else 2 + (GUIDANCE_INPUTS if self.g_embedders is not None else 0)
 
     def time_embedding(self, t):
-        """(N,) timesteps -> (N, D); with the interval embedder, (N, 2) pairs (time, interval length) -> (N, D);
-        with the guidance embedders too, (N, 5) rows (time, interval length, 1 - 1/w, t_min, t_max) -> (N, D)."""
+        """(N,) times, (N, 2) (t, t - r) with the interval embedder, (N, 5) (and 1 - 1/w, t_min, t_max) -> (N, D)."""
         if self.h_embedder is None:
             return self.t_embedder(t)
         width = self.time_width
@@ -482,11 +460,9 @@ class DiT(Backbone):
 
     def forward(self, x, t, y, force_drop_ids=None, return_hidden_at=None, route_keep=None):
         """x (N, C, H, W) latents, t (N,) times ((N, 2) with the interval embedder), y (N,) -> (N, out, H, W)."""
-        # force_drop_ids (N,) bool/0-1: labels that become the null class (training passes its per-sample coin, so the
-        # model's own global-RNG label dropout never runs: train/loop.py TrainingDraws). return_hidden_at k (1..depth):
-        # the result is (output, block k's tokens (N, T, D)), for REPA (shared/network/repa.py). route_keep (N, K)
-        # int64: in train mode with set_routing on, only these tokens pass the routed blocks (TREAD); in eval mode
-        # every token passes every block, as sampling does.
+        # force_drop_ids (N,) bool/0-1: labels made the null class (training's per-sample coin: train/loop.py
+        # TrainingDraws). return_hidden_at k (1..depth): (output, block k's tokens (N, T, D)), for REPA. route_keep
+        # (N, K) int64: in train mode with set_routing on, only these tokens pass the routed blocks (TREAD).
         self._check_input(x)
         x = self.x_embedder(x) + self.pos_embed  # (N, T, D), T = H * W / p**2
         c = self.time_embedding(t) + self.y_embedder(y, self.training, force_drop_ids)  # (N, D)

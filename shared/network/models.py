@@ -1,8 +1,5 @@
-"""DiT presets, ModelConfig (what rebuilds a model), and the config read back from a state dict's tensors.
-
-The networks are shared/network/dit.py's DiT and shared/network/ddt.py's DiT^DH, their blocks built from the
-block-option table of shared/network/blocks.py.
-"""
+"""DiT presets, ModelConfig (what rebuilds a model: dit.py's DiT, ddt.py's DiT^DH), and the config read back from a
+state dict's tensors."""
 import contextlib
 import functools
 import math
@@ -22,8 +19,7 @@ from shared.runtime.errors import ChoiceError, SettingError, UserError
 
 def compile_blocks(model: torch.nn.Module, backend="inductor", **options) -> torch.nn.Module:
     """Regional compilation: each of `model.blocks` compiled in place; returns `model` (training and sampling)."""
-    # The blocks are instances of one class, so dynamo compiles their forward once (parameters are graph inputs) and
-    # reuses it for every other block: compile time is one block's, whatever the depth (a DiT^DH head: one more).
+    # One class, so dynamo compiles their forward once and reuses it for every block (a DiT^DH head: one more).
     for block in model.blocks:
         block.compile(backend=backend, **options)
     return model
@@ -39,9 +35,8 @@ PRESETS = {
 # Tiny, for tests and the CPU demo (no official size): 4.0M parameters in 6 blocks, 4.4M in all (1000 classes, 256 px).
 PRESETS.update({f"DiT-T/{patch}": dict(depth=6, hidden_size=192, patch_size=patch, num_heads=3) for patch in (2, 1)})
 
-# DiT^DH (RAE, bytetriper/RAE configs/stage2/training/ImageNet256/DiTDH-{S,XL}_DINOv2-B.yaml): a DiT-S or
-# DiT-XL body at patch 1, then 2 head blocks of width 2048 with 16 heads; RAE's block (RMSNorm, SwiGLU, 2-D
-# RoPE, no QK-norm) is the presets' default (DEFAULT_BLOCKS). DiTDH-T is ours: a tiny one for tests and the CPU.
+# DiT^DH (RAE, bytetriper/RAE configs/stage2/training/ImageNet256/DiTDH-{S,XL}_DINOv2-B.yaml): a DiT-S or DiT-XL
+# body at patch 1, 2 head blocks of width 2048, 16 heads, RAE's (lightning) block by default. DiTDH-T: ours, tiny.
 HEAD_FIELDS = ("head_depth", "head_width", "head_heads")
 RAE_HEAD = dict(head_depth=2, head_width=2048, head_heads=16)
 PRESETS["DiTDH-S"] = dict(depth=12, hidden_size=384, patch_size=1, num_heads=6, **RAE_HEAD)
@@ -74,8 +69,7 @@ DiT_models = {name: functools.partial(build_model, name) for name in PRESETS}
 
 def token_width_problem(model: str, in_channels: int, head: dict | None = None) -> str | None:
     """Why the preset (with `head`) is too narrow for tokens of in_channels x patch^2 values, or None."""
-    # RAE Sec. 4.1: a transformer narrower than its tokens (DINOv2-B: 768 values) cannot fit them; the stage that
-    # predicts the output (the head when there is one) must be at least as wide as a token.
+    # RAE Sec. 4.1: the stage that predicts the output (the head, if any) must be at least as wide as a token.
     arch = PRESETS[model]
     head = head or preset_head(model)
     token = in_channels * arch["patch_size"] ** 2
@@ -118,20 +112,16 @@ class ModelConfig:
     head_depth: int | None = None
     head_width: int | None = None
     head_heads: int | None = None
-    # A second timestep embedder (`h_embedder`) for the interval length t - r: MeanFlow's average-velocity network
-    # (shared/generative/meanflow.py) takes the pair (t, t - r). False: no such tensors, the releases' layout.
+    # `h_embedder` for the interval length t - r of MeanFlow's (t, t - r) (generative/meanflow.py); False: none.
     interval_time: bool = False
-    # Three more embedders for the guidance an improved MeanFlow network is conditioned on (1 - 1/w, t_min, t_max;
-    # shared/generative/imf.py), fed as columns 3-5 of its time input. False: no such tensors.
+    # Embedders for improved MeanFlow's 1 - 1/w, t_min, t_max (generative/imf.py), time columns 3-5; False: none.
     guidance_inputs: bool = False
-    # What it was trained to predict (shared/generative/objectives.py): the objective's name and recorded fields
-    # (e.g. flow: {"convention": "sit", "time_dist_shift": 1.0}). Not architecture: build() ignores them.
+    # What it was trained to predict (generative/objectives.py) and its recorded fields; not architecture.
     objective: str = DEFAULT_OBJECTIVE
     objective_args: dict = field(default_factory=dict)
     # The --plugin modules registering its objective and block options: recorded so a stage without them names them.
     plugins: list = field(default_factory=list)
-    # How it samples unless told otherwise: its recipe's sampling half in python -m sample's flag names (e.g.
-    # LightningDiT: {"sampler": "euler", "time_shift": 0.3, "cfg_interval": [0.0, 0.89]}); {} = the objective's own.
+    # How it samples unless told otherwise, in python -m sample's flag names ({"time_shift": 0.3, ...}); {}: default.
     sampling: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -218,8 +208,7 @@ class ModelConfig:
     def from_dict(cls, d):
         """Rebuild from to_dict() output; UserError on missing or unknown keys (absent block options are DiT's)."""
         d = dict(d)
-        names = {f.name for f in fields(cls)}
-        unknown, missing = sorted(set(d) - names), sorted({"model", "input_size"} - set(d))
+        unknown, missing = sorted(set(d) - {f.name for f in fields(cls)}), sorted({"model", "input_size"} - set(d))
         if unknown or missing:
             raise UserError(f"model config {d} has unknown keys {unknown} / lacks keys {missing}; it was "
                             "written by an incompatible version. Re-export the weights with this version.")
@@ -249,8 +238,7 @@ def _infer_architecture(state_dict):
 
 def infer_model_config(state_dict, class_dropout_prob=CLASS_DROPOUT_PROB):
     """Recover the ModelConfig of a DiT (or DiT^DH) state dict from its tensor shapes; UserError if no preset fits."""
-    # Shapes cannot tell whether the label table's last row is a null class; like the official
-    # checkpoints we assume it is (num_classes = rows - 1) unless class_dropout_prob is 0.
+    # Shapes cannot tell a null-class row: as official, the last row is one unless class_dropout_prob is 0.
     rae = "s_embedder.proj.weight" in state_dict  # RAE's DiTwDDTHead layout: a DiT^DH
     if rae:  # its body's parts (s_embedder, enc_feat_rope) read as DiT's, the head's embedder (x_embedder) dropped
         body = {"s_embedder": "x_embedder", "enc_feat_rope": "feat_rope"}

@@ -6,13 +6,11 @@ h_phi: D -> P -> P -> E (SiLU; REPA's build_mlp) and are pulled towards a frozen
 
     L_REPA = -E_n [ 1/T sum_t cos(y*_{n,t}, h_phi(h_{n,t})) ],     L = L_objective + lambda L_REPA.
 
-REPA's setting: depth 8 of 28 for SiT-XL/2, P = 2048, lambda = 0.5, DINOv2-B/14 at 224 px (E = 768). Its token
-grids match (256 px, patch 2: 16 x 16 DiT tokens; 224 px / 14: 16 x 16 encoder tokens). At other sizes the
-encoder's token grid (an image of E channels) is resized to the DiT's (`match_tokens`): a coarser DiT grid
-takes the mean of the encoder tokens over each DiT token's region (adaptive average pooling), a finer one
-interpolates them bilinearly, so each DiT token is aligned with encoder features of the same image region.
-The encoder never runs in training here: its tokens are the shard column "repr" (F, T, E), written by `python -m
-extract --repr-encoder`; `REPR_COLUMN` at the end is its one record (shared/datasets/columns.py).
+REPA's setting: depth 8 of 28 for SiT-XL/2, P = 2048, lambda = 0.5, DINOv2-B/14 at 224 px (E = 768): 16 x 16
+tokens on both sides at 256 px, patch 2. At other sizes `match_tokens` resizes the encoder's token grid to the
+DiT's (mean pooling onto a coarser grid, bilinear onto a finer one), so each DiT token meets its region's features.
+The encoder never runs in training: its tokens are the shard column "repr" (F, T, E) that `python -m extract
+--repr-encoder` writes; `REPR_COLUMN` at the end is its record (shared/datasets/columns.py).
 """
 from __future__ import annotations
 
@@ -38,10 +36,9 @@ class Projector(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(hidden_size, projector_dim), nn.SiLU(),
                                  nn.Linear(projector_dim, projector_dim), nn.SiLU(),
                                  nn.Linear(projector_dim, feature_dim))
-        for layer in self.mlp:
-            if isinstance(layer, nn.Linear):  # REPA initialises every linear layer of SiT this way
-                nn.init.xavier_uniform_(layer.weight)
-                nn.init.zeros_(layer.bias)
+        for layer in self.mlp[::2]:  # the Linears: REPA initialises every linear layer of SiT this way
+            nn.init.xavier_uniform_(layer.weight)
+            nn.init.zeros_(layer.bias)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """(N, T, D) -> (N, T, E)."""

@@ -1,17 +1,14 @@
 """Token routing (TREAD: Krause et al., ICCV 2025, github CompVis/tread): a cheaper training step, no new weights.
 
-During training a random subset of each sample's tokens skips a span of middle blocks: blocks start..end
-(inclusive, counted from 0 as `blocks.N` in the state dict) see only the kept ones, and after block `end` the
-skipped tokens re-enter holding what block start-1 gave them, so every later block, the final layer and the loss
-see every token. Evaluation and sampling run every token through every block (DiT.forward routes only in training).
+In training, blocks start..end (inclusive, counted from 0 as `blocks.N`) see only a random subset of each sample's
+tokens; after block `end` the skipped ones re-enter holding what block start-1 gave them, so later blocks and the
+loss see every token. Evaluation and sampling run every token through every block.
 
 TREAD's facts this follows (routing_module.py, dit.py, configs/model/tread.yaml):
-- `selection_ratio` is the share of tokens that skip the route: int(T * ratio) skip, the rest are kept; 0.5 in
-  the paper. The choice is uniform per sample (an argsort of uniform noise).
+- `selection_ratio` (0.5 in the paper): int(T * ratio) tokens skip the route, chosen uniformly per sample.
 - The route of its DiT-B/2 config is blocks 2..8 of 12; its guideline scales absolutely, i = 2 and j = depth - 4.
 - Routing applies to every sample of the batch, the label-dropped (unconditional) ones included.
-Here the choice is drawn from the sample's stream-position generator (train/loop.py), not the global RNG, so a
-resumed run routes the same tokens as an uninterrupted one.
+Here the choice comes from the sample's stream-position generator (train/loop.py), so a resumed run routes alike.
 """
 from __future__ import annotations
 

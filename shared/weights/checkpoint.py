@@ -1,7 +1,5 @@
-"""Every weight file --ckpt may name, as one table: FORMATS holds one WeightFormat per source (how a file is
-recognised and read, its own sampler's guidance rule, which weights it holds, how to fix a damaged one), and
-load_sampling_weights is the one loader that walks it. A new source is one record: `register_format`, e.g. from a
---plugin module (tests/weight_format_plugin.py)."""
+"""Every weight file --ckpt may name, as one table: FORMATS holds one WeightFormat per source (how it is recognised
+and read, what its weights mean), walked by load_sampling_weights; a --plugin adds one with `register_format`."""
 from __future__ import annotations
 
 import argparse
@@ -40,8 +38,6 @@ _OFFICIAL_FIX = ("Pass an official DiT checkpoint (downloaded from dl.fbaipublic
 _CKPT_KINDS = ("a training run folder, a .safetensors export, an official DiT .pt checkpoint (or a released one by "
                f"name: {', '.join(OFFICIAL_NAMES)}), or a diffusers DiT (pipeline folder, transformer folder, or Hub "
                "repo id such as facebook/DiT-XL-2-256)")
-_BARE = ("one set of weights: a bare state dict (the DiT release's files hold the EMA weights), not a training "
-         "checkpoint with 'ema' and 'model' entries")
 
 
 @dataclass
@@ -145,8 +141,7 @@ def _held_by_place(found: Found) -> tuple[tuple, str]:
 
 
 def run_weight_file(folder: Path, weights: str) -> tuple[Path, list[str]]:
-    """(file, notes): a checkpoint folder's model or EMA file, or a run folder's newest whole export (or checkpoint
-    weights with --weights raw; incomplete newer ones are noted)."""
+    """(file, notes): a checkpoint folder's model/EMA file, or a run folder's newest whole export (raw: checkpoint)."""
     if (folder / MODEL_FILE).is_file() or (folder / EMA_FILE).is_file():  # a single RUN/checkpoints/step-* folder
         chosen = folder / (MODEL_FILE if weights == "raw" else EMA_FILE)
         if not chosen.is_file():
@@ -210,7 +205,8 @@ def _held_entries(found: Found) -> tuple[tuple, str]:
     """A training checkpoint's 'ema' and 'model' entries (RAE's hold 'ema' only), or a bare state dict's one set."""
     obj = found.contents
     held = tuple(w for w, entry in ENTRIES.items() if isinstance(obj, dict) and isinstance(obj.get(entry), dict))
-    return held, (f"only its '{ENTRIES[held[0]]}' entry" if held else _BARE)
+    return held, (f"only its '{ENTRIES[held[0]]}' entry" if held else "one set of weights: a bare state dict (the DiT "
+                  "release's files hold the EMA weights), not a training checkpoint with 'ema' and 'model' entries")
 
 
 def _tensors(found: Found, weights: str) -> dict:
@@ -241,8 +237,7 @@ def _read_dit(found: Found, weights: str, objective: str | None) -> Read:
 
 
 def _read_repa(found: Found, weights: str, objective: str | None) -> Read:
-    """REPA's SiT-XL/2 (sihyun-yu/REPA models/sit.py): DiT's names, 4 output channels, plus its projector
-    `projectors.0.{0,2,4}.*` (dropped: sampling never uses it); flow with t = 0 at data ("repa" convention)."""
+    """REPA's SiT-XL/2 (sihyun-yu/REPA models/sit.py): DiT's names plus its projector (dropped); flow, t = 0 at data."""
     full = _tensors(found, weights)
     projector = [k for k in full if k.startswith(REPA_PROJECTOR_PREFIX)]
     state_dict = {k: v for k, v in full.items() if k not in projector}
@@ -263,8 +258,7 @@ def _rae_tokens(config: ModelConfig) -> bool:
 
 
 def _read_rae(found: Found, weights: str, objective: str | None) -> Read:
-    """RAE's DiTwDDTHead layout: its transport, flow in RAE's time (1 = noise) and the release's or RAE's auto shift;
-    RAE's sampling configs all sample it with its ODE Euler over 50 points, so any file of its layout does too."""
+    """RAE's DiTwDDTHead layout: flow in RAE's time (1 = noise), the release's or the auto shift, RAE's ODE Euler."""
     state_dict = _tensors(found, weights)
     config = infer_model_config(state_dict)
     shift = (RELEASES[found.path.name].time_dist_shift if found.path.name in RELEASES
@@ -283,8 +277,7 @@ def _read_rae(found: Found, weights: str, objective: str | None) -> Read:
 
 
 def _read_lightningdit(found: Found, weights: str, objective: str | None) -> Read:
-    """LightningDiT-XL/1 (hustvl/LightningDiT): its tensor names are our lightning block's (RMSNorm, SwiGLU, RoPE),
-    so the mapping is the identity; SiT's flow (time 0 = noise); tests/bench/check_lightningdit_parity.py."""
+    """LightningDiT-XL/1 (hustvl/LightningDiT): our lightning block's names, as they are; SiT's flow (0 = noise)."""
     state_dict = _tensors(found, weights)
     config = infer_model_config(state_dict)
     if config.block != "lightning" or config.learn_sigma:
@@ -384,8 +377,7 @@ def nonfinite_tensors(state_dict) -> Iterator[tuple[str, int, int]]:
     """(name, NaN/inf count, size) of each floating tensor, in key order, that is not all finite (lazily)."""
     for name, tensor in state_dict.items():
         if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
-            bad = int((~torch.isfinite(tensor)).sum())
-            if bad:
+            if bad := int((~torch.isfinite(tensor)).sum()):
                 yield name, bad, tensor.numel()
 
 
@@ -401,8 +393,7 @@ def check_finite(loaded: LoadedWeights, fix: str) -> None:
 
 def load_sampling_weights(ckpt, weights: str | None = None, model: str | None = None,
                           objective: str | None = None) -> LoadedWeights:
-    """Read the weights --ckpt names with their ModelConfig through the first FORMATS record that recognises them;
-    refuse a contradicting --model or --objective and non-finite weights (no model is built yet)."""
+    """The weights --ckpt names, read by the first FORMATS record that recognises them; refuses contradicting flags."""
     if weights is not None and weights not in WEIGHTS:
         raise ChoiceError("weights", weights, WEIGHTS)
     if model is not None:

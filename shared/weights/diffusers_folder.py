@@ -73,18 +73,12 @@ def is_diffusers_file(path: Path) -> bool:
         return False
 
 
-def _parent_vae(transformer: Path) -> Path | None:
-    """The VAE of the pipeline a transformer folder sits in (PIPELINE/transformer -> PIPELINE/vae)."""
-    parent = transformer.parent
-    return parent / VAE if (parent / MODEL_INDEX).is_file() and (parent / VAE / CONFIG).is_file() else None
-
-
 def locate(path: Path, hub_id: str | None = None) -> DiffusersSource:
     """The DiffusersSource of a pipeline folder, a transformer folder or weight file (of a Hub repo's snapshot)."""
     if path.is_file():
-        transformer, weights, vae = path.parent, path, _parent_vae(path.parent)
+        transformer, weights = path.parent, path
     else:
-        transformer, vae = path, _parent_vae(path)
+        transformer = path
         if (path / MODEL_INDEX).is_file():  # a pipeline folder: its transformer/ model, and its vae/ if it has one
             index = read_json(path / MODEL_INDEX)
             if TRANSFORMER not in index or not (path / TRANSFORMER).is_dir():
@@ -93,14 +87,16 @@ def locate(path: Path, hub_id: str | None = None) -> DiffusersSource:
                                 f"{TRANSFORMER}/ model (its parts: {parts}), so it holds no DiT. Pass a DiTPipeline "
                                 f"folder (transformer/, vae/, scheduler/), its transformer/ folder, or a run folder or "
                                 f"weight file of this project.")
-            transformer, vae = path / TRANSFORMER, (path / VAE if (path / VAE / CONFIG).is_file() else None)
+            transformer = path / TRANSFORMER
         weights = next((transformer / name for name in WEIGHT_FILES if (transformer / name).is_file()), None)
         if weights is None:
             raise UserError(f"the diffusers model folder {transformer} has a {CONFIG} but no weights "
                             f"({', '.join(WEIGHT_FILES)}); the download or export is incomplete: fetch it again.")
+    parent = transformer.parent  # a pipeline folder when it has a model index: its vae/ is used
+    vae = parent / VAE if (parent / MODEL_INDEX).is_file() and (parent / VAE / CONFIG).is_file() else None
     # Output folders are named after the Hub repo, else the pipeline (or model) folder.
-    pipeline = transformer.name == TRANSFORMER and (transformer.parent / MODEL_INDEX).is_file()
-    label = hub_id.split("/")[-1] if hub_id else (transformer.parent if pipeline else transformer).name
+    pipeline = transformer.name == TRANSFORMER and (parent / MODEL_INDEX).is_file()
+    label = hub_id.split("/")[-1] if hub_id else (parent if pipeline else transformer).name
     return DiffusersSource(transformer, weights, vae, label)
 
 

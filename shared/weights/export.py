@@ -1,10 +1,7 @@
-"""Weight files: the one safetensors writer (sorted metadata, from plain copies, atomically), the readers and
-whole-file checks every weight load needs (the safe `torch.load` among them), and our own weight files ("exports").
-
-Exports are slim safetensors files with the model config inside. Metadata keys (all JSON strings, as safetensors
-metadata must be str -> str):
-  "dit_config": ModelConfig.to_dict(), "latent_space": the LatentSpace's JSON (its statistics are the tensors
-  "latent_space.*" beside the weights: shared/tokenizers/space.py), "step": the optimiser step.
+"""Weight files: the one safetensors writer (sorted metadata, plain copies, atomic), the readers and whole-file
+checks every load needs (the safe `torch.load` among them), and our exports: safetensors with metadata (str -> str)
+"dit_config": ModelConfig.to_dict(), "latent_space": the LatentSpace's JSON (its statistics are the tensors
+"latent_space.*": shared/tokenizers/space.py), "step": the optimiser step.
 """
 import json
 import pickle
@@ -23,8 +20,7 @@ from shared.runtime.fsio import atomic_write
 
 def write_safetensors(path, tensors: dict, metadata: dict | None = None) -> None:
     """safetensors' save_file, then its header rewritten with the metadata keys sorted: equal content, equal bytes."""
-    # safetensors keeps the metadata in a Rust HashMap, so each process writes its keys in a random order and a
-    # resumed run's files would differ from an uninterrupted run's in the header alone.
+    # safetensors writes metadata keys in a random (HashMap) order per process: sorted, a resumed run's bytes match.
     save_file(tensors, str(path), metadata=metadata)
     with open(path, "r+b") as f:
         size = int.from_bytes(f.read(8), "little")  # the header: u64 length, then that many bytes of JSON
@@ -58,9 +54,7 @@ def read_tensor_file(path, device):
                         "where it was made, or use another weight file.") from err
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Checks every weight load needs
-# ----------------------------------------------------------------------------------------------------------
+# --- Checks every weight load needs ---
 
 def safetensors_problem(path) -> str | None:
     """Why a safetensors file is not whole (truncated, not safetensors), from its header alone; None if whole."""
@@ -78,8 +72,7 @@ _REFUSED = "Weights only load failed"  # the first words of every weights-only r
 
 def load_torch_file(path, fix: str, allowed=()):
     """torch.load(weights_only=True) on the CPU -> the object; SettingError, ending in `fix`, for a refused file."""
-    # `fix` may name settings as {setting} fields; `allowed`: extra safe globals. torch's own text is not repeated:
-    # it advises weights_only=False, which would run the file's code.
+    # `fix` may name {setting} fields; `allowed`: extra safe globals. torch's text (weights_only=False) is not repeated.
     path = Path(path)
     try:
         with torch.serialization.safe_globals(list(allowed)):
@@ -95,15 +88,12 @@ def load_torch_file(path, fix: str, allowed=()):
         # the one line that says what was refused (torch's advice lines dropped)
         skip = (_REFUSED, "Please file an issue", "Check the documentation")
         lines = [line.strip() for line in str(err).splitlines() if line.strip() and not line.startswith(skip)]
-        raise SettingError(_unreadable(path, lines[0] if lines else _first_line(err), fix)) from None
+        detail = lines[0] if lines else _first_line(err)
     except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile, OSError) as err:
-        raise SettingError(_unreadable(path, _first_line(err), fix)) from None
-
-
-def _unreadable(path: Path, detail: str, fix: str) -> str:
-    """The refusal of a file that is not a readable PyTorch file of tensors."""
-    return (f"cannot read {path} as a PyTorch weight file ({detail}): it is truncated (an interrupted copy or "
-            f"download), not a PyTorch file, or a pickle of more than plain tensors; nothing in it was run. {fix}")
+        detail = _first_line(err)
+    raise SettingError(f"cannot read {path} as a PyTorch weight file ({detail}): it is truncated (an interrupted copy "
+                       f"or download), not a PyTorch file, or a pickle of more than plain tensors; nothing in it was "
+                       f"run. {fix}") from None
 
 
 def _first_line(err: BaseException) -> str:
@@ -112,9 +102,7 @@ def _first_line(err: BaseException) -> str:
     return text.splitlines()[0].split(". ")[0].rstrip(".")[:200] if text else type(err).__name__
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Our weight files: the model config and latent space inside
-# ----------------------------------------------------------------------------------------------------------
+# --- Our weight files: the model config and latent space inside ---
 
 SPACE_KEY = "latent_space"  # metadata key of the latent space's JSON, prefix of its statistics' tensors
 

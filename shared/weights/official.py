@@ -1,8 +1,7 @@
 """Released checkpoints by name (`--ckpt DiT-XL-2-256x256.pt`): each Release records what its bare file cannot say
 (objective, paper, latents, sampling); a file is recognised by its name here or the one its URL writes (`wget` of
-SiT's link saves SiT-XL-2-256.pt). Looked for as given, then in ./pretrained_models/ (where the releases' scripts
-put it), then in the cache of shared/runtime/download.py ($DIT_CHECKPOINT_DIR, else torch's hub checkpoints
-folder), else downloaded into it from the release's URL ($DIT_DOWNLOAD_URL/NAME replaces them all: a mirror).
+SiT's link saves SiT-XL-2-256.pt). Looked for as given, in ./pretrained_models/, in shared/runtime/download.py's
+cache, else downloaded there from the release's URL ($DIT_DOWNLOAD_URL/NAME replaces them all: a mirror).
 """
 from __future__ import annotations
 
@@ -17,13 +16,11 @@ from shared.runtime.download import fetch, release_url
 BASE_URL = "https://dl.fbaipublicfiles.com/DiT/models/"
 HF_RAE = "https://huggingface.co/nyu-visionx/RAE-collections/resolve/main/"  # RAE's README: hf download this repo
 RAE_SHIFT = auto_shift((768, 16, 16))  # --time-dist-shift auto of RAE's DINOv2-B tokens
-# How each release samples for its paper's FID, in python -m sample's flag names (ModelConfig.sampling): recorded
-# with the weights when they load, so a bare --ckpt samples as the release does (a flag given still wins). RAE's
-# and REPA's apply to any file of their layouts (their FORMATS records); DiT's and SiT's are sample's defaults.
+# How each release samples for its paper's FID, in python -m sample's flag names (ModelConfig.sampling; a flag still
+# wins). RAE's and REPA's apply to any file of their layouts; DiT's and SiT's are sample's defaults.
 # RAE (bytetriper/RAE configs/stage2/sampling/ImageNet256/DiTDHXL-DINOv2-B.yaml, FID 1.51): `sampler: mode ODE,
-# sampling_method euler, num_steps 50`, i.e. torchdiffeq's Euler over 50 grid points = 49 steps (49 network
-# calls), on the grid shifted by time_dist_shift (recorded beside, as the objective's); its guidance is `cfg
-# scale 1.0, t-min 0, t-max 1`: none, so no interval is recorded (the scale stays a flag; the loader says 1).
+# sampling_method euler, num_steps 50`: torchdiffeq's Euler over 50 grid points = 49 steps, on the grid shifted by
+# time_dist_shift (the objective's); guidance `cfg scale 1.0, t-min 0, t-max 1`: none, so no interval is recorded.
 RAE_SAMPLING = {"sampler": "euler", "num_sampling_steps": 49}
 RAE_CFG_SCALE = 1.0  # its FID's guidance scale: a flag (as LightningDiT's), printed when the weights load
 # REPA (its README's FID 1.42 command: --mode sde --num-steps 250 --cfg-scale 1.8 --guidance-high 0.7): SiT's
@@ -57,18 +54,16 @@ RELEASES = {
     "REPA-SiT-XL-2-256x256.pt": Release("https://www.dl.dropboxusercontent.com/scl/fi/cxedbs4da5ugjq5wg3zrg/last.pt"
                                         "?rlkey=8otgrdkno0nd89po3dpwngwcc&st=apcc645o&dl=0", objective="flow",
                                         paper="REPA (Yu et al. 2024)"),
-    # RAE's DiT^DH-XL on DINOv2-B (with registers) tokens, ImageNet 256 (nyu-visionx/RAE-collections, the path its
-    # configs/stage2/sampling/ImageNet256/DiTDHXL-DINOv2-B.yaml loads): RAE's DiTwDDTHead layout, flow in RAE's time
-    # (1 = noise, REPA's convention), its shift sqrt(768 * 16 * 16 / 4096) recorded; decoded by RAE's decoder.
+    # RAE's DiT^DH-XL on DINOv2-B (registers) tokens, ImageNet 256 (the path its DiTDHXL-DINOv2-B.yaml loads): flow in
+    # RAE's time (1 = noise, REPA's convention), shift sqrt(768 * 16 * 16 / 4096); decoded by RAE's decoder.
     "RAE-DiTDH-XL-DINOv2-B-256.pt": Release(HF_RAE + "DiTs/Dinov2/wReg_base/ImageNet256/DiTDH-XL/stage2_model.pt",
                                             objective="flow", paper="RAE (Zheng et al. 2025)",
                                             time_dist_shift=RAE_SHIFT),
 }
 # LightningDiT's releases (hustvl/LightningDiT, MIT; its README's links): LightningDiT-XL/1 on VA-VAE f16d32 latents
-# (32x16x16 at 256 px), decoded by VA-VAE with its own per-channel normalisation (latents_stats.pt), SiT's flow
-# (time 0 = noise). Sampled as its configs/reproductions/*.yaml do: Euler (250 steps, sample's default), timestep
-# shift 0.3, guidance only where its time (0 = noise) is at least 0.125 (800 epochs, FID 1.35 at scale 6.7) or
-# 0.10 (64 epochs, FID 2.11 at scale 10), i.e. our noise levels 0 .. 1 - start.
+# (32x16x16 at 256 px, its latents_stats.pt normalisation), SiT's flow (0 = noise). Sampled as its
+# configs/reproductions/*.yaml: Euler, 250 steps, shift 0.3, guidance where its time is at least 0.125 (800 epochs,
+# FID 1.35 at scale 6.7) or 0.10 (64 epochs, FID 2.11 at scale 10), i.e. our noise levels 0 .. 1 - start.
 _HF = "https://huggingface.co/hustvl/{0}/resolve/main/{0}.pt"
 _VAVAE_LATENTS = {"vae": "vavae", "image_size": 256, "latent_shape": [32, 16, 16]}
 for _name, _start, _scale in (("lightningdit-xl-imagenet256-800ep.pt", 0.125, 6.7),
@@ -78,8 +73,7 @@ for _name, _start, _scale in (("lightningdit-xl-imagenet256-800ep.pt", 0.125, 6.
         latent_meta=_VAVAE_LATENTS, layout="lightningdit", cfg_scale=_scale,
         sampling={"sampler": "euler", "time_shift": 0.3, "cfg_interval": [0.0, round(1.0 - _start, 6)]})
 OFFICIAL_NAMES = tuple(RELEASES)
-# Too generic to say which release a file is: REPA's URL writes last.pt and RAE's stage2_model.pt, names any
-# training run may write (both files are recognised by their layouts instead).
+# Names REPA's and RAE's URLs write that any run may write: those files are recognised by their layouts instead.
 GENERIC_NAMES = ("last.pt", "stage2_model.pt")
 
 
