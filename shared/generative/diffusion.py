@@ -31,12 +31,9 @@ def linear_betas(num_timesteps: int = NUM_TIMESTEPS) -> np.ndarray:
     return np.linspace(scale * 1e-4, scale * 0.02, num_timesteps, dtype=np.float64)
 
 
-# ---- Closed-form Gaussian pieces ----
-
 def normal_kl(mean1, logvar1, mean2, logvar2):
     """Elementwise KL(N(mean1, e^logvar1) || N(mean2, e^logvar2)) in nats."""
-    return 0.5 * (-1.0 + logvar2 - logvar1 + torch.exp(logvar1 - logvar2)
-                  + (mean1 - mean2) ** 2 * torch.exp(-logvar2))
+    return 0.5 * (-1.0 + logvar2 - logvar1 + torch.exp(logvar1 - logvar2) + (mean1 - mean2) ** 2 * torch.exp(-logvar2))
 
 
 def approx_std_normal_cdf(x):
@@ -59,8 +56,6 @@ def mean_flat(x):
     """Mean over all non-batch dimensions: (N, ...) -> (N,)."""
     return x.mean(dim=tuple(range(1, x.ndim)))
 
-
-# ---- The diffusion process ----
 
 class GaussianDiffusion:
     """A discrete Gaussian diffusion over num_timesteps steps, possibly a respaced subset of 1000."""
@@ -102,8 +97,7 @@ class GaussianDiffusion:
 
     def q_sample(self, x0, t, noise):
         """Draw x_t ~ q(x_t | x_0) = N(sqrt(abar_t) x_0, (1 - abar_t) I) (Ho et al. Eq. 4)."""
-        return (self.at("sqrt_alphas_cumprod", t, x0) * x0
-                + self.at("sqrt_one_minus_alphas_cumprod", t, x0) * noise)
+        return self.at("sqrt_alphas_cumprod", t, x0) * x0 + self.at("sqrt_one_minus_alphas_cumprod", t, x0) * noise
 
     def q_posterior_mean_variance(self, x0, xt, t):
         """Mean, variance and clipped log-variance of q(x_{t-1} | x_t, x_0) (Ho et al. Eq. 6-7)."""
@@ -162,11 +156,8 @@ class GaussianDiffusion:
         return {"loss": mse + vb, "mse": mse, "vb": vb}
 
 
-# ---- Respacing ----
-
 def space_timesteps(num_timesteps: int, count: int) -> list[int]:
     """`count` evenly spaced steps of range(num_timesteps), first and last included (ADM, one section)."""
-    check_step_count(num_timesteps, count)
     # As ADM: the float stride is summed step by step, each sum rounded half to even (21 steps keep 499, not 500).
     stride = (num_timesteps - 1) / (count - 1) if count > 1 else 1
     return sorted({round(position) for position in accumulate([stride] * (count - 1), initial=0.0)})
@@ -174,8 +165,8 @@ def space_timesteps(num_timesteps: int, count: int) -> list[int]:
 
 def ddim_timesteps(num_timesteps: int, count: int) -> list[int]:
     """range(0, T, s) with the smallest integer stride s in [1, T) that yields exactly `count` steps (DDIM paper)."""
-    check_step_count(num_timesteps, count)  # ADM's "ddimN": the last step is T - s, and only some counts exist
-    # attainable count -> smallest stride (the strides run down, so a smaller one overwrites a larger)
+    # ADM's "ddimN": the last step is T - s, and only some counts exist. Attainable count -> smallest stride (the
+    # strides run down, so a smaller one overwrites a larger).
     counts = {len(range(0, num_timesteps, stride)): stride for stride in range(num_timesteps - 1, 0, -1)}
     if count not in counts:
         below = max((c for c in counts if c < count), default=None)
@@ -189,7 +180,6 @@ def ddim_timesteps(num_timesteps: int, count: int) -> list[int]:
 def linspace_timesteps(num_timesteps: int, count: int) -> list[int]:
     """diffusers' "linspace" spacing: round(linspace(0, T - 1, count + 1)) without its 0, i.e. `count` steps."""
     # The ODE solvers step from the smallest kept timestep straight to clean data: no model call at t = 0.
-    check_step_count(num_timesteps, count)
     if count > num_timesteps - 1:
         raise UserError(f"The linspace spacing of the ODE solvers has at most {num_timesteps - 1} distinct steps "
                         f"above t = 0; take at most {num_timesteps - 1} sampling steps with them (20-25 are "
@@ -198,29 +188,20 @@ def linspace_timesteps(num_timesteps: int, count: int) -> list[int]:
     return points[1:].tolist()
 
 
-def check_step_count(num_timesteps: int, count: int) -> None:
-    """Refuse a number of sampling steps outside 1..num_timesteps."""
-    if not 1 <= count <= num_timesteps:
-        raise UserError(f"Cannot take {count} sampling steps from a {num_timesteps}-step diffusion; the number "
-                        f"of sampling steps must be between 1 and {num_timesteps} (DiT uses 250 for DDPM).")
-
-
 def kept_timesteps(spacing: int | str | None, num_timesteps: int = NUM_TIMESTEPS) -> list[int]:
     """Original timesteps kept for `spacing`: None = all, a count K (int or "K"), "ddimK" or "linspaceK"."""
     if spacing is None or spacing == "":
         return list(range(num_timesteps))
-    for prefix, rule in (("ddim", ddim_timesteps), ("linspace", linspace_timesteps)):
-        if isinstance(spacing, str) and spacing.startswith(prefix):
-            return rule(num_timesteps, _parse_count(spacing[len(prefix):], spacing))
-    return space_timesteps(num_timesteps, _parse_count(spacing, spacing))
-
-
-def _parse_count(text, spacing) -> int:
-    """A step count from an int or a decimal string; UserError naming the spacing otherwise."""
-    if isinstance(text, int) or (isinstance(text, str) and text.strip().isdigit()):
-        return int(text)
-    raise UserError(f"Timestep spacing {spacing!r} is neither a number of sampling steps (e.g. 250) nor "
-                    f"'ddim' or 'linspace' followed by one (e.g. ddim50, linspace20).")
+    prefix = next((p for p in ("ddim", "linspace") if isinstance(spacing, str) and spacing.startswith(p)), "")
+    text = spacing[len(prefix):] if prefix else spacing
+    if not (isinstance(text, int) or (isinstance(text, str) and text.strip().isdigit())):
+        raise UserError(f"Timestep spacing {spacing!r} is neither a number of sampling steps (e.g. 250) nor "
+                        f"'ddim' or 'linspace' followed by one (e.g. ddim50, linspace20).")
+    if not 1 <= int(text) <= num_timesteps:
+        raise UserError(f"Cannot take {int(text)} sampling steps from a {num_timesteps}-step diffusion; the number "
+                        f"of sampling steps must be between 1 and {num_timesteps} (DiT uses 250 for DDPM).")
+    rule = {"ddim": ddim_timesteps, "linspace": linspace_timesteps, "": space_timesteps}[prefix]
+    return rule(num_timesteps, int(text))
 
 
 def create_diffusion(num_sampling_steps: int | str | None = None) -> GaussianDiffusion:
@@ -230,8 +211,6 @@ def create_diffusion(num_sampling_steps: int | str | None = None) -> GaussianDif
     # Betas whose products equal abar at the kept steps (IDDPM Sec. 4): 1 - abar_{kept[i]} / abar_{kept[i-1]}.
     return GaussianDiffusion(1.0 - kept_acp / np.append(1.0, kept_acp[:-1]), timestep_map=np.array(kept))
 
-
-# ---- Samplers: one signature, deterministic given generators ----
 
 def randn_rows(like: torch.Tensor, generator=None) -> torch.Tensor:
     """Standard normal noise shaped like `like`; with a list of generators row i comes from generator i."""
@@ -290,8 +269,6 @@ for _spec in (
 ):
     register_sampler(_spec)
 
-
-# ---- DiT's objective ----
 
 @register_objective
 @dataclass

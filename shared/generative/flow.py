@@ -22,14 +22,6 @@ FLOW_CONVENTIONS = ("sit", "repa")
 TIME_SAMPLINGS = ("uniform", "lognormal")  # training-time tau draws (SiT: uniform; SD3/LightningDiT: logit-normal)
 
 
-def check_convention(convention: str) -> str:
-    """ChoiceError unless `convention` is one of FLOW_CONVENTIONS."""
-    if convention not in FLOW_CONVENTIONS:
-        raise ChoiceError("flow time convention", convention, FLOW_CONVENTIONS,
-                          "sit: time 0 = noise (SiT, LightningDiT); repa: time 0 = data (REPA)")
-    return convention
-
-
 def shift_time(tau: torch.Tensor, shift: float) -> torch.Tensor:
     """LightningDiT's timestep shift tau' = s tau / (1 + (s - 1) tau); s < 1 spends more steps near noise, 1 = none."""
     return shift * tau / (1 + (shift - 1) * tau)
@@ -67,7 +59,9 @@ class FlowPath:
     convention: str = "sit"
 
     def __post_init__(self):
-        check_convention(self.convention)
+        if self.convention not in FLOW_CONVENTIONS:
+            raise ChoiceError("flow time convention", self.convention, FLOW_CONVENTIONS,
+                              "sit: time 0 = noise (SiT, LightningDiT); repa: time 0 = data (REPA)")
 
     def model_time(self, tau: torch.Tensor) -> torch.Tensor:
         """The timestep input the network was trained with, from SiT time tau (N,)."""
@@ -90,7 +84,7 @@ class FlowPath:
         return self.field(model_fn, x, self.model_time(tau), model_kwargs)
 
     def training_losses(self, model_fn, x1, tau, noise, model_kwargs=None, cos_weight: float = 0.0) -> dict:
-        """Velocity MSE (SiT Eq. 5) plus, with cos_weight > 0, LightningDiT's 1 - cos(v_hat, v) over channels; each (N,)."""
+        """Velocity MSE (SiT Eq. 5) plus, with cos_weight > 0, LightningDiT's 1 - cos(v_hat, v) over C; each (N,)."""
         t = tau.view(-1, *([1] * (x1.ndim - 1))).to(x1.dtype)  # (N, 1, 1, 1)
         xt = t * x1 + (1 - t) * noise  # (N, C, h, w)
         target = x1 - noise  # (N, C, h, w): d x_tau / d tau
@@ -110,8 +104,6 @@ def draw_time(generator: torch.Generator, sampling: str = "uniform", loc: float 
            else torch.sigmoid(loc + scale * torch.randn(1, generator=generator)))
     return tau if shift == 1.0 else shift_time(tau, shift)
 
-
-# ---- Sampling: one process description, three solvers sharing one signature ----
 
 @dataclass(frozen=True)
 class FlowProcess:
@@ -147,8 +139,7 @@ def sde_grid(steps: int, shift: float, last_step: float) -> torch.Tensor:
 def make_process(path: FlowPath, sampler: str, steps: int, shift: float = 1.0,
                  last_step: float = SDE_LAST_STEP) -> FlowProcess:
     """The grid sampler `sampler` walks with `steps` model calls (ODE) or steps (SDE, the last one a Mean step)."""
-    if sampler == "sde":
-        # SiT: linspace(0, 1 - h, N) gives N - 1 Euler-Maruyama steps, then one Mean step of size h: N in all.
+    if sampler == "sde":  # SiT: N - 1 Euler-Maruyama steps, then one Mean step of size h: N in all
         if not 0.0 < last_step < 1.0:
             raise SettingError(f"{{last step}} {last_step:g} is outside (0, 1); SiT's SDE sampler ends with a "
                                f"deterministic step of this size (default {SDE_LAST_STEP}).")

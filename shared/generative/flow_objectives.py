@@ -11,8 +11,8 @@ from typing import ClassVar
 
 import torch
 
-from shared.generative.flow import (TIME_SAMPLINGS, FlowPath, FlowProcess, check_convention, check_shift, draw_time,
-                                   make_process, rae_shift)
+from shared.generative.flow import (TIME_SAMPLINGS, FlowPath, FlowProcess, check_shift, draw_time, make_process,
+                                   rae_shift)
 from shared.generative.imf import INTERVAL_SPLIT, NO_INTERVAL, draw_guidance, imf_losses
 from shared.generative.meanflow import PAIR_SAMPLINGS, draw_pair, meanflow_losses
 from shared.generative.objectives import register_objective, training_fields
@@ -27,8 +27,7 @@ class FlowObjective:
     """SiT's flow matching: linear path, velocity prediction, uniform or logit-normal times (shared/generative/flow.py)."""
     # Recorded: the direction of the network's time input ("sit": 0 = noise; "repa": 0 = data).
     convention: str = "sit"
-    # Recorded: RAE's dimension-dependent shift of the training times and the sampling grid (1 = none; flow.rae_shift;
-    # python -m train --time-dist-shift auto|S sets it, docs/rae.md).
+    # Recorded: RAE's shift of the training times and the sampling grid (1 = none; --time-dist-shift, docs/rae.md).
     time_dist_shift: float = 1.0
     # Training only (flags of python -m train):
     time_sampling: str = option("uniform", "how training draws the time: uniform (SiT) or lognormal, the sigmoid of "
@@ -46,7 +45,7 @@ class FlowObjective:
     level_unit: ClassVar[str] = "flow noise level sigma = 1 - tau (0 = data, 1 = noise; REPA's time)"
 
     def __post_init__(self):
-        check_convention(self.convention)
+        self.path = self.make_path()  # ChoiceError for an unknown convention
         self.time_dist_shift = check_shift(self.time_dist_shift)
         if self.time_sampling not in TIME_SAMPLINGS:
             raise ChoiceError("time sampling", self.time_sampling, TIME_SAMPLINGS)
@@ -54,14 +53,13 @@ class FlowObjective:
             raise SettingError("{time scale} must be positive; fix the flag and rerun.")
         if not self.cos_weight >= 0:
             raise SettingError("{cos weight} must be >= 0; fix the flag and rerun.")
-        self.path = self.make_path()
 
     def make_path(self) -> FlowPath:
         """The path the loss and the samplers use (a subclass may return one whose `call` converts its output)."""
         return FlowPath(self.convention)
 
     def draw_time(self, generator: torch.Generator) -> torch.Tensor:
-        """One training time tau (1,) float32 in SiT's convention (0 = noise), RAE's shift applied (RAE transport.sample)."""
+        """One training time tau (1,) float32 in SiT time (0 = noise), RAE's shift applied (RAE transport.sample)."""
         return rae_shift(draw_time(generator, self.time_sampling, self.time_loc, self.time_scale), self.time_dist_shift)
 
     def training_losses(self, model_fn, x0, t, noise, model_kwargs=None) -> dict:
@@ -77,9 +75,8 @@ class FlowObjective:
         get_sampler(sampler, self)
         if steps < 1:
             raise SettingError(f"{{sampling steps}} {steps} must be at least 1.")
-        # The recorded RAE shift s shapes the grid as in training (RAE's ode/sde grids); a sampler --time-shift a
-        # multiplies onto it (shifts compose by multiplying the odds: a / s in SiT time). A sampler without an
-        # option (dopri5) walks no grid: the option's default only fills the argument.
+        # The recorded RAE shift s shapes the grid as in training; a sampler --time-shift a multiplies onto it (the
+        # odds: a / s in SiT time). dopri5 walks no grid: the option's default only fills the argument.
         grid_shift = options.get(TIME_SHIFT.name, TIME_SHIFT.default) / self.time_dist_shift
         return make_process(self.path, sampler, steps, grid_shift,
                             options.get(LAST_STEP_SIZE.name, LAST_STEP_SIZE.default))
@@ -94,10 +91,9 @@ class FlowObjective:
 @register_objective
 @dataclass
 class MeanFlowObjective:
-    """MeanFlow (Geng et al. 2025): the average velocity over an interval, trained through a JVP; 1-few step sampling."""
-    # Recorded: the direction of the network's first time input, as a flow model's (a run fine-tuned from a flow
-    # model keeps that model's); the two times the network embeds (the paper's t and t - r); the guidance the
-    # training folded into the field, [omega, kappa, lo, hi] ([] = none), so sampling knows not to guide again.
+    """MeanFlow (Geng et al. 2025): the average velocity over an interval, trained through a JVP; few-step sampling."""
+    # Recorded: the direction of the network's first time input (a flow model's, when fine-tuned from one); the two
+    # times it embeds (t, t - r); the guidance training folded in, [omega, kappa, lo, hi] ([] = none).
     convention: str = "sit"
     time_inputs: str = "t,t-r"
     folded_guidance: list = dataclasses.field(default_factory=list)
@@ -209,8 +205,7 @@ def _flag_of(cls, name: str) -> dataclasses.Field:
 class ImprovedMeanFlowObjective:
     """Improved MeanFlow (Geng et al. 2025, arXiv 2512.02012): the MeanFlow identity as a loss on the instantaneous
     velocity, guidance scale and interval as network inputs chosen at sampling (shared/generative/imf.py)."""
-    # Recorded: the direction of the network's first time input (a flow model's, when fine-tuned from one); the
-    # guidance scales [1, w_max] training drew, the only ones the network has seen.
+    # Recorded: as meanflow's convention; the guidance scales [1, w_max] training drew, the only ones the network saw.
     convention: str = "sit"
     cfg_range: list = dataclasses.field(default_factory=lambda: [1.0, 8.0])
     # Training only (flags of python -m train), shared with meanflow (the recipe sets the paper's values):

@@ -1,19 +1,13 @@
-"""Improved MeanFlow (Geng, Lu, Wu, Shechtman, Kolter, He 2025, "Improved Mean Flows: On the Challenges of
-Fastforward Generative Models", arXiv 2512.02012): the MeanFlow identity as a loss on the instantaneous velocity,
-and classifier-free guidance as conditioning chosen at sampling time.
+"""Improved MeanFlow (Geng et al. 2025, arXiv 2512.02012): the MeanFlow identity as a loss on the instantaneous
+velocity, and classifier-free guidance as conditioning chosen at sampling time.
 
-In the paper's time (t = 1 is noise, z_t = (1 - t) x + t e) the network predicts the average velocity u(z_t, r, t);
-the compound field V = u + (t - r) sg(du/dt) is regressed onto a target free of the network's own derivative (the
-paper's v-loss; the release's iMeanFlow.forward), du/dt the JVP along the predicted velocity v(z_t, t) = u(z_t, t, t)
-(the boundary condition r = t; the release's auxiliary v-head is not built). The guided target is v_g = v + (1 - 1/w)
-(v_c - v_u), v_c the network's velocity at scale w, v_u its null-class one at w = 1; its fixed point is the CFG field
-w v(c) + (1 - w) v(null) (the release's guidance_fn). w is drawn per sample log-uniform in [1, w_max], with an
-interval t_min ~ U(0, 1/2), t_max ~ U(1/2, 1) (the release's sample_cfg_scale / sample_cfg_interval), and fed to
-the network beside (t, t - r): a 1-step sample takes any w in that range with one network call.
-
-Here, as in shared/generative/meanflow.py, in SiT's time (tau = 1 - t, v = x1 - eps, ubar = -u): V = ubar - h
-d ubar / d tau with tangents (dx, d tau, d h) = (v_c, 1, -1). The network's time input is (N, 5): its
-convention's time of tau, h = t - r, then GUIDANCE = (1 - 1/w, t_min, t_max) in the paper's time.
+Paper's time (t = 1 noise): the network predicts u(z_t, r, t); V = u + (t - r) sg(du/dt) is regressed onto a target
+free of its own derivative (the v-loss, the release's iMeanFlow.forward), du/dt the JVP along v(z_t, t) = u(z_t, t, t)
+(no auxiliary v-head). Guided target v_g = v + (1 - 1/w)(v_c - v_u), v_c at scale w, v_u null-class at w = 1 (fixed
+point: the CFG field w v(c) + (1 - w) v(null)); w log-uniform in [1, w_max], t_min ~ U(0, 1/2), t_max ~ U(1/2, 1)
+(the release's sample_cfg_scale / sample_cfg_interval), fed beside (t, t - r): one call per step at any w.
+In SiT's time (tau = 1 - t, v = x1 - eps, ubar = -u; as meanflow.py): V = ubar - h d ubar / d tau, tangents (v_c, 1,
+-1); the network's time input (N, 5) is its convention's time of tau, h = t - r, then (1 - 1/w, t_min, t_max).
 """
 from __future__ import annotations
 
@@ -53,9 +47,8 @@ def guided_target(path: FlowPath, model_fn, x, tau, v, guidance, model_kwargs: d
     g = torch.where((level >= lo) & (level <= hi), g, torch.zeros_like(g))
     zero, one = torch.zeros_like(g), torch.ones_like(g)
     cond = torch.stack([torch.cat([g, zero]), torch.cat([zero, zero]), torch.cat([one, one])], dim=1)  # (2N, 3)
-    out = average_velocity(path, conditioned(model_fn, cond), torch.cat([x, x]), torch.cat([tau, tau]),
-                           torch.cat([zero, zero]).to(tau.dtype), cond_and_null(model_kwargs))  # (2N, C, h, w)
-    v_c, v_u = out.chunk(2)
+    v_c, v_u = average_velocity(path, conditioned(model_fn, cond), torch.cat([x, x]), torch.cat([tau, tau]),
+                                torch.cat([zero, zero]).to(tau.dtype), cond_and_null(model_kwargs)).chunk(2)
     shape = (-1, *([1] * (x.ndim - 1)))
     v_g = v + g.view(shape).to(v.dtype) * (v_c - v_u).to(v.dtype)
     dropped = model_kwargs["force_drop_ids"].to(torch.bool).view(shape)  # (N, 1, 1, 1)

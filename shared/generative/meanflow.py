@@ -21,8 +21,7 @@ PAIR_SAMPLINGS = ("lognormal", "uniform")  # the paper's ablation: logit-normal 
 
 def in_sit_sign(path: FlowPath, out: torch.Tensor, channels: int) -> torch.Tensor:
     """The first `channels` of a network output (N, C', h, w) in SiT's sign, fp32 at least (float64 stays)."""
-    u = out[:, :channels]
-    u = u.to(torch.promote_types(u.dtype, torch.float32))  # (N, C, h, w)
+    u = out[:, :channels].to(torch.promote_types(out.dtype, torch.float32))  # (N, C, h, w)
     return u if path.convention == "sit" else -u
 
 
@@ -73,9 +72,8 @@ def guided_velocity(path: FlowPath, model_fn, x, tau, v, model_kwargs: dict, ome
         null = dict(model_kwargs, force_drop_ids=torch.ones_like(dropped))
         guided = omega * v + (1 - omega) * average_velocity(path, model_fn, x, tau, zero, null)
     else:
-        out = average_velocity(path, model_fn, torch.cat([x, x]), torch.cat([tau, tau]), torch.cat([zero, zero]),
-                               cond_and_null(model_kwargs))  # (2N, C, h, w)
-        u_cond, u_null = out.chunk(2)
+        u_cond, u_null = average_velocity(path, model_fn, torch.cat([x, x]), torch.cat([tau, tau]),
+                                          torch.cat([zero, zero]), cond_and_null(model_kwargs)).chunk(2)  # (N, C, h, w)
         guided = omega * v + (1 - omega - kappa) * u_null + kappa * u_cond
     return torch.where(inside.view(-1, *([1] * (v.ndim - 1))), guided, v)  # (N, C, h, w)
 
@@ -112,13 +110,10 @@ def meanflow_losses(path: FlowPath, model_fn, x1, t, noise, model_kwargs: dict, 
                                                rows_of(model_kwargs, rows))  # (M, C, h, w)
         target[rows] += h[rows].view(-1, *([1] * (x.ndim - 1))).to(v.dtype) * derivative.to(v.dtype)
     pred = average_velocity(path, model_fn, x, tau, h, model_kwargs)  # with autograd
-    target = target.to(pred.dtype).detach()
-    sq = ((pred - target) ** 2).flatten(1).sum(1)  # (N,)
+    sq = ((pred - target.to(pred.dtype).detach()) ** 2).flatten(1).sum(1)  # (N,)
     v_sq = ((pred.detach() - (x1 - noise)) ** 2).flatten(1).sum(1)  # (N,)
     return {"loss": adaptive_weight(sq, p, c) * sq, "sq": sq.detach(), "v_sq": v_sq}
 
-
-# ---- Sampling: one network call per step, any grid ----
 
 @torch.no_grad()
 def meanflow_sample(process: FlowProcess, model_fn, noise, model_kwargs=None, generator=None, progress=False):

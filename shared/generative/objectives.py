@@ -1,10 +1,8 @@
 """The objective seam: what a model is trained to predict, how training draws its time, and how samplers run it.
 
-An objective is a dataclass registered under its `name` (`@register_objective`) providing the `Objective` members:
-the per-sample time draw (from the generator it is handed, so resume stays bitwise), the loss, the meaning of the
-network's `t`, and the process its samplers walk. Plain fields are recorded (ModelConfig.objective_args); fields
-declared with `option(...)` are training flags of `python -m train`. Built in: "ddpm" (DiT, bitwise the official
-code) in shared/generative/diffusion.py; "flow" (SiT), "meanflow" and "imf" (Geng et al. 2025) in flow_objectives.py;
+An objective is a dataclass registered under its `name` (`@register_objective`) providing the `Objective` members.
+Plain fields are recorded (ModelConfig.objective_args); fields declared with `option(...)` are training flags of
+`python -m train`. Built in: "ddpm" (DiT) in diffusion.py; "flow" (SiT), "meanflow" and "imf" in flow_objectives.py;
 another is one class in a module imported by `--plugin MODULE` (docs/objectives.md).
 """
 from __future__ import annotations
@@ -50,15 +48,12 @@ class Objective(Protocol):
         """Data latents (N,C,h,w) from `noise` by `sampler` with its options."""
 
 
-# ---- The registry ----
-
 # The package's objectives, imported before the first read: ddpm with its diffusion, flow, meanflow and imf.
 BUILT_IN_OBJECTIVES = ("shared.generative.diffusion", "shared.generative.flow_objectives")
 OBJECTIVES: Registry[type] = Registry("objective", lambda cls: f"{cls.__module__}.{cls.__qualname__}",
                                       lambda cls: f"{cls.name}: {cls.help}", imports=BUILT_IN_OBJECTIVES)
 DEFAULT_OBJECTIVE = "ddpm"  # DiT's: train's default, and what weights that record no objective were trained with
-_MEMBERS = ("name", "help", "family", "default_sampler", "fast_sampler", "level_range", "level_unit", "draw_time",
-            "training_losses", "noise_level", "process", "sample")
+_MEMBERS = (*Objective.__annotations__, *(k for k in vars(Objective) if not k.startswith("_")))
 
 
 def register_objective(cls: type) -> type:
@@ -129,9 +124,8 @@ def training_flags() -> dict[str, tuple[Flag, tuple[str, ...]]]:
 def make_objective(name: str, recorded: dict | None = None, **training) -> Objective:
     """Registered objective `name` from its recorded fields and training settings (None = its default)."""
     cls = OBJECTIVES.lookup(name)
-    recorded = dict(recorded or {})
     own_recorded = {f.name for f in recorded_fields(cls)}
-    unknown = sorted(set(recorded) - own_recorded)
+    unknown = sorted(set(recorded or {}) - own_recorded)
     if unknown:
         raise SettingError(f"the model config records {', '.join(unknown)} for the {name} objective, which records "
                            f"only {', '.join(sorted(own_recorded)) or 'nothing'}; it was written for another "
@@ -151,7 +145,7 @@ def make_objective(name: str, recorded: dict | None = None, **training) -> Objec
                                f"only{also}; the {name} objective ({cls.help}) does not take it. Drop it, or train "
                                f"with {{objective}} {owners[0]}.")
     chosen = {k: v for k, v in training.items() if k in own_training and v is not None}
-    return cls(**recorded, **chosen)
+    return cls(**(recorded or {}), **chosen)
 
 
 def objective_of(model_config, **training) -> Objective:

@@ -1,10 +1,8 @@
 """Adaptive Dormand-Prince 5(4) with one step size per row: torchdiffeq's algorithm, run independently for each row.
 
-torchdiffeq's dopri5 (SiT's ODE solver) takes one step size for the whole batch, so an image depends on the others
-drawn with it; here row i follows exactly the steps torchdiffeq takes for row i alone, the rows still going through
-the network as one batch. Reproduced from torchdiffeq (rk_common.py, misc.py, interp.py; Hairer et al. II.4, II.6):
-tableau, Shampine's dense output, initial step, RMS error ratio, controller, float32 stage sums; tolerances weigh
-errors in float64 as SiT's list-valued atol/rtol make them.
+torchdiffeq's dopri5 (SiT's ODE solver) takes one step size for the whole batch; here row i follows exactly the steps
+torchdiffeq takes for row i alone, the rows still one network batch. As torchdiffeq (rk_common.py, misc.py, interp.py;
+Hairer et al. II.4, II.6), float32 stage sums; tolerances weigh errors in float64 as SiT's list-valued atol/rtol.
 """
 from __future__ import annotations
 
@@ -59,8 +57,7 @@ def initial_step(field, t0, y0, f0, rows, atol: float, rtol: float) -> torch.Ten
     f1 = field(t0 + h0, y0 + _rows(h0, y0).to(y0.dtype) * f0, rows)
     d2 = (_rms((f1 - f0) / scale) / h0).abs()
     flat = (d1 <= 1e-15) & (d2 <= 1e-15)
-    h1 = torch.where(flat, torch.clamp(h0 * 1e-3, min=1e-6),
-                     (0.01 / torch.maximum(d1, d2)) ** (1.0 / ORDER)).abs()
+    h1 = torch.where(flat, torch.clamp(h0 * 1e-3, min=1e-6), (0.01 / torch.maximum(d1, d2)) ** (1.0 / ORDER)).abs()
     return torch.minimum(100 * h0, h1)
 
 
@@ -104,10 +101,9 @@ def interpolate_end(y0, y1, k, dt, t0, t1, t_end) -> torch.Tensor:
 
 def dopri5_rows(field, y0: torch.Tensor, atol: float = 1e-6, rtol: float = 1e-3, t_end: float = 1.0) -> torch.Tensor:
     """Integrate dy/dt = field(t (M,), y (M, ...), rows (M,)) from t = 0 to t_end for each row of y0 (N, ...) alone."""
-    n = y0.shape[0]
     out = torch.empty_like(y0)
-    rows = torch.arange(n, device=y0.device)
-    t = torch.zeros(n, dtype=torch.float64, device=y0.device)
+    rows = torch.arange(len(y0), device=y0.device)
+    t = torch.zeros(len(y0), dtype=torch.float64, device=y0.device)
     y, f = y0, field(t, y0, rows)
     dt = initial_step(field, t, y, f, rows, atol, rtol)
     for _ in range(MAX_STEPS):
@@ -126,9 +122,7 @@ def dopri5_rows(field, y0: torch.Tensor, atol: float = 1e-6, rtol: float = 1e-3,
         keep = ~done
         step = _rows(accept, y)
         y, f = torch.where(step, y1, y)[keep], torch.where(step, f1, f)[keep]
-        t = torch.where(accept, t1, t)[keep]
-        dt = next_step(dt, ratio)[keep]
-        rows = rows[keep]
+        t, dt, rows = torch.where(accept, t1, t)[keep], next_step(dt, ratio)[keep], rows[keep]
         if rows.numel() == 0:
             return out
     raise RuntimeError(f"dopri5: {rows.numel()} rows still unfinished after {MAX_STEPS} steps")

@@ -2,9 +2,8 @@
 
 Every sampler function has one signature, `fn(process, model_fn, noise, model_kwargs=None, generator=None,
 progress=False, **options) -> x_data`, where `process` is what the objective builds for it from the step count.
-A new sampler is one SamplerSpec passed to `register_sampler` (`--plugin MODULE`; docs/objectives.md). It serves
-every objective of its `family`, the kind of process it walks ("ddpm": a respaced GaussianDiffusion; "flow": a
-FlowProcess time grid), so a new objective that builds one of these is served as is.
+A new sampler is one SamplerSpec passed to `register_sampler` (`--plugin MODULE`; docs/objectives.md); it serves
+every objective of its `family`, the process it walks ("ddpm": a respaced GaussianDiffusion; "flow": a FlowProcess).
 """
 from __future__ import annotations
 
@@ -30,10 +29,10 @@ class SamplerOption:
 DDIM_ETA = SamplerOption("ddim_eta", 0.0, "DDIM's eta in [0, 1] (0 = deterministic)", "eta",
                          "Song et al. Eq. 16: 1 is DDPM-like")
 TIME_SHIFT = SamplerOption("time_shift", 1.0, "LightningDiT's timestep shift of the flow time grid (1 = none, "
-                                              "LightningDiT uses 0.3)", "shift",
+                           "LightningDiT uses 0.3)", "shift",
                            "tau' = s tau / (1 + (s-1) tau); s < 1 puts more steps near noise")
 LAST_STEP_SIZE = SamplerOption("last_step_size", SDE_LAST_STEP, "the size of the SDE's final deterministic Mean step "
-                                                                "(SiT: 0.04)", "last",
+                               "(SiT: 0.04)", "last",
                                "it ends at the data; with a time shift the shifted grid ends at 1 - this size")
 
 
@@ -122,10 +121,6 @@ def sampler_options(name: str, given: dict) -> dict:
                            f"uses 0.3, which puts more steps near noise).")
     return options
 
-
-# ----------------------------------------------------------------------------------------------------------
-# What a command samples with: the flags given, else the model's recorded sampling half, else the defaults
-# ----------------------------------------------------------------------------------------------------------
 
 SAMPLING_KEYS = ("sampler", "sampler_plugin", "num_sampling_steps", "cfg_interval", *SAMPLER_OPTIONS)  # what a recipe
 # or release may record (ModelConfig.sampling); the step count belongs to the recorded sampler and applies only with it

@@ -56,8 +56,6 @@ def data_prediction(diffusion, model_fn, x, j: int, grid: SolverGrid, model_kwar
     return (x - float(grid.sigma[j]) * eps) / float(grid.alpha[j])
 
 
-# ---- The shared predictor: DPM-Solver++(2M) = UniP-2 with B(h) = e^h - 1 ----
-
 def multistep_predict(x, m_now, m_prev, j: int, grid: SolverGrid) -> torch.Tensor:
     """One step from grid point j to j+1 given the data predictions at j (m_now) and j-1 (m_prev or None)."""
     # DPM-Solver++ Alg. 2: x_{j+1} = (sigma_{j+1} / sigma_j) x_j + alpha_{j+1} (1 - e^{-h}) D, D = m_now (first order)
@@ -83,8 +81,6 @@ def dpmpp_2m_sample(diffusion, model_fn, noise, model_kwargs=None, generator=Non
         m_prev = m_now
     return x
 
-
-# ---- UniPC: the UniC corrector on top of the same predictor ----
 
 def unipc_correct(x_prev, m_prev, m_now, m_older, j: int, grid: SolverGrid) -> torch.Tensor:
     """UniC: recompute the step j-1 -> j from x_prev with the new data prediction m_now (no extra model call)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.runtime.cli import Flag, flag_name
+from shared.runtime.cli import Flag, flag_name, option
 from shared.runtime.plugins import PLUGIN
 from shared.generative.samplers import (DEFAULT_STEPS, SAMPLER_OPTIONS, SAMPLERS, SamplerOption, sampler_names,
                                         takers_of)
@@ -21,10 +21,6 @@ VAE = Flag("the tokenizer that decodes the latents (any tokenizer, not only a VA
            "(stabilityai/sd-vae-ft-*), a released name (rae-dinov2-b, vavae), a hub id, or a local diffusers folder / "
            "weight file. Default: the tokenizer recorded with the weights' latent space, else ema", None)
 VAE_CONFIG = Flag("config.json for a single-file --vae (default: the config.json beside it)", None)
-VAE_PRECISION = Flag("VAE decoder precision (fp32 default; bf16/fp16 halve its memory)", "fp32",
-                     choices=tuple(PRECISIONS))
-VAE_TILING = Flag("decode in overlapping tiles (less memory, faint seams)", False)
-VAE_SLICING = Flag("decode one image of a batch at a time (less memory)", False)
 ALLOW_OTHER_VAE = Flag("decode with a VAE whose scaling factor or config differs from the one recorded with the "
                        "latents (a deliberate swap); a VAE with other latent channels or downsample factor is always "
                        "refused", False)
@@ -36,26 +32,22 @@ class DecodeFlags:
     """The flags of every command that decodes latents with a VAE: its options dataclass derives from this."""
     vae: str | None = VAE.field()
     vae_config: str | None = VAE_CONFIG.field()
-    vae_precision: str = VAE_PRECISION.field()
-    vae_tiling: bool = VAE_TILING.field()
-    vae_slicing: bool = VAE_SLICING.field()
+    vae_precision: str = option("fp32", "VAE decoder precision (fp32 default; bf16/fp16 halve its memory)",
+                                choices=tuple(PRECISIONS))
+    vae_tiling: bool = option(False, "decode in overlapping tiles (less memory, faint seams)")
+    vae_slicing: bool = option(False, "decode one image of a batch at a time (less memory)")
     allow_other_vae: bool = ALLOW_OTHER_VAE.field()
     cpu: bool = CPU.field()
     plugin: list | None = PLUGIN.field()  # a tokenizer class (or objective) registered by a module of the user's
 
 # ---- drawing images from a DiT (sample, evaluate run) ------------------------------------------------------
 CFG_SCALE = Flag("classifier-free guidance scale; 1 = none (4.0 for pictures, 1.5 for FID)", 4.0)
-GUIDE = Flag(GUIDE_HELP, "auto", choices=GUIDE_CHANNELS)
 SAMPLER = Flag("; ".join(f"{s.name} [{s.family}]: {s.help}" for s in SAMPLERS.values())
                + ". DiT's respacing calls the model at t = 0 too; the solvers' linspace spacing (diffusers' default) "
                  "steps from about t = 999/K straight to clean data. Default: the one the model's recipe records "
                  "(lightning: euler), else the objective's own (ddpm for DDPM models, sde for flow models); a sampler "
                  "of another objective is refused; a --plugin module may register more", None,
                choices=sampler_names)
-CFG_INTERVAL = Flag("guide only at noise levels in [LO, HI] (Kynkaanniemi et al. 2024); elsewhere one conditional "
-                    "call (half the work). Levels are the objective's: DiT timesteps 0-1000 for ddpm, the flow's noise "
-                    "level 0-1 (REPA's time; 0 = data) for flow. REPA: 0 0.7; LightningDiT: 0 0.89 (default: the "
-                    "interval the model's recipe records, e.g. lightning's 0 0.89, else every level)", None, type=float, nargs=2, metavar=("LO", "HI"))
 STEPS_HELP = ("steps per image (model calls, twice the batch with guidance; heun: 2 calls per step): 250 as the paper "
               "for ddpm and SiT's sde, ~50 for ddim, 10-25 for dpmpp-2m and unipc")
 # python -m sample's default is "not given"; evaluate run redeclares the field with its own number and STEPS_HELP.
@@ -82,8 +74,12 @@ class SamplingFlags:
     sampler: str | None = SAMPLER.field()  # None: the recorded sampler, else the objective's own
     num_sampling_steps: int | None = NUM_SAMPLING_STEPS.field()  # None: the recorded count, else DEFAULT_STEPS
     cfg_scale: float = CFG_SCALE.field()
-    cfg_interval: tuple | None = CFG_INTERVAL.field()  # (lo, hi) noise levels where guidance applies
-    guide_channels: str = GUIDE.field()
+    cfg_interval: tuple | None = option(  # (lo, hi) noise levels where guidance applies
+        None, "guide only at noise levels in [LO, HI] (Kynkaanniemi et al. 2024); elsewhere one conditional call (half "
+              "the work). Levels are the objective's: DiT timesteps 0-1000 for ddpm, the flow's noise level 0-1 "
+              "(REPA's time; 0 = data) for flow. REPA: 0 0.7; LightningDiT: 0 0.89 (default: the interval the model's "
+              "recipe records, e.g. lightning's 0 0.89, else every level)", type=float, nargs=2, metavar=("LO", "HI"))
+    guide_channels: str = option("auto", GUIDE_HELP, choices=GUIDE_CHANNELS)
     ddim_eta: float | None = sampler_option_flag(SAMPLER_OPTIONS["ddim_eta"]).field()
     time_shift: float | None = sampler_option_flag(SAMPLER_OPTIONS["time_shift"]).field()
     last_step_size: float | None = sampler_option_flag(SAMPLER_OPTIONS["last_step_size"]).field()
@@ -96,7 +92,7 @@ def given_sampler_options(o) -> dict:
     return {name: getattr(o, name) for name in SAMPLER_OPTIONS}
 
 
-# The flag of each setting shared/ names in its errors (SettingError fields, ChoiceError settings), for the commands above.
+# The flag of each setting shared/ names in its errors (SettingError fields, ChoiceError settings).
 SAMPLING_SETTING_FLAGS = {
     "sampler": "--sampler", "sampling steps": "--num-sampling-steps", "cfg scale": "--cfg-scale",
     "cfg interval": "--cfg-interval", "guide-channel choice": "--guide-channels", "precision": "--precision",

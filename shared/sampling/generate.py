@@ -30,11 +30,8 @@ from shared.tokenizers.locate import load_tokenizer
 from shared.weights.checkpoint import build_sampling_model
 
 
-# ---- Per-image randomness ----
 # Image i's class label, noise and sampler noise come from one generator seeded by (seed, i): so results do not
 # depend on the batch size, the process, or which images were on disk when a run resumed.
-
-
 def image_rng(plan: LabelPlan, seed: int, index: int) -> tuple[int, torch.Generator]:
     """Image `index`'s class label and its generator, positioned after the label draw."""
     generator = generator_for(seed, index)  # mix_seed(seed, index): the project's one seed mixer
@@ -59,9 +56,6 @@ def batch_start(plan: LabelPlan, seed: int, indices, latent_shape) -> tuple[torc
     return noise, torch.tensor(labels, dtype=torch.long), list(generators)
 
 
-# ---- The command ----
-
-
 @dataclass
 class Drawer:
     """What turns a list of image indices into uint8 pixels: the plan's sampling with the model and the VAE."""
@@ -78,8 +72,7 @@ class Drawer:
         p = self.plan
         noise, labels, generators = batch_start(p.labels, p.options.seed, indices, p.latent_shape)  # (N, C, h, w)
         x = p.objective.sample(p.sampler, self.model_fn, noise.to(self.device), p.options.num_sampling_steps,
-                               p.sampler_options, {"y": labels.to(self.device)}, generators,
-                               self.progress)  # (N, C, h, w)
+                               p.sampler_options, {"y": labels.to(self.device)}, generators, self.progress)
         return labels.tolist(), self.vae.decode_uint8(x, self.norm)  # (N, H, W, 3)
 
 
@@ -132,8 +125,7 @@ def finish(plan: SamplePlan) -> None:
     write_grid(plan.out / GRID_NAME, lambda i: read_png(paths[i]), labels, captions, title)
     if o.npz:
         write_npz(plan.out / NPZ_NAME, paths, labels)
-    print(f"wrote {plan.num_samples} images, {GRID_NAME}" + (f", {NPZ_NAME}" if o.npz else "")
-          + f" to {plan.out}")
+    print(f"wrote {plan.num_samples} images, {GRID_NAME}" + (f", {NPZ_NAME}" if o.npz else "") + f" to {plan.out}")
 
 
 def runtime_facts(device) -> dict:
@@ -143,15 +135,6 @@ def runtime_facts(device) -> dict:
         return {"device": str(device), "tf32": "not used (TF32 is a CUDA matmul mode)"}
     return {"device": f"{device} ({torch.cuda.get_device_name(device)})",
             "tf32": "on" if torch.backends.cuda.matmul.allow_tf32 else "off"}
-
-
-def summary_line(plan: SamplePlan) -> str:
-    """One line for the terminal: what is drawn, how, and where every setting is written."""
-    o = plan.options
-    interval = f" in {o.cfg_interval[0]:g}..{o.cfg_interval[1]:g}" if o.cfg_interval else ""
-    return (f"{plan.num_samples} images of {plan.loaded.label or ckpt_label(plan.loaded.path)} at "
-            f"{plan.image_size} px: {plan.sampler} {o.num_sampling_steps} steps, cfg {o.cfg_scale:g}{interval}, "
-            f"seed {o.seed}, VAE {plan.vae_name} -> {plan.out} (all settings and notes: {plan.out / SETTINGS_NAME})")
 
 
 def prepare_out(plan: SamplePlan, device) -> None:
@@ -168,7 +151,11 @@ def prepare_out(plan: SamplePlan, device) -> None:
     if plan.recorded_notes:  # the sampling settings taken from the weights' record, in one line
         used = ", ".join(note.removesuffix(" (recorded with the model)") for note in plan.recorded_notes)
         print(f"sampling as the weights record: {used} (a flag given wins)", flush=True)
-    print(summary_line(plan), flush=True)
+    o = plan.options  # one line: what is drawn, how, and where every setting is written
+    interval = f" in {o.cfg_interval[0]:g}..{o.cfg_interval[1]:g}" if o.cfg_interval else ""
+    print(f"{plan.num_samples} images of {plan.loaded.label or ckpt_label(plan.loaded.path)} at {plan.image_size} px: "
+          f"{plan.sampler} {o.num_sampling_steps} steps, cfg {o.cfg_scale:g}{interval}, seed {o.seed}, VAE "
+          f"{plan.vae_name} -> {plan.out} (all settings and notes: {plan.out / SETTINGS_NAME})", flush=True)
 
 
 def run_sample(o: SampleOptions) -> Path:
@@ -199,9 +186,7 @@ def run_sample(o: SampleOptions) -> Path:
     return plan.out
 
 
-# ---- The --out folder: atomic PNGs, settings.json guarding resume, the grid and the streamed samples.npz ----
-# (python -m sample decode and watch write their PNGs and grids with the same functions.)
-
+# The --out folder's PNGs, grid and streamed samples.npz (python -m sample decode and watch write theirs here too).
 # A grid of 50,000 ImageNet samples would be a 57,000-pixel square: show at most this many cells.
 GRID_MAX_ROWS = 16
 GRID_MAX_CELLS = 256

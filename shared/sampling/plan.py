@@ -163,18 +163,15 @@ def make_settings(plan: SamplePlan) -> dict:
     o, loaded = plan.options, plan.loaded
     skip = ("ckpt", "vae", "vae_config", "class_labels", "random_labels", "model", "objective", "image_size", "plugin")
     options = {k: v for k, v in asdict(o).items() if k not in skip}
-    # What was used, not what was asked: the weights, sampler and options actually used and the guidance rule.
-    # An option the sampler does not take is None (as folders written before that option existed read).
+    # What was used, not asked (an option the sampler does not take is None, as older folders read).
     options.update(weights=loaded.weights, sampler=plan.sampler,
                    **{k: plan.sampler_options.get(k) for k in SAMPLER_OPTIONS},
                    cfg_interval=list(o.cfg_interval) if o.cfg_interval else None,
                    guide_channels="all" if plan.guide_channels is None else str(plan.guide_channels))
-    identity = {
-        "ckpt": str(loaded.path.resolve()), "ckpt_bytes": loaded.path.stat().st_size, "step": loaded.step,
-        "kind": loaded.kind, "model": loaded.config.to_dict(), "image_size": plan.image_size,
-        "vae": plan.vae_name, "labels": plan.labels.describe(),
-        **{k: v for k, v in options.items() if k not in RUN_ONLY},
-    }
+    identity = {"ckpt": str(loaded.path.resolve()), "ckpt_bytes": loaded.path.stat().st_size, "step": loaded.step,
+                "kind": loaded.kind, "model": loaded.config.to_dict(), "image_size": plan.image_size,
+                "vae": plan.vae_name, "labels": plan.labels.describe(),
+                **{k: v for k, v in options.items() if k not in RUN_ONLY}}
     run = {k: v for k, v in options.items() if k in RUN_ONLY}
     run.update(num_samples=plan.num_samples, out=str(plan.out), notes=loaded.notes,
                guidance=describe_guidance(o.guide_channels, loaded.config.in_channels, o.cfg_scale, o.cfg_interval,
@@ -198,7 +195,6 @@ def make_plan(o: SampleOptions) -> SamplePlan:
     loaded = load_sampling_weights(o.ckpt, o.weights, o.model, o.objective)
     config = loaded.config
     objective = objective_of(config)
-    # The sampler, steps and interval used: flags given, else the model's recorded sampling half, else the objective's.
     used = resolve_sampling(objective, o.sampler, given_sampler_options(o), o.cfg_interval, config.sampling,
                             guided=o.cfg_scale != 1.0, steps=o.num_sampling_steps)
     objective.process(used.sampler, used.steps, used.options)  # SettingError, e.g. 1000 steps of the linspace spacing
@@ -213,8 +209,7 @@ def make_plan(o: SampleOptions) -> SamplePlan:
     spec, how = choose_tokenizer(o.vae, loaded.space)
     vae_name, factor = space.check_tokenizer_config(spec, o.vae_config, o.allow_other_vae)
     loaded.notes.append(f"VAE {vae_name} ({how})")
-    # Default count: one image per listed label, else one per class (label i = i % num_classes).
-    num_samples = o.num_samples or len(o.class_labels or []) or labels.num_classes
+    num_samples = o.num_samples or len(o.class_labels or []) or labels.num_classes  # else one per label, or class
     plan = SamplePlan(o, loaded, space, objective, o.sampler, used.options, guided, labels, vae_name,
                       image_size_of(loaded, factor, o.image_size), num_samples,
                       Path(o.out) if o.out else default_out(o, loaded, o.sampler, used.options), tuple(used.notes))

@@ -24,9 +24,8 @@ LATENTS_KEY, LABELS_KEY = "latents", "labels"
 def write_preview(path: Path, latents: torch.Tensor, labels: torch.Tensor, space, step: int) -> Path:
     """Write a preview file atomically: latents (N, C, h, w) normalised, labels (N,), the run's LatentSpace."""
     space_metadata, space_tensors = space.file_parts() if space is not None else ({}, {})
-    metadata = {**space_metadata, "step": str(int(step))}
     tensors = {LATENTS_KEY: latents.contiguous(), LABELS_KEY: labels.contiguous(), **space_tensors}
-    return atomic_write(path, lambda tmp: write_safetensors(tmp, tensors, metadata))
+    return atomic_write(path, lambda tmp: write_safetensors(tmp, tensors, {**space_metadata, "step": str(int(step))}))
 
 
 def read_preview(path: Path) -> tuple[torch.Tensor, torch.Tensor, LatentSpace | None]:
