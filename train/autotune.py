@@ -28,6 +28,7 @@ CHECKPOINT_ORDER = (0, 4, 2, 1)  # intervals tried, least recomputation first (0
 FAST_MICRO = 16
 CONFIRM_TRIES = 4  # smaller micro-batches tried when the real step does not fit
 OUT_OF_MEMORY = -1  # a confirmation try's recorded peak when its step ran out of memory
+AUTO_FIELDS = ("micro_batch_size", "precision", "grad_checkpoint")  # the settings auto may stand for
 
 
 @dataclass
@@ -88,9 +89,8 @@ def confirm(cfg, model_config, row, per_process: int, budget: int, measure: Call
     raise UserError(
         f"even micro-batch {tries[-1]['micro']} of {cfg.model} with checkpointing every {row.profile.every} "
         f"block(s) did not fit the {format_size(budget)} left on this GPU after the margin (real steps measured: "
-        f"{_tries_text(tries)}). "
-        "Free the GPU (another process may hold memory), or pass --grad-checkpoint 1, --optimizer adamw8bit or "
-        "--ema-device cpu, or an explicit --micro-batch-size.")
+        f"{_tries_text(tries)}). Free the GPU (another process may hold memory), or pass --grad-checkpoint 1, "
+        "--optimizer adamw8bit or --ema-device cpu, or an explicit --micro-batch-size.")
 
 
 def _tries_text(tries: list) -> str:
@@ -102,8 +102,7 @@ def _tries_text(tries: list) -> str:
 def resolve_auto(cfg, model_config: ModelConfig, info: DeviceInfo, world_size: int,
                  measure: Callable = measure_peak) -> dict:
     """Replace every 'auto' in cfg by a value for this device; returns (and stores in cfg.autotune) the record."""
-    requested = {"micro_batch_size": cfg.micro_batch_size, "precision": cfg.precision,
-                 "grad_checkpoint": cfg.grad_checkpoint}
+    requested = {k: getattr(cfg, k) for k in AUTO_FIELDS}
     cfg.precision = resolve_precision_with_launcher(cfg.precision)
     if cfg.precision == AUTO:
         cfg.precision = auto_precision(info)
@@ -114,8 +113,7 @@ def resolve_auto(cfg, model_config: ModelConfig, info: DeviceInfo, world_size: i
         else:  # nothing to plan against: the per-process batch at once, no recomputation (as on any CPU run)
             cfg.micro_batch_size = None if cfg.micro_batch_size == AUTO else cfg.micro_batch_size
             cfg.grad_checkpoint = 0 if cfg.grad_checkpoint == AUTO else cfg.grad_checkpoint
-    record["resolved"] = {"micro_batch_size": cfg.micro_batch_size, "precision": cfg.precision,
-                          "grad_checkpoint": cfg.grad_checkpoint}
+    record["resolved"] = {k: getattr(cfg, k) for k in AUTO_FIELDS}
     cfg.autotune = record if requested != record["resolved"] else {}
     return cfg.autotune
 

@@ -9,8 +9,6 @@ from shared.runtime.interrupt import guard_imports, interruptible
 guard_imports(__name__)  # before the imports below: a Ctrl-C during them ends in one line, exit status 130
 
 import argparse
-import contextlib
-import gc
 import importlib.util
 import itertools
 import signal
@@ -30,8 +28,8 @@ from shared.network.attention import ATTENTION_BACKENDS
 from shared.network.blocks import SELECTIVE
 from shared.runtime.precision import PRECISIONS, set_tf32
 from train.config import BLOCK_FLAGS, TrainConfig, add_block_flags, block_from_args, checkpoint_value, model_config_for
-from train.memory import (DEFAULT_MARGIN, fixed_state, forward_macs, latent_shape, measure_device, measure_profiles,
-                          measured_config, plan_row, synthetic_batch, train_flops_per_image)
+from train.memory import (DEFAULT_MARGIN, CudaAllocator, fixed_state, forward_macs, latent_shape, measure_device,
+                          measure_profiles, measured_config, plan_row, synthetic_batch, train_flops_per_image)
 from train.step import make_learner, train_step
 from train.units import GiB, format_size, parse_size
 
@@ -87,8 +85,6 @@ PRESETS = {
     # warm-up 3: the compiled rows trace and build their kernels in the first step
     "changes-gpu": dict(model="DiT-XL/2", image_size=256, steps=10, warmup=3, threads=None),
 }
-
-
 CHANGES_GPU_MICRO = 256  # issue 34's micro-batch: ~100 GiB at DiT-XL/2 256 px without checkpointing
 
 
@@ -118,8 +114,7 @@ def preset_matrix(name: str) -> list[BenchConfig]:
     if name == "changes-cpu":  # fp32: the development CPU has no bf16 units (bf16 is ~9x slower there)
         return change_rows(BenchConfig("fp32", 0, "sdpa", False, 8, "before issue 34", host_sync=True, adamw="foreach"))
     if name == "changes-gpu":  # the issue's bf16 micro-batch 256 at most; plan_changes_micro fits it to the card
-        return change_rows(BenchConfig("bf16", 0, "sdpa", False, CHANGES_GPU_MICRO, "before issue 34",
-                                       host_sync=True))
+        return change_rows(BenchConfig("bf16", 0, "sdpa", False, CHANGES_GPU_MICRO, "before issue 34", host_sync=True))
     if name == "cpu":
         ours = BenchConfig("bf16", 1, "sdpa", False, 8, "ours")
         return [ours, variant(ours, "checkpointing off", checkpoint=0),
@@ -154,17 +149,6 @@ def parse_compile(item: str) -> bool:
     return table[item.lower()]
 
 
-def check_values(precisions, checkpoints, attentions, compiles, micros):
-    """UserError for values no configuration could use."""
-    bad = [p for p in precisions if p not in PRECISIONS]
-    bad += [a for a in attentions if a not in ATTENTION_BACKENDS]
-    if bad:
-        raise UserError(f"unknown value(s) {bad}: precisions are {'/'.join(PRECISIONS)}, attention "
-                        f"{'/'.join(ATTENTION_BACKENDS)}.")
-    if any(k != SELECTIVE and k < 0 for k in checkpoints) or any(m <= 0 for m in micros):
-        raise UserError(f"checkpoint intervals must be >= 0 (0 = off) or {SELECTIVE}, and micro-batch sizes >= 1.")
-
-
 # The matrix flags in BenchConfig's field order: (item parser, default).
 MATRIX = {"precisions": (str, "fp32,bf16"), "checkpointing": (checkpoint_value, "0,1"), "attention": (str, "sdpa"),
           "compile": (parse_compile, "off"), "micro_batch_sizes": (int, "8")}
@@ -179,7 +163,13 @@ def resolve_matrix(args) -> list[BenchConfig]:
     """The preset's rows, or the flags' product (defaults where a flag is absent); mixing both is refused."""
     if args.preset is None:
         values = [split_list(getattr(args, k) or default, kind) for k, (kind, default) in MATRIX.items()]
-        check_values(*values)
+        precisions, checkpoints, attentions, _, micros = values
+        bad = [p for p in precisions if p not in PRECISIONS] + [a for a in attentions if a not in ATTENTION_BACKENDS]
+        if bad:
+            raise UserError(f"unknown value(s) {bad}: precisions are {'/'.join(PRECISIONS)}, attention "
+                            f"{'/'.join(ATTENTION_BACKENDS)}.")
+        if any(k != SELECTIVE and k < 0 for k in checkpoints) or any(m <= 0 for m in micros):
+            raise UserError(f"checkpoint intervals must be >= 0 (0 = off) or {SELECTIVE}, and micro-batch sizes >= 1.")
         return [BenchConfig(*combo) for combo in itertools.product(*values)]
     if given := [f"--{k.replace('_', '-')}" for k in MATRIX if getattr(args, k) is not None]:
         raise UserError(f"--preset {args.preset} defines the matrix itself, so {', '.join(given)} would be "
@@ -189,9 +179,8 @@ def resolve_matrix(args) -> list[BenchConfig]:
 
 def free_memory(device: torch.device) -> int | None:
     """Bytes free on a CUDA device now (None elsewhere): what the planner fits the micro-batch into."""
-    if device.type != "cuda":
-        return None
-    return int(torch.cuda.mem_get_info(device)[0])  # looked up at call time: tests/bench/capped.py's cap applies
+    # looked up at call time: tests/bench/capped.py's cap applies
+    return int(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else None
 
 
 def plan_changes_micro(args, configs: list[BenchConfig], device, free: int | None) -> tuple[list, str]:
@@ -279,8 +268,7 @@ def run_config(config: BenchConfig, args, device, flops_per_image, peak) -> Benc
     """Time one configuration; any failure (OOM, unusable backend, compile error) becomes the row's error."""
     cuda = device.type == "cuda"
     if cuda:
-        gc.collect()  # the previous configuration's model and optimizer must not count here
-        torch.cuda.empty_cache()
+        CudaAllocator().release()  # the previous configuration's model and optimizer must not count here
         torch.cuda.reset_peak_memory_stats(device)
     try:
         first, timed, recompiles = time_steps(config, args, device)
@@ -345,11 +333,11 @@ def header(args, device, model, flops, peak_note) -> str:
 def build_parser() -> argparse.ArgumentParser:
     """Flags of python -m train.bench."""
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
-    p.add_argument("--preset", choices=sorted(PRESETS), help="cpu: tiny model, quick ablation of our step; "
-                   "gpu: DiT-XL/2 at 256 mirroring the fast-DiT README table; changes-gpu (DiT-XL/2, bf16, "
-                   "the largest micro-batch up to 256 that train/memory.py's planner fits in the free memory) and changes-cpu (tiny): the step before issue 34 beside "
-                   "each of its changes (no host sync, fused vs foreach AdamW, regional compile, selective "
-                   "checkpointing). Sets the matrix and defaults.")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="cpu: tiny model, quick ablation of our step; gpu: "
+                   "DiT-XL/2 at 256 mirroring the fast-DiT README table; changes-gpu (DiT-XL/2, bf16, the largest "
+                   "micro-batch up to 256 that train/memory.py's planner fits in the free memory) and changes-cpu "
+                   "(tiny): the step before issue 34 beside each of its changes (no host sync, fused vs foreach AdamW, "
+                   "regional compile, selective checkpointing). Sets the matrix and defaults.")
     p.add_argument("--model", help="DiT preset (default: the preset's, else DiT-T/2)")
     p.add_argument("--image-size", type=int, help="image size in pixels; latents are 1/8 of it (default 128)")
     p.add_argument("--num-classes", type=int, default=1000, help="number of classes")
@@ -363,9 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
         names, kwargs = argument_of(name, spec, int)
         p.add_argument(*names, **kwargs)
     p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu or cuda[:i]")
-    p.add_argument("--memory-cap-gib", type=float, default=24.0,
-                   help="CUDA only: cap this process's memory (emulates a 24 GiB RTX 3090 on a bigger "
-                        "card); 0 = no cap")
+    p.add_argument("--memory-cap-gib", type=float, default=24.0, help="CUDA only: cap this process's memory "
+                   "(emulates a 24 GiB RTX 3090 on a bigger card); 0 = no cap")
     p.add_argument("--peak-tflops", type=float, help="device peak TFLOP/s for MFU (default: known GPU names)")
     p.add_argument("--json", metavar="OUT", help="also write the results as JSON to OUT")
     return p
@@ -381,11 +368,6 @@ def resolve_defaults(args):
         check_bounds(name, spec, getattr(args, name))  # a preset's value as a flag's
     if args.threads:
         torch.set_num_threads(args.threads)
-
-
-def say(line: str) -> None:
-    """A line of the report, on stdout at once: a run cut by a time limit keeps what it printed."""
-    print(line, flush=True)
 
 
 def run(args) -> list[BenchResult]:
@@ -404,13 +386,14 @@ def run(args) -> list[BenchResult]:
     why = None
     if args.preset == "changes-gpu":  # free memory read before the planner's own model occupies any
         configs, why = plan_changes_micro(args, configs, device, free_memory(device))
-    say(header(args, device, model, flops, peak_note) + (f"\n{why}" if why else "") + "\n")
+    # each line on stdout at once: a run cut by a time limit keeps what it printed
+    print(header(args, device, model, flops, peak_note) + (f"\n{why}" if why else "") + "\n", flush=True)
     results = []
-    say(HEAD + "\n" + "-" * len(HEAD))
+    print(HEAD + "\n" + "-" * len(HEAD), flush=True)
     try:
         for config in tqdm(configs, desc="bench", unit="config", file=sys.stderr):
             results.append(run_config(config, args, device, flops, peak))
-            say(table_line(results[-1], baseline(results)))
+            print(table_line(results[-1], baseline(results)), flush=True)
             if args.json:  # machine-readable; a Ctrl-C mid-write leaves the old file or none
                 atomic_write_json(args.json, {
                     "model": args.model, "image_size": args.image_size, "device": str(device),
@@ -418,22 +401,13 @@ def run(args) -> list[BenchResult]:
                     "results": [{**asdict(r.config), **{k: v for k, v in asdict(r).items() if k != "config"}}
                                 for r in results]}, indent=2)
     except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM (a time limit): the rows so far are printed and written
+        # one line, not interruptible's: a rerun measures every row again, nothing resumes
         signum = signal.SIGTERM if isinstance(stop, Terminated) else signal.SIGINT
-        raise Cut(len(results), len(configs), args.json, signum) from None
+        kept = f"; they are in {args.json}" if args.json and results else ""
+        print(f"{PROG}: cut by {signal.Signals(signum).name} after {len(results)} of {len(configs)} rows: the rows "
+              f"above were measured{kept}", file=sys.stderr, flush=True)
+        raise SystemExit(128 + signum) from None
     return results
-
-
-class Cut(Exception):
-    """The run was stopped by `signum` (Ctrl-C or SIGTERM) after `done` of `total` rows."""
-    def __init__(self, done: int, total: int, json_path: str | None, signum: int):
-        self.done, self.total, self.json_path, self.signum = done, total, json_path, signum
-        super().__init__(f"cut after {done} of {total} rows")
-
-    def line(self) -> str:
-        """The one line a cut run ends with."""
-        kept = f"; they are in {self.json_path}" if self.json_path and self.done else ""
-        return (f"{PROG}: cut by {signal.Signals(self.signum).name} after {self.done} of {self.total} rows: the "
-                f"rows above were measured{kept}")
 
 
 class Terminated(KeyboardInterrupt):
@@ -445,28 +419,19 @@ class Terminated(KeyboardInterrupt):
         raise Terminated
 
 
-@contextlib.contextmanager
-def sigterm_as_interrupt():
-    """Inside the block SIGTERM raises KeyboardInterrupt (main thread only: handlers cannot be set elsewhere)."""
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, Terminated.handler) if main_thread else None
-    try:
-        yield
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
-
-
 @interruptible(PROG)
 def main(argv=None):
     """Entry point of python -m train.bench."""
     args = build_parser().parse_args(argv)
+    # SIGTERM raises KeyboardInterrupt (main thread only: handlers cannot be set elsewhere)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, Terminated.handler) if main_thread else None
     try:
-        with cli_errors(PROG, FLAGS), sigterm_as_interrupt():
+        with cli_errors(PROG, FLAGS):
             run(args)
-    except Cut as cut:  # not interruptible's line: a rerun measures every row again, nothing resumes
-        print(cut.line(), file=sys.stderr, flush=True)
-        raise SystemExit(128 + cut.signum) from None
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

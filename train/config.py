@@ -37,14 +37,13 @@ from shared.runtime.trackers import DEFAULT_REPORT_TO, REPORT_TO
 DEFAULT_MAX_STEPS = 400_000  # the paper's headline training length (DiT Table 4: FID-50K at 400K steps)
 DEBUG_STEPS = 5
 
-# Changing one of these changes the experiment: a resume that differs is refused.
-IDENTITY_FIELDS = ("model", "objective", "objective_options", "time_dist_shift", "global_batch_size",
-                   "seed", "optimizer", "adam_betas", "weight_decay", "ema_decay", "class_dropout_prob") + BLOCK_FIELDS
-IDENTITY_FIELDS += HEAD_FIELDS + ("column_options",)  # the shard columns' training flags (REPA's): experiment too
-# Token routing (shared/network/routing.py) changes which tokens every step trains on: part of the experiment.
-IDENTITY_FIELDS += ("route_ratio", "route_start", "route_end")
-IDENTITY_FIELDS += ("init_from",)  # the weights a fine-tuning run started from (train/init_from.py)
-IDENTITY_FIELDS += ("shard_window",)  # the data order (train/latents.py resolves auto before the resume check)
+# Changing one of these changes the experiment: a resume that differs is refused. Besides the obvious: the shard
+# columns' training flags (REPA's), token routing (which tokens every step trains on), the weights a fine-tuning run
+# started from (train/init_from.py), the data order (train/latents.py resolves auto before the resume check).
+IDENTITY_FIELDS = ("model", "objective", "objective_options", "time_dist_shift", "global_batch_size", "seed",
+                   "optimizer", "adam_betas", "weight_decay", "ema_decay", "class_dropout_prob", *BLOCK_FIELDS,
+                   *HEAD_FIELDS, "column_options", "route_ratio", "route_start", "route_end", "init_from",
+                   "shard_window")
 # Data identity: what a checkpoint's latent folder must share with the one given now.
 DATA_FIELDS = ("num_samples", "latent_shape", "flips", "num_classes", "image_size", "scaling_factor", "vae",
                "index_sha256", "latent_space")
@@ -74,8 +73,7 @@ checkpoint_choice = _or_auto(checkpoint_value, f"a whole number, {SELECTIVE}")  
 
 @dataclass
 class TrainConfig:
-    """All settings of one training run: each flag's default and help (shared.runtime.cli.option), then resolved values."""
-
+    """All settings of one training run: each flag's default and help (shared.runtime.cli.option), then resolved."""
     latents: str = option(help="latent folder written by `python -m extract` (index.json + shards)")
     results_dir: str = option(help="the run folder; rerunning the same command resumes it (checkpoints, logs, exports)")
     cache_limit: int | None = option(
@@ -94,8 +92,8 @@ class TrainConfig:
                                 "settings (train/recipes.py); any flag given explicitly wins: "
                          + "; ".join(f"{k}: {v}" for k, v in RECIPE_HELP.items()).replace("%", "%%"),
                          choices=tuple(RECIPES))
-    objective: str = option(DEFAULT_OBJECTIVE, "what the model learns, a registered objective (shared/generative/objectives.py; "
-                                    "--plugin MODULE adds one): " + objective_help())
+    objective: str = option(DEFAULT_OBJECTIVE, "what the model learns, a registered objective "
+                            "(shared/generative/objectives.py; --plugin MODULE adds one): " + objective_help())
     plugin: list | None = PLUGIN.field()
     # The objective's training fields (--time-sampling, ... derived from the registry): those given, then resolved.
     objective_options: dict = field(default_factory=dict)
@@ -148,8 +146,7 @@ class TrainConfig:
                                           "after the warmup (RAE: linear)", choices=("constant", "cosine", "linear"))
     final_lr: float = option(0.0, "cosine/linear schedules: the LR reached at the last step (RAE: 2e-5)", min=0)
     warmup_steps: int = option(0, "linear LR warmup from 0 over this many steps", min=0)
-    adam_betas: tuple = option((0.9, 0.999), "AdamW betas", type=float, nargs=2,
-                               metavar=("B1", "B2"), min=0, below=1)
+    adam_betas: tuple = option((0.9, 0.999), "AdamW betas", type=float, nargs=2, metavar=("B1", "B2"), min=0, below=1)
     weight_decay: float = option(0.0, "AdamW weight decay (DiT: 0)", min=0)
     max_grad_norm: float = option(0.0, "clip the global gradient norm to this (0 = off)", min=0)
     ema_decay: float = option(0.9999, "EMA decay per optimizer step (DiT: 0.9999)", min=0, max=1)
@@ -180,8 +177,7 @@ class TrainConfig:
         None, "guidance scale of the previews (default 4.0, or 1 = none when --class-dropout-prob is 0)")
     sample_guide_channels: str = option(
         "all", "latent channels the previews guide: all (default; what sample and evaluate run guide for this run "
-               "with --guide-channels auto), or 3 as the official DiT sampler",
-        choices=GUIDE_CHANNELS)
+               "with --guide-channels auto), or 3 as the official DiT sampler", choices=GUIDE_CHANNELS)
     report_to: str = option(
         DEFAULT_REPORT_TO, "experiment tracker for loss, LR, grad norm, speed, memory, skipped steps and the fp16 "
                            "loss scale, through Accelerate: tensorboard (RUN/tensorboard/), wandb (pip install "
@@ -256,8 +252,6 @@ class TrainConfig:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
 
-# ---- Flags ----
-
 BLOCK_FLAGS = {f"block {slot}": flag_name(slot) for slot in BLOCK_FIELDS}  # the flag of each slot's ChoiceError
 
 
@@ -286,8 +280,7 @@ def resolve_block(cfg: TrainConfig) -> TrainConfig:
 def build_parser(prog: str = "python -m train") -> argparse.ArgumentParser:
     """The `python -m train` argument parser (official DiT flag names where they exist)."""
     p = argparse.ArgumentParser(prog=prog, description="Train a DiT on cached VAE latents (one GPU, CPU, or "
-                                "`accelerate launch` for several processes).",
-                                formatter_class=HelpFormatter)
+                                "`accelerate launch` for several processes).", formatter_class=HelpFormatter)
     add_flags(p, TrainConfig)
     for column in columns().values():
         add_flags(p, column.train_flags)
@@ -295,8 +288,7 @@ def build_parser(prog: str = "python -m train") -> argparse.ArgumentParser:
     # is absent from the namespace (its default applies), so another objective's setting is refused only when asked.
     for name, (spec, takers) in training_flags().items():
         names, kwargs = argument_of(name, spec, type(spec.default))
-        kwargs.update(default=argparse.SUPPRESS,
-                      help=f"{'/'.join(takers)} only: {spec.help} (default: {spec.default})")
+        kwargs.update(default=argparse.SUPPRESS, help=f"{'/'.join(takers)} only: {spec.help} (default: {spec.default})")
         p.add_argument(*names, **kwargs)
     return p
 
@@ -326,11 +318,10 @@ def model_config_for(cfg: TrainConfig, latent_shape: tuple, num_classes: int,
         objective_args["convention"] = cfg.init["convention"]
     return ModelConfig(model=cfg.model, input_size=size, in_channels=channels, num_classes=num_classes,
                        learn_sigma=learn_sigma, **cfg.block_options, head_depth=cfg.head_depth,
-                       head_width=cfg.head_width, head_heads=cfg.head_heads,
-                       class_dropout_prob=cfg.class_dropout_prob, objective=cfg.objective, objective_args=objective_args,
+                       head_width=cfg.head_width, head_heads=cfg.head_heads, class_dropout_prob=cfg.class_dropout_prob,
+                       objective=cfg.objective, objective_args=objective_args, sampling=dict(cfg.sampling),
                        interval_time=bool(getattr(OBJECTIVES[cfg.objective], "interval_time", False)),
-                       guidance_inputs=bool(getattr(OBJECTIVES[cfg.objective], "guidance_inputs", False)),
-                       sampling=dict(cfg.sampling))
+                       guidance_inputs=bool(getattr(OBJECTIVES[cfg.objective], "guidance_inputs", False)))
 
 
 def config_from_args(args: argparse.Namespace, explicit=frozenset()) -> TrainConfig:
@@ -340,8 +331,6 @@ def config_from_args(args: argparse.Namespace, explicit=frozenset()) -> TrainCon
     cfg.column_options = flag_values(lambda c: c.train_flags, args)
     return apply_recipe(cfg, set(explicit))
 
-
-# ---- Checks and resolution (cheap: no model, no tensors) ----
 
 def grad_accum_steps(global_batch: int, micro_batch: int | None, world_size: int) -> tuple[int, int]:
     """(micro batch, accumulation steps) so micro x steps x processes == global batch exactly, or UserError."""
@@ -454,8 +443,7 @@ def check_config(cfg: TrainConfig, dataset) -> None:
 
 
 def resolve_config(cfg: TrainConfig, dataset, world_size: int) -> TrainConfig:
-    """Fill the resolved fields from the latent index and the process count (after check_config and autotune's
-    planning); UserError on any mismatch."""
+    """Fill the resolved fields from the latent index and the process count (after check_config and autotune)."""
     cfg.world_size = world_size
     cfg.micro_batch_size, cfg.grad_accum_steps = grad_accum_steps(
         cfg.global_batch_size, cfg.micro_batch_size, cfg.world_size)
@@ -507,8 +495,7 @@ def _resolve_columns(cfg: TrainConfig, dataset) -> None:
 
 def route_span(model: str, latent_side: int, ratio: float, start: int | None, end: int | None,
                head: bool | None = None) -> tuple[int, int]:
-    """The route's (start, end) blocks, TREAD's where not given (2, depth - 4), checked against the preset; UserError.
-    With a DiT^DH head (head None: the preset's) the route lies in the body (its depth counts), never in the head."""
+    """The route's (start, end) blocks, TREAD's (2, depth - 4) where not given, checked to lie in the preset's body."""
     from shared.network.routing import PAPER_START, check_route, paper_end
 
     arch = PRESETS[model]
@@ -561,8 +548,6 @@ def _check_objective(cfg: TrainConfig) -> None:
                            f"its training times and sampling grid); the {cfg.objective} objective has no such shift. "
                            "Drop it, or train with {objective} flow.")
 
-
-# ---- Resume compatibility ----
 
 def _data_mismatch(saved: dict, current: dict, space: LatentSpace | None = None) -> str | None:
     """A sentence on how two latent folders differ, or None when they are the same data."""

@@ -12,32 +12,28 @@ import os
 
 from shared.runtime.errors import UserError
 
-# Accelerate's precision names -> ours (shared/runtime/precision.py); fp8 has no counterpart here.
-LAUNCHER_PRECISION = {"fp16": "fp16", "bf16": "bf16"}
 # Environment flags of the sharded / model-parallel strategies, with the name a user sees in `accelerate config`.
 SHARDED = {"ACCELERATE_USE_FSDP": "FSDP", "ACCELERATE_USE_DEEPSPEED": "DeepSpeed",
            "ACCELERATE_USE_MEGATRON_LM": "Megatron-LM"}
 
 
-def launcher_precision(environ=None) -> str | None:
+def launcher_precision() -> str | None:
     """The precision the accelerate config asks for (our name), or None when it asks for none."""
     # "no" counts as none: `accelerate launch` writes it whenever no precision was configured (fp32 or not set?)
-    environ = os.environ if environ is None else environ
-    value = environ.get("ACCELERATE_MIXED_PRECISION", "no").strip().lower()
+    value = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").strip().lower()
     if value == "no":
         return None
-    if value not in LAUNCHER_PRECISION:
+    if value not in ("fp16", "bf16"):  # Accelerate's names are ours (shared/runtime/precision.py); fp8 has none
         raise UserError(f"the accelerate config asks for mixed_precision {value}, which this trainer does not "
                         f"implement (it supports no, fp16 and bf16). Run `accelerate config` and pick one of those, or "
                         "launch with --mixed_precision bf16.")
-    return LAUNCHER_PRECISION[value]
+    return value
 
 
-def check_strategy(environ=None) -> None:
+def check_strategy() -> None:
     """UserError for FSDP / DeepSpeed / Megatron-LM launcher configs (refused before anything is written)."""
-    environ = os.environ if environ is None else environ
     if asked := [name for var, name in SHARDED.items()  # an environment flag's truth, as accelerate writes it
-                 if str(environ.get(var)).strip().lower() in ("1", "true", "yes")]:
+                 if str(os.environ.get(var)).strip().lower() in ("1", "true", "yes")]:
         raise UserError(
             f"the accelerate config asks for {asked[0]}, which this trainer does not support: it trains with "
             "plain data parallelism (DDP), every process holding the whole model, and its checkpoints, EMA and "
@@ -47,15 +43,14 @@ def check_strategy(environ=None) -> None:
             "keep --micro-batch-size/--grad-checkpoint auto, or add --optimizer adamw8bit or --ema-device cpu.")
 
 
-def resolve_precision_with_launcher(requested: str, environ=None) -> str:
+def resolve_precision_with_launcher(requested: str) -> str:
     """The launcher's precision, the requested one, or 'auto' (the device decides); a contradiction stops."""
-    launcher = launcher_precision(environ)
+    launcher = launcher_precision()
     if launcher is None:
         return requested
     if requested in ("auto", launcher):
         return launcher
-    raise UserError(
-        f"--precision {requested}, but the accelerate config asks for mixed_precision "
-        f"{launcher}; one of them would be silently ignored. Pass --precision {launcher} (or --precision auto, "
-        f"which follows the launcher), or change the accelerate config (`accelerate config`, or `accelerate "
-        f"launch --mixed_precision {'no' if requested == 'fp32' else requested}`).")
+    raise UserError(f"--precision {requested}, but the accelerate config asks for mixed_precision {launcher}; one "
+                    f"of them would be silently ignored. Pass --precision {launcher} (or --precision auto, which "
+                    f"follows the launcher), or change the accelerate config (`accelerate config`, or `accelerate "
+                    f"launch --mixed_precision {'no' if requested == 'fp32' else requested}`).")

@@ -1,12 +1,11 @@
 """What a DiT training step costs: forward MACs counted from the modules, and activation bytes MEASURED.
 
-Shared by `python -m train.plan` (memory planner), train/autotune.py and `python -m train.bench`. The real model
-runs the trainer's own forward + loss while saved-tensor hooks record every tensor autograd keeps for backward
-(deduplicated by storage, parameters excluded) and a dispatch mode records autocast's weight copies; batch 1 and 2
-separate the per-sample from the constant part (both exactly linear in the batch for a DiT).
-Why not the meta device: autocast rejects it, and there sdpa decomposes into the fp32 math path (saving the
-(N,H,T,T) matrix). We run on CUDA or the CPU with zero-filled weights: CPU and CUDA autocast agree on every op a
-DiT uses with sdpa, so a CPU measurement stands for CUDA.
+Shared by `python -m train.plan` (memory planner), train/autotune.py and `python -m train.bench`. The real model runs
+the trainer's own forward + loss while saved-tensor hooks record every tensor autograd keeps for backward (by storage,
+parameters excluded) and a dispatch mode records autocast's weight copies; batch 1 and 2 separate the per-sample from
+the constant part (both exactly linear in the batch for a DiT). Not the meta device: autocast rejects it, and there
+sdpa decomposes into the fp32 math path (saving the (N,H,T,T) matrix). Zero-filled weights on CUDA or the CPU: CPU
+and CUDA autocast agree on every op a DiT uses with sdpa, so a CPU measurement stands for CUDA.
 """
 import contextlib
 import gc
@@ -69,10 +68,10 @@ def count_parameters(model) -> tuple[int, int]:
     return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
 
 
-# ---- Forward cost in multiply-accumulates (the DiT paper's unit), counted from the modules ----
-# Which part a module path below the model belongs to (first match wins); attention splits further by op: its linear
-# layers (addmm/mm) versus Q K^T and A V (bmm). A DiT^DH (shared/network/ddt.py) adds the body's patch embedding
-# (s_embedder) and the projection of the body's tokens into the head's per-token conditioning (s_projector).
+# Forward cost in multiply-accumulates (the DiT paper's unit). Which part a module path below the model belongs to
+# (first match wins); attention splits further by op: its linear layers (addmm/mm) versus Q K^T and A V (bmm). A
+# DiT^DH (shared/network/ddt.py) adds the body's patch embedding (s_embedder) and the projection of the body's tokens
+# into the head's per-token conditioning (s_projector).
 _PARTS = (("patch_embed", r"x_embedder"), ("patch_embed", r"s_embedder"), ("timestep_mlp", r"t_embedder"),
           ("adaln", r"blocks\.[^.]+\.adaLN_modulation"), ("attention", r"blocks\.[^.]+\.attn"),
           ("mlp", r"blocks\.[^.]+\.mlp"), ("head_condition", r"s_projector"), ("final_layer", r"final_layer"))
@@ -137,8 +136,6 @@ def train_flops_per_image(model, kept: int | None = None) -> int:
     return 6 * forward_macs(model, kept)["total"]
 
 
-# ---- Measuring what autograd keeps ----
-
 def _storage_key(tensor) -> tuple:
     """Identity of a tensor's memory: views of one buffer share it."""
     return (str(tensor.device), tensor.untyped_storage().data_ptr())
@@ -157,16 +154,12 @@ class SavedTensorLedger(torch.autograd.graph.saved_tensors_hooks):
     def __init__(self, exclude_keys=()):
         self.live: weakref.WeakSet[_Handle] = weakref.WeakSet()
         self.exclude = set(exclude_keys)
-        super().__init__(self._pack, self._unpack)
+        super().__init__(self._pack, lambda handle: handle.tensor)
 
     def _pack(self, tensor):
         handle = _Handle(tensor)
         self.live.add(handle)
         return handle
-
-    @staticmethod
-    def _unpack(handle):
-        return handle.tensor
 
     def storages(self) -> dict:
         """{storage key: bytes} of the live saved tensors, deduplicated, parameters excluded."""
@@ -194,16 +187,9 @@ def _param_keys(module) -> set:
     return {_storage_key(t) for t in list(module.parameters()) + list(module.buffers())}
 
 
-@dataclass
-class Residency:
-    """Bytes resident at the end of a forward: saved for backward, cast cache, and their union."""
-    saved: int
-    cast_cache: int
-    resident: int
-
-
-def measure_forward(model, batch: int, precision: str, objective, route=None) -> Residency:
-    """What the trainer's forward + loss at `batch` leaves resident; route (tokens, kept): as set on the model."""
+def measure_forward(model, batch: int, precision: str, objective, route=None) -> tuple[int, int, int]:
+    """(bytes saved for backward, cast cache, their union) the trainer's forward + loss at `batch` leaves resident;
+    route (tokens, kept): as set on the model."""
     device = next(model.parameters()).device
     micro = synthetic_batch(model, batch, CLASS_DROPOUT_PROB, objective, route=route)
     params = _param_keys(model)
@@ -218,7 +204,7 @@ def measure_forward(model, batch: int, precision: str, objective, route=None) ->
         loss = forward_losses(model, objective, micro, precision, device)["loss"]
         saved = {**kept.found, **ledger.storages()}  # read inside autocast: the cast cache is still alive here
     del loss
-    return Residency(sum(saved.values()), sum(casts.found.values()), sum({**casts.found, **saved}.values()))
+    return sum(saved.values()), sum(casts.found.values()), sum({**casts.found, **saved}.values())
 
 
 def measure_block(model, batch: int, precision: str, index: int = 0) -> int:
@@ -270,15 +256,15 @@ def measure_profile(model, every: int, precision: str, block_fit: LinearBytes, o
                     route=None) -> ActivationProfile:
     """One checkpointing choice measured at batch 1 and 2 and fitted (block_fit: its largest checkpointed block's)."""
     model.set_grad_checkpointing(every)
-    one, two = (measure_forward(model, n, precision, objective, route=route) for n in (1, 2))
-    recompute = block_fit if every else LinearBytes(0, 0)
-    return ActivationProfile(every, LinearBytes.fit(one.saved, two.saved),
-                             LinearBytes.fit(one.resident, two.resident), recompute, one.cast_cache)
+    (saved1, casts, resident1), (saved2, _, resident2) = (measure_forward(model, n, precision, objective, route=route)
+                                                          for n in (1, 2))
+    return ActivationProfile(every, LinearBytes.fit(saved1, saved2), LinearBytes.fit(resident1, resident2),
+                             block_fit if every else LinearBytes(0, 0), casts)
 
 
 def measure_block_fit(model, precision: str, index: int = 0) -> LinearBytes:
     """Block `index`'s saved bytes as a linear function of the batch."""
-    return LinearBytes.fit(measure_block(model, 1, precision, index), measure_block(model, 2, precision, index))
+    return LinearBytes.fit(*(measure_block(model, n, precision, index) for n in (1, 2)))
 
 
 def measure_block_fits(model, precision: str) -> dict:
@@ -293,8 +279,6 @@ def recompute_fit(fits: dict, every: int) -> LinearBytes:
     chosen = [fit for kind, fit in fits.items() if every and any(i % every == 0 for i in kind)]
     return max(chosen, key=lambda fit: (fit.per_sample, fit.const), default=LinearBytes(0, 0))
 
-
-# ---- Planning: fixed state + measured activations -> the micro-batch that fits ----
 
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adamw8bit": 2}  # AdamW: two fp32 moments; 8-bit: two 1-byte moments
 DEFAULT_MARGIN = "1.5GiB"  # CUDA context, cuBLAS workspace, allocator slack (train.plan's --margin, autotune's)
@@ -380,8 +364,6 @@ def measure_profiles(config, precision: str, choices, device, route=None) -> tup
     bar.close()
     return profiles, n_params, n_trainable
 
-
-# ---- Verification on CUDA: the trainer's own step at the planned micro-batch, under the budget ----
 
 class CudaAllocator:
     """The CUDA caching allocator as --verify and autotune's confirmation read it (the seam a CPU test replaces)."""
@@ -476,8 +458,7 @@ def _timed_steps(config, args, row: PlanRow, timed: int, cuda: CudaAllocator) ->
     cfg = verify_config(config, args, row)
     learner = make_learner(cfg, config, device=cuda.device)
     batches = [synthetic_batch(config, row.micro, cfg.class_dropout_prob, learner.objective, seed=i,
-                               route=learner.route)
-               for i in range(cfg.grad_accum_steps)]
+                               route=learner.route) for i in range(cfg.grad_accum_steps)]
     train_step(learner, batches)  # allocates the optimizer state
     cuda.synchronize()
     cuda.reset_peak()
