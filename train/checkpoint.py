@@ -1,16 +1,14 @@
-"""The run folder's training state: the checkpoint a run resumes from, atomic checkpoints, retention, safe loading,
-and restoring a run from one (`restore`).
+"""The run folder's training state: the checkpoint a run resumes from, retention, safe loading, `restore`.
 
-A checkpoint is assembled in RUN/checkpoints/.tmp-step-XXXXXXX/ and published by one rename once complete, so a kill
-at any moment leaves no checkpoint or a whole one. Every .pt file holds only tensors and plain values, read with
-torch.load(weights_only=True): nothing is ever unpickled as an arbitrary object.
+A checkpoint (train.loop.save_checkpoint) is assembled in RUN/checkpoints/.tmp-step-XXXXXXX/ and published by one
+rename once complete, so a kill at any moment leaves no checkpoint or a whole one. Every .pt file holds only tensors
+and plain values, read with torch.load(weights_only=True): nothing is ever unpickled as an arbitrary object.
 """
 from __future__ import annotations
 
 import contextlib
 import json
 import random
-import shutil
 from itertools import islice
 from pathlib import Path
 
@@ -22,35 +20,20 @@ from shared.runtime import rundir
 from shared.runtime.cli import flag_name
 from shared.runtime.errors import UserError
 from shared.weights.checkpoint import nonfinite_tensors
-from shared.weights.export import load_weights, read_config, write_safetensors
-from shared.runtime.fsio import atomic_write_json, publish_dir, remove_tree
+from shared.weights.export import load_weights, read_config
+from shared.runtime.fsio import remove_tree
 from train.config import TrainConfig
 
 
-def remove_partial(run_dir: Path) -> list[Path]:
-    """Delete half-written checkpoint folders left by a killed run; returns what was removed."""
-    stale = rundir.list_partial(run_dir)
-    for path in stale:
-        shutil.rmtree(path, ignore_errors=True)
-    return stale
-
-
-def _drop_oldest(found: list[Path], keep: int, delete) -> list[Path]:
-    """Delete all but the newest `keep` of `found` (0 keeps all); returns the deleted ones."""
-    doomed = found[:-keep] if keep > 0 else []
-    for path in doomed:
-        delete(path)
-    return doomed
-
-
-def prune_checkpoints(run_dir: Path, keep_last: int) -> list[Path]:
-    """Delete all but the newest `keep_last` complete checkpoints (0 keeps all); returns the deleted ones."""
-    return _drop_oldest(rundir.list_checkpoints(run_dir), keep_last, remove_tree)  # a kill leaves .tmp-, no step-X
-
-
-def prune_exports(run_dir: Path, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` slim EMA exports (0 keeps all); returns the deleted ones."""
-    return _drop_oldest(rundir.list_exports(run_dir), keep, lambda path: path.unlink(missing_ok=True))
+def prune(run_dir: Path, keep_last: int, keep_exports: int) -> list[Path]:
+    """Delete all but the newest `keep_last` checkpoints, then `keep_exports` EMA exports (0 keeps all); the deleted."""
+    checkpoints = rundir.list_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []
+    for path in checkpoints:
+        remove_tree(path)  # a kill leaves .tmp-, no step-X
+    exports = rundir.list_exports(run_dir)[:-keep_exports] if keep_exports > 0 else []
+    for path in exports:
+        path.unlink(missing_ok=True)
+    return checkpoints + exports
 
 
 def capture_rng() -> dict:
@@ -76,26 +59,6 @@ def restore_rng(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def save_rank_state(tmp: Path, rank: int) -> None:
-    """Each process writes its own RNG state into the staging folder."""
-    torch.save(capture_rng(), tmp / rundir.rng_file(rank))
-
-
-def save_main_state(tmp: Path, *, optimizer_state: dict, scaler_state: dict, state: dict,
-                    heads: dict | None = None) -> None:
-    """Main process, after the weights: the column heads' {file: state}, optimizer, scaler, then state.json last."""
-    for name, head in (heads or {}).items():
-        write_safetensors(tmp / name, {k: v.detach().cpu().contiguous() for k, v in head.items()})
-    torch.save(optimizer_state, tmp / rundir.OPTIMIZER_FILE)
-    torch.save(scaler_state, tmp / rundir.SCALER_FILE)
-    atomic_write_json(tmp / rundir.STATE_FILE, state, indent=2)
-
-
-def publish(tmp: Path, run_dir: Path, step: int) -> Path:
-    """Make a staged checkpoint visible under its final name (fsync, then one atomic rename)."""
-    return publish_dir(tmp, rundir.checkpoint_path(run_dir, step))
 
 
 def _read(path: Path, load=lambda path: torch.load(path, map_location="cpu", weights_only=True)):
@@ -173,14 +136,10 @@ def load_checkpoint(ckpt: Path, rank: int) -> dict:
     ckpt = Path(ckpt)
     rng = ckpt / rundir.rng_file(rank)
     with _resuming(ckpt):
-        saved = {
-            "state": read_state(ckpt),
-            "model": load_weights(ckpt / rundir.MODEL_FILE)[0],  # the space: config.json holds its hash
-            "ema": load_weights(ckpt / rundir.EMA_FILE)[0],
-            "optimizer": _read(ckpt / rundir.OPTIMIZER_FILE),
-            "scaler": _read(ckpt / rundir.SCALER_FILE),
-            "rng": _read(rng) if rng.is_file() else None,  # absent when resuming on more processes
-        }
+        saved = {"state": read_state(ckpt), "model": load_weights(ckpt / rundir.MODEL_FILE)[0],  # config.json: space
+                 "ema": load_weights(ckpt / rundir.EMA_FILE)[0], "optimizer": _read(ckpt / rundir.OPTIMIZER_FILE),
+                 "scaler": _read(ckpt / rundir.SCALER_FILE),
+                 "rng": _read(rng) if rng.is_file() else None}  # absent when resuming on more processes
     for part in ("model", "ema"):  # NaN/inf weights would train on silently as NaN
         bad = [name for name, _, _ in islice(nonfinite_tensors(saved[part]), 3)]
         if bad:
@@ -234,6 +193,7 @@ def _restore_from(run, source: Path) -> None:
     if saved["rng"] is not None:  # absent when resuming on more processes: draws are keyed by position anyway
         restore_rng(saved["rng"])
     state = saved["state"]
-    learner.step, learner.skipped_steps = int(state["step"]), int(state.get("skipped_steps", 0))
+    learner.step = int(state["step"])
+    learner.skipped_before, learner.skipped_since = int(state.get("skipped_steps", 0)), None
     run.data_position = int(state.get("data_position", learner.step * run.cfg.global_batch_size))
     run.last_checkpoint = source

@@ -1,16 +1,11 @@
-"""--init-from: start a run from a trained model's weights (MeanFlow fine-tuned from a flow model, as
-the PyTorch reimplementations fine-tune SiT-XL/2).
+"""--init-from: start a MeanFlow run from a trained flow model's weights (as the PyTorch reimplementations fine-tune
+SiT-XL/2), read as `python -m sample --ckpt` reads them (shared/weights/checkpoint.py).
 
-The weights are read as `python -m sample --ckpt` reads them (shared/weights/checkpoint.py: a run folder's newest EMA
-export, an export, a SiT/REPA release .pt). The checks run before the run's model exists and write nothing: the
-source must be a flow (or MeanFlow) model, not a DDPM one; its latent space (shape, tokenizer, normalisation) and
-architecture must be the run's; a DiT^DH head is refused (the second time embedding exists for the DiT only). The
-MeanFlow network is the flow network plus `h_embedder`, whose last linear starts at zero: its output is then 0 at
-every input, the conditioning t_emb + h_emb + y_emb equals the flow model's t_emb + y_emb bitwise, and the network's
-output at any (t, r), r = t included, is the flow model's velocity exactly. An improved MeanFlow network adds the
-guidance embedders `g_embedders`, whose last linear starts at zero too (DiT.initialize_weights): its output starts as
-the flow model's conditional velocity at every guidance scale and interval (its v at r = t is that velocity, as the
-paper's boundary condition u(z, t, t) = v(z, t) asks; the guidance it learns starts from none).
+The checks run before the run's model exists and write nothing: a flow (or MeanFlow) source, not DDPM; the run's
+latent space (shape, tokenizer, normalisation) and architecture; no DiT^DH head. The new `h_embedder`'s last linear
+starts at zero, so t_emb + h_emb + y_emb equals the flow model's t_emb + y_emb bitwise and the output at any (t, r)
+is the flow model's velocity exactly; improved MeanFlow's `g_embedders` start at zero too (DiT.initialize_weights),
+as the paper's boundary condition u(z, t, t) = v(z, t) asks: the guidance it learns starts from none.
 """
 from __future__ import annotations
 
@@ -34,7 +29,6 @@ ARCHITECTURE = ("model", "input_size", "in_channels", "num_classes", "learn_sigm
 @dataclass
 class InitWeights:
     """What --init-from loaded, checked against the run: the state dict, its record for config.json, its model."""
-
     state_dict: dict
     record: dict  # TrainConfig.init: from, file, kind, weights, step, objective, convention
     source: ModelConfig | None = None  # the model the weights were trained as (read_init fills it)

@@ -1,22 +1,18 @@
 """Where training's latents come from: a local folder, or a URL copied once to local disk; opened once per node.
 
-A URL (anything fsspec knows, given its package) is copied into ~/.cache/dit-latent-pipeline/latents/<sha256 of
-index.json, 16 hex>/ (or $DIT_LATENT_CACHE/<...>) and read exactly as a local folder, so training from it equals
-training from the folder bit for bit; files already there at their listed size are not fetched again, index.json
-is written last. The node's local main process fetches and verifies first; the others find the folder verified.
-
-With --cache-limit SIZE the folder is streamed (StreamedLatents, ShardStream): the cache holds index.json, the
-sidecar and only the shards of the current and next window of the shard-aware order (windowed_permutation); one
-thread per node fetches them ahead of the step, publishes each only when its sha256 matches, and deletes those
-every process of the node has consumed. Why not a library's cache: fsspec's file caches have no size bound nor
-sha256 check; webdataset's FileCache evicts in a pass at most every 30 s (overshooting, and it may drop a shard
-the window still needs); mosaicml-streaming bounds its cache but reads only its own MDS shards. A fetch failure
-is written to the folder (STREAM_ERROR_NAME), so every waiting reader stops with the same paragraph.
+A URL (anything fsspec knows) is copied into ~/.cache/dit-latent-pipeline/latents/<sha256 of index.json, 16 hex>/
+(or $DIT_LATENT_CACHE/<...>) and read exactly as a local folder, bit for bit; index.json is written last. With
+--cache-limit SIZE the folder is streamed (StreamedLatents, ShardStream): one thread per node keeps only the shards
+of the current and next window of windowed_permutation's order, publishes each once its sha256 matches, deletes those
+every process of the node has consumed (fsspec's caches have no size bound nor sha256 check; webdataset's FileCache
+overshoots and may drop a shard still needed; mosaicml-streaming reads only its own MDS shards). A fetch failure is
+written to the folder (STREAM_ERROR_NAME), so every waiting reader stops with the same paragraph.
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -166,8 +162,8 @@ def open_streamed(url: str, limit: int, fetcher: bool) -> "StreamedLatents":
     if budget < 2 * largest["size"]:  # two of the largest shards must fit
         total = fixed + sum(e["size"] for e in index["shards"])
         raise UserError(f"--cache-limit {show_size(limit)} is too small for --latents {url}: its largest shard, "
-                        f"{largest['name']}, is {show_size(largest['size'])}, and the streamed cache holds at least two "
-                        f"shards (the one training and the next, fetched ahead) beside {INDEX_NAME}, {ARRAYS_NAME} "
+                        f"{largest['name']}, is {show_size(largest['size'])}, and the streamed cache holds at least "
+                        f"two shards (the one training and the next, fetched ahead) beside {INDEX_NAME}, {ARRAYS_NAME} "
                         f"and the latent-space record ({show_size(fixed)}). Pass --cache-limit "
                         f"{show_size(fixed + 2 * largest['size'])} or more, or drop --cache-limit to copy the whole "
                         f"folder ({show_size(total)}) once.")
@@ -196,8 +192,7 @@ class StreamedLatents(LatentDataset):
     was sha256-checked by ShardStream before it got its name, so opening hashes nothing."""
 
     def __init__(self, root, budget: int):
-        self.budget, self.stream = budget, None  # the node's fetcher (local main process only)
-        self._inodes: dict[int, int] = {}
+        self.budget, self.stream, self._inodes = budget, None, {}  # stream: the node's fetcher (local main process)
         super().__init__(root, verify=False, progress=False)
 
     def _check_files(self, verify: bool, progress: bool) -> None:
@@ -251,27 +246,22 @@ class StreamedLatents(LatentDataset):
 
 
 class ShardStream:
-    """The node's fetcher thread: keeps the current and next window's shards in the cache, nothing else. `consumed`
-    is the stream position every process of the node has trained past (advanced by `follow`); shards whose windows
-    lie before it are deleted, those of its window and the next are fetched in order."""
+    """The node's fetcher thread: keeps only the shards of the window holding `consumed` (the stream position every
+    process of the node has trained past, advanced by `follow`) and of the next one in the cache, fetched in order."""
 
     def __init__(self, fs, remote_root: str, url: str, local: Path, shards: list[dict], budget: int):
         self.fs, self.remote_root, self.url, self.local = fs, remote_root, url, local
         self.shards, self.budget = shards, budget
         self.counts = np.array([e["num_samples"] for e in shards], dtype=np.int64)
         self.present = set()  # the shards an earlier run left in the cache that still hold their listed bytes
-        for i, entry in enumerate(shards):
-            path = local / entry["name"]
-            if not path.is_file():
-                continue
-            if path.stat().st_size == entry["size"] and sha256_file(path) == entry["sha256"]:
+        for i, path in enumerate(local / entry["name"] for entry in shards):
+            if path.is_file() and path.stat().st_size == shards[i]["size"] and sha256_file(path) == shards[i]["sha256"]:
                 self.present.add(i)
-            else:
+            elif path.is_file():
                 path.unlink()  # a leftover that no longer holds them
         self.cond = threading.Condition()
         self.consumed, self.seed, self.window, self.thread, self._epochs = 0, 0, 0, None, {}
-        self.error: UserError | None = None
-        self.stopped = False
+        self.error, self.stopped = None, False  # error: the UserError the fetcher stopped with
 
     def start(self, seed: int, window: int, start: int) -> None:
         """Begin fetching for the stream position `start` (a resumed run's data position)."""
@@ -424,9 +414,8 @@ def follow(batches, dataset, *, seed: int, window: int, start: int, global_batch
 
 def _reporting(batches, dataset: StreamedLatents, start: int, global_batch: int, accum: int):
     """`follow`'s generator: advance the fetcher as steps begin; a fetch failure surfaces as its paragraph."""
-    k = 0
     try:
-        while True:
+        for k in itertools.count():
             try:
                 batch = next(batches)
             except Exception:
@@ -436,7 +425,6 @@ def _reporting(batches, dataset: StreamedLatents, start: int, global_batch: int,
                 raise
             if dataset.stream is not None:
                 dataset.stream.advance(start + (k // accum) * global_batch)
-            k += 1
             yield batch
     finally:  # the run is over (or failed): the fetcher thread ends too
         if dataset.stream is not None:

@@ -2,8 +2,7 @@
 
 make_plan resolves every object of the run once (TrainPlan); setup_run builds the learner and restores a resume;
 run_training logs, loops, guards, checkpoints; make_loader is the data stream (positions and per-position draws).
-The optimizer step is train/step.py's (shared with train.bench and train.plan --verify); Accelerate provides the
-processes, DDP wrapping, `no_sync` for the non-final micro-steps and the cross-process reductions.
+The optimizer step is train/step.py's; Accelerate provides the processes, DDP, `no_sync` and the reductions.
 """
 from __future__ import annotations
 
@@ -21,8 +20,8 @@ from tqdm import tqdm
 from shared.runtime import rundir
 from shared.runtime.distributed import default_workers
 from shared.runtime.errors import UserError
-from shared.weights.export import save_weights
-from shared.runtime.fsio import atomic_write_text, link_file, space_guard
+from shared.weights.export import save_weights, write_safetensors
+from shared.runtime.fsio import atomic_write_json, atomic_write_text, link_file, publish_dir, space_guard
 from shared.sampling.previews import write_preview
 from shared.runtime.lock import FolderLock, hold_lock
 from shared.network.attention import resolve_attention
@@ -37,8 +36,7 @@ from shared.tokenizers.space import LatentSpace
 from train import checkpoint as ckpt_io
 from train.callbacks import Callback, CallbackList
 from train.autotune import describe as describe_auto, resolve_auto_for
-from train.config import (DEBUG_STEPS, TrainConfig, check_config, check_resume, model_config_for,
-                          resolve_config)
+from train.config import DEBUG_STEPS, TrainConfig, check_config, check_resume, model_config_for, resolve_config
 from train.init_from import InitWeights, apply_init, fit_init, read_init
 from train.latents import StreamSampler, follow, open_latents, resolve_shard_window
 from train.launcher import check_strategy, resolve_precision_with_launcher
@@ -59,7 +57,6 @@ class InconsistentRanksError(UserError):
 @dataclass(frozen=True)
 class TrainPlan:
     """What a run is, resolved once by make_plan before any model exists; everything after only reads it."""
-
     cfg: TrainConfig                 # every "auto" resolved, checked against the latents and the resume source
     dataset: LatentDataset
     space: LatentSpace               # the run's latent space (tokenizer + normalisation): recorded in every export
@@ -73,14 +70,12 @@ class TrainPlan:
 @dataclass
 class Run:
     """Everything the loop needs, built once by setup_run: the plan, the learner, logs and hooks."""
-
     plan: TrainPlan
     learner: Learner
     logger: RunLogger
     callbacks: CallbackList = field(default_factory=CallbackList)
     data_position: int = 0  # global stream position of the next sample (all processes together)
-    # The non-finite guard, on the device between check points (track_nonfinite, guard_nonfinite): the current run
-    # of consecutive non-finite steps, and the step at which it first reached --max-nonfinite (-1: not yet).
+    # on the device (track_nonfinite): the non-finite streak, the step it first reached --max-nonfinite (-1: not yet)
     nonfinite_streak: torch.Tensor | int = 0
     nonfinite_at: torch.Tensor | None = None
     last_checkpoint: Path | None = None
@@ -94,18 +89,13 @@ class Run:
     run_dir = property(lambda self: Path(self.cfg.results_dir), doc="The run folder, --results-dir.")
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The plan: inputs, resume source, config, model config, objective (cheap; before any model exists)
-# ---------------------------------------------------------------------------------------------------------
-
 def make_plan(cfg: TrainConfig, accelerator) -> TrainPlan:
     """Open the latents, find the resume source, resolve and check the config: each object of the run, once."""
     dataset = open_latents(cfg.latents, accelerator, cfg.cache_limit)  # URL -> local cache; verified once per node
     check_config(cfg, dataset)  # the flags against the latents; fills the block, objective options, cfg.space
     resolve_shard_window(cfg, dataset)  # the data order: before the resume check compares it
     source, saved = ckpt_io.resume_source(cfg)
-    # --init-from's weights, read and checked before the model config (it records their convention); a resumed run
-    # loads none and keeps its checkpoint's record of where the run started (cfg.init: config.json)
+    # --init-from's weights, before the model config (it records their convention); a resumed run keeps its record
     init = read_init(cfg, dataset) if cfg.init_from and saved is None else None
     if cfg.init_from:
         cfg.init = saved.init if saved is not None else init.record
@@ -130,10 +120,6 @@ def make_plan(cfg: TrainConfig, accelerator) -> TrainPlan:
                      changes=tuple(changes), init=init)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Building the run
-# ---------------------------------------------------------------------------------------------------------
-
 def setup_run(plan: TrainPlan, accelerator, callbacks: list[Callback]) -> Run:
     """Build the learner on this process's device, start it from --init-from's weights or restore the resume source."""
     cfg = plan.cfg
@@ -155,10 +141,6 @@ def setup_run(plan: TrainPlan, accelerator, callbacks: list[Callback]) -> Run:
     return run
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Guards, consistency, checkpoints, previews
-# ---------------------------------------------------------------------------------------------------------
-
 def track_nonfinite(run: Run, result: dict) -> None:
     """Count consecutive non-finite steps on the device (no host sync); guard_nonfinite reads the count."""
     bad = ~(torch.isfinite(result["loss"]) & torch.isfinite(result["grad_norm"]))  # () bool
@@ -170,8 +152,7 @@ def track_nonfinite(run: Run, result: dict) -> None:
 
 
 def guard_nonfinite(run: Run) -> None:
-    """Stop with advice once --max-nonfinite consecutive non-finite steps were counted (one host sync: called at the
-    log, preview and checkpoint points only, always before a checkpoint is written)."""
+    """Stop with advice once --max-nonfinite consecutive non-finite steps were counted (one host sync)."""
     if run.nonfinite_at is not None and int(run.nonfinite_at) >= 0:
         raise NonFiniteError(_nonfinite_message(run, int(run.nonfinite_at)))
 
@@ -179,11 +160,12 @@ def guard_nonfinite(run: Run) -> None:
 def _nonfinite_message(run: Run, at: int | None = None) -> str:
     """Why the run stopped (the limit reached at step `at`), likely causes, and where the last good state is."""
     last = run.last_checkpoint or "none yet (the run never reached a checkpoint)"
-    precision = ("fp16 overflow: switch to --precision bf16, or lower --lr" if run.cfg.precision == "fp16"
-                 else "a learning rate too high for this model/batch: lower --lr or add --warmup-steps / --max-grad-norm")
+    precision = ("fp16 overflow: switch to --precision bf16, or lower --lr" if run.cfg.precision == "fp16" else
+                 "a learning rate too high for this model/batch: lower --lr or add --warmup-steps / --max-grad-norm")
     streak = run.cfg.max_nonfinite if at is not None else int(run.nonfinite_streak)
     at = run.step if at is None else at
-    when = f"at step {at}" if at == run.step else f"at step {run.step} (checked at --log-every points) from step {at} on"
+    when = (f"at step {at}" if at == run.step else
+            f"at step {run.step} (checked at --log-every points) from step {at} on")
     return (f"training stopped {when}: {streak} consecutive steps had a non-finite loss or "
             f"gradient norm (weights were not updated on those steps). Likely causes: {precision}; or bad latents "
             f"(NaN/inf moments: re-extract, or check the folder with a verifying reader). The last good checkpoint "
@@ -233,12 +215,11 @@ def save_checkpoint(run: Run) -> Path | None:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     acc.wait_for_everyone()
-    ckpt_io.save_rank_state(tmp, acc.process_index)
+    torch.save(ckpt_io.capture_rng(), tmp / rundir.rng_file(acc.process_index))  # each process its own RNG state
     acc.wait_for_everyone()
     if run.is_main:
         try:
-            # torch.save's full-disk error is opaque: the guard judges it by the free space left, so it must look
-            # before the staging folder is discarded (which gives that space back).
+            # the guard judges torch.save's opaque full-disk error by the free space: before the staging folder goes
             with space_guard(tmp / rundir.MODEL_FILE):
                 _write_main(run, tmp)
         except BaseException:
@@ -257,21 +238,21 @@ def _write_main(run: Run, tmp: Path) -> None:
         save_weights(tmp / name, model.state_dict(), learner.model_config, run.plan.space, run.step)
     state = {"step": run.step, "data_position": run.data_position, "world_size": run.cfg.world_size,
              "skipped_steps": learner.skipped_steps, "config": run.cfg.to_dict()}
-    ckpt_io.save_main_state(tmp, optimizer_state=learner.optimizer.state_dict(),
-                            scaler_state=learner.scaler.state_dict(), state=state,
-                            heads={c.checkpoint_file: learner.heads[c.name].state_dict() for c, _ in learner.consumers})
-    final = ckpt_io.publish(tmp, run.run_dir, run.step)
+    for column, _ in learner.consumers:
+        head = learner.heads[column.name].state_dict()
+        write_safetensors(tmp / column.checkpoint_file, {k: v.detach().cpu().contiguous() for k, v in head.items()})
+    torch.save(learner.optimizer.state_dict(), tmp / rundir.OPTIMIZER_FILE)
+    torch.save(learner.scaler.state_dict(), tmp / rundir.SCALER_FILE)
+    atomic_write_json(tmp / rundir.STATE_FILE, state, indent=2)  # last
+    final = publish_dir(tmp, rundir.checkpoint_path(run.run_dir, run.step))  # fsync, then one atomic rename
     run.callbacks.on_publish(run, final)
     write_export(run)
-    pruned = ckpt_io.prune_checkpoints(run.run_dir, run.cfg.keep_last)
-    pruned += ckpt_io.prune_exports(run.run_dir, run.cfg.keep_exports)
+    pruned = ckpt_io.prune(run.run_dir, run.cfg.keep_last, run.cfg.keep_exports)
     run.logger.info(f"saved checkpoint {final}" + (f" (removed {', '.join(p.name for p in pruned)})" if pruned else ""))
 
 
 def write_export(run: Run) -> Path:
-    """The slim EMA export of the current step (what `python -m sample --ckpt RUN` reads): a hard link to this step's
-    checkpoint EMA file (the same save_weights bytes and metadata, stored once: 2.7 GB at XL/2; pruning the checkpoint
-    leaves the export whole), or a fresh write where there is no such checkpoint or no hard link."""
+    """The slim EMA export of this step: a hard link to its checkpoint's EMA file (same bytes), else a fresh write."""
     path = rundir.export_path(run.run_dir, run.step)
     stored = rundir.checkpoint_path(run.run_dir, run.step) / rundir.EMA_FILE
     if stored.is_file() and link_file(stored, path):
@@ -295,16 +276,14 @@ def save_samples(run: Run) -> None:
     run.accelerator.wait_for_everyone()
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Logs
-# ---------------------------------------------------------------------------------------------------------
-
 def start_logs(run: Run) -> None:
     """config.json, the resume note, metrics truncated to the resumed step, a missing export repaired."""
     source = run.plan.source
     if run.is_main and not run.cfg.debug:
         run.run_dir.mkdir(parents=True, exist_ok=True)
-        removed = ckpt_io.remove_partial(run.run_dir)
+        removed = rundir.list_partial(run.run_dir)  # half-written checkpoint folders of a killed run
+        for path in removed:
+            shutil.rmtree(path, ignore_errors=True)
         atomic_write_text(rundir.config_path(run.run_dir), run.cfg.to_json() + "\n")
         run.logger.truncate_after(run.step)
         for path in removed:
@@ -315,10 +294,10 @@ def start_logs(run: Run) -> None:
     run.accelerator.wait_for_everyone()
     cfg, n = run.cfg, run.accelerator.num_processes
     where = f"resumed from {source} at step {run.step}" if source else "starting a new run"
-    run.logger.info(f"{where}: {cfg.model} ({cfg.block} block: {block_summary(cfg.block_options)}), {sum(p.numel() for p in run.learner.dit.parameters()):,} parameters, "
-                    f"{n} process(es) on {run.device}, global batch {cfg.global_batch_size} = "
-                    f"{cfg.micro_batch_size} x {cfg.grad_accum_steps} accumulation x {n}, "
-                    f"precision {cfg.precision}, {cfg.total_steps} steps")
+    run.logger.info(f"{where}: {cfg.model} ({cfg.block} block: {block_summary(cfg.block_options)}), "
+                    f"{sum(p.numel() for p in run.learner.dit.parameters()):,} parameters, {n} process(es) on "
+                    f"{run.device}, global batch {cfg.global_batch_size} = {cfg.micro_batch_size} x "
+                    f"{cfg.grad_accum_steps} accumulation x {n}, precision {cfg.precision}, {cfg.total_steps} steps")
     if run.learner.route:
         tokens, kept = run.learner.route
         run.logger.info(f"token routing (TREAD): {tokens - kept} of {tokens} tokens per sample skip blocks "
@@ -329,14 +308,10 @@ def start_logs(run: Run) -> None:
         run.logger.info(f"changed on resume: {change}")
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The data stream: resumable positions, and every random draw keyed by the sample's position
-# ---------------------------------------------------------------------------------------------------------
 # Each sample in the global stream has a position p (samples consumed before it by all processes together, see
-# train.latents.StreamSampler). All of its randomness (the objective's time, class dropout, flip variant, the fresh
-# posterior draw, the diffusion noise and, with token routing, the tokens it routes) comes from one generator seeded
-# by (seed, p), as edm2 derives its randomness from (seed, images seen). So a sample gets the same draws whatever the
-# number of processes, micro-batch size, DataLoader workers, or where a run was interrupted.
+# train.latents.StreamSampler). All of its randomness (time, class dropout, flip variant, posterior draw, noise, routed
+# tokens) comes from one generator seeded by (seed, p), as edm2 keys its randomness on (seed, images seen): the same
+# draws whatever the number of processes, micro-batch size, DataLoader workers, or where a run was interrupted.
 
 class PositionedSampler(StreamSampler):
     """StreamSampler that also yields each index's global stream position: (position, index) pairs."""
@@ -350,29 +325,20 @@ class PositionedSampler(StreamSampler):
 
 
 class TrainingDraws(torch.utils.data.Dataset):
-    """Wraps a LatentDataset: a batch of (position, index) pairs -> the tensors one training micro-step needs.
-
-    Output of `__getitems__` (B samples): x0 (B,C,h,w) fp32 fresh latents normalised by `norm` (the run's LatentNorm
-    record, shared/tokenizers/tokenizer.py; default: the tokenizer's own convention), label (B,) int64, drop (B,)
-    bool (class dropout), t (B,) the objective's times (int64 DiT timesteps, or float32 flow times), noise (B,C,h,w)
-    fp32, position (B,) int64: each sample's global stream position, which keys all of its draws. With `extra`
-    column names (those a head trains on, e.g. REPA's "repr"), also each of them (B, ...) fp32, of the same flip
-    variant as the latent (the same image the latent was encoded from). With `route` (tokens T, kept K), also
-    route_keep (B,K) int64: the tokens that pass the routed blocks (shared/network/routing.py).
-    """
+    """Wraps a LatentDataset: a batch of (position, index) pairs -> the tensors one training micro-step needs:
+    x0 (B,C,h,w) fp32 latents normalised by `norm` (the run's LatentNorm; default: the tokenizer's own), label (B,),
+    drop (B,) class dropout, t (B,) the objective's times, noise (B,C,h,w), position (B,) (keys all of its draws);
+    each `extra` column (B, ...) fp32 of the latent's flip variant (REPA's "repr"); with `route` (tokens T, kept K),
+    route_keep (B,K): the tokens that pass the routed blocks (shared/network/routing.py)."""
 
     def __init__(self, dataset: LatentDataset, seed: int, class_dropout_prob: float, objective,
                  extra: tuple = (), route: tuple[int, int] | None = None, norm=None):
-        self.dataset, self.seed, self.class_dropout_prob = dataset, seed, class_dropout_prob
+        self.dataset, self.seed, self.class_dropout_prob, self.objective = dataset, seed, class_dropout_prob, objective
         self.norm = norm or dataset.native_norm
-        self.objective = objective  # shared.generative.objectives.Objective: draws each sample's time
         self.extra, self.route = tuple(extra), route  # extra: besides the moments, the only columns read
 
     def __len__(self) -> int:
         return len(self.dataset)
-
-    def __getitem__(self, pair):
-        return self.__getitems__([pair])
 
     def __getitems__(self, pairs) -> dict:
         positions = torch.tensor([p for p, _ in pairs], dtype=torch.int64)  # (B,)
@@ -394,11 +360,6 @@ class TrainingDraws(torch.utils.data.Dataset):
         return out
 
 
-def _passthrough(batch):
-    """collate_fn: TrainingDraws already returns a batched dict."""
-    return batch
-
-
 def make_loader(dataset: LatentDataset, *, micro_batch: int, rank: int, world_size: int, seed: int, start: int,
                 class_dropout_prob: float, num_workers: int, pin_memory: bool, objective,
                 extra: tuple = (), route: tuple[int, int] | None = None, norm=None, window: int = 0,
@@ -409,7 +370,7 @@ def make_loader(dataset: LatentDataset, *, micro_batch: int, rank: int, world_si
                                 counts=dataset.shard_counts if window else None, window=window)
     loader = torch.utils.data.DataLoader(
         TrainingDraws(dataset, seed, class_dropout_prob, objective, extra, route, norm), batch_size=micro_batch,
-        sampler=sampler, num_workers=num_workers, pin_memory=pin_memory, collate_fn=_passthrough,
+        sampler=sampler, num_workers=num_workers, pin_memory=pin_memory, collate_fn=dict,  # already batched
         generator=torch.Generator().manual_seed(seed),  # its own: worker seeding never consumes the global torch RNG
         persistent_workers=False)
     global_batch = global_batch or micro_batch * world_size
@@ -417,10 +378,6 @@ def make_loader(dataset: LatentDataset, *, micro_batch: int, rank: int, world_si
     return follow(iter(loader), dataset, seed=seed, window=window, start=start, global_batch=global_batch,
                   accum=max(1, global_batch // (micro_batch * world_size)), readahead=ahead)
 
-
-# ---------------------------------------------------------------------------------------------------------
-# The loop
-# ---------------------------------------------------------------------------------------------------------
 
 def _due(step: int, every: int) -> bool:
     """Whether a periodic action is due after `step` steps."""
@@ -475,8 +432,7 @@ def run_loop(run: Run) -> dict:
 
 
 def lock_run_folder(cfg: TrainConfig, accelerator) -> FolderLock | None:
-    """Rank 0 takes the run folder's exclusive lock (before reading checkpoints); every rank stops if it is busy.
-    First of all: a second launch on a live run would "resume" from it and both would write checkpoints."""
+    """Rank 0 takes the run folder's exclusive lock (before reading checkpoints); every rank stops if it is busy."""
     from accelerate.utils import broadcast_object_list
 
     if cfg.dry_run or cfg.debug:  # they write nothing: no lock
@@ -501,8 +457,7 @@ def train(cfg: TrainConfig, callbacks: list[Callback] = ()) -> dict:
 
     check_strategy()  # FSDP / DeepSpeed launcher configs: refused before anything exists
     resolve_precision_with_launcher(cfg.precision)  # a contradicting --precision: refused before anything exists
-    # One Accelerator per process (DDP, devices, reductions, --report-to): the one source of the process count and rank
-    accelerator = Accelerator(mixed_precision="no", **accelerator_kwargs(cfg))  # precision is train/step.py's
+    accelerator = Accelerator(mixed_precision="no", **accelerator_kwargs(cfg))  # one per process; precision: step.py's
     lock = lock_run_folder(cfg, accelerator)
     try:
         plan = make_plan(cfg, accelerator)  # every check and resolution, before any model exists

@@ -1,8 +1,7 @@
 """`python -m train.plan`: how large a micro-batch fits on one GPU, for each checkpointing choice.
 
 Fixed state is arithmetic; activations are measured on the real model (train/memory.py). `--verify` runs the
-trainer's step on CUDA under an allocator cap of the budget (--gpu-memory minus --margin) and prints the predicted
-next to the measured peak; a step that does not fit is one paragraph naming settings that need less.
+trainer's step on CUDA capped at the budget (--gpu-memory minus --margin): predicted next to measured peak.
 """
 from shared.runtime.interrupt import guard_imports, interruptible
 
@@ -160,11 +159,9 @@ def over_budget_text(oom: StepOutOfMemory, chosen: PlanRow, args, budget: int, b
     missed = max(oom.needed, oom.limit) - chosen.peak  # what the prediction left out
     smaller = smaller_micro(chosen.micro, batch)
     every = chosen.profile.every
-    if oom.limit < budget:  # the card, not the plan, was the limit
-        tries = [f"--gpu-memory {oom.limit // MiB}MiB (this card)"]
-    else:
-        tries = [f"--margin {size_flag(args.margin + missed)} (plans with the {format_size(missed)} the prediction "
-                 "missed)"]
+    tries = ([f"--gpu-memory {oom.limit // MiB}MiB (this card)"] if oom.limit < budget else  # the card was the limit
+             [f"--margin {size_flag(args.margin + missed)} (plans with the {format_size(missed)} the prediction "
+              "missed)"])
     if every != 1:
         tries.append("--grad-checkpoint 1")
     if smaller is not None:
@@ -218,11 +215,9 @@ def out_of_memory_error(cfg, latent_shape: tuple, num_classes: int, step: int, l
     where = f"; `{command}` shows what fits" if command else ""
     asked = memory.requested_bytes(error)  # CUDA's request, not the allocator statistics its message goes on with
     cause = "CUDA out of memory" + (f", tried to allocate {format_size(asked)}" if asked else "")
-    return UserError(
-        f"ran out of GPU memory after {step} completed step(s), at micro-batch {cfg.micro_batch_size} x "
-        f"{cfg.grad_accum_steps} accumulation, checkpointing {choice_label(cfg.grad_checkpoint)}, {cfg.precision} "
-        f"({cause}). {kept}. "
-        f"Rerun the same command with {', or '.join(fixes)}{where}.")
+    return UserError(f"ran out of GPU memory after {step} completed step(s), at micro-batch {cfg.micro_batch_size} x "
+                     f"{cfg.grad_accum_steps} accumulation, checkpointing {choice_label(cfg.grad_checkpoint)}, "
+                     f"{cfg.precision} ({cause}). {kept}. Rerun the same command with {', or '.join(fixes)}{where}.")
 
 
 def size_arg(text: str) -> int:
@@ -237,13 +232,12 @@ def build_parser() -> argparse.ArgumentParser:
     """Flags of python -m train.plan (same names as python -m train where they overlap)."""
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
     # The flags python -m train also has: its defaults and help (TrainConfig), reworded where plan means more.
+    recommend = (f"checkpointing interval to recommend (every K-th block; bare flag = 1; 0 = off; {SELECTIVE}: matmul "
+                 "and attention outputs kept, the pointwise ops recomputed); off, selective, every block and every 2nd "
+                 "block are always tabulated")
     add_flags(p, TrainConfig, only=("model", "objective", "global_batch_size", "grad_checkpoint", "ema_device",
                                     "optimizer", "route_ratio", "route_start", "route_end"),
-              changes={"grad_checkpoint": {"help": "checkpointing interval to recommend (every K-th block; bare flag "
-                                                   f"= 1; 0 = off; {SELECTIVE}: matmul and attention outputs kept, the "
-                                                   "pointwise ops recomputed); off, selective, every block and every "
-                                                   "2nd block are always tabulated", "default": 0,
-                                           "type": checkpoint_choice}})
+              changes={"grad_checkpoint": {"help": recommend, "default": 0, "type": checkpoint_choice}})
     p.add_argument("--image-size", type=int, default=256, help="training image size in pixels")
     add_block_flags(p)
     p.add_argument("--vae-factor", type=int, default=8, help="VAE downsample factor (latent = image / factor)")
@@ -305,8 +299,7 @@ def run(args) -> str:
     rows = [plan_row(p, fixed.total, args.gpu_memory - args.margin, batch) for p in profiles]
     chosen = next(r for r in rows if r.profile.every == args.grad_checkpoint)
     lines = header_lines(args, config, meta.x_embedder.num_patches, n_params, n_trainable, device)
-    lines += compute_lines(meta, kept, batch)
-    lines += fixed_lines(fixed, args)
+    lines += compute_lines(meta, kept, batch) + fixed_lines(fixed, args)
     lines += table_lines(rows, args.grad_checkpoint, args.margin) + [summary_line(chosen, batch)]
     if args.verify and chosen.micro is not None:
         lines += verify_lines(verify_plan(config, args, chosen, batch), chosen, meta, kept)

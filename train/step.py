@@ -1,11 +1,9 @@
 """The one training step: model, optimizer, EMA and the update over a list of micro-batches.
 
-`python -m train`, `python -m train.bench` and `python -m train.plan --verify` all build a `Learner` with
-`make_learner` and advance it with `train_step`, so the benchmark's speed and the planner's memory are the trainer's.
-Precision is handled here, not by Accelerate's mixed_precision (which turns fp16 off on the CPU): autocast plus, for
-fp16, a GradScaler with fp32 master weights, identical on CPU and CUDA. The step never waits for the device: loss,
-grad norm and the skip flag stay device tensors, a non-finite step is skipped inside the fused AdamW (`found_inf`)
-and the EMA masked by the same flag. `--compile` compiles each block on its own: one trace, reused at every depth.
+`python -m train`, `train.bench` and `train.plan --verify` all use `make_learner` and `train_step`. Precision is
+handled here, not by Accelerate (which turns fp16 off on the CPU): autocast plus, for fp16, a GradScaler with fp32
+master weights. The step never waits for the device: a non-finite step is skipped inside the fused AdamW
+(`found_inf`) and the EMA masked by the same flag. `--compile` compiles each block on its own (one trace).
 """
 from __future__ import annotations
 
@@ -32,8 +30,7 @@ from train.config import TrainConfig, column_consumers
 class Learner:
     """What one optimizer step reads and updates."""
     cfg: TrainConfig
-    # What the step calls: the DiT (fp32 master weights, train mode), inside a HeadedDiT beside the heads of the shard
-    # columns it trains on (REPA's projector), maybe compiled, maybe DDP-wrapped. `dit` and `heads` are read out of it.
+    # what the step calls: the DiT (fp32, train mode) or a HeadedDiT with the columns' heads, maybe compiled/DDP-wrapped
     model: torch.nn.Module
     ema: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -52,10 +49,6 @@ class Learner:
     def skipped_steps(self) -> int:
         """Steps skipped on non-finite gradients in the whole run (reads the device counter: a host sync)."""
         return self.skipped_before + (0 if self.skipped_since is None else int(self.skipped_since))
-
-    @skipped_steps.setter
-    def skipped_steps(self, value: int) -> None:
-        self.skipped_before, self.skipped_since = int(value), None
 
     @property
     def dit(self) -> torch.nn.Module:
@@ -127,13 +120,11 @@ COMPILE_BACKEND = "inductor"  # torch.compile's default; tests swap in a countin
 
 def check_compile(cfg: TrainConfig, device) -> None:
     """UserError for --compile with xformers attention (opaque to dynamo) or, on the CPU, no C++ compiler."""
-    if not cfg.compile:
-        return
-    if cfg.attention == "xformers":
+    if cfg.compile and cfg.attention == "xformers":
         raise UserError("--compile traces each transformer block into one graph, but --attention xformers calls a "
                         "kernel torch.compile cannot trace (a graph break in every block, so nothing is gained). "
                         "Use --attention sdpa (its flash/cuDNN kernels compile), or drop --compile.")
-    if torch.device(device).type == "cpu" and COMPILE_BACKEND == "inductor" and not cpp_compiler():
+    if cfg.compile and torch.device(device).type == "cpu" and COMPILE_BACKEND == "inductor" and not cpp_compiler():
         raise UserError("--compile on the CPU needs a C++ compiler for torch.compile's inductor backend (it writes and "
                         "builds C++ kernels), and none was found (set CXX, or install g++ or clang++), or drop "
                         "--compile (the trainer runs the same step eagerly).")
@@ -152,8 +143,7 @@ def make_learner(cfg: TrainConfig, model_config: ModelConfig, accelerator=None, 
     device = torch.device(accelerator.device if accelerator is not None else (device or "cpu"))
     check_compile(cfg, device)
     torch.manual_seed(cfg.seed)  # initialised identically on every rank
-    # Train mode: the labels' class-dropout coin comes from the data (force_drop_ids), so the model's own
-    # global-RNG dropout never runs, while any train-mode layer added later is really on.
+    # train mode: class dropout's coin comes from the data (force_drop_ids), never the model's global RNG
     raw = model_config.build(attention=cfg.attention, grad_checkpoint_every=cfg.grad_checkpoint).train()
     route = None  # (tokens T, kept K) per sample, drawn by the data side
     if cfg.route_ratio > 0:  # TREAD: blocks route_start..route_end see only the kept tokens in training
@@ -189,10 +179,9 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     if cfg.lr_schedule == "constant":
         return cfg.lr
     progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps))
-    final = cfg.final_lr
     if cfg.lr_schedule == "linear":  # RAE's scheduler type linear: base_lr -> final_lr
-        return cfg.lr + (final - cfg.lr) * progress
-    return final + (cfg.lr - final) * 0.5 * (1.0 + math.cos(math.pi * progress))
+        return cfg.lr + (cfg.final_lr - cfg.lr) * progress
+    return cfg.final_lr + (cfg.lr - cfg.final_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def autocast_context(device, precision: str):
@@ -309,8 +298,7 @@ def train_step(learner: Learner, batches: Iterable[dict]) -> dict:
     local = accumulate_gradients(learner, batches)
     grad_norm, skipped = apply_gradients(learner)
     acc = learner.accelerator
-    # the same values on every rank (an all-reduce on the device)
-    losses = {k: acc.reduce(v, reduction="mean") if acc is not None else v for k, v in local.items()}
+    losses = {k: acc.reduce(v, reduction="mean") if acc is not None else v for k, v in local.items()}  # all ranks
     learner.step += 1
     flag = skipped.to(torch.int64)  # the device counter Learner.skipped_steps reads
     learner.skipped_since = flag if learner.skipped_since is None else learner.skipped_since + flag
