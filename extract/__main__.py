@@ -1,5 +1,4 @@
-"""`python -m extract` (or `accelerate launch -m extract ...`): images (ImageFolder, tar shards, parquet) -> latent
-shards + index.json."""
+"""`python -m extract` (or under `accelerate launch`): images (ImageFolder, tar, parquet) -> latent shards + index."""
 from __future__ import annotations
 
 from shared.runtime.interrupt import guard_imports, interruptible

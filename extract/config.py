@@ -20,7 +20,9 @@ from shared.runtime.cli import option
 from shared.runtime.errors import ChoiceError, UserError
 from shared.runtime.plugins import PLUGIN
 from shared.runtime.rerun import differences, listed
-from shared.tokenizers.tokenizer import TokenizerClass, tokenizer_class
+from shared.tokenizers.locate import read_vae_config, resolve_vae_spec
+from shared.tokenizers.tokenizer import (TokenizerClass, config_sha256, downsample_factor, measure_latent,
+                                         tokenizer_class)
 
 SETTINGS_NAME = "extract-settings.json"
 BAD_FILES_NAME = "bad-files.jsonl"
@@ -106,15 +108,13 @@ class Plan:
     kind: TokenizerClass  # the tokenizer's class record
     latent_shape: tuple  # (C, h, w) measured by encoding one image of --image-size (meta device, no weights)
     settings: dict  # what decides the shard bytes (run_settings)
-    columns: dict = field(default_factory=dict)  # {name: record} of the extra columns stored (shared/datasets/columns.py)
+    columns: dict = field(default_factory=dict)  # {name: record}: the extra columns stored (shared/datasets/columns.py)
     warnings: list = field(default_factory=list)  # printed by the main process before it starts
     listing_key: dict | None = None  # a tar or parquet listing made by this run: kept in --out under this key
 
     out = property(lambda self: Path(self.cfg.out), doc="The --out folder.")
     num_shards = property(lambda self: -(-len(self.scan) // self.cfg.shard_size), doc="Shards of --shard-size images.")
 
-
-# ---- Planning and checks (no VAE weights) ----
 
 def check_choices(cfg: ExtractConfig) -> None:
     """Known choices, or a ChoiceError naming the flag (the numbers' bounds are on their options: from_args)."""
@@ -130,24 +130,16 @@ def column_records(planned: dict) -> dict:
     return {columns()[name].meta_key: record for name, record in planned.items()}
 
 
-def run_settings(cfg: ExtractConfig, scan: ImageFolderScan, vae_name: str, vae_config: dict,
-                 planned: dict | None = None) -> dict:
+def run_settings(cfg: ExtractConfig, scan: ImageFolderScan, vae_name: str, vae_config: dict, planned: dict) -> dict:
     """The settings that decide the shard bytes; a rerun must match them to resume into the same --out."""
-    from shared.tokenizers.tokenizer import config_sha256
-
-    extra = column_records(planned or {})
+    extra = column_records(planned)
     if cfg.max_image_pixels != MAX_IMAGE_PIXELS:  # decides which files are skipped; absent at the default
         extra["max_image_pixels"] = "none" if cfg.max_image_pixels is None else cfg.max_image_pixels
-    return {**extra,
-        "version": SETTINGS_VERSION,
-        "dataset": {"num_files": len(scan), "num_classes": len(scan.classes), "files_sha256": scan.fingerprint()},
-        "vae": {"source": vae_name, "config_sha256": config_sha256(vae_config)},
-        "image_size": cfg.image_size,
-        "flip": cfg.flip,
-        "dtype": cfg.dtype,
-        "shard_size": cfg.shard_size,
-        "limit": cfg.limit,
-    }
+    return {**extra, "version": SETTINGS_VERSION,
+            "dataset": {"num_files": len(scan), "num_classes": len(scan.classes), "files_sha256": scan.fingerprint()},
+            "vae": {"source": vae_name, "config_sha256": config_sha256(vae_config)},
+            "image_size": cfg.image_size, "flip": cfg.flip, "dtype": cfg.dtype, "shard_size": cfg.shard_size,
+            "limit": cfg.limit}
 
 
 def holds_shards(out: Path) -> bool:
@@ -170,15 +162,12 @@ def check_out_folder(out: Path, settings: dict) -> list[str]:
         if diffs == ["unreadable"]:
             raise UserError(f"{path} is unreadable; delete the --out folder or use a new --out.")
         if diffs:
-            raise UserError(
-                f"--out {out} holds shards of a different extraction ({listed(diffs)}). Use a new --out "
-                f"folder for these settings, or rerun the original command to resume that extraction."
-            )
+            raise UserError(f"--out {out} holds shards of a different extraction ({listed(diffs)}). Use a new --out "
+                            f"folder for these settings, or rerun the original command to resume that extraction.")
     elif holds_shards(out):
-        raise UserError(
-            f"--out {out} already holds shards or an index from another tool or an older run ({SETTINGS_NAME} is "
-            f"missing), so they cannot be resumed safely. Use a new --out folder or empty this one."
-        )
+        raise UserError(f"--out {out} already holds shards or an index from another tool or an older run "
+                        f"({SETTINGS_NAME} is missing), so they cannot be resumed safely. Use a new --out folder or "
+                        f"empty this one.")
     return []
 
 
@@ -189,12 +178,11 @@ def check_flags(cfg: ExtractConfig) -> None:
     if out is not None and not is_url(str(data_path)):  # --out equal to, inside or holding --data-path: refused
         images, latents = Path(data_path).expanduser().resolve(), Path(out).expanduser().resolve()
         if latents == images or images in latents.parents or latents in images.parents:
-            where = ("is" if latents == images else "is inside" if images in latents.parents else "holds")
-            raise UserError(
-                f"--out {out} {where} --data-path {data_path}: the shards, index and lock would be written among the "
-                f"images (and a later scan would take them for a class folder), or the images among the shards. Pass "
-                f"a separate output folder beside the images, e.g. --out {images.parent / (images.name + '-latents')}."
-            )
+            where = "is" if latents == images else "is inside" if images in latents.parents else "holds"
+            raise UserError(f"--out {out} {where} --data-path {data_path}: the shards, index and lock would be written "
+                            f"among the images (and a later scan would take them for a class folder), or the images "
+                            f"among the shards. Pass a separate output folder beside the images, e.g. --out "
+                            f"{images.parent / (images.name + '-latents')}.")
     if out is not None and Path(out).exists() and not Path(out).is_dir():
         raise UserError(f"--out {cfg.out} is a file; pass a folder (it is created if missing).")
 
@@ -211,9 +199,6 @@ def make_plan(cfg: ExtractConfig, check_out: bool = True) -> Plan:
     scan, listing_key = listed_source(  # tar and parquet: the listing kept in --out by an earlier run, if it fits
         cfg.data_path, options, cfg.out, {"limit": cfg.limit, "duplicates": cfg.duplicates},
         lambda: apply_duplicates(open_source(cfg.data_path, options).limited(cfg.limit), cfg.duplicates))
-    from shared.tokenizers.tokenizer import downsample_factor, measure_latent
-    from shared.tokenizers.locate import read_vae_config, resolve_vae_spec
-
     # the tokenizer and its class, its factor and latent measured, the size checked (no weights)
     vae_name, vae_config = resolve_vae_spec(cfg.vae, cfg.vae_config), read_vae_config(cfg.vae, cfg.vae_config)
     kind = tokenizer_class(vae_config, vae_name)

@@ -63,9 +63,8 @@ def describe_storage(plan: Plan) -> list[str]:
     """What the shards will take: per image (latent moments, extra columns) and for the folder (payloads only)."""
     frames, dtype = FLIP_MODES[plan.cfg.flip], plan.cfg.dtype
     channels, side, _ = plan.latent_shape
-    tensors = 1 if plan.kind.deterministic else 2
+    tensors, what = (1, "latent (deterministic tokenizer, no std)") if plan.kind.deterministic else (2, "mean+std")
     moments = tensors * frames * channels * side * side * STORAGE_DTYPES[dtype].itemsize
-    what = "latent (deterministic tokenizer, no std)" if plan.kind.deterministic else "mean+std"
     lines = [f"storage: moments {_size(moments)} per image ({frames} flip(s) x {what} {channels}x{side}x{side} "
              f"{dtype}) = {moments:,} bytes"]
     per_image = moments

@@ -1,13 +1,10 @@
 """The extraction job: plan and check before loading anything, encode shard by shard, resume, index last.
 
-Shard j holds the files at sorted positions [j*S, (j+1)*S); process r of W encodes the shards j with
-j % W == r. A shard is finished when its tar and then its sidecar (`shard-NNNNNN.done.json`, written by
-ShardWriter.close: ShardInfo, bad files, VAE identity) exist and its bytes still match the sidecar's sha256;
-rerunning the same command skips finished shards and redoes the rest, damaged ones included. When every shard is
-finished, one process hashes them all (the index records only verified hashes), writes the bad-file report and
-then index.json (last). The main process holds the folder's lock (shared/runtime/lock.py) for the whole run.
-Every step reads one Plan (extract/config.py: flags, images, tokenizer class, settings), resolved before any weights
-load.
+Shard j holds the files at sorted positions [j*S, (j+1)*S); process r of W encodes the shards j with j % W == r. A
+shard is finished when its tar and then its sidecar (`shard-NNNNNN.done.json`, ShardWriter.close) exist and its bytes
+still match the sidecar's sha256; a rerun skips finished shards and redoes the rest, damaged ones included. Then one
+process hashes them all (the index records only verified hashes), writes the bad-file report and index.json (last).
+The main process holds the folder's lock (shared/runtime/lock.py) for the whole run.
 """
 from __future__ import annotations
 
@@ -51,8 +48,6 @@ class Progress:
     chunk: int = 0  # images per encoder call (halved on CUDA out-of-memory)
 
 
-# ---- Files in the out folder ----
-
 def settings_sha256(settings: dict) -> str:
     """A short identity of the settings, stored in every sidecar."""
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
@@ -70,8 +65,6 @@ def read_finished(plan: Plan, shard: int) -> dict | None:
         return None
     return sidecar if ok else None
 
-
-# ---- Encoding ----
 
 def encode_pixels(vae, pixels: torch.Tensor, flip: bool, progress: Progress) -> tuple[torch.Tensor, torch.Tensor]:
     """uint8 (B,3,S,S) -> moments (B,F,C,h,w) fp32; the mirrored copy rides in the same encoder batch."""
@@ -116,8 +109,7 @@ class ShardSink:
         self.shard, self.writer, self.bad, self.seen = None, None, [], 0
 
     def add(self, positions: list[int], columns: dict, bad: list[dict]) -> None:
-        """Write one batch (all positions in one shard, sorted; `columns` {name: (B, F, ...)} of its good images);
-        finish the shard after its last file."""
+        """One batch of one shard (sorted; `columns` {name: (B, F, ...)} of its good images), closing it at its end."""
         shard = (positions[0] if positions else bad[0]["pos"]) // self.plan.cfg.shard_size
         if shard != self.shard:  # a new shard: its temp tar is renamed into place only when it is complete
             assert self.writer is None, f"shard {self.shard} was left unfinished"
@@ -145,8 +137,7 @@ class ShardBatches(Sampler):
     an uninterrupted run would (bitwise-equal shards even where kernels differ by batch size)."""
 
     def __init__(self, shards: list[int], shard_size: int, num_files: int, batch_size: int):
-        self.shards, self.shard_size = list(shards), shard_size
-        self.num_files, self.batch_size = num_files, batch_size
+        self.shards, self.shard_size, self.num_files, self.batch_size = list(shards), shard_size, num_files, batch_size
 
     def shard_positions(self, shard: int) -> range:
         """Sorted positions held by one shard."""
@@ -165,21 +156,18 @@ class ShardBatches(Sampler):
 def _split_batch(batch: dict, scan: ImageFolderScan, strict: bool) -> tuple[list[int], torch.Tensor, list[dict]]:
     """Separate readable images from bad ones (recorded with their sorted position)."""
     raise_fatal(batch["fatal"])  # a source's shard that cannot be read ends the run; the finished shards are kept
-    good, bad = [], []
-    for k, (pos, error) in enumerate(zip(batch["pos"].tolist(), batch["error"])):
-        if error and strict:
-            raise UserError(f"bad image {scan.where(pos)}: {error}. --strict stops at the first bad file: fix or "
-                            f"remove it, or run without --strict to skip bad files and list them in {BAD_FILES_NAME}.")
-        if error:
-            bad.append({"pos": pos, "path": scan.files[pos], "reason": error})
-        else:
-            good.append(k)
-    positions = [int(batch["pos"][k]) for k in good]
-    pixels = batch["pixels"] if not bad else batch["pixels"][good]  # keep the pinned buffer when all are good
-    return positions, pixels, bad
+    every = batch["pos"].tolist()
+    bad = [{"pos": pos, "path": scan.files[pos], "reason": error} for pos, error in zip(every, batch["error"]) if error]
+    if bad and strict:
+        raise UserError(f"bad image {scan.where(bad[0]['pos'])}: {bad[0]['reason']}. --strict stops at the first bad "
+                        f"file: fix or remove it, or run without --strict to skip bad files and list them in "
+                        f"{BAD_FILES_NAME}.")
+    good = [k for k, error in enumerate(batch["error"]) if not error]
+    pixels = batch["pixels"][good] if bad else batch["pixels"]  # the pinned buffer kept when all are good
+    return [every[k] for k in good], pixels, bad
 
 
-def encode_shards(plan: Plan, shards: list[int], vae, state, producers=None) -> Progress:
+def encode_shards(plan: Plan, shards: list[int], vae, state, producers: dict) -> Progress:
     """Decode (workers) -> encode (device) -> write, for the given shards; returns this process's counts."""
     cfg, device, show = plan.cfg, state.device, state.is_local_main_process
     batches = ShardBatches(shards, cfg.shard_size, len(plan.scan), cfg.batch_size)
@@ -197,12 +185,12 @@ def encode_shards(plan: Plan, shards: list[int], vae, state, producers=None) -> 
             columns = {}
             if positions:
                 mean, std = encode_pixels(vae, pixels, cfg.flip == "both", progress)  # (B, F, C, h, w) each
-                for name, produce in (producers or {}).items():
+                columns = {"mean": mean, **({"std": std} if std is not None else {})}
+                for name, produce in producers.items():
                     columns[name] = produce_column(produce, pixels.to(device, non_blocking=True), cfg.flip == "both",
                                                    progress.chunk)  # (B, F, ...)
                 # one device->host copy per batch, already in the storage dtype (not one per sample)
-                moments = {"mean": mean, **({"std": std} if std is not None else {})}
-                columns = {name: t.to("cpu", dtypes[name]) for name, t in {**moments, **columns}.items()}
+                columns = {name: t.to("cpu", dtypes[name]) for name, t in columns.items()}
             for b in bad:
                 tqdm.write(f"extract: skipped bad image {b['path']}: {b['reason']}")
             sink.add(positions, columns, bad)
@@ -217,8 +205,6 @@ def encode_shards(plan: Plan, shards: list[int], vae, state, producers=None) -> 
         bar.close()
     return progress
 
-
-# ---- Finishing: bad-file report, then index.json last ----
 
 def folder_space(space: LatentSpace, out: Path, sidecars: list[dict], images: int, flips: int) -> LatentSpace:
     """The tokenizer's space with the folder's statistics, merged from every shard's partial sums."""
@@ -267,31 +253,14 @@ def index_meta(plan: Plan, space_sha256: str, num_bad: int) -> dict:
     """The metadata index.json carries besides the shard list."""
     # the --plugin modules that register this folder's tokenizer class or columns (train must import them too)
     plugins = sorted({plugin_of(r) for r in (plan.kind, *(columns()[n] for n in plan.columns))} - {""})
-    return {
-        "image_size": plan.cfg.image_size,
-        "num_classes": len(plan.scan.classes),
-        "class_names": plan.scan.classes,
-        "latent_space": space_sha256,  # of latent_space.json + latent_space.safetensors (shared/tokenizers/space.py)
-        "preprocessing": "adm_center_crop",
-        "dataset": {"path": str(plan.scan.root), "num_files": len(plan.scan), "num_bad_files": num_bad,
-                    "files_sha256": plan.scan.fingerprint()},
-        "extract_settings": plan.settings,
-        **column_records(plan.columns),
-        **({"plugins": plugins} if plugins else {}),
-    }
-
-
-# ---- The job ----
-
-def _pending(plan: Plan, state) -> tuple[list[int], int]:
-    """This process's shards (j % world == rank) not finished or failing their sha256; and how many failed."""
-    mine = range(state.process_index, plan.num_shards, state.num_processes)
-    sidecars = {j: read_finished(plan, j) for j in mine}
-    damaged = damaged_files(plan.out, [s["shard"] for s in sidecars.values() if s],
-                            progress=state.is_local_main_process)
-    for name, problem in sorted(damaged.items()):
-        tqdm.write(f"extract: {name} {problem}: encoding it again")
-    return [j for j in mine if sidecars[j] is None or shard_name(j) in damaged], len(damaged)
+    scan = plan.scan
+    return {"image_size": plan.cfg.image_size, "num_classes": len(scan.classes), "class_names": scan.classes,
+            "latent_space": space_sha256,  # of latent_space.json + .safetensors (shared/tokenizers/space.py)
+            "preprocessing": "adm_center_crop",
+            "dataset": {"path": str(scan.root), "num_files": len(scan), "num_bad_files": num_bad,
+                        "files_sha256": scan.fingerprint()},
+            "extract_settings": plan.settings, **column_records(plan.columns),
+            **({"plugins": plugins} if plugins else {})}
 
 
 def _load_vae(plan: Plan, device):
@@ -341,7 +310,13 @@ def _extract(plan: Plan, state) -> dict:
         atomic_write_text(out / SETTINGS_NAME, json.dumps(plan.settings, indent=1) + "\n")  # readers see all or none
         keep_listing(plan)  # a rerun reads it instead of the whole source again
     state.wait_for_everyone()
-    pending, damaged = _pending(plan, state)
+    # this process's shards (j % world == rank) not finished or failing their sha256
+    mine = range(state.process_index, plan.num_shards, state.num_processes)
+    sidecars = {j: read_finished(plan, j) for j in mine}
+    damaged = damaged_files(out, [s["shard"] for s in sidecars.values() if s], progress=state.is_local_main_process)
+    for name, problem in sorted(damaged.items()):
+        tqdm.write(f"extract: {name} {problem}: encoding it again")
+    pending = [j for j in mine if sidecars[j] is None or shard_name(j) in damaged]
     for j in pending:  # the temp files and half-written leftovers of the shards this process is about to redo
         for path in (out / shard_name(j), element_stats_path(out, j), sidecar_path(out, j)):
             for leftover in (*stale_tmps(path), path):
@@ -360,7 +335,7 @@ def _extract(plan: Plan, state) -> dict:
     if state.is_main_process:
         summary = write_outputs(plan, space)
         summary.update(encoded_here=progress.encoded, seconds=elapsed, shards_here=len(pending),
-                       damaged_here=damaged, skipped=plan.scan.skipped.describe(), out=str(out),
+                       damaged_here=len(damaged), skipped=plan.scan.skipped.describe(), out=str(out),
                        notes=list(plan.scan.notes), processes=state.num_processes)
     state.wait_for_everyone()
     return summary
@@ -373,8 +348,9 @@ def format_summary(summary: dict) -> str:
     return "\n".join([
         f"extract: {counted(summary['num_samples'], 'image')} in {counted(summary['num_shards'], 'shard')}, "
         f"{counted(summary['num_bad'], 'bad file')} skipped (listed in {BAD_FILES_NAME})",
-        *([f"extract: {summary['too_large']} of them {'has' if summary['too_large'] == 1 else 'have'} more pixels than --max-image-pixels allows; if you trust "
-           f"the folder, rerun with a larger --max-image-pixels (or none) into a new --out to include them"]
+        *([f"extract: {summary['too_large']} of them {'has' if summary['too_large'] == 1 else 'have'} more pixels "
+           f"than --max-image-pixels allows; if you trust the folder, rerun with a larger --max-image-pixels (or "
+           f"none) into a new --out to include them"]
           if summary.get("too_large") else []),
         f"extract: while scanning {summary['skipped']}",
         *(f"extract: {note}" for note in summary.get("notes", ())),

@@ -13,23 +13,18 @@ def presets_by_patch() -> dict[int, list[str]]:
     """Patch size -> the DiT presets that use it, smallest patch first."""
     groups: dict[int, list[str]] = {}
     for name, arch in PRESETS.items():
-        if arch.get("head_depth"):  # DiT^DH (RAE): patch 1 on representation tokens, not a VAE-latent preset
-            continue
-        groups.setdefault(arch["patch_size"], []).append(name)
+        if not arch.get("head_depth"):  # DiT^DH (RAE: patch 1 on representation tokens) is no VAE-latent preset
+            groups.setdefault(arch["patch_size"], []).append(name)
     return dict(sorted(groups.items()))
-
-
-def nearest_sizes(image_size: int, unit: int) -> list[int]:
-    """The multiples of `unit` just below and just above image_size (only the one above when below is 0)."""
-    lower = image_size // unit * unit
-    return [s for s in (lower, lower + unit) if 0 < s != image_size]
 
 
 def _suggestion(image_size: int, factor: int, groups: dict, owner: str) -> str:
     """'192 or 256: multiples of 64 (...), whose latents every DiT preset can train on (...)'."""
     patch = max(groups)
-    sizes = " or ".join(str(s) for s in nearest_sizes(image_size, factor * patch))
-    return (f"{sizes}: multiples of {factor * patch} ({owner} factor {factor} x the largest DiT patch {patch}), "
+    unit = factor * patch
+    lower = image_size // unit * unit  # the multiples just below (if > 0) and above image_size
+    sizes = " or ".join(str(s) for s in (lower, lower + unit) if 0 < s != image_size)
+    return (f"{sizes}: multiples of {unit} ({owner} factor {factor} x the largest DiT patch {patch}), "
             f"whose latents every DiT preset can train on (DiT itself uses 256 or 512).")
 
 

@@ -1,10 +1,9 @@
 """`python -m extract --stats --out DIR`: (re)write a finished folder's latent space with its statistics.
 
-The statistics come from the stored moments (shared/datasets/shards.py `ChannelStats`, float64), the same numbers
-an extraction writes, so an older folder gets them without encoding any image again, and a damaged
-latent_space.json is rebuilt (its tokenizer part from the tokenizer index.json records, loaded on the CPU).
-latent_space.* and index.json's "latent_space" hash are rewritten atomically under the folder's lock; every other
-entry of index.json stays as it is.
+The statistics come from the stored moments (shared/datasets/shards.py `ChannelStats`, float64), the numbers an
+extraction writes, so an older folder gets them without encoding again and a damaged latent_space.json is rebuilt
+(its tokenizer from index.json's record, loaded on the CPU). Only latent_space.* and index.json's "latent_space" hash
+are rewritten (atomically, under the folder's lock).
 """
 from __future__ import annotations
 

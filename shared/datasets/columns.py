@@ -1,13 +1,10 @@
 """The registry of extra shard columns: one record per column, its producer at extraction and its consumer in training.
 
-A column is a per-sample tensor (F, ...) stored beside the latent in every payload (shared/datasets/shards.py).
-`python -m extract` adds each registered column's flags; a column whose `plan` returns a record is computed from
-every batch of pixels by the function `load` returns, stored in the record's dtype, and its record is written to
-index.json under `meta_key`. `python -m train` adds each column's training flags; a column whose `weight` flag is
-> 0 trains a head on the output tokens (N, T, D) of block `depth` beside the DiT, and adds weight x its `loss`
-(per sample) to the objective's. REPA (shared/network/repa.py) is the first record. A module of the user's registers
-another with `register_column` and is named by `--plugin MODULE`; index.json records it (`plugins`), and train
-refuses a folder whose module is not imported.
+A column is a per-sample tensor (F, ...) stored beside the latent in every payload (shared/datasets/shards.py),
+computed at extraction when its `plan` returns a record (written to index.json under `meta_key`), and trained on by
+a head when its `weight` flag is > 0 (weight x its `loss` added to the objective's). REPA (shared/network/repa.py) is
+the first record. A user's module registers another with `register_column` and is named by `--plugin MODULE`;
+index.json records it (`plugins`), and train refuses a folder whose module is not imported.
 """
 from __future__ import annotations
 

@@ -24,19 +24,14 @@ def load_digit_arrays() -> tuple[np.ndarray, np.ndarray]:
     return bunch.images.astype(np.float32), bunch.target.astype(np.int64)
 
 
-def upscale(digits: np.ndarray, size: int = IMAGE_SIZE) -> np.ndarray:
-    """Smoothly upscale (N, 8, 8) digits in 0..16 to white-on-black RGB uint8 (N, size, size, 3)."""
+def digit_images(size: int = IMAGE_SIZE) -> tuple[np.ndarray, np.ndarray]:
+    """Every digit smoothly upscaled to white-on-black RGB uint8 (N, size, size, 3) and its label (N,), in order."""
+    digits, labels = load_digit_arrays()
     x = torch.from_numpy(digits / DIGIT_MAX).unsqueeze(1)  # (N, 1, 8, 8) in [0, 1]
     # Bicubic keeps strokes smooth; it overshoots slightly, so clamp before quantising.
     x = F.interpolate(x, size=(size, size), mode="bicubic", align_corners=False).clamp(0, 1)  # (N, 1, S, S)
     gray = (x.squeeze(1).numpy() * 255.0).round().astype(np.uint8)  # (N, S, S)
-    return np.repeat(gray[..., None], 3, axis=-1)  # (N, S, S, 3)
-
-
-def digit_images(size: int = IMAGE_SIZE) -> tuple[np.ndarray, np.ndarray]:
-    """Return every digit as RGB uint8 (N, size, size, 3) and its label (N,), deterministic order."""
-    digits, labels = load_digit_arrays()
-    return upscale(digits, size), labels
+    return np.repeat(gray[..., None], 3, axis=-1), labels  # (N, S, S, 3)
 
 
 def build_digits(out_dir, size: int = IMAGE_SIZE, progress: bool = True) -> Path:

@@ -32,20 +32,6 @@ def _digest(path, limit: int | None = None) -> str:
         return hashlib.sha256(f.read(limit)).hexdigest()
 
 
-def _same_real_file(scan: ImageFolderScan) -> tuple[dict, dict]:
-    """(real file id -> positions, real file id -> size); unreadable entries are left to the decoder to report."""
-    positions, sizes = defaultdict(list), {}
-    for pos, rel in enumerate(scan.files):
-        try:
-            st = os.stat(scan.root / rel)  # follows symlinks: the real file's identity on this machine
-        except OSError:
-            continue
-        key = (st.st_dev, st.st_ino)
-        positions[key].append(pos)
-        sizes[key] = st.st_size
-    return positions, sizes
-
-
 def _split_by(keys: list, digest) -> list[list]:
     """Groups of keys (two or more) whose digest agrees."""
     groups = defaultdict(list)
@@ -57,22 +43,23 @@ def _split_by(keys: list, digest) -> list[list]:
     return [g for g in groups.values() if len(g) > 1]
 
 
-def _same_digest(scan: ImageFolderScan) -> list[list[int]]:
-    """Groups of positions (two or more) whose bytes hash alike, from a source listing's digests (sources.py)."""
-    groups = defaultdict(list)
-    for pos, sample_id in enumerate(scan.files):
-        groups[scan.digests[sample_id]].append(pos)
-    return sorted(group for group in groups.values() if len(group) > 1)
-
-
 def find_duplicates(scan: ImageFolderScan) -> list[list[int]]:
     """Groups of positions (sorted, two or more) that are one picture: the same real file or identical bytes."""
-    if getattr(scan, "digests", None):  # tar shards and parquet: hashed while listed, no file to stat
-        return _same_digest(scan)
-    positions, sizes = _same_real_file(scan)
-    by_size = defaultdict(list)
-    for key, size in sizes.items():
-        by_size[size].append(key)
+    if getattr(scan, "digests", None):  # tar shards and parquet: hashed while listed (sources.py), no file to stat
+        groups = defaultdict(list)
+        for pos, sample_id in enumerate(scan.files):
+            groups[scan.digests[sample_id]].append(pos)
+        return sorted(group for group in groups.values() if len(group) > 1)
+    positions, by_size = defaultdict(list), defaultdict(list)  # real file id -> positions; size -> real file ids
+    for pos, rel in enumerate(scan.files):
+        try:
+            st = os.stat(scan.root / rel)  # follows symlinks: the real file's identity on this machine
+        except OSError:  # left to the decoder to report
+            continue
+        key = (st.st_dev, st.st_ino)
+        if key not in positions:
+            by_size[st.st_size].append(key)
+        positions[key].append(pos)
     merged = {key: list(found) for key, found in positions.items()}
     for keys in by_size.values():
         if len(keys) < 2:

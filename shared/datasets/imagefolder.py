@@ -180,8 +180,6 @@ class _Walk:
         return [f"{folder}/{name}" for folder, names in sorted(found) for name in names]
 
 
-# ---- The scan ----
-
 def scan_image_folder(root, loose: bool = False) -> ImageFolderScan:
     """Scan root/<class>/**/<image>; UserError for a missing root, no class folders, empty classes or a loop."""
     root = Path(root).expanduser()

@@ -85,11 +85,6 @@ def pixel_limit(text: str) -> int | None:
     raise argparse.ArgumentTypeError(f"expected a positive number of pixels or 'none', got {text!r}")
 
 
-def describe_limit(limit: int | None) -> str:
-    """'100,000,000 pixels' or 'no limit'."""
-    return "no limit" if limit is None else f"{limit:,} pixels"
-
-
 @contextlib.contextmanager
 def _own_pixel_limit():
     """PIL's decompression-bomb check off while opening (open_image applies MAX_IMAGE_PIXELS or the flag's)."""
@@ -173,8 +168,6 @@ def preprocess(path, image_size: int) -> torch.Tensor:
     return to_unit_range(load_image(path, image_size))
 
 
-# ---- Decoding in DataLoader workers: item i of a scan ----
-
 def fetch(scan: ImageFolderScan, pos: int) -> tuple[object, str]:
     """(what PIL opens, "") or (None, the paragraph) when a source's shard cannot be read: a worker's exception
     would reach the main process wrapped in its traceback, so the paragraph travels as data (raise_fatal)."""
@@ -195,8 +188,7 @@ class ImageFileDataset(Dataset):
     """Item i = the preprocessed image at sorted position i, or a zero image plus the reason it is bad."""
 
     def __init__(self, scan: ImageFolderScan, image_size: int, max_pixels: int | None = MAX_IMAGE_PIXELS):
-        self.scan, self.labels = scan, scan.labels
-        self.image_size, self.max_pixels = image_size, max_pixels
+        self.scan, self.labels, self.image_size, self.max_pixels = scan, scan.labels, image_size, max_pixels
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -218,8 +210,7 @@ class ImageInfoDataset(Dataset):
     """Item i = size and mode of the image at position i after a decode as extraction does it (for --check)."""
 
     def __init__(self, scan: ImageFolderScan, image_size: int | None = None, max_pixels: int | None = MAX_IMAGE_PIXELS):
-        self.scan = scan
-        self.image_size, self.max_pixels = image_size, max_pixels
+        self.scan, self.image_size, self.max_pixels = scan, image_size, max_pixels
 
     def __len__(self) -> int:
         return len(self.scan.files)
@@ -228,7 +219,7 @@ class ImageInfoDataset(Dataset):
         too_large, (image, fatal) = False, fetch(self.scan, pos)
         try:
             if fatal:
-                raise BadImage(fatal)  # ends the check (inspect_all), not recorded as a bad file
+                raise BadImage(fatal)  # ends the check (run_check), not recorded as a bad file
             _, mode, size = open_image(image, self.max_pixels, self.image_size)
             error = ""
         except TooLarge as err:  # the size is known from the header: reported, so the user can pick a limit
@@ -243,5 +234,4 @@ class ImageInfoDataset(Dataset):
 def make_loader(dataset: Dataset, batch_sampler, num_workers: int, pin_memory: bool = False) -> DataLoader:
     """A DataLoader decoding in `num_workers` processes with a few batches prefetched each."""
     extra = {"prefetch_factor": 4, "persistent_workers": False} if num_workers > 0 else {}
-    return DataLoader(dataset, batch_sampler=batch_sampler, num_workers=num_workers,
-                      pin_memory=pin_memory, **extra)
+    return DataLoader(dataset, batch_sampler=batch_sampler, num_workers=num_workers, pin_memory=pin_memory, **extra)

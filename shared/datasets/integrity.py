@@ -53,9 +53,8 @@ def _read_verified(root: Path) -> dict:
 
 def _remember(root: Path, good: dict, bad) -> None:
     """Record newly verified files and forget failed ones; silently skipped where nothing can be written."""
-    files = {**_read_verified(root), **good}  # re-read: another process may have added entries meanwhile
-    for name in bad:
-        files.pop(name, None)
+    # re-read: another process may have added entries meanwhile
+    files = {name: v for name, v in {**_read_verified(root), **good}.items() if name not in bad}
     text = json.dumps({"version": _VERIFIED_VERSION, "files": files}, indent=0, sort_keys=True) + "\n"
     for path in (root / VERIFIED_NAME, _user_cache(root)):
         try:
@@ -70,8 +69,7 @@ def file_problem(root: Path, entry: dict) -> str | None:
     path = Path(root) / entry["name"]
     if not path.is_file():
         return "is missing"
-    size = path.stat().st_size
-    if size != entry["size"]:
+    if (size := path.stat().st_size) != entry["size"]:
         return f"is {size} bytes, the index says {entry['size']} (truncated or overwritten)"
     return None
 

@@ -13,13 +13,11 @@ Layout of a latent folder (written by `extract`, read by `train`):
                            identity, the payload layout, per shard {name, num_samples, size, sha256} and
                            {name, size, sha256} of the sidecar
 
-Why a sidecar: 1.28M samples would be 2.5M JSON integers (seconds to parse); a binary .npz of two int64
-arrays loads in milliseconds, and index.json covers it by size and sha256, so a half-written or swapped
-sidecar is detected. Every payload has the same tensor layout (same shapes, dtype, header bytes), so the
-layout is recorded once and the reader maps each tar with mmap and views tensors in place (torch.frombuffer
-at the recorded offset): no tar parsing and no copy per item. A DataLoader batch is gathered at once
-(`__getitems__`) by slicing the mapped bytes straight into one batch tensor, allocated in shared memory
-inside workers, so a batch costs one memcpy per tensor and no per-sample collate.
+Why a sidecar: 1.28M samples would be 2.5M JSON integers (seconds to parse); a .npz of two int64 arrays loads in
+milliseconds, and index.json covers it by size and sha256. Every payload has the same tensor layout (shapes, dtype,
+header bytes), recorded once, so the reader maps each tar with mmap and views tensors in place (torch.frombuffer at
+the recorded offset): no tar parsing, no copy per item. A DataLoader batch is gathered at once (`__getitems__`)
+straight into one batch tensor, in shared memory inside workers: one memcpy per tensor, no per-sample collate.
 
 A payload (KEY.latent.safetensors) is one safetensors file of named columns, each (F, ...) with F flip frames
 (F=2 with flips: 0 original, 1 mirrored). A folder's column set is declared once, when its shards are written
@@ -69,8 +67,6 @@ STD = "std"  # the posterior spread; absent for a deterministic tokenizer
 MOMENT_NAMES = (LATENT, STD)  # described by the layout's own "dtype"/"shape", never under "extra"
 
 
-# ---- The one dtype vocabulary: the word of index.json, of a command line, of a safetensors header, torch's dtype ----
-
 @dataclass(frozen=True)
 class StorageDtype:
     """One storage dtype under each of its names."""
@@ -99,22 +95,16 @@ def storage_dtype(dtype) -> StorageDtype:
     return found[0]
 
 
-# ---- Layout: a payload header <-> the columns of every payload of a folder ----
-
 def payload_layout(payload: bytes) -> dict:
     """The layout of a payload's header (see the module docstring); "extra" appears only when present."""
     data_start = 8 + int.from_bytes(payload[:8], "little")  # where tensor data starts, after the JSON header
     header = json.loads(payload[8:data_start])
     header.pop("__metadata__", None)
     latent = header[LATENT]
-    layout = {
-        "dtype": storage_dtype(latent["dtype"]).name,
-        "shape": list(latent["shape"]),  # (F, C, h, w)
-        "header_size": data_start,
-        "payload_size": len(payload),
-        # byte offset of each column's data relative to the start of the payload
-        "tensors": {name: data_start + header[name]["data_offsets"][0] for name in sorted(header)},
-    }
+    layout = {"dtype": storage_dtype(latent["dtype"]).name, "shape": list(latent["shape"]),  # (F, C, h, w)
+              "header_size": data_start, "payload_size": len(payload),
+              # byte offset of each column's data relative to the start of the payload
+              "tensors": {name: data_start + header[name]["data_offsets"][0] for name in sorted(header)}}
     extra = {name: {"dtype": storage_dtype(spec["dtype"]).name, "shape": list(spec["shape"])}
              for name, spec in sorted(header.items()) if name not in MOMENT_NAMES}
     if extra:
@@ -131,8 +121,6 @@ def tensor_specs(layout: dict) -> dict:
             for name, s in described.items()}
 
 
-# ---- Writing one payload ----
-
 def as_column(x, dtype: StorageDtype) -> torch.Tensor:
     """A contiguous CPU tensor of `x` (torch or numpy) in the column's dtype."""
     # numpy input is cast by numpy where numpy has the dtype (the bytes the first version wrote); torch by torch
@@ -143,8 +131,6 @@ def as_column(x, dtype: StorageDtype) -> torch.Tensor:
         x = torch.from_numpy(np.ascontiguousarray(x))
     return x.detach().to("cpu", dtype.torch).contiguous()
 
-
-# ---- The folder format ----
 
 FORMAT_NAME = "dit-latent-shards"
 FORMAT_VERSION = 1  # every folder whose payloads hold "mean" and "std": what the first readers read
@@ -193,8 +179,6 @@ def read_sidecar(out, index: int) -> dict | None:
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
-
-# ---- Writer ----
 
 @dataclass
 class ShardInfo:
@@ -245,10 +229,9 @@ class ChannelStats:
         """Fold in moments (..., C, h, w) (any leading dims: images, flips); std None for a deterministic latent."""
         m = mean.double().movedim(-3, 0).reshape(mean.shape[-3], -1)  # (C, n)
         part_mean = m.mean(dim=1)
-        part = ChannelStats(m.shape[1], part_mean.tolist(), ((m - part_mean[:, None]) ** 2).sum(dim=1).tolist(),
-                            (std.double().movedim(-3, 0).reshape(std.shape[-3], -1) ** 2).sum(dim=1).tolist()
-                            if std is not None else [0.0] * m.shape[0])
-        self.merge(part)
+        self.merge(ChannelStats(m.shape[1], part_mean.tolist(), ((m - part_mean[:, None]) ** 2).sum(dim=1).tolist(),
+                                (std.double().movedim(-3, 0).reshape(std.shape[-3], -1) ** 2).sum(dim=1).tolist()
+                                if std is not None else [0.0] * m.shape[0]))
 
     def merge(self, other: "ChannelStats") -> None:
         """Combine two partial statistics (`_chan`; the variances simply add)."""
@@ -269,8 +252,7 @@ class ChannelStats:
 
     def result(self) -> tuple[list[float], list[float]]:
         """(mean_c, std_c): std^2 = variance of the means + mean of the variances (population, /N)."""
-        var = [(m2 + vs) / self.count for m2, vs in zip(self.m2, self.var_sum)]
-        return list(self.mean), [math.sqrt(v) for v in var]
+        return list(self.mean), [math.sqrt((m2 + vs) / self.count) for m2, vs in zip(self.m2, self.var_sum)]
 
     def summary(self, images: int, flips: int, deterministic: bool) -> tuple[LatentNorm, dict]:
         """The folder's "channel" normalisation and what it was computed from."""
@@ -281,8 +263,6 @@ class ChannelStats:
                 {"values_per_channel": self.count, "images": images, "flips": flips,
                  "computed_from": f"the stored {moments} of every image and flip, float64"})
 
-
-# ---- Per-element statistics of a folder of deterministic tokens (RAE), in float64 ----
 
 # RAE's eps (bytetriper/RAE src/stage1/rae.py: (z - mean) / sqrt(var + eps), eps 1e-5): the per-element std of a
 # folder is sqrt(var + ELEMENT_EPS), so an element that never varies (a border token, a tiny folder) stays finite.
@@ -353,11 +333,9 @@ class ShardWriter:
         # the partial sums of the moments as stored, for the sidecar (`add_batch`); per element: RAE tokens
         self.stats = ChannelStats() if stats else None
         self.elements = ElementStats() if element_stats else None
-        self.tmp_path = tmp_name(self.path)
-        self._file = None
+        self.tmp_path, self._file = tmp_name(self.path), None
         self._pos, self._digest = 0, hashlib.sha256()  # of every byte written to the tar so far
-        self._header: bytes | None = None  # the first payload's safetensors header; all must match it
-        self._layout: dict = {}
+        self._header, self._layout = None, {}  # the first payload's safetensors header (all must match it), its layout
         self._keys, self._key_set, self._labels, self._offsets = [], set(), [], []
         self.info: ShardInfo | None = None
 
@@ -405,8 +383,7 @@ class ShardWriter:
         return len(self._keys)
 
     def add(self, key: str, tensors: dict, label: int) -> None:
-        """Append one sample: {column: torch or numpy tensor (F, ...)}, each cast to its column's dtype, and
-        its class index."""
+        """Append one sample: {column: torch or numpy tensor (F, ...)}, each cast to its column's dtype; its label."""
         assert self._file is not None, "ShardWriter.add called outside its `with` block"
         # keys are short ASCII names without dots or slashes (webdataset splits on the first dot, merges repeats)
         assert key and "." not in key and "/" not in key and key.isascii() and len(key) <= 80, \
@@ -466,8 +443,6 @@ class ShardWriter:
         self._write(b"\0" * (-len(data) % BLOCK))
 
 
-# ---- Index ----
-
 def write_index(out_dir, shard_infos, meta: dict) -> Path:
     """Validate the shards, write the per-sample sidecar, then index.json last (atomically); return its path.
 
@@ -496,25 +471,18 @@ def write_index(out_dir, shard_infos, meta: dict) -> Path:
     atomic_write_bytes(out_dir / ARRAYS_NAME, data)
     flips, *latent_shape = layout["shape"]
     index = {
-        "format": FORMAT_NAME,
-        "version": DETERMINISTIC_VERSION if STD not in layout["tensors"] else FORMAT_VERSION,
+        "format": FORMAT_NAME, "version": DETERMINISTIC_VERSION if STD not in layout["tensors"] else FORMAT_VERSION,
         **{k: v for k, v in meta.items() if k not in ("format", "version")},
-        "num_samples": sum(s.num_samples for s in shards),
-        "latent_shape": latent_shape,  # [C, h, w]
-        "dtype": layout["dtype"],
-        "flips": flips,
-        "layout": layout,
+        "num_samples": sum(s.num_samples for s in shards), "latent_shape": latent_shape,  # [C, h, w]
+        "dtype": layout["dtype"], "flips": flips, "layout": layout,
         "tensors": [{"name": n, "dtype": s["dtype"], "shape": s["shape"]} for n, s in tensor_specs(layout).items()],
         "arrays": {"name": ARRAYS_NAME, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()},
-        "shards": [{"name": s.name, "num_samples": s.num_samples, "size": s.size, "sha256": s.sha256}
-                   for s in shards],
+        "shards": [{"name": s.name, "num_samples": s.num_samples, "size": s.size, "sha256": s.sha256} for s in shards],
     }
     path = out_dir / INDEX_NAME
     atomic_write_bytes(path, (json.dumps(index, indent=1) + "\n").encode())
     return path
 
-
-# ---- Reader ----
 
 _RERUN = "rerun the same extract command to finish or repair the folder"
 
@@ -546,8 +514,8 @@ def load_index(root: Path) -> dict:
         raise UserError(f"{path} is not valid JSON ({err}); {_RERUN}.") from None
     if index.get("format") != FORMAT_NAME or index.get("version") not in READ_VERSIONS:
         raise UserError(f"{path} has format {index.get('format')!r} version {index.get('version')!r}; this code "
-                        f"reads {FORMAT_NAME!r} versions {', '.join(map(str, READ_VERSIONS))}. Re-extract the latents with this "
-                        f"version of `python -m extract` (or use the code version that wrote them).")
+                        f"reads {FORMAT_NAME!r} versions {', '.join(map(str, READ_VERSIONS))}. Re-extract the "
+                        f"latents with this version of `python -m extract` (or use the code version that wrote them).")
     return index
 
 
@@ -596,8 +564,7 @@ class LatentDataset(torch.utils.data.Dataset):
                        for name, spec in tensor_specs(self.meta["layout"]).items()}
         for spec in self._specs.values():
             spec["nbytes"] = math.prod(spec["shape"]) * spec["torch"].itemsize
-        self._maps: dict[int, mmap.mmap] = {}
-        self._bytes: dict[int, memoryview] = {}
+        self._maps, self._bytes = {}, {}  # {shard: mmap.mmap}, {shard: memoryview of it}
 
     def _check_files(self, verify: bool, progress: bool) -> None:
         """Every listed shard present at its size (and sha256 unless verify=False), else the damage paragraph."""
@@ -605,7 +572,6 @@ class LatentDataset(torch.utils.data.Dataset):
         if damaged:
             raise damaged_error(self.root, damaged)
 
-    # -- metadata -------------------------------------------------------------------------------------
     num_classes = property(lambda self: int(self.meta["num_classes"]), doc="Number of classes.")
     class_names = property(lambda self: list(self.meta["class_names"]), doc="Class names by index.")
     latent_shape = property(lambda self: tuple(self.meta["latent_shape"]), doc="(C, h, w) of one latent.")
@@ -641,11 +607,8 @@ class LatentDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return int(self._starts[-1])
 
-    # -- access ---------------------------------------------------------------------------------------
     def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        state["_maps"], state["_bytes"] = {}, {}  # mmaps do not pickle; each process maps its own
-        return state
+        return {**self.__dict__, "_maps": {}, "_bytes": {}}  # mmaps do not pickle; each process maps its own
 
     def _map(self, shard: int) -> mmap.mmap:
         """The copy-on-write mapping of one shard, opened on first use in this process."""
@@ -676,11 +639,10 @@ class LatentDataset(torch.utils.data.Dataset):
         idx = np.asarray(indices, dtype=np.int64)  # (B,)
         if idx.size and (idx.min() < 0 or idx.max() >= len(self)):
             raise IndexError(f"batch index out of range for {len(self)} samples")
-        flips = self.flips
         if frames is not None:
             frames = [int(f) for f in frames]
-            if any(not 0 <= f < flips for f in frames):
-                raise IndexError(f"frame outside the {flips} stored per sample")
+            if any(not 0 <= f < self.flips for f in frames):
+                raise IndexError(f"frame outside the {self.flips} stored per sample")
         shards = (np.searchsorted(self._starts, idx, side="right") - 1).tolist()  # (B,)
         bases = self._offsets[idx].tolist()  # (B,) payload offsets inside their shards
         batch = {}
@@ -747,13 +709,12 @@ def draw_latents(mean, std, norm: LatentNorm, generator=None) -> torch.Tensor:
     mean = mean.float()
     if std is None:
         return norm.apply(mean)
-    std = std.float()
     if isinstance(generator, (list, tuple)):
         assert len(generator) == mean.shape[0], f"{len(generator)} generators for a batch of {mean.shape[0]}"
         eps = torch.stack([_randn(mean.shape[1:], g, mean.device) for g in generator])  # (N, C, h, w)
     else:
         eps = _randn(mean.shape, generator, mean.device)
-    return norm.apply(mean + std * eps)
+    return norm.apply(mean + std.float() * eps)
 
 
 def _randn(shape, generator, device) -> torch.Tensor:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from shared.datasets.imagefolder import IMAGE_EXTENSIONS, ImageFolderScan, Skipped, scan_image_folder
+from shared.datasets.imagefolder import ImageFolderScan, Skipped, is_image_file, scan_image_folder
 from shared.runtime.cli import counted
 from shared.runtime.errors import UserError
 from shared.runtime.fsio import atomic_write_bytes
@@ -54,8 +54,6 @@ class SourceScan(ImageFolderScan):
         return self.files[pos]
 
 
-# ---- Opening files: every URL through fsspec ----
-
 def is_url(path: str) -> bool:
     """True for fsspec URLs (scheme://...), which are never read as local paths."""
     return "://" in path
@@ -83,8 +81,6 @@ def _reading_error(url: str, err: Exception) -> UserError:
                      f"truncated, replace it; for a URL check the network and rerun the same command.")
 
 
-# ---- Labels and class names ----
-
 def read_class_map(path: Path | None) -> list[str] | None:
     """--class-map: a JSON list of names or {index: name} with indices 0..K-1; None without the flag."""
     if path is None:
@@ -108,8 +104,12 @@ def read_class_map(path: Path | None) -> list[str] | None:
     raise UserError(f"--class-map {path} must hold a non-empty JSON list of names or an {{index: name}} object.")
 
 
-def class_names(labels: list[int], names: list[str] | None, where: str, origin: str) -> list[str]:
-    """The class names (given, or the indices as text); UserError for a label outside them."""
+def class_names(labels: list[int], options: SourceOptions, data_path: str, listed: list | None = None) -> list[str]:
+    """--class-map's names, else `listed` (parquet's ClassLabel names), else the indices as text; UserError for a label
+    outside them."""
+    where, names = f"--data-path {data_path}", read_class_map(options.class_map)
+    origin = "the dataset's ClassLabel names" if names is None else f"--class-map {options.class_map}"
+    names = listed if names is None else names
     if names is None:
         negative = [label for label in labels if label < 0]
         if negative:  # -1: `datasets`' "no label" (the test split of ImageNet)
@@ -137,8 +137,6 @@ def parse_label(value, where: str, key: str) -> int:
                         f"(or --label-column) that holds the index.")
     return value
 
-
-# ---- Webdataset tar shards ----
 
 def expand_shards(data_path: str) -> list[str]:
     """The shard list of a brace pattern or a '::'-separated list (webdataset's own expansion), or the sorted *.tar
@@ -197,8 +195,7 @@ def _list_tar(url: str, label_key: str, skipped: Skipped) -> list[tuple[str, tup
                 key, where = sample["__key__"], f"{url}#{sample['__key__']}"
                 names = sorted(k for k in sample if not k.startswith("__"))
                 span = {name: spans.pop(f"{key}.{name}", None) for name in names}  # the next sample's: kept
-                suffix = next((n for n in names if ("." + n.rsplit(".", 1)[-1]).lower() in IMAGE_EXTENSIONS),
-                              None)  # the image member: the first with an image extension
+                suffix = next((n for n in names if is_image_file("." + n)), None)  # the first with an image extension
                 if suffix is None:
                     skipped.add("no image", where)
                     continue
@@ -254,13 +251,9 @@ def scan_tar_shards(data_path: str, options: SourceOptions) -> SourceScan:
         raise UserError(f"--data-path {data_path}: the {counted(len(shards), 'shard')} hold no sample with an image "
                         f"member ({skipped.describe()}). Pass webdataset shards whose samples hold KEY.jpg (or .png, "
                         f".webp, ...) beside the label member.")
-    names = read_class_map(options.class_map)
-    classes = class_names(labels, names, f"--data-path {data_path}",
-                          f"--class-map {options.class_map}" if names is not None else "")
-    return SourceScan(data_path, classes, files, labels, skipped, (), TarReader(shards, members), digests)
+    return SourceScan(data_path, class_names(labels, options, data_path), files, labels, skipped, (),
+                      TarReader(shards, members), digests)
 
-
-# ---- Parquet ----
 
 def parquet_files(data_path: str) -> list[str]:
     """The parquet files of a path, glob or URL; a folder gives its train split (HF layout) or all its files."""
@@ -351,10 +344,7 @@ def scan_parquet(data_path: str, options: SourceOptions) -> SourceScan:
                 raise _reading_error(url, err) from None
         labels += [parse_label(v, f"{url}#{n}", options.label_column) for n, v in enumerate(found)]
         hf_names = hf_names or _hf_class_names(pf.schema_arrow, options.label_column)
-    names = read_class_map(options.class_map)
-    origin = f"--class-map {options.class_map}" if names is not None else "the dataset's ClassLabel names"
-    classes = class_names(labels, names if names is not None else hf_names, f"--data-path {data_path}", origin)
-    return SourceScan(data_path, classes, ids, labels, Skipped(), (),
+    return SourceScan(data_path, class_names(labels, options, data_path, hf_names), ids, labels, Skipped(), (),
                       ParquetReader(files, rows, options.image_column), digests)
 
 
@@ -406,8 +396,7 @@ def save_listing(scan: SourceScan, path: Path, key: dict) -> None:
     """Write the listing (after --limit and --duplicates) beside the shards, atomically."""
     reader = scan.reader
     tar = isinstance(reader, TarReader)
-    units = reader.shards if tar else reader.files
-    where = reader.members if tar else reader.rows
+    units, where = (reader.shards, reader.members) if tar else (reader.files, reader.rows)
     record = {"key": key, "kind": "tar" if tar else "parquet", "units": units, "sizes": unit_sizes(units),
               "classes": scan.classes, "files": scan.files, "labels": scan.labels,
               "digests": [scan.digests[f].hex() for f in scan.files], "where": [where[f] for f in scan.files],
@@ -415,8 +404,6 @@ def save_listing(scan: SourceScan, path: Path, key: dict) -> None:
               "image_column": getattr(reader, "image_column", None)}
     atomic_write_bytes(path, gzip.compress(json.dumps(record).encode(), mtime=0))
 
-
-# ---- The one entry point ----
 
 def source_kind(data_path: str) -> str:
     """'tar', 'parquet' or 'folder', from the path's form (and a local folder's parquet files)."""
