@@ -146,13 +146,11 @@ def run_demo(out: Path, recipe: Recipe, seed: int) -> None:
     dirs = stage_dirs(out, recipe)
     print(f"== digits: writing the ImageFolder to {dirs['images']}", flush=True)
     build_digits(dirs["images"])
-    times = {
-        "extract": run_stage("extract", extract_args(dirs)),
-        "train": run_stage("train", train_args(dirs, recipe, seed)),
-        "sample": run_stage("sample", sample_args(dirs, recipe, seed)),
-        "evaluate": run_stage("evaluate", curve_args(dirs, recipe, seed)),
-        "curves": run_stage("train.plot", [dirs["run"]]),  # redrawn: training's last one had no eval.jsonl yet
-    }
+    times = {"extract": run_stage("extract", extract_args(dirs)),
+             "train": run_stage("train", train_args(dirs, recipe, seed)),
+             "sample": run_stage("sample", sample_args(dirs, recipe, seed)),
+             "evaluate": run_stage("evaluate", curve_args(dirs, recipe, seed)),
+             "curves": run_stage("train.plot", [dirs["run"]])}  # redrawn: training's last one had no eval.jsonl yet
     with np.load(dirs["samples"] / "samples.npz") as npz:  # arr_0 uint8 N x H x W x 3, labels
         images, labels = npz["arr_0"], npz["labels"]
     match, count = class_match(images, labels), len(labels)

@@ -16,8 +16,7 @@ FEATURE_SIZE = 8  # the judge works at load_digits' native resolution
 def to_features(images: np.ndarray) -> np.ndarray:
     """Map uint8 images (N, H, W, 3) to judge features (N, 64) in the digits' 0..16 range."""
     images = np.asarray(images)
-    if images.ndim != 4 or images.shape[-1] != 3:
-        raise ValueError(f"expected uint8 images (N, H, W, 3), got shape {images.shape}")
+    assert images.ndim == 4 and images.shape[-1] == 3, f"expected uint8 images (N, H, W, 3), got shape {images.shape}"
     gray = torch.from_numpy(images.astype(np.float32).mean(axis=-1) / 255.0).unsqueeze(1)  # (N, 1, H, W)
     # Area averaging is the inverse of the builder's upscaling (up to bicubic overshoot).
     small = F.adaptive_avg_pool2d(gray, FEATURE_SIZE)  # (N, 1, 8, 8)
@@ -39,8 +38,7 @@ def default_judge():
 def class_match(images: np.ndarray, labels, judge=None) -> float:
     """Share of images (N, H, W, 3) uint8 that the judge classifies as their requested label."""
     labels = np.asarray(labels).reshape(-1)
-    if len(labels) != len(images):
-        raise ValueError(f"{len(images)} images but {len(labels)} labels")
+    assert len(labels) == len(images), f"{len(images)} images but {len(labels)} labels"
     if len(labels) == 0:
         return float("nan")
     judge = default_judge() if judge is None else judge

@@ -60,10 +60,8 @@ def fit(encoder, head, x_all: torch.Tensor, y_all: torch.Tensor, steps: int = 15
         idx = torch.randint(0, len(x_all), (batch,), generator=g)
         dx, dy = (int(v) for v in torch.randint(-2, 3, (2,), generator=g))
         x = torch.roll(x_all[idx], shifts=(dy, dx), dims=(2, 3))  # a small random shift
-        tokens = patch_tokens(encoder, x)  # (B, 16, 64)
-        loss = F.cross_entropy(head(tokens.mean(1)), y_all[idx])
         opt.zero_grad()
-        loss.backward()
+        F.cross_entropy(head(patch_tokens(encoder, x).mean(1)), y_all[idx]).backward()  # tokens (B, 16, 64)
         opt.step()
     encoder.eval()
     return accuracy(encoder, head, x_all, y_all)

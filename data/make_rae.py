@@ -46,13 +46,6 @@ def split(count: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.nonzero(~held).squeeze(1), torch.nonzero(held).squeeze(1)
 
 
-def build_rae(seed: int, noise_tau: float):
-    """A randomly initialised digits AutoencoderRAE (encoder and decoder from config, no download)."""
-    from diffusers import AutoencoderRAE
-    torch.manual_seed(seed)
-    return AutoencoderRAE(**ENCODER, **DECODER, noise_tau=noise_tau)
-
-
 def fit_decoder(rae, x: torch.Tensor, steps: int, batch_size: int, lr: float, seed: int) -> None:
     """Train rae.decoder through the real forward (encode with RAE's noise in training mode, decode): MSE to x."""
     gen = torch.Generator().manual_seed(seed)
@@ -61,9 +54,8 @@ def fit_decoder(rae, x: torch.Tensor, steps: int, batch_size: int, lr: float, se
     rae.train()  # AutoencoderRAE adds noise of std U[0, noise_tau] to the raw tokens only in training mode
     for _ in range(steps):
         batch = x[torch.randint(0, len(x), (batch_size,), generator=gen)]  # (B, 3, S, S) in [0, 1]
-        loss = F.mse_loss(rae(batch, generator=gen).sample, batch)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        F.mse_loss(rae(batch, generator=gen).sample, batch).backward()
         opt.step()
         sched.step()
     rae.eval()
@@ -93,10 +85,12 @@ def vae_psnr(x: torch.Tensor) -> float:
 
 def make_rae(o: RAEOptions) -> dict:
     """Build, fit and save the digits RAE to o.out; return the measured numbers."""
+    from diffusers import AutoencoderRAE
     images, labels = digit_images()
     pixels, labels = torch.from_numpy(images), torch.from_numpy(labels)
     train_idx, held_idx = split(len(pixels))
-    rae = build_rae(o.seed, o.noise_tau)
+    torch.manual_seed(o.seed)
+    rae = AutoencoderRAE(**ENCODER, **DECODER, noise_tau=o.noise_tau)  # encoder and decoder from config, no download
     head = torch.nn.Linear(ENCODER["encoder_hidden_size"], NUM_CLASSES)  # rae.encoder fitted with make_encoder's recipe
     rae.encoder.requires_grad_(True)
     train_acc = fit(rae.encoder, head, normalise(pixels[train_idx]), labels[train_idx], o.encoder_steps, seed=o.seed)
@@ -125,7 +119,6 @@ def make_rae(o: RAEOptions) -> dict:
 @dataclass
 class RAEOptions:
     """The flags of `python -m data.make_rae`."""
-
     out: Path = option(DEFAULT_OUT, "folder to save_pretrained the AutoencoderRAE into")
     encoder_steps: int = option(400, "steps of batch 64 fitting the encoder (make_encoder's recipe; one head of 64 "
                                      "learns slower than its four of 16, hence more steps)", min=1)

@@ -49,9 +49,8 @@ def train_vae(vae, x: torch.Tensor, steps: int, batch_size: int, lr: float, kl_w
         posterior = vae.encode(batch).latent_dist
         mse = torch.mean((vae.decode(posterior.sample()).sample - batch) ** 2)  # (N, 3, H, W) reconstructions
         kl = posterior.kl().mean() / posterior.mean[0].numel()  # per latent element, so kl_weight is size-free
-        loss = mse + kl_weight * kl
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        (mse + kl_weight * kl).backward()
         opt.step()
         sched.step()
         bar.set_postfix(mse=f"{mse.item():.4f}")
@@ -87,7 +86,6 @@ def make_vae(out: Path, steps: int, batch_size: int, lr: float, kl_weight: float
 @dataclass
 class VAEOptions:
     """The flags of `python -m data.make_vae`."""
-
     out: Path = option(DEFAULT_OUT, "folder to save_pretrained the VAE into")
     steps: int = option(400, "optimizer steps", min=1)
     batch_size: int = option(32, "images per step", min=1)

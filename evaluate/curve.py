@@ -170,8 +170,6 @@ def run_evaluation(o: RunEvalOptions) -> list[dict]:
     return rows
 
 
-# ---- The PNG ----
-
 def draw_curve(run: Path, settings: dict) -> Path | None:
     """RUN/eval.png: one panel per metric present, value against training step (matplotlib Agg, no pyplot)."""
     from matplotlib.figure import Figure
@@ -190,12 +188,8 @@ def draw_curve(run: Path, settings: dict) -> Path | None:
     fig.suptitle(f"{settings['feature_network']} features vs {Path(str(settings['ref'])).name}; "
                  f"{settings['num_samples']} samples, {settings['sampler']} {settings['num_sampling_steps']} steps, "
                  f"cfg {settings['cfg_scale']:g}, seed {settings['seed']}", fontsize="small")  # what the points measure
-    path = rundir.eval_plot_path(run)
-    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
-    return path
+    return atomic_write(rundir.eval_plot_path(run), lambda tmp: fig.savefig(tmp, format="png", dpi=100))
 
-
-# ---- CLI ----
 
 def run_parser() -> argparse.ArgumentParser:
     """Parser of `python -m evaluate run`."""

@@ -65,8 +65,6 @@ class DigitsNet(nn.Module):
         return self.head(F.relu(self.features(x)))
 
 
-# ---- Inputs ----
-
 def check_size(height: int, width: int, size: int = IMAGE_SIZE) -> None:
     """UserError unless images of height x width are the size x size the network is fitted to."""
     if (height, width) != (size, size):
@@ -88,8 +86,6 @@ def shifted(x: torch.Tensor, max_shift: int, generator: torch.Generator) -> torc
     return torch.stack([padded[i, :, dy:dy + s, dx:dx + s] for i, (dy, dx) in enumerate(offsets.tolist())])
 
 
-# ---- Fitting and the cache ----
-
 def fit(recipe: DigitsRecipe = RECIPE, images=None, labels=None) -> DigitsNet:
     """Train the network on the real digits, deterministically: fixed seeds, one thread, a seeded shuffle."""
     if images is None:
@@ -98,9 +94,8 @@ def fit(recipe: DigitsRecipe = RECIPE, images=None, labels=None) -> DigitsNet:
     gen = torch.Generator().manual_seed(recipe.seed)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one intra-op thread: bitwise-repeatable CPU reductions
-    # enable_grad: the first call may come from inside a no_grad feature pass
     try:
-        with torch.random.fork_rng(devices=[]), torch.enable_grad():
+        with torch.random.fork_rng(devices=[]), torch.enable_grad():  # the first call may come from a no_grad pass
             torch.manual_seed(recipe.seed)  # initial weights
             net = DigitsNet(recipe)
             opt = torch.optim.Adam(net.parameters(), lr=recipe.lr)
@@ -109,9 +104,8 @@ def fit(recipe: DigitsRecipe = RECIPE, images=None, labels=None) -> DigitsNet:
                 order = torch.randperm(len(x), generator=gen)
                 for start in range(0, len(x), recipe.batch_size):
                     idx = order[start:start + recipe.batch_size]
-                    loss = F.cross_entropy(net(shifted(x[idx], recipe.max_shift, gen)), y[idx])
                     opt.zero_grad(set_to_none=True)
-                    loss.backward()
+                    F.cross_entropy(net(shifted(x[idx], recipe.max_shift, gen)), y[idx]).backward()
                     opt.step()
     finally:
         torch.set_num_threads(threads)
@@ -171,9 +165,6 @@ def network() -> tuple[DigitsNet, str]:
     return _once("net", lambda: load_or_fit(RECIPE))
 
 
-# ---- Features and the distance ----
-
-@torch.no_grad()
 def digits_features(images, batch_size: int = 512) -> np.ndarray:
     """uint8 images (N, 32, 32, 3) -> penultimate features (N, 64) float64; UserError for other images."""
     images = np.asarray(images)
@@ -228,7 +219,6 @@ class DigitsFeatures:
         return {"name": FEATURES, "recipe": network()[1], "feature_dim": RECIPE.feature_dim,
                 "image_size": RECIPE.image_size}
 
-    @torch.no_grad()
     def __call__(self, images: np.ndarray) -> dict:
         """uint8 (b, 32, 32, 3) -> {"pool": (b, 64) float64}; the network is fitted or loaded on first use."""
         return {"pool": net_features(network()[0].to(self.device), images, self.device)}

@@ -15,7 +15,6 @@ from evaluate.images import compute_features, open_npz_images
 from evaluate.metrics import IS_SPLIT_SIZE, METRICS, PR_NEIGHBOURS, check_reference, check_split_size, \
     comparability_note, is_comparable, open_reference, save_stats, score, source_meta, stats_from_features
 from shared.runtime.cli import Flag, check_flag_bounds, option
-from shared.runtime.errors import ChoiceError
 from shared.sampling.flags import CPU
 from shared.runtime.fsio import atomic_write_text
 
@@ -81,10 +80,9 @@ def build_features(name: str, device="cpu", weights=None):
     if name == "digits":
         from evaluate.digits import DigitsFeatures
         return DigitsFeatures(device)
-    if name == "inception":
-        from evaluate.inception import InceptionFeatures
-        return InceptionFeatures(device, weights)
-    raise ChoiceError("feature network", name, FEATURE_NETWORKS)
+    assert name == "inception", name  # a flag choice, checked by check_options
+    from evaluate.inception import InceptionFeatures
+    return InceptionFeatures(device, weights)
 
 
 def evaluate_samples(o: EvalOptions, net=None, show: bool = True) -> dict:

@@ -27,17 +27,15 @@ def floor_table(counts, draws: int, seed: int, vae_spec: str | None = None) -> l
     from evaluate.metrics import frechet_distance_of, frechet_distance_to
     features = real_features()  # (1797, 64)
     mu, sigma = real_stats()
-    rng = np.random.default_rng(seed)
-    rows = []
+    rng, n, rows = np.random.default_rng(seed), len(features), []
     for count in counts:
-        if not 2 <= count <= len(features):
-            raise UserError(f"--counts {count}: each count must lie in 2..{len(features)} (the real digits).")
-        values = [frechet_distance_to(features[rng.permutation(len(features))[:count]], mu, sigma)
-                  for _ in range(draws)]
-        rows.append((f"{count} real vs all {len(features)}", float(np.mean(values)), float(np.std(values))))
-    half = len(features) // 2
-    halves = [frechet_distance_of(*np.split(features[rng.permutation(len(features))], [half])) for _ in range(draws)]
-    rows.append((f"half vs half ({half} / {len(features) - half})", float(np.mean(halves)), float(np.std(halves))))
+        if not 2 <= count <= n:
+            raise UserError(f"--counts {count}: each count must lie in 2..{n} (the real digits).")
+        values = [frechet_distance_to(features[rng.permutation(n)[:count]], mu, sigma) for _ in range(draws)]
+        rows.append((f"{count} real vs all {n}", float(np.mean(values)), float(np.std(values))))
+    half = n // 2
+    halves = [frechet_distance_of(*np.split(features[rng.permutation(n)], [half])) for _ in range(draws)]
+    rows.append((f"half vs half ({half} / {n - half})", float(np.mean(halves)), float(np.std(halves))))
     if vae_spec:
         decoded = vae_round_trip(real_digits()[0], vae_spec)
         rng = np.random.default_rng(seed)

@@ -106,12 +106,7 @@ class FolderImages(ImageSource):
     """Every image under a folder (ImageFolder or flat), sorted by path, all of one size, read as RGB."""
     path: Path
     files: list
-    image_size: tuple
-
-    @property
-    def shape(self) -> tuple:
-        """(N, H, W, 3), as an npz's arr_0."""
-        return (len(self.files), *self.image_size, 3)
+    shape: tuple  # (N, H, W, 3), as an npz's arr_0
 
     def _read(self, start: int, stop: int, batch_size: int) -> Iterator[np.ndarray]:
         for lo in range(start, stop, batch_size):
@@ -158,7 +153,7 @@ def open_folder_images(path) -> FolderImages:
         except (OSError, Image.DecompressionBombError) as err:
             raise UserError(f"{file} is not a readable image ({err}); remove it from {path}.") from err
     if len(sizes) == 1:
-        return FolderImages(path, files, next(iter(sizes)))
+        return FolderImages(path, files, (len(files), *next(iter(sizes)), 3))
     common = ", ".join(f"{w}x{h}: {n}" for (h, w), n in sizes.most_common(3))
     raise UserError(f"{path} holds {len(files)} images of {len(sizes)} different sizes ({common}"
                     f"{', ...' if len(sizes) > 3 else ''}); the evaluator compares images of one size. Write a "
@@ -177,18 +172,15 @@ def open_images(path):
     return open_npz_images(path)
 
 
-# ---- Features of a source, split over processes ----
-
 def compute_features(source, net, batch_size: int, rank: int = 0, world: int = 1, desc: str = "features") -> dict:
     """Features of every image of `source`: this process does its slice, then all are gathered in rank order."""
     lo, hi = source.count * rank // world, source.count * (rank + 1) // world  # sizes differ by at most 1
     chunks: dict = {k: [] for k in net.outputs}
-    bar = tqdm(total=hi - lo, desc=desc, unit="img", disable=rank != 0 or hi - lo == 0)
-    for batch in source.batches(batch_size, lo, hi):
-        for k, v in net(batch).items():
-            chunks[k].append(v.astype(np.float32))  # float32 on the wire and in memory, as ADM's activations
-        bar.update(len(batch))
-    bar.close()
+    with tqdm(total=hi - lo, desc=desc, unit="img", disable=rank != 0 or hi - lo == 0) as bar:
+        for batch in source.batches(batch_size, lo, hi):
+            for k, v in net(batch).items():
+                chunks[k].append(v.astype(np.float32))  # float32 on the wire and in memory, as ADM's activations
+            bar.update(len(batch))
     feats = {k: (np.concatenate(v) if v else np.zeros((0, 0), np.float32)) for k, v in chunks.items()}
     if world == 1:
         return feats

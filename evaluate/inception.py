@@ -29,12 +29,9 @@ SPATIAL_CHANNELS = 7  # ADM's sFID keeps mixed_6/conv[..., :7]
 BN_EPS = 0.001        # TF's batch-norm epsilon in this graph (torchvision's BasicConv2d uses the same)
 
 
-# ---- Input: TF1 ResizeBilinear and the graph's normalisation ----
-
 def _tf1_axis(in_size: int, out_size: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Source indices (lo, hi) and weights of hi along one axis for TF1 bilinear, align_corners=False."""
-    scale = in_size / out_size
-    src = torch.arange(out_size, device=device, dtype=torch.float64) * scale  # no half-pixel offset (TF1 legacy)
+    src = torch.arange(out_size, device=device, dtype=torch.float64) * (in_size / out_size)  # TF1: no half-pixel offset
     lo = src.floor().long().clamp(max=in_size - 1)
     hi = (lo + 1).clamp(max=in_size - 1)
     return lo, hi, (src - lo).float()
@@ -207,8 +204,6 @@ class FIDInceptionV3(nn.Module):
         return {"pool": pool, "spatial": spatial, "logits": logits}
 
 
-# ---- Weights: find, download, load safely, refuse another network ----
-
 def hub_checkpoints() -> Path:
     """torch hub's checkpoints folder ($TORCH_HOME/hub/checkpoints), where pytorch-fid itself caches the file."""
     return Path(torch.hub.get_dir()) / "checkpoints"
@@ -232,7 +227,7 @@ def download_weights(path: Path, url: str | None = None, timeout: float = 30.0) 
             for chunk in iter(lambda: response.read(1 << 20), b""):
                 digest.update(chunk)
                 f.write(chunk)
-        if not is_known_hash(digest.hexdigest()):
+        if not digest.hexdigest().startswith(WEIGHTS_SHA256_PREFIX):
             raise UserError(f"the file downloaded from {url} has sha256 {digest.hexdigest()[:16]}..., not "
                             f"{WEIGHTS_SHA256_PREFIX}...: it is not {WEIGHTS_NAME} (a proxy page or a partial "
                             f"download). {missing_weights_text(path, 'bad download')}")
@@ -253,11 +248,6 @@ def resolve_weights(weights=None) -> Path:
         return path
     path = hub_checkpoints() / WEIGHTS_NAME
     return path if path.is_file() else download_weights(path)
-
-
-def is_known_hash(hexdigest: str) -> bool:
-    """Whether a sha256 is the released file's: all that is published of it is the prefix in its name."""
-    return hexdigest.startswith(WEIGHTS_SHA256_PREFIX)
 
 
 def file_sha256(path: Path) -> str:
@@ -284,8 +274,7 @@ def load_checked_inception(path: Path, device="cpu") -> tuple[FIDInceptionV3, st
         raise UserError(f"{path} is not a state dict of tensors, so it is not {WEIGHTS_NAME}; pass pytorch-fid's "
                         f"FID Inception weights ({WEIGHTS_URL}).")
     state = {k: v for k, v in state.items() if not k.endswith("num_batches_tracked")}
-    missing = sorted(set(expected) - set(state))
-    extra = sorted(set(state) - set(expected))
+    missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     wrong = sorted(k for k in set(expected) & set(state) if tuple(state[k].shape) != tuple(expected[k]))
     if missing or extra or wrong:
         facts = "; ".join(f"{label}: {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''} ({len(keys)})"
@@ -296,7 +285,7 @@ def load_checked_inception(path: Path, device="cpu") -> tuple[FIDInceptionV3, st
         raise UserError(f"{path} is not the FID Inception state dict ({facts}).{hint} Pass {WEIGHTS_NAME} from "
                         f"{WEIGHTS_URL}.")
     hexdigest = file_sha256(path)  # the released file's, whether given, cached or copied by hand
-    if not is_known_hash(hexdigest):
+    if not hexdigest.startswith(WEIGHTS_SHA256_PREFIX):  # all that is published of the released file's sha256
         raise UserError(f"the Inception weights {path} have sha256 {hexdigest[:16]}..., not {WEIGHTS_SHA256_PREFIX}... "
                         f"(the hash pytorch-fid's {WEIGHTS_NAME} carries in its name): the tensors have the FID "
                         f"Inception's names and shapes but other values (another port or conversion, retrained or "

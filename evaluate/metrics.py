@@ -62,9 +62,7 @@ def stats_from_features(feats: dict, meta: dict) -> Stats:
 
 def save_stats(path, stats: Stats) -> Path:
     """Write a statistics file (atomic): ADM keys present, `pool`, and `meta` as a JSON string."""
-    arrays = {k: getattr(stats, k) for k in ADM_KEYS if getattr(stats, k) is not None}
-    if stats.pool is not None:
-        arrays["pool"] = stats.pool
+    arrays = {k: getattr(stats, k) for k in (*ADM_KEYS, "pool") if getattr(stats, k) is not None}
     arrays["meta"] = np.array(json.dumps({"version": STATS_VERSION, **stats.meta}))
     return save_npz(path, **arrays)
 
@@ -97,8 +95,6 @@ def source_meta(net, source) -> dict:
     return {"features": net.identity(), "count": source.count, "image_size": list(source.size),
             "source": str(source.path)}
 
-
-# ---- References ----
 
 def cache_dir() -> Path:
     """The user cache folder of the evaluation stage."""
@@ -337,12 +333,8 @@ def precision_recall(real: np.ndarray, fake: np.ndarray, k: int = PR_NEIGHBOURS,
     """Precision = share of fake points inside the real k-NN manifold; recall = share of real inside the fake one."""
     real, fake = np.asarray(real, np.float32), np.asarray(fake, np.float32)
     real_radii, fake_radii = manifold_radii(real, k, batch), manifold_radii(fake, k, batch)
-    precision = _covered(fake, real, real_radii, batch).mean()
-    recall = _covered(real, fake, fake_radii, batch).mean()
-    return float(precision), float(recall)
+    return float(_covered(fake, real, real_radii, batch).mean()), float(_covered(real, fake, fake_radii, batch).mean())
 
-
-# ---- All five, as one evaluation reports them ----
 
 def sample_metrics(feats: dict, ref_stats, split_size: int = IS_SPLIT_SIZE) -> dict:
     """The METRICS of the samples' features {"pool", maybe "spatial", "logits"} against the reference's Stats."""

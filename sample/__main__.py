@@ -7,6 +7,7 @@ guard_imports(__name__)  # before the imports below: a Ctrl-C during them ends i
 
 import argparse
 import sys
+from functools import partial
 
 from shared.runtime.cli import HelpFormatter, add_flags, from_args
 from shared.runtime.errors import cli_errors
@@ -43,32 +44,17 @@ def _parser(prog: str, options, **kwargs) -> argparse.ArgumentParser:
     return add_flags(argparse.ArgumentParser(prog=prog, formatter_class=HelpFormatter, **kwargs), options)
 
 
-def sample_parser() -> argparse.ArgumentParser:
-    """Parser of the default (sampling) command."""
-    return _parser(PROG, SampleOptions, description=DESCRIPTION, epilog=EPILOG)
-
-
-def decode_parser() -> argparse.ArgumentParser:
-    """Parser of `decode`."""
-    return _parser(f"{PROG} decode", DecodeOptions,
-                   description="Decode RUN/samples/step-*.safetensors latents to PNGs and a grid.")
-
-
-def watch_parser() -> argparse.ArgumentParser:
-    """Parser of `watch`."""
-    return _parser(f"{PROG} watch", WatchOptions,
-                   description="Beside a training run: decode every RUN/samples/step-*.safetensors preview as it "
-                               "appears into a labelled grid RUN/samples/step-*.png (and the images into "
-                               "RUN/samples/step-*/), skipping those already decoded.")
-
-
-def export_parser() -> argparse.ArgumentParser:
-    """Parser of `export`."""
-    return _parser(f"{PROG} export", ToDiffusersOptions,
-                   description="Write DiT weights as a folder diffusers' DiTPipeline.from_pretrained loads: "
-                               "transformer/, a copy of the VAE, a DDIM scheduler with DiT's betas.")
-
-
+# The parser of each command: the default (drawing images), decode, watch and export.
+sample_parser = partial(_parser, PROG, SampleOptions, description=DESCRIPTION, epilog=EPILOG)
+decode_parser = partial(_parser, f"{PROG} decode", DecodeOptions,
+                        description="Decode RUN/samples/step-*.safetensors latents to PNGs and a grid.")
+watch_parser = partial(_parser, f"{PROG} watch", WatchOptions,
+                       description="Beside a training run: decode every RUN/samples/step-*.safetensors preview as it "
+                                   "appears into a labelled grid RUN/samples/step-*.png (and the images into "
+                                   "RUN/samples/step-*/), skipping those already decoded.")
+export_parser = partial(_parser, f"{PROG} export", ToDiffusersOptions,
+                        description="Write DiT weights as a folder diffusers' DiTPipeline.from_pretrained loads: "
+                                    "transformer/, a copy of the VAE, a DDIM scheduler with DiT's betas.")
 # Each command after `python -m sample`: its parser, options and run (None: drawing images, the default command).
 COMMANDS = {None: (sample_parser, SampleOptions, run_sample), "decode": (decode_parser, DecodeOptions, run_decode),
             "watch": (watch_parser, WatchOptions, run_watch),

@@ -36,7 +36,6 @@ README_NAME = "README.md"
 @dataclass
 class ToDiffusersOptions:
     """Everything `python -m sample export` accepts (one field per argument: its default and help)."""
-
     ckpt: str = option(help="the weights, as sampling's --ckpt takes them: a run folder (newest EMA export), a "
                             "checkpoint folder, a .safetensors export, an official .pt, or a diffusers DiT",
                        positional=True, metavar="RUN|FILE")
@@ -80,30 +79,18 @@ def check_representable(config: ModelConfig, where) -> None:
 def _readme(loaded: LoadedWeights, vae_source: str, vae_note: str | None) -> str:
     """OUT/README.md: provenance, how to load it, and what differs from the official sampler."""
     step = f" (step {loaded.step})" if loaded.step is not None else ""
-    lines = [
-        f"# {loaded.config.model} as a diffusers DiTPipeline",
-        "",
-        f"Exported by `python -m sample export` from `{loaded.path}`{step}, {loaded.kind} weights "
-        f"({loaded.weights}). VAE: a copy of `{vae_source}`.",
-        "",
-        "```python",
-        "from diffusers import DiTPipeline",
-        "pipe = DiTPipeline.from_pretrained('THIS_FOLDER')",
-        "images = pipe(class_labels=[0, 1], num_inference_steps=50).images",
-        "```",
-        "",
-        f"Model: `{json.dumps(loaded.config.to_dict())}`.",
-        "",
-        "## Numerics",
-        "",
-        NUMERICS_NOTE + " This export sets norm_eps 1e-6, so in diffusers only the timestep features differ "
-        "from the function the weights were trained as; `python -m sample --ckpt THIS_FOLDER` runs them as "
-        "the official DiT.",
-        "",
-        "DiTPipeline also guides every latent channel, where the DiT release guides the first 3 of 4 "
-        "(`python -m sample --guide-channels`), and its scheduler is DDIM with DiT's linear betas (learned "
-        "variance unused); DiT's own results use 250 DDPM steps with the learned variance.",
-    ]
+    lines = [f"# {loaded.config.model} as a diffusers DiTPipeline", "",
+             f"Exported by `python -m sample export` from `{loaded.path}`{step}, {loaded.kind} weights "
+             f"({loaded.weights}). VAE: a copy of `{vae_source}`.", "",
+             "```python", "from diffusers import DiTPipeline", "pipe = DiTPipeline.from_pretrained('THIS_FOLDER')",
+             "images = pipe(class_labels=[0, 1], num_inference_steps=50).images", "```", "",
+             f"Model: `{json.dumps(loaded.config.to_dict())}`.", "", "## Numerics", "",
+             NUMERICS_NOTE + " This export sets norm_eps 1e-6, so in diffusers only the timestep features differ "
+             "from the function the weights were trained as; `python -m sample --ckpt THIS_FOLDER` runs them as "
+             "the official DiT.", "",
+             "DiTPipeline also guides every latent channel, where the DiT release guides the first 3 of 4 "
+             "(`python -m sample --guide-channels`), and its scheduler is DDIM with DiT's linear betas (learned "
+             "variance unused); DiT's own results use 250 DDPM steps with the learned variance."]
     if vae_note:
         lines += ["", f"VAE: {vae_note}."]
     return "\n".join(lines) + "\n"
@@ -141,8 +128,7 @@ def run_to_diffusers(o: ToDiffusersOptions) -> Path:
                         f"name as OUT, or delete {out} first if it is an old export you no longer need.")
     loaded = load_sampling_weights(o.ckpt, o.weights)
     space = LatentSpace.or_unknown(loaded.space, loaded.config.in_channels)
-    norm = space.norm
-    if norm is not None and norm.kind != "scale":  # DiTPipeline only divides by scaling_factor
+    if (norm := space.norm) is not None and norm.kind != "scale":  # DiTPipeline only divides by scaling_factor
         raise UserError(f"{loaded.path} was trained on latents normalised as {norm.describe()} (train --latent-norm), "
                         f"but diffusers' DiTPipeline only divides its latents by the VAE's scaling_factor before "
                         f"decoding, so the exported pipeline would decode wrongly shifted or scaled latents into wrong "

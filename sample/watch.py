@@ -52,8 +52,6 @@ class WatchOptions(DecodeFlags):
     batch_size: int = option(16, "latents decoded per VAE call", min=1)
 
 
-# ---- Stopping: signals, the end of the run ----
-
 class StopFlag:
     """Set by SIGINT/SIGTERM: the watcher finishes the file in hand, then leaves (a second signal leaves now)."""
     def __init__(self):
@@ -114,8 +112,6 @@ def end_reason(run: Path, o: WatchOptions) -> str | None:
     return None
 
 
-# ---- What to decode ----
-
 def pending(run: Path) -> list[tuple[int, Path]]:
     """(step, latents file) of every preview whose labelled grid is missing or older than it, oldest first."""
     found = []
@@ -129,8 +125,6 @@ def pending(run: Path) -> list[tuple[int, Path]]:
             continue
     return found
 
-
-# ---- TensorBoard ----
 
 class PreviewTracker:
     """Writes each labelled grid as image 'previews' into RUN/tensorboard/previews/ (a separate writer)."""
@@ -170,8 +164,6 @@ class PreviewTracker:
             self.writer.close()
 
 
-# ---- Decoding one file ----
-
 class Decoder:
     """The VAE, loaded when the first preview arrives (checked against every file's latent metadata)."""
     def __init__(self, o: WatchOptions):
@@ -185,9 +177,8 @@ class Decoder:
         space = LatentSpace.or_unknown(space, latents.shape[1])
         name, _ = space.check_tokenizer_config(spec, self.o.vae_config, self.o.allow_other_vae)
         if self.vae is None or name != self.name:
-            device = process_state(self.o.cpu).device
-            self.vae = load_tokenizer(name, device, PRECISIONS[self.o.vae_precision], self.o.vae_config,
-                                      self.o.vae_tiling, self.o.vae_slicing)
+            self.vae = load_tokenizer(name, process_state(self.o.cpu).device, PRECISIONS[self.o.vae_precision],
+                                      self.o.vae_config, self.o.vae_tiling, self.o.vae_slicing)
             self.name, self.how = name, how
         _, images = decode_file(self.vae, name, self.how, data, path, rundir.decoded_dir(run, step), self.o)
         grid = labelled_grid(lambda i: images[i], labels.tolist(), captions_for(labels.tolist(), space.class_names),
@@ -198,8 +189,6 @@ class Decoder:
         print(f"step {step}: {out} ({time.perf_counter() - start:.1f} s)", flush=True)
         return out
 
-
-# ---- The loop ----
 
 def run_watch(o: WatchOptions) -> list[Path]:
     """Decode previews as they appear until told to stop; returns the labelled grids written."""
