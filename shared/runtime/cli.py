@@ -79,11 +79,8 @@ def add_flags(parser: argparse.ArgumentParser, cls, only: Sequence[str] | None =
     """Add one argparse argument per flag field of `cls` (or of the fields named in `only`, in that order)."""
     hints = typing.get_type_hints(cls)
     by_name = {f.name: f for f in flag_fields(cls)}
-    chosen = [by_name[n] for n in only] if only is not None else list(by_name.values())
     groups: dict[str, Any] = {}
-    for f in chosen:
-        if f.name in skip:
-            continue
+    for f in (by_name[n] for n in (by_name if only is None else only) if n not in skip):
         spec: Flag = dataclasses.replace(f.metadata[FLAG_KEY], **(changes or {}).get(f.name, {}))
         if spec.exclusive and spec.exclusive not in groups:
             groups[spec.exclusive] = parser.add_mutually_exclusive_group()
@@ -154,10 +151,7 @@ def argument_of(name: str, spec: Flag, hint) -> tuple[list[str], dict]:
         return [name], kwargs
     names = [spec.name or flag_name(name), *spec.aliases]
     kwargs["dest"] = name
-    if spec.default is dataclasses.MISSING:
-        kwargs["required"] = True
-    else:
-        kwargs["default"] = spec.default
+    kwargs.update({"required": True} if spec.default is dataclasses.MISSING else {"default": spec.default})
     if spec.action is not None or isinstance(spec.default, bool):
         kwargs["action"] = spec.action or ("store_false" if spec.default else "store_true")
         return names, kwargs

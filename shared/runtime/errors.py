@@ -89,10 +89,8 @@ def _free_bytes(path) -> int | None:
     """Free bytes on the filesystem holding `path` (or its nearest existing parent); None if unknown."""
     path = Path(path)
     for folder in (path, *path.parents):
-        try:
+        with contextlib.suppress(OSError):
             return shutil.disk_usage(folder).free
-        except OSError:
-            continue
     return None
 
 
@@ -105,11 +103,10 @@ class DiskFullError(UserError):
         where = f"the disk holding {path}" if path is not None else "the disk"
         facts = ", ".join(x for x in (f"{_bytes(free)} free" if free is not None else "",
                                       f"the write stopped after {_bytes(written)}" if written else "") if x)
-        super().__init__(
-            f"no space left on {where}{f' ({facts})' if facts else ''}. Files finished before it are intact; the "
-            f"unfinished one is redone on the rerun. Free some space (or move the output folder to a bigger disk) and rerun "
-            f"the same command: it continues from the last finished file."
-        )
+        super().__init__(f"no space left on {where}{f' ({facts})' if facts else ''}. Files finished before it are "
+                         f"intact; the unfinished one is redone on the rerun. Free some space (or move the output "
+                         f"folder to a bigger disk) and rerun the same command: it continues from the last finished "
+                         f"file.")
 
 
 def disk_full(err: BaseException, path=None, written: int | None = None) -> DiskFullError | None:

@@ -164,10 +164,8 @@ def pid_alive(pid: int) -> bool:
     """Whether process `pid` still exists (on this host; owned by another user counts)."""
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # it exists, owned by another user
-        return True
+    except OSError as err:  # any error but "no such process": it exists, owned by another user
+        return not isinstance(err, ProcessLookupError)
     return True
 
 

@@ -16,16 +16,12 @@ from pathlib import Path
 from shared.runtime.fsio import TMP_PREFIX
 
 CONFIG_FILE = "config.json"
-LOG_FILE = "log.txt"
 METRICS_FILE = "metrics.jsonl"
-TRACKER_DIR = "tensorboard"
 TRACKER_TRAIN = "train"  # RUN/tensorboard/train: the training scalars (one TensorBoard run)
 TRACKER_PREVIEWS = "previews"  # RUN/tensorboard/previews: decoded preview grids, written by sample watch
 EVAL_FILE = "eval.jsonl"
-EVAL_PLOT_FILE = "eval.png"
 EVAL_SAMPLES = "eval-samples"
 CURVES_FILE = "curves.png"
-WATCH_LOG = "watch.log"
 CHECKPOINTS = "checkpoints"
 EXPORTS = "exports"
 SAMPLES = "samples"
@@ -58,7 +54,7 @@ def config_path(run_dir) -> Path:
 
 
 def log_path(run_dir) -> Path:
-    return Path(run_dir) / LOG_FILE
+    return Path(run_dir) / "log.txt"
 
 
 def metrics_path(run_dir) -> Path:
@@ -66,7 +62,7 @@ def metrics_path(run_dir) -> Path:
 
 
 def tracker_dir(run_dir) -> Path:
-    return Path(run_dir) / TRACKER_DIR
+    return Path(run_dir) / "tensorboard"
 
 
 def tracker_run_dir(run_dir, name: str) -> Path:
@@ -79,7 +75,7 @@ def eval_path(run_dir) -> Path:
 
 
 def eval_plot_path(run_dir) -> Path:
-    return Path(run_dir) / EVAL_PLOT_FILE
+    return Path(run_dir) / "eval.png"
 
 
 def eval_samples_dir(run_dir, step: int, tag: str) -> Path:
@@ -92,7 +88,7 @@ def curves_path(run_dir) -> Path:
 
 
 def watch_log_path(run_dir) -> Path:
-    return Path(run_dir) / WATCH_LOG
+    return Path(run_dir) / "watch.log"
 
 
 def checkpoints_dir(run_dir) -> Path:

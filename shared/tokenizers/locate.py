@@ -173,8 +173,7 @@ def _locate(spec, config=None) -> _Located:
     raise SettingError(
         f"Unknown VAE {text!r}: it is not a short name ({', '.join([*VAE_SHORT_NAMES, *converted_names()])}"
         f"; a name a module of yours registers needs --plugin MODULE), not an existing folder or file, and not a hub "
-        f"id like stabilityai/sd-vae-ft-ema. {_LOCAL_OPTIONS}"
-    )
+        f"id like stabilityai/sd-vae-ft-ema. {_LOCAL_OPTIONS}")
 
 
 def resolve_vae_spec(spec, config=None) -> str:
@@ -267,8 +266,7 @@ _FOLDER_FIX = ("The weights and config.json of a VAE folder must come from the s
 
 def load_tokenizer(spec, device="cpu", dtype=torch.float32, config=None, tiling: bool = False,
                    slicing: bool = False) -> Tokenizer:
-    """The tokenizer named by `spec` (short name, folder, single file + config, or hub id) on `device`, decoding in
-    `dtype`, with diffusers' tiling/slicing switches."""
+    """The tokenizer `spec` names (short name, folder, single file + config, hub id) on `device`, decoding in dtype."""
     located = _locate(spec, config)
     vae = _load_single_file(located) if located.kind == "file" else _load_folder(located)
     tokenizer = Tokenizer(vae, located.name, device, dtype)

@@ -6,26 +6,16 @@ The record: the shards store the raw tokens (deterministic: no std). Autoencoder
 one owner, and decoding through it equals AutoencoderRAE.decode(AutoencoderRAE.encode(x)). AutoencoderRAE's images are
 in [0, 1] (RAE's ToTensor inputs), ours in [-1, 1]. Registered when tokenizer.py reads BUILT_IN_TOKENIZERS.
 
-The release: `--vae rae-dinov2-b` is the tokenizer RAE's ImageNet-256 DiT^DH-XL was trained on and is sampled with
-(bytetriper/RAE, MIT: configs/stage2/sampling/ImageNet256/DiTDHXL-DINOv2-B.yaml, stage_1). Three files come through
-the release download cache (shared/runtime/download.py; `$DIT_DOWNLOAD_URL` replaces their base):
-
-    RAE-decoder-ViTXL-DINOv2-B.pt      nyu-visionx/RAE-collections decoders/dinov2/wReg_base/ViTXL_n08/model.pt:
-                                       RAE's `GeneralDecoder` state dict (ViT-MAE decoder blocks, patch 16, 1152 wide,
-                                       28 blocks, 16 heads, MLP 4096: its configs/decoder/ViTXL)
-    RAE-stats-DINOv2-B-ImageNet1k.pt   nyu-visionx/RAE-collections stats/dinov2/wReg_base/imagenet1k/stat.pt:
-                                       {"mean", "var"}, per element (768, 16, 16) (a leading 1 allowed)
-    dinov2-with-registers-base.safetensors   facebook/dinov2-with-registers-base model.safetensors: the frozen
-                                       encoder RAE loads with transformers (`Dinov2withNorm`, its final LayerNorm
-                                       without affine parameters)
-
-They are converted once into a diffusers `AutoencoderRAE` folder in the user cache, every tensor mapped by name and
-loaded strictly (not kept: the encoder's final LayerNorm weight and bias, which RAE removes, and the decoder's sin-cos
-table, checked equal to diffusers'). RAE's (z - mean) / sqrt(var + 1e-5) (src/stage1/rae.py) is stored as
-latents_std = sqrt(var + 1e-5) - 1e-5: diffusers adds its 1e-5 back, and the two agree to float32 rounding.
+The release (docs/rae.md): `--vae rae-dinov2-b`, the tokenizer RAE's ImageNet-256 DiT^DH-XL was trained on and is
+sampled with (bytetriper/RAE, MIT: configs/stage2/sampling/ImageNet256/DiTDHXL-DINOv2-B.yaml, stage_1). Its three
+files come through the release download cache (shared/runtime/download.py) and are converted once into a diffusers
+`AutoencoderRAE` folder in the user cache, every tensor mapped by name and loaded strictly. RAE's (z - mean) /
+sqrt(var + 1e-5) (src/stage1/rae.py) is stored as latents_std = sqrt(var + 1e-5) - 1e-5: diffusers adds its 1e-5
+back, and the two agree to float32 rounding.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -69,14 +59,10 @@ def check_rae_config(config: dict, where) -> None:
         problems.append(f"its encoder_type {config['encoder_type']!r} is not dinov2, siglip2 or mae")
     latent = (geo["channels"], geo["grid"], geo["grid"])
     for key in [k for k in ("latents_mean", "latents_std") if config.get(k) is not None]:  # they normalise (C, g, g)
-        try:
+        shape, fits = "unreadable (not a list of numbers)", False  # ragged lists, strings
+        with contextlib.suppress(ValueError, TypeError, RuntimeError):  # RuntimeError: shapes that do not broadcast
             shape = tuple(torch.as_tensor(config[key], dtype=torch.float32).shape)
-        except (ValueError, TypeError, RuntimeError):  # ragged lists, strings
-            shape = "unreadable (not a list of numbers)"
-        try:
-            fits = not isinstance(shape, str) and torch.broadcast_shapes(shape, (1, *latent)) == (1, *latent)
-        except RuntimeError:  # shapes that do not broadcast
-            fits = False
+            fits = torch.broadcast_shapes(shape, (1, *latent)) == (1, *latent)
         if not fits:  # the first one that does not is said
             problems.append(f"its {key} has shape {shape}, which is not the (C, h, w) = {latent} of its encoder's "
                             f"tokens (encoder_hidden_size {latent[0]}, {geo['encoder_input_size']} px / patch "
@@ -93,13 +79,10 @@ def check_rae_config(config: dict, where) -> None:
 def _rae_tokens(module, x):
     """Raw encoder tokens (N, C, g, g) of images x (N,3,H,W) in [-1,1], before AutoencoderRAE's normalisation."""
     pixels = module._resize_and_normalize((x + 1) / 2)  # [0, 1], bicubic to encoder_input_size, ImageNet mean/std
-    if module.config.encoder_type == "mae":
-        tokens = module._encoder_forward_fn(module.encoder, pixels, module.config.encoder_patch_size)
-    else:
-        tokens = module._encoder_forward_fn(module.encoder, pixels)  # (N, T, C), CLS and registers dropped
+    mae = (module.config.encoder_patch_size,) if module.config.encoder_type == "mae" else ()  # MAE takes its patch
+    tokens = module._encoder_forward_fn(module.encoder, pixels, *mae)  # (N, T, C), CLS and registers dropped
     n, t, c = tokens.shape
-    side = math.isqrt(t)
-    return tokens.transpose(1, 2).reshape(n, c, side, side)  # (N, C, g, g)
+    return tokens.transpose(1, 2).reshape(n, c, math.isqrt(t), math.isqrt(t))  # (N, C, g, g)
 
 
 def _rae_decode(module, z):
@@ -122,9 +105,8 @@ def _rae_native_norm(config: dict, module=None) -> LatentNorm | None:
                                                     dtype=torch.float32), shape)
                  for key, default in (("latents_mean", 0.0), ("latents_std", 1.0)))  # (1, C, g, g) each
     if module is not None:  # what the loaded module really uses (its buffers); must be what the config says
-        buffers = (module._latents_mean.detach().float().cpu(), module._latents_std.detach().float().cpu())
-        if not (torch.equal(torch.broadcast_to(buffers[0], shape), mean)
-                and torch.equal(torch.broadcast_to(buffers[1], shape), std)):
+        if not all(torch.equal(torch.broadcast_to(buffer.detach().float().cpu(), shape), value)
+                   for buffer, value in ((module._latents_mean, mean), (module._latents_std, std))):
             raise SettingError("The RAE tokenizer's weights hold other latents_mean / latents_std than its config.json "
                                "says; the folder was edited or mixed from two RAEs. Save it again from one "
                                "AutoencoderRAE (save_pretrained), or pass another {vae}.")

@@ -193,23 +193,22 @@ class LatentSpace:
 
     @classmethod
     def of_release(cls, meta: dict) -> "LatentSpace":
-        """The space another project's release states: {"latent_shape", and "vae", "image_size", "scaling_factor",
-        "class_names" where known}; a scaling factor is both the tokenizer's own normalisation and what the DiT saw."""
+        """A release's space: "latent_shape", and "vae", "image_size", "scaling_factor", "class_names" if known."""
         shape, size = [int(n) for n in meta["latent_shape"]], int(meta.get("image_size") or 0)
         identity = {"latent_channels": shape[0], **({"source": meta["vae"]} if meta.get("vae") else {})}
         if size:
             identity["downsample_factor"] = size // shape[-1]
         norms = {}
-        if meta.get("scaling_factor") is not None:
+        if meta.get("scaling_factor") is not None:  # both the tokenizer's own normalisation and what the DiT saw
             identity["scaling_factor"] = float(meta["scaling_factor"])
             norms["native"] = LatentNorm.scale_only(identity["scaling_factor"], "the VAE's scaling_factor")
             norms["dit"] = LatentNorm.scale_only(identity["scaling_factor"], "the release's scaling_factor")
         return cls(identity, shape, size, meta.get("class_names") or (), norms)
 
     # -- does a tokenizer fit? --------------------------------------------------------------------------------
-    def recorded(self, channels: int | None = None) -> dict:
+    def recorded(self) -> dict:
         """What the space says of the tokenizer that made its latents (fields it records; its own norm object)."""
-        recorded = {**({"latent_channels": channels} if channels is not None else {}), **self.tokenizer}
+        recorded = dict(self.tokenizer)
         if self.native is not None or "class" in self.tokenizer:
             recorded["norm"] = self.native
         return recorded

@@ -5,19 +5,6 @@ A diffusers folder names its class in config.json's `_class_name`; `tokenizer_cl
 `TokenizerClass` or refuses it. Another class is one `register_tokenizer(TokenizerClass(...))` call (rae.py's, or a
 --plugin module's): every stage goes through `Tokenizer`, which only calls the record.
 
-A record says:
-  encode(module, x) -> (mean, std | None)   x (N,3,H,W) in [-1,1]; raw (unnormalised) latents (N,C,h,w), fp32.
-                                            std None: a deterministic tokenizer (the shard stores the latent alone)
-  decode(module, z) -> images (N,3,H,W)     z raw latents
-  native_norm(config, module) -> LatentNorm the tokenizer's own convention (`--latent-norm auto`)
-  decoder_parts                             attribute names cast to the decode dtype (the encoder stays fp32)
-  native_size(config) -> int | None         the one image size the tokenizer takes (RAE: its decoder's), else None
-  check_config(config, where)               SettingError for a config whose parts cannot work together
-  check_weights(weights, config, where)     SettingError for a folder's weights its config cannot load (RAE)
-  element_stats                             extraction also computes per-element statistics (C, h, w) of the folder
-  family                                    "vae" or "rae": latents of one family never decode with the other
-  model_class                               the class that loads it (from_config, from_pretrained); default diffusers'
-
 `LatentNorm` is how a raw latent z becomes what the DiT sees, and back. Every convention in use is one formula,
 x = (z - mean) / std * scale, with mean and std one number, one per channel, or one per element (C, h, w):
 
@@ -47,21 +34,17 @@ import torch
 from shared.runtime.errors import SettingError, UserError
 from shared.runtime.registry import Registry
 
-# ----------------------------------------------------------------------------------------------------------
-# LatentNorm: x = (z - mean) / std * scale (the module doc's table)
-# ----------------------------------------------------------------------------------------------------------
+# ---- LatentNorm: x = (z - mean) / std * scale (the module doc's table) ----
 
 NORM_KINDS = ("scale", "shift-scale", "channel", "element", "none")
 NORM_CHOICES = ("auto", *NORM_KINDS)  # train --latent-norm: auto = the tokenizer's own convention
-NORM_HELP = {
-    "auto": "the tokenizer's own convention (its config's latents_mean/latents_std, else shift_factor, else "
-            "scaling_factor; for VA-VAE its latents_stats.pt)",
-    "scale": "z x scaling_factor (SD-VAE, DC-AE)",
-    "shift-scale": "(z - shift_factor) x scaling_factor (SD3, FLUX.1); needs a shift_factor",
-    "channel": "(z - mean_c) / std_c with the folder's per-channel statistics (LightningDiT's way)",
-    "element": "(z - mean) / std per element (C, h, w) with the folder's per-element statistics (RAE's way)",
-    "none": "the raw latent",
-}
+NORM_HELP = {"auto": "the tokenizer's own convention (its config's latents_mean/latents_std, else shift_factor, else "
+                     "scaling_factor; for VA-VAE its latents_stats.pt)",
+             "scale": "z x scaling_factor (SD-VAE, DC-AE)",
+             "shift-scale": "(z - shift_factor) x scaling_factor (SD3, FLUX.1); needs a shift_factor",
+             "channel": "(z - mean_c) / std_c with the folder's per-channel statistics (LightningDiT's way)",
+             "element": "(z - mean) / std per element (C, h, w) with the folder's per-element statistics (RAE's way)",
+             "none": "the raw latent"}
 
 
 @dataclass(frozen=True, eq=False)
@@ -167,23 +150,25 @@ class LatentNorm:
 
 @dataclass(frozen=True)
 class TokenizerClass:
-    """One supported tokenizer class (see the module doc for what each callable receives and returns)."""
+    """One supported tokenizer class: what each callable receives and returns is said beside it."""
 
     name: str                      # diffusers' _class_name
     what: str                      # one line for the refusal paragraph and the docs
+    # (module, x (N,3,H,W) in [-1,1]) -> raw latents (mean, std) (N,C,h,w) fp32; std None: deterministic (the shard
+    # stores the latent alone)
     encode: Callable
-    decode: Callable
-    native_norm: Callable
+    decode: Callable               # (module, raw latents z) -> images (N,3,H,W)
+    native_norm: Callable          # (config, module) -> LatentNorm: the tokenizer's own (`--latent-norm auto`)
     deterministic: bool = False
-    decoder_parts: tuple = ("decoder", "post_quant_conv")
+    decoder_parts: tuple = ("decoder", "post_quant_conv")  # cast to the decode dtype (the encoder stays fp32)
     # the latent's channels as its config declares them, for checks without diffusers; elsewhere `measure_latent`
     declared_channels: Callable = lambda config: int(config.get("latent_channels", 4))
-    native_size: Callable = lambda config: None
-    check_config: Callable = lambda config, where: None
-    check_weights: Callable = lambda weights, config, where: None  # a folder's weights file against its config
-    element_stats: bool = False
-    family: str = "vae"
-    model_class: type | None = None
+    native_size: Callable = lambda config: None  # the one image size it takes (RAE: its decoder's), else None
+    check_config: Callable = lambda config, where: None  # SettingError for a config whose parts cannot work together
+    check_weights: Callable = lambda weights, config, where: None  # SettingError: a folder's weights vs its config
+    element_stats: bool = False    # extraction also computes the folder's per-element statistics (C, h, w)
+    family: str = "vae"            # "vae" or "rae": latents of one family never decode with the other
+    model_class: type | None = None  # the class that loads it (from_config, from_pretrained); default diffusers'
 
     def diffusers_class(self):
         """The model class: `model_class`, else diffusers' class of this name (imported here, lazily)."""
@@ -218,8 +203,7 @@ def tokenizer_class(config: dict, where) -> TokenizerClass:
         f"The tokenizer {where} is a diffusers {name}, which this pipeline does not support: it cannot say how that "
         f"class encodes, scales and decodes latents, and a guess would train on wrong latents. Supported classes: "
         f"{supported}. Pass one of those as {{vae}} (a diffusers folder whose config.json names its class), or, "
-        f"for a class a module of yours registers (register_tokenizer), pass --plugin MODULE to import it."
-    )
+        f"for a class a module of yours registers (register_tokenizer), pass --plugin MODULE to import it.")
 
 
 def _config_number(config: dict, key: str, default=None):
@@ -228,9 +212,7 @@ def _config_number(config: dict, key: str, default=None):
     return default if value is None else float(value)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# AutoencoderKL: SD-VAE, SD3 / FLUX.1 (shift_factor), configs with latents_mean / latents_std (VA-VAE here)
-# ----------------------------------------------------------------------------------------------------------
+# ---- AutoencoderKL: SD-VAE, SD3 / FLUX.1 (shift_factor), latents_mean / latents_std configs (VA-VAE) ----
 
 def _kl_encode(module, x):
     """Posterior moments of diffusers' DiagonalGaussianDistribution (logvar clamped to [-30, 20])."""
@@ -261,9 +243,7 @@ AUTOENCODER_KL = register_tokenizer(TokenizerClass(
                      "shift_factor or latents_mean/latents_std", _kl_encode, _decode_sample, kl_native_norm))
 
 
-# ----------------------------------------------------------------------------------------------------------
-# AutoencoderDC (Chen et al. 2024, DC-AE): deterministic, one scaling_factor
-# ----------------------------------------------------------------------------------------------------------
+# ---- AutoencoderDC (Chen et al. 2024, DC-AE): deterministic, one scaling_factor ----
 
 register_tokenizer(TokenizerClass(
     "AutoencoderDC", "deterministic DC-AE, f32/f64, one scaling_factor",
@@ -274,9 +254,7 @@ register_tokenizer(TokenizerClass(
     deterministic=True, decoder_parts=("decoder",)))
 
 
-# ----------------------------------------------------------------------------------------------------------
-# AutoencoderKLFlux2 (FLUX.2): posterior patchified 2x2 into channels, normalised by its BatchNorm running stats
-# ----------------------------------------------------------------------------------------------------------
+# ---- AutoencoderKLFlux2 (FLUX.2): posterior patchified 2x2 into channels, BatchNorm running stats ----
 
 def _patch(config: dict) -> tuple[int, int]:
     """FLUX.2's latent patch (p, q) from config.json (diffusers' default (2, 2))."""
@@ -320,9 +298,7 @@ register_tokenizer(TokenizerClass(
     declared_channels=lambda config: int(config.get("latent_channels", 32)) * _patch(config)[0] * _patch(config)[1]))
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The wrapper: measure a latent, encode and decode (locating and loading one: shared/tokenizers/locate.py)
-# ----------------------------------------------------------------------------------------------------------
+# ---- The wrapper: measure a latent, encode and decode (locating and loading: locate.py) ----
 
 PROBE_SIZE = 1024  # pixels per side of the probe image when no extraction size is given (any f <= 1024 divides it)
 

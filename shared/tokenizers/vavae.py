@@ -22,17 +22,14 @@ LEVELS = 5  # ch_mult (1, 1, 2, 2, 4)
 
 def vavae_config(mean, std) -> dict:
     """The diffusers AutoencoderKL config of VA-VAE f16d32, its normalisation from latents_stats.pt."""
-    return {
-        "_class_name": "AutoencoderKL",
-        "in_channels": 3, "out_channels": 3,
-        "down_block_types": ["DownEncoderBlock2D"] * (LEVELS - 1) + ["AttnDownEncoderBlock2D"],
-        "up_block_types": ["AttnUpDecoderBlock2D"] + ["UpDecoderBlock2D"] * (LEVELS - 1),
-        "block_out_channels": [128, 128, 256, 256, 512],
-        "layers_per_block": 2, "act_fn": "silu", "latent_channels": 32, "norm_num_groups": 32, "sample_size": 256,
-        "scaling_factor": 1.0, "shift_factor": None,  # LightningDiT's latent_multiplier 1.0
-        "latents_mean": [float(v) for v in mean], "latents_std": [float(v) for v in std],
-        "force_upcast": True, "use_quant_conv": True, "use_post_quant_conv": True, "mid_block_add_attention": True,
-    }
+    return {"_class_name": "AutoencoderKL", "in_channels": 3, "out_channels": 3,
+            "down_block_types": ["DownEncoderBlock2D"] * (LEVELS - 1) + ["AttnDownEncoderBlock2D"],
+            "up_block_types": ["AttnUpDecoderBlock2D"] + ["UpDecoderBlock2D"] * (LEVELS - 1),
+            "block_out_channels": [128, 128, 256, 256, 512], "layers_per_block": 2, "act_fn": "silu",
+            "latent_channels": 32, "norm_num_groups": 32, "sample_size": 256,
+            "scaling_factor": 1.0, "shift_factor": None,  # LightningDiT's latent_multiplier 1.0
+            "latents_mean": [float(v) for v in mean], "latents_std": [float(v) for v in std],
+            "force_upcast": True, "use_quant_conv": True, "use_post_quant_conv": True, "mid_block_add_attention": True}
 
 
 _ATTN_PARTS = {"norm": "group_norm", "q": "to_q", "k": "to_k", "v": "to_v", "proj_out": "to_out.0"}
@@ -64,26 +61,23 @@ def convert_vavae(state_dict: dict) -> dict:
     return converted
 
 
-def build_vavae(weights_path, stats_path):
-    """A diffusers AutoencoderKL holding the released VA-VAE weights and its statistics (strict load)."""
-    from diffusers import AutoencoderKL
-
-    from shared.weights.export import load_torch_file
-    # LightningDiT's latents_stats.pt: {"mean", "std"} each (1, C, 1, 1)
-    stats = load_torch_file(stats_path, "Download latents_stats.pt of hustvl/vavae-imagenet256-f16d32-dinov2 again.")
-    state = load_torch_file(weights_path, "Download vavae-imagenet256-f16d32-dinov2.pt again.")
-    vae = AutoencoderKL.from_config(vavae_config(*(stats[k].flatten().double().tolist() for k in ("mean", "std"))))
-    vae.load_state_dict(convert_vavae(state), strict=True)
-    return vae
-
-
 def locate_vavae(name: str):
     """(the Hub id recorded, the folder): the released checkpoint and latents_stats.pt, converted once."""
     weights, stats = _hub_file(VAVAE_REPO, VAVAE_WEIGHTS), _hub_file(VAVAE_REPO, VAVAE_STATS)
 
     def build():
-        try:
-            return build_vavae(weights, stats)  # strict: every tensor of the conversion must load
+        """A diffusers AutoencoderKL holding the released VA-VAE weights and its statistics (strict load)."""
+        from diffusers import AutoencoderKL
+
+        from shared.weights.export import load_torch_file
+        try:  # strict: every tensor of the conversion must load
+            # LightningDiT's latents_stats.pt: {"mean", "std"} each (1, C, 1, 1)
+            moments = load_torch_file(stats, f"Download latents_stats.pt of {VAVAE_REPO} again.")
+            state = load_torch_file(weights, f"Download {VAVAE_WEIGHTS} again.")
+            vae = AutoencoderKL.from_config(vavae_config(*(moments[k].flatten().double().tolist()
+                                                           for k in ("mean", "std"))))
+            vae.load_state_dict(convert_vavae(state), strict=True)
+            return vae
         except RuntimeError as err:
             raise SettingError(f"{weights} is not VA-VAE f16d32's checkpoint ({' '.join(str(err).split())[:200]}); "
                                f"download it again (`huggingface-cli download {VAVAE_REPO} {VAVAE_WEIGHTS}`).") from None
