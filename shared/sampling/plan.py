@@ -163,7 +163,7 @@ def make_settings(plan: SamplePlan) -> dict:
     o, loaded = plan.options, plan.loaded
     skip = ("ckpt", "vae", "vae_config", "class_labels", "random_labels", "model", "objective", "image_size", "plugin")
     options = {k: v for k, v in asdict(o).items() if k not in skip}
-    # What was used, not asked (an option the sampler does not take is None, as older folders read).
+    # What was used, not asked: every sampler option named, None where the sampler does not take it.
     options.update(weights=loaded.weights, sampler=plan.sampler,
                    **{k: plan.sampler_options.get(k) for k in SAMPLER_OPTIONS},
                    cfg_interval=list(o.cfg_interval) if o.cfg_interval else None,
